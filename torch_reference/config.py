@@ -1,0 +1,137 @@
+"""The model configuration shared by both frameworks.
+
+This module imports neither torch nor jax: `torch_reference.TransformerConfig` and
+`jax_transformer.TransformerConfig` are this one class, so a config saved next to a checkpoint
+in one framework builds the identical model in the other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Literal
+
+NormPosition = Literal["post", "pre"]
+Activation = Literal["relu", "gelu", "swiglu"]
+Norm = Literal["layernorm", "rmsnorm"]
+Positions = Literal["sinusoidal", "learned"]
+
+_CHOICES = {
+    "norm_position": ("post", "pre"),
+    "activation": ("relu", "gelu", "swiglu"),
+    "norm": ("layernorm", "rmsnorm"),
+    "positions": ("sinusoidal", "learned"),
+}
+
+# Sizes per preset. `base` and `big` are the paper's Table 3 rows; `small` and `tiny` are for CPUs.
+_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(d_model=64, num_heads=4, d_ff=128, num_encoder_layers=2, num_decoder_layers=2, dropout=0.1),
+    "small": dict(d_model=256, num_heads=4, d_ff=1024, num_encoder_layers=3, num_decoder_layers=3, dropout=0.1),
+    "base": dict(d_model=512, num_heads=8, d_ff=2048, num_encoder_layers=6, num_decoder_layers=6, dropout=0.1),
+    "big": dict(d_model=1024, num_heads=16, d_ff=4096, num_encoder_layers=6, num_decoder_layers=6, dropout=0.3),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    """Architecture of the encoder-decoder Transformer ("Attention Is All You Need").
+
+    The defaults are the paper's: post-norm residual blocks, ReLU feed-forward, sinusoidal
+    positions, embeddings scaled by sqrt(d_model), source/target embeddings and the pre-softmax
+    projection sharing one matrix (§3.4). Every departure is a field, so a variant is a config.
+
+    Special token ids follow the tokenizers of `train`: pad 0, bos 1, eos 2, unk 3.
+    """
+
+    src_vocab_size: int = 8000
+    tgt_vocab_size: int = 8000
+    d_model: int = 512
+    num_heads: int = 8
+    d_ff: int = 2048
+    num_encoder_layers: int = 6
+    num_decoder_layers: int = 6
+    # Residual dropout on every sublayer output and on the embedding sums (paper §5.4).
+    dropout: float = 0.1
+    # Dropout on attention weights; the paper's base model does not use it.
+    attention_dropout: float = 0.0
+    max_len: int = 512
+    pad_id: int = 0
+    bos_id: int = 1
+    eos_id: int = 2
+    # tensor2tensor (the paper's public code) uses 1e-6; torch.nn.LayerNorm defaults to 1e-5 and
+    # flax to 1e-6. Both models read this field, never a library default.
+    layer_norm_eps: float = 1e-6
+    norm_position: NormPosition = "post"
+    activation: Activation = "relu"
+    norm: Norm = "layernorm"
+    positions: Positions = "sinusoidal"
+    # Biases on the attention projections (torch.nn.MultiheadAttention has them; t2t does not).
+    attention_bias: bool = True
+    # One embedding matrix for source and target (needs one joint vocabulary).
+    share_embeddings: bool = True
+    # The pre-softmax projection reuses the target embedding matrix (paper §3.4).
+    tie_output: bool = True
+    # Multiply embeddings by sqrt(d_model) before adding positions (paper §3.4).
+    scale_embeddings: bool = True
+
+    def __post_init__(self):
+        for name, allowed in _CHOICES.items():
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"{name}={value!r} is not one of {', '.join(map(repr, allowed))}")
+        if self.d_model % self.num_heads:
+            raise ValueError(f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}")
+        if self.share_embeddings and self.src_vocab_size != self.tgt_vocab_size:
+            raise ValueError(
+                f"share_embeddings needs one joint vocabulary, got src_vocab_size={self.src_vocab_size} "
+                f"and tgt_vocab_size={self.tgt_vocab_size}; set share_embeddings=False"
+            )
+        for name in ("src_vocab_size", "tgt_vocab_size", "d_model", "num_heads", "d_ff", "max_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("num_encoder_layers", "num_decoder_layers"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+    @classmethod
+    def presets(cls) -> tuple[str, ...]:
+        return tuple(_PRESETS)
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> "TransformerConfig":
+        """A named size (`tiny`, `small`, `base`, `big`) with any field overridden.
+
+        >>> TransformerConfig.preset("base", src_vocab_size=8000, tgt_vocab_size=8000).d_model
+        512
+        """
+        if name not in _PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(_PRESETS)}")
+        return cls(**{**_PRESETS[name], **overrides})
+
+    def replace(self, **changes: Any) -> "TransformerConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TransformerConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown TransformerConfig fields: {', '.join(unknown)}")
+        return cls(**data)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "TransformerConfig":
+        return cls.from_dict(json.loads(text))

@@ -1,0 +1,309 @@
+"""The encoder-decoder Transformer of "Attention Is All You Need" (Vaswani et al., 2017) in PyTorch.
+
+This file is the specification of the project. `jax_transformer/model.py` holds the same pure
+functions and classes in the same order with the same attribute names, so that a diff of the two
+reads like a translation and attribute paths are the checkpoint keys.
+
+Axis letters used in shape comments (the same in both files): B batch, S source length,
+T target length, L any sequence length, H heads, D model width, K head width, F feed-forward
+width, V vocabulary.
+
+Masks are boolean and True where attention is allowed. Architecture only: no training, no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import TransformerConfig
+
+# --------------------------------------------------------------------------------------------
+# Pure functions
+# --------------------------------------------------------------------------------------------
+
+
+def sinusoidal_positions(length: int, d_model: int) -> Tensor:
+    """The (L, D) float32 table PE[p, 2i] = sin(p / 10000^(2i/D)), PE[p, 2i+1] = cos(same) (§3.5).
+
+    Computed in float64 and rounded once, so both frameworks hold bit-identical tables.
+    """
+    position = torch.arange(length, dtype=torch.float64)[:, None]  # (L, 1)
+    inv_freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float64) * (-math.log(10000.0) / d_model))
+    angles = position * inv_freq  # (L, ceil(D/2))
+    table = torch.zeros(length, d_model, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(angles)
+    table[:, 1::2] = torch.cos(angles[:, : d_model // 2])
+    return table.to(torch.float32)
+
+
+def padding_mask(ids: Tensor, pad_id: int) -> Tensor:
+    """(B, L) token ids -> (B, 1, 1, L) bool, True at real tokens: which keys may be attended."""
+    return (ids != pad_id)[:, None, None, :]
+
+
+def causal_mask(length: int, device: torch.device | None = None) -> Tensor:
+    """(1, 1, L, L) bool, True on and below the diagonal: position t sees positions <= t (§3.2.3)."""
+    return torch.ones(length, length, dtype=torch.bool, device=device).tril()[None, None]
+
+
+def shift_right(ids: Tensor, bos_id: int) -> Tensor:
+    """Decoder inputs from targets: prepend BOS and drop the last token, (B, T) -> (B, T)."""
+    return torch.cat([torch.full_like(ids[:, :1], bos_id), ids[:, :-1]], dim=1)
+
+
+def scaled_dot_product_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, dropout: nn.Module | None = None
+) -> Tensor:
+    """softmax(q kᵀ / √K) v (§3.2.1) for q (B, H, T, K), k and v (B, H, S, K) -> (B, H, T, K).
+
+    `mask` broadcasts to (B, H, T, S). Masked scores are set to the dtype's lowest finite value
+    rather than -inf, so a fully masked row becomes a uniform average instead of NaN. The softmax
+    runs in float32 whatever the input dtype. `dropout` (a module) is applied to the weights.
+    """
+    scores = torch.matmul(q, k.transpose(-2, -1)) * (q.shape[-1] ** -0.5)  # (B, H, T, S)
+    if mask is not None:
+        scores = torch.where(mask, scores, torch.finfo(scores.dtype).min)
+    weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)  # (B, H, T, S)
+    if dropout is not None:
+        weights = dropout(weights)
+    return torch.matmul(weights, v)  # (B, H, T, K)
+
+
+def make_norm(cfg: TransformerConfig) -> nn.Module:
+    """LayerNorm (paper) or RMSNorm, both with the config's epsilon (never a library default)."""
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+    return nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+
+
+# --------------------------------------------------------------------------------------------
+# Modules, in paper order
+# --------------------------------------------------------------------------------------------
+
+
+class PositionalEncoding(nn.Module):
+    """Adds position information to embeddings: the fixed sinusoid table (§3.5) or a learned one."""
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.max_len = cfg.max_len
+        if cfg.positions == "learned":
+            self.embedding = nn.Embedding(cfg.max_len, cfg.d_model)
+        else:
+            # A buffer, not a parameter, and not persistent: it is recomputed, never checkpointed.
+            self.embedding = None
+            self.register_buffer("table", sinusoidal_positions(cfg.max_len, cfg.d_model), persistent=False)
+
+    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+        """x (B, L, D) -> x + positions[offset : offset + L]."""
+        length = x.shape[1]
+        if offset + length > self.max_len:
+            raise ValueError(f"sequence of {offset + length} positions exceeds max_len={self.max_len}")
+        table = self.table if self.embedding is None else self.embedding.weight
+        return x + table[offset : offset + length].to(x.dtype)  # (B, L, D)
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention (§3.2.2): project, split into H heads, attend, merge, project."""
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.q_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.attention_bias)
+        self.out_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.attention_bias)
+        self.dropout = nn.Dropout(cfg.attention_dropout)
+
+    def split_heads(self, x: Tensor) -> Tensor:
+        B, L, D = x.shape
+        return x.view(B, L, self.num_heads, D // self.num_heads).transpose(1, 2)  # (B, H, L, K)
+
+    def forward(self, x: Tensor, context: Tensor, mask: Tensor | None = None) -> Tensor:
+        """Queries from x (B, T, D), keys and values from context (B, S, D) -> (B, T, D)."""
+        q = self.split_heads(self.q_proj(x))  # (B, H, T, K)
+        k = self.split_heads(self.k_proj(context))  # (B, H, S, K)
+        v = self.split_heads(self.v_proj(context))  # (B, H, S, K)
+        out = scaled_dot_product_attention(q, k, v, mask, self.dropout)  # (B, H, T, K)
+        B, H, T, K = out.shape
+        return self.out_proj(out.transpose(1, 2).reshape(B, T, H * K))  # (B, T, D)
+
+
+class FeedForward(nn.Module):
+    """Position-wise feed-forward network (§3.3): linear2(act(linear1(x))).
+
+    `swiglu` (Shazeer 2020) multiplies the activation by a second projection, `linear_gate`:
+    linear2(silu(linear1(x)) * linear_gate(x)), with the same width F.
+    """
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.activation = cfg.activation
+        self.linear1 = nn.Linear(cfg.d_model, cfg.d_ff)
+        self.linear_gate = nn.Linear(cfg.d_model, cfg.d_ff) if cfg.activation == "swiglu" else None
+        self.linear2 = nn.Linear(cfg.d_ff, cfg.d_model)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.linear1(x)  # (B, L, F)
+        if self.activation == "relu":
+            h = F.relu(h)
+        elif self.activation == "gelu":
+            h = F.gelu(h, approximate="none")  # exact erf GELU, as on the JAX side
+        else:
+            h = F.silu(h) * self.linear_gate(x)
+        return self.linear2(h)  # (B, L, D)
+
+
+class EncoderLayer(nn.Module):
+    """Self-attention then feed-forward, each in a residual block (§3.1).
+
+    Post-norm (the paper): x = Norm(x + Dropout(sublayer(x))).
+    Pre-norm: x = x + Dropout(sublayer(Norm(x))), with a final norm in the Encoder/Decoder.
+    """
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.pre_norm = cfg.norm_position == "pre"
+        self.self_attn = MultiHeadAttention(cfg)
+        self.self_attn_norm = make_norm(cfg)
+        self.ff = FeedForward(cfg)
+        self.ff_norm = make_norm(cfg)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def residual(self, x: Tensor, norm: nn.Module, sublayer) -> Tensor:
+        if self.pre_norm:
+            return x + self.dropout(sublayer(norm(x)))
+        return norm(x + self.dropout(sublayer(x)))
+
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        """x (B, S, D), mask broadcastable to (B, H, S, S) -> (B, S, D)."""
+        x = self.residual(x, self.self_attn_norm, lambda h: self.self_attn(h, h, mask))
+        return self.residual(x, self.ff_norm, self.ff)
+
+
+class DecoderLayer(EncoderLayer):
+    """An EncoderLayer with attention over the encoder output between its two sublayers (§3.1)."""
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__(cfg)
+        self.cross_attn = MultiHeadAttention(cfg)
+        self.cross_attn_norm = make_norm(cfg)
+
+    def forward(
+        self, x: Tensor, memory: Tensor, src_mask: Tensor | None = None, tgt_mask: Tensor | None = None
+    ) -> Tensor:
+        """x (B, T, D), memory (B, S, D) -> (B, T, D)."""
+        x = self.residual(x, self.self_attn_norm, lambda h: self.self_attn(h, h, tgt_mask))
+        x = self.residual(x, self.cross_attn_norm, lambda h: self.cross_attn(h, memory, src_mask))
+        return self.residual(x, self.ff_norm, self.ff)
+
+
+class Encoder(nn.Module):
+    """Positions and dropout on the embedded input, `num_layers` layers, a final norm if pre-norm."""
+
+    layer_type = EncoderLayer
+
+    def __init__(self, cfg: TransformerConfig, num_layers: int):
+        super().__init__()
+        self.positions = PositionalEncoding(cfg)
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.layers = nn.ModuleList(self.layer_type(cfg) for _ in range(num_layers))
+        self.norm = make_norm(cfg) if cfg.norm_position == "pre" else None
+
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        """Embedded source x (B, S, D) -> memory (B, S, D)."""
+        x = self.dropout(self.positions(x))
+        for layer in self.layers:
+            x = layer(x, mask)
+        return x if self.norm is None else self.norm(x)
+
+
+class Decoder(Encoder):
+    """The Encoder's stack with DecoderLayers, which also attend to the encoder output."""
+
+    layer_type = DecoderLayer
+
+    def forward(
+        self, x: Tensor, memory: Tensor, src_mask: Tensor | None = None, tgt_mask: Tensor | None = None
+    ) -> Tensor:
+        """Embedded target x (B, T, D), memory (B, S, D) -> hidden states (B, T, D)."""
+        x = self.dropout(self.positions(x))
+        for layer in self.layers:
+            x = layer(x, memory, src_mask, tgt_mask)
+        return x if self.norm is None else self.norm(x)
+
+
+class Transformer(nn.Module):
+    """The encoder-decoder model: `Transformer(cfg)(src_ids, tgt_in_ids) -> logits (B, T, V)`.
+
+    `encode`, `decode` and `project` are public so that search (decode.py) can run them apart.
+    Masks default to those implied by `cfg.pad_id` (and causality for the decoder).
+    """
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_scale = math.sqrt(cfg.d_model) if cfg.scale_embeddings else 1.0
+        self.src_embed = nn.Embedding(cfg.src_vocab_size, cfg.d_model)
+        # With shared embeddings the target side reads src_embed: one parameter, one checkpoint key.
+        self.tgt_embed = None if cfg.share_embeddings else nn.Embedding(cfg.tgt_vocab_size, cfg.d_model)
+        self.encoder = Encoder(cfg, cfg.num_encoder_layers)
+        self.decoder = Decoder(cfg, cfg.num_decoder_layers)
+        # Tied output: logits = h Eᵀ with the target embedding E (§3.4); no separate matrix.
+        self.out_proj = None if cfg.tie_output else nn.Linear(cfg.d_model, cfg.tgt_vocab_size, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """tensor2tensor's scheme: Xavier-uniform matrices, zero biases, unit norm scales, and
+        embeddings ~ normal(0, d_model^-0.5) so that scaled by sqrt(d_model) they have unit variance.
+        Learned position tables ~ normal(0, 0.02), as in BERT and GPT-2."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+        for embedding in (self.src_embed, self.tgt_embed):
+            if embedding is not None:
+                nn.init.normal_(embedding.weight, std=self.cfg.d_model**-0.5)
+        for stack in (self.encoder, self.decoder):
+            if stack.positions.embedding is not None:
+                nn.init.normal_(stack.positions.embedding.weight, std=0.02)
+
+    @property
+    def target_embedding(self) -> nn.Embedding:
+        return self.src_embed if self.tgt_embed is None else self.tgt_embed
+
+    def encode(self, src_ids: Tensor, src_mask: Tensor | None = None) -> Tensor:
+        """src_ids (B, S) -> memory (B, S, D). `src_mask` defaults to padding_mask(src_ids)."""
+        if src_mask is None:
+            src_mask = padding_mask(src_ids, self.cfg.pad_id)
+        return self.encoder(self.src_embed(src_ids) * self.embed_scale, src_mask)
+
+    def decode(
+        self, tgt_in_ids: Tensor, memory: Tensor, src_mask: Tensor | None = None, tgt_mask: Tensor | None = None
+    ) -> Tensor:
+        """tgt_in_ids (B, T), memory (B, S, D) -> hidden states (B, T, D).
+
+        `src_mask` is the encoder's mask (B, 1, 1, S) or None for no masking; `tgt_mask` defaults
+        to causal_mask(T) & padding_mask(tgt_in_ids).
+        """
+        if tgt_mask is None:
+            tgt_mask = causal_mask(tgt_in_ids.shape[1], tgt_in_ids.device) & padding_mask(tgt_in_ids, self.cfg.pad_id)
+        x = self.target_embedding(tgt_in_ids) * self.embed_scale  # (B, T, D)
+        return self.decoder(x, memory, src_mask, tgt_mask)
+
+    def project(self, hidden: Tensor) -> Tensor:
+        """hidden (B, T, D) -> logits (B, T, V)."""
+        if self.out_proj is None:
+            return F.linear(hidden, self.target_embedding.weight)
+        return self.out_proj(hidden)
+
+    def forward(self, src_ids: Tensor, tgt_in_ids: Tensor) -> Tensor:
+        """src_ids (B, S), tgt_in_ids (B, T) -> logits (B, T, V)."""
+        src_mask = padding_mask(src_ids, self.cfg.pad_id)
+        memory = self.encode(src_ids, src_mask)
+        return self.project(self.decode(tgt_in_ids, memory, src_mask))
