@@ -1,0 +1,25 @@
+"""The Flax NNX mirror of `torch_reference`: same classes, same parameter names, jit-compiled."""
+
+from torch_reference.config import TransformerConfig
+
+from .model import (
+    Decoder,
+    DecoderLayer,
+    Encoder,
+    EncoderLayer,
+    FeedForward,
+    MultiHeadAttention,
+    PositionalEncoding,
+    Transformer,
+    causal_mask,
+    padding_mask,
+    scaled_dot_product_attention,
+    shift_right,
+    sinusoidal_positions,
+)
+
+__all__ = [
+    "TransformerConfig", "Transformer", "Encoder", "Decoder", "EncoderLayer", "DecoderLayer",
+    "MultiHeadAttention", "FeedForward", "PositionalEncoding", "scaled_dot_product_attention",
+    "sinusoidal_positions", "padding_mask", "causal_mask", "shift_right",
+]

@@ -1,0 +1,311 @@
+"""The encoder-decoder Transformer of "Attention Is All You Need" in Flax NNX.
+
+A line-by-line translation of `torch_reference/model.py`, the specification: the same pure
+functions and classes in the same order, with the same attribute names, so that attribute paths
+are the checkpoint keys and `parity/convert.py` needs only a handful of naming rules.
+
+Differences of idiom, not of maths: train/eval mode and randomness are explicit call arguments
+(`deterministic`, `rngs`) instead of `module.train()` and a global generator; a torch Linear
+`weight` (out, in) is a Flax `kernel` (in, out); LayerNorm/RMSNorm `weight` is `scale`; an
+Embedding `weight` is `embedding`.
+
+Axis letters in shape comments: B batch, S source length, T target length, L any sequence
+length, H heads, D model width, K head width, F feed-forward width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from torch_reference.config import TransformerConfig
+
+# Xavier-uniform matrices and zero biases, as tensor2tensor (and torch_reference) initialise them.
+xavier_uniform = nnx.initializers.xavier_uniform()
+
+# --------------------------------------------------------------------------------------------
+# Pure functions
+# --------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=8)
+def _sinusoid_table(length: int, d_model: int) -> np.ndarray:
+    position = np.arange(length, dtype=np.float64)[:, None]  # (L, 1)
+    inv_freq = np.exp(np.arange(0, d_model, 2, dtype=np.float64) * (-math.log(10000.0) / d_model))
+    angles = position * inv_freq  # (L, ceil(D/2))
+    table = np.zeros((length, d_model), dtype=np.float64)
+    table[:, 0::2] = np.sin(angles)
+    table[:, 1::2] = np.cos(angles[:, : d_model // 2])
+    return table.astype(np.float32)
+
+
+def sinusoidal_positions(length: int, d_model: int) -> jax.Array:
+    """The (L, D) float32 table PE[p, 2i] = sin(p / 10000^(2i/D)), PE[p, 2i+1] = cos(same) (§3.5).
+
+    Computed in float64 (NumPy, as JAX runs in 32 bits by default) and rounded once, so both
+    frameworks hold bit-identical tables; under jit it is a compile-time constant.
+    """
+    return jnp.asarray(_sinusoid_table(length, d_model))
+
+
+def padding_mask(ids: jax.Array, pad_id: int) -> jax.Array:
+    """(B, L) token ids -> (B, 1, 1, L) bool, True at real tokens: which keys may be attended."""
+    return (ids != pad_id)[:, None, None, :]
+
+
+def causal_mask(length: int) -> jax.Array:
+    """(1, 1, L, L) bool, True on and below the diagonal: position t sees positions <= t (§3.2.3)."""
+    return jnp.tril(jnp.ones((length, length), dtype=jnp.bool_))[None, None]
+
+
+def shift_right(ids: jax.Array, bos_id: int) -> jax.Array:
+    """Decoder inputs from targets: prepend BOS and drop the last token, (B, T) -> (B, T)."""
+    return jnp.concatenate([jnp.full_like(ids[:, :1], bos_id), ids[:, :-1]], axis=1)
+
+
+def scaled_dot_product_attention(q, k, v, mask=None, dropout=None) -> jax.Array:
+    """softmax(q kᵀ / √K) v (§3.2.1) for q (B, H, T, K), k and v (B, H, S, K) -> (B, H, T, K).
+
+    `mask` broadcasts to (B, H, T, S). Masked scores are set to the dtype's lowest finite value
+    rather than -inf, so a fully masked row becomes a uniform average instead of NaN. The softmax
+    runs in float32 whatever the input dtype. `dropout` (a callable) is applied to the weights.
+    """
+    scores = jnp.matmul(q, jnp.swapaxes(k, -2, -1)) * (q.shape[-1] ** -0.5)  # (B, H, T, S)
+    if mask is not None:
+        scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
+    weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype)  # (B, H, T, S)
+    if dropout is not None:
+        weights = dropout(weights)
+    return jnp.matmul(weights, v)  # (B, H, T, K)
+
+
+def make_norm(cfg: TransformerConfig, rngs: nnx.Rngs) -> nnx.Module:
+    """LayerNorm (paper) or RMSNorm, both with the config's epsilon (never a library default).
+
+    `use_fast_variance=False`: Flax's default E[x²]-E[x]² loses precision; torch uses E[(x-μ)²].
+    """
+    if cfg.norm == "rmsnorm":
+        return nnx.RMSNorm(cfg.d_model, epsilon=cfg.layer_norm_eps, use_fast_variance=False, rngs=rngs)
+    return nnx.LayerNorm(cfg.d_model, epsilon=cfg.layer_norm_eps, use_fast_variance=False, rngs=rngs)
+
+
+def _linear(d_in: int, d_out: int, rngs: nnx.Rngs, bias: bool = True) -> nnx.Linear:
+    return nnx.Linear(d_in, d_out, use_bias=bias, kernel_init=xavier_uniform, rngs=rngs)
+
+
+def _embedding(num: int, d_model: int, std: float, rngs: nnx.Rngs) -> nnx.Embed:
+    return nnx.Embed(num, d_model, embedding_init=nnx.initializers.normal(stddev=std), rngs=rngs)
+
+
+# --------------------------------------------------------------------------------------------
+# Modules, in paper order
+# --------------------------------------------------------------------------------------------
+
+
+class PositionalEncoding(nnx.Module):
+    """Adds position information to embeddings: the fixed sinusoid table (§3.5) or a learned one."""
+
+    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+        self.max_len = cfg.max_len
+        self.d_model = cfg.d_model
+        # Learned tables ~ normal(0, 0.02), as in BERT and GPT-2 (see Transformer.reset_parameters
+        # on the torch side); the sinusoid table is a constant, never a parameter or checkpoint key.
+        self.embedding = _embedding(cfg.max_len, cfg.d_model, 0.02, rngs) if cfg.positions == "learned" else None
+
+    def __call__(self, x: jax.Array, offset: int | jax.Array = 0) -> jax.Array:
+        """x (B, L, D) -> x + positions[offset : offset + L]; `offset` may be traced."""
+        length = x.shape[1]
+        if isinstance(offset, int) and offset + length > self.max_len:
+            raise ValueError(f"sequence of {offset + length} positions exceeds max_len={self.max_len}")
+        if self.embedding is None:
+            table = sinusoidal_positions(self.max_len, self.d_model)
+        else:
+            table = self.embedding.embedding[...]
+        return x + jax.lax.dynamic_slice_in_dim(table, offset, length).astype(x.dtype)  # (B, L, D)
+
+
+class MultiHeadAttention(nnx.Module):
+    """Multi-head attention (§3.2.2): project, split into H heads, attend, merge, project."""
+
+    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+        self.num_heads = cfg.num_heads
+        self.q_proj = _linear(cfg.d_model, cfg.d_model, rngs, bias=cfg.attention_bias)
+        self.k_proj = _linear(cfg.d_model, cfg.d_model, rngs, bias=cfg.attention_bias)
+        self.v_proj = _linear(cfg.d_model, cfg.d_model, rngs, bias=cfg.attention_bias)
+        self.out_proj = _linear(cfg.d_model, cfg.d_model, rngs, bias=cfg.attention_bias)
+        self.dropout = nnx.Dropout(cfg.attention_dropout)
+
+    def split_heads(self, x: jax.Array) -> jax.Array:
+        B, L, D = x.shape
+        return x.reshape(B, L, self.num_heads, D // self.num_heads).transpose(0, 2, 1, 3)  # (B, H, L, K)
+
+    def __call__(self, x, context, mask=None, *, deterministic: bool = True, rngs: nnx.Rngs | None = None):
+        """Queries from x (B, T, D), keys and values from context (B, S, D) -> (B, T, D)."""
+        q = self.split_heads(self.q_proj(x))  # (B, H, T, K)
+        k = self.split_heads(self.k_proj(context))  # (B, H, S, K)
+        v = self.split_heads(self.v_proj(context))  # (B, H, S, K)
+        dropout = functools.partial(self.dropout, deterministic=deterministic, rngs=rngs)
+        out = scaled_dot_product_attention(q, k, v, mask, dropout)  # (B, H, T, K)
+        B, H, T, K = out.shape
+        return self.out_proj(out.transpose(0, 2, 1, 3).reshape(B, T, H * K))  # (B, T, D)
+
+
+class FeedForward(nnx.Module):
+    """Position-wise feed-forward network (§3.3): linear2(act(linear1(x))).
+
+    `swiglu` (Shazeer 2020) multiplies the activation by a second projection, `linear_gate`:
+    linear2(silu(linear1(x)) * linear_gate(x)), with the same width F.
+    """
+
+    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+        self.activation = cfg.activation
+        self.linear1 = _linear(cfg.d_model, cfg.d_ff, rngs)
+        self.linear_gate = _linear(cfg.d_model, cfg.d_ff, rngs) if cfg.activation == "swiglu" else None
+        self.linear2 = _linear(cfg.d_ff, cfg.d_model, rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = self.linear1(x)  # (B, L, F)
+        if self.activation == "relu":
+            h = jax.nn.relu(h)
+        elif self.activation == "gelu":
+            h = jax.nn.gelu(h, approximate=False)  # exact erf GELU; jax defaults to the tanh form
+        else:
+            h = jax.nn.silu(h) * self.linear_gate(x)
+        return self.linear2(h)  # (B, L, D)
+
+
+class EncoderLayer(nnx.Module):
+    """Self-attention then feed-forward, each in a residual block (§3.1).
+
+    Post-norm (the paper): x = Norm(x + Dropout(sublayer(x))).
+    Pre-norm: x = x + Dropout(sublayer(Norm(x))), with a final norm in the Encoder/Decoder.
+    """
+
+    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+        self.pre_norm = cfg.norm_position == "pre"
+        self.self_attn = MultiHeadAttention(cfg, rngs=rngs)
+        self.self_attn_norm = make_norm(cfg, rngs)
+        self.ff = FeedForward(cfg, rngs=rngs)
+        self.ff_norm = make_norm(cfg, rngs)
+        self.dropout = nnx.Dropout(cfg.dropout)
+
+    def residual(self, x, norm, sublayer, deterministic, rngs):
+        if self.pre_norm:
+            return x + self.dropout(sublayer(norm(x)), deterministic=deterministic, rngs=rngs)
+        return norm(x + self.dropout(sublayer(x), deterministic=deterministic, rngs=rngs))
+
+    def __call__(self, x, mask=None, *, deterministic: bool = True, rngs: nnx.Rngs | None = None):
+        """x (B, S, D), mask broadcastable to (B, H, S, S) -> (B, S, D)."""
+        mode = dict(deterministic=deterministic, rngs=rngs)
+        x = self.residual(x, self.self_attn_norm, lambda h: self.self_attn(h, h, mask, **mode), **mode)
+        return self.residual(x, self.ff_norm, self.ff, **mode)
+
+
+class DecoderLayer(EncoderLayer):
+    """An EncoderLayer with attention over the encoder output between its two sublayers (§3.1)."""
+
+    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+        super().__init__(cfg, rngs=rngs)
+        self.cross_attn = MultiHeadAttention(cfg, rngs=rngs)
+        self.cross_attn_norm = make_norm(cfg, rngs)
+
+    def __call__(self, x, memory, src_mask=None, tgt_mask=None, *, deterministic=True, rngs=None):
+        """x (B, T, D), memory (B, S, D) -> (B, T, D)."""
+        mode = dict(deterministic=deterministic, rngs=rngs)
+        x = self.residual(x, self.self_attn_norm, lambda h: self.self_attn(h, h, tgt_mask, **mode), **mode)
+        x = self.residual(x, self.cross_attn_norm, lambda h: self.cross_attn(h, memory, src_mask, **mode), **mode)
+        return self.residual(x, self.ff_norm, self.ff, **mode)
+
+
+class Encoder(nnx.Module):
+    """Positions and dropout on the embedded input, `num_layers` layers, a final norm if pre-norm."""
+
+    layer_type = EncoderLayer
+
+    def __init__(self, cfg: TransformerConfig, num_layers: int, *, rngs: nnx.Rngs):
+        self.positions = PositionalEncoding(cfg, rngs=rngs)
+        self.dropout = nnx.Dropout(cfg.dropout)
+        self.layers = nnx.List([self.layer_type(cfg, rngs=rngs) for _ in range(num_layers)])
+        self.norm = make_norm(cfg, rngs) if cfg.norm_position == "pre" else None
+
+    def __call__(self, x, mask=None, *, deterministic: bool = True, rngs: nnx.Rngs | None = None):
+        """Embedded source x (B, S, D) -> memory (B, S, D)."""
+        x = self.dropout(self.positions(x), deterministic=deterministic, rngs=rngs)
+        for layer in self.layers:
+            x = layer(x, mask, deterministic=deterministic, rngs=rngs)
+        return x if self.norm is None else self.norm(x)
+
+
+class Decoder(Encoder):
+    """The Encoder's stack with DecoderLayers, which also attend to the encoder output."""
+
+    layer_type = DecoderLayer
+
+    def __call__(self, x, memory, src_mask=None, tgt_mask=None, *, deterministic=True, rngs=None):
+        """Embedded target x (B, T, D), memory (B, S, D) -> hidden states (B, T, D)."""
+        x = self.dropout(self.positions(x), deterministic=deterministic, rngs=rngs)
+        for layer in self.layers:
+            x = layer(x, memory, src_mask, tgt_mask, deterministic=deterministic, rngs=rngs)
+        return x if self.norm is None else self.norm(x)
+
+
+class Transformer(nnx.Module):
+    """The encoder-decoder model:
+    `Transformer(cfg, rngs=nnx.Rngs(0))(src_ids, tgt_in_ids, deterministic=True) -> logits (B, T, V)`.
+
+    `encode`, `decode` and `project` are public so that search (decode.py) can run them apart.
+    Masks default to those implied by `cfg.pad_id` (and causality for the decoder). Training
+    passes `deterministic=False` and `rngs=nnx.Rngs(dropout=key)` for the dropout masks.
+    """
+
+    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed_scale = math.sqrt(cfg.d_model) if cfg.scale_embeddings else 1.0
+        # Embeddings ~ normal(0, d_model^-0.5): unit variance once scaled by sqrt(d_model).
+        std = cfg.d_model**-0.5
+        self.src_embed = _embedding(cfg.src_vocab_size, cfg.d_model, std, rngs)
+        # With shared embeddings the target side reads src_embed: one parameter, one checkpoint key.
+        self.tgt_embed = None if cfg.share_embeddings else _embedding(cfg.tgt_vocab_size, cfg.d_model, std, rngs)
+        self.encoder = Encoder(cfg, cfg.num_encoder_layers, rngs=rngs)
+        self.decoder = Decoder(cfg, cfg.num_decoder_layers, rngs=rngs)
+        # Tied output: logits = h Eᵀ with the target embedding E (§3.4); no separate matrix.
+        self.out_proj = None if cfg.tie_output else _linear(cfg.d_model, cfg.tgt_vocab_size, rngs, bias=False)
+
+    @property
+    def target_embedding(self) -> nnx.Embed:
+        return self.src_embed if self.tgt_embed is None else self.tgt_embed
+
+    def encode(self, src_ids, src_mask=None, *, deterministic: bool = True, rngs: nnx.Rngs | None = None):
+        """src_ids (B, S) -> memory (B, S, D). `src_mask` defaults to padding_mask(src_ids)."""
+        if src_mask is None:
+            src_mask = padding_mask(src_ids, self.cfg.pad_id)
+        x = self.src_embed(src_ids) * self.embed_scale  # (B, S, D)
+        return self.encoder(x, src_mask, deterministic=deterministic, rngs=rngs)
+
+    def decode(self, tgt_in_ids, memory, src_mask=None, tgt_mask=None, *, deterministic=True, rngs=None):
+        """tgt_in_ids (B, T), memory (B, S, D) -> hidden states (B, T, D).
+
+        `src_mask` is the encoder's mask (B, 1, 1, S) or None for no masking; `tgt_mask` defaults
+        to causal_mask(T) & padding_mask(tgt_in_ids).
+        """
+        if tgt_mask is None:
+            tgt_mask = causal_mask(tgt_in_ids.shape[1]) & padding_mask(tgt_in_ids, self.cfg.pad_id)
+        x = self.target_embedding(tgt_in_ids) * self.embed_scale  # (B, T, D)
+        return self.decoder(x, memory, src_mask, tgt_mask, deterministic=deterministic, rngs=rngs)
+
+    def project(self, hidden: jax.Array) -> jax.Array:
+        """hidden (B, T, D) -> logits (B, T, V)."""
+        if self.out_proj is None:
+            return self.target_embedding.attend(hidden)
+        return self.out_proj(hidden)
+
+    def __call__(self, src_ids, tgt_in_ids, *, deterministic: bool = True, rngs: nnx.Rngs | None = None):
+        """src_ids (B, S), tgt_in_ids (B, T) -> logits (B, T, V)."""
+        src_mask = padding_mask(src_ids, self.cfg.pad_id)
+        memory = self.encode(src_ids, src_mask, deterministic=deterministic, rngs=rngs)
+        return self.project(self.decode(tgt_in_ids, memory, src_mask, deterministic=deterministic, rngs=rngs))
