@@ -25,6 +25,7 @@ CLI:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -79,6 +80,7 @@ def to_torch_key(key: str) -> tuple[str, bool]:
     return ".".join([*prefix, torch_leaf]), transpose
 
 
+@functools.lru_cache(maxsize=32)
 def expected_jax_params(cfg: TransformerConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter key of the Flax model for `cfg` with its shape, without allocating it."""
     abstract = nnx.eval_shape(lambda: jax_transformer.Transformer(cfg, rngs=nnx.Rngs(0)))

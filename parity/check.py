@@ -1,0 +1,243 @@
+"""Proof that the two frameworks compute the same function and the same gradients.
+
+Builds a random PyTorch reference model, converts it to Flax, runs both on one random batch with
+padding (dropout off, float32, `jax_default_matmul_precision="highest"`), and compares logits, the
+label-smoothed loss and the gradient of every parameter. Exits non-zero when a bound is exceeded.
+
+    python -m parity.check --preset base --json out.json
+    python -m parity.check --preset tiny --set norm_position=pre --set activation=swiglu
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import torch
+from flax import nnx
+
+import jax_transformer
+import torch_reference
+from jax_transformer.objective import label_smoothed_cross_entropy as jax_loss
+from torch_reference.config import TransformerConfig
+from torch_reference.objective import label_smoothed_cross_entropy as torch_loss
+
+from .convert import jax_params_to_torch, jax_key, torch_to_jax
+
+# Bounds of the parity contract (README): float32, highest matmul precision, dropout off. The
+# wider bounds for base/big allow for float32 rounding accumulated over 12 layers of width 512+.
+BOUNDS = {
+    "logits_max_abs": {"tiny": 1e-5, "small": 1e-5, "base": 1e-4, "big": 1e-4},
+    "loss_rel": 1e-6,
+    "grad_rel_l2": {"tiny": 1e-5, "small": 1e-5, "base": 1e-4, "big": 1e-4},
+}
+
+# Variants named in the parity contract, each a set of config overrides.
+VARIANTS = {
+    "paper": {},
+    "pre-norm": {"norm_position": "pre"},
+    "gelu": {"activation": "gelu"},
+    "swiglu": {"activation": "swiglu"},
+    "rmsnorm": {"norm": "rmsnorm"},
+    "learned-positions": {"positions": "learned"},
+    "untied": {"share_embeddings": False, "tie_output": False},
+    "shared-untied-output": {"tie_output": False},
+    "separate-vocabularies-tied": {"share_embeddings": False},
+    "no-attention-bias": {"attention_bias": False},
+}
+
+
+def enable_parity_numerics() -> None:
+    """float32 matmuls on every backend: GPUs/TPUs default to TF32/bf16 passes in JAX and TF32 in
+    torch's cuDNN; parity is asserted at full float32 precision."""
+    jax.config.update("jax_default_matmul_precision", "highest")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+def random_batch(cfg: TransformerConfig, batch_size: int, src_len: int, tgt_len: int, seed: int) -> dict:
+    """Token ids (int64 NumPy) with right padding of random lengths; one row is always full length
+    and special ids (pad, bos, eos) appear only where they belong."""
+    rng = np.random.default_rng(seed)
+    first = max(cfg.pad_id, cfg.bos_id, cfg.eos_id) + 2  # ids below are special tokens
+
+    def padded(vocab: int, length: int) -> np.ndarray:
+        ids = rng.integers(first, vocab, size=(batch_size, length))
+        lengths = rng.integers(1, length + 1, size=batch_size)
+        lengths[0] = length
+        ids[:, :][np.arange(length)[None, :] >= lengths[:, None]] = cfg.pad_id
+        ids[np.arange(batch_size), lengths - 1] = cfg.eos_id
+        return ids
+
+    src = padded(cfg.src_vocab_size, src_len)
+    tgt_out = padded(cfg.tgt_vocab_size, tgt_len)
+    tgt_in = np.concatenate([np.full((batch_size, 1), cfg.bos_id), tgt_out[:, :-1]], axis=1)
+    return {"src": src, "tgt_in": tgt_in, "tgt_out": tgt_out}
+
+
+def _diff(a: np.ndarray, b: np.ndarray, scale: np.ndarray | None = None) -> dict:
+    """max |a-b| and ||a-b|| / ||scale|| with `scale` the reference `b` unless given."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    norm = np.linalg.norm(b if scale is None else np.asarray(scale, np.float64))
+    return {
+        "max_abs": float(np.abs(a - b).max()),
+        "rel_l2": float(np.linalg.norm(a - b) / norm) if norm > 0 else float(np.linalg.norm(a - b)),
+        "ref_norm": float(norm),
+    }
+
+
+def gradient_scale_key(key: str) -> str:
+    """The parameter whose gradient norm measures the rounding error of `key`'s gradient.
+
+    The key-projection bias has an analytically zero gradient: adding b to every key adds the
+    constant q·b to a whole row of scores, which softmax ignores (§3.2.1). Both frameworks return
+    float32 rounding noise there (~1e-9 against ~1e-2 for its neighbours), so a relative error
+    against its own norm measures noise against noise. It is measured against the gradient of
+    the same projection's weight instead: the scale at which that noise arises.
+    """
+    return key.replace(".k_proj.bias", ".k_proj.weight") if key.endswith(".k_proj.bias") else key
+
+
+def run_check(cfg: TransformerConfig, batch_size: int = 8, src_len: int = 23, tgt_len: int = 17,
+              seed: int = 0, smoothing: float = 0.1) -> dict:
+    """Logits, loss and gradient differences between the frameworks for one random model."""
+    enable_parity_numerics()
+    cfg = cfg.replace(dropout=0.0, attention_dropout=0.0)  # dropout streams cannot be matched
+    torch.manual_seed(seed)
+    torch_model = torch_reference.Transformer(cfg)
+    jax_model = torch_to_jax(torch_model)
+    batch = random_batch(cfg, batch_size, src_len, tgt_len, seed)
+
+    # PyTorch: forward and backward.
+    t = {k: torch.from_numpy(v) for k, v in batch.items()}
+    torch_logits = torch_model(t["src"], t["tgt_in"])
+    loss_t = torch_loss(torch_logits, t["tgt_out"], cfg.pad_id, smoothing)
+    loss_t.backward()
+    torch_grads = {k: p.grad for k, p in torch_model.named_parameters()}
+
+    # JAX: the same, jit-compiled.
+    j = {k: jax.numpy.asarray(v, jax.numpy.int32) for k, v in batch.items()}
+
+    @nnx.jit
+    def forward_backward(model):
+        def loss_fn(model):
+            logits = model(j["src"], j["tgt_in"], deterministic=True)
+            return jax_loss(logits, j["tgt_out"], cfg.pad_id, smoothing), logits
+
+        return nnx.value_and_grad(loss_fn, has_aux=True)(model)
+
+    (loss_j, jax_logits), grads = forward_backward(jax_model)
+    flat = {jax_key(p): np.asarray(v[...]) for p, v in nnx.to_flat_state(grads)}
+    jax_grads = jax_params_to_torch(flat, cfg)  # torch keys, kernels transposed back
+
+    grad_diffs = {
+        k: _diff(jax_grads[k].numpy(), torch_grads[k].numpy(), torch_grads[gradient_scale_key(k)].numpy())
+        for k in torch_grads
+    }
+    worst = max(grad_diffs, key=lambda k: grad_diffs[k]["rel_l2"])
+    loss_t, loss_j = loss_t.item(), float(loss_j)
+    return {
+        "logits": _diff(np.asarray(jax_logits), torch_logits.detach().numpy()),
+        "loss": {"torch": loss_t, "jax": loss_j, "rel": abs(loss_j - loss_t) / abs(loss_t)},
+        "grads": {"max_rel_l2": grad_diffs[worst]["rel_l2"], "worst": worst, "per_parameter": grad_diffs},
+        "num_parameters": sum(p.numel() for p in torch_model.parameters()),
+        "batch": {"batch_size": batch_size, "src_len": src_len, "tgt_len": tgt_len, "seed": seed},
+    }
+
+
+def bounds_for(preset: str) -> dict:
+    size = preset if preset in BOUNDS["logits_max_abs"] else "base"
+    return {
+        "logits_max_abs": BOUNDS["logits_max_abs"][size],
+        "loss_rel": BOUNDS["loss_rel"],
+        "grad_rel_l2": BOUNDS["grad_rel_l2"][size],
+    }
+
+
+def failures(report: dict, bounds: dict) -> list[str]:
+    out = []
+    if not report["logits"]["max_abs"] <= bounds["logits_max_abs"]:
+        out.append(f"logits max abs {report['logits']['max_abs']:.3g} > {bounds['logits_max_abs']:g}")
+    if not report["loss"]["rel"] <= bounds["loss_rel"]:
+        out.append(f"loss rel {report['loss']['rel']:.3g} > {bounds['loss_rel']:g}")
+    if not report["grads"]["max_rel_l2"] <= bounds["grad_rel_l2"]:
+        out.append(f"gradient of {report['grads']['worst']} rel L2 {report['grads']['max_rel_l2']:.3g} "
+                   f"> {bounds['grad_rel_l2']:g}")
+    return out
+
+
+def _parse_override(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    fields = {f.name: f for f in dataclasses.fields(TransformerConfig)}
+    if not sep or key not in fields:
+        raise argparse.ArgumentTypeError(f"expected FIELD=VALUE with FIELD one of {', '.join(fields)}; got {text!r}")
+    kind = type(getattr(TransformerConfig(), key))
+    if kind is bool:
+        if value.lower() not in ("true", "false", "1", "0"):
+            raise argparse.ArgumentTypeError(f"{key} takes true or false, got {value!r}")
+        return key, value.lower() in ("true", "1")
+    try:
+        return key, kind(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{key} takes a {kind.__name__}, got {value!r}") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m parity.check",
+        description="Build a random PyTorch reference model, convert it to Flax, and compare logits, "
+        "loss and every parameter's gradient on one random padded batch (float32, dropout off). "
+        "Exits with status 1 when a bound of the parity contract is exceeded.",
+    )
+    parser.add_argument("--preset", default="tiny", choices=TransformerConfig.presets(), help="model size (default tiny)")
+    parser.add_argument("--vocab-size", type=int, default=8000, help="shared vocabulary size (default 8000)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], type=_parse_override,
+                        metavar="FIELD=VALUE", help="override a TransformerConfig field, e.g. --set norm_position=pre")
+    parser.add_argument("--variants", action="store_true",
+                        help=f"check every named variant in turn: {', '.join(VARIANTS)}")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--src-len", type=int, default=23, help="padded source length (default 23)")
+    parser.add_argument("--tgt-len", type=int, default=17, help="padded target length (default 17)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, help="write the full report (every parameter) to this file")
+    args = parser.parse_args(argv)
+
+    bounds = bounds_for(args.preset)
+    runs = VARIANTS if args.variants else {"custom" if args.overrides else "paper": {}}
+    results, failed = {}, False
+    for name, overrides in runs.items():
+        fields = {"src_vocab_size": args.vocab_size, "tgt_vocab_size": args.vocab_size, **overrides, **dict(args.overrides)}
+        if not fields.get("share_embeddings", True) and "tgt_vocab_size" not in dict(args.overrides):
+            fields["tgt_vocab_size"] = args.vocab_size + 7  # separate vocabularies: make them differ
+        try:
+            cfg = TransformerConfig.preset(args.preset, **fields)
+        except ValueError as err:
+            parser.exit(2, f"error: {err}\n")
+        start = time.perf_counter()
+        report = run_check(cfg, args.batch_size, args.src_len, args.tgt_len, args.seed)
+        report.update(config=cfg.to_dict(), bounds=bounds, seconds=round(time.perf_counter() - start, 2))
+        report["failures"] = failures(report, bounds)
+        results[name] = report
+        failed |= bool(report["failures"])
+        status = "FAIL" if report["failures"] else "ok"
+        print(f"{args.preset:5s} {name:27s} logits max abs {report['logits']['max_abs']:.2e}  "
+              f"loss rel {report['loss']['rel']:.2e}  worst grad rel L2 {report['grads']['max_rel_l2']:.2e} "
+              f"({report['grads']['worst']})  {status}")
+        for line in report["failures"]:
+            print(f"  bound exceeded: {line}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        payload = {"preset": args.preset, "passed": not failed, "device": jax.devices()[0].device_kind,
+                   "versions": {"jax": jax.__version__, "torch": torch.__version__}, "results": results}
+        args.json.write_text(json.dumps(payload, indent=2))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

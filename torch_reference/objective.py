@@ -1,0 +1,29 @@
+"""The training objective's maths in PyTorch; `jax_transformer/objective.py` mirrors it."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def label_smoothed_cross_entropy(
+    logits: Tensor, targets: Tensor, pad_id: int, smoothing: float = 0.1, reduction: str = "mean"
+) -> Tensor:
+    """Cross-entropy against (1-ε)·onehot + ε/V (paper §5.4), padding ignored.
+
+    Exactly `torch.nn.CrossEntropyLoss(label_smoothing=ε, ignore_index=pad_id)`: logits (B, T, V),
+    targets (B, T) -> the mean over non-pad tokens ("mean") or their sum ("sum", for accumulation).
+    Computed in float32 whatever the logits' dtype.
+    """
+    V = logits.shape[-1]
+    return F.cross_entropy(
+        logits.reshape(-1, V).float(), targets.reshape(-1), ignore_index=pad_id, label_smoothing=smoothing,
+        reduction=reduction,
+    )
+
+
+def noam_learning_rate(step: int | Tensor, d_model: int, warmup_steps: int = 4000, factor: float = 1.0):
+    """lr = factor · d_model^-0.5 · min(step^-0.5, step · warmup^-1.5), steps counted from 1 (§5.3)."""
+    step = max(int(step), 1)
+    return factor * d_model**-0.5 * min(step**-0.5, step * warmup_steps**-1.5)
