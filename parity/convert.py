@@ -163,7 +163,7 @@ def jax_model_from_params(params: Mapping[str, Any], cfg: TransformerConfig) -> 
     _check("JAX weights", expected_jax_params(cfg), {k: tuple(np.shape(v)) for k, v in params.items()})
     abstract = nnx.eval_shape(lambda: jax_transformer.Transformer(cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
-    state.replace_by_pure_dict(_nest({k: jnp.asarray(v) for k, v in params.items()}))
+    nnx.replace_by_pure_dict(state, _nest({k: jnp.asarray(v) for k, v in params.items()}))
     return nnx.merge(graphdef, state)
 
 

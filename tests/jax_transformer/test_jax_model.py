@@ -1,0 +1,195 @@
+"""The Flax mirror against the PyTorch specification: pure functions, each layer, the full model.
+
+Tolerances: float32 with `jax_default_matmul_precision="highest"`. Different summation orders in
+the two libraries' matmuls and reductions give differences of a few float32 ulps per operation;
+1e-6 absolute is ~10 ulps at the O(1) magnitudes of these activations, 1e-5 for whole models
+(the bound of the parity contract).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+
+import jax_transformer as jt
+import torch_reference as tr
+from jax_transformer import objective as jobj
+from parity import torch_to_jax
+from parity.check import enable_parity_numerics
+from torch_reference import objective as tobj
+
+enable_parity_numerics()
+
+LOPSIDED = dict(
+    src_vocab_size=53, tgt_vocab_size=53, d_model=24, num_heads=3, d_ff=40,
+    num_encoder_layers=2, num_decoder_layers=1, dropout=0.0, max_len=64, layer_norm_eps=1e-6,
+)
+VARIANTS = [
+    {},
+    {"norm_position": "pre"},
+    {"activation": "gelu"},
+    {"activation": "swiglu"},
+    {"norm": "rmsnorm"},
+    {"positions": "learned"},
+    {"share_embeddings": False, "tie_output": False, "tgt_vocab_size": 61},
+    {"share_embeddings": False, "tgt_vocab_size": 61},
+    {"tie_output": False},
+    {"attention_bias": False, "scale_embeddings": False},
+]
+
+
+def variant_id(v):
+    return ",".join(f"{k}={val}" for k, val in v.items() if k != "tgt_vocab_size") or "paper"
+
+
+def make_pair(seed=0, **overrides):
+    cfg = tr.TransformerConfig(**{**LOPSIDED, **overrides})
+    torch.manual_seed(seed)
+    torch_model = tr.Transformer(cfg).eval()
+    return cfg, torch_model, torch_to_jax(torch_model)
+
+
+def ids(cfg, batch, length, seed, vocab=None):
+    """Random ids in [4, V) with right padding: row 0 full length, others random lengths >= 1."""
+    rng = np.random.default_rng(seed)
+    out = rng.integers(4, vocab or cfg.src_vocab_size, size=(batch, length))
+    lengths = rng.integers(1, length + 1, size=batch)
+    lengths[0] = length
+    out[np.arange(length)[None] >= lengths[:, None]] = cfg.pad_id
+    return out
+
+
+def t2j(x):
+    return jnp.asarray(x.detach().numpy() if isinstance(x, torch.Tensor) else x)
+
+
+# ------------------------------------------------------------------ pure functions
+
+
+@pytest.mark.parametrize("length,d_model", [(50, 24), (7, 9), (512, 512)])
+def test_sinusoidal_positions_bit_identical(length, d_model):
+    np.testing.assert_array_equal(
+        np.asarray(jt.sinusoidal_positions(length, d_model)), tr.sinusoidal_positions(length, d_model).numpy()
+    )
+
+
+def test_masks_and_shift_right_identical():
+    x = ids(tr.TransformerConfig(**LOPSIDED), 4, 9, seed=1)
+    np.testing.assert_array_equal(np.asarray(jt.padding_mask(jnp.asarray(x), 0)), tr.padding_mask(torch.from_numpy(x), 0).numpy())
+    np.testing.assert_array_equal(np.asarray(jt.causal_mask(9)), tr.causal_mask(9).numpy())
+    np.testing.assert_array_equal(np.asarray(jt.shift_right(jnp.asarray(x), 1)), tr.shift_right(torch.from_numpy(x), 1).numpy())
+    assert jt.causal_mask(9).shape == (1, 1, 9, 9) and jt.padding_mask(jnp.asarray(x), 0).shape == (4, 1, 1, 9)
+
+
+def test_attention_matches_including_fully_masked_rows():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, s, 8, generator=g) for s in (5, 7, 7))
+    mask = torch.rand(2, 1, 5, 7, generator=g) > 0.4
+    mask[1, 0, 2] = False  # one query row sees nothing
+    out_t = tr.scaled_dot_product_attention(q, k, v, mask)
+    out_j = jt.scaled_dot_product_attention(t2j(q), t2j(k), t2j(v), t2j(mask))
+    np.testing.assert_allclose(np.asarray(out_j), out_t.numpy(), atol=1e-6)  # float32 ulps, see module doc
+    # The fully masked row is the uniform average of the values on both sides, never NaN.
+    np.testing.assert_allclose(out_t[1, :, 2].numpy(), v[1].mean(dim=1).numpy(), atol=1e-6)
+    assert np.isfinite(np.asarray(out_j)).all()
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1, 0.3])
+def test_smoothed_loss_equals_torch_cross_entropy(smoothing):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 6, 41, generator=g) * 3
+    targets = torch.randint(1, 41, (3, 6), generator=g)
+    targets[1, 3:] = 0
+    reference = torch.nn.CrossEntropyLoss(label_smoothing=smoothing, ignore_index=0)(logits.view(-1, 41), targets.view(-1))
+    torch_side = tobj.label_smoothed_cross_entropy(logits, targets, pad_id=0, smoothing=smoothing)
+    jax_side = jobj.label_smoothed_cross_entropy(t2j(logits), t2j(targets), pad_id=0, smoothing=smoothing)
+    assert torch_side.item() == reference.item()  # the torch side is that very call
+    assert abs(float(jax_side) - reference.item()) <= 1e-6 * reference.item()  # loss rel bound of the contract
+    summed = jobj.label_smoothed_cross_entropy(t2j(logits), t2j(targets), 0, smoothing, reduction="sum")
+    assert abs(float(summed) / int((targets != 0).sum()) - float(jax_side)) <= 1e-6 * float(jax_side)
+
+
+def test_noam_schedule_identical_and_shaped_like_the_paper():
+    steps = [0, 1, 2, 100, 3999, 4000, 4001, 10_000, 100_000]
+    for s in steps:
+        torch_lr = tobj.noam_learning_rate(s, 512, 4000)
+        jax_lr = float(jobj.noam_learning_rate(s, 512, 4000))
+        assert abs(jax_lr - torch_lr) <= 1e-6 * torch_lr  # float32 (jax) vs float64 (python) rounding
+    peak = tobj.noam_learning_rate(4000, 512, 4000)
+    assert peak == pytest.approx(512**-0.5 * 4000**-0.5, rel=1e-12)
+    assert tobj.noam_learning_rate(2000, 512, 4000) == pytest.approx(peak / 2, rel=1e-12)  # linear warmup
+    assert tobj.noam_learning_rate(16000, 512, 4000) == pytest.approx(peak / 2, rel=1e-12)  # inverse sqrt decay
+
+
+# ------------------------------------------------------------------ layers
+
+
+@pytest.mark.parametrize("variant", VARIANTS[:6], ids=variant_id)
+def test_each_layer_matches(variant):
+    cfg, tm, jm = make_pair(**variant)
+    g = torch.Generator().manual_seed(1)
+    x, mem = torch.randn(3, 6, cfg.d_model, generator=g), torch.randn(3, 9, cfg.d_model, generator=g)
+    src_mask = tr.padding_mask(torch.from_numpy(ids(cfg, 3, 9, seed=2)), 0)
+    tgt_mask = tr.causal_mask(6)
+    pairs = [
+        (tm.encoder.layers[0].self_attn(x, mem, src_mask), jm.encoder.layers[0].self_attn(t2j(x), t2j(mem), t2j(src_mask))),
+        (tm.encoder.layers[1].ff(x), jm.encoder.layers[1].ff(t2j(x))),
+        (tm.encoder.layers[1](mem, src_mask), jm.encoder.layers[1](t2j(mem), t2j(src_mask))),
+        (tm.decoder.layers[0](x, mem, src_mask, tgt_mask), jm.decoder.layers[0](t2j(x), t2j(mem), t2j(src_mask), t2j(tgt_mask))),
+        (tm.encoder.positions(x), jm.encoder.positions(t2j(x))),
+        (tm.decoder.positions(x, offset=5), jm.decoder.positions(t2j(x), offset=5)),
+    ]
+    for i, (a, b) in enumerate(pairs):
+        assert a.shape == b.shape, i
+        np.testing.assert_allclose(np.asarray(b), a.detach().numpy(), atol=1e-6, err_msg=f"pair {i}")  # see module doc
+
+
+# ------------------------------------------------------------------ full model
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)
+def test_full_model_logits_encode_decode(variant):
+    cfg, tm, jm = make_pair(**variant)
+    src, tgt = ids(cfg, 4, 11, seed=3), ids(cfg, 4, 7, seed=4, vocab=cfg.tgt_vocab_size)
+    logits_t = tm(torch.from_numpy(src), torch.from_numpy(tgt)).detach().numpy()
+    logits_j = np.asarray(jm(jnp.asarray(src), jnp.asarray(tgt), deterministic=True))
+    assert logits_j.shape == (4, 7, cfg.tgt_vocab_size)
+    np.testing.assert_allclose(logits_j, logits_t, atol=1e-5)  # tiny-model bound of the contract
+    memory_t = tm.encode(torch.from_numpy(src)).detach().numpy()
+    memory_j = np.asarray(jm.encode(jnp.asarray(src)))
+    np.testing.assert_allclose(memory_j, memory_t, atol=1e-5)
+
+
+def test_fully_padded_source_is_finite_in_jax():
+    cfg, tm, jm = make_pair()
+    src = np.zeros((2, 5), dtype=np.int64)
+    src[1, :3] = [7, 8, 9]
+    logits = np.asarray(jm(jnp.asarray(src), jnp.asarray(ids(cfg, 2, 4, seed=0))))
+    assert np.isfinite(logits).all()
+
+
+def test_dropout_is_explicit_and_seeded():
+    cfg, _, jm = make_pair(dropout=0.3)
+    src, tgt = jnp.asarray(ids(cfg, 2, 6, seed=0)), jnp.asarray(ids(cfg, 2, 5, seed=1))
+    a = jm(src, tgt, deterministic=False, rngs=nnx.Rngs(dropout=0))
+    b = jm(src, tgt, deterministic=False, rngs=nnx.Rngs(dropout=0))
+    c = jm(src, tgt, deterministic=False, rngs=nnx.Rngs(dropout=1))
+    d = jm(src, tgt, deterministic=True)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # same key, same masks
+    assert float(jnp.abs(a - c).max()) > 1e-3 and float(jnp.abs(a - d).max()) > 1e-3
+
+
+def test_jit_compiles_once_per_shape():
+    cfg, _, jm = make_pair()
+    traces = []
+
+    @nnx.jit
+    def forward(model, src, tgt):
+        traces.append(1)
+        return model(src, tgt)
+
+    for seed in range(3):
+        forward(jm, jnp.asarray(ids(cfg, 2, 6, seed)), jnp.asarray(ids(cfg, 2, 5, seed + 9)))
+    assert len(traces) == 1

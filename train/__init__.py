@@ -1,0 +1,1 @@
+"""Training CLI: corpora, tokenizers, batches, backends, schedule, evaluation and benchmarks."""

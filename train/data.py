@@ -1,0 +1,490 @@
+"""Corpora, tokenizers and token-budget batches for `train.run`; numpy, never torch or jax.
+
+Corpora are lists of (source, target) sentence pairs:
+
+- `numbers_corpus()`: the embedded default, offline and deterministic: a number in 0..999,999 as
+  German words -> the same number as English words ("dreiundvierzig" -> "forty-three"), from
+  `num2words`, split into train/valid/test by number with no overlap.
+- `load_parallel(spec)`: local files or a datasets-hub dataset, read through HF `datasets`.
+  A spec is one of
+
+    SRC:TGT:PREFIX                     two aligned text files PREFIX.SRC and PREFIX.TGT, one
+                                       sentence per line, each plain or gzipped (PREFIX.SRC.gz is
+                                       used when PREFIX.SRC does not exist), e.g.
+                                       de:en:../shared/data/multi30k/train
+    FILE.tsv[.gz][#src=COL,tgt=COL]    tab-separated with a header row; columns default to
+                                       source,target. No quoting and no NA parsing: '"' and
+                                       "null" (German for 0) are text.
+    FILE.jsonl|.json[.gz][#src=F,tgt=F]  JSON lines; fields default to source,target
+    hf:NAME[:CONFIG]:SPLIT[#src=F,tgt=F]  datasets.load_dataset(NAME, CONFIG, split=SPLIT); NAME is
+                                       a hub id (needs internet) or a local dataset directory;
+                                       SPLIT may slice ("train[:1000]"). Fields default to the two
+                                       halves of a CONFIG like "de-en", else source,target.
+
+  In JSON and hub datasets a field is looked up as a column, then inside a "translation" dict
+  column (the hub's convention: {"translation": {"de": ..., "en": ...}}). Both sides are
+  stripped of surrounding whitespace; pairs where either side is then empty are skipped and
+  counted (`LoadedPairs.skipped_empty`).
+
+Tokenizers are byte-level BPE (HF `tokenizers`), trained on the training split, one joint
+source+target vocabulary by default. Special ids: <pad>=0, <bos>=1, <eos>=2, <unk>=3. Encoding
+appends <eos>; decoding stops at the first <eos> and drops the other special tokens. Byte-level
+BPE never maps to <unk> and decode(encode(s)) == s for every s without leading whitespace (the
+one space byte-level BPE prepends is removed again, so leading whitespace is lost).
+
+`Batcher` cuts encoded pairs into padded int32 batches under a token budget, in a few length
+buckets so jit compiles a handful of shapes, shuffled per epoch from a seed, and resumable from
+a JSON-able state.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import functools
+import gzip
+import logging
+import re
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+from num2words import num2words
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+log = logging.getLogger(__name__)
+
+PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
+SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")  # list position == id
+
+Pair = tuple[str, str]
+
+
+# ----------------------------------------------------------------------------------------------
+# The embedded numbers corpus
+
+
+@dataclasses.dataclass(frozen=True)
+class Splits:
+    """Train, validation and test sentence pairs."""
+
+    train: list[Pair]
+    valid: list[Pair]
+    test: list[Pair]
+
+
+@functools.cache
+def _below_1000(lang: str) -> tuple[str, ...]:
+    return tuple(num2words(i, lang=lang) for i in range(1000))
+
+
+def number_words(n: int) -> Pair:
+    """(German, English) words for 0 <= n < 1,000,000, exactly as `num2words` writes them.
+
+    num2words' German converter takes ~0.15 ms per number (it scans a table of names up to
+    10^600), so numbers >= 1000 are composed from its words for 0..999 with its own thousands
+    rules; tests/train/test_data.py checks the composition against num2words on a sample, and it
+    was checked once on all 10^6 numbers. num2words' quirk "einhunderteinstausend" (101,000) is
+    kept on purpose: the corpus is num2words' output.
+    """
+    if not 0 <= n < 1_000_000:
+        raise ValueError(f"number_words covers 0..999999, got {n}")
+    de, en = _below_1000("de"), _below_1000("en")
+    thousands, rest = divmod(n, 1000)
+    if thousands == 0:
+        return de[rest], en[rest]
+    german = ("ein" if thousands == 1 else de[thousands]) + "tausend" + (de[rest] if rest else "")
+    english = en[thousands] + " thousand"
+    if rest:
+        english += (", " if rest >= 100 else " and ") + en[rest]
+    return german, english
+
+
+def numbers_corpus(train_size: int = 20_000, valid_size: int = 1_000, test_size: int = 1_000, seed: int = 0) -> Splits:
+    """German -> English number words for distinct numbers drawn from 0..999,999 with `seed`.
+
+    The splits share no number. One permutation of all numbers is cut test first, then valid,
+    then train, so the test and valid sets depend only on (seed, test_size, valid_size), not on
+    train_size. Tokenize it with a small vocabulary (~400-500): at 8000, BPE learns whole words
+    such as "siebenhundertsechsundfünfzigtausend" and the task loses its subword alignments.
+    """
+    total = train_size + valid_size + test_size
+    if min(train_size, valid_size, test_size) < 0 or total > 1_000_000:
+        raise ValueError(f"split sizes must be >= 0 and sum to at most 1,000,000, got {total}")
+    numbers = np.random.default_rng(seed).permutation(1_000_000)[:total].tolist()
+    pairs = [number_words(n) for n in numbers]
+    test, valid = pairs[:test_size], pairs[test_size : test_size + valid_size]
+    return Splits(train=pairs[test_size + valid_size :], valid=valid, test=test)
+
+
+# ----------------------------------------------------------------------------------------------
+# Parallel files and hub datasets
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedPairs:
+    """Sentence pairs read from a spec, and how many pairs were skipped for an empty side."""
+
+    pairs: list[Pair]
+    skipped_empty: int
+
+
+# The split may slice, "train[:1000]", so its colons do not separate fields.
+_HUB = re.compile(r"^hf:([^:]+):(?:([^:\[]+):)?([^:\[]+(?:\[.*\])?)$")
+_TEXT_PAIR = re.compile(r"^([\w-]+):([\w-]+):(.+)$")
+_TSV = (".tsv", ".tsv.gz")
+_JSON = (".jsonl", ".jsonl.gz", ".json", ".json.gz")
+
+
+def load_parallel(spec: str, cache_dir: str | Path | None = None) -> LoadedPairs:
+    """Sentence pairs from a spec string (formats in the module docstring).
+
+    `cache_dir` is handed to `datasets.load_dataset` (default: the HF datasets cache).
+    Raises FileNotFoundError for a missing file, ValueError for an unknown format, a missing
+    column, or text files whose line counts differ.
+    """
+    import datasets  # imported here: ~1 s, and the numbers corpus does not need it
+
+    spec, _, options = spec.partition("#")
+    cache_dir = None if cache_dir is None else str(cache_dir)
+    if spec.startswith("hf:"):
+        match = _HUB.match(spec)
+        if not match:
+            raise ValueError(f"hub spec must be hf:NAME[:CONFIG]:SPLIT, got {spec!r}")
+        name, config, split = match.groups()
+        langs = config.split("-") if config and re.fullmatch(r"\w+-\w+", config) else ("source", "target")
+        src, tgt = _columns(options, *langs)
+        ds = datasets.load_dataset(name, config, split=split, cache_dir=cache_dir)
+        return _pairs(_field(ds, src, spec), _field(ds, tgt, spec))
+    if spec.endswith(_TSV):
+        path = _existing(Path(spec))
+        src, tgt = _columns(options, "source", "target")
+        with (gzip.open if path.suffix == ".gz" else open)(path, "rt", encoding="utf-8") as f:
+            header = f.readline().rstrip("\r\n").split("\t")
+        for col in (src, tgt):
+            if col not in header:
+                raise ValueError(f"{path}: no column {col!r} in header {header}")
+        # Everything as strings, no quote or NA handling: pandas would read "null" as NaN and
+        # strip quotes from '"Hallo", sagte er'.
+        features = datasets.Features({c: datasets.Value("string") for c in header})
+        ds = datasets.load_dataset(
+            "csv",
+            data_files=str(path),
+            split="train",
+            delimiter="\t",
+            quoting=csv.QUOTE_NONE,
+            na_filter=False,
+            keep_default_na=False,
+            features=features,
+            cache_dir=cache_dir,
+        )
+        return _pairs(ds[src], ds[tgt])
+    if spec.endswith(_JSON):
+        path = _existing(Path(spec))
+        src, tgt = _columns(options, "source", "target")
+        ds = datasets.load_dataset("json", data_files=str(path), split="train", cache_dir=cache_dir)
+        return _pairs(_field(ds, src, path), _field(ds, tgt, path))
+    match = _TEXT_PAIR.match(spec)
+    if match and not options:
+        src_lang, tgt_lang, prefix = match.groups()
+        paths = [_existing(Path(f"{prefix}.{lang}"), Path(f"{prefix}.{lang}.gz")) for lang in (src_lang, tgt_lang)]
+        sides = [
+            datasets.load_dataset("text", data_files=str(p), split="train", cache_dir=cache_dir)["text"] for p in paths
+        ]
+        if len(sides[0]) != len(sides[1]):
+            raise ValueError(f"line counts differ: {paths[0]} has {len(sides[0])}, {paths[1]} has {len(sides[1])}")
+        return _pairs(*sides)
+    raise ValueError(
+        f"unknown data spec {spec!r}: expected SRC:TGT:PREFIX, FILE.tsv, FILE.jsonl, FILE.json "
+        "(optionally .gz, with #src=..,tgt=..) or hf:NAME[:CONFIG]:SPLIT"
+    )
+
+
+def _existing(*candidates: Path) -> Path:
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"no such file: {' or '.join(map(str, candidates))}")
+
+
+def _columns(options: str, src: str, tgt: str) -> tuple[str, str]:
+    """Column names from '#src=A,tgt=B' options (either may be left out)."""
+    names = {"src": src, "tgt": tgt}
+    for item in filter(None, options.split(",")):
+        key, eq, value = item.partition("=")
+        if key not in names or not eq or not value:
+            raise ValueError(f"bad column option {item!r}: expected src=NAME or tgt=NAME")
+        names[key] = value
+    return names["src"], names["tgt"]
+
+
+def _field(ds, name: str, where) -> list:
+    """Column `name`, or key `name` of the hub's `translation` dict column."""
+    if name in ds.column_names:
+        return list(ds[name])
+    if "translation" in ds.column_names:
+        rows = list(ds["translation"])
+        if all(row is not None and name in row for row in rows):
+            return [row[name] for row in rows]
+    raise ValueError(f"{where}: no field {name!r} (columns: {ds.column_names})")
+
+
+def _pairs(sources: Iterable, targets: Iterable) -> LoadedPairs:
+    pairs, skipped = [], 0
+    for s, t in zip(sources, targets, strict=True):
+        s, t = ("" if s is None else str(s)).strip(), ("" if t is None else str(t)).strip()
+        if s and t:
+            pairs.append((s, t))
+        else:
+            skipped += 1
+    if skipped:
+        log.info("skipped %d of %d pairs with an empty side", skipped, skipped + len(pairs))
+    return LoadedPairs(pairs, skipped)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenizers
+
+
+@dataclasses.dataclass(frozen=True)
+class Tokenizers:
+    """Source and target tokenizers; the same object twice for a joint vocabulary."""
+
+    src: Tokenizer
+    tgt: Tokenizer
+
+    @property
+    def joint(self) -> bool:
+        return self.src is self.tgt
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int = 8000, min_frequency: int = 2) -> Tokenizer:
+    """A byte-level BPE `tokenizers.Tokenizer` trained on `texts`.
+
+    The vocabulary holds the 4 special tokens (ids 0..3), the 256 byte symbols and merges up to
+    `vocab_size` in all; it is smaller when the text runs out of merges seen `min_frequency`
+    times, so read the size from `tokenizer.get_vocab_size()`. The saved tokenizer.json carries
+    the whole behaviour (eos appended by its post-processor, prefix space removed by its decoder).
+    """
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    # A prefix space makes a sentence's first word tokenize like the same word mid-sentence; the
+    # Strip decoder removes it again after the byte-level decoder has joined all tokens into one.
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    tokenizer.decoder = decoders.Sequence([decoders.ByteLevel(), decoders.Strip(" ", 1, 0)])
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="$A <eos>", special_tokens=[("<eos>", EOS_ID)]
+    )
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte: no <unk>, ever
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    assert [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS] == [PAD_ID, BOS_ID, EOS_ID, UNK_ID]
+    return tokenizer
+
+
+def train_tokenizers(
+    pairs: Sequence[Pair], vocab_size: int = 8000, joint: bool = True, min_frequency: int = 2
+) -> Tokenizers:
+    """Tokenizers trained on the training pairs: one on both sides (joint), or one per side."""
+    sources, targets = [s for s, _ in pairs], [t for _, t in pairs]
+    if joint:
+        tokenizer = train_tokenizer(sources + targets, vocab_size, min_frequency)
+        return Tokenizers(tokenizer, tokenizer)
+    return Tokenizers(
+        train_tokenizer(sources, vocab_size, min_frequency), train_tokenizer(targets, vocab_size, min_frequency)
+    )
+
+
+def save_tokenizers(tokenizers: Tokenizers, run_dir: str | Path) -> None:
+    """Write run_dir/tokenizer.json (joint) or run_dir/src_tokenizer.json + tgt_tokenizer.json."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if tokenizers.joint:
+        tokenizers.src.save(str(run_dir / "tokenizer.json"))
+    else:
+        tokenizers.src.save(str(run_dir / "src_tokenizer.json"))
+        tokenizers.tgt.save(str(run_dir / "tgt_tokenizer.json"))
+
+
+def load_tokenizers(run_dir: str | Path) -> Tokenizers:
+    """Read what `save_tokenizers` wrote; a joint tokenizer comes back as one shared object."""
+    run_dir = Path(run_dir)
+    if (run_dir / "tokenizer.json").is_file():
+        tokenizer = Tokenizer.from_file(str(run_dir / "tokenizer.json"))
+        return Tokenizers(tokenizer, tokenizer)
+    src, tgt = run_dir / "src_tokenizer.json", run_dir / "tgt_tokenizer.json"
+    return Tokenizers(Tokenizer.from_file(str(_existing(src))), Tokenizer.from_file(str(_existing(tgt))))
+
+
+def encode(tokenizer: Tokenizer, texts: Sequence[str]) -> list[list[int]]:
+    """Token ids of each text, ending with <eos>."""
+    return [e.ids for e in tokenizer.encode_batch(list(texts))]
+
+
+def decode(tokenizer: Tokenizer, ids: Sequence[int]) -> str:
+    """Text of one id sequence: up to the first <eos>, without <pad>/<bos>/<unk>."""
+    ids = [int(i) for i in ids]
+    if EOS_ID in ids:
+        ids = ids[: ids.index(EOS_ID)]
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def decode_batch(tokenizer: Tokenizer, rows: Iterable[Sequence[int]]) -> list[str]:
+    """`decode` for each row of ids, e.g. of a (B, T) array."""
+    return [decode(tokenizer, row) for row in rows]
+
+
+def encode_pairs(tokenizers: Tokenizers, pairs: Sequence[Pair]) -> list[tuple[list[int], list[int]]]:
+    """(source ids, target ids) per pair, each ending with <eos>."""
+    sources = encode(tokenizers.src, [s for s, _ in pairs])
+    targets = encode(tokenizers.tgt, [t for _, t in pairs])
+    return list(zip(sources, targets))
+
+
+# ----------------------------------------------------------------------------------------------
+# Batches
+
+
+def bucket_lengths(max_len: int) -> tuple[int, ...]:
+    """Padded lengths 8, 16, 24, 32, 48, 64, 96, ... (2^k and 3*2^k) below max_len, then max_len.
+
+    From 16 on, consecutive buckets differ by at most 1.5x, so padding to a bucket wastes under a
+    third of it, and max_len=256 gives 10 buckets.
+    """
+    if max_len < 1:
+        raise ValueError(f"max_len must be >= 1, got {max_len}")
+    steps = sorted({m << k for m in (8, 24) for k in range(max_len.bit_length())})
+    return tuple(length for length in steps if length < max_len) + (max_len,)
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """One padded batch: src, tgt_in and tgt_out are int32, padded with 0 to the bucket length S = T."""
+
+    src: np.ndarray  # (B, S): source ids + eos
+    tgt_in: np.ndarray  # (B, T): decoder input, shift_right(tgt_out): bos + tgt_out[:, :-1]
+    tgt_out: np.ndarray  # (B, T): target ids + eos, the labels
+    ids: np.ndarray  # (B,) index of each row's pair in the Batcher's examples; -1 for filler rows
+    num_src_tokens: int  # non-pad tokens in src
+    num_tgt_tokens: int  # non-pad tokens in tgt_out: what the loss averages over
+
+    @property
+    def num_sentences(self) -> int:
+        return int((self.ids >= 0).sum())
+
+
+class Batcher:
+    """Padded batches under a token budget, in length buckets, shuffled per epoch, resumable.
+
+    A pair goes to the smallest bucket length L >= max(len(src), len(tgt)) (lengths include
+    <eos>); source and target are both padded to L, so a bucket has one batch shape (B_L, L) with
+        B_L = floor(token_budget / (L * multiple_of)) * multiple_of,  i.e.  B_L * L <= token_budget.
+    The last batch of a bucket is filled up with all-pad rows (ids -1, no tokens) so that shape
+    never changes: at most one shape per bucket, `shapes`. Pairs longer than max_len are dropped
+    and counted in `num_dropped`.
+
+    Epoch e is shuffled by numpy's Generator seeded with (seed, e): pairs within each bucket, then
+    the order of all batches. `next(batcher)` runs through epochs endlessly; `state()` is a
+    JSON-able {"epoch", "index"} (batches already taken from that epoch), and `restore(state)`
+    continues exactly from there. `epoch_batches(e)` yields one epoch without touching the state
+    (with shuffle=False: bucket by bucket, pairs in their given order, for evaluation).
+    """
+
+    def __init__(
+        self,
+        examples: Sequence[tuple[Sequence[int], Sequence[int]]],
+        token_budget: int,
+        max_len: int = 256,
+        buckets: Sequence[int] | None = None,
+        multiple_of: int = 1,
+        shuffle: bool = True,
+        seed: int = 0,
+    ):
+        self.buckets = tuple(buckets) if buckets is not None else bucket_lengths(max_len)
+        if list(self.buckets) != sorted(set(self.buckets)) or self.buckets[-1] != max_len:
+            raise ValueError(f"buckets must increase and end at max_len={max_len}, got {self.buckets}")
+        if multiple_of < 1:
+            raise ValueError(f"multiple_of must be >= 1, got {multiple_of}")
+        if token_budget < max_len * multiple_of:
+            raise ValueError(
+                f"token_budget={token_budget} cannot hold {multiple_of} sequence(s) of max_len={max_len}: "
+                f"needs at least {max_len * multiple_of}"
+            )
+        self.examples, self.shuffle, self.seed = examples, shuffle, seed
+        self.batch_size = {length: token_budget // (length * multiple_of) * multiple_of for length in self.buckets}
+        lengths = np.array([max(len(s), len(t)) for s, t in examples], dtype=np.int64).reshape(-1)
+        keep = lengths <= max_len
+        self.num_dropped = int((~keep).sum())
+        if self.num_dropped:
+            log.info("dropped %d of %d pairs longer than max_len=%d", self.num_dropped, len(examples), max_len)
+        bucket_of = np.searchsorted(self.buckets, lengths)  # smallest bucket >= length
+        members = {length: np.flatnonzero(keep & (bucket_of == b)) for b, length in enumerate(self.buckets)}
+        self._members = {length: idx for length, idx in members.items() if len(idx)}  # buckets in use
+        self.epoch, self.index, self._plan_cache = 0, 0, (None, [])
+
+    @property
+    def shapes(self) -> list[tuple[int, int]]:
+        """The distinct (B, L) batch shapes this data produces (one per bucket in use)."""
+        return [(self.batch_size[length], length) for length in self._members]
+
+    @property
+    def num_batches(self) -> int:
+        """Batches per epoch (the same every epoch)."""
+        return sum(-(-len(idx) // self.batch_size[length]) for length, idx in self._members.items())
+
+    def _plan(self, epoch: int) -> list[tuple[int, np.ndarray]]:
+        """(L, example indices) of every batch of `epoch`, in order."""
+        rng = np.random.default_rng((self.seed, epoch))
+        plan = []
+        for length, idx in self._members.items():
+            if self.shuffle:
+                idx = rng.permutation(idx)
+            size = self.batch_size[length]
+            plan += [(length, idx[i : i + size]) for i in range(0, len(idx), size)]
+        if self.shuffle:
+            plan = [plan[i] for i in rng.permutation(len(plan))]
+        return plan
+
+    def _collate(self, length: int, idx: np.ndarray) -> Batch:
+        size = self.batch_size[length]
+        src = np.zeros((size, length), np.int32)  # (B, S)
+        tgt_out = np.zeros((size, length), np.int32)  # (B, T)
+        for row, i in enumerate(idx):
+            s, t = self.examples[i]
+            src[row, : len(s)] = s
+            tgt_out[row, : len(t)] = t
+        tgt_in = np.concatenate([np.full((size, 1), BOS_ID, np.int32), tgt_out[:, :-1]], axis=1)  # (B, T)
+        ids = np.full(size, -1, np.int64)
+        ids[: len(idx)] = idx
+        return Batch(src, tgt_in, tgt_out, ids, int((src != PAD_ID).sum()), int((tgt_out != PAD_ID).sum()))
+
+    def epoch_batches(self, epoch: int = 0) -> Iterator[Batch]:
+        """All batches of one epoch; the iteration state is left alone."""
+        for length, idx in self._plan(epoch):
+            yield self._collate(length, idx)
+
+    def __iter__(self) -> Batcher:
+        return self
+
+    def __next__(self) -> Batch:
+        if not self._members:
+            raise StopIteration  # no data: an endless stream would spin forever
+        if self.index >= self.num_batches:
+            self.epoch, self.index = self.epoch + 1, 0
+        if self._plan_cache[0] != self.epoch:
+            self._plan_cache = (self.epoch, self._plan(self.epoch))
+        length, idx = self._plan_cache[1][self.index]
+        self.index += 1
+        return self._collate(length, idx)
+
+    def state(self) -> dict[str, int]:
+        """Where `next` continues: {"epoch": e, "index": batches of epoch e already taken}."""
+        return {"epoch": self.epoch, "index": self.index}
+
+    def restore(self, state: dict[str, int]) -> None:
+        """Continue from a `state()` (e.g. read back from a checkpoint's JSON)."""
+        self.epoch, self.index = int(state["epoch"]), int(state["index"])
