@@ -144,11 +144,17 @@ class MultiHeadAttention(nnx.Module):
         B, L, D = x.shape
         return x.reshape(B, L, self.num_heads, D // self.num_heads).transpose(0, 2, 1, 3)  # (B, H, L, K)
 
-    def __call__(self, x, context, mask=None, *, deterministic: bool = True, rngs: nnx.Rngs | None = None):
-        """Queries from x (B, T, D), keys and values from context (B, S, D) -> (B, T, D)."""
+    def project_kv(self, context: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """context (B, S, D) -> keys and values (B, H, S, K), as a decoding cache stores them."""
+        return self.split_heads(self.k_proj(context)), self.split_heads(self.v_proj(context))
+
+    def __call__(self, x, context, mask=None, kv=None, *, deterministic: bool = True, rngs: nnx.Rngs | None = None):
+        """Queries from x (B, T, D), keys and values from context (B, S, D) -> (B, T, D).
+
+        `kv` gives keys and values already projected (from a cache) in place of `context`.
+        """
         q = self.split_heads(self.q_proj(x))  # (B, H, T, K)
-        k = self.split_heads(self.k_proj(context))  # (B, H, S, K)
-        v = self.split_heads(self.v_proj(context))  # (B, H, S, K)
+        k, v = self.project_kv(context) if kv is None else kv  # (B, H, S, K) each
         dropout = functools.partial(self.dropout, deterministic=deterministic, rngs=rngs)
         out = scaled_dot_product_attention(q, k, v, mask, dropout)  # (B, H, T, K)
         B, H, T, K = out.shape
@@ -221,6 +227,35 @@ class DecoderLayer(EncoderLayer):
         x = self.residual(x, self.cross_attn_norm, lambda h: self.cross_attn(h, memory, src_mask, **mode), **mode)
         return self.residual(x, self.ff_norm, self.ff, **mode)
 
+    def init_cache(self, memory: jax.Array, max_len: int) -> dict[str, jax.Array]:
+        """Cross-attention keys/values of memory (B, S, D), computed once, and room for max_len
+        self-attention keys/values: self_k, self_v (B, H, max_len, K); cross_k, cross_v (B, H, S, K)."""
+        cross_k, cross_v = self.cross_attn.project_kv(memory)
+        B, H, S, K = cross_k.shape
+        empty = jnp.zeros((B, H, max_len, K), cross_k.dtype)
+        return {"self_k": empty, "self_v": empty, "cross_k": cross_k, "cross_v": cross_v}
+
+    def step(self, x, cache: dict[str, jax.Array], position, src_mask=None) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """`__call__` for the one position `position` (may be traced), x (B, 1, D), keys and values
+        of the earlier positions read from `cache` -> ((B, 1, D), the updated cache)."""
+        cache = dict(cache)
+
+        def cached_self_attn(h):
+            k, v = self.self_attn.project_kv(h)  # (B, H, 1, K) each
+            cache["self_k"] = jax.lax.dynamic_update_slice_in_dim(cache["self_k"], k, position, axis=2)
+            cache["self_v"] = jax.lax.dynamic_update_slice_in_dim(cache["self_v"], v, position, axis=2)
+            length = cache["self_k"].shape[2]
+            seen = (jnp.arange(length) <= position)[None, None, None, :]  # (1, 1, 1, L)
+            return self.self_attn(h, None, seen, kv=(cache["self_k"], cache["self_v"]))
+
+        mode = dict(deterministic=True, rngs=None)
+        x = self.residual(x, self.self_attn_norm, cached_self_attn, **mode)
+        x = self.residual(
+            x, self.cross_attn_norm, lambda h: self.cross_attn(h, None, src_mask, kv=(cache["cross_k"], cache["cross_v"])),
+            **mode,
+        )
+        return self.residual(x, self.ff_norm, self.ff, **mode), cache
+
 
 class Encoder(nnx.Module):
     """Positions and dropout on the embedded input, `num_layers` layers, a final norm if pre-norm."""
@@ -252,6 +287,15 @@ class Decoder(Encoder):
         for layer in self.layers:
             x = layer(x, memory, src_mask, tgt_mask, deterministic=deterministic, rngs=rngs)
         return x if self.norm is None else self.norm(x)
+
+    def step(self, x, cache: list[dict[str, jax.Array]], position, src_mask=None):
+        """Embedded target token x (B, 1, D) at `position` -> (hidden (B, 1, D), cache)."""
+        x = self.positions(x, offset=position)  # no dropout: decoding is deterministic
+        new_cache = []
+        for layer, layer_cache in zip(self.layers, cache):
+            x, layer_cache = layer.step(x, layer_cache, position, src_mask)
+            new_cache.append(layer_cache)
+        return (x if self.norm is None else self.norm(x)), new_cache
 
 
 class Transformer(nnx.Module):
@@ -297,6 +341,20 @@ class Transformer(nnx.Module):
             tgt_mask = causal_mask(tgt_in_ids.shape[1]) & padding_mask(tgt_in_ids, self.cfg.pad_id)
         x = self.target_embedding(tgt_in_ids) * self.embed_scale  # (B, T, D)
         return self.decoder(x, memory, src_mask, tgt_mask, deterministic=deterministic, rngs=rngs)
+
+    def init_cache(self, memory: jax.Array, max_len: int) -> list[dict[str, jax.Array]]:
+        """A decoding cache for `max_len` target positions over memory (B, S, D), one dict per layer."""
+        return [layer.init_cache(memory, max_len) for layer in self.decoder.layers]
+
+    def decode_step(self, tgt_ids, cache, position, src_mask=None):
+        """The token at `position` of each row, tgt_ids (B,) -> (logits (B, V) for position + 1, cache).
+
+        Equal to `project(decode(prefix, ...))[:, position]` for the prefix written so far, without
+        recomputing earlier positions (they are read from the cache).
+        """
+        x = self.target_embedding(tgt_ids[:, None]) * self.embed_scale  # (B, 1, D)
+        hidden, cache = self.decoder.step(x, cache, position, src_mask)
+        return self.project(hidden)[:, 0], cache
 
     def project(self, hidden: jax.Array) -> jax.Array:
         """hidden (B, T, D) -> logits (B, T, V)."""

@@ -123,11 +123,19 @@ class MultiHeadAttention(nn.Module):
         B, L, D = x.shape
         return x.view(B, L, self.num_heads, D // self.num_heads).transpose(1, 2)  # (B, H, L, K)
 
-    def forward(self, x: Tensor, context: Tensor, mask: Tensor | None = None) -> Tensor:
-        """Queries from x (B, T, D), keys and values from context (B, S, D) -> (B, T, D)."""
+    def project_kv(self, context: Tensor) -> tuple[Tensor, Tensor]:
+        """context (B, S, D) -> keys and values (B, H, S, K), as a decoding cache stores them."""
+        return self.split_heads(self.k_proj(context)), self.split_heads(self.v_proj(context))
+
+    def forward(
+        self, x: Tensor, context: Tensor | None, mask: Tensor | None = None, kv: tuple[Tensor, Tensor] | None = None
+    ) -> Tensor:
+        """Queries from x (B, T, D), keys and values from context (B, S, D) -> (B, T, D).
+
+        `kv` gives keys and values already projected (from a cache) in place of `context`.
+        """
         q = self.split_heads(self.q_proj(x))  # (B, H, T, K)
-        k = self.split_heads(self.k_proj(context))  # (B, H, S, K)
-        v = self.split_heads(self.v_proj(context))  # (B, H, S, K)
+        k, v = self.project_kv(context) if kv is None else kv  # (B, H, S, K) each
         out = scaled_dot_product_attention(q, k, v, mask, self.dropout)  # (B, H, T, K)
         B, H, T, K = out.shape
         return self.out_proj(out.transpose(1, 2).reshape(B, T, H * K))  # (B, T, D)
@@ -201,6 +209,34 @@ class DecoderLayer(EncoderLayer):
         x = self.residual(x, self.cross_attn_norm, lambda h: self.cross_attn(h, memory, src_mask))
         return self.residual(x, self.ff_norm, self.ff)
 
+    def init_cache(self, memory: Tensor, max_len: int) -> dict[str, Tensor]:
+        """Cross-attention keys/values of memory (B, S, D), computed once, and room for max_len
+        self-attention keys/values: self_k, self_v (B, H, max_len, K); cross_k, cross_v (B, H, S, K)."""
+        cross_k, cross_v = self.cross_attn.project_kv(memory)
+        B, H, S, K = cross_k.shape
+        empty = cross_k.new_zeros(B, H, max_len, K)
+        return {"self_k": empty, "self_v": empty.clone(), "cross_k": cross_k, "cross_v": cross_v}
+
+    def step(
+        self, x: Tensor, cache: dict[str, Tensor], position: int, src_mask: Tensor | None = None
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """`forward` for the one position `position`, x (B, 1, D), keys and values of the earlier
+        positions read from `cache` (which is updated in place and returned) -> ((B, 1, D), cache)."""
+
+        def cached_self_attn(h: Tensor) -> Tensor:
+            k, v = self.self_attn.project_kv(h)  # (B, H, 1, K) each
+            cache["self_k"][:, :, position] = k[:, :, 0]
+            cache["self_v"][:, :, position] = v[:, :, 0]
+            length = cache["self_k"].shape[2]
+            seen = (torch.arange(length, device=h.device) <= position)[None, None, None, :]  # (1, 1, 1, L)
+            return self.self_attn(h, None, seen, kv=(cache["self_k"], cache["self_v"]))
+
+        x = self.residual(x, self.self_attn_norm, cached_self_attn)
+        x = self.residual(
+            x, self.cross_attn_norm, lambda h: self.cross_attn(h, None, src_mask, kv=(cache["cross_k"], cache["cross_v"]))
+        )
+        return self.residual(x, self.ff_norm, self.ff), cache
+
 
 class Encoder(nn.Module):
     """Positions and dropout on the embedded input, `num_layers` layers, a final norm if pre-norm."""
@@ -235,6 +271,17 @@ class Decoder(Encoder):
         for layer in self.layers:
             x = layer(x, memory, src_mask, tgt_mask)
         return x if self.norm is None else self.norm(x)
+
+    def step(
+        self, x: Tensor, cache: list[dict[str, Tensor]], position: int, src_mask: Tensor | None = None
+    ) -> tuple[Tensor, list[dict[str, Tensor]]]:
+        """Embedded target token x (B, 1, D) at `position` -> (hidden (B, 1, D), cache)."""
+        x = self.positions(x, offset=position)  # no dropout: decoding is deterministic
+        new_cache = []
+        for layer, layer_cache in zip(self.layers, cache):
+            x, layer_cache = layer.step(x, layer_cache, position, src_mask)
+            new_cache.append(layer_cache)
+        return (x if self.norm is None else self.norm(x)), new_cache
 
 
 class Transformer(nn.Module):
@@ -295,6 +342,22 @@ class Transformer(nn.Module):
             tgt_mask = causal_mask(tgt_in_ids.shape[1], tgt_in_ids.device) & padding_mask(tgt_in_ids, self.cfg.pad_id)
         x = self.target_embedding(tgt_in_ids) * self.embed_scale  # (B, T, D)
         return self.decoder(x, memory, src_mask, tgt_mask)
+
+    def init_cache(self, memory: Tensor, max_len: int) -> list[dict[str, Tensor]]:
+        """A decoding cache for `max_len` target positions over memory (B, S, D), one dict per layer."""
+        return [layer.init_cache(memory, max_len) for layer in self.decoder.layers]
+
+    def decode_step(
+        self, tgt_ids: Tensor, cache: list[dict[str, Tensor]], position: int, src_mask: Tensor | None = None
+    ) -> tuple[Tensor, list[dict[str, Tensor]]]:
+        """The token at `position` of each row, tgt_ids (B,) -> (logits (B, V) for position + 1, cache).
+
+        Equal to `project(decode(prefix, ...))[:, position]` for the prefix written so far, without
+        recomputing earlier positions (they are read from the cache).
+        """
+        x = self.target_embedding(tgt_ids[:, None]) * self.embed_scale  # (B, 1, D)
+        hidden, cache = self.decoder.step(x, cache, position, src_mask)
+        return self.project(hidden)[:, 0], cache
 
     def project(self, hidden: Tensor) -> Tensor:
         """hidden (B, T, D) -> logits (B, T, V)."""
