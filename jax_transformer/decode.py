@@ -1,0 +1,175 @@
+"""Search over the Flax model's cached decoding: greedy and beam search, each one jit-compiled
+`lax.while_loop` with static shapes.
+
+The same algorithm as `torch_reference/decode.py` (read its docstrings for the details), with the
+same names and defaults; both return identical tokens and scores to float32 rounding. Output
+tokens (B, L) exclude BOS, end with EOS and are padded after it, with
+L = min(max_len, floor(max_len_a * S + max_len_b)) for a padded source length S.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .model import Transformer, padding_mask
+
+# A finite "minus infinity": sums of it stay finite, so no inf - inf = NaN in the scores.
+NEG_INF = -1.0e9
+
+
+def length_penalty(length, alpha: float):
+    """GNMT's ((5 + length) / 6) ** alpha (Wu et al., 2016); scores are log-probability / penalty."""
+    return ((5.0 + length) / 6.0) ** alpha
+
+
+def output_length(src_len: int, max_len: int, max_len_a: float, max_len_b: int) -> int:
+    """The padded output length for a padded source length: a static shape."""
+    return max(1, min(max_len, math.floor(max_len_a * src_len + max_len_b)))
+
+
+def sentence_limits(src_ids, pad_id: int, length: int, max_len_a: float, max_len_b: int):
+    """(B,) the most tokens each sentence may produce: a * its length + b, at most `length`."""
+    src_len = (src_ids != pad_id).sum(axis=1).astype(jnp.float32)
+    return jnp.clip(jnp.floor(max_len_a * src_len + max_len_b), 1, length).astype(jnp.int32)
+
+
+def _never_emitted(cfg, vocab):
+    """(V,) True for the ids a translation never contains: padding and BOS."""
+    return (vocab == cfg.pad_id) | (vocab == cfg.bos_id)
+
+
+def _check_source(model: Transformer, src_ids) -> None:
+    if src_ids.shape[1] > model.cfg.max_len:
+        raise ValueError(
+            f"source of {src_ids.shape[1]} tokens exceeds the model's max_len={model.cfg.max_len}; truncate it first"
+        )
+
+
+def greedy_search(model: Transformer, src_ids, max_len_a: float = 1.5, max_len_b: int = 10):
+    """src_ids (B, S) -> (tokens (B, L), scores (B,)): the argmax token at each step; the score is
+    the sum of the chosen tokens' log-probabilities."""
+    _check_source(model, src_ids)
+    return _greedy_search(model, jnp.asarray(src_ids, jnp.int32), max_len_a, max_len_b)
+
+
+@functools.partial(nnx.jit, static_argnums=(2, 3))
+def _greedy_search(model: Transformer, src_ids, max_len_a: float, max_len_b: int):
+    cfg = model.cfg
+    B, S = src_ids.shape
+    length = output_length(S, cfg.max_len, max_len_a, max_len_b)
+    limits = sentence_limits(src_ids, cfg.pad_id, length, max_len_a, max_len_b)  # (B,)
+    src_mask = padding_mask(src_ids, cfg.pad_id)
+    cache = model.init_cache(model.encode(src_ids, src_mask), length)
+    not_eos = jnp.arange(cfg.tgt_vocab_size) != cfg.eos_id  # (V,)
+    never = _never_emitted(cfg, jnp.arange(cfg.tgt_vocab_size))  # (V,) pad and bos
+
+    def running(state):
+        position, done = state[0], state[3]
+        return (position < length) & ~done.all()
+
+    def step(state):
+        position, tokens, scores, done, last, cache = state
+        logits, cache = model.decode_step(last, cache, position, src_mask)
+        logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # (B, V)
+        must_end = (position + 1 >= limits)[:, None]  # sentences at their limit emit EOS
+        logprobs = jnp.where((must_end & not_eos) | never, NEG_INF, logprobs)
+        last = logprobs.argmax(axis=-1).astype(jnp.int32)  # (B,)
+        scores = scores + jnp.where(done, 0.0, jnp.take_along_axis(logprobs, last[:, None], axis=1)[:, 0])
+        tokens = tokens.at[:, position].set(jnp.where(done, cfg.pad_id, last))
+        done = done | (last == cfg.eos_id)
+        return position + 1, tokens, scores, done, last, cache
+
+    state = (
+        jnp.int32(0),
+        jnp.full((B, length), cfg.pad_id, jnp.int32),
+        jnp.zeros(B, jnp.float32),
+        jnp.zeros(B, jnp.bool_),
+        jnp.full((B,), cfg.bos_id, jnp.int32),
+        cache,
+    )
+    _, tokens, scores, *_ = jax.lax.while_loop(running, step, state)
+    return tokens, scores
+
+
+def _gather(x, index):
+    """x (B, N, ...) indexed along axis 1 by index (B, M) -> (B, M, ...)."""
+    return jax.vmap(lambda row, i: row[i])(x, index)
+
+
+def beam_search(model: Transformer, src_ids, beam_size: int = 4, alpha: float = 0.6,
+                max_len_a: float = 1.5, max_len_b: int = 10):
+    """src_ids (B, S) -> (tokens (B, L), scores (B,)) of the best finished hypothesis per sentence.
+
+    See `torch_reference.decode.beam_search` for the algorithm; here it is one compiled loop.
+    """
+    _check_source(model, src_ids)
+    return _beam_search(model, jnp.asarray(src_ids, jnp.int32), beam_size, alpha, max_len_a, max_len_b)
+
+
+@functools.partial(nnx.jit, static_argnums=(2, 3, 4, 5))
+def _beam_search(model: Transformer, src_ids, beam_size: int, alpha: float, max_len_a: float, max_len_b: int):
+    cfg = model.cfg
+    B, S = src_ids.shape
+    k, V = beam_size, cfg.tgt_vocab_size
+    length = output_length(S, cfg.max_len, max_len_a, max_len_b)
+    limits = sentence_limits(src_ids, cfg.pad_id, length, max_len_a, max_len_b)  # (B,)
+    src_mask = jnp.repeat(padding_mask(src_ids, cfg.pad_id), k, axis=0)  # (B*k, 1, 1, S)
+    memory = jnp.repeat(model.encode(src_ids, padding_mask(src_ids, cfg.pad_id)), k, axis=0)
+    cache = model.init_cache(memory, length)  # batch axis B*k, hypothesis-major within a sentence
+    not_eos = jnp.arange(V) != cfg.eos_id  # (V,)
+    never = _never_emitted(cfg, jnp.arange(V))  # (V,) pad and bos
+    best_possible_penalty = length_penalty(limits.astype(jnp.float32), alpha)  # (B,)
+
+    def running(state):
+        position, done = state[0], state[-1]
+        return (position < length) & ~done.all()
+
+    def step(state):
+        position, live_tokens, live_logprob, finished_tokens, finished_scores, last, cache, _ = state
+        logits, cache = model.decode_step(last, cache, position, src_mask)
+        logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1).reshape(B, k, V)
+        must_end = (position + 1 >= limits)[:, None, None]
+        logprobs = jnp.where((must_end & not_eos) | never, NEG_INF, logprobs)
+
+        candidates = (live_logprob[:, :, None] + logprobs).reshape(B, k * V)
+        top_logprob, top_index = jax.lax.top_k(candidates, 2 * k)  # (B, 2k)
+        parent, token = top_index // V, (top_index % V).astype(jnp.int32)
+        top_tokens = _gather(live_tokens, parent).at[:, :, position].set(token)  # (B, 2k, L)
+        ends = token == cfg.eos_id
+
+        # Finished: the old ones and the new EOS candidates, the best k kept.
+        new_scores = jnp.where(ends, top_logprob / length_penalty(position + 1, alpha), NEG_INF)
+        finished_scores, keep = jax.lax.top_k(jnp.concatenate([finished_scores, new_scores], axis=1), k)
+        finished_tokens = _gather(jnp.concatenate([finished_tokens, top_tokens], axis=1), keep)
+
+        # Live: the best k candidates that did not end.
+        live_logprob, keep = jax.lax.top_k(jnp.where(ends, NEG_INF, top_logprob), k)
+        live_tokens = _gather(top_tokens, keep)
+        last = _gather(token, keep).reshape(B * k)
+        # Reorder the self-attention cache to follow the surviving hypotheses' parents. The
+        # cross-attention keys are the same for every hypothesis of a sentence: left as they are.
+        order = (jnp.arange(B)[:, None] * k + _gather(parent, keep)).reshape(B * k)
+        cache = [{**c, "self_k": c["self_k"][order], "self_v": c["self_v"][order]} for c in cache]
+
+        done = finished_scores[:, -1] >= live_logprob[:, 0] / best_possible_penalty
+        return position + 1, live_tokens, live_logprob, finished_tokens, finished_scores, last, cache, done
+
+    live_tokens = jnp.full((B, k, length), cfg.pad_id, jnp.int32)
+    state = (
+        jnp.int32(0),
+        live_tokens,
+        jnp.full((B, k), NEG_INF, jnp.float32).at[:, 0].set(0.0),  # one live hypothesis at the start
+        live_tokens,
+        jnp.full((B, k), NEG_INF, jnp.float32),
+        jnp.full((B * k,), cfg.bos_id, jnp.int32),
+        cache,
+        jnp.zeros(B, jnp.bool_),
+    )
+    state = jax.lax.while_loop(running, step, state)
+    finished_tokens, finished_scores = state[3], state[4]
+    return finished_tokens[:, 0], finished_scores[:, 0]

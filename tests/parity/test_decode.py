@@ -1,0 +1,175 @@
+"""Cached decoding and search: cached = uncached in each framework, and torch = JAX.
+
+Tolerances: logits 1e-5 max abs (the parity contract's float32 bound for tiny models); scores
+are sums of up to L log-probabilities, 1e-5 absolute (each term agrees to ~1e-6).
+"""
+
+import itertools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import torch_reference as tr
+from jax_transformer import decode as jd
+from jax_transformer import model as jmodel
+from parity import torch_to_jax
+from parity.check import enable_parity_numerics
+from torch_reference import decode as td
+
+enable_parity_numerics()
+
+LOPSIDED = dict(src_vocab_size=53, tgt_vocab_size=53, d_model=24, num_heads=3, d_ff=40,
+                num_encoder_layers=2, num_decoder_layers=3, max_len=40, dropout=0.0)
+
+
+def pair(seed=0, **overrides):
+    torch.manual_seed(seed)
+    torch_model = tr.Transformer(tr.TransformerConfig(**{**LOPSIDED, **overrides})).eval()
+    return torch_model, torch_to_jax(torch_model)
+
+
+def source(batch=4, length=9, seed=0, vocab=53):
+    """Random sources ending in EOS with right padding; row lengths differ."""
+    rng = np.random.default_rng(seed)
+    out = np.zeros((batch, length), dtype=np.int64)
+    for row, n in enumerate(rng.integers(1, length + 1, size=batch)):
+        out[row, : n - 1] = rng.integers(4, vocab, size=n - 1)
+        out[row, n - 1] = 2
+    return out
+
+
+@pytest.mark.parametrize("overrides", [{}, {"norm_position": "pre", "positions": "learned"}, {"activation": "swiglu"}])
+def test_cached_steps_equal_the_full_decoder_in_both_frameworks(overrides):
+    torch_model, jax_model = pair(**overrides)
+    src = source()
+    tgt = np.random.default_rng(1).integers(4, 53, size=(4, 8))
+    tgt[:, 0] = 1
+    src_t, tgt_t = torch.from_numpy(src), torch.from_numpy(tgt)
+    mask_t = tr.padding_mask(src_t, 0)
+    memory = torch_model.encode(src_t, mask_t)
+    full_t = torch_model.project(torch_model.decode(tgt_t, memory, mask_t)).detach().numpy()
+    cache = torch_model.init_cache(memory, 8)
+    steps_t = []
+    for position in range(8):
+        logits, cache = torch_model.decode_step(tgt_t[:, position], cache, position, mask_t)
+        steps_t.append(logits.detach().numpy())
+    np.testing.assert_allclose(np.stack(steps_t, 1), full_t, atol=1e-5)
+
+    src_j, tgt_j = jnp.asarray(src), jnp.asarray(tgt)
+    mask_j = jmodel.padding_mask(src_j, 0)
+    memory_j = jax_model.encode(src_j, mask_j)
+    full_j = np.asarray(jax_model.project(jax_model.decode(tgt_j, memory_j, mask_j)))
+    cache_j = jax_model.init_cache(memory_j, 8)
+    steps_j = []
+    for position in range(8):
+        logits, cache_j = jax_model.decode_step(tgt_j[:, position], cache_j, position, mask_j)
+        steps_j.append(np.asarray(logits))
+    np.testing.assert_allclose(np.stack(steps_j, 1), full_j, atol=1e-5)
+    np.testing.assert_allclose(np.stack(steps_j, 1), full_t, atol=1e-5)
+
+
+def uncached_greedy(model, src, length):
+    """The seed repositories' loop: re-run the whole decoder for every new token."""
+    mask = tr.padding_mask(src, 0)
+    memory = model.encode(src, mask)
+    prefix = torch.full((src.shape[0], 1), 1)
+    for _ in range(length):
+        logits = model.project(model.decode(prefix, memory, mask))[:, -1]
+        logits[:, :2] = -1e9  # never pad or BOS, as the search
+        prefix = torch.cat([prefix, logits.argmax(-1, keepdim=True)], dim=1)
+    return prefix[:, 1:]
+
+
+def test_greedy_equals_the_uncached_loop():
+    torch_model, _ = pair(seed=3)
+    src = torch.from_numpy(source(seed=3))
+    with torch.no_grad():
+        tokens, _ = td.greedy_search(torch_model, src, max_len_a=0.0, max_len_b=6)
+        reference = uncached_greedy(torch_model, src, 6)
+    for row, ref in zip(tokens.tolist(), reference.tolist()):
+        n = row.index(2) + 1 if 2 in row else len(row)
+        # up to and including EOS (the forced one at the limit aside) the tokens agree
+        assert row[: n - 1] == ref[: n - 1]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("search", ["greedy", "beam"])
+def test_torch_and_jax_search_return_identical_tokens_and_scores(search, seed):
+    torch_model, jax_model = pair(seed=seed, **({"norm_position": "pre"} if seed == 2 else {}))
+    src = source(batch=5, length=11, seed=seed)
+    if search == "greedy":
+        tokens_t, scores_t = td.greedy_search(torch_model, torch.from_numpy(src))
+        tokens_j, scores_j = jd.greedy_search(jax_model, src)
+    else:
+        tokens_t, scores_t = td.beam_search(torch_model, torch.from_numpy(src), beam_size=4)
+        tokens_j, scores_j = jd.beam_search(jax_model, src, beam_size=4)
+    np.testing.assert_array_equal(np.asarray(tokens_j), tokens_t.numpy())
+    np.testing.assert_allclose(np.asarray(scores_j), scores_t.numpy(), atol=1e-5)
+    assert (tokens_t == 2).sum(dim=1).eq(1).all()  # exactly one EOS per output
+    assert not ((tokens_t == 0) | (tokens_t == 1))[:, :1].any()  # never pad or BOS as first token
+
+
+def test_beam_search_is_exact_when_the_beam_holds_every_hypothesis():
+    # Vocabulary of 7: pad, bos, eos and 4 real tokens; at most 3 output tokens. A beam of 16 holds
+    # all 4**2 live prefixes, so beam search must find the best of all sequences by brute force.
+    torch_model, jax_model = pair(seed=5, src_vocab_size=7, tgt_vocab_size=7)
+    src = torch.tensor([[4, 5, 6, 2], [6, 2, 0, 0]])
+    mask = tr.padding_mask(src, 0)
+    alpha = 0.6
+    with torch.no_grad():
+        memory = torch_model.encode(src, mask)
+        best = []
+        for row in range(2):
+            scored = []
+            for n in range(1, 4):
+                for body in itertools.product([3, 4, 5, 6], repeat=n - 1):
+                    seq = [*body, 2]
+                    logits = torch_model.project(torch_model.decode(torch.tensor([[1, *seq[:-1]]]), memory[row : row + 1], mask[row : row + 1]))
+                    logp = torch.log_softmax(logits[0], -1)[torch.arange(n), torch.tensor(seq)].sum().item()
+                    scored.append((logp / td.length_penalty(n, alpha), seq))
+            best.append(max(scored))
+    tokens, scores = td.beam_search(torch_model, src, beam_size=16, alpha=alpha, max_len_a=0.0, max_len_b=3)
+    tokens_j, scores_j = jd.beam_search(jax_model, src.numpy(), beam_size=16, alpha=alpha, max_len_a=0.0, max_len_b=3)
+    for row in range(2):
+        score, seq = best[row]
+        assert tokens[row].tolist()[: len(seq)] == seq
+        assert np.asarray(tokens_j)[row].tolist()[: len(seq)] == seq
+        assert abs(scores[row].item() - score) <= 1e-5 and abs(float(scores_j[row]) - score) <= 1e-5
+
+
+@pytest.mark.parametrize("search", ["greedy", "beam"])
+def test_batching_does_not_change_results_and_short_sentences_end_at_step_one(search):
+    torch_model, jax_model = pair(seed=4)
+    src = source(batch=4, length=10, seed=4)
+    src[2] = 0
+    src[2, 0] = 2  # an empty source line: EOS only, limit max_len_a * 1 + 0 = 1 token
+    run_t = (lambda s: td.greedy_search(torch_model, torch.from_numpy(s), 1.0, 0)) if search == "greedy" else (
+        lambda s: td.beam_search(torch_model, torch.from_numpy(s), 3, 0.6, 1.0, 0))
+    run_j = (lambda s: jd.greedy_search(jax_model, s, 1.0, 0)) if search == "greedy" else (
+        lambda s: jd.beam_search(jax_model, s, 3, 0.6, 1.0, 0))
+    tokens_t, scores_t = run_t(src)
+    tokens_j, scores_j = run_j(src)
+    assert tokens_t[2].tolist() == [2] + [0] * (tokens_t.shape[1] - 1)  # finished at step 1
+    np.testing.assert_array_equal(np.asarray(tokens_j), tokens_t.numpy())
+    for row in range(4):
+        alone_t, alone_score = run_t(src[row : row + 1])
+        n = alone_t.shape[1]
+        assert tokens_t[row, :n].tolist() == alone_t[0].tolist()
+        assert abs(alone_score.item() - scores_t[row].item()) <= 1e-5
+
+
+def test_source_longer_than_max_len_is_refused_clearly():
+    torch_model, jax_model = pair()
+    src = np.full((1, 41), 5)
+    with pytest.raises(ValueError, match="exceeds the model's max_len=40"):
+        td.beam_search(torch_model, torch.from_numpy(src))
+    with pytest.raises(ValueError, match="exceeds the model's max_len=40"):
+        jd.greedy_search(jax_model, src)
+
+
+def test_output_length_is_bounded_by_max_len():
+    assert td.output_length(30, 40, 1.5, 10) == 40
+    assert td.output_length(4, 40, 1.5, 10) == 16
+    assert jd.output_length(4, 40, 1.5, 10) == 16

@@ -1,0 +1,156 @@
+"""Search over the reference model's cached decoding: greedy and beam search.
+
+`jax_transformer/decode.py` is the same algorithm in one jit-compiled `lax.while_loop`; the two
+return identical tokens and scores (to float32 rounding) for the same weights.
+
+Both search with the model's key/value cache (`Transformer.init_cache` / `decode_step`): each
+step feeds one token per hypothesis and reads earlier positions from the cache. Output tokens
+exclude BOS, end with EOS and are padded with `pad_id` after it, shape (B, L) with
+L = min(max_len, floor(max_len_a * S + max_len_b)) for a padded source length S, as in JAX.
+Each sentence ends no later than floor(max_len_a * its length + max_len_b) tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from .model import Transformer, padding_mask
+
+# A finite "minus infinity": sums of it stay finite, so no inf - inf = NaN in the scores.
+NEG_INF = -1.0e9
+
+
+def length_penalty(length, alpha: float):
+    """GNMT's ((5 + length) / 6) ** alpha (Wu et al., 2016); scores are log-probability / penalty."""
+    return ((5.0 + length) / 6.0) ** alpha
+
+
+def output_length(src_len: int, max_len: int, max_len_a: float, max_len_b: int) -> int:
+    """The padded output length for a padded source length (a static shape on the JAX side)."""
+    return max(1, min(max_len, math.floor(max_len_a * src_len + max_len_b)))
+
+
+def sentence_limits(src_ids: Tensor, pad_id: int, length: int, max_len_a: float, max_len_b: int) -> Tensor:
+    """(B,) the most tokens each sentence may produce: a * its length + b, at most `length`."""
+    src_len = (src_ids != pad_id).sum(dim=1).float()
+    return torch.clamp(torch.floor(max_len_a * src_len + max_len_b), 1, length).long()
+
+
+def _never_emitted(cfg, vocab):
+    """(V,) True for the ids a translation never contains: padding and BOS."""
+    return (vocab == cfg.pad_id) | (vocab == cfg.bos_id)
+
+
+def _check_source(model: Transformer, src_ids: Tensor) -> None:
+    if src_ids.shape[1] > model.cfg.max_len:
+        raise ValueError(
+            f"source of {src_ids.shape[1]} tokens exceeds the model's max_len={model.cfg.max_len}; truncate it first"
+        )
+
+
+@torch.no_grad()
+def greedy_search(
+    model: Transformer, src_ids: Tensor, max_len_a: float = 1.5, max_len_b: int = 10
+) -> tuple[Tensor, Tensor]:
+    """src_ids (B, S) -> (tokens (B, L), scores (B,)): the argmax token at each step; the score is
+    the sum of the chosen tokens' log-probabilities."""
+    _check_source(model, src_ids)
+    cfg = model.cfg
+    B, S = src_ids.shape
+    length = output_length(S, cfg.max_len, max_len_a, max_len_b)
+    limits = sentence_limits(src_ids, cfg.pad_id, length, max_len_a, max_len_b)  # (B,)
+    src_mask = padding_mask(src_ids, cfg.pad_id)
+    cache = model.init_cache(model.encode(src_ids, src_mask), length)
+    not_eos = torch.arange(cfg.tgt_vocab_size, device=src_ids.device) != cfg.eos_id  # (V,)
+    never = _never_emitted(cfg, torch.arange(cfg.tgt_vocab_size, device=src_ids.device))  # (V,) pad and bos
+
+    tokens = torch.full((B, length), cfg.pad_id, dtype=torch.long, device=src_ids.device)
+    scores = torch.zeros(B, device=src_ids.device)
+    done = torch.zeros(B, dtype=torch.bool, device=src_ids.device)
+    last = torch.full((B,), cfg.bos_id, dtype=torch.long, device=src_ids.device)
+    for position in range(length):
+        logits, cache = model.decode_step(last, cache, position, src_mask)
+        logprobs = torch.log_softmax(logits.float(), dim=-1)  # (B, V)
+        must_end = (position + 1 >= limits)[:, None]  # sentences at their limit emit EOS
+        logprobs = torch.where((must_end & not_eos) | never, NEG_INF, logprobs)
+        last = logprobs.argmax(dim=-1)  # (B,)
+        scores = scores + torch.where(done, 0.0, logprobs.gather(1, last[:, None])[:, 0])
+        tokens[:, position] = torch.where(done, cfg.pad_id, last)
+        done = done | (last == cfg.eos_id)
+        if bool(done.all()):
+            break
+    return tokens, scores
+
+
+def _gather(x: Tensor, index: Tensor) -> Tensor:
+    """x (B, N, ...) indexed along axis 1 by index (B, M) -> (B, M, ...)."""
+    return x[torch.arange(x.shape[0], device=x.device)[:, None], index]
+
+
+@torch.no_grad()
+def beam_search(
+    model: Transformer, src_ids: Tensor, beam_size: int = 4, alpha: float = 0.6,
+    max_len_a: float = 1.5, max_len_b: int = 10,
+) -> tuple[Tensor, Tensor]:
+    """src_ids (B, S) -> (tokens (B, L), scores (B,)) of the best finished hypothesis per sentence.
+
+    Each step extends every live hypothesis by every token, keeps the 2k best candidates, moves
+    those ending in EOS to the finished set (scored log-prob / length_penalty) and the k best
+    others to the live set. A sentence is done when its worst kept finished hypothesis beats the
+    best score any live one could still reach (its log-prob over the largest penalty, as
+    log-probs only fall); the search stops when every sentence is done.
+    """
+    _check_source(model, src_ids)
+    cfg = model.cfg
+    B, S = src_ids.shape
+    k, V = beam_size, cfg.tgt_vocab_size
+    device = src_ids.device
+    length = output_length(S, cfg.max_len, max_len_a, max_len_b)
+    limits = sentence_limits(src_ids, cfg.pad_id, length, max_len_a, max_len_b)  # (B,)
+    src_mask = padding_mask(src_ids, cfg.pad_id).repeat_interleave(k, dim=0)  # (B*k, 1, 1, S)
+    memory = model.encode(src_ids, padding_mask(src_ids, cfg.pad_id)).repeat_interleave(k, dim=0)
+    cache = model.init_cache(memory, length)  # batch axis B*k, hypothesis-major within a sentence
+    not_eos = torch.arange(V, device=device) != cfg.eos_id  # (V,)
+    never = _never_emitted(cfg, torch.arange(V, device=device))  # (V,) pad and bos
+    best_possible_penalty = length_penalty(limits.float(), alpha)  # (B,)
+
+    live_tokens = torch.full((B, k, length), cfg.pad_id, dtype=torch.long, device=device)
+    live_logprob = torch.full((B, k), NEG_INF, device=device)
+    live_logprob[:, 0] = 0.0  # one live hypothesis at the start: the others are copies of it
+    finished_tokens = live_tokens.clone()
+    finished_scores = torch.full((B, k), NEG_INF, device=device)
+    last = torch.full((B * k,), cfg.bos_id, dtype=torch.long, device=device)
+    for position in range(length):
+        logits, cache = model.decode_step(last, cache, position, src_mask)
+        logprobs = torch.log_softmax(logits.float(), dim=-1).view(B, k, V)
+        must_end = (position + 1 >= limits)[:, None, None]
+        logprobs = torch.where((must_end & not_eos) | never, NEG_INF, logprobs)
+
+        candidates = (live_logprob[:, :, None] + logprobs).view(B, k * V)
+        top_logprob, top_index = candidates.topk(2 * k, dim=1)  # (B, 2k)
+        parent, token = top_index // V, top_index % V
+        top_tokens = _gather(live_tokens, parent)  # (B, 2k, L)
+        top_tokens[:, :, position] = token
+        ends = token == cfg.eos_id
+
+        # Finished: the old ones and the new EOS candidates, the best k kept.
+        new_scores = torch.where(ends, top_logprob / length_penalty(position + 1, alpha), NEG_INF)
+        finished_scores, keep = torch.cat([finished_scores, new_scores], dim=1).topk(k, dim=1)
+        finished_tokens = _gather(torch.cat([finished_tokens, top_tokens], dim=1), keep)
+
+        # Live: the best k candidates that did not end.
+        live_logprob, keep = torch.where(ends, NEG_INF, top_logprob).topk(k, dim=1)
+        live_tokens = _gather(top_tokens, keep)
+        last = _gather(token, keep).reshape(B * k)
+        # Reorder the self-attention cache to follow the surviving hypotheses' parents. The
+        # cross-attention keys are the same for every hypothesis of a sentence: left as they are.
+        order = (torch.arange(B, device=device)[:, None] * k + _gather(parent, keep)).reshape(B * k)
+        cache = [{**c, "self_k": c["self_k"][order], "self_v": c["self_v"][order]} for c in cache]
+
+        done = finished_scores[:, -1] >= live_logprob[:, 0] / best_possible_penalty
+        if bool(done.all()):
+            break
+    return finished_tokens[:, 0], finished_scores[:, 0]
