@@ -196,6 +196,53 @@ def jax_to_torch(model: nnx.Module, cfg: TransformerConfig | None = None) -> tor
 
 
 # ---------------------------------------------------------------------------------------------
+# Adam optimizer state: torch.optim.Adam (step, exp_avg, exp_avg_sq per parameter index) <->
+# optax's ScaleByAdamState (count, mu, nu as parameter-shaped trees). The moments are
+# parameter-shaped, so they follow the weights' rules (kernels transposed) and strict checks.
+# ---------------------------------------------------------------------------------------------
+
+
+def torch_adam_to_jax(optimizer_state: Mapping, param_names: list[str], cfg: TransformerConfig) -> dict:
+    """A `torch.optim.Adam.state_dict()` -> {"count": int, "mu": {flax key: array}, "nu": {...}}.
+
+    `param_names` names the optimizer's parameters in order (`[n for n, _ in model.named_parameters()]`).
+    """
+    state = optimizer_state["state"]
+    indices = [i for group in optimizer_state["param_groups"] for i in group["params"]]
+    if len(indices) != len(param_names):
+        raise CheckpointMismatchError(
+            "Adam state", missing=[(f"{len(param_names)} parameters", ())], unexpected=[(f"{len(indices)} in the optimizer", ())]
+        )
+    names = dict(zip(indices, param_names))
+    if not state:  # no step taken yet: zero moments, count 0
+        return {"count": 0, "mu": None, "nu": None}
+    steps = {int(state[i]["step"]) for i in indices if i in state}
+    if len(steps) != 1 or len(state) != len(indices):
+        raise ValueError(f"Adam state is not from whole steps: step counts {sorted(steps)} over {len(state)}/{len(indices)} parameters")
+    exp_avg = {names[i]: state[i]["exp_avg"] for i in indices}
+    exp_avg_sq = {names[i]: state[i]["exp_avg_sq"] for i in indices}
+    return {"count": steps.pop(), "mu": torch_state_to_jax(exp_avg, cfg), "nu": torch_state_to_jax(exp_avg_sq, cfg)}
+
+
+def jax_adam_to_torch(adam: Mapping, param_names: list[str], cfg: TransformerConfig, param_groups: list[dict]) -> dict:
+    """{"count", "mu", "nu"} (flax keys) -> a state dict for `torch.optim.Adam.load_state_dict`.
+
+    `param_groups` are the target optimizer's own (`optimizer.state_dict()["param_groups"]`), whose
+    hyper-parameters are kept; the parameter indices follow `param_names`.
+    """
+    if adam["count"] == 0 or adam["mu"] is None:
+        return {"state": {}, "param_groups": param_groups}
+    exp_avg, exp_avg_sq = jax_params_to_torch(adam["mu"], cfg), jax_params_to_torch(adam["nu"], cfg)
+    indices = [i for group in param_groups for i in group["params"]]
+    step = torch.tensor(float(adam["count"]))  # torch keeps the step as a float32 tensor
+    state = {
+        i: {"step": step.clone(), "exp_avg": exp_avg[name], "exp_avg_sq": exp_avg_sq[name]}
+        for i, name in zip(indices, param_names, strict=True)
+    }
+    return {"state": state, "param_groups": param_groups}
+
+
+# ---------------------------------------------------------------------------------------------
 # Files
 # ---------------------------------------------------------------------------------------------
 
