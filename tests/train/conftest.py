@@ -1,0 +1,28 @@
+"""Small, fast training set-ups shared by the tests of train/ (2-core CPU budget)."""
+
+import pytest
+
+from train.config import ExperimentConfig
+
+# A run that takes seconds: the numbers corpus cut to a few thousand pairs, sequences of at most
+# 16 tokens (two length buckets, so jit compiles two training shapes), a 1+1-layer tiny model.
+FAST = dict(
+    numbers_train=1500,
+    numbers_valid=40,
+    numbers_test=40,
+    max_len=16,
+    token_budget=512,
+    model={"num_encoder_layers": 1, "num_decoder_layers": 1},
+    progress=False,
+    samples=0,
+)
+
+
+@pytest.fixture
+def fast_config(tmp_path):
+    """fast_config(backend, **changes) -> an ExperimentConfig running in tmp_path/run."""
+
+    def make(backend: str, **changes) -> ExperimentConfig:
+        return ExperimentConfig(backend=backend, run_dir=str(tmp_path / "run"), **{**FAST, **changes})
+
+    return make

@@ -1,0 +1,111 @@
+"""ExperimentConfig (validation, automatic fields, JSON) and the train.run command line."""
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from train import run
+from train.config import ExperimentConfig, parse_model_override
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_json_round_trip_and_resolve():
+    cfg = ExperimentConfig(backend="torch", steps=300, model={"d_model": 32, "norm_position": "pre"}, clip_norm=1.0)
+    assert ExperimentConfig.from_json(cfg.to_json()) == cfg
+    resolved = cfg.resolve()
+    # Automatic fields: vocabulary per corpus, warmup a quarter of the steps, save at each eval.
+    assert (resolved.vocab_size, resolved.warmup, resolved.save_every) == (400, 75, cfg.eval_every)
+    assert resolved.run_dir.startswith("runs/torch-")
+    assert ExperimentConfig(steps=100_000).resolve().warmup == 4000  # the paper's, as a cap
+    assert ExperimentConfig(train="a.tsv", valid="b.tsv").resolve().vocab_size == 8000
+    assert ExperimentConfig.from_json(resolved.to_json()) == resolved
+    with pytest.raises(ValueError, match="unknown ExperimentConfig fields: nope"):
+        ExperimentConfig.from_dict({"nope": 1})
+
+
+def test_model_config_from_experiment():
+    cfg = ExperimentConfig(preset="tiny", model={"d_model": 24, "num_heads": 3}, dropout=0.0, max_len=40)
+    model = cfg.model_config(300, 300)
+    assert (model.d_model, model.num_heads, model.d_ff, model.dropout, model.max_len) == (24, 3, 128, 0.0, 40)
+    assert model.share_embeddings and model.src_vocab_size == 300
+    separate = cfg.replace(joint_vocab=False).model_config(300, 320)
+    assert not separate.share_embeddings and (separate.src_vocab_size, separate.tgt_vocab_size) == (300, 320)
+    assert ExperimentConfig().model_config(400, 400).dropout == 0.1  # the preset's
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(backend="mxnet"), "backend='mxnet'"),
+        (dict(preset="huge"), "preset='huge'"),
+        (dict(steps=0), "steps must be >= 1"),
+        (dict(model={"max_len": 10}), "--set max_len=... is not allowed"),
+        (dict(model={"d_model": 30, "num_heads": 4}), "not divisible"),
+        (dict(model={"width": 3}), "unknown model field"),
+        (dict(valid="x.tsv"), "--valid/--test need --train"),
+        (dict(train="x.tsv"), "--train needs --valid"),
+        (dict(resume=True), "need --run-dir"),
+        (dict(resume=True, overwrite=True, run_dir="r"), "exclude each other"),
+        (dict(token_budget=64, max_len=128), "must hold one sequence"),
+        (dict(vocab_size=100), "vocab_size must be >= 260"),
+        (dict(dropout=1.0), "dropout must be in"),
+    ],
+)
+def test_invalid_values(changes, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ExperimentConfig(**changes)
+
+
+def test_parse_model_override():
+    assert parse_model_override("d_model=128") == ("d_model", 128)
+    assert parse_model_override("attention_bias=false") == ("attention_bias", False)
+    assert parse_model_override("layer_norm_eps=1e-5") == ("layer_norm_eps", 1e-5)
+    bad_values = [("d_model", "FIELD=VALUE"), ("d_model=big", "takes a int"), ("tie_output=maybe", "true or false")]
+    for bad, message in bad_values:
+        with pytest.raises(ValueError, match=message):
+            parse_model_override(bad)
+    with pytest.raises(ValueError, match="FIELD=VALUE"):
+        parse_model_override("src_vocab_size=10")  # derived from the tokenizer
+
+
+def test_help_documents_every_field():
+    text = run.build_parser().format_help()
+    for field in dataclasses.fields(ExperimentConfig):
+        flag = field.metadata.get("flag", "--" + field.name.replace("_", "-"))
+        assert flag in text, flag
+        assert field.metadata["help"].split(";")[0][:30] in " ".join(text.split()), field.name
+    assert "SRC:TGT:PREFIX" in text and "hf:NAME" in text  # the data spec formats
+
+
+def test_parse_config_keeps_only_given_flags():
+    cfg, given = run.parse_config(["--backend=torch", "--steps", "7", "--set", "d_model=32", "--no-joint-vocab"])
+    assert given == {"backend", "steps", "model", "joint_vocab"}
+    assert (cfg.backend, cfg.steps, cfg.model, cfg.joint_vocab) == ("torch", 7, {"d_model": 32}, False)
+    assert cfg.preset == ExperimentConfig().preset
+
+
+def _cli(*args, timeout=60):
+    return subprocess.run(
+        [sys.executable, "-m", "train.run", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_cli_help_and_clean_errors(tmp_path):
+    result = _cli("--help")
+    assert result.returncode == 0 and "--token-budget" in result.stdout and "--backend {jax,torch}" in result.stdout
+    for args, message in [
+        (["--steps", "-3"], "steps must be >= 1"),
+        (["--backend", "tf"], "invalid choice: 'tf'"),
+        (["--set", "d_model=wide"], "d_model takes a int"),
+        (["--train", "de:en:/nonexistent/x", "--valid", "de:en:/nonexistent/y", "--run-dir", str(tmp_path / "r")],
+         "no such file"),
+    ]:
+        result = _cli(*args)
+        assert result.returncode in (1, 2), args
+        assert message in result.stderr and "Traceback" not in result.stderr, result.stderr
+    # A run that failed on its data leaves no run behind: the same --run-dir works next time.
+    assert not (tmp_path / "r").exists() or not any((tmp_path / "r").iterdir())

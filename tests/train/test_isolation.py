@@ -1,0 +1,43 @@
+"""A run loads one framework: the loop, the CLIs' imports and each backend stay apart (STYLE.md 3).
+
+Each check runs in a fresh interpreter (torch and jax are long imported in the pytest process);
+the child prints the loaded top-level modules and the assertions are made here.
+"""
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+JAX = {"jax", "jaxlib", "flax", "optax", "orbax"}
+
+
+def loaded_after(code: str) -> set[str]:
+    report = "\nimport json, sys\nprint(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))\n"
+    script = textwrap.dedent(code) + report
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return set(json.loads(result.stdout.strip().splitlines()[-1]))
+
+
+def test_loop_and_clis_import_no_framework():
+    loaded = loaded_after(
+        """
+        import tempfile, pathlib
+        import train.loop, train.run, train.evaluate, train.translate, train.backend
+        writer = train.loop.summary_writer(pathlib.Path(tempfile.mkdtemp()))
+        writer.add_scalar("x", 1.0, 1)
+        writer.close()
+        """
+    )
+    assert {"tensorboardX", "sacrebleu", "tokenizers"} <= loaded
+    assert "torch" not in loaded and not loaded & JAX
+
+
+def test_each_backend_loads_only_its_framework():
+    torch_side = loaded_after("import train.backend_torch")
+    assert "torch" in torch_side and not torch_side & JAX
+    jax_side = loaded_after("import train.backend_jax")
+    assert {"jax", "flax", "optax", "orbax"} <= jax_side and "torch" not in jax_side

@@ -1,0 +1,118 @@
+"""The interface the framework-neutral loop talks to, and the factory that picks a backend.
+
+`backend_jax.JaxBackend` and `backend_torch.TorchBackend` implement `Backend` with the same
+semantics (DESIGN.md numerics contract):
+
+- loss: label-smoothed cross-entropy with PyTorch's semantics, padding ignored; with gradient
+  accumulation the per-token losses of all micro-batches of an update are summed and divided by
+  their total non-pad target tokens, so k micro-batches equal one batch of their union;
+- optional clipping with optax's `clip_by_global_norm` formula, g * max_norm / ||g|| when
+  ||g|| >= max_norm, no epsilon (torch's clip_grad_norm_ would add 1e-6 to the norm);
+- Adam(β1=0.9, β2=0.98, ε=1e-9) with the paper's schedule, the first update at lr(step=1);
+- dropout from the seed; eval and translation without dropout.
+
+This module imports neither framework: `create_backend` imports the one asked for, so a torch
+run never loads jax and a jax run never loads torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from torch_reference.config import TransformerConfig
+
+from .config import ExperimentConfig
+from .data import Batch
+
+# What `train_step` returns: framework values still on the device (reading them syncs).
+Metrics = Mapping[str, Any]
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """One framework's model, optimiser and checkpoints behind a framework-free interface.
+
+    Arrays cross it as NumPy (batches in, token ids out); per-step metrics stay on the device
+    until `fetch`, so the loop decides when to synchronise.
+    """
+
+    name: str
+    model_cfg: TransformerConfig
+    exp_cfg: ExperimentConfig
+
+    @property
+    def step(self) -> int:
+        """Optimizer updates applied so far (0 before the first)."""
+
+    @property
+    def num_params(self) -> int:
+        """Trainable parameters (a shared embedding counted once)."""
+
+    def train_step(self, batches: Sequence[Batch]) -> Metrics:
+        """One update from `grad_accum` micro-batches. Returns device values, not synced:
+        loss (label-smoothed, mean per target token), nll (the same without smoothing),
+        grad_norm (before clipping), lr (of this update), tokens."""
+
+    def fetch(self, metrics: Sequence[Metrics]) -> list[dict[str, float]]:
+        """The host values of some `train_step` results: one synchronisation for all of them."""
+
+    def eval_loss(self, batch: Batch) -> tuple[Any, Any, Any]:
+        """(smoothed loss sum, nll sum, target tokens) of one batch, dropout off, as device scalars
+        that support `+`; `float()` of a sum reads it."""
+
+    def greedy_translate(self, src: np.ndarray, max_len: int) -> np.ndarray:
+        """Greedy decoding, dropout off: src ids (B, S) -> target ids (B, max_len) ending with
+        <eos> then <pad>, or cut at max_len. Never emits <pad> or <bos>."""
+
+    def learning_rate(self, step: int) -> float:
+        """The learning rate of update number `step` (from 1)."""
+
+    def save(self, meta: dict[str, Any], metrics: dict[str, float] | None = None) -> None:
+        """Checkpoint weights, optimizer state and step, with the JSON `meta` (data position,
+        config); `metrics` (e.g. {"bleu": ...}) ranks it for keep-the-best."""
+
+    def restore(self, which: str | int = "latest") -> dict[str, Any]:
+        """Load checkpoint "latest", "best" or a step number; returns its `meta`.
+        Raises FileNotFoundError when there is none."""
+
+    def checkpoint_steps(self) -> list[int]:
+        """Steps of the complete checkpoints on disk, oldest first."""
+
+    def torch_state_dict(self) -> dict[str, Any]:
+        """The weights as a torch_reference state dict (for conversion and parity tests)."""
+
+    def load_torch_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Set the weights from a torch_reference state dict; optimizer state is left as is."""
+
+    def close(self) -> None:
+        """Finish pending checkpoint writes."""
+
+
+BACKEND_MODULES = {"jax": "train.backend_jax", "torch": "train.backend_torch"}
+
+
+def create_backend(
+    exp_cfg: ExperimentConfig, model_cfg: TransformerConfig, checkpoint_dir: str | None = None
+) -> Backend:
+    """A freshly initialised backend of kind `exp_cfg.backend` (weights from `exp_cfg.seed`).
+
+    `checkpoint_dir` is where `save`/`restore` work; None disables checkpoints.
+    """
+    module = importlib.import_module(BACKEND_MODULES[exp_cfg.backend])
+    return module.create(exp_cfg, model_cfg, checkpoint_dir)
+
+
+def decode_length(src_len: int, max_len: int) -> int:
+    """How many target tokens greedy search may produce for a (padded) source length: 1.5x + 10,
+    at most the model's max_len. From the padded length, so jit sees one value per bucket."""
+    return min(max_len, int(1.5 * src_len) + 10)
+
+
+def best_of(steps_metrics: Mapping[int, Mapping[str, float] | None], key: str = "bleu") -> int | None:
+    """The step with the highest `key` among checkpoints that have metrics (ties: the newest)."""
+    ranked = [(m[key], step) for step, m in steps_metrics.items() if m is not None and key in m]
+    return max(ranked)[1] if ranked else None

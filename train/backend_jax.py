@@ -1,0 +1,285 @@
+"""The JAX backend: `jax_transformer.Transformer` (Flax NNX) trained with optax under one `jax.jit`.
+
+The model is split once into a static graph definition and its parameters (`nnx.split`); the
+training state is the pytree {"params", "opt_state", "step"}, and the update is the pure
+
+    train_step(state, batch, rng) -> (state, metrics)
+
+compiled with `jax.jit` and the state's buffers donated. Dropout keys are derived inside the
+step from the run's key and the step counter (`fold_in(rng, step)`), so a resumed run draws
+the same masks as an uninterrupted one. Metrics stay on the device until the loop `fetch`es
+them (every `log_every` steps), so nothing syncs with the host inside the loop.
+
+Checkpoints: an orbax `CheckpointManager` keeping the newest `keep_checkpoints` steps plus the
+best by validation BLEU; each step holds the state (`StandardSave`) and a JSON `meta` item (data
+position, config), and incomplete checkpoints are never listed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+import jax_transformer
+from jax_transformer.objective import label_smoothed_cross_entropy, noam_learning_rate
+from torch_reference.config import TransformerConfig
+
+from .backend import Metrics
+from .config import ExperimentConfig
+from .data import Batch
+
+# Orbax warns through absl for every checkpoint saved without metrics (those between evaluations).
+logging.getLogger("absl").setLevel(logging.ERROR)
+
+
+def make_optimizer(exp_cfg: ExperimentConfig, d_model: int) -> optax.GradientTransformation:
+    """Optional global-norm clipping, then Adam(0.9, 0.98, 1e-9) (paper §5.3) on the Noam schedule.
+
+    optax counts updates from 0, the paper's schedule from 1: update n uses lr(step=n), as the
+    torch backend's LambdaLR does.
+    """
+
+    def schedule(count):
+        return noam_learning_rate(count + 1, d_model, exp_cfg.warmup, exp_cfg.lr_factor)
+
+    adam = optax.adam(schedule, b1=0.9, b2=0.98, eps=1e-9)
+    if exp_cfg.clip_norm is None:
+        return adam
+    # g * max_norm / ||g|| when ||g|| >= max_norm, no epsilon; the torch backend writes the same.
+    return optax.chain(optax.clip_by_global_norm(exp_cfg.clip_norm), adam)
+
+
+def _as_arrays(batch: Batch) -> dict[str, np.ndarray]:
+    return {"src": batch.src, "tgt_in": batch.tgt_in, "tgt_out": batch.tgt_out}
+
+
+class JaxBackend:
+    """`train.backend.Backend` for JAX; see the module docstring."""
+
+    name = "jax"
+
+    def __init__(self, exp_cfg: ExperimentConfig, model_cfg: TransformerConfig, checkpoint_dir: str | None = None):
+        self.exp_cfg, self.model_cfg = exp_cfg, model_cfg
+        init_key, self.rng = jax.random.split(jax.random.key(exp_cfg.seed))
+        model = jax_transformer.Transformer(model_cfg, rngs=nnx.Rngs(params=init_key))
+        # `rest` holds any non-parameter state (none today); it is constant through training.
+        self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
+        self.tx = make_optimizer(exp_cfg, model_cfg.d_model)
+        self.state = {"params": params, "opt_state": self.tx.init(params), "step": jnp.zeros((), jnp.int32)}
+        self._step = 0  # host copy of state["step"], so reading it never syncs
+        self._checkpoint_dir = None if checkpoint_dir is None else Path(checkpoint_dir).absolute()
+        self._manager: ocp.CheckpointManager | None = None
+
+        self._train_step = jax.jit(self.train_step_fn, donate_argnums=0)
+        self._accumulate = jax.jit(self.accumulate_fn, donate_argnums=0)
+        self._apply = jax.jit(self.apply_fn, donate_argnums=0)
+        self._eval = jax.jit(self.eval_fn)
+        self._greedy = jax.jit(self.greedy_fn, static_argnames="length")
+
+    # ------------------------------------------------------------------------------------------
+    # Pure functions (traced by jit; no Python state is read or written but the static config)
+
+    def _model(self, params) -> jax_transformer.Transformer:
+        return nnx.merge(self.graphdef, params, self.rest)
+
+    def _loss_sums(self, params, batch, key, total_tokens, deterministic):
+        """(loss sum / total_tokens, (loss sum, nll sum)): the objective and its parts."""
+        rngs = nnx.Rngs(dropout=key)
+        logits = self._model(params)(batch["src"], batch["tgt_in"], deterministic=deterministic, rngs=rngs)  # (B, T, V)
+        pad, eps = self.model_cfg.pad_id, self.exp_cfg.label_smoothing
+        loss_sum = label_smoothed_cross_entropy(logits, batch["tgt_out"], pad, eps, reduction="sum")
+        nll_sum = label_smoothed_cross_entropy(logits, batch["tgt_out"], pad, 0.0, reduction="sum")
+        return loss_sum / total_tokens, (loss_sum, nll_sum)
+
+    def _micro_grads(self, params, batch, total_tokens, rng, step, index):
+        # One dropout key per (update, micro-batch); deterministic when the model's rates are 0.
+        key = jax.random.fold_in(jax.random.fold_in(rng, step), index)
+        grad_fn = jax.grad(self._loss_sums, has_aux=True)
+        grads, (loss_sum, nll_sum) = grad_fn(params, batch, key, total_tokens, False)
+        return grads, loss_sum, nll_sum
+
+    def apply_fn(self, state, acc, total_tokens):
+        """Apply accumulated (grads, loss sum, nll sum) to the state: clip, Adam, step + 1."""
+        grads, loss_sum, nll_sum = acc
+        updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        step = state["step"]
+        metrics = {
+            "loss": loss_sum / total_tokens,
+            "nll": nll_sum / total_tokens,
+            "grad_norm": optax.tree.norm(grads),  # before clipping
+            "lr": noam_learning_rate(step + 1, self.model_cfg.d_model, self.exp_cfg.warmup, self.exp_cfg.lr_factor),
+            "tokens": total_tokens,
+        }
+        return {"params": params, "opt_state": opt_state, "step": step + 1}, metrics
+
+    def train_step_fn(self, state, batch, rng):
+        """The whole update from one batch: (state, batch, rng) -> (state, metrics)."""
+        total_tokens = (batch["tgt_out"] != self.model_cfg.pad_id).sum().astype(jnp.float32)
+        acc = self._micro_grads(state["params"], batch, total_tokens, rng, state["step"], 0)
+        return self.apply_fn(state, acc, total_tokens)
+
+    def accumulate_fn(self, acc, state, batch, total_tokens, rng, index):
+        """acc + the gradients of one micro-batch (acc donated; one compilation per bucket shape)."""
+        grads, loss_sum, nll_sum = self._micro_grads(state["params"], batch, total_tokens, rng, state["step"], index)
+        acc_grads, acc_loss, acc_nll = acc
+        return jax.tree.map(jnp.add, acc_grads, grads), acc_loss + loss_sum, acc_nll + nll_sum
+
+    def eval_fn(self, params, batch):
+        total = (batch["tgt_out"] != self.model_cfg.pad_id).sum()
+        _, (loss_sum, nll_sum) = self._loss_sums(params, batch, jax.random.key(0), total, True)
+        return loss_sum, nll_sum, total
+
+    def greedy_fn(self, params, src, *, length: int):
+        """Uncached greedy search: every step re-runs the decoder over the whole (B, length) prefix
+        buffer, causally masked, and reads position t. One compilation per (B, S, length)."""
+        cfg = self.model_cfg
+        model = self._model(params)
+        src_mask = jax_transformer.padding_mask(src, cfg.pad_id)  # (B, 1, 1, S)
+        memory = model.encode(src, src_mask)  # (B, S, D)
+        B = src.shape[0]
+        tokens = jnp.full((B, length + 1), cfg.pad_id, jnp.int32).at[:, 0].set(cfg.bos_id)  # (B, T+1)
+        V = model.target_embedding.num_embeddings
+        forbidden = jnp.zeros(V, bool).at[jnp.array([cfg.pad_id, cfg.bos_id])].set(True)  # (V,)
+        done = (src != cfg.pad_id).sum(axis=1) == 0  # all-pad filler rows are finished from the start
+
+        def cond(carry):
+            t, _, done = carry
+            return (t < length) & ~done.all()
+
+        def body(carry):
+            t, tokens, done = carry
+            hidden = model.decode(tokens[:, :length], memory, src_mask)  # (B, T, D)
+            logits = model.project(jax.lax.dynamic_index_in_dim(hidden, t, axis=1, keepdims=False))  # (B, V)
+            logits = jnp.where(forbidden, jnp.finfo(logits.dtype).min, logits)
+            nxt = jnp.where(done, cfg.pad_id, jnp.argmax(logits, axis=-1).astype(jnp.int32))  # (B,)
+            tokens = jax.lax.dynamic_update_slice_in_dim(tokens, nxt[:, None], t + 1, axis=1)
+            return t + 1, tokens, done | (nxt == cfg.eos_id)
+
+        _, tokens, _ = jax.lax.while_loop(cond, body, (jnp.int32(0), tokens, done))
+        return tokens[:, 1:]  # (B, T)
+
+    # ------------------------------------------------------------------------------------------
+    # The Backend interface
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    @property
+    def num_params(self) -> int:
+        return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.state["params"]))
+
+    def train_step(self, batches: Sequence[Batch]) -> Metrics:
+        if len(batches) == 1:
+            self.state, metrics = self._train_step(self.state, _as_arrays(batches[0]), self.rng)
+        else:
+            total_tokens = np.float32(sum(b.num_tgt_tokens for b in batches))
+            zeros = jax.tree.map(jnp.zeros_like, self.state["params"])
+            acc = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+            for index, batch in enumerate(batches):
+                acc = self._accumulate(acc, self.state, _as_arrays(batch), total_tokens, self.rng, index)
+            self.state, metrics = self._apply(self.state, acc, total_tokens)
+        self._step += 1
+        return metrics
+
+    def fetch(self, metrics: Sequence[Metrics]) -> list[dict[str, float]]:
+        return [{k: float(v) for k, v in m.items()} for m in jax.device_get(list(metrics))]
+
+    def eval_loss(self, batch: Batch):
+        return self._eval(self.state["params"], _as_arrays(batch))
+
+    def greedy_translate(self, src: np.ndarray, max_len: int) -> np.ndarray:
+        return np.asarray(self._greedy(self.state["params"], np.asarray(src, np.int32), length=int(max_len)))
+
+    def learning_rate(self, step: int) -> float:
+        return float(noam_learning_rate(step, self.model_cfg.d_model, self.exp_cfg.warmup, self.exp_cfg.lr_factor))
+
+    # ------------------------------------------------------------------------------------------
+    # Checkpoints
+
+    @property
+    def manager(self) -> ocp.CheckpointManager:
+        if self._checkpoint_dir is None:
+            raise ValueError("this backend was created without a checkpoint directory")
+        if self._manager is None:
+            policies = ocp.checkpoint_managers
+            preservation = policies.AnyPreservationPolicy([
+                policies.LatestN(self.exp_cfg.keep_checkpoints),
+                policies.BestN(get_metric_fn=_bleu, n=1, keep_checkpoints_without_metrics=False),
+            ])
+            options = ocp.CheckpointManagerOptions(
+                best_fn=_bleu, best_mode="max", preservation_policy=preservation,
+                # Synchronous: the next train_step donates the state's buffers.
+                enable_async_checkpointing=False,
+            )
+            self._manager = ocp.CheckpointManager(self._checkpoint_dir, options=options, item_names=("state", "meta"))
+        return self._manager
+
+    def save(self, meta: dict[str, Any], metrics: dict[str, float] | None = None) -> None:
+        args = ocp.args.Composite(state=ocp.args.StandardSave(self.state), meta=ocp.args.JsonSave(meta))
+        self.manager.save(self._step, args=args, metrics=metrics)
+        self.manager.wait_until_finished()
+
+    def checkpoint_steps(self) -> list[int]:
+        if self._checkpoint_dir is None or not self._checkpoint_dir.is_dir():
+            return []
+        self.manager.reload()
+        return sorted(self.manager.all_steps())
+
+    def restore(self, which: str | int = "latest") -> dict[str, Any]:
+        steps = self.checkpoint_steps()
+        if not steps:
+            raise FileNotFoundError(f"no checkpoint in {self._checkpoint_dir}")
+        if which == "latest":
+            step = steps[-1]
+        elif which == "best":
+            step = self.manager.best_step() or steps[-1]
+        else:
+            step = int(which)
+            if step not in steps:
+                raise FileNotFoundError(f"no checkpoint of step {step} in {self._checkpoint_dir} (have {steps})")
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, self.state)
+        args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore())
+        restored = self.manager.restore(step, args=args)
+        self.state = restored["state"]
+        self._step = int(self.state["step"])
+        return dict(restored["meta"])
+
+    def close(self) -> None:
+        if self._manager is not None:
+            self._manager.wait_until_finished()
+            self._manager.close()
+            self._manager = None
+
+    # ------------------------------------------------------------------------------------------
+    # Weights as torch state dicts (imports torch through parity.convert, only when called)
+
+    def torch_state_dict(self) -> dict[str, Any]:
+        from parity import convert
+
+        return convert.jax_params_to_torch(convert.jax_params(self._model(self.state["params"])), self.model_cfg)
+
+    def load_torch_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        from parity import convert
+
+        model = convert.torch_to_jax(dict(state_dict), self.model_cfg)
+        _, params, _ = nnx.split(model, nnx.Param, ...)
+        self.state = {**self.state, "params": params}
+
+
+def _bleu(metrics: Mapping[str, float]) -> float:
+    return float(metrics["bleu"])
+
+
+def create(exp_cfg: ExperimentConfig, model_cfg: TransformerConfig, checkpoint_dir: str | None = None) -> JaxBackend:
+    return JaxBackend(exp_cfg, model_cfg, checkpoint_dir)

@@ -1,0 +1,299 @@
+"""Step-time benchmark: JAX vs PyTorch eager vs torch.compile on the same model and batches.
+
+    python -m train.bench --presets tiny,small,base --backends jax,torch,torch-compile --json bench.json --plot bench.png
+
+For each preset and backend a fresh worker process builds the model from one set of reference
+weights (the JAX side converted from them), trains on the same fixed batches, and reports the
+median step time after warm-up (the first step, which compiles, is reported apart), tokens/s, the
+model FLOPs of a step, MFU against the fp32 matmul peak measured in that same process, and the
+peak memory of training (device memory on GPUs; on CPUs the rise of the process's peak resident
+memory above what it held before the first step). Separate processes keep one backend's memory
+and threads from touching another's; ratios between backends come from one invocation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from torch_reference.config import TransformerConfig
+
+BACKENDS = ("jax", "torch", "torch-compile")
+
+
+def step_flops(cfg: TransformerConfig, batch_size: int, src_len: int, tgt_len: int) -> int:
+    """Model FLOPs of one training step: 3 x the forward pass (the backward costs two forwards).
+
+    Forward, counting 2 FLOPs per multiply-add of every matmul (embedding lookups are free):
+      encoder layer, per source token: q,k,v,out projections 8D² + feed-forward 4DF (6DF for
+        SwiGLU) + scores and weighted values 4SD;
+      decoder layer, per target token: self-attention 8D² + 4TD, cross-attention q,out 4D² +
+        4SD (+ k,v projections 4D² per source token), feed-forward as above;
+      output projection 2DV per target token.
+    """
+    D, F, V = cfg.d_model, cfg.d_ff, cfg.tgt_vocab_size
+    ff = (6 if cfg.activation == "swiglu" else 4) * D * F
+    encoder = cfg.num_encoder_layers * src_len * (8 * D * D + ff + 4 * src_len * D)
+    decoder = cfg.num_decoder_layers * (
+        tgt_len * (8 * D * D + 4 * tgt_len * D + 4 * D * D + 4 * src_len * D + ff) + src_len * 4 * D * D
+    )
+    return 3 * batch_size * (encoder + decoder + tgt_len * 2 * D * V)
+
+
+def fixed_batches(cfg: TransformerConfig, batch_size: int, length: int, count: int, seed: int = 0):
+    """`count` dense batches (no padding) of random ids: every backend trains on these."""
+    from .data import Batch
+
+    rng = np.random.default_rng(seed)
+    batches = []
+    for _ in range(count):
+        src = rng.integers(4, cfg.src_vocab_size, size=(batch_size, length), dtype=np.int32)
+        tgt = rng.integers(4, cfg.tgt_vocab_size, size=(batch_size, length), dtype=np.int32)
+        tgt[:, -1] = cfg.eos_id
+        tgt_in = np.concatenate([np.full((batch_size, 1), cfg.bos_id, np.int32), tgt[:, :-1]], axis=1)
+        batches.append(Batch(src, tgt_in, tgt, np.arange(batch_size), src.size, tgt.size))
+    return batches
+
+
+# ------------------------------------------------------------------------------------------------
+# Worker: one backend in this process
+# ------------------------------------------------------------------------------------------------
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def matmul_peak_gflops(framework: str, n: int = 2048, repeats: int = 10) -> float:
+    """The best fp32 matmul throughput of an n x n product in this process, GFLOP/s."""
+    if framework == "jax":
+        import jax
+        import jax.numpy as jnp
+
+        a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+        mm = jax.jit(lambda x, y: x @ y)
+        mm(a, a).block_until_ready()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            mm(a, a).block_until_ready()
+            times.append(time.perf_counter() - start)
+    else:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        a = torch.randn(n, n, device=device)
+        (a @ a).sum().item()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            (a @ a)[0, 0].item()
+            times.append(time.perf_counter() - start)
+    return 2 * n**3 / min(times) / 1e9
+
+
+def run_worker(args) -> dict:
+    """Train `args.steps` steps of one backend on the fixed batches and measure them."""
+    from .backend import create_backend
+    from .config import ExperimentConfig
+
+    framework = "jax" if args.backend == "jax" else "torch"
+    if framework == "jax":
+        import jax
+
+        jax.config.update("jax_default_matmul_precision", "highest" if args.dtype == "float32" else "default")
+    cfg = TransformerConfig.preset(
+        args.preset, src_vocab_size=args.vocab_size, tgt_vocab_size=args.vocab_size, max_len=max(args.length, 64),
+        dropout=args.dropout if args.dropout is not None else TransformerConfig.preset(args.preset).dropout,
+    )
+    exp = ExperimentConfig(backend=framework, preset=args.preset, compile=args.backend == "torch-compile",
+                           steps=10**6, warmup=4000, progress=False, dropout=cfg.dropout)
+    backend = create_backend(exp, cfg, None)
+    from safetensors.torch import load_file
+
+    backend.load_torch_state_dict(load_file(args.weights))
+    batches = fixed_batches(cfg, args.batch_size, args.length, 4)
+    peak = matmul_peak_gflops(framework)
+
+    rss_before = _rss_mib()
+    times = []
+    for i in range(args.warmup + args.steps):
+        start = time.perf_counter()
+        metrics = backend.train_step([batches[i % len(batches)]])
+        backend.fetch([metrics])  # wait for the step, as a training loop reading its loss would
+        times.append(time.perf_counter() - start)
+    loss = backend.fetch([metrics])[0]["loss"]
+
+    median = statistics.median(times[args.warmup:])
+    flops = step_flops(cfg, args.batch_size, args.length, args.length)
+    tokens = 2 * args.batch_size * args.length
+    result = {
+        "preset": args.preset, "backend": args.backend, "dtype": args.dtype, "dropout": cfg.dropout,
+        "batch": [args.batch_size, args.length], "tokens_per_step": tokens,
+        "first_step_s": times[0], "median_step_s": median, "step_times_s": times[args.warmup:],
+        "tokens_per_s": tokens / median, "step_flops": flops, "achieved_gflops": flops / median / 1e9,
+        "matmul_peak_gflops": peak, "mfu": flops / median / 1e9 / peak, "final_loss": loss,
+        "num_params": backend.num_params,
+    }
+    if framework == "jax":
+        import jax
+
+        stats = jax.devices()[0].memory_stats() or {}
+        result["device"] = jax.devices()[0].device_kind
+        result["versions"] = {"jax": jax.__version__}
+        if "peak_bytes_in_use" in stats:
+            result["peak_memory_mib"] = stats["peak_bytes_in_use"] / 2**20
+    else:
+        import torch
+
+        result["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+        result["versions"] = {"torch": torch.__version__}
+        if torch.cuda.is_available():
+            result["peak_memory_mib"] = torch.cuda.max_memory_allocated() / 2**20
+    result.setdefault("peak_memory_mib", _peak_rss_mib() - rss_before)
+    result["memory_kind"] = "device peak" if "peak_bytes_in_use" in str(result) or result["device"].startswith("NVIDIA") else "peak RSS rise"
+    return result
+
+
+# ------------------------------------------------------------------------------------------------
+# Driver
+# ------------------------------------------------------------------------------------------------
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def write_plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    presets = list(dict.fromkeys(r["preset"] for r in results))
+    backends = list(dict.fromkeys(r["backend"] for r in results))
+    fig, ax = plt.subplots(figsize=(2.2 + 1.8 * len(presets), 3.6))
+    width = 0.8 / len(backends)
+    for j, backend in enumerate(backends):
+        values = [next((r["median_step_s"] * 1e3 for r in results if r["preset"] == p and r["backend"] == backend), 0)
+                  for p in presets]
+        ax.bar(np.arange(len(presets)) + j * width, values, width, label=backend)
+    ax.set_xticks(np.arange(len(presets)) + width * (len(backends) - 1) / 2, presets)
+    ax.set_ylabel("median train step (ms)")
+    ax.set_title(f"train step, {results[0]['dtype']}, {results[0]['device']}", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m train.bench",
+        description="Median train-step time of the same model and batches on JAX, PyTorch eager and torch.compile, "
+        "with tokens/s, model FLOPs, MFU against the fp32 matmul peak measured in the same process, and peak memory.",
+    )
+    parser.add_argument("--presets", default="tiny,small,base", help="comma-separated model presets (default tiny,small,base)")
+    parser.add_argument("--backends", default="jax,torch,torch-compile", help=f"comma-separated, from {', '.join(BACKENDS)}")
+    parser.add_argument("--batch-tokens", type=int, default=1024,
+                        help="tokens per side per batch: B = batch-tokens / length sentences (default 1024)")
+    parser.add_argument("--length", type=int, default=32, help="source and target length of every sentence (default 32)")
+    parser.add_argument("--vocab-size", type=int, default=8000, help="shared vocabulary size (default 8000)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps after warm-up (default 10)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first, compilation included (default 3)")
+    parser.add_argument("--dropout", type=float, default=0.0, help="dropout rate (default 0: off; the paper's 0.1 with --dropout 0.1)")
+    parser.add_argument("--dtype", default="float32", choices=["float32"], help="computation dtype (float32)")
+    parser.add_argument("--json", type=Path, help="write all figures to this JSON file")
+    parser.add_argument("--plot", type=Path, help="write a bar chart of step times to this PNG")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--preset", help=argparse.SUPPRESS)
+    parser.add_argument("--backend", help=argparse.SUPPRESS)
+    parser.add_argument("--batch-size", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--weights", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.worker:
+        print(json.dumps(run_worker(args)))
+        return 0
+
+    presets = [p for p in args.presets.split(",") if p]
+    backends = [b for b in args.backends.split(",") if b]
+    for p in presets:
+        if p not in TransformerConfig.presets():
+            parser.error(f"unknown preset {p!r}; choose from {', '.join(TransformerConfig.presets())}")
+    for b in backends:
+        if b not in BACKENDS:
+            parser.error(f"unknown backend {b!r}; choose from {', '.join(BACKENDS)}")
+    batch_size = max(1, args.batch_tokens // args.length)
+
+    import torch
+
+    import torch_reference
+
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for preset in presets:
+            cfg = TransformerConfig.preset(preset, src_vocab_size=args.vocab_size, tgt_vocab_size=args.vocab_size,
+                                           max_len=max(args.length, 64))
+            torch.manual_seed(0)
+            weights = Path(tmp) / f"{preset}.safetensors"
+            from safetensors.torch import save_file
+
+            save_file(torch_reference.Transformer(cfg).state_dict(), str(weights))
+            for backend in backends:
+                command = [sys.executable, "-m", "train.bench", "--worker", "--preset", preset, "--backend", backend,
+                           "--batch-size", str(batch_size), "--length", str(args.length), "--vocab-size", str(args.vocab_size),
+                           "--steps", str(args.steps), "--warmup", str(args.warmup), "--dropout", str(args.dropout),
+                           "--dtype", args.dtype, "--weights", str(weights)]
+                print(f"{preset} / {backend} ...", file=sys.stderr, flush=True)
+                done = subprocess.run(command, capture_output=True, text=True)
+                if done.returncode:
+                    sys.stderr.write(done.stderr[-3000:])
+                    return 1
+                results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+
+    cpu = _cpu_name()
+    print(f"\nmachine: {cpu}, {os.cpu_count()} CPUs; batch {batch_size} x {args.length} tokens per side; "
+          f"{args.dtype}; dropout {args.dropout}")
+    header = f"{'preset':6s} {'backend':14s} {'step ms':>9s} {'first s':>8s} {'tok/s':>8s} {'GFLOP/s':>8s} {'peak':>6s} {'MFU':>6s} {'mem MiB':>8s} {'vs torch':>8s}"
+    print(header)
+    for r in results:
+        eager = next((x for x in results if x["preset"] == r["preset"] and x["backend"] == "torch"), None)
+        ratio = f"{r['median_step_s'] / eager['median_step_s']:.2f}" if eager else "-"
+        print(f"{r['preset']:6s} {r['backend']:14s} {r['median_step_s'] * 1e3:9.1f} {r['first_step_s']:8.2f} "
+              f"{r['tokens_per_s']:8.0f} {r['achieved_gflops']:8.1f} {r['matmul_peak_gflops']:6.0f} {r['mfu']:6.2f} "
+              f"{r['peak_memory_mib']:8.0f} {ratio:>8s}")
+    if args.json:
+        args.json.write_text(json.dumps({"machine": {"cpu": cpu, "cpus": os.cpu_count(), "platform": platform.platform()},
+                                         "args": {k: str(v) for k, v in vars(args).items()}, "results": results}, indent=2))
+    if args.plot:
+        try:
+            write_plot(results, args.plot)
+        except ImportError:
+            print("matplotlib is not installed: pip install matplotlib (or the 'plot' extra) for --plot", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,390 @@
+"""The framework-neutral training loop behind `python -m train.run`.
+
+`train(cfg)` does everything in order: claim the run directory, load the corpus, train or reload
+the tokenizers, build the batches and the backend (resuming from the newest complete checkpoint
+with --resume), then loop over updates with a progress bar, TensorBoard scalars, evaluation
+(loss, perplexity, BLEU, chrF, sample translations) and checkpoints, and finish with a test-set
+evaluation, `results.json` and one summary line. The backend (`train.backend`) is the only part
+that knows a framework.
+
+A run directory holds:
+    config.json            the resolved ExperimentConfig (what resume, translate, evaluate read)
+    model.json             the TransformerConfig
+    tokenizer.json         or src_tokenizer.json + tgt_tokenizer.json
+    checkpoints/<step>/    the backend's checkpoints (newest N plus the best by validation BLEU)
+    tensorboard/           event files
+    results.json           final metrics, written at the end
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from torch_reference.config import TransformerConfig
+
+from . import data
+from .backend import Backend, create_backend
+from .config import RESUMABLE_FIELDS, ExperimentConfig
+from .evaluate import evaluate_pairs
+
+CONFIG_FILE, MODEL_FILE, RESULTS_FILE = "config.json", "model.json", "results.json"
+CHECKPOINTS, TENSORBOARD = "checkpoints", "tensorboard"
+
+
+class UserError(Exception):
+    """A problem with the flags, files or run directory the user gave: reported without a traceback."""
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write JSON to a temporary file beside `path`, then rename it into place."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------------------------
+# Data
+
+
+def load_splits(cfg: ExperimentConfig) -> data.Splits:
+    """Train, validation and test pairs: the numbers corpus, or the --train/--valid/--test specs
+    (test empty when not given). Bad specs and missing files raise UserError."""
+    if cfg.uses_numbers_corpus:
+        return data.numbers_corpus(cfg.numbers_train, cfg.numbers_valid, cfg.numbers_test, seed=cfg.seed)
+    return data.Splits(*(load_split(cfg, spec) if spec else [] for spec in (cfg.train, cfg.valid, cfg.test)))
+
+
+def load_split(cfg: ExperimentConfig, spec: str) -> list[data.Pair]:
+    """Pairs of one data spec, or of `numbers:train|valid|test`, the run's numbers corpus split."""
+    if spec.startswith("numbers:"):
+        name = spec.partition(":")[2]
+        if name not in ("train", "valid", "test"):
+            raise UserError(f"expected numbers:train, numbers:valid or numbers:test, got {spec!r}")
+        corpus = data.numbers_corpus(cfg.numbers_train, cfg.numbers_valid, cfg.numbers_test, seed=cfg.seed)
+        return getattr(corpus, name)
+    try:
+        loaded = data.load_parallel(spec, cache_dir=cfg.hf_cache)
+    except (FileNotFoundError, ValueError) as err:
+        raise UserError(f"cannot load {spec!r}: {err}") from None
+    if not loaded.pairs:
+        raise UserError(f"{spec!r} holds no sentence pairs")
+    return loaded.pairs
+
+
+def make_batcher(cfg: ExperimentConfig, tokenizers: data.Tokenizers, pairs) -> data.Batcher:
+    """The training batches: token budget, length buckets, shuffled from the seed. Built the same
+    way whatever the backend, so both backends see identical batches for the same seed."""
+    examples = data.encode_pairs(tokenizers, pairs)
+    return data.Batcher(examples, token_budget=cfg.token_budget, max_len=cfg.max_len, seed=cfg.seed)
+
+
+# ----------------------------------------------------------------------------------------------
+# Run directory
+
+
+def _resumed_config(saved: ExperimentConfig, cfg: ExperimentConfig, explicit: Iterable[str] | None) -> ExperimentConfig:
+    """The saved config with the fields the user gave again: those in RESUMABLE_FIELDS replace
+    the saved values; any other that differs is an error (it would change the run)."""
+    if explicit is None:  # a programmatic call: every field that is set counts as given
+        explicit = [f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) is not None]
+    conflicts = [
+        f"--{name.replace('_', '-')}: run has {getattr(saved, name)!r}, got {getattr(cfg, name)!r}"
+        for name in explicit
+        if name not in RESUMABLE_FIELDS and getattr(cfg, name) != getattr(saved, name)
+    ]
+    if conflicts:
+        raise UserError("--resume cannot change how the run trains:\n  " + "\n  ".join(conflicts))
+    changes = {name: getattr(cfg, name) for name in explicit if name in RESUMABLE_FIELDS}
+    changes.update(resume=True, overwrite=False, run_dir=cfg.run_dir)
+    return saved.replace(**changes).resolve()
+
+
+def claim_run_dir(cfg: ExperimentConfig, explicit: Iterable[str] | None = None) -> ExperimentConfig:
+    """Check the run directory against --resume/--overwrite and return the config to run with:
+    the resolved `cfg` for a new run, the saved config (with resumable changes) on --resume.
+
+    A directory holding a run (config.json) is refused unless --resume or --overwrite; a
+    non-empty directory that holds no run is never deleted.
+    """
+    cfg = cfg.resolve()
+    run_dir = Path(cfg.run_dir)
+    holds_run = (run_dir / CONFIG_FILE).is_file()
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"--run-dir {run_dir} is a file")
+    if cfg.resume:
+        if not holds_run:
+            raise UserError(f"nothing to resume: {run_dir} holds no run ({CONFIG_FILE} missing)")
+        saved = ExperimentConfig.from_json((run_dir / CONFIG_FILE).read_text())
+        return _resumed_config(saved, cfg, explicit)
+    if holds_run:
+        if not cfg.overwrite:
+            raise UserError(f"{run_dir} already holds a run; pass --resume to continue it or --overwrite to replace it")
+        shutil.rmtree(run_dir)
+    elif run_dir.is_dir() and any(run_dir.iterdir()):
+        raise UserError(f"{run_dir} is not empty and holds no run; choose another --run-dir")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return cfg
+
+
+@dataclasses.dataclass
+class Run:
+    """A trained run opened for translation or evaluation."""
+
+    run_dir: Path
+    config: ExperimentConfig
+    model_config: TransformerConfig
+    tokenizers: data.Tokenizers
+    backend: Backend
+    meta: dict[str, Any]
+
+
+def open_run(run_dir: str | Path, checkpoint: str | int = "best") -> Run:
+    """Config, tokenizers and a backend holding checkpoint `checkpoint` ("best", "latest" or a step)."""
+    run_dir = Path(run_dir)
+    if not (run_dir / CONFIG_FILE).is_file():
+        raise UserError(f"{run_dir} is not a run directory ({CONFIG_FILE} missing)")
+    cfg = ExperimentConfig.from_json((run_dir / CONFIG_FILE).read_text())
+    model_cfg = TransformerConfig.from_json((run_dir / MODEL_FILE).read_text())
+    if isinstance(checkpoint, str) and checkpoint.isdigit():
+        checkpoint = int(checkpoint)
+    elif checkpoint not in ("best", "latest") and not isinstance(checkpoint, int):
+        raise UserError(f"checkpoint must be 'best', 'latest' or a step number, got {checkpoint!r}")
+    tokenizers = data.load_tokenizers(run_dir)
+    backend = create_backend(cfg, model_cfg, str(run_dir / CHECKPOINTS))
+    try:
+        meta = backend.restore(checkpoint)
+    except FileNotFoundError as err:
+        raise UserError(str(err)) from None
+    return Run(run_dir, cfg, model_cfg, tokenizers, backend, meta)
+
+
+# ----------------------------------------------------------------------------------------------
+# The loop
+
+
+def summary_writer(logdir: Path):
+    """A tensorboardX SummaryWriter, imported without loading torch into a JAX run.
+
+    tensorboardX's writer module runs `import torch` when torch is installed (to accept tensors);
+    the loop logs Python floats only, so where torch is not loaded yet that import is made to
+    fail (a None entry in sys.modules raises ImportError) and tensorboardX falls back to NumPy.
+    """
+    if "torch" in sys.modules or "tensorboardX" in sys.modules:
+        from tensorboardX import SummaryWriter
+    else:
+        sys.modules["torch"] = None  # type: ignore[assignment]
+        try:
+            from tensorboardX import SummaryWriter
+        finally:
+            del sys.modules["torch"]
+    return SummaryWriter(str(logdir))
+
+
+def _say(text: str) -> None:
+    tqdm.write(text, file=sys.stdout)
+
+
+def _eval_summary(result: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in result.items() if k != "samples"}
+
+
+def train(cfg: ExperimentConfig, *, explicit: Iterable[str] | None = None) -> dict[str, Any]:
+    """Train (or resume) the run `cfg` describes, evaluate it, write results.json; returns its content.
+
+    `explicit` names the fields the user set (run.py passes the flags given); on --resume the
+    others are read from the run's saved config. None: every field not None counts as set.
+    """
+    started = time.perf_counter()
+    cfg = claim_run_dir(cfg, explicit)
+    run_dir = Path(cfg.run_dir)
+    splits = load_splits(cfg)
+    if not splits.train or not splits.valid:
+        raise UserError("the training and validation data must each hold at least one pair")
+
+    # config.json first: from here on the directory holds this run (resume or overwrite it).
+    write_json_atomic(run_dir / CONFIG_FILE, cfg.replace(resume=False, overwrite=False).to_dict())
+    resuming = cfg.resume
+    try:
+        tokenizers = data.load_tokenizers(run_dir) if resuming else None
+    except FileNotFoundError:  # a run stopped before its tokenizer was saved
+        tokenizers = None
+    if tokenizers is None:
+        tokenizers = data.train_tokenizers(splits.train, vocab_size=cfg.vocab_size, joint=cfg.joint_vocab)
+        data.save_tokenizers(tokenizers, run_dir)
+    model_cfg = cfg.model_config(tokenizers.src.get_vocab_size(), tokenizers.tgt.get_vocab_size())
+    write_json_atomic(run_dir / MODEL_FILE, model_cfg.to_dict())
+
+    batcher = make_batcher(cfg, tokenizers, splits.train)
+    backend = create_backend(cfg, model_cfg, str(run_dir / CHECKPOINTS))
+    if resuming and backend.checkpoint_steps():
+        meta = backend.restore("latest")
+        batcher.restore(meta["data"])
+        _say(f"resumed {run_dir} at step {backend.step}")
+    elif resuming:
+        _say(f"{run_dir} has no checkpoint yet: starting at step 0 with its tokenizer")
+    _say(
+        f"[{cfg.backend}] {backend.num_params:,} parameters ({cfg.preset}, d_model={model_cfg.d_model}, "
+        f"{model_cfg.num_encoder_layers}+{model_cfg.num_decoder_layers} layers), vocab "
+        f"{model_cfg.src_vocab_size}/{model_cfg.tgt_vocab_size}, {len(splits.train):,} training pairs "
+        f"({batcher.num_dropped} longer than {cfg.max_len} dropped), {batcher.num_batches} batches/epoch, "
+        f"shapes {batcher.shapes}; run dir {run_dir}"
+    )
+
+    writer = summary_writer(run_dir / TENSORBOARD)
+    try:
+        log = _fit(cfg, backend, batcher, tokenizers, splits, writer)
+        results = _finish(cfg, backend, tokenizers, splits, writer, log, started)
+    finally:
+        writer.close()
+        backend.close()
+    write_json_atomic(run_dir / RESULTS_FILE, results)
+    print(_summary_line(results), flush=True)
+    return results
+
+
+def _evaluate(cfg, backend, tokenizers, pairs, samples: int) -> dict[str, Any]:
+    return evaluate_pairs(
+        backend, tokenizers, pairs, max_len=cfg.max_len, token_budget=cfg.token_budget,
+        max_sentences=cfg.eval_sentences, samples=samples,
+    )
+
+
+@dataclasses.dataclass
+class _Log:
+    """What the loop records: logged training windows, evaluations, and training time/tokens."""
+
+    train: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    valid: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    time_s: float = 0.0
+    tokens: int = 0
+
+
+def _log_window(cfg, step: int, values: list[dict[str, float]], tokens: int, elapsed: float, log: _Log, writer, bar):
+    """Record the metrics of the steps since the last log (one per step) as one history entry."""
+    total = sum(v["tokens"] for v in values)
+    entry = {
+        "step": step,
+        "loss": sum(v["loss"] * v["tokens"] for v in values) / total,  # per target token, like the loss
+        "nll": sum(v["nll"] * v["tokens"] for v in values) / total,
+        "lr": values[-1]["lr"],
+        "grad_norm": values[-1]["grad_norm"],
+        "tokens_per_s": tokens / max(elapsed, 1e-9),  # target tokens
+    }
+    log.train.append(entry)
+    log.time_s, log.tokens = log.time_s + elapsed, log.tokens + tokens
+    for offset, v in enumerate(values):
+        for key in ("loss", "nll", "lr", "grad_norm"):
+            writer.add_scalar(f"train/{key}", v[key], step - len(values) + 1 + offset)
+    writer.add_scalar("train/tokens_per_s", entry["tokens_per_s"], step)
+    bar.update(len(values))
+    bar.set_postfix(loss=f"{entry['loss']:.3f}", lr=f"{entry['lr']:.2e}", tok_s=f"{entry['tokens_per_s']:,.0f}")
+    if not cfg.progress:
+        _say(
+            f"step {step}/{cfg.steps} loss {entry['loss']:.4f} lr {entry['lr']:.3e} tok/s {entry['tokens_per_s']:,.0f}"
+        )
+
+
+def _log_evaluation(step: int, evaluated: dict[str, Any], log: _Log, writer) -> None:
+    log.valid.append({"step": step, **_eval_summary(evaluated)})
+    for key in ("loss", "ppl", "bleu", "chrf"):
+        writer.add_scalar(f"valid/{key}", evaluated[key], step)
+    _say(
+        f"step {step}: valid loss {evaluated['loss']:.4f} ppl {evaluated['ppl']:.3f} "
+        f"BLEU {evaluated['bleu']:.2f} chrF {evaluated['chrf']:.2f}"
+    )
+    for sample in evaluated["samples"]:
+        _say(f"  {sample['source']}\n    ref: {sample['reference']}\n    hyp: {sample['hypothesis']}")
+
+
+def _fit(cfg: ExperimentConfig, backend: Backend, batcher: data.Batcher, tokenizers, splits, writer) -> _Log:
+    """The update loop from the backend's step to cfg.steps: train, log, evaluate, checkpoint."""
+    log = _Log()
+    bar = tqdm(
+        total=cfg.steps, initial=backend.step, disable=not cfg.progress, unit="step", dynamic_ncols=True,
+        desc=cfg.backend,
+    )
+    pending: list = []  # metrics of the steps not yet read from the device
+    window_tokens, window_start = 0, time.perf_counter()
+    for step in range(backend.step + 1, cfg.steps + 1):
+        batches = [next(batcher) for _ in range(cfg.grad_accum)]
+        pending.append(backend.train_step(batches))
+        window_tokens += sum(b.num_tgt_tokens for b in batches)
+
+        evaluate_now = step % cfg.eval_every == 0 or step == cfg.steps
+        save_now = step % cfg.save_every == 0 or step == cfg.steps
+        # Also log before an evaluation or a save, so that tokens/s never counts their time.
+        if step % cfg.log_every == 0 or evaluate_now or save_now:
+            values = backend.fetch(pending)  # the loop's only host sync between evaluations
+            _log_window(cfg, step, values, window_tokens, time.perf_counter() - window_start, log, writer, bar)
+            pending, window_tokens = [], 0
+
+        evaluated = None
+        if evaluate_now:
+            evaluated = _evaluate(cfg, backend, tokenizers, splits.valid, cfg.samples)
+            _log_evaluation(step, evaluated, log, writer)
+        if save_now:
+            meta = {
+                "step": step,
+                "data": batcher.state(),  # where the next batch comes from, for --resume
+                "config": cfg.to_dict(),
+                "valid": None if evaluated is None else _eval_summary(evaluated),
+            }
+            backend.save(meta, metrics=None if evaluated is None else {"bleu": evaluated["bleu"]})
+        if not pending:  # just logged: the next window starts now, after any evaluation or save
+            window_start = time.perf_counter()
+    bar.close()
+    return log
+
+
+def _finish(cfg, backend, tokenizers, splits, writer, log: _Log, started: float) -> dict[str, Any]:
+    """Final validation (unless the last step just ran it) and test evaluation; the results dict."""
+    if log.valid and log.valid[-1]["step"] == backend.step:
+        valid = log.valid[-1]
+    else:  # a resumed run that had nothing left to train
+        valid = {"step": backend.step, **_eval_summary(_evaluate(cfg, backend, tokenizers, splits.valid, 0))}
+    test = None
+    if splits.test:
+        test = {"step": backend.step, **_eval_summary(_evaluate(cfg, backend, tokenizers, splits.test, 0))}
+        for key in ("loss", "ppl", "bleu", "chrf"):
+            writer.add_scalar(f"test/{key}", test[key], backend.step)
+    best = max(log.valid, key=lambda v: (v["bleu"], v["step"]), default=None)
+    return {
+        "backend": cfg.backend,
+        "run_dir": cfg.run_dir,
+        "steps": backend.step,
+        "num_params": backend.num_params,
+        "train": {
+            "loss": log.train[-1]["loss"] if log.train else None,
+            "time_s": log.time_s,
+            "tokens_per_s": log.tokens / log.time_s if log.time_s else None,
+        },
+        "valid": valid,
+        "test": test,
+        "best": None if best is None else {"step": best["step"], "bleu": best["bleu"]},
+        "wall_time_s": time.perf_counter() - started,
+        "config": cfg.to_dict(),
+        "model": backend.model_cfg.to_dict(),
+        "history": {"train": log.train, "valid": log.valid},  # this session's (since --resume)
+    }
+
+
+def _summary_line(results: dict[str, Any]) -> str:
+    valid, test = results["valid"], results["test"]
+    parts = [
+        f"[{results['backend']}] done: {results['steps']} steps in {results['wall_time_s']:.0f} s",
+        f"valid loss {valid['loss']:.4f} ppl {valid['ppl']:.3f} BLEU {valid['bleu']:.2f}",
+    ]
+    if test is not None:
+        parts.append(f"test BLEU {test['bleu']:.2f} chrF {test['chrf']:.2f}")
+    parts.append(str(Path(results["run_dir"]) / RESULTS_FILE))
+    return " | ".join(parts)

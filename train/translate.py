@@ -1,0 +1,130 @@
+"""Translate with a trained run: `python -m train.translate --run-dir DIR [--input FILE]`.
+
+Reads one sentence per line from FILE (or stdin), writes one translation per line to stdout (or
+--output), in input order. The run's config, tokenizer and checkpoint (best by validation BLEU
+by default) select the backend and the weights.
+
+`translate_ids` is the one place that runs search; `translate_texts` batches sentences by
+length bucket (a few padded shapes, so jit compiles a handful of times) and keeps their order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from . import data
+from .backend import Backend, decode_length
+
+
+def translate_ids(backend: Backend, src: np.ndarray, max_len: int) -> np.ndarray:
+    """Search for one padded batch of source ids (B, S) -> target ids (B, T), T <= max_len.
+
+    Greedy and uncached for now; a cached beam search (decode.py) replaces it here, and only here.
+    """
+    return backend.greedy_translate(src, decode_length(src.shape[1], max_len))
+
+
+def source_batches(
+    src_ids: Sequence[Sequence[int]], max_len: int, token_budget: int, batch_size: int | None = None
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(indices, padded src (B, L)) per batch: sentences grouped by length bucket, at most
+    `token_budget` padded tokens and `batch_size` sentences per batch, every batch of a bucket
+    padded with all-pad rows (index -1) to one shape. Sources longer than max_len are cut to
+    max_len - 1 tokens + <eos>."""
+    buckets = data.bucket_lengths(max_len)
+    ids = [list(s) if len(s) <= max_len else [*s[: max_len - 1], data.EOS_ID] for s in src_ids]
+    bucket_of = np.searchsorted(buckets, [len(s) for s in ids])
+    for b, length in enumerate(buckets):
+        members = np.flatnonzero(bucket_of == b)
+        if not len(members):
+            continue
+        # Rows per batch: the budget's, but no more than the next power of two above the bucket's
+        # sentence count (3 sentences do not run as 512 rows), so shapes stay few.
+        size = max(1, min(token_budget // length, batch_size or token_budget, 1 << (len(members) - 1).bit_length()))
+        for start in range(0, len(members), size):
+            chunk = members[start : start + size]
+            src = np.full((size, length), data.PAD_ID, np.int32)  # (B, L)
+            for row, i in enumerate(chunk):
+                src[row, : len(ids[i])] = ids[i]
+            index = np.full(size, -1, np.int64)
+            index[: len(chunk)] = chunk
+            yield index, src
+
+
+def translate_texts(
+    backend: Backend,
+    tokenizers: data.Tokenizers,
+    texts: Sequence[str],
+    *,
+    max_len: int,
+    token_budget: int,
+    batch_size: int | None = None,
+) -> list[str]:
+    """Detokenized translations of `texts`, in order (an empty line translates to "")."""
+    src_ids = data.encode(tokenizers.src, list(texts))
+    out = [""] * len(texts)
+    for index, src in source_batches(src_ids, max_len, token_budget, batch_size):
+        hyps = data.decode_batch(tokenizers.tgt, translate_ids(backend, src, max_len))
+        for row, i in enumerate(index):
+            if i >= 0 and texts[i].strip():
+                out[i] = hyps[row]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m train.translate",
+        description="Translate sentences (one per line) with a run trained by `python -m train.run`. "
+        "Greedy search; the backend (jax or torch) is the one the run was trained with.",
+    )
+    parser.add_argument(
+        "--run-dir", required=True, type=Path, help="the run directory (holds config.json, tokenizer, checkpoints/)"
+    )
+    parser.add_argument(
+        "--input", type=Path, help="text file, one source sentence per line (plain or .gz); default: stdin"
+    )
+    parser.add_argument("--output", type=Path, help="write translations here instead of stdout")
+    parser.add_argument(
+        "--checkpoint", default="best", help="'best' (by validation BLEU, the default), 'latest', or a step number"
+    )
+    parser.add_argument(
+        "--batch-size", type=int, help="at most N sentences per batch; default: as many as the run's --token-budget"
+    )
+    args = parser.parse_args(argv)
+    if args.batch_size is not None and args.batch_size < 1:
+        parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
+
+    from .loop import UserError, open_run  # here: loads a framework
+
+    try:
+        if args.input is None:
+            lines = sys.stdin.read().splitlines()
+        else:
+            import gzip
+
+            opener = gzip.open if args.input.suffix == ".gz" else open
+            with opener(args.input, "rt", encoding="utf-8") as f:
+                lines = f.read().splitlines()
+        run = open_run(args.run_dir, args.checkpoint)
+    except (UserError, FileNotFoundError) as err:
+        parser.exit(1, f"error: {err}\n")
+    cfg = run.config
+    hyps = translate_texts(
+        run.backend, run.tokenizers, lines,
+        max_len=cfg.max_len, token_budget=cfg.token_budget, batch_size=args.batch_size,
+    )
+    text = "".join(h + "\n" for h in hyps)
+    if args.output is None:
+        sys.stdout.write(text)
+    else:
+        args.output.write_text(text, encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
