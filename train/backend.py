@@ -64,9 +64,11 @@ class Backend(Protocol):
         """(smoothed loss sum, nll sum, target tokens) of one batch, dropout off, as device scalars
         that support `+`; `float()` of a sum reads it."""
 
-    def greedy_translate(self, src: np.ndarray, max_len: int) -> np.ndarray:
-        """Greedy decoding, dropout off: src ids (B, S) -> target ids (B, max_len) ending with
-        <eos> then <pad>, or cut at max_len. Never emits <pad> or <bos>."""
+    def translate(self, src: np.ndarray, beam_size: int = 4, alpha: float = 0.6) -> np.ndarray:
+        """Cached search (`decode.py` of the backend's framework), dropout off: src ids (B, S) ->
+        target ids (B, L) ending with <eos> then <pad>; greedy when beam_size is 1. L and each
+        sentence's length limit follow decode.output_length / sentence_limits (1.5 x source + 10,
+        at most the model's max_len). Never emits <pad> or <bos>."""
 
     def learning_rate(self, step: int) -> float:
         """The learning rate of update number `step` (from 1)."""
@@ -104,12 +106,6 @@ def create_backend(
     """
     module = importlib.import_module(BACKEND_MODULES[exp_cfg.backend])
     return module.create(exp_cfg, model_cfg, checkpoint_dir)
-
-
-def decode_length(src_len: int, max_len: int) -> int:
-    """How many target tokens greedy search may produce for a (padded) source length: 1.5x + 10,
-    at most the model's max_len. From the padded length, so jit sees one value per bucket."""
-    return min(max_len, int(1.5 * src_len) + 10)
 
 
 def best_of(steps_metrics: Mapping[int, Mapping[str, float] | None], key: str = "bleu") -> int | None:

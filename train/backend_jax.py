@@ -30,6 +30,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 import jax_transformer
+from jax_transformer import decode
 from jax_transformer.objective import label_smoothed_cross_entropy, noam_learning_rate
 from torch_reference.config import TransformerConfig
 
@@ -83,7 +84,6 @@ class JaxBackend:
         self._accumulate = jax.jit(self.accumulate_fn, donate_argnums=0)
         self._apply = jax.jit(self.apply_fn, donate_argnums=0)
         self._eval = jax.jit(self.eval_fn)
-        self._greedy = jax.jit(self.greedy_fn, static_argnames="length")
 
     # ------------------------------------------------------------------------------------------
     # Pure functions (traced by jit; no Python state is read or written but the static config)
@@ -139,35 +139,6 @@ class JaxBackend:
         _, (loss_sum, nll_sum) = self._loss_sums(params, batch, jax.random.key(0), total, True)
         return loss_sum, nll_sum, total
 
-    def greedy_fn(self, params, src, *, length: int):
-        """Uncached greedy search: every step re-runs the decoder over the whole (B, length) prefix
-        buffer, causally masked, and reads position t. One compilation per (B, S, length)."""
-        cfg = self.model_cfg
-        model = self._model(params)
-        src_mask = jax_transformer.padding_mask(src, cfg.pad_id)  # (B, 1, 1, S)
-        memory = model.encode(src, src_mask)  # (B, S, D)
-        B = src.shape[0]
-        tokens = jnp.full((B, length + 1), cfg.pad_id, jnp.int32).at[:, 0].set(cfg.bos_id)  # (B, T+1)
-        V = model.target_embedding.num_embeddings
-        forbidden = jnp.zeros(V, bool).at[jnp.array([cfg.pad_id, cfg.bos_id])].set(True)  # (V,)
-        done = (src != cfg.pad_id).sum(axis=1) == 0  # all-pad filler rows are finished from the start
-
-        def cond(carry):
-            t, _, done = carry
-            return (t < length) & ~done.all()
-
-        def body(carry):
-            t, tokens, done = carry
-            hidden = model.decode(tokens[:, :length], memory, src_mask)  # (B, T, D)
-            logits = model.project(jax.lax.dynamic_index_in_dim(hidden, t, axis=1, keepdims=False))  # (B, V)
-            logits = jnp.where(forbidden, jnp.finfo(logits.dtype).min, logits)
-            nxt = jnp.where(done, cfg.pad_id, jnp.argmax(logits, axis=-1).astype(jnp.int32))  # (B,)
-            tokens = jax.lax.dynamic_update_slice_in_dim(tokens, nxt[:, None], t + 1, axis=1)
-            return t + 1, tokens, done | (nxt == cfg.eos_id)
-
-        _, tokens, _ = jax.lax.while_loop(cond, body, (jnp.int32(0), tokens, done))
-        return tokens[:, 1:]  # (B, T)
-
     # ------------------------------------------------------------------------------------------
     # The Backend interface
 
@@ -198,8 +169,13 @@ class JaxBackend:
     def eval_loss(self, batch: Batch):
         return self._eval(self.state["params"], _as_arrays(batch))
 
-    def greedy_translate(self, src: np.ndarray, max_len: int) -> np.ndarray:
-        return np.asarray(self._greedy(self.state["params"], np.asarray(src, np.int32), length=int(max_len)))
+    def translate(self, src: np.ndarray, beam_size: int = 4, alpha: float = 0.6) -> np.ndarray:
+        model = self._model(self.state["params"])
+        if beam_size == 1:
+            tokens, _ = decode.greedy_search(model, np.asarray(src, np.int32))
+        else:
+            tokens, _ = decode.beam_search(model, np.asarray(src, np.int32), beam_size, alpha)
+        return np.asarray(tokens, np.int32)
 
     def learning_rate(self, step: int) -> float:
         return float(noam_learning_rate(step, self.model_cfg.d_model, self.exp_cfg.warmup, self.exp_cfg.lr_factor))

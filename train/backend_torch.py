@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import torch_reference
+from torch_reference import decode
 from torch_reference.config import TransformerConfig
 from torch_reference.objective import label_smoothed_cross_entropy, noam_learning_rate
 
@@ -127,29 +128,14 @@ class TorchBackend:
         loss_sum, nll_sum = self._loss_sums(self.model, batch)
         return loss_sum, nll_sum, batch.num_tgt_tokens
 
-    @torch.no_grad()
-    def greedy_translate(self, src: np.ndarray, max_len: int) -> np.ndarray:
-        """Uncached greedy search: the decoder re-reads the growing prefix every step."""
+    def translate(self, src: np.ndarray, beam_size: int = 4, alpha: float = 0.6) -> np.ndarray:
         self.model.eval()
-        cfg = self.model_cfg
         src_t = torch.from_numpy(np.asarray(src)).to(device=self.device, dtype=torch.long)  # (B, S)
-        src_mask = torch_reference.padding_mask(src_t, cfg.pad_id)  # (B, 1, 1, S)
-        memory = self.model.encode(src_t, src_mask)  # (B, S, D)
-        B = src_t.shape[0]
-        tokens = torch.full((B, 1), cfg.bos_id, dtype=torch.long, device=self.device)  # (B, t+1)
-        done = (src_t != cfg.pad_id).sum(dim=1) == 0  # all-pad filler rows are finished from the start
-        for _ in range(max_len):
-            hidden = self.model.decode(tokens, memory, src_mask)  # (B, t+1, D)
-            logits = self.model.project(hidden[:, -1])  # (B, V)
-            logits[:, [cfg.pad_id, cfg.bos_id]] = torch.finfo(logits.dtype).min
-            nxt = torch.where(done, cfg.pad_id, logits.argmax(dim=-1))  # (B,)
-            tokens = torch.cat([tokens, nxt[:, None]], dim=1)
-            done = done | (nxt == cfg.eos_id)
-            if bool(done.all()):
-                break
-        out = np.full((B, max_len), cfg.pad_id, dtype=np.int32)
-        out[:, : tokens.shape[1] - 1] = tokens[:, 1:].cpu().numpy()
-        return out
+        if beam_size == 1:
+            tokens, _ = decode.greedy_search(self.model, src_t)
+        else:
+            tokens, _ = decode.beam_search(self.model, src_t, beam_size, alpha)
+        return tokens.cpu().numpy().astype(np.int32)
 
     # ------------------------------------------------------------------------------------------
     # Checkpoints

@@ -41,7 +41,7 @@ DERIVED_MODEL_FIELDS = ("src_vocab_size", "tgt_vocab_size", "max_len", "dropout"
 # Fields a resumed run may change; every other field defines the run and must match what it
 # was started with (model, data, tokenizer, batches, optimiser, seed).
 RESUMABLE_FIELDS = (
-    "steps", "eval_every", "log_every", "save_every", "keep_checkpoints", "eval_sentences", "samples",
+    "steps", "eval_every", "log_every", "save_every", "keep_checkpoints", "eval_sentences", "samples", "beam",
     "run_dir", "resume", "overwrite", "compile", "threads", "progress", "hf_cache",
 )
 
@@ -127,6 +127,7 @@ class ExperimentConfig:
         None, "eval", "translate at most this many validation sentences for BLEU/chrF; default: all"
     )
     samples: int = _field(3, "eval", "sample translations printed at each evaluation")
+    beam: int = _field(4, "eval", "beam size of the translations scored by BLEU/chrF (1 = greedy search)")
 
     # Checkpoints
     save_every: int | None = _field(None, "ckpt", "checkpoint every N steps and at the end; default: --eval-every")
@@ -162,7 +163,7 @@ class ExperimentConfig:
         if unknown:
             raise ValueError(f"unknown model field(s) {', '.join(unknown)}; choose from {', '.join(sorted(known))}")
         positive = ("numbers_train", "numbers_valid", "max_len", "token_budget", "steps", "grad_accum",
-                    "eval_every", "log_every", "keep_checkpoints")
+                    "eval_every", "log_every", "keep_checkpoints", "beam")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

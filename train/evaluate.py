@@ -1,4 +1,4 @@
-"""Evaluation: loss, perplexity, and sacreBLEU/chrF of greedy translations; `python -m train.evaluate`.
+"""Evaluation: loss, perplexity, and sacreBLEU/chrF of beam-search translations; `python -m train.evaluate`.
 
 BLEU and chrF are sacreBLEU's corpus scores on detokenized text (its default 13a tokenization,
 mixed case), the numbers every paper quotes. Perplexity is exp of the unsmoothed per-token
@@ -57,15 +57,18 @@ def evaluate_pairs(
     token_budget: int,
     max_sentences: int | None = None,
     samples: int = 0,
+    beam_size: int = 4,
 ) -> dict[str, Any]:
     """Loss and perplexity on every pair (those longer than max_len are left out of the loss),
-    BLEU and chrF of greedy translations of the first `max_sentences` pairs (default: all), and
+    BLEU and chrF of beam-search translations (greedy with beam_size 1) of the first `max_sentences` pairs (default: all), and
     `samples` examples as {"source", "reference", "hypothesis"}."""
     examples = data.encode_pairs(tokenizers, pairs)
     batcher = data.Batcher(examples, token_budget=token_budget, max_len=max_len, shuffle=False)
     result: dict[str, Any] = loss_and_perplexity(backend, batcher.epoch_batches())
     scored = list(pairs[:max_sentences] if max_sentences else pairs)
-    hyps = translate_texts(backend, tokenizers, [s for s, _ in scored], max_len=max_len, token_budget=token_budget)
+    hyps = translate_texts(
+        backend, tokenizers, [s for s, _ in scored], max_len=max_len, token_budget=token_budget, beam_size=beam_size
+    )
     result.update(corpus_scores(hyps, [t for _, t in scored]))
     result["sentences"] = len(scored)
     result["samples"] = [
@@ -78,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m train.evaluate",
         description="Score a run trained by `python -m train.run` on parallel data: label-smoothed loss, "
-        "perplexity, and sacreBLEU BLEU/chrF of greedy translations. Prints one JSON object.",
+        "perplexity, and sacreBLEU BLEU/chrF of beam-search translations. Prints one JSON object.",
         epilog="DATA is a data spec as for train.run (SRC:TGT:PREFIX, FILE.tsv, FILE.jsonl, hf:NAME[:CONFIG]:SPLIT), "
         "or numbers:train|valid|test for the run's own split of the embedded numbers corpus.",
     )
@@ -91,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         "--max-sentences", type=int, help="translate only the first N pairs for BLEU/chrF; default: all"
     )
     parser.add_argument("--samples", type=int, default=0, help="include N example translations in the JSON")
+    parser.add_argument("--beam", type=int, default=4, help="beam size (default 4; 1 = greedy search)")
     parser.add_argument("--output", type=Path, help="also write the JSON to this file")
     args = parser.parse_args(argv)
 
@@ -104,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = run.config
     result = evaluate_pairs(
         run.backend, run.tokenizers, pairs, max_len=cfg.max_len, token_budget=cfg.token_budget,
-        max_sentences=args.max_sentences, samples=args.samples,
+        max_sentences=args.max_sentences, samples=args.samples, beam_size=args.beam,
     )
     result = {"run_dir": str(args.run_dir), "data": args.data, "step": run.backend.step, **result}
     text = json.dumps(result, indent=2, ensure_ascii=False)

@@ -255,7 +255,7 @@ def train(cfg: ExperimentConfig, *, explicit: Iterable[str] | None = None) -> di
 def _evaluate(cfg, backend, tokenizers, pairs, samples: int) -> dict[str, Any]:
     return evaluate_pairs(
         backend, tokenizers, pairs, max_len=cfg.max_len, token_budget=cfg.token_budget,
-        max_sentences=cfg.eval_sentences, samples=samples,
+        max_sentences=cfg.eval_sentences, samples=samples, beam_size=cfg.beam,
     )
 
 

@@ -18,15 +18,13 @@ from pathlib import Path
 import numpy as np
 
 from . import data
-from .backend import Backend, decode_length
+from .backend import Backend
 
 
-def translate_ids(backend: Backend, src: np.ndarray, max_len: int) -> np.ndarray:
-    """Search for one padded batch of source ids (B, S) -> target ids (B, T), T <= max_len.
-
-    Greedy and uncached for now; a cached beam search (decode.py) replaces it here, and only here.
-    """
-    return backend.greedy_translate(src, decode_length(src.shape[1], max_len))
+def translate_ids(backend: Backend, src: np.ndarray, beam_size: int = 4, alpha: float = 0.6) -> np.ndarray:
+    """Search for one padded batch of source ids (B, S) -> target ids (B, T): the backend's
+    cached beam search (greedy with beam_size 1), length penalty alpha."""
+    return backend.translate(src, beam_size, alpha)
 
 
 def source_batches(
@@ -64,12 +62,14 @@ def translate_texts(
     max_len: int,
     token_budget: int,
     batch_size: int | None = None,
+    beam_size: int = 4,
+    alpha: float = 0.6,
 ) -> list[str]:
     """Detokenized translations of `texts`, in order (an empty line translates to "")."""
     src_ids = data.encode(tokenizers.src, list(texts))
     out = [""] * len(texts)
     for index, src in source_batches(src_ids, max_len, token_budget, batch_size):
-        hyps = data.decode_batch(tokenizers.tgt, translate_ids(backend, src, max_len))
+        hyps = data.decode_batch(tokenizers.tgt, translate_ids(backend, src, beam_size, alpha))
         for row, i in enumerate(index):
             if i >= 0 and texts[i].strip():
                 out[i] = hyps[row]
@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m train.translate",
         description="Translate sentences (one per line) with a run trained by `python -m train.run`. "
-        "Greedy search; the backend (jax or torch) is the one the run was trained with.",
+        "Cached beam search (greedy with --beam 1); the backend (jax or torch) is the one the run was "
+        "trained with. Sources longer than the model's max_len are cut to it.",
     )
     parser.add_argument(
         "--run-dir", required=True, type=Path, help="the run directory (holds config.json, tokenizer, checkpoints/)"
@@ -95,9 +96,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--batch-size", type=int, help="at most N sentences per batch; default: as many as the run's --token-budget"
     )
+    parser.add_argument("--beam", type=int, default=4, help="beam size (default 4; 1 = greedy search)")
+    parser.add_argument("--alpha", type=float, default=0.6, help="length penalty exponent of ((5+len)/6)^alpha (default 0.6)")
     args = parser.parse_args(argv)
     if args.batch_size is not None and args.batch_size < 1:
         parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.beam < 1:
+        parser.error(f"--beam must be >= 1, got {args.beam}")
 
     from .loop import UserError, open_run  # here: loads a framework
 
@@ -117,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     hyps = translate_texts(
         run.backend, run.tokenizers, lines,
         max_len=cfg.max_len, token_budget=cfg.token_budget, batch_size=args.batch_size,
+        beam_size=args.beam, alpha=args.alpha,
     )
     text = "".join(h + "\n" for h in hyps)
     if args.output is None:
