@@ -76,6 +76,77 @@ def translate_texts(
     return out
 
 
+def uncached_greedy(model, src: np.ndarray) -> np.ndarray:
+    """The seed repositories' decoding loop, kept as the benchmark's baseline: every new token
+    re-runs the whole decoder over the prefix (torch_reference model, greedy, same length rule)."""
+    import torch
+
+    from torch_reference import decode, padding_mask
+
+    cfg = model.cfg
+    with torch.no_grad():
+        src_t = torch.from_numpy(np.asarray(src)).long()
+        length = decode.output_length(src_t.shape[1], cfg.max_len, 1.5, 10)
+        limits = decode.sentence_limits(src_t, cfg.pad_id, length, 1.5, 10)
+        mask = padding_mask(src_t, cfg.pad_id)
+        memory = model.encode(src_t, mask)
+        prefix = torch.full((src_t.shape[0], 1), cfg.bos_id)
+        done = torch.zeros(src_t.shape[0], dtype=torch.bool)
+        for position in range(length):
+            logits = model.project(model.decode(prefix, memory, mask)[:, -1])  # (B, V)
+            logits[:, [cfg.pad_id, cfg.bos_id]] = decode.NEG_INF
+            logits[position + 1 >= limits, : cfg.eos_id] = decode.NEG_INF
+            logits[position + 1 >= limits, cfg.eos_id + 1 :] = decode.NEG_INF
+            token = torch.where(done, cfg.pad_id, logits.argmax(-1))
+            prefix = torch.cat([prefix, token[:, None]], dim=1)
+            done |= token == cfg.eos_id
+            if bool(done.all()):
+                break
+    out = np.full((src.shape[0], length), cfg.pad_id, np.int32)
+    out[:, : prefix.shape[1] - 1] = prefix[:, 1:].numpy()
+    return out
+
+
+def benchmark(run, lines: Sequence[str], beam_size: int, batch_size: int | None, uncached: bool = True) -> list[dict]:
+    """Sentences/s and generated tokens/s translating `lines` with the run's weights in both
+    frameworks' cached search (greedy and beam), and with the uncached loop. Each configuration
+    runs once untimed (jit compiles every batch shape there) and once timed."""
+    import time
+
+    from .backend import create_backend
+
+    cfg, model_cfg = run.config, run.model_config
+    backends = {run.backend.name: run.backend}
+    other = "torch" if run.backend.name == "jax" else "jax"
+    backends[other] = create_backend(cfg.replace(backend=other), model_cfg, None)
+    backends[other].load_torch_state_dict(run.backend.torch_state_dict())
+    src_ids = data.encode(run.tokenizers.src, list(lines))
+    batches = list(source_batches(src_ids, cfg.max_len, cfg.token_budget, batch_size))
+
+    def timed(search) -> tuple[float, int]:
+        for _, src in batches:  # warm-up: compilation and caches
+            search(src)
+        start, tokens = time.perf_counter(), 0
+        for index, src in batches:
+            out = search(src)
+            real = out[index >= 0]
+            tokens += int(((real != data.PAD_ID)).sum())
+        return time.perf_counter() - start, tokens
+
+    rows = []
+    for name in ("jax", "torch"):
+        for beam in sorted({1, beam_size}):
+            seconds, tokens = timed(lambda src, b=backends[name], k=beam: b.translate(src, k))
+            rows.append({"search": f"{name} cached", "beam": beam, "seconds": seconds, "tokens": tokens})
+    if uncached:
+        torch_model = backends["torch"].model.eval()
+        seconds, tokens = timed(lambda src: uncached_greedy(torch_model, src))
+        rows.append({"search": "torch uncached", "beam": 1, "seconds": seconds, "tokens": tokens})
+    for row in rows:
+        row.update(sentences=len(lines), sentences_per_s=len(lines) / row["seconds"], tokens_per_s=row["tokens"] / row["seconds"])
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m train.translate",
@@ -97,6 +168,10 @@ def main(argv: list[str] | None = None) -> int:
         "--batch-size", type=int, help="at most N sentences per batch; default: as many as the run's --token-budget"
     )
     parser.add_argument("--beam", type=int, default=4, help="beam size (default 4; 1 = greedy search)")
+    parser.add_argument("--benchmark", action="store_true",
+                        help="instead of printing translations, time them: JAX and torch cached search (greedy and "
+                        "--beam) and torch's uncached loop, on the same weights and input; prints sentences/s, tokens/s")
+    parser.add_argument("--json", type=Path, help="with --benchmark: also write the figures to this JSON file")
     parser.add_argument("--alpha", type=float, default=0.6, help="length penalty exponent of ((5+len)/6)^alpha (default 0.6)")
     args = parser.parse_args(argv)
     if args.batch_size is not None and args.batch_size < 1:
@@ -119,6 +194,22 @@ def main(argv: list[str] | None = None) -> int:
     except (UserError, FileNotFoundError) as err:
         parser.exit(1, f"error: {err}\n")
     cfg = run.config
+    if args.benchmark:
+        import json
+        import os
+        import platform
+
+        rows = benchmark(run, [line for line in lines if line.strip()], args.beam, args.batch_size)
+        base = {r["search"] + str(r["beam"]): r["seconds"] for r in rows}
+        print(f"{len(lines)} sentences, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs")
+        print(f"{'search':16s} {'beam':>4s} {'seconds':>8s} {'sent/s':>8s} {'tok/s':>8s} {'vs torch cached':>16s}")
+        for r in rows:
+            ref = base.get(f"torch cached{r['beam']}")
+            print(f"{r['search']:16s} {r['beam']:4d} {r['seconds']:8.2f} {r['sentences_per_s']:8.1f} {r['tokens_per_s']:8.0f} "
+                  f"{(ref / r['seconds']) if ref else float('nan'):15.2f}x")
+        if args.json:
+            args.json.write_text(json.dumps({"run_dir": str(args.run_dir), "rows": rows}, indent=2))
+        return 0
     hyps = translate_texts(
         run.backend, run.tokenizers, lines,
         max_len=cfg.max_len, token_budget=cfg.token_budget, batch_size=args.batch_size,
