@@ -145,6 +145,8 @@ def load_parallel(spec: str, cache_dir: str | Path | None = None) -> LoadedPairs
     """
     import datasets  # imported here: ~1 s, and the numbers corpus does not need it
 
+    datasets.disable_progress_bars()  # "Generating train split" bars for local files are noise
+
     spec, _, options = spec.partition("#")
     cache_dir = None if cache_dir is None else str(cache_dir)
     if spec.startswith("hf:"):
