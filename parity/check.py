@@ -220,19 +220,10 @@ def failures(report: dict, bounds: dict) -> list[str]:
 
 
 def _parse_override(text: str) -> tuple[str, object]:
-    key, sep, value = text.partition("=")
-    fields = {f.name: f for f in dataclasses.fields(TransformerConfig)}
-    if not sep or key not in fields:
-        raise argparse.ArgumentTypeError(f"expected FIELD=VALUE with FIELD one of {', '.join(fields)}; got {text!r}")
-    kind = type(getattr(TransformerConfig(), key))
-    if kind is bool:
-        if value.lower() not in ("true", "false", "1", "0"):
-            raise argparse.ArgumentTypeError(f"{key} takes true or false, got {value!r}")
-        return key, value.lower() in ("true", "1")
     try:
-        return key, kind(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{key} takes a {kind.__name__}, got {value!r}") from None
+        return TransformerConfig.parse_override(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -115,6 +115,26 @@ class TransformerConfig:
             raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(_PRESETS)}")
         return cls(**{**_PRESETS[name], **overrides})
 
+    @classmethod
+    def parse_override(cls, text: str, exclude: tuple[str, ...] = ()) -> tuple[str, Any]:
+        """'FIELD=VALUE' -> (field, value typed like the field), for `--set` flags of the CLIs.
+
+        Fields in `exclude` are refused. Raises ValueError naming the choices.
+        """
+        key, sep, value = text.partition("=")
+        fields = sorted({f.name for f in dataclasses.fields(cls)} - set(exclude))
+        if not sep or key not in fields:
+            raise ValueError(f"expected FIELD=VALUE with FIELD one of {', '.join(fields)}; got {text!r}")
+        kind = type(getattr(cls(), key))
+        if kind is bool:
+            if value.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(f"{key} takes true or false, got {value!r}")
+            return key, value.lower() in ("true", "1")
+        try:
+            return key, kind(value)
+        except ValueError:
+            raise ValueError(f"{key} takes a {kind.__name__}, got {value!r}") from None
+
     def replace(self, **changes: Any) -> "TransformerConfig":
         return dataclasses.replace(self, **changes)
 
