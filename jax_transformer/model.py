@@ -84,22 +84,31 @@ def scaled_dot_product_attention(q, k, v, mask=None, dropout=None) -> jax.Array:
     return jnp.matmul(weights, v)  # (B, H, T, K)
 
 
-def make_norm(cfg: TransformerConfig, rngs: nnx.Rngs) -> nnx.Module:
+def make_norm(cfg: TransformerConfig, rngs: nnx.Rngs, dtype=None) -> nnx.Module:
     """LayerNorm (paper) or RMSNorm, both with the config's epsilon (never a library default).
 
     `use_fast_variance=False`: Flax's default E[x²]-E[x]² loses precision; torch uses E[(x-μ)²].
+    Flax computes the statistics in at least float32 whatever `dtype` (the output's) is.
     """
+    kwargs = dict(epsilon=cfg.layer_norm_eps, use_fast_variance=False, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
     if cfg.norm == "rmsnorm":
-        return nnx.RMSNorm(cfg.d_model, epsilon=cfg.layer_norm_eps, use_fast_variance=False, rngs=rngs)
-    return nnx.LayerNorm(cfg.d_model, epsilon=cfg.layer_norm_eps, use_fast_variance=False, rngs=rngs)
+        return nnx.RMSNorm(cfg.d_model, **kwargs)
+    return nnx.LayerNorm(cfg.d_model, **kwargs)
 
 
-def _linear(d_in: int, d_out: int, rngs: nnx.Rngs, bias: bool = True) -> nnx.Linear:
-    return nnx.Linear(d_in, d_out, use_bias=bias, kernel_init=xavier_uniform, rngs=rngs)
+# `dtype` is the computation's dtype (None: that of the inputs and parameters, i.e. float32);
+# parameters are float32 whatever it is (mixed precision: Micikevicius et al. 2018).
+def _linear(d_in: int, d_out: int, rngs: nnx.Rngs, bias: bool = True, dtype=None) -> nnx.Linear:
+    return nnx.Linear(
+        d_in, d_out, use_bias=bias, kernel_init=xavier_uniform, dtype=dtype, param_dtype=jnp.float32, rngs=rngs
+    )
 
 
-def _embedding(num: int, d_model: int, std: float, rngs: nnx.Rngs) -> nnx.Embed:
-    return nnx.Embed(num, d_model, embedding_init=nnx.initializers.normal(stddev=std), rngs=rngs)
+def _embedding(num: int, d_model: int, std: float, rngs: nnx.Rngs, dtype=None) -> nnx.Embed:
+    return nnx.Embed(
+        num, d_model, embedding_init=nnx.initializers.normal(stddev=std), dtype=dtype, param_dtype=jnp.float32,
+        rngs=rngs,
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -110,12 +119,12 @@ def _embedding(num: int, d_model: int, std: float, rngs: nnx.Rngs) -> nnx.Embed:
 class PositionalEncoding(nnx.Module):
     """Adds position information to embeddings: the fixed sinusoid table (§3.5) or a learned one."""
 
-    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: TransformerConfig, *, dtype=None, rngs: nnx.Rngs):
         self.max_len = cfg.max_len
         self.d_model = cfg.d_model
         # Learned tables ~ normal(0, 0.02), as in BERT and GPT-2 (see Transformer.reset_parameters
         # on the torch side); the sinusoid table is a constant, never a parameter or checkpoint key.
-        self.embedding = _embedding(cfg.max_len, cfg.d_model, 0.02, rngs) if cfg.positions == "learned" else None
+        self.embedding = _embedding(cfg.max_len, cfg.d_model, 0.02, rngs, dtype) if cfg.positions == "learned" else None
 
     def __call__(self, x: jax.Array, offset: int | jax.Array = 0) -> jax.Array:
         """x (B, L, D) -> x + positions[offset : offset + L]; `offset` may be traced."""
@@ -132,12 +141,12 @@ class PositionalEncoding(nnx.Module):
 class MultiHeadAttention(nnx.Module):
     """Multi-head attention (§3.2.2): project, split into H heads, attend, merge, project."""
 
-    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: TransformerConfig, *, dtype=None, rngs: nnx.Rngs):
         self.num_heads = cfg.num_heads
-        self.q_proj = _linear(cfg.d_model, cfg.d_model, rngs, bias=cfg.attention_bias)
-        self.k_proj = _linear(cfg.d_model, cfg.d_model, rngs, bias=cfg.attention_bias)
-        self.v_proj = _linear(cfg.d_model, cfg.d_model, rngs, bias=cfg.attention_bias)
-        self.out_proj = _linear(cfg.d_model, cfg.d_model, rngs, bias=cfg.attention_bias)
+        self.q_proj = _linear(cfg.d_model, cfg.d_model, rngs, bias=cfg.attention_bias, dtype=dtype)
+        self.k_proj = _linear(cfg.d_model, cfg.d_model, rngs, bias=cfg.attention_bias, dtype=dtype)
+        self.v_proj = _linear(cfg.d_model, cfg.d_model, rngs, bias=cfg.attention_bias, dtype=dtype)
+        self.out_proj = _linear(cfg.d_model, cfg.d_model, rngs, bias=cfg.attention_bias, dtype=dtype)
         self.dropout = nnx.Dropout(cfg.attention_dropout)
 
     def split_heads(self, x: jax.Array) -> jax.Array:
@@ -168,11 +177,11 @@ class FeedForward(nnx.Module):
     linear2(silu(linear1(x)) * linear_gate(x)), with the same width F.
     """
 
-    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: TransformerConfig, *, dtype=None, rngs: nnx.Rngs):
         self.activation = cfg.activation
-        self.linear1 = _linear(cfg.d_model, cfg.d_ff, rngs)
-        self.linear_gate = _linear(cfg.d_model, cfg.d_ff, rngs) if cfg.activation == "swiglu" else None
-        self.linear2 = _linear(cfg.d_ff, cfg.d_model, rngs)
+        self.linear1 = _linear(cfg.d_model, cfg.d_ff, rngs, dtype=dtype)
+        self.linear_gate = _linear(cfg.d_model, cfg.d_ff, rngs, dtype=dtype) if cfg.activation == "swiglu" else None
+        self.linear2 = _linear(cfg.d_ff, cfg.d_model, rngs, dtype=dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         h = self.linear1(x)  # (B, L, F)
@@ -192,12 +201,12 @@ class EncoderLayer(nnx.Module):
     Pre-norm: x = x + Dropout(sublayer(Norm(x))), with a final norm in the Encoder/Decoder.
     """
 
-    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: TransformerConfig, *, dtype=None, rngs: nnx.Rngs):
         self.pre_norm = cfg.norm_position == "pre"
-        self.self_attn = MultiHeadAttention(cfg, rngs=rngs)
-        self.self_attn_norm = make_norm(cfg, rngs)
-        self.ff = FeedForward(cfg, rngs=rngs)
-        self.ff_norm = make_norm(cfg, rngs)
+        self.self_attn = MultiHeadAttention(cfg, dtype=dtype, rngs=rngs)
+        self.self_attn_norm = make_norm(cfg, rngs, dtype)
+        self.ff = FeedForward(cfg, dtype=dtype, rngs=rngs)
+        self.ff_norm = make_norm(cfg, rngs, dtype)
         self.dropout = nnx.Dropout(cfg.dropout)
 
     def residual(self, x, norm, sublayer, deterministic, rngs):
@@ -215,10 +224,10 @@ class EncoderLayer(nnx.Module):
 class DecoderLayer(EncoderLayer):
     """An EncoderLayer with attention over the encoder output between its two sublayers (§3.1)."""
 
-    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
-        super().__init__(cfg, rngs=rngs)
-        self.cross_attn = MultiHeadAttention(cfg, rngs=rngs)
-        self.cross_attn_norm = make_norm(cfg, rngs)
+    def __init__(self, cfg: TransformerConfig, *, dtype=None, rngs: nnx.Rngs):
+        super().__init__(cfg, dtype=dtype, rngs=rngs)
+        self.cross_attn = MultiHeadAttention(cfg, dtype=dtype, rngs=rngs)
+        self.cross_attn_norm = make_norm(cfg, rngs, dtype)
 
     def __call__(self, x, memory, src_mask=None, tgt_mask=None, *, deterministic=True, rngs=None):
         """x (B, T, D), memory (B, S, D) -> (B, T, D)."""
@@ -262,11 +271,11 @@ class Encoder(nnx.Module):
 
     layer_type = EncoderLayer
 
-    def __init__(self, cfg: TransformerConfig, num_layers: int, *, rngs: nnx.Rngs):
-        self.positions = PositionalEncoding(cfg, rngs=rngs)
+    def __init__(self, cfg: TransformerConfig, num_layers: int, *, dtype=None, rngs: nnx.Rngs):
+        self.positions = PositionalEncoding(cfg, dtype=dtype, rngs=rngs)
         self.dropout = nnx.Dropout(cfg.dropout)
-        self.layers = nnx.List([self.layer_type(cfg, rngs=rngs) for _ in range(num_layers)])
-        self.norm = make_norm(cfg, rngs) if cfg.norm_position == "pre" else None
+        self.layers = nnx.List([self.layer_type(cfg, dtype=dtype, rngs=rngs) for _ in range(num_layers)])
+        self.norm = make_norm(cfg, rngs, dtype) if cfg.norm_position == "pre" else None
 
     def __call__(self, x, mask=None, *, deterministic: bool = True, rngs: nnx.Rngs | None = None):
         """Embedded source x (B, S, D) -> memory (B, S, D)."""
@@ -305,20 +314,30 @@ class Transformer(nnx.Module):
     `encode`, `decode` and `project` are public so that search (decode.py) can run them apart.
     Masks default to those implied by `cfg.pad_id` (and causality for the decoder). Training
     passes `deterministic=False` and `rngs=nnx.Rngs(dropout=key)` for the dropout masks.
+
+    `dtype` is the computation dtype: None (float32, as the torch reference) or jnp.bfloat16 for
+    mixed precision, where embeddings, matmuls and activations run in bfloat16 while parameters
+    stay float32 (cast at use), the attention softmax and the norms' statistics run in float32,
+    and the loss casts the logits to float32. The torch side gets the same from torch.autocast
+    (train/backend_torch.py), so the twin has no such argument.
     """
 
-    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: TransformerConfig, *, dtype=None, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embed_scale = math.sqrt(cfg.d_model) if cfg.scale_embeddings else 1.0
         # Embeddings ~ normal(0, d_model^-0.5): unit variance once scaled by sqrt(d_model).
         std = cfg.d_model**-0.5
-        self.src_embed = _embedding(cfg.src_vocab_size, cfg.d_model, std, rngs)
+        self.src_embed = _embedding(cfg.src_vocab_size, cfg.d_model, std, rngs, dtype)
         # With shared embeddings the target side reads src_embed: one parameter, one checkpoint key.
-        self.tgt_embed = None if cfg.share_embeddings else _embedding(cfg.tgt_vocab_size, cfg.d_model, std, rngs)
-        self.encoder = Encoder(cfg, cfg.num_encoder_layers, rngs=rngs)
-        self.decoder = Decoder(cfg, cfg.num_decoder_layers, rngs=rngs)
+        self.tgt_embed = (
+            None if cfg.share_embeddings else _embedding(cfg.tgt_vocab_size, cfg.d_model, std, rngs, dtype)
+        )
+        self.encoder = Encoder(cfg, cfg.num_encoder_layers, dtype=dtype, rngs=rngs)
+        self.decoder = Decoder(cfg, cfg.num_decoder_layers, dtype=dtype, rngs=rngs)
         # Tied output: logits = h Eᵀ with the target embedding E (§3.4); no separate matrix.
-        self.out_proj = None if cfg.tie_output else _linear(cfg.d_model, cfg.tgt_vocab_size, rngs, bias=False)
+        self.out_proj = (
+            None if cfg.tie_output else _linear(cfg.d_model, cfg.tgt_vocab_size, rngs, bias=False, dtype=dtype)
+        )
 
     @property
     def target_embedding(self) -> nnx.Embed:

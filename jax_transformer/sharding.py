@@ -7,9 +7,13 @@ gradients that `pmap` + `lax.pmean` would spell out by hand; every device then a
 update to its replica. (`jax.pmap` itself is in maintenance mode and, since JAX 0.8, built on
 `jit` + `shard_map`.)
 
-Multi-host: call `initialize_distributed` before anything touches a device; each process then
-loads its own slice of every global batch and `shard_batch` assembles the global array with
-`jax.make_array_from_process_local_data`.
+Multi-host (several processes, each owning some devices): call `initialize_distributed` before
+anything touches a device; every process then builds the same global batch on the host, keeps
+its own rows (`process_slice`), and `shard_batch` assembles the global array with
+`jax.make_array_from_process_local_data`. Values every process holds alike on the host (initial
+parameters from one seed) become replicated global arrays with `replicate`; `local_copy` gives a
+process its own single-device copy of a replicated tree, for work that needs no collectives
+(evaluation, search).
 """
 
 from __future__ import annotations
@@ -23,20 +27,35 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 DATA_AXIS = "data"
+ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"
 
 
 def initialize_distributed(
     coordinator_address: str | None = None, num_processes: int | None = None, process_id: int | None = None
 ) -> None:
-    """`jax.distributed.initialize` from arguments, or from JAX_COORDINATOR_ADDRESS /
-    JAX_NUM_PROCESSES / JAX_PROCESS_ID; a no-op for a single process. Call it first."""
-    coordinator_address = coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
-    if num_processes is None and "JAX_NUM_PROCESSES" in os.environ:
-        num_processes = int(os.environ["JAX_NUM_PROCESSES"])
-    if process_id is None and "JAX_PROCESS_ID" in os.environ:
-        process_id = int(os.environ["JAX_PROCESS_ID"])
+    """`jax.distributed.initialize` from the arguments, or else from JAX_COORDINATOR_ADDRESS /
+    JAX_NUM_PROCESSES / JAX_PROCESS_ID; a no-op for a single process or when already done.
+
+    Call it before anything touches a device (jax.devices(), an array, a PRNG key): afterwards
+    `jax.devices()` lists the devices of every process and `jax.local_devices()` this one's.
+    """
+    coordinator_address = coordinator_address or os.environ.get(ENV_COORDINATOR)
+    if num_processes is None and os.environ.get(ENV_NUM_PROCESSES):
+        num_processes = int(os.environ[ENV_NUM_PROCESSES])
+    if process_id is None and os.environ.get(ENV_PROCESS_ID):
+        process_id = int(os.environ[ENV_PROCESS_ID])
     if coordinator_address is None and num_processes in (None, 1):
         return
+    if jax.distributed.is_initialized():
+        return
+    if num_processes is None or process_id is None or coordinator_address is None:
+        raise ValueError(
+            "a multi-process run needs the coordinator address, the number of processes and this process's id "
+            f"(flags --coordinator-address/--num-processes/--process-id or {ENV_COORDINATOR}/{ENV_NUM_PROCESSES}/"
+            f"{ENV_PROCESS_ID}); got {coordinator_address!r}, {num_processes!r}, {process_id!r}"
+        )
+    if not 0 <= process_id < num_processes:
+        raise ValueError(f"process id {process_id} is not in 0..{num_processes - 1}")
     jax.distributed.initialize(coordinator_address, num_processes=num_processes, process_id=process_id)
 
 
@@ -48,14 +67,18 @@ def make_mesh(num_devices: int | None = None) -> Mesh:
     devices = jax.devices()
     if num_devices is not None:
         if not 1 <= num_devices <= len(devices):
-            raise ValueError(f"--devices {num_devices}: this machine has {len(devices)} device(s)")
+            raise ValueError(f"--devices {num_devices}: {len(devices)} device(s) visible ({devices[0].platform})")
         if jax.process_count() > 1 and num_devices != len(devices):
-            raise ValueError("with several processes, every device takes part: leave --devices unset")
+            raise ValueError(
+                f"--devices {num_devices}: with {jax.process_count()} processes every one of the {len(devices)} "
+                "devices takes part; leave --devices unset (or limit each process's devices through its platform)"
+            )
         devices = devices[:num_devices]
     return Mesh(np.array(devices), (DATA_AXIS,))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
+    """Whole on every device of `mesh`."""
     return NamedSharding(mesh, P())
 
 
@@ -65,16 +88,46 @@ def batch_sharded(mesh: Mesh) -> NamedSharding:
 
 
 def replicate(tree: Any, mesh: Mesh) -> Any:
-    """Place every array of `tree` whole on every device of `mesh`."""
-    return jax.device_put(tree, replicated(mesh))
+    """Every array of `tree` (host or single-device values, the same in every process) placed
+    whole on every device of `mesh`.
+
+    Goes through the host: `jax.device_put` refuses a sharding over devices of other processes.
+    PRNG key arrays travel as their raw key data and are wrapped again on the mesh.
+    """
+    sharding = replicated(mesh)
+
+    def put(x):
+        if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
+            data = put(jax.random.key_data(x))
+            impl = jax.random.key_impl(x)
+            return jax.jit(lambda d: jax.random.wrap_key_data(d, impl=impl), out_shardings=sharding)(data)
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    return jax.tree.map(put, tree)
+
+
+def local_copy(tree: Any) -> Any:
+    """This process's own copy of every (replicated) array of `tree`, on its first local device.
+
+    No data moves: each leaf's first addressable shard is already the whole value.
+    """
+
+    def first_shard(x):
+        if not x.is_fully_replicated:
+            raise ValueError(f"local_copy needs replicated arrays, got sharding {x.sharding}")
+        return x.addressable_data(0)
+
+    return jax.tree.map(first_shard, tree)
 
 
 def process_slice(global_rows: int) -> slice:
     """The rows of a global batch this process loads (all of them with one process)."""
-    if global_rows % jax.process_count():
-        raise ValueError(f"a global batch of {global_rows} rows cannot be split over {jax.process_count()} processes")
-    per_process = global_rows // jax.process_count()
-    return slice(jax.process_index() * per_process, (jax.process_index() + 1) * per_process)
+    count, index = jax.process_count(), jax.process_index()
+    if global_rows % count:
+        raise ValueError(f"a global batch of {global_rows} rows cannot be split over {count} processes")
+    per_process = global_rows // count
+    return slice(index * per_process, (index + 1) * per_process)
 
 
 def shard_batch(batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
@@ -93,5 +146,5 @@ def shard_batch(batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array
                 f"a global batch of {rows} rows cannot be split evenly over {devices} devices; "
                 f"make the batch size a multiple of {devices}"
             )
-        out[name] = jax.make_array_from_process_local_data(sharding, local)
+        out[name] = jax.make_array_from_process_local_data(sharding, local, (rows, *local.shape[1:]))
     return out

@@ -17,6 +17,7 @@ run never loads jax and a jax run never loads torch.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -43,6 +44,10 @@ class Backend(Protocol):
     name: str
     model_cfg: TransformerConfig
     exp_cfg: ExperimentConfig
+
+    @property
+    def topology(self) -> Topology:
+        """Where it trains: this process among how many, over how many devices in all."""
 
     @property
     def step(self) -> int:
@@ -95,6 +100,26 @@ class Backend(Protocol):
 
 
 BACKEND_MODULES = {"jax": "train.backend_jax", "torch": "train.backend_torch"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """The processes and devices a run trains on. Every update's global batch is split evenly
+    over `num_devices` (all processes together); process 0 alone writes logs and results."""
+
+    process_index: int = 0
+    process_count: int = 1
+    num_devices: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.process_index == 0
+
+
+def initialize(exp_cfg: ExperimentConfig) -> Topology:
+    """Join the run's processes (jax.distributed.initialize for a multi-process JAX run) and check
+    --devices; call it before anything else touches a device. Raises ValueError on bad settings."""
+    return importlib.import_module(BACKEND_MODULES[exp_cfg.backend]).initialize(exp_cfg)
 
 
 def create_backend(

@@ -10,9 +10,21 @@ step from the run's key and the step counter (`fold_in(rng, step)`), so a resume
 the same masks as an uninterrupted one. Metrics stay on the device until the loop `fetch`es
 them (every `log_every` steps), so nothing syncs with the host inside the loop.
 
+Data parallelism (pmap semantics as `jax.jit` over a mesh, `jax_transformer.sharding`): a 1-D
+mesh with axis `data` over every device (`--devices N`: the first N); the state is replicated,
+every batch is sharded along its rows, and the loss being a mean over the global batch, XLA
+all-reduces the gradients, so N devices take the same update as one device on the same batch.
+With several processes each puts its own rows of the (identically built) global batch in place
+(`process_slice`, `make_array_from_process_local_data`). Evaluation and search run without
+collectives on each process's own copy of the replicated parameters (`local_copy`).
+
+Mixed precision (`--dtype bfloat16`): the model computes in bfloat16 (`Transformer(dtype=...)`)
+while parameters, Adam's moments and the gradients stay float32; softmax and loss run in float32.
+
 Checkpoints: an orbax `CheckpointManager` keeping the newest `keep_checkpoints` steps plus the
 best by validation BLEU; each step holds the state (`StandardSave`) and a JSON `meta` item (data
-position, config), and incomplete checkpoints are never listed.
+position, config), and incomplete checkpoints are never listed. The state is restored with the
+shardings of the current mesh, so a checkpoint written on 8 devices restores on 1 and vice versa.
 """
 
 from __future__ import annotations
@@ -30,11 +42,11 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 import jax_transformer
-from jax_transformer import decode
+from jax_transformer import decode, sharding
 from jax_transformer.objective import label_smoothed_cross_entropy, noam_learning_rate
 from torch_reference.config import TransformerConfig
 
-from .backend import Metrics
+from .backend import Metrics, Topology
 from .config import ExperimentConfig
 from .data import Batch
 
@@ -59,8 +71,18 @@ def make_optimizer(exp_cfg: ExperimentConfig, d_model: int) -> optax.GradientTra
     return optax.chain(optax.clip_by_global_norm(exp_cfg.clip_norm), adam)
 
 
-def _as_arrays(batch: Batch) -> dict[str, np.ndarray]:
-    return {"src": batch.src, "tgt_in": batch.tgt_in, "tgt_out": batch.tgt_out}
+def _as_arrays(batch: Batch, rows: slice = slice(None)) -> dict[str, np.ndarray]:
+    return {"src": batch.src[rows], "tgt_in": batch.tgt_in[rows], "tgt_out": batch.tgt_out[rows]}
+
+
+COMPUTE_DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}  # None: the parameters' float32
+
+
+def initialize(exp_cfg: ExperimentConfig) -> Topology:
+    """`jax.distributed.initialize` for a multi-process run (a no-op otherwise), then the mesh's size."""
+    sharding.initialize_distributed(exp_cfg.coordinator_address, exp_cfg.num_processes, exp_cfg.process_id)
+    mesh = sharding.make_mesh(exp_cfg.devices)
+    return Topology(jax.process_index(), jax.process_count(), mesh.devices.size)
 
 
 class JaxBackend:
@@ -70,20 +92,35 @@ class JaxBackend:
 
     def __init__(self, exp_cfg: ExperimentConfig, model_cfg: TransformerConfig, checkpoint_dir: str | None = None):
         self.exp_cfg, self.model_cfg = exp_cfg, model_cfg
-        init_key, self.rng = jax.random.split(jax.random.key(exp_cfg.seed))
-        model = jax_transformer.Transformer(model_cfg, rngs=nnx.Rngs(params=init_key))
+        self.topology = initialize(exp_cfg)
+        self.mesh = sharding.make_mesh(exp_cfg.devices)
+        # Every process initialises the same weights from the seed, then they are replicated.
+        init_key, rng = jax.random.split(jax.random.key(exp_cfg.seed))
+        dtype = COMPUTE_DTYPES[exp_cfg.dtype]
+        model = jax_transformer.Transformer(model_cfg, dtype=dtype, rngs=nnx.Rngs(params=init_key))
         # `rest` holds any non-parameter state (none today); it is constant through training.
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
         self.tx = make_optimizer(exp_cfg, model_cfg.d_model)
-        self.state = {"params": params, "opt_state": self.tx.init(params), "step": jnp.zeros((), jnp.int32)}
+        state = {"params": params, "opt_state": self.tx.init(params), "step": jnp.zeros((), jnp.int32)}
+        self.state = sharding.replicate(state, self.mesh)
+        self.rng = sharding.replicate(rng, self.mesh)
         self._step = 0  # host copy of state["step"], so reading it never syncs
         self._checkpoint_dir = None if checkpoint_dir is None else Path(checkpoint_dir).absolute()
         self._manager: ocp.CheckpointManager | None = None
 
-        self._train_step = jax.jit(self.train_step_fn, donate_argnums=0)
-        self._accumulate = jax.jit(self.accumulate_fn, donate_argnums=0)
-        self._apply = jax.jit(self.apply_fn, donate_argnums=0)
-        self._eval = jax.jit(self.eval_fn)
+        # The state (and the gradient accumulator) replicated, batches split along `data`; the
+        # shardings are pytree prefixes: one sharding for every leaf of that argument.
+        whole, rows = sharding.replicated(self.mesh), sharding.batch_sharded(self.mesh)
+        self._train_step = jax.jit(
+            self.train_step_fn, in_shardings=(whole, rows, whole), out_shardings=(whole, whole), donate_argnums=0
+        )
+        self._accumulate = jax.jit(
+            self.accumulate_fn, in_shardings=(whole, whole, rows, whole, whole, whole), out_shardings=whole,
+            donate_argnums=0,
+        )
+        self._apply = jax.jit(self.apply_fn, in_shardings=whole, out_shardings=(whole, whole), donate_argnums=0)
+        self._zeros = jax.jit(lambda tree: jax.tree.map(jnp.zeros_like, tree), out_shardings=whole)
+        self._eval = jax.jit(self.eval_fn)  # on one device, over local_copy(params)
 
     # ------------------------------------------------------------------------------------------
     # Pure functions (traced by jit; no Python state is read or written but the static config)
@@ -150,15 +187,19 @@ class JaxBackend:
     def num_params(self) -> int:
         return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.state["params"]))
 
+    def global_batch(self, batch: Batch) -> dict[str, jax.Array]:
+        """The loop's batch (the global one, built alike in every process) as arrays sharded over
+        the mesh, this process supplying its own rows."""
+        return sharding.shard_batch(_as_arrays(batch, sharding.process_slice(len(batch.src))), self.mesh)
+
     def train_step(self, batches: Sequence[Batch]) -> Metrics:
         if len(batches) == 1:
-            self.state, metrics = self._train_step(self.state, _as_arrays(batches[0]), self.rng)
+            self.state, metrics = self._train_step(self.state, self.global_batch(batches[0]), self.rng)
         else:
             total_tokens = np.float32(sum(b.num_tgt_tokens for b in batches))
-            zeros = jax.tree.map(jnp.zeros_like, self.state["params"])
-            acc = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+            acc = self._zeros((self.state["params"], np.float32(0), np.float32(0)))
             for index, batch in enumerate(batches):
-                acc = self._accumulate(acc, self.state, _as_arrays(batch), total_tokens, self.rng, index)
+                acc = self._accumulate(acc, self.state, self.global_batch(batch), total_tokens, self.rng, index)
             self.state, metrics = self._apply(self.state, acc, total_tokens)
         self._step += 1
         return metrics
@@ -166,11 +207,15 @@ class JaxBackend:
     def fetch(self, metrics: Sequence[Metrics]) -> list[dict[str, float]]:
         return [{k: float(v) for k, v in m.items()} for m in jax.device_get(list(metrics))]
 
+    def local_params(self):
+        """This process's own single-device copy of the parameters (no collectives needed)."""
+        return sharding.local_copy(self.state["params"])
+
     def eval_loss(self, batch: Batch):
-        return self._eval(self.state["params"], _as_arrays(batch))
+        return self._eval(self.local_params(), _as_arrays(batch))
 
     def translate(self, src: np.ndarray, beam_size: int = 4, alpha: float = 0.6) -> np.ndarray:
-        model = self._model(self.state["params"])
+        model = self._model(self.local_params())
         if beam_size == 1:
             tokens, _ = decode.greedy_search(model, np.asarray(src, np.int32))
         else:
@@ -224,7 +269,10 @@ class JaxBackend:
             step = int(which)
             if step not in steps:
                 raise FileNotFoundError(f"no checkpoint of step {step} in {self._checkpoint_dir} (have {steps})")
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, self.state)
+        # Target shapes, dtypes and shardings are those of this backend's mesh, whatever mesh the
+        # checkpoint was written from (orbax reshards on read): 8 devices -> 1 and 1 -> 8.
+        whole = sharding.replicated(self.mesh)
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=whole), self.state)
         args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore())
         restored = self.manager.restore(step, args=args)
         self.state = restored["state"]
@@ -243,14 +291,14 @@ class JaxBackend:
     def torch_state_dict(self) -> dict[str, Any]:
         from parity import convert
 
-        return convert.jax_params_to_torch(convert.jax_params(self._model(self.state["params"])), self.model_cfg)
+        return convert.jax_params_to_torch(convert.jax_params(self._model(self.local_params())), self.model_cfg)
 
     def load_torch_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         from parity import convert
 
         model = convert.torch_to_jax(dict(state_dict), self.model_cfg)
         _, params, _ = nnx.split(model, nnx.Param, ...)
-        self.state = {**self.state, "params": params}
+        self.state = {**self.state, "params": sharding.replicate(params, self.mesh)}
 
 
 def _bleu(metrics: Mapping[str, float]) -> float:

@@ -2,7 +2,11 @@
 
 Adam(0.9, 0.98, 1e-9) with `LambdaLR` on the paper's schedule; gradient accumulation by summed
 per-token losses over the update's total target tokens; optional clipping written out with
-optax's formula; optional `torch.compile` of the training forward pass.
+optax's formula; optional `torch.compile` of the training forward pass. One device (CUDA when
+available, else the CPU); data parallelism is the JAX backend's. `--dtype bfloat16` runs the
+forward passes under `torch.autocast` (bfloat16 matmuls and activations, float32 parameters, Adam
+state and gradients; the loss casts the logits to float32), the counterpart of the JAX model's
+compute dtype.
 
 Checkpoints are directories `checkpoints/<step>/` holding `model.safetensors` (weights, config in
 the metadata), `optimizer.safetensors` (Adam's exp_avg and exp_avg_sq per parameter name, and the
@@ -13,6 +17,7 @@ interrupted save leaves no directory that `restore` would pick.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -29,7 +34,7 @@ from torch_reference import decode
 from torch_reference.config import TransformerConfig
 from torch_reference.objective import label_smoothed_cross_entropy, noam_learning_rate
 
-from .backend import Metrics, best_of
+from .backend import Metrics, Topology, best_of
 from .config import ExperimentConfig
 from .data import Batch
 
@@ -45,6 +50,15 @@ def _tensors(batch: Batch, device: torch.device) -> tuple[torch.Tensor, torch.Te
     return tuple(torch.from_numpy(a).to(device=device, dtype=torch.long) for a in arrays)
 
 
+def initialize(exp_cfg: ExperimentConfig) -> Topology:
+    """One process on one device: refuse the JAX backend's --devices and multi-process settings."""
+    if exp_cfg.devices not in (None, 1):
+        raise ValueError(f"--devices {exp_cfg.devices}: the torch backend trains on one device (use --backend jax)")
+    if exp_cfg.coordinator_address or exp_cfg.num_processes not in (None, 1):
+        raise ValueError("multi-process training (--coordinator-address, --num-processes) needs --backend jax")
+    return Topology()
+
+
 class TorchBackend:
     """`train.backend.Backend` for PyTorch; see the module docstring."""
 
@@ -52,6 +66,7 @@ class TorchBackend:
 
     def __init__(self, exp_cfg: ExperimentConfig, model_cfg: TransformerConfig, checkpoint_dir: str | None = None):
         self.exp_cfg, self.model_cfg = exp_cfg, model_cfg
+        self.topology = initialize(exp_cfg)
         torch.set_num_threads(exp_cfg.threads or len(os.sched_getaffinity(0)))
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         torch.manual_seed(exp_cfg.seed)
@@ -78,9 +93,16 @@ class TorchBackend:
     def learning_rate(self, step: int) -> float:
         return noam_learning_rate(step, self.model_cfg.d_model, self.exp_cfg.warmup, self.exp_cfg.lr_factor)
 
+    def autocast(self):
+        """bfloat16 autocast for --dtype bfloat16 (parameters stay float32), else nothing."""
+        if self.exp_cfg.dtype == "bfloat16":
+            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
     def _loss_sums(self, model, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         src, tgt_in, tgt_out = _tensors(batch, self.device)
-        logits = model(src, tgt_in)  # (B, T, V)
+        with self.autocast():
+            logits = model(src, tgt_in)  # (B, T, V); bfloat16 under autocast, the loss casts to float32
         pad = self.model_cfg.pad_id
         loss_sum = label_smoothed_cross_entropy(logits, tgt_out, pad, self.exp_cfg.label_smoothing, reduction="sum")
         with torch.no_grad():
@@ -131,10 +153,11 @@ class TorchBackend:
     def translate(self, src: np.ndarray, beam_size: int = 4, alpha: float = 0.6) -> np.ndarray:
         self.model.eval()
         src_t = torch.from_numpy(np.asarray(src)).to(device=self.device, dtype=torch.long)  # (B, S)
-        if beam_size == 1:
-            tokens, _ = decode.greedy_search(self.model, src_t)
-        else:
-            tokens, _ = decode.beam_search(self.model, src_t, beam_size, alpha)
+        with self.autocast():
+            if beam_size == 1:
+                tokens, _ = decode.greedy_search(self.model, src_t)
+            else:
+                tokens, _ = decode.beam_search(self.model, src_t, beam_size, alpha)
         return tokens.cpu().numpy().astype(np.int32)
 
     # ------------------------------------------------------------------------------------------

@@ -22,6 +22,8 @@ from torch_reference.config import TransformerConfig
 
 Backend = Literal["jax", "torch"]
 BACKENDS = ("jax", "torch")
+Dtype = Literal["float32", "bfloat16"]
+DTYPES = ("float32", "bfloat16")
 
 # Vocabulary sizes when --vocab-size is not given. The numbers corpus has a few dozen distinct
 # words: at 400 BPE keeps German compounds in pieces ("drei|undsechzig|tausend"), which is what
@@ -43,6 +45,9 @@ DERIVED_MODEL_FIELDS = ("src_vocab_size", "tgt_vocab_size", "max_len", "dropout"
 RESUMABLE_FIELDS = (
     "steps", "eval_every", "log_every", "save_every", "keep_checkpoints", "eval_sentences", "samples", "beam",
     "run_dir", "resume", "overwrite", "compile", "threads", "progress", "hf_cache",
+    # Where the run trains: a checkpoint restores onto any mesh. A device count that changes the
+    # batch shapes (Batcher multiple_of) is refused at resume time by the loop.
+    "devices", "coordinator_address", "num_processes", "process_id",
 )
 
 
@@ -147,6 +152,28 @@ class ExperimentConfig:
     )
     progress: bool = _field(True, "run", "show a progress bar (--no-progress for logs)")
 
+    # Devices, processes and precision
+    devices: int | None = _field(
+        None, "dist", "jax backend: train data parallel over the first N devices (the global batch is split "
+        "evenly over them, every bucket's batch size a multiple of N); default: every visible device. The torch "
+        "backend trains on one device",
+    )
+    dtype: Dtype = _field(
+        "float32", "dist", "compute dtype: float32, or bfloat16 mixed precision (activations and matmuls in "
+        "bfloat16; parameters, optimizer state, softmax and loss in float32)", choices=DTYPES,
+    )
+    coordinator_address: str | None = _field(
+        None, "dist", "jax multi-process run: HOST:PORT of process 0's coordinator, for jax.distributed.initialize; "
+        "default: $JAX_COORDINATOR_ADDRESS, else a single process", metavar="HOST:PORT",
+    )
+    num_processes: int | None = _field(
+        None, "dist", "jax multi-process run: number of processes; default: $JAX_NUM_PROCESSES, else 1"
+    )
+    process_id: int | None = _field(
+        None, "dist", "jax multi-process run: this process's id, 0..N-1 (0 writes logs and results); "
+        "default: $JAX_PROCESS_ID"
+    )
+
     def __post_init__(self):
         if self.backend not in BACKENDS:
             raise ValueError(f"backend={self.backend!r} is not one of {', '.join(BACKENDS)}")
@@ -170,7 +197,11 @@ class ExperimentConfig:
         for name in ("numbers_test", "samples"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("vocab_size", "warmup", "save_every", "eval_sentences", "threads"):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.process_id is not None and self.process_id < 0:
+            raise ValueError(f"process_id must be >= 0, got {self.process_id}")
+        for name in ("vocab_size", "warmup", "save_every", "eval_sentences", "threads", "devices", "num_processes"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")

@@ -7,6 +7,13 @@ with --resume), then loop over updates with a progress bar, TensorBoard scalars,
 evaluation, `results.json` and one summary line. The backend (`train.backend`) is the only part
 that knows a framework.
 
+Devices and processes: the backend's `Topology` says over how many devices each global batch is
+split, so every bucket's batch size is made a multiple of that (Batcher `multiple_of`). In a
+multi-process run every process builds the same tokenizer, batches and evaluation (all from the
+seed); the backend keeps each process's rows of a batch; process 0 alone claims and writes the run
+directory (config, tokenizer, TensorBoard, results.json) and prints; checkpoints are written by
+all of them together (orbax).
+
 A run directory holds:
     config.json            the resolved ExperimentConfig (what resume, translate, evaluate read)
     model.json             the TransformerConfig
@@ -18,6 +25,7 @@ A run directory holds:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -33,7 +41,7 @@ from tqdm.auto import tqdm
 from torch_reference.config import TransformerConfig
 
 from . import data
-from .backend import Backend, create_backend
+from .backend import Backend, Topology, create_backend, initialize
 from .config import RESUMABLE_FIELDS, ExperimentConfig
 from .evaluate import evaluate_pairs
 
@@ -81,11 +89,20 @@ def load_split(cfg: ExperimentConfig, spec: str) -> list[data.Pair]:
     return loaded.pairs
 
 
-def make_batcher(cfg: ExperimentConfig, tokenizers: data.Tokenizers, pairs) -> data.Batcher:
+def make_batcher(cfg: ExperimentConfig, tokenizers: data.Tokenizers, pairs, num_devices: int = 1) -> data.Batcher:
     """The training batches: token budget, length buckets, shuffled from the seed. Built the same
-    way whatever the backend, so both backends see identical batches for the same seed."""
+    way whatever the backend, so both backends see identical batches for the same seed and device
+    count; every batch size is a multiple of `num_devices`, over which each batch is split."""
+    if cfg.token_budget < cfg.max_len * num_devices:
+        raise UserError(
+            f"--token-budget {cfg.token_budget} holds {cfg.token_budget // cfg.max_len} sequence(s) of --max-len "
+            f"{cfg.max_len}, fewer than the {num_devices} devices each batch is split over: raise --token-budget to "
+            f"at least {cfg.max_len * num_devices} or train on fewer devices (--devices)"
+        )
     examples = data.encode_pairs(tokenizers, pairs)
-    return data.Batcher(examples, token_budget=cfg.token_budget, max_len=cfg.max_len, seed=cfg.seed)
+    return data.Batcher(
+        examples, token_budget=cfg.token_budget, max_len=cfg.max_len, multiple_of=num_devices, seed=cfg.seed
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -136,6 +153,18 @@ def claim_run_dir(cfg: ExperimentConfig, explicit: Iterable[str] | None = None) 
     return cfg
 
 
+def follow_run_dir(cfg: ExperimentConfig, explicit: Iterable[str] | None = None) -> ExperimentConfig:
+    """`claim_run_dir` for the processes other than 0 of a multi-process run: the same config,
+    without checking, creating or deleting anything (process 0 does that)."""
+    cfg = cfg.resolve()
+    if not cfg.resume:
+        return cfg
+    path = Path(cfg.run_dir) / CONFIG_FILE
+    if not path.is_file():
+        raise UserError(f"nothing to resume: {cfg.run_dir} holds no run ({CONFIG_FILE} missing)")
+    return _resumed_config(ExperimentConfig.from_json(path.read_text()), cfg, explicit)
+
+
 @dataclasses.dataclass
 class Run:
     """A trained run opened for translation or evaluation."""
@@ -153,7 +182,10 @@ def open_run(run_dir: str | Path, checkpoint: str | int = "best") -> Run:
     run_dir = Path(run_dir)
     if not (run_dir / CONFIG_FILE).is_file():
         raise UserError(f"{run_dir} is not a run directory ({CONFIG_FILE} missing)")
-    cfg = ExperimentConfig.from_json((run_dir / CONFIG_FILE).read_text())
+    # One process on every visible device, whatever the run trained on: checkpoints restore onto any mesh.
+    cfg = ExperimentConfig.from_json((run_dir / CONFIG_FILE).read_text()).replace(
+        devices=None, coordinator_address=None, num_processes=None, process_id=None
+    )
     model_cfg = TransformerConfig.from_json((run_dir / MODEL_FILE).read_text())
     if isinstance(checkpoint, str) and checkpoint.isdigit():
         checkpoint = int(checkpoint)
@@ -170,6 +202,16 @@ def open_run(run_dir: str | Path, checkpoint: str | int = "best") -> Run:
 
 # ----------------------------------------------------------------------------------------------
 # The loop
+
+
+class _NoWriter:
+    """A SummaryWriter that writes nothing (processes other than 0)."""
+
+    def add_scalar(self, *args, **kwargs) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def summary_writer(logdir: Path):
@@ -203,31 +245,59 @@ def train(cfg: ExperimentConfig, *, explicit: Iterable[str] | None = None) -> di
 
     `explicit` names the fields the user set (run.py passes the flags given); on --resume the
     others are read from the run's saved config. None: every field not None counts as set.
+
+    Processes other than 0 of a multi-process run train alongside but print and write nothing.
     """
     started = time.perf_counter()
-    cfg = claim_run_dir(cfg, explicit)
+    try:
+        topology = initialize(cfg)  # first: jax.distributed.initialize precedes any device use
+    except ValueError as err:
+        raise UserError(str(err)) from None
+    if topology.process_count > 1 and cfg.run_dir is None:
+        raise UserError("a multi-process run needs --run-dir: one directory, the same for every process")
+    if topology.is_main:
+        return _train(cfg, explicit, topology, started)
+    with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
+        return _train(cfg, explicit, topology, started)
+
+
+def _train(cfg: ExperimentConfig, explicit, topology: Topology, started: float) -> dict[str, Any]:
+    main = topology.is_main
+    cfg = claim_run_dir(cfg, explicit) if main else follow_run_dir(cfg, explicit)
     run_dir = Path(cfg.run_dir)
     splits = load_splits(cfg)
     if not splits.train or not splits.valid:
         raise UserError("the training and validation data must each hold at least one pair")
 
     # config.json first: from here on the directory holds this run (resume or overwrite it).
-    write_json_atomic(run_dir / CONFIG_FILE, cfg.replace(resume=False, overwrite=False).to_dict())
+    if main:  # without the process settings: they belong to this launch, not to the run
+        launch = dict(coordinator_address=None, num_processes=None, process_id=None)
+        saved = cfg.replace(resume=False, overwrite=False, **launch)
+        write_json_atomic(run_dir / CONFIG_FILE, saved.to_dict())
     resuming = cfg.resume
     try:
         tokenizers = data.load_tokenizers(run_dir) if resuming else None
     except FileNotFoundError:  # a run stopped before its tokenizer was saved
         tokenizers = None
-    if tokenizers is None:
+    if tokenizers is None:  # BPE training is deterministic: every process gets the same tokenizer
         tokenizers = data.train_tokenizers(splits.train, vocab_size=cfg.vocab_size, joint=cfg.joint_vocab)
-        data.save_tokenizers(tokenizers, run_dir)
+        if main:
+            data.save_tokenizers(tokenizers, run_dir)
     model_cfg = cfg.model_config(tokenizers.src.get_vocab_size(), tokenizers.tgt.get_vocab_size())
-    write_json_atomic(run_dir / MODEL_FILE, model_cfg.to_dict())
+    if main:
+        write_json_atomic(run_dir / MODEL_FILE, model_cfg.to_dict())
 
-    batcher = make_batcher(cfg, tokenizers, splits.train)
+    batcher = make_batcher(cfg, tokenizers, splits.train, topology.num_devices)
     backend = create_backend(cfg, model_cfg, str(run_dir / CHECKPOINTS))
     if resuming and backend.checkpoint_steps():
         meta = backend.restore("latest")
+        shapes = [list(shape) for shape in batcher.shapes]
+        if meta.get("shapes", shapes) != shapes:
+            raise UserError(
+                f"resuming on {topology.num_devices} device(s) changes the batch shapes from {meta['shapes']} to "
+                f"{shapes} (batch sizes are multiples of the device count), so the run would not continue as it "
+                "started: resume with the device count it ran with, or one that keeps every batch size divisible"
+            )
         batcher.restore(meta["data"])
         _say(f"resumed {run_dir} at step {backend.step}")
     elif resuming:
@@ -237,17 +307,20 @@ def train(cfg: ExperimentConfig, *, explicit: Iterable[str] | None = None) -> di
         f"{model_cfg.num_encoder_layers}+{model_cfg.num_decoder_layers} layers), vocab "
         f"{model_cfg.src_vocab_size}/{model_cfg.tgt_vocab_size}, {len(splits.train):,} training pairs "
         f"({batcher.num_dropped} longer than {cfg.max_len} dropped), {batcher.num_batches} batches/epoch, "
-        f"shapes {batcher.shapes}; run dir {run_dir}"
+        f"shapes {batcher.shapes}, {cfg.dtype}, {topology.num_devices} device(s)"
+        + (f" in {topology.process_count} processes" if topology.process_count > 1 else "")
+        + f"; run dir {run_dir}"
     )
 
-    writer = summary_writer(run_dir / TENSORBOARD)
+    writer = summary_writer(run_dir / TENSORBOARD) if main else _NoWriter()
     try:
-        log = _fit(cfg, backend, batcher, tokenizers, splits, writer)
+        log = _fit(cfg, backend, batcher, tokenizers, splits, writer, show_progress=main)
         results = _finish(cfg, backend, tokenizers, splits, writer, log, started)
     finally:
         writer.close()
         backend.close()
-    write_json_atomic(run_dir / RESULTS_FILE, results)
+    if main:
+        write_json_atomic(run_dir / RESULTS_FILE, results)
     print(_summary_line(results), flush=True)
     return results
 
@@ -306,11 +379,13 @@ def _log_evaluation(step: int, evaluated: dict[str, Any], log: _Log, writer) -> 
         _say(f"  {sample['source']}\n    ref: {sample['reference']}\n    hyp: {sample['hypothesis']}")
 
 
-def _fit(cfg: ExperimentConfig, backend: Backend, batcher: data.Batcher, tokenizers, splits, writer) -> _Log:
+def _fit(cfg: ExperimentConfig, backend: Backend, batcher: data.Batcher, tokenizers, splits, writer,
+         show_progress: bool = True) -> _Log:
     """The update loop from the backend's step to cfg.steps: train, log, evaluate, checkpoint."""
     log = _Log()
     bar = tqdm(
-        total=cfg.steps, initial=backend.step, disable=not cfg.progress, unit="step", dynamic_ncols=True,
+        total=cfg.steps, initial=backend.step, disable=not (cfg.progress and show_progress), unit="step",
+        dynamic_ncols=True,
         desc=cfg.backend,
     )
     pending: list = []  # metrics of the steps not yet read from the device
@@ -336,6 +411,7 @@ def _fit(cfg: ExperimentConfig, backend: Backend, batcher: data.Batcher, tokeniz
             meta = {
                 "step": step,
                 "data": batcher.state(),  # where the next batch comes from, for --resume
+                "shapes": [list(shape) for shape in batcher.shapes],  # checked on --resume
                 "config": cfg.to_dict(),
                 "valid": None if evaluated is None else _eval_summary(evaluated),
             }

@@ -20,6 +20,7 @@ GROUPS = {
     "optim": "optimisation",
     "eval": "evaluation and logging",
     "ckpt": "checkpoints",
+    "dist": "devices, processes and precision",
 }
 
 EPILOG = """\
@@ -43,6 +44,10 @@ examples:
       --valid de:en:../shared/data/multi30k/val --test de:en:../shared/data/multi30k/test_2016_flickr \\
       --preset small --steps 20000 --token-budget 8192
   python -m train.run --run-dir runs/torch-numbers --resume --steps 4000
+  python -m train.run --devices 4 --dtype bfloat16          # data parallel over 4 devices, bf16
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m train.run   # 8 CPU devices, for testing
+  python -m train.run --run-dir runs/mh --coordinator-address 127.0.0.1:12345 --num-processes 2 \
+      --process-id 0     # and the same with --process-id 1 in a second shell: one run, two processes
 then: python -m train.translate --run-dir DIR < input.txt
       python -m train.evaluate --run-dir DIR --data numbers:test
 """
