@@ -73,12 +73,13 @@ def scaled_dot_product_attention(q, k, v, mask=None, dropout=None) -> jax.Array:
 
     `mask` broadcasts to (B, H, T, S). Masked scores are set to the dtype's lowest finite value
     rather than -inf, so a fully masked row becomes a uniform average instead of NaN. The softmax
-    runs in float32 whatever the input dtype. `dropout` (a callable) is applied to the weights.
+    runs in float32 (or wider) whatever the input dtype. `dropout` (a callable) is applied to the weights.
     """
     scores = jnp.matmul(q, jnp.swapaxes(k, -2, -1)) * (q.shape[-1] ** -0.5)  # (B, H, T, S)
+    scores = scores.astype(jnp.promote_types(scores.dtype, jnp.float32))  # bf16/fp16 -> float32
     if mask is not None:
         scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
-    weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype)  # (B, H, T, S)
+    weights = jax.nn.softmax(scores, axis=-1).astype(q.dtype)  # (B, H, T, S)
     if dropout is not None:
         weights = dropout(weights)
     return jnp.matmul(weights, v)  # (B, H, T, K)

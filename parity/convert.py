@@ -20,6 +20,8 @@ in `config.json` beside it; JAX weights are an orbax checkpoint directory holdin
 CLI:
     python -m parity.convert --to jax --src model.safetensors --dst DIR
     python -m parity.convert --to torch --src DIR --dst model.safetensors
+    python -m parity.convert --to torch --run-dir RUN_JAX --dst RUN_TORCH   # a whole training run
+                                                  # (parity.checkpoint), then train.run --resume
 """
 
 from __future__ import annotations
@@ -329,20 +331,34 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m parity.convert",
         description="Convert Transformer weights between the PyTorch reference (safetensors) and the "
         "Flax mirror (orbax checkpoint directory). The config travels with the weights; every key and "
-        "shape is checked strictly.",
+        "shape is checked strictly. With --run-dir: convert a whole training run of `train.run` (weights, "
+        "Adam moments, step and schedule position, data position, tokenizer, config) to the other "
+        "backend, so that `python -m train.run --run-dir DST --resume` continues it there.",
         epilog="examples:\n  python -m parity.convert --to jax --src model.safetensors --dst jax_ckpt/\n"
-        "  python -m parity.convert --to torch --src jax_ckpt/ --dst model.safetensors",
+        "  python -m parity.convert --to torch --src jax_ckpt/ --dst model.safetensors\n"
+        "  python -m parity.convert --to torch --run-dir runs/jax-numbers --dst runs/torch-numbers\n"
+        "  python -m train.run --run-dir runs/torch-numbers --resume --steps 1600",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--to", required=True, choices=["jax", "torch"], help="target framework")
-    parser.add_argument("--src", required=True, help="a .safetensors file (--to jax) or a JAX weights directory (--to torch)")
-    parser.add_argument("--dst", required=True, help="a JAX weights directory (--to jax) or a .safetensors file (--to torch)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--src", help="weights only: a .safetensors file (--to jax) or a JAX weights directory "
+                        "(--to torch)")
+    source.add_argument("--run-dir", help="a whole training run directory of the other backend (train.run --run-dir)")
+    parser.add_argument("--dst", required=True, help="a JAX weights directory (--to jax) or a .safetensors file "
+                        "(--to torch); with --run-dir the new run directory")
+    parser.add_argument("--checkpoint", help="with --run-dir: which checkpoints to convert: latest (default), best, "
+                        "all, or a step number")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing destination")
     args = parser.parse_args(argv)
 
     dst = Path(args.dst)
     if dst.exists() and not args.overwrite:
         parser.exit(2, f"error: {dst} exists; pass --overwrite to replace it\n")
+    if args.run_dir is not None:
+        return _convert_run_cli(parser, args)
+    if args.checkpoint is not None:
+        parser.error("--checkpoint goes with --run-dir")
     try:
         if args.to == "jax":
             state_dict, cfg = load_torch_weights(args.src)
@@ -352,6 +368,24 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as err:
         parser.exit(1, f"error: {err}\n")
     print(f"wrote {dst}")
+    return 0
+
+
+def _convert_run_cli(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from .checkpoint import convert_run
+
+    which = args.checkpoint or "latest"
+    if which not in ("latest", "best", "all") and not which.isdigit():
+        parser.error(f"--checkpoint takes latest, best, all or a step number, got {which!r}")
+    try:
+        done = convert_run(args.run_dir, args.dst, to=args.to, which=which, overwrite=args.overwrite)
+    except FileExistsError as err:
+        parser.exit(2, f"error: {err}\n")
+    except (FileNotFoundError, ValueError) as err:
+        parser.exit(1, f"error: {err}\n")
+    steps = ", ".join(map(str, done["steps"]))
+    print(f"wrote {done['run_dir']}: the {done['backend']} run of {done['from']} (checkpoint step {steps})")
+    print(f"continue it with: python -m train.run --run-dir {done['run_dir']} --resume")
     return 0
 
 

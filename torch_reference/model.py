@@ -62,12 +62,13 @@ def scaled_dot_product_attention(
 
     `mask` broadcasts to (B, H, T, S). Masked scores are set to the dtype's lowest finite value
     rather than -inf, so a fully masked row becomes a uniform average instead of NaN. The softmax
-    runs in float32 whatever the input dtype. `dropout` (a module) is applied to the weights.
+    runs in float32 (or wider) whatever the input dtype. `dropout` (a module) is applied to the weights.
     """
     scores = torch.matmul(q, k.transpose(-2, -1)) * (q.shape[-1] ** -0.5)  # (B, H, T, S)
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32))  # bf16/fp16 -> float32
     if mask is not None:
         scores = torch.where(mask, scores, torch.finfo(scores.dtype).min)
-    weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)  # (B, H, T, S)
+    weights = torch.softmax(scores, dim=-1).to(q.dtype)  # (B, H, T, S)
     if dropout is not None:
         weights = dropout(weights)
     return torch.matmul(weights, v)  # (B, H, T, K)

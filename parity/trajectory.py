@@ -1,0 +1,488 @@
+"""One training curve in two frameworks: `python -m parity.trajectory`.
+
+Trains one model in the JAX and the PyTorch backends of `train` (the product's own `train_step`:
+Adam, the Noam schedule, the label-smoothed loss) from one set of initial weights (the torch
+backend's, moved into JAX with `parity.checkpoint`) on identical batches of the numbers corpus
+(`train.loop.make_batcher`), float32 with `jax_default_matmul_precision="highest"` and dropout
+off, and compares the two after every update: the loss (relative difference) and every
+parameter (relative L2 distance ||a - b|| / ||b||, the worst named).
+
+With `--switch K` (default: half the steps) it also proves that a checkpoint carries the whole
+training state across: at update K each run saves a checkpoint with its backend's `save`,
+`parity.checkpoint.convert_checkpoints` converts it, a fresh backend of the other framework
+`restore`s it (the data position from the checkpoint's meta) and trains to the end; each is
+compared with the uninterrupted run of the framework it finishes in:
+
+    jax K + torch (N-K)   vs   torch N
+    torch K + jax (N-K)   vs   jax N
+
+    python -m parity.trajectory --steps 100 --preset tiny --json out.json --plot out.png
+
+Exits with status 1 when a bound (`BOUNDS`) is exceeded. What the bounds can and cannot hold:
+
+- The schedule is the paper's (warmup 4000, so the first 100 updates run at lr <= 5e-5 on tiny).
+  With the short warmups `train.run` picks for short runs (steps/4: lr 0.025 at update 25 on
+  tiny) float32 training is chaotic: a difference of one rounding error grows ~e^0.6 per update
+  from update ~10 and the runs decorrelate by update 30 -- torch against torch with the initial
+  weights moved by one ulp does the same (`--control`). No two float32 implementations can stay
+  within 1e-5 there; `--warmup 25` shows it.
+- Excluded from the parameter bound: the attention key projections' biases (`*.k_proj.bias`).
+  Adding b to every key adds q·b to a whole row of scores, which softmax ignores (§3.2.1), so
+  their gradient is analytically 0 and both frameworks return float32 rounding noise there.
+  Adam divides by sqrt(v) + 1e-9 ~ |g| and turns that noise into steps of full size ±lr of
+  random sign: the two runs hold independent noise there (rel L2 ~1), which never changes the
+  function. Their figure is reported separately.
+- ReLU's kink: an input within rounding distance of 0 may land on either side in either
+  framework (parity.check, README "Parity"); a unit active for one token of a batch then gets a
+  gradient in one run and none in the other, and Adam, which normalises per element, turns that
+  into a full-size step of that unit's weights. As `parity.check` does for gradients, a ReLU
+  model's parameter bound is only excused when the smooth path -- the same initial weights with
+  exact GELU, whose derivative is continuous -- meets it; the loss bound always applies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import torch
+
+from torch_reference.config import TransformerConfig
+
+from . import checkpoint
+from .check import enable_parity_numerics
+
+# The parity contract for a training curve (float32, highest matmul precision, dropout off).
+# A formula slip (schedule one update off, Adam's epsilon inside the root, the wrong smoothing
+# mass) moves the loss by >=1e-3 within a few updates. Measured over 100 updates of the paper's
+# schedule on tiny (2-core CPU): loss <=1.3e-6; parameters 8.3e-4 with ReLU, from one unit whose
+# exact input at update 9 was -1.7e-7 (torch -5.2e-7, JAX +3.2e-7), and <=4.4e-7 on the smooth path.
+BOUNDS = {"loss_rel": 1e-5, "param_rel_l2": 1e-4}
+
+# The paper's warmup (§5.3): the trajectory runs the first updates of the paper's schedule.
+PAPER_WARMUP = 4000
+
+# Parameters with an analytically zero gradient: excluded from the bound (module docstring).
+NOISE_ONLY_SUFFIX = ".k_proj.bias"
+
+
+def excluded(name: str) -> bool:
+    return name.endswith(NOISE_ONLY_SUFFIX)
+
+
+def experiment_config(steps: int = 100, preset: str = "tiny", model: dict | None = None, **changes: Any):
+    """The training settings of a trajectory: the product's Adam and label smoothing 0.1 on the
+    paper's schedule, a small numbers corpus, dropout off, float32, and one torch thread (on a
+    2-core machine a second torch thread competing with XLA's pool slows torch ~100x)."""
+    from train.config import ExperimentConfig
+
+    settings = dict(
+        backend="torch", preset=preset, model=dict(model or {}), steps=steps, warmup=PAPER_WARMUP, dropout=0.0,
+        numbers_train=4000, numbers_valid=1, numbers_test=0, token_budget=1024, threads=1, progress=False,
+    )
+    settings.update({k: v for k, v in changes.items() if v is not None})
+    return ExperimentConfig(**settings).resolve()
+
+
+def prepare(cfg) -> tuple[TransformerConfig, Any]:
+    """(model config, (splits, tokenizers)) for `cfg`: the corpus and BPE as train.loop builds them."""
+    from train import data, loop
+
+    if getattr(cfg, "dtype", "float32") != "float32":
+        raise ValueError("parity is measured in float32")
+    splits = loop.load_splits(cfg)
+    tokenizers = data.train_tokenizers(splits.train, vocab_size=cfg.vocab_size, joint=cfg.joint_vocab)
+    model_cfg = cfg.model_config(tokenizers.src.get_vocab_size(), tokenizers.tgt.get_vocab_size())
+    if model_cfg.dropout or model_cfg.attention_dropout:
+        raise ValueError("parity needs dropout off: dropout streams cannot be matched across frameworks")
+    return model_cfg, (splits, tokenizers)
+
+
+def one_ulp_away(state: checkpoint.TrainingState, seed: int = 1) -> checkpoint.TrainingState:
+    """`state` with every weight moved by one float32 ulp up or down at random: one rounding
+    error per weight, the size of the differences between the frameworks' arithmetic."""
+    rng = np.random.default_rng(seed)
+    params = {
+        k: np.where(rng.random(v.shape) < 0.5, np.nextafter(v, np.inf), np.nextafter(v, -np.inf)).astype(v.dtype)
+        for k, v in state.params.items()
+    }
+    return dataclasses.replace(state, params=params)
+
+
+@dataclasses.dataclass
+class Run:
+    """One training run: its backend, its batches, and the loss of each update (by step)."""
+
+    name: str
+    backend: Any
+    batcher: Any
+    losses: dict[int, float] = dataclasses.field(default_factory=dict)
+    batch_ids: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
+
+    def step(self) -> int:
+        batch = next(self.batcher)
+        metrics = self.backend.fetch([self.backend.train_step([batch])])[0]
+        step = self.backend.step
+        self.losses[step], self.batch_ids[step] = metrics["loss"], batch.ids
+        return step
+
+
+def _weights(backend) -> dict[str, np.ndarray]:
+    """The weights under their torch names (the spec's), as float64 NumPy."""
+    return {k: v.detach().cpu().double().numpy() for k, v in backend.torch_state_dict().items()}
+
+
+def compare_weights(actual: dict[str, np.ndarray], reference: dict[str, np.ndarray]) -> dict:
+    """Per parameter ||a - r|| / ||r||; the worst over the bounded parameters, and the excluded
+    key-projection biases separately (also as max |a - r|)."""
+    rel = {k: float(np.linalg.norm(actual[k] - r) / max(np.linalg.norm(r), 1e-30)) for k, r in reference.items()}
+    bounded = {k: v for k, v in rel.items() if not excluded(k)}
+    worst = max(bounded, key=bounded.get)
+    out = {"max_rel_l2": bounded[worst], "worst": worst, "per_parameter": rel}
+    noise = [k for k in rel if excluded(k)]
+    if noise:
+        worst_noise = max(noise, key=rel.get)
+        out["k_proj_bias"] = {
+            "max_rel_l2": rel[worst_noise], "worst": worst_noise,
+            "max_abs": max(float(np.abs(actual[k] - reference[k]).max()) for k in noise),
+        }
+    return out
+
+
+@dataclasses.dataclass
+class Comparison:
+    """Run `run` against run `reference` over the updates after `start`. `bounded`: held to
+    BOUNDS (the control is not: it measures how float32 training itself responds to rounding)."""
+
+    label: str
+    run: str
+    reference: str
+    start: int = 0
+    bounded: bool = True
+    steps: list[int] = dataclasses.field(default_factory=list)
+    loss_rel: list[float] = dataclasses.field(default_factory=list)
+    param_rel_l2: list[float] = dataclasses.field(default_factory=list)
+    param_worst: list[str] = dataclasses.field(default_factory=list)
+    k_proj_bias_rel_l2: list[float] = dataclasses.field(default_factory=list)
+    final: dict | None = None
+
+    def record(self, step: int, runs: dict[str, Run], weights: dict[str, dict]) -> None:
+        a, r = runs[self.run], runs[self.reference]
+        if not np.array_equal(a.batch_ids[step], r.batch_ids[step]):
+            raise AssertionError(f"{self.label}: update {step} trained on different batches")
+        diff = compare_weights(weights[self.run], weights[self.reference])
+        self.steps.append(step)
+        self.loss_rel.append(abs(a.losses[step] - r.losses[step]) / abs(r.losses[step]))
+        self.param_rel_l2.append(diff["max_rel_l2"])
+        self.param_worst.append(diff["worst"])
+        self.k_proj_bias_rel_l2.append(diff.get("k_proj_bias", {}).get("max_rel_l2", 0.0))
+        self.final = diff
+
+    def to_dict(self) -> dict:
+        i = int(np.argmax(self.loss_rel))
+        return {
+            "label": self.label, "run": self.run, "reference": self.reference, "from_step": self.start,
+            "bounded": self.bounded, "max_loss_rel": self.loss_rel[i], "max_loss_rel_step": self.steps[i],
+            "final_step": self.steps[-1], "final_param_rel_l2": self.final["max_rel_l2"],
+            "final_param_worst": self.final["worst"], "k_proj_bias": self.final.get("k_proj_bias"),
+            "per_step": {"step": self.steps, "loss_rel": self.loss_rel, "param_rel_l2": self.param_rel_l2,
+                         "param_worst": self.param_worst, "k_proj_bias_rel_l2": self.k_proj_bias_rel_l2},
+            "final_per_parameter": self.final["per_parameter"],
+        }
+
+
+def _switch(run: Run, cfg, model_cfg, prepared, workdir: Path) -> tuple[Run, bool]:
+    """Save `run`'s checkpoint with its backend's `save`, convert it to the other framework, and
+    `restore` it in a fresh backend of that framework with the data position from its meta.
+    Returns (the continuing run, whether the restored state equals the saved one bit for bit)."""
+    from train import loop
+    from train.backend import create_backend
+
+    splits, tokenizers = prepared
+    src, other = run.backend.name, "torch" if run.backend.name == "jax" else "jax"
+    src_cfg = cfg.replace(backend=src)
+    before = checkpoint.export_training_state(run.backend)
+    run.backend.save({"step": run.backend.step, "data": run.batcher.state(), "config": src_cfg.to_dict()})
+    dst_dir = workdir / f"{src}-to-{other}"
+    checkpoint.convert_checkpoints(src_cfg, model_cfg, workdir / src, dst_dir, to=other)
+    backend = create_backend(cfg.replace(backend=other), model_cfg, str(dst_dir))
+    meta = backend.restore("latest")
+    batcher = loop.make_batcher(cfg, tokenizers, splits.train)
+    batcher.restore(meta["data"])
+    exact = not checkpoint.states_equal(before, checkpoint.export_training_state(backend))
+    return Run(f"{src}→{other}", backend, batcher), exact
+
+
+def run_trajectory(
+    cfg, steps: int | None = None, switch: int | None = None, control: bool = False,
+    initial: checkpoint.TrainingState | None = None, progress: bool = False, prepared=None,
+) -> dict:
+    """Train `steps` updates in both frameworks in lockstep (plus the switched runs when
+    0 < switch < steps, plus torch from weights one ulp away with `control`) from `initial`
+    (default: the torch backend's initial weights for `cfg`). Returns the report, without
+    judging it (`failures`)."""
+    from train import loop
+    from train.backend import create_backend
+
+    enable_parity_numerics()
+    steps = steps or cfg.steps
+    model_cfg, prepared = prepared or prepare(cfg)
+    splits, tokenizers = prepared
+    comparisons = [Comparison("jax vs torch", "jax", "torch")]
+    if control:
+        comparisons.append(Comparison("torch (init 1 ulp away) vs torch", "torch+1ulp", "torch", bounded=False))
+    conversions_exact = {}
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="trajectory-") as tmp:
+        workdir = Path(tmp)
+        names = ("torch", "jax", "torch+1ulp") if control else ("torch", "jax")
+        backends = {n: create_backend(cfg.replace(backend=n.split("+")[0]), model_cfg, str(workdir / n)) for n in names}
+        if initial is None:
+            initial = checkpoint.export_training_state(backends["torch"])
+        for name, backend in backends.items():  # one set of initial weights, moved by the conversion
+            checkpoint.import_training_state(backend, one_ulp_away(initial) if name == "torch+1ulp" else initial)
+        runs = {n: Run(n, b, loop.make_batcher(cfg, tokenizers, splits.train)) for n, b in backends.items()}
+        for step in range(1, steps + 1):
+            for run in list(runs.values()):
+                assert run.step() == step
+            weights = {name: _weights(run.backend) for name, run in runs.items()}
+            for c in comparisons:
+                c.record(step, runs, weights)
+            if switch and step == switch and step < steps:
+                for src, other in (("jax", "torch"), ("torch", "jax")):
+                    new, exact = _switch(runs[src], cfg, model_cfg, prepared, workdir)
+                    runs[new.name], conversions_exact[new.name] = new, exact
+                    label = f"{src} {switch} + {other} {steps - switch} vs {other} {steps}"
+                    comparisons.append(Comparison(label, new.name, other, switch))
+            if progress and (step % 10 == 0 or step == steps):
+                print(f"  update {step}/{steps}: " + "; ".join(
+                    f"[{c.label}] loss {c.loss_rel[-1]:.1e} params {c.param_rel_l2[-1]:.1e}"
+                    for c in comparisons if c.steps), flush=True)
+        for run in runs.values():
+            run.backend.close()
+    return {
+        "steps": steps, "switch": switch, "seconds": round(time.perf_counter() - started, 1),
+        "experiment": cfg.to_dict(), "model": model_cfg.to_dict(), "bounds": dict(BOUNDS),
+        "excluded": f"*{NOISE_ONLY_SUFFIX}: analytically zero gradient (softmax is shift invariant)",
+        "conversion_bit_exact": conversions_exact,
+        "losses": {name: [run.losses[s] for s in sorted(run.losses)] for name, run in runs.items()},
+        "lr": [runs["torch"].backend.learning_rate(s) for s in range(1, steps + 1)],
+        "comparisons": [c.to_dict() for c in comparisons],
+    }
+
+
+def _loss_failures(report: dict) -> list[str]:
+    return [
+        f"{c['label']}: loss rel {c['max_loss_rel']:.3g} at update {c['max_loss_rel_step']} > {BOUNDS['loss_rel']:g}"
+        for c in report["comparisons"] if c["bounded"] and not c["max_loss_rel"] <= BOUNDS["loss_rel"]
+    ]
+
+
+def _param_failures(report: dict) -> list[str]:
+    return [
+        f"{c['label']}: {c['final_param_worst']} rel L2 {c['final_param_rel_l2']:.3g} > {BOUNDS['param_rel_l2']:g}"
+        for c in report["comparisons"] if c["bounded"] and not c["final_param_rel_l2"] <= BOUNDS["param_rel_l2"]
+    ]
+
+
+def failures(report: dict) -> list[str]:
+    """The bounds a report exceeds. The parameter bound of a ReLU run is judged on its smooth
+    path when there is one (`report["smooth_path"]`); the loss bound always on the run itself."""
+    out = _loss_failures(report)
+    params = _param_failures(report)
+    if params and "smooth_path" in report:
+        smooth = report["smooth_path"]
+        params = [f"smooth path (GELU): {line}" for line in _loss_failures(smooth) + _param_failures(smooth)]
+    out += params
+    for report_ in (report, report.get("smooth_path", {})):
+        out += [f"{name}: the converted checkpoint did not restore bit-exactly"
+                for name, exact in report_.get("conversion_bit_exact", {}).items() if not exact]
+    return out
+
+
+def parity_report(cfg, steps: int | None = None, switch: int | None = None, control: bool = False,
+                  progress: bool = False) -> dict:
+    """`run_trajectory`, judged; for a ReLU model whose parameters exceed the bound, also the
+    smooth path (same initial weights, exact GELU) on which that bound is then judged."""
+    from train.backend import create_backend
+
+    enable_parity_numerics()
+    model_cfg, prepared = prepare(cfg)
+    initial = checkpoint.export_training_state(create_backend(cfg.replace(backend="torch"), model_cfg))
+    report = run_trajectory(cfg, steps, switch, control, initial, progress, (model_cfg, prepared))
+    if _param_failures(report) and model_cfg.activation == "relu":
+        if progress:
+            print("  parameters exceed the bound with ReLU: running the smooth path (same weights, exact GELU)")
+        smooth_cfg = cfg.replace(model={**cfg.model, "activation": "gelu"})
+        smooth_initial = dataclasses.replace(initial, model_cfg=model_cfg.replace(activation="gelu"))
+        report["smooth_path"] = run_trajectory(smooth_cfg, steps, switch, False, smooth_initial, progress)
+    report["failures"] = failures(report)
+    return report
+
+
+def growth(comparison: dict, at=(1, 10, 25, 50, 75, 100)) -> list[tuple[int, float, float]]:
+    """(update, loss rel, param rel L2) at a few updates that a comparison covers, and its last."""
+    per = comparison["per_step"]
+    index = {s: i for i, s in enumerate(per["step"])}
+    points = sorted({s for s in at if s in index} | {per["step"][-1]})
+    return [(s, per["loss_rel"][index[s]], per["param_rel_l2"][index[s]]) for s in points]
+
+
+def growth_exponent(comparison: dict, start: int = 10) -> float | None:
+    """p in param rel L2 ~ update^p between update `start` and the last (log-log slope)."""
+    per = comparison["per_step"]
+    if start not in per["step"] or per["step"][-1] <= start:
+        return None
+    a, b = per["param_rel_l2"][per["step"].index(start)], per["param_rel_l2"][-1]
+    return math.log(b / a) / math.log(per["step"][-1] / start) if a > 0 and b > 0 else None
+
+
+def plot(report: dict, path: str | Path) -> Path:
+    """Loss and weight differences per update, log scale, one line per comparison; bounds dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    floor = 1e-9  # where a difference of exactly 0 is drawn on the log axes (float32 rounding is ~6e-8)
+    fig, (ax_loss, ax_param) = plt.subplots(1, 2, figsize=(13, 4.8), constrained_layout=True)
+    paths = [("", report)] + ([("smooth path (GELU): ", report["smooth_path"])] if "smooth_path" in report else [])
+    for prefix, rep in paths:
+        for c in rep["comparisons"]:
+            per, style = c["per_step"], "--" if prefix else "-"
+            label = prefix + c["label"]
+            ax_loss.semilogy(per["step"], np.maximum(per["loss_rel"], floor), style, label=label, lw=1)
+            ax_param.semilogy(per["step"], np.maximum(per["param_rel_l2"], floor), style, label=label, lw=1)
+    first = report["comparisons"][0]["per_step"]
+    ax_param.semilogy(first["step"], np.maximum(first["k_proj_bias_rel_l2"], floor), ":", color="grey", lw=1,
+                      label="k_proj.bias, jax vs torch (excluded: zero gradient)")
+    for ax, bound in ((ax_loss, BOUNDS["loss_rel"]), (ax_param, BOUNDS["param_rel_l2"])):
+        ax.axhline(bound, ls="-.", color="black", lw=1.2, label="bound")
+        if report["switch"]:
+            ax.axvline(report["switch"], ls=":", color="grey", lw=1)
+    for ax in (ax_loss, ax_param):
+        ax.set_ylim(bottom=floor / 2)
+    ax_loss.set(xlabel="update", ylabel="|loss_a - loss_b| / loss_b (0 drawn at 1e-9)",
+                title="training loss, relative difference")
+    ax_param.set(xlabel="update", ylabel="max over parameters of ||a - b|| / ||b||",
+                 title="weights, worst relative L2 distance")
+    ax_param.legend(fontsize=7)
+    exp = report["experiment"]
+    fig.suptitle(f"JAX vs PyTorch, preset {exp['preset']}, {report['steps']} updates (warmup {exp['warmup']}), "
+                 "float32, dropout off")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _print_comparisons(report: dict, prefix: str = "") -> None:
+    for c in report["comparisons"]:
+        kb = c["k_proj_bias"]
+        print(f"  {prefix}{c['label']:34s} max loss rel {c['max_loss_rel']:.2e} (update {c['max_loss_rel_step']}), "
+              f"final params worst rel L2 {c['final_param_rel_l2']:.2e} ({c['final_param_worst']})"
+              + (f"; k_proj.bias (excluded) rel L2 {kb['max_rel_l2']:.1e}" if kb else ""))
+
+
+def print_report(report: dict) -> None:
+    exp = report["experiment"]
+    print(f"parity.trajectory: preset {exp['preset']}, {report['steps']} updates, Adam(0.9, 0.98, 1e-9), Noam "
+          f"schedule (warmup {exp['warmup']}, lr up to {max(report['lr']):.3g}), label smoothing "
+          f"{exp['label_smoothing']}, clip {exp['clip_norm']}, float32 highest, dropout off; loss "
+          f"{report['losses']['torch'][0]:.3f} -> {report['losses']['torch'][-1]:.3f}; {report['seconds']} s")
+    _print_comparisons(report)
+    first = report["comparisons"][0]
+    p = growth_exponent(first)
+    print("  growth, jax vs torch (update: loss rel, params rel L2): "
+          + "; ".join(f"{s}: {lr:.1e}, {pr:.1e}" for s, lr, pr in growth(first))
+          + (f"; params ~ update^{p:.2f} from update 10" if p is not None else ""))
+    for name, exact in report["conversion_bit_exact"].items():
+        print(f"  checkpoint {name} at update {report['switch']}: {'bit-exact' if exact else 'NOT bit-exact'}")
+    if "smooth_path" in report:
+        print("  smooth path (same initial weights, exact GELU):")
+        _print_comparisons(report["smooth_path"], "  ")
+    print("  bounds: loss rel <= {loss_rel:g} every update, final params rel L2 <= {param_rel_l2:g}: ".format(**BOUNDS)
+          + ("met" if not report["failures"] else "EXCEEDED"))
+    for line in report["failures"]:
+        print(f"    {line}")
+
+
+def _override(text: str) -> tuple[str, Any]:
+    """--set FIELD=VALUE; the vocabulary sizes, max_len, dropout and embedding sharing come from
+    the data and the experiment (train.config.DERIVED_MODEL_FIELDS)."""
+    from train.config import DERIVED_MODEL_FIELDS
+
+    try:
+        return TransformerConfig.parse_override(text, exclude=DERIVED_MODEL_FIELDS)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m parity.trajectory",
+        description="Train one model in the JAX and the PyTorch backends from the same initial weights on "
+        "identical batches (float32, dropout off), compare the loss after every update and every parameter; "
+        "with --switch K also continue each framework's checkpoint of update K in the other framework. "
+        "Exits with status 1 when a bound is exceeded.",
+    )
+    parser.add_argument("--steps", type=int, default=100, help="updates (default 100)")
+    parser.add_argument("--switch", type=int, default=None,
+                        help="convert both runs' checkpoints at this update and continue in the other framework "
+                        "(default: half of --steps; 0: off)")
+    parser.add_argument("--preset", default="tiny", choices=TransformerConfig.presets(),
+                        help="model size (default tiny)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], type=_override,
+                        metavar="FIELD=VALUE", help="override a TransformerConfig field, e.g. --set activation=gelu")
+    parser.add_argument("--warmup", type=int, default=PAPER_WARMUP,
+                        help=f"schedule warmup (default {PAPER_WARMUP}, the paper's; short warmups reach learning "
+                        "rates at which float32 training is chaotic, see --control)")
+    parser.add_argument("--lr-factor", type=float, default=1.0, help="factor on the Noam schedule (default 1)")
+    parser.add_argument("--label-smoothing", type=float, default=0.1)
+    parser.add_argument("--clip-norm", type=float, default=None, help="global-norm clipping (default: none)")
+    parser.add_argument("--numbers-train", type=int, default=4000, help="training pairs of the numbers corpus")
+    parser.add_argument("--token-budget", type=int, default=1024, help="padded tokens per batch (default 1024)")
+    parser.add_argument("--max-len", type=int, default=128, help="longest sequence in tokens (default 128)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--control", action="store_true",
+                        help="also train torch from the initial weights moved by one ulp: how far float32 "
+                        "training itself carries one rounding error (not bounded)")
+    parser.add_argument("--json", type=Path, help="write the full report (every update, every parameter) here")
+    parser.add_argument("--plot", type=Path, help="write a PNG of the differences per update here")
+    args = parser.parse_args(argv)
+    switch = args.steps // 2 if args.switch is None else args.switch
+    if args.steps < 1 or not 0 <= switch < args.steps:
+        parser.error("need --steps >= 1 and 0 <= --switch < --steps")
+    try:
+        cfg = experiment_config(
+            args.steps, args.preset, dict(args.overrides), warmup=args.warmup, lr_factor=args.lr_factor,
+            label_smoothing=args.label_smoothing, clip_norm=args.clip_norm, numbers_train=args.numbers_train,
+            token_budget=args.token_budget, max_len=args.max_len, seed=args.seed,
+        )
+    except ValueError as err:
+        parser.error(str(err))
+    report = parity_report(cfg, args.steps, switch, args.control, progress=True)
+    report["device"] = jax.devices()[0].device_kind
+    report["versions"] = {"jax": jax.__version__, "torch": torch.__version__}
+    report["command"] = "python -m parity.trajectory " + " ".join(sys.argv[1:] if argv is None else argv)
+    print_report(report)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+    if args.plot:
+        print(f"  plot: {plot(report, args.plot)}")
+    return 1 if report["failures"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
