@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import json
 import sys
 import time
@@ -23,7 +22,6 @@ import numpy as np
 import torch
 from flax import nnx
 
-import jax_transformer
 import torch_reference
 from jax_transformer.objective import label_smoothed_cross_entropy as jax_loss
 from torch_reference.config import TransformerConfig

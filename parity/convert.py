@@ -28,13 +28,11 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import sys
 from pathlib import Path
 from typing import Any, Mapping
 
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np

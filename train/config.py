@@ -279,17 +279,6 @@ class ExperimentConfig:
 
 
 def parse_model_override(text: str) -> tuple[str, Any]:
-    """'FIELD=VALUE' -> (field, value typed like the TransformerConfig field), for `--set`."""
-    key, sep, value = text.partition("=")
-    fields = {f.name for f in dataclasses.fields(TransformerConfig)} - set(DERIVED_MODEL_FIELDS)
-    if not sep or key not in fields:
-        raise ValueError(f"expected FIELD=VALUE with FIELD one of {', '.join(sorted(fields))}; got {text!r}")
-    kind = type(getattr(TransformerConfig(), key))
-    if kind is bool:
-        if value.lower() not in ("true", "false", "1", "0"):
-            raise ValueError(f"{key} takes true or false, got {value!r}")
-        return key, value.lower() in ("true", "1")
-    try:
-        return key, kind(value)
-    except ValueError:
-        raise ValueError(f"{key} takes a {kind.__name__}, got {value!r}") from None
+    """'FIELD=VALUE' -> (field, value typed like the TransformerConfig field), for `--set`;
+    the fields derived from the data are refused."""
+    return TransformerConfig.parse_override(text, exclude=DERIVED_MODEL_FIELDS)
