@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             write_plot(results, args.plot)
         except ImportError:
-            print("matplotlib is not installed: pip install matplotlib (or the 'plot' extra) for --plot", file=sys.stderr)
+            print("matplotlib is not installed: pip install matplotlib for --plot", file=sys.stderr)
     return 0
 
 
