@@ -133,6 +133,22 @@ def create_backend(
     return module.create(exp_cfg, model_cfg, checkpoint_dir)
 
 
+def choose_checkpoint(steps: Sequence[int], which: str | int, best, where) -> int:
+    """The step `which` ("latest", "best" or a step number) names among `steps` (oldest first);
+    `best(steps)` ranks them (None: no metrics, the latest is taken). FileNotFoundError when
+    there is no such checkpoint in `where`."""
+    if not steps:
+        raise FileNotFoundError(f"no checkpoint in {where}")
+    if which == "latest":
+        return steps[-1]
+    if which == "best":
+        return best(steps) or steps[-1]
+    step = int(which)
+    if step not in steps:
+        raise FileNotFoundError(f"no checkpoint of step {step} in {where} (have {list(steps)})")
+    return step
+
+
 def best_of(steps_metrics: Mapping[int, Mapping[str, float] | None], key: str = "bleu") -> int | None:
     """The step with the highest `key` among checkpoints that have metrics (ties: the newest)."""
     ranked = [(m[key], step) for step, m in steps_metrics.items() if m is not None and key in m]

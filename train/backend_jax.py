@@ -46,7 +46,7 @@ from jax_transformer import decode, sharding
 from jax_transformer.objective import label_smoothed_cross_entropy, noam_learning_rate
 from torch_reference.config import TransformerConfig
 
-from .backend import Metrics, Topology
+from .backend import Metrics, Topology, choose_checkpoint
 from .config import ExperimentConfig
 from .data import Batch
 
@@ -258,17 +258,7 @@ class JaxBackend:
         return sorted(self.manager.all_steps())
 
     def restore(self, which: str | int = "latest") -> dict[str, Any]:
-        steps = self.checkpoint_steps()
-        if not steps:
-            raise FileNotFoundError(f"no checkpoint in {self._checkpoint_dir}")
-        if which == "latest":
-            step = steps[-1]
-        elif which == "best":
-            step = self.manager.best_step() or steps[-1]
-        else:
-            step = int(which)
-            if step not in steps:
-                raise FileNotFoundError(f"no checkpoint of step {step} in {self._checkpoint_dir} (have {steps})")
+        step = choose_checkpoint(self.checkpoint_steps(), which, lambda steps: self.manager.best_step(), self._checkpoint_dir)
         # Target shapes, dtypes and shardings are those of this backend's mesh, whatever mesh the
         # checkpoint was written from (orbax reshards on read): 8 devices -> 1 and 1 -> 8.
         whole = sharding.replicated(self.mesh)

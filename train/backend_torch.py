@@ -34,7 +34,7 @@ from torch_reference import decode
 from torch_reference.config import TransformerConfig
 from torch_reference.objective import label_smoothed_cross_entropy, noam_learning_rate
 
-from .backend import Metrics, Topology, best_of
+from .backend import Metrics, Topology, best_of, choose_checkpoint
 from .config import ExperimentConfig
 from .data import Batch
 
@@ -214,17 +214,7 @@ class TorchBackend:
                 shutil.rmtree(self._require_dir() / str(s))
 
     def restore(self, which: str | int = "latest") -> dict[str, Any]:
-        steps = self.checkpoint_steps()
-        if not steps:
-            raise FileNotFoundError(f"no checkpoint in {self._checkpoint_dir}")
-        if which == "latest":
-            step = steps[-1]
-        elif which == "best":
-            step = best_of({s: self._read_meta(s)["metrics"] for s in steps}) or steps[-1]
-        else:
-            step = int(which)
-            if step not in steps:
-                raise FileNotFoundError(f"no checkpoint of step {step} in {self._checkpoint_dir} (have {steps})")
+        step = choose_checkpoint(self.checkpoint_steps(), which, lambda steps: best_of({s: self._read_meta(s)["metrics"] for s in steps}), self._checkpoint_dir)
         directory = self._require_dir() / str(step)
         record = json.loads((directory / "meta.json").read_text())
         weights = load_file(str(directory / "model.safetensors"), device=str(self.device))
