@@ -102,6 +102,25 @@ class Backend(Protocol):
 BACKEND_MODULES = {"jax": "train.backend_jax", "torch": "train.backend_torch"}
 
 
+class CheckpointError(Exception):
+    """A checkpoint on disk that cannot be restored: truncated, corrupted, or of another model."""
+
+
+def unreadable(directory, step: int, steps: Sequence[int], err: BaseException) -> CheckpointError:
+    """The CheckpointError for checkpoint `step` of `directory` failing with `err`, naming the
+    other checkpoints there (`steps`) as the way out."""
+    others = [s for s in steps if s != step]
+    hint = (
+        f"the other checkpoints there are steps {others}: pick one with --checkpoint STEP (translate, evaluate), "
+        f"or delete {step}/ so that --resume continues from the newest one left"
+        if others
+        else "it is the only one there"
+    )
+    reason = " ".join(str(err).split()).split(" See full")[0]  # TensorStore appends pages of its spec
+    reason = f"{type(err).__name__}: {reason[:300]}{'...' if len(reason) > 300 else ''}"
+    return CheckpointError(f"checkpoint {step} in {directory} cannot be restored ({reason}); {hint}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Topology:
     """The processes and devices a run trains on. Every update's global batch is split evenly

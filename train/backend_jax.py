@@ -46,7 +46,7 @@ from jax_transformer import decode, sharding
 from jax_transformer.objective import label_smoothed_cross_entropy, noam_learning_rate
 from torch_reference.config import TransformerConfig
 
-from .backend import Metrics, Topology, choose_checkpoint
+from .backend import Metrics, Topology, choose_checkpoint, unreadable
 from .config import ExperimentConfig
 from .data import Batch
 
@@ -258,7 +258,14 @@ class JaxBackend:
         return sorted(self.manager.all_steps())
 
     def restore(self, which: str | int = "latest") -> dict[str, Any]:
-        step = choose_checkpoint(self.checkpoint_steps(), which, lambda steps: self.manager.best_step(), self._checkpoint_dir)
+        steps = self.checkpoint_steps()
+        step = choose_checkpoint(steps, which, lambda steps: self.manager.best_step(), self._checkpoint_dir)
+        try:
+            return self._restore(step)
+        except Exception as err:  # orbax, tensorstore and JSON each raise their own kinds
+            raise unreadable(self._checkpoint_dir, step, steps, err) from err
+
+    def _restore(self, step: int) -> dict[str, Any]:
         # Target shapes, dtypes and shardings are those of this backend's mesh, whatever mesh the
         # checkpoint was written from (orbax reshards on read): 8 devices -> 1 and 1 -> 8.
         whole = sharding.replicated(self.mesh)

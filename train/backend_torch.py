@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 import torch_reference
@@ -34,7 +35,7 @@ from torch_reference import decode
 from torch_reference.config import TransformerConfig
 from torch_reference.objective import label_smoothed_cross_entropy, noam_learning_rate
 
-from .backend import Metrics, Topology, best_of, choose_checkpoint
+from .backend import Metrics, Topology, best_of, choose_checkpoint, unreadable
 from .config import ExperimentConfig
 from .data import Batch
 
@@ -206,7 +207,7 @@ class TorchBackend:
             shutil.rmtree(stale, ignore_errors=True)
         steps = self.checkpoint_steps()
         keep = set(steps[-self.exp_cfg.keep_checkpoints :])
-        best = best_of({s: self._read_meta(s)["metrics"] for s in steps})
+        best = self._best(steps)
         if best is not None:
             keep.add(best)
         for s in steps:
@@ -214,7 +215,23 @@ class TorchBackend:
                 shutil.rmtree(self._require_dir() / str(s))
 
     def restore(self, which: str | int = "latest") -> dict[str, Any]:
-        step = choose_checkpoint(self.checkpoint_steps(), which, lambda steps: best_of({s: self._read_meta(s)["metrics"] for s in steps}), self._checkpoint_dir)
+        steps = self.checkpoint_steps()
+        step = choose_checkpoint(steps, which, self._best, self._checkpoint_dir)
+        try:
+            return self._restore(step)
+        except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as err:
+            raise unreadable(self._checkpoint_dir, step, steps, err) from err
+
+    def _best(self, steps: list[int]) -> int | None:
+        metrics = {}
+        for s in steps:
+            try:
+                metrics[s] = self._read_meta(s)["metrics"]
+            except (OSError, ValueError, KeyError) as err:
+                raise unreadable(self._checkpoint_dir, s, steps, err) from err
+        return best_of(metrics)
+
+    def _restore(self, step: int) -> dict[str, Any]:
         directory = self._require_dir() / str(step)
         record = json.loads((directory / "meta.json").read_text())
         weights = load_file(str(directory / "model.safetensors"), device=str(self.device))

@@ -39,11 +39,13 @@ a JSON-able state.
 
 from __future__ import annotations
 
+import codecs
 import csv
 import dataclasses
 import functools
 import gzip
 import logging
+import os
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -160,6 +162,7 @@ def load_parallel(spec: str, cache_dir: str | Path | None = None) -> LoadedPairs
         return _pairs(_field(ds, src, spec), _field(ds, tgt, spec))
     if spec.endswith(_TSV):
         path = _existing(Path(spec))
+        check_text(path)
         src, tgt = _columns(options, "source", "target")
         with (gzip.open if path.suffix == ".gz" else open)(path, "rt", encoding="utf-8") as f:
             header = f.readline().rstrip("\r\n").split("\t")
@@ -169,7 +172,7 @@ def load_parallel(spec: str, cache_dir: str | Path | None = None) -> LoadedPairs
         # Everything as strings, no quote or NA handling: pandas would read "null" as NaN and
         # strip quotes from '"Hallo", sagte er'.
         features = datasets.Features({c: datasets.Value("string") for c in header})
-        ds = datasets.load_dataset(
+        ds = _load_dataset(
             "csv",
             data_files=str(path),
             split="train",
@@ -184,17 +187,27 @@ def load_parallel(spec: str, cache_dir: str | Path | None = None) -> LoadedPairs
     if spec.endswith(_JSON):
         path = _existing(Path(spec))
         src, tgt = _columns(options, "source", "target")
-        ds = datasets.load_dataset("json", data_files=str(path), split="train", cache_dir=cache_dir)
+        if not check_text(path):  # datasets' json builder fails on an empty file
+            return LoadedPairs([], 0)
+        ds = _load_dataset("json", data_files=str(path), split="train", cache_dir=cache_dir)
         return _pairs(_field(ds, src, path), _field(ds, tgt, path))
     match = _TEXT_PAIR.match(spec)
     if match and not options:
         src_lang, tgt_lang, prefix = match.groups()
         paths = [_existing(Path(f"{prefix}.{lang}"), Path(f"{prefix}.{lang}.gz")) for lang in (src_lang, tgt_lang)]
-        sides = [
-            datasets.load_dataset("text", data_files=str(p), split="train", cache_dir=cache_dir)["text"] for p in paths
+        sides = [  # datasets' text builder fails on an empty file: it has no lines
+            _load_dataset("text", data_files=str(p), split="train", cache_dir=cache_dir)["text"]
+            if check_text(p)
+            else []
+            for p in paths
         ]
         if len(sides[0]) != len(sides[1]):
-            raise ValueError(f"line counts differ: {paths[0]} has {len(sides[0])}, {paths[1]} has {len(sides[1])}")
+            (short, n_short), (long, n_long) = sorted(zip(paths, map(len, sides)), key=lambda pair: pair[1])
+            extra = f"line {n_long} of {long} has" if n_long == n_short + 1 else f"lines {n_short + 1}-{n_long} of {long} have"
+            raise ValueError(
+                f"line counts differ: {paths[0]} has {len(sides[0])} lines, {paths[1]} has {len(sides[1])}; "
+                f"{extra} no counterpart in {short}"
+            )
         return _pairs(*sides)
     raise ValueError(
         f"unknown data spec {spec!r}: expected SRC:TGT:PREFIX, FILE.tsv, FILE.jsonl, FILE.json "
@@ -202,11 +215,65 @@ def load_parallel(spec: str, cache_dir: str | Path | None = None) -> LoadedPairs
     )
 
 
+def _load_dataset(builder: str, data_files: str, **kwargs):
+    """datasets.load_dataset on a local file; a file it cannot parse raises ValueError naming it."""
+    import datasets
+
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # it also logs the parse error it raises
+    try:
+        return datasets.load_dataset(builder, data_files=data_files, **kwargs)
+    except datasets.exceptions.DatasetGenerationError as err:
+        cause = err.__cause__ or err
+        raise ValueError(f"{data_files}: not valid {builder} ({type(cause).__name__}: {cause})") from None
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+
+
 def _existing(*candidates: Path) -> Path:
     for path in candidates:
         if path.is_file():
             return path
     raise FileNotFoundError(f"no such file: {' or '.join(map(str, candidates))}")
+
+
+def check_text(path: Path, chunk_size: int = 1 << 20) -> int:
+    """The size in bytes of `path` (decompressed when it ends in .gz). Raises ValueError naming
+    the byte offset and line of its first invalid UTF-8 sequence, or when it cannot be read.
+
+    `datasets` would fail on such a file too, but with an offset into one of its own chunks and
+    no file name; one streaming pass here costs little next to tokenisation.
+    """
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset, lines = 0, 0  # bytes and newlines before the current chunk
+    try:
+        with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
+            while True:
+                chunk = f.read(chunk_size)
+                held = decoder.getstate()[0]  # the start of a sequence the last chunk cut off
+                try:
+                    decoder.decode(chunk, final=not chunk)
+                except UnicodeDecodeError as err:  # err.start counts from the held bytes
+                    line = lines + (held + chunk)[: err.start].count(b"\n") + 1
+                    raise ValueError(
+                        f"{path}: invalid UTF-8 at byte offset {offset - len(held) + err.start} (line {line}): {err.reason}"
+                    ) from None
+                if not chunk:
+                    return offset
+                offset, lines = offset + len(chunk), lines + chunk.count(b"\n")
+    except (OSError, EOFError) as err:  # unreadable, or a truncated/corrupt .gz
+        if isinstance(err, FileNotFoundError):
+            raise
+        raise ValueError(f"cannot read {path}: {err}") from None
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write `text` to a temporary file beside `path`, then rename it into place: a crash leaves
+    the old file or the new one, never half of one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def _columns(options: str, src: str, tgt: str) -> tuple[str, str]:
@@ -306,20 +373,27 @@ def save_tokenizers(tokenizers: Tokenizers, run_dir: str | Path) -> None:
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if tokenizers.joint:
-        tokenizers.src.save(str(run_dir / "tokenizer.json"))
+        write_text_atomic(run_dir / "tokenizer.json", tokenizers.src.to_str())
     else:
-        tokenizers.src.save(str(run_dir / "src_tokenizer.json"))
-        tokenizers.tgt.save(str(run_dir / "tgt_tokenizer.json"))
+        write_text_atomic(run_dir / "src_tokenizer.json", tokenizers.src.to_str())
+        write_text_atomic(run_dir / "tgt_tokenizer.json", tokenizers.tgt.to_str())
 
 
 def load_tokenizers(run_dir: str | Path) -> Tokenizers:
     """Read what `save_tokenizers` wrote; a joint tokenizer comes back as one shared object."""
     run_dir = Path(run_dir)
     if (run_dir / "tokenizer.json").is_file():
-        tokenizer = Tokenizer.from_file(str(run_dir / "tokenizer.json"))
+        tokenizer = _read_tokenizer(run_dir / "tokenizer.json")
         return Tokenizers(tokenizer, tokenizer)
     src, tgt = run_dir / "src_tokenizer.json", run_dir / "tgt_tokenizer.json"
-    return Tokenizers(Tokenizer.from_file(str(_existing(src))), Tokenizer.from_file(str(_existing(tgt))))
+    return Tokenizers(_read_tokenizer(_existing(src)), _read_tokenizer(_existing(tgt)))
+
+
+def _read_tokenizer(path: Path) -> Tokenizer:
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as err:  # tokenizers raises a bare Exception for unreadable JSON
+        raise ValueError(f"{path} is not a readable tokenizer ({err})") from None
 
 
 def encode(tokenizer: Tokenizer, texts: Sequence[str]) -> list[list[int]]:

@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     text = json.dumps(result, indent=2, ensure_ascii=False)
     print(text)
     if args.output is not None:
-        args.output.write_text(text + "\n", encoding="utf-8")
+        data.write_text_atomic(args.output, text + "\n")
     return 0
 
 

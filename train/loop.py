@@ -28,9 +28,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -41,7 +44,7 @@ from tqdm.auto import tqdm
 from torch_reference.config import TransformerConfig
 
 from . import data
-from .backend import Backend, Topology, create_backend, initialize
+from .backend import Backend, CheckpointError, Topology, create_backend, initialize
 from .config import RESUMABLE_FIELDS, ExperimentConfig
 from .evaluate import evaluate_pairs
 
@@ -53,11 +56,21 @@ class UserError(Exception):
     """A problem with the flags, files or run directory the user gave: reported without a traceback."""
 
 
+class TrainingDiverged(UserError):
+    """A non-finite loss or gradient norm: training stops before any checkpoint holds the bad update."""
+
+
+class Interrupted(Exception):
+    """SIGTERM or Ctrl-C (SIGINT) stopped training after a checkpoint was saved; `signum` says which."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.signum = signum
+
+
 def write_json_atomic(path: Path, obj: Any) -> None:
     """Write JSON to a temporary file beside `path`, then rename it into place."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    data.write_text_atomic(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -85,7 +98,10 @@ def load_split(cfg: ExperimentConfig, spec: str) -> list[data.Pair]:
     except (FileNotFoundError, ValueError) as err:
         raise UserError(f"cannot load {spec!r}: {err}") from None
     if not loaded.pairs:
-        raise UserError(f"{spec!r} holds no sentence pairs")
+        raise UserError(f"{spec!r} holds no sentence pairs" + (
+            f" ({loaded.skipped_empty} skipped: a side is empty)" if loaded.skipped_empty else ""))
+    if loaded.skipped_empty:
+        _say(f"{spec}: skipped {loaded.skipped_empty} of {loaded.skipped_empty + len(loaded.pairs)} pairs with an empty side")
     return loaded.pairs
 
 
@@ -100,9 +116,15 @@ def make_batcher(cfg: ExperimentConfig, tokenizers: data.Tokenizers, pairs, num_
             f"at least {cfg.max_len * num_devices} or train on fewer devices (--devices)"
         )
     examples = data.encode_pairs(tokenizers, pairs)
-    return data.Batcher(
+    batcher = data.Batcher(
         examples, token_budget=cfg.token_budget, max_len=cfg.max_len, multiple_of=num_devices, seed=cfg.seed
     )
+    if not batcher.num_batches:
+        raise UserError(
+            f"no training pair is left: all {len(pairs)} are longer than --max-len {cfg.max_len} tokens "
+            "(<eos> included); raise --max-len"
+        )
+    return batcher
 
 
 # ----------------------------------------------------------------------------------------------
@@ -129,6 +151,7 @@ def _resumed_config(saved: ExperimentConfig, cfg: ExperimentConfig, explicit: It
 def claim_run_dir(cfg: ExperimentConfig, explicit: Iterable[str] | None = None) -> ExperimentConfig:
     """Check the run directory against --resume/--overwrite and return the config to run with:
     the resolved `cfg` for a new run, the saved config (with resumable changes) on --resume.
+    Changes nothing on disk: `prepare_run_dir` does, once the data has loaded.
 
     A directory holding a run (config.json) is refused unless --resume or --overwrite; a
     non-empty directory that holds no run is never deleted.
@@ -146,11 +169,17 @@ def claim_run_dir(cfg: ExperimentConfig, explicit: Iterable[str] | None = None) 
     if holds_run:
         if not cfg.overwrite:
             raise UserError(f"{run_dir} already holds a run; pass --resume to continue it or --overwrite to replace it")
-        shutil.rmtree(run_dir)
     elif run_dir.is_dir() and any(run_dir.iterdir()):
         raise UserError(f"{run_dir} is not empty and holds no run; choose another --run-dir")
-    run_dir.mkdir(parents=True, exist_ok=True)
     return cfg
+
+
+def prepare_run_dir(cfg: ExperimentConfig) -> None:
+    """Create the run directory `claim_run_dir` accepted, deleting the old run on --overwrite."""
+    run_dir = Path(cfg.run_dir)
+    if cfg.overwrite and (run_dir / CONFIG_FILE).is_file():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
 
 
 def follow_run_dir(cfg: ExperimentConfig, explicit: Iterable[str] | None = None) -> ExperimentConfig:
@@ -163,6 +192,22 @@ def follow_run_dir(cfg: ExperimentConfig, explicit: Iterable[str] | None = None)
     if not path.is_file():
         raise UserError(f"nothing to resume: {cfg.run_dir} holds no run ({CONFIG_FILE} missing)")
     return _resumed_config(ExperimentConfig.from_json(path.read_text()), cfg, explicit)
+
+
+def _check_checkpoint_config(meta: dict[str, Any], cfg: ExperimentConfig) -> None:
+    """Refuse a checkpoint written by another run: one whose config (saved in its meta) differs
+    from this run's in a field that changes how the run trains."""
+    saved = ExperimentConfig.from_dict(meta["config"]) if "config" in meta else cfg
+    differ = [
+        f"--{f.name.replace('_', '-')}: checkpoint has {getattr(saved, f.name)!r}, run has {getattr(cfg, f.name)!r}"
+        for f in dataclasses.fields(cfg)
+        if f.name not in RESUMABLE_FIELDS and getattr(saved, f.name) != getattr(cfg, f.name)
+    ]
+    if differ:
+        raise UserError(
+            f"checkpoint {meta.get('step')} in {cfg.run_dir} was written by a run configured differently, so it "
+            "cannot be resumed here:\n  " + "\n  ".join(differ)
+        )
 
 
 @dataclasses.dataclass
@@ -191,11 +236,14 @@ def open_run(run_dir: str | Path, checkpoint: str | int = "best") -> Run:
         checkpoint = int(checkpoint)
     elif checkpoint not in ("best", "latest") and not isinstance(checkpoint, int):
         raise UserError(f"checkpoint must be 'best', 'latest' or a step number, got {checkpoint!r}")
-    tokenizers = data.load_tokenizers(run_dir)
+    try:
+        tokenizers = data.load_tokenizers(run_dir)
+    except (FileNotFoundError, ValueError) as err:
+        raise UserError(str(err)) from None
     backend = create_backend(cfg, model_cfg, str(run_dir / CHECKPOINTS))
     try:
         meta = backend.restore(checkpoint)
-    except FileNotFoundError as err:
+    except (FileNotFoundError, CheckpointError) as err:
         raise UserError(str(err)) from None
     return Run(run_dir, cfg, model_cfg, tokenizers, backend, meta)
 
@@ -268,29 +316,37 @@ def _train(cfg: ExperimentConfig, explicit, topology: Topology, started: float) 
     splits = load_splits(cfg)
     if not splits.train or not splits.valid:
         raise UserError("the training and validation data must each hold at least one pair")
-
-    # config.json first: from here on the directory holds this run (resume or overwrite it).
-    if main:  # without the process settings: they belong to this launch, not to the run
-        launch = dict(coordinator_address=None, num_processes=None, process_id=None)
-        saved = cfg.replace(resume=False, overwrite=False, **launch)
-        write_json_atomic(run_dir / CONFIG_FILE, saved.to_dict())
     resuming = cfg.resume
     try:
         tokenizers = data.load_tokenizers(run_dir) if resuming else None
     except FileNotFoundError:  # a run stopped before its tokenizer was saved
         tokenizers = None
-    if tokenizers is None:  # BPE training is deterministic: every process gets the same tokenizer
+    except ValueError as err:
+        raise UserError(str(err)) from None
+    trained_tokenizers = tokenizers is None
+    if trained_tokenizers:  # BPE training is deterministic: every process gets the same tokenizer
         tokenizers = data.train_tokenizers(splits.train, vocab_size=cfg.vocab_size, joint=cfg.joint_vocab)
-        if main:
-            data.save_tokenizers(tokenizers, run_dir)
     model_cfg = cfg.model_config(tokenizers.src.get_vocab_size(), tokenizers.tgt.get_vocab_size())
+    batcher = make_batcher(cfg, tokenizers, splits.train, topology.num_devices)
+
+    # Only now that the data has loaded and batched does anything change on disk: a bad --train
+    # leaves an old run (--overwrite) as it was. config.json first: from here on the directory
+    # holds this run (resume or overwrite it); every file is written whole or not at all.
     if main:
+        prepare_run_dir(cfg)
+        launch = dict(coordinator_address=None, num_processes=None, process_id=None)  # this launch's, not the run's
+        write_json_atomic(run_dir / CONFIG_FILE, cfg.replace(resume=False, overwrite=False, **launch).to_dict())
+        if trained_tokenizers:
+            data.save_tokenizers(tokenizers, run_dir)
         write_json_atomic(run_dir / MODEL_FILE, model_cfg.to_dict())
 
-    batcher = make_batcher(cfg, tokenizers, splits.train, topology.num_devices)
     backend = create_backend(cfg, model_cfg, str(run_dir / CHECKPOINTS))
     if resuming and backend.checkpoint_steps():
-        meta = backend.restore("latest")
+        try:
+            meta = backend.restore("latest")
+        except CheckpointError as err:
+            raise UserError(str(err)) from None
+        _check_checkpoint_config(meta, cfg)
         shapes = [list(shape) for shape in batcher.shapes]
         if meta.get("shapes", shapes) != shapes:
             raise UserError(
@@ -314,7 +370,8 @@ def _train(cfg: ExperimentConfig, explicit, topology: Topology, started: float) 
 
     writer = summary_writer(run_dir / TENSORBOARD) if main else _NoWriter()
     try:
-        log = _fit(cfg, backend, batcher, tokenizers, splits, writer, show_progress=main)
+        with _StopSignals(enabled=topology.process_count == 1) as stop:
+            log = _fit(cfg, backend, batcher, tokenizers, splits, writer, show_progress=main, stop=stop)
         results = _finish(cfg, backend, tokenizers, splits, writer, log, started)
     finally:
         writer.close()
@@ -379,9 +436,67 @@ def _log_evaluation(step: int, evaluated: dict[str, Any], log: _Log, writer) -> 
         _say(f"  {sample['source']}\n    ref: {sample['reference']}\n    hyp: {sample['hypothesis']}")
 
 
+class _StopSignals:
+    """While active, SIGTERM and SIGINT (Ctrl-C) ask the loop to stop (`requested` holds the
+    signal) instead of killing it: the loop saves a checkpoint after the current update and
+    raises Interrupted. A second signal stops at once (KeyboardInterrupt), losing only the work
+    since the last checkpoint. Installed only in the main thread of a single-process run: the
+    processes of a multi-process run would have to agree on the step to save at, so there the
+    signals keep their default effect and --resume continues from the last checkpoint."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled and threading.current_thread() is threading.main_thread()
+        self.requested: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopSignals:
+        if self.enabled:
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.requested is not None:
+            raise KeyboardInterrupt
+        self.requested = signum
+        _say(f"{signal.Signals(signum).name}: stopping after this update to save a checkpoint (again to stop now)")
+
+
+def _first_non_finite(values: list[dict[str, float]], step: int) -> str | None:
+    """'loss nan at step 7' for the first of the window's steps (the last is `step`) whose loss
+    or gradient norm is not finite; None when all are."""
+    for offset, v in enumerate(values):
+        for key in ("loss", "grad_norm"):
+            if not math.isfinite(v[key]):
+                return f"{key.replace('_', ' ')} {v[key]} at step {step - len(values) + 1 + offset}"
+    return None
+
+
+def _save(cfg: ExperimentConfig, backend: Backend, batcher: data.Batcher, evaluated: dict[str, Any] | None) -> None:
+    meta = {
+        "step": backend.step,
+        "data": batcher.state(),  # where the next batch comes from, for --resume
+        "shapes": [list(shape) for shape in batcher.shapes],  # checked on --resume
+        "config": cfg.to_dict(),
+        "valid": None if evaluated is None else _eval_summary(evaluated),
+    }
+    backend.save(meta, metrics=None if evaluated is None else {"bleu": evaluated["bleu"]})
+
+
 def _fit(cfg: ExperimentConfig, backend: Backend, batcher: data.Batcher, tokenizers, splits, writer,
-         show_progress: bool = True) -> _Log:
-    """The update loop from the backend's step to cfg.steps: train, log, evaluate, checkpoint."""
+         show_progress: bool = True, stop: _StopSignals | None = None) -> _Log:
+    """The update loop from the backend's step to cfg.steps: train, log, evaluate, checkpoint.
+
+    Metrics are read at every log, evaluation and save, and a non-finite loss or gradient norm
+    raises TrainingDiverged there, before anything is saved: checkpoints never hold a diverged
+    update. When `stop` reports a signal, the loop logs, saves and raises Interrupted.
+    """
+    stop = stop or _StopSignals(enabled=False)
     log = _Log()
     bar = tqdm(
         total=cfg.steps, initial=backend.step, disable=not (cfg.progress and show_progress), unit="step",
@@ -395,11 +510,19 @@ def _fit(cfg: ExperimentConfig, backend: Backend, batcher: data.Batcher, tokeniz
         pending.append(backend.train_step(batches))
         window_tokens += sum(b.num_tgt_tokens for b in batches)
 
+        stopping = stop.requested is not None
         evaluate_now = step % cfg.eval_every == 0 or step == cfg.steps
-        save_now = step % cfg.save_every == 0 or step == cfg.steps
+        save_now = step % cfg.save_every == 0 or step == cfg.steps or stopping
         # Also log before an evaluation or a save, so that tokens/s never counts their time.
         if step % cfg.log_every == 0 or evaluate_now or save_now:
             values = backend.fetch(pending)  # the loop's only host sync between evaluations
+            if bad := _first_non_finite(values, step):
+                saved = backend.checkpoint_steps()
+                kept = f"the checkpoints up to step {saved[-1]} are intact" if saved else "no checkpoint was saved"
+                raise TrainingDiverged(
+                    f"training diverged: {bad}; stopped before saving it ({kept}). Lower --lr-factor, raise "
+                    "--warmup or set --clip-norm, and train again"
+                )
             _log_window(cfg, step, values, window_tokens, time.perf_counter() - window_start, log, writer, bar)
             pending, window_tokens = [], 0
 
@@ -408,14 +531,15 @@ def _fit(cfg: ExperimentConfig, backend: Backend, batcher: data.Batcher, tokeniz
             evaluated = _evaluate(cfg, backend, tokenizers, splits.valid, cfg.samples)
             _log_evaluation(step, evaluated, log, writer)
         if save_now:
-            meta = {
-                "step": step,
-                "data": batcher.state(),  # where the next batch comes from, for --resume
-                "shapes": [list(shape) for shape in batcher.shapes],  # checked on --resume
-                "config": cfg.to_dict(),
-                "valid": None if evaluated is None else _eval_summary(evaluated),
-            }
-            backend.save(meta, metrics=None if evaluated is None else {"bleu": evaluated["bleu"]})
+            _save(cfg, backend, batcher, evaluated)
+        if stopping:
+            bar.close()
+            name = signal.Signals(stop.requested).name
+            raise Interrupted(
+                f"{name}: stopped at step {step} of {cfg.steps} with a checkpoint saved; continue with\n"
+                f"  python -m train.run --run-dir {cfg.run_dir} --resume",
+                stop.requested,
+            )
         if not pending:  # just logged: the next window starts now, after any evaluation or save
             window_start = time.perf_counter()
     bar.close()

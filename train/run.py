@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import signal
 import sys
 
 from .config import ExperimentConfig, parse_model_override
@@ -115,13 +116,20 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExperimentConfig, set[s
 
 def main(argv: list[str] | None = None) -> int:
     cfg, given = parse_config(argv)
-    from .loop import UserError, train  # after parsing: --help and flag errors stay fast
+    from .loop import Interrupted, UserError, train  # after parsing: --help and flag errors stay fast
 
     try:
         train(cfg, explicit=given)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+    except Interrupted as err:  # SIGTERM / Ctrl-C: a checkpoint was saved
+        print(err, file=sys.stderr)
+        return 128 + err.signum
+    except KeyboardInterrupt:  # a second Ctrl-C, or one outside the update loop
+        print("interrupted: nothing of the current step was saved; --resume continues from the last checkpoint",
+              file=sys.stderr)
+        return 128 + signal.SIGINT
     return 0
 
 

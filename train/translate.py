@@ -11,6 +11,7 @@ length bucket (a few padded shapes, so jit compiles a handful of times) and keep
 from __future__ import annotations
 
 import argparse
+import gzip
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -182,16 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     from .loop import UserError, open_run  # here: loads a framework
 
     try:
-        if args.input is None:
-            lines = sys.stdin.read().splitlines()
-        else:
-            import gzip
-
-            opener = gzip.open if args.input.suffix == ".gz" else open
-            with opener(args.input, "rt", encoding="utf-8") as f:
-                lines = f.read().splitlines()
+        lines = read_lines(args.input)
         run = open_run(args.run_dir, args.checkpoint)
-    except (UserError, FileNotFoundError) as err:
+        if not any(line.strip() for line in lines):
+            raise UserError(f"{args.input or 'standard input'} holds no sentence to translate")
+    except (UserError, FileNotFoundError, ValueError) as err:
         parser.exit(1, f"error: {err}\n")
     cfg = run.config
     if args.benchmark:
@@ -219,8 +215,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.output is None:
         sys.stdout.write(text)
     else:
-        args.output.write_text(text, encoding="utf-8")
+        data.write_text_atomic(args.output, text)
     return 0
+
+
+def read_lines(path: Path | None) -> list[str]:
+    """The lines of a UTF-8 text file (plain or .gz), or of stdin when `path` is None. Invalid
+    UTF-8 raises ValueError naming the byte offset and line; a missing file FileNotFoundError."""
+    if path is None:
+        raw = sys.stdin.buffer.read()
+        try:
+            return raw.decode("utf-8").splitlines()
+        except UnicodeDecodeError as err:
+            line = raw[: err.start].count(b"\n") + 1
+            raise ValueError(f"standard input: invalid UTF-8 at byte offset {err.start} (line {line}): {err.reason}") from None
+    if not path.is_file():
+        raise FileNotFoundError(f"no such file: {path}")
+    data.check_text(path)
+    with (gzip.open if path.suffix == ".gz" else open)(path, "rt", encoding="utf-8") as f:
+        return f.read().splitlines()
 
 
 if __name__ == "__main__":

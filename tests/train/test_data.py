@@ -110,7 +110,7 @@ def test_load_text_pair_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"x\.en or .*x\.en\.gz"):
         data.load_parallel(f"de:en:{tmp_path}/x")
     _write(tmp_path / "x.en.gz", "a\nb\n")
-    with pytest.raises(ValueError, match=r"x\.de has 3, .*x\.en\.gz has 2"):
+    with pytest.raises(ValueError, match=r"x\.de has 3 lines, .*x\.en\.gz has 2; line 3 of .*x\.de has no counterpart"):
         data.load_parallel(f"de:en:{tmp_path}/x", cache_dir=tmp_path / "cache")
     for spec in (f"{tmp_path}/x.de", f"{tmp_path}/x.csv", "de:en"):
         with pytest.raises(ValueError, match="unknown data spec"):

@@ -1,0 +1,208 @@
+"""Bad input to the command-line tools: each case ends with one `error:` line naming the problem
+(no traceback), a non-zero exit status, and nothing on disk changed. Run in-process through each
+CLI's `main`, which is what `python -m train.run|translate|evaluate` call."""
+
+import gzip
+import io
+import json
+import random
+import string
+import sys
+from pathlib import Path
+
+import pytest
+
+from train import data, evaluate, loop, run, translate
+from train.config import ExperimentConfig
+
+SMALL = ["--numbers-train", "300", "--max-len", "16", "--token-budget", "512", "--no-progress", "--samples", "0",
+         "--eval-sentences", "4", "--beam", "1", "--set", "num_encoder_layers=1", "--set", "num_decoder_layers=1"]
+
+
+def write(path: Path, content: bytes | str) -> Path:
+    raw = content.encode() if isinstance(content, str) else content
+    path.write_bytes(gzip.compress(raw) if path.suffix == ".gz" else raw)
+    return path
+
+
+def train_cli(capsys, *args: str) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of `python -m train.run --backend=torch ARGS`."""
+    code = run.main(["--backend=torch", *SMALL, *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_error(code: int, err: str, *fragments: str) -> None:
+    assert code != 0, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, err)
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    """A small good corpus: prefix for de:en:PREFIX, 40 pairs."""
+    pairs = [data.number_words(n) for n in range(100, 140)]
+    write(tmp_path / "good.de", "".join(de + "\n" for de, _ in pairs))
+    write(tmp_path / "good.en", "".join(en + "\n" for _, en in pairs))
+    return tmp_path / "good"
+
+
+def data_flags(train: str, valid: str) -> list[str]:
+    return ["--train", train, "--valid", valid]
+
+
+def test_invalid_utf8_names_the_file_and_byte_offset(tmp_path, corpus, capsys):
+    for name in ("bad.de", "gz.de.gz"):
+        bad = write(tmp_path / name, b"eins\nzwei \xff\xfe drei\nvier\n")
+        write(tmp_path / name.replace(".de", ".en"), "one\ntwo\nthree\n")
+        prefix = str(tmp_path / name.split(".")[0])
+        code, _, err = train_cli(capsys, "--run-dir", str(tmp_path / "run"), *data_flags(f"de:en:{prefix}", f"de:en:{corpus}"))
+        # byte 10: "eins\n" is 5 bytes, "zwei " 5 more; the offset counts the decompressed text.
+        assert_one_error(code, err, str(bad), "invalid UTF-8 at byte offset 10 (line 2)")
+    assert not (tmp_path / "run").exists()  # nothing was created
+
+
+def test_line_counts_that_differ_name_the_unmatched_lines(tmp_path, corpus, capsys):
+    write(tmp_path / "odd.de", "a\nb\nc\nd\n")
+    write(tmp_path / "odd.en", "a\nb\n")
+    code, _, err = train_cli(capsys, "--run-dir", str(tmp_path / "run"), *data_flags(f"de:en:{tmp_path}/odd", f"de:en:{corpus}"))
+    assert_one_error(code, err, "odd.de has 4 lines", "odd.en has 2", "lines 3-4 of", "no counterpart")
+
+
+def test_missing_unreadable_and_empty_files(tmp_path, corpus, capsys, monkeypatch):
+    run_dir = ["--run-dir", str(tmp_path / "run")]
+    code, _, err = train_cli(capsys, *run_dir, *data_flags(f"de:en:{tmp_path}/absent", f"de:en:{corpus}"))
+    assert_one_error(code, err, "no such file", "absent.de")
+
+    write(tmp_path / "empty.de", "\n \n")
+    write(tmp_path / "empty.en", "\n\n")
+    code, _, err = train_cli(capsys, *run_dir, *data_flags(f"de:en:{tmp_path}/empty", f"de:en:{corpus}"))
+    assert_one_error(code, err, "holds no sentence pairs (2 skipped: a side is empty)")
+
+    real_open = open
+
+    def denied(path, *args, **kwargs):  # the tests run as root, for whom chmod 000 changes nothing
+        if str(path).endswith("good.de"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(data, "open", denied, raising=False)
+    code, _, err = train_cli(capsys, *run_dir, *data_flags(f"de:en:{corpus}", f"de:en:{corpus}"))
+    assert_one_error(code, err, "cannot read", "good.de", "Permission denied")
+    assert not (tmp_path / "run").exists()
+
+
+def test_empty_lines_are_skipped_and_counted(tmp_path, corpus, capsys):
+    pairs = [data.number_words(n) for n in range(200, 230)]
+    write(tmp_path / "gaps.de", "".join(de + "\n" for de, _ in pairs) + "\nnur deutsch\n")
+    write(tmp_path / "gaps.en", "".join(en + "\n" for _, en in pairs) + "only english\n\n")
+    cfg = ExperimentConfig(train=f"de:en:{tmp_path}/gaps", valid=f"de:en:{corpus}")
+    assert len(loop.load_split(cfg, cfg.train)) == 30
+    assert "skipped 2 of 32 pairs with an empty side" in capsys.readouterr().out
+
+
+def test_sentences_longer_than_max_len_are_dropped_and_an_empty_result_refused(tmp_path, corpus, capsys):
+    rng = random.Random(0)  # random letters: BPE cannot merge them into fewer than 16 tokens
+    long = ["".join(rng.choice(string.ascii_lowercase + " ") for _ in range(200)) for _ in range(2)]
+    write(tmp_path / "long.de", f"{long[0]}\n{long[1]}\n")
+    write(tmp_path / "long.en", "seven\nseven\n")
+    code, _, err = train_cli(capsys, "--run-dir", str(tmp_path / "run"), *data_flags(f"de:en:{tmp_path}/long", f"de:en:{corpus}"))
+    assert_one_error(code, err, "no training pair is left: all 2 are longer than --max-len 16")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_failed_overwrite_leaves_the_old_run_alone(tmp_path, corpus, capsys):
+    run_dir = tmp_path / "run"
+    code, out, err = train_cli(capsys, "--run-dir", str(run_dir), "--steps", "2", "--numbers-valid", "4",
+                               "--numbers-test", "0")
+    assert code == 0, err
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    write(tmp_path / "bad.de", b"\xc3\n")
+    write(tmp_path / "bad.en", "x\n")
+    code, _, err = train_cli(capsys, "--run-dir", str(run_dir), "--overwrite", *data_flags(f"de:en:{tmp_path}/bad", f"de:en:{corpus}"))
+    assert_one_error(code, err, "invalid UTF-8")
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
+
+
+def test_unknown_values_and_flags_exit_with_usage(capsys):
+    for args, message in [(["--preset", "huge"], "invalid choice: 'huge'"), (["--no-such-flag"], "unrecognized arguments"),
+                          (["--set", "colour=red"], "colour")]:
+        with pytest.raises(SystemExit) as exit_info:
+            run.main(args)
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A 2-step torch run to translate and evaluate with."""
+    run_dir = tmp_path_factory.mktemp("trained") / "run"
+    cfg = ExperimentConfig(
+        backend="torch", run_dir=str(run_dir), steps=2, numbers_train=300, numbers_valid=4, numbers_test=0,
+        max_len=16, token_budget=512, model={"num_encoder_layers": 1, "num_decoder_layers": 1}, progress=False,
+        samples=0, eval_sentences=4, beam=1,
+    )
+    loop.train(cfg)
+    return run_dir
+
+
+def translate_cli(capsys, monkeypatch, stdin: bytes, *args: str) -> tuple[int, str, str]:
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin)))
+    try:
+        code = translate.main(list(args))
+    except SystemExit as exit_info:  # parser.exit
+        code = exit_info.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_translate_refuses_empty_and_undecodable_input(trained, tmp_path, capsys, monkeypatch):
+    for stdin in (b"", b"\n  \n"):
+        code, out, err = translate_cli(capsys, monkeypatch, stdin, "--run-dir", str(trained))
+        assert_one_error(code, err, "standard input holds no sentence to translate")
+    code, out, err = translate_cli(capsys, monkeypatch, b"eins\n\xe2\x82\n", "--run-dir", str(trained))
+    assert_one_error(code, err, "standard input: invalid UTF-8 at byte offset 5 (line 2)")
+    bad = write(tmp_path / "in.txt.gz", b"eins\nzwei\n\xff")
+    output = write(tmp_path / "out.txt", "keep me\n")
+    code, out, err = translate_cli(capsys, monkeypatch, b"", "--run-dir", str(trained), "--input", str(bad),
+                                   "--output", str(output))
+    assert_one_error(code, err, str(bad), "byte offset 10 (line 3)")
+    assert output.read_text() == "keep me\n"  # not overwritten
+
+
+def test_translate_keeps_lines_with_characters_never_seen_in_training(trained, capsys, monkeypatch):
+    """Byte-level BPE has no unknown characters: every byte has a token, so such a line is
+    translated like any other (here into whatever a 2-step model says), and every input line
+    gets exactly one output line."""
+    lines = ["dreihundert", "🦀🦀 ∮ ∂ ж", "", "\u0007\u200b"]
+    ids = data.encode(data.load_tokenizers(trained).src, lines)
+    assert all(data.UNK_ID not in row for row in ids) and all(len(row) > 1 for row, line in zip(ids, lines) if line)
+    code, out, err = translate_cli(capsys, monkeypatch, "\n".join(lines).encode() + b"\n", "--run-dir", str(trained))
+    assert code == 0, err
+    assert len(out.split("\n")) == len(lines) + 1 and out.split("\n")[2] == ""  # the empty line stays empty
+
+
+def test_evaluate_refuses_empty_data_and_missing_runs(trained, tmp_path, capsys):
+    write(tmp_path / "none.de", "")
+    write(tmp_path / "none.en", "")
+    for args, fragment in [
+        (["--run-dir", str(trained), "--data", f"de:en:{tmp_path}/none"], "holds no sentence pairs"),
+        (["--run-dir", str(tmp_path / "absent"), "--data", "numbers:valid"], "not a run directory"),
+        (["--run-dir", str(trained), "--data", "numbers:train", "--checkpoint", "7"], "no checkpoint of step 7"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            evaluate.main(args)
+        assert_one_error(exit_info.value.code, capsys.readouterr().err, fragment)
+    # A good call writes its JSON whole.
+    assert evaluate.main(["--run-dir", str(trained), "--data", "numbers:valid", "--output", str(tmp_path / "e.json")]) == 0
+    assert json.loads((tmp_path / "e.json").read_text())["sentences"] == 4
+
+
+def test_malformed_json_lines_name_the_file(tmp_path, corpus, capsys):
+    bad = write(tmp_path / "pairs.jsonl", '{"source": "eins", "target": "one"}\n{"source": broken\n')
+    code, _, err = train_cli(capsys, "--run-dir", str(tmp_path / "run"), *data_flags(str(bad), f"de:en:{corpus}"))
+    assert_one_error(code, err, str(bad), "not valid json", "JSON parse error")
+    empty = write(tmp_path / "empty.jsonl", "")
+    code, _, err = train_cli(capsys, "--run-dir", str(tmp_path / "run"), *data_flags(str(empty), f"de:en:{corpus}"))
+    assert_one_error(code, err, "empty.jsonl' holds no sentence pairs")
