@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import pickle
 import sys
 from pathlib import Path
 from typing import Any, Mapping
@@ -267,23 +268,43 @@ def save_torch_weights(model: torch_reference.Transformer, path: str | os.PathLi
     return path
 
 
+LEGACY_SUFFIXES = (".pt", ".pth", ".bin")  # torch.save files: read with weights_only=True
+
+
 def load_torch_weights(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], TransformerConfig]:
-    """(state dict, config) from a safetensors file; no pickle is ever read."""
-    from safetensors import safe_open
+    """(state dict, config) from a safetensors file, or from a legacy `torch.save` state dict
+    (.pt, .pth, .bin) with config.json beside it. Legacy files are read with
+    `torch.load(weights_only=True)`, whose unpickler admits tensors and containers only, so no
+    code in a file ever runs; a pickle named .safetensors is not a safetensors file and is refused."""
+    from safetensors import SafetensorError, safe_open
     from safetensors.torch import load_file
 
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no weights file at {path}")
-    with safe_open(str(path), framework="pt") as f:
-        metadata = f.metadata() or {}
+    metadata = {}
+    if path.suffix not in LEGACY_SUFFIXES:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                metadata = f.metadata() or {}
+        except SafetensorError as err:
+            raise ValueError(f"{path} is not a readable safetensors file ({err})") from None
     if CONFIG_KEY in metadata:
         cfg = TransformerConfig.from_json(metadata[CONFIG_KEY])
     elif (path.parent / "config.json").is_file():
         cfg = TransformerConfig.from_json((path.parent / "config.json").read_text())
     else:
         raise FileNotFoundError(f"{path} carries no config and there is no config.json beside it")
-    return load_file(str(path)), cfg
+    if path.suffix not in LEGACY_SUFFIXES:
+        return load_file(str(path)), cfg
+    try:
+        state_dict = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        reason = str(err).strip().splitlines()[0]
+        raise ValueError(f"{path} was refused by torch.load(weights_only=True), which loads no code: {reason}") from None
+    if not isinstance(state_dict, Mapping) or not all(isinstance(v, torch.Tensor) for v in state_dict.values()):
+        raise ValueError(f"{path} holds no state dict of tensors")
+    return dict(state_dict), cfg
 
 
 def save_jax_weights(model: nnx.Module, directory: str | os.PathLike, overwrite: bool = False) -> Path:
@@ -340,8 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--to", required=True, choices=["jax", "torch"], help="target framework")
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--src", help="weights only: a .safetensors file (--to jax) or a JAX weights directory "
-                        "(--to torch)")
+    source.add_argument("--src", help="weights only: a .safetensors file (--to jax; a legacy torch.save state dict "
+                        ".pt/.pth/.bin with config.json beside it is read with weights_only=True) or a JAX weights "
+                        "directory (--to torch)")
     source.add_argument("--run-dir", help="a whole training run directory of the other backend (train.run --run-dir)")
     parser.add_argument("--dst", required=True, help="a JAX weights directory (--to jax) or a .safetensors file "
                         "(--to torch); with --run-dir the new run directory")

@@ -6,7 +6,6 @@ the two libraries' matmuls and reductions give differences of a few float32 ulps
 (the bound of the parity contract).
 """
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

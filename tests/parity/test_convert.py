@@ -164,16 +164,42 @@ def test_cli_help_explains_both_directions(capsys):
     assert "--to" in out and "safetensors" in out and "orbax" in out
 
 
-def test_no_pickle_is_read(tmp_path):
-    # A pickle that would run code when unpickled: the loader reads safetensors only and refuses it.
-    class Boom:
-        def __reduce__(self):
-            return (exec, ("open(%r, 'w').write('pwned')" % str(tmp_path / "pwned"),))
+class Boom:
+    """Unpickling this runs code: it writes the file `target`."""
 
+    def __init__(self, target):
+        self.target = str(target)
+
+    def __reduce__(self):
+        return (exec, (f"open({self.target!r}, 'w').write('pwned')",))
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "model.pt", "model.bin"])
+def test_no_pickle_is_executed(tmp_path, name):
+    """A pickle that would run code when unpickled is refused without running: as .safetensors it
+    is not a safetensors file; as a legacy file torch.load(weights_only=True) refuses `exec`."""
     import pickle
 
-    path = tmp_path / "model.safetensors"
-    path.write_bytes(pickle.dumps(Boom()))
-    with pytest.raises(Exception):
+    torch_model = model()
+    (tmp_path / "config.json").write_text(torch_model.cfg.to_json())
+    path = tmp_path / name
+    if name.endswith(".safetensors"):
+        path.write_bytes(pickle.dumps(Boom(tmp_path / "pwned")))
+    else:  # in torch.save's own zip format, the state dict holding the trap beside real weights
+        torch.save({**torch_model.state_dict(), "trap": Boom(tmp_path / "pwned")}, path)
+    message = "not a readable safetensors file" if name.endswith(".safetensors") else "refused by torch.load"
+    with pytest.raises(ValueError, match=message):
         load_torch_weights(path)
     assert not (tmp_path / "pwned").exists()
+
+
+def test_legacy_state_dict_files_load(tmp_path):
+    torch_model = model()
+    (tmp_path / "config.json").write_text(torch_model.cfg.to_json())
+    torch.save(torch_model.state_dict(), tmp_path / "model.pt")
+    state, cfg = load_torch_weights(tmp_path / "model.pt")
+    assert cfg == torch_model.cfg
+    assert_state_dicts_identical(torch_model.state_dict(), jax_to_torch(torch_to_jax(state, cfg)).state_dict())
+    torch.save([1, 2], tmp_path / "list.pt")
+    with pytest.raises(ValueError, match="holds no state dict"):
+        load_torch_weights(tmp_path / "list.pt")

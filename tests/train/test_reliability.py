@@ -215,7 +215,7 @@ def test_a_damaged_checkpoint_is_named_and_the_others_still_load(saved_run, tmp_
         victim.write_bytes(content[: len(content) // 2])
     else:
         victim.write_bytes(bytes(b ^ 0xFF for b in content[:4096]) + content[4096:])
-    message = rf"checkpoint 4 in .*checkpoints cannot be restored \(.*\); the other checkpoints there are steps \[2\]"
+    message = r"checkpoint 4 in .*checkpoints cannot be restored \(.*\); the other checkpoints there are steps \[2\]"
     with pytest.raises(loop.UserError, match=message):
         loop.open_run(run_dir, "latest")
     with pytest.raises(loop.UserError, match=message):
@@ -261,3 +261,34 @@ def test_weights_of_another_architecture_are_refused(saved_run, tmp_path):
     (run_dir / "model.json").write_text(json.dumps(model))
     with pytest.raises(loop.UserError, match=r"checkpoint 4 .* cannot be restored \(.*(shape|size).*\)"):
         loop.open_run(run_dir, "latest")
+
+
+@pytest.mark.parametrize("times", [1, 2])
+def test_ctrl_c_saves_then_stops_and_twice_stops_at_once(tmp_path, monkeypatch, times):
+    """SIGINT at step 3 (delivered to this very process, as Ctrl-C would be): the loop finishes the
+    next update, saves it and raises Interrupted; a second SIGINT raises KeyboardInterrupt at once,
+    with nothing new saved. The handlers are removed again afterwards."""
+    from train.config import ExperimentConfig
+
+    cfg = ExperimentConfig(
+        backend="torch", run_dir=str(tmp_path / "run"), steps=10, save_every=2, log_every=1, **FAST_IN_PROCESS
+    )
+    log_window = loop._log_window
+
+    def log_then_interrupt(cfg, step, *args):
+        log_window(cfg, step, *args)
+        if step == 3:
+            for _ in range(times):
+                os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(loop, "_log_window", log_then_interrupt)
+    before = signal.getsignal(signal.SIGINT)
+    if times == 1:
+        with pytest.raises(loop.Interrupted, match=r"SIGINT: stopped at step 4 of 10 .*\n  python -m train.run --run-dir .* --resume") as info:
+            loop.train(cfg)
+        assert info.value.signum == signal.SIGINT and complete_steps(tmp_path / "run") == [2, 4]
+    else:
+        with pytest.raises(KeyboardInterrupt):
+            loop.train(cfg)
+        assert complete_steps(tmp_path / "run") == [2]
+    assert signal.getsignal(signal.SIGINT) is before
