@@ -7,6 +7,11 @@ with --resume), then loop over updates with a progress bar, TensorBoard scalars,
 evaluation, `results.json` and one summary line. The backend (`train.backend`) is the only part
 that knows a framework.
 
+Interruptions: SIGTERM and Ctrl-C make the loop save a checkpoint after the current update and
+raise `Interrupted` (run.py exits 128 + the signal); a non-finite loss or gradient norm raises
+`TrainingDiverged` before anything holding it is saved. Nothing in the run directory changes
+until the data has loaded and batched, and every file is written whole (temporary file + rename).
+
 Devices and processes: the backend's `Topology` says over how many devices each global batch is
 split, so every bucket's batch size is made a multiple of that (Batcher `multiple_of`). In a
 multi-process run every process builds the same tokenizer, batches and evaluation (all from the

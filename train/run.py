@@ -49,6 +49,9 @@ examples:
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m train.run   # 8 CPU devices, for testing
   python -m train.run --run-dir runs/mh --coordinator-address 127.0.0.1:12345 --num-processes 2 \
       --process-id 0     # and the same with --process-id 1 in a second shell: one run, two processes
+Ctrl-C or SIGTERM finishes the current update, saves a checkpoint and exits (status 130/143);
+`--resume` continues from the newest complete checkpoint, exactly as if never stopped. A
+non-finite loss stops the run before it is saved (exit status 1).
 then: python -m train.translate --run-dir DIR < input.txt
       python -m train.evaluate --run-dir DIR --data numbers:test
 """
