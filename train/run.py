@@ -47,7 +47,7 @@ examples:
   python -m train.run --run-dir runs/torch-numbers --resume --steps 4000
   python -m train.run --devices 4 --dtype bfloat16          # data parallel over 4 devices, bf16
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m train.run   # 8 CPU devices, for testing
-  python -m train.run --run-dir runs/mh --coordinator-address 127.0.0.1:12345 --num-processes 2 \
+  python -m train.run --run-dir runs/mh --coordinator-address 127.0.0.1:12345 --num-processes 2 \\
       --process-id 0     # and the same with --process-id 1 in a second shell: one run, two processes
 Ctrl-C or SIGTERM finishes the current update, saves a checkpoint and exits (status 130/143);
 `--resume` continues from the newest complete checkpoint, exactly as if never stopped. A
