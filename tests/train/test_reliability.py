@@ -292,3 +292,26 @@ def test_ctrl_c_saves_then_stops_and_twice_stops_at_once(tmp_path, monkeypatch, 
             loop.train(cfg)
         assert complete_steps(tmp_path / "run") == [2]
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_write_that_dies_halfway_leaves_the_old_file(tmp_path, monkeypatch):
+    """config.json, model.json, tokenizers, results.json and --output files go through
+    write_text_atomic: a write that fails halfway (a crash, a full disk) leaves the old content."""
+    from train import data
+
+    target = tmp_path / "config.json"
+    target.write_text('{"old": true}\n')
+    real_write_text = Path.write_text
+
+    def half_then_fail(self, text, *args, **kwargs):
+        real_write_text(self, text[: len(text) // 2], *args, **kwargs)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", half_then_fail)
+    with pytest.raises(OSError, match="No space left"):
+        data.write_text_atomic(target, '{"new": true, "padding": "' + "x" * 1000 + '"}\n')
+    monkeypatch.undo()
+    assert json.loads(target.read_text()) == {"old": True}
+    data.write_text_atomic(target, '{"new": true}\n')
+    assert json.loads(target.read_text()) == {"new": True}
+    assert [p.name for p in tmp_path.iterdir()] == ["config.json"]  # the failed write's temporary file is reused
