@@ -1,0 +1,224 @@
+"""Where a training step's time goes: each part of the model, forward + backward, JAX vs PyTorch.
+
+    python -m train.profile_step --preset base [--batch 32 --length 32 --vocab 8000] [--json PATH]
+
+`train.bench` times whole steps; this times their parts on the same shapes and the same weights
+(the JAX modules converted from the torch ones): one attention sublayer, one feed-forward
+sublayer, a whole encoder layer and decoder layer, the output projection with the label-smoothed
+loss, the Adam update over every parameter of the model, and the whole step. Each part runs as
+`grad(sum(part(x)))` (jit-compiled on the JAX side), the median of --repeats runs after a warm-up.
+The ratio JAX / torch per part shows which part a backend loses time in; the parts of a step are
+its layers (times the layer count), the loss and the update.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from torch_reference.config import TransformerConfig
+
+
+def median_time(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def torch_parts(cfg: TransformerConfig, batch: int, length: int, repeats: int, seed: int = 0) -> tuple[dict, object]:
+    """{part: seconds} for the torch reference, and the full model (whose weights JAX converts)."""
+    import torch
+
+    import torch_reference
+    from torch_reference.objective import label_smoothed_cross_entropy
+
+    torch.manual_seed(seed)
+    model = torch_reference.Transformer(cfg)
+    layer_e, layer_d = model.encoder.layers[0], model.decoder.layers[0]
+    rng = np.random.default_rng(seed)
+    x = torch.from_numpy(rng.standard_normal((batch, length, cfg.d_model), dtype=np.float32)).requires_grad_()
+    memory = torch.from_numpy(rng.standard_normal((batch, length, cfg.d_model), dtype=np.float32)).requires_grad_()
+    ids = torch.from_numpy(rng.integers(4, cfg.tgt_vocab_size, (batch, length)))
+    causal = torch_reference.model.causal_mask(length, device=x.device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
+
+    def backward(fn):
+        def run():
+            model.zero_grad(set_to_none=True)
+            x.grad = memory.grad = None
+            fn().sum().backward()
+
+        return run
+
+    out_proj = model.out_proj if model.out_proj is not None else None
+
+    src, tgt = ids, torch.roll(ids, 1, dims=1)
+
+    def logits_loss():
+        logits = model.project(x)
+        return label_smoothed_cross_entropy(logits, ids, cfg.pad_id, 0.1)
+
+    def full():
+        logits = model(src, tgt)
+        return label_smoothed_cross_entropy(logits, ids, cfg.pad_id, 0.1)
+
+    parts = {
+        "self-attention": backward(lambda: layer_e.self_attn(x, x)),
+        "causal self-attention": backward(lambda: layer_d.self_attn(x, x, causal)),
+        "feed-forward": backward(lambda: layer_e.ff(x)),
+        "encoder layer": backward(lambda: layer_e(x)),
+        "decoder layer": backward(lambda: layer_d(x, memory, None, causal)),
+        "embeddings (src + tgt)": backward(lambda: model.src_embed(src) + model.target_embedding(tgt)),
+        "encoder (all layers)": backward(lambda: model.encoder(x)),
+        "decoder (all layers)": backward(lambda: model.decoder(x, memory, None, causal)),
+        "output projection + loss": backward(logits_loss),
+        "forward + backward": backward(full),
+    }
+    del out_proj
+    times = {name: median_time(fn, repeats) for name, fn in parts.items()}
+    backward(full)()  # gradients for Adam to apply
+
+    def adam():
+        optimizer.step()
+
+    times["adam update"] = median_time(adam, repeats)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        full().backward()
+        optimizer.step()
+
+    times["train step"] = median_time(step, repeats)
+    return times, model
+
+
+def jax_parts(cfg: TransformerConfig, torch_model, batch: int, length: int, repeats: int, seed: int = 0) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from jax_transformer.model import causal_mask
+    from jax_transformer.objective import label_smoothed_cross_entropy
+    from parity.convert import torch_to_jax
+
+    model = torch_to_jax(torch_model, cfg)
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((batch, length, cfg.d_model), dtype=np.float32))
+    memory = jnp.asarray(rng.standard_normal((batch, length, cfg.d_model), dtype=np.float32))
+    ids = jnp.asarray(rng.integers(4, cfg.tgt_vocab_size, (batch, length)))
+    causal = causal_mask(length)
+    layer_e, layer_d = model.encoder.layers[0], model.decoder.layers[0]
+
+    def timed_grad(module, fn):
+        """Median seconds of jit(grad(sum(fn(module, x, memory)))) over the module's params and the inputs."""
+        graphdef, params = nnx.split(module)
+
+        @jax.jit
+        def grads(params, x, memory):
+            def loss(params, x, memory):
+                return fn(nnx.merge(graphdef, params), x, memory).sum()
+
+            return jax.grad(loss, argnums=(0, 1, 2))(params, x, memory)
+
+        return median_time(lambda: jax.block_until_ready(grads(params, x, memory)), repeats)
+
+    src, tgt = ids, jnp.roll(ids, 1, axis=1)
+
+    def loss_of(m, x, memory):
+        return label_smoothed_cross_entropy(m.project(x), ids, cfg.pad_id, 0.1)
+
+    def full(m, x, memory):
+        return label_smoothed_cross_entropy(m(src, tgt), ids, cfg.pad_id, 0.1)
+
+    times = {
+        "self-attention": timed_grad(layer_e.self_attn, lambda m, x, mem: m(x, x)),
+        "causal self-attention": timed_grad(layer_d.self_attn, lambda m, x, mem: m(x, x, causal)),
+        "feed-forward": timed_grad(layer_e.ff, lambda m, x, mem: m(x)),
+        "encoder layer": timed_grad(layer_e, lambda m, x, mem: m(x)),
+        "decoder layer": timed_grad(layer_d, lambda m, x, mem: m(x, mem, None, causal)),
+        "embeddings (src + tgt)": timed_grad(model, lambda m, x, mem: m.src_embed(src) + m.target_embedding(tgt)),
+        "encoder (all layers)": timed_grad(model.encoder, lambda m, x, mem: m(x)),
+        "decoder (all layers)": timed_grad(model.decoder, lambda m, x, mem: m(x, mem, None, causal)),
+        "output projection + loss": timed_grad(model, loss_of),
+        "forward + backward": timed_grad(model, full),
+    }
+    graphdef, params = nnx.split(model, nnx.Param)
+    tx = optax.adam(1e-4, b1=0.9, b2=0.98, eps=1e-9)
+    state = (params, tx.init(params))
+    grads = jax.tree.map(jnp.ones_like, params)
+
+    @jax.jit
+    def adam(state, grads):
+        params, opt_state = state
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    holder = [state]
+
+    def run_adam():
+        holder[0] = jax.block_until_ready(adam(holder[0], grads))
+
+    times["adam update"] = median_time(run_adam, repeats)
+
+    @jax.jit
+    def step(state):
+        params, opt_state = state
+        g = jax.grad(lambda p: full(nnx.merge(graphdef, p), None, None))(params)
+        updates, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    holder = [state]
+
+    def run_step():
+        holder[0] = jax.block_until_ready(step(holder[0]))
+
+    times["train step"] = median_time(run_step, repeats)
+    return times
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m train.profile_step", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="base", choices=["tiny", "small", "base", "big"])
+    parser.add_argument("--batch", type=int, default=32, help="sentences per batch (default 32)")
+    parser.add_argument("--length", type=int, default=32, help="tokens per sentence, source and target (default 32)")
+    parser.add_argument("--vocab", type=int, default=8000, help="shared vocabulary size (default 8000)")
+    parser.add_argument("--repeats", type=int, default=10, help="timed runs per part (default 10)")
+    parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
+    args = parser.parse_args(argv)
+
+    import jax
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+    cfg = TransformerConfig.preset(
+        args.preset, src_vocab_size=args.vocab, tgt_vocab_size=args.vocab, max_len=max(args.length, 64), dropout=0.0
+    )
+    torch_times, torch_model = torch_parts(cfg, args.batch, args.length, args.repeats)
+    jax_times = jax_parts(cfg, torch_model, args.batch, args.length, args.repeats)
+    print(f"{args.preset}: batch {args.batch}x{args.length}, vocab {args.vocab}, float32, dropout 0; "
+          f"median of {args.repeats} (ms)")
+    print(f"{'part (forward + backward)':28s} {'JAX':>9s} {'torch':>9s} {'JAX/torch':>10s}")
+    rows = []
+    for name in torch_times:
+        j, t = jax_times[name] * 1e3, torch_times[name] * 1e3
+        rows.append({"part": name, "jax_ms": j, "torch_ms": t, "ratio": j / t})
+        print(f"{name:28s} {j:9.2f} {t:9.2f} {j / t:10.2f}")
+    if args.json:
+        args.json.write_text(json.dumps({"preset": args.preset, "batch": [args.batch, args.length],
+                                         "vocab": args.vocab, "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
