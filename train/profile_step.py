@@ -109,6 +109,7 @@ def jax_parts(cfg: TransformerConfig, torch_model, batch: int, length: int, repe
     import optax
     from flax import nnx
 
+    from jax_transformer.matmul import tied_logits
     from jax_transformer.model import causal_mask
     from jax_transformer.objective import label_smoothed_cross_entropy
     from parity.convert import torch_to_jax
@@ -136,8 +137,13 @@ def jax_parts(cfg: TransformerConfig, torch_model, batch: int, length: int, repe
 
     src, tgt = ids, jnp.roll(ids, 1, axis=1)
 
+    # Differentiate each part with respect to its own parameters only: over the whole model, JAX
+    # would also write zero gradients for every other parameter (torch leaves them None).
     def loss_of(m, x, memory):
-        return label_smoothed_cross_entropy(m.project(x), ids, cfg.pad_id, 0.1)
+        logits = tied_logits(x, m.embedding[...]) if cfg.tie_output else m(x)
+        return label_smoothed_cross_entropy(logits, ids, cfg.pad_id, 0.1)
+
+    projection = model.target_embedding if cfg.tie_output else model.out_proj
 
     def full(m, x, memory):
         return label_smoothed_cross_entropy(m(src, tgt), ids, cfg.pad_id, 0.1)
@@ -148,10 +154,12 @@ def jax_parts(cfg: TransformerConfig, torch_model, batch: int, length: int, repe
         "feed-forward": timed_grad(layer_e.ff, lambda m, x, mem: m(x)),
         "encoder layer": timed_grad(layer_e, lambda m, x, mem: m(x)),
         "decoder layer": timed_grad(layer_d, lambda m, x, mem: m(x, mem, None, causal)),
-        "embeddings (src + tgt)": timed_grad(model, lambda m, x, mem: m.src_embed(src) + m.target_embedding(tgt)),
+        "embeddings (src + tgt)": timed_grad(model.src_embed, lambda m, x, mem: m(src) + m(tgt))
+        if cfg.share_embeddings
+        else timed_grad(model, lambda m, x, mem: m.src_embed(src) + m.target_embedding(tgt)),
         "encoder (all layers)": timed_grad(model.encoder, lambda m, x, mem: m(x)),
         "decoder (all layers)": timed_grad(model.decoder, lambda m, x, mem: m(x, mem, None, causal)),
-        "output projection + loss": timed_grad(model, loss_of),
+        "output projection + loss": timed_grad(projection, loss_of),
         "forward + backward": timed_grad(model, full),
     }
     graphdef, params = nnx.split(model, nnx.Param)
