@@ -38,9 +38,58 @@ def sentence_limits(src_ids, pad_id: int, length: int, max_len_a: float, max_len
     return jnp.clip(jnp.floor(max_len_a * src_len + max_len_b), 1, length).astype(jnp.int32)
 
 
-def _never_emitted(cfg, vocab):
-    """(V,) True for the ids a translation never contains: padding and BOS."""
-    return (vocab == cfg.pad_id) | (vocab == cfg.bos_id)
+def best_candidates(cfg, logits, base, must_end, n: int, chunk: int = 128):
+    """The n best extensions of each sentence's hypotheses, as `lax.top_k` over their scores.
+
+    logits (B, H, V) of H hypotheses with scores base (B, H); must_end (B,) marks sentences at
+    their length limit -> (values (B, n), indices (B, n) into H*V): the same as
+    `lax.top_k((base[..., None] + logprobs).reshape(B, H*V), n)` for
+    logprobs = where(masked, NEG_INF, log_softmax(logits)), masked = pad, BOS and, where must_end,
+    every token but EOS; same values, indices and order (ties to the lower index).
+
+    Why not that one line: on XLA's CPU backend it costs a pass writing B*H*V scores and a TopK
+    that partially sorts all H*V indices of a sentence (std::partial_sort), the bulk of a step.
+    Here the vocabulary is cut into chunks of c tokens. The score is monotone in the logit
+    within a hypothesis (base + ((x - max) - logsumexp) rounds monotonically), so a chunk's best
+    score is that of its largest logit, read from a max over the logits; only chunks holding
+    pad, BOS or EOS (masked unevenly) are scored entry by entry. The n best entries lie in the n
+    chunks with the best maxima: order entries by (score descending, index ascending), and a
+    chunk by its first entry in that order, as top_k over the maxima does (chunks are contiguous
+    in index order); an entry of any other chunk follows those n chunks' first entries, so it is
+    not among the n best. Those n chunks are then scored in full, in index order, and ranked.
+    """
+    B, H, V = logits.shape
+    cap = max(1, min(chunk, V // n))  # small vocabularies: still at least n chunks per hypothesis
+    c = next((d for d in range(cap, cap // 2, -1) if V % d == 0), cap)  # one dividing V: no padding
+    m = -(-V // c)  # chunks per hypothesis; the last one padded with -inf logits
+    x = jnp.pad(logits, ((0, 0), (0, 0), (0, m * c - V)), constant_values=-jnp.inf).reshape(B, H, m, c)
+    x_max = x.max(axis=-1)  # (B, H, m)
+    # = logits.max(-1); the barrier keeps XLA from rewriting it as a second pass over the logits.
+    row_max = jax.lax.optimization_barrier(x_max).max(axis=-1, keepdims=True)  # (B, H, 1)
+    lse = jnp.log(jnp.exp(logits - row_max).sum(axis=-1, keepdims=True))  # (B, H, 1)
+    end = must_end[:, None, None]
+
+    def score(x, v, base, row_max, lse):
+        """Scores of logits x at token ids v (-inf past the vocabulary); the rest broadcast to x."""
+        masked = (end & (v != cfg.eos_id)) | (v == cfg.pad_id) | (v == cfg.bos_id)
+        return jnp.where(v < V, base + jnp.where(masked, NEG_INF, (x - row_max) - lse), -jnp.inf)
+
+    # Each chunk's best score: from its largest logit, or entry by entry where the mask is uneven.
+    chunk_best = base[..., None] + jnp.where(end, NEG_INF, (x_max - row_max) - lse)  # (B, H, m)
+    for i in sorted({cfg.pad_id // c, cfg.bos_id // c, cfg.eos_id // c} & set(range(m))):
+        special = score(x[:, :, i], i * c + jnp.arange(c), base[..., None], row_max, lse)  # (B, H, c)
+        chunk_best = chunk_best.at[:, :, i].set(special.max(axis=-1))
+    _, best = jax.lax.top_k(chunk_best.reshape(B, H * m), n)  # (B, n) chunk ids, hypothesis-major
+    best = jnp.sort(best, axis=-1)  # index order: ties resolve as in top_k over all entries
+    hyp, first = best // m, (best % m) * c  # (B, n) hypothesis and first token of each chunk
+    row = jnp.arange(B)[:, None]
+    entries = score(
+        jnp.take_along_axis(x.reshape(B, H * m, c), best[:, :, None], axis=1),  # (B, n, c)
+        first[:, :, None] + jnp.arange(c),
+        base[row, hyp][..., None], row_max[row, hyp], lse[row, hyp],
+    ).reshape(B, n * c)
+    values, j = jax.lax.top_k(entries, n)
+    return values, jnp.take_along_axis(hyp * V + first, j // c, axis=1) + j % c
 
 
 def _check_source(model: Transformer, src_ids) -> None:
@@ -64,9 +113,7 @@ def _greedy_search(model: Transformer, src_ids, max_len_a: float, max_len_b: int
     length = output_length(S, cfg.max_len, max_len_a, max_len_b)
     limits = sentence_limits(src_ids, cfg.pad_id, length, max_len_a, max_len_b)  # (B,)
     src_mask = padding_mask(src_ids, cfg.pad_id)
-    cache = model.init_cache(model.encode(src_ids, src_mask), length)
-    not_eos = jnp.arange(cfg.tgt_vocab_size) != cfg.eos_id  # (V,)
-    never = _never_emitted(cfg, jnp.arange(cfg.tgt_vocab_size))  # (V,) pad and bos
+    cache = jax.lax.optimization_barrier(model.init_cache(model.encode(src_ids, src_mask), length))  # see _beam_search
 
     def running(state):
         position, done = state[0], state[3]
@@ -75,11 +122,10 @@ def _greedy_search(model: Transformer, src_ids, max_len_a: float, max_len_b: int
     def step(state):
         position, tokens, scores, done, last, cache = state
         logits, cache = model.decode_step(last, cache, position, src_mask)
-        logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # (B, V)
-        must_end = (position + 1 >= limits)[:, None]  # sentences at their limit emit EOS
-        logprobs = jnp.where((must_end & not_eos) | never, NEG_INF, logprobs)
-        last = logprobs.argmax(axis=-1).astype(jnp.int32)  # (B,)
-        scores = scores + jnp.where(done, 0.0, jnp.take_along_axis(logprobs, last[:, None], axis=1)[:, 0])
+        must_end = position + 1 >= limits  # (B,) sentences at their limit emit EOS
+        logprob, last = best_candidates(cfg, logits.astype(jnp.float32)[:, None], jnp.zeros((B, 1)), must_end, 1)
+        last = last[:, 0]  # (B,) the argmax token
+        scores = scores + jnp.where(done, 0.0, logprob[:, 0])
         tokens = tokens.at[:, position].set(jnp.where(done, cfg.pad_id, last))
         done = done | (last == cfg.eos_id)
         return position + 1, tokens, scores, done, last, cache
@@ -121,8 +167,10 @@ def _beam_search(model: Transformer, src_ids, beam_size: int, alpha: float, max_
     src_mask = jnp.repeat(padding_mask(src_ids, cfg.pad_id), k, axis=0)  # (B*k, 1, 1, S)
     memory = jnp.repeat(model.encode(src_ids, padding_mask(src_ids, cfg.pad_id)), k, axis=0)
     cache = model.init_cache(memory, length)  # batch axis B*k, hypothesis-major within a sentence
-    not_eos = jnp.arange(V) != cfg.eos_id  # (V,)
-    never = _never_emitted(cfg, jnp.arange(V))  # (V,) pad and bos
+    # The barrier materialises the cache before the loop. Without it XLA keeps the cross-attention
+    # keys and values in the (B, S, H, K) layout of their projection and transposes them to
+    # (B, H, S, K) at every step, ~5% of a step.
+    cache = jax.lax.optimization_barrier(cache)
     best_possible_penalty = length_penalty(limits.astype(jnp.float32), alpha)  # (B,)
 
     def running(state):
@@ -132,12 +180,9 @@ def _beam_search(model: Transformer, src_ids, beam_size: int, alpha: float, max_
     def step(state):
         position, live_tokens, live_logprob, finished_tokens, finished_scores, last, cache, _ = state
         logits, cache = model.decode_step(last, cache, position, src_mask)
-        logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1).reshape(B, k, V)
-        must_end = (position + 1 >= limits)[:, None, None]
-        logprobs = jnp.where((must_end & not_eos) | never, NEG_INF, logprobs)
-
-        candidates = (live_logprob[:, :, None] + logprobs).reshape(B, k * V)
-        top_logprob, top_index = jax.lax.top_k(candidates, 2 * k)  # (B, 2k)
+        # The 2k best candidates of the k*V extensions (live log-prob + token log-prob).
+        logits = logits.astype(jnp.float32).reshape(B, k, V)
+        top_logprob, top_index = best_candidates(cfg, logits, live_logprob, position + 1 >= limits, 2 * k)
         parent, token = top_index // V, (top_index % V).astype(jnp.int32)
         top_tokens = _gather(live_tokens, parent).at[:, :, position].set(token)  # (B, 2k, L)
         ends = token == cfg.eos_id

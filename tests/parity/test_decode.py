@@ -6,6 +6,7 @@ are sums of up to L log-probabilities, 1e-5 absolute (each term agrees to ~1e-6)
 
 import itertools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -158,6 +159,26 @@ def test_batching_does_not_change_results_and_short_sentences_end_at_step_one(se
         n = alone_t.shape[1]
         assert tokens_t[row, :n].tolist() == alone_t[0].tolist()
         assert abs(alone_score.item() - scores_t[row].item()) <= 1e-5
+
+
+@pytest.mark.parametrize("vocab, hyps, n, chunk", [(53, 4, 8, 128), (7, 16, 32, 128), (1000, 4, 8, 128),
+                                                   (1001, 3, 6, 16), (300, 1, 1, 128), (300, 1, 1, 7)])
+def test_best_candidates_equal_top_k_over_every_extension(vocab, hyps, n, chunk):
+    # Integer logits: many exact ties, which must resolve to the lower index as in lax.top_k;
+    # vocabularies that chunks do not divide; dead hypotheses (NEG_INF); sentences at their limit.
+    cfg = tr.TransformerConfig(**{**LOPSIDED, "src_vocab_size": vocab, "tgt_vocab_size": vocab})
+    rng = np.random.default_rng(vocab + n)
+    logits = jnp.asarray(rng.integers(-3, 4, size=(6, hyps, vocab)), jnp.float32)
+    base = rng.integers(-3, 1, size=(6, hyps)).astype(np.float32)
+    base[:3, 1:] = jd.NEG_INF
+    must_end = jnp.asarray([False, True, False, False, True, False])
+    token = jnp.arange(vocab)
+    masked = (must_end[:, None, None] & (token != cfg.eos_id)) | (token == cfg.pad_id) | (token == cfg.bos_id)
+    logprobs = jnp.where(masked, jd.NEG_INF, jax.nn.log_softmax(logits, axis=-1))
+    expected = jax.lax.top_k((base[:, :, None] + logprobs).reshape(6, hyps * vocab), n)
+    values, index = jd.best_candidates(cfg, logits, jnp.asarray(base), must_end, n, chunk)
+    np.testing.assert_array_equal(np.asarray(index), np.asarray(expected[1]))
+    np.testing.assert_array_equal(np.asarray(values), np.asarray(expected[0]))
 
 
 def test_source_longer_than_max_len_is_refused_clearly():
