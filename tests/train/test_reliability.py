@@ -91,6 +91,12 @@ def final_weights(run_dir: Path) -> dict[str, np.ndarray]:
     return weights
 
 
+def restored_step(run_dir: Path, which) -> int:
+    run = loop.open_run(run_dir, which)
+    run.backend.close()
+    return run.backend.step
+
+
 def train_losses(run_dir: Path) -> dict[int, float]:
     """Every logged step's loss of the session that wrote results.json."""
     results = json.loads((run_dir / "results.json").read_text())
@@ -186,7 +192,7 @@ def test_a_diverging_loss_stops_before_it_is_saved(tmp_path, backend):
     with pytest.raises(loop.TrainingDiverged, match=r"loss nan at step 2; .*checkpoints up to step 1 are intact"):
         loop.train(cfg)
     assert complete_steps(tmp_path / "run") == [1]
-    assert loop.open_run(tmp_path / "run", "latest").backend.step == 1  # still loads
+    assert restored_step(tmp_path / "run", "latest") == 1  # still loads
 
     # Detected inside a logging window: the message names the step, not the window's end.
     cfg = cfg.replace(run_dir=str(tmp_path / "window"), save_every=4, log_every=4)
@@ -205,6 +211,9 @@ def largest_file(directory: Path) -> Path:
     return max((p for p in directory.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
 
 
+# orbax's restore of a damaged array leaves its other reads as coroutines that fail once their
+# event loop is closed; pytest reports them as unraisable. They are orbax's, not this test's.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize("damage", ["truncate", "garble"])
 def test_a_damaged_checkpoint_is_named_and_the_others_still_load(saved_run, tmp_path, damage):
     cfg, run_dir = saved_run
@@ -220,7 +229,7 @@ def test_a_damaged_checkpoint_is_named_and_the_others_still_load(saved_run, tmp_
         loop.open_run(run_dir, "latest")
     with pytest.raises(loop.UserError, match=message):
         loop.train(cfg.replace(run_dir=str(run_dir), resume=True, steps=6))
-    assert loop.open_run(run_dir, 2).backend.step == 2  # the intact checkpoint is still usable
+    assert restored_step(run_dir, 2) == 2  # the intact checkpoint is still usable
 
 
 def test_missing_checkpoints_and_tokenizer_are_clear_errors(saved_run, tmp_path):
