@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -196,6 +197,50 @@ def jax_parts(cfg: TransformerConfig, torch_model, batch: int, length: int, repe
     return times
 
 
+def xla_op_split(cfg: TransformerConfig, batch: int, length: int, repeats: int = 3, seed: int = 0) -> dict[str, float]:
+    """Milliseconds per JAX forward + backward of the whole model spent in matmuls (XLA's dot and
+    YNNPACK fusions) and in every other compiled operation, summed over the operations as the
+    profiler (jax.profiler.trace) records them. Run it pinned to one core and to two (`taskset`)
+    to see which part uses the second core."""
+    import glob
+    import gzip
+    import tempfile
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import jax_transformer
+    from jax_transformer.objective import label_smoothed_cross_entropy
+
+    model = jax_transformer.Transformer(cfg, rngs=nnx.Rngs(seed))
+    graphdef, params = nnx.split(model, nnx.Param)
+    ids = jnp.asarray(np.random.default_rng(seed).integers(4, cfg.tgt_vocab_size, (batch, length)))
+
+    @jax.jit
+    def grads(params, src, tgt):
+        loss = lambda p: label_smoothed_cross_entropy(nnx.merge(graphdef, p)(src, tgt), src, cfg.pad_id, 0.1)  # noqa: E731
+        return jax.grad(loss)(params)
+
+    args = (params, ids, jnp.roll(ids, 1, axis=1))
+    jax.block_until_ready(grads(*args))
+    with tempfile.TemporaryDirectory() as logdir:
+        with jax.profiler.trace(logdir, create_perfetto_trace=True):
+            for _ in range(repeats):
+                jax.block_until_ready(grads(*args))
+        (path,) = glob.glob(f"{logdir}/**/*.trace.json.gz", recursive=True)
+        with gzip.open(path) as f:
+            trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    split = {"matmuls": 0.0, "other operations": 0.0}
+    for event in events:
+        name = event.get("name", "")
+        if event.get("ph") != "X" or name.startswith(("$", "ThunkExecutor", "PjitFunction", "ParseArguments", "Common")):
+            continue  # Python frames and the executor's own spans, not operations
+        split["matmuls" if name.startswith(("ynn_fusion", "dot")) else "other operations"] += event.get("dur", 0) / 1e3
+    return {key: value / repeats for key, value in split.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m train.profile_step", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="base", choices=["tiny", "small", "base", "big"])
@@ -204,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, default=8000, help="shared vocabulary size (default 8000)")
     parser.add_argument("--repeats", type=int, default=10, help="timed runs per part (default 10)")
     parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
+    parser.add_argument("--xla-ops", action="store_true",
+                        help="instead: profile JAX's whole forward + backward and split its time into matmuls and "
+                        "all other compiled operations (compare `taskset -c 0` with two cores)")
     args = parser.parse_args(argv)
 
     import jax
@@ -212,6 +260,13 @@ def main(argv: list[str] | None = None) -> int:
     cfg = TransformerConfig.preset(
         args.preset, src_vocab_size=args.vocab, tgt_vocab_size=args.vocab, max_len=max(args.length, 64), dropout=0.0
     )
+    if args.xla_ops:
+        split = xla_op_split(cfg, args.batch, args.length)
+        print(f"{args.preset}: JAX forward + backward, batch {args.batch}x{args.length}, {os.cpu_count()} CPUs visible, "
+              f"{len(os.sched_getaffinity(0))} usable")
+        for key, ms in split.items():
+            print(f"{key:18s} {ms:9.1f} ms")
+        return 0
     torch_times, torch_model = torch_parts(cfg, args.batch, args.length, args.repeats)
     jax_times = jax_parts(cfg, torch_model, args.batch, args.length, args.repeats)
     print(f"{args.preset}: batch {args.batch}x{args.length}, vocab {args.vocab}, float32, dropout 0; "
