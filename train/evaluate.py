@@ -22,7 +22,7 @@ import sacrebleu
 
 from . import data
 from .backend import Backend
-from .translate import translate_texts
+from .translate import add_run_arguments, positive_int, translate_texts
 
 
 def corpus_scores(hypotheses: Sequence[str], references: Sequence[str]) -> dict[str, float]:
@@ -85,16 +85,12 @@ def main(argv: list[str] | None = None) -> int:
         epilog="DATA is a data spec as for train.run (SRC:TGT:PREFIX, FILE.tsv, FILE.jsonl, hf:NAME[:CONFIG]:SPLIT), "
         "or numbers:train|valid|test for the run's own split of the embedded numbers corpus.",
     )
-    parser.add_argument("--run-dir", required=True, type=Path, help="the run directory")
+    add_run_arguments(parser)
     parser.add_argument("--data", required=True, help="parallel data to score (see below)")
     parser.add_argument(
-        "--checkpoint", default="best", help="'best' (by validation BLEU, the default), 'latest', or a step number"
-    )
-    parser.add_argument(
-        "--max-sentences", type=int, help="translate only the first N pairs for BLEU/chrF; default: all"
+        "--max-sentences", type=positive_int, help="translate only the first N pairs for BLEU/chrF; default: all"
     )
     parser.add_argument("--samples", type=int, default=0, help="include N example translations in the JSON")
-    parser.add_argument("--beam", type=int, default=4, help="beam size (default 4; 1 = greedy search)")
     parser.add_argument("--output", type=Path, help="also write the JSON to this file")
     args = parser.parse_args(argv)
 

@@ -148,6 +148,25 @@ def benchmark(run, lines: Sequence[str], beam_size: int, batch_size: int | None,
     return rows
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """--run-dir, --checkpoint and --beam, shared by translate and evaluate."""
+    parser.add_argument(
+        "--run-dir", required=True, type=Path, help="the run directory (holds config.json, tokenizer, checkpoints/)"
+    )
+    parser.add_argument(
+        "--checkpoint", default="best", help="'best' (by validation BLEU, the default), 'latest', or a step number"
+    )
+    parser.add_argument("--beam", type=positive_int, default=4, help="beam size (default 4; 1 = greedy search)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m train.translate",
@@ -155,30 +174,21 @@ def main(argv: list[str] | None = None) -> int:
         "Cached beam search (greedy with --beam 1); the backend (jax or torch) is the one the run was "
         "trained with. Sources longer than the model's max_len are cut to it.",
     )
-    parser.add_argument(
-        "--run-dir", required=True, type=Path, help="the run directory (holds config.json, tokenizer, checkpoints/)"
-    )
+    add_run_arguments(parser)
     parser.add_argument(
         "--input", type=Path, help="text file, one source sentence per line (plain or .gz); default: stdin"
     )
     parser.add_argument("--output", type=Path, help="write translations here instead of stdout")
     parser.add_argument(
-        "--checkpoint", default="best", help="'best' (by validation BLEU, the default), 'latest', or a step number"
+        "--batch-size", type=positive_int,
+        help="at most N sentences per batch; default: as many as the run's --token-budget",
     )
-    parser.add_argument(
-        "--batch-size", type=int, help="at most N sentences per batch; default: as many as the run's --token-budget"
-    )
-    parser.add_argument("--beam", type=int, default=4, help="beam size (default 4; 1 = greedy search)")
     parser.add_argument("--benchmark", action="store_true",
                         help="instead of printing translations, time them: JAX and torch cached search (greedy and "
                         "--beam) and torch's uncached loop, on the same weights and input; prints sentences/s, tokens/s")
     parser.add_argument("--json", type=Path, help="with --benchmark: also write the figures to this JSON file")
     parser.add_argument("--alpha", type=float, default=0.6, help="length penalty exponent of ((5+len)/6)^alpha (default 0.6)")
     args = parser.parse_args(argv)
-    if args.batch_size is not None and args.batch_size < 1:
-        parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
-    if args.beam < 1:
-        parser.error(f"--beam must be >= 1, got {args.beam}")
 
     from .loop import UserError, open_run  # here: loads a framework
 

@@ -132,6 +132,10 @@ def test_unknown_values_and_flags_exit_with_usage(capsys):
         with pytest.raises(SystemExit) as exit_info:
             run.main(args)
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    for main in (translate.main, evaluate.main):  # one parser for both: the same check
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--run-dir", "x", "--data", "numbers:valid", "--beam", "0"])
+        assert exit_info.value.code == 2 and "--beam: must be >= 1, got 0" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
