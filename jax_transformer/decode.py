@@ -4,7 +4,8 @@
 The same algorithm as `torch_reference/decode.py` (read its docstrings for the details), with the
 same names and defaults; both return identical tokens and scores to float32 rounding. Output
 tokens (B, L) exclude BOS, end with EOS and are padded after it, with
-L = min(max_len, floor(max_len_a * S + max_len_b)) for a padded source length S.
+L = min(max_len, floor(max_len_a * S + max_len_b)) for a padded source length S. `cached=False`
+re-runs the whole decoder over the (padded, causally masked) prefix at every step instead.
 """
 
 from __future__ import annotations
@@ -92,6 +93,27 @@ def best_candidates(cfg, logits, base, must_end, n: int, chunk: int = 128):
     return values, jnp.take_along_axis(hyp * V + first, j // c, axis=1) + j % c
 
 
+def _init_cache(model: Transformer, memory, length: int, cached: bool):
+    """The key/value cache over memory, or None for `cached=False`.
+
+    The barrier materialises the cache before the loop. Without it XLA keeps the cross-attention
+    keys and values in the (B, S, H, K) layout of their projection and transposes them to
+    (B, H, S, K) at every step, ~5% of a step.
+    """
+    return jax.lax.optimization_barrier(model.init_cache(memory, length)) if cached else None
+
+
+def _next_logits(model: Transformer, cache, memory, src_mask, written, last, position):
+    """written (N, L) tokens with positions < `position` filled, last (N,) the one at position - 1
+    (BOS at 0) -> (logits (N, V) of the token at `position`, cache). Without a cache the decoder
+    re-runs over BOS and all of `written`; causality hides the positions not yet written."""
+    if cache is None:
+        prefix = jnp.concatenate([jnp.full_like(written[:, :1], model.cfg.bos_id), written[:, :-1]], axis=1)
+        hidden = jax.lax.dynamic_index_in_dim(model.decode(prefix, memory, src_mask), position, 1, keepdims=False)
+        return model.project(hidden), None
+    return model.decode_step(last, cache, position, src_mask)
+
+
 def _check_source(model: Transformer, src_ids) -> None:
     if src_ids.shape[1] > model.cfg.max_len:
         raise ValueError(
@@ -99,21 +121,22 @@ def _check_source(model: Transformer, src_ids) -> None:
         )
 
 
-def greedy_search(model: Transformer, src_ids, max_len_a: float = 1.5, max_len_b: int = 10):
+def greedy_search(model: Transformer, src_ids, max_len_a: float = 1.5, max_len_b: int = 10, cached: bool = True):
     """src_ids (B, S) -> (tokens (B, L), scores (B,)): the argmax token at each step; the score is
-    the sum of the chosen tokens' log-probabilities."""
+    the sum of the chosen tokens' log-probabilities. `cached=False`: no key/value cache."""
     _check_source(model, src_ids)
-    return _greedy_search(model, jnp.asarray(src_ids, jnp.int32), max_len_a, max_len_b)
+    return _greedy_search(model, jnp.asarray(src_ids, jnp.int32), max_len_a, max_len_b, cached)
 
 
-@functools.partial(nnx.jit, static_argnums=(2, 3))
-def _greedy_search(model: Transformer, src_ids, max_len_a: float, max_len_b: int):
+@functools.partial(nnx.jit, static_argnums=(2, 3, 4))
+def _greedy_search(model: Transformer, src_ids, max_len_a: float, max_len_b: int, cached: bool):
     cfg = model.cfg
     B, S = src_ids.shape
     length = output_length(S, cfg.max_len, max_len_a, max_len_b)
     limits = sentence_limits(src_ids, cfg.pad_id, length, max_len_a, max_len_b)  # (B,)
     src_mask = padding_mask(src_ids, cfg.pad_id)
-    cache = jax.lax.optimization_barrier(model.init_cache(model.encode(src_ids, src_mask), length))  # see _beam_search
+    memory = model.encode(src_ids, src_mask)
+    cache = _init_cache(model, memory, length, cached)
 
     def running(state):
         position, done = state[0], state[3]
@@ -121,7 +144,7 @@ def _greedy_search(model: Transformer, src_ids, max_len_a: float, max_len_b: int
 
     def step(state):
         position, tokens, scores, done, last, cache = state
-        logits, cache = model.decode_step(last, cache, position, src_mask)
+        logits, cache = _next_logits(model, cache, memory, src_mask, tokens, last, position)
         must_end = position + 1 >= limits  # (B,) sentences at their limit emit EOS
         logprob, last = best_candidates(cfg, logits.astype(jnp.float32)[:, None], jnp.zeros((B, 1)), must_end, 1)
         last = last[:, 0]  # (B,) the argmax token
@@ -148,17 +171,19 @@ def _gather(x, index):
 
 
 def beam_search(model: Transformer, src_ids, beam_size: int = 4, alpha: float = 0.6,
-                max_len_a: float = 1.5, max_len_b: int = 10):
+                max_len_a: float = 1.5, max_len_b: int = 10, cached: bool = True):
     """src_ids (B, S) -> (tokens (B, L), scores (B,)) of the best finished hypothesis per sentence.
 
     See `torch_reference.decode.beam_search` for the algorithm; here it is one compiled loop.
+    `cached=False`: no key/value cache.
     """
     _check_source(model, src_ids)
-    return _beam_search(model, jnp.asarray(src_ids, jnp.int32), beam_size, alpha, max_len_a, max_len_b)
+    return _beam_search(model, jnp.asarray(src_ids, jnp.int32), beam_size, alpha, max_len_a, max_len_b, cached)
 
 
-@functools.partial(nnx.jit, static_argnums=(2, 3, 4, 5))
-def _beam_search(model: Transformer, src_ids, beam_size: int, alpha: float, max_len_a: float, max_len_b: int):
+@functools.partial(nnx.jit, static_argnums=(2, 3, 4, 5, 6))
+def _beam_search(model: Transformer, src_ids, beam_size: int, alpha: float, max_len_a: float, max_len_b: int,
+                 cached: bool):
     cfg = model.cfg
     B, S = src_ids.shape
     k, V = beam_size, cfg.tgt_vocab_size
@@ -166,11 +191,7 @@ def _beam_search(model: Transformer, src_ids, beam_size: int, alpha: float, max_
     limits = sentence_limits(src_ids, cfg.pad_id, length, max_len_a, max_len_b)  # (B,)
     src_mask = jnp.repeat(padding_mask(src_ids, cfg.pad_id), k, axis=0)  # (B*k, 1, 1, S)
     memory = jnp.repeat(model.encode(src_ids, padding_mask(src_ids, cfg.pad_id)), k, axis=0)
-    cache = model.init_cache(memory, length)  # batch axis B*k, hypothesis-major within a sentence
-    # The barrier materialises the cache before the loop. Without it XLA keeps the cross-attention
-    # keys and values in the (B, S, H, K) layout of their projection and transposes them to
-    # (B, H, S, K) at every step, ~5% of a step.
-    cache = jax.lax.optimization_barrier(cache)
+    cache = _init_cache(model, memory, length, cached)  # batch B*k, hypothesis-major per sentence
     best_possible_penalty = length_penalty(limits.astype(jnp.float32), alpha)  # (B,)
 
     def running(state):
@@ -179,7 +200,7 @@ def _beam_search(model: Transformer, src_ids, beam_size: int, alpha: float, max_
 
     def step(state):
         position, live_tokens, live_logprob, finished_tokens, finished_scores, last, cache, _ = state
-        logits, cache = model.decode_step(last, cache, position, src_mask)
+        logits, cache = _next_logits(model, cache, memory, src_mask, live_tokens.reshape(B * k, length), last, position)
         # The 2k best candidates of the k*V extensions (live log-prob + token log-prob).
         logits = logits.astype(jnp.float32).reshape(B, k, V)
         top_logprob, top_index = best_candidates(cfg, logits, live_logprob, position + 1 >= limits, 2 * k)
@@ -198,8 +219,9 @@ def _beam_search(model: Transformer, src_ids, beam_size: int, alpha: float, max_
         last = _gather(token, keep).reshape(B * k)
         # Reorder the self-attention cache to follow the surviving hypotheses' parents. The
         # cross-attention keys are the same for every hypothesis of a sentence: left as they are.
-        order = (jnp.arange(B)[:, None] * k + _gather(parent, keep)).reshape(B * k)
-        cache = [{**c, "self_k": c["self_k"][order], "self_v": c["self_v"][order]} for c in cache]
+        if cached:
+            order = (jnp.arange(B)[:, None] * k + _gather(parent, keep)).reshape(B * k)
+            cache = [{**c, "self_k": c["self_k"][order], "self_v": c["self_v"][order]} for c in cache]
 
         done = finished_scores[:, -1] >= live_logprob[:, 0] / best_possible_penalty
         return position + 1, live_tokens, live_logprob, finished_tokens, finished_scores, last, cache, done

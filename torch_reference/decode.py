@@ -4,7 +4,10 @@
 return identical tokens and scores (to float32 rounding) for the same weights.
 
 Both search with the model's key/value cache (`Transformer.init_cache` / `decode_step`): each
-step feeds one token per hypothesis and reads earlier positions from the cache. Output tokens
+step feeds one token per hypothesis and reads earlier positions from the cache. With
+`cached=False` the same search re-runs the whole decoder over every prefix at every step, as the
+seed repositories did: the baseline of `train.translate --benchmark`, and a check of the cache
+(the two return the same tokens). Output tokens
 exclude BOS, end with EOS and are padded with `pad_id` after it, shape (B, L) with
 L = min(max_len, floor(max_len_a * S + max_len_b)) for a padded source length S, as in JAX.
 Each sentence ends no later than floor(max_len_a * its length + max_len_b) tokens.
@@ -51,19 +54,44 @@ def _check_source(model: Transformer, src_ids: Tensor) -> None:
         )
 
 
+class _Decoder:
+    """Next-token logits of each row from the tokens it has written: one position per step with
+    the key/value cache, or (cached=False) the whole decoder re-run over BOS and those tokens."""
+
+    def __init__(self, model: Transformer, memory: Tensor, src_mask: Tensor, length: int, cached: bool):
+        self.model, self.memory, self.src_mask = model, memory, src_mask
+        self.cache = model.init_cache(memory, length) if cached else None
+
+    def logits(self, written: Tensor, last: Tensor, position: int) -> Tensor:
+        """written (N, L) tokens with positions < `position` filled, last (N,) the one at
+        position - 1 (BOS at 0) -> logits (N, V) of the token at `position`."""
+        if self.cache is None:
+            bos = torch.full_like(last[:, None], self.model.cfg.bos_id)
+            prefix = torch.cat([bos, written[:, :position]], dim=1)  # (N, position + 1)
+            return self.model.project(self.model.decode(prefix, self.memory, self.src_mask)[:, -1])
+        logits, self.cache = self.model.decode_step(last, self.cache, position, self.src_mask)
+        return logits
+
+    def reorder(self, order: Tensor) -> None:
+        """Rows follow `order` (N,): the self-attention cache of each surviving hypothesis' parent.
+        The cross-attention keys are the same for every hypothesis of a sentence: left as they are."""
+        if self.cache is not None:
+            self.cache = [{**c, "self_k": c["self_k"][order], "self_v": c["self_v"][order]} for c in self.cache]
+
+
 @torch.no_grad()
 def greedy_search(
-    model: Transformer, src_ids: Tensor, max_len_a: float = 1.5, max_len_b: int = 10
+    model: Transformer, src_ids: Tensor, max_len_a: float = 1.5, max_len_b: int = 10, cached: bool = True
 ) -> tuple[Tensor, Tensor]:
     """src_ids (B, S) -> (tokens (B, L), scores (B,)): the argmax token at each step; the score is
-    the sum of the chosen tokens' log-probabilities."""
+    the sum of the chosen tokens' log-probabilities. `cached=False`: no key/value cache."""
     _check_source(model, src_ids)
     cfg = model.cfg
     B, S = src_ids.shape
     length = output_length(S, cfg.max_len, max_len_a, max_len_b)
     limits = sentence_limits(src_ids, cfg.pad_id, length, max_len_a, max_len_b)  # (B,)
     src_mask = padding_mask(src_ids, cfg.pad_id)
-    cache = model.init_cache(model.encode(src_ids, src_mask), length)
+    decoder = _Decoder(model, model.encode(src_ids, src_mask), src_mask, length, cached)
     not_eos = torch.arange(cfg.tgt_vocab_size, device=src_ids.device) != cfg.eos_id  # (V,)
     never = _never_emitted(cfg, torch.arange(cfg.tgt_vocab_size, device=src_ids.device))  # (V,) pad and bos
 
@@ -72,8 +100,7 @@ def greedy_search(
     done = torch.zeros(B, dtype=torch.bool, device=src_ids.device)
     last = torch.full((B,), cfg.bos_id, dtype=torch.long, device=src_ids.device)
     for position in range(length):
-        logits, cache = model.decode_step(last, cache, position, src_mask)
-        logprobs = torch.log_softmax(logits.float(), dim=-1)  # (B, V)
+        logprobs = torch.log_softmax(decoder.logits(tokens, last, position).float(), dim=-1)  # (B, V)
         must_end = (position + 1 >= limits)[:, None]  # sentences at their limit emit EOS
         logprobs = torch.where((must_end & not_eos) | never, NEG_INF, logprobs)
         last = logprobs.argmax(dim=-1)  # (B,)
@@ -93,7 +120,7 @@ def _gather(x: Tensor, index: Tensor) -> Tensor:
 @torch.no_grad()
 def beam_search(
     model: Transformer, src_ids: Tensor, beam_size: int = 4, alpha: float = 0.6,
-    max_len_a: float = 1.5, max_len_b: int = 10,
+    max_len_a: float = 1.5, max_len_b: int = 10, cached: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """src_ids (B, S) -> (tokens (B, L), scores (B,)) of the best finished hypothesis per sentence.
 
@@ -101,7 +128,8 @@ def beam_search(
     those ending in EOS to the finished set (scored log-prob / length_penalty) and the k best
     others to the live set. A sentence is done when its worst kept finished hypothesis beats the
     best score any live one could still reach (its log-prob over the largest penalty, as
-    log-probs only fall); the search stops when every sentence is done.
+    log-probs only fall); the search stops when every sentence is done. `cached=False`: no
+    key/value cache.
     """
     _check_source(model, src_ids)
     cfg = model.cfg
@@ -112,7 +140,7 @@ def beam_search(
     limits = sentence_limits(src_ids, cfg.pad_id, length, max_len_a, max_len_b)  # (B,)
     src_mask = padding_mask(src_ids, cfg.pad_id).repeat_interleave(k, dim=0)  # (B*k, 1, 1, S)
     memory = model.encode(src_ids, padding_mask(src_ids, cfg.pad_id)).repeat_interleave(k, dim=0)
-    cache = model.init_cache(memory, length)  # batch axis B*k, hypothesis-major within a sentence
+    decoder = _Decoder(model, memory, src_mask, length, cached)  # batch B*k, hypothesis-major per sentence
     not_eos = torch.arange(V, device=device) != cfg.eos_id  # (V,)
     never = _never_emitted(cfg, torch.arange(V, device=device))  # (V,) pad and bos
     best_possible_penalty = length_penalty(limits.float(), alpha)  # (B,)
@@ -124,7 +152,7 @@ def beam_search(
     finished_scores = torch.full((B, k), NEG_INF, device=device)
     last = torch.full((B * k,), cfg.bos_id, dtype=torch.long, device=device)
     for position in range(length):
-        logits, cache = model.decode_step(last, cache, position, src_mask)
+        logits = decoder.logits(live_tokens.reshape(B * k, length), last, position)
         logprobs = torch.log_softmax(logits.float(), dim=-1).view(B, k, V)
         must_end = (position + 1 >= limits)[:, None, None]
         logprobs = torch.where((must_end & not_eos) | never, NEG_INF, logprobs)
@@ -145,10 +173,7 @@ def beam_search(
         live_logprob, keep = torch.where(ends, NEG_INF, top_logprob).topk(k, dim=1)
         live_tokens = _gather(top_tokens, keep)
         last = _gather(token, keep).reshape(B * k)
-        # Reorder the self-attention cache to follow the surviving hypotheses' parents. The
-        # cross-attention keys are the same for every hypothesis of a sentence: left as they are.
-        order = (torch.arange(B, device=device)[:, None] * k + _gather(parent, keep)).reshape(B * k)
-        cache = [{**c, "self_k": c["self_k"][order], "self_v": c["self_v"][order]} for c in cache]
+        decoder.reorder((torch.arange(B, device=device)[:, None] * k + _gather(parent, keep)).reshape(B * k))
 
         done = finished_scores[:, -1] >= live_logprob[:, 0] / best_possible_penalty
         if bool(done.all()):

@@ -77,41 +77,15 @@ def translate_texts(
     return out
 
 
-def uncached_greedy(model, src: np.ndarray) -> np.ndarray:
-    """The seed repositories' decoding loop, kept as the benchmark's baseline: every new token
-    re-runs the whole decoder over the prefix (torch_reference model, greedy, same length rule)."""
-    import torch
+def benchmark(run, lines: Sequence[str], beam_size: int, batch_size: int | None, alpha: float = 0.6) -> list[dict]:
+    """Sentences/s and generated tokens/s translating `lines` with the run's weights: JAX and torch
+    cached search, and torch's uncached loop (the same search re-running the decoder over every
+    prefix, as the seed repositories did), each greedy and with `beam_size`.
 
-    from torch_reference import decode, padding_mask
-
-    cfg = model.cfg
-    with torch.no_grad():
-        src_t = torch.from_numpy(np.asarray(src)).long()
-        length = decode.output_length(src_t.shape[1], cfg.max_len, 1.5, 10)
-        limits = decode.sentence_limits(src_t, cfg.pad_id, length, 1.5, 10)
-        mask = padding_mask(src_t, cfg.pad_id)
-        memory = model.encode(src_t, mask)
-        prefix = torch.full((src_t.shape[0], 1), cfg.bos_id)
-        done = torch.zeros(src_t.shape[0], dtype=torch.bool)
-        for position in range(length):
-            logits = model.project(model.decode(prefix, memory, mask)[:, -1])  # (B, V)
-            logits[:, [cfg.pad_id, cfg.bos_id]] = decode.NEG_INF
-            logits[position + 1 >= limits, : cfg.eos_id] = decode.NEG_INF
-            logits[position + 1 >= limits, cfg.eos_id + 1 :] = decode.NEG_INF
-            token = torch.where(done, cfg.pad_id, logits.argmax(-1))
-            prefix = torch.cat([prefix, token[:, None]], dim=1)
-            done |= token == cfg.eos_id
-            if bool(done.all()):
-                break
-    out = np.full((src.shape[0], length), cfg.pad_id, np.int32)
-    out[:, : prefix.shape[1] - 1] = prefix[:, 1:].numpy()
-    return out
-
-
-def benchmark(run, lines: Sequence[str], beam_size: int, batch_size: int | None, uncached: bool = True) -> list[dict]:
-    """Sentences/s and generated tokens/s translating `lines` with the run's weights in both
-    frameworks' cached search (greedy and beam), and with the uncached loop. Each configuration
-    runs once untimed (jit compiles every batch shape there) and once timed."""
+    JAX runs every batch once untimed first (jit compiles each batch shape there), torch the first
+    batch. Each row also counts the sentences whose output differs from torch cached search's
+    with the same beam (0 expected: the searches are the same algorithm on the same weights).
+    """
     import time
 
     from .backend import create_backend
@@ -124,27 +98,34 @@ def benchmark(run, lines: Sequence[str], beam_size: int, batch_size: int | None,
     src_ids = data.encode(run.tokenizers.src, list(lines))
     batches = list(source_batches(src_ids, cfg.max_len, cfg.token_budget, batch_size))
 
-    def timed(search) -> tuple[float, int]:
-        for _, src in batches:  # warm-up: compilation and caches
+    def timed(search, warmup) -> tuple[float, np.ndarray]:
+        for _, src in warmup:
             search(src)
-        start, tokens = time.perf_counter(), 0
+        outputs = [None] * len(lines)
+        start = time.perf_counter()
         for index, src in batches:
             out = search(src)
-            real = out[index >= 0]
-            tokens += int(((real != data.PAD_ID)).sum())
-        return time.perf_counter() - start, tokens
+            for row in np.flatnonzero(index >= 0):
+                outputs[index[row]] = out[row]
+        seconds = time.perf_counter() - start
+        return seconds, outputs
 
-    rows = []
-    for name in ("jax", "torch"):
+    rows, reference = [], {}
+    for name, cached in (("torch", True), ("jax", True), ("torch", False)):
         for beam in sorted({1, beam_size}):
-            seconds, tokens = timed(lambda src, b=backends[name], k=beam: b.translate(src, k))
-            rows.append({"search": f"{name} cached", "beam": beam, "seconds": seconds, "tokens": tokens})
-    if uncached:
-        torch_model = backends["torch"].model.eval()
-        seconds, tokens = timed(lambda src: uncached_greedy(torch_model, src))
-        rows.append({"search": "torch uncached", "beam": 1, "seconds": seconds, "tokens": tokens})
+            search = lambda src, b=backends[name], k=beam, c=cached: b.translate(src, k, alpha, cached=c)
+            seconds, outputs = timed(search, batches if name == "jax" else batches[:1])
+            reference.setdefault(beam, outputs)  # torch cached: the first configuration run
+            rows.append({
+                "search": f"{name} {'cached' if cached else 'uncached'}", "beam": beam, "seconds": seconds,
+                "tokens": int(sum((out != data.PAD_ID).sum() for out in outputs)),
+                "differ": sum(not np.array_equal(a, b) for a, b in zip(outputs, reference[beam])),
+            })
     for row in rows:
         row.update(sentences=len(lines), sentences_per_s=len(lines) / row["seconds"], tokens_per_s=row["tokens"] / row["seconds"])
+        for baseline in ("torch cached", "torch uncached"):
+            match = next(r for r in rows if r["search"] == baseline and r["beam"] == row["beam"])
+            row[f"speedup_vs_{baseline.replace(' ', '_')}"] = match["seconds"] / row["seconds"]
     return rows
 
 
@@ -184,8 +165,9 @@ def main(argv: list[str] | None = None) -> int:
         help="at most N sentences per batch; default: as many as the run's --token-budget",
     )
     parser.add_argument("--benchmark", action="store_true",
-                        help="instead of printing translations, time them: JAX and torch cached search (greedy and "
-                        "--beam) and torch's uncached loop, on the same weights and input; prints sentences/s, tokens/s")
+                        help="instead of printing translations, time them: JAX and torch cached search and torch's uncached "
+                        "loop (the decoder re-run over every prefix), greedy and with --beam, on the same weights and "
+                        "input; prints sentences/s, tokens/s, speed-ups and how many outputs differ from torch's")
     parser.add_argument("--json", type=Path, help="with --benchmark: also write the figures to this JSON file")
     parser.add_argument("--alpha", type=float, default=0.6, help="length penalty exponent of ((5+len)/6)^alpha (default 0.6)")
     args = parser.parse_args(argv)
@@ -205,16 +187,17 @@ def main(argv: list[str] | None = None) -> int:
         import os
         import platform
 
-        rows = benchmark(run, [line for line in lines if line.strip()], args.beam, args.batch_size)
-        base = {r["search"] + str(r["beam"]): r["seconds"] for r in rows}
-        print(f"{len(lines)} sentences, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs")
-        print(f"{'search':16s} {'beam':>4s} {'seconds':>8s} {'sent/s':>8s} {'tok/s':>8s} {'vs torch cached':>16s}")
+        sentences = [line for line in lines if line.strip()]
+        rows = benchmark(run, sentences, args.beam, args.batch_size, args.alpha)
+        machine = f"{platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} CPUs"
+        print(f"{len(sentences)} sentences, {run.model_config.d_model}-wide {run.config.preset} model, {machine}")
+        print(f"{'search':16s} {'beam':>4s} {'seconds':>8s} {'sent/s':>8s} {'tok/s':>8s} {'vs torch cached':>16s} "
+              f"{'vs uncached':>12s} {'outputs differ':>15s}")
         for r in rows:
-            ref = base.get(f"torch cached{r['beam']}")
             print(f"{r['search']:16s} {r['beam']:4d} {r['seconds']:8.2f} {r['sentences_per_s']:8.1f} {r['tokens_per_s']:8.0f} "
-                  f"{(ref / r['seconds']) if ref else float('nan'):15.2f}x")
+                  f"{r['speedup_vs_torch_cached']:15.2f}x {r['speedup_vs_torch_uncached']:11.2f}x {r['differ']:15d}")
         if args.json:
-            args.json.write_text(json.dumps({"run_dir": str(args.run_dir), "rows": rows}, indent=2))
+            data.write_text_atomic(args.json, json.dumps({"run_dir": str(args.run_dir), "machine": machine, "rows": rows}, indent=2))
         return 0
     hyps = translate_texts(
         run.backend, run.tokenizers, lines,

@@ -71,28 +71,26 @@ def test_cached_steps_equal_the_full_decoder_in_both_frameworks(overrides):
     np.testing.assert_allclose(np.stack(steps_j, 1), full_t, atol=1e-5)
 
 
-def uncached_greedy(model, src, length):
-    """The seed repositories' loop: re-run the whole decoder for every new token."""
-    mask = tr.padding_mask(src, 0)
-    memory = model.encode(src, mask)
-    prefix = torch.full((src.shape[0], 1), 1)
-    for _ in range(length):
-        logits = model.project(model.decode(prefix, memory, mask))[:, -1]
-        logits[:, :2] = -1e9  # never pad or BOS, as the search
-        prefix = torch.cat([prefix, logits.argmax(-1, keepdim=True)], dim=1)
-    return prefix[:, 1:]
-
-
-def test_greedy_equals_the_uncached_loop():
-    torch_model, _ = pair(seed=3)
-    src = torch.from_numpy(source(seed=3))
-    with torch.no_grad():
-        tokens, _ = td.greedy_search(torch_model, src, max_len_a=0.0, max_len_b=6)
-        reference = uncached_greedy(torch_model, src, 6)
-    for row, ref in zip(tokens.tolist(), reference.tolist()):
-        n = row.index(2) + 1 if 2 in row else len(row)
-        # up to and including EOS (the forced one at the limit aside) the tokens agree
-        assert row[: n - 1] == ref[: n - 1]
+@pytest.mark.parametrize("seed", [3, 4])
+@pytest.mark.parametrize("search", ["greedy", "beam"])
+def test_cached_search_equals_the_uncached_loop_in_each_framework(search, seed):
+    """`cached=False` re-runs the whole decoder over each prefix (the seeds' loop, the benchmark's
+    baseline). Same tokens; scores to 1e-5 (sums of log-probabilities whose logits agree to the
+    1e-5 of the cached-step test above)."""
+    torch_model, jax_model = pair(seed=seed)
+    src = source(batch=6, seed=seed)
+    kwargs = {"beam_size": 4} if search == "beam" else {}
+    runs = {
+        "torch": lambda cached: getattr(td, f"{search}_search")(torch_model, torch.from_numpy(src), cached=cached, **kwargs),
+        "jax": lambda cached: getattr(jd, f"{search}_search")(jax_model, src, cached=cached, **kwargs),
+    }
+    for framework, run in runs.items():
+        (cached_tokens, cached_scores), (tokens, scores) = (
+            tuple(np.asarray(x) for x in run(cached)) for cached in (True, False)
+        )
+        np.testing.assert_array_equal(cached_tokens, tokens, err_msg=framework)
+        np.testing.assert_allclose(cached_scores, scores, atol=1e-5, rtol=0, err_msg=framework)
+        assert (tokens == 2).any(axis=1).all()  # every sentence ended: the whole search was compared
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -106,6 +106,30 @@ def test_translate_cli_reads_stdin(short_run):
     assert bad.returncode == 1 and "not a run directory" in bad.stderr and "Traceback" not in bad.stderr
 
 
+@pytest.mark.parametrize("short_run", ["jax"], indirect=True)  # the benchmark runs both frameworks anyway
+def test_translate_benchmark_times_every_search_and_checks_their_outputs(short_run, capsys):
+    cfg, _ = short_run
+    sources = ["dreiundvierzig", "siebenhundertzwölf", "", "neun", "tausendeins"]
+    out_json = Path(cfg.run_dir).parent / "bench.json"
+    assert translate.main(["--run-dir", cfg.run_dir, "--input", _write_lines(Path(cfg.run_dir).parent / "b.txt", sources),
+                           "--benchmark", "--beam", "3", "--json", str(out_json)]) == 0
+    stdout = capsys.readouterr().out
+    rows = json.loads(out_json.read_text())["rows"]
+    assert [(r["search"], r["beam"]) for r in rows] == [
+        (name, beam) for name in ("torch cached", "jax cached", "torch uncached") for beam in (1, 3)
+    ]
+    by = {(r["search"], r["beam"]): r for r in rows}
+    for r in rows:
+        assert r["sentences"] == 4 and r["differ"] == 0  # the empty line is not timed; same outputs everywhere
+        assert r["tokens"] >= 4 and r["seconds"] > 0  # at least <eos> per sentence
+        assert r["sentences_per_s"] == pytest.approx(4 / r["seconds"])
+        for baseline in ("torch cached", "torch uncached"):
+            ratio = by[baseline, r["beam"]]["seconds"] / r["seconds"]
+            assert r[f"speedup_vs_{baseline.replace(' ', '_')}"] == pytest.approx(ratio)
+    assert by["torch cached", 3]["tokens"] == by["jax cached", 3]["tokens"] == by["torch uncached", 3]["tokens"]
+    assert stdout.startswith("4 sentences, ") and len(stdout.splitlines()) == 2 + len(rows)
+
+
 @pytest.mark.parametrize("backend", ["jax", "torch"])
 def test_resume_continues_with_the_same_losses(fast_config, backend):
     """Train 6 steps straight; train 3, stop, resume to 6: steps 4-6 have the same losses.
