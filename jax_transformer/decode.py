@@ -4,7 +4,8 @@
 The same algorithm as `torch_reference/decode.py` (read its docstrings for the details), with the
 same names and defaults; both return identical tokens and scores to float32 rounding. Output
 tokens (B, L) exclude BOS, end with EOS and are padded after it, with
-L = min(max_len, floor(max_len_a * S + max_len_b)) for a padded source length S. `cached=False`
+L = min(max_len, floor(max_len_a * S + max_len_b)) for a padded source length S; a source row of
+padding only is no sentence (padding, score 0), and takes no step. `cached=False`
 re-runs the whole decoder over the (padded, causally masked) prefix at every step instead.
 """
 
@@ -121,48 +122,82 @@ def _check_source(model: Transformer, src_ids) -> None:
         )
 
 
+def _shrinking_while(step, result, carry, length: int, smallest: int):
+    """Run `step` until every sentence is done or `length` positions are written, moving the live
+    sentences into a batch half the size whenever they fit in one -> result of every sentence.
+
+    carry: a pytree whose leaves all lead with the b sentences' axis, carry["done"] (b,) among
+    them; step(position, carry) -> carry; result(carry) -> per-sentence outputs (leading b).
+
+    Why: a batch runs until its slowest sentence ends, and with static shapes a finished sentence
+    keeps its rows in every matmul; on Multi30k val half the rows of a beam search were finished
+    ones. So the search is a chain of `lax.while_loop`s over B, B/2, B/4, ... sentences (down to
+    `smallest`; each is one more loop to compile), each left as soon as the live sentences fit
+    the next. A finished sentence's result no longer changes; rows never mix, so the outputs are
+    those of one loop over the whole batch.
+    """
+    sizes = [carry["done"].shape[0]]
+    while sizes[-1] // 2 >= smallest:
+        sizes.append(sizes[-1] // 2)
+    out = jax.tree.map(jnp.zeros_like, result(carry))
+    slots = jnp.arange(sizes[0])  # the sentence in each row of the current batch
+    position = jnp.int32(0)
+    for next_size in [*sizes[1:], 0]:
+        def running(state, next_size=next_size):
+            position, carry = state
+            return (position < length) & ((~carry["done"]).sum() > next_size)
+
+        position, carry = jax.lax.while_loop(running, lambda state: (state[0] + 1, step(*state)), (position, carry))
+        out = jax.tree.map(lambda o, r: o.at[slots].set(r), out, result(carry))
+        if next_size:
+            keep = jnp.argsort(carry["done"], stable=True)[:next_size]  # the live sentences first
+            carry, slots = jax.tree.map(lambda x: x[keep], (carry, slots))
+    return out
+
+
+# Batches of fewer sentences are not split further: another loop to compile saves little there.
+SMALLEST_STAGE = 16
+
+
 def greedy_search(model: Transformer, src_ids, max_len_a: float = 1.5, max_len_b: int = 10, cached: bool = True):
     """src_ids (B, S) -> (tokens (B, L), scores (B,)): the argmax token at each step; the score is
     the sum of the chosen tokens' log-probabilities. `cached=False`: no key/value cache."""
     _check_source(model, src_ids)
-    return _greedy_search(model, jnp.asarray(src_ids, jnp.int32), max_len_a, max_len_b, cached)
+    return _greedy_search(model, jnp.asarray(src_ids, jnp.int32), max_len_a, max_len_b, cached, SMALLEST_STAGE)
 
 
-@functools.partial(nnx.jit, static_argnums=(2, 3, 4))
-def _greedy_search(model: Transformer, src_ids, max_len_a: float, max_len_b: int, cached: bool):
+@functools.partial(nnx.jit, static_argnums=(2, 3, 4, 5))
+def _greedy_search(model: Transformer, src_ids, max_len_a: float, max_len_b: int, cached: bool, smallest_stage: int):
     cfg = model.cfg
     B, S = src_ids.shape
     length = output_length(S, cfg.max_len, max_len_a, max_len_b)
-    limits = sentence_limits(src_ids, cfg.pad_id, length, max_len_a, max_len_b)  # (B,)
     src_mask = padding_mask(src_ids, cfg.pad_id)
     memory = model.encode(src_ids, src_mask)
-    cache = _init_cache(model, memory, length, cached)
 
-    def running(state):
-        position, done = state[0], state[3]
-        return (position < length) & ~done.all()
+    def step(position, c):
+        logits, cache = _next_logits(model, c["cache"], c["memory"], c["src_mask"], c["tokens"], c["last"], position)
+        must_end = position + 1 >= c["limits"]  # (b,) sentences at their limit emit EOS
+        b = must_end.shape[0]
+        logprob, last = best_candidates(cfg, logits.astype(jnp.float32)[:, None], jnp.zeros((b, 1)), must_end, 1)
+        last = last[:, 0]  # (b,) the argmax token
+        done = c["done"]
+        return {
+            **c, "cache": cache, "last": last, "done": done | (last == cfg.eos_id),
+            "scores": c["scores"] + jnp.where(done, 0.0, logprob[:, 0]),
+            "tokens": c["tokens"].at[:, position].set(jnp.where(done, cfg.pad_id, last)),
+        }
 
-    def step(state):
-        position, tokens, scores, done, last, cache = state
-        logits, cache = _next_logits(model, cache, memory, src_mask, tokens, last, position)
-        must_end = position + 1 >= limits  # (B,) sentences at their limit emit EOS
-        logprob, last = best_candidates(cfg, logits.astype(jnp.float32)[:, None], jnp.zeros((B, 1)), must_end, 1)
-        last = last[:, 0]  # (B,) the argmax token
-        scores = scores + jnp.where(done, 0.0, logprob[:, 0])
-        tokens = tokens.at[:, position].set(jnp.where(done, cfg.pad_id, last))
-        done = done | (last == cfg.eos_id)
-        return position + 1, tokens, scores, done, last, cache
-
-    state = (
-        jnp.int32(0),
-        jnp.full((B, length), cfg.pad_id, jnp.int32),
-        jnp.zeros(B, jnp.float32),
-        jnp.zeros(B, jnp.bool_),
-        jnp.full((B,), cfg.bos_id, jnp.int32),
-        cache,
-    )
-    _, tokens, scores, *_ = jax.lax.while_loop(running, step, state)
-    return tokens, scores
+    carry = {
+        "tokens": jnp.full((B, length), cfg.pad_id, jnp.int32),
+        "scores": jnp.zeros(B, jnp.float32),
+        "done": (src_ids == cfg.pad_id).all(axis=1),  # rows of padding only are no sentence
+        "last": jnp.full((B,), cfg.bos_id, jnp.int32),
+        "cache": _init_cache(model, memory, length, cached),
+        "memory": None if cached else memory,
+        "src_mask": src_mask,
+        "limits": sentence_limits(src_ids, cfg.pad_id, length, max_len_a, max_len_b),  # (B,)
+    }
+    return _shrinking_while(step, lambda c: (c["tokens"], c["scores"]), carry, length, smallest_stage)
 
 
 def _gather(x, index):
@@ -178,12 +213,14 @@ def beam_search(model: Transformer, src_ids, beam_size: int = 4, alpha: float = 
     `cached=False`: no key/value cache.
     """
     _check_source(model, src_ids)
-    return _beam_search(model, jnp.asarray(src_ids, jnp.int32), beam_size, alpha, max_len_a, max_len_b, cached)
+    return _beam_search(
+        model, jnp.asarray(src_ids, jnp.int32), beam_size, alpha, max_len_a, max_len_b, cached, SMALLEST_STAGE
+    )
 
 
-@functools.partial(nnx.jit, static_argnums=(2, 3, 4, 5, 6))
+@functools.partial(nnx.jit, static_argnums=(2, 3, 4, 5, 6, 7))
 def _beam_search(model: Transformer, src_ids, beam_size: int, alpha: float, max_len_a: float, max_len_b: int,
-                 cached: bool):
+                 cached: bool, smallest_stage: int):
     cfg = model.cfg
     B, S = src_ids.shape
     k, V = beam_size, cfg.tgt_vocab_size
@@ -192,51 +229,61 @@ def _beam_search(model: Transformer, src_ids, beam_size: int, alpha: float, max_
     src_mask = jnp.repeat(padding_mask(src_ids, cfg.pad_id), k, axis=0)  # (B*k, 1, 1, S)
     memory = jnp.repeat(model.encode(src_ids, padding_mask(src_ids, cfg.pad_id)), k, axis=0)
     cache = _init_cache(model, memory, length, cached)  # batch B*k, hypothesis-major per sentence
-    best_possible_penalty = length_penalty(limits.astype(jnp.float32), alpha)  # (B,)
 
-    def running(state):
-        position, done = state[0], state[-1]
-        return (position < length) & ~done.all()
-
-    def step(state):
-        position, live_tokens, live_logprob, finished_tokens, finished_scores, last, cache, _ = state
-        logits, cache = _next_logits(model, cache, memory, src_mask, live_tokens.reshape(B * k, length), last, position)
+    def step(position, c):
+        b = c["done"].shape[0]
+        rows = functools.partial(jax.tree.map, lambda x: x.reshape(b * k, *x.shape[2:]))  # (b, k, ...) -> (b*k, ...)
+        logits, cache = _next_logits(
+            model, rows(c["cache"]), rows(c["memory"]), rows(c["src_mask"]), rows(c["live_tokens"]), rows(c["last"]),
+            position,
+        )
         # The 2k best candidates of the k*V extensions (live log-prob + token log-prob).
-        logits = logits.astype(jnp.float32).reshape(B, k, V)
-        top_logprob, top_index = best_candidates(cfg, logits, live_logprob, position + 1 >= limits, 2 * k)
+        logits = logits.astype(jnp.float32).reshape(b, k, V)
+        top_logprob, top_index = best_candidates(cfg, logits, c["live_logprob"], position + 1 >= c["limits"], 2 * k)
         parent, token = top_index // V, (top_index % V).astype(jnp.int32)
-        top_tokens = _gather(live_tokens, parent).at[:, :, position].set(token)  # (B, 2k, L)
+        top_tokens = _gather(c["live_tokens"], parent).at[:, :, position].set(token)  # (b, 2k, L)
         ends = token == cfg.eos_id
 
         # Finished: the old ones and the new EOS candidates, the best k kept.
         new_scores = jnp.where(ends, top_logprob / length_penalty(position + 1, alpha), NEG_INF)
-        finished_scores, keep = jax.lax.top_k(jnp.concatenate([finished_scores, new_scores], axis=1), k)
-        finished_tokens = _gather(jnp.concatenate([finished_tokens, top_tokens], axis=1), keep)
+        finished_scores, keep = jax.lax.top_k(jnp.concatenate([c["finished_scores"], new_scores], axis=1), k)
+        finished_tokens = _gather(jnp.concatenate([c["finished_tokens"], top_tokens], axis=1), keep)
 
         # Live: the best k candidates that did not end.
         live_logprob, keep = jax.lax.top_k(jnp.where(ends, NEG_INF, top_logprob), k)
-        live_tokens = _gather(top_tokens, keep)
-        last = _gather(token, keep).reshape(B * k)
-        # Reorder the self-attention cache to follow the surviving hypotheses' parents. The
-        # cross-attention keys are the same for every hypothesis of a sentence: left as they are.
         if cached:
-            order = (jnp.arange(B)[:, None] * k + _gather(parent, keep)).reshape(B * k)
-            cache = [{**c, "self_k": c["self_k"][order], "self_v": c["self_v"][order]} for c in cache]
+            # Reorder the self-attention cache to follow the surviving hypotheses' parents. The
+            # cross-attention keys are the same for every hypothesis of a sentence: left as they are.
+            parents = _gather(parent, keep)  # (b, k)
+            cache = [
+                {**layer, "self_k": _gather(layer["self_k"], parents), "self_v": _gather(layer["self_v"], parents)}
+                for layer in jax.tree.map(lambda x: x.reshape(b, k, *x.shape[1:]), cache)
+            ]
+        return {
+            **c, "cache": cache, "live_tokens": _gather(top_tokens, keep), "live_logprob": live_logprob,
+            "finished_tokens": finished_tokens, "finished_scores": finished_scores, "last": _gather(token, keep),
+            "done": (finished_scores[:, -1] >= live_logprob[:, 0] / c["best_possible_penalty"]) | c["no_sentence"],
+        }
 
-        done = finished_scores[:, -1] >= live_logprob[:, 0] / best_possible_penalty
-        return position + 1, live_tokens, live_logprob, finished_tokens, finished_scores, last, cache, done
-
+    per_sentence = functools.partial(jax.tree.map, lambda x: x.reshape(B, k, *x.shape[1:]))  # (B*k, ...) -> (B, k, ...)
     live_tokens = jnp.full((B, k, length), cfg.pad_id, jnp.int32)
-    state = (
-        jnp.int32(0),
-        live_tokens,
-        jnp.full((B, k), NEG_INF, jnp.float32).at[:, 0].set(0.0),  # one live hypothesis at the start
-        live_tokens,
-        jnp.full((B, k), NEG_INF, jnp.float32),
-        jnp.full((B * k,), cfg.bos_id, jnp.int32),
-        cache,
-        jnp.zeros(B, jnp.bool_),
-    )
-    state = jax.lax.while_loop(running, step, state)
-    finished_tokens, finished_scores = state[3], state[4]
-    return finished_tokens[:, 0], finished_scores[:, 0]
+    carry = {
+        "live_tokens": live_tokens,
+        "live_logprob": jnp.full((B, k), NEG_INF, jnp.float32).at[:, 0].set(0.0),  # one live hypothesis at the start
+        "finished_tokens": live_tokens,
+        "finished_scores": jnp.full((B, k), NEG_INF, jnp.float32),
+        "last": jnp.full((B, k), cfg.bos_id, jnp.int32),
+        "cache": per_sentence(cache),
+        "memory": None if cached else per_sentence(memory),
+        "src_mask": per_sentence(src_mask),
+        "limits": limits,
+        "best_possible_penalty": length_penalty(limits.astype(jnp.float32), alpha),  # (B,)
+        "no_sentence": (src_ids == cfg.pad_id).all(axis=1),  # rows of padding only: done from the start
+    }
+    carry["done"] = carry["no_sentence"]
+
+    def result(c):
+        tokens = jnp.where(c["no_sentence"][:, None], cfg.pad_id, c["finished_tokens"][:, 0])
+        return tokens, jnp.where(c["no_sentence"], 0.0, c["finished_scores"][:, 0])
+
+    return _shrinking_while(step, result, carry, length, smallest_stage)

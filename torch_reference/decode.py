@@ -10,7 +10,8 @@ seed repositories did: the baseline of `train.translate --benchmark`, and a chec
 (the two return the same tokens). Output tokens
 exclude BOS, end with EOS and are padded with `pad_id` after it, shape (B, L) with
 L = min(max_len, floor(max_len_a * S + max_len_b)) for a padded source length S, as in JAX.
-Each sentence ends no later than floor(max_len_a * its length + max_len_b) tokens.
+Each sentence ends no later than floor(max_len_a * its length + max_len_b) tokens. A source row
+of padding only (the filler of a batch) is no sentence: its output is padding, with score 0.
 """
 
 from __future__ import annotations
@@ -45,6 +46,11 @@ def sentence_limits(src_ids: Tensor, pad_id: int, length: int, max_len_a: float,
 def _never_emitted(cfg, vocab):
     """(V,) True for the ids a translation never contains: padding and BOS."""
     return (vocab == cfg.pad_id) | (vocab == cfg.bos_id)
+
+
+def _no_sentence(src_ids: Tensor, pad_id: int) -> Tensor:
+    """(B,) True for source rows of padding only: done before the first step."""
+    return (src_ids == pad_id).all(dim=1)
 
 
 def _check_source(model: Transformer, src_ids: Tensor) -> None:
@@ -97,7 +103,7 @@ def greedy_search(
 
     tokens = torch.full((B, length), cfg.pad_id, dtype=torch.long, device=src_ids.device)
     scores = torch.zeros(B, device=src_ids.device)
-    done = torch.zeros(B, dtype=torch.bool, device=src_ids.device)
+    done = _no_sentence(src_ids, cfg.pad_id)  # (B,)
     last = torch.full((B,), cfg.bos_id, dtype=torch.long, device=src_ids.device)
     for position in range(length):
         logprobs = torch.log_softmax(decoder.logits(tokens, last, position).float(), dim=-1)  # (B, V)
@@ -144,6 +150,7 @@ def beam_search(
     not_eos = torch.arange(V, device=device) != cfg.eos_id  # (V,)
     never = _never_emitted(cfg, torch.arange(V, device=device))  # (V,) pad and bos
     best_possible_penalty = length_penalty(limits.float(), alpha)  # (B,)
+    no_sentence = _no_sentence(src_ids, cfg.pad_id)  # (B,)
 
     live_tokens = torch.full((B, k, length), cfg.pad_id, dtype=torch.long, device=device)
     live_logprob = torch.full((B, k), NEG_INF, device=device)
@@ -175,7 +182,8 @@ def beam_search(
         last = _gather(token, keep).reshape(B * k)
         decoder.reorder((torch.arange(B, device=device)[:, None] * k + _gather(parent, keep)).reshape(B * k))
 
-        done = finished_scores[:, -1] >= live_logprob[:, 0] / best_possible_penalty
+        done = (finished_scores[:, -1] >= live_logprob[:, 0] / best_possible_penalty) | no_sentence
         if bool(done.all()):
             break
-    return finished_tokens[:, 0], finished_scores[:, 0]
+    tokens = torch.where(no_sentence[:, None], cfg.pad_id, finished_tokens[:, 0])
+    return tokens, torch.where(no_sentence, 0.0, finished_scores[:, 0])

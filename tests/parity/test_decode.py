@@ -159,6 +159,36 @@ def test_batching_does_not_change_results_and_short_sentences_end_at_step_one(se
         assert abs(alone_score.item() - scores_t[row].item()) <= 1e-5
 
 
+@pytest.mark.parametrize("search", ["greedy", "beam"])
+def test_search_over_a_shrinking_batch_and_rows_of_padding(search, monkeypatch):
+    """The JAX search moves the live sentences into a batch half the size whenever they fit
+    (`_shrinking_while`); rows of padding only (a batch's filler) are no sentence: padding, score 0,
+    done from the start. Same tokens as torch (which keeps every row) and as one loop over the
+    whole batch; scores to 1e-5 as above."""
+    torch_model, jax_model = pair(seed=5)
+    src = source(batch=12, length=12, seed=5)  # lengths 1..12: limits a*len+b differ, so ends differ
+    src[[3, 8]] = 0  # filler rows
+    lengths = dict(max_len_a=1.0, max_len_b=2)
+    kwargs = dict(beam_size=3, **lengths) if search == "beam" else lengths
+    tokens_t, scores_t = getattr(td, f"{search}_search")(torch_model, torch.from_numpy(src), **kwargs)
+    results = {}
+    for smallest in (2, 64):  # stages 12 -> 6 -> 3 sentences; one stage
+        monkeypatch.setattr(jd, "SMALLEST_STAGE", smallest)
+        tokens_j, scores_j = (np.asarray(x) for x in getattr(jd, f"{search}_search")(jax_model, src, **kwargs))
+        np.testing.assert_array_equal(tokens_j, tokens_t.numpy())
+        np.testing.assert_allclose(scores_j, scores_t.numpy(), atol=1e-5, rtol=0)
+        results[smallest] = tokens_j
+    assert (tokens_t[[3, 8]] == 0).all() and (scores_t[[3, 8]] == 0).all()
+    real = np.delete(np.arange(12), [3, 8])
+    assert (tokens_t[real] == 2).any(dim=1).all()  # every sentence ended with EOS
+    ends = sorted({row.index(2) for row in tokens_t[real].tolist()})
+    assert len(ends) >= 4  # sentences ended at several steps: the batch did shrink
+    fn = jd._beam_search if search == "beam" else jd._greedy_search
+    static = (3, 0.6, 1.0, 2) if search == "beam" else (1.0, 2)
+    hlo = fn.lower(jax_model, jnp.asarray(src, jnp.int32), *static, True, 2).as_text()
+    assert hlo.count("stablehlo.while") == 3  # one loop per stage: 12, 6, 3 sentences
+
+
 @pytest.mark.parametrize("vocab, hyps, n, chunk", [(53, 4, 8, 128), (7, 16, 32, 128), (1000, 4, 8, 128),
                                                    (1001, 3, 6, 16), (300, 1, 1, 128), (300, 1, 1, 7)])
 def test_best_candidates_equal_top_k_over_every_extension(vocab, hyps, n, chunk):
