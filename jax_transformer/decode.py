@@ -115,6 +115,11 @@ def _next_logits(model: Transformer, cache, memory, src_mask, written, last, pos
     return model.decode_step(last, cache, position, src_mask)
 
 
+def _no_sentence(src_ids, pad_id: int):
+    """(B,) True for source rows of padding only: done before the first step."""
+    return (src_ids == pad_id).all(axis=1)
+
+
 def _check_source(model: Transformer, src_ids) -> None:
     if src_ids.shape[1] > model.cfg.max_len:
         raise ValueError(
@@ -190,7 +195,7 @@ def _greedy_search(model: Transformer, src_ids, max_len_a: float, max_len_b: int
     carry = {
         "tokens": jnp.full((B, length), cfg.pad_id, jnp.int32),
         "scores": jnp.zeros(B, jnp.float32),
-        "done": (src_ids == cfg.pad_id).all(axis=1),  # rows of padding only are no sentence
+        "done": _no_sentence(src_ids, cfg.pad_id),
         "last": jnp.full((B,), cfg.bos_id, jnp.int32),
         "cache": _init_cache(model, memory, length, cached),
         "memory": None if cached else memory,
@@ -278,9 +283,9 @@ def _beam_search(model: Transformer, src_ids, beam_size: int, alpha: float, max_
         "src_mask": per_sentence(src_mask),
         "limits": limits,
         "best_possible_penalty": length_penalty(limits.astype(jnp.float32), alpha),  # (B,)
-        "no_sentence": (src_ids == cfg.pad_id).all(axis=1),  # rows of padding only: done from the start
+        "no_sentence": _no_sentence(src_ids, cfg.pad_id),
+        "done": _no_sentence(src_ids, cfg.pad_id),
     }
-    carry["done"] = carry["no_sentence"]
 
     def result(c):
         tokens = jnp.where(c["no_sentence"][:, None], cfg.pad_id, c["finished_tokens"][:, 0])
