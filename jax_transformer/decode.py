@@ -7,6 +7,11 @@ tokens (B, L) exclude BOS, end with EOS and are padded after it, with
 L = min(max_len, floor(max_len_a * S + max_len_b)) for a padded source length S; a source row of
 padding only is no sentence (padding, score 0), and takes no step. `cached=False`
 re-runs the whole decoder over the (padded, causally masked) prefix at every step instead.
+
+Two speed-ups were measured on XLA:CPU only and apply there alone (`cpu_tuned()`, read at trace
+time): `best_candidates`, an exact chunked top-k in place of `top_candidates`' TopK over every
+extension, and `_shrinking_while`'s chain of loops over ever smaller batches in place of one loop.
+Both give the same outputs as their plain forms (tested).
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .model import Transformer, padding_mask
+from .matmul import cpu_tuned
+from .model import Transformer, padding_mask, shift_right
 
 # A finite "minus infinity": sums of it stay finite, so no inf - inf = NaN in the scores.
 NEG_INF = -1.0e9
@@ -40,16 +46,27 @@ def sentence_limits(src_ids, pad_id: int, length: int, max_len_a: float, max_len
     return jnp.clip(jnp.floor(max_len_a * src_len + max_len_b), 1, length).astype(jnp.int32)
 
 
+def top_candidates(cfg, logits, base, must_end, n: int):
+    """The n best extensions of each sentence's hypotheses: logits (B, H, V) of H hypotheses with
+    scores base (B, H), must_end (B,) marking sentences at their length limit -> (values (B, n),
+    indices (B, n) into H*V), by `lax.top_k` over base + log_softmax(logits), where pad, BOS and,
+    for sentences that must end, every token but EOS score NEG_INF."""
+    B, H, V = logits.shape
+    token = jnp.arange(V)
+    masked = (must_end[:, None, None] & (token != cfg.eos_id)) | (token == cfg.pad_id) | (token == cfg.bos_id)
+    logprobs = jnp.where(masked, NEG_INF, jax.nn.log_softmax(logits, axis=-1))
+    return jax.lax.top_k((base[..., None] + logprobs).reshape(B, H * V), n)
+
+
+def candidates(cfg, logits, base, must_end, n: int):
+    """`top_candidates`, computed by `best_candidates` on XLA:CPU."""
+    return (best_candidates if cpu_tuned() else top_candidates)(cfg, logits, base, must_end, n)
+
+
 def best_candidates(cfg, logits, base, must_end, n: int, chunk: int = 128):
-    """The n best extensions of each sentence's hypotheses, as `lax.top_k` over their scores.
+    """`top_candidates`: the same values, indices and order (ties to the lower index).
 
-    logits (B, H, V) of H hypotheses with scores base (B, H); must_end (B,) marks sentences at
-    their length limit -> (values (B, n), indices (B, n) into H*V): the same as
-    `lax.top_k((base[..., None] + logprobs).reshape(B, H*V), n)` for
-    logprobs = where(masked, NEG_INF, log_softmax(logits)), masked = pad, BOS and, where must_end,
-    every token but EOS; same values, indices and order (ties to the lower index).
-
-    Why not that one line: on XLA's CPU backend it costs a pass writing B*H*V scores and a TopK
+    Why not that: on XLA's CPU backend it costs a pass writing B*H*V scores and a TopK
     that partially sorts all H*V indices of a sentence (std::partial_sort), the bulk of a step.
     Here the vocabulary is cut into chunks of c tokens. The score is monotone in the logit
     within a hypothesis (base + ((x - max) - logsumexp) rounds monotonically), so a chunk's best
@@ -109,7 +126,7 @@ def _next_logits(model: Transformer, cache, memory, src_mask, written, last, pos
     (BOS at 0) -> (logits (N, V) of the token at `position`, cache). Without a cache the decoder
     re-runs over BOS and all of `written`; causality hides the positions not yet written."""
     if cache is None:
-        prefix = jnp.concatenate([jnp.full_like(written[:, :1], model.cfg.bos_id), written[:, :-1]], axis=1)
+        prefix = shift_right(written, model.cfg.bos_id)
         hidden = jax.lax.dynamic_index_in_dim(model.decode(prefix, memory, src_mask), position, 1, keepdims=False)
         return model.project(hidden), None
     return model.decode_step(last, cache, position, src_mask)
@@ -164,11 +181,16 @@ def _shrinking_while(step, result, carry, length: int, smallest: int):
 SMALLEST_STAGE = 16
 
 
+def _smallest_stage() -> int:
+    """SMALLEST_STAGE on XLA:CPU; elsewhere no stage below the whole batch (one loop)."""
+    return SMALLEST_STAGE if cpu_tuned() else 1 << 62
+
+
 def greedy_search(model: Transformer, src_ids, max_len_a: float = 1.5, max_len_b: int = 10, cached: bool = True):
     """src_ids (B, S) -> (tokens (B, L), scores (B,)): the argmax token at each step; the score is
     the sum of the chosen tokens' log-probabilities. `cached=False`: no key/value cache."""
     _check_source(model, src_ids)
-    return _greedy_search(model, jnp.asarray(src_ids, jnp.int32), max_len_a, max_len_b, cached, SMALLEST_STAGE)
+    return _greedy_search(model, jnp.asarray(src_ids, jnp.int32), max_len_a, max_len_b, cached, _smallest_stage())
 
 
 @functools.partial(nnx.jit, static_argnums=(2, 3, 4, 5))
@@ -183,7 +205,7 @@ def _greedy_search(model: Transformer, src_ids, max_len_a: float, max_len_b: int
         logits, cache = _next_logits(model, c["cache"], c["memory"], c["src_mask"], c["tokens"], c["last"], position)
         must_end = position + 1 >= c["limits"]  # (b,) sentences at their limit emit EOS
         b = must_end.shape[0]
-        logprob, last = best_candidates(cfg, logits.astype(jnp.float32)[:, None], jnp.zeros((b, 1)), must_end, 1)
+        logprob, last = candidates(cfg, logits.astype(jnp.float32)[:, None], jnp.zeros((b, 1)), must_end, 1)
         last = last[:, 0]  # (b,) the argmax token
         done = c["done"]
         return {
@@ -219,7 +241,7 @@ def beam_search(model: Transformer, src_ids, beam_size: int = 4, alpha: float = 
     """
     _check_source(model, src_ids)
     return _beam_search(
-        model, jnp.asarray(src_ids, jnp.int32), beam_size, alpha, max_len_a, max_len_b, cached, SMALLEST_STAGE
+        model, jnp.asarray(src_ids, jnp.int32), beam_size, alpha, max_len_a, max_len_b, cached, _smallest_stage()
     )
 
 
@@ -244,7 +266,7 @@ def _beam_search(model: Transformer, src_ids, beam_size: int, alpha: float, max_
         )
         # The 2k best candidates of the k*V extensions (live log-prob + token log-prob).
         logits = logits.astype(jnp.float32).reshape(b, k, V)
-        top_logprob, top_index = best_candidates(cfg, logits, c["live_logprob"], position + 1 >= c["limits"], 2 * k)
+        top_logprob, top_index = candidates(cfg, logits, c["live_logprob"], position + 1 >= c["limits"], 2 * k)
         parent, token = top_index // V, (top_index % V).astype(jnp.int32)
         top_tokens = _gather(c["live_tokens"], parent).at[:, :, position].set(token)  # (b, 2k, L)
         ends = token == cfg.eos_id

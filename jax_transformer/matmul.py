@@ -12,13 +12,20 @@ tied projection that is a fused (N, V) -> (V, N) copy of the logits' gradient (N
 feeds. Here the narrower operand is transposed, and the tied weight gradient is computed as
 (hᵀ g)ᵀ, transposing the (D, V) result rather than the (N, V) gradient.
 
-Measured with `python -m train.profile_step` and the bench (README, Benchmarks): see there.
+Measured with `python -m train.profile_step` and the bench (README, Benchmarks), on XLA:CPU only:
+so they apply on the CPU platform alone (`cpu_tuned()`, read when the model is traced); on GPU and
+TPU `linear_dot_general` and `logits` are plain `lax.dot_general` and `jnp.matmul`, XLA's choice.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+
+def cpu_tuned() -> bool:
+    """True where the CPU findings of this project apply: the default backend is XLA:CPU."""
+    return jax.default_backend() == "cpu"
 
 
 def _flat(x: jax.Array) -> jax.Array:
@@ -68,13 +75,18 @@ def _tied_bwd(residuals, g):
 tied_logits.defvjp(_tied_fwd, _tied_bwd)
 
 
+def logits(h: jax.Array, e: jax.Array) -> jax.Array:
+    """h (..., D) @ e (V, D)ᵀ: `tied_logits` on XLA:CPU, `jnp.matmul` elsewhere."""
+    return tied_logits(h, e) if cpu_tuned() else jnp.matmul(h, e.T)
+
+
 def linear_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
-    """A `dot_general` for `nnx.Linear(dot_general=...)`: `linear` for the layer's own contraction
-    (lhs's last axis with a 2-D rhs's first, default precision and result type), `lax.dot_general`
-    for anything else."""
+    """A `dot_general` for `nnx.Linear(dot_general=...)`: on XLA:CPU `linear` for the layer's own
+    contraction (lhs's last axis with a 2-D rhs's first, default precision and result type),
+    `lax.dot_general` for anything else and on every other platform."""
     layer_contraction = (((lhs.ndim - 1,), (0,)), ((), ()))
     if (
-        dimension_numbers == layer_contraction and rhs.ndim == 2 and precision is None
+        cpu_tuned() and dimension_numbers == layer_contraction and rhs.ndim == 2 and precision is None
         and preferred_element_type is None and kwargs.get("out_sharding") is None
     ):
         return linear(lhs, rhs)

@@ -25,7 +25,7 @@ from flax import nnx
 
 from torch_reference.config import TransformerConfig
 
-from .matmul import linear_dot_general, tied_logits
+from .matmul import linear_dot_general, logits
 
 # Xavier-uniform matrices and zero biases, as tensor2tensor (and torch_reference) initialise them.
 xavier_uniform = nnx.initializers.xavier_uniform()
@@ -104,7 +104,7 @@ def make_norm(cfg: TransformerConfig, rngs: nnx.Rngs, dtype=None) -> nnx.Module:
 def _linear(d_in: int, d_out: int, rngs: nnx.Rngs, bias: bool = True, dtype=None) -> nnx.Linear:
     return nnx.Linear(
         d_in, d_out, use_bias=bias, kernel_init=xavier_uniform, dtype=dtype, param_dtype=jnp.float32,
-        dot_general=linear_dot_general,  # x @ W with a backward pass ordered for XLA:CPU (matmul.py)
+        dot_general=linear_dot_general,  # x @ W; on XLA:CPU with a backward pass ordered for it (matmul.py)
         rngs=rngs,
     )
 
@@ -382,10 +382,10 @@ class Transformer(nnx.Module):
 
     def project(self, hidden: jax.Array) -> jax.Array:
         """hidden (B, T, D) -> logits (B, T, V)."""
-        if self.out_proj is None:  # Embed.attend, with a backward pass ordered for XLA:CPU (matmul.py)
+        if self.out_proj is None:  # Embed.attend; on XLA:CPU with a backward pass ordered for it (matmul.py)
             embed = self.target_embedding
             hidden, embedding = embed.promote_dtype((hidden, embed.embedding[...]), dtype=embed.dtype)
-            return tied_logits(hidden, embedding)
+            return logits(hidden, embedding)
         return self.out_proj(hidden)
 
     def __call__(self, src_ids, tgt_in_ids, *, deterministic: bool = True, rngs: nnx.Rngs | None = None):

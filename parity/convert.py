@@ -17,11 +17,19 @@ Files: PyTorch weights are safetensors (never pickle) with the config in the fil
 in `config.json` beside it; JAX weights are an orbax checkpoint directory holding `params/` and
 `config.json`.
 
+Training runs: a backend of `train` exports its whole training state (`train.backend.TrainingState`:
+weights, Adam's two moments and the update count, NumPy arrays keyed by its own attribute paths);
+`convert_state` maps those leaves with the same rules (Adam's moments are parameter-shaped), and
+the other backend imports it and saves it as its own checkpoint. `convert_run` does that for the
+checkpoints of a run directory, with their meta (data position, validation scores) and ranking
+metrics, so `python -m train.run --resume` continues in the other framework as if it had never
+changed. Not carried: dropout randomness (its streams differ between frameworks): a JAX run
+derives its keys from the seed and the step, a torch run keeps the generator it was seeded with.
+
 CLI:
     python -m parity.convert --to jax --src model.safetensors --dst DIR
     python -m parity.convert --to torch --src DIR --dst model.safetensors
-    python -m parity.convert --to torch --run-dir RUN_JAX --dst RUN_TORCH   # a whole training run
-                                                  # (parity.checkpoint), then train.run --resume
+    python -m parity.convert --to torch --run-dir RUN_JAX --dst RUN_TORCH   # then train.run --resume
 """
 
 from __future__ import annotations
@@ -30,9 +38,11 @@ import argparse
 import functools
 import os
 import pickle
+import shutil
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -43,22 +53,16 @@ from flax import nnx
 import jax_transformer
 import torch_reference
 from torch_reference.config import TransformerConfig
+from train import rundir
+from train.backend import (  # noqa: F401 (CheckpointMismatchError re-exported)
+    CheckpointError, CheckpointMismatchError, TrainingState, check_keys, create_backend,
+)
+from train.config import ExperimentConfig
 
 # Flax leaf name -> (torch leaf name, transposed?)
 LEAF_RULES = {"kernel": ("weight", True), "scale": ("weight", False), "embedding": ("weight", False), "bias": ("bias", False)}
-CONFIG_KEY = "transformer_config"  # safetensors metadata key holding the config JSON
-
-
-class CheckpointMismatchError(ValueError):
-    """Weights that do not fit the architecture: lists every offending key with both shapes."""
-
-    def __init__(self, what: str, missing=(), unexpected=(), wrong_shape=()):
-        self.missing, self.unexpected, self.wrong_shape = list(missing), list(unexpected), list(wrong_shape)
-        lines = [f"{what} do not match the architecture:"]
-        lines += [f"  missing     {k}  expected {tuple(s)}" for k, s in self.missing]
-        lines += [f"  unexpected  {k}  got {tuple(s)}" for k, s in self.unexpected]
-        lines += [f"  wrong shape {k}  expected {tuple(e)}, got {tuple(g)}" for k, e, g in self.wrong_shape]
-        super().__init__("\n".join(lines))
+CONFIG_KEY = rundir.WEIGHTS_CONFIG_KEY  # safetensors metadata key holding the config JSON
+FRAMEWORKS = ("jax", "torch")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -88,12 +92,8 @@ def expected_jax_params(cfg: TransformerConfig) -> dict[str, tuple[int, ...]]:
     return {jax_key(path): tuple(v.shape) for path, v in nnx.to_flat_state(nnx.state(abstract, nnx.Param))}
 
 
-def _check(what: str, expected: Mapping[str, tuple], got: Mapping[str, tuple]) -> None:
-    missing = [(k, expected[k]) for k in expected if k not in got]
-    unexpected = [(k, got[k]) for k in got if k not in expected]
-    wrong = [(k, expected[k], got[k]) for k in expected if k in got and tuple(got[k]) != tuple(expected[k])]
-    if missing or unexpected or wrong:
-        raise CheckpointMismatchError(what, missing, unexpected, wrong)
+def _shapes(flat: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    return {k: tuple(np.shape(v)) for k, v in flat.items()}
 
 
 def torch_to_numpy(t: torch.Tensor) -> np.ndarray:
@@ -116,31 +116,42 @@ def numpy_to_torch(a: Any) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 
 
-def torch_state_to_jax(state_dict: Mapping[str, torch.Tensor], cfg: TransformerConfig) -> dict[str, np.ndarray]:
-    """A torch state dict -> {flax key: array}, strictly checked against `cfg`."""
+def to_jax_layout(flat: Mapping[str, Any], cfg: TransformerConfig, what: str = "PyTorch weights") -> dict[str, np.ndarray]:
+    """{torch key: NumPy array} -> {flax key: array}, strictly checked against `cfg` (a parameter-
+    shaped tree: weights or Adam's moments)."""
     expected = expected_jax_params(cfg)
     torch_expected = {}
     for key, shape in expected.items():
         torch_key, transpose = to_torch_key(key)
         torch_expected[torch_key] = shape[::-1] if transpose else shape
-    _check("PyTorch weights", torch_expected, {k: tuple(v.shape) for k, v in state_dict.items()})
+    check_keys(what, torch_expected, _shapes(flat))
     out = {}
     for key in expected:
         torch_key, transpose = to_torch_key(key)
-        value = torch_to_numpy(state_dict[torch_key])
-        out[key] = np.ascontiguousarray(value.T) if transpose else value
+        value = np.asarray(flat[torch_key])
+        out[key] = np.ascontiguousarray(value.T) if transpose else value.copy()
     return out
+
+
+def to_torch_layout(flat: Mapping[str, Any], cfg: TransformerConfig, what: str = "JAX weights") -> dict[str, np.ndarray]:
+    """{flax key: NumPy array} -> {torch key: array}, strictly checked against `cfg`."""
+    check_keys(what, expected_jax_params(cfg), _shapes(flat))
+    out = {}
+    for key, value in flat.items():
+        torch_key, transpose = to_torch_key(key)
+        value = np.asarray(value)
+        out[torch_key] = np.ascontiguousarray(value.T) if transpose else value.copy()
+    return out
+
+
+def torch_state_to_jax(state_dict: Mapping[str, torch.Tensor], cfg: TransformerConfig) -> dict[str, np.ndarray]:
+    """A torch state dict -> {flax key: array}, strictly checked against `cfg`."""
+    return to_jax_layout({k: torch_to_numpy(v) for k, v in state_dict.items()}, cfg)
 
 
 def jax_params_to_torch(params: Mapping[str, Any], cfg: TransformerConfig) -> dict[str, torch.Tensor]:
     """{flax key: array} -> a torch state dict, strictly checked against `cfg`."""
-    _check("JAX weights", expected_jax_params(cfg), {k: tuple(np.shape(v)) for k, v in params.items()})
-    out = {}
-    for key, value in params.items():
-        torch_key, transpose = to_torch_key(key)
-        value = np.asarray(value)
-        out[torch_key] = numpy_to_torch(np.ascontiguousarray(value.T) if transpose else value)
-    return out
+    return {k: numpy_to_torch(v) for k, v in to_torch_layout(params, cfg).items()}
 
 
 def jax_params(model: nnx.Module) -> dict[str, np.ndarray]:
@@ -161,7 +172,7 @@ def _nest(flat: Mapping[str, Any]) -> dict:
 
 def jax_model_from_params(params: Mapping[str, Any], cfg: TransformerConfig) -> jax_transformer.Transformer:
     """A Flax Transformer for `cfg` holding `params` (checked strictly; dtypes kept)."""
-    _check("JAX weights", expected_jax_params(cfg), {k: tuple(np.shape(v)) for k, v in params.items()})
+    check_keys("JAX weights", expected_jax_params(cfg), _shapes(params))
     abstract = nnx.eval_shape(lambda: jax_transformer.Transformer(cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     nnx.replace_by_pure_dict(state, _nest({k: jnp.asarray(v) for k, v in params.items()}))
@@ -197,61 +208,121 @@ def jax_to_torch(model: nnx.Module, cfg: TransformerConfig | None = None) -> tor
 
 
 # ---------------------------------------------------------------------------------------------
-# Adam optimizer state: torch.optim.Adam (step, exp_avg, exp_avg_sq per parameter index) <->
-# optax's ScaleByAdamState (count, mu, nu as parameter-shaped trees). The moments are
-# parameter-shaped, so they follow the weights' rules (kernels transposed) and strict checks.
+# Training states and run directories
 # ---------------------------------------------------------------------------------------------
 
 
-def torch_adam_to_jax(optimizer_state: Mapping, param_names: list[str], cfg: TransformerConfig) -> dict:
-    """A `torch.optim.Adam.state_dict()` -> {"count": int, "mu": {flax key: array}, "nu": {...}}.
+def convert_state(state: TrainingState, to: str, cfg: TransformerConfig) -> TrainingState:
+    """A backend's training state in the `to` framework's layout: weights and both Adam moments by
+    the leaf rules (strictly checked against `cfg`), the step as it is. The random state stays
+    behind (None) when the framework changes: dropout streams cannot be matched."""
+    if to == state.framework:
+        return state
+    if to not in FRAMEWORKS:
+        raise ValueError(f"no framework {to!r}; choose from {', '.join(FRAMEWORKS)}")
+    layout = to_jax_layout if to == "jax" else to_torch_layout
+    names = ("weights", "Adam first moments (mu / exp_avg)", "Adam second moments (nu / exp_avg_sq)")
+    params, mu, nu = (None if tree is None else layout(tree, cfg, f"{state.framework} {what}")
+                      for tree, what in zip((state.params, state.mu, state.nu), names))
+    return TrainingState(to, state.step, params, mu, nu, rng=None)
 
-    `param_names` names the optimizer's parameters in order (`[n for n, _ in model.named_parameters()]`).
+
+def transfer_state(source, target) -> None:
+    """Give backend `target` the whole training state of backend `source` (of either framework)."""
+    target.import_state(convert_state(source.export_state(), target.name, target.model_cfg))
+
+
+def convert_checkpoints(
+    src_cfg: ExperimentConfig, model_cfg: TransformerConfig, src_dir: str | os.PathLike, dst_dir: str | os.PathLike,
+    to: str, which: str | int = "latest",
+) -> list[int]:
+    """Convert the checkpoints `which` ("latest", "best", "all" or a step) of the `src_cfg.backend`
+    backend in `src_dir` into the `to` backend's checkpoints in `dst_dir`; returns the steps.
+
+    Each is restored by the source backend, exported, converted, imported by the target backend
+    and saved by it with the same meta (the experiment's backend switched) and ranking metrics.
     """
-    state = optimizer_state["state"]
-    indices = [i for group in optimizer_state["param_groups"] for i in group["params"]]
-    if len(indices) != len(param_names):
-        raise CheckpointMismatchError(
-            "Adam state", missing=[(f"{len(param_names)} parameters", ())], unexpected=[(f"{len(indices)} in the optimizer", ())]
+    if to == src_cfg.backend:
+        raise ValueError(f"the checkpoints already belong to the {to} backend")
+    source = create_backend(src_cfg, model_cfg, str(src_dir))
+    target = create_backend(src_cfg.replace(backend=to), model_cfg, str(dst_dir))
+    try:
+        available = source.checkpoint_steps()
+        if not available:
+            raise FileNotFoundError("the run has no checkpoint to convert")
+        steps = available if which == "all" else [
+            rundir.choose_checkpoint(available, which, source.checkpoint_metrics, src_dir)
+        ]
+        for step in steps:
+            meta = source.restore(step)
+            transfer_state(source, target)
+            if isinstance(meta.get("config"), Mapping):
+                meta = {**meta, "config": {**meta["config"], "backend": to}}
+            target.save(meta, source.checkpoint_metrics(step))
+    finally:
+        source.close()
+        target.close()
+    return steps
+
+
+def convert_run(
+    src: str | os.PathLike, dst: str | os.PathLike, to: str | None = None, which: str | int = "latest",
+    overwrite: bool = False,
+) -> dict:
+    """A run directory of one backend (train.run) -> the same run for the other backend.
+
+    `dst` receives config.json (the backend switched), model.json, the tokenizer files (byte
+    copies), the TensorBoard events, and the checkpoints `which` ("latest", "best", "all" or a
+    step) converted. It is built beside `dst` and renamed into place, so an interrupted
+    conversion leaves nothing. `python -m train.run --run-dir DST --resume` continues it.
+    """
+    src, dst = Path(src), Path(dst)
+    try:
+        src_cfg, model_cfg = rundir.read_experiment(src), rundir.read_model_config(src)
+    except rundir.UserError as err:
+        raise FileNotFoundError(str(err)) from None
+    to = to or ("torch" if src_cfg.backend == "jax" else "jax")
+    if to == src_cfg.backend:
+        raise ValueError(f"{src} is already a {to} run")
+    tokenizers = rundir.load_tokenizers(src)
+    rebuilt = src_cfg.model_config(tokenizers.src.get_vocab_size(), tokenizers.tgt.get_vocab_size())
+    if rebuilt != model_cfg:  # --resume rebuilds the model from config.json and the tokenizer
+        raise ValueError(
+            f"{src}: {rundir.MODEL_FILE} does not match config.json and the tokenizer:\n  {model_cfg}\n  {rebuilt}"
         )
-    names = dict(zip(indices, param_names))
-    if not state:  # no step taken yet: zero moments, count 0
-        return {"count": 0, "mu": None, "nu": None}
-    steps = {int(state[i]["step"]) for i in indices if i in state}
-    if len(steps) != 1 or len(state) != len(indices):
-        raise ValueError(f"Adam state is not from whole steps: step counts {sorted(steps)} over {len(state)}/{len(indices)} parameters")
-    exp_avg = {names[i]: state[i]["exp_avg"] for i in indices}
-    exp_avg_sq = {names[i]: state[i]["exp_avg_sq"] for i in indices}
-    return {"count": steps.pop(), "mu": torch_state_to_jax(exp_avg, cfg), "nu": torch_state_to_jax(exp_avg_sq, cfg)}
+    if dst.resolve() == src.resolve():
+        raise ValueError("--dst must differ from the source run directory")
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        if not overwrite:
+            raise FileExistsError(f"{dst} exists; pass --overwrite to replace it")
+        if dst.is_dir() and not (dst / rundir.CONFIG_FILE).is_file():
+            raise FileExistsError(f"{dst} is not empty and holds no run; it is never deleted")
 
-
-def jax_adam_to_torch(adam: Mapping, param_names: list[str], cfg: TransformerConfig, param_groups: list[dict]) -> dict:
-    """{"count", "mu", "nu"} (flax keys) -> a state dict for `torch.optim.Adam.load_state_dict`.
-
-    `param_groups` are the target optimizer's own (`optimizer.state_dict()["param_groups"]`), whose
-    hyper-parameters are kept; the parameter indices follow `param_names`.
-    """
-    if adam["count"] == 0 or adam["mu"] is None:
-        return {"state": {}, "param_groups": param_groups}
-    exp_avg, exp_avg_sq = jax_params_to_torch(adam["mu"], cfg), jax_params_to_torch(adam["nu"], cfg)
-    indices = [i for group in param_groups for i in group["params"]]
-    step = torch.tensor(float(adam["count"]))  # torch keeps the step as a float32 tensor
-    state = {
-        i: {"step": step.clone(), "exp_avg": exp_avg[name], "exp_avg_sq": exp_avg_sq[name]}
-        for i, name in zip(indices, param_names, strict=True)
-    }
-    return {"state": state, "param_groups": param_groups}
+    tmp = dst.with_name(f".{dst.name}.converting")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        steps = convert_checkpoints(src_cfg, model_cfg, src / rundir.CHECKPOINTS, tmp / rundir.CHECKPOINTS, to, which)
+        for name in (*rundir.TOKENIZER_FILES, rundir.MODEL_FILE):
+            if (src / name).is_file():
+                shutil.copyfile(src / name, tmp / name)
+        if (src / rundir.TENSORBOARD).is_dir():
+            shutil.copytree(src / rundir.TENSORBOARD, tmp / rundir.TENSORBOARD)
+        provenance = {"from": str(src), "from_backend": src_cfg.backend, "to_backend": to, "steps": steps}
+        rundir.write_json_atomic(tmp / rundir.PROVENANCE_FILE, provenance)
+        rundir.write_json_atomic(tmp / rundir.CONFIG_FILE, src_cfg.replace(backend=to).experiment())
+        if dst.exists():
+            shutil.rmtree(dst)
+        os.replace(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"run_dir": str(dst), "backend": to, "from": str(src), "steps": steps}
 
 
 # ---------------------------------------------------------------------------------------------
 # Files
 # ---------------------------------------------------------------------------------------------
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def save_torch_weights(model: torch_reference.Transformer, path: str | os.PathLike) -> Path:
@@ -264,7 +335,7 @@ def save_torch_weights(model: torch_reference.Transformer, path: str | os.PathLi
     tmp = path.with_name(f".{path.name}.tmp")
     save_file(state_dict, str(tmp), metadata={CONFIG_KEY: model.cfg.to_json()})
     os.replace(tmp, path)
-    _write_text_atomic(path.parent / "config.json", model.cfg.to_json())
+    rundir.write_text_atomic(path.parent / "config.json", model.cfg.to_json())
     return path
 
 
@@ -315,7 +386,7 @@ def save_jax_weights(model: nnx.Module, directory: str | os.PathLike, overwrite:
     directory.mkdir(parents=True, exist_ok=True)
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(directory / "params", _nest(jax_params(model)), force=overwrite)
-    _write_text_atomic(directory / "config.json", model.cfg.to_json())
+    rundir.write_text_atomic(directory / "config.json", model.cfg.to_json())
     return directory
 
 
@@ -392,8 +463,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _convert_run_cli(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from .checkpoint import convert_run
-
     which = args.checkpoint or "latest"
     if which not in ("latest", "best", "all") and not which.isdigit():
         parser.error(f"--checkpoint takes latest, best, all or a step number, got {which!r}")
@@ -401,7 +470,7 @@ def _convert_run_cli(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         done = convert_run(args.run_dir, args.dst, to=args.to, which=which, overwrite=args.overwrite)
     except FileExistsError as err:
         parser.exit(2, f"error: {err}\n")
-    except (FileNotFoundError, ValueError) as err:
+    except (FileNotFoundError, ValueError, CheckpointError) as err:
         parser.exit(1, f"error: {err}\n")
     steps = ", ".join(map(str, done["steps"]))
     print(f"wrote {done['run_dir']}: the {done['backend']} run of {done['from']} (checkpoint step {steps})")

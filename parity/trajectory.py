@@ -2,14 +2,14 @@
 
 Trains one model in the JAX and the PyTorch backends of `train` (the product's own `train_step`:
 Adam, the Noam schedule, the label-smoothed loss) from one set of initial weights (the torch
-backend's, moved into JAX with `parity.checkpoint`) on identical batches of the numbers corpus
+backend's, moved into JAX with `parity.convert.convert_state`) on identical batches of the numbers corpus
 (`train.loop.make_batcher`), float32 with `jax_default_matmul_precision="highest"` and dropout
 off, and compares the two after every update: the loss (relative difference) and every
 parameter (relative L2 distance ||a - b|| / ||b||, the worst named).
 
 With `--switch K` (default: half the steps) it also proves that a checkpoint carries the whole
 training state across: at update K each run saves a checkpoint with its backend's `save`,
-`parity.checkpoint.convert_checkpoints` converts it, a fresh backend of the other framework
+`parity.convert.convert_checkpoints` converts it, a fresh backend of the other framework
 `restore`s it (the data position from the checkpoint's meta) and trains to the end; each is
 compared with the uninterrupted run of the framework it finishes in:
 
@@ -58,8 +58,13 @@ import torch
 
 from torch_reference.config import TransformerConfig
 
-from . import checkpoint
+from train import data, rundir
+from train.backend import TrainingState, create_backend
+from train.config import DERIVED_MODEL_FIELDS, ExperimentConfig
+from train.loop import make_batcher
+
 from .check import enable_parity_numerics
+from .convert import convert_checkpoints, convert_state
 
 # The parity contract for a training curve (float32, highest matmul precision, dropout off).
 # A formula slip (schedule one update off, Adam's epsilon inside the root, the wrong smoothing
@@ -83,8 +88,6 @@ def experiment_config(steps: int = 100, preset: str = "tiny", model: dict | None
     """The training settings of a trajectory: the product's Adam and label smoothing 0.1 on the
     paper's schedule, a small numbers corpus, dropout off, float32, and one torch thread (on a
     2-core machine a second torch thread competing with XLA's pool slows torch ~100x)."""
-    from train.config import ExperimentConfig
-
     settings = dict(
         backend="torch", preset=preset, model=dict(model or {}), steps=steps, warmup=PAPER_WARMUP, dropout=0.0,
         numbers_train=4000, numbers_valid=1, numbers_test=0, token_budget=1024, threads=1, progress=False,
@@ -95,11 +98,9 @@ def experiment_config(steps: int = 100, preset: str = "tiny", model: dict | None
 
 def prepare(cfg) -> tuple[TransformerConfig, Any]:
     """(model config, (splits, tokenizers)) for `cfg`: the corpus and BPE as train.loop builds them."""
-    from train import data, loop
-
     if getattr(cfg, "dtype", "float32") != "float32":
         raise ValueError("parity is measured in float32")
-    splits = loop.load_splits(cfg)
+    splits = rundir.load_splits(cfg)
     tokenizers = data.train_tokenizers(splits.train, vocab_size=cfg.vocab_size, joint=cfg.joint_vocab)
     model_cfg = cfg.model_config(tokenizers.src.get_vocab_size(), tokenizers.tgt.get_vocab_size())
     if model_cfg.dropout or model_cfg.attention_dropout:
@@ -107,7 +108,7 @@ def prepare(cfg) -> tuple[TransformerConfig, Any]:
     return model_cfg, (splits, tokenizers)
 
 
-def one_ulp_away(state: checkpoint.TrainingState, seed: int = 1) -> checkpoint.TrainingState:
+def one_ulp_away(state: TrainingState, seed: int = 1) -> TrainingState:
     """`state` with every weight moved by one float32 ulp up or down at random: one rounding
     error per weight, the size of the differences between the frameworks' arithmetic."""
     rng = np.random.default_rng(seed)
@@ -138,7 +139,9 @@ class Run:
 
 def _weights(backend) -> dict[str, np.ndarray]:
     """The weights under their torch names (the spec's), as float64 NumPy."""
-    return {k: v.detach().cpu().double().numpy() for k, v in backend.torch_state_dict().items()}
+    state = backend.export_state()
+    state = TrainingState(state.framework, state.step, state.params)  # the weights alone
+    return {k: v.astype(np.float64) for k, v in convert_state(state, "torch", backend.model_cfg).params.items()}
 
 
 def compare_weights(actual: dict[str, np.ndarray], reference: dict[str, np.ndarray]) -> dict:
@@ -204,35 +207,29 @@ def _switch(run: Run, cfg, model_cfg, prepared, workdir: Path) -> tuple[Run, boo
     """Save `run`'s checkpoint with its backend's `save`, convert it to the other framework, and
     `restore` it in a fresh backend of that framework with the data position from its meta.
     Returns (the continuing run, whether the restored state equals the saved one bit for bit)."""
-    from train import loop
-    from train.backend import create_backend
-
     splits, tokenizers = prepared
-    src, other = run.backend.name, "torch" if run.backend.name == "jax" else "jax"
+    src, other = run.name, "torch" if run.name == "jax" else "jax"
     src_cfg = cfg.replace(backend=src)
-    before = checkpoint.export_training_state(run.backend)
-    run.backend.save({"step": run.backend.step, "data": run.batcher.state(), "config": src_cfg.to_dict()})
+    before = convert_state(run.backend.export_state(), other, model_cfg)
+    run.backend.save({"step": run.backend.step, "data": run.batcher.state(), "config": src_cfg.experiment()})
     dst_dir = workdir / f"{src}-to-{other}"
-    checkpoint.convert_checkpoints(src_cfg, model_cfg, workdir / src, dst_dir, to=other)
+    convert_checkpoints(src_cfg, model_cfg, workdir / src, dst_dir, to=other)
     backend = create_backend(cfg.replace(backend=other), model_cfg, str(dst_dir))
     meta = backend.restore("latest")
-    batcher = loop.make_batcher(cfg, tokenizers, splits.train)
+    batcher = make_batcher(cfg, tokenizers, splits.train)
     batcher.restore(meta["data"])
-    exact = not checkpoint.states_equal(before, checkpoint.export_training_state(backend))
+    exact = not before.differences(backend.export_state())
     return Run(f"{src}→{other}", backend, batcher), exact
 
 
 def run_trajectory(
     cfg, steps: int | None = None, switch: int | None = None, control: bool = False,
-    initial: checkpoint.TrainingState | None = None, progress: bool = False, prepared=None,
+    initial: TrainingState | None = None, progress: bool = False, prepared=None,
 ) -> dict:
     """Train `steps` updates in both frameworks in lockstep (plus the switched runs when
     0 < switch < steps, plus torch from weights one ulp away with `control`) from `initial`
     (default: the torch backend's initial weights for `cfg`). Returns the report, without
     judging it (`failures`)."""
-    from train import loop
-    from train.backend import create_backend
-
     enable_parity_numerics()
     steps = steps or cfg.steps
     model_cfg, prepared = prepared or prepare(cfg)
@@ -247,10 +244,11 @@ def run_trajectory(
         names = ("torch", "jax", "torch+1ulp") if control else ("torch", "jax")
         backends = {n: create_backend(cfg.replace(backend=n.split("+")[0]), model_cfg, str(workdir / n)) for n in names}
         if initial is None:
-            initial = checkpoint.export_training_state(backends["torch"])
+            initial = backends["torch"].export_state()
         for name, backend in backends.items():  # one set of initial weights, moved by the conversion
-            checkpoint.import_training_state(backend, one_ulp_away(initial) if name == "torch+1ulp" else initial)
-        runs = {n: Run(n, b, loop.make_batcher(cfg, tokenizers, splits.train)) for n, b in backends.items()}
+            state = one_ulp_away(initial) if name == "torch+1ulp" else initial
+            backend.import_state(convert_state(state, name.split("+")[0], model_cfg))
+        runs = {n: Run(n, b, make_batcher(cfg, tokenizers, splits.train)) for n, b in backends.items()}
         for step in range(1, steps + 1):
             for run in list(runs.values()):
                 assert run.step() == step
@@ -313,18 +311,15 @@ def parity_report(cfg, steps: int | None = None, switch: int | None = None, cont
                   progress: bool = False) -> dict:
     """`run_trajectory`, judged; for a ReLU model whose parameters exceed the bound, also the
     smooth path (same initial weights, exact GELU) on which that bound is then judged."""
-    from train.backend import create_backend
-
     enable_parity_numerics()
     model_cfg, prepared = prepare(cfg)
-    initial = checkpoint.export_training_state(create_backend(cfg.replace(backend="torch"), model_cfg))
+    initial = create_backend(cfg.replace(backend="torch"), model_cfg).export_state()
     report = run_trajectory(cfg, steps, switch, control, initial, progress, (model_cfg, prepared))
     if _param_failures(report) and model_cfg.activation == "relu":
         if progress:
             print("  parameters exceed the bound with ReLU: running the smooth path (same weights, exact GELU)")
         smooth_cfg = cfg.replace(model={**cfg.model, "activation": "gelu"})
-        smooth_initial = dataclasses.replace(initial, model_cfg=model_cfg.replace(activation="gelu"))
-        report["smooth_path"] = run_trajectory(smooth_cfg, steps, switch, False, smooth_initial, progress)
+        report["smooth_path"] = run_trajectory(smooth_cfg, steps, switch, False, initial, progress)
     report["failures"] = failures(report)
     return report
 
@@ -420,8 +415,6 @@ def print_report(report: dict) -> None:
 def _override(text: str) -> tuple[str, Any]:
     """--set FIELD=VALUE; the vocabulary sizes, max_len, dropout and embedding sharing come from
     the data and the experiment (train.config.DERIVED_MODEL_FIELDS)."""
-    from train.config import DERIVED_MODEL_FIELDS
-
     try:
         return TransformerConfig.parse_override(text, exclude=DERIVED_MODEL_FIELDS)
     except ValueError as err:

@@ -9,19 +9,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 NormPosition = Literal["post", "pre"]
 Activation = Literal["relu", "gelu", "swiglu"]
 Norm = Literal["layernorm", "rmsnorm"]
 Positions = Literal["sinusoidal", "learned"]
 
-_CHOICES = {
-    "norm_position": ("post", "pre"),
-    "activation": ("relu", "gelu", "swiglu"),
-    "norm": ("layernorm", "rmsnorm"),
-    "positions": ("sinusoidal", "learned"),
-}
+_CHOICES = {"norm_position": NormPosition, "activation": Activation, "norm": Norm, "positions": Positions}
+
+# The special tokens, by id (list position == id): the one definition that the tokenizers, the
+# batches, the model's masks, the loss and the search all read.
+SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
+PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(len(SPECIAL_TOKENS))
 
 # Sizes per preset. `base` and `big` are the paper's Table 3 rows; `small` and `tiny` are for CPUs.
 _PRESETS: dict[str, dict[str, Any]] = {
@@ -40,7 +40,8 @@ class TransformerConfig:
     positions, embeddings scaled by sqrt(d_model), source/target embeddings and the pre-softmax
     projection sharing one matrix (§3.4). Every departure is a field, so a variant is a config.
 
-    Special token ids follow the tokenizers of `train`: pad 0, bos 1, eos 2, unk 3.
+    Special token ids default to SPECIAL_TOKENS' (pad 0, bos 1, eos 2, unk 3), which the
+    tokenizers of `train` use.
     """
 
     src_vocab_size: int = 8000
@@ -55,9 +56,9 @@ class TransformerConfig:
     # Dropout on attention weights; the paper's base model does not use it.
     attention_dropout: float = 0.0
     max_len: int = 512
-    pad_id: int = 0
-    bos_id: int = 1
-    eos_id: int = 2
+    pad_id: int = PAD_ID
+    bos_id: int = BOS_ID
+    eos_id: int = EOS_ID
     # tensor2tensor (the paper's public code) uses 1e-6; torch.nn.LayerNorm defaults to 1e-5 and
     # flax to 1e-6. Both models read this field, never a library default.
     layer_norm_eps: float = 1e-6
@@ -75,8 +76,8 @@ class TransformerConfig:
     scale_embeddings: bool = True
 
     def __post_init__(self):
-        for name, allowed in _CHOICES.items():
-            value = getattr(self, name)
+        for name, kind in _CHOICES.items():
+            value, allowed = getattr(self, name), get_args(kind)
             if value not in allowed:
                 raise ValueError(f"{name}={value!r} is not one of {', '.join(map(repr, allowed))}")
         if self.d_model % self.num_heads:
@@ -95,10 +96,6 @@ class TransformerConfig:
         for name in ("dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.num_heads
 
     @classmethod
     def presets(cls) -> tuple[str, ...]:

@@ -21,7 +21,7 @@ import math
 import torch
 from torch import Tensor
 
-from .model import Transformer, padding_mask
+from .model import Transformer, padding_mask, shift_right
 
 # A finite "minus infinity": sums of it stay finite, so no inf - inf = NaN in the scores.
 NEG_INF = -1.0e9
@@ -72,8 +72,7 @@ class _Decoder:
         """written (N, L) tokens with positions < `position` filled, last (N,) the one at
         position - 1 (BOS at 0) -> logits (N, V) of the token at `position`."""
         if self.cache is None:
-            bos = torch.full_like(last[:, None], self.model.cfg.bos_id)
-            prefix = torch.cat([bos, written[:, :position]], dim=1)  # (N, position + 1)
+            prefix = shift_right(written[:, : position + 1], self.model.cfg.bos_id)  # (N, position + 1)
             return self.model.project(self.model.decode(prefix, self.memory, self.src_mask)[:, -1])
         logits, self.cache = self.model.decode_step(last, self.cache, position, self.src_mask)
         return logits

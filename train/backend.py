@@ -1,7 +1,7 @@
 """The interface the framework-neutral loop talks to, and the factory that picks a backend.
 
 `backend_jax.JaxBackend` and `backend_torch.TorchBackend` implement `Backend` with the same
-semantics (DESIGN.md numerics contract):
+semantics (the numerics contract of the README):
 
 - loss: label-smoothed cross-entropy with PyTorch's semantics, padding ignored; with gradient
   accumulation the per-token losses of all micro-batches of an update are summed and divided by
@@ -10,6 +10,10 @@ semantics (DESIGN.md numerics contract):
   ||g|| >= max_norm, no epsilon (torch's clip_grad_norm_ would add 1e-6 to the norm);
 - Adam(β1=0.9, β2=0.98, ε=1e-9) with the paper's schedule, the first update at lr(step=1);
 - dropout from the seed; eval and translation without dropout.
+
+A backend owns its framework's state. What leaves it is a `TrainingState`: NumPy arrays keyed
+by the model's own attribute paths, in its framework's layout (`parity.convert` maps one layout
+onto the other), so no code outside a backend reads or writes its attributes.
 
 This module imports neither framework: `create_backend` imports the one asked for, so a torch
 run never loads jax and a jax run never loads torch.
@@ -90,17 +94,93 @@ class Backend(Protocol):
     def checkpoint_steps(self) -> list[int]:
         """Steps of the complete checkpoints on disk, oldest first."""
 
-    def torch_state_dict(self) -> dict[str, Any]:
-        """The weights as a torch_reference state dict (for conversion and parity tests)."""
+    def weights(self) -> dict[str, np.ndarray]:
+        """The parameters as NumPy copies keyed by attribute path, in the framework's layout."""
 
-    def load_torch_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Set the weights from a torch_reference state dict; optimizer state is left as is."""
+    def export_state(self) -> TrainingState:
+        """Weights, Adam's moments, the update count and the random state, as NumPy copies."""
+
+    def import_state(self, state: TrainingState) -> None:
+        """Continue from `state` (of this framework, or converted to its layout by parity.convert):
+        weights, moments and update count (the schedule's position follows it); the random state
+        when it is this framework's, else the backend keeps its own. Keys, shapes and dtypes are
+        checked strictly (CheckpointMismatchError, ValueError)."""
 
     def close(self) -> None:
         """Finish pending checkpoint writes."""
 
 
 BACKEND_MODULES = {"jax": "train.backend_jax", "torch": "train.backend_torch"}
+
+
+@dataclasses.dataclass
+class TrainingState:
+    """One backend's training state, framework-neutral: NumPy arrays keyed by attribute path.
+
+    `framework` names the layout of the arrays ("jax": Flax paths, kernels (in, out); "torch":
+    state-dict keys, weights (out, in)). `mu` and `nu` are Adam's moments, None before the first
+    update (torch keeps none then). `rng` is the framework's own random state (JAX: the run's
+    key data; torch: the CPU generator), None once the state has crossed frameworks, since
+    dropout streams cannot be matched. The data position travels in the checkpoint's meta.
+    """
+
+    framework: str
+    step: int
+    params: dict[str, np.ndarray]
+    mu: dict[str, np.ndarray] | None = None
+    nu: dict[str, np.ndarray] | None = None
+    rng: np.ndarray | None = None
+
+    def check(self) -> None:
+        """Both moments or neither, with the parameters' keys, shapes and dtypes."""
+        if (self.mu is None) != (self.nu is None):
+            raise ValueError("Adam state holds only one of its two moments")
+        if self.mu is None:
+            if self.step != 0:
+                raise ValueError(f"Adam state is empty but the step is {self.step}: the moments are missing")
+            return
+        shapes = {k: np.shape(v) for k, v in self.params.items()}
+        for name, moments in (("Adam first moments (mu / exp_avg)", self.mu), ("Adam second moments (nu / exp_avg_sq)", self.nu)):
+            check_keys(name, shapes, {k: np.shape(v) for k, v in moments.items()})
+            wrong = [f"{k}: {np.dtype(m.dtype)}, parameter {np.dtype(self.params[k].dtype)}"
+                     for k, m in moments.items() if m.dtype != self.params[k].dtype]
+            if wrong:
+                raise ValueError(f"{name} have other dtypes than their parameters:\n  " + "\n  ".join(wrong))
+
+    def differences(self, other: TrainingState) -> list[str]:
+        """What differs from `other`, bit for bit (empty: identical; the random state not compared)."""
+        out = [f"{name} {a} != {b}" for name in ("framework", "step")
+               if (a := getattr(self, name)) != (b := getattr(other, name))]
+        for name in ("params", "mu", "nu"):
+            x, y = getattr(self, name), getattr(other, name)
+            if (x is None) != (y is None):
+                out.append(f"{name}: one side empty")
+            elif x is not None and x.keys() != y.keys():
+                out.append(f"{name}: keys differ")
+            elif x is not None:
+                out += [f"{name}.{k}" for k in x if x[k].dtype != y[k].dtype or not np.array_equal(x[k], y[k])]
+        return out
+
+
+class CheckpointMismatchError(ValueError):
+    """Weights that do not fit the architecture: lists every offending key with both shapes."""
+
+    def __init__(self, what: str, missing=(), unexpected=(), wrong_shape=()):
+        self.missing, self.unexpected, self.wrong_shape = list(missing), list(unexpected), list(wrong_shape)
+        lines = [f"{what} do not match the architecture:"]
+        lines += [f"  missing     {k}  expected {tuple(s)}" for k, s in self.missing]
+        lines += [f"  unexpected  {k}  got {tuple(s)}" for k, s in self.unexpected]
+        lines += [f"  wrong shape {k}  expected {tuple(e)}, got {tuple(g)}" for k, e, g in self.wrong_shape]
+        super().__init__("\n".join(lines))
+
+
+def check_keys(what: str, expected: Mapping[str, tuple], got: Mapping[str, tuple]) -> None:
+    """CheckpointMismatchError unless `got` has exactly the keys and shapes of `expected`."""
+    missing = [(k, expected[k]) for k in expected if k not in got]
+    unexpected = [(k, got[k]) for k in got if k not in expected]
+    wrong = [(k, expected[k], got[k]) for k in expected if k in got and tuple(got[k]) != tuple(expected[k])]
+    if missing or unexpected or wrong:
+        raise CheckpointMismatchError(what, missing, unexpected, wrong)
 
 
 class CheckpointError(Exception):
@@ -151,25 +231,3 @@ def create_backend(
     """
     module = importlib.import_module(BACKEND_MODULES[exp_cfg.backend])
     return module.create(exp_cfg, model_cfg, checkpoint_dir)
-
-
-def choose_checkpoint(steps: Sequence[int], which: str | int, best, where) -> int:
-    """The step `which` ("latest", "best" or a step number) names among `steps` (oldest first);
-    `best(steps)` ranks them (None: no metrics, the latest is taken). FileNotFoundError when
-    there is no such checkpoint in `where`."""
-    if not steps:
-        raise FileNotFoundError(f"no checkpoint in {where}")
-    if which == "latest":
-        return steps[-1]
-    if which == "best":
-        return best(steps) or steps[-1]
-    step = int(which)
-    if step not in steps:
-        raise FileNotFoundError(f"no checkpoint of step {step} in {where} (have {list(steps)})")
-    return step
-
-
-def best_of(steps_metrics: Mapping[int, Mapping[str, float] | None], key: str = "bleu") -> int | None:
-    """The step with the highest `key` among checkpoints that have metrics (ties: the newest)."""
-    ranked = [(m[key], step) for step, m in steps_metrics.items() if m is not None and key in m]
-    return max(ranked)[1] if ranked else None

@@ -46,9 +46,10 @@ from jax_transformer import decode, sharding
 from jax_transformer.objective import label_smoothed_cross_entropy, noam_learning_rate
 from torch_reference.config import TransformerConfig
 
-from .backend import Metrics, Topology, choose_checkpoint, unreadable
+from .backend import Metrics, Topology, TrainingState, check_keys, unreadable
 from .config import ExperimentConfig
 from .data import Batch
+from .rundir import choose_checkpoint
 
 # Orbax warns through absl for every checkpoint saved without metrics (those between evaluations).
 logging.getLogger("absl").setLevel(logging.ERROR)
@@ -257,9 +258,13 @@ class JaxBackend:
         self.manager.reload()
         return sorted(self.manager.all_steps())
 
+    def checkpoint_metrics(self, step: int) -> dict[str, float] | None:
+        metrics = self.manager.metrics(step)
+        return None if metrics is None else dict(metrics)
+
     def restore(self, which: str | int = "latest") -> dict[str, Any]:
         steps = self.checkpoint_steps()
-        step = choose_checkpoint(steps, which, lambda steps: self.manager.best_step(), self._checkpoint_dir)
+        step = choose_checkpoint(steps, which, self.checkpoint_metrics, self._checkpoint_dir)
         try:
             return self._restore(step)
         except Exception as err:  # orbax, tensorstore and JSON each raise their own kinds
@@ -283,19 +288,73 @@ class JaxBackend:
             self._manager = None
 
     # ------------------------------------------------------------------------------------------
-    # Weights as torch state dicts (imports torch through parity.convert, only when called)
+    # State: flat {Flax path: NumPy array}, kernels (in, out)
 
-    def torch_state_dict(self) -> dict[str, Any]:
-        from parity import convert
+    def weights(self) -> dict[str, np.ndarray]:
+        return _to_flat(self.local_params())
 
-        return convert.jax_params_to_torch(convert.jax_params(self._model(self.local_params())), self.model_cfg)
+    def export_state(self) -> TrainingState:
+        local = sharding.local_copy({"step": self.state["step"], "opt_state": self.state["opt_state"]})
+        counts = {"trainer step": int(local["step"]), "host step": self._step}
+        counts.update({_key(path): int(c) for path, c in optax.tree_utils.tree_get_all_with_path(local["opt_state"], "count")})
+        if len(set(counts.values())) != 1:
+            raise ValueError(f"the JAX state's step counters disagree: {counts}")
+        opt = local["opt_state"]
+        mu, nu = (_to_flat(optax.tree_utils.tree_get(opt, name)) for name in ("mu", "nu"))
+        if self._step == 0:  # torch keeps no moments before the first update; optax holds zeros
+            mu = nu = None
+        rng = np.array(jax.random.key_data(sharding.local_copy(self.rng)), copy=True)
+        state = TrainingState("jax", self._step, self.weights(), mu, nu, rng)
+        state.check()
+        return state
 
-    def load_torch_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        from parity import convert
+    def import_state(self, state: TrainingState) -> None:
+        if state.framework != "jax":
+            raise ValueError(f"a {state.framework} training state: convert it to JAX's layout first (parity.convert)")
+        state.check()
+        old = self.state
+        params = _from_flat(old["params"], state.params, "weights")
+        opt_state = self.tx.init(params)
+        if state.mu is not None:
+            template = optax.tree_utils.tree_get(old["opt_state"], "mu")
+            opt_state = optax.tree_utils.tree_set(
+                opt_state, mu=_from_flat(template, state.mu, "Adam first moments (mu / exp_avg)"),
+                nu=_from_flat(template, state.nu, "Adam second moments (nu / exp_avg_sq)"),
+            )
+        opt_state = optax.tree_utils.tree_set(opt_state, count=jnp.asarray(state.step, jnp.int32))
+        step = jnp.asarray(state.step, old["step"].dtype)
+        self.state = sharding.replicate({"params": params, "opt_state": opt_state, "step": step}, self.mesh)
+        self._step = state.step
+        if state.rng is not None:
+            self.rng = sharding.replicate(jax.random.wrap_key_data(np.asarray(state.rng, np.uint32)), self.mesh)
 
-        model = convert.torch_to_jax(dict(state_dict), self.model_cfg)
-        _, params, _ = nnx.split(model, nnx.Param, ...)
-        self.state = {**self.state, "params": sharding.replicate(params, self.mesh)}
+
+def _key(path: tuple) -> str:
+    """A JAX tree path -> the dotted attribute path `encoder.layers.0.self_attn.q_proj.kernel`."""
+    names = []
+    for p in path:
+        if isinstance(p, jax.tree_util.GetAttrKey) and p.name == "value":
+            continue  # an nnx.Variable's value
+        names.append(str(getattr(p, "key", getattr(p, "idx", getattr(p, "name", p)))))
+    return ".".join(names)
+
+
+def _to_flat(tree: Any) -> dict[str, np.ndarray]:
+    """{attribute path: NumPy copy} of a parameter-shaped tree (copies: the state's buffers are
+    donated to the next update)."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {_key(path): np.array(jax.device_get(leaf), copy=True) for path, leaf in leaves}
+
+
+def _from_flat(template: Any, flat: Mapping[str, np.ndarray], what: str) -> Any:
+    """`flat` as a tree of NumPy arrays shaped like `template`; keys, shapes and dtypes checked."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(template)
+    check_keys(what, {_key(p): tuple(leaf.shape) for p, leaf in leaves}, {k: np.shape(v) for k, v in flat.items()})
+    wrong = [f"{_key(p)}: expected {leaf.dtype}, got {flat[_key(p)].dtype}" for p, leaf in leaves
+             if flat[_key(p)].dtype != leaf.dtype]
+    if wrong:
+        raise ValueError(f"{what} have other dtypes than the target:\n  " + "\n  ".join(wrong))
+    return jax.tree_util.tree_unflatten(treedef, [np.asarray(flat[_key(p)]) for p, _ in leaves])
 
 
 def _bleu(metrics: Mapping[str, float]) -> float:

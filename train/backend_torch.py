@@ -21,7 +21,7 @@ import contextlib
 import json
 import os
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,14 +35,12 @@ from torch_reference import decode
 from torch_reference.config import TransformerConfig
 from torch_reference.objective import label_smoothed_cross_entropy, noam_learning_rate
 
-from .backend import Metrics, Topology, best_of, choose_checkpoint, unreadable
+from .backend import Metrics, Topology, TrainingState, check_keys, unreadable
 from .config import ExperimentConfig
 from .data import Batch
+from .rundir import WEIGHTS_CONFIG_KEY, choose_checkpoint
 
 RNG_KEY = "__torch_cpu_rng_state__"
-# The safetensors metadata key that parity.convert.load_torch_weights reads the config from
-# (parity.convert.CONFIG_KEY; not imported, as parity.convert loads jax).
-CONFIG_KEY = "transformer_config"
 
 
 def _tensors(batch: Batch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -162,7 +160,52 @@ class TorchBackend:
         return tokens.cpu().numpy().astype(np.int32)
 
     # ------------------------------------------------------------------------------------------
-    # Checkpoints
+    # State
+
+    def weights(self) -> dict[str, np.ndarray]:
+        return {k: v.detach().cpu().numpy().copy() for k, v in self.model.state_dict().items()}
+
+    def export_state(self) -> TrainingState:
+        names = {p: name for name, p in self.model.named_parameters()}
+        moments = {names[p]: s for p, s in self.optimizer.state.items()}
+        mu = {n: s["exp_avg"].detach().cpu().numpy().copy() for n, s in moments.items()} or None
+        nu = {n: s["exp_avg_sq"].detach().cpu().numpy().copy() for n, s in moments.items()} or None
+        rng = torch.get_rng_state().numpy().copy()
+        state = TrainingState("torch", self.step, self.weights(), mu, nu, rng)
+        state.check()
+        return state
+
+    def import_state(self, state: TrainingState) -> None:
+        if state.framework != "torch":
+            raise ValueError(f"a {state.framework} training state: convert it to torch's layout first (parity.convert)")
+        state.check()
+        current = self.model.state_dict()
+        check_keys("PyTorch weights", {k: tuple(v.shape) for k, v in current.items()}, {k: np.shape(v) for k, v in state.params.items()})
+        wrong = [f"{k}: expected {current[k].dtype}, got {v.dtype}" for k, v in state.params.items()
+                 if v.dtype != current[k].detach().cpu().numpy().dtype]
+        if wrong:
+            raise ValueError("weights have other dtypes than the target:\n  " + "\n  ".join(wrong))
+        with torch.no_grad():
+            self.model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in state.params.items()}, strict=True)
+        # torch.optim.Adam's own layout, by parameter index; `step` as the float tensor it keeps.
+        optimizer_state = self.optimizer.state_dict()
+        names = [name for name, _ in self.model.named_parameters()]
+        adam_step = torch.tensor(float(state.step))
+        optimizer_state["state"] = {} if state.mu is None else {
+            i: {"step": adam_step.clone(), "exp_avg": torch.from_numpy(np.array(state.mu[n])),
+                "exp_avg_sq": torch.from_numpy(np.array(state.nu[n]))}
+            for i, n in enumerate(names)
+        }
+        self.optimizer.load_state_dict(optimizer_state)
+        # LambdaLR's position is the number of updates done; the next runs at lr(step + 1).
+        self.scheduler.last_epoch = state.step
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.learning_rate(state.step + 1)
+        if state.rng is not None:
+            torch.set_rng_state(torch.from_numpy(np.asarray(state.rng, np.uint8)))
+
+    # ------------------------------------------------------------------------------------------
+    # Checkpoints: export_state written as two safetensors files and a JSON record
 
     def _require_dir(self) -> Path:
         if self._checkpoint_dir is None:
@@ -175,27 +218,29 @@ class TorchBackend:
             return []
         return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit() and (p / "meta.json").is_file())
 
-    def _read_meta(self, step: int) -> dict[str, Any]:
-        return json.loads((self._require_dir() / str(step) / "meta.json").read_text())
+    def checkpoint_metrics(self, step: int) -> dict[str, float] | None:
+        try:
+            return json.loads((self._require_dir() / str(step) / "meta.json").read_text())["metrics"]
+        except (OSError, ValueError, KeyError) as err:
+            raise unreadable(self._checkpoint_dir, step, self.checkpoint_steps(), err) from err
 
     def save(self, meta: dict[str, Any], metrics: dict[str, float] | None = None) -> None:
         root = self._require_dir()
         root.mkdir(parents=True, exist_ok=True)
-        step = self.step
-        tmp = root / f".tmp-{step}"
+        state = self.export_state()
+        tmp = root / f".tmp-{state.step}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        weights = {k: v.detach().contiguous().cpu() for k, v in self.model.state_dict().items()}
-        save_file(weights, str(tmp / "model.safetensors"), metadata={CONFIG_KEY: self.model_cfg.to_json()})
-        names = {p: name for name, p in self.model.named_parameters()}
-        moments = {RNG_KEY: torch.get_rng_state()}
-        for p, state in self.optimizer.state.items():
-            moments[f"{names[p]}.exp_avg"] = state["exp_avg"].detach().contiguous().cpu()
-            moments[f"{names[p]}.exp_avg_sq"] = state["exp_avg_sq"].detach().contiguous().cpu()
+        save_file({k: torch.from_numpy(v) for k, v in state.params.items()}, str(tmp / "model.safetensors"),
+                  metadata={WEIGHTS_CONFIG_KEY: self.model_cfg.to_json()})
+        moments = {RNG_KEY: torch.from_numpy(state.rng)}
+        for name in state.mu or {}:
+            moments[f"{name}.exp_avg"] = torch.from_numpy(state.mu[name])
+            moments[f"{name}.exp_avg_sq"] = torch.from_numpy(state.nu[name])
         save_file(moments, str(tmp / "optimizer.safetensors"))
-        record = {"step": step, "scheduler_last_epoch": self.scheduler.last_epoch, "metrics": metrics, "meta": meta}
+        record = {"step": state.step, "metrics": metrics, "meta": meta}
         (tmp / "meta.json").write_text(json.dumps(record, indent=2))
-        final = root / str(step)
+        final = root / str(state.step)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)  # the checkpoint appears complete or not at all
@@ -207,63 +252,32 @@ class TorchBackend:
             shutil.rmtree(stale, ignore_errors=True)
         steps = self.checkpoint_steps()
         keep = set(steps[-self.exp_cfg.keep_checkpoints :])
-        best = self._best(steps)
-        if best is not None:
-            keep.add(best)
+        keep.add(choose_checkpoint(steps, "best", self.checkpoint_metrics, self._checkpoint_dir))
         for s in steps:
             if s not in keep:
                 shutil.rmtree(self._require_dir() / str(s))
 
     def restore(self, which: str | int = "latest") -> dict[str, Any]:
         steps = self.checkpoint_steps()
-        step = choose_checkpoint(steps, which, self._best, self._checkpoint_dir)
+        step = choose_checkpoint(steps, which, self.checkpoint_metrics, self._checkpoint_dir)
         try:
             return self._restore(step)
         except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as err:
             raise unreadable(self._checkpoint_dir, step, steps, err) from err
 
-    def _best(self, steps: list[int]) -> int | None:
-        metrics = {}
-        for s in steps:
-            try:
-                metrics[s] = self._read_meta(s)["metrics"]
-            except (OSError, ValueError, KeyError) as err:
-                raise unreadable(self._checkpoint_dir, s, steps, err) from err
-        return best_of(metrics)
-
     def _restore(self, step: int) -> dict[str, Any]:
         directory = self._require_dir() / str(step)
         record = json.loads((directory / "meta.json").read_text())
-        weights = load_file(str(directory / "model.safetensors"), device=str(self.device))
-        self.model.load_state_dict(weights, strict=True)
-        moments = load_file(str(directory / "optimizer.safetensors"))
-        torch.set_rng_state(moments.pop(RNG_KEY))
-        state = self.optimizer.state_dict()
-        # torch.optim.Adam's own state layout, by parameter index; `step` as the float tensor it keeps.
-        names = [name for name, _ in self.model.named_parameters()]
-        adam_step = torch.tensor(float(record["step"]))
-        state["state"] = {
-            i: {"step": adam_step.clone(), "exp_avg": moments[f"{n}.exp_avg"], "exp_avg_sq": moments[f"{n}.exp_avg_sq"]}
-            for i, n in enumerate(names)
-            if f"{n}.exp_avg" in moments
-        }
-        self.optimizer.load_state_dict(state)
-        self.scheduler.last_epoch = record["scheduler_last_epoch"]
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.learning_rate(self.scheduler.last_epoch + 1)
+        params = {k: v.numpy() for k, v in load_file(str(directory / "model.safetensors")).items()}
+        moments = {k: v.numpy() for k, v in load_file(str(directory / "optimizer.safetensors")).items()}
+        rng = moments.pop(RNG_KEY)
+        mu = {k.removesuffix(".exp_avg"): v for k, v in moments.items() if k.endswith(".exp_avg")} or None
+        nu = {k.removesuffix(".exp_avg_sq"): v for k, v in moments.items() if k.endswith(".exp_avg_sq")} or None
+        self.import_state(TrainingState("torch", int(record["step"]), params, mu, nu, rng))
         return record["meta"]
 
     def close(self) -> None:
         pass
-
-    # ------------------------------------------------------------------------------------------
-    # Weights
-
-    def torch_state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-
-    def load_torch_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        self.model.load_state_dict(dict(state_dict), strict=True)
 
 
 def create(exp_cfg: ExperimentConfig, model_cfg: TransformerConfig, checkpoint_dir: str | None = None) -> TorchBackend:

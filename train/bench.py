@@ -2,8 +2,9 @@
 
     python -m train.bench --presets tiny,small,base --backends jax,torch,torch-compile --json bench.json --plot bench.png
 
-For each preset and backend a fresh worker process builds the model from one set of reference
-weights (the JAX side converted from them), trains on the same fixed batches, and reports the
+For each preset and backend a fresh worker process builds the model (initialised from seed 0 in
+its framework: the work of a step does not depend on the weights' values), trains on the same
+fixed batches, and reports the
 median step time after warm-up (the first step, which compiles, is reported apart), tokens/s, the
 model FLOPs of a step, MFU against the fp32 matmul peak measured in that same process, and the
 peak memory of training (device memory on GPUs; on CPUs the rise of the process's peak resident
@@ -21,7 +22,6 @@ import resource
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -145,9 +145,6 @@ def run_worker(args) -> dict:
     # the first step), gradients, activations and the runtime's buffers.
     rss_base = _rss_mib()
     backend = create_backend(exp, cfg, None)
-    from safetensors.torch import load_file
-
-    backend.load_torch_state_dict(load_file(args.weights))
 
     times = []
     for i in range(args.warmup + args.steps):
@@ -254,7 +251,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", help=argparse.SUPPRESS)
     parser.add_argument("--backend", help=argparse.SUPPRESS)
     parser.add_argument("--batch-size", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--weights", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
     if args.worker:
@@ -271,31 +267,19 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unknown backend {b!r}; choose from {', '.join(BACKENDS)}")
     batch_size = max(1, args.batch_tokens // args.length)
 
-    import torch
-
-    import torch_reference
-
     results = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for preset in presets:
-            cfg = TransformerConfig.preset(preset, src_vocab_size=args.vocab_size, tgt_vocab_size=args.vocab_size,
-                                           max_len=max(args.length, 64))
-            torch.manual_seed(0)
-            weights = Path(tmp) / f"{preset}.safetensors"
-            from safetensors.torch import save_file
-
-            save_file(torch_reference.Transformer(cfg).state_dict(), str(weights))
-            for backend in backends:
-                command = [sys.executable, "-m", "train.bench", "--worker", "--preset", preset, "--backend", backend,
-                           "--batch-size", str(batch_size), "--length", str(args.length), "--vocab-size", str(args.vocab_size),
-                           "--steps", str(args.steps), "--warmup", str(args.warmup), "--dropout", str(args.dropout),
-                           "--dtype", args.dtype, "--weights", str(weights)]
-                print(f"{preset} / {backend} ...", file=sys.stderr, flush=True)
-                done = subprocess.run(command, capture_output=True, text=True)
-                if done.returncode:
-                    sys.stderr.write(done.stderr[-3000:])
-                    return 1
-                results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    for preset in presets:
+        for backend in backends:
+            command = [sys.executable, "-m", "train.bench", "--worker", "--preset", preset, "--backend", backend,
+                       "--batch-size", str(batch_size), "--length", str(args.length), "--vocab-size", str(args.vocab_size),
+                       "--steps", str(args.steps), "--warmup", str(args.warmup), "--dropout", str(args.dropout),
+                       "--dtype", args.dtype]
+            print(f"{preset} / {backend} ...", file=sys.stderr, flush=True)
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode:
+                sys.stderr.write(done.stderr[-3000:])
+                return 1
+            results.append(json.loads(done.stdout.strip().splitlines()[-1]))
 
     cpu = _cpu_name()
     print(f"\nmachine: {cpu}, {os.cpu_count()} CPUs; batch {batch_size} x {args.length} tokens per side; "

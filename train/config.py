@@ -18,7 +18,7 @@ import json
 import time
 from typing import Any, Literal
 
-from torch_reference.config import TransformerConfig
+from torch_reference.config import SPECIAL_TOKENS, TransformerConfig
 
 Backend = Literal["jax", "torch"]
 BACKENDS = ("jax", "torch")
@@ -39,23 +39,22 @@ WARMUP_FRACTION = 0.25
 
 # Fields derived from the data and the experiment, so `--set` may not change them.
 DERIVED_MODEL_FIELDS = ("src_vocab_size", "tgt_vocab_size", "max_len", "dropout", "share_embeddings")
-
-# Fields a resumed run may change; every other field defines the run and must match what it
-# was started with (model, data, tokenizer, batches, optimiser, seed).
-RESUMABLE_FIELDS = (
-    "steps", "eval_every", "log_every", "save_every", "keep_checkpoints", "eval_sentences", "samples", "beam",
-    "run_dir", "resume", "overwrite", "compile", "threads", "progress", "hf_cache",
-    # Where the run trains: a checkpoint restores onto any mesh. A device count that changes the
-    # batch shapes (Batcher multiple_of) is refused at resume time by the loop.
-    "devices", "coordinator_address", "num_processes", "process_id",
+# The special token ids are the tokenizers' (torch_reference.config.SPECIAL_TOKENS), shared by
+# data, model, loss and search: fixed, so `--set` may not change them either.
+SPECIAL_ID_FIELDS = ("pad_id", "bos_id", "eos_id")
+SPECIAL_IDS_FIXED = (
+    "the special token ids are fixed: " + ", ".join(f"{t}={i}" for i, t in enumerate(SPECIAL_TOKENS))
+    + " (the tokenizers', used alike by batches, model, loss and search)"
 )
 
 
-def _field(default: Any, group: str, help: str, **meta: Any) -> Any:
-    """A dataclass field with its CLI help text and flag group in the metadata."""
+def _field(default: Any, group: str, help: str, launch: bool = False, **meta: Any) -> Any:
+    """A dataclass field with its CLI help text and flag group in the metadata. `launch`: a launch
+    option (how and how long this launch runs), which is never saved with the experiment."""
+    metadata = {"help": help, "group": group, "launch": launch, **meta}
     if isinstance(default, dict):
-        return dataclasses.field(default_factory=dict, metadata={"help": help, "group": group, **meta})
-    return dataclasses.field(default=default, metadata={"help": help, "group": group, **meta})
+        return dataclasses.field(default_factory=dict, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,10 +103,10 @@ class ExperimentConfig:
     )
     max_len: int = _field(128, "data", "longest sequence in tokens (with <eos>); longer training pairs are dropped")
     token_budget: int = _field(4096, "data", "padded tokens per batch (B x L <= budget, per length bucket)")
-    hf_cache: str | None = _field(None, "data", "HF datasets cache directory; default: HF's own", metavar="DIR")
+    hf_cache: str | None = _field(None, "data", "HF datasets cache directory; default: HF's own", metavar="DIR", launch=True)
 
     # Optimisation
-    steps: int = _field(800, "optim", "optimizer updates to train for")
+    steps: int = _field(800, "optim", "optimizer updates to train for", launch=True)
     warmup: int | None = _field(
         None, "optim", f"warmup steps of the schedule (§5.3); default {WARMUP_FRACTION:g} x steps, "
         f"at most {PAPER_WARMUP}",
@@ -125,38 +124,38 @@ class ExperimentConfig:
 
     # Evaluation and logging
     eval_every: int = _field(
-        200, "eval", "validate (loss, perplexity, BLEU, chrF, samples) every N steps and at the end"
+        200, "eval", "validate (loss, perplexity, BLEU, chrF, samples) every N steps and at the end", launch=True
     )
-    log_every: int = _field(20, "eval", "read metrics from the device and log them every N steps")
+    log_every: int = _field(20, "eval", "read metrics from the device and log them every N steps", launch=True)
     eval_sentences: int | None = _field(
-        None, "eval", "translate at most this many validation sentences for BLEU/chrF; default: all"
+        None, "eval", "translate at most this many validation sentences for BLEU/chrF; default: all", launch=True
     )
-    samples: int = _field(3, "eval", "sample translations printed at each evaluation")
-    beam: int = _field(4, "eval", "beam size of the translations scored by BLEU/chrF (1 = greedy search)")
+    samples: int = _field(3, "eval", "sample translations printed at each evaluation", launch=True)
+    beam: int = _field(4, "eval", "beam size of the translations scored by BLEU/chrF (1 = greedy search)", launch=True)
 
     # Checkpoints
-    save_every: int | None = _field(None, "ckpt", "checkpoint every N steps and at the end; default: --eval-every")
-    keep_checkpoints: int = _field(2, "ckpt", "keep the newest N checkpoints, plus the best by validation BLEU")
+    save_every: int | None = _field(None, "ckpt", "checkpoint every N steps and at the end; default: --eval-every", launch=True)
+    keep_checkpoints: int = _field(2, "ckpt", "keep the newest N checkpoints, plus the best by validation BLEU", launch=True)
 
     # Run
     seed: int = _field(0, "run", "seed of the initial weights, dropout, batch order and the numbers corpus")
     run_dir: str | None = _field(
         None, "run", "directory for config, tokenizer, checkpoints, TensorBoard events and results.json; "
-        "default runs/BACKEND-TIMESTAMP", metavar="DIR",
+        "default runs/BACKEND-TIMESTAMP", metavar="DIR", launch=True,
     )
-    resume: bool = _field(False, "run", "continue the run in --run-dir from its newest complete checkpoint")
-    overwrite: bool = _field(False, "run", "delete the run already in --run-dir and start afresh")
-    compile: bool = _field(False, "run", "torch backend: wrap the model with torch.compile")
+    resume: bool = _field(False, "run", "continue the run in --run-dir from its newest complete checkpoint", launch=True)
+    overwrite: bool = _field(False, "run", "delete the run already in --run-dir and start afresh", launch=True)
+    compile: bool = _field(False, "run", "torch backend: wrap the model with torch.compile", launch=True)
     threads: int | None = _field(
-        None, "run", "torch backend: intra-op CPU threads; default: the CPUs this process may use"
+        None, "run", "torch backend: intra-op CPU threads; default: the CPUs this process may use", launch=True
     )
-    progress: bool = _field(True, "run", "show a progress bar (--no-progress for logs)")
+    progress: bool = _field(True, "run", "show a progress bar (--no-progress for logs)", launch=True)
 
     # Devices, processes and precision
     devices: int | None = _field(
         None, "dist", "jax backend: train data parallel over the first N devices (the global batch is split "
         "evenly over them, every bucket's batch size a multiple of N); default: every visible device. The torch "
-        "backend trains on one device",
+        "backend trains on one device", launch=True,
     )
     dtype: Dtype = _field(
         "float32", "dist", "compute dtype: float32, or bfloat16 mixed precision (activations and matmuls in "
@@ -164,14 +163,14 @@ class ExperimentConfig:
     )
     coordinator_address: str | None = _field(
         None, "dist", "jax multi-process run: HOST:PORT of process 0's coordinator, for jax.distributed.initialize; "
-        "default: $JAX_COORDINATOR_ADDRESS, else a single process", metavar="HOST:PORT",
+        "default: $JAX_COORDINATOR_ADDRESS, else a single process", metavar="HOST:PORT", launch=True,
     )
     num_processes: int | None = _field(
-        None, "dist", "jax multi-process run: number of processes; default: $JAX_NUM_PROCESSES, else 1"
+        None, "dist", "jax multi-process run: number of processes; default: $JAX_NUM_PROCESSES, else 1", launch=True
     )
     process_id: int | None = _field(
         None, "dist", "jax multi-process run: this process's id, 0..N-1 (0 writes logs and results); "
-        "default: $JAX_PROCESS_ID"
+        "default: $JAX_PROCESS_ID", launch=True
     )
 
     def __post_init__(self):
@@ -179,6 +178,9 @@ class ExperimentConfig:
             raise ValueError(f"backend={self.backend!r} is not one of {', '.join(BACKENDS)}")
         if self.preset not in TransformerConfig.presets():
             raise ValueError(f"preset={self.preset!r} is not one of {', '.join(TransformerConfig.presets())}")
+        fixed = sorted(set(self.model) & set(SPECIAL_ID_FIELDS))
+        if fixed:
+            raise ValueError(f"--set {fixed[0]}=... is not allowed: {SPECIAL_IDS_FIXED}")
         bad = sorted(set(self.model) & set(DERIVED_MODEL_FIELDS))
         if bad:
             raise ValueError(
@@ -259,8 +261,21 @@ class ExperimentConfig:
     def replace(self, **changes: Any) -> ExperimentConfig:
         return dataclasses.replace(self, **changes)
 
+    @classmethod
+    def launch_fields(cls) -> tuple[str, ...]:
+        """The launch options: where, how long and how this launch runs (paths, resume, steps,
+        evaluation and checkpoint intervals, progress, threads, devices, processes). A resume may
+        change them; they are never saved with the experiment."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.metadata["launch"])
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def experiment(self) -> dict[str, Any]:
+        """The fields that define how the run trains: what config.json and checkpoints save, and
+        what a resume must match."""
+        launch = self.launch_fields()
+        return {k: v for k, v in self.to_dict().items() if k not in launch}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ExperimentConfig:
@@ -280,5 +295,7 @@ class ExperimentConfig:
 
 def parse_model_override(text: str) -> tuple[str, Any]:
     """'FIELD=VALUE' -> (field, value typed like the TransformerConfig field), for `--set`;
-    the fields derived from the data are refused."""
+    the fields derived from the data and the special token ids are refused."""
+    if text.partition("=")[0] in SPECIAL_ID_FIELDS:
+        raise ValueError(f"{text.partition('=')[0]} cannot be set: {SPECIAL_IDS_FIXED}")
     return TransformerConfig.parse_override(text, exclude=DERIVED_MODEL_FIELDS)

@@ -27,7 +27,8 @@ Corpora are lists of (source, target) sentence pairs:
   counted (`LoadedPairs.skipped_empty`).
 
 Tokenizers are byte-level BPE (HF `tokenizers`), trained on the training split, one joint
-source+target vocabulary by default. Special ids: <pad>=0, <bos>=1, <eos>=2, <unk>=3. Encoding
+source+target vocabulary by default. Special ids: `torch_reference.config.SPECIAL_TOKENS`
+(<pad>=0, <bos>=1, <eos>=2, <unk>=3), the one definition the model, loss and search read too. Encoding
 appends <eos>; decoding stops at the first <eos> and drops the other special tokens. Byte-level
 BPE never maps to <unk> and decode(encode(s)) == s for every s without leading whitespace (the
 one space byte-level BPE prepends is removed again, so leading whitespace is lost).
@@ -45,7 +46,6 @@ import dataclasses
 import functools
 import gzip
 import logging
-import os
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -54,10 +54,10 @@ import numpy as np
 from num2words import num2words
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from torch_reference.config import BOS_ID, EOS_ID, PAD_ID, SPECIAL_TOKENS, UNK_ID
+
 log = logging.getLogger(__name__)
 
-PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
-SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")  # list position == id
 
 Pair = tuple[str, str]
 
@@ -267,15 +267,6 @@ def check_text(path: Path, chunk_size: int = 1 << 20) -> int:
         raise ValueError(f"cannot read {path}: {err}") from None
 
 
-def write_text_atomic(path: str | Path, text: str) -> None:
-    """Write `text` to a temporary file beside `path`, then rename it into place: a crash leaves
-    the old file or the new one, never half of one."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def _columns(options: str, src: str, tgt: str) -> tuple[str, str]:
     """Column names from '#src=A,tgt=B' options (either may be left out)."""
     names = {"src": src, "tgt": tgt}
@@ -366,34 +357,6 @@ def train_tokenizers(
     return Tokenizers(
         train_tokenizer(sources, vocab_size, min_frequency), train_tokenizer(targets, vocab_size, min_frequency)
     )
-
-
-def save_tokenizers(tokenizers: Tokenizers, run_dir: str | Path) -> None:
-    """Write run_dir/tokenizer.json (joint) or run_dir/src_tokenizer.json + tgt_tokenizer.json."""
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if tokenizers.joint:
-        write_text_atomic(run_dir / "tokenizer.json", tokenizers.src.to_str())
-    else:
-        write_text_atomic(run_dir / "src_tokenizer.json", tokenizers.src.to_str())
-        write_text_atomic(run_dir / "tgt_tokenizer.json", tokenizers.tgt.to_str())
-
-
-def load_tokenizers(run_dir: str | Path) -> Tokenizers:
-    """Read what `save_tokenizers` wrote; a joint tokenizer comes back as one shared object."""
-    run_dir = Path(run_dir)
-    if (run_dir / "tokenizer.json").is_file():
-        tokenizer = _read_tokenizer(run_dir / "tokenizer.json")
-        return Tokenizers(tokenizer, tokenizer)
-    src, tgt = run_dir / "src_tokenizer.json", run_dir / "tgt_tokenizer.json"
-    return Tokenizers(_read_tokenizer(_existing(src)), _read_tokenizer(_existing(tgt)))
-
-
-def _read_tokenizer(path: Path) -> Tokenizer:
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as err:  # tokenizers raises a bare Exception for unreadable JSON
-        raise ValueError(f"{path} is not a readable tokenizer ({err})") from None
 
 
 def encode(tokenizer: Tokenizer, texts: Sequence[str]) -> list[list[int]]:

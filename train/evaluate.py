@@ -22,6 +22,7 @@ import sacrebleu
 
 from . import data
 from .backend import Backend
+from .rundir import UserError, load_split, open_run, write_text_atomic
 from .translate import add_run_arguments, positive_int, translate_texts
 
 
@@ -94,8 +95,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", type=Path, help="also write the JSON to this file")
     args = parser.parse_args(argv)
 
-    from .loop import UserError, load_split, open_run  # here: loads a framework
-
     try:
         run = open_run(args.run_dir, args.checkpoint)
         pairs = load_split(run.config, args.data)
@@ -110,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     text = json.dumps(result, indent=2, ensure_ascii=False)
     print(text)
     if args.output is not None:
-        data.write_text_atomic(args.output, text + "\n")
+        write_text_atomic(args.output, text + "\n")
     return 0
 
 

@@ -19,23 +19,15 @@ seed); the backend keeps each process's rows of a batch; process 0 alone claims 
 directory (config, tokenizer, TensorBoard, results.json) and prints; checkpoints are written by
 all of them together (orbax).
 
-A run directory holds:
-    config.json            the resolved ExperimentConfig (what resume, translate, evaluate read)
-    model.json             the TransformerConfig
-    tokenizer.json         or src_tokenizer.json + tgt_tokenizer.json
-    checkpoints/<step>/    the backend's checkpoints (newest N plus the best by validation BLEU)
-    tensorboard/           event files
-    results.json           final metrics, written at the end
+The run directory's files and rules are `train.rundir`'s.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import os
-import shutil
 import signal
 import sys
 import threading
@@ -46,19 +38,14 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from torch_reference.config import TransformerConfig
-
 from . import data
 from .backend import Backend, CheckpointError, Topology, create_backend, initialize
-from .config import RESUMABLE_FIELDS, ExperimentConfig
+from .config import ExperimentConfig
 from .evaluate import evaluate_pairs
-
-CONFIG_FILE, MODEL_FILE, RESULTS_FILE = "config.json", "model.json", "results.json"
-CHECKPOINTS, TENSORBOARD = "checkpoints", "tensorboard"
-
-
-class UserError(Exception):
-    """A problem with the flags, files or run directory the user gave: reported without a traceback."""
+from .rundir import (
+    CHECKPOINTS, RESULTS_FILE, TENSORBOARD, UserError, check_checkpoint_config, claim_run_dir, follow_run_dir,
+    load_splits, load_tokenizers, prepare_run_dir, write_json_atomic,
+)
 
 
 class TrainingDiverged(UserError):
@@ -73,41 +60,8 @@ class Interrupted(Exception):
         self.signum = signum
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write JSON to a temporary file beside `path`, then rename it into place."""
-    data.write_text_atomic(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
-
-
 # ----------------------------------------------------------------------------------------------
 # Data
-
-
-def load_splits(cfg: ExperimentConfig) -> data.Splits:
-    """Train, validation and test pairs: the numbers corpus, or the --train/--valid/--test specs
-    (test empty when not given). Bad specs and missing files raise UserError."""
-    if cfg.uses_numbers_corpus:
-        return data.numbers_corpus(cfg.numbers_train, cfg.numbers_valid, cfg.numbers_test, seed=cfg.seed)
-    return data.Splits(*(load_split(cfg, spec) if spec else [] for spec in (cfg.train, cfg.valid, cfg.test)))
-
-
-def load_split(cfg: ExperimentConfig, spec: str) -> list[data.Pair]:
-    """Pairs of one data spec, or of `numbers:train|valid|test`, the run's numbers corpus split."""
-    if spec.startswith("numbers:"):
-        name = spec.partition(":")[2]
-        if name not in ("train", "valid", "test"):
-            raise UserError(f"expected numbers:train, numbers:valid or numbers:test, got {spec!r}")
-        corpus = data.numbers_corpus(cfg.numbers_train, cfg.numbers_valid, cfg.numbers_test, seed=cfg.seed)
-        return getattr(corpus, name)
-    try:
-        loaded = data.load_parallel(spec, cache_dir=cfg.hf_cache)
-    except (FileNotFoundError, ValueError) as err:
-        raise UserError(f"cannot load {spec!r}: {err}") from None
-    if not loaded.pairs:
-        raise UserError(f"{spec!r} holds no sentence pairs" + (
-            f" ({loaded.skipped_empty} skipped: a side is empty)" if loaded.skipped_empty else ""))
-    if loaded.skipped_empty:
-        _say(f"{spec}: skipped {loaded.skipped_empty} of {loaded.skipped_empty + len(loaded.pairs)} pairs with an empty side")
-    return loaded.pairs
 
 
 def make_batcher(cfg: ExperimentConfig, tokenizers: data.Tokenizers, pairs, num_devices: int = 1) -> data.Batcher:
@@ -130,127 +84,6 @@ def make_batcher(cfg: ExperimentConfig, tokenizers: data.Tokenizers, pairs, num_
             "(<eos> included); raise --max-len"
         )
     return batcher
-
-
-# ----------------------------------------------------------------------------------------------
-# Run directory
-
-
-def _resumed_config(saved: ExperimentConfig, cfg: ExperimentConfig, explicit: Iterable[str] | None) -> ExperimentConfig:
-    """The saved config with the fields the user gave again: those in RESUMABLE_FIELDS replace
-    the saved values; any other that differs is an error (it would change the run)."""
-    if explicit is None:  # a programmatic call: every field that is set counts as given
-        explicit = [f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) is not None]
-    conflicts = [
-        f"--{name.replace('_', '-')}: run has {getattr(saved, name)!r}, got {getattr(cfg, name)!r}"
-        for name in explicit
-        if name not in RESUMABLE_FIELDS and getattr(cfg, name) != getattr(saved, name)
-    ]
-    if conflicts:
-        raise UserError("--resume cannot change how the run trains:\n  " + "\n  ".join(conflicts))
-    changes = {name: getattr(cfg, name) for name in explicit if name in RESUMABLE_FIELDS}
-    changes.update(resume=True, overwrite=False, run_dir=cfg.run_dir)
-    return saved.replace(**changes).resolve()
-
-
-def claim_run_dir(cfg: ExperimentConfig, explicit: Iterable[str] | None = None) -> ExperimentConfig:
-    """Check the run directory against --resume/--overwrite and return the config to run with:
-    the resolved `cfg` for a new run, the saved config (with resumable changes) on --resume.
-    Changes nothing on disk: `prepare_run_dir` does, once the data has loaded.
-
-    A directory holding a run (config.json) is refused unless --resume or --overwrite; a
-    non-empty directory that holds no run is never deleted.
-    """
-    cfg = cfg.resolve()
-    run_dir = Path(cfg.run_dir)
-    holds_run = (run_dir / CONFIG_FILE).is_file()
-    if run_dir.exists() and not run_dir.is_dir():
-        raise UserError(f"--run-dir {run_dir} is a file")
-    if cfg.resume:
-        if not holds_run:
-            raise UserError(f"nothing to resume: {run_dir} holds no run ({CONFIG_FILE} missing)")
-        saved = ExperimentConfig.from_json((run_dir / CONFIG_FILE).read_text())
-        return _resumed_config(saved, cfg, explicit)
-    if holds_run:
-        if not cfg.overwrite:
-            raise UserError(f"{run_dir} already holds a run; pass --resume to continue it or --overwrite to replace it")
-    elif run_dir.is_dir() and any(run_dir.iterdir()):
-        raise UserError(f"{run_dir} is not empty and holds no run; choose another --run-dir")
-    return cfg
-
-
-def prepare_run_dir(cfg: ExperimentConfig) -> None:
-    """Create the run directory `claim_run_dir` accepted, deleting the old run on --overwrite."""
-    run_dir = Path(cfg.run_dir)
-    if cfg.overwrite and (run_dir / CONFIG_FILE).is_file():
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-
-
-def follow_run_dir(cfg: ExperimentConfig, explicit: Iterable[str] | None = None) -> ExperimentConfig:
-    """`claim_run_dir` for the processes other than 0 of a multi-process run: the same config,
-    without checking, creating or deleting anything (process 0 does that)."""
-    cfg = cfg.resolve()
-    if not cfg.resume:
-        return cfg
-    path = Path(cfg.run_dir) / CONFIG_FILE
-    if not path.is_file():
-        raise UserError(f"nothing to resume: {cfg.run_dir} holds no run ({CONFIG_FILE} missing)")
-    return _resumed_config(ExperimentConfig.from_json(path.read_text()), cfg, explicit)
-
-
-def _check_checkpoint_config(meta: dict[str, Any], cfg: ExperimentConfig) -> None:
-    """Refuse a checkpoint written by another run: one whose config (saved in its meta) differs
-    from this run's in a field that changes how the run trains."""
-    saved = ExperimentConfig.from_dict(meta["config"]) if "config" in meta else cfg
-    differ = [
-        f"--{f.name.replace('_', '-')}: checkpoint has {getattr(saved, f.name)!r}, run has {getattr(cfg, f.name)!r}"
-        for f in dataclasses.fields(cfg)
-        if f.name not in RESUMABLE_FIELDS and getattr(saved, f.name) != getattr(cfg, f.name)
-    ]
-    if differ:
-        raise UserError(
-            f"checkpoint {meta.get('step')} in {cfg.run_dir} was written by a run configured differently, so it "
-            "cannot be resumed here:\n  " + "\n  ".join(differ)
-        )
-
-
-@dataclasses.dataclass
-class Run:
-    """A trained run opened for translation or evaluation."""
-
-    run_dir: Path
-    config: ExperimentConfig
-    model_config: TransformerConfig
-    tokenizers: data.Tokenizers
-    backend: Backend
-    meta: dict[str, Any]
-
-
-def open_run(run_dir: str | Path, checkpoint: str | int = "best") -> Run:
-    """Config, tokenizers and a backend holding checkpoint `checkpoint` ("best", "latest" or a step)."""
-    run_dir = Path(run_dir)
-    if not (run_dir / CONFIG_FILE).is_file():
-        raise UserError(f"{run_dir} is not a run directory ({CONFIG_FILE} missing)")
-    # One process on every visible device, whatever the run trained on: checkpoints restore onto any mesh.
-    cfg = ExperimentConfig.from_json((run_dir / CONFIG_FILE).read_text()).replace(
-        devices=None, coordinator_address=None, num_processes=None, process_id=None
-    )
-    model_cfg = TransformerConfig.from_json((run_dir / MODEL_FILE).read_text())
-    if isinstance(checkpoint, str) and checkpoint.isdigit():
-        checkpoint = int(checkpoint)
-    elif checkpoint not in ("best", "latest") and not isinstance(checkpoint, int):
-        raise UserError(f"checkpoint must be 'best', 'latest' or a step number, got {checkpoint!r}")
-    try:
-        tokenizers = data.load_tokenizers(run_dir)
-    except (FileNotFoundError, ValueError) as err:
-        raise UserError(str(err)) from None
-    backend = create_backend(cfg, model_cfg, str(run_dir / CHECKPOINTS))
-    try:
-        meta = backend.restore(checkpoint)
-    except (FileNotFoundError, CheckpointError) as err:
-        raise UserError(str(err)) from None
-    return Run(run_dir, cfg, model_cfg, tokenizers, backend, meta)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -323,7 +156,7 @@ def _train(cfg: ExperimentConfig, explicit, topology: Topology, started: float) 
         raise UserError("the training and validation data must each hold at least one pair")
     resuming = cfg.resume
     try:
-        tokenizers = data.load_tokenizers(run_dir) if resuming else None
+        tokenizers = load_tokenizers(run_dir) if resuming else None
     except FileNotFoundError:  # a run stopped before its tokenizer was saved
         tokenizers = None
     except ValueError as err:
@@ -338,12 +171,7 @@ def _train(cfg: ExperimentConfig, explicit, topology: Topology, started: float) 
     # leaves an old run (--overwrite) as it was. config.json first: from here on the directory
     # holds this run (resume or overwrite it); every file is written whole or not at all.
     if main:
-        prepare_run_dir(cfg)
-        launch = dict(coordinator_address=None, num_processes=None, process_id=None)  # this launch's, not the run's
-        write_json_atomic(run_dir / CONFIG_FILE, cfg.replace(resume=False, overwrite=False, **launch).to_dict())
-        if trained_tokenizers:
-            data.save_tokenizers(tokenizers, run_dir)
-        write_json_atomic(run_dir / MODEL_FILE, model_cfg.to_dict())
+        prepare_run_dir(cfg, model_cfg, tokenizers if trained_tokenizers else None)
 
     backend = create_backend(cfg, model_cfg, str(run_dir / CHECKPOINTS))
     if resuming and backend.checkpoint_steps():
@@ -351,7 +179,7 @@ def _train(cfg: ExperimentConfig, explicit, topology: Topology, started: float) 
             meta = backend.restore("latest")
         except CheckpointError as err:
             raise UserError(str(err)) from None
-        _check_checkpoint_config(meta, cfg)
+        check_checkpoint_config(meta, cfg)
         shapes = [list(shape) for shape in batcher.shapes]
         if meta.get("shapes", shapes) != shapes:
             raise UserError(
@@ -487,7 +315,7 @@ def _save(cfg: ExperimentConfig, backend: Backend, batcher: data.Batcher, evalua
         "step": backend.step,
         "data": batcher.state(),  # where the next batch comes from, for --resume
         "shapes": [list(shape) for shape in batcher.shapes],  # checked on --resume
-        "config": cfg.to_dict(),
+        "config": cfg.experiment(),
         "valid": None if evaluated is None else _eval_summary(evaluated),
     }
     backend.save(meta, metrics=None if evaluated is None else {"bleu": evaluated["bleu"]})

@@ -2,8 +2,8 @@
 
     python -m train.profile_step --preset base [--batch 32 --length 32 --vocab 8000] [--json PATH]
 
-`train.bench` times whole steps; this times their parts on the same shapes and the same weights
-(the JAX modules converted from the torch ones): one attention sublayer, one feed-forward
+`train.bench` times whole steps; this times their parts on the same shapes (each framework's
+model initialised from the seed: the work does not depend on the weights' values): one attention sublayer, one feed-forward
 sublayer, a whole encoder layer and decoder layer, the output projection with the label-smoothed
 loss, the Adam update over every parameter of the model, and the whole step. Each part runs as
 `grad(sum(part(x)))` (jit-compiled on the JAX side), the median of --repeats runs after a warm-up.
@@ -38,8 +38,8 @@ def median_time(fn: Callable[[], object], repeats: int, warmup: int = 2) -> floa
     return statistics.median(times)
 
 
-def torch_parts(cfg: TransformerConfig, batch: int, length: int, repeats: int, seed: int = 0) -> tuple[dict, object]:
-    """{part: seconds} for the torch reference, and the full model (whose weights JAX converts)."""
+def torch_parts(cfg: TransformerConfig, batch: int, length: int, repeats: int, seed: int = 0) -> dict:
+    """{part: seconds} for the torch reference."""
     import torch
 
     import torch_reference
@@ -99,21 +99,21 @@ def torch_parts(cfg: TransformerConfig, batch: int, length: int, repeats: int, s
         optimizer.step()
 
     times["train step"] = median_time(step, repeats)
-    return times, model
+    return times
 
 
-def jax_parts(cfg: TransformerConfig, torch_model, batch: int, length: int, repeats: int, seed: int = 0) -> dict:
+def jax_parts(cfg: TransformerConfig, batch: int, length: int, repeats: int, seed: int = 0) -> dict:
     import jax
     import jax.numpy as jnp
     import optax
     from flax import nnx
 
+    import jax_transformer
     from jax_transformer.matmul import tied_logits
     from jax_transformer.model import causal_mask
     from jax_transformer.objective import label_smoothed_cross_entropy
-    from parity.convert import torch_to_jax
 
-    model = torch_to_jax(torch_model, cfg)
+    model = jax_transformer.Transformer(cfg, rngs=nnx.Rngs(seed))
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.standard_normal((batch, length, cfg.d_model), dtype=np.float32))
     memory = jnp.asarray(rng.standard_normal((batch, length, cfg.d_model), dtype=np.float32))
@@ -263,8 +263,8 @@ def main(argv: list[str] | None = None) -> int:
         for key, ms in split.items():
             print(f"{key:18s} {ms:9.1f} ms")
         return 0
-    torch_times, torch_model = torch_parts(cfg, args.batch, args.length, args.repeats)
-    jax_times = jax_parts(cfg, torch_model, args.batch, args.length, args.repeats)
+    torch_times = torch_parts(cfg, args.batch, args.length, args.repeats)
+    jax_times = jax_parts(cfg, args.batch, args.length, args.repeats)
     print(f"{args.preset}: batch {args.batch}x{args.length}, vocab {args.vocab}, float32, dropout 0; "
           f"median of {args.repeats} (ms)")
     print(f"{'part (forward + backward)':28s} {'JAX':>9s} {'torch':>9s} {'JAX/torch':>10s}")

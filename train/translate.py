@@ -4,8 +4,9 @@ Reads one sentence per line from FILE (or stdin), writes one translation per lin
 --output), in input order. The run's config, tokenizer and checkpoint (best by validation BLEU
 by default) select the backend and the weights.
 
-`translate_ids` is the one place that runs search; `translate_texts` batches sentences by
-length bucket (a few padded shapes, so jit compiles a handful of times) and keeps their order.
+`translate_texts` batches sentences by length bucket (a few padded shapes, so jit compiles a
+handful of times), runs the backend's search and keeps their order. The speed of the searches,
+JAX against torch on the same weights, is `python -m parity.translate_bench`.
 """
 
 from __future__ import annotations
@@ -20,12 +21,7 @@ import numpy as np
 
 from . import data
 from .backend import Backend
-
-
-def translate_ids(backend: Backend, src: np.ndarray, beam_size: int = 4, alpha: float = 0.6) -> np.ndarray:
-    """Search for one padded batch of source ids (B, S) -> target ids (B, T): the backend's
-    cached beam search (greedy with beam_size 1), length penalty alpha."""
-    return backend.translate(src, beam_size, alpha)
+from .rundir import UserError, open_run, write_text_atomic
 
 
 def source_batches(
@@ -70,63 +66,11 @@ def translate_texts(
     src_ids = data.encode(tokenizers.src, list(texts))
     out = [""] * len(texts)
     for index, src in source_batches(src_ids, max_len, token_budget, batch_size):
-        hyps = data.decode_batch(tokenizers.tgt, translate_ids(backend, src, beam_size, alpha))
+        hyps = data.decode_batch(tokenizers.tgt, backend.translate(src, beam_size, alpha))
         for row, i in enumerate(index):
             if i >= 0 and texts[i].strip():
                 out[i] = hyps[row]
     return out
-
-
-def benchmark(run, lines: Sequence[str], beam_size: int, batch_size: int | None, alpha: float = 0.6) -> list[dict]:
-    """Sentences/s and generated tokens/s translating `lines` with the run's weights: JAX and torch
-    cached search, and torch's uncached loop (the same search re-running the decoder over every
-    prefix, as the seed repositories did), each greedy and with `beam_size`.
-
-    JAX runs every batch once untimed first (jit compiles each batch shape there), torch the first
-    batch. Each row also counts the sentences whose output differs from torch cached search's
-    with the same beam (0 expected: the searches are the same algorithm on the same weights).
-    """
-    import time
-
-    from .backend import create_backend
-
-    cfg, model_cfg = run.config, run.model_config
-    backends = {run.backend.name: run.backend}
-    other = "torch" if run.backend.name == "jax" else "jax"
-    backends[other] = create_backend(cfg.replace(backend=other), model_cfg, None)
-    backends[other].load_torch_state_dict(run.backend.torch_state_dict())
-    src_ids = data.encode(run.tokenizers.src, list(lines))
-    batches = list(source_batches(src_ids, cfg.max_len, cfg.token_budget, batch_size))
-
-    def timed(search, warmup) -> tuple[float, np.ndarray]:
-        for _, src in warmup:
-            search(src)
-        outputs = [None] * len(lines)
-        start = time.perf_counter()
-        for index, src in batches:
-            out = search(src)
-            for row in np.flatnonzero(index >= 0):
-                outputs[index[row]] = out[row]
-        seconds = time.perf_counter() - start
-        return seconds, outputs
-
-    rows, reference = [], {}
-    for name, cached in (("torch", True), ("jax", True), ("torch", False)):
-        for beam in sorted({1, beam_size}):
-            search = lambda src, b=backends[name], k=beam, c=cached: b.translate(src, k, alpha, cached=c)
-            seconds, outputs = timed(search, batches if name == "jax" else batches[:1])
-            reference.setdefault(beam, outputs)  # torch cached: the first configuration run
-            rows.append({
-                "search": f"{name} {'cached' if cached else 'uncached'}", "beam": beam, "seconds": seconds,
-                "tokens": int(sum((out != data.PAD_ID).sum() for out in outputs)),
-                "differ": sum(not np.array_equal(a, b) for a, b in zip(outputs, reference[beam])),
-            })
-    for row in rows:
-        row.update(sentences=len(lines), sentences_per_s=len(lines) / row["seconds"], tokens_per_s=row["tokens"] / row["seconds"])
-        for baseline in ("torch cached", "torch uncached"):
-            match = next(r for r in rows if r["search"] == baseline and r["beam"] == row["beam"])
-            row[f"speedup_vs_{baseline.replace(' ', '_')}"] = match["seconds"] / row["seconds"]
-    return rows
 
 
 def positive_int(text: str) -> int:
@@ -164,15 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         "--batch-size", type=positive_int,
         help="at most N sentences per batch; default: as many as the run's --token-budget",
     )
-    parser.add_argument("--benchmark", action="store_true",
-                        help="instead of printing translations, time them: JAX and torch cached search and torch's uncached "
-                        "loop (the decoder re-run over every prefix), greedy and with --beam, on the same weights and "
-                        "input; prints sentences/s, tokens/s, speed-ups and how many outputs differ from torch's")
-    parser.add_argument("--json", type=Path, help="with --benchmark: also write the figures to this JSON file")
     parser.add_argument("--alpha", type=float, default=0.6, help="length penalty exponent of ((5+len)/6)^alpha (default 0.6)")
     args = parser.parse_args(argv)
-
-    from .loop import UserError, open_run  # here: loads a framework
 
     try:
         lines = read_lines(args.input)
@@ -182,23 +119,6 @@ def main(argv: list[str] | None = None) -> int:
     except (UserError, FileNotFoundError, ValueError) as err:
         parser.exit(1, f"error: {err}\n")
     cfg = run.config
-    if args.benchmark:
-        import json
-        import os
-        import platform
-
-        sentences = [line for line in lines if line.strip()]
-        rows = benchmark(run, sentences, args.beam, args.batch_size, args.alpha)
-        machine = f"{platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} CPUs"
-        print(f"{len(sentences)} sentences, {run.model_config.d_model}-wide {run.config.preset} model, {machine}")
-        print(f"{'search':16s} {'beam':>4s} {'seconds':>8s} {'sent/s':>8s} {'tok/s':>8s} {'vs torch cached':>16s} "
-              f"{'vs uncached':>12s} {'outputs differ':>15s}")
-        for r in rows:
-            print(f"{r['search']:16s} {r['beam']:4d} {r['seconds']:8.2f} {r['sentences_per_s']:8.1f} {r['tokens_per_s']:8.0f} "
-                  f"{r['speedup_vs_torch_cached']:15.2f}x {r['speedup_vs_torch_uncached']:11.2f}x {r['differ']:15d}")
-        if args.json:
-            data.write_text_atomic(args.json, json.dumps({"run_dir": str(args.run_dir), "machine": machine, "rows": rows}, indent=2))
-        return 0
     hyps = translate_texts(
         run.backend, run.tokenizers, lines,
         max_len=cfg.max_len, token_budget=cfg.token_budget, batch_size=args.batch_size,
@@ -208,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.output is None:
         sys.stdout.write(text)
     else:
-        data.write_text_atomic(args.output, text)
+        write_text_atomic(args.output, text)
     return 0
 
 

@@ -73,3 +73,38 @@ def test_the_tied_backward_never_transposes_the_logits_gradient():
     transposed = re.compile(rf"f32\[{V},{B * T}\]")
     assert transposed.search(hlo(lambda h, e: h @ e.T))  # the copy avoided (should XLA stop making it, revisit)
     assert not transposed.search(hlo(tied_logits))
+
+
+def test_other_platforms_take_the_plain_paths_with_the_same_results(monkeypatch):
+    """Off XLA:CPU (`cpu_tuned()` False) the model uses lax.dot_general and jnp.matmul and the
+    search top_k over every extension in one loop: the same logits, gradients and translations."""
+    import jax_transformer
+    from jax_transformer import decode, matmul
+    from torch_reference.config import TransformerConfig
+
+    cfg = TransformerConfig.preset("tiny", src_vocab_size=50, tgt_vocab_size=50, max_len=32, dropout=0.0)
+    model = jax_transformer.Transformer(cfg, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(1)
+    src = np.asarray(rng.integers(4, 50, (20, 9)), np.int32)  # 20 sentences: two stages on the CPU path
+    src[3, 5:] = cfg.pad_id
+    tgt = np.asarray(rng.integers(4, 50, (20, 7)), np.int32)
+
+    def loss(m):
+        return label_smoothed_cross_entropy(m(src, tgt), tgt, cfg.pad_id, 0.1)
+
+    def run():
+        value, grads = nnx.value_and_grad(loss)(model)
+        searches = [decode.greedy_search(model, src), decode.beam_search(model, src, 3)]
+        return value, nnx.to_flat_state(grads), [np.asarray(t) for t, _ in searches]
+
+    tuned = run()
+    monkeypatch.setattr(matmul, "cpu_tuned", lambda: False)
+    monkeypatch.setattr(decode, "cpu_tuned", lambda: False)
+    assert decode._smallest_stage() > 20
+    plain = run()
+    # 1e-6: the same float32 matmuls with another operand order in the backward pass.
+    np.testing.assert_allclose(plain[0], tuned[0], rtol=1e-6)
+    for (key, a), (_, b) in zip(tuned[1], plain[1]):
+        np.testing.assert_allclose(b[...], a[...], rtol=1e-5, atol=1e-6, err_msg=str(key))
+    for a, b in zip(tuned[2], plain[2]):
+        np.testing.assert_array_equal(a, b)

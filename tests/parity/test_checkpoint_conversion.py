@@ -1,6 +1,6 @@
-"""Whole training checkpoints across frameworks (parity.checkpoint, `parity.convert --run-dir`):
-the Adam state found inside the trainer's optax chain, strict checks, bit-exact round trips of a
-real run directory, and `train.run --resume` continuing a converted run in the other framework
+"""Whole training checkpoints across frameworks (backends' export_state / import_state,
+parity.convert.convert_state, `parity.convert --run-dir`): the Adam state inside the trainer's
+optax chain, strict checks, bit-exact round trips of a real run directory, and `train.run --resume` continuing a converted run in the other framework
 with the losses it would have had in its own.
 
 Lopsided model (d_model=24 with 3 heads, 2 encoder layers and 1 decoder layer), so a transposed
@@ -19,15 +19,15 @@ import optax
 import pytest
 import torch
 
-from parity import CheckpointMismatchError, checkpoint
+from parity import CheckpointMismatchError
+from parity.convert import convert_run, convert_state, transfer_state
 from parity.convert import main as convert_main
-from train import data, loop
+from train import data, loop, rundir
 from train import run as train_run
 from train.backend import create_backend
-from torch_reference.config import TransformerConfig
 from train.config import ExperimentConfig
 
-jax.config.update("jax_default_matmul_precision", "highest")  # parity numerics (DESIGN.md)
+jax.config.update("jax_default_matmul_precision", "highest")  # parity numerics (README, numerics contract)
 
 LOPSIDED = {"d_model": 24, "num_heads": 3, "d_ff": 40, "num_encoder_layers": 2, "num_decoder_layers": 1}
 # A run of seconds: a small numbers corpus, sequences of at most 16 tokens (two batch shapes), one
@@ -60,25 +60,18 @@ def _backends(corpus, clip_norm=None):
 
 
 @pytest.mark.parametrize("clip_norm", [None, 0.5], ids=["adam", "clip-then-adam"])
-def test_adam_state_is_found_in_the_trainers_chain(corpus, clip_norm):
-    _, _, jax_backend, _, _ = _backends(corpus, clip_norm)
-    path, adam, schedules = checkpoint.optax_parts(jax_backend.state["opt_state"])
-    # optax.adam(schedule) = chain(scale_by_adam, scale_by_schedule); clipping puts it second.
-    assert path == ((0,) if clip_norm is None else (1, 0))
-    assert isinstance(adam, optax.ScaleByAdamState) and len(schedules) == 1
-    params = {k: v.shape for k, v in checkpoint.tree_to_flat(jax_backend.state["params"]).items()}
-    assert {k: v.shape for k, v in checkpoint.tree_to_flat(adam.mu).items()} == params
-
-
-def test_foreign_optimizer_states_are_refused():
-    params = {"w": jnp.ones((2, 3))}
-    with pytest.raises(ValueError, match="exactly one optax ScaleByAdamState.*found 2"):
-        checkpoint.optax_parts(optax.chain(optax.adam(1e-3), optax.adam(1e-3)).init(params))
-    with pytest.raises(ValueError, match="found 0"):
-        checkpoint.optax_parts(optax.sgd(1e-3).init(params))  # no state at all
-    # A state holding arrays this conversion does not know would be dropped silently: refused.
-    with pytest.raises(ValueError, match=r"does not carry: opt_state\[0\]: EmaState"):
-        checkpoint.optax_parts(optax.chain(optax.ema(0.9), optax.adam(1e-3)).init(params))
+def test_jax_state_carries_adam_of_the_trainers_chain(corpus, clip_norm):
+    """optax.adam(schedule) = chain(scale_by_adam, scale_by_schedule); clipping puts it second. The
+    exported moments are Adam's, keyed like the weights, and every step counter moves with them."""
+    _, _, jax_backend, _, batcher = _backends(corpus, clip_norm)
+    assert jax_backend.export_state().mu is None  # before the first update, as torch
+    jax_backend.train_step([next(batcher)])
+    state = jax_backend.export_state()
+    adam = optax.tree_utils.tree_get(jax_backend.state["opt_state"], "mu")
+    assert state.mu.keys() == state.nu.keys() == state.params.keys()
+    key = "encoder.layers.0.ff.linear1.kernel"
+    np.testing.assert_array_equal(state.mu[key], np.asarray(adam["encoder"]["layers"][0]["ff"]["linear1"]["kernel"][...]))
+    assert state.step == 1 and (state.nu[key] > 0).any()
 
 
 def test_training_state_round_trips_bit_exactly_and_positions_the_schedule(corpus):
@@ -87,11 +80,13 @@ def test_training_state_round_trips_bit_exactly_and_positions_the_schedule(corpu
     cfg, model_cfg, jax_backend, torch_backend, batcher = _backends(corpus, clip_norm=0.5)
     for _ in range(3):
         jax_backend.train_step([next(batcher)])
-    state = checkpoint.export_training_state(jax_backend)
-    assert state.step == 3 and state.mu.keys() == state.params.keys()
-    checkpoint.import_training_state(torch_backend, state)
-    back = checkpoint.export_training_state(torch_backend)
-    assert checkpoint.states_equal(state, back) == []  # weights, moments, step: bit for bit
+    state = jax_backend.export_state()
+    assert state.framework == "jax" and state.step == 3 and state.mu.keys() == state.params.keys()
+    transfer_state(jax_backend, torch_backend)
+    back = torch_backend.export_state()
+    assert back.framework == "torch" and back.rng is not None
+    # weights, moments, step: bit for bit (the random state does not cross frameworks)
+    assert convert_state(back, "jax", model_cfg).differences(state) == []
     # torch's own view: every parameter's Adam step, the scheduler position, the next lr.
     steps = {float(s["step"]) for s in torch_backend.optimizer.state.values()}
     assert steps == {3.0} and len(torch_backend.optimizer.state) == len(state.params)
@@ -102,11 +97,12 @@ def test_training_state_round_trips_bit_exactly_and_positions_the_schedule(corpu
     np.testing.assert_array_equal(torch_backend.optimizer.state[moment]["exp_avg"].numpy(), state.mu[f"{q}.kernel"].T)
 
     again = create_backend(cfg, model_cfg)
-    checkpoint.import_training_state(again, back)
-    assert checkpoint.states_equal(state, checkpoint.export_training_state(again)) == []
-    _, adam, schedules = checkpoint.optax_parts(again.state["opt_state"])
-    assert int(adam.count) == int(again.state["step"]) == again.step == 3 and [int(c) for _, c in schedules] == [3]
-    assert isinstance(again.state["opt_state"][0], optax.EmptyState)  # the clipping state, untouched
+    transfer_state(torch_backend, again)
+    assert again.export_state().differences(state) == []
+    opt_state = again.state["opt_state"]
+    counts = [int(c) for _, c in optax.tree_utils.tree_get_all_with_path(opt_state, "count")]
+    assert counts == [3, 3] and int(again.state["step"]) == again.step == 3  # Adam's and the schedule's
+    assert isinstance(opt_state[0], optax.EmptyState)  # the clipping state, untouched
 
     # The next updates agree: same weights and the same Adam state and schedule position.
     batches = [next(batcher) for _ in range(3)]
@@ -117,7 +113,7 @@ def test_training_state_round_trips_bit_exactly_and_positions_the_schedule(corpu
     # The test can fail: the same weights with a fresh optimizer (moments 0, step 0) take other
     # updates; measured 8e-2 and 3e-2 apart at the second and third update.
     fresh = create_backend(cfg.replace(backend="torch"), model_cfg)
-    checkpoint.import_training_state(fresh, dataclasses.replace(state, step=0, mu=None, nu=None))
+    fresh.import_state(convert_state(dataclasses.replace(state, step=0, mu=None, nu=None), "torch", model_cfg))
     fresh_losses = [fresh.fetch([fresh.train_step([x])])[0]["loss"] for x in batches]
     assert fresh_losses[0] == pytest.approx(losses["jax"][0], rel=1e-5)  # same weights: same first loss
     assert all(abs(f - j) > 1e-2 * j for f, j in zip(fresh_losses[1:], losses["jax"][1:]))
@@ -125,40 +121,38 @@ def test_training_state_round_trips_bit_exactly_and_positions_the_schedule(corpu
 
 def test_mismatched_optimizer_states_are_refused(corpus):
     cfg, model_cfg, jax_backend, torch_backend, _ = _backends(corpus)
-    initial = checkpoint.export_training_state(jax_backend)
+    initial = jax_backend.export_state()
     # A well-formed state after one update (values made up: the checks look at keys, shapes, steps).
     squares = {k: v * v for k, v in initial.params.items()}
     good = dataclasses.replace(initial, step=1, mu=dict(initial.params), nu=squares)
-    checkpoint.import_training_state(torch_backend, good)
-    checkpoint.import_training_state(jax_backend, good)
-    key = "decoder.layers.0.cross_attn.v_proj.kernel"
+    jax_backend.import_state(good)
+    torch_good = convert_state(good, "torch", model_cfg)
+    torch_backend.import_state(torch_good)
+    key, torch_key = "decoder.layers.0.cross_attn.v_proj.kernel", "decoder.layers.0.cross_attn.v_proj.weight"
 
     missing = dataclasses.replace(good, mu={k: v for k, v in good.mu.items() if k != key})
     with pytest.raises(CheckpointMismatchError, match=f"first moments .*\n  missing     {key}  expected \\(24, 24\\)"):
-        checkpoint.import_training_state(torch_backend, missing)
+        jax_backend.import_state(missing)
+    with pytest.raises(CheckpointMismatchError, match=f"jax Adam first moments .*\n  missing     {key}"):
+        convert_state(missing, "torch", model_cfg)
     wrong = dataclasses.replace(good, nu={**good.nu, key: np.zeros((24, 25), np.float32)})
     with pytest.raises(CheckpointMismatchError, match=f"wrong shape {key}  expected \\(24, 24\\), got \\(24, 25\\)"):
-        checkpoint.import_training_state(jax_backend, wrong)
-    wide = dataclasses.replace(good, mu={**good.mu, key: good.mu[key].astype(np.float64)})
-    with pytest.raises(ValueError, match=f"than their parameters:\n  mu.{key}: float64, parameter float32"):
-        checkpoint.import_training_state(torch_backend, wide)
+        jax_backend.import_state(wrong)
+    wide = dataclasses.replace(torch_good, mu={**torch_good.mu, torch_key: torch_good.mu[torch_key].astype(np.float64)})
+    with pytest.raises(ValueError, match=f"than their parameters:\n  {torch_key}: float64, parameter float32"):
+        torch_backend.import_state(wide)
     with pytest.raises(ValueError, match="moments are missing"):
-        checkpoint.import_training_state(torch_backend, dataclasses.replace(good, mu=None, nu=None))
-    with pytest.raises(ValueError, match="another model"):
-        checkpoint.import_training_state(torch_backend, dataclasses.replace(good, model_cfg=model_cfg.replace(d_ff=48)))
+        torch_backend.import_state(dataclasses.replace(torch_good, mu=None, nu=None))
+    with pytest.raises(ValueError, match="a jax training state: convert it to torch's layout first"):
+        torch_backend.import_state(good)
+    other_model = model_cfg.replace(d_ff=48)
+    with pytest.raises(CheckpointMismatchError, match="wrong shape .*linear1.kernel  expected \\(24, 48\\), got \\(24, 40\\)"):
+        convert_state(good, "torch", other_model)
 
-    # Step counters that disagree, on either side.
+    # Step counters that disagree.
     jax_backend.state = {**jax_backend.state, "step": jnp.asarray(7, jnp.int32)}  # Adam's count stays 1
-    with pytest.raises(ValueError, match="step counters disagree: {'trainer step': 7, 'Adam count': 1"):
-        checkpoint.export_training_state(jax_backend)
-    checkpoint.import_training_state(torch_backend, good)
-    torch_backend.scheduler.last_epoch = 5
-    with pytest.raises(ValueError, match="Adam step 1 disagrees with the scheduler's last_epoch 5"):
-        checkpoint.export_training_state(torch_backend)
-    checkpoint.import_training_state(torch_backend, good)
-    next(iter(torch_backend.optimizer.state.values()))["step"] = torch.tensor(2.0)
-    with pytest.raises(ValueError, match=r"not from whole steps: step counts \[1, 2\]"):
-        checkpoint.export_training_state(torch_backend)
+    with pytest.raises(ValueError, match="step counters disagree: {'trainer step': 7, 'host step': 1"):
+        jax_backend.export_state()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,46 +170,48 @@ def jax_run(tmp_path_factory):
 
 
 def _checkpoint_states(run_dir: Path) -> dict:
-    """{step: (TrainingState, meta, metrics)} of every checkpoint of a run directory."""
-    cfg = ExperimentConfig.from_json((run_dir / "config.json").read_text())
-    model_cfg = TransformerConfig.from_json((run_dir / "model.json").read_text())
+    """{step: (TrainingState in the JAX layout, meta, metrics)} of every checkpoint of a run directory."""
+    cfg, model_cfg = rundir.read_experiment(run_dir), rundir.read_model_config(run_dir)
     backend = create_backend(cfg, model_cfg, str(run_dir / "checkpoints"))
     out = {}
     for step in backend.checkpoint_steps():
         meta = backend.restore(step)
-        out[step] = (checkpoint.export_training_state(backend), meta, checkpoint.checkpoint_metrics(backend, step))
+        out[step] = (convert_state(backend.export_state(), "jax", model_cfg), meta, backend.checkpoint_metrics(step))
     backend.close()
     return out
 
 
 def test_whole_run_round_trip_jax_torch_jax_is_bit_exact(jax_run, tmp_path):
     torch_dir, back_dir = tmp_path / "torch", tmp_path / "jax-again"
-    assert checkpoint.convert_run(jax_run, torch_dir, which="all")["steps"] == [2, 4]
-    assert checkpoint.convert_run(torch_dir, back_dir, which="all")["backend"] == "jax"
+    assert convert_run(jax_run, torch_dir, which="all")["steps"] == [2, 4]
+    assert convert_run(torch_dir, back_dir, which="all")["backend"] == "jax"
 
     original, converted, restored = (_checkpoint_states(d) for d in (jax_run, torch_dir, back_dir))
     assert sorted(original) == sorted(converted) == sorted(restored) == [2, 4]
     for step, (state, meta, metrics) in original.items():
         for other, backend in ((converted, "torch"), (restored, "jax")):
             other_state, other_meta, other_metrics = other[step]
-            assert checkpoint.states_equal(state, other_state) == []  # weights, Adam moments, step
+            state_ = dataclasses.replace(state, rng=other_state.rng)  # dropout streams do not cross
+            assert other_state.differences(state_) == []  # weights, Adam moments, step
             assert other_meta["data"] == meta["data"] and other_meta["step"] == step  # data position
             assert other_meta["config"]["backend"] == backend
             assert other_metrics == metrics and metrics["bleu"] >= 0  # ranking for keep-the-best
-    assert restored[4][1] == {**original[4][1], "config": {**original[4][1]["config"], "run_dir": str(back_dir)}}
+    assert restored[4][1] == original[4][1]  # the meta: data position, experiment, validation scores
 
     for name in ("tokenizer.json", "model.json"):
         assert (back_dir / name).read_bytes() == (torch_dir / name).read_bytes() == (jax_run / name).read_bytes()
     configs = [json.loads((d / "config.json").read_text()) for d in (jax_run, torch_dir, back_dir)]
-    assert configs[1] == {**configs[0], "backend": "torch", "run_dir": str(torch_dir)}
-    assert configs[2] == {**configs[0], "run_dir": str(back_dir)}
+    assert configs[1] == {**configs[0], "backend": "torch"} and configs[2] == configs[0]
+    assert "run_dir" not in configs[0] and "steps" not in configs[0]  # launch options are not saved
     assert json.loads((torch_dir / "converted.json").read_text())["from_backend"] == "jax"
     assert not list(tmp_path.glob(".*converting"))  # built beside, renamed into place
 
 
 def _resume(run_dir: Path, steps: int) -> list[float]:
     """`python -m train.run --run-dir DIR --resume --steps N` in-process; the resumed updates' losses."""
-    assert train_run.main(["--run-dir", str(run_dir), "--resume", "--steps", str(steps), "--no-progress"]) == 0
+    # Launch options (steps, logging, threads) are this launch's: given again, not read from the run.
+    args = ["--run-dir", str(run_dir), "--resume", "--steps", str(steps), "--log-every", "1", "--threads", "1"]
+    assert train_run.main([*args, "--no-progress"]) == 0
     results = json.loads((run_dir / "results.json").read_text())
     return [entry["loss"] for entry in results["history"]["train"]]
 
@@ -233,7 +229,7 @@ def test_cli_converts_a_run_and_resume_continues_in_the_other_framework(jax_run,
     other = "torch" if first == "jax" else "jax"
     converted = tmp_path / f"{first}-as-{other}"
     assert convert_main(["--to", other, "--run-dir", str(source), "--dst", str(converted)]) == 0
-    assert ExperimentConfig.from_json((converted / "config.json").read_text()).backend == other
+    assert rundir.read_experiment(converted).backend == other
 
     losses_converted = _resume(converted, 7)
     losses_own = _resume(source, 7)
@@ -264,12 +260,12 @@ def test_cli_errors(jax_run, tmp_path):
 
 
 def test_converting_a_tampered_optimizer_file_names_the_problem(jax_run, tmp_path, capsys):
-    """A torch checkpoint whose optimizer file lacks one parameter's moments: TorchBackend.restore
-    loads what is there, the conversion refuses it with one line and exit status 1."""
+    """A torch checkpoint whose optimizer file lacks one parameter's moments: restoring it fails
+    the strict check, and the conversion says so with one line and exit status 1."""
     from safetensors.torch import load_file, save_file
 
     torch_dir = tmp_path / "torch"
-    checkpoint.convert_run(jax_run, torch_dir)
+    convert_run(jax_run, torch_dir)
     path = torch_dir / "checkpoints" / "4" / "optimizer.safetensors"
     moments = load_file(str(path))
     del moments["decoder.layers.0.ff.linear1.bias.exp_avg"], moments["decoder.layers.0.ff.linear1.bias.exp_avg_sq"]
@@ -277,14 +273,15 @@ def test_converting_a_tampered_optimizer_file_names_the_problem(jax_run, tmp_pat
     with pytest.raises(SystemExit) as exit_:
         convert_main(["--to", "jax", "--run-dir", str(torch_dir), "--dst", str(tmp_path / "back")])
     err = capsys.readouterr().err
-    assert exit_.value.code == 1 and "Adam state is not from whole steps" in err and "Traceback" not in err
+    assert exit_.value.code == 1 and "Traceback" not in err
+    assert "checkpoint 4 in" in err and "cannot be restored" in err and "do not match the architecture: missing decoder.layers.0.ff.linear1.bias" in err
     assert not (tmp_path / "back").exists()
 
 
 def test_best_checkpoint_is_selectable(jax_run, tmp_path):
     original = _checkpoint_states(jax_run)
-    best = max(original, key=lambda s: (original[s][2]["bleu"], s))  # ties: the newest, as train.backend.best_of
-    done = checkpoint.convert_run(jax_run, tmp_path / "best", which="best")
+    best = max(original, key=lambda s: (original[s][2]["bleu"], s))  # ties: the newest, as rundir.choose_checkpoint
+    done = convert_run(jax_run, tmp_path / "best", which="best")
     assert done["steps"] == [best]
-    done = checkpoint.convert_run(jax_run, tmp_path / "two", which="2")
+    done = convert_run(jax_run, tmp_path / "two", which="2")
     assert done["steps"] == [2] and sorted(_checkpoint_states(tmp_path / "two")) == [2]

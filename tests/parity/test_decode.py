@@ -200,10 +200,7 @@ def test_best_candidates_equal_top_k_over_every_extension(vocab, hyps, n, chunk)
     base = rng.integers(-3, 1, size=(6, hyps)).astype(np.float32)
     base[:3, 1:] = jd.NEG_INF
     must_end = jnp.asarray([False, True, False, False, True, False])
-    token = jnp.arange(vocab)
-    masked = (must_end[:, None, None] & (token != cfg.eos_id)) | (token == cfg.pad_id) | (token == cfg.bos_id)
-    logprobs = jnp.where(masked, jd.NEG_INF, jax.nn.log_softmax(logits, axis=-1))
-    expected = jax.lax.top_k((base[:, :, None] + logprobs).reshape(6, hyps * vocab), n)
+    expected = jd.top_candidates(cfg, logits, jnp.asarray(base), must_end, n)
     values, index = jd.best_candidates(cfg, logits, jnp.asarray(base), must_end, n, chunk)
     np.testing.assert_array_equal(np.asarray(index), np.asarray(expected[1]))
     np.testing.assert_array_equal(np.asarray(values), np.asarray(expected[0]))
@@ -228,7 +225,7 @@ def test_search_parity_on_multi30k_with_a_trained_model(multi30k, tmp_path):
     """Real sentences and trained weights: a 2+2-layer model trained 80 steps on Multi30k (torch),
     its weights converted; greedy and beam 4 over 48 validation sentences (one padded batch) give
     identical tokens in both frameworks and scores to float32 rounding."""
-    from train import data, loop
+    from train import data, loop, rundir
     from train.config import ExperimentConfig
 
     cfg = ExperimentConfig(
@@ -238,9 +235,9 @@ def test_search_parity_on_multi30k_with_a_trained_model(multi30k, tmp_path):
         model={"num_encoder_layers": 2, "num_decoder_layers": 2}, hf_cache=str(tmp_path / "hf"),
     )
     loop.train(cfg)
-    run = loop.open_run(cfg.run_dir, "latest")
+    run = rundir.open_run(cfg.run_dir, "latest")
     torch_model = tr.Transformer(run.model_config).eval()
-    torch_model.load_state_dict(run.backend.torch_state_dict())
+    torch_model.load_state_dict({k: torch.from_numpy(v) for k, v in run.backend.weights().items()})
     jax_model = torch_to_jax(torch_model)
 
     lines = data.load_parallel(f"de:en:{multi30k}/val").pairs[:48]

@@ -24,7 +24,7 @@ def test_base_and_big_presets_are_the_papers_table_3_rows():
         1024, 16, 4096, 6, 6,
     )
     assert big.dropout == 0.3
-    assert base.head_dim == big.head_dim == 64  # d_k = d_v = 64 in both rows
+    assert base.d_model // base.num_heads == big.d_model // big.num_heads == 64  # d_k = d_v = 64 in both rows
 
 
 def test_defaults_are_the_papers_architecture():

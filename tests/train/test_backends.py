@@ -1,7 +1,7 @@
 """The two backends against each other: same weights, same batches, dropout off -> same training.
 
-The central test is `test_jax_and_torch_train_alike`: a torch model's initial weights are
-converted into the JAX backend (parity.convert) and both take the same updates; the per-step
+The central test is `test_jax_and_torch_train_alike`: a torch model's initial state is
+converted into the JAX backend (parity.convert.transfer_state) and both take the same updates; the per-step
 losses must agree to 1e-5 relative. Lopsided model sizes (d_model=24 with 3 heads, 2 encoder
 layers and 1 decoder layer) so a swapped axis cannot pass.
 """
@@ -12,25 +12,31 @@ import pytest
 import torch
 
 from torch_reference.objective import noam_learning_rate
+from parity.convert import convert_state, transfer_state
 from train import data, loop
 from train.backend import Backend, create_backend
-from train.backend_torch import CONFIG_KEY
 
-# Parity is asserted at full float32 matmul precision (DESIGN.md numerics contract).
+# Parity is asserted at full float32 matmul precision (the README's numerics contract).
 jax.config.update("jax_default_matmul_precision", "highest")
 
 LOPSIDED = {"d_model": 24, "num_heads": 3, "d_ff": 40, "num_encoder_layers": 2, "num_decoder_layers": 1}
 
 
-def assert_weights_close(actual: dict, expected: dict, atol: float) -> None:
-    """Equal state dicts up to `atol`, except the key projections' biases: adding b to every key
+def torch_weights(backend) -> dict[str, np.ndarray]:
+    """The backend's weights in torch's layout (the spec's names)."""
+    return convert_state(backend.export_state(), "torch", backend.model_cfg).params
+
+
+def assert_weights_close(actual: Backend, expected: Backend, atol: float) -> None:
+    """Equal weights up to `atol`, except the key projections' biases: adding b to every key
     adds q.b to all scores of a query, which softmax ignores, so their gradient is 0 plus float32
     noise of either sign, and Adam, which divides by |g|, turns that noise into full +-lr steps.
     They never change the model's function (the losses are compared separately)."""
+    actual, expected = torch_weights(actual), torch_weights(expected)
     assert actual.keys() == expected.keys()
     for name, value in expected.items():
         if not name.endswith("k_proj.bias"):
-            np.testing.assert_allclose(actual[name].numpy(), value.numpy(), atol=atol, err_msg=name)
+            np.testing.assert_allclose(actual[name], value, atol=atol, err_msg=name)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +54,7 @@ def _pair(fast_config, corpus, **changes):
     model_cfg = cfg_torch.model_config(tokenizers.src.get_vocab_size(), tokenizers.tgt.get_vocab_size())
     torch_backend = create_backend(cfg_torch, model_cfg)
     jax_backend = create_backend(cfg_jax, model_cfg)
-    jax_backend.load_torch_state_dict(torch_backend.torch_state_dict())
+    transfer_state(torch_backend, jax_backend)
     assert isinstance(torch_backend, Backend) and isinstance(jax_backend, Backend)  # the one interface
     assert torch_backend.num_params == jax_backend.num_params
     batchers = [loop.make_batcher(c, tokenizers, splits.train) for c in (cfg_torch, cfg_jax)]
@@ -96,7 +102,7 @@ def test_jax_and_torch_train_alike(fast_config, corpus, changes):
     # The weights themselves: 1e-4 absolute after five Adam steps of lr ~0.01-0.03 each (under 1%
     # of one step): Adam divides by |g| + 1e-9, so the rounding of tiny gradients reaches the
     # updates at that scale.
-    assert_weights_close(jax_backend.torch_state_dict(), torch_backend.torch_state_dict(), atol=1e-4)
+    assert_weights_close(jax_backend, torch_backend, atol=1e-4)
 
 
 def test_accumulation_equals_one_big_batch(fast_config, corpus):
@@ -114,9 +120,9 @@ def test_accumulation_equals_one_big_batch(fast_config, corpus):
     model_cfg = cfg.model_config(tokenizers.src.get_vocab_size(), tokenizers.tgt.get_vocab_size())
     for backend_name in ("torch", "jax"):
         split, whole = (create_backend(cfg.replace(backend=backend_name, grad_accum=g), model_cfg) for g in (2, 1))
-        weights = create_backend(cfg, model_cfg).torch_state_dict()
-        split.load_torch_state_dict(weights)
-        whole.load_torch_state_dict(weights)
+        initial = create_backend(cfg, model_cfg)
+        transfer_state(initial, split)
+        transfer_state(initial, whole)
         m_split = split.fetch([split.train_step([first, second])])[0]
         m_whole = whole.fetch([whole.train_step([union])])[0]
         # 1e-6: the same sums in another order (float32).
@@ -125,7 +131,7 @@ def test_accumulation_equals_one_big_batch(fast_config, corpus):
         # 2e-5 absolute after one Adam step of ~lr = 0.026 (under 0.1% of the step): Adam divides by
         # |g| + 1e-9, so the float32 rounding of a tiny gradient (rare tokens' embedding rows)
         # reaches the update at that scale.
-        assert_weights_close(split.torch_state_dict(), whole.torch_state_dict(), atol=2e-5)
+        assert_weights_close(split, whole, atol=2e-5)
 
 
 def test_translations_agree(fast_config, corpus):
@@ -135,7 +141,7 @@ def test_translations_agree(fast_config, corpus):
         torch_backend.train_step([next(batcher)])
     # Search on identical weights (training in two frameworks drifts apart by rounding; that is
     # the previous test's subject).
-    jax_backend.load_torch_state_dict(torch_backend.torch_state_dict())
+    transfer_state(torch_backend, jax_backend)
     src = next(batcher).src
     src[-1] = data.PAD_ID  # an all-pad filler row, as the Batcher adds them
     for beam in (4,):
@@ -165,13 +171,13 @@ def test_checkpoints_keep_newest_and_best(tmp_path, fast_config, corpus, backend
     weights = {}
     for step, bleu in bleus.items():
         backend.train_step([next(batcher)])
-        weights[step] = backend.torch_state_dict()
+        weights[step] = backend.weights()
         backend.save({"step": step, "data": batcher.state()}, None if bleu is None else {"bleu": bleu})
     assert backend.checkpoint_steps() == [2, 4, 5]  # newest two, plus the best BLEU (step 2)
     assert backend.restore("best") == {"step": 2, "data": {"epoch": 0, "index": 2}}
     assert backend.step == 2
-    for name, value in backend.torch_state_dict().items():
-        np.testing.assert_array_equal(value.numpy(), weights[2][name].numpy())  # bit-exact
+    for name, value in backend.weights().items():
+        np.testing.assert_array_equal(value, weights[2][name])  # bit-exact
     assert backend.restore("latest")["step"] == 5 and backend.step == 5
     assert backend.restore(4)["step"] == 4
     with pytest.raises(FileNotFoundError, match="step 3"):
@@ -195,9 +201,8 @@ def test_torch_checkpoint_files(tmp_path, fast_config, corpus):
     backend.save({"step": 1})
     files = sorted(p.name for p in (tmp_path / "1").iterdir())
     assert files == ["meta.json", "model.safetensors", "optimizer.safetensors"]
-    assert CONFIG_KEY == convert.CONFIG_KEY
     state_dict, loaded_cfg = convert.load_torch_weights(tmp_path / "1" / "model.safetensors")
-    assert loaded_cfg == model_cfg and state_dict.keys() == backend.torch_state_dict().keys()
+    assert loaded_cfg == model_cfg and state_dict.keys() == backend.weights().keys()
     with safe_open(str(tmp_path / "1" / "optimizer.safetensors"), framework="pt") as f:
         keys = set(f.keys())
     names = [n for n, _ in backend.model.named_parameters()]

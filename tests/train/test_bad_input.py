@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from train import data, evaluate, loop, run, translate
+from train import data, evaluate, loop, run, rundir, translate
 from train.config import ExperimentConfig
 
 SMALL = ["--numbers-train", "300", "--max-len", "16", "--token-budget", "512", "--no-progress", "--samples", "0",
@@ -99,7 +99,7 @@ def test_empty_lines_are_skipped_and_counted(tmp_path, corpus, capsys):
     write(tmp_path / "gaps.de", "".join(de + "\n" for de, _ in pairs) + "\nnur deutsch\n")
     write(tmp_path / "gaps.en", "".join(en + "\n" for _, en in pairs) + "only english\n\n")
     cfg = ExperimentConfig(train=f"de:en:{tmp_path}/gaps", valid=f"de:en:{corpus}")
-    assert len(loop.load_split(cfg, cfg.train)) == 30
+    assert len(rundir.load_split(cfg, cfg.train)) == 30
     assert "skipped 2 of 32 pairs with an empty side" in capsys.readouterr().out
 
 
@@ -180,7 +180,7 @@ def test_translate_keeps_lines_with_characters_never_seen_in_training(trained, c
     translated like any other (here into whatever a 2-step model says), and every input line
     gets exactly one output line."""
     lines = ["dreihundert", "🦀🦀 ∮ ∂ ж", "", "\u0007\u200b"]
-    ids = data.encode(data.load_tokenizers(trained).src, lines)
+    ids = data.encode(rundir.load_tokenizers(trained).src, lines)
     assert all(data.UNK_ID not in row for row in ids) and all(len(row) > 1 for row, line in zip(ids, lines) if line)
     code, out, err = translate_cli(capsys, monkeypatch, "\n".join(lines).encode() + b"\n", "--run-dir", str(trained))
     assert code == 0, err

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from num2words import num2words
 
-from train import data
+from train import data, rundir
 from train.data import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Batcher
 
 MULTI30K = Path(__file__).parents[2] / ".." / "shared" / "data" / "multi30k"
@@ -185,21 +185,21 @@ def test_tokenizer_special_ids_and_round_trip(corpus, tokenizers):
 
 
 def test_tokenizers_save_load(tmp_path, corpus, tokenizers):
-    data.save_tokenizers(tokenizers, tmp_path / "joint")
+    rundir.save_tokenizers(tokenizers, tmp_path / "joint")
     assert sorted(p.name for p in (tmp_path / "joint").iterdir()) == ["tokenizer.json"]
-    loaded = data.load_tokenizers(tmp_path / "joint")
+    loaded = rundir.load_tokenizers(tmp_path / "joint")
     assert loaded.joint and data.encode_pairs(loaded, corpus.valid) == data.encode_pairs(tokenizers, corpus.valid)
 
     separate = data.train_tokenizers(corpus.train, vocab_size=300, joint=False)
     assert not separate.joint
-    data.save_tokenizers(separate, tmp_path / "sep")
+    rundir.save_tokenizers(separate, tmp_path / "sep")
     assert sorted(p.name for p in (tmp_path / "sep").iterdir()) == ["src_tokenizer.json", "tgt_tokenizer.json"]
-    reloaded = data.load_tokenizers(tmp_path / "sep")
+    reloaded = rundir.load_tokenizers(tmp_path / "sep")
     src_vocab, tgt_vocab = reloaded.src.get_vocab(), reloaded.tgt.get_vocab()
     assert src_vocab != tgt_vocab and "tausend" in "".join(src_vocab) and "thousand" in "".join(tgt_vocab)
     assert data.encode_pairs(reloaded, corpus.valid) == data.encode_pairs(separate, corpus.valid)
     with pytest.raises(FileNotFoundError):
-        data.load_tokenizers(tmp_path / "nothing")
+        rundir.load_tokenizers(tmp_path / "nothing")
 
 
 # ----------------------------------------------------------------------------------------------

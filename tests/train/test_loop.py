@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from train import evaluate, loop, translate
+from train import evaluate, loop, rundir, translate
 from train.config import ExperimentConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -60,9 +60,9 @@ def test_short_run_learns_and_writes_results(short_run, capsys):
 
 def test_translate_and_evaluate_a_run(short_run, capsys):
     cfg, results = short_run
-    run = loop.open_run(cfg.run_dir, "latest")
+    run = rundir.open_run(cfg.run_dir, "latest")
     assert run.backend.step == run.meta["step"] == 60 and set(run.meta["data"]) == {"epoch", "index"}
-    test_pairs = loop.load_split(run.config, "numbers:test")
+    test_pairs = rundir.load_split(run.config, "numbers:test")
     scored = evaluate.evaluate_pairs(
         run.backend, run.tokenizers, test_pairs, max_len=cfg.max_len, token_budget=cfg.token_budget
     )
@@ -155,9 +155,9 @@ def test_resume_continues_with_the_same_losses(fast_config, backend):
 def test_run_dir_refused_without_resume_or_overwrite(fast_config, tmp_path):
     cfg = fast_config("torch", steps=2, eval_every=2, eval_sentences=2, numbers_valid=2, numbers_test=0)
     loop.train(cfg)
-    with pytest.raises(loop.UserError, match="already holds a run; pass --resume .* or --overwrite"):
+    with pytest.raises(rundir.UserError, match="already holds a run; pass --resume .* or --overwrite"):
         loop.train(cfg)
-    with pytest.raises(loop.UserError, match="--resume cannot change how the run trains:\n  --seed: run has 0, got 1"):
+    with pytest.raises(rundir.UserError, match="--resume cannot change how the run trains:\n  --seed: run has 0, got 1"):
         loop.train(cfg.replace(resume=True, seed=1))
     marker = Path(cfg.run_dir) / "checkpoints" / "2"
     assert marker.is_dir()
@@ -166,10 +166,10 @@ def test_run_dir_refused_without_resume_or_overwrite(fast_config, tmp_path):
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("mine")
     for flags in ({}, {"overwrite": True}):
-        with pytest.raises(loop.UserError, match="holds no run"):
+        with pytest.raises(rundir.UserError, match="holds no run"):
             loop.train(cfg.replace(run_dir=str(tmp_path / "other"), **flags))
     assert (tmp_path / "other" / "notes.txt").read_text() == "mine"
-    with pytest.raises(loop.UserError, match="nothing to resume"):
+    with pytest.raises(rundir.UserError, match="nothing to resume"):
         loop.train(cfg.replace(run_dir=str(tmp_path / "fresh"), resume=True))
 
 
@@ -194,7 +194,7 @@ def test_multi30k_loads_and_trains(multi30k, fast_config, tmp_path):
     assert len(losses) == 4 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
     assert results["valid"]["tokens"] > 10_000  # the whole of val (1,014 sentences) scored for loss
     assert results["test"]["sentences"] == 8 and 0 <= results["test"]["bleu"] <= 100
-    tokenizers = loop.data.load_tokenizers(cfg.run_dir)
+    tokenizers = rundir.load_tokenizers(cfg.run_dir)
     assert tokenizers.joint and tokenizers.src.get_vocab_size() == 1000
     sentence = "Zwei junge weiße Männer sind im Freien."
     assert loop.data.decode(tokenizers.src, loop.data.encode(tokenizers.src, [sentence])[0]) == sentence
@@ -214,7 +214,7 @@ def test_jsonl_and_tsv_data_specs(fast_config, tmp_path):
     )
     results = loop.train(cfg)
     assert results["steps"] == 2 and results["test"] is None and results["valid"]["sentences"] == 4
-    assert loop.load_split(cfg, str(valid_file)) == pairs.valid
+    assert rundir.load_split(cfg, str(valid_file)) == pairs.valid
 
 
 def test_source_batches_bucket_pad_and_keep_every_sentence():

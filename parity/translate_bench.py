@@ -1,0 +1,123 @@
+"""Translation speed, JAX against PyTorch on the same weights: `python -m parity.translate_bench`.
+
+    python -m parity.translate_bench --run-dir RUN --input ../shared/data/multi30k/val.de.gz [--beam 4] [--json F]
+
+Opens a run (either backend), moves its weights into the other framework (`convert_state`), and
+times translating the input with JAX and torch cached search and torch's uncached loop (the
+same search re-running the decoder over every prefix, as the seed repositories did), each greedy
+and with --beam. Prints sentences/s, generated tokens/s, the speed-ups against torch cached and
+against the uncached loop at the same beam, and for every row but the reference (torch cached)
+how many sentences came out different from the reference's: 0 expected, the searches being the
+same algorithm on the same weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from train import data
+from train.backend import create_backend
+from train.rundir import Run, UserError, open_run, write_text_atomic
+from train.translate import add_run_arguments, positive_int, read_lines, source_batches
+
+from .convert import convert_state
+
+REFERENCE = "torch cached"
+
+
+def benchmark(run: Run, lines: Sequence[str], beam_size: int, batch_size: int | None, alpha: float = 0.6) -> list[dict]:
+    """One row per search and beam: seconds, sentences/s, tokens/s, speed-ups, outputs that differ.
+
+    JAX runs every batch once untimed first (jit compiles each batch shape there), torch the first.
+    """
+    cfg, model_cfg = run.config, run.model_config
+    state = run.backend.export_state()
+    backends = {}
+    for framework in ("torch", "jax"):
+        backend = create_backend(cfg.replace(backend=framework), model_cfg, None)
+        backend.import_state(convert_state(state, framework, model_cfg))
+        backends[framework] = backend
+    src_ids = data.encode(run.tokenizers.src, list(lines))
+    batches = list(source_batches(src_ids, cfg.max_len, cfg.token_budget, batch_size))
+
+    def timed(search, warmup) -> tuple[float, list]:
+        for _, src in warmup:
+            search(src)
+        outputs = [None] * len(lines)
+        start = time.perf_counter()
+        for index, src in batches:
+            out = search(src)
+            for row in np.flatnonzero(index >= 0):
+                outputs[index[row]] = out[row]
+        return time.perf_counter() - start, outputs
+
+    rows, reference = [], {}
+    for name, cached in (("torch", True), ("jax", True), ("torch", False)):
+        search_name = f"{name} {'cached' if cached else 'uncached'}"
+        for beam in sorted({1, beam_size}):
+            search = lambda src, b=backends[name], k=beam, c=cached: b.translate(src, k, alpha, cached=c)
+            seconds, outputs = timed(search, batches if name == "jax" else batches[:1])
+            if search_name == REFERENCE:
+                reference[beam] = outputs
+            rows.append({
+                "search": search_name, "beam": beam, "seconds": seconds,
+                "tokens": int(sum((out != data.PAD_ID).sum() for out in outputs)),
+                "differ": None if search_name == REFERENCE
+                else sum(not np.array_equal(a, b) for a, b in zip(outputs, reference[beam])),
+            })
+    for row in rows:
+        row.update(sentences=len(lines), sentences_per_s=len(lines) / row["seconds"], tokens_per_s=row["tokens"] / row["seconds"])
+        for baseline in (REFERENCE, "torch uncached"):
+            match = next(r for r in rows if r["search"] == baseline and r["beam"] == row["beam"])
+            row[f"speedup_vs_{baseline.replace(' ', '_')}"] = match["seconds"] / row["seconds"]
+    for backend in backends.values():
+        backend.close()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m parity.translate_bench",
+        description="Time translation with a run's weights in both frameworks: JAX and torch cached search and "
+        "torch's uncached loop (the decoder re-run over every prefix), greedy and with --beam, on the same input. "
+        "Prints sentences/s, tokens/s, speed-ups and how many outputs differ from torch cached search's.",
+    )
+    add_run_arguments(parser)
+    parser.add_argument("--input", type=Path, help="text file, one source sentence per line (plain or .gz); default: stdin")
+    parser.add_argument("--batch-size", type=positive_int, help="at most N sentences per batch; default: the run's --token-budget")
+    parser.add_argument("--alpha", type=float, default=0.6, help="length penalty exponent of ((5+len)/6)^alpha (default 0.6)")
+    parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
+    args = parser.parse_args(argv)
+    try:
+        sentences = [line for line in read_lines(args.input) if line.strip()]
+        if not sentences:
+            raise UserError(f"{args.input or 'standard input'} holds no sentence to translate")
+        run = open_run(args.run_dir, args.checkpoint)
+    except (UserError, FileNotFoundError, ValueError) as err:
+        parser.exit(1, f"error: {err}\n")
+    rows = benchmark(run, sentences, args.beam, args.batch_size, args.alpha)
+    run.backend.close()
+    machine = f"{platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} CPUs"
+    print(f"{len(sentences)} sentences, {run.model_config.d_model}-wide {run.config.preset} model, {machine}")
+    print(f"{'search':16s} {'beam':>4s} {'seconds':>8s} {'sent/s':>8s} {'tok/s':>8s} {'vs torch cached':>16s} "
+          f"{'vs uncached':>12s} {'outputs differ':>15s}")
+    for r in rows:
+        differ = "reference" if r["differ"] is None else str(r["differ"])
+        print(f"{r['search']:16s} {r['beam']:4d} {r['seconds']:8.2f} {r['sentences_per_s']:8.1f} {r['tokens_per_s']:8.0f} "
+              f"{r['speedup_vs_torch_cached']:15.2f}x {r['speedup_vs_torch_uncached']:11.2f}x {differ:>15s}")
+    if args.json:
+        write_text_atomic(args.json, json.dumps({"run_dir": str(args.run_dir), "machine": machine, "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

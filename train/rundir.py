@@ -1,0 +1,295 @@
+"""Run directories: the one place that knows their files, claims them, and opens them again.
+
+A run directory holds:
+    config.json            the experiment (ExperimentConfig.experiment(): what resume checks and
+                           translate, evaluate and conversion read; launch options are not saved)
+    model.json             the TransformerConfig
+    tokenizer.json         or src_tokenizer.json + tgt_tokenizer.json
+    checkpoints/<step>/    the backend's checkpoints (newest N plus the best by validation BLEU)
+    tensorboard/           event files
+    results.json           final metrics, written at the end
+    converted.json         where a converted run came from (parity.convert --run-dir)
+
+Every file is written whole (`write_text_atomic`: a temporary file beside it, then a rename), and
+nothing in a directory changes until `prepare_run_dir`, which the loop calls once the data has
+loaded. `choose_checkpoint` is the one rule for "latest", "best" and a step number.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from torch_reference.config import TransformerConfig
+
+from . import data
+from .backend import Backend, CheckpointError, create_backend
+from .config import ExperimentConfig
+
+CONFIG_FILE, MODEL_FILE, RESULTS_FILE, PROVENANCE_FILE = "config.json", "model.json", "results.json", "converted.json"
+CHECKPOINTS, TENSORBOARD = "checkpoints", "tensorboard"
+JOINT_TOKENIZER, SRC_TOKENIZER, TGT_TOKENIZER = "tokenizer.json", "src_tokenizer.json", "tgt_tokenizer.json"
+TOKENIZER_FILES = (JOINT_TOKENIZER, SRC_TOKENIZER, TGT_TOKENIZER)
+# The safetensors metadata key holding the TransformerConfig JSON, in weights files and checkpoints.
+WEIGHTS_CONFIG_KEY = "transformer_config"
+
+
+class UserError(Exception):
+    """A problem with the flags, files or run directory the user gave: reported without a traceback."""
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write `text` to a temporary file beside `path`, then rename it into place: a crash leaves
+    the old file or the new one, never half of one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_json_atomic(path: str | Path, obj: Any) -> None:
+    write_text_atomic(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+
+
+def _say(text: str) -> None:
+    from tqdm.auto import tqdm
+
+    tqdm.write(text, file=sys.stdout)
+
+
+# ----------------------------------------------------------------------------------------------
+# Data and tokenizers
+
+
+def load_splits(cfg: ExperimentConfig) -> data.Splits:
+    """Train, validation and test pairs: the numbers corpus, or the --train/--valid/--test specs
+    (test empty when not given). Bad specs and missing files raise UserError."""
+    if cfg.uses_numbers_corpus:
+        return data.numbers_corpus(cfg.numbers_train, cfg.numbers_valid, cfg.numbers_test, seed=cfg.seed)
+    return data.Splits(*(load_split(cfg, spec) if spec else [] for spec in (cfg.train, cfg.valid, cfg.test)))
+
+
+def load_split(cfg: ExperimentConfig, spec: str) -> list[data.Pair]:
+    """Pairs of one data spec, or of `numbers:train|valid|test`, the run's numbers corpus split."""
+    if spec.startswith("numbers:"):
+        name = spec.partition(":")[2]
+        if name not in ("train", "valid", "test"):
+            raise UserError(f"expected numbers:train, numbers:valid or numbers:test, got {spec!r}")
+        corpus = data.numbers_corpus(cfg.numbers_train, cfg.numbers_valid, cfg.numbers_test, seed=cfg.seed)
+        return getattr(corpus, name)
+    try:
+        loaded = data.load_parallel(spec, cache_dir=cfg.hf_cache)
+    except (FileNotFoundError, ValueError) as err:
+        raise UserError(f"cannot load {spec!r}: {err}") from None
+    if not loaded.pairs:
+        raise UserError(f"{spec!r} holds no sentence pairs" + (
+            f" ({loaded.skipped_empty} skipped: a side is empty)" if loaded.skipped_empty else ""))
+    if loaded.skipped_empty:
+        _say(f"{spec}: skipped {loaded.skipped_empty} of {loaded.skipped_empty + len(loaded.pairs)} pairs with an empty side")
+    return loaded.pairs
+
+
+def save_tokenizers(tokenizers: data.Tokenizers, run_dir: str | Path) -> None:
+    """Write run_dir/tokenizer.json (joint) or run_dir/src_tokenizer.json + tgt_tokenizer.json."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if tokenizers.joint:
+        write_text_atomic(run_dir / JOINT_TOKENIZER, tokenizers.src.to_str())
+    else:
+        write_text_atomic(run_dir / SRC_TOKENIZER, tokenizers.src.to_str())
+        write_text_atomic(run_dir / TGT_TOKENIZER, tokenizers.tgt.to_str())
+
+
+def load_tokenizers(run_dir: str | Path) -> data.Tokenizers:
+    """Read what `save_tokenizers` wrote; a joint tokenizer comes back as one shared object.
+    FileNotFoundError when there is none, ValueError when one cannot be read."""
+    run_dir = Path(run_dir)
+    if (run_dir / JOINT_TOKENIZER).is_file():
+        tokenizer = _read_tokenizer(run_dir / JOINT_TOKENIZER)
+        return data.Tokenizers(tokenizer, tokenizer)
+    return data.Tokenizers(*(_read_tokenizer(run_dir / name) for name in (SRC_TOKENIZER, TGT_TOKENIZER)))
+
+
+def _read_tokenizer(path: Path) -> Tokenizer:
+    if not path.is_file():
+        raise FileNotFoundError(f"no such file: {path}")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as err:  # tokenizers raises a bare Exception for unreadable JSON
+        raise ValueError(f"{path} is not a readable tokenizer ({err})") from None
+
+
+# ----------------------------------------------------------------------------------------------
+# Claiming a directory for training
+
+
+def read_experiment(run_dir: str | Path) -> ExperimentConfig:
+    """The experiment saved in `run_dir`'s config.json (launch options at their defaults)."""
+    path = Path(run_dir) / CONFIG_FILE
+    if not path.is_file():
+        raise UserError(f"{run_dir} is not a run directory ({CONFIG_FILE} missing)")
+    saved = json.loads(path.read_text())
+    launch = ExperimentConfig.launch_fields()  # runs written before launch options were left out
+    return ExperimentConfig.from_dict({k: v for k, v in saved.items() if k not in launch})
+
+
+def _resumed_config(saved: ExperimentConfig, cfg: ExperimentConfig, explicit: Iterable[str] | None) -> ExperimentConfig:
+    """The saved experiment with this launch's options; an experiment field given again with
+    another value is an error (it would change how the run trains)."""
+    if explicit is None:  # a programmatic call: every field that is set counts as given
+        explicit = [f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) is not None]
+    launch = ExperimentConfig.launch_fields()
+    conflicts = [
+        f"--{name.replace('_', '-')}: run has {getattr(saved, name)!r}, got {getattr(cfg, name)!r}"
+        for name in explicit
+        if name not in launch and getattr(cfg, name) != getattr(saved, name)
+    ]
+    if conflicts:
+        raise UserError("--resume cannot change how the run trains:\n  " + "\n  ".join(conflicts))
+    return saved.replace(**{name: getattr(cfg, name) for name in launch}).resolve()
+
+
+def claim_run_dir(cfg: ExperimentConfig, explicit: Iterable[str] | None = None) -> ExperimentConfig:
+    """Check the run directory against --resume/--overwrite and return the config to run with:
+    the resolved `cfg` for a new run, the saved experiment with this launch's options on --resume.
+    Changes nothing on disk: `prepare_run_dir` does, once the data has loaded.
+
+    A directory holding a run (config.json) is refused unless --resume or --overwrite; a
+    non-empty directory that holds no run is never deleted.
+    """
+    cfg = cfg.resolve()
+    run_dir = Path(cfg.run_dir)
+    holds_run = (run_dir / CONFIG_FILE).is_file()
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"--run-dir {run_dir} is a file")
+    if cfg.resume:
+        if not holds_run:
+            raise UserError(f"nothing to resume: {run_dir} holds no run ({CONFIG_FILE} missing)")
+        return _resumed_config(read_experiment(run_dir), cfg, explicit)
+    if holds_run:
+        if not cfg.overwrite:
+            raise UserError(f"{run_dir} already holds a run; pass --resume to continue it or --overwrite to replace it")
+    elif run_dir.is_dir() and any(run_dir.iterdir()):
+        raise UserError(f"{run_dir} is not empty and holds no run; choose another --run-dir")
+    return cfg
+
+
+def follow_run_dir(cfg: ExperimentConfig, explicit: Iterable[str] | None = None) -> ExperimentConfig:
+    """`claim_run_dir` for the processes other than 0 of a multi-process run: the same config,
+    without checking, creating or deleting anything (process 0 does that)."""
+    cfg = cfg.resolve()
+    if not cfg.resume:
+        return cfg
+    if not (Path(cfg.run_dir) / CONFIG_FILE).is_file():
+        raise UserError(f"nothing to resume: {cfg.run_dir} holds no run ({CONFIG_FILE} missing)")
+    return _resumed_config(read_experiment(cfg.run_dir), cfg, explicit)
+
+
+def prepare_run_dir(cfg: ExperimentConfig, model_cfg: TransformerConfig, tokenizers: data.Tokenizers | None) -> None:
+    """Create the run directory `claim_run_dir` accepted (deleting the old run on --overwrite) and
+    write its experiment, model and (when given: newly trained) tokenizers. config.json first:
+    from there on the directory holds this run."""
+    run_dir = Path(cfg.run_dir)
+    if cfg.overwrite and (run_dir / CONFIG_FILE).is_file():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(run_dir / CONFIG_FILE, cfg.experiment())
+    if tokenizers is not None:
+        save_tokenizers(tokenizers, run_dir)
+    write_json_atomic(run_dir / MODEL_FILE, model_cfg.to_dict())
+
+
+def check_checkpoint_config(meta: Mapping[str, Any], cfg: ExperimentConfig) -> None:
+    """Refuse a checkpoint written by another run: one whose experiment (saved in its meta)
+    differs from this run's."""
+    saved = meta.get("config", cfg.experiment())
+    differ = [
+        f"--{name.replace('_', '-')}: checkpoint has {saved.get(name)!r}, run has {value!r}"
+        for name, value in cfg.experiment().items()
+        if saved.get(name) != value
+    ]
+    if differ:
+        raise UserError(
+            f"checkpoint {meta.get('step')} in {cfg.run_dir} was written by a run configured differently, so it "
+            "cannot be resumed here:\n  " + "\n  ".join(differ)
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints and opening a run
+
+
+def choose_checkpoint(steps: Sequence[int], which: str | int, metrics: Callable[[int], Mapping | None], where) -> int:
+    """The step `which` ("latest", "best" or a step number) names among `steps` (oldest first).
+    "best" is the highest validation BLEU among `metrics(step)` (ties: the newest), the latest
+    when no checkpoint has metrics. FileNotFoundError when there is no such checkpoint in `where`."""
+    if not steps:
+        raise FileNotFoundError(f"no checkpoint in {where}")
+    if which == "latest":
+        return steps[-1]
+    if which == "best":
+        ranked = [(m["bleu"], step) for step in steps if (m := metrics(step)) is not None and "bleu" in m]
+        return max(ranked)[1] if ranked else steps[-1]
+    step = int(which)
+    if step not in steps:
+        raise FileNotFoundError(f"no checkpoint of step {step} in {where} (have {list(steps)})")
+    return step
+
+
+def parse_checkpoint(which: str | int) -> str | int:
+    """'best', 'latest' or a step number (as int); UserError for anything else."""
+    if isinstance(which, int) or (isinstance(which, str) and which.isdigit()):
+        return int(which)
+    if which not in ("best", "latest"):
+        raise UserError(f"checkpoint must be 'best', 'latest' or a step number, got {which!r}")
+    return which
+
+
+@dataclasses.dataclass
+class Run:
+    """A trained run opened for translation or evaluation."""
+
+    run_dir: Path
+    config: ExperimentConfig
+    model_config: TransformerConfig
+    tokenizers: data.Tokenizers
+    backend: Backend
+    meta: dict[str, Any]
+
+
+def read_model_config(run_dir: str | Path) -> TransformerConfig:
+    path = Path(run_dir) / MODEL_FILE
+    if not path.is_file():
+        raise UserError(f"{run_dir} is not a run directory ({MODEL_FILE} missing)")
+    return TransformerConfig.from_json(path.read_text())
+
+
+def open_run(run_dir: str | Path, checkpoint: str | int = "best") -> Run:
+    """Config, tokenizers and a backend holding checkpoint `checkpoint` ("best", "latest" or a
+    step), in this process on every visible device: checkpoints restore onto any mesh."""
+    run_dir = Path(run_dir)
+    cfg = read_experiment(run_dir)
+    model_cfg = read_model_config(run_dir)
+    checkpoint = parse_checkpoint(checkpoint)
+    try:
+        tokenizers = load_tokenizers(run_dir)
+    except (FileNotFoundError, ValueError) as err:
+        raise UserError(str(err)) from None
+    backend = create_backend(cfg, model_cfg, str(run_dir / CHECKPOINTS))
+    try:
+        meta = backend.restore(checkpoint)
+    except (FileNotFoundError, CheckpointError) as err:
+        backend.close()
+        raise UserError(str(err)) from None
+    return Run(run_dir, cfg, model_cfg, tokenizers, backend, meta)
