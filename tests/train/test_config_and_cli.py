@@ -72,6 +72,16 @@ def test_parse_model_override():
         parse_model_override("src_vocab_size=10")  # derived from the tokenizer
 
 
+@pytest.mark.parametrize("field", ["pad_id", "bos_id", "eos_id"])
+def test_special_token_ids_cannot_be_overridden(field):
+    """Batches pad with 0 and start with 1 whatever the model is told: an override would train a
+    model that masks and ignores another id than the data uses. Refused, naming the fixed ids."""
+    with pytest.raises(ValueError, match=f"{field} cannot be set: the special token ids are fixed: <pad>=0, <bos>=1"):
+        parse_model_override(f"{field}=5")
+    with pytest.raises(ValueError, match=f"--set {field}=... is not allowed: the special token ids are fixed"):
+        ExperimentConfig(model={field: 5})
+
+
 def test_help_documents_every_field():
     text = run.build_parser().format_help()
     for field in dataclasses.fields(ExperimentConfig):
@@ -101,6 +111,7 @@ def test_cli_help_and_clean_errors(tmp_path):
         (["--steps", "-3"], "steps must be >= 1"),
         (["--backend", "tf"], "invalid choice: 'tf'"),
         (["--set", "d_model=wide"], "d_model takes a int"),
+        (["--set", "pad_id=5"], "pad_id cannot be set: the special token ids are fixed: <pad>=0, <bos>=1, <eos>=2"),
         (["--train", "de:en:/nonexistent/x", "--valid", "de:en:/nonexistent/y", "--run-dir", str(tmp_path / "r")],
          "no such file"),
     ]:

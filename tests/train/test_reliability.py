@@ -306,8 +306,6 @@ def test_ctrl_c_saves_then_stops_and_twice_stops_at_once(tmp_path, monkeypatch, 
 def test_a_write_that_dies_halfway_leaves_the_old_file(tmp_path, monkeypatch):
     """config.json, model.json, tokenizers, results.json and --output files go through
     write_text_atomic: a write that fails halfway (a crash, a full disk) leaves the old content."""
-    from train import data
-
     target = tmp_path / "config.json"
     target.write_text('{"old": true}\n')
     real_write_text = Path.write_text
@@ -323,4 +321,4 @@ def test_a_write_that_dies_halfway_leaves_the_old_file(tmp_path, monkeypatch):
     assert json.loads(target.read_text()) == {"old": True}
     rundir.write_text_atomic(target, '{"new": true}\n')
     assert json.loads(target.read_text()) == {"new": True}
-    assert [p.name for p in tmp_path.iterdir()] == ["config.json"]  # the failed write's temporary file is reused
+    assert [p.name for p in tmp_path.iterdir()] == ["config.json"]  # the failed write's temporary file is removed
