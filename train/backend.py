@@ -45,7 +45,7 @@ class Backend(Protocol):
     until `fetch`, so the loop decides when to synchronise.
     """
 
-    name: str
+    name: str  # the framework: "jax" or "torch", the layout of its TrainingState
     model_cfg: TransformerConfig
     exp_cfg: ExperimentConfig
 
@@ -93,6 +93,9 @@ class Backend(Protocol):
 
     def checkpoint_steps(self) -> list[int]:
         """Steps of the complete checkpoints on disk, oldest first."""
+
+    def checkpoint_metrics(self, step: int) -> dict[str, float] | None:
+        """The ranking metrics checkpoint `step` was saved with (e.g. {"bleu": ...}), or None."""
 
     def weights(self) -> dict[str, np.ndarray]:
         """The parameters as NumPy copies keyed by attribute path, in the framework's layout."""

@@ -18,9 +18,12 @@ loaded. `choose_checkpoint` is the one rule for "latest", "best" and a step numb
 from __future__ import annotations
 
 import dataclasses
+import errno
+import fcntl
 import json
 import os
 import shutil
+import socket
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -40,6 +43,7 @@ JOINT_TOKENIZER, SRC_TOKENIZER, TGT_TOKENIZER = "tokenizer.json", "src_tokenizer
 TOKENIZER_FILES = (JOINT_TOKENIZER, SRC_TOKENIZER, TGT_TOKENIZER)
 # The safetensors metadata key holding the TransformerConfig JSON, in weights files and checkpoints.
 WEIGHTS_CONFIG_KEY = "transformer_config"
+LOCK_FILE = ".lock"  # held (flock) by the one process that writes the run
 
 
 class UserError(Exception):
@@ -128,6 +132,54 @@ def _read_tokenizer(path: Path) -> Tokenizer:
         return Tokenizer.from_file(str(path))
     except Exception as err:  # tokenizers raises a bare Exception for unreadable JSON
         raise ValueError(f"{path} is not a readable tokenizer ({err})") from None
+
+
+# ----------------------------------------------------------------------------------------------
+# One writer per run directory
+
+
+class RunLock:
+    """The run directory's writer lock: `fcntl.flock` on DIR/.lock, exclusive and non-blocking.
+
+    Whoever writes a run holds it (train.run from claim to exit, parity.convert over its
+    destination); a second writer is refused with the holder's pid and host (read from the
+    file), and translate and evaluate, which only read, never take it. The OS releases a flock
+    when its process dies, however it dies, so a lock left by a killed run never blocks: the file
+    stays, the lock does not. On a filesystem without flock support (some network filesystems)
+    the lock cannot be taken: a warning says so and the run goes on unprotected.
+    """
+
+    def __init__(self, run_dir: str | Path):
+        self.path = Path(run_dir) / LOCK_FILE
+        self._fd: int | None = None
+
+    def acquire(self) -> RunLock:
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                holder = self.path.read_text(errors="replace").strip() or "another process"
+                self.release()
+                raise UserError(f"{self.path.parent} is in use by {holder}: one process writes a run at a time "
+                                "(translate and evaluate can read it meanwhile)") from None
+            _say(f"warning: cannot lock {self.path} ({err.strerror}): this filesystem has no flock; nothing "
+                 "stops a second process from writing this run")
+            return self
+        os.ftruncate(self._fd, 0)
+        os.write(self._fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor releases the flock
+            self._fd = None
+
+    def __enter__(self) -> RunLock:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 # ----------------------------------------------------------------------------------------------

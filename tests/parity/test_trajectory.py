@@ -117,11 +117,10 @@ def test_weights_comparison_names_the_worst_and_keeps_the_key_biases_apart():
 
 
 def test_one_ulp_away_moves_every_weight_by_one_rounding_error():
-    from parity.checkpoint import TrainingState
-    from torch_reference.config import TransformerConfig
+    from train.backend import TrainingState
 
     w = np.linspace(-1, 1, 1001, dtype=np.float32)
-    moved = trajectory.one_ulp_away(TrainingState(TransformerConfig(), 0, {"w": w}, None, None)).params["w"]
+    moved = trajectory.one_ulp_away(TrainingState("torch", 0, {"w": w})).params["w"]
     assert moved.dtype == np.float32 and not np.any(moved == w)
     np.testing.assert_array_equal(np.nextafter(moved, w), w)  # neighbours: nothing representable between
     assert 0.4 < np.mean(moved > w) < 0.6  # up or down at random

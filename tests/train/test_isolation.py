@@ -1,4 +1,4 @@
-"""A run loads one framework: the loop, the CLIs' imports and each backend stay apart (STYLE.md 3).
+"""A run loads one framework: the loop, the CLIs' imports and each backend stay apart (the twins' one-way house).
 
 Each check runs in a fresh interpreter (torch and jax are long imported in the pytest process);
 the child prints the loaded top-level modules and the assertions are made here.
