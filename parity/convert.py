@@ -298,6 +298,7 @@ def convert_run(
         if dst.is_dir() and not (dst / rundir.CONFIG_FILE).is_file():
             raise FileExistsError(f"{dst} is not empty and holds no run; it is never deleted")
 
+    guard = rundir.RunLock(dst).acquire() if dst.is_dir() else None  # never replace a run being written
     tmp = dst.with_name(f".{dst.name}.converting")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -317,6 +318,9 @@ def convert_run(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        if guard is not None:
+            guard.release()
     return {"run_dir": str(dst), "backend": to, "from": str(src), "steps": steps}
 
 
@@ -470,7 +474,7 @@ def _convert_run_cli(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         done = convert_run(args.run_dir, args.dst, to=args.to, which=which, overwrite=args.overwrite)
     except FileExistsError as err:
         parser.exit(2, f"error: {err}\n")
-    except (FileNotFoundError, ValueError, CheckpointError) as err:
+    except (FileNotFoundError, ValueError, CheckpointError, rundir.UserError) as err:
         parser.exit(1, f"error: {err}\n")
     steps = ", ".join(map(str, done["steps"]))
     print(f"wrote {done['run_dir']}: the {done['backend']} run of {done['from']} (checkpoint step {steps})")

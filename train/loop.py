@@ -44,7 +44,7 @@ from .config import ExperimentConfig
 from .evaluate import evaluate_pairs
 from .rundir import (
     CHECKPOINTS, RESULTS_FILE, TENSORBOARD, UserError, check_checkpoint_config, claim_run_dir, follow_run_dir,
-    load_splits, load_tokenizers, prepare_run_dir, write_json_atomic,
+    load_splits, load_tokenizers, lock_run_dir, prepare_run_dir, write_json_atomic,
 )
 
 
@@ -148,8 +148,18 @@ def train(cfg: ExperimentConfig, *, explicit: Iterable[str] | None = None) -> di
 
 
 def _train(cfg: ExperimentConfig, explicit, topology: Topology, started: float) -> dict[str, Any]:
+    if not topology.is_main:
+        return _train_locked(follow_run_dir(cfg, explicit), topology, started)
+    cfg = claim_run_dir(cfg, explicit)
+    lock = lock_run_dir(cfg)  # process 0 writes the run: no other process may meanwhile
+    try:
+        return _train_locked(cfg, topology, started)
+    finally:
+        lock.release()
+
+
+def _train_locked(cfg: ExperimentConfig, topology: Topology, started: float) -> dict[str, Any]:
     main = topology.is_main
-    cfg = claim_run_dir(cfg, explicit) if main else follow_run_dir(cfg, explicit)
     run_dir = Path(cfg.run_dir)
     splits = load_splits(cfg)
     if not splits.train or not splits.valid:

@@ -149,8 +149,9 @@ class RunLock:
     the lock cannot be taken: a warning says so and the run goes on unprotected.
     """
 
-    def __init__(self, run_dir: str | Path):
+    def __init__(self, run_dir: str | Path, created: bool = False):
         self.path = Path(run_dir) / LOCK_FILE
+        self.created = created  # the directory was made for this lock: removed again if left empty
         self._fd: int | None = None
 
     def acquire(self) -> RunLock:
@@ -171,9 +172,14 @@ class RunLock:
         return self
 
     def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # closing the descriptor releases the flock
-            self._fd = None
+        """Unlock; a directory made for the lock and still holding nothing else is removed (a run
+        that failed on its data leaves nothing behind)."""
+        if self._fd is None:
+            return
+        if self.created and [p.name for p in self.path.parent.iterdir()] == [LOCK_FILE]:
+            shutil.rmtree(self.path.parent, ignore_errors=True)
+        os.close(self._fd)  # closing the descriptor releases the flock
+        self._fd = None
 
     def __enter__(self) -> RunLock:
         return self.acquire()
@@ -232,9 +238,19 @@ def claim_run_dir(cfg: ExperimentConfig, explicit: Iterable[str] | None = None) 
     if holds_run:
         if not cfg.overwrite:
             raise UserError(f"{run_dir} already holds a run; pass --resume to continue it or --overwrite to replace it")
-    elif run_dir.is_dir() and any(run_dir.iterdir()):
+    elif run_dir.is_dir() and any(p.name != LOCK_FILE for p in run_dir.iterdir()):
         raise UserError(f"{run_dir} is not empty and holds no run; choose another --run-dir")
     return cfg
+
+
+def lock_run_dir(cfg: ExperimentConfig) -> RunLock:
+    """Take the writer lock of the run directory `claim_run_dir` accepted (creating the directory,
+    which stays empty but for the lock file until `prepare_run_dir`). UserError when another
+    process holds it."""
+    run_dir = Path(cfg.run_dir)
+    created = not run_dir.exists()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return RunLock(run_dir, created).acquire()
 
 
 def follow_run_dir(cfg: ExperimentConfig, explicit: Iterable[str] | None = None) -> ExperimentConfig:
@@ -254,7 +270,9 @@ def prepare_run_dir(cfg: ExperimentConfig, model_cfg: TransformerConfig, tokeniz
     from there on the directory holds this run."""
     run_dir = Path(cfg.run_dir)
     if cfg.overwrite and (run_dir / CONFIG_FILE).is_file():
-        shutil.rmtree(run_dir)
+        for entry in run_dir.iterdir():  # all but the lock this process holds
+            if entry.name != LOCK_FILE:
+                shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
     run_dir.mkdir(parents=True, exist_ok=True)
     write_json_atomic(run_dir / CONFIG_FILE, cfg.experiment())
     if tokenizers is not None:

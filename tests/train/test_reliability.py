@@ -322,3 +322,23 @@ def test_a_write_that_dies_halfway_leaves_the_old_file(tmp_path, monkeypatch):
     rundir.write_text_atomic(target, '{"new": true}\n')
     assert json.loads(target.read_text()) == {"new": True}
     assert [p.name for p in tmp_path.iterdir()] == ["config.json"]  # the failed write's temporary file is removed
+
+
+def test_one_process_writes_a_run_and_a_dead_ones_lock_never_blocks(tmp_path):
+    """While a run trains, a second `--resume` and an `--overwrite` of its directory are refused
+    with the holder's pid (the OS lock, not a file's presence, decides); once the first process
+    is killed (SIGKILL: no clean-up), the same resume proceeds."""
+    run_dir = tmp_path / "run"
+    first = launch("torch", run_dir, "--steps", "100000", "--save-every", "100000")
+    try:
+        read_until(first, "step 1/")  # training: config written, lock held
+        for extra in (["--resume"], ["--overwrite", "--steps", "2"]):
+            code, out = finish(launch("torch", run_dir, *extra), timeout=120)
+            assert code == 1, out
+            assert f"is in use by pid {first.pid} on " in out and "Traceback" not in out
+        assert (run_dir / "config.json").is_file()  # the live run was not replaced
+    finally:
+        first.kill()
+        first.wait()
+    code, out = finish(launch("torch", run_dir, "--resume", "--steps", "2"), timeout=300)
+    assert code == 0, out  # a dead process's lock file is no lock
