@@ -4,7 +4,8 @@ Corpora are lists of (source, target) sentence pairs:
 
 - `numbers_corpus()`: the embedded default, offline and deterministic: a number in 0..999,999 as
   German words -> the same number as English words ("dreiundvierzig" -> "forty-three"), from
-  `num2words`, split into train/valid/test by number with no overlap.
+  `num2words`, every magnitude (1 to 6 digits) equally present in each split, and the test and
+  valid numbers of 3 or more digits never trained on.
 - `load_parallel(spec)`: local files or a datasets-hub dataset, read through HF `datasets`.
   A spec is one of
 
@@ -102,21 +103,110 @@ def number_words(n: int) -> Pair:
     return german, english
 
 
-def numbers_corpus(train_size: int = 20_000, valid_size: int = 1_000, test_size: int = 1_000, seed: int = 0) -> Splits:
-    """German -> English number words for distinct numbers drawn from 0..999,999 with `seed`.
+# Bands of the numbers corpus: numbers by how many digits they have. 1 and 2 digits (0..9, 10..99)
+# are too few to hold any out, so all 100 are training numbers; 3..6 digits hold numbers out.
+NUMBER_BANDS = (1, 2, 3, 4, 5, 6)
+SEEN_BANDS = (1, 2)
 
-    The splits share no number. One permutation of all numbers is cut test first, then valid,
-    then train, so the test and valid sets depend only on (seed, test_size, valid_size), not on
-    train_size. Tokenize it with a small vocabulary (~400-500): at 8000, BPE learns whole words
-    such as "siebenhundertsechsundfünfzigtausend" and the task loses its subword alignments.
+
+def band_range(digits: int) -> range:
+    """The numbers with `digits` digits: 0..9 for 1, 10..99 for 2, ..., 100,000..999,999 for 6."""
+    if digits not in NUMBER_BANDS:
+        raise ValueError(f"bands are 1..6 digits, got {digits}")
+    return range(0 if digits == 1 else 10 ** (digits - 1), 10**digits)
+
+
+def number_band(n: int) -> int:
+    """How many digits n has (0 has one)."""
+    return len(str(n))
+
+
+@functools.cache
+def _english_below_1000() -> dict[str, int]:
+    return {words: n for n, words in enumerate(_below_1000("en"))}
+
+
+def number_from_english(text: str) -> int | None:
+    """The number 0..999,999 that `number_words` writes as `text` in English, else None
+    ("forty-three" -> 43, "seven thousand and seven" -> 7007, "Forty-three" -> None)."""
+    below = _english_below_1000()
+    if text in below:
+        return below[text]
+    head, sep, tail = text.partition(" thousand")
+    rest = 0 if not tail else below.get(tail[2:] if tail.startswith(", ") else tail[5:] if tail.startswith(" and ") else "")
+    if not sep or head not in below or rest is None:
+        return None
+    n = below[head] * 1000 + rest
+    return n if number_words(n)[1] == text else None  # rejects "one thousand, seven" and the like
+
+
+def numbers_range(first: int, last: int) -> list[Pair]:
+    """(German, English) pairs of every number from `first` to `last`, both included."""
+    if not 0 <= first <= last < 1_000_000:
+        raise ValueError(f"expected 0 <= first <= last <= 999999, got {first}-{last}")
+    return [number_words(n) for n in range(first, last + 1)]
+
+
+def _spread(total: int, capacities: Sequence[int]) -> list[int]:
+    """`total` split as evenly as the capacities allow: every part at most its capacity, and a part
+    below an even share only when it is full; the remainder goes to the last parts. Raises
+    ValueError when the capacities hold fewer than `total`."""
+    counts = [0] * len(capacities)
+    left = total
+    by_capacity = sorted(range(len(capacities)), key=lambda i: (capacities[i], i))
+    for k, i in enumerate(by_capacity):
+        counts[i] = min(capacities[i], left // (len(capacities) - k))
+        left -= counts[i]
+    if left:
+        raise ValueError(f"cannot place {total}: the bands hold {sum(capacities)}")
+    return counts
+
+
+def numbers_corpus(train_size: int = 20_000, valid_size: int = 1_000, test_size: int = 1_000, seed: int = 0) -> Splits:
+    """German -> English number words for numbers of every magnitude, drawn with `seed`.
+
+    Each split is spread evenly over the six bands 1..6 digits (0..9, 10..99, ..., 100,000..999,999;
+    `number_band`), so that small numbers are as present as large ones; a band that has fewer
+    numbers than its even share gives its surplus to the others (`_spread`). For a split of 1,000
+    pairs: 10 + 90 + 225 + 225 + 225 + 225.
+
+    - Bands 3..6 (900 numbers and more): each band's numbers are permuted with (seed, band) and cut
+      test first, then valid, then train, so the held-out test and valid numbers are never trained
+      on, and test and valid depend only on (seed, test_size, valid_size), not on train_size; a
+      larger train_size adds numbers and removes none. At most half of a band is held out.
+    - Bands 1 and 2 (the 100 numbers below 100) are too few to hold any out: they are all training
+      numbers (100 of train_size; with train_size < 100, that many of them), and the test and valid splits draw their share of
+      these bands from the same 100 numbers: there they measure what the model learned on seen
+      numbers, not generalisation (`train.evaluate` reports seen and unseen numbers apart).
+
+    So the splits share no number of 3 or more digits. Within each split the pairs are shuffled.
+    Tokenize it with a small vocabulary (~400-500): at 8000, BPE learns whole words such as
+    "siebenhundertsechsundfünfzigtausend" and the task loses its subword alignments.
     """
-    total = train_size + valid_size + test_size
-    if min(train_size, valid_size, test_size) < 0 or total > 1_000_000:
-        raise ValueError(f"split sizes must be >= 0 and sum to at most 1,000,000, got {total}")
-    numbers = np.random.default_rng(seed).permutation(1_000_000)[:total].tolist()
-    pairs = [number_words(n) for n in numbers]
-    test, valid = pairs[:test_size], pairs[test_size : test_size + valid_size]
-    return Splits(train=pairs[test_size + valid_size :], valid=valid, test=test)
+    if min(train_size, valid_size, test_size) < 0:
+        raise ValueError(f"split sizes must be >= 0, got {train_size}, {valid_size}, {test_size}")
+    rng = np.random.default_rng(seed)
+    bands = {  # each band's numbers in the order (seed, band) permutes them
+        d: (band_range(d).start + np.random.default_rng([seed, d]).permutation(len(band_range(d)))).tolist()
+        for d in NUMBER_BANDS
+    }
+    held = {d: len(bands[d]) // 2 for d in NUMBER_BANDS if d not in SEEN_BANDS}  # held-out room per band
+    splits: dict[str, list[int]] = {}
+    for name, size in (("test", test_size), ("valid", valid_size)):
+        capacity = [len(bands[d]) if d in SEEN_BANDS else held[d] for d in NUMBER_BANDS]
+        counts = dict(zip(NUMBER_BANDS, _spread(size, capacity)))
+        numbers = []
+        for d, k in counts.items():
+            if d in SEEN_BANDS:  # test from the front of the permutation, valid from the back
+                numbers += bands[d][:k] if name == "test" else bands[d][::-1][:k]
+            else:
+                numbers += bands[d][:k]
+                bands[d], held[d] = bands[d][k:], held[d] - k
+        splits[name] = numbers
+    seen = [n for d in SEEN_BANDS for n in bands[d]][:train_size]
+    counts = _spread(train_size - len(seen), [len(bands[d]) for d in NUMBER_BANDS if d not in SEEN_BANDS])
+    splits["train"] = seen + [n for d, k in zip((d for d in NUMBER_BANDS if d not in SEEN_BANDS), counts) for n in bands[d][:k]]
+    return Splits(**{name: [number_words(n) for n in rng.permutation(numbers).tolist()] for name, numbers in splits.items()})
 
 
 # ----------------------------------------------------------------------------------------------

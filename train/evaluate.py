@@ -1,11 +1,22 @@
-"""Evaluation: loss, perplexity, and sacreBLEU/chrF of beam-search translations; `python -m train.evaluate`.
+"""Evaluation: loss, perplexity, sacreBLEU/chrF and exact match of beam-search translations; `python -m train.evaluate`.
 
 BLEU and chrF are sacreBLEU's corpus scores on detokenized text (its default 13a tokenization,
-mixed case), the numbers every paper quotes. Perplexity is exp of the unsmoothed per-token
-negative log-likelihood; `loss` is the label-smoothed training objective.
+mixed case), the numbers every paper quotes; each score is stored with sacreBLEU's signature
+(`bleu_signature`, e.g. "nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0"), which says
+how it was computed, and `sentences` says how many sentences it covers. `bleu_lc` (with
+`--lowercase`, and always in a training run's results) is the same BLEU on lowercased text.
+`exact_match` is sentence accuracy: the percentage of hypotheses equal to their reference (both
+stripped of surrounding whitespace). Perplexity is exp of the unsmoothed per-token negative
+log-likelihood; `loss` is the label-smoothed training objective.
 
-    python -m train.evaluate --run-dir runs/jax-... --data de:en:../shared/data/multi30k/test_2016_flickr
+When every reference is a number as the numbers corpus writes it in English (`numbers:` data, or
+a file of such pairs), `bands` holds the exact match per number of digits, each with how many of
+its sentences are `seen` (the source is a training sentence of the run) and the exact match on
+the others (`unseen_exact_match`, None when there are none).
+
+    python -m train.evaluate --run-dir runs/jax-... --data de:en:../shared/data/multi30k/test_2016_flickr --lowercase
     python -m train.evaluate --run-dir runs/jax-... --data numbers:test
+    python -m train.evaluate --run-dir runs/jax-... --data numbers:0-999      # every number below 1,000
 """
 
 from __future__ import annotations
@@ -14,11 +25,11 @@ import argparse
 import json
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
-import sacrebleu
+from sacrebleu.metrics import BLEU, CHRF
 
 from . import data
 from .backend import Backend
@@ -26,13 +37,53 @@ from .rundir import UserError, load_split, open_run, write_text_atomic
 from .translate import add_run_arguments, positive_int, translate_texts
 
 
-def corpus_scores(hypotheses: Sequence[str], references: Sequence[str]) -> dict[str, float]:
-    """{"bleu", "chrf"}: sacreBLEU corpus BLEU and chrF of detokenized hypotheses vs one reference each."""
+def exact_match(hypotheses: Sequence[str], references: Sequence[str]) -> float:
+    """Percentage of hypotheses equal to their reference after stripping surrounding whitespace
+    (nan for no sentences)."""
+    if not hypotheses:
+        return math.nan
+    if len(hypotheses) != len(references):
+        raise ValueError(f"{len(hypotheses)} hypotheses for {len(references)} references")
+    return 100.0 * sum(h.strip() == r.strip() for h, r in zip(hypotheses, references)) / len(hypotheses)
+
+
+def corpus_scores(hypotheses: Sequence[str], references: Sequence[str], *, lowercase: bool = False) -> dict[str, Any]:
+    """sacreBLEU corpus BLEU and chrF of detokenized hypotheses vs one reference each, with their
+    signatures, and exact match: {"bleu", "bleu_signature", "chrf", "chrf_signature",
+    "exact_match"}, plus {"bleu_lc", "bleu_lc_signature"} (lowercased BLEU) with `lowercase`."""
     hyps, refs = list(hypotheses), [list(references)]
-    return {
-        "bleu": float(sacrebleu.corpus_bleu(hyps, refs).score),
-        "chrf": float(sacrebleu.corpus_chrf(hyps, refs).score),
-    }
+    result: dict[str, Any] = {}
+    metrics = [("bleu", BLEU()), ("chrf", CHRF())] + ([("bleu_lc", BLEU(lowercase=True))] if lowercase else [])
+    for name, metric in metrics:
+        result[name] = float(metric.corpus_score(hyps, refs).score)
+        result[f"{name}_signature"] = str(metric.get_signature())
+    result["exact_match"] = exact_match(hyps, refs[0])
+    return result
+
+
+def band_scores(
+    pairs: Sequence[data.Pair], hypotheses: Sequence[str], seen: Collection[str] | None = None
+) -> dict[str, dict[str, Any]] | None:
+    """Exact match per number of digits when every reference is a number in the numbers corpus'
+    English (`data.number_from_english`), else None. Keys "1".."6" (bands present only); each
+    {"sentences", "exact_match", "seen", "unseen_exact_match"}: `seen` counts the sentences whose
+    source is in `seen` (the training sources; None when not given) and `unseen_exact_match` is
+    the exact match on the others (None when there are none)."""
+    numbers = [data.number_from_english(reference.strip()) for _, reference in pairs]
+    if not numbers or None in numbers:
+        return None
+    bands: dict[str, dict[str, Any]] = {}
+    for band in sorted({data.number_band(n) for n in numbers}):
+        members = [i for i, n in enumerate(numbers) if data.number_band(n) == band]
+        unseen = members if seen is None else [i for i in members if pairs[i][0] not in seen]
+        bands[str(band)] = {
+            "sentences": len(members),
+            "exact_match": exact_match([hypotheses[i] for i in members], [pairs[i][1] for i in members]),
+            "seen": None if seen is None else len(members) - len(unseen),
+            "unseen_exact_match": exact_match([hypotheses[i] for i in unseen], [pairs[i][1] for i in unseen])
+            if unseen else None,
+        }
+    return bands
 
 
 def loss_and_perplexity(backend: Backend, batches) -> dict[str, float]:
@@ -49,6 +100,19 @@ def loss_and_perplexity(backend: Backend, batches) -> dict[str, float]:
     return {"loss": float(loss) / tokens, "nll": mean_nll, "ppl": math.exp(min(mean_nll, 700.0)), "tokens": int(tokens)}
 
 
+def bands_text(bands: dict[str, Any] | None) -> str:
+    """' by digits 1:100* 2:100* 3:99.56 ...': `band_scores`' exact match per number of digits, * on
+    a band whose sentences were all seen in training; '' when there are no bands."""
+    if not bands:
+        return ""
+    text = " ".join(
+        f"{band}:{scores['exact_match']:.4g}" + ("*" if scores["unseen_exact_match"] is None else "")
+        for band, scores in bands.items()
+    )
+    seen_only = any(scores["unseen_exact_match"] is None for scores in bands.values())
+    return f" by digits {text}" + (" (*: seen in training)" if seen_only else "")
+
+
 def evaluate_pairs(
     backend: Backend,
     tokenizers: data.Tokenizers,
@@ -59,10 +123,15 @@ def evaluate_pairs(
     max_sentences: int | None = None,
     samples: int = 0,
     beam_size: int = 4,
+    lowercase: bool = False,
+    seen: Collection[str] | None = None,
 ) -> dict[str, Any]:
-    """Loss and perplexity on every pair (those longer than max_len are left out of the loss),
-    BLEU and chrF of beam-search translations (greedy with beam_size 1) of the first `max_sentences` pairs (default: all), and
-    `samples` examples as {"source", "reference", "hypothesis"}."""
+    """Loss and perplexity on every pair (those longer than max_len are left out of the loss);
+    BLEU, chrF and exact match (`corpus_scores`, lowercased BLEU too with `lowercase`) and the
+    per-band exact match of numbers (`band_scores`, "bands"; `seen`: the training sources) of
+    beam-search translations (greedy with beam_size 1) of the first `max_sentences` pairs
+    (default: all), their count as "sentences"; and `samples` examples as {"source",
+    "reference", "hypothesis"}."""
     examples = data.encode_pairs(tokenizers, pairs)
     batcher = data.Batcher(examples, token_budget=token_budget, max_len=max_len, shuffle=False)
     result: dict[str, Any] = loss_and_perplexity(backend, batcher.epoch_batches())
@@ -70,8 +139,9 @@ def evaluate_pairs(
     hyps = translate_texts(
         backend, tokenizers, [s for s, _ in scored], max_len=max_len, token_budget=token_budget, beam_size=beam_size
     )
-    result.update(corpus_scores(hyps, [t for _, t in scored]))
+    result.update(corpus_scores(hyps, [t for _, t in scored], lowercase=lowercase))
     result["sentences"] = len(scored)
+    result["bands"] = band_scores(scored, hyps, seen)
     result["samples"] = [
         {"source": s, "reference": t, "hypothesis": h} for (s, t), h in list(zip(scored, hyps))[:samples]
     ]
@@ -82,14 +152,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m train.evaluate",
         description="Score a run trained by `python -m train.run` on parallel data: label-smoothed loss, "
-        "perplexity, and sacreBLEU BLEU/chrF of beam-search translations. Prints one JSON object.",
+        "perplexity, sacreBLEU BLEU/chrF (with their signatures) and exact match (sentence accuracy) of "
+        "beam-search translations, and for number data the exact match per number of digits. Prints one "
+        "JSON object.",
         epilog="DATA is a data spec as for train.run (SRC:TGT:PREFIX, FILE.tsv, FILE.jsonl, hf:NAME[:CONFIG]:SPLIT), "
-        "or numbers:train|valid|test for the run's own split of the embedded numbers corpus.",
+        "numbers:train|valid|test for the run's own split of the embedded numbers corpus, or numbers:FIRST-LAST "
+        "for every number from FIRST to LAST (e.g. numbers:0-999). For a run trained on the numbers corpus, "
+        "the per-digit scores count the sentences seen in its training split.",
     )
     add_run_arguments(parser)
     parser.add_argument("--data", required=True, help="parallel data to score (see below)")
     parser.add_argument(
         "--max-sentences", type=positive_int, help="translate only the first N pairs for BLEU/chrF; default: all"
+    )
+    parser.add_argument(
+        "--lowercase", action="store_true",
+        help="also score BLEU on lowercased text (13a tokenization), as bleu_lc with its signature",
     )
     parser.add_argument("--samples", type=int, default=0, help="include N example translations in the JSON")
     parser.add_argument("--output", type=Path, help="also write the JSON to this file")
@@ -98,12 +176,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run = open_run(args.run_dir, args.checkpoint)
         pairs = load_split(run.config, args.data)
+        seen = {s for s, _ in load_split(run.config, "numbers:train")} if run.config.uses_numbers_corpus else None
     except (UserError, FileNotFoundError, ValueError) as err:
         parser.exit(1, f"error: {err}\n")
     cfg = run.config
     result = evaluate_pairs(
         run.backend, run.tokenizers, pairs, max_len=cfg.max_len, token_budget=cfg.token_budget,
-        max_sentences=args.max_sentences, samples=args.samples, beam_size=args.beam,
+        max_sentences=args.max_sentences, samples=args.samples, beam_size=args.beam, lowercase=args.lowercase,
+        seen=seen,
     )
     result = {"run_dir": str(args.run_dir), "data": args.data, "step": run.backend.step, **result}
     text = json.dumps(result, indent=2, ensure_ascii=False)

@@ -41,7 +41,7 @@ from tqdm.auto import tqdm
 from . import data
 from .backend import Backend, CheckpointError, Topology, create_backend, initialize
 from .config import ExperimentConfig
-from .evaluate import evaluate_pairs
+from .evaluate import bands_text, evaluate_pairs
 from .rundir import (
     CHECKPOINTS, RESULTS_FILE, TENSORBOARD, UserError, check_checkpoint_config, claim_run_dir, follow_run_dir,
     load_splits, load_tokenizers, lock_run_dir, prepare_run_dir, write_json_atomic,
@@ -225,10 +225,13 @@ def _train_locked(cfg: ExperimentConfig, topology: Topology, started: float) -> 
     return results
 
 
-def _evaluate(cfg, backend, tokenizers, pairs, samples: int) -> dict[str, Any]:
+def _evaluate(cfg, backend, tokenizers, pairs, samples: int, *, validation: bool = True, seen=None) -> dict[str, Any]:
+    """`evaluate_pairs` with lowercased BLEU too. --eval-sentences limits the translations of
+    validation only: a test set (validation=False) is always scored whole."""
     return evaluate_pairs(
         backend, tokenizers, pairs, max_len=cfg.max_len, token_budget=cfg.token_budget,
-        max_sentences=cfg.eval_sentences, samples=samples, beam_size=cfg.beam,
+        max_sentences=cfg.eval_sentences if validation else None, samples=samples, beam_size=cfg.beam,
+        lowercase=True, seen=seen,
     )
 
 
@@ -269,11 +272,12 @@ def _log_window(cfg, step: int, values: list[dict[str, float]], tokens: int, ela
 
 def _log_evaluation(step: int, evaluated: dict[str, Any], log: _Log, writer) -> None:
     log.valid.append({"step": step, **_eval_summary(evaluated)})
-    for key in ("loss", "ppl", "bleu", "chrf"):
+    for key in ("loss", "ppl", "bleu", "chrf", "exact_match"):
         writer.add_scalar(f"valid/{key}", evaluated[key], step)
     _say(
         f"step {step}: valid loss {evaluated['loss']:.4f} ppl {evaluated['ppl']:.3f} "
-        f"BLEU {evaluated['bleu']:.2f} chrF {evaluated['chrf']:.2f}"
+        f"BLEU {evaluated['bleu']:.2f} chrF {evaluated['chrf']:.2f} exact {evaluated['exact_match']:.1f}% "
+        f"({evaluated['sentences']} sentences)" + bands_text(evaluated["bands"])
     )
     for sample in evaluated["samples"]:
         _say(f"  {sample['source']}\n    ref: {sample['reference']}\n    hyp: {sample['hypothesis']}")
@@ -396,10 +400,14 @@ def _finish(cfg, backend, tokenizers, splits, writer, log: _Log, started: float)
     else:  # a resumed run that had nothing left to train
         valid = {"step": backend.step, **_eval_summary(_evaluate(cfg, backend, tokenizers, splits.valid, 0))}
     test = None
-    if splits.test:
-        test = {"step": backend.step, **_eval_summary(_evaluate(cfg, backend, tokenizers, splits.test, 0))}
-        for key in ("loss", "ppl", "bleu", "chrf"):
+    if splits.test:  # scored whole: --eval-sentences limits validation only
+        seen = {source for source, _ in splits.train} if cfg.uses_numbers_corpus else None  # for "bands"
+        test = {"step": backend.step,
+                **_eval_summary(_evaluate(cfg, backend, tokenizers, splits.test, 0, validation=False, seen=seen))}
+        for key in ("loss", "ppl", "bleu", "chrf", "exact_match"):
             writer.add_scalar(f"test/{key}", test[key], backend.step)
+        for band, scores in (test["bands"] or {}).items():
+            writer.add_scalar(f"test/exact_match_{band}_digits", scores["exact_match"], backend.step)
     best = max(log.valid, key=lambda v: (v["bleu"], v["step"]), default=None)
     return {
         "backend": cfg.backend,
@@ -428,6 +436,9 @@ def _summary_line(results: dict[str, Any]) -> str:
         f"valid loss {valid['loss']:.4f} ppl {valid['ppl']:.3f} BLEU {valid['bleu']:.2f}",
     ]
     if test is not None:
-        parts.append(f"test BLEU {test['bleu']:.2f} chrF {test['chrf']:.2f}")
+        parts.append(
+            f"test ({test['sentences']} sentences) BLEU {test['bleu']:.2f} chrF {test['chrf']:.2f} "
+            f"exact {test['exact_match']:.1f}%" + bands_text(test["bands"])
+        )
     parts.append(str(Path(results["run_dir"]) / RESULTS_FILE))
     return " | ".join(parts)

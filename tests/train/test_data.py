@@ -73,13 +73,19 @@ def test_numbers_corpus_deterministic_and_disjoint(corpus):
     assert (len(corpus.train), len(corpus.valid), len(corpus.test)) == (3000, 200, 200)
     assert data.numbers_corpus(3000, 200, 200, seed=0) == corpus
     assert data.numbers_corpus(3000, 200, 200, seed=1).train != corpus.train
-    # German number words are one per number, so distinct sources mean distinct numbers.
-    sources = [[s for s, _ in split] for split in (corpus.train, corpus.valid, corpus.test)]
-    assert len(set().union(*sources)) == 3400
-    # valid/test do not move when only train_size changes.
+    # German number words are one per number, so distinct sources mean distinct numbers. Within a
+    # split every number is distinct; across splits only the 100 numbers below 100 (all training
+    # numbers) recur.
+    sources = [{s for s, _ in split} for split in (corpus.train, corpus.valid, corpus.test)]
+    assert [len(s) for s in sources] == [3000, 200, 200]
+    below_100 = {data.number_words(n)[0] for n in range(100)}
+    train, valid, test = sources
+    assert below_100 <= train and not (valid & train) - below_100 and not (test & train) - below_100
+    assert not (valid & test) - below_100
+    # valid/test do not move when only train_size changes, and a larger train adds numbers only.
     bigger = data.numbers_corpus(train_size=5000, valid_size=200, test_size=200, seed=0)
     assert (bigger.valid, bigger.test) == (corpus.valid, corpus.test)
-    assert bigger.train[:3000] == corpus.train
+    assert set(corpus.train) < set(bigger.train)
     with pytest.raises(ValueError):
         data.numbers_corpus(train_size=1_000_000, valid_size=1, test_size=0)
 

@@ -15,7 +15,8 @@ from train.config import ExperimentConfig
 REPO = Path(__file__).resolve().parents[2]
 RESULT_KEYS = {"backend", "run_dir", "steps", "num_params", "train", "valid", "test", "best", "wall_time_s",
                "config", "model", "history"}
-EVAL_KEYS = {"step", "loss", "nll", "ppl", "bleu", "chrf", "tokens", "sentences"}
+EVAL_KEYS = {"step", "loss", "nll", "ppl", "bleu", "bleu_signature", "chrf", "chrf_signature", "bleu_lc",
+             "bleu_lc_signature", "exact_match", "tokens", "sentences", "bands"}
 
 
 @pytest.fixture(scope="module", params=["jax", "torch"])
@@ -25,7 +26,7 @@ def short_run(request, tmp_path_factory):
     cfg = ExperimentConfig(
         backend=request.param, run_dir=str(run_dir), numbers_train=1500, numbers_valid=40, numbers_test=40,
         max_len=16, token_budget=512, model={"num_encoder_layers": 1, "num_decoder_layers": 1},
-        steps=60, warmup=15, lr_factor=2.0, eval_every=10, log_every=10, eval_sentences=40, samples=2, progress=False,
+        steps=60, warmup=15, lr_factor=2.0, eval_every=10, log_every=10, eval_sentences=20, samples=2, progress=False,
     )
     return cfg, loop.train(cfg)
 
@@ -38,6 +39,19 @@ def test_short_run_learns_and_writes_results(short_run, capsys):
     assert set(results) == RESULT_KEYS
     assert set(results["valid"]) == EVAL_KEYS and set(results["test"]) == EVAL_KEYS
     assert (results["backend"], results["steps"], results["test"]["sentences"]) == (cfg.backend, 60, 40)
+    # --eval-sentences 20 limits validation only: the test set is scored whole.
+    assert results["valid"]["sentences"] == 20 and results["test"]["sentences"] == cfg.numbers_test
+    test, corpus = results["test"], loop.load_splits(cfg)
+    assert {b: v["sentences"] for b, v in test["bands"].items()} == {str(d): 6 + (d > 2) for d in range(1, 7)}
+    train_sources = {s for s, _ in corpus.train}
+    for band, scores in test["bands"].items():  # seen: the test numbers below 100 (all are training numbers)
+        in_band = [s for s, e in corpus.test if loop.data.number_band(loop.data.number_from_english(e)) == int(band)]
+        assert scores["seen"] == sum(s in train_sources for s in in_band) == (len(in_band) if int(band) <= 2 else 0)
+    total = sum(v["exact_match"] * v["sentences"] for v in test["bands"].values()) / test["sentences"]
+    assert test["exact_match"] == pytest.approx(total)
+    assert "case:mixed" in test["bleu_signature"] and "case:lc" in test["bleu_lc_signature"]
+    line = loop._summary_line(results)
+    assert f"test (40 sentences) BLEU {test['bleu']:.2f}" in line and f"exact {test['exact_match']:.1f}% by digits 1:" in line
     valid = results["history"]["valid"]
     assert [v["step"] for v in valid] == [10, 20, 30, 40, 50, 60]
     # Learning: the validation loss falls well below where it stood after 10 steps and far below a
@@ -79,6 +93,24 @@ def test_translate_and_evaluate_a_run(short_run, capsys):
     assert evaluate.main(["--run-dir", cfg.run_dir, "--data", "numbers:test", "--checkpoint", "latest"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["step"] == 60 and report["bleu"] == pytest.approx(results["test"]["bleu"], abs=1e-9)
+    assert report["exact_match"] == pytest.approx(results["test"]["exact_match"]) and "bleu_lc" not in report
+    assert report["bands"] == results["test"]["bands"] and report["sentences"] == 40
+
+    # numbers:FIRST-LAST scores every number of a range; --lowercase adds lowercased BLEU.
+    assert evaluate.main(["--run-dir", cfg.run_dir, "--data", "numbers:95-104", "--lowercase",
+                          "--checkpoint", "latest", "--samples", "10"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [s["source"] for s in report["samples"]] == [loop.data.number_words(n)[0] for n in range(95, 105)]
+    assert report["sentences"] == 10 and report["bleu_lc_signature"].startswith("nrefs:1|case:lc|")
+    right = [s["hypothesis"] == s["reference"] for s in report["samples"]]
+    assert report["exact_match"] == pytest.approx(100 * sum(right) / 10)
+    assert report["bands"]["2"]["seen"] == 5 and report["bands"]["3"]["seen"] == sum(
+        loop.data.number_words(n)[0] in {s for s, _ in loop.load_split(run.config, "numbers:train")} for n in range(100, 105)
+    )
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        evaluate.main(["--run-dir", cfg.run_dir, "--data", "numbers:9-1000000"])
+    assert exited.value.code == 1 and "error: numbers:9-1000000: expected 0 <= first <= last" in capsys.readouterr().err
 
     sources = [s for s, _ in test_pairs[:5]] + [""]
     expected = translate.translate_texts(

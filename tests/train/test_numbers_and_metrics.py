@@ -1,0 +1,111 @@
+"""The numbers corpus' bands (every magnitude, held-out numbers) and the evaluation metrics: exact
+match, sacreBLEU signatures, lowercased BLEU, exact match per number of digits."""
+
+import math
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from train import data, evaluate
+from train.data import NUMBER_BANDS
+
+
+def _band_counts(pairs):
+    return Counter(data.number_band(data.number_from_english(english)) for _, english in pairs)
+
+
+def test_number_bands_and_english_parser():
+    assert [data.band_range(d) for d in (1, 2, 6)] == [range(0, 10), range(10, 100), range(100_000, 1_000_000)]
+    assert sum(len(data.band_range(d)) for d in NUMBER_BANDS) == 1_000_000
+    assert [data.number_band(n) for n in (0, 9, 10, 99, 100, 999_999)] == [1, 1, 2, 2, 3, 6]
+    # The parser inverts number_words' English (checked once on all 10^6 numbers; here a sample
+    # and every boundary), and rejects whatever number_words would not write.
+    numbers = list(range(1000)) + [1000, 1001, 1099, 1100, 7007, 100_000, 101_000, 999_999]
+    numbers += np.random.default_rng(2).choice(1_000_000, 300, replace=False).tolist()
+    for n in numbers:
+        assert data.number_from_english(data.number_words(n)[1]) == n, n
+    for text in ("Forty-three", " forty-three", "one thousand, seven", "one thousand and one hundred",
+                 "seven thousand and", "thousand", "one thousand thousand", "one million", "", "sieben"):
+        assert data.number_from_english(text) is None, text
+    assert data.numbers_range(8, 11) == [data.number_words(n) for n in (8, 9, 10, 11)]
+    for first, last in ((5, 4), (-1, 3), (0, 1_000_000)):
+        with pytest.raises(ValueError):
+            data.numbers_range(first, last)
+
+
+def test_spread_is_even_up_to_capacity():
+    assert data._spread(1000, [10, 90, 450, 4500, 45_000, 450_000]) == [10, 90, 225, 225, 225, 225]
+    assert data._spread(7, [5, 5, 5]) == [2, 2, 3]  # the remainder goes to the last parts
+    assert data._spread(12, [1, 100, 2]) == [1, 9, 2]
+    assert data._spread(0, [3, 3]) == [0, 0]
+    with pytest.raises(ValueError, match="cannot place"):
+        data._spread(10, [3, 3, 3])
+
+
+def test_numbers_corpus_covers_every_band_and_holds_numbers_out():
+    corpus = data.numbers_corpus(train_size=2000, valid_size=60, test_size=600, seed=3)
+    # Each split is spread evenly over the six bands; the two small bands give up their surplus.
+    assert _band_counts(corpus.test) == {1: 10, 2: 90, 3: 125, 4: 125, 5: 125, 6: 125}
+    assert _band_counts(corpus.valid) == {d: 10 for d in NUMBER_BANDS}
+    assert _band_counts(corpus.train) == {1: 10, 2: 90, 3: 475, 4: 475, 5: 475, 6: 475}
+    train = {source for source, _ in corpus.train}
+    for split in (corpus.valid, corpus.test):
+        for source, english in split:
+            # Below 100: every number is a training number; from 3 digits on: none is.
+            assert (source in train) == (data.number_from_english(english) < 100), source
+    held_out = {s for s, e in corpus.test if data.number_from_english(e) >= 100}
+    assert not held_out & {s for s, _ in corpus.valid}
+    # Every band of the test split holds numbers of that many digits, and the splits are shuffled
+    # (the bands are not in blocks): the first 60 test pairs already cover four bands.
+    assert len(_band_counts(corpus.test[:60])) >= 4
+    # The band of 3 digits (900 numbers) is held out at most by half: the rest can train.
+    big = data.numbers_corpus(train_size=100, valid_size=0, test_size=6000, seed=0)
+    assert _band_counts(big.test)[3] == 450
+    small = data.numbers_corpus(train_size=30, valid_size=0, test_size=0, seed=0)
+    assert all(data.number_from_english(e) < 100 for _, e in small.train) and len(small.train) == 30
+
+
+def test_exact_match_signatures_and_lowercased_bleu():
+    refs = ["seven hundred and twelve thousand, three hundred and one", "forty-three", "one thousand and one"]
+    hyps = ["Seven hundred and twelve thousand, three hundred and one", " forty-three ", "one thousand and two"]
+    assert evaluate.exact_match(hyps, refs) == pytest.approx(100 / 3)  # stripped: " forty-three " counts
+    assert math.isnan(evaluate.exact_match([], []))
+    with pytest.raises(ValueError):
+        evaluate.exact_match(hyps, refs[:2])
+    plain = evaluate.corpus_scores(hyps, refs)
+    scores = evaluate.corpus_scores(hyps, refs, lowercase=True)
+    assert set(plain) == {"bleu", "bleu_signature", "chrf", "chrf_signature", "exact_match"}
+    assert set(scores) == set(plain) | {"bleu_lc", "bleu_lc_signature"}
+    assert {k: scores[k] for k in plain} == plain
+    assert scores["bleu_signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.")
+    assert scores["bleu_lc_signature"].startswith("nrefs:1|case:lc|eff:no|tok:13a|smooth:exp|version:2.")
+    assert scores["chrf_signature"].startswith("nrefs:1|case:mixed|")
+    # Only the case of one word differs from the lowercased reference: lowercased BLEU is higher.
+    assert 0 < scores["bleu"] < scores["bleu_lc"] < 100
+    assert evaluate.corpus_scores(refs, refs, lowercase=True)["bleu_lc"] == pytest.approx(100)
+
+
+def test_band_scores_from_the_numbers():
+    numbers = [0, 7, 43, 100, 512, 999, 1000, 123_456]
+    pairs = [data.number_words(n) for n in numbers]
+    hyps = [english for _, english in pairs]
+    hyps[1] = "seven thousand and seven"  # 7 wrong, 512 wrong
+    hyps[4] = "five hundred and eleven"
+    seen = {data.number_words(n)[0] for n in (0, 7, 512)}
+    bands = evaluate.band_scores(pairs, hyps, seen)
+    assert bands == {
+        "1": {"sentences": 2, "exact_match": 50.0, "seen": 2, "unseen_exact_match": None},
+        "2": {"sentences": 1, "exact_match": 100.0, "seen": 0, "unseen_exact_match": 100.0},
+        "3": {"sentences": 3, "exact_match": pytest.approx(200 / 3), "seen": 1, "unseen_exact_match": 100.0},
+        "4": {"sentences": 1, "exact_match": 100.0, "seen": 0, "unseen_exact_match": 100.0},
+        "6": {"sentences": 1, "exact_match": 100.0, "seen": 0, "unseen_exact_match": 100.0},
+    }
+    assert evaluate.band_scores(pairs, hyps)["3"] == {
+        "sentences": 3, "exact_match": pytest.approx(200 / 3), "seen": None, "unseen_exact_match": pytest.approx(200 / 3)
+    }
+    text = evaluate.bands_text(bands)
+    assert text.startswith(" by digits 1:50* 2:100 3:66.67 4:100 6:100") and "seen in training" in text
+    # Data that are not all numbers have no bands.
+    assert evaluate.band_scores(pairs + [("Hallo", "hello")], hyps + ["hello"]) is None
+    assert evaluate.band_scores([], []) is None and evaluate.bands_text(None) == ""
