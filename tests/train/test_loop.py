@@ -41,7 +41,7 @@ def test_short_run_learns_and_writes_results(short_run, capsys):
     assert (results["backend"], results["steps"], results["test"]["sentences"]) == (cfg.backend, 60, 40)
     # --eval-sentences 20 limits validation only: the test set is scored whole.
     assert results["valid"]["sentences"] == 20 and results["test"]["sentences"] == cfg.numbers_test
-    test, corpus = results["test"], loop.load_splits(cfg)
+    test, corpus = results["test"], rundir.load_splits(cfg)
     assert {b: v["sentences"] for b, v in test["bands"].items()} == {str(d): 6 + (d > 2) for d in range(1, 7)}
     train_sources = {s for s, _ in corpus.train}
     for band, scores in test["bands"].items():  # seen: the test numbers below 100 (all are training numbers)
@@ -105,7 +105,7 @@ def test_translate_and_evaluate_a_run(short_run, capsys):
     right = [s["hypothesis"] == s["reference"] for s in report["samples"]]
     assert report["exact_match"] == pytest.approx(100 * sum(right) / 10)
     assert report["bands"]["2"]["seen"] == 5 and report["bands"]["3"]["seen"] == sum(
-        loop.data.number_words(n)[0] in {s for s, _ in loop.load_split(run.config, "numbers:train")} for n in range(100, 105)
+        loop.data.number_words(n)[0] in {s for s, _ in rundir.load_split(run.config, "numbers:train")} for n in range(100, 105)
     )
     capsys.readouterr()
     with pytest.raises(SystemExit) as exited:
