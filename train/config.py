@@ -90,9 +90,14 @@ class ExperimentConfig:
     test: str | None = _field(
         None, "data", "test data spec, evaluated at the end; default with --train: no test set", metavar="SPEC"
     )
-    numbers_train: int = _field(40_000, "data", "numbers corpus: training pairs")
-    numbers_valid: int = _field(500, "data", "numbers corpus: validation pairs")
-    numbers_test: int = _field(1000, "data", "numbers corpus: test pairs")
+    numbers_train: int = _field(
+        40_000, "data", "numbers corpus: training pairs, an even share for numbers of each length (1 to 6 digits)"
+    )
+    numbers_valid: int = _field(500, "data", "numbers corpus: validation pairs, spread like the test pairs")
+    numbers_test: int = _field(
+        1000, "data", "numbers corpus: test pairs, spread evenly over numbers of 1 to 6 digits (those of 3 or more "
+        "digits never trained on; the 100 below 100 are all training numbers)",
+    )
     vocab_size: int | None = _field(
         None, "data", f"BPE vocabulary size; default {NUMBERS_VOCAB_SIZE} for the numbers corpus, "
         f"{DEFAULT_VOCAB_SIZE} otherwise",
@@ -128,7 +133,8 @@ class ExperimentConfig:
     )
     log_every: int = _field(20, "eval", "read metrics from the device and log them every N steps", launch=True)
     eval_sentences: int | None = _field(
-        None, "eval", "translate at most this many validation sentences for BLEU/chrF; default: all", launch=True
+        None, "eval", "translate at most this many validation sentences for BLEU/chrF/exact match; default: all "
+        "(the test set is always translated whole)", launch=True
     )
     samples: int = _field(3, "eval", "sample translations printed at each evaluation", launch=True)
     beam: int = _field(4, "eval", "beam size of the translations scored by BLEU/chrF (1 = greedy search)", launch=True)

@@ -11,6 +11,9 @@ from train import data, evaluate
 from train.data import NUMBER_BANDS
 
 
+_ENGLISH_1_DIGIT = {data.number_words(n)[1] for n in range(10)}
+
+
 def _band_counts(pairs):
     return Counter(data.number_band(data.number_from_english(english)) for _, english in pairs)
 
@@ -48,7 +51,13 @@ def test_numbers_corpus_covers_every_band_and_holds_numbers_out():
     # Each split is spread evenly over the six bands; the two small bands give up their surplus.
     assert _band_counts(corpus.test) == {1: 10, 2: 90, 3: 125, 4: 125, 5: 125, 6: 125}
     assert _band_counts(corpus.valid) == {d: 10 for d in NUMBER_BANDS}
-    assert _band_counts(corpus.train) == {1: 10, 2: 90, 3: 475, 4: 475, 5: 475, 6: 475}
+    # Training: an even share per band, a band's numbers repeated at most TRAIN_REPEATS (20) times:
+    # the ten 1-digit numbers fill 200 pairs, the rest goes to the other bands.
+    assert data.TRAIN_REPEATS == 20
+    assert _band_counts(corpus.train) == {1: 200, 2: 360, 3: 360, 4: 360, 5: 360, 6: 360}
+    assert set(Counter(p for p in corpus.train if p[1] in _ENGLISH_1_DIGIT).values()) == {20}
+    assert len({e for _, e in corpus.train if data.number_from_english(e) < 100}) == 100  # every 2-digit number too
+    assert len(set(corpus.train)) == 10 + 90 + 4 * 360  # 3..6 digits: distinct numbers
     train = {source for source, _ in corpus.train}
     for split in (corpus.valid, corpus.test):
         for source, english in split:
@@ -62,8 +71,12 @@ def test_numbers_corpus_covers_every_band_and_holds_numbers_out():
     # The band of 3 digits (900 numbers) is held out at most by half: the rest can train.
     big = data.numbers_corpus(train_size=100, valid_size=0, test_size=6000, seed=0)
     assert _band_counts(big.test)[3] == 450
-    small = data.numbers_corpus(train_size=30, valid_size=0, test_size=0, seed=0)
-    assert all(data.number_from_english(e) < 100 for _, e in small.train) and len(small.train) == 30
+    # A band's numbers are cycled in one order: each 1-digit number 10 times in 600 pairs, and a
+    # larger train_size adds pairs, removing none.
+    small = data.numbers_corpus(train_size=600, valid_size=0, test_size=0, seed=0)
+    assert Counter(s for s, e in small.train if e in _ENGLISH_1_DIGIT) == {data.number_words(n)[0]: 10 for n in range(10)}
+    larger = Counter(data.numbers_corpus(train_size=700, valid_size=0, test_size=0, seed=0).train)
+    assert not Counter(small.train) - larger
 
 
 def test_exact_match_signatures_and_lowercased_bleu():
