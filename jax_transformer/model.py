@@ -70,21 +70,25 @@ def shift_right(ids: jax.Array, bos_id: int) -> jax.Array:
     return jnp.concatenate([jnp.full_like(ids[:, :1], bos_id), ids[:, :-1]], axis=1)
 
 
-def scaled_dot_product_attention(q, k, v, mask=None, dropout=None) -> jax.Array:
+def scaled_dot_product_attention(q, k, v, mask=None, dropout=None, return_attention: bool = False):
     """softmax(q kᵀ / √K) v (§3.2.1) for q (B, H, T, K), k and v (B, H, S, K) -> (B, H, T, K).
 
     `mask` broadcasts to (B, H, T, S). Masked scores are set to the dtype's lowest finite value
     rather than -inf, so a fully masked row becomes a uniform average instead of NaN. The softmax
     runs in float32 (or wider) whatever the input dtype. `dropout` (a callable) is applied to the weights.
+    `return_attention`: also return the weights (B, H, T, S) as the softmax gave them (before dropout);
+    a masked key gets exactly 0 there unless its whole row is masked.
     """
     scores = jnp.matmul(q, jnp.swapaxes(k, -2, -1)) * (q.shape[-1] ** -0.5)  # (B, H, T, S)
     scores = scores.astype(jnp.promote_types(scores.dtype, jnp.float32))  # bf16/fp16 -> float32
     if mask is not None:
         scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
     weights = jax.nn.softmax(scores, axis=-1).astype(q.dtype)  # (B, H, T, S)
+    attention = weights  # before dropout: what `return_attention` returns
     if dropout is not None:
         weights = dropout(weights)
-    return jnp.matmul(weights, v)  # (B, H, T, K)
+    out = jnp.matmul(weights, v)  # (B, H, T, K)
+    return (out, attention) if return_attention else out
 
 
 def make_norm(cfg: TransformerConfig, rngs: nnx.Rngs, dtype=None) -> nnx.Module:
@@ -162,17 +166,24 @@ class MultiHeadAttention(nnx.Module):
         """context (B, S, D) -> keys and values (B, H, S, K), as a decoding cache stores them."""
         return self.split_heads(self.k_proj(context)), self.split_heads(self.v_proj(context))
 
-    def __call__(self, x, context, mask=None, kv=None, *, deterministic: bool = True, rngs: nnx.Rngs | None = None):
+    def __call__(
+        self, x, context, mask=None, kv=None, return_attention: bool = False, *, deterministic: bool = True,
+        rngs: nnx.Rngs | None = None,
+    ):
         """Queries from x (B, T, D), keys and values from context (B, S, D) -> (B, T, D).
 
         `kv` gives keys and values already projected (from a cache) in place of `context`.
+        `return_attention`: ((B, T, D), the attention weights (B, H, T, S)).
         """
         q = self.split_heads(self.q_proj(x))  # (B, H, T, K)
         k, v = self.project_kv(context) if kv is None else kv  # (B, H, S, K) each
         dropout = functools.partial(self.dropout, deterministic=deterministic, rngs=rngs)
-        out = scaled_dot_product_attention(q, k, v, mask, dropout)  # (B, H, T, K)
+        out = scaled_dot_product_attention(q, k, v, mask, dropout, return_attention)  # (B, H, T, K)
+        if return_attention:
+            out, attention = out
         B, H, T, K = out.shape
-        return self.out_proj(out.transpose(0, 2, 1, 3).reshape(B, T, H * K))  # (B, T, D)
+        out = self.out_proj(out.transpose(0, 2, 1, 3).reshape(B, T, H * K))  # (B, T, D)
+        return (out, attention) if return_attention else out
 
 
 class FeedForward(nnx.Module):
@@ -234,12 +245,25 @@ class DecoderLayer(EncoderLayer):
         self.cross_attn = MultiHeadAttention(cfg, dtype=dtype, rngs=rngs)
         self.cross_attn_norm = make_norm(cfg, rngs, dtype)
 
-    def __call__(self, x, memory, src_mask=None, tgt_mask=None, *, deterministic=True, rngs=None):
-        """x (B, T, D), memory (B, S, D) -> (B, T, D)."""
+    def __call__(
+        self, x, memory, src_mask=None, tgt_mask=None, return_attention=False, *, deterministic=True, rngs=None
+    ):
+        """x (B, T, D), memory (B, S, D) -> (B, T, D); with `return_attention` also the
+        cross-attention weights (B, H, T, S)."""
         mode = dict(deterministic=deterministic, rngs=rngs)
+        attention = []  # filled by the cross-attention sublayer when asked for
+
+        def cross_attn(h):
+            if not return_attention:
+                return self.cross_attn(h, memory, src_mask, **mode)
+            out, weights = self.cross_attn(h, memory, src_mask, return_attention=True, **mode)
+            attention.append(weights)
+            return out
+
         x = self.residual(x, self.self_attn_norm, lambda h: self.self_attn(h, h, tgt_mask, **mode), **mode)
-        x = self.residual(x, self.cross_attn_norm, lambda h: self.cross_attn(h, memory, src_mask, **mode), **mode)
-        return self.residual(x, self.ff_norm, self.ff, **mode)
+        x = self.residual(x, self.cross_attn_norm, cross_attn, **mode)
+        x = self.residual(x, self.ff_norm, self.ff, **mode)
+        return (x, attention[0]) if return_attention else x
 
     def init_cache(self, memory: jax.Array, max_len: int) -> dict[str, jax.Array]:
         """Cross-attention keys/values of memory (B, S, D), computed once, and room for max_len
@@ -295,12 +319,20 @@ class Decoder(Encoder):
 
     layer_type = DecoderLayer
 
-    def __call__(self, x, memory, src_mask=None, tgt_mask=None, *, deterministic=True, rngs=None):
-        """Embedded target x (B, T, D), memory (B, S, D) -> hidden states (B, T, D)."""
+    def __call__(
+        self, x, memory, src_mask=None, tgt_mask=None, return_attention=False, *, deterministic=True, rngs=None
+    ):
+        """Embedded target x (B, T, D), memory (B, S, D) -> hidden states (B, T, D); with
+        `return_attention` also every layer's cross-attention weights, (B, layers, H, T, S)."""
         x = self.dropout(self.positions(x), deterministic=deterministic, rngs=rngs)
+        attention = []
         for layer in self.layers:
-            x = layer(x, memory, src_mask, tgt_mask, deterministic=deterministic, rngs=rngs)
-        return x if self.norm is None else self.norm(x)
+            x = layer(x, memory, src_mask, tgt_mask, return_attention, deterministic=deterministic, rngs=rngs)
+            if return_attention:
+                x, weights = x
+                attention.append(weights)
+        x = x if self.norm is None else self.norm(x)
+        return (x, jnp.stack(attention, axis=1)) if return_attention else x
 
     def step(self, x, cache: list[dict[str, jax.Array]], position, src_mask=None):
         """Embedded target token x (B, 1, D) at `position` -> (hidden (B, 1, D), cache)."""
@@ -355,16 +387,19 @@ class Transformer(nnx.Module):
         x = self.src_embed(src_ids) * self.embed_scale  # (B, S, D)
         return self.encoder(x, src_mask, deterministic=deterministic, rngs=rngs)
 
-    def decode(self, tgt_in_ids, memory, src_mask=None, tgt_mask=None, *, deterministic=True, rngs=None):
+    def decode(
+        self, tgt_in_ids, memory, src_mask=None, tgt_mask=None, return_attention=False, *, deterministic=True, rngs=None
+    ):
         """tgt_in_ids (B, T), memory (B, S, D) -> hidden states (B, T, D).
 
         `src_mask` is the encoder's mask (B, 1, 1, S) or None for no masking; `tgt_mask` defaults
-        to causal_mask(T) & padding_mask(tgt_in_ids).
+        to causal_mask(T) & padding_mask(tgt_in_ids). `return_attention`: (hidden states, the
+        cross-attention weights of every decoder layer (B, layers, H, T, S)).
         """
         if tgt_mask is None:
             tgt_mask = causal_mask(tgt_in_ids.shape[1]) & padding_mask(tgt_in_ids, self.cfg.pad_id)
         x = self.target_embedding(tgt_in_ids) * self.embed_scale  # (B, T, D)
-        return self.decoder(x, memory, src_mask, tgt_mask, deterministic=deterministic, rngs=rngs)
+        return self.decoder(x, memory, src_mask, tgt_mask, return_attention, deterministic=deterministic, rngs=rngs)
 
     def init_cache(self, memory: jax.Array, max_len: int) -> list[dict[str, jax.Array]]:
         """A decoding cache for `max_len` target positions over memory (B, S, D), one dict per layer."""
@@ -388,8 +423,17 @@ class Transformer(nnx.Module):
             return logits(hidden, embedding)
         return self.out_proj(hidden)
 
-    def __call__(self, src_ids, tgt_in_ids, *, deterministic: bool = True, rngs: nnx.Rngs | None = None):
-        """src_ids (B, S), tgt_in_ids (B, T) -> logits (B, T, V)."""
+    def __call__(
+        self, src_ids, tgt_in_ids, return_attention: bool = False, *, deterministic: bool = True,
+        rngs: nnx.Rngs | None = None,
+    ):
+        """src_ids (B, S), tgt_in_ids (B, T) -> logits (B, T, V); with `return_attention`
+        (logits, cross-attention weights (B, layers, H, T, S)): row t of a layer's head is how the
+        position predicting the token after tgt_in_ids[:, t] weighs the source tokens (padding: 0)."""
         src_mask = padding_mask(src_ids, self.cfg.pad_id)
         memory = self.encode(src_ids, src_mask, deterministic=deterministic, rngs=rngs)
+        if return_attention:
+            mode = dict(deterministic=deterministic, rngs=rngs)
+            hidden, attention = self.decode(tgt_in_ids, memory, src_mask, return_attention=True, **mode)
+            return self.project(hidden), attention
         return self.project(self.decode(tgt_in_ids, memory, src_mask, deterministic=deterministic, rngs=rngs))

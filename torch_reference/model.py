@@ -56,22 +56,31 @@ def shift_right(ids: Tensor, bos_id: int) -> Tensor:
 
 
 def scaled_dot_product_attention(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, dropout: nn.Module | None = None
-) -> Tensor:
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None = None,
+    dropout: nn.Module | None = None,
+    return_attention: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """softmax(q kᵀ / √K) v (§3.2.1) for q (B, H, T, K), k and v (B, H, S, K) -> (B, H, T, K).
 
     `mask` broadcasts to (B, H, T, S). Masked scores are set to the dtype's lowest finite value
     rather than -inf, so a fully masked row becomes a uniform average instead of NaN. The softmax
     runs in float32 (or wider) whatever the input dtype. `dropout` (a module) is applied to the weights.
+    `return_attention`: also return the weights (B, H, T, S) as the softmax gave them (before dropout);
+    a masked key gets exactly 0 there unless its whole row is masked.
     """
     scores = torch.matmul(q, k.transpose(-2, -1)) * (q.shape[-1] ** -0.5)  # (B, H, T, S)
     scores = scores.to(torch.promote_types(scores.dtype, torch.float32))  # bf16/fp16 -> float32
     if mask is not None:
         scores = torch.where(mask, scores, torch.finfo(scores.dtype).min)
     weights = torch.softmax(scores, dim=-1).to(q.dtype)  # (B, H, T, S)
+    attention = weights  # before dropout: what `return_attention` returns
     if dropout is not None:
         weights = dropout(weights)
-    return torch.matmul(weights, v)  # (B, H, T, K)
+    out = torch.matmul(weights, v)  # (B, H, T, K)
+    return (out, attention) if return_attention else out
 
 
 def make_norm(cfg: TransformerConfig) -> nn.Module:
@@ -129,17 +138,26 @@ class MultiHeadAttention(nn.Module):
         return self.split_heads(self.k_proj(context)), self.split_heads(self.v_proj(context))
 
     def forward(
-        self, x: Tensor, context: Tensor | None, mask: Tensor | None = None, kv: tuple[Tensor, Tensor] | None = None
-    ) -> Tensor:
+        self,
+        x: Tensor,
+        context: Tensor | None,
+        mask: Tensor | None = None,
+        kv: tuple[Tensor, Tensor] | None = None,
+        return_attention: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
         """Queries from x (B, T, D), keys and values from context (B, S, D) -> (B, T, D).
 
         `kv` gives keys and values already projected (from a cache) in place of `context`.
+        `return_attention`: ((B, T, D), the attention weights (B, H, T, S)).
         """
         q = self.split_heads(self.q_proj(x))  # (B, H, T, K)
         k, v = self.project_kv(context) if kv is None else kv  # (B, H, S, K) each
-        out = scaled_dot_product_attention(q, k, v, mask, self.dropout)  # (B, H, T, K)
+        out = scaled_dot_product_attention(q, k, v, mask, self.dropout, return_attention)  # (B, H, T, K)
+        if return_attention:
+            out, attention = out
         B, H, T, K = out.shape
-        return self.out_proj(out.transpose(1, 2).reshape(B, T, H * K))  # (B, T, D)
+        out = self.out_proj(out.transpose(1, 2).reshape(B, T, H * K))  # (B, T, D)
+        return (out, attention) if return_attention else out
 
 
 class FeedForward(nn.Module):
@@ -203,12 +221,28 @@ class DecoderLayer(EncoderLayer):
         self.cross_attn_norm = make_norm(cfg)
 
     def forward(
-        self, x: Tensor, memory: Tensor, src_mask: Tensor | None = None, tgt_mask: Tensor | None = None
-    ) -> Tensor:
-        """x (B, T, D), memory (B, S, D) -> (B, T, D)."""
+        self,
+        x: Tensor,
+        memory: Tensor,
+        src_mask: Tensor | None = None,
+        tgt_mask: Tensor | None = None,
+        return_attention: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """x (B, T, D), memory (B, S, D) -> (B, T, D); with `return_attention` also the
+        cross-attention weights (B, H, T, S)."""
+        attention = []  # filled by the cross-attention sublayer when asked for
+
+        def cross_attn(h: Tensor) -> Tensor:
+            if not return_attention:
+                return self.cross_attn(h, memory, src_mask)
+            out, weights = self.cross_attn(h, memory, src_mask, return_attention=True)
+            attention.append(weights)
+            return out
+
         x = self.residual(x, self.self_attn_norm, lambda h: self.self_attn(h, h, tgt_mask))
-        x = self.residual(x, self.cross_attn_norm, lambda h: self.cross_attn(h, memory, src_mask))
-        return self.residual(x, self.ff_norm, self.ff)
+        x = self.residual(x, self.cross_attn_norm, cross_attn)
+        x = self.residual(x, self.ff_norm, self.ff)
+        return (x, attention[0]) if return_attention else x
 
     def init_cache(self, memory: Tensor, max_len: int) -> dict[str, Tensor]:
         """Cross-attention keys/values of memory (B, S, D), computed once, and room for max_len
@@ -265,13 +299,24 @@ class Decoder(Encoder):
     layer_type = DecoderLayer
 
     def forward(
-        self, x: Tensor, memory: Tensor, src_mask: Tensor | None = None, tgt_mask: Tensor | None = None
-    ) -> Tensor:
-        """Embedded target x (B, T, D), memory (B, S, D) -> hidden states (B, T, D)."""
+        self,
+        x: Tensor,
+        memory: Tensor,
+        src_mask: Tensor | None = None,
+        tgt_mask: Tensor | None = None,
+        return_attention: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Embedded target x (B, T, D), memory (B, S, D) -> hidden states (B, T, D); with
+        `return_attention` also every layer's cross-attention weights, (B, layers, H, T, S)."""
         x = self.dropout(self.positions(x))
+        attention = []
         for layer in self.layers:
-            x = layer(x, memory, src_mask, tgt_mask)
-        return x if self.norm is None else self.norm(x)
+            x = layer(x, memory, src_mask, tgt_mask, return_attention)
+            if return_attention:
+                x, weights = x
+                attention.append(weights)
+        x = x if self.norm is None else self.norm(x)
+        return (x, torch.stack(attention, dim=1)) if return_attention else x
 
     def step(
         self, x: Tensor, cache: list[dict[str, Tensor]], position: int, src_mask: Tensor | None = None
@@ -332,17 +377,23 @@ class Transformer(nn.Module):
         return self.encoder(self.src_embed(src_ids) * self.embed_scale, src_mask)
 
     def decode(
-        self, tgt_in_ids: Tensor, memory: Tensor, src_mask: Tensor | None = None, tgt_mask: Tensor | None = None
-    ) -> Tensor:
+        self,
+        tgt_in_ids: Tensor,
+        memory: Tensor,
+        src_mask: Tensor | None = None,
+        tgt_mask: Tensor | None = None,
+        return_attention: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
         """tgt_in_ids (B, T), memory (B, S, D) -> hidden states (B, T, D).
 
         `src_mask` is the encoder's mask (B, 1, 1, S) or None for no masking; `tgt_mask` defaults
-        to causal_mask(T) & padding_mask(tgt_in_ids).
+        to causal_mask(T) & padding_mask(tgt_in_ids). `return_attention`: (hidden states, the
+        cross-attention weights of every decoder layer (B, layers, H, T, S)).
         """
         if tgt_mask is None:
             tgt_mask = causal_mask(tgt_in_ids.shape[1], tgt_in_ids.device) & padding_mask(tgt_in_ids, self.cfg.pad_id)
         x = self.target_embedding(tgt_in_ids) * self.embed_scale  # (B, T, D)
-        return self.decoder(x, memory, src_mask, tgt_mask)
+        return self.decoder(x, memory, src_mask, tgt_mask, return_attention)
 
     def init_cache(self, memory: Tensor, max_len: int) -> list[dict[str, Tensor]]:
         """A decoding cache for `max_len` target positions over memory (B, S, D), one dict per layer."""
@@ -366,8 +417,15 @@ class Transformer(nn.Module):
             return F.linear(hidden, self.target_embedding.weight)
         return self.out_proj(hidden)
 
-    def forward(self, src_ids: Tensor, tgt_in_ids: Tensor) -> Tensor:
-        """src_ids (B, S), tgt_in_ids (B, T) -> logits (B, T, V)."""
+    def forward(
+        self, src_ids: Tensor, tgt_in_ids: Tensor, return_attention: bool = False
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """src_ids (B, S), tgt_in_ids (B, T) -> logits (B, T, V); with `return_attention`
+        (logits, cross-attention weights (B, layers, H, T, S)): row t of a layer's head is how the
+        position predicting the token after tgt_in_ids[:, t] weighs the source tokens (padding: 0)."""
         src_mask = padding_mask(src_ids, self.cfg.pad_id)
         memory = self.encode(src_ids, src_mask)
+        if return_attention:
+            hidden, attention = self.decode(tgt_in_ids, memory, src_mask, return_attention=True)
+            return self.project(hidden), attention
         return self.project(self.decode(tgt_in_ids, memory, src_mask))
