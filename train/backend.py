@@ -112,6 +112,13 @@ class Backend(Protocol):
     def close(self) -> None:
         """Finish pending checkpoint writes."""
 
+    def cross_attention(self, src: np.ndarray, tgt_in: np.ndarray) -> np.ndarray:
+        """The decoder's cross-attention weights, dropout off, for src ids (B, S) and decoder
+        inputs tgt_in (B, T) (teacher forcing: <bos> then the target tokens) -> float32
+        (B, layers, heads, T, S), as the model computes them (`return_attention=True`). Row t
+        weighs the source for the prediction after tgt_in[:, t]; each row sums to 1 and padded
+        source positions get 0."""
+
 
 BACKEND_MODULES = {"jax": "train.backend_jax", "torch": "train.backend_torch"}
 

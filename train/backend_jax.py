@@ -328,6 +328,16 @@ class JaxBackend:
         if state.rng is not None:
             self.rng = sharding.replicate(jax.random.wrap_key_data(np.asarray(state.rng, np.uint32)), self.mesh)
 
+    # ------------------------------------------------------------------------------------------
+    # Attention
+
+    def cross_attention(self, src: np.ndarray, tgt_in: np.ndarray) -> np.ndarray:
+        # Jitted (compiled once per shape; eagerly, every operation would compile per new shape).
+        if getattr(self, "_cross_attention", None) is None:
+            self._cross_attention = jax.jit(lambda params, s, t: self._model(params)(s, t, return_attention=True)[1])
+        attention = self._cross_attention(self.local_params(), np.asarray(src, np.int32), np.asarray(tgt_in, np.int32))
+        return np.asarray(attention, np.float32)  # (B, layers, H, T, S)
+
 
 def _key(path: tuple) -> str:
     """A JAX tree path -> the dotted attribute path `encoder.layers.0.self_attn.q_proj.kernel`."""

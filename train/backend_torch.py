@@ -279,6 +279,17 @@ class TorchBackend:
     def close(self) -> None:
         pass
 
+    # ------------------------------------------------------------------------------------------
+    # Attention
+
+    @torch.no_grad()
+    def cross_attention(self, src: np.ndarray, tgt_in: np.ndarray) -> np.ndarray:
+        self.model.eval()
+        src_t, tgt_t = (torch.from_numpy(np.asarray(a)).to(device=self.device, dtype=torch.long) for a in (src, tgt_in))
+        with self.autocast():
+            _, attention = self.model(src_t, tgt_t, return_attention=True)  # (B, layers, H, T, S)
+        return attention.float().cpu().numpy()
+
 
 def create(exp_cfg: ExperimentConfig, model_cfg: TransformerConfig, checkpoint_dir: str | None = None) -> TorchBackend:
     return TorchBackend(exp_cfg, model_cfg, checkpoint_dir)
