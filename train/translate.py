@@ -109,17 +109,34 @@ def main(argv: list[str] | None = None) -> int:
         help="at most N sentences per batch; default: as many as the run's --token-budget",
     )
     parser.add_argument("--alpha", type=float, default=0.6, help="length penalty exponent of ((5+len)/6)^alpha (default 0.6)")
+    parser.add_argument(
+        "--plot-attention", type=Path, metavar="DIR",
+        help="also write each sentence's cross-attention heatmaps to DIR (created): NNNN.png for input line N (the "
+        "last decoder layer, heads averaged) and NNNN_layers.png (every layer x head); translations are written as "
+        "usual",
+    )
     args = parser.parse_args(argv)
 
     try:
         lines = read_lines(args.input)
+        if args.plot_attention is not None:
+            from .attention import check_plot_directory
+
+            check_plot_directory(args.plot_attention)
         run = open_run(args.run_dir, args.checkpoint)
         if not any(line.strip() for line in lines):
             raise UserError(f"{args.input or 'standard input'} holds no sentence to translate")
     except (UserError, FileNotFoundError, ValueError) as err:
         parser.exit(1, f"error: {err}\n")
     cfg = run.config
-    hyps = translate_texts(
+    search = translate_texts
+    if args.plot_attention is not None:  # the same translations, each sentence's attention plotted on the way
+        import functools
+
+        from .attention import translate_and_plot
+
+        search = functools.partial(translate_and_plot, directory=args.plot_attention)
+    hyps = search(
         run.backend, run.tokenizers, lines,
         max_len=cfg.max_len, token_budget=cfg.token_budget, batch_size=args.batch_size,
         beam_size=args.beam, alpha=args.alpha,

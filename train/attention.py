@@ -1,0 +1,212 @@
+"""Cross-attention heatmaps: `python -m train.translate --run-dir RUN --plot-attention DIR`.
+
+Each sentence is translated as `translate_texts` does (the same batches and search), then its
+output is teacher-forced through the model once: the decoder reads <bos> and the output tokens
+and returns its cross-attention weights (`Backend.cross_attention`, the model's own softmax with
+`return_attention=True`). Row t is the step that produced output token t, so rows are labelled
+with the output tokens (ending <eos>) and columns with the source tokens (ending <eos>).
+
+For input line N (empty lines have no plot) it writes `DIR/NNNN.png`, the last decoder layer
+with its heads averaged, and `DIR/NNNN_layers.png`, every decoder layer x head. Subword tokens
+are shown as text with a word's first token marked ▁ (the byte-level tokenizer's leading
+space). Plots use matplotlib's Agg canvas (no display, no pyplot state).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import textwrap
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from . import data
+from .backend import Backend
+from .translate import source_batches, translate_ids
+
+
+@dataclasses.dataclass(frozen=True)
+class SentenceAttention:
+    """One translated sentence and its cross-attention weights."""
+
+    line: int  # 1-based line number in the input
+    source: str
+    translation: str
+    src_tokens: list[str]  # (S,) labels, the source as the model read it (cut to max_len)
+    tgt_tokens: list[str]  # (T,) labels, the output tokens, ending <eos> unless the length limit stopped it
+    weights: np.ndarray  # (layers, heads, T, S) float32
+
+    @property
+    def stem(self) -> str:
+        return f"{self.line:04d}"
+
+
+def _byte_values() -> dict[str, int]:
+    """The byte-level BPE alphabet (GPT-2's, which `tokenizers`' ByteLevel uses): character -> byte.
+    Printable bytes stand for themselves; the others are shifted to code points from 256 on."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
+
+
+BYTE_VALUES = _byte_values()
+
+
+def token_label(tokenizer, token_id: int) -> str:
+    """A token as readable text: specials by name, a leading space as ▁, bytes as UTF-8 text, and
+    the bytes of a character split across tokens (an incomplete UTF-8 sequence) as \\xNN."""
+    token = tokenizer.id_to_token(int(token_id))
+    if token is None:
+        return f"<{int(token_id)}>"
+    if token_id in (data.PAD_ID, data.BOS_ID, data.EOS_ID, data.UNK_ID) or not set(token) <= BYTE_VALUES.keys():
+        return token
+    text = bytes(BYTE_VALUES[c] for c in token).decode("utf-8", errors="backslashreplace")
+    return "▁" + text[1:] if text.startswith(" ") else text
+
+
+def output_tokens(row: np.ndarray) -> list[int]:
+    """A search output row (ending <eos> then <pad>) -> its tokens up to and including <eos>."""
+    row = [int(t) for t in row if t != data.PAD_ID]
+    return row[: row.index(data.EOS_ID) + 1] if data.EOS_ID in row else row
+
+
+def translate_with_attention(
+    backend: Backend,
+    tokenizers: data.Tokenizers,
+    texts: Sequence[str],
+    *,
+    max_len: int,
+    token_budget: int,
+    batch_size: int | None = None,
+    beam_size: int = 4,
+    alpha: float = 0.6,
+) -> tuple[list[str], list[SentenceAttention]]:
+    """(`translate_texts`' translations, the attention of each non-empty line, in input order)."""
+    src_ids = data.encode(tokenizers.src, list(texts))
+    out, found = [""] * len(texts), []
+    for index, src in source_batches(src_ids, max_len, token_budget, batch_size):
+        tokens = translate_ids(backend, src, beam_size, alpha)  # (B, L)
+        hyps = data.decode_batch(tokenizers.tgt, tokens)
+        outputs = [output_tokens(row) for row in tokens]
+        # Teacher forcing: <bos> and every output token but the last, so that row t predicts token t;
+        # as wide as the search's output (one shape per source bucket, for jit), padding masked out.
+        tgt_in = np.full(tokens.shape, data.PAD_ID, np.int32)  # (B, T)
+        tgt_in[:, 0] = data.BOS_ID
+        for row, ids in enumerate(outputs):
+            tgt_in[row, 1 : len(ids)] = ids[:-1]
+        weights = backend.cross_attention(src, tgt_in)  # (B, layers, H, T, S)
+        for row, i in enumerate(index):
+            if i < 0 or not texts[i].strip():
+                continue
+            out[i] = hyps[row]
+            if not outputs[row]:  # no output token: nothing to plot
+                continue
+            source = [int(t) for t in src[row] if t != data.PAD_ID]
+            found.append(SentenceAttention(
+                line=int(i) + 1, source=texts[i].strip(), translation=hyps[row],
+                src_tokens=[token_label(tokenizers.src, t) for t in source],
+                tgt_tokens=[token_label(tokenizers.tgt, t) for t in outputs[row]],
+                weights=weights[row, :, :, : len(outputs[row]), : len(source)],
+            ))
+    return out, sorted(found, key=lambda a: a.line)
+
+
+# ----------------------------------------------------------------------------------------------
+# Plots
+
+
+TITLE_CHARS = 80  # a title line's length before it wraps (at word boundaries only)
+CHAR_INCHES = 0.085  # width of one character at the titles' 10 points (DejaVu Sans, with margin)
+
+
+def _title(att: SentenceAttention, *lines: str) -> tuple[str, float]:
+    """(the title: the sentence, → its translation, then `lines`; the inches it needs)."""
+    wrap = lambda text: textwrap.wrap(text, TITLE_CHARS, break_long_words=False, subsequent_indent="    ")
+    title = [*wrap(att.source), *wrap(f"→ {att.translation}"), *lines]
+    return "\n".join(title), 0.5 + CHAR_INCHES * max(map(len, title))
+
+
+def _heatmap(ax, weights: np.ndarray, att: SentenceAttention, x_labels: bool, y_labels: bool, fontsize: float):
+    image = ax.imshow(weights, cmap="viridis", vmin=0.0, vmax=1.0, interpolation="nearest")
+    ax.set_xticks(range(len(att.src_tokens)), att.src_tokens if x_labels else [], rotation=90, fontsize=fontsize)
+    ax.set_yticks(range(len(att.tgt_tokens)), att.tgt_tokens if y_labels else [], fontsize=fontsize)
+    ax.tick_params(length=2)
+    return image
+
+
+def _save(fig, path: Path) -> None:
+    FigureCanvasAgg(fig)
+    tmp = path.with_name(f".{path.name}.tmp")
+    fig.savefig(tmp, format="png", dpi=100)
+    tmp.replace(path)  # a plot is complete or absent
+
+
+def plot_sentence(att: SentenceAttention, path: Path) -> None:
+    """The last decoder layer's cross-attention, heads averaged: output tokens (rows) x source
+    tokens (columns), a colour bar, the sentence and its translation as the title."""
+    layers, heads, T, S = att.weights.shape
+    cell = 0.42  # inches per token
+    title, title_width = _title(att, f"cross-attention, decoder layer {layers} of {layers}, mean of {heads} heads")
+    fig = Figure(figsize=(max(4.5, title_width, 2.6 + cell * S), max(3.5, 2.4 + cell * T)), layout="constrained")
+    ax = fig.add_subplot()
+    image = _heatmap(ax, att.weights[-1].mean(0), att, True, True, 10)
+    ax.set_xlabel("source")
+    ax.set_ylabel("output")
+    fig.colorbar(image, ax=ax, shrink=0.8, label="attention weight")
+    fig.suptitle(title, fontsize=10)
+    _save(fig, path)
+
+
+def plot_layers(att: SentenceAttention, path: Path) -> None:
+    """Every decoder layer (rows) x head (columns), on one colour scale."""
+    layers, heads, T, S = att.weights.shape
+    cell = 0.24
+    title, title_width = _title(att, "cross-attention of every decoder layer and head: output tokens x source tokens")
+    fig = Figure(
+        figsize=(max(6.0, title_width, 1.6 + heads * (0.6 + cell * S)), max(3.5, 1.6 + layers * (0.5 + cell * T))),
+        layout="constrained",
+    )
+    axes = fig.subplots(layers, heads, squeeze=False)
+    for layer in range(layers):
+        for head in range(heads):
+            ax = axes[layer, head]
+            image = _heatmap(ax, att.weights[layer, head], att, layer == layers - 1, head == 0, 7)
+            ax.set_title(f"layer {layer + 1}, head {head + 1}", fontsize=8)
+    fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight")
+    fig.suptitle(title, fontsize=10)
+    _save(fig, path)
+
+
+def check_plot_directory(directory: Path) -> None:
+    """Raise ValueError unless `directory` is a directory or can be created as one."""
+    for path in (directory, *directory.parents):
+        if path.exists():
+            if not path.is_dir():
+                raise ValueError(f"--plot-attention {directory}: {path} exists and is not a directory")
+            return
+
+
+def write_plots(attentions: Sequence[SentenceAttention], directory: Path) -> list[Path]:
+    """`NNNN.png` and `NNNN_layers.png` per sentence in `directory` (created); the paths written."""
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    for att in attentions:
+        for plot, suffix in ((plot_sentence, ""), (plot_layers, "_layers")):
+            path = directory / f"{att.stem}{suffix}.png"
+            plot(att, path)
+            written.append(path)
+    return written
+
+
+def translate_and_plot(backend: Backend, tokenizers: data.Tokenizers, texts: Sequence[str], *, directory: Path,
+                       **search) -> list[str]:
+    """`translate_texts` that also writes each sentence's plots to `directory` (see the module
+    docstring); `search` holds translate_texts' keyword arguments."""
+    hyps, attentions = translate_with_attention(backend, tokenizers, texts, **search)
+    written = write_plots(attentions, Path(directory))
+    print(f"wrote {len(written)} attention plots for {len(attentions)} sentences to {directory}", file=sys.stderr)
+    return hyps
