@@ -27,7 +27,7 @@ import numpy as np
 from train import data
 from train.backend import create_backend
 from train.rundir import Run, UserError, open_run, write_text_atomic
-from train.translate import add_run_arguments, positive_int, read_lines, source_batches
+from train.translate import add_run_arguments, positive_int, read_lines
 
 from .convert import convert_state
 
@@ -47,7 +47,7 @@ def benchmark(run: Run, lines: Sequence[str], beam_size: int, batch_size: int | 
         backend.import_state(convert_state(state, framework, model_cfg))
         backends[framework] = backend
     src_ids = data.encode(run.tokenizers.src, list(lines))
-    batches = list(source_batches(src_ids, cfg.max_len, cfg.token_budget, batch_size))
+    batches = list(data.source_batches(src_ids, cfg.max_len, cfg.token_budget, batch_size))
 
     def timed(search, warmup) -> tuple[float, list]:
         for _, src in warmup:

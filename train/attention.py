@@ -26,7 +26,6 @@ from matplotlib.figure import Figure
 
 from . import data
 from .backend import Backend
-from .translate import source_batches, translate_ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,8 +87,8 @@ def translate_with_attention(
     """(`translate_texts`' translations, the attention of each non-empty line, in input order)."""
     src_ids = data.encode(tokenizers.src, list(texts))
     out, found = [""] * len(texts), []
-    for index, src in source_batches(src_ids, max_len, token_budget, batch_size):
-        tokens = translate_ids(backend, src, beam_size, alpha)  # (B, L)
+    for index, src in data.source_batches(src_ids, max_len, token_budget, batch_size):
+        tokens = backend.translate(src, beam_size, alpha)  # (B, L)
         hyps = data.decode_batch(tokenizers.tgt, tokens)
         outputs = [output_tokens(row) for row in tokens]
         # Teacher forcing: <bos> and every output token but the last, so that row t predicts token t;

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -22,33 +22,6 @@ import numpy as np
 from . import data
 from .backend import Backend
 from .rundir import UserError, open_run, write_text_atomic
-
-
-def source_batches(
-    src_ids: Sequence[Sequence[int]], max_len: int, token_budget: int, batch_size: int | None = None
-) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """(indices, padded src (B, L)) per batch: sentences grouped by length bucket, at most
-    `token_budget` padded tokens and `batch_size` sentences per batch, every batch of a bucket
-    padded with all-pad rows (index -1) to one shape. Sources longer than max_len are cut to
-    max_len - 1 tokens + <eos>."""
-    buckets = data.bucket_lengths(max_len)
-    ids = [list(s) if len(s) <= max_len else [*s[: max_len - 1], data.EOS_ID] for s in src_ids]
-    bucket_of = np.searchsorted(buckets, [len(s) for s in ids])
-    for b, length in enumerate(buckets):
-        members = np.flatnonzero(bucket_of == b)
-        if not len(members):
-            continue
-        # Rows per batch: the budget's, but no more than the next power of two above the bucket's
-        # sentence count (3 sentences do not run as 512 rows), so shapes stay few.
-        size = max(1, min(token_budget // length, batch_size or token_budget, 1 << (len(members) - 1).bit_length()))
-        for start in range(0, len(members), size):
-            chunk = members[start : start + size]
-            src = np.full((size, length), data.PAD_ID, np.int32)  # (B, L)
-            for row, i in enumerate(chunk):
-                src[row, : len(ids[i])] = ids[i]
-            index = np.full(size, -1, np.int64)
-            index[: len(chunk)] = chunk
-            yield index, src
 
 
 def translate_texts(
@@ -65,7 +38,7 @@ def translate_texts(
     """Detokenized translations of `texts`, in order (an empty line translates to "")."""
     src_ids = data.encode(tokenizers.src, list(texts))
     out = [""] * len(texts)
-    for index, src in source_batches(src_ids, max_len, token_budget, batch_size):
+    for index, src in data.source_batches(src_ids, max_len, token_budget, batch_size):
         hyps = data.decode_batch(tokenizers.tgt, backend.translate(src, beam_size, alpha))
         for row, i in enumerate(index):
             if i >= 0 and texts[i].strip():

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from tokenizers import decoders
 
-from train import attention, data, loop, translate
+from parity.convert import transfer_state
+from train import attention, data, loop, rundir, translate
 from train.backend import create_backend
 from train.config import ExperimentConfig
 
@@ -70,7 +71,7 @@ def test_plot_attention_writes_one_heatmap_and_one_grid_per_sentence(trained, tm
 
 
 def test_sentence_attention_labels_and_weights(trained):
-    run = loop.open_run(trained, "latest")
+    run = rundir.open_run(trained, "latest")
     limits = dict(max_len=run.config.max_len, token_budget=run.config.token_budget, beam_size=1)
     hyps, found = attention.translate_with_attention(run.backend, run.tokenizers, LINES, **limits)
     assert [a.line for a in found] == [1, 3] and [a.translation for a in found] == [hyps[0], hyps[2]]
@@ -85,7 +86,7 @@ def test_sentence_attention_labels_and_weights(trained):
         np.testing.assert_allclose(att.weights.sum(-1), 1.0, rtol=0, atol=len(src) * 2.0**-23)  # float32 sums
     # The JAX backend on the same weights computes the same attention (parity: float32 rounding).
     jax_backend = create_backend(run.config.replace(backend="jax"), run.model_config)
-    jax_backend.load_torch_state_dict(run.backend.torch_state_dict())
+    transfer_state(run.backend, jax_backend)
     src = np.array([[5, 6, 7, data.EOS_ID], [8, data.EOS_ID, data.PAD_ID, data.PAD_ID]], np.int32)
     tgt_in = np.array([[data.BOS_ID, 9, 10], [data.BOS_ID, data.PAD_ID, data.PAD_ID]], np.int32)
     weights_t, weights_j = run.backend.cross_attention(src, tgt_in), jax_backend.cross_attention(src, tgt_in)
@@ -98,7 +99,7 @@ def test_sentence_attention_labels_and_weights(trained):
 def test_token_labels_are_the_tokens_bytes_as_text(trained):
     """Every token of the run's vocabulary is labelled with the text `tokenizers`' own byte-level
     decoder gives it, a leading space as ▁; a byte that is part of a character is shown as \\xNN."""
-    tokenizer = data.load_tokenizers(trained).src
+    tokenizer = rundir.load_tokenizers(trained).src
     byte_level = decoders.ByteLevel()
     partial = 0
     for token, token_id in tokenizer.get_vocab().items():

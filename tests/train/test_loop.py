@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from train import evaluate, loop, rundir, translate
+from train import data, evaluate, loop, rundir, translate
 from train.config import ExperimentConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -259,7 +259,7 @@ def test_jsonl_and_tsv_data_specs(fast_config, tmp_path):
 
 def test_source_batches_bucket_pad_and_keep_every_sentence():
     src_ids = [[5] * n + [2] for n in (3, 9, 1, 20, 7, 12, 40)]  # lengths with <eos>: 4..41
-    batches = list(translate.source_batches(src_ids, max_len=32, token_budget=64, batch_size=2))
+    batches = list(data.source_batches(src_ids, max_len=32, token_budget=64, batch_size=2))
     seen = {}
     for index, src in batches:
         size, length = src.shape
