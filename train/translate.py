@@ -17,8 +17,6 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
-
 from . import data
 from .backend import Backend
 from .rundir import UserError, open_run, write_text_atomic
