@@ -87,7 +87,7 @@ def test_numbers_corpus_deterministic_and_disjoint(corpus):
     assert (bigger.valid, bigger.test) == (corpus.valid, corpus.test)
     assert set(corpus.train) < set(bigger.train)
     with pytest.raises(ValueError):
-        data.numbers_corpus(train_size=21 * 1_000_000, valid_size=1, test_size=0)  # > TRAIN_REPEATS x every number
+        data.numbers_corpus(train_size=51 * 1_000_000, valid_size=1, test_size=0)  # > TRAIN_REPEATS x every number
 
 
 # ----------------------------------------------------------------------------------------------

@@ -47,17 +47,17 @@ def test_spread_is_even_up_to_capacity():
 
 
 def test_numbers_corpus_covers_every_band_and_holds_numbers_out():
-    corpus = data.numbers_corpus(train_size=2000, valid_size=60, test_size=600, seed=3)
+    corpus = data.numbers_corpus(train_size=4000, valid_size=60, test_size=600, seed=3)
     # Each split is spread evenly over the six bands; the two small bands give up their surplus.
     assert _band_counts(corpus.test) == {1: 10, 2: 90, 3: 125, 4: 125, 5: 125, 6: 125}
     assert _band_counts(corpus.valid) == {d: 10 for d in NUMBER_BANDS}
-    # Training: an even share per band, a band's numbers repeated at most TRAIN_REPEATS (20) times:
-    # the ten 1-digit numbers fill 200 pairs, the rest goes to the other bands.
-    assert data.TRAIN_REPEATS == 20
-    assert _band_counts(corpus.train) == {1: 200, 2: 360, 3: 360, 4: 360, 5: 360, 6: 360}
-    assert set(Counter(p for p in corpus.train if p[1] in _ENGLISH_1_DIGIT).values()) == {20}
+    # Training: an even share per band, a band's numbers repeated at most TRAIN_REPEATS (50) times:
+    # the ten 1-digit numbers fill 500 pairs, the rest goes to the other bands.
+    assert data.TRAIN_REPEATS == 50
+    assert _band_counts(corpus.train) == {1: 500, 2: 700, 3: 700, 4: 700, 5: 700, 6: 700}
+    assert set(Counter(p for p in corpus.train if p[1] in _ENGLISH_1_DIGIT).values()) == {50}
     assert len({e for _, e in corpus.train if data.number_from_english(e) < 100}) == 100  # every 2-digit number too
-    assert len(set(corpus.train)) == 10 + 90 + 4 * 360  # 3..6 digits: distinct numbers
+    assert len(set(corpus.train)) == 10 + 90 + 4 * 700  # 3..6 digits: distinct numbers
     train = {source for source, _ in corpus.train}
     for split in (corpus.valid, corpus.test):
         for source, english in split:
