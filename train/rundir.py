@@ -9,6 +9,7 @@ A run directory holds:
     tensorboard/           event files
     results.json           final metrics, written at the end
     converted.json         where a converted run came from (parity.convert --run-dir)
+    averaged.json          which checkpoints an averaged run holds the mean of (train.average)
 
 Every file is written whole (`write_text_atomic`: a temporary file beside it, then a rename), and
 nothing in a directory changes until `prepare_run_dir`, which the loop calls once the data has
@@ -39,6 +40,7 @@ from .backend import Backend, CheckpointError, create_backend
 from .config import ExperimentConfig
 
 CONFIG_FILE, MODEL_FILE, RESULTS_FILE, PROVENANCE_FILE = "config.json", "model.json", "results.json", "converted.json"
+AVERAGED_FILE = "averaged.json"
 CHECKPOINTS, TENSORBOARD = "checkpoints", "tensorboard"
 JOINT_TOKENIZER, SRC_TOKENIZER, TGT_TOKENIZER = "tokenizer.json", "src_tokenizer.json", "tgt_tokenizer.json"
 TOKENIZER_FILES = (JOINT_TOKENIZER, SRC_TOKENIZER, TGT_TOKENIZER)

@@ -22,7 +22,7 @@ import torch
 from parity import CheckpointMismatchError
 from parity.convert import convert_run, convert_state, transfer_state
 from parity.convert import main as convert_main
-from train import data, loop, rundir
+from train import average, data, loop, rundir
 from train import run as train_run
 from train.backend import create_backend
 from train.config import ExperimentConfig
@@ -285,3 +285,21 @@ def test_best_checkpoint_is_selectable(jax_run, tmp_path):
     assert done["steps"] == [best]
     done = convert_run(jax_run, tmp_path / "two", which="2")
     assert done["steps"] == [2] and sorted(_checkpoint_states(tmp_path / "two")) == [2]
+
+
+def test_averaging_the_same_checkpoints_in_either_framework_gives_the_same_weights(jax_run, tmp_path):
+    """`train.average` of checkpoints 2 and 4 of a JAX run, and of the same two converted to torch:
+    bit-identical weights (a float64 mean in step order, rounded once), the newest checkpoint's
+    moments and step."""
+    torch_dir = tmp_path / "torch"
+    convert_run(jax_run, torch_dir, which="all")
+    for source in (jax_run, torch_dir):
+        assert average.average_run(source, tmp_path / f"avg-{source.name}", last=2)["averaged_steps"] == [2, 4]
+    (jax_avg,), (torch_avg,) = (_checkpoint_states(tmp_path / f"avg-{d.name}").values() for d in (jax_run, torch_dir))
+    assert dataclasses.replace(torch_avg[0], rng=jax_avg[0].rng).differences(jax_avg[0]) == []
+    original = _checkpoint_states(jax_run)
+    for name, value in jax_avg[0].params.items():
+        expected = ((original[2][0].params[name].astype(np.float64) + original[4][0].params[name]) / 2).astype(np.float32)
+        np.testing.assert_array_equal(value, expected, err_msg=name)
+    assert jax_avg[0].step == 4 and all(np.array_equal(jax_avg[0].mu[k], original[4][0].mu[k]) for k in original[4][0].mu)
+    assert jax_avg[1]["data"] == original[4][1]["data"]  # the newest checkpoint's data position

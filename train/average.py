@@ -1,0 +1,128 @@
+"""Checkpoint averaging: `python -m train.average --run-dir RUN --last N --dst OUT`.
+
+The paper's base models average the last 5 checkpoints, its big ones the last 20 (§6.1). This
+writes a new run directory OUT holding one checkpoint: the element-wise mean of the weights of
+RUN's newest N checkpoints, at the newest one's step, with the newest one's optimizer state and
+data position. OUT is a run like any other: `train.translate` and `train.evaluate` read it, and
+`train.run --run-dir OUT --resume --steps M` trains on from the averaged weights.
+
+The mean is taken in float64 over the checkpoints in step order and rounded once to the weights'
+dtype, so it does not depend on the framework: N checkpoints averaged by the JAX backend and the
+same N converted to torch (`parity.convert`) and averaged there give the same weights, bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from . import rundir
+from .backend import CheckpointError, TrainingState, create_backend
+from .translate import positive_int
+
+
+def average_states(states: Sequence[TrainingState]) -> TrainingState:
+    """The last state with its weights replaced by the mean of every state's (float64 sum in the
+    given order, divided once, rounded once to each weight's dtype)."""
+    if not states:
+        raise ValueError("nothing to average")
+    last = states[-1]
+    params = {}
+    for name, value in last.params.items():
+        total = np.zeros(value.shape, np.float64)
+        for state in states:
+            total += state.params[name]
+        params[name] = (total / len(states)).astype(value.dtype)
+    return dataclasses.replace(last, params=params)
+
+
+def average_run(src: str | os.PathLike, dst: str | os.PathLike, last: int = 5, overwrite: bool = False) -> dict:
+    """Average the newest `last` checkpoints of run `src` into a new run directory `dst` (built
+    beside it and renamed into place, so an interrupted average leaves nothing). Returns a summary."""
+    src, dst = Path(src), Path(dst)
+    cfg, model_cfg = rundir.read_experiment(src), rundir.read_model_config(src)
+    if dst.resolve() == src.resolve():
+        raise rundir.UserError("--dst must differ from --run-dir: the averaged run is a new run directory")
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        if not overwrite:
+            raise rundir.UserError(f"{dst} exists; pass --overwrite to replace it")
+        if not (dst / rundir.CONFIG_FILE).is_file():
+            raise rundir.UserError(f"{dst} is not empty and holds no run; it is never deleted")
+
+    reader = create_backend(cfg, model_cfg, str(src / rundir.CHECKPOINTS))
+    try:
+        steps = reader.checkpoint_steps()
+        if len(steps) < last:
+            raise rundir.UserError(
+                f"{src} keeps {len(steps)} checkpoint(s) (steps {', '.join(map(str, steps)) or 'none'}), fewer than "
+                f"--last {last}; train with --keep-checkpoints {last} or more to average {last}"
+            )
+        steps = steps[-last:]
+        states = []
+        for step in steps:
+            meta = reader.restore(step)
+            states.append(reader.export_state())
+    except (FileNotFoundError, CheckpointError) as err:
+        raise rundir.UserError(str(err)) from None
+    finally:
+        reader.close()
+    averaged = average_states(states)
+
+    guard = rundir.RunLock(dst).acquire() if dst.is_dir() else None  # never replace a run being written
+    tmp = dst.with_name(f".{dst.name}.averaging")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        for name in (*rundir.TOKENIZER_FILES, rundir.MODEL_FILE, rundir.CONFIG_FILE):
+            if (src / name).is_file():
+                shutil.copyfile(src / name, tmp / name)
+        writer = create_backend(cfg, model_cfg, str(tmp / rundir.CHECKPOINTS))
+        try:
+            writer.import_state(averaged)
+            writer.save(meta)
+        finally:
+            writer.close()
+        summary = {"run_dir": str(dst), "from": str(src), "averaged_steps": steps, "step": steps[-1]}
+        rundir.write_json_atomic(tmp / rundir.AVERAGED_FILE, summary)
+        if dst.exists():
+            shutil.rmtree(dst)
+        os.replace(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        if guard is not None:
+            guard.release()
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m train.average",
+        description="Average the weights of a run's newest N checkpoints (the paper's §6.1: 5 for base models, 20 "
+        "for big ones) into a new run directory that translate, evaluate and train.run --resume accept.",
+    )
+    parser.add_argument("--run-dir", type=Path, required=True, help="the trained run (keeps at least N checkpoints)")
+    parser.add_argument("--last", type=positive_int, default=5, metavar="N",
+                        help="average the newest N checkpoints (default 5)")
+    parser.add_argument("--dst", type=Path, required=True, help="the new run directory to write")
+    parser.add_argument("--overwrite", action="store_true", help="replace --dst if it holds a run")
+    args = parser.parse_args(argv)
+    try:
+        summary = average_run(args.run_dir, args.dst, args.last, args.overwrite)
+    except rundir.UserError as err:
+        parser.exit(1, f"error: {err}\n")
+    print(f"averaged steps {', '.join(map(str, summary['averaged_steps']))} of {args.run_dir} into {args.dst} "
+          f"(step {summary['step']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
