@@ -26,7 +26,7 @@ def short_run(request, tmp_path_factory):
     cfg = ExperimentConfig(
         backend=request.param, run_dir=str(run_dir), numbers_train=1500, numbers_valid=40, numbers_test=40,
         max_len=16, token_budget=512, model={"num_encoder_layers": 1, "num_decoder_layers": 1},
-        steps=60, warmup=15, lr_factor=2.0, eval_every=10, log_every=10, eval_sentences=20, samples=2, progress=False,
+        steps=60, warmup=15, eval_every=10, log_every=10, eval_sentences=20, samples=2, progress=False,
     )
     return cfg, loop.train(cfg)
 
@@ -55,8 +55,9 @@ def test_short_run_learns_and_writes_results(short_run, capsys):
     valid = results["history"]["valid"]
     assert [v["step"] for v in valid] == [10, 20, 30, 40, 50, 60]
     # Learning: the validation loss falls well below where it stood after 10 steps and far below a
-    # uniform guess over the 400-token vocabulary (ln 400 = 6.0). Measured: 3.9 -> 2.6 (jax),
-    # 3.8 -> 2.1 (torch); the two start from different random weights.
+    # uniform guess over the 400-token vocabulary (ln 400 = 6.0). Measured on the corpus spread over
+    # every band: 3.7 -> 2.2 (torch; at --lr-factor 2 the loss stalled at 3.7); the two backends
+    # start from different random weights.
     assert valid[-1]["loss"] < valid[0]["loss"] - 0.8 and valid[-1]["loss"] < math.log(400) - 2.5
     assert results["valid"]["ppl"] == pytest.approx(math.exp(results["valid"]["nll"]))
     assert results["valid"]["nll"] < results["valid"]["loss"]  # smoothing adds ε·mean(-log p)
@@ -225,7 +226,7 @@ def test_resume_from_the_command_line_reads_the_saved_flags(fast_config):
 def test_multi30k_loads_and_trains(multi30k, fast_config, tmp_path):
     cfg = fast_config(
         "torch",
-        train=f"de:en:{multi30k}/train", valid=f"de:en:{multi30k}/val", test=f"de:en:{multi30k}/test_2016_flickr",
+        train=f"de:en:{multi30k}/train", valid=f"de:en:{multi30k}/val",
         vocab_size=1000, max_len=64, token_budget=2048, steps=4, log_every=1, eval_every=4, eval_sentences=8,
         warmup=2, hf_cache=str(tmp_path / "hf"),
     )
@@ -233,7 +234,8 @@ def test_multi30k_loads_and_trains(multi30k, fast_config, tmp_path):
     losses = [t["loss"] for t in results["history"]["train"]]
     assert len(losses) == 4 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
     assert results["valid"]["tokens"] > 10_000  # the whole of val (1,014 sentences) scored for loss
-    assert results["test"]["sentences"] == 8 and 0 <= results["test"]["bleu"] <= 100
+    # No test set here: it is translated whole (1,000 sentences), which the short runs above test.
+    assert results["valid"]["sentences"] == 8 and 0 <= results["valid"]["bleu"] <= 100 and results["test"] is None
     tokenizers = rundir.load_tokenizers(cfg.run_dir)
     assert tokenizers.joint and tokenizers.src.get_vocab_size() == 1000
     sentence = "Zwei junge weiße Männer sind im Freien."
