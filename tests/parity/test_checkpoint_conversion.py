@@ -111,12 +111,13 @@ def test_training_state_round_trips_bit_exactly_and_positions_the_schedule(corpu
     # 1e-5: float32 rounding of two frameworks over three updates (measured <=2.3e-7).
     np.testing.assert_allclose(losses["torch"], losses["jax"], rtol=1e-5)
     # The test can fail: the same weights with a fresh optimizer (moments 0, step 0) take other
-    # updates; measured 8e-2 and 3e-2 apart at the second and third update.
+    # updates; measured 0.45 and 0.037 apart at the second and third update (100x the 1e-5 above
+    # is the bound: far outside rounding).
     fresh = create_backend(cfg.replace(backend="torch"), model_cfg)
     fresh.import_state(convert_state(dataclasses.replace(state, step=0, mu=None, nu=None), "torch", model_cfg))
     fresh_losses = [fresh.fetch([fresh.train_step([x])])[0]["loss"] for x in batches]
     assert fresh_losses[0] == pytest.approx(losses["jax"][0], rel=1e-5)  # same weights: same first loss
-    assert all(abs(f - j) > 1e-2 * j for f, j in zip(fresh_losses[1:], losses["jax"][1:]))
+    assert all(abs(f - j) > 1e-3 * j for f, j in zip(fresh_losses[1:], losses["jax"][1:]))
 
 
 def test_mismatched_optimizer_states_are_refused(corpus):
