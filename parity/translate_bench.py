@@ -27,7 +27,8 @@ import numpy as np
 from train import data
 from train.backend import create_backend
 from train.rundir import Run, UserError, open_run, write_text_atomic
-from train.translate import add_run_arguments, positive_int, read_lines
+from train.config import non_negative_float, positive_int
+from train.translate import add_run_arguments, read_lines
 
 from .convert import convert_state
 
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     add_run_arguments(parser)
     parser.add_argument("--input", type=Path, help="text file, one source sentence per line (plain or .gz); default: stdin")
     parser.add_argument("--batch-size", type=positive_int, help="at most N sentences per batch; default: the run's --token-budget")
-    parser.add_argument("--alpha", type=float, default=0.6, help="length penalty exponent of ((5+len)/6)^alpha (default 0.6)")
+    parser.add_argument("--alpha", type=non_negative_float, default=0.6, help="length penalty exponent of ((5+len)/6)^alpha (default 0.6)")
     parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
     args = parser.parse_args(argv)
     try:
