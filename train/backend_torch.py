@@ -10,7 +10,8 @@ compute dtype.
 
 Checkpoints are directories `checkpoints/<step>/` holding `model.safetensors` (weights, config in
 the metadata), `optimizer.safetensors` (Adam's exp_avg and exp_avg_sq per parameter name, and the
-CPU random generator state) and `meta.json` (step, scheduler position, data position, metrics).
+CPU random generator state), `meta.json` (step, scheduler position, data position, metrics) and
+`digest.json` (SHA-256 of the others, verified before every restore).
 Never pickle. A checkpoint is written to a temporary directory and renamed into place, so an
 interrupted save leaves no directory that `restore` would pick.
 """
@@ -38,7 +39,7 @@ from torch_reference.objective import label_smoothed_cross_entropy, noam_learnin
 from .backend import Metrics, Topology, TrainingState, check_keys, unreadable
 from .config import ExperimentConfig
 from .data import Batch
-from .rundir import WEIGHTS_CONFIG_KEY, choose_checkpoint
+from .rundir import WEIGHTS_CONFIG_KEY, choose_checkpoint, verify_checkpoint, write_checkpoint_digest
 
 RNG_KEY = "__torch_cpu_rng_state__"
 
@@ -239,7 +240,8 @@ class TorchBackend:
             moments[f"{name}.exp_avg_sq"] = torch.from_numpy(state.nu[name])
         save_file(moments, str(tmp / "optimizer.safetensors"))
         record = {"step": state.step, "metrics": metrics, "meta": meta}
-        (tmp / "meta.json").write_text(json.dumps(record, indent=2))
+        (tmp / "meta.json").write_text(json.dumps(record, indent=2, allow_nan=False))
+        write_checkpoint_digest(tmp)  # every file synced and hashed, before the rename publishes them
         final = root / str(state.step)
         if final.exists():
             shutil.rmtree(final)
@@ -267,6 +269,7 @@ class TorchBackend:
 
     def _restore(self, step: int) -> dict[str, Any]:
         directory = self._require_dir() / str(step)
+        verify_checkpoint(directory)  # CheckpointDamaged naming the file, before anything is read
         record = json.loads((directory / "meta.json").read_text())
         params = {k: v.numpy() for k, v in load_file(str(directory / "model.safetensors")).items()}
         moments = {k: v.numpy() for k, v in load_file(str(directory / "optimizer.safetensors")).items()}
