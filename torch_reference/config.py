@@ -212,7 +212,7 @@ class TransformerConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"unknown TransformerConfig fields: {', '.join(unknown)}")
+            raise ValueError(f"unknown TransformerConfig fields: {', '.join(map(repr, unknown))}")
         return cls(**data)
 
     def to_json(self) -> str:

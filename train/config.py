@@ -219,7 +219,7 @@ class ExperimentConfig:
         known = {f.name for f in dataclasses.fields(TransformerConfig)}
         unknown = sorted(set(self.model) - known)
         if unknown:
-            raise ValueError(f"unknown model field(s) {', '.join(unknown)}; choose from {', '.join(sorted(known))}")
+            raise ValueError(f"unknown model field(s) {', '.join(map(repr, unknown))}; choose from {', '.join(sorted(known))}")
         for name, allowed in FIELD_RANGES.items():
             value = getattr(self, name)
             if value is not None:
@@ -302,7 +302,7 @@ class ExperimentConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"unknown ExperimentConfig fields: {', '.join(unknown)}")
+            raise ValueError(f"unknown ExperimentConfig fields: {', '.join(map(repr, unknown))}")
         return cls(**data)
 
     def to_json(self) -> str:

@@ -48,7 +48,8 @@ def translate_texts(
         hyps = data.decode_batch(tokenizers.tgt, backend.translate(src, beam_size, alpha))
         for row, i in enumerate(index):
             if i >= 0 and texts[i].strip():
-                out[i] = hyps[row]
+                # A model may emit a newline byte: kept, it would make one input line several.
+                out[i] = " ".join(data.split_lines(hyps[row].replace("\r", "\n")))
     return out
 
 
