@@ -26,6 +26,7 @@ import torch_reference
 from jax_transformer.objective import label_smoothed_cross_entropy as jax_loss
 from torch_reference.config import TransformerConfig
 from torch_reference.objective import label_smoothed_cross_entropy as torch_loss
+from train.rundir import json_text
 from train.config import non_negative_int, positive_int
 
 from .convert import jax_params_to_torch, jax_key, torch_to_jax
@@ -276,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         payload = {"preset": args.preset, "passed": not failed, "device": jax.devices()[0].device_kind,
                    "versions": {"jax": jax.__version__, "torch": torch.__version__}, "results": results}
-        args.json.write_text(json.dumps(payload, indent=2))
+        args.json.write_text(json_text(payload))
     return 1 if failed else 0
 
 

@@ -61,6 +61,7 @@ from torch_reference.config import TransformerConfig
 from train import data, rundir
 from train.backend import TrainingState, create_backend
 from train.config import DERIVED_MODEL_FIELDS, ExperimentConfig
+from train.rundir import json_text
 from train.config import non_negative_int, positive_float, positive_int, probability
 from train.loop import make_batcher
 
@@ -472,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     print_report(report)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
+        args.json.write_text(json_text(report))
     if args.plot:
         print(f"  plot: {plot(report, args.plot)}")
     return 1 if report["failures"] else 0

@@ -27,6 +27,7 @@ import numpy as np
 from train import data
 from train.backend import create_backend
 from train.rundir import Run, UserError, open_run, write_text_atomic
+from train.rundir import json_text
 from train.config import non_negative_float, positive_int
 from train.translate import add_run_arguments, read_lines
 
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['search']:16s} {r['beam']:4d} {r['seconds']:8.2f} {r['sentences_per_s']:8.1f} {r['tokens_per_s']:8.0f} "
               f"{r['speedup_vs_torch_cached']:15.2f}x {r['speedup_vs_torch_uncached']:11.2f}x {differ:>15s}")
     if args.json:
-        write_text_atomic(args.json, json.dumps({"run_dir": str(args.run_dir), "machine": machine, "rows": rows}, indent=2))
+        write_text_atomic(args.json, json_text({"run_dir": str(args.run_dir), "machine": machine, "rows": rows}))
     return 0
 
 

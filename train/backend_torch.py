@@ -39,7 +39,7 @@ from torch_reference.objective import label_smoothed_cross_entropy, noam_learnin
 from .backend import Metrics, Topology, TrainingState, check_keys, unreadable
 from .config import ExperimentConfig
 from .data import Batch
-from .rundir import WEIGHTS_CONFIG_KEY, choose_checkpoint, verify_checkpoint, write_checkpoint_digest
+from .rundir import WEIGHTS_CONFIG_KEY, choose_checkpoint, json_text, verify_checkpoint, write_checkpoint_digest
 
 RNG_KEY = "__torch_cpu_rng_state__"
 
@@ -240,7 +240,7 @@ class TorchBackend:
             moments[f"{name}.exp_avg_sq"] = torch.from_numpy(state.nu[name])
         save_file(moments, str(tmp / "optimizer.safetensors"))
         record = {"step": state.step, "metrics": metrics, "meta": meta}
-        (tmp / "meta.json").write_text(json.dumps(record, indent=2, allow_nan=False))
+        (tmp / "meta.json").write_text(json_text(record))  # strict JSON: a non-finite metric is null
         write_checkpoint_digest(tmp)  # every file synced and hashed, before the rename publishes them
         final = root / str(state.step)
         if final.exists():

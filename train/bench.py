@@ -29,6 +29,7 @@ import numpy as np
 
 from torch_reference.config import TransformerConfig
 
+from .rundir import json_text
 from .config import non_negative_int, positive_int, probability
 
 BACKENDS = ("jax", "torch", "torch-compile")
@@ -295,8 +296,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['tokens_per_s']:8.0f} {r['achieved_gflops']:8.1f} {r['matmul_peak_gflops']:6.0f} {r['mfu']:6.2f} "
               f"{r['peak_memory_mib']:8.0f} {ratio:>8s}")
     if args.json:
-        args.json.write_text(json.dumps({"machine": {"cpu": cpu, "cpus": os.cpu_count(), "platform": platform.platform()},
-                                         "args": {k: str(v) for k, v in vars(args).items()}, "results": results}, indent=2))
+        args.json.write_text(json_text({"machine": {"cpu": cpu, "cpus": os.cpu_count(), "platform": platform.platform()},
+                                         "args": {k: str(v) for k, v in vars(args).items()}, "results": results}))
     if args.plot:
         try:
             write_plot(results, args.plot)

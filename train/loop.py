@@ -44,7 +44,7 @@ from .config import ExperimentConfig
 from .evaluate import EvaluationStopped, bands_text, evaluate_pairs
 from .rundir import (
     CHECKPOINTS, RESULTS_FILE, TENSORBOARD, UserError, check_checkpoint_config, claim_run_dir, follow_run_dir,
-    load_splits, load_tokenizers, lock_run_dir, prepare_run_dir, read_json, write_json_atomic,
+    finite_values, load_splits, load_tokenizers, lock_run_dir, prepare_run_dir, read_json, write_json_atomic,
 )
 
 
@@ -365,7 +365,8 @@ def _save(cfg: ExperimentConfig, backend: Backend, batcher: data.Batcher, evalua
         "valid": None if evaluated is None else _eval_summary(evaluated),
         "history": (log or _Log()).state(),  # results.json's history, restored by --resume
     }
-    backend.save(meta, metrics=None if evaluated is None else {"bleu": evaluated["bleu"]})
+    # Strict JSON in both backends' meta (orbax's JsonSave would write NaN): non-finite -> null.
+    backend.save(finite_values(meta), metrics=None if evaluated is None else {"bleu": evaluated["bleu"]})
 
 
 def _fit(cfg: ExperimentConfig, backend: Backend, batcher: data.Batcher, tokenizers, splits, writer,

@@ -26,6 +26,7 @@ import numpy as np
 
 from torch_reference.config import TransformerConfig
 
+from .rundir import json_text
 from .config import positive_int
 
 
@@ -276,8 +277,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"part": name, "jax_ms": j, "torch_ms": t, "ratio": j / t})
         print(f"{name:28s} {j:9.2f} {t:9.2f} {j / t:10.2f}")
     if args.json:
-        args.json.write_text(json.dumps({"preset": args.preset, "batch": [args.batch, args.length],
-                                         "vocab": args.vocab, "rows": rows}, indent=2))
+        args.json.write_text(json_text({"preset": args.preset, "batch": [args.batch, args.length],
+                                         "vocab": args.vocab, "rows": rows}))
     return 0
 
 

@@ -66,14 +66,14 @@ def write_text_atomic(path: str | Path, text: str) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _finite(obj: Any) -> Any:
+def finite_values(obj: Any) -> Any:
     """`obj` with every non-finite float (NaN, ±Infinity: not JSON) replaced by None."""
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else None
     if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
+        return {k: finite_values(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
+        return [finite_values(v) for v in obj]
     return obj
 
 
@@ -82,7 +82,7 @@ def json_text(obj: Any) -> str:
     number becomes null (never NaN or Infinity, which JSON does not have), and a string holding
     a byte that was not UTF-8 (a path, read with surrogateescape) keeps it as a \\uDCxx escape,
     so the text always encodes as UTF-8."""
-    text = json.dumps(_finite(obj), indent=2, ensure_ascii=False, allow_nan=False)
+    text = json.dumps(finite_values(obj), indent=2, ensure_ascii=False, allow_nan=False)
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from torch_reference.config import TransformerConfig
-from train import data, loop, rundir, run, translate
+from train import data, rundir, run, translate
 from train.config import ExperimentConfig
 
 FEW = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -97,15 +97,9 @@ def test_json_lines_load_or_refuse_in_one_line(tmp_path_factory, content):
     loads_or_one_line(str(path), [path])
 
 
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("prop-run") / "run"
-    loop.train(ExperimentConfig(
-        backend="torch", run_dir=str(run_dir), steps=2, numbers_train=300, numbers_valid=4, numbers_test=0,
-        max_len=16, token_budget=512, model={"num_encoder_layers": 1, "num_decoder_layers": 1}, progress=False,
-        samples=0, eval_sentences=4, beam=1,
-    ))
-    return run_dir
+@pytest.fixture
+def tiny_run(tiny_torch_run):
+    return tiny_torch_run
 
 
 @FEW

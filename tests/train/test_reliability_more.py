@@ -59,11 +59,9 @@ def run4(request, tmp_path_factory):
     return cfg, run_dir
 
 
-@pytest.fixture(scope="module")
-def torch_run(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("torch-run") / "run"
-    loop.train(ExperimentConfig(backend="torch", run_dir=str(run_dir), steps=2, **TINY))
-    return run_dir
+@pytest.fixture
+def torch_run(tiny_torch_run):
+    return tiny_torch_run
 
 
 # ----------------------------------------------------------------------------------------------
