@@ -232,21 +232,28 @@ class TorchBackend:
         tmp = root / f".tmp-{state.step}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        save_file({k: torch.from_numpy(v) for k, v in state.params.items()}, str(tmp / "model.safetensors"),
+        try:
+            self._write_checkpoint(tmp, state, meta, metrics)
+            final = root / str(state.step)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)  # the checkpoint appears complete or not at all
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)  # a failed save (a full disk) leaves nothing behind
+        self._prune()
+
+    def _write_checkpoint(self, directory: Path, state: TrainingState, meta: dict[str, Any], metrics) -> None:
+        """The checkpoint's files in `directory`: weights, Adam's moments and RNG, meta.json, digest.json."""
+        save_file({k: torch.from_numpy(v) for k, v in state.params.items()}, str(directory / "model.safetensors"),
                   metadata={WEIGHTS_CONFIG_KEY: self.model_cfg.to_json()})
         moments = {RNG_KEY: torch.from_numpy(state.rng)}
         for name in state.mu or {}:
             moments[f"{name}.exp_avg"] = torch.from_numpy(state.mu[name])
             moments[f"{name}.exp_avg_sq"] = torch.from_numpy(state.nu[name])
-        save_file(moments, str(tmp / "optimizer.safetensors"))
+        save_file(moments, str(directory / "optimizer.safetensors"))
         record = {"step": state.step, "metrics": metrics, "meta": meta}
-        (tmp / "meta.json").write_text(json_text(record))  # strict JSON: a non-finite metric is null
-        write_checkpoint_digest(tmp)  # every file synced and hashed, before the rename publishes them
-        final = root / str(state.step)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)  # the checkpoint appears complete or not at all
-        self._prune()
+        (directory / "meta.json").write_text(json_text(record))  # strict JSON: a non-finite metric is null
+        write_checkpoint_digest(directory)  # every file synced and hashed, before the rename publishes them
 
     def _prune(self) -> None:
         """Keep the newest `keep_checkpoints` and the best by BLEU; delete the others."""
