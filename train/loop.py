@@ -215,7 +215,7 @@ def _train_locked(cfg: ExperimentConfig, topology: Topology, started: float) -> 
         + f"; run dir {run_dir}"
     )
 
-    if resuming and backend.step >= cfg.steps and main:
+    if resuming and backend.step >= cfg.steps:  # every process alike (they share the run directory)
         done = read_json(run_dir / RESULTS_FILE, default=None)
         if isinstance(done, dict) and done.get("steps") == backend.step:
             backend.close()
