@@ -97,9 +97,9 @@ def main(argv: list[str] | None = None) -> int:
             check_plot_directory(args.plot_attention)
         if args.output is not None:  # checked before the work, not after it
             check_output_file(args.output, "--output")
+        run = open_run(args.run_dir, args.checkpoint)
         if not lines:
             raise UserError(f"{args.input or 'standard input'} holds no sentence to translate")
-        run = open_run(args.run_dir, args.checkpoint)
     except (UserError, FileNotFoundError, ValueError) as err:
         parser.exit(1, f"error: {err}\n")
     cfg = run.config
