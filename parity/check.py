@@ -26,6 +26,8 @@ import torch_reference
 from jax_transformer.objective import label_smoothed_cross_entropy as jax_loss
 from torch_reference.config import TransformerConfig
 from torch_reference.objective import label_smoothed_cross_entropy as torch_loss
+from train.rundir import json_text
+from train.config import non_negative_int, positive_int
 
 from .convert import jax_params_to_torch, jax_key, torch_to_jax
 
@@ -232,15 +234,15 @@ def main(argv: list[str] | None = None) -> int:
         "Exits with status 1 when a bound of the parity contract is exceeded.",
     )
     parser.add_argument("--preset", default="tiny", choices=TransformerConfig.presets(), help="model size (default tiny)")
-    parser.add_argument("--vocab-size", type=int, default=8000, help="shared vocabulary size (default 8000)")
+    parser.add_argument("--vocab-size", type=positive_int, default=8000, help="shared vocabulary size (default 8000)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], type=_parse_override,
                         metavar="FIELD=VALUE", help="override a TransformerConfig field, e.g. --set norm_position=pre")
     parser.add_argument("--variants", action="store_true",
                         help=f"check every named variant in turn: {', '.join(VARIANTS)}")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--src-len", type=int, default=23, help="padded source length (default 23)")
-    parser.add_argument("--tgt-len", type=int, default=17, help="padded target length (default 17)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch-size", type=positive_int, default=8)
+    parser.add_argument("--src-len", type=positive_int, default=23, help="padded source length (default 23)")
+    parser.add_argument("--tgt-len", type=positive_int, default=17, help="padded target length (default 17)")
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--json", type=Path, help="write the full report (every parameter) to this file")
     args = parser.parse_args(argv)
 
@@ -275,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         payload = {"preset": args.preset, "passed": not failed, "device": jax.devices()[0].device_kind,
                    "versions": {"jax": jax.__version__, "torch": torch.__version__}, "results": results}
-        args.json.write_text(json.dumps(payload, indent=2))
+        args.json.write_text(json_text(payload))
     return 1 if failed else 0
 
 

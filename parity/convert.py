@@ -13,8 +13,8 @@ The expected set of keys and shapes comes from the config (an abstract Flax mode
 allocation); any missing, unexpected or wrongly shaped key raises one `CheckpointMismatchError`
 listing every offender with both shapes. Values keep their dtype (bf16 included) bit for bit.
 
-Files: PyTorch weights are safetensors (never pickle) with the config in the file's metadata and
-in `config.json` beside it; JAX weights are an orbax checkpoint directory holding `params/` and
+Files: PyTorch weights are safetensors (never pickle) with the config in the file's metadata
+(nothing else is written beside it; a `config.json` beside a legacy file is read); JAX weights are an orbax checkpoint directory holding `params/` and
 `config.json`.
 
 Training runs: a backend of `train` exports its whole training state (`train.backend.TrainingState`:
@@ -38,6 +38,7 @@ import argparse
 import functools
 import os
 import pickle
+import re
 import shutil
 import sys
 from collections.abc import Mapping
@@ -292,7 +293,9 @@ def convert_run(
         )
     if dst.resolve() == src.resolve():
         raise ValueError("--dst must differ from the source run directory")
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+    if dst.exists() and not dst.is_dir():
+        raise FileExistsError(f"{dst} is a file, not a run directory; it is never replaced by one")
+    if dst.exists() and any(dst.iterdir()):
         if not overwrite:
             raise FileExistsError(f"{dst} exists; pass --overwrite to replace it")
         if dst.is_dir() and not (dst / rundir.CONFIG_FILE).is_file():
@@ -330,16 +333,20 @@ def convert_run(
 
 
 def save_torch_weights(model: torch_reference.Transformer, path: str | os.PathLike) -> Path:
-    """`path` (.safetensors) with the config in its metadata, plus `config.json` beside it."""
+    """`path` (.safetensors) with the config in its metadata; no other file is written (a
+    `config.json` beside it may be the user's). Written whole: a temporary file, removed on any
+    error, then a rename."""
     from safetensors.torch import save_file
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     state_dict = {k: v.contiguous() for k, v in model.state_dict().items()}
     tmp = path.with_name(f".{path.name}.tmp")
-    save_file(state_dict, str(tmp), metadata={CONFIG_KEY: model.cfg.to_json()})
-    os.replace(tmp, path)
-    rundir.write_text_atomic(path.parent / "config.json", model.cfg.to_json())
+    try:
+        save_file(state_dict, str(tmp), metadata={CONFIG_KEY: model.cfg.to_json()})
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path
 
 
@@ -375,7 +382,7 @@ def load_torch_weights(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor]
     try:
         state_dict = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
-        reason = str(err).strip().splitlines()[0]
+        reason = re.sub(r"\x1b\[[0-9;]*m", "", str(err)).strip().splitlines()[0]  # torch colours it
         raise ValueError(f"{path} was refused by torch.load(weights_only=True), which loads no code: {reason}") from None
     if not isinstance(state_dict, Mapping) or not all(isinstance(v, torch.Tensor) for v in state_dict.values()):
         raise ValueError(f"{path} holds no state dict of tensors")
@@ -450,6 +457,8 @@ def main(argv: list[str] | None = None) -> int:
     dst = Path(args.dst)
     if dst.exists() and not args.overwrite:
         parser.exit(2, f"error: {dst} exists; pass --overwrite to replace it\n")
+    if args.src is not None and (problem := _weights_destination_problem(Path(args.src), dst, args.to)):
+        parser.exit(2, f"error: {problem}\n")  # checked before any work, so nothing is left half-made
     if args.run_dir is not None:
         return _convert_run_cli(parser, args)
     if args.checkpoint is not None:
@@ -464,6 +473,23 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(1, f"error: {err}\n")
     print(f"wrote {dst}")
     return 0
+
+
+def _weights_destination_problem(src: Path, dst: Path, to: str) -> str | None:
+    """Why `dst` cannot receive the converted weights of `src` (None: it can): the source itself,
+    a destination of the other kind (a directory for a file, a file for a directory), or a
+    directory holding files that are not JAX weights (never replaced)."""
+    if dst.exists() and src.exists() and dst.resolve() == src.resolve():
+        return f"--dst {dst} is the source; write the converted weights elsewhere"
+    if to == "torch":
+        return f"--dst {dst} is a directory; --to torch writes a .safetensors file" if dst.is_dir() else None
+    if dst.exists() and not dst.is_dir():
+        return f"--dst {dst} is a file; --to jax writes a weights directory (params/ and config.json)"
+    if dst.is_dir():
+        others = sorted(p.name for p in dst.iterdir() if p.name not in ("params", "config.json"))
+        if others:
+            return f"--dst {dst} holds other files ({', '.join(others[:3])}); it is never replaced"
+    return None
 
 
 def _convert_run_cli(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

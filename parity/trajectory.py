@@ -61,6 +61,8 @@ from torch_reference.config import TransformerConfig
 from train import data, rundir
 from train.backend import TrainingState, create_backend
 from train.config import DERIVED_MODEL_FIELDS, ExperimentConfig
+from train.rundir import json_text
+from train.config import non_negative_int, positive_float, positive_int, probability
 from train.loop import make_batcher
 
 from .check import enable_parity_numerics
@@ -429,24 +431,24 @@ def main(argv: list[str] | None = None) -> int:
         "with --switch K also continue each framework's checkpoint of update K in the other framework. "
         "Exits with status 1 when a bound is exceeded.",
     )
-    parser.add_argument("--steps", type=int, default=100, help="updates (default 100)")
-    parser.add_argument("--switch", type=int, default=None,
+    parser.add_argument("--steps", type=positive_int, default=100, help="updates (default 100)")
+    parser.add_argument("--switch", type=non_negative_int, default=None,
                         help="convert both runs' checkpoints at this update and continue in the other framework "
                         "(default: half of --steps; 0: off)")
     parser.add_argument("--preset", default="tiny", choices=TransformerConfig.presets(),
                         help="model size (default tiny)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], type=_override,
                         metavar="FIELD=VALUE", help="override a TransformerConfig field, e.g. --set activation=gelu")
-    parser.add_argument("--warmup", type=int, default=PAPER_WARMUP,
+    parser.add_argument("--warmup", type=positive_int, default=PAPER_WARMUP,
                         help=f"schedule warmup (default {PAPER_WARMUP}, the paper's; short warmups reach learning "
                         "rates at which float32 training is chaotic, see --control)")
-    parser.add_argument("--lr-factor", type=float, default=1.0, help="factor on the Noam schedule (default 1)")
-    parser.add_argument("--label-smoothing", type=float, default=0.1)
-    parser.add_argument("--clip-norm", type=float, default=None, help="global-norm clipping (default: none)")
-    parser.add_argument("--numbers-train", type=int, default=4000, help="training pairs of the numbers corpus")
-    parser.add_argument("--token-budget", type=int, default=1024, help="padded tokens per batch (default 1024)")
-    parser.add_argument("--max-len", type=int, default=128, help="longest sequence in tokens (default 128)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr-factor", type=positive_float, default=1.0, help="factor on the Noam schedule (default 1)")
+    parser.add_argument("--label-smoothing", type=probability, default=0.1)
+    parser.add_argument("--clip-norm", type=positive_float, default=None, help="global-norm clipping (default: none)")
+    parser.add_argument("--numbers-train", type=positive_int, default=4000, help="training pairs of the numbers corpus")
+    parser.add_argument("--token-budget", type=positive_int, default=1024, help="padded tokens per batch (default 1024)")
+    parser.add_argument("--max-len", type=positive_int, default=128, help="longest sequence in tokens (default 128)")
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--control", action="store_true",
                         help="also train torch from the initial weights moved by one ulp: how far float32 "
                         "training itself carries one rounding error (not bounded)")
@@ -471,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     print_report(report)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
+        args.json.write_text(json_text(report))
     if args.plot:
         print(f"  plot: {plot(report, args.plot)}")
     return 1 if report["failures"] else 0

@@ -27,7 +27,9 @@ import numpy as np
 from train import data
 from train.backend import create_backend
 from train.rundir import Run, UserError, open_run, write_text_atomic
-from train.translate import add_run_arguments, positive_int, read_lines
+from train.rundir import json_text
+from train.config import non_negative_float, positive_int
+from train.translate import add_run_arguments, read_lines
 
 from .convert import convert_state
 
@@ -94,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     add_run_arguments(parser)
     parser.add_argument("--input", type=Path, help="text file, one source sentence per line (plain or .gz); default: stdin")
     parser.add_argument("--batch-size", type=positive_int, help="at most N sentences per batch; default: the run's --token-budget")
-    parser.add_argument("--alpha", type=float, default=0.6, help="length penalty exponent of ((5+len)/6)^alpha (default 0.6)")
+    parser.add_argument("--alpha", type=non_negative_float, default=0.6, help="length penalty exponent of ((5+len)/6)^alpha (default 0.6)")
     parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
     args = parser.parse_args(argv)
     try:
@@ -115,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['search']:16s} {r['beam']:4d} {r['seconds']:8.2f} {r['sentences_per_s']:8.1f} {r['tokens_per_s']:8.0f} "
               f"{r['speedup_vs_torch_cached']:15.2f}x {r['speedup_vs_torch_uncached']:11.2f}x {differ:>15s}")
     if args.json:
-        write_text_atomic(args.json, json.dumps({"run_dir": str(args.run_dir), "machine": machine, "rows": rows}, indent=2))
+        write_text_atomic(args.json, json_text({"run_dir": str(args.run_dir), "machine": machine, "rows": rows}))
     return 0
 
 

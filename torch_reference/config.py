@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any, Literal, get_args
 
 NormPosition = Literal["post", "pre"]
@@ -22,6 +23,70 @@ _CHOICES = {"norm_position": NormPosition, "activation": Activation, "norm": Nor
 # batches, the model's masks, the loss and the search all read.
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(len(SPECIAL_TOKENS))
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """The values a numeric setting may take: `kind` int (bool refused) or float (finite; an int
+    is accepted), at least `low`, above `above` (open), below `below` (open). The one rule both a
+    config's validation and its command-line flag (`parse`, an argparse type) apply."""
+
+    kind: type = int
+    low: float | None = None
+    above: float | None = None
+    below: float | None = None
+
+    def error(self, value: Any) -> str | None:
+        """Why `value` is not allowed ('must be >= 1, got 0'), or None when it is."""
+        if isinstance(value, bool) or not isinstance(value, (int, float) if self.kind is float else int):
+            return f"must be {'an integer' if self.kind is int else 'a number'}, got {value!r}"
+        if self.kind is float and not math.isfinite(value):
+            return f"must be finite, got {value}"
+        if self.low is not None and self.below is not None and not self.low <= value < self.below:
+            return f"must be in [{self.low:g}, {self.below:g}), got {value:g}"
+        if self.low is not None and value < self.low:
+            return f"must be >= {self.low:g}, got {value:g}"
+        if self.above is not None and value <= self.above:
+            return f"must be > {self.above:g}, got {value:g}"
+        if self.below is not None and value >= self.below:
+            return f"must be < {self.below:g}, got {value:g}"
+        return None
+
+    def check(self, name: str, value: Any) -> None:
+        """ValueError naming `name` unless `value` is allowed."""
+        if (problem := self.error(value)) is not None:
+            raise ValueError(f"{name} {problem}")
+
+    def parse(self, text: str) -> int | float:
+        """An argparse `type=`: the value of `text`, or ArgumentTypeError saying why not."""
+        return self.parser()(text)
+
+    def parser(self, name: str | None = None):
+        """`parse` with `name` leading its messages ('steps must be >= 1, got 0')."""
+        import argparse
+
+        def parse(text: str) -> int | float:
+            try:
+                value = self.kind(text)
+            except ValueError:
+                value = text
+            if (problem := self.error(value)) is not None:
+                raise argparse.ArgumentTypeError(f"{name} {problem}" if name else problem)
+            return value
+
+        return parse
+
+
+POSITIVE, NON_NEGATIVE = Range(int, low=1), Range(int, low=0)
+PROBABILITY = Range(float, low=0.0, below=1.0)  # dropout rates, label smoothing: [0, 1)
+# Each numeric TransformerConfig field's range (checked by __post_init__, so by every entry point).
+FIELD_RANGES = {
+    "src_vocab_size": POSITIVE, "tgt_vocab_size": POSITIVE, "d_model": POSITIVE, "num_heads": POSITIVE,
+    "d_ff": POSITIVE, "num_encoder_layers": NON_NEGATIVE, "num_decoder_layers": NON_NEGATIVE,
+    "dropout": PROBABILITY, "attention_dropout": PROBABILITY, "max_len": POSITIVE,
+    "pad_id": NON_NEGATIVE, "bos_id": NON_NEGATIVE, "eos_id": NON_NEGATIVE,
+    "layer_norm_eps": Range(float, above=0.0),
+}
 
 # Sizes per preset. `base` and `big` are the paper's Table 3 rows; `small` and `tiny` are for CPUs.
 _PRESETS: dict[str, dict[str, Any]] = {
@@ -76,10 +141,16 @@ class TransformerConfig:
     scale_embeddings: bool = True
 
     def __post_init__(self):
+        """Every field checked once, whatever built the config (CLI, JSON, Python): ValueError naming it."""
         for name, kind in _CHOICES.items():
             value, allowed = getattr(self, name), get_args(kind)
             if value not in allowed:
                 raise ValueError(f"{name}={value!r} is not one of {', '.join(map(repr, allowed))}")
+        for name, allowed in FIELD_RANGES.items():
+            allowed.check(name, getattr(self, name))
+        for name in ("attention_bias", "share_embeddings", "tie_output", "scale_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.d_model % self.num_heads:
             raise ValueError(f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}")
         if self.share_embeddings and self.src_vocab_size != self.tgt_vocab_size:
@@ -87,15 +158,13 @@ class TransformerConfig:
                 f"share_embeddings needs one joint vocabulary, got src_vocab_size={self.src_vocab_size} "
                 f"and tgt_vocab_size={self.tgt_vocab_size}; set share_embeddings=False"
             )
-        for name in ("src_vocab_size", "tgt_vocab_size", "d_model", "num_heads", "d_ff", "max_len"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("num_encoder_layers", "num_decoder_layers"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("dropout", "attention_dropout"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        ids = {"pad_id": self.pad_id, "bos_id": self.bos_id, "eos_id": self.eos_id}
+        if len(set(ids.values())) != len(ids):
+            raise ValueError(f"the special token ids must differ, got {', '.join(f'{k}={v}' for k, v in ids.items())}")
+        for name, value in ids.items():
+            if value >= min(self.src_vocab_size, self.tgt_vocab_size):
+                raise ValueError(f"{name}={value} must be below the vocabulary sizes "
+                                 f"({self.src_vocab_size}, {self.tgt_vocab_size})")
 
     @classmethod
     def presets(cls) -> tuple[str, ...]:
@@ -143,7 +212,7 @@ class TransformerConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"unknown TransformerConfig fields: {', '.join(unknown)}")
+            raise ValueError(f"unknown TransformerConfig fields: {', '.join(map(repr, unknown))}")
         return cls(**data)
 
     def to_json(self) -> str:

@@ -23,7 +23,8 @@ while parameters, Adam's moments and the gradients stay float32; softmax and los
 
 Checkpoints: an orbax `CheckpointManager` keeping the newest `keep_checkpoints` steps plus the
 best by validation BLEU; each step holds the state (`StandardSave`) and a JSON `meta` item (data
-position, config), and incomplete checkpoints are never listed. The state is restored with the
+position, config), and incomplete checkpoints are never listed. Once orbax has finished a step,
+`digest.json` (SHA-256 of every file) is written into it and verified before every restore. The state is restored with the
 shardings of the current mesh, so a checkpoint written on 8 devices restores on 1 and vice versa.
 """
 
@@ -49,7 +50,7 @@ from torch_reference.config import TransformerConfig
 from .backend import Metrics, Topology, TrainingState, check_keys, unreadable
 from .config import ExperimentConfig
 from .data import Batch
-from .rundir import choose_checkpoint
+from .rundir import choose_checkpoint, verify_checkpoint, write_checkpoint_digest
 
 # Orbax warns through absl for every checkpoint saved without metrics (those between evaluations).
 logging.getLogger("absl").setLevel(logging.ERROR)
@@ -251,6 +252,13 @@ class JaxBackend:
         args = ocp.args.Composite(state=ocp.args.StandardSave(self.state), meta=ocp.args.JsonSave(meta))
         self.manager.save(self._step, args=args, metrics=metrics)
         self.manager.wait_until_finished()
+        # orbax has renamed the step's directory into place by now (its own "before the rename"
+        # is internal): the digest follows at once, written whole (temporary file + rename).
+        if jax.process_index() == 0:
+            write_checkpoint_digest(self._step_dir(self._step))
+
+    def _step_dir(self, step: int) -> Path:
+        return self._checkpoint_dir / str(step)
 
     def checkpoint_steps(self) -> list[int]:
         if self._checkpoint_dir is None or not self._checkpoint_dir.is_dir():
@@ -273,6 +281,7 @@ class JaxBackend:
     def _restore(self, step: int) -> dict[str, Any]:
         # Target shapes, dtypes and shardings are those of this backend's mesh, whatever mesh the
         # checkpoint was written from (orbax reshards on read): 8 devices -> 1 and 1 -> 8.
+        verify_checkpoint(self._step_dir(step))  # before orbax reads a byte: a damaged file is named
         whole = sharding.replicated(self.mesh)
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=whole), self.state)
         args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore())

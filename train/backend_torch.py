@@ -10,7 +10,8 @@ compute dtype.
 
 Checkpoints are directories `checkpoints/<step>/` holding `model.safetensors` (weights, config in
 the metadata), `optimizer.safetensors` (Adam's exp_avg and exp_avg_sq per parameter name, and the
-CPU random generator state) and `meta.json` (step, scheduler position, data position, metrics).
+CPU random generator state), `meta.json` (step, scheduler position, data position, metrics) and
+`digest.json` (SHA-256 of the others, verified before every restore).
 Never pickle. A checkpoint is written to a temporary directory and renamed into place, so an
 interrupted save leaves no directory that `restore` would pick.
 """
@@ -38,7 +39,7 @@ from torch_reference.objective import label_smoothed_cross_entropy, noam_learnin
 from .backend import Metrics, Topology, TrainingState, check_keys, unreadable
 from .config import ExperimentConfig
 from .data import Batch
-from .rundir import WEIGHTS_CONFIG_KEY, choose_checkpoint
+from .rundir import WEIGHTS_CONFIG_KEY, choose_checkpoint, json_text, verify_checkpoint, write_checkpoint_digest
 
 RNG_KEY = "__torch_cpu_rng_state__"
 
@@ -231,20 +232,28 @@ class TorchBackend:
         tmp = root / f".tmp-{state.step}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        save_file({k: torch.from_numpy(v) for k, v in state.params.items()}, str(tmp / "model.safetensors"),
+        try:
+            self._write_checkpoint(tmp, state, meta, metrics)
+            final = root / str(state.step)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)  # the checkpoint appears complete or not at all
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)  # a failed save (a full disk) leaves nothing behind
+        self._prune()
+
+    def _write_checkpoint(self, directory: Path, state: TrainingState, meta: dict[str, Any], metrics) -> None:
+        """The checkpoint's files in `directory`: weights, Adam's moments and RNG, meta.json, digest.json."""
+        save_file({k: torch.from_numpy(v) for k, v in state.params.items()}, str(directory / "model.safetensors"),
                   metadata={WEIGHTS_CONFIG_KEY: self.model_cfg.to_json()})
         moments = {RNG_KEY: torch.from_numpy(state.rng)}
         for name in state.mu or {}:
             moments[f"{name}.exp_avg"] = torch.from_numpy(state.mu[name])
             moments[f"{name}.exp_avg_sq"] = torch.from_numpy(state.nu[name])
-        save_file(moments, str(tmp / "optimizer.safetensors"))
+        save_file(moments, str(directory / "optimizer.safetensors"))
         record = {"step": state.step, "metrics": metrics, "meta": meta}
-        (tmp / "meta.json").write_text(json.dumps(record, indent=2))
-        final = root / str(state.step)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)  # the checkpoint appears complete or not at all
-        self._prune()
+        (directory / "meta.json").write_text(json_text(record))  # strict JSON: a non-finite metric is null
+        write_checkpoint_digest(directory)  # every file synced and hashed, before the rename publishes them
 
     def _prune(self) -> None:
         """Keep the newest `keep_checkpoints` and the best by BLEU; delete the others."""
@@ -267,6 +276,7 @@ class TorchBackend:
 
     def _restore(self, step: int) -> dict[str, Any]:
         directory = self._require_dir() / str(step)
+        verify_checkpoint(directory)  # CheckpointDamaged naming the file, before anything is read
         record = json.loads((directory / "meta.json").read_text())
         params = {k: v.numpy() for k, v in load_file(str(directory / "model.safetensors")).items()}
         moments = {k: v.numpy() for k, v in load_file(str(directory / "optimizer.safetensors")).items()}

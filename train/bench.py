@@ -29,6 +29,9 @@ import numpy as np
 
 from torch_reference.config import TransformerConfig
 
+from .rundir import json_text
+from .config import non_negative_int, positive_int, probability
+
 BACKENDS = ("jax", "torch", "torch-compile")
 
 
@@ -237,20 +240,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--presets", default="tiny,small,base", help="comma-separated model presets (default tiny,small,base)")
     parser.add_argument("--backends", default="jax,torch,torch-compile", help=f"comma-separated, from {', '.join(BACKENDS)}")
-    parser.add_argument("--batch-tokens", type=int, default=1024,
+    parser.add_argument("--batch-tokens", type=positive_int, default=1024,
                         help="tokens per side per batch: B = batch-tokens / length sentences (default 1024)")
-    parser.add_argument("--length", type=int, default=32, help="source and target length of every sentence (default 32)")
-    parser.add_argument("--vocab-size", type=int, default=8000, help="shared vocabulary size (default 8000)")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps after warm-up (default 10)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first, compilation included (default 3)")
-    parser.add_argument("--dropout", type=float, default=0.0, help="dropout rate (default 0: off; the paper's 0.1 with --dropout 0.1)")
+    parser.add_argument("--length", type=positive_int, default=32, help="source and target length of every sentence (default 32)")
+    parser.add_argument("--vocab-size", type=positive_int, default=8000, help="shared vocabulary size (default 8000)")
+    parser.add_argument("--steps", type=positive_int, default=10, help="timed steps after warm-up (default 10)")
+    parser.add_argument("--warmup", type=non_negative_int, default=3, help="untimed steps first, compilation included (default 3)")
+    parser.add_argument("--dropout", type=probability, default=0.0, help="dropout rate (default 0: off; the paper's 0.1 with --dropout 0.1)")
     parser.add_argument("--dtype", default="float32", choices=["float32"], help="computation dtype (float32)")
     parser.add_argument("--json", type=Path, help="write all figures to this JSON file")
     parser.add_argument("--plot", type=Path, help="write a bar chart of step times to this PNG")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--preset", help=argparse.SUPPRESS)
     parser.add_argument("--backend", help=argparse.SUPPRESS)
-    parser.add_argument("--batch-size", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--batch-size", type=positive_int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
     if args.worker:
@@ -293,8 +296,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['tokens_per_s']:8.0f} {r['achieved_gflops']:8.1f} {r['matmul_peak_gflops']:6.0f} {r['mfu']:6.2f} "
               f"{r['peak_memory_mib']:8.0f} {ratio:>8s}")
     if args.json:
-        args.json.write_text(json.dumps({"machine": {"cpu": cpu, "cpus": os.cpu_count(), "platform": platform.platform()},
-                                         "args": {k: str(v) for k, v in vars(args).items()}, "results": results}, indent=2))
+        args.json.write_text(json_text({"machine": {"cpu": cpu, "cpus": os.cpu_count(), "platform": platform.platform()},
+                                         "args": {k: str(v) for k, v in vars(args).items()}, "results": results}))
     if args.plot:
         try:
             write_plot(results, args.plot)

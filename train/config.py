@@ -18,7 +18,7 @@ import json
 import time
 from typing import Any, Literal
 
-from torch_reference.config import SPECIAL_TOKENS, TransformerConfig
+from torch_reference.config import NON_NEGATIVE, POSITIVE, PROBABILITY, SPECIAL_TOKENS, Range, TransformerConfig
 
 Backend = Literal["jax", "torch"]
 BACKENDS = ("jax", "torch")
@@ -46,6 +46,27 @@ SPECIAL_IDS_FIXED = (
     "the special token ids are fixed: " + ", ".join(f"{t}={i}" for i, t in enumerate(SPECIAL_TOKENS))
     + " (the tokenizers', used alike by batches, model, loss and search)"
 )
+
+# Each numeric field's range: checked by ExperimentConfig.__post_init__ (every entry point, the
+# Python API and a hand-edited config.json alike) and by the argparse type of its train.run flag.
+FIELD_RANGES: dict[str, Range] = {
+    **{name: POSITIVE for name in (
+        "numbers_train", "numbers_valid", "max_len", "token_budget", "steps", "grad_accum", "eval_every",
+        "log_every", "keep_checkpoints", "beam", "warmup", "save_every", "eval_sentences", "threads", "devices",
+        "num_processes")},
+    "numbers_test": NON_NEGATIVE, "samples": NON_NEGATIVE, "process_id": NON_NEGATIVE, "seed": NON_NEGATIVE,
+    "vocab_size": Range(int, low=260),  # 4 special tokens + 256 bytes
+    "lr_factor": Range(float, above=0.0), "clip_norm": Range(float, above=0.0),
+    "label_smoothing": PROBABILITY, "dropout": PROBABILITY,
+}
+
+# The argparse types of the other CLIs' numeric flags (translate, evaluate, bench, parity.*).
+positive_int = POSITIVE.parse
+non_negative_int = NON_NEGATIVE.parse
+finite_float = Range(float).parse
+positive_float = Range(float, above=0.0).parse
+non_negative_float = Range(float, low=0.0).parse
+probability = PROBABILITY.parse
 
 
 def _field(default: Any, group: str, help: str, launch: bool = False, **meta: Any) -> Any:
@@ -180,6 +201,8 @@ class ExperimentConfig:
     )
 
     def __post_init__(self):
+        """Every field checked once, whatever built the config: ValueError naming the field."""
+        self._check_types()
         if self.backend not in BACKENDS:
             raise ValueError(f"backend={self.backend!r} is not one of {', '.join(BACKENDS)}")
         if self.preset not in TransformerConfig.presets():
@@ -196,35 +219,13 @@ class ExperimentConfig:
         known = {f.name for f in dataclasses.fields(TransformerConfig)}
         unknown = sorted(set(self.model) - known)
         if unknown:
-            raise ValueError(f"unknown model field(s) {', '.join(unknown)}; choose from {', '.join(sorted(known))}")
-        positive = ("numbers_train", "numbers_valid", "max_len", "token_budget", "steps", "grad_accum",
-                    "eval_every", "log_every", "keep_checkpoints", "beam")
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("numbers_test", "samples"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype={self.dtype!r} is not one of {', '.join(DTYPES)}")
-        if self.process_id is not None and self.process_id < 0:
-            raise ValueError(f"process_id must be >= 0, got {self.process_id}")
-        for name in ("vocab_size", "warmup", "save_every", "eval_sentences", "threads", "devices", "num_processes"):
+            raise ValueError(f"unknown model field(s) {', '.join(map(repr, unknown))}; choose from {', '.join(sorted(known))}")
+        for name, allowed in FIELD_RANGES.items():
             value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        if self.vocab_size is not None and self.vocab_size < 260:
-            raise ValueError(f"vocab_size must be >= 260 (4 special tokens + 256 bytes), got {self.vocab_size}")
+            if value is not None:
+                allowed.check(name, value)
         if self.token_budget < self.max_len:
             raise ValueError(f"token_budget={self.token_budget} must hold one sequence of max_len={self.max_len}")
-        if self.lr_factor <= 0:
-            raise ValueError(f"lr_factor must be > 0, got {self.lr_factor}")
-        if not 0.0 <= self.label_smoothing < 1.0:
-            raise ValueError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
-        if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
-        if self.clip_norm is not None and self.clip_norm <= 0:
-            raise ValueError(f"clip_norm must be > 0, got {self.clip_norm}")
         if self.train is None and (self.valid or self.test):
             raise ValueError("--valid/--test need --train (the numbers corpus brings its own splits)")
         if self.train is not None and self.valid is None:
@@ -234,6 +235,19 @@ class ExperimentConfig:
         if (self.resume or self.overwrite) and self.run_dir is None:
             raise ValueError("--resume and --overwrite need --run-dir")
         self.model_config(100, 100)  # the model overrides must make a valid TransformerConfig
+
+    def _check_types(self) -> None:
+        """The fields that are not numbers: strings, booleans and the --set dict, as annotated
+        (a hand-edited config.json can hold anything)."""
+        for field in dataclasses.fields(self):
+            value, kind = getattr(self, field.name), str(field.type)
+            if field.name in FIELD_RANGES or (value is None and "None" in kind):
+                continue
+            expected = bool if kind == "bool" else dict if kind == "dict" else str
+            if not isinstance(value, expected):
+                raise ValueError(f"{field.name} must be {expected.__name__}, got {value!r}")
+        if not all(isinstance(key, str) for key in self.model):
+            raise ValueError(f"model must map field names to values, got {self.model!r}")
 
     @property
     def uses_numbers_corpus(self) -> bool:
@@ -288,7 +302,7 @@ class ExperimentConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"unknown ExperimentConfig fields: {', '.join(unknown)}")
+            raise ValueError(f"unknown ExperimentConfig fields: {', '.join(map(repr, unknown))}")
         return cls(**data)
 
     def to_json(self) -> str:

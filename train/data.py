@@ -15,7 +15,9 @@ Corpora are lists of (source, target) sentence pairs:
                                        de:en:../shared/data/multi30k/train
     FILE.tsv[.gz][#src=COL,tgt=COL]    tab-separated with a header row; columns default to
                                        source,target. No quoting and no NA parsing: '"' and
-                                       "null" (German for 0) are text.
+                                       "null" (German for 0) are text. Every row has the
+                                       header's number of columns (else ValueError naming the
+                                       line); an empty row is a pair with empty sides.
     FILE.jsonl|.json[.gz][#src=F,tgt=F]  JSON lines; fields default to source,target
     hf:NAME[:CONFIG]:SPLIT[#src=F,tgt=F]  datasets.load_dataset(NAME, CONFIG, split=SPLIT); NAME is
                                        a hub id (needs internet) or a local dataset directory;
@@ -26,6 +28,10 @@ Corpora are lists of (source, target) sentence pairs:
   column (the hub's convention: {"translation": {"de": ..., "en": ...}}). Both sides are
   stripped of surrounding whitespace; pairs where either side is then empty are skipped and
   counted (`LoadedPairs.skipped_empty`).
+
+Lines: one rule for every text file (text pairs, TSV, translate's input), `split_lines`: a line
+ends at "\n" (a "\r" before it is dropped too); every other character (U+2028, U+0085, form
+feed, a lone "\r") is text. Python's `str.splitlines` and universal newlines would split there.
 
 Tokenizers are byte-level BPE (HF `tokenizers`), trained on the training split, one joint
 source+target vocabulary by default. Special ids: `torch_reference.config.SPECIAL_TOKENS`
@@ -42,7 +48,6 @@ a JSON-able state.
 from __future__ import annotations
 
 import codecs
-import csv
 import dataclasses
 import functools
 import gzip
@@ -266,28 +271,8 @@ def load_parallel(spec: str, cache_dir: str | Path | None = None) -> LoadedPairs
         return _pairs(_field(ds, src, spec), _field(ds, tgt, spec))
     if spec.endswith(_TSV):
         path = _existing(Path(spec))
-        check_text(path)
         src, tgt = _columns(options, "source", "target")
-        with (gzip.open if path.suffix == ".gz" else open)(path, "rt", encoding="utf-8") as f:
-            header = f.readline().rstrip("\r\n").split("\t")
-        for col in (src, tgt):
-            if col not in header:
-                raise ValueError(f"{path}: no column {col!r} in header {header}")
-        # Everything as strings, no quote or NA handling: pandas would read "null" as NaN and
-        # strip quotes from '"Hallo", sagte er'.
-        features = datasets.Features({c: datasets.Value("string") for c in header})
-        ds = _load_dataset(
-            "csv",
-            data_files=str(path),
-            split="train",
-            delimiter="\t",
-            quoting=csv.QUOTE_NONE,
-            na_filter=False,
-            keep_default_na=False,
-            features=features,
-            cache_dir=cache_dir,
-        )
-        return _pairs(ds[src], ds[tgt])
+        return _tsv_pairs(path, src, tgt)
     if spec.endswith(_JSON):
         path = _existing(Path(spec))
         src, tgt = _columns(options, "source", "target")
@@ -299,12 +284,7 @@ def load_parallel(spec: str, cache_dir: str | Path | None = None) -> LoadedPairs
     if match and not options:
         src_lang, tgt_lang, prefix = match.groups()
         paths = [_existing(Path(f"{prefix}.{lang}"), Path(f"{prefix}.{lang}.gz")) for lang in (src_lang, tgt_lang)]
-        sides = [  # datasets' text builder fails on an empty file: it has no lines
-            _load_dataset("text", data_files=str(p), split="train", cache_dir=cache_dir)["text"]
-            if check_text(p)
-            else []
-            for p in paths
-        ]
+        sides = [read_lines(p) for p in paths]
         if len(sides[0]) != len(sides[1]):
             (short, n_short), (long, n_long) = sorted(zip(paths, map(len, sides)), key=lambda pair: pair[1])
             extra = f"line {n_long} of {long} has" if n_long == n_short + 1 else f"lines {n_short + 1}-{n_long} of {long} have"
@@ -332,6 +312,48 @@ def _load_dataset(builder: str, data_files: str, **kwargs):
         raise ValueError(f"{data_files}: not valid {builder} ({type(cause).__name__}: {cause})") from None
     finally:
         datasets.logging.set_verbosity(verbosity)
+
+
+def split_lines(text: str) -> list[str]:
+    """The lines of `text` by the one rule of this project: each ends at "\n" ("\r\n" too);
+    U+2028, U+0085, form feed and a lone "\r" are text. A last line needs no "\n"."""
+    lines = text.split("\n")
+    if lines[-1] == "":
+        lines.pop()
+    return [line[:-1] if line.endswith("\r") else line for line in lines]
+
+
+def read_lines(path: Path) -> list[str]:
+    """`split_lines` of a UTF-8 text file, plain or .gz (ValueError naming the byte offset of
+    invalid UTF-8, FileNotFoundError for a missing file)."""
+    check_text(path)
+    with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
+        return split_lines(f.read().decode("utf-8"))
+
+
+def _tsv_pairs(path: Path, src: str, tgt: str) -> LoadedPairs:
+    """Columns `src` and `tgt` of a TSV file with a header row: every row split at tabs, no
+    quoting, no NA values, and exactly the header's number of columns."""
+    lines = read_lines(path)
+    if not lines:
+        raise ValueError(f"{path}: empty file (a TSV needs a header row)")
+    header = lines[0].split("\t")
+    for col in (src, tgt):
+        if col not in header:
+            raise ValueError(f"{path}: no column {col!r} in header {header}")
+    i, j = header.index(src), header.index(tgt)
+    sources, targets = [], []
+    for number, line in enumerate(lines[1:], start=2):
+        if not line:  # an empty row: a pair with empty sides, skipped and counted
+            sources.append("")
+            targets.append("")
+            continue
+        row = line.split("\t")
+        if len(row) != len(header):
+            raise ValueError(f"{path}: line {number} has {len(row)} columns, the header (line 1) has {len(header)}")
+        sources.append(row[i])
+        targets.append(row[j])
+    return _pairs(sources, targets)
 
 
 def _existing(*candidates: Path) -> Path:

@@ -22,10 +22,9 @@ the others (`unseen_exact_match`, None when there are none).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +32,9 @@ from sacrebleu.metrics import BLEU, CHRF
 
 from . import data
 from .backend import Backend
-from .rundir import UserError, load_split, open_run, write_text_atomic
-from .translate import add_run_arguments, positive_int, translate_texts
+from .config import non_negative_int, positive_int
+from .rundir import UserError, check_output_file, json_text, load_split, open_run, write_text_atomic
+from .translate import EvaluationStopped, add_run_arguments, translate_texts  # noqa: F401 (EvaluationStopped: re-exported)
 
 
 def exact_match(hypotheses: Sequence[str], references: Sequence[str]) -> float:
@@ -86,11 +86,13 @@ def band_scores(
     return bands
 
 
-def loss_and_perplexity(backend: Backend, batches) -> dict[str, float]:
+def loss_and_perplexity(backend: Backend, batches, stop: Callable[[], bool] | None = None) -> dict[str, float]:
     """{"loss", "nll", "ppl", "tokens"} over padded batches, dropout off: the sums stay on the
-    device and are read once."""
+    device and are read once. `stop` is asked before each batch: True raises EvaluationStopped."""
     loss = nll = tokens = 0
     for batch in batches:
+        if stop is not None and stop():
+            raise EvaluationStopped("evaluation stopped")
         batch_loss, batch_nll, batch_tokens = backend.eval_loss(batch)
         loss, nll, tokens = loss + batch_loss, nll + batch_nll, tokens + batch_tokens
     tokens = float(tokens)
@@ -125,19 +127,22 @@ def evaluate_pairs(
     beam_size: int = 4,
     lowercase: bool = False,
     seen: Collection[str] | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> dict[str, Any]:
     """Loss and perplexity on every pair (those longer than max_len are left out of the loss);
     BLEU, chrF and exact match (`corpus_scores`, lowercased BLEU too with `lowercase`) and the
     per-band exact match of numbers (`band_scores`, "bands"; `seen`: the training sources) of
     beam-search translations (greedy with beam_size 1) of the first `max_sentences` pairs
     (default: all), their count as "sentences"; and `samples` examples as {"source",
-    "reference", "hypothesis"}."""
+    "reference", "hypothesis"}. `stop` is asked between batches: when it returns True the
+    evaluation ends with EvaluationStopped (a training run's SIGTERM)."""
     examples = data.encode_pairs(tokenizers, pairs)
     batcher = data.Batcher(examples, token_budget=token_budget, max_len=max_len, shuffle=False)
-    result: dict[str, Any] = loss_and_perplexity(backend, batcher.epoch_batches())
+    result: dict[str, Any] = loss_and_perplexity(backend, batcher.epoch_batches(), stop)
     scored = list(pairs[:max_sentences] if max_sentences else pairs)
     hyps = translate_texts(
-        backend, tokenizers, [s for s, _ in scored], max_len=max_len, token_budget=token_budget, beam_size=beam_size
+        backend, tokenizers, [s for s, _ in scored], max_len=max_len, token_budget=token_budget, beam_size=beam_size,
+        stop=stop,
     )
     result.update(corpus_scores(hyps, [t for _, t in scored], lowercase=lowercase))
     result["sentences"] = len(scored)
@@ -169,11 +174,13 @@ def main(argv: list[str] | None = None) -> int:
         "--lowercase", action="store_true",
         help="also score BLEU on lowercased text (13a tokenization), as bleu_lc with its signature",
     )
-    parser.add_argument("--samples", type=int, default=0, help="include N example translations in the JSON")
+    parser.add_argument("--samples", type=non_negative_int, default=0, help="include N example translations in the JSON")
     parser.add_argument("--output", type=Path, help="also write the JSON to this file")
     args = parser.parse_args(argv)
 
     try:
+        if args.output is not None:  # checked before the work, not after it
+            check_output_file(args.output, "--output")
         run = open_run(args.run_dir, args.checkpoint)
         pairs = load_split(run.config, args.data)
         seen = {s for s, _ in load_split(run.config, "numbers:train")} if run.config.uses_numbers_corpus else None
@@ -186,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         seen=seen,
     )
     result = {"run_dir": str(args.run_dir), "data": args.data, "step": run.backend.step, **result}
-    text = json.dumps(result, indent=2, ensure_ascii=False)
+    text = json_text(result)  # strict JSON: a non-finite score is null, never NaN
     print(text)
     if args.output is not None:
         write_text_atomic(args.output, text + "\n")

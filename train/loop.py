@@ -41,10 +41,10 @@ from tqdm.auto import tqdm
 from . import data
 from .backend import Backend, CheckpointError, Topology, create_backend, initialize
 from .config import ExperimentConfig
-from .evaluate import bands_text, evaluate_pairs
+from .evaluate import EvaluationStopped, bands_text, evaluate_pairs
 from .rundir import (
     CHECKPOINTS, RESULTS_FILE, TENSORBOARD, UserError, check_checkpoint_config, claim_run_dir, follow_run_dir,
-    load_splits, load_tokenizers, lock_run_dir, prepare_run_dir, write_json_atomic,
+    finite_values, load_splits, load_tokenizers, lock_run_dir, prepare_run_dir, read_json, write_json_atomic,
 )
 
 
@@ -100,7 +100,7 @@ class _NoWriter:
         pass
 
 
-def summary_writer(logdir: Path):
+def summary_writer(logdir: Path, purge_step: int | None = None):
     """A tensorboardX SummaryWriter, imported without loading torch into a JAX run.
 
     tensorboardX's writer module runs `import torch` when torch is installed (to accept tensors);
@@ -115,7 +115,9 @@ def summary_writer(logdir: Path):
             from tensorboardX import SummaryWriter
         finally:
             del sys.modules["torch"]
-    return SummaryWriter(str(logdir))
+    # purge_step: TensorBoard drops the events at this step and later that earlier sessions wrote
+    # (a run killed after its last checkpoint), so a resumed curve has each step once.
+    return SummaryWriter(str(logdir), purge_step=purge_step)
 
 
 def _say(text: str) -> None:
@@ -166,7 +168,7 @@ def _train_locked(cfg: ExperimentConfig, topology: Topology, started: float) -> 
         raise UserError("the training and validation data must each hold at least one pair")
     resuming = cfg.resume
     try:
-        tokenizers = load_tokenizers(run_dir) if resuming else None
+        tokenizers = load_tokenizers(run_dir, cfg.joint_vocab) if resuming else None
     except FileNotFoundError:  # a run stopped before its tokenizer was saved
         tokenizers = None
     except ValueError as err:
@@ -184,6 +186,7 @@ def _train_locked(cfg: ExperimentConfig, topology: Topology, started: float) -> 
         prepare_run_dir(cfg, model_cfg, tokenizers if trained_tokenizers else None)
 
     backend = create_backend(cfg, model_cfg, str(run_dir / CHECKPOINTS))
+    log = _Log()
     if resuming and backend.checkpoint_steps():
         try:
             meta = backend.restore("latest")
@@ -198,6 +201,7 @@ def _train_locked(cfg: ExperimentConfig, topology: Topology, started: float) -> 
                 "started: resume with the device count it ran with, or one that keeps every batch size divisible"
             )
         batcher.restore(meta["data"])
+        log = _Log.restore(meta.get("history"), backend.step)
         _say(f"resumed {run_dir} at step {backend.step}")
     elif resuming:
         _say(f"{run_dir} has no checkpoint yet: starting at step 0 with its tokenizer")
@@ -211,10 +215,17 @@ def _train_locked(cfg: ExperimentConfig, topology: Topology, started: float) -> 
         + f"; run dir {run_dir}"
     )
 
-    writer = summary_writer(run_dir / TENSORBOARD) if main else _NoWriter()
+    if resuming and backend.step >= cfg.steps:  # every process alike (they share the run directory)
+        done = read_json(run_dir / RESULTS_FILE, default=None)
+        if isinstance(done, dict) and done.get("steps") == backend.step:
+            backend.close()
+            _say(f"{run_dir} has trained {backend.step} steps (--steps {cfg.steps}): nothing to do; "
+                 f"{RESULTS_FILE} left as it is (resume with a larger --steps to train on)")
+            return done
+    writer = summary_writer(run_dir / TENSORBOARD, purge_step=backend.step + 1) if main else _NoWriter()
     try:
         with _StopSignals(enabled=topology.process_count == 1) as stop:
-            log = _fit(cfg, backend, batcher, tokenizers, splits, writer, show_progress=main, stop=stop)
+            log = _fit(cfg, backend, batcher, tokenizers, splits, writer, show_progress=main, stop=stop, log=log)
         results = _finish(cfg, backend, tokenizers, splits, writer, log, started)
     finally:
         writer.close()
@@ -225,24 +236,44 @@ def _train_locked(cfg: ExperimentConfig, topology: Topology, started: float) -> 
     return results
 
 
-def _evaluate(cfg, backend, tokenizers, pairs, samples: int, *, validation: bool = True, seen=None) -> dict[str, Any]:
+def _evaluate(cfg, backend, tokenizers, pairs, samples: int, *, validation: bool = True, seen=None,
+              stop=None) -> dict[str, Any]:
     """`evaluate_pairs` with lowercased BLEU too. --eval-sentences limits the translations of
-    validation only: a test set (validation=False) is always scored whole."""
+    validation only: a test set (validation=False) is always scored whole. `stop`: a callable
+    asked between batches; when it says True, EvaluationStopped."""
     return evaluate_pairs(
         backend, tokenizers, pairs, max_len=cfg.max_len, token_budget=cfg.token_budget,
         max_sentences=cfg.eval_sentences if validation else None, samples=samples, beam_size=cfg.beam,
-        lowercase=True, seen=seen,
+        lowercase=True, seen=seen, stop=stop,
     )
 
 
 @dataclasses.dataclass
 class _Log:
-    """What the loop records: logged training windows, evaluations, and training time/tokens."""
+    """What the loop records: logged training windows, evaluations, and training time/tokens.
+    The whole run's, across resumes: each checkpoint's meta holds it up to its step (`state`),
+    and --resume continues from there (`restore`)."""
 
     train: list[dict[str, float]] = dataclasses.field(default_factory=list)
     valid: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     time_s: float = 0.0
     tokens: int = 0
+
+    def state(self) -> dict[str, Any]:
+        return {"train": self.train, "valid": self.valid, "time_s": self.time_s, "tokens": self.tokens}
+
+    @classmethod
+    def restore(cls, state: dict[str, Any] | None, step: int) -> _Log:
+        """The log saved with the checkpoint of `step` (empty for checkpoints written before
+        histories were kept); entries after `step` are left out."""
+        if not isinstance(state, dict):
+            return cls()
+
+        def upto(entries):
+            return [e for e in entries or [] if isinstance(e, dict) and e.get("step", step + 1) <= step]
+
+        return cls(upto(state.get("train")), upto(state.get("valid")), float(state.get("time_s") or 0.0),
+                   int(state.get("tokens") or 0))
 
 
 def _log_window(cfg, step: int, values: list[dict[str, float]], tokens: int, elapsed: float, log: _Log, writer, bar):
@@ -324,27 +355,33 @@ def _first_non_finite(values: list[dict[str, float]], step: int) -> str | None:
     return None
 
 
-def _save(cfg: ExperimentConfig, backend: Backend, batcher: data.Batcher, evaluated: dict[str, Any] | None) -> None:
+def _save(cfg: ExperimentConfig, backend: Backend, batcher: data.Batcher, evaluated: dict[str, Any] | None,
+          log: _Log | None = None) -> None:
     meta = {
         "step": backend.step,
         "data": batcher.state(),  # where the next batch comes from, for --resume
         "shapes": [list(shape) for shape in batcher.shapes],  # checked on --resume
         "config": cfg.experiment(),
         "valid": None if evaluated is None else _eval_summary(evaluated),
+        "history": (log or _Log()).state(),  # results.json's history, restored by --resume
     }
-    backend.save(meta, metrics=None if evaluated is None else {"bleu": evaluated["bleu"]})
+    # Strict JSON in both backends' meta (orbax's JsonSave would write NaN): non-finite -> null.
+    backend.save(finite_values(meta), metrics=None if evaluated is None else {"bleu": evaluated["bleu"]})
 
 
 def _fit(cfg: ExperimentConfig, backend: Backend, batcher: data.Batcher, tokenizers, splits, writer,
-         show_progress: bool = True, stop: _StopSignals | None = None) -> _Log:
+         show_progress: bool = True, stop: _StopSignals | None = None, log: _Log | None = None) -> _Log:
     """The update loop from the backend's step to cfg.steps: train, log, evaluate, checkpoint.
 
     Metrics are read at every log, evaluation and save, and a non-finite loss or gradient norm
     raises TrainingDiverged there, before anything is saved: checkpoints never hold a diverged
-    update. When `stop` reports a signal, the loop logs, saves and raises Interrupted.
+    update; so does a non-finite validation loss. When `stop` reports a signal, the loop logs,
+    saves and raises Interrupted; a signal during an evaluation stops it (it is not counted as
+    done), so the save follows the signal by at most one update (and an evaluation batch).
+    `log`: the history so far (restored on --resume), extended in place.
     """
     stop = stop or _StopSignals(enabled=False)
-    log = _Log()
+    log = log if log is not None else _Log()
     bar = tqdm(
         total=cfg.steps, initial=backend.step, disable=not (cfg.progress and show_progress), unit="step",
         dynamic_ncols=True,
@@ -358,7 +395,7 @@ def _fit(cfg: ExperimentConfig, backend: Backend, batcher: data.Batcher, tokeniz
         window_tokens += sum(b.num_tgt_tokens for b in batches)
 
         stopping = stop.requested is not None
-        evaluate_now = step % cfg.eval_every == 0 or step == cfg.steps
+        evaluate_now = (step % cfg.eval_every == 0 or step == cfg.steps) and not stopping
         save_now = step % cfg.save_every == 0 or step == cfg.steps or stopping
         # Also log before an evaluation or a save, so that tokens/s never counts their time.
         if step % cfg.log_every == 0 or evaluate_now or save_now:
@@ -375,10 +412,22 @@ def _fit(cfg: ExperimentConfig, backend: Backend, batcher: data.Batcher, tokeniz
 
         evaluated = None
         if evaluate_now:
-            evaluated = _evaluate(cfg, backend, tokenizers, splits.valid, cfg.samples)
-            _log_evaluation(step, evaluated, log, writer)
+            try:
+                evaluated = _evaluate(cfg, backend, tokenizers, splits.valid, cfg.samples,
+                                      stop=lambda: stop.requested is not None)
+            except EvaluationStopped:  # a signal came mid-evaluation: save without it
+                stopping = save_now = True
+            else:
+                if not math.isfinite(evaluated["loss"]):
+                    saved = backend.checkpoint_steps()
+                    kept = f"the checkpoints up to step {saved[-1]} are intact" if saved else "no checkpoint was saved"
+                    raise TrainingDiverged(
+                        f"training diverged: validation loss {evaluated['loss']} at step {step}; stopped before "
+                        f"saving it ({kept}). Lower --lr-factor, raise --warmup or set --clip-norm, and train again"
+                    )
+                _log_evaluation(step, evaluated, log, writer)
         if save_now:
-            _save(cfg, backend, batcher, evaluated)
+            _save(cfg, backend, batcher, evaluated, log)
         if stopping:
             bar.close()
             name = signal.Signals(stop.requested).name
@@ -425,7 +474,7 @@ def _finish(cfg, backend, tokenizers, splits, writer, log: _Log, started: float)
         "wall_time_s": time.perf_counter() - started,
         "config": cfg.to_dict(),
         "model": backend.model_cfg.to_dict(),
-        "history": {"train": log.train, "valid": log.valid},  # this session's (since --resume)
+        "history": {"train": log.train, "valid": log.valid},  # the whole run's, across resumes
     }
 
 

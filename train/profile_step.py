@@ -26,6 +26,9 @@ import numpy as np
 
 from torch_reference.config import TransformerConfig
 
+from .rundir import json_text
+from .config import positive_int
+
 
 def median_time(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
     for _ in range(warmup):
@@ -240,10 +243,10 @@ def xla_op_split(cfg: TransformerConfig, batch: int, length: int, repeats: int =
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m train.profile_step", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="base", choices=["tiny", "small", "base", "big"])
-    parser.add_argument("--batch", type=int, default=32, help="sentences per batch (default 32)")
-    parser.add_argument("--length", type=int, default=32, help="tokens per sentence, source and target (default 32)")
-    parser.add_argument("--vocab", type=int, default=8000, help="shared vocabulary size (default 8000)")
-    parser.add_argument("--repeats", type=int, default=10, help="timed runs per part (default 10)")
+    parser.add_argument("--batch", type=positive_int, default=32, help="sentences per batch (default 32)")
+    parser.add_argument("--length", type=positive_int, default=32, help="tokens per sentence, source and target (default 32)")
+    parser.add_argument("--vocab", type=positive_int, default=8000, help="shared vocabulary size (default 8000)")
+    parser.add_argument("--repeats", type=positive_int, default=10, help="timed runs per part (default 10)")
     parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
     parser.add_argument("--xla-ops", action="store_true",
                         help="instead: profile JAX's whole forward + backward and split its time into matmuls and "
@@ -274,8 +277,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"part": name, "jax_ms": j, "torch_ms": t, "ratio": j / t})
         print(f"{name:28s} {j:9.2f} {t:9.2f} {j / t:10.2f}")
     if args.json:
-        args.json.write_text(json.dumps({"preset": args.preset, "batch": [args.batch, args.length],
-                                         "vocab": args.vocab, "rows": rows}, indent=2))
+        args.json.write_text(json_text({"preset": args.preset, "batch": [args.batch, args.length],
+                                         "vocab": args.vocab, "rows": rows}))
     return 0
 
 

@@ -12,7 +12,7 @@ import dataclasses
 import signal
 import sys
 
-from .config import ExperimentConfig, parse_model_override
+from .config import FIELD_RANGES, ExperimentConfig, parse_model_override
 
 GROUPS = {
     "run": "run",
@@ -96,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
             kwargs.update(action="append", type=_override, metavar=meta.get("metavar"), help=help)
         else:
             kwargs.update(
-                type={"int": int, "float": float}.get(kind, str),
+                # Numbers range-checked by the field's own rule: a bad value exits 2 with one line.
+                type=FIELD_RANGES[field.name].parser(field.name) if field.name in FIELD_RANGES else str,
                 choices=meta.get("choices"),
                 metavar=meta.get("metavar", {"int": "N", "float": "X"}.get(kind)),
                 help=help,

@@ -5,7 +5,8 @@ A run directory holds:
                            translate, evaluate and conversion read; launch options are not saved)
     model.json             the TransformerConfig
     tokenizer.json         or src_tokenizer.json + tgt_tokenizer.json
-    checkpoints/<step>/    the backend's checkpoints (newest N plus the best by validation BLEU)
+    checkpoints/<step>/    the backend's checkpoints (newest N plus the best by validation BLEU),
+                           each with digest.json: the SHA-256 of every file, checked on load
     tensorboard/           event files
     results.json           final metrics, written at the end
     converted.json         where a converted run came from (parity.convert --run-dir)
@@ -21,7 +22,9 @@ from __future__ import annotations
 import dataclasses
 import errno
 import fcntl
+import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -65,8 +68,58 @@ def write_text_atomic(path: str | Path, text: str) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def finite_values(obj: Any) -> Any:
+    """`obj` with every non-finite float (NaN, ±Infinity: not JSON) replaced by None."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite_values(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_values(v) for v in obj]
+    return obj
+
+
+def json_text(obj: Any) -> str:
+    """Strict JSON of `obj`, as every file and every output of the project holds: a non-finite
+    number becomes null (never NaN or Infinity, which JSON does not have), and a string holding
+    a byte that was not UTF-8 (a path, read with surrogateescape) keeps it as a \\uDCxx escape,
+    so the text always encodes as UTF-8."""
+    text = json.dumps(finite_values(obj), indent=2, ensure_ascii=False, allow_nan=False)
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def write_json_atomic(path: str | Path, obj: Any) -> None:
-    write_text_atomic(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+    write_text_atomic(path, json_text(obj) + "\n")
+
+
+def read_json(path: str | Path, default: Any = ...) -> Any:
+    """The JSON in `path`; UserError naming the file when it is not valid JSON. A missing file
+    returns `default` when given, else raises UserError too."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        if default is not ...:
+            return default
+        raise UserError(f"no such file: {path}") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise UserError(f"cannot read {path}: {err}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise UserError(f"{path} is not valid JSON: {err.msg} at line {err.lineno} column {err.colno}") from None
+
+
+def check_output_file(path: str | Path, flag: str) -> None:
+    """UserError unless a file can be written at `path`: its directory exists and `path` is not
+    a directory. For the --output flags, checked before the work starts."""
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{flag} {path} is a directory; give a file name")
+    if not path.parent.is_dir():
+        raise UserError(f"{flag} {path}: directory {path.parent} does not exist")
+    if not os.access(path.parent, os.W_OK):
+        raise UserError(f"{flag} {path}: directory {path.parent} is not writable")
 
 
 def _say(text: str) -> None:
@@ -124,11 +177,15 @@ def save_tokenizers(tokenizers: data.Tokenizers, run_dir: str | Path) -> None:
         write_text_atomic(run_dir / TGT_TOKENIZER, tokenizers.tgt.to_str())
 
 
-def load_tokenizers(run_dir: str | Path) -> data.Tokenizers:
+def load_tokenizers(run_dir: str | Path, joint: bool | None = None) -> data.Tokenizers:
     """Read what `save_tokenizers` wrote; a joint tokenizer comes back as one shared object.
-    FileNotFoundError when there is none, ValueError when one cannot be read."""
+    `joint`: whether the run's vocabulary is joint (config.json's joint_vocab), so that a missing
+    file is named as the one the run needs; None: whichever is there. FileNotFoundError when
+    there is none, ValueError when one cannot be read."""
     run_dir = Path(run_dir)
-    if (run_dir / JOINT_TOKENIZER).is_file():
+    if joint is None:
+        joint = (run_dir / JOINT_TOKENIZER).is_file()
+    if joint:
         tokenizer = _read_tokenizer(run_dir / JOINT_TOKENIZER)
         return data.Tokenizers(tokenizer, tokenizer)
     return data.Tokenizers(*(_read_tokenizer(run_dir / name) for name in (SRC_TOKENIZER, TGT_TOKENIZER)))
@@ -206,9 +263,14 @@ def read_experiment(run_dir: str | Path) -> ExperimentConfig:
     path = Path(run_dir) / CONFIG_FILE
     if not path.is_file():
         raise UserError(f"{run_dir} is not a run directory ({CONFIG_FILE} missing)")
-    saved = json.loads(path.read_text())
+    saved = read_json(path)
+    if not isinstance(saved, dict):
+        raise UserError(f"{path} holds no JSON object of settings")
     launch = ExperimentConfig.launch_fields()  # runs written before launch options were left out
-    return ExperimentConfig.from_dict({k: v for k, v in saved.items() if k not in launch})
+    try:
+        return ExperimentConfig.from_dict({k: v for k, v in saved.items() if k not in launch})
+    except (TypeError, ValueError) as err:  # a hand-edited file: unknown field, wrong type or value
+        raise UserError(f"{path}: {err}") from None
 
 
 def _resumed_config(saved: ExperimentConfig, cfg: ExperimentConfig, explicit: Iterable[str] | None) -> ExperimentConfig:
@@ -335,6 +397,73 @@ def parse_checkpoint(which: str | int) -> str | int:
     return which
 
 
+# ----------------------------------------------------------------------------------------------
+# Checkpoint digests
+
+DIGEST_FILE = "digest.json"  # in each checkpoint directory: {"algorithm", "files": {path: hex}}
+DIGEST_ALGORITHM = "sha256"  # hashlib's, OpenSSL-accelerated
+
+
+class CheckpointDamaged(ValueError):
+    """A checkpoint file that does not match the digest written with it, or is missing."""
+
+
+def _file_digest(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, DIGEST_ALGORITHM).hexdigest()
+
+
+def _checkpoint_files(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.rglob("*") if p.is_file() and p.name != DIGEST_FILE
+                  and not p.name.startswith(f".{DIGEST_FILE}"))
+
+
+def write_checkpoint_digest(directory: str | Path) -> None:
+    """Hash every file of the checkpoint `directory` and write DIRECTORY/digest.json. Called once
+    the checkpoint's data is on disk (each file synced here as it is read) and before the
+    checkpoint is published: torch renames its temporary directory after this; orbax renames its
+    own before returning from save, so for JAX this runs right after (see the README)."""
+    directory = Path(directory)
+    files = {}
+    for path in _checkpoint_files(directory):
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+            files[path.relative_to(directory).as_posix()] = hashlib.file_digest(f, DIGEST_ALGORITHM).hexdigest()
+    tmp = directory / f".{DIGEST_FILE}.tmp"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(json_text({"algorithm": DIGEST_ALGORITHM, "files": files}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, directory / DIGEST_FILE)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def verify_checkpoint(directory: str | Path) -> bool:
+    """Check every file of the checkpoint `directory` against its digest.json: CheckpointDamaged
+    naming the first file that differs or is missing. Returns False, checking nothing, for a
+    checkpoint without digest.json (written before digests existed, or a JAX save interrupted
+    between orbax's rename and the digest); the backends' own checks then apply."""
+    directory = Path(directory)
+    try:
+        record = json.loads((directory / DIGEST_FILE).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError) as err:
+        raise CheckpointDamaged(f"{DIGEST_FILE} is unreadable ({err})") from None
+    files = record.get("files") if isinstance(record, dict) else None
+    if not isinstance(files, dict) or record.get("algorithm") != DIGEST_ALGORITHM:
+        raise CheckpointDamaged(f"{DIGEST_FILE} is not a {DIGEST_ALGORITHM} digest of the checkpoint")
+    for name, expected in sorted(files.items()):
+        path = directory / name
+        if not path.is_file():
+            raise CheckpointDamaged(f"{name} is missing")
+        if _file_digest(path) != expected:
+            raise CheckpointDamaged(f"{name} does not match the {DIGEST_ALGORITHM} digest written with it")
+    return True
+
+
 @dataclasses.dataclass
 class Run:
     """A trained run opened for translation or evaluation."""
@@ -351,7 +480,13 @@ def read_model_config(run_dir: str | Path) -> TransformerConfig:
     path = Path(run_dir) / MODEL_FILE
     if not path.is_file():
         raise UserError(f"{run_dir} is not a run directory ({MODEL_FILE} missing)")
-    return TransformerConfig.from_json(path.read_text())
+    saved = read_json(path)
+    if not isinstance(saved, dict):
+        raise UserError(f"{path} holds no JSON object of settings")
+    try:
+        return TransformerConfig.from_dict(saved)
+    except (TypeError, ValueError) as err:
+        raise UserError(f"{path}: {err}") from None
 
 
 def open_run(run_dir: str | Path, checkpoint: str | int = "best") -> Run:
@@ -362,7 +497,7 @@ def open_run(run_dir: str | Path, checkpoint: str | int = "best") -> Run:
     model_cfg = read_model_config(run_dir)
     checkpoint = parse_checkpoint(checkpoint)
     try:
-        tokenizers = load_tokenizers(run_dir)
+        tokenizers = load_tokenizers(run_dir, cfg.joint_vocab)
     except (FileNotFoundError, ValueError) as err:
         raise UserError(str(err)) from None
     backend = create_backend(cfg, model_cfg, str(run_dir / CHECKPOINTS))

@@ -12,14 +12,18 @@ JAX against torch on the same weights, is `python -m parity.translate_bench`.
 from __future__ import annotations
 
 import argparse
-import gzip
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from . import data
 from .backend import Backend
-from .rundir import UserError, open_run, write_text_atomic
+from .config import non_negative_float, positive_int  # noqa: F401 (positive_int: re-exported)
+from .rundir import UserError, check_output_file, open_run, write_text_atomic
+
+
+class EvaluationStopped(Exception):
+    """A search or evaluation stopped between batches because its `stop` callable said so."""
 
 
 def translate_texts(
@@ -32,24 +36,21 @@ def translate_texts(
     batch_size: int | None = None,
     beam_size: int = 4,
     alpha: float = 0.6,
+    stop: Callable[[], bool] | None = None,
 ) -> list[str]:
-    """Detokenized translations of `texts`, in order (an empty line translates to "")."""
+    """Detokenized translations of `texts`, in order (an empty or whitespace-only line translates
+    to ""). `stop` is asked before each batch: True raises EvaluationStopped."""
     src_ids = data.encode(tokenizers.src, list(texts))
     out = [""] * len(texts)
     for index, src in data.source_batches(src_ids, max_len, token_budget, batch_size):
+        if stop is not None and stop():
+            raise EvaluationStopped("translation stopped")
         hyps = data.decode_batch(tokenizers.tgt, backend.translate(src, beam_size, alpha))
         for row, i in enumerate(index):
             if i >= 0 and texts[i].strip():
-                out[i] = hyps[row]
+                # A model may emit a newline byte: kept, it would make one input line several.
+                out[i] = " ".join(data.split_lines(hyps[row].replace("\r", "\n")))
     return out
-
-
-def positive_int(text: str) -> int:
-    """An argparse type: an integer >= 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         "--batch-size", type=positive_int,
         help="at most N sentences per batch; default: as many as the run's --token-budget",
     )
-    parser.add_argument("--alpha", type=float, default=0.6, help="length penalty exponent of ((5+len)/6)^alpha (default 0.6)")
+    parser.add_argument("--alpha", type=non_negative_float, default=0.6, help="length penalty exponent of ((5+len)/6)^alpha (default 0.6)")
     parser.add_argument(
         "--plot-attention", type=Path, metavar="DIR",
         help="also write each sentence's cross-attention heatmaps to DIR (created): NNNN.png for input line N (the "
@@ -94,8 +95,10 @@ def main(argv: list[str] | None = None) -> int:
             from .attention import check_plot_directory
 
             check_plot_directory(args.plot_attention)
+        if args.output is not None:  # checked before the work, not after it
+            check_output_file(args.output, "--output")
         run = open_run(args.run_dir, args.checkpoint)
-        if not any(line.strip() for line in lines):
+        if not lines:
             raise UserError(f"{args.input or 'standard input'} holds no sentence to translate")
     except (UserError, FileNotFoundError, ValueError) as err:
         parser.exit(1, f"error: {err}\n")
@@ -121,21 +124,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def read_lines(path: Path | None) -> list[str]:
-    """The lines of a UTF-8 text file (plain or .gz), or of stdin when `path` is None. Invalid
-    UTF-8 raises ValueError naming the byte offset and line; a missing file FileNotFoundError."""
+    """The lines of a UTF-8 text file (plain or .gz), or of stdin when `path` is None, split by
+    the one rule of `data.split_lines` (at "\n" and "\r\n" only), so output line N is input line
+    N. Invalid UTF-8 raises ValueError naming the byte offset and line; a missing file
+    FileNotFoundError."""
     if path is None:
         raw = sys.stdin.buffer.read()
         try:
-            return raw.decode("utf-8").splitlines()
+            return data.split_lines(raw.decode("utf-8"))
         except UnicodeDecodeError as err:
             line = raw[: err.start].count(b"\n") + 1
             raise ValueError(f"standard input: invalid UTF-8 at byte offset {err.start} (line {line}): {err.reason}") from None
     if not path.is_file():
         raise FileNotFoundError(f"no such file: {path}")
-    data.check_text(path)
-    with (gzip.open if path.suffix == ".gz" else open)(path, "rt", encoding="utf-8") as f:
-        return f.read().splitlines()
-
+    return data.read_lines(path)
 
 if __name__ == "__main__":
     sys.exit(main())

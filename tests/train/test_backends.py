@@ -201,7 +201,7 @@ def test_torch_checkpoint_files(tmp_path, fast_config, corpus):
     backend.train_step([next(loop.make_batcher(cfg, tokenizers, splits.train))])
     backend.save({"step": 1})
     files = sorted(p.name for p in (tmp_path / "1").iterdir())
-    assert files == ["meta.json", "model.safetensors", "optimizer.safetensors"]
+    assert files == ["digest.json", "meta.json", "model.safetensors", "optimizer.safetensors"]
     state_dict, loaded_cfg = convert.load_torch_weights(tmp_path / "1" / "model.safetensors")
     assert loaded_cfg == model_cfg and state_dict.keys() == backend.weights().keys()
     with safe_open(str(tmp_path / "1" / "optimizer.safetensors"), framework="pt") as f:

@@ -23,7 +23,7 @@ def test_json_round_trip_and_resolve():
     assert ExperimentConfig(steps=100_000).resolve().warmup == 4000  # the paper's, as a cap
     assert ExperimentConfig(train="a.tsv", valid="b.tsv").resolve().vocab_size == 8000
     assert ExperimentConfig.from_json(resolved.to_json()) == resolved
-    with pytest.raises(ValueError, match="unknown ExperimentConfig fields: nope"):
+    with pytest.raises(ValueError, match="unknown ExperimentConfig fields: 'nope'"):
         ExperimentConfig.from_dict({"nope": 1})
 
 
