@@ -25,7 +25,7 @@ import numpy as np
 
 from . import rundir
 from .backend import CheckpointError, TrainingState, create_backend
-from .translate import positive_int
+from .config import positive_int
 
 
 def average_states(states: Sequence[TrainingState]) -> TrainingState:
