@@ -54,6 +54,7 @@ from jax_transformer import decode, sharding
 from jax_transformer.objective import label_smoothed_cross_entropy, noam_learning_rate
 from torch_reference.config import TransformerConfig
 
+from . import allocator
 from .backend import Metrics, Topology, TrainingState, check_keys, unreadable
 from .config import ExperimentConfig
 from .data import Batch
@@ -103,6 +104,9 @@ class JaxBackend:
         self.exp_cfg, self.model_cfg = exp_cfg, model_cfg
         self.topology = initialize(exp_cfg)
         self.mesh = sharding.make_mesh(exp_cfg.devices)
+        # XLA:CPU's buffers are host memory from glibc: keep freed ones from staying resident.
+        self._host_buffers = self.mesh.devices.flat[0].platform == "cpu" and allocator.tune()
+        self._compiled_shapes: set[tuple] = set()
         # Every process initialises the same weights from the seed, then they are replicated.
         init_key, rng = jax.random.split(jax.random.key(exp_cfg.seed))
         dtype = COMPUTE_DTYPES[exp_cfg.dtype]
@@ -222,6 +226,17 @@ class JaxBackend:
         return sharding.shard_batch(_as_arrays(batch, sharding.process_slice(len(batch.src))), self.mesh)
 
     def train_step(self, batches: Sequence[Batch]) -> Metrics:
+        shapes = tuple(b.src.shape + b.tgt_in.shape for b in batches)
+        if self._host_buffers and shapes not in self._compiled_shapes:
+            # A new shape compiles: hand back what compilation freed once the step has run.
+            self._compiled_shapes.add(shapes)
+            metrics = self._train_step_impl(batches)
+            jax.block_until_ready(metrics)
+            allocator.release()
+            return metrics
+        return self._train_step_impl(batches)
+
+    def _train_step_impl(self, batches: Sequence[Batch]) -> Metrics:
         if len(batches) == 1:
             self.state, metrics = self._train_step(self.state, self.global_batch(batches[0]), self.rng)
         else:
