@@ -51,7 +51,7 @@ from flax import nnx
 
 import jax_transformer
 from jax_transformer import decode, sharding
-from jax_transformer.objective import label_smoothed_cross_entropy, noam_learning_rate
+from jax_transformer.objective import label_smoothed_sums, noam_learning_rate
 from torch_reference.config import TransformerConfig
 
 from . import allocator
@@ -155,8 +155,7 @@ class JaxBackend:
         rngs = nnx.Rngs(dropout=key)
         logits = self._model(params)(batch["src"], batch["tgt_in"], deterministic=deterministic, rngs=rngs)  # (B, T, V)
         pad, eps = self.model_cfg.pad_id, self.exp_cfg.label_smoothing
-        loss_sum = label_smoothed_cross_entropy(logits, batch["tgt_out"], pad, eps, reduction="sum")
-        nll_sum = label_smoothed_cross_entropy(logits, batch["tgt_out"], pad, 0.0, reduction="sum")
+        loss_sum, nll_sum = label_smoothed_sums(logits, batch["tgt_out"], pad, eps)
         return loss_sum / total_tokens, (loss_sum, nll_sum)
 
     def _micro_grads(self, params, batch, total_tokens, rng, step, index):
