@@ -14,6 +14,15 @@ its own rows (`process_slice`), and `shard_batch` assembles the global array wit
 parameters from one seed) become replicated global arrays with `replicate`; `local_copy` gives a
 process its own single-device copy of a replicated tree, for work that needs no collectives
 (evaluation, search).
+
+Fully sharded data parallelism (FSDP, ZeRO-3 style), the other layout of the state
+(`state_shardings(tree, mesh, "fsdp")`): every array of parameters and optimizer state is split
+over `data` along its largest dimension divisible by the device count (`fsdp_spec`; replicated
+when none is, as for scalars), so each device holds 1/N of it. The update is the same `jax.jit`
+with these shardings on the state: XLA all-gathers each parameter where the forward and backward
+passes need it whole, reduce-scatters the gradients onto the shards, and Adam updates each shard
+where it lives. `place` puts host values into either layout; `gather` makes a sharded tree whole
+again (a collective: every process calls it).
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 DATA_AXIS = "data"
+LAYOUTS = ("replicated", "fsdp")  # the training state's layouts over the mesh
 ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"
 
 
@@ -87,24 +97,69 @@ def batch_sharded(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P(DATA_AXIS))
 
 
-def replicate(tree: Any, mesh: Mesh) -> Any:
+def fsdp_spec(shape: tuple[int, ...], num_devices: int) -> P:
+    """`data` on the largest dimension of `shape` divisible by `num_devices` (the first of equal
+    ones), the rest whole; P() (replicated) when no dimension is, and on a single device."""
+    if num_devices > 1:
+        for dim in sorted(range(len(shape)), key=lambda d: (-shape[d], d)):
+            if shape[dim] % num_devices == 0:
+                return P(*[DATA_AXIS if d == dim else None for d in range(len(shape))])
+    return P()
+
+
+def state_shardings(tree: Any, mesh: Mesh, layout: str = "replicated") -> Any:
+    """A `NamedSharding` for every array of `tree` (arrays or `jax.ShapeDtypeStruct`s): the whole
+    value on every device (`replicated`), or split per `fsdp_spec` (`fsdp`)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r} is not one of {', '.join(LAYOUTS)}")
+    if layout == "replicated":
+        whole = replicated(mesh)
+        return jax.tree.map(lambda _: whole, tree)
+    return jax.tree.map(lambda x: NamedSharding(mesh, fsdp_spec(np.shape(x), mesh.devices.size)), tree)
+
+
+def place(tree: Any, shardings: Any) -> Any:
     """Every array of `tree` (host or single-device values, the same in every process) placed
-    whole on every device of `mesh`.
+    with its sharding: `shardings` is one `Sharding` for every leaf, or a tree like `tree`'s.
 
-    Goes through the host: `jax.device_put` refuses a sharding over devices of other processes.
-    PRNG key arrays travel as their raw key data and are wrapped again on the mesh.
+    Goes through the host: `jax.device_put` refuses a sharding over devices of other processes;
+    each device receives only its own slice (`make_array_from_callback`). PRNG key arrays travel
+    as their raw key data and are wrapped again on the mesh (their sharding must be replicated).
     """
-    sharding = replicated(mesh)
 
-    def put(x):
+    def put(x, sharding):
         if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
-            data = put(jax.random.key_data(x))
+            data = put(jax.random.key_data(x), sharding)
             impl = jax.random.key_impl(x)
             return jax.jit(lambda d: jax.random.wrap_key_data(d, impl=impl), out_shardings=sharding)(data)
+        if jax.process_count() == 1:
+            # A copy owned by the runtime: an array made from host memory may alias it, and an
+            # aliased buffer cannot be donated, so the first update would hold two states.
+            return jax.device_put(x, sharding, may_alias=False)
         host = np.asarray(x)
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
-    return jax.tree.map(put, tree)
+    if isinstance(shardings, jax.sharding.Sharding):
+        return jax.tree.map(lambda x: put(x, shardings), tree)
+    return jax.tree.map(put, tree, shardings)
+
+
+def replicate(tree: Any, mesh: Mesh) -> Any:
+    """Every array of `tree` (host or single-device values, the same in every process) placed
+    whole on every device of `mesh` (see `place`)."""
+    return place(tree, replicated(mesh))
+
+
+def gather(tree: Any, mesh: Mesh) -> Any:
+    """`tree` with every array replicated over `mesh`: sharded ones all-gathered (one compiled
+    collective, which every process must call alike), replicated ones as they are."""
+    leaves, treedef = jax.tree.flatten(tree)
+    split = [i for i, x in enumerate(leaves) if not x.is_fully_replicated]
+    if split:
+        whole = jax.jit(lambda xs: xs, out_shardings=replicated(mesh))([leaves[i] for i in split])
+        for i, x in zip(split, whole):
+            leaves[i] = x
+    return jax.tree.unflatten(treedef, leaves)
 
 
 def local_copy(tree: Any) -> Any:

@@ -18,14 +18,23 @@ With several processes each puts its own rows of the (identically built) global 
 (`process_slice`, `make_array_from_process_local_data`). Evaluation and search run without
 collectives on each process's own copy of the replicated parameters (`local_copy`).
 
+FSDP (`--param-sharding fsdp`): the same step with parameters, Adam's moments (and the gradient
+accumulator) split over `data`, each array along its largest dimension divisible by the device
+count (`sharding.state_shardings`); XLA gathers each parameter where the passes need it whole and
+reduce-scatters the gradients, so the update is that of the replicated layout, with 1/N of the
+state on each device. Evaluation, search and `export_state` work on a whole copy, gathered once
+per step (every process takes part).
+
 Mixed precision (`--dtype bfloat16`): the model computes in bfloat16 (`Transformer(dtype=...)`)
 while parameters, Adam's moments and the gradients stay float32; softmax and loss run in float32.
 
 Checkpoints: an orbax `CheckpointManager` keeping the newest `keep_checkpoints` steps plus the
 best by validation BLEU; each step holds the state (`StandardSave`) and a JSON `meta` item (data
 position, config), and incomplete checkpoints are never listed. Once orbax has finished a step,
-`digest.json` (SHA-256 of every file) is written into it and verified before every restore. The state is restored with the
-shardings of the current mesh, so a checkpoint written on 8 devices restores on 1 and vice versa.
+`digest.json` (SHA-256 of every file) is written into it and verified before every restore. The
+state is restored with the shardings of the current mesh and layout, so a checkpoint written on
+8 devices restores on 1 and vice versa, and one written replicated restores sharded (FSDP) and
+vice versa.
 """
 
 from __future__ import annotations
@@ -44,9 +53,10 @@ from flax import nnx
 
 import jax_transformer
 from jax_transformer import decode, sharding
-from jax_transformer.objective import label_smoothed_cross_entropy, noam_learning_rate
+from jax_transformer.objective import label_smoothed_sums, noam_learning_rate
 from torch_reference.config import TransformerConfig
 
+from . import allocator
 from .backend import Metrics, Topology, TrainingState, check_keys, unreadable
 from .config import ExperimentConfig
 from .data import Batch
@@ -96,6 +106,9 @@ class JaxBackend:
         self.exp_cfg, self.model_cfg = exp_cfg, model_cfg
         self.topology = initialize(exp_cfg)
         self.mesh = sharding.make_mesh(exp_cfg.devices)
+        # XLA:CPU's buffers are host memory from glibc: keep freed ones from staying resident.
+        self._host_buffers = self.mesh.devices.flat[0].platform == "cpu" and allocator.tune()
+        self._compiled_shapes: set[tuple] = set()
         # Every process initialises the same weights from the seed, then they are replicated.
         init_key, rng = jax.random.split(jax.random.key(exp_cfg.seed))
         dtype = COMPUTE_DTYPES[exp_cfg.dtype]
@@ -104,24 +117,33 @@ class JaxBackend:
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
         self.tx = make_optimizer(exp_cfg, model_cfg.d_model)
         state = {"params": params, "opt_state": self.tx.init(params), "step": jnp.zeros((), jnp.int32)}
-        self.state = sharding.replicate(state, self.mesh)
+        # One sharding per array of the state: replicated, or split over `data` (FSDP).
+        self.layout = exp_cfg.param_sharding
+        self.state_sharding = sharding.state_shardings(state, self.mesh, self.layout)
+        self.state = sharding.place(state, self.state_sharding)
         self.rng = sharding.replicate(rng, self.mesh)
+        self._whole_params: tuple[int, Any] | None = None  # (step, gathered params) under FSDP
         self._step = 0  # host copy of state["step"], so reading it never syncs
         self._checkpoint_dir = None if checkpoint_dir is None else Path(checkpoint_dir).absolute()
         self._manager: ocp.CheckpointManager | None = None
 
-        # The state (and the gradient accumulator) replicated, batches split along `data`; the
-        # shardings are pytree prefixes: one sharding for every leaf of that argument.
+        # The state (and the gradient accumulator, shaped like the parameters) in its layout,
+        # batches split along `data`, the rest replicated; a single sharding is a pytree prefix:
+        # one sharding for every leaf of that argument.
         whole, rows = sharding.replicated(self.mesh), sharding.batch_sharded(self.mesh)
+        state_s = self.state_sharding
+        acc_s = (state_s["params"], whole, whole)
         self._train_step = jax.jit(
-            self.train_step_fn, in_shardings=(whole, rows, whole), out_shardings=(whole, whole), donate_argnums=0
+            self.train_step_fn, in_shardings=(state_s, rows, whole), out_shardings=(state_s, whole), donate_argnums=0
         )
         self._accumulate = jax.jit(
-            self.accumulate_fn, in_shardings=(whole, whole, rows, whole, whole, whole), out_shardings=whole,
+            self.accumulate_fn, in_shardings=(acc_s, state_s, rows, whole, whole, whole), out_shardings=acc_s,
             donate_argnums=0,
         )
-        self._apply = jax.jit(self.apply_fn, in_shardings=whole, out_shardings=(whole, whole), donate_argnums=0)
-        self._zeros = jax.jit(lambda tree: jax.tree.map(jnp.zeros_like, tree), out_shardings=whole)
+        self._apply = jax.jit(
+            self.apply_fn, in_shardings=(state_s, acc_s, whole), out_shardings=(state_s, whole), donate_argnums=0
+        )
+        self._zeros = jax.jit(lambda tree: jax.tree.map(jnp.zeros_like, tree), out_shardings=acc_s)
         self._eval = jax.jit(self.eval_fn)  # on one device, over local_copy(params)
 
     # ------------------------------------------------------------------------------------------
@@ -135,15 +157,25 @@ class JaxBackend:
         rngs = nnx.Rngs(dropout=key)
         logits = self._model(params)(batch["src"], batch["tgt_in"], deterministic=deterministic, rngs=rngs)  # (B, T, V)
         pad, eps = self.model_cfg.pad_id, self.exp_cfg.label_smoothing
-        loss_sum = label_smoothed_cross_entropy(logits, batch["tgt_out"], pad, eps, reduction="sum")
-        nll_sum = label_smoothed_cross_entropy(logits, batch["tgt_out"], pad, 0.0, reduction="sum")
+        loss_sum, nll_sum = label_smoothed_sums(logits, batch["tgt_out"], pad, eps)
         return loss_sum / total_tokens, (loss_sum, nll_sum)
 
     def _micro_grads(self, params, batch, total_tokens, rng, step, index):
         # One dropout key per (update, micro-batch); deterministic when the model's rates are 0.
         key = jax.random.fold_in(jax.random.fold_in(rng, step), index)
-        grad_fn = jax.grad(self._loss_sums, has_aux=True)
-        grads, (loss_sum, nll_sum) = grad_fn(params, batch, key, total_tokens, False)
+        loss_fn = self._loss_sums
+        if self.layout == "fsdp":
+            # ZeRO-3: every device gathers each parameter whole and computes on its own rows, as
+            # replicated data parallelism does (left to itself, the partitioner may split a matmul
+            # over its contracting dimension instead, which sums in another order).
+            whole = sharding.replicated(self.mesh)
+
+            def loss_fn(params, *args):
+                return self._loss_sums(jax.lax.with_sharding_constraint(params, whole), *args)
+
+        grads, (loss_sum, nll_sum) = jax.grad(loss_fn, has_aux=True)(params, batch, key, total_tokens, False)
+        if self.layout == "fsdp":  # each device keeps only its shard of the summed gradients
+            grads = jax.lax.with_sharding_constraint(grads, self.state_sharding["params"])
         return grads, loss_sum, nll_sum
 
     def apply_fn(self, state, acc, total_tokens):
@@ -195,6 +227,17 @@ class JaxBackend:
         return sharding.shard_batch(_as_arrays(batch, sharding.process_slice(len(batch.src))), self.mesh)
 
     def train_step(self, batches: Sequence[Batch]) -> Metrics:
+        shapes = tuple(b.src.shape + b.tgt_in.shape for b in batches)
+        if self._host_buffers and shapes not in self._compiled_shapes:
+            # A new shape compiles: hand back what compilation freed once the step has run.
+            self._compiled_shapes.add(shapes)
+            metrics = self._train_step_impl(batches)
+            jax.block_until_ready(metrics)
+            allocator.release()
+            return metrics
+        return self._train_step_impl(batches)
+
+    def _train_step_impl(self, batches: Sequence[Batch]) -> Metrics:
         if len(batches) == 1:
             self.state, metrics = self._train_step(self.state, self.global_batch(batches[0]), self.rng)
         else:
@@ -204,14 +247,20 @@ class JaxBackend:
                 acc = self._accumulate(acc, self.state, self.global_batch(batch), total_tokens, self.rng, index)
             self.state, metrics = self._apply(self.state, acc, total_tokens)
         self._step += 1
+        self._whole_params = None
         return metrics
 
     def fetch(self, metrics: Sequence[Metrics]) -> list[dict[str, float]]:
         return [{k: float(v) for k, v in m.items()} for m in jax.device_get(list(metrics))]
 
     def local_params(self):
-        """This process's own single-device copy of the parameters (no collectives needed)."""
-        return sharding.local_copy(self.state["params"])
+        """This process's own single-device copy of the parameters: no collectives when they are
+        replicated; under FSDP gathered whole once per step (every process takes part)."""
+        if self.layout == "replicated":
+            return sharding.local_copy(self.state["params"])
+        if self._whole_params is None or self._whole_params[0] != self._step:
+            self._whole_params = (self._step, sharding.local_copy(sharding.gather(self.state["params"], self.mesh)))
+        return self._whole_params[1]
 
     def eval_loss(self, batch: Batch):
         return self._eval(self.local_params(), _as_arrays(batch))
@@ -279,15 +328,17 @@ class JaxBackend:
             raise unreadable(self._checkpoint_dir, step, steps, err) from err
 
     def _restore(self, step: int) -> dict[str, Any]:
-        # Target shapes, dtypes and shardings are those of this backend's mesh, whatever mesh the
-        # checkpoint was written from (orbax reshards on read): 8 devices -> 1 and 1 -> 8.
+        # Target shapes, dtypes and shardings are those of this backend's mesh and layout, whatever
+        # the checkpoint was written from (orbax reshards on read): 8 devices -> 1, 1 -> 8,
+        # replicated -> FSDP and back.
         verify_checkpoint(self._step_dir(step))  # before orbax reads a byte: a damaged file is named
-        whole = sharding.replicated(self.mesh)
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=whole), self.state)
+        abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                self.state, self.state_sharding)
         args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore())
         restored = self.manager.restore(step, args=args)
         self.state = restored["state"]
         self._step = int(self.state["step"])
+        self._whole_params = None
         return dict(restored["meta"])
 
     def close(self) -> None:
@@ -303,7 +354,8 @@ class JaxBackend:
         return _to_flat(self.local_params())
 
     def export_state(self) -> TrainingState:
-        local = sharding.local_copy({"step": self.state["step"], "opt_state": self.state["opt_state"]})
+        whole = sharding.gather({"step": self.state["step"], "opt_state": self.state["opt_state"]}, self.mesh)
+        local = sharding.local_copy(whole)
         counts = {"trainer step": int(local["step"]), "host step": self._step}
         counts.update({_key(path): int(c) for path, c in optax.tree_utils.tree_get_all_with_path(local["opt_state"], "count")})
         if len(set(counts.values())) != 1:
@@ -332,8 +384,9 @@ class JaxBackend:
             )
         opt_state = optax.tree_utils.tree_set(opt_state, count=jnp.asarray(state.step, jnp.int32))
         step = jnp.asarray(state.step, old["step"].dtype)
-        self.state = sharding.replicate({"params": params, "opt_state": opt_state, "step": step}, self.mesh)
+        self.state = sharding.place({"params": params, "opt_state": opt_state, "step": step}, self.state_sharding)
         self._step = state.step
+        self._whole_params = None
         if state.rng is not None:
             self.rng = sharding.replicate(jax.random.wrap_key_data(np.asarray(state.rng, np.uint32)), self.mesh)
 

@@ -54,6 +54,9 @@ def initialize(exp_cfg: ExperimentConfig) -> Topology:
     """One process on one device: refuse the JAX backend's --devices and multi-process settings."""
     if exp_cfg.devices not in (None, 1):
         raise ValueError(f"--devices {exp_cfg.devices}: the torch backend trains on one device (use --backend jax)")
+    if exp_cfg.param_sharding != "replicated":
+        raise ValueError(f"--param-sharding {exp_cfg.param_sharding}: the torch backend trains on one device "
+                         "(use --backend jax)")
     if exp_cfg.coordinator_address or exp_cfg.num_processes not in (None, 1):
         raise ValueError("multi-process training (--coordinator-address, --num-processes) needs --backend jax")
     return Topology()

@@ -24,6 +24,8 @@ Backend = Literal["jax", "torch"]
 BACKENDS = ("jax", "torch")
 Dtype = Literal["float32", "bfloat16"]
 DTYPES = ("float32", "bfloat16")
+ParamSharding = Literal["replicated", "fsdp"]
+PARAM_SHARDINGS = ("replicated", "fsdp")
 
 # Vocabulary sizes when --vocab-size is not given. The numbers corpus has a few dozen distinct
 # words: at 400 BPE keeps German compounds in pieces ("drei|undsechzig|tausend"), which is what
@@ -184,6 +186,12 @@ class ExperimentConfig:
         "evenly over them, every bucket's batch size a multiple of N); default: every visible device. The torch "
         "backend trains on one device", launch=True,
     )
+    param_sharding: ParamSharding = _field(
+        "replicated", "dist", "jax backend: where parameters and Adam's moments live over the devices: replicated "
+        "(a whole copy on every device; plain data parallelism) or fsdp (each array split over the devices along "
+        "its largest dimension divisible by their count, ZeRO-3 style: 1/N of the state per device, gathered "
+        "for the forward and backward passes)", choices=PARAM_SHARDINGS, launch=True,
+    )
     dtype: Dtype = _field(
         "float32", "dist", "compute dtype: float32, or bfloat16 mixed precision (activations and matmuls in "
         "bfloat16; parameters, optimizer state, softmax and loss in float32)", choices=DTYPES,
@@ -220,6 +228,8 @@ class ExperimentConfig:
         unknown = sorted(set(self.model) - known)
         if unknown:
             raise ValueError(f"unknown model field(s) {', '.join(map(repr, unknown))}; choose from {', '.join(sorted(known))}")
+        if self.param_sharding not in PARAM_SHARDINGS:
+            raise ValueError(f"param_sharding={self.param_sharding!r} is not one of {', '.join(PARAM_SHARDINGS)}")
         for name, allowed in FIELD_RANGES.items():
             value = getattr(self, name)
             if value is not None:

@@ -212,6 +212,7 @@ def _train_locked(cfg: ExperimentConfig, topology: Topology, started: float) -> 
         f"({batcher.num_dropped} longer than {cfg.max_len} dropped), {batcher.num_batches} batches/epoch, "
         f"shapes {batcher.shapes}, {cfg.dtype}, {topology.num_devices} device(s)"
         + (f" in {topology.process_count} processes" if topology.process_count > 1 else "")
+        + (", parameters and optimizer state sharded (FSDP)" if cfg.param_sharding == "fsdp" else "")
         + f"; run dir {run_dir}"
     )
 
