@@ -7,6 +7,7 @@ The two models have the same attribute tree, so one table of leaf names is the w
     Linear.bias               Linear.bias       as is
     LayerNorm/RMSNorm.weight  *.scale           as is
     Embedding.weight          Embed.embedding   as is
+    logits_bias               logits_bias       as is (the output_bias variant)
 
 Keys are the dotted attribute paths on both sides (`encoder.layers.0.self_attn.q_proj.kernel`).
 The expected set of keys and shapes comes from the config (an abstract Flax model, no
@@ -60,7 +61,10 @@ from train.backend import (  # noqa: F401 (CheckpointMismatchError re-exported)
 from train.config import ExperimentConfig
 
 # Flax leaf name -> (torch leaf name, transposed?)
-LEAF_RULES = {"kernel": ("weight", True), "scale": ("weight", False), "embedding": ("weight", False), "bias": ("bias", False)}
+LEAF_RULES = {
+    "kernel": ("weight", True), "scale": ("weight", False), "embedding": ("weight", False), "bias": ("bias", False),
+    "logits_bias": ("logits_bias", False),  # Transformer.logits_bias (V,), a parameter of its own on both sides
+}
 CONFIG_KEY = rundir.WEIGHTS_CONFIG_KEY  # safetensors metadata key holding the config JSON
 FRAMEWORKS = ("jax", "torch")
 
