@@ -308,7 +308,7 @@ def convert_run(
     tmp.mkdir(parents=True)
     try:
         steps = convert_checkpoints(src_cfg, model_cfg, src / rundir.CHECKPOINTS, tmp / rundir.CHECKPOINTS, to, which)
-        for name in (*rundir.TOKENIZER_FILES, rundir.MODEL_FILE):
+        for name in (*rundir.tokenizer_files(src), rundir.MODEL_FILE, rundir.IMPORTED_FILE):
             if (src / name).is_file():
                 shutil.copyfile(src / name, tmp / name)
         if (src / rundir.TENSORBOARD).is_dir():
