@@ -11,13 +11,13 @@ from __future__ import annotations
 import gzip
 import io
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
-MULTI30K = Path(os.environ.get("MULTI30K_DIR", "/work/shared/data/multi30k"))
+# Where tests/conftest.py's `multi30k` fixture looks: ../shared/data/multi30k beside the repository.
+MULTI30K = Path(__file__).resolve().parents[3] / "shared" / "data" / "multi30k"
 OPUS_MT_DE_EN = dict(d_model=512, encoder_attention_heads=8, decoder_attention_heads=8, encoder_layers=6,
                      decoder_layers=6, encoder_ffn_dim=2048, decoder_ffn_dim=2048, vocab_size=58101)
 LOPSIDED = dict(d_model=40, encoder_attention_heads=5, decoder_attention_heads=5, encoder_layers=3,
@@ -27,7 +27,7 @@ LOPSIDED = dict(d_model=40, encoder_attention_heads=5, decoder_attention_heads=5
 def lines(name: str, n: int, skip: int = 0) -> list[str]:
     path = MULTI30K / name
     if not path.is_file():
-        pytest.skip(f"Multi30k is not at {MULTI30K} (set MULTI30K_DIR)")
+        pytest.skip(f"Multi30k not found at {MULTI30K} (it lives in ../shared beside the repository)")
     with gzip.open(path, "rt", encoding="utf-8") as f:
         out = [line.strip() for _, line in zip(range(skip + n), f)]
     return out[skip:]
