@@ -154,13 +154,14 @@ def test_greedy_translations_token_identical_to_hf_generate(small):
 def test_greedy_of_the_jax_twin_equals_the_torch_run(small, tmp_path):
     """The JAX import (same weights through the leaf rules) searches the same tokens."""
     hf_dir, torch_run = small
-    assert subprocess.run([sys.executable, "-m", "parity.convert", "--from", "marian", "--src", str(hf_dir), "--to",
-                           "jax", "--dst", str(tmp_path / "jax")], capture_output=True, text=True).returncode == 0
-    texts = lines("val.de.gz", 4, skip=20)
+    from parity.convert import main as convert
+
+    assert convert(["--from", "marian", "--src", str(hf_dir), "--to", "jax", "--dst", str(tmp_path / "jax")]) == 0
+    texts = ["Ein Hund läuft.", "Zwei Kinder spielen im Sand."]
     outputs = []
     for run_dir in (torch_run, tmp_path / "jax"):
         run = rundir.open_run(run_dir)
-        src = np.zeros((len(texts), 96), np.int32)
+        src = np.zeros((len(texts), 24), np.int32)
         for i, e in enumerate(run.tokenizers.src.encode_batch(texts)):
             src[i, : len(e.ids)] = e.ids
         outputs.append(np.asarray(run.backend.translate(src, beam_size=1)))
@@ -222,29 +223,29 @@ def test_export_round_trips_to_an_hf_directory(small, tmp_path):
         assert torch.equal(original(**enc, decoder_input_ids=dec).logits, exported(**enc, decoder_input_ids=dec).logits)
 
 
-def test_imported_run_translates_evaluates_and_fine_tunes(small, tmp_path):
-    """The CLI end to end: import with fine-tuning data, translate, evaluate, train.run --resume."""
+def test_imported_run_translates_evaluates_and_fine_tunes(small, tmp_path, capsys):
+    """The CLIs end to end (in this process: no interpreter start-ups): import with fine-tuning
+    data, train.translate, train.evaluate, train.run --resume for two updates."""
+    from parity.convert import main as convert
+    from train import evaluate, run, translate
+
     hf_dir = small[0]
     prefix = tmp_path / "ft"
     for lang in ("de", "en"):
-        (tmp_path / f"ft.{lang}").write_text("\n".join(lines(f"train.{lang}.gz", 24, skip=1000)) + "\n")
+        (tmp_path / f"ft.{lang}").write_text("\n".join(lines(f"train.{lang}.gz", 16, skip=1000)) + "\n")
     run_dir = tmp_path / "run"
-    cli = [sys.executable, "-m"]
-    imported = subprocess.run([*cli, "parity.convert", "--from", "marian", "--src", str(hf_dir), "--to", "torch",
-                               "--dst", str(run_dir), "--train", f"de:en:{prefix}", "--valid", f"de:en:{prefix}"],
-                              capture_output=True, text=True)
-    assert imported.returncode == 0, imported.stderr
-    translated = subprocess.run([*cli, "train.translate", "--run-dir", str(run_dir), "--beam", "1"],
-                                input="Ein Mann fährt Fahrrad.\n", capture_output=True, text=True)
-    assert translated.returncode == 0 and translated.stdout.strip(), translated.stderr
-    evaluated = subprocess.run([*cli, "train.evaluate", "--run-dir", str(run_dir), "--data", f"de:en:{prefix}",
-                                "--max-sentences", "4"], capture_output=True, text=True)
-    assert evaluated.returncode == 0, evaluated.stderr
-    assert "bleu" in json.loads(evaluated.stdout)
-    tuned = subprocess.run([*cli, "train.run", "--run-dir", str(run_dir), "--resume", "--steps", "2", "--eval-every", "2",
-                            "--eval-sentences", "2", "--no-progress"], capture_output=True, text=True)
-    assert tuned.returncode == 0, tuned.stderr[-2000:]
-    assert json.loads((run_dir / rundir.RESULTS_FILE).read_text())["step"] == 2
+    assert convert(["--from", "marian", "--src", str(hf_dir), "--to", "torch", "--dst", str(run_dir),
+                    "--train", f"de:en:{prefix}", "--valid", f"de:en:{prefix}"]) == 0
+    (tmp_path / "in.de").write_text("Ein Mann fährt Fahrrad.\n")
+    assert translate.main(["--run-dir", str(run_dir), "--beam", "1", "--input", str(tmp_path / "in.de"),
+                           "--output", str(tmp_path / "out.en")]) == 0
+    assert (tmp_path / "out.en").read_text().strip()
+    capsys.readouterr()
+    assert evaluate.main(["--run-dir", str(run_dir), "--data", f"de:en:{prefix}", "--max-sentences", "2"]) == 0
+    assert "bleu" in json.loads(capsys.readouterr().out)
+    assert run.main(["--run-dir", str(run_dir), "--resume", "--steps", "2", "--eval-every", "2",
+                     "--eval-sentences", "2", "--beam", "1", "--no-progress"]) == 0
+    assert json.loads((run_dir / rundir.RESULTS_FILE).read_text())["steps"] == 2
 
 
 @pytest.mark.slow
