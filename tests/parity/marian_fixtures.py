@@ -8,6 +8,7 @@ interop extra or the Multi30k files are missing.
 
 from __future__ import annotations
 
+import functools
 import gzip
 import io
 import json
@@ -33,7 +34,9 @@ def lines(name: str, n: int, skip: int = 0) -> list[str]:
     return out[skip:]
 
 
-def train_spm(texts: list[str], vocab_size: int) -> bytes:
+@functools.lru_cache(maxsize=4)
+def train_spm(texts: tuple[str, ...], vocab_size: int) -> bytes:
+    """A unigram SentencePiece model (its bytes) trained on `texts`; cached across the tests."""
     sentencepiece = pytest.importorskip("sentencepiece")
     model = io.BytesIO()
     sentencepiece.SentencePieceTrainer.train(
@@ -57,7 +60,7 @@ def make_marian_dir(path: Path, seed: int = 0, shapes: dict | None = None, vocab
     pieces up to that size (OPUS-MT's 58101)."""
     transformers = pytest.importorskip("transformers")
     de, en = lines("train.de.gz", 500), lines("train.en.gz", 500)
-    source, target = train_spm(de, spm_vocab), train_spm(en, spm_vocab)
+    source, target = train_spm(tuple(de), spm_vocab), train_spm(tuple(en), spm_vocab)
     src_pieces, tgt_pieces = spm_pieces(source), spm_pieces(target)
     if shared:
         words = list(dict.fromkeys(src_pieces + tgt_pieces))
@@ -98,12 +101,15 @@ def make_marian_dir(path: Path, seed: int = 0, shapes: dict | None = None, vocab
     return path
 
 
+@functools.lru_cache(maxsize=2)
 def hf_model(path: Path):
+    """MarianMTModel.from_pretrained(path) in eval mode (cached: the tests only read it)."""
     import transformers
 
     return transformers.MarianMTModel.from_pretrained(str(path)).eval()
 
 
+@functools.lru_cache(maxsize=2)
 def hf_tokenizer(path: Path):
     import transformers
 
