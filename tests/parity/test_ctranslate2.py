@@ -102,3 +102,25 @@ def test_exported_directory_carries_the_tokenizer_and_the_vocabulary_by_id(train
 def test_a_missing_extra_names_the_install_command():
     with pytest.raises(ImportError, match=r'pip install -e "\.\[interop\]"'):
         spm.require("no_such_module_of_the_interop_extra")
+
+
+def test_translate_bench_adds_ctranslate2_rows(trained, tmp_path, capsys):
+    import json
+
+    from parity import translate_bench
+
+    run_dir = trained[0]
+    cfg = rundir.read_experiment(run_dir)
+    pairs = data.numbers_corpus(cfg.numbers_train, cfg.numbers_valid, cfg.numbers_test, seed=cfg.seed).test[:12]
+    (tmp_path / "in.txt").write_text("\n".join(s for s, _ in pairs) + "\n")
+    assert translate_bench.main(["--run-dir", str(run_dir), "--input", str(tmp_path / "in.txt"), "--beam", "2",
+                                 "--ctranslate2", "--json", str(tmp_path / "bench.json")]) == 0
+    rows = {(r["search"], r["beam"]): r for r in json.loads((tmp_path / "bench.json").read_text())["rows"]}
+    for kind in ("float32", "int8"):
+        for beam in (1, 2):
+            row = rows[f"ctranslate2 {kind}", beam]
+            assert row["sentences"] == 12 and row["seconds"] > 0 and row["tokens"] >= 12
+            assert 0 <= row["differ"] <= 12
+            assert ("bleu_vs_float32" in row) == (kind == "int8")
+    assert 0 <= rows["ctranslate2 int8", 1]["bleu_vs_float32"] <= 100
+    assert "ctranslate2 int8" in capsys.readouterr().out

@@ -25,7 +25,7 @@ from parity import marian, torch_to_jax
 from torch_reference import decode as td
 from train import rundir
 
-from .marian_fixtures import LOPSIDED, OPUS_MT_DE_EN, hf_model, hf_tokenizer, lines, make_marian_dir
+from .marian_fixtures import OPUS_MT_DE_EN, hf_model, hf_tokenizer, lines, make_marian_dir
 
 pytest.importorskip("transformers")
 pytest.importorskip("sentencepiece")
@@ -264,5 +264,3 @@ def test_opus_mt_de_en_shapes_logits_and_greedy_equal_hf(tmp_path):
     ours, theirs = greedy_against_hf(hf_dir, tmp_path / "run", ["Ein Hund läuft.", "Zwei Männer spielen Fußball."])
     assert ours == theirs
 
-
-assert LOPSIDED["d_model"] % LOPSIDED["encoder_attention_heads"] == 0
