@@ -83,7 +83,7 @@ def test_beam_4_and_int8_agreement_reported(trained, capsys):
     with capsys.disabled():
         print(f"\nCTranslate2 beam 4 float32: {beam_agree}/{len(ours)} identical to ours; "
               f"int8 greedy: {int8_agree}/{len(ours)} identical to our float32 greedy")
-    # Loose floors (observed 35-38/40 and 27-40/40 on 2 machines): a broken export agrees on none.
+    # Loose floors (observed: beam 35/40 and int8 27/40 after 150 updates, 38/40 and 40/40 after 300): a broken export agrees on none.
     assert beam_agree >= len(ours) // 2 and int8_agree >= len(ours) // 4
     assert all(out and out[-1] == 2 for out in int8_greedy if len(out) < 16)
 
