@@ -36,23 +36,28 @@ xavier_uniform = nnx.initializers.xavier_uniform()
 
 
 @functools.lru_cache(maxsize=8)
-def _sinusoid_table(length: int, d_model: int) -> np.ndarray:
+def _sinusoid_table(length: int, d_model: int, halves: bool) -> np.ndarray:
     position = np.arange(length, dtype=np.float64)[:, None]  # (L, 1)
     inv_freq = np.exp(np.arange(0, d_model, 2, dtype=np.float64) * (-math.log(10000.0) / d_model))
     angles = position * inv_freq  # (L, ceil(D/2))
     table = np.zeros((length, d_model), dtype=np.float64)
-    table[:, 0::2] = np.sin(angles)
-    table[:, 1::2] = np.cos(angles[:, : d_model // 2])
+    if halves:
+        table[:, : angles.shape[1]] = np.sin(angles)
+        table[:, angles.shape[1] :] = np.cos(angles[:, : d_model // 2])
+    else:
+        table[:, 0::2] = np.sin(angles)
+        table[:, 1::2] = np.cos(angles[:, : d_model // 2])
     return table.astype(np.float32)
 
 
-def sinusoidal_positions(length: int, d_model: int) -> jax.Array:
+def sinusoidal_positions(length: int, d_model: int, halves: bool = False) -> jax.Array:
     """The (L, D) float32 table PE[p, 2i] = sin(p / 10000^(2i/D)), PE[p, 2i+1] = cos(same) (§3.5).
 
-    Computed in float64 (NumPy, as JAX runs in 32 bits by default) and rounded once, so both
-    frameworks hold bit-identical tables; under jit it is a compile-time constant.
+    `halves`: the same sines and cosines, the ceil(D/2) sines first and the cosines after them
+    (Marian's layout). Computed in float64 (NumPy, as JAX runs in 32 bits by default) and rounded
+    once, so both frameworks hold bit-identical tables; under jit it is a compile-time constant.
     """
-    return jnp.asarray(_sinusoid_table(length, d_model))
+    return jnp.asarray(_sinusoid_table(length, d_model, halves))
 
 
 def padding_mask(ids: jax.Array, pad_id: int) -> jax.Array:
@@ -131,6 +136,7 @@ class PositionalEncoding(nnx.Module):
     def __init__(self, cfg: TransformerConfig, *, dtype=None, rngs: nnx.Rngs):
         self.max_len = cfg.max_len
         self.d_model = cfg.d_model
+        self.halves = cfg.positions == "sinusoidal_halves"
         # Learned tables ~ normal(0, 0.02), as in BERT and GPT-2 (see Transformer.reset_parameters
         # on the torch side); the sinusoid table is a constant, never a parameter or checkpoint key.
         self.embedding = _embedding(cfg.max_len, cfg.d_model, 0.02, rngs, dtype) if cfg.positions == "learned" else None
@@ -141,7 +147,7 @@ class PositionalEncoding(nnx.Module):
         if isinstance(offset, int) and offset + length > self.max_len:
             raise ValueError(f"sequence of {offset + length} positions exceeds max_len={self.max_len}")
         if self.embedding is None:
-            table = sinusoidal_positions(self.max_len, self.d_model)
+            table = sinusoidal_positions(self.max_len, self.d_model, self.halves)
         else:
             table = self.embedding.embedding[...]
         return x + jax.lax.dynamic_slice_in_dim(table, offset, length).astype(x.dtype)  # (B, L, D)
@@ -187,7 +193,8 @@ class MultiHeadAttention(nnx.Module):
 
 
 class FeedForward(nnx.Module):
-    """Position-wise feed-forward network (§3.3): linear2(act(linear1(x))).
+    """Position-wise feed-forward network (§3.3): linear2(act(linear1(x))), act ReLU (the paper),
+    exact GELU or SiLU (x * sigmoid(x), "swish").
 
     `swiglu` (Shazeer 2020) multiplies the activation by a second projection, `linear_gate`:
     linear2(silu(linear1(x)) * linear_gate(x)), with the same width F.
@@ -205,6 +212,8 @@ class FeedForward(nnx.Module):
             h = jax.nn.relu(h)
         elif self.activation == "gelu":
             h = jax.nn.gelu(h, approximate=False)  # exact erf GELU; jax defaults to the tanh form
+        elif self.activation == "silu":
+            h = jax.nn.silu(h)
         else:
             h = jax.nn.silu(h) * self.linear_gate(x)
         return self.linear2(h)  # (B, L, D)
@@ -375,6 +384,8 @@ class Transformer(nnx.Module):
         self.out_proj = (
             None if cfg.tie_output else _linear(cfg.d_model, cfg.tgt_vocab_size, rngs, bias=False, dtype=dtype)
         )
+        # `output_bias`: a bias on the logits, tied output or not (Marian's final_logits_bias); zeros.
+        self.logits_bias = nnx.Param(jnp.zeros((cfg.tgt_vocab_size,), jnp.float32)) if cfg.output_bias else None
 
     @property
     def target_embedding(self) -> nnx.Embed:
@@ -420,8 +431,10 @@ class Transformer(nnx.Module):
         if self.out_proj is None:  # Embed.attend; on XLA:CPU with a backward pass ordered for it (matmul.py)
             embed = self.target_embedding
             hidden, embedding = embed.promote_dtype((hidden, embed.embedding[...]), dtype=embed.dtype)
-            return logits(hidden, embedding)
-        return self.out_proj(hidden)
+            out = logits(hidden, embedding)
+        else:
+            out = self.out_proj(hidden)
+        return out if self.logits_bias is None else out + self.logits_bias[...].astype(out.dtype)
 
     def __call__(
         self, src_ids, tgt_in_ids, return_attention: bool = False, *, deterministic: bool = True,

@@ -7,6 +7,7 @@ The two models have the same attribute tree, so one table of leaf names is the w
     Linear.bias               Linear.bias       as is
     LayerNorm/RMSNorm.weight  *.scale           as is
     Embedding.weight          Embed.embedding   as is
+    logits_bias               logits_bias       as is (the output_bias variant)
 
 Keys are the dotted attribute paths on both sides (`encoder.layers.0.self_attn.q_proj.kernel`).
 The expected set of keys and shapes comes from the config (an abstract Flax model, no
@@ -26,10 +27,17 @@ metrics, so `python -m train.run --resume` continues in the other framework as i
 changed. Not carried: dropout randomness (its streams differ between frameworks): a JAX run
 derives its keys from the seed and the step, a torch run keeps the generator it was seeded with.
 
+Other formats (parity.marian, parity.ctranslate2; the `interop` extra):
+a local HF Marian directory (OPUS-MT) becomes a run directory, a run imported from Marian goes back
+to an HF directory, and any run becomes a CTranslate2 model.
+
 CLI:
     python -m parity.convert --to jax --src model.safetensors --dst DIR
     python -m parity.convert --to torch --src DIR --dst model.safetensors
     python -m parity.convert --to torch --run-dir RUN_JAX --dst RUN_TORCH   # then train.run --resume
+    python -m parity.convert --from marian --src HF_MODEL_DIR --to jax --dst RUN_DIR
+    python -m parity.convert --to marian --src RUN_DIR --dst HF_MODEL_DIR
+    python -m parity.convert --to ctranslate2 --src RUN_DIR --dst CT2_DIR [--quantization int8]
 """
 
 from __future__ import annotations
@@ -60,8 +68,14 @@ from train.backend import (  # noqa: F401 (CheckpointMismatchError re-exported)
 )
 from train.config import ExperimentConfig
 
+from . import ctranslate2 as ct2_export
+from . import marian
+
 # Flax leaf name -> (torch leaf name, transposed?)
-LEAF_RULES = {"kernel": ("weight", True), "scale": ("weight", False), "embedding": ("weight", False), "bias": ("bias", False)}
+LEAF_RULES = {
+    "kernel": ("weight", True), "scale": ("weight", False), "embedding": ("weight", False), "bias": ("bias", False),
+    "logits_bias": ("logits_bias", False),  # Transformer.logits_bias (V,), a parameter of its own on both sides
+}
 CONFIG_KEY = rundir.WEIGHTS_CONFIG_KEY  # safetensors metadata key holding the config JSON
 FRAMEWORKS = ("jax", "torch")
 
@@ -307,7 +321,7 @@ def convert_run(
     tmp.mkdir(parents=True)
     try:
         steps = convert_checkpoints(src_cfg, model_cfg, src / rundir.CHECKPOINTS, tmp / rundir.CHECKPOINTS, to, which)
-        for name in (*rundir.TOKENIZER_FILES, rundir.MODEL_FILE):
+        for name in (*rundir.tokenizer_files(src), rundir.MODEL_FILE, rundir.IMPORTED_FILE):
             if (src / name).is_file():
                 shutil.copyfile(src / name, tmp / name)
         if (src / rundir.TENSORBOARD).is_dir():
@@ -325,6 +339,16 @@ def convert_run(
         if guard is not None:
             guard.release()
     return {"run_dir": str(dst), "backend": to, "from": str(src), "steps": steps}
+
+
+def run_weights(run_dir: str | os.PathLike, checkpoint: str | int = "best") -> tuple[dict[str, np.ndarray], TransformerConfig]:
+    """(weights in torch's layout as NumPy, config) of a run's checkpoint, whichever backend wrote it."""
+    run = rundir.open_run(run_dir, checkpoint)
+    try:
+        state = convert_state(run.backend.export_state(), "torch", run.model_config)
+    finally:
+        run.backend.close()
+    return state.params, run.model_config
 
 
 # ---------------------------------------------------------------------------------------------
@@ -441,22 +465,40 @@ def main(argv: list[str] | None = None) -> int:
         "  python -m train.run --run-dir runs/torch-numbers --resume --steps 1600",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--to", required=True, choices=["jax", "torch"], help="target framework")
+    parser.add_argument("--to", required=True, choices=["jax", "torch", "marian", "ctranslate2"],
+                        help="target: a framework (jax, torch), an HF Marian directory (marian: a run imported with "
+                        "--from marian) or a CTranslate2 model directory (ctranslate2)")
+    parser.add_argument("--from", dest="source_format", choices=["marian"],
+                        help="import a pretrained model: --src is a local HF Marian directory (config.json, "
+                        "model.safetensors or pytorch_model.bin, source.spm, target.spm, vocab.json); --dst the run "
+                        "directory of the --to backend, which train.translate, train.evaluate and train.run --resume "
+                        "(fine-tuning) accept")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--src", help="weights only: a .safetensors file (--to jax; a legacy torch.save state dict "
                         ".pt/.pth/.bin with config.json beside it is read with weights_only=True) or a JAX weights "
-                        "directory (--to torch)")
+                        "directory (--to torch); with --from marian the HF directory; with --to marian or "
+                        "ctranslate2 a run directory")
     source.add_argument("--run-dir", help="a whole training run directory of the other backend (train.run --run-dir)")
     parser.add_argument("--dst", required=True, help="a JAX weights directory (--to jax) or a .safetensors file "
-                        "(--to torch); with --run-dir the new run directory")
+                        "(--to torch); with --run-dir or --from the new run directory; with --to marian or "
+                        "ctranslate2 the model directory")
     parser.add_argument("--checkpoint", help="with --run-dir: which checkpoints to convert: latest (default), best, "
-                        "all, or a step number")
+                        "all, or a step number; with --to marian or ctranslate2: best (default), latest or a step")
+    parser.add_argument("--quantization", help="with --to ctranslate2: CTranslate2's weight type, e.g. int8 "
+                        "(default: float32)")
+    for name in ("train", "valid", "test"):
+        parser.add_argument(f"--{name}", metavar="SPEC", help=f"with --from: the {name} data spec recorded in the run "
+                            "(train.run's data specs), for fine-tuning with train.run --resume")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing destination")
     args = parser.parse_args(argv)
 
     dst = Path(args.dst)
     if dst.exists() and not args.overwrite:
         parser.exit(2, f"error: {dst} exists; pass --overwrite to replace it\n")
+    if args.source_format is not None or args.to in ("marian", "ctranslate2"):
+        return _interop_cli(parser, args)
+    if args.quantization is not None or any(getattr(args, n) for n in ("train", "valid", "test")):
+        parser.error("--quantization goes with --to ctranslate2; --train/--valid/--test with --from")
     if args.src is not None and (problem := _weights_destination_problem(Path(args.src), dst, args.to)):
         parser.exit(2, f"error: {problem}\n")  # checked before any work, so nothing is left half-made
     if args.run_dir is not None:
@@ -490,6 +532,44 @@ def _weights_destination_problem(src: Path, dst: Path, to: str) -> str | None:
         if others:
             return f"--dst {dst} holds other files ({', '.join(others[:3])}); it is never replaced"
     return None
+
+
+def _interop_cli(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """--from marian, --to marian, --to ctranslate2."""
+    src = args.src or args.run_dir
+    if args.source_format is not None and args.to not in FRAMEWORKS:
+        parser.error(f"--from {args.source_format} imports into a run of --to jax or --to torch")
+    if args.quantization is not None and args.to != "ctranslate2":
+        parser.error("--quantization goes with --to ctranslate2")
+    if args.source_format is None and any(getattr(args, n) for n in ("train", "valid", "test")):
+        parser.error("--train/--valid/--test go with --from")
+    try:
+        if args.source_format == "marian":
+            done = marian.import_marian(
+                src, args.dst, to=args.to, train=args.train, valid=args.valid, test=args.test, overwrite=args.overwrite,
+                layout=None if args.to == "torch" else functools.partial(to_jax_layout, what="Marian weights"),
+            )
+            cfg = done["config"]
+            print(f"wrote {done['run_dir']}: the {args.to} run of {src} ({cfg.num_encoder_layers}+{cfg.num_decoder_layers} "
+                  f"layers, d_model {cfg.d_model}, vocab {cfg.src_vocab_size}/{cfg.tgt_vocab_size}, step 0)")
+            print(f"translate with: python -m train.translate --run-dir {done['run_dir']}")
+            return 0
+        params, cfg = run_weights(src, rundir.parse_checkpoint(args.checkpoint or "best"))
+        if args.to == "marian":
+            if Path(args.dst).exists():
+                shutil.rmtree(args.dst)
+            marian.export_marian(src, params, cfg, args.dst)
+        else:
+            ct2_export.export_ctranslate2(src, params, cfg, args.dst, quantization=args.quantization,
+                                          force=args.overwrite)
+    except FileExistsError as err:
+        parser.exit(2, f"error: {err}\n")
+    except ImportError as err:
+        parser.exit(1, f"error: {err}\n")
+    except (FileNotFoundError, ValueError, RuntimeError, CheckpointError, rundir.UserError) as err:
+        parser.exit(1, f"error: {err}\n")
+    print(f"wrote {args.dst}")
+    return 0
 
 
 def _convert_run_cli(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

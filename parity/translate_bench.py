@@ -9,6 +9,13 @@ and with --beam. Prints sentences/s, generated tokens/s, the speed-ups against t
 against the uncached loop at the same beam, and for every row but the reference (torch cached)
 how many sentences came out different from the reference's: 0 expected, the searches being the
 same algorithm on the same weights.
+
+With --ctranslate2 (the `interop` extra) the run is also exported to CTranslate2 in float32 and in
+int8 (parity.ctranslate2) and timed on the same batches, greedy and with --beam, on the CPU with
+as many threads as torch: rows "ctranslate2 float32" and "ctranslate2 int8", their outputs
+compared with torch cached search's too (greedy float32: 0 expected but for sentences that reach
+their length limit, where this project forces <eos>; beam: CTranslate2 normalises by
+length ** alpha, not GNMT's penalty), and the BLEU of int8's translations against float32's.
 """
 
 from __future__ import annotations
@@ -36,10 +43,16 @@ from .convert import convert_state
 REFERENCE = "torch cached"
 
 
-def benchmark(run: Run, lines: Sequence[str], beam_size: int, batch_size: int | None, alpha: float = 0.6) -> list[dict]:
+def _trim(out) -> list[int]:
+    return [int(t) for t in out if t != data.PAD_ID]
+
+
+def benchmark(run: Run, lines: Sequence[str], beam_size: int, batch_size: int | None, alpha: float = 0.6,
+              ctranslate2: bool = False) -> list[dict]:
     """One row per search and beam: seconds, sentences/s, tokens/s, speed-ups, outputs that differ.
 
-    JAX runs every batch once untimed first (jit compiles each batch shape there), torch the first.
+    JAX runs every batch once untimed first (jit compiles each batch shape there), torch and
+    CTranslate2 the first.
     """
     cfg, model_cfg = run.config, run.model_config
     state = run.backend.export_state()
@@ -74,8 +87,10 @@ def benchmark(run: Run, lines: Sequence[str], beam_size: int, batch_size: int | 
                 "search": search_name, "beam": beam, "seconds": seconds,
                 "tokens": int(sum((out != data.PAD_ID).sum() for out in outputs)),
                 "differ": None if search_name == REFERENCE
-                else sum(not np.array_equal(a, b) for a, b in zip(outputs, reference[beam])),
+                else sum(_trim(a) != _trim(b) for a, b in zip(outputs, reference[beam])),
             })
+    if ctranslate2:
+        rows += _ctranslate2_rows(run, state, batches, beam_size, alpha, timed, reference)
     for row in rows:
         row.update(sentences=len(lines), sentences_per_s=len(lines) / row["seconds"], tokens_per_s=row["tokens"] / row["seconds"])
         for baseline in (REFERENCE, "torch uncached"):
@@ -83,6 +98,43 @@ def benchmark(run: Run, lines: Sequence[str], beam_size: int, batch_size: int | 
             row[f"speedup_vs_{baseline.replace(' ', '_')}"] = match["seconds"] / row["seconds"]
     for backend in backends.values():
         backend.close()
+    return rows
+
+
+def _ctranslate2_rows(run: Run, state, batches, beam_size: int, alpha: float, timed, reference) -> list[dict]:
+    """Rows "ctranslate2 float32" and "ctranslate2 int8", and int8's BLEU against float32 (in the int8 rows)."""
+    import tempfile
+
+    import sacrebleu
+    import torch
+
+    from . import ctranslate2 as ct2
+
+    from torch_reference.decode import output_length
+
+    params = convert_state(state, "torch", run.model_config).params
+    threads = torch.get_num_threads()  # as many as torch's cached search uses
+    rows, texts = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind in ("float32", "int8"):
+            ct2.export_ctranslate2(run.run_dir, params, run.model_config, Path(tmp) / kind, quantization=kind)
+            translator = ct2.Translator(Path(tmp) / kind, intra_threads=threads)
+            for beam in sorted({1, beam_size}):
+                def search(src, k=beam):  # this project's length limit for the batch's padded length
+                    limit = output_length(src.shape[1], run.model_config.max_len, 1.5, 10)
+                    return translator.translate_ids(src, beam_size=k, max_len=limit, length_penalty=alpha)
+
+                seconds, outputs = timed(search, batches[:1])
+                texts[kind, beam] = data.decode_batch(run.tokenizers.tgt, outputs)
+                rows.append({
+                    "search": f"ctranslate2 {kind}", "beam": beam, "seconds": seconds,
+                    "tokens": int(sum(len(out) for out in outputs)),
+                    "differ": sum(_trim(a) != _trim(b) for a, b in zip(outputs, reference[beam])),
+                })
+    for row in rows:
+        if row["search"] == "ctranslate2 int8":
+            float32 = texts["float32", row["beam"]]
+            row["bleu_vs_float32"] = sacrebleu.corpus_bleu(texts["int8", row["beam"]], [float32]).score
     return rows
 
 
@@ -98,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=positive_int, help="at most N sentences per batch; default: the run's --token-budget")
     parser.add_argument("--alpha", type=non_negative_float, default=0.6, help="length penalty exponent of ((5+len)/6)^alpha (default 0.6)")
     parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
+    parser.add_argument("--ctranslate2", action="store_true", help="also time the run exported to CTranslate2 in "
+                        "float32 and int8 (needs the interop extra: pip install -e \".[interop]\")")
     args = parser.parse_args(argv)
     try:
         sentences = [line for line in read_lines(args.input) if line.strip()]
@@ -106,16 +160,24 @@ def main(argv: list[str] | None = None) -> int:
         run = open_run(args.run_dir, args.checkpoint)
     except (UserError, FileNotFoundError, ValueError) as err:
         parser.exit(1, f"error: {err}\n")
-    rows = benchmark(run, sentences, args.beam, args.batch_size, args.alpha)
+    if args.ctranslate2:
+        try:
+            from train.spm import require
+
+            require("ctranslate2")
+        except ImportError as err:
+            parser.exit(1, f"error: {err}\n")
+    rows = benchmark(run, sentences, args.beam, args.batch_size, args.alpha, ctranslate2=args.ctranslate2)
     run.backend.close()
     machine = f"{platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} CPUs"
     print(f"{len(sentences)} sentences, {run.model_config.d_model}-wide {run.config.preset} model, {machine}")
-    print(f"{'search':16s} {'beam':>4s} {'seconds':>8s} {'sent/s':>8s} {'tok/s':>8s} {'vs torch cached':>16s} "
+    print(f"{'search':19s} {'beam':>4s} {'seconds':>8s} {'sent/s':>8s} {'tok/s':>8s} {'vs torch cached':>16s} "
           f"{'vs uncached':>12s} {'outputs differ':>15s}")
     for r in rows:
         differ = "reference" if r["differ"] is None else str(r["differ"])
-        print(f"{r['search']:16s} {r['beam']:4d} {r['seconds']:8.2f} {r['sentences_per_s']:8.1f} {r['tokens_per_s']:8.0f} "
-              f"{r['speedup_vs_torch_cached']:15.2f}x {r['speedup_vs_torch_uncached']:11.2f}x {differ:>15s}")
+        print(f"{r['search']:19s} {r['beam']:4d} {r['seconds']:8.2f} {r['sentences_per_s']:8.1f} {r['tokens_per_s']:8.0f} "
+              f"{r['speedup_vs_torch_cached']:15.2f}x {r['speedup_vs_torch_uncached']:11.2f}x {differ:>15s}"
+              + (f"   BLEU vs float32 {r['bleu_vs_float32']:.2f}" if "bleu_vs_float32" in r else ""))
     if args.json:
         write_text_atomic(args.json, json_text({"run_dir": str(args.run_dir), "machine": machine, "rows": rows}))
     return 0

@@ -13,9 +13,13 @@ import math
 from typing import Any, Literal, get_args
 
 NormPosition = Literal["post", "pre"]
-Activation = Literal["relu", "gelu", "swiglu"]
+# "silu" is SiLU/swish, x * sigmoid(x) (Marian's "swish").
+Activation = Literal["relu", "gelu", "silu", "swiglu"]
 Norm = Literal["layernorm", "rmsnorm"]
-Positions = Literal["sinusoidal", "learned"]
+# "sinusoidal": the paper's table, sines and cosines interleaved (PE[p, 2i], PE[p, 2i+1]);
+# "sinusoidal_halves": the same frequencies with every sine first and every cosine after them
+# (Marian, HF's MarianSinusoidalPositionalEmbedding); "learned": a trained table.
+Positions = Literal["sinusoidal", "sinusoidal_halves", "learned"]
 
 _CHOICES = {"norm_position": NormPosition, "activation": Activation, "norm": Norm, "positions": Positions}
 
@@ -139,6 +143,8 @@ class TransformerConfig:
     tie_output: bool = True
     # Multiply embeddings by sqrt(d_model) before adding positions (paper §3.4).
     scale_embeddings: bool = True
+    # A bias added to the logits (Marian's `final_logits_bias`): the parameter `logits_bias` (V,).
+    output_bias: bool = False
 
     def __post_init__(self):
         """Every field checked once, whatever built the config (CLI, JSON, Python): ValueError naming it."""

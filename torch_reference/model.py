@@ -26,17 +26,23 @@ from .config import TransformerConfig
 # --------------------------------------------------------------------------------------------
 
 
-def sinusoidal_positions(length: int, d_model: int) -> Tensor:
+def sinusoidal_positions(length: int, d_model: int, halves: bool = False) -> Tensor:
     """The (L, D) float32 table PE[p, 2i] = sin(p / 10000^(2i/D)), PE[p, 2i+1] = cos(same) (§3.5).
 
-    Computed in float64 and rounded once, so both frameworks hold bit-identical tables.
+    `halves`: the same sines and cosines, the ceil(D/2) sines first and the cosines after them
+    (Marian's layout). Computed in float64 and rounded once, so both frameworks hold
+    bit-identical tables.
     """
     position = torch.arange(length, dtype=torch.float64)[:, None]  # (L, 1)
     inv_freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float64) * (-math.log(10000.0) / d_model))
     angles = position * inv_freq  # (L, ceil(D/2))
     table = torch.zeros(length, d_model, dtype=torch.float64)
-    table[:, 0::2] = torch.sin(angles)
-    table[:, 1::2] = torch.cos(angles[:, : d_model // 2])
+    if halves:
+        table[:, : angles.shape[1]] = torch.sin(angles)
+        table[:, angles.shape[1] :] = torch.cos(angles[:, : d_model // 2])
+    else:
+        table[:, 0::2] = torch.sin(angles)
+        table[:, 1::2] = torch.cos(angles[:, : d_model // 2])
     return table.to(torch.float32)
 
 
@@ -106,7 +112,8 @@ class PositionalEncoding(nn.Module):
         else:
             # A buffer, not a parameter, and not persistent: it is recomputed, never checkpointed.
             self.embedding = None
-            self.register_buffer("table", sinusoidal_positions(cfg.max_len, cfg.d_model), persistent=False)
+            table = sinusoidal_positions(cfg.max_len, cfg.d_model, halves=cfg.positions == "sinusoidal_halves")
+            self.register_buffer("table", table, persistent=False)
 
     def forward(self, x: Tensor, offset: int = 0) -> Tensor:
         """x (B, L, D) -> x + positions[offset : offset + L]."""
@@ -161,7 +168,8 @@ class MultiHeadAttention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """Position-wise feed-forward network (§3.3): linear2(act(linear1(x))).
+    """Position-wise feed-forward network (§3.3): linear2(act(linear1(x))), act ReLU (the paper),
+    exact GELU or SiLU (x * sigmoid(x), "swish").
 
     `swiglu` (Shazeer 2020) multiplies the activation by a second projection, `linear_gate`:
     linear2(silu(linear1(x)) * linear_gate(x)), with the same width F.
@@ -180,6 +188,8 @@ class FeedForward(nn.Module):
             h = F.relu(h)
         elif self.activation == "gelu":
             h = F.gelu(h, approximate="none")  # exact erf GELU, as on the JAX side
+        elif self.activation == "silu":
+            h = F.silu(h)
         else:
             h = F.silu(h) * self.linear_gate(x)
         return self.linear2(h)  # (B, L, D)
@@ -348,10 +358,12 @@ class Transformer(nn.Module):
         self.decoder = Decoder(cfg, cfg.num_decoder_layers)
         # Tied output: logits = h Eᵀ with the target embedding E (§3.4); no separate matrix.
         self.out_proj = None if cfg.tie_output else nn.Linear(cfg.d_model, cfg.tgt_vocab_size, bias=False)
+        # `output_bias`: a bias on the logits, tied output or not (Marian's final_logits_bias).
+        self.logits_bias = nn.Parameter(torch.zeros(cfg.tgt_vocab_size)) if cfg.output_bias else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """tensor2tensor's scheme: Xavier-uniform matrices, zero biases, unit norm scales, and
+        """tensor2tensor's scheme: Xavier-uniform matrices, zero biases (the logits' too), unit norm scales, and
         embeddings ~ normal(0, d_model^-0.5) so that scaled by sqrt(d_model) they have unit variance.
         Learned position tables ~ normal(0, 0.02), as in BERT and GPT-2."""
         for module in self.modules():
@@ -365,6 +377,8 @@ class Transformer(nn.Module):
         for stack in (self.encoder, self.decoder):
             if stack.positions.embedding is not None:
                 nn.init.normal_(stack.positions.embedding.weight, std=0.02)
+        if self.logits_bias is not None:
+            nn.init.zeros_(self.logits_bias)
 
     @property
     def target_embedding(self) -> nn.Embedding:
@@ -414,8 +428,10 @@ class Transformer(nn.Module):
     def project(self, hidden: Tensor) -> Tensor:
         """hidden (B, T, D) -> logits (B, T, V)."""
         if self.out_proj is None:
-            return F.linear(hidden, self.target_embedding.weight)
-        return self.out_proj(hidden)
+            logits = F.linear(hidden, self.target_embedding.weight)
+        else:
+            logits = self.out_proj(hidden)
+        return logits if self.logits_bias is None else logits + self.logits_bias.to(logits.dtype)
 
     def forward(
         self, src_ids: Tensor, tgt_in_ids: Tensor, return_attention: bool = False

@@ -4,13 +4,15 @@ A run directory holds:
     config.json            the experiment (ExperimentConfig.experiment(): what resume checks and
                            translate, evaluate and conversion read; launch options are not saved)
     model.json             the TransformerConfig
-    tokenizer.json         or src_tokenizer.json + tgt_tokenizer.json
+    tokenizer.json         or src_tokenizer.json + tgt_tokenizer.json (BPE trained by the run), or
+    sentencepiece.json     + its SentencePiece models (an imported model's tokenizers: train.spm)
     checkpoints/<step>/    the backend's checkpoints (newest N plus the best by validation BLEU),
                            each with digest.json: the SHA-256 of every file, checked on load
     tensorboard/           event files
     results.json           final metrics, written at the end
     converted.json         where a converted run came from (parity.convert --run-dir)
     averaged.json          which checkpoints an averaged run holds the mean of (train.average)
+    imported.json          the pretrained model an imported run came from (parity.convert --from marian)
 
 Every file is written whole (`write_text_atomic`: a temporary file beside it, then a rename), and
 nothing in a directory changes until `prepare_run_dir`, which the loop calls once the data has
@@ -38,15 +40,23 @@ from tokenizers import Tokenizer
 
 from torch_reference.config import TransformerConfig
 
-from . import data
+from . import data, spm
 from .backend import Backend, CheckpointError, create_backend
 from .config import ExperimentConfig
 
 CONFIG_FILE, MODEL_FILE, RESULTS_FILE, PROVENANCE_FILE = "config.json", "model.json", "results.json", "converted.json"
-AVERAGED_FILE = "averaged.json"
+    tokenizer.json         or src_tokenizer.json + tgt_tokenizer.json (BPE trained by the run), or
+    sentencepiece.json     + its SentencePiece models (an imported model's tokenizers: train.spm)
+    checkpoints/<step>/    the backend's checkpoints (newest N plus the best by validation BLEU),
+                           each with digest.json: the SHA-256 of every file, checked on load
+    tensorboard/           event files
+    results.json           final metrics, written at the end
+    converted.json         where a converted run came from (parity.convert --run-dir)
+    averaged.json          which checkpoints an averaged run holds the mean of (train.average)
+    imported.json          the pretrained model an imported run came from (parity.convert --from marian)
 CHECKPOINTS, TENSORBOARD = "checkpoints", "tensorboard"
 JOINT_TOKENIZER, SRC_TOKENIZER, TGT_TOKENIZER = "tokenizer.json", "src_tokenizer.json", "tgt_tokenizer.json"
-TOKENIZER_FILES = (JOINT_TOKENIZER, SRC_TOKENIZER, TGT_TOKENIZER)
+TOKENIZER_FILES = (JOINT_TOKENIZER, SRC_TOKENIZER, TGT_TOKENIZER)  # with tokenizer_files(): the spm kind's too
 # The safetensors metadata key holding the TransformerConfig JSON, in weights files and checkpoints.
 WEIGHTS_CONFIG_KEY = "transformer_config"
 LOCK_FILE = ".lock"  # held (flock) by the one process that writes the run
@@ -167,10 +177,13 @@ def load_split(cfg: ExperimentConfig, spec: str) -> list[data.Pair]:
 
 
 def save_tokenizers(tokenizers: data.Tokenizers, run_dir: str | Path) -> None:
-    """Write run_dir/tokenizer.json (joint) or run_dir/src_tokenizer.json + tgt_tokenizer.json."""
+    """Write run_dir/tokenizer.json (joint) or run_dir/src_tokenizer.json + tgt_tokenizer.json;
+    SentencePiece tokenizers (train.spm) as run_dir/sentencepiece.json and their models."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    if tokenizers.joint:
+    if isinstance(tokenizers.src, spm.SentencePieceTokenizer):
+        spm.save(tokenizers.src, tokenizers.tgt, run_dir, write_text_atomic)
+    elif tokenizers.joint:
         write_text_atomic(run_dir / JOINT_TOKENIZER, tokenizers.src.to_str())
     else:
         write_text_atomic(run_dir / SRC_TOKENIZER, tokenizers.src.to_str())
@@ -183,12 +196,27 @@ def load_tokenizers(run_dir: str | Path, joint: bool | None = None) -> data.Toke
     file is named as the one the run needs; None: whichever is there. FileNotFoundError when
     there is none, ValueError when one cannot be read."""
     run_dir = Path(run_dir)
-    if joint is None:
-        joint = (run_dir / JOINT_TOKENIZER).is_file()
-    if joint:
+    tokenizer.json         or src_tokenizer.json + tgt_tokenizer.json (BPE trained by the run), or
+    sentencepiece.json     + its SentencePiece models (an imported model's tokenizers: train.spm)
+    checkpoints/<step>/    the backend's checkpoints (newest N plus the best by validation BLEU),
+                           each with digest.json: the SHA-256 of every file, checked on load
+    tensorboard/           event files
+    results.json           final metrics, written at the end
+    converted.json         where a converted run came from (parity.convert --run-dir)
+    averaged.json          which checkpoints an averaged run holds the mean of (train.average)
+    imported.json          the pretrained model an imported run came from (parity.convert --from marian)
         tokenizer = _read_tokenizer(run_dir / JOINT_TOKENIZER)
         return data.Tokenizers(tokenizer, tokenizer)
     return data.Tokenizers(*(_read_tokenizer(run_dir / name) for name in (SRC_TOKENIZER, TGT_TOKENIZER)))
+
+
+def tokenizer_files(run_dir: str | Path) -> list[str]:
+    """The names of the tokenizer files present in `run_dir` (what a copy of the run must carry)."""
+    run_dir = Path(run_dir)
+    names = [name for name in TOKENIZER_FILES if (run_dir / name).is_file()]
+    if (run_dir / spm.SPM_TOKENIZER).is_file():
+        names += spm.files(run_dir)
+    return names
 
 
 def _read_tokenizer(path: Path) -> Tokenizer:

@@ -36,6 +36,8 @@ VARIANTS = [
     {"share_embeddings": False, "tgt_vocab_size": 61},
     {"tie_output": False},
     {"attention_bias": False, "scale_embeddings": False},
+    # Marian's (HF MarianMTModel): swish, sines-then-cosines positions, a bias on the logits, torch's eps.
+    {"activation": "silu", "positions": "sinusoidal_halves", "output_bias": True, "layer_norm_eps": 1e-5},
 ]
 
 
@@ -47,6 +49,9 @@ def make_pair(seed=0, **overrides):
     cfg = tr.TransformerConfig(**{**LOPSIDED, **overrides})
     torch.manual_seed(seed)
     torch_model = tr.Transformer(cfg).eval()
+    if torch_model.logits_bias is not None:  # zeros at init: made visible
+        with torch.no_grad():
+            torch_model.logits_bias.normal_()
     return cfg, torch_model, torch_to_jax(torch_model)
 
 
@@ -67,11 +72,20 @@ def t2j(x):
 # ------------------------------------------------------------------ pure functions
 
 
+@pytest.mark.parametrize("halves", [False, True])
 @pytest.mark.parametrize("length,d_model", [(50, 24), (7, 9), (512, 512)])
-def test_sinusoidal_positions_bit_identical(length, d_model):
+def test_sinusoidal_positions_bit_identical(length, d_model, halves):
     np.testing.assert_array_equal(
-        np.asarray(jt.sinusoidal_positions(length, d_model)), tr.sinusoidal_positions(length, d_model).numpy()
+        np.asarray(jt.sinusoidal_positions(length, d_model, halves)),
+        tr.sinusoidal_positions(length, d_model, halves).numpy(),
     )
+
+
+def test_sinusoid_halves_hold_the_interleaved_columns_reordered():
+    for d_model in (24, 9):
+        interleaved, halves = tr.sinusoidal_positions(20, d_model), tr.sinusoidal_positions(20, d_model, halves=True)
+        order = list(range(0, d_model, 2)) + list(range(1, d_model, 2))  # sines, then cosines
+        assert torch.equal(halves, interleaved[:, order])
 
 
 def test_masks_and_shift_right_identical():

@@ -35,6 +35,8 @@ VARIANTS = [
     {"share_embeddings": False, "tgt_vocab_size": 61},
     {"tie_output": False},
     {"attention_bias": False},
+    {"activation": "silu", "positions": "sinusoidal_halves", "output_bias": True},
+    {"output_bias": True, "tie_output": False},
 ]
 
 

@@ -1,0 +1,203 @@
+"""A trained run as a CTranslate2 model: `python -m parity.convert --to ctranslate2 --src RUN --dst DIR`.
+
+CTranslate2 (https://github.com/OpenNMT/CTranslate2) runs encoder-decoder Transformers in C++, in
+float32, int8 (CPU) or float16 (GPU). The export builds its model from this project's weights
+through CTranslate2's own specification classes (`ctranslate2.specs.TransformerSpec.from_config`,
+then a `ctranslate2.converters.Converter`, which validates, quantizes and saves the spec), never
+by writing its file format by hand. Every variant of `TransformerConfig` has a counterpart there:
+
+    post-norm / pre-norm      pre_norm (pre-norm with the stacks' final norms)
+    relu / gelu / silu        Activation.RELU / GELU (exact erf) / SWISH
+    swiglu                    ffn_glu with SWISH: linear_0 = linear1, linear_0_noact = linear_gate
+    layernorm / rmsnorm       rms_norm; the epsilon in the model config (layer_norm_epsilon)
+    positions                 the table itself (sinusoid of either layout, or the learned one)
+    scale_embeddings          scale_embeddings = sqrt(d_model) or 1
+    attention projections     q, k, v fused as CTranslate2 stores them (k, v for cross-attention)
+    tied / untied output      projection = the target embedding or out_proj; output_bias its bias
+
+The vocabularies are the run's tokens by id, the four special ones named as SPECIAL_TOKENS
+(<pad>, <bos>, <eos>, <unk>), <bos> the decoder start. The projection gets a bias of -1e9 on
+<pad> and <bos> (added to `logits_bias` if the model has one): this project's search never emits
+them (torch_reference.decode), and so CTranslate2 will not either. Greedy tokens are those of
+this project's search; beam search scores differ by design (CTranslate2 divides a hypothesis'
+log-probability by length ** length_penalty, this project by GNMT's ((5 + length) / 6) ** alpha).
+
+The run's tokenizer files are copied into the model directory; CTranslate2 takes tokens, so
+translating text is: our tokenizer's ids -> `tokens(ids)` -> translate_batch -> ids -> decode.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from torch_reference.config import BOS_ID, EOS_ID, PAD_ID, SPECIAL_TOKENS, UNK_ID, TransformerConfig
+from torch_reference.model import sinusoidal_positions
+from train import rundir, spm
+
+NEVER_EMITTED_BIAS = -1.0e9  # on <pad> and <bos>: far below any logit, finite (no inf - inf)
+
+
+def vocabulary(tokenizer, size: int) -> list[str]:
+    """Token strings by id: the special names, then the tokenizer's tokens (unique, as CTranslate2 needs)."""
+    tokens = list(SPECIAL_TOKENS) + [tokenizer.id_to_token(i) or f"<id{i}>" for i in range(len(SPECIAL_TOKENS), size)]
+    seen: dict[str, int] = {}
+    for i, t in enumerate(tokens):  # a repeated token (e.g. a copied special row) gets a name of its own
+        if t in seen:
+            tokens[i] = f"<dup{i}>"
+        seen.setdefault(tokens[i], i)
+    return tokens
+
+
+def build_spec(params: Mapping[str, np.ndarray], cfg: TransformerConfig, src_tokens: Sequence[str],
+               tgt_tokens: Sequence[str]):
+    """A `ctranslate2.specs.TransformerSpec` holding `params` (our torch layout, float32)."""
+    spm.require("ctranslate2")
+    from ctranslate2.specs import common_spec, transformer_spec
+
+    activations = {"relu": common_spec.Activation.RELU, "gelu": common_spec.Activation.GELU,
+                   "silu": common_spec.Activation.SWISH, "swiglu": common_spec.Activation.SWISH}
+    if cfg.activation not in activations:
+        raise ValueError(f"CTranslate2 has no counterpart of activation={cfg.activation!r}")
+    p = {k: np.ascontiguousarray(np.asarray(v, dtype=np.float32)) for k, v in params.items()}
+    pre_norm = cfg.norm_position == "pre"
+    spec = transformer_spec.TransformerSpec.from_config(
+        (cfg.num_encoder_layers, cfg.num_decoder_layers), cfg.num_heads, pre_norm=pre_norm,
+        activation=activations[cfg.activation], ffn_glu=cfg.activation == "swiglu", rms_norm=cfg.norm == "rmsnorm",
+    )
+
+    def linear(target, name, bias=True):
+        target.weight = p[f"{name}.weight"]
+        if bias and f"{name}.bias" in p:
+            target.bias = p[f"{name}.bias"]
+
+    def fused(target, names):
+        target.weight = np.concatenate([p[f"{n}.weight"] for n in names])
+        if f"{names[0]}.bias" in p:
+            target.bias = np.concatenate([p[f"{n}.bias"] for n in names])
+
+    def norm(target, name):
+        target.gamma = p[f"{name}.weight"]
+        if cfg.norm == "layernorm":
+            target.beta = p[f"{name}.bias"]
+
+    def attention(target, name, self_attention):
+        q, k, v = (f"{name}.{x}_proj" for x in "qkv")
+        if self_attention:
+            fused(target.linear[0], [q, k, v])
+        else:
+            fused(target.linear[0], [q])
+            fused(target.linear[1], [k, v])
+        linear(target.linear[-1], f"{name}.out_proj")
+
+    def ffn(target, name):
+        linear(target.linear_0, f"{name}.ff.linear1")
+        linear(target.linear_1, f"{name}.ff.linear2")
+        if cfg.activation == "swiglu":
+            linear(target.linear_0_noact, f"{name}.ff.linear_gate")
+        norm(target.layer_norm, f"{name}.ff_norm")
+
+    def positions(stack):
+        if cfg.positions == "learned":
+            return p[f"{stack}.positions.embedding.weight"]
+        return sinusoidal_positions(cfg.max_len, cfg.d_model, halves=cfg.positions == "sinusoidal_halves").numpy()
+
+    scale = float(np.sqrt(cfg.d_model)) if cfg.scale_embeddings else 1.0
+    tgt_embed = p["src_embed.weight" if cfg.share_embeddings else "tgt_embed.weight"]
+    for stack, target in (("encoder", spec.encoder), ("decoder", spec.decoder)):
+        target.scale_embeddings = scale
+        target.position_encodings.encodings = positions(stack)
+        if pre_norm:
+            norm(target.layer_norm, f"{stack}.norm")
+    spec.encoder.embeddings[0].weight = p["src_embed.weight"]
+    spec.decoder.embeddings.weight = tgt_embed
+    for i, layer in enumerate(spec.encoder.layer):
+        attention(layer.self_attention, f"encoder.layers.{i}.self_attn", True)
+        norm(layer.self_attention.layer_norm, f"encoder.layers.{i}.self_attn_norm")
+        ffn(layer.ffn, f"encoder.layers.{i}")
+    for i, layer in enumerate(spec.decoder.layer):
+        attention(layer.self_attention, f"decoder.layers.{i}.self_attn", True)
+        norm(layer.self_attention.layer_norm, f"decoder.layers.{i}.self_attn_norm")
+        attention(layer.attention, f"decoder.layers.{i}.cross_attn", False)
+        norm(layer.attention.layer_norm, f"decoder.layers.{i}.cross_attn_norm")
+        ffn(layer.ffn, f"decoder.layers.{i}")
+    spec.decoder.projection.weight = tgt_embed if cfg.tie_output else p["out_proj.weight"]
+    bias = p.get("logits_bias", np.zeros(cfg.tgt_vocab_size, np.float32)).copy()
+    bias[[PAD_ID, BOS_ID]] += NEVER_EMITTED_BIAS
+    spec.decoder.projection.bias = bias
+
+    spec.config.layer_norm_epsilon = cfg.layer_norm_eps
+    spec.config.unk_token, spec.config.bos_token = SPECIAL_TOKENS[UNK_ID], SPECIAL_TOKENS[BOS_ID]
+    spec.config.eos_token, spec.config.decoder_start_token = SPECIAL_TOKENS[EOS_ID], SPECIAL_TOKENS[BOS_ID]
+    spec.register_source_vocabulary(list(src_tokens))
+    spec.register_target_vocabulary(list(tgt_tokens))
+    return spec
+
+
+def export_ctranslate2(
+    run_dir: str | os.PathLike, params: Mapping[str, np.ndarray], cfg: TransformerConfig, dst: str | os.PathLike,
+    quantization: str | None = None, force: bool = False,
+) -> Path:
+    """Weights `params` (our torch layout) of the run in `run_dir` -> a CTranslate2 model directory
+    `dst` (model.bin, vocabularies, config.json) with the run's tokenizer files beside them."""
+    ctranslate2 = spm.require("ctranslate2")
+    tokenizers = rundir.load_tokenizers(run_dir)
+    src_tokens = vocabulary(tokenizers.src, cfg.src_vocab_size)
+    tgt_tokens = vocabulary(tokenizers.tgt, cfg.tgt_vocab_size)
+
+    class RunConverter(ctranslate2.converters.Converter):
+        def _load(self):
+            return build_spec(params, cfg, src_tokens, tgt_tokens)
+
+    dst = Path(dst)
+    RunConverter().convert(str(dst), quantization=quantization, force=force)
+    for name in (*rundir.tokenizer_files(run_dir), rundir.MODEL_FILE):
+        shutil.copyfile(Path(run_dir) / name, dst / name)
+    return dst
+
+
+def tokens(vocab: Sequence[str], ids: Sequence[int]) -> list[str]:
+    """Our ids of one sentence -> CTranslate2's tokens (up to and with the first <eos>)."""
+    out = []
+    for i in map(int, ids):
+        if i == PAD_ID:
+            continue
+        out.append(vocab[i])
+        if i == EOS_ID:
+            break
+    return out
+
+
+class Translator:
+    """A CTranslate2 model directory written by `export_ctranslate2`, fed and read in our ids."""
+
+    def __init__(self, model_dir: str | os.PathLike, device: str = "cpu", compute_type: str = "default",
+                 inter_threads: int = 1, intra_threads: int = 0):
+        ctranslate2 = spm.require("ctranslate2")
+        self.model_dir = Path(model_dir)
+        self.translator = ctranslate2.Translator(str(model_dir), device=device, compute_type=compute_type,
+                                                 inter_threads=inter_threads, intra_threads=intra_threads)
+        shared = any((self.model_dir / f"shared_vocabulary.{ext}").is_file() for ext in ("json", "txt"))
+        self.src_vocab = self._vocab("shared_vocabulary" if shared else "source_vocabulary")
+        self.tgt_vocab = self._vocab("shared_vocabulary" if shared else "target_vocabulary")
+        self.tgt_ids = {t: i for i, t in enumerate(self.tgt_vocab)}
+
+    def _vocab(self, stem: str) -> list[str]:
+        if (self.model_dir / f"{stem}.json").is_file():
+            return json.loads((self.model_dir / f"{stem}.json").read_text(encoding="utf-8"))
+        return (self.model_dir / f"{stem}.txt").read_text(encoding="utf-8").splitlines()
+
+    def translate_ids(self, src_ids: Sequence[Sequence[int]], beam_size: int = 1, max_len: int = 256,
+                      length_penalty: float = 1.0, max_batch_size: int = 0) -> list[list[int]]:
+        """Source ids (each ending with <eos>, padding ignored) -> output ids ending with <eos>."""
+        batch = [tokens(self.src_vocab, row) for row in src_ids]
+        results = self.translator.translate_batch(
+            batch, beam_size=beam_size, max_decoding_length=max_len, min_decoding_length=0,
+            length_penalty=length_penalty, return_end_token=True, max_batch_size=max_batch_size,
+        )
+        return [[self.tgt_ids[t] for t in r.hypotheses[0]] for r in results]

@@ -1,0 +1,451 @@
+"""HF Marian (OPUS-MT) models in and out: `python -m parity.convert --from marian` / `--to marian`.
+
+A Marian model of `transformers` (`MarianMTModel`) is this project's Transformer with a few of its
+variants: post-norm layers, swish ("silu") feed-forward, sinusoidal positions laid out sines then
+cosines ("sinusoidal_halves"), embeddings scaled by sqrt(d_model), one embedding matrix shared by
+source, target and the output projection (or separate ones, as its config says), a bias on the
+logits (`final_logits_bias`: `output_bias`), torch's LayerNorm epsilon 1e-5. `marian_config`
+maps every field of `MarianConfig` that changes the function and refuses, naming the field, one
+this model cannot represent (pre-norm, a norm on the embeddings or after the stacks, learned
+positions, different widths or head counts per stack, layer drop, activation dropout, ...).
+
+Token ids. This project fixes pad 0, bos 1, eos 2, unk 3 (`torch_reference.config.SPECIAL_TOKENS`:
+batches, masks, loss and search all read them); Marian numbers its vocabulary otherwise (eos 0,
+unk 1, pad last in OPUS-MT) and starts the decoder with the pad id. The import permutes the
+embedding rows (and the output projection's and the logits bias's) so that the fixed ids hold:
+
+    our id 0 (pad)  <- Marian's pad row
+    our id 1 (bos)  <- Marian's decoder start row (its pad row in OPUS-MT): a copy, one row more
+    our id 2 (eos)  <- Marian's eos row
+    our id 3 (unk)  <- Marian's unk row
+    our ids 4...    <- every other Marian row, in Marian's order
+
+so each vocabulary has one row more than Marian's, and the decoder starting from bos reads exactly
+Marian's start embedding (with the pad id as start token, this project's decoder padding mask
+would hide the start position). The function is unchanged: our logits at `marian_ids(...)` are
+Marian's. The export inverts the permutation: Marian's decoder start row is written from our bos
+row (the start, which fine-tuning trains; our pad row is only ever padding), every other row from
+its own, so an imported run exported untrained gives back the original weights bit for bit.
+
+The run directory written by the import is a run of `train.run` at step 0 (no Adam moments):
+config.json (preset base with the Marian fields as `--set` overrides, the data specs given to
+fine-tune on), model.json, the SentencePiece tokenizers (`train.spm`: the model's own
+`source.spm`/`target.spm` and `vocab.json`, ids permuted as above), a checkpoint of the chosen
+backend, and imported.json recording the Marian config and special ids (what the export reads).
+`train.translate`, `train.evaluate` and `train.run --resume` (fine-tuning) accept it.
+
+`transformers`, `sentencepiece` (and `safetensors`, a core dependency) are imported when used:
+`pip install -e ".[interop]"`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from torch_reference.config import BOS_ID, EOS_ID, PAD_ID, SPECIAL_TOKENS, UNK_ID, TransformerConfig
+from torch_reference.model import Transformer, sinusoidal_positions
+from train import rundir, spm
+from train.backend import CheckpointMismatchError, TrainingState, create_backend
+from train.config import ExperimentConfig
+
+
+MARIAN_FORMAT = "marian"
+# Our layer submodule -> HF's, inside encoder.layers.N / decoder.layers.N.
+LAYER_NAMES = {
+    "self_attn": "self_attn", "self_attn_norm": "self_attn_layer_norm",
+    "cross_attn": "encoder_attn", "cross_attn_norm": "encoder_attn_layer_norm",
+    "ff.linear1": "fc1", "ff.linear2": "fc2", "ff_norm": "final_layer_norm",
+}
+ACTIVATIONS = {"swish": "silu", "silu": "silu", "relu": "relu", "gelu": "gelu"}  # HF ACT2FN name -> ours
+HF_LAYER_NORM_EPS = 1e-5  # MarianEncoderLayer/MarianDecoderLayer: nn.LayerNorm(d_model), torch's default eps
+POSITION_TOLERANCE = 1e-6  # a stored sinusoid table vs ours: float64 tables rounded once to float32 agree to ~1 ulp
+
+
+class UnsupportedMarianConfig(ValueError):
+    """A Marian config this project's Transformer cannot represent (the message names the field)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------------------------
+
+
+def _refuse(field: str, value: Any, why: str) -> None:
+    raise UnsupportedMarianConfig(f"cannot import this Marian model: {field}={value!r} ({why})")
+
+
+def marian_config(hf: Mapping[str, Any]) -> TransformerConfig:
+    """The TransformerConfig computing what HF's MarianMTModel computes for config.json `hf`
+    (vocabulary sizes one larger: see the module doc); UnsupportedMarianConfig names a field
+    that has no counterpart."""
+    get = hf.get
+    if get("model_type", MARIAN_FORMAT) != MARIAN_FORMAT:
+        _refuse("model_type", get("model_type"), "only model_type 'marian' is read")
+    # Fields of Marian-NMT configs that HF's MarianMTModel ignores, but that the original model used.
+    for field, why in (("normalize_before", "pre-norm layers"), ("normalize_embedding", "a layer norm on the embeddings"),
+                       ("add_final_layer_norm", "a layer norm after each stack"),
+                       ("layernorm_embedding", "a layer norm on the embeddings")):
+        if get(field):
+            _refuse(field, get(field), f"{why}: MarianMTModel has none, this project's post-norm model neither")
+    if get("static_position_embeddings", True) is False:
+        _refuse("static_position_embeddings", False, "learned positions in Marian's layout")
+    d_model = get("d_model", 1024)
+    for ours, (enc, dec), default in (("d_ff", ("encoder_ffn_dim", "decoder_ffn_dim"), 4096),
+                                      ("num_heads", ("encoder_attention_heads", "decoder_attention_heads"), 16)):
+        if get(enc, default) != get(dec, default):
+            _refuse(dec, get(dec, default), f"differs from {enc}={get(enc, default)}; this model has one {ours}")
+    activation = get("activation_function", "gelu")
+    if activation not in ACTIVATIONS:
+        _refuse("activation_function", activation, f"supported: {', '.join(ACTIVATIONS)}")
+    for field in ("activation_dropout", "encoder_layerdrop", "decoder_layerdrop"):
+        if get(field, 0.0):
+            _refuse(field, get(field), "this model has no such dropout; fine-tuning would differ")
+    share = bool(get("share_encoder_decoder_embeddings", True))
+    vocab = get("vocab_size", 58101)
+    tgt_vocab = get("decoder_vocab_size") or vocab
+    if share and tgt_vocab != vocab:
+        _refuse("decoder_vocab_size", tgt_vocab, f"differs from vocab_size={vocab} with shared embeddings")
+    if get("decoder_start_token_id", get("pad_token_id")) is None or get("pad_token_id", 58100) is None:
+        _refuse("pad_token_id", None, "the model needs a pad id")
+    try:
+        return TransformerConfig(
+            src_vocab_size=vocab + 1, tgt_vocab_size=tgt_vocab + 1, d_model=d_model,
+            num_heads=get("encoder_attention_heads", 16), d_ff=get("encoder_ffn_dim", 4096),
+            num_encoder_layers=get("encoder_layers", 12), num_decoder_layers=get("decoder_layers", 12),
+            dropout=float(get("dropout", 0.1)), attention_dropout=float(get("attention_dropout", 0.0)),
+            max_len=get("max_position_embeddings", 1024), layer_norm_eps=HF_LAYER_NORM_EPS,
+            norm_position="post", activation=ACTIVATIONS[activation], norm="layernorm", positions="sinusoidal_halves",
+            attention_bias=True, share_embeddings=share, tie_output=bool(get("tie_word_embeddings", True)),
+            scale_embeddings=bool(get("scale_embedding", False)), output_bias=True,
+        )
+    except ValueError as err:
+        raise UnsupportedMarianConfig(f"cannot import this Marian model: {err}") from None
+
+
+def special_ids(hf: Mapping[str, Any], src_unk: int, tgt_unk: int) -> dict[str, int]:
+    pad = hf.get("pad_token_id", 58100)
+    return {"pad": pad, "eos": hf.get("eos_token_id", 0), "decoder_start": hf.get("decoder_start_token_id", pad),
+            "src_unk": src_unk, "tgt_unk": tgt_unk, "src_vocab_size": hf.get("vocab_size", 58101),
+            "tgt_vocab_size": hf.get("decoder_vocab_size") or hf.get("vocab_size", 58101)}
+
+
+def marian_ids(vocab_size: int, pad: int, eos: int, unk: int, start: int) -> np.ndarray:
+    """(vocab_size + 1,) the Marian id of each of our ids: pad, start, eos, unk, then the rest in order."""
+    fixed = {PAD_ID: pad, BOS_ID: start, EOS_ID: eos, UNK_ID: unk}
+    rest = [i for i in range(vocab_size) if i not in (pad, eos, unk)]
+    order = np.array([fixed[i] for i in range(len(SPECIAL_TOKENS))] + rest, dtype=np.int64)
+    assert len(order) == vocab_size + 1, "pad, eos and unk must be three different ids"
+    return order
+
+
+def side_orders(ids: Mapping[str, int]) -> tuple[np.ndarray, np.ndarray]:
+    """(source order, target order): our id -> Marian id on each side (the source starts nothing: its
+    bos row is a copy of pad's)."""
+    src = marian_ids(ids["src_vocab_size"], ids["pad"], ids["eos"], ids["src_unk"], ids["pad"])
+    tgt = marian_ids(ids["tgt_vocab_size"], ids["pad"], ids["eos"], ids["tgt_unk"], ids["decoder_start"])
+    return src, tgt
+
+
+def inverse_order(order: np.ndarray) -> np.ndarray:
+    """(Marian vocab,) which of our rows each Marian row is written from: its own, except the
+    decoder start's, which is our bos row (see the module doc)."""
+    inverse = np.empty(len(order) - 1, dtype=np.int64)
+    for ours in range(len(order) - 1, -1, -1):  # descending, so for a duplicated Marian row the lowest of ours wins
+        inverse[order[ours]] = ours
+    inverse[order[BOS_ID]] = BOS_ID
+    return inverse
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights
+# ---------------------------------------------------------------------------------------------
+
+
+def expected_torch_params(cfg: TransformerConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter key of the torch model for `cfg` with its shape (built on the meta device:
+    no memory)."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    return {k: tuple(v.shape) for k, v in model.named_parameters()}
+
+
+def hf_key(key: str) -> str:
+    """Our torch key of a layer parameter -> HF's (`encoder.layers.0.ff.linear1.weight` ->
+    `model.encoder.layers.0.fc1.weight`)."""
+    stack, layers, index, *rest = key.split(".")
+    assert layers == "layers", key
+    leaf, inner = rest[-1], ".".join(rest[:-1])
+    for ours, theirs in LAYER_NAMES.items():  # longest names first would matter; none is a prefix of another here
+        if inner == ours or inner.startswith(ours + "."):
+            inner = theirs + inner[len(ours):]
+            break
+    else:
+        raise KeyError(key)
+    return f"model.{stack}.layers.{index}.{inner}.{leaf}"
+
+
+def _embedding_sources(cfg: TransformerConfig) -> dict[str, tuple[tuple[str, ...], str]]:
+    """Our non-layer torch keys -> (HF keys to read, in preference order; which side's order)."""
+    out = {"src_embed.weight": (("model.shared.weight", "model.encoder.embed_tokens.weight"), "src")}
+    if not cfg.share_embeddings:
+        out["src_embed.weight"] = (("model.encoder.embed_tokens.weight",), "src")
+        out["tgt_embed.weight"] = (("model.decoder.embed_tokens.weight",), "tgt")
+    if not cfg.tie_output:
+        out["out_proj.weight"] = (("lm_head.weight",), "tgt")
+    out["logits_bias"] = (("final_logits_bias",), "tgt")
+    return out
+
+
+def from_marian(state: Mapping[str, np.ndarray], cfg: TransformerConfig, ids: Mapping[str, int]) -> dict[str, np.ndarray]:
+    """A MarianMTModel state dict (NumPy) -> our torch-layout parameters (float32), rows permuted;
+    strictly checked: a missing key, a wrong shape or a key left over raises CheckpointMismatchError."""
+    orders = dict(zip(("src", "tgt"), side_orders(ids)))
+    wanted = expected_torch_params(cfg)
+    expected = list(wanted)
+    embeddings = _embedding_sources(cfg)
+    out, used, missing = {}, set(), []
+    for key in expected:
+        if key in embeddings:
+            candidates, side = embeddings[key]
+            found = next((c for c in candidates if c in state), None)
+            if found is None:
+                missing.append(f"{key} (HF {' or '.join(candidates)})")
+                continue
+            value = np.asarray(state[found], dtype=np.float32)
+            value = value.reshape(-1) if key == "logits_bias" else value
+            out[key], _ = value[orders[side]], used.add(found)
+        else:
+            theirs = hf_key(key)
+            if theirs not in state:
+                missing.append(f"{key} (HF {theirs})")
+                continue
+            out[key], _ = np.asarray(state[theirs], dtype=np.float32), used.add(theirs)
+    # Duplicates HF ties to the ones read (shared/tied embeddings) and the positions: checked, not read.
+    ignorable = {"model.shared.weight", "model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight",
+                 "lm_head.weight"} if cfg.tie_output or cfg.share_embeddings else set()
+    for stack in ("encoder", "decoder"):
+        key = f"model.{stack}.embed_positions.weight"
+        if key in state:
+            used.add(key)
+            table = sinusoidal_positions(*np.shape(state[key]), halves=True).numpy()
+            if np.abs(np.asarray(state[key], np.float32) - table).max() > POSITION_TOLERANCE:
+                raise UnsupportedMarianConfig(f"cannot import this Marian model: {key} is not the sinusoid table")
+    left = sorted(k for k in state if k not in used and not (k in ignorable and _tied_copy(state, k, used)))
+    if missing or left:
+        raise CheckpointMismatchError("Marian weights do not match the config:\n  " + "\n  ".join(
+            [f"missing: {m}" for m in missing] + [f"unexpected: {k}" for k in left]))
+    shapes = {k: tuple(np.shape(v)) for k, v in out.items()}
+    wrong = [f"{k}: expected {wanted[k]}, got {shapes[k]}" for k in out if shapes[k] != wanted[k]]
+    if wrong:
+        raise CheckpointMismatchError("Marian weights have other shapes than the config says:\n  " + "\n  ".join(wrong))
+    return out
+
+
+def _tied_copy(state: Mapping[str, np.ndarray], key: str, used: set[str]) -> bool:
+    """`key` holds the same matrix as one of the embeddings read (HF writes tied copies)."""
+    return any(np.shape(state[u]) == np.shape(state[key]) and np.array_equal(state[u], state[key])
+               for u in used if u.endswith(("shared.weight", "embed_tokens.weight")))
+
+
+def to_marian(params: Mapping[str, np.ndarray], cfg: TransformerConfig, ids: Mapping[str, int]) -> dict[str, torch.Tensor]:
+    """Our torch-layout parameters -> a MarianMTModel state dict (every key it loads; tied ones
+    written once, as `save_pretrained` would)."""
+    inverses = {side: inverse_order(order) for side, order in zip(("src", "tgt"), side_orders(ids))}
+    out = {}
+    for key, value in params.items():
+        value = np.asarray(value, dtype=np.float32)
+        if key == "src_embed.weight":
+            out["model.shared.weight" if cfg.share_embeddings else "model.encoder.embed_tokens.weight"] = value[inverses["src"]]
+        elif key == "tgt_embed.weight":
+            out["model.decoder.embed_tokens.weight"] = value[inverses["tgt"]]
+        elif key == "out_proj.weight":
+            out["lm_head.weight"] = value[inverses["tgt"]]
+        elif key == "logits_bias":
+            out["final_logits_bias"] = value[inverses["tgt"]][None]
+        else:
+            out[hf_key(key)] = value
+    return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in out.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Files
+# ---------------------------------------------------------------------------------------------
+
+
+def read_marian_dir(src: str | os.PathLike) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """(config.json, state dict as NumPy) of a local HF Marian directory: model.safetensors, or
+    pytorch_model.bin read with torch.load(weights_only=True) (no code in the file ever runs)."""
+    src = Path(src)
+    if not (src / "config.json").is_file():
+        raise FileNotFoundError(f"{src} is not an HF model directory (config.json missing)")
+    hf = json.loads((src / "config.json").read_text())
+    if (src / "model.safetensors").is_file():
+        from safetensors.torch import load_file
+
+        state = load_file(str(src / "model.safetensors"))
+    elif (src / "pytorch_model.bin").is_file():
+        try:
+            state = torch.load(src / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as err:
+            raise ValueError(f"{src / 'pytorch_model.bin'} was refused by torch.load(weights_only=True): "
+                             f"{str(err).strip().splitlines()[0]}") from None
+    else:
+        raise FileNotFoundError(f"{src} holds neither model.safetensors nor pytorch_model.bin")
+    return hf, {k: (v.float() if v.is_floating_point() else v).numpy() for k, v in state.items()}
+
+
+def _pieces(vocab: Mapping[str, int], order: np.ndarray, vocab_size: int) -> list[str]:
+    by_id = {i: p for p, i in vocab.items()}
+    return [by_id.get(int(m), f"<marian_{int(m)}>") for m in order[: vocab_size + 1]]
+
+
+def marian_tokenizers(src: Path, hf: Mapping[str, Any]) -> tuple[spm.SentencePieceTokenizer, spm.SentencePieceTokenizer, dict[str, int]]:
+    """(source tokenizer, target tokenizer, special ids) from source.spm, target.spm, vocab.json
+    (target_vocab.json for separate vocabularies): MarianTokenizer's segmentation, our ids."""
+    for name in ("source.spm", "target.spm", "vocab.json"):
+        if not (src / name).is_file():
+            raise FileNotFoundError(f"{src} holds no {name} (a Marian model's tokenizer files)")
+    share = bool(hf.get("share_encoder_decoder_embeddings", True))
+    src_vocab = json.loads((src / "vocab.json").read_text(encoding="utf-8"))
+    tgt_path = src / "target_vocab.json"
+    if not share and not tgt_path.is_file():
+        raise FileNotFoundError(f"{src} holds no target_vocab.json (separate vocabularies)")
+    tgt_vocab = src_vocab if share else json.loads(tgt_path.read_text(encoding="utf-8"))
+    for name, vocab in (("vocab.json", src_vocab), ("target_vocab.json", tgt_vocab)):
+        if "<unk>" not in vocab:
+            raise ValueError(f"{src / name} has no <unk>")
+    ids = special_ids(hf, src_vocab["<unk>"], tgt_vocab["<unk>"])
+    src_order, tgt_order = side_orders(ids)
+    source_blob, target_blob = (src / "source.spm").read_bytes(), (src / "target.spm").read_bytes()
+    # MarianTokenizer decodes with the source model when the vocabulary is shared, else the target's.
+    decode_blob, decode_name = (source_blob, "source.spm") if share else (target_blob, "target.spm")
+    src_tok = spm.SentencePieceTokenizer(source_blob, _pieces(src_vocab, src_order, ids["src_vocab_size"]),
+                                         source_blob, "source.spm", "source.spm")
+    tgt_tok = spm.SentencePieceTokenizer(target_blob, _pieces(tgt_vocab, tgt_order, ids["tgt_vocab_size"]),
+                                         decode_blob, "target.spm", decode_name)
+    return src_tok, tgt_tok, ids
+
+
+def experiment_for(cfg: TransformerConfig, backend: str, train: str | None = None, valid: str | None = None,
+                   test: str | None = None) -> ExperimentConfig:
+    """The experiment of an imported run: preset base with every model field as a `--set`
+    override, the vocabulary, max_len, dropout and sharing the data-derived fields take from it."""
+    from train.config import DERIVED_MODEL_FIELDS, SPECIAL_ID_FIELDS
+
+    model = {k: v for k, v in cfg.to_dict().items() if k not in (*DERIVED_MODEL_FIELDS, *SPECIAL_ID_FIELDS)}
+    experiment = ExperimentConfig(
+        backend=backend, preset="base", model=model, dropout=cfg.dropout, max_len=cfg.max_len,
+        joint_vocab=cfg.share_embeddings, vocab_size=cfg.src_vocab_size if cfg.src_vocab_size >= 260 else None,
+        train=train, valid=valid, test=test,
+    )
+    rebuilt = experiment.model_config(cfg.src_vocab_size, cfg.tgt_vocab_size)
+    assert rebuilt == cfg, (rebuilt, cfg)
+    return experiment
+
+
+def import_marian(
+    src: str | os.PathLike, dst: str | os.PathLike, to: str = "torch", train: str | None = None,
+    valid: str | None = None, test: str | None = None, overwrite: bool = False,
+    layout: Callable[[Mapping[str, np.ndarray], TransformerConfig], dict[str, np.ndarray]] | None = None,
+) -> dict[str, Any]:
+    """A local HF Marian directory -> a run directory of the `to` backend (see the module doc).
+    Built beside `dst` and renamed into place. `layout` puts our torch-layout weights in the `to`
+    backend's (parity.convert.to_jax_layout for jax)."""
+    src, dst = Path(src), Path(dst)
+    hf, state = read_marian_dir(src)
+    cfg = marian_config(hf)
+    src_tok, tgt_tok, ids = marian_tokenizers(src, hf)
+    params = from_marian(state, cfg, ids)
+    experiment = experiment_for(cfg, to, train, valid, test).replace(run_dir=str(dst)).resolve()
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        if not overwrite:
+            raise FileExistsError(f"{dst} exists; pass --overwrite to replace it")
+        if dst.is_dir() and not (dst / rundir.CONFIG_FILE).is_file():
+            raise FileExistsError(f"{dst} is not empty and holds no run; it is never deleted")
+    guard = rundir.RunLock(dst).acquire() if dst.is_dir() else None
+    tmp = dst.with_name(f".{dst.name}.converting")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        rundir.write_json_atomic(tmp / rundir.CONFIG_FILE, experiment.experiment())
+        rundir.write_json_atomic(tmp / rundir.MODEL_FILE, cfg.to_dict())
+        rundir.save_tokenizers(rundir.data.Tokenizers(src_tok, tgt_tok), tmp)
+        backend = create_backend(experiment, cfg, str(tmp / rundir.CHECKPOINTS))
+        try:
+            weights = params if layout is None else layout(params, cfg)
+            backend.import_state(TrainingState(to, 0, weights))
+            meta = {"step": 0, "data": {"epoch": 0, "index": 0}, "config": experiment.experiment(), "valid": None,
+                    "imported_from": str(src)}
+            backend.save(meta, None)
+        finally:
+            backend.close()
+        rundir.write_json_atomic(tmp / rundir.IMPORTED_FILE, {
+            "from": str(src), "format": MARIAN_FORMAT, "marian_config": hf, "marian_ids": ids,
+        })
+        if dst.exists():
+            shutil.rmtree(dst)
+        os.replace(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        if guard is not None:
+            guard.release()
+    return {"run_dir": str(dst), "backend": to, "from": str(src), "config": cfg}
+
+
+def marian_origin(run_dir: str | os.PathLike) -> dict[str, Any]:
+    """The Marian config and special ids an imported run came with (imported.json)."""
+    path = Path(run_dir) / rundir.IMPORTED_FILE
+    record = json.loads(path.read_text()) if path.is_file() else {}
+    if record.get("format") != MARIAN_FORMAT:
+        raise ValueError(f"{run_dir} was not imported from a Marian model (parity.convert --from marian): its "
+                         "vocabulary has no Marian numbering to export to")
+    return record
+
+
+def export_marian(run_dir: str | os.PathLike, params: Mapping[str, np.ndarray], cfg: TransformerConfig,
+                  dst: str | os.PathLike) -> Path:
+    """Weights `params` (our torch layout, e.g. a checkpoint of `run_dir`, imported from Marian and
+    perhaps fine-tuned) -> an HF Marian directory that `MarianMTModel.from_pretrained` and
+    `MarianTokenizer.from_pretrained` load."""
+    transformers = spm.require("transformers")
+    run_dir, dst = Path(run_dir), Path(dst)
+    record = marian_origin(run_dir)
+    hf_config = transformers.MarianConfig(**{k: v for k, v in record["marian_config"].items()
+                                             if k not in ("architectures", "transformers_version", "model_type")})
+    model = transformers.MarianMTModel(hf_config)
+    state = to_marian(params, cfg, record["marian_ids"])
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if "embed_positions" not in k and not _tied_in(model, k)]
+    if missing or unexpected:
+        raise CheckpointMismatchError(f"export to Marian: missing {missing}, unexpected {unexpected}")
+    dst.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(dst))
+    tokenizers = rundir.load_tokenizers(run_dir)
+    src_tok, tgt_tok = tokenizers.src, tokenizers.tgt
+    (dst / "source.spm").write_bytes(src_tok.model)
+    (dst / "target.spm").write_bytes(tgt_tok.model)
+    ids = record["marian_ids"]
+    src_inverse, tgt_inverse = (inverse_order(o) for o in side_orders(ids))
+    rundir.write_json_atomic(dst / "vocab.json", {src_tok.pieces[int(o)]: m for m, o in enumerate(src_inverse)})
+    if not cfg.share_embeddings:
+        rundir.write_json_atomic(dst / "target_vocab.json", {tgt_tok.pieces[int(o)]: m for m, o in enumerate(tgt_inverse)})
+    rundir.write_json_atomic(dst / "tokenizer_config.json", {
+        "tokenizer_class": "MarianTokenizer", "separate_vocabs": not cfg.share_embeddings, "model_max_length": cfg.max_len,
+    })
+    return dst
+
+
+def _tied_in(model, key: str) -> bool:
+    """`key` is tied to a parameter the state dict filled (the shared/decoder embeddings, lm_head)."""
+    return key in ("lm_head.weight", "model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight")

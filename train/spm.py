@@ -1,0 +1,146 @@
+"""SentencePiece tokenizers with a vocabulary of the run's own ids: the tokenizer kind of runs
+imported from a pretrained model (`python -m parity.convert --from marian`).
+
+A run trains byte-level BPE (`data.train_tokenizer`, a `tokenizers.Tokenizer`); a Marian model
+comes with its SentencePiece models (`source.spm`, `target.spm`) and a vocabulary (`vocab.json`)
+that maps their pieces to the model's embedding rows. `SentencePieceTokenizer` segments with one
+SentencePiece model and maps the pieces through such a list, ids in this project's numbering
+(the special ids of `torch_reference.config.SPECIAL_TOKENS`: pad 0, bos 1, eos 2, unk 3), and
+offers the few `tokenizers.Tokenizer` methods the run uses (`encode_batch`, `decode`,
+`get_vocab_size`, `id_to_token`, `token_to_id`), so batches, search, evaluation and attention
+plots read it like any other tokenizer.
+
+Encoding follows `transformers.MarianTokenizer`: a leading language code `>>xx<<` is one token,
+the rest is segmented by the SentencePiece model, pieces missing from the vocabulary become
+<unk>, and <eos> ends the sentence. Decoding drops the special ids and joins the pieces with a
+SentencePiece model (MarianTokenizer decodes with the source model when the vocabulary is shared,
+so `decode_model` may differ from `model`).
+
+In a run directory: `sentencepiece.json` (per side, the SentencePiece file names and the pieces by
+id) and the SentencePiece model files it names. The `sentencepiece` package is an optional
+extra, imported on first use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from torch_reference.config import EOS_ID, SPECIAL_TOKENS, UNK_ID
+
+SPM_TOKENIZER = "sentencepiece.json"
+INTEROP_INSTALL = 'pip install -e ".[interop]"'
+
+
+def require(module: str) -> Any:
+    """Import an optional package of the `interop` extra, or fail with one line naming the install."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ImportError(f"{module} is not installed; it comes with the interop extra: {INTEROP_INSTALL}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Encoding:
+    ids: list[int]
+
+
+class SentencePieceTokenizer:
+    """Segment with a SentencePiece model, map pieces to ids through `pieces` (id -> piece).
+
+    `model` and `decode_model` are serialized SentencePiece models (the bytes of a .spm file);
+    `pieces[:4]` are the special tokens' names (never produced by segmentation).
+    """
+
+    def __init__(self, model: bytes, pieces: Sequence[str], decode_model: bytes | None = None,
+                 model_name: str = "source.spm", decode_model_name: str | None = None):
+        spm = require("sentencepiece")
+        self.model, self.decode_model = bytes(model), bytes(decode_model if decode_model is not None else model)
+        self.model_name = model_name
+        self.decode_model_name = decode_model_name or model_name
+        self._encoder = spm.SentencePieceProcessor(model_proto=self.model)
+        self._decoder = self._encoder if self.decode_model == self.model else spm.SentencePieceProcessor(
+            model_proto=self.decode_model)
+        self.pieces = list(pieces)
+        if len(self.pieces) <= UNK_ID:
+            raise ValueError(f"a vocabulary needs the {len(SPECIAL_TOKENS)} special tokens first")
+        self._ids: dict[str, int] = {}
+        for i, piece in enumerate(self.pieces):
+            self._ids.setdefault(piece, i)  # a piece listed twice (a copied special row) maps to its first id
+
+    # The tokenizers.Tokenizer methods the run uses --------------------------------------------
+
+    def encode(self, text: str) -> Encoding:
+        code = []
+        if text.startswith(">>") and (end := text.find("<<")) != -1:  # a language code: one token
+            code, text = [text[: end + 2]], text[end + 2 :]
+        pieces = code + self._encoder.encode(text, out_type=str)
+        return Encoding([self._ids.get(p, UNK_ID) for p in pieces] + [EOS_ID])
+
+    def encode_batch(self, texts: Iterable[str]) -> list[Encoding]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        special = len(SPECIAL_TOKENS)
+        pieces = [self.pieces[i] for i in map(int, ids) if not (skip_special_tokens and i < special)]
+        return self._decoder.decode_pieces(pieces).replace("\u2581", " ").strip()
+
+    def get_vocab_size(self) -> int:
+        return len(self.pieces)
+
+    def id_to_token(self, i: int) -> str | None:
+        return self.pieces[i] if 0 <= i < len(self.pieces) else None
+
+    def token_to_id(self, piece: str) -> int | None:
+        return self._ids.get(piece)
+
+    # Files ---------------------------------------------------------------------------------
+
+    def describe(self) -> dict[str, Any]:
+        return {"model": self.model_name, "decode_model": self.decode_model_name, "pieces": self.pieces}
+
+
+def save(src: SentencePieceTokenizer, tgt: SentencePieceTokenizer, run_dir: str | os.PathLike, write_text) -> None:
+    """run_dir/sentencepiece.json and the SentencePiece model files it names (`write_text`: the
+    run directory's atomic writer, for the JSON)."""
+    run_dir = Path(run_dir)
+    for tok in (src, tgt):
+        for name, blob in ((tok.model_name, tok.model), (tok.decode_model_name, tok.decode_model)):
+            path = run_dir / name
+            if not path.is_file() or path.read_bytes() != blob:
+                tmp = path.with_name(f".{path.name}.tmp")
+                tmp.write_bytes(blob)
+                os.replace(tmp, path)
+    write_text(run_dir / SPM_TOKENIZER, json.dumps({"src": src.describe(), "tgt": tgt.describe()}, ensure_ascii=False))
+
+
+def files(run_dir: str | os.PathLike) -> list[str]:
+    """The names of the files of a run's SentencePiece tokenizers (sentencepiece.json first)."""
+    spec = json.loads((Path(run_dir) / SPM_TOKENIZER).read_text(encoding="utf-8"))
+    names = [SPM_TOKENIZER]
+    for side in ("src", "tgt"):
+        for key in ("model", "decode_model"):
+            if spec[side][key] not in names:
+                names.append(spec[side][key])
+    return names
+
+
+def load(run_dir: str | os.PathLike) -> tuple[SentencePieceTokenizer, SentencePieceTokenizer]:
+    """(source, target) tokenizers of run_dir/sentencepiece.json; ValueError when unreadable."""
+    run_dir = Path(run_dir)
+    try:
+        spec = json.loads((run_dir / SPM_TOKENIZER).read_text(encoding="utf-8"))
+        sides = []
+        for side in ("src", "tgt"):
+            s = spec[side]
+            blob = (run_dir / s["model"]).read_bytes()
+            decode_blob = (run_dir / s["decode_model"]).read_bytes()
+            sides.append(SentencePieceTokenizer(blob, s["pieces"], decode_blob, s["model"], s["decode_model"]))
+    except (OSError, KeyError, TypeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{run_dir / SPM_TOKENIZER} is not a readable SentencePiece tokenizer ({err})") from None
+    return sides[0], sides[1]
