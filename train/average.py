@@ -80,7 +80,7 @@ def average_run(src: str | os.PathLike, dst: str | os.PathLike, last: int = 5, o
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        for name in (*rundir.TOKENIZER_FILES, rundir.MODEL_FILE, rundir.CONFIG_FILE):
+        for name in (*rundir.tokenizer_files(src), rundir.MODEL_FILE, rundir.CONFIG_FILE):
             if (src / name).is_file():
                 shutil.copyfile(src / name, tmp / name)
         writer = create_backend(cfg, model_cfg, str(tmp / rundir.CHECKPOINTS))

@@ -45,15 +45,8 @@ from .backend import Backend, CheckpointError, create_backend
 from .config import ExperimentConfig
 
 CONFIG_FILE, MODEL_FILE, RESULTS_FILE, PROVENANCE_FILE = "config.json", "model.json", "results.json", "converted.json"
-    tokenizer.json         or src_tokenizer.json + tgt_tokenizer.json (BPE trained by the run), or
-    sentencepiece.json     + its SentencePiece models (an imported model's tokenizers: train.spm)
-    checkpoints/<step>/    the backend's checkpoints (newest N plus the best by validation BLEU),
-                           each with digest.json: the SHA-256 of every file, checked on load
-    tensorboard/           event files
-    results.json           final metrics, written at the end
-    converted.json         where a converted run came from (parity.convert --run-dir)
-    averaged.json          which checkpoints an averaged run holds the mean of (train.average)
-    imported.json          the pretrained model an imported run came from (parity.convert --from marian)
+AVERAGED_FILE = "averaged.json"
+IMPORTED_FILE = "imported.json"  # a pretrained model's origin and original numbering (parity.convert --from)
 CHECKPOINTS, TENSORBOARD = "checkpoints", "tensorboard"
 JOINT_TOKENIZER, SRC_TOKENIZER, TGT_TOKENIZER = "tokenizer.json", "src_tokenizer.json", "tgt_tokenizer.json"
 TOKENIZER_FILES = (JOINT_TOKENIZER, SRC_TOKENIZER, TGT_TOKENIZER)  # with tokenizer_files(): the spm kind's too
@@ -196,15 +189,11 @@ def load_tokenizers(run_dir: str | Path, joint: bool | None = None) -> data.Toke
     file is named as the one the run needs; None: whichever is there. FileNotFoundError when
     there is none, ValueError when one cannot be read."""
     run_dir = Path(run_dir)
-    tokenizer.json         or src_tokenizer.json + tgt_tokenizer.json (BPE trained by the run), or
-    sentencepiece.json     + its SentencePiece models (an imported model's tokenizers: train.spm)
-    checkpoints/<step>/    the backend's checkpoints (newest N plus the best by validation BLEU),
-                           each with digest.json: the SHA-256 of every file, checked on load
-    tensorboard/           event files
-    results.json           final metrics, written at the end
-    converted.json         where a converted run came from (parity.convert --run-dir)
-    averaged.json          which checkpoints an averaged run holds the mean of (train.average)
-    imported.json          the pretrained model an imported run came from (parity.convert --from marian)
+    if (run_dir / spm.SPM_TOKENIZER).is_file():
+        return data.Tokenizers(*spm.load(run_dir))
+    if joint is None:
+        joint = (run_dir / JOINT_TOKENIZER).is_file()
+    if joint:
         tokenizer = _read_tokenizer(run_dir / JOINT_TOKENIZER)
         return data.Tokenizers(tokenizer, tokenizer)
     return data.Tokenizers(*(_read_tokenizer(run_dir / name) for name in (SRC_TOKENIZER, TGT_TOKENIZER)))
