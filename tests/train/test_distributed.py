@@ -154,21 +154,24 @@ def assert_params_close(results, run: str, reference: str) -> None:
     actual, expected = _params(results, run), _params(results, reference)
     assert actual.keys() == expected.keys() and expected
     flat = [np.concatenate([d[k].ravel() for k in sorted(d)]) for d in (actual, expected)]
-    # Measured 5.2e-7: float32 rounding of differently ordered gradient sums (see REL).
+    # Measured 5.2e-7 on the old corpus, 4.4e-5 after 12 steps on the corpus spread over every
+    # band: float32 rounding of differently ordered gradient sums, amplified as below (see REL).
     assert np.linalg.norm(flat[0] - flat[1]) / np.linalg.norm(flat[1]) < REL
     # Measured up to 8.9e-6, in the query/key kernels: softmax ignores a shift shared by all keys
     # of a query, so some directions of those kernels get a gradient of 0 plus rounding noise,
     # which Adam (dividing by |g|) turns into steps of up to the learning rate (~0.09 here).
-    # 5e-5 is still ~1/2000 of one such step, far below any real difference.
+    # 5e-4 is still ~1/200 of one such step, far below any real difference.
     for name in expected:
-        np.testing.assert_allclose(actual[name], expected[name], rtol=0, atol=5e-5, err_msg=name)
+        np.testing.assert_allclose(actual[name], expected[name], rtol=0, atol=5e-4, err_msg=name)
 
 
 # The losses: 8 devices sum the gradient over 8 partial sums (an all-reduce) where 1 device sums
 # over the whole batch at once, so only float32 rounding differs (~1e-7 per reduction) and the
-# losses of 20 steps agree to 2.6e-7 relative (measured). 1e-6 still fails on any real difference
-# (a lost device's gradient, an unscaled mean or another dropout mask changes them by >1e-2).
-REL = 1e-6
+# losses of 20 steps agreed to 2.6e-7 relative on the old corpus; on the corpus spread over every
+# band (more short sentences, several bucket shapes) they drift to 1.7e-5 by step 10 (measured,
+# the same for FSDP: tests/train/test_fsdp.py). 1e-4 still fails on any real difference (a lost
+# device's gradient, an unscaled mean or another dropout mask changes them by >1e-2).
+REL = 1e-4
 
 
 def test_eight_devices_train_like_one(parity):
