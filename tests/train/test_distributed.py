@@ -160,9 +160,10 @@ def assert_params_close(results, run: str, reference: str) -> None:
     # Measured up to 8.9e-6, in the query/key kernels: softmax ignores a shift shared by all keys
     # of a query, so some directions of those kernels get a gradient of 0 plus rounding noise,
     # which Adam (dividing by |g|) turns into steps of up to the learning rate (~0.09 here).
-    # 5e-4 is still ~1/200 of one such step, far below any real difference.
+    # On the corpus spread over every band: up to 6.6e-4 (a cross-attention key kernel, measured).
+    # 2e-3 is still ~1/45 of one such step, far below any real difference.
     for name in expected:
-        np.testing.assert_allclose(actual[name], expected[name], rtol=0, atol=5e-4, err_msg=name)
+        np.testing.assert_allclose(actual[name], expected[name], rtol=0, atol=2e-3, err_msg=name)
 
 
 # The losses: 8 devices sum the gradient over 8 partial sums (an all-reduce) where 1 device sums
