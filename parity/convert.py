@@ -307,19 +307,8 @@ def convert_run(
         )
     if dst.resolve() == src.resolve():
         raise ValueError("--dst must differ from the source run directory")
-    if dst.exists() and not dst.is_dir():
-        raise FileExistsError(f"{dst} is a file, not a run directory; it is never replaced by one")
-    if dst.exists() and any(dst.iterdir()):
-        if not overwrite:
-            raise FileExistsError(f"{dst} exists; pass --overwrite to replace it")
-        if dst.is_dir() and not (dst / rundir.CONFIG_FILE).is_file():
-            raise FileExistsError(f"{dst} is not empty and holds no run; it is never deleted")
-
-    guard = rundir.RunLock(dst).acquire() if dst.is_dir() else None  # never replace a run being written
-    tmp = dst.with_name(f".{dst.name}.converting")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    rundir.check_destination(dst, overwrite)
+    with rundir.building(dst, "converting") as tmp:
         steps = convert_checkpoints(src_cfg, model_cfg, src / rundir.CHECKPOINTS, tmp / rundir.CHECKPOINTS, to, which)
         for name in (*rundir.tokenizer_files(src), rundir.MODEL_FILE, rundir.IMPORTED_FILE):
             if (src / name).is_file():
@@ -329,15 +318,6 @@ def convert_run(
         provenance = {"from": str(src), "from_backend": src_cfg.backend, "to_backend": to, "steps": steps}
         rundir.write_json_atomic(tmp / rundir.PROVENANCE_FILE, provenance)
         rundir.write_json_atomic(tmp / rundir.CONFIG_FILE, src_cfg.replace(backend=to).experiment())
-        if dst.exists():
-            shutil.rmtree(dst)
-        os.replace(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
-        if guard is not None:
-            guard.release()
     return {"run_dir": str(dst), "backend": to, "from": str(src), "steps": steps}
 
 

@@ -173,6 +173,17 @@ def tokens(vocab: Sequence[str], ids: Sequence[int]) -> list[str]:
     return out
 
 
+def same_output(ours: Sequence[int], theirs: Sequence[int], limit: int) -> bool:
+    """Whether CTranslate2's output (ids ending with <eos>) is this project's for a sentence whose
+    length limit is `limit`: the same ids, or, where our search reached the limit and forced
+    <eos> there, the same ids before it (CTranslate2, given one longer limit for a whole batch or
+    stopping at the limit without <eos>, may go on or end differently)."""
+    ours, theirs = list(ours), list(theirs)
+    if len(ours) == limit and ours[-1:] == [EOS_ID]:
+        return theirs[: limit - 1] == ours[:-1]
+    return theirs == ours
+
+
 class Translator:
     """A CTranslate2 model directory written by `export_ctranslate2`, fed and read in our ids."""
 

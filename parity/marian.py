@@ -43,7 +43,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -366,16 +365,8 @@ def import_marian(
     src_tok, tgt_tok, ids = marian_tokenizers(src, hf)
     params = from_marian(state, cfg, ids)
     experiment = experiment_for(cfg, to, train, valid, test).replace(run_dir=str(dst)).resolve()
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
-        if not overwrite:
-            raise FileExistsError(f"{dst} exists; pass --overwrite to replace it")
-        if dst.is_dir() and not (dst / rundir.CONFIG_FILE).is_file():
-            raise FileExistsError(f"{dst} is not empty and holds no run; it is never deleted")
-    guard = rundir.RunLock(dst).acquire() if dst.is_dir() else None
-    tmp = dst.with_name(f".{dst.name}.converting")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    rundir.check_destination(dst, overwrite)
+    with rundir.building(dst, "converting") as tmp:
         rundir.write_json_atomic(tmp / rundir.CONFIG_FILE, experiment.experiment())
         rundir.write_json_atomic(tmp / rundir.MODEL_FILE, cfg.to_dict())
         rundir.save_tokenizers(rundir.data.Tokenizers(src_tok, tgt_tok), tmp)
@@ -391,15 +382,6 @@ def import_marian(
         rundir.write_json_atomic(tmp / rundir.IMPORTED_FILE, {
             "from": str(src), "format": MARIAN_FORMAT, "marian_config": hf, "marian_ids": ids,
         })
-        if dst.exists():
-            shutil.rmtree(dst)
-        os.replace(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
-        if guard is not None:
-            guard.release()
     return {"run_dir": str(dst), "backend": to, "from": str(src), "config": cfg}
 
 

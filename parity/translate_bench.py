@@ -13,9 +13,11 @@ same algorithm on the same weights.
 With --ctranslate2 (the `interop` extra) the run is also exported to CTranslate2 in float32 and in
 int8 (parity.ctranslate2) and timed on the same batches, greedy and with --beam, on the CPU with
 as many threads as torch: rows "ctranslate2 float32" and "ctranslate2 int8", their outputs
-compared with torch cached search's too (greedy float32: 0 expected but for sentences that reach
-their length limit, where this project forces <eos>; beam: CTranslate2 normalises by
-length ** alpha, not GNMT's penalty), and the BLEU of int8's translations against float32's.
+compared with torch cached search's too (a sentence our search ends at its own length limit by a
+forced <eos>, where CTranslate2 has one limit per batch, counts as the same when the tokens before
+it are: `ctranslate2.same_output`; greedy float32: 0 differences expected; beam: CTranslate2
+normalises by length ** alpha, not GNMT's penalty), and the BLEU of int8's translations against
+float32's.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from train import data
 from train.backend import create_backend
 from train.rundir import Run, UserError, open_run, write_text_atomic
 from train.rundir import json_text
-from train.config import non_negative_float, positive_int
+from train.config import positive_int
 from train.translate import add_run_arguments, read_lines
 
 from .convert import convert_state
@@ -114,6 +116,11 @@ def _ctranslate2_rows(run: Run, state, batches, beam_size: int, alpha: float, ti
 
     params = convert_state(state, "torch", run.model_config).params
     threads = torch.get_num_threads()  # as many as torch's cached search uses
+    limits = [0] * len(reference[1])  # each sentence's own limit, as our search applies it
+    for index, src in batches:
+        for row in np.flatnonzero(index >= 0):
+            length = int((src[row] != data.PAD_ID).sum())
+            limits[index[row]] = output_length(length, run.model_config.max_len, 1.5, 10)
     rows, texts = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         for kind in ("float32", "int8"):
@@ -129,7 +136,8 @@ def _ctranslate2_rows(run: Run, state, batches, beam_size: int, alpha: float, ti
                 rows.append({
                     "search": f"ctranslate2 {kind}", "beam": beam, "seconds": seconds,
                     "tokens": int(sum(len(out) for out in outputs)),
-                    "differ": sum(_trim(a) != _trim(b) for a, b in zip(outputs, reference[beam])),
+                    "differ": sum(not ct2.same_output(_trim(ref), out, limit)
+                                  for out, ref, limit in zip(outputs, reference[beam], limits)),
                 })
     for row in rows:
         if row["search"] == "ctranslate2 int8":
@@ -148,7 +156,6 @@ def main(argv: list[str] | None = None) -> int:
     add_run_arguments(parser)
     parser.add_argument("--input", type=Path, help="text file, one source sentence per line (plain or .gz); default: stdin")
     parser.add_argument("--batch-size", type=positive_int, help="at most N sentences per batch; default: the run's --token-budget")
-    parser.add_argument("--alpha", type=non_negative_float, default=0.6, help="length penalty exponent of ((5+len)/6)^alpha (default 0.6)")
     parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
     parser.add_argument("--ctranslate2", action="store_true", help="also time the run exported to CTranslate2 in "
                         "float32 and int8 (needs the interop extra: pip install -e \".[interop]\")")

@@ -50,11 +50,7 @@ def average_run(src: str | os.PathLike, dst: str | os.PathLike, last: int = 5, o
     cfg, model_cfg = rundir.read_experiment(src), rundir.read_model_config(src)
     if dst.resolve() == src.resolve():
         raise rundir.UserError("--dst must differ from --run-dir: the averaged run is a new run directory")
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
-        if not overwrite:
-            raise rundir.UserError(f"{dst} exists; pass --overwrite to replace it")
-        if not (dst / rundir.CONFIG_FILE).is_file():
-            raise rundir.UserError(f"{dst} is not empty and holds no run; it is never deleted")
+    rundir.check_destination(dst, overwrite)
 
     reader = create_backend(cfg, model_cfg, str(src / rundir.CHECKPOINTS))
     try:
@@ -75,11 +71,7 @@ def average_run(src: str | os.PathLike, dst: str | os.PathLike, last: int = 5, o
         reader.close()
     averaged = average_states(states)
 
-    guard = rundir.RunLock(dst).acquire() if dst.is_dir() else None  # never replace a run being written
-    tmp = dst.with_name(f".{dst.name}.averaging")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with rundir.building(dst, "averaging") as tmp:
         for name in (*rundir.tokenizer_files(src), rundir.MODEL_FILE, rundir.CONFIG_FILE):
             if (src / name).is_file():
                 shutil.copyfile(src / name, tmp / name)
@@ -91,15 +83,6 @@ def average_run(src: str | os.PathLike, dst: str | os.PathLike, last: int = 5, o
             writer.close()
         summary = {"run_dir": str(dst), "from": str(src), "averaged_steps": steps, "step": steps[-1]}
         rundir.write_json_atomic(tmp / rundir.AVERAGED_FILE, summary)
-        if dst.exists():
-            shutil.rmtree(dst)
-        os.replace(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
-        if guard is not None:
-            guard.release()
     return summary
 
 
@@ -117,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         summary = average_run(args.run_dir, args.dst, args.last, args.overwrite)
-    except rundir.UserError as err:
+    except (rundir.UserError, FileExistsError) as err:
         parser.exit(1, f"error: {err}\n")
     print(f"averaged steps {', '.join(map(str, summary['averaged_steps']))} of {args.run_dir} into {args.dst} "
           f"(step {summary['step']})")

@@ -38,13 +38,14 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from . import data
+from . import curves, data
 from .backend import Backend, CheckpointError, Topology, create_backend, initialize
 from .config import ExperimentConfig
 from .evaluate import EvaluationStopped, bands_text, evaluate_pairs
 from .rundir import (
-    CHECKPOINTS, RESULTS_FILE, TENSORBOARD, UserError, check_checkpoint_config, claim_run_dir, follow_run_dir,
-    finite_values, load_splits, load_tokenizers, lock_run_dir, prepare_run_dir, read_json, write_json_atomic,
+    CHECKPOINTS, CURVES_FILE, RESULTS_FILE, TENSORBOARD, UserError, check_checkpoint_config, claim_run_dir,
+    follow_run_dir, finite_values, load_splits, load_tokenizers, lock_run_dir, prepare_run_dir, read_json,
+    write_json_atomic,
 )
 
 
@@ -233,6 +234,7 @@ def _train_locked(cfg: ExperimentConfig, topology: Topology, started: float) -> 
         backend.close()
     if main:
         write_json_atomic(run_dir / RESULTS_FILE, results)
+        curves.plot_curves(results["history"], run_dir / CURVES_FILE, curves.run_title(results))
     print(_summary_line(results), flush=True)
     return results
 
@@ -288,8 +290,9 @@ def _log_window(cfg, step: int, values: list[dict[str, float]], tokens: int, ela
         "grad_norm": values[-1]["grad_norm"],
         "tokens_per_s": tokens / max(elapsed, 1e-9),  # target tokens
     }
-    log.train.append(entry)
     log.time_s, log.tokens = log.time_s + elapsed, log.tokens + tokens
+    entry["train_time_s"] = log.time_s  # seconds in training steps so far, for curves against time
+    log.train.append(entry)
     for offset, v in enumerate(values):
         for key in ("loss", "nll", "lr", "grad_norm"):
             writer.add_scalar(f"train/{key}", v[key], step - len(values) + 1 + offset)
@@ -303,7 +306,8 @@ def _log_window(cfg, step: int, values: list[dict[str, float]], tokens: int, ela
 
 
 def _log_evaluation(step: int, evaluated: dict[str, Any], log: _Log, writer) -> None:
-    log.valid.append({"step": step, **_eval_summary(evaluated)})
+    # train_time_s: seconds spent training up to this evaluation (evaluations excluded), for curves
+    log.valid.append({"step": step, "train_time_s": log.time_s, **_eval_summary(evaluated)})
     for key in ("loss", "ppl", "bleu", "chrf", "exact_match"):
         writer.add_scalar(f"valid/{key}", evaluated[key], step)
     _say(
@@ -446,7 +450,7 @@ def _fit(cfg: ExperimentConfig, backend: Backend, batcher: data.Batcher, tokeniz
 def _finish(cfg, backend, tokenizers, splits, writer, log: _Log, started: float) -> dict[str, Any]:
     """Final validation (unless the last step just ran it) and test evaluation; the results dict."""
     if log.valid and log.valid[-1]["step"] == backend.step:
-        valid = log.valid[-1]
+        valid = {k: v for k, v in log.valid[-1].items() if k != "train_time_s"}  # history's own field
     else:  # a resumed run that had nothing left to train
         valid = {"step": backend.step, **_eval_summary(_evaluate(cfg, backend, tokenizers, splits.valid, 0))}
     test = None

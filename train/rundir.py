@@ -10,6 +10,7 @@ A run directory holds:
                            each with digest.json: the SHA-256 of every file, checked on load
     tensorboard/           event files
     results.json           final metrics, written at the end
+    curves.png             learning curves from results.json's history (train.curves)
     converted.json         where a converted run came from (parity.convert --run-dir)
     averaged.json          which checkpoints an averaged run holds the mean of (train.average)
     imported.json          the pretrained model an imported run came from (parity.convert --from marian)
@@ -21,6 +22,7 @@ loaded. `choose_checkpoint` is the one rule for "latest", "best" and a step numb
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import fcntl
@@ -32,7 +34,7 @@ import re
 import shutil
 import socket
 import sys
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,7 @@ from .config import ExperimentConfig
 
 CONFIG_FILE, MODEL_FILE, RESULTS_FILE, PROVENANCE_FILE = "config.json", "model.json", "results.json", "converted.json"
 AVERAGED_FILE = "averaged.json"
+CURVES_FILE = "curves.png"  # learning curves, drawn at the end of a run (train.curves)
 IMPORTED_FILE = "imported.json"  # a pretrained model's origin and original numbering (parity.convert --from)
 CHECKPOINTS, TENSORBOARD = "checkpoints", "tensorboard"
 JOINT_TOKENIZER, SRC_TOKENIZER, TGT_TOKENIZER = "tokenizer.json", "src_tokenizer.json", "tgt_tokenizer.json"
@@ -269,6 +272,41 @@ class RunLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def check_destination(dst: Path, overwrite: bool) -> None:
+    """Refuse, before any work, a destination run directory whose replacement would lose something:
+    a file, a directory holding files but no run, or a run without `overwrite`. Raises FileExistsError."""
+    if dst.exists() and not dst.is_dir():
+        raise FileExistsError(f"{dst} is a file, not a run directory; it is never replaced by one")
+    if dst.exists() and any(dst.iterdir()):
+        if not overwrite:
+            raise FileExistsError(f"{dst} exists; pass --overwrite to replace it")
+        if not (dst / CONFIG_FILE).is_file():
+            raise FileExistsError(f"{dst} is not empty and holds no run; it is never deleted")
+
+
+@contextlib.contextmanager
+def building(dst: Path, what: str) -> Iterator[Path]:
+    """Build a new run directory in a temporary directory beside `dst` (`.NAME.WHAT`), yielded; when
+    the block ends normally it replaces `dst` by a rename, and on any error (Ctrl-C included) it is
+    removed, so an interrupted conversion, import or average leaves `dst` as it was. `dst`'s lock is
+    held meanwhile: a run being trained is never replaced. Call `check_destination` first."""
+    guard = RunLock(dst).acquire() if dst.is_dir() else None
+    tmp = dst.with_name(f".{dst.name}.{what}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        if dst.exists():
+            shutil.rmtree(dst)
+        os.replace(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        if guard is not None:
+            guard.release()
 
 
 # ----------------------------------------------------------------------------------------------

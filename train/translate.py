@@ -54,7 +54,7 @@ def translate_texts(
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    """--run-dir, --checkpoint and --beam, shared by translate and evaluate."""
+    """--run-dir, --checkpoint, --beam and --alpha, shared by translate, evaluate and parity.translate_bench."""
     parser.add_argument(
         "--run-dir", required=True, type=Path, help="the run directory (holds config.json, tokenizer, checkpoints/)"
     )
@@ -62,6 +62,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "--checkpoint", default="best", help="'best' (by validation BLEU, the default), 'latest', or a step number"
     )
     parser.add_argument("--beam", type=positive_int, default=4, help="beam size (default 4; 1 = greedy search)")
+    parser.add_argument("--alpha", type=non_negative_float, default=0.6,
+                        help="beam search's length penalty: scores divided by ((5+len)/6)^alpha (GNMT; default 0.6)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,7 +82,6 @@ def main(argv: list[str] | None = None) -> int:
         "--batch-size", type=positive_int,
         help="at most N sentences per batch; default: as many as the run's --token-budget",
     )
-    parser.add_argument("--alpha", type=non_negative_float, default=0.6, help="length penalty exponent of ((5+len)/6)^alpha (default 0.6)")
     parser.add_argument(
         "--plot-attention", type=Path, metavar="DIR",
         help="also write each sentence's cross-attention heatmaps to DIR (created): NNNN.png for input line N (the "

@@ -20,6 +20,8 @@ from train.config import ExperimentConfig
 
 pytest.importorskip("ctranslate2")
 
+from parity.ctranslate2 import same_output  # noqa: E402 (after the skip: the module needs the extra)
+
 FAST = dict(numbers_train=1500, numbers_valid=40, numbers_test=40, max_len=16, token_budget=512,
             model={"num_encoder_layers": 1, "num_decoder_layers": 1}, progress=False, samples=0)
 
@@ -72,6 +74,16 @@ def test_float32_greedy_is_token_identical_to_our_search(trained):
             assert other[: len(mine) - 1] == mine[:-1]
         else:
             assert other == mine
+        assert same_output(mine, other, len(mine) if forced else len(mine) + 1)
+
+
+def test_same_output_forgives_only_a_forced_eos():
+    eos = data.EOS_ID
+    assert same_output([5, 6, eos], [5, 6, eos], limit=3)  # identical
+    assert same_output([5, 6, eos], [5, 6, 7, 8, eos], limit=3)  # forced at the limit; CT2 went on
+    assert same_output([5, 6, eos], [5, 6], limit=3)  # CT2 stopped at the limit without <eos>
+    assert not same_output([5, 6, eos], [5, 7, eos], limit=3)  # differs before the limit
+    assert not same_output([5, 6, eos], [5, 6, 7, eos], limit=4)  # ended by the model, not the limit
 
 
 def test_beam_4_and_int8_agreement_reported(trained, capsys):

@@ -78,6 +78,30 @@ def test_short_run_learns_and_writes_results(short_run, capsys):
     })
 
 
+def test_learning_curves(short_run, tmp_path, capsys):
+    """Every run draws curves.png; train.curves redraws it from results.json."""
+    from matplotlib.image import imread
+
+    from train import curves
+
+    cfg, results = short_run
+    drawn = imread(Path(cfg.run_dir) / rundir.CURVES_FILE)
+    assert drawn.shape == (700, 1100, 4)  # figsize 11 x 7 inches at 100 dpi
+    # Training time per entry: cumulative, increasing, and ending at the run's total.
+    for entries in (results["history"]["train"], results["history"]["valid"]):
+        times = [e["train_time_s"] for e in entries]
+        assert times == sorted(times) and times[0] > 0
+    assert results["history"]["train"][-1]["train_time_s"] == pytest.approx(results["train"]["time_s"])
+    capsys.readouterr()
+    assert curves.main(["--run-dir", cfg.run_dir, "--out", str(tmp_path / "c.png")]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["train_points"], report["valid_points"]) == (6, 6)
+    assert (imread(tmp_path / "c.png") == drawn).all()  # the same history draws the same picture
+    with pytest.raises(SystemExit) as exited:
+        curves.main(["--run-dir", str(tmp_path)])
+    assert exited.value.code == 1 and "no finished run" in capsys.readouterr().err
+
+
 def test_translate_and_evaluate_a_run(short_run, capsys):
     cfg, results = short_run
     run = rundir.open_run(cfg.run_dir, "latest")
@@ -94,6 +118,7 @@ def test_translate_and_evaluate_a_run(short_run, capsys):
     assert evaluate.main(["--run-dir", cfg.run_dir, "--data", "numbers:test", "--checkpoint", "latest"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["step"] == 60 and report["bleu"] == pytest.approx(results["test"]["bleu"], abs=1e-9)
+    assert (report["beam"], report["alpha"]) == (4, 0.6)  # the search it scored, as in train.run
     assert report["exact_match"] == pytest.approx(results["test"]["exact_match"]) and "bleu_lc" not in report
     assert report["bands"] == results["test"]["bands"] and report["sentences"] == 40
 

@@ -1,0 +1,94 @@
+"""Learning curves of a run: `python -m train.curves --run-dir RUN [--out PNG]`.
+
+One PNG with four panels from the run's `results.json` history (the whole run's, across
+resumes): training and validation loss against optimizer steps, validation BLEU against steps,
+and the same two against training time (seconds spent in training steps, evaluations and saves
+excluded, so that a run interrupted and resumed plots on one time axis). `train.run` writes it to
+`RUN/curves.png` at the end of every run (TensorBoard shows the same scalars while it trains);
+this command redraws it, to another file with --out. Plots use matplotlib's Agg canvas (no display, no pyplot state).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from .rundir import CURVES_FILE, RESULTS_FILE, json_text
+
+
+def plot_curves(history: dict[str, Any], path: str | Path, title: str = "") -> Path:
+    """Draw `history` ({"train": [...], "valid": [...]} as in results.json) to the PNG `path`.
+
+    Panels against time are left empty (with a note) where the history holds no training time.
+    """
+    train, valid = history.get("train") or [], history.get("valid") or []
+    fig = Figure(figsize=(11, 7), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(2, 2)
+    for row, (x_key, x_label) in enumerate([("step", "optimizer steps"), ("train_time_s", "training time (min)")]):
+        scale = 1 / 60 if x_key == "train_time_s" else 1
+        loss_ax, bleu_ax = axes[row]
+        for entries, label, style in [(train, "train loss (label smoothed)", "-"), (valid, "validation loss", "o-")]:
+            points = [(e[x_key] * scale, e["loss"]) for e in entries if e.get(x_key) is not None
+                      and e.get("loss") is not None]
+            if points:
+                loss_ax.plot(*zip(*points), style, label=label, markersize=4)
+        bleu = [(e[x_key] * scale, e["bleu"]) for e in valid if e.get(x_key) is not None and e.get("bleu") is not None]
+        if bleu:
+            bleu_ax.plot(*zip(*bleu), "o-", color="tab:green", markersize=4)
+            bleu_ax.margins(y=0.15)  # room for the best score's label
+            best = max(bleu, key=lambda p: p[1])
+            bleu_ax.annotate(f"{best[1]:.2f}", best, textcoords="offset points", xytext=(0, 6), ha="center")
+        loss_ax.set(xlabel=x_label, ylabel="loss per target token")
+        bleu_ax.set(xlabel=x_label, ylabel="validation BLEU (sacreBLEU)")
+        if loss_ax.lines:
+            loss_ax.legend()
+        else:
+            loss_ax.text(0.5, 0.5, f"no {x_label} in this run's history", transform=loss_ax.transAxes, ha="center")
+        for ax in (loss_ax, bleu_ax):
+            ax.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title)
+    path = Path(path)
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def run_title(results: dict[str, Any]) -> str:
+    """The heading of a run's curves: backend, model size, dropout, steps and training data."""
+    model, config = results.get("model") or {}, results.get("config") or {}
+    data = config.get("train") or "numbers corpus"
+    return (f"{results.get('backend', '?')}: d_model {model.get('d_model', '?')}, "
+            f"{model.get('num_encoder_layers', '?')}+{model.get('num_decoder_layers', '?')} layers, "
+            f"dropout {model.get('dropout', '?')}; {results.get('steps', '?')} steps on {data}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m train.curves",
+        description="Draw a run's learning curves (training and validation loss, validation BLEU, against steps "
+        "and training time) to a PNG from its results.json.",
+    )
+    parser.add_argument("--run-dir", required=True, metavar="DIR", help="run directory written by train.run")
+    parser.add_argument("--out", metavar="PNG", help=f"output file (default: RUN/{CURVES_FILE})")
+    args = parser.parse_args(argv)
+    run_dir = Path(args.run_dir)
+    try:
+        results = json.loads((run_dir / RESULTS_FILE).read_text())
+    except (OSError, ValueError) as err:
+        parser.exit(1, f"error: no finished run in {run_dir} ({err}); TensorBoard shows a run still training\n")
+    history = results.get("history") or {}
+    out = plot_curves(history, args.out or run_dir / CURVES_FILE, run_title(results))
+    print(json_text({"curves": str(out), "train_points": len(history.get("train") or []),
+                     "valid_points": len(history.get("valid") or [])}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
