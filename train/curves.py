@@ -53,8 +53,8 @@ def plot_curves(history: dict[str, Any], path: str | Path, title: str = "") -> P
             loss_ax.text(0.5, 0.5, f"no {x_label} in this run's history", transform=loss_ax.transAxes, ha="center")
         for ax in (loss_ax, bleu_ax):
             ax.grid(alpha=0.3)
-    if title:
-        fig.suptitle(title)
+    if title:  # a path with undecodable bytes (surrogate escapes) is shown with U+FFFD in their place
+        fig.suptitle(title.encode("utf-8", "surrogateescape").decode("utf-8", "replace"))
     path = Path(path)
     fig.savefig(path, dpi=100)
     return path

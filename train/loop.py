@@ -234,7 +234,10 @@ def _train_locked(cfg: ExperimentConfig, topology: Topology, started: float) -> 
         backend.close()
     if main:
         write_json_atomic(run_dir / RESULTS_FILE, results)
-        curves.plot_curves(results["history"], run_dir / CURVES_FILE, curves.run_title(results))
+        try:  # a picture that cannot be drawn never fails a finished run
+            curves.plot_curves(results["history"], run_dir / CURVES_FILE, curves.run_title(results))
+        except Exception as err:  # noqa: BLE001 (matplotlib's errors have no common base)
+            _say(f"warning: {CURVES_FILE} not drawn ({type(err).__name__}: {err})")
     print(_summary_line(results), flush=True)
     return results
 

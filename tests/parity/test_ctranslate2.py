@@ -135,5 +135,6 @@ def test_translate_bench_adds_ctranslate2_rows(trained, tmp_path, capsys):
             assert row["sentences"] == 12 and row["seconds"] > 0 and row["tokens"] >= 12
             assert 0 <= row["differ"] <= 12
             assert ("bleu_vs_float32" in row) == (kind == "int8")
-    assert 0 <= rows["ctranslate2 int8", 1]["bleu_vs_float32"] <= 100
+    # <= 100 up to float rounding: identical outputs score exp(mean(log 1.0)) * 100 = 100.00000000000004.
+    assert 0 <= rows["ctranslate2 int8", 1]["bleu_vs_float32"] <= 100 + 1e-9
     assert "ctranslate2 int8" in capsys.readouterr().out
