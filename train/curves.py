@@ -19,7 +19,7 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from .rundir import CURVES_FILE, RESULTS_FILE, json_text
+from .rundir import CURVES_FILE, RESULTS_FILE, UserError, check_output_file, json_text
 
 
 def plot_curves(history: dict[str, Any], path: str | Path, title: str = "") -> Path:
@@ -76,13 +76,17 @@ def main(argv: list[str] | None = None) -> int:
         "and training time) to a PNG from its results.json.",
     )
     parser.add_argument("--run-dir", required=True, metavar="DIR", help="run directory written by train.run")
-    parser.add_argument("--out", metavar="PNG", help=f"output file (default: RUN/{CURVES_FILE})")
+    parser.add_argument("--out", metavar="PNG", help=f"output file, replaced if it exists (default: RUN/{CURVES_FILE})")
     args = parser.parse_args(argv)
     run_dir = Path(args.run_dir)
     try:
         results = json.loads((run_dir / RESULTS_FILE).read_text())
     except (OSError, ValueError) as err:
         parser.exit(1, f"error: no finished run in {run_dir} ({err}); TensorBoard shows a run still training\n")
+    try:
+        check_output_file(args.out or run_dir / CURVES_FILE, "--out")
+    except UserError as err:
+        parser.exit(1, f"error: {err}\n")
     history = results.get("history") or {}
     out = plot_curves(history, args.out or run_dir / CURVES_FILE, run_title(results))
     print(json_text({"curves": str(out), "train_points": len(history.get("train") or []),

@@ -100,6 +100,9 @@ def test_learning_curves(short_run, tmp_path, capsys):
     with pytest.raises(SystemExit) as exited:
         curves.main(["--run-dir", str(tmp_path)])
     assert exited.value.code == 1 and "no finished run" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:  # a directory where the PNG would go: refused, nothing drawn
+        curves.main(["--run-dir", cfg.run_dir, "--out", str(tmp_path)])
+    assert exited.value.code == 1 and "is a directory; give a file name" in capsys.readouterr().err
 
 
 def test_translate_and_evaluate_a_run(short_run, capsys):
