@@ -16,10 +16,11 @@ from .model import (
     scaled_dot_product_attention,
     shift_right,
     sinusoidal_positions,
+    target_mask,
 )
 
 __all__ = [
     "TransformerConfig", "Transformer", "Encoder", "Decoder", "EncoderLayer", "DecoderLayer",
     "MultiHeadAttention", "FeedForward", "PositionalEncoding", "scaled_dot_product_attention",
-    "sinusoidal_positions", "padding_mask", "causal_mask", "shift_right",
+    "sinusoidal_positions", "padding_mask", "causal_mask", "target_mask", "shift_right",
 ]

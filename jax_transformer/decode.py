@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from torch_reference.config import SCORINGS
+
 from .matmul import cpu_tuned
 from .model import Transformer, padding_mask, shift_right
 
@@ -30,9 +32,9 @@ from .model import Transformer, padding_mask, shift_right
 NEG_INF = -1.0e9
 
 
-def length_penalty(length, alpha: float):
-    """GNMT's ((5 + length) / 6) ** alpha (Wu et al., 2016); scores are log-probability / penalty."""
-    return ((5.0 + length) / 6.0) ** alpha
+def length_penalty(length, alpha: float, scoring: str = "gnmt"):
+    """The divisor of a finished hypothesis's log-probability (`config.SCORINGS` says which)."""
+    return ((5.0 + length) / 6.0) ** alpha if scoring == "gnmt" else length ** alpha
 
 
 def output_length(src_len: int, max_len: int, max_len_a: float, max_len_b: int) -> int:
@@ -137,6 +139,11 @@ def _no_sentence(src_ids, pad_id: int):
     return (src_ids == pad_id).all(axis=1)
 
 
+def _check_scoring(scoring: str) -> None:
+    if scoring not in SCORINGS:
+        raise ValueError(f"scoring must be one of {', '.join(SCORINGS)}, got {scoring!r}")
+
+
 def _check_source(model: Transformer, src_ids) -> None:
     if src_ids.shape[1] > model.cfg.max_len:
         raise ValueError(
@@ -233,21 +240,22 @@ def _gather(x, index):
 
 
 def beam_search(model: Transformer, src_ids, beam_size: int = 4, alpha: float = 0.6,
-                max_len_a: float = 1.5, max_len_b: int = 10, cached: bool = True):
+                max_len_a: float = 1.5, max_len_b: int = 10, cached: bool = True, scoring: str = "gnmt"):
     """src_ids (B, S) -> (tokens (B, L), scores (B,)) of the best finished hypothesis per sentence.
 
     See `torch_reference.decode.beam_search` for the algorithm; here it is one compiled loop.
-    `cached=False`: no key/value cache.
+    `cached=False`: no key/value cache. `scoring`: one of SCORINGS.
     """
     _check_source(model, src_ids)
+    _check_scoring(scoring)
     return _beam_search(
-        model, jnp.asarray(src_ids, jnp.int32), beam_size, alpha, max_len_a, max_len_b, cached, _smallest_stage()
+        model, jnp.asarray(src_ids, jnp.int32), beam_size, alpha, max_len_a, max_len_b, cached, scoring, _smallest_stage()
     )
 
 
-@functools.partial(nnx.jit, static_argnums=(2, 3, 4, 5, 6, 7))
+@functools.partial(nnx.jit, static_argnums=(2, 3, 4, 5, 6, 7, 8))
 def _beam_search(model: Transformer, src_ids, beam_size: int, alpha: float, max_len_a: float, max_len_b: int,
-                 cached: bool, smallest_stage: int):
+                 cached: bool, scoring: str, smallest_stage: int):
     cfg = model.cfg
     B, S = src_ids.shape
     k, V = beam_size, cfg.tgt_vocab_size
@@ -256,6 +264,7 @@ def _beam_search(model: Transformer, src_ids, beam_size: int, alpha: float, max_
     src_mask = jnp.repeat(padding_mask(src_ids, cfg.pad_id), k, axis=0)  # (B*k, 1, 1, S)
     memory = jnp.repeat(model.encode(src_ids, padding_mask(src_ids, cfg.pad_id)), k, axis=0)
     cache = _init_cache(model, memory, length, cached)  # batch B*k, hypothesis-major per sentence
+    may_finish = jnp.arange(2 * k) < (k if scoring == "hf" else 2 * k)  # (2k,) candidate ranks
 
     def step(position, c):
         b = c["done"].shape[0]
@@ -270,9 +279,12 @@ def _beam_search(model: Transformer, src_ids, beam_size: int, alpha: float, max_
         parent, token = top_index // V, (top_index % V).astype(jnp.int32)
         top_tokens = _gather(c["live_tokens"], parent).at[:, :, position].set(token)  # (b, 2k, L)
         ends = token == cfg.eos_id
+        if scoring == "hf":  # HF's <eos> forced at the limit adds nothing (its processor sets that log-prob to 0)
+            must_end = (position + 1 >= c["limits"])[:, None]
+            top_logprob = jnp.where(must_end & ends, _gather(c["live_logprob"], parent), top_logprob)
 
         # Finished: the old ones and the new EOS candidates, the best k kept.
-        new_scores = jnp.where(ends, top_logprob / length_penalty(position + 1, alpha), NEG_INF)
+        new_scores = jnp.where(ends & may_finish, top_logprob / length_penalty(position + 1, alpha, scoring), NEG_INF)
         finished_scores, keep = jax.lax.top_k(jnp.concatenate([c["finished_scores"], new_scores], axis=1), k)
         finished_tokens = _gather(jnp.concatenate([c["finished_tokens"], top_tokens], axis=1), keep)
 
@@ -304,7 +316,7 @@ def _beam_search(model: Transformer, src_ids, beam_size: int, alpha: float, max_
         "memory": None if cached else per_sentence(memory),
         "src_mask": per_sentence(src_mask),
         "limits": limits,
-        "best_possible_penalty": length_penalty(limits.astype(jnp.float32), alpha),  # (B,)
+        "best_possible_penalty": length_penalty(limits.astype(jnp.float32), alpha, scoring),  # (B,)
         "no_sentence": _no_sentence(src_ids, cfg.pad_id),
         "done": _no_sentence(src_ids, cfg.pad_id),
     }

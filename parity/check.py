@@ -55,6 +55,9 @@ VARIANTS = {
     "shared-untied-output": {"tie_output": False},
     "separate-vocabularies-tied": {"share_embeddings": False},
     "no-attention-bias": {"attention_bias": False},
+    # HF Marian's (OPUS-MT): swish, sines then cosines, a logits bias, torch's eps, the decoder started by pad.
+    "marian": {"activation": "silu", "positions": "sinusoidal_halves", "output_bias": True, "layer_norm_eps": 1e-5,
+               "bos_id": 0},
 }
 
 

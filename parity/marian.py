@@ -255,10 +255,16 @@ def _tied_copy(state: Mapping[str, np.ndarray], key: str, used: set[str]) -> boo
                for u in used if u.endswith(("shared.weight", "embed_tokens.weight")))
 
 
-def to_marian(params: Mapping[str, np.ndarray], cfg: TransformerConfig, ids: Mapping[str, int]) -> dict[str, torch.Tensor]:
+def to_marian(params: Mapping[str, np.ndarray], cfg: TransformerConfig,
+              ids: Mapping[str, int] | None) -> dict[str, torch.Tensor]:
     """Our torch-layout parameters -> a MarianMTModel state dict (every key it loads; tied ones
-    written once, as `save_pretrained` would)."""
-    inverses = {side: inverse_order(order) for side, order in zip(("src", "tgt"), side_orders(ids))}
+    written once, as `save_pretrained` would). `ids`: the Marian special ids of an imported run
+    (rows permuted back, see the module doc), or None to keep our rows as they are, for a
+    MarianConfig with our ids (pad_token_id=pad_id, decoder_start_token_id=bos_id, eos_token_id=eos_id)."""
+    if ids is None:
+        inverses = {"src": np.arange(cfg.src_vocab_size), "tgt": np.arange(cfg.tgt_vocab_size)}
+    else:
+        inverses = {side: inverse_order(order) for side, order in zip(("src", "tgt"), side_orders(ids))}
     out = {}
     for key, value in params.items():
         value = np.asarray(value, dtype=np.float32)

@@ -50,7 +50,7 @@ def _trim(out) -> list[int]:
 
 
 def benchmark(run: Run, lines: Sequence[str], beam_size: int, batch_size: int | None, alpha: float = 0.6,
-              ctranslate2: bool = False) -> list[dict]:
+              ctranslate2: bool = False, scoring: str = "gnmt") -> list[dict]:
     """One row per search and beam: seconds, sentences/s, tokens/s, speed-ups, outputs that differ.
 
     JAX runs every batch once untimed first (jit compiles each batch shape there), torch and
@@ -81,7 +81,7 @@ def benchmark(run: Run, lines: Sequence[str], beam_size: int, batch_size: int | 
     for name, cached in (("torch", True), ("jax", True), ("torch", False)):
         search_name = f"{name} {'cached' if cached else 'uncached'}"
         for beam in sorted({1, beam_size}):
-            search = lambda src, b=backends[name], k=beam, c=cached: b.translate(src, k, alpha, cached=c)
+            search = lambda src, b=backends[name], k=beam, c=cached: b.translate(src, k, alpha, cached=c, scoring=scoring)
             seconds, outputs = timed(search, batches if name == "jax" else batches[:1])
             if search_name == REFERENCE:
                 reference[beam] = outputs
@@ -174,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
             require("ctranslate2")
         except ImportError as err:
             parser.exit(1, f"error: {err}\n")
-    rows = benchmark(run, sentences, args.beam, args.batch_size, args.alpha, ctranslate2=args.ctranslate2)
+    rows = benchmark(run, sentences, args.beam, args.batch_size, args.alpha, ctranslate2=args.ctranslate2,
+                     scoring=args.scoring)
     run.backend.close()
     machine = f"{platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} CPUs"
     print(f"{len(sentences)} sentences, {run.model_config.d_model}-wide {run.config.preset} model, {machine}")

@@ -29,6 +29,15 @@ SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(len(SPECIAL_TOKENS))
 
 
+# How a beam search scores and finishes hypotheses (`decode.beam_search` of either framework):
+# "gnmt" divides a finished hypothesis's log-probability by ((5 + length) / 6) ** alpha (Wu et al.,
+# 2016) and lets every EOS among the 2k best candidates finish; "hf" divides by length ** alpha,
+# lets only an EOS among the k best finish and counts an EOS forced at the length limit as
+# log-probability 0 (HF transformers' `generate(num_beams=k, length_penalty=alpha,
+# early_stopping="never")`, whose ForcedEOSTokenLogitsProcessor sets it so).
+SCORINGS = ("gnmt", "hf")
+
+
 @dataclasses.dataclass(frozen=True)
 class Range:
     """The values a numeric setting may take: `kind` int (bool refused) or float (finite; an int
@@ -126,6 +135,8 @@ class TransformerConfig:
     attention_dropout: float = 0.0
     max_len: int = 512
     pad_id: int = PAD_ID
+    # The decoder's start token. It may be the pad id (Marian starts its decoder with pad): the
+    # decoder never masks its start position (`target_mask`), and a search never emits either.
     bos_id: int = BOS_ID
     eos_id: int = EOS_ID
     # tensor2tensor (the paper's public code) uses 1e-6; torch.nn.LayerNorm defaults to 1e-5 and
@@ -165,8 +176,9 @@ class TransformerConfig:
                 f"and tgt_vocab_size={self.tgt_vocab_size}; set share_embeddings=False"
             )
         ids = {"pad_id": self.pad_id, "bos_id": self.bos_id, "eos_id": self.eos_id}
-        if len(set(ids.values())) != len(ids):
-            raise ValueError(f"the special token ids must differ, got {', '.join(f'{k}={v}' for k, v in ids.items())}")
+        if self.eos_id in (self.pad_id, self.bos_id):
+            raise ValueError("eos_id must differ from pad_id and bos_id (bos_id may equal pad_id), got "
+                             + ", ".join(f"{k}={v}" for k, v in ids.items()))
         for name, value in ids.items():
             if value >= min(self.src_vocab_size, self.tgt_vocab_size):
                 raise ValueError(f"{name}={value} must be below the vocabulary sizes "

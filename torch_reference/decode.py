@@ -21,15 +21,16 @@ import math
 import torch
 from torch import Tensor
 
+from .config import SCORINGS
 from .model import Transformer, padding_mask, shift_right
 
 # A finite "minus infinity": sums of it stay finite, so no inf - inf = NaN in the scores.
 NEG_INF = -1.0e9
 
 
-def length_penalty(length, alpha: float):
-    """GNMT's ((5 + length) / 6) ** alpha (Wu et al., 2016); scores are log-probability / penalty."""
-    return ((5.0 + length) / 6.0) ** alpha
+def length_penalty(length, alpha: float, scoring: str = "gnmt"):
+    """The divisor of a finished hypothesis's log-probability (`config.SCORINGS` says which)."""
+    return ((5.0 + length) / 6.0) ** alpha if scoring == "gnmt" else length ** alpha
 
 
 def output_length(src_len: int, max_len: int, max_len_a: float, max_len_b: int) -> int:
@@ -51,6 +52,11 @@ def _never_emitted(cfg, vocab):
 def _no_sentence(src_ids: Tensor, pad_id: int) -> Tensor:
     """(B,) True for source rows of padding only: done before the first step."""
     return (src_ids == pad_id).all(dim=1)
+
+
+def _check_scoring(scoring: str) -> None:
+    if scoring not in SCORINGS:
+        raise ValueError(f"scoring must be one of {', '.join(SCORINGS)}, got {scoring!r}")
 
 
 def _check_source(model: Transformer, src_ids: Tensor) -> None:
@@ -125,7 +131,7 @@ def _gather(x: Tensor, index: Tensor) -> Tensor:
 @torch.no_grad()
 def beam_search(
     model: Transformer, src_ids: Tensor, beam_size: int = 4, alpha: float = 0.6,
-    max_len_a: float = 1.5, max_len_b: int = 10, cached: bool = True,
+    max_len_a: float = 1.5, max_len_b: int = 10, cached: bool = True, scoring: str = "gnmt",
 ) -> tuple[Tensor, Tensor]:
     """src_ids (B, S) -> (tokens (B, L), scores (B,)) of the best finished hypothesis per sentence.
 
@@ -134,9 +140,10 @@ def beam_search(
     others to the live set. A sentence is done when its worst kept finished hypothesis beats the
     best score any live one could still reach (its log-prob over the largest penalty, as
     log-probs only fall); the search stops when every sentence is done. `cached=False`: no
-    key/value cache.
+    key/value cache. `scoring`: one of SCORINGS.
     """
     _check_source(model, src_ids)
+    _check_scoring(scoring)
     cfg = model.cfg
     B, S = src_ids.shape
     k, V = beam_size, cfg.tgt_vocab_size
@@ -148,7 +155,8 @@ def beam_search(
     decoder = _Decoder(model, memory, src_mask, length, cached)  # batch B*k, hypothesis-major per sentence
     not_eos = torch.arange(V, device=device) != cfg.eos_id  # (V,)
     never = _never_emitted(cfg, torch.arange(V, device=device))  # (V,) pad and bos
-    best_possible_penalty = length_penalty(limits.float(), alpha)  # (B,)
+    best_possible_penalty = length_penalty(limits.float(), alpha, scoring)  # (B,)
+    may_finish = torch.arange(2 * k, device=device) < (k if scoring == "hf" else 2 * k)  # (2k,) candidate ranks
     no_sentence = _no_sentence(src_ids, cfg.pad_id)  # (B,)
 
     live_tokens = torch.full((B, k, length), cfg.pad_id, dtype=torch.long, device=device)
@@ -169,9 +177,11 @@ def beam_search(
         top_tokens = _gather(live_tokens, parent)  # (B, 2k, L)
         top_tokens[:, :, position] = token
         ends = token == cfg.eos_id
+        if scoring == "hf":  # HF's <eos> forced at the limit adds nothing (its processor sets that log-prob to 0)
+            top_logprob = torch.where(must_end[:, :, 0] & ends, _gather(live_logprob, parent), top_logprob)
 
         # Finished: the old ones and the new EOS candidates, the best k kept.
-        new_scores = torch.where(ends, top_logprob / length_penalty(position + 1, alpha), NEG_INF)
+        new_scores = torch.where(ends & may_finish, top_logprob / length_penalty(position + 1, alpha, scoring), NEG_INF)
         finished_scores, keep = torch.cat([finished_scores, new_scores], dim=1).topk(k, dim=1)
         finished_tokens = _gather(torch.cat([finished_tokens, top_tokens], dim=1), keep)
 

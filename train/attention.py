@@ -83,12 +83,13 @@ def translate_with_attention(
     batch_size: int | None = None,
     beam_size: int = 4,
     alpha: float = 0.6,
+    scoring: str = "gnmt",
 ) -> tuple[list[str], list[SentenceAttention]]:
     """(`translate_texts`' translations, the attention of each non-empty line, in input order)."""
     src_ids = data.encode(tokenizers.src, list(texts))
     out, found = [""] * len(texts), []
     for index, src in data.source_batches(src_ids, max_len, token_budget, batch_size):
-        tokens = backend.translate(src, beam_size, alpha)  # (B, L)
+        tokens = backend.translate(src, beam_size, alpha, scoring=scoring)  # (B, L)
         hyps = data.decode_batch(tokenizers.tgt, tokens)
         outputs = [output_tokens(row) for row in tokens]
         # Teacher forcing: <bos> and every output token but the last, so that row t predicts token t;

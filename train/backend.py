@@ -73,12 +73,14 @@ class Backend(Protocol):
         """(smoothed loss sum, nll sum, target tokens) of one batch, dropout off, as device scalars
         that support `+`; `float()` of a sum reads it."""
 
-    def translate(self, src: np.ndarray, beam_size: int = 4, alpha: float = 0.6, cached: bool = True) -> np.ndarray:
+    def translate(self, src: np.ndarray, beam_size: int = 4, alpha: float = 0.6, cached: bool = True,
+                  scoring: str = "gnmt") -> np.ndarray:
         """Cached search (`decode.py` of the backend's framework), dropout off: src ids (B, S) ->
         target ids (B, L) ending with <eos> then <pad>; greedy when beam_size is 1. L and each
         sentence's length limit follow decode.output_length / sentence_limits (1.5 x source + 10,
         at most the model's max_len). Never emits <pad> or <bos>. `cached=False`: the same search
-        re-running the decoder over every prefix (the benchmark's baseline)."""
+        re-running the decoder over every prefix (the benchmark's baseline). `scoring`: how beams
+        are ranked, "gnmt" or "hf" (`decode.SCORINGS`)."""
 
     def learning_rate(self, step: int) -> float:
         """The learning rate of update number `step` (from 1)."""

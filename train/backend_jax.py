@@ -265,12 +265,13 @@ class JaxBackend:
     def eval_loss(self, batch: Batch):
         return self._eval(self.local_params(), _as_arrays(batch))
 
-    def translate(self, src: np.ndarray, beam_size: int = 4, alpha: float = 0.6, cached: bool = True) -> np.ndarray:
+    def translate(self, src: np.ndarray, beam_size: int = 4, alpha: float = 0.6, cached: bool = True,
+                  scoring: str = "gnmt") -> np.ndarray:
         model = self._model(self.local_params())
         if beam_size == 1:
             tokens, _ = decode.greedy_search(model, np.asarray(src, np.int32), cached=cached)
         else:
-            tokens, _ = decode.beam_search(model, np.asarray(src, np.int32), beam_size, alpha, cached=cached)
+            tokens, _ = decode.beam_search(model, np.asarray(src, np.int32), beam_size, alpha, cached=cached, scoring=scoring)
         return np.asarray(tokens, np.int32)
 
     def learning_rate(self, step: int) -> float:

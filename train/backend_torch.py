@@ -153,14 +153,15 @@ class TorchBackend:
         loss_sum, nll_sum = self._loss_sums(self.model, batch)
         return loss_sum, nll_sum, batch.num_tgt_tokens
 
-    def translate(self, src: np.ndarray, beam_size: int = 4, alpha: float = 0.6, cached: bool = True) -> np.ndarray:
+    def translate(self, src: np.ndarray, beam_size: int = 4, alpha: float = 0.6, cached: bool = True,
+                  scoring: str = "gnmt") -> np.ndarray:
         self.model.eval()
         src_t = torch.from_numpy(np.asarray(src)).to(device=self.device, dtype=torch.long)  # (B, S)
         with self.autocast():
             if beam_size == 1:
                 tokens, _ = decode.greedy_search(self.model, src_t, cached=cached)
             else:
-                tokens, _ = decode.beam_search(self.model, src_t, beam_size, alpha, cached=cached)
+                tokens, _ = decode.beam_search(self.model, src_t, beam_size, alpha, cached=cached, scoring=scoring)
         return tokens.cpu().numpy().astype(np.int32)
 
     # ------------------------------------------------------------------------------------------

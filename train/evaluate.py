@@ -126,6 +126,7 @@ def evaluate_pairs(
     samples: int = 0,
     beam_size: int = 4,
     alpha: float = 0.6,
+    scoring: str = "gnmt",
     lowercase: bool = False,
     seen: Collection[str] | None = None,
     stop: Callable[[], bool] | None = None,
@@ -133,7 +134,8 @@ def evaluate_pairs(
     """Loss and perplexity on every pair (those longer than max_len are left out of the loss);
     BLEU, chrF and exact match (`corpus_scores`, lowercased BLEU too with `lowercase`) and the
     per-band exact match of numbers (`band_scores`, "bands"; `seen`: the training sources) of
-    beam-search translations (greedy with beam_size 1; length penalty `alpha`) of the first `max_sentences` pairs
+    beam-search translations (greedy with beam_size 1; length penalty `alpha` and `scoring` as for
+    `Backend.translate`) of the first `max_sentences` pairs
     (default: all), their count as "sentences"; and `samples` examples as {"source",
     "reference", "hypothesis"}. `stop` is asked between batches: when it returns True the
     evaluation ends with EvaluationStopped (a training run's SIGTERM)."""
@@ -143,7 +145,7 @@ def evaluate_pairs(
     scored = list(pairs[:max_sentences] if max_sentences else pairs)
     hyps = translate_texts(
         backend, tokenizers, [s for s, _ in scored], max_len=max_len, token_budget=token_budget, beam_size=beam_size,
-        alpha=alpha, stop=stop,
+        alpha=alpha, scoring=scoring, stop=stop,
     )
     result.update(corpus_scores(hyps, [t for _, t in scored], lowercase=lowercase))
     result["sentences"] = len(scored)
@@ -191,10 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     result = evaluate_pairs(
         run.backend, run.tokenizers, pairs, max_len=cfg.max_len, token_budget=cfg.token_budget,
         max_sentences=args.max_sentences, samples=args.samples, beam_size=args.beam, alpha=args.alpha,
-        lowercase=args.lowercase, seen=seen,
+        scoring=args.scoring, lowercase=args.lowercase, seen=seen,
     )
     result = {"run_dir": str(args.run_dir), "data": args.data, "step": run.backend.step, "beam": args.beam,
-              "alpha": args.alpha, **result}
+              "alpha": args.alpha, "scoring": args.scoring, **result}
     text = json_text(result)  # strict JSON: a non-finite score is null, never NaN
     print(text)
     if args.output is not None:

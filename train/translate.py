@@ -16,6 +16,8 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from torch_reference.config import SCORINGS
+
 from . import data
 from .backend import Backend
 from .config import non_negative_float, positive_int  # noqa: F401 (positive_int: re-exported)
@@ -36,6 +38,7 @@ def translate_texts(
     batch_size: int | None = None,
     beam_size: int = 4,
     alpha: float = 0.6,
+    scoring: str = "gnmt",
     stop: Callable[[], bool] | None = None,
 ) -> list[str]:
     """Detokenized translations of `texts`, in order (an empty or whitespace-only line translates
@@ -45,7 +48,7 @@ def translate_texts(
     for index, src in data.source_batches(src_ids, max_len, token_budget, batch_size):
         if stop is not None and stop():
             raise EvaluationStopped("translation stopped")
-        hyps = data.decode_batch(tokenizers.tgt, backend.translate(src, beam_size, alpha))
+        hyps = data.decode_batch(tokenizers.tgt, backend.translate(src, beam_size, alpha, scoring=scoring))
         for row, i in enumerate(index):
             if i >= 0 and texts[i].strip():
                 # A model may emit a newline byte: kept, it would make one input line several.
@@ -54,7 +57,8 @@ def translate_texts(
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    """--run-dir, --checkpoint, --beam and --alpha, shared by translate, evaluate and parity.translate_bench."""
+    """--run-dir, --checkpoint, --beam, --alpha and --scoring, shared by translate, evaluate and
+    parity.translate_bench."""
     parser.add_argument(
         "--run-dir", required=True, type=Path, help="the run directory (holds config.json, tokenizer, checkpoints/)"
     )
@@ -63,7 +67,13 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--beam", type=positive_int, default=4, help="beam size (default 4; 1 = greedy search)")
     parser.add_argument("--alpha", type=non_negative_float, default=0.6,
-                        help="beam search's length penalty: scores divided by ((5+len)/6)^alpha (GNMT; default 0.6)")
+                        help="beam search's length penalty exponent (default 0.6): see --scoring")
+    parser.add_argument("--scoring", choices=SCORINGS, default="gnmt",
+                        help="how beam search ranks finished translations: 'gnmt' (the default) divides their "
+                        "log-probability by ((5+len)/6)^alpha and lets an <eos> among the 2 x beam best candidates "
+                        "finish; 'hf' divides by len^alpha, lets only an <eos> among the beam best finish and counts an "
+                        "<eos> forced at the length limit as free, as HF transformers' generate(num_beams=beam, "
+                        "length_penalty=alpha, early_stopping='never') does")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     hyps = search(
         run.backend, run.tokenizers, lines,
         max_len=cfg.max_len, token_budget=cfg.token_budget, batch_size=args.batch_size,
-        beam_size=args.beam, alpha=args.alpha,
+        beam_size=args.beam, alpha=args.alpha, scoring=args.scoring,
     )
     text = "".join(h + "\n" for h in hyps)
     if args.output is None:

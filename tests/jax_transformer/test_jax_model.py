@@ -36,8 +36,9 @@ VARIANTS = [
     {"share_embeddings": False, "tgt_vocab_size": 61},
     {"tie_output": False},
     {"attention_bias": False, "scale_embeddings": False},
-    # Marian's (HF MarianMTModel): swish, sines-then-cosines positions, a bias on the logits, torch's eps.
-    {"activation": "silu", "positions": "sinusoidal_halves", "output_bias": True, "layer_norm_eps": 1e-5},
+    # Marian's (HF MarianMTModel): swish, sines-then-cosines positions, a bias on the logits, torch's
+    # eps, the decoder started by the pad id.
+    {"activation": "silu", "positions": "sinusoidal_halves", "output_bias": True, "layer_norm_eps": 1e-5, "bos_id": 0},
 ]
 
 
@@ -93,6 +94,11 @@ def test_masks_and_shift_right_identical():
     np.testing.assert_array_equal(np.asarray(jt.padding_mask(jnp.asarray(x), 0)), tr.padding_mask(torch.from_numpy(x), 0).numpy())
     np.testing.assert_array_equal(np.asarray(jt.causal_mask(9)), tr.causal_mask(9).numpy())
     np.testing.assert_array_equal(np.asarray(jt.shift_right(jnp.asarray(x), 1)), tr.shift_right(torch.from_numpy(x), 1).numpy())
+    x[1, 0] = 0  # a pad id at the start (Marian's start token): attended all the same
+    mask = tr.target_mask(torch.from_numpy(x), 0)
+    np.testing.assert_array_equal(np.asarray(jt.target_mask(jnp.asarray(x), 0)), mask.numpy())
+    np.testing.assert_array_equal(mask[:, 0, :, 0].numpy(), np.ones((4, 9), bool))
+    np.testing.assert_array_equal(mask[:, :, :, 1:].numpy(), (tr.causal_mask(9) & tr.padding_mask(torch.from_numpy(x), 0))[:, :, :, 1:].numpy())
     assert jt.causal_mask(9).shape == (1, 1, 9, 9) and jt.padding_mask(jnp.asarray(x), 0).shape == (4, 1, 1, 9)
 
 
@@ -166,6 +172,7 @@ def test_each_layer_matches(variant):
 def test_full_model_logits_encode_decode(variant):
     cfg, tm, jm = make_pair(**variant)
     src, tgt = ids(cfg, 4, 11, seed=3), ids(cfg, 4, 7, seed=4, vocab=cfg.tgt_vocab_size)
+    tgt[:, 0] = cfg.bos_id  # decoder inputs start with the start token, which may be the pad id
     logits_t = tm(torch.from_numpy(src), torch.from_numpy(tgt)).detach().numpy()
     logits_j = np.asarray(jm(jnp.asarray(src), jnp.asarray(tgt), deterministic=True))
     assert logits_j.shape == (4, 7, cfg.tgt_vocab_size)

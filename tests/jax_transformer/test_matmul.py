@@ -75,6 +75,7 @@ def test_the_tied_backward_never_transposes_the_logits_gradient():
     assert not transposed.search(hlo(tied_logits))
 
 
+@pytest.mark.slow  # ~35 s: compiles the model, its gradient and the searches once more
 def test_other_platforms_take_the_plain_paths_with_the_same_results(monkeypatch):
     """Off XLA:CPU (`cpu_tuned()` False) the model uses lax.dot_general and jnp.matmul and the
     search top_k over every extension in one loop: the same logits, gradients and translations."""

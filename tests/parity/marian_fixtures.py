@@ -54,10 +54,11 @@ def spm_pieces(blob: bytes) -> list[str]:
 
 
 def make_marian_dir(path: Path, seed: int = 0, shapes: dict | None = None, vocab_size: int | None = None,
-                    shared: bool = True, spm_vocab: int = 400, **config) -> Path:
+                    shared: bool = True, spm_vocab: int = 400, eos_bias: float | None = None, **config) -> Path:
     """A MarianMTModel directory at `path`: random weights (final_logits_bias random too, so it
     matters), tokenizer files from Multi30k train. `vocab_size` pads the vocabulary with unused
-    pieces up to that size (OPUS-MT's 58101)."""
+    pieces up to that size (OPUS-MT's 58101). `eos_bias`: final_logits_bias at </s>, so that the
+    random model ends sentences (at no particular length) instead of running to its limit."""
     transformers = pytest.importorskip("transformers")
     de, en = lines("train.de.gz", 500), lines("train.en.gz", 500)
     source, target = train_spm(tuple(de), spm_vocab), train_spm(tuple(en), spm_vocab)
@@ -91,6 +92,8 @@ def make_marian_dir(path: Path, seed: int = 0, shapes: dict | None = None, vocab
     model = transformers.MarianMTModel(hf).eval()
     with torch.no_grad():
         model.final_logits_bias.normal_(0.0, 0.5)
+        if eos_bias is not None:
+            model.final_logits_bias[0, 0] = eos_bias
     model.save_pretrained(str(path))
     (path / "source.spm").write_bytes(source)
     (path / "target.spm").write_bytes(target)

@@ -44,7 +44,9 @@ def source(batch=4, length=9, seed=0, vocab=53):
     return out
 
 
-@pytest.mark.parametrize("overrides", [{}, {"norm_position": "pre", "positions": "learned"}, {"activation": "swiglu"}, {"activation": "silu", "positions": "sinusoidal_halves", "output_bias": True}])
+@pytest.mark.parametrize("overrides", [{}, *(pytest.param(o, marks=pytest.mark.slow) for o in (  # ~4 s each
+    {"norm_position": "pre", "positions": "learned"}, {"activation": "swiglu"})),
+    {"activation": "silu", "positions": "sinusoidal_halves", "output_bias": True, "bos_id": 0}])
 def test_cached_steps_equal_the_full_decoder_in_both_frameworks(overrides):
     torch_model, jax_model = pair(**overrides)
     src = source()
@@ -74,7 +76,7 @@ def test_cached_steps_equal_the_full_decoder_in_both_frameworks(overrides):
     np.testing.assert_allclose(np.stack(steps_j, 1), full_t, atol=1e-5)
 
 
-@pytest.mark.parametrize("seed", [3, 4])
+@pytest.mark.parametrize("seed", [3, pytest.param(4, marks=pytest.mark.slow)])  # 10-30 s each on 2 cores
 @pytest.mark.parametrize("search", ["greedy", "beam"])
 def test_cached_search_equals_the_uncached_loop_in_each_framework(search, seed):
     """`cached=False` re-runs the whole decoder over each prefix (the seeds' loop, the benchmark's
@@ -101,11 +103,12 @@ def test_cached_search_equals_the_uncached_loop_in_each_framework(search, seed):
         assert (tokens == 2).any(axis=1).all()  # every sentence ended: the whole search was compared
 
 
-MARIAN = {"activation": "silu", "positions": "sinusoidal_halves", "output_bias": True, "layer_norm_eps": 1e-5}
+# Marian's variants, its decoder started by the pad id included.
+MARIAN = {"activation": "silu", "positions": "sinusoidal_halves", "output_bias": True, "layer_norm_eps": 1e-5, "bos_id": 0}
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2, 3])
-@pytest.mark.parametrize("search", ["greedy", "beam"])
+@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 3])
+@pytest.mark.parametrize("search", ["greedy", "beam", "beam-hf"])
 def test_torch_and_jax_search_return_identical_tokens_and_scores(search, seed):
     torch_model, jax_model = pair(seed=seed, **{2: {"norm_position": "pre"}, 3: MARIAN}.get(seed, {}))
     src = source(batch=5, length=11, seed=seed)
@@ -113,8 +116,9 @@ def test_torch_and_jax_search_return_identical_tokens_and_scores(search, seed):
         tokens_t, scores_t = td.greedy_search(torch_model, torch.from_numpy(src))
         tokens_j, scores_j = jd.greedy_search(jax_model, src)
     else:
-        tokens_t, scores_t = td.beam_search(torch_model, torch.from_numpy(src), beam_size=4)
-        tokens_j, scores_j = jd.beam_search(jax_model, src, beam_size=4)
+        scoring = "hf" if search == "beam-hf" else "gnmt"
+        tokens_t, scores_t = td.beam_search(torch_model, torch.from_numpy(src), beam_size=4, scoring=scoring)
+        tokens_j, scores_j = jd.beam_search(jax_model, src, beam_size=4, scoring=scoring)
     np.testing.assert_array_equal(np.asarray(tokens_j), tokens_t.numpy())
     np.testing.assert_allclose(np.asarray(scores_j), scores_t.numpy(), atol=1e-5)
     assert (tokens_t == 2).sum(dim=1).eq(1).all()  # exactly one EOS per output
@@ -170,7 +174,7 @@ def test_batching_does_not_change_results_and_short_sentences_end_at_step_one(se
         assert abs(alone_score.item() - scores_t[row].item()) <= 1e-5
 
 
-@pytest.mark.parametrize("search", ["greedy", "beam"])
+@pytest.mark.parametrize("search", [pytest.param("greedy", marks=pytest.mark.slow), "beam"])  # ~20 s each
 def test_search_over_a_shrinking_batch_and_rows_of_padding(search, monkeypatch):
     """The JAX search moves the live sentences into a batch half the size whenever they fit
     (`_shrinking_while`); rows of padding only (a batch's filler) are no sentence: padding, score 0,
@@ -195,13 +199,15 @@ def test_search_over_a_shrinking_batch_and_rows_of_padding(search, monkeypatch):
     ends = sorted({row.index(2) for row in tokens_t[real].tolist()})
     assert len(ends) >= 4  # sentences ended at several steps: the batch did shrink
     fn = jd._beam_search if search == "beam" else jd._greedy_search
-    static = (3, 0.6, 1.0, 2) if search == "beam" else (1.0, 2)
-    hlo = fn.lower(jax_model, jnp.asarray(src, jnp.int32), *static, True, 2).as_text()
+    static = (3, 0.6, 1.0, 2, True, "gnmt") if search == "beam" else (1.0, 2, True)
+    hlo = fn.lower(jax_model, jnp.asarray(src, jnp.int32), *static, 2).as_text()
     assert hlo.count("stablehlo.while") == 3  # one loop per stage: 12, 6, 3 sentences
 
 
-@pytest.mark.parametrize("vocab, hyps, n, chunk", [(53, 4, 8, 128), (7, 16, 32, 128), (1000, 4, 8, 128),
-                                                   (1001, 3, 6, 16), (300, 1, 1, 128), (300, 1, 1, 7)])
+@pytest.mark.parametrize("vocab, hyps, n, chunk", [(53, 4, 8, 128), *(  # 5-7 s each
+    pytest.param(*case, marks=pytest.mark.slow) for case in ((7, 16, 32, 128), (1000, 4, 8, 128), (300, 1, 1, 128),
+                                                               (300, 1, 1, 7))),
+    (1001, 3, 6, 16)])
 def test_best_candidates_equal_top_k_over_every_extension(vocab, hyps, n, chunk):
     # Integer logits: many exact ties, which must resolve to the lower index as in lax.top_k;
     # vocabularies that chunks do not divide; dead hypotheses (NEG_INF); sentences at their limit.
@@ -232,6 +238,7 @@ def test_output_length_is_bounded_by_max_len():
     assert jd.output_length(4, 40, 1.5, 10) == 16
 
 
+@pytest.mark.slow  # ~65 s: trains a model on Multi30k first
 def test_search_parity_on_multi30k_with_a_trained_model(multi30k, tmp_path):
     """Real sentences and trained weights: a 2+2-layer model trained 80 steps on Multi30k (torch),
     its weights converted; greedy and beam 4 over 48 validation sentences (one padded batch) give

@@ -126,6 +126,7 @@ def test_one_ulp_away_moves_every_weight_by_one_rounding_error():
     assert 0.4 < np.mean(moved > w) < 0.6  # up or down at random
 
 
+@pytest.mark.slow  # ~18 s
 def test_cli(tmp_path):
     """A few updates through the command line: JSON and plot written, exit status 0."""
     args = ["--steps", "2", "--switch", "1", "--numbers-train", "300", "--token-budget", "256", "--max-len", "16",

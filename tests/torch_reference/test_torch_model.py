@@ -556,6 +556,30 @@ def test_fully_padded_source_row_is_finite_and_isolated(model):
     torch.testing.assert_close(logits[[0, 2]], model(src, tgt_in)[[0, 2]], **SAME_SHAPE_TOL)
 
 
+@torch.no_grad()
+def test_a_pad_start_token_is_attended_like_any_start():
+    """bos_id == pad_id (Marian starts its decoder with its pad id): the start position is not
+    masked, so the model equals one with a separate start token whose embedding row is pad's (the
+    row copy `parity.marian` imports with), at every real position, logits over the shared ids."""
+    cfg = TransformerConfig(src_vocab_size=SRC_VOCAB, tgt_vocab_size=SRC_VOCAB, d_model=16, num_heads=2, d_ff=24,
+                            num_encoder_layers=1, num_decoder_layers=2, dropout=0.0, bos_id=0)
+    torch.manual_seed(0)
+    at_pad = Transformer(cfg).eval()
+    apart = Transformer(cfg.replace(bos_id=1)).eval()
+    apart.load_state_dict(at_pad.state_dict())
+    apart.target_embedding.weight[1] = at_pad.target_embedding.weight[0]  # shared and tied: one matrix
+    src = random_ids([S, 4, 2], S, cfg.src_vocab_size)
+    tgt_out = random_ids([T, 3, 4], T, cfg.tgt_vocab_size)  # real ids from FIRST_REAL_ID, right-padded
+    real = tgt_out != cfg.pad_id
+    ours, theirs = at_pad(src, shift_right(tgt_out, 0)), apart(src, shift_right(tgt_out, 1))
+    keep = torch.arange(cfg.tgt_vocab_size) != 1  # id 1 is a different token in the two models
+    torch.testing.assert_close(ours[real][:, keep], theirs[real][:, keep], **SAME_SHAPE_TOL)
+    # Not vacuous: the old mask (padding hides position 0) gives other outputs.
+    hidden = at_pad.decode(shift_right(tgt_out, 0), at_pad.encode(src), padding_mask(src, 0),
+                           causal_mask(T) & padding_mask(shift_right(tgt_out, 0), 0))
+    assert (at_pad.project(hidden)[real] - ours[real]).abs().max() > MUST_CHANGE
+
+
 def test_dropout_is_active_in_train_mode_only():
     torch.manual_seed(0)
     model = Transformer(small_config(dropout=0.1, attention_dropout=0.1))

@@ -54,6 +54,7 @@ def test_bench_runs_both_backends_on_the_same_work(tmp_path):
     assert "tiny   jax" in done.stdout and "vs torch" in done.stdout
 
 
+@pytest.mark.slow  # ~20 s
 def test_profile_step_times_every_part_in_both_frameworks(tmp_path, capsys):
     out = tmp_path / "parts.json"
     assert profile_step.main(["--preset", "tiny", "--batch", "4", "--length", "8", "--vocab", "300",

@@ -177,12 +177,16 @@ def assert_params_close(results, run: str, reference: str) -> None:
 REL = 1e-4
 
 
+# The 8-device runs take ~2 min on 2 cores (one subprocess for the module): `-m slow`. CI trains
+# on 8 simulated devices in tests/train/test_fsdp.py, replicated and sharded, against 1 device.
+@pytest.mark.slow
 def test_eight_devices_train_like_one(parity):
     np.testing.assert_allclose(parity["loss/8"], parity["loss/1"], rtol=REL)
     assert parity["loss/8"][-5:].mean() < parity["loss/8"][0] - 2.0  # it learns: measured 6.47 -> 3.75
     assert_params_close(parity, "8", "1")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("first,second", [(8, 1), (1, 8)])
 def test_checkpoint_moves_between_device_counts(parity, first, second):
     """Saved after 10 steps on `first` devices, restored on `second`, 10 more steps: the same as
@@ -192,10 +196,12 @@ def test_checkpoint_moves_between_device_counts(parity, first, second):
     assert_params_close(parity, run, second)
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_over_devices(parity):
     np.testing.assert_allclose(parity["accum/8"], parity["accum/1"], rtol=REL)  # REL: as above
 
 
+@pytest.mark.slow  # ~90 s
 def test_two_processes_train_like_one_with_four_devices(tmp_path):
     """`python -m train.run` in two processes (2 CPU devices each, coordinator on 127.0.0.1)
     against one process with 4 devices: the same losses; process 0 alone prints the summary."""
@@ -236,7 +242,7 @@ def test_two_processes_train_like_one_with_four_devices(tmp_path):
     assert (tmp_path / "two" / "checkpoints" / "6").is_dir()  # written by both processes together
 
 
-@pytest.mark.parametrize("backend", ["jax", "torch"])
+@pytest.mark.parametrize("backend", [pytest.param("jax", marks=pytest.mark.slow), "torch"])  # jax: ~25 s
 def test_bfloat16_loss_falls(backend, fast_config):
     """bf16 mixed precision on the CPU learns, with float32 parameters and optimizer state."""
     splits = data.numbers_corpus(600, 8, 0, seed=3)

@@ -105,6 +105,7 @@ def test_learning_curves(short_run, tmp_path, capsys):
     assert exited.value.code == 1 and "is a directory; give a file name" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("short_run", ["torch", pytest.param("jax", marks=pytest.mark.slow)], indirect=True)  # jax: ~35 s
 def test_translate_and_evaluate_a_run(short_run, capsys):
     cfg, results = short_run
     run = rundir.open_run(cfg.run_dir, "latest")
@@ -121,9 +122,18 @@ def test_translate_and_evaluate_a_run(short_run, capsys):
     assert evaluate.main(["--run-dir", cfg.run_dir, "--data", "numbers:test", "--checkpoint", "latest"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["step"] == 60 and report["bleu"] == pytest.approx(results["test"]["bleu"], abs=1e-9)
-    assert (report["beam"], report["alpha"]) == (4, 0.6)  # the search it scored, as in train.run
+    assert (report["beam"], report["alpha"], report["scoring"]) == (4, 0.6, "gnmt")  # the search it scored
     assert report["exact_match"] == pytest.approx(results["test"]["exact_match"]) and "bleu_lc" not in report
     assert report["bands"] == results["test"]["bands"] and report["sentences"] == 40
+
+    # --scoring hf: HF's beam rules (tested against HF generate in tests/parity/test_marian.py), recorded.
+    assert evaluate.main(["--run-dir", cfg.run_dir, "--data", "numbers:test", "--checkpoint", "latest",
+                          "--scoring", "hf", "--alpha", "1.0"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["scoring"], report["alpha"], report["sentences"]) == ("hf", 1.0, 40)
+    with pytest.raises(SystemExit) as exited:
+        evaluate.main(["--run-dir", cfg.run_dir, "--data", "numbers:test", "--scoring", "fairseq"])
+    assert exited.value.code == 2 and "invalid choice: 'fairseq'" in capsys.readouterr().err
 
     # numbers:FIRST-LAST scores every number of a range; --lowercase adds lowercased BLEU.
     assert evaluate.main(["--run-dir", cfg.run_dir, "--data", "numbers:95-104", "--lowercase",
@@ -199,7 +209,7 @@ def test_translate_benchmark_times_every_search_and_checks_their_outputs(short_r
     assert stdout.startswith("4 sentences, ") and len(stdout.splitlines()) == 2 + len(rows)
 
 
-@pytest.mark.parametrize("backend", ["jax", "torch"])
+@pytest.mark.parametrize("backend", [pytest.param("jax", marks=pytest.mark.slow), "torch"])  # jax: ~55 s
 def test_resume_continues_with_the_same_losses(fast_config, backend):
     """Train 6 steps straight; train 3, stop, resume to 6: steps 4-6 have the same losses.
     Dropout stays on (0.1): the resumed run must also restore the dropout randomness."""

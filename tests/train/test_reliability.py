@@ -103,7 +103,7 @@ def train_losses(run_dir: Path) -> dict[int, float]:
     return {entry["step"]: entry["loss"] for entry in results["history"]["train"]}
 
 
-@pytest.mark.parametrize("backend", ["jax", "torch"])
+@pytest.mark.parametrize("backend", [pytest.param("jax", marks=pytest.mark.slow), "torch"])  # jax: ~100 s
 def test_killed_and_terminated_runs_resume_exactly(tmp_path, backend):
     straight_dir, run_dir = tmp_path / "straight", tmp_path / "run"
     code, out = finish(launch(backend, straight_dir))
@@ -182,7 +182,7 @@ def saved_run(request, tmp_path_factory):
     return cfg, run_dir
 
 
-@pytest.mark.parametrize("backend", ["jax", "torch"])
+@pytest.mark.parametrize("backend", [pytest.param("jax", marks=pytest.mark.slow), "torch"])  # jax: ~20 s
 def test_a_diverging_loss_stops_before_it_is_saved(tmp_path, backend):
     from train.config import ExperimentConfig
 

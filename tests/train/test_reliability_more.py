@@ -213,7 +213,8 @@ def test_only_newlines_end_lines_in_translate_and_training_data(torch_run, tmp_p
     (dict(attention_dropout=1.0), "attention_dropout must be in [0, 1), got 1"),
     (dict(d_model=512.0), "d_model must be an integer"),
     (dict(d_ff=True), "d_ff must be an integer"),
-    (dict(pad_id=2), "special token ids must differ"),
+    (dict(pad_id=2), "eos_id must differ from pad_id and bos_id (bos_id may equal pad_id), got pad_id=2"),
+    (dict(bos_id=2), "eos_id must differ from pad_id and bos_id"),
     (dict(src_vocab_size=2, tgt_vocab_size=2), "eos_id=2 must be below the vocabulary sizes"),
     (dict(tie_output="yes"), "tie_output must be true or false"),
 ])
