@@ -98,7 +98,13 @@ def main(argv: list[str] | None = None) -> int:
         "last decoder layer, heads averaged) and NNNN_layers.png (every layer x head); translations are written as "
         "usual",
     )
+    # The issue that asked for it named `train.translate --benchmark`; it lives in `parity` (it needs
+    # both frameworks on one set of weights, and `train` does not import `parity`): say where.
+    parser.add_argument("--benchmark", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.benchmark:
+        parser.exit(2, "error: the translation benchmark is `python -m parity.translate_bench --run-dir RUN --input "
+                       "FILE [--beam K] [--ctranslate2]`: it runs both frameworks (and CTranslate2) on the run's weights\n")
 
     try:
         lines = read_lines(args.input)

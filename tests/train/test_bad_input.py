@@ -136,6 +136,9 @@ def test_unknown_values_and_flags_exit_with_usage(capsys):
         with pytest.raises(SystemExit) as exit_info:
             main(["--run-dir", "x", "--data", "numbers:valid", "--beam", "0"])
         assert exit_info.value.code == 2 and "--beam: must be >= 1, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:  # the benchmark's old place names its new one
+        translate.main(["--run-dir", "x", "--benchmark"])
+    assert exit_info.value.code == 2 and "python -m parity.translate_bench --run-dir RUN" in capsys.readouterr().err
 
 
 @pytest.fixture
