@@ -70,12 +70,14 @@ def causal_mask(length: int) -> jax.Array:
     return jnp.tril(jnp.ones((length, length), dtype=jnp.bool_))[None, None]
 
 
-def target_mask(tgt_in_ids: jax.Array, pad_id: int) -> jax.Array:
+def target_mask(tgt_in_ids: jax.Array, pad_id: int, bos_id: int) -> jax.Array:
     """(B, T) decoder inputs -> (B, 1, T, T) bool: causal_mask(T) & padding_mask(tgt_in_ids), except
-    that position 0, the decoder's start, is always attended, since the start token may be the pad
-    id itself (`bos_id == pad_id`, as in Marian)."""
+    that when the start token is the pad id itself (`bos_id == pad_id`, as in Marian) position 0,
+    the decoder's start, is attended all the same."""
     T = tgt_in_ids.shape[1]
-    real = (tgt_in_ids != pad_id) | (jnp.arange(T) == 0)  # (B, T)
+    real = tgt_in_ids != pad_id  # (B, T)
+    if bos_id == pad_id:
+        real = real | (jnp.arange(T) == 0)
     return causal_mask(T) & real[:, None, None, :]
 
 
@@ -413,11 +415,11 @@ class Transformer(nnx.Module):
         """tgt_in_ids (B, T), memory (B, S, D) -> hidden states (B, T, D).
 
         `src_mask` is the encoder's mask (B, 1, 1, S) or None for no masking; `tgt_mask` defaults
-        to target_mask(tgt_in_ids). `return_attention`: (hidden states, the
+        to target_mask(tgt_in_ids, pad_id, bos_id). `return_attention`: (hidden states, the
         cross-attention weights of every decoder layer (B, layers, H, T, S)).
         """
         if tgt_mask is None:
-            tgt_mask = target_mask(tgt_in_ids, self.cfg.pad_id)
+            tgt_mask = target_mask(tgt_in_ids, self.cfg.pad_id, self.cfg.bos_id)
         x = self.target_embedding(tgt_in_ids) * self.embed_scale  # (B, T, D)
         return self.decoder(x, memory, src_mask, tgt_mask, return_attention, deterministic=deterministic, rngs=rngs)
 

@@ -94,11 +94,13 @@ def test_masks_and_shift_right_identical():
     np.testing.assert_array_equal(np.asarray(jt.padding_mask(jnp.asarray(x), 0)), tr.padding_mask(torch.from_numpy(x), 0).numpy())
     np.testing.assert_array_equal(np.asarray(jt.causal_mask(9)), tr.causal_mask(9).numpy())
     np.testing.assert_array_equal(np.asarray(jt.shift_right(jnp.asarray(x), 1)), tr.shift_right(torch.from_numpy(x), 1).numpy())
-    x[1, 0] = 0  # a pad id at the start (Marian's start token): attended all the same
-    mask = tr.target_mask(torch.from_numpy(x), 0)
-    np.testing.assert_array_equal(np.asarray(jt.target_mask(jnp.asarray(x), 0)), mask.numpy())
-    np.testing.assert_array_equal(mask[:, 0, :, 0].numpy(), np.ones((4, 9), bool))
-    np.testing.assert_array_equal(mask[:, :, :, 1:].numpy(), (tr.causal_mask(9) & tr.padding_mask(torch.from_numpy(x), 0))[:, :, :, 1:].numpy())
+    x[1, 0] = 0  # a pad id at the start: attended when it is the start token (Marian), masked otherwise
+    old = (tr.causal_mask(9) & tr.padding_mask(torch.from_numpy(x), 0)).numpy()
+    for bos_id in (0, 1):
+        mask = tr.target_mask(torch.from_numpy(x), 0, bos_id)
+        np.testing.assert_array_equal(np.asarray(jt.target_mask(jnp.asarray(x), 0, bos_id)), mask.numpy())
+        np.testing.assert_array_equal(mask[:, :, :, 1:].numpy(), old[:, :, :, 1:])
+        np.testing.assert_array_equal(mask[:, 0, :, 0].numpy(), np.ones((4, 9), bool) if bos_id == 0 else old[:, 0, :, 0])
     assert jt.causal_mask(9).shape == (1, 1, 9, 9) and jt.padding_mask(jnp.asarray(x), 0).shape == (4, 1, 1, 9)
 
 
