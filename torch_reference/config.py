@@ -135,8 +135,8 @@ class TransformerConfig:
     attention_dropout: float = 0.0
     max_len: int = 512
     pad_id: int = PAD_ID
-    # The decoder's start token. It may be the pad id (Marian starts its decoder with pad): the
-    # decoder never masks its start position (`target_mask`), and a search never emits either.
+    # The decoder's start token. It may be the pad id (Marian starts its decoder with pad): then
+    # `target_mask` still attends the start position; a search never emits either token.
     bos_id: int = BOS_ID
     eos_id: int = EOS_ID
     # tensor2tensor (the paper's public code) uses 1e-6; torch.nn.LayerNorm defaults to 1e-5 and

@@ -80,7 +80,7 @@ class Backend(Protocol):
         sentence's length limit follow decode.output_length / sentence_limits (1.5 x source + 10,
         at most the model's max_len). Never emits <pad> or <bos>. `cached=False`: the same search
         re-running the decoder over every prefix (the benchmark's baseline). `scoring`: how beams
-        are ranked, "gnmt" or "hf" (`decode.SCORINGS`)."""
+        are ranked, "gnmt" or "hf" (`torch_reference.config.SCORINGS`)."""
 
     def learning_rate(self, step: int) -> float:
         """The learning rate of update number `step` (from 1)."""
