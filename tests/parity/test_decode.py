@@ -202,6 +202,8 @@ def test_search_over_a_shrinking_batch_and_rows_of_padding(search, monkeypatch):
     static = (3, 0.6, 1.0, 2, True, "gnmt") if search == "beam" else (1.0, 2, True)
     hlo = fn.lower(jax_model, jnp.asarray(src, jnp.int32), *static, 2).as_text()
     assert hlo.count("stablehlo.while") == 3  # one loop per stage: 12, 6, 3 sentences
+    hlo = fn.lower(jax_model, jnp.asarray(src, jnp.int32), *static, 1).as_text()
+    assert hlo.count("stablehlo.while") == jd.MAX_STAGES == 3  # 12, 6, 3 and not 1: at most three stages
 
 
 @pytest.mark.parametrize("vocab, hyps, n, chunk", [(53, 4, 8, 128), *(  # 5-7 s each
