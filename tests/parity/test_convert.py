@@ -129,7 +129,7 @@ def test_bf16_survives_the_files(tmp_path):
     assert np.asarray(restored.src_embed.embedding[...]).dtype == ml_dtypes.bfloat16
 
 
-def test_cli_round_trip_and_errors(tmp_path):
+def test_cli_round_trip_and_errors(tmp_path, capsys):
     torch_model = model(positions="learned", tie_output=False)
     src = save_torch_weights(torch_model, tmp_path / "a" / "model.safetensors")
 
@@ -144,19 +144,26 @@ def test_cli_round_trip_and_errors(tmp_path):
     assert cfg == torch_model.cfg
     assert_state_dicts_identical(torch_model.state_dict(), state)
 
+    def refused(*args) -> tuple[int, str]:
+        """The exit status and stderr of `main` (in this process: a subprocess costs ~5 s of imports)."""
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exited:
+            main(list(map(str, args)))
+        return exited.value.code, capsys.readouterr().err
+
     # An existing destination is never overwritten silently.
-    done = cli("--to", "jax", "--src", src, "--dst", tmp_path / "jax")
-    assert done.returncode == 2 and "--overwrite" in done.stderr
+    code, err = refused("--to", "jax", "--src", src, "--dst", tmp_path / "jax")
+    assert code == 2 and "--overwrite" in err
 
     # A config that does not fit the weights: one message listing the keys, no traceback.
     (tmp_path / "jax" / "config.json").write_text(torch_model.cfg.replace(d_ff=48).to_json())
-    done = cli("--to", "torch", "--src", tmp_path / "jax", "--dst", tmp_path / "c.safetensors")
-    assert done.returncode == 1
-    assert "wrong shape encoder.layers.0.ff.linear1.kernel  expected (24, 48), got (24, 40)" in done.stderr
-    assert "Traceback" not in done.stderr
+    code, err = refused("--to", "torch", "--src", tmp_path / "jax", "--dst", tmp_path / "c.safetensors")
+    assert code == 1
+    assert "wrong shape encoder.layers.0.ff.linear1.kernel  expected (24, 48), got (24, 40)" in err
+    assert "Traceback" not in err
 
-    done = cli("--to", "jax", "--src", tmp_path / "missing.safetensors", "--dst", tmp_path / "d")
-    assert done.returncode == 1 and "no weights file" in done.stderr
+    code, err = refused("--to", "jax", "--src", tmp_path / "missing.safetensors", "--dst", tmp_path / "d")
+    assert code == 1 and "no weights file" in err
 
 
 def test_cli_help_explains_both_directions(capsys):

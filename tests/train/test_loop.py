@@ -31,6 +31,12 @@ def short_run(request, tmp_path_factory):
     return cfg, loop.train(cfg)
 
 
+# The JAX run (~45 s, mostly compiling) is slow: CI trains JAX end to end in test_backends (the
+# same curves as torch), test_reliability*, test_fsdp and test_trajectory.
+BOTH_JAX_SLOW = ["torch", pytest.param("jax", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("short_run", BOTH_JAX_SLOW, indirect=True)
 def test_short_run_learns_and_writes_results(short_run, capsys):
     cfg, results = short_run
     run_dir = Path(cfg.run_dir)
@@ -78,6 +84,7 @@ def test_short_run_learns_and_writes_results(short_run, capsys):
     })
 
 
+@pytest.mark.parametrize("short_run", BOTH_JAX_SLOW, indirect=True)
 def test_learning_curves(short_run, tmp_path, capsys):
     """Every run draws curves.png; train.curves redraws it from results.json."""
     from matplotlib.image import imread
@@ -105,7 +112,7 @@ def test_learning_curves(short_run, tmp_path, capsys):
     assert exited.value.code == 1 and "is a directory; give a file name" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("short_run", ["torch", pytest.param("jax", marks=pytest.mark.slow)], indirect=True)  # jax: ~35 s
+@pytest.mark.parametrize("short_run", BOTH_JAX_SLOW, indirect=True)
 def test_translate_and_evaluate_a_run(short_run, capsys):
     cfg, results = short_run
     run = rundir.open_run(cfg.run_dir, "latest")
@@ -182,7 +189,7 @@ def test_translate_cli_reads_stdin(short_run):
     assert bad.returncode == 1 and "not a run directory" in bad.stderr and "Traceback" not in bad.stderr
 
 
-@pytest.mark.parametrize("short_run", ["jax"], indirect=True)  # the benchmark runs both frameworks anyway
+@pytest.mark.parametrize("short_run", ["torch"], indirect=True)  # the benchmark runs both frameworks anyway
 def test_translate_benchmark_times_every_search_and_checks_their_outputs(short_run, capsys):
     from parity import translate_bench
 
