@@ -11,6 +11,14 @@ resident between steps; compilation leaves a few hundred MiB the same way.
 MALLOC_TRIM_THRESHOLD_=4194304` would do, but those are read only when the process starts), and
 `release()` hands freed heap memory back with `malloc_trim(0)`, for after a compilation. Both
 are no-ops where the C library is not glibc. Measured effects: README, Benchmarks.
+
+One buffer cannot come from a heap: XLA:CPU allocates all of a step's temporaries as one block
+(148 MiB for the default numbers run's step, from a worker thread, whose glibc heaps hold at most
+64 MiB), so glibc maps it afresh at every step and the kernel faults it in page by page: 39,000
+page faults a step, a fifth of the default run's time. With transparent huge pages the same
+block faults in 2 MiB at a time. `use_huge_pages()` turns on glibc's `glibc.malloc.hugetlb=1`
+tunable, which is read only at process start, by re-executing the command once with it in
+`GLIBC_TUNABLES`; the training and benchmark CLIs call it first thing.
 """
 
 from __future__ import annotations
@@ -18,7 +26,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import os
 import platform
+import sys
+from pathlib import Path
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
 # Fixed thresholds. 128 KiB (glibc's initial value) gave the same peaks but mapped and faulted in
@@ -49,3 +60,33 @@ def release() -> bool:
     """Return freed heap memory to the system (`malloc_trim(0)`); True where glibc released some."""
     libc = _glibc()
     return bool(libc.malloc_trim(0)) if libc is not None else False
+
+
+HUGE_PAGES = "glibc.malloc.hugetlb"
+THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def use_huge_pages() -> None:
+    """Re-execute this process's command with `GLIBC_TUNABLES` holding `glibc.malloc.hugetlb=1`
+    (malloc asks for transparent huge pages), where that helps: glibc >= 2.35 on Linux with
+    transparent huge pages in "madvise" mode ("always" needs no asking). Returns where it does
+    nothing: elsewhere, or when `GLIBC_TUNABLES` already names the tunable, as after the
+    re-execution (so it happens once) or when a user sets `glibc.malloc.hugetlb=0` to opt out.
+    Call it before anything else (the process is replaced; output not yet flushed is flushed).
+    """
+    if HUGE_PAGES in os.environ.get("GLIBC_TUNABLES", "") or not _asks_for_huge_pages():
+        return
+    tunables = ":".join(filter(None, [os.environ.get("GLIBC_TUNABLES"), f"{HUGE_PAGES}=1"]))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, sys.orig_argv, {**os.environ, "GLIBC_TUNABLES": tunables})
+
+
+def _asks_for_huge_pages() -> bool:
+    name, version = platform.libc_ver()
+    if sys.platform != "linux" or name != "glibc" or tuple(map(int, version.split(".")[:2])) < (2, 35):
+        return False
+    try:
+        return "[madvise]" in THP_MODE.read_text()
+    except OSError:
+        return False

@@ -29,6 +29,7 @@ import numpy as np
 
 from torch_reference.config import TransformerConfig
 
+from . import allocator
 from .rundir import json_text
 from .config import non_negative_int, positive_int, probability
 
@@ -307,4 +308,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    allocator.use_huge_pages()  # re-executes once; see train/allocator.py
     sys.exit(main())

@@ -134,7 +134,7 @@ class ExperimentConfig:
     hf_cache: str | None = _field(None, "data", "HF datasets cache directory; default: HF's own", metavar="DIR", launch=True)
 
     # Optimisation
-    steps: int = _field(600, "optim", "optimizer updates to train for", launch=True)
+    steps: int = _field(700, "optim", "optimizer updates to train for", launch=True)
     warmup: int | None = _field(
         None, "optim", f"warmup steps of the schedule (§5.3); default {WARMUP_FRACTION:g} x steps, "
         f"at most {PAPER_WARMUP}",

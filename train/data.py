@@ -4,8 +4,9 @@ Corpora are lists of (source, target) sentence pairs:
 
 - `numbers_corpus()`: the embedded default, offline and deterministic: a number in 0..999,999 as
   German words -> the same number as English words ("dreiundvierzig" -> "forty-three"), from
-  `num2words`, every magnitude (1 to 6 digits) equally present in each split, and the test and
-  valid numbers of 3 or more digits never trained on.
+  `num2words` (half of the numbers starting with one hundred or one thousand without num2words'
+  "ein": "hundertdrei", "tausend"), every magnitude (1 to 6 digits) equally present in each split,
+  and the test and valid numbers of 3 or more digits never trained on.
 - `load_parallel(spec)`: local files or a datasets-hub dataset, read through HF `datasets`.
   A spec is one of
 
@@ -86,8 +87,11 @@ def _below_1000(lang: str) -> tuple[str, ...]:
     return tuple(num2words(i, lang=lang) for i in range(1000))
 
 
-def number_words(n: int) -> Pair:
-    """(German, English) words for 0 <= n < 1,000,000, exactly as `num2words` writes them.
+def number_words(n: int, *, drop_ein: bool = False) -> Pair:
+    """(German, English) words for 0 <= n < 1,000,000, exactly as `num2words` writes them, or with
+    `drop_ein` without the "ein" that num2words puts before a leading hundred or thousand:
+    "hundertdrei" for "einhundertdrei" (103), "tausend" for "eintausend" (1000), as correct and what
+    a person types first. Other numbers are the same either way.
 
     num2words' German converter takes ~0.15 ms per number (it scans a table of names up to
     10^600), so numbers >= 1000 are composed from its words for 0..999 with its own thousands
@@ -100,12 +104,16 @@ def number_words(n: int) -> Pair:
     de, en = _below_1000("de"), _below_1000("en")
     thousands, rest = divmod(n, 1000)
     if thousands == 0:
-        return de[rest], en[rest]
+        return _drop_ein(de[rest]) if drop_ein else de[rest], en[rest]
     german = ("ein" if thousands == 1 else de[thousands]) + "tausend" + (de[rest] if rest else "")
     english = en[thousands] + " thousand"
     if rest:
         english += (", " if rest >= 100 else " and ") + en[rest]
-    return german, english
+    return _drop_ein(german) if drop_ein else german, english
+
+
+def _drop_ein(german: str) -> str:
+    return german[3:] if german.startswith(("einhundert", "eintausend")) else german
 
 
 # Bands of the numbers corpus: numbers by how many digits they have. 1 and 2 digits (0..9, 10..99)
@@ -117,6 +125,12 @@ SEEN_BANDS = (1, 2)
 # numbers below 1,000 came out wrong (1-3 digits: 89-90% exact match where 4-6 reached 99.6-100%);
 # at 20 repeats the torch run of 800 steps still wrote "zo" for "null" (band 1: 90%).
 TRAIN_REPEATS = 50
+# The share of a band's training pairs given to its round thousands (1,000, 2,000, ..., 999,000:
+# 9, 90 and 900 numbers in the bands of 4, 5 and 6 digits). Drawn with the rest, a round thousand
+# is one number in 1,000, and a model trained 600 steps wrote "one thousand and one" for
+# "tausend", "two thousand and two" for "zweitausend" and "one hundred" for "hunderttausend":
+# every one of 36 round thousands from 1,000 to 900,000 wrong, with every band at >= 99.56%.
+ROUND_SHARE = 0.05
 
 
 def band_range(digits: int) -> range:
@@ -150,11 +164,11 @@ def number_from_english(text: str) -> int | None:
     return n if number_words(n)[1] == text else None  # rejects "one thousand, seven" and the like
 
 
-def numbers_range(first: int, last: int) -> list[Pair]:
-    """(German, English) pairs of every number from `first` to `last`, both included."""
-    if not 0 <= first <= last < 1_000_000:
-        raise ValueError(f"expected 0 <= first <= last <= 999999, got {first}-{last}")
-    return [number_words(n) for n in range(first, last + 1)]
+def numbers_range(first: int, last: int, step: int = 1) -> list[Pair]:
+    """(German, English) pairs of every `step`-th number from `first` up to `last` (included)."""
+    if not 0 <= first <= last < 1_000_000 or step < 1:
+        raise ValueError(f"expected 0 <= first <= last <= 999999 and step >= 1, got {first}-{last}/{step}")
+    return [number_words(n) for n in range(first, last + 1, step)]
 
 
 def _spread(total: int, capacities: Sequence[int]) -> list[int]:
@@ -170,6 +184,10 @@ def _spread(total: int, capacities: Sequence[int]) -> list[int]:
     if left:
         raise ValueError(f"cannot place {total}: the bands hold {sum(capacities)}")
     return counts
+
+
+def _trailing_zeros(n: int) -> int:
+    return len(str(n)) - len(str(n).rstrip("0"))
 
 
 def numbers_corpus(train_size: int = 20_000, valid_size: int = 1_000, test_size: int = 1_000, seed: int = 0) -> Splits:
@@ -197,8 +215,19 @@ def numbers_corpus(train_size: int = 20_000, valid_size: int = 1_000, test_size:
       band of 3 to 6 digits (the 575 3-digit numbers not held out, 15-16 times each; the 8,675
       4-digit ones, 75 of them twice; 8,750 distinct numbers of 5 and of 6 digits). A larger
       train_size adds pairs and removes none.
+    - Round thousands: of each band's training share from 4 digits on, `ROUND_SHARE` (5%) are its
+      round thousands not held out, the roundest first, cycled the same way: at the default size
+      each of 1,000-9,000 50 times, each of 10,000-99,000 about 5 times, and 437 of the 900 from
+      100,000 on once (100,000-900,000 and 110,000-990,000 among them), so the others measure
+      generalisation (`numbers:100000-999000/1000` in `train.evaluate`).
 
     So the splits share no number of 3 or more digits. Within each split the pairs are shuffled.
+
+    Spelling: a number whose German starts with "einhundert" or "eintausend" (100-199, 1,000-1,999,
+    100,000-199,999) is written with or without that "ein" ("hundertdrei", "tausend"; see
+    `number_words`), as a coin drawn per number with `seed` says, the other way at each repeat. So
+    about half of them in every split take each spelling, and a model trained without the short
+    one turned "hundert" into "six thousand" and "tausend" into "four".
     Tokenize it with a small vocabulary (~400-500): at 8000, BPE learns whole words such as
     "siebenhundertsechsundfünfzigtausend" and the task loses its subword alignments.
     """
@@ -222,10 +251,25 @@ def numbers_corpus(train_size: int = 20_000, valid_size: int = 1_000, test_size:
                 numbers += bands[d][:k]
                 bands[d], held[d] = bands[d][k:], held[d] - k
         splits[name] = numbers
-    # Training: an even share per band, a band's numbers cycled (at most TRAIN_REPEATS times) to fill it.
+    # Training: an even share per band, a band's numbers cycled (at most TRAIN_REPEATS times) to fill
+    # it, and from 4 digits on ROUND_SHARE of it the band's round thousands, cycled likewise.
     counts = _spread(train_size, [TRAIN_REPEATS * len(bands[d]) for d in NUMBER_BANDS])
-    splits["train"] = [bands[d][i % len(bands[d])] for d, k in zip(NUMBER_BANDS, counts) for i in range(k)]
-    return Splits(**{name: [number_words(n) for n in rng.permutation(numbers).tolist()] for name, numbers in splits.items()})
+    splits["train"], repeats = [], {"train": []}
+    for d, k in zip(NUMBER_BANDS, counts):
+        # the roundest first (900,000 before 910,000 before 911,000), else in the band's order
+        round_thousands = sorted((n for n in bands[d] if n >= 1000 and n % 1000 == 0), key=_trailing_zeros, reverse=True)
+        k_round = min(int(k * ROUND_SHARE), TRAIN_REPEATS * len(round_thousands))
+        for numbers, count in ((round_thousands, k_round), (bands[d], k - k_round)):
+            splits["train"] += [numbers[i % len(numbers)] for i in range(count)]
+            repeats["train"] += [i // len(numbers) for i in range(count)]
+    # Which spelling a number's n-th occurrence takes: a coin per number, alternating with n.
+    coin = np.random.default_rng([seed, 1]).integers(0, 2, size=1_000_000, dtype=np.int8)
+    corpus = {}
+    for name, numbers in splits.items():
+        order = rng.permutation(len(numbers)).tolist()
+        nth = repeats.get(name, [0] * len(numbers))
+        corpus[name] = [number_words(numbers[i], drop_ein=bool((coin[numbers[i]] + nth[i]) % 2)) for i in order]
+    return Splits(**corpus)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ the others (`unseen_exact_match`, None when there are none).
     python -m train.evaluate --run-dir runs/jax-... --data de:en:../shared/data/multi30k/test_2016_flickr --lowercase
     python -m train.evaluate --run-dir runs/jax-... --data numbers:test
     python -m train.evaluate --run-dir runs/jax-... --data numbers:0-999      # every number below 1,000
+    python -m train.evaluate --run-dir runs/jax-... --data numbers:1000-999000/1000   # the round thousands
 """
 
 from __future__ import annotations
@@ -164,8 +165,9 @@ def main(argv: list[str] | None = None) -> int:
         "beam-search translations, and for number data the exact match per number of digits. Prints one "
         "JSON object.",
         epilog="DATA is a data spec as for train.run (SRC:TGT:PREFIX, FILE.tsv, FILE.jsonl, hf:NAME[:CONFIG]:SPLIT), "
-        "numbers:train|valid|test for the run's own split of the embedded numbers corpus, or numbers:FIRST-LAST "
-        "for every number from FIRST to LAST (e.g. numbers:0-999). For a run trained on the numbers corpus, "
+        "numbers:train|valid|test for the run's own split of the embedded numbers corpus, or numbers:FIRST-LAST[/STEP] "
+        "for every (STEP-th) number from FIRST to LAST (e.g. numbers:0-999, or numbers:1000-999000/1000 for the "
+        "round thousands). For a run trained on the numbers corpus, "
         "the per-digit scores count the sentences seen in its training split.",
     )
     add_run_arguments(parser)

@@ -12,6 +12,7 @@ import dataclasses
 import signal
 import sys
 
+from . import allocator
 from .config import FIELD_RANGES, ExperimentConfig, parse_model_override
 
 GROUPS = {
@@ -138,4 +139,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    allocator.use_huge_pages()  # re-executes once; see train/allocator.py
     sys.exit(main())

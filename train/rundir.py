@@ -148,16 +148,18 @@ def load_splits(cfg: ExperimentConfig) -> data.Splits:
 
 def load_split(cfg: ExperimentConfig, spec: str) -> list[data.Pair]:
     """Pairs of one data spec, of `numbers:train|valid|test`, the run's numbers corpus split, or of
-    `numbers:FIRST-LAST`, every number from FIRST to LAST (0..999,999)."""
+    `numbers:FIRST-LAST[/STEP]`, every (STEP-th) number from FIRST to LAST (0..999,999)."""
     if spec.startswith("numbers:"):
         name = spec.partition(":")[2]
-        if bounds := re.fullmatch(r"(\d+)-(\d+)", name):
+        if bounds := re.fullmatch(r"(\d+)-(\d+)(?:/(\d+))?", name):
             try:
-                return data.numbers_range(int(bounds[1]), int(bounds[2]))
+                return data.numbers_range(int(bounds[1]), int(bounds[2]), int(bounds[3] or 1))
             except ValueError as err:
                 raise UserError(f"{spec}: {err}") from None
         if name not in ("train", "valid", "test"):
-            raise UserError(f"expected numbers:train, numbers:valid, numbers:test or numbers:FIRST-LAST, got {spec!r}")
+            raise UserError(
+                f"expected numbers:train, numbers:valid, numbers:test or numbers:FIRST-LAST[/STEP], got {spec!r}"
+            )
         corpus = data.numbers_corpus(cfg.numbers_train, cfg.numbers_valid, cfg.numbers_test, seed=cfg.seed)
         return getattr(corpus, name)
     try:

@@ -72,6 +72,12 @@ def _pair(fast_config, corpus, **changes):
     ids=["plain", "accumulate-and-clip"],
 )
 def test_jax_and_torch_train_alike(fast_config, corpus, changes):
+    # lr_factor 0.3: five updates at lr 0.008-0.03. At lr_factor 1 (0.026-0.1) the run is chaotic at
+    # the weights' 1e-4 level: torch against itself with the initial weights scaled by 1 + 1e-7
+    # noise differs by 3.8e-4 after five updates (decoder ff weights), as JAX against torch did
+    # (one source-embedding row, 4.8e-4), so the comparison below would measure the chaos, not
+    # the frameworks.
+    changes = {"lr_factor": 0.3, **changes}
     torch_backend, jax_backend, (batcher_t, batcher_j) = _pair(fast_config, corpus, **changes)
     accum = changes.get("grad_accum", 1)
     steps = 5
@@ -95,7 +101,7 @@ def test_jax_and_torch_train_alike(fast_config, corpus, changes):
         # 1e-4 for the gradient norm: a sum of squares over every parameter, more rounding.
         np.testing.assert_allclose([m[name] for m in history["jax"]], [m[name] for m in history["torch"]], rtol=1e-4)
     # Both number updates from 1: update n runs at the paper's lr(step=n).
-    expected_lr = [noam_learning_rate(n, 24, 4, 1.0) for n in range(1, steps + 1)]
+    expected_lr = [noam_learning_rate(n, 24, 4, 0.3) for n in range(1, steps + 1)]
     np.testing.assert_allclose([m["lr"] for m in history["torch"]], expected_lr, rtol=1e-12)  # Python floats
     np.testing.assert_allclose([m["lr"] for m in history["jax"]], expected_lr, rtol=1e-6)  # float32
     assert torch_backend.step == jax_backend.step == steps

@@ -59,6 +59,35 @@ def test_number_words_examples(n, german, english):
     assert data.number_words(n) == (german, english)
 
 
+@pytest.mark.parametrize(
+    "n, german",
+    [(100, "hundert"), (103, "hundertdrei"), (1000, "tausend"), (1100, "tausendeinhundert"),
+     (101000, "hunderteinstausend"), (200, "zweihundert"), (43, "dreiundvierzig"), (21000, "einundzwanzigtausend")],
+)
+def test_number_words_without_the_leading_ein(n, german):
+    # Only a leading "ein" before hundert/tausend goes; the English and every other number stay.
+    assert data.number_words(n, drop_ein=True) == (german, data.number_words(n)[1])
+
+
+def test_numbers_corpus_spells_a_leading_hundred_and_thousand_both_ways():
+    corpus = data.numbers_corpus(train_size=40_000, valid_size=500, test_size=1000, seed=0)
+    for split in (corpus.train, corpus.valid, corpus.test):
+        short = sum(s.startswith(("hundert", "tausend")) for s, _ in split)
+        long = sum(s.startswith(("einhundert", "eintausend")) for s, _ in split)
+        # About half each (a coin per number): 1,507 and 1,442 in train, 41 and 25 in test.
+        assert short > 0.3 * (short + long) and long > 0.3 * (short + long), (short, long)
+        for source, english in split:  # every source is one of its number's two spellings
+            n = data.number_from_english(english)
+            assert source in {data.number_words(n)[0], data.number_words(n, drop_ein=True)[0]}
+    # A repeated training number alternates: each 3-digit number from 100 to 199 not held out is
+    # trained 15-16 times, so with both spellings.
+    spellings = {}
+    for source, english in corpus.train:
+        if 100 <= data.number_from_english(english) < 200:
+            spellings.setdefault(english, set()).add(source)
+    assert len(spellings) > 50 and all(len(s) == 2 for s in spellings.values())
+
+
 def test_number_words_equal_num2words():
     # The fast composition must reproduce num2words itself (checked once on all 10^6 numbers).
     numbers = np.random.default_rng(1).choice(1_000_000, 400, replace=False).tolist() + [1099, 2000, 201001, 999001]
@@ -73,7 +102,8 @@ def test_numbers_corpus_deterministic_and_disjoint(corpus):
     assert (len(corpus.train), len(corpus.valid), len(corpus.test)) == (3000, 200, 200)
     assert data.numbers_corpus(3000, 200, 200, seed=0) == corpus
     assert data.numbers_corpus(3000, 200, 200, seed=1).train != corpus.train
-    # German number words are one per number, so distinct sources mean distinct numbers. Valid and
+    # A number's German words are one of its two spellings and valid and test hold each number once,
+    # so distinct sources mean distinct numbers. Valid and
     # test hold distinct numbers (train repeats the small ones); across splits only the 100
     # numbers below 100 (all training numbers) recur.
     sources = [{s for s, _ in split} for split in (corpus.train, corpus.valid, corpus.test)]

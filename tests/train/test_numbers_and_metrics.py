@@ -32,9 +32,10 @@ def test_number_bands_and_english_parser():
                  "seven thousand and", "thousand", "one thousand thousand", "one million", "", "sieben"):
         assert data.number_from_english(text) is None, text
     assert data.numbers_range(8, 11) == [data.number_words(n) for n in (8, 9, 10, 11)]
-    for first, last in ((5, 4), (-1, 3), (0, 1_000_000)):
+    assert data.numbers_range(1000, 4500, 1000) == [data.number_words(n) for n in (1000, 2000, 3000, 4000)]
+    for first, last, step in ((5, 4, 1), (-1, 3, 1), (0, 1_000_000, 1), (0, 9, 0)):
         with pytest.raises(ValueError):
-            data.numbers_range(first, last)
+            data.numbers_range(first, last, step)
 
 
 def test_spread_is_even_up_to_capacity():
@@ -57,7 +58,18 @@ def test_numbers_corpus_covers_every_band_and_holds_numbers_out():
     assert _band_counts(corpus.train) == {1: 500, 2: 700, 3: 700, 4: 700, 5: 700, 6: 700}
     assert set(Counter(p for p in corpus.train if p[1] in _ENGLISH_1_DIGIT).values()) == {50}
     assert len({e for _, e in corpus.train if data.number_from_english(e) < 100}) == 100  # every 2-digit number too
-    assert len(set(corpus.train)) == 10 + 90 + 4 * 700  # 3..6 digits: distinct numbers
+    # Of each 700 pairs of 4..6 digits, 35 (ROUND_SHARE, 5%) are the band's round thousands: the nine
+    # of 1,000-9,000 cycled (3-4 times each), 35 distinct ones of 5 and of 6 digits (no other pair of
+    # these bands fell on a round thousand at this seed).
+    assert data.ROUND_SHARE == 0.05
+    round_thousands = Counter(n for _, e in corpus.train if (n := data.number_from_english(e)) >= 1000 and n % 1000 == 0)
+    in_band = {d: {n: c for n, c in round_thousands.items() if data.number_band(n) == d} for d in (4, 5, 6)}
+    assert sorted(in_band[4]) == list(range(1000, 10_000, 1000)) and set(in_band[4].values()) == {3, 4}
+    assert [sum(in_band[d].values()) for d in (4, 5, 6)] == [35, 35, 35]
+    assert set(in_band[5].values()) == set(in_band[6].values()) == {1}
+    # Distinct pairs: the 100 numbers below 100, 700 distinct 3-digit numbers, 665 + 9 of 4 digits,
+    # 700 of 5 and of 6, and 1,000 trained as "tausend" and as "eintausend" (repeats alternate).
+    assert len(set(corpus.train)) == 100 + 700 + 674 + 700 + 700 + 1
     train = {source for source, _ in corpus.train}
     for split in (corpus.valid, corpus.test):
         for source, english in split:
@@ -122,3 +134,16 @@ def test_band_scores_from_the_numbers():
     # Data that are not all numbers have no bands.
     assert evaluate.band_scores(pairs + [("Hallo", "hello")], hyps + ["hello"]) is None
     assert evaluate.band_scores([], []) is None and evaluate.bands_text(None) == ""
+
+
+def test_number_range_specs_with_a_step():
+    from train import rundir
+    from train.config import ExperimentConfig
+
+    cfg = ExperimentConfig()
+    assert rundir.load_split(cfg, "numbers:1000-999000/1000")[:2] == [("eintausend", "one thousand"), ("zweitausend", "two thousand")]
+    assert len(rundir.load_split(cfg, "numbers:1000-999000/1000")) == 999
+    assert rundir.load_split(cfg, "numbers:5-7") == [data.number_words(n) for n in (5, 6, 7)]
+    for spec, message in (("numbers:5-7/0", "step >= 1"), ("numbers:5-7/x", "numbers:FIRST-LAST[/STEP]")):
+        with pytest.raises(rundir.UserError, match=message.replace("[", r"\[").replace("]", r"\]")):
+            rundir.load_split(cfg, spec)

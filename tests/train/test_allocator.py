@@ -1,0 +1,47 @@
+"""glibc tuning for XLA:CPU (train/allocator.py): the huge-page re-execution of the CLIs."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from train import allocator
+
+PRINT_TUNABLES = "import os; from train import allocator; allocator.use_huge_pages(); print(os.environ.get('GLIBC_TUNABLES'))"
+
+
+def _tunables_after(env: dict[str, str]) -> str:
+    out = subprocess.run([sys.executable, "-c", PRINT_TUNABLES], env=env, capture_output=True, text=True, check=True)
+    return out.stdout.strip()
+
+
+@pytest.mark.parametrize("before, after", [
+    (None, "glibc.malloc.hugetlb=1"),
+    ("glibc.malloc.arena_max=2", "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"),  # kept, and appended
+    ("glibc.malloc.hugetlb=0", "glibc.malloc.hugetlb=0"),  # a user's opt-out is left alone
+])
+def test_the_command_runs_again_once_with_huge_pages(before, after):
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    if before is not None:
+        env["GLIBC_TUNABLES"] = before
+    # Where the C library is not glibc >= 2.35 or the kernel's THP mode is not "madvise", nothing
+    # changes: the process goes on with its environment as it was.
+    expected = after if allocator._asks_for_huge_pages() else str(before)
+    assert _tunables_after(env) == expected
+
+
+def test_huge_pages_are_asked_for_only_in_madvise_mode(monkeypatch, tmp_path):
+    mode = tmp_path / "enabled"
+    monkeypatch.setattr(allocator, "THP_MODE", mode)
+    monkeypatch.setattr(allocator.platform, "libc_ver", lambda: ("glibc", "2.36"))
+    monkeypatch.setattr(allocator.sys, "platform", "linux")
+    for text, asks in (("always [madvise] never\n", True), ("[always] madvise never\n", False),
+                       ("always madvise [never]\n", False)):
+        mode.write_text(text)
+        assert allocator._asks_for_huge_pages() is asks, text
+    mode.unlink()
+    assert allocator._asks_for_huge_pages() is False  # no THP at all
+    mode.write_text("always [madvise] never\n")
+    monkeypatch.setattr(allocator.platform, "libc_ver", lambda: ("glibc", "2.34"))  # no hugetlb tunable yet
+    assert allocator._asks_for_huge_pages() is False
