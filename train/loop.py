@@ -118,7 +118,12 @@ def summary_writer(logdir: Path, purge_step: int | None = None):
             del sys.modules["torch"]
     # purge_step: TensorBoard drops the events at this step and later that earlier sessions wrote
     # (a run killed after its last checkpoint), so a resumed curve has each step once.
-    return SummaryWriter(str(logdir), purge_step=purge_step)
+    # tensorboardX names a file by the second it opened it (events.out.tfevents.SECONDS.HOST), so
+    # a session resumed within the second of the last one overwrote its file, and that session's
+    # events were lost (seen: two resumes of a tiny run 1 s apart). The suffix makes each name
+    # unique and, within one second, sorts the sessions by their first step, as TensorBoard reads them.
+    suffix = f".{purge_step or 0:010d}.{os.getpid()}"
+    return SummaryWriter(str(logdir), purge_step=purge_step, filename_suffix=suffix)
 
 
 def _say(text: str) -> None:

@@ -158,6 +158,18 @@ def tensorboard_steps(directory: Path, tag: str) -> list[int]:
     return steps
 
 
+def test_sessions_opened_within_one_second_keep_their_own_event_files(tmp_path):
+    """tensorboardX names an event file by the second it was opened: a run resumed within the
+    second of its last session overwrote that session's file (steps 5-6 of a tiny run lost)."""
+    for first_step in (5, 7):
+        writer = loop.summary_writer(tmp_path, purge_step=first_step)
+        writer.add_scalar("train/loss", 1.0, first_step)
+        writer.close()
+    files = sorted(p.name for p in tmp_path.glob("events.out.tfevents.*"))
+    assert len(files) == 2 and files[0].split(".")[-2:] == [f"{5:010d}", str(os.getpid())]
+    assert tensorboard_steps(tmp_path, "train/loss") == [5, 7]
+
+
 def test_history_survives_any_number_of_resumes(run4, tmp_path, capsys):
     cfg, run_dir = run4
     run = rundir.open_run(run_dir, 4)  # each checkpoint's meta holds the history up to its step
