@@ -8,7 +8,10 @@ same search re-running the decoder over every prefix, as the seed repositories d
 and with --beam. Prints sentences/s, generated tokens/s, the speed-ups against torch cached and
 against the uncached loop at the same beam, and for every row but the reference (torch cached)
 how many sentences came out different from the reference's: 0 expected, the searches being the
-same algorithm on the same weights.
+same algorithm on the same weights. Each framework is timed under the allocator settings it has in
+a process of its own: the JAX backend fixes glibc's thresholds for XLA (`train.allocator`), which
+made torch's cached beam search 1.6x slower in the same process, so torch and CTranslate2 run
+under glibc's settled thresholds (`allocator.settled`).
 
 With --ctranslate2 (the `interop` extra) the run is also exported to CTranslate2 in float32 and in
 int8 (parity.ctranslate2) and timed on the same batches, greedy and with --beam, on the CPU with
@@ -23,6 +26,7 @@ float32's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -33,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from train import data
+from train import allocator, data
 from train.backend import create_backend
 from train.rundir import Run, UserError, open_run, write_text_atomic
 from train.rundir import json_text
@@ -82,7 +86,9 @@ def benchmark(run: Run, lines: Sequence[str], beam_size: int, batch_size: int | 
         search_name = f"{name} {'cached' if cached else 'uncached'}"
         for beam in sorted({1, beam_size}):
             search = lambda src, b=backends[name], k=beam, c=cached: b.translate(src, k, alpha, cached=c, scoring=scoring)
-            seconds, outputs = timed(search, batches if name == "jax" else batches[:1])
+            # Each framework under the allocator it has in a process of its own (allocator.settled)
+            with allocator.settled() if name == "torch" else contextlib.nullcontext():
+                seconds, outputs = timed(search, batches if name == "jax" else batches[:1])
             if search_name == REFERENCE:
                 reference[beam] = outputs
             rows.append({
@@ -92,7 +98,8 @@ def benchmark(run: Run, lines: Sequence[str], beam_size: int, batch_size: int | 
                 else sum(_trim(a) != _trim(b) for a, b in zip(outputs, reference[beam])),
             })
     if ctranslate2:
-        rows += _ctranslate2_rows(run, state, batches, beam_size, alpha, timed, reference)
+        with allocator.settled():
+            rows += _ctranslate2_rows(run, state, batches, beam_size, alpha, timed, reference)
     for row in rows:
         row.update(sentences=len(lines), sentences_per_s=len(lines) / row["seconds"], tokens_per_s=row["tokens"] / row["seconds"])
         for baseline in (REFERENCE, "torch uncached"):

@@ -23,6 +23,7 @@ tunable, which is read only at process start, by re-executing the command once w
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
@@ -48,12 +49,41 @@ def _glibc() -> ctypes.CDLL | None:
         return None
 
 
-def tune() -> bool:
-    """Fixed mmap and trim thresholds (4 MiB); True where applied."""
+# Where an untuned process's thresholds settle: glibc raises its mmap threshold to the size of
+# each mmapped block freed, up to 32 MiB on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX), and its trim
+# threshold to twice that.
+SETTLED = (32 * 1024 * 1024, 64 * 1024 * 1024)
+_tuned = False
+
+
+def _set(mmap_threshold: int, trim_threshold: int) -> bool:
     libc = _glibc()
     if libc is None:
         return False
-    return bool(libc.mallopt(M_MMAP_THRESHOLD, THRESHOLD)) and bool(libc.mallopt(M_TRIM_THRESHOLD, THRESHOLD))
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold)) and bool(libc.mallopt(M_TRIM_THRESHOLD, trim_threshold))
+
+
+def tune() -> bool:
+    """Fixed mmap and trim thresholds (4 MiB); True where applied."""
+    global _tuned
+    _tuned = _set(THRESHOLD, THRESHOLD) or _tuned
+    return _tuned
+
+
+@contextlib.contextmanager
+def settled():
+    """glibc's thresholds where an untuned process settles (`SETTLED`), then `tune()`'s again if
+    it was applied: for other code timed in a process that also holds a JAX backend (torch's and
+    CTranslate2's searches in `parity.translate_bench`). Under the 4 MiB thresholds their buffers
+    above 4 MiB (the beam's logits, 11 MB) were mapped and faulted in afresh at every step:
+    torch's cached beam-4 search of Multi30k val with the small model took 42-46 s against 27 s
+    in a process of its own, and 25-26 s under these thresholds."""
+    _set(*SETTLED)
+    try:
+        yield
+    finally:
+        if _tuned:
+            _set(THRESHOLD, THRESHOLD)
 
 
 def release() -> bool:
