@@ -8,11 +8,10 @@ L = min(max_len, floor(max_len_a * S + max_len_b)) for a padded source length S;
 padding only is no sentence (padding, score 0), and takes no step. `cached=False`
 re-runs the whole decoder over the (padded, causally masked) prefix at every step instead.
 
-Three speed-ups were measured on XLA:CPU only and apply there alone (`cpu_tuned()`, read at trace
+Two speed-ups were measured on XLA:CPU only and apply there alone (`cpu_tuned()`, read at trace
 time): `best_candidates`, an exact chunked top-k in place of `top_candidates`' TopK over every
-extension, `_shrinking_while`'s chain of loops over ever smaller batches in place of one loop,
-and `_pick`'s selects in place of a gather for the beam's cache. All give the same outputs as
-their plain forms (tested).
+extension, and `_shrinking_while`'s chain of loops over ever smaller batches in place of one loop.
+Both give the same outputs as their plain forms (tested).
 """
 
 from __future__ import annotations
@@ -247,21 +246,6 @@ def _gather(x, index):
     return jax.vmap(lambda row, i: row[i])(x, index)
 
 
-def _pick(x, index):
-    """`_gather` as N - 1 elementwise selects, which XLA fuses into one pass over x.
-
-    Why: the beam's self-attention cache (B, k, H, L, K) follows the surviving hypotheses' parents
-    at every step, and XLA:CPU's gather of those slices was a fifth of the search. Beam 4 over
-    Multi30k val with the small model (2 CPUs, one process, two calls after the compiling one):
-    16.2-16.6 s with `_gather`, 12.3-12.5 s with this, the same outputs.
-    """
-    at = index.reshape(index.shape + (1,) * (x.ndim - 2))
-    out = jnp.broadcast_to(x[:, :1], index.shape + x.shape[2:])
-    for j in range(1, x.shape[1]):
-        out = jnp.where(at == j, x[:, j : j + 1], out)
-    return out
-
-
 def beam_search(model: Transformer, src_ids, beam_size: int = 4, alpha: float = 0.6,
                 max_len_a: float = 1.5, max_len_b: int = 10, cached: bool = True, scoring: str = "gnmt"):
     """src_ids (B, S) -> (tokens (B, L), scores (B,)) of the best finished hypothesis per sentence.
@@ -317,9 +301,8 @@ def _beam_search(model: Transformer, src_ids, beam_size: int, alpha: float, max_
             # Reorder the self-attention cache to follow the surviving hypotheses' parents. The
             # cross-attention keys are the same for every hypothesis of a sentence: left as they are.
             parents = _gather(parent, keep)  # (b, k)
-            follow = _pick if cpu_tuned() else _gather
             cache = [
-                {**layer, "self_k": follow(layer["self_k"], parents), "self_v": follow(layer["self_v"], parents)}
+                {**layer, "self_k": _gather(layer["self_k"], parents), "self_v": _gather(layer["self_v"], parents)}
                 for layer in jax.tree.map(lambda x: x.reshape(b, k, *x.shape[1:]), cache)
             ]
         return {

@@ -225,19 +225,6 @@ def test_best_candidates_equal_top_k_over_every_extension(vocab, hyps, n, chunk)
     np.testing.assert_array_equal(np.asarray(values), np.asarray(expected[0]))
 
 
-def test_pick_equals_gather_bit_for_bit():
-    """The beam's cache follows its parents by selects on XLA:CPU (`_pick`): the same array as the
-    gather, -0.0, NaN and every repeated or unused parent included."""
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((5, 4, 2, 7, 3)).astype(np.float32)
-    x[0, 1, 0, 0, 0], x[1, 2, 1, 3, 2] = -0.0, np.nan
-    index = jnp.asarray(np.concatenate([[[1, 1, 1, 1]], rng.integers(0, 4, size=(4, 4))]))  # row 0: one parent for all
-    picked, gathered = np.asarray(jd._pick(jnp.asarray(x), index)), np.asarray(jd._gather(jnp.asarray(x), index))
-    assert picked.shape == gathered.shape == (5, 4, 2, 7, 3)
-    np.testing.assert_array_equal(picked.view(np.uint32), gathered.view(np.uint32))  # bit patterns: -0.0, NaN
-    assert np.asarray(jd._pick(jnp.asarray(x), jnp.asarray([[3, 0]] * 5))).shape == (5, 2, 2, 7, 3)  # M != N
-
-
 def test_source_longer_than_max_len_is_refused_clearly():
     torch_model, jax_model = pair()
     src = np.full((1, 41), 5)
