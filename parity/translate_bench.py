@@ -11,7 +11,9 @@ how many sentences came out different from the reference's: 0 expected, the sear
 same algorithm on the same weights. Each framework is timed under the allocator settings it has in
 a process of its own: the JAX backend fixes glibc's thresholds for XLA (`train.allocator`), which
 made torch's cached beam search 1.6x slower in the same process, so torch and CTranslate2 run
-under glibc's settled thresholds (`allocator.settled`).
+under glibc's settled thresholds (`allocator.settled`). Both frameworks compute float32 matmuls in
+full float32 (TF32 off: JAX's default on GPUs would otherwise round them to TF32 and change
+outputs), and the machine line names the accelerator when there is one.
 
 With --ctranslate2 (the `interop` extra) the run is also exported to CTranslate2 in float32 and in
 int8 (parity.ctranslate2) and timed on the same batches, greedy and with --beam, on the CPU with
@@ -167,6 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ctranslate2", action="store_true", help="also time the run exported to CTranslate2 in "
                         "float32 and int8 (needs the interop extra: pip install -e \".[interop]\")")
     args = parser.parse_args(argv)
+    from train.bench import set_precision
+
+    for framework in ("jax", "torch"):
+        set_precision(framework, "float32")
     try:
         sentences = [line for line in read_lines(args.input) if line.strip()]
         if not sentences:
@@ -185,6 +191,10 @@ def main(argv: list[str] | None = None) -> int:
                      scoring=args.scoring)
     run.backend.close()
     machine = f"{platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} CPUs"
+    import jax
+
+    if jax.default_backend() != "cpu":
+        machine += f", {jax.devices()[0].device_kind}"
     print(f"{len(sentences)} sentences, {run.model_config.d_model}-wide {run.config.preset} model, {machine}")
     print(f"{'search':19s} {'beam':>4s} {'seconds':>8s} {'sent/s':>8s} {'tok/s':>8s} {'vs torch cached':>16s} "
           f"{'vs uncached':>12s} {'outputs differ':>15s}")

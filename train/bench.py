@@ -6,10 +6,20 @@ For each preset and backend a fresh worker process builds the model (initialised
 its framework: the work of a step does not depend on the weights' values), trains on the same
 fixed batches, and reports the
 median step time after warm-up (the first step, which compiles, is reported apart), tokens/s, the
-model FLOPs of a step, MFU against the fp32 matmul peak measured in that same process, and the
-peak memory of training (device memory on GPUs; on CPUs the rise of the process's peak resident
-memory above what it held before the first step). Separate processes keep one backend's memory
-and threads from touching another's; ratios between backends come from one invocation.
+model FLOPs of a step, MFU against the matmul peak measured in that same process at the same
+precision, and the peak memory of training (device memory on GPUs; on CPUs the rise of the
+process's peak resident memory above what it held before the first step). Separate processes keep
+one backend's memory and threads from touching another's; ratios between backends come from one
+invocation.
+
+Precisions (`--precisions`, each measured in turn):
+  float32   every matmul in full float32: TF32 off in both frameworks (JAX's matmul precision
+            "highest"; torch's `allow_tf32` False). The numerics the parity contract is stated in.
+  tf32      float32 parameters and activations, matmuls on TF32 tensor cores (JAX "tensorfloat32",
+            torch `set_float32_matmul_precision("high")`): what JAX does by default on Ampere and
+            newer GPUs. On a CPU it is float32.
+  bfloat16  the training CLI's `--dtype bfloat16`: activations and matmuls in bfloat16,
+            parameters, optimizer state, softmax and loss in float32.
 """
 
 from __future__ import annotations
@@ -34,6 +44,8 @@ from .rundir import json_text
 from .config import non_negative_int, positive_int, probability
 
 BACKENDS = ("jax", "torch", "torch-compile")
+PRECISIONS = ("float32", "tf32", "bfloat16")
+_JAX_MATMUL_PRECISION = {"float32": "highest", "tf32": "tensorfloat32", "bfloat16": "default"}
 
 
 def step_flops(cfg: TransformerConfig, batch_size: int, src_len: int, tgt_len: int) -> int:
@@ -99,13 +111,29 @@ def _reset_peak_rss() -> bool:
         return False
 
 
-def matmul_peak_gflops(framework: str, n: int = 2048, repeats: int = 10) -> float:
-    """The best fp32 matmul throughput of an n x n product in this process, GFLOP/s."""
+def set_precision(framework: str, precision: str) -> None:
+    """Matmul precision of this process for `precision` (see the module docstring)."""
+    if framework == "jax":
+        import jax
+
+        jax.config.update("jax_default_matmul_precision", _JAX_MATMUL_PRECISION[precision])
+    else:
+        import torch
+
+        torch.set_float32_matmul_precision("high" if precision == "tf32" else "highest")
+        torch.backends.cudnn.allow_tf32 = precision == "tf32"
+
+
+def matmul_peak_gflops(framework: str, precision: str = "float32", n: int | None = None, repeats: int = 10) -> float:
+    """The best throughput of an n x n matmul in this process at `precision`, GFLOP/s
+    (n 2048 on a CPU, 8192 on a GPU, where smaller products leave the tensor cores idle)."""
+    dtype_name = "bfloat16" if precision == "bfloat16" else "float32"
     if framework == "jax":
         import jax
         import jax.numpy as jnp
 
-        a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+        n = n or (2048 if jax.devices()[0].platform == "cpu" else 8192)
+        a = jax.random.normal(jax.random.key(0), (n, n), getattr(jnp, dtype_name))
         mm = jax.jit(lambda x, y: x @ y)
         mm(a, a).block_until_ready()
         times = []
@@ -117,7 +145,8 @@ def matmul_peak_gflops(framework: str, n: int = 2048, repeats: int = 10) -> floa
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        a = torch.randn(n, n, device=device)
+        n = n or (8192 if device == "cuda" else 2048)
+        a = torch.randn(n, n, device=device, dtype=getattr(torch, dtype_name))
         (a @ a).sum().item()
         times = []
         for _ in range(repeats):
@@ -133,17 +162,15 @@ def run_worker(args) -> dict:
     from .config import ExperimentConfig
 
     framework = "jax" if args.backend == "jax" else "torch"
-    if framework == "jax":
-        import jax
-
-        jax.config.update("jax_default_matmul_precision", "highest" if args.dtype == "float32" else "default")
+    set_precision(framework, args.precision)
     cfg = TransformerConfig.preset(
         args.preset, src_vocab_size=args.vocab_size, tgt_vocab_size=args.vocab_size, max_len=max(args.length, 64),
         dropout=args.dropout if args.dropout is not None else TransformerConfig.preset(args.preset).dropout,
     )
     exp = ExperimentConfig(backend=framework, preset=args.preset, compile=args.backend == "torch-compile",
-                           steps=10**6, warmup=4000, progress=False, dropout=cfg.dropout)
-    peak = matmul_peak_gflops(framework)
+                           steps=10**6, warmup=4000, progress=False, dropout=cfg.dropout,
+                           dtype="bfloat16" if args.precision == "bfloat16" else "float32")
+    peak = matmul_peak_gflops(framework, args.precision)
     batches = fixed_batches(cfg, args.batch_size, args.length, 4)
     # Memory counts from here: the model, its optimizer state (JAX makes it at creation, torch in
     # the first step), gradients, activations and the runtime's buffers.
@@ -165,7 +192,7 @@ def run_worker(args) -> dict:
     flops = step_flops(cfg, args.batch_size, args.length, args.length)
     tokens = 2 * args.batch_size * args.length
     result = {
-        "preset": args.preset, "backend": args.backend, "dtype": args.dtype, "dropout": cfg.dropout,
+        "preset": args.preset, "backend": args.backend, "precision": args.precision, "dropout": cfg.dropout,
         "batch": [args.batch_size, args.length], "tokens_per_step": tokens,
         "first_step_s": times[0], "median_step_s": median, "step_times_s": times[args.warmup:],
         "tokens_per_s": tokens / median, "step_flops": flops, "achieved_gflops": flops / median / 1e9,
@@ -217,27 +244,39 @@ def write_plot(results: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    presets = list(dict.fromkeys(r["preset"] for r in results))
+    groups = list(dict.fromkeys((r["precision"], r["preset"]) for r in results))
     backends = list(dict.fromkeys(r["backend"] for r in results))
-    fig, ax = plt.subplots(figsize=(2.2 + 1.8 * len(presets), 3.6))
+    fig, ax = plt.subplots(figsize=(2.2 + 1.8 * len(groups), 3.6))
     width = 0.8 / len(backends)
     for j, backend in enumerate(backends):
-        values = [next((r["median_step_s"] * 1e3 for r in results if r["preset"] == p and r["backend"] == backend), 0)
-                  for p in presets]
-        ax.bar(np.arange(len(presets)) + j * width, values, width, label=backend)
-    ax.set_xticks(np.arange(len(presets)) + width * (len(backends) - 1) / 2, presets)
+        values = [next((r["median_step_s"] * 1e3 for r in results
+                        if (r["precision"], r["preset"]) == group and r["backend"] == backend), 0) for group in groups]
+        ax.bar(np.arange(len(groups)) + j * width, values, width, label=backend)
+    ax.set_xticks(np.arange(len(groups)) + width * (len(backends) - 1) / 2,
+                  [f"{preset}\n{precision}" for precision, preset in groups])
     ax.set_ylabel("median train step (ms)")
-    ax.set_title(f"train step, {results[0]['dtype']}, {results[0]['device']}", fontsize=9)
+    ax.set_title(f"train step, {results[0]['device']}", fontsize=9)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def _write_json(args, batch_size: int, results: list[dict]) -> None:
+    machine = {"cpu": _cpu_name(), "cpus": os.cpu_count(), "platform": platform.platform()}
+    args.json.write_text(json_text({"machine": machine, "batch": [batch_size, args.length],
+                                    "args": {k: str(v) for k, v in vars(args).items()}, "results": results}))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m train.bench",
         description="Median train-step time of the same model and batches on JAX, PyTorch eager and torch.compile, "
-        "with tokens/s, model FLOPs, MFU against the fp32 matmul peak measured in the same process, and peak memory.",
+        "with tokens/s, model FLOPs, MFU against the matmul peak measured in the same process at the same precision, "
+        "and peak memory.",
+        epilog="precisions: float32 = full float32 matmuls (TF32 off); tf32 = float32 with TF32 tensor-core matmuls "
+        "(JAX's default on Ampere and newer GPUs; float32 on a CPU); bfloat16 = mixed precision, as train.run --dtype "
+        "bfloat16. Example on a GPU: python -m train.bench --presets base,big --precisions float32,tf32,bfloat16 "
+        "--batch-tokens 8192",
     )
     parser.add_argument("--presets", default="tiny,small,base", help="comma-separated model presets (default tiny,small,base)")
     parser.add_argument("--backends", default="jax,torch,torch-compile", help=f"comma-separated, from {', '.join(BACKENDS)}")
@@ -248,13 +287,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=positive_int, default=10, help="timed steps after warm-up (default 10)")
     parser.add_argument("--warmup", type=non_negative_int, default=3, help="untimed steps first, compilation included (default 3)")
     parser.add_argument("--dropout", type=probability, default=0.0, help="dropout rate (default 0: off; the paper's 0.1 with --dropout 0.1)")
-    parser.add_argument("--dtype", default="float32", choices=["float32"], help="computation dtype (float32)")
+    parser.add_argument("--precisions", default="float32",
+                        help=f"comma-separated, from {', '.join(PRECISIONS)} (default float32; see below)")
     parser.add_argument("--json", type=Path, help="write all figures to this JSON file")
     parser.add_argument("--plot", type=Path, help="write a bar chart of step times to this PNG")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--preset", help=argparse.SUPPRESS)
     parser.add_argument("--backend", help=argparse.SUPPRESS)
     parser.add_argument("--batch-size", type=positive_int, help=argparse.SUPPRESS)
+    parser.add_argument("--precision", default="float32", choices=PRECISIONS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
     if args.worker:
@@ -263,6 +304,10 @@ def main(argv: list[str] | None = None) -> int:
 
     presets = [p for p in args.presets.split(",") if p]
     backends = [b for b in args.backends.split(",") if b]
+    precisions = [p for p in args.precisions.split(",") if p]
+    for p in precisions:
+        if p not in PRECISIONS:
+            parser.error(f"unknown precision {p!r}; choose from {', '.join(PRECISIONS)}")
     for p in presets:
         if p not in TransformerConfig.presets():
             parser.error(f"unknown preset {p!r}; choose from {', '.join(TransformerConfig.presets())}")
@@ -272,33 +317,33 @@ def main(argv: list[str] | None = None) -> int:
     batch_size = max(1, args.batch_tokens // args.length)
 
     results = []
-    for preset in presets:
-        for backend in backends:
-            command = [sys.executable, "-m", "train.bench", "--worker", "--preset", preset, "--backend", backend,
-                       "--batch-size", str(batch_size), "--length", str(args.length), "--vocab-size", str(args.vocab_size),
-                       "--steps", str(args.steps), "--warmup", str(args.warmup), "--dropout", str(args.dropout),
-                       "--dtype", args.dtype]
-            print(f"{preset} / {backend} ...", file=sys.stderr, flush=True)
-            done = subprocess.run(command, capture_output=True, text=True)
-            if done.returncode:
-                sys.stderr.write(done.stderr[-3000:])
-                return 1
-            results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    for precision in precisions:
+        for preset in presets:
+            for backend in backends:
+                command = [sys.executable, "-m", "train.bench", "--worker", "--preset", preset, "--backend", backend,
+                           "--batch-size", str(batch_size), "--length", str(args.length),
+                           "--vocab-size", str(args.vocab_size), "--steps", str(args.steps), "--warmup", str(args.warmup),
+                           "--dropout", str(args.dropout), "--precision", precision]
+                print(f"{precision} / {preset} / {backend} ...", file=sys.stderr, flush=True)
+                done = subprocess.run(command, capture_output=True, text=True)
+                if done.returncode:
+                    sys.stderr.write(done.stderr[-3000:])
+                    return 1
+                results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+                if args.json:  # after every worker, so an interrupted invocation keeps what it measured
+                    _write_json(args, batch_size, results)
 
-    cpu = _cpu_name()
-    print(f"\nmachine: {cpu}, {os.cpu_count()} CPUs; batch {batch_size} x {args.length} tokens per side; "
-          f"{args.dtype}; dropout {args.dropout}")
-    header = f"{'preset':6s} {'backend':14s} {'step ms':>9s} {'first s':>8s} {'tok/s':>8s} {'GFLOP/s':>8s} {'peak':>6s} {'MFU':>6s} {'mem MiB':>8s} {'vs torch':>8s}"
+    print(f"\nmachine: {_cpu_name()}, {os.cpu_count()} CPUs; device {results[0]['device']}; batch {batch_size} x "
+          f"{args.length} tokens per side; dropout {args.dropout}")
+    header = f"{'precision':9s} {'preset':6s} {'backend':14s} {'step ms':>9s} {'first s':>8s} {'tok/s':>8s} {'GFLOP/s':>8s} {'peak':>6s} {'MFU':>6s} {'mem MiB':>8s} {'vs torch':>8s}"
     print(header)
     for r in results:
-        eager = next((x for x in results if x["preset"] == r["preset"] and x["backend"] == "torch"), None)
+        eager = next((x for x in results if x["preset"] == r["preset"] and x["precision"] == r["precision"]
+                      and x["backend"] == "torch"), None)
         ratio = f"{r['median_step_s'] / eager['median_step_s']:.2f}" if eager else "-"
-        print(f"{r['preset']:6s} {r['backend']:14s} {r['median_step_s'] * 1e3:9.1f} {r['first_step_s']:8.2f} "
+        print(f"{r['precision']:9s} {r['preset']:6s} {r['backend']:14s} {r['median_step_s'] * 1e3:9.1f} {r['first_step_s']:8.2f} "
               f"{r['tokens_per_s']:8.0f} {r['achieved_gflops']:8.1f} {r['matmul_peak_gflops']:6.0f} {r['mfu']:6.2f} "
               f"{r['peak_memory_mib']:8.0f} {ratio:>8s}")
-    if args.json:
-        args.json.write_text(json_text({"machine": {"cpu": cpu, "cpus": os.cpu_count(), "platform": platform.platform()},
-                                         "args": {k: str(v) for k, v in vars(args).items()}, "results": results}))
     if args.plot:
         try:
             write_plot(results, args.plot)

@@ -40,7 +40,7 @@ def test_bench_runs_both_backends_on_the_same_work(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     results = json.loads(out.read_text())["results"]
-    assert [r["backend"] for r in results] == ["jax", "torch"]
+    assert [(r["backend"], r["precision"]) for r in results] == [("jax", "float32"), ("torch", "float32")]
     for r in results:
         assert r["median_step_s"] > 0 and r["matmul_peak_gflops"] > 0 and r["peak_memory_mib"] > 0
         assert r["mfu"] == pytest.approx(r["step_flops"] / r["median_step_s"] / 1e9 / r["matmul_peak_gflops"])
@@ -52,6 +52,51 @@ def test_bench_runs_both_backends_on_the_same_work(tmp_path):
     for r in results:
         assert abs(r["final_loss"] - math.log(500)) < 0.2 * math.log(500)
     assert "tiny   jax" in done.stdout and "vs torch" in done.stdout
+
+
+@pytest.mark.parametrize("precision, jax_setting, torch_setting", [
+    ("float32", "highest", "highest"), ("tf32", "tensorfloat32", "high"), ("bfloat16", "default", "highest"),
+])
+def test_each_precision_sets_both_frameworks_matmuls(precision, jax_setting, torch_setting):
+    """float32 is TF32-off in both (JAX on a GPU would otherwise use TF32 by default), tf32 turns it
+    on in both, bfloat16 leaves float32 matmuls at the defaults (its matmuls are bfloat16)."""
+    import jax
+    import torch
+
+    from train import bench
+
+    before = jax.config.jax_default_matmul_precision, torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    try:
+        bench.set_precision("jax", precision)
+        bench.set_precision("torch", precision)
+        assert jax.config.jax_default_matmul_precision == jax_setting
+        assert torch.get_float32_matmul_precision() == torch_setting
+        assert torch.backends.cudnn.allow_tf32 == (precision == "tf32")
+    finally:
+        jax.config.update("jax_default_matmul_precision", before[0])
+        torch.set_float32_matmul_precision(before[1])
+        torch.backends.cudnn.allow_tf32 = before[2]
+
+
+def test_bench_measures_bfloat16_against_the_bfloat16_matmul_peak(tmp_path):
+    out = tmp_path / "bench.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "train.bench", "--presets", "tiny", "--backends", "torch", "--precisions", "bfloat16",
+         "--steps", "1", "--warmup", "1", "--batch-tokens", "128", "--length", "16", "--vocab-size", "300",
+         "--json", str(out), "--plot", str(tmp_path / "bench.png")],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    [r] = json.loads(out.read_text())["results"]
+    assert r["precision"] == "bfloat16" and r["mfu"] == pytest.approx(r["achieved_gflops"] / r["matmul_peak_gflops"])
+    assert abs(r["final_loss"] - math.log(300)) < 0.2 * math.log(300)  # near-uniform predictions, as above
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_an_unknown_precision_is_refused():
+    done = subprocess.run([sys.executable, "-m", "train.bench", "--precisions", "fp8"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "unknown precision 'fp8'" in done.stderr
 
 
 @pytest.mark.slow  # ~20 s
