@@ -27,6 +27,10 @@ per step (every process takes part).
 
 Mixed precision (`--dtype bfloat16`): the model computes in bfloat16 (`Transformer(dtype=...)`)
 while parameters, Adam's moments and the gradients stay float32; softmax and loss run in float32.
+`--dtype float32` means float32 matmuls on every platform, as in the torch backend: on GPUs and
+TPUs JAX's default precision rounds float32 matmul inputs (TF32, bfloat16 passes), so the backend
+sets `jax_default_matmul_precision` to "highest" there unless the user has set it (for example
+`JAX_DEFAULT_MATMUL_PRECISION=tensorfloat32` for TF32's speed). On the CPU float32 is float32.
 
 Checkpoints: an orbax `CheckpointManager` keeping the newest `keep_checkpoints` steps plus the
 best by validation BLEU; each step holds the state (`StandardSave`) and a JSON `meta` item (data
@@ -97,6 +101,15 @@ def initialize(exp_cfg: ExperimentConfig) -> Topology:
     return Topology(jax.process_index(), jax.process_count(), mesh.devices.size)
 
 
+def full_float32_matmuls(dtype: str, platform: str) -> bool:
+    """For float32 training off the CPU, make JAX's matmul precision "highest" unless the user set
+    one (see the module docstring). True when it did."""
+    if dtype != "float32" or platform == "cpu" or jax.config.jax_default_matmul_precision is not None:
+        return False
+    jax.config.update("jax_default_matmul_precision", "highest")
+    return True
+
+
 class JaxBackend:
     """`train.backend.Backend` for JAX; see the module docstring."""
 
@@ -108,6 +121,7 @@ class JaxBackend:
         self.mesh = sharding.make_mesh(exp_cfg.devices)
         # XLA:CPU's buffers are host memory from glibc: keep freed ones from staying resident.
         self._host_buffers = self.mesh.devices.flat[0].platform == "cpu" and allocator.tune()
+        full_float32_matmuls(exp_cfg.dtype, self.mesh.devices.flat[0].platform)
         self._compiled_shapes: set[tuple] = set()
         # Every process initialises the same weights from the seed, then they are replicated.
         init_key, rng = jax.random.split(jax.random.key(exp_cfg.seed))

@@ -215,3 +215,24 @@ def test_torch_checkpoint_files(tmp_path, fast_config, corpus):
     names = [n for n, _ in backend.model.named_parameters()]
     assert keys == {f"{n}.{m}" for n in names for m in ("exp_avg", "exp_avg_sq")} | {"__torch_cpu_rng_state__"}
     assert torch.is_tensor(state_dict[names[0]])
+
+
+@pytest.mark.parametrize("dtype, platform, preset, expected", [
+    ("float32", "gpu", None, "highest"),  # GPUs default to TF32 matmuls: float32 is asked for
+    ("float32", "tpu", None, "highest"),
+    ("float32", "cpu", None, None),  # float32 already; the setting is left alone
+    ("bfloat16", "gpu", None, None),  # the matmuls are bfloat16 anyway
+    ("float32", "gpu", "tensorfloat32", "tensorfloat32"),  # the user's own choice stays
+])
+def test_float32_means_float32_matmuls_off_the_cpu(dtype, platform, preset, expected):
+    import jax
+
+    from train.backend_jax import full_float32_matmuls
+
+    before = jax.config.jax_default_matmul_precision
+    try:
+        jax.config.update("jax_default_matmul_precision", preset)
+        assert full_float32_matmuls(dtype, platform) == (expected == "highest" and preset is None)
+        assert jax.config.jax_default_matmul_precision == expected
+    finally:
+        jax.config.update("jax_default_matmul_precision", before)
