@@ -313,15 +313,16 @@ def _log_window(cfg, step: int, values: list[dict[str, float]], tokens: int, ela
         )
 
 
-def _log_evaluation(step: int, evaluated: dict[str, Any], log: _Log, writer) -> None:
-    # train_time_s: seconds spent training up to this evaluation (evaluations excluded), for curves
-    log.valid.append({"step": step, "train_time_s": log.time_s, **_eval_summary(evaluated)})
+def _log_evaluation(step: int, evaluated: dict[str, Any], eval_time: float, log: _Log, writer) -> None:
+    # train_time_s: seconds spent training up to this evaluation (evaluations excluded), for curves;
+    # eval_time_s: this evaluation's own seconds
+    log.valid.append({"step": step, "train_time_s": log.time_s, "eval_time_s": eval_time, **_eval_summary(evaluated)})
     for key in ("loss", "ppl", "bleu", "chrf", "exact_match"):
         writer.add_scalar(f"valid/{key}", evaluated[key], step)
     _say(
         f"step {step}: valid loss {evaluated['loss']:.4f} ppl {evaluated['ppl']:.3f} "
         f"BLEU {evaluated['bleu']:.2f} chrF {evaluated['chrf']:.2f} exact {evaluated['exact_match']:.1f}% "
-        f"({evaluated['sentences']} sentences)" + bands_text(evaluated["bands"])
+        f"({evaluated['sentences']} sentences, {eval_time:.1f} s)" + bands_text(evaluated["bands"])
     )
     for sample in evaluated["samples"]:
         _say(f"  {sample['source']}\n    ref: {sample['reference']}\n    hyp: {sample['hypothesis']}")
@@ -425,9 +426,11 @@ def _fit(cfg: ExperimentConfig, backend: Backend, batcher: data.Batcher, tokeniz
 
         evaluated = None
         if evaluate_now:
+            eval_start = time.perf_counter()
             try:
                 evaluated = _evaluate(cfg, backend, tokenizers, splits.valid, cfg.samples,
                                       stop=lambda: stop.requested is not None)
+                eval_time = time.perf_counter() - eval_start  # compiling included
             except EvaluationStopped:  # a signal came mid-evaluation: save without it
                 stopping = save_now = True
             else:
@@ -438,7 +441,7 @@ def _fit(cfg: ExperimentConfig, backend: Backend, batcher: data.Batcher, tokeniz
                         f"training diverged: validation loss {evaluated['loss']} at step {step}; stopped before "
                         f"saving it ({kept}). Lower --lr-factor, raise --warmup or set --clip-norm, and train again"
                     )
-                _log_evaluation(step, evaluated, log, writer)
+                _log_evaluation(step, evaluated, eval_time, log, writer)
         if save_now:
             _save(cfg, backend, batcher, evaluated, log)
         if stopping:
@@ -458,7 +461,7 @@ def _fit(cfg: ExperimentConfig, backend: Backend, batcher: data.Batcher, tokeniz
 def _finish(cfg, backend, tokenizers, splits, writer, log: _Log, started: float) -> dict[str, Any]:
     """Final validation (unless the last step just ran it) and test evaluation; the results dict."""
     if log.valid and log.valid[-1]["step"] == backend.step:
-        valid = {k: v for k, v in log.valid[-1].items() if k != "train_time_s"}  # history's own field
+        valid = {k: v for k, v in log.valid[-1].items() if k not in ("train_time_s", "eval_time_s")}  # history's own
     else:  # a resumed run that had nothing left to train
         valid = {"step": backend.step, **_eval_summary(_evaluate(cfg, backend, tokenizers, splits.valid, 0))}
     test = None

@@ -99,6 +99,8 @@ def test_learning_curves(short_run, tmp_path, capsys):
         times = [e["train_time_s"] for e in entries]
         assert times == sorted(times) and times[0] > 0
     assert results["history"]["train"][-1]["train_time_s"] == pytest.approx(results["train"]["time_s"])
+    # Each validation's own wall time (compiling included) is recorded beside it.
+    assert all(0 < e["eval_time_s"] < results["wall_time_s"] for e in results["history"]["valid"])
     capsys.readouterr()
     assert curves.main(["--run-dir", cfg.run_dir, "--out", str(tmp_path / "c.png")]) == 0
     report = json.loads(capsys.readouterr().out)
