@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         epilog="precisions: float32 = full float32 matmuls (TF32 off); tf32 = float32 with TF32 tensor-core matmuls "
         "(JAX's default on Ampere and newer GPUs; float32 on a CPU); bfloat16 = mixed precision, as train.run --dtype "
         "bfloat16. Example on a GPU: python -m train.bench --presets base,big --precisions float32,tf32,bfloat16 "
-        "--batch-tokens 8192",
+        "--batch-tokens 16384 --length 64",
     )
     parser.add_argument("--presets", default="tiny,small,base", help="comma-separated model presets (default tiny,small,base)")
     parser.add_argument("--backends", default="jax,torch,torch-compile", help=f"comma-separated, from {', '.join(BACKENDS)}")
