@@ -216,6 +216,12 @@ def test_translate_benchmark_times_every_search_and_checks_their_outputs(short_r
             assert r[f"speedup_vs_{baseline.replace(' ', '_')}"] == pytest.approx(ratio)
     assert by["torch cached", 3]["tokens"] == by["jax cached", 3]["tokens"] == by["torch uncached", 3]["tokens"]
     assert stdout.startswith("4 sentences, ") and len(stdout.splitlines()) == 2 + len(rows)
+    # Both frameworks were timed in float32 (a GPU's JAX default, TF32, would change outputs).
+    import jax
+    import torch
+
+    assert (jax.config.jax_default_matmul_precision, torch.get_float32_matmul_precision()) == ("highest", "highest")
+    jax.config.update("jax_default_matmul_precision", None)
 
 
 @pytest.mark.parametrize("backend", [pytest.param("jax", marks=pytest.mark.slow), "torch"])  # jax: ~55 s
