@@ -206,6 +206,42 @@ def test_search_over_a_shrinking_batch_and_rows_of_padding(search, monkeypatch):
     assert hlo.count("stablehlo.while") == jd.MAX_STAGES == 3  # 12, 6, 3 and not 1: at most three stages
 
 
+@pytest.mark.parametrize("search", ["greedy", "beam"])
+def test_search_over_a_growing_cache(search, monkeypatch):
+    """On XLA:CPU the first quarter and the next quarter of the positions attend over a cache a
+    quarter and a half as long (`_cache_lengths`), grown as the loop passes them: the same tokens
+    as torch (whose cache is whole from the start) and as a search with the whole cache, scores
+    to 1e-5 against torch as above and bit for bit against the whole cache."""
+    torch_model, jax_model = pair(seed=7)
+    src = source(batch=6, length=16, seed=7)  # limits up to 1.5 * 16 + 10 = 34 positions: stages 8, 17, 34
+    kwargs = dict(beam_size=3) if search == "beam" else {}
+    tokens_t, scores_t = getattr(td, f"{search}_search")(torch_model, torch.from_numpy(src), **kwargs)
+    assert jd._cache_lengths(34, jd.SMALLEST_STAGE, True) == (8, 17)
+    assert (tokens_t != 0).sum(dim=1).max() > 17  # some sentence is written past both shorter caches
+    results = {}
+    for staged in (True, False):
+        if not staged:
+            monkeypatch.setattr(jd, "_cache_lengths", lambda *args: ())
+        tokens_j, scores_j = (np.asarray(x) for x in getattr(jd, f"{search}_search")(jax_model, src, **kwargs))
+        np.testing.assert_array_equal(tokens_j, tokens_t.numpy())
+        np.testing.assert_allclose(scores_j, scores_t.numpy(), atol=1e-5, rtol=0)
+        results[staged] = tokens_j, scores_j
+    np.testing.assert_array_equal(results[True][0], results[False][0])
+    np.testing.assert_array_equal(results[True][1], results[False][1])
+    fn = jd._beam_search if search == "beam" else jd._greedy_search
+    static = (3, 0.6, 1.5, 10, True, "gnmt") if search == "beam" else (1.5, 10, True)
+    monkeypatch.undo()
+    hlo = fn.lower(jax_model, jnp.asarray(src, jnp.int32), *static, jd.SMALLEST_STAGE).as_text()
+    assert hlo.count("stablehlo.while") == 3  # two shorter caches, then the whole one (6 rows: one batch stage)
+
+
+def test_only_long_cached_searches_on_the_cpu_grow_their_cache():
+    assert jd._cache_lengths(31, jd.SMALLEST_STAGE, True) == ()  # too short to gain
+    assert jd._cache_lengths(100, jd.SMALLEST_STAGE, False) == ()  # no cache
+    assert jd._cache_lengths(100, 1 << 62, True) == ()  # not XLA:CPU (one loop there)
+    assert jd._cache_lengths(100, jd.SMALLEST_STAGE, True) == (25, 50)
+
+
 @pytest.mark.parametrize("vocab, hyps, n, chunk", [(53, 4, 8, 128), *(  # 5-7 s each
     pytest.param(*case, marks=pytest.mark.slow) for case in ((7, 16, 32, 128), (1000, 4, 8, 128), (300, 1, 1, 128),
                                                                (300, 1, 1, 7))),
