@@ -46,6 +46,7 @@ from train.rundir import json_text
 from train.config import positive_int
 from train.translate import add_run_arguments, read_lines
 
+from .check import enable_parity_numerics
 from .convert import convert_state
 
 REFERENCE = "torch cached"
@@ -169,10 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ctranslate2", action="store_true", help="also time the run exported to CTranslate2 in "
                         "float32 and int8 (needs the interop extra: pip install -e \".[interop]\")")
     args = parser.parse_args(argv)
-    from train.bench import set_precision
-
-    for framework in ("jax", "torch"):
-        set_precision(framework, "float32")
+    enable_parity_numerics()
     try:
         sentences = [line for line in read_lines(args.input) if line.strip()]
         if not sentences:
