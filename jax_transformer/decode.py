@@ -180,9 +180,9 @@ def _shrinking_while(step, result, carry, length: int, smallest: int, cache_leng
     out = jax.tree.map(jnp.zeros_like, result(carry))
     slots = jnp.arange(sizes[0])  # the sentence in each row of the current batch
     position = jnp.int32(0)
-    # The first positions attend over a shorter self-attention cache (carry["cache"] starts
-    # cache_lengths[0] long), grown to the next length when the loop reaches its end.
-    for limit, longer in zip(cache_lengths, [*cache_lengths[1:], length]):
+    # The first positions attend over a shorter self-attention cache: carry["cache"] starts
+    # cache_lengths[0] long and grows to the next length whenever the loop reaches its end.
+    for limit, longer in zip(cache_lengths, cache_lengths[1:]):
         def within(state, limit=limit, next_size=sizes[1] if len(sizes) > 1 else 0):
             position, carry = state
             return (position < limit) & ((~carry["done"]).sum() > next_size)
@@ -210,11 +210,12 @@ def _grow_cache(carry, length: int):
 
 
 def _cache_lengths(length: int, smallest_stage: int, cached: bool) -> tuple[int, ...]:
-    """Shorter self-attention caches for the first positions of a search: a quarter and a half
-    of `length`, on XLA:CPU (see _shrinking_while), for a cached search of 32 positions or more."""
+    """The lengths the self-attention cache takes in turn as a search writes `length` positions:
+    a quarter, a half, then all of it on XLA:CPU (where `smallest_stage` is SMALLEST_STAGE; see
+    _shrinking_while) for a cached search of 32 positions or more; elsewhere the whole from the start."""
     if not cached or smallest_stage > SMALLEST_STAGE or length < 32:
-        return ()
-    return (length // 4, length // 2)
+        return (length,)
+    return (length // 4, length // 2, length)
 
 
 # Batches of fewer sentences are not split further: another loop to compile saves little there.
@@ -239,7 +240,7 @@ def _greedy_search(model: Transformer, src_ids, max_len_a: float, max_len_b: int
     cfg = model.cfg
     B, S = src_ids.shape
     length = output_length(S, cfg.max_len, max_len_a, max_len_b)
-    stages = _cache_lengths(length, smallest_stage, cached)
+    cache_lengths = _cache_lengths(length, smallest_stage, cached)
     src_mask = padding_mask(src_ids, cfg.pad_id)
     memory = model.encode(src_ids, src_mask)
 
@@ -261,12 +262,12 @@ def _greedy_search(model: Transformer, src_ids, max_len_a: float, max_len_b: int
         "scores": jnp.zeros(B, jnp.float32),
         "done": _no_sentence(src_ids, cfg.pad_id),
         "last": jnp.full((B,), cfg.bos_id, jnp.int32),
-        "cache": _init_cache(model, memory, ([*stages, length])[0], cached),
+        "cache": _init_cache(model, memory, cache_lengths[0], cached),
         "memory": None if cached else memory,
         "src_mask": src_mask,
         "limits": sentence_limits(src_ids, cfg.pad_id, length, max_len_a, max_len_b),  # (B,)
     }
-    return _shrinking_while(step, lambda c: (c["tokens"], c["scores"]), carry, length, smallest_stage, stages)
+    return _shrinking_while(step, lambda c: (c["tokens"], c["scores"]), carry, length, smallest_stage, cache_lengths)
 
 
 def _gather(x, index):
@@ -298,8 +299,8 @@ def _beam_search(model: Transformer, src_ids, beam_size: int, alpha: float, max_
     limits = sentence_limits(src_ids, cfg.pad_id, length, max_len_a, max_len_b)  # (B,)
     src_mask = jnp.repeat(padding_mask(src_ids, cfg.pad_id), k, axis=0)  # (B*k, 1, 1, S)
     memory = jnp.repeat(model.encode(src_ids, padding_mask(src_ids, cfg.pad_id)), k, axis=0)
-    stages = _cache_lengths(length, smallest_stage, cached)
-    cache = _init_cache(model, memory, ([*stages, length])[0], cached)  # batch B*k, hypothesis-major per sentence
+    cache_lengths = _cache_lengths(length, smallest_stage, cached)
+    cache = _init_cache(model, memory, cache_lengths[0], cached)  # batch B*k, hypothesis-major per sentence
     may_finish = jnp.arange(2 * k) < (k if scoring == "hf" else 2 * k)  # (2k,) candidate ranks
 
     def step(position, c):
@@ -361,4 +362,4 @@ def _beam_search(model: Transformer, src_ids, beam_size: int, alpha: float, max_
         tokens = jnp.where(c["no_sentence"][:, None], cfg.pad_id, c["finished_tokens"][:, 0])
         return tokens, jnp.where(c["no_sentence"], 0.0, c["finished_scores"][:, 0])
 
-    return _shrinking_while(step, result, carry, length, smallest_stage, stages)
+    return _shrinking_while(step, result, carry, length, smallest_stage, cache_lengths)

@@ -216,12 +216,12 @@ def test_search_over_a_growing_cache(search, monkeypatch):
     src = source(batch=6, length=16, seed=7)  # limits up to 1.5 * 16 + 10 = 34 positions: stages 8, 17, 34
     kwargs = dict(beam_size=3) if search == "beam" else {}
     tokens_t, scores_t = getattr(td, f"{search}_search")(torch_model, torch.from_numpy(src), **kwargs)
-    assert jd._cache_lengths(34, jd.SMALLEST_STAGE, True) == (8, 17)
+    assert jd._cache_lengths(34, jd.SMALLEST_STAGE, True) == (8, 17, 34)
     assert (tokens_t != 0).sum(dim=1).max() > 17  # some sentence is written past both shorter caches
     results = {}
     for staged in (True, False):
         if not staged:
-            monkeypatch.setattr(jd, "_cache_lengths", lambda *args: ())
+            monkeypatch.setattr(jd, "_cache_lengths", lambda length, *args: (length,))
         tokens_j, scores_j = (np.asarray(x) for x in getattr(jd, f"{search}_search")(jax_model, src, **kwargs))
         np.testing.assert_array_equal(tokens_j, tokens_t.numpy())
         np.testing.assert_allclose(scores_j, scores_t.numpy(), atol=1e-5, rtol=0)
@@ -236,10 +236,10 @@ def test_search_over_a_growing_cache(search, monkeypatch):
 
 
 def test_only_long_cached_searches_on_the_cpu_grow_their_cache():
-    assert jd._cache_lengths(31, jd.SMALLEST_STAGE, True) == ()  # too short to gain
-    assert jd._cache_lengths(100, jd.SMALLEST_STAGE, False) == ()  # no cache
-    assert jd._cache_lengths(100, 1 << 62, True) == ()  # not XLA:CPU (one loop there)
-    assert jd._cache_lengths(100, jd.SMALLEST_STAGE, True) == (25, 50)
+    assert jd._cache_lengths(31, jd.SMALLEST_STAGE, True) == (31,)  # too short to gain
+    assert jd._cache_lengths(100, jd.SMALLEST_STAGE, False) == (100,)  # no cache
+    assert jd._cache_lengths(100, 1 << 62, True) == (100,)  # not XLA:CPU (one loop there)
+    assert jd._cache_lengths(100, jd.SMALLEST_STAGE, True) == (25, 50, 100)
 
 
 @pytest.mark.parametrize("vocab, hyps, n, chunk", [(53, 4, 8, 128), *(  # 5-7 s each
