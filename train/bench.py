@@ -305,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     presets = [p for p in args.presets.split(",") if p]
     backends = [b for b in args.backends.split(",") if b]
     precisions = [p for p in args.precisions.split(",") if p]
+    for flag, names in (("--presets", presets), ("--backends", backends), ("--precisions", precisions)):
+        if not names:
+            parser.error(f"{flag} names nothing to measure")
     for p in precisions:
         if p not in PRECISIONS:
             parser.error(f"unknown precision {p!r}; choose from {', '.join(PRECISIONS)}")

@@ -97,6 +97,9 @@ def test_an_unknown_precision_is_refused():
     done = subprocess.run([sys.executable, "-m", "train.bench", "--precisions", "fp8"], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "unknown precision 'fp8'" in done.stderr
+    done = subprocess.run([sys.executable, "-m", "train.bench", "--precisions", ","], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--precisions names nothing to measure" in done.stderr
 
 
 @pytest.mark.slow  # ~20 s
