@@ -40,7 +40,7 @@ import numpy as np
 from torch_reference.config import TransformerConfig
 
 from . import allocator
-from .rundir import json_text
+from .rundir import UserError, check_output_file, json_text, write_text_atomic
 from .config import non_negative_int, positive_int, probability
 
 BACKENDS = ("jax", "torch", "torch-compile")
@@ -263,8 +263,8 @@ def write_plot(results: list[dict], path: Path) -> None:
 
 def _write_json(args, batch_size: int, results: list[dict]) -> None:
     machine = {"cpu": _cpu_name(), "cpus": os.cpu_count(), "platform": platform.platform()}
-    args.json.write_text(json_text({"machine": machine, "batch": [batch_size, args.length],
-                                    "args": {k: str(v) for k, v in vars(args).items()}, "results": results}))
+    write_text_atomic(args.json, json_text({"machine": machine, "batch": [batch_size, args.length],
+                                            "args": {k: str(v) for k, v in vars(args).items()}, "results": results}))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -308,6 +308,12 @@ def main(argv: list[str] | None = None) -> int:
     for flag, names in (("--presets", presets), ("--backends", backends), ("--precisions", precisions)):
         if not names:
             parser.error(f"{flag} names nothing to measure")
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path is not None:
+            try:  # before any worker runs, not after minutes of them
+                check_output_file(path, flag)
+            except UserError as err:
+                parser.error(str(err))
     for p in precisions:
         if p not in PRECISIONS:
             parser.error(f"unknown precision {p!r}; choose from {', '.join(PRECISIONS)}")

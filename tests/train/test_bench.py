@@ -93,13 +93,17 @@ def test_bench_measures_bfloat16_against_the_bfloat16_matmul_peak(tmp_path):
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_an_unknown_precision_is_refused():
+def test_bad_arguments_are_refused_before_anything_runs():
     done = subprocess.run([sys.executable, "-m", "train.bench", "--precisions", "fp8"], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "unknown precision 'fp8'" in done.stderr
     done = subprocess.run([sys.executable, "-m", "train.bench", "--precisions", ","], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--precisions names nothing to measure" in done.stderr
+    for where, says in ((str(REPO), "is a directory"), (str(REPO / "missing" / "b.json"), "does not exist")):
+        done = subprocess.run([sys.executable, "-m", "train.bench", "--json", where], cwd=REPO,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr
 
 
 @pytest.mark.slow  # ~20 s
