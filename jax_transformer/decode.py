@@ -12,8 +12,9 @@ Three speed-ups were measured on XLA:CPU only and apply there alone (`cpu_tuned(
 time): `best_candidates`, an exact chunked top-k in place of `top_candidates`' TopK over every
 extension; `_shrinking_while`'s chain of loops over ever smaller batches in place of one loop; and
 its first loops over a self-attention cache a quarter and a half as long (`_cache_lengths`), so the
-early positions neither attend over nor reorder the cache's unwritten end. All give the same
-outputs as their plain forms (tested).
+early positions neither attend over nor reorder the cache's unwritten end. On every backend, beam
+search runs its first step on one row a sentence, where torch's runs k identical ones
+(`_first_step_hypotheses`). All give the same outputs as their plain forms (tested).
 """
 
 from __future__ import annotations
@@ -116,14 +117,18 @@ def best_candidates(cfg, logits, base, must_end, n: int, chunk: int = 128):
     return values, jnp.take_along_axis(hyp * V + first, j // c, axis=1) + j % c
 
 
-def _init_cache(model: Transformer, memory, length: int, cached: bool):
-    """The key/value cache over memory, or None for `cached=False`.
+def _init_cache(model: Transformer, memory, length: int, cached: bool, repeat: int = 1):
+    """The key/value cache over memory (B, S, D) for B * `repeat` rows (each sentence's `repeat`
+    in a row), or None for `cached=False`.
 
     The barrier materialises the cache before the loop. Without it XLA keeps the cross-attention
     keys and values in the (B, S, H, K) layout of their projection and transposes them to
     (B, H, S, K) at every step, ~5% of a step.
     """
-    return jax.lax.optimization_barrier(model.init_cache(memory, length)) if cached else None
+    if not cached:
+        return None
+    cache = jax.tree.map(lambda x: jnp.repeat(x, repeat, axis=0), model.init_cache(memory, length))
+    return jax.lax.optimization_barrier(cache)
 
 
 def _next_logits(model: Transformer, cache, memory, src_mask, written, last, position):
@@ -154,12 +159,14 @@ def _check_source(model: Transformer, src_ids) -> None:
         )
 
 
-def _shrinking_while(step, result, carry, length: int, smallest: int, cache_lengths: Sequence[int] = ()):
+def _shrinking_while(step, result, carry, length: int, smallest: int, cache_lengths: Sequence[int] = (),
+                     start: int = 0):
     """Run `step` until every sentence is done or `length` positions are written, moving the live
     sentences into a batch half the size whenever they fit in one -> result of every sentence.
 
     carry: a pytree whose leaves all lead with the b sentences' axis, carry["done"] (b,) among
-    them; step(position, carry) -> carry; result(carry) -> per-sentence outputs (leading b).
+    them; step(position, carry) -> carry; result(carry) -> per-sentence outputs (leading b);
+    `start`: the first position to write (the caller has stepped over those before).
 
     Why: a batch runs until its slowest sentence ends, and with static shapes a finished sentence
     keeps its rows in every matmul; on Multi30k val half the rows of a beam search were finished
@@ -179,7 +186,7 @@ def _shrinking_while(step, result, carry, length: int, smallest: int, cache_leng
         sizes.append(sizes[-1] // 2)
     out = jax.tree.map(jnp.zeros_like, result(carry))
     slots = jnp.arange(sizes[0])  # the sentence in each row of the current batch
-    position = jnp.int32(0)
+    position = jnp.int32(start)
     # The first positions attend over a shorter self-attention cache: carry["cache"] starts
     # cache_lengths[0] long and grows to the next length whenever the loop reaches its end.
     for limit, longer in zip(cache_lengths, cache_lengths[1:]):
@@ -270,6 +277,18 @@ def _greedy_search(model: Transformer, src_ids, max_len_a: float, max_len_b: int
     return _shrinking_while(step, lambda c: (c["tokens"], c["scores"]), carry, length, smallest_stage, cache_lengths)
 
 
+def _first_step_hypotheses(vocab_size: int, k: int) -> int:
+    """Rows a sentence at the first beam step: 1 where that is exact, else k.
+
+    The first step has one live hypothesis a sentence (the other k - 1 score NEG_INF), so it runs
+    on B rows, not B*k, and its cache reorder fans each sentence's out to k rows; the encoder
+    output's keys and values are projected once a sentence too. That ranks the same candidates
+    where all 2k of them are real tokens (V - 3 >= 2k: pad and BOS never are, nor EOS for a
+    sentence that must end): otherwise the k - 1 dead hypotheses' NEG_INF ones would be ranked too.
+    """
+    return 1 if vocab_size - 3 >= 2 * k else k
+
+
 def _gather(x, index):
     """x (B, N, ...) indexed along axis 1 by index (B, M) -> (B, M, ...)."""
     return jax.vmap(lambda row, i: row[i])(x, index)
@@ -298,20 +317,25 @@ def _beam_search(model: Transformer, src_ids, beam_size: int, alpha: float, max_
     length = output_length(S, cfg.max_len, max_len_a, max_len_b)
     limits = sentence_limits(src_ids, cfg.pad_id, length, max_len_a, max_len_b)  # (B,)
     src_mask = jnp.repeat(padding_mask(src_ids, cfg.pad_id), k, axis=0)  # (B*k, 1, 1, S)
-    memory = jnp.repeat(model.encode(src_ids, padding_mask(src_ids, cfg.pad_id)), k, axis=0)
+    memory = model.encode(src_ids, padding_mask(src_ids, cfg.pad_id))  # (B, S, D)
     cache_lengths = _cache_lengths(length, smallest_stage, cached)
-    cache = _init_cache(model, memory, cache_lengths[0], cached)  # batch B*k, hypothesis-major per sentence
+    # Each sentence's cross-attention keys and values are projected once, then repeated for its k
+    # hypotheses (repeating memory first, as torch does, projects each k times: the same values).
+    h = _first_step_hypotheses(V, k)
+    cache = _init_cache(model, memory, cache_lengths[0], cached, repeat=h)  # batch B*h, hypothesis-major
+    memory = jnp.repeat(memory, k, axis=0)
     may_finish = jnp.arange(2 * k) < (k if scoring == "hf" else 2 * k)  # (2k,) candidate ranks
 
     def step(position, c):
-        b = c["done"].shape[0]
-        rows = functools.partial(jax.tree.map, lambda x: x.reshape(b * k, *x.shape[2:]))  # (b, k, ...) -> (b*k, ...)
+        b, h = c["live_logprob"].shape  # h live hypotheses a sentence: k, or 1 at the first step
+        rows = functools.partial(jax.tree.map, lambda x: x.reshape(b * h, *x.shape[2:]))  # (b, h, ...) -> (b*h, ...)
+        first = functools.partial(jax.tree.map, lambda x: x[:, :h])
         logits, cache = _next_logits(
-            model, rows(c["cache"]), rows(c["memory"]), rows(c["src_mask"]), rows(c["live_tokens"]), rows(c["last"]),
-            position,
+            model, rows(c["cache"]), rows(first(c["memory"])), rows(first(c["src_mask"])), rows(c["live_tokens"]),
+            rows(c["last"]), position,
         )
-        # The 2k best candidates of the k*V extensions (live log-prob + token log-prob).
-        logits = logits.astype(jnp.float32).reshape(b, k, V)
+        # The 2k best candidates of the h*V extensions (live log-prob + token log-prob).
+        logits = logits.astype(jnp.float32).reshape(b, h, V)
         top_logprob, top_index = candidates(cfg, logits, c["live_logprob"], position + 1 >= c["limits"], 2 * k)
         parent, token = top_index // V, (top_index % V).astype(jnp.int32)
         top_tokens = _gather(c["live_tokens"], parent).at[:, :, position].set(token)  # (b, 2k, L)
@@ -329,11 +353,13 @@ def _beam_search(model: Transformer, src_ids, beam_size: int, alpha: float, max_
         live_logprob, keep = jax.lax.top_k(jnp.where(ends, NEG_INF, top_logprob), k)
         if cached:
             # Reorder the self-attention cache to follow the surviving hypotheses' parents. The
-            # cross-attention keys are the same for every hypothesis of a sentence: left as they are.
+            # cross-attention keys are the same for every hypothesis of a sentence: left as they are,
+            # but for the first step's fan-out from one hypothesis to k.
             parents = _gather(parent, keep)  # (b, k)
+            follow = ("self_k", "self_v") if h == k else tuple(cache[0])
             cache = [
-                {**layer, "self_k": _gather(layer["self_k"], parents), "self_v": _gather(layer["self_v"], parents)}
-                for layer in jax.tree.map(lambda x: x.reshape(b, k, *x.shape[1:]), cache)
+                {**layer, **{name: _gather(layer[name], parents) for name in follow}}
+                for layer in jax.tree.map(lambda x: x.reshape(b, h, *x.shape[1:]), cache)
             ]
         return {
             **c, "cache": cache, "live_tokens": _gather(top_tokens, keep), "live_logprob": live_logprob,
@@ -341,14 +367,13 @@ def _beam_search(model: Transformer, src_ids, beam_size: int, alpha: float, max_
             "done": (finished_scores[:, -1] >= live_logprob[:, 0] / c["best_possible_penalty"]) | c["no_sentence"],
         }
 
-    per_sentence = functools.partial(jax.tree.map, lambda x: x.reshape(B, k, *x.shape[1:]))  # (B*k, ...) -> (B, k, ...)
-    live_tokens = jnp.full((B, k, length), cfg.pad_id, jnp.int32)
+    per_sentence = functools.partial(jax.tree.map, lambda x: x.reshape(B, -1, *x.shape[1:]))  # (B*n, ...) -> (B, n, ...)
     carry = {
-        "live_tokens": live_tokens,
-        "live_logprob": jnp.full((B, k), NEG_INF, jnp.float32).at[:, 0].set(0.0),  # one live hypothesis at the start
-        "finished_tokens": live_tokens,
+        "live_tokens": jnp.full((B, h, length), cfg.pad_id, jnp.int32),
+        "live_logprob": jnp.full((B, h), NEG_INF, jnp.float32).at[:, 0].set(0.0),  # one live hypothesis at the start
+        "finished_tokens": jnp.full((B, k, length), cfg.pad_id, jnp.int32),
         "finished_scores": jnp.full((B, k), NEG_INF, jnp.float32),
-        "last": jnp.full((B, k), cfg.bos_id, jnp.int32),
+        "last": jnp.full((B, h), cfg.bos_id, jnp.int32),
         "cache": per_sentence(cache),
         "memory": None if cached else per_sentence(memory),
         "src_mask": per_sentence(src_mask),
@@ -362,4 +387,7 @@ def _beam_search(model: Transformer, src_ids, beam_size: int, alpha: float, max_
         tokens = jnp.where(c["no_sentence"][:, None], cfg.pad_id, c["finished_tokens"][:, 0])
         return tokens, jnp.where(c["no_sentence"], 0.0, c["finished_scores"][:, 0])
 
-    return _shrinking_while(step, result, carry, length, smallest_stage, cache_lengths)
+    position = 0
+    if h == 1:  # the first step on its own (see above); the loops carry k hypotheses a sentence
+        carry, position = step(jnp.int32(0), carry), 1
+    return _shrinking_while(step, result, carry, length, smallest_stage, cache_lengths, position)

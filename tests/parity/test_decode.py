@@ -235,6 +235,30 @@ def test_search_over_a_growing_cache(search, monkeypatch):
     assert hlo.count("stablehlo.while") == 3  # two shorter caches, then the whole one (6 rows: one batch stage)
 
 
+@pytest.mark.parametrize("cached", [True, False])
+def test_the_first_beam_step_runs_on_one_hypothesis_a_sentence(cached, monkeypatch):
+    """The first step on B rows and fanned out to k gives what k rows a sentence from the start
+    give: the same tokens as torch, scores to 1e-5 (as above); the k-row form's tokens, and its
+    scores to a relative 1e-6 (8 float32 ulps: a matmul over B rows may round unlike one over B*k)."""
+    torch_model, jax_model = pair(seed=3)
+    src = source(batch=5, length=8, seed=3)
+    tokens_t, scores_t = td.beam_search(torch_model, torch.from_numpy(src), beam_size=4, cached=cached)
+    assert jd._first_step_hypotheses(53, 4) == 1 and jd._first_step_hypotheses(10, 4) == 4  # 53 - 3 >= 8 > 10 - 3
+    results, programs = [], set()
+    for rows in (1, 4):
+        monkeypatch.setattr(jd, "_first_step_hypotheses", lambda vocab, k, rows=rows: rows)
+        jax.clear_caches()  # read at trace time: compile each form anew
+        static = (4, 0.6, 1.5, 10, cached, "gnmt", jd._smallest_stage())
+        programs.add(jd._beam_search.lower(jax_model, jnp.asarray(src, jnp.int32), *static).as_text())
+        tokens_j, scores_j = (np.asarray(x) for x in jd.beam_search(jax_model, src, beam_size=4, cached=cached))
+        np.testing.assert_array_equal(tokens_j, tokens_t.numpy())
+        np.testing.assert_allclose(scores_j, scores_t.numpy(), atol=1e-5, rtol=0)
+        results.append((tokens_j, scores_j))
+    assert len(programs) == 2  # two different programs ran
+    np.testing.assert_array_equal(results[0][0], results[1][0])
+    np.testing.assert_allclose(results[0][1], results[1][1], atol=0, rtol=1e-6)
+
+
 def test_only_long_cached_searches_on_the_cpu_grow_their_cache():
     assert jd._cache_lengths(31, jd.SMALLEST_STAGE, True) == (31,)  # too short to gain
     assert jd._cache_lengths(100, jd.SMALLEST_STAGE, False) == (100,)  # no cache
