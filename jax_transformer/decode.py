@@ -118,8 +118,9 @@ def best_candidates(cfg, logits, base, must_end, n: int, chunk: int = 128):
 
 
 def _init_cache(model: Transformer, memory, length: int, cached: bool, repeat: int = 1):
-    """The key/value cache over memory (B, S, D) for B * `repeat` rows (each sentence's `repeat`
-    in a row), or None for `cached=False`.
+    """The key/value cache over memory (B, S, D), or None for `cached=False`: cross-attention keys
+    and values one row a sentence, self-attention room for B * `repeat` rows (a sentence's `repeat`
+    in a row; they share its cross-attention keys and values: `MultiHeadAttention`).
 
     The barrier materialises the cache before the loop. Without it XLA keeps the cross-attention
     keys and values in the (B, S, H, K) layout of their projection and transposes them to
@@ -127,7 +128,9 @@ def _init_cache(model: Transformer, memory, length: int, cached: bool, repeat: i
     """
     if not cached:
         return None
-    cache = jax.tree.map(lambda x: jnp.repeat(x, repeat, axis=0), model.init_cache(memory, length))
+    rows = functools.partial(jnp.repeat, repeats=repeat, axis=0)
+    cache = [{**layer, "self_k": rows(layer["self_k"]), "self_v": rows(layer["self_v"])}
+             for layer in model.init_cache(memory, length)]
     return jax.lax.optimization_barrier(cache)
 
 
@@ -281,10 +284,10 @@ def _first_step_hypotheses(vocab_size: int, k: int) -> int:
     """Rows a sentence at the first beam step: 1 where that is exact, else k.
 
     The first step has one live hypothesis a sentence (the other k - 1 score NEG_INF), so it runs
-    on B rows, not B*k, and its cache reorder fans each sentence's out to k rows; the encoder
-    output's keys and values are projected once a sentence too. That ranks the same candidates
-    where all 2k of them are real tokens (V - 3 >= 2k: pad and BOS never are, nor EOS for a
-    sentence that must end): otherwise the k - 1 dead hypotheses' NEG_INF ones would be ranked too.
+    on B rows, not B*k, and its cache reorder fans each sentence's out to k rows. That ranks the
+    same candidates where all 2k of them are real tokens (V - 3 >= 2k: pad and BOS never are, nor
+    EOS for a sentence that must end): otherwise the k - 1 dead hypotheses' NEG_INF ones would be
+    ranked too.
     """
     return 1 if vocab_size - 3 >= 2 * k else k
 
@@ -316,23 +319,20 @@ def _beam_search(model: Transformer, src_ids, beam_size: int, alpha: float, max_
     k, V = beam_size, cfg.tgt_vocab_size
     length = output_length(S, cfg.max_len, max_len_a, max_len_b)
     limits = sentence_limits(src_ids, cfg.pad_id, length, max_len_a, max_len_b)  # (B,)
-    src_mask = jnp.repeat(padding_mask(src_ids, cfg.pad_id), k, axis=0)  # (B*k, 1, 1, S)
-    memory = model.encode(src_ids, padding_mask(src_ids, cfg.pad_id))  # (B, S, D)
+    # A sentence's hypotheses attend over one copy of its encoder output and cross-attention keys
+    # and values (`MultiHeadAttention`); torch's search repeats them k times.
+    src_mask = padding_mask(src_ids, cfg.pad_id)  # (B, 1, 1, S)
+    memory = model.encode(src_ids, src_mask)  # (B, S, D)
     cache_lengths = _cache_lengths(length, smallest_stage, cached)
-    # Each sentence's cross-attention keys and values are projected once, then repeated for its k
-    # hypotheses (repeating memory first, as torch does, projects each k times: the same values).
     h = _first_step_hypotheses(V, k)
-    cache = _init_cache(model, memory, cache_lengths[0], cached, repeat=h)  # batch B*h, hypothesis-major
-    memory = jnp.repeat(memory, k, axis=0)
+    cache = _init_cache(model, memory, cache_lengths[0], cached, repeat=h)  # self-attention rows B*h, hypothesis-major
     may_finish = jnp.arange(2 * k) < (k if scoring == "hf" else 2 * k)  # (2k,) candidate ranks
 
     def step(position, c):
         b, h = c["live_logprob"].shape  # h live hypotheses a sentence: k, or 1 at the first step
-        rows = functools.partial(jax.tree.map, lambda x: x.reshape(b * h, *x.shape[2:]))  # (b, h, ...) -> (b*h, ...)
-        first = functools.partial(jax.tree.map, lambda x: x[:, :h])
+        rows = functools.partial(jax.tree.map, lambda x: x.reshape(-1, *x.shape[2:]))  # (b, n, ...) -> (b*n, ...)
         logits, cache = _next_logits(
-            model, rows(c["cache"]), rows(first(c["memory"])), rows(first(c["src_mask"])), rows(c["live_tokens"]),
-            rows(c["last"]), position,
+            model, rows(c["cache"]), c["memory"], c["src_mask"], rows(c["live_tokens"]), rows(c["last"]), position
         )
         # The 2k best candidates of the h*V extensions (live log-prob + token log-prob).
         logits = logits.astype(jnp.float32).reshape(b, h, V)
@@ -352,14 +352,13 @@ def _beam_search(model: Transformer, src_ids, beam_size: int, alpha: float, max_
         # Live: the best k candidates that did not end.
         live_logprob, keep = jax.lax.top_k(jnp.where(ends, NEG_INF, top_logprob), k)
         if cached:
-            # Reorder the self-attention cache to follow the surviving hypotheses' parents. The
-            # cross-attention keys are the same for every hypothesis of a sentence: left as they are,
-            # but for the first step's fan-out from one hypothesis to k.
+            # Reorder the self-attention cache to follow the surviving hypotheses' parents (at the
+            # first step: fan each sentence's one out to k). The cross-attention keys are the
+            # sentence's, one copy for all its hypotheses: left as they are.
             parents = _gather(parent, keep)  # (b, k)
-            follow = ("self_k", "self_v") if h == k else tuple(cache[0])
             cache = [
-                {**layer, **{name: _gather(layer[name], parents) for name in follow}}
-                for layer in jax.tree.map(lambda x: x.reshape(b, h, *x.shape[1:]), cache)
+                {**layer, "self_k": _gather(layer["self_k"], parents), "self_v": _gather(layer["self_v"], parents)}
+                for layer in jax.tree.map(lambda x: x.reshape(b, -1, *x.shape[1:]), cache)
             ]
         return {
             **c, "cache": cache, "live_tokens": _gather(top_tokens, keep), "live_logprob": live_logprob,
@@ -367,7 +366,7 @@ def _beam_search(model: Transformer, src_ids, beam_size: int, alpha: float, max_
             "done": (finished_scores[:, -1] >= live_logprob[:, 0] / c["best_possible_penalty"]) | c["no_sentence"],
         }
 
-    per_sentence = functools.partial(jax.tree.map, lambda x: x.reshape(B, -1, *x.shape[1:]))  # (B*n, ...) -> (B, n, ...)
+    per_sentence = functools.partial(jax.tree.map, lambda x: x.reshape(B, -1, *x.shape[1:]))  # (B*n, ...) -> (B, n,...)
     carry = {
         "live_tokens": jnp.full((B, h, length), cfg.pad_id, jnp.int32),
         "live_logprob": jnp.full((B, h), NEG_INF, jnp.float32).at[:, 0].set(0.0),  # one live hypothesis at the start
@@ -375,8 +374,8 @@ def _beam_search(model: Transformer, src_ids, beam_size: int, alpha: float, max_
         "finished_scores": jnp.full((B, k), NEG_INF, jnp.float32),
         "last": jnp.full((B, h), cfg.bos_id, jnp.int32),
         "cache": per_sentence(cache),
-        "memory": None if cached else per_sentence(memory),
-        "src_mask": per_sentence(src_mask),
+        "memory": None if cached else memory,
+        "src_mask": src_mask,
         "limits": limits,
         "best_possible_penalty": length_penalty(limits.astype(jnp.float32), alpha, scoring),  # (B,)
         "no_sentence": _no_sentence(src_ids, cfg.pad_id),

@@ -164,6 +164,22 @@ class PositionalEncoding(nnx.Module):
         return x + jax.lax.dynamic_slice_in_dim(table, offset, length).astype(x.dtype)  # (B, L, D)
 
 
+def _group_rows(x: jax.Array, g: int) -> jax.Array:
+    """(B, H, T, n) -> (B / g, H, g * T, n): each g consecutive rows as one row's g * T queries."""
+    if g == 1:
+        return x
+    B, H, T, n = x.shape
+    return x.reshape(B // g, g, H, T, n).transpose(0, 2, 1, 3, 4).reshape(B // g, H, g * T, n)
+
+
+def _ungroup_rows(x: jax.Array, g: int) -> jax.Array:
+    """(B / g, H, g * T, n) -> (B, H, T, n): `_group_rows` undone."""
+    if g == 1:
+        return x
+    b, H, gT, n = x.shape
+    return x.reshape(b, H, g, gT // g, n).transpose(0, 2, 1, 3, 4).reshape(b * g, H, gT // g, n)
+
+
 class MultiHeadAttention(nnx.Module):
     """Multi-head attention (§3.2.2): project, split into H heads, attend, merge, project."""
 
@@ -191,15 +207,20 @@ class MultiHeadAttention(nnx.Module):
 
         `kv` gives keys and values already projected (from a cache) in place of `context`.
         `return_attention`: ((B, T, D), the attention weights (B, H, T, S)).
+        Keys and values of B / g rows (context or kv; JAX only) serve g consecutive rows of x each,
+        as g * T queries of one row, `mask` then broadcasting to (B / g, H, g * T, S): beam search's
+        hypotheses share their sentence's encoder output, which torch's search repeats g times.
         """
         q = self.split_heads(self.q_proj(x))  # (B, H, T, K)
-        k, v = self.project_kv(context) if kv is None else kv  # (B, H, S, K) each
+        k, v = self.project_kv(context) if kv is None else kv  # (B / g, H, S, K) each
+        B, H, T, K = q.shape
+        g = B // k.shape[0]
         dropout = functools.partial(self.dropout, deterministic=deterministic, rngs=rngs)
-        out = scaled_dot_product_attention(q, k, v, mask, dropout, return_attention)  # (B, H, T, K)
+        out = scaled_dot_product_attention(_group_rows(q, g), k, v, mask, dropout, return_attention)  # (B/g, H, g*T, K)
         if return_attention:
             out, attention = out
-        B, H, T, K = out.shape
-        out = self.out_proj(out.transpose(0, 2, 1, 3).reshape(B, T, H * K))  # (B, T, D)
+            attention = _ungroup_rows(attention, g)  # (B, H, T, S)
+        out = self.out_proj(_ungroup_rows(out, g).transpose(0, 2, 1, 3).reshape(B, T, H * K))  # (B, T, D)
         return (out, attention) if return_attention else out
 
 

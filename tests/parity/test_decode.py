@@ -259,6 +259,27 @@ def test_the_first_beam_step_runs_on_one_hypothesis_a_sentence(cached, monkeypat
     np.testing.assert_allclose(results[0][1], results[1][1], atol=0, rtol=1e-6)
 
 
+def test_attention_over_keys_shared_by_groups_of_rows():
+    """Keys and values of B / g rows serving g consecutive query rows each (how the JAX beam search
+    attends over a sentence's encoder output once for its hypotheses) give what the same keys
+    repeated g times give: outputs and weights to 1e-6 (values of order 1, 24 wide: float32
+    rounding of a matmul over g * T rows against one over T)."""
+    _, jax_model = pair(seed=4)
+    attn = jax_model.decoder.layers[0].cross_attn
+    rng = np.random.default_rng(4)
+    b, g, T, S = 3, 4, 2, 5
+    x = jnp.asarray(rng.normal(size=(b * g, T, 24)), jnp.float32)
+    memory = jnp.asarray(rng.normal(size=(b, S, 24)), jnp.float32)
+    mask = jnp.asarray(rng.random((b, 1, 1, S)) < 0.8).at[:, :, :, 0].set(True)  # some keys masked
+    repeated = lambda a: jnp.repeat(a, g, axis=0)  # noqa: E731
+    want, want_weights = attn(x, repeated(memory), repeated(mask), return_attention=True)
+    for kwargs in (dict(context=memory), dict(context=None, kv=attn.project_kv(memory))):
+        got, weights = attn(x, mask=mask, return_attention=True, **kwargs)
+        assert got.shape == want.shape and weights.shape == want_weights.shape == (b * g, 3, T, S)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=0)
+        np.testing.assert_allclose(np.asarray(weights), np.asarray(want_weights), atol=1e-6, rtol=0)
+
+
 def test_only_long_cached_searches_on_the_cpu_grow_their_cache():
     assert jd._cache_lengths(31, jd.SMALLEST_STAGE, True) == (31,)  # too short to gain
     assert jd._cache_lengths(100, jd.SMALLEST_STAGE, False) == (100,)  # no cache
