@@ -215,6 +215,9 @@ class MultiHeadAttention(nnx.Module):
         k, v = self.project_kv(context) if kv is None else kv  # (B / g, H, S, K) each
         B, H, T, K = q.shape
         g = B // k.shape[0]
+        if g * k.shape[0] != B:
+            raise ValueError(f"keys and values of {k.shape[0]} rows cannot serve {B} rows of queries: "
+                             f"need a divisor of {B}")
         dropout = functools.partial(self.dropout, deterministic=deterministic, rngs=rngs)
         out = scaled_dot_product_attention(_group_rows(q, g), k, v, mask, dropout, return_attention)  # (B/g, H, g*T, K)
         if return_attention:

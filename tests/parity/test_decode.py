@@ -278,6 +278,8 @@ def test_attention_over_keys_shared_by_groups_of_rows():
         assert got.shape == want.shape and weights.shape == want_weights.shape == (b * g, 3, T, S)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=0)
         np.testing.assert_allclose(np.asarray(weights), np.asarray(want_weights), atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="keys and values of 5 rows cannot serve 12 rows"):
+        attn(x, jnp.zeros((5, S, 24)))
 
 
 def test_only_long_cached_searches_on_the_cpu_grow_their_cache():
