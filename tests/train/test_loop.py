@@ -220,8 +220,9 @@ def test_translate_benchmark_times_every_search_and_checks_their_outputs(short_r
     import jax
     import torch
 
-    assert (jax.config.jax_default_matmul_precision, torch.get_float32_matmul_precision()) == ("highest", "highest")
-    jax.config.update("jax_default_matmul_precision", None)
+    precisions = jax.config.jax_default_matmul_precision, torch.get_float32_matmul_precision()
+    jax.config.update("jax_default_matmul_precision", None)  # undone before asserting: no leak into other tests
+    assert precisions == ("highest", "highest")
 
 
 @pytest.mark.parametrize("backend", [pytest.param("jax", marks=pytest.mark.slow), "torch"])  # jax: ~55 s
