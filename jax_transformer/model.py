@@ -25,7 +25,8 @@ from flax import nnx
 
 from torch_reference.config import TransformerConfig
 
-from .matmul import linear_dot_general, logits
+from .matmul import cpu_tuned, linear_dot_general, logits
+from .residuals import LayerNorm, relu_linear
 
 # Xavier-uniform matrices and zero biases, as tensor2tensor (and torch_reference) initialise them.
 xavier_uniform = nnx.initializers.xavier_uniform()
@@ -116,7 +117,7 @@ def make_norm(cfg: TransformerConfig, rngs: nnx.Rngs, dtype=None) -> nnx.Module:
     kwargs = dict(epsilon=cfg.layer_norm_eps, use_fast_variance=False, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
     if cfg.norm == "rmsnorm":
         return nnx.RMSNorm(cfg.d_model, **kwargs)
-    return nnx.LayerNorm(cfg.d_model, **kwargs)
+    return LayerNorm(cfg.d_model, **kwargs)  # nnx.LayerNorm keeping fewer arrays for its backward (residuals.py)
 
 
 # `dtype` is the computation's dtype (None: that of the inputs and parameters, i.e. float32);
@@ -244,6 +245,8 @@ class FeedForward(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         h = self.linear1(x)  # (B, L, F)
         if self.activation == "relu":
+            if cpu_tuned() and h.dtype == jnp.float32:  # linear2(relu(h)) keeping h alone (residuals.py)
+                return relu_linear(h, self.linear2.kernel[...]) + self.linear2.bias[...]
             h = jax.nn.relu(h)
         elif self.activation == "gelu":
             h = jax.nn.gelu(h, approximate=False)  # exact erf GELU; jax defaults to the tanh form
