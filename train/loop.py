@@ -229,6 +229,8 @@ def _train_locked(cfg: ExperimentConfig, topology: Topology, started: float) -> 
             _say(f"{run_dir} has trained {backend.step} steps (--steps {cfg.steps}): nothing to do; "
                  f"{RESULTS_FILE} left as it is (resume with a larger --steps to train on)")
             return done
+        _say(f"{run_dir} has trained {backend.step} steps (--steps {cfg.steps}): nothing to train; evaluating "
+             f"its last checkpoint (resume with a larger --steps to train on)")
     writer = summary_writer(run_dir / TENSORBOARD, purge_step=backend.step + 1) if main else _NoWriter()
     try:
         with _StopSignals(enabled=topology.process_count == 1) as stop:

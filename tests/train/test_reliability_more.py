@@ -195,6 +195,11 @@ def test_history_survives_any_number_of_resumes(run4, tmp_path, capsys):
     loop.train(cfg.replace(run_dir=str(copy), resume=True, steps=5))  # (at or below: one rule, steps done >= --steps)
     assert (copy / "results.json").read_bytes() == before
     assert "nothing to do; results.json left as it is" in capsys.readouterr().out
+    # The same for a run stopped before its results were written: said so, then evaluated.
+    (copy / "results.json").unlink()
+    loop.train(cfg.replace(run_dir=str(copy), resume=True, steps=5))
+    assert "has trained 8 steps (--steps 5): nothing to train; evaluating" in capsys.readouterr().out
+    assert json.loads((copy / "results.json").read_text())["steps"] == 8
 
 
 # ----------------------------------------------------------------------------------------------
