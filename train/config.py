@@ -172,7 +172,10 @@ class ExperimentConfig:
         None, "run", "directory for config, tokenizer, checkpoints, TensorBoard events and results.json; "
         "default runs/BACKEND-TIMESTAMP", metavar="DIR", launch=True,
     )
-    resume: bool = _field(False, "run", "continue the run in --run-dir from its newest complete checkpoint", launch=True)
+    resume: bool = _field(
+        False, "run", "continue the run in --run-dir from its newest complete checkpoint; --steps and the eval "
+        "and checkpoint flags are not stored with the run: give them again", launch=True,
+    )
     overwrite: bool = _field(False, "run", "delete the run already in --run-dir and start afresh", launch=True)
     compile: bool = _field(False, "run", "torch backend: wrap the model with torch.compile", launch=True)
     threads: int | None = _field(
