@@ -226,14 +226,14 @@ def test_translate_benchmark_times_every_search_and_checks_their_outputs(short_r
 
 
 def test_summary_line_gives_a_resumed_run_its_whole_training_time():
-    """wall_time_s is this invocation's; train.time_s adds up every session's training. A resumed
-    run's final line names both, so "2700 steps in 3231 s" does not read as the whole run's time."""
+    """wall_time_s is this invocation's; train.time_s adds up every session's training. The final
+    line names both, so a resumed run's "2700 steps in 3231 s" does not read as the whole run's time."""
     results = {"backend": "jax", "steps": 2700, "wall_time_s": 3230.9, "train": {"time_s": 5226.4},
                "valid": {"loss": 3.2, "ppl": 8.3, "bleu": 35.0}, "test": None, "run_dir": "run"}
     line = loop._summary_line(results)
     assert line.startswith("[jax] done: 2700 steps in 3231 s (5226 s of training since step 0) | valid loss 3.2000")
-    fresh = loop._summary_line({**results, "train": {"time_s": 3100.0}})  # training within the wall time
-    assert fresh.startswith("[jax] done: 2700 steps in 3231 s | valid loss")
+    fresh = loop._summary_line({**results, "train": {"time_s": 3100.0}})  # a run in one invocation
+    assert fresh.startswith("[jax] done: 2700 steps in 3231 s (3100 s of training since step 0) | valid loss")
 
 
 @pytest.mark.parametrize("backend", [pytest.param("jax", marks=pytest.mark.slow), "torch"])  # jax: ~55 s
