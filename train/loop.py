@@ -500,7 +500,7 @@ def _summary_line(results: dict[str, Any]) -> str:
     valid, test = results["valid"], results["test"]
     parts = [  # wall_time_s is this invocation's; train.time_s adds up every session's training
         f"[{results['backend']}] done: {results['steps']} steps in {results['wall_time_s']:.0f} s "
-        f"({results['train']['time_s'] or 0:.0f} s of training since step 0)",
+        f"({results['train']['time_s']:.0f} s of training since step 0)",
         f"valid loss {valid['loss']:.4f} ppl {valid['ppl']:.3f} BLEU {valid['bleu']:.2f}",
     ]
     if test is not None:
