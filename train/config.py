@@ -92,6 +92,12 @@ class ExperimentConfig:
     backend: Backend = _field(
         "jax", "run", "framework that trains the model: jax (Flax NNX, jit) or torch (the reference)", choices=BACKENDS
     )
+    recipe: str | None = _field(
+        None, "run", "read flags from a TOML recipe, e.g. recipes/multi30k-de-en.toml: one key per long flag, "
+        "with _ for - (eval_every = 1000, joint_vocab = false, set = [\"norm_position=pre\"]); flags given on the "
+        "command line override the file's, and --set adds to its list. The run directory keeps the recipe "
+        "(recipe.json)", flag="--config", metavar="FILE", launch=True,
+    )
 
     # Model
     preset: str = _field(

@@ -1,7 +1,8 @@
 """`python -m train.run --backend=jax|torch [flags]`: train, evaluate and save a translation model.
 
 A thin CLI: every flag is a field of `train.config.ExperimentConfig` (its help text lives there),
-and the work is `train.loop.train(config)`. Bad values and unusable files or run directories
+and the work is `train.loop.train(config)`; `--config FILE` reads flags from a TOML recipe
+(`recipe_flags`), before those of the command line. Bad values and unusable files or run directories
 end with one `error:` line and exit status 2 (flags) or 1 (files), never a traceback.
 """
 
@@ -9,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import signal
 import sys
+import tomllib
 
 from . import allocator
 from .config import FIELD_RANGES, ExperimentConfig, parse_model_override
@@ -23,6 +26,12 @@ GROUPS = {
     "eval": "evaluation and logging",
     "ckpt": "checkpoints",
     "dist": "devices, processes and precision",
+}
+
+# The TOML types a recipe key takes, by the field's type (the rest are strings).
+RECIPE_TYPES = {
+    "int": (int, "an integer"), "float": ((int, float), "a number"), "bool": (bool, "true or false"),
+    "dict": (list, "a list of strings"),
 }
 
 EPILOG = """\
@@ -45,6 +54,7 @@ examples:
   python -m train.run --run-dir runs/m30k --train de:en:../shared/data/multi30k/train \\
       --valid de:en:../shared/data/multi30k/val --test de:en:../shared/data/multi30k/test_2016_flickr \\
       --preset small --steps 20000 --token-budget 8192
+  python -m train.run --config recipes/multi30k-de-en.toml --run-dir runs/m30k   # a recipe (recipes/*.toml)
   python -m train.run --run-dir runs/torch-numbers --resume --steps 4000
   python -m train.run --devices 4 --dtype bfloat16          # data parallel over 4 devices, bf16
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m train.run   # 8 CPU devices, for testing
@@ -70,6 +80,10 @@ def _override(text: str):
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def _flag(field: dataclasses.Field) -> str:
+    return field.metadata.get("flag", "--" + field.name.replace("_", "-"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m train.run",
@@ -84,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = ExperimentConfig()
     for field in dataclasses.fields(ExperimentConfig):
         meta = field.metadata
-        flag = meta.get("flag", "--" + field.name.replace("_", "-"))
+        flag = _flag(field)
         default = getattr(defaults, field.name)
         kind = _type_name(str(field.type))
         # SUPPRESS: only flags actually given reach the config, so --resume can tell them apart.
@@ -110,13 +124,59 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_config(argv: list[str] | None = None) -> tuple[ExperimentConfig, set[str]]:
     """(config, names of the fields given on the command line); exits with a message on bad values."""
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     given = vars(parser.parse_args(argv))
+    if "recipe" in given:  # the file's flags first: the command line's come after and win
+        given = vars(parser.parse_args(recipe_flags(given["recipe"]) + argv))
     if "model" in given:
         given["model"] = dict(given["model"])
     try:
         return ExperimentConfig(**given), set(given)
     except ValueError as err:
         parser.error(str(err))
+
+
+def recipe_flags(path: str) -> list[str]:
+    """The TOML recipe at `path` as train.run flags: `eval_every = 1000` -> `--eval-every=1000`,
+    `joint_vocab = false` -> `--no-joint-vocab`, `set = ["a=1", "b=2"]` -> `--set=a=1 --set=b=2`.
+    A file that cannot be read, bad TOML, an unknown key, a wrong type or a bad value ends the
+    process with one line naming the file (and the key or line), exit status 2."""
+
+    def fail(message: str):
+        parser.exit(2, f"error: {path}: {message}\n")
+
+    parser = build_parser()
+    parser.exit_on_error = False  # a bad value raises, to be reported with the file and key
+    try:
+        with open(path, "rb") as file:
+            table = tomllib.load(file)
+    except OSError as err:
+        fail(err.strerror or str(err))
+    except tomllib.TOMLDecodeError as err:  # its message names the line and column
+        fail(f"invalid TOML: {err}")
+    fields = {_flag(f)[2:].replace("-", "_"): f for f in dataclasses.fields(ExperimentConfig) if f.name != "recipe"}
+    flags = []
+    for key, value in table.items():
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1)
+            fail(f"key {key!r}: unknown" + (f" (did you mean {close[0]!r}?)" if close else
+                                            ": the keys are the long flags of python -m train.run --help, with _ for -"))
+        kind = _type_name(str(fields[key].type))
+        types, expected = RECIPE_TYPES.get(kind, (str, "a string"))
+        if (not isinstance(value, types) or isinstance(value, bool) != (kind == "bool")
+                or kind == "dict" and not all(isinstance(item, str) for item in value)):
+            fail(f"key {key!r}: expected {expected}, got {value!r}")
+        flag = _flag(fields[key])
+        if kind == "bool":
+            args = [flag if value else "--no-" + flag[2:]]
+        else:
+            args = [f"{flag}={item}" for item in (value if kind == "dict" else [value])]
+        try:
+            parser.parse_args(args)
+        except argparse.ArgumentError as err:
+            fail(f"key {key!r}: {err.message}")
+        flags += args
+    return flags
 
 
 def main(argv: list[str] | None = None) -> int:

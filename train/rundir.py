@@ -14,6 +14,7 @@ A run directory holds:
     converted.json         where a converted run came from (parity.convert --run-dir)
     averaged.json          which checkpoints an averaged run holds the mean of (train.average)
     imported.json          the pretrained model an imported run came from (parity.convert --from marian)
+    recipe.json            the recipe the run was launched with (train.run --config): its path and text
 
 Every file is written whole (`write_text_atomic`: a temporary file beside it, then a rename), and
 nothing in a directory changes until `prepare_run_dir`, which the loop calls once the data has
@@ -48,6 +49,7 @@ from .config import ExperimentConfig
 
 CONFIG_FILE, MODEL_FILE, RESULTS_FILE, PROVENANCE_FILE = "config.json", "model.json", "results.json", "converted.json"
 AVERAGED_FILE = "averaged.json"
+RECIPE_FILE = "recipe.json"  # train.run --config's recipe: {"path", "toml"}; a resume without one keeps it
 CURVES_FILE = "curves.png"  # learning curves, drawn at the end of a run (train.curves)
 IMPORTED_FILE = "imported.json"  # a pretrained model's origin and original numbering (parity.convert --from)
 CHECKPOINTS, TENSORBOARD = "checkpoints", "tensorboard"
@@ -397,12 +399,18 @@ def prepare_run_dir(cfg: ExperimentConfig, model_cfg: TransformerConfig, tokeniz
     write its experiment, model and (when given: newly trained) tokenizers. config.json first:
     from there on the directory holds this run."""
     run_dir = Path(cfg.run_dir)
+    try:  # the recipe of --config, read before anything changes
+        recipe = cfg.recipe and {"path": cfg.recipe, "toml": Path(cfg.recipe).read_text("utf-8")}
+    except OSError as err:
+        raise UserError(f"--config {cfg.recipe}: {err.strerror or err}") from None
     if cfg.overwrite and (run_dir / CONFIG_FILE).is_file():
         for entry in run_dir.iterdir():  # all but the lock this process holds
             if entry.name != LOCK_FILE:
                 shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
     run_dir.mkdir(parents=True, exist_ok=True)
     write_json_atomic(run_dir / CONFIG_FILE, cfg.experiment())
+    if recipe:
+        write_json_atomic(run_dir / RECIPE_FILE, recipe)
     if tokenizers is not None:
         save_tokenizers(tokenizers, run_dir)
     write_json_atomic(run_dir / MODEL_FILE, model_cfg.to_dict())

@@ -1,0 +1,90 @@
+"""recipes/*.toml and `python -m train.run --config FILE`: keys, overrides, errors, the run's record."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from train import run
+from train.config import ExperimentConfig
+
+REPO = Path(__file__).resolve().parents[2]
+M30K = "../shared/data/multi30k/"
+
+# Each recipe's measured settings (README.md): backend, preset, data direction, steps, warmup,
+# checkpoints kept, --set overrides, token budget.
+RECIPES = {
+    "numbers.toml": ("jax", "tiny", None, 700, None, 2, {}, 4096),
+    "multi30k-de-en.toml": ("jax", "small", "de:en:", 4000, 400, 6, {}, 4096),
+    "multi30k-en-de.toml": ("jax", "small", "en:de:", 3500, 400, 4, {}, 4096),
+    "multi30k-en-de-base-pre.toml": ("jax", "base", "en:de:", 1300, 400, 10, {"norm_position": "pre"}, 2048),
+    "multi30k-de-en-h200.toml": ("torch", "small", "de:en:", 4000, 400, 6, {}, 4096),
+}
+
+
+@pytest.fixture(autouse=True)
+def _in_repo(monkeypatch):
+    monkeypatch.chdir(REPO)  # recipes name their data relative to the repository root
+
+
+def test_every_recipe_parses_to_its_measured_config():
+    assert sorted(p.name for p in (REPO / "recipes").iterdir()) == sorted(RECIPES)
+    for name, (backend, preset, pair, steps, warmup, keep, model, budget) in RECIPES.items():
+        cfg, given = run.parse_config(["--config", f"recipes/{name}"])
+        assert (cfg.backend, cfg.preset, cfg.steps, cfg.warmup, cfg.keep_checkpoints, cfg.model, cfg.token_budget) == (
+            backend, preset, steps, warmup, keep, model, budget), name
+        assert cfg.recipe == f"recipes/{name}" and {"recipe", "backend", "steps"} <= given
+        if pair:
+            assert (cfg.train, cfg.valid, cfg.test) == (
+                f"{pair}{M30K}train", f"{pair}{M30K}val", f"{pair}{M30K}test_2016_flickr"), name
+            assert (cfg.dropout, cfg.resolve().vocab_size) == (None if preset == "base" else 0.1, 8000), name
+
+
+def test_numbers_recipe_is_the_default_run():
+    assert run.parse_config(["--config", "recipes/numbers.toml"])[0] == ExperimentConfig(recipe="recipes/numbers.toml")
+
+
+def test_command_line_overrides_the_file():
+    cfg, given = run.parse_config(
+        ["--steps", "5", "--config", "recipes/multi30k-en-de-base-pre.toml", "--backend=torch", "--set",
+         "d_model=64", "--set", "norm_position=post", "--no-joint-vocab"])
+    assert (cfg.steps, cfg.backend, cfg.joint_vocab, cfg.lr_factor) == (5, "torch", False, 0.35)
+    assert cfg.model == {"norm_position": "post", "d_model": 64}  # --set adds to the file's list; the last wins
+    assert {"steps", "backend", "model", "joint_vocab", "lr_factor"} <= given
+
+
+@pytest.mark.parametrize("body, message", [
+    ("stpes = 3", "key 'stpes': unknown (did you mean 'steps'?)"),
+    ("eval-every = 3", "key 'eval-every': unknown (did you mean 'eval_every'?)"),
+    ("steps = '3'", "key 'steps': expected an integer, got '3'"),
+    ("steps = true", "key 'steps': expected an integer, got True"),
+    ("set = 'norm_position=pre'", "key 'set': expected a list of strings, got 'norm_position=pre'"),
+    ("joint_vocab = 1", "key 'joint_vocab': expected true or false, got 1"),
+    ("steps = 0", "key 'steps': steps must be >= 1, got 0"),
+    ("preset = 'huge'", "key 'preset': invalid choice: 'huge' (choose from 'tiny', 'small', 'base', 'big')"),
+    ("set = ['d_model=wide']", "key 'set': d_model takes a int, got 'wide'"),
+    ("steps = 3\nwarmup = = 2", "invalid TOML: Invalid value (at line 2, column 10)"),
+])
+def test_a_bad_recipe_is_one_error_line(tmp_path, capsys, body, message):
+    path = tmp_path / "x.toml"
+    path.write_text(body + "\n")
+    with pytest.raises(SystemExit) as exit_:
+        run.parse_config(["--config", str(path), "--steps", "2"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.splitlines() == [f"error: {path}: {message}"]
+
+
+def test_recipe_trains_and_the_run_records_it(tmp_path):
+    run_dir = tmp_path / "run"
+    flags = ["--run-dir", str(run_dir), "--numbers-train", "300", "--numbers-valid", "4", "--numbers-test", "0",
+             "--max-len", "16", "--token-budget", "512", "--set", "num_encoder_layers=1", "--set",
+             "num_decoder_layers=1", "--no-progress", "--samples", "0", "--eval-sentences", "4", "--beam", "1"]
+    result = subprocess.run([sys.executable, "-m", "train.run", "--config", "recipes/numbers.toml", "--steps", "2",
+                             "--backend", "torch", *flags], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    record = json.loads((run_dir / "recipe.json").read_text())
+    assert record == {"path": "recipes/numbers.toml", "toml": (REPO / "recipes/numbers.toml").read_text()}
+    saved = json.loads((run_dir / "config.json").read_text())
+    assert "recipe" not in saved and (saved["backend"], saved["preset"], saved["numbers_train"]) == ("torch", "tiny", 300)
