@@ -229,7 +229,7 @@ def _parse_override(text: str) -> tuple[str, object]:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m parity.check",
         description="Build a random PyTorch reference model, convert it to Flax, and compare logits, "
@@ -247,6 +247,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tgt-len", type=positive_int, default=17, help="padded target length (default 17)")
     parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--json", type=Path, help="write the full report (every parameter) to this file")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
 
     bounds = bounds_for(args.preset)

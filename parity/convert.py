@@ -431,7 +431,7 @@ def load_jax_weights(directory: str | os.PathLike) -> jax_transformer.Transforme
 # ---------------------------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m parity.convert",
         description="Convert Transformer weights between the PyTorch reference (safetensors) and the "
@@ -470,6 +470,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument(f"--{name}", metavar="SPEC", help=f"with --from: the {name} data spec recorded in the run "
                             "(train.run's data specs), for fine-tuning with train.run --resume")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing destination")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
 
     dst = Path(args.dst)

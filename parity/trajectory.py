@@ -423,7 +423,7 @@ def _override(text: str) -> tuple[str, Any]:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m parity.trajectory",
         description="Train one model in the JAX and the PyTorch backends from the same initial weights on "
@@ -454,6 +454,11 @@ def main(argv: list[str] | None = None) -> int:
                         "training itself carries one rounding error (not bounded)")
     parser.add_argument("--json", type=Path, help="write the full report (every update, every parameter) here")
     parser.add_argument("--plot", type=Path, help="write a PNG of the differences per update here")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     switch = args.steps // 2 if args.switch is None else args.switch
     if args.steps < 1 or not 0 <= switch < args.steps:

@@ -156,7 +156,7 @@ def _ctranslate2_rows(run: Run, state, batches, beam_size: int, alpha: float, ti
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m parity.translate_bench",
         description="Time translation with a run's weights in both frameworks: JAX and torch cached search and "
@@ -169,6 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
     parser.add_argument("--ctranslate2", action="store_true", help="also time the run exported to CTranslate2 in "
                         "float32 and int8 (needs the interop extra: pip install -e \".[interop]\")")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     enable_parity_numerics()
     try:

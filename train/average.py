@@ -86,7 +86,7 @@ def average_run(src: str | os.PathLike, dst: str | os.PathLike, last: int = 5, o
     return summary
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m train.average",
         description="Average the weights of a run's newest N checkpoints (the paper's §6.1: 5 for base models, 20 "
@@ -97,6 +97,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="average the newest N checkpoints (default 5)")
     parser.add_argument("--dst", type=Path, required=True, help="the new run directory to write")
     parser.add_argument("--overwrite", action="store_true", help="replace --dst if it holds a run")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         summary = average_run(args.run_dir, args.dst, args.last, args.overwrite)

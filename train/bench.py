@@ -267,7 +267,7 @@ def _write_json(args, batch_size: int, results: list[dict]) -> None:
                                             "args": {k: str(v) for k, v in vars(args).items()}, "results": results}))
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m train.bench",
         description="Median train-step time of the same model and batches on JAX, PyTorch eager and torch.compile, "
@@ -296,6 +296,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", help=argparse.SUPPRESS)
     parser.add_argument("--batch-size", type=positive_int, help=argparse.SUPPRESS)
     parser.add_argument("--precision", default="float32", choices=PRECISIONS, help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
 
     if args.worker:

@@ -69,7 +69,7 @@ def run_title(results: dict[str, Any]) -> str:
             f"dropout {model.get('dropout', '?')}; {results.get('steps', '?')} steps on {data}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m train.curves",
         description="Draw a run's learning curves (training and validation loss, validation BLEU, against steps "
@@ -77,6 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--run-dir", required=True, metavar="DIR", help="run directory written by train.run")
     parser.add_argument("--out", metavar="PNG", help=f"output file, replaced if it exists (default: RUN/{CURVES_FILE})")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     run_dir = Path(args.run_dir)
     try:

@@ -157,7 +157,7 @@ def evaluate_pairs(
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m train.evaluate",
         description="Score a run trained by `python -m train.run` on parallel data: label-smoothed loss, "
@@ -181,6 +181,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--samples", type=non_negative_int, default=0, help="include N example translations in the JSON")
     parser.add_argument("--output", type=Path, help="also write the JSON to this file")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
 
     try:

@@ -240,7 +240,7 @@ def xla_op_split(cfg: TransformerConfig, batch: int, length: int, repeats: int =
     return {key: value / repeats for key, value in split.items()}
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m train.profile_step", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="base", choices=["tiny", "small", "base", "big"])
     parser.add_argument("--batch", type=positive_int, default=32, help="sentences per batch (default 32)")
@@ -251,6 +251,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--xla-ops", action="store_true",
                         help="instead: profile JAX's whole forward + backward and split its time into matmuls and "
                         "all other compiled operations (compare `taskset -c 0` with two cores)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
 
     import jax

@@ -76,7 +76,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         "length_penalty=alpha, early_stopping='never') does")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m train.translate",
         description="Translate sentences (one per line) with a run trained by `python -m train.run`. "
@@ -101,6 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     # The issue that asked for it named `train.translate --benchmark`; it lives in `parity` (it needs
     # both frameworks on one set of weights, and `train` does not import `parity`): say where.
     parser.add_argument("--benchmark", action="store_true", help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.benchmark:
         parser.exit(2, "error: the translation benchmark is `python -m parity.translate_bench --run-dir RUN --input "

@@ -1,0 +1,93 @@
+"""What README.md and docs/*.md show holds: links and images resolve, every `python -m train.*` or
+`parity.*` command in a code block is accepted by its CLI's parser (a dry parse, no work), every
+recipe loads, and the README stays a short entry page."""
+
+import importlib
+import re
+import shlex
+from pathlib import Path
+from urllib.parse import unquote
+
+import pytest
+
+from train import run
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+FENCED = re.compile(r"^[ \t]*```.*?^[ \t]*```", re.M | re.S)
+INLINE_CODE = re.compile(r"`[^`\n]*`")
+LINK = re.compile(r"\[[^\]]*\]\(\s*<?([^)\s>]+)")  # [text](target "title") and ![alt](target)
+OPERATORS = set("|&;<>()")  # a shell token made of these ends a command
+# `python -m train.X` or `parity.X` where a shell command starts: a line's start (after VAR=value
+# settings) or after |, &&, ;, (.
+COMMAND = re.compile(r"(?:^|[|&;(])\s*(?:\w+=\S*\s+)*python3? -m ((?:train|parity)\.\w+)")
+
+
+def _commands(doc: Path):
+    """(where, module, argv) of each `python -m train.X|parity.X ...` in the fenced code blocks of
+    `doc`: lines continued with a backslash joined, comments and what follows |, &&, ;, < or >
+    left out; placeholders (RUN, FILE) stay as they are, and `...` (flags left out) is dropped."""
+    text = doc.read_text(encoding="utf-8")
+    for block in FENCED.finditer(text):
+        line_number = text.count("\n", 0, block.start()) + 1
+        for line in re.split(r"(?<!\\)\n", block.group()):  # a line ending in \ goes on
+            where, line_number = f"{doc.name}:{line_number}", line_number + line.count("\n") + 1
+            line = re.sub(r"(^|\s)#.*", "", line.replace("\\\n", " "))  # comments out
+            for command in COMMAND.finditer(line):
+                lexer = shlex.shlex(line[command.end():], posix=True, punctuation_chars=True)
+                lexer.whitespace_split, lexer.commenters = True, ""
+                argv = []
+                try:
+                    for word in lexer:
+                        if set(word) <= OPERATORS:
+                            break
+                        argv += [] if word == "..." else [word]
+                except ValueError as err:  # an unclosed quote: reported by the test, not at collection
+                    yield where, None, [str(err), line]
+                    continue
+                yield where, command[1], argv
+
+
+COMMANDS = [command for doc in DOCS for command in _commands(doc)]
+
+
+@pytest.mark.parametrize("where, module, argv", COMMANDS, ids=[c[0] for c in COMMANDS])
+def test_documented_command_parses(where, module, argv, monkeypatch, capsys):
+    assert module, f"{where}: {argv}"
+    monkeypatch.chdir(REPO)  # recipes and data are named relative to the repository root
+    try:
+        if module == "train.run":
+            run.parse_config(argv)  # with --config, the recipe is loaded too
+        else:
+            importlib.import_module(module).build_parser().parse_args(argv)
+    except SystemExit as exit_:
+        assert exit_.code == 0, f"{where}: python -m {module} {shlex.join(argv)}\n{capsys.readouterr().err}"
+
+
+def test_documented_commands_found():
+    modules = {module for _, module, _ in COMMANDS}
+    assert {"train.run", "train.evaluate", "train.average"} <= modules, modules
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=[d.name for d in DOCS])
+def test_links_resolve(doc):
+    text = INLINE_CODE.sub("", FENCED.sub("", doc.read_text(encoding="utf-8")))
+    missing = []
+    for target in LINK.findall(text):
+        path = unquote(target.partition("#")[0])
+        if path and ":" not in path and not (doc.parent / path).exists():  # ':': a URL (https:, mailto:)
+            missing.append(target)
+    assert not missing, f"{doc.name}: links to missing files: {missing}"
+
+
+def test_every_recipe_loads(monkeypatch):
+    monkeypatch.chdir(REPO)
+    recipes = sorted((REPO / "recipes").glob("*.toml"))
+    assert recipes
+    for recipe in recipes:
+        assert run.parse_config(["--config", str(recipe)])[0].recipe == str(recipe)
+
+
+def test_readme_is_short():
+    lines = len((REPO / "README.md").read_text(encoding="utf-8").splitlines())
+    assert lines <= 200, f"README.md has {lines} lines; the details belong in docs/"
