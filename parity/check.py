@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 import time
 from pathlib import Path
@@ -26,10 +25,10 @@ import torch_reference
 from jax_transformer.objective import label_smoothed_cross_entropy as jax_loss
 from torch_reference.config import TransformerConfig
 from torch_reference.objective import label_smoothed_cross_entropy as torch_loss
-from train.rundir import json_text
 from train.config import non_negative_int, positive_int
+from train.files import json_text
 
-from .convert import jax_params_to_torch, jax_key, torch_to_jax
+from .convert import jax_key, jax_params_to_torch, torch_to_jax
 
 # Bounds of the parity contract (README): float32, highest matmul precision, dropout off. The
 # wider bounds for base/big allow for float32 rounding accumulated over 12 layers of width 512+.

@@ -18,7 +18,7 @@ Files: PyTorch weights are safetensors (never pickle) with the config in the fil
 (nothing else is written beside it; a `config.json` beside a legacy file is read); JAX weights are an orbax checkpoint directory holding `params/` and
 `config.json`.
 
-Training runs: a backend of `train` exports its whole training state (`train.backend.TrainingState`:
+Training runs: a backend of `train` exports its whole training state (`train.backends.TrainingState`:
 weights, Adam's two moments and the update count, NumPy arrays keyed by its own attribute paths);
 `convert_state` maps those leaves with the same rules (Adam's moments are parameter-shaped), and
 the other backend imports it and saves it as its own checkpoint. `convert_run` does that for the
@@ -62,11 +62,10 @@ from flax import nnx
 import jax_transformer
 import torch_reference
 from torch_reference.config import TransformerConfig
-from train import rundir
-from train.backend import (  # noqa: F401 (CheckpointMismatchError re-exported)
-    CheckpointError, CheckpointMismatchError, TrainingState, check_keys, create_backend,
-)
+from train import files, rundir, store
+from train.backends import create_backend
 from train.config import ExperimentConfig
+from train.store import CheckpointError, CheckpointMismatchError, TrainingState, check_keys  # noqa: F401 (re-exported)
 
 from . import ctranslate2 as ct2_export
 from . import marian
@@ -76,7 +75,7 @@ LEAF_RULES = {
     "kernel": ("weight", True), "scale": ("weight", False), "embedding": ("weight", False), "bias": ("bias", False),
     "logits_bias": ("logits_bias", False),  # Transformer.logits_bias (V,), a parameter of its own on both sides
 }
-CONFIG_KEY = rundir.WEIGHTS_CONFIG_KEY  # safetensors metadata key holding the config JSON
+CONFIG_KEY = store.WEIGHTS_CONFIG_KEY  # safetensors metadata key holding the config JSON
 FRAMEWORKS = ("jax", "torch")
 
 
@@ -266,7 +265,7 @@ def convert_checkpoints(
         if not available:
             raise FileNotFoundError("the run has no checkpoint to convert")
         steps = available if which == "all" else [
-            rundir.choose_checkpoint(available, which, source.checkpoint_metrics, src_dir)
+            store.choose_checkpoint(available, which, source.checkpoint_metrics, src_dir)
         ]
         for step in steps:
             meta = source.restore(step)
@@ -294,7 +293,7 @@ def convert_run(
     src, dst = Path(src), Path(dst)
     try:
         src_cfg, model_cfg = rundir.read_experiment(src), rundir.read_model_config(src)
-    except rundir.UserError as err:
+    except files.UserError as err:
         raise FileNotFoundError(str(err)) from None
     to = to or ("torch" if src_cfg.backend == "jax" else "jax")
     if to == src_cfg.backend:
@@ -316,8 +315,8 @@ def convert_run(
         if (src / rundir.TENSORBOARD).is_dir():
             shutil.copytree(src / rundir.TENSORBOARD, tmp / rundir.TENSORBOARD)
         provenance = {"from": str(src), "from_backend": src_cfg.backend, "to_backend": to, "steps": steps}
-        rundir.write_json_atomic(tmp / rundir.PROVENANCE_FILE, provenance)
-        rundir.write_json_atomic(tmp / rundir.CONFIG_FILE, src_cfg.replace(backend=to).experiment())
+        files.write_json_atomic(tmp / rundir.PROVENANCE_FILE, provenance)
+        files.write_json_atomic(tmp / rundir.CONFIG_FILE, src_cfg.replace(backend=to).experiment())
     return {"run_dir": str(dst), "backend": to, "from": str(src), "steps": steps}
 
 
@@ -401,7 +400,7 @@ def save_jax_weights(model: nnx.Module, directory: str | os.PathLike, overwrite:
     directory.mkdir(parents=True, exist_ok=True)
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(directory / "params", _nest(jax_params(model)), force=overwrite)
-    rundir.write_text_atomic(directory / "config.json", model.cfg.to_json())
+    files.write_text_atomic(directory / "config.json", model.cfg.to_json())
     return directory
 
 
@@ -539,7 +538,7 @@ def _interop_cli(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
                   f"layers, d_model {cfg.d_model}, vocab {cfg.src_vocab_size}/{cfg.tgt_vocab_size}, step 0)")
             print(f"translate with: python -m train.translate --run-dir {done['run_dir']}")
             return 0
-        params, cfg = run_weights(src, rundir.parse_checkpoint(args.checkpoint or "best"))
+        params, cfg = run_weights(src, store.parse_checkpoint(args.checkpoint or "best"))
         if args.to == "marian":
             if Path(args.dst).exists():
                 shutil.rmtree(args.dst)
@@ -551,7 +550,7 @@ def _interop_cli(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
         parser.exit(2, f"error: {err}\n")
     except ImportError as err:
         parser.exit(1, f"error: {err}\n")
-    except (FileNotFoundError, ValueError, RuntimeError, CheckpointError, rundir.UserError) as err:
+    except (FileNotFoundError, ValueError, RuntimeError, CheckpointError, files.UserError) as err:
         parser.exit(1, f"error: {err}\n")
     print(f"wrote {args.dst}")
     return 0
@@ -565,7 +564,7 @@ def _convert_run_cli(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         done = convert_run(args.run_dir, args.dst, to=args.to, which=which, overwrite=args.overwrite)
     except FileExistsError as err:
         parser.exit(2, f"error: {err}\n")
-    except (FileNotFoundError, ValueError, CheckpointError, rundir.UserError) as err:
+    except (FileNotFoundError, ValueError, CheckpointError, files.UserError) as err:
         parser.exit(1, f"error: {err}\n")
     steps = ", ".join(map(str, done["steps"]))
     print(f"wrote {done['run_dir']}: the {done['backend']} run of {done['from']} (checkpoint step {steps})")

@@ -29,7 +29,7 @@ its own, so an imported run exported untrained gives back the original weights b
 
 The run directory written by the import is a run of `train.run` at step 0 (no Adam moments):
 config.json (preset base with the Marian fields as `--set` overrides, the data specs given to
-fine-tune on), model.json, the SentencePiece tokenizers (`train.spm`: the model's own
+fine-tune on), model.json, the SentencePiece tokenizers (`train.data.spm`: the model's own
 `source.spm`/`target.spm` and `vocab.json`, ids permuted as above), a checkpoint of the chosen
 backend, and imported.json recording the Marian config and special ids (what the export reads).
 `train.translate`, `train.evaluate` and `train.run --resume` (fine-tuning) accept it.
@@ -52,10 +52,11 @@ import torch
 
 from torch_reference.config import BOS_ID, EOS_ID, PAD_ID, SPECIAL_TOKENS, UNK_ID, TransformerConfig
 from torch_reference.model import Transformer, sinusoidal_positions
-from train import rundir, spm
-from train.backend import CheckpointMismatchError, TrainingState, create_backend
+from train import files, rundir
+from train.backends import create_backend
 from train.config import ExperimentConfig
-
+from train.data import spm
+from train.store import CheckpointMismatchError, TrainingState
 
 MARIAN_FORMAT = "marian"
 # Our layer submodule -> HF's, inside encoder.layers.N / decoder.layers.N.
@@ -373,8 +374,8 @@ def import_marian(
     experiment = experiment_for(cfg, to, train, valid, test).replace(run_dir=str(dst)).resolve()
     rundir.check_destination(dst, overwrite)
     with rundir.building(dst, "converting") as tmp:
-        rundir.write_json_atomic(tmp / rundir.CONFIG_FILE, experiment.experiment())
-        rundir.write_json_atomic(tmp / rundir.MODEL_FILE, cfg.to_dict())
+        files.write_json_atomic(tmp / rundir.CONFIG_FILE, experiment.experiment())
+        files.write_json_atomic(tmp / rundir.MODEL_FILE, cfg.to_dict())
         rundir.save_tokenizers(rundir.data.Tokenizers(src_tok, tgt_tok), tmp)
         backend = create_backend(experiment, cfg, str(tmp / rundir.CHECKPOINTS))
         try:
@@ -385,7 +386,7 @@ def import_marian(
             backend.save(meta, None)
         finally:
             backend.close()
-        rundir.write_json_atomic(tmp / rundir.IMPORTED_FILE, {
+        files.write_json_atomic(tmp / rundir.IMPORTED_FILE, {
             "from": str(src), "format": MARIAN_FORMAT, "marian_config": hf, "marian_ids": ids,
         })
     return {"run_dir": str(dst), "backend": to, "from": str(src), "config": cfg}
@@ -425,10 +426,10 @@ def export_marian(run_dir: str | os.PathLike, params: Mapping[str, np.ndarray], 
     (dst / "target.spm").write_bytes(tgt_tok.model)
     ids = record["marian_ids"]
     src_inverse, tgt_inverse = (inverse_order(o) for o in side_orders(ids))
-    rundir.write_json_atomic(dst / "vocab.json", {src_tok.pieces[int(o)]: m for m, o in enumerate(src_inverse)})
+    files.write_json_atomic(dst / "vocab.json", {src_tok.pieces[int(o)]: m for m, o in enumerate(src_inverse)})
     if not cfg.share_embeddings:
-        rundir.write_json_atomic(dst / "target_vocab.json", {tgt_tok.pieces[int(o)]: m for m, o in enumerate(tgt_inverse)})
-    rundir.write_json_atomic(dst / "tokenizer_config.json", {
+        files.write_json_atomic(dst / "target_vocab.json", {tgt_tok.pieces[int(o)]: m for m, o in enumerate(tgt_inverse)})
+    files.write_json_atomic(dst / "tokenizer_config.json", {
         "tokenizer_class": "MarianTokenizer", "separate_vocabs": not cfg.share_embeddings, "model_max_length": cfg.max_len,
     })
     return dst

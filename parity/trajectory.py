@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import sys
 import tempfile
@@ -57,13 +56,19 @@ import numpy as np
 import torch
 
 from torch_reference.config import TransformerConfig
-
 from train import data, rundir
-from train.backend import TrainingState, create_backend
-from train.config import DERIVED_MODEL_FIELDS, ExperimentConfig
-from train.rundir import json_text
-from train.config import non_negative_int, positive_float, positive_int, probability
+from train.backends import create_backend, initialize
+from train.config import (
+    DERIVED_MODEL_FIELDS,
+    ExperimentConfig,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    probability,
+)
+from train.files import json_text
 from train.loop import make_batcher
+from train.store import TrainingState
 
 from .check import enable_parity_numerics
 from .convert import convert_checkpoints, convert_state
@@ -244,6 +249,8 @@ def run_trajectory(
     with tempfile.TemporaryDirectory(prefix="trajectory-") as tmp:
         workdir = Path(tmp)
         names = ("torch", "jax", "torch+1ulp") if control else ("torch", "jax")
+        for framework in ("torch", "jax"):
+            initialize(cfg.replace(backend=framework))  # each framework's process settings (threads, allocator)
         backends = {n: create_backend(cfg.replace(backend=n.split("+")[0]), model_cfg, str(workdir / n)) for n in names}
         if initial is None:
             initial = backends["torch"].export_state()

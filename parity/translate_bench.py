@@ -9,7 +9,7 @@ and with --beam. Prints sentences/s, generated tokens/s, the speed-ups against t
 against the uncached loop at the same beam, and for every row but the reference (torch cached)
 how many sentences came out different from the reference's: 0 expected, the searches being the
 same algorithm on the same weights. Each framework is timed under the allocator settings it has in
-a process of its own: the JAX backend fixes glibc's thresholds for XLA (`train.allocator`), which
+a process of its own: the JAX backend fixes glibc's thresholds for XLA (`train.backends.allocator`), which
 made torch's cached beam search 1.6x slower in the same process, so torch and CTranslate2 run
 under glibc's settled thresholds (`allocator.settled`). Both frameworks compute float32 matmuls in
 full float32 (TF32 off: JAX's default on GPUs would otherwise round them to TF32 and change
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import platform
 import sys
@@ -39,11 +38,11 @@ from pathlib import Path
 
 import numpy as np
 
-from train import allocator, data
-from train.backend import create_backend
-from train.rundir import Run, UserError, open_run, write_text_atomic
-from train.rundir import json_text
+from train import data
+from train.backends import allocator, create_backend, initialize
 from train.config import positive_int
+from train.files import UserError, json_text, write_text_atomic
+from train.rundir import Run, open_run
 from train.translate import add_run_arguments, read_lines
 
 from .check import enable_parity_numerics
@@ -67,6 +66,7 @@ def benchmark(run: Run, lines: Sequence[str], beam_size: int, batch_size: int | 
     state = run.backend.export_state()
     backends = {}
     for framework in ("torch", "jax"):
+        initialize(cfg.replace(backend=framework))  # each framework's process settings (threads, allocator)
         backend = create_backend(cfg.replace(backend=framework), model_cfg, None)
         backend.import_state(convert_state(state, framework, model_cfg))
         backends[framework] = backend
@@ -120,9 +120,9 @@ def _ctranslate2_rows(run: Run, state, batches, beam_size: int, alpha: float, ti
     import sacrebleu
     import torch
 
-    from . import ctranslate2 as ct2
-
     from torch_reference.decode import output_length
+
+    from . import ctranslate2 as ct2
 
     params = convert_state(state, "torch", run.model_config).params
     threads = torch.get_num_threads()  # as many as torch's cached search uses
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(1, f"error: {err}\n")
     if args.ctranslate2:
         try:
-            from train.spm import require
+            from train.data.spm import require
 
             require("ctranslate2")
         except ImportError as err:

@@ -2,7 +2,7 @@
 
 Each sentence is translated as `translate_texts` does (the same batches and search), then its
 output is teacher-forced through the model once: the decoder reads <bos> and the output tokens
-and returns its cross-attention weights (`Backend.cross_attention`, the model's own softmax with
+and returns its cross-attention weights (`Translator.cross_attention`, the model's own softmax with
 `return_attention=True`). Row t is the step that produced output token t, so rows are labelled
 with the output tokens (ending <eos>) and columns with the source tokens (ending <eos>).
 
@@ -25,7 +25,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from . import data
-from .backend import Backend
+from .backends import Translator
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +74,7 @@ def output_tokens(row: np.ndarray) -> list[int]:
 
 
 def translate_with_attention(
-    backend: Backend,
+    backend: Translator,
     tokenizers: data.Tokenizers,
     texts: Sequence[str],
     *,
@@ -202,7 +202,7 @@ def write_plots(attentions: Sequence[SentenceAttention], directory: Path) -> lis
     return written
 
 
-def translate_and_plot(backend: Backend, tokenizers: data.Tokenizers, texts: Sequence[str], *, directory: Path,
+def translate_and_plot(backend: Translator, tokenizers: data.Tokenizers, texts: Sequence[str], *, directory: Path,
                        **search) -> list[str]:
     """`translate_texts` that also writes each sentence's plots to `directory` (see the module
     docstring); `search` holds translate_texts' keyword arguments."""

@@ -23,9 +23,10 @@ from pathlib import Path
 
 import numpy as np
 
-from . import rundir
-from .backend import CheckpointError, TrainingState, create_backend
+from . import files, rundir
+from .backends import create_backend
 from .config import positive_int
+from .store import CheckpointError, TrainingState
 
 
 def average_states(states: Sequence[TrainingState]) -> TrainingState:
@@ -49,14 +50,14 @@ def average_run(src: str | os.PathLike, dst: str | os.PathLike, last: int = 5, o
     src, dst = Path(src), Path(dst)
     cfg, model_cfg = rundir.read_experiment(src), rundir.read_model_config(src)
     if dst.resolve() == src.resolve():
-        raise rundir.UserError("--dst must differ from --run-dir: the averaged run is a new run directory")
+        raise files.UserError("--dst must differ from --run-dir: the averaged run is a new run directory")
     rundir.check_destination(dst, overwrite)
 
     reader = create_backend(cfg, model_cfg, str(src / rundir.CHECKPOINTS))
     try:
         steps = reader.checkpoint_steps()
         if len(steps) < last:
-            raise rundir.UserError(
+            raise files.UserError(
                 f"{src} keeps {len(steps)} checkpoint(s) (steps {', '.join(map(str, steps)) or 'none'}), fewer than "
                 f"--last {last}; train with --keep-checkpoints {last} or more to average {last}"
             )
@@ -66,7 +67,7 @@ def average_run(src: str | os.PathLike, dst: str | os.PathLike, last: int = 5, o
             meta = reader.restore(step)
             states.append(reader.export_state())
     except (FileNotFoundError, CheckpointError) as err:
-        raise rundir.UserError(str(err)) from None
+        raise files.UserError(str(err)) from None
     finally:
         reader.close()
     averaged = average_states(states)
@@ -82,7 +83,7 @@ def average_run(src: str | os.PathLike, dst: str | os.PathLike, last: int = 5, o
         finally:
             writer.close()
         summary = {"run_dir": str(dst), "from": str(src), "averaged_steps": steps, "step": steps[-1]}
-        rundir.write_json_atomic(tmp / rundir.AVERAGED_FILE, summary)
+        files.write_json_atomic(tmp / rundir.AVERAGED_FILE, summary)
     return summary
 
 
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         summary = average_run(args.run_dir, args.dst, args.last, args.overwrite)
-    except (rundir.UserError, FileExistsError) as err:
+    except (files.UserError, FileExistsError) as err:
         parser.exit(1, f"error: {err}\n")
     print(f"averaged steps {', '.join(map(str, summary['averaged_steps']))} of {args.run_dir} into {args.dst} "
           f"(step {summary['step']})")

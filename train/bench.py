@@ -39,9 +39,9 @@ import numpy as np
 
 from torch_reference.config import TransformerConfig
 
-from . import allocator
-from .rundir import UserError, check_output_file, json_text, write_text_atomic
+from .backends import allocator
 from .config import non_negative_int, positive_int, probability
+from .files import UserError, check_output_file, json_text, write_text_atomic
 
 BACKENDS = ("jax", "torch", "torch-compile")
 PRECISIONS = ("float32", "tf32", "bfloat16")
@@ -158,7 +158,7 @@ def matmul_peak_gflops(framework: str, precision: str = "float32", n: int | None
 
 def run_worker(args) -> dict:
     """Train `args.steps` steps of one backend on the fixed batches and measure them."""
-    from .backend import create_backend
+    from .backends import create_backend, initialize
     from .config import ExperimentConfig
 
     framework = "jax" if args.backend == "jax" else "torch"
@@ -174,6 +174,7 @@ def run_worker(args) -> dict:
     batches = fixed_batches(cfg, args.batch_size, args.length, 4)
     # Memory counts from here: the model, its optimizer state (JAX makes it at creation, torch in
     # the first step), gradients, activations and the runtime's buffers.
+    initialize(exp)  # the process's settings (allocator, threads), as train.run applies them
     rss_base = _rss_mib()
     backend = create_backend(exp, cfg, None)
 
@@ -367,5 +368,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    allocator.use_huge_pages()  # re-executes once; see train/allocator.py
+    allocator.use_huge_pages()  # re-executes once; see train/backends/allocator.py
     sys.exit(main())

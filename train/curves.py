@@ -19,7 +19,8 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from .rundir import CURVES_FILE, RESULTS_FILE, UserError, check_output_file, json_text
+from .files import UserError, check_output_file, json_text
+from .rundir import CURVES_FILE, RESULTS_FILE
 
 
 def plot_curves(history: dict[str, Any], path: str | Path, title: str = "") -> Path:

@@ -32,9 +32,10 @@ from typing import Any
 from sacrebleu.metrics import BLEU, CHRF
 
 from . import data
-from .backend import Backend
+from .backends import Backend, Trainer
 from .config import non_negative_int, positive_int
-from .rundir import UserError, check_output_file, json_text, load_split, open_run, write_text_atomic
+from .files import UserError, check_output_file, json_text, write_text_atomic
+from .rundir import load_split, open_run
 from .translate import EvaluationStopped, add_run_arguments, translate_texts  # noqa: F401 (EvaluationStopped: re-exported)
 
 
@@ -87,7 +88,7 @@ def band_scores(
     return bands
 
 
-def loss_and_perplexity(backend: Backend, batches, stop: Callable[[], bool] | None = None) -> dict[str, float]:
+def loss_and_perplexity(backend: Trainer, batches, stop: Callable[[], bool] | None = None) -> dict[str, float]:
     """{"loss", "nll", "ppl", "tokens"} over padded batches, dropout off: the sums stay on the
     device and are read once. `stop` is asked before each batch: True raises EvaluationStopped."""
     loss = nll = tokens = 0

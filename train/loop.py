@@ -4,7 +4,7 @@
 the tokenizers, build the batches and the backend (resuming from the newest complete checkpoint
 with --resume), then loop over updates with a progress bar, TensorBoard scalars, evaluation
 (loss, perplexity, BLEU, chrF, sample translations) and checkpoints, and finish with a test-set
-evaluation, `results.json` and one summary line. The backend (`train.backend`) is the only part
+evaluation, `results.json` and one summary line. The backend (`train.backends`) is the only part
 that knows a framework.
 
 Interruptions: SIGTERM and Ctrl-C make the loop save a checkpoint after the current update and
@@ -39,14 +39,24 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from . import curves, data
-from .backend import Backend, CheckpointError, Topology, create_backend, initialize
+from .backends import Backend, Topology, create_backend, initialize
 from .config import ExperimentConfig
 from .evaluate import EvaluationStopped, bands_text, evaluate_pairs
+from .files import UserError, finite_values, read_json, write_json_atomic
 from .rundir import (
-    CHECKPOINTS, CURVES_FILE, RESULTS_FILE, TENSORBOARD, UserError, check_checkpoint_config, claim_run_dir,
-    follow_run_dir, finite_values, load_splits, load_tokenizers, lock_run_dir, prepare_run_dir, read_json,
-    write_json_atomic,
+    CHECKPOINTS,
+    CURVES_FILE,
+    RESULTS_FILE,
+    TENSORBOARD,
+    check_checkpoint_config,
+    claim_run_dir,
+    follow_run_dir,
+    load_splits,
+    load_tokenizers,
+    lock_run_dir,
+    prepare_run_dir,
 )
+from .store import CheckpointError
 
 
 class TrainingDiverged(UserError):

@@ -15,7 +15,7 @@ import signal
 import sys
 import tomllib
 
-from . import allocator
+from .backends import allocator
 from .config import FIELD_RANGES, ExperimentConfig, parse_model_override
 
 GROUPS = {
@@ -199,5 +199,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    allocator.use_huge_pages()  # re-executes once; see train/allocator.py
+    allocator.use_huge_pages()  # re-executes once; see train/backends/allocator.py
     sys.exit(main())

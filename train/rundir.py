@@ -5,7 +5,7 @@ A run directory holds:
                            translate, evaluate and conversion read; launch options are not saved)
     model.json             the TransformerConfig
     tokenizer.json         or src_tokenizer.json + tgt_tokenizer.json (BPE trained by the run), or
-    sentencepiece.json     + its SentencePiece models (an imported model's tokenizers: train.spm)
+    sentencepiece.json     + its SentencePiece models (an imported model's tokenizers: train.data.spm)
     checkpoints/<step>/    the backend's checkpoints (newest N plus the best by validation BLEU),
                            each with digest.json: the SHA-256 of every file, checked on load
     tensorboard/           event files
@@ -27,15 +27,11 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
-import hashlib
-import json
-import math
 import os
 import re
 import shutil
 import socket
-import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +39,12 @@ from tokenizers import Tokenizer
 
 from torch_reference.config import TransformerConfig
 
-from . import data, spm
-from .backend import Backend, CheckpointError, create_backend
+from . import data
+from .backends import Backend, create_backend, initialize
 from .config import ExperimentConfig
+from .data import spm
+from .files import UserError, read_json, say, write_json_atomic, write_text_atomic
+from .store import CheckpointError, parse_checkpoint
 
 CONFIG_FILE, MODEL_FILE, RESULTS_FILE, PROVENANCE_FILE = "config.json", "model.json", "results.json", "converted.json"
 AVERAGED_FILE = "averaged.json"
@@ -55,85 +54,7 @@ IMPORTED_FILE = "imported.json"  # a pretrained model's origin and original numb
 CHECKPOINTS, TENSORBOARD = "checkpoints", "tensorboard"
 JOINT_TOKENIZER, SRC_TOKENIZER, TGT_TOKENIZER = "tokenizer.json", "src_tokenizer.json", "tgt_tokenizer.json"
 TOKENIZER_FILES = (JOINT_TOKENIZER, SRC_TOKENIZER, TGT_TOKENIZER)  # with tokenizer_files(): the spm kind's too
-# The safetensors metadata key holding the TransformerConfig JSON, in weights files and checkpoints.
-WEIGHTS_CONFIG_KEY = "transformer_config"
 LOCK_FILE = ".lock"  # held (flock) by the one process that writes the run
-
-
-class UserError(Exception):
-    """A problem with the flags, files or run directory the user gave: reported without a traceback."""
-
-
-def write_text_atomic(path: str | Path, text: str) -> None:
-    """Write `text` to a temporary file beside `path`, then rename it into place: a crash leaves
-    the old file or the new one, never half of one."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def finite_values(obj: Any) -> Any:
-    """`obj` with every non-finite float (NaN, ±Infinity: not JSON) replaced by None."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: finite_values(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [finite_values(v) for v in obj]
-    return obj
-
-
-def json_text(obj: Any) -> str:
-    """Strict JSON of `obj`, as every file and every output of the project holds: a non-finite
-    number becomes null (never NaN or Infinity, which JSON does not have), and a string holding
-    a byte that was not UTF-8 (a path, read with surrogateescape) keeps it as a \\uDCxx escape,
-    so the text always encodes as UTF-8."""
-    text = json.dumps(finite_values(obj), indent=2, ensure_ascii=False, allow_nan=False)
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-def write_json_atomic(path: str | Path, obj: Any) -> None:
-    write_text_atomic(path, json_text(obj) + "\n")
-
-
-def read_json(path: str | Path, default: Any = ...) -> Any:
-    """The JSON in `path`; UserError naming the file when it is not valid JSON. A missing file
-    returns `default` when given, else raises UserError too."""
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        if default is not ...:
-            return default
-        raise UserError(f"no such file: {path}") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise UserError(f"cannot read {path}: {err}") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as err:
-        raise UserError(f"{path} is not valid JSON: {err.msg} at line {err.lineno} column {err.colno}") from None
-
-
-def check_output_file(path: str | Path, flag: str) -> None:
-    """UserError unless a file can be written at `path`: its directory exists and `path` is not
-    a directory. For the --output flags, checked before the work starts."""
-    path = Path(path)
-    if path.is_dir():
-        raise UserError(f"{flag} {path} is a directory; give a file name")
-    if not path.parent.is_dir():
-        raise UserError(f"{flag} {path}: directory {path.parent} does not exist")
-    if not os.access(path.parent, os.W_OK):
-        raise UserError(f"{flag} {path}: directory {path.parent} is not writable")
-
-
-def _say(text: str) -> None:
-    from tqdm.auto import tqdm
-
-    tqdm.write(text, file=sys.stdout)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -172,13 +93,13 @@ def load_split(cfg: ExperimentConfig, spec: str) -> list[data.Pair]:
         raise UserError(f"{spec!r} holds no sentence pairs" + (
             f" ({loaded.skipped_empty} skipped: a side is empty)" if loaded.skipped_empty else ""))
     if loaded.skipped_empty:
-        _say(f"{spec}: skipped {loaded.skipped_empty} of {loaded.skipped_empty + len(loaded.pairs)} pairs with an empty side")
+        say(f"{spec}: skipped {loaded.skipped_empty} of {loaded.skipped_empty + len(loaded.pairs)} pairs with an empty side")
     return loaded.pairs
 
 
 def save_tokenizers(tokenizers: data.Tokenizers, run_dir: str | Path) -> None:
     """Write run_dir/tokenizer.json (joint) or run_dir/src_tokenizer.json + tgt_tokenizer.json;
-    SentencePiece tokenizers (train.spm) as run_dir/sentencepiece.json and their models."""
+    SentencePiece tokenizers (train.data.spm) as run_dir/sentencepiece.json and their models."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if isinstance(tokenizers.src, spm.SentencePieceTokenizer):
@@ -254,7 +175,7 @@ class RunLock:
                 self.release()
                 raise UserError(f"{self.path.parent} is in use by {holder}: one process writes a run at a time "
                                 "(translate and evaluate can read it meanwhile)") from None
-            _say(f"warning: cannot lock {self.path} ({err.strerror}): this filesystem has no flock; nothing "
+            say(f"warning: cannot lock {self.path} ({err.strerror}): this filesystem has no flock; nothing "
                  "stops a second process from writing this run")
             return self
         os.ftruncate(self._fd, 0)
@@ -436,99 +357,6 @@ def check_checkpoint_config(meta: Mapping[str, Any], cfg: ExperimentConfig) -> N
 # Checkpoints and opening a run
 
 
-def choose_checkpoint(steps: Sequence[int], which: str | int, metrics: Callable[[int], Mapping | None], where) -> int:
-    """The step `which` ("latest", "best" or a step number) names among `steps` (oldest first).
-    "best" is the highest validation BLEU among `metrics(step)` (ties: the newest), the latest
-    when no checkpoint has metrics. FileNotFoundError when there is no such checkpoint in `where`."""
-    if not steps:
-        raise FileNotFoundError(f"no checkpoint in {where}")
-    if which == "latest":
-        return steps[-1]
-    if which == "best":
-        ranked = [(m["bleu"], step) for step in steps if (m := metrics(step)) is not None and "bleu" in m]
-        return max(ranked)[1] if ranked else steps[-1]
-    step = int(which)
-    if step not in steps:
-        raise FileNotFoundError(f"no checkpoint of step {step} in {where} (have {list(steps)})")
-    return step
-
-
-def parse_checkpoint(which: str | int) -> str | int:
-    """'best', 'latest' or a step number (as int); UserError for anything else."""
-    if isinstance(which, int) or (isinstance(which, str) and which.isdigit()):
-        return int(which)
-    if which not in ("best", "latest"):
-        raise UserError(f"checkpoint must be 'best', 'latest' or a step number, got {which!r}")
-    return which
-
-
-# ----------------------------------------------------------------------------------------------
-# Checkpoint digests
-
-DIGEST_FILE = "digest.json"  # in each checkpoint directory: {"algorithm", "files": {path: hex}}
-DIGEST_ALGORITHM = "sha256"  # hashlib's, OpenSSL-accelerated
-
-
-class CheckpointDamaged(ValueError):
-    """A checkpoint file that does not match the digest written with it, or is missing."""
-
-
-def _file_digest(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, DIGEST_ALGORITHM).hexdigest()
-
-
-def _checkpoint_files(directory: Path) -> list[Path]:
-    return sorted(p for p in directory.rglob("*") if p.is_file() and p.name != DIGEST_FILE
-                  and not p.name.startswith(f".{DIGEST_FILE}"))
-
-
-def write_checkpoint_digest(directory: str | Path) -> None:
-    """Hash every file of the checkpoint `directory` and write DIRECTORY/digest.json. Called once
-    the checkpoint's data is on disk (each file synced here as it is read) and before the
-    checkpoint is published: torch renames its temporary directory after this; orbax renames its
-    own before returning from save, so for JAX this runs right after (see the README)."""
-    directory = Path(directory)
-    files = {}
-    for path in _checkpoint_files(directory):
-        with open(path, "rb") as f:
-            os.fsync(f.fileno())
-            files[path.relative_to(directory).as_posix()] = hashlib.file_digest(f, DIGEST_ALGORITHM).hexdigest()
-    tmp = directory / f".{DIGEST_FILE}.tmp"
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(json_text({"algorithm": DIGEST_ALGORITHM, "files": files}) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, directory / DIGEST_FILE)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def verify_checkpoint(directory: str | Path) -> bool:
-    """Check every file of the checkpoint `directory` against its digest.json: CheckpointDamaged
-    naming the first file that differs or is missing. Returns False, checking nothing, for a
-    checkpoint without digest.json (written before digests existed, or a JAX save interrupted
-    between orbax's rename and the digest); the backends' own checks then apply."""
-    directory = Path(directory)
-    try:
-        record = json.loads((directory / DIGEST_FILE).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return False
-    except (OSError, ValueError) as err:
-        raise CheckpointDamaged(f"{DIGEST_FILE} is unreadable ({err})") from None
-    files = record.get("files") if isinstance(record, dict) else None
-    if not isinstance(files, dict) or record.get("algorithm") != DIGEST_ALGORITHM:
-        raise CheckpointDamaged(f"{DIGEST_FILE} is not a {DIGEST_ALGORITHM} digest of the checkpoint")
-    for name, expected in sorted(files.items()):
-        path = directory / name
-        if not path.is_file():
-            raise CheckpointDamaged(f"{name} is missing")
-        if _file_digest(path) != expected:
-            raise CheckpointDamaged(f"{name} does not match the {DIGEST_ALGORITHM} digest written with it")
-    return True
-
-
 @dataclasses.dataclass
 class Run:
     """A trained run opened for translation or evaluation."""
@@ -565,6 +393,7 @@ def open_run(run_dir: str | Path, checkpoint: str | int = "best") -> Run:
         tokenizers = load_tokenizers(run_dir, cfg.joint_vocab)
     except (FileNotFoundError, ValueError) as err:
         raise UserError(str(err)) from None
+    initialize(cfg)  # the process's settings for its platform; this is where the reading CLIs start
     backend = create_backend(cfg, model_cfg, str(run_dir / CHECKPOINTS))
     try:
         meta = backend.restore(checkpoint)

@@ -19,9 +19,10 @@ from pathlib import Path
 from torch_reference.config import SCORINGS
 
 from . import data
-from .backend import Backend
+from .backends import Translator
 from .config import non_negative_float, positive_int  # noqa: F401 (positive_int: re-exported)
-from .rundir import UserError, check_output_file, open_run, write_text_atomic
+from .files import UserError, check_output_file, write_text_atomic
+from .rundir import open_run
 
 
 class EvaluationStopped(Exception):
@@ -29,7 +30,7 @@ class EvaluationStopped(Exception):
 
 
 def translate_texts(
-    backend: Backend,
+    backend: Translator,
     tokenizers: data.Tokenizers,
     texts: Sequence[str],
     *,

@@ -22,9 +22,9 @@ import torch
 from parity import CheckpointMismatchError
 from parity.convert import convert_run, convert_state, transfer_state
 from parity.convert import main as convert_main
-from train import average, data, loop, rundir
+from train import average, data, loop, rundir, store
 from train import run as train_run
-from train.backend import create_backend
+from train.backends import create_backend
 from train.config import ExperimentConfig
 
 jax.config.update("jax_default_matmul_precision", "highest")  # parity numerics (README, numerics contract)
@@ -271,7 +271,7 @@ def test_converting_a_tampered_optimizer_file_names_the_problem(jax_run, tmp_pat
     moments = load_file(str(path))
     del moments["decoder.layers.0.ff.linear1.bias.exp_avg"], moments["decoder.layers.0.ff.linear1.bias.exp_avg_sq"]
     save_file(moments, str(path))
-    rundir.write_checkpoint_digest(path.parent)  # a consistent but foreign file: the digest cannot tell
+    store.write_checkpoint_digest(path.parent)  # a consistent but foreign file: the digest cannot tell
     with pytest.raises(SystemExit) as exit_:
         convert_main(["--to", "jax", "--run-dir", str(torch_dir), "--dst", str(tmp_path / "back")])
     err = capsys.readouterr().err
@@ -282,7 +282,7 @@ def test_converting_a_tampered_optimizer_file_names_the_problem(jax_run, tmp_pat
 
 def test_best_checkpoint_is_selectable(jax_run, tmp_path):
     original = _checkpoint_states(jax_run)
-    best = max(original, key=lambda s: (original[s][2]["bleu"], s))  # ties: the newest, as rundir.choose_checkpoint
+    best = max(original, key=lambda s: (original[s][2]["bleu"], s))  # ties: the newest, as store.choose_checkpoint
     done = convert_run(jax_run, tmp_path / "best", which="best")
     assert done["steps"] == [best]
     done = convert_run(jax_run, tmp_path / "two", which="2")

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 from torch_reference import decode as td
-from train import data, loop, rundir, spm
+from train import data, loop, rundir
 from train.config import ExperimentConfig
+from train.data import spm
 
 pytest.importorskip("ctranslate2")
 

@@ -1,6 +1,6 @@
 """parity.trajectory: one training curve in both frameworks, and one run across them.
 
-100 updates of the product's training code (train.backend_jax / train.backend_torch: Adam, the
+100 updates of the product's training code (train.backends.jax_backend / train.backends.torch_backend: Adam, the
 paper's schedule, label smoothing 0.1) from the same initial weights on identical batches,
 dropout off, float32; at update 50 each run's checkpoint is converted and continued in the other
 framework. Lopsided model (d_model=24 with 3 heads, 2 encoder layers and 1 decoder layer) and a
@@ -131,7 +131,7 @@ def test_weights_comparison_names_the_worst_and_keeps_the_key_biases_apart():
 
 
 def test_one_ulp_away_moves_every_weight_by_one_rounding_error():
-    from train.backend import TrainingState
+    from train.backends import TrainingState
 
     w = np.linspace(-1, 1, 1001, dtype=np.float32)
     moved = trajectory.one_ulp_away(TrainingState("torch", 0, {"w": w})).params["w"]

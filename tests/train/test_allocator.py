@@ -1,4 +1,4 @@
-"""glibc tuning for XLA:CPU (train/allocator.py): the huge-page re-execution of the CLIs."""
+"""glibc tuning for XLA:CPU (train/backends/allocator.py): the huge-page re-execution of the CLIs."""
 
 import os
 import subprocess
@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from train import allocator
+from train.backends import allocator
 
-PRINT_TUNABLES = "import os; from train import allocator; allocator.use_huge_pages(); print(os.environ.get('GLIBC_TUNABLES'))"
+PRINT_TUNABLES = "import os; from train.backends import allocator; allocator.use_huge_pages(); print(os.environ.get('GLIBC_TUNABLES'))"
 
 
 def _tunables_after(env: dict[str, str]) -> str:
@@ -49,7 +49,7 @@ def test_huge_pages_are_asked_for_only_in_madvise_mode(monkeypatch, tmp_path):
 
 MAPPED_WHERE = """
 import ctypes, json
-from train import allocator
+from train.backends import allocator
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in

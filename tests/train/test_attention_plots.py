@@ -14,7 +14,7 @@ from tokenizers import decoders
 
 from parity.convert import transfer_state
 from train import attention, data, loop, rundir, translate
-from train.backend import create_backend
+from train.backends import create_backend
 from train.config import ExperimentConfig
 
 REPO = Path(__file__).resolve().parents[2]

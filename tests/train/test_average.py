@@ -8,9 +8,10 @@ import pytest
 
 from train import average, evaluate, loop, translate
 from train import run as train_run
-from train.backend import TrainingState, create_backend
+from train.backends import create_backend
 from train.config import ExperimentConfig
 from train.rundir import read_experiment, read_model_config
+from train.store import TrainingState
 
 
 def _state(step: int, value: float) -> TrainingState:

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from torch_reference.objective import noam_learning_rate
 from parity.convert import convert_state, transfer_state
+from torch_reference.objective import noam_learning_rate
 from train import data, loop
-from train.backend import Backend, create_backend
+from train.backends import Backend, create_backend
 
 # Parity is asserted at full float32 matmul precision (the README's numerics contract).
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -197,8 +197,9 @@ def test_checkpoints_keep_newest_and_best(tmp_path, fast_config, corpus, backend
 
 def test_torch_checkpoint_files(tmp_path, fast_config, corpus):
     """safetensors only (no pickle), the config in the weights' metadata as parity.convert reads it."""
-    from parity import convert
     from safetensors import safe_open
+
+    from parity import convert
 
     splits, tokenizers = corpus
     cfg = fast_config("torch", model=LOPSIDED).resolve()
@@ -227,7 +228,7 @@ def test_torch_checkpoint_files(tmp_path, fast_config, corpus):
 def test_float32_means_float32_matmuls_off_the_cpu(dtype, platform, preset, expected):
     import jax
 
-    from train.backend_jax import full_float32_matmuls
+    from train.backends.jax_backend import full_float32_matmuls
 
     before = jax.config.jax_default_matmul_precision
     try:

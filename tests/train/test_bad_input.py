@@ -14,6 +14,7 @@ import pytest
 
 from train import data, evaluate, loop, run, rundir, translate
 from train.config import ExperimentConfig
+from train.data import corpora
 
 SMALL = ["--numbers-train", "300", "--max-len", "16", "--token-budget", "512", "--no-progress", "--samples", "0",
          "--eval-sentences", "4", "--beam", "1", "--set", "num_encoder_layers=1", "--set", "num_decoder_layers=1"]
@@ -88,7 +89,7 @@ def test_missing_unreadable_and_empty_files(tmp_path, corpus, capsys, monkeypatc
             raise PermissionError(13, "Permission denied", str(path))
         return real_open(path, *args, **kwargs)
 
-    monkeypatch.setattr(data, "open", denied, raising=False)
+    monkeypatch.setattr(corpora, "open", denied, raising=False)
     code, _, err = train_cli(capsys, *run_dir, *data_flags(f"de:en:{corpus}", f"de:en:{corpus}"))
     assert_one_error(code, err, "cannot read", "good.de", "Permission denied")
     assert not (tmp_path / "run").exists()

@@ -1,4 +1,4 @@
-"""Tests for train/data.py: numbers corpus, parallel-file loaders, tokenizers and batches."""
+"""Tests for train/data/: numbers corpus, parallel-file loaders, tokenizers and batches."""
 
 import gzip
 import json

@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # when run as the worker script
     sys.path.insert(0, str(REPO))
 
-from train import data, loop, rundir  # noqa: E402
+from train import data, files, loop, rundir  # noqa: E402
 from train.config import ExperimentConfig  # noqa: E402
 
 # Lopsided sizes (d_model=24 with 3 heads, 2+1 layers) so a swapped axis cannot pass; no
@@ -79,7 +79,7 @@ def _worker_parity(out: Path) -> None:
     on one device count and restored on the other; losses and final parameters to out (npz)."""
     import jax
 
-    from train.backend import create_backend
+    from train.backends import create_backend
 
     assert jax.device_count() == 8, jax.devices()
     splits = data.numbers_corpus(SMALL["numbers_train"], SMALL["numbers_valid"], 0, seed=SMALL["seed"])
@@ -249,7 +249,7 @@ def test_bfloat16_loss_falls(backend, fast_config):
     tokenizers = data.train_tokenizers(splits.train, vocab_size=400)
     cfg = fast_config(backend, dtype="bfloat16", warmup=10, lr_factor=2.0, numbers_train=600).resolve()
     model_cfg = cfg.model_config(tokenizers.src.get_vocab_size(), tokenizers.tgt.get_vocab_size())
-    from train.backend import create_backend
+    from train.backends import create_backend
 
     trainer = create_backend(cfg, model_cfg)
     batcher = loop.make_batcher(cfg, tokenizers, splits.train)
@@ -292,7 +292,7 @@ def test_devices_errors(fast_config, capsys):
     assert "devices must be >= 1" in capsys.readouterr().err
     # A budget that holds fewer max_len sequences than there are devices cannot be split.
     cfg = fast_config("jax", token_budget=64, max_len=16)
-    with pytest.raises(rundir.UserError, match="holds 4 sequence.*8 devices.*at least 128"):
+    with pytest.raises(files.UserError, match="holds 4 sequence.*8 devices.*at least 128"):
         loop.make_batcher(cfg, None, [], num_devices=8)
     # A divisible budget: every bucket's batch size is a multiple of the device count.
     splits = data.numbers_corpus(200, 8, 0, seed=0)

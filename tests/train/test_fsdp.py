@@ -43,7 +43,7 @@ STEPS = 6  # before and after the checkpoint
 def _worker(out: Path) -> None:
     import jax
 
-    from train.backend import create_backend
+    from train.backends import create_backend
 
     assert jax.device_count() == 8, jax.devices()
     splits = data.numbers_corpus(FAST["numbers_train"], FAST["numbers_valid"], 0, seed=FAST["seed"])

@@ -26,7 +26,7 @@ def test_loop_and_clis_import_no_framework():
     loaded = loaded_after(
         """
         import tempfile, pathlib
-        import train.loop, train.run, train.evaluate, train.translate, train.backend
+        import train.loop, train.run, train.evaluate, train.translate, train.backends
         writer = train.loop.summary_writer(pathlib.Path(tempfile.mkdtemp()))
         writer.add_scalar("x", 1.0, 1)
         writer.close()
@@ -37,7 +37,7 @@ def test_loop_and_clis_import_no_framework():
 
 
 def test_each_backend_loads_only_its_framework():
-    torch_side = loaded_after("import train.backend_torch")
+    torch_side = loaded_after("import train.backends.torch_backend")
     assert "torch" in torch_side and not torch_side & JAX
-    jax_side = loaded_after("import train.backend_jax")
+    jax_side = loaded_after("import train.backends.jax_backend")
     assert {"jax", "flax", "optax", "orbax"} <= jax_side and "torch" not in jax_side

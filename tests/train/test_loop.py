@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from train import data, evaluate, loop, rundir, translate
+from train import data, evaluate, files, loop, rundir, translate
 from train.config import ExperimentConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -262,9 +262,9 @@ def test_resume_continues_with_the_same_losses(fast_config, backend):
 def test_run_dir_refused_without_resume_or_overwrite(fast_config, tmp_path):
     cfg = fast_config("torch", steps=2, eval_every=2, eval_sentences=2, numbers_valid=2, numbers_test=0)
     loop.train(cfg)
-    with pytest.raises(rundir.UserError, match="already holds a run; pass --resume .* or --overwrite"):
+    with pytest.raises(files.UserError, match="already holds a run; pass --resume .* or --overwrite"):
         loop.train(cfg)
-    with pytest.raises(rundir.UserError, match="--resume cannot change how the run trains:\n  --seed: run has 0, got 1"):
+    with pytest.raises(files.UserError, match="--resume cannot change how the run trains:\n  --seed: run has 0, got 1"):
         loop.train(cfg.replace(resume=True, seed=1))
     marker = Path(cfg.run_dir) / "checkpoints" / "2"
     assert marker.is_dir()
@@ -273,10 +273,10 @@ def test_run_dir_refused_without_resume_or_overwrite(fast_config, tmp_path):
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("mine")
     for flags in ({}, {"overwrite": True}):
-        with pytest.raises(rundir.UserError, match="holds no run"):
+        with pytest.raises(files.UserError, match="holds no run"):
             loop.train(cfg.replace(run_dir=str(tmp_path / "other"), **flags))
     assert (tmp_path / "other" / "notes.txt").read_text() == "mine"
-    with pytest.raises(rundir.UserError, match="nothing to resume"):
+    with pytest.raises(files.UserError, match="nothing to resume"):
         loop.train(cfg.replace(run_dir=str(tmp_path / "fresh"), resume=True))
 
 

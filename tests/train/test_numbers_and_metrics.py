@@ -7,9 +7,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from train import data, evaluate
-from train.data import NUMBER_BANDS
-
+from train import data, evaluate, files
+from train.data import NUMBER_BANDS, numbers
 
 _ENGLISH_1_DIGIT = {data.number_words(n)[1] for n in range(10)}
 
@@ -39,19 +38,19 @@ def test_number_bands_and_english_parser():
 
 
 def test_spread_is_even_up_to_capacity():
-    assert data._spread(1000, [10, 90, 450, 4500, 45_000, 450_000]) == [10, 90, 225, 225, 225, 225]
-    assert data._spread(7, [5, 5, 5]) == [2, 2, 3]  # the remainder goes to the last parts
-    assert data._spread(12, [1, 100, 2]) == [1, 9, 2]
-    assert data._spread(0, [3, 3]) == [0, 0]
+    assert numbers._spread(1000, [10, 90, 450, 4500, 45_000, 450_000]) == [10, 90, 225, 225, 225, 225]
+    assert numbers._spread(7, [5, 5, 5]) == [2, 2, 3]  # the remainder goes to the last parts
+    assert numbers._spread(12, [1, 100, 2]) == [1, 9, 2]
+    assert numbers._spread(0, [3, 3]) == [0, 0]
     with pytest.raises(ValueError, match="cannot place"):
-        data._spread(10, [3, 3, 3])
+        numbers._spread(10, [3, 3, 3])
 
 
 def test_a_small_band_repeats_its_numbers_at_most_so_often():
     """A band too small for its share is cycled at most TRAIN_REPEATS (50) times a number, the ten
     1-digit numbers ONE_DIGIT_REPEATS (100) times; the rest of the share goes to the other bands.
     At 50 for every band, the torch default run wrote "zo" for "null"."""
-    assert (data.TRAIN_REPEATS, data.ONE_DIGIT_REPEATS) == (50, 100)
+    assert (numbers.TRAIN_REPEATS, numbers.ONE_DIGIT_REPEATS) == (50, 100)
     corpus = data.numbers_corpus(train_size=30_000, valid_size=0, test_size=0, seed=3)
     assert _band_counts(corpus.train) == {1: 1000, 2: 4500, 3: 6125, 4: 6125, 5: 6125, 6: 6125}
     assert set(Counter(p for p in corpus.train if p[1] in _ENGLISH_1_DIGIT).values()) == {100}
@@ -71,7 +70,7 @@ def test_numbers_corpus_covers_every_band_and_holds_numbers_out():
     # Of each 667 pairs of 4..6 digits, 33 (ROUND_SHARE, 5%) are the band's round thousands: the nine
     # of 1,000-9,000 cycled (3-4 times each), 33 distinct ones of 5 and of 6 digits (no other pair of
     # these bands fell on a round thousand at this seed).
-    assert data.ROUND_SHARE == 0.05
+    assert numbers.ROUND_SHARE == 0.05
     round_thousands = Counter(n for _, e in corpus.train if (n := data.number_from_english(e)) >= 1000 and n % 1000 == 0)
     in_band = {d: {n: c for n, c in round_thousands.items() if data.number_band(n) == d} for d in (4, 5, 6)}
     assert sorted(in_band[4]) == list(range(1000, 10_000, 1000)) and set(in_band[4].values()) == {3, 4}
@@ -155,5 +154,5 @@ def test_number_range_specs_with_a_step():
     assert len(rundir.load_split(cfg, "numbers:1000-999000/1000")) == 999
     assert rundir.load_split(cfg, "numbers:5-7") == [data.number_words(n) for n in (5, 6, 7)]
     for spec, message in (("numbers:5-7/0", "step >= 1"), ("numbers:5-7/x", "numbers:FIRST-LAST[/STEP]")):
-        with pytest.raises(rundir.UserError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        with pytest.raises(files.UserError, match=message.replace("[", r"\[").replace("]", r"\]")):
             rundir.load_split(cfg, spec)

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from torch_reference.config import TransformerConfig
-from train import data, rundir, run, translate
+from train import data, files, run, rundir, translate
 from train.config import ExperimentConfig
 
 FEW = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -57,7 +57,7 @@ def loads_or_one_line(spec: str, watched: list[Path]) -> list[data.Pair] | None:
     before = [p.read_bytes() for p in watched]
     try:
         pairs = rundir.load_split(ExperimentConfig(), spec)
-    except rundir.UserError as err:
+    except files.UserError as err:
         assert "\n" not in str(err) and str(err), repr(str(err))
         pairs = None
     assert [p.read_bytes() for p in watched] == before
@@ -166,6 +166,6 @@ def test_a_hand_edited_config_json_loads_or_is_named(tmp_path_factory, field, va
     before = (run_dir / "config.json").read_bytes()
     try:
         rundir.read_experiment(run_dir)
-    except rundir.UserError as err:
+    except files.UserError as err:
         assert str(err).startswith(str(run_dir / "config.json")) and "\n" not in str(err)
     assert (run_dir / "config.json").read_bytes() == before

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from train import loop, rundir
+from train import files, loop, rundir
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 20
@@ -227,9 +227,9 @@ def test_a_damaged_checkpoint_is_named_and_the_others_still_load(saved_run, tmp_
     else:
         victim.write_bytes(bytes(b ^ 0xFF for b in content[:4096]) + content[4096:])
     message = r"checkpoint 4 in .*checkpoints cannot be restored \(.*\); the other checkpoints there are steps \[2\]"
-    with pytest.raises(rundir.UserError, match=message):
+    with pytest.raises(files.UserError, match=message):
         rundir.open_run(run_dir, "latest")
-    with pytest.raises(rundir.UserError, match=message):
+    with pytest.raises(files.UserError, match=message):
         loop.train(cfg.replace(run_dir=str(run_dir), resume=True, steps=6))
     assert restored_step(run_dir, 2) == 2  # the intact checkpoint is still usable
 
@@ -237,17 +237,17 @@ def test_a_damaged_checkpoint_is_named_and_the_others_still_load(saved_run, tmp_
 def test_missing_checkpoints_and_tokenizer_are_clear_errors(saved_run, tmp_path):
     cfg, run_dir = saved_run
     run_dir = copy_run(run_dir, tmp_path)
-    with pytest.raises(rundir.UserError, match=r"no checkpoint of step 3 in .* \(have \[2, 4\]\)"):
+    with pytest.raises(files.UserError, match=r"no checkpoint of step 3 in .* \(have \[2, 4\]\)"):
         rundir.open_run(run_dir, 3)
     tokenizer = (run_dir / "tokenizer.json").read_text()
     (run_dir / "tokenizer.json").write_text(tokenizer[:100])
-    with pytest.raises(rundir.UserError, match=r"tokenizer.json is not a readable tokenizer"):
+    with pytest.raises(files.UserError, match=r"tokenizer.json is not a readable tokenizer"):
         rundir.open_run(run_dir)
     (run_dir / "tokenizer.json").write_text(tokenizer)
     shutil.rmtree(run_dir / "checkpoints")
-    with pytest.raises(rundir.UserError, match=r"no checkpoint in .*checkpoints"):
+    with pytest.raises(files.UserError, match=r"no checkpoint in .*checkpoints"):
         rundir.open_run(run_dir)
-    with pytest.raises(rundir.UserError, match=r"not a run directory \(config.json missing\)"):
+    with pytest.raises(files.UserError, match=r"not a run directory \(config.json missing\)"):
         rundir.open_run(tmp_path / "nowhere")
 
 
@@ -259,7 +259,7 @@ def test_a_checkpoint_of_another_configuration_is_refused(saved_run, tmp_path):
     mine = copy_run(run_dir, tmp_path)
     shutil.rmtree(mine / "checkpoints")
     shutil.copytree(other / "checkpoints", mine / "checkpoints")
-    with pytest.raises(rundir.UserError, match=r"written by a run configured differently.*\n  --seed: checkpoint has 1, run has 0"):
+    with pytest.raises(files.UserError, match=r"written by a run configured differently.*\n  --seed: checkpoint has 1, run has 0"):
         loop.train(cfg.replace(run_dir=str(mine), resume=True, steps=6))
 
 
@@ -270,7 +270,7 @@ def test_weights_of_another_architecture_are_refused(saved_run, tmp_path):
     model = json.loads((run_dir / "model.json").read_text())
     model["d_ff"] //= 2
     (run_dir / "model.json").write_text(json.dumps(model))
-    with pytest.raises(rundir.UserError, match=r"checkpoint 4 .* cannot be restored \(.*(shape|size).*\)"):
+    with pytest.raises(files.UserError, match=r"checkpoint 4 .* cannot be restored \(.*(shape|size).*\)"):
         rundir.open_run(run_dir, "latest")
 
 
@@ -318,10 +318,10 @@ def test_a_write_that_dies_halfway_leaves_the_old_file(tmp_path, monkeypatch):
 
     monkeypatch.setattr(Path, "write_text", half_then_fail)
     with pytest.raises(OSError, match="No space left"):
-        rundir.write_text_atomic(target, '{"new": true, "padding": "' + "x" * 1000 + '"}\n')
+        files.write_text_atomic(target, '{"new": true, "padding": "' + "x" * 1000 + '"}\n')
     monkeypatch.undo()
     assert json.loads(target.read_text()) == {"old": True}
-    rundir.write_text_atomic(target, '{"new": true}\n')
+    files.write_text_atomic(target, '{"new": true}\n')
     assert json.loads(target.read_text()) == {"new": True}
     assert [p.name for p in tmp_path.iterdir()] == ["config.json"]  # the failed write's temporary file is removed
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from torch_reference.config import TransformerConfig
-from train import data, evaluate, loop, rundir, translate
+from train import data, evaluate, files, loop, rundir, store, translate
 from train.config import ExperimentConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -72,11 +72,11 @@ def test_every_checkpoint_file_has_a_digest(run4):
     _, run_dir = run4
     for step in (2, 4):
         directory = run_dir / "checkpoints" / str(step)
-        record = json.loads((directory / rundir.DIGEST_FILE).read_text())
+        record = json.loads((directory / store.DIGEST_FILE).read_text())
         files = {p.relative_to(directory).as_posix() for p in directory.rglob("*")
-                 if p.is_file() and p.name != rundir.DIGEST_FILE}
+                 if p.is_file() and p.name != store.DIGEST_FILE}
         assert record["algorithm"] == "sha256" and set(record["files"]) == files and len(files) >= 3
-        assert rundir.verify_checkpoint(directory) is True
+        assert store.verify_checkpoint(directory) is True
 
 
 def flip_bytes(run_dir: Path, step: int) -> str:
@@ -106,7 +106,7 @@ def test_flipped_bytes_are_named_by_every_loader(run4, tmp_path):
     done = python("train.translate", "--run-dir", str(copy), "--checkpoint", "latest", stdin=b"eins\n")
     assert done.returncode == 1 and not done.stdout
     one_error_line(done.stderr, *expected)
-    with pytest.raises(rundir.UserError) as info:
+    with pytest.raises(files.UserError) as info:
         loop.train(cfg.replace(run_dir=str(copy), resume=True, steps=6))
     assert all(e in str(info.value) for e in expected) and "\n" not in str(info.value)
     from parity.convert import main as convert_main
@@ -122,10 +122,10 @@ def test_flipped_bytes_are_named_by_every_loader(run4, tmp_path):
 
 def test_json_never_holds_nan_or_infinity(tmp_path):
     obj = {"loss": math.nan, "ppl": math.inf, "bands": [{"x": -math.inf}], "ok": 1.5}
-    text = rundir.json_text(obj)
+    text = files.json_text(obj)
     assert json.loads(text) == {"loss": None, "ppl": None, "bands": [{"x": None}], "ok": 1.5}
     assert "NaN" not in text and "Infinity" not in text
-    rundir.write_json_atomic(tmp_path / "r.json", obj)
+    files.write_json_atomic(tmp_path / "r.json", obj)
     json.loads((tmp_path / "r.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} in JSON"))
 
 
@@ -387,7 +387,7 @@ def test_hand_edited_run_files_are_named_with_the_field(torch_run, tmp_path, cap
     assert code == 1
     one_error_line(err, str(copy / file), *fragments)
     if file == "config.json":  # what --resume reads (it rebuilds model.json from it)
-        with pytest.raises(rundir.UserError) as info:
+        with pytest.raises(files.UserError) as info:
             loop.train(ExperimentConfig(backend="torch", run_dir=str(copy), resume=True, steps=3, progress=False))
         assert str(copy / file) in str(info.value) and "\n" not in str(info.value)
 
@@ -396,7 +396,7 @@ def test_a_deleted_tokenizer_is_named(torch_run, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(torch_run, copy)
     (copy / "tokenizer.json").unlink()
-    with pytest.raises(rundir.UserError, match=r"no such file: .*copy/tokenizer\.json$"):
+    with pytest.raises(files.UserError, match=r"no such file: .*copy/tokenizer\.json$"):
         rundir.open_run(copy)
 
 
@@ -407,7 +407,7 @@ def test_a_deleted_tokenizer_is_named(torch_run, tmp_path):
 def test_tsv_rows_with_another_column_count_are_named(tmp_path, rows, message):
     path = tmp_path / "pairs.tsv"
     path.write_text("\n".join(rows) + "\n")
-    with pytest.raises(rundir.UserError) as info:
+    with pytest.raises(files.UserError) as info:
         rundir.load_split(ExperimentConfig(), str(path))
     assert str(path) in str(info.value) and message in str(info.value) and "\n" not in str(info.value)
 

@@ -36,10 +36,19 @@ from torch_reference import decode
 from torch_reference.config import TransformerConfig
 from torch_reference.objective import label_smoothed_cross_entropy, noam_learning_rate
 
-from .backend import Metrics, Topology, TrainingState, check_keys, unreadable
-from .config import ExperimentConfig
-from .data import Batch
-from .rundir import WEIGHTS_CONFIG_KEY, choose_checkpoint, json_text, verify_checkpoint, write_checkpoint_digest
+from ..config import ExperimentConfig
+from ..data import Batch
+from ..files import json_text
+from ..store import (
+    WEIGHTS_CONFIG_KEY,
+    TrainingState,
+    check_keys,
+    choose_checkpoint,
+    unreadable,
+    verify_checkpoint,
+    write_checkpoint_digest,
+)
+from .interface import Metrics, Topology
 
 RNG_KEY = "__torch_cpu_rng_state__"
 
@@ -51,7 +60,8 @@ def _tensors(batch: Batch, device: torch.device) -> tuple[torch.Tensor, torch.Te
 
 
 def initialize(exp_cfg: ExperimentConfig) -> Topology:
-    """One process on one device: refuse the JAX backend's --devices and multi-process settings."""
+    """Once per process, where a CLI starts: refuse the JAX backend's --devices and multi-process
+    settings (one process, one device), and set torch's intra-op threads (--threads)."""
     if exp_cfg.devices not in (None, 1):
         raise ValueError(f"--devices {exp_cfg.devices}: the torch backend trains on one device (use --backend jax)")
     if exp_cfg.param_sharding != "replicated":
@@ -59,18 +69,18 @@ def initialize(exp_cfg: ExperimentConfig) -> Topology:
                          "(use --backend jax)")
     if exp_cfg.coordinator_address or exp_cfg.num_processes not in (None, 1):
         raise ValueError("multi-process training (--coordinator-address, --num-processes) needs --backend jax")
+    torch.set_num_threads(exp_cfg.threads or len(os.sched_getaffinity(0)))
     return Topology()
 
 
 class TorchBackend:
-    """`train.backend.Backend` for PyTorch; see the module docstring."""
+    """`train.backends.Backend` for PyTorch; see the module docstring."""
 
     name = "torch"
 
     def __init__(self, exp_cfg: ExperimentConfig, model_cfg: TransformerConfig, checkpoint_dir: str | None = None):
         self.exp_cfg, self.model_cfg = exp_cfg, model_cfg
-        self.topology = initialize(exp_cfg)
-        torch.set_num_threads(exp_cfg.threads or len(os.sched_getaffinity(0)))
+        self.topology = Topology()
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         torch.manual_seed(exp_cfg.seed)
         self.model = torch_reference.Transformer(model_cfg).to(self.device)

@@ -43,6 +43,8 @@ vice versa.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -60,11 +62,11 @@ from jax_transformer import decode, sharding
 from jax_transformer.objective import label_smoothed_sums, noam_learning_rate
 from torch_reference.config import TransformerConfig
 
+from ..config import ExperimentConfig
+from ..data import Batch
+from ..store import TrainingState, check_keys, choose_checkpoint, unreadable, verify_checkpoint, write_checkpoint_digest
 from . import allocator
-from .backend import Metrics, Topology, TrainingState, check_keys, unreadable
-from .config import ExperimentConfig
-from .data import Batch
-from .rundir import choose_checkpoint, verify_checkpoint, write_checkpoint_digest
+from .interface import Metrics, Topology
 
 # Orbax warns through absl for every checkpoint saved without metrics (those between evaluations).
 logging.getLogger("absl").setLevel(logging.ERROR)
@@ -95,9 +97,16 @@ COMPUTE_DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}  # None: the parame
 
 
 def initialize(exp_cfg: ExperimentConfig) -> Topology:
-    """`jax.distributed.initialize` for a multi-process run (a no-op otherwise), then the mesh's size."""
+    """Once per process, where a CLI starts: `jax.distributed.initialize` for a multi-process run
+    (a no-op otherwise), then the process-wide settings of the device platform: glibc's thresholds
+    for XLA:CPU's host buffers (`allocator.tune`), float32 matmuls off the CPU
+    (`full_float32_matmuls`). Returns where the run trains."""
     sharding.initialize_distributed(exp_cfg.coordinator_address, exp_cfg.num_processes, exp_cfg.process_id)
     mesh = sharding.make_mesh(exp_cfg.devices)
+    platform = mesh.devices.flat[0].platform
+    if platform == "cpu":
+        allocator.tune()
+    full_float32_matmuls(exp_cfg.dtype, platform)
     return Topology(jax.process_index(), jax.process_count(), mesh.devices.size)
 
 
@@ -110,18 +119,107 @@ def full_float32_matmuls(dtype: str, platform: str) -> bool:
     return True
 
 
+@dataclasses.dataclass(frozen=True)
+class StepContext:
+    """What the pure step functions read besides their arguments, fixed for a run (closed over by
+    `jax.jit`): the model's graph, the optimiser, the configs, and under FSDP the shardings the
+    parameters are gathered to for the passes and the gradients scattered back to."""
+
+    graphdef: Any
+    rest: Any  # non-parameter state of the model (none today): constant through training
+    tx: optax.GradientTransformation
+    model_cfg: TransformerConfig
+    exp_cfg: ExperimentConfig
+    gather: Any = None  # FSDP: the replicated sharding
+    scatter: Any = None  # FSDP: the parameters' shardings
+
+    def model(self, params) -> jax_transformer.Transformer:
+        return nnx.merge(self.graphdef, params, self.rest)
+
+
+def loss_sums(ctx: StepContext, params, batch, key, total_tokens, deterministic):
+    """(loss sum / total_tokens, (loss sum, nll sum)): the objective and its parts."""
+    rngs = nnx.Rngs(dropout=key)
+    logits = ctx.model(params)(batch["src"], batch["tgt_in"], deterministic=deterministic, rngs=rngs)  # (B, T, V)
+    loss_sum, nll_sum = label_smoothed_sums(logits, batch["tgt_out"], ctx.model_cfg.pad_id, ctx.exp_cfg.label_smoothing)
+    return loss_sum / total_tokens, (loss_sum, nll_sum)
+
+
+def micro_grads(ctx: StepContext, params, batch, total_tokens, rng, step, index):
+    """(gradients, loss sum, nll sum) of one micro-batch; one dropout key per (update, micro-batch)."""
+    key = jax.random.fold_in(jax.random.fold_in(rng, step), index)
+
+    def objective(params):
+        if ctx.gather is not None:
+            # ZeRO-3: every device gathers each parameter whole and computes on its own rows, as
+            # replicated data parallelism does (left to itself, the partitioner may split a matmul
+            # over its contracting dimension instead, which sums in another order).
+            params = jax.lax.with_sharding_constraint(params, ctx.gather)
+        return loss_sums(ctx, params, batch, key, total_tokens, False)
+
+    grads, (loss_sum, nll_sum) = jax.grad(objective, has_aux=True)(params)
+    if ctx.scatter is not None:  # each device keeps only its shard of the summed gradients
+        grads = jax.lax.with_sharding_constraint(grads, ctx.scatter)
+    return grads, loss_sum, nll_sum
+
+
+def apply_gradients(ctx: StepContext, state, acc, total_tokens):
+    """Apply accumulated (grads, loss sum, nll sum) to the state: clip, Adam, step + 1."""
+    grads, loss_sum, nll_sum = acc
+    updates, opt_state = ctx.tx.update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    step, cfg = state["step"], ctx.exp_cfg
+    metrics = {
+        "loss": loss_sum / total_tokens,
+        "nll": nll_sum / total_tokens,
+        "grad_norm": optax.tree.norm(grads),  # before clipping
+        "lr": noam_learning_rate(step + 1, ctx.model_cfg.d_model, cfg.warmup, cfg.lr_factor),
+        "tokens": total_tokens,
+    }
+    return {"params": params, "opt_state": opt_state, "step": step + 1}, metrics
+
+
+def train_step(ctx: StepContext, state, batch, rng):
+    """The whole update from one batch: (state, batch, rng) -> (new state, metrics)."""
+    total_tokens = (batch["tgt_out"] != ctx.model_cfg.pad_id).sum().astype(jnp.float32)
+    acc = micro_grads(ctx, state["params"], batch, total_tokens, rng, state["step"], 0)
+    return apply_gradients(ctx, state, acc, total_tokens)
+
+
+def accumulate(ctx: StepContext, acc, state, batch, total_tokens, rng, index):
+    """acc + the gradients of one micro-batch (gradient accumulation; `apply_gradients` ends it)."""
+    grads, loss_sum, nll_sum = micro_grads(ctx, state["params"], batch, total_tokens, rng, state["step"], index)
+    acc_grads, acc_loss, acc_nll = acc
+    return jax.tree.map(jnp.add, acc_grads, grads), acc_loss + loss_sum, acc_nll + nll_sum
+
+
+def eval_sums(ctx: StepContext, params, batch):
+    """(smoothed loss sum, nll sum, target tokens) of one batch, dropout off."""
+    total = (batch["tgt_out"] != ctx.model_cfg.pad_id).sum()
+    _, (loss_sum, nll_sum) = loss_sums(ctx, params, batch, jax.random.key(0), total, True)
+    return loss_sum, nll_sum, total
+
+
+def search(ctx: StepContext, params, src, beam_size: int, alpha: float, cached: bool, scoring: str):
+    """Output tokens (B, L) of greedy (beam_size 1) or beam search over src (B, S)."""
+    model = ctx.model(params)
+    if beam_size == 1:
+        return decode.greedy_search(model, src, cached=cached)[0]
+    return decode.beam_search(model, src, beam_size, alpha, cached=cached, scoring=scoring)[0]
+
+
 class JaxBackend:
-    """`train.backend.Backend` for JAX; see the module docstring."""
+    """`train.backends.Backend` for JAX; see the module docstring."""
 
     name = "jax"
 
     def __init__(self, exp_cfg: ExperimentConfig, model_cfg: TransformerConfig, checkpoint_dir: str | None = None):
         self.exp_cfg, self.model_cfg = exp_cfg, model_cfg
-        self.topology = initialize(exp_cfg)
         self.mesh = sharding.make_mesh(exp_cfg.devices)
-        # XLA:CPU's buffers are host memory from glibc: keep freed ones from staying resident.
-        self._host_buffers = self.mesh.devices.flat[0].platform == "cpu" and allocator.tune()
-        full_float32_matmuls(exp_cfg.dtype, self.mesh.devices.flat[0].platform)
+        self.topology = Topology(jax.process_index(), jax.process_count(), self.mesh.devices.size)
+        # XLA:CPU's buffers are host memory from glibc (tuned by `initialize`): hand back what a
+        # compilation freed.
+        self._host_buffers = allocator.tuned()
         self._compiled_shapes: set[tuple] = set()
         # Every process initialises the same weights from the seed, then they are replicated.
         init_key, rng = jax.random.split(jax.random.key(exp_cfg.seed))
@@ -146,93 +244,28 @@ class JaxBackend:
         # one sharding for every leaf of that argument.
         whole, rows = sharding.replicated(self.mesh), sharding.batch_sharded(self.mesh)
         state_s = self.state_sharding
+        fsdp = self.layout == "fsdp"
+        self.ctx = StepContext(self.graphdef, self.rest, self.tx, model_cfg, exp_cfg,
+                               gather=whole if fsdp else None, scatter=state_s["params"] if fsdp else None)
         acc_s = (state_s["params"], whole, whole)
+        bound = functools.partial
         self._train_step = jax.jit(
-            self.train_step_fn, in_shardings=(state_s, rows, whole), out_shardings=(state_s, whole), donate_argnums=0
+            bound(train_step, self.ctx), in_shardings=(state_s, rows, whole), out_shardings=(state_s, whole),
+            donate_argnums=0,
         )
         self._accumulate = jax.jit(
-            self.accumulate_fn, in_shardings=(acc_s, state_s, rows, whole, whole, whole), out_shardings=acc_s,
+            bound(accumulate, self.ctx), in_shardings=(acc_s, state_s, rows, whole, whole, whole), out_shardings=acc_s,
             donate_argnums=0,
         )
         self._apply = jax.jit(
-            self.apply_fn, in_shardings=(state_s, acc_s, whole), out_shardings=(state_s, whole), donate_argnums=0
+            bound(apply_gradients, self.ctx), in_shardings=(state_s, acc_s, whole), out_shardings=(state_s, whole),
+            donate_argnums=0,
         )
         self._zeros = jax.jit(lambda tree: jax.tree.map(jnp.zeros_like, tree), out_shardings=acc_s)
-        self._eval = jax.jit(self.eval_fn)  # on one device, over local_copy(params)
+        self._eval = jax.jit(bound(eval_sums, self.ctx))  # on one device, over local_copy(params)
         # Searches jit-compiled over the parameters alone: a call costs no walk of the module graph
         # (nnx.jit's, ~11 ms a call for the small model).
-        self._search = jax.jit(self.search_fn, static_argnums=(2, 3, 4, 5))
-
-    # ------------------------------------------------------------------------------------------
-    # Pure functions (traced by jit; no Python state is read or written but the static config)
-
-    def _model(self, params) -> jax_transformer.Transformer:
-        return nnx.merge(self.graphdef, params, self.rest)
-
-    def _loss_sums(self, params, batch, key, total_tokens, deterministic):
-        """(loss sum / total_tokens, (loss sum, nll sum)): the objective and its parts."""
-        rngs = nnx.Rngs(dropout=key)
-        logits = self._model(params)(batch["src"], batch["tgt_in"], deterministic=deterministic, rngs=rngs)  # (B, T, V)
-        pad, eps = self.model_cfg.pad_id, self.exp_cfg.label_smoothing
-        loss_sum, nll_sum = label_smoothed_sums(logits, batch["tgt_out"], pad, eps)
-        return loss_sum / total_tokens, (loss_sum, nll_sum)
-
-    def _micro_grads(self, params, batch, total_tokens, rng, step, index):
-        # One dropout key per (update, micro-batch); deterministic when the model's rates are 0.
-        key = jax.random.fold_in(jax.random.fold_in(rng, step), index)
-        loss_fn = self._loss_sums
-        if self.layout == "fsdp":
-            # ZeRO-3: every device gathers each parameter whole and computes on its own rows, as
-            # replicated data parallelism does (left to itself, the partitioner may split a matmul
-            # over its contracting dimension instead, which sums in another order).
-            whole = sharding.replicated(self.mesh)
-
-            def loss_fn(params, *args):
-                return self._loss_sums(jax.lax.with_sharding_constraint(params, whole), *args)
-
-        grads, (loss_sum, nll_sum) = jax.grad(loss_fn, has_aux=True)(params, batch, key, total_tokens, False)
-        if self.layout == "fsdp":  # each device keeps only its shard of the summed gradients
-            grads = jax.lax.with_sharding_constraint(grads, self.state_sharding["params"])
-        return grads, loss_sum, nll_sum
-
-    def apply_fn(self, state, acc, total_tokens):
-        """Apply accumulated (grads, loss sum, nll sum) to the state: clip, Adam, step + 1."""
-        grads, loss_sum, nll_sum = acc
-        updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
-        step = state["step"]
-        metrics = {
-            "loss": loss_sum / total_tokens,
-            "nll": nll_sum / total_tokens,
-            "grad_norm": optax.tree.norm(grads),  # before clipping
-            "lr": noam_learning_rate(step + 1, self.model_cfg.d_model, self.exp_cfg.warmup, self.exp_cfg.lr_factor),
-            "tokens": total_tokens,
-        }
-        return {"params": params, "opt_state": opt_state, "step": step + 1}, metrics
-
-    def train_step_fn(self, state, batch, rng):
-        """The whole update from one batch: (state, batch, rng) -> (state, metrics)."""
-        total_tokens = (batch["tgt_out"] != self.model_cfg.pad_id).sum().astype(jnp.float32)
-        acc = self._micro_grads(state["params"], batch, total_tokens, rng, state["step"], 0)
-        return self.apply_fn(state, acc, total_tokens)
-
-    def accumulate_fn(self, acc, state, batch, total_tokens, rng, index):
-        """acc + the gradients of one micro-batch (acc donated; one compilation per bucket shape)."""
-        grads, loss_sum, nll_sum = self._micro_grads(state["params"], batch, total_tokens, rng, state["step"], index)
-        acc_grads, acc_loss, acc_nll = acc
-        return jax.tree.map(jnp.add, acc_grads, grads), acc_loss + loss_sum, acc_nll + nll_sum
-
-    def search_fn(self, params, src, beam_size: int, alpha: float, cached: bool, scoring: str):
-        """Output tokens (B, L) of greedy (beam_size 1) or beam search over src (B, S)."""
-        model = self._model(params)
-        if beam_size == 1:
-            return decode.greedy_search(model, src, cached=cached)[0]
-        return decode.beam_search(model, src, beam_size, alpha, cached=cached, scoring=scoring)[0]
-
-    def eval_fn(self, params, batch):
-        total = (batch["tgt_out"] != self.model_cfg.pad_id).sum()
-        _, (loss_sum, nll_sum) = self._loss_sums(params, batch, jax.random.key(0), total, True)
-        return loss_sum, nll_sum, total
+        self._search = jax.jit(bound(search, self.ctx), static_argnums=(2, 3, 4, 5))
 
     # ------------------------------------------------------------------------------------------
     # The Backend interface
@@ -417,7 +450,7 @@ class JaxBackend:
     def cross_attention(self, src: np.ndarray, tgt_in: np.ndarray) -> np.ndarray:
         # Jitted (compiled once per shape; eagerly, every operation would compile per new shape).
         if getattr(self, "_cross_attention", None) is None:
-            self._cross_attention = jax.jit(lambda params, s, t: self._model(params)(s, t, return_attention=True)[1])
+            self._cross_attention = jax.jit(lambda params, s, t: self.ctx.model(params)(s, t, return_attention=True)[1])
         attention = self._cross_attention(self.local_params(), np.asarray(src, np.int32), np.asarray(tgt_in, np.int32))
         return np.asarray(attention, np.float32)  # (B, layers, H, T, S)
 

@@ -70,6 +70,11 @@ def tune() -> bool:
     return _tuned
 
 
+def tuned() -> bool:
+    """Whether `tune()` applied its thresholds in this process."""
+    return _tuned
+
+
 @contextlib.contextmanager
 def settled():
     """glibc's thresholds where an untuned process settles (`SETTLED`), then `tune()`'s again if

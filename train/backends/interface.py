@@ -1,0 +1,137 @@
+"""What the framework-neutral code asks of a backend, by role.
+
+    Trainer      updates, evaluation loss, the schedule      (train.loop)
+    Translator   search and attention weights                 (train.translate, evaluate, attention)
+    Store        checkpoints and the framework-neutral state  (train.loop, train.average, parity)
+
+`Backend` is all three: what `create_backend` returns. Arrays cross it as NumPy (batches in,
+token ids out); per-step metrics stay on the device until `fetch`, so the loop decides when to
+synchronise. This module imports neither framework.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from torch_reference.config import TransformerConfig
+
+from ..config import ExperimentConfig
+from ..data import Batch
+from ..store import TrainingState
+
+# What `train_step` returns: framework values still on the device (reading them syncs).
+Metrics = Mapping[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """The processes and devices a run trains on. Every update's global batch is split evenly
+    over `num_devices` (all processes together); process 0 alone writes logs and results."""
+
+    process_index: int = 0
+    process_count: int = 1
+    num_devices: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.process_index == 0
+
+
+@runtime_checkable
+class Trainer(Protocol):
+    """One framework's model and optimiser: updates and the evaluation loss."""
+
+    name: str  # the framework: "jax" or "torch", the layout of its TrainingState
+    model_cfg: TransformerConfig
+    exp_cfg: ExperimentConfig
+
+    @property
+    def topology(self) -> Topology:
+        """Where it trains: this process among how many, over how many devices in all."""
+
+    @property
+    def step(self) -> int:
+        """Optimizer updates applied so far (0 before the first)."""
+
+    @property
+    def num_params(self) -> int:
+        """Trainable parameters (a shared embedding counted once)."""
+
+    def train_step(self, batches: Sequence[Batch]) -> Metrics:
+        """One update from `grad_accum` micro-batches. Returns device values, not synced:
+        loss (label-smoothed, mean per target token), nll (the same without smoothing),
+        grad_norm (before clipping), lr (of this update), tokens."""
+
+    def fetch(self, metrics: Sequence[Metrics]) -> list[dict[str, float]]:
+        """The host values of some `train_step` results: one synchronisation for all of them."""
+
+    def eval_loss(self, batch: Batch) -> tuple[Any, Any, Any]:
+        """(smoothed loss sum, nll sum, target tokens) of one batch, dropout off, as device scalars
+        that support `+`; `float()` of a sum reads it."""
+
+    def learning_rate(self, step: int) -> float:
+        """The learning rate of update number `step` (from 1)."""
+
+
+@runtime_checkable
+class Translator(Protocol):
+    """Search and attention weights, dropout off."""
+
+    def translate(self, src: np.ndarray, beam_size: int = 4, alpha: float = 0.6, cached: bool = True,
+                  scoring: str = "gnmt") -> np.ndarray:
+        """Cached search (`decode.py` of the backend's framework), dropout off: src ids (B, S) ->
+        target ids (B, L) ending with <eos> then <pad>; greedy when beam_size is 1. L and each
+        sentence's length limit follow decode.output_length / sentence_limits (1.5 x source + 10,
+        at most the model's max_len). Never emits <pad> or <bos>. `cached=False`: the same search
+        re-running the decoder over every prefix (the benchmark's baseline). `scoring`: how beams
+        are ranked, "gnmt" or "hf" (`torch_reference.config.SCORINGS`)."""
+
+    def cross_attention(self, src: np.ndarray, tgt_in: np.ndarray) -> np.ndarray:
+        """The decoder's cross-attention weights, dropout off, for src ids (B, S) and decoder
+        inputs tgt_in (B, T) (teacher forcing: <bos> then the target tokens) -> float32
+        (B, layers, heads, T, S), as the model computes them (`return_attention=True`). Row t
+        weighs the source for the prediction after tgt_in[:, t]; each row sums to 1 and padded
+        source positions get 0."""
+
+
+@runtime_checkable
+class Store(Protocol):
+    """Checkpoints on disk and the training state as NumPy."""
+
+    def save(self, meta: dict[str, Any], metrics: dict[str, float] | None = None) -> None:
+        """Checkpoint weights, optimizer state and step, with the JSON `meta` (data position,
+        config); `metrics` (e.g. {"bleu": ...}) ranks it for keep-the-best."""
+
+    def restore(self, which: str | int = "latest") -> dict[str, Any]:
+        """Load checkpoint "latest", "best" or a step number; returns its `meta`.
+        Raises FileNotFoundError when there is none."""
+
+    def checkpoint_steps(self) -> list[int]:
+        """Steps of the complete checkpoints on disk, oldest first."""
+
+    def checkpoint_metrics(self, step: int) -> dict[str, float] | None:
+        """The ranking metrics checkpoint `step` was saved with (e.g. {"bleu": ...}), or None."""
+
+    def weights(self) -> dict[str, np.ndarray]:
+        """The parameters as NumPy copies keyed by attribute path, in the framework's layout."""
+
+    def export_state(self) -> TrainingState:
+        """Weights, Adam's moments, the update count and the random state, as NumPy copies."""
+
+    def import_state(self, state: TrainingState) -> None:
+        """Continue from `state` (of this framework, or converted to its layout by parity.convert):
+        weights, moments and update count (the schedule's position follows it); the random state
+        when it is this framework's, else the backend keeps its own. Keys, shapes and dtypes are
+        checked strictly (CheckpointMismatchError, ValueError)."""
+
+    def close(self) -> None:
+        """Finish pending checkpoint writes."""
+
+
+@runtime_checkable
+class Backend(Trainer, Translator, Store, Protocol):
+    """One framework's model, optimiser and checkpoints behind a framework-free interface."""

@@ -1,0 +1,34 @@
+"""What a run trains on, as NumPy; never torch or jax.
+
+    numbers.py   the embedded default corpus (German number words -> English), offline
+    corpora.py   sentence pairs from text pairs, TSV, JSON lines or a datasets-hub dataset
+    vocab.py     byte-level BPE tokenizers trained on the training split
+    batches.py   padded int32 batches under a token budget, in length buckets, resumable
+    spm.py       the SentencePiece tokenizers of an imported pretrained model
+
+The names below are the package's interface (`from train import data; data.load_parallel(...)`).
+"""
+
+from torch_reference.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+
+from .batches import Batch, Batcher, bucket_lengths, source_batches
+from .corpora import LoadedPairs, Pair, check_text, load_parallel, read_lines, split_lines
+from .numbers import (
+    NUMBER_BANDS,
+    SEEN_BANDS,
+    Splits,
+    band_range,
+    number_band,
+    number_from_english,
+    number_words,
+    numbers_corpus,
+    numbers_range,
+)
+from .vocab import Tokenizers, decode, decode_batch, encode, encode_pairs, train_tokenizer, train_tokenizers
+
+__all__ = [
+    "BOS_ID", "EOS_ID", "PAD_ID", "UNK_ID", "Batch", "Batcher", "bucket_lengths", "source_batches", "LoadedPairs",
+    "Pair", "check_text", "load_parallel", "read_lines", "split_lines", "NUMBER_BANDS", "SEEN_BANDS", "Splits",
+    "band_range", "number_band", "number_from_english", "number_words", "numbers_corpus", "numbers_range",
+    "Tokenizers", "decode", "decode_batch", "encode", "encode_pairs", "train_tokenizer", "train_tokenizers",
+]

@@ -1,0 +1,184 @@
+"""`Batcher` cuts encoded pairs into padded int32 batches under a token budget, in a few length
+buckets so jit compiles a handful of shapes, shuffled per epoch from a seed, and resumable from
+a JSON-able state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from torch_reference.config import BOS_ID, EOS_ID, PAD_ID
+
+log = logging.getLogger(__name__)
+
+
+def bucket_lengths(max_len: int) -> tuple[int, ...]:
+    """Padded lengths 8, 16, 24, 32, 48, 64, 96, ... (2^k and 3*2^k) below max_len, then max_len.
+
+    From 16 on, consecutive buckets differ by at most 1.5x, so padding to a bucket wastes under a
+    third of it, and max_len=256 gives 10 buckets.
+    """
+    if max_len < 1:
+        raise ValueError(f"max_len must be >= 1, got {max_len}")
+    steps = sorted({m << k for m in (8, 24) for k in range(max_len.bit_length())})
+    return tuple(length for length in steps if length < max_len) + (max_len,)
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """One padded batch: src, tgt_in and tgt_out are int32, padded with 0 to the bucket length S = T."""
+
+    src: np.ndarray  # (B, S): source ids + eos
+    tgt_in: np.ndarray  # (B, T): decoder input, shift_right(tgt_out): bos + tgt_out[:, :-1]
+    tgt_out: np.ndarray  # (B, T): target ids + eos, the labels
+    ids: np.ndarray  # (B,) index of each row's pair in the Batcher's examples; -1 for filler rows
+    num_src_tokens: int  # non-pad tokens in src
+    num_tgt_tokens: int  # non-pad tokens in tgt_out: what the loss averages over
+
+    @property
+    def num_sentences(self) -> int:
+        return int((self.ids >= 0).sum())
+
+
+class Batcher:
+    """Padded batches under a token budget, in length buckets, shuffled per epoch, resumable.
+
+    A pair goes to the smallest bucket length L >= max(len(src), len(tgt)) (lengths include
+    <eos>); source and target are both padded to L, so a bucket has one batch shape (B_L, L) with
+        B_L = floor(token_budget / (L * multiple_of)) * multiple_of,  i.e.  B_L * L <= token_budget.
+    The last batch of a bucket is filled up with all-pad rows (ids -1, no tokens) so that shape
+    never changes: at most one shape per bucket, `shapes`. Pairs longer than max_len are dropped
+    and counted in `num_dropped`.
+
+    Epoch e is shuffled by numpy's Generator seeded with (seed, e): pairs within each bucket, then
+    the order of all batches. `next(batcher)` runs through epochs endlessly; `state()` is a
+    JSON-able {"epoch", "index"} (batches already taken from that epoch), and `restore(state)`
+    continues exactly from there. `epoch_batches(e)` yields one epoch without touching the state
+    (with shuffle=False: bucket by bucket, pairs in their given order, for evaluation).
+    """
+
+    def __init__(
+        self,
+        examples: Sequence[tuple[Sequence[int], Sequence[int]]],
+        token_budget: int,
+        max_len: int = 256,
+        buckets: Sequence[int] | None = None,
+        multiple_of: int = 1,
+        shuffle: bool = True,
+        seed: int = 0,
+    ):
+        self.buckets = tuple(buckets) if buckets is not None else bucket_lengths(max_len)
+        if list(self.buckets) != sorted(set(self.buckets)) or self.buckets[-1] != max_len:
+            raise ValueError(f"buckets must increase and end at max_len={max_len}, got {self.buckets}")
+        if multiple_of < 1:
+            raise ValueError(f"multiple_of must be >= 1, got {multiple_of}")
+        if token_budget < max_len * multiple_of:
+            raise ValueError(
+                f"token_budget={token_budget} cannot hold {multiple_of} sequence(s) of max_len={max_len}: "
+                f"needs at least {max_len * multiple_of}"
+            )
+        self.examples, self.shuffle, self.seed = examples, shuffle, seed
+        self.batch_size = {length: token_budget // (length * multiple_of) * multiple_of for length in self.buckets}
+        lengths = np.array([max(len(s), len(t)) for s, t in examples], dtype=np.int64).reshape(-1)
+        keep = lengths <= max_len
+        self.num_dropped = int((~keep).sum())
+        if self.num_dropped:
+            log.info("dropped %d of %d pairs longer than max_len=%d", self.num_dropped, len(examples), max_len)
+        bucket_of = np.searchsorted(self.buckets, lengths)  # smallest bucket >= length
+        members = {length: np.flatnonzero(keep & (bucket_of == b)) for b, length in enumerate(self.buckets)}
+        self._members = {length: idx for length, idx in members.items() if len(idx)}  # buckets in use
+        self.epoch, self.index, self._plan_cache = 0, 0, (None, [])
+
+    @property
+    def shapes(self) -> list[tuple[int, int]]:
+        """The distinct (B, L) batch shapes this data produces (one per bucket in use)."""
+        return [(self.batch_size[length], length) for length in self._members]
+
+    @property
+    def num_batches(self) -> int:
+        """Batches per epoch (the same every epoch)."""
+        return sum(-(-len(idx) // self.batch_size[length]) for length, idx in self._members.items())
+
+    def _plan(self, epoch: int) -> list[tuple[int, np.ndarray]]:
+        """(L, example indices) of every batch of `epoch`, in order."""
+        rng = np.random.default_rng((self.seed, epoch))
+        plan = []
+        for length, idx in self._members.items():
+            if self.shuffle:
+                idx = rng.permutation(idx)
+            size = self.batch_size[length]
+            plan += [(length, idx[i : i + size]) for i in range(0, len(idx), size)]
+        if self.shuffle:
+            plan = [plan[i] for i in rng.permutation(len(plan))]
+        return plan
+
+    def _collate(self, length: int, idx: np.ndarray) -> Batch:
+        size = self.batch_size[length]
+        src = np.zeros((size, length), np.int32)  # (B, S)
+        tgt_out = np.zeros((size, length), np.int32)  # (B, T)
+        for row, i in enumerate(idx):
+            s, t = self.examples[i]
+            src[row, : len(s)] = s
+            tgt_out[row, : len(t)] = t
+        tgt_in = np.concatenate([np.full((size, 1), BOS_ID, np.int32), tgt_out[:, :-1]], axis=1)  # (B, T)
+        ids = np.full(size, -1, np.int64)
+        ids[: len(idx)] = idx
+        return Batch(src, tgt_in, tgt_out, ids, int((src != PAD_ID).sum()), int((tgt_out != PAD_ID).sum()))
+
+    def epoch_batches(self, epoch: int = 0) -> Iterator[Batch]:
+        """All batches of one epoch; the iteration state is left alone."""
+        for length, idx in self._plan(epoch):
+            yield self._collate(length, idx)
+
+    def __iter__(self) -> Batcher:
+        return self
+
+    def __next__(self) -> Batch:
+        if not self._members:
+            raise StopIteration  # no data: an endless stream would spin forever
+        if self.index >= self.num_batches:
+            self.epoch, self.index = self.epoch + 1, 0
+        if self._plan_cache[0] != self.epoch:
+            self._plan_cache = (self.epoch, self._plan(self.epoch))
+        length, idx = self._plan_cache[1][self.index]
+        self.index += 1
+        return self._collate(length, idx)
+
+    def state(self) -> dict[str, int]:
+        """Where `next` continues: {"epoch": e, "index": batches of epoch e already taken}."""
+        return {"epoch": self.epoch, "index": self.index}
+
+    def restore(self, state: dict[str, int]) -> None:
+        """Continue from a `state()` (e.g. read back from a checkpoint's JSON)."""
+        self.epoch, self.index = int(state["epoch"]), int(state["index"])
+
+
+def source_batches(
+    src_ids: Sequence[Sequence[int]], max_len: int, token_budget: int, batch_size: int | None = None
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(indices, padded src (B, L)) per batch: sentences grouped by length bucket, at most
+    `token_budget` padded tokens and `batch_size` sentences per batch, every batch of a bucket
+    padded with all-pad rows (index -1) to one shape. Sources longer than max_len are cut to
+    max_len - 1 tokens + <eos>."""
+    buckets = bucket_lengths(max_len)
+    ids = [list(s) if len(s) <= max_len else [*s[: max_len - 1], EOS_ID] for s in src_ids]
+    bucket_of = np.searchsorted(buckets, [len(s) for s in ids])
+    for b, length in enumerate(buckets):
+        members = np.flatnonzero(bucket_of == b)
+        if not len(members):
+            continue
+        # Rows per batch: the budget's, but no more than the next power of two above the bucket's
+        # sentence count (3 sentences do not run as 512 rows), so shapes stay few.
+        size = max(1, min(token_budget // length, batch_size or token_budget, 1 << (len(members) - 1).bit_length()))
+        for start in range(0, len(members), size):
+            chunk = members[start : start + size]
+            src = np.full((size, length), PAD_ID, np.int32)  # (B, L)
+            for row, i in enumerate(chunk):
+                src[row, : len(ids[i])] = ids[i]
+            index = np.full(size, -1, np.int64)
+            index[: len(chunk)] = chunk
+            yield index, src

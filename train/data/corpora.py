@@ -1,0 +1,238 @@
+"""`load_parallel(spec)`: sentence pairs from local files or a datasets-hub dataset, read through HF `datasets`.
+A spec is one of
+
+  SRC:TGT:PREFIX                     two aligned text files PREFIX.SRC and PREFIX.TGT, one
+                                     sentence per line, each plain or gzipped (PREFIX.SRC.gz is
+                                     used when PREFIX.SRC does not exist), e.g.
+                                     de:en:../shared/data/multi30k/train
+  FILE.tsv[.gz][#src=COL,tgt=COL]    tab-separated with a header row; columns default to
+                                     source,target. No quoting and no NA parsing: '"' and
+                                     "null" (German for 0) are text. Every row has the
+                                     header's number of columns (else ValueError naming the
+                                     line); an empty row is a pair with empty sides.
+  FILE.jsonl|.json[.gz][#src=F,tgt=F]  JSON lines; fields default to source,target
+  hf:NAME[:CONFIG]:SPLIT[#src=F,tgt=F]  datasets.load_dataset(NAME, CONFIG, split=SPLIT); NAME is
+                                     a hub id (needs internet) or a local dataset directory;
+                                     SPLIT may slice ("train[:1000]"). Fields default to the two
+                                     halves of a CONFIG like "de-en", else source,target.
+
+In JSON and hub datasets a field is looked up as a column, then inside a "translation" dict
+column (the hub's convention: {"translation": {"de": ..., "en": ...}}). Both sides are
+stripped of surrounding whitespace; pairs where either side is then empty are skipped and
+counted (`LoadedPairs.skipped_empty`).
+
+Lines: one rule for every text file (text pairs, TSV, translate's input), `split_lines`: a line
+ends at "\n" (a "\r" before it is dropped too); every other character (U+2028, U+0085, form
+feed, a lone "\r") is text. Python's `str.splitlines` and universal newlines would split there.
+"""
+
+from __future__ import annotations
+
+import codecs
+import dataclasses
+import gzip
+import logging
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+Pair = tuple[str, str]
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedPairs:
+    """Sentence pairs read from a spec, and how many pairs were skipped for an empty side."""
+
+    pairs: list[Pair]
+    skipped_empty: int
+
+
+# The split may slice, "train[:1000]", so its colons do not separate fields.
+_HUB = re.compile(r"^hf:([^:]+):(?:([^:\[]+):)?([^:\[]+(?:\[.*\])?)$")
+_TEXT_PAIR = re.compile(r"^([\w-]+):([\w-]+):(.+)$")
+_TSV = (".tsv", ".tsv.gz")
+_JSON = (".jsonl", ".jsonl.gz", ".json", ".json.gz")
+
+
+def load_parallel(spec: str, cache_dir: str | Path | None = None) -> LoadedPairs:
+    """Sentence pairs from a spec string (formats in the module docstring).
+
+    `cache_dir` is handed to `datasets.load_dataset` (default: the HF datasets cache).
+    Raises FileNotFoundError for a missing file, ValueError for an unknown format, a missing
+    column, or text files whose line counts differ.
+    """
+    import datasets  # imported here: ~1 s, and the numbers corpus does not need it
+
+    datasets.disable_progress_bars()  # "Generating train split" bars for local files are noise
+
+    spec, _, options = spec.partition("#")
+    cache_dir = None if cache_dir is None else str(cache_dir)
+    if spec.startswith("hf:"):
+        match = _HUB.match(spec)
+        if not match:
+            raise ValueError(f"hub spec must be hf:NAME[:CONFIG]:SPLIT, got {spec!r}")
+        name, config, split = match.groups()
+        langs = config.split("-") if config and re.fullmatch(r"\w+-\w+", config) else ("source", "target")
+        src, tgt = _columns(options, *langs)
+        ds = datasets.load_dataset(name, config, split=split, cache_dir=cache_dir)
+        return _pairs(_field(ds, src, spec), _field(ds, tgt, spec))
+    if spec.endswith(_TSV):
+        path = _existing(Path(spec))
+        src, tgt = _columns(options, "source", "target")
+        return _tsv_pairs(path, src, tgt)
+    if spec.endswith(_JSON):
+        path = _existing(Path(spec))
+        src, tgt = _columns(options, "source", "target")
+        if not check_text(path):  # datasets' json builder fails on an empty file
+            return LoadedPairs([], 0)
+        ds = _load_dataset("json", data_files=str(path), split="train", cache_dir=cache_dir)
+        return _pairs(_field(ds, src, path), _field(ds, tgt, path))
+    match = _TEXT_PAIR.match(spec)
+    if match and not options:
+        src_lang, tgt_lang, prefix = match.groups()
+        paths = [_existing(Path(f"{prefix}.{lang}"), Path(f"{prefix}.{lang}.gz")) for lang in (src_lang, tgt_lang)]
+        sides = [read_lines(p) for p in paths]
+        if len(sides[0]) != len(sides[1]):
+            (short, n_short), (long, n_long) = sorted(zip(paths, map(len, sides)), key=lambda pair: pair[1])
+            extra = f"line {n_long} of {long} has" if n_long == n_short + 1 else f"lines {n_short + 1}-{n_long} of {long} have"
+            raise ValueError(
+                f"line counts differ: {paths[0]} has {len(sides[0])} lines, {paths[1]} has {len(sides[1])}; "
+                f"{extra} no counterpart in {short}"
+            )
+        return _pairs(*sides)
+    raise ValueError(
+        f"unknown data spec {spec!r}: expected SRC:TGT:PREFIX, FILE.tsv, FILE.jsonl, FILE.json "
+        "(optionally .gz, with #src=..,tgt=..) or hf:NAME[:CONFIG]:SPLIT"
+    )
+
+
+def _load_dataset(builder: str, data_files: str, **kwargs):
+    """datasets.load_dataset on a local file; a file it cannot parse raises ValueError naming it."""
+    import datasets
+
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # it also logs the parse error it raises
+    try:
+        return datasets.load_dataset(builder, data_files=data_files, **kwargs)
+    except datasets.exceptions.DatasetGenerationError as err:
+        cause = err.__cause__ or err
+        raise ValueError(f"{data_files}: not valid {builder} ({type(cause).__name__}: {cause})") from None
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+
+
+def split_lines(text: str) -> list[str]:
+    """The lines of `text` by the one rule of this project: each ends at "\n" ("\r\n" too);
+    U+2028, U+0085, form feed and a lone "\r" are text. A last line needs no "\n"."""
+    lines = text.split("\n")
+    if lines[-1] == "":
+        lines.pop()
+    return [line[:-1] if line.endswith("\r") else line for line in lines]
+
+
+def read_lines(path: Path) -> list[str]:
+    """`split_lines` of a UTF-8 text file, plain or .gz (ValueError naming the byte offset of
+    invalid UTF-8, FileNotFoundError for a missing file)."""
+    check_text(path)
+    with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
+        return split_lines(f.read().decode("utf-8"))
+
+
+def _tsv_pairs(path: Path, src: str, tgt: str) -> LoadedPairs:
+    """Columns `src` and `tgt` of a TSV file with a header row: every row split at tabs, no
+    quoting, no NA values, and exactly the header's number of columns."""
+    lines = read_lines(path)
+    if not lines:
+        raise ValueError(f"{path}: empty file (a TSV needs a header row)")
+    header = lines[0].split("\t")
+    for col in (src, tgt):
+        if col not in header:
+            raise ValueError(f"{path}: no column {col!r} in header {header}")
+    i, j = header.index(src), header.index(tgt)
+    sources, targets = [], []
+    for number, line in enumerate(lines[1:], start=2):
+        if not line:  # an empty row: a pair with empty sides, skipped and counted
+            sources.append("")
+            targets.append("")
+            continue
+        row = line.split("\t")
+        if len(row) != len(header):
+            raise ValueError(f"{path}: line {number} has {len(row)} columns, the header (line 1) has {len(header)}")
+        sources.append(row[i])
+        targets.append(row[j])
+    return _pairs(sources, targets)
+
+
+def _existing(*candidates: Path) -> Path:
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"no such file: {' or '.join(map(str, candidates))}")
+
+
+def check_text(path: Path, chunk_size: int = 1 << 20) -> int:
+    """The size in bytes of `path` (decompressed when it ends in .gz). Raises ValueError naming
+    the byte offset and line of its first invalid UTF-8 sequence, or when it cannot be read.
+
+    `datasets` would fail on such a file too, but with an offset into one of its own chunks and
+    no file name; one streaming pass here costs little next to tokenisation.
+    """
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset, lines = 0, 0  # bytes and newlines before the current chunk
+    try:
+        with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
+            while True:
+                chunk = f.read(chunk_size)
+                held = decoder.getstate()[0]  # the start of a sequence the last chunk cut off
+                try:
+                    decoder.decode(chunk, final=not chunk)
+                except UnicodeDecodeError as err:  # err.start counts from the held bytes
+                    line = lines + (held + chunk)[: err.start].count(b"\n") + 1
+                    raise ValueError(
+                        f"{path}: invalid UTF-8 at byte offset {offset - len(held) + err.start} (line {line}): {err.reason}"
+                    ) from None
+                if not chunk:
+                    return offset
+                offset, lines = offset + len(chunk), lines + chunk.count(b"\n")
+    except (OSError, EOFError) as err:  # unreadable, or a truncated/corrupt .gz
+        if isinstance(err, FileNotFoundError):
+            raise
+        raise ValueError(f"cannot read {path}: {err}") from None
+
+
+def _columns(options: str, src: str, tgt: str) -> tuple[str, str]:
+    """Column names from '#src=A,tgt=B' options (either may be left out)."""
+    names = {"src": src, "tgt": tgt}
+    for item in filter(None, options.split(",")):
+        key, eq, value = item.partition("=")
+        if key not in names or not eq or not value:
+            raise ValueError(f"bad column option {item!r}: expected src=NAME or tgt=NAME")
+        names[key] = value
+    return names["src"], names["tgt"]
+
+
+def _field(ds, name: str, where) -> list:
+    """Column `name`, or key `name` of the hub's `translation` dict column."""
+    if name in ds.column_names:
+        return list(ds[name])
+    if "translation" in ds.column_names:
+        rows = list(ds["translation"])
+        if all(row is not None and name in row for row in rows):
+            return [row[name] for row in rows]
+    raise ValueError(f"{where}: no field {name!r} (columns: {ds.column_names})")
+
+
+def _pairs(sources: Iterable, targets: Iterable) -> LoadedPairs:
+    pairs, skipped = [], 0
+    for s, t in zip(sources, targets, strict=True):
+        s, t = ("" if s is None else str(s)).strip(), ("" if t is None else str(t)).strip()
+        if s and t:
+            pairs.append((s, t))
+        else:
+            skipped += 1
+    if skipped:
+        log.info("skipped %d of %d pairs with an empty side", skipped, skipped + len(pairs))
+    return LoadedPairs(pairs, skipped)

@@ -1,0 +1,96 @@
+"""Tokenizers are byte-level BPE (HF `tokenizers`), trained on the training split, one joint
+source+target vocabulary by default. Special ids: `torch_reference.config.SPECIAL_TOKENS`
+(<pad>=0, <bos>=1, <eos>=2, <unk>=3), the one definition the model, loss and search read too. Encoding
+appends <eos>; decoding stops at the first <eos> and drops the other special tokens. Byte-level
+BPE never maps to <unk> and decode(encode(s)) == s for every s without leading whitespace (the
+one space byte-level BPE prepends is removed again, so leading whitespace is lost).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from torch_reference.config import BOS_ID, EOS_ID, PAD_ID, SPECIAL_TOKENS, UNK_ID
+
+from .corpora import Pair
+
+
+@dataclasses.dataclass(frozen=True)
+class Tokenizers:
+    """Source and target tokenizers; the same object twice for a joint vocabulary."""
+
+    src: Tokenizer
+    tgt: Tokenizer
+
+    @property
+    def joint(self) -> bool:
+        return self.src is self.tgt
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int = 8000, min_frequency: int = 2) -> Tokenizer:
+    """A byte-level BPE `tokenizers.Tokenizer` trained on `texts`.
+
+    The vocabulary holds the 4 special tokens (ids 0..3), the 256 byte symbols and merges up to
+    `vocab_size` in all; it is smaller when the text runs out of merges seen `min_frequency`
+    times, so read the size from `tokenizer.get_vocab_size()`. The saved tokenizer.json carries
+    the whole behaviour (eos appended by its post-processor, prefix space removed by its decoder).
+    """
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    # A prefix space makes a sentence's first word tokenize like the same word mid-sentence; the
+    # Strip decoder removes it again after the byte-level decoder has joined all tokens into one.
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    tokenizer.decoder = decoders.Sequence([decoders.ByteLevel(), decoders.Strip(" ", 1, 0)])
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="$A <eos>", special_tokens=[("<eos>", EOS_ID)]
+    )
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte: no <unk>, ever
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    assert [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS] == [PAD_ID, BOS_ID, EOS_ID, UNK_ID]
+    return tokenizer
+
+
+def train_tokenizers(
+    pairs: Sequence[Pair], vocab_size: int = 8000, joint: bool = True, min_frequency: int = 2
+) -> Tokenizers:
+    """Tokenizers trained on the training pairs: one on both sides (joint), or one per side."""
+    sources, targets = [s for s, _ in pairs], [t for _, t in pairs]
+    if joint:
+        tokenizer = train_tokenizer(sources + targets, vocab_size, min_frequency)
+        return Tokenizers(tokenizer, tokenizer)
+    return Tokenizers(
+        train_tokenizer(sources, vocab_size, min_frequency), train_tokenizer(targets, vocab_size, min_frequency)
+    )
+
+
+def encode(tokenizer: Tokenizer, texts: Sequence[str]) -> list[list[int]]:
+    """Token ids of each text, ending with <eos>."""
+    return [e.ids for e in tokenizer.encode_batch(list(texts))]
+
+
+def decode(tokenizer: Tokenizer, ids: Sequence[int]) -> str:
+    """Text of one id sequence: up to the first <eos>, without <pad>/<bos>/<unk>."""
+    ids = [int(i) for i in ids]
+    if EOS_ID in ids:
+        ids = ids[: ids.index(EOS_ID)]
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def decode_batch(tokenizer: Tokenizer, rows: Iterable[Sequence[int]]) -> list[str]:
+    """`decode` for each row of ids, e.g. of a (B, T) array."""
+    return [decode(tokenizer, row) for row in rows]
+
+
+def encode_pairs(tokenizers: Tokenizers, pairs: Sequence[Pair]) -> list[tuple[list[int], list[int]]]:
+    """(source ids, target ids) per pair, each ending with <eos>."""
+    sources = encode(tokenizers.src, [s for s, _ in pairs])
+    targets = encode(tokenizers.tgt, [t for _, t in pairs])
+    return list(zip(sources, targets))

@@ -1,0 +1,86 @@
+"""Writing files whole, strict JSON, and the one error users see without a traceback."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+
+class UserError(Exception):
+    """A problem with the flags, files or run directory the user gave: reported without a traceback."""
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write `text` to a temporary file beside `path`, then rename it into place: a crash leaves
+    the old file or the new one, never half of one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def finite_values(obj: Any) -> Any:
+    """`obj` with every non-finite float (NaN, ±Infinity: not JSON) replaced by None."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite_values(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_values(v) for v in obj]
+    return obj
+
+
+def json_text(obj: Any) -> str:
+    """Strict JSON of `obj`, as every file and every output of the project holds: a non-finite
+    number becomes null (never NaN or Infinity, which JSON does not have), and a string holding
+    a byte that was not UTF-8 (a path, read with surrogateescape) keeps it as a \\uDCxx escape,
+    so the text always encodes as UTF-8."""
+    text = json.dumps(finite_values(obj), indent=2, ensure_ascii=False, allow_nan=False)
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def write_json_atomic(path: str | Path, obj: Any) -> None:
+    write_text_atomic(path, json_text(obj) + "\n")
+
+
+def read_json(path: str | Path, default: Any = ...) -> Any:
+    """The JSON in `path`; UserError naming the file when it is not valid JSON. A missing file
+    returns `default` when given, else raises UserError too."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        if default is not ...:
+            return default
+        raise UserError(f"no such file: {path}") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise UserError(f"cannot read {path}: {err}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise UserError(f"{path} is not valid JSON: {err.msg} at line {err.lineno} column {err.colno}") from None
+
+
+def check_output_file(path: str | Path, flag: str) -> None:
+    """UserError unless a file can be written at `path`: its directory exists and `path` is not
+    a directory. For the --output flags, checked before the work starts."""
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{flag} {path} is a directory; give a file name")
+    if not path.parent.is_dir():
+        raise UserError(f"{flag} {path}: directory {path.parent} does not exist")
+    if not os.access(path.parent, os.W_OK):
+        raise UserError(f"{flag} {path}: directory {path.parent} is not writable")
+
+
+def say(text: str) -> None:
+    from tqdm.auto import tqdm
+
+    tqdm.write(text, file=sys.stdout)

@@ -1,0 +1,201 @@
+"""Checkpoints, framework-neutral: the training state that crosses frameworks, the rule that picks
+a step, and the digests that prove a checkpoint's files are the ones written.
+
+A checkpoint is CHECKPOINTS/<step>/, written by one framework's store; each holds digest.json,
+the SHA-256 of every file, checked on load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from ..files import UserError, json_text
+
+# The safetensors metadata key holding the TransformerConfig JSON, in weights files and checkpoints.
+WEIGHTS_CONFIG_KEY = "transformer_config"
+
+
+@dataclasses.dataclass
+class TrainingState:
+    """One backend's training state, framework-neutral: NumPy arrays keyed by attribute path.
+
+    `framework` names the layout of the arrays ("jax": Flax paths, kernels (in, out); "torch":
+    state-dict keys, weights (out, in)). `mu` and `nu` are Adam's moments, None before the first
+    update (torch keeps none then). `rng` is the framework's own random state (JAX: the run's
+    key data; torch: the CPU generator), None once the state has crossed frameworks, since
+    dropout streams cannot be matched. The data position travels in the checkpoint's meta.
+    """
+
+    framework: str
+    step: int
+    params: dict[str, np.ndarray]
+    mu: dict[str, np.ndarray] | None = None
+    nu: dict[str, np.ndarray] | None = None
+    rng: np.ndarray | None = None
+
+    def check(self) -> None:
+        """Both moments or neither, with the parameters' keys, shapes and dtypes."""
+        if (self.mu is None) != (self.nu is None):
+            raise ValueError("Adam state holds only one of its two moments")
+        if self.mu is None:
+            if self.step != 0:
+                raise ValueError(f"Adam state is empty but the step is {self.step}: the moments are missing")
+            return
+        shapes = {k: np.shape(v) for k, v in self.params.items()}
+        for name, moments in (("Adam first moments (mu / exp_avg)", self.mu), ("Adam second moments (nu / exp_avg_sq)", self.nu)):
+            check_keys(name, shapes, {k: np.shape(v) for k, v in moments.items()})
+            wrong = [f"{k}: {np.dtype(m.dtype)}, parameter {np.dtype(self.params[k].dtype)}"
+                     for k, m in moments.items() if m.dtype != self.params[k].dtype]
+            if wrong:
+                raise ValueError(f"{name} have other dtypes than their parameters:\n  " + "\n  ".join(wrong))
+
+    def differences(self, other: TrainingState) -> list[str]:
+        """What differs from `other`, bit for bit (empty: identical; the random state not compared)."""
+        out = [f"{name} {a} != {b}" for name in ("framework", "step")
+               if (a := getattr(self, name)) != (b := getattr(other, name))]
+        for name in ("params", "mu", "nu"):
+            x, y = getattr(self, name), getattr(other, name)
+            if (x is None) != (y is None):
+                out.append(f"{name}: one side empty")
+            elif x is not None and x.keys() != y.keys():
+                out.append(f"{name}: keys differ")
+            elif x is not None:
+                out += [f"{name}.{k}" for k in x if x[k].dtype != y[k].dtype or not np.array_equal(x[k], y[k])]
+        return out
+
+
+class CheckpointMismatchError(ValueError):
+    """Weights that do not fit the architecture: lists every offending key with both shapes."""
+
+    def __init__(self, what: str, missing=(), unexpected=(), wrong_shape=()):
+        self.missing, self.unexpected, self.wrong_shape = list(missing), list(unexpected), list(wrong_shape)
+        lines = [f"{what} do not match the architecture:"]
+        lines += [f"  missing     {k}  expected {tuple(s)}" for k, s in self.missing]
+        lines += [f"  unexpected  {k}  got {tuple(s)}" for k, s in self.unexpected]
+        lines += [f"  wrong shape {k}  expected {tuple(e)}, got {tuple(g)}" for k, e, g in self.wrong_shape]
+        super().__init__("\n".join(lines))
+
+
+def check_keys(what: str, expected: Mapping[str, tuple], got: Mapping[str, tuple]) -> None:
+    """CheckpointMismatchError unless `got` has exactly the keys and shapes of `expected`."""
+    missing = [(k, expected[k]) for k in expected if k not in got]
+    unexpected = [(k, got[k]) for k in got if k not in expected]
+    wrong = [(k, expected[k], got[k]) for k in expected if k in got and tuple(got[k]) != tuple(expected[k])]
+    if missing or unexpected or wrong:
+        raise CheckpointMismatchError(what, missing, unexpected, wrong)
+
+
+class CheckpointError(Exception):
+    """A checkpoint on disk that cannot be restored: truncated, corrupted, or of another model."""
+
+
+def unreadable(directory, step: int, steps: Sequence[int], err: BaseException) -> CheckpointError:
+    """The CheckpointError for checkpoint `step` of `directory` failing with `err`, naming the
+    other checkpoints there (`steps`) as the way out."""
+    others = [s for s in steps if s != step]
+    hint = (
+        f"the other checkpoints there are steps {others}: pick one with --checkpoint STEP (translate, evaluate), "
+        f"or delete {step}/ so that --resume continues from the newest one left"
+        if others
+        else "it is the only one there"
+    )
+    reason = " ".join(str(err).split()).split(" See full")[0]  # TensorStore appends pages of its spec
+    reason = f"{type(err).__name__}: {reason[:300]}{'...' if len(reason) > 300 else ''}"
+    return CheckpointError(f"checkpoint {step} in {directory} cannot be restored ({reason}); {hint}")
+
+
+def choose_checkpoint(steps: Sequence[int], which: str | int, metrics: Callable[[int], Mapping | None], where) -> int:
+    """The step `which` ("latest", "best" or a step number) names among `steps` (oldest first).
+    "best" is the highest validation BLEU among `metrics(step)` (ties: the newest), the latest
+    when no checkpoint has metrics. FileNotFoundError when there is no such checkpoint in `where`."""
+    if not steps:
+        raise FileNotFoundError(f"no checkpoint in {where}")
+    if which == "latest":
+        return steps[-1]
+    if which == "best":
+        ranked = [(m["bleu"], step) for step in steps if (m := metrics(step)) is not None and "bleu" in m]
+        return max(ranked)[1] if ranked else steps[-1]
+    step = int(which)
+    if step not in steps:
+        raise FileNotFoundError(f"no checkpoint of step {step} in {where} (have {list(steps)})")
+    return step
+
+
+def parse_checkpoint(which: str | int) -> str | int:
+    """'best', 'latest' or a step number (as int); UserError for anything else."""
+    if isinstance(which, int) or (isinstance(which, str) and which.isdigit()):
+        return int(which)
+    if which not in ("best", "latest"):
+        raise UserError(f"checkpoint must be 'best', 'latest' or a step number, got {which!r}")
+    return which
+
+
+DIGEST_FILE = "digest.json"  # in each checkpoint directory: {"algorithm", "files": {path: hex}}
+DIGEST_ALGORITHM = "sha256"  # hashlib's, OpenSSL-accelerated
+
+
+class CheckpointDamaged(ValueError):
+    """A checkpoint file that does not match the digest written with it, or is missing."""
+
+
+def _file_digest(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, DIGEST_ALGORITHM).hexdigest()
+
+
+def _checkpoint_files(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.rglob("*") if p.is_file() and p.name != DIGEST_FILE
+                  and not p.name.startswith(f".{DIGEST_FILE}"))
+
+
+def write_checkpoint_digest(directory: str | Path) -> None:
+    """Hash every file of the checkpoint `directory` and write DIRECTORY/digest.json. Called once
+    the checkpoint's data is on disk (each file synced here as it is read) and before the
+    checkpoint is published: torch renames its temporary directory after this; orbax renames its
+    own before returning from save, so for JAX this runs right after (see the README)."""
+    directory = Path(directory)
+    files = {}
+    for path in _checkpoint_files(directory):
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+            files[path.relative_to(directory).as_posix()] = hashlib.file_digest(f, DIGEST_ALGORITHM).hexdigest()
+    tmp = directory / f".{DIGEST_FILE}.tmp"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(json_text({"algorithm": DIGEST_ALGORITHM, "files": files}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, directory / DIGEST_FILE)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def verify_checkpoint(directory: str | Path) -> bool:
+    """Check every file of the checkpoint `directory` against its digest.json: CheckpointDamaged
+    naming the first file that differs or is missing. Returns False, checking nothing, for a
+    checkpoint without digest.json (written before digests existed, or a JAX save interrupted
+    between orbax's rename and the digest); the backends' own checks then apply."""
+    directory = Path(directory)
+    try:
+        record = json.loads((directory / DIGEST_FILE).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError) as err:
+        raise CheckpointDamaged(f"{DIGEST_FILE} is unreadable ({err})") from None
+    files = record.get("files") if isinstance(record, dict) else None
+    if not isinstance(files, dict) or record.get("algorithm") != DIGEST_ALGORITHM:
+        raise CheckpointDamaged(f"{DIGEST_FILE} is not a {DIGEST_ALGORITHM} digest of the checkpoint")
+    for name, expected in sorted(files.items()):
+        path = directory / name
+        if not path.is_file():
+            raise CheckpointDamaged(f"{name} is missing")
+        if _file_digest(path) != expected:
+            raise CheckpointDamaged(f"{name} does not match the {DIGEST_ALGORITHM} digest written with it")
+    return True
