@@ -167,6 +167,10 @@ class ExperimentConfig:
     )
     samples: int = _field(3, "eval", "sample translations printed at each evaluation", launch=True)
     beam: int = _field(4, "eval", "beam size of the translations scored by BLEU/chrF (1 = greedy search)", launch=True)
+    moses: str | None = _field(
+        None, "eval", "also score BLEU on Moses-tokenized text of this target language (e.g. de), as bleu_moses and "
+        "bleu_moses_lc (train.evaluate --moses)", launch=True, metavar="LANG",
+    )
 
     # Checkpoints
     save_every: int | None = _field(None, "ckpt", "checkpoint every N steps and at the end; default: --eval-every", launch=True)

@@ -5,6 +5,9 @@ mixed case), the numbers every paper quotes; each score is stored with sacreBLEU
 (`bleu_signature`, e.g. "nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0"), which says
 how it was computed, and `sentences` says how many sentences it covers. `bleu_lc` (with
 `--lowercase`, and always in a training run's results) is the same BLEU on lowercased text.
+`bleu_moses` and `bleu_moses_lc` (with `--moses LANG`, or a run's `--moses`) are BLEU on text
+tokenized by the Moses tokenizer with sacreBLEU's own tokenization off: how papers that quote
+"tokenized BLEU" (fairseq's, multi-bleu's) score, which differs from 13a by a BLEU point or more.
 `exact_match` is sentence accuracy: the percentage of hypotheses equal to their reference (both
 stripped of surrounding whitespace). Perplexity is exp of the unsmoothed per-token negative
 log-likelihood; `loss` is the label-smoothed training objective.
@@ -49,16 +52,35 @@ def exact_match(hypotheses: Sequence[str], references: Sequence[str]) -> float:
     return 100.0 * sum(h.strip() == r.strip() for h, r in zip(hypotheses, references)) / len(hypotheses)
 
 
-def corpus_scores(hypotheses: Sequence[str], references: Sequence[str], *, lowercase: bool = False) -> dict[str, Any]:
+def moses_tokenized(texts: Sequence[str], lang: str) -> list[str]:
+    """`texts` tokenized by the Moses tokenizer (sacremoses) for language `lang`, tokens joined by
+    spaces, without Moses' XML escaping: the text that tokenized BLEU is computed on."""
+    from sacremoses import MosesTokenizer
+
+    tokenizer = MosesTokenizer(lang=lang)
+    return [tokenizer.tokenize(text, escape=False, return_str=True) for text in texts]
+
+
+def corpus_scores(hypotheses: Sequence[str], references: Sequence[str], *, lowercase: bool = False,
+                  moses: str | None = None) -> dict[str, Any]:
     """sacreBLEU corpus BLEU and chrF of detokenized hypotheses vs one reference each, with their
     signatures, and exact match: {"bleu", "bleu_signature", "chrf", "chrf_signature",
-    "exact_match"}, plus {"bleu_lc", "bleu_lc_signature"} (lowercased BLEU) with `lowercase`."""
+    "exact_match"}, plus {"bleu_lc", "bleu_lc_signature"} (lowercased BLEU) with `lowercase`.
+    `moses` (a language code): also BLEU on Moses-tokenized text, hypotheses and references
+    tokenized alike and sacreBLEU's own tokenization off, as "bleu_moses" (and "bleu_moses_lc"
+    with `lowercase`); the signature ends in "|pretok:moses-LANG"."""
     hyps, refs = list(hypotheses), [list(references)]
     result: dict[str, Any] = {}
     metrics = [("bleu", BLEU()), ("chrf", CHRF())] + ([("bleu_lc", BLEU(lowercase=True))] if lowercase else [])
     for name, metric in metrics:
         result[name] = float(metric.corpus_score(hyps, refs).score)
         result[f"{name}_signature"] = str(metric.get_signature())
+    if moses:
+        tok_hyps, tok_refs = moses_tokenized(hyps, moses), [moses_tokenized(refs[0], moses)]
+        for name, case in [("bleu_moses", False)] + ([("bleu_moses_lc", True)] if lowercase else []):
+            metric = BLEU(tokenize="none", lowercase=case)
+            result[name] = float(metric.corpus_score(tok_hyps, tok_refs).score)
+            result[f"{name}_signature"] = f"{metric.get_signature()}|pretok:moses-{moses}"
     result["exact_match"] = exact_match(hyps, refs[0])
     return result
 
@@ -130,11 +152,13 @@ def evaluate_pairs(
     alpha: float = 0.6,
     scoring: str = "gnmt",
     lowercase: bool = False,
+    moses: str | None = None,
     seen: Collection[str] | None = None,
     stop: Callable[[], bool] | None = None,
 ) -> dict[str, Any]:
     """Loss and perplexity on every pair (those longer than max_len are left out of the loss);
-    BLEU, chrF and exact match (`corpus_scores`, lowercased BLEU too with `lowercase`) and the
+    BLEU, chrF and exact match (`corpus_scores`, lowercased BLEU too with `lowercase`, Moses-tokenized
+    BLEU with `moses`) and the
     per-band exact match of numbers (`band_scores`, "bands"; `seen`: the training sources) of
     beam-search translations (greedy with beam_size 1; length penalty `alpha` and `scoring` as for
     `Backend.translate`) of the first `max_sentences` pairs
@@ -149,7 +173,7 @@ def evaluate_pairs(
         backend, tokenizers, [s for s, _ in scored], max_len=max_len, token_budget=token_budget, beam_size=beam_size,
         alpha=alpha, scoring=scoring, stop=stop,
     )
-    result.update(corpus_scores(hyps, [t for _, t in scored], lowercase=lowercase))
+    result.update(corpus_scores(hyps, [t for _, t in scored], lowercase=lowercase, moses=moses))
     result["sentences"] = len(scored)
     result["bands"] = band_scores(scored, hyps, seen)
     result["samples"] = [
@@ -180,6 +204,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--lowercase", action="store_true",
         help="also score BLEU on lowercased text (13a tokenization), as bleu_lc with its signature",
     )
+    parser.add_argument(
+        "--moses", metavar="LANG",
+        help="also score BLEU on Moses-tokenized text of language LANG (e.g. de, en; sacremoses, no escaping; "
+        "sacreBLEU's tokenization off), as papers quoting tokenized BLEU do: bleu_moses, and bleu_moses_lc "
+        "with --lowercase",
+    )
     parser.add_argument("--samples", type=non_negative_int, default=0, help="include N example translations in the JSON")
     parser.add_argument("--output", type=Path, help="also write the JSON to this file")
     return parser
@@ -201,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     result = evaluate_pairs(
         run.backend, run.tokenizers, pairs, max_len=cfg.max_len, token_budget=cfg.token_budget,
         max_sentences=args.max_sentences, samples=args.samples, beam_size=args.beam, alpha=args.alpha,
-        scoring=args.scoring, lowercase=args.lowercase, seen=seen,
+        scoring=args.scoring, lowercase=args.lowercase, moses=args.moses, seen=seen,
     )
     result = {"run_dir": str(args.run_dir), "data": args.data, "step": run.backend.step, "beam": args.beam,
               "alpha": args.alpha, "scoring": args.scoring, **result}

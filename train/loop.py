@@ -267,7 +267,7 @@ def _evaluate(cfg, backend, tokenizers, pairs, samples: int, *, validation: bool
     return evaluate_pairs(
         backend, tokenizers, pairs, max_len=cfg.max_len, token_budget=cfg.token_budget,
         max_sentences=cfg.eval_sentences if validation else None, samples=samples, beam_size=cfg.beam,
-        lowercase=True, seen=seen, stop=stop,
+        lowercase=True, moses=cfg.moses, seen=seen, stop=stop,
     )
 
 
