@@ -65,7 +65,7 @@ from torch_reference.config import TransformerConfig
 from ..config import ExperimentConfig
 from ..data import Batch
 from ..store import TrainingState, check_keys, choose_checkpoint, unreadable, verify_checkpoint, write_checkpoint_digest
-from . import allocator
+from . import allocator, jax_cache
 from .interface import Metrics, Topology
 
 # Orbax warns through absl for every checkpoint saved without metrics (those between evaluations).
@@ -100,7 +100,9 @@ def initialize(exp_cfg: ExperimentConfig) -> Topology:
     """Once per process, where a CLI starts: `jax.distributed.initialize` for a multi-process run
     (a no-op otherwise), then the process-wide settings of the device platform: glibc's thresholds
     for XLA:CPU's host buffers (`allocator.tune`), float32 matmuls off the CPU
-    (`full_float32_matmuls`). Returns where the run trains."""
+    (`full_float32_matmuls`), and JAX's persistent compilation cache (`jax_cache`). Returns where
+    the run trains."""
+    jax_cache.enable()
     sharding.initialize_distributed(exp_cfg.coordinator_address, exp_cfg.num_processes, exp_cfg.process_id)
     mesh = sharding.make_mesh(exp_cfg.devices)
     platform = mesh.devices.flat[0].platform

@@ -1,0 +1,52 @@
+"""JAX's persistent compilation cache, on by default: what one process compiled, the next on the
+same machine loads instead of compiling again (`jax_backend.initialize` turns it on for every CLI).
+
+The directory: $AIAYN_JAX_CACHE when set (`off`, or empty, turns the cache off), else JAX's own
+$JAX_COMPILATION_CACHE_DIR, else $XDG_CACHE_HOME/aiayn/jax (~/.cache/aiayn/jax). Its entries are
+native code for the machine that compiled them: keep one directory per machine. Least recently
+used entries are evicted beyond MAX_BYTES. This module imports jax only in `enable`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+ENV = "AIAYN_JAX_CACHE"
+OFF = ("", "off", "0", "no", "false", "none")
+MAX_BYTES = 4 << 30
+# Programs that compile faster than this are not kept: a search or train step takes seconds on a
+# CPU; the small helper programs (placing arrays, gathers) are not worth a file each.
+MIN_COMPILE_SECONDS = 0.2
+HELP = (f"JAX keeps compiled programs across processes in ~/.cache/aiayn/jax ($XDG_CACHE_HOME/aiayn/jax): "
+        f"{ENV}=DIR moves it, {ENV}=off turns it off")
+
+
+def cache_dir() -> Path | None:
+    """Where compiled programs are kept, or None when the cache is off (see the module docstring)."""
+    value = os.environ.get(ENV)
+    if value is not None:
+        return None if value.strip().lower() in OFF else Path(value).expanduser()
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return Path(os.environ["JAX_COMPILATION_CACHE_DIR"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "aiayn" / "jax"
+
+
+def enable() -> Path | None:
+    """Point JAX's persistent cache at `cache_dir()` (before the first compilation); the directory,
+    or None when off or when it cannot be created (a warning then: the process compiles as usual)."""
+    import jax
+
+    path = cache_dir()
+    if path is None:
+        return None
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        print(f"warning: no compilation cache: cannot create {path}: {err.strerror or err}", file=sys.stderr)
+        return None
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
+    jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
+    return path
