@@ -7,7 +7,8 @@ are the checkpoint keys and `parity/convert.py` needs only a handful of naming r
 Differences of idiom, not of maths: train/eval mode and randomness are explicit call arguments
 (`deterministic`, `rngs`) instead of `module.train()` and a global generator; a torch Linear
 `weight` (out, in) is a Flax `kernel` (in, out); LayerNorm/RMSNorm `weight` is `scale`; an
-Embedding `weight` is `embedding`.
+Embedding `weight` is `embedding`. Two constructor arguments torch's twin lacks: `dtype` (mixed
+precision; torch has autocast) and `xla_cpu` (the kernels of `xla_cpu.py`; see `Transformer`).
 
 Axis letters in shape comments: B batch, S source length, T target length, L any sequence
 length, H heads, D model width, K head width, F feed-forward width, V vocabulary.
@@ -25,8 +26,7 @@ from flax import nnx
 
 from torch_reference.config import TransformerConfig
 
-from .matmul import cpu_tuned, linear_dot_general, logits
-from .residuals import LayerNorm, relu_linear
+from . import xla_cpu as tuned
 
 # Xavier-uniform matrices and zero biases, as tensor2tensor (and torch_reference) initialise them.
 xavier_uniform = nnx.initializers.xavier_uniform()
@@ -108,7 +108,7 @@ def scaled_dot_product_attention(q, k, v, mask=None, dropout=None, return_attent
     return (out, attention) if return_attention else out
 
 
-def make_norm(cfg: TransformerConfig, rngs: nnx.Rngs, dtype=None) -> nnx.Module:
+def make_norm(cfg: TransformerConfig, rngs: nnx.Rngs, dtype=None, xla_cpu: bool = False) -> nnx.Module:
     """LayerNorm (paper) or RMSNorm, both with the config's epsilon (never a library default).
 
     `use_fast_variance=False`: Flax's default E[x²]-E[x]² loses precision; torch uses E[(x-μ)²].
@@ -117,16 +117,15 @@ def make_norm(cfg: TransformerConfig, rngs: nnx.Rngs, dtype=None) -> nnx.Module:
     kwargs = dict(epsilon=cfg.layer_norm_eps, use_fast_variance=False, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
     if cfg.norm == "rmsnorm":
         return nnx.RMSNorm(cfg.d_model, **kwargs)
-    return LayerNorm(cfg.d_model, **kwargs)  # nnx.LayerNorm keeping fewer arrays for its backward (residuals.py)
+    return (tuned.LayerNorm if xla_cpu else nnx.LayerNorm)(cfg.d_model, **kwargs)
 
 
 # `dtype` is the computation's dtype (None: that of the inputs and parameters, i.e. float32);
 # parameters are float32 whatever it is (mixed precision: Micikevicius et al. 2018).
-def _linear(d_in: int, d_out: int, rngs: nnx.Rngs, bias: bool = True, dtype=None) -> nnx.Linear:
+def _linear(d_in: int, d_out: int, rngs: nnx.Rngs, bias: bool = True, dtype=None, xla_cpu=False) -> nnx.Linear:
     return nnx.Linear(
         d_in, d_out, use_bias=bias, kernel_init=xavier_uniform, dtype=dtype, param_dtype=jnp.float32,
-        dot_general=linear_dot_general,  # x @ W; on XLA:CPU with a backward pass ordered for it (matmul.py)
-        rngs=rngs,
+        dot_general=tuned.linear_dot_general if xla_cpu else jax.lax.dot_general, rngs=rngs,
     )
 
 
@@ -165,31 +164,16 @@ class PositionalEncoding(nnx.Module):
         return x + jax.lax.dynamic_slice_in_dim(table, offset, length).astype(x.dtype)  # (B, L, D)
 
 
-def _group_rows(x: jax.Array, g: int) -> jax.Array:
-    """(B, H, T, n) -> (B / g, H, g * T, n): each g consecutive rows as one row's g * T queries."""
-    if g == 1:
-        return x
-    B, H, T, n = x.shape
-    return x.reshape(B // g, g, H, T, n).transpose(0, 2, 1, 3, 4).reshape(B // g, H, g * T, n)
-
-
-def _ungroup_rows(x: jax.Array, g: int) -> jax.Array:
-    """(B / g, H, g * T, n) -> (B, H, T, n): `_group_rows` undone."""
-    if g == 1:
-        return x
-    b, H, gT, n = x.shape
-    return x.reshape(b, H, g, gT // g, n).transpose(0, 2, 1, 3, 4).reshape(b * g, H, gT // g, n)
-
-
 class MultiHeadAttention(nnx.Module):
     """Multi-head attention (§3.2.2): project, split into H heads, attend, merge, project."""
 
-    def __init__(self, cfg: TransformerConfig, *, dtype=None, rngs: nnx.Rngs):
+    def __init__(self, cfg: TransformerConfig, *, dtype=None, xla_cpu: bool = False, rngs: nnx.Rngs):
         self.num_heads = cfg.num_heads
-        self.q_proj = _linear(cfg.d_model, cfg.d_model, rngs, bias=cfg.attention_bias, dtype=dtype)
-        self.k_proj = _linear(cfg.d_model, cfg.d_model, rngs, bias=cfg.attention_bias, dtype=dtype)
-        self.v_proj = _linear(cfg.d_model, cfg.d_model, rngs, bias=cfg.attention_bias, dtype=dtype)
-        self.out_proj = _linear(cfg.d_model, cfg.d_model, rngs, bias=cfg.attention_bias, dtype=dtype)
+        linear = functools.partial(_linear, rngs=rngs, dtype=dtype, xla_cpu=xla_cpu)
+        self.q_proj = linear(cfg.d_model, cfg.d_model, bias=cfg.attention_bias)
+        self.k_proj = linear(cfg.d_model, cfg.d_model, bias=cfg.attention_bias)
+        self.v_proj = linear(cfg.d_model, cfg.d_model, bias=cfg.attention_bias)
+        self.out_proj = linear(cfg.d_model, cfg.d_model, bias=cfg.attention_bias)
         self.dropout = nnx.Dropout(cfg.attention_dropout)
 
     def split_heads(self, x: jax.Array) -> jax.Array:
@@ -208,23 +192,15 @@ class MultiHeadAttention(nnx.Module):
 
         `kv` gives keys and values already projected (from a cache) in place of `context`.
         `return_attention`: ((B, T, D), the attention weights (B, H, T, S)).
-        Keys and values of B / g rows (context or kv; JAX only) serve g consecutive rows of x each,
-        as g * T queries of one row, `mask` then broadcasting to (B / g, H, g * T, S): beam search's
-        hypotheses share their sentence's encoder output, which torch's search repeats g times.
         """
         q = self.split_heads(self.q_proj(x))  # (B, H, T, K)
-        k, v = self.project_kv(context) if kv is None else kv  # (B / g, H, S, K) each
-        B, H, T, K = q.shape
-        g = B // k.shape[0]
-        if g * k.shape[0] != B:
-            raise ValueError(f"keys and values of {k.shape[0]} rows cannot serve {B} rows of queries: "
-                             f"need a divisor of {B}")
+        k, v = self.project_kv(context) if kv is None else kv  # (B, H, S, K) each
         dropout = functools.partial(self.dropout, deterministic=deterministic, rngs=rngs)
-        out = scaled_dot_product_attention(_group_rows(q, g), k, v, mask, dropout, return_attention)  # (B/g, H, g*T, K)
+        out = scaled_dot_product_attention(q, k, v, mask, dropout, return_attention)  # (B, H, T, K)
         if return_attention:
             out, attention = out
-            attention = _ungroup_rows(attention, g)  # (B, H, T, S)
-        out = self.out_proj(_ungroup_rows(out, g).transpose(0, 2, 1, 3).reshape(B, T, H * K))  # (B, T, D)
+        B, H, T, K = out.shape
+        out = self.out_proj(out.transpose(0, 2, 1, 3).reshape(B, T, H * K))  # (B, T, D)
         return (out, attention) if return_attention else out
 
 
@@ -236,17 +212,19 @@ class FeedForward(nnx.Module):
     linear2(silu(linear1(x)) * linear_gate(x)), with the same width F.
     """
 
-    def __init__(self, cfg: TransformerConfig, *, dtype=None, rngs: nnx.Rngs):
+    def __init__(self, cfg: TransformerConfig, *, dtype=None, xla_cpu: bool = False, rngs: nnx.Rngs):
         self.activation = cfg.activation
-        self.linear1 = _linear(cfg.d_model, cfg.d_ff, rngs, dtype=dtype)
-        self.linear_gate = _linear(cfg.d_model, cfg.d_ff, rngs, dtype=dtype) if cfg.activation == "swiglu" else None
-        self.linear2 = _linear(cfg.d_ff, cfg.d_model, rngs, dtype=dtype)
+        self.xla_cpu = xla_cpu
+        linear = functools.partial(_linear, rngs=rngs, dtype=dtype, xla_cpu=xla_cpu)
+        self.linear1 = linear(cfg.d_model, cfg.d_ff)
+        self.linear_gate = linear(cfg.d_model, cfg.d_ff) if cfg.activation == "swiglu" else None
+        self.linear2 = linear(cfg.d_ff, cfg.d_model)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         h = self.linear1(x)  # (B, L, F)
         if self.activation == "relu":
-            if cpu_tuned() and h.dtype == jnp.float32:  # linear2(relu(h)) keeping h alone (residuals.py)
-                return relu_linear(h, self.linear2.kernel[...]) + self.linear2.bias[...]
+            if self.xla_cpu and h.dtype == jnp.float32:  # linear2(relu(h)) keeping h alone
+                return tuned.relu_linear(h, self.linear2.kernel[...]) + self.linear2.bias[...]
             h = jax.nn.relu(h)
         elif self.activation == "gelu":
             h = jax.nn.gelu(h, approximate=False)  # exact erf GELU; jax defaults to the tanh form
@@ -264,12 +242,12 @@ class EncoderLayer(nnx.Module):
     Pre-norm: x = x + Dropout(sublayer(Norm(x))), with a final norm in the Encoder/Decoder.
     """
 
-    def __init__(self, cfg: TransformerConfig, *, dtype=None, rngs: nnx.Rngs):
+    def __init__(self, cfg: TransformerConfig, *, dtype=None, xla_cpu: bool = False, rngs: nnx.Rngs):
         self.pre_norm = cfg.norm_position == "pre"
-        self.self_attn = MultiHeadAttention(cfg, dtype=dtype, rngs=rngs)
-        self.self_attn_norm = make_norm(cfg, rngs, dtype)
-        self.ff = FeedForward(cfg, dtype=dtype, rngs=rngs)
-        self.ff_norm = make_norm(cfg, rngs, dtype)
+        self.self_attn = MultiHeadAttention(cfg, dtype=dtype, xla_cpu=xla_cpu, rngs=rngs)
+        self.self_attn_norm = make_norm(cfg, rngs, dtype, xla_cpu)
+        self.ff = FeedForward(cfg, dtype=dtype, xla_cpu=xla_cpu, rngs=rngs)
+        self.ff_norm = make_norm(cfg, rngs, dtype, xla_cpu)
         self.dropout = nnx.Dropout(cfg.dropout)
 
     def residual(self, x, norm, sublayer, deterministic, rngs):
@@ -287,10 +265,10 @@ class EncoderLayer(nnx.Module):
 class DecoderLayer(EncoderLayer):
     """An EncoderLayer with attention over the encoder output between its two sublayers (§3.1)."""
 
-    def __init__(self, cfg: TransformerConfig, *, dtype=None, rngs: nnx.Rngs):
-        super().__init__(cfg, dtype=dtype, rngs=rngs)
-        self.cross_attn = MultiHeadAttention(cfg, dtype=dtype, rngs=rngs)
-        self.cross_attn_norm = make_norm(cfg, rngs, dtype)
+    def __init__(self, cfg: TransformerConfig, *, dtype=None, xla_cpu: bool = False, rngs: nnx.Rngs):
+        super().__init__(cfg, dtype=dtype, xla_cpu=xla_cpu, rngs=rngs)
+        self.cross_attn = MultiHeadAttention(cfg, dtype=dtype, xla_cpu=xla_cpu, rngs=rngs)
+        self.cross_attn_norm = make_norm(cfg, rngs, dtype, xla_cpu)
 
     def __call__(
         self, x, memory, src_mask=None, tgt_mask=None, return_attention=False, *, deterministic=True, rngs=None
@@ -347,11 +325,12 @@ class Encoder(nnx.Module):
 
     layer_type = EncoderLayer
 
-    def __init__(self, cfg: TransformerConfig, num_layers: int, *, dtype=None, rngs: nnx.Rngs):
+    def __init__(self, cfg: TransformerConfig, num_layers: int, *, dtype=None, xla_cpu: bool = False, rngs: nnx.Rngs):
         self.positions = PositionalEncoding(cfg, dtype=dtype, rngs=rngs)
         self.dropout = nnx.Dropout(cfg.dropout)
-        self.layers = nnx.List([self.layer_type(cfg, dtype=dtype, rngs=rngs) for _ in range(num_layers)])
-        self.norm = make_norm(cfg, rngs, dtype) if cfg.norm_position == "pre" else None
+        layer = functools.partial(self.layer_type, cfg, dtype=dtype, xla_cpu=xla_cpu, rngs=rngs)
+        self.layers = nnx.List([layer() for _ in range(num_layers)])
+        self.norm = make_norm(cfg, rngs, dtype, xla_cpu) if cfg.norm_position == "pre" else None
 
     def __call__(self, x, mask=None, *, deterministic: bool = True, rngs: nnx.Rngs | None = None):
         """Embedded source x (B, S, D) -> memory (B, S, D)."""
@@ -402,12 +381,18 @@ class Transformer(nnx.Module):
     `dtype` is the computation dtype: None (float32, as the torch reference) or jnp.bfloat16 for
     mixed precision, where embeddings, matmuls and activations run in bfloat16 while parameters
     stay float32 (cast at use), the attention softmax and the norms' statistics run in float32,
-    and the loss casts the logits to float32. The torch side gets the same from torch.autocast
-    (train/backend_torch.py), so the twin has no such argument.
+    and the loss casts the logits to float32. The torch side gets the same from torch.autocast,
+    so the twin has no such argument.
+
+    `xla_cpu`: compute with the kernels of `xla_cpu.py`, measured faster on XLA:CPU (backward
+    passes ordered for it, fewer arrays kept), and have `decode`'s searches take its tuned loop;
+    the training backend sets it where its devices are CPUs. The same parameters and checkpoint
+    keys, the same results to float32 rounding (tests/jax_transformer/test_xla_cpu.py).
     """
 
-    def __init__(self, cfg: TransformerConfig, *, dtype=None, rngs: nnx.Rngs):
+    def __init__(self, cfg: TransformerConfig, *, dtype=None, xla_cpu: bool = False, rngs: nnx.Rngs):
         self.cfg = cfg
+        self.xla_cpu = xla_cpu
         self.embed_scale = math.sqrt(cfg.d_model) if cfg.scale_embeddings else 1.0
         # Embeddings ~ normal(0, d_model^-0.5): unit variance once scaled by sqrt(d_model).
         std = cfg.d_model**-0.5
@@ -416,11 +401,11 @@ class Transformer(nnx.Module):
         self.tgt_embed = (
             None if cfg.share_embeddings else _embedding(cfg.tgt_vocab_size, cfg.d_model, std, rngs, dtype)
         )
-        self.encoder = Encoder(cfg, cfg.num_encoder_layers, dtype=dtype, rngs=rngs)
-        self.decoder = Decoder(cfg, cfg.num_decoder_layers, dtype=dtype, rngs=rngs)
+        self.encoder = Encoder(cfg, cfg.num_encoder_layers, dtype=dtype, xla_cpu=xla_cpu, rngs=rngs)
+        self.decoder = Decoder(cfg, cfg.num_decoder_layers, dtype=dtype, xla_cpu=xla_cpu, rngs=rngs)
         # Tied output: logits = h Eᵀ with the target embedding E (§3.4); no separate matrix.
         self.out_proj = (
-            None if cfg.tie_output else _linear(cfg.d_model, cfg.tgt_vocab_size, rngs, bias=False, dtype=dtype)
+            None if cfg.tie_output else _linear(cfg.d_model, cfg.tgt_vocab_size, rngs, False, dtype, xla_cpu)
         )
         # `output_bias`: a bias on the logits, tied output or not (Marian's final_logits_bias); zeros.
         self.logits_bias = nnx.Param(jnp.zeros((cfg.tgt_vocab_size,), jnp.float32)) if cfg.output_bias else None
@@ -466,13 +451,11 @@ class Transformer(nnx.Module):
 
     def project(self, hidden: jax.Array) -> jax.Array:
         """hidden (B, T, D) -> logits (B, T, V)."""
-        if self.out_proj is None:  # Embed.attend; on XLA:CPU with a backward pass ordered for it (matmul.py)
-            embed = self.target_embedding
-            hidden, embedding = embed.promote_dtype((hidden, embed.embedding[...]), dtype=embed.dtype)
-            out = logits(hidden, embedding)
+        if self.out_proj is None:
+            logits = (tuned.attend if self.xla_cpu else nnx.Embed.attend)(self.target_embedding, hidden)
         else:
-            out = self.out_proj(hidden)
-        return out if self.logits_bias is None else out + self.logits_bias[...].astype(out.dtype)
+            logits = self.out_proj(hidden)
+        return logits if self.logits_bias is None else logits + self.logits_bias[...].astype(logits.dtype)
 
     def __call__(
         self, src_ids, tgt_in_ids, return_attention: bool = False, *, deterministic: bool = True,

@@ -8,7 +8,8 @@ sublayer, a whole encoder layer and decoder layer, the output projection with th
 loss, the Adam update over every parameter of the model, and the whole step. Each part runs as
 `grad(sum(part(x)))` (jit-compiled on the JAX side), the median of --repeats runs after a warm-up.
 The ratio JAX / torch per part shows which part a backend loses time in; the parts of a step are
-its layers (times the layer count), the loss and the update.
+its layers (times the layer count), the loss and the update. The JAX model is built as the
+training backend builds it: with `xla_cpu=True` where JAX's devices are CPUs.
 """
 
 from __future__ import annotations
@@ -112,11 +113,12 @@ def jax_parts(cfg: TransformerConfig, batch: int, length: int, repeats: int, see
     from flax import nnx
 
     import jax_transformer
-    from jax_transformer.matmul import tied_logits
+    from jax_transformer import xla_cpu
     from jax_transformer.model import causal_mask
     from jax_transformer.objective import label_smoothed_cross_entropy
 
-    model = jax_transformer.Transformer(cfg, rngs=nnx.Rngs(seed))
+    tuned = jax.devices()[0].platform == "cpu"
+    model = jax_transformer.Transformer(cfg, xla_cpu=tuned, rngs=nnx.Rngs(seed))
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.standard_normal((batch, length, cfg.d_model), dtype=np.float32))
     memory = jnp.asarray(rng.standard_normal((batch, length, cfg.d_model), dtype=np.float32))
@@ -142,7 +144,7 @@ def jax_parts(cfg: TransformerConfig, batch: int, length: int, repeats: int, see
     # Differentiate each part with respect to its own parameters only: over the whole model, JAX
     # would also write zero gradients for every other parameter (torch leaves them None).
     def loss_of(m, x, memory):
-        logits = tied_logits(x, m.embedding[...]) if cfg.tie_output else m(x)
+        logits = (xla_cpu.attend if tuned else nnx.Embed.attend)(m, x) if cfg.tie_output else m(x)
         return label_smoothed_cross_entropy(logits, ids, cfg.pad_id, 0.1)
 
     projection = model.target_embedding if cfg.tie_output else model.out_proj
@@ -212,7 +214,7 @@ def xla_op_split(cfg: TransformerConfig, batch: int, length: int, repeats: int =
     import jax_transformer
     from jax_transformer.objective import label_smoothed_cross_entropy
 
-    model = jax_transformer.Transformer(cfg, rngs=nnx.Rngs(seed))
+    model = jax_transformer.Transformer(cfg, xla_cpu=jax.devices()[0].platform == "cpu", rngs=nnx.Rngs(seed))
     graphdef, params = nnx.split(model, nnx.Param)
     ids = jnp.asarray(np.random.default_rng(seed).integers(4, cfg.tgt_vocab_size, (batch, length)))
 

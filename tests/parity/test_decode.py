@@ -4,17 +4,19 @@ Tolerances: logits 1e-5 max abs (the parity contract's float32 bound for tiny mo
 are sums of up to L log-probabilities, 1e-5 absolute (each term agrees to ~1e-6).
 """
 
+import functools
 import itertools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from flax import nnx
 
 import torch_reference as tr
 from jax_transformer import decode as jd
 from jax_transformer import model as jmodel
+from jax_transformer import xla_cpu
 from parity import torch_to_jax
 from parity.check import enable_parity_numerics
 from torch_reference import decode as td
@@ -32,6 +34,13 @@ def pair(seed=0, **overrides):
         with torch.no_grad():
             torch_model.logits_bias.normal_()
     return torch_model, torch_to_jax(torch_model)
+
+
+def tuned(jax_model):
+    """The same weights in a model built with `xla_cpu=True`: its search runs the XLA:CPU loop."""
+    model = jmodel.Transformer(jax_model.cfg, xla_cpu=True, rngs=nnx.Rngs(0))
+    nnx.update(model, nnx.state(jax_model))
+    return model
 
 
 def source(batch=4, length=9, seed=0, vocab=53):
@@ -110,17 +119,21 @@ MARIAN = {"activation": "silu", "positions": "sinusoidal_halves", "output_bias":
 @pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 3])
 @pytest.mark.parametrize("search", ["greedy", "beam", "beam-hf"])
 def test_torch_and_jax_search_return_identical_tokens_and_scores(search, seed):
+    """The JAX search over the plain model and over the XLA:CPU-tuned one."""
     torch_model, jax_model = pair(seed=seed, **{2: {"norm_position": "pre"}, 3: MARIAN}.get(seed, {}))
     src = source(batch=5, length=11, seed=seed)
     if search == "greedy":
         tokens_t, scores_t = td.greedy_search(torch_model, torch.from_numpy(src))
-        tokens_j, scores_j = jd.greedy_search(jax_model, src)
+        run = jd.greedy_search
     else:
         scoring = "hf" if search == "beam-hf" else "gnmt"
         tokens_t, scores_t = td.beam_search(torch_model, torch.from_numpy(src), beam_size=4, scoring=scoring)
-        tokens_j, scores_j = jd.beam_search(jax_model, src, beam_size=4, scoring=scoring)
-    np.testing.assert_array_equal(np.asarray(tokens_j), tokens_t.numpy())
-    np.testing.assert_allclose(np.asarray(scores_j), scores_t.numpy(), atol=1e-5)
+        run = functools.partial(jd.beam_search, beam_size=4, scoring=scoring)
+    for model in (jax_model, tuned(jax_model)):
+        tokens_j, scores_j = run(model, src)
+        path = f"xla_cpu={model.xla_cpu}"
+        np.testing.assert_array_equal(np.asarray(tokens_j), tokens_t.numpy(), err_msg=path)
+        np.testing.assert_allclose(np.asarray(scores_j), scores_t.numpy(), atol=1e-5, err_msg=path)
     assert (tokens_t == 2).sum(dim=1).eq(1).all()  # exactly one EOS per output
     assert not ((tokens_t == 0) | (tokens_t == 1))[:, :1].any()  # never pad or BOS as first token
 
@@ -175,137 +188,53 @@ def test_batching_does_not_change_results_and_short_sentences_end_at_step_one(se
 
 
 @pytest.mark.parametrize("search", [pytest.param("greedy", marks=pytest.mark.slow), "beam"])  # ~20 s each
-def test_search_over_a_shrinking_batch_and_rows_of_padding(search, monkeypatch):
-    """The JAX search moves the live sentences into a batch half the size whenever they fit
-    (`_shrinking_while`); rows of padding only (a batch's filler) are no sentence: padding, score 0,
-    done from the start. Same tokens as torch (which keeps every row) and as one loop over the
-    whole batch; scores to 1e-5 as above."""
+def test_search_over_a_shrinking_batch_and_rows_of_padding(search):
+    """The XLA:CPU search moves the live sentences into a batch half the size whenever they fit
+    (`xla_cpu.shrinking_while`); rows of padding only (a batch's filler) are no sentence: padding,
+    score 0, done from the start. Same tokens as torch (which keeps every row) and as the plain
+    search's one loop over the whole batch; scores to 1e-5 as above."""
     torch_model, jax_model = pair(seed=5)
-    src = source(batch=12, length=12, seed=5)  # lengths 1..12: limits a*len+b differ, so ends differ
+    src = source(batch=64, length=12, seed=5)  # lengths 1..12: limits a*len+b differ, so ends differ
     src[[3, 8]] = 0  # filler rows
     lengths = dict(max_len_a=1.0, max_len_b=2)
     kwargs = dict(beam_size=3, **lengths) if search == "beam" else lengths
     tokens_t, scores_t = getattr(td, f"{search}_search")(torch_model, torch.from_numpy(src), **kwargs)
-    results = {}
-    for smallest in (2, 64):  # stages 12 -> 6 -> 3 sentences; one stage
-        monkeypatch.setattr(jd, "SMALLEST_STAGE", smallest)
-        tokens_j, scores_j = (np.asarray(x) for x in getattr(jd, f"{search}_search")(jax_model, src, **kwargs))
+    for model in (tuned(jax_model), jax_model):  # stages of 64, 32 and 16 sentences; one loop
+        tokens_j, scores_j = (np.asarray(x) for x in getattr(jd, f"{search}_search")(model, src, **kwargs))
         np.testing.assert_array_equal(tokens_j, tokens_t.numpy())
         np.testing.assert_allclose(scores_j, scores_t.numpy(), atol=1e-5, rtol=0)
-        results[smallest] = tokens_j
     assert (tokens_t[[3, 8]] == 0).all() and (scores_t[[3, 8]] == 0).all()
-    real = np.delete(np.arange(12), [3, 8])
+    real = np.delete(np.arange(64), [3, 8])
     assert (tokens_t[real] == 2).any(dim=1).all()  # every sentence ended with EOS
     ends = sorted({row.index(2) for row in tokens_t[real].tolist()})
     assert len(ends) >= 4  # sentences ended at several steps: the batch did shrink
     fn = jd._beam_search if search == "beam" else jd._greedy_search
     static = (3, 0.6, 1.0, 2, True, "gnmt") if search == "beam" else (1.0, 2, True)
-    hlo = fn.lower(jax_model, jnp.asarray(src, jnp.int32), *static, 2).as_text()
-    assert hlo.count("stablehlo.while") == 3  # one loop per stage: 12, 6, 3 sentences
-    hlo = fn.lower(jax_model, jnp.asarray(src, jnp.int32), *static, 1).as_text()
-    assert hlo.count("stablehlo.while") == jd.MAX_STAGES == 3  # 12, 6, 3 and not 1: at most three stages
+    hlo = fn.lower(tuned(jax_model), jnp.asarray(src, jnp.int32), *static).as_text()
+    assert hlo.count("stablehlo.while") == xla_cpu.MAX_STAGES == 3  # one loop per stage: 64, 32, 16 sentences
 
 
 @pytest.mark.parametrize("search", ["greedy", "beam"])
-def test_search_over_a_growing_cache(search, monkeypatch):
-    """On XLA:CPU the first quarter and the next quarter of the positions attend over a cache a
-    quarter and a half as long (`_cache_lengths`), grown as the loop passes them: the same tokens
-    as torch (whose cache is whole from the start) and as a search with the whole cache, scores
-    to 1e-5 against torch as above and bit for bit against the whole cache."""
+def test_search_over_a_growing_cache(search):
+    """In the XLA:CPU search the first quarter and the next quarter of the positions attend over a
+    cache a quarter and a half as long, grown as the loop passes them: the same tokens as torch
+    (whose cache is whole from the start) and as the plain search, scores to 1e-5 against torch
+    as above. Searches of fewer than 32 positions, and uncached ones, keep one loop."""
     torch_model, jax_model = pair(seed=7)
-    src = source(batch=6, length=16, seed=7)  # limits up to 1.5 * 16 + 10 = 34 positions: stages 8, 17, 34
+    src = source(batch=6, length=16, seed=7)  # limits up to 1.5 * 16 + 10 = 34 positions: parts 8, 17, 34
     kwargs = dict(beam_size=3) if search == "beam" else {}
     tokens_t, scores_t = getattr(td, f"{search}_search")(torch_model, torch.from_numpy(src), **kwargs)
-    assert jd._cache_lengths(34, jd.SMALLEST_STAGE, True) == (8, 17, 34)
     assert (tokens_t != 0).sum(dim=1).max() > 17  # some sentence is written past both shorter caches
-    results = {}
-    for staged in (True, False):
-        if not staged:
-            monkeypatch.setattr(jd, "_cache_lengths", lambda length, *args: (length,))
-        tokens_j, scores_j = (np.asarray(x) for x in getattr(jd, f"{search}_search")(jax_model, src, **kwargs))
+    for model in (tuned(jax_model), jax_model):
+        tokens_j, scores_j = (np.asarray(x) for x in getattr(jd, f"{search}_search")(model, src, **kwargs))
         np.testing.assert_array_equal(tokens_j, tokens_t.numpy())
         np.testing.assert_allclose(scores_j, scores_t.numpy(), atol=1e-5, rtol=0)
-        results[staged] = tokens_j, scores_j
-    np.testing.assert_array_equal(results[True][0], results[False][0])
-    np.testing.assert_array_equal(results[True][1], results[False][1])
     fn = jd._beam_search if search == "beam" else jd._greedy_search
-    static = (3, 0.6, 1.5, 10, True, "gnmt") if search == "beam" else (1.5, 10, True)
-    monkeypatch.undo()
-    hlo = fn.lower(jax_model, jnp.asarray(src, jnp.int32), *static, jd.SMALLEST_STAGE).as_text()
-    assert hlo.count("stablehlo.while") == 3  # two shorter caches, then the whole one (6 rows: one batch stage)
-
-
-@pytest.mark.parametrize("cached", [True, False])
-def test_the_first_beam_step_runs_on_one_hypothesis_a_sentence(cached, monkeypatch):
-    """The first step on B rows and fanned out to k gives what k rows a sentence from the start
-    give: the same tokens as torch, scores to 1e-5 (as above); the k-row form's tokens, and its
-    scores to a relative 1e-6 (8 float32 ulps: a matmul over B rows may round unlike one over B*k)."""
-    torch_model, jax_model = pair(seed=3)
-    src = source(batch=5, length=8, seed=3)
-    tokens_t, scores_t = td.beam_search(torch_model, torch.from_numpy(src), beam_size=4, cached=cached)
-    assert jd._first_step_hypotheses(53, 4) == 1 and jd._first_step_hypotheses(10, 4) == 4  # 53 - 3 >= 8 > 10 - 3
-    results, programs = [], set()
-    for rows in (1, 4):
-        monkeypatch.setattr(jd, "_first_step_hypotheses", lambda vocab, k, rows=rows: rows)
-        jax.clear_caches()  # read at trace time: compile each form anew
-        static = (4, 0.6, 1.5, 10, cached, "gnmt", jd._smallest_stage())
-        programs.add(jd._beam_search.lower(jax_model, jnp.asarray(src, jnp.int32), *static).as_text())
-        tokens_j, scores_j = (np.asarray(x) for x in jd.beam_search(jax_model, src, beam_size=4, cached=cached))
-        np.testing.assert_array_equal(tokens_j, tokens_t.numpy())
-        np.testing.assert_allclose(scores_j, scores_t.numpy(), atol=1e-5, rtol=0)
-        results.append((tokens_j, scores_j))
-    assert len(programs) == 2  # two different programs ran
-    np.testing.assert_array_equal(results[0][0], results[1][0])
-    np.testing.assert_allclose(results[0][1], results[1][1], atol=0, rtol=1e-6)
-
-
-def test_attention_over_keys_shared_by_groups_of_rows():
-    """Keys and values of B / g rows serving g consecutive query rows each (how the JAX beam search
-    attends over a sentence's encoder output once for its hypotheses) give what the same keys
-    repeated g times give: outputs and weights to 1e-6 (values of order 1, 24 wide: float32
-    rounding of a matmul over g * T rows against one over T)."""
-    _, jax_model = pair(seed=4)
-    attn = jax_model.decoder.layers[0].cross_attn
-    rng = np.random.default_rng(4)
-    b, g, T, S = 3, 4, 2, 5
-    x = jnp.asarray(rng.normal(size=(b * g, T, 24)), jnp.float32)
-    memory = jnp.asarray(rng.normal(size=(b, S, 24)), jnp.float32)
-    mask = jnp.asarray(rng.random((b, 1, 1, S)) < 0.8).at[:, :, :, 0].set(True)  # some keys masked
-    repeated = lambda a: jnp.repeat(a, g, axis=0)  # noqa: E731
-    want, want_weights = attn(x, repeated(memory), repeated(mask), return_attention=True)
-    for kwargs in (dict(context=memory), dict(context=None, kv=attn.project_kv(memory))):
-        got, weights = attn(x, mask=mask, return_attention=True, **kwargs)
-        assert got.shape == want.shape and weights.shape == want_weights.shape == (b * g, 3, T, S)
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=0)
-        np.testing.assert_allclose(np.asarray(weights), np.asarray(want_weights), atol=1e-6, rtol=0)
-    with pytest.raises(ValueError, match="keys and values of 5 rows cannot serve 12 rows"):
-        attn(x, jnp.zeros((5, S, 24)))
-
-
-def test_only_long_cached_searches_on_the_cpu_grow_their_cache():
-    assert jd._cache_lengths(31, jd.SMALLEST_STAGE, True) == (31,)  # too short to gain
-    assert jd._cache_lengths(100, jd.SMALLEST_STAGE, False) == (100,)  # no cache
-    assert jd._cache_lengths(100, 1 << 62, True) == (100,)  # not XLA:CPU (one loop there)
-    assert jd._cache_lengths(100, jd.SMALLEST_STAGE, True) == (25, 50, 100)
-
-
-@pytest.mark.parametrize("vocab, hyps, n, chunk", [(53, 4, 8, 128), *(  # 5-7 s each
-    pytest.param(*case, marks=pytest.mark.slow) for case in ((7, 16, 32, 128), (1000, 4, 8, 128), (300, 1, 1, 128),
-                                                               (300, 1, 1, 7))),
-    (1001, 3, 6, 16)])
-def test_best_candidates_equal_top_k_over_every_extension(vocab, hyps, n, chunk):
-    # Integer logits: many exact ties, which must resolve to the lower index as in lax.top_k;
-    # vocabularies that chunks do not divide; dead hypotheses (NEG_INF); sentences at their limit.
-    cfg = tr.TransformerConfig(**{**LOPSIDED, "src_vocab_size": vocab, "tgt_vocab_size": vocab})
-    rng = np.random.default_rng(vocab + n)
-    logits = jnp.asarray(rng.integers(-3, 4, size=(6, hyps, vocab)), jnp.float32)
-    base = rng.integers(-3, 1, size=(6, hyps)).astype(np.float32)
-    base[:3, 1:] = jd.NEG_INF
-    must_end = jnp.asarray([False, True, False, False, True, False])
-    expected = jd.top_candidates(cfg, logits, jnp.asarray(base), must_end, n)
-    values, index = jd.best_candidates(cfg, logits, jnp.asarray(base), must_end, n, chunk)
-    np.testing.assert_array_equal(np.asarray(index), np.asarray(expected[1]))
-    np.testing.assert_array_equal(np.asarray(values), np.asarray(expected[0]))
+    static = (3, 0.6) if search == "beam" else ()
+    loops = {(b, cached): fn.lower(tuned(jax_model), jnp.asarray(src, jnp.int32), *static, 1.5, b, cached,
+                                   *(("gnmt",) if search == "beam" else ())).as_text().count("stablehlo.while")
+             for b, cached in ((10, True), (7, True), (10, False))}  # 34 positions; 31; 34 uncached
+    assert loops == {(10, True): 3, (7, True): 1, (10, False): 1}  # 6 rows: one batch stage
 
 
 def test_source_longer_than_max_len_is_refused_clearly():

@@ -59,7 +59,7 @@ from flax import nnx
 
 import jax_transformer
 from jax_transformer import decode, sharding
-from jax_transformer.objective import label_smoothed_sums, noam_learning_rate
+from jax_transformer.objective import label_smoothed_cross_entropy, noam_learning_rate
 from torch_reference.config import TransformerConfig
 
 from ..config import ExperimentConfig
@@ -143,7 +143,8 @@ def loss_sums(ctx: StepContext, params, batch, key, total_tokens, deterministic)
     """(loss sum / total_tokens, (loss sum, nll sum)): the objective and its parts."""
     rngs = nnx.Rngs(dropout=key)
     logits = ctx.model(params)(batch["src"], batch["tgt_in"], deterministic=deterministic, rngs=rngs)  # (B, T, V)
-    loss_sum, nll_sum = label_smoothed_sums(logits, batch["tgt_out"], ctx.model_cfg.pad_id, ctx.exp_cfg.label_smoothing)
+    pad, eps = ctx.model_cfg.pad_id, ctx.exp_cfg.label_smoothing
+    loss_sum, nll_sum = (label_smoothed_cross_entropy(logits, batch["tgt_out"], pad, e, "sum") for e in (eps, 0.0))
     return loss_sum / total_tokens, (loss_sum, nll_sum)
 
 
@@ -226,7 +227,9 @@ class JaxBackend:
         # Every process initialises the same weights from the seed, then they are replicated.
         init_key, rng = jax.random.split(jax.random.key(exp_cfg.seed))
         dtype = COMPUTE_DTYPES[exp_cfg.dtype]
-        model = jax_transformer.Transformer(model_cfg, dtype=dtype, rngs=nnx.Rngs(params=init_key))
+        # The XLA:CPU-tuned kernels and search (jax_transformer/xla_cpu.py) where the devices are CPUs.
+        xla_cpu = self.mesh.devices.flat[0].platform == "cpu"
+        model = jax_transformer.Transformer(model_cfg, dtype=dtype, xla_cpu=xla_cpu, rngs=nnx.Rngs(params=init_key))
         # `rest` holds any non-parameter state (none today); it is constant through training.
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
         self.tx = make_optimizer(exp_cfg, model_cfg.d_model)

@@ -1,0 +1,292 @@
+"""The model's and the search's pieces tuned for XLA:CPU, used where `Transformer(xla_cpu=True)`.
+
+The training backend builds its model with `xla_cpu=True` where its devices are CPUs (elsewhere
+False, the default); the model then computes with the kernels below and `decode`'s searches over
+it run `shrinking_while` and `best_candidates`. Each piece gives what the plain path gives (to
+float32 rounding; the searches the same tokens) and was kept because a side-by-side measurement on
+the CPU found it faster or smaller (`python -m train.profile_step --kernels-ab`):
+
+    linear_dot_general  every nnx.Linear's x @ W with a backward pass ordered for XLA:CPU
+    attend              the output projection tied to the embedding, likewise
+    LayerNorm           nnx.LayerNorm keeping x̂ and 1/σ for its backward pass (torch: x, mean, 1/σ)
+    relu_linear         linear2(relu(h)) keeping h alone for its backward pass
+    best_candidates     the search's top-k over k·V extensions, by chunks of the vocabulary
+    shrinking_while     the search's loop over a shrinking batch and a growing cache
+
+The weight gradient of x @ W contracts over the token axis, the major axis of both the input and
+the incoming gradient, so one of them is transposed for the matmul. Left to itself XLA:CPU
+transposes the incoming gradient: for the tied projection a (N, V) -> (V, N) copy of the logits'
+gradient (N tokens, V = 8000), 72 ms of an 850 ms small step on one core. Here the narrower
+operand is transposed, and the tied weight gradient is computed as (hᵀ g)ᵀ.
+
+JAX's autodiff keeps what its backward pass reads, and XLA:CPU keeps more: it fuses a cheap
+forward computation into the backward operation that reads it (recomputing max(h + b, 0) where
+the backward reads the ReLU's output), so that computation's inputs stay alive as well: two
+(B, L, F) arrays in every ReLU feed-forward layer where torch keeps one, and one (B, L, D) array
+more than torch in every LayerNorm.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def _flat(x: jax.Array) -> jax.Array:
+    return x.reshape(-1, x.shape[-1])  # (..., F) -> (N, F)
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels of the train step
+# --------------------------------------------------------------------------------------------
+
+
+@jax.custom_vjp
+def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x (..., I) @ w (I, O) -> (..., O)."""
+    return jnp.matmul(x, w)
+
+
+def _linear_fwd(x, w):
+    return linear(x, w), (x, w)
+
+
+def _linear_bwd(residuals, g):
+    x, w = residuals
+    dx = jnp.matmul(g, w.T)  # (..., O) @ (O, I): contracts the minor axes, no transpose needed
+    if x.shape[-1] <= g.shape[-1]:  # transpose the narrower of x (N, I) and g (N, O)
+        dw = jnp.matmul(_flat(x).T, _flat(g))  # (I, N) @ (N, O)
+    else:
+        dw = jnp.matmul(_flat(g).T, _flat(x)).T  # ((O, N) @ (N, I))ᵀ
+    return dx, dw.astype(w.dtype)
+
+
+linear.defvjp(_linear_fwd, _linear_bwd)
+
+
+def linear_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
+    """A `dot_general` for `nnx.Linear(dot_general=...)`: `linear` for the layer's own contraction
+    (lhs's last axis with a 2-D rhs's first, default precision and result type), `lax.dot_general`
+    for anything else."""
+    layer_contraction = (((lhs.ndim - 1,), (0,)), ((), ()))
+    if (
+        dimension_numbers == layer_contraction and rhs.ndim == 2 and precision is None
+        and preferred_element_type is None and kwargs.get("out_sharding") is None
+    ):
+        return linear(lhs, rhs)
+    return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, **kwargs)
+
+
+@jax.custom_vjp
+def tied_logits(h: jax.Array, e: jax.Array) -> jax.Array:
+    """h (..., D) @ e (V, D)ᵀ -> (..., V): logits from the (shared) embedding matrix."""
+    return jnp.matmul(h, e.T)
+
+
+def _tied_fwd(h, e):
+    return tied_logits(h, e), (h, e)
+
+
+def _tied_bwd(residuals, g):
+    h, e = residuals
+    dh = jnp.matmul(g, e)  # (..., V) @ (V, D)
+    de = jnp.matmul(_flat(h).T, _flat(g)).T  # ((D, N) @ (N, V))ᵀ: never transposes the (N, V) gradient
+    return dh, de.astype(e.dtype)
+
+
+tied_logits.defvjp(_tied_fwd, _tied_bwd)
+
+
+def attend(embed: nnx.Embed, query: jax.Array) -> jax.Array:
+    """`embed.attend(query)`, query (..., D) -> (..., V), through `tied_logits`."""
+    query, embedding = embed.promote_dtype((query, embed.embedding[...]), dtype=embed.dtype)
+    return tied_logits(query, embedding)
+
+
+def _statistics(x: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
+    """(x - mean, 1 / √(var + eps)) over the last axis, var = E[(x - mean)²], as Flax computes them."""
+    centred = x - x.mean(-1, keepdims=True)
+    return centred, jax.lax.rsqrt(jnp.mean(centred * centred, -1, keepdims=True) + eps)
+
+
+@jax.custom_vjp
+def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
+    """(x - mean) / √(var + eps) · scale + bias over the last axis of x (..., D)."""
+    centred, rstd = _statistics(x, eps)
+    return centred * (rstd * scale) + bias  # Flax's order of operations
+
+
+def _layer_norm_fwd(x, scale, bias, eps):
+    centred, rstd = _statistics(x, eps)
+    return centred * (rstd * scale) + bias, (centred * rstd, rstd, scale)
+
+
+def _layer_norm_bwd(residuals, g):
+    normed, rstd, scale = residuals  # x̂ (..., D), rstd (..., 1), scale (D,)
+    g_normed = g * scale
+    dx = rstd * (g_normed - g_normed.mean(-1, keepdims=True) - normed * (g_normed * normed).mean(-1, keepdims=True))
+    return dx, (_flat(g) * _flat(normed)).sum(0), _flat(g).sum(0), None
+
+
+layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
+
+
+class LayerNorm(nnx.LayerNorm):
+    """`nnx.LayerNorm` (the same parameters and forward pass), through `layer_norm` in float32
+    without a mask."""
+
+    def __call__(self, x, *, mask=None):
+        if mask is None and x.dtype == jnp.float32 and self.dtype in (None, jnp.float32):
+            return layer_norm(x, self.scale[...], self.bias[...], self.epsilon)
+        return super().__call__(x, mask=mask)
+
+
+@jax.custom_vjp
+def relu_linear(h: jax.Array, w: jax.Array) -> jax.Array:
+    """relu(h) (..., F) @ w (F, D) -> (..., D)."""
+    return jnp.matmul(jnp.maximum(h, 0), w)
+
+
+def _relu_linear_fwd(h, w):
+    return relu_linear(h, w), (h, w)
+
+
+def _relu_linear_bwd(residuals, g):
+    h, w = residuals
+    # relu(h) again, written so that XLA neither merges it with the forward's max(h, 0) (it merges
+    # `where(h > 0, h, 0)`) nor computes it during the forward pass and keeps it (it did, until
+    # it read g: + 0 · g[0…0], not folded for floats). Exact: h - h = 0 for h ≤ 0.
+    y = h - jnp.minimum(h, 0) + 0 * g[(0,) * g.ndim]
+    dh = jnp.where(h > 0, jnp.matmul(g, w.T), 0)
+    dw = jnp.matmul(_flat(y).T, _flat(g))  # (F, N) @ (N, D)
+    return dh, dw.astype(w.dtype)
+
+
+relu_linear.defvjp(_relu_linear_fwd, _relu_linear_bwd)
+
+
+# --------------------------------------------------------------------------------------------
+# Search
+# --------------------------------------------------------------------------------------------
+
+
+def best_candidates(cfg, logits, base, must_end, n: int, neg_inf: float, chunk: int = 128):
+    """`decode.top_candidates` (`neg_inf` its NEG_INF): the same values, indices and order (ties
+    to the lower index).
+
+    Why not that: on XLA's CPU backend it costs a pass writing B*H*V scores and a TopK
+    that partially sorts all H*V indices of a sentence (std::partial_sort), the bulk of a step.
+    Here the vocabulary is cut into chunks of c tokens. The score is monotone in the logit
+    within a hypothesis (base + ((x - max) - logsumexp) rounds monotonically), so a chunk's best
+    score is that of its largest logit, read from a max over the logits; only chunks holding
+    pad, BOS or EOS (masked unevenly) are scored entry by entry. The n best entries lie in the n
+    chunks with the best maxima: order entries by (score descending, index ascending), and a
+    chunk by its first entry in that order, as top_k over the maxima does (chunks are contiguous
+    in index order); an entry of any other chunk follows those n chunks' first entries, so it is
+    not among the n best. Those n chunks are then scored in full, in index order, and ranked.
+    """
+    B, H, V = logits.shape
+    cap = max(1, min(chunk, V // n))  # small vocabularies: still at least n chunks per hypothesis
+    c = next((d for d in range(cap, cap // 2, -1) if V % d == 0), cap)  # one dividing V: no padding
+    m = -(-V // c)  # chunks per hypothesis; the last one padded with -inf logits
+    x = jnp.pad(logits, ((0, 0), (0, 0), (0, m * c - V)), constant_values=-jnp.inf).reshape(B, H, m, c)
+    x_max = x.max(axis=-1)  # (B, H, m)
+    # = logits.max(-1); the barrier keeps XLA from rewriting it as a second pass over the logits.
+    row_max = jax.lax.optimization_barrier(x_max).max(axis=-1, keepdims=True)  # (B, H, 1)
+    lse = jnp.log(jnp.exp(logits - row_max).sum(axis=-1, keepdims=True))  # (B, H, 1)
+    end = must_end[:, None, None]
+
+    def score(x, v, base, row_max, lse):
+        """Scores of logits x at token ids v (-inf past the vocabulary); the rest broadcast to x."""
+        masked = (end & (v != cfg.eos_id)) | (v == cfg.pad_id) | (v == cfg.bos_id)
+        return jnp.where(v < V, base + jnp.where(masked, neg_inf, (x - row_max) - lse), -jnp.inf)
+
+    # Each chunk's best score: from its largest logit, or entry by entry where the mask is uneven.
+    chunk_best = base[..., None] + jnp.where(end, neg_inf, (x_max - row_max) - lse)  # (B, H, m)
+    for i in sorted({cfg.pad_id // c, cfg.bos_id // c, cfg.eos_id // c} & set(range(m))):
+        special = score(x[:, :, i], i * c + jnp.arange(c), base[..., None], row_max, lse)  # (B, H, c)
+        chunk_best = chunk_best.at[:, :, i].set(special.max(axis=-1))
+    _, best = jax.lax.top_k(chunk_best.reshape(B, H * m), n)  # (B, n) chunk ids, hypothesis-major
+    best = jnp.sort(best, axis=-1)  # index order: ties resolve as in top_k over all entries
+    hyp, first = best // m, (best % m) * c  # (B, n) hypothesis and first token of each chunk
+    row = jnp.arange(B)[:, None]
+    entries = score(
+        jnp.take_along_axis(x.reshape(B, H * m, c), best[:, :, None], axis=1),  # (B, n, c)
+        first[:, :, None] + jnp.arange(c),
+        base[row, hyp][..., None], row_max[row, hyp], lse[row, hyp],
+    ).reshape(B, n * c)
+    values, j = jax.lax.top_k(entries, n)
+    return values, jnp.take_along_axis(hyp * V + first, j // c, axis=1) + j % c
+
+
+# Batches of fewer sentences are not split further: another loop to compile saves little there.
+SMALLEST_STAGE = 16
+MAX_STAGES = 3  # loops over B, B/2, B/4 sentences (see shrinking_while)
+
+
+def shrinking_while(step, result, carry, length: int):
+    """`decode`'s loop: run `step` until every sentence is done or `length` positions are written
+    -> result(carry), moving the live sentences into a batch half the size whenever they fit in
+    one, and with a self-attention cache that grows as the positions need it.
+
+    carry: a pytree whose leaves lead with the b sentences' axis, or with b * n rows, a sentence's
+    n rows next to each other; carry["done"] (b,) and carry["cache"] (`Transformer.init_cache`'s,
+    or None) among them. step(position, carry) -> carry; result(carry) -> per-sentence outputs.
+
+    Why shrink: a batch runs until its slowest sentence ends, and with static shapes a finished
+    sentence keeps its rows in every matmul; on Multi30k val half the rows of a beam search were
+    finished ones. So the search is a chain of `lax.while_loop`s over B, B/2 and B/4 sentences
+    (MAX_STAGES; none below SMALLEST_STAGE), each left as soon as the live sentences fit the next.
+    A finished sentence's result no longer changes; rows never mix, so the outputs are those of
+    one loop over the whole batch. More stages cost more loops to compile, and the small ones are
+    slower to run too: beam 4, 2 CPUs, the numbers corpus' 500 validation sentences took 32.9 s on
+    the first call and 1.32 s on the third with stages down to 16 sentences, 12.2 s and 1.11 s
+    with three.
+
+    Why grow: the first quarter of the positions attends over a cache a quarter as long, the
+    next over half (searches of 32 positions or more), so early positions neither attend over nor
+    reorder the cache's unwritten end; the outputs are those of the whole cache.
+    """
+    sizes = [carry["done"].shape[0]]
+    while sizes[-1] // 2 >= SMALLEST_STAGE and len(sizes) < MAX_STAGES:
+        sizes.append(sizes[-1] // 2)
+    cache_lengths = (length,) if carry["cache"] is None or length < 32 else (length // 4, length // 2, length)
+    carry = _resize_cache(carry, cache_lengths[0])
+    out = jax.tree.map(jnp.zeros_like, result(carry))
+    slots = jnp.arange(sizes[0])  # the sentence in each row of the current batch
+    position = jnp.int32(0)
+    # The first positions attend over a shorter cache, grown to the next length whenever the loop
+    # reaches the end of one.
+    for limit, longer in zip(cache_lengths, cache_lengths[1:]):
+        def within(state, limit=limit, next_size=sizes[1] if len(sizes) > 1 else 0):
+            position, carry = state
+            return (position < limit) & ((~carry["done"]).sum() > next_size)
+
+        position, carry = jax.lax.while_loop(within, lambda state: (state[0] + 1, step(*state)), (position, carry))
+        carry = _resize_cache(carry, longer)
+    for next_size in [*sizes[1:], 0]:
+        def running(state, next_size=next_size):
+            position, carry = state
+            return (position < length) & ((~carry["done"]).sum() > next_size)
+
+        position, carry = jax.lax.while_loop(running, lambda state: (state[0] + 1, step(*state)), (position, carry))
+        out = jax.tree.map(lambda o, r: o.at[slots].set(r), out, result(carry))
+        if next_size:
+            keep = jnp.argsort(carry["done"], stable=True)[:next_size]  # the live sentences first
+            b = carry["done"].shape[0]
+            rows = lambda x: x.reshape(b, -1, *x.shape[1:])[keep].reshape(-1, *x.shape[1:])  # noqa: E731
+            carry, slots = jax.tree.map(rows, (carry, slots))
+    return out
+
+
+def _resize_cache(carry, length: int):
+    """carry with its self-attention keys and values (..., L, K) cut or padded to `length` positions."""
+    def resize(x):
+        return x[..., :length, :] if length <= x.shape[-2] else jnp.pad(
+            x, [(0, 0)] * (x.ndim - 2) + [(0, length - x.shape[-2]), (0, 0)])
+
+    if carry["cache"] is None:
+        return carry
+    return {**carry, "cache": [{**layer, "self_k": resize(layer["self_k"]), "self_v": resize(layer["self_v"])}
+                               for layer in carry["cache"]]}
