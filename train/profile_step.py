@@ -1,6 +1,7 @@
 """Where a training step's time goes: each part of the model, forward + backward, JAX vs PyTorch.
 
     python -m train.profile_step --preset base [--batch 32 --length 32 --vocab 8000] [--json PATH]
+    python -m train.profile_step --preset small --xla-cpu-ab [--repeats 10 --sentences 64]
 
 `train.bench` times whole steps; this times their parts on the same shapes (each framework's
 model initialised from the seed: the work does not depend on the weights' values): one attention sublayer, one feed-forward
@@ -10,6 +11,10 @@ loss, the Adam update over every parameter of the model, and the whole step. Eac
 The ratio JAX / torch per part shows which part a backend loses time in; the parts of a step are
 its layers (times the layer count), the loss and the update. The JAX model is built as the
 training backend builds it: with `xla_cpu=True` where JAX's devices are CPUs.
+
+`--xla-cpu-ab` instead times the JAX model with and without its XLA:CPU-tuned pieces
+(`jax_transformer/xla_cpu.py`) in this process, alternately (plain, tuned, plain, ...): the
+backend's train step and a beam-4 search over --sentences random sources of random lengths.
 """
 
 from __future__ import annotations
@@ -242,6 +247,65 @@ def xla_op_split(cfg: TransformerConfig, batch: int, length: int, repeats: int =
     return {key: value / repeats for key, value in split.items()}
 
 
+def xla_cpu_ab(cfg: TransformerConfig, batch: int, length: int, repeats: int, sentences: int, seed: int = 0) -> dict:
+    """{"train step" | "beam-4 search": {"plain" | "tuned": [seconds of each repetition]}, "temporaries MiB": {...}}:
+    the model built with `xla_cpu=False` and `True` (the same weights), alternated call by call.
+    The step is the backend's: the gradient of the smoothed loss's sum (and the NLL's) over the
+    tokens, then Adam, the state donated. The search runs over `sentences` random sources of
+    random lengths up to `length`: with random weights each runs to its length limit (1.5 x its
+    length + 10), so sentences end at different steps, as real ones do."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    import jax_transformer
+    from jax_transformer import decode
+    from jax_transformer.objective import label_smoothed_cross_entropy
+
+    rng = np.random.default_rng(seed)
+    src, tgt = (jnp.asarray(rng.integers(4, cfg.src_vocab_size, (batch, length)), jnp.int32) for _ in range(2))
+    sources = np.zeros((sentences, length), np.int32)
+    for row, n in enumerate(rng.integers(2, length + 1, sentences)):
+        sources[row, : n - 1], sources[row, n - 1] = rng.integers(4, cfg.src_vocab_size, n - 1), cfg.eos_id
+    tx = optax.adam(1e-4, b1=0.9, b2=0.98, eps=1e-9)
+    runs, temporaries = {}, {}
+    for name in ("plain", "tuned"):
+        graphdef, params = nnx.split(jax_transformer.Transformer(cfg, xla_cpu=name == "tuned", rngs=nnx.Rngs(seed)))
+
+        def loss(p, graphdef=graphdef):
+            logits = nnx.merge(graphdef, p)(src, jnp.roll(tgt, 1, axis=1))
+            loss_sum, nll_sum = (label_smoothed_cross_entropy(logits, tgt, cfg.pad_id, e, "sum") for e in (0.1, 0.0))
+            return loss_sum / tgt.size, nll_sum
+
+        def step(state, loss=loss):
+            p, opt_state = state
+            grads, _ = jax.grad(loss, has_aux=True)(p)
+            updates, opt_state = tx.update(grads, opt_state, p)
+            return optax.apply_updates(p, updates), opt_state
+
+        step = jax.jit(step, donate_argnums=0).lower((params, tx.init(params))).compile()
+        temporaries[name] = step.memory_analysis().temp_size_in_bytes / 2**20
+        state = [(jax.tree.map(jnp.copy, params), tx.init(params))]
+        search = jax.jit(lambda p, s, graphdef=graphdef: decode.beam_search(nnx.merge(graphdef, p), s, 4)[0])
+
+        def train(step=step, state=state):
+            state[0] = jax.block_until_ready(step(state[0]))
+
+        def beam(search=search, params=params):
+            jax.block_until_ready(search(params, sources))
+
+        runs[name] = {"train step": train, "beam-4 search": beam}
+    times = {part: {name: [] for name in runs} for part in runs["plain"]}
+    for part in times:
+        for name in runs:  # warm-up: compiles the search
+            runs[name][part]()
+        for _ in range(repeats):
+            for name in runs:
+                times[part][name].append(median_time(runs[name][part], 1, warmup=0))
+    return {**times, "temporaries MiB": temporaries}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m train.profile_step", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="base", choices=["tiny", "small", "base", "big"])
@@ -253,6 +317,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--xla-ops", action="store_true",
                         help="instead: profile JAX's whole forward + backward and split its time into matmuls and "
                         "all other compiled operations (compare `taskset -c 0` with two cores)")
+    parser.add_argument("--xla-cpu-ab", action="store_true",
+                        help="instead: time JAX's train step and a beam-4 search with and without the XLA:CPU-tuned "
+                        "pieces (Transformer(xla_cpu=...)), alternately, --repeats times each")
+    parser.add_argument("--sentences", type=positive_int, default=64, help="sources of the --xla-cpu-ab search "
+                        "(default 64)")
     return parser
 
 
@@ -272,6 +341,22 @@ def main(argv: list[str] | None = None) -> int:
               f"{len(os.sched_getaffinity(0))} usable")
         for key, ms in split.items():
             print(f"{key:18s} {ms:9.1f} ms")
+        return 0
+    if args.xla_cpu_ab:
+        from .bench import _cpu_name
+
+        ab = xla_cpu_ab(cfg, args.batch, args.length, args.repeats, args.sentences)
+        print(f"{args.preset}: batch {args.batch}x{args.length}, search over {args.sentences} sentences, "
+              f"{_cpu_name()}, {len(os.sched_getaffinity(0))} usable CPUs, JAX on {jax.devices()[0].platform}; "
+              "plain / tuned, seconds")
+        for part in ("train step", "beam-4 search"):
+            plain, tuned = (statistics.median(ab[part][name]) for name in ("plain", "tuned"))
+            spread = " ".join(f"{p:.3f}/{t:.3f}" for p, t in zip(ab[part]["plain"], ab[part]["tuned"]))
+            print(f"{part}: median {plain:.3f} / {tuned:.3f} (plain/tuned {plain / tuned:.2f}); each: {spread}")
+        memory = ab["temporaries MiB"]
+        print(f"compiled train step's temporaries: plain {memory['plain']:.1f} MiB, tuned {memory['tuned']:.1f} MiB")
+        if args.json:
+            args.json.write_text(json_text({"preset": args.preset, "batch": [args.batch, args.length], **ab}))
         return 0
     torch_times = torch_parts(cfg, args.batch, args.length, args.repeats)
     jax_times = jax_parts(cfg, args.batch, args.length, args.repeats)
