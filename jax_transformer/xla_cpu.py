@@ -4,7 +4,7 @@ The training backend builds its model with `xla_cpu=True` where its devices are 
 False, the default); the model then computes with the kernels below and `decode`'s searches over
 it run `shrinking_while` and `best_candidates`. Each piece gives what the plain path gives (to
 float32 rounding; the searches the same tokens) and was kept because a side-by-side measurement on
-the CPU found it faster or smaller (`python -m train.profile_step --kernels-ab`):
+the CPU found it faster or smaller (`python -m train.profile_step --xla-cpu-ab`):
 
     linear_dot_general  every nnx.Linear's x @ W with a backward pass ordered for XLA:CPU
     attend              the output projection tied to the embedding, likewise
@@ -239,10 +239,7 @@ def shrinking_while(step, result, carry, length: int):
     finished ones. So the search is a chain of `lax.while_loop`s over B, B/2 and B/4 sentences
     (MAX_STAGES; none below SMALLEST_STAGE), each left as soon as the live sentences fit the next.
     A finished sentence's result no longer changes; rows never mix, so the outputs are those of
-    one loop over the whole batch. More stages cost more loops to compile, and the small ones are
-    slower to run too: beam 4, 2 CPUs, the numbers corpus' 500 validation sentences took 32.9 s on
-    the first call and 1.32 s on the third with stages down to 16 sentences, 12.2 s and 1.11 s
-    with three.
+    one loop over the whole batch. Each stage is one more loop to compile: three gained the most.
 
     Why grow: the first quarter of the positions attends over a cache a quarter as long, the
     next over half (searches of 32 positions or more), so early positions neither attend over nor
@@ -252,7 +249,8 @@ def shrinking_while(step, result, carry, length: int):
     while sizes[-1] // 2 >= SMALLEST_STAGE and len(sizes) < MAX_STAGES:
         sizes.append(sizes[-1] // 2)
     cache_lengths = (length,) if carry["cache"] is None or length < 32 else (length // 4, length // 2, length)
-    carry = _resize_cache(carry, cache_lengths[0])
+    if len(cache_lengths) > 1:
+        carry = _resize_cache(carry, cache_lengths[0])
     out = jax.tree.map(jnp.zeros_like, result(carry))
     slots = jnp.arange(sizes[0])  # the sentence in each row of the current batch
     position = jnp.int32(0)
@@ -286,7 +284,5 @@ def _resize_cache(carry, length: int):
         return x[..., :length, :] if length <= x.shape[-2] else jnp.pad(
             x, [(0, 0)] * (x.ndim - 2) + [(0, length - x.shape[-2]), (0, 0)])
 
-    if carry["cache"] is None:
-        return carry
     return {**carry, "cache": [{**layer, "self_k": resize(layer["self_k"]), "self_v": resize(layer["self_v"])}
                                for layer in carry["cache"]]}

@@ -268,33 +268,27 @@ def xla_cpu_ab(cfg: TransformerConfig, batch: int, length: int, repeats: int, se
     sources = np.zeros((sentences, length), np.int32)
     for row, n in enumerate(rng.integers(2, length + 1, sentences)):
         sources[row, : n - 1], sources[row, n - 1] = rng.integers(4, cfg.src_vocab_size, n - 1), cfg.eos_id
-    tx = optax.adam(1e-4, b1=0.9, b2=0.98, eps=1e-9)
+    tx, eps = optax.adam(1e-4, b1=0.9, b2=0.98, eps=1e-9), (0.1, 0.0)
     runs, temporaries = {}, {}
     for name in ("plain", "tuned"):
         graphdef, params = nnx.split(jax_transformer.Transformer(cfg, xla_cpu=name == "tuned", rngs=nnx.Rngs(seed)))
 
-        def loss(p, graphdef=graphdef):
-            logits = nnx.merge(graphdef, p)(src, jnp.roll(tgt, 1, axis=1))
-            loss_sum, nll_sum = (label_smoothed_cross_entropy(logits, tgt, cfg.pad_id, e, "sum") for e in (0.1, 0.0))
-            return loss_sum / tgt.size, nll_sum
+        def step(state, graphdef=graphdef):
+            def loss(p):  # the smoothed loss's sum over the tokens, and the NLL's
+                logits = nnx.merge(graphdef, p)(src, jnp.roll(tgt, 1, axis=1))
+                return tuple(label_smoothed_cross_entropy(logits, tgt, cfg.pad_id, e, "sum") / tgt.size for e in eps)
 
-        def step(state, loss=loss):
-            p, opt_state = state
-            grads, _ = jax.grad(loss, has_aux=True)(p)
-            updates, opt_state = tx.update(grads, opt_state, p)
-            return optax.apply_updates(p, updates), opt_state
+            updates, opt_state = tx.update(jax.grad(loss, has_aux=True)(state[0])[0], state[1], state[0])
+            return optax.apply_updates(state[0], updates), opt_state
 
         step = jax.jit(step, donate_argnums=0).lower((params, tx.init(params))).compile()
         temporaries[name] = step.memory_analysis().temp_size_in_bytes / 2**20
-        state = [(jax.tree.map(jnp.copy, params), tx.init(params))]
         search = jax.jit(lambda p, s, graphdef=graphdef: decode.beam_search(nnx.merge(graphdef, p), s, 4)[0])
 
-        def train(step=step, state=state):
+        def train(step=step, state=[(jax.tree.map(jnp.copy, params), tx.init(params))]):  # noqa: B006 (state kept)
             state[0] = jax.block_until_ready(step(state[0]))
 
-        def beam(search=search, params=params):
-            jax.block_until_ready(search(params, sources))
-
+        beam = lambda s=search, p=params: jax.block_until_ready(s(p, sources))  # noqa: E731
         runs[name] = {"train step": train, "beam-4 search": beam}
     times = {part: {name: [] for name in runs} for part in runs["plain"]}
     for part in times:
