@@ -181,3 +181,28 @@ def test_jax_package_does_not_import_torch_and_shares_the_config():
     )
     assert "jax" in loaded  # the JAX package did load its framework
     assert "torch" not in loaded
+
+
+def test_checkpoint_stores_know_neither_run_directories_nor_backends():
+    """train.store and each framework's store reach neither train.rundir nor train.backends, directly
+    or through other modules; the framework-neutral part and torch's store load no framework."""
+    modules = project_modules()
+    graph = {name: imports_of(name, path, modules) for name, path in modules.items()}
+    stores = sorted(name for name in graph if name.split(".")[:2] == ["train", "store"])
+    assert stores == ["train.store", "train.store.jax_store", "train.store.torch_store"]
+    assert "train.rundir" in reachable(graph, "train.average")  # the walk does find what is imported
+    for store in stores:
+        wrong = {m for m in reachable(graph, store) if m.split(".")[:2] in (["train", "rundir"], ["train", "backends"])}
+        assert not wrong, f"{store} reaches {sorted(wrong)}"
+    loaded = loaded_after("import train.store, train.store.torch_store")
+    assert "safetensors" in loaded and not loaded & (JAX_MODULES | {"torch"})
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module `start` imports, directly or through others."""
+    seen, todo = set(), [start]
+    while todo:
+        for target in graph[todo.pop()] - seen:
+            seen.add(target)
+            todo.append(target)
+    return seen

@@ -32,29 +32,22 @@ TPUs JAX's default precision rounds float32 matmul inputs (TF32, bfloat16 passes
 sets `jax_default_matmul_precision` to "highest" there unless the user has set it (for example
 `JAX_DEFAULT_MATMUL_PRECISION=tensorfloat32` for TF32's speed). On the CPU float32 is float32.
 
-Checkpoints: an orbax `CheckpointManager` keeping the newest `keep_checkpoints` steps plus the
-best by validation BLEU; each step holds the state (`StandardSave`) and a JSON `meta` item (data
-position, config), and incomplete checkpoints are never listed. Once orbax has finished a step,
-`digest.json` (SHA-256 of every file) is written into it and verified before every restore. The
-state is restored with the shardings of the current mesh and layout, so a checkpoint written on
-8 devices restores on 1 and vice versa, and one written replicated restores sharded (FSDP) and
-vice versa.
+Checkpoints: `train.store.jax_store.JaxStore` (orbax), restored with the shardings of the current
+mesh and layout, so a checkpoint written on 8 devices restores on 1 and vice versa, and one
+written replicated restores sharded (FSDP) and vice versa.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 from flax import nnx
 
 import jax_transformer
@@ -64,12 +57,10 @@ from torch_reference.config import TransformerConfig
 
 from ..config import ExperimentConfig
 from ..data import Batch
-from ..store import TrainingState, check_keys, choose_checkpoint, unreadable, verify_checkpoint, write_checkpoint_digest
+from ..store import TrainingState, check_keys
+from ..store.jax_store import JaxStore
 from . import allocator, jax_cache
 from .interface import Metrics, Topology
-
-# Orbax warns through absl for every checkpoint saved without metrics (those between evaluations).
-logging.getLogger("absl").setLevel(logging.ERROR)
 
 
 def make_optimizer(exp_cfg: ExperimentConfig, d_model: int) -> optax.GradientTransformation:
@@ -241,8 +232,7 @@ class JaxBackend:
         self.rng = sharding.replicate(rng, self.mesh)
         self._whole_params: tuple[int, Any] | None = None  # (step, gathered params) under FSDP
         self._step = 0  # host copy of state["step"], so reading it never syncs
-        self._checkpoint_dir = None if checkpoint_dir is None else Path(checkpoint_dir).absolute()
-        self._manager: ocp.CheckpointManager | None = None
+        self.store = JaxStore(checkpoint_dir, exp_cfg.keep_checkpoints)
 
         # The state (and the gradient accumulator, shaped like the parameters) in its layout,
         # batches split along `data`, the rest replicated; a single sharding is a pytree prefix:
@@ -338,73 +328,28 @@ class JaxBackend:
     # ------------------------------------------------------------------------------------------
     # Checkpoints
 
-    @property
-    def manager(self) -> ocp.CheckpointManager:
-        if self._checkpoint_dir is None:
-            raise ValueError("this backend was created without a checkpoint directory")
-        if self._manager is None:
-            policies = ocp.checkpoint_managers
-            preservation = policies.AnyPreservationPolicy([
-                policies.LatestN(self.exp_cfg.keep_checkpoints),
-                policies.BestN(get_metric_fn=_bleu, n=1, keep_checkpoints_without_metrics=False),
-            ])
-            options = ocp.CheckpointManagerOptions(
-                best_fn=_bleu, best_mode="max", preservation_policy=preservation,
-                # Synchronous: the next train_step donates the state's buffers.
-                enable_async_checkpointing=False,
-            )
-            self._manager = ocp.CheckpointManager(self._checkpoint_dir, options=options, item_names=("state", "meta"))
-        return self._manager
-
     def save(self, meta: dict[str, Any], metrics: dict[str, float] | None = None) -> None:
-        args = ocp.args.Composite(state=ocp.args.StandardSave(self.state), meta=ocp.args.JsonSave(meta))
-        self.manager.save(self._step, args=args, metrics=metrics)
-        self.manager.wait_until_finished()
-        # orbax has renamed the step's directory into place by now (its own "before the rename"
-        # is internal): the digest follows at once, written whole (temporary file + rename).
-        if jax.process_index() == 0:
-            write_checkpoint_digest(self._step_dir(self._step))
-
-    def _step_dir(self, step: int) -> Path:
-        return self._checkpoint_dir / str(step)
+        self.store.save(self._step, self.state, meta, metrics)
 
     def checkpoint_steps(self) -> list[int]:
-        if self._checkpoint_dir is None or not self._checkpoint_dir.is_dir():
-            return []
-        self.manager.reload()
-        return sorted(self.manager.all_steps())
+        return self.store.steps()
 
     def checkpoint_metrics(self, step: int) -> dict[str, float] | None:
-        metrics = self.manager.metrics(step)
-        return None if metrics is None else dict(metrics)
+        return self.store.metrics(step)
 
     def restore(self, which: str | int = "latest") -> dict[str, Any]:
-        steps = self.checkpoint_steps()
-        step = choose_checkpoint(steps, which, self.checkpoint_metrics, self._checkpoint_dir)
-        try:
-            return self._restore(step)
-        except Exception as err:  # orbax, tensorstore and JSON each raise their own kinds
-            raise unreadable(self._checkpoint_dir, step, steps, err) from err
-
-    def _restore(self, step: int) -> dict[str, Any]:
         # Target shapes, dtypes and shardings are those of this backend's mesh and layout, whatever
         # the checkpoint was written from (orbax reshards on read): 8 devices -> 1, 1 -> 8,
         # replicated -> FSDP and back.
-        verify_checkpoint(self._step_dir(step))  # before orbax reads a byte: a damaged file is named
         abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                 self.state, self.state_sharding)
-        args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore())
-        restored = self.manager.restore(step, args=args)
-        self.state = restored["state"]
+        self.state, meta = self.store.restore(which, abstract)
         self._step = int(self.state["step"])
         self._whole_params = None
-        return dict(restored["meta"])
+        return meta
 
     def close(self) -> None:
-        if self._manager is not None:
-            self._manager.wait_until_finished()
-            self._manager.close()
-            self._manager = None
+        self.store.close()
 
     # ------------------------------------------------------------------------------------------
     # State: flat {Flax path: NumPy array}, kernels (in, out)
@@ -486,10 +431,6 @@ def _from_flat(template: Any, flat: Mapping[str, np.ndarray], what: str) -> Any:
     if wrong:
         raise ValueError(f"{what} have other dtypes than the target:\n  " + "\n  ".join(wrong))
     return jax.tree_util.tree_unflatten(treedef, [np.asarray(flat[_key(p)]) for p, _ in leaves])
-
-
-def _bleu(metrics: Mapping[str, float]) -> float:
-    return float(metrics["bleu"])
 
 
 def create(exp_cfg: ExperimentConfig, model_cfg: TransformerConfig, checkpoint_dir: str | None = None) -> JaxBackend:

@@ -8,28 +8,18 @@ forward passes under `torch.autocast` (bfloat16 matmuls and activations, float32
 state and gradients; the loss casts the logits to float32), the counterpart of the JAX model's
 compute dtype.
 
-Checkpoints are directories `checkpoints/<step>/` holding `model.safetensors` (weights, config in
-the metadata), `optimizer.safetensors` (Adam's exp_avg and exp_avg_sq per parameter name, and the
-CPU random generator state), `meta.json` (step, scheduler position, data position, metrics) and
-`digest.json` (SHA-256 of the others, verified before every restore).
-Never pickle. A checkpoint is written to a temporary directory and renamed into place, so an
-interrupted save leaves no directory that `restore` would pick.
+Checkpoints: `train.store.torch_store.TorchStore` (safetensors, never pickle) of `export_state`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import shutil
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 
 import torch_reference
 from torch_reference import decode
@@ -38,19 +28,9 @@ from torch_reference.objective import label_smoothed_cross_entropy, noam_learnin
 
 from ..config import ExperimentConfig
 from ..data import Batch
-from ..files import json_text
-from ..store import (
-    WEIGHTS_CONFIG_KEY,
-    TrainingState,
-    check_keys,
-    choose_checkpoint,
-    unreadable,
-    verify_checkpoint,
-    write_checkpoint_digest,
-)
+from ..store import TrainingState, check_keys
+from ..store.torch_store import TorchStore
 from .interface import Metrics, Topology
-
-RNG_KEY = "__torch_cpu_rng_state__"
 
 
 def _tensors(batch: Batch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -90,7 +70,7 @@ class TorchBackend:
         # LambdaLR counts from 0 and sets lr_lambda(0) at construction; the paper counts from 1,
         # so update n (from 1) runs at lr(step=n), as optax's count + 1 on the JAX side.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda epoch: self.learning_rate(epoch + 1))
-        self._checkpoint_dir = None if checkpoint_dir is None else Path(checkpoint_dir)
+        self.store = TorchStore(checkpoint_dir, exp_cfg.keep_checkpoints, model_cfg)
 
     # ------------------------------------------------------------------------------------------
     # Training and evaluation
@@ -220,88 +200,22 @@ class TorchBackend:
             torch.set_rng_state(torch.from_numpy(np.asarray(state.rng, np.uint8)))
 
     # ------------------------------------------------------------------------------------------
-    # Checkpoints: export_state written as two safetensors files and a JSON record
-
-    def _require_dir(self) -> Path:
-        if self._checkpoint_dir is None:
-            raise ValueError("this backend was created without a checkpoint directory")
-        return self._checkpoint_dir
+    # Checkpoints: export_state in the store, the store's state through import_state
 
     def checkpoint_steps(self) -> list[int]:
-        root = self._checkpoint_dir
-        if root is None or not root.is_dir():
-            return []
-        return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit() and (p / "meta.json").is_file())
+        return self.store.steps()
 
     def checkpoint_metrics(self, step: int) -> dict[str, float] | None:
-        try:
-            return json.loads((self._require_dir() / str(step) / "meta.json").read_text())["metrics"]
-        except (OSError, ValueError, KeyError) as err:
-            raise unreadable(self._checkpoint_dir, step, self.checkpoint_steps(), err) from err
+        return self.store.metrics(step)
 
     def save(self, meta: dict[str, Any], metrics: dict[str, float] | None = None) -> None:
-        root = self._require_dir()
-        root.mkdir(parents=True, exist_ok=True)
-        state = self.export_state()
-        tmp = root / f".tmp-{state.step}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        try:
-            self._write_checkpoint(tmp, state, meta, metrics)
-            final = root / str(state.step)
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)  # the checkpoint appears complete or not at all
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)  # a failed save (a full disk) leaves nothing behind
-        self._prune()
-
-    def _write_checkpoint(self, directory: Path, state: TrainingState, meta: dict[str, Any], metrics) -> None:
-        """The checkpoint's files in `directory`: weights, Adam's moments and RNG, meta.json, digest.json."""
-        save_file({k: torch.from_numpy(v) for k, v in state.params.items()}, str(directory / "model.safetensors"),
-                  metadata={WEIGHTS_CONFIG_KEY: self.model_cfg.to_json()})
-        moments = {RNG_KEY: torch.from_numpy(state.rng)}
-        for name in state.mu or {}:
-            moments[f"{name}.exp_avg"] = torch.from_numpy(state.mu[name])
-            moments[f"{name}.exp_avg_sq"] = torch.from_numpy(state.nu[name])
-        save_file(moments, str(directory / "optimizer.safetensors"))
-        record = {"step": state.step, "metrics": metrics, "meta": meta}
-        (directory / "meta.json").write_text(json_text(record))  # strict JSON: a non-finite metric is null
-        write_checkpoint_digest(directory)  # every file synced and hashed, before the rename publishes them
-
-    def _prune(self) -> None:
-        """Keep the newest `keep_checkpoints` and the best by BLEU; delete the others."""
-        for stale in self._require_dir().glob(".tmp-*"):  # saves interrupted earlier
-            shutil.rmtree(stale, ignore_errors=True)
-        steps = self.checkpoint_steps()
-        keep = set(steps[-self.exp_cfg.keep_checkpoints :])
-        keep.add(choose_checkpoint(steps, "best", self.checkpoint_metrics, self._checkpoint_dir))
-        for s in steps:
-            if s not in keep:
-                shutil.rmtree(self._require_dir() / str(s))
+        self.store.save(self.export_state(), meta, metrics)
 
     def restore(self, which: str | int = "latest") -> dict[str, Any]:
-        steps = self.checkpoint_steps()
-        step = choose_checkpoint(steps, which, self.checkpoint_metrics, self._checkpoint_dir)
-        try:
-            return self._restore(step)
-        except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as err:
-            raise unreadable(self._checkpoint_dir, step, steps, err) from err
-
-    def _restore(self, step: int) -> dict[str, Any]:
-        directory = self._require_dir() / str(step)
-        verify_checkpoint(directory)  # CheckpointDamaged naming the file, before anything is read
-        record = json.loads((directory / "meta.json").read_text())
-        params = {k: v.numpy() for k, v in load_file(str(directory / "model.safetensors")).items()}
-        moments = {k: v.numpy() for k, v in load_file(str(directory / "optimizer.safetensors")).items()}
-        rng = moments.pop(RNG_KEY)
-        mu = {k.removesuffix(".exp_avg"): v for k, v in moments.items() if k.endswith(".exp_avg")} or None
-        nu = {k.removesuffix(".exp_avg_sq"): v for k, v in moments.items() if k.endswith(".exp_avg_sq")} or None
-        self.import_state(TrainingState("torch", int(record["step"]), params, mu, nu, rng))
-        return record["meta"]
+        return self.store.restore(which, self.import_state)
 
     def close(self) -> None:
-        pass
+        self.store.close()
 
     # ------------------------------------------------------------------------------------------
     # Attention

@@ -1,8 +1,9 @@
 """Checkpoints, framework-neutral: the training state that crosses frameworks, the rule that picks
 a step, and the digests that prove a checkpoint's files are the ones written.
 
-A checkpoint is CHECKPOINTS/<step>/, written by one framework's store; each holds digest.json,
-the SHA-256 of every file, checked on load.
+A checkpoint is CHECKPOINTS/<step>/, written by one framework's store (`jax_store`: orbax;
+`torch_store`: safetensors), which this module's `CheckpointStore` is the common part of; each
+holds digest.json, the SHA-256 of every file, checked on load. No framework is imported here.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -199,3 +201,37 @@ def verify_checkpoint(directory: str | Path) -> bool:
         if _file_digest(path) != expected:
             raise CheckpointDamaged(f"{name} does not match the {DIGEST_ALGORITHM} digest written with it")
     return True
+
+
+class CheckpointStore:
+    """What each framework's store (`jax_store`, `torch_store`: `steps`, `metrics`, `save`, `load`)
+    shares: CHECKPOINTS/<step>/ in `directory` (None: none), the newest `keep` kept with the best
+    by BLEU, one rule for restoring. A store knows neither run directories nor backends."""
+
+    read_errors: tuple[type[BaseException], ...] = (Exception,)  # what `load` raises for a bad checkpoint
+
+    def __init__(self, directory: str | os.PathLike | None, keep: int):
+        self.directory = None if directory is None else Path(directory)
+        self.keep = keep
+
+    def root(self) -> Path:
+        if self.directory is None:
+            raise ValueError("this backend was created without a checkpoint directory")
+        return self.directory
+
+    def path(self, step: int) -> Path:
+        return self.root() / str(step)
+
+    def restore(self, which: str | int, *args: Any) -> Any:
+        """`load(step, *args)` of the checkpoint `which` names (`choose_checkpoint`), its digest
+        verified first; any failure to read it is a CheckpointError naming the other checkpoints."""
+        steps = self.steps()
+        step = choose_checkpoint(steps, which, self.metrics, self.directory)
+        try:
+            verify_checkpoint(self.path(step))  # before a byte is read: a damaged file is named
+            return self.load(step, *args)
+        except self.read_errors as err:
+            raise unreadable(self.directory, step, steps, err) from err
+
+    def close(self) -> None:
+        """Finish pending writes."""

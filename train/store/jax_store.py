@@ -1,0 +1,81 @@
+"""The JAX backend's checkpoints: an orbax `CheckpointManager` keeping the newest `keep` steps plus
+the best by validation BLEU. Each step holds the state (`StandardSave`) and a JSON `meta` item
+(data position, config); incomplete ones are never listed. Once orbax has finished a step,
+`digest.json` is written into it, verified before every restore. The state is restored onto the
+shapes, dtypes and shardings of the target given (orbax reshards on read: any mesh, any layout).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from . import CheckpointStore, write_checkpoint_digest
+
+# Orbax warns through absl for every checkpoint saved without metrics (those between evaluations).
+logging.getLogger("absl").setLevel(logging.ERROR)
+
+
+def _bleu(metrics: Mapping[str, float]) -> float:
+    return float(metrics["bleu"])
+
+
+class JaxStore(CheckpointStore):
+    """Checkpoints of a JAX state pytree in `directory` (made absolute: orbax wants it so)."""
+
+    def __init__(self, directory: str | os.PathLike | None, keep: int):
+        super().__init__(None if directory is None else Path(directory).absolute(), keep)
+        self._manager: ocp.CheckpointManager | None = None
+
+    @property
+    def manager(self) -> ocp.CheckpointManager:
+        if self._manager is None:
+            policies = ocp.checkpoint_managers
+            preservation = policies.AnyPreservationPolicy([
+                policies.LatestN(self.keep),
+                policies.BestN(get_metric_fn=_bleu, n=1, keep_checkpoints_without_metrics=False),
+            ])
+            options = ocp.CheckpointManagerOptions(
+                best_fn=_bleu, best_mode="max", preservation_policy=preservation,
+                # Synchronous: the next train_step donates the state's buffers.
+                enable_async_checkpointing=False,
+            )
+            self._manager = ocp.CheckpointManager(self.root(), options=options, item_names=("state", "meta"))
+        return self._manager
+
+    def save(self, step: int, state: Any, meta: dict[str, Any], metrics: dict[str, float] | None = None) -> None:
+        args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
+        self.manager.save(step, args=args, metrics=metrics)
+        self.manager.wait_until_finished()
+        # orbax has renamed the step's directory into place by now (its own "before the rename"
+        # is internal): the digest follows at once, written whole (temporary file + rename).
+        if jax.process_index() == 0:
+            write_checkpoint_digest(self.path(step))
+
+    def steps(self) -> list[int]:
+        if self.directory is None or not self.directory.is_dir():
+            return []
+        self.manager.reload()
+        return sorted(self.manager.all_steps())
+
+    def metrics(self, step: int) -> dict[str, float] | None:
+        metrics = self.manager.metrics(step)
+        return None if metrics is None else dict(metrics)
+
+    def load(self, step: int, target: Any) -> tuple[Any, dict[str, Any]]:
+        """(checkpoint `step`'s state on `target`'s shapes, dtypes and shardings, its meta)."""
+        args = ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
+        restored = self.manager.restore(step, args=args)
+        return restored["state"], dict(restored["meta"])
+
+    def close(self) -> None:
+        if self._manager is not None:
+            self._manager.wait_until_finished()
+            self._manager.close()
+            self._manager = None

@@ -1,0 +1,97 @@
+"""The torch backend's checkpoints, never pickle: CHECKPOINTS/<step>/ holds `model.safetensors`
+(weights, config in the metadata), `optimizer.safetensors` (Adam's exp_avg and exp_avg_sq per
+parameter name, and the CPU random generator state), `meta.json` (step, scheduler position, data
+position, metrics) and `digest.json` (verified before every restore). Written in a temporary
+directory renamed into place: an interrupted save leaves nothing `restore` would pick. Read and
+written as NumPy (byte for byte what `safetensors.torch` writes): no framework is imported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from safetensors import SafetensorError
+from safetensors.numpy import load_file, save_file
+
+from torch_reference.config import TransformerConfig
+
+from ..files import json_text
+from . import WEIGHTS_CONFIG_KEY, CheckpointStore, TrainingState, choose_checkpoint, unreadable, write_checkpoint_digest
+
+RNG_KEY = "__torch_cpu_rng_state__"
+
+
+class TorchStore(CheckpointStore):
+    """Checkpoints of a torch `TrainingState` in `directory`, the newest `keep` and the best by BLEU kept."""
+
+    read_errors = (OSError, ValueError, KeyError, RuntimeError, SafetensorError)
+
+    def __init__(self, directory: str | os.PathLike | None, keep: int, model_cfg: TransformerConfig):
+        super().__init__(directory, keep)
+        self.model_cfg = model_cfg
+
+    def steps(self) -> list[int]:
+        root = self.directory
+        if root is None or not root.is_dir():
+            return []
+        return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit() and (p / "meta.json").is_file())
+
+    def metrics(self, step: int) -> dict[str, float] | None:
+        try:
+            return json.loads((self.path(step) / "meta.json").read_text())["metrics"]
+        except (OSError, ValueError, KeyError) as err:
+            raise unreadable(self.directory, step, self.steps(), err) from err
+
+    def save(self, state: TrainingState, meta: dict[str, Any], metrics: dict[str, float] | None = None) -> None:
+        root = self.root()
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = root / f".tmp-{state.step}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        try:
+            self._write(tmp, state, meta, metrics)
+            final = root / str(state.step)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)  # the checkpoint appears complete or not at all
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)  # a failed save (a full disk) leaves nothing behind
+        self._prune()
+
+    def _write(self, directory: Path, state: TrainingState, meta: dict[str, Any], metrics) -> None:
+        """The checkpoint's files in `directory`: weights, Adam's moments and RNG, meta.json, digest.json."""
+        save_file(state.params, str(directory / "model.safetensors"), metadata={WEIGHTS_CONFIG_KEY: self.model_cfg.to_json()})
+        moments = {RNG_KEY: state.rng}
+        for name in state.mu or {}:
+            moments[f"{name}.exp_avg"], moments[f"{name}.exp_avg_sq"] = state.mu[name], state.nu[name]
+        save_file(moments, str(directory / "optimizer.safetensors"))
+        record = {"step": state.step, "metrics": metrics, "meta": meta}
+        (directory / "meta.json").write_text(json_text(record))  # strict JSON: a non-finite metric is null
+        write_checkpoint_digest(directory)  # every file synced and hashed, before the rename publishes them
+
+    def _prune(self) -> None:
+        """Keep the newest `keep` and the best by BLEU; delete the others."""
+        for stale in self.root().glob(".tmp-*"):  # saves interrupted earlier
+            shutil.rmtree(stale, ignore_errors=True)
+        steps = self.steps()
+        keep = {*steps[-self.keep :], choose_checkpoint(steps, "best", self.metrics, self.directory)}
+        for s in steps:
+            if s not in keep:
+                shutil.rmtree(self.path(s))
+
+    def load(self, step: int, apply: Callable[[TrainingState], None]) -> dict[str, Any]:
+        """Hand checkpoint `step`'s state to `apply` (the backend's import_state); its meta."""
+        directory = self.path(step)
+        record = json.loads((directory / "meta.json").read_text())
+        params = load_file(str(directory / "model.safetensors"))
+        moments = load_file(str(directory / "optimizer.safetensors"))
+        rng = moments.pop(RNG_KEY)
+        mu = {k.removesuffix(".exp_avg"): v for k, v in moments.items() if k.endswith(".exp_avg")} or None
+        nu = {k.removesuffix(".exp_avg_sq"): v for k, v in moments.items() if k.endswith(".exp_avg_sq")} or None
+        apply(TrainingState("torch", int(record["step"]), params, mu, nu, rng))
+        return record["meta"]
