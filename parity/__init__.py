@@ -4,9 +4,9 @@ __all__ = ["CheckpointMismatchError", "jax_to_torch", "torch_to_jax"]
 
 
 def __getattr__(name):
-    # Lazy (PEP 562): `python -m parity.convert` must not find parity.convert already imported.
+    # Lazy (PEP 562): importing parity loads no framework.
     if name in __all__:
-        from . import convert
+        from . import weights
 
-        return getattr(convert, name)
+        return getattr(weights, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

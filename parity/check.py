@@ -28,7 +28,7 @@ from torch_reference.objective import label_smoothed_cross_entropy as torch_loss
 from train.config import non_negative_int, positive_int
 from train.files import json_text
 
-from .convert import jax_key, jax_params_to_torch, torch_to_jax
+from .weights import jax_key, jax_params_to_torch, torch_to_jax
 
 # Bounds of the parity contract (README): float32, highest matmul precision, dropout off. The
 # wider bounds for base/big allow for float32 rounding accumulated over 12 layers of width 512+.

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -145,7 +144,8 @@ def export_ctranslate2(
     quantization: str | None = None, force: bool = False,
 ) -> Path:
     """Weights `params` (our torch layout) of the run in `run_dir` -> a CTranslate2 model directory
-    `dst` (model.bin, vocabularies, config.json) with the run's tokenizer files beside them."""
+    `dst` (model.bin, vocabularies, config.json) with the run's tokenizer files beside them, built
+    beside `dst` and swapped in (`rundir.derive`; `force`: replace one that is there)."""
     ctranslate2 = spm.require("ctranslate2")
     tokenizers = rundir.load_tokenizers(run_dir)
     src_tokens = vocabulary(tokenizers.src, cfg.src_vocab_size)
@@ -155,11 +155,9 @@ def export_ctranslate2(
         def _load(self):
             return build_spec(params, cfg, src_tokens, tgt_tokens)
 
-    dst = Path(dst)
-    RunConverter().convert(str(dst), quantization=quantization, force=force)
-    for name in (*rundir.tokenizer_files(run_dir), rundir.MODEL_FILE):
-        shutil.copyfile(Path(run_dir) / name, dst / name)
-    return dst
+    with rundir.derive(run_dir, dst, "exporting", force, copy=(rundir.MODEL_FILE,)) as tmp:
+        RunConverter().convert(str(tmp), quantization=quantization, force=True)  # tmp exists, empty
+    return Path(dst)
 
 
 def tokens(vocab: Sequence[str], ids: Sequence[int]) -> list[str]:

@@ -43,7 +43,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,8 @@ from train.backends import create_backend
 from train.config import ExperimentConfig
 from train.data import spm
 from train.store import CheckpointMismatchError, TrainingState
+
+from .weights import to_jax_layout
 
 MARIAN_FORMAT = "marian"
 # Our layer submodule -> HF's, inside encoder.layers.N / decoder.layers.N.
@@ -361,25 +363,22 @@ def experiment_for(cfg: TransformerConfig, backend: str, train: str | None = Non
 def import_marian(
     src: str | os.PathLike, dst: str | os.PathLike, to: str = "torch", train: str | None = None,
     valid: str | None = None, test: str | None = None, overwrite: bool = False,
-    layout: Callable[[Mapping[str, np.ndarray], TransformerConfig], dict[str, np.ndarray]] | None = None,
 ) -> dict[str, Any]:
-    """A local HF Marian directory -> a run directory of the `to` backend (see the module doc).
-    Built beside `dst` and renamed into place. `layout` puts our torch-layout weights in the `to`
-    backend's (parity.convert.to_jax_layout for jax)."""
+    """A local HF Marian directory -> a run directory of the `to` backend (see the module doc),
+    built beside `dst` and swapped in (`rundir.derive`)."""
     src, dst = Path(src), Path(dst)
     hf, state = read_marian_dir(src)
     cfg = marian_config(hf)
     src_tok, tgt_tok, ids = marian_tokenizers(src, hf)
     params = from_marian(state, cfg, ids)
     experiment = experiment_for(cfg, to, train, valid, test).replace(run_dir=str(dst)).resolve()
-    rundir.check_destination(dst, overwrite)
-    with rundir.building(dst, "converting") as tmp:
+    with rundir.derive(None, dst, "converting", overwrite) as tmp:
         files.write_json_atomic(tmp / rundir.CONFIG_FILE, experiment.experiment())
         files.write_json_atomic(tmp / rundir.MODEL_FILE, cfg.to_dict())
         rundir.save_tokenizers(rundir.data.Tokenizers(src_tok, tgt_tok), tmp)
         backend = create_backend(experiment, cfg, str(tmp / rundir.CHECKPOINTS))
         try:
-            weights = params if layout is None else layout(params, cfg)
+            weights = params if to == "torch" else to_jax_layout(params, cfg, "Marian weights")
             backend.import_state(TrainingState(to, 0, weights))
             meta = {"step": 0, "data": {"epoch": 0, "index": 0}, "config": experiment.experiment(), "valid": None,
                     "imported_from": str(src)}
@@ -403,10 +402,10 @@ def marian_origin(run_dir: str | os.PathLike) -> dict[str, Any]:
 
 
 def export_marian(run_dir: str | os.PathLike, params: Mapping[str, np.ndarray], cfg: TransformerConfig,
-                  dst: str | os.PathLike) -> Path:
+                  dst: str | os.PathLike, overwrite: bool = False) -> Path:
     """Weights `params` (our torch layout, e.g. a checkpoint of `run_dir`, imported from Marian and
     perhaps fine-tuned) -> an HF Marian directory that `MarianMTModel.from_pretrained` and
-    `MarianTokenizer.from_pretrained` load."""
+    `MarianTokenizer.from_pretrained` load, built beside `dst` and swapped in (`rundir.derive`)."""
     transformers = spm.require("transformers")
     run_dir, dst = Path(run_dir), Path(dst)
     record = marian_origin(run_dir)
@@ -418,20 +417,19 @@ def export_marian(run_dir: str | os.PathLike, params: Mapping[str, np.ndarray], 
     missing = [k for k in missing if "embed_positions" not in k and not _tied_in(model, k)]
     if missing or unexpected:
         raise CheckpointMismatchError(f"export to Marian: missing {missing}, unexpected {unexpected}")
-    dst.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(dst))
     tokenizers = rundir.load_tokenizers(run_dir)
     src_tok, tgt_tok = tokenizers.src, tokenizers.tgt
-    (dst / "source.spm").write_bytes(src_tok.model)
-    (dst / "target.spm").write_bytes(tgt_tok.model)
-    ids = record["marian_ids"]
-    src_inverse, tgt_inverse = (inverse_order(o) for o in side_orders(ids))
-    files.write_json_atomic(dst / "vocab.json", {src_tok.pieces[int(o)]: m for m, o in enumerate(src_inverse)})
-    if not cfg.share_embeddings:
-        files.write_json_atomic(dst / "target_vocab.json", {tgt_tok.pieces[int(o)]: m for m, o in enumerate(tgt_inverse)})
-    files.write_json_atomic(dst / "tokenizer_config.json", {
-        "tokenizer_class": "MarianTokenizer", "separate_vocabs": not cfg.share_embeddings, "model_max_length": cfg.max_len,
-    })
+    src_inverse, tgt_inverse = (inverse_order(o) for o in side_orders(record["marian_ids"]))
+    with rundir.derive(None, dst, "exporting", overwrite) as tmp:
+        model.save_pretrained(str(tmp))
+        (tmp / "source.spm").write_bytes(src_tok.model)
+        (tmp / "target.spm").write_bytes(tgt_tok.model)
+        files.write_json_atomic(tmp / "vocab.json", {src_tok.pieces[int(o)]: m for m, o in enumerate(src_inverse)})
+        if not cfg.share_embeddings:
+            vocab = {tgt_tok.pieces[int(o)]: m for m, o in enumerate(tgt_inverse)}
+            files.write_json_atomic(tmp / "target_vocab.json", vocab)
+        files.write_json_atomic(tmp / "tokenizer_config.json", {"tokenizer_class": "MarianTokenizer", "separate_vocabs":
+                                not cfg.share_embeddings, "model_max_length": cfg.max_len})
     return dst
 
 

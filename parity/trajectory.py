@@ -2,14 +2,14 @@
 
 Trains one model in the JAX and the PyTorch backends of `train` (the product's own `train_step`:
 Adam, the Noam schedule, the label-smoothed loss) from one set of initial weights (the torch
-backend's, moved into JAX with `parity.convert.convert_state`) on identical batches of the numbers corpus
+backend's, moved into JAX with `parity.weights.convert_state`) on identical batches of the numbers corpus
 (`train.loop.make_batcher`), float32 with `jax_default_matmul_precision="highest"` and dropout
 off, and compares the two after every update: the loss (relative difference) and every
 parameter (relative L2 distance ||a - b|| / ||b||, the worst named).
 
 With `--switch K` (default: half the steps) it also proves that a checkpoint carries the whole
 training state across: at update K each run saves a checkpoint with its backend's `save`,
-`parity.convert.convert_checkpoints` converts it, a fresh backend of the other framework
+`parity.runs.convert_checkpoints` converts it, a fresh backend of the other framework
 `restore`s it (the data position from the checkpoint's meta) and trains to the end; each is
 compared with the uninterrupted run of the framework it finishes in:
 
@@ -71,7 +71,8 @@ from train.loop import make_batcher
 from train.store import TrainingState
 
 from .check import enable_parity_numerics
-from .convert import convert_checkpoints, convert_state
+from .runs import convert_checkpoints
+from .weights import convert_state
 
 # The parity contract for a training curve (float32, highest matmul precision, dropout off).
 # A formula slip (schedule one update off, Adam's epsilon inside the root, the wrong smoothing

@@ -46,7 +46,7 @@ from train.rundir import Run, open_run
 from train.translate import add_run_arguments, read_lines
 
 from .check import enable_parity_numerics
-from .convert import convert_state
+from .weights import convert_state
 
 REFERENCE = "torch cached"
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -72,10 +71,7 @@ def average_run(src: str | os.PathLike, dst: str | os.PathLike, last: int = 5, o
         reader.close()
     averaged = average_states(states)
 
-    with rundir.building(dst, "averaging") as tmp:
-        for name in (*rundir.tokenizer_files(src), rundir.MODEL_FILE, rundir.CONFIG_FILE):
-            if (src / name).is_file():
-                shutil.copyfile(src / name, tmp / name)
+    with rundir.derive(src, dst, "averaging", overwrite, copy=(rundir.MODEL_FILE, rundir.CONFIG_FILE)) as tmp:
         writer = create_backend(cfg, model_cfg, str(tmp / rundir.CHECKPOINTS))
         try:
             writer.import_state(averaged)

@@ -31,7 +31,7 @@ import os
 import re
 import shutil
 import socket
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -212,26 +212,43 @@ def check_destination(dst: Path, overwrite: bool) -> None:
 
 
 @contextlib.contextmanager
-def building(dst: Path, what: str) -> Iterator[Path]:
-    """Build a new run directory in a temporary directory beside `dst` (`.NAME.WHAT`), yielded; when
-    the block ends normally it replaces `dst` by a rename, and on any error (Ctrl-C included) it is
-    removed, so an interrupted conversion, import or average leaves `dst` as it was. `dst`'s lock is
-    held meanwhile: a run being trained is never replaced. Call `check_destination` first."""
+def derive(src: str | Path | None, dst: str | Path, what: str, overwrite: bool = False,
+           copy: Iterable[str] = ()) -> Iterator[Path]:
+    """Build `dst` from the run `src` (None: from nothing) whole or not at all, for average, convert,
+    import and export: `check_destination`, then the block fills `.NAME.WHAT` beside `dst` (yielded);
+    `src`'s tokenizer files and the names `copy` it holds (files or directories) are copied in, the
+    old `dst` renamed aside, the new one into its place, and only then the old one removed. On any
+    error (Ctrl-C included) `dst` is as it was. Its lock is held meanwhile (a run in training is
+    never replaced)."""
+    dst = Path(dst)
+    check_destination(dst, overwrite)
     guard = RunLock(dst).acquire() if dst.is_dir() else None
-    tmp = dst.with_name(f".{dst.name}.{what}")
+    tmp, old = dst.with_name(f".{dst.name}.{what}"), dst.with_name(f".{dst.name}.{what}-old")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
         yield tmp
-        if dst.exists():
-            shutil.rmtree(dst)
-        os.replace(tmp, dst)
+        for name in [] if src is None else [*tokenizer_files(src), *copy]:
+            if (Path(src) / name).is_dir():
+                shutil.copytree(Path(src) / name, tmp / name)
+            elif (Path(src) / name).is_file():
+                shutil.copyfile(Path(src) / name, tmp / name)
+        aside = dst.exists()
+        if aside:
+            os.replace(dst, old)  # refused, losing nothing, while an earlier `old` holds files
+        try:
+            os.replace(tmp, dst)
+        except BaseException:
+            if aside:
+                os.replace(old, dst)
+            raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
         if guard is not None:
             guard.release()
+    shutil.rmtree(old, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -240,16 +257,23 @@ def building(dst: Path, what: str) -> Iterator[Path]:
 
 def read_experiment(run_dir: str | Path) -> ExperimentConfig:
     """The experiment saved in `run_dir`'s config.json (launch options at their defaults)."""
-    path = Path(run_dir) / CONFIG_FILE
+    launch = ExperimentConfig.launch_fields()  # runs written before launch options were left out
+    return _read_settings(run_dir, CONFIG_FILE, lambda saved: ExperimentConfig.from_dict(
+        {k: v for k, v in saved.items() if k not in launch}))
+
+
+def _read_settings(run_dir: str | Path, name: str, build: Callable[[dict], Any]) -> Any:
+    """`build` of the JSON object in run_dir/name; UserError naming the file when it is missing,
+    holds no object, or `build` refuses it (a hand-edited file: unknown field, wrong type or value)."""
+    path = Path(run_dir) / name
     if not path.is_file():
-        raise UserError(f"{run_dir} is not a run directory ({CONFIG_FILE} missing)")
+        raise UserError(f"{run_dir} is not a run directory ({name} missing)")
     saved = read_json(path)
     if not isinstance(saved, dict):
         raise UserError(f"{path} holds no JSON object of settings")
-    launch = ExperimentConfig.launch_fields()  # runs written before launch options were left out
     try:
-        return ExperimentConfig.from_dict({k: v for k, v in saved.items() if k not in launch})
-    except (TypeError, ValueError) as err:  # a hand-edited file: unknown field, wrong type or value
+        return build(saved)
+    except (TypeError, ValueError) as err:
         raise UserError(f"{path}: {err}") from None
 
 
@@ -370,16 +394,7 @@ class Run:
 
 
 def read_model_config(run_dir: str | Path) -> TransformerConfig:
-    path = Path(run_dir) / MODEL_FILE
-    if not path.is_file():
-        raise UserError(f"{run_dir} is not a run directory ({MODEL_FILE} missing)")
-    saved = read_json(path)
-    if not isinstance(saved, dict):
-        raise UserError(f"{path} holds no JSON object of settings")
-    try:
-        return TransformerConfig.from_dict(saved)
-    except (TypeError, ValueError) as err:
-        raise UserError(f"{path}: {err}") from None
+    return _read_settings(run_dir, MODEL_FILE, TransformerConfig.from_dict)
 
 
 def open_run(run_dir: str | Path, checkpoint: str | int = "best") -> Run:

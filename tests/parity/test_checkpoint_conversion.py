@@ -1,5 +1,5 @@
 """Whole training checkpoints across frameworks (backends' export_state / import_state,
-parity.convert.convert_state, `parity.convert --run-dir`): the Adam state inside the trainer's
+parity.weights.convert_state, `parity.convert --run-dir`): the Adam state inside the trainer's
 optax chain, strict checks, bit-exact round trips of a real run directory, and `train.run --resume` continuing a converted run in the other framework
 with the losses it would have had in its own.
 
@@ -20,8 +20,9 @@ import pytest
 import torch
 
 from parity import CheckpointMismatchError
-from parity.convert import convert_run, convert_state, transfer_state
 from parity.convert import main as convert_main
+from parity.runs import convert_run
+from parity.weights import convert_state, transfer_state
 from train import average, data, loop, rundir, store
 from train import run as train_run
 from train.backends import create_backend

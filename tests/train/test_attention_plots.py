@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from tokenizers import decoders
 
-from parity.convert import transfer_state
+from parity.weights import transfer_state
 from train import attention, data, loop, rundir, translate
 from train.backends import create_backend
 from train.config import ExperimentConfig

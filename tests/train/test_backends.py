@@ -1,7 +1,7 @@
 """The two backends against each other: same weights, same batches, dropout off -> same training.
 
 The central test is `test_jax_and_torch_train_alike`: a torch model's initial state is
-converted into the JAX backend (parity.convert.transfer_state) and both take the same updates; the per-step
+converted into the JAX backend (parity.weights.transfer_state) and both take the same updates; the per-step
 losses must agree to 1e-5 relative. Lopsided model sizes (d_model=24 with 3 heads, 2 encoder
 layers and 1 decoder layer) so a swapped axis cannot pass.
 """
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from parity.convert import convert_state, transfer_state
+from parity.weights import convert_state, transfer_state
 from torch_reference.objective import noam_learning_rate
 from train import data, loop
 from train.backends import Backend, create_backend
@@ -199,7 +199,7 @@ def test_torch_checkpoint_files(tmp_path, fast_config, corpus):
     """safetensors only (no pickle), the config in the weights' metadata as parity.convert reads it."""
     from safetensors import safe_open
 
-    from parity import convert
+    from parity import runs
 
     splits, tokenizers = corpus
     cfg = fast_config("torch", model=LOPSIDED).resolve()
@@ -209,7 +209,7 @@ def test_torch_checkpoint_files(tmp_path, fast_config, corpus):
     backend.save({"step": 1})
     files = sorted(p.name for p in (tmp_path / "1").iterdir())
     assert files == ["digest.json", "meta.json", "model.safetensors", "optimizer.safetensors"]
-    state_dict, loaded_cfg = convert.load_torch_weights(tmp_path / "1" / "model.safetensors")
+    state_dict, loaded_cfg = runs.load_torch_weights(tmp_path / "1" / "model.safetensors")
     assert loaded_cfg == model_cfg and state_dict.keys() == backend.weights().keys()
     with safe_open(str(tmp_path / "1" / "optimizer.safetensors"), framework="pt") as f:
         keys = set(f.keys())

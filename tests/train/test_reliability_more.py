@@ -309,7 +309,7 @@ def test_a_non_finite_validation_loss_is_divergence(tmp_path, monkeypatch):
 def test_convert_never_overwrites_unasked_or_leaves_temporary_files(tmp_path, capsys):
     import torch_reference
     from parity.convert import main as convert_main
-    from parity.convert import save_torch_weights
+    from parity.runs import save_torch_weights
 
     cfg = TransformerConfig.preset("tiny", src_vocab_size=64, tgt_vocab_size=64, num_encoder_layers=1,
                                    num_decoder_layers=1)
@@ -415,7 +415,7 @@ def test_tsv_rows_with_another_column_count_are_named(tmp_path, rows, message):
 def test_a_refused_pickle_is_one_line_without_colour_codes(tmp_path):
     import torch
 
-    from parity.convert import load_torch_weights
+    from parity.runs import load_torch_weights
 
     (tmp_path / "config.json").write_text(TransformerConfig().to_json())
     torch.save({"w": torch.zeros(1), "f": print}, tmp_path / "model.pt")

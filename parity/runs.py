@@ -1,0 +1,208 @@
+"""Training runs and weights files between the frameworks (the leaf rules: `parity.weights`).
+
+`convert_run` converts the checkpoints of a run directory of one backend into the other's, with
+their meta (data position, validation scores) and ranking metrics, so `python -m train.run
+--resume` continues in the other framework as if it had never changed.
+
+Files: PyTorch weights are safetensors (never pickle) with the config in the file's metadata
+(nothing else is written beside it; a `config.json` beside a legacy file is read); JAX weights
+are an orbax checkpoint directory holding `params/` and `config.json`.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from flax import nnx
+
+import jax_transformer
+import torch_reference
+from torch_reference.config import TransformerConfig
+from train import files, rundir, store
+from train.backends import create_backend
+from train.config import ExperimentConfig
+
+from .weights import convert_state, jax_model_from_params, jax_params, nest, transfer_state
+
+CONFIG_KEY = store.WEIGHTS_CONFIG_KEY  # safetensors metadata key holding the config JSON
+
+
+def convert_checkpoints(
+    src_cfg: ExperimentConfig, model_cfg: TransformerConfig, src_dir: str | os.PathLike, dst_dir: str | os.PathLike,
+    to: str, which: str | int = "latest",
+) -> list[int]:
+    """Convert the checkpoints `which` ("latest", "best", "all" or a step) of the `src_cfg.backend`
+    backend in `src_dir` into the `to` backend's checkpoints in `dst_dir`; returns the steps.
+
+    Each is restored by the source backend, exported, converted, imported by the target backend
+    and saved by it with the same meta (the experiment's backend switched) and ranking metrics.
+    """
+    if to == src_cfg.backend:
+        raise ValueError(f"the checkpoints already belong to the {to} backend")
+    source = create_backend(src_cfg, model_cfg, str(src_dir))
+    target = create_backend(src_cfg.replace(backend=to), model_cfg, str(dst_dir))
+    try:
+        available = source.checkpoint_steps()
+        if not available:
+            raise FileNotFoundError("the run has no checkpoint to convert")
+        steps = available if which == "all" else [
+            store.choose_checkpoint(available, which, source.checkpoint_metrics, src_dir)
+        ]
+        for step in steps:
+            meta = source.restore(step)
+            transfer_state(source, target)
+            if isinstance(meta.get("config"), Mapping):
+                meta = {**meta, "config": {**meta["config"], "backend": to}}
+            target.save(meta, source.checkpoint_metrics(step))
+    finally:
+        source.close()
+        target.close()
+    return steps
+
+
+def convert_run(
+    src: str | os.PathLike, dst: str | os.PathLike, to: str | None = None, which: str | int = "latest",
+    overwrite: bool = False,
+) -> dict:
+    """A run directory of one backend (train.run) -> the same run for the other backend.
+
+    `dst` receives config.json (the backend switched), model.json, the tokenizer files (byte
+    copies), the TensorBoard events, and the checkpoints `which` ("latest", "best", "all" or a
+    step) converted. It is built beside `dst` and renamed into place, so an interrupted
+    conversion leaves nothing. `python -m train.run --run-dir DST --resume` continues it.
+    """
+    src, dst = Path(src), Path(dst)
+    try:
+        src_cfg, model_cfg = rundir.read_experiment(src), rundir.read_model_config(src)
+    except files.UserError as err:
+        raise FileNotFoundError(str(err)) from None
+    to = to or ("torch" if src_cfg.backend == "jax" else "jax")
+    if to == src_cfg.backend:
+        raise ValueError(f"{src} is already a {to} run")
+    tokenizers = rundir.load_tokenizers(src)
+    rebuilt = src_cfg.model_config(tokenizers.src.get_vocab_size(), tokenizers.tgt.get_vocab_size())
+    if rebuilt != model_cfg:  # --resume rebuilds the model from config.json and the tokenizer
+        raise ValueError(
+            f"{src}: {rundir.MODEL_FILE} does not match config.json and the tokenizer:\n  {model_cfg}\n  {rebuilt}"
+        )
+    if dst.resolve() == src.resolve():
+        raise ValueError("--dst must differ from the source run directory")
+    copy = (rundir.MODEL_FILE, rundir.IMPORTED_FILE, rundir.TENSORBOARD)
+    with rundir.derive(src, dst, "converting", overwrite, copy) as tmp:
+        steps = convert_checkpoints(src_cfg, model_cfg, src / rundir.CHECKPOINTS, tmp / rundir.CHECKPOINTS, to, which)
+        provenance = {"from": str(src), "from_backend": src_cfg.backend, "to_backend": to, "steps": steps}
+        files.write_json_atomic(tmp / rundir.PROVENANCE_FILE, provenance)
+        files.write_json_atomic(tmp / rundir.CONFIG_FILE, src_cfg.replace(backend=to).experiment())
+    return {"run_dir": str(dst), "backend": to, "from": str(src), "steps": steps}
+
+
+def run_weights(run_dir: str | os.PathLike, checkpoint: str | int = "best") -> tuple[dict[str, np.ndarray], TransformerConfig]:
+    """(weights in torch's layout as NumPy, config) of a run's checkpoint, whichever backend wrote it."""
+    run = rundir.open_run(run_dir, checkpoint)
+    try:
+        state = convert_state(run.backend.export_state(), "torch", run.model_config)
+    finally:
+        run.backend.close()
+    return state.params, run.model_config
+
+
+# ---------------------------------------------------------------------------------------------
+# Files
+# ---------------------------------------------------------------------------------------------
+
+
+def save_torch_weights(model: torch_reference.Transformer, path: str | os.PathLike) -> Path:
+    """`path` (.safetensors) with the config in its metadata; no other file is written (a
+    `config.json` beside it may be the user's). Written whole: a temporary file, removed on any
+    error, then a rename."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state_dict = {k: v.contiguous() for k, v in model.state_dict().items()}
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        save_file(state_dict, str(tmp), metadata={CONFIG_KEY: model.cfg.to_json()})
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+LEGACY_SUFFIXES = (".pt", ".pth", ".bin")  # torch.save files: read with weights_only=True
+
+
+def load_torch_weights(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], TransformerConfig]:
+    """(state dict, config) from a safetensors file, or from a legacy `torch.save` state dict
+    (.pt, .pth, .bin) with config.json beside it. Legacy files are read with
+    `torch.load(weights_only=True)`, whose unpickler admits tensors and containers only, so no
+    code in a file ever runs; a pickle named .safetensors is not a safetensors file and is refused."""
+    from safetensors import SafetensorError, safe_open
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no weights file at {path}")
+    metadata = {}
+    if path.suffix not in LEGACY_SUFFIXES:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                metadata = f.metadata() or {}
+        except SafetensorError as err:
+            raise ValueError(f"{path} is not a readable safetensors file ({err})") from None
+    if CONFIG_KEY in metadata:
+        cfg = TransformerConfig.from_json(metadata[CONFIG_KEY])
+    elif (path.parent / "config.json").is_file():
+        cfg = TransformerConfig.from_json((path.parent / "config.json").read_text())
+    else:
+        raise FileNotFoundError(f"{path} carries no config and there is no config.json beside it")
+    if path.suffix not in LEGACY_SUFFIXES:
+        return load_file(str(path)), cfg
+    try:
+        state_dict = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        reason = re.sub(r"\x1b\[[0-9;]*m", "", str(err)).strip().splitlines()[0]  # torch colours it
+        raise ValueError(f"{path} was refused by torch.load(weights_only=True), which loads no code: {reason}") from None
+    if not isinstance(state_dict, Mapping) or not all(isinstance(v, torch.Tensor) for v in state_dict.values()):
+        raise ValueError(f"{path} holds no state dict of tensors")
+    return dict(state_dict), cfg
+
+
+def save_jax_weights(model: nnx.Module, directory: str | os.PathLike, overwrite: bool = False) -> Path:
+    """An orbax checkpoint of the parameters in `directory/params` plus `directory/config.json`."""
+    import orbax.checkpoint as ocp
+
+    directory = Path(directory).absolute()  # orbax wants absolute paths
+    directory.mkdir(parents=True, exist_ok=True)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(directory / "params", nest(jax_params(model)), force=overwrite)
+    files.write_text_atomic(directory / "config.json", model.cfg.to_json())
+    return directory
+
+
+def _flatten(tree: Mapping, prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        flat.update(_flatten(v, key + ".") if isinstance(v, Mapping) else {key: v})
+    return flat
+
+
+def load_jax_weights(directory: str | os.PathLike) -> jax_transformer.Transformer:
+    """The Flax Transformer saved by `save_jax_weights` (checked strictly against its config)."""
+    import orbax.checkpoint as ocp
+
+    directory = Path(directory).absolute()
+    if not (directory / "config.json").is_file() or not (directory / "params").is_dir():
+        raise FileNotFoundError(f"{directory} is not a JAX weights directory (expected params/ and config.json)")
+    cfg = TransformerConfig.from_json((directory / "config.json").read_text())
+    with ocp.StandardCheckpointer() as checkpointer:
+        tree = checkpointer.restore(directory / "params")
+    return jax_model_from_params(_flatten(tree), cfg)

@@ -1,0 +1,211 @@
+"""Weights between `torch_reference.Transformer` and `jax_transformer.Transformer`, both ways.
+
+The two models have the same attribute tree, so one table of leaf names is the whole mapping:
+
+    torch                     flax              value
+    Linear.weight (out, in)   Linear.kernel     transposed (in, out)
+    Linear.bias               Linear.bias       as is
+    LayerNorm/RMSNorm.weight  *.scale           as is
+    Embedding.weight          Embed.embedding   as is
+    logits_bias               logits_bias       as is (the output_bias variant)
+
+Keys are the dotted attribute paths on both sides (`encoder.layers.0.self_attn.q_proj.kernel`).
+The expected set of keys and shapes comes from the config (an abstract Flax model, no
+allocation); any missing, unexpected or wrongly shaped key raises one `CheckpointMismatchError`
+listing every offender with both shapes. Values keep their dtype (bf16 included) bit for bit.
+
+Training states (`train.store.TrainingState`, a backend's whole state): `convert_state` maps the
+weights and Adam's moments (parameter-shaped) by the same rules; the random state stays behind
+(dropout streams differ between frameworks). Files and run directories: `parity.runs`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import torch
+from flax import nnx
+
+import jax_transformer
+import torch_reference
+from torch_reference.config import TransformerConfig
+from train.store import CheckpointMismatchError, TrainingState, check_keys  # noqa: F401 (re-exported)
+
+# Flax leaf name -> (torch leaf name, transposed?)
+LEAF_RULES = {
+    "kernel": ("weight", True), "scale": ("weight", False), "embedding": ("weight", False), "bias": ("bias", False),
+    "logits_bias": ("logits_bias", False),  # Transformer.logits_bias (V,), a parameter of its own on both sides
+}
+FRAMEWORKS = ("jax", "torch")
+
+
+# ---------------------------------------------------------------------------------------------
+# Key and value rules
+# ---------------------------------------------------------------------------------------------
+
+
+def jax_key(path: tuple) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def _jax_path(key: str) -> tuple:
+    return tuple(int(p) if p.isdigit() else p for p in key.split("."))
+
+
+def to_torch_key(key: str) -> tuple[str, bool]:
+    """`a.b.kernel` -> (`a.b.weight`, True): the torch key and whether the value is transposed."""
+    *prefix, leaf = key.split(".")
+    torch_leaf, transpose = LEAF_RULES[leaf]
+    return ".".join([*prefix, torch_leaf]), transpose
+
+
+@functools.lru_cache(maxsize=32)
+def expected_jax_params(cfg: TransformerConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter key of the Flax model for `cfg` with its shape, without allocating it."""
+    abstract = nnx.eval_shape(lambda: jax_transformer.Transformer(cfg, rngs=nnx.Rngs(0)))
+    return {jax_key(path): tuple(v.shape) for path, v in nnx.to_flat_state(nnx.state(abstract, nnx.Param))}
+
+
+def _shapes(flat: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    return {k: tuple(np.shape(v)) for k, v in flat.items()}
+
+
+def torch_to_numpy(t: torch.Tensor) -> np.ndarray:
+    """A CPU copy of `t` as NumPy, bf16 as `ml_dtypes.bfloat16` (bit-exact; NumPy has no bf16)."""
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        return t.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16).copy()
+    return t.numpy().copy()
+
+
+def numpy_to_torch(a: Any) -> torch.Tensor:
+    a = np.asarray(a)
+    if a.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(np.ascontiguousarray(a).view(np.int16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(np.array(a, copy=True))
+
+
+# ---------------------------------------------------------------------------------------------
+# State dicts <-> flat JAX parameter dicts (keys as dotted Flax paths, values NumPy)
+# ---------------------------------------------------------------------------------------------
+
+
+def to_jax_layout(flat: Mapping[str, Any], cfg: TransformerConfig, what: str = "PyTorch weights") -> dict[str, np.ndarray]:
+    """{torch key: NumPy array} -> {flax key: array}, strictly checked against `cfg` (a parameter-
+    shaped tree: weights or Adam's moments)."""
+    expected = expected_jax_params(cfg)
+    torch_expected = {}
+    for key, shape in expected.items():
+        torch_key, transpose = to_torch_key(key)
+        torch_expected[torch_key] = shape[::-1] if transpose else shape
+    check_keys(what, torch_expected, _shapes(flat))
+    out = {}
+    for key in expected:
+        torch_key, transpose = to_torch_key(key)
+        value = np.asarray(flat[torch_key])
+        out[key] = np.ascontiguousarray(value.T) if transpose else value.copy()
+    return out
+
+
+def to_torch_layout(flat: Mapping[str, Any], cfg: TransformerConfig, what: str = "JAX weights") -> dict[str, np.ndarray]:
+    """{flax key: NumPy array} -> {torch key: array}, strictly checked against `cfg`."""
+    check_keys(what, expected_jax_params(cfg), _shapes(flat))
+    out = {}
+    for key, value in flat.items():
+        torch_key, transpose = to_torch_key(key)
+        value = np.asarray(value)
+        out[torch_key] = np.ascontiguousarray(value.T) if transpose else value.copy()
+    return out
+
+
+def torch_state_to_jax(state_dict: Mapping[str, torch.Tensor], cfg: TransformerConfig) -> dict[str, np.ndarray]:
+    """A torch state dict -> {flax key: array}, strictly checked against `cfg`."""
+    return to_jax_layout({k: torch_to_numpy(v) for k, v in state_dict.items()}, cfg)
+
+
+def jax_params_to_torch(params: Mapping[str, Any], cfg: TransformerConfig) -> dict[str, torch.Tensor]:
+    """{flax key: array} -> a torch state dict, strictly checked against `cfg`."""
+    return {k: numpy_to_torch(v) for k, v in to_torch_layout(params, cfg).items()}
+
+
+def jax_params(model: nnx.Module) -> dict[str, np.ndarray]:
+    """{flax key: NumPy array} of a Flax model's parameters."""
+    return {jax_key(path): np.asarray(v[...]) for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+def nest(flat: Mapping[str, Any]) -> dict:
+    tree: dict = {}
+    for key, value in flat.items():
+        *parents, leaf = _jax_path(key)
+        node = tree
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return tree
+
+
+def jax_model_from_params(params: Mapping[str, Any], cfg: TransformerConfig) -> jax_transformer.Transformer:
+    """A Flax Transformer for `cfg` holding `params` (checked strictly; dtypes kept)."""
+    check_keys("JAX weights", expected_jax_params(cfg), _shapes(params))
+    abstract = nnx.eval_shape(lambda: jax_transformer.Transformer(cfg, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    nnx.replace_by_pure_dict(state, nest({k: jnp.asarray(v) for k, v in params.items()}))
+    return nnx.merge(graphdef, state)
+
+
+# ---------------------------------------------------------------------------------------------
+# Models
+# ---------------------------------------------------------------------------------------------
+
+
+def torch_to_jax(
+    model_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor], cfg: TransformerConfig | None = None
+) -> jax_transformer.Transformer:
+    """A Flax Transformer with the weights of a torch Transformer (or its state dict + `cfg`)."""
+    if isinstance(model_or_state_dict, torch.nn.Module):
+        cfg = cfg or model_or_state_dict.cfg
+        state_dict = model_or_state_dict.state_dict()
+    else:
+        state_dict = model_or_state_dict
+    if cfg is None:
+        raise ValueError("torch_to_jax needs `cfg` when given a state dict")
+    return jax_model_from_params(torch_state_to_jax(state_dict, cfg), cfg)
+
+
+def jax_to_torch(model: nnx.Module, cfg: TransformerConfig | None = None) -> torch_reference.Transformer:
+    """A torch Transformer with the weights of a Flax Transformer (dtypes kept, e.g. bf16)."""
+    cfg = cfg or model.cfg
+    torch_model = torch_reference.Transformer(cfg)
+    # assign=True adopts the converted tensors themselves, so their dtype survives.
+    torch_model.load_state_dict(jax_params_to_torch(jax_params(model), cfg), strict=True, assign=True)
+    return torch_model
+
+
+# ---------------------------------------------------------------------------------------------
+# Training states
+# ---------------------------------------------------------------------------------------------
+
+
+def convert_state(state: TrainingState, to: str, cfg: TransformerConfig) -> TrainingState:
+    """A backend's training state in the `to` framework's layout: weights and both Adam moments by
+    the leaf rules (strictly checked against `cfg`), the step as it is. The random state stays
+    behind (None) when the framework changes: dropout streams cannot be matched."""
+    if to == state.framework:
+        return state
+    if to not in FRAMEWORKS:
+        raise ValueError(f"no framework {to!r}; choose from {', '.join(FRAMEWORKS)}")
+    layout = to_jax_layout if to == "jax" else to_torch_layout
+    names = ("weights", "Adam first moments (mu / exp_avg)", "Adam second moments (nu / exp_avg_sq)")
+    params, mu, nu = (None if tree is None else layout(tree, cfg, f"{state.framework} {what}")
+                      for tree, what in zip((state.params, state.mu, state.nu), names))
+    return TrainingState(to, state.step, params, mu, nu, rng=None)
+
+
+def transfer_state(source, target) -> None:
+    """Give backend `target` the whole training state of backend `source` (of either framework)."""
+    target.import_state(convert_state(source.export_state(), target.name, target.model_cfg))

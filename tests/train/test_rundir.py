@@ -1,0 +1,71 @@
+"""`rundir.derive`: a directory built from a run appears whole or not at all."""
+
+import os
+
+import pytest
+
+from train import rundir
+
+
+def old_run(root):
+    """A run directory `root/dst` with a config and a checkpoint file, and a source run `root/src`."""
+    dst, src = root / "dst", root / "src"
+    (dst / "checkpoints").mkdir(parents=True)
+    (dst / rundir.CONFIG_FILE).write_text("old config")
+    (dst / "checkpoints" / "weights").write_text("old weights")
+    (src / rundir.TENSORBOARD).mkdir(parents=True)
+    for name, text in [(rundir.CONFIG_FILE, "src config"), (rundir.JOINT_TOKENIZER, "tokenizer"),
+                       (rundir.MODEL_FILE, "model"), (rundir.TENSORBOARD + "/events", "events")]:
+        (src / name).write_text(text)
+    return src, dst
+
+
+def contents(directory):
+    return {p.relative_to(directory).as_posix(): p.read_text() for p in sorted(directory.rglob("*"))
+            if p.is_file() and p.name != rundir.LOCK_FILE}
+
+
+def test_derive_replaces_the_destination_with_the_new_files_and_the_copies(tmp_path):
+    src, dst = old_run(tmp_path)
+    with rundir.derive(src, dst, "testing", overwrite=True, copy=(rundir.MODEL_FILE, rundir.TENSORBOARD, "absent")) as tmp:
+        assert tmp.parent == tmp_path and tmp.name == ".dst.testing" and list(tmp.iterdir()) == []
+        (tmp / rundir.CONFIG_FILE).write_text("new config")
+        assert contents(dst)[rundir.CONFIG_FILE] == "old config"  # nothing changes before the block ends
+    assert contents(dst) == {rundir.CONFIG_FILE: "new config", rundir.JOINT_TOKENIZER: "tokenizer",
+                             rundir.MODEL_FILE: "model", "tensorboard/events": "events"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dst", "src"]  # no temporary or old directory left
+
+
+@pytest.mark.parametrize("where", ["in the block", "in the swap"])
+def test_a_failed_derive_leaves_the_old_destination_whole_and_no_temporary_directory(tmp_path, monkeypatch, where):
+    src, dst = old_run(tmp_path)
+    before = contents(dst)
+    real_replace = os.replace
+
+    def replace(a, b):
+        if str(a).endswith(".dst.testing"):  # the new directory's rename into place
+            raise OSError(28, "No space left on device")
+        real_replace(a, b)
+
+    with pytest.raises(OSError, match="No space left"):
+        with rundir.derive(src, dst, "testing", overwrite=True, copy=(rundir.MODEL_FILE,)) as tmp:
+            (tmp / rundir.CONFIG_FILE).write_text("new config")
+            if where == "in the block":
+                raise OSError(28, "No space left on device")
+            monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.undo()
+    assert contents(dst) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dst", "src"]
+
+
+def test_derive_refuses_before_building(tmp_path):
+    src, dst = old_run(tmp_path)
+    with pytest.raises(FileExistsError, match="pass --overwrite"):
+        with rundir.derive(src, dst, "testing"):
+            pytest.fail("the block ran")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    with pytest.raises(FileExistsError, match="holds no run; it is never deleted"):
+        with rundir.derive(src, tmp_path / "mine", "testing", overwrite=True):
+            pytest.fail("the block ran")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dst", "mine", "src"]
