@@ -1,10 +1,11 @@
 """Cross-attention heatmaps: `python -m train.translate --run-dir RUN --plot-attention DIR`.
 
-Each sentence is translated as `translate_texts` does (the same batches and search), then its
-output is teacher-forced through the model once: the decoder reads <bos> and the output tokens
-and returns its cross-attention weights (`Translator.cross_attention`, the model's own softmax with
-`return_attention=True`). Row t is the step that produced output token t, so rows are labelled
-with the output tokens (ending <eos>) and columns with the source tokens (ending <eos>).
+`translate_texts` translates (its batches and search); an `AttentionRecorder`, its `on_batch`,
+teacher-forces each batch's output through the model once: the decoder reads <bos> and the
+output tokens and returns its cross-attention weights (`Translator.cross_attention`, the model's
+own softmax with `return_attention=True`). Row t is the step that produced output token t, so
+rows are labelled with the output tokens (ending <eos>) and columns with the source tokens
+(ending <eos>).
 
 For input line N (empty lines have no plot) it writes `DIR/NNNN.png`, the last decoder layer
 with its heads averaged, and `DIR/NNNN_layers.png`, every decoder layer x head. Subword tokens
@@ -73,24 +74,16 @@ def output_tokens(row: np.ndarray) -> list[int]:
     return row[: row.index(data.EOS_ID) + 1] if data.EOS_ID in row else row
 
 
-def translate_with_attention(
-    backend: Translator,
-    tokenizers: data.Tokenizers,
-    texts: Sequence[str],
-    *,
-    max_len: int,
-    token_budget: int,
-    batch_size: int | None = None,
-    beam_size: int = 4,
-    alpha: float = 0.6,
-    scoring: str = "gnmt",
-) -> tuple[list[str], list[SentenceAttention]]:
-    """(`translate_texts`' translations, the attention of each non-empty line, in input order)."""
-    src_ids = data.encode(tokenizers.src, list(texts))
-    out, found = [""] * len(texts), []
-    for index, src in data.source_batches(src_ids, max_len, token_budget, batch_size):
-        tokens = backend.translate(src, beam_size, alpha, scoring=scoring)  # (B, L)
-        hyps = data.decode_batch(tokenizers.tgt, tokens)
+class AttentionRecorder:
+    """`translate_texts`' `on_batch` for `texts`: the attention of each non-empty line (`found`,
+    in input order), its output teacher-forced through `backend` once per batch."""
+
+    def __init__(self, backend: Translator, tokenizers: data.Tokenizers, texts: Sequence[str]):
+        self.backend, self.tokenizers, self.texts = backend, tokenizers, texts
+        self.found: list[SentenceAttention] = []
+
+    def __call__(self, index: np.ndarray, src: np.ndarray, tokens: np.ndarray) -> None:
+        hyps = data.decode_batch(self.tokenizers.tgt, tokens)
         outputs = [output_tokens(row) for row in tokens]
         # Teacher forcing: <bos> and every output token but the last, so that row t predicts token t;
         # as wide as the search's output (one shape per source bucket, for jit), padding masked out.
@@ -98,21 +91,23 @@ def translate_with_attention(
         tgt_in[:, 0] = data.BOS_ID
         for row, ids in enumerate(outputs):
             tgt_in[row, 1 : len(ids)] = ids[:-1]
-        weights = backend.cross_attention(src, tgt_in)  # (B, layers, H, T, S)
+        weights = self.backend.cross_attention(src, tgt_in)  # (B, layers, H, T, S)
         for row, i in enumerate(index):
-            if i < 0 or not texts[i].strip():
-                continue
-            out[i] = hyps[row]
-            if not outputs[row]:  # no output token: nothing to plot
+            if i < 0 or not self.texts[i].strip() or not outputs[row]:  # no sentence or no output: no plot
                 continue
             source = [int(t) for t in src[row] if t != data.PAD_ID]
-            found.append(SentenceAttention(
-                line=int(i) + 1, source=texts[i].strip(), translation=hyps[row],
-                src_tokens=[token_label(tokenizers.src, t) for t in source],
-                tgt_tokens=[token_label(tokenizers.tgt, t) for t in outputs[row]],
+            self.found.append(SentenceAttention(
+                line=int(i) + 1, source=self.texts[i].strip(), translation=hyps[row],
+                src_tokens=[token_label(self.tokenizers.src, t) for t in source],
+                tgt_tokens=[token_label(self.tokenizers.tgt, t) for t in outputs[row]],
                 weights=weights[row, :, :, : len(outputs[row]), : len(source)],
             ))
-    return out, sorted(found, key=lambda a: a.line)
+        self.found.sort(key=lambda a: a.line)
+
+    def plot(self, directory: Path) -> None:
+        """Write every recorded sentence's plots to `directory` (see the module docstring)."""
+        written = write_plots(self.found, Path(directory))
+        print(f"wrote {len(written)} attention plots for {len(self.found)} sentences to {directory}", file=sys.stderr)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -200,13 +195,3 @@ def write_plots(attentions: Sequence[SentenceAttention], directory: Path) -> lis
             plot(att, path)
             written.append(path)
     return written
-
-
-def translate_and_plot(backend: Translator, tokenizers: data.Tokenizers, texts: Sequence[str], *, directory: Path,
-                       **search) -> list[str]:
-    """`translate_texts` that also writes each sentence's plots to `directory` (see the module
-    docstring); `search` holds translate_texts' keyword arguments."""
-    hyps, attentions = translate_with_attention(backend, tokenizers, texts, **search)
-    written = write_plots(attentions, Path(directory))
-    print(f"wrote {len(written)} attention plots for {len(attentions)} sentences to {directory}", file=sys.stderr)
-    return hyps

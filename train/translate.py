@@ -41,15 +41,20 @@ def translate_texts(
     alpha: float = 0.6,
     scoring: str = "gnmt",
     stop: Callable[[], bool] | None = None,
+    on_batch: Callable[..., None] | None = None,
 ) -> list[str]:
     """Detokenized translations of `texts`, in order (an empty or whitespace-only line translates
-    to ""). `stop` is asked before each batch: True raises EvaluationStopped."""
+    to ""). `stop` is asked before each batch: True raises EvaluationStopped. `on_batch(indices,
+    src, tokens)` sees each batch's search (`train.attention.AttentionRecorder`)."""
     src_ids = data.encode(tokenizers.src, list(texts))
     out = [""] * len(texts)
     for index, src in data.source_batches(src_ids, max_len, token_budget, batch_size):
         if stop is not None and stop():
             raise EvaluationStopped("translation stopped")
-        hyps = data.decode_batch(tokenizers.tgt, backend.translate(src, beam_size, alpha, scoring=scoring))
+        tokens = backend.translate(src, beam_size, alpha, scoring=scoring)
+        if on_batch is not None:
+            on_batch(index, src, tokens)
+        hyps = data.decode_batch(tokenizers.tgt, tokens)
         for row, i in enumerate(index):
             if i >= 0 and texts[i].strip():
                 # A model may emit a newline byte: kept, it would make one input line several.
@@ -126,18 +131,18 @@ def main(argv: list[str] | None = None) -> int:
     except (UserError, FileNotFoundError, ValueError) as err:
         parser.exit(1, f"error: {err}\n")
     cfg = run.config
-    search = translate_texts
-    if args.plot_attention is not None:  # the same translations, each sentence's attention plotted on the way
-        import functools
+    recorder = None
+    if args.plot_attention is not None:  # the same translations, each sentence's attention recorded on the way
+        from .attention import AttentionRecorder
 
-        from .attention import translate_and_plot
-
-        search = functools.partial(translate_and_plot, directory=args.plot_attention)
-    hyps = search(
+        recorder = AttentionRecorder(run.backend, run.tokenizers, lines)
+    hyps = translate_texts(
         run.backend, run.tokenizers, lines,
         max_len=cfg.max_len, token_budget=cfg.token_budget, batch_size=args.batch_size,
-        beam_size=args.beam, alpha=args.alpha, scoring=args.scoring,
+        beam_size=args.beam, alpha=args.alpha, scoring=args.scoring, on_batch=recorder,
     )
+    if recorder is not None:
+        recorder.plot(args.plot_attention)
     text = "".join(h + "\n" for h in hyps)
     if args.output is None:
         sys.stdout.write(text)

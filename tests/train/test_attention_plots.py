@@ -73,7 +73,9 @@ def test_plot_attention_writes_one_heatmap_and_one_grid_per_sentence(trained, tm
 def test_sentence_attention_labels_and_weights(trained):
     run = rundir.open_run(trained, "latest")
     limits = dict(max_len=run.config.max_len, token_budget=run.config.token_budget, beam_size=1)
-    hyps, found = attention.translate_with_attention(run.backend, run.tokenizers, LINES, **limits)
+    recorder = attention.AttentionRecorder(run.backend, run.tokenizers, LINES)
+    hyps = translate.translate_texts(run.backend, run.tokenizers, LINES, on_batch=recorder, **limits)
+    found = recorder.found
     assert [a.line for a in found] == [1, 3] and [a.translation for a in found] == [hyps[0], hyps[2]]
     layers, heads = run.model_config.num_decoder_layers, run.model_config.num_heads
     for att in found:
