@@ -224,8 +224,9 @@ def _beam_search(model: Transformer, src_ids, beam_size: int, alpha: float, max_
         live_logprob, keep = jax.lax.top_k(jnp.where(ends, NEG_INF, top_logprob), k)
         order = (jnp.arange(b)[:, None] * k + _gather(parent, keep)).reshape(b * k)
         return {
-            **c, "cache": _reorder(cache, order), "live_tokens": _gather(top_tokens, keep), "live_logprob": live_logprob,
-            "finished_tokens": finished_tokens, "finished_scores": finished_scores, "last": _gather(token, keep),
+            **c, "cache": _reorder(cache, order), "last": _gather(token, keep), "live_logprob": live_logprob,
+            "live_tokens": _gather(top_tokens, keep), "finished_tokens": finished_tokens,
+            "finished_scores": finished_scores,
             "done": (finished_scores[:, -1] >= live_logprob[:, 0] / c["best_possible_penalty"]) | c["no_sentence"],
         }
 

@@ -204,6 +204,10 @@ class MultiHeadAttention(nnx.Module):
         return (out, attention) if return_attention else out
 
 
+class _SharedKeysAttention(tuned.SharedKeys, MultiHeadAttention):
+    """The cross-attention of an `xla_cpu` model: keys and values of one row may serve several."""
+
+
 class FeedForward(nnx.Module):
     """Position-wise feed-forward network (§3.3): linear2(act(linear1(x))), act ReLU (the paper),
     exact GELU or SiLU (x * sigmoid(x), "swish").
@@ -267,7 +271,8 @@ class DecoderLayer(EncoderLayer):
 
     def __init__(self, cfg: TransformerConfig, *, dtype=None, xla_cpu: bool = False, rngs: nnx.Rngs):
         super().__init__(cfg, dtype=dtype, xla_cpu=xla_cpu, rngs=rngs)
-        self.cross_attn = MultiHeadAttention(cfg, dtype=dtype, xla_cpu=xla_cpu, rngs=rngs)
+        attention = _SharedKeysAttention if xla_cpu else MultiHeadAttention
+        self.cross_attn = attention(cfg, dtype=dtype, xla_cpu=xla_cpu, rngs=rngs)
         self.cross_attn_norm = make_norm(cfg, rngs, dtype, xla_cpu)
 
     def __call__(

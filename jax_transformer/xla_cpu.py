@@ -1,10 +1,8 @@
-"""The model's and the search's pieces tuned for XLA:CPU, used where `Transformer(xla_cpu=True)`.
-
-The training backend builds its model with `xla_cpu=True` where its devices are CPUs (elsewhere
-False, the default); the model then computes with the kernels below and `decode`'s searches over
-it run `shrinking_while` and `best_candidates`. Each piece gives what the plain path gives (to
-float32 rounding; the searches the same tokens) and was kept because a side-by-side measurement on
-the CPU found it faster or smaller (`python -m train.profile_step --xla-cpu-ab`):
+"""The model's and the search's pieces tuned for XLA:CPU: `Transformer(xla_cpu=True)`, which the
+training backend builds where its devices are CPUs, computes with them, and `decode`'s searches over
+it run with them. Each gives what the plain path gives (to float32 rounding; the searches the same
+tokens), and is here because a side-by-side measurement on the CPU found it faster or smaller
+(`python -m train.profile_step --xla-cpu-ab`):
 
     linear_dot_general  every nnx.Linear's x @ W with a backward pass ordered for XLA:CPU
     attend              the output projection tied to the embedding, likewise
@@ -12,18 +10,14 @@ the CPU found it faster or smaller (`python -m train.profile_step --xla-cpu-ab`)
     relu_linear         linear2(relu(h)) keeping h alone for its backward pass
     best_candidates     the search's top-k over k·V extensions, by chunks of the vocabulary
     shrinking_while     the search's loop over a shrinking batch and a growing cache
+    SharedKeys          a sentence's hypotheses attending over one copy of its encoder output
 
-The weight gradient of x @ W contracts over the token axis, the major axis of both the input and
-the incoming gradient, so one of them is transposed for the matmul. Left to itself XLA:CPU
-transposes the incoming gradient: for the tied projection a (N, V) -> (V, N) copy of the logits'
-gradient (N tokens, V = 8000), 72 ms of an 850 ms small step on one core. Here the narrower
-operand is transposed, and the tied weight gradient is computed as (hᵀ g)ᵀ.
-
-JAX's autodiff keeps what its backward pass reads, and XLA:CPU keeps more: it fuses a cheap
-forward computation into the backward operation that reads it (recomputing max(h + b, 0) where
-the backward reads the ReLU's output), so that computation's inputs stay alive as well: two
-(B, L, F) arrays in every ReLU feed-forward layer where torch keeps one, and one (B, L, D) array
-more than torch in every LayerNorm.
+A weight gradient contracts over the token axis, the major axis of both the input and the
+incoming gradient, so one is transposed; XLA:CPU transposes the gradient, for the tied projection
+a (N, V) -> (V, N) copy of the logits' gradient. Here the narrower operand is transposed. And
+XLA:CPU fuses a cheap forward computation (max(h + b, 0)) into the backward operation that reads
+it, keeping that computation's inputs alive too: two (B, L, F) arrays in every ReLU feed-forward
+layer where torch keeps one, one (B, L, D) array more than torch in every LayerNorm.
 """
 
 from __future__ import annotations
@@ -48,10 +42,6 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.matmul(x, w)
 
 
-def _linear_fwd(x, w):
-    return linear(x, w), (x, w)
-
-
 def _linear_bwd(residuals, g):
     x, w = residuals
     dx = jnp.matmul(g, w.T)  # (..., O) @ (O, I): contracts the minor axes, no transpose needed
@@ -62,7 +52,7 @@ def _linear_bwd(residuals, g):
     return dx, dw.astype(w.dtype)
 
 
-linear.defvjp(_linear_fwd, _linear_bwd)
+linear.defvjp(lambda x, w: (linear(x, w), (x, w)), _linear_bwd)
 
 
 def linear_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
@@ -84,10 +74,6 @@ def tied_logits(h: jax.Array, e: jax.Array) -> jax.Array:
     return jnp.matmul(h, e.T)
 
 
-def _tied_fwd(h, e):
-    return tied_logits(h, e), (h, e)
-
-
 def _tied_bwd(residuals, g):
     h, e = residuals
     dh = jnp.matmul(g, e)  # (..., V) @ (V, D)
@@ -95,7 +81,7 @@ def _tied_bwd(residuals, g):
     return dh, de.astype(e.dtype)
 
 
-tied_logits.defvjp(_tied_fwd, _tied_bwd)
+tied_logits.defvjp(lambda h, e: (tied_logits(h, e), (h, e)), _tied_bwd)
 
 
 def attend(embed: nnx.Embed, query: jax.Array) -> jax.Array:
@@ -148,10 +134,6 @@ def relu_linear(h: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.matmul(jnp.maximum(h, 0), w)
 
 
-def _relu_linear_fwd(h, w):
-    return relu_linear(h, w), (h, w)
-
-
 def _relu_linear_bwd(residuals, g):
     h, w = residuals
     # relu(h) again, written so that XLA neither merges it with the forward's max(h, 0) (it merges
@@ -163,7 +145,7 @@ def _relu_linear_bwd(residuals, g):
     return dh, dw.astype(w.dtype)
 
 
-relu_linear.defvjp(_relu_linear_fwd, _relu_linear_bwd)
+relu_linear.defvjp(lambda h, w: (relu_linear(h, w), (h, w)), _relu_linear_bwd)
 
 
 # --------------------------------------------------------------------------------------------
@@ -171,20 +153,30 @@ relu_linear.defvjp(_relu_linear_fwd, _relu_linear_bwd)
 # --------------------------------------------------------------------------------------------
 
 
+class SharedKeys:
+    """For `MultiHeadAttention` (the model's cross-attention): keys and values (of `context` or
+    `kv`) of B / g rows serve g consecutive rows of x (B, T, D) each, as one row's g * T queries, the
+    mask then (B / g, 1, 1, S). So `shrinking_while` keeps one copy of a sentence's encoder output
+    and cross-attention keys for its hypotheses, where torch's search (and the plain one) repeats them."""
+
+    def __call__(self, x, context, mask=None, kv=None, *args, **kwargs):
+        rows = len(context if kv is None else kv[0])
+        if rows == len(x):
+            return super().__call__(x, context, mask, kv, *args, **kwargs)
+        return super().__call__(x.reshape(rows, -1, x.shape[-1]), context, mask, kv, *args, **kwargs).reshape(x.shape)
+
+
 def best_candidates(cfg, logits, base, must_end, n: int, neg_inf: float, chunk: int = 128):
     """`decode.top_candidates` (`neg_inf` its NEG_INF): the same values, indices and order (ties
-    to the lower index).
-
-    Why not that: on XLA's CPU backend it costs a pass writing B*H*V scores and a TopK
-    that partially sorts all H*V indices of a sentence (std::partial_sort), the bulk of a step.
-    Here the vocabulary is cut into chunks of c tokens. The score is monotone in the logit
-    within a hypothesis (base + ((x - max) - logsumexp) rounds monotonically), so a chunk's best
-    score is that of its largest logit, read from a max over the logits; only chunks holding
-    pad, BOS or EOS (masked unevenly) are scored entry by entry. The n best entries lie in the n
-    chunks with the best maxima: order entries by (score descending, index ascending), and a
-    chunk by its first entry in that order, as top_k over the maxima does (chunks are contiguous
-    in index order); an entry of any other chunk follows those n chunks' first entries, so it is
-    not among the n best. Those n chunks are then scored in full, in index order, and ranked.
+    to the lower index), without its pass writing B*H*V scores and XLA:CPU's TopK partially
+    sorting all H*V indices of a sentence. The vocabulary is cut into chunks of c tokens. The
+    score is monotone in the logit within a hypothesis (base + ((x - max) - logsumexp) rounds
+    monotonically), so a chunk's best score is that of its largest logit; only chunks holding pad,
+    BOS or EOS (masked unevenly) are scored entry by entry. The n best entries lie in the n chunks
+    with the best maxima: order entries by (score descending, index ascending), and a chunk by its
+    first entry in that order, as top_k over the maxima does (chunks are contiguous in index
+    order); an entry of any other chunk follows those n chunks' first entries. Those n chunks are
+    then scored in full, in index order, and ranked.
     """
     B, H, V = logits.shape
     cap = max(1, min(chunk, V // n))  # small vocabularies: still at least n chunks per hypothesis
@@ -231,15 +223,16 @@ def shrinking_while(step, result, carry, length: int):
     one, and with a self-attention cache that grows as the positions need it.
 
     carry: a pytree whose leaves lead with the b sentences' axis, or with b * n rows, a sentence's
-    n rows next to each other; carry["done"] (b,) and carry["cache"] (`Transformer.init_cache`'s,
-    or None) among them. step(position, carry) -> carry; result(carry) -> per-sentence outputs.
+    n rows next to each other; carry["done"] (b,), carry["cache"] (`Transformer.init_cache`'s, or
+    None), carry["memory"] (or None) and carry["src_mask"] among them, the last three of which
+    keep one row a sentence here (`SharedKeys`). step(position, carry) -> carry; result(carry)
+    -> per-sentence outputs.
 
     Why shrink: a batch runs until its slowest sentence ends, and with static shapes a finished
-    sentence keeps its rows in every matmul; on Multi30k val half the rows of a beam search were
-    finished ones. So the search is a chain of `lax.while_loop`s over B, B/2 and B/4 sentences
-    (MAX_STAGES; none below SMALLEST_STAGE), each left as soon as the live sentences fit the next.
-    A finished sentence's result no longer changes; rows never mix, so the outputs are those of
-    one loop over the whole batch. Each stage is one more loop to compile: three gained the most.
+    sentence keeps its rows in every matmul (on Multi30k val, half the rows of a beam search). So
+    the search is a chain of `lax.while_loop`s over B, B/2 and B/4 sentences (MAX_STAGES; none
+    below SMALLEST_STAGE), each left as soon as the live sentences fit the next. Rows never mix,
+    so the outputs are those of one loop over the whole batch.
 
     Why grow: the first quarter of the positions attends over a cache a quarter as long, the
     next over half (searches of 32 positions or more), so early positions neither attend over nor
@@ -248,6 +241,11 @@ def shrinking_while(step, result, carry, length: int):
     sizes = [carry["done"].shape[0]]
     while sizes[-1] // 2 >= SMALLEST_STAGE and len(sizes) < MAX_STAGES:
         sizes.append(sizes[-1] // 2)
+    n = len(carry["src_mask"]) // sizes[0]  # rows a sentence
+    one = lambda x: x[::n]  # noqa: E731 (a sentence's first row)
+    cache = carry["cache"] and [{**c, "cross_k": one(c["cross_k"]), "cross_v": one(c["cross_v"])}
+                                 for c in carry["cache"]]
+    carry = {**carry, "cache": cache, "memory": jax.tree.map(one, carry["memory"]), "src_mask": one(carry["src_mask"])}
     cache_lengths = (length,) if carry["cache"] is None or length < 32 else (length // 4, length // 2, length)
     if len(cache_lengths) > 1:
         carry = _resize_cache(carry, cache_lengths[0])

@@ -248,12 +248,10 @@ def xla_op_split(cfg: TransformerConfig, batch: int, length: int, repeats: int =
 
 
 def xla_cpu_ab(cfg: TransformerConfig, batch: int, length: int, repeats: int, sentences: int, seed: int = 0) -> dict:
-    """{"train step" | "beam-4 search": {"plain" | "tuned": [seconds of each repetition]}, "temporaries MiB": {...}}:
-    the model built with `xla_cpu=False` and `True` (the same weights), alternated call by call.
-    The step is the backend's: the gradient of the smoothed loss's sum (and the NLL's) over the
-    tokens, then Adam, the state donated. The search runs over `sentences` random sources of
-    random lengths up to `length`: with random weights each runs to its length limit (1.5 x its
-    length + 10), so sentences end at different steps, as real ones do."""
+    """{"train step" | "beam-4 search": {"plain" | "tuned": [seconds each]}, "temporaries MiB": {...}}
+    of the model built with `xla_cpu=False` and `True`, alternated call by call: the backend's step
+    (smoothed loss and NLL summed, Adam, the state donated), and a search over random sources of
+    random lengths, each run to its own length limit by the random weights."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -344,9 +342,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{_cpu_name()}, {len(os.sched_getaffinity(0))} usable CPUs, JAX on {jax.devices()[0].platform}; "
               "plain / tuned, seconds")
         for part in ("train step", "beam-4 search"):
-            plain, tuned = (statistics.median(ab[part][name]) for name in ("plain", "tuned"))
-            spread = " ".join(f"{p:.3f}/{t:.3f}" for p, t in zip(ab[part]["plain"], ab[part]["tuned"]))
-            print(f"{part}: median {plain:.3f} / {tuned:.3f} (plain/tuned {plain / tuned:.2f}); each: {spread}")
+            (plain, tuned), pairs = map(statistics.median, ab[part].values()), list(zip(*ab[part].values()))
+            ratios = sorted(p / t for p, t in pairs)
+            print(f"{part}: median {plain:.3f} / {tuned:.3f}; plain/tuned per repetition {ratios[0]:.2f}-"
+                  f"{ratios[-1]:.2f}, median {statistics.median(ratios):.2f}; each: "
+                  + " ".join(f"{p:.3f}/{t:.3f}" for p, t in pairs))
         memory = ab["temporaries MiB"]
         print(f"compiled train step's temporaries: plain {memory['plain']:.1f} MiB, tuned {memory['tuned']:.1f} MiB")
         if args.json:

@@ -131,6 +131,25 @@ def test_best_candidates_equal_top_k_over_every_extension(vocab, hyps, n, chunk)
     np.testing.assert_array_equal(np.asarray(values), np.asarray(expected[0]))
 
 
+def test_shared_keys_equal_the_keys_repeated_for_each_row():
+    """Keys and values of B / g rows serving g consecutive query rows each (the XLA:CPU search's
+    cross-attention over a sentence's encoder output, once for its hypotheses) give what the same
+    keys repeated g times give: to 1e-6 (values of order 1, 24 wide: float32 rounding of a matmul
+    over g * T rows against one over T)."""
+    cfg = TransformerConfig(src_vocab_size=53, tgt_vocab_size=53, d_model=24, num_heads=3, d_ff=40, dropout=0.0)
+    attn = jax_transformer.Transformer(cfg, xla_cpu=True, rngs=nnx.Rngs(0)).decoder.layers[0].cross_attn
+    rng = np.random.default_rng(4)
+    b, g, T, S = 3, 4, 2, 5
+    x = jnp.asarray(rng.normal(size=(b * g, T, 24)), jnp.float32)
+    memory = jnp.asarray(rng.normal(size=(b, S, 24)), jnp.float32)
+    mask = jnp.asarray(rng.random((b, 1, 1, S)) < 0.8).at[:, :, :, 0].set(True)  # some keys masked
+    want = attn(x, jnp.repeat(memory, g, axis=0), jnp.repeat(mask, g, axis=0))
+    for kwargs in (dict(context=memory), dict(context=None, kv=attn.project_kv(memory))):
+        got = attn(x, mask=mask, **kwargs)
+        assert got.shape == want.shape == (b * g, T, 24)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=0)
+
+
 TINY = TransformerConfig.preset("tiny", src_vocab_size=50, tgt_vocab_size=50, max_len=64, dropout=0.0)
 
 
