@@ -154,10 +154,10 @@ relu_linear.defvjp(lambda h, w: (relu_linear(h, w), (h, w)), _relu_linear_bwd)
 
 
 class SharedKeys:
-    """For `MultiHeadAttention` (the model's cross-attention): keys and values (of `context` or
-    `kv`) of B / g rows serve g consecutive rows of x (B, T, D) each, as one row's g * T queries, the
-    mask then (B / g, 1, 1, S). So `shrinking_while` keeps one copy of a sentence's encoder output
-    and cross-attention keys for its hypotheses, where torch's search (and the plain one) repeats them."""
+    """For `MultiHeadAttention` (cross-attention): keys and values (`context`, `kv`) of B / g rows
+    serve g consecutive rows of x (B, T, D) each as one row's g * T queries, mask (B / g, 1, 1, S),
+    no `return_attention`: so `shrinking_while` keeps one copy of a sentence's encoder output and
+    cross-attention keys for its hypotheses, which torch's search (and the plain one) repeats."""
 
     def __call__(self, x, context, mask=None, kv=None, *args, **kwargs):
         rows = len(context if kv is None else kv[0])
