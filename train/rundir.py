@@ -397,11 +397,14 @@ def read_model_config(run_dir: str | Path) -> TransformerConfig:
     return _read_settings(run_dir, MODEL_FILE, TransformerConfig.from_dict)
 
 
-def open_run(run_dir: str | Path, checkpoint: str | int = "best") -> Run:
+def open_run(run_dir: str | Path, checkpoint: str | int = "best", launch: Mapping[str, Any] | None = None) -> Run:
     """Config, tokenizers and a backend holding checkpoint `checkpoint` ("best", "latest" or a
-    step), in this process on every visible device: checkpoints restore onto any mesh."""
+    step), in this process on every visible device (or those of the launch options `launch`, e.g.
+    {"devices": 2}): checkpoints restore onto any mesh."""
     run_dir = Path(run_dir)
     cfg = read_experiment(run_dir)
+    if launch:
+        cfg = cfg.replace(**launch)
     model_cfg = read_model_config(run_dir)
     checkpoint = parse_checkpoint(checkpoint)
     try:

@@ -202,6 +202,18 @@ def search(ctx: StepContext, params, src, beam_size: int, alpha: float, cached: 
     return decode.beam_search(model, src, beam_size, alpha, cached=cached, scoring=scoring)[0]
 
 
+def sharded_search(ctx: StepContext, mesh, params, src, *options):
+    """`search` data parallel: each device of `mesh` searches its own rows of src (sharded along
+    `data`) with its copy of the replicated parameters, without collectives (`shard_map`: each
+    device's loop ends when its own sentences are done); the output sharded alike. No collective
+    runs inside, so the per-device values need no varying-axis types (`check_vma=False`): the search
+    is written for one device."""
+    rows = jax.sharding.PartitionSpec(sharding.DATA_AXIS)
+    per_device = jax.shard_map(lambda p, s: search(ctx, p, s, *options), mesh=mesh,
+                               in_specs=(jax.sharding.PartitionSpec(), rows), out_specs=rows, check_vma=False)
+    return per_device(params, src)
+
+
 class JaxBackend:
     """`train.backends.Backend` for JAX; see the module docstring."""
 
@@ -261,6 +273,7 @@ class JaxBackend:
         # Searches jit-compiled over the parameters alone: a call costs no walk of the module graph
         # (nnx.jit's, ~11 ms a call for the small model).
         self._search = jax.jit(bound(search, self.ctx), static_argnums=(2, 3, 4, 5))
+        self._sharded_search = jax.jit(bound(sharded_search, self.ctx, self.mesh), static_argnums=(2, 3, 4, 5))
 
     # ------------------------------------------------------------------------------------------
     # The Backend interface
@@ -305,22 +318,39 @@ class JaxBackend:
     def fetch(self, metrics: Sequence[Metrics]) -> list[dict[str, float]]:
         return [{k: float(v) for k, v in m.items()} for m in jax.device_get(list(metrics))]
 
-    def local_params(self):
-        """This process's own single-device copy of the parameters: no collectives when they are
-        replicated; under FSDP gathered whole once per step (every process takes part)."""
+    def mesh_params(self):
+        """The parameters whole on every device of the mesh: as they are when replicated; under
+        FSDP gathered once per step (every process takes part)."""
         if self.layout == "replicated":
-            return sharding.local_copy(self.state["params"])
+            return self.state["params"]
         if self._whole_params is None or self._whole_params[0] != self._step:
-            self._whole_params = (self._step, sharding.local_copy(sharding.gather(self.state["params"], self.mesh)))
+            self._whole_params = (self._step, sharding.gather(self.state["params"], self.mesh))
         return self._whole_params[1]
+
+    def local_params(self):
+        """This process's own single-device copy of the parameters (no data moves)."""
+        return sharding.local_copy(self.mesh_params())
 
     def eval_loss(self, batch: Batch):
         return self._eval(self.local_params(), _as_arrays(batch))
 
     def translate(self, src: np.ndarray, beam_size: int = 4, alpha: float = 0.6, cached: bool = True,
                   scoring: str = "gnmt") -> np.ndarray:
-        tokens = self._search(self.local_params(), np.asarray(src, np.int32), beam_size, alpha, cached, scoring)
-        return np.asarray(tokens, np.int32)
+        src = np.asarray(src, np.int32)
+        devices = self.mesh.devices.size
+        if devices == 1:
+            return np.asarray(self._search(self.local_params(), src, beam_size, alpha, cached, scoring), np.int32)
+        # Data parallel over the mesh: rows of padding (no sentence: done at once) up to a multiple
+        # of the devices, each process supplying its own rows, the output gathered on every process.
+        rows = len(src)
+        src = np.pad(src, ((0, -rows % devices), (0, 0)), constant_values=self.model_cfg.pad_id)
+        batch = sharding.shard_batch({"src": src[sharding.process_slice(len(src))]}, self.mesh)["src"]
+        tokens = self._sharded_search(self.mesh_params(), batch, beam_size, alpha, cached, scoring)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            tokens = multihost_utils.process_allgather(tokens, tiled=True)
+        return np.asarray(tokens, np.int32)[:rows]
 
     def learning_rate(self, step: int) -> float:
         return float(noam_learning_rate(step, self.model_cfg.d_model, self.exp_cfg.warmup, self.exp_cfg.lr_factor))
