@@ -160,15 +160,17 @@ class Batcher:
 def source_batches(
     src_ids: Sequence[Sequence[int]], max_len: int, token_budget: int, batch_size: int | None = None
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """(indices, padded src (B, L)) per batch: sentences grouped by length bucket, at most
-    `token_budget` padded tokens and `batch_size` sentences per batch, every batch of a bucket
-    padded with all-pad rows (index -1) to one shape. Sources longer than max_len are cut to
-    max_len - 1 tokens + <eos>."""
+    """(indices, padded src (B, L)) per batch: sentences grouped by length bucket and sorted by
+    length within it (a batch's sentences tend to finish together), at most `token_budget` padded
+    tokens and `batch_size` sentences per batch, every batch of a bucket padded with all-pad rows
+    (index -1) to one shape. Sources longer than max_len are cut to max_len - 1 tokens + <eos>."""
     buckets = bucket_lengths(max_len)
     ids = [list(s) if len(s) <= max_len else [*s[: max_len - 1], EOS_ID] for s in src_ids]
-    bucket_of = np.searchsorted(buckets, [len(s) for s in ids])
+    lengths = np.array([len(s) for s in ids], dtype=np.int64)
+    bucket_of = np.searchsorted(buckets, lengths)
     for b, length in enumerate(buckets):
         members = np.flatnonzero(bucket_of == b)
+        members = members[np.argsort(lengths[members], kind="stable")]
         if not len(members):
             continue
         # Rows per batch: the budget's, but no more than the next power of two above the bucket's

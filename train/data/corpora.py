@@ -167,9 +167,15 @@ def _tsv_pairs(path: Path, src: str, tgt: str) -> LoadedPairs:
 
 
 def _existing(*candidates: Path) -> Path:
+    """The first candidate that is a regular file; a directory, FIFO or device is named as such
+    (data is read twice, checked then loaded, which a stream cannot be)."""
     for path in candidates:
         if path.is_file():
             return path
+        if path.is_dir():
+            raise ValueError(f"{path} is a directory, not a data file")
+        if path.exists():
+            raise ValueError(f"{path} is not a regular file (a FIFO or a device): give a file")
     raise FileNotFoundError(f"no such file: {' or '.join(map(str, candidates))}")
 
 

@@ -1,0 +1,81 @@
+"""Lines of any readable stream, one at a time, in bounded memory: `LineReader`.
+
+A regular file (plain, or gzip when its name ends in .gz), a FIFO, `/dev/stdin`, a process
+substitution (`<(...)`, a /dev/fd/N path) or standard input (path None). Lines end at "\n" (a
+"\r" before it is dropped), the rule of `corpora.split_lines`; a line longer than `max_bytes`
+bytes is refused with its number instead of being read whole (`< /dev/zero` ends in one error,
+not a MemoryError). Every problem is a `UserError` naming the input: missing, a directory,
+unreadable, invalid UTF-8 (byte offset and line), a line too long.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import stat
+import sys
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+from ..files import UserError
+
+MAX_LINE_BYTES = 1 << 20  # 1 MiB: far beyond any sentence, far below a machine's memory
+
+
+class LineReader:
+    """Iterate over the lines (str) of `path`, or of standard input when it is None.
+
+    `lines` counts the lines read; `fraction()` is how much of a regular file has been read
+    (None for streams), for an ETA."""
+
+    def __init__(self, path: Path | None, max_bytes: int = MAX_LINE_BYTES, flag: str = "--input"):
+        self.name = "standard input" if path is None else str(path)
+        self.max_bytes, self.lines, self.offset, self._size = max_bytes, 0, 0, None
+        if path is None:
+            self._raw = self._stream = sys.stdin.buffer
+            return
+        if path.is_dir():
+            raise UserError(f"{flag} {path} is a directory; give a file (one sentence per line)")
+        try:
+            self._raw = open(path, "rb")  # noqa: SIM115 (closed by close())
+        except FileNotFoundError:
+            raise UserError(f"no such file: {path}") from None
+        except OSError as err:
+            raise UserError(f"cannot read {path}: {err.strerror or err}") from None
+        info = os.fstat(self._raw.fileno())
+        if stat.S_ISREG(info.st_mode):
+            self._size = info.st_size
+        self._stream = gzip.GzipFile(fileobj=self._raw) if path.suffix == ".gz" else self._raw
+
+    def fraction(self) -> float | None:
+        """The part of a regular file read so far (of its compressed bytes for .gz), else None."""
+        if not self._size:
+            return None
+        return min(1.0, self._raw.tell() / self._size)
+
+    def __iter__(self) -> Iterator[str]:
+        return self
+
+    def __next__(self) -> str:
+        try:
+            raw = self._stream.readline(self.max_bytes + 1)
+        except (OSError, EOFError, zlib.error) as err:  # unreadable, or a truncated/corrupt .gz
+            raise UserError(f"cannot read {self.name}: {getattr(err, 'strerror', None) or err}") from None
+        if not raw:
+            raise StopIteration
+        self.lines += 1
+        if len(raw) > self.max_bytes and not raw.endswith(b"\n"):
+            raise UserError(f"{self.name}: line {self.lines} is longer than {self.max_bytes:,} bytes "
+                            "(--max-line-bytes)")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise UserError(f"{self.name}: invalid UTF-8 at byte offset {self.offset + err.start} "
+                            f"(line {self.lines}): {err.reason}") from None
+        self.offset += len(raw)
+        return text.removesuffix("\n").removesuffix("\r")
+
+    def close(self) -> None:
+        if self._raw is not sys.stdin.buffer:
+            self._raw.close()

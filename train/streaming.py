@@ -1,0 +1,176 @@
+"""What `python -m train.translate` streams through: where finished chunks go, progress, signals.
+
+`PartialOutput`: --output F grows as `.F.partial` beside F, one finished chunk at a time (written,
+flushed and synced), each followed by `.F.partial.json`, its record: lines and bytes done, a
+SHA-256 of the input lines they translate, the settings that made them. The end renames the
+partial file onto F. An interruption leaves F as it was and keeps the partial file; the same
+command run again truncates it to its last recorded chunk (so SIGKILL mid-write loses only that
+chunk), checks the input's first lines against the digest, and continues after them. A record
+made with other settings (run, checkpoint, beam, alpha, scoring) is discarded with a note.
+
+`Progress`: one line on stderr rewritten in place when stderr is a terminal (lines, lines/s,
+target tokens/s, ETA when the input is a regular file); `summary()` is the closing line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import data
+from .files import UserError, read_json, write_json_atomic
+
+
+class OtherInput(UserError):
+    """A partial output that translates other input lines than these."""
+
+
+class Interrupted(Exception):
+    """SIGTERM or SIGINT arrived (raised in the main thread, between two Python operations)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def interruptible() -> Iterator[None]:
+    """Within the block SIGTERM and SIGINT raise `Interrupted` (main thread only; elsewhere the
+    signals keep their handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise Interrupted(signum)
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+class StreamOutput:
+    """Translations to a text stream (standard output), flushed after every chunk; no resume."""
+
+    digest, note = None, None
+
+    def __init__(self, stream=None):
+        self.stream, self.done = stream, 0
+
+    def write(self, texts: Sequence[str], digest: str) -> None:
+        stream = self.stream or sys.stdout
+        stream.write("".join(t + "\n" for t in texts))
+        stream.flush()
+        self.done += len(texts)
+
+    def finish(self) -> None:
+        pass
+
+
+class PartialOutput:
+    """--output F, written through `.F.partial` and resumable (see the module docstring)."""
+
+    def __init__(self, path: Path, settings: dict[str, Any]):
+        self.path, self.settings = path, settings
+        self.name = str(path)
+        self.partial = path.with_name(f".{path.name}.partial")
+        self.record = path.with_name(f".{path.name}.partial.json")
+        self.done, self.bytes, self.digest, self.note, self._file = 0, 0, None, None, None
+        try:
+            state = read_json(self.record, default=None)
+        except UserError:
+            state = None
+        if not isinstance(state, dict) or not self.partial.is_file():
+            return
+        if state.get("settings") != settings:
+            self.note = f"note: {self.partial} was translated with other settings; starting afresh"
+        elif self.partial.stat().st_size < state.get("bytes", -1):
+            self.note = f"note: {self.partial} is shorter than its record; starting afresh"
+        else:
+            self.done, self.bytes, self.digest = int(state["lines"]), int(state["bytes"]), state["input_sha256"]
+
+    def write(self, texts: Sequence[str], digest: str) -> None:
+        if self._file is None:  # created with the first finished chunk: an early error leaves nothing
+            self._file = open(self.partial, "r+b" if self.done else "wb")  # noqa: SIM115 (closed by finish)
+            self._file.truncate(self.bytes)
+            self._file.seek(self.bytes)
+        chunk = "".join(t + "\n" for t in texts).encode("utf-8")
+        self._file.write(chunk)
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self.done, self.bytes, self.digest = self.done + len(texts), self.bytes + len(chunk), digest
+        write_json_atomic(self.record, {"settings": self.settings, "lines": self.done, "bytes": self.bytes,
+                                        "input_sha256": digest})
+
+    def finish(self) -> None:
+        """Rename the whole output onto F (an input whose every line was already done: as it is)."""
+        if self._file is None:
+            self.write([], self.digest or "")
+        self._file.close()
+        os.replace(self.partial, self.path)
+        self.record.unlink(missing_ok=True)
+
+    def kept(self) -> str:
+        """Where the finished chunks are, for the message of an interrupted or failed run."""
+        return (f"the translations of lines 1-{self.done:,} are kept in {self.partial}: "
+                "the same command continues after them")
+
+
+class Progress:
+    """Counts and, on a terminal, a progress line on stderr (see the module docstring)."""
+
+    INTERVAL = 0.5  # seconds between two progress lines
+
+    def __init__(self, show: bool, fraction: Callable[[], float | None]):
+        self.show, self.fraction = show, fraction
+        self.start = self._shown = time.perf_counter()
+        self.lines = self.tokens = 0
+        self._fraction0 = None
+
+    def on_batch(self, index: np.ndarray, src: np.ndarray, tokens: np.ndarray) -> None:
+        rows = index >= 0
+        self.lines += int(rows.sum())
+        self.tokens += int((tokens[rows] != data.PAD_ID).sum())
+        now = time.perf_counter()
+        if self.show and now - self._shown >= self.INTERVAL:
+            self._shown = now
+            print(f"\r{self.status()}\x1b[K", end="", file=sys.stderr, flush=True)
+
+    def begin(self) -> None:
+        """Translation starts now (after any lines skipped on a resume): rates and ETA count from here."""
+        self.start = time.perf_counter()
+        self._fraction0 = self.fraction()
+
+    def rates(self) -> tuple[float, float, float]:
+        seconds = max(time.perf_counter() - self.start, 1e-9)
+        return seconds, self.lines / seconds, self.tokens / seconds
+
+    def status(self) -> str:
+        seconds, lines_per_s, tokens_per_s = self.rates()
+        text = f"{self.lines:,} lines, {lines_per_s:,.1f} lines/s, {tokens_per_s:,.0f} target tokens/s"
+        fraction = self.fraction()
+        if fraction is not None and self._fraction0 is not None and fraction > self._fraction0:
+            left = seconds * (1 - fraction) / (fraction - self._fraction0)
+            text += f", {100 * fraction:.0f}% read, ETA {int(left) // 60}:{int(left) % 60:02d}"
+        return text
+
+    def clear(self) -> None:
+        if self.show:
+            print("\r\x1b[K", end="", file=sys.stderr, flush=True)
+
+    def summary(self) -> str:
+        seconds, lines_per_s, tokens_per_s = self.rates()
+        return (f"translated {self.lines:,} lines in {seconds:.1f} s: {lines_per_s:,.1f} lines/s, "
+                f"{tokens_per_s:,.0f} target tokens/s")
