@@ -23,6 +23,17 @@ forced <eos>, where CTranslate2 has one limit per batch, counts as the same when
 it are: `ctranslate2.same_output`; greedy float32: 0 differences expected; beam: CTranslate2
 normalises by length ** alpha, not GNMT's penalty), and the BLEU of int8's translations against
 float32's.
+
+With --hf (the `interop` extra; a run imported from Marian, `parity.convert --from marian`) the
+run's weights go back into a `transformers.MarianMTModel` (`parity.marian.to_marian`) and HF's
+`generate` is timed on the same batches in Marian's ids: row "hf generate", greedy and with --beam
+(length_penalty=alpha, early_stopping="never": with --scoring hf the same search as ours), each
+batch limited to our length limit for its padded length, as CTranslate2 is.
+
+Every row also reports `peak_mib`: the largest growth of this process's resident memory over its
+size when the timed loop started, sampled every 5 ms (the working memory of that search: the
+weights and compiled programs are in place before). --no-uncached leaves out torch's uncached
+loop, which takes hours at large shapes.
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ import contextlib
 import os
 import platform
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -55,8 +67,38 @@ def _trim(out) -> list[int]:
     return [int(t) for t in out if t != data.PAD_ID]
 
 
+class PeakMemory:
+    """The largest resident set size of this process within the block, above its size at entry
+    (`mib`), read from /proc/self/statm every `interval` seconds by a thread."""
+
+    def __init__(self, interval: float = 0.005):
+        self.interval, self.mib = interval, 0.0
+
+    @staticmethod
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def __enter__(self) -> PeakMemory:
+        self.start = self.peak = self.rss()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._done.wait(self.interval):
+            self.peak = max(self.peak, self.rss())
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.rss())
+        self.mib = (self.peak - self.start) / 2**20
+
+
 def benchmark(run: Run, lines: Sequence[str], beam_size: int, batch_size: int | None, alpha: float = 0.6,
-              ctranslate2: bool = False, scoring: str = "gnmt") -> list[dict]:
+              ctranslate2: bool = False, scoring: str = "gnmt", hf: bool = False, uncached: bool = True) -> list[dict]:
     """One row per search and beam: seconds, sentences/s, tokens/s, speed-ups, outputs that differ.
 
     JAX runs every batch once untimed first (jit compiles each batch shape there), torch and
@@ -73,29 +115,32 @@ def benchmark(run: Run, lines: Sequence[str], beam_size: int, batch_size: int | 
     src_ids = data.encode(run.tokenizers.src, list(lines))
     batches = list(data.source_batches(src_ids, cfg.max_len, cfg.token_budget, batch_size))
 
-    def timed(search, warmup) -> tuple[float, list]:
+    def timed(search, warmup) -> tuple[float, list, float]:
+        """(seconds, outputs in input order, peak memory growth in MiB) of searching every batch."""
         for _, src in warmup:
             search(src)
         outputs = [None] * len(lines)
-        start = time.perf_counter()
-        for index, src in batches:
-            out = search(src)
-            for row in np.flatnonzero(index >= 0):
-                outputs[index[row]] = out[row]
-        return time.perf_counter() - start, outputs
+        with PeakMemory() as memory:
+            start = time.perf_counter()
+            for index, src in batches:
+                out = search(src)
+                for row in np.flatnonzero(index >= 0):
+                    outputs[index[row]] = out[row]
+            seconds = time.perf_counter() - start
+        return seconds, outputs, memory.mib
 
     rows, reference = [], {}
-    for name, cached in (("torch", True), ("jax", True), ("torch", False)):
+    for name, cached in (("torch", True), ("jax", True), ("torch", False))[: 3 if uncached else 2]:
         search_name = f"{name} {'cached' if cached else 'uncached'}"
         for beam in sorted({1, beam_size}):
             search = lambda src, b=backends[name], k=beam, c=cached: b.translate(src, k, alpha, cached=c, scoring=scoring)
             # Each framework under the allocator it has in a process of its own (allocator.settled)
             with allocator.settled() if name == "torch" else contextlib.nullcontext():
-                seconds, outputs = timed(search, batches if name == "jax" else batches[:1])
+                seconds, outputs, peak = timed(search, batches if name == "jax" else batches[:1])
             if search_name == REFERENCE:
                 reference[beam] = outputs
             rows.append({
-                "search": search_name, "beam": beam, "seconds": seconds,
+                "search": search_name, "beam": beam, "seconds": seconds, "peak_mib": peak,
                 "tokens": int(sum((out != data.PAD_ID).sum() for out in outputs)),
                 "differ": None if search_name == REFERENCE
                 else sum(_trim(a) != _trim(b) for a, b in zip(outputs, reference[beam])),
@@ -103,11 +148,14 @@ def benchmark(run: Run, lines: Sequence[str], beam_size: int, batch_size: int | 
     if ctranslate2:
         with allocator.settled():
             rows += _ctranslate2_rows(run, state, batches, beam_size, alpha, timed, reference)
+    if hf:
+        with allocator.settled():
+            rows += _hf_rows(run, state, batches, beam_size, alpha, timed, reference)
     for row in rows:
         row.update(sentences=len(lines), sentences_per_s=len(lines) / row["seconds"], tokens_per_s=row["tokens"] / row["seconds"])
         for baseline in (REFERENCE, "torch uncached"):
-            match = next(r for r in rows if r["search"] == baseline and r["beam"] == row["beam"])
-            row[f"speedup_vs_{baseline.replace(' ', '_')}"] = match["seconds"] / row["seconds"]
+            match = next((r for r in rows if r["search"] == baseline and r["beam"] == row["beam"]), None)
+            row[f"speedup_vs_{baseline.replace(' ', '_')}"] = match and match["seconds"] / row["seconds"]
     for backend in backends.values():
         backend.close()
     return rows
@@ -126,11 +174,7 @@ def _ctranslate2_rows(run: Run, state, batches, beam_size: int, alpha: float, ti
 
     params = convert_state(state, "torch", run.model_config).params
     threads = torch.get_num_threads()  # as many as torch's cached search uses
-    limits = [0] * len(reference[1])  # each sentence's own limit, as our search applies it
-    for index, src in batches:
-        for row in np.flatnonzero(index >= 0):
-            length = int((src[row] != data.PAD_ID).sum())
-            limits[index[row]] = output_length(length, run.model_config.max_len, 1.5, 10)
+    limits = _limits(run, batches)
     rows, texts = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         for kind in ("float32", "int8"):
@@ -141,10 +185,10 @@ def _ctranslate2_rows(run: Run, state, batches, beam_size: int, alpha: float, ti
                     limit = output_length(src.shape[1], run.model_config.max_len, 1.5, 10)
                     return translator.translate_ids(src, beam_size=k, max_len=limit, length_penalty=alpha)
 
-                seconds, outputs = timed(search, batches[:1])
+                seconds, outputs, peak = timed(search, batches[:1])
                 texts[kind, beam] = data.decode_batch(run.tokenizers.tgt, outputs)
                 rows.append({
-                    "search": f"ctranslate2 {kind}", "beam": beam, "seconds": seconds,
+                    "search": f"ctranslate2 {kind}", "beam": beam, "seconds": seconds, "peak_mib": peak,
                     "tokens": int(sum(len(out) for out in outputs)),
                     "differ": sum(not ct2.same_output(_trim(ref), out, limit)
                                   for out, ref, limit in zip(outputs, reference[beam], limits)),
@@ -153,6 +197,59 @@ def _ctranslate2_rows(run: Run, state, batches, beam_size: int, alpha: float, ti
         if row["search"] == "ctranslate2 int8":
             float32 = texts["float32", row["beam"]]
             row["bleu_vs_float32"] = sacrebleu.corpus_bleu(texts["int8", row["beam"]], [float32]).score
+    return rows
+
+
+def _limits(run: Run, batches) -> list[int]:
+    """Each sentence's length limit, as our search applies it (1.5 x its length + 10)."""
+    from torch_reference.decode import output_length
+
+    limits = {}
+    for index, src in batches:
+        for row in np.flatnonzero(index >= 0):
+            limits[index[row]] = output_length(int((src[row] != data.PAD_ID).sum()), run.model_config.max_len, 1.5, 10)
+    return [limits[i] for i in range(len(limits))]
+
+
+def _hf_rows(run: Run, state, batches, beam_size: int, alpha: float, timed, reference) -> list[dict]:
+    """Row "hf generate": the run's weights as a MarianMTModel, `generate` on the same batches."""
+    import torch
+
+    from torch_reference.decode import output_length
+    from train.data.spm import require
+
+    from . import ctranslate2 as ct2
+    from . import marian
+
+    transformers = require("transformers")
+    record = marian.marian_origin(run.run_dir)
+    config = {k: v for k, v in record["marian_config"].items()
+              if k not in ("architectures", "transformers_version", "model_type")}
+    model = transformers.MarianMTModel(transformers.MarianConfig(**config)).eval()
+    params = convert_state(state, "torch", run.model_config).params
+    model.load_state_dict(marian.to_marian(params, run.model_config, record["marian_ids"]), strict=False)
+    ids = record["marian_ids"]
+    src_order, tgt_order = marian.side_orders(ids)
+    to_ours = {int(m): ours for ours, m in enumerate(tgt_order) if ours != data.BOS_ID}
+    limits, rows = _limits(run, batches), []
+    for beam in sorted({1, beam_size}):
+        def search(src, k=beam):
+            limit = output_length(src.shape[1], run.model_config.max_len, 1.5, 10)
+            with torch.inference_mode():
+                out = model.generate(
+                    input_ids=torch.from_numpy(src_order[src]), attention_mask=torch.from_numpy(src != data.PAD_ID),
+                    num_beams=k, do_sample=False, max_new_tokens=limit, bad_words_ids=[[ids["pad"]]],
+                    forced_eos_token_id=ids["eos"], **({"length_penalty": alpha, "early_stopping": "never"} if k > 1 else {}),
+                )
+            return [[to_ours[int(m)] for m in row[1:] if m != ids["pad"]] for row in out.tolist()]
+
+        seconds, outputs, peak = timed(search, batches[:1])
+        rows.append({
+            "search": "hf generate", "beam": beam, "seconds": seconds, "peak_mib": peak,
+            "tokens": int(sum(len(out) for out in outputs)),
+            "differ": sum(not ct2.same_output(_trim(ref), out, limit)
+                          for out, ref, limit in zip(outputs, reference[beam], limits)),
+        })
     return rows
 
 
@@ -169,6 +266,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
     parser.add_argument("--ctranslate2", action="store_true", help="also time the run exported to CTranslate2 in "
                         "float32 and int8 (needs the interop extra: pip install -e \".[interop]\")")
+    parser.add_argument("--hf", action="store_true", help="also time HF transformers' generate on the run's weights "
+                        "(a run imported from Marian: parity.convert --from marian; needs the interop extra)")
+    parser.add_argument("--no-uncached", dest="uncached", action="store_false",
+                        help="leave out torch's uncached loop (hours at large shapes); speed-ups against it are then null")
     return parser
 
 
@@ -183,15 +284,23 @@ def main(argv: list[str] | None = None) -> int:
         run = open_run(args.run_dir, args.checkpoint)
     except (UserError, FileNotFoundError, ValueError) as err:
         parser.exit(1, f"error: {err}\n")
-    if args.ctranslate2:
-        try:
-            from train.data.spm import require
+    for wanted, package in ((args.ctranslate2, "ctranslate2"), (args.hf, "transformers")):
+        if wanted:
+            try:
+                from train.data.spm import require
 
-            require("ctranslate2")
-        except ImportError as err:
-            parser.exit(1, f"error: {err}\n")
+                require(package)
+            except ImportError as err:
+                parser.exit(1, f"error: {err}\n")
+    if args.hf:
+        try:
+            from .marian import marian_origin
+
+            marian_origin(args.run_dir)
+        except ValueError as err:
+            parser.exit(1, f"error: --hf: {err}\n")
     rows = benchmark(run, sentences, args.beam, args.batch_size, args.alpha, ctranslate2=args.ctranslate2,
-                     scoring=args.scoring)
+                     scoring=args.scoring, hf=args.hf, uncached=args.uncached)
     run.backend.close()
     machine = f"{platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} CPUs"
     import jax
@@ -199,12 +308,13 @@ def main(argv: list[str] | None = None) -> int:
     if jax.default_backend() != "cpu":
         machine += f", {jax.devices()[0].device_kind}"
     print(f"{len(sentences)} sentences, {run.model_config.d_model}-wide {run.config.preset} model, {machine}")
-    print(f"{'search':19s} {'beam':>4s} {'seconds':>8s} {'sent/s':>8s} {'tok/s':>8s} {'vs torch cached':>16s} "
-          f"{'vs uncached':>12s} {'outputs differ':>15s}")
+    print(f"{'search':19s} {'beam':>4s} {'seconds':>8s} {'sent/s':>8s} {'tok/s':>8s} {'peak MiB':>8s} "
+          f"{'vs torch cached':>16s} {'vs uncached':>12s} {'outputs differ':>15s}")
     for r in rows:
         differ = "reference" if r["differ"] is None else str(r["differ"])
+        uncached = "-" if r["speedup_vs_torch_uncached"] is None else f"{r['speedup_vs_torch_uncached']:.2f}x"
         print(f"{r['search']:19s} {r['beam']:4d} {r['seconds']:8.2f} {r['sentences_per_s']:8.1f} {r['tokens_per_s']:8.0f} "
-              f"{r['speedup_vs_torch_cached']:15.2f}x {r['speedup_vs_torch_uncached']:11.2f}x {differ:>15s}"
+              f"{r['peak_mib']:8.0f} {r['speedup_vs_torch_cached']:15.2f}x {uncached:>12s} {differ:>15s}"
               + (f"   BLEU vs float32 {r['bleu_vs_float32']:.2f}" if "bleu_vs_float32" in r else ""))
     if args.json:
         write_text_atomic(args.json, json_text({"run_dir": str(args.run_dir), "machine": machine, "rows": rows}))
