@@ -366,6 +366,36 @@ def test_eight_devices_translate_as_one(jax_run, tmp_path):
         assert len(outputs[f"8/{beam}"]) == len(LINES)
 
 
+@pytest.mark.slow  # three JAX processes
+def test_two_processes_translate_as_one(jax_run, tmp_path, capsys):
+    """Two processes with 2 CPU devices each (jax.distributed on 127.0.0.1): process 0 writes the
+    one-device output; process 1 writes nothing."""
+    import socket
+
+    source, output = write_lines(tmp_path / "in.txt", LINES), tmp_path / "out.txt"
+    code, expected, err = run_main(capsys, "--run-dir", str(jax_run), "--input", str(source), "--batch-size", "3")
+    assert code == 0, err
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") and k != "XLA_FLAGS"}
+    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
+    command = [sys.executable, "-m", "train.translate", "--run-dir", str(jax_run), "--input", str(source), "--output",
+               str(output), "--batch-size", "3", "--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2"]
+    processes = [subprocess.Popen([*command, "--process-id", str(i)], env=env, cwd=REPO, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(2)]
+    results = [p.communicate(timeout=600) for p in processes]
+    for p, (stdout, stderr) in zip(processes, results):
+        assert p.returncode == 0, stderr[-3000:]
+    assert output.read_text(encoding="utf-8") == expected
+    assert results[0][1].splitlines()[-1].startswith(f"translated {len(LINES)} lines in ")
+    # Process 1 writes nothing: its stdout holds only gloo's (jax's CPU collectives) announcements,
+    # which the two processes' gloo threads may interleave mid-line.
+    gloo = set("[Gloo] Rank is connected to peer ranks. Expected number of connected peer ranks is :".split())
+    assert all(word in gloo or word.isdigit() for word in results[1][0].split()), results[1][0]
+    assert "translated" not in results[1][1]
+
+
 def _worker(run_dir: str, out: str) -> None:
     """Translate LINES on 8 devices and on 1 (greedy and beam 4; batches of 5 rows, so padded to
     8 on 8 devices), through `train.translate.main`; the outputs to `out` as JSON."""
