@@ -11,6 +11,7 @@ this command redraws it, to another file with --out. Plots use matplotlib's Agg 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import sys
 from pathlib import Path
@@ -19,7 +20,7 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from .files import UserError, check_output_file, json_text
+from .files import UserError, check_output_file, error_text, json_text, write_bytes_atomic
 from .rundir import CURVES_FILE, RESULTS_FILE
 
 
@@ -56,8 +57,9 @@ def plot_curves(history: dict[str, Any], path: str | Path, title: str = "") -> P
             ax.grid(alpha=0.3)
     if title:  # a path with undecodable bytes (surrogate escapes) is shown with U+FFFD in their place
         fig.suptitle(title.encode("utf-8", "surrogateescape").decode("utf-8", "replace"))
-    path = Path(path)
-    fig.savefig(path, dpi=100)
+    path, png = Path(path), io.BytesIO()
+    fig.savefig(png, format="png", dpi=100)
+    write_bytes_atomic(path, png.getvalue())  # whole or not at all; a link at `path` is replaced
     return path
 
 
@@ -89,12 +91,12 @@ def main(argv: list[str] | None = None) -> int:
         results = json.loads((run_dir / RESULTS_FILE).read_text())
     except (OSError, ValueError) as err:
         parser.exit(1, f"error: no finished run in {run_dir} ({err}); TensorBoard shows a run still training\n")
+    history = results.get("history") or {}
     try:
         check_output_file(args.out or run_dir / CURVES_FILE, "--out")
-    except UserError as err:
-        parser.exit(1, f"error: {err}\n")
-    history = results.get("history") or {}
-    out = plot_curves(history, args.out or run_dir / CURVES_FILE, run_title(results))
+        out = plot_curves(history, args.out or run_dir / CURVES_FILE, run_title(results))
+    except (UserError, OSError) as err:
+        parser.exit(1, f"error: {error_text(err)}\n")
     print(json_text({"curves": str(out), "train_points": len(history.get("train") or []),
                      "valid_points": len(history.get("valid") or [])}))
     return 0

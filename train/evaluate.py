@@ -37,7 +37,7 @@ from sacrebleu.metrics import BLEU, CHRF
 from . import data
 from .backends import Backend, Trainer
 from .config import non_negative_int, positive_int
-from .files import UserError, check_output_file, json_text, write_text_atomic
+from .files import UserError, check_output_file, error_text, json_text, write_text_atomic
 from .rundir import load_split, open_run
 from .translate import EvaluationStopped, add_run_arguments, translate_texts  # noqa: F401 (EvaluationStopped: re-exported)
 
@@ -238,7 +238,10 @@ def main(argv: list[str] | None = None) -> int:
     text = json_text(result)  # strict JSON: a non-finite score is null, never NaN
     print(text)
     if args.output is not None:
-        write_text_atomic(args.output, text + "\n")
+        try:
+            write_text_atomic(args.output, text + "\n")
+        except OSError as err:  # a full disk, a read-only place: the JSON is on stdout all the same
+            parser.exit(1, f"error: {error_text(err)}\n")
     return 0
 
 

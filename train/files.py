@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
 import os
@@ -14,16 +16,49 @@ class UserError(Exception):
     """A problem with the flags, files or run directory the user gave: reported without a traceback."""
 
 
-def write_text_atomic(path: str | Path, text: str) -> None:
-    """Write `text` to a temporary file beside `path`, then rename it into place: a crash leaves
-    the old file or the new one, never half of one."""
+def write_bytes_atomic(path: str | Path, data: bytes) -> None:
+    """Write `data` to a new temporary file beside `path`, then rename it into place: a crash
+    leaves the old file or the new one, never half of one, and the rename replaces a symbolic
+    link at `path` instead of writing where it points (so nothing outside the directory is
+    written). Any failure (a full disk, a read-only place) leaves the old file and no temporary
+    one, and raises an OSError naming `path`."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        tmp.write_text(text, encoding="utf-8")
+        tmp.unlink(missing_ok=True)  # a leftover, or a link planted there: removed, never followed
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), "wb") as f:
+            f.write(data)
         os.replace(tmp, path)
+    except OSError as err:
+        raise OSError(err.errno, err.strerror, str(path)) from None
     finally:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """`write_bytes_atomic` of `text` in UTF-8."""
+    write_bytes_atomic(path, text.encode("utf-8"))
+
+
+WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)  # full, read-only, forbidden
+
+
+def write_error(err: BaseException, path: str | Path) -> OSError | None:
+    """`err` as an OSError naming `path` when it is a full disk, a read-only place or a missing
+    permission (orbax, TensorStore and safetensors raise their own types that repeat the OS's
+    words: "No space left on device"); None for any other error."""
+    code = err.errno if isinstance(err, OSError) and err.errno in WRITE_ERRNOS else next(
+        (code for code in WRITE_ERRNOS if os.strerror(code) in str(err)), None)
+    return None if code is None else OSError(code, os.strerror(code), str(path))
+
+
+def error_text(err: BaseException) -> str:
+    """What a CLI's one `error: ` line says: an OSError with its path (`PATH: CAUSE`: a full
+    disk, a read-only place, a missing permission), any other error its message."""
+    if isinstance(err, OSError) and err.strerror:
+        return f"{err.filename}: {err.strerror}" if err.filename else err.strerror
+    return str(err)
 
 
 def finite_values(obj: Any) -> Any:

@@ -181,12 +181,13 @@ def recipe_flags(path: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     cfg, given = parse_config(argv)
+    from .files import error_text
     from .loop import Interrupted, UserError, train  # after parsing: --help and flag errors stay fast
 
     try:
         train(cfg, explicit=given)
-    except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
+    except (UserError, OSError) as err:  # OSError: a full disk, a read-only place, no permission
+        print(f"error: {error_text(err)}", file=sys.stderr)
         return 1
     except Interrupted as err:  # SIGTERM / Ctrl-C: a checkpoint was saved
         print(err, file=sys.stderr)
