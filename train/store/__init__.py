@@ -8,17 +8,19 @@ holds digest.json, the SHA-256 of every file, checked on load. No framework is i
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..files import UserError, json_text
+from ..files import UserError, json_text, write_error
 
 # The safetensors metadata key holding the TransformerConfig JSON, in weights files and checkpoints.
 WEIGHTS_CONFIG_KEY = "transformer_config"
@@ -130,6 +132,26 @@ def choose_checkpoint(steps: Sequence[int], which: str | int, metrics: Callable[
     return step
 
 
+ROTATION_RETRIES = 10  # how often "latest" or "best" is chosen again while a run beside the reader rotates
+
+
+def saved_experiments(directory: str | os.PathLike) -> dict[int, dict]:
+    """The experiment (config.json's content) each checkpoint in `directory` was saved with, by
+    step, read from its meta without a framework or the weights: torch's meta.json, orbax's
+    meta item (meta/metadata). Checkpoints without one (or gone meanwhile) are left out."""
+    found = {}
+    for step_dir in Path(directory).glob("[0-9]*"):
+        for name, key in (("meta.json", "meta"), ("meta/metadata", None)):
+            try:
+                meta = json.loads((step_dir / name).read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                continue
+            meta = meta.get(key) if key and isinstance(meta, dict) else meta
+            if step_dir.name.isdigit() and isinstance(meta, dict) and isinstance(meta.get("config"), dict):
+                found[int(step_dir.name)] = meta["config"]
+    return found
+
+
 def parse_checkpoint(which: str | int) -> str | int:
     """'best', 'latest' or a step number (as int); UserError for anything else."""
     if isinstance(which, int) or (isinstance(which, str) and which.isdigit()):
@@ -209,6 +231,7 @@ class CheckpointStore:
     by BLEU, one rule for restoring. A store knows neither run directories nor backends."""
 
     read_errors: tuple[type[BaseException], ...] = (Exception,)  # what `load` raises for a bad checkpoint
+    write_errors: tuple[type[BaseException], ...] = (OSError,)  # what `save` raises for a full or read-only disk
 
     def __init__(self, directory: str | os.PathLike | None, keep: int):
         self.directory = None if directory is None else Path(directory)
@@ -224,14 +247,43 @@ class CheckpointStore:
 
     def restore(self, which: str | int, *args: Any) -> Any:
         """`load(step, *args)` of the checkpoint `which` names (`choose_checkpoint`), its digest
-        verified first; any failure to read it is a CheckpointError naming the other checkpoints."""
-        steps = self.steps()
-        step = choose_checkpoint(steps, which, self.metrics, self.directory)
+        verified first; any failure to read it is a CheckpointError naming the other checkpoints.
+        A run writing beside the reader deletes its old checkpoints as it saves new ones: when the
+        checkpoints there changed while one was read, "latest" and "best" are chosen again (a
+        line on stderr says which step was read)."""
+        for attempt in range(ROTATION_RETRIES + 1):
+            steps, step = self.steps(), None
+            try:
+                step = choose_checkpoint(steps, which, self.metrics, self.directory)
+                verify_checkpoint(self.path(step))  # before a byte is read: a damaged file is named
+                loaded = self.load(step, *args)
+            except (*self.read_errors, CheckpointError) as err:
+                if which in ("latest", "best") and attempt < ROTATION_RETRIES and self.steps() != steps:
+                    continue  # rotated away while it was read: not damaged
+                if step is None or isinstance(err, CheckpointError):
+                    raise
+                raise unreadable(self.directory, step, steps, err) from err
+            if attempt:
+                print(f"checkpoint steps in {self.directory} changed while reading (a run is saving there): "
+                      f"read step {step}, the {which} now", file=sys.stderr)
+            return loaded
+
+    @contextlib.contextmanager
+    def saving(self, step: int):
+        """Report a failure to save checkpoint `step` for a full disk, a read-only directory or a
+        missing permission as one OSError naming it, once what the save left is removed
+        (`discard`); the checkpoints saved before it are untouched."""
         try:
-            verify_checkpoint(self.path(step))  # before a byte is read: a damaged file is named
-            return self.load(step, *args)
-        except self.read_errors as err:
-            raise unreadable(self.directory, step, steps, err) from err
+            yield
+        except self.write_errors as err:
+            with contextlib.suppress(OSError):
+                self.discard(step)
+            if (failed := write_error(err, self.path(step))) is None:
+                raise
+            raise failed from None
+
+    def discard(self, step: int) -> None:
+        """Remove what a failed save of `step` left behind."""
 
     def close(self) -> None:
         """Finish pending writes."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -18,8 +20,21 @@ import orbax.checkpoint as ocp
 
 from . import CheckpointStore, write_checkpoint_digest
 
-# Orbax warns through absl for every checkpoint saved without metrics (those between evaluations).
-logging.getLogger("absl").setLevel(logging.ERROR)
+# Orbax warns through absl for every checkpoint saved without metrics (those between evaluations),
+# and a save that fails (a full disk) logs each array's error through absl and asyncio before
+# raising the first: `saving` reports that one, in one line.
+for _name in ("absl", "asyncio"):
+    logging.getLogger(_name).setLevel(logging.CRITICAL)
+
+
+def _unraisable(report, previous=sys.unraisablehook) -> None:
+    """TensorStore completes each write of a failed save on the event loop orbax has closed by then:
+    those 'Event loop is closed' errors (Python prints each as a traceback) say nothing more."""
+    if not (isinstance(report.exc_value, RuntimeError) and str(report.exc_value) == "Event loop is closed"):
+        previous(report)
+
+
+sys.unraisablehook = _unraisable
 
 
 def _bleu(metrics: Mapping[str, float]) -> float:
@@ -28,6 +43,8 @@ def _bleu(metrics: Mapping[str, float]) -> float:
 
 class JaxStore(CheckpointStore):
     """Checkpoints of a JAX state pytree in `directory` (made absolute: orbax wants it so)."""
+
+    write_errors = (OSError, ValueError, RuntimeError)  # TensorStore's RESOURCE_EXHAUSTED is a ValueError
 
     def __init__(self, directory: str | os.PathLike | None, keep: int):
         super().__init__(None if directory is None else Path(directory).absolute(), keep)
@@ -51,12 +68,17 @@ class JaxStore(CheckpointStore):
 
     def save(self, step: int, state: Any, meta: dict[str, Any], metrics: dict[str, float] | None = None) -> None:
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
-        self.manager.save(step, args=args, metrics=metrics)
-        self.manager.wait_until_finished()
-        # orbax has renamed the step's directory into place by now (its own "before the rename"
-        # is internal): the digest follows at once, written whole (temporary file + rename).
-        if jax.process_index() == 0:
-            write_checkpoint_digest(self.path(step))
+        with self.saving(step):
+            self.manager.save(step, args=args, metrics=metrics)
+            self.manager.wait_until_finished()
+            # orbax has renamed the step's directory into place by now (its own "before the rename"
+            # is internal): the digest follows at once, written whole (temporary file + rename).
+            if jax.process_index() == 0:
+                write_checkpoint_digest(self.path(step))
+
+    def discard(self, step: int) -> None:
+        for partial in self.root().glob(f"{step}.orbax-checkpoint-tmp*"):  # orbax's, of a failed save
+            shutil.rmtree(partial)
 
     def steps(self) -> list[int]:
         if self.directory is None or not self.directory.is_dir():

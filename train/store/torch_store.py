@@ -30,6 +30,7 @@ class TorchStore(CheckpointStore):
     """Checkpoints of a torch `TrainingState` in `directory`, the newest `keep` and the best by BLEU kept."""
 
     read_errors = (OSError, ValueError, KeyError, RuntimeError, SafetensorError)
+    write_errors = (OSError, SafetensorError)  # safetensors' says "os error 28" for a full disk
 
     def __init__(self, directory: str | os.PathLike | None, keep: int, model_cfg: TransformerConfig):
         super().__init__(directory, keep)
@@ -49,18 +50,19 @@ class TorchStore(CheckpointStore):
 
     def save(self, state: TrainingState, meta: dict[str, Any], metrics: dict[str, float] | None = None) -> None:
         root = self.root()
-        root.mkdir(parents=True, exist_ok=True)
         tmp = root / f".tmp-{state.step}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        try:
-            self._write(tmp, state, meta, metrics)
-            final = root / str(state.step)
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)  # the checkpoint appears complete or not at all
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)  # a failed save (a full disk) leaves nothing behind
+        with self.saving(state.step):
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            try:
+                self._write(tmp, state, meta, metrics)
+                final = root / str(state.step)
+                if final.exists():
+                    shutil.rmtree(final)
+                os.replace(tmp, final)  # the checkpoint appears complete or not at all
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)  # a failed save (a full disk) leaves nothing behind
         self._prune()
 
     def _write(self, directory: Path, state: TrainingState, meta: dict[str, Any], metrics) -> None:
