@@ -155,7 +155,8 @@ def export_ctranslate2(
         def _load(self):
             return build_spec(params, cfg, src_tokens, tgt_tokens)
 
-    with rundir.derive(run_dir, dst, "exporting", force, copy=(rundir.MODEL_FILE,)) as tmp:
+    copy = (*rundir.tokenizer_files(run_dir), rundir.MODEL_FILE)
+    with rundir.derive(run_dir, dst, "ctranslate2", force, copy) as tmp:
         RunConverter().convert(str(tmp), quantization=quantization, force=True)  # tmp exists, empty
     return Path(dst)
 

@@ -295,11 +295,17 @@ def read_marian_dir(src: str | os.PathLike) -> tuple[dict[str, Any], dict[str, n
     src = Path(src)
     if not (src / "config.json").is_file():
         raise FileNotFoundError(f"{src} is not an HF model directory (config.json missing)")
-    hf = json.loads((src / "config.json").read_text())
+    hf = files.read_json(src / "config.json")  # UserError naming the file when it is not JSON
+    if not isinstance(hf, dict):
+        raise ValueError(f"{src / 'config.json'} holds no JSON object")  # noqa: TRY004 (a bad file: main's one line)
     if (src / "model.safetensors").is_file():
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
-        state = load_file(str(src / "model.safetensors"))
+        try:
+            state = load_file(str(src / "model.safetensors"))
+        except (SafetensorError, OSError) as err:  # truncated, garbled
+            raise ValueError(f"{src / 'model.safetensors'} is not a readable safetensors file ({err})") from None
     elif (src / "pytorch_model.bin").is_file():
         try:
             state = torch.load(src / "pytorch_model.bin", map_location="cpu", weights_only=True)
@@ -323,23 +329,28 @@ def marian_tokenizers(src: Path, hf: Mapping[str, Any]) -> tuple[spm.SentencePie
         if not (src / name).is_file():
             raise FileNotFoundError(f"{src} holds no {name} (a Marian model's tokenizer files)")
     share = bool(hf.get("share_encoder_decoder_embeddings", True))
-    src_vocab = json.loads((src / "vocab.json").read_text(encoding="utf-8"))
+    src_vocab = files.read_json(src / "vocab.json")
     tgt_path = src / "target_vocab.json"
     if not share and not tgt_path.is_file():
         raise FileNotFoundError(f"{src} holds no target_vocab.json (separate vocabularies)")
-    tgt_vocab = src_vocab if share else json.loads(tgt_path.read_text(encoding="utf-8"))
+    tgt_vocab = src_vocab if share else files.read_json(tgt_path)
     for name, vocab in (("vocab.json", src_vocab), ("target_vocab.json", tgt_vocab)):
-        if "<unk>" not in vocab:
+        if not isinstance(vocab, dict) or "<unk>" not in vocab:
             raise ValueError(f"{src / name} has no <unk>")
     ids = special_ids(hf, src_vocab["<unk>"], tgt_vocab["<unk>"])
     src_order, tgt_order = side_orders(ids)
     source_blob, target_blob = (src / "source.spm").read_bytes(), (src / "target.spm").read_bytes()
     # MarianTokenizer decodes with the source model when the vocabulary is shared, else the target's.
     decode_blob, decode_name = (source_blob, "source.spm") if share else (target_blob, "target.spm")
-    src_tok = spm.SentencePieceTokenizer(source_blob, _pieces(src_vocab, src_order, ids["src_vocab_size"]),
-                                         source_blob, "source.spm", "source.spm")
-    tgt_tok = spm.SentencePieceTokenizer(target_blob, _pieces(tgt_vocab, tgt_order, ids["tgt_vocab_size"]),
-                                         decode_blob, "target.spm", decode_name)
+    try:  # source.spm is read first, by both sides when the vocabulary is shared
+        name = "source.spm"
+        src_tok = spm.SentencePieceTokenizer(source_blob, _pieces(src_vocab, src_order, ids["src_vocab_size"]),
+                                             source_blob, "source.spm", "source.spm")
+        name = "target.spm"
+        tgt_tok = spm.SentencePieceTokenizer(target_blob, _pieces(tgt_vocab, tgt_order, ids["tgt_vocab_size"]),
+                                             decode_blob, "target.spm", decode_name)
+    except RuntimeError as err:  # "could not parse ModelProto"
+        raise ValueError(f"{src / name} is not a SentencePiece model ({' '.join(str(err).split())})") from None
     return src_tok, tgt_tok, ids
 
 
@@ -372,7 +383,7 @@ def import_marian(
     src_tok, tgt_tok, ids = marian_tokenizers(src, hf)
     params = from_marian(state, cfg, ids)
     experiment = experiment_for(cfg, to, train, valid, test).replace(run_dir=str(dst)).resolve()
-    with rundir.derive(None, dst, "converting", overwrite) as tmp:
+    with rundir.derive(src, dst, "run", overwrite) as tmp:
         files.write_json_atomic(tmp / rundir.CONFIG_FILE, experiment.experiment())
         files.write_json_atomic(tmp / rundir.MODEL_FILE, cfg.to_dict())
         rundir.save_tokenizers(rundir.data.Tokenizers(src_tok, tgt_tok), tmp)
@@ -420,7 +431,7 @@ def export_marian(run_dir: str | os.PathLike, params: Mapping[str, np.ndarray], 
     tokenizers = rundir.load_tokenizers(run_dir)
     src_tok, tgt_tok = tokenizers.src, tokenizers.tgt
     src_inverse, tgt_inverse = (inverse_order(o) for o in side_orders(record["marian_ids"]))
-    with rundir.derive(None, dst, "exporting", overwrite) as tmp:
+    with rundir.derive(run_dir, dst, "marian", overwrite) as tmp:
         model.save_pretrained(str(tmp))
         (tmp / "source.spm").write_bytes(src_tok.model)
         (tmp / "target.spm").write_bytes(tgt_tok.model)

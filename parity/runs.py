@@ -86,16 +86,9 @@ def convert_run(
     to = to or ("torch" if src_cfg.backend == "jax" else "jax")
     if to == src_cfg.backend:
         raise ValueError(f"{src} is already a {to} run")
-    tokenizers = rundir.load_tokenizers(src)
-    rebuilt = src_cfg.model_config(tokenizers.src.get_vocab_size(), tokenizers.tgt.get_vocab_size())
-    if rebuilt != model_cfg:  # --resume rebuilds the model from config.json and the tokenizer
-        raise ValueError(
-            f"{src}: {rundir.MODEL_FILE} does not match config.json and the tokenizer:\n  {model_cfg}\n  {rebuilt}"
-        )
-    if dst.resolve() == src.resolve():
-        raise ValueError("--dst must differ from the source run directory")
-    copy = (rundir.MODEL_FILE, rundir.IMPORTED_FILE, rundir.TENSORBOARD)
-    with rundir.derive(src, dst, "converting", overwrite, copy) as tmp:
+    rundir.check_model(src, src_cfg, model_cfg, rundir.load_tokenizers(src))  # as --resume rebuilds it
+    copy = (*rundir.tokenizer_files(src), rundir.MODEL_FILE, rundir.IMPORTED_FILE, rundir.TENSORBOARD)
+    with rundir.derive(src, dst, "run", overwrite, copy) as tmp:
         steps = convert_checkpoints(src_cfg, model_cfg, src / rundir.CHECKPOINTS, tmp / rundir.CHECKPOINTS, to, which)
         provenance = {"from": str(src), "from_backend": src_cfg.backend, "to_backend": to, "steps": steps}
         files.write_json_atomic(tmp / rundir.PROVENANCE_FILE, provenance)

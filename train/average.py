@@ -48,9 +48,11 @@ def average_run(src: str | os.PathLike, dst: str | os.PathLike, last: int = 5, o
     beside it and renamed into place, so an interrupted average leaves nothing). Returns a summary."""
     src, dst = Path(src), Path(dst)
     cfg, model_cfg = rundir.read_experiment(src), rundir.read_model_config(src)
-    if dst.resolve() == src.resolve():
-        raise files.UserError("--dst must differ from --run-dir: the averaged run is a new run directory")
-    rundir.check_destination(dst, overwrite)
+    rundir.check_destination(dst, overwrite, src=src)
+    try:
+        rundir.check_model(src, cfg, model_cfg, rundir.load_tokenizers(src, cfg.joint_vocab))
+    except (FileNotFoundError, ValueError) as err:  # the tokenizer missing or unreadable
+        raise files.UserError(str(err)) from None
 
     reader = create_backend(cfg, model_cfg, str(src / rundir.CHECKPOINTS))
     try:
@@ -71,7 +73,8 @@ def average_run(src: str | os.PathLike, dst: str | os.PathLike, last: int = 5, o
         reader.close()
     averaged = average_states(states)
 
-    with rundir.derive(src, dst, "averaging", overwrite, copy=(rundir.MODEL_FILE, rundir.CONFIG_FILE)) as tmp:
+    copy = (*rundir.tokenizer_files(src), rundir.MODEL_FILE, rundir.CONFIG_FILE)
+    with rundir.derive(src, dst, "run", overwrite, copy) as tmp:
         writer = create_backend(cfg, model_cfg, str(tmp / rundir.CHECKPOINTS))
         try:
             writer.import_state(averaged)
@@ -102,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         summary = average_run(args.run_dir, args.dst, args.last, args.overwrite)
-    except (files.UserError, FileExistsError) as err:
-        parser.exit(1, f"error: {err}\n")
+    except (files.UserError, OSError) as err:  # OSError: a full disk, a read-only place, no permission
+        parser.exit(1, f"error: {files.error_text(err)}\n")
     print(f"averaged steps {', '.join(map(str, summary['averaged_steps']))} of {args.run_dir} into {args.dst} "
           f"(step {summary['step']})")
     return 0

@@ -45,10 +45,12 @@ from .evaluate import EvaluationStopped, bands_text, evaluate_pairs
 from .files import UserError, finite_values, read_json, write_json_atomic
 from .rundir import (
     CHECKPOINTS,
+    CONFIG_FILE,
     CURVES_FILE,
     RESULTS_FILE,
     TENSORBOARD,
     check_checkpoint_config,
+    check_model,
     claim_run_dir,
     follow_run_dir,
     load_splits,
@@ -111,20 +113,56 @@ class _NoWriter:
         pass
 
 
-def summary_writer(logdir: Path, purge_step: int | None = None):
-    """A tensorboardX SummaryWriter, imported without loading torch into a JAX run.
+class _Events:
+    """A run's TensorBoard scalars, written in the calling thread to one event file (tensorboardX's
+    `EventsWriter`: the format). tensorboardX's SummaryWriter writes from a worker thread and flushes
+    again at exit, so a full disk made both print tracebacks; here a failed write is one OSError
+    naming the file, raised where it happens."""
 
-    tensorboardX's writer module runs `import torch` when torch is installed (to accept tensors);
-    the loop logs Python floats only, so where torch is not loaded yet that import is made to
-    fail (a None entry in sys.modules raises ImportError) and tensorboardX falls back to NumPy.
-    """
-    if "torch" in sys.modules or "tensorboardX" in sys.modules:
-        from tensorboardX import SummaryWriter
-    else:
-        sys.modules["torch"] = None  # type: ignore[assignment]
+    def __init__(self, logdir: Path, writer, purge_step: int | None):
+        from tensorboardX.proto.event_pb2 import Event, SessionLog
+        from tensorboardX.proto.summary_pb2 import Summary
+
+        self.logdir, self._writer, self._event, self._summary = logdir, writer, Event, Summary
+        if purge_step is not None:  # see summary_writer
+            self._write(Event(step=purge_step, session_log=SessionLog(status=SessionLog.START)))
+
+    def _write(self, event) -> None:
         try:
-            from tensorboardX import SummaryWriter
-        finally:
+            self._writer.write_event(event)
+            self._writer.flush()  # on disk as it goes: TensorBoard shows a run while it trains
+        except OSError as err:
+            with contextlib.suppress(OSError):
+                self.close()  # what could not be written is dropped, once
+            raise OSError(err.errno, err.strerror, str(self.logdir)) from None
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        summary = self._summary(value=[self._summary.Value(tag=tag, simple_value=float(value))])
+        self._write(self._event(wall_time=time.time(), step=step, summary=summary))
+
+    def close(self) -> None:
+        writer, self._writer = self._writer, None
+        try:
+            if writer is not None:
+                writer.close()
+        except OSError as err:
+            raise OSError(err.errno, err.strerror, str(self.logdir)) from None
+
+
+def summary_writer(logdir: Path, purge_step: int | None = None) -> _Events:
+    """The run's TensorBoard event file (`_Events`), tensorboardX imported without loading torch into a JAX run.
+
+    tensorboardX's package runs `import torch` when torch is installed (to accept tensors); the loop
+    logs Python floats only, so where torch is not loaded yet that import is made to fail (a None
+    entry in sys.modules raises ImportError) and tensorboardX falls back to NumPy.
+    """
+    hide_torch = "torch" not in sys.modules and "tensorboardX" not in sys.modules
+    if hide_torch:
+        sys.modules["torch"] = None  # type: ignore[assignment]
+    try:
+        from tensorboardX.event_file_writer import EventsWriter
+    finally:
+        if hide_torch:
             del sys.modules["torch"]
     # purge_step: TensorBoard drops the events at this step and later that earlier sessions wrote
     # (a run killed after its last checkpoint), so a resumed curve has each step once.
@@ -133,7 +171,8 @@ def summary_writer(logdir: Path, purge_step: int | None = None):
     # events were lost (seen: two resumes of a tiny run 1 s apart). The suffix makes each name
     # unique and, within one second, sorts the sessions by their first step, as TensorBoard reads them.
     suffix = f".{purge_step or 0:010d}.{os.getpid()}"
-    return SummaryWriter(str(logdir), purge_step=purge_step, filename_suffix=suffix)
+    logdir.mkdir(parents=True, exist_ok=True)
+    return _Events(logdir, EventsWriter(str(logdir / "events"), suffix), purge_step)
 
 
 def _say(text: str) -> None:
@@ -193,6 +232,8 @@ def _train_locked(cfg: ExperimentConfig, topology: Topology, started: float) -> 
     if trained_tokenizers:  # BPE training is deterministic: every process gets the same tokenizer
         tokenizers = data.train_tokenizers(splits.train, vocab_size=cfg.vocab_size, joint=cfg.joint_vocab)
     model_cfg = cfg.model_config(tokenizers.src.get_vocab_size(), tokenizers.tgt.get_vocab_size())
+    if resuming:
+        check_model(run_dir, cfg, model_cfg, tokenizers, what=CONFIG_FILE)
     batcher = make_batcher(cfg, tokenizers, splits.train, topology.num_devices)
 
     # Only now that the data has loaded and batched does anything change on disk: a bad --train
@@ -246,13 +287,19 @@ def _train_locked(cfg: ExperimentConfig, topology: Topology, started: float) -> 
         with _StopSignals(enabled=topology.process_count == 1) as stop:
             log = _fit(cfg, backend, batcher, tokenizers, splits, writer, show_progress=main, stop=stop, log=log)
         results = _finish(cfg, backend, tokenizers, splits, writer, log, started)
-    finally:
-        writer.close()
+    except BaseException:
+        with contextlib.suppress(OSError):  # the first error is the one reported (a full disk: both fail)
+            writer.close()
         backend.close()
+        raise
+    writer.close()
+    backend.close()
     if main:
         write_json_atomic(run_dir / RESULTS_FILE, results)
-        try:  # a picture that cannot be drawn never fails a finished run
+        try:  # a picture that cannot be drawn never fails a finished run; a full disk does
             curves.plot_curves(results["history"], run_dir / CURVES_FILE, curves.run_title(results))
+        except OSError:
+            raise
         except Exception as err:  # noqa: BLE001 (matplotlib's errors have no common base)
             _say(f"warning: {CURVES_FILE} not drawn ({type(err).__name__}: {err})")
     print(_summary_line(results), flush=True)

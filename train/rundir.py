@@ -43,8 +43,8 @@ from . import data
 from .backends import Backend, create_backend, initialize
 from .config import ExperimentConfig
 from .data import spm
-from .files import UserError, read_json, say, write_json_atomic, write_text_atomic
-from .store import CheckpointError, parse_checkpoint
+from .files import UserError, read_json, say, write_bytes_atomic, write_error, write_json_atomic, write_text_atomic
+from .store import CheckpointError, parse_checkpoint, saved_experiments
 
 CONFIG_FILE, MODEL_FILE, RESULTS_FILE, PROVENANCE_FILE = "config.json", "model.json", "results.json", "converted.json"
 AVERAGED_FILE = "averaged.json"
@@ -103,7 +103,7 @@ def save_tokenizers(tokenizers: data.Tokenizers, run_dir: str | Path) -> None:
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if isinstance(tokenizers.src, spm.SentencePieceTokenizer):
-        spm.save(tokenizers.src, tokenizers.tgt, run_dir, write_text_atomic)
+        spm.save(tokenizers.src, tokenizers.tgt, run_dir, write_bytes_atomic)
     elif tokenizers.joint:
         write_text_atomic(run_dir / JOINT_TOKENIZER, tokenizers.src.to_str())
     else:
@@ -166,7 +166,14 @@ class RunLock:
         self._fd: int | None = None
 
     def acquire(self) -> RunLock:
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW  # a link (in a copied run) is never followed
+        try:
+            self._fd = os.open(self.path, flags, 0o644)
+        except OSError as err:
+            if err.errno != errno.ELOOP:
+                raise
+            self.path.unlink()  # a symbolic link: no lock of ours, so it is replaced by a file
+            self._fd = os.open(self.path, flags, 0o644)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
@@ -199,56 +206,101 @@ class RunLock:
         self.release()
 
 
-def check_destination(dst: Path, overwrite: bool) -> None:
-    """Refuse, before any work, a destination run directory whose replacement would lose something:
-    a file, a directory holding files but no run, or a run without `overwrite`. Raises FileExistsError."""
+# What each kind of output is called; `kind_of` recognises it. A run is what train.run can read
+# (its config.json); a model directory parity.convert exports carries KIND_FILE naming its kind.
+KINDS = {"run": "run", "ctranslate2": "CTranslate2 model written by parity.convert",
+         "marian": "HF Marian directory written by parity.convert"}
+KIND_FILE = ".aiayn.json"  # {"kind": "ctranslate2" | "marian"}
+
+
+def kind_of(path: Path) -> str | None:
+    """Which of `KINDS` this project wrote at `path`; None for anything else (never replaced)."""
+    try:
+        marker = read_json(path / KIND_FILE, None)
+        if isinstance(marker, dict) and marker.get("kind") in KINDS:
+            return marker["kind"]
+        read_experiment(path)
+        return "run"
+    except (UserError, OSError):
+        return None
+
+
+def remove(path: Path) -> None:
+    """Delete `path`, whatever it is; a symbolic link is removed, never followed."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.is_symlink() or path.exists():
+        path.unlink()
+
+
+def check_destination(dst: Path, overwrite: bool, kind: str = "run", src: str | Path | None = None) -> None:
+    """Refuse, before any work, a destination whose replacement would lose something: the source
+    `src`, a place inside it or holding it, a file or a symbolic link, a directory holding anything
+    but a `kind` this project wrote (`kind_of`: even with `overwrite`), or one without
+    `overwrite`. Raises FileExistsError."""
+    if src is not None:
+        source, target = Path(src).resolve(), dst.resolve()
+        if source == target or source in target.parents or target in source.parents:
+            where = "is" if source == target else "is inside" if source in target.parents else "holds"
+            raise FileExistsError(f"--dst {dst} {where} the source {src}; --dst must differ from it and lie outside it")
+    if dst.is_symlink():
+        raise FileExistsError(f"{dst} is a symbolic link; it is never replaced, nor what it points to")
     if dst.exists() and not dst.is_dir():
-        raise FileExistsError(f"{dst} is a file, not a run directory; it is never replaced by one")
+        raise FileExistsError(f"{dst} is a file, not a directory; it is never replaced")
     if dst.exists() and any(dst.iterdir()):
         if not overwrite:
             raise FileExistsError(f"{dst} exists; pass --overwrite to replace it")
-        if not (dst / CONFIG_FILE).is_file():
-            raise FileExistsError(f"{dst} is not empty and holds no run; it is never deleted")
+        if (found := kind_of(dst)) != kind:
+            held = f"holds a {KINDS[found]}, not a {KINDS[kind]}" if found else f"is not empty and holds no {KINDS[kind]}"
+            raise FileExistsError(f"{dst} {held}; it is never deleted")
 
 
 @contextlib.contextmanager
-def derive(src: str | Path | None, dst: str | Path, what: str, overwrite: bool = False,
+def derive(src: str | Path | None, dst: str | Path, kind: str = "run", overwrite: bool = False,
            copy: Iterable[str] = ()) -> Iterator[Path]:
-    """Build `dst` from the run `src` (None: from nothing) whole or not at all, for average, convert,
-    import and export: `check_destination`, then the block fills `.NAME.WHAT` beside `dst` (yielded);
-    `src`'s tokenizer files and the names `copy` it holds (files or directories) are copied in, the
-    old `dst` renamed aside, the new one into its place, and only then the old one removed. On any
-    error (Ctrl-C included) `dst` is as it was. Its lock is held meanwhile (a run in training is
-    never replaced)."""
+    """Build `dst`, a `kind` of `KINDS`, from `src` (a run, a model directory, or None) whole or not
+    at all, for average, convert, import and export: `check_destination`, then the block fills
+    `.NAME.KIND` beside `dst` (yielded); the names `copy` that `src` holds (files or directories)
+    are copied in, the old `dst` renamed aside, the new one into its place, and only then the old
+    one removed. On any error (Ctrl-C included) `dst` is as it was. Its lock is held meanwhile (a
+    run in training is never replaced)."""
     dst = Path(dst)
-    check_destination(dst, overwrite)
+    check_destination(dst, overwrite, kind, src)
     guard = RunLock(dst).acquire() if dst.is_dir() else None
-    tmp, old = dst.with_name(f".{dst.name}.{what}"), dst.with_name(f".{dst.name}.{what}-old")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp, old = dst.with_name(f".{dst.name}.{kind}"), dst.with_name(f".{dst.name}.{kind}-old")
     try:
-        yield tmp
-        for name in [] if src is None else [*tokenizer_files(src), *copy]:
-            if (Path(src) / name).is_dir():
-                shutil.copytree(Path(src) / name, tmp / name)
-            elif (Path(src) / name).is_file():
-                shutil.copyfile(Path(src) / name, tmp / name)
-        aside = dst.exists()
-        if aside:
-            os.replace(dst, old)  # refused, losing nothing, while an earlier `old` holds files
         try:
-            os.replace(tmp, dst)
-        except BaseException:
+            remove(tmp)
+            tmp.mkdir(parents=True)
+            yield tmp
+            if kind != "run":
+                write_json_atomic(tmp / KIND_FILE, {"kind": kind})
+            for name in copy:
+                if (Path(src) / name).is_dir():
+                    shutil.copytree(Path(src) / name, tmp / name)
+                elif (Path(src) / name).is_file():
+                    shutil.copyfile(Path(src) / name, tmp / name)
+            aside = dst.exists()
             if aside:
-                os.replace(old, dst)
+                os.replace(dst, old)  # refused, losing nothing, while an earlier `old` holds files
+            try:
+                os.replace(tmp, dst)
+            except BaseException:
+                if aside:
+                    os.replace(old, dst)
+                raise
+        except BaseException as err:
+            with contextlib.suppress(OSError):
+                remove(tmp)
+            # A full disk or a read-only place met while `tmp` was written is said of `dst`.
+            written = Path(getattr(err, "filename", None) or tmp).absolute()
+            if tmp.absolute() in (written, *written.parents) and (failed := write_error(err, dst)):
+                raise failed from None
             raise
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     finally:
         if guard is not None:
             guard.release()
-    shutil.rmtree(old, ignore_errors=True)
+    remove(old)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -303,19 +355,31 @@ def claim_run_dir(cfg: ExperimentConfig, explicit: Iterable[str] | None = None) 
     """
     cfg = cfg.resolve()
     run_dir = Path(cfg.run_dir)
-    holds_run = (run_dir / CONFIG_FILE).is_file()
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"--run-dir {run_dir} is a file")
     if cfg.resume:
-        if not holds_run:
+        if not (run_dir / CONFIG_FILE).is_file():
             raise UserError(f"nothing to resume: {run_dir} holds no run ({CONFIG_FILE} missing)")
+        check_links(run_dir)
         return _resumed_config(read_experiment(run_dir), cfg, explicit)
-    if holds_run:
+    if run_dir.is_dir() and any(p.name != LOCK_FILE for p in run_dir.iterdir()):
+        if kind_of(run_dir) != "run":
+            raise UserError(f"{run_dir} is not empty and holds no run; choose another --run-dir")
         if not cfg.overwrite:
             raise UserError(f"{run_dir} already holds a run; pass --resume to continue it or --overwrite to replace it")
-    elif run_dir.is_dir() and any(p.name != LOCK_FILE for p in run_dir.iterdir()):
-        raise UserError(f"{run_dir} is not empty and holds no run; choose another --run-dir")
     return cfg
+
+
+def check_links(run_dir: Path) -> None:
+    """Refuse a run to resume whose checkpoints/, tensorboard/ or a checkpoint in it is a symbolic
+    link: a run writes (and deletes its old checkpoints) only inside its own directory. Its files
+    may be links: each is replaced by a rename, never written through."""
+    checkpoints = run_dir / CHECKPOINTS
+    steps = list(checkpoints.iterdir()) if checkpoints.is_dir() and not checkpoints.is_symlink() else []
+    for part in (checkpoints, run_dir / TENSORBOARD, *steps):
+        if part.is_symlink():
+            raise UserError(f"{part} is a symbolic link: a run writes and deletes only inside its own directory, "
+                            "never where a link points; replace the link by a copy of what it points to")
 
 
 def lock_run_dir(cfg: ExperimentConfig) -> RunLock:
@@ -351,7 +415,7 @@ def prepare_run_dir(cfg: ExperimentConfig, model_cfg: TransformerConfig, tokeniz
     if cfg.overwrite and (run_dir / CONFIG_FILE).is_file():
         for entry in run_dir.iterdir():  # all but the lock this process holds
             if entry.name != LOCK_FILE:
-                shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+                remove(entry)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_json_atomic(run_dir / CONFIG_FILE, cfg.experiment())
     if recipe:
@@ -359,6 +423,30 @@ def prepare_run_dir(cfg: ExperimentConfig, model_cfg: TransformerConfig, tokeniz
     if tokenizers is not None:
         save_tokenizers(tokenizers, run_dir)
     write_json_atomic(run_dir / MODEL_FILE, model_cfg.to_dict())
+
+
+def check_model(run_dir: Path, cfg: ExperimentConfig, model_cfg: TransformerConfig, tokenizers: data.Tokenizers,
+                what: str = MODEL_FILE) -> None:
+    """Refuse, before a model is built, a run whose files describe different models: `model_cfg`
+    (from `what`) must be the model of config.json with the tokenizers' vocabularies and that of
+    each checkpoint's own saved experiment (read without a framework or the weights). A hand-edited
+    size is named here instead of allocated (d_model = 2**20 would ask for terabytes first)."""
+    sizes = tokenizers.src.get_vocab_size(), tokenizers.tgt.get_vocab_size()
+    launch = ExperimentConfig.launch_fields()
+    sources = {f"{run_dir / CONFIG_FILE} with the tokenizer": cfg}
+    for step, saved in sorted(saved_experiments(run_dir / CHECKPOINTS).items()):
+        try:
+            sources[f"the experiment saved in checkpoint {step}"] = ExperimentConfig.from_dict(
+                {k: v for k, v in saved.items() if k not in launch})
+        except (TypeError, ValueError):
+            continue  # an older checkpoint's fields: its weights' shapes are checked when it loads
+    for where, experiment in sources.items():
+        rebuilt = experiment.model_config(*sizes)
+        differ = [k for k, v in model_cfg.to_dict().items() if getattr(rebuilt, k) != v]
+        if differ:
+            raise UserError(f"{run_dir / what} says {', '.join(f'{k}={getattr(model_cfg, k)!r}' for k in differ)} "
+                            f"but {where} gives {', '.join(f'{k}={getattr(rebuilt, k)!r}' for k in differ)}: the "
+                            "files of the run do not describe one model (edited by hand?)")
 
 
 def check_checkpoint_config(meta: Mapping[str, Any], cfg: ExperimentConfig) -> None:
@@ -411,6 +499,7 @@ def open_run(run_dir: str | Path, checkpoint: str | int = "best", launch: Mappin
         tokenizers = load_tokenizers(run_dir, cfg.joint_vocab)
     except (FileNotFoundError, ValueError) as err:
         raise UserError(str(err)) from None
+    check_model(run_dir, cfg, model_cfg, tokenizers)
     initialize(cfg)  # the process's settings for its platform; this is where the reading CLIs start
     backend = create_backend(cfg, model_cfg, str(run_dir / CHECKPOINTS))
     try:

@@ -264,13 +264,13 @@ def test_a_checkpoint_of_another_configuration_is_refused(saved_run, tmp_path):
 
 
 def test_weights_of_another_architecture_are_refused(saved_run, tmp_path):
-    """model.json says d_ff 64 but the checkpoint holds d_ff 128 (tiny): the restore names the problem."""
+    """model.json says d_ff 64 but the checkpoint holds d_ff 128 (tiny): named before a model is built."""
     cfg, run_dir = saved_run
     run_dir = copy_run(run_dir, tmp_path)
     model = json.loads((run_dir / "model.json").read_text())
     model["d_ff"] //= 2
     (run_dir / "model.json").write_text(json.dumps(model))
-    with pytest.raises(files.UserError, match=r"checkpoint 4 .* cannot be restored \(.*(shape|size).*\)"):
+    with pytest.raises(files.UserError, match=r"model.json says d_ff=64 but .*config.json with the tokenizer gives d_ff=128"):
         rundir.open_run(run_dir, "latest")
 
 
@@ -310,13 +310,23 @@ def test_a_write_that_dies_halfway_leaves_the_old_file(tmp_path, monkeypatch):
     write_text_atomic: a write that fails halfway (a crash, a full disk) leaves the old content."""
     target = tmp_path / "config.json"
     target.write_text('{"old": true}\n')
-    real_write_text = Path.write_text
+    real_open = open
 
-    def half_then_fail(self, text, *args, **kwargs):
-        real_write_text(self, text[: len(text) // 2], *args, **kwargs)
-        raise OSError(28, "No space left on device")
+    class HalfThenFail:  # the temporary file: half of the text written, then a full disk
+        def __init__(self, *args):
+            self.file = real_open(*args)
 
-    monkeypatch.setattr(Path, "write_text", half_then_fail)
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.file.close()
+
+        def write(self, data):
+            self.file.write(data[: len(data) // 2])
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(files, "open", HalfThenFail, raising=False)
     with pytest.raises(OSError, match="No space left"):
         files.write_text_atomic(target, '{"new": true, "padding": "' + "x" * 1000 + '"}\n')
     monkeypatch.undo()

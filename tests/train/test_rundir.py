@@ -5,13 +5,17 @@ import os
 import pytest
 
 from train import rundir
+from train.config import ExperimentConfig
+from train.files import json_text
+
+RUN_CONFIG = json_text(ExperimentConfig().experiment())  # what makes a directory a run (rundir.kind_of)
 
 
 def old_run(root):
     """A run directory `root/dst` with a config and a checkpoint file, and a source run `root/src`."""
     dst, src = root / "dst", root / "src"
     (dst / "checkpoints").mkdir(parents=True)
-    (dst / rundir.CONFIG_FILE).write_text("old config")
+    (dst / rundir.CONFIG_FILE).write_text(RUN_CONFIG)
     (dst / "checkpoints" / "weights").write_text("old weights")
     (src / rundir.TENSORBOARD).mkdir(parents=True)
     for name, text in [(rundir.CONFIG_FILE, "src config"), (rundir.JOINT_TOKENIZER, "tokenizer"),
@@ -27,10 +31,11 @@ def contents(directory):
 
 def test_derive_replaces_the_destination_with_the_new_files_and_the_copies(tmp_path):
     src, dst = old_run(tmp_path)
-    with rundir.derive(src, dst, "testing", overwrite=True, copy=(rundir.MODEL_FILE, rundir.TENSORBOARD, "absent")) as tmp:
-        assert tmp.parent == tmp_path and tmp.name == ".dst.testing" and list(tmp.iterdir()) == []
+    copy = (rundir.JOINT_TOKENIZER, rundir.MODEL_FILE, rundir.TENSORBOARD, "absent")
+    with rundir.derive(src, dst, "run", overwrite=True, copy=copy) as tmp:
+        assert tmp.parent == tmp_path and tmp.name == ".dst.run" and list(tmp.iterdir()) == []
         (tmp / rundir.CONFIG_FILE).write_text("new config")
-        assert contents(dst)[rundir.CONFIG_FILE] == "old config"  # nothing changes before the block ends
+        assert contents(dst)[rundir.CONFIG_FILE] == RUN_CONFIG  # nothing changes before the block ends
     assert contents(dst) == {rundir.CONFIG_FILE: "new config", rundir.JOINT_TOKENIZER: "tokenizer",
                              rundir.MODEL_FILE: "model", "tensorboard/events": "events"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dst", "src"]  # no temporary or old directory left
@@ -43,12 +48,12 @@ def test_a_failed_derive_leaves_the_old_destination_whole_and_no_temporary_direc
     real_replace = os.replace
 
     def replace(a, b):
-        if str(a).endswith(".dst.testing"):  # the new directory's rename into place
+        if str(a).endswith(".dst.run"):  # the new directory's rename into place
             raise OSError(28, "No space left on device")
         real_replace(a, b)
 
     with pytest.raises(OSError, match="No space left"):
-        with rundir.derive(src, dst, "testing", overwrite=True, copy=(rundir.MODEL_FILE,)) as tmp:
+        with rundir.derive(src, dst, "run", overwrite=True, copy=(rundir.MODEL_FILE,)) as tmp:
             (tmp / rundir.CONFIG_FILE).write_text("new config")
             if where == "in the block":
                 raise OSError(28, "No space left on device")
@@ -61,11 +66,11 @@ def test_a_failed_derive_leaves_the_old_destination_whole_and_no_temporary_direc
 def test_derive_refuses_before_building(tmp_path):
     src, dst = old_run(tmp_path)
     with pytest.raises(FileExistsError, match="pass --overwrite"):
-        with rundir.derive(src, dst, "testing"):
+        with rundir.derive(src, dst, "run"):
             pytest.fail("the block ran")
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep")
     with pytest.raises(FileExistsError, match="holds no run; it is never deleted"):
-        with rundir.derive(src, tmp_path / "mine", "testing", overwrite=True):
+        with rundir.derive(src, tmp_path / "mine", "run", overwrite=True):
             pytest.fail("the block ran")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dst", "mine", "src"]

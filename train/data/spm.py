@@ -105,18 +105,17 @@ class SentencePieceTokenizer:
         return {"model": self.model_name, "decode_model": self.decode_model_name, "pieces": self.pieces}
 
 
-def save(src: SentencePieceTokenizer, tgt: SentencePieceTokenizer, run_dir: str | os.PathLike, write_text) -> None:
-    """run_dir/sentencepiece.json and the SentencePiece model files it names (`write_text`: the
-    run directory's atomic writer, for the JSON)."""
+def save(src: SentencePieceTokenizer, tgt: SentencePieceTokenizer, run_dir: str | os.PathLike, write) -> None:
+    """run_dir/sentencepiece.json and the SentencePiece model files it names (`write(path, bytes)`:
+    the run directory's atomic writer)."""
     run_dir = Path(run_dir)
     for tok in (src, tgt):
         for name, blob in ((tok.model_name, tok.model), (tok.decode_model_name, tok.decode_model)):
             path = run_dir / name
             if not path.is_file() or path.read_bytes() != blob:
-                tmp = path.with_name(f".{path.name}.tmp")
-                tmp.write_bytes(blob)
-                os.replace(tmp, path)
-    write_text(run_dir / SPM_TOKENIZER, json.dumps({"src": src.describe(), "tgt": tgt.describe()}, ensure_ascii=False))
+                write(path, blob)
+    spec = json.dumps({"src": src.describe(), "tgt": tgt.describe()}, ensure_ascii=False)
+    write(run_dir / SPM_TOKENIZER, spec.encode("utf-8"))
 
 
 def files(run_dir: str | os.PathLike) -> list[str]:
