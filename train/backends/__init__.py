@@ -1,22 +1,10 @@
-"""The backends: one per framework behind one interface (`interface.py`), and the factory.
+"""The backends, one per framework behind one interface (`interface.py`), and the factory.
 
-`jax_backend.JaxBackend` and `torch_backend.TorchBackend` implement `Backend` with the same
-semantics (the numerics contract of the README):
-
-- loss: label-smoothed cross-entropy with PyTorch's semantics, padding ignored; with gradient
-  accumulation the per-token losses of all micro-batches of an update are summed and divided by
-  their total non-pad target tokens, so k micro-batches equal one batch of their union;
-- optional clipping with optax's `clip_by_global_norm` formula, g * max_norm / ||g|| when
-  ||g|| >= max_norm, no epsilon (torch's clip_grad_norm_ would add 1e-6 to the norm);
-- Adam(β1=0.9, β2=0.98, ε=1e-9) with the paper's schedule, the first update at lr(step=1);
-- dropout from the seed; eval and translation without dropout.
-
-A backend owns its framework's state. What leaves it is a `TrainingState`: NumPy arrays keyed
-by the model's own attribute paths, in its framework's layout (`parity.convert` maps one layout
-onto the other), so no code outside a backend reads or writes its attributes.
-
-This module imports neither framework: `create_backend` imports the one asked for, so a torch
-run never loads jax and a jax run never loads torch.
+`jax_backend.JaxBackend` and `torch_backend.TorchBackend` train alike: the micro-batches of an
+update sum their per-token losses over their total target tokens (k micro-batches equal one batch
+of their union); clipping is optax's formula, no epsilon; Adam(0.9, 0.98, 1e-9) on the paper's
+schedule, the first update at lr(step=1). What leaves a backend is a `TrainingState`
+(docs/design.md). This module imports neither framework: `create_backend` imports the one asked for.
 """
 
 from __future__ import annotations
@@ -47,4 +35,4 @@ def create_backend(
     `checkpoint_dir` is where `save`/`restore` work; None disables checkpoints.
     """
     module = importlib.import_module(BACKEND_MODULES[exp_cfg.backend])
-    return module.create(exp_cfg, model_cfg, checkpoint_dir)
+    return getattr(module, f"{exp_cfg.backend.title()}Backend")(exp_cfg, model_cfg, checkpoint_dir)

@@ -132,6 +132,19 @@ class Store(Protocol):
         """Finish pending checkpoint writes."""
 
 
+class StoreMethods:
+    """The `Store` methods a backend hands unchanged to its checkpoint store, `self.store`."""
+
+    def checkpoint_steps(self) -> list[int]:
+        return self.store.steps()
+
+    def checkpoint_metrics(self, step: int) -> dict[str, float] | None:
+        return self.store.metrics(step)
+
+    def close(self) -> None:
+        self.store.close()
+
+
 @runtime_checkable
 class Backend(Trainer, Translator, Store, Protocol):
     """One framework's model, optimiser and checkpoints behind a framework-free interface."""

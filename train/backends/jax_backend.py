@@ -1,40 +1,10 @@
 """The JAX backend: `jax_transformer.Transformer` (Flax NNX) trained with optax under one `jax.jit`.
 
-The model is split once into a static graph definition and its parameters (`nnx.split`); the
-training state is the pytree {"params", "opt_state", "step"}, and the update is the pure
-
-    train_step(state, batch, rng) -> (state, metrics)
-
-compiled with `jax.jit` and the state's buffers donated. Dropout keys are derived inside the
-step from the run's key and the step counter (`fold_in(rng, step)`), so a resumed run draws
-the same masks as an uninterrupted one. Metrics stay on the device until the loop `fetch`es
-them (every `log_every` steps), so nothing syncs with the host inside the loop.
-
-Data parallelism (pmap semantics as `jax.jit` over a mesh, `jax_transformer.sharding`): a 1-D
-mesh with axis `data` over every device (`--devices N`: the first N); the state is replicated,
-every batch is sharded along its rows, and the loss being a mean over the global batch, XLA
-all-reduces the gradients, so N devices take the same update as one device on the same batch.
-With several processes each puts its own rows of the (identically built) global batch in place
-(`process_slice`, `make_array_from_process_local_data`). Evaluation and search run without
-collectives on each process's own copy of the replicated parameters (`local_copy`).
-
-FSDP (`--param-sharding fsdp`): the same step with parameters, Adam's moments (and the gradient
-accumulator) split over `data`, each array along its largest dimension divisible by the device
-count (`sharding.state_shardings`); XLA gathers each parameter where the passes need it whole and
-reduce-scatters the gradients, so the update is that of the replicated layout, with 1/N of the
-state on each device. Evaluation, search and `export_state` work on a whole copy, gathered once
-per step (every process takes part).
-
-Mixed precision (`--dtype bfloat16`): the model computes in bfloat16 (`Transformer(dtype=...)`)
-while parameters, Adam's moments and the gradients stay float32; softmax and loss run in float32.
-`--dtype float32` means float32 matmuls on every platform, as in the torch backend: on GPUs and
-TPUs JAX's default precision rounds float32 matmul inputs (TF32, bfloat16 passes), so the backend
-sets `jax_default_matmul_precision` to "highest" there unless the user has set it (for example
-`JAX_DEFAULT_MATMUL_PRECISION=tensorfloat32` for TF32's speed). On the CPU float32 is float32.
-
-Checkpoints: `train.store.jax_store.JaxStore` (orbax), restored with the shardings of the current
-mesh and layout, so a checkpoint written on 8 devices restores on 1 and vice versa, and one
-written replicated restores sharded (FSDP) and vice versa.
+The training state is the pytree {"params", "opt_state", "step"} and the update the pure
+`train_step(state, batch, rng) -> (state, metrics)`, its state donated. Dropout keys are
+`fold_in(rng, step)`, so a resumed run draws the masks of an uninterrupted one. Data parallelism,
+processes, FSDP and precision: docs/operations.md#devices-and-processes. Checkpoints:
+`train.store.jax_store.JaxStore` (orbax), restored onto the current mesh and layout.
 """
 
 from __future__ import annotations
@@ -60,7 +30,7 @@ from ..data import Batch
 from ..store import TrainingState, check_keys
 from ..store.jax_store import JaxStore
 from . import allocator, jax_cache
-from .interface import Metrics, Topology
+from .interface import Metrics, StoreMethods, Topology
 
 
 def make_optimizer(exp_cfg: ExperimentConfig, d_model: int) -> optax.GradientTransformation:
@@ -104,8 +74,8 @@ def initialize(exp_cfg: ExperimentConfig) -> Topology:
 
 
 def full_float32_matmuls(dtype: str, platform: str) -> bool:
-    """For float32 training off the CPU, make JAX's matmul precision "highest" unless the user set
-    one (see the module docstring). True when it did."""
+    """For float32 training off the CPU (where JAX's default rounds matmul inputs: TF32, bfloat16), make
+    JAX's matmul precision "highest" unless the user set one. True when it did."""
     if dtype != "float32" or platform == "cpu" or jax.config.jax_default_matmul_precision is not None:
         return False
     jax.config.update("jax_default_matmul_precision", "highest")
@@ -214,8 +184,8 @@ def sharded_search(ctx: StepContext, mesh, params, src, *options):
     return per_device(params, src)
 
 
-class JaxBackend:
-    """`train.backends.Backend` for JAX; see the module docstring."""
+class JaxBackend(StoreMethods):
+    """`train.backends.Backend` for JAX."""
 
     name = "jax"
 
@@ -361,12 +331,6 @@ class JaxBackend:
     def save(self, meta: dict[str, Any], metrics: dict[str, float] | None = None) -> None:
         self.store.save(self._step, self.state, meta, metrics)
 
-    def checkpoint_steps(self) -> list[int]:
-        return self.store.steps()
-
-    def checkpoint_metrics(self, step: int) -> dict[str, float] | None:
-        return self.store.metrics(step)
-
     def restore(self, which: str | int = "latest") -> dict[str, Any]:
         # Target shapes, dtypes and shardings are those of this backend's mesh and layout, whatever
         # the checkpoint was written from (orbax reshards on read): 8 devices -> 1, 1 -> 8,
@@ -377,9 +341,6 @@ class JaxBackend:
         self._step = int(self.state["step"])
         self._whole_params = None
         return meta
-
-    def close(self) -> None:
-        self.store.close()
 
     # ------------------------------------------------------------------------------------------
     # State: flat {Flax path: NumPy array}, kernels (in, out)
@@ -461,7 +422,3 @@ def _from_flat(template: Any, flat: Mapping[str, np.ndarray], what: str) -> Any:
     if wrong:
         raise ValueError(f"{what} have other dtypes than the target:\n  " + "\n  ".join(wrong))
     return jax.tree_util.tree_unflatten(treedef, [np.asarray(flat[_key(p)]) for p, _ in leaves])
-
-
-def create(exp_cfg: ExperimentConfig, model_cfg: TransformerConfig, checkpoint_dir: str | None = None) -> JaxBackend:
-    return JaxBackend(exp_cfg, model_cfg, checkpoint_dir)

@@ -1,14 +1,6 @@
-"""The PyTorch backend: `torch_reference.Transformer` with torch.optim, the same semantics as JAX.
-
-Adam(0.9, 0.98, 1e-9) with `LambdaLR` on the paper's schedule; gradient accumulation by summed
-per-token losses over the update's total target tokens; optional clipping written out with
-optax's formula; optional `torch.compile` of the training forward pass. One device (CUDA when
-available, else the CPU); data parallelism is the JAX backend's. `--dtype bfloat16` runs the
-forward passes under `torch.autocast` (bfloat16 matmuls and activations, float32 parameters, Adam
-state and gradients; the loss casts the logits to float32), the counterpart of the JAX model's
-compute dtype.
-
-Checkpoints: `train.store.torch_store.TorchStore` (safetensors, never pickle) of `export_state`.
+"""The PyTorch backend: `torch_reference.Transformer` with torch.optim, the same semantics as JAX, on
+one device (CUDA when available, else the CPU). `--dtype bfloat16` runs the forward passes under
+`torch.autocast`; checkpoints are `train.store.torch_store.TorchStore`'s (safetensors).
 """
 
 from __future__ import annotations
@@ -30,7 +22,7 @@ from ..config import ExperimentConfig
 from ..data import Batch
 from ..store import TrainingState, check_keys
 from ..store.torch_store import TorchStore
-from .interface import Metrics, Topology
+from .interface import Metrics, StoreMethods, Topology
 
 
 def _tensors(batch: Batch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -53,8 +45,8 @@ def initialize(exp_cfg: ExperimentConfig) -> Topology:
     return Topology()
 
 
-class TorchBackend:
-    """`train.backends.Backend` for PyTorch; see the module docstring."""
+class TorchBackend(StoreMethods):
+    """`train.backends.Backend` for PyTorch."""
 
     name = "torch"
 
@@ -202,20 +194,11 @@ class TorchBackend:
     # ------------------------------------------------------------------------------------------
     # Checkpoints: export_state in the store, the store's state through import_state
 
-    def checkpoint_steps(self) -> list[int]:
-        return self.store.steps()
-
-    def checkpoint_metrics(self, step: int) -> dict[str, float] | None:
-        return self.store.metrics(step)
-
     def save(self, meta: dict[str, Any], metrics: dict[str, float] | None = None) -> None:
         self.store.save(self.export_state(), meta, metrics)
 
     def restore(self, which: str | int = "latest") -> dict[str, Any]:
         return self.store.restore(which, self.import_state)
-
-    def close(self) -> None:
-        self.store.close()
 
     # ------------------------------------------------------------------------------------------
     # Attention
@@ -227,7 +210,3 @@ class TorchBackend:
         with self.autocast():
             _, attention = self.model(src_t, tgt_t, return_attention=True)  # (B, layers, H, T, S)
         return attention.float().cpu().numpy()
-
-
-def create(exp_cfg: ExperimentConfig, model_cfg: TransformerConfig, checkpoint_dir: str | None = None) -> TorchBackend:
-    return TorchBackend(exp_cfg, model_cfg, checkpoint_dir)
