@@ -1,25 +1,10 @@
 """The framework-neutral training loop behind `python -m train.run`.
 
-`train(cfg)` does everything in order: claim the run directory, load the corpus, train or reload
-the tokenizers, build the batches and the backend (resuming from the newest complete checkpoint
-with --resume), then loop over updates with a progress bar, TensorBoard scalars, evaluation
-(loss, perplexity, BLEU, chrF, sample translations) and checkpoints, and finish with a test-set
-evaluation, `results.json` and one summary line. The backend (`train.backends`) is the only part
-that knows a framework.
-
-Interruptions: SIGTERM and Ctrl-C make the loop save a checkpoint after the current update and
-raise `Interrupted` (run.py exits 128 + the signal); a non-finite loss or gradient norm raises
-`TrainingDiverged` before anything holding it is saved. Nothing in the run directory changes
-until the data has loaded and batched, and every file is written whole (temporary file + rename).
-
-Devices and processes: the backend's `Topology` says over how many devices each global batch is
-split, so every bucket's batch size is made a multiple of that (Batcher `multiple_of`). In a
-multi-process run every process builds the same tokenizer, batches and evaluation (all from the
-seed); the backend keeps each process's rows of a batch; process 0 alone claims and writes the run
-directory (config, tokenizer, TensorBoard, results.json) and prints; checkpoints are written by
-all of them together (orbax).
-
-The run directory's files and rules are `train.rundir`'s.
+`train(cfg)` claims the run directory, loads the corpus, trains or reloads the tokenizers, builds
+the batches and the backend (resuming with --resume), loops over updates with logging, evaluation
+and checkpoints, and finishes with a test-set evaluation and `results.json`. The backend
+(`train.backends`) is the only part that knows a framework. Signals, divergence, devices and
+processes: docs/operations.md.
 """
 
 from __future__ import annotations
@@ -42,7 +27,7 @@ from . import curves, data
 from .backends import Backend, Topology, create_backend, initialize
 from .config import ExperimentConfig
 from .evaluate import EvaluationStopped, bands_text, evaluate_pairs
-from .files import UserError, finite_values, read_json, write_json_atomic
+from .files import UserError, finite_values, read_json, say, write_json_atomic
 from .rundir import (
     CHECKPOINTS,
     CONFIG_FILE,
@@ -175,10 +160,6 @@ def summary_writer(logdir: Path, purge_step: int | None = None) -> _Events:
     return _Events(logdir, EventsWriter(str(logdir / "events"), suffix), purge_step)
 
 
-def _say(text: str) -> None:
-    tqdm.write(text, file=sys.stdout)
-
-
 def _eval_summary(result: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in result.items() if k != "samples"}
 
@@ -259,10 +240,10 @@ def _train_locked(cfg: ExperimentConfig, topology: Topology, started: float) -> 
             )
         batcher.restore(meta["data"])
         log = _Log.restore(meta.get("history"), backend.step)
-        _say(f"resumed {run_dir} at step {backend.step}")
+        say(f"resumed {run_dir} at step {backend.step}")
     elif resuming:
-        _say(f"{run_dir} has no checkpoint yet: starting at step 0 with its tokenizer")
-    _say(
+        say(f"{run_dir} has no checkpoint yet: starting at step 0 with its tokenizer")
+    say(
         f"[{cfg.backend}] {backend.num_params:,} parameters ({cfg.preset}, d_model={model_cfg.d_model}, "
         f"{model_cfg.num_encoder_layers}+{model_cfg.num_decoder_layers} layers), vocab "
         f"{model_cfg.src_vocab_size}/{model_cfg.tgt_vocab_size}, {len(splits.train):,} training pairs "
@@ -277,10 +258,10 @@ def _train_locked(cfg: ExperimentConfig, topology: Topology, started: float) -> 
         done = read_json(run_dir / RESULTS_FILE, default=None)
         if isinstance(done, dict) and done.get("steps") == backend.step:
             backend.close()
-            _say(f"{run_dir} has trained {backend.step} steps (--steps {cfg.steps}): nothing to do; "
+            say(f"{run_dir} has trained {backend.step} steps (--steps {cfg.steps}): nothing to do; "
                  f"{RESULTS_FILE} left as it is (resume with a larger --steps to train on)")
             return done
-        _say(f"{run_dir} has trained {backend.step} steps (--steps {cfg.steps}): nothing to train; evaluating "
+        say(f"{run_dir} has trained {backend.step} steps (--steps {cfg.steps}): nothing to train; evaluating "
              f"its last checkpoint (resume with a larger --steps to train on)")
     writer = summary_writer(run_dir / TENSORBOARD, purge_step=backend.step + 1) if main else _NoWriter()
     try:
@@ -301,7 +282,7 @@ def _train_locked(cfg: ExperimentConfig, topology: Topology, started: float) -> 
         except OSError:
             raise
         except Exception as err:  # noqa: BLE001 (matplotlib's errors have no common base)
-            _say(f"warning: {CURVES_FILE} not drawn ({type(err).__name__}: {err})")
+            say(f"warning: {CURVES_FILE} not drawn ({type(err).__name__}: {err})")
     print(_summary_line(results), flush=True)
     return results
 
@@ -367,7 +348,7 @@ def _log_window(cfg, step: int, values: list[dict[str, float]], tokens: int, ela
     bar.update(len(values))
     bar.set_postfix(loss=f"{entry['loss']:.3f}", lr=f"{entry['lr']:.2e}", tok_s=f"{entry['tokens_per_s']:,.0f}")
     if not cfg.progress:
-        _say(
+        say(
             f"step {step}/{cfg.steps} loss {entry['loss']:.4f} lr {entry['lr']:.3e} tok/s {entry['tokens_per_s']:,.0f}"
         )
 
@@ -378,13 +359,13 @@ def _log_evaluation(step: int, evaluated: dict[str, Any], eval_time: float, log:
     log.valid.append({"step": step, "train_time_s": log.time_s, "eval_time_s": eval_time, **_eval_summary(evaluated)})
     for key in ("loss", "ppl", "bleu", "chrf", "exact_match"):
         writer.add_scalar(f"valid/{key}", evaluated[key], step)
-    _say(
+    say(
         f"step {step}: valid loss {evaluated['loss']:.4f} ppl {evaluated['ppl']:.3f} "
         f"BLEU {evaluated['bleu']:.2f} chrF {evaluated['chrf']:.2f} exact {evaluated['exact_match']:.1f}% "
         f"({evaluated['sentences']} sentences, {eval_time:.1f} s)" + bands_text(evaluated["bands"])
     )
     for sample in evaluated["samples"]:
-        _say(f"  {sample['source']}\n    ref: {sample['reference']}\n    hyp: {sample['hypothesis']}")
+        say(f"  {sample['source']}\n    ref: {sample['reference']}\n    hyp: {sample['hypothesis']}")
 
 
 class _StopSignals:
@@ -415,7 +396,7 @@ class _StopSignals:
         if self.requested is not None:
             raise KeyboardInterrupt
         self.requested = signum
-        _say(f"{signal.Signals(signum).name}: stopping after this update to save a checkpoint (again to stop now)")
+        say(f"{signal.Signals(signum).name}: stopping after this update to save a checkpoint (again to stop now)")
 
 
 def _first_non_finite(values: list[dict[str, float]], step: int) -> str | None:
@@ -426,6 +407,13 @@ def _first_non_finite(values: list[dict[str, float]], step: int) -> str | None:
             if not math.isfinite(v[key]):
                 return f"{key.replace('_', ' ')} {v[key]} at step {step - len(values) + 1 + offset}"
     return None
+
+
+def _diverged(backend: Backend, what: str) -> TrainingDiverged:
+    saved = backend.checkpoint_steps()
+    kept = f"the checkpoints up to step {saved[-1]} are intact" if saved else "no checkpoint was saved"
+    return TrainingDiverged(f"training diverged: {what}; stopped before saving it ({kept}). Lower --lr-factor, "
+                            "raise --warmup or set --clip-norm, and train again")
 
 
 def _save(cfg: ExperimentConfig, backend: Backend, batcher: data.Batcher, evaluated: dict[str, Any] | None,
@@ -455,11 +443,8 @@ def _fit(cfg: ExperimentConfig, backend: Backend, batcher: data.Batcher, tokeniz
     """
     stop = stop or _StopSignals(enabled=False)
     log = log if log is not None else _Log()
-    bar = tqdm(
-        total=cfg.steps, initial=backend.step, disable=not (cfg.progress and show_progress), unit="step",
-        dynamic_ncols=True,
-        desc=cfg.backend,
-    )
+    bar = tqdm(total=cfg.steps, initial=backend.step, disable=not (cfg.progress and show_progress), unit="step",
+               dynamic_ncols=True, desc=cfg.backend)
     pending: list = []  # metrics of the steps not yet read from the device
     window_tokens, window_start = 0, time.perf_counter()
     for step in range(backend.step + 1, cfg.steps + 1):
@@ -474,12 +459,7 @@ def _fit(cfg: ExperimentConfig, backend: Backend, batcher: data.Batcher, tokeniz
         if step % cfg.log_every == 0 or evaluate_now or save_now:
             values = backend.fetch(pending)  # the loop's only host sync between evaluations
             if bad := _first_non_finite(values, step):
-                saved = backend.checkpoint_steps()
-                kept = f"the checkpoints up to step {saved[-1]} are intact" if saved else "no checkpoint was saved"
-                raise TrainingDiverged(
-                    f"training diverged: {bad}; stopped before saving it ({kept}). Lower --lr-factor, raise "
-                    "--warmup or set --clip-norm, and train again"
-                )
+                raise _diverged(backend, bad)
             _log_window(cfg, step, values, window_tokens, time.perf_counter() - window_start, log, writer, bar)
             pending, window_tokens = [], 0
 
@@ -494,12 +474,7 @@ def _fit(cfg: ExperimentConfig, backend: Backend, batcher: data.Batcher, tokeniz
                 stopping = save_now = True
             else:
                 if not math.isfinite(evaluated["loss"]):
-                    saved = backend.checkpoint_steps()
-                    kept = f"the checkpoints up to step {saved[-1]} are intact" if saved else "no checkpoint was saved"
-                    raise TrainingDiverged(
-                        f"training diverged: validation loss {evaluated['loss']} at step {step}; stopped before "
-                        f"saving it ({kept}). Lower --lr-factor, raise --warmup or set --clip-norm, and train again"
-                    )
+                    raise _diverged(backend, f"validation loss {evaluated['loss']} at step {step}")
                 _log_evaluation(step, evaluated, eval_time, log, writer)
         if save_now:
             _save(cfg, backend, batcher, evaluated, log)
