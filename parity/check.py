@@ -25,7 +25,7 @@ import torch_reference
 from jax_transformer.objective import label_smoothed_cross_entropy as jax_loss
 from torch_reference.config import TransformerConfig
 from torch_reference.objective import label_smoothed_cross_entropy as torch_loss
-from train.config import non_negative_int, positive_int
+from train.config import flag_type, non_negative_int, positive_int
 from train.files import json_text
 
 from .weights import jax_key, jax_params_to_torch, torch_to_jax
@@ -221,13 +221,6 @@ def failures(report: dict, bounds: dict) -> list[str]:
     return out
 
 
-def _parse_override(text: str) -> tuple[str, object]:
-    try:
-        return TransformerConfig.parse_override(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m parity.check",
@@ -237,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--preset", default="tiny", choices=TransformerConfig.presets(), help="model size (default tiny)")
     parser.add_argument("--vocab-size", type=positive_int, default=8000, help="shared vocabulary size (default 8000)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], type=_parse_override,
+    parser.add_argument("--set", dest="overrides", action="append", default=[], type=flag_type(TransformerConfig.parse_override),
                         metavar="FIELD=VALUE", help="override a TransformerConfig field, e.g. --set norm_position=pre")
     parser.add_argument("--variants", action="store_true",
                         help=f"check every named variant in turn: {', '.join(VARIANTS)}")

@@ -1,49 +1,20 @@
 """One training curve in two frameworks: `python -m parity.trajectory`.
 
-Trains one model in the JAX and the PyTorch backends of `train` (the product's own `train_step`:
-Adam, the Noam schedule, the label-smoothed loss) from one set of initial weights (the torch
-backend's, moved into JAX with `parity.weights.convert_state`) on identical batches of the numbers corpus
-(`train.loop.make_batcher`), float32 with `jax_default_matmul_precision="highest"` and dropout
-off, and compares the two after every update: the loss (relative difference) and every
-parameter (relative L2 distance ||a - b|| / ||b||, the worst named).
-
-With `--switch K` (default: half the steps) it also proves that a checkpoint carries the whole
-training state across: at update K each run saves a checkpoint with its backend's `save`,
-`parity.runs.convert_checkpoints` converts it, a fresh backend of the other framework
-`restore`s it (the data position from the checkpoint's meta) and trains to the end; each is
-compared with the uninterrupted run of the framework it finishes in:
-
-    jax K + torch (N-K)   vs   torch N
-    torch K + jax (N-K)   vs   jax N
-
-    python -m parity.trajectory --steps 100 --preset tiny --json out.json --plot out.png
-
-Exits with status 1 when a bound (`BOUNDS`) is exceeded. What the bounds can and cannot hold:
-
-- The schedule is the paper's (warmup 4000, so the first 100 updates run at lr <= 5e-5 on tiny).
-  With the short warmups `train.run` picks for short runs (steps/4: lr 0.025 at update 25 on
-  tiny) float32 training is chaotic: a difference of one rounding error grows ~e^0.6 per update
-  from update ~10 and the runs decorrelate by update 30 -- torch against torch with the initial
-  weights moved by one ulp does the same (`--control`). No two float32 implementations can stay
-  within 1e-5 there; `--warmup 25` shows it.
-- Excluded from the parameter bound: the attention key projections' biases (`*.k_proj.bias`).
-  Adding b to every key adds q·b to a whole row of scores, which softmax ignores (§3.2.1), so
-  their gradient is analytically 0 and both frameworks return float32 rounding noise there.
-  Adam divides by sqrt(v) + 1e-9 ~ |g| and turns that noise into steps of full size ±lr of
-  random sign: the two runs hold independent noise there (rel L2 ~1), which never changes the
-  function. Their figure is reported separately.
-- ReLU's kink: an input within rounding distance of 0 may land on either side in either
-  framework (parity.check, README "Parity"); a unit active for one token of a batch then gets a
-  gradient in one run and none in the other, and Adam, which normalises per element, turns that
-  into a full-size step of that unit's weights. As `parity.check` does for gradients, a ReLU
-  model's parameter bound is only excused when the smooth path -- the same initial weights with
-  exact GELU, whose derivative is continuous -- meets it; the loss bound always applies.
+Trains one model in the JAX and the PyTorch backends of `train` (the product's own `train_step`)
+from one set of initial weights on identical batches of the numbers corpus, float32, dropout off,
+and compares the two after every update: the loss (relative difference) and every parameter
+(relative L2 distance ||a - b|| / ||b||, the worst named). `--switch K` saves each run's checkpoint
+at update K, converts it, and finishes it in the other framework: jax K + torch (N-K) vs torch N,
+torch K + jax (N-K) vs jax N. Exits with status 1 when a bound (`BOUNDS`) is exceeded; why the
+bounds hold only on the paper's warmup, without the key projections' biases, and on ReLU's smooth
+path: docs/parity.md#a-training-curve-in-both-frameworks.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import sys
 import tempfile
@@ -61,6 +32,7 @@ from train.backends import create_backend, initialize
 from train.config import (
     DERIVED_MODEL_FIELDS,
     ExperimentConfig,
+    flag_type,
     non_negative_int,
     positive_float,
     positive_int,
@@ -84,7 +56,7 @@ BOUNDS = {"loss_rel": 1e-5, "param_rel_l2": 1e-4}
 # The paper's warmup (§5.3): the trajectory runs the first updates of the paper's schedule.
 PAPER_WARMUP = 4000
 
-# Parameters with an analytically zero gradient: excluded from the bound (module docstring).
+# Parameters with an analytically zero gradient (softmax ignores a shift of a row): excluded from the bound.
 NOISE_ONLY_SUFFIX = ".k_proj.bias"
 
 
@@ -422,13 +394,8 @@ def print_report(report: dict) -> None:
         print(f"    {line}")
 
 
-def _override(text: str) -> tuple[str, Any]:
-    """--set FIELD=VALUE; the vocabulary sizes, max_len, dropout and embedding sharing come from
-    the data and the experiment (train.config.DERIVED_MODEL_FIELDS)."""
-    try:
-        return TransformerConfig.parse_override(text, exclude=DERIVED_MODEL_FIELDS)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
+# --set FIELD=VALUE: the vocabulary sizes, max_len, dropout and embedding sharing come from the data.
+_override = flag_type(functools.partial(TransformerConfig.parse_override, exclude=DERIVED_MODEL_FIELDS))
 
 
 def build_parser() -> argparse.ArgumentParser:

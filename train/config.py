@@ -13,9 +13,11 @@ translated or evaluated run reads back the exact values it trained with.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import time
+from collections.abc import Callable
 from typing import Any, Literal
 
 from torch_reference.config import NON_NEGATIVE, POSITIVE, PROBABILITY, SPECIAL_TOKENS, Range, TransformerConfig
@@ -65,10 +67,21 @@ FIELD_RANGES: dict[str, Range] = {
 # The argparse types of the other CLIs' numeric flags (translate, evaluate, bench, parity.*).
 positive_int = POSITIVE.parse
 non_negative_int = NON_NEGATIVE.parse
-finite_float = Range(float).parse
 positive_float = Range(float, above=0.0).parse
 non_negative_float = Range(float, low=0.0).parse
 probability = PROBABILITY.parse
+
+
+def flag_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """`parse` as an argparse type: its ValueError's message is the flag's error."""
+
+    def parsed(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    return parsed
 
 
 def _field(default: Any, group: str, help: str, launch: bool = False, **meta: Any) -> Any:

@@ -16,7 +16,7 @@ import sys
 import tomllib
 
 from .backends import allocator
-from .config import FIELD_RANGES, ExperimentConfig, parse_model_override
+from .config import FIELD_RANGES, ExperimentConfig, flag_type, parse_model_override
 
 GROUPS = {
     "run": "run",
@@ -73,13 +73,6 @@ def _type_name(annotation: str) -> str:
     return annotation.replace(" | None", "").strip()
 
 
-def _override(text: str):
-    try:
-        return parse_model_override(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-
-
 def _flag(field: dataclasses.Field) -> str:
     return field.metadata.get("flag", "--" + field.name.replace("_", "-"))
 
@@ -108,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
         if kind == "bool":
             kwargs.update(action=argparse.BooleanOptionalAction, help=help)
         elif kind == "dict":
-            kwargs.update(action="append", type=_override, metavar=meta.get("metavar"), help=help)
+            kwargs.update(action="append", type=flag_type(parse_model_override), metavar=meta.get("metavar"), help=help)
         else:
             kwargs.update(
                 # Numbers range-checked by the field's own rule: a bad value exits 2 with one line.
