@@ -2,15 +2,8 @@
 
 Weights and training runs between the frameworks (`parity.weights`, `parity.runs`); with the
 `interop` extra an HF Marian directory becomes a run, an imported run goes back to one
-(`parity.marian`), and any run becomes a CTranslate2 model (`parity.ctranslate2`).
-
-CLI:
-    python -m parity.convert --to jax --src model.safetensors --dst DIR
-    python -m parity.convert --to torch --src DIR --dst model.safetensors
-    python -m parity.convert --to torch --run-dir RUN_JAX --dst RUN_TORCH   # then train.run --resume
-    python -m parity.convert --from marian --src HF_MODEL_DIR --to jax --dst RUN_DIR
-    python -m parity.convert --to marian --src RUN_DIR --dst HF_MODEL_DIR
-    python -m parity.convert --to ctranslate2 --src RUN_DIR --dst CT2_DIR [--quantization int8]
+(`parity.marian`), and any run becomes a CTranslate2 model (`parity.ctranslate2`). Examples:
+docs/interop.md.
 """
 
 from __future__ import annotations
@@ -26,11 +19,6 @@ from . import ctranslate2 as ct2_export
 from . import marian
 from .runs import convert_run, load_jax_weights, load_torch_weights, run_weights, save_jax_weights, save_torch_weights
 from .weights import FRAMEWORKS, jax_to_torch, torch_to_jax
-
-# ---------------------------------------------------------------------------------------------
-# CLI
-# ---------------------------------------------------------------------------------------------
-
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(

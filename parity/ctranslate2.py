@@ -1,10 +1,9 @@
 """A trained run as a CTranslate2 model: `python -m parity.convert --to ctranslate2 --src RUN --dst DIR`.
 
-CTranslate2 (https://github.com/OpenNMT/CTranslate2) runs encoder-decoder Transformers in C++, in
-float32, int8 (CPU) or float16 (GPU). The export builds its model from this project's weights
-through CTranslate2's own specification classes (`ctranslate2.specs.TransformerSpec.from_config`,
-then a `ctranslate2.converters.Converter`, which validates, quantizes and saves the spec), never
-by writing its file format by hand. Every variant of `TransformerConfig` has a counterpart there:
+Built from this project's weights through CTranslate2's own specification classes
+(`ctranslate2.specs.TransformerSpec.from_config`, then a `Converter`), never by writing its file
+format by hand (docs/interop.md#ctranslate2-out). Every variant of `TransformerConfig` has a
+counterpart there:
 
     post-norm / pre-norm      pre_norm (pre-norm with the stacks' final norms)
     relu / gelu / silu        Activation.RELU / GELU (exact erf) / SWISH
@@ -15,15 +14,8 @@ by writing its file format by hand. Every variant of `TransformerConfig` has a c
     attention projections     q, k, v fused as CTranslate2 stores them (k, v for cross-attention)
     tied / untied output      projection = the target embedding or out_proj; output_bias its bias
 
-The vocabularies are the run's tokens by id, the four special ones named as SPECIAL_TOKENS
-(<pad>, <bos>, <eos>, <unk>), <bos> the decoder start. The projection gets a bias of -1e9 on
-<pad> and <bos> (added to `logits_bias` if the model has one): this project's search never emits
-them (torch_reference.decode), and so CTranslate2 will not either. Greedy tokens are those of
-this project's search; beam search scores differ by design (CTranslate2 divides a hypothesis'
-log-probability by length ** length_penalty, this project by GNMT's ((5 + length) / 6) ** alpha).
-
-The run's tokenizer files are copied into the model directory; CTranslate2 takes tokens, so
-translating text is: our tokenizer's ids -> `tokens(ids)` -> translate_batch -> ids -> decode.
+CTranslate2 takes tokens, so translating text is: our tokenizer's ids -> `tokens(ids)` ->
+translate_batch -> ids -> decode.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """HF Marian (OPUS-MT) models in and out: `python -m parity.convert --from marian` / `--to marian`.
 
-A Marian model of `transformers` (`MarianMTModel`) is this project's Transformer with a few of its
-variants: post-norm layers, swish ("silu") feed-forward, sinusoidal positions laid out sines then
-cosines ("sinusoidal_halves"), embeddings scaled by sqrt(d_model), one embedding matrix shared by
-source, target and the output projection (or separate ones, as its config says), a bias on the
-logits (`final_logits_bias`: `output_bias`), torch's LayerNorm epsilon 1e-5. `marian_config`
-maps every field of `MarianConfig` that changes the function and refuses, naming the field, one
-this model cannot represent (pre-norm, a norm on the embeddings or after the stacks, learned
-positions, different widths or head counts per stack, layer drop, activation dropout, ...).
-
-Token ids. This project fixes pad 0, bos 1, eos 2, unk 3 (`torch_reference.config.SPECIAL_TOKENS`:
-batches, masks, loss and search all read them); Marian numbers its vocabulary otherwise (eos 0,
-unk 1, pad last in OPUS-MT) and starts the decoder with the pad id. The import permutes the
-embedding rows (and the output projection's and the logits bias's) so that the fixed ids hold:
+A Marian model is this project's Transformer with a few of its variants (docs/interop.md):
+`marian_config` maps every field of `MarianConfig` that changes the function and refuses, naming
+the field, one this model cannot represent. Marian numbers its vocabulary otherwise (eos 0, unk 1,
+pad last in OPUS-MT, the decoder starting from pad), so the import permutes the embedding rows (and
+the output projection's and the logits bias's) to this project's fixed ids:
 
     our id 0 (pad)  <- Marian's pad row
     our id 1 (bos)  <- Marian's decoder start row (its pad row in OPUS-MT): a copy, one row more
@@ -20,22 +12,9 @@ embedding rows (and the output projection's and the logits bias's) so that the f
     our id 3 (unk)  <- Marian's unk row
     our ids 4...    <- every other Marian row, in Marian's order
 
-so each vocabulary has one row more than Marian's, and the decoder starting from bos reads exactly
-Marian's start embedding (with the pad id as start token, this project's decoder padding mask
-would hide the start position). The function is unchanged: our logits at `marian_ids(...)` are
-Marian's. The export inverts the permutation: Marian's decoder start row is written from our bos
-row (the start, which fine-tuning trains; our pad row is only ever padding), every other row from
-its own, so an imported run exported untrained gives back the original weights bit for bit.
-
-The run directory written by the import is a run of `train.run` at step 0 (no Adam moments):
-config.json (preset base with the Marian fields as `--set` overrides, the data specs given to
-fine-tune on), model.json, the SentencePiece tokenizers (`train.data.spm`: the model's own
-`source.spm`/`target.spm` and `vocab.json`, ids permuted as above), a checkpoint of the chosen
-backend, and imported.json recording the Marian config and special ids (what the export reads).
-`train.translate`, `train.evaluate` and `train.run --resume` (fine-tuning) accept it.
-
-`transformers`, `sentencepiece` (and `safetensors`, a core dependency) are imported when used:
-`pip install -e ".[interop]"`.
+The export inverts it, Marian's start row written from our bos row (which fine-tuning trains), so
+an imported run exported untrained gives back the original weights bit for bit. The import writes
+a run of `train.run` at step 0, with the model's SentencePiece tokenizers and imported.json.
 """
 
 from __future__ import annotations
@@ -78,7 +57,6 @@ class UnsupportedMarianConfig(ValueError):
 
 # ---------------------------------------------------------------------------------------------
 # Config
-# ---------------------------------------------------------------------------------------------
 
 
 def _refuse(field: str, value: Any, why: str) -> None:
@@ -169,7 +147,6 @@ def inverse_order(order: np.ndarray) -> np.ndarray:
 
 # ---------------------------------------------------------------------------------------------
 # Weights
-# ---------------------------------------------------------------------------------------------
 
 
 def expected_torch_params(cfg: TransformerConfig) -> dict[str, tuple[int, ...]]:
@@ -286,7 +263,6 @@ def to_marian(params: Mapping[str, np.ndarray], cfg: TransformerConfig,
 
 # ---------------------------------------------------------------------------------------------
 # Files
-# ---------------------------------------------------------------------------------------------
 
 
 def read_marian_dir(src: str | os.PathLike) -> tuple[dict[str, Any], dict[str, np.ndarray]]:

@@ -1,14 +1,10 @@
-"""Checkpoint averaging: `python -m train.average --run-dir RUN --last N --dst OUT`.
+"""Checkpoint averaging: `python -m train.average --run-dir RUN --last N --dst OUT`, as the paper
+averages the last 5 (base) or 20 (big) checkpoints (§6.1).
 
-The paper's base models average the last 5 checkpoints, its big ones the last 20 (§6.1). This
-writes a new run directory OUT holding one checkpoint: the element-wise mean of the weights of
-RUN's newest N checkpoints, at the newest one's step, with the newest one's optimizer state and
-data position. OUT is a run like any other: `train.translate` and `train.evaluate` read it, and
-`train.run --run-dir OUT --resume --steps M` trains on from the averaged weights.
-
-The mean is taken in float64 over the checkpoints in step order and rounded once to the weights'
-dtype, so it does not depend on the framework: N checkpoints averaged by the JAX backend and the
-same N converted to torch (`parity.convert`) and averaged there give the same weights, bit for bit.
+OUT is a run holding one checkpoint: the element-wise mean of the weights of RUN's newest N
+checkpoints, at the newest one's step, with its optimizer state and data position. The mean is
+taken in float64 in step order and rounded once to the weights' dtype, so it does not depend on
+the framework: the same N checkpoints averaged by either backend give the same weights, bit for bit.
 """
 
 from __future__ import annotations

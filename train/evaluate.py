@@ -1,26 +1,14 @@
 """Evaluation: loss, perplexity, sacreBLEU/chrF and exact match of beam-search translations; `python -m train.evaluate`.
 
-BLEU and chrF are sacreBLEU's corpus scores on detokenized text (its default 13a tokenization,
-mixed case), the numbers every paper quotes; each score is stored with sacreBLEU's signature
-(`bleu_signature`, e.g. "nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0"), which says
-how it was computed, and `sentences` says how many sentences it covers. `bleu_lc` (with
-`--lowercase`, and always in a training run's results) is the same BLEU on lowercased text.
-`bleu_moses` and `bleu_moses_lc` (with `--moses LANG`, or a run's `--moses`) are BLEU on text
-tokenized by the Moses tokenizer with sacreBLEU's own tokenization off: how papers that quote
-"tokenized BLEU" (fairseq's, multi-bleu's) score, which differs from 13a by a BLEU point or more.
-`exact_match` is sentence accuracy: the percentage of hypotheses equal to their reference (both
-stripped of surrounding whitespace). Perplexity is exp of the unsmoothed per-token negative
-log-likelihood; `loss` is the label-smoothed training objective.
-
-When every reference is a number as the numbers corpus writes it in English (`numbers:` data, or
-a file of such pairs), `bands` holds the exact match per number of digits, each with how many of
-its sentences are `seen` (the source is a training sentence of the run) and the exact match on
-the others (`unseen_exact_match`, None when there are none).
-
-    python -m train.evaluate --run-dir runs/jax-... --data de:en:../shared/data/multi30k/test_2016_flickr --lowercase
-    python -m train.evaluate --run-dir runs/jax-... --data numbers:test
-    python -m train.evaluate --run-dir runs/jax-... --data numbers:0-999      # every number below 1,000
-    python -m train.evaluate --run-dir runs/jax-... --data numbers:1000-999000/1000   # the round thousands
+BLEU and chrF are sacreBLEU's corpus scores on detokenized text (13a, mixed case), each stored with
+its signature, and `sentences` says how many sentences they cover. `bleu_lc` is the same BLEU on
+lowercased text; `bleu_moses` and `bleu_moses_lc` (`--moses LANG`) are BLEU on Moses-tokenized text
+with sacreBLEU's tokenization off, as papers quoting "tokenized BLEU" score (a BLEU point or more
+from 13a). `exact_match` is the percentage of hypotheses equal to their reference (both stripped).
+Perplexity is exp of the unsmoothed per-token NLL; `loss` is the label-smoothed objective. When
+every reference is a number as the numbers corpus writes it, `bands` holds the exact match per
+number of digits, with how many of its sentences are `seen` in training and the exact match on the
+others (`unseen_exact_match`, None when there are none).
 """
 
 from __future__ import annotations

@@ -3,18 +3,12 @@
     python -m train.profile_step --preset base [--batch 32 --length 32 --vocab 8000] [--json PATH]
     python -m train.profile_step --preset small --xla-cpu-ab [--repeats 10 --sentences 64]
 
-`train.bench` times whole steps; this times their parts on the same shapes (each framework's
-model initialised from the seed: the work does not depend on the weights' values): one attention sublayer, one feed-forward
-sublayer, a whole encoder layer and decoder layer, the output projection with the label-smoothed
-loss, the Adam update over every parameter of the model, and the whole step. Each part runs as
-`grad(sum(part(x)))` (jit-compiled on the JAX side), the median of --repeats runs after a warm-up.
-The ratio JAX / torch per part shows which part a backend loses time in; the parts of a step are
-its layers (times the layer count), the loss and the update. The JAX model is built as the
-training backend builds it: with `xla_cpu=True` where JAX's devices are CPUs.
-
-`--xla-cpu-ab` instead times the JAX model with and without its XLA:CPU-tuned pieces
-(`jax_transformer/xla_cpu.py`) in this process, alternately (plain, tuned, plain, ...): the
-backend's train step and a beam-4 search over --sentences random sources of random lengths.
+`train.bench` times whole steps; this times their parts on the same shapes, each as
+`grad(sum(part(x)))` (jit-compiled on the JAX side, whose model is built as the training backend
+builds it), the median of --repeats runs after a warm-up: an attention sublayer, a feed-forward
+sublayer, an encoder and a decoder layer, the output projection with the loss, the Adam update and
+the whole step. `--xla-cpu-ab` instead times the JAX train step and a beam-4 search with and
+without the XLA:CPU-tuned pieces (`jax_transformer/xla_cpu.py`), alternately.
 """
 
 from __future__ import annotations

@@ -1,15 +1,5 @@
-"""What `python -m train.translate` streams through: where finished chunks go, progress, signals.
-
-`PartialOutput`: --output F grows as `.F.partial` beside F, one finished chunk at a time (written,
-flushed and synced), each followed by `.F.partial.json`, its record: lines and bytes done, a
-SHA-256 of the input lines they translate, the settings that made them. The end renames the
-partial file onto F. An interruption leaves F as it was and keeps the partial file; the same
-command run again truncates it to its last recorded chunk (so SIGKILL mid-write loses only that
-chunk), checks the input's first lines against the digest, and continues after them. A record
-made with other settings (run, checkpoint, beam, alpha, scoring) is discarded with a note.
-
-`Progress`: one line on stderr rewritten in place when stderr is a terminal (lines, lines/s,
-target tokens/s, ETA when the input is a regular file); `summary()` is the closing line.
+"""What `python -m train.translate` streams through: where finished chunks go (`PartialOutput`),
+progress (`Progress`) and signals (`interruptible`); docs/operations.md#translating.
 """
 
 from __future__ import annotations
@@ -80,7 +70,9 @@ class StreamOutput:
 
 
 class PartialOutput:
-    """--output F, written through `.F.partial` and resumable (see the module docstring)."""
+    """--output F, grown as `.F.partial` one synced chunk at a time, each followed by its record
+    `.F.partial.json` (lines and bytes done, a SHA-256 of the input lines they translate, the
+    settings), and renamed onto F at the end. Run again, it continues after the recorded chunks."""
 
     def __init__(self, path: Path, settings: dict[str, Any]):
         self.path, self.settings = path, settings
@@ -129,7 +121,8 @@ class PartialOutput:
 
 
 class Progress:
-    """Counts and, on a terminal, a progress line on stderr (see the module docstring)."""
+    """Counts and, when stderr is a terminal, one progress line rewritten in place (lines, lines/s,
+    target tokens/s, an ETA for a regular file); `summary()` is the closing line."""
 
     INTERVAL = 0.5  # seconds between two progress lines
 

@@ -1,16 +1,10 @@
 """Translate with a trained run: `python -m train.translate --run-dir DIR [--input FILE]`.
 
-Reads one sentence per line from FILE (or stdin; any readable stream, `data.LineReader`),
-writes one translation per line to stdout (or --output), in input order. The run's config,
-tokenizer and checkpoint (best by validation BLEU by default) select the backend and the weights.
-
-The input streams through in chunks of --chunk-lines lines: each is translated (`translate_texts`:
-sentences batched by length bucket, a few padded shapes, so jit compiles a handful of times) and
-written, in input order, before the next is read, so memory does not grow with the input. --output
-F grows as a partial file renamed onto F at the end; an interrupted run keeps its finished chunks
-and the same command continues after them (`streaming.PartialOutput`). A JAX run decodes each
-batch data parallel over --devices (`JaxBackend.translate`). The speed of the searches, JAX against
-torch, CTranslate2 and HF generate on the same weights, is `python -m parity.translate_bench`.
+One translation per input line (FILE, or any readable stream: `data.LineReader`), in input order,
+with the run's backend and checkpoint (best by validation BLEU by default). The input streams
+through in chunks of --chunk-lines lines, each translated (`translate_texts`: batched by length
+bucket, so jit compiles a handful of shapes) and written before the next is read; --output is
+written resumably (`streaming.PartialOutput`; docs/operations.md#translating).
 """
 
 from __future__ import annotations

@@ -1,24 +1,13 @@
-"""glibc's allocator tuned for XLA:CPU, from inside the process (no environment variables).
+"""glibc's allocator tuned for XLA:CPU, from inside the process (no environment variables); why, and
+the measured effects: docs/performance.md.
 
-On the CPU, XLA's buffers (the compiled step's temporaries, the new state) come from glibc's
-malloc. glibc serves requests above its mmap threshold with their own mappings, returned to the
-system on free; below it, from its heaps, which keep freed memory resident. The threshold starts
-at 128 KiB but rises to the size of every mmapped block freed (up to 32 MiB), so after the first
-steps most of XLA's multi-MiB buffers come from the heaps, and the memory they held stays
-resident between steps; compilation leaves a few hundred MiB the same way.
-
-`tune()` fixes both thresholds at 4 MiB with `mallopt` (what `MALLOC_MMAP_THRESHOLD_=4194304
-MALLOC_TRIM_THRESHOLD_=4194304` would do, but those are read only when the process starts), and
-`release()` hands freed heap memory back with `malloc_trim(0)`, for after a compilation. Both
-are no-ops where the C library is not glibc. Measured effects: README, Benchmarks.
-
-One buffer cannot come from a heap: XLA:CPU allocates all of a step's temporaries as one block
-(148 MiB for the default numbers run's step, from a worker thread, whose glibc heaps hold at most
-64 MiB), so glibc maps it afresh at every step and the kernel faults it in page by page: 39,000
-page faults a step, a fifth of the default run's time. With transparent huge pages the same
-block faults in 2 MiB at a time. `use_huge_pages()` turns on glibc's `glibc.malloc.hugetlb=1`
-tunable, which is read only at process start, by re-executing the command once with it in
-`GLIBC_TUNABLES`; the training and benchmark CLIs call it first thing.
+glibc's mmap threshold rises to the size of every mmapped block freed (up to 32 MiB), so XLA's
+multi-MiB buffers end up in heaps that keep freed memory resident: `tune()` fixes the mmap and trim
+thresholds at 4 MiB with `mallopt`, and `release()` hands freed heap memory back (`malloc_trim(0)`)
+after a compilation; both are no-ops off glibc. A step's temporaries are one block too large for a
+heap, so glibc maps it afresh at every step and the kernel faults it in page by page:
+`use_huge_pages()` re-executes the command once with `glibc.malloc.hugetlb=1` in `GLIBC_TUNABLES`
+(read only at process start); the training and benchmark CLIs call it first thing.
 """
 
 from __future__ import annotations

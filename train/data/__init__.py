@@ -1,10 +1,4 @@
-"""What a run trains on, as NumPy; never torch or jax.
-
-    numbers.py   the embedded default corpus (German number words -> English), offline
-    corpora.py   sentence pairs from text pairs, TSV, JSON lines or a datasets-hub dataset
-    vocab.py     byte-level BPE tokenizers trained on the training split
-    batches.py   padded int32 batches under a token budget, in length buckets, resumable
-    spm.py       the SentencePiece tokenizers of an imported pretrained model
+"""What a run trains on, as NumPy; never torch or jax (the submodules: docs/design.md#layout).
 
 The names below are the package's interface (`from train import data; data.load_parallel(...)`).
 """

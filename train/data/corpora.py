@@ -1,25 +1,11 @@
-"""`load_parallel(spec)`: sentence pairs from local files or a datasets-hub dataset, read through HF `datasets`.
-A spec is one of
+"""`load_parallel(spec)`: sentence pairs from local files or a datasets-hub dataset, read through HF
+`datasets`, for the data specs `python -m train.run --help` lists (`train.run.EPILOG`).
 
-  SRC:TGT:PREFIX                     two aligned text files PREFIX.SRC and PREFIX.TGT, one
-                                     sentence per line, each plain or gzipped (PREFIX.SRC.gz is
-                                     used when PREFIX.SRC does not exist), e.g.
-                                     de:en:../shared/data/multi30k/train
-  FILE.tsv[.gz][#src=COL,tgt=COL]    tab-separated with a header row; columns default to
-                                     source,target. No quoting and no NA parsing: '"' and
-                                     "null" (German for 0) are text. Every row has the
-                                     header's number of columns (else ValueError naming the
-                                     line); an empty row is a pair with empty sides.
-  FILE.jsonl|.json[.gz][#src=F,tgt=F]  JSON lines; fields default to source,target
-  hf:NAME[:CONFIG]:SPLIT[#src=F,tgt=F]  datasets.load_dataset(NAME, CONFIG, split=SPLIT); NAME is
-                                     a hub id (needs internet) or a local dataset directory;
-                                     SPLIT may slice ("train[:1000]"). Fields default to the two
-                                     halves of a CONFIG like "de-en", else source,target.
-
-In JSON and hub datasets a field is looked up as a column, then inside a "translation" dict
-column (the hub's convention: {"translation": {"de": ..., "en": ...}}). Both sides are
-stripped of surrounding whitespace; pairs where either side is then empty are skipped and
-counted (`LoadedPairs.skipped_empty`).
+TSV is read without quoting or NA parsing ('"' and "null", German for 0, are text), every row with
+the header's number of columns (else ValueError naming the line). A hub spec's fields default to
+the two halves of a CONFIG like "de-en"; in JSON and hub datasets a field is looked up as a column,
+then inside a "translation" dict column. Both sides are stripped of surrounding whitespace; pairs
+where either side is then empty are skipped and counted (`LoadedPairs.skipped_empty`).
 
 Lines: one rule for every text file (text pairs, TSV, translate's input), `split_lines`: a line
 ends at "\n" (a "\r" before it is dropped too); every other character (U+2028, U+0085, form
@@ -58,7 +44,7 @@ _JSON = (".jsonl", ".jsonl.gz", ".json", ".json.gz")
 
 
 def load_parallel(spec: str, cache_dir: str | Path | None = None) -> LoadedPairs:
-    """Sentence pairs from a spec string (formats in the module docstring).
+    """Sentence pairs from a spec string (the formats of `train.run.EPILOG`).
 
     `cache_dir` is handed to `datasets.load_dataset` (default: the HF datasets cache).
     Raises FileNotFoundError for a missing file, ValueError for an unknown format, a missing

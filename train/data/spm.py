@@ -1,24 +1,14 @@
 """SentencePiece tokenizers with a vocabulary of the run's own ids: the tokenizer kind of runs
 imported from a pretrained model (`python -m parity.convert --from marian`).
 
-A run trains byte-level BPE (`data.train_tokenizer`, a `tokenizers.Tokenizer`); a Marian model
-comes with its SentencePiece models (`source.spm`, `target.spm`) and a vocabulary (`vocab.json`)
-that maps their pieces to the model's embedding rows. `SentencePieceTokenizer` segments with one
-SentencePiece model and maps the pieces through such a list, ids in this project's numbering
-(the special ids of `torch_reference.config.SPECIAL_TOKENS`: pad 0, bos 1, eos 2, unk 3), and
-offers the few `tokenizers.Tokenizer` methods the run uses (`encode_batch`, `decode`,
-`get_vocab_size`, `id_to_token`, `token_to_id`), so batches, search, evaluation and attention
-plots read it like any other tokenizer.
-
-Encoding follows `transformers.MarianTokenizer`: a leading language code `>>xx<<` is one token,
-the rest is segmented by the SentencePiece model, pieces missing from the vocabulary become
-<unk>, and <eos> ends the sentence. Decoding drops the special ids and joins the pieces with a
-SentencePiece model (MarianTokenizer decodes with the source model when the vocabulary is shared,
-so `decode_model` may differ from `model`).
-
-In a run directory: `sentencepiece.json` (per side, the SentencePiece file names and the pieces by
-id) and the SentencePiece model files it names. The `sentencepiece` package is an optional
-extra, imported on first use.
+`SentencePieceTokenizer` segments with one SentencePiece model, maps the pieces through the model's
+vocabulary (`vocab.json`) to ids in this project's numbering (pad 0, bos 1, eos 2, unk 3), and
+offers the few `tokenizers.Tokenizer` methods a run uses, so batches, search and evaluation read it
+like any other tokenizer. Encoding follows `transformers.MarianTokenizer` (a leading `>>xx<<`
+language code is one token, pieces missing from the vocabulary <unk>, <eos> last); decoding drops
+the special ids and joins the pieces with `decode_model` (MarianTokenizer's source model when the
+vocabulary is shared). In a run directory: `sentencepiece.json` (per side, the model file names and
+the pieces by id) and the models it names. `sentencepiece` is an optional extra, imported on first use.
 """
 
 from __future__ import annotations
