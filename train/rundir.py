@@ -1,24 +1,6 @@
-"""Run directories: the one place that knows their files, claims them, and opens them again.
-
-A run directory holds:
-    config.json            the experiment (ExperimentConfig.experiment(): what resume checks and
-                           translate, evaluate and conversion read; launch options are not saved)
-    model.json             the TransformerConfig
-    tokenizer.json         or src_tokenizer.json + tgt_tokenizer.json (BPE trained by the run), or
-    sentencepiece.json     + its SentencePiece models (an imported model's tokenizers: train.data.spm)
-    checkpoints/<step>/    the backend's checkpoints (newest N plus the best by validation BLEU),
-                           each with digest.json: the SHA-256 of every file, checked on load
-    tensorboard/           event files
-    results.json           final metrics, written at the end
-    curves.png             learning curves from results.json's history (train.curves)
-    converted.json         where a converted run came from (parity.convert --run-dir)
-    averaged.json          which checkpoints an averaged run holds the mean of (train.average)
-    imported.json          the pretrained model an imported run came from (parity.convert --from marian)
-    recipe.json            the recipe the run was launched with (train.run --config): its path and text
-
-Every file is written whole (`write_text_atomic`: a temporary file beside it, then a rename), and
-nothing in a directory changes until `prepare_run_dir`, which the loop calls once the data has
-loaded. `choose_checkpoint` is the one rule for "latest", "best" and a step number.
+"""Run directories: the one place that knows their files (docs/operations.md#run-directories),
+claims them, and opens them again. Every file is written whole (`write_text_atomic`), and nothing
+in a directory changes until `prepare_run_dir`, which the loop calls once the data has loaded.
 """
 
 from __future__ import annotations
@@ -46,12 +28,13 @@ from .data import spm
 from .files import UserError, read_json, say, write_bytes_atomic, write_error, write_json_atomic, write_text_atomic
 from .store import CheckpointError, parse_checkpoint, saved_experiments
 
-CONFIG_FILE, MODEL_FILE, RESULTS_FILE, PROVENANCE_FILE = "config.json", "model.json", "results.json", "converted.json"
-AVERAGED_FILE = "averaged.json"
+CONFIG_FILE, MODEL_FILE, RESULTS_FILE = "config.json", "model.json", "results.json"  # experiment, TransformerConfig
+PROVENANCE_FILE = "converted.json"  # where a converted run came from (parity.convert --run-dir)
+AVERAGED_FILE = "averaged.json"  # which checkpoints an averaged run holds the mean of (train.average)
 RECIPE_FILE = "recipe.json"  # train.run --config's recipe: {"path", "toml"}; a resume without one keeps it
 CURVES_FILE = "curves.png"  # learning curves, drawn at the end of a run (train.curves)
 IMPORTED_FILE = "imported.json"  # a pretrained model's origin and original numbering (parity.convert --from)
-CHECKPOINTS, TENSORBOARD = "checkpoints", "tensorboard"
+CHECKPOINTS, TENSORBOARD = "checkpoints", "tensorboard"  # checkpoints/<step>/ (train.store), event files
 JOINT_TOKENIZER, SRC_TOKENIZER, TGT_TOKENIZER = "tokenizer.json", "src_tokenizer.json", "tgt_tokenizer.json"
 TOKENIZER_FILES = (JOINT_TOKENIZER, SRC_TOKENIZER, TGT_TOKENIZER)  # with tokenizer_files(): the spm kind's too
 LOCK_FILE = ".lock"  # held (flock) by the one process that writes the run
@@ -150,15 +133,9 @@ def _read_tokenizer(path: Path) -> Tokenizer:
 
 
 class RunLock:
-    """The run directory's writer lock: `fcntl.flock` on DIR/.lock, exclusive and non-blocking.
-
-    Whoever writes a run holds it (train.run from claim to exit, parity.convert over its
-    destination); a second writer is refused with the holder's pid and host (read from the
-    file), and translate and evaluate, which only read, never take it. The OS releases a flock
-    when its process dies, however it dies, so a lock left by a killed run never blocks: the file
-    stays, the lock does not. On a filesystem without flock support (some network filesystems)
-    the lock cannot be taken: a warning says so and the run goes on unprotected.
-    """
+    """The run directory's writer lock: `fcntl.flock` on DIR/.lock, exclusive and non-blocking, held
+    by whoever writes the run (docs/operations.md#signals-crashes-locks). The OS releases a flock when
+    its process dies, so a killed run's lock never blocks; without flock support a warning says so."""
 
     def __init__(self, run_dir: str | Path, created: bool = False):
         self.path = Path(run_dir) / LOCK_FILE
@@ -309,9 +286,13 @@ def derive(src: str | Path | None, dst: str | Path, kind: str = "run", overwrite
 
 def read_experiment(run_dir: str | Path) -> ExperimentConfig:
     """The experiment saved in `run_dir`'s config.json (launch options at their defaults)."""
-    launch = ExperimentConfig.launch_fields()  # runs written before launch options were left out
-    return _read_settings(run_dir, CONFIG_FILE, lambda saved: ExperimentConfig.from_dict(
-        {k: v for k, v in saved.items() if k not in launch}))
+    return _read_settings(run_dir, CONFIG_FILE, _experiment)
+
+
+def _experiment(saved: Mapping[str, Any]) -> ExperimentConfig:
+    """A saved experiment, without the launch options that runs written before they were left out hold."""
+    launch = ExperimentConfig.launch_fields()
+    return ExperimentConfig.from_dict({k: v for k, v in saved.items() if k not in launch})
 
 
 def _read_settings(run_dir: str | Path, name: str, build: Callable[[dict], Any]) -> Any:
@@ -329,9 +310,12 @@ def _read_settings(run_dir: str | Path, name: str, build: Callable[[dict], Any])
         raise UserError(f"{path}: {err}") from None
 
 
-def _resumed_config(saved: ExperimentConfig, cfg: ExperimentConfig, explicit: Iterable[str] | None) -> ExperimentConfig:
-    """The saved experiment with this launch's options; an experiment field given again with
-    another value is an error (it would change how the run trains)."""
+def _resumed_config(cfg: ExperimentConfig, explicit: Iterable[str] | None) -> ExperimentConfig:
+    """The experiment saved in cfg.run_dir with this launch's options; an experiment field given
+    again with another value is an error (it would change how the run trains)."""
+    if not (Path(cfg.run_dir) / CONFIG_FILE).is_file():
+        raise UserError(f"nothing to resume: {cfg.run_dir} holds no run ({CONFIG_FILE} missing)")
+    saved = read_experiment(cfg.run_dir)
     if explicit is None:  # a programmatic call: every field that is set counts as given
         explicit = [f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) is not None]
     launch = ExperimentConfig.launch_fields()
@@ -358,10 +342,9 @@ def claim_run_dir(cfg: ExperimentConfig, explicit: Iterable[str] | None = None) 
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"--run-dir {run_dir} is a file")
     if cfg.resume:
-        if not (run_dir / CONFIG_FILE).is_file():
-            raise UserError(f"nothing to resume: {run_dir} holds no run ({CONFIG_FILE} missing)")
+        resumed = _resumed_config(cfg, explicit)
         check_links(run_dir)
-        return _resumed_config(read_experiment(run_dir), cfg, explicit)
+        return resumed
     if run_dir.is_dir() and any(p.name != LOCK_FILE for p in run_dir.iterdir()):
         if kind_of(run_dir) != "run":
             raise UserError(f"{run_dir} is not empty and holds no run; choose another --run-dir")
@@ -396,11 +379,7 @@ def follow_run_dir(cfg: ExperimentConfig, explicit: Iterable[str] | None = None)
     """`claim_run_dir` for the processes other than 0 of a multi-process run: the same config,
     without checking, creating or deleting anything (process 0 does that)."""
     cfg = cfg.resolve()
-    if not cfg.resume:
-        return cfg
-    if not (Path(cfg.run_dir) / CONFIG_FILE).is_file():
-        raise UserError(f"nothing to resume: {cfg.run_dir} holds no run ({CONFIG_FILE} missing)")
-    return _resumed_config(read_experiment(cfg.run_dir), cfg, explicit)
+    return _resumed_config(cfg, explicit) if cfg.resume else cfg
 
 
 def prepare_run_dir(cfg: ExperimentConfig, model_cfg: TransformerConfig, tokenizers: data.Tokenizers | None) -> None:
@@ -432,12 +411,10 @@ def check_model(run_dir: Path, cfg: ExperimentConfig, model_cfg: TransformerConf
     each checkpoint's own saved experiment (read without a framework or the weights). A hand-edited
     size is named here instead of allocated (d_model = 2**20 would ask for terabytes first)."""
     sizes = tokenizers.src.get_vocab_size(), tokenizers.tgt.get_vocab_size()
-    launch = ExperimentConfig.launch_fields()
     sources = {f"{run_dir / CONFIG_FILE} with the tokenizer": cfg}
     for step, saved in sorted(saved_experiments(run_dir / CHECKPOINTS).items()):
         try:
-            sources[f"the experiment saved in checkpoint {step}"] = ExperimentConfig.from_dict(
-                {k: v for k, v in saved.items() if k not in launch})
+            sources[f"the experiment saved in checkpoint {step}"] = _experiment(saved)
         except (TypeError, ValueError):
             continue  # an older checkpoint's fields: its weights' shapes are checked when it loads
     for where, experiment in sources.items():
