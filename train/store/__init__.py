@@ -169,24 +169,16 @@ class CheckpointDamaged(ValueError):
     """A checkpoint file that does not match the digest written with it, or is missing."""
 
 
-def _file_digest(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, DIGEST_ALGORITHM).hexdigest()
-
-
-def _checkpoint_files(directory: Path) -> list[Path]:
-    return sorted(p for p in directory.rglob("*") if p.is_file() and p.name != DIGEST_FILE
-                  and not p.name.startswith(f".{DIGEST_FILE}"))
-
-
 def write_checkpoint_digest(directory: str | Path) -> None:
     """Hash every file of the checkpoint `directory` and write DIRECTORY/digest.json. Called once
     the checkpoint's data is on disk (each file synced here as it is read) and before the
     checkpoint is published: torch renames its temporary directory after this; orbax renames its
-    own before returning from save, so for JAX this runs right after (see the README)."""
+    own before returning from save, so for JAX this runs right after (docs/operations.md)."""
     directory = Path(directory)
     files = {}
-    for path in _checkpoint_files(directory):
+    for path in sorted(directory.rglob("*")):
+        if not path.is_file() or path.name == DIGEST_FILE or path.name.startswith(f".{DIGEST_FILE}"):
+            continue
         with open(path, "rb") as f:
             os.fsync(f.fileno())
             files[path.relative_to(directory).as_posix()] = hashlib.file_digest(f, DIGEST_ALGORITHM).hexdigest()
@@ -220,8 +212,9 @@ def verify_checkpoint(directory: str | Path) -> bool:
         path = directory / name
         if not path.is_file():
             raise CheckpointDamaged(f"{name} is missing")
-        if _file_digest(path) != expected:
-            raise CheckpointDamaged(f"{name} does not match the {DIGEST_ALGORITHM} digest written with it")
+        with open(path, "rb") as f:
+            if hashlib.file_digest(f, DIGEST_ALGORITHM).hexdigest() != expected:
+                raise CheckpointDamaged(f"{name} does not match the {DIGEST_ALGORITHM} digest written with it")
     return True
 
 

@@ -1,8 +1,6 @@
 """The JAX backend's checkpoints: an orbax `CheckpointManager` keeping the newest `keep` steps plus
-the best by validation BLEU. Each step holds the state (`StandardSave`) and a JSON `meta` item
-(data position, config); incomplete ones are never listed. Once orbax has finished a step,
-`digest.json` is written into it, verified before every restore. The state is restored onto the
-shapes, dtypes and shardings of the target given (orbax reshards on read: any mesh, any layout).
+the best by validation BLEU, each step the state (`StandardSave`) and a JSON `meta` item, then
+`digest.json`. The state is restored onto the target's shapes, dtypes and shardings (orbax reshards).
 """
 
 from __future__ import annotations

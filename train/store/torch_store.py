@@ -1,9 +1,7 @@
 """The torch backend's checkpoints, never pickle: CHECKPOINTS/<step>/ holds `model.safetensors`
-(weights, config in the metadata), `optimizer.safetensors` (Adam's exp_avg and exp_avg_sq per
-parameter name, and the CPU random generator state), `meta.json` (step, scheduler position, data
-position, metrics) and `digest.json` (verified before every restore). Written in a temporary
-directory renamed into place: an interrupted save leaves nothing `restore` would pick. Read and
-written as NumPy (byte for byte what `safetensors.torch` writes): no framework is imported.
+(weights, config in the metadata), `optimizer.safetensors` (Adam's moments, the CPU generator's
+state), `meta.json` and `digest.json`, written in a temporary directory renamed into place. Read
+and written as NumPy (byte for byte what `safetensors.torch` writes): no framework is imported.
 """
 
 from __future__ import annotations
