@@ -2,24 +2,12 @@
 
     python -m train.bench --presets tiny,small,base --backends jax,torch,torch-compile --json bench.json --plot bench.png
 
-For each preset and backend a fresh worker process builds the model (initialised from seed 0 in
-its framework: the work of a step does not depend on the weights' values), trains on the same
-fixed batches, and reports the
-median step time after warm-up (the first step, which compiles, is reported apart), tokens/s, the
-model FLOPs of a step, MFU against the matmul peak measured in that same process at the same
-precision, and the peak memory of training (device memory on GPUs; on CPUs the rise of the
-process's peak resident memory above what it held before the first step). Separate processes keep
-one backend's memory and threads from touching another's; ratios between backends come from one
-invocation.
-
-Precisions (`--precisions`, each measured in turn):
-  float32   every matmul in full float32: TF32 off in both frameworks (JAX's matmul precision
-            "highest"; torch's `allow_tf32` False). The numerics the parity contract is stated in.
-  tf32      float32 parameters and activations, matmuls on TF32 tensor cores (JAX "tensorfloat32",
-            torch `set_float32_matmul_precision("high")`): what JAX does by default on Ampere and
-            newer GPUs. On a CPU it is float32.
-  bfloat16  the training CLI's `--dtype bfloat16`: activations and matmuls in bfloat16,
-            parameters, optimizer state, softmax and loss in float32.
+For each precision, preset and backend a fresh worker process (so that one backend's memory and
+threads never touch another's) builds the model from seed 0, trains on the same fixed batches and
+reports the median step time after warm-up (the first, compiling step apart), tokens/s, the model
+FLOPs of a step, MFU against the matmul peak measured in that process at that precision, and the
+peak memory of training (device memory on GPUs; on CPUs the rise of the process's peak resident
+memory). The precisions are `build_parser`'s epilog's (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -84,7 +72,6 @@ def fixed_batches(cfg: TransformerConfig, batch_size: int, length: int, count: i
 
 # ------------------------------------------------------------------------------------------------
 # Worker: one backend in this process
-# ------------------------------------------------------------------------------------------------
 
 
 def _rss_mib() -> float:
@@ -112,7 +99,7 @@ def _reset_peak_rss() -> bool:
 
 
 def set_precision(framework: str, precision: str) -> None:
-    """Matmul precision of this process for `precision` (see the module docstring)."""
+    """Matmul precision of this process for `precision` (one of PRECISIONS: see `build_parser`'s epilog)."""
     if framework == "jax":
         import jax
 
@@ -135,24 +122,20 @@ def matmul_peak_gflops(framework: str, precision: str = "float32", n: int | None
         n = n or (2048 if jax.devices()[0].platform == "cpu" else 8192)
         a = jax.random.normal(jax.random.key(0), (n, n), getattr(jnp, dtype_name))
         mm = jax.jit(lambda x, y: x @ y)
-        mm(a, a).block_until_ready()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            mm(a, a).block_until_ready()
-            times.append(time.perf_counter() - start)
+        run = lambda: mm(a, a).block_until_ready()
     else:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
         n = n or (8192 if device == "cuda" else 2048)
         a = torch.randn(n, n, device=device, dtype=getattr(torch, dtype_name))
-        (a @ a).sum().item()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            (a @ a)[0, 0].item()
-            times.append(time.perf_counter() - start)
+        run = lambda: (a @ a)[0, 0].item()
+    run()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
     return 2 * n**3 / min(times) / 1e9
 
 
@@ -226,7 +209,6 @@ def run_worker(args) -> dict:
 
 # ------------------------------------------------------------------------------------------------
 # Driver
-# ------------------------------------------------------------------------------------------------
 
 
 def _cpu_name() -> str:
