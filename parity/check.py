@@ -1,11 +1,9 @@
-"""Proof that the two frameworks compute the same function and the same gradients.
+"""Proof that the two frameworks compute the same function and the same gradients:
+`python -m parity.check` (docs/parity.md).
 
 Builds a random PyTorch reference model, converts it to Flax, runs both on one random batch with
 padding (dropout off, float32, `jax_default_matmul_precision="highest"`), and compares logits, the
 label-smoothed loss and the gradient of every parameter. Exits non-zero when a bound is exceeded.
-
-    python -m parity.check --preset base --json out.json
-    python -m parity.check --preset tiny --set norm_position=pre --set activation=swiglu
 """
 
 from __future__ import annotations

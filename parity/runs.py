@@ -1,12 +1,9 @@
-"""Training runs and weights files between the frameworks (the leaf rules: `parity.weights`).
+"""Training runs and weights files between the frameworks (the leaf rules: `parity.weights`; the
+file formats: docs/interop.md).
 
 `convert_run` converts the checkpoints of a run directory of one backend into the other's, with
 their meta (data position, validation scores) and ranking metrics, so `python -m train.run
 --resume` continues in the other framework as if it had never changed.
-
-Files: PyTorch weights are safetensors (never pickle) with the config in the file's metadata
-(nothing else is written beside it; a `config.json` beside a legacy file is read); JAX weights
-are an orbax checkpoint directory holding `params/` and `config.json`.
 """
 
 from __future__ import annotations
@@ -108,7 +105,6 @@ def run_weights(run_dir: str | os.PathLike, checkpoint: str | int = "best") -> t
 
 # ---------------------------------------------------------------------------------------------
 # Files
-# ---------------------------------------------------------------------------------------------
 
 
 def save_torch_weights(model: torch_reference.Transformer, path: str | os.PathLike) -> Path:

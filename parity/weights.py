@@ -1,6 +1,7 @@
 """Weights between `torch_reference.Transformer` and `jax_transformer.Transformer`, both ways.
 
-The two models have the same attribute tree, so one table of leaf names is the whole mapping:
+The two models have the same attribute tree (keys are the dotted paths on both sides,
+`encoder.layers.0.self_attn.q_proj.kernel`), so one table of leaf names is the whole mapping:
 
     torch                     flax              value
     Linear.weight (out, in)   Linear.kernel     transposed (in, out)
@@ -9,13 +10,9 @@ The two models have the same attribute tree, so one table of leaf names is the w
     Embedding.weight          Embed.embedding   as is
     logits_bias               logits_bias       as is (the output_bias variant)
 
-Keys are the dotted attribute paths on both sides (`encoder.layers.0.self_attn.q_proj.kernel`).
-The expected set of keys and shapes comes from the config (an abstract Flax model, no
-allocation); any missing, unexpected or wrongly shaped key raises one `CheckpointMismatchError`
-listing every offender with both shapes. Values keep their dtype (bf16 included) bit for bit.
-
-Training states (`train.store.TrainingState`, a backend's whole state): `convert_state` maps the
-weights and Adam's moments (parameter-shaped) by the same rules; the random state stays behind
+Keys and shapes are checked strictly against the config (an abstract Flax model: one
+`CheckpointMismatchError` lists every offender); values keep their dtype bit for bit. `convert_state`
+maps a training state's weights and Adam's moments by the same rules; the random state stays behind
 (dropout streams differ between frameworks). Files and run directories: `parity.runs`.
 """
 
@@ -46,7 +43,6 @@ FRAMEWORKS = ("jax", "torch")
 
 # ---------------------------------------------------------------------------------------------
 # Key and value rules
-# ---------------------------------------------------------------------------------------------
 
 
 def jax_key(path: tuple) -> str:
@@ -92,7 +88,6 @@ def numpy_to_torch(a: Any) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------
 # State dicts <-> flat JAX parameter dicts (keys as dotted Flax paths, values NumPy)
-# ---------------------------------------------------------------------------------------------
 
 
 def to_jax_layout(flat: Mapping[str, Any], cfg: TransformerConfig, what: str = "PyTorch weights") -> dict[str, np.ndarray]:
@@ -160,7 +155,6 @@ def jax_model_from_params(params: Mapping[str, Any], cfg: TransformerConfig) -> 
 
 # ---------------------------------------------------------------------------------------------
 # Models
-# ---------------------------------------------------------------------------------------------
 
 
 def torch_to_jax(
@@ -188,7 +182,6 @@ def jax_to_torch(model: nnx.Module, cfg: TransformerConfig | None = None) -> tor
 
 # ---------------------------------------------------------------------------------------------
 # Training states
-# ---------------------------------------------------------------------------------------------
 
 
 def convert_state(state: TrainingState, to: str, cfg: TransformerConfig) -> TrainingState:
