@@ -24,7 +24,7 @@ from pathlib import Path
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
 # Fixed thresholds. 128 KiB (glibc's initial value) gave the same peaks but mapped and faulted in
 # every buffer above it afresh at each step: the default numbers run took 184 s for 300 steps
-# against 153 s at 4 MiB and 162 s untuned (README, Benchmarks).
+# against 153 s at 4 MiB and 162 s untuned (docs/performance.md).
 THRESHOLD = 4 * 1024 * 1024
 
 

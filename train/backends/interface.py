@@ -1,12 +1,8 @@
-"""What the framework-neutral code asks of a backend, by role.
-
-    Trainer      updates, evaluation loss, the schedule      (train.loop)
-    Translator   search and attention weights                 (train.translate, evaluate, attention)
-    Store        checkpoints and the framework-neutral state  (train.loop, train.average, parity)
-
-`Backend` is all three: what `create_backend` returns. Arrays cross it as NumPy (batches in,
-token ids out); per-step metrics stay on the device until `fetch`, so the loop decides when to
-synchronise. This module imports neither framework.
+"""What the framework-neutral code asks of a backend, by role: `Trainer` (updates, evaluation loss,
+schedule: train.loop), `Translator` (search, attention weights: translate, evaluate, attention) and
+`Store` (checkpoints, the framework-neutral state: loop, average, parity); `Backend` is all three.
+Arrays cross it as NumPy; per-step metrics stay on the device until `fetch`, so the loop decides
+when to synchronise. This module imports neither framework.
 """
 
 from __future__ import annotations

@@ -203,7 +203,6 @@ class JaxBackend(StoreMethods):
         # The XLA:CPU-tuned kernels and search (jax_transformer/xla_cpu.py) where the devices are CPUs.
         xla_cpu = self.mesh.devices.flat[0].platform == "cpu"
         model = jax_transformer.Transformer(model_cfg, dtype=dtype, xla_cpu=xla_cpu, rngs=nnx.Rngs(params=init_key))
-        # `rest` holds any non-parameter state (none today); it is constant through training.
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
         self.tx = make_optimizer(exp_cfg, model_cfg.d_model)
         state = {"params": params, "opt_state": self.tx.init(params), "step": jnp.zeros((), jnp.int32)}
@@ -322,6 +321,13 @@ class JaxBackend(StoreMethods):
             tokens = multihost_utils.process_allgather(tokens, tiled=True)
         return np.asarray(tokens, np.int32)[:rows]
 
+    def cross_attention(self, src: np.ndarray, tgt_in: np.ndarray) -> np.ndarray:
+        # Jitted (compiled once per shape; eagerly, every operation would compile per new shape).
+        if getattr(self, "_cross_attention", None) is None:
+            self._cross_attention = jax.jit(lambda params, s, t: self.ctx.model(params)(s, t, return_attention=True)[1])
+        attention = self._cross_attention(self.local_params(), np.asarray(src, np.int32), np.asarray(tgt_in, np.int32))
+        return np.asarray(attention, np.float32)  # (B, layers, H, T, S)
+
     def learning_rate(self, step: int) -> float:
         return float(noam_learning_rate(step, self.model_cfg.d_model, self.exp_cfg.warmup, self.exp_cfg.lr_factor))
 
@@ -384,16 +390,6 @@ class JaxBackend(StoreMethods):
         self._whole_params = None
         if state.rng is not None:
             self.rng = sharding.replicate(jax.random.wrap_key_data(np.asarray(state.rng, np.uint32)), self.mesh)
-
-    # ------------------------------------------------------------------------------------------
-    # Attention
-
-    def cross_attention(self, src: np.ndarray, tgt_in: np.ndarray) -> np.ndarray:
-        # Jitted (compiled once per shape; eagerly, every operation would compile per new shape).
-        if getattr(self, "_cross_attention", None) is None:
-            self._cross_attention = jax.jit(lambda params, s, t: self.ctx.model(params)(s, t, return_attention=True)[1])
-        attention = self._cross_attention(self.local_params(), np.asarray(src, np.int32), np.asarray(tgt_in, np.int32))
-        return np.asarray(attention, np.float32)  # (B, layers, H, T, S)
 
 
 def _key(path: tuple) -> str:

@@ -146,6 +146,14 @@ class TorchBackend(StoreMethods):
                 tokens, _ = decode.beam_search(self.model, src_t, beam_size, alpha, cached=cached, scoring=scoring)
         return tokens.cpu().numpy().astype(np.int32)
 
+    @torch.no_grad()
+    def cross_attention(self, src: np.ndarray, tgt_in: np.ndarray) -> np.ndarray:
+        self.model.eval()
+        src_t, tgt_t = (torch.from_numpy(np.asarray(a)).to(device=self.device, dtype=torch.long) for a in (src, tgt_in))
+        with self.autocast():
+            _, attention = self.model(src_t, tgt_t, return_attention=True)  # (B, layers, H, T, S)
+        return attention.float().cpu().numpy()
+
     # ------------------------------------------------------------------------------------------
     # State
 
@@ -199,14 +207,3 @@ class TorchBackend(StoreMethods):
 
     def restore(self, which: str | int = "latest") -> dict[str, Any]:
         return self.store.restore(which, self.import_state)
-
-    # ------------------------------------------------------------------------------------------
-    # Attention
-
-    @torch.no_grad()
-    def cross_attention(self, src: np.ndarray, tgt_in: np.ndarray) -> np.ndarray:
-        self.model.eval()
-        src_t, tgt_t = (torch.from_numpy(np.asarray(a)).to(device=self.device, dtype=torch.long) for a in (src, tgt_in))
-        with self.autocast():
-            _, attention = self.model(src_t, tgt_t, return_attention=True)  # (B, layers, H, T, S)
-        return attention.float().cpu().numpy()
