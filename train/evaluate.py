@@ -127,32 +127,18 @@ def bands_text(bands: dict[str, Any] | None) -> str:
     return f" by digits {text}" + (" (*: seen in training)" if seen_only else "")
 
 
-def evaluate_pairs(
-    backend: Backend,
-    tokenizers: data.Tokenizers,
-    pairs: Sequence[data.Pair],
-    *,
-    max_len: int,
-    token_budget: int,
-    max_sentences: int | None = None,
-    samples: int = 0,
-    beam_size: int = 4,
-    alpha: float = 0.6,
-    scoring: str = "gnmt",
-    lowercase: bool = False,
-    moses: str | None = None,
-    seen: Collection[str] | None = None,
-    stop: Callable[[], bool] | None = None,
-) -> dict[str, Any]:
+def evaluate_pairs(backend: Backend, tokenizers: data.Tokenizers, pairs: Sequence[data.Pair], *, max_len: int,
+                   token_budget: int, max_sentences: int | None = None, samples: int = 0, beam_size: int = 4,
+                   alpha: float = 0.6, scoring: str = "gnmt", lowercase: bool = False, moses: str | None = None,
+                   seen: Collection[str] | None = None, stop: Callable[[], bool] | None = None) -> dict[str, Any]:
     """Loss and perplexity on every pair (those longer than max_len are left out of the loss);
-    BLEU, chrF and exact match (`corpus_scores`, lowercased BLEU too with `lowercase`, Moses-tokenized
-    BLEU with `moses`) and the
-    per-band exact match of numbers (`band_scores`, "bands"; `seen`: the training sources) of
-    beam-search translations (greedy with beam_size 1; length penalty `alpha` and `scoring` as for
-    `Backend.translate`) of the first `max_sentences` pairs
-    (default: all), their count as "sentences"; and `samples` examples as {"source",
-    "reference", "hypothesis"}. `stop` is asked between batches: when it returns True the
-    evaluation ends with EvaluationStopped (a training run's SIGTERM)."""
+    BLEU, chrF and exact match (`corpus_scores`, lowercased BLEU too with `lowercase`,
+    Moses-tokenized BLEU with `moses`) and the per-band exact match of numbers (`band_scores`,
+    "bands"; `seen`: the training sources) of beam-search translations (greedy with beam_size 1;
+    `alpha` and `scoring` as for `Backend.translate`) of the first `max_sentences` pairs (default:
+    all), their count as "sentences"; and `samples` examples as {"source", "reference",
+    "hypothesis"}. `stop` is asked between batches: when it returns True the evaluation ends with
+    EvaluationStopped (a training run's SIGTERM)."""
     examples = data.encode_pairs(tokenizers, pairs)
     batcher = data.Batcher(examples, token_budget=token_budget, max_len=max_len, shuffle=False)
     result: dict[str, Any] = loss_and_perplexity(backend, batcher.epoch_batches(), stop)

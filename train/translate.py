@@ -37,21 +37,11 @@ class EvaluationStopped(Exception):
     """A search or evaluation stopped between batches because its `stop` callable said so."""
 
 
-def translate_texts(
-    backend: Translator,
-    tokenizers: data.Tokenizers,
-    texts: Sequence[str],
-    *,
-    max_len: int,
-    token_budget: int,
-    batch_size: int | None = None,
-    beam_size: int = 4,
-    alpha: float = 0.6,
-    scoring: str = "gnmt",
-    stop: Callable[[], bool] | None = None,
-    on_batch: Callable[..., None] | None = None,
-    counts: collections.Counter | None = None,
-) -> list[str]:
+def translate_texts(backend: Translator, tokenizers: data.Tokenizers, texts: Sequence[str], *, max_len: int,
+                    token_budget: int, batch_size: int | None = None, beam_size: int = 4, alpha: float = 0.6,
+                    scoring: str = "gnmt", stop: Callable[[], bool] | None = None,
+                    on_batch: Callable[..., None] | None = None,
+                    counts: collections.Counter | None = None) -> list[str]:
     """Detokenized translations of `texts`, in order (an empty or whitespace-only line translates
     to ""). `stop` is asked before each batch: True raises EvaluationStopped. `on_batch(indices,
     src, tokens)` sees each batch's search (`train.attention.AttentionRecorder`). `counts["cut"]`
