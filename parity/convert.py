@@ -20,6 +20,7 @@ from . import marian
 from .runs import convert_run, load_jax_weights, load_torch_weights, run_weights, save_jax_weights, save_torch_weights
 from .weights import FRAMEWORKS, jax_to_torch, torch_to_jax
 
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m parity.convert",
