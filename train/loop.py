@@ -259,10 +259,10 @@ def _train_locked(cfg: ExperimentConfig, topology: Topology, started: float) -> 
         if isinstance(done, dict) and done.get("steps") == backend.step:
             backend.close()
             say(f"{run_dir} has trained {backend.step} steps (--steps {cfg.steps}): nothing to do; "
-                 f"{RESULTS_FILE} left as it is (resume with a larger --steps to train on)")
+                f"{RESULTS_FILE} left as it is (resume with a larger --steps to train on)")
             return done
         say(f"{run_dir} has trained {backend.step} steps (--steps {cfg.steps}): nothing to train; evaluating "
-             f"its last checkpoint (resume with a larger --steps to train on)")
+            f"its last checkpoint (resume with a larger --steps to train on)")
     writer = summary_writer(run_dir / TENSORBOARD, purge_step=backend.step + 1) if main else _NoWriter()
     try:
         with _StopSignals(enabled=topology.process_count == 1) as stop:
