@@ -138,18 +138,11 @@ def _tsv_pairs(path: Path, src: str, tgt: str) -> LoadedPairs:
         if col not in header:
             raise ValueError(f"{path}: no column {col!r} in header {header}")
     i, j = header.index(src), header.index(tgt)
-    sources, targets = [], []
-    for number, line in enumerate(lines[1:], start=2):
-        if not line:  # an empty row: a pair with empty sides, skipped and counted
-            sources.append("")
-            targets.append("")
-            continue
-        row = line.split("\t")
+    rows = [line.split("\t") if line else [""] * len(header) for line in lines[1:]]  # an empty row: empty sides
+    for number, row in enumerate(rows, start=2):
         if len(row) != len(header):
             raise ValueError(f"{path}: line {number} has {len(row)} columns, the header (line 1) has {len(header)}")
-        sources.append(row[i])
-        targets.append(row[j])
-    return _pairs(sources, targets)
+    return _pairs([row[i] for row in rows], [row[j] for row in rows])
 
 
 def _existing(*candidates: Path) -> Path:

@@ -43,24 +43,18 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 8000, min_frequency:
     # Strip decoder removes it again after the byte-level decoder has joined all tokens into one.
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
     tokenizer.decoder = decoders.Sequence([decoders.ByteLevel(), decoders.Strip(" ", 1, 0)])
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single="$A <eos>", special_tokens=[("<eos>", EOS_ID)]
-    )
+    tokenizer.post_processor = processors.TemplateProcessing(single="$A <eos>", special_tokens=[("<eos>", EOS_ID)])
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=min_frequency,
-        special_tokens=list(SPECIAL_TOKENS),
+        vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte: no <unk>, ever
-        show_progress=False,
     )
     tokenizer.train_from_iterator(texts, trainer)
     assert [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS] == [PAD_ID, BOS_ID, EOS_ID, UNK_ID]
     return tokenizer
 
 
-def train_tokenizers(
-    pairs: Sequence[Pair], vocab_size: int = 8000, joint: bool = True, min_frequency: int = 2
-) -> Tokenizers:
+def train_tokenizers(pairs: Sequence[Pair], vocab_size: int = 8000, joint: bool = True,
+                     min_frequency: int = 2) -> Tokenizers:
     """Tokenizers trained on the training pairs: one on both sides (joint), or one per side."""
     sources, targets = [s for s, _ in pairs], [t for _, t in pairs]
     if joint:
