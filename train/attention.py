@@ -1,16 +1,10 @@
 """Cross-attention heatmaps: `python -m train.translate --run-dir RUN --plot-attention DIR`.
 
-`translate_texts` translates (its batches and search); an `AttentionRecorder`, its `on_batch`,
-teacher-forces each batch's output through the model once: the decoder reads <bos> and the
-output tokens and returns its cross-attention weights (`Translator.cross_attention`, the model's
-own softmax with `return_attention=True`). Row t is the step that produced output token t, so
-rows are labelled with the output tokens (ending <eos>) and columns with the source tokens
-(ending <eos>).
-
-For input line N (empty lines have no plot) it writes `DIR/NNNN.png`, the last decoder layer
-with its heads averaged, and `DIR/NNNN_layers.png`, every decoder layer x head. Subword tokens
-are shown as text with a word's first token marked ▁ (the byte-level tokenizer's leading
-space). Plots use matplotlib's Agg canvas (no display, no pyplot state).
+An `AttentionRecorder`, `translate_texts`' `on_batch`, teacher-forces each batch's output through
+the model once (`Translator.cross_attention`): row t of the weights is the step that produced
+output token t. For input line N it writes `DIR/NNNN.png` (the last decoder layer, heads averaged)
+and `DIR/NNNN_layers.png` (every layer x head), tokens as text with a word's first marked ▁.
+Plots use matplotlib's Agg canvas (no display, no pyplot state).
 """
 
 from __future__ import annotations
@@ -105,7 +99,7 @@ class AttentionRecorder:
         self.found.sort(key=lambda a: a.line)
 
     def plot(self, directory: Path) -> None:
-        """Write every recorded sentence's plots to `directory` (see the module docstring)."""
+        """Write every recorded sentence's plots to `directory` (`write_plots`)."""
         written = write_plots(self.found, Path(directory))
         print(f"wrote {len(written)} attention plots for {len(self.found)} sentences to {directory}", file=sys.stderr)
 

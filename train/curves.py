@@ -1,11 +1,9 @@
 """Learning curves of a run: `python -m train.curves --run-dir RUN [--out PNG]`.
 
-One PNG with four panels from the run's `results.json` history (the whole run's, across
-resumes): training and validation loss against optimizer steps, validation BLEU against steps,
-and the same two against training time (seconds spent in training steps, evaluations and saves
-excluded, so that a run interrupted and resumed plots on one time axis). `train.run` writes it to
-`RUN/curves.png` at the end of every run (TensorBoard shows the same scalars while it trains);
-this command redraws it, to another file with --out. Plots use matplotlib's Agg canvas (no display, no pyplot state).
+Four panels from the run's `results.json` history (the whole run's, across resumes): training and
+validation loss and validation BLEU against steps, and against training time (evaluations and
+saves excluded, so an interrupted and resumed run plots on one time axis). `train.run` draws it
+to `RUN/curves.png` at the end of every run; this command redraws it. Matplotlib's Agg canvas.
 """
 
 from __future__ import annotations
