@@ -197,11 +197,7 @@ def run_check(cfg: TransformerConfig, batch_size: int = 8, src_len: int = 23, tg
 
 def bounds_for(preset: str) -> dict:
     size = preset if preset in BOUNDS["logits_max_abs"] else "base"
-    return {
-        "logits_max_abs": BOUNDS["logits_max_abs"][size],
-        "loss_rel": BOUNDS["loss_rel"],
-        "grad_rel_l2": BOUNDS["grad_rel_l2"][size],
-    }
+    return {name: bound[size] if isinstance(bound, dict) else bound for name, bound in BOUNDS.items()}
 
 
 def failures(report: dict, bounds: dict) -> list[str]:

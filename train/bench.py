@@ -293,24 +293,19 @@ def main(argv: list[str] | None = None) -> int:
     presets = [p for p in args.presets.split(",") if p]
     backends = [b for b in args.backends.split(",") if b]
     precisions = [p for p in args.precisions.split(",") if p]
-    for flag, names in (("--presets", presets), ("--backends", backends), ("--precisions", precisions)):
+    for flag, names, known in (("--presets", presets, TransformerConfig.presets()), ("--backends", backends, BACKENDS),
+                               ("--precisions", precisions, PRECISIONS)):
         if not names:
             parser.error(f"{flag} names nothing to measure")
+        for name in names:
+            if name not in known:
+                parser.error(f"unknown {flag[2:-1]} {name!r}; choose from {', '.join(known)}")
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
         if path is not None:
             try:  # before any worker runs, not after minutes of them
                 check_output_file(path, flag)
             except UserError as err:
                 parser.error(str(err))
-    for p in precisions:
-        if p not in PRECISIONS:
-            parser.error(f"unknown precision {p!r}; choose from {', '.join(PRECISIONS)}")
-    for p in presets:
-        if p not in TransformerConfig.presets():
-            parser.error(f"unknown preset {p!r}; choose from {', '.join(TransformerConfig.presets())}")
-    for b in backends:
-        if b not in BACKENDS:
-            parser.error(f"unknown backend {b!r}; choose from {', '.join(BACKENDS)}")
     batch_size = max(1, args.batch_tokens // args.length)
 
     results = []

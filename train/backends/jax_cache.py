@@ -1,10 +1,6 @@
-"""JAX's persistent compilation cache, on by default: what one process compiled, the next on the
-same machine loads instead of compiling again (`jax_backend.initialize` turns it on for every CLI).
-
-The directory: $AIAYN_JAX_CACHE when set (`off`, or empty, turns the cache off), else JAX's own
-$JAX_COMPILATION_CACHE_DIR, else $XDG_CACHE_HOME/aiayn/jax (~/.cache/aiayn/jax). Its entries are
-native code for the machine that compiled them: keep one directory per machine. Least recently
-used entries are evicted beyond MAX_BYTES. This module imports jax only in `enable`.
+"""JAX's persistent compilation cache, on by default (`jax_backend.initialize` turns it on for every
+CLI): $AIAYN_JAX_CACHE (`off` turns it off), else $JAX_COMPILATION_CACHE_DIR, else
+$XDG_CACHE_HOME/aiayn/jax (docs/operations.md#the-compile-cache). This module imports jax only in `enable`.
 """
 
 from __future__ import annotations

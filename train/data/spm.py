@@ -111,12 +111,8 @@ def save(src: SentencePieceTokenizer, tgt: SentencePieceTokenizer, run_dir: str 
 def files(run_dir: str | os.PathLike) -> list[str]:
     """The names of the files of a run's SentencePiece tokenizers (sentencepiece.json first)."""
     spec = json.loads((Path(run_dir) / SPM_TOKENIZER).read_text(encoding="utf-8"))
-    names = [SPM_TOKENIZER]
-    for side in ("src", "tgt"):
-        for key in ("model", "decode_model"):
-            if spec[side][key] not in names:
-                names.append(spec[side][key])
-    return names
+    names = [spec[side][key] for side in ("src", "tgt") for key in ("model", "decode_model")]
+    return list(dict.fromkeys([SPM_TOKENIZER, *names]))  # each once, in order
 
 
 def load(run_dir: str | os.PathLike) -> tuple[SentencePieceTokenizer, SentencePieceTokenizer]:
