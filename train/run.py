@@ -18,14 +18,9 @@ import tomllib
 from .backends import allocator
 from .config import FIELD_RANGES, ExperimentConfig, flag_type, parse_model_override
 
-GROUPS = {
-    "run": "run",
-    "model": "model",
-    "data": "data",
-    "optim": "optimisation",
-    "eval": "evaluation and logging",
-    "ckpt": "checkpoints",
-    "dist": "devices, processes and precision",
+GROUPS = {  # flag group -> its title in --help
+    "run": "run", "model": "model", "data": "data", "optim": "optimisation", "eval": "evaluation and logging",
+    "ckpt": "checkpoints", "dist": "devices, processes and precision",
 }
 
 # The TOML types a recipe key takes, by the field's type (the rest are strings).

@@ -58,11 +58,8 @@ COMPUTE_DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}  # None: the parame
 
 
 def initialize(exp_cfg: ExperimentConfig) -> Topology:
-    """Once per process, where a CLI starts: `jax.distributed.initialize` for a multi-process run
-    (a no-op otherwise), then the process-wide settings of the device platform: glibc's thresholds
-    for XLA:CPU's host buffers (`allocator.tune`), float32 matmuls off the CPU
-    (`full_float32_matmuls`), and JAX's persistent compilation cache (`jax_cache`). Returns where
-    the run trains."""
+    """Once per process, where a CLI starts: the compilation cache, `jax.distributed.initialize` for
+    a multi-process run, then the device platform's process-wide settings. Returns where the run trains."""
     jax_cache.enable()
     sharding.initialize_distributed(exp_cfg.coordinator_address, exp_cfg.num_processes, exp_cfg.process_id)
     mesh = sharding.make_mesh(exp_cfg.devices)
@@ -225,18 +222,12 @@ class JaxBackend(StoreMethods):
                                gather=whole if fsdp else None, scatter=state_s["params"] if fsdp else None)
         acc_s = (state_s["params"], whole, whole)
         bound = functools.partial
-        self._train_step = jax.jit(
-            bound(train_step, self.ctx), in_shardings=(state_s, rows, whole), out_shardings=(state_s, whole),
-            donate_argnums=0,
-        )
-        self._accumulate = jax.jit(
-            bound(accumulate, self.ctx), in_shardings=(acc_s, state_s, rows, whole, whole, whole), out_shardings=acc_s,
-            donate_argnums=0,
-        )
-        self._apply = jax.jit(
-            bound(apply_gradients, self.ctx), in_shardings=(state_s, acc_s, whole), out_shardings=(state_s, whole),
-            donate_argnums=0,
-        )
+        self._train_step = jax.jit(bound(train_step, self.ctx), in_shardings=(state_s, rows, whole),
+                                   out_shardings=(state_s, whole), donate_argnums=0)
+        self._accumulate = jax.jit(bound(accumulate, self.ctx), out_shardings=acc_s, donate_argnums=0,
+                                   in_shardings=(acc_s, state_s, rows, whole, whole, whole))
+        self._apply = jax.jit(bound(apply_gradients, self.ctx), in_shardings=(state_s, acc_s, whole),
+                              out_shardings=(state_s, whole), donate_argnums=0)
         self._zeros = jax.jit(lambda tree: jax.tree.map(jnp.zeros_like, tree), out_shardings=acc_s)
         self._eval = jax.jit(bound(eval_sums, self.ctx))  # on one device, over local_copy(params)
         # Searches jit-compiled over the parameters alone: a call costs no walk of the module graph
