@@ -73,9 +73,8 @@ def corpus_scores(hypotheses: Sequence[str], references: Sequence[str], *, lower
     return result
 
 
-def band_scores(
-    pairs: Sequence[data.Pair], hypotheses: Sequence[str], seen: Collection[str] | None = None
-) -> dict[str, dict[str, Any]] | None:
+def band_scores(pairs: Sequence[data.Pair], hypotheses: Sequence[str],
+                seen: Collection[str] | None = None) -> dict[str, dict[str, Any]] | None:
     """Exact match per number of digits when every reference is a number in the numbers corpus'
     English (`data.number_from_english`), else None. Keys "1".."6" (bands present only); each
     {"sentences", "exact_match", "seen", "unseen_exact_match"}: `seen` counts the sentences whose

@@ -72,10 +72,8 @@ def make_batcher(cfg: ExperimentConfig, tokenizers: data.Tokenizers, pairs, num_
             f"{cfg.max_len}, fewer than the {num_devices} devices each batch is split over: raise --token-budget to "
             f"at least {cfg.max_len * num_devices} or train on fewer devices (--devices)"
         )
-    examples = data.encode_pairs(tokenizers, pairs)
-    batcher = data.Batcher(
-        examples, token_budget=cfg.token_budget, max_len=cfg.max_len, multiple_of=num_devices, seed=cfg.seed
-    )
+    batcher = data.Batcher(data.encode_pairs(tokenizers, pairs), token_budget=cfg.token_budget, max_len=cfg.max_len,
+                           multiple_of=num_devices, seed=cfg.seed)
     if not batcher.num_batches:
         raise UserError(
             f"no training pair is left: all {len(pairs)} are longer than --max-len {cfg.max_len} tokens "

@@ -69,12 +69,10 @@ def torch_parts(cfg: TransformerConfig, batch: int, length: int, repeats: int, s
     src, tgt = ids, torch.roll(ids, 1, dims=1)
 
     def logits_loss():
-        logits = model.project(x)
-        return label_smoothed_cross_entropy(logits, ids, cfg.pad_id, 0.1)
+        return label_smoothed_cross_entropy(model.project(x), ids, cfg.pad_id, 0.1)
 
     def full():
-        logits = model(src, tgt)
-        return label_smoothed_cross_entropy(logits, ids, cfg.pad_id, 0.1)
+        return label_smoothed_cross_entropy(model(src, tgt), ids, cfg.pad_id, 0.1)
 
     parts = {
         "self-attention": backward(lambda: layer_e.self_attn(x, x)),
@@ -91,10 +89,7 @@ def torch_parts(cfg: TransformerConfig, batch: int, length: int, repeats: int, s
     times = {name: median_time(fn, repeats) for name, fn in parts.items()}
     backward(full)()  # gradients for Adam to apply
 
-    def adam():
-        optimizer.step()
-
-    times["adam update"] = median_time(adam, repeats)
+    times["adam update"] = median_time(optimizer.step, repeats)
 
     def step():
         optimizer.zero_grad(set_to_none=True)
