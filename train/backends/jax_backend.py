@@ -21,7 +21,7 @@ import optax
 from flax import nnx
 
 import jax_transformer
-from jax_transformer import decode, sharding
+from jax_transformer import decode, sharding, xla_cpu
 from jax_transformer.objective import label_smoothed_cross_entropy, noam_learning_rate
 from torch_reference.config import TransformerConfig
 
@@ -100,9 +100,13 @@ class StepContext:
 def loss_sums(ctx: StepContext, params, batch, key, total_tokens, deterministic):
     """(loss sum / total_tokens, (loss sum, nll sum)): the objective and its parts."""
     rngs = nnx.Rngs(dropout=key)
-    logits = ctx.model(params)(batch["src"], batch["tgt_in"], deterministic=deterministic, rngs=rngs)  # (B, T, V)
+    model = ctx.model(params)
+    logits = model(batch["src"], batch["tgt_in"], deterministic=deterministic, rngs=rngs)  # (B, T, V)
     pad, eps = ctx.model_cfg.pad_id, ctx.exp_cfg.label_smoothing
-    loss_sum, nll_sum = (label_smoothed_cross_entropy(logits, batch["tgt_out"], pad, e, "sum") for e in (eps, 0.0))
+    if model.xla_cpu:
+        loss_sum, nll_sum = xla_cpu.smoothed_sums(logits, batch["tgt_out"], pad, eps)
+    else:
+        loss_sum, nll_sum = (label_smoothed_cross_entropy(logits, batch["tgt_out"], pad, e, "sum") for e in (eps, 0.0))
     return loss_sum / total_tokens, (loss_sum, nll_sum)
 
 
@@ -198,8 +202,8 @@ class JaxBackend(StoreMethods):
         init_key, rng = jax.random.split(jax.random.key(exp_cfg.seed))
         dtype = COMPUTE_DTYPES[exp_cfg.dtype]
         # The XLA:CPU-tuned kernels and search (jax_transformer/xla_cpu.py) where the devices are CPUs.
-        xla_cpu = self.mesh.devices.flat[0].platform == "cpu"
-        model = jax_transformer.Transformer(model_cfg, dtype=dtype, xla_cpu=xla_cpu, rngs=nnx.Rngs(params=init_key))
+        on_cpu = self.mesh.devices.flat[0].platform == "cpu"
+        model = jax_transformer.Transformer(model_cfg, dtype=dtype, xla_cpu=on_cpu, rngs=nnx.Rngs(params=init_key))
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
         self.tx = make_optimizer(exp_cfg, model_cfg.d_model)
         state = {"params": params, "opt_state": self.tx.init(params), "step": jnp.zeros((), jnp.int32)}
