@@ -2,7 +2,6 @@
 flag, one heatmap and one layer x head grid per sentence, the labels and weights behind them, and
 the two backends' `cross_attention` equal on the same weights."""
 
-import io
 import struct
 import subprocess
 import sys
@@ -16,6 +15,8 @@ from parity.weights import transfer_state
 from train import attention, data, loop, rundir, translate
 from train.backends import create_backend
 from train.config import ExperimentConfig
+
+from .cli import run_cli
 
 REPO = Path(__file__).resolve().parents[2]
 LINES = ["dreiundvierzig", "", "siebenhundertdreiundvierzigtausendzweihundertelf"]
@@ -37,13 +38,7 @@ def trained(tmp_path_factory):
 
 
 def translate_cli(capsys, monkeypatch, *args: str) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("\n".join(LINES).encode() + b"\n")))
-    try:
-        code = translate.main(list(args))
-    except SystemExit as exit_info:  # parser.exit
-        code = exit_info.code
-    out, err = capsys.readouterr()
-    return code, out, err
+    return run_cli(translate.main, capsys, *args, stdin="\n".join(LINES).encode() + b"\n", monkeypatch=monkeypatch)
 
 
 def png_size(path) -> tuple[int, int]:

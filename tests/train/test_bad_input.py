@@ -3,18 +3,18 @@
 CLI's `main`, which is what `python -m train.run|translate|evaluate` call."""
 
 import gzip
-import io
 import json
 import random
 import string
-import sys
 from pathlib import Path
 
 import pytest
 
-from train import data, evaluate, loop, run, rundir, translate
+from train import data, evaluate, run, rundir, translate
 from train.config import ExperimentConfig
 from train.data import corpora
+
+from .cli import run_cli
 
 SMALL = ["--numbers-train", "300", "--max-len", "16", "--token-budget", "512", "--no-progress", "--samples", "0",
          "--eval-sentences", "4", "--beam", "1", "--set", "num_encoder_layers=1", "--set", "num_decoder_layers=1"]
@@ -149,13 +149,7 @@ def trained(tiny_torch_run):
 
 
 def translate_cli(capsys, monkeypatch, stdin: bytes, *args: str) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin)))
-    try:
-        code = translate.main(list(args))
-    except SystemExit as exit_info:  # parser.exit
-        code = exit_info.code
-    out, err = capsys.readouterr()
-    return code, out, err
+    return run_cli(translate.main, capsys, *args, stdin=stdin, monkeypatch=monkeypatch)
 
 
 def test_translate_refuses_empty_and_undecodable_input(trained, tmp_path, capsys, monkeypatch):

@@ -45,14 +45,9 @@ class Terminal(io.StringIO):
 
 
 def run_main(capsys, *args: str, stdin: bytes | None = None, monkeypatch=None) -> tuple[int, str, str]:
-    if stdin is not None:
-        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin)))
-    try:
-        code = translate.main(list(args))
-    except SystemExit as exit_info:  # parser.exit
-        code = exit_info.code
-    out, err = capsys.readouterr()
-    return code, out, err
+    from .cli import run_cli  # here: this file also runs as a worker script, outside the package
+
+    return run_cli(translate.main, capsys, *args, stdin=stdin, monkeypatch=monkeypatch)
 
 
 def one_error(code: int, err: str, *fragments: str) -> None:
