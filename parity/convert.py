@@ -68,15 +68,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     dst = Path(args.dst)
-    if dst.exists() and not args.overwrite:
-        parser.exit(2, f"error: {dst} exists; pass --overwrite to replace it\n")
+    if dst.exists() and not args.overwrite:  # a refused destination is a file problem (1), not a flag's (2)
+        parser.exit(1, f"error: {dst} exists; pass --overwrite to replace it\n")
     try:
         if args.source_format is not None or args.to in ("marian", "ctranslate2"):
             return _interop_cli(parser, args)
         if args.quantization is not None or any(getattr(args, n) for n in ("train", "valid", "test")):
             parser.error("--quantization goes with --to ctranslate2; --train/--valid/--test with --from")
         if args.src is not None and (problem := _weights_destination_problem(Path(args.src), dst, args.to)):
-            parser.exit(2, f"error: {problem}\n")  # checked before any work, so nothing is left half-made
+            parser.exit(1, f"error: {problem}\n")  # checked before any work, so nothing is left half-made
         if args.run_dir is not None:
             return _convert_run_cli(parser, args)
         if args.checkpoint is not None:
@@ -86,9 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             save_jax_weights(torch_to_jax(state_dict, cfg), dst, overwrite=args.overwrite)
         else:
             save_torch_weights(jax_to_torch(load_jax_weights(args.src)), dst)
-    except FileExistsError as err:
-        parser.exit(2, f"error: {err}\n")
-    except (ImportError, OSError, ValueError, RuntimeError, CheckpointError, files.UserError) as err:
+    except (FileExistsError, ImportError, OSError, ValueError, RuntimeError, CheckpointError, files.UserError) as err:
         parser.exit(1, f"error: {files.error_text(err)}\n")  # OSError: a full disk, a read-only place
     print(f"wrote {dst}")
     return 0

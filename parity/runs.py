@@ -8,6 +8,7 @@ their meta (data position, validation scores) and ranking metrics, so `python -m
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import re
@@ -110,18 +111,21 @@ def run_weights(run_dir: str | os.PathLike, checkpoint: str | int = "best") -> t
 def save_torch_weights(model: torch_reference.Transformer, path: str | os.PathLike) -> Path:
     """`path` (.safetensors) with the config in its metadata; no other file is written (a
     `config.json` beside it may be the user's). Written whole: a temporary file, removed on any
-    error, then a rename."""
+    error, then a rename. A full disk or a read-only place raises an OSError naming `path`."""
     from safetensors.torch import save_file
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     state_dict = {k: v.contiguous() for k, v in model.state_dict().items()}
     tmp = path.with_name(f".{path.name}.tmp")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         save_file(state_dict, str(tmp), metadata={CONFIG_KEY: model.cfg.to_json()})
         os.replace(tmp, path)
+    except Exception as err:
+        raise files.write_error(err, path) or err from None
     finally:
-        tmp.unlink(missing_ok=True)
+        if tmp.exists():  # (unlink of a missing file on a read-only place fails, and would hide the cause)
+            tmp.unlink()
     return path
 
 
@@ -165,14 +169,38 @@ def load_torch_weights(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor]
 
 
 def save_jax_weights(model: nnx.Module, directory: str | os.PathLike, overwrite: bool = False) -> Path:
-    """An orbax checkpoint of the parameters in `directory/params` plus `directory/config.json`."""
+    """An orbax checkpoint of the parameters in `directory/params` plus `directory/config.json`,
+    written whole: built in `.NAME.tmp` beside it, swapped in (an old one with `overwrite`), nothing
+    left on any error. A full disk or a read-only place raises an OSError naming `directory`."""
     import orbax.checkpoint as ocp
 
+    from train.store import jax_store  # noqa: F401 (its hook quiets TensorStore's echoes of a failed save)
+
     directory = Path(directory).absolute()  # orbax wants absolute paths
-    directory.mkdir(parents=True, exist_ok=True)
-    with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(directory / "params", nest(jax_params(model)), force=overwrite)
-    files.write_text_atomic(directory / "config.json", model.cfg.to_json())
+    tmp, old = (directory.with_name(f".{directory.name}.{suffix}") for suffix in ("tmp", "old"))
+    try:
+        rundir.remove(tmp)
+        tmp.mkdir(parents=True)
+        with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:  # synchronous: done when it returns
+            checkpointer.save(tmp / "params", args=ocp.args.StandardSave(nest(jax_params(model))))
+        files.write_text_atomic(tmp / "config.json", model.cfg.to_json())
+        aside = directory.exists() and any(directory.iterdir())
+        if aside and not overwrite:
+            raise FileExistsError(f"{directory} exists; pass overwrite=True to replace it")
+        if aside:
+            os.replace(directory, old)
+        try:
+            os.replace(tmp, directory)
+        except BaseException:
+            if aside:
+                os.replace(old, directory)
+            raise
+    except Exception as err:
+        raise files.write_error(err, directory) or err from None
+    finally:
+        with contextlib.suppress(OSError):  # (a place that cannot be written holds nothing of ours)
+            rundir.remove(tmp)
+    rundir.remove(old)
     return directory
 
 

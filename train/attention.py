@@ -20,6 +20,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from . import data
+from .files import write_error
 from .backends import Translator
 
 
@@ -130,8 +131,14 @@ def _heatmap(ax, weights: np.ndarray, att: SentenceAttention, x_labels: bool, y_
 def _save(fig, path: Path) -> None:
     FigureCanvasAgg(fig)
     tmp = path.with_name(f".{path.name}.tmp")
-    fig.savefig(tmp, format="png", dpi=100)
-    tmp.replace(path)  # a plot is complete or absent
+    try:
+        fig.savefig(tmp, format="png", dpi=100)
+        tmp.replace(path)  # a plot is complete or absent
+    except Exception as err:  # a full disk, a read-only place: said of the plot, not of its temporary file
+        raise write_error(err, path) or err from None
+    finally:
+        if tmp.exists():  # (unlink of a missing file on a read-only place fails, and would hide the cause)
+            tmp.unlink()
 
 
 def plot_sentence(att: SentenceAttention, path: Path) -> None:

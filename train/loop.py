@@ -42,6 +42,7 @@ from .rundir import (
     load_tokenizers,
     lock_run_dir,
     prepare_run_dir,
+    replacing,
 )
 from .store import CheckpointError
 
@@ -189,7 +190,8 @@ def _train(cfg: ExperimentConfig, explicit, topology: Topology, started: float) 
     cfg = claim_run_dir(cfg, explicit)
     lock = lock_run_dir(cfg)  # process 0 writes the run: no other process may meanwhile
     try:
-        return _train_locked(cfg, topology, started)
+        with replacing(Path(cfg.run_dir), cfg.overwrite):
+            return _train_locked(cfg, topology, started)
     finally:
         lock.release()
 
@@ -215,9 +217,9 @@ def _train_locked(cfg: ExperimentConfig, topology: Topology, started: float) -> 
         check_model(run_dir, cfg, model_cfg, tokenizers, what=CONFIG_FILE)
     batcher = make_batcher(cfg, tokenizers, splits.train, topology.num_devices)
 
-    # Only now that the data has loaded and batched does anything change on disk: a bad --train
-    # leaves an old run (--overwrite) as it was. config.json first: from here on the directory
-    # holds this run (resume or overwrite it); every file is written whole or not at all.
+    # Only now that the data has loaded and batched are the run's files written (an old run that
+    # --overwrite set aside comes back if this one ends without a checkpoint: `replacing`).
+    # config.json first: from here on the directory holds this run; every file is written whole.
     if main:
         prepare_run_dir(cfg, model_cfg, tokenizers if trained_tokenizers else None)
 

@@ -350,7 +350,52 @@ def claim_run_dir(cfg: ExperimentConfig, explicit: Iterable[str] | None = None) 
             raise UserError(f"{run_dir} is not empty and holds no run; choose another --run-dir")
         if not cfg.overwrite:
             raise UserError(f"{run_dir} already holds a run; pass --resume to continue it or --overwrite to replace it")
+        if (old := set_aside_path(run_dir)).exists() or old.is_symlink():
+            raise UserError(f"{old} holds the run an earlier --overwrite of {run_dir} set aside and was stopped before "
+                            f"it could put back or delete it: move it back to {run_dir}, or delete it, first")
     return cfg
+
+
+def set_aside_path(run_dir: Path) -> Path:
+    """Where a replacement keeps the old run meanwhile (`replacing`, `derive`)."""
+    return run_dir.with_name(f".{run_dir.name}.run-old")
+
+
+def has_checkpoint(run_dir: Path) -> bool:
+    """Whether `run_dir` holds a complete checkpoint (both stores publish a step by renaming it to its number)."""
+    checkpoints = run_dir / CHECKPOINTS
+    return checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir())
+
+
+@contextlib.contextmanager
+def replacing(run_dir: Path, overwrite: bool) -> Iterator[None]:
+    """`train.run --overwrite` of a run, which never loses the old run to a failed new one: the old
+    run's files (all but the lock this process holds) are moved beside it into `.NAME.run-old`, the
+    new run trains at its own path (where --resume, translate and TensorBoard find it), and when
+    the block ends, however it ends, the old run is deleted if the new one holds a checkpoint (a
+    run --resume continues) and put back as it was if not."""
+    if not (overwrite and (run_dir / CONFIG_FILE).is_file()):
+        yield
+        return
+    old = set_aside_path(run_dir)
+    old.mkdir()  # claim_run_dir refused one already there
+    try:
+        for entry in run_dir.iterdir():
+            if entry.name != LOCK_FILE:
+                os.rename(entry, old / entry.name)
+        yield
+    except BaseException:
+        if not has_checkpoint(run_dir):
+            for entry in run_dir.iterdir():
+                if entry.name != LOCK_FILE:
+                    remove(entry)
+            for entry in old.iterdir():
+                os.rename(entry, run_dir / entry.name)
+            old.rmdir()
+        raise
+    finally:
+        if old.exists():
+            remove(old)
 
 
 def check_links(run_dir: Path) -> None:
@@ -383,7 +428,7 @@ def follow_run_dir(cfg: ExperimentConfig, explicit: Iterable[str] | None = None)
 
 
 def prepare_run_dir(cfg: ExperimentConfig, model_cfg: TransformerConfig, tokenizers: data.Tokenizers | None) -> None:
-    """Create the run directory `claim_run_dir` accepted (deleting the old run on --overwrite) and
+    """Create the run directory `claim_run_dir` accepted (an old run set aside by `replacing`) and
     write its experiment, model and (when given: newly trained) tokenizers. config.json first:
     from there on the directory holds this run."""
     run_dir = Path(cfg.run_dir)
@@ -391,10 +436,6 @@ def prepare_run_dir(cfg: ExperimentConfig, model_cfg: TransformerConfig, tokeniz
         recipe = cfg.recipe and {"path": cfg.recipe, "toml": Path(cfg.recipe).read_text("utf-8")}
     except OSError as err:
         raise UserError(f"--config {cfg.recipe}: {err.strerror or err}") from None
-    if cfg.overwrite and (run_dir / CONFIG_FILE).is_file():
-        for entry in run_dir.iterdir():  # all but the lock this process holds
-            if entry.name != LOCK_FILE:
-                remove(entry)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_json_atomic(run_dir / CONFIG_FILE, cfg.experiment())
     if recipe:

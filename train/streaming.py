@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from . import data
-from .files import UserError, read_json, write_json_atomic
+from .files import UserError, read_json, write_error, write_json_atomic
 
 
 class OtherInput(UserError):
@@ -99,9 +99,12 @@ class PartialOutput:
             self._file.truncate(self.bytes)
             self._file.seek(self.bytes)
         chunk = "".join(t + "\n" for t in texts).encode("utf-8")
-        self._file.write(chunk)
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        try:
+            self._file.write(chunk)
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        except OSError as err:  # a full disk: said of the file (the chunks before it stay, as recorded)
+            raise write_error(err, self.partial) or err from None
         self.done, self.bytes, self.digest = self.done + len(texts), self.bytes + len(chunk), digest
         write_json_atomic(self.record, {"settings": self.settings, "lines": self.done, "bytes": self.bytes,
                                         "input_sha256": digest})

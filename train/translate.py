@@ -26,7 +26,7 @@ from .backends import Translator
 from .backends.jax_cache import HELP as JAX_CACHE_HELP
 from .config import non_negative_float, positive_int  # noqa: F401 (positive_int: re-exported)
 from .data.streams import MAX_LINE_BYTES, LineReader
-from .files import UserError, check_output_file
+from .files import UserError, check_output_file, error_text
 from .rundir import open_run, read_experiment
 from .streaming import Interrupted, OtherInput, PartialOutput, Progress, StreamOutput, interruptible
 
@@ -175,21 +175,21 @@ def main(argv: list[str] | None = None) -> int:
         with interruptible():
             skipped = _stream(run, itertools.chain([first], reader), out, args, progress, counts,
                               topology.process_count > 1)
+        out.finish()
     except (Interrupted, KeyboardInterrupt) as stop:
         signum = getattr(stop, "signum", 2)
         progress.clear()
         kept = f"; {out.kept()}" if out.done and args.output is not None else ""
         print(f"interrupted ({Interrupted(signum)}) after {out.done:,} input lines{kept}", file=sys.stderr)
         return 128 + signum
-    except UserError as err:  # bad input further on; the chunks before it are kept
+    except (UserError, OSError) as err:  # bad input further on, a full disk: the chunks before it are kept
         progress.clear()
         kept = f" ({out.kept()})" if out.done and args.output is not None and not isinstance(err, OtherInput) else ""
-        print(f"error: {err}{kept}", file=sys.stderr)
+        print(f"error: {error_text(err)}{kept}", file=sys.stderr)
         return 1
     finally:
         reader.close()
         run.backend.close()
-    out.finish()
     progress.clear()
     if topology.is_main:
         cut = f"; {counts['cut']:,} cut to the model's {run.config.max_len} tokens" if counts["cut"] else ""

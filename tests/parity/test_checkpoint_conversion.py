@@ -249,14 +249,14 @@ def test_cli_errors(jax_run, tmp_path):
             convert_main([str(a) for a in args])
         return exit_.value.code
 
-    assert cli("--to", "torch", "--run-dir", jax_run, "--dst", jax_run.parent) == 2  # exists, no --overwrite
+    assert cli("--to", "torch", "--run-dir", jax_run, "--dst", jax_run.parent) == 1  # exists, no --overwrite
     assert cli("--to", "jax", "--run-dir", jax_run, "--dst", tmp_path / "x") == 1  # already a jax run
     assert cli("--to", "torch", "--run-dir", tmp_path, "--dst", tmp_path / "y") == 1  # not a run directory
     assert cli("--to", "torch", "--run-dir", jax_run, "--dst", tmp_path / "z", "--checkpoint", "newest") == 2
     assert cli("--to", "torch", "--run-dir", jax_run, "--dst", tmp_path / "z", "--checkpoint", "3") == 1
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep")
-    assert cli("--to", "torch", "--run-dir", jax_run, "--dst", tmp_path / "mine", "--overwrite") == 2
+    assert cli("--to", "torch", "--run-dir", jax_run, "--dst", tmp_path / "mine", "--overwrite") == 1
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"  # a directory without a run is never deleted
     assert not (tmp_path / "x").exists() and not (tmp_path / "z").exists()
 

@@ -147,7 +147,7 @@ def test_cli_round_trip_and_errors(tmp_path, capsys):
 
     # An existing destination is never overwritten silently.
     code, err = refused("--to", "jax", "--src", src, "--dst", tmp_path / "jax")
-    assert code == 2 and "--overwrite" in err
+    assert code == 1 and "--overwrite" in err  # a refused destination: exit 1 (2 is for flags)
 
     # A config that does not fit the weights: one message listing the keys, no traceback.
     (tmp_path / "jax" / "config.json").write_text(torch_model.cfg.replace(d_ff=48).to_json())

@@ -331,7 +331,7 @@ def test_convert_never_overwrites_unasked_or_leaves_temporary_files(tmp_path, ca
     ]:
         before = files_of(tmp_path)
         code, err = _exit_status(convert_main, argv, capsys)
-        assert code == 2
+        assert code == 1
         one_error_line(err, message)
         assert files_of(tmp_path) == before  # nothing written, nothing left behind
 

@@ -80,7 +80,7 @@ def test_overwrite_refuses_what_this_project_did_not_write_or_of_another_kind(ru
         (["--to", "marian", "--src", run_copy, "--dst", other_run], "holds a run, not a HF Marian directory"),
         (["--to", "jax", "--run-dir", run_copy, "--dst", mine], "is not empty and holds no run"),
     ]:
-        assert exit_code(convert.main, [*argv, "--overwrite"]) == 2
+        assert exit_code(convert.main, [*argv, "--overwrite"]) == 1
         one_error_line(capfd.readouterr().err, message)
     assert exit_code(train_run.main, ["--run-dir", mine, "--overwrite", *TINY]) == 1
     one_error_line(capfd.readouterr().err, f"{mine} is not empty and holds no run")
@@ -104,7 +104,7 @@ def test_a_destination_that_is_inside_or_holds_the_source_is_refused_before_any_
     before = files_of(tmp_path)
     main = {"parity.convert": convert.main, "train.average": average.main}[argv[0]]
     code = exit_code(main, [*argv[1:], "--overwrite"])
-    assert code == (2 if argv[0] == "parity.convert" else 1)
+    assert code == 1
     one_error_line(capfd.readouterr().err, message)
     assert files_of(tmp_path) == before  # the source whole, nothing left beside it
 
@@ -126,6 +126,87 @@ def test_overwrite_replaces_its_own_kind_atomically(run_copy, tmp_path, capfd):
     link.symlink_to(averaged)
     assert exit_code(average.main, ["--run-dir", run_copy, "--last", "1", "--dst", link, "--overwrite"]) == 1
     one_error_line(capfd.readouterr().err, f"{link} is a symbolic link; it is never replaced")
+
+
+def run_files(run_dir: Path) -> dict[str, bytes]:
+    """`files_of` but the lock (which names the process holding it)."""
+    return {name: data for name, data in files_of(run_dir).items() if name != rundir.LOCK_FILE}
+
+
+def fail_at_save(monkeypatch, nth: int) -> None:
+    """The run's `nth` checkpoint save meets a full disk (the ones before it are written)."""
+    real, saves = loop._save, []
+
+    def save(cfg, *args, **kwargs):
+        saves.append(1)
+        if len(saves) == nth:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(Path(cfg.run_dir) / "checkpoints" / str(nth)))
+        return real(cfg, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "_save", save)
+
+
+NEW = ["--steps", "2", "--save-every", "1", "--keep-checkpoints", "2", "--seed", "7", *TINY]
+
+
+@pytest.mark.parametrize("failure", ["bad data", "full disk at the first save", "Ctrl-C before it"])
+def test_train_overwrite_ending_without_a_checkpoint_puts_the_old_run_back(run_copy, tmp_path, monkeypatch, capfd,
+                                                                           failure):
+    before = run_files(run_copy)
+    argv = ["--run-dir", run_copy, "--overwrite", *NEW]
+    if failure == "bad data":
+        argv += ["--train", f"de:en:{tmp_path / 'missing'}", "--valid", f"de:en:{tmp_path / 'missing'}"]
+    elif failure == "full disk at the first save":
+        fail_at_save(monkeypatch, 1)
+    else:
+        monkeypatch.setattr(loop, "_save", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    assert exit_code(train_run.main, argv) in (1, 130)
+    assert run_files(run_copy) == before  # the old run whole, where it was
+    assert sorted(os.listdir(tmp_path)) == ["run"]  # nothing set aside is left
+    monkeypatch.undo()
+    assert exit_code(train_run.main, ["--run-dir", run_copy, "--resume", "--steps", "3", "--no-progress"]) == 0
+
+
+def test_train_overwrite_deletes_the_old_run_once_the_new_one_holds_a_checkpoint(run_copy, tmp_path, monkeypatch,
+                                                                                 capfd):
+    old_config = json.loads((run_copy / "config.json").read_text())
+    fail_at_save(monkeypatch, 2)  # checkpoint 1 of the new run is written, then the disk is full
+    assert exit_code(train_run.main, ["--run-dir", run_copy, "--overwrite", *NEW]) == 1
+    one_error_line(capfd.readouterr().err, f"{run_copy / 'checkpoints' / '2'}: No space left on device")
+    assert json.loads((run_copy / "config.json").read_text())["seed"] == 7 != old_config["seed"]
+    assert sorted(os.listdir(run_copy / "checkpoints")) == ["1"] and sorted(os.listdir(tmp_path)) == ["run"]
+    monkeypatch.undo()
+    resume = ["--run-dir", run_copy, "--resume", "--steps", "2", "--save-every", "1", "--no-progress"]
+    assert exit_code(train_run.main, resume) == 0  # the new run goes on
+    assert sorted(os.listdir(run_copy / "checkpoints")) == ["1", "2"]
+    assert exit_code(train_run.main, ["--run-dir", run_copy, "--overwrite", *NEW]) == 0  # and a finished one
+    assert sorted(os.listdir(tmp_path)) == ["run"]
+
+
+def test_an_old_run_left_aside_by_a_killed_overwrite_is_named_not_deleted(run_copy, tmp_path, capfd):
+    aside = rundir.set_aside_path(run_copy)
+    shutil.copytree(run_copy, aside)
+    before = files_of(tmp_path)
+    assert exit_code(train_run.main, ["--run-dir", run_copy, "--overwrite", *NEW]) == 1
+    one_error_line(capfd.readouterr().err, f"{aside} holds the run an earlier --overwrite of {run_copy} set aside",
+                   "move it back")
+    assert files_of(tmp_path) == before
+
+
+def test_a_killed_overwrite_leaves_the_old_run_aside_whole(run_copy, tmp_path):
+    """SIGKILL while the new run trains: nothing can put the old one back, so it stays beside, whole."""
+    before = run_files(run_copy)
+    argv = ["--run-dir", run_copy, "--overwrite", "--steps", "100000", *TINY[:-4], "--threads", "1"]
+    process = subprocess.Popen([sys.executable, "-m", "train.run", *map(str, argv)], cwd=REPO,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    aside = rundir.set_aside_path(run_copy)
+    deadline = time.monotonic() + 120
+    while not (run_copy / "config.json").exists() or not aside.exists():  # the new run has begun
+        assert process.poll() is None and time.monotonic() < deadline, process.stderr and process.stderr.read()
+        time.sleep(0.05)
+    process.kill()
+    process.wait()
+    assert run_files(aside) == before
 
 
 # ----------------------------------------------------------------------------------------------
@@ -380,6 +461,107 @@ def test_a_library_error_repeating_a_full_disk_is_an_os_error_naming_the_path(tm
     assert files.error_text(files.write_error(orbax, tmp_path / "2")) == f"{tmp_path / '2'}: No space left on device"
     assert files.error_text(files.write_error(safetensors, "x")) == "x: Read-only file system"
     assert files.write_error(ValueError("shapes differ"), "x") is None
+
+
+@pytest.fixture
+def weights(tmp_path):
+    """A tiny model's weights both ways: (model.safetensors, a JAX weights directory)."""
+    import torch_reference
+    from parity.runs import save_torch_weights
+    from torch_reference.config import TransformerConfig
+
+    cfg = TransformerConfig.preset("tiny", src_vocab_size=64, tgt_vocab_size=64, num_encoder_layers=1,
+                                   num_decoder_layers=1)
+    torch_weights = save_torch_weights(torch_reference.Transformer(cfg), tmp_path / "w" / "model.safetensors")
+    assert convert.main(["--to", "jax", "--src", str(torch_weights), "--dst", str(tmp_path / "w" / "jax")]) == 0
+    return torch_weights, tmp_path / "w" / "jax"
+
+
+def convert_weights_argv(weights, to: str, dst: Path) -> list:
+    return ["--to", to, "--src", weights[0] if to == "jax" else weights[1], "--dst", dst]
+
+
+@pytest.mark.parametrize("to", ["jax", "torch"])
+def test_a_weights_conversion_onto_a_full_disk_or_a_read_only_place_is_one_line(small_fs, weights, capfd, to):
+    dst = small_fs.root / ("jax" if to == "jax" else "model.safetensors")
+    small_fs.fill()
+    assert exit_code(convert.main, convert_weights_argv(weights, to, dst)) == 1
+    one_error_line(capfd.readouterr().err, f"error: {dst}: No space left on device")
+    assert sorted(os.listdir(small_fs.root)) == [".filler"]
+    small_fs.free()
+    small_fs.read_only()
+    assert exit_code(convert.main, convert_weights_argv(weights, to, dst)) == 1
+    one_error_line(capfd.readouterr().err, f"error: {dst}: Read-only file system")
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS])
+@pytest.mark.parametrize("to", ["jax", "torch"])
+def test_an_injected_write_error_in_a_weights_conversion_leaves_the_old_weights(weights, tmp_path, monkeypatch,
+                                                                                capfd, to, code):
+    """Where no filesystem can be mounted: orbax's and safetensors' own errors for the same causes,
+    raised while the --overwrite replacement is written; the old destination stays whole."""
+    import orbax.checkpoint as ocp
+    import safetensors.torch
+
+    dst = tmp_path / "out" / ("jax" if to == "jax" else "model.safetensors")
+    assert exit_code(convert.main, convert_weights_argv(weights, to, dst)) == 0
+    before = files_of(tmp_path / "out")
+    cause = os.strerror(code)
+
+    def failing(*args, **kwargs):
+        if to == "jax":
+            raise ValueError(f'RESOURCE_EXHAUSTED: Error writing "params.w/0": {cause} [os_error_code={code}]')
+        raise RuntimeError(f'Error while serializing: IoError(Os {{ code: {code}, message: "{cause}" }})')
+
+    monkeypatch.setattr(ocp.Checkpointer, "save", failing)
+    monkeypatch.setattr(safetensors.torch, "save_file", failing)
+    assert exit_code(convert.main, [*convert_weights_argv(weights, to, dst), "--overwrite"]) == 1
+    one_error_line(capfd.readouterr().err, f"error: {dst}: {cause}")
+    assert files_of(tmp_path / "out") == before and leftovers(tmp_path / "out") == []
+    assert sorted(os.listdir(tmp_path / "out")) == [dst.name]
+
+
+def plot_attention(run_dir, plots: Path, monkeypatch, capsys) -> tuple[int, str, str]:
+    from .cli import run_cli
+
+    return run_cli(translate.main, capsys, "--run-dir", str(run_dir), "--beam", "1", "--plot-attention", str(plots),
+                   stdin=b"dreiundvierzig\nsieben\n", monkeypatch=monkeypatch)
+
+
+def test_attention_plots_onto_a_full_disk_or_a_read_only_place_are_one_line(small_fs, tiny_torch_run, monkeypatch,
+                                                                            capsys):
+    plots = small_fs.root / "plots"
+    small_fs.fill()
+    code, out, err = plot_attention(tiny_torch_run, plots, monkeypatch, capsys)
+    assert code == 1 and len(out.splitlines()) == 2  # the translations written before the plots
+    one_error_line(err, f"error: {plots / '0001.png'}: No space left on device")
+    assert leftovers(small_fs.root) == [] and os.listdir(plots) == []
+    small_fs.free()
+    small_fs.read_only()
+    code, out, err = plot_attention(tiny_torch_run, small_fs.root / "plots2", monkeypatch, capsys)
+    assert code == 1
+    one_error_line(err, f"error: {small_fs.root / 'plots2'}: Read-only file system")
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS])
+def test_an_injected_write_error_in_an_attention_plot_is_one_line(tiny_torch_run, tmp_path, monkeypatch, capsys, code):
+    """Where no filesystem can be mounted: matplotlib's savefig fails as the OS would make it; an
+    older plot of the same name stays as it was."""
+    from matplotlib.figure import Figure
+
+    plots = tmp_path / "plots"
+    assert plot_attention(tiny_torch_run, plots, monkeypatch, capsys)[0] == 0
+    before = files_of(plots)
+
+    def failing(self, fname, **kwargs):
+        Path(fname).write_bytes(b"half a png")  # what a write cut short leaves
+        raise OSError(code, os.strerror(code), str(fname))
+
+    monkeypatch.setattr(Figure, "savefig", failing)
+    code_, _, err = plot_attention(tiny_torch_run, plots, monkeypatch, capsys)
+    assert code_ == 1
+    one_error_line(err, f"error: {plots / '0001.png'}: {os.strerror(code)}")
+    assert files_of(plots) == before and leftovers(plots) == []
 
 
 # ----------------------------------------------------------------------------------------------
