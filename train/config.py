@@ -199,7 +199,10 @@ class ExperimentConfig:
         False, "run", "continue the run in --run-dir from its newest complete checkpoint; --steps and the eval "
         "and checkpoint flags are not stored with the run: give them again", launch=True,
     )
-    overwrite: bool = _field(False, "run", "delete the run already in --run-dir and start afresh", launch=True)
+    overwrite: bool = _field(
+        False, "run", "replace the run already in --run-dir (the old one is kept beside it, in .NAME.run-old, "
+        "until the new one holds a checkpoint, and put back if it never does)", launch=True,
+    )
     compile: bool = _field(False, "run", "torch backend: wrap the model with torch.compile", launch=True)
     threads: int | None = _field(
         None, "run", "torch backend: intra-op CPU threads; default: the CPUs this process may use", launch=True
