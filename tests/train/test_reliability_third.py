@@ -201,11 +201,13 @@ def test_a_killed_overwrite_leaves_the_old_run_aside_whole(run_copy, tmp_path):
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     aside = rundir.set_aside_path(run_copy)
     deadline = time.monotonic() + 120
-    while not (run_copy / "config.json").exists() or not aside.exists():  # the new run has begun
-        assert process.poll() is None and time.monotonic() < deadline, process.stderr and process.stderr.read()
-        time.sleep(0.05)
-    process.kill()
-    process.wait()
+    try:
+        while not (run_copy / "config.json").exists() or not aside.exists():  # the new run has begun
+            assert process.poll() is None and time.monotonic() < deadline, process.stderr and process.stderr.read()
+            time.sleep(0.05)
+    finally:
+        process.kill()
+        process.wait()
     assert run_files(aside) == before
 
 
