@@ -129,8 +129,8 @@ def test_overwrite_replaces_its_own_kind_atomically(run_copy, tmp_path, capfd):
 
 
 def run_files(run_dir: Path) -> dict[str, bytes]:
-    """`files_of` but the lock (which names the process holding it)."""
-    return {name: data for name, data in files_of(run_dir).items() if name != rundir.LOCK_FILE}
+    """`files_of` but locks (which name the process holding them)."""
+    return {name: data for name, data in files_of(run_dir).items() if Path(name).name != rundir.LOCK_FILE}
 
 
 def fail_at_save(monkeypatch, nth: int) -> None:
@@ -417,6 +417,51 @@ def test_read_only_places_are_one_line(small_fs, tiny_torch_run, monkeypatch, ca
     ]:
         assert exit_code(main, argv) == 1
         one_error_line(capfd.readouterr().err, f"error: {argv[-1]}: Read-only file system")
+
+
+def derived_outputs(run_dir: Path, root: Path) -> list[tuple]:
+    """(main, argv, destination) of each writer that builds a new directory from a run."""
+    return [
+        (average.main, ["--run-dir", run_dir, "--last", "1", "--dst", root / "averaged"], root / "averaged"),
+        (convert.main, ["--to", "jax", "--run-dir", run_dir, "--dst", root / "jax"], root / "jax"),
+        (convert.main, ["--to", "ctranslate2", "--src", run_dir, "--dst", root / "ct2"], root / "ct2"),
+    ]
+
+
+def test_average_convert_and_export_onto_a_full_disk_are_one_line(small_fs, tiny_torch_run, capfd):
+    pytest.importorskip("ctranslate2")
+    small_fs.fill()
+    for main, argv, dst in derived_outputs(tiny_torch_run, small_fs.root):
+        assert exit_code(main, argv) == 1
+        one_error_line(capfd.readouterr().err, f"error: {dst}: No space left on device")
+        assert sorted(os.listdir(small_fs.root)) == [".filler"]  # nothing half-made left
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS])
+def test_an_injected_write_error_in_average_convert_or_export_leaves_the_old_output(tiny_torch_run, tmp_path,
+                                                                                   monkeypatch, capfd, code):
+    """Where no filesystem can be mounted: the error raised as the replacement built beside the old
+    output is swapped in; the old output stays whole and nothing is left beside it."""
+    pytest.importorskip("ctranslate2")
+    outputs = derived_outputs(tiny_torch_run, tmp_path / "out")
+    for main, argv, _ in outputs:
+        assert exit_code(main, argv) == 0
+    before = run_files(tmp_path / "out")  # (a replacement locks the old output: its .lock may appear)
+    real_replace = os.replace
+
+    def failing_replace(src, dst, *args, **kwargs):
+        name = Path(src).name  # the new output swapped in (not the old one put back)
+        if name.startswith(".") and not name.endswith("-old") and Path(dst).parent == tmp_path / "out":
+            raise OSError(code, os.strerror(code), str(src))
+        return real_replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", failing_replace)
+    for main, argv, dst in outputs:
+        assert exit_code(main, [*argv, "--overwrite"]) == 1
+        one_error_line(capfd.readouterr().err, f"error: {dst}: {os.strerror(code)}")
+    monkeypatch.undo()
+    assert run_files(tmp_path / "out") == before and leftovers(tmp_path / "out") == []
+    assert sorted(os.listdir(tmp_path / "out")) == ["averaged", "ct2", "jax"]
 
 
 def test_checkpoints_turned_read_only_mid_run_are_one_line(small_fs, monkeypatch, capfd):
