@@ -437,7 +437,7 @@ def test_average_convert_and_export_onto_a_full_disk_are_one_line(small_fs, tiny
         assert sorted(os.listdir(small_fs.root)) == [".filler"]  # nothing half-made left
 
 
-@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS])
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS, errno.EACCES])
 def test_an_injected_write_error_in_average_convert_or_export_leaves_the_old_output(tiny_torch_run, tmp_path,
                                                                                    monkeypatch, capfd, code):
     """Where no filesystem can be mounted: the error raised as the replacement built beside the old
@@ -481,7 +481,7 @@ def test_checkpoints_turned_read_only_mid_run_are_one_line(small_fs, monkeypatch
     assert sorted(os.listdir(run_dir / "checkpoints")) == ["1"] and store.verify_checkpoint(run_dir / "checkpoints/1")
 
 
-@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS])
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS, errno.EACCES])
 def test_an_injected_write_error_leaves_the_old_file_and_no_temporary_one(tmp_path, monkeypatch, code):
     """Where no filesystem can be mounted: the same errors, raised by the one write the helper makes."""
     target = tmp_path / "results.json"
@@ -541,7 +541,7 @@ def test_a_weights_conversion_onto_a_full_disk_or_a_read_only_place_is_one_line(
     one_error_line(capfd.readouterr().err, f"error: {dst}: Read-only file system")
 
 
-@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS])
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS, errno.EACCES])
 @pytest.mark.parametrize("to", ["jax", "torch"])
 def test_an_injected_write_error_in_a_weights_conversion_leaves_the_old_weights(weights, tmp_path, monkeypatch,
                                                                                 capfd, to, code):
@@ -590,7 +590,7 @@ def test_attention_plots_onto_a_full_disk_or_a_read_only_place_are_one_line(smal
     one_error_line(err, f"error: {small_fs.root / 'plots2'}: Read-only file system")
 
 
-@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS])
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS, errno.EACCES])
 def test_an_injected_write_error_in_an_attention_plot_is_one_line(tiny_torch_run, tmp_path, monkeypatch, capsys, code):
     """Where no filesystem can be mounted: matplotlib's savefig fails as the OS would make it; an
     older plot of the same name stays as it was."""
