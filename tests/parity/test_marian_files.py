@@ -50,6 +50,6 @@ def test_marian_export_overwrites_only_its_own_kind_and_never_the_source(hf_dir,
         with pytest.raises(SystemExit) as exited:
             convert.main(["--to", "marian", "--src", str(run), "--dst", str(dst), "--overwrite"])
         err = capsys.readouterr().err
-        assert exited.value.code == 2 and says in err and len(err.strip().splitlines()) == 1, err
+        assert exited.value.code == 1 and says in err and len(err.strip().splitlines()) == 1, err
     assert {p: p.read_bytes() for p in before} == before  # both runs whole
     assert convert.main(["--to", "marian", "--src", str(run), "--dst", str(exported), "--overwrite"]) == 0
