@@ -66,7 +66,7 @@ def corpus_scores(hypotheses: Sequence[str], references: Sequence[str], *, lower
     if moses:
         tok_hyps, tok_refs = moses_tokenized(hyps, moses), [moses_tokenized(refs[0], moses)]
         for name, case in [("bleu_moses", False)] + ([("bleu_moses_lc", True)] if lowercase else []):
-            metric = BLEU(tokenize="none", lowercase=case)
+            metric = BLEU(tokenize="none", lowercase=case, force=True)  # pre-tokenized on purpose: no warning
             result[name] = float(metric.corpus_score(tok_hyps, tok_refs).score)
             result[f"{name}_signature"] = f"{metric.get_signature()}|pretok:moses-{moses}"
     result["exact_match"] = exact_match(hyps, refs[0])
