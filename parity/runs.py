@@ -184,17 +184,9 @@ def save_jax_weights(model: nnx.Module, directory: str | os.PathLike, overwrite:
         with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:  # synchronous: done when it returns
             checkpointer.save(tmp / "params", args=ocp.args.StandardSave(nest(jax_params(model))))
         files.write_text_atomic(tmp / "config.json", model.cfg.to_json())
-        aside = directory.exists() and any(directory.iterdir())
-        if aside and not overwrite:
+        if not overwrite and directory.exists() and any(directory.iterdir()):
             raise FileExistsError(f"{directory} exists; pass overwrite=True to replace it")
-        if aside:
-            os.replace(directory, old)
-        try:
-            os.replace(tmp, directory)
-        except BaseException:
-            if aside:
-                os.replace(old, directory)
-            raise
+        rundir.swap_in(tmp, directory, old)
     except Exception as err:
         raise files.write_error(err, directory) or err from None
     finally:

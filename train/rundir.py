@@ -232,6 +232,21 @@ def check_destination(dst: Path, overwrite: bool, kind: str = "run", src: str | 
             raise FileExistsError(f"{dst} {held}; it is never deleted")
 
 
+def swap_in(new: Path, dst: Path, old: Path) -> None:
+    """Rename `new` onto `dst`: an existing `dst` is renamed to `old` first (refused, losing
+    nothing, while an earlier `old` holds files) and put back if the second rename fails. The
+    caller removes `old` once it is sure."""
+    aside = dst.exists()
+    if aside:
+        os.replace(dst, old)
+    try:
+        os.replace(new, dst)
+    except BaseException:
+        if aside:
+            os.replace(old, dst)
+        raise
+
+
 @contextlib.contextmanager
 def derive(src: str | Path | None, dst: str | Path, kind: str = "run", overwrite: bool = False,
            copy: Iterable[str] = ()) -> Iterator[Path]:
@@ -257,15 +272,7 @@ def derive(src: str | Path | None, dst: str | Path, kind: str = "run", overwrite
                     shutil.copytree(Path(src) / name, tmp / name)
                 elif (Path(src) / name).is_file():
                     shutil.copyfile(Path(src) / name, tmp / name)
-            aside = dst.exists()
-            if aside:
-                os.replace(dst, old)  # refused, losing nothing, while an earlier `old` holds files
-            try:
-                os.replace(tmp, dst)
-            except BaseException:
-                if aside:
-                    os.replace(old, dst)
-                raise
+            swap_in(tmp, dst, old)
         except BaseException as err:
             with contextlib.suppress(OSError):
                 remove(tmp)
