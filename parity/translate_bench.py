@@ -38,6 +38,14 @@ loop, which takes hours at large shapes.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # before jax is imported: the CPU as translate splits it, one device per core
+    from train.backends.host_devices import split_host
+
+    try:
+        split_host()
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
+
 import argparse
 import contextlib
 import os
@@ -307,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if jax.default_backend() != "cpu":
         machine += f", {jax.devices()[0].device_kind}"
+    machine += f", jax on {jax.device_count()} device{'s' * (jax.device_count() > 1)}"
     print(f"{len(sentences)} sentences, {run.model_config.d_model}-wide {run.config.preset} model, {machine}")
     print(f"{'search':19s} {'beam':>4s} {'seconds':>8s} {'sent/s':>8s} {'tok/s':>8s} {'peak MiB':>8s} "
           f"{'vs torch cached':>16s} {'vs uncached':>12s} {'outputs differ':>15s}")

@@ -24,6 +24,8 @@ from sacrebleu.metrics import BLEU, CHRF
 
 from . import data
 from .backends import Backend, Trainer
+from .backends.host_devices import HELP as HOST_DEVICES_HELP
+from .backends.host_devices import split_host
 from .config import non_negative_int, positive_int
 from .files import UserError, check_output_file, error_text, json_text, write_text_atomic
 from .rundir import load_split, open_run
@@ -166,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
         "numbers:train|valid|test for the run's own split of the embedded numbers corpus, or numbers:FIRST-LAST[/STEP] "
         "for every (STEP-th) number from FIRST to LAST (e.g. numbers:0-999, or numbers:1000-999000/1000 for the "
         "round thousands). For a run trained on the numbers corpus, "
-        "the per-digit scores count the sentences seen in its training split.",
+        f"the per-digit scores count the sentences seen in its training split. {HOST_DEVICES_HELP}.",
     )
     add_run_arguments(parser)
     parser.add_argument("--data", required=True, help="parallel data to score (see below)")
@@ -193,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     try:
+        split_host()  # before jax is imported
         if args.output is not None:  # checked before the work, not after it
             check_output_file(args.output, "--output")
         run = open_run(args.run_dir, args.checkpoint)

@@ -23,6 +23,8 @@ from torch_reference.config import SCORINGS
 
 from . import data
 from .backends import Translator
+from .backends.host_devices import HELP as HOST_DEVICES_HELP
+from .backends.host_devices import split_host
 from .backends.jax_cache import HELP as JAX_CACHE_HELP
 from .config import non_negative_float, positive_int  # noqa: F401 (positive_int: re-exported)
 from .data.streams import MAX_LINE_BYTES, LineReader
@@ -91,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Cached beam search (greedy with --beam 1); the backend (jax or torch) is the one the run was "
         "trained with. Sources longer than the model's max_len are cut to it (counted on stderr). The input "
         "streams through in chunks, each written in input order as it finishes.",
-        epilog=JAX_CACHE_HELP + ".",
+        epilog=f"{HOST_DEVICES_HELP}. {JAX_CACHE_HELP}.",
     )
     add_run_arguments(parser)
     parser.add_argument(
@@ -112,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="no progress line on stderr (shown only when stderr is a terminal); the summary stays")
     parser.add_argument(
         "--devices", type=positive_int,
-        help="jax runs: decode each batch data parallel over the first N devices (default: every visible device); "
+        help="jax runs: decode each batch data parallel over the first N devices (default: every visible device, on a CPU "
+        "one per core: see below); "
         "a torch run translates on one device and refuses N > 1",
     )
     parser.add_argument("--coordinator-address", metavar="HOST:PORT",
@@ -144,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                        "FILE [--beam K] [--ctranslate2]`: it runs both frameworks (and CTranslate2) on the run's weights\n")
 
     try:
+        split_host(args.devices or 1)  # before jax is imported
         reader = LineReader(args.input, args.max_line_bytes)
         first = next(reader, None)  # read before the run loads: bad input fails fast
         if args.plot_attention is not None:
@@ -194,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     if topology.is_main:
         cut = f"; {counts['cut']:,} cut to the model's {run.config.max_len} tokens" if counts["cut"] else ""
         resumed = f"; continued after line {skipped:,}" if skipped else ""
-        print(progress.summary() + cut + resumed, file=sys.stderr)
+        devices = f" on {topology.num_devices} devices" if topology.num_devices > 1 else ""
+        print(progress.summary() + devices + cut + resumed, file=sys.stderr)
     return 0
 
 

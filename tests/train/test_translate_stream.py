@@ -27,7 +27,7 @@ if str(REPO) not in sys.path:  # when run as the worker script
     sys.path.insert(0, str(REPO))
 
 from train import data, streaming, translate  # noqa: E402
-from train.backends import jax_cache  # noqa: E402
+from train.backends import host_devices, jax_cache  # noqa: E402
 
 # Numbers of varied lengths (1 to 6 words), an empty and a whitespace-only line among them.
 LINES = [data.number_words(n)[0] for n in (7, 43, 512, 999_999, 21, 3_004, 80_000, 16, 123_456, 5)]
@@ -359,6 +359,26 @@ def test_eight_devices_translate_as_one(jax_run, tmp_path):
     for beam in ("1", "4"):
         assert outputs[f"8/{beam}"] == outputs[f"1/{beam}"]
         assert len(outputs[f"8/{beam}"]) == len(LINES)
+
+
+def test_a_cpu_translates_on_one_device_per_core(jax_run, tmp_path, capsys):
+    """No XLA_FLAGS: `python -m train.translate` splits the CPU into devices ($AIAYN_HOST_DEVICES=2
+    here, as on a 2-core machine), says so, and writes what one device writes."""
+    source = write_lines(tmp_path / "in.txt", LINES)
+    code, expected, err = run_main(capsys, "--run-dir", str(jax_run), "--input", str(source), "--batch-size", "3")
+    assert code == 0 and " devices" not in err, err  # this process: jax imported before, one device
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") and k != "XLA_FLAGS"}
+    env.update({"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO), jax_cache.ENV: "off", host_devices.ENV: "2"})
+    command = [sys.executable, "-m", "train.translate", "--run-dir", str(jax_run), "--input", str(source),
+               "--batch-size", "3"]
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout == expected
+    assert proc.stderr.splitlines()[-1].endswith(" target tokens/s on 2 devices"), proc.stderr
+    env[host_devices.ENV] = "none"
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert (proc.returncode, proc.stdout) == (1, "")
+    assert proc.stderr == "error: $AIAYN_HOST_DEVICES='none': expected a positive number of devices\n"
 
 
 @pytest.mark.slow  # three JAX processes
