@@ -26,8 +26,12 @@ RECIPES = {
     "multi30k-en-de-anchor-pre.toml": ("jax", "small", "en:de:", 8000, 2000, 10, {
         "d_model": 128, "d_ff": 256, "num_heads": 4, "num_encoder_layers": 4, "num_decoder_layers": 4,
         "norm_position": "pre"}, 4096),
+    "multi30k-de-en-anchor-pre.toml": ("jax", "small", "de:en:", 8000, 2000, 10, {
+        "d_model": 128, "d_ff": 256, "num_heads": 4, "num_encoder_layers": 4, "num_decoder_layers": 4,
+        "norm_position": "pre"}, 4096),
 }
-DROPOUT = {"multi30k-en-de-anchor.toml": 0.3, "multi30k-en-de-anchor-pre.toml": 0.3}  # the anchor's; the others keep 0.1 (base: the preset's)
+DROPOUT = {"multi30k-en-de-anchor.toml": 0.3, "multi30k-en-de-anchor-pre.toml": 0.3,
+           "multi30k-de-en-anchor-pre.toml": 0.3}  # the anchor's; the others keep 0.1 (base: the preset's)
 
 
 @pytest.fixture(autouse=True)
