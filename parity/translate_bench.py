@@ -59,7 +59,7 @@ from pathlib import Path
 import numpy as np
 
 from train import data
-from train.backends import allocator, create_backend, initialize
+from train.backends import allocator, create_backend, host_devices, initialize
 from train.config import positive_int
 from train.files import UserError, json_text, write_text_atomic
 from train.rundir import Run, open_run
@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = benchmark(run, sentences, args.beam, args.batch_size, args.alpha, ctranslate2=args.ctranslate2,
                      scoring=args.scoring, hf=args.hf, uncached=args.uncached)
     run.backend.close()
-    machine = f"{platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} CPUs"
+    machine = f"{platform.processor() or platform.machine()}, {host_devices.cores()} CPUs"
     import jax
 
     if jax.default_backend() != "cpu":

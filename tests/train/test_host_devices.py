@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from train.backends import host_devices
-from train.backends.host_devices import ENV, FLAG, split_host
+from train.backends.host_devices import ENV, FLAG, MAX_DEVICES, split_host
 
 
 @pytest.fixture
@@ -50,10 +50,19 @@ def test_devices_asked_for_are_made(no_jax):
     assert split_host(2, environ={}) == 4  # fewer than the cores: the cores (--devices picks the first 2)
 
 
-@pytest.mark.parametrize("value", ["0", "two", "-1", "1.5"])
+@pytest.mark.parametrize("value", ["0", "two", "-1", "1.5", "²", "257", "2000"])
 def test_a_bad_count_is_named(no_jax, value):
-    with pytest.raises(ValueError, match=rf"\${ENV}='{value}': expected a positive number of devices"):
+    with pytest.raises(ValueError, match=rf"\${ENV}='{value}': expected a number of devices from 1 to {MAX_DEVICES}$"):
         split_host(environ={ENV: value})
+
+
+def test_the_count_is_bounded(no_jax, monkeypatch):
+    """A machine of 1,000 cores or --devices 1000: MAX_DEVICES devices (the mesh then says --devices
+    1000 cannot be met), never a count that exhausts memory."""
+    assert split_host(1000, environ={}) == MAX_DEVICES
+    monkeypatch.setattr(host_devices, "cores", lambda: 1000)
+    assert split_host(environ={}) == MAX_DEVICES
+    assert split_host(environ={ENV: str(MAX_DEVICES)}) == MAX_DEVICES
 
 
 def test_too_late_once_jax_is_imported(monkeypatch):

@@ -378,7 +378,7 @@ def test_a_cpu_translates_on_one_device_per_core(jax_run, tmp_path, capsys):
     env[host_devices.ENV] = "none"
     proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert (proc.returncode, proc.stdout) == (1, "")
-    assert proc.stderr == "error: $AIAYN_HOST_DEVICES='none': expected a positive number of devices\n"
+    assert proc.stderr == "error: $AIAYN_HOST_DEVICES='none': expected a number of devices from 1 to 256\n"
 
 
 @pytest.mark.slow  # three JAX processes

@@ -13,9 +13,13 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import MutableMapping
 
 ENV = "AIAYN_HOST_DEVICES"
 FLAG = "--xla_force_host_platform_device_count"
+# Each XLA CPU device costs memory (2,000 of them: 10.6 GB and 86 s to translate one line): a
+# mistyped count fails with one line instead.
+MAX_DEVICES = 256
 HELP = (f"On a CPU, jax runs decode over one device per core ({ENV}=N sets the count, {ENV}=1 turns this off; "
         f"a count in XLA_FLAGS is kept)")
 
@@ -28,22 +32,23 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
-def split_host(at_least: int = 1, environ: os._Environ | dict | None = None) -> int | None:
+def split_host(at_least: int = 1, environ: MutableMapping[str, str] | None = None) -> int | None:
     """Add `FLAG=N` to XLA_FLAGS, N = $AIAYN_HOST_DEVICES or the cores (or `at_least` where larger: a
-    --devices N asked for), unless jax is already imported or XLA_FLAGS names a count. The count
-    added, or None. Raises ValueError for a $AIAYN_HOST_DEVICES that is not a positive integer."""
+    --devices N asked for; at most MAX_DEVICES), unless jax is already imported or XLA_FLAGS names a
+    count. The count added, or None. Raises ValueError for a $AIAYN_HOST_DEVICES that is not a whole
+    number from 1 to MAX_DEVICES."""
     environ = os.environ if environ is None else environ
     flags = environ.get("XLA_FLAGS", "")
     if "jax" in sys.modules or FLAG in flags:
         return None
     value = environ.get(ENV, "").strip()
     if value:
-        if not value.isdigit() or int(value) < 1:
-            raise ValueError(f"${ENV}={value!r}: expected a positive number of devices")
+        if not (value.isascii() and value.isdigit() and 1 <= int(value) <= MAX_DEVICES):
+            raise ValueError(f"${ENV}={value!r}: expected a number of devices from 1 to {MAX_DEVICES}")
         count = int(value)
     else:
-        count = cores()
-    count = max(count, at_least)
+        count = min(cores(), MAX_DEVICES)
+    count = min(max(count, at_least), MAX_DEVICES)  # more than that: the mesh names what is missing
     if count == 1:
         return None
     environ["XLA_FLAGS"] = f"{flags} {FLAG}={count}".strip()
