@@ -177,6 +177,11 @@ def _gather(x, index):
     return jax.vmap(lambda row, i: row[i])(x, index)
 
 
+def _done(finished_scores, live_logprob, best_possible_penalty, no_sentence):
+    """(B,) True where no live hypothesis can beat the best finished one (torch's `_done`)."""
+    return (finished_scores[:, 0] >= live_logprob[:, 0] / best_possible_penalty) | no_sentence
+
+
 def beam_search(model: Transformer, src_ids, beam_size: int = 4, alpha: float = 0.6,
                 max_len_a: float = 1.5, max_len_b: int = 10, cached: bool = True, scoring: str = "gnmt"):
     """src_ids (B, S) -> (tokens (B, L), scores (B,)) of the best finished hypothesis per sentence.
@@ -227,7 +232,7 @@ def _beam_search(model: Transformer, src_ids, beam_size: int, alpha: float, max_
             **c, "cache": _reorder(cache, order), "last": _gather(token, keep), "live_logprob": live_logprob,
             "live_tokens": _gather(top_tokens, keep), "finished_tokens": finished_tokens,
             "finished_scores": finished_scores,
-            "done": (finished_scores[:, -1] >= live_logprob[:, 0] / c["best_possible_penalty"]) | c["no_sentence"],
+            "done": _done(finished_scores, live_logprob, c["best_possible_penalty"], c["no_sentence"]),
         }
 
     carry = {

@@ -128,6 +128,14 @@ def _gather(x: Tensor, index: Tensor) -> Tensor:
     return x[torch.arange(x.shape[0], device=x.device)[:, None], index]
 
 
+def _done(finished_scores: Tensor, live_logprob: Tensor, best_possible_penalty: Tensor, no_sentence: Tensor) -> Tensor:
+    """(B,) True where the best finished hypothesis (finished_scores (B, k), best first) scores at
+    least what the best live one (live_logprob (B, k)) could still reach: its log-prob over the
+    penalty of the longest output allowed. Log-probs only fall and (alpha >= 0) the penalty only
+    grows, so no continuation can beat it: searching on could not change what is returned."""
+    return (finished_scores[:, 0] >= live_logprob[:, 0] / best_possible_penalty) | no_sentence
+
+
 @torch.no_grad()
 def beam_search(
     model: Transformer, src_ids: Tensor, beam_size: int = 4, alpha: float = 0.6,
@@ -137,10 +145,9 @@ def beam_search(
 
     Each step extends every live hypothesis by every token, keeps the 2k best candidates, moves
     those ending in EOS to the finished set (scored log-prob / length_penalty) and the k best
-    others to the live set. A sentence is done when its worst kept finished hypothesis beats the
-    best score any live one could still reach (its log-prob over the largest penalty, as
-    log-probs only fall); the search stops when every sentence is done. `cached=False`: no
-    key/value cache. `scoring`: one of SCORINGS.
+    others to the live set. A sentence is done when its best finished hypothesis beats the best
+    score any live one could still reach (`_done`); the search stops when every sentence is
+    done. `cached=False`: no key/value cache. `scoring`: one of SCORINGS.
     """
     _check_source(model, src_ids)
     _check_scoring(scoring)
@@ -191,8 +198,7 @@ def beam_search(
         last = _gather(token, keep).reshape(B * k)
         decoder.reorder((torch.arange(B, device=device)[:, None] * k + _gather(parent, keep)).reshape(B * k))
 
-        done = (finished_scores[:, -1] >= live_logprob[:, 0] / best_possible_penalty) | no_sentence
-        if bool(done.all()):
+        if bool(_done(finished_scores, live_logprob, best_possible_penalty, no_sentence).all()):
             break
     tokens = torch.where(no_sentence[:, None], cfg.pad_id, finished_tokens[:, 0])
     return tokens, torch.where(no_sentence, 0.0, finished_scores[:, 0])

@@ -166,6 +166,38 @@ def test_beam_search_is_exact_when_the_beam_holds_every_hypothesis():
         assert abs(scores[row].item() - score) <= 1e-5 and abs(float(scores_j[row]) - score) <= 1e-5
 
 
+@pytest.mark.parametrize("alpha, scoring", [  # ~6 s each
+    pytest.param(0.0, "gnmt", marks=pytest.mark.slow), (0.6, "gnmt"), pytest.param(1.4, "gnmt", marks=pytest.mark.slow), (0.5, "hf")])
+def test_beam_search_stops_once_its_best_cannot_be_beaten(monkeypatch, alpha, scoring):
+    """A sentence is done when its best finished hypothesis beats what any live one could still
+    reach (`_done`): the same tokens and scores as a search run to the length limit, and as the
+    rule before it (the worst of the k kept finished ones must beat it), in fewer steps."""
+    torch_model, _ = pair(seed=11, tgt_vocab_size=12, src_vocab_size=12)  # EOS is 1 of 12: ends come early and late
+    src = torch.from_numpy(source(batch=16, length=10, seed=11, vocab=12))
+    rules = {
+        "best": td._done,
+        "worst kept": lambda finished, live, penalty, none: (finished[:, -1] >= live[:, 0] / penalty) | none,
+        "never": lambda finished, live, penalty, none: none,  # to the length limit
+    }
+    results, steps = {}, {}
+    for name, rule in rules.items():
+        monkeypatch.setattr(td, "_done", rule)
+        calls = []
+        logits = td._Decoder.logits
+        monkeypatch.setattr(td._Decoder, "logits", lambda self, *a: calls.append(1) or logits(self, *a))
+        results[name] = [  # one sentence at a time: a batch runs until its last sentence is done
+            td.beam_search(torch_model, src[row : row + 1], beam_size=3, alpha=alpha, max_len_a=1.0, max_len_b=8,
+                           scoring=scoring) for row in range(len(src))]
+        steps[name] = len(calls)
+        monkeypatch.undo()
+    for name in ("worst kept", "never"):
+        for (tokens, scores), (best_tokens, best_scores) in zip(results[name], results["best"]):
+            n = best_tokens.shape[1]  # the same sums in the same order: equal to the bit
+            assert tokens[:, :n].tolist() == best_tokens.tolist() and torch.equal(scores, best_scores)
+    assert steps["never"] == 16 * 18  # every position of a source padded to 10: 1.0 * 10 + 8
+    assert steps["best"] < steps["worst kept"] <= steps["never"], steps
+
+
 @pytest.mark.parametrize("search", ["greedy", "beam"])
 def test_batching_does_not_change_results_and_short_sentences_end_at_step_one(search):
     torch_model, jax_model = pair(seed=4)
