@@ -58,9 +58,11 @@ def _no_sentence(src_ids, pad_id: int):
     return (src_ids == pad_id).all(axis=1)
 
 
-def _check_scoring(scoring: str) -> None:
+def _check_scoring(scoring: str, alpha: float) -> None:
     if scoring not in SCORINGS:
         raise ValueError(f"scoring must be one of {', '.join(SCORINGS)}, got {scoring!r}")
+    if not alpha >= 0:  # the early stop's bound needs a penalty that grows with length
+        raise ValueError(f"alpha must be >= 0, got {alpha}")
 
 
 def _check_source(model: Transformer, src_ids) -> None:
@@ -190,7 +192,7 @@ def beam_search(model: Transformer, src_ids, beam_size: int = 4, alpha: float = 
     `cached=False`: no key/value cache. `scoring`: one of SCORINGS.
     """
     _check_source(model, src_ids)
-    _check_scoring(scoring)
+    _check_scoring(scoring, alpha)
     return _beam_search(model, jnp.asarray(src_ids, jnp.int32), beam_size, alpha, max_len_a, max_len_b, cached, scoring)
 
 

@@ -54,9 +54,11 @@ def _no_sentence(src_ids: Tensor, pad_id: int) -> Tensor:
     return (src_ids == pad_id).all(dim=1)
 
 
-def _check_scoring(scoring: str) -> None:
+def _check_scoring(scoring: str, alpha: float) -> None:
     if scoring not in SCORINGS:
         raise ValueError(f"scoring must be one of {', '.join(SCORINGS)}, got {scoring!r}")
+    if not alpha >= 0:  # the early stop's bound needs a penalty that grows with length
+        raise ValueError(f"alpha must be >= 0, got {alpha}")
 
 
 def _check_source(model: Transformer, src_ids: Tensor) -> None:
@@ -150,7 +152,7 @@ def beam_search(
     done. `cached=False`: no key/value cache. `scoring`: one of SCORINGS.
     """
     _check_source(model, src_ids)
-    _check_scoring(scoring)
+    _check_scoring(scoring, alpha)
     cfg = model.cfg
     B, S = src_ids.shape
     k, V = beam_size, cfg.tgt_vocab_size

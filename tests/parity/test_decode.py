@@ -278,6 +278,17 @@ def test_source_longer_than_max_len_is_refused_clearly():
         jd.greedy_search(jax_model, src)
 
 
+def test_a_length_penalty_that_shrinks_or_an_unknown_scoring_is_refused():
+    torch_model, jax_model = pair()
+    src = source(batch=1, length=4)
+    for search, model, src_ in ((td.beam_search, torch_model, torch.from_numpy(src)), (jd.beam_search, jax_model, src)):
+        for alpha in (-0.5, float("nan")):  # the early stop's bound assumes the penalty grows with length
+            with pytest.raises(ValueError, match="alpha must be >= 0"):
+                search(model, src_, alpha=alpha)
+        with pytest.raises(ValueError, match="scoring must be one of gnmt, hf, got 'fairseq'"):
+            search(model, src_, scoring="fairseq")
+
+
 def test_output_length_is_bounded_by_max_len():
     assert td.output_length(30, 40, 1.5, 10) == 40
     assert td.output_length(4, 40, 1.5, 10) == 16
