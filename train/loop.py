@@ -476,6 +476,8 @@ def _fit(cfg: ExperimentConfig, backend: Backend, batcher: data.Batcher, tokeniz
                 if not math.isfinite(evaluated["loss"]):
                     raise _diverged(backend, f"validation loss {evaluated['loss']} at step {step}")
                 _log_evaluation(step, evaluated, eval_time, log, writer)
+            if stop.requested is not None:  # a signal after the evaluation's last look: stop before the next update
+                stopping = save_now = True
         if save_now:
             _save(cfg, backend, batcher, evaluated, log)
         if stopping:

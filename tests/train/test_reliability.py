@@ -305,6 +305,29 @@ def test_ctrl_c_saves_then_stops_and_twice_stops_at_once(tmp_path, monkeypatch, 
     assert signal.getsignal(signal.SIGINT) is before
 
 
+def test_a_signal_during_an_evaluation_that_finishes_stops_before_the_next_update(tmp_path, monkeypatch):
+    """SIGTERM while step 2's evaluation runs, after its last look at the signal (here: as it
+    returns): the evaluation counts, step 2 is saved with it, and no update follows."""
+    from train.config import ExperimentConfig
+
+    cfg = ExperimentConfig(backend="torch", run_dir=str(tmp_path / "run"), steps=10, save_every=5, log_every=1,
+                           **{**FAST_IN_PROCESS, "eval_every": 2})
+    evaluate = loop._evaluate
+
+    def evaluate_then_signal(*args, **kwargs):
+        result = evaluate(*args, **kwargs)
+        if kwargs.get("stop") is not None:  # validation during the loop, not the final scoring
+            os.kill(os.getpid(), signal.SIGTERM)
+        return result
+
+    monkeypatch.setattr(loop, "_evaluate", evaluate_then_signal)
+    with pytest.raises(loop.Interrupted, match=r"SIGTERM: stopped at step 2 of 10 ") as info:
+        loop.train(cfg)
+    assert info.value.signum == signal.SIGTERM and complete_steps(tmp_path / "run") == [2]
+    meta = json.loads((tmp_path / "run" / "checkpoints" / "2" / "meta.json").read_text())
+    assert meta["step"] == 2 and meta["meta"]["valid"]["bleu"] >= 0.0  # saved with its evaluation
+
+
 def test_a_write_that_dies_halfway_leaves_the_old_file(tmp_path, monkeypatch):
     """config.json, model.json, tokenizers, results.json and --output files go through
     write_text_atomic: a write that fails halfway (a crash, a full disk) leaves the old content."""
