@@ -275,7 +275,7 @@ def test_both_paths_give_the_same_losses_gradients_and_searches_on_the_cpu(overr
         bound = np.maximum(1e-5, emitted * np.spacing(np.abs(plain_scores).astype(np.float32)))
         assert (np.abs(tuned_scores - plain_scores) <= bound).all(), (search, kwargs)
     assert len(set(emitted.tolist())) >= 10  # sentences ended at many steps: the batch did shrink
-    # One loop in the plain search; the tuned one: an 11- and a 23-position cache, then 40 and 20 sentences.
+    # One loop in the plain search; the tuned one: an 11- and a 23-position cache, then 40, 20 and 10 sentences.
     loops = [decode._greedy_search.lower(models[t], jnp.asarray(src), 1.5, 10, True).as_text().count("stablehlo.while")
              for t in (False, True)]
-    assert loops == [1, 4]
+    assert loops == [1, 5]
