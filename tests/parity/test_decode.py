@@ -16,7 +16,6 @@ from flax import nnx
 import torch_reference as tr
 from jax_transformer import decode as jd
 from jax_transformer import model as jmodel
-from jax_transformer import xla_cpu
 from parity import torch_to_jax
 from parity.check import enable_parity_numerics
 from torch_reference import decode as td
