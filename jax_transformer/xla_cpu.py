@@ -272,7 +272,7 @@ def shrinking_while(step, result, carry, length: int):
     the search is a chain of `lax.while_loop`s over B, B/2, B/4, ... sentences (MAX_STAGES; none
     below SMALLEST_STAGE), each left as soon as the live sentences fit the next. Rows never mix,
     so the outputs are those of one loop over the whole batch. Sentences of a length-sorted batch
-    end in a burst and then a long tail: on Multi30k val at beam 4, the B/2 loop ran 1-2 steps a
+    end in a burst and then a long tail: on Multi30k val at beam 4, the B/2 loop ran 1-3 steps a
     batch and three stages kept 76% of their sentence-steps live; five stages cut a pass by
     7-10%, for about a quarter more compile time (docs/performance.md).
 
