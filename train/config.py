@@ -197,7 +197,8 @@ class ExperimentConfig:
     )
     resume: bool = _field(
         False, "run", "continue the run in --run-dir from its newest complete checkpoint; --steps and the eval "
-        "and checkpoint flags are not stored with the run: give them again", launch=True,
+        "and checkpoint flags are not stored with the run: give them again, or they come from the recipe "
+        "(--config) the run was started from, which the run directory keeps", launch=True,
     )
     overwrite: bool = _field(
         False, "run", "replace the run already in --run-dir (the old one is kept beside it, in .NAME.run-old, "

@@ -11,9 +11,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import json
 import signal
 import sys
 import tomllib
+from pathlib import Path
 
 from .backends import allocator
 from .config import FIELD_RANGES, ExperimentConfig, flag_type, parse_model_override
@@ -56,7 +58,8 @@ examples:
   python -m train.run --run-dir runs/mh --coordinator-address 127.0.0.1:12345 --num-processes 2 \\
       --process-id 0     # and the same with --process-id 1 in a second shell: one run, two processes
 Ctrl-C or SIGTERM finishes the current update, saves a checkpoint and exits (status 130/143);
-`--resume` continues from the newest complete checkpoint, exactly as if never stopped. A
+`--resume` continues from the newest complete checkpoint, exactly as if never stopped (a run
+started from a recipe reads it again from the run directory). A
 non-finite loss stops the run before it is saved (exit status 1).
 then: python -m train.translate --run-dir DIR < input.txt
       python -m train.evaluate --run-dir DIR --data numbers:test
@@ -116,6 +119,10 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExperimentConfig, set[s
     given = vars(parser.parse_args(argv))
     if "recipe" in given:  # the file's flags first: the command line's come after and win
         given = vars(parser.parse_args(recipe_flags(given["recipe"]) + argv))
+    elif given.get("resume") and given.get("run_dir") and (recorded := _recorded_recipe(given["run_dir"])):
+        print(f"--resume: with the recipe the run was started from ({recorded['path']}, kept in the run "
+              "directory); flags given now override it", file=sys.stderr)
+        given = vars(parser.parse_args(recipe_flags(recorded["path"], recorded["toml"]) + argv))
     if "model" in given:
         given["model"] = dict(given["model"])
     try:
@@ -124,11 +131,22 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExperimentConfig, set[s
         parser.error(str(err))
 
 
-def recipe_flags(path: str) -> list[str]:
-    """The TOML recipe at `path` as train.run flags: `eval_every = 1000` -> `--eval-every=1000`,
-    `joint_vocab = false` -> `--no-joint-vocab`, `set = ["a=1", "b=2"]` -> `--set=a=1 --set=b=2`.
-    A file that cannot be read, bad TOML, an unknown key, a wrong type or a bad value ends the
-    process with one line naming the file (and the key or line), exit status 2."""
+def _recorded_recipe(run_dir: str) -> dict[str, str] | None:
+    """The recipe a run was started from ({"path", "toml"}, its recipe.json), or None."""
+    try:
+        recorded = json.loads((Path(run_dir) / "recipe.json").read_text("utf-8"))
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(recorded, dict) and all(isinstance(recorded.get(k), str) for k in ("path", "toml"))
+    return recorded if ok else None
+
+
+def recipe_flags(path: str, text: str | None = None) -> list[str]:
+    """The TOML recipe at `path` (or its `text`, as a run directory keeps it) as train.run flags:
+    `eval_every = 1000` -> `--eval-every=1000`, `joint_vocab = false` -> `--no-joint-vocab`,
+    `set = ["a=1", "b=2"]` -> `--set=a=1 --set=b=2`. A file that cannot be read, bad TOML, an
+    unknown key, a wrong type or a bad value ends the process with one line naming the file (and
+    the key or line), exit status 2."""
 
     def fail(message: str):
         parser.exit(2, f"error: {path}: {message}\n")
@@ -136,8 +154,11 @@ def recipe_flags(path: str) -> list[str]:
     parser = build_parser()
     parser.exit_on_error = False  # a bad value raises, to be reported with the file and key
     try:
-        with open(path, "rb") as file:
-            table = tomllib.load(file)
+        if text is None:
+            with open(path, "rb") as file:
+                table = tomllib.load(file)
+        else:
+            table = tomllib.loads(text)
     except OSError as err:
         fail(err.strerror or str(err))
     except tomllib.TOMLDecodeError as err:  # its message names the line and column

@@ -66,6 +66,18 @@ def test_command_line_overrides_the_file():
     assert {"steps", "backend", "model", "joint_vocab", "lr_factor"} <= given
 
 
+def test_a_resume_reads_the_recipe_the_run_was_started_from(tmp_path, capsys):
+    recipe = {"path": "recipes/mine.toml", "toml": 'steps = 8000\nwarmup = 2000\nset = ["d_model=128"]\n'}
+    (tmp_path / "recipe.json").write_text(json.dumps(recipe))
+    cfg, given = run.parse_config(["--run-dir", str(tmp_path), "--resume"])
+    assert (cfg.steps, cfg.warmup, cfg.model, cfg.recipe) == (8000, 2000, {"d_model": 128}, None)
+    assert "recipes/mine.toml" in capsys.readouterr().err
+    assert run.parse_config(["--run-dir", str(tmp_path), "--resume", "--steps", "9000"])[0].steps == 9000  # the command line wins
+    assert run.parse_config(["--run-dir", str(tmp_path)])[0].steps == 700  # not a resume: the default
+    (tmp_path / "recipe.json").write_text("{not json")
+    assert run.parse_config(["--run-dir", str(tmp_path), "--resume"])[0].steps == 700  # no usable record: the default
+
+
 @pytest.mark.parametrize("body, message", [
     ("stpes = 3", "key 'stpes': unknown (did you mean 'steps'?)"),
     ("eval-every = 3", "key 'eval-every': unknown (did you mean 'eval_every'?)"),
