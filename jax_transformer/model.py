@@ -210,7 +210,7 @@ class _SharedKeysAttention(tuned.SharedKeys, MultiHeadAttention):
 
 class FeedForward(nnx.Module):
     """Position-wise feed-forward network (§3.3): linear2(act(linear1(x))), act ReLU (the paper),
-    exact GELU or SiLU (x * sigmoid(x), "swish").
+    exact GELU or SiLU (x * sigmoid(x), "swish"); `activation_dropout` drops the activations.
 
     `swiglu` (Shazeer 2020) multiplies the activation by a second projection, `linear_gate`:
     linear2(silu(linear1(x)) * linear_gate(x)), with the same width F.
@@ -223,11 +223,13 @@ class FeedForward(nnx.Module):
         self.linear1 = linear(cfg.d_model, cfg.d_ff)
         self.linear_gate = linear(cfg.d_model, cfg.d_ff) if cfg.activation == "swiglu" else None
         self.linear2 = linear(cfg.d_ff, cfg.d_model)
+        self.dropout = nnx.Dropout(cfg.activation_dropout)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, *, deterministic: bool = True, rngs: nnx.Rngs | None = None) -> jax.Array:
         h = self.linear1(x)  # (B, L, F)
+        dropping = not deterministic and self.dropout.rate > 0
         if self.activation == "relu":
-            if self.xla_cpu and h.dtype == jnp.float32:  # linear2(relu(h)) keeping h alone
+            if self.xla_cpu and h.dtype == jnp.float32 and not dropping:  # linear2(relu(h)) keeping h alone
                 return tuned.relu_linear(h, self.linear2.kernel[...]) + self.linear2.bias[...]
             h = jax.nn.relu(h)
         elif self.activation == "gelu":
@@ -236,7 +238,7 @@ class FeedForward(nnx.Module):
             h = jax.nn.silu(h)
         else:
             h = jax.nn.silu(h) * self.linear_gate(x)
-        return self.linear2(h)  # (B, L, D)
+        return self.linear2(self.dropout(h, deterministic=deterministic, rngs=rngs))  # (B, L, D)
 
 
 class EncoderLayer(nnx.Module):
@@ -263,7 +265,7 @@ class EncoderLayer(nnx.Module):
         """x (B, S, D), mask broadcastable to (B, H, S, S) -> (B, S, D)."""
         mode = dict(deterministic=deterministic, rngs=rngs)
         x = self.residual(x, self.self_attn_norm, lambda h: self.self_attn(h, h, mask, **mode), **mode)
-        return self.residual(x, self.ff_norm, self.ff, **mode)
+        return self.residual(x, self.ff_norm, lambda h: self.ff(h, **mode), **mode)
 
 
 class DecoderLayer(EncoderLayer):
@@ -292,7 +294,7 @@ class DecoderLayer(EncoderLayer):
 
         x = self.residual(x, self.self_attn_norm, lambda h: self.self_attn(h, h, tgt_mask, **mode), **mode)
         x = self.residual(x, self.cross_attn_norm, cross_attn, **mode)
-        x = self.residual(x, self.ff_norm, self.ff, **mode)
+        x = self.residual(x, self.ff_norm, lambda h: self.ff(h, **mode), **mode)
         return (x, attention[0]) if return_attention else x
 
     def init_cache(self, memory: jax.Array, max_len: int) -> dict[str, jax.Array]:

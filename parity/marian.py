@@ -86,7 +86,7 @@ def marian_config(hf: Mapping[str, Any]) -> TransformerConfig:
     activation = get("activation_function", "gelu")
     if activation not in ACTIVATIONS:
         _refuse("activation_function", activation, f"supported: {', '.join(ACTIVATIONS)}")
-    for field in ("activation_dropout", "encoder_layerdrop", "decoder_layerdrop"):
+    for field in ("encoder_layerdrop", "decoder_layerdrop"):
         if get(field, 0.0):
             _refuse(field, get(field), "this model has no such dropout; fine-tuning would differ")
     share = bool(get("share_encoder_decoder_embeddings", True))
@@ -102,6 +102,7 @@ def marian_config(hf: Mapping[str, Any]) -> TransformerConfig:
             num_heads=get("encoder_attention_heads", 16), d_ff=get("encoder_ffn_dim", 4096),
             num_encoder_layers=get("encoder_layers", 12), num_decoder_layers=get("decoder_layers", 12),
             dropout=float(get("dropout", 0.1)), attention_dropout=float(get("attention_dropout", 0.0)),
+            activation_dropout=float(get("activation_dropout", 0.0)),
             max_len=get("max_position_embeddings", 1024), layer_norm_eps=HF_LAYER_NORM_EPS,
             norm_position="post", activation=ACTIVATIONS[activation], norm="layernorm", positions="sinusoidal_halves",
             attention_bias=True, share_embeddings=share, tie_output=bool(get("tie_word_embeddings", True)),

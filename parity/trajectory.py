@@ -83,7 +83,7 @@ def prepare(cfg) -> tuple[TransformerConfig, Any]:
     splits = rundir.load_splits(cfg)
     tokenizers = data.train_tokenizers(splits.train, vocab_size=cfg.vocab_size, joint=cfg.joint_vocab)
     model_cfg = cfg.model_config(tokenizers.src.get_vocab_size(), tokenizers.tgt.get_vocab_size())
-    if model_cfg.dropout or model_cfg.attention_dropout:
+    if model_cfg.dropout or model_cfg.attention_dropout or model_cfg.activation_dropout:
         raise ValueError("parity needs dropout off: dropout streams cannot be matched across frameworks")
     return model_cfg, (splits, tokenizers)
 

@@ -96,7 +96,8 @@ PROBABILITY = Range(float, low=0.0, below=1.0)  # dropout rates, label smoothing
 FIELD_RANGES = {
     "src_vocab_size": POSITIVE, "tgt_vocab_size": POSITIVE, "d_model": POSITIVE, "num_heads": POSITIVE,
     "d_ff": POSITIVE, "num_encoder_layers": NON_NEGATIVE, "num_decoder_layers": NON_NEGATIVE,
-    "dropout": PROBABILITY, "attention_dropout": PROBABILITY, "max_len": POSITIVE,
+    "dropout": PROBABILITY, "attention_dropout": PROBABILITY, "activation_dropout": PROBABILITY,
+    "max_len": POSITIVE,
     "pad_id": NON_NEGATIVE, "bos_id": NON_NEGATIVE, "eos_id": NON_NEGATIVE,
     "layer_norm_eps": Range(float, above=0.0),
 }
@@ -133,6 +134,9 @@ class TransformerConfig:
     dropout: float = 0.1
     # Dropout on attention weights; the paper's base model does not use it.
     attention_dropout: float = 0.0
+    # Dropout on the feed-forward activations, between the activation and linear2 (fairseq's
+    # --activation-dropout); the paper's base model does not use it.
+    activation_dropout: float = 0.0
     max_len: int = 512
     pad_id: int = PAD_ID
     # The decoder's start token. It may be the pad id (Marian starts its decoder with pad): then

@@ -180,7 +180,7 @@ class MultiHeadAttention(nn.Module):
 
 class FeedForward(nn.Module):
     """Position-wise feed-forward network (§3.3): linear2(act(linear1(x))), act ReLU (the paper),
-    exact GELU or SiLU (x * sigmoid(x), "swish").
+    exact GELU or SiLU (x * sigmoid(x), "swish"); `activation_dropout` drops the activations.
 
     `swiglu` (Shazeer 2020) multiplies the activation by a second projection, `linear_gate`:
     linear2(silu(linear1(x)) * linear_gate(x)), with the same width F.
@@ -192,6 +192,7 @@ class FeedForward(nn.Module):
         self.linear1 = nn.Linear(cfg.d_model, cfg.d_ff)
         self.linear_gate = nn.Linear(cfg.d_model, cfg.d_ff) if cfg.activation == "swiglu" else None
         self.linear2 = nn.Linear(cfg.d_ff, cfg.d_model)
+        self.dropout = nn.Dropout(cfg.activation_dropout)
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.linear1(x)  # (B, L, F)
@@ -203,7 +204,7 @@ class FeedForward(nn.Module):
             h = F.silu(h)
         else:
             h = F.silu(h) * self.linear_gate(x)
-        return self.linear2(h)  # (B, L, D)
+        return self.linear2(self.dropout(h))  # (B, L, D)
 
 
 class EncoderLayer(nn.Module):

@@ -203,6 +203,52 @@ def test_dropout_is_explicit_and_seeded():
     assert float(jnp.abs(a - c).max()) > 1e-3 and float(jnp.abs(a - d).max()) > 1e-3
 
 
+def test_activation_dropout_is_explicit_and_seeded():
+    cfg, torch_model, jm = make_pair(activation_dropout=0.3)
+    src, tgt = jnp.asarray(ids(cfg, 2, 6, seed=0)), jnp.asarray(ids(cfg, 2, 5, seed=1))
+    a = jm(src, tgt, deterministic=False, rngs=nnx.Rngs(dropout=0))
+    b = jm(src, tgt, deterministic=False, rngs=nnx.Rngs(dropout=0))
+    d = jm(src, tgt, deterministic=True)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert float(jnp.abs(a - d).max()) > 1e-3  # the only dropout of this model is active
+    expected = torch_model(torch.from_numpy(np.array(src)), torch.from_numpy(np.array(tgt)))  # eval mode
+    np.testing.assert_allclose(np.asarray(d), expected.detach().numpy(), atol=1e-5, rtol=0)  # model tolerance
+
+
+@pytest.mark.parametrize("xla_cpu", [False, True])
+def test_activation_dropout_drops_the_activations_before_linear2(xla_cpu):
+    """With linear2 the identity plus 0.5, each output entry is 0.5 or relu(linear1(x)) / (1 - p) + 0.5
+    in both twins (dropout after linear2 would give 0 or (relu + 0.5) / (1 - p)); about a fraction p
+    of the positive activations dropped."""
+    p, width = 0.25, 64
+    cfg = tr.TransformerConfig(**{**LOPSIDED, "d_model": width, "d_ff": width, "num_heads": 4, "activation_dropout": p})
+    torch.manual_seed(0)
+    tff = tr.model.FeedForward(cfg).train()
+    with torch.no_grad():
+        tff.linear2.weight.copy_(torch.eye(width))
+        tff.linear2.bias.fill_(0.5)
+    jff = jt.model.FeedForward(cfg, xla_cpu=xla_cpu, rngs=nnx.Rngs(0))
+    jff.linear1.kernel[...] = t2j(tff.linear1.weight.T)
+    jff.linear1.bias[...] = t2j(tff.linear1.bias)
+    jff.linear2.kernel[...] = jnp.eye(width)
+    jff.linear2.bias[...] = jnp.full(width, 0.5)
+    x = torch.randn(4, 16, width)
+    active = torch.relu(tff.linear1(x)).detach().numpy()
+    outputs = {
+        "torch": tff(x).detach().numpy() - 0.5,
+        "jax": np.asarray(jff(t2j(x), deterministic=False, rngs=nnx.Rngs(dropout=0))) - 0.5,
+    }
+    positive = active > 0
+    for name, out in outputs.items():
+        kept = out != 0
+        assert not (kept & ~positive).any(), name
+        # 1e-6: one rounding of the scale 1 / (1 - p) plus the matmul's at these O(1) values
+        np.testing.assert_allclose(out[kept], active[kept] / (1 - p), rtol=1e-6, atol=1e-6, err_msg=name)
+        dropped = 1 - kept[positive].mean()  # ~2,000 positive entries: one standard deviation ~0.01
+        assert abs(dropped - p) < 0.05, (name, dropped)
+    np.testing.assert_allclose(np.asarray(jff(t2j(x))) - 0.5, active, rtol=1e-6, atol=1e-6)  # deterministic: nothing dropped
+
+
 def test_jit_compiles_once_per_shape():
     cfg, _, jm = make_pair()
     traces = []

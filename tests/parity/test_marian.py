@@ -94,10 +94,11 @@ def test_config_maps_every_function_field_and_refuses_what_it_cannot_represent()
     assert marian.marian_config({**hf, "share_encoder_decoder_embeddings": False, "decoder_vocab_size": 900,
                                  "tie_word_embeddings": False}).replace() == cfg.replace(
         share_embeddings=False, tgt_vocab_size=901, tie_output=False)
+    assert marian.marian_config({**hf, "activation_dropout": 0.1}) == cfg.replace(activation_dropout=0.1)
     refused = {
         "normalize_before": True, "normalize_embedding": True, "add_final_layer_norm": True,
         "static_position_embeddings": False, "decoder_ffn_dim": 1024, "decoder_attention_heads": 4,
-        "activation_function": "gelu_new", "activation_dropout": 0.1, "encoder_layerdrop": 0.1,
+        "activation_function": "gelu_new", "encoder_layerdrop": 0.1,
         "model_type": "bart",
     }
     for field, value in refused.items():

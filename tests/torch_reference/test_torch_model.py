@@ -580,9 +580,10 @@ def test_a_pad_start_token_is_attended_like_any_start():
     assert (at_pad.project(hidden)[real] - ours[real]).abs().max() > MUST_CHANGE
 
 
-def test_dropout_is_active_in_train_mode_only():
+@pytest.mark.parametrize("rates", [dict(dropout=0.1, attention_dropout=0.1), dict(dropout=0.0, activation_dropout=0.1)])
+def test_dropout_is_active_in_train_mode_only(rates):
     torch.manual_seed(0)
-    model = Transformer(small_config(dropout=0.1, attention_dropout=0.1))
+    model = Transformer(small_config(**rates))
     src, tgt_in = make_batch(model.cfg)
     model.train()
     assert not torch.equal(model(src, tgt_in), model(src, tgt_in))  # two dropout draws

@@ -70,6 +70,7 @@ def test_invalid_choice_raises(field, value):
         (dict(num_encoder_layers=-1), "num_encoder_layers"),
         (dict(dropout=1.0), "dropout"),
         (dict(attention_dropout=-0.1), "attention_dropout"),
+        (dict(activation_dropout=1.0), "activation_dropout"),
     ],
 )
 def test_invalid_sizes_raise(fields, match):
