@@ -120,9 +120,13 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExperimentConfig, set[s
     if "recipe" in given:  # the file's flags first: the command line's come after and win
         given = vars(parser.parse_args(recipe_flags(given["recipe"]) + argv))
     elif given.get("resume") and given.get("run_dir") and (recorded := _recorded_recipe(given["run_dir"])):
-        print(f"--resume: with the recipe the run was started from ({recorded['path']}, kept in the run "
-              "directory); flags given now override it", file=sys.stderr)
-        given = vars(parser.parse_args(recipe_flags(recorded["path"], recorded["toml"]) + argv))
+        # How long and how this launch runs (steps, evaluation, checkpoints) from the recipe the run
+        # was started from; how it trains is the run's own config.json, as for any resume.
+        launch = set(ExperimentConfig.launch_fields())
+        flags = vars(parser.parse_args(recipe_flags(recorded["path"], recorded["toml"])))
+        given = {**{k: v for k, v in flags.items() if k in launch}, **given}
+        print(f"--resume: steps, evaluation and checkpoint flags from the recipe the run was started from "
+              f"({recorded['path']}, kept in the run directory) unless given now", file=sys.stderr)
     if "model" in given:
         given["model"] = dict(given["model"])
     try:

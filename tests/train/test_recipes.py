@@ -67,10 +67,11 @@ def test_command_line_overrides_the_file():
 
 
 def test_a_resume_reads_the_recipe_the_run_was_started_from(tmp_path, capsys):
-    recipe = {"path": "recipes/mine.toml", "toml": 'steps = 8000\nwarmup = 2000\nset = ["d_model=128"]\n'}
+    recipe = {"path": "recipes/mine.toml", "toml": 'steps = 8000\nsave_every = 100\nwarmup = 2000\nset = ["d_model=128"]\n'}
     (tmp_path / "recipe.json").write_text(json.dumps(recipe))
     cfg, given = run.parse_config(["--run-dir", str(tmp_path), "--resume"])
-    assert (cfg.steps, cfg.warmup, cfg.model, cfg.recipe) == (8000, 2000, {"d_model": 128}, None)
+    assert (cfg.steps, cfg.save_every, cfg.recipe) == (8000, 100, None)  # the launch flags
+    assert (cfg.warmup, cfg.model) == (None, {}) and given == {"run_dir", "resume", "steps", "save_every"}  # config.json's
     assert "recipes/mine.toml" in capsys.readouterr().err
     assert run.parse_config(["--run-dir", str(tmp_path), "--resume", "--steps", "9000"])[0].steps == 9000  # the command line wins
     assert run.parse_config(["--run-dir", str(tmp_path)])[0].steps == 700  # not a resume: the default
@@ -111,3 +112,9 @@ def test_recipe_trains_and_the_run_records_it(tmp_path):
     assert record == {"path": "recipes/numbers.toml", "toml": (REPO / "recipes/numbers.toml").read_text()}
     saved = json.loads((run_dir / "config.json").read_text())
     assert "recipe" not in saved and (saved["backend"], saved["preset"], saved["numbers_train"]) == ("torch", "tiny", 300)
+    # A resume without --config: the run's own config (torch, 300 pairs, not the recipe's jax and
+    # 40,000), the recipe's launch flags where none are given (eval_every), the command line's steps.
+    result = subprocess.run([sys.executable, "-m", "train.run", "--run-dir", str(run_dir), "--resume", "--steps", "3",
+                             "--no-progress"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert json.loads((run_dir / "results.json").read_text())["steps"] == 3
