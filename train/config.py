@@ -34,6 +34,8 @@ PARAM_SHARDINGS = ("replicated", "fsdp")
 # makes the task need attention; at 8000 it would learn whole numbers as single tokens.
 NUMBERS_VOCAB_SIZE = 400
 DEFAULT_VOCAB_SIZE = 8000
+RECIPE_FILE = "recipe.json"  # in a run directory: train.run --config's recipe, {"path", "toml"}; a resume reads it
+
 # Warmup when --warmup is not given: the paper's 4000 steps (§5.3) are 4% of its 100k-step run;
 # short runs need relatively more, so a quarter of the steps, capped at the paper's 4000. (On the
 # numbers corpus, 1200 steps with warmup 300 reached test BLEU 99.9 where warmup 120 with

@@ -11,14 +11,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
-import json
 import signal
 import sys
 import tomllib
 from pathlib import Path
 
 from .backends import allocator
-from .config import FIELD_RANGES, ExperimentConfig, flag_type, parse_model_override
+from .config import FIELD_RANGES, RECIPE_FILE, ExperimentConfig, flag_type, parse_model_override
+from .files import UserError, read_json
 
 GROUPS = {  # flag group -> its title in --help
     "run": "run", "model": "model", "data": "data", "optim": "optimisation", "eval": "evaluation and logging",
@@ -119,11 +119,12 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExperimentConfig, set[s
     given = vars(parser.parse_args(argv))
     if "recipe" in given:  # the file's flags first: the command line's come after and win
         given = vars(parser.parse_args(recipe_flags(given["recipe"]) + argv))
-    elif given.get("resume") and given.get("run_dir") and (recorded := _recorded_recipe(given["run_dir"])):
+    elif given.get("resume") and given.get("run_dir") and (recorded := _recorded_recipe(parser, given["run_dir"])):
         # How long and how this launch runs (steps, evaluation, checkpoints) from the recipe the run
         # was started from; how it trains is the run's own config.json, as for any resume.
         launch = set(ExperimentConfig.launch_fields())
-        flags = vars(parser.parse_args(recipe_flags(recorded["path"], recorded["toml"])))
+        where = f"{Path(given['run_dir']) / RECIPE_FILE} (the recipe {recorded['path']})"
+        flags = vars(parser.parse_args(recipe_flags(where, recorded["toml"])))
         given = {**{k: v for k, v in flags.items() if k in launch}, **given}
         print(f"--resume: steps, evaluation and checkpoint flags from the recipe the run was started from "
               f"({recorded['path']}, kept in the run directory) unless given now", file=sys.stderr)
@@ -135,14 +136,18 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExperimentConfig, set[s
         parser.error(str(err))
 
 
-def _recorded_recipe(run_dir: str) -> dict[str, str] | None:
-    """The recipe a run was started from ({"path", "toml"}, its recipe.json), or None."""
+def _recorded_recipe(parser: argparse.ArgumentParser, run_dir: str) -> dict[str, str] | None:
+    """The recipe a run was started from ({"path", "toml"}, its recipe.json), None when it has none;
+    an unreadable or malformed record ends the process with one line naming it (exit status 2)."""
+    path = Path(run_dir) / RECIPE_FILE
     try:
-        recorded = json.loads((Path(run_dir) / "recipe.json").read_text("utf-8"))
-    except (OSError, ValueError):
-        return None
+        recorded = read_json(path, default=None)
+    except UserError as err:
+        parser.error(str(err))
     ok = isinstance(recorded, dict) and all(isinstance(recorded.get(k), str) for k in ("path", "toml"))
-    return recorded if ok else None
+    if recorded is not None and not ok:
+        parser.error(f"{path}: expected {{\"path\": ..., \"toml\": ...}}, the recipe a run was started from")
+    return recorded
 
 
 def recipe_flags(path: str, text: str | None = None) -> list[str]:

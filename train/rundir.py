@@ -23,7 +23,7 @@ from torch_reference.config import TransformerConfig
 
 from . import data
 from .backends import Backend, create_backend, initialize
-from .config import ExperimentConfig
+from .config import RECIPE_FILE, ExperimentConfig
 from .data import spm
 from .files import UserError, read_json, say, write_bytes_atomic, write_error, write_json_atomic, write_text_atomic
 from .store import CheckpointError, parse_checkpoint, saved_experiments
@@ -31,7 +31,6 @@ from .store import CheckpointError, parse_checkpoint, saved_experiments
 CONFIG_FILE, MODEL_FILE, RESULTS_FILE = "config.json", "model.json", "results.json"  # experiment, TransformerConfig
 PROVENANCE_FILE = "converted.json"  # where a converted run came from (parity.convert --run-dir)
 AVERAGED_FILE = "averaged.json"  # which checkpoints an averaged run holds the mean of (train.average)
-RECIPE_FILE = "recipe.json"  # train.run --config's recipe: {"path", "toml"}; a resume without one keeps it
 CURVES_FILE = "curves.png"  # learning curves, drawn at the end of a run (train.curves)
 IMPORTED_FILE = "imported.json"  # a pretrained model's origin and original numbering (parity.convert --from)
 CHECKPOINTS, TENSORBOARD = "checkpoints", "tensorboard"  # checkpoints/<step>/ (train.store), event files

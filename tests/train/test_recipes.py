@@ -75,8 +75,15 @@ def test_a_resume_reads_the_recipe_the_run_was_started_from(tmp_path, capsys):
     assert "recipes/mine.toml" in capsys.readouterr().err
     assert run.parse_config(["--run-dir", str(tmp_path), "--resume", "--steps", "9000"])[0].steps == 9000  # the command line wins
     assert run.parse_config(["--run-dir", str(tmp_path)])[0].steps == 700  # not a resume: the default
-    (tmp_path / "recipe.json").write_text("{not json")
-    assert run.parse_config(["--run-dir", str(tmp_path), "--resume"])[0].steps == 700  # no usable record: the default
+    for record, message in (("{not json", "is not valid JSON"), ("[1]", "expected {"),
+                            (json.dumps({**recipe, "toml": "stpes = 3"}), "recipe.json (the recipe recipes/mine.toml): key 'stpes'")):
+        (tmp_path / "recipe.json").write_text(record)  # a damaged record: one line naming it, not the defaults
+        with pytest.raises(SystemExit) as exit_:
+            run.parse_config(["--run-dir", str(tmp_path), "--resume"])
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert exit_.value.code == 2 and message in err and str(tmp_path / "recipe.json") in err, err
+    (tmp_path / "recipe.json").unlink()
+    assert run.parse_config(["--run-dir", str(tmp_path), "--resume"])[0].steps == 700  # no record: the default
 
 
 @pytest.mark.parametrize("body, message", [
