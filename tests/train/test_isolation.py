@@ -17,7 +17,7 @@ JAX = {"jax", "jaxlib", "flax", "optax", "orbax"}
 def loaded_after(code: str) -> set[str]:
     report = "\nimport json, sys\nprint(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))\n"
     script = textwrap.dedent(code) + report
-    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", script], check=False, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     return set(json.loads(result.stdout.strip().splitlines()[-1]))
 
@@ -41,3 +41,26 @@ def test_each_backend_loads_only_its_framework():
     assert "torch" in torch_side and not torch_side & JAX
     jax_side = loaded_after("import train.backends.jax_backend")
     assert {"jax", "flax", "optax", "orbax"} <= jax_side and "torch" not in jax_side
+
+
+def test_text_pairs_load_without_hf_datasets(tmp_path):
+    """Text pairs and TSV are read directly: HF `datasets` (about 1 s to import, and a dependency a
+    bare GPU image may lack) is imported for JSON and hub specs only."""
+    for lang, text in (("de", "ein Hund\n"), ("en", "a dog\n")):
+        (tmp_path / f"p.{lang}").write_text(text)
+    (tmp_path / "p.tsv").write_text("source\ttarget\nein Hund\ta dog\n")
+    (tmp_path / "p.jsonl").write_text('{"source": "ein Hund", "target": "a dog"}\n')
+    loaded = loaded_after(
+        f"""
+        from train.data.corpora import load_parallel
+        assert load_parallel("de:en:{tmp_path}/p").pairs == [("ein Hund", "a dog")]
+        assert load_parallel("{tmp_path}/p.tsv").pairs == [("ein Hund", "a dog")]
+        """
+    )
+    assert "datasets" not in loaded
+    assert "datasets" in loaded_after(
+        f"""
+        from train.data.corpora import load_parallel
+        assert load_parallel("{tmp_path}/p.jsonl").pairs == [("ein Hund", "a dog")]
+        """
+    )
