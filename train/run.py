@@ -121,8 +121,9 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExperimentConfig, set[s
         given = vars(parser.parse_args(recipe_flags(given["recipe"]) + argv))
     elif given.get("resume") and given.get("run_dir") and (recorded := _recorded_recipe(parser, given["run_dir"])):
         # How long and how this launch runs (steps, evaluation, checkpoints) from the recipe the run
-        # was started from; how it trains is the run's own config.json, as for any resume.
-        launch = set(ExperimentConfig.launch_fields())
+        # was started from; how it trains is the run's own config.json, as for any resume. Not the
+        # flags that say which launch this is: a recipe's `overwrite = true` is for its first start.
+        launch = set(ExperimentConfig.launch_fields()) - {"run_dir", "resume", "overwrite"}
         where = f"{Path(given['run_dir']) / RECIPE_FILE} (the recipe {recorded['path']})"
         flags = vars(parser.parse_args(recipe_flags(where, recorded["toml"])))
         given = {**{k: v for k, v in flags.items() if k in launch}, **given}

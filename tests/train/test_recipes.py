@@ -75,6 +75,9 @@ def test_a_resume_reads_the_recipe_the_run_was_started_from(tmp_path, capsys):
     assert "recipes/mine.toml" in capsys.readouterr().err
     assert run.parse_config(["--run-dir", str(tmp_path), "--resume", "--steps", "9000"])[0].steps == 9000  # the command line wins
     assert run.parse_config(["--run-dir", str(tmp_path)])[0].steps == 700  # not a resume: the default
+    (tmp_path / "recipe.json").write_text(json.dumps({**recipe, "toml": "steps = 50\noverwrite = true\n"}))
+    cfg = run.parse_config(["--run-dir", str(tmp_path), "--resume"])[0]  # a recipe's overwrite is for the first start
+    assert (cfg.steps, cfg.resume, cfg.overwrite) == (50, True, False)
     for record, message in (("{not json", "is not valid JSON"), ("[1]", "expected {"),
                             (json.dumps({**recipe, "toml": "stpes = 3"}), "recipe.json (the recipe recipes/mine.toml): key 'stpes'")):
         (tmp_path / "recipe.json").write_text(record)  # a damaged record: one line naming it, not the defaults
