@@ -150,6 +150,11 @@ class ExperimentConfig:
         True, "data", "one BPE vocabulary for source and target, with shared embeddings "
         "(--no-joint-vocab: one per side)",
     )
+    lowercase: bool = _field(
+        False, "data", "lowercase all text: the training, validation and test pairs, and every input of the "
+        "trained tokenizer (a Lowercase normalizer in tokenizer.json, so translate lowercases too); the "
+        "translations are then lowercase. The Multi30k anchors train on lowercased text",
+    )
     max_len: int = _field(128, "data", "longest sequence in tokens (with <eos>); longer training pairs are dropped")
     token_budget: int = _field(4096, "data", "padded tokens per batch (B x L <= budget, per length bucket)")
     hf_cache: str | None = _field(None, "data", "HF datasets cache directory; default: HF's own", metavar="DIR", launch=True)

@@ -211,7 +211,9 @@ def _train_locked(cfg: ExperimentConfig, topology: Topology, started: float) -> 
         raise UserError(str(err)) from None
     trained_tokenizers = tokenizers is None
     if trained_tokenizers:  # BPE training is deterministic: every process gets the same tokenizer
-        tokenizers = data.train_tokenizers(splits.train, vocab_size=cfg.vocab_size, joint=cfg.joint_vocab)
+        tokenizers = data.train_tokenizers(
+            splits.train, vocab_size=cfg.vocab_size, joint=cfg.joint_vocab, lowercase=cfg.lowercase
+        )
     model_cfg = cfg.model_config(tokenizers.src.get_vocab_size(), tokenizers.tgt.get_vocab_size())
     if resuming:
         check_model(run_dir, cfg, model_cfg, tokenizers, what=CONFIG_FILE)

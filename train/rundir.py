@@ -45,10 +45,15 @@ LOCK_FILE = ".lock"  # held (flock) by the one process that writes the run
 
 def load_splits(cfg: ExperimentConfig) -> data.Splits:
     """Train, validation and test pairs: the numbers corpus, or the --train/--valid/--test specs
-    (test empty when not given). Bad specs and missing files raise UserError."""
+    (test empty when not given), every text lowercased with --lowercase. Bad specs and missing
+    files raise UserError."""
     if cfg.uses_numbers_corpus:
-        return data.numbers_corpus(cfg.numbers_train, cfg.numbers_valid, cfg.numbers_test, seed=cfg.seed)
-    return data.Splits(*(load_split(cfg, spec) if spec else [] for spec in (cfg.train, cfg.valid, cfg.test)))
+        splits = data.numbers_corpus(cfg.numbers_train, cfg.numbers_valid, cfg.numbers_test, seed=cfg.seed)
+    else:
+        splits = data.Splits(*(load_split(cfg, spec) if spec else [] for spec in (cfg.train, cfg.valid, cfg.test)))
+    if not cfg.lowercase:
+        return splits
+    return data.Splits(*([(s.lower(), t.lower()) for s, t in pairs] for pairs in (splits.train, splits.valid, splits.test)))
 
 
 def load_split(cfg: ExperimentConfig, spec: str) -> list[data.Pair]:

@@ -1,5 +1,6 @@
 """Tests for train/data/: numbers corpus, parallel-file loaders, tokenizers and batches."""
 
+import dataclasses
 import gzip
 import json
 from pathlib import Path
@@ -9,6 +10,7 @@ import pytest
 from num2words import num2words
 
 from train import data, rundir
+from train.config import ExperimentConfig
 from train.data import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Batcher
 
 MULTI30K = Path(__file__).parents[2] / ".." / "shared" / "data" / "multi30k"
@@ -236,6 +238,27 @@ def test_tokenizers_save_load(tmp_path, corpus, tokenizers):
     assert data.encode_pairs(reloaded, corpus.valid) == data.encode_pairs(separate, corpus.valid)
     with pytest.raises(FileNotFoundError):
         rundir.load_tokenizers(tmp_path / "nothing")
+
+
+def test_lowercase_tokenizer_and_splits(tmp_path):
+    pairs = [("Ein Hund läuft über die Straße.", "A dog runs across the street.")] * 3
+    src, tgt = tmp_path / "train.de", tmp_path / "train.en"
+    src.write_text("\n".join(s for s, _ in pairs) + "\n", encoding="utf-8")
+    tgt.write_text("\n".join(t for _, t in pairs) + "\n", encoding="utf-8")
+    spec = f"de:en:{tmp_path}/train"
+    cfg = ExperimentConfig(train=spec, valid=spec, test=spec, lowercase=True)
+    splits = rundir.load_splits(cfg)
+    lowered = ("ein hund läuft über die straße.", "a dog runs across the street.")
+    assert splits.train == splits.valid == splits.test == [lowered] * 3
+    assert rundir.load_splits(dataclasses.replace(cfg, lowercase=False)).train == pairs
+
+    tokenizers = data.train_tokenizers(splits.train, vocab_size=300, lowercase=True)
+    rundir.save_tokenizers(tokenizers, tmp_path / "run")
+    tok = rundir.load_tokenizers(tmp_path / "run").src  # the normalizer is in tokenizer.json
+    cased, lower = data.encode(tok, ["Ein HUND, Über."]), data.encode(tok, ["ein hund, über."])
+    assert cased == lower and data.decode(tok, cased[0]) == "ein hund, über."
+    plain = data.train_tokenizers(pairs, vocab_size=300).src
+    assert data.encode(plain, ["Ein"]) != data.encode(plain, ["ein"])
 
 
 # ----------------------------------------------------------------------------------------------

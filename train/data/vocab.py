@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Sequence
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from torch_reference.config import BOS_ID, EOS_ID, PAD_ID, SPECIAL_TOKENS, UNK_ID
 
@@ -30,15 +30,19 @@ class Tokenizers:
         return self.src is self.tgt
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int = 8000, min_frequency: int = 2) -> Tokenizer:
+def train_tokenizer(texts: Iterable[str], vocab_size: int = 8000, min_frequency: int = 2,
+                    lowercase: bool = False) -> Tokenizer:
     """A byte-level BPE `tokenizers.Tokenizer` trained on `texts`.
 
     The vocabulary holds the 4 special tokens (ids 0..3), the 256 byte symbols and merges up to
     `vocab_size` in all; it is smaller when the text runs out of merges seen `min_frequency`
-    times, so read the size from `tokenizer.get_vocab_size()`. The saved tokenizer.json carries
+    times, so read the size from `tokenizer.get_vocab_size()`. `lowercase`: a Lowercase normalizer
+    lowercases every text it trains on and encodes. The saved tokenizer.json carries
     the whole behaviour (eos appended by its post-processor, prefix space removed by its decoder).
     """
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    if lowercase:
+        tokenizer.normalizer = normalizers.Lowercase()
     # A prefix space makes a sentence's first word tokenize like the same word mid-sentence; the
     # Strip decoder removes it again after the byte-level decoder has joined all tokens into one.
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
@@ -54,15 +58,14 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 8000, min_frequency:
 
 
 def train_tokenizers(pairs: Sequence[Pair], vocab_size: int = 8000, joint: bool = True,
-                     min_frequency: int = 2) -> Tokenizers:
+                     min_frequency: int = 2, lowercase: bool = False) -> Tokenizers:
     """Tokenizers trained on the training pairs: one on both sides (joint), or one per side."""
     sources, targets = [s for s, _ in pairs], [t for _, t in pairs]
     if joint:
-        tokenizer = train_tokenizer(sources + targets, vocab_size, min_frequency)
+        tokenizer = train_tokenizer(sources + targets, vocab_size, min_frequency, lowercase)
         return Tokenizers(tokenizer, tokenizer)
-    return Tokenizers(
-        train_tokenizer(sources, vocab_size, min_frequency), train_tokenizer(targets, vocab_size, min_frequency)
-    )
+    return Tokenizers(train_tokenizer(sources, vocab_size, min_frequency, lowercase),
+                      train_tokenizer(targets, vocab_size, min_frequency, lowercase))
 
 
 def encode(tokenizer: Tokenizer, texts: Sequence[str]) -> list[list[int]]:
