@@ -77,9 +77,8 @@ def _decoder(model: Transformer, memory, src_mask, length: int, cached: bool) ->
     """What next-token logits are computed from: the key/value cache for `length` positions over
     memory (N, S, D), or (cached=False) memory itself, to re-run the whole decoder over; src_mask.
 
-    The barrier materialises the cross-attention keys and values before the loop. Without it XLA
-    keeps them in the (N, S, H, K) layout of their projection and transposes them to (N, H, S, K)
-    at every step, ~5% of a step.
+    The barrier materialises the cross-attention keys and values before the loop: else XLA keeps them
+    (N, S, H, K) and transposes them every step (docs/performance.md#what-made-the-jax-search-fast).
     """
     if not cached:
         return {"cache": None, "memory": memory, "src_mask": src_mask}

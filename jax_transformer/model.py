@@ -391,7 +391,7 @@ class Transformer(nnx.Module):
     and the loss casts the logits to float32. The torch side gets the same from torch.autocast,
     so the twin has no such argument.
 
-    `xla_cpu`: compute with the kernels of `xla_cpu.py`, measured faster on XLA:CPU (backward
+    `xla_cpu`: compute with the kernels of `xla_cpu.py`, faster on XLA:CPU (backward
     passes ordered for it, fewer arrays kept), and have `decode`'s searches take its tuned loop;
     the training backend sets it where its devices are CPUs. The same parameters and checkpoint
     keys, the same results to float32 rounding (tests/jax_transformer/test_xla_cpu.py).

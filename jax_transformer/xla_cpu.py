@@ -1,8 +1,8 @@
 """The model's and the search's pieces tuned for XLA:CPU: `Transformer(xla_cpu=True)`, which the
 training backend builds where its devices are CPUs, computes with them, and `decode`'s searches over
 it run with them. Each gives what the plain path gives (to float32 rounding; the searches the same
-tokens), and is here because a side-by-side measurement on the CPU found it faster or smaller
-(`python -m train.profile_step --xla-cpu-ab`):
+tokens), and is here because it is faster or smaller on the CPU, side by side with the plain path
+(docs/performance.md#the-xlacpu-tuned-path-side-by-side):
 
     linear_dot_general  every nnx.Linear's x @ W with a backward pass ordered for XLA:CPU
     attend              the output projection tied to the embedding, likewise
@@ -138,8 +138,8 @@ def relu_linear(h: jax.Array, w: jax.Array) -> jax.Array:
 def _relu_linear_bwd(residuals, g):
     h, w = residuals
     # relu(h) again, written so that XLA neither merges it with the forward's max(h, 0) (it merges
-    # `where(h > 0, h, 0)`) nor computes it during the forward pass and keeps it (it did, until
-    # it read g: + 0 · g[0…0], not folded for floats). Exact: h - h = 0 for h ≤ 0.
+    # `where(h > 0, h, 0)`) nor computes it in the forward pass and keeps it: + 0 · g[0…0] (not folded
+    # for floats) makes it wait for g. Exact: h - h = 0 for h ≤ 0.
     y = h - jnp.minimum(h, 0) + 0 * g[(0,) * g.ndim]
     dh = jnp.where(h > 0, jnp.matmul(g, w.T), 0)
     dw = jnp.matmul(_flat(y).T, _flat(g))  # (F, N) @ (N, D)
@@ -182,8 +182,7 @@ def smoothed_sums(logits, targets, pad_id: int, smoothing: float):
     """(sum of the label-smoothed losses, sum of the NLLs) over non-pad tokens: what two calls of
     `objective.label_smoothed_cross_entropy(..., "sum")` give, with the gradient written out as
     softmax(x) - the target distribution, one (B, T, V) array in the backward pass where autodiff of
-    two log_softmax keeps their log-probabilities (+31 MiB of peak memory at 1,024 tokens and 8,000
-    words in `train.bench`)."""
+    two log_softmax keeps their log-probabilities (docs/performance.md#the-round-that-regrouped-the-code)."""
     return _smoothed_sums(logits, targets, targets != pad_id, jnp.float32(smoothing))
 
 
@@ -268,13 +267,11 @@ def shrinking_while(step, result, carry, length: int):
     -> per-sentence outputs.
 
     Why shrink: a batch runs until its slowest sentence ends, and with static shapes a finished
-    sentence keeps its rows in every matmul (on Multi30k val, half the rows of a beam search). So
-    the search is a chain of `lax.while_loop`s over B, B/2, B/4, ... sentences (MAX_STAGES; none
-    below SMALLEST_STAGE), each left as soon as the live sentences fit the next. Rows never mix,
-    so the outputs are those of one loop over the whole batch. Sentences of a length-sorted batch
-    end in a burst and then a long tail: on Multi30k val at beam 4, the B/2 loop ran 1-3 steps a
-    batch and three stages kept 76% of their sentence-steps live; five stages cut a pass by
-    7-10%, for about a quarter more compile time (docs/performance.md).
+    sentence keeps its rows in every matmul. So the search is a chain of `lax.while_loop`s over
+    B, B/2, B/4, ... sentences (MAX_STAGES; none below SMALLEST_STAGE), each left as soon as the
+    live sentences fit the next. Rows never mix, so the outputs are those of one loop over the
+    whole batch. A length-sorted batch ends in a burst and then a long tail, which five stages
+    follow closer than three (docs/performance.md#what-made-the-jax-search-fast).
 
     Why grow: the first quarter of the positions attends over a cache a quarter as long, the
     next over half (searches of 32 positions or more), so early positions neither attend over nor

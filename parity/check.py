@@ -24,7 +24,7 @@ from jax_transformer.objective import label_smoothed_cross_entropy as jax_loss
 from torch_reference.config import TransformerConfig
 from torch_reference.objective import label_smoothed_cross_entropy as torch_loss
 from train.config import flag_type, non_negative_int, positive_int
-from train.files import json_text
+from train.runtime.files import json_text
 
 from .weights import jax_key, jax_params_to_torch, torch_to_jax
 
@@ -36,8 +36,8 @@ BOUNDS = {
     "grad_rel_l2": {"tiny": 1e-5, "small": 1e-5, "base": 1e-4, "big": 1e-4},
 }
 
-# ReLU inputs closer to 0 than this (in float64) may round to either side in float32: 2.5x the
-# largest forward difference between the frameworks measured at a FeedForward input (base preset).
+# ReLU inputs closer to 0 than this (in float64) may round to either side in float32: 2.5x the frameworks'
+# largest forward difference at a FeedForward input (docs/parity.md#three-findings-behind-the-gradient-figures).
 RELU_KINK_RADIUS = 1e-5
 
 # Variants named in the parity contract, each a set of config overrides.
@@ -102,9 +102,9 @@ def gradient_scale_key(key: str) -> str:
 
     The key-projection bias has an analytically zero gradient: adding b to every key adds the
     constant q·b to a whole row of scores, which softmax ignores (§3.2.1). Both frameworks return
-    float32 rounding noise there (~1e-9 against ~1e-2 for its neighbours), so a relative error
-    against its own norm measures noise against noise. It is measured against the gradient of
-    the same projection's weight instead: the scale at which that noise arises.
+    float32 rounding noise there, so a relative error against its own norm measures noise against
+    noise. It is measured against the gradient of the same projection's weight instead: the scale
+    at which that noise arises (docs/parity.md#three-findings-behind-the-gradient-figures).
     """
     return key.replace(".k_proj.bias", ".k_proj.weight") if key.endswith(".k_proj.bias") else key
 
@@ -150,10 +150,10 @@ def relu_inputs_near_kink(torch_model: torch_reference.Transformer, batch: dict,
     """How many ReLU inputs lie within `radius` of 0, measured in a float64 copy of the model.
 
     ReLU's derivative jumps from 0 to 1 at 0. Where the exact input is closer to 0 than the
-    float32 forward error (measured up to ~4e-6 on the base preset), either framework may land on
-    either side, and that one unit then changes the gradient of every parameter below it by a
-    rank-one term: a single flipped unit moved the base preset's gradients by 5e-3 relative (see
-    README, "Parity"). Such gradients are both valid subgradients; they are not comparable.
+    float32 forward error, either framework may land on either side, and that one unit then
+    changes the gradient of every parameter below it by a rank-one term
+    (docs/parity.md#three-findings-behind-the-gradient-figures). Such gradients are both valid
+    subgradients; they are not comparable.
     """
     model64 = copy.deepcopy(torch_model).double()
     inputs = []

@@ -12,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from train import files, rundir, store
+from train import runtime, store
 from train.store import CheckpointError
 
 from . import ctranslate2 as ct2_export
@@ -86,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
             save_jax_weights(torch_to_jax(state_dict, cfg), dst, overwrite=args.overwrite)
         else:
             save_torch_weights(jax_to_torch(load_jax_weights(args.src)), dst)
-    except (FileExistsError, ImportError, OSError, ValueError, RuntimeError, CheckpointError, files.UserError) as err:
-        parser.exit(1, f"error: {files.error_text(err)}\n")  # OSError: a full disk, a read-only place
+    except (FileExistsError, ImportError, OSError, ValueError, RuntimeError, CheckpointError, runtime.UserError) as err:
+        parser.exit(1, f"error: {runtime.error_text(err)}\n")  # OSError: a full disk, a read-only place
     print(f"wrote {dst}")
     return 0
 
@@ -118,7 +118,7 @@ def _interop_cli(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
         parser.error("--quantization goes with --to ctranslate2")
     if args.source_format is None and any(getattr(args, n) for n in ("train", "valid", "test")):
         parser.error("--train/--valid/--test go with --from")
-    rundir.check_destination(Path(args.dst), args.overwrite, "run" if args.source_format else args.to, src)
+    runtime.check_destination(Path(args.dst), args.overwrite, "run" if args.source_format else args.to, src)
     if args.source_format == "marian":
         done = marian.import_marian(
             src, args.dst, to=args.to, train=args.train, valid=args.valid, test=args.test, overwrite=args.overwrite)

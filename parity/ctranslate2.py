@@ -29,7 +29,7 @@ import numpy as np
 
 from torch_reference.config import BOS_ID, EOS_ID, PAD_ID, SPECIAL_TOKENS, UNK_ID, TransformerConfig
 from torch_reference.model import sinusoidal_positions
-from train import rundir
+from train import data, runtime
 from train.data import spm
 
 NEVER_EMITTED_BIAS = -1.0e9  # on <pad> and <bos>: far below any logit, finite (no inf - inf)
@@ -137,9 +137,9 @@ def export_ctranslate2(
 ) -> Path:
     """Weights `params` (our torch layout) of the run in `run_dir` -> a CTranslate2 model directory
     `dst` (model.bin, vocabularies, config.json) with the run's tokenizer files beside them, built
-    beside `dst` and swapped in (`rundir.derive`; `force`: replace one that is there)."""
+    beside `dst` and swapped in (`runtime.derive`; `force`: replace one that is there)."""
     ctranslate2 = spm.require("ctranslate2")
-    tokenizers = rundir.load_tokenizers(run_dir)
+    tokenizers = data.load_tokenizers(run_dir)
     src_tokens = vocabulary(tokenizers.src, cfg.src_vocab_size)
     tgt_tokens = vocabulary(tokenizers.tgt, cfg.tgt_vocab_size)
 
@@ -147,8 +147,8 @@ def export_ctranslate2(
         def _load(self):
             return build_spec(params, cfg, src_tokens, tgt_tokens)
 
-    copy = (*rundir.tokenizer_files(run_dir), rundir.MODEL_FILE)
-    with rundir.derive(run_dir, dst, "ctranslate2", force, copy) as tmp:
+    copy = (*data.tokenizer_files(run_dir), runtime.MODEL_FILE)
+    with runtime.derive(run_dir, dst, "ctranslate2", force, copy) as tmp:
         RunConverter().convert(str(tmp), quantization=quantization, force=True)  # tmp exists, empty
     return Path(dst)
 

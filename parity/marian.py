@@ -31,7 +31,7 @@ import torch
 
 from torch_reference.config import BOS_ID, EOS_ID, PAD_ID, SPECIAL_TOKENS, UNK_ID, TransformerConfig
 from torch_reference.model import Transformer, sinusoidal_positions
-from train import files, rundir
+from train import data, runtime
 from train.backends import create_backend
 from train.config import ExperimentConfig
 from train.data import spm
@@ -272,7 +272,7 @@ def read_marian_dir(src: str | os.PathLike) -> tuple[dict[str, Any], dict[str, n
     src = Path(src)
     if not (src / "config.json").is_file():
         raise FileNotFoundError(f"{src} is not an HF model directory (config.json missing)")
-    hf = files.read_json(src / "config.json")  # UserError naming the file when it is not JSON
+    hf = runtime.read_json(src / "config.json")  # UserError naming the file when it is not JSON
     if not isinstance(hf, dict):
         raise ValueError(f"{src / 'config.json'} holds no JSON object")  # noqa: TRY004 (a bad file: main's one line)
     if (src / "model.safetensors").is_file():
@@ -306,11 +306,11 @@ def marian_tokenizers(src: Path, hf: Mapping[str, Any]) -> tuple[spm.SentencePie
         if not (src / name).is_file():
             raise FileNotFoundError(f"{src} holds no {name} (a Marian model's tokenizer files)")
     share = bool(hf.get("share_encoder_decoder_embeddings", True))
-    src_vocab = files.read_json(src / "vocab.json")
+    src_vocab = runtime.read_json(src / "vocab.json")
     tgt_path = src / "target_vocab.json"
     if not share and not tgt_path.is_file():
         raise FileNotFoundError(f"{src} holds no target_vocab.json (separate vocabularies)")
-    tgt_vocab = src_vocab if share else files.read_json(tgt_path)
+    tgt_vocab = src_vocab if share else runtime.read_json(tgt_path)
     for name, vocab in (("vocab.json", src_vocab), ("target_vocab.json", tgt_vocab)):
         if not isinstance(vocab, dict) or "<unk>" not in vocab:
             raise ValueError(f"{src / name} has no <unk>")
@@ -353,18 +353,18 @@ def import_marian(
     valid: str | None = None, test: str | None = None, overwrite: bool = False,
 ) -> dict[str, Any]:
     """A local HF Marian directory -> a run directory of the `to` backend (see the module doc),
-    built beside `dst` and swapped in (`rundir.derive`)."""
+    built beside `dst` and swapped in (`runtime.derive`)."""
     src, dst = Path(src), Path(dst)
     hf, state = read_marian_dir(src)
     cfg = marian_config(hf)
     src_tok, tgt_tok, ids = marian_tokenizers(src, hf)
     params = from_marian(state, cfg, ids)
     experiment = experiment_for(cfg, to, train, valid, test).replace(run_dir=str(dst)).resolve()
-    with rundir.derive(src, dst, "run", overwrite) as tmp:
-        files.write_json_atomic(tmp / rundir.CONFIG_FILE, experiment.experiment())
-        files.write_json_atomic(tmp / rundir.MODEL_FILE, cfg.to_dict())
-        rundir.save_tokenizers(rundir.data.Tokenizers(src_tok, tgt_tok), tmp)
-        backend = create_backend(experiment, cfg, str(tmp / rundir.CHECKPOINTS))
+    with runtime.derive(src, dst, "run", overwrite) as tmp:
+        runtime.write_json_atomic(tmp / runtime.CONFIG_FILE, experiment.experiment())
+        runtime.write_json_atomic(tmp / runtime.MODEL_FILE, cfg.to_dict())
+        data.save_tokenizers(data.Tokenizers(src_tok, tgt_tok), tmp)
+        backend = create_backend(experiment, cfg, str(tmp / runtime.CHECKPOINTS))
         try:
             weights = params if to == "torch" else to_jax_layout(params, cfg, "Marian weights")
             backend.import_state(TrainingState(to, 0, weights))
@@ -373,7 +373,7 @@ def import_marian(
             backend.save(meta, None)
         finally:
             backend.close()
-        files.write_json_atomic(tmp / rundir.IMPORTED_FILE, {
+        runtime.write_json_atomic(tmp / runtime.IMPORTED_FILE, {
             "from": str(src), "format": MARIAN_FORMAT, "marian_config": hf, "marian_ids": ids,
         })
     return {"run_dir": str(dst), "backend": to, "from": str(src), "config": cfg}
@@ -381,7 +381,7 @@ def import_marian(
 
 def marian_origin(run_dir: str | os.PathLike) -> dict[str, Any]:
     """The Marian config and special ids an imported run came with (imported.json)."""
-    path = Path(run_dir) / rundir.IMPORTED_FILE
+    path = Path(run_dir) / runtime.IMPORTED_FILE
     record = json.loads(path.read_text()) if path.is_file() else {}
     if record.get("format") != MARIAN_FORMAT:
         raise ValueError(f"{run_dir} was not imported from a Marian model (parity.convert --from marian): its "
@@ -393,7 +393,7 @@ def export_marian(run_dir: str | os.PathLike, params: Mapping[str, np.ndarray], 
                   dst: str | os.PathLike, overwrite: bool = False) -> Path:
     """Weights `params` (our torch layout, e.g. a checkpoint of `run_dir`, imported from Marian and
     perhaps fine-tuned) -> an HF Marian directory that `MarianMTModel.from_pretrained` and
-    `MarianTokenizer.from_pretrained` load, built beside `dst` and swapped in (`rundir.derive`)."""
+    `MarianTokenizer.from_pretrained` load, built beside `dst` and swapped in (`runtime.derive`)."""
     transformers = spm.require("transformers")
     run_dir, dst = Path(run_dir), Path(dst)
     record = marian_origin(run_dir)
@@ -405,18 +405,18 @@ def export_marian(run_dir: str | os.PathLike, params: Mapping[str, np.ndarray], 
     missing = [k for k in missing if "embed_positions" not in k and not _tied_in(model, k)]
     if missing or unexpected:
         raise CheckpointMismatchError(f"export to Marian: missing {missing}, unexpected {unexpected}")
-    tokenizers = rundir.load_tokenizers(run_dir)
+    tokenizers = data.load_tokenizers(run_dir)
     src_tok, tgt_tok = tokenizers.src, tokenizers.tgt
     src_inverse, tgt_inverse = (inverse_order(o) for o in side_orders(record["marian_ids"]))
-    with rundir.derive(run_dir, dst, "marian", overwrite) as tmp:
+    with runtime.derive(run_dir, dst, "marian", overwrite) as tmp:
         model.save_pretrained(str(tmp))
         (tmp / "source.spm").write_bytes(src_tok.model)
         (tmp / "target.spm").write_bytes(tgt_tok.model)
-        files.write_json_atomic(tmp / "vocab.json", {src_tok.pieces[int(o)]: m for m, o in enumerate(src_inverse)})
+        runtime.write_json_atomic(tmp / "vocab.json", {src_tok.pieces[int(o)]: m for m, o in enumerate(src_inverse)})
         if not cfg.share_embeddings:
             vocab = {tgt_tok.pieces[int(o)]: m for m, o in enumerate(tgt_inverse)}
-            files.write_json_atomic(tmp / "target_vocab.json", vocab)
-        files.write_json_atomic(tmp / "tokenizer_config.json", {"tokenizer_class": "MarianTokenizer", "separate_vocabs":
+            runtime.write_json_atomic(tmp / "target_vocab.json", vocab)
+        runtime.write_json_atomic(tmp / "tokenizer_config.json", {"tokenizer_class": "MarianTokenizer", "separate_vocabs":
                                 not cfg.share_embeddings, "model_max_length": cfg.max_len})
     return dst
 

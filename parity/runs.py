@@ -23,7 +23,8 @@ from flax import nnx
 import jax_transformer
 import torch_reference
 from torch_reference.config import TransformerConfig
-from train import files, rundir, store
+import train
+from train import data, runtime, store
 from train.backends import create_backend
 from train.config import ExperimentConfig
 
@@ -78,25 +79,25 @@ def convert_run(
     """
     src, dst = Path(src), Path(dst)
     try:
-        src_cfg, model_cfg = rundir.read_experiment(src), rundir.read_model_config(src)
-    except files.UserError as err:
+        src_cfg, model_cfg = runtime.read_experiment(src), runtime.read_model_config(src)
+    except runtime.UserError as err:
         raise FileNotFoundError(str(err)) from None
     to = to or ("torch" if src_cfg.backend == "jax" else "jax")
     if to == src_cfg.backend:
         raise ValueError(f"{src} is already a {to} run")
-    rundir.check_model(src, src_cfg, model_cfg, rundir.load_tokenizers(src))  # as --resume rebuilds it
-    copy = (*rundir.tokenizer_files(src), rundir.MODEL_FILE, rundir.IMPORTED_FILE, rundir.TENSORBOARD)
-    with rundir.derive(src, dst, "run", overwrite, copy) as tmp:
-        steps = convert_checkpoints(src_cfg, model_cfg, src / rundir.CHECKPOINTS, tmp / rundir.CHECKPOINTS, to, which)
+    runtime.check_model(src, src_cfg, model_cfg, data.load_tokenizers(src))  # as --resume rebuilds it
+    copy = (*data.tokenizer_files(src), runtime.MODEL_FILE, runtime.IMPORTED_FILE, runtime.TENSORBOARD)
+    with runtime.derive(src, dst, "run", overwrite, copy) as tmp:
+        steps = convert_checkpoints(src_cfg, model_cfg, src / runtime.CHECKPOINTS, tmp / runtime.CHECKPOINTS, to, which)
         provenance = {"from": str(src), "from_backend": src_cfg.backend, "to_backend": to, "steps": steps}
-        files.write_json_atomic(tmp / rundir.PROVENANCE_FILE, provenance)
-        files.write_json_atomic(tmp / rundir.CONFIG_FILE, src_cfg.replace(backend=to).experiment())
+        runtime.write_json_atomic(tmp / runtime.PROVENANCE_FILE, provenance)
+        runtime.write_json_atomic(tmp / runtime.CONFIG_FILE, src_cfg.replace(backend=to).experiment())
     return {"run_dir": str(dst), "backend": to, "from": str(src), "steps": steps}
 
 
 def run_weights(run_dir: str | os.PathLike, checkpoint: str | int = "best") -> tuple[dict[str, np.ndarray], TransformerConfig]:
     """(weights in torch's layout as NumPy, config) of a run's checkpoint, whichever backend wrote it."""
-    run = rundir.open_run(run_dir, checkpoint)
+    run = train.load(run_dir, checkpoint)
     try:
         state = convert_state(run.backend.export_state(), "torch", run.model_config)
     finally:
@@ -122,7 +123,7 @@ def save_torch_weights(model: torch_reference.Transformer, path: str | os.PathLi
         save_file(state_dict, str(tmp), metadata={CONFIG_KEY: model.cfg.to_json()})
         os.replace(tmp, path)
     except Exception as err:
-        raise files.write_error(err, path) or err from None
+        raise runtime.write_error(err, path) or err from None
     finally:
         if tmp.exists():  # (unlink of a missing file on a read-only place fails, and would hide the cause)
             tmp.unlink()
@@ -174,25 +175,25 @@ def save_jax_weights(model: nnx.Module, directory: str | os.PathLike, overwrite:
     left on any error. A full disk or a read-only place raises an OSError naming `directory`."""
     import orbax.checkpoint as ocp
 
-    from train.store import jax_store  # noqa: F401 (its hook quiets TensorStore's echoes of a failed save)
+    from train.store.jax_store import quiet_orbax
 
     directory = Path(directory).absolute()  # orbax wants absolute paths
     tmp, old = (directory.with_name(f".{directory.name}.{suffix}") for suffix in ("tmp", "old"))
     try:
-        rundir.remove(tmp)
+        runtime.remove(tmp)
         tmp.mkdir(parents=True)
-        with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:  # synchronous: done when it returns
+        with quiet_orbax(), ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:  # synchronous
             checkpointer.save(tmp / "params", args=ocp.args.StandardSave(nest(jax_params(model))))
-        files.write_text_atomic(tmp / "config.json", model.cfg.to_json())
+        runtime.write_text_atomic(tmp / "config.json", model.cfg.to_json())
         if not overwrite and directory.exists() and any(directory.iterdir()):
             raise FileExistsError(f"{directory} exists; pass overwrite=True to replace it")
-        rundir.swap_in(tmp, directory, old)
+        runtime.swap_in(tmp, directory, old)
     except Exception as err:
-        raise files.write_error(err, directory) or err from None
+        raise runtime.write_error(err, directory) or err from None
     finally:
         with contextlib.suppress(OSError):  # (a place that cannot be written holds nothing of ours)
-            rundir.remove(tmp)
-    rundir.remove(old)
+            runtime.remove(tmp)
+    runtime.remove(old)
     return directory
 
 

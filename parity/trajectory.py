@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from torch_reference.config import TransformerConfig
-from train import data, rundir
+from train import data
 from train.backends import create_backend, initialize
 from train.config import (
     DERIVED_MODEL_FIELDS,
@@ -38,7 +38,7 @@ from train.config import (
     positive_int,
     probability,
 )
-from train.files import json_text
+from train.runtime.files import json_text
 from train.loop import make_batcher
 from train.store import TrainingState
 
@@ -46,11 +46,9 @@ from .check import enable_parity_numerics
 from .runs import convert_checkpoints
 from .weights import convert_state
 
-# The parity contract for a training curve (float32, highest matmul precision, dropout off).
-# A formula slip (schedule one update off, Adam's epsilon inside the root, the wrong smoothing
-# mass) moves the loss by >=1e-3 within a few updates. Measured over 100 updates of the paper's
-# schedule on tiny (2-core CPU): loss <=1.3e-6; parameters 8.3e-4 with ReLU, from one unit whose
-# exact input at update 9 was -1.7e-7 (torch -5.2e-7, JAX +3.2e-7), and <=4.4e-7 on the smooth path.
+# The parity contract for a training curve (float32, highest matmul precision, dropout off). A formula
+# slip (schedule one update off, Adam's epsilon inside the root, the wrong smoothing mass) moves the loss
+# by >=1e-3 within a few updates, far above float32's own drift (docs/parity.md#a-training-curve-in-both-frameworks).
 BOUNDS = {"loss_rel": 1e-5, "param_rel_l2": 1e-4}
 
 # The paper's warmup (§5.3): the trajectory runs the first updates of the paper's schedule.
@@ -66,8 +64,8 @@ def excluded(name: str) -> bool:
 
 def experiment_config(steps: int = 100, preset: str = "tiny", model: dict | None = None, **changes: Any):
     """The training settings of a trajectory: the product's Adam and label smoothing 0.1 on the
-    paper's schedule, a small numbers corpus, dropout off, float32, and one torch thread (on a
-    2-core machine a second torch thread competing with XLA's pool slows torch ~100x)."""
+    paper's schedule, a small numbers corpus, dropout off, float32, and one torch thread (a second
+    competes with XLA's pool: docs/parity.md#a-training-curve-in-both-frameworks)."""
     settings = dict(
         backend="torch", preset=preset, model=dict(model or {}), steps=steps, warmup=PAPER_WARMUP, dropout=0.0,
         numbers_train=4000, numbers_valid=1, numbers_test=0, token_budget=1024, threads=1, progress=False,
@@ -80,7 +78,7 @@ def prepare(cfg) -> tuple[TransformerConfig, Any]:
     """(model config, (splits, tokenizers)) for `cfg`: the corpus and BPE as train.loop builds them."""
     if getattr(cfg, "dtype", "float32") != "float32":
         raise ValueError("parity is measured in float32")
-    splits = rundir.load_splits(cfg)
+    splits = data.load_splits(cfg)
     tokenizers = data.train_tokenizers(splits.train, vocab_size=cfg.vocab_size, joint=cfg.joint_vocab)
     model_cfg = cfg.model_config(tokenizers.src.get_vocab_size(), tokenizers.tgt.get_vocab_size())
     if model_cfg.dropout or model_cfg.attention_dropout or model_cfg.activation_dropout:

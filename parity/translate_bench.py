@@ -10,7 +10,7 @@ against the uncached loop at the same beam, and for every row but the reference 
 how many sentences came out different from the reference's: 0 expected, the searches being the
 same algorithm on the same weights. Each framework is timed under the allocator settings it has in
 a process of its own: the JAX backend fixes glibc's thresholds for XLA (`train.backends.allocator`), which
-made torch's cached beam search 1.6x slower in the same process, so torch and CTranslate2 run
+slow torch's cached beam search (docs/performance.md#translation-speed), so torch and CTranslate2 run
 under glibc's settled thresholds (`allocator.settled`). Both frameworks compute float32 matmuls in
 full float32 (TF32 off: JAX's default on GPUs would otherwise round them to TF32 and change
 outputs), and the machine line names the accelerator when there is one.
@@ -61,9 +61,10 @@ import numpy as np
 from train import data
 from train.backends import allocator, create_backend, host_devices, initialize
 from train.config import positive_int
-from train.files import UserError, json_text, write_text_atomic
-from train.rundir import Run, open_run
-from train.translate import add_run_arguments, read_lines
+from train.runtime.files import UserError, json_text, write_text_atomic
+from train.api import Run, load
+from train.config import add_run_arguments
+from train.data.streams import read_lines
 
 from .check import enable_parity_numerics
 from .weights import convert_state
@@ -289,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         sentences = [line for line in read_lines(args.input) if line.strip()]
         if not sentences:
             raise UserError(f"{args.input or 'standard input'} holds no sentence to translate")
-        run = open_run(args.run_dir, args.checkpoint)
+        run = load(args.run_dir, args.checkpoint)
     except (UserError, FileNotFoundError, ValueError) as err:
         parser.exit(1, f"error: {err}\n")
     for wanted, package in ((args.ctranslate2, "ctranslate2"), (args.hf, "transformers")):

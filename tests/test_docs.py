@@ -5,6 +5,8 @@ recipe loads, and the README stays a short entry page."""
 import importlib
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 from urllib.parse import unquote
 
@@ -91,3 +93,34 @@ def test_every_recipe_loads(monkeypatch):
 def test_readme_is_short():
     lines = len((REPO / "README.md").read_text(encoding="utf-8").splitlines())
     assert lines <= 200, f"README.md has {lines} lines; the details belong in docs/"
+
+
+PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", re.M | re.S)
+
+
+def _python_blocks(doc: Path) -> list[str]:
+    return PYTHON_BLOCK.findall(doc.read_text(encoding="utf-8"))
+
+
+def test_readme_python_block_is_on_the_python_page():
+    """The README shows the API in at most 10 lines, each of which docs/python.md runs."""
+    (block,) = _python_blocks(REPO / "README.md")
+    assert len(block.splitlines()) <= 10
+    page = "".join(_python_blocks(REPO / "docs" / "python.md"))
+    for line in block.splitlines():
+        assert line.split("#")[0].strip() in page, line
+
+
+def test_python_page_runs(tmp_path):
+    """docs/python.md's blocks, in order, as one script in a fresh interpreter beside the recipes: the
+    numbers model trains, translates 43 right, refuses a second run in its directory and averages."""
+    blocks = _python_blocks(REPO / "docs" / "python.md")
+    assert len(blocks) >= 5
+    (tmp_path / "recipes").symlink_to(REPO / "recipes")
+    result = subprocess.run([sys.executable, "-c", "\n".join(blocks)], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert "['forty-three', 'seven hundred and twelve']" in out  # the translation the page shows
+    assert "already holds a run; pass --resume" in out
+    assert "averaged_steps" in out and "torch.Size([1, 3, 100]) (1, 3, 100)" in out

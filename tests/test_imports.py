@@ -57,8 +57,9 @@ def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
                 base = ".".join([*anchor, base] if base else anchor)
             # `from pkg import mod` imports pkg.mod when it is a module, else pkg itself.
             targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in modules:
-            targets = [node.value]  # a dynamic import: import_module("pkg.mod") or a table of names
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and "." in node.value and node.value in modules:
+            targets = [node.value]  # a dynamic import: import_module("pkg.mod") or a table of names (a bare
+            # "train" is a dictionary key more often than a module name)
         else:
             continue
         for target in targets:
@@ -92,8 +93,8 @@ def cycles_of(graph: dict[str, set[str]]) -> list[str]:
 def test_dependencies_run_one_way_without_cycles():
     modules = project_modules()
     graph = {name: imports_of(name, path, modules) for name, path in modules.items()}
-    assert graph["train.rundir"] >= {"train.backends", "train.config", "train.data"}  # the parser sees imports
-    assert "train.evaluate" in graph["train.loop"] and "train.rundir" in graph["train.translate"]
+    assert graph["train.runtime.rundir"] >= {"train.store", "train.config", "train.data"}  # the parser sees imports
+    assert "train.metrics" in graph["train.loop"] and "train.api" in graph["train.translate"]
     # The backend factory's table of module names is seen as importing them.
     assert graph["train.backends"] >= {"train.backends.jax_backend", "train.backends.torch_backend"}
 
@@ -184,15 +185,17 @@ def test_jax_package_does_not_import_torch_and_shares_the_config():
 
 
 def test_checkpoint_stores_know_neither_run_directories_nor_backends():
-    """train.store and each framework's store reach neither train.rundir nor train.backends, directly
+    """train.store and each framework's store reach neither the run machinery (train.runtime, but for its
+    atomic files) nor train.backends, directly
     or through other modules; the framework-neutral part and torch's store load no framework."""
     modules = project_modules()
     graph = {name: imports_of(name, path, modules) for name, path in modules.items()}
     stores = sorted(name for name in graph if name.split(".")[:2] == ["train", "store"])
     assert stores == ["train.store", "train.store.jax_store", "train.store.torch_store"]
-    assert "train.rundir" in reachable(graph, "train.average")  # the walk does find what is imported
+    assert "train.runtime.rundir" in reachable(graph, "train.average")  # the walk does find what is imported
     for store in stores:
-        wrong = {m for m in reachable(graph, store) if m.split(".")[:2] in (["train", "rundir"], ["train", "backends"])}
+        wrong = {m for m in reachable(graph, store)
+                 if m.split(".")[:2] in (["train", "runtime"], ["train", "backends"]) and m != "train.runtime.files"}
         assert not wrong, f"{store} reaches {sorted(wrong)}"
     loaded = loaded_after("import train.store, train.store.torch_store")
     assert "safetensors" in loaded and not loaded & (JAX_MODULES | {"torch"})
@@ -234,3 +237,20 @@ def test_every_name_imported_from_the_project_exists():
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-2000:]
     assert json.loads(result.stdout.strip().splitlines()[-1]) == []
+
+
+# The commands: flag parsing and printing over the library; `parity.cli` is `aiayn`, naming them all.
+COMMANDS = {
+    "train.run", "train.translate", "train.evaluate", "train.average", "train.curves", "train.bench",
+    "train.profile_step", "parity.convert", "parity.check", "parity.trajectory", "parity.translate_bench", "parity.cli",
+}
+
+
+def test_no_library_module_imports_a_command():
+    modules = project_modules()
+    graph = {name: imports_of(name, path, modules) for name, path in modules.items()}
+    assert COMMANDS <= set(modules)
+    wrong = [f"{name} imports {target}" for name, targets in graph.items() if name not in COMMANDS
+             for target in sorted(targets & COMMANDS)]
+    assert not wrong, "library modules importing commands:\n  " + "\n  ".join(wrong)
+    assert graph["parity.cli"] >= COMMANDS - {"parity.cli"}  # the walk sees aiayn's table of commands

@@ -1,1 +1,6 @@
-"""Training CLI: corpora, tokenizers, batches, backends, schedule, evaluation and benchmarks."""
+"""Train, translate and evaluate the Transformer with either twin: `train.fit` trains a run,
+`train.load` opens one to translate and evaluate with (docs/python.md)."""
+
+from .api import Run, fit, load
+
+__all__ = ["Run", "fit", "load"]

@@ -20,7 +20,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from . import data
-from .files import write_error
+from .runtime.files import write_error
 from .backends import Translator
 
 

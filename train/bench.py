@@ -29,7 +29,7 @@ from torch_reference.config import TransformerConfig
 
 from .backends import allocator
 from .config import non_negative_int, positive_int, probability
-from .files import UserError, check_output_file, json_text, write_text_atomic
+from .runtime.files import UserError, check_output_file, json_text, write_text_atomic
 
 BACKENDS = ("jax", "torch", "torch-compile")
 PRECISIONS = ("float32", "tf32", "bfloat16")

@@ -18,9 +18,10 @@ import dataclasses
 import json
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Literal
 
-from torch_reference.config import NON_NEGATIVE, POSITIVE, PROBABILITY, SPECIAL_TOKENS, Range, TransformerConfig
+from torch_reference.config import NON_NEGATIVE, POSITIVE, PROBABILITY, SCORINGS, SPECIAL_TOKENS, Range, TransformerConfig
 
 Backend = Literal["jax", "torch"]
 BACKENDS = ("jax", "torch")
@@ -36,10 +37,9 @@ NUMBERS_VOCAB_SIZE = 400
 DEFAULT_VOCAB_SIZE = 8000
 RECIPE_FILE = "recipe.json"  # in a run directory: train.run --config's recipe, {"path", "toml"}; a resume reads it
 
-# Warmup when --warmup is not given: the paper's 4000 steps (§5.3) are 4% of its 100k-step run;
-# short runs need relatively more, so a quarter of the steps, capped at the paper's 4000. (On the
-# numbers corpus, 1200 steps with warmup 300 reached test BLEU 99.9 where warmup 120 with
-# lr_factor 2 stopped at 98.7: the tiny model's peak lr d_model^-0.5 / sqrt(warmup) is high.)
+# Warmup when --warmup is not given: the paper's 4000 steps (§5.3) are 4% of its 100k-step run; short runs
+# need relatively more (a small model's peak lr d_model^-0.5 / sqrt(warmup) is high), so a quarter of the
+# steps, capped at the paper's 4000 (docs/results.md#the-numbers-corpus).
 PAPER_WARMUP = 4000
 WARMUP_FRACTION = 0.25
 
@@ -366,3 +366,23 @@ def parse_model_override(text: str) -> tuple[str, Any]:
     if text.partition("=")[0] in SPECIAL_ID_FIELDS:
         raise ValueError(f"{text.partition('=')[0]} cannot be set: {SPECIAL_IDS_FIXED}")
     return TransformerConfig.parse_override(text, exclude=DERIVED_MODEL_FIELDS)
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """--run-dir, --checkpoint, --beam, --alpha and --scoring, shared by translate, evaluate and
+    parity.translate_bench."""
+    parser.add_argument(
+        "--run-dir", required=True, type=Path, help="the run directory (holds config.json, tokenizer, checkpoints/)"
+    )
+    parser.add_argument(
+        "--checkpoint", default="best", help="'best' (by validation BLEU, the default), 'latest', or a step number"
+    )
+    parser.add_argument("--beam", type=positive_int, default=4, help="beam size (default 4; 1 = greedy search)")
+    parser.add_argument("--alpha", type=non_negative_float, default=0.6,
+                        help="beam search's length penalty exponent (default 0.6): see --scoring")
+    parser.add_argument("--scoring", choices=SCORINGS, default="gnmt",
+                        help="how beam search ranks finished translations: 'gnmt' (the default) divides their "
+                        "log-probability by ((5+len)/6)^alpha and lets an <eos> among the 2 x beam best candidates "
+                        "finish; 'hf' divides by len^alpha, lets only an <eos> among the beam best finish and counts an "
+                        "<eos> forced at the length limit as free, as HF transformers' generate(num_beams=beam, "
+                        "length_penalty=alpha, early_stopping='never') does")

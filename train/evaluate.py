@@ -1,160 +1,20 @@
-"""Evaluation: loss, perplexity, sacreBLEU/chrF and exact match of beam-search translations; `python -m train.evaluate`.
+"""`python -m train.evaluate --run-dir DIR --data SPEC` (`aiayn evaluate`): score a run, print JSON.
 
-BLEU and chrF are sacreBLEU's corpus scores on detokenized text (13a, mixed case), each stored with
-its signature, and `sentences` says how many sentences they cover. `bleu_lc` is the same BLEU on
-lowercased text; `bleu_moses` and `bleu_moses_lc` (`--moses LANG`) are BLEU on Moses-tokenized text
-with sacreBLEU's tokenization off, as papers quoting "tokenized BLEU" score (a BLEU point or more
-from 13a). `exact_match` is the percentage of hypotheses equal to their reference (both stripped).
-Perplexity is exp of the unsmoothed per-token NLL; `loss` is the label-smoothed objective. When
-every reference is a number as the numbers corpus writes it, `bands` holds the exact match per
-number of digits, with how many of its sentences are `seen` in training and the exact match on the
-others (`unseen_exact_match`, None when there are none).
+Flag parsing and printing over `train.load(...).evaluate(...)`; what each score means:
+`train.metrics`.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import sys
-from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
-from typing import Any
 
-from sacrebleu.metrics import BLEU, CHRF
-
-from . import data
-from .backends import Backend, Trainer
+from .api import load
 from .backends.host_devices import HELP as HOST_DEVICES_HELP
 from .backends.host_devices import split_host
-from .config import non_negative_int, positive_int
-from .files import UserError, check_output_file, error_text, json_text, write_text_atomic
-from .rundir import load_split, open_run
-from .translate import EvaluationStopped, add_run_arguments, translate_texts  # noqa: F401 (EvaluationStopped: re-exported)
-
-
-def exact_match(hypotheses: Sequence[str], references: Sequence[str]) -> float:
-    """Percentage of hypotheses equal to their reference after stripping surrounding whitespace
-    (nan for no sentences)."""
-    if not hypotheses:
-        return math.nan
-    if len(hypotheses) != len(references):
-        raise ValueError(f"{len(hypotheses)} hypotheses for {len(references)} references")
-    return 100.0 * sum(h.strip() == r.strip() for h, r in zip(hypotheses, references)) / len(hypotheses)
-
-
-def moses_tokenized(texts: Sequence[str], lang: str) -> list[str]:
-    """`texts` tokenized by the Moses tokenizer (sacremoses) for language `lang`, tokens joined by
-    spaces, without Moses' XML escaping: the text that tokenized BLEU is computed on."""
-    from sacremoses import MosesTokenizer
-
-    tokenizer = MosesTokenizer(lang=lang)
-    return [tokenizer.tokenize(text, escape=False, return_str=True) for text in texts]
-
-
-def corpus_scores(hypotheses: Sequence[str], references: Sequence[str], *, lowercase: bool = False,
-                  moses: str | None = None) -> dict[str, Any]:
-    """sacreBLEU corpus BLEU and chrF of detokenized hypotheses vs one reference each, with their
-    signatures, and exact match: {"bleu", "bleu_signature", "chrf", "chrf_signature",
-    "exact_match"}, plus {"bleu_lc", "bleu_lc_signature"} (lowercased BLEU) with `lowercase`.
-    `moses` (a language code): also BLEU on Moses-tokenized text, hypotheses and references
-    tokenized alike and sacreBLEU's own tokenization off, as "bleu_moses" (and "bleu_moses_lc"
-    with `lowercase`); the signature ends in "|pretok:moses-LANG"."""
-    hyps, refs = list(hypotheses), [list(references)]
-    result: dict[str, Any] = {}
-    metrics = [("bleu", BLEU()), ("chrf", CHRF())] + ([("bleu_lc", BLEU(lowercase=True))] if lowercase else [])
-    for name, metric in metrics:
-        result[name] = float(metric.corpus_score(hyps, refs).score)
-        result[f"{name}_signature"] = str(metric.get_signature())
-    if moses:
-        tok_hyps, tok_refs = moses_tokenized(hyps, moses), [moses_tokenized(refs[0], moses)]
-        for name, case in [("bleu_moses", False)] + ([("bleu_moses_lc", True)] if lowercase else []):
-            metric = BLEU(tokenize="none", lowercase=case, force=True)  # pre-tokenized on purpose: no warning
-            result[name] = float(metric.corpus_score(tok_hyps, tok_refs).score)
-            result[f"{name}_signature"] = f"{metric.get_signature()}|pretok:moses-{moses}"
-    result["exact_match"] = exact_match(hyps, refs[0])
-    return result
-
-
-def band_scores(pairs: Sequence[data.Pair], hypotheses: Sequence[str],
-                seen: Collection[str] | None = None) -> dict[str, dict[str, Any]] | None:
-    """Exact match per number of digits when every reference is a number in the numbers corpus'
-    English (`data.number_from_english`), else None. Keys "1".."6" (bands present only); each
-    {"sentences", "exact_match", "seen", "unseen_exact_match"}: `seen` counts the sentences whose
-    source is in `seen` (the training sources; None when not given) and `unseen_exact_match` is
-    the exact match on the others (None when there are none)."""
-    numbers = [data.number_from_english(reference.strip()) for _, reference in pairs]
-    if not numbers or None in numbers:
-        return None
-    bands: dict[str, dict[str, Any]] = {}
-    for band in sorted({data.number_band(n) for n in numbers}):
-        members = [i for i, n in enumerate(numbers) if data.number_band(n) == band]
-        unseen = members if seen is None else [i for i in members if pairs[i][0] not in seen]
-        bands[str(band)] = {
-            "sentences": len(members),
-            "exact_match": exact_match([hypotheses[i] for i in members], [pairs[i][1] for i in members]),
-            "seen": None if seen is None else len(members) - len(unseen),
-            "unseen_exact_match": exact_match([hypotheses[i] for i in unseen], [pairs[i][1] for i in unseen])
-            if unseen else None,
-        }
-    return bands
-
-
-def loss_and_perplexity(backend: Trainer, batches, stop: Callable[[], bool] | None = None) -> dict[str, float]:
-    """{"loss", "nll", "ppl", "tokens"} over padded batches, dropout off: the sums stay on the
-    device and are read once. `stop` is asked before each batch: True raises EvaluationStopped."""
-    loss = nll = tokens = 0
-    for batch in batches:
-        if stop is not None and stop():
-            raise EvaluationStopped("evaluation stopped")
-        batch_loss, batch_nll, batch_tokens = backend.eval_loss(batch)
-        loss, nll, tokens = loss + batch_loss, nll + batch_nll, tokens + batch_tokens
-    tokens = float(tokens)
-    if tokens == 0:
-        return {"loss": math.nan, "nll": math.nan, "ppl": math.nan, "tokens": 0}
-    mean_nll = float(nll) / tokens
-    return {"loss": float(loss) / tokens, "nll": mean_nll, "ppl": math.exp(min(mean_nll, 700.0)), "tokens": int(tokens)}
-
-
-def bands_text(bands: dict[str, Any] | None) -> str:
-    """' by digits 1:100* 2:100* 3:99.56 ...': `band_scores`' exact match per number of digits, * on
-    a band whose sentences were all seen in training; '' when there are no bands."""
-    if not bands:
-        return ""
-    text = " ".join(
-        f"{band}:{scores['exact_match']:.4g}" + ("*" if scores["unseen_exact_match"] is None else "")
-        for band, scores in bands.items()
-    )
-    seen_only = any(scores["unseen_exact_match"] is None for scores in bands.values())
-    return f" by digits {text}" + (" (*: seen in training)" if seen_only else "")
-
-
-def evaluate_pairs(backend: Backend, tokenizers: data.Tokenizers, pairs: Sequence[data.Pair], *, max_len: int,
-                   token_budget: int, max_sentences: int | None = None, samples: int = 0, beam_size: int = 4,
-                   alpha: float = 0.6, scoring: str = "gnmt", lowercase: bool = False, moses: str | None = None,
-                   seen: Collection[str] | None = None, stop: Callable[[], bool] | None = None) -> dict[str, Any]:
-    """Loss and perplexity on every pair (those longer than max_len are left out of the loss);
-    BLEU, chrF and exact match (`corpus_scores`, lowercased BLEU too with `lowercase`,
-    Moses-tokenized BLEU with `moses`) and the per-band exact match of numbers (`band_scores`,
-    "bands"; `seen`: the training sources) of beam-search translations (greedy with beam_size 1;
-    `alpha` and `scoring` as for `Backend.translate`) of the first `max_sentences` pairs (default:
-    all), their count as "sentences"; and `samples` examples as {"source", "reference",
-    "hypothesis"}. `stop` is asked between batches: when it returns True the evaluation ends with
-    EvaluationStopped (a training run's SIGTERM)."""
-    examples = data.encode_pairs(tokenizers, pairs)
-    batcher = data.Batcher(examples, token_budget=token_budget, max_len=max_len, shuffle=False)
-    result: dict[str, Any] = loss_and_perplexity(backend, batcher.epoch_batches(), stop)
-    scored = list(pairs[:max_sentences] if max_sentences else pairs)
-    hyps = translate_texts(
-        backend, tokenizers, [s for s, _ in scored], max_len=max_len, token_budget=token_budget, beam_size=beam_size,
-        alpha=alpha, scoring=scoring, stop=stop,
-    )
-    result.update(corpus_scores(hyps, [t for _, t in scored], lowercase=lowercase, moses=moses))
-    result["sentences"] = len(scored)
-    result["bands"] = band_scores(scored, hyps, seen)
-    result["samples"] = [
-        {"source": s, "reference": t, "hypothesis": h} for (s, t), h in list(zip(scored, hyps))[:samples]
-    ]
-    return result
+from .config import add_run_arguments, non_negative_int, positive_int
+from .runtime.files import UserError, check_output_file, error_text, json_text, write_text_atomic
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -198,19 +58,13 @@ def main(argv: list[str] | None = None) -> int:
         split_host()  # before jax is imported
         if args.output is not None:  # checked before the work, not after it
             check_output_file(args.output, "--output")
-        run = open_run(args.run_dir, args.checkpoint)
-        pairs = load_split(run.config, args.data)
-        seen = {s for s, _ in load_split(run.config, "numbers:train")} if run.config.uses_numbers_corpus else None
+        run = load(args.run_dir, args.checkpoint)
+        with run:
+            result = run.evaluate(args.data, beam=args.beam, alpha=args.alpha, scoring=args.scoring,
+                                  max_sentences=args.max_sentences, lowercase=args.lowercase, moses=args.moses,
+                                  samples=args.samples)
     except (UserError, FileNotFoundError, ValueError) as err:
         parser.exit(1, f"error: {err}\n")
-    cfg = run.config
-    result = evaluate_pairs(
-        run.backend, run.tokenizers, pairs, max_len=cfg.max_len, token_budget=cfg.token_budget,
-        max_sentences=args.max_sentences, samples=args.samples, beam_size=args.beam, alpha=args.alpha,
-        scoring=args.scoring, lowercase=args.lowercase, moses=args.moses, seen=seen,
-    )
-    result = {"run_dir": str(args.run_dir), "data": args.data, "step": run.backend.step, "beam": args.beam,
-              "alpha": args.alpha, "scoring": args.scoring, **result}
     text = json_text(result)  # strict JSON: a non-finite score is null, never NaN
     print(text)
     if args.output is not None:

@@ -1,10 +1,11 @@
-"""The framework-neutral training loop behind `python -m train.run`.
+"""The framework-neutral training loop behind `train.fit` and `python -m train.run`.
 
-`train(cfg)` claims the run directory, loads the corpus, trains or reloads the tokenizers, builds
-the batches and the backend (resuming with --resume), loops over updates with logging, evaluation
-and checkpoints, and finishes with a test-set evaluation and `results.json`. The backend
-(`train.backends`) is the only part that knows a framework. Signals, divergence, devices and
-processes: docs/operations.md.
+`train(cfg)` sets a run up (`setup`: data, tokenizers, batches, the backend, resumed from its last
+checkpoint with --resume), fits it (`fit`: updates with logging, evaluation and checkpoints) and
+finishes it (`finish`: a test-set evaluation, results.json, curves.png). The run directory's
+safety (claiming, locking, replacing an old run, signals, event files) is `train.runtime`'s; the
+backend (`train.backends`) is the only part that knows a framework. Signals, divergence, devices
+and processes: docs/operations.md.
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ import dataclasses
 import math
 import os
 import signal
-import sys
-import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -23,44 +22,173 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from . import curves, data
+from . import data, plots, runtime
 from .backends import Backend, Topology, create_backend, initialize
 from .config import ExperimentConfig
-from .evaluate import EvaluationStopped, bands_text, evaluate_pairs
-from .files import UserError, finite_values, read_json, say, write_json_atomic
-from .rundir import (
-    CHECKPOINTS,
-    CONFIG_FILE,
-    CURVES_FILE,
-    RESULTS_FILE,
-    TENSORBOARD,
-    check_checkpoint_config,
-    check_model,
-    claim_run_dir,
-    follow_run_dir,
-    load_splits,
-    load_tokenizers,
-    lock_run_dir,
-    prepare_run_dir,
-    replacing,
-)
+from .data.splits import load_splits
+from .metrics import bands_text, evaluate_pairs
+from .runtime import CHECKPOINTS, CONFIG_FILE, CURVES_FILE, RESULTS_FILE, TENSORBOARD, Interrupted, UserError, say
+from .runtime.events import NoWriter, summary_writer
+from .runtime.files import finite_values, read_json, write_json_atomic
 from .store import CheckpointError
+from .translation import EvaluationStopped
 
 
 class TrainingDiverged(UserError):
     """A non-finite loss or gradient norm: training stops before any checkpoint holds the bad update."""
 
 
-class Interrupted(Exception):
-    """SIGTERM or Ctrl-C (SIGINT) stopped training after a checkpoint was saved; `signum` says which."""
+def train(cfg: ExperimentConfig, *, explicit: Iterable[str] | None = None) -> dict[str, Any]:
+    """Train (or resume) the run `cfg` describes, evaluate it, write results.json; returns its content.
 
-    def __init__(self, message: str, signum: int):
-        super().__init__(message)
-        self.signum = signum
+    `explicit` names the fields the user set (run.py passes the flags given); on --resume the
+    others are read from the run's saved config. None: every field not None counts as set.
+    Processes other than 0 of a multi-process run train alongside but print and write nothing.
+    """
+    started = time.perf_counter()
+    try:
+        topology = initialize(cfg)  # first: jax.distributed.initialize precedes any device use
+    except ValueError as err:
+        raise UserError(str(err)) from None
+    if topology.process_count > 1 and cfg.run_dir is None:
+        raise UserError("a multi-process run needs --run-dir: one directory, the same for every process")
+    quiet = contextlib.nullcontext() if topology.is_main else contextlib.redirect_stdout(open(os.devnull, "w"))  # noqa: SIM115
+    with quiet, runtime.session(cfg, explicit, topology.is_main) as cfg:
+        run = setup(cfg, topology)
+        if (done := run.finished_before()) is not None:
+            run.backend.close()
+            return done
+        with run:
+            with runtime.StopSignals(enabled=topology.process_count == 1) as stop:
+                fit(run, stop)
+            results = finish(run, started)
+        if topology.is_main:
+            _write_results(results)
+        print(_summary_line(results), flush=True)
+        return results
 
 
-# ----------------------------------------------------------------------------------------------
-# Data
+@dataclasses.dataclass
+class Training:
+    """A run set up to train: its data, batches, backend (at its resumed step) and what it logs to."""
+
+    cfg: ExperimentConfig
+    topology: Topology
+    splits: data.Splits
+    tokenizers: data.Tokenizers
+    batcher: data.Batcher
+    backend: Backend
+    log: _Log
+    writer: Any = None
+
+    def finished_before(self) -> dict[str, Any] | None:
+        """A resumed run that has trained --steps already and written its results: those results."""
+        if not (self.cfg.resume and self.backend.step >= self.cfg.steps):
+            return None
+        done = read_json(Path(self.cfg.run_dir) / RESULTS_FILE, default=None)
+        if isinstance(done, dict) and done.get("steps") == self.backend.step:
+            say(f"{self.cfg.run_dir} has trained {self.backend.step} steps (--steps {self.cfg.steps}): nothing to do; "
+                f"{RESULTS_FILE} left as it is (resume with a larger --steps to train on)")
+            return done
+        say(f"{self.cfg.run_dir} has trained {self.backend.step} steps (--steps {self.cfg.steps}): nothing to train; "
+            "evaluating its last checkpoint (resume with a larger --steps to train on)")
+        return None
+
+    def __enter__(self) -> Training:
+        if self.topology.is_main:
+            self.writer = summary_writer(Path(self.cfg.run_dir) / TENSORBOARD, purge_step=self.backend.step + 1)
+        else:
+            self.writer = NoWriter()
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        try:
+            if exc_type is None:
+                self.writer.close()
+            else:
+                with contextlib.suppress(OSError):  # the first error is the one reported (a full disk: both fail)
+                    self.writer.close()
+        finally:
+            self.backend.close()
+
+
+def setup(cfg: ExperimentConfig, topology: Topology) -> Training:
+    """Load the data, train (or, resuming, read) the tokenizers, batch, write the run's first files
+    (process 0) and build the backend, restored from the last checkpoint on --resume."""
+    run_dir = Path(cfg.run_dir)
+    splits = load_splits(cfg)
+    if not splits.train or not splits.valid:
+        raise UserError("the training and validation data must each hold at least one pair")
+    try:
+        tokenizers = data.load_tokenizers(run_dir, cfg.joint_vocab) if cfg.resume else None
+    except FileNotFoundError:  # a run stopped before its tokenizer was saved
+        tokenizers = None
+    except ValueError as err:
+        raise UserError(str(err)) from None
+    trained_tokenizers = tokenizers is None
+    if trained_tokenizers:  # BPE training is deterministic: every process gets the same tokenizer
+        tokenizers = data.train_tokenizers(
+            splits.train, vocab_size=cfg.vocab_size, joint=cfg.joint_vocab, lowercase=cfg.lowercase
+        )
+    model_cfg = cfg.model_config(tokenizers.src.get_vocab_size(), tokenizers.tgt.get_vocab_size())
+    if cfg.resume:
+        runtime.check_model(run_dir, cfg, model_cfg, tokenizers, what=CONFIG_FILE)
+    batcher = make_batcher(cfg, tokenizers, splits.train, topology.num_devices)
+    # Only now that the data has loaded and batched are the run's files written: config.json first.
+    if topology.is_main:
+        runtime.prepare_run_dir(cfg, model_cfg, tokenizers if trained_tokenizers else None)
+
+    backend = create_backend(cfg, model_cfg, str(run_dir / CHECKPOINTS))
+    log = _Log()
+    if cfg.resume and backend.checkpoint_steps():
+        try:
+            meta = backend.restore("latest")
+        except CheckpointError as err:
+            backend.close()
+            raise UserError(str(err)) from None
+        try:
+            _check_resumed(meta, cfg, batcher, topology)
+        except UserError:
+            backend.close()
+            raise
+        batcher.restore(meta["data"])
+        log = _Log.restore(meta.get("history"), backend.step)
+        say(f"resumed {run_dir} at step {backend.step}")
+    elif cfg.resume:
+        say(f"{run_dir} has no checkpoint yet: starting at step 0 with its tokenizer")
+    say(
+        f"[{cfg.backend}] {backend.num_params:,} parameters ({cfg.preset}, d_model={model_cfg.d_model}, "
+        f"{model_cfg.num_encoder_layers}+{model_cfg.num_decoder_layers} layers), vocab "
+        f"{model_cfg.src_vocab_size}/{model_cfg.tgt_vocab_size}, {len(splits.train):,} training pairs "
+        f"({batcher.num_dropped} longer than {cfg.max_len} dropped), {batcher.num_batches} batches/epoch, "
+        f"shapes {batcher.shapes}, {cfg.dtype}, {topology.num_devices} device(s)"
+        + (f" in {topology.process_count} processes" if topology.process_count > 1 else "")
+        + (", parameters and optimizer state sharded (FSDP)" if cfg.param_sharding == "fsdp" else "")
+        + f"; run dir {run_dir}"
+    )
+    return Training(cfg, topology, splits, tokenizers, batcher, backend, log)
+
+
+def _check_resumed(meta: dict[str, Any], cfg: ExperimentConfig, batcher: data.Batcher, topology: Topology) -> None:
+    runtime.check_checkpoint_config(meta, cfg)
+    shapes = [list(shape) for shape in batcher.shapes]
+    if meta.get("shapes", shapes) != shapes:
+        raise UserError(
+            f"resuming on {topology.num_devices} device(s) changes the batch shapes from {meta['shapes']} to "
+            f"{shapes} (batch sizes are multiples of the device count), so the run would not continue as it "
+            "started: resume with the device count it ran with, or one that keeps every batch size divisible"
+        )
+
+
+def _write_results(results: dict[str, Any]) -> None:
+    run_dir = Path(results["run_dir"])
+    write_json_atomic(run_dir / RESULTS_FILE, results)
+    try:  # a picture that cannot be drawn never fails a finished run; a full disk does
+        plots.plot_curves(results["history"], run_dir / CURVES_FILE, plots.run_title(results))
+    except OSError:
+        raise
+    except Exception as err:  # noqa: BLE001 (matplotlib's errors have no common base)
+        say(f"warning: {CURVES_FILE} not drawn ({type(err).__name__}: {err})")
 
 
 def make_batcher(cfg: ExperimentConfig, tokenizers: data.Tokenizers, pairs, num_devices: int = 1) -> data.Batcher:
@@ -83,210 +211,8 @@ def make_batcher(cfg: ExperimentConfig, tokenizers: data.Tokenizers, pairs, num_
     return batcher
 
 
-# ----------------------------------------------------------------------------------------------
-# The loop
-
-
-class _NoWriter:
-    """A SummaryWriter that writes nothing (processes other than 0)."""
-
-    def add_scalar(self, *args, **kwargs) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class _Events:
-    """A run's TensorBoard scalars, written in the calling thread to one event file (tensorboardX's
-    `EventsWriter`: the format). tensorboardX's SummaryWriter writes from a worker thread and flushes
-    again at exit, so a full disk made both print tracebacks; here a failed write is one OSError
-    naming the file, raised where it happens."""
-
-    def __init__(self, logdir: Path, writer, purge_step: int | None):
-        from tensorboardX.proto.event_pb2 import Event, SessionLog
-        from tensorboardX.proto.summary_pb2 import Summary
-
-        self.logdir, self._writer, self._event, self._summary = logdir, writer, Event, Summary
-        if purge_step is not None:  # see summary_writer
-            self._write(Event(step=purge_step, session_log=SessionLog(status=SessionLog.START)))
-
-    def _write(self, event) -> None:
-        try:
-            self._writer.write_event(event)
-            self._writer.flush()  # on disk as it goes: TensorBoard shows a run while it trains
-        except OSError as err:
-            with contextlib.suppress(OSError):
-                self.close()  # what could not be written is dropped, once
-            raise OSError(err.errno, err.strerror, str(self.logdir)) from None
-
-    def add_scalar(self, tag: str, value: float, step: int) -> None:
-        summary = self._summary(value=[self._summary.Value(tag=tag, simple_value=float(value))])
-        self._write(self._event(wall_time=time.time(), step=step, summary=summary))
-
-    def close(self) -> None:
-        writer, self._writer = self._writer, None
-        try:
-            if writer is not None:
-                writer.close()
-        except OSError as err:
-            raise OSError(err.errno, err.strerror, str(self.logdir)) from None
-
-
-def summary_writer(logdir: Path, purge_step: int | None = None) -> _Events:
-    """The run's TensorBoard event file (`_Events`), tensorboardX imported without loading torch into a JAX run.
-
-    tensorboardX's package runs `import torch` when torch is installed (to accept tensors); the loop
-    logs Python floats only, so where torch is not loaded yet that import is made to fail (a None
-    entry in sys.modules raises ImportError) and tensorboardX falls back to NumPy.
-    """
-    hide_torch = "torch" not in sys.modules and "tensorboardX" not in sys.modules
-    if hide_torch:
-        sys.modules["torch"] = None  # type: ignore[assignment]
-    try:
-        from tensorboardX.event_file_writer import EventsWriter
-    finally:
-        if hide_torch:
-            del sys.modules["torch"]
-    # purge_step: TensorBoard drops the events at this step and later that earlier sessions wrote
-    # (a run killed after its last checkpoint), so a resumed curve has each step once.
-    # tensorboardX names a file by the second it opened it (events.out.tfevents.SECONDS.HOST), so
-    # a session resumed within the second of the last one overwrote its file, and that session's
-    # events were lost (seen: two resumes of a tiny run 1 s apart). The suffix makes each name
-    # unique and, within one second, sorts the sessions by their first step, as TensorBoard reads them.
-    suffix = f".{purge_step or 0:010d}.{os.getpid()}"
-    logdir.mkdir(parents=True, exist_ok=True)
-    return _Events(logdir, EventsWriter(str(logdir / "events"), suffix), purge_step)
-
-
 def _eval_summary(result: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in result.items() if k != "samples"}
-
-
-def train(cfg: ExperimentConfig, *, explicit: Iterable[str] | None = None) -> dict[str, Any]:
-    """Train (or resume) the run `cfg` describes, evaluate it, write results.json; returns its content.
-
-    `explicit` names the fields the user set (run.py passes the flags given); on --resume the
-    others are read from the run's saved config. None: every field not None counts as set.
-
-    Processes other than 0 of a multi-process run train alongside but print and write nothing.
-    """
-    started = time.perf_counter()
-    try:
-        topology = initialize(cfg)  # first: jax.distributed.initialize precedes any device use
-    except ValueError as err:
-        raise UserError(str(err)) from None
-    if topology.process_count > 1 and cfg.run_dir is None:
-        raise UserError("a multi-process run needs --run-dir: one directory, the same for every process")
-    if topology.is_main:
-        return _train(cfg, explicit, topology, started)
-    with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
-        return _train(cfg, explicit, topology, started)
-
-
-def _train(cfg: ExperimentConfig, explicit, topology: Topology, started: float) -> dict[str, Any]:
-    if not topology.is_main:
-        return _train_locked(follow_run_dir(cfg, explicit), topology, started)
-    cfg = claim_run_dir(cfg, explicit)
-    lock = lock_run_dir(cfg)  # process 0 writes the run: no other process may meanwhile
-    try:
-        with replacing(Path(cfg.run_dir), cfg.overwrite):
-            return _train_locked(cfg, topology, started)
-    finally:
-        lock.release()
-
-
-def _train_locked(cfg: ExperimentConfig, topology: Topology, started: float) -> dict[str, Any]:
-    main = topology.is_main
-    run_dir = Path(cfg.run_dir)
-    splits = load_splits(cfg)
-    if not splits.train or not splits.valid:
-        raise UserError("the training and validation data must each hold at least one pair")
-    resuming = cfg.resume
-    try:
-        tokenizers = load_tokenizers(run_dir, cfg.joint_vocab) if resuming else None
-    except FileNotFoundError:  # a run stopped before its tokenizer was saved
-        tokenizers = None
-    except ValueError as err:
-        raise UserError(str(err)) from None
-    trained_tokenizers = tokenizers is None
-    if trained_tokenizers:  # BPE training is deterministic: every process gets the same tokenizer
-        tokenizers = data.train_tokenizers(
-            splits.train, vocab_size=cfg.vocab_size, joint=cfg.joint_vocab, lowercase=cfg.lowercase
-        )
-    model_cfg = cfg.model_config(tokenizers.src.get_vocab_size(), tokenizers.tgt.get_vocab_size())
-    if resuming:
-        check_model(run_dir, cfg, model_cfg, tokenizers, what=CONFIG_FILE)
-    batcher = make_batcher(cfg, tokenizers, splits.train, topology.num_devices)
-
-    # Only now that the data has loaded and batched are the run's files written (an old run that
-    # --overwrite set aside comes back if this one ends without a checkpoint: `replacing`).
-    # config.json first: from here on the directory holds this run; every file is written whole.
-    if main:
-        prepare_run_dir(cfg, model_cfg, tokenizers if trained_tokenizers else None)
-
-    backend = create_backend(cfg, model_cfg, str(run_dir / CHECKPOINTS))
-    log = _Log()
-    if resuming and backend.checkpoint_steps():
-        try:
-            meta = backend.restore("latest")
-        except CheckpointError as err:
-            raise UserError(str(err)) from None
-        check_checkpoint_config(meta, cfg)
-        shapes = [list(shape) for shape in batcher.shapes]
-        if meta.get("shapes", shapes) != shapes:
-            raise UserError(
-                f"resuming on {topology.num_devices} device(s) changes the batch shapes from {meta['shapes']} to "
-                f"{shapes} (batch sizes are multiples of the device count), so the run would not continue as it "
-                "started: resume with the device count it ran with, or one that keeps every batch size divisible"
-            )
-        batcher.restore(meta["data"])
-        log = _Log.restore(meta.get("history"), backend.step)
-        say(f"resumed {run_dir} at step {backend.step}")
-    elif resuming:
-        say(f"{run_dir} has no checkpoint yet: starting at step 0 with its tokenizer")
-    say(
-        f"[{cfg.backend}] {backend.num_params:,} parameters ({cfg.preset}, d_model={model_cfg.d_model}, "
-        f"{model_cfg.num_encoder_layers}+{model_cfg.num_decoder_layers} layers), vocab "
-        f"{model_cfg.src_vocab_size}/{model_cfg.tgt_vocab_size}, {len(splits.train):,} training pairs "
-        f"({batcher.num_dropped} longer than {cfg.max_len} dropped), {batcher.num_batches} batches/epoch, "
-        f"shapes {batcher.shapes}, {cfg.dtype}, {topology.num_devices} device(s)"
-        + (f" in {topology.process_count} processes" if topology.process_count > 1 else "")
-        + (", parameters and optimizer state sharded (FSDP)" if cfg.param_sharding == "fsdp" else "")
-        + f"; run dir {run_dir}"
-    )
-
-    if resuming and backend.step >= cfg.steps:  # every process alike (they share the run directory)
-        done = read_json(run_dir / RESULTS_FILE, default=None)
-        if isinstance(done, dict) and done.get("steps") == backend.step:
-            backend.close()
-            say(f"{run_dir} has trained {backend.step} steps (--steps {cfg.steps}): nothing to do; "
-                f"{RESULTS_FILE} left as it is (resume with a larger --steps to train on)")
-            return done
-        say(f"{run_dir} has trained {backend.step} steps (--steps {cfg.steps}): nothing to train; evaluating "
-            f"its last checkpoint (resume with a larger --steps to train on)")
-    writer = summary_writer(run_dir / TENSORBOARD, purge_step=backend.step + 1) if main else _NoWriter()
-    try:
-        with _StopSignals(enabled=topology.process_count == 1) as stop:
-            log = _fit(cfg, backend, batcher, tokenizers, splits, writer, show_progress=main, stop=stop, log=log)
-        results = _finish(cfg, backend, tokenizers, splits, writer, log, started)
-    except BaseException:
-        with contextlib.suppress(OSError):  # the first error is the one reported (a full disk: both fail)
-            writer.close()
-        backend.close()
-        raise
-    writer.close()
-    backend.close()
-    if main:
-        write_json_atomic(run_dir / RESULTS_FILE, results)
-        try:  # a picture that cannot be drawn never fails a finished run; a full disk does
-            curves.plot_curves(results["history"], run_dir / CURVES_FILE, curves.run_title(results))
-        except OSError:
-            raise
-        except Exception as err:  # noqa: BLE001 (matplotlib's errors have no common base)
-            say(f"warning: {CURVES_FILE} not drawn ({type(err).__name__}: {err})")
-    print(_summary_line(results), flush=True)
-    return results
 
 
 def _evaluate(cfg, backend, tokenizers, pairs, samples: int, *, validation: bool = True, seen=None,
@@ -370,37 +296,6 @@ def _log_evaluation(step: int, evaluated: dict[str, Any], eval_time: float, log:
         say(f"  {sample['source']}\n    ref: {sample['reference']}\n    hyp: {sample['hypothesis']}")
 
 
-class _StopSignals:
-    """While active, SIGTERM and SIGINT (Ctrl-C) ask the loop to stop (`requested` holds the
-    signal) instead of killing it: the loop saves a checkpoint after the current update and
-    raises Interrupted. A second signal stops at once (KeyboardInterrupt), losing only the work
-    since the last checkpoint. Installed only in the main thread of a single-process run: the
-    processes of a multi-process run would have to agree on the step to save at, so there the
-    signals keep their default effect and --resume continues from the last checkpoint."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self, enabled: bool = True):
-        self.enabled = enabled and threading.current_thread() is threading.main_thread()
-        self.requested: int | None = None
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> _StopSignals:
-        if self.enabled:
-            self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    def _handle(self, signum: int, frame) -> None:
-        if self.requested is not None:
-            raise KeyboardInterrupt
-        self.requested = signum
-        say(f"{signal.Signals(signum).name}: stopping after this update to save a checkpoint (again to stop now)")
-
-
 def _first_non_finite(values: list[dict[str, float]], step: int) -> str | None:
     """'loss nan at step 7' for the first of the window's steps (the last is `step`) whose loss
     or gradient norm is not finite; None when all are."""
@@ -432,8 +327,7 @@ def _save(cfg: ExperimentConfig, backend: Backend, batcher: data.Batcher, evalua
     backend.save(finite_values(meta), metrics=None if evaluated is None else {"bleu": evaluated["bleu"]})
 
 
-def _fit(cfg: ExperimentConfig, backend: Backend, batcher: data.Batcher, tokenizers, splits, writer,
-         show_progress: bool = True, stop: _StopSignals | None = None, log: _Log | None = None) -> _Log:
+def fit(run: Training, stop: runtime.StopSignals | None = None) -> None:
     """The update loop from the backend's step to cfg.steps: train, log, evaluate, checkpoint.
 
     Metrics are read at every log, evaluation and save, and a non-finite loss or gradient norm
@@ -441,10 +335,11 @@ def _fit(cfg: ExperimentConfig, backend: Backend, batcher: data.Batcher, tokeniz
     update; so does a non-finite validation loss. When `stop` reports a signal, the loop logs,
     saves and raises Interrupted; a signal during an evaluation stops it (it is not counted as
     done), so the save follows the signal by at most one update (and an evaluation batch).
-    `log`: the history so far (restored on --resume), extended in place.
+    `run.log`: the history so far (restored on --resume), extended in place.
     """
-    stop = stop or _StopSignals(enabled=False)
-    log = log if log is not None else _Log()
+    cfg, backend, batcher, writer, log = run.cfg, run.backend, run.batcher, run.writer, run.log
+    stop = stop or runtime.StopSignals(enabled=False)
+    show_progress = run.topology.is_main
     bar = tqdm(total=cfg.steps, initial=backend.step, disable=not (cfg.progress and show_progress), unit="step",
                dynamic_ncols=True, desc=cfg.backend)
     pending: list = []  # metrics of the steps not yet read from the device
@@ -469,7 +364,7 @@ def _fit(cfg: ExperimentConfig, backend: Backend, batcher: data.Batcher, tokeniz
         if evaluate_now:
             eval_start = time.perf_counter()
             try:
-                evaluated = _evaluate(cfg, backend, tokenizers, splits.valid, cfg.samples,
+                evaluated = _evaluate(cfg, backend, run.tokenizers, run.splits.valid, cfg.samples,
                                       stop=lambda: stop.requested is not None)
                 eval_time = time.perf_counter() - eval_start  # compiling included
             except EvaluationStopped:  # a signal came mid-evaluation: save without it
@@ -486,18 +381,18 @@ def _fit(cfg: ExperimentConfig, backend: Backend, batcher: data.Batcher, tokeniz
             bar.close()
             name = signal.Signals(stop.requested).name
             raise Interrupted(
+                stop.requested,
                 f"{name}: stopped at step {step} of {cfg.steps} with a checkpoint saved; continue with\n"
                 f"  python -m train.run --run-dir {cfg.run_dir} --resume",
-                stop.requested,
             )
         if not pending:  # just logged: the next window starts now, after any evaluation or save
             window_start = time.perf_counter()
     bar.close()
-    return log
 
 
-def _finish(cfg, backend, tokenizers, splits, writer, log: _Log, started: float) -> dict[str, Any]:
+def finish(run: Training, started: float) -> dict[str, Any]:
     """Final validation (unless the last step just ran it) and test evaluation; the results dict."""
+    cfg, backend, tokenizers, splits, writer, log = run.cfg, run.backend, run.tokenizers, run.splits, run.writer, run.log
     if log.valid and log.valid[-1]["step"] == backend.step:
         valid = {k: v for k, v in log.valid[-1].items() if k not in ("train_time_s", "eval_time_s")}  # history's own
     else:  # a resumed run that had nothing left to train

@@ -27,7 +27,7 @@ import numpy as np
 from torch_reference.config import TransformerConfig
 
 from .config import positive_int
-from .files import json_text
+from .runtime.files import json_text
 
 
 def median_time(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:

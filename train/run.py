@@ -1,35 +1,22 @@
-"""`python -m train.run --backend=jax|torch [flags]`: train, evaluate and save a translation model.
+"""`python -m train.run` (`aiayn train`): train, evaluate and save a translation model.
 
-A thin CLI: every flag is a field of `train.config.ExperimentConfig` (its help text lives there),
-and the work is `train.loop.train(config)`; `--config FILE` reads flags from a TOML recipe
-(`recipe_flags`), before those of the command line. Bad values and unusable files or run directories
-end with one `error:` line and exit status 2 (flags) or 1 (files), never a traceback.
+Flag parsing and printing only: every flag is a field of `train.config.ExperimentConfig` (its help
+text lives there), `--config FILE` reads flags from a TOML recipe (`train.recipes`) before those of
+the command line, and the work is `train.loop.train(config)`. Bad values and unusable files or run
+directories end with one `error:` line and exit status 2 (flags) or 1 (files), never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import difflib
 import signal
 import sys
-import tomllib
 from pathlib import Path
 
-from .backends import allocator
-from .config import FIELD_RANGES, RECIPE_FILE, ExperimentConfig, flag_type, parse_model_override
-from .files import UserError, read_json
-
-GROUPS = {  # flag group -> its title in --help
-    "run": "run", "model": "model", "data": "data", "optim": "optimisation", "eval": "evaluation and logging",
-    "ckpt": "checkpoints", "dist": "devices, processes and precision",
-}
-
-# The TOML types a recipe key takes, by the field's type (the rest are strings).
-RECIPE_TYPES = {
-    "int": (int, "an integer"), "float": ((int, float), "a number"), "bool": (bool, "true or false"),
-    "dict": (list, "a list of strings"),
-}
+from . import recipes
+from .config import RECIPE_FILE, ExperimentConfig
+from .recipes import LAUNCH_DECISIONS, recipe_flags
+from .runtime.files import UserError, error_text, read_json
 
 EPILOG = """\
 data specs (--train, --valid, --test):
@@ -66,55 +53,16 @@ then: python -m train.translate --run-dir DIR < input.txt
 """
 
 
-def _type_name(annotation: str) -> str:
-    """'int | None' -> 'int': the field's base type (annotations are strings here)."""
-    return annotation.replace(" | None", "").strip()
-
-
-def _flag(field: dataclasses.Field) -> str:
-    return field.metadata.get("flag", "--" + field.name.replace("_", "-"))
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m train.run",
-        description="Train the Transformer of 'Attention Is All You Need' with the JAX (Flax NNX) or the PyTorch "
-        "backend, the same loop and the same semantics; evaluate it (loss, perplexity, sacreBLEU BLEU and chrF) "
-        "and write checkpoints, TensorBoard events and results.json to the run directory. With no flag it "
-        "trains a small model on the embedded numbers corpus in a few minutes on a CPU.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    groups = {key: parser.add_argument_group(title) for key, title in GROUPS.items()}
-    defaults = ExperimentConfig()
-    for field in dataclasses.fields(ExperimentConfig):
-        meta = field.metadata
-        flag = _flag(field)
-        default = getattr(defaults, field.name)
-        kind = _type_name(str(field.type))
-        # SUPPRESS: only flags actually given reach the config, so --resume can tell them apart.
-        kwargs: dict = {"dest": field.name, "default": argparse.SUPPRESS}
-        # Automatic defaults (None) are explained in the help text itself.
-        help = meta["help"] if default is None or kind == "dict" else f"{meta['help']} (default: {default})"
-        if kind == "bool":
-            kwargs.update(action=argparse.BooleanOptionalAction, help=help)
-        elif kind == "dict":
-            kwargs.update(action="append", type=flag_type(parse_model_override), metavar=meta.get("metavar"), help=help)
-        else:
-            kwargs.update(
-                # Numbers range-checked by the field's own rule: a bad value exits 2 with one line.
-                type=FIELD_RANGES[field.name].parser(field.name) if field.name in FIELD_RANGES else str,
-                choices=meta.get("choices"),
-                metavar=meta.get("metavar", {"int": "N", "float": "X"}.get(kind)),
-                help=help,
-            )
-        groups[meta["group"]].add_argument(flag, **kwargs)
-    return parser
-
-
 def parse_config(argv: list[str] | None = None) -> tuple[ExperimentConfig, set[str]]:
     """(config, names of the fields given on the command line); exits with a message on bad values."""
     parser = build_parser()
+    try:
+        return _parse(parser, argv)
+    except UserError as err:  # a recipe it refused
+        parser.exit(2, f"error: {err}\n")
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple[ExperimentConfig, set[str]]:
     argv = sys.argv[1:] if argv is None else list(argv)
     given = vars(parser.parse_args(argv))
     if "recipe" in given:  # the file's flags first: the command line's come after and win
@@ -122,8 +70,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExperimentConfig, set[s
     elif given.get("resume") and given.get("run_dir") and (recorded := _recorded_recipe(parser, given["run_dir"])):
         # How long and how this launch runs (steps, evaluation, checkpoints) from the recipe the run
         # was started from; how it trains is the run's own config.json, as for any resume. Not the
-        # flags that say which launch this is: a recipe's `overwrite = true` is for its first start.
-        launch = set(ExperimentConfig.launch_fields()) - {"run_dir", "resume", "overwrite"}
+        # flags that say which launch this is.
+        launch = set(ExperimentConfig.launch_fields()) - set(LAUNCH_DECISIONS)
         where = f"{Path(given['run_dir']) / RECIPE_FILE} (the recipe {recorded['path']})"
         flags = vars(parser.parse_args(recipe_flags(where, recorded["toml"])))
         given = {**{k: v for k, v in flags.items() if k in launch}, **given}
@@ -151,57 +99,20 @@ def _recorded_recipe(parser: argparse.ArgumentParser, run_dir: str) -> dict[str,
     return recorded
 
 
-def recipe_flags(path: str, text: str | None = None) -> list[str]:
-    """The TOML recipe at `path` (or its `text`, as a run directory keeps it) as train.run flags:
-    `eval_every = 1000` -> `--eval-every=1000`, `joint_vocab = false` -> `--no-joint-vocab`,
-    `set = ["a=1", "b=2"]` -> `--set=a=1 --set=b=2`. A file that cannot be read, bad TOML, an
-    unknown key, a wrong type or a bad value ends the process with one line naming the file (and
-    the key or line), exit status 2."""
-
-    def fail(message: str):
-        parser.exit(2, f"error: {path}: {message}\n")
-
-    parser = build_parser()
-    parser.exit_on_error = False  # a bad value raises, to be reported with the file and key
-    try:
-        if text is None:
-            with open(path, "rb") as file:
-                table = tomllib.load(file)
-        else:
-            table = tomllib.loads(text)
-    except OSError as err:
-        fail(err.strerror or str(err))
-    except tomllib.TOMLDecodeError as err:  # its message names the line and column
-        fail(f"invalid TOML: {err}")
-    fields = {_flag(f)[2:].replace("-", "_"): f for f in dataclasses.fields(ExperimentConfig) if f.name != "recipe"}
-    flags = []
-    for key, value in table.items():
-        if key not in fields:
-            close = difflib.get_close_matches(key, fields, n=1)
-            fail(f"key {key!r}: unknown" + (f" (did you mean {close[0]!r}?)" if close else
-                                            ": the keys are the long flags of python -m train.run --help, with _ for -"))
-        kind = _type_name(str(fields[key].type))
-        types, expected = RECIPE_TYPES.get(kind, (str, "a string"))
-        if (not isinstance(value, types) or isinstance(value, bool) != (kind == "bool")
-                or kind == "dict" and not all(isinstance(item, str) for item in value)):
-            fail(f"key {key!r}: expected {expected}, got {value!r}")
-        flag = _flag(fields[key])
-        if kind == "bool":
-            args = [flag if value else "--no-" + flag[2:]]
-        else:
-            args = [f"{flag}={item}" for item in (value if kind == "dict" else [value])]
-        try:
-            parser.parse_args(args)
-        except argparse.ArgumentError as err:
-            fail(f"key {key!r}: {err.message}")
-        flags += args
-    return flags
+def build_parser() -> argparse.ArgumentParser:
+    return recipes.build_parser(epilog=EPILOG)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, process_settings: bool = False) -> int:
+    """The command; `process_settings`: apply the allocator setting a JAX run wants first (it
+    re-executes the process once, so only `python -m train.run` and `aiayn train` ask for it)."""
     cfg, given = parse_config(argv)
-    from .files import error_text
-    from .loop import Interrupted, UserError, train  # after parsing: --help and flag errors stay fast
+    if process_settings and cfg.backend == "jax":
+        from .backends import allocator
+
+        allocator.use_huge_pages()
+    from .loop import train  # after parsing: --help and flag errors stay fast
+    from .runtime import Interrupted
 
     try:
         train(cfg, explicit=given)
@@ -219,5 +130,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    allocator.use_huge_pages()  # re-executes once; see train/backends/allocator.py
-    sys.exit(main())
+    sys.exit(main(process_settings=True))

@@ -17,13 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-import torch
 
 from parity import CheckpointMismatchError
 from parity.convert import main as convert_main
 from parity.runs import convert_run
 from parity.weights import convert_state, transfer_state
-from train import average, data, loop, rundir, store
+from train import averaging, data, loop, runtime, store
 from train import run as train_run
 from train.backends import create_backend
 from train.config import ExperimentConfig
@@ -173,7 +172,7 @@ def jax_run(tmp_path_factory):
 
 def _checkpoint_states(run_dir: Path) -> dict:
     """{step: (TrainingState in the JAX layout, meta, metrics)} of every checkpoint of a run directory."""
-    cfg, model_cfg = rundir.read_experiment(run_dir), rundir.read_model_config(run_dir)
+    cfg, model_cfg = runtime.read_experiment(run_dir), runtime.read_model_config(run_dir)
     backend = create_backend(cfg, model_cfg, str(run_dir / "checkpoints"))
     out = {}
     for step in backend.checkpoint_steps():
@@ -231,7 +230,7 @@ def test_cli_converts_a_run_and_resume_continues_in_the_other_framework(jax_run,
     other = "torch" if first == "jax" else "jax"
     converted = tmp_path / f"{first}-as-{other}"
     assert convert_main(["--to", other, "--run-dir", str(source), "--dst", str(converted)]) == 0
-    assert rundir.read_experiment(converted).backend == other
+    assert runtime.read_experiment(converted).backend == other
 
     losses_converted = _resume(converted, 7)
     losses_own = _resume(source, 7)
@@ -297,7 +296,7 @@ def test_averaging_the_same_checkpoints_in_either_framework_gives_the_same_weigh
     torch_dir = tmp_path / "torch"
     convert_run(jax_run, torch_dir, which="all")
     for source in (jax_run, torch_dir):
-        assert average.average_run(source, tmp_path / f"avg-{source.name}", last=2)["averaged_steps"] == [2, 4]
+        assert averaging.average_run(source, tmp_path / f"avg-{source.name}", last=2)["averaged_steps"] == [2, 4]
     (jax_avg,), (torch_avg,) = (_checkpoint_states(tmp_path / f"avg-{d.name}").values() for d in (jax_run, torch_dir))
     assert dataclasses.replace(torch_avg[0], rng=jax_avg[0].rng).differences(jax_avg[0]) == []
     original = _checkpoint_states(jax_run)

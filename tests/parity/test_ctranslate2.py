@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from torch_reference import decode as td
-from train import data, loop, rundir
+import train
+from train import data, loop, runtime
 from train.config import ExperimentConfig
 from train.data import spm
 
@@ -43,16 +44,16 @@ def trained(tmp_path_factory):
 
 
 def sources(run_dir):
-    cfg = rundir.read_experiment(run_dir)
+    cfg = runtime.read_experiment(run_dir)
     pairs = data.numbers_corpus(cfg.numbers_train, cfg.numbers_valid, cfg.numbers_test, seed=cfg.seed).test
-    return data.encode(rundir.load_tokenizers(run_dir).src, [s for s, _ in pairs])
+    return data.encode(data.load_tokenizers(run_dir).src, [s for s, _ in pairs])
 
 
 def ours_and_ct2(run_dir, ct2_dir, beam_size: int):
     """Our outputs (ids up to and with <eos>) and CTranslate2's, per sentence, with the same limit."""
     from parity.ctranslate2 import Translator
 
-    run = rundir.open_run(run_dir)
+    run = train.load(run_dir)
     translator = Translator(ct2_dir)
     ours, theirs, at_limit = [], [], []
     for ids in sources(run_dir):
@@ -103,12 +104,12 @@ def test_beam_4_and_int8_agreement_reported(trained, capsys):
 
 def test_exported_directory_carries_the_tokenizer_and_the_vocabulary_by_id(trained):
     run_dir, f32, _ = trained
-    for name in rundir.tokenizer_files(run_dir):
+    for name in data.tokenizer_files(run_dir):
         assert (f32 / name).read_bytes() == (run_dir / name).read_bytes()
     from parity.ctranslate2 import Translator
 
     vocab = Translator(f32).tgt_vocab
-    tokenizer = rundir.load_tokenizers(run_dir).tgt
+    tokenizer = data.load_tokenizers(run_dir).tgt
     assert vocab[:4] == ["<pad>", "<bos>", "<eos>", "<unk>"]
     assert vocab[4:] == [tokenizer.id_to_token(i) for i in range(4, tokenizer.get_vocab_size())]
 
@@ -124,7 +125,7 @@ def test_translate_bench_adds_ctranslate2_rows(trained, tmp_path, capsys):
     from parity import translate_bench
 
     run_dir = trained[0]
-    cfg = rundir.read_experiment(run_dir)
+    cfg = runtime.read_experiment(run_dir)
     pairs = data.numbers_corpus(cfg.numbers_train, cfg.numbers_valid, cfg.numbers_test, seed=cfg.seed).test[:12]
     (tmp_path / "in.txt").write_text("\n".join(s for s, _ in pairs) + "\n")
     assert translate_bench.main(["--run-dir", str(run_dir), "--input", str(tmp_path / "in.txt"), "--beam", "2",

@@ -299,7 +299,8 @@ def test_search_parity_on_multi30k_with_a_trained_model(multi30k, tmp_path):
     """Real sentences and trained weights: a 2+2-layer model trained 80 steps on Multi30k (torch),
     its weights converted; greedy and beam 4 over 48 validation sentences (one padded batch) give
     identical tokens in both frameworks and scores to float32 rounding."""
-    from train import data, loop, rundir
+    import train
+    from train import data, loop
     from train.config import ExperimentConfig
 
     cfg = ExperimentConfig(
@@ -309,7 +310,7 @@ def test_search_parity_on_multi30k_with_a_trained_model(multi30k, tmp_path):
         model={"num_encoder_layers": 2, "num_decoder_layers": 2}, hf_cache=str(tmp_path / "hf"),
     )
     loop.train(cfg)
-    run = rundir.open_run(cfg.run_dir, "latest")
+    run = train.load(cfg.run_dir, "latest")
     torch_model = tr.Transformer(run.model_config).eval()
     torch_model.load_state_dict({k: torch.from_numpy(v) for k, v in run.backend.weights().items()})
     jax_model = torch_to_jax(torch_model)

@@ -23,7 +23,8 @@ import torch
 
 from parity import marian, torch_to_jax
 from torch_reference import decode as td
-from train import rundir
+import train
+from train import runtime
 
 from .marian_fixtures import OPUS_MT_DE_EN, hf_model, hf_tokenizer, lines, make_marian_dir
 
@@ -46,8 +47,8 @@ def small(tmp_path_factory):
 def open_imported(run_dir):
     """(torch model, tokenizers, Marian special ids, target order) of an imported torch run (cached:
     the tests only read it)."""
-    run = rundir.open_run(run_dir)
-    ids = json.loads((run_dir / rundir.IMPORTED_FILE).read_text())["marian_ids"]
+    run = train.load(run_dir)
+    ids = json.loads((run_dir / runtime.IMPORTED_FILE).read_text())["marian_ids"]
     model = run.backend.model.eval()
     return model, run.tokenizers, ids, marian.side_orders(ids)[1]
 
@@ -124,7 +125,7 @@ def test_logits_equal_hf_in_both_twins_small_shape(small):
 def test_separate_vocabularies_and_untied_output(tmp_path):
     hf_dir = make_marian_dir(tmp_path / "hf", seed=1, shared=False, tie_word_embeddings=False)
     marian.import_marian(hf_dir, tmp_path / "run", to="torch")
-    cfg = rundir.read_model_config(tmp_path / "run")
+    cfg = runtime.read_model_config(tmp_path / "run")
     assert not cfg.share_embeddings and not cfg.tie_output
     torch_diff, jax_diff = compare_logits(hf_dir, tmp_path / "run", n=3)
     assert torch_diff <= LOGITS_ATOL and jax_diff <= LOGITS_ATOL, (torch_diff, jax_diff)
@@ -164,7 +165,7 @@ def test_greedy_of_the_jax_twin_equals_the_torch_run(small, tmp_path):
     texts = ["Ein Hund läuft.", "Zwei Kinder spielen im Sand."]
     outputs = []
     for run_dir in (torch_run, tmp_path / "jax"):
-        run = rundir.open_run(run_dir)
+        run = train.load(run_dir)
         src = np.zeros((len(texts), 24), np.int32)
         for i, e in enumerate(run.tokenizers.src.encode_batch(texts)):
             src[i, : len(e.ids)] = e.ids
@@ -250,7 +251,7 @@ def test_imported_run_translates_evaluates_and_fine_tunes(small, tmp_path, capsy
     assert "bleu" in json.loads(capsys.readouterr().out)
     assert run.main(["--run-dir", str(run_dir), "--resume", "--steps", "2", "--eval-every", "2",
                      "--eval-sentences", "2", "--beam", "1", "--no-progress"]) == 0
-    assert json.loads((run_dir / rundir.RESULTS_FILE).read_text())["steps"] == 2
+    assert json.loads((run_dir / runtime.RESULTS_FILE).read_text())["steps"] == 2
 
 
 def test_opus_mt_de_en_shapes_logits_and_greedy_equal_hf(tmp_path):
@@ -259,7 +260,7 @@ def test_opus_mt_de_en_shapes_logits_and_greedy_equal_hf(tmp_path):
     hf_dir = make_marian_dir(tmp_path / "hf", seed=2, shapes={k: v for k, v in OPUS_MT_DE_EN.items() if k != "vocab_size"},
                              vocab_size=OPUS_MT_DE_EN["vocab_size"])
     marian.import_marian(hf_dir, tmp_path / "run", to="torch")
-    assert rundir.read_model_config(tmp_path / "run").src_vocab_size == OPUS_MT_DE_EN["vocab_size"] + 1
+    assert runtime.read_model_config(tmp_path / "run").src_vocab_size == OPUS_MT_DE_EN["vocab_size"] + 1
     torch_diff, jax_diff = compare_logits(hf_dir, tmp_path / "run", n=2, skip=40)
     assert torch_diff <= LOGITS_ATOL and jax_diff <= LOGITS_ATOL, (torch_diff, jax_diff)
     ours, theirs = greedy_against_hf(hf_dir, tmp_path / "run", ["Ein Hund läuft.", "Zwei Männer spielen Fußball."])
@@ -286,7 +287,7 @@ def trained_as_hf(tmp_path_factory):
                            model={"num_encoder_layers": 1, "num_decoder_layers": 1, "activation": "silu",
                                   "positions": "sinusoidal_halves", "output_bias": True, "layer_norm_eps": 1e-5})
     loop.train(cfg)
-    run = rundir.open_run(root / "run", "latest")
+    run = train.load(root / "run", "latest")
     ours = run.model_config
     hf = transformers.MarianMTModel(transformers.MarianConfig(
         vocab_size=ours.tgt_vocab_size, d_model=ours.d_model, encoder_layers=ours.num_encoder_layers,

@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from parity import convert
-from train import rundir
+from train import runtime
 
 from .marian_fixtures import make_marian_dir
 
@@ -43,9 +43,9 @@ def test_marian_export_overwrites_only_its_own_kind_and_never_the_source(hf_dir,
     for dst in (run, other):
         assert convert.main(["--from", "marian", "--src", str(hf_dir), "--to", "torch", "--dst", str(dst)]) == 0
     assert convert.main(["--to", "marian", "--src", str(run), "--dst", str(exported)]) == 0
-    assert rundir.kind_of(exported) == "marian"
+    assert runtime.kind_of(exported) == "marian"
     capsys.readouterr()
-    before = {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file() and p.name != rundir.LOCK_FILE}
+    before = {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file() and p.name != runtime.LOCK_FILE}
     for dst, says in [(other, "holds a run, not a HF Marian directory"), (run, "is the source")]:
         with pytest.raises(SystemExit) as exited:
             convert.main(["--to", "marian", "--src", str(run), "--dst", str(dst), "--overwrite"])

@@ -1,5 +1,8 @@
 """Small, fast training set-ups shared by the tests of train/ (2-core CPU budget)."""
 
+import shutil
+from pathlib import Path
+
 import pytest
 
 from train.config import ExperimentConfig
@@ -41,3 +44,15 @@ def tiny_torch_run(tmp_path_factory):
         samples=0, eval_sentences=4, beam=1,
     ))
     return run_dir
+
+
+@pytest.fixture
+def torch_run(tiny_torch_run):
+    """`tiny_torch_run` under a shorter name: read it, never write into it."""
+    return tiny_torch_run
+
+
+@pytest.fixture
+def run_copy(tiny_torch_run, tmp_path):
+    """A copy of the shared 2-step torch run (checkpoint 2), free to change."""
+    return Path(shutil.copytree(tiny_torch_run, tmp_path / "run"))

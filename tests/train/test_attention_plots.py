@@ -12,7 +12,8 @@ import pytest
 from tokenizers import decoders
 
 from parity.weights import transfer_state
-from train import attention, data, loop, rundir, translate
+import train
+from train import attention, data, loop, translate, translation
 from train.backends import create_backend
 from train.config import ExperimentConfig
 
@@ -66,10 +67,10 @@ def test_plot_attention_writes_one_heatmap_and_one_grid_per_sentence(trained, tm
 
 
 def test_sentence_attention_labels_and_weights(trained):
-    run = rundir.open_run(trained, "latest")
+    run = train.load(trained, "latest")
     limits = dict(max_len=run.config.max_len, token_budget=run.config.token_budget, beam_size=1)
     recorder = attention.AttentionRecorder(run.backend, run.tokenizers, LINES)
-    hyps = translate.translate_texts(run.backend, run.tokenizers, LINES, on_batch=recorder, **limits)
+    hyps = translation.translate_texts(run.backend, run.tokenizers, LINES, on_batch=recorder, **limits)
     found = recorder.found
     assert [a.line for a in found] == [1, 3] and [a.translation for a in found] == [hyps[0], hyps[2]]
     layers, heads = run.model_config.num_decoder_layers, run.model_config.num_heads
@@ -96,7 +97,7 @@ def test_sentence_attention_labels_and_weights(trained):
 def test_token_labels_are_the_tokens_bytes_as_text(trained):
     """Every token of the run's vocabulary is labelled with the text `tokenizers`' own byte-level
     decoder gives it, a leading space as ▁; a byte that is part of a character is shown as \\xNN."""
-    tokenizer = rundir.load_tokenizers(trained).src
+    tokenizer = data.load_tokenizers(trained).src
     byte_level = decoders.ByteLevel()
     partial = 0
     for token, token_id in tokenizer.get_vocab().items():

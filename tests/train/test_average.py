@@ -6,11 +6,11 @@ import json
 import numpy as np
 import pytest
 
-from train import average, evaluate, loop, translate
+from train import average, averaging, evaluate, loop, translate
 from train import run as train_run
 from train.backends import create_backend
 from train.config import ExperimentConfig
-from train.rundir import read_experiment, read_model_config
+from train.runtime import read_experiment, read_model_config
 from train.store import TrainingState
 
 
@@ -23,12 +23,12 @@ def test_average_states_is_the_float64_mean_rounded_once():
     # A float32 running sum loses the ones (2^24 + 1 rounds to 2^24) and gives 2^22; the mean is
     # 2^22 + 0.5, a float32.
     states = [_state(1, 2.0**24), _state(2, 1.0), _state(3, 1.0), _state(4, 0.0)]
-    averaged = average.average_states(states)
+    averaged = averaging.average_states(states)
     assert averaged.params["w"].dtype == np.float32
     np.testing.assert_array_equal(averaged.params["w"], np.float32(2**22 + 0.5))
     assert averaged.step == 4 and averaged.mu["w"][0, 0] == 4  # the newest state's moments and step
     with pytest.raises(ValueError):
-        average.average_states([])
+        averaging.average_states([])
 
 
 @pytest.fixture(scope="module")

@@ -1,20 +1,27 @@
 """Bad input to the command-line tools: each case ends with one `error:` line naming the problem
 (no traceback), a non-zero exit status, and nothing on disk changed. Run in-process through each
-CLI's `main`, which is what `python -m train.run|translate|evaluate` call."""
+CLI's `main`, which is what `python -m train.run|translate|evaluate` call. At the end: numbers out
+of range (every numeric flag of every CLI; model and experiment configs validate themselves), line
+separators other than a newline kept inside a line, TSV rows with another column count."""
 
 import gzip
+import io
 import json
+import math
 import random
 import string
+import sys
 from pathlib import Path
 
 import pytest
 
-from train import data, evaluate, run, rundir, translate
+from torch_reference.config import TransformerConfig
+from train import data, evaluate, run, runtime, translate
 from train.config import ExperimentConfig
 from train.data import corpora
 
 from .cli import run_cli
+from .helpers import _exit_status
 
 SMALL = ["--numbers-train", "300", "--max-len", "16", "--token-budget", "512", "--no-progress", "--samples", "0",
          "--eval-sentences", "4", "--beam", "1", "--set", "num_encoder_layers=1", "--set", "num_decoder_layers=1"]
@@ -100,7 +107,7 @@ def test_empty_lines_are_skipped_and_counted(tmp_path, corpus, capsys):
     write(tmp_path / "gaps.de", "".join(de + "\n" for de, _ in pairs) + "\nnur deutsch\n")
     write(tmp_path / "gaps.en", "".join(en + "\n" for _, en in pairs) + "only english\n\n")
     cfg = ExperimentConfig(train=f"de:en:{tmp_path}/gaps", valid=f"de:en:{corpus}")
-    assert len(rundir.load_split(cfg, cfg.train)) == 30
+    assert len(data.load_split(cfg, cfg.train)) == 30
     assert "skipped 2 of 32 pairs with an empty side" in capsys.readouterr().out
 
 
@@ -173,7 +180,7 @@ def test_translate_keeps_lines_with_characters_never_seen_in_training(trained, c
     translated like any other (here into whatever a 2-step model says), and every input line
     gets exactly one output line."""
     lines = ["dreihundert", "🦀🦀 ∮ ∂ ж", "", "\u0007\u200b"]
-    ids = data.encode(rundir.load_tokenizers(trained).src, lines)
+    ids = data.encode(data.load_tokenizers(trained).src, lines)
     assert all(data.UNK_ID not in row for row in ids) and all(len(row) > 1 for row, line in zip(ids, lines) if line)
     code, out, err = translate_cli(capsys, monkeypatch, "\n".join(lines).encode() + b"\n", "--run-dir", str(trained))
     assert code == 0, err
@@ -203,3 +210,92 @@ def test_malformed_json_lines_name_the_file(tmp_path, corpus, capsys):
     empty = write(tmp_path / "empty.jsonl", "")
     code, _, err = train_cli(capsys, "--run-dir", str(tmp_path / "run"), *data_flags(str(empty), f"de:en:{corpus}"))
     assert_one_error(code, err, "empty.jsonl' holds no sentence pairs")
+
+
+# ----------------------------------------------------------------------------------------------
+# Numbers out of range, line ends, table rows
+
+
+def test_only_newlines_end_lines_in_translate_and_training_data(torch_run, tmp_path, capsys, monkeypatch):
+    odd = "eins\u2028zwei\x85drei\x0cvier\rfünf\x1csechs\x1d\x1e\u2029"
+    assert data.split_lines(f"{odd}\nzwei\r\n\n  \nlast") == [odd, "zwei", "", "  ", "last"]
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(f"{odd}\n \n\nacht\r\n".encode())))
+    assert translate.main(["--run-dir", str(torch_run), "--beam", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 4 and out.split("\n")[1:3] == ["", ""]  # whitespace-only -> empty line
+    (tmp_path / "p.de").write_text(f"{odd}\nzwei\n", encoding="utf-8")
+    (tmp_path / "p.en").write_text("one two\r\ntwo\n", encoding="utf-8")
+    assert data.load_parallel(f"de:en:{tmp_path}/p").pairs == [(odd.strip(), "one two"), ("zwei", "two")]
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(num_heads=0), "num_heads must be >= 1, got 0"),
+    (dict(layer_norm_eps=-1.0), "layer_norm_eps must be > 0, got -1"),
+    (dict(layer_norm_eps=math.nan), "layer_norm_eps must be finite"),
+    (dict(dropout=math.inf), "dropout must be finite"),
+    (dict(attention_dropout=1.0), "attention_dropout must be in [0, 1), got 1"),
+    (dict(d_model=512.0), "d_model must be an integer"),
+    (dict(d_ff=True), "d_ff must be an integer"),
+    (dict(pad_id=2), "eos_id must differ from pad_id and bos_id (bos_id may equal pad_id), got pad_id=2"),
+    (dict(bos_id=2), "eos_id must differ from pad_id and bos_id"),
+    (dict(src_vocab_size=2, tgt_vocab_size=2), "eos_id=2 must be below the vocabulary sizes"),
+    (dict(tie_output="yes"), "tie_output must be true or false"),
+])
+def test_a_model_config_validates_itself(changes, message):
+    with pytest.raises(ValueError) as info:
+        TransformerConfig(**changes)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(lr_factor=math.nan), "lr_factor must be finite"),
+    (dict(clip_norm=math.inf), "clip_norm must be finite"),
+    (dict(label_smoothing=1.0), "label_smoothing must be in [0, 1)"),
+    (dict(seed=-1), "seed must be >= 0"),
+    (dict(steps="10"), "steps must be an integer"),
+    (dict(joint_vocab="no"), "joint_vocab must be bool"),
+    (dict(model={"num_heads": 0}), "num_heads must be >= 1"),
+])
+def test_an_experiment_config_validates_itself(changes, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        ExperimentConfig(**changes)
+
+
+@pytest.mark.parametrize("module, argv, message", [
+    ("train.run", ["--lr-factor", "nan"], "--lr-factor: lr_factor must be finite, got nan"),
+    ("train.run", ["--clip-norm", "inf"], "--clip-norm: clip_norm must be finite, got inf"),
+    ("train.run", ["--set", "layer_norm_eps=-1"], "layer_norm_eps must be > 0, got -1"),
+    ("train.run", ["--set", "num_heads=0"], "num_heads must be >= 1, got 0"),
+    ("train.run", ["--steps", "1e3"], "--steps: steps must be an integer, got '1e3'"),
+    ("train.translate", ["--run-dir", "x", "--alpha", "nan"], "--alpha: must be finite, got nan"),
+    ("train.translate", ["--run-dir", "x", "--alpha", "-1"], "--alpha: must be >= 0, got -1"),
+    ("train.translate", ["--run-dir", "x", "--batch-size", "0"], "--batch-size: must be >= 1, got 0"),
+    ("train.evaluate", ["--run-dir", "x", "--data", "d", "--samples", "-1"], "--samples: must be >= 0, got -1"),
+    ("train.evaluate", ["--run-dir", "x", "--data", "d", "--max-sentences", "inf"], "--max-sentences: must be an integer"),
+    ("train.bench", ["--dropout", "1"], "--dropout: must be in [0, 1), got 1"),
+    ("train.bench", ["--steps", "0"], "--steps: must be >= 1, got 0"),
+    ("train.profile_step", ["--repeats", "-2"], "--repeats: must be >= 1, got -2"),
+    ("parity.check", ["--set", "num_heads=0"], "num_heads must be >= 1, got 0"),
+    ("parity.check", ["--src-len", "0"], "--src-len: must be >= 1, got 0"),
+    ("parity.trajectory", ["--lr-factor", "inf"], "--lr-factor: must be finite, got inf"),
+    ("parity.trajectory", ["--label-smoothing", "-0.1"], "--label-smoothing: must be in [0, 1), got -0.1"),
+    ("parity.translate_bench", ["--run-dir", "x", "--alpha", "inf"], "--alpha: must be finite, got inf"),
+])
+def test_every_numeric_flag_is_range_checked(module, argv, message, capsys):
+    import importlib
+
+    code, err = _exit_status(importlib.import_module(module).main, argv, capsys)
+    assert code == 2 and "Traceback" not in err
+    assert message in [line for line in err.splitlines() if "error:" in line][0], err
+
+
+@pytest.mark.parametrize("rows, message", [
+    (["source\ttarget", "eins\tone\textra", "zwei\ttwo"], "line 2 has 3 columns, the header (line 1) has 2"),
+    (["source\ttarget", "eins\tone", "zwei\ttwo", "drei"], "line 4 has 1 columns, the header (line 1) has 2"),
+])
+def test_tsv_rows_with_another_column_count_are_named(tmp_path, rows, message):
+    path = tmp_path / "pairs.tsv"
+    path.write_text("\n".join(rows) + "\n")
+    with pytest.raises(runtime.UserError) as info:
+        data.load_split(ExperimentConfig(), str(path))
+    assert str(path) in str(info.value) and message in str(info.value) and "\n" not in str(info.value)

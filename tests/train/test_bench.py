@@ -31,6 +31,23 @@ def test_step_flops_counts_every_matmul():
     assert step_flops(cfg, B, S, T) == 3 * forward
 
 
+def tiny_step_flops(batch: int, length: int, vocab: int) -> int:
+    """Model FLOPs of one training step of the tiny preset on `batch` sentences of `length` tokens a
+    side, counted by hand from its dimensions (2 FLOPs per multiply-add, forward x 3 for the
+    backward) without train.bench: what `train.bench` must report for the same work."""
+    cfg = TransformerConfig.preset("tiny")
+    assert (cfg.d_model, cfg.d_ff, cfg.num_encoder_layers, cfg.num_decoder_layers, cfg.activation) == (
+        64, 128, 2, 2, "relu"), "the tiny preset changed: count its FLOPs again"
+    D, F, N = 64, 128, batch * length  # N: tokens a side
+    projection = 2 * N * D * D  # one of q, k, v, out (D x D) over one side's tokens
+    feed_forward = 2 * N * D * F + 2 * N * F * D
+    attention = 2 * (2 * batch * length * length * D)  # scores q.k and weighted values, all heads together
+    encoder_layer = 4 * projection + attention + feed_forward
+    decoder_layer = 4 * projection + attention + 4 * projection + attention + feed_forward  # cross: q, out; k, v
+    output = 2 * N * D * vocab
+    return 3 * (2 * encoder_layer + 2 * decoder_layer + output)
+
+
 def test_bench_runs_both_backends_on_the_same_work(tmp_path):
     out = tmp_path / "bench.json"
     done = subprocess.run(
@@ -41,17 +58,32 @@ def test_bench_runs_both_backends_on_the_same_work(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     results = json.loads(out.read_text())["results"]
     assert [(r["backend"], r["precision"]) for r in results] == [("jax", "float32"), ("torch", "float32")]
+    # --batch-tokens 256 / --length 16: 16 sentences of 16 tokens a side, on both backends.
+    flops = tiny_step_flops(16, 16, 500)
+    # Worked out once on paper: projection 2,097,152, feed-forward 8,388,608, attention 1,048,576;
+    # encoder layer 17,825,792, decoder layer 27,262,976, output 16,384,000; forward 106,561,536.
+    assert flops == 3 * 106_561_536
     for r in results:
+        assert r["batch"] == [16, 16] and r["tokens_per_step"] == 2 * 16 * 16 and r["step_flops"] == flops
+        assert len(r["step_times_s"]) == 2  # the --steps 2 timed steps; the --warmup 1 step is not among them
         assert r["median_step_s"] > 0 and r["matmul_peak_gflops"] > 0 and r["peak_memory_mib"] > 0
-        assert r["mfu"] == pytest.approx(r["step_flops"] / r["median_step_s"] / 1e9 / r["matmul_peak_gflops"])
-    # The same shapes and batches, so the same FLOPs; each framework initialises its own weights
-    # (train never converts between frameworks), so the losses are not equal: after 3 updates at
-    # the paper's warmup (lr <= 3e-6) both stay near ln(500) = 6.21, the loss of near-uniform
-    # predictions (measured 6.81 and 6.72; bound 20%).
-    assert results[0]["step_flops"] == results[1]["step_flops"]
+        assert_mfu(r, flops)
+    # Each framework initialises its own weights (train never converts between frameworks), so the
+    # losses are not equal: after 3 updates at the paper's warmup (lr <= 3e-6) both stay near
+    # ln(500) = 6.21, the loss of near-uniform predictions (measured 6.81 and 6.72; bound 20%).
     for r in results:
         assert abs(r["final_loss"] - math.log(500)) < 0.2 * math.log(500)
     assert "tiny   jax" in done.stdout and "vs torch" in done.stdout
+
+
+def assert_mfu(result: dict, flops: int) -> None:
+    """MFU is the FLOPs counted here (not the result's own step_flops) per second of the median
+    timed step, over the matmul peak. It is below 1: the peak is the best of ten 2048 x 2048
+    products in the same process, and a tiny model's step (matmuls at most 500 columns wide, softmaxes,
+    layer norms, Adam) does not run its matmuls faster than that (tiny reaches 0.37 at 32 x 32
+    tokens in docs/performance.md's CPU table). A FLOP count, unit or time other than these fails."""
+    expected = flops / result["median_step_s"] / 1e9 / result["matmul_peak_gflops"]
+    assert result["mfu"] == pytest.approx(expected) and 0 < result["mfu"] < 1, result
 
 
 @pytest.mark.parametrize("precision, jax_setting, torch_setting", [
@@ -88,7 +120,9 @@ def test_bench_measures_bfloat16_against_the_bfloat16_matmul_peak(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     [r] = json.loads(out.read_text())["results"]
-    assert r["precision"] == "bfloat16" and r["mfu"] == pytest.approx(r["achieved_gflops"] / r["matmul_peak_gflops"])
+    flops = tiny_step_flops(8, 16, 300)  # --batch-tokens 128 / --length 16: 8 sentences of 16 tokens
+    assert r["precision"] == "bfloat16" and r["step_flops"] == flops
+    assert_mfu(r, flops)
     assert abs(r["final_loss"] - math.log(300)) < 0.2 * math.log(300)  # near-uniform predictions, as above
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -107,7 +141,14 @@ def test_bad_arguments_are_refused_before_anything_runs():
 
 
 @pytest.mark.slow  # ~20 s
-def test_profile_step_times_every_part_in_both_frameworks(tmp_path, capsys):
+def test_profile_step_times_every_part_in_both_frameworks(tmp_path, capsys, monkeypatch):
+    measured = {}  # the seconds each framework's timing returned, as profile_step's table must report them
+    for name in ("jax_parts", "torch_parts"):
+        def record(*args, _real=getattr(profile_step, name), _name=name, **kwargs):
+            measured[_name] = _real(*args, **kwargs)
+            return measured[_name]
+
+        monkeypatch.setattr(profile_step, name, record)
     out = tmp_path / "parts.json"
     assert profile_step.main(["--preset", "tiny", "--batch", "4", "--length", "8", "--vocab", "300",
                               "--repeats", "1", "--json", str(out)]) == 0
@@ -117,7 +158,11 @@ def test_profile_step_times_every_part_in_both_frameworks(tmp_path, capsys):
         "embeddings (src + tgt)", "encoder (all layers)", "decoder (all layers)", "output projection + loss",
         "forward + backward", "adam update", "train step",
     ]
-    assert all(r["jax_ms"] > 0 and r["torch_ms"] > 0 and r["ratio"] == pytest.approx(r["jax_ms"] / r["torch_ms"]) for r in rows)
+    for r in rows:  # each part's own times, in milliseconds, and JAX over torch (not the reverse)
+        jax_s, torch_s = measured["jax_parts"][r["part"]], measured["torch_parts"][r["part"]]
+        assert jax_s > 0 and torch_s > 0, r
+        assert r["jax_ms"] == pytest.approx(1e3 * jax_s) and r["torch_ms"] == pytest.approx(1e3 * torch_s), r
+        assert r["ratio"] == pytest.approx(jax_s / torch_s), r
     assert "JAX/torch" in capsys.readouterr().out
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from num2words import num2words
 
-from train import data, rundir
+from train import data
 from train.config import ExperimentConfig
 from train.data import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Batcher
 
@@ -223,21 +223,21 @@ def test_tokenizer_special_ids_and_round_trip(corpus, tokenizers):
 
 
 def test_tokenizers_save_load(tmp_path, corpus, tokenizers):
-    rundir.save_tokenizers(tokenizers, tmp_path / "joint")
+    data.save_tokenizers(tokenizers, tmp_path / "joint")
     assert sorted(p.name for p in (tmp_path / "joint").iterdir()) == ["tokenizer.json"]
-    loaded = rundir.load_tokenizers(tmp_path / "joint")
+    loaded = data.load_tokenizers(tmp_path / "joint")
     assert loaded.joint and data.encode_pairs(loaded, corpus.valid) == data.encode_pairs(tokenizers, corpus.valid)
 
     separate = data.train_tokenizers(corpus.train, vocab_size=300, joint=False)
     assert not separate.joint
-    rundir.save_tokenizers(separate, tmp_path / "sep")
+    data.save_tokenizers(separate, tmp_path / "sep")
     assert sorted(p.name for p in (tmp_path / "sep").iterdir()) == ["src_tokenizer.json", "tgt_tokenizer.json"]
-    reloaded = rundir.load_tokenizers(tmp_path / "sep")
+    reloaded = data.load_tokenizers(tmp_path / "sep")
     src_vocab, tgt_vocab = reloaded.src.get_vocab(), reloaded.tgt.get_vocab()
     assert src_vocab != tgt_vocab and "tausend" in "".join(src_vocab) and "thousand" in "".join(tgt_vocab)
     assert data.encode_pairs(reloaded, corpus.valid) == data.encode_pairs(separate, corpus.valid)
     with pytest.raises(FileNotFoundError):
-        rundir.load_tokenizers(tmp_path / "nothing")
+        data.load_tokenizers(tmp_path / "nothing")
 
 
 def test_lowercase_tokenizer_and_splits(tmp_path):
@@ -247,14 +247,14 @@ def test_lowercase_tokenizer_and_splits(tmp_path):
     tgt.write_text("\n".join(t for _, t in pairs) + "\n", encoding="utf-8")
     spec = f"de:en:{tmp_path}/train"
     cfg = ExperimentConfig(train=spec, valid=spec, test=spec, lowercase=True)
-    splits = rundir.load_splits(cfg)
+    splits = data.load_splits(cfg)
     lowered = ("ein hund läuft über die straße.", "a dog runs across the street.")
     assert splits.train == splits.valid == splits.test == [lowered] * 3
-    assert rundir.load_splits(dataclasses.replace(cfg, lowercase=False)).train == pairs
+    assert data.load_splits(dataclasses.replace(cfg, lowercase=False)).train == pairs
 
     tokenizers = data.train_tokenizers(splits.train, vocab_size=300, lowercase=True)
-    rundir.save_tokenizers(tokenizers, tmp_path / "run")
-    tok = rundir.load_tokenizers(tmp_path / "run").src  # the normalizer is in tokenizer.json
+    data.save_tokenizers(tokenizers, tmp_path / "run")
+    tok = data.load_tokenizers(tmp_path / "run").src  # the normalizer is in tokenizer.json
     cased, lower = data.encode(tok, ["Ein HUND, Über."]), data.encode(tok, ["ein hund, über."])
     assert cased == lower and data.decode(tok, cased[0]) == "ein hund, über."
     plain = data.train_tokenizers(pairs, vocab_size=300).src

@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # when run as the worker script
     sys.path.insert(0, str(REPO))
 
-from train import data, files, loop, rundir  # noqa: E402
+from train import data, loop, runtime  # noqa: E402
 from train.config import ExperimentConfig  # noqa: E402
 
 # Lopsided sizes (d_model=24 with 3 heads, 2+1 layers) so a swapped axis cannot pass; no
@@ -292,7 +292,7 @@ def test_devices_errors(fast_config, capsys):
     assert "devices must be >= 1" in capsys.readouterr().err
     # A budget that holds fewer max_len sequences than there are devices cannot be split.
     cfg = fast_config("jax", token_budget=64, max_len=16)
-    with pytest.raises(files.UserError, match="holds 4 sequence.*8 devices.*at least 128"):
+    with pytest.raises(runtime.UserError, match="holds 4 sequence.*8 devices.*at least 128"):
         loop.make_batcher(cfg, None, [], num_devices=8)
     # A divisible budget: every bucket's batch size is a multiple of the device count.
     splits = data.numbers_corpus(200, 8, 0, seed=0)

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from train import data, evaluate, files, loop, rundir, translate
+import train
+from train import data, evaluate, loop, metrics, runtime, translate, translation
 from train.config import ExperimentConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,7 +33,7 @@ def short_run(request, tmp_path_factory):
 
 
 # The JAX run (~45 s, mostly compiling) is slow: CI trains JAX end to end in test_backends (the
-# same curves as torch), test_reliability*, test_fsdp and test_trajectory.
+# same curves as torch), test_crash_and_resume, test_checkpoints, test_fsdp and test_trajectory.
 BOTH_JAX_SLOW = ["torch", pytest.param("jax", marks=pytest.mark.slow)]
 
 
@@ -47,7 +48,7 @@ def test_short_run_learns_and_writes_results(short_run, capsys):
     assert (results["backend"], results["steps"], results["test"]["sentences"]) == (cfg.backend, 60, 40)
     # --eval-sentences 20 limits validation only: the test set is scored whole.
     assert results["valid"]["sentences"] == 20 and results["test"]["sentences"] == cfg.numbers_test
-    test, corpus = results["test"], rundir.load_splits(cfg)
+    test, corpus = results["test"], data.load_splits(cfg)
     assert {b: v["sentences"] for b, v in test["bands"].items()} == {str(d): 6 + (d > 2) for d in range(1, 7)}
     train_sources = {s for s, _ in corpus.train}
     for band, scores in test["bands"].items():  # seen: the test numbers below 100 (all are training numbers)
@@ -79,7 +80,7 @@ def test_short_run_learns_and_writes_results(short_run, capsys):
     # config.json holds the experiment; the launch options (run dir, steps, intervals) are not saved.
     saved = json.loads((run_dir / "config.json").read_text())
     assert saved == cfg.resolve().experiment() and not set(saved) & set(ExperimentConfig.launch_fields())
-    assert rundir.read_experiment(run_dir) == cfg.resolve().replace(**{
+    assert runtime.read_experiment(run_dir) == cfg.resolve().replace(**{
         name: getattr(ExperimentConfig(), name) for name in ExperimentConfig.launch_fields()
     })
 
@@ -92,7 +93,7 @@ def test_learning_curves(short_run, tmp_path, capsys):
     from train import curves
 
     cfg, results = short_run
-    drawn = imread(Path(cfg.run_dir) / rundir.CURVES_FILE)
+    drawn = imread(Path(cfg.run_dir) / runtime.CURVES_FILE)
     assert drawn.shape == (700, 1100, 4)  # figsize 11 x 7 inches at 100 dpi
     # Training time per entry: cumulative, increasing, and ending at the run's total.
     for entries in (results["history"]["train"], results["history"]["valid"]):
@@ -117,10 +118,10 @@ def test_learning_curves(short_run, tmp_path, capsys):
 @pytest.mark.parametrize("short_run", BOTH_JAX_SLOW, indirect=True)
 def test_translate_and_evaluate_a_run(short_run, capsys):
     cfg, results = short_run
-    run = rundir.open_run(cfg.run_dir, "latest")
+    run = train.load(cfg.run_dir, "latest")
     assert run.backend.step == run.meta["step"] == 60 and set(run.meta["data"]) == {"epoch", "index"}
-    test_pairs = rundir.load_split(run.config, "numbers:test")
-    scored = evaluate.evaluate_pairs(
+    test_pairs = data.load_split(run.config, "numbers:test")
+    scored = metrics.evaluate_pairs(
         run.backend, run.tokenizers, test_pairs, max_len=cfg.max_len, token_budget=cfg.token_budget
     )
     # The final test evaluation in results.json is this model on this data.
@@ -153,7 +154,7 @@ def test_translate_and_evaluate_a_run(short_run, capsys):
     right = [s["hypothesis"] == s["reference"] for s in report["samples"]]
     assert report["exact_match"] == pytest.approx(100 * sum(right) / 10)
     assert report["bands"]["2"]["seen"] == 5 and report["bands"]["3"]["seen"] == sum(
-        loop.data.number_words(n)[0] in {s for s, _ in rundir.load_split(run.config, "numbers:train")} for n in range(100, 105)
+        loop.data.number_words(n)[0] in {s for s, _ in data.load_split(run.config, "numbers:train")} for n in range(100, 105)
     )
     capsys.readouterr()
     with pytest.raises(SystemExit) as exited:
@@ -161,7 +162,7 @@ def test_translate_and_evaluate_a_run(short_run, capsys):
     assert exited.value.code == 1 and "error: numbers:9-1000000: expected 0 <= first <= last" in capsys.readouterr().err
 
     sources = [s for s, _ in test_pairs[:5]] + [""]
-    expected = translate.translate_texts(
+    expected = translation.translate_texts(
         run.backend, run.tokenizers, sources, max_len=cfg.max_len, token_budget=cfg.token_budget
     )
     assert expected[-1] == "" and all(expected[:-1])
@@ -262,9 +263,9 @@ def test_resume_continues_with_the_same_losses(fast_config, backend):
 def test_run_dir_refused_without_resume_or_overwrite(fast_config, tmp_path):
     cfg = fast_config("torch", steps=2, eval_every=2, eval_sentences=2, numbers_valid=2, numbers_test=0)
     loop.train(cfg)
-    with pytest.raises(files.UserError, match="already holds a run; pass --resume .* or --overwrite"):
+    with pytest.raises(runtime.UserError, match="already holds a run; pass --resume .* or --overwrite"):
         loop.train(cfg)
-    with pytest.raises(files.UserError, match="--resume cannot change how the run trains:\n  --seed: run has 0, got 1"):
+    with pytest.raises(runtime.UserError, match="--resume cannot change how the run trains:\n  --seed: run has 0, got 1"):
         loop.train(cfg.replace(resume=True, seed=1))
     marker = Path(cfg.run_dir) / "checkpoints" / "2"
     assert marker.is_dir()
@@ -273,10 +274,10 @@ def test_run_dir_refused_without_resume_or_overwrite(fast_config, tmp_path):
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("mine")
     for flags in ({}, {"overwrite": True}):
-        with pytest.raises(files.UserError, match="holds no run"):
+        with pytest.raises(runtime.UserError, match="holds no run"):
             loop.train(cfg.replace(run_dir=str(tmp_path / "other"), **flags))
     assert (tmp_path / "other" / "notes.txt").read_text() == "mine"
-    with pytest.raises(files.UserError, match="nothing to resume"):
+    with pytest.raises(runtime.UserError, match="nothing to resume"):
         loop.train(cfg.replace(run_dir=str(tmp_path / "fresh"), resume=True))
 
 
@@ -302,7 +303,7 @@ def test_multi30k_loads_and_trains(multi30k, fast_config, tmp_path):
     assert results["valid"]["tokens"] > 10_000  # the whole of val (1,014 sentences) scored for loss
     # No test set here: it is translated whole (1,000 sentences), which the short runs above test.
     assert results["valid"]["sentences"] == 8 and 0 <= results["valid"]["bleu"] <= 100 and results["test"] is None
-    tokenizers = rundir.load_tokenizers(cfg.run_dir)
+    tokenizers = data.load_tokenizers(cfg.run_dir)
     assert tokenizers.joint and tokenizers.src.get_vocab_size() == 1000
     sentence = "Zwei junge weiße Männer sind im Freien."
     assert loop.data.decode(tokenizers.src, loop.data.encode(tokenizers.src, [sentence])[0]) == sentence
@@ -322,7 +323,7 @@ def test_jsonl_and_tsv_data_specs(fast_config, tmp_path):
     )
     results = loop.train(cfg)
     assert results["steps"] == 2 and results["test"] is None and results["valid"]["sentences"] == 4
-    assert rundir.load_split(cfg, str(valid_file)) == pairs.valid
+    assert data.load_split(cfg, str(valid_file)) == pairs.valid
 
 
 def test_source_batches_bucket_pad_and_keep_every_sentence():

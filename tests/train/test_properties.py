@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from torch_reference.config import TransformerConfig
-from train import data, files, run, rundir, translate
+from train import data, run, runtime, translate
 from train.config import ExperimentConfig
 
 FEW = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -52,12 +52,12 @@ def tsv_bytes(draw) -> bytes:
 
 
 def loads_or_one_line(spec: str, watched: list[Path]) -> list[data.Pair] | None:
-    """rundir.load_split on `spec`: its pairs, or None after a one-line UserError; the files in
+    """data.load_split on `spec`: its pairs, or None after a one-line UserError; the files in
     `watched` are unchanged either way."""
     before = [p.read_bytes() for p in watched]
     try:
-        pairs = rundir.load_split(ExperimentConfig(), spec)
-    except files.UserError as err:
+        pairs = data.load_split(ExperimentConfig(), spec)
+    except runtime.UserError as err:
         assert "\n" not in str(err) and str(err), repr(str(err))
         pairs = None
     assert [p.read_bytes() for p in watched] == before
@@ -165,7 +165,7 @@ def test_a_hand_edited_config_json_loads_or_is_named(tmp_path_factory, field, va
     (run_dir / "config.json").write_text(json.dumps(saved))  # NaN as Python writes it, as an editor might
     before = (run_dir / "config.json").read_bytes()
     try:
-        rundir.read_experiment(run_dir)
-    except files.UserError as err:
+        runtime.read_experiment(run_dir)
+    except runtime.UserError as err:
         assert str(err).startswith(str(run_dir / "config.json")) and "\n" not in str(err)
     assert (run_dir / "config.json").read_bytes() == before

@@ -1,43 +1,43 @@
-"""`rundir.derive`: a directory built from a run appears whole or not at all."""
+"""`runtime.derive`: a directory built from a run appears whole or not at all."""
 
 import os
 
 import pytest
 
-from train import rundir
+from train import data, runtime
 from train.config import ExperimentConfig
-from train.files import json_text
+from train.runtime.files import json_text
 
-RUN_CONFIG = json_text(ExperimentConfig().experiment())  # what makes a directory a run (rundir.kind_of)
+RUN_CONFIG = json_text(ExperimentConfig().experiment())  # what makes a directory a run (runtime.kind_of)
 
 
 def old_run(root):
     """A run directory `root/dst` with a config and a checkpoint file, and a source run `root/src`."""
     dst, src = root / "dst", root / "src"
     (dst / "checkpoints").mkdir(parents=True)
-    (dst / rundir.CONFIG_FILE).write_text(RUN_CONFIG)
+    (dst / runtime.CONFIG_FILE).write_text(RUN_CONFIG)
     (dst / "checkpoints" / "weights").write_text("old weights")
-    (src / rundir.TENSORBOARD).mkdir(parents=True)
-    for name, text in [(rundir.CONFIG_FILE, "src config"), (rundir.JOINT_TOKENIZER, "tokenizer"),
-                       (rundir.MODEL_FILE, "model"), (rundir.TENSORBOARD + "/events", "events")]:
+    (src / runtime.TENSORBOARD).mkdir(parents=True)
+    for name, text in [(runtime.CONFIG_FILE, "src config"), (data.JOINT_TOKENIZER, "tokenizer"),
+                       (runtime.MODEL_FILE, "model"), (runtime.TENSORBOARD + "/events", "events")]:
         (src / name).write_text(text)
     return src, dst
 
 
 def contents(directory):
     return {p.relative_to(directory).as_posix(): p.read_text() for p in sorted(directory.rglob("*"))
-            if p.is_file() and p.name != rundir.LOCK_FILE}
+            if p.is_file() and p.name != runtime.LOCK_FILE}
 
 
 def test_derive_replaces_the_destination_with_the_new_files_and_the_copies(tmp_path):
     src, dst = old_run(tmp_path)
-    copy = (rundir.JOINT_TOKENIZER, rundir.MODEL_FILE, rundir.TENSORBOARD, "absent")
-    with rundir.derive(src, dst, "run", overwrite=True, copy=copy) as tmp:
+    copy = (data.JOINT_TOKENIZER, runtime.MODEL_FILE, runtime.TENSORBOARD, "absent")
+    with runtime.derive(src, dst, "run", overwrite=True, copy=copy) as tmp:
         assert tmp.parent == tmp_path and tmp.name == ".dst.run" and list(tmp.iterdir()) == []
-        (tmp / rundir.CONFIG_FILE).write_text("new config")
-        assert contents(dst)[rundir.CONFIG_FILE] == RUN_CONFIG  # nothing changes before the block ends
-    assert contents(dst) == {rundir.CONFIG_FILE: "new config", rundir.JOINT_TOKENIZER: "tokenizer",
-                             rundir.MODEL_FILE: "model", "tensorboard/events": "events"}
+        (tmp / runtime.CONFIG_FILE).write_text("new config")
+        assert contents(dst)[runtime.CONFIG_FILE] == RUN_CONFIG  # nothing changes before the block ends
+    assert contents(dst) == {runtime.CONFIG_FILE: "new config", data.JOINT_TOKENIZER: "tokenizer",
+                             runtime.MODEL_FILE: "model", "tensorboard/events": "events"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dst", "src"]  # no temporary or old directory left
 
 
@@ -53,8 +53,8 @@ def test_a_failed_derive_leaves_the_old_destination_whole_and_no_temporary_direc
         real_replace(a, b)
 
     with pytest.raises(OSError, match="No space left"):
-        with rundir.derive(src, dst, "run", overwrite=True, copy=(rundir.MODEL_FILE,)) as tmp:
-            (tmp / rundir.CONFIG_FILE).write_text("new config")
+        with runtime.derive(src, dst, "run", overwrite=True, copy=(runtime.MODEL_FILE,)) as tmp:
+            (tmp / runtime.CONFIG_FILE).write_text("new config")
             if where == "in the block":
                 raise OSError(28, "No space left on device")
             monkeypatch.setattr(os, "replace", replace)
@@ -66,11 +66,11 @@ def test_a_failed_derive_leaves_the_old_destination_whole_and_no_temporary_direc
 def test_derive_refuses_before_building(tmp_path):
     src, dst = old_run(tmp_path)
     with pytest.raises(FileExistsError, match="pass --overwrite"):
-        with rundir.derive(src, dst, "run"):
+        with runtime.derive(src, dst, "run"):
             pytest.fail("the block ran")
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep")
     with pytest.raises(FileExistsError, match="holds no run; it is never deleted"):
-        with rundir.derive(src, tmp_path / "mine", "run", overwrite=True):
+        with runtime.derive(src, tmp_path / "mine", "run", overwrite=True):
             pytest.fail("the block ran")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dst", "mine", "src"]

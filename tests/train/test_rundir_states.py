@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
 from parity import convert
-from train import average, rundir
+from train import average, runtime
 from train import run as train_run
 
 TINY = ["--backend", "torch", "--numbers-train", "300", "--numbers-valid", "4", "--numbers-test", "0",
@@ -34,7 +34,7 @@ def snapshot(directory: Path) -> dict[str, bytes]:
     if not directory.is_dir():
         return {}
     return {p.relative_to(directory).as_posix(): p.read_bytes() for p in sorted(directory.rglob("*"))
-            if p.is_file() and p.name != rundir.LOCK_FILE}
+            if p.is_file() and p.name != runtime.LOCK_FILE}
 
 
 def machine(base_run: Path, capfd):
@@ -71,7 +71,7 @@ def machine(base_run: Path, capfd):
             code = self.call(main, argv)
             assert snapshot(self.root / src) == source
             if code == 0:
-                assert rundir.kind_of(self.root / dst) == kind
+                assert runtime.kind_of(self.root / dst) == kind
             else:
                 assert snapshot(self.root / dst) == target
 
@@ -103,7 +103,7 @@ def machine(base_run: Path, capfd):
 
         def regular_files(self, name: str, under: str = "") -> list[Path]:
             return sorted(p for p in (self.root / name / under).rglob("*") if p.is_file() and not p.is_symlink()
-                          and p.name != rundir.LOCK_FILE)
+                          and p.name != runtime.LOCK_FILE)
 
         @rule(name=NAMES, data=st.data())
         def delete_a_step(self, name, data):

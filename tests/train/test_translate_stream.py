@@ -26,7 +26,8 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # when run as the worker script
     sys.path.insert(0, str(REPO))
 
-from train import data, streaming, translate  # noqa: E402
+from train import data, translate, translation  # noqa: E402
+from train.runtime import output as run_output  # noqa: E402
 from train.backends import host_devices, jax_cache  # noqa: E402
 
 # Numbers of varied lengths (1 to 6 words), an empty and a whitespace-only line among them.
@@ -60,11 +61,11 @@ def one_error(code: int, err: str, *fragments: str) -> None:
 @pytest.fixture(scope="module")
 def reference(tiny_torch_run, tmp_path_factory):
     """LINES translated in one go (`translate_texts`, no streaming), beam 4: the expected output."""
-    from train.rundir import open_run
+    from train import load as open_run
 
     run = open_run(tiny_torch_run, "best")
     try:
-        return translate.translate_texts(run.backend, run.tokenizers, LINES, max_len=run.config.max_len,
+        return translation.translate_texts(run.backend, run.tokenizers, LINES, max_len=run.config.max_len,
                                          token_budget=run.config.token_budget)
     finally:
         run.backend.close()
@@ -83,14 +84,14 @@ def test_chunks_smaller_than_the_input_keep_its_order_and_never_hold_more(tiny_t
             super().__init__(*args, **kwargs)
             readers.append(self)
 
-    real = translate.translate_texts
+    real = translation.translate_texts
 
     def spy(backend, tokenizers, texts, **kwargs):
         calls.append((len(texts), readers[0].lines))  # lines read from the input so far
         return real(backend, tokenizers, texts, **kwargs)
 
     monkeypatch.setattr(translate, "LineReader", Recorded)
-    monkeypatch.setattr(translate, "translate_texts", spy)
+    monkeypatch.setattr(translation, "translate_texts", spy)
     source = write_lines(tmp_path / "in.txt", LINES)
     code, out, err = run_main(capsys, "--run-dir", str(tiny_torch_run), "--input", str(source), "--chunk-lines", "5")
     assert code == 0, err
@@ -114,7 +115,7 @@ def test_output_file_and_summary(tiny_torch_run, reference, tmp_path, capsys):
 
 def test_progress_on_a_terminal_and_no_progress(tiny_torch_run, tmp_path, capsys, monkeypatch):
     source = write_lines(tmp_path / "in.txt", LINES)
-    monkeypatch.setattr(streaming.Progress, "INTERVAL", 0.0)  # a line after every batch
+    monkeypatch.setattr(run_output.Progress, "INTERVAL", 0.0)  # a line after every batch
     for flags, shown in (([], True), (["--no-progress"], False)):
         terminal = Terminal()
         monkeypatch.setattr(sys, "stderr", terminal)
@@ -190,14 +191,14 @@ def test_a_partial_output_of_other_settings_is_discarded_and_of_other_input_refu
     source, output = write_lines(tmp_path / "in.txt", LINES), tmp_path / "out.txt"
     partial, record = tmp_path / ".out.txt.partial", tmp_path / ".out.txt.partial.json"
     args = ["--run-dir", str(tiny_torch_run), "--input", str(source), "--output", str(output), "--chunk-lines", "4"]
-    streaming.PartialOutput(output, {"beam": 1}).write(["x"] * 4, "a digest")  # as a run with other settings leaves it
+    run_output.PartialOutput(output, {"beam": 1}).write(["x"] * 4, "a digest")  # as a run with other settings leaves it
     code, _, err = run_main(capsys, *args)
     assert code == 0 and err.splitlines()[0] == f"note: {partial} was translated with other settings; starting afresh"
     assert output.read_text(encoding="utf-8").splitlines() == reference
     assert not partial.exists() and not record.exists()
     # The same settings over other input lines: refused, the partial output kept.
     settings = {"run_dir": str(tiny_torch_run.absolute()), "step": 2, "beam": 4, "alpha": 0.6, "scoring": "gnmt"}
-    streaming.PartialOutput(output, settings).write(["x"] * 4, "0" * 64)
+    run_output.PartialOutput(output, settings).write(["x"] * 4, "0" * 64)
     code, _, err = run_main(capsys, *args)
     one_error(code, err, f"{partial} holds the translations of other input (its first 4 lines differ from these): "
               "delete it to start afresh")

@@ -1,5 +1,5 @@
-"""glibc's allocator tuned for XLA:CPU, from inside the process (no environment variables); why, and
-the measured effects: docs/performance.md.
+"""glibc's allocator tuned for XLA:CPU, from inside the process (no environment variables); why:
+docs/performance.md#the-default-run.
 
 glibc's mmap threshold rises to the size of every mmapped block freed (up to 32 MiB), so XLA's
 multi-MiB buffers end up in heaps that keep freed memory resident: `tune()` fixes the mmap and trim
@@ -22,9 +22,8 @@ import sys
 from pathlib import Path
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
-# Fixed thresholds. 128 KiB (glibc's initial value) gave the same peaks but mapped and faulted in
-# every buffer above it afresh at each step: the default numbers run took 184 s for 300 steps
-# against 153 s at 4 MiB and 162 s untuned (docs/performance.md).
+# Fixed 4 MiB thresholds: faster steps than glibc's initial 128 KiB, which maps and faults in every larger
+# buffer afresh at each step, and than its sliding ones (docs/performance.md#the-default-run).
 THRESHOLD = 4 * 1024 * 1024
 
 
@@ -68,10 +67,8 @@ def tuned() -> bool:
 def settled():
     """glibc's thresholds where an untuned process settles (`SETTLED`), then `tune()`'s again if
     it was applied: for other code timed in a process that also holds a JAX backend (torch's and
-    CTranslate2's searches in `parity.translate_bench`). Under the 4 MiB thresholds their buffers
-    above 4 MiB (the beam's logits, 11 MB) were mapped and faulted in afresh at every step:
-    torch's cached beam-4 search of Multi30k val with the small model took 42-46 s against 27 s
-    in a process of its own, and 25-26 s under these thresholds."""
+    CTranslate2's searches in `parity.translate_bench`), whose buffers above 4 MiB (the beam's logits)
+    would be mapped and faulted in afresh at every step (docs/performance.md#translation-speed)."""
     _set(*SETTLED)
     try:
         yield

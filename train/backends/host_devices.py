@@ -2,7 +2,7 @@
 ask XLA for them before jax is imported, and decode each batch data parallel over every device.
 
 XLA:CPU runs a beam search's small matmuls on one core; split into one device per core, each core
-searches its share of the batch (beam 4 on 2 cores: 1.31x, outputs unchanged; docs/performance.md).
+searches its share of the batch, faster with the same outputs (docs/performance.md#against-ctranslate2).
 $AIAYN_HOST_DEVICES=N sets the count (1: one device, XLA's own default); a count already in
 $XLA_FLAGS is kept. Training is left as it is: there the count is the run's own choice (--devices).
 A GPU or TPU machine searches on its accelerators as before; the CPU devices are there unused.
@@ -17,8 +17,8 @@ from collections.abc import MutableMapping
 
 ENV = "AIAYN_HOST_DEVICES"
 FLAG = "--xla_force_host_platform_device_count"
-# Each XLA CPU device costs memory (2,000 of them: 10.6 GB and 86 s to translate one line): a
-# mistyped count fails with one line instead.
+# Each XLA CPU device costs memory and start-up time (docs/operations.md#translating): a mistyped
+# count fails with one line instead.
 MAX_DEVICES = 256
 HELP = (f"On a CPU, jax runs decode over one device per core ({ENV}=N sets the count, {ENV}=1 turns this off; "
         f"a count in XLA_FLAGS is kept)")

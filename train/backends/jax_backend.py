@@ -234,8 +234,8 @@ class JaxBackend(StoreMethods):
                               out_shardings=(state_s, whole), donate_argnums=0)
         self._zeros = jax.jit(lambda tree: jax.tree.map(jnp.zeros_like, tree), out_shardings=acc_s)
         self._eval = jax.jit(bound(eval_sums, self.ctx))  # on one device, over local_copy(params)
-        # Searches jit-compiled over the parameters alone: a call costs no walk of the module graph
-        # (nnx.jit's, ~11 ms a call for the small model).
+        # Searches jit-compiled over the parameters alone: a call skips nnx.jit's walk of the module graph
+        # (docs/performance.md#what-made-the-jax-search-fast).
         self._search = jax.jit(bound(search, self.ctx), static_argnums=(2, 3, 4, 5))
         self._sharded_search = jax.jit(bound(sharded_search, self.ctx, self.mesh), static_argnums=(2, 3, 4, 5))
 

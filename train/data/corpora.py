@@ -48,8 +48,7 @@ def load_parallel(spec: str, cache_dir: str | Path | None = None) -> LoadedPairs
     """Sentence pairs from a spec string (the formats of `train.run.EPILOG`).
 
     `cache_dir` is handed to `datasets.load_dataset` (default: the HF datasets cache). HF
-    `datasets` is imported only for hub and JSON specs (about 1 s); text files and TSV do not
-    need it.
+    `datasets`, slow to import, is imported only for hub and JSON specs (docs/operations.md#training-and-data).
     Raises FileNotFoundError for a missing file, ValueError for an unknown format, a missing
     column, or text files whose line counts differ.
     """

@@ -37,11 +37,10 @@ def number_words(n: int, *, drop_ein: bool = False) -> Pair:
     "hundertdrei" for "einhundertdrei" (103), "tausend" for "eintausend" (1000), as correct and what
     a person types first. Other numbers are the same either way.
 
-    num2words' German converter takes ~0.15 ms per number (it scans a table of names up to
-    10^600), so numbers >= 1000 are composed from its words for 0..999 with its own thousands
-    rules; tests/train/test_data.py checks the composition against num2words on a sample, and it
-    was checked once on all 10^6 numbers. num2words' quirk "einhunderteinstausend" (101,000) is
-    kept on purpose: the corpus is num2words' output.
+    num2words' German converter is slow (it scans a table of names up to 10^600), so numbers >= 1000
+    are composed from its words for 0..999 with its own thousands rules, checked against num2words
+    (tests/train/test_data.py; docs/results.md#the-numbers-corpus). num2words' quirk
+    "einhunderteinstausend" (101,000) is kept on purpose: the corpus is num2words' output.
     """
     if not 0 <= n < 1_000_000:
         raise ValueError(f"number_words covers 0..999999, got {n}")
@@ -64,21 +63,15 @@ def _drop_ein(german: str) -> str:
 # are too few to hold any out, so all 100 are training numbers; 3..6 digits hold numbers out.
 NUMBER_BANDS = (1, 2, 3, 4, 5, 6)
 SEEN_BANDS = (1, 2)
-# Training repeats a number at most this often to fill its band's share (`numbers_corpus`): the
-# bands of 1 to 3 digits hold too few numbers for an even share, and seen only once each, the
-# numbers below 1,000 came out wrong (1-3 digits: 89-90% exact match where 4-6 reached 99.6-100%);
-# at 20 repeats the torch run of 800 steps still wrote "zo" for "null" (band 1: 90%), and at 50
-# the torch run of 700 steps did the same. The ten 1-digit numbers, each a word of its own that no
-# other number contains ("null", "zero"), are repeated twice as often (`ONE_DIGIT_REPEATS`): at 100
-# for every band, band 1 was right but the bands of 3-6 digits lost 11% of their share, and the
-# torch run's 6-digit band fell to 98.67%.
+# Training repeats a number at most this often to fill its band's share (`numbers_corpus`): the bands of
+# 1 to 3 digits hold too few numbers for an even share, and fewer repeats leave small numbers wrong. The
+# ten 1-digit numbers, each a word no other number contains ("null", "zero"), repeat twice as often
+# (`ONE_DIGIT_REPEATS`): as often for every band would starve the larger ones (docs/results.md#the-numbers-corpus).
 TRAIN_REPEATS = 50
 ONE_DIGIT_REPEATS = 100
-# The share of a band's training pairs given to its round thousands (1,000, 2,000, ..., 999,000:
-# 9, 90 and 900 numbers in the bands of 4, 5 and 6 digits). Drawn with the rest, a round thousand
-# is one number in 1,000, and a model trained 600 steps wrote "one thousand and one" for
-# "tausend", "two thousand and two" for "zweitausend" and "one hundred" for "hunderttausend":
-# every one of 36 round thousands from 1,000 to 900,000 wrong, with every band at >= 99.56%.
+# The share of a band's training pairs given to its round thousands (1,000, 2,000, ..., 999,000: 9, 90
+# and 900 numbers in the bands of 4, 5 and 6 digits): drawn with the rest, a round thousand is one number
+# in 1,000, too rare to learn "tausend" or "zweitausend" (docs/results.md#the-numbers-corpus).
 ROUND_SHARE = 0.05
 
 
@@ -148,9 +141,9 @@ def numbers_corpus(train_size: int = 20_000, valid_size: int = 1_000, test_size:
 
     Each split is spread evenly over the six bands 1..6 digits (0..9, 10..99, ..., 100,000..999,999;
     `number_band`), so that small numbers are as present as large ones (drawn uniformly from
-    0..999,999, numbers below 1,000 would be 0.1% of the corpus, and a model trained on it turns
-    "sieben" into "seven thousand and seven"). A band that cannot fill its even share gives the
-    rest to the others (`_spread`).
+    0..999,999, numbers below 1,000 would be 0.1% of the corpus, too few to learn:
+    docs/results.md#the-numbers-corpus). A band that cannot fill its even share gives the rest
+    to the others (`_spread`).
 
     - Test and valid hold distinct numbers. Bands 3..6 (900 numbers and more): each band's numbers
       are permuted with (seed, band) and cut test first, then valid, then train, so held-out test
@@ -179,8 +172,7 @@ def numbers_corpus(train_size: int = 20_000, valid_size: int = 1_000, test_size:
     Spelling: a number whose German starts with "einhundert" or "eintausend" (100-199, 1,000-1,999,
     100,000-199,999) is written with or without that "ein" ("hundertdrei", "tausend"; see
     `number_words`), as a coin drawn per number with `seed` says, the other way at each repeat. So
-    about half of them in every split take each spelling, and a model trained without the short
-    one turned "hundert" into "six thousand" and "tausend" into "four".
+    about half of them in every split take each spelling, and a model learns both.
     Tokenize it with a small vocabulary (~400-500): at 8000, BPE learns whole words such as
     "siebenhundertsechsundfünfzigtausend" and the task loses its subword alignments.
     """

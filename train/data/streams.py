@@ -18,7 +18,7 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..files import UserError
+from ..runtime.files import UserError
 
 MAX_LINE_BYTES = 1 << 20  # 1 MiB: far beyond any sentence, far below a machine's memory
 
@@ -79,3 +79,14 @@ class LineReader:
     def close(self) -> None:
         if self._raw is not sys.stdin.buffer:
             self._raw.close()
+
+
+def read_lines(path: Path | None, max_line_bytes: int = MAX_LINE_BYTES) -> list[str]:
+    """Every line of a file (plain or .gz), any readable stream, or stdin when `path` is None,
+    split by the one rule of `data.split_lines` (at "\\n" and "\\r\\n" only), so output line N is
+    input line N. Any problem raises UserError naming the input (`data.streams.LineReader`)."""
+    reader = LineReader(path, max_line_bytes)
+    try:
+        return list(reader)
+    finally:
+        reader.close()

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from torch_reference.config import BOS_ID, EOS_ID, PAD_ID, SPECIAL_TOKENS, UNK_ID
 
+from ..runtime.files import write_bytes_atomic, write_text_atomic
+from . import spm
 from .corpora import Pair
 
 
@@ -91,3 +94,55 @@ def encode_pairs(tokenizers: Tokenizers, pairs: Sequence[Pair]) -> list[tuple[li
     sources = encode(tokenizers.src, [s for s, _ in pairs])
     targets = encode(tokenizers.tgt, [t for _, t in pairs])
     return list(zip(sources, targets))
+
+
+JOINT_TOKENIZER, SRC_TOKENIZER, TGT_TOKENIZER = "tokenizer.json", "src_tokenizer.json", "tgt_tokenizer.json"
+TOKENIZER_FILES = (JOINT_TOKENIZER, SRC_TOKENIZER, TGT_TOKENIZER)  # with tokenizer_files(): the spm kind's too
+
+
+def save_tokenizers(tokenizers: Tokenizers, run_dir: str | Path) -> None:
+    """Write run_dir/tokenizer.json (joint) or run_dir/src_tokenizer.json + tgt_tokenizer.json;
+    SentencePiece tokenizers (train.data.spm) as run_dir/sentencepiece.json and their models."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if isinstance(tokenizers.src, spm.SentencePieceTokenizer):
+        spm.save(tokenizers.src, tokenizers.tgt, run_dir, write_bytes_atomic)
+    elif tokenizers.joint:
+        write_text_atomic(run_dir / JOINT_TOKENIZER, tokenizers.src.to_str())
+    else:
+        write_text_atomic(run_dir / SRC_TOKENIZER, tokenizers.src.to_str())
+        write_text_atomic(run_dir / TGT_TOKENIZER, tokenizers.tgt.to_str())
+
+
+def load_tokenizers(run_dir: str | Path, joint: bool | None = None) -> Tokenizers:
+    """Read what `save_tokenizers` wrote; a joint tokenizer comes back as one shared object.
+    `joint`: whether the run's vocabulary is joint (config.json's joint_vocab), so that a missing
+    file is named as the one the run needs; None: whichever is there. FileNotFoundError when
+    there is none, ValueError when one cannot be read."""
+    run_dir = Path(run_dir)
+    if (run_dir / spm.SPM_TOKENIZER).is_file():
+        return Tokenizers(*spm.load(run_dir))
+    if joint is None:
+        joint = (run_dir / JOINT_TOKENIZER).is_file()
+    if joint:
+        tokenizer = _read_tokenizer(run_dir / JOINT_TOKENIZER)
+        return Tokenizers(tokenizer, tokenizer)
+    return Tokenizers(*(_read_tokenizer(run_dir / name) for name in (SRC_TOKENIZER, TGT_TOKENIZER)))
+
+
+def tokenizer_files(run_dir: str | Path) -> list[str]:
+    """The names of the tokenizer files present in `run_dir` (what a copy of the run must carry)."""
+    run_dir = Path(run_dir)
+    names = [name for name in TOKENIZER_FILES if (run_dir / name).is_file()]
+    if (run_dir / spm.SPM_TOKENIZER).is_file():
+        names += spm.files(run_dir)
+    return names
+
+
+def _read_tokenizer(path: Path) -> Tokenizer:
+    if not path.is_file():
+        raise FileNotFoundError(f"no such file: {path}")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as err:  # tokenizers raises a bare Exception for unreadable JSON
+        raise ValueError(f"{path} is not a readable tokenizer ({err})") from None

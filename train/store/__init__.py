@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ..files import UserError, json_text, write_error
+from ..runtime.files import UserError, json_text, write_error
 
 # The safetensors metadata key holding the TransformerConfig JSON, in weights files and checkpoints.
 WEIGHTS_CONFIG_KEY = "transformer_config"

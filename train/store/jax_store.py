@@ -5,6 +5,7 @@ the best by validation BLEU, each step the state (`StandardSave`) and a JSON `me
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -18,21 +19,22 @@ import orbax.checkpoint as ocp
 
 from . import CheckpointStore, write_checkpoint_digest
 
-# Orbax warns through absl for every checkpoint saved without metrics (those between evaluations),
-# and a save that fails (a full disk) logs each array's error through absl and asyncio before
-# raising the first: `saving` reports that one, in one line.
-for _name in ("absl", "asyncio"):
-    logging.getLogger(_name).setLevel(logging.CRITICAL)
 
-
-def _unraisable(report, previous=sys.unraisablehook) -> None:
-    """TensorStore completes each write of a failed save on the event loop orbax has closed by then:
-    those 'Event loop is closed' errors (Python prints each as a traceback) say nothing more."""
-    if not (isinstance(report.exc_value, RuntimeError) and str(report.exc_value) == "Event loop is closed"):
-        previous(report)
-
-
-sys.unraisablehook = _unraisable
+@contextlib.contextmanager
+def quiet_orbax():
+    """Within: absl and asyncio logs off and 'Event loop is closed' tracebacks dropped. Orbax warns through
+    absl for every checkpoint saved without metrics; a failed save (a full disk) logs each array's error
+    and ends TensorStore's writes on a closed event loop before raising the first (`saving`'s one line)."""
+    levels, previous = {name: logging.getLogger(name).level for name in ("absl", "asyncio")}, sys.unraisablehook
+    sys.unraisablehook = lambda r: None if repr(r.exc_value) == "RuntimeError('Event loop is closed')" else previous(r)
+    for name in levels:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        sys.unraisablehook = previous
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
 
 
 def _bleu(metrics: Mapping[str, float]) -> float:
@@ -66,7 +68,7 @@ class JaxStore(CheckpointStore):
 
     def save(self, step: int, state: Any, meta: dict[str, Any], metrics: dict[str, float] | None = None) -> None:
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
-        with self.saving(step):
+        with self.saving(step), quiet_orbax():
             self.manager.save(step, args=args, metrics=metrics)
             self.manager.wait_until_finished()
             # orbax has renamed the step's directory into place by now (its own "before the rename"
@@ -91,7 +93,8 @@ class JaxStore(CheckpointStore):
     def load(self, step: int, target: Any) -> tuple[Any, dict[str, Any]]:
         """(checkpoint `step`'s state on `target`'s shapes, dtypes and shardings, its meta)."""
         args = ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
-        restored = self.manager.restore(step, args=args)
+        with quiet_orbax():
+            restored = self.manager.restore(step, args=args)
         return restored["state"], dict(restored["meta"])
 
     def close(self) -> None:

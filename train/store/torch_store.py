@@ -18,7 +18,7 @@ from safetensors.numpy import load_file, save_file
 
 from torch_reference.config import TransformerConfig
 
-from ..files import json_text
+from ..runtime.files import json_text
 from . import WEIGHTS_CONFIG_KEY, CheckpointStore, TrainingState, choose_checkpoint, unreadable, write_checkpoint_digest
 
 RNG_KEY = "__torch_cpu_rng_state__"

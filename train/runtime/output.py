@@ -1,54 +1,23 @@
-"""What `python -m train.translate` streams through: where finished chunks go (`PartialOutput`),
-progress (`Progress`) and signals (`interruptible`); docs/operations.md#translating.
-"""
+"""Where a streamed translation's finished chunks go (`PartialOutput`: resumable) and its progress
+line (`Progress`); docs/operations.md#translating."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from . import data
+from .. import data
 from .files import UserError, read_json, write_error, write_json_atomic
 
 
 class OtherInput(UserError):
     """A partial output that translates other input lines than these."""
-
-
-class Interrupted(Exception):
-    """SIGTERM or SIGINT arrived (raised in the main thread, between two Python operations)."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-@contextlib.contextmanager
-def interruptible() -> Iterator[None]:
-    """Within the block SIGTERM and SIGINT raise `Interrupted` (main thread only; elsewhere the
-    signals keep their handlers)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum, frame):
-        raise Interrupted(signum)
-
-    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
 
 
 class StreamOutput:

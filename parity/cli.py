@@ -1,0 +1,47 @@
+"""`aiayn`: one installed command whose subcommands are the project's commands.
+
+`aiayn train ARGS` runs `python -m train.run ARGS`, and so on for each name below; `aiayn --help`
+lists them and `aiayn NAME --help` gives that command's own help. It lives in `parity`, the package
+above all the others, so that it may name the commands of both `train` and `parity`.
+"""
+
+from __future__ import annotations
+
+import runpy
+import sys
+
+COMMANDS = {  # subcommand: (module, what it does)
+    "train": ("train.run", "train (or resume) a model and evaluate it; recipes with --config"),
+    "translate": ("train.translate", "translate text with a trained run"),
+    "evaluate": ("train.evaluate", "score a run on parallel data: loss, BLEU, chrF, exact match"),
+    "average": ("train.average", "average a run's last checkpoints into a new run"),
+    "curves": ("train.curves", "redraw a run's learning curves"),
+    "bench": ("train.bench", "time the training step of both frameworks"),
+    "profile": ("train.profile_step", "where a training step's time goes"),
+    "convert": ("parity.convert", "weights and runs between frameworks; Marian import, Marian and CTranslate2 export"),
+    "check": ("parity.check", "logits, loss and gradients of both twins on the same weights"),
+    "trajectory": ("parity.trajectory", "one training curve in both frameworks"),
+    "translate-bench": ("parity.translate_bench", "search speed of both frameworks on one run's weights"),
+}
+
+USAGE = "usage: aiayn COMMAND [ARGS...]   (aiayn COMMAND --help for its flags)\n\ncommands:\n" + "".join(
+    f"  {name:<16}{what} (python -m {module})\n" for name, (module, what) in COMMANDS.items()
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print("aiayn: the Transformer of 'Attention Is All You Need' in PyTorch and JAX\n\n" + USAGE)
+        return 0
+    if argv[0] not in COMMANDS:
+        print(f"aiayn: unknown command {argv[0]!r}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    module = COMMANDS[argv[0]][0]
+    sys.argv = [f"aiayn {argv[0]}", *argv[1:]]  # the command reads its flags from sys.argv
+    runpy.run_module(module, run_name="__main__", alter_sys=True)  # its own `if __name__ == "__main__"` runs
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

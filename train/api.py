@@ -1,0 +1,134 @@
+"""The Python API (docs/python.md): `load` a trained run to translate and evaluate with, `fit` to
+train one; the commands (`python -m train.X`, `aiayn X`) are thin shells over these."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from torch_reference.config import TransformerConfig
+
+from . import data
+from .backends import Backend, create_backend, initialize
+from .config import ExperimentConfig
+from .runtime import CHECKPOINTS, UserError, check_model, read_experiment, read_model_config
+
+
+@dataclasses.dataclass
+class Run:
+    """A trained run, loaded: its settings, tokenizers and a backend holding one checkpoint."""
+
+    run_dir: Path
+    config: ExperimentConfig
+    model_config: TransformerConfig
+    tokenizers: data.Tokenizers
+    backend: Backend
+    meta: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        """The update count of the loaded checkpoint."""
+        return self.backend.step
+
+    def translate(self, texts: str | Sequence[str], beam: int = 4, alpha: float = 0.6, scoring: str = "gnmt",
+                  batch_size: int | None = None, **options: Any) -> str | list[str]:
+        """The translations of `texts` in order (one string for one string): beam search of width
+        `beam` (1: greedy), length penalty exponent `alpha` with `scoring` "gnmt" or "hf" (as
+        `python -m train.translate --help` says); sources longer than the run's max_len are cut."""
+        from .translation import translate_texts
+
+        one = isinstance(texts, str)
+        out = translate_texts(self.backend, self.tokenizers, [texts] if one else list(texts),
+                              max_len=self.config.max_len, token_budget=self.config.token_budget,
+                              batch_size=batch_size, beam_size=beam, alpha=alpha, scoring=scoring, **options)
+        return out[0] if one else out
+
+    def evaluate(self, pairs: str | Sequence[tuple[str, str]], beam: int = 4, alpha: float = 0.6,
+                 scoring: str = "gnmt", max_sentences: int | None = None, lowercase: bool = False,
+                 moses: str | None = None, samples: int = 0) -> dict[str, Any]:
+        """What `python -m train.evaluate` prints: loss, perplexity, BLEU and chrF with their
+        signatures, exact match (per number of digits for number data) on `pairs`, a data spec
+        ("numbers:test", "de:en:PREFIX", "FILE.tsv", ...) or (source, target) pairs."""
+        from .data.splits import load_split
+        from .metrics import evaluate_pairs
+
+        spec = pairs if isinstance(pairs, str) else None
+        pairs = load_split(self.config, pairs) if spec is not None else [(s, t) for s, t in pairs]
+        cfg = self.config
+        seen = {s for s, _ in load_split(cfg, "numbers:train")} if cfg.uses_numbers_corpus else None
+        result = evaluate_pairs(
+            self.backend, self.tokenizers, pairs, max_len=cfg.max_len, token_budget=cfg.token_budget,
+            max_sentences=max_sentences, samples=samples, beam_size=beam, alpha=alpha, scoring=scoring,
+            lowercase=lowercase, moses=moses, seen=seen,
+        )
+        return {"run_dir": str(self.run_dir), "data": spec, "step": self.step, "beam": beam, "alpha": alpha,
+                "scoring": scoring, **result}
+
+    def close(self) -> None:
+        """Free the backend's devices and files."""
+        self.backend.close()
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def load(run_dir: str | os.PathLike, checkpoint: str | int = "best", backend: str | None = None,
+         devices: int | None = None, **launch: Any) -> Run:
+    """The run in `run_dir` with checkpoint `checkpoint` ("best" by validation BLEU, "latest" or a
+    step) restored onto this process's devices (the first `devices` of them; checkpoints restore
+    onto any mesh). `backend`: the framework the caller expects ("jax" or "torch"), refused with
+    the conversion command when the run is the other's. `launch`: other launch options of
+    `ExperimentConfig` (coordinator_address, num_processes, process_id). Raises UserError."""
+    from .store import CheckpointError, parse_checkpoint
+
+    run_dir = Path(run_dir)
+    cfg = read_experiment(run_dir)
+    if backend is not None and backend != cfg.backend:
+        raise UserError(f"{run_dir} is a {cfg.backend} run; for {backend}, convert it first: "
+                        f"python -m parity.convert --to {backend} --run-dir {run_dir} --dst DIR")
+    launch = {**launch, "devices": devices}
+    cfg = cfg.replace(**{k: v for k, v in launch.items() if v is not None})
+    model_cfg = read_model_config(run_dir)
+    checkpoint = parse_checkpoint(checkpoint)
+    try:
+        tokenizers = data.load_tokenizers(run_dir, cfg.joint_vocab)
+    except (FileNotFoundError, ValueError) as err:
+        raise UserError(str(err)) from None
+    check_model(run_dir, cfg, model_cfg, tokenizers)
+    initialize(cfg)  # the process's settings for its platform, before any device is touched
+    model = create_backend(cfg, model_cfg, str(run_dir / CHECKPOINTS))
+    try:
+        meta = model.restore(checkpoint)
+    except (FileNotFoundError, CheckpointError) as err:
+        model.close()
+        raise UserError(str(err)) from None
+    return Run(run_dir, cfg, model_cfg, tokenizers, model, meta)
+
+
+def fit(config: ExperimentConfig | dict[str, Any] | str | os.PathLike | None = None, **overrides: Any) -> dict[str, Any]:
+    """Train the run `config` describes and return what its results.json holds: `config` is an
+    `ExperimentConfig`, a dict of its fields, a recipe file (recipes/*.toml) or None (the
+    defaults: the numbers corpus); `overrides` are fields on top, e.g. `steps=300`,
+    `run_dir="runs/mine"`, `resume=True`. Raises UserError for bad settings, `runtime.Interrupted`
+    on SIGTERM/Ctrl-C (after saving a checkpoint)."""
+    from .loop import train
+    from .recipes import recipe_config
+
+    explicit: set[str] | None = None  # an ExperimentConfig: every field that is set counts as given
+    try:
+        if isinstance(config, (str, os.PathLike)):
+            cfg, explicit = recipe_config(str(config), overrides)
+        elif isinstance(config, ExperimentConfig):
+            cfg = config.replace(**overrides)
+        else:
+            given = {**(config or {}), **overrides}
+            cfg, explicit = ExperimentConfig(**given), set(given)
+    except (TypeError, ValueError) as err:
+        raise UserError(str(err)) from None
+    return train(cfg, explicit=explicit)

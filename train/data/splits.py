@@ -1,0 +1,50 @@
+"""A run's train/validation/test pairs from its experiment: the numbers corpus or data specs."""
+
+from __future__ import annotations
+
+import re
+
+from ..config import ExperimentConfig
+from ..runtime.files import UserError, say
+from .corpora import Pair, load_parallel
+from .numbers import Splits, numbers_corpus, numbers_range
+
+def load_splits(cfg: ExperimentConfig) -> Splits:
+    """Train, validation and test pairs: the numbers corpus, or the --train/--valid/--test specs
+    (test empty when not given), every text lowercased with --lowercase. Bad specs and missing
+    files raise UserError."""
+    if cfg.uses_numbers_corpus:
+        splits = numbers_corpus(cfg.numbers_train, cfg.numbers_valid, cfg.numbers_test, seed=cfg.seed)
+    else:
+        splits = Splits(*(load_split(cfg, spec) if spec else [] for spec in (cfg.train, cfg.valid, cfg.test)))
+    if not cfg.lowercase:
+        return splits
+    return Splits(*([(s.lower(), t.lower()) for s, t in pairs] for pairs in (splits.train, splits.valid, splits.test)))
+
+
+def load_split(cfg: ExperimentConfig, spec: str) -> list[Pair]:
+    """Pairs of one data spec, of `numbers:train|valid|test`, the run's numbers corpus split, or of
+    `numbers:FIRST-LAST[/STEP]`, every (STEP-th) number from FIRST to LAST (0..999,999)."""
+    if spec.startswith("numbers:"):
+        name = spec.partition(":")[2]
+        if bounds := re.fullmatch(r"(\d+)-(\d+)(?:/(\d+))?", name):
+            try:
+                return numbers_range(int(bounds[1]), int(bounds[2]), int(bounds[3] or 1))
+            except ValueError as err:
+                raise UserError(f"{spec}: {err}") from None
+        if name not in ("train", "valid", "test"):
+            raise UserError(
+                f"expected numbers:train, numbers:valid, numbers:test or numbers:FIRST-LAST[/STEP], got {spec!r}"
+            )
+        corpus = numbers_corpus(cfg.numbers_train, cfg.numbers_valid, cfg.numbers_test, seed=cfg.seed)
+        return getattr(corpus, name)
+    try:
+        loaded = load_parallel(spec, cache_dir=cfg.hf_cache)
+    except (FileNotFoundError, ValueError) as err:
+        raise UserError(f"cannot load {spec!r}: {err}") from None
+    if not loaded.pairs:
+        raise UserError(f"{spec!r} holds no sentence pairs" + (
+            f" ({loaded.skipped_empty} skipped: a side is empty)" if loaded.skipped_empty else ""))
+    if loaded.skipped_empty:
+        say(f"{spec}: skipped {loaded.skipped_empty} of {loaded.skipped_empty + len(loaded.pairs)} pairs with an empty side")
+    return loaded.pairs

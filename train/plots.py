@@ -1,0 +1,66 @@
+"""Learning curves of a run (`train.run` draws RUN/curves.png; `python -m train.curves` redraws it).
+
+Four panels from the run's `results.json` history (the whole run's, across resumes): training and
+validation loss and validation BLEU against steps, and against training time (evaluations and
+saves excluded, so an interrupted and resumed run plots on one time axis). `train.run` draws it
+to `RUN/curves.png` at the end of every run; this command redraws it. Matplotlib's Agg canvas.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from .runtime.files import write_bytes_atomic
+
+
+def plot_curves(history: dict[str, Any], path: str | Path, title: str = "") -> Path:
+    """Draw `history` ({"train": [...], "valid": [...]} as in results.json) to the PNG `path`.
+
+    Panels against time are left empty (with a note) where the history holds no training time.
+    """
+    train, valid = history.get("train") or [], history.get("valid") or []
+    fig = Figure(figsize=(11, 7), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(2, 2)
+    for row, (x_key, x_label) in enumerate([("step", "optimizer steps"), ("train_time_s", "training time (min)")]):
+        scale = 1 / 60 if x_key == "train_time_s" else 1
+        loss_ax, bleu_ax = axes[row]
+        for entries, label, style in [(train, "train loss (label smoothed)", "-"), (valid, "validation loss", "o-")]:
+            points = [(e[x_key] * scale, e["loss"]) for e in entries if e.get(x_key) is not None
+                      and e.get("loss") is not None]
+            if points:
+                loss_ax.plot(*zip(*points), style, label=label, markersize=4)
+        bleu = [(e[x_key] * scale, e["bleu"]) for e in valid if e.get(x_key) is not None and e.get("bleu") is not None]
+        if bleu:
+            bleu_ax.plot(*zip(*bleu), "o-", color="tab:green", markersize=4)
+            bleu_ax.margins(y=0.15)  # room for the best score's label
+            best = max(bleu, key=lambda p: p[1])
+            bleu_ax.annotate(f"{best[1]:.2f}", best, textcoords="offset points", xytext=(0, 6), ha="center")
+        loss_ax.set(xlabel=x_label, ylabel="loss per target token")
+        bleu_ax.set(xlabel=x_label, ylabel="validation BLEU (sacreBLEU)")
+        if loss_ax.lines:
+            loss_ax.legend()
+        else:
+            loss_ax.text(0.5, 0.5, f"no {x_label} in this run's history", transform=loss_ax.transAxes, ha="center")
+        for ax in (loss_ax, bleu_ax):
+            ax.grid(alpha=0.3)
+    if title:  # a path with undecodable bytes (surrogate escapes) is shown with U+FFFD in their place
+        fig.suptitle(title.encode("utf-8", "surrogateescape").decode("utf-8", "replace"))
+    path, png = Path(path), io.BytesIO()
+    fig.savefig(png, format="png", dpi=100)
+    write_bytes_atomic(path, png.getvalue())  # whole or not at all; a link at `path` is replaced
+    return path
+
+
+def run_title(results: dict[str, Any]) -> str:
+    """The heading of a run's curves: backend, model size, dropout, steps and training data."""
+    model, config = results.get("model") or {}, results.get("config") or {}
+    data = config.get("train") or "numbers corpus"
+    return (f"{results.get('backend', '?')}: d_model {model.get('d_model', '?')}, "
+            f"{model.get('num_encoder_layers', '?')}+{model.get('num_decoder_layers', '?')} layers, "
+            f"dropout {model.get('dropout', '?')}; {results.get('steps', '?')} steps on {data}")

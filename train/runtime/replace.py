@@ -1,0 +1,117 @@
+"""Building a directory whole or not at all: `derive` (average, convert, import, export) and what
+it refuses to replace (`check_destination`)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from .files import UserError, read_json, write_error, write_json_atomic
+from .layout import read_experiment
+from .lock import RunLock
+
+# What each kind of output is called; `kind_of` recognises it. A run is what train.run can read
+# (its config.json); a model directory parity.convert exports carries KIND_FILE naming its kind.
+KINDS = {"run": "run", "ctranslate2": "CTranslate2 model written by parity.convert",
+         "marian": "HF Marian directory written by parity.convert"}
+KIND_FILE = ".aiayn.json"  # {"kind": "ctranslate2" | "marian"}
+
+
+def kind_of(path: Path) -> str | None:
+    """Which of `KINDS` this project wrote at `path`; None for anything else (never replaced)."""
+    try:
+        marker = read_json(path / KIND_FILE, None)
+        if isinstance(marker, dict) and marker.get("kind") in KINDS:
+            return marker["kind"]
+        read_experiment(path)
+        return "run"
+    except (UserError, OSError):
+        return None
+
+
+def remove(path: Path) -> None:
+    """Delete `path`, whatever it is; a symbolic link is removed, never followed."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.is_symlink() or path.exists():
+        path.unlink()
+
+
+def check_destination(dst: Path, overwrite: bool, kind: str = "run", src: str | Path | None = None) -> None:
+    """Refuse, before any work, a destination whose replacement would lose something: the source
+    `src`, a place inside it or holding it, a file or a symbolic link, a directory holding anything
+    but a `kind` this project wrote (`kind_of`: even with `overwrite`), or one without
+    `overwrite`. Raises FileExistsError."""
+    if src is not None:
+        source, target = Path(src).resolve(), dst.resolve()
+        if source == target or source in target.parents or target in source.parents:
+            where = "is" if source == target else "is inside" if source in target.parents else "holds"
+            raise FileExistsError(f"--dst {dst} {where} the source {src}; --dst must differ from it and lie outside it")
+    if dst.is_symlink():
+        raise FileExistsError(f"{dst} is a symbolic link; it is never replaced, nor what it points to")
+    if dst.exists() and not dst.is_dir():
+        raise FileExistsError(f"{dst} is a file, not a directory; it is never replaced")
+    if dst.exists() and any(dst.iterdir()):
+        if not overwrite:
+            raise FileExistsError(f"{dst} exists; pass --overwrite to replace it")
+        if (found := kind_of(dst)) != kind:
+            held = f"holds a {KINDS[found]}, not a {KINDS[kind]}" if found else f"is not empty and holds no {KINDS[kind]}"
+            raise FileExistsError(f"{dst} {held}; it is never deleted")
+
+
+def swap_in(new: Path, dst: Path, old: Path) -> None:
+    """Rename `new` onto `dst`: an existing `dst` is renamed to `old` first (refused, losing
+    nothing, while an earlier `old` holds files) and put back if the second rename fails. The
+    caller removes `old` once it is sure."""
+    aside = dst.exists()
+    if aside:
+        os.replace(dst, old)
+    try:
+        os.replace(new, dst)
+    except BaseException:
+        if aside:
+            os.replace(old, dst)
+        raise
+
+
+@contextlib.contextmanager
+def derive(src: str | Path | None, dst: str | Path, kind: str = "run", overwrite: bool = False,
+           copy: Iterable[str] = ()) -> Iterator[Path]:
+    """Build `dst`, a `kind` of `KINDS`, from `src` (a run, a model directory, or None) whole or not
+    at all, for average, convert, import and export: `check_destination`, then the block fills
+    `.NAME.KIND` beside `dst` (yielded); the names `copy` that `src` holds (files or directories)
+    are copied in, the old `dst` renamed aside, the new one into its place, and only then the old
+    one removed. On any error (Ctrl-C included) `dst` is as it was. Its lock is held meanwhile (a
+    run in training is never replaced)."""
+    dst = Path(dst)
+    check_destination(dst, overwrite, kind, src)
+    guard = RunLock(dst).acquire() if dst.is_dir() else None
+    tmp, old = dst.with_name(f".{dst.name}.{kind}"), dst.with_name(f".{dst.name}.{kind}-old")
+    try:
+        try:
+            remove(tmp)
+            tmp.mkdir(parents=True)
+            yield tmp
+            if kind != "run":
+                write_json_atomic(tmp / KIND_FILE, {"kind": kind})
+            for name in copy:
+                if (Path(src) / name).is_dir():
+                    shutil.copytree(Path(src) / name, tmp / name)
+                elif (Path(src) / name).is_file():
+                    shutil.copyfile(Path(src) / name, tmp / name)
+            swap_in(tmp, dst, old)
+        except BaseException as err:
+            with contextlib.suppress(OSError):
+                remove(tmp)
+            # A full disk or a read-only place met while `tmp` was written is said of `dst`.
+            written = Path(getattr(err, "filename", None) or tmp).absolute()
+            if tmp.absolute() in (written, *written.parents) and (failed := write_error(err, dst)):
+                raise failed from None
+            raise
+    finally:
+        if guard is not None:
+            guard.release()
+    remove(old)

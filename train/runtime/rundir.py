@@ -1,0 +1,195 @@
+"""Claiming a run directory for training: new, --resume or --overwrite (`claim_run_dir`, `replacing`),
+writing its first files (`prepare_run_dir`), and refusing files that describe different runs."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from torch_reference.config import TransformerConfig
+
+from .. import data
+from ..config import RECIPE_FILE, ExperimentConfig
+from .files import UserError, say, write_json_atomic
+from .layout import CHECKPOINTS, CONFIG_FILE, LOCK_FILE, MODEL_FILE, TENSORBOARD, experiment_of, read_experiment
+from .lock import RunLock
+from .replace import kind_of, remove
+
+def _resumed_config(cfg: ExperimentConfig, explicit: Iterable[str] | None) -> ExperimentConfig:
+    """The experiment saved in cfg.run_dir with this launch's options; an experiment field given
+    again with another value is an error (it would change how the run trains)."""
+    if not (Path(cfg.run_dir) / CONFIG_FILE).is_file():
+        raise UserError(f"nothing to resume: {cfg.run_dir} holds no run ({CONFIG_FILE} missing)")
+    saved = read_experiment(cfg.run_dir)
+    if explicit is None:  # a programmatic call: every field that is set counts as given
+        explicit = [f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) is not None]
+    launch = ExperimentConfig.launch_fields()
+    conflicts = [
+        f"--{name.replace('_', '-')}: run has {getattr(saved, name)!r}, got {getattr(cfg, name)!r}"
+        for name in explicit
+        if name not in launch and getattr(cfg, name) != getattr(saved, name)
+    ]
+    if conflicts:
+        raise UserError("--resume cannot change how the run trains:\n  " + "\n  ".join(conflicts))
+    return saved.replace(**{name: getattr(cfg, name) for name in launch}).resolve()
+
+
+def claim_run_dir(cfg: ExperimentConfig, explicit: Iterable[str] | None = None) -> ExperimentConfig:
+    """Check the run directory against --resume/--overwrite and return the config to run with:
+    the resolved `cfg` for a new run, the saved experiment with this launch's options on --resume.
+    Changes nothing on disk: `prepare_run_dir` does, once the data has loaded.
+
+    A directory holding a run (config.json) is refused unless --resume or --overwrite; a
+    non-empty directory that holds no run is never deleted.
+    """
+    cfg = cfg.resolve()
+    run_dir = Path(cfg.run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"--run-dir {run_dir} is a file")
+    if cfg.resume:
+        resumed = _resumed_config(cfg, explicit)
+        check_links(run_dir)
+        return resumed
+    if run_dir.is_dir() and any(p.name != LOCK_FILE for p in run_dir.iterdir()):
+        if kind_of(run_dir) != "run":
+            raise UserError(f"{run_dir} is not empty and holds no run; choose another --run-dir")
+        if not cfg.overwrite:
+            raise UserError(f"{run_dir} already holds a run; pass --resume to continue it or --overwrite to replace it")
+        if (old := set_aside_path(run_dir)).exists() or old.is_symlink():
+            raise UserError(f"{old} holds the run an earlier --overwrite of {run_dir} set aside and was stopped before "
+                            f"it could put back or delete it: move it back to {run_dir}, or delete it, first")
+    return cfg
+
+
+def set_aside_path(run_dir: Path) -> Path:
+    """Where a replacement keeps the old run meanwhile (`replacing`, `derive`)."""
+    return run_dir.with_name(f".{run_dir.name}.run-old")
+
+
+def has_checkpoint(run_dir: Path) -> bool:
+    """Whether `run_dir` holds a complete checkpoint (both stores publish a step by renaming it to its number)."""
+    checkpoints = run_dir / CHECKPOINTS
+    return checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir())
+
+
+@contextlib.contextmanager
+def replacing(run_dir: Path, overwrite: bool) -> Iterator[None]:
+    """`train.run --overwrite` of a run, which never loses the old run to a failed new one: the old
+    run's files (all but the lock this process holds) are moved beside it into `.NAME.run-old`, the
+    new run trains at its own path (where --resume, translate and TensorBoard find it), and when
+    the block ends, however it ends, the old run is deleted if the new one holds a checkpoint (a
+    run --resume continues) and put back as it was if not."""
+    if not (overwrite and (run_dir / CONFIG_FILE).is_file()):
+        yield
+        return
+    old = set_aside_path(run_dir)
+    old.mkdir()  # claim_run_dir refused one already there
+    say(f"--overwrite: the run in {run_dir} is kept in {old} until this one holds a checkpoint, then deleted")
+    try:
+        for entry in run_dir.iterdir():
+            if entry.name != LOCK_FILE:
+                os.rename(entry, old / entry.name)
+        yield
+    except BaseException:
+        if not has_checkpoint(run_dir):
+            for entry in run_dir.iterdir():
+                if entry.name != LOCK_FILE:
+                    remove(entry)
+            for entry in old.iterdir():
+                os.rename(entry, run_dir / entry.name)
+            old.rmdir()
+        raise
+    finally:
+        if old.exists():
+            remove(old)
+
+
+def check_links(run_dir: Path) -> None:
+    """Refuse a run to resume whose checkpoints/, tensorboard/ or a checkpoint in it is a symbolic
+    link: a run writes (and deletes its old checkpoints) only inside its own directory. Its files
+    may be links: each is replaced by a rename, never written through."""
+    checkpoints = run_dir / CHECKPOINTS
+    steps = list(checkpoints.iterdir()) if checkpoints.is_dir() and not checkpoints.is_symlink() else []
+    for part in (checkpoints, run_dir / TENSORBOARD, *steps):
+        if part.is_symlink():
+            raise UserError(f"{part} is a symbolic link: a run writes and deletes only inside its own directory, "
+                            "never where a link points; replace the link by a copy of what it points to")
+
+
+def lock_run_dir(cfg: ExperimentConfig) -> RunLock:
+    """The writer lock of the run directory `claim_run_dir` accepted, taken by `with` (creating the
+    directory, empty but for the lock file until `prepare_run_dir`); UserError when another
+    process holds it."""
+    run_dir = Path(cfg.run_dir)
+    created = not run_dir.exists()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return RunLock(run_dir, created)
+
+
+def follow_run_dir(cfg: ExperimentConfig, explicit: Iterable[str] | None = None) -> ExperimentConfig:
+    """`claim_run_dir` for the processes other than 0 of a multi-process run: the same config,
+    without checking, creating or deleting anything (process 0 does that)."""
+    cfg = cfg.resolve()
+    return _resumed_config(cfg, explicit) if cfg.resume else cfg
+
+
+def prepare_run_dir(cfg: ExperimentConfig, model_cfg: TransformerConfig, tokenizers: data.Tokenizers | None) -> None:
+    """Create the run directory `claim_run_dir` accepted (an old run set aside by `replacing`) and
+    write its experiment, model and (when given: newly trained) tokenizers. config.json first:
+    from there on the directory holds this run."""
+    run_dir = Path(cfg.run_dir)
+    try:  # the recipe of --config, read before anything changes
+        recipe = cfg.recipe and {"path": cfg.recipe, "toml": Path(cfg.recipe).read_text("utf-8")}
+    except OSError as err:
+        raise UserError(f"--config {cfg.recipe}: {err.strerror or err}") from None
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(run_dir / CONFIG_FILE, cfg.experiment())
+    if recipe:
+        write_json_atomic(run_dir / RECIPE_FILE, recipe)
+    if tokenizers is not None:
+        data.save_tokenizers(tokenizers, run_dir)
+    write_json_atomic(run_dir / MODEL_FILE, model_cfg.to_dict())
+
+
+def check_model(run_dir: Path, cfg: ExperimentConfig, model_cfg: TransformerConfig, tokenizers: data.Tokenizers,
+                what: str = MODEL_FILE) -> None:
+    """Refuse, before a model is built, a run whose files describe different models: `model_cfg`
+    (from `what`) must be the model of config.json with the tokenizers' vocabularies and that of
+    each checkpoint's own saved experiment (read without a framework or the weights). A hand-edited
+    size is named here instead of allocated (d_model = 2**20 would ask for terabytes first)."""
+    from ..store import saved_experiments  # here: the stores write through runtime.files, below this package
+
+    sizes = tokenizers.src.get_vocab_size(), tokenizers.tgt.get_vocab_size()
+    sources = {f"{run_dir / CONFIG_FILE} with the tokenizer": cfg}
+    for step, saved in sorted(saved_experiments(run_dir / CHECKPOINTS).items()):
+        try:
+            sources[f"the experiment saved in checkpoint {step}"] = experiment_of(saved)
+        except (TypeError, ValueError):
+            continue  # an older checkpoint's fields: its weights' shapes are checked when it loads
+    for where, experiment in sources.items():
+        rebuilt = experiment.model_config(*sizes)
+        differ = [k for k, v in model_cfg.to_dict().items() if getattr(rebuilt, k) != v]
+        if differ:
+            raise UserError(f"{run_dir / what} says {', '.join(f'{k}={getattr(model_cfg, k)!r}' for k in differ)} "
+                            f"but {where} gives {', '.join(f'{k}={getattr(rebuilt, k)!r}' for k in differ)}: the "
+                            "files of the run do not describe one model (edited by hand?)")
+
+
+def check_checkpoint_config(meta: Mapping[str, Any], cfg: ExperimentConfig) -> None:
+    """Refuse a checkpoint written by another run: one whose experiment (saved in its meta)
+    differs from this run's."""
+    saved = meta.get("config", cfg.experiment())
+    differ = [
+        f"--{name.replace('_', '-')}: checkpoint has {saved.get(name)!r}, run has {value!r}"
+        for name, value in cfg.experiment().items()
+        if saved.get(name) != value
+    ]
+    if differ:
+        raise UserError(
+            f"checkpoint {meta.get('step')} in {cfg.run_dir} was written by a run configured differently, so it "
+            "cannot be resumed here:\n  " + "\n  ".join(differ)
+        )

@@ -1,0 +1,71 @@
+"""SIGTERM and SIGINT: a training run stops after the current update with a checkpoint saved
+(`StopSignals`); a translation stops between two operations (`interruptible`). Installed in the
+main thread only, and only while the block runs."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from .files import say
+
+
+class Interrupted(Exception):
+    """SIGTERM or Ctrl-C (SIGINT) stopped the work; `signum` says which."""
+
+    def __init__(self, signum: int, message: str | None = None):
+        super().__init__(message or signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def interruptible() -> Iterator[None]:
+    """Within the block SIGTERM and SIGINT raise `Interrupted` (main thread only; elsewhere the
+    signals keep their handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise Interrupted(signum)
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+class StopSignals:
+    """While active, SIGTERM and SIGINT (Ctrl-C) ask the loop to stop (`requested` holds the
+    signal) instead of killing it: the loop saves a checkpoint after the current update and
+    raises Interrupted. A second signal stops at once (KeyboardInterrupt), losing only the work
+    since the last checkpoint. Installed only in the main thread of a single-process run: the
+    processes of a multi-process run would have to agree on the step to save at, so there the
+    signals keep their default effect and --resume continues from the last checkpoint."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled and threading.current_thread() is threading.main_thread()
+        self.requested: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        if self.enabled:
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.requested is not None:
+            raise KeyboardInterrupt
+        self.requested = signum
+        say(f"{signal.Signals(signum).name}: stopping after this update to save a checkpoint (again to stop now)")
