@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="target: a framework (jax, torch), an HF Marian directory (marian: a run imported with "
                         "--from marian) or a CTranslate2 model directory (ctranslate2)")
     parser.add_argument("--from", dest="source_format", choices=["marian"],
-                        help="import a pretrained model: --src is a local HF Marian directory (config.json, "
+                        help="import a pretrained model: --src is hf:ORG/NAME[@REVISION] (fetched into the Hugging Face "
+                        "cache; HF_HUB_OFFLINE=1 reads only the cache) or a local HF Marian directory (config.json, "
                         "model.safetensors or pytorch_model.bin, source.spm, target.spm, vocab.json); --dst the run "
                         "directory of the --to backend, which train.translate, train.evaluate and train.run --resume "
                         "(fine-tuning) accept")
@@ -123,7 +124,8 @@ def _interop_cli(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
         done = marian.import_marian(
             src, args.dst, to=args.to, train=args.train, valid=args.valid, test=args.test, overwrite=args.overwrite)
         cfg = done["config"]
-        print(f"wrote {done['run_dir']}: the {args.to} run of {src} ({cfg.num_encoder_layers}+{cfg.num_decoder_layers} "
+        revision = f" at revision {done['revision']}" if "revision" in done else ""
+        print(f"wrote {done['run_dir']}: the {args.to} run of {src}{revision} ({cfg.num_encoder_layers}+{cfg.num_decoder_layers} "
               f"layers, d_model {cfg.d_model}, vocab {cfg.src_vocab_size}/{cfg.tgt_vocab_size}, step 0)")
         print(f"translate with: python -m train.translate --run-dir {done['run_dir']}")
         return 0

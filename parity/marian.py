@@ -49,6 +49,8 @@ LAYER_NAMES = {
 ACTIVATIONS = {"swish": "silu", "silu": "silu", "relu": "relu", "gelu": "gelu"}  # HF ACT2FN name -> ours
 HF_LAYER_NORM_EPS = 1e-5  # MarianEncoderLayer/MarianDecoderLayer: nn.LayerNorm(d_model), torch's default eps
 POSITION_TOLERANCE = 1e-6  # a stored sinusoid table vs ours: float64 tables rounded once to float32 agree to ~1 ulp
+HUB_PREFIX = "hf:"  # hf:ORG/NAME[@REVISION]: a Marian model on the Hugging Face hub
+HUB_FILES = ["config.json", "model.safetensors", "pytorch_model.bin", "*.spm", "*vocab.json", "tokenizer_config.json"]
 
 
 class UnsupportedMarianConfig(ValueError):
@@ -266,6 +268,32 @@ def to_marian(params: Mapping[str, np.ndarray], cfg: TransformerConfig,
 # Files
 
 
+def marian_source(src: str | os.PathLike) -> tuple[Path, dict[str, Any]]:
+    """The local Marian directory `src` names and where it came from ({"from": src}, with "revision":
+    the commit it resolved to for a hub name): a directory, or `hf:ORG/NAME[@REVISION]` fetched
+    through huggingface_hub's download and cache (HF_HUB_CACHE, HF_HUB_OFFLINE honoured). Every
+    failure is a UserError of one line."""
+    text = str(src)
+    if not text.startswith(HUB_PREFIX):
+        return Path(src), {"from": text}
+    hub = spm.require("huggingface_hub")
+    from huggingface_hub import errors
+
+    repo, _, revision = text.removeprefix(HUB_PREFIX).partition("@")
+    try:
+        path = Path(hub.snapshot_download(repo, revision=revision or None, allow_patterns=HUB_FILES))
+    except errors.LocalEntryNotFoundError:
+        raise runtime.UserError(f"{text} is not in the Hugging Face cache ({hub.constants.HF_HUB_CACHE}) and the hub "
+                                "cannot be reached (offline: HF_HUB_OFFLINE=1, or no network)") from None
+    except errors.RepositoryNotFoundError:
+        raise runtime.UserError(f"{text}: no such model on the Hugging Face hub (or a private one)") from None
+    except errors.RevisionNotFoundError:
+        raise runtime.UserError(f"{text}: the model has no revision {revision!r}") from None
+    except (errors.HFValidationError, errors.HfHubHTTPError) as err:
+        raise runtime.UserError(f"{text}: {str(err).strip().splitlines()[0]}") from None
+    return path, {"from": text, "revision": path.name}  # the snapshot directory is named by its commit
+
+
 def read_marian_dir(src: str | os.PathLike) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """(config.json, state dict as NumPy) of a local HF Marian directory: model.safetensors, or
     pytorch_model.bin read with torch.load(weights_only=True) (no code in the file ever runs)."""
@@ -352,9 +380,9 @@ def import_marian(
     src: str | os.PathLike, dst: str | os.PathLike, to: str = "torch", train: str | None = None,
     valid: str | None = None, test: str | None = None, overwrite: bool = False,
 ) -> dict[str, Any]:
-    """A local HF Marian directory -> a run directory of the `to` backend (see the module doc),
-    built beside `dst` and swapped in (`runtime.derive`)."""
-    src, dst = Path(src), Path(dst)
+    """An HF Marian directory or hub name (`marian_source`) -> a run directory of the `to` backend
+    (see the module doc), built beside `dst` and swapped in (`runtime.derive`)."""
+    (src, origin), dst = marian_source(src), Path(dst)
     hf, state = read_marian_dir(src)
     cfg = marian_config(hf)
     src_tok, tgt_tok, ids = marian_tokenizers(src, hf)
@@ -369,14 +397,14 @@ def import_marian(
             weights = params if to == "torch" else to_jax_layout(params, cfg, "Marian weights")
             backend.import_state(TrainingState(to, 0, weights))
             meta = {"step": 0, "data": {"epoch": 0, "index": 0}, "config": experiment.experiment(), "valid": None,
-                    "imported_from": str(src)}
+                    "imported_from": origin["from"]}
             backend.save(meta, None)
         finally:
             backend.close()
         runtime.write_json_atomic(tmp / runtime.IMPORTED_FILE, {
-            "from": str(src), "format": MARIAN_FORMAT, "marian_config": hf, "marian_ids": ids,
+            **origin, "format": MARIAN_FORMAT, "marian_config": hf, "marian_ids": ids,
         })
-    return {"run_dir": str(dst), "backend": to, "from": str(src), "config": cfg}
+    return {"run_dir": str(dst), "backend": to, **origin, "config": cfg}
 
 
 def marian_origin(run_dir: str | os.PathLike) -> dict[str, Any]:
