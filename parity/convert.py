@@ -16,7 +16,7 @@ from train import runtime, store
 from train.store import CheckpointError
 
 from . import ctranslate2 as ct2_export
-from . import marian
+from . import marian, proof
 from .runs import convert_run, load_jax_weights, load_torch_weights, run_weights, save_jax_weights, save_torch_weights
 from .weights import FRAMEWORKS, jax_to_torch, torch_to_jax
 
@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("train", "valid", "test"):
         parser.add_argument(f"--{name}", metavar="SPEC", help=f"with --from: the {name} data spec recorded in the run "
                             "(train.run's data specs), for fine-tuning with train.run --resume")
+    parser.add_argument("--proof-sentences", metavar="FILE", help="with --to marian or ctranslate2: the sentences the "
+                        "export is checked on, read back by its own runtime against the run (default: the run's first "
+                        f"{proof.SENTENCES} validation sources); the figures go to the export's {proof.PROOF_FILE}")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing destination")
     return parser
 
@@ -129,12 +132,19 @@ def _interop_cli(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
               f"layers, d_model {cfg.d_model}, vocab {cfg.src_vocab_size}/{cfg.tgt_vocab_size}, step 0)")
         print(f"translate with: python -m train.translate --run-dir {done['run_dir']}")
         return 0
+    sentences = proof.proof_sentences(src, args.proof_sentences)
     params, cfg = run_weights(src, store.parse_checkpoint(args.checkpoint or "best"))
     if args.to == "marian":
-        marian.export_marian(src, params, cfg, args.dst, overwrite=args.overwrite)
+        ids = marian.marian_origin(src)["marian_ids"]
+        marian.export_marian(src, params, cfg, args.dst, overwrite=args.overwrite,
+                             check=lambda tmp: proof.marian_proof(tmp, Path(src), params, cfg, sentences, ids))
     else:
-        ct2_export.export_ctranslate2(src, params, cfg, args.dst, quantization=args.quantization, force=args.overwrite)
-    print(f"wrote {args.dst}")
+        ct2_export.export_ctranslate2(
+            src, params, cfg, args.dst, quantization=args.quantization, force=args.overwrite,
+            check=lambda tmp: proof.ctranslate2_proof(tmp, Path(src), params, cfg, sentences, args.quantization))
+    checked = runtime.read_json(Path(args.dst) / proof.PROOF_FILE)
+    print(f"wrote {args.dst}: {checked['greedy_agreement']:.1%} of {checked['sentences']} greedy translations equal "
+          f"the run's, logits within {checked['max_abs_logit_diff']:.1e} ({proof.PROOF_FILE})")
     return 0
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -133,11 +133,12 @@ def build_spec(params: Mapping[str, np.ndarray], cfg: TransformerConfig, src_tok
 
 def export_ctranslate2(
     run_dir: str | os.PathLike, params: Mapping[str, np.ndarray], cfg: TransformerConfig, dst: str | os.PathLike,
-    quantization: str | None = None, force: bool = False,
+    quantization: str | None = None, force: bool = False, check: Callable[[Path], object] | None = None,
 ) -> Path:
     """Weights `params` (our torch layout) of the run in `run_dir` -> a CTranslate2 model directory
     `dst` (model.bin, vocabularies, config.json) with the run's tokenizer files beside them, built
-    beside `dst` and swapped in (`runtime.derive`; `force`: replace one that is there)."""
+    beside `dst` and swapped in (`runtime.derive`; `force`: replace one that is there) once
+    `check(directory)` (`parity.proof`) accepts it."""
     ctranslate2 = spm.require("ctranslate2")
     tokenizers = data.load_tokenizers(run_dir)
     src_tokens = vocabulary(tokenizers.src, cfg.src_vocab_size)
@@ -145,11 +146,14 @@ def export_ctranslate2(
 
     class RunConverter(ctranslate2.converters.Converter):
         def _load(self):
-            return build_spec(params, cfg, src_tokens, tgt_tokens)
+            # copies: CTranslate2 quantizes the spec's arrays in place, which would change the caller's weights
+            return build_spec({k: np.array(v) for k, v in params.items()}, cfg, src_tokens, tgt_tokens)
 
     copy = (*data.tokenizer_files(run_dir), runtime.MODEL_FILE)
     with runtime.derive(run_dir, dst, "ctranslate2", force, copy) as tmp:
         RunConverter().convert(str(tmp), quantization=quantization, force=True)  # tmp exists, empty
+        if check is not None:
+            check(tmp)
     return Path(dst)
 
 

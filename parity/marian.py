@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -418,10 +418,11 @@ def marian_origin(run_dir: str | os.PathLike) -> dict[str, Any]:
 
 
 def export_marian(run_dir: str | os.PathLike, params: Mapping[str, np.ndarray], cfg: TransformerConfig,
-                  dst: str | os.PathLike, overwrite: bool = False) -> Path:
+                  dst: str | os.PathLike, overwrite: bool = False, check: Callable[[Path], object] | None = None) -> Path:
     """Weights `params` (our torch layout, e.g. a checkpoint of `run_dir`, imported from Marian and
     perhaps fine-tuned) -> an HF Marian directory that `MarianMTModel.from_pretrained` and
-    `MarianTokenizer.from_pretrained` load, built beside `dst` and swapped in (`runtime.derive`)."""
+    `MarianTokenizer.from_pretrained` load, built beside `dst` and swapped in (`runtime.derive`) once
+    `check(directory)` (`parity.proof`) accepts it."""
     transformers = spm.require("transformers")
     run_dir, dst = Path(run_dir), Path(dst)
     record = marian_origin(run_dir)
@@ -446,6 +447,8 @@ def export_marian(run_dir: str | os.PathLike, params: Mapping[str, np.ndarray], 
             runtime.write_json_atomic(tmp / "target_vocab.json", vocab)
         runtime.write_json_atomic(tmp / "tokenizer_config.json", {"tokenizer_class": "MarianTokenizer", "separate_vocabs":
                                 not cfg.share_embeddings, "model_max_length": cfg.max_len})
+        if check is not None:
+            check(tmp)
     return dst
 
 

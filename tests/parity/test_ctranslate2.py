@@ -11,6 +11,8 @@ int8 rounds the weights.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -140,3 +142,33 @@ def test_translate_bench_adds_ctranslate2_rows(trained, tmp_path, capsys):
     # <= 100 up to float rounding: identical outputs score exp(mean(log 1.0)) * 100 = 100.00000000000004.
     assert 0 <= rows["ctranslate2 int8", 1]["bleu_vs_float32"] <= 100 + 1e-9
     assert "ctranslate2 int8" in capsys.readouterr().out
+
+
+def test_every_export_carries_its_proof(trained):
+    """The exports of the fixture, made by the CLI, hold proof.json and a README line: the float32
+    model agrees with the run on every greedy translation and within the bound on log-probabilities;
+    the int8 one reports its figures against no bound (quantization changes the function)."""
+    run_dir, f32, int8 = trained
+    exact, quantized = (json.loads((d / "proof.json").read_text()) for d in (f32, int8))
+    assert exact["sentences"] == 32 and exact["greedy_agreement"] == 1.0  # the first 32 of FAST's 40 validation pairs
+    assert 0 <= exact["max_abs_logit_diff"] <= exact["bounds"]["max_abs_logit_diff"] == 1e-4
+    assert quantized["bounds"] is None and quantized["max_abs_logit_diff"] > exact["max_abs_logit_diff"]
+    assert "greedy translations equal the run's" in (f32 / "README.md").read_text()
+
+
+def test_an_export_that_computes_something_else_fails_and_leaves_nothing(trained, tmp_path, monkeypatch, capsys):
+    from parity import proof
+    from parity.convert import main as convert
+
+    real = proof.reference
+
+    def off_by_a_little(*args):  # as if the export's kernels were 1e-3 away from the run
+        outputs, logits = real(*args)
+        return outputs, [x + 1e-3 for x in logits]
+
+    monkeypatch.setattr(proof, "reference", off_by_a_little)
+    with pytest.raises(SystemExit) as exited:
+        convert(["--to", "ctranslate2", "--src", str(trained[0]), "--dst", str(tmp_path / "ct2")])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exited.value.code == 1 and len(lines) == 1 and "does not compute what the run computes" in lines[0], lines
+    assert list(tmp_path.iterdir()) == []

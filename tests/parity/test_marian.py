@@ -215,6 +215,10 @@ def test_export_round_trips_to_an_hf_directory(small, tmp_path):
     done = subprocess.run([sys.executable, "-m", "parity.convert", "--to", "marian", "--src", str(run_dir),
                            "--dst", str(tmp_path / "hf")], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+    proof = json.loads((tmp_path / "hf" / "proof.json").read_text())  # checked by HF itself at export
+    assert proof["kind"] == "marian" and proof["sentences"] == 32 and proof["greedy_agreement"] == 1.0
+    assert proof["max_abs_logit_diff"] <= proof["bounds"]["max_abs_logit_diff"] == 1e-4
+    assert "32 greedy translations equal the run's" in done.stdout
     original, exported = hf_model(hf_dir), hf_model.__wrapped__(tmp_path / "hf")
     a, b = original.state_dict(), exported.state_dict()
     assert a.keys() == b.keys()

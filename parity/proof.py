@@ -1,0 +1,151 @@
+"""Exports that carry their proof (docs/interop.md#exports-with-proof).
+
+At export the model is read back by its own runtime (HF transformers for a Marian directory,
+CTranslate2 for a CTranslate2 model) and held against the run (the PyTorch reference on the
+exported weights) on fixed sentences, the run's validation sources or given ones: how many greedy
+translations agree, and the largest difference of the logits along the run's greedy translations
+(teacher-forced; where the export's own greedy output departs, up to there). The figures go into
+the export as proof.json and a line of README.md; a float32 export outside the bounds fails before
+it replaces anything.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from torch_reference.config import EOS_ID, PAD_ID, TransformerConfig
+from torch_reference.decode import greedy_search, output_length
+from torch_reference.model import Transformer
+from train import data, runtime
+
+PROOF_FILE = "proof.json"
+SENTENCES = 32  # validation sources proved on: enough to cover the vocabulary's common rows, fast on a CPU
+# A float32 export computes the run's function with other kernels (another summation order): the
+# twins' own logits bound (docs/parity.md), and every greedy translation the same.
+MAX_LOGIT_DIFF = 1e-4
+MIN_AGREEMENT = 1.0
+MASKED = -1e8  # CTranslate2 reports the logits of tokens it may not emit at a step as about -1e9
+
+
+def proof_sentences(run_dir: str | os.PathLike, given: str | os.PathLike | None = None) -> list[str]:
+    """The first SENTENCES non-empty lines of `given`, else of the run's validation sources, else
+    (a run imported without data) texts of consecutive source-vocabulary pieces: a proof of the
+    same function needs inputs the model reads, not good sentences."""
+    if given is not None:
+        from train.data.streams import read_lines
+
+        texts = read_lines(Path(given))
+    elif (cfg := runtime.read_experiment(run_dir)).valid or cfg.uses_numbers_corpus:
+        texts = [source for source, _ in data.load_split(cfg, cfg.valid or "numbers:valid")]
+    else:
+        tokenizer = data.load_tokenizers(run_dir, cfg.joint_vocab).src
+        texts = [data.decode(tokenizer, range(first, first + 6)) for first in range(4, 4 + 6 * SENTENCES, 6)]
+    texts = [t for t in texts if t.strip()][:SENTENCES]
+    if not texts:
+        raise runtime.UserError(f"{given or run_dir}: no sentence to prove the export on")
+    return texts
+
+
+def reference(params: Mapping[str, np.ndarray], cfg: TransformerConfig, src_ids: list[list[int]]):
+    """(the run's greedy translations, each ending at <eos>, the logits (T, V) along each) by the
+    PyTorch reference on `params`, one sentence at a time (no padding to disagree about)."""
+    model = Transformer(cfg).eval()
+    model.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in params.items()})
+    outputs, logits = [], []
+    with torch.no_grad():
+        for ids in src_ids:
+            src = torch.tensor([ids])
+            tokens = greedy_search(model, src)[0][0].tolist()
+            tokens = tokens[: tokens.index(EOS_ID) + 1] if EOS_ID in tokens else tokens
+            outputs.append(tokens)
+            logits.append(model(src, torch.tensor([[cfg.bos_id, *tokens[:-1]]]))[0].numpy())
+    return outputs, logits
+
+
+def limit(src: Sequence[int], cfg: TransformerConfig) -> int:
+    """The most tokens the run's search lets the translation of `src` have (torch_reference.decode)."""
+    return output_length(len(src), cfg.max_len, 1.5, 10)
+
+
+def prove(export_dir: Path, ours: Sequence[list[int]], theirs: Sequence[list[int]], diffs: Sequence[float],
+          sentences: Sequence[str], limits: Sequence[int], kind: str, exact: bool) -> dict[str, Any]:
+    """Write proof.json and a README.md line into `export_dir`; refuse a float32 (`exact`) export
+    outside the bounds with one line."""
+    from .ctranslate2 import same_output
+
+    diff = max(diffs)
+    agree = sum(same_output(a, b, n) for a, b, n in zip(ours, theirs, limits)) / len(ours)
+    proof = {"kind": kind, "sentences": len(sentences), "greedy_agreement": agree, "max_abs_logit_diff": diff,
+             "bounds": {"greedy_agreement": MIN_AGREEMENT, "max_abs_logit_diff": MAX_LOGIT_DIFF} if exact else None,
+             "first_sentences": list(sentences[:3])}
+    if exact and (diff > MAX_LOGIT_DIFF or agree < MIN_AGREEMENT):
+        raise runtime.UserError(f"the {kind} export does not compute what the run computes: greedy agreement "
+                                f"{agree:.1%} (bound {MIN_AGREEMENT:.0%}), largest logit difference {diff:.2e} "
+                                f"(bound {MAX_LOGIT_DIFF:.0e}) on {len(sentences)} sentences; nothing was written")
+    runtime.write_json_atomic(export_dir / PROOF_FILE, proof)
+    line = (f"Checked at export: {agree:.1%} of {len(sentences)} greedy translations equal the run's, logits "
+            f"within {diff:.1e} ({PROOF_FILE}).\n")
+    readme = export_dir / "README.md"
+    runtime.write_text_atomic(readme, (readme.read_text("utf-8") if readme.is_file() else "") + line)
+    return proof
+
+
+def _shared_steps(ours: list[int], theirs: list[int]) -> int:
+    """How many steps both greedy outputs took from the same prefix."""
+    same = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    return min(same + 1, len(ours), len(theirs))
+
+
+def ctranslate2_proof(export_dir: Path, run_dir: Path, params, cfg: TransformerConfig, sentences: Sequence[str],
+                      quantization: str | None) -> dict[str, Any]:
+    """The CTranslate2 model in `export_dir` against the run: greedy `translate_batch` with its logits."""
+    from .ctranslate2 import Translator, tokens
+
+    src_ids = data.encode(data.load_tokenizers(run_dir).src, sentences)
+    ours, ours_logits = reference(params, cfg, src_ids)
+    ct2, limits = Translator(export_dir), [limit(ids, cfg) for ids in src_ids]
+    theirs, diffs = [], []
+    for ids, n, out, logits in zip(src_ids, limits, ours, ours_logits):
+        (result,) = ct2.translator.translate_batch(
+            [tokens(ct2.src_vocab, ids)], beam_size=1, max_decoding_length=n, min_decoding_length=0,
+            return_end_token=True, return_logits_vocab=True)
+        theirs.append([ct2.tgt_ids[t] for t in result.hypotheses[0]])
+        steps = _shared_steps(out, theirs[-1])
+        theirs_logits = np.stack([np.asarray(step).reshape(-1) for step in result.logits[0][:steps]])
+        shown = theirs_logits > MASKED
+        diffs.append(float(np.abs(theirs_logits - logits[:steps])[shown].max()))
+    return prove(export_dir, ours, theirs, diffs, sentences, limits, "ctranslate2",
+                 exact=quantization in (None, "float32"))
+
+
+def marian_proof(export_dir: Path, run_dir: Path, params, cfg: TransformerConfig, sentences: Sequence[str],
+                 marian_ids: Mapping[str, int]) -> dict[str, Any]:
+    """The HF Marian directory in `export_dir` against the run: `generate(num_beams=1)` and a
+    teacher-forced forward pass, in Marian's numbering mapped to ours (`parity.marian`); our bos
+    column, a copy Marian does not have, is left out of the comparison."""
+    from .marian import side_orders
+
+    transformers = __import__("transformers")
+    hf = transformers.MarianMTModel.from_pretrained(str(export_dir)).eval()
+    src_order, tgt_order = side_orders(marian_ids)
+    to_ours = {int(m): o for o, m in enumerate(tgt_order)}
+    columns = [o for o in range(cfg.tgt_vocab_size) if o != cfg.bos_id]
+    src_ids = data.encode(data.load_tokenizers(run_dir).src, sentences)
+    ours, ours_logits = reference(params, cfg, src_ids)
+    theirs, diffs, limits = [], [], [limit(ids, cfg) for ids in src_ids]
+    with torch.no_grad():
+        for ids, out, logits, n in zip(src_ids, ours, ours_logits, limits):
+            src, start = torch.tensor([[int(src_order[i]) for i in ids]]), marian_ids["decoder_start"]
+            generated = hf.generate(src, num_beams=1, do_sample=False, max_new_tokens=n,
+                                    decoder_start_token_id=start)[0, 1:].tolist()
+            theirs.append([to_ours.get(m, PAD_ID) for m in generated if m != marian_ids["pad"]])
+            labels = [int(tgt_order[i]) for i in out]
+            hf_logits = hf(input_ids=src, decoder_input_ids=torch.tensor([[start, *labels[:-1]]])).logits[0].numpy()
+            diffs.append(float(np.abs(hf_logits[:, tgt_order[columns]] - logits[:, columns]).max()))
+    return prove(export_dir, ours, theirs, diffs, sentences, limits, "marian", exact=True)
