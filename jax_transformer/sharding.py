@@ -1,28 +1,13 @@
-"""Data parallelism over a device mesh: pmap semantics written as `jax.jit` with shardings.
+"""Data parallelism over a 1-D device mesh, axis `data`, as `jax.jit` with shardings
+(docs/operations.md#devices-and-processes).
 
-A 1-D `Mesh` with one axis, `data`, spans the devices. Batches are sharded along their first
-axis over it; the training state (parameters, optimizer state, step) is replicated. Under
-`jax.jit` the loss is a mean over the global batch, so XLA inserts the all-reduce of the
-gradients that `pmap` + `lax.pmean` would spell out by hand; every device then applies the same
-update to its replica. (`jax.pmap` itself is in maintenance mode and, since JAX 0.8, built on
-`jit` + `shard_map`.)
-
-Multi-host (several processes, each owning some devices): call `initialize_distributed` before
-anything touches a device; every process then builds the same global batch on the host, keeps
-its own rows (`process_slice`), and `shard_batch` assembles the global array with
-`jax.make_array_from_process_local_data`. Values every process holds alike on the host (initial
-parameters from one seed) become replicated global arrays with `replicate`; `local_copy` gives a
-process its own single-device copy of a replicated tree, for work that needs no collectives
-(evaluation, search).
-
-Fully sharded data parallelism (FSDP, ZeRO-3 style), the other layout of the state
-(`state_shardings(tree, mesh, "fsdp")`): every array of parameters and optimizer state is split
-over `data` along its largest dimension divisible by the device count (`fsdp_spec`; replicated
-when none is, as for scalars), so each device holds 1/N of it. The update is the same `jax.jit`
-with these shardings on the state: XLA all-gathers each parameter where the forward and backward
-passes need it whole, reduce-scatters the gradients onto the shards, and Adam updates each shard
-where it lives. `place` puts host values into either layout; `gather` makes a sharded tree whole
-again (a collective: every process calls it).
+Batches are split along their first axis over `data`; the training state is replicated, or under
+FSDP (`state_shardings(tree, mesh, "fsdp")`) each array split along one dimension (`fsdp_spec`).
+Under `jax.jit` XLA inserts the collectives: the gradients' all-reduce when replicated, the
+parameters' all-gather and the gradients' reduce-scatter under FSDP. With several processes each
+builds the same global batch, keeps its own rows (`process_slice`) and `shard_batch` assembles
+the global array; `place` and `replicate` put host values on the mesh, `gather` makes a sharded
+tree whole (a collective) and `local_copy` gives a process its own copy of a replicated tree.
 """
 
 from __future__ import annotations
@@ -40,15 +25,11 @@ LAYOUTS = ("replicated", "fsdp")  # the training state's layouts over the mesh
 ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"
 
 
-def initialize_distributed(
-    coordinator_address: str | None = None, num_processes: int | None = None, process_id: int | None = None
-) -> None:
+def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
+                           process_id: int | None = None) -> None:
     """`jax.distributed.initialize` from the arguments, or else from JAX_COORDINATOR_ADDRESS /
-    JAX_NUM_PROCESSES / JAX_PROCESS_ID; a no-op for a single process or when already done.
-
-    Call it before anything touches a device (jax.devices(), an array, a PRNG key): afterwards
-    `jax.devices()` lists the devices of every process and `jax.local_devices()` this one's.
-    """
+    JAX_NUM_PROCESSES / JAX_PROCESS_ID; a no-op for a single process or when already done. Call it
+    before anything touches a device (jax.devices(), an array, a PRNG key)."""
     coordinator_address = coordinator_address or os.environ.get(ENV_COORDINATOR)
     if num_processes is None and os.environ.get(ENV_NUM_PROCESSES):
         num_processes = int(os.environ[ENV_NUM_PROCESSES])
@@ -59,30 +40,26 @@ def initialize_distributed(
     if jax.distributed.is_initialized():
         return
     if num_processes is None or process_id is None or coordinator_address is None:
-        raise ValueError(
-            "a multi-process run needs the coordinator address, the number of processes and this process's id "
-            f"(flags --coordinator-address/--num-processes/--process-id or {ENV_COORDINATOR}/{ENV_NUM_PROCESSES}/"
-            f"{ENV_PROCESS_ID}); got {coordinator_address!r}, {num_processes!r}, {process_id!r}"
-        )
+        raise ValueError("a multi-process run needs the coordinator address, the number of processes and this "
+                         "process's id (flags --coordinator-address/--num-processes/--process-id or "
+                         f"{ENV_COORDINATOR}/{ENV_NUM_PROCESSES}/{ENV_PROCESS_ID}); got {coordinator_address!r}, "
+                         f"{num_processes!r}, {process_id!r}")
     if not 0 <= process_id < num_processes:
         raise ValueError(f"process id {process_id} is not in 0..{num_processes - 1}")
     jax.distributed.initialize(coordinator_address, num_processes=num_processes, process_id=process_id)
 
 
 def make_mesh(num_devices: int | None = None) -> Mesh:
-    """A 1-D mesh named `data` over the first `num_devices` devices (all of them by default).
-
-    With several processes every device takes part (each process contributes its local ones).
-    """
+    """A 1-D mesh named `data` over the first `num_devices` devices (all of them by default; with
+    several processes every device takes part, each process contributing its local ones)."""
     devices = jax.devices()
     if num_devices is not None:
         if not 1 <= num_devices <= len(devices):
             raise ValueError(f"--devices {num_devices}: {len(devices)} device(s) visible ({devices[0].platform})")
         if jax.process_count() > 1 and num_devices != len(devices):
-            raise ValueError(
-                f"--devices {num_devices}: with {jax.process_count()} processes every one of the {len(devices)} "
-                "devices takes part; leave --devices unset (or limit each process's devices through its platform)"
-            )
+            raise ValueError(f"--devices {num_devices}: with {jax.process_count()} processes every one of the "
+                             f"{len(devices)} devices takes part; leave --devices unset (or limit each process's "
+                             "devices through its platform)")
         devices = devices[:num_devices]
     return Mesh(np.array(devices), (DATA_AXIS,))
 
@@ -145,8 +122,7 @@ def place(tree: Any, shardings: Any) -> Any:
 
 
 def replicate(tree: Any, mesh: Mesh) -> Any:
-    """Every array of `tree` (host or single-device values, the same in every process) placed
-    whole on every device of `mesh` (see `place`)."""
+    """Every array of `tree` (the same in every process) placed whole on every device of `mesh` (`place`)."""
     return place(tree, replicated(mesh))
 
 
@@ -163,10 +139,8 @@ def gather(tree: Any, mesh: Mesh) -> Any:
 
 
 def local_copy(tree: Any) -> Any:
-    """This process's own copy of every (replicated) array of `tree`, on its first local device.
-
-    No data moves: each leaf's first addressable shard is already the whole value.
-    """
+    """This process's own copy of every (replicated) array of `tree`, on its first local device: no
+    data moves, each leaf's first addressable shard is already the whole value."""
 
     def first_shard(x):
         if not x.is_fully_replicated:
@@ -186,20 +160,15 @@ def process_slice(global_rows: int) -> slice:
 
 
 def shard_batch(batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
-    """Process-local rows -> global arrays sharded along `data`.
-
-    With one process the local rows are the global batch; with several, each passes its own
-    slice (see `process_slice`) and the global batch is their concatenation in process order.
-    """
+    """Process-local rows -> global arrays sharded along `data`: with several processes each passes
+    its own slice (`process_slice`), the global batch their concatenation in process order."""
     devices = mesh.devices.size
     sharding = batch_sharded(mesh)
     out = {}
     for name, local in batch.items():
         rows = local.shape[0] * jax.process_count()
         if rows % devices:
-            raise ValueError(
-                f"a global batch of {rows} rows cannot be split evenly over {devices} devices; "
-                f"make the batch size a multiple of {devices}"
-            )
+            raise ValueError(f"a global batch of {rows} rows cannot be split evenly over {devices} devices; "
+                             f"make the batch size a multiple of {devices}")
         out[name] = jax.make_array_from_process_local_data(sharding, local, (rows, *local.shape[1:]))
     return out

@@ -32,11 +32,6 @@ def _flat(x: jax.Array) -> jax.Array:
     return x.reshape(-1, x.shape[-1])  # (..., F) -> (N, F)
 
 
-# --------------------------------------------------------------------------------------------
-# Kernels of the train step
-# --------------------------------------------------------------------------------------------
-
-
 @jax.custom_vjp
 def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     """x (..., I) @ w (I, O) -> (..., O)."""
@@ -61,10 +56,8 @@ def linear_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_el
     (lhs's last axis with a 2-D rhs's first, default precision and result type), `lax.dot_general`
     for anything else."""
     layer_contraction = (((lhs.ndim - 1,), (0,)), ((), ()))
-    if (
-        dimension_numbers == layer_contraction and rhs.ndim == 2 and precision is None
-        and preferred_element_type is None and kwargs.get("out_sharding") is None
-    ):
+    if (dimension_numbers == layer_contraction and rhs.ndim == 2 and precision is None
+            and preferred_element_type is None and kwargs.get("out_sharding") is None):
         return linear(lhs, rhs)
     return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, **kwargs)
 
@@ -186,11 +179,6 @@ def smoothed_sums(logits, targets, pad_id: int, smoothing: float):
     return _smoothed_sums(logits, targets, targets != pad_id, jnp.float32(smoothing))
 
 
-# --------------------------------------------------------------------------------------------
-# Search
-# --------------------------------------------------------------------------------------------
-
-
 class SharedKeys:
     """For `MultiHeadAttention` (cross-attention): keys and values (`context`, `kv`) of B / g rows
     serve g consecutive rows of x (B, T, D) each as one row's g * T queries, mask (B / g, 1, 1, S),
@@ -266,16 +254,11 @@ def shrinking_while(step, result, carry, length: int):
     keep one row a sentence here (`SharedKeys`). step(position, carry) -> carry; result(carry)
     -> per-sentence outputs.
 
-    Why shrink: a batch runs until its slowest sentence ends, and with static shapes a finished
-    sentence keeps its rows in every matmul. So the search is a chain of `lax.while_loop`s over
-    B, B/2, B/4, ... sentences (MAX_STAGES; none below SMALLEST_STAGE), each left as soon as the
-    live sentences fit the next. Rows never mix, so the outputs are those of one loop over the
-    whole batch. A length-sorted batch ends in a burst and then a long tail, which five stages
-    follow closer than three (docs/performance.md#what-made-the-jax-search-fast).
-
-    Why grow: the first quarter of the positions attends over a cache a quarter as long, the
-    next over half (searches of 32 positions or more), so early positions neither attend over nor
-    reorder the cache's unwritten end; the outputs are those of the whole cache.
+    With static shapes a finished sentence keeps its rows in every matmul, so the search is a chain
+    of `lax.while_loop`s over B, B/2, B/4, ... sentences (MAX_STAGES; none below SMALLEST_STAGE),
+    each left as soon as the live sentences fit the next; and the first quarter of the positions
+    attends over a cache a quarter as long, the next over half (searches of 32 positions or more).
+    Rows never mix: the outputs are those of one loop (docs/performance.md#what-made-the-jax-search-fast).
     """
     sizes = [carry["done"].shape[0]]
     while sizes[-1] // 2 >= SMALLEST_STAGE and len(sizes) < MAX_STAGES:
@@ -291,8 +274,6 @@ def shrinking_while(step, result, carry, length: int):
     out = jax.tree.map(jnp.zeros_like, result(carry))
     slots = jnp.arange(sizes[0])  # the sentence in each row of the current batch
     position = jnp.int32(0)
-    # The first positions attend over a shorter cache, grown to the next length whenever the loop
-    # reaches the end of one.
     for limit, longer in zip(cache_lengths, cache_lengths[1:]):
         def within(state, limit=limit, next_size=sizes[1] if len(sizes) > 1 else 0):
             position, carry = state

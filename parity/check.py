@@ -98,14 +98,9 @@ def _diff(a: np.ndarray, b: np.ndarray, scale: np.ndarray | None = None) -> dict
 
 
 def gradient_scale_key(key: str) -> str:
-    """The parameter whose gradient norm measures the rounding error of `key`'s gradient.
-
-    The key-projection bias has an analytically zero gradient: adding b to every key adds the
-    constant q·b to a whole row of scores, which softmax ignores (§3.2.1). Both frameworks return
-    float32 rounding noise there, so a relative error against its own norm measures noise against
-    noise. It is measured against the gradient of the same projection's weight instead: the scale
-    at which that noise arises (docs/parity.md#three-findings-behind-the-gradient-figures).
-    """
+    """The parameter whose gradient norm measures the rounding error of `key`'s gradient: the
+    key-projection bias, whose gradient is analytically zero (rounding noise in both frameworks),
+    is measured against its weight's (docs/parity.md#three-findings-behind-the-gradient-figures)."""
     return key.replace(".k_proj.bias", ".k_proj.weight") if key.endswith(".k_proj.bias") else key
 
 
@@ -147,14 +142,9 @@ def compare(torch_model: torch_reference.Transformer, jax_model, batch: dict, sm
 
 
 def relu_inputs_near_kink(torch_model: torch_reference.Transformer, batch: dict, radius: float = RELU_KINK_RADIUS) -> dict:
-    """How many ReLU inputs lie within `radius` of 0, measured in a float64 copy of the model.
-
-    ReLU's derivative jumps from 0 to 1 at 0. Where the exact input is closer to 0 than the
-    float32 forward error, either framework may land on either side, and that one unit then
-    changes the gradient of every parameter below it by a rank-one term
-    (docs/parity.md#three-findings-behind-the-gradient-figures). Such gradients are both valid
-    subgradients; they are not comparable.
-    """
+    """How many ReLU inputs lie within `radius` of 0, measured in a float64 copy of the model: where
+    either framework may round to either side of the kink, the gradients are both valid subgradients
+    but not comparable (docs/parity.md#three-findings-behind-the-gradient-figures)."""
     model64 = copy.deepcopy(torch_model).double()
     inputs = []
     hooks = [
@@ -216,12 +206,7 @@ def failures(report: dict, bounds: dict) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m parity.check",
-        description="Build a random PyTorch reference model, convert it to Flax, and compare logits, "
-        "loss and every parameter's gradient on one random padded batch (float32, dropout off). "
-        "Exits with status 1 when a bound of the parity contract is exceeded.",
-    )
+    parser = argparse.ArgumentParser(prog="python -m parity.check", description=__doc__.split("\n\n")[1])
     parser.add_argument("--preset", default="tiny", choices=TransformerConfig.presets(), help="model size (default tiny)")
     parser.add_argument("--vocab-size", type=positive_int, default=8000, help="shared vocabulary size (default 8000)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], type=flag_type(TransformerConfig.parse_override),

@@ -29,15 +29,8 @@ import torch
 from torch_reference.config import TransformerConfig
 from train import data
 from train.backends import create_backend, initialize
-from train.config import (
-    DERIVED_MODEL_FIELDS,
-    ExperimentConfig,
-    flag_type,
-    non_negative_int,
-    positive_float,
-    positive_int,
-    probability,
-)
+from train.config import (DERIVED_MODEL_FIELDS, ExperimentConfig, flag_type, non_negative_int, positive_float,
+                          positive_int, probability)
 from train.runtime.files import json_text
 from train.loop import make_batcher
 from train.store import TrainingState
@@ -56,10 +49,6 @@ PAPER_WARMUP = 4000
 
 # Parameters with an analytically zero gradient (softmax ignores a shift of a row): excluded from the bound.
 NOISE_ONLY_SUFFIX = ".k_proj.bias"
-
-
-def excluded(name: str) -> bool:
-    return name.endswith(NOISE_ONLY_SUFFIX)
 
 
 def experiment_config(steps: int = 100, preset: str = "tiny", model: dict | None = None, **changes: Any):
@@ -126,10 +115,10 @@ def compare_weights(actual: dict[str, np.ndarray], reference: dict[str, np.ndarr
     """Per parameter ||a - r|| / ||r||; the worst over the bounded parameters, and the excluded
     key-projection biases separately (also as max |a - r|)."""
     rel = {k: float(np.linalg.norm(actual[k] - r) / max(np.linalg.norm(r), 1e-30)) for k, r in reference.items()}
-    bounded = {k: v for k, v in rel.items() if not excluded(k)}
+    bounded = {k: v for k, v in rel.items() if not k.endswith(NOISE_ONLY_SUFFIX)}
     worst = max(bounded, key=bounded.get)
     out = {"max_rel_l2": bounded[worst], "worst": worst, "per_parameter": rel}
-    noise = [k for k in rel if excluded(k)]
+    noise = [k for k in rel if k.endswith(NOISE_ONLY_SUFFIX)]
     if noise:
         worst_noise = max(noise, key=rel.get)
         out["k_proj_bias"] = {
@@ -200,10 +189,8 @@ def _switch(run: Run, cfg, model_cfg, prepared, workdir: Path) -> tuple[Run, boo
     return Run(f"{src}→{other}", backend, batcher), exact
 
 
-def run_trajectory(
-    cfg, steps: int | None = None, switch: int | None = None, control: bool = False,
-    initial: TrainingState | None = None, progress: bool = False, prepared=None,
-) -> dict:
+def run_trajectory(cfg, steps: int | None = None, switch: int | None = None, control: bool = False,
+                   initial: TrainingState | None = None, progress: bool = False, prepared=None) -> dict:
     """Train `steps` updates in both frameworks in lockstep (plus the switched runs when
     0 < switch < steps, plus torch from weights one ulp away with `control`) from `initial`
     (default: the torch backend's initial weights for `cfg`). Returns the report, without
@@ -258,28 +245,23 @@ def run_trajectory(
     }
 
 
-def _loss_failures(report: dict) -> list[str]:
-    return [
-        f"{c['label']}: loss rel {c['max_loss_rel']:.3g} at update {c['max_loss_rel_step']} > {BOUNDS['loss_rel']:g}"
-        for c in report["comparisons"] if c["bounded"] and not c["max_loss_rel"] <= BOUNDS["loss_rel"]
-    ]
-
-
-def _param_failures(report: dict) -> list[str]:
-    return [
-        f"{c['label']}: {c['final_param_worst']} rel L2 {c['final_param_rel_l2']:.3g} > {BOUNDS['param_rel_l2']:g}"
-        for c in report["comparisons"] if c["bounded"] and not c["final_param_rel_l2"] <= BOUNDS["param_rel_l2"]
-    ]
+def _bound_failures(report: dict) -> tuple[list[str], list[str]]:
+    """(the loss bounds, the parameter bounds) that the bounded comparisons of `report` exceed."""
+    bounded = [c for c in report["comparisons"] if c["bounded"]]
+    loss_bound, param_bound = BOUNDS["loss_rel"], BOUNDS["param_rel_l2"]
+    loss = [f"{c['label']}: loss rel {c['max_loss_rel']:.3g} at update {c['max_loss_rel_step']} > {loss_bound:g}"
+            for c in bounded if not c["max_loss_rel"] <= loss_bound]
+    params = [f"{c['label']}: {c['final_param_worst']} rel L2 {c['final_param_rel_l2']:.3g} > {param_bound:g}"
+              for c in bounded if not c["final_param_rel_l2"] <= param_bound]
+    return loss, params
 
 
 def failures(report: dict) -> list[str]:
     """The bounds a report exceeds. The parameter bound of a ReLU run is judged on its smooth
     path when there is one (`report["smooth_path"]`); the loss bound always on the run itself."""
-    out = _loss_failures(report)
-    params = _param_failures(report)
+    out, params = _bound_failures(report)
     if params and "smooth_path" in report:
-        smooth = report["smooth_path"]
-        params = [f"smooth path (GELU): {line}" for line in _loss_failures(smooth) + _param_failures(smooth)]
+        params = [f"smooth path (GELU): {line}" for part in _bound_failures(report["smooth_path"]) for line in part]
     out += params
     for report_ in (report, report.get("smooth_path", {})):
         out += [f"{name}: the converted checkpoint did not restore bit-exactly"
@@ -295,7 +277,7 @@ def parity_report(cfg, steps: int | None = None, switch: int | None = None, cont
     model_cfg, prepared = prepare(cfg)
     initial = create_backend(cfg.replace(backend="torch"), model_cfg).export_state()
     report = run_trajectory(cfg, steps, switch, control, initial, progress, (model_cfg, prepared))
-    if _param_failures(report) and model_cfg.activation == "relu":
+    if _bound_failures(report)[1] and model_cfg.activation == "relu":
         if progress:
             print("  parameters exceed the bound with ReLU: running the smooth path (same weights, exact GELU)")
         smooth_cfg = cfg.replace(model={**cfg.model, "activation": "gelu"})
@@ -344,7 +326,6 @@ def plot(report: dict, path: str | Path) -> Path:
         ax.axhline(bound, ls="-.", color="black", lw=1.2, label="bound")
         if report["switch"]:
             ax.axvline(report["switch"], ls=":", color="grey", lw=1)
-    for ax in (ax_loss, ax_param):
         ax.set_ylim(bottom=floor / 2)
     ax_loss.set(xlabel="update", ylabel="|loss_a - loss_b| / loss_b (0 drawn at 1e-9)",
                 title="training loss, relative difference")
@@ -397,13 +378,7 @@ _override = flag_type(functools.partial(TransformerConfig.parse_override, exclud
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m parity.trajectory",
-        description="Train one model in the JAX and the PyTorch backends from the same initial weights on "
-        "identical batches (float32, dropout off), compare the loss after every update and every parameter; "
-        "with --switch K also continue each framework's checkpoint of update K in the other framework. "
-        "Exits with status 1 when a bound is exceeded.",
-    )
+    parser = argparse.ArgumentParser(prog="python -m parity.trajectory", description=__doc__.split("\n\n")[1])
     parser.add_argument("--steps", type=positive_int, default=100, help="updates (default 100)")
     parser.add_argument("--switch", type=non_negative_int, default=None,
                         help="convert both runs' checkpoints at this update and continue in the other framework "
@@ -423,8 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-len", type=positive_int, default=128, help="longest sequence in tokens (default 128)")
     parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--control", action="store_true",
-                        help="also train torch from the initial weights moved by one ulp: how far float32 "
-                        "training itself carries one rounding error (not bounded)")
+                        help="also train torch from the initial weights moved by one ulp: float32's own drift "
+                        "(not bounded)")
     parser.add_argument("--json", type=Path, help="write the full report (every update, every parameter) here")
     parser.add_argument("--plot", type=Path, help="write a PNG of the differences per update here")
     return parser
@@ -445,9 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         parser.error(str(err))
     report = parity_report(cfg, args.steps, switch, args.control, progress=True)
-    report["device"] = jax.devices()[0].device_kind
-    report["versions"] = {"jax": jax.__version__, "torch": torch.__version__}
-    report["command"] = "python -m parity.trajectory " + " ".join(sys.argv[1:] if argv is None else argv)
+    report.update(device=jax.devices()[0].device_kind, versions={"jax": jax.__version__, "torch": torch.__version__},
+                  command="python -m parity.trajectory " + " ".join(sys.argv[1:] if argv is None else argv))
     print_report(report)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -1,39 +1,20 @@
-"""Translation speed, JAX against PyTorch on the same weights: `python -m parity.translate_bench`.
+"""Translation speed, JAX against PyTorch on the same weights: `python -m parity.translate_bench`
+(docs/performance.md#translation-speed).
 
     python -m parity.translate_bench --run-dir RUN --input ../shared/data/multi30k/val.de.gz [--beam 4] [--json F]
 
 Opens a run (either backend), moves its weights into the other framework (`convert_state`), and
 times translating the input with JAX and torch cached search and torch's uncached loop (the
-same search re-running the decoder over every prefix, as the seed repositories did), each greedy
-and with --beam. Prints sentences/s, generated tokens/s, the speed-ups against torch cached and
-against the uncached loop at the same beam, and for every row but the reference (torch cached)
-how many sentences came out different from the reference's: 0 expected, the searches being the
-same algorithm on the same weights. Each framework is timed under the allocator settings it has in
-a process of its own: the JAX backend fixes glibc's thresholds for XLA (`train.backends.allocator`), which
-slow torch's cached beam search (docs/performance.md#translation-speed), so torch and CTranslate2 run
-under glibc's settled thresholds (`allocator.settled`). Both frameworks compute float32 matmuls in
-full float32 (TF32 off: JAX's default on GPUs would otherwise round them to TF32 and change
-outputs), and the machine line names the accelerator when there is one.
+decoder re-run over every prefix; --no-uncached leaves it out), each greedy and with --beam: seconds,
+sentences/s, tokens/s, `peak_mib` (the largest growth of resident memory in the timed loop), the
+speed-ups against torch cached and uncached, and how many outputs differ from torch cached search's
+(0 expected). Torch and CTranslate2 run under glibc's settled allocator thresholds
+(`allocator.settled`), float32 matmuls in full float32 (TF32 off) in both frameworks.
 
-With --ctranslate2 (the `interop` extra) the run is also exported to CTranslate2 in float32 and in
-int8 (parity.ctranslate2) and timed on the same batches, greedy and with --beam, on the CPU with
-as many threads as torch: rows "ctranslate2 float32" and "ctranslate2 int8", their outputs
-compared with torch cached search's too (a sentence our search ends at its own length limit by a
-forced <eos>, where CTranslate2 has one limit per batch, counts as the same when the tokens before
-it are: `ctranslate2.same_output`; greedy float32: 0 differences expected; beam: CTranslate2
-normalises by length ** alpha, not GNMT's penalty), and the BLEU of int8's translations against
-float32's.
-
-With --hf (the `interop` extra; a run imported from Marian, `parity.convert --from marian`) the
-run's weights go back into a `transformers.MarianMTModel` (`parity.marian.to_marian`) and HF's
-`generate` is timed on the same batches in Marian's ids: row "hf generate", greedy and with --beam
-(length_penalty=alpha, early_stopping="never": with --scoring hf the same search as ours), each
-batch limited to our length limit for its padded length, as CTranslate2 is.
-
-Every row also reports `peak_mib`: the largest growth of this process's resident memory over its
-size when the timed loop started, sampled every 5 ms (the working memory of that search: the
-weights and compiled programs are in place before). --no-uncached leaves out torch's uncached
-loop, which takes hours at large shapes.
+--ctranslate2 adds the run exported to CTranslate2 in float32 and int8 (`parity.ctranslate2`,
+outputs compared by `ctranslate2.same_output`, int8's BLEU against float32's:
+docs/interop.md#speed); --hf adds HF's `generate` on a run imported from Marian
+(`parity.marian.to_marian`), each batch limited to our length limit for its padded length.
 """
 
 from __future__ import annotations
@@ -48,7 +29,6 @@ if __name__ == "__main__":  # before jax is imported: the CPU as translate split
 
 import argparse
 import contextlib
-import os
 import platform
 import sys
 import threading
@@ -60,10 +40,11 @@ import numpy as np
 
 from train import data
 from train.backends import allocator, create_backend, host_devices, initialize
-from train.config import positive_int
 from train.runtime.files import UserError, json_text, write_text_atomic
 from train.api import Run, load
-from train.config import add_run_arguments
+from train.bench import _rss_mib
+from train.config import add_run_arguments, positive_int
+from train.data.spm import require
 from train.data.streams import read_lines
 
 from .check import enable_parity_numerics
@@ -83,13 +64,8 @@ class PeakMemory:
     def __init__(self, interval: float = 0.005):
         self.interval, self.mib = interval, 0.0
 
-    @staticmethod
-    def rss() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
     def __enter__(self) -> PeakMemory:
-        self.start = self.peak = self.rss()
+        self.start = self.peak = _rss_mib()
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
@@ -97,13 +73,13 @@ class PeakMemory:
 
     def _sample(self) -> None:
         while not self._done.wait(self.interval):
-            self.peak = max(self.peak, self.rss())
+            self.peak = max(self.peak, _rss_mib())
 
     def __exit__(self, *exc) -> None:
         self._done.set()
         self._thread.join()
-        self.peak = max(self.peak, self.rss())
-        self.mib = (self.peak - self.start) / 2**20
+        self.peak = max(self.peak, _rss_mib())
+        self.mib = self.peak - self.start
 
 
 def benchmark(run: Run, lines: Sequence[str], beam_size: int, batch_size: int | None, alpha: float = 0.6,
@@ -177,57 +153,57 @@ def _ctranslate2_rows(run: Run, state, batches, beam_size: int, alpha: float, ti
     import sacrebleu
     import torch
 
-    from torch_reference.decode import output_length
-
     from . import ctranslate2 as ct2
 
     params = convert_state(state, "torch", run.model_config).params
     threads = torch.get_num_threads()  # as many as torch's cached search uses
-    limits = _limits(run, batches)
     rows, texts = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         for kind in ("float32", "int8"):
             ct2.export_ctranslate2(run.run_dir, params, run.model_config, Path(tmp) / kind, quantization=kind)
             translator = ct2.Translator(Path(tmp) / kind, intra_threads=threads)
             for beam in sorted({1, beam_size}):
-                def search(src, k=beam):  # this project's length limit for the batch's padded length
-                    limit = output_length(src.shape[1], run.model_config.max_len, 1.5, 10)
+                def search(src, k=beam):
+                    limit = _limit(run, src.shape[1])
                     return translator.translate_ids(src, beam_size=k, max_len=limit, length_penalty=alpha)
 
-                seconds, outputs, peak = timed(search, batches[:1])
+                row, outputs = _foreign_row(run, f"ctranslate2 {kind}", beam, search, batches, timed, reference)
                 texts[kind, beam] = data.decode_batch(run.tokenizers.tgt, outputs)
-                rows.append({
-                    "search": f"ctranslate2 {kind}", "beam": beam, "seconds": seconds, "peak_mib": peak,
-                    "tokens": int(sum(len(out) for out in outputs)),
-                    "differ": sum(not ct2.same_output(_trim(ref), out, limit)
-                                  for out, ref, limit in zip(outputs, reference[beam], limits)),
-                })
-    for row in rows:
-        if row["search"] == "ctranslate2 int8":
-            float32 = texts["float32", row["beam"]]
-            row["bleu_vs_float32"] = sacrebleu.corpus_bleu(texts["int8", row["beam"]], [float32]).score
+                if kind == "int8":
+                    row["bleu_vs_float32"] = sacrebleu.corpus_bleu(texts[kind, beam], [texts["float32", beam]]).score
+                rows.append(row)
     return rows
 
 
-def _limits(run: Run, batches) -> list[int]:
-    """Each sentence's length limit, as our search applies it (1.5 x its length + 10)."""
+def _limit(run: Run, length: int) -> int:
+    """Our search's length limit for a source of `length` tokens (1.5 x its length + 10)."""
     from torch_reference.decode import output_length
+
+    return output_length(length, run.model_config.max_len, 1.5, 10)
+
+
+def _foreign_row(run: Run, name: str, beam: int, search, batches, timed, reference) -> tuple[dict, list]:
+    """(row `name`, outputs) of a search outside this project (CTranslate2, HF) whose outputs count
+    as ours when `ctranslate2.same_output` says so, each sentence under its own length limit."""
+    from .ctranslate2 import same_output
 
     limits = {}
     for index, src in batches:
         for row in np.flatnonzero(index >= 0):
-            limits[index[row]] = output_length(int((src[row] != data.PAD_ID).sum()), run.model_config.max_len, 1.5, 10)
-    return [limits[i] for i in range(len(limits))]
+            limits[int(index[row])] = _limit(run, int((src[row] != data.PAD_ID).sum()))
+    seconds, outputs, peak = timed(search, batches[:1])
+    ours = reference[beam]
+    return {
+        "search": name, "beam": beam, "seconds": seconds, "peak_mib": peak,
+        "tokens": int(sum(len(out) for out in outputs)),
+        "differ": sum(not same_output(_trim(ours[i]), out, limits[i]) for i, out in enumerate(outputs)),
+    }, outputs
 
 
 def _hf_rows(run: Run, state, batches, beam_size: int, alpha: float, timed, reference) -> list[dict]:
     """Row "hf generate": the run's weights as a MarianMTModel, `generate` on the same batches."""
     import torch
 
-    from torch_reference.decode import output_length
-    from train.data.spm import require
-
-    from . import ctranslate2 as ct2
     from . import marian
 
     transformers = require("transformers")
@@ -240,10 +216,10 @@ def _hf_rows(run: Run, state, batches, beam_size: int, alpha: float, timed, refe
     ids = record["marian_ids"]
     src_order, tgt_order = marian.side_orders(ids)
     to_ours = {int(m): ours for ours, m in enumerate(tgt_order) if ours != data.BOS_ID}
-    limits, rows = _limits(run, batches), []
+    rows = []
     for beam in sorted({1, beam_size}):
         def search(src, k=beam):
-            limit = output_length(src.shape[1], run.model_config.max_len, 1.5, 10)
+            limit = _limit(run, src.shape[1])
             with torch.inference_mode():
                 out = model.generate(
                     input_ids=torch.from_numpy(src_order[src]), attention_mask=torch.from_numpy(src != data.PAD_ID),
@@ -252,22 +228,15 @@ def _hf_rows(run: Run, state, batches, beam_size: int, alpha: float, timed, refe
                 )
             return [[to_ours[int(m)] for m in row[1:] if m != ids["pad"]] for row in out.tolist()]
 
-        seconds, outputs, peak = timed(search, batches[:1])
-        rows.append({
-            "search": "hf generate", "beam": beam, "seconds": seconds, "peak_mib": peak,
-            "tokens": int(sum(len(out) for out in outputs)),
-            "differ": sum(not ct2.same_output(_trim(ref), out, limit)
-                          for out, ref, limit in zip(outputs, reference[beam], limits)),
-        })
+        rows.append(_foreign_row(run, "hf generate", beam, search, batches, timed, reference)[0])
     return rows
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m parity.translate_bench",
-        description="Time translation with a run's weights in both frameworks: JAX and torch cached search and "
-        "torch's uncached loop (the decoder re-run over every prefix), greedy and with --beam, on the same input. "
-        "Prints sentences/s, tokens/s, speed-ups and how many outputs differ from torch cached search's.",
+        description="Time translation with a run's weights in JAX and torch cached search and torch's uncached loop, "
+        "greedy and with --beam: sentences/s, tokens/s, speed-ups and outputs that differ from torch cached search's.",
     )
     add_run_arguments(parser)
     parser.add_argument("--input", type=Path, help="text file, one source sentence per line (plain or .gz); default: stdin")
@@ -296,8 +265,6 @@ def main(argv: list[str] | None = None) -> int:
     for wanted, package in ((args.ctranslate2, "ctranslate2"), (args.hf, "transformers")):
         if wanted:
             try:
-                from train.data.spm import require
-
                 require(package)
             except ImportError as err:
                 parser.exit(1, f"error: {err}\n")

@@ -41,16 +41,8 @@ LEAF_RULES = {
 FRAMEWORKS = ("jax", "torch")
 
 
-# ---------------------------------------------------------------------------------------------
-# Key and value rules
-
-
 def jax_key(path: tuple) -> str:
     return ".".join(str(p) for p in path)
-
-
-def _jax_path(key: str) -> tuple:
-    return tuple(int(p) if p.isdigit() else p for p in key.split("."))
 
 
 def to_torch_key(key: str) -> tuple[str, bool]:
@@ -86,25 +78,20 @@ def numpy_to_torch(a: Any) -> torch.Tensor:
     return torch.from_numpy(np.array(a, copy=True))
 
 
-# ---------------------------------------------------------------------------------------------
-# State dicts <-> flat JAX parameter dicts (keys as dotted Flax paths, values NumPy)
+def _moved(value: Any, transpose: bool) -> np.ndarray:
+    value = np.asarray(value)
+    return np.ascontiguousarray(value.T) if transpose else value.copy()
 
 
 def to_jax_layout(flat: Mapping[str, Any], cfg: TransformerConfig, what: str = "PyTorch weights") -> dict[str, np.ndarray]:
     """{torch key: NumPy array} -> {flax key: array}, strictly checked against `cfg` (a parameter-
     shaped tree: weights or Adam's moments)."""
     expected = expected_jax_params(cfg)
-    torch_expected = {}
-    for key, shape in expected.items():
-        torch_key, transpose = to_torch_key(key)
-        torch_expected[torch_key] = shape[::-1] if transpose else shape
+    rules = {key: to_torch_key(key) for key in expected}  # flax key -> (torch key, transposed?)
+    torch_expected = {torch_key: expected[key][::-1] if transpose else expected[key]
+                      for key, (torch_key, transpose) in rules.items()}
     check_keys(what, torch_expected, _shapes(flat))
-    out = {}
-    for key in expected:
-        torch_key, transpose = to_torch_key(key)
-        value = np.asarray(flat[torch_key])
-        out[key] = np.ascontiguousarray(value.T) if transpose else value.copy()
-    return out
+    return {key: _moved(flat[torch_key], transpose) for key, (torch_key, transpose) in rules.items()}
 
 
 def to_torch_layout(flat: Mapping[str, Any], cfg: TransformerConfig, what: str = "JAX weights") -> dict[str, np.ndarray]:
@@ -113,14 +100,8 @@ def to_torch_layout(flat: Mapping[str, Any], cfg: TransformerConfig, what: str =
     out = {}
     for key, value in flat.items():
         torch_key, transpose = to_torch_key(key)
-        value = np.asarray(value)
-        out[torch_key] = np.ascontiguousarray(value.T) if transpose else value.copy()
+        out[torch_key] = _moved(value, transpose)
     return out
-
-
-def torch_state_to_jax(state_dict: Mapping[str, torch.Tensor], cfg: TransformerConfig) -> dict[str, np.ndarray]:
-    """A torch state dict -> {flax key: array}, strictly checked against `cfg`."""
-    return to_jax_layout({k: torch_to_numpy(v) for k, v in state_dict.items()}, cfg)
 
 
 def jax_params_to_torch(params: Mapping[str, Any], cfg: TransformerConfig) -> dict[str, torch.Tensor]:
@@ -136,7 +117,7 @@ def jax_params(model: nnx.Module) -> dict[str, np.ndarray]:
 def nest(flat: Mapping[str, Any]) -> dict:
     tree: dict = {}
     for key, value in flat.items():
-        *parents, leaf = _jax_path(key)
+        *parents, leaf = (int(p) if p.isdigit() else p for p in key.split("."))
         node = tree
         for p in parents:
             node = node.setdefault(p, {})
@@ -153,13 +134,8 @@ def jax_model_from_params(params: Mapping[str, Any], cfg: TransformerConfig) -> 
     return nnx.merge(graphdef, state)
 
 
-# ---------------------------------------------------------------------------------------------
-# Models
-
-
-def torch_to_jax(
-    model_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor], cfg: TransformerConfig | None = None
-) -> jax_transformer.Transformer:
+def torch_to_jax(model_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor],
+                 cfg: TransformerConfig | None = None) -> jax_transformer.Transformer:
     """A Flax Transformer with the weights of a torch Transformer (or its state dict + `cfg`)."""
     if isinstance(model_or_state_dict, torch.nn.Module):
         cfg = cfg or model_or_state_dict.cfg
@@ -168,7 +144,7 @@ def torch_to_jax(
         state_dict = model_or_state_dict
     if cfg is None:
         raise ValueError("torch_to_jax needs `cfg` when given a state dict")
-    return jax_model_from_params(torch_state_to_jax(state_dict, cfg), cfg)
+    return jax_model_from_params(to_jax_layout({k: torch_to_numpy(v) for k, v in state_dict.items()}, cfg), cfg)
 
 
 def jax_to_torch(model: nnx.Module, cfg: TransformerConfig | None = None) -> torch_reference.Transformer:
@@ -178,10 +154,6 @@ def jax_to_torch(model: nnx.Module, cfg: TransformerConfig | None = None) -> tor
     # assign=True adopts the converted tensors themselves, so their dtype survives.
     torch_model.load_state_dict(jax_params_to_torch(jax_params(model), cfg), strict=True, assign=True)
     return torch_model
-
-
-# ---------------------------------------------------------------------------------------------
-# Training states
 
 
 def convert_state(state: TrainingState, to: str, cfg: TransformerConfig) -> TrainingState:

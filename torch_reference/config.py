@@ -29,12 +29,8 @@ SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(len(SPECIAL_TOKENS))
 
 
-# How a beam search scores and finishes hypotheses (`decode.beam_search` of either framework):
-# "gnmt" divides a finished hypothesis's log-probability by ((5 + length) / 6) ** alpha (Wu et al.,
-# 2016) and lets every EOS among the 2k best candidates finish; "hf" divides by length ** alpha,
-# lets only an EOS among the k best finish and counts an EOS forced at the length limit as
-# log-probability 0 (HF transformers' `generate(num_beams=k, length_penalty=alpha,
-# early_stopping="never")`, whose ForcedEOSTokenLogitsProcessor sets it so).
+# How a beam search scores and finishes hypotheses (`decode.beam_search` of either framework): GNMT's
+# rules (Wu et al., 2016) or HF `generate(num_beams=k, early_stopping="never")`'s (docs/interop.md#hf-scoring).
 SCORINGS = ("gnmt", "hf")
 
 
@@ -96,8 +92,7 @@ PROBABILITY = Range(float, low=0.0, below=1.0)  # dropout rates, label smoothing
 FIELD_RANGES = {
     "src_vocab_size": POSITIVE, "tgt_vocab_size": POSITIVE, "d_model": POSITIVE, "num_heads": POSITIVE,
     "d_ff": POSITIVE, "num_encoder_layers": NON_NEGATIVE, "num_decoder_layers": NON_NEGATIVE,
-    "dropout": PROBABILITY, "attention_dropout": PROBABILITY, "activation_dropout": PROBABILITY,
-    "max_len": POSITIVE,
+    "dropout": PROBABILITY, "attention_dropout": PROBABILITY, "activation_dropout": PROBABILITY, "max_len": POSITIVE,
     "pad_id": NON_NEGATIVE, "bos_id": NON_NEGATIVE, "eos_id": NON_NEGATIVE,
     "layer_norm_eps": Range(float, above=0.0),
 }
@@ -175,10 +170,8 @@ class TransformerConfig:
         if self.d_model % self.num_heads:
             raise ValueError(f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}")
         if self.share_embeddings and self.src_vocab_size != self.tgt_vocab_size:
-            raise ValueError(
-                f"share_embeddings needs one joint vocabulary, got src_vocab_size={self.src_vocab_size} "
-                f"and tgt_vocab_size={self.tgt_vocab_size}; set share_embeddings=False"
-            )
+            raise ValueError(f"share_embeddings needs one joint vocabulary, got src_vocab_size={self.src_vocab_size} "
+                             f"and tgt_vocab_size={self.tgt_vocab_size}; set share_embeddings=False")
         ids = {"pad_id": self.pad_id, "bos_id": self.bos_id, "eos_id": self.eos_id}
         if self.eos_id in (self.pad_id, self.bos_id):
             raise ValueError("eos_id must differ from pad_id and bos_id (bos_id may equal pad_id), got "

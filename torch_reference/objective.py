@@ -6,9 +6,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def label_smoothed_cross_entropy(
-    logits: Tensor, targets: Tensor, pad_id: int, smoothing: float = 0.1, reduction: str = "mean"
-) -> Tensor:
+def label_smoothed_cross_entropy(logits: Tensor, targets: Tensor, pad_id: int, smoothing: float = 0.1,
+                                 reduction: str = "mean") -> Tensor:
     """Cross-entropy against (1-ε)·onehot + ε/V (paper §5.4), padding ignored.
 
     Exactly `torch.nn.CrossEntropyLoss(label_smoothing=ε, ignore_index=pad_id)`: logits (B, T, V),
@@ -16,10 +15,8 @@ def label_smoothed_cross_entropy(
     Computed in float32 whatever the logits' dtype.
     """
     V = logits.shape[-1]
-    return F.cross_entropy(
-        logits.reshape(-1, V).float(), targets.reshape(-1), ignore_index=pad_id, label_smoothing=smoothing,
-        reduction=reduction,
-    )
+    return F.cross_entropy(logits.reshape(-1, V).float(), targets.reshape(-1), ignore_index=pad_id,
+                           label_smoothing=smoothing, reduction=reduction)
 
 
 def noam_learning_rate(step: int | Tensor, d_model: int, warmup_steps: int = 4000, factor: float = 1.0):

@@ -105,10 +105,6 @@ class AttentionRecorder:
         print(f"wrote {len(written)} attention plots for {len(self.found)} sentences to {directory}", file=sys.stderr)
 
 
-# ----------------------------------------------------------------------------------------------
-# Plots
-
-
 TITLE_CHARS = 80  # a title line's length before it wraps (at word boundaries only)
 CHAR_INCHES = 0.085  # width of one character at the titles' 10 points (DejaVu Sans, with margin)
 
@@ -162,10 +158,8 @@ def plot_layers(att: SentenceAttention, path: Path) -> None:
     layers, heads, T, S = att.weights.shape
     cell = 0.24
     title, title_width = _title(att, "cross-attention of every decoder layer and head: output tokens x source tokens")
-    fig = Figure(
-        figsize=(max(6.0, title_width, 1.6 + heads * (0.6 + cell * S)), max(3.5, 1.6 + layers * (0.5 + cell * T))),
-        layout="constrained",
-    )
+    figsize = (max(6.0, title_width, 1.6 + heads * (0.6 + cell * S)), max(3.5, 1.6 + layers * (0.5 + cell * T)))
+    fig = Figure(figsize=figsize, layout="constrained")
     axes = fig.subplots(layers, heads, squeeze=False)
     for layer in range(layers):
         for head in range(heads):

@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -70,10 +71,6 @@ def fixed_batches(cfg: TransformerConfig, batch_size: int, length: int, count: i
     return batches
 
 
-# ------------------------------------------------------------------------------------------------
-# Worker: one backend in this process
-
-
 def _rss_mib() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
@@ -111,6 +108,18 @@ def set_precision(framework: str, precision: str) -> None:
         torch.backends.cudnn.allow_tf32 = precision == "tf32"
 
 
+def timings(fn: Callable[[], object], repeats: int, warmup: int = 0) -> list[float]:
+    """Seconds of each of `repeats` calls of `fn`, after `warmup` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def matmul_peak_gflops(framework: str, precision: str = "float32", n: int | None = None, repeats: int = 10) -> float:
     """The best throughput of an n x n matmul in this process at `precision`, GFLOP/s
     (n 2048 on a CPU, 8192 on a GPU, where smaller products leave the tensor cores idle)."""
@@ -130,13 +139,7 @@ def matmul_peak_gflops(framework: str, precision: str = "float32", n: int | None
         n = n or (8192 if device == "cuda" else 2048)
         a = torch.randn(n, n, device=device, dtype=getattr(torch, dtype_name))
         run = lambda: (a @ a)[0, 0].item()
-    run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return 2 * n**3 / min(times) / 1e9
+    return 2 * n**3 / min(timings(run, repeats, warmup=1)) / 1e9
 
 
 def run_worker(args) -> dict:
@@ -207,10 +210,6 @@ def run_worker(args) -> dict:
     return result
 
 
-# ------------------------------------------------------------------------------------------------
-# Driver
-
-
 def _cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -242,12 +241,6 @@ def write_plot(results: list[dict], path: Path) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-
-
-def _write_json(args, batch_size: int, results: list[dict]) -> None:
-    machine = {"cpu": _cpu_name(), "cpus": os.cpu_count(), "platform": platform.platform()}
-    write_text_atomic(args.json, json_text({"machine": machine, "batch": [batch_size, args.length],
-                                            "args": {k: str(v) for k, v in vars(args).items()}, "results": results}))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -307,6 +300,9 @@ def main(argv: list[str] | None = None) -> int:
             except UserError as err:
                 parser.error(str(err))
     batch_size = max(1, args.batch_tokens // args.length)
+    machine = {"cpu": _cpu_name(), "cpus": os.cpu_count(), "platform": platform.platform()}
+    record = {"machine": machine, "batch": [batch_size, args.length],
+              "args": {k: str(v) for k, v in vars(args).items()}}
 
     results = []
     for precision in precisions:
@@ -323,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
                     return 1
                 results.append(json.loads(done.stdout.strip().splitlines()[-1]))
                 if args.json:  # after every worker, so an interrupted invocation keeps what it measured
-                    _write_json(args, batch_size, results)
+                    write_text_atomic(args.json, json_text({**record, "results": results}))
 
     print(f"\nmachine: {_cpu_name()}, {os.cpu_count()} CPUs; device {results[0]['device']}; batch {batch_size} x "
           f"{args.length} tokens per side; dropout {args.dropout}")

@@ -44,12 +44,9 @@ def moses_tokenized(texts: Sequence[str], lang: str) -> list[str]:
 
 def corpus_scores(hypotheses: Sequence[str], references: Sequence[str], *, lowercase: bool = False,
                   moses: str | None = None) -> dict[str, Any]:
-    """sacreBLEU corpus BLEU and chrF of detokenized hypotheses vs one reference each, with their
-    signatures, and exact match: {"bleu", "bleu_signature", "chrf", "chrf_signature",
-    "exact_match"}, plus {"bleu_lc", "bleu_lc_signature"} (lowercased BLEU) with `lowercase`.
-    `moses` (a language code): also BLEU on Moses-tokenized text, hypotheses and references
-    tokenized alike and sacreBLEU's own tokenization off, as "bleu_moses" (and "bleu_moses_lc"
-    with `lowercase`); the signature ends in "|pretok:moses-LANG"."""
+    """{"bleu", "chrf", "exact_match"} of detokenized hypotheses vs one reference each, each score
+    with its "_signature"; "bleu_lc" with `lowercase`, "bleu_moses" (and "bleu_moses_lc") with
+    `moses` (a language code), its signature ending in "|pretok:moses-LANG" (module docstring)."""
     hyps, refs = list(hypotheses), [list(references)]
     result: dict[str, Any] = {}
     metrics = [("bleu", BLEU()), ("chrf", CHRF())] + ([("bleu_lc", BLEU(lowercase=True))] if lowercase else [])
@@ -68,11 +65,9 @@ def corpus_scores(hypotheses: Sequence[str], references: Sequence[str], *, lower
 
 def band_scores(pairs: Sequence[data.Pair], hypotheses: Sequence[str],
                 seen: Collection[str] | None = None) -> dict[str, dict[str, Any]] | None:
-    """Exact match per number of digits when every reference is a number in the numbers corpus'
-    English (`data.number_from_english`), else None. Keys "1".."6" (bands present only); each
-    {"sentences", "exact_match", "seen", "unseen_exact_match"}: `seen` counts the sentences whose
-    source is in `seen` (the training sources; None when not given) and `unseen_exact_match` is
-    the exact match on the others (None when there are none)."""
+    """Exact match per number of digits ("1".."6", bands present only) when every reference is a
+    number in the numbers corpus' English (`data.number_from_english`), else None; each
+    {"sentences", "exact_match", "seen", "unseen_exact_match"}, `seen` the training sources."""
     numbers = [data.number_from_english(reference.strip()) for _, reference in pairs]
     if not numbers or None in numbers:
         return None
@@ -111,10 +106,8 @@ def bands_text(bands: dict[str, Any] | None) -> str:
     a band whose sentences were all seen in training; '' when there are no bands."""
     if not bands:
         return ""
-    text = " ".join(
-        f"{band}:{scores['exact_match']:.4g}" + ("*" if scores["unseen_exact_match"] is None else "")
-        for band, scores in bands.items()
-    )
+    text = " ".join(f"{band}:{scores['exact_match']:.4g}" + ("*" if scores["unseen_exact_match"] is None else "")
+                    for band, scores in bands.items())
     seen_only = any(scores["unseen_exact_match"] is None for scores in bands.values())
     return f" by digits {text}" + (" (*: seen in training)" if seen_only else "")
 
@@ -123,26 +116,19 @@ def evaluate_pairs(backend: Backend, tokenizers: data.Tokenizers, pairs: Sequenc
                    token_budget: int, max_sentences: int | None = None, samples: int = 0, beam_size: int = 4,
                    alpha: float = 0.6, scoring: str = "gnmt", lowercase: bool = False, moses: str | None = None,
                    seen: Collection[str] | None = None, stop: Callable[[], bool] | None = None) -> dict[str, Any]:
-    """Loss and perplexity on every pair (those longer than max_len are left out of the loss);
-    BLEU, chrF and exact match (`corpus_scores`, lowercased BLEU too with `lowercase`,
-    Moses-tokenized BLEU with `moses`) and the per-band exact match of numbers (`band_scores`,
-    "bands"; `seen`: the training sources) of beam-search translations (greedy with beam_size 1;
-    `alpha` and `scoring` as for `Backend.translate`) of the first `max_sentences` pairs (default:
-    all), their count as "sentences"; and `samples` examples as {"source", "reference",
-    "hypothesis"}. `stop` is asked between batches: when it returns True the evaluation ends with
+    """Loss and perplexity on every pair (those longer than max_len left out); `corpus_scores` and
+    `band_scores` ("bands") of the translations (as `Backend.translate` makes them) of the first
+    `max_sentences` pairs (default: all), their count as "sentences"; `samples` examples as
+    {"source", "reference", "hypothesis"}. `stop` is asked between batches: True raises
     EvaluationStopped (a training run's SIGTERM)."""
     examples = data.encode_pairs(tokenizers, pairs)
     batcher = data.Batcher(examples, token_budget=token_budget, max_len=max_len, shuffle=False)
     result: dict[str, Any] = loss_and_perplexity(backend, batcher.epoch_batches(), stop)
     scored = list(pairs[:max_sentences] if max_sentences else pairs)
-    hyps = translate_texts(
-        backend, tokenizers, [s for s, _ in scored], max_len=max_len, token_budget=token_budget, beam_size=beam_size,
-        alpha=alpha, scoring=scoring, stop=stop,
-    )
+    hyps = translate_texts(backend, tokenizers, [s for s, _ in scored], max_len=max_len, token_budget=token_budget,
+                           beam_size=beam_size, alpha=alpha, scoring=scoring, stop=stop)
     result.update(corpus_scores(hyps, [t for _, t in scored], lowercase=lowercase, moses=moses))
     result["sentences"] = len(scored)
     result["bands"] = band_scores(scored, hyps, seen)
-    result["samples"] = [
-        {"source": s, "reference": t, "hypothesis": h} for (s, t), h in list(zip(scored, hyps))[:samples]
-    ]
+    result["samples"] = [{"source": s, "reference": t, "hypothesis": h} for (s, t), h in zip(scored[:samples], hyps)]
     return result

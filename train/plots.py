@@ -2,8 +2,7 @@
 
 Four panels from the run's `results.json` history (the whole run's, across resumes): training and
 validation loss and validation BLEU against steps, and against training time (evaluations and
-saves excluded, so an interrupted and resumed run plots on one time axis). `train.run` draws it
-to `RUN/curves.png` at the end of every run; this command redraws it. Matplotlib's Agg canvas.
+saves excluded, so an interrupted and resumed run plots on one time axis). Matplotlib's Agg canvas.
 """
 
 from __future__ import annotations

@@ -3,12 +3,11 @@
     python -m train.profile_step --preset base [--batch 32 --length 32 --vocab 8000] [--json PATH]
     python -m train.profile_step --preset small --xla-cpu-ab [--repeats 10 --sentences 64]
 
-`train.bench` times whole steps; this times their parts on the same shapes, each as
-`grad(sum(part(x)))` (jit-compiled on the JAX side, whose model is built as the training backend
-builds it), the median of --repeats runs after a warm-up: an attention sublayer, a feed-forward
-sublayer, an encoder and a decoder layer, the output projection with the loss, the Adam update and
-the whole step. `--xla-cpu-ab` instead times the JAX train step and a beam-4 search with and
-without the XLA:CPU-tuned pieces (`jax_transformer/xla_cpu.py`), alternately.
+`train.bench` times whole steps; this times their parts on the same shapes (sublayers, layers, the
+output projection with the loss, the Adam update), each as `grad(sum(part(x)))` (jit-compiled on the
+JAX side, the model built as the training backend builds it), the median of --repeats runs after a
+warm-up. `--xla-cpu-ab` instead times the JAX train step and a beam-4 search with and without the
+XLA:CPU-tuned pieces (`jax_transformer/xla_cpu.py`), alternately.
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ import functools
 import json
 import os
 import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,19 +24,13 @@ import numpy as np
 
 from torch_reference.config import TransformerConfig
 
+from .bench import _cpu_name, timings
 from .config import positive_int
 from .runtime.files import json_text
 
 
 def median_time(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(timings(fn, repeats, warmup))
 
 
 def torch_parts(cfg: TransformerConfig, batch: int, length: int, repeats: int, seed: int = 0) -> dict:
@@ -296,13 +288,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=positive_int, default=10, help="timed runs per part (default 10)")
     parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
     parser.add_argument("--xla-ops", action="store_true",
-                        help="instead: profile JAX's whole forward + backward and split its time into matmuls and "
-                        "all other compiled operations (compare `taskset -c 0` with two cores)")
+                        help="instead: split JAX's forward + backward time into matmuls and other operations")
     parser.add_argument("--xla-cpu-ab", action="store_true",
-                        help="instead: time JAX's train step and a beam-4 search with and without the XLA:CPU-tuned "
-                        "pieces (Transformer(xla_cpu=...)), alternately, --repeats times each")
-    parser.add_argument("--sentences", type=positive_int, default=64, help="sources of the --xla-cpu-ab search "
-                        "(default 64)")
+                        help="instead: time JAX's train step and a beam-4 search with and without xla_cpu's pieces")
+    parser.add_argument("--sentences", type=positive_int, default=64, help="sources of the --xla-cpu-ab search")
     return parser
 
 
@@ -313,9 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     jax.config.update("jax_default_matmul_precision", "highest")
-    cfg = TransformerConfig.preset(
-        args.preset, src_vocab_size=args.vocab, tgt_vocab_size=args.vocab, max_len=max(args.length, 64), dropout=0.0
-    )
+    cfg = TransformerConfig.preset(args.preset, src_vocab_size=args.vocab, tgt_vocab_size=args.vocab,
+                                   max_len=max(args.length, 64), dropout=0.0)
     if args.xla_ops:
         split = xla_op_split(cfg, args.batch, args.length)
         print(f"{args.preset}: JAX forward + backward, batch {args.batch}x{args.length}, {os.cpu_count()} CPUs visible, "
@@ -324,8 +312,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{key:18s} {ms:9.1f} ms")
         return 0
     if args.xla_cpu_ab:
-        from .bench import _cpu_name
-
         ab = xla_cpu_ab(cfg, args.batch, args.length, args.repeats, args.sentences)
         print(f"{args.preset}: batch {args.batch}x{args.length}, search over {args.sentences} sentences, "
               f"{_cpu_name()}, {len(os.sched_getaffinity(0))} usable CPUs, JAX on {jax.devices()[0].platform}; "

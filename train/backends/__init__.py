@@ -27,9 +27,8 @@ def initialize(exp_cfg: ExperimentConfig) -> Topology:
     return importlib.import_module(BACKEND_MODULES[exp_cfg.backend]).initialize(exp_cfg)
 
 
-def create_backend(
-    exp_cfg: ExperimentConfig, model_cfg: TransformerConfig, checkpoint_dir: str | None = None
-) -> Backend:
+def create_backend(exp_cfg: ExperimentConfig, model_cfg: TransformerConfig,
+                   checkpoint_dir: str | None = None) -> Backend:
     """A freshly initialised backend of kind `exp_cfg.backend` (weights from `exp_cfg.seed`).
 
     `checkpoint_dir` is where `save`/`restore` work; None disables checkpoints.

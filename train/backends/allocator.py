@@ -1,13 +1,7 @@
-"""glibc's allocator tuned for XLA:CPU, from inside the process (no environment variables); why:
-docs/performance.md#the-default-run.
-
-glibc's mmap threshold rises to the size of every mmapped block freed (up to 32 MiB), so XLA's
-multi-MiB buffers end up in heaps that keep freed memory resident: `tune()` fixes the mmap and trim
-thresholds at 4 MiB with `mallopt`, and `release()` hands freed heap memory back (`malloc_trim(0)`)
-after a compilation; both are no-ops off glibc. A step's temporaries are one block too large for a
-heap, so glibc maps it afresh at every step and the kernel faults it in page by page:
-`use_huge_pages()` re-executes the command once with `glibc.malloc.hugetlb=1` in `GLIBC_TUNABLES`
-(read only at process start); the training and benchmark CLIs call it first thing.
+"""glibc's allocator tuned for XLA:CPU from inside the process (no environment variables): `tune()`
+fixes the mmap and trim thresholds, `release()` hands freed heap memory back after a compilation,
+`settled()` restores glibc's own thresholds for other code, and `use_huge_pages()` re-executes the
+command with huge pages asked for; all no-ops off glibc. Why: docs/performance.md#the-default-run.
 """
 
 from __future__ import annotations
@@ -37,9 +31,8 @@ def _glibc() -> ctypes.CDLL | None:
         return None
 
 
-# Where an untuned process's thresholds settle: glibc raises its mmap threshold to the size of
-# each mmapped block freed, up to 32 MiB on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX), and its trim
-# threshold to twice that.
+# Where an untuned process's thresholds settle: glibc raises its mmap threshold to the size of each mmapped
+# block freed, up to 32 MiB on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX), and its trim threshold to twice that.
 SETTLED = (32 * 1024 * 1024, 64 * 1024 * 1024)
 _tuned = False
 
@@ -65,10 +58,8 @@ def tuned() -> bool:
 
 @contextlib.contextmanager
 def settled():
-    """glibc's thresholds where an untuned process settles (`SETTLED`), then `tune()`'s again if
-    it was applied: for other code timed in a process that also holds a JAX backend (torch's and
-    CTranslate2's searches in `parity.translate_bench`), whose buffers above 4 MiB (the beam's logits)
-    would be mapped and faulted in afresh at every step (docs/performance.md#translation-speed)."""
+    """Within: glibc's thresholds where an untuned process settles (`SETTLED`), then `tune()`'s again
+    if it was applied, for other code timed beside a JAX backend (docs/performance.md#translation-speed)."""
     _set(*SETTLED)
     try:
         yield
@@ -88,13 +79,10 @@ THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
 def use_huge_pages() -> None:
-    """Re-execute this process's command with `GLIBC_TUNABLES` holding `glibc.malloc.hugetlb=1`
-    (malloc asks for transparent huge pages), where that helps: glibc >= 2.35 on Linux with
-    transparent huge pages in "madvise" mode ("always" needs no asking). Returns where it does
-    nothing: elsewhere, or when `GLIBC_TUNABLES` already names the tunable, as after the
-    re-execution (so it happens once) or when a user sets `glibc.malloc.hugetlb=0` to opt out.
-    Call it before anything else (the process is replaced; output not yet flushed is flushed).
-    """
+    """Re-execute this process's command with `glibc.malloc.hugetlb=1` (malloc asks for transparent
+    huge pages) in `GLIBC_TUNABLES` where that helps: glibc >= 2.35 on Linux, huge pages in "madvise"
+    mode. Returns at once elsewhere or when `GLIBC_TUNABLES` names the tunable (after the re-execution,
+    or `=0` to opt out). Call it before anything else: the process is replaced (output flushed)."""
     if HUGE_PAGES in os.environ.get("GLIBC_TUNABLES", "") or not _asks_for_huge_pages():
         return
     tunables = ":".join(filter(None, [os.environ.get("GLIBC_TUNABLES"), f"{HUGE_PAGES}=1"]))

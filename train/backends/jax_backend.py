@@ -175,10 +175,8 @@ def search(ctx: StepContext, params, src, beam_size: int, alpha: float, cached: 
 
 def sharded_search(ctx: StepContext, mesh, params, src, *options):
     """`search` data parallel: each device of `mesh` searches its own rows of src (sharded along
-    `data`) with its copy of the replicated parameters, without collectives (`shard_map`: each
-    device's loop ends when its own sentences are done); the output sharded alike. No collective
-    runs inside, so the per-device values need no varying-axis types (`check_vma=False`): the search
-    is written for one device."""
+    `data`) with its copy of the replicated parameters, its loop ending when its own sentences are
+    done (`shard_map`; no collective inside, so `check_vma=False`); the output sharded alike."""
     rows = jax.sharding.PartitionSpec(sharding.DATA_AXIS)
     per_device = jax.shard_map(lambda p, s: search(ctx, p, s, *options), mesh=mesh,
                                in_specs=(jax.sharding.PartitionSpec(), rows), out_specs=rows, check_vma=False)
@@ -194,8 +192,7 @@ class JaxBackend(StoreMethods):
         self.exp_cfg, self.model_cfg = exp_cfg, model_cfg
         self.mesh = sharding.make_mesh(exp_cfg.devices)
         self.topology = Topology(jax.process_index(), jax.process_count(), self.mesh.devices.size)
-        # XLA:CPU's buffers are host memory from glibc (tuned by `initialize`): hand back what a
-        # compilation freed.
+        # XLA:CPU's buffers are host memory from glibc (tuned by `initialize`): `train_step` hands it back.
         self._host_buffers = allocator.tuned()
         self._compiled_shapes: set[tuple] = set()
         # Every process initialises the same weights from the seed, then they are replicated.
@@ -239,9 +236,6 @@ class JaxBackend(StoreMethods):
         self._search = jax.jit(bound(search, self.ctx), static_argnums=(2, 3, 4, 5))
         self._sharded_search = jax.jit(bound(sharded_search, self.ctx, self.mesh), static_argnums=(2, 3, 4, 5))
 
-    # ------------------------------------------------------------------------------------------
-    # The Backend interface
-
     @property
     def step(self) -> int:
         return self._step
@@ -257,16 +251,8 @@ class JaxBackend(StoreMethods):
 
     def train_step(self, batches: Sequence[Batch]) -> Metrics:
         shapes = tuple(b.src.shape + b.tgt_in.shape for b in batches)
-        if self._host_buffers and shapes not in self._compiled_shapes:
-            # A new shape compiles: hand back what compilation freed once the step has run.
-            self._compiled_shapes.add(shapes)
-            metrics = self._train_step_impl(batches)
-            jax.block_until_ready(metrics)
-            allocator.release()
-            return metrics
-        return self._train_step_impl(batches)
-
-    def _train_step_impl(self, batches: Sequence[Batch]) -> Metrics:
+        compiles = self._host_buffers and shapes not in self._compiled_shapes
+        self._compiled_shapes.add(shapes)
         if len(batches) == 1:
             self.state, metrics = self._train_step(self.state, self.global_batch(batches[0]), self.rng)
         else:
@@ -277,6 +263,9 @@ class JaxBackend(StoreMethods):
             self.state, metrics = self._apply(self.state, acc, total_tokens)
         self._step += 1
         self._whole_params = None
+        if compiles:  # a new shape compiled: hand back what compilation freed once the step has run
+            jax.block_until_ready(metrics)
+            allocator.release()
         return metrics
 
     def fetch(self, metrics: Sequence[Metrics]) -> list[dict[str, float]]:
@@ -326,9 +315,6 @@ class JaxBackend(StoreMethods):
     def learning_rate(self, step: int) -> float:
         return float(noam_learning_rate(step, self.model_cfg.d_model, self.exp_cfg.warmup, self.exp_cfg.lr_factor))
 
-    # ------------------------------------------------------------------------------------------
-    # Checkpoints
-
     def save(self, meta: dict[str, Any], metrics: dict[str, float] | None = None) -> None:
         self.store.save(self._step, self.state, meta, metrics)
 
@@ -343,9 +329,7 @@ class JaxBackend(StoreMethods):
         self._whole_params = None
         return meta
 
-    # ------------------------------------------------------------------------------------------
     # State: flat {Flax path: NumPy array}, kernels (in, out)
-
     def weights(self) -> dict[str, np.ndarray]:
         return _to_flat(self.local_params())
 

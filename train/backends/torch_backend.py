@@ -25,10 +25,9 @@ from ..store.torch_store import TorchStore
 from .interface import Metrics, StoreMethods, Topology
 
 
-def _tensors(batch: Batch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # int64: what embeddings and cross_entropy's targets expect.
-    arrays = (batch.src, batch.tgt_in, batch.tgt_out)
-    return tuple(torch.from_numpy(a).to(device=device, dtype=torch.long) for a in arrays)
+def _long(device: torch.device, *arrays: np.ndarray) -> tuple[torch.Tensor, ...]:
+    """The arrays as int64 tensors on `device`: what embeddings and cross_entropy's targets expect."""
+    return tuple(torch.from_numpy(np.asarray(a)).to(device=device, dtype=torch.long) for a in arrays)
 
 
 def initialize(exp_cfg: ExperimentConfig) -> Topology:
@@ -64,9 +63,6 @@ class TorchBackend(StoreMethods):
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda epoch: self.learning_rate(epoch + 1))
         self.store = TorchStore(checkpoint_dir, exp_cfg.keep_checkpoints, model_cfg)
 
-    # ------------------------------------------------------------------------------------------
-    # Training and evaluation
-
     @property
     def step(self) -> int:
         return self.scheduler.last_epoch
@@ -85,7 +81,7 @@ class TorchBackend(StoreMethods):
         return contextlib.nullcontext()
 
     def _loss_sums(self, model, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        src, tgt_in, tgt_out = _tensors(batch, self.device)
+        src, tgt_in, tgt_out = _long(self.device, batch.src, batch.tgt_in, batch.tgt_out)
         with self.autocast():
             logits = model(src, tgt_in)  # (B, T, V); bfloat16 under autocast, the loss casts to float32
         pad = self.model_cfg.pad_id
@@ -138,7 +134,7 @@ class TorchBackend(StoreMethods):
     def translate(self, src: np.ndarray, beam_size: int = 4, alpha: float = 0.6, cached: bool = True,
                   scoring: str = "gnmt") -> np.ndarray:
         self.model.eval()
-        src_t = torch.from_numpy(np.asarray(src)).to(device=self.device, dtype=torch.long)  # (B, S)
+        (src_t,) = _long(self.device, src)  # (B, S)
         with self.autocast():
             if beam_size == 1:
                 tokens, _ = decode.greedy_search(self.model, src_t, cached=cached)
@@ -149,13 +145,10 @@ class TorchBackend(StoreMethods):
     @torch.no_grad()
     def cross_attention(self, src: np.ndarray, tgt_in: np.ndarray) -> np.ndarray:
         self.model.eval()
-        src_t, tgt_t = (torch.from_numpy(np.asarray(a)).to(device=self.device, dtype=torch.long) for a in (src, tgt_in))
+        src_t, tgt_t = _long(self.device, src, tgt_in)
         with self.autocast():
             _, attention = self.model(src_t, tgt_t, return_attention=True)  # (B, layers, H, T, S)
         return attention.float().cpu().numpy()
-
-    # ------------------------------------------------------------------------------------------
-    # State
 
     def weights(self) -> dict[str, np.ndarray]:
         return {k: v.detach().cpu().numpy().copy() for k, v in self.model.state_dict().items()}
@@ -199,9 +192,7 @@ class TorchBackend(StoreMethods):
         if state.rng is not None:
             torch.set_rng_state(torch.from_numpy(np.asarray(state.rng, np.uint8)))
 
-    # ------------------------------------------------------------------------------------------
     # Checkpoints: export_state in the store, the store's state through import_state
-
     def save(self, meta: dict[str, Any], metrics: dict[str, float] | None = None) -> None:
         self.store.save(self.export_state(), meta, metrics)
 

@@ -61,26 +61,16 @@ class Batcher:
     (with shuffle=False: bucket by bucket, pairs in their given order, for evaluation).
     """
 
-    def __init__(
-        self,
-        examples: Sequence[tuple[Sequence[int], Sequence[int]]],
-        token_budget: int,
-        max_len: int = 256,
-        buckets: Sequence[int] | None = None,
-        multiple_of: int = 1,
-        shuffle: bool = True,
-        seed: int = 0,
-    ):
+    def __init__(self, examples: Sequence[tuple[Sequence[int], Sequence[int]]], token_budget: int, max_len: int = 256,
+                 buckets: Sequence[int] | None = None, multiple_of: int = 1, shuffle: bool = True, seed: int = 0):
         self.buckets = tuple(buckets) if buckets is not None else bucket_lengths(max_len)
         if list(self.buckets) != sorted(set(self.buckets)) or self.buckets[-1] != max_len:
             raise ValueError(f"buckets must increase and end at max_len={max_len}, got {self.buckets}")
         if multiple_of < 1:
             raise ValueError(f"multiple_of must be >= 1, got {multiple_of}")
         if token_budget < max_len * multiple_of:
-            raise ValueError(
-                f"token_budget={token_budget} cannot hold {multiple_of} sequence(s) of max_len={max_len}: "
-                f"needs at least {max_len * multiple_of}"
-            )
+            raise ValueError(f"token_budget={token_budget} cannot hold {multiple_of} sequence(s) of max_len={max_len}: "
+                             f"needs at least {max_len * multiple_of}")
         self.examples, self.shuffle, self.seed = examples, shuffle, seed
         self.batch_size = {length: token_budget // (length * multiple_of) * multiple_of for length in self.buckets}
         lengths = np.array([max(len(s), len(t)) for s, t in examples], dtype=np.int64).reshape(-1)
@@ -157,9 +147,8 @@ class Batcher:
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
 
 
-def source_batches(
-    src_ids: Sequence[Sequence[int]], max_len: int, token_budget: int, batch_size: int | None = None
-) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+def source_batches(src_ids: Sequence[Sequence[int]], max_len: int, token_budget: int,
+                   batch_size: int | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """(indices, padded src (B, L)) per batch: sentences grouped by length bucket and sorted by
     length within it (a batch's sentences tend to finish together), at most `token_budget` padded
     tokens and `batch_size` sentences per batch, every batch of a bucket padded with all-pad rows

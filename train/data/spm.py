@@ -1,14 +1,10 @@
 """SentencePiece tokenizers with a vocabulary of the run's own ids: the tokenizer kind of runs
 imported from a pretrained model (`python -m parity.convert --from marian`).
 
-`SentencePieceTokenizer` segments with one SentencePiece model, maps the pieces through the model's
-vocabulary (`vocab.json`) to ids in this project's numbering (pad 0, bos 1, eos 2, unk 3), and
-offers the few `tokenizers.Tokenizer` methods a run uses, so batches, search and evaluation read it
-like any other tokenizer. Encoding follows `transformers.MarianTokenizer` (a leading `>>xx<<`
-language code is one token, pieces missing from the vocabulary <unk>, <eos> last); decoding drops
-the special ids and joins the pieces with `decode_model` (MarianTokenizer's source model when the
-vocabulary is shared). In a run directory: `sentencepiece.json` (per side, the model file names and
-the pieces by id) and the models it names. `sentencepiece` is an optional extra, imported on first use.
+`SentencePieceTokenizer` encodes as `transformers.MarianTokenizer` does (a leading `>>xx<<` language
+code one token, pieces missing from the vocabulary <unk>, <eos> last) into this project's numbering
+(pad 0, bos 1, eos 2, unk 3), and offers the `tokenizers.Tokenizer` methods a run uses. In a run
+directory: `sentencepiece.json` and the models it names. `sentencepiece` is an optional extra.
 """
 
 from __future__ import annotations
@@ -63,8 +59,6 @@ class SentencePieceTokenizer:
         for i, piece in enumerate(self.pieces):
             self._ids.setdefault(piece, i)  # a piece listed twice (a copied special row) maps to its first id
 
-    # The tokenizers.Tokenizer methods the run uses --------------------------------------------
-
     def encode(self, text: str) -> Encoding:
         code = []
         if text.startswith(">>") and (end := text.find("<<")) != -1:  # a language code: one token
@@ -88,8 +82,6 @@ class SentencePieceTokenizer:
 
     def token_to_id(self, piece: str) -> int | None:
         return self._ids.get(piece)
-
-    # Files ---------------------------------------------------------------------------------
 
     def describe(self) -> dict[str, Any]:
         return {"model": self.model_name, "decode_model": self.decode_model_name, "pieces": self.pieces}

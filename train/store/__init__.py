@@ -104,12 +104,10 @@ def unreadable(directory, step: int, steps: Sequence[int], err: BaseException) -
     """The CheckpointError for checkpoint `step` of `directory` failing with `err`, naming the
     other checkpoints there (`steps`) as the way out."""
     others = [s for s in steps if s != step]
-    hint = (
-        f"the other checkpoints there are steps {others}: pick one with --checkpoint STEP (translate, evaluate), "
-        f"or delete {step}/ so that --resume continues from the newest one left"
-        if others
-        else "it is the only one there"
-    )
+    hint = "it is the only one there"
+    if others:
+        hint = (f"the other checkpoints there are steps {others}: pick one with --checkpoint STEP (translate, "
+                f"evaluate), or delete {step}/ so that --resume continues from the newest one left")
     reason = " ".join(str(err).split()).split(" See full")[0]  # TensorStore appends pages of its spec
     reason = f"{type(err).__name__}: {reason[:300]}{'...' if len(reason) > 300 else ''}"
     return CheckpointError(f"checkpoint {step} in {directory} cannot be restored ({reason}); {hint}")
@@ -170,10 +168,8 @@ class CheckpointDamaged(ValueError):
 
 
 def write_checkpoint_digest(directory: str | Path) -> None:
-    """Hash every file of the checkpoint `directory` and write DIRECTORY/digest.json. Called once
-    the checkpoint's data is on disk (each file synced here as it is read) and before the
-    checkpoint is published: torch renames its temporary directory after this; orbax renames its
-    own before returning from save, so for JAX this runs right after (docs/operations.md)."""
+    """Hash every file of the checkpoint `directory` (each synced here as it is read) and write
+    DIRECTORY/digest.json, before the checkpoint is published (docs/operations.md#checkpoint-digests)."""
     directory = Path(directory)
     files = {}
     for path in sorted(directory.rglob("*")):
@@ -195,9 +191,8 @@ def write_checkpoint_digest(directory: str | Path) -> None:
 
 def verify_checkpoint(directory: str | Path) -> bool:
     """Check every file of the checkpoint `directory` against its digest.json: CheckpointDamaged
-    naming the first file that differs or is missing. Returns False, checking nothing, for a
-    checkpoint without digest.json (written before digests existed, or a JAX save interrupted
-    between orbax's rename and the digest); the backends' own checks then apply."""
+    naming the first file that differs or is missing. False, checking nothing, for a checkpoint
+    without digest.json (docs/operations.md#checkpoint-digests)."""
     directory = Path(directory)
     try:
         record = json.loads((directory / DIGEST_FILE).read_text(encoding="utf-8"))
@@ -241,9 +236,7 @@ class CheckpointStore:
     def restore(self, which: str | int, *args: Any) -> Any:
         """`load(step, *args)` of the checkpoint `which` names (`choose_checkpoint`), its digest
         verified first; any failure to read it is a CheckpointError naming the other checkpoints.
-        A run writing beside the reader deletes its old checkpoints as it saves new ones: when the
-        checkpoints there changed while one was read, "latest" and "best" are chosen again (a
-        line on stderr says which step was read)."""
+        "latest" and "best" are chosen again while a run beside the reader rotates its checkpoints."""
         for attempt in range(ROTATION_RETRIES + 1):
             steps, step = self.steps(), None
             try:

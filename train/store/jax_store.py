@@ -58,11 +58,8 @@ class JaxStore(CheckpointStore):
                 policies.LatestN(self.keep),
                 policies.BestN(get_metric_fn=_bleu, n=1, keep_checkpoints_without_metrics=False),
             ])
-            options = ocp.CheckpointManagerOptions(
-                best_fn=_bleu, best_mode="max", preservation_policy=preservation,
-                # Synchronous: the next train_step donates the state's buffers.
-                enable_async_checkpointing=False,
-            )
+            options = ocp.CheckpointManagerOptions(  # synchronous: the next train_step donates the state's buffers
+                best_fn=_bleu, best_mode="max", preservation_policy=preservation, enable_async_checkpointing=False)
             self._manager = ocp.CheckpointManager(self.root(), options=options, item_names=("state", "meta"))
         return self._manager
 
