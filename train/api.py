@@ -15,6 +15,7 @@ from . import data
 from .backends import Backend, create_backend, initialize
 from .config import ExperimentConfig
 from .runtime import CHECKPOINTS, UserError, check_model, read_experiment, read_model_config
+from .runtime.rundir import check_set_aside
 
 
 @dataclasses.dataclass
@@ -88,6 +89,7 @@ def load(run_dir: str | os.PathLike, checkpoint: str | int = "best", backend: st
     from .store import CheckpointError, parse_checkpoint
 
     run_dir = Path(run_dir)
+    check_set_aside(run_dir)  # an --overwrite killed or still running: named, not half a run loaded
     cfg = read_experiment(run_dir)
     if backend is not None and backend != cfg.backend:
         raise UserError(f"{run_dir} is a {cfg.backend} run; for {backend}, convert it first: "

@@ -40,6 +40,7 @@ def average_run(src: str | os.PathLike, dst: str | os.PathLike, last: int = 5, o
     """Average the newest `last` checkpoints of run `src` into a new run directory `dst` (built
     beside it and renamed into place, so an interrupted average leaves nothing). Returns a summary."""
     src, dst = Path(src), Path(dst)
+    runtime.rundir.check_set_aside(src)
     cfg, model_cfg = runtime.read_experiment(src), runtime.read_model_config(src)
     runtime.check_destination(dst, overwrite, src=src)
     try:

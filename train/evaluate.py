@@ -7,6 +7,7 @@ Flag parsing and printing over `train.load(...).evaluate(...)`; what each score 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -14,7 +15,8 @@ from .api import load
 from .backends.host_devices import HELP as HOST_DEVICES_HELP
 from .backends.host_devices import split_host
 from .config import add_run_arguments, non_negative_int, positive_int
-from .runtime.files import UserError, check_output_file, error_text, json_text, write_text_atomic
+from .data.corpora import spec_files
+from .runtime.files import UserError, error_text, json_text, open_stream, output_file, write_text_atomic
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--lowercase", action="store_true",
-        help="also score BLEU on lowercased text (13a tokenization), as bleu_lc with its signature",
+        help="also score BLEU on lowercased text (13a tokenization), as bleu_lc with its signature (always for a "
+        "run trained with --lowercase)",
     )
     parser.add_argument(
         "--moses", metavar="LANG",
@@ -46,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
         "with --lowercase",
     )
     parser.add_argument("--samples", type=non_negative_int, default=0, help="include N example translations in the JSON")
-    parser.add_argument("--output", type=Path, help="also write the JSON to this file")
+    parser.add_argument("--output", type=Path, help="also write the JSON to this file, atomically (a symbolic link's "
+                        "target); a FIFO, device, socket or /dev/fd/N is written directly")
     return parser
 
 
@@ -56,12 +60,19 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         split_host()  # before jax is imported
-        if args.output is not None:  # checked before the work, not after it
-            check_output_file(args.output, "--output")
+        # Checked before the work, not after it; None: a stream (a FIFO, a device), written directly.
+        target = None if args.output is None else output_file(args.output, "--output")
+        if target is not None and target.exists() and any(os.path.samefile(f, target) for f in spec_files(args.data)):
+            raise UserError(f"--output {args.output} is a file of --data {args.data}: writing it would destroy "
+                            "the data; give another --output")
         run = load(args.run_dir, args.checkpoint)
+        lowercase = args.lowercase or run.config.lowercase
+        if lowercase and not args.lowercase:  # lowercase output: cased BLEU alone would mislead
+            print(f"note: {args.run_dir} was trained with --lowercase, so its translations are lowercase: "
+                  "bleu_lc (lowercased references) is scored too", file=sys.stderr)
         with run:
             result = run.evaluate(args.data, beam=args.beam, alpha=args.alpha, scoring=args.scoring,
-                                  max_sentences=args.max_sentences, lowercase=args.lowercase, moses=args.moses,
+                                  max_sentences=args.max_sentences, lowercase=lowercase, moses=args.moses,
                                   samples=args.samples)
     except (UserError, FileNotFoundError, ValueError) as err:
         parser.exit(1, f"error: {err}\n")
@@ -69,7 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.output is not None:
         try:
-            write_text_atomic(args.output, text + "\n")
+            if target is None:
+                with open_stream(args.output) as stream:
+                    stream.write(text + "\n")
+            else:
+                write_text_atomic(target, text + "\n")
         except OSError as err:  # a full disk, a read-only place: the JSON is on stdout all the same
             parser.exit(1, f"error: {error_text(err)}\n")
     return 0

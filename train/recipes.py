@@ -6,12 +6,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import os
+import stat
 import tomllib
 from collections.abc import Mapping
 from typing import Any
 
 from .config import FIELD_RANGES, ExperimentConfig, flag_type, parse_model_override
-from .runtime.files import UserError
+from .runtime.files import UserError, quoted, shortened
 
 GROUPS = {  # flag group -> its title in --help
     "run": "run", "model": "model", "data": "data", "optim": "optimisation", "eval": "evaluation and logging",
@@ -20,6 +22,7 @@ GROUPS = {  # flag group -> its title in --help
 
 # The TOML types a recipe key takes, by the field's type (the rest are strings).
 LAUNCH_DECISIONS = ("run_dir", "resume", "overwrite")  # which launch this is: never read from a recipe file
+MAX_RECIPE_BYTES = 1 << 20  # a recipe is a page of flags; a bigger file is not one
 
 RECIPE_TYPES = {
     "int": (int, "an integer"), "float": ((int, float), "a number"), "bool": (bool, "true or false"),
@@ -99,32 +102,39 @@ def recipe_flags(path: str, text: str | None = None) -> list[str]:
 
     parser = build_parser()
     parser.exit_on_error = False  # a bad value raises, to be reported with the file and key
+    recorded = text is not None
     try:
-        if text is None:
+        if not recorded:  # only a regular file: a FIFO without a writer would block, a device never end
+            info = os.stat(path)
+            if not stat.S_ISREG(info.st_mode):
+                fail("not a regular file (a directory, FIFO or device); a recipe is a TOML file")
+            if info.st_size > MAX_RECIPE_BYTES:
+                fail(f"{info.st_size:,} bytes, more than a recipe's {MAX_RECIPE_BYTES:,}")
             with open(path, "rb") as file:
-                table = tomllib.load(file)
-        else:
-            table = tomllib.loads(text)
+                text = file.read().decode("utf-8")
+        table = tomllib.loads(text.removeprefix("\ufeff"))  # a byte order mark some editors write
     except OSError as err:
         fail(err.strerror or str(err))
+    except UnicodeDecodeError as err:
+        fail(f"not UTF-8 text: byte {err.start} ({err.object[err.start:err.start + 1]!r}) {err.reason}")
     except tomllib.TOMLDecodeError as err:  # its message names the line and column
         fail(f"invalid TOML: {err}")
     fields = {_flag(f)[2:].replace("-", "_"): f for f in dataclasses.fields(ExperimentConfig) if f.name != "recipe"}
     flags = []
     for key, value in table.items():
         if key in LAUNCH_DECISIONS:
-            if text is not None:  # the recorded recipe of a run started before they were refused
+            if recorded:  # the recorded recipe of a run started before they were refused
                 continue
             fail(f"key {key!r}: a launch decision, not a recipe key; give --{key.replace('_', '-')} on the command line")
         if key not in fields:
             close = difflib.get_close_matches(key, fields, n=1)
-            fail(f"key {key!r}: unknown" + (f" (did you mean {close[0]!r}?)" if close else
+            fail(f"key {quoted(key)}: unknown" + (f" (did you mean {close[0]!r}?)" if close else
                                             ": the keys are the long flags of python -m train.run --help, with _ for -"))
         kind = _type_name(str(fields[key].type))
         types, expected = RECIPE_TYPES.get(kind, (str, "a string"))
         if (not isinstance(value, types) or isinstance(value, bool) != (kind == "bool")
                 or kind == "dict" and not all(isinstance(item, str) for item in value)):
-            fail(f"key {key!r}: expected {expected}, got {value!r}")
+            fail(f"key {key!r}: expected {expected}, got {quoted(value)}")
         flag = _flag(fields[key])
         if kind == "bool":
             args = [flag if value else "--no-" + flag[2:]]
@@ -133,6 +143,6 @@ def recipe_flags(path: str, text: str | None = None) -> list[str]:
         try:
             parser.parse_args(args)
         except argparse.ArgumentError as err:
-            fail(f"key {key!r}: {err.message}")
+            fail(f"key {key!r}: {shortened(err.message)}")  # a bad choice quotes the value
         flags += args
     return flags

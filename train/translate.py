@@ -10,19 +10,24 @@ from __future__ import annotations
 
 import argparse
 import collections
+import hashlib
 import itertools
+import os
 import sys
 from pathlib import Path
 
+from . import data
 from .api import load
 from .backends.host_devices import HELP as HOST_DEVICES_HELP
 from .backends.host_devices import split_host
 from .backends.jax_cache import HELP as JAX_CACHE_HELP
 from .config import add_run_arguments, positive_int
 from .data.streams import MAX_LINE_BYTES, LineReader
-from .runtime import Interrupted, interruptible, read_experiment
-from .runtime.files import UserError, check_output_file, error_text
+from .runtime import CHECKPOINTS, Interrupted, interruptible, read_experiment
+from .runtime.files import UserError, error_text, open_stream, output_file
 from .runtime.output import OtherInput, PartialOutput, Progress, StreamOutput
+from .runtime.rundir import check_set_aside
+from .store import DIGEST_FILE
 from .translation import translate_stream
 
 CHUNK_LINES = 4000
@@ -44,8 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--output", type=Path, help="write translations here instead of stdout: through .OUTPUT.partial, renamed "
-        "onto OUTPUT at the end; an interrupted run (Ctrl-C, SIGTERM, a crash) leaves OUTPUT as it was and the same "
-        "command continues after the finished chunks",
+        "onto OUTPUT at the end (a symbolic link's target); an interrupted run (Ctrl-C, SIGTERM, a crash) leaves "
+        "OUTPUT as it was and the same command continues after the finished chunks. A FIFO, device, socket or "
+        "/dev/fd/N (>(command)) is written directly, as a stream: no partial file, no resume",
     )
     parser.add_argument("--chunk-lines", type=positive_int, default=CHUNK_LINES,
                         help=f"lines read, translated and written at a time (default {CHUNK_LINES}); memory grows "
@@ -80,6 +86,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def weights_digest(run_dir: Path, step: int) -> str:
+    """SHA-256 of checkpoint `step`'s digest.json (of its every file when it has none) and of the
+    tokenizer files: which weights a partial output was translated with."""
+    checkpoint = run_dir / CHECKPOINTS / str(step)
+    files = [checkpoint / DIGEST_FILE] if (checkpoint / DIGEST_FILE).is_file() else sorted(
+        p for p in checkpoint.rglob("*") if p.is_file())
+    digest = hashlib.sha256()
+    for path in [*files, *(run_dir / name for name in data.tokenizer_files(run_dir))]:
+        with open(path, "rb") as f:
+            digest.update(hashlib.file_digest(f, "sha256").digest())
+    return digest.hexdigest()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -88,29 +107,36 @@ def main(argv: list[str] | None = None) -> int:
                        "FILE [--beam K] [--ctranslate2]`: it runs both frameworks (and CTranslate2) on the run's weights\n")
 
     try:
-        split_host(args.devices or 1)  # before jax is imported
+        split_host()  # before jax is imported
         reader = LineReader(args.input, args.max_line_bytes)
         first = next(reader, None)  # read before the run loads: bad input fails fast
         if args.plot_attention is not None:
             from .attention import check_plot_directory
 
             check_plot_directory(args.plot_attention)
-        if args.output is not None:  # checked before the work, not after it
-            check_output_file(args.output, "--output")
+        # Checked before the work, not after it; None: a stream, written directly.
+        target = None if args.output is None else output_file(args.output, "--output")
+        if target is not None and reader.same_file(target):
+            raise UserError(f"--output {args.output} is the input {reader.name}: writing it would destroy the "
+                            "input; give another --output")
+        check_set_aside(args.run_dir)
         if (args.devices or 1) > 1 and read_experiment(args.run_dir).backend == "torch":
             raise UserError(f"--devices {args.devices}: a torch run translates on one device")
         run = load(args.run_dir, args.checkpoint, devices=args.devices, coordinator_address=args.coordinator_address,
                    num_processes=args.num_processes, process_id=args.process_id)
         if first is None:
             raise UserError(f"{reader.name} holds no sentence to translate")
-    except (UserError, FileNotFoundError, ValueError) as err:
-        parser.exit(1, f"error: {err}\n")
-    topology = run.backend.topology
-    settings = {"run_dir": str(args.run_dir.absolute()), "step": run.backend.step, "beam": args.beam,
-                "alpha": args.alpha, "scoring": args.scoring}
-    out = StreamOutput() if args.output is None else PartialOutput(args.output, settings)
-    if not topology.is_main:  # every process translates alike; process 0 alone writes
-        out = StreamOutput(open("/dev/null", "w"))  # noqa: SIM115 (for the life of the process)
+        topology = run.backend.topology
+        if not topology.is_main:  # every process translates alike; process 0 alone writes
+            out = StreamOutput(open(os.devnull, "w"))  # noqa: SIM115 (closed at the end)
+        elif target is None:  # standard output, or a stream written directly
+            out = StreamOutput(args.output and open_stream(args.output))
+        else:
+            out = PartialOutput(target, {"run_dir": str(args.run_dir.absolute()), "step": run.backend.step,
+                                         "weights": weights_digest(args.run_dir, run.backend.step), "beam": args.beam,
+                                         "alpha": args.alpha, "scoring": args.scoring})
+    except (UserError, OSError, ValueError) as err:
+        parser.exit(1, f"error: {error_text(err)}\n")
     if out.note:
         print(out.note, file=sys.stderr)
     progress = Progress(args.progress and topology.is_main and sys.stderr.isatty(), reader.fraction)
@@ -125,17 +151,19 @@ def main(argv: list[str] | None = None) -> int:
     except (Interrupted, KeyboardInterrupt) as stop:
         signum = getattr(stop, "signum", 2)
         progress.clear()
-        kept = f"; {out.kept()}" if out.done and args.output is not None else ""
+        kept = f"; {out.kept()}" if out.done and isinstance(out, PartialOutput) else ""
         print(f"interrupted ({Interrupted(signum)}) after {out.done:,} input lines{kept}", file=sys.stderr)
         return 128 + signum
     except (UserError, OSError) as err:  # bad input further on, a full disk: the chunks before it are kept
         progress.clear()
-        kept = f" ({out.kept()})" if out.done and args.output is not None and not isinstance(err, OtherInput) else ""
+        resumable = out.done and isinstance(out, PartialOutput) and not isinstance(err, OtherInput)
+        kept = f" ({out.kept()})" if resumable else ""
         print(f"error: {error_text(err)}{kept}", file=sys.stderr)
         return 1
     finally:
         reader.close()
         run.backend.close()
+        out.close()
     progress.clear()
     if topology.is_main:
         cut = f"; {counts['cut']:,} cut to the model's {run.config.max_len} tokens" if counts["cut"] else ""

@@ -1,6 +1,8 @@
 """Small, fast training set-ups shared by the tests of train/ (2-core CPU budget)."""
 
+import os
 import shutil
+import stat
 from pathlib import Path
 
 import pytest
@@ -56,3 +58,20 @@ def torch_run(tiny_torch_run):
 def run_copy(tiny_torch_run, tmp_path):
     """A copy of the shared 2-step torch run (checkpoint 2), free to change."""
     return Path(shutil.copytree(tiny_torch_run, tmp_path / "run"))
+
+
+@pytest.fixture
+def no_replacing_devices(monkeypatch):
+    """os.replace/os.rename onto anything but a regular file or a link fail the test: run under it, a
+    wrong code path can never turn the real /dev/null into a file."""
+
+    def guard(real):
+        def rename(src, dst, *args, **kwargs):
+            if os.path.lexists(dst):
+                mode = os.lstat(dst).st_mode
+                assert stat.S_ISREG(mode) or stat.S_ISLNK(mode), f"renamed over {dst}"
+            return real(src, dst, *args, **kwargs)
+        return rename
+
+    monkeypatch.setattr(os, "replace", guard(os.replace))
+    monkeypatch.setattr(os, "rename", guard(os.rename))

@@ -212,6 +212,48 @@ def test_malformed_json_lines_name_the_file(tmp_path, corpus, capsys):
     assert_one_error(code, err, "empty.jsonl' holds no sentence pairs")
 
 
+def test_a_data_file_of_one_huge_line_is_one_short_error_line(tmp_path, corpus, capsys):
+    """Issue 58: a 3 MB single-line train file was held whole, and a TSV's header quoted whole in the
+    error. Every data reader (text pairs, TSV, JSON lines, plain or gzip; through a recipe as well)
+    refuses a line longer than 1 MiB before holding it, in one short line; a data spec that long is
+    quoted as a short prefix."""
+    line = "wort " * 600_000  # 3,000,000 bytes, no newline
+    write(tmp_path / "huge.tsv", line)
+    write(tmp_path / "huge.de", line + "\n")
+    write(tmp_path / "huge.en", "one\n")
+    write(tmp_path / "huge.jsonl", json.dumps({"source": line, "target": "one"}) + "\n")
+    write(tmp_path / "late.tsv.gz", "source\ttarget\n" + "eins\tone\n" * 3 + line)
+    recipe = tmp_path / "huge.toml"
+    recipe.write_text(f"train = '{tmp_path}/huge.tsv'\nvalid = 'de:en:{corpus}'\n")
+    for flags, where in (
+        (data_flags(f"{tmp_path}/huge.tsv", f"de:en:{corpus}"), "huge.tsv: line 1"),
+        (data_flags(f"de:en:{tmp_path}/huge", f"de:en:{corpus}"), "huge.de: line 1"),
+        (data_flags(f"{tmp_path}/huge.jsonl", f"de:en:{corpus}"), "huge.jsonl: line 1"),
+        (data_flags(f"{tmp_path}/late.tsv.gz", f"de:en:{corpus}"), "late.tsv.gz: line 5"),
+        (["--config", str(recipe)], "huge.tsv: line 1"),
+    ):
+        code, _, err = train_cli(capsys, "--run-dir", str(tmp_path / "run"), *flags)
+        assert_one_error(code, err, f"{where} is longer than 1,048,576 bytes")
+        assert len(err) < 400, err[:500]
+    code, _, err = train_cli(capsys, "--run-dir", str(tmp_path / "run"), *data_flags("de:en:" + "x" * 3_000_000,
+                                                                                      f"de:en:{corpus}"))
+    assert_one_error(code, err, "error: data spec 'de:en:xxx", "... is 3,000,006 characters long")
+    assert len(err) < 400, err[:500]
+    assert not (tmp_path / "run").exists()
+
+
+def test_evaluate_scores_a_lowercased_run_lowercased_and_says_so(run_copy, capsys):
+    """Issue 58: a run trained with --lowercase, evaluated without --lowercase, gave cased BLEU alone
+    (lowercase output against cased references) with no hint: now bleu_lc too, and one line says so."""
+    config = json.loads((run_copy / "config.json").read_text())
+    (run_copy / "config.json").write_text(json.dumps({**config, "lowercase": True}))  # as --lowercase writes it
+    assert evaluate.main(["--run-dir", str(run_copy), "--data", "numbers:valid"]) == 0
+    out, err = capsys.readouterr()
+    assert "bleu_lc" in json.loads(out) and "bleu" in json.loads(out)
+    assert err.splitlines() == [f"note: {run_copy} was trained with --lowercase, so its translations are lowercase: "
+                                "bleu_lc (lowercased references) is scored too"]
+
+
 # ----------------------------------------------------------------------------------------------
 # Numbers out of range, line ends, table rows
 

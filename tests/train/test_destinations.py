@@ -95,6 +95,74 @@ def test_a_destination_that_is_inside_or_holds_the_source_is_refused_before_any_
     assert files_of(tmp_path) == before  # the source whole, nothing left beside it
 
 
+def test_an_output_that_is_the_input_is_refused_and_the_input_kept(torch_run, tmp_path, capsys, monkeypatch):
+    """Issue 58: `--input same.de --output same.de` replaced the input. By any name (relative, absolute,
+    a symbolic or hard link, standard input redirected from it) an --output that is the input of
+    translate, or a file of evaluate's --data, is refused in one line before the work."""
+    monkeypatch.chdir(tmp_path)
+    for command in (translate, evaluate):
+        monkeypatch.setattr(command, "load", lambda *a, **k: pytest.fail("the work started"))
+    same = tmp_path / "same.de"
+    same.write_text("eins\nzwei\n")
+    (tmp_path / "same.en").write_text("one\ntwo\n")
+    (tmp_path / "pairs.tsv").write_text("source\ttarget\neins\tone\n")
+    (tmp_path / "link.de").symlink_to(same)
+    os.link(same, tmp_path / "hard.de")
+    before = files_of(tmp_path)
+    run = ["--run-dir", str(torch_run)]
+    for output in ("same.de", "./same.de", str(same), "link.de", "hard.de"):
+        code, err = _exit_status(translate.main, [*run, "--input", "same.de", "--output", output], capsys)
+        assert code == 1
+        one_error_line(err, f"--output {Path(output)} is the input same.de: writing it would destroy the input")
+    with open(same, encoding="utf-8") as redirected:  # < same.de
+        monkeypatch.setattr(sys, "stdin", redirected)
+        code, err = _exit_status(translate.main, [*run, "--output", "hard.de"], capsys)
+    assert code == 1
+    one_error_line(err, "--output hard.de is the input standard input")
+    for spec, output in (("de:en:same", "same.en"), ("de:en:same", "link.de"), ("pairs.tsv", "./pairs.tsv")):
+        code, err = _exit_status(evaluate.main, [*run, "--data", spec, "--output", output], capsys)
+        assert code == 1
+        one_error_line(err, f"--output {Path(output)} is a file of --data {spec}: writing it would destroy the data")
+    assert files_of(tmp_path) == before and (tmp_path / "link.de").is_symlink()
+
+
+def test_evaluate_writes_a_device_or_fifo_output_directly(torch_run, tmp_path, capsys, no_replacing_devices):
+    """Issue 58: `evaluate --output /dev/null` renamed a file over /dev/null; a device or FIFO is now
+    written directly, and a symbolic link's target atomically (the link kept)."""
+    import stat
+    import threading
+
+    fifo, target, link = tmp_path / "out.fifo", tmp_path / "target.json", tmp_path / "link.json"
+    os.mkfifo(fifo)
+    link.symlink_to(target)
+    received = []
+    reader = threading.Thread(target=lambda: received.append(fifo.read_text()), daemon=True)
+    reader.start()
+    run = ["--run-dir", str(torch_run), "--data", "numbers:valid", "--beam", "1", "--output"]
+    for output in (os.devnull, fifo, link):
+        assert evaluate.main([*run, str(output)]) == 0
+        printed = capsys.readouterr().out
+    reader.join(timeout=60)
+    assert json.loads(received[0])["sentences"] == json.loads(target.read_text())["sentences"] == 4
+    assert json.loads(printed) == json.loads(target.read_text()) and link.is_symlink()
+    assert stat.S_ISCHR(os.stat(os.devnull).st_mode) and stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
+
+@pytest.mark.parametrize("main, flags", [(average.main, ["--last", "1"]), (convert.main, ["--to", "jax"])])
+def test_average_and_convert_refuse_the_source_by_any_name(run_copy, tmp_path, monkeypatch, capfd, main, flags):
+    """Issue 58 (a confirmation): --dst naming --run-dir (relative, absolute, through a symbolic link)
+    is refused before any work, the run whole."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(train.api, "create_backend", lambda *a, **k: pytest.fail("the work started"))
+    monkeypatch.setattr(averaging, "create_backend", lambda *a, **k: pytest.fail("the work started"))
+    (tmp_path / "link").symlink_to(run_copy)
+    before = run_files(run_copy)
+    for dst in ("./run", str(run_copy), "link", "../" + tmp_path.name + "/run"):
+        assert exit_code(main, ["--run-dir", "run", *flags, "--dst", dst, "--overwrite"]) == 1
+        one_error_line(capfd.readouterr().err, f"--dst {Path(dst)} is the source run")
+    assert run_files(run_copy) == before and sorted(os.listdir(tmp_path)) == ["link", "run"]
+
+
 # ----------------------------------------------------------------------------------------------
 # --overwrite replaces only what this project wrote, of the same kind
 
@@ -196,6 +264,44 @@ def test_an_old_run_left_aside_by_a_killed_overwrite_is_named_not_deleted(run_co
     one_error_line(capfd.readouterr().err, f"{aside} holds the run an earlier --overwrite of {run_copy} set aside",
                    "move it back")
     assert files_of(tmp_path) == before
+
+
+def test_an_old_run_left_aside_is_named_by_every_command_that_opens_the_run(run_copy, tmp_path, capfd, monkeypatch):
+    """Issue 58: after a killed --overwrite, `.RUN.run-old` beside RUN: translate, evaluate, --resume,
+    --overwrite, average and train.load each refuse in one line naming it and what to do; while a
+    live --overwrite holds RUN's lock, they say to wait for it."""
+    aside = runtime.set_aside_path(run_copy)
+    shutil.copytree(run_copy, aside)
+    before = files_of(tmp_path)
+    message = (f"{aside} holds the run an earlier --overwrite of {run_copy} set aside and was stopped before it could "
+               f"put back or delete it: move it back to {run_copy}, or delete it, first")
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"eins\n")))
+    commands = [
+        (translate.main, ["--run-dir", run_copy]),
+        (evaluate.main, ["--run-dir", run_copy, "--data", "numbers:valid"]),
+        (train_run.main, ["--run-dir", run_copy, "--resume", "--steps", "3", "--no-progress"]),
+        (train_run.main, ["--run-dir", run_copy, "--overwrite", *NEW]),
+        (average.main, ["--run-dir", run_copy, "--last", "1", "--dst", tmp_path / "averaged"]),
+    ]
+    for main, argv in commands:
+        assert exit_code(main, argv) == 1
+        one_error_line(capfd.readouterr().err, message)
+    with pytest.raises(runtime.UserError) as refused:
+        train.load(run_copy)
+    assert str(refused.value) == message
+    assert files_of(tmp_path) == before
+    with runtime.RunLock(run_copy):  # as the --overwrite that set it aside holds it while it trains
+        assert exit_code(translate.main, ["--run-dir", run_copy]) == 1
+    one_error_line(capfd.readouterr().err, f"{run_copy} is being replaced by a running --overwrite, the old run kept "
+                   f"in {aside} meanwhile: wait for it to end")
+
+
+def test_train_overwrite_says_where_the_old_run_is_kept(run_copy, capfd):
+    """Issue 58 (a confirmation): `train.run --overwrite` of a run prints where the old run is kept."""
+    assert exit_code(train_run.main, ["--run-dir", run_copy, "--overwrite", *NEW]) == 0
+    assert (f"--overwrite: the run in {run_copy} is kept in {runtime.set_aside_path(run_copy)} until this one holds a "
+            "checkpoint, then deleted") in capfd.readouterr().out.splitlines()
+    assert not runtime.set_aside_path(run_copy).exists()
 
 
 def test_a_killed_overwrite_leaves_the_old_run_aside_whole(run_copy, tmp_path):

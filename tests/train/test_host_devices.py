@@ -32,7 +32,7 @@ def test_other_xla_flags_are_kept(no_jax):
 
 def test_a_count_in_xla_flags_is_the_users(no_jax):
     env = {"XLA_FLAGS": f"{FLAG}=8", ENV: "2"}
-    assert split_host(8, environ=env) is None
+    assert split_host(environ=env) is None
     assert env == {"XLA_FLAGS": f"{FLAG}=8", ENV: "2"}
 
 
@@ -43,11 +43,20 @@ def test_the_variable_sets_the_count_and_one_turns_it_off(no_jax):
     assert split_host(environ=env) is None and "XLA_FLAGS" not in env
 
 
-def test_devices_asked_for_are_made(no_jax):
-    """--devices 8 on 4 cores (or with the split turned off): 8 devices, as the user asked."""
-    env = {ENV: "1"}
-    assert split_host(8, environ=env) == 8 and env["XLA_FLAGS"] == f"{FLAG}=8"
-    assert split_host(2, environ={}) == 4  # fewer than the cores: the cores (--devices picks the first 2)
+def test_devices_beyond_the_cores_are_not_made(no_jax, monkeypatch):
+    """Issue 58: `translate --devices 99` on 4 cores made 99 XLA devices; now the split is the cores
+    whatever --devices asks (it picks the first N), so the mesh refuses 99 as training does."""
+    from train import translate
+
+    class Split(Exception):
+        pass
+
+    asked = []
+    monkeypatch.setattr(translate, "split_host", lambda *a, **k: asked.append((a, k)) or (_ for _ in ()).throw(Split))
+    with pytest.raises(Split):
+        translate.main(["--run-dir", "run", "--devices", "99"])
+    assert asked == [((), {})]  # --devices is not the count
+    assert split_host(environ={}) == 4
 
 
 @pytest.mark.parametrize("value", ["0", "two", "-1", "1.5", "²", "257", "2000"])
@@ -57,9 +66,7 @@ def test_a_bad_count_is_named(no_jax, value):
 
 
 def test_the_count_is_bounded(no_jax, monkeypatch):
-    """A machine of 1,000 cores or --devices 1000: MAX_DEVICES devices (the mesh then says --devices
-    1000 cannot be met), never a count that exhausts memory."""
-    assert split_host(1000, environ={}) == MAX_DEVICES
+    """A machine of 1,000 cores: MAX_DEVICES devices, never a count that exhausts memory."""
     monkeypatch.setattr(host_devices, "cores", lambda: 1000)
     assert split_host(environ={}) == MAX_DEVICES
     assert split_host(environ={ENV: str(MAX_DEVICES)}) == MAX_DEVICES
@@ -77,3 +84,20 @@ def test_one_core_one_device(monkeypatch):
     monkeypatch.setattr(host_devices, "cores", lambda: 1)
     env = {}
     assert split_host(environ=env) is None and env == {}
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "", "-2", "2.5"])
+def test_a_bad_count_in_xla_flags_is_one_line_before_jax_reads_it(value, monkeypatch, capsys):
+    """Issue 58: XLA aborts on `--xla_force_host_platform_device_count=abc` printing 94 lines of its
+    flags; the search CLIs (split_host, even once jax is imported) and train.run refuse it first."""
+    from train import loop
+    from train import run as train_run
+
+    env = {"XLA_FLAGS": f"--xla_cpu_use_thunk_runtime=true {FLAG}={value}"}
+    with pytest.raises(ValueError, match=rf"^\$XLA_FLAGS: {FLAG}='{value}': expected a number of devices from 1$"):
+        split_host(environ=env)
+    monkeypatch.setenv("XLA_FLAGS", env["XLA_FLAGS"])
+    monkeypatch.setattr(loop, "train", lambda *a, **k: pytest.fail("training started"))
+    assert train_run.main(["--backend", "torch", "--steps", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err == f"error: $XLA_FLAGS: {FLAG}='{value}': expected a number of devices from 1\n"

@@ -100,6 +100,10 @@ def test_a_resume_reads_the_recipe_the_run_was_started_from(tmp_path, capsys):
     ("preset = 'huge'", "key 'preset': invalid choice: 'huge' (choose from 'tiny', 'small', 'base', 'big')"),
     ("set = ['d_model=wide']", "key 'set': d_model takes a int, got 'wide'"),
     ("steps = 3\nwarmup = = 2", "invalid TOML: Invalid value (at line 2, column 10)"),
+    # Issue 58: which launch this is never comes from a shared file (a confirmation).
+    ("overwrite = true", "key 'overwrite': a launch decision, not a recipe key; give --overwrite on the command line"),
+    ("resume = true", "key 'resume': a launch decision, not a recipe key; give --resume on the command line"),
+    ("run_dir = 'runs/x'", "key 'run_dir': a launch decision, not a recipe key; give --run-dir on the command line"),
 ])
 def test_a_bad_recipe_is_one_error_line(tmp_path, capsys, body, message):
     path = tmp_path / "x.toml"
@@ -108,6 +112,62 @@ def test_a_bad_recipe_is_one_error_line(tmp_path, capsys, body, message):
         run.parse_config(["--config", str(path), "--steps", "2"])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.splitlines() == [f"error: {path}: {message}"]
+
+
+def _refused(capsys, path) -> str:
+    """The one error line `--config path` ends with (exit status 2)."""
+    with pytest.raises(SystemExit) as exit_:
+        run.parse_config(["--config", str(path)])
+    lines = capsys.readouterr().err.splitlines()
+    assert exit_.value.code == 2 and len(lines) == 1, lines
+    return lines[0]
+
+
+def test_a_recipe_that_is_not_text_is_one_line(tmp_path, capsys):
+    """Issue 58: bytes that are not UTF-8 (a traceback before), a FIFO with no writer (which blocked
+    forever), a directory or a device: one line naming the file. A UTF-8 byte order mark is accepted."""
+    import contextlib
+    import os
+    import threading
+
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(b"steps = 3\n# caf\xe9\n")
+    assert _refused(capsys, binary) == f"error: {binary}: not UTF-8 text: byte 15 (b'\\xe9') invalid continuation byte"
+    fifo = tmp_path / "fifo.toml"
+    os.mkfifo(fifo)
+
+    def unblock():  # the old code waits for a writer: give it one, so that this test fails instead of hanging
+        with contextlib.suppress(OSError):
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+
+    timer = threading.Timer(10, unblock)
+    timer.start()
+    try:
+        message = "not a regular file (a directory, FIFO or device); a recipe is a TOML file"
+        assert _refused(capsys, fifo) == f"error: {fifo}: {message}"
+    finally:
+        timer.cancel()
+    assert _refused(capsys, tmp_path) == f"error: {tmp_path}: {message}"
+    assert _refused(capsys, "/dev/zero") == f"error: /dev/zero: {message}"
+    bom = tmp_path / "bom.toml"
+    bom.write_bytes("\ufeffsteps = 3\n".encode())
+    assert run.parse_config(["--config", str(bom)])[0].steps == 3
+    # The text a run keeps in recipe.json has the mark too: a resume reads it as well.
+    assert run.recipes.recipe_flags("recipe.json", "\ufeffsteps = 3\n") == ["--steps=3"]
+
+
+def test_a_huge_recipe_value_or_key_is_quoted_short(tmp_path, capsys):
+    """Issue 58: a message quotes at most a short escaped prefix of what a recipe holds (a 3 MB value
+    was quoted whole); a file bigger than a recipe is refused by its size, unread."""
+    huge, path = "x" * 900_000, tmp_path / "huge.toml"  # under a recipe's 1 MiB
+    for body, message in ((f"steps = '{huge}'", "key 'steps': expected an integer, got 'xxx"),
+                          (f"preset = '{huge}'", "key 'preset': invalid choice: 'xxx"),
+                          (f"{huge} = 1", "key 'xxx")):
+        path.write_text(body + "\n")
+        line = _refused(capsys, path)
+        assert line.startswith(f"error: {path}: {message}") and len(line) < 400, line[:500]
+    path.write_text(f"train = '{'x' * 3_000_000}'\n")
+    assert _refused(capsys, path) == f"error: {path}: 3,000,011 bytes, more than a recipe's 1,048,576"
 
 
 def test_recipe_trains_and_the_run_records_it(tmp_path):

@@ -193,11 +193,13 @@ def test_a_partial_output_of_other_settings_is_discarded_and_of_other_input_refu
     args = ["--run-dir", str(tiny_torch_run), "--input", str(source), "--output", str(output), "--chunk-lines", "4"]
     run_output.PartialOutput(output, {"beam": 1}).write(["x"] * 4, "a digest")  # as a run with other settings leaves it
     code, _, err = run_main(capsys, *args)
-    assert code == 0 and err.splitlines()[0] == f"note: {partial} was translated with other settings; starting afresh"
+    assert code == 0 and err.splitlines()[0] == (f"note: {partial} was translated with other settings (run_dir, step, "
+                                                 "weights, beam, alpha, scoring); starting afresh")
     assert output.read_text(encoding="utf-8").splitlines() == reference
     assert not partial.exists() and not record.exists()
     # The same settings over other input lines: refused, the partial output kept.
-    settings = {"run_dir": str(tiny_torch_run.absolute()), "step": 2, "beam": 4, "alpha": 0.6, "scoring": "gnmt"}
+    settings = {"run_dir": str(tiny_torch_run.absolute()), "step": 2, "beam": 4, "alpha": 0.6, "scoring": "gnmt",
+                "weights": translate.weights_digest(tiny_torch_run, 2)}
     run_output.PartialOutput(output, settings).write(["x"] * 4, "0" * 64)
     code, _, err = run_main(capsys, *args)
     one_error(code, err, f"{partial} holds the translations of other input (its first 4 lines differ from these): "
@@ -214,6 +216,135 @@ def test_process_substitution_and_dev_stdin(tiny_torch_run, reference, tmp_path)
         )
         assert result.returncode == 0, result.stderr
         assert result.stdout.splitlines() == reference
+
+
+# ----------------------------------------------------------------------------------------------
+# Where --output writes: streams, links, one writer, the weights of a partial output (issue 58)
+
+
+def test_an_output_that_is_not_a_regular_file_is_written_directly(tiny_torch_run, reference, tmp_path, capsys,
+                                                                   monkeypatch, no_replacing_devices):
+    """A FIFO, /dev/fd/N (`>(cmd)`), a socket and /dev/null are written as streams (no partial file,
+    nothing renamed over them); a symbolic link's target is written atomically and the link kept."""
+    import socket
+    import stat
+
+    monkeypatch.chdir(tmp_path)  # a short socket path
+    source = write_lines(tmp_path / "in.txt", LINES)
+    run = ["--run-dir", str(tiny_torch_run), "--input", str(source), "--chunk-lines", "5", "--output"]
+    os.mkfifo("out.fifo")
+    server = socket.socket(socket.AF_UNIX)
+    server.bind("out.sock")
+    server.listen(1)
+    server.settimeout(60)
+    received = {}
+
+    def read_fifo():
+        with open("out.fifo", encoding="utf-8") as fifo:
+            received["fifo"] = fifo.read()
+
+    def read_socket():
+        connection, _ = server.accept()
+        with connection:
+            received["socket"] = b"".join(iter(lambda: connection.recv(1 << 16), b"")).decode()
+
+    for name, reader in (("out.fifo", read_fifo), ("out.sock", read_socket)):
+        thread = threading.Thread(target=reader, daemon=True)
+        thread.start()
+        code, out, err = run_main(capsys, *run, name)
+        thread.join(timeout=60)
+        assert code == 0 and out == "", err
+    assert received["fifo"].splitlines() == received["socket"].splitlines() == reference
+    assert stat.S_ISFIFO(os.lstat("out.fifo").st_mode) and stat.S_ISSOCK(os.lstat("out.sock").st_mode)
+    read_end, write_end = os.pipe()  # what bash's >(cmd) hands over as /dev/fd/N
+    code, _, err = run_main(capsys, *run, f"/dev/fd/{write_end}")
+    os.close(write_end)
+    with os.fdopen(read_end, encoding="utf-8") as pipe:
+        assert code == 0 and pipe.read().splitlines() == reference, err
+    try:
+        code, _, err = run_main(capsys, *run, os.devnull)
+        assert code == 0 and err.startswith(f"translated {len(LINES)} lines"), err
+    finally:
+        leftovers = [p for p in (Path(os.devnull).with_name(".null.partial"), Path(os.devnull).with_name(
+            ".null.partial.json")) if p.exists()]  # what the path of a file (the old code) leaves in /dev
+        for leftover in leftovers:
+            leftover.unlink()
+        assert stat.S_ISCHR(os.stat(os.devnull).st_mode) and not leftovers
+    target = tmp_path / "target.txt"
+    target.write_text("old\n")
+    Path("link.txt").symlink_to(target)
+    code, _, err = run_main(capsys, *run, "link.txt")
+    assert code == 0, err
+    assert Path("link.txt").is_symlink() and target.read_text(encoding="utf-8").splitlines() == reference
+    assert sorted(os.listdir(tmp_path)) == ["in.txt", "link.txt", "out.fifo", "out.sock", "target.txt"]
+    assert "A FIFO, device, socket or /dev/fd/N (>(command)) is written directly, as a stream: no partial file, " \
+           "no resume" in " ".join(translate.build_parser().format_help().split())
+
+
+def _other_weights(checkpoint: Path) -> None:
+    """Checkpoint `checkpoint`'s weights replaced by others (its digest rewritten): the same run, step
+    and settings, another model."""
+    import numpy as np
+    from safetensors import safe_open
+    from safetensors.numpy import load_file, save_file
+
+    from train.store import write_checkpoint_digest
+
+    weights = checkpoint / "model.safetensors"
+    with safe_open(str(weights), "np") as f:
+        metadata = f.metadata()
+    rng = np.random.default_rng(0)
+    params = {k: (v + rng.normal(0, 1, v.shape)).astype(v.dtype) for k, v in load_file(str(weights)).items()}
+    save_file(params, str(weights), metadata=metadata)
+    write_checkpoint_digest(checkpoint)
+
+
+def test_a_partial_output_of_other_weights_is_started_afresh(run_copy, tmp_path, capsys, monkeypatch):
+    """A translation stopped after its first chunk, the run's checkpoint replaced by other weights,
+    the same command again: it starts afresh (said in one line), never stitches two models' lines."""
+    source, output = write_lines(tmp_path / "in.txt", LINES), tmp_path / "out.txt"
+    args = ["--run-dir", str(run_copy), "--input", str(source), "--output", str(output), "--chunk-lines", "4"]
+    real_write = run_output.PartialOutput.write
+
+    def write_then_stop(self, texts, digest):  # as SIGTERM after the first chunk leaves it
+        real_write(self, texts, digest)
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patched:
+        patched.setattr(run_output.PartialOutput, "write", write_then_stop)
+        code, _, err = run_main(capsys, *args)
+    assert code == 130 and "are kept in" in err, err
+    first = (tmp_path / ".out.txt.partial").read_text(encoding="utf-8").splitlines()
+    _other_weights(run_copy / "checkpoints" / "2")
+    code, expected, err = run_main(capsys, "--run-dir", str(run_copy), "--input", str(source))
+    assert code == 0 and expected.splitlines()[:4] != first, err  # the other model translates otherwise
+    code, _, err = run_main(capsys, *args)
+    assert code == 0 and err.splitlines()[0] == (f"note: {tmp_path / '.out.txt.partial'} was translated with other "
+                                                 "settings (weights); starting afresh"), err
+    assert output.read_text(encoding="utf-8") == expected and "continued after" not in err
+    digest = translate.weights_digest(run_copy, 2)  # the key: the checkpoint's digest and the tokenizer's
+    _other_weights(run_copy / "checkpoints" / "2")
+    assert translate.weights_digest(run_copy, 2) != digest
+    digest, tokenizer = translate.weights_digest(run_copy, 2), run_copy / "tokenizer.json"
+    tokenizer.write_text(json.dumps(json.loads(tokenizer.read_text(encoding="utf-8"))), encoding="utf-8")
+    assert translate.weights_digest(run_copy, 2) != digest  # the same vocabulary, other bytes
+
+
+def test_a_second_translation_into_one_output_is_refused(tiny_torch_run, tmp_path, capsys):
+    """While one translation holds --output OUT (its flock on .OUT.partial), a second is refused in one
+    line and changes nothing; once it ends, OUT is free again."""
+    source, output = write_lines(tmp_path / "in.txt", LINES), tmp_path / "out.txt"
+    args = ["--run-dir", str(tiny_torch_run), "--input", str(source), "--output", str(output)]
+    first = run_output.PartialOutput(output, {"run_dir": "another"})
+    first.write(["x"], "0" * 64)
+    code, _, err = run_main(capsys, *args)
+    one_error(code, err, f"{output} is being written by another translation (it holds {tmp_path / '.out.txt.partial'})")
+    assert not output.exists() and (tmp_path / ".out.txt.partial").read_text() == "x\n"
+    first.finish()
+    assert output.read_text() == "x\n"
+    code, _, err = run_main(capsys, *args)
+    assert code == 0 and output.read_text(encoding="utf-8").count("\n") == len(LINES), err
+    assert sorted(os.listdir(tmp_path)) == ["in.txt", "out.txt"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -380,6 +511,18 @@ def test_a_cpu_translates_on_one_device_per_core(jax_run, tmp_path, capsys):
     proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert (proc.returncode, proc.stdout) == (1, "")
     assert proc.stderr == "error: $AIAYN_HOST_DEVICES='none': expected a number of devices from 1 to 256\n"
+
+
+def test_more_devices_than_the_cpu_has_are_refused(jax_run):
+    """Issue 58: `--devices N` beyond the cores is refused as train.run refuses it, not met by making N
+    XLA devices (the split is one device per core, whatever --devices asks)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") and k not in ("XLA_FLAGS", host_devices.ENV)}
+    env.update({"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO), jax_cache.ENV: "off"})
+    asked = host_devices.cores() + 1
+    proc = subprocess.run([sys.executable, "-m", "train.translate", "--run-dir", str(jax_run), "--devices", str(asked)],
+                          input="eins\n", cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert (proc.returncode, proc.stdout) == (1, "")
+    assert proc.stderr == f"error: --devices {asked}: {host_devices.cores()} device(s) visible (cpu)\n"
 
 
 @pytest.mark.slow  # three JAX processes

@@ -3,15 +3,14 @@ ask XLA for them before jax is imported, and decode each batch data parallel ove
 
 XLA:CPU runs a beam search's small matmuls on one core; split into one device per core, each core
 searches its share of the batch, faster with the same outputs (docs/performance.md#against-ctranslate2).
-$AIAYN_HOST_DEVICES=N sets the count (1: one device, XLA's own default); a count already in
-$XLA_FLAGS is kept. Training is left as it is: there the count is the run's own choice (--devices).
-A GPU or TPU machine searches on its accelerators as before; the CPU devices are there unused.
+Training keeps the run's own count (--devices); a GPU or TPU machine searches on its accelerators.
 This module imports no framework.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import MutableMapping
 
@@ -32,12 +31,24 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
-def split_host(at_least: int = 1, environ: MutableMapping[str, str] | None = None) -> int | None:
-    """Add `FLAG=N` to XLA_FLAGS, N = $AIAYN_HOST_DEVICES or the cores (or `at_least` where larger: a
-    --devices N asked for; at most MAX_DEVICES), unless jax is already imported or XLA_FLAGS names a
-    count. The count added, or None. Raises ValueError for a $AIAYN_HOST_DEVICES that is not a whole
-    number from 1 to MAX_DEVICES."""
+def check_xla_flags(environ: MutableMapping[str, str] | None = None) -> None:
+    """ValueError for a device count in $XLA_FLAGS that is not a whole number from 1: XLA would abort
+    the process printing its whole flag list (94 lines) instead. Called before jax reads them."""
+    flags = (os.environ if environ is None else environ).get("XLA_FLAGS", "")
+    for value in re.findall(rf"{FLAG}(\S*)", flags):
+        if not re.fullmatch(r"=0*[1-9]\d*", value):
+            value = value.removeprefix("=")[:20]
+            raise ValueError(f"$XLA_FLAGS: {FLAG}={value!r}: expected a number of devices from 1")
+
+
+def split_host(environ: MutableMapping[str, str] | None = None) -> int | None:
+    """Add `FLAG=N` to XLA_FLAGS, N = $AIAYN_HOST_DEVICES or the cores (at most MAX_DEVICES; a
+    --devices beyond them is refused by the mesh, as in training), unless jax is already imported
+    or XLA_FLAGS names a count. The count added, or None. Raises ValueError for a
+    $AIAYN_HOST_DEVICES that is not a whole number from 1 to MAX_DEVICES, or a bad count in
+    XLA_FLAGS (`check_xla_flags`)."""
     environ = os.environ if environ is None else environ
+    check_xla_flags(environ)
     flags = environ.get("XLA_FLAGS", "")
     if "jax" in sys.modules or FLAG in flags:
         return None
@@ -48,7 +59,6 @@ def split_host(at_least: int = 1, environ: MutableMapping[str, str] | None = Non
         count = int(value)
     else:
         count = min(cores(), MAX_DEVICES)
-    count = min(max(count, at_least), MAX_DEVICES)  # more than that: the mesh names what is missing
     if count == 1:
         return None
     environ["XLA_FLAGS"] = f"{flags} {FLAG}={count}".strip()

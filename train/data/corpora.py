@@ -23,6 +23,9 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
+from ..runtime.files import quoted, shortened
+from .streams import MAX_LINE_BYTES
+
 log = logging.getLogger(__name__)
 
 
@@ -57,7 +60,7 @@ def load_parallel(spec: str, cache_dir: str | Path | None = None) -> LoadedPairs
     if spec.startswith("hf:"):
         match = _HUB.match(spec)
         if not match:
-            raise ValueError(f"hub spec must be hf:NAME[:CONFIG]:SPLIT, got {spec!r}")
+            raise ValueError(f"hub spec must be hf:NAME[:CONFIG]:SPLIT, got {quoted(spec, 200)}")
         name, config, split = match.groups()
         langs = config.split("-") if config and re.fullmatch(r"\w+-\w+", config) else ("source", "target")
         src, tgt = _columns(options, *langs)
@@ -88,9 +91,21 @@ def load_parallel(spec: str, cache_dir: str | Path | None = None) -> LoadedPairs
             )
         return _pairs(*sides)
     raise ValueError(
-        f"unknown data spec {spec!r}: expected SRC:TGT:PREFIX, FILE.tsv, FILE.jsonl, FILE.json "
+        f"unknown data spec {quoted(spec, 200)}: expected SRC:TGT:PREFIX, FILE.tsv, FILE.jsonl, FILE.json "
         "(optionally .gz, with #src=..,tgt=..) or hf:NAME[:CONFIG]:SPLIT"
     )
+
+
+def spec_files(spec: str) -> list[Path]:
+    """The local files a data spec names that exist (what an output must not replace)."""
+    spec = spec.partition("#")[0]
+    if spec.endswith(_TSV + _JSON):
+        paths = [Path(spec)]
+    elif (match := _TEXT_PAIR.match(spec)) and not spec.startswith("hf:"):
+        paths = [Path(f"{match[3]}.{lang}{gz}") for lang in match.group(1, 2) for gz in ("", ".gz")]
+    else:
+        paths = []
+    return [path for path in paths if path.exists()]
 
 
 def _datasets():
@@ -111,7 +126,8 @@ def _load_dataset(builder: str, data_files: str, **kwargs):
         return datasets.load_dataset(builder, data_files=data_files, **kwargs)
     except datasets.exceptions.DatasetGenerationError as err:
         cause = err.__cause__ or err
-        raise ValueError(f"{data_files}: not valid {builder} ({type(cause).__name__}: {cause})") from None
+        reason = shortened(str(cause))  # a parser's message may quote the line
+        raise ValueError(f"{data_files}: not valid {builder} ({type(cause).__name__}: {reason})") from None
     finally:
         datasets.logging.set_verbosity(verbosity)
 
@@ -142,7 +158,7 @@ def _tsv_pairs(path: Path, src: str, tgt: str) -> LoadedPairs:
     header = lines[0].split("\t")
     for col in (src, tgt):
         if col not in header:
-            raise ValueError(f"{path}: no column {col!r} in header {header}")
+            raise ValueError(f"{path}: no column {quoted(col)} in header {quoted(header)}")
     i, j = header.index(src), header.index(tgt)
     rows = [line.split("\t") if line else [""] * len(header) for line in lines[1:]]  # an empty row: empty sides
     for number, row in enumerate(rows, start=2):
@@ -164,15 +180,17 @@ def _existing(*candidates: Path) -> Path:
     raise FileNotFoundError(f"no such file: {' or '.join(map(str, candidates))}")
 
 
-def check_text(path: Path, chunk_size: int = 1 << 20) -> int:
+def check_text(path: Path, chunk_size: int = 1 << 20, max_line_bytes: int = MAX_LINE_BYTES) -> int:
     """The size in bytes of `path` (decompressed when it ends in .gz). Raises ValueError naming
-    the byte offset and line of its first invalid UTF-8 sequence, or when it cannot be read.
+    the byte offset and line of its first invalid UTF-8 sequence, a line longer than
+    `max_line_bytes` (before any line is held: a file of one huge line is refused, not loaded), or
+    when it cannot be read.
 
     `datasets` would fail on such a file too, but with an offset into one of its own chunks and
     no file name; one streaming pass here costs little next to tokenisation.
     """
     decoder = codecs.getincrementaldecoder("utf-8")()
-    offset, lines = 0, 0  # bytes and newlines before the current chunk
+    offset, lines, open_line = 0, 0, 0  # bytes and newlines before the current chunk, bytes of its open line
     try:
         with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
             while True:
@@ -187,7 +205,11 @@ def check_text(path: Path, chunk_size: int = 1 << 20) -> int:
                     ) from None
                 if not chunk:
                     return offset
-                offset, lines = offset + len(chunk), lines + chunk.count(b"\n")
+                lengths = [len(part) for part in chunk.split(b"\n")]
+                lengths[0] += open_line
+                if long := [i for i, n in enumerate(lengths) if n > max_line_bytes]:
+                    raise ValueError(f"{path}: line {lines + long[0] + 1} is longer than {max_line_bytes:,} bytes")
+                offset, lines, open_line = offset + len(chunk), lines + len(lengths) - 1, lengths[-1]
     except (OSError, EOFError) as err:  # unreadable, or a truncated/corrupt .gz
         if isinstance(err, FileNotFoundError):
             raise
@@ -200,7 +222,7 @@ def _columns(options: str, src: str, tgt: str) -> tuple[str, str]:
     for item in filter(None, options.split(",")):
         key, eq, value = item.partition("=")
         if key not in names or not eq or not value:
-            raise ValueError(f"bad column option {item!r}: expected src=NAME or tgt=NAME")
+            raise ValueError(f"bad column option {quoted(item)}: expected src=NAME or tgt=NAME")
         names[key] = value
     return names["src"], names["tgt"]
 
@@ -213,7 +235,7 @@ def _field(ds, name: str, where) -> list:
         rows = list(ds["translation"])
         if all(row is not None and name in row for row in rows):
             return [row[name] for row in rows]
-    raise ValueError(f"{where}: no field {name!r} (columns: {ds.column_names})")
+    raise ValueError(f"{where}: no field {quoted(name)} (columns: {quoted(ds.column_names, 200)})")
 
 
 def _pairs(sources: Iterable, targets: Iterable) -> LoadedPairs:

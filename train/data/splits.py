@@ -5,9 +5,12 @@ from __future__ import annotations
 import re
 
 from ..config import ExperimentConfig
-from ..runtime.files import UserError, say
+from ..runtime.files import UserError, quoted, say
 from .corpora import Pair, load_parallel
 from .numbers import Splits, numbers_corpus, numbers_range
+
+MAX_SPEC = 4096  # characters of a data spec: PATH_MAX, with room for SRC:TGT: and #src=..,tgt=..
+
 
 def load_splits(cfg: ExperimentConfig) -> Splits:
     """Train, validation and test pairs: the numbers corpus, or the --train/--valid/--test specs
@@ -25,6 +28,8 @@ def load_splits(cfg: ExperimentConfig) -> Splits:
 def load_split(cfg: ExperimentConfig, spec: str) -> list[Pair]:
     """Pairs of one data spec, of `numbers:train|valid|test`, the run's numbers corpus split, or of
     `numbers:FIRST-LAST[/STEP]`, every (STEP-th) number from FIRST to LAST (0..999,999)."""
+    if len(spec) > MAX_SPEC:  # no path is that long; quoted whole, it would flood the message
+        raise UserError(f"data spec {quoted(spec)} is {len(spec):,} characters long: no file has such a name")
     if spec.startswith("numbers:"):
         name = spec.partition(":")[2]
         if bounds := re.fullmatch(r"(\d+)-(\d+)(?:/(\d+))?", name):

@@ -76,6 +76,13 @@ class LineReader:
         self.offset += len(raw)
         return text.removesuffix("\n").removesuffix("\r")
 
+    def same_file(self, path: Path) -> bool:
+        """Whether `path` names the file read here (by any name: a link, a hard link, a redirection)."""
+        try:
+            return os.path.samestat(os.fstat(self._raw.fileno()), os.stat(path))
+        except (OSError, ValueError):  # no such file; an input without a descriptor
+            return False
+
     def close(self) -> None:
         if self._raw is not sys.stdin.buffer:
             self._raw.close()

@@ -7,9 +7,12 @@ import errno
 import json
 import math
 import os
+import re
+import socket
+import stat
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 
 class UserError(Exception):
@@ -25,6 +28,7 @@ def write_bytes_atomic(path: str | Path, data: bytes) -> None:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
+        check_replaceable(path)
         tmp.unlink(missing_ok=True)  # a leftover, or a link planted there: removed, never followed
         with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), "wb") as f:
             f.write(data)
@@ -34,6 +38,14 @@ def write_bytes_atomic(path: str | Path, data: bytes) -> None:
     finally:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
+
+
+def check_replaceable(path: Path) -> None:
+    """OSError unless `path` is missing, a regular file or a symbolic link: a rename never replaces
+    a device, FIFO or socket (`--output /dev/null` would turn /dev/null into a file)."""
+    with contextlib.suppress(FileNotFoundError):
+        if not (stat.S_ISREG(mode := os.lstat(path).st_mode) or stat.S_ISLNK(mode)):
+            raise OSError(errno.EEXIST, "not a regular file, so never replaced by one", str(path))
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:
@@ -113,6 +125,53 @@ def check_output_file(path: str | Path, flag: str) -> None:
         raise UserError(f"{flag} {path}: directory {path.parent} does not exist")
     if not os.access(path.parent, os.W_OK):
         raise UserError(f"{flag} {path}: directory {path.parent} is not writable")
+
+
+# A descriptor this process holds: `>(cmd)`, `3>file`, /dev/stdout; written through a copy of it.
+_DESCRIPTOR = re.compile(r"/(?:dev|proc/self)/fd/(\d+)|/dev/std(out|err)")
+
+
+def is_stream(path: Path) -> bool:
+    """Whether an output `path` is written directly, as a stream: a descriptor (/dev/fd/N,
+    /dev/stdout), or through any links a FIFO, device or socket; never renamed over, no resume."""
+    if _DESCRIPTOR.fullmatch(str(path)):
+        return True
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:  # missing: a file to create
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
+
+
+def open_stream(path: Path) -> TextIO:
+    """An `is_stream` output opened for writing text: a descriptor duplicated, a socket connected."""
+    if match := _DESCRIPTOR.fullmatch(str(path)):
+        return os.fdopen(os.dup(int(match[1]) if match[1] else {"out": 1, "err": 2}[match[2]]), "w", encoding="utf-8")
+    if stat.S_ISSOCK(os.stat(path).st_mode):
+        client = socket.socket(socket.AF_UNIX)
+        client.connect(str(path))
+        return client.makefile("w", encoding="utf-8")
+    return open(path, "w", encoding="utf-8")  # a FIFO or a device; the caller closes it
+
+
+def output_file(path: Path, flag: str) -> Path | None:
+    """The regular file to write --output `path` as, atomically (`path`, or what a symbolic link
+    there names); None for a stream (`is_stream`). `check_output_file`'s UserError before the work."""
+    if is_stream(path):
+        return None
+    target = path.resolve() if path.is_symlink() else path
+    check_output_file(target, flag)
+    return target
+
+
+def shortened(text: str, limit: int = 200) -> str:
+    """`text` cut to `limit` characters: a message never holds a whole line of a user's file."""
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def quoted(value: Any, limit: int = 60) -> str:
+    """repr(value) as a short escaped prefix (`shortened`), for user-supplied text in a message."""
+    return shortened(repr(value[: limit + 1] if isinstance(value, (str, bytes)) else value), limit)
 
 
 def say(text: str) -> None:

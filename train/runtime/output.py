@@ -1,19 +1,21 @@
-"""Where a streamed translation's finished chunks go (`PartialOutput`: resumable) and its progress
-line (`Progress`); docs/operations.md#translating."""
+"""Where a streamed translation's finished chunks go (`PartialOutput`: resumable; `StreamOutput`)
+and its progress line (`Progress`); docs/operations.md#translating."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
 from .. import data
-from .files import UserError, read_json, write_error, write_json_atomic
+from .files import UserError, check_replaceable, read_json, write_error, write_json_atomic
 
 
 class OtherInput(UserError):
@@ -21,7 +23,7 @@ class OtherInput(UserError):
 
 
 class StreamOutput:
-    """Translations to a text stream (standard output), flushed after every chunk; no resume."""
+    """Translations to a text stream (standard output, a FIFO, a device), flushed after every chunk; no resume."""
 
     digest, note = None, None
 
@@ -37,34 +39,44 @@ class StreamOutput:
     def finish(self) -> None:
         pass
 
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
+
 
 class PartialOutput:
     """--output F, grown as `.F.partial` one synced chunk at a time, each followed by its record
     `.F.partial.json` (lines and bytes done, a SHA-256 of the input lines they translate, the
-    settings), and renamed onto F at the end. Run again, it continues after the recorded chunks."""
+    settings), and renamed onto F at the end. Run again, it continues after the recorded chunks.
+    The partial file is flock'ed meanwhile: a second translation into F is refused."""
 
     def __init__(self, path: Path, settings: dict[str, Any]):
         self.path, self.settings = path, settings
         self.name = str(path)
         self.partial = path.with_name(f".{path.name}.partial")
         self.record = path.with_name(f".{path.name}.partial.json")
-        self.done, self.bytes, self.digest, self.note, self._file = 0, 0, None, None, None
+        self.done, self.bytes, self.digest, self.note, self._started = 0, 0, None, None, False
+        self._created = not self.partial.is_file()
+        self._file = _locked(self.partial, f"{path} is being written by another translation (it holds "
+                                           f"{self.partial}); wait for it to end or give another --output")
         try:
             state = read_json(self.record, default=None)
         except UserError:
             state = None
-        if not isinstance(state, dict) or not self.partial.is_file():
+        if not isinstance(state, dict) or self._created:
             return
-        if state.get("settings") != settings:
-            self.note = f"note: {self.partial} was translated with other settings; starting afresh"
+        saved = state.get("settings")
+        if saved != settings:
+            differ = ", ".join(k for k in settings if not isinstance(saved, dict) or saved.get(k) != settings[k])
+            self.note = f"note: {self.partial} was translated with other settings ({differ}); starting afresh"
         elif self.partial.stat().st_size < state.get("bytes", -1):
             self.note = f"note: {self.partial} is shorter than its record; starting afresh"
         else:
             self.done, self.bytes, self.digest = int(state["lines"]), int(state["bytes"]), state["input_sha256"]
 
     def write(self, texts: Sequence[str], digest: str) -> None:
-        if self._file is None:  # created with the first finished chunk: an early error leaves nothing
-            self._file = open(self.partial, "r+b" if self.done else "wb")  # noqa: SIM115 (closed by finish)
+        if not self._started:  # the first finished chunk drops what is not recorded (or of other settings)
+            self._started = True
             self._file.truncate(self.bytes)
             self._file.seek(self.bytes)
         chunk = "".join(t + "\n" for t in texts).encode("utf-8")
@@ -80,16 +92,42 @@ class PartialOutput:
 
     def finish(self) -> None:
         """Rename the whole output onto F (an input whose every line was already done: as it is)."""
-        if self._file is None:
+        if not self._started:
             self.write([], self.digest or "")
-        self._file.close()
-        os.replace(self.partial, self.path)
+        check_replaceable(self.path)
+        os.replace(self.partial, self.path)  # under the lock: no second translation takes the renamed file
         self.record.unlink(missing_ok=True)
+        self._file.close()
+
+    def close(self) -> None:
+        """Release the lock; a partial file this run created and never wrote is removed."""
+        if not self._file.closed:
+            if self._created and not self._started:
+                self.partial.unlink(missing_ok=True)
+            self._file.close()
 
     def kept(self) -> str:
         """Where the finished chunks are, for the message of an interrupted or failed run."""
         return (f"the translations of lines 1-{self.done:,} are kept in {self.partial}: "
                 "the same command continues after them")
+
+
+def _locked(path: Path, busy: str) -> BinaryIO:
+    """`path` opened for reading and writing (created if missing) under an exclusive flock, as a
+    run's lock; UserError `busy` while another process holds it."""
+    while True:
+        file = open(os.open(path, os.O_RDWR | os.O_CREAT, 0o644), "r+b")  # noqa: SIM115 (the caller closes it)
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            file.close()
+            raise UserError(busy) from None
+        except OSError:  # a filesystem without flock: unprotected, as a run there is
+            return file
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.samestat(os.fstat(file.fileno()), os.stat(path)):
+                return file
+        file.close()  # renamed onto its output by the translation that held it: open the new one
 
 
 class Progress:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -50,6 +51,7 @@ def claim_run_dir(cfg: ExperimentConfig, explicit: Iterable[str] | None = None) 
     run_dir = Path(cfg.run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"--run-dir {run_dir} is a file")
+    check_set_aside(run_dir)
     if cfg.resume:
         resumed = _resumed_config(cfg, explicit)
         check_links(run_dir)
@@ -59,15 +61,31 @@ def claim_run_dir(cfg: ExperimentConfig, explicit: Iterable[str] | None = None) 
             raise UserError(f"{run_dir} is not empty and holds no run; choose another --run-dir")
         if not cfg.overwrite:
             raise UserError(f"{run_dir} already holds a run; pass --resume to continue it or --overwrite to replace it")
-        if (old := set_aside_path(run_dir)).exists() or old.is_symlink():
-            raise UserError(f"{old} holds the run an earlier --overwrite of {run_dir} set aside and was stopped before "
-                            f"it could put back or delete it: move it back to {run_dir}, or delete it, first")
     return cfg
 
 
 def set_aside_path(run_dir: Path) -> Path:
     """Where a replacement keeps the old run meanwhile (`replacing`, `derive`)."""
     return run_dir.with_name(f".{run_dir.name}.run-old")
+
+
+def check_set_aside(run_dir: str | Path) -> None:
+    """UserError naming `.RUN.run-old` when it is beside the run: the old run an --overwrite set
+    aside (`replacing`), still running (it holds the run's lock) or killed before it could put it
+    back or delete it. Every command that opens a run checks this first."""
+    run_dir = Path(run_dir)
+    if not ((old := set_aside_path(run_dir)).exists() or old.is_symlink()):
+        return
+    try:  # a live --overwrite holds the lock: probed, never kept
+        with open(os.open(run_dir / LOCK_FILE, os.O_RDONLY | os.O_NOFOLLOW)) as lock:
+            fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise UserError(f"{run_dir} is being replaced by a running --overwrite, the old run kept in {old} "
+                        "meanwhile: wait for it to end") from None
+    except OSError:
+        pass
+    raise UserError(f"{old} holds the run an earlier --overwrite of {run_dir} set aside and was stopped before it "
+                    f"could put back or delete it: move it back to {run_dir}, or delete it, first")
 
 
 def has_checkpoint(run_dir: Path) -> bool:
