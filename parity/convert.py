@@ -60,8 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("train", "valid", "test"):
         parser.add_argument(f"--{name}", metavar="SPEC", help=f"with --from: the {name} data spec recorded in the run "
                             "(train.run's data specs), for fine-tuning with train.run --resume")
-    parser.add_argument("--proof-sentences", metavar="FILE", help="with --to marian or ctranslate2: the sentences the "
-                        "export is checked on, read back by its own runtime against the run (default: the run's first "
+    parser.add_argument("--proof-sentences", metavar="FILE", help="with --run-dir or --to marian/ctranslate2: the "
+                        "sentences the result is checked on, read back by its own runtime against the run (default: the "
+                        "run's first "
                         f"{proof.SENTENCES} validation sources); the figures go to the export's {proof.PROOF_FILE}")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing destination")
     return parser
@@ -153,9 +154,14 @@ def _convert_run_cli(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     which = args.checkpoint or "latest"
     if which not in ("latest", "best", "all") and not which.isdigit():
         parser.error(f"--checkpoint takes latest, best, all or a step number, got {which!r}")
-    done = convert_run(args.run_dir, args.dst, to=args.to, which=which, overwrite=args.overwrite)
+    sentences = proof.proof_sentences(args.run_dir, args.proof_sentences)
+    done = convert_run(args.run_dir, args.dst, to=args.to, which=which, overwrite=args.overwrite,
+                       check=lambda tmp: proof.run_proof(tmp, Path(args.run_dir), sentences))
     steps = ", ".join(map(str, done["steps"]))
-    print(f"wrote {done['run_dir']}: the {done['backend']} run of {done['from']} (checkpoint step {steps})")
+    checked = runtime.read_json(Path(args.dst) / proof.PROOF_FILE)
+    print(f"wrote {done['run_dir']}: the {done['backend']} run of {done['from']} (checkpoint step {steps}); "
+          f"{checked['greedy_agreement']:.1%} of {checked['sentences']} greedy translations equal the source's, "
+          f"logits within {checked['max_abs_logit_diff']:.1e} ({proof.PROOF_FILE})")
     print(f"continue it with: python -m train.run --run-dir {done['run_dir']} --resume")
     return 0
 

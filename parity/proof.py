@@ -124,18 +124,58 @@ def ctranslate2_proof(export_dir: Path, run_dir: Path, params, cfg: TransformerC
                  exact=quantization in (None, "float32"))
 
 
+def run_proof(converted: Path, run_dir: Path, sentences: Sequence[str]) -> dict[str, Any]:
+    """A run converted to the other framework (`converted`, its newest checkpoint) against the
+    source run at the same step, each read by its own backend: greedy searches, and the logits
+    along the source's greedy translations."""
+    import train
+
+    theirs_run = train.load(converted, "latest")
+    ours_run = train.load(run_dir, theirs_run.step)
+    try:
+        src_ids = data.encode(ours_run.tokenizers.src, sentences)
+        limits = [limit(ids, ours_run.model_config) for ids in src_ids]
+        ours, theirs, diffs = [], [], []
+        for ids in src_ids:
+            out = [_greedy(run, ids) for run in (ours_run, theirs_run)]
+            ours.append(out[0])
+            theirs.append(out[1])
+            a, b = (_logits(run, ids, out[0]) for run in (ours_run, theirs_run))
+            diffs.append(float(np.abs(a - b).max()))
+    finally:
+        ours_run.close()
+        theirs_run.close()
+    return prove(converted, ours, theirs, diffs, sentences, limits, theirs_run.config.backend, exact=True)
+
+
+def _greedy(run, ids: list[int]) -> list[int]:
+    tokens = [int(t) for t in run.backend.translate(np.array([ids]), beam_size=1)[0]]
+    return tokens[: tokens.index(EOS_ID) + 1] if EOS_ID in tokens else tokens
+
+
+def _logits(run, ids: list[int], out: list[int]) -> np.ndarray:
+    """The (T, V) logits of `run`'s model for source `ids` and target `out`, teacher-forced."""
+    src, tgt_in = np.array([ids]), np.array([[run.model_config.bos_id, *out[:-1]]])
+    if run.config.backend == "torch":
+        with torch.no_grad():
+            return run.backend.model.eval()(torch.from_numpy(src), torch.from_numpy(tgt_in))[0].numpy()
+    model = run.backend.ctx.model(run.backend.local_params())
+    return np.asarray(model(src, tgt_in, deterministic=True))[0]
+
+
 def marian_proof(export_dir: Path, run_dir: Path, params, cfg: TransformerConfig, sentences: Sequence[str],
                  marian_ids: Mapping[str, int]) -> dict[str, Any]:
     """The HF Marian directory in `export_dir` against the run: `generate(num_beams=1)` and a
-    teacher-forced forward pass, in Marian's numbering mapped to ours (`parity.marian`); our bos
-    column, a copy Marian does not have, is left out of the comparison."""
+    teacher-forced forward pass, in Marian's numbering mapped to ours (`parity.marian`). Our pad and
+    bos columns are left out: Marian holds them as one row (its pad, the decoder start), which the
+    export writes from our bos row, and neither is ever emitted."""
     from .marian import side_orders
 
     transformers = __import__("transformers")
     hf = transformers.MarianMTModel.from_pretrained(str(export_dir)).eval()
     src_order, tgt_order = side_orders(marian_ids)
     to_ours = {int(m): o for o, m in enumerate(tgt_order)}
-    columns = [o for o in range(cfg.tgt_vocab_size) if o != cfg.bos_id]
+    columns = [o for o in range(cfg.tgt_vocab_size) if o not in (cfg.bos_id, cfg.pad_id)]
     src_ids = data.encode(data.load_tokenizers(run_dir).src, sentences)
     ours, ours_logits = reference(params, cfg, src_ids)
     theirs, diffs, limits = [], [], [limit(ids, cfg) for ids in src_ids]

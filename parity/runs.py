@@ -12,7 +12,7 @@ import contextlib
 import os
 import pickle
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,16 +33,11 @@ from .weights import convert_state, jax_model_from_params, jax_params, nest, tra
 CONFIG_KEY = store.WEIGHTS_CONFIG_KEY  # safetensors metadata key holding the config JSON
 
 
-def convert_checkpoints(
-    src_cfg: ExperimentConfig, model_cfg: TransformerConfig, src_dir: str | os.PathLike, dst_dir: str | os.PathLike,
-    to: str, which: str | int = "latest",
-) -> list[int]:
+def convert_checkpoints(src_cfg: ExperimentConfig, model_cfg: TransformerConfig, src_dir: str | os.PathLike,
+                        dst_dir: str | os.PathLike, to: str, which: str | int = "latest") -> list[int]:
     """Convert the checkpoints `which` ("latest", "best", "all" or a step) of the `src_cfg.backend`
-    backend in `src_dir` into the `to` backend's checkpoints in `dst_dir`; returns the steps.
-
-    Each is restored by the source backend, exported, converted, imported by the target backend
-    and saved by it with the same meta (the experiment's backend switched) and ranking metrics.
-    """
+    backend in `src_dir` into the `to` backend's checkpoints in `dst_dir`, with the same meta (the
+    experiment's backend switched) and ranking metrics; returns the steps."""
     if to == src_cfg.backend:
         raise ValueError(f"the checkpoints already belong to the {to} backend")
     source = create_backend(src_cfg, model_cfg, str(src_dir))
@@ -66,16 +61,14 @@ def convert_checkpoints(
     return steps
 
 
-def convert_run(
-    src: str | os.PathLike, dst: str | os.PathLike, to: str | None = None, which: str | int = "latest",
-    overwrite: bool = False,
-) -> dict:
+def convert_run(src: str | os.PathLike, dst: str | os.PathLike, to: str | None = None, which: str | int = "latest",
+                overwrite: bool = False, check: Callable[[Path], object] | None = None) -> dict:
     """A run directory of one backend (train.run) -> the same run for the other backend.
 
     `dst` receives config.json (the backend switched), model.json, the tokenizer files (byte
     copies), the TensorBoard events, and the checkpoints `which` ("latest", "best", "all" or a
-    step) converted. It is built beside `dst` and renamed into place, so an interrupted
-    conversion leaves nothing. `python -m train.run --run-dir DST --resume` continues it.
+    step) converted; it is built beside `dst` and renamed into place, whole or not at all, once
+    `check(directory)` (`parity.proof.run_proof`) accepts it.
     """
     src, dst = Path(src), Path(dst)
     try:
@@ -87,12 +80,28 @@ def convert_run(
         raise ValueError(f"{src} is already a {to} run")
     runtime.check_model(src, src_cfg, model_cfg, data.load_tokenizers(src))  # as --resume rebuilds it
     copy = (*data.tokenizer_files(src), runtime.MODEL_FILE, runtime.IMPORTED_FILE, runtime.TENSORBOARD)
-    with runtime.derive(src, dst, "run", overwrite, copy) as tmp:
+    with runtime.derive(src, dst, "run", overwrite, copy, check) as tmp:
         steps = convert_checkpoints(src_cfg, model_cfg, src / runtime.CHECKPOINTS, tmp / runtime.CHECKPOINTS, to, which)
         provenance = {"from": str(src), "from_backend": src_cfg.backend, "to_backend": to, "steps": steps}
         runtime.write_json_atomic(tmp / runtime.PROVENANCE_FILE, provenance)
         runtime.write_json_atomic(tmp / runtime.CONFIG_FILE, src_cfg.replace(backend=to).experiment())
     return {"run_dir": str(dst), "backend": to, "from": str(src), "steps": steps}
+
+
+def init_source(source: str, backend: str, dst: str | os.PathLike) -> Path:
+    """A run directory of `backend` for `train.run --init-from SOURCE`: SOURCE itself when it is one;
+    a run of the other framework converted (its best checkpoint) or an HF Marian directory or
+    hf:ORG/NAME[@REVISION] imported, at `dst`."""
+    path, dst = Path(source), Path(dst)
+    if not source.startswith("hf:") and runtime.kind_of(path) == "run":
+        if runtime.read_experiment(path).backend == backend:
+            return path
+        convert_run(path, dst, to=backend, which="best")
+        return dst
+    from .marian import import_marian
+
+    import_marian(source, dst, to=backend)
+    return dst
 
 
 def run_weights(run_dir: str | os.PathLike, checkpoint: str | int = "best") -> tuple[dict[str, np.ndarray], TransformerConfig]:
@@ -103,10 +112,6 @@ def run_weights(run_dir: str | os.PathLike, checkpoint: str | int = "best") -> t
     finally:
         run.backend.close()
     return state.params, run.model_config
-
-
-# ---------------------------------------------------------------------------------------------
-# Files
 
 
 def save_torch_weights(model: torch_reference.Transformer, path: str | os.PathLike) -> Path:

@@ -124,6 +124,12 @@ class ExperimentConfig:
         "--set norm_position=pre (repeatable)", flag="--set", metavar="FIELD=VALUE",
     )
     dropout: float | None = _field(None, "model", "residual dropout rate (paper: 0.1); default: the preset's")
+    init_from: str | None = _field(
+        None, "model", "start from a pretrained model: a run directory, an HF Marian directory or "
+        "hf:ORG/NAME[@REVISION]; the run takes its model, tokenizers and weights and trains them on --train with a "
+        "fresh optimizer and schedule (--lr-factor, --warmup, --steps); flags that would change the model's shape "
+        "or vocabulary are refused", metavar="SOURCE",
+    )
 
     # Data
     train: str | None = _field(

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import shutil
 import signal
 import time
 from collections.abc import Iterable
@@ -22,7 +23,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from . import data, plots, runtime
+from . import data, plots, pretrained, runtime
 from .backends import Backend, Topology, create_backend, initialize
 from .config import ExperimentConfig
 from .data.splits import load_splits
@@ -30,7 +31,8 @@ from .metrics import bands_text, evaluate_pairs
 from .runtime import CHECKPOINTS, CONFIG_FILE, CURVES_FILE, RESULTS_FILE, TENSORBOARD, Interrupted, UserError, say
 from .runtime.events import NoWriter, summary_writer
 from .runtime.files import finite_values, read_json, write_json_atomic
-from .store import CheckpointError
+from .runtime.rundir import has_checkpoint
+from .store import CheckpointError, TrainingState
 from .translation import EvaluationStopped
 
 
@@ -38,12 +40,15 @@ class TrainingDiverged(UserError):
     """A non-finite loss or gradient norm: training stops before any checkpoint holds the bad update."""
 
 
-def train(cfg: ExperimentConfig, *, explicit: Iterable[str] | None = None) -> dict[str, Any]:
+def train(cfg: ExperimentConfig, *, explicit: Iterable[str] | None = None,
+          init_dir: str | Path | None = None) -> dict[str, Any]:
     """Train (or resume) the run `cfg` describes, evaluate it, write results.json; returns its content.
 
     `explicit` names the fields the user set (run.py passes the flags given); on --resume the
     others are read from the run's saved config. None: every field not None counts as set.
-    Processes other than 0 of a multi-process run train alongside but print and write nothing.
+    `init_dir`: the run --init-from starts from when `cfg.init_from` names something else (a
+    Marian model that `train.run` imported there). Processes other than 0 of a multi-process run
+    train alongside but print and write nothing.
     """
     started = time.perf_counter()
     try:
@@ -52,9 +57,11 @@ def train(cfg: ExperimentConfig, *, explicit: Iterable[str] | None = None) -> di
         raise UserError(str(err)) from None
     if topology.process_count > 1 and cfg.run_dir is None:
         raise UserError("a multi-process run needs --run-dir: one directory, the same for every process")
+    if cfg.init_from and not cfg.resume:
+        cfg = pretrained.adopt(cfg, explicit, init_dir or cfg.init_from)
     quiet = contextlib.nullcontext() if topology.is_main else contextlib.redirect_stdout(open(os.devnull, "w"))  # noqa: SIM115
     with quiet, runtime.session(cfg, explicit, topology.is_main) as cfg:
-        run = setup(cfg, topology)
+        run = setup(cfg, topology, init_dir)
         if (done := run.finished_before()) is not None:
             run.backend.close()
             return done
@@ -112,13 +119,17 @@ class Training:
             self.backend.close()
 
 
-def setup(cfg: ExperimentConfig, topology: Topology) -> Training:
-    """Load the data, train (or, resuming, read) the tokenizers, batch, write the run's first files
-    (process 0) and build the backend, restored from the last checkpoint on --resume."""
+def setup(cfg: ExperimentConfig, topology: Topology, init_dir: str | Path | None = None) -> Training:
+    """Load the data, train (or, resuming, read; with --init-from, take) the tokenizers, batch,
+    write the run's first files (process 0) and build the backend, restored from the last
+    checkpoint on --resume or holding the weights --init-from names."""
     run_dir = Path(cfg.run_dir)
     splits = load_splits(cfg)
     if not splits.train or not splits.valid:
         raise UserError("the training and validation data must each hold at least one pair")
+    initial = None
+    if cfg.init_from and not (cfg.resume and has_checkpoint(run_dir)):
+        initial = pretrained.load(init_dir or cfg.init_from, cfg)
     try:
         tokenizers = data.load_tokenizers(run_dir, cfg.joint_vocab) if cfg.resume else None
     except FileNotFoundError:  # a run stopped before its tokenizer was saved
@@ -126,17 +137,23 @@ def setup(cfg: ExperimentConfig, topology: Topology) -> Training:
     except ValueError as err:
         raise UserError(str(err)) from None
     trained_tokenizers = tokenizers is None
-    if trained_tokenizers:  # BPE training is deterministic: every process gets the same tokenizer
+    if trained_tokenizers and initial is not None:
+        tokenizers = initial.tokenizers
+    elif trained_tokenizers:  # BPE training is deterministic: every process gets the same tokenizer
         tokenizers = data.train_tokenizers(
             splits.train, vocab_size=cfg.vocab_size, joint=cfg.joint_vocab, lowercase=cfg.lowercase
         )
     model_cfg = cfg.model_config(tokenizers.src.get_vocab_size(), tokenizers.tgt.get_vocab_size())
+    if initial is not None and model_cfg != initial.model_config.replace(dropout=model_cfg.dropout):
+        raise UserError(f"--init-from {cfg.init_from}: its files describe another model than its experiment rebuilds")
     if cfg.resume:
         runtime.check_model(run_dir, cfg, model_cfg, tokenizers, what=CONFIG_FILE)
     batcher = make_batcher(cfg, tokenizers, splits.train, topology.num_devices)
     # Only now that the data has loaded and batched are the run's files written: config.json first.
     if topology.is_main:
         runtime.prepare_run_dir(cfg, model_cfg, tokenizers if trained_tokenizers else None)
+        if initial is not None and (initial.source / runtime.IMPORTED_FILE).is_file():  # a Marian model's numbering
+            shutil.copyfile(initial.source / runtime.IMPORTED_FILE, run_dir / runtime.IMPORTED_FILE)
 
     backend = create_backend(cfg, model_cfg, str(run_dir / CHECKPOINTS))
     log = _Log()
@@ -156,6 +173,9 @@ def setup(cfg: ExperimentConfig, topology: Topology) -> Training:
         say(f"resumed {run_dir} at step {backend.step}")
     elif cfg.resume:
         say(f"{run_dir} has no checkpoint yet: starting at step 0 with its tokenizer")
+    if initial is not None and backend.step == 0:
+        backend.import_state(TrainingState(cfg.backend, 0, initial.params))  # a fresh optimizer and schedule
+        say(f"starting from the weights of {cfg.init_from}")
     say(
         f"[{cfg.backend}] {backend.num_params:,} parameters ({cfg.preset}, d_model={model_cfg.d_model}, "
         f"{model_cfg.num_encoder_layers}+{model_cfg.num_decoder_layers} layers), vocab "

@@ -11,9 +11,11 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+import tempfile
 from pathlib import Path
 
 from . import recipes
+from .backends.host_devices import check_xla_flags
 from .config import RECIPE_FILE, ExperimentConfig
 from .recipes import LAUNCH_DECISIONS, recipe_flags
 from .runtime.files import UserError, error_text, read_json
@@ -107,6 +109,11 @@ def main(argv: list[str] | None = None, *, process_settings: bool = False) -> in
     """The command; `process_settings`: apply the allocator setting a JAX run wants first (it
     re-executes the process once, so only `python -m train.run` and `aiayn train` ask for it)."""
     cfg, given = parse_config(argv)
+    try:
+        check_xla_flags()  # before jax reads them: XLA would abort printing its 94-line flag list
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     if process_settings and cfg.backend == "jax":
         from .backends import allocator
 
@@ -115,7 +122,8 @@ def main(argv: list[str] | None = None, *, process_settings: bool = False) -> in
     from .runtime import Interrupted
 
     try:
-        train(cfg, explicit=given)
+        with tempfile.TemporaryDirectory(prefix="aiayn-init-") as scratch:
+            train(cfg, explicit=given, init_dir=_init_dir(cfg, Path(scratch) / "source"))
     except (UserError, OSError) as err:  # OSError: a full disk, a read-only place, no permission
         print(f"error: {error_text(err)}", file=sys.stderr)
         return 1
@@ -127,6 +135,29 @@ def main(argv: list[str] | None = None, *, process_settings: bool = False) -> in
               file=sys.stderr)
         return 128 + signal.SIGINT
     return 0
+
+
+def _init_dir(cfg: ExperimentConfig, scratch: Path) -> Path | None:
+    """Where --init-from's weights are read when its SOURCE is no run of this backend: a Marian
+    model (a directory or hf:ORG/NAME) imported, or the other framework's run converted, into
+    `scratch` by `parity` (which the library does not import). Also for a resumed run that has no
+    checkpoint yet, so starts from its source again."""
+    source, backend = cfg.init_from, cfg.backend
+    if source is None and cfg.resume and cfg.run_dir and (Path(cfg.run_dir) / "config.json").is_file():
+        from .runtime import read_experiment
+        from .runtime.rundir import has_checkpoint
+
+        if not has_checkpoint(Path(cfg.run_dir)):
+            saved = read_experiment(cfg.run_dir)
+            source, backend = saved.init_from, saved.backend
+    if source is None:
+        return None
+    from parity.runs import init_source
+
+    try:
+        return init_source(source, backend, scratch)
+    except (FileNotFoundError, ValueError) as err:
+        raise UserError(f"--init-from {source}: {error_text(err)}") from None
 
 
 if __name__ == "__main__":

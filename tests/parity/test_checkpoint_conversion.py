@@ -231,6 +231,9 @@ def test_cli_converts_a_run_and_resume_continues_in_the_other_framework(jax_run,
     converted = tmp_path / f"{first}-as-{other}"
     assert convert_main(["--to", other, "--run-dir", str(source), "--dst", str(converted)]) == 0
     assert runtime.read_experiment(converted).backend == other
+    proof = json.loads((converted / "proof.json").read_text())  # each run read back by its own backend
+    assert proof["kind"] == other and proof["sentences"] == 4 and proof["greedy_agreement"] == 1.0  # FAST: 4 valid pairs
+    assert proof["max_abs_logit_diff"] <= proof["bounds"]["max_abs_logit_diff"] == 1e-4
 
     losses_converted = _resume(converted, 7)
     losses_own = _resume(source, 7)

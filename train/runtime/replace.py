@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from .files import UserError, read_json, write_error, write_json_atomic
@@ -79,13 +79,13 @@ def swap_in(new: Path, dst: Path, old: Path) -> None:
 
 @contextlib.contextmanager
 def derive(src: str | Path | None, dst: str | Path, kind: str = "run", overwrite: bool = False,
-           copy: Iterable[str] = ()) -> Iterator[Path]:
+           copy: Iterable[str] = (), check: Callable[[Path], object] | None = None) -> Iterator[Path]:
     """Build `dst`, a `kind` of `KINDS`, from `src` (a run, a model directory, or None) whole or not
     at all, for average, convert, import and export: `check_destination`, then the block fills
     `.NAME.KIND` beside `dst` (yielded); the names `copy` that `src` holds (files or directories)
     are copied in, the old `dst` renamed aside, the new one into its place, and only then the old
-    one removed. On any error (Ctrl-C included) `dst` is as it was. Its lock is held meanwhile (a
-    run in training is never replaced)."""
+    one removed. On any error (Ctrl-C included, or `check(new directory)` refusing it, just before
+    the swap) `dst` is as it was. Its lock is held meanwhile (a run in training is never replaced)."""
     dst = Path(dst)
     check_destination(dst, overwrite, kind, src)
     guard = RunLock(dst).acquire() if dst.is_dir() else None
@@ -102,6 +102,8 @@ def derive(src: str | Path | None, dst: str | Path, kind: str = "run", overwrite
                     shutil.copytree(Path(src) / name, tmp / name)
                 elif (Path(src) / name).is_file():
                     shutil.copyfile(Path(src) / name, tmp / name)
+            if check is not None:
+                check(tmp)
             swap_in(tmp, dst, old)
         except BaseException as err:
             with contextlib.suppress(OSError):

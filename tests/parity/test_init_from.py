@@ -1,0 +1,79 @@
+"""`--init-from SOURCE` (`train.run`, `train.fit`): a new run takes its source's model, tokenizers and
+weights and trains them with a fresh optimizer and schedule: from a run of the same backend (the
+library alone), from a Marian directory (imported through parity by train.run), refusing flags
+that would change the model's shape or vocabulary, resumable, and exported back to HF."""
+
+import json
+
+import pytest
+
+import train
+from train import run, runtime
+from train.config import ExperimentConfig
+
+from .marian_fixtures import lines, make_marian_dir
+
+TINY = dict(backend="torch", numbers_train=1500, numbers_valid=40, numbers_test=0, max_len=16, token_budget=512,
+            model={"num_encoder_layers": 1, "num_decoder_layers": 1}, progress=False, samples=0, eval_sentences=8,
+            beam=1)
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("init-source") / "run"
+    train.fit(ExperimentConfig(run_dir=str(run_dir), steps=60, eval_every=60, **TINY))
+    return run_dir
+
+
+def test_a_run_starts_from_another_runs_weights_with_a_fresh_optimizer(source, tmp_path):
+    low = dict(steps=4, eval_every=4, warmup=400)  # a learning rate that keeps what the source learnt
+    tuned = train.fit(dict(run_dir=str(tmp_path / "tuned"), init_from=str(source), **low, **TINY))
+    fresh = train.fit(dict(run_dir=str(tmp_path / "fresh"), **low, **TINY))
+    for name in ("tokenizer.json", "model.json"):  # the source's, byte for byte
+        assert (tmp_path / "tuned" / name).read_bytes() == (source / name).read_bytes()
+    trained = json.loads((source / "results.json").read_text())["valid"]["loss"]
+    # Four updates on from the source's weights stay near its loss; from random ones the loss is ~2x.
+    assert tuned["valid"]["loss"] < trained + 0.3 < fresh["valid"]["loss"] - 1.0
+    assert tuned["history"]["train"][0]["lr"] == fresh["history"]["train"][0]["lr"]  # the schedule starts anew
+    assert runtime.read_experiment(tmp_path / "tuned").init_from == str(source)
+    resumed = train.fit(run_dir=str(tmp_path / "tuned"), resume=True, steps=6, eval_every=6)
+    assert resumed["steps"] == 6
+
+
+def test_flags_that_change_the_model_are_refused_by_name(source, tmp_path):
+    for change, says in [({"vocab_size": 300}, "--vocab-size: "), ({"model": {"d_model": 32}}, "--set: "),
+                         ({"preset": "small"}, "--preset: ")]:
+        with pytest.raises(runtime.UserError, match=says + f"{source} has "):
+            train.fit(dict(run_dir=str(tmp_path / "x"), init_from=str(source), **{**TINY, **change}))
+        assert not (tmp_path / "x").exists()
+    with pytest.raises(runtime.UserError, match="is a torch run and this one trains jax: convert it first"):
+        train.fit(dict(run_dir=str(tmp_path / "x"), init_from=str(source), **{**TINY, "backend": "jax"}))
+    with pytest.raises(runtime.UserError, match="not a run directory"):
+        train.fit(dict(run_dir=str(tmp_path / "x"), init_from=str(tmp_path), **TINY))
+
+
+def test_a_marian_model_fine_tuned_in_one_command_learns_and_exports_to_hf(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    from parity import convert, marian
+
+    hf_dir = make_marian_dir(tmp_path / "hf", seed=1)
+    for split, (first, n) in {"ft": (1000, 200), "dev": (1300, 24)}.items():
+        for lang in ("de", "en"):
+            (tmp_path / f"{split}.{lang}").write_text("\n".join(lines(f"train.{lang}.gz", n, skip=first)) + "\n")
+    dev = [(s, t) for s, t in zip(*((tmp_path / f"dev.{lang}").read_text().splitlines() for lang in ("de", "en")))]
+    marian.import_marian(hf_dir, tmp_path / "before", to="torch")
+    with train.load(tmp_path / "before") as before:
+        loss_before = before.evaluate(dev, beam=1, max_sentences=2)["loss"]
+    assert run.main(["--init-from", str(hf_dir), "--backend", "torch", "--run-dir", str(tmp_path / "tuned"),
+                     "--train", f"de:en:{tmp_path / 'ft'}", "--valid", f"de:en:{tmp_path / 'dev'}", "--steps", "30",
+                     "--eval-every", "30", "--eval-sentences", "2", "--beam", "1", "--warmup", "10",
+                     "--token-budget", "2048", "--no-progress"]) == 0
+    results = json.loads((tmp_path / "tuned" / "results.json").read_text())
+    assert results["valid"]["loss"] < loss_before - 0.5, (results["valid"]["loss"], loss_before)
+    assert convert.main(["--to", "marian", "--src", str(tmp_path / "tuned"), "--dst", str(tmp_path / "out")]) == 0
+    assert json.loads((tmp_path / "out" / "proof.json").read_text())["greedy_agreement"] == 1.0
+    model = transformers.MarianMTModel.from_pretrained(str(tmp_path / "out"))
+    original = transformers.MarianMTModel.from_pretrained(str(hf_dir))
+    changed = [k for k, v in model.state_dict().items() if not (v == original.state_dict()[k]).all()]
+    assert "model.encoder.layers.0.fc1.weight" in changed  # trained, and loaded by HF itself
+    assert transformers.MarianTokenizer.from_pretrained(str(tmp_path / "out"))("Ein Hund.")["input_ids"]
