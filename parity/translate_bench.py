@@ -42,7 +42,7 @@ from train import data
 from train.backends import allocator, create_backend, host_devices, initialize
 from train.runtime.files import UserError, json_text, write_text_atomic
 from train.api import Run, load
-from train.bench import _rss_mib
+from train.benchmark import _rss_mib
 from train.config import add_run_arguments, positive_int
 from train.data.spm import require
 from train.data.streams import read_lines

@@ -10,7 +10,7 @@ import pytest
 
 from torch_reference.config import TransformerConfig
 from train import profile_step
-from train.bench import step_flops
+from train.benchmark import step_flops
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -95,12 +95,12 @@ def test_each_precision_sets_both_frameworks_matmuls(precision, jax_setting, tor
     import jax
     import torch
 
-    from train import bench
+    from train import benchmark
 
     before = jax.config.jax_default_matmul_precision, torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
     try:
-        bench.set_precision("jax", precision)
-        bench.set_precision("torch", precision)
+        benchmark.set_precision("jax", precision)
+        benchmark.set_precision("torch", precision)
         assert jax.config.jax_default_matmul_precision == jax_setting
         assert torch.get_float32_matmul_precision() == torch_setting
         assert torch.backends.cudnn.allow_tf32 == (precision == "tf32")

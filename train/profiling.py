@@ -1,0 +1,272 @@
+"""Where a training step's time goes (`python -m train.profile_step`): each part of the model, forward
++ backward, JAX vs PyTorch.
+
+`train.bench` times whole steps; this times their parts on the same shapes (sublayers, layers, the
+output projection with the loss, the Adam update), each as `grad(sum(part(x)))` (jit-compiled on the
+JAX side, the model built as the training backend builds it), the median of repeated runs after a
+warm-up; `xla_cpu_ab` times the JAX train step and a beam-4 search with and without the XLA:CPU-tuned
+pieces (`jax_transformer/xla_cpu.py`), alternately.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import statistics
+from collections.abc import Callable
+
+import numpy as np
+
+from torch_reference.config import TransformerConfig
+
+from .benchmark import timings
+
+
+def median_time(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
+    return statistics.median(timings(fn, repeats, warmup))
+
+
+def torch_parts(cfg: TransformerConfig, batch: int, length: int, repeats: int, seed: int = 0) -> dict:
+    """{part: seconds} for the torch reference."""
+    import torch
+
+    import torch_reference
+    from torch_reference.objective import label_smoothed_cross_entropy
+
+    torch.manual_seed(seed)
+    model = torch_reference.Transformer(cfg)
+    layer_e, layer_d = model.encoder.layers[0], model.decoder.layers[0]
+    rng = np.random.default_rng(seed)
+    x = torch.from_numpy(rng.standard_normal((batch, length, cfg.d_model), dtype=np.float32)).requires_grad_()
+    memory = torch.from_numpy(rng.standard_normal((batch, length, cfg.d_model), dtype=np.float32)).requires_grad_()
+    ids = torch.from_numpy(rng.integers(4, cfg.tgt_vocab_size, (batch, length)))
+    causal = torch_reference.model.causal_mask(length, device=x.device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
+
+    def backward(fn):
+        def run():
+            model.zero_grad(set_to_none=True)
+            x.grad = memory.grad = None
+            fn().sum().backward()
+
+        return run
+
+    src, tgt = ids, torch.roll(ids, 1, dims=1)
+
+    def logits_loss():
+        return label_smoothed_cross_entropy(model.project(x), ids, cfg.pad_id, 0.1)
+
+    def full():
+        return label_smoothed_cross_entropy(model(src, tgt), ids, cfg.pad_id, 0.1)
+
+    parts = {
+        "self-attention": backward(lambda: layer_e.self_attn(x, x)),
+        "causal self-attention": backward(lambda: layer_d.self_attn(x, x, causal)),
+        "feed-forward": backward(lambda: layer_e.ff(x)),
+        "encoder layer": backward(lambda: layer_e(x)),
+        "decoder layer": backward(lambda: layer_d(x, memory, None, causal)),
+        "embeddings (src + tgt)": backward(lambda: model.src_embed(src) + model.target_embedding(tgt)),
+        "encoder (all layers)": backward(lambda: model.encoder(x)),
+        "decoder (all layers)": backward(lambda: model.decoder(x, memory, None, causal)),
+        "output projection + loss": backward(logits_loss),
+        "forward + backward": backward(full),
+    }
+    times = {name: median_time(fn, repeats) for name, fn in parts.items()}
+    backward(full)()  # gradients for Adam to apply
+
+    times["adam update"] = median_time(optimizer.step, repeats)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        full().backward()
+        optimizer.step()
+
+    times["train step"] = median_time(step, repeats)
+    return times
+
+
+def jax_parts(cfg: TransformerConfig, batch: int, length: int, repeats: int, seed: int = 0) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    import jax_transformer
+    from jax_transformer import xla_cpu
+    from jax_transformer.model import causal_mask
+    from jax_transformer.objective import label_smoothed_cross_entropy
+
+    tuned = jax.devices()[0].platform == "cpu"
+    model = jax_transformer.Transformer(cfg, xla_cpu=tuned, rngs=nnx.Rngs(seed))
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((batch, length, cfg.d_model), dtype=np.float32))
+    memory = jnp.asarray(rng.standard_normal((batch, length, cfg.d_model), dtype=np.float32))
+    ids = jnp.asarray(rng.integers(4, cfg.tgt_vocab_size, (batch, length)))
+    causal = causal_mask(length)
+    layer_e, layer_d = model.encoder.layers[0], model.decoder.layers[0]
+
+    def timed_grad(module, fn):
+        """Median seconds of jit(grad(sum(fn(module, x, memory)))) over the module's params and the inputs."""
+        graphdef, params = nnx.split(module)
+
+        @jax.jit
+        def grads(params, x, memory):
+            def loss(params, x, memory):
+                return fn(nnx.merge(graphdef, params), x, memory).sum()
+
+            return jax.grad(loss, argnums=(0, 1, 2))(params, x, memory)
+
+        return median_time(lambda: jax.block_until_ready(grads(params, x, memory)), repeats)
+
+    src, tgt = ids, jnp.roll(ids, 1, axis=1)
+
+    # Differentiate each part with respect to its own parameters only: over the whole model, JAX
+    # would also write zero gradients for every other parameter (torch leaves them None).
+    def loss_of(m, x, memory):
+        logits = (xla_cpu.attend if tuned else nnx.Embed.attend)(m, x) if cfg.tie_output else m(x)
+        return label_smoothed_cross_entropy(logits, ids, cfg.pad_id, 0.1)
+
+    projection = model.target_embedding if cfg.tie_output else model.out_proj
+
+    def full(m, x, memory):
+        return label_smoothed_cross_entropy(m(src, tgt), ids, cfg.pad_id, 0.1)
+
+    times = {
+        "self-attention": timed_grad(layer_e.self_attn, lambda m, x, mem: m(x, x)),
+        "causal self-attention": timed_grad(layer_d.self_attn, lambda m, x, mem: m(x, x, causal)),
+        "feed-forward": timed_grad(layer_e.ff, lambda m, x, mem: m(x)),
+        "encoder layer": timed_grad(layer_e, lambda m, x, mem: m(x)),
+        "decoder layer": timed_grad(layer_d, lambda m, x, mem: m(x, mem, None, causal)),
+        "embeddings (src + tgt)": timed_grad(model.src_embed, lambda m, x, mem: m(src) + m(tgt))
+        if cfg.share_embeddings
+        else timed_grad(model, lambda m, x, mem: m.src_embed(src) + m.target_embedding(tgt)),
+        "encoder (all layers)": timed_grad(model.encoder, lambda m, x, mem: m(x)),
+        "decoder (all layers)": timed_grad(model.decoder, lambda m, x, mem: m(x, mem, None, causal)),
+        "output projection + loss": timed_grad(projection, loss_of),
+        "forward + backward": timed_grad(model, full),
+    }
+    graphdef, params = nnx.split(model, nnx.Param)
+    tx = optax.adam(1e-4, b1=0.9, b2=0.98, eps=1e-9)
+    state = (params, tx.init(params))
+    grads = jax.tree.map(jnp.ones_like, params)
+
+    @functools.partial(jax.jit, donate_argnums=0)  # as the backend's step: the state updated in place
+    def adam(state, grads):
+        params, opt_state = state
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    holder = [state]
+
+    def run_adam():
+        holder[0] = jax.block_until_ready(adam(holder[0], grads))
+
+    times["adam update"] = median_time(run_adam, repeats)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def step(state):
+        params, opt_state = state
+        g = jax.grad(lambda p: full(nnx.merge(graphdef, p), None, None))(params)
+        updates, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    def run_step():  # continues from the Adam timings' state (the first one was donated)
+        holder[0] = jax.block_until_ready(step(holder[0]))
+
+    times["train step"] = median_time(run_step, repeats)
+    return times
+
+
+def xla_op_split(cfg: TransformerConfig, batch: int, length: int, repeats: int = 3, seed: int = 0) -> dict[str, float]:
+    """Milliseconds per JAX forward + backward of the whole model spent in matmuls (XLA's dot and
+    YNNPACK fusions) and in every other compiled operation, summed over the operations as the
+    profiler (jax.profiler.trace) records them. Run it pinned to one core and to two (`taskset`)
+    to see which part uses the second core."""
+    import glob
+    import gzip
+    import tempfile
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import jax_transformer
+    from jax_transformer.objective import label_smoothed_cross_entropy
+
+    model = jax_transformer.Transformer(cfg, xla_cpu=jax.devices()[0].platform == "cpu", rngs=nnx.Rngs(seed))
+    graphdef, params = nnx.split(model, nnx.Param)
+    ids = jnp.asarray(np.random.default_rng(seed).integers(4, cfg.tgt_vocab_size, (batch, length)))
+
+    @jax.jit
+    def grads(params, src, tgt):
+        loss = lambda p: label_smoothed_cross_entropy(nnx.merge(graphdef, p)(src, tgt), src, cfg.pad_id, 0.1)  # noqa: E731
+        return jax.grad(loss)(params)
+
+    args = (params, ids, jnp.roll(ids, 1, axis=1))
+    jax.block_until_ready(grads(*args))
+    with tempfile.TemporaryDirectory() as logdir:
+        with jax.profiler.trace(logdir, create_perfetto_trace=True):
+            for _ in range(repeats):
+                jax.block_until_ready(grads(*args))
+        (path,) = glob.glob(f"{logdir}/**/*.trace.json.gz", recursive=True)
+        with gzip.open(path) as f:
+            trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    split = {"matmuls": 0.0, "other operations": 0.0}
+    for event in events:
+        name = event.get("name", "")
+        if event.get("ph") != "X" or name.startswith(("$", "ThunkExecutor", "PjitFunction", "ParseArguments", "Common")):
+            continue  # Python frames and the executor's own spans, not operations
+        split["matmuls" if name.startswith(("ynn_fusion", "dot")) else "other operations"] += event.get("dur", 0) / 1e3
+    return {key: value / repeats for key, value in split.items()}
+
+
+def xla_cpu_ab(cfg: TransformerConfig, batch: int, length: int, repeats: int, sentences: int, seed: int = 0) -> dict:
+    """{"train step" | "beam-4 search": {"plain" | "tuned": [seconds each]}, "temporaries MiB": {...}}
+    of the model built with `xla_cpu=False` and `True`, alternated call by call: the backend's step
+    (smoothed loss and NLL summed, Adam, the state donated), and a search over random sources of
+    random lengths, each run to its own length limit by the random weights."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    import jax_transformer
+    from jax_transformer import decode
+    from jax_transformer.objective import label_smoothed_cross_entropy
+
+    rng = np.random.default_rng(seed)
+    src, tgt = (jnp.asarray(rng.integers(4, cfg.src_vocab_size, (batch, length)), jnp.int32) for _ in range(2))
+    sources = np.zeros((sentences, length), np.int32)
+    for row, n in enumerate(rng.integers(2, length + 1, sentences)):
+        sources[row, : n - 1], sources[row, n - 1] = rng.integers(4, cfg.src_vocab_size, n - 1), cfg.eos_id
+    tx, eps = optax.adam(1e-4, b1=0.9, b2=0.98, eps=1e-9), (0.1, 0.0)
+    runs, temporaries = {}, {}
+    for name in ("plain", "tuned"):
+        graphdef, params = nnx.split(jax_transformer.Transformer(cfg, xla_cpu=name == "tuned", rngs=nnx.Rngs(seed)))
+
+        def step(state, graphdef=graphdef):
+            def loss(p):  # the smoothed loss's sum over the tokens, and the NLL's
+                logits = nnx.merge(graphdef, p)(src, jnp.roll(tgt, 1, axis=1))
+                return tuple(label_smoothed_cross_entropy(logits, tgt, cfg.pad_id, e, "sum") / tgt.size for e in eps)
+
+            updates, opt_state = tx.update(jax.grad(loss, has_aux=True)(state[0])[0], state[1], state[0])
+            return optax.apply_updates(state[0], updates), opt_state
+
+        step = jax.jit(step, donate_argnums=0).lower((params, tx.init(params))).compile()
+        temporaries[name] = step.memory_analysis().temp_size_in_bytes / 2**20
+        search = jax.jit(lambda p, s, graphdef=graphdef: decode.beam_search(nnx.merge(graphdef, p), s, 4)[0])
+
+        def train(step=step, state=[(jax.tree.map(jnp.copy, params), tx.init(params))]):  # noqa: B006 (state kept)
+            state[0] = jax.block_until_ready(step(state[0]))
+
+        beam = lambda s=search, p=params: jax.block_until_ready(s(p, sources))  # noqa: E731
+        runs[name] = {"train step": train, "beam-4 search": beam}
+    times = {part: {name: [] for name in runs} for part in runs["plain"]}
+    for part in times:
+        for name in runs:  # warm-up: compiles the search
+            runs[name][part]()
+        for _ in range(repeats):
+            for name in runs:
+                times[part][name].append(median_time(runs[name][part], 1, warmup=0))
+    return {**times, "temporaries MiB": temporaries}
