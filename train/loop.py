@@ -16,6 +16,7 @@ import math
 import os
 import shutil
 import signal
+import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -59,8 +60,8 @@ def train(cfg: ExperimentConfig, *, explicit: Iterable[str] | None = None,
         raise UserError("a multi-process run needs --run-dir: one directory, the same for every process")
     if cfg.init_from and not cfg.resume:
         cfg = pretrained.adopt(cfg, explicit, init_dir or cfg.init_from)
-    quiet = contextlib.nullcontext() if topology.is_main else contextlib.redirect_stdout(open(os.devnull, "w"))  # noqa: SIM115
-    with quiet, runtime.session(cfg, explicit, topology.is_main) as cfg:
+    with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(sys.stdout if topology.is_main else devnull), \
+            runtime.session(cfg, explicit, topology.is_main) as cfg:
         run = setup(cfg, topology, init_dir)
         if (done := run.finished_before()) is not None:
             run.backend.close()
