@@ -23,6 +23,7 @@ from torch_reference.config import EOS_ID, PAD_ID, TransformerConfig
 from torch_reference.decode import greedy_search, output_length
 from torch_reference.model import Transformer
 from train import data, runtime
+from train.data import spm
 
 PROOF_FILE = "proof.json"
 SENTENCES = 32  # validation sources proved on: enough to cover the vocabulary's common rows, fast on a CPU
@@ -171,7 +172,7 @@ def marian_proof(export_dir: Path, run_dir: Path, params, cfg: TransformerConfig
     export writes from our bos row, and neither is ever emitted."""
     from .marian import side_orders
 
-    transformers = __import__("transformers")
+    transformers = spm.require("transformers")
     hf = transformers.MarianMTModel.from_pretrained(str(export_dir)).eval()
     src_order, tgt_order = side_orders(marian_ids)
     to_ours = {int(m): o for o, m in enumerate(tgt_order)}
