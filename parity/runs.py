@@ -71,6 +71,7 @@ def convert_run(src: str | os.PathLike, dst: str | os.PathLike, to: str | None =
     `check(directory)` (`parity.proof.run_proof`) accepts it.
     """
     src, dst = Path(src), Path(dst)
+    runtime.rundir.check_set_aside(src)  # an --overwrite killed or still running: named, not half a run converted
     try:
         src_cfg, model_cfg = runtime.read_experiment(src), runtime.read_model_config(src)
     except runtime.UserError as err:

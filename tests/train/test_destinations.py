@@ -268,7 +268,7 @@ def test_an_old_run_left_aside_by_a_killed_overwrite_is_named_not_deleted(run_co
 
 def test_an_old_run_left_aside_is_named_by_every_command_that_opens_the_run(run_copy, tmp_path, capfd, monkeypatch):
     """Issue 58: after a killed --overwrite, `.RUN.run-old` beside RUN: translate, evaluate, --resume,
-    --overwrite, average and train.load each refuse in one line naming it and what to do; while a
+    --overwrite, average, parity.convert and train.load each refuse in one line naming it and what to do; while a
     live --overwrite holds RUN's lock, they say to wait for it."""
     aside = runtime.set_aside_path(run_copy)
     shutil.copytree(run_copy, aside)
@@ -282,6 +282,7 @@ def test_an_old_run_left_aside_is_named_by_every_command_that_opens_the_run(run_
         (train_run.main, ["--run-dir", run_copy, "--resume", "--steps", "3", "--no-progress"]),
         (train_run.main, ["--run-dir", run_copy, "--overwrite", *NEW]),
         (average.main, ["--run-dir", run_copy, "--last", "1", "--dst", tmp_path / "averaged"]),
+        (convert.main, ["--to", "jax", "--run-dir", run_copy, "--dst", tmp_path / "converted"]),
     ]
     for main, argv in commands:
         assert exit_code(main, argv) == 1
