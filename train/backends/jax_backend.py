@@ -29,7 +29,7 @@ from ..config import ExperimentConfig
 from ..data import Batch
 from ..store import TrainingState, check_keys
 from ..store.jax_store import JaxStore
-from . import allocator, jax_cache
+from . import allocator, compiles, jax_cache
 from .interface import Metrics, StoreMethods, Topology
 
 
@@ -62,7 +62,9 @@ COMPUTE_DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}  # None: the parame
 
 def initialize(exp_cfg: ExperimentConfig) -> Topology:
     """Once per process, where a CLI starts: the compilation cache, `jax.distributed.initialize` for
-    a multi-process run, then the device platform's process-wide settings. Returns where the run trains."""
+    a multi-process run, then the device platform's process-wide settings. Returns where the run trains.
+    From here on the process counts its compilations (`compiles`)."""
+    compiles.listen()
     jax_cache.enable()
     sharding.initialize_distributed(exp_cfg.coordinator_address, exp_cfg.num_processes, exp_cfg.process_id)
     mesh = sharding.make_mesh(exp_cfg.devices)

@@ -110,7 +110,8 @@ class Batcher:
             self._kept = np.flatnonzero(keep)
             self.pack_length = pack_length or (max(self._members) if self._members else max_len)
             if not lengths[keep].max(initial=0) <= self.pack_length <= max_len:
-                raise ValueError(f"pack_length={self.pack_length} must hold the longest pair, at most max_len={max_len}")
+                raise ValueError(f"pack_length={self.pack_length} must hold the longest pair and be at most "
+                                 f"max_len={max_len}")
             self.batch_size = {self.pack_length: token_budget // (self.pack_length * multiple_of) * multiple_of}
         self.epoch, self.index, self._plan_cache = 0, 0, (None, [])
 
@@ -243,13 +244,22 @@ def _flat(rows) -> list[int]:
     return [i for row in rows for i in row] if isinstance(rows, list) else list(rows)
 
 
+def fixed_lengths(max_len: int) -> tuple[int, ...]:
+    """The few padded lengths of fixed-shape search: 16, 32, 64, ... below max_len, then max_len."""
+    return tuple(16 << k for k in range(max_len.bit_length()) if 16 << k < max_len) + (max_len,)
+
+
 def source_batches(src_ids: Sequence[Sequence[int]], max_len: int, token_budget: int,
-                   batch_size: int | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+                   batch_size: int | None = None, fixed: bool = False) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """(indices, padded src (B, L)) per batch: sentences grouped by length bucket and sorted by
     length within it (a batch's sentences tend to finish together), at most `token_budget` padded
     tokens and `batch_size` sentences per batch, every batch of a bucket padded with all-pad rows
-    (index -1) to one shape. Sources longer than max_len are cut to max_len - 1 tokens + <eos>."""
-    buckets = bucket_lengths(max_len)
+    (index -1) to one shape. Sources longer than max_len are cut to max_len - 1 tokens + <eos>.
+
+    `fixed`: the lengths are `fixed_lengths` and every batch of length L has the rows the budget
+    allows, however few sentences there are, so any set of sentences (a validation's, a test's)
+    runs in the same few shapes: few programs for jit to compile."""
+    buckets = fixed_lengths(max_len) if fixed else bucket_lengths(max_len)
     ids = [list(s) if len(s) <= max_len else [*s[: max_len - 1], EOS_ID] for s in src_ids]
     lengths = np.array([len(s) for s in ids], dtype=np.int64)
     bucket_of = np.searchsorted(buckets, lengths)
@@ -260,7 +270,8 @@ def source_batches(src_ids: Sequence[Sequence[int]], max_len: int, token_budget:
             continue
         # Rows per batch: the budget's, but no more than the next power of two above the bucket's
         # sentence count (3 sentences do not run as 512 rows), so shapes stay few.
-        size = max(1, min(token_budget // length, batch_size or token_budget, 1 << (len(members) - 1).bit_length()))
+        fewest = token_budget if fixed else 1 << (len(members) - 1).bit_length()
+        size = max(1, min(token_budget // length, batch_size or token_budget, fewest))
         for start in range(0, len(members), size):
             chunk = members[start : start + size]
             src = np.full((size, length), PAD_ID, np.int32)  # (B, L)
