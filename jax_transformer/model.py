@@ -82,6 +82,19 @@ def target_mask(tgt_in_ids: jax.Array, pad_id: int, bos_id: int) -> jax.Array:
     return causal_mask(T) & real[:, None, None, :]
 
 
+def segment_mask(q_segments: jax.Array, kv_segments: jax.Array) -> jax.Array:
+    """Segment ids of packed rows, (B, T) queries and (B, S) keys -> (B, 1, T, S) bool, True where
+    both belong to the same segment: the pairs packed into one row never attend to each other."""
+    return q_segments[:, None, :, None] == kv_segments[:, None, None, :]
+
+
+def segment_positions(segments: jax.Array) -> jax.Array:
+    """(B, L) segment ids -> (B, L) positions counted from 0 at the start of each segment."""
+    index = jnp.broadcast_to(jnp.arange(segments.shape[1]), segments.shape)  # (B, L)
+    starts = jnp.concatenate([jnp.ones_like(segments[:, :1], jnp.bool_), segments[:, 1:] != segments[:, :-1]], axis=1)
+    return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)  # (B, L)
+
+
 def shift_right(ids: jax.Array, bos_id: int) -> jax.Array:
     """Decoder inputs from targets: prepend BOS and drop the last token, (B, T) -> (B, T)."""
     return jnp.concatenate([jnp.full_like(ids[:, :1], bos_id), ids[:, :-1]], axis=1)
@@ -152,8 +165,9 @@ class PositionalEncoding(nnx.Module):
         # on the torch side); the sinusoid table is a constant, never a parameter or checkpoint key.
         self.embedding = _embedding(cfg.max_len, cfg.d_model, 0.02, rngs, dtype) if cfg.positions == "learned" else None
 
-    def __call__(self, x: jax.Array, offset: int | jax.Array = 0) -> jax.Array:
-        """x (B, L, D) -> x + positions[offset : offset + L]; `offset` may be traced."""
+    def __call__(self, x: jax.Array, offset: int | jax.Array = 0, positions: jax.Array | None = None) -> jax.Array:
+        """x (B, L, D) -> x + positions[offset : offset + L]; `offset` may be traced; or, given
+        `positions` (B, L) (packed rows: `segment_positions`), x + the table's rows at those positions."""
         length = x.shape[1]
         if isinstance(offset, int) and offset + length > self.max_len:
             raise ValueError(f"sequence of {offset + length} positions exceeds max_len={self.max_len}")
@@ -161,6 +175,8 @@ class PositionalEncoding(nnx.Module):
             table = sinusoidal_positions(self.max_len, self.d_model, self.halves)
         else:
             table = self.embedding.embedding[...]
+        if positions is not None:
+            return x + table[positions].astype(x.dtype)  # (B, L, D)
         return x + jax.lax.dynamic_slice_in_dim(table, offset, length).astype(x.dtype)  # (B, L, D)
 
 
@@ -339,9 +355,9 @@ class Encoder(nnx.Module):
         self.layers = nnx.List([layer() for _ in range(num_layers)])
         self.norm = make_norm(cfg, rngs, dtype, xla_cpu) if cfg.norm_position == "pre" else None
 
-    def __call__(self, x, mask=None, *, deterministic: bool = True, rngs: nnx.Rngs | None = None):
-        """Embedded source x (B, S, D) -> memory (B, S, D)."""
-        x = self.dropout(self.positions(x), deterministic=deterministic, rngs=rngs)
+    def __call__(self, x, mask=None, *, positions=None, deterministic: bool = True, rngs: nnx.Rngs | None = None):
+        """Embedded source x (B, S, D) -> memory (B, S, D); `positions` (B, S): see PositionalEncoding."""
+        x = self.dropout(self.positions(x, positions=positions), deterministic=deterministic, rngs=rngs)
         for layer in self.layers:
             x = layer(x, mask, deterministic=deterministic, rngs=rngs)
         return x if self.norm is None else self.norm(x)
@@ -353,11 +369,12 @@ class Decoder(Encoder):
     layer_type = DecoderLayer
 
     def __call__(
-        self, x, memory, src_mask=None, tgt_mask=None, return_attention=False, *, deterministic=True, rngs=None
+        self, x, memory, src_mask=None, tgt_mask=None, return_attention=False, *, positions=None, deterministic=True,
+        rngs=None,
     ):
         """Embedded target x (B, T, D), memory (B, S, D) -> hidden states (B, T, D); with
         `return_attention` also every layer's cross-attention weights, (B, layers, H, T, S)."""
-        x = self.dropout(self.positions(x), deterministic=deterministic, rngs=rngs)
+        x = self.dropout(self.positions(x, positions=positions), deterministic=deterministic, rngs=rngs)
         attention = []
         for layer in self.layers:
             x = layer(x, memory, src_mask, tgt_mask, return_attention, deterministic=deterministic, rngs=rngs)
@@ -421,26 +438,32 @@ class Transformer(nnx.Module):
     def target_embedding(self) -> nnx.Embed:
         return self.src_embed if self.tgt_embed is None else self.tgt_embed
 
-    def encode(self, src_ids, src_mask=None, *, deterministic: bool = True, rngs: nnx.Rngs | None = None):
-        """src_ids (B, S) -> memory (B, S, D). `src_mask` defaults to padding_mask(src_ids)."""
+    def encode(
+        self, src_ids, src_mask=None, *, positions=None, deterministic: bool = True, rngs: nnx.Rngs | None = None
+    ):
+        """src_ids (B, S) -> memory (B, S, D). `src_mask` defaults to padding_mask(src_ids);
+        `positions` (B, S) to 0, 1, ... along each row."""
         if src_mask is None:
             src_mask = padding_mask(src_ids, self.cfg.pad_id)
         x = self.src_embed(src_ids) * self.embed_scale  # (B, S, D)
-        return self.encoder(x, src_mask, deterministic=deterministic, rngs=rngs)
+        return self.encoder(x, src_mask, positions=positions, deterministic=deterministic, rngs=rngs)
 
     def decode(
-        self, tgt_in_ids, memory, src_mask=None, tgt_mask=None, return_attention=False, *, deterministic=True, rngs=None
+        self, tgt_in_ids, memory, src_mask=None, tgt_mask=None, return_attention=False, *, positions=None,
+        deterministic=True, rngs=None,
     ):
         """tgt_in_ids (B, T), memory (B, S, D) -> hidden states (B, T, D).
 
-        `src_mask` is the encoder's mask (B, 1, 1, S) or None for no masking; `tgt_mask` defaults
-        to target_mask(tgt_in_ids, pad_id, bos_id). `return_attention`: (hidden states, the
+        `src_mask` is the encoder's mask (B, 1, 1, S) (packed: (B, 1, T, S)) or None for no
+        masking; `tgt_mask` defaults to target_mask(tgt_in_ids, pad_id, bos_id); `positions`
+        (B, T) to 0, 1, ... along each row. `return_attention`: (hidden states, the
         cross-attention weights of every decoder layer (B, layers, H, T, S)).
         """
         if tgt_mask is None:
             tgt_mask = target_mask(tgt_in_ids, self.cfg.pad_id, self.cfg.bos_id)
         x = self.target_embedding(tgt_in_ids) * self.embed_scale  # (B, T, D)
-        return self.decoder(x, memory, src_mask, tgt_mask, return_attention, deterministic=deterministic, rngs=rngs)
+        mode = {"positions": positions, "deterministic": deterministic, "rngs": rngs}
+        return self.decoder(x, memory, src_mask, tgt_mask, return_attention, **mode)
 
     def init_cache(self, memory: jax.Array, max_len: int) -> list[dict[str, jax.Array]]:
         """A decoding cache for `max_len` target positions over memory (B, S, D), one dict per layer."""
@@ -465,16 +488,30 @@ class Transformer(nnx.Module):
         return logits if self.logits_bias is None else logits + self.logits_bias[...].astype(logits.dtype)
 
     def __call__(
-        self, src_ids, tgt_in_ids, return_attention: bool = False, *, deterministic: bool = True,
-        rngs: nnx.Rngs | None = None,
+        self, src_ids, tgt_in_ids, return_attention: bool = False, *, src_segments=None, tgt_segments=None,
+        deterministic: bool = True, rngs: nnx.Rngs | None = None,
     ):
         """src_ids (B, S), tgt_in_ids (B, T) -> logits (B, T, V); with `return_attention`
         (logits, cross-attention weights (B, layers, H, T, S)): row t of a layer's head is how the
-        position predicting the token after tgt_in_ids[:, t] weighs the source tokens (padding: 0)."""
+        position predicting the token after tgt_in_ids[:, t] weighs the source tokens (padding: 0).
+
+        Packed rows (several pairs a row, as google/flax examples/wmt packs them): `src_segments`
+        (B, S) and `tgt_segments` (B, T) number each row's pairs 1, 2, ... (0 on padding); every
+        attention stays within its segment and positions restart at each segment's start."""
         src_mask = padding_mask(src_ids, self.cfg.pad_id)
-        memory = self.encode(src_ids, src_mask, deterministic=deterministic, rngs=rngs)
+        cross_mask, tgt_mask, src_positions, tgt_positions = src_mask, None, None, None
+        if src_segments is not None:
+            cross_mask = src_mask & segment_mask(tgt_segments, src_segments)  # (B, 1, T, S)
+            src_mask = src_mask & segment_mask(src_segments, src_segments)  # (B, 1, S, S)
+            tgt_mask = target_mask(tgt_in_ids, self.cfg.pad_id, self.cfg.bos_id)
+            tgt_mask = tgt_mask & segment_mask(tgt_segments, tgt_segments)  # (B, 1, T, T)
+            src_positions, tgt_positions = segment_positions(src_segments), segment_positions(tgt_segments)
+        mode = dict(deterministic=deterministic, rngs=rngs)
+        memory = self.encode(src_ids, src_mask, positions=src_positions, **mode)
+        decoded = self.decode(
+            tgt_in_ids, memory, cross_mask, tgt_mask, return_attention, positions=tgt_positions, **mode
+        )
         if return_attention:
-            mode = dict(deterministic=deterministic, rngs=rngs)
-            hidden, attention = self.decode(tgt_in_ids, memory, src_mask, return_attention=True, **mode)
+            hidden, attention = decoded
             return self.project(hidden), attention
-        return self.project(self.decode(tgt_in_ids, memory, src_mask, deterministic=deterministic, rngs=rngs))
+        return self.project(decoded)

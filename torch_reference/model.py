@@ -67,6 +67,20 @@ def target_mask(tgt_in_ids: Tensor, pad_id: int, bos_id: int) -> Tensor:
     return causal_mask(T, tgt_in_ids.device) & real[:, None, None, :]
 
 
+def segment_mask(q_segments: Tensor, kv_segments: Tensor) -> Tensor:
+    """Segment ids of packed rows, (B, T) queries and (B, S) keys -> (B, 1, T, S) bool, True where
+    both belong to the same segment: the pairs packed into one row never attend to each other."""
+    return q_segments[:, None, :, None] == kv_segments[:, None, None, :]
+
+
+def segment_positions(segments: Tensor) -> Tensor:
+    """(B, L) segment ids -> (B, L) positions counted from 0 at the start of each segment."""
+    index = torch.arange(segments.shape[1], device=segments.device).expand_as(segments)  # (B, L)
+    starts = torch.ones_like(segments, dtype=torch.bool)
+    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    return index - torch.where(starts, index, 0).cummax(dim=1).values  # (B, L)
+
+
 def shift_right(ids: Tensor, bos_id: int) -> Tensor:
     """Decoder inputs from targets: prepend BOS and drop the last token, (B, T) -> (B, T)."""
     return torch.cat([torch.full_like(ids[:, :1], bos_id), ids[:, :-1]], dim=1)
@@ -126,12 +140,15 @@ class PositionalEncoding(nn.Module):
             table = sinusoidal_positions(cfg.max_len, cfg.d_model, halves=cfg.positions == "sinusoidal_halves")
             self.register_buffer("table", table, persistent=False)
 
-    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
-        """x (B, L, D) -> x + positions[offset : offset + L]."""
+    def forward(self, x: Tensor, offset: int = 0, positions: Tensor | None = None) -> Tensor:
+        """x (B, L, D) -> x + positions[offset : offset + L]; or, given `positions` (B, L) (packed
+        rows: `segment_positions`), x + the table's rows at those positions."""
         length = x.shape[1]
         if offset + length > self.max_len:
             raise ValueError(f"sequence of {offset + length} positions exceeds max_len={self.max_len}")
         table = self.table if self.embedding is None else self.embedding.weight
+        if positions is not None:
+            return x + table[positions].to(x.dtype)  # (B, L, D)
         return x + table[offset : offset + length].to(x.dtype)  # (B, L, D)
 
 
@@ -307,9 +324,9 @@ class Encoder(nn.Module):
         self.layers = nn.ModuleList(self.layer_type(cfg) for _ in range(num_layers))
         self.norm = make_norm(cfg) if cfg.norm_position == "pre" else None
 
-    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
-        """Embedded source x (B, S, D) -> memory (B, S, D)."""
-        x = self.dropout(self.positions(x))
+    def forward(self, x: Tensor, mask: Tensor | None = None, *, positions: Tensor | None = None) -> Tensor:
+        """Embedded source x (B, S, D) -> memory (B, S, D); `positions` (B, S): see PositionalEncoding."""
+        x = self.dropout(self.positions(x, positions=positions))
         for layer in self.layers:
             x = layer(x, mask)
         return x if self.norm is None else self.norm(x)
@@ -327,10 +344,12 @@ class Decoder(Encoder):
         src_mask: Tensor | None = None,
         tgt_mask: Tensor | None = None,
         return_attention: bool = False,
+        *,
+        positions: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Embedded target x (B, T, D), memory (B, S, D) -> hidden states (B, T, D); with
         `return_attention` also every layer's cross-attention weights, (B, layers, H, T, S)."""
-        x = self.dropout(self.positions(x))
+        x = self.dropout(self.positions(x, positions=positions))
         attention = []
         for layer in self.layers:
             x = layer(x, memory, src_mask, tgt_mask, return_attention)
@@ -396,11 +415,12 @@ class Transformer(nn.Module):
     def target_embedding(self) -> nn.Embedding:
         return self.src_embed if self.tgt_embed is None else self.tgt_embed
 
-    def encode(self, src_ids: Tensor, src_mask: Tensor | None = None) -> Tensor:
-        """src_ids (B, S) -> memory (B, S, D). `src_mask` defaults to padding_mask(src_ids)."""
+    def encode(self, src_ids: Tensor, src_mask: Tensor | None = None, *, positions: Tensor | None = None) -> Tensor:
+        """src_ids (B, S) -> memory (B, S, D). `src_mask` defaults to padding_mask(src_ids);
+        `positions` (B, S) to 0, 1, ... along each row."""
         if src_mask is None:
             src_mask = padding_mask(src_ids, self.cfg.pad_id)
-        return self.encoder(self.src_embed(src_ids) * self.embed_scale, src_mask)
+        return self.encoder(self.src_embed(src_ids) * self.embed_scale, src_mask, positions=positions)
 
     def decode(
         self,
@@ -409,17 +429,20 @@ class Transformer(nn.Module):
         src_mask: Tensor | None = None,
         tgt_mask: Tensor | None = None,
         return_attention: bool = False,
+        *,
+        positions: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """tgt_in_ids (B, T), memory (B, S, D) -> hidden states (B, T, D).
 
-        `src_mask` is the encoder's mask (B, 1, 1, S) or None for no masking; `tgt_mask` defaults
-        to target_mask(tgt_in_ids, pad_id, bos_id). `return_attention`: (hidden states, the
+        `src_mask` is the encoder's mask (B, 1, 1, S) (packed: (B, 1, T, S)) or None for no
+        masking; `tgt_mask` defaults to target_mask(tgt_in_ids, pad_id, bos_id); `positions`
+        (B, T) to 0, 1, ... along each row. `return_attention`: (hidden states, the
         cross-attention weights of every decoder layer (B, layers, H, T, S)).
         """
         if tgt_mask is None:
             tgt_mask = target_mask(tgt_in_ids, self.cfg.pad_id, self.cfg.bos_id)
         x = self.target_embedding(tgt_in_ids) * self.embed_scale  # (B, T, D)
-        return self.decoder(x, memory, src_mask, tgt_mask, return_attention)
+        return self.decoder(x, memory, src_mask, tgt_mask, return_attention, positions=positions)
 
     def init_cache(self, memory: Tensor, max_len: int) -> list[dict[str, Tensor]]:
         """A decoding cache for `max_len` target positions over memory (B, S, D), one dict per layer."""
@@ -446,14 +469,27 @@ class Transformer(nn.Module):
         return logits if self.logits_bias is None else logits + self.logits_bias.to(logits.dtype)
 
     def forward(
-        self, src_ids: Tensor, tgt_in_ids: Tensor, return_attention: bool = False
+        self, src_ids: Tensor, tgt_in_ids: Tensor, return_attention: bool = False, *,
+        src_segments: Tensor | None = None, tgt_segments: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """src_ids (B, S), tgt_in_ids (B, T) -> logits (B, T, V); with `return_attention`
         (logits, cross-attention weights (B, layers, H, T, S)): row t of a layer's head is how the
-        position predicting the token after tgt_in_ids[:, t] weighs the source tokens (padding: 0)."""
+        position predicting the token after tgt_in_ids[:, t] weighs the source tokens (padding: 0).
+
+        Packed rows (several pairs a row, as google/flax examples/wmt packs them): `src_segments`
+        (B, S) and `tgt_segments` (B, T) number each row's pairs 1, 2, ... (0 on padding); every
+        attention stays within its segment and positions restart at each segment's start."""
         src_mask = padding_mask(src_ids, self.cfg.pad_id)
-        memory = self.encode(src_ids, src_mask)
+        cross_mask, tgt_mask, src_positions, tgt_positions = src_mask, None, None, None
+        if src_segments is not None:
+            cross_mask = src_mask & segment_mask(tgt_segments, src_segments)  # (B, 1, T, S)
+            src_mask = src_mask & segment_mask(src_segments, src_segments)  # (B, 1, S, S)
+            tgt_mask = target_mask(tgt_in_ids, self.cfg.pad_id, self.cfg.bos_id)
+            tgt_mask = tgt_mask & segment_mask(tgt_segments, tgt_segments)  # (B, 1, T, T)
+            src_positions, tgt_positions = segment_positions(src_segments), segment_positions(tgt_segments)
+        memory = self.encode(src_ids, src_mask, positions=src_positions)
+        decoded = self.decode(tgt_in_ids, memory, cross_mask, tgt_mask, return_attention, positions=tgt_positions)
         if return_attention:
-            hidden, attention = self.decode(tgt_in_ids, memory, src_mask, return_attention=True)
+            hidden, attention = decoded
             return self.project(hidden), attention
-        return self.project(self.decode(tgt_in_ids, memory, src_mask))
+        return self.project(decoded)

@@ -163,6 +163,13 @@ class ExperimentConfig:
     )
     max_len: int = _field(128, "data", "longest sequence in tokens (with <eos>); longer training pairs are dropped")
     token_budget: int = _field(4096, "data", "padded tokens per batch (B x L <= budget, per length bucket)")
+    pack: bool | None = _field(
+        None, "data", "pack several pairs into each row of a training or validation-loss batch (segment ids, "
+        "positions restarting per pair, attention within each pair; google/flax examples/wmt's packing), one "
+        "batch shape instead of one per length bucket, and search the evaluation sentences in a few fixed shapes: "
+        "few programs for JAX to compile and little padding (--no-pack: length buckets). Default: on for jax, "
+        "off for torch (which compiles nothing; docs/performance.md#sequence-packing)",
+    )
     hf_cache: str | None = _field(None, "data", "HF datasets cache directory; default: HF's own", metavar="DIR", launch=True)
 
     # Optimisation
@@ -296,6 +303,7 @@ class ExperimentConfig:
             value, kind = getattr(self, field.name), str(field.type)
             if field.name in FIELD_RANGES or (value is None and "None" in kind):
                 continue
+            kind = kind.replace(" | None", "")
             expected = bool if kind == "bool" else dict if kind == "dict" else str
             if not isinstance(value, expected):
                 raise ValueError(f"{field.name} must be {expected.__name__}, got {value!r}")
@@ -308,7 +316,7 @@ class ExperimentConfig:
 
     def resolve(self) -> ExperimentConfig:
         """A copy with every automatic (None) field filled in: vocabulary size, warmup,
-        checkpoint interval and run directory."""
+        checkpoint interval, packing and run directory."""
         changes: dict[str, Any] = {}
         if self.vocab_size is None:
             changes["vocab_size"] = NUMBERS_VOCAB_SIZE if self.uses_numbers_corpus else DEFAULT_VOCAB_SIZE
@@ -316,6 +324,8 @@ class ExperimentConfig:
             changes["warmup"] = max(1, min(PAPER_WARMUP, round(WARMUP_FRACTION * self.steps)))
         if self.save_every is None:
             changes["save_every"] = self.eval_every
+        if self.pack is None:
+            changes["pack"] = self.backend == "jax"
         if self.run_dir is None:
             changes["run_dir"] = f"runs/{self.backend}-{time.strftime('%Y%m%d-%H%M%S')}"
         return self.replace(**changes)

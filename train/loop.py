@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from . import data, plots, pretrained, runtime
 from .backends import Backend, Topology, create_backend, initialize
+from .backends.compiles import Compiles, totals
 from .config import ExperimentConfig
 from .data.splits import load_splits
 from .metrics import bands_text, evaluate_pairs
@@ -56,6 +57,7 @@ def train(cfg: ExperimentConfig, *, explicit: Iterable[str] | None = None,
         topology = initialize(cfg)  # first: jax.distributed.initialize precedes any device use
     except ValueError as err:
         raise UserError(str(err)) from None
+    compiled_before = totals()  # this run's compilations: those after this point
     if topology.process_count > 1 and cfg.run_dir is None:
         raise UserError("a multi-process run needs --run-dir: one directory, the same for every process")
     if cfg.init_from and not cfg.resume:
@@ -63,6 +65,7 @@ def train(cfg: ExperimentConfig, *, explicit: Iterable[str] | None = None,
     with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(sys.stdout if topology.is_main else devnull), \
             runtime.session(cfg, explicit, topology.is_main) as cfg:
         run = setup(cfg, topology, init_dir)
+        run.compiled_before = compiled_before
         if (done := run.finished_before()) is not None:
             run.backend.close()
             return done
@@ -88,6 +91,11 @@ class Training:
     backend: Backend
     log: _Log
     writer: Any = None
+    compiled_before: Compiles = dataclasses.field(default_factory=Compiles)  # the process's, before this run
+
+    def compiled(self) -> Compiles | None:
+        """What this run has compiled so far (JAX's compile events); None for torch, which reports none."""
+        return totals() - self.compiled_before if self.cfg.backend == "jax" else None
 
     def finished_before(self) -> dict[str, Any] | None:
         """A resumed run that has trained --steps already and written its results: those results."""
@@ -182,7 +190,8 @@ def setup(cfg: ExperimentConfig, topology: Topology, init_dir: str | Path | None
         f"{model_cfg.num_encoder_layers}+{model_cfg.num_decoder_layers} layers), vocab "
         f"{model_cfg.src_vocab_size}/{model_cfg.tgt_vocab_size}, {len(splits.train):,} training pairs "
         f"({batcher.num_dropped} longer than {cfg.max_len} dropped), {batcher.num_batches} batches/epoch, "
-        f"shapes {batcher.shapes}, {cfg.dtype}, {topology.num_devices} device(s)"
+        f"{'packed, ' if cfg.pack else ''}shapes {batcher.shapes}, {batcher.padding_share():.1%} padding, "
+        f"{cfg.dtype}, {topology.num_devices} device(s)"
         + (f" in {topology.process_count} processes" if topology.process_count > 1 else "")
         + (", parameters and optimizer state sharded (FSDP)" if cfg.param_sharding == "fsdp" else "")
         + f"; run dir {run_dir}"
@@ -223,7 +232,7 @@ def make_batcher(cfg: ExperimentConfig, tokenizers: data.Tokenizers, pairs, num_
             f"at least {cfg.max_len * num_devices} or train on fewer devices (--devices)"
         )
     batcher = data.Batcher(data.encode_pairs(tokenizers, pairs), token_budget=cfg.token_budget, max_len=cfg.max_len,
-                           multiple_of=num_devices, seed=cfg.seed)
+                           multiple_of=num_devices, seed=cfg.seed, pack=cfg.pack)
     if not batcher.num_batches:
         raise UserError(
             f"no training pair is left: all {len(pairs)} are longer than --max-len {cfg.max_len} tokens "
@@ -244,7 +253,7 @@ def _evaluate(cfg, backend, tokenizers, pairs, samples: int, *, validation: bool
     return evaluate_pairs(
         backend, tokenizers, pairs, max_len=cfg.max_len, token_budget=cfg.token_budget,
         max_sentences=cfg.eval_sentences if validation else None, samples=samples, beam_size=cfg.beam,
-        lowercase=True, moses=cfg.moses, seen=seen, stop=stop,
+        lowercase=True, moses=cfg.moses, seen=seen, stop=stop, fixed_shapes=cfg.pack,
     )
 
 
@@ -276,7 +285,8 @@ class _Log:
                    int(state.get("tokens") or 0))
 
 
-def _log_window(cfg, step: int, values: list[dict[str, float]], tokens: int, elapsed: float, log: _Log, writer, bar):
+def _log_window(cfg, step: int, values: list[dict[str, float]], tokens: int, elapsed: float, log: _Log, writer, bar,
+                compiled: Compiles | None = None):
     """Record the metrics of the steps since the last log (one per step) as one history entry."""
     total = sum(v["tokens"] for v in values)
     entry = {
@@ -295,10 +305,12 @@ def _log_window(cfg, step: int, values: list[dict[str, float]], tokens: int, ela
             writer.add_scalar(f"train/{key}", v[key], step - len(values) + 1 + offset)
     writer.add_scalar("train/tokens_per_s", entry["tokens_per_s"], step)
     bar.update(len(values))
-    bar.set_postfix(loss=f"{entry['loss']:.3f}", lr=f"{entry['lr']:.2e}", tok_s=f"{entry['tokens_per_s']:,.0f}")
+    bar.set_postfix(loss=f"{entry['loss']:.3f}", lr=f"{entry['lr']:.2e}", tok_s=f"{entry['tokens_per_s']:,.0f}",
+                    **({"compiled": compiled.programs} if compiled is not None else {}))
     if not cfg.progress:
         say(
             f"step {step}/{cfg.steps} loss {entry['loss']:.4f} lr {entry['lr']:.3e} tok/s {entry['tokens_per_s']:,.0f}"
+            + (f", {compiled.text()} so far" if compiled is not None else "")
         )
 
 
@@ -378,7 +390,8 @@ def fit(run: Training, stop: runtime.StopSignals | None = None) -> None:
             values = backend.fetch(pending)  # the loop's only host sync between evaluations
             if bad := _first_non_finite(values, step):
                 raise _diverged(backend, bad)
-            _log_window(cfg, step, values, window_tokens, time.perf_counter() - window_start, log, writer, bar)
+            _log_window(cfg, step, values, window_tokens, time.perf_counter() - window_start, log, writer, bar,
+                        run.compiled())
             pending, window_tokens = [], 0
 
         evaluated = None
@@ -428,6 +441,7 @@ def finish(run: Training, started: float) -> dict[str, Any]:
         for band, scores in (test["bands"] or {}).items():
             writer.add_scalar(f"test/exact_match_{band}_digits", scores["exact_match"], backend.step)
     best = max(log.valid, key=lambda v: (v["bleu"], v["step"]), default=None)
+    compiled = run.compiled()
     return {
         "backend": cfg.backend,
         "run_dir": cfg.run_dir,
@@ -436,8 +450,12 @@ def finish(run: Training, started: float) -> dict[str, Any]:
         "train": {
             "loss": log.train[-1]["loss"] if log.train else None,
             "time_s": log.time_s,
-            "tokens_per_s": log.tokens / log.time_s if log.time_s else None,
+            "tokens_per_s": log.tokens / log.time_s if log.time_s else None,  # real (non-pad) target tokens
+            "padding_share": run.batcher.padding_share(),  # of the source and target positions, epoch 0's batches
+            "packed": cfg.pack,
         },
+        # This invocation's JAX programs (cache reads included) and compile seconds; null for torch.
+        **(compiled.to_dict() if compiled is not None else dict.fromkeys(Compiles().to_dict())),
         "valid": valid,
         "test": test,
         "best": None if best is None else {"step": best["step"], "bleu": best["bleu"]},
@@ -450,9 +468,11 @@ def finish(run: Training, started: float) -> dict[str, Any]:
 
 def _summary_line(results: dict[str, Any]) -> str:
     valid, test = results["valid"], results["test"]
+    compiled = "" if results.get("compiled_programs") is None else (
+        f", {results['compiled_programs']} programs compiled in {results['compile_seconds']:.1f} s")
     parts = [  # wall_time_s is this invocation's; train.time_s adds up every session's training
         f"[{results['backend']}] done: {results['steps']} steps in {results['wall_time_s']:.0f} s "
-        f"({results['train']['time_s']:.0f} s of training since step 0)",
+        f"({results['train']['time_s']:.0f} s of training since step 0{compiled})",
         f"valid loss {valid['loss']:.4f} ppl {valid['ppl']:.3f} BLEU {valid['bleu']:.2f}",
     ]
     if test is not None:

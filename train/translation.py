@@ -23,16 +23,17 @@ def translate_texts(backend: Translator, tokenizers: data.Tokenizers, texts: Seq
                     token_budget: int, batch_size: int | None = None, beam_size: int = 4, alpha: float = 0.6,
                     scoring: str = "gnmt", stop: Callable[[], bool] | None = None,
                     on_batch: Callable[..., None] | None = None,
-                    counts: collections.Counter | None = None) -> list[str]:
+                    counts: collections.Counter | None = None, fixed_shapes: bool = False) -> list[str]:
     """Detokenized translations of `texts`, in order (an empty or whitespace-only line translates
     to ""). `stop` is asked before each batch: True raises EvaluationStopped. `on_batch(indices,
     src, tokens)` sees each batch's search (`train.attention.AttentionRecorder`). `counts["cut"]`
-    grows by the sources cut to max_len."""
+    grows by the sources cut to max_len. `fixed_shapes`: search in `data.source_batches`' few fixed
+    shapes (shared by any set of texts: fewer programs for JAX to compile)."""
     src_ids = data.encode(tokenizers.src, list(texts))
     if counts is not None:
         counts["cut"] += sum(len(ids) > max_len for ids in src_ids)
     out = [""] * len(texts)
-    for index, src in data.source_batches(src_ids, max_len, token_budget, batch_size):
+    for index, src in data.source_batches(src_ids, max_len, token_budget, batch_size, fixed=fixed_shapes):
         if stop is not None and stop():
             raise EvaluationStopped("translation stopped")
         tokens = backend.translate(src, beam_size, alpha, scoring=scoring)

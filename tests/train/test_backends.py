@@ -68,8 +68,10 @@ def _pair(fast_config, corpus, **changes):
         # Both accumulation paths (two micro-batches per update) and clipping that triggers
         # (gradient norms here are ~1-3): the same formulas on both sides.
         {"grad_accum": 2, "clip_norm": 0.5},
+        # Packed rows (segment ids): the same masks and positions on both sides.
+        {"pack": True},
     ],
-    ids=["plain", "accumulate-and-clip"],
+    ids=["plain", "accumulate-and-clip", "packed"],
 )
 def test_jax_and_torch_train_alike(fast_config, corpus, changes):
     # lr_factor 0.3: five updates at lr 0.008-0.03. At lr_factor 1 (0.026-0.1) the run is chaotic at
@@ -87,6 +89,7 @@ def test_jax_and_torch_train_alike(fast_config, corpus, changes):
         same = [next(batcher_j) for _ in range(accum)]
         # The loop builds the batches without looking at the backend: identical for one seed.
         assert all(np.array_equal(a.src, b.src) and np.array_equal(a.tgt_out, b.tgt_out) for a, b in zip(batches, same))
+        assert all((b.src_segments is not None) == bool(changes.get("pack")) for b in batches)
         history["torch"] += torch_backend.fetch([torch_backend.train_step(batches)])
         history["jax"] += jax_backend.fetch([jax_backend.train_step(batches)])
     loss_t = np.array([m["loss"] for m in history["torch"]])

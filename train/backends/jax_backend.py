@@ -29,7 +29,7 @@ from ..config import ExperimentConfig
 from ..data import Batch
 from ..store import TrainingState, check_keys
 from ..store.jax_store import JaxStore
-from . import allocator, jax_cache
+from . import allocator, compiles, jax_cache
 from .interface import Metrics, StoreMethods, Topology
 
 
@@ -51,7 +51,10 @@ def make_optimizer(exp_cfg: ExperimentConfig, d_model: int) -> optax.GradientTra
 
 
 def _as_arrays(batch: Batch, rows: slice = slice(None)) -> dict[str, np.ndarray]:
-    return {"src": batch.src[rows], "tgt_in": batch.tgt_in[rows], "tgt_out": batch.tgt_out[rows]}
+    arrays = {"src": batch.src[rows], "tgt_in": batch.tgt_in[rows], "tgt_out": batch.tgt_out[rows]}
+    if batch.src_segments is not None:  # packed rows
+        arrays.update(src_segments=batch.src_segments[rows], tgt_segments=batch.tgt_segments[rows])
+    return arrays
 
 
 COMPUTE_DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}  # None: the parameters' float32
@@ -59,7 +62,9 @@ COMPUTE_DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}  # None: the parame
 
 def initialize(exp_cfg: ExperimentConfig) -> Topology:
     """Once per process, where a CLI starts: the compilation cache, `jax.distributed.initialize` for
-    a multi-process run, then the device platform's process-wide settings. Returns where the run trains."""
+    a multi-process run, then the device platform's process-wide settings. Returns where the run trains.
+    From here on the process counts its compilations (`compiles`)."""
+    compiles.listen()
     jax_cache.enable()
     sharding.initialize_distributed(exp_cfg.coordinator_address, exp_cfg.num_processes, exp_cfg.process_id)
     mesh = sharding.make_mesh(exp_cfg.devices)
@@ -101,7 +106,8 @@ def loss_sums(ctx: StepContext, params, batch, key, total_tokens, deterministic)
     """(loss sum / total_tokens, (loss sum, nll sum)): the objective and its parts."""
     rngs = nnx.Rngs(dropout=key)
     model = ctx.model(params)
-    logits = model(batch["src"], batch["tgt_in"], deterministic=deterministic, rngs=rngs)  # (B, T, V)
+    segments = {k: batch[k] for k in ("src_segments", "tgt_segments") if k in batch}  # packed rows
+    logits = model(batch["src"], batch["tgt_in"], **segments, deterministic=deterministic, rngs=rngs)  # (B, T, V)
     pad, eps = ctx.model_cfg.pad_id, ctx.exp_cfg.label_smoothing
     if model.xla_cpu:
         loss_sum, nll_sum = xla_cpu.smoothed_sums(logits, batch["tgt_out"], pad, eps)

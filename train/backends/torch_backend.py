@@ -82,8 +82,12 @@ class TorchBackend(StoreMethods):
 
     def _loss_sums(self, model, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         src, tgt_in, tgt_out = _long(self.device, batch.src, batch.tgt_in, batch.tgt_out)
+        segments = {}
+        if batch.src_segments is not None:  # packed rows
+            segments = dict(zip(("src_segments", "tgt_segments"),
+                                _long(self.device, batch.src_segments, batch.tgt_segments)))
         with self.autocast():
-            logits = model(src, tgt_in)  # (B, T, V); bfloat16 under autocast, the loss casts to float32
+            logits = model(src, tgt_in, **segments)  # (B, T, V); bfloat16 under autocast, the loss casts to float32
         pad = self.model_cfg.pad_id
         loss_sum = label_smoothed_cross_entropy(logits, tgt_out, pad, self.exp_cfg.label_smoothing, reduction="sum")
         with torch.no_grad():

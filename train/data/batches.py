@@ -1,10 +1,11 @@
 """`Batcher` cuts encoded pairs into padded int32 batches under a token budget, in a few length
-buckets so jit compiles a handful of shapes, shuffled per epoch from a seed, and resumable from
-a JSON-able state.
+buckets or packed several pairs a row (one shape), so jit compiles a handful of shapes at most,
+shuffled per epoch from a seed, and resumable from a JSON-able state.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 from collections.abc import Iterator, Sequence
@@ -30,22 +31,36 @@ def bucket_lengths(max_len: int) -> tuple[int, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class Batch:
-    """One padded batch: src, tgt_in and tgt_out are int32, padded with 0 to the bucket length S = T."""
+    """One padded batch: src, tgt_in and tgt_out are int32, padded with 0 to the bucket length S = T.
+
+    A packed batch (google/flax examples/wmt's convention) holds several pairs a row, one after
+    the other: `src_segments` and `tgt_segments` number them 1, 2, ... along the row (0 on
+    padding), and each segment's tgt_in starts with its own bos; unpacked, both are None.
+    """
 
     src: np.ndarray  # (B, S): source ids + eos
-    tgt_in: np.ndarray  # (B, T): decoder input, shift_right(tgt_out): bos + tgt_out[:, :-1]
+    tgt_in: np.ndarray  # (B, T): decoder input, shift_right(tgt_out): bos + tgt_out[:, :-1] (per segment)
     tgt_out: np.ndarray  # (B, T): target ids + eos, the labels
-    ids: np.ndarray  # (B,) index of each row's pair in the Batcher's examples; -1 for filler rows
+    # (B,) index of each row's pair in the Batcher's examples, -1 for filler rows; packed (B, N):
+    # each row's pairs in order, -1 after them
+    ids: np.ndarray
     num_src_tokens: int  # non-pad tokens in src
     num_tgt_tokens: int  # non-pad tokens in tgt_out: what the loss averages over
+    src_segments: np.ndarray | None = None  # (B, S) int32, packed batches only
+    tgt_segments: np.ndarray | None = None  # (B, T) int32, packed batches only
 
     @property
     def num_sentences(self) -> int:
         return int((self.ids >= 0).sum())
 
+    @property
+    def padding_share(self) -> float:
+        """The share of padding among the source and target positions of the batch."""
+        return 1.0 - (self.num_src_tokens + self.num_tgt_tokens) / (self.src.size + self.tgt_out.size)
+
 
 class Batcher:
-    """Padded batches under a token budget, in length buckets, shuffled per epoch, resumable.
+    """Padded batches under a token budget, in length buckets or packed, shuffled per epoch, resumable.
 
     A pair goes to the smallest bucket length L >= max(len(src), len(tgt)) (lengths include
     <eos>); source and target are both padded to L, so a bucket has one batch shape (B_L, L) with
@@ -54,15 +69,23 @@ class Batcher:
     never changes: at most one shape per bucket, `shapes`. Pairs longer than max_len are dropped
     and counted in `num_dropped`.
 
+    `pack=True`: one shape (B_P, P) for every batch, P = `pack_length` (default: the smallest bucket
+    length holding the longest pair): each row holds as many pairs as fit, source after source and
+    target after target (`Batch.src_segments`, `tgt_segments`), filled first-fit in the epoch's order;
+    a pair that fits no row of the batch waits for the next one (a batch closes when B_P pairs wait).
+    Fewer programs to compile and less padding than buckets (docs/performance.md#sequence-packing).
+
     Epoch e is shuffled by numpy's Generator seeded with (seed, e): pairs within each bucket, then
-    the order of all batches. `next(batcher)` runs through epochs endlessly; `state()` is a
-    JSON-able {"epoch", "index"} (batches already taken from that epoch), and `restore(state)`
-    continues exactly from there. `epoch_batches(e)` yields one epoch without touching the state
-    (with shuffle=False: bucket by bucket, pairs in their given order, for evaluation).
+    the order of all batches (packed: all pairs, then the batches). `next(batcher)` runs through
+    epochs endlessly; `state()` is a JSON-able {"epoch", "index"} (batches already taken from that
+    epoch), and `restore(state)` continues exactly from there. `epoch_batches(e)` yields one epoch
+    without touching the state (with shuffle=False: bucket by bucket, or packed, pairs in their
+    given order, for evaluation).
     """
 
     def __init__(self, examples: Sequence[tuple[Sequence[int], Sequence[int]]], token_budget: int, max_len: int = 256,
-                 buckets: Sequence[int] | None = None, multiple_of: int = 1, shuffle: bool = True, seed: int = 0):
+                 buckets: Sequence[int] | None = None, multiple_of: int = 1, shuffle: bool = True, seed: int = 0,
+                 pack: bool = False, pack_length: int | None = None):
         self.buckets = tuple(buckets) if buckets is not None else bucket_lengths(max_len)
         if list(self.buckets) != sorted(set(self.buckets)) or self.buckets[-1] != max_len:
             raise ValueError(f"buckets must increase and end at max_len={max_len}, got {self.buckets}")
@@ -71,9 +94,11 @@ class Batcher:
         if token_budget < max_len * multiple_of:
             raise ValueError(f"token_budget={token_budget} cannot hold {multiple_of} sequence(s) of max_len={max_len}: "
                              f"needs at least {max_len * multiple_of}")
-        self.examples, self.shuffle, self.seed = examples, shuffle, seed
+        self.examples, self.shuffle, self.seed, self.pack = examples, shuffle, seed, pack
         self.batch_size = {length: token_budget // (length * multiple_of) * multiple_of for length in self.buckets}
-        lengths = np.array([max(len(s), len(t)) for s, t in examples], dtype=np.int64).reshape(-1)
+        self._src_len = np.array([len(s) for s, _ in examples], dtype=np.int64).reshape(-1)
+        self._tgt_len = np.array([len(t) for _, t in examples], dtype=np.int64).reshape(-1)
+        lengths = np.maximum(self._src_len, self._tgt_len)
         keep = lengths <= max_len
         self.num_dropped = int((~keep).sum())
         if self.num_dropped:
@@ -81,32 +106,85 @@ class Batcher:
         bucket_of = np.searchsorted(self.buckets, lengths)  # smallest bucket >= length
         members = {length: np.flatnonzero(keep & (bucket_of == b)) for b, length in enumerate(self.buckets)}
         self._members = {length: idx for length, idx in members.items() if len(idx)}  # buckets in use
+        if pack:
+            self._kept = np.flatnonzero(keep)
+            self.pack_length = pack_length or (max(self._members) if self._members else max_len)
+            if not lengths[keep].max(initial=0) <= self.pack_length <= max_len:
+                raise ValueError(f"pack_length={self.pack_length} must hold the longest pair and be at most "
+                                 f"max_len={max_len}")
+            self.batch_size = {self.pack_length: token_budget // (self.pack_length * multiple_of) * multiple_of}
         self.epoch, self.index, self._plan_cache = 0, 0, (None, [])
 
     @property
     def shapes(self) -> list[tuple[int, int]]:
-        """The distinct (B, L) batch shapes this data produces (one per bucket in use)."""
+        """The distinct (B, L) batch shapes this data produces (one per bucket in use; packed: one)."""
+        if self.pack:
+            return [(self.batch_size[self.pack_length], self.pack_length)] if len(self._kept) else []
         return [(self.batch_size[length], length) for length in self._members]
 
     @property
     def num_batches(self) -> int:
-        """Batches per epoch (the same every epoch)."""
+        """Batches per epoch (the same every epoch; packed: epoch 0's, another's may differ by a few)."""
+        if self.pack:
+            return len(self._epoch_plan(0))
         return sum(-(-len(idx) // self.batch_size[length]) for length, idx in self._members.items())
 
-    def _plan(self, epoch: int) -> list[tuple[int, np.ndarray]]:
-        """(L, example indices) of every batch of `epoch`, in order."""
+    def padding_share(self, epoch: int = 0) -> float:
+        """The share of padding among the source and target positions of an epoch's batches."""
+        plan = self._epoch_plan(epoch)
+        if not plan:
+            return 0.0
+        tokens = sum(int(self._src_len[i].sum() + self._tgt_len[i].sum()) for _, rows in plan for i in _flat(rows))
+        positions = sum(2 * self.batch_size[length] * length for length, _ in plan)
+        return 1.0 - tokens / positions
+
+    def _epoch_plan(self, epoch: int) -> list:
+        if self._plan_cache[0] != epoch:
+            self._plan_cache = (epoch, self._plan(epoch))
+        return self._plan_cache[1]
+
+    def _plan(self, epoch: int) -> list:
+        """(L, example indices) of every batch of `epoch`, in order (packed: a list of each row's indices)."""
         rng = np.random.default_rng((self.seed, epoch))
-        plan = []
-        for length, idx in self._members.items():
-            if self.shuffle:
-                idx = rng.permutation(idx)
-            size = self.batch_size[length]
-            plan += [(length, idx[i : i + size]) for i in range(0, len(idx), size)]
+        if self.pack:
+            plan = [(self.pack_length, rows) for rows in self._packed(rng.permutation(self._kept) if self.shuffle
+                                                                     else self._kept)]
+        else:
+            plan = []
+            for length, idx in self._members.items():
+                if self.shuffle:
+                    idx = rng.permutation(idx)
+                size = self.batch_size[length]
+                plan += [(length, idx[i : i + size]) for i in range(0, len(idx), size)]
         if self.shuffle:
             plan = [plan[i] for i in rng.permutation(len(plan))]
         return plan
 
-    def _collate(self, length: int, idx: np.ndarray) -> Batch:
+    def _packed(self, order: np.ndarray) -> list[list[list[int]]]:
+        """The pairs of `order` packed first-fit into batches of B_P rows of P positions each."""
+        length, size = self.pack_length, self.batch_size[self.pack_length]
+        queue, batches = collections.deque(order.tolist()), []
+        while queue:
+            free_src, free_tgt = np.full(size, length), np.full(size, length)
+            rows: list[list[int]] = [[] for _ in range(size)]
+            waiting: list[int] = []
+            while queue and len(waiting) < size:
+                i = queue.popleft()
+                fits = (free_src >= self._src_len[i]) & (free_tgt >= self._tgt_len[i])
+                if fits.any():
+                    row = int(fits.argmax())
+                    rows[row].append(i)
+                    free_src[row] -= self._src_len[i]
+                    free_tgt[row] -= self._tgt_len[i]
+                else:
+                    waiting.append(i)
+            queue.extendleft(reversed(waiting))  # first in the next batch
+            batches.append([row for row in rows if row])
+        return batches
+
+    def _collate(self, length: int, idx) -> Batch:
+        if self.pack:
+            return self._collate_packed(length, idx)
         size = self.batch_size[length]
         src = np.zeros((size, length), np.int32)  # (B, S)
         tgt_out = np.zeros((size, length), np.int32)  # (B, T)
@@ -119,6 +197,22 @@ class Batcher:
         ids[: len(idx)] = idx
         return Batch(src, tgt_in, tgt_out, ids, int((src != PAD_ID).sum()), int((tgt_out != PAD_ID).sum()))
 
+    def _collate_packed(self, length: int, rows: list[list[int]]) -> Batch:
+        size = self.batch_size[length]
+        src, tgt_in, tgt_out, src_seg, tgt_seg = (np.zeros((size, length), np.int32) for _ in range(5))  # (B, L) each
+        ids = np.full((size, max(len(row) for row in rows)), -1, np.int64)
+        for r, row in enumerate(rows):
+            ids[r, : len(row)] = row
+            s_at = t_at = 0
+            for segment, i in enumerate(row, start=1):
+                s, t = self.examples[i]
+                src[r, s_at : s_at + len(s)], src_seg[r, s_at : s_at + len(s)] = s, segment
+                tgt_out[r, t_at : t_at + len(t)], tgt_seg[r, t_at : t_at + len(t)] = t, segment
+                tgt_in[r, t_at : t_at + len(t)] = [BOS_ID, *t[:-1]]  # shift_right within the segment
+                s_at, t_at = s_at + len(s), t_at + len(t)
+        return Batch(src, tgt_in, tgt_out, ids, int((src != PAD_ID).sum()), int((tgt_out != PAD_ID).sum()),
+                     src_seg, tgt_seg)
+
     def epoch_batches(self, epoch: int = 0) -> Iterator[Batch]:
         """All batches of one epoch; the iteration state is left alone."""
         for length, idx in self._plan(epoch):
@@ -130,11 +224,9 @@ class Batcher:
     def __next__(self) -> Batch:
         if not self._members:
             raise StopIteration  # no data: an endless stream would spin forever
-        if self.index >= self.num_batches:
+        if self.index >= len(self._epoch_plan(self.epoch)):
             self.epoch, self.index = self.epoch + 1, 0
-        if self._plan_cache[0] != self.epoch:
-            self._plan_cache = (self.epoch, self._plan(self.epoch))
-        length, idx = self._plan_cache[1][self.index]
+        length, idx = self._epoch_plan(self.epoch)[self.index]
         self.index += 1
         return self._collate(length, idx)
 
@@ -147,13 +239,27 @@ class Batcher:
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
 
 
+def _flat(rows) -> list[int]:
+    """The example indices of a batch's plan: an index array, or packed, a list of rows of them."""
+    return [i for row in rows for i in row] if isinstance(rows, list) else list(rows)
+
+
+def fixed_lengths(max_len: int) -> tuple[int, ...]:
+    """The few padded lengths of fixed-shape search: 16, 32, 64, ... below max_len, then max_len."""
+    return tuple(16 << k for k in range(max_len.bit_length()) if 16 << k < max_len) + (max_len,)
+
+
 def source_batches(src_ids: Sequence[Sequence[int]], max_len: int, token_budget: int,
-                   batch_size: int | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+                   batch_size: int | None = None, fixed: bool = False) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """(indices, padded src (B, L)) per batch: sentences grouped by length bucket and sorted by
     length within it (a batch's sentences tend to finish together), at most `token_budget` padded
     tokens and `batch_size` sentences per batch, every batch of a bucket padded with all-pad rows
-    (index -1) to one shape. Sources longer than max_len are cut to max_len - 1 tokens + <eos>."""
-    buckets = bucket_lengths(max_len)
+    (index -1) to one shape. Sources longer than max_len are cut to max_len - 1 tokens + <eos>.
+
+    `fixed`: the lengths are `fixed_lengths` and every batch of length L has the rows the budget
+    allows, however few sentences there are, so any set of sentences (a validation's, a test's)
+    runs in the same few shapes: few programs for jit to compile."""
+    buckets = fixed_lengths(max_len) if fixed else bucket_lengths(max_len)
     ids = [list(s) if len(s) <= max_len else [*s[: max_len - 1], EOS_ID] for s in src_ids]
     lengths = np.array([len(s) for s in ids], dtype=np.int64)
     bucket_of = np.searchsorted(buckets, lengths)
@@ -164,7 +270,8 @@ def source_batches(src_ids: Sequence[Sequence[int]], max_len: int, token_budget:
             continue
         # Rows per batch: the budget's, but no more than the next power of two above the bucket's
         # sentence count (3 sentences do not run as 512 rows), so shapes stay few.
-        size = max(1, min(token_budget // length, batch_size or token_budget, 1 << (len(members) - 1).bit_length()))
+        fewest = token_budget if fixed else 1 << (len(members) - 1).bit_length()
+        size = max(1, min(token_budget // length, batch_size or token_budget, fewest))
         for start in range(0, len(members), size):
             chunk = members[start : start + size]
             src = np.full((size, length), PAD_ID, np.int32)  # (B, L)

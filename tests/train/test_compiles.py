@@ -1,0 +1,56 @@
+"""The compile budget: a run counts the programs JAX compiles (`train.backends.compiles`, from JAX's
+own compile events) and reports them with the padding share of its batches."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from train import loop
+from train.backends import compiles
+
+
+def test_one_program_counted_per_new_shape():
+    compiles.listen()
+    compiles.listen()  # once per process: a second call must not count twice
+    double = jax.jit(lambda x: x * 2 + 1)
+    start = compiles.totals()
+    # NumPy inputs: creating them with jnp would compile programs of its own.
+    double(np.ones(3, np.float32)).block_until_ready()
+    double(np.zeros(3, np.float32)).block_until_ready()  # the same shape: no new program
+    double(np.ones((2, 5), np.float32)).block_until_ready()  # a new shape: one more
+    counted = compiles.totals() - start
+    assert counted.programs == 2
+    assert 0 < counted.seconds < 60
+
+
+@pytest.mark.slow  # ~100 s on a busy 2-core machine: two evaluations' search programs
+def test_a_packed_run_compiles_one_training_program_and_reports_it(fast_config):
+    cfg = fast_config("jax", steps=3, eval_every=3, log_every=1, pack=True, numbers_test=0)
+    compiles.listen()
+    counts = []
+    original = loop._log_window
+
+    def log_window(*args, **kwargs):  # what the progress line reports after each step
+        counts.append(args[-1] if len(args) > 8 else kwargs.get("compiled"))
+        return original(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loop, "_log_window", log_window)
+        results = loop.train(cfg)
+    # One shape (packed): the first step compiles the training program, the next two compile nothing.
+    assert counts[0].programs >= 1 and counts[1].programs == counts[2].programs == counts[0].programs
+    assert results["train"]["packed"] is True
+    assert results["compiled_programs"] > counts[2].programs  # the evaluation's loss and search programs
+    assert 0 < results["compile_seconds"] < results["wall_time_s"]
+    assert 0.0 <= results["train"]["padding_share"] < 0.5
+    saved = json.loads((loop.Path(cfg.run_dir) / "results.json").read_text())
+    assert saved["compiled_programs"] == results["compiled_programs"]
+
+
+@pytest.mark.slow  # ~50 s on a busy 2-core machine
+def test_torch_reports_no_compile_count(fast_config):
+    results = loop.train(fast_config("torch", steps=1, eval_every=1, numbers_test=0))
+    assert results["compiled_programs"] is None and results["compile_seconds"] is None
+    assert results["train"]["packed"] is False
