@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import train
-from train import loop
+from train import loop, runtime
 from train.config import ExperimentConfig
 
 from .helpers import FAST_IN_PROCESS, REPO, STEPS, finish, launch, read_until, restored_step
@@ -259,3 +259,16 @@ def test_a_non_finite_validation_loss_is_divergence(tmp_path, monkeypatch):
     with pytest.raises(loop.TrainingDiverged, match=r"validation loss nan at step 2; .*checkpoints up to step 1 are"):
         loop.train(cfg)
     assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["1"]
+
+
+def test_a_run_saved_before_packing_existed_resumes_on_length_buckets():
+    """config.json and checkpoint metas written before --pack existed hold no `pack`: such a run
+    trained on length buckets, so it reads back as pack false and its checkpoints stay its own
+    (not refused as written by a run configured differently)."""
+    saved = ExperimentConfig(backend="jax", run_dir="RUN").resolve().experiment()
+    del saved["pack"]
+    cfg = runtime.layout.experiment_of(saved).resolve()
+    assert cfg.pack is False
+    runtime.check_checkpoint_config({"config": saved, "step": 4}, cfg)
+    with pytest.raises(runtime.UserError, match="--pack: checkpoint has False, run has True"):
+        runtime.check_checkpoint_config({"config": saved, "step": 4}, cfg.replace(pack=True))

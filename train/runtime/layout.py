@@ -26,9 +26,10 @@ def read_experiment(run_dir: str | Path) -> ExperimentConfig:
 
 
 def experiment_of(saved: Mapping[str, Any]) -> ExperimentConfig:
-    """A saved experiment, without the launch options that runs written before they were left out hold."""
+    """A saved experiment, without the launch options that runs written before they were left out hold;
+    a run saved before packing existed trained on length buckets (pack false)."""
     launch = ExperimentConfig.launch_fields()
-    return ExperimentConfig.from_dict({k: v for k, v in saved.items() if k not in launch})
+    return ExperimentConfig.from_dict({"pack": False, **{k: v for k, v in saved.items() if k not in launch}})
 
 
 def _read_settings(run_dir: str | Path, name: str, build: Callable[[dict], Any]) -> Any:

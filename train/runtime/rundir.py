@@ -201,6 +201,8 @@ def check_checkpoint_config(meta: Mapping[str, Any], cfg: ExperimentConfig) -> N
     """Refuse a checkpoint written by another run: one whose experiment (saved in its meta)
     differs from this run's."""
     saved = meta.get("config", cfg.experiment())
+    if "pack" not in saved:  # written before packing existed: length buckets
+        saved = {**saved, "pack": False}
     differ = [
         f"--{name.replace('_', '-')}: checkpoint has {saved.get(name)!r}, run has {value!r}"
         for name, value in cfg.experiment().items()
