@@ -18,8 +18,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .decode import NEG_INF, _check_source, _decoder, _logits, _never_emitted, _no_sentence, _while, output_length
-from .decode import sentence_limits
+from .decode import (
+    NEG_INF,
+    _check_source,
+    _decoder,
+    _logits,
+    _never_emitted,
+    _no_sentence,
+    _while,
+    output_length,
+    sentence_limits,
+)
 from .model import Transformer, padding_mask
 
 # Threefry-2x32's rotation distances and key-schedule parity (Random123, threefry.h).
