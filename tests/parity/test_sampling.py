@@ -89,8 +89,8 @@ def test_top_k_top_p_and_temperature_mean_what_fairseq_and_hf_say(framework):
                                [0, 1, 0, 0, 0], atol=1e-6)  # after T=0.5 and k=2: 25/33, 4/33, 4/33; 25/33 >= 0.7
 
 
-@pytest.mark.parametrize("settings", [dict(temperature=0.7), dict(top_k=5), dict(top_p=0.6),
-                                      dict(temperature=1.3, top_k=20, top_p=0.9)])
+@pytest.mark.parametrize("settings", [{"temperature": 0.7}, {"top_k": 5}, {"top_p": 0.6},
+                                      {"temperature": 1.3, "top_k": 20, "top_p": 0.9}])
 def test_the_distribution_equals_hfs_warpers_in_both_frameworks(settings):
     transformers = pytest.importorskip("transformers")
     logits = torch.randn(64, 53, generator=torch.Generator().manual_seed(0)) * 3
@@ -110,10 +110,10 @@ def test_the_distribution_equals_hfs_warpers_in_both_frameworks(settings):
 
 @pytest.mark.parametrize("twin", [ts, js], ids=["torch", "jax"])
 @pytest.mark.parametrize("settings, message", [
-    (dict(top_p=0.0), "top_p must be in"), (dict(top_p=1.5), "top_p must be in"), (dict(top_k=-1), "top_k must be"),
-    (dict(temperature=0.0), "temperature must be"), (dict(temperature=float("nan")), "temperature must be"),
-    (dict(num_samples=0), "num_samples must be"), (dict(seed=-1), "seed must be"), (dict(seed=2**32), "seed must be"),
-    (dict(sentence_ids=[0]), "sentence_ids must be"),
+    ({"top_p": 0.0}, "top_p must be in"), ({"top_p": 1.5}, "top_p must be in"), ({"top_k": -1}, "top_k must be"),
+    ({"temperature": 0.0}, "temperature must be"), ({"temperature": float("nan")}, "temperature must be"),
+    ({"num_samples": 0}, "num_samples must be"), ({"seed": -1}, "seed must be"), ({"seed": 2**32}, "seed must be"),
+    ({"sentence_ids": [0]}, "sentence_ids must be"),
 ])
 def test_bad_settings_are_refused(twin, settings, message):
     torch_model, jax_model = pair()
@@ -137,7 +137,7 @@ def _compare(src, torch_model, jax_model, seeds, **settings):
     return outputs
 
 
-@pytest.mark.parametrize("settings", [dict(), dict(temperature=0.7, top_k=10, top_p=0.9)])
+@pytest.mark.parametrize("settings", [{}, {"temperature": 0.7, "top_k": 10, "top_p": 0.9}])
 def test_torch_and_jax_sample_the_same_tokens(settings):
     """16 sentences x 4 samples x 3 seeds: 192 translations, about 3,000 draws, token for token."""
     torch_model, jax_model = pair(seed=2, output_bias=True)  # a biased, uneven next-token distribution
@@ -234,7 +234,7 @@ def test_20000_sampled_first_tokens_follow_the_models_distribution(framework):
     src = source(batch=1, length=7, seed=6)
     draws = 20_000
     # Two positions: the first drawn freely, the second EOS (a * 7 + 2 = 2).
-    settings = [dict(), dict(temperature=0.8, top_k=30, top_p=0.9)]
+    settings = [{}, {"temperature": 0.8, "top_k": 30, "top_p": 0.9}]
     for index, setting in enumerate(settings):
         if framework == "torch":
             tokens, _ = ts.sample(torch_model, torch.from_numpy(src), 3, draws, max_len_a=0.0, max_len_b=2, **setting)
