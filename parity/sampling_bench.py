@@ -15,6 +15,7 @@ from __future__ import annotations
 import platform
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -94,7 +95,7 @@ def benchmark(run_dir, lines: Sequence[str], beam: int = 4, samples: int = 1, to
 def report(run_dir, input_path, **settings) -> list[dict]:
     """`benchmark` over the non-empty lines of `input_path`, printed as a table with the machine; the rows."""
     enable_parity_numerics()  # float32 matmuls in full float32 in both frameworks
-    lines = [line for line in read_lines(input_path) if line.strip()]
+    lines = [line for line in read_lines(Path(input_path)) if line.strip()]
     rows = benchmark(run_dir, lines, **settings)
     print(f"{len(lines)} sentences, {platform.processor() or platform.machine()}, {host_devices.cores()} CPUs, "
           f"torch {torch.get_num_threads()} threads")
