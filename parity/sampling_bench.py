@@ -8,6 +8,7 @@ batches (the translate command's batching) with greedy search, beam search and `
 framework: seconds, sentences/s (outputs/s: `samples` a sentence), tokens/s, and how
 many sampled outputs differ between torch and JAX (0 expected: the same seed gives the same tokens).
 JAX runs every batch once untimed first (each batch shape compiles there), torch the first batch.
+On a GPU call `parity.check.enable_parity_numerics()` first (full float32 matmuls in both).
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from train.api import load
 from train.backends import host_devices
 from train.data.streams import read_lines
 
-from .check import enable_parity_numerics
 from .weights import convert_state, numpy_to_torch, torch_to_jax
 
 
@@ -94,7 +94,6 @@ def benchmark(run_dir, lines: Sequence[str], beam: int = 4, samples: int = 1, to
 
 def report(run_dir, input_path, **settings) -> list[dict]:
     """`benchmark` over the non-empty lines of `input_path`, printed as a table with the machine; the rows."""
-    enable_parity_numerics()  # float32 matmuls in full float32 in both frameworks
     lines = [line for line in read_lines(Path(input_path)) if line.strip()]
     rows = benchmark(run_dir, lines, **settings)
     print(f"{len(lines)} sentences, {platform.processor() or platform.machine()}, {host_devices.cores()} CPUs, "
