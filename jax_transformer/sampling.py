@@ -1,0 +1,163 @@
+"""Sampling from the Flax model's cached decoding, with random numbers both frameworks share: one
+jit-compiled `lax.while_loop` (over a model built with `xla_cpu=True`, `xla_cpu.shrinking_while`).
+
+`torch_reference/sampling.py` is the same algorithm step by step (read its docstrings for the
+details), with the same names and defaults; for the same seed and weights both return the same
+tokens, and scores to float32 rounding (docs/decoding-sampling.md). The uniforms are Threefry-2x32
+(20 rounds) keyed by (seed, sentence id) at the counter (sample, position), here in uint32
+arithmetic; tests/parity/test_sampling.py checks it against `jax.extend.random.threefry_2x32`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .decode import (
+    NEG_INF,
+    _check_source,
+    _decoder,
+    _logits,
+    _never_emitted,
+    _no_sentence,
+    _while,
+    output_length,
+    sentence_limits,
+)
+from .model import Transformer, padding_mask
+
+# Threefry-2x32's rotation distances and key-schedule parity (Random123, threefry.h).
+ROTATIONS = (13, 15, 26, 6, 17, 29, 16, 24)
+PARITY = 0x1BD11BDA
+MASK = 0xFFFFFFFF  # the largest uint32
+
+
+def _rotl(x, r: int):
+    return (x << r) | (x >> (32 - r))  # uint32: the shifts drop the bits past 32
+
+
+def threefry2x32(k0, k1, x0, x1):
+    """Threefry-2x32 with 20 rounds of the key (k0, k1) at the counter (x0, x1) -> two words, each
+    argument a uint32 value (int or array), broadcast together; uint32 results."""
+    k0, k1, x0, x1 = (jnp.asarray(v, jnp.uint32) for v in (k0, k1, x0, x1))
+    ks = (k0, k1, k0 ^ k1 ^ jnp.uint32(PARITY))
+    x0, x1 = x0 + ks[0], x1 + ks[1]
+    for i in range(5):  # 5 groups of 4 rounds, the key injected after each group
+        for r in ROTATIONS[4 * (i % 2): 4 * (i % 2) + 4]:
+            x0 = x0 + x1
+            x1 = _rotl(x1, r) ^ x0
+        x0 = x0 + ks[(i + 1) % 3]
+        x1 = x1 + ks[(i + 2) % 3] + jnp.uint32(i + 1)
+    return x0, x1
+
+
+def uniform(seed, sentence, sample, position):
+    """The uniform float32 in (0, 1) of (seed, sentence id, sample, position), broadcast together:
+    the top 23 bits of Threefry's first word as the odd multiple (2m + 1) / 2**24, exact in float32."""
+    word, _ = threefry2x32(seed, sentence, sample, position)
+    return ((word >> 9) * 2 + 1).astype(jnp.float32) * 2.0**-24
+
+
+def _check_sampling(seed, num_samples, temperature, top_k, top_p) -> None:
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MASK:
+        raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+        raise ValueError(f"num_samples must be an integer >= 1, got {num_samples!r}")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top_k must be an integer >= 0 (0: no limit), got {top_k!r}")
+    if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+        raise ValueError(f"top_p must be in (0, 1] (1: no limit), got {top_p!r}")
+
+
+def _sentence_ids(sentence_ids, batch: int):
+    """(B,) uint32 the ids the random numbers are keyed by: 0..B-1 unless given."""
+    if sentence_ids is None:
+        return jnp.arange(batch, dtype=jnp.uint32)
+    ids = np.asarray(sentence_ids, dtype=np.int64)
+    if ids.shape != (batch,) or ((ids < 0) | (ids > MASK)).any():
+        raise ValueError(f"sentence_ids must be {batch} integers in [0, 2**32), one a source row")
+    return jnp.asarray(ids.astype(np.uint32))
+
+
+def sampling_distribution(logprobs, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
+    """logprobs (N, V) -> (order (N, V) token ids by falling probability, probs (N, V) the sampling
+    probability of each, in that order): torch's `sampling_distribution` (temperature, top-k with
+    ties kept, top-p's smallest prefix reaching p, renormalised; a stable sort)."""
+    scaled = logprobs / temperature
+    order = jnp.argsort(-scaled, axis=-1, stable=True)  # (N, V)
+    scaled = jnp.take_along_axis(scaled, order, axis=-1)
+    if top_k:
+        scaled = jnp.where(scaled >= scaled[:, min(top_k, scaled.shape[-1]) - 1, None], scaled, -jnp.inf)
+    probs = jax.nn.softmax(scaled, axis=-1)
+    if top_p < 1:
+        probs = jnp.where(jnp.cumsum(probs, axis=-1) - probs < top_p, probs, 0.0)  # mass before each token < p
+    return order, probs / probs.sum(axis=-1, keepdims=True)
+
+
+def draw(order, probs, u):
+    """order, probs (N, V) of `sampling_distribution`, u (N,) in (0, 1) -> tokens (N,): by inverse CDF,
+    the first token in `order` whose cumulative probability exceeds u (never one of probability 0)."""
+    cdf = jnp.cumsum(probs, axis=-1)
+    rank = (cdf <= u[:, None] * cdf[:, -1:]).sum(axis=-1)  # tokens whose cumulative probability is passed
+    rank = jnp.minimum(rank, (probs > 0).sum(axis=-1) - 1)  # u * total rounded up to the total
+    return jnp.take_along_axis(order, rank[:, None], axis=-1)[:, 0]
+
+
+def sample(
+    model: Transformer, src_ids, seed: int, num_samples: int = 1, temperature: float = 1.0,
+    top_k: int = 0, top_p: float = 1.0, max_len_a: float = 1.5, max_len_b: int = 10, sentence_ids=None,
+):
+    """src_ids (B, S) -> (tokens (B, N, L), scores (B, N)): see `torch_reference.sampling.sample`;
+    here one compiled loop, compiled once for every seed and sentence ids (traced, not static)."""
+    _check_source(model, src_ids)
+    _check_sampling(seed, num_samples, temperature, top_k, top_p)
+    ids = _sentence_ids(sentence_ids, src_ids.shape[0])
+    return _sample(model, jnp.asarray(src_ids, jnp.int32), jnp.uint32(seed), ids, num_samples, float(temperature),
+                   top_k, float(top_p), max_len_a, max_len_b)
+
+
+@functools.partial(nnx.jit, static_argnums=(4, 5, 6, 7, 8, 9))
+def _sample(model: Transformer, src_ids, seed, sentence_ids, num_samples: int, temperature: float, top_k: int,
+            top_p: float, max_len_a: float, max_len_b: int):
+    cfg = model.cfg
+    B, S = src_ids.shape
+    N = num_samples
+    length = output_length(S, cfg.max_len, max_len_a, max_len_b)
+    src_mask = padding_mask(src_ids, cfg.pad_id)
+    memory = jnp.repeat(model.encode(src_ids, src_mask), N, axis=0)  # (B*N, S, D), a sentence's rows together
+    vocab = jnp.arange(cfg.tgt_vocab_size)
+    not_eos, never = vocab != cfg.eos_id, _never_emitted(cfg, vocab)  # (V,)
+
+    def step(position, c):
+        logits, cache = _logits(model, c, c["tokens"], c["last"], position)  # (b, V)
+        logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        must_end = (position + 1 >= c["limits"])[:, None]  # rows at their limit emit EOS
+        logprobs = jnp.where((must_end & not_eos) | never, NEG_INF, logprobs)
+        u = uniform(seed, c["sentence"], c["sample"], position)  # (b,)
+        last = draw(*sampling_distribution(logprobs, temperature, top_k, top_p), u).astype(jnp.int32)
+        done = c["done"]
+        return {
+            **c, "cache": cache, "last": last, "done": done | (last == cfg.eos_id),
+            "scores": c["scores"] + jnp.where(done, 0.0, jnp.take_along_axis(logprobs, last[:, None], axis=1)[:, 0]),
+            "tokens": c["tokens"].at[:, position].set(jnp.where(done, cfg.pad_id, last)),
+        }
+
+    carry = {
+        "tokens": jnp.full((B * N, length), cfg.pad_id, jnp.int32),
+        "scores": jnp.zeros(B * N, jnp.float32),
+        "done": jnp.repeat(_no_sentence(src_ids, cfg.pad_id), N),
+        "last": jnp.full((B * N,), cfg.bos_id, jnp.int32),
+        **_decoder(model, memory, jnp.repeat(src_mask, N, axis=0), length, True),
+        "limits": jnp.repeat(sentence_limits(src_ids, cfg.pad_id, length, max_len_a, max_len_b), N),  # (B*N,)
+        "sentence": jnp.repeat(sentence_ids, N),  # the random numbers' key and counter ride with their rows
+        "sample": jnp.tile(jnp.arange(N, dtype=jnp.uint32), B),
+    }
+    tokens, scores = _while(model, step, lambda c: (c["tokens"], c["scores"]), carry, length)
+    return tokens.reshape(B, N, length), scores.reshape(B, N)
