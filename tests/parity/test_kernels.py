@@ -127,7 +127,8 @@ def test_fused_models_give_the_reference_logits_gradients_and_attention_weights(
     assert_close(torch_loss_and_grads(t_fused, src, tgt_in, tgt_out),
                  torch_loss_and_grads(t_ref, src, tgt_in, tgt_out), 1e-5)
     with torch.no_grad():
-        weights = [m(torch.from_numpy(src), torch.from_numpy(tgt_in), return_attention=True)[1] for m in (t_ref, t_fused)]
+        src_t, tgt_t = torch.from_numpy(src), torch.from_numpy(tgt_in)
+        weights = [m(src_t, tgt_t, return_attention=True)[1] for m in (t_ref, t_fused)]
     torch.testing.assert_close(weights[0], weights[1], rtol=0, atol=1e-5)
 
 
