@@ -3,6 +3,7 @@
 from torch_reference.config import TransformerConfig
 
 from .model import (
+    KERNELS,
     Decoder,
     DecoderLayer,
     Encoder,
@@ -12,8 +13,10 @@ from .model import (
     PositionalEncoding,
     Transformer,
     causal_mask,
+    fused_attention,
     padding_mask,
     scaled_dot_product_attention,
+    set_kernels,
     shift_right,
     sinusoidal_positions,
     target_mask,
@@ -22,5 +25,6 @@ from .model import (
 __all__ = [
     "TransformerConfig", "Transformer", "Encoder", "Decoder", "EncoderLayer", "DecoderLayer",
     "MultiHeadAttention", "FeedForward", "PositionalEncoding", "scaled_dot_product_attention",
-    "sinusoidal_positions", "padding_mask", "causal_mask", "target_mask", "shift_right",
+    "sinusoidal_positions", "padding_mask", "causal_mask", "target_mask", "shift_right", "KERNELS",
+    "fused_attention", "set_kernels",
 ]

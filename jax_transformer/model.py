@@ -7,8 +7,8 @@ are the checkpoint keys and `parity/convert.py` needs only a handful of naming r
 Differences of idiom, not of maths: train/eval mode and randomness are explicit call arguments
 (`deterministic`, `rngs`) instead of `module.train()` and a global generator; a torch Linear
 `weight` (out, in) is a Flax `kernel` (in, out); LayerNorm/RMSNorm `weight` is `scale`; an
-Embedding `weight` is `embedding`. Two constructor arguments torch's twin lacks: `dtype` (mixed
-precision; torch has autocast) and `xla_cpu` (the kernels of `xla_cpu.py`; see `Transformer`).
+Embedding `weight` is `embedding`. One constructor argument torch's twin lacks: `dtype` (mixed
+precision; torch has autocast). A third kernel set torch's twin lacks: `xla_cpu` (`xla_cpu.py`).
 
 Axis letters in shape comments: B batch, S source length, T target length, L any sequence
 length, H heads, D model width, K head width, F feed-forward width, V vocabulary.
@@ -30,6 +30,11 @@ from . import xla_cpu as tuned
 
 # Xavier-uniform matrices and zero biases, as tensor2tensor (and torch_reference) initialise them.
 xavier_uniform = nnx.initializers.xavier_uniform()
+
+# How the layers compute, by name (`set_kernels`): `reference` mirrors torch_reference line by line;
+# `xla_cpu` is xla_cpu.py's pieces, faster on XLA:CPU; `fused` computes attention with
+# jax.nn.dot_product_attention (cuDNN's kernel on a GPU). All give the same results to float32 rounding.
+KERNELS = ("reference", "xla_cpu", "fused")
 
 # --------------------------------------------------------------------------------------------
 # Pure functions
@@ -121,7 +126,35 @@ def scaled_dot_product_attention(q, k, v, mask=None, dropout=None, return_attent
     return (out, attention) if return_attention else out
 
 
-def make_norm(cfg: TransformerConfig, rngs: nnx.Rngs, dtype=None, xla_cpu: bool = False) -> nnx.Module:
+def fused_attention(q, k, v, mask=None):
+    """`scaled_dot_product_attention` without dropout or weights, in one `jax.nn.dot_product_attention`:
+    cuDNN's fused kernel on a GPU in bfloat16/float16 (it takes no float32), else XLA's. Its masked
+    scores are -0.7 · the dtype's largest value and its softmax float32: a fully masked row averages too.
+    """
+    gpu_half = jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+    q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))  # (B, L, H, K): the layout it takes
+    mask = None if mask is None else jnp.broadcast_to(mask, (mask.shape[0], 1, q.shape[1], k.shape[1]))
+    out = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="cudnn" if gpu_half else None)
+    return jnp.swapaxes(out, 1, 2)  # (B, H, T, K)
+
+
+def set_kernels(module: nnx.Module, kernels: str = "reference", remat: bool = False) -> None:
+    """Choose once how every layer of `module` computes: the kernel set `kernels` (one of KERNELS)
+    and `remat`, whether each encoder and decoder layer recomputes its activations in the backward
+    pass (`nnx.remat`, i.e. jax.checkpoint) instead of keeping them. The modules that read them hold
+    them as attributes, set here on all at once; `Transformer` calls it."""
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels={kernels!r} is not one of {', '.join(KERNELS)}")
+    for _, m in nnx.iter_modules(module):
+        if isinstance(m, nnx.Linear):
+            m.dot_general = tuned.linear_dot_general if kernels == "xla_cpu" else jax.lax.dot_general
+        if hasattr(m, "kernels"):
+            m.kernels = kernels
+        if hasattr(m, "remat"):
+            m.remat = remat
+
+
+def make_norm(cfg: TransformerConfig, rngs: nnx.Rngs, dtype=None) -> nnx.Module:
     """LayerNorm (paper) or RMSNorm, both with the config's epsilon (never a library default).
 
     `use_fast_variance=False`: Flax's default E[x²]-E[x]² loses precision; torch uses E[(x-μ)²].
@@ -130,15 +163,14 @@ def make_norm(cfg: TransformerConfig, rngs: nnx.Rngs, dtype=None, xla_cpu: bool 
     kwargs = dict(epsilon=cfg.layer_norm_eps, use_fast_variance=False, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
     if cfg.norm == "rmsnorm":
         return nnx.RMSNorm(cfg.d_model, **kwargs)
-    return (tuned.LayerNorm if xla_cpu else nnx.LayerNorm)(cfg.d_model, **kwargs)
+    return tuned.LayerNorm(cfg.d_model, **kwargs)  # nnx.LayerNorm, xla_cpu's backward pass under that set
 
 
 # `dtype` is the computation's dtype (None: that of the inputs and parameters, i.e. float32);
 # parameters are float32 whatever it is (mixed precision: Micikevicius et al. 2018).
-def _linear(d_in: int, d_out: int, rngs: nnx.Rngs, bias: bool = True, dtype=None, xla_cpu=False) -> nnx.Linear:
+def _linear(d_in: int, d_out: int, rngs: nnx.Rngs, bias: bool = True, dtype=None) -> nnx.Linear:
     return nnx.Linear(
-        d_in, d_out, use_bias=bias, kernel_init=xavier_uniform, dtype=dtype, param_dtype=jnp.float32,
-        dot_general=tuned.linear_dot_general if xla_cpu else jax.lax.dot_general, rngs=rngs,
+        d_in, d_out, use_bias=bias, kernel_init=xavier_uniform, dtype=dtype, param_dtype=jnp.float32, rngs=rngs,
     )
 
 
@@ -183,9 +215,11 @@ class PositionalEncoding(nnx.Module):
 class MultiHeadAttention(nnx.Module):
     """Multi-head attention (§3.2.2): project, split into H heads, attend, merge, project."""
 
-    def __init__(self, cfg: TransformerConfig, *, dtype=None, xla_cpu: bool = False, rngs: nnx.Rngs):
+    kernels = "reference"  # set_kernels
+
+    def __init__(self, cfg: TransformerConfig, *, dtype=None, rngs: nnx.Rngs):
         self.num_heads = cfg.num_heads
-        linear = functools.partial(_linear, rngs=rngs, dtype=dtype, xla_cpu=xla_cpu)
+        linear = functools.partial(_linear, rngs=rngs, dtype=dtype)
         self.q_proj = linear(cfg.d_model, cfg.d_model, bias=cfg.attention_bias)
         self.k_proj = linear(cfg.d_model, cfg.d_model, bias=cfg.attention_bias)
         self.v_proj = linear(cfg.d_model, cfg.d_model, bias=cfg.attention_bias)
@@ -209,19 +243,23 @@ class MultiHeadAttention(nnx.Module):
         `kv` gives keys and values already projected (from a cache) in place of `context`.
         `return_attention`: ((B, T, D), the attention weights (B, H, T, S)).
         """
+        if self.kernels == "xla_cpu":  # a sentence's hypotheses may share its keys (xla_cpu.shared_keys)
+            shared = tuned.shared_keys(x, context, kv)
+            if shared is not None:
+                out = self(shared, context, mask, kv, return_attention, deterministic=deterministic, rngs=rngs)
+                return out.reshape(x.shape)
         q = self.split_heads(self.q_proj(x))  # (B, H, T, K)
         k, v = self.project_kv(context) if kv is None else kv  # (B, H, S, K) each
         dropout = functools.partial(self.dropout, deterministic=deterministic, rngs=rngs)
-        out = scaled_dot_product_attention(q, k, v, mask, dropout, return_attention)  # (B, H, T, K)
+        if self.kernels == "fused" and not return_attention and (deterministic or self.dropout.rate == 0):
+            out = fused_attention(q, k, v, mask)  # (B, H, T, K)
+        else:
+            out = scaled_dot_product_attention(q, k, v, mask, dropout, return_attention)  # (B, H, T, K)
         if return_attention:
             out, attention = out
         B, H, T, K = out.shape
         out = self.out_proj(out.transpose(0, 2, 1, 3).reshape(B, T, H * K))  # (B, T, D)
         return (out, attention) if return_attention else out
-
-
-class _SharedKeysAttention(tuned.SharedKeys, MultiHeadAttention):
-    """The cross-attention of an `xla_cpu` model: keys and values of one row may serve several."""
 
 
 class FeedForward(nnx.Module):
@@ -232,10 +270,11 @@ class FeedForward(nnx.Module):
     linear2(silu(linear1(x)) * linear_gate(x)), with the same width F.
     """
 
-    def __init__(self, cfg: TransformerConfig, *, dtype=None, xla_cpu: bool = False, rngs: nnx.Rngs):
+    kernels = "reference"  # set_kernels
+
+    def __init__(self, cfg: TransformerConfig, *, dtype=None, rngs: nnx.Rngs):
         self.activation = cfg.activation
-        self.xla_cpu = xla_cpu
-        linear = functools.partial(_linear, rngs=rngs, dtype=dtype, xla_cpu=xla_cpu)
+        linear = functools.partial(_linear, rngs=rngs, dtype=dtype)
         self.linear1 = linear(cfg.d_model, cfg.d_ff)
         self.linear_gate = linear(cfg.d_model, cfg.d_ff) if cfg.activation == "swiglu" else None
         self.linear2 = linear(cfg.d_ff, cfg.d_model)
@@ -245,7 +284,7 @@ class FeedForward(nnx.Module):
         h = self.linear1(x)  # (B, L, F)
         dropping = not deterministic and self.dropout.rate > 0
         if self.activation == "relu":
-            if self.xla_cpu and h.dtype == jnp.float32 and not dropping:  # linear2(relu(h)) keeping h alone
+            if self.kernels == "xla_cpu" and h.dtype == jnp.float32 and not dropping:  # linear2(relu(h)) keeping h alone
                 return tuned.relu_linear(h, self.linear2.kernel[...]) + self.linear2.bias[...]
             h = jax.nn.relu(h)
         elif self.activation == "gelu":
@@ -264,12 +303,12 @@ class EncoderLayer(nnx.Module):
     Pre-norm: x = x + Dropout(sublayer(Norm(x))), with a final norm in the Encoder/Decoder.
     """
 
-    def __init__(self, cfg: TransformerConfig, *, dtype=None, xla_cpu: bool = False, rngs: nnx.Rngs):
+    def __init__(self, cfg: TransformerConfig, *, dtype=None, rngs: nnx.Rngs):
         self.pre_norm = cfg.norm_position == "pre"
-        self.self_attn = MultiHeadAttention(cfg, dtype=dtype, xla_cpu=xla_cpu, rngs=rngs)
-        self.self_attn_norm = make_norm(cfg, rngs, dtype, xla_cpu)
-        self.ff = FeedForward(cfg, dtype=dtype, xla_cpu=xla_cpu, rngs=rngs)
-        self.ff_norm = make_norm(cfg, rngs, dtype, xla_cpu)
+        self.self_attn = MultiHeadAttention(cfg, dtype=dtype, rngs=rngs)
+        self.self_attn_norm = make_norm(cfg, rngs, dtype)
+        self.ff = FeedForward(cfg, dtype=dtype, rngs=rngs)
+        self.ff_norm = make_norm(cfg, rngs, dtype)
         self.dropout = nnx.Dropout(cfg.dropout)
 
     def residual(self, x, norm, sublayer, deterministic, rngs):
@@ -287,11 +326,10 @@ class EncoderLayer(nnx.Module):
 class DecoderLayer(EncoderLayer):
     """An EncoderLayer with attention over the encoder output between its two sublayers (§3.1)."""
 
-    def __init__(self, cfg: TransformerConfig, *, dtype=None, xla_cpu: bool = False, rngs: nnx.Rngs):
-        super().__init__(cfg, dtype=dtype, xla_cpu=xla_cpu, rngs=rngs)
-        attention = _SharedKeysAttention if xla_cpu else MultiHeadAttention
-        self.cross_attn = attention(cfg, dtype=dtype, xla_cpu=xla_cpu, rngs=rngs)
-        self.cross_attn_norm = make_norm(cfg, rngs, dtype, xla_cpu)
+    def __init__(self, cfg: TransformerConfig, *, dtype=None, rngs: nnx.Rngs):
+        super().__init__(cfg, dtype=dtype, rngs=rngs)
+        self.cross_attn = MultiHeadAttention(cfg, dtype=dtype, rngs=rngs)
+        self.cross_attn_norm = make_norm(cfg, rngs, dtype)
 
     def __call__(
         self, x, memory, src_mask=None, tgt_mask=None, return_attention=False, *, deterministic=True, rngs=None
@@ -347,19 +385,27 @@ class Encoder(nnx.Module):
     """Positions and dropout on the embedded input, `num_layers` layers, a final norm if pre-norm."""
 
     layer_type = EncoderLayer
+    remat = False  # set_kernels
 
-    def __init__(self, cfg: TransformerConfig, num_layers: int, *, dtype=None, xla_cpu: bool = False, rngs: nnx.Rngs):
+    def __init__(self, cfg: TransformerConfig, num_layers: int, *, dtype=None, rngs: nnx.Rngs):
         self.positions = PositionalEncoding(cfg, dtype=dtype, rngs=rngs)
         self.dropout = nnx.Dropout(cfg.dropout)
-        layer = functools.partial(self.layer_type, cfg, dtype=dtype, xla_cpu=xla_cpu, rngs=rngs)
+        layer = functools.partial(self.layer_type, cfg, dtype=dtype, rngs=rngs)
         self.layers = nnx.List([layer() for _ in range(num_layers)])
-        self.norm = make_norm(cfg, rngs, dtype, xla_cpu) if cfg.norm_position == "pre" else None
+        self.norm = make_norm(cfg, rngs, dtype) if cfg.norm_position == "pre" else None
+
+    def run_layer(self, layer, x, *args, deterministic, rngs, **static):
+        """layer(x, *args, ...); with `remat` its activations are recomputed for the backward pass."""
+        def run(layer, x, args, rngs):
+            return layer(x, *args, deterministic=deterministic, rngs=rngs, **static)
+
+        return (nnx.remat(run) if self.remat else run)(layer, x, args, rngs)
 
     def __call__(self, x, mask=None, *, positions=None, deterministic: bool = True, rngs: nnx.Rngs | None = None):
         """Embedded source x (B, S, D) -> memory (B, S, D); `positions` (B, S): see PositionalEncoding."""
         x = self.dropout(self.positions(x, positions=positions), deterministic=deterministic, rngs=rngs)
         for layer in self.layers:
-            x = layer(x, mask, deterministic=deterministic, rngs=rngs)
+            x = self.run_layer(layer, x, mask, deterministic=deterministic, rngs=rngs)
         return x if self.norm is None else self.norm(x)
 
 
@@ -377,7 +423,8 @@ class Decoder(Encoder):
         x = self.dropout(self.positions(x, positions=positions), deterministic=deterministic, rngs=rngs)
         attention = []
         for layer in self.layers:
-            x = layer(x, memory, src_mask, tgt_mask, return_attention, deterministic=deterministic, rngs=rngs)
+            x = self.run_layer(layer, x, memory, src_mask, tgt_mask, return_attention=return_attention,
+                               deterministic=deterministic, rngs=rngs)
             if return_attention:
                 x, weights = x
                 attention.append(weights)
@@ -408,15 +455,19 @@ class Transformer(nnx.Module):
     and the loss casts the logits to float32. The torch side gets the same from torch.autocast,
     so the twin has no such argument.
 
-    `xla_cpu`: compute with the kernels of `xla_cpu.py`, faster on XLA:CPU (backward
-    passes ordered for it, fewer arrays kept), and have `decode`'s searches take its tuned loop;
-    the training backend sets it where its devices are CPUs. The same parameters and checkpoint
-    keys, the same results to float32 rounding (tests/jax_transformer/test_xla_cpu.py).
+    `kernels` and `remat`: see `set_kernels`. The model holds the kernel set (`kernels`); its layers,
+    `decode`'s searches and the training objective read it there. `xla_cpu` (xla_cpu.py: backward
+    passes ordered for XLA:CPU, fewer arrays kept, a tuned search loop) is what the training backend
+    chooses where its devices are CPUs, `fused` on a GPU. The same parameters and checkpoint keys
+    whatever the set, the same results to float32 rounding (tests/jax_transformer/test_xla_cpu.py,
+    tests/jax_transformer/test_kernels.py).
     """
 
-    def __init__(self, cfg: TransformerConfig, *, dtype=None, xla_cpu: bool = False, rngs: nnx.Rngs):
+    kernels = "reference"  # set_kernels
+
+    def __init__(self, cfg: TransformerConfig, *, dtype=None, kernels: str = "reference", remat: bool = False,
+                 rngs: nnx.Rngs):
         self.cfg = cfg
-        self.xla_cpu = xla_cpu
         self.embed_scale = math.sqrt(cfg.d_model) if cfg.scale_embeddings else 1.0
         # Embeddings ~ normal(0, d_model^-0.5): unit variance once scaled by sqrt(d_model).
         std = cfg.d_model**-0.5
@@ -425,14 +476,18 @@ class Transformer(nnx.Module):
         self.tgt_embed = (
             None if cfg.share_embeddings else _embedding(cfg.tgt_vocab_size, cfg.d_model, std, rngs, dtype)
         )
-        self.encoder = Encoder(cfg, cfg.num_encoder_layers, dtype=dtype, xla_cpu=xla_cpu, rngs=rngs)
-        self.decoder = Decoder(cfg, cfg.num_decoder_layers, dtype=dtype, xla_cpu=xla_cpu, rngs=rngs)
+        self.encoder = Encoder(cfg, cfg.num_encoder_layers, dtype=dtype, rngs=rngs)
+        self.decoder = Decoder(cfg, cfg.num_decoder_layers, dtype=dtype, rngs=rngs)
         # Tied output: logits = h Eᵀ with the target embedding E (§3.4); no separate matrix.
-        self.out_proj = (
-            None if cfg.tie_output else _linear(cfg.d_model, cfg.tgt_vocab_size, rngs, False, dtype, xla_cpu)
-        )
+        self.out_proj = None if cfg.tie_output else _linear(cfg.d_model, cfg.tgt_vocab_size, rngs, False, dtype)
         # `output_bias`: a bias on the logits, tied output or not (Marian's final_logits_bias); zeros.
         self.logits_bias = nnx.Param(jnp.zeros((cfg.tgt_vocab_size,), jnp.float32)) if cfg.output_bias else None
+        set_kernels(self, kernels, remat)
+
+    @property
+    def xla_cpu(self) -> bool:
+        """Whether the kernel set is `xla_cpu`: the searches then take xla_cpu.py's loop."""
+        return self.kernels == "xla_cpu"
 
     @property
     def target_embedding(self) -> nnx.Embed:
@@ -482,7 +537,7 @@ class Transformer(nnx.Module):
     def project(self, hidden: jax.Array) -> jax.Array:
         """hidden (B, T, D) -> logits (B, T, V)."""
         if self.out_proj is None:
-            logits = (tuned.attend if self.xla_cpu else nnx.Embed.attend)(self.target_embedding, hidden)
+            logits = (tuned.attend if self.kernels == "xla_cpu" else nnx.Embed.attend)(self.target_embedding, hidden)
         else:
             logits = self.out_proj(hidden)
         return logits if self.logits_bias is None else logits + self.logits_bias[...].astype(logits.dtype)

@@ -1,6 +1,6 @@
-"""The model's and the search's pieces tuned for XLA:CPU: `Transformer(xla_cpu=True)`, which the
-training backend builds where its devices are CPUs, computes with them, and `decode`'s searches over
-it run with them. Each gives what the plain path gives (to float32 rounding; the searches the same
+"""The model's and the search's pieces tuned for XLA:CPU: the kernel set `xla_cpu` of
+`Transformer(kernels="xla_cpu")`, which the training backend builds where its devices are CPUs,
+computes with them, and `decode`'s searches over it run with them. Each gives what the plain path gives (to float32 rounding; the searches the same
 tokens), and is here because it is faster or smaller on the CPU, side by side with the plain path
 (docs/performance.md#the-xlacpu-tuned-path-side-by-side):
 
@@ -11,7 +11,7 @@ tokens), and is here because it is faster or smaller on the CPU, side by side wi
     smoothed_sums       the loss and NLL sums with their gradient written out
     best_candidates     the search's top-k over k·V extensions, by chunks of the vocabulary
     shrinking_while     the search's loop over a shrinking batch and a growing cache
-    SharedKeys          a sentence's hypotheses attending over one copy of its encoder output
+    shared_keys         a sentence's hypotheses attending over one copy of its encoder output
 
 A weight gradient contracts over the token axis, the major axis of both the input and the
 incoming gradient, so one is transposed; XLA:CPU transposes the gradient, for the tied projection
@@ -113,11 +113,13 @@ layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
 
 
 class LayerNorm(nnx.LayerNorm):
-    """`nnx.LayerNorm` (the same parameters and forward pass), through `layer_norm` in float32
-    without a mask."""
+    """`nnx.LayerNorm` (the same parameters and forward pass); under the kernel set `xla_cpu`
+    through `layer_norm` in float32 without a mask."""
+
+    kernels = "reference"  # model.set_kernels
 
     def __call__(self, x, *, mask=None):
-        if mask is None and x.dtype == jnp.float32 and self.dtype in (None, jnp.float32):
+        if self.kernels == "xla_cpu" and mask is None and x.dtype == jnp.float32 and self.dtype in (None, jnp.float32):
             return layer_norm(x, self.scale[...], self.bias[...], self.epsilon)
         return super().__call__(x, mask=mask)
 
@@ -179,17 +181,14 @@ def smoothed_sums(logits, targets, pad_id: int, smoothing: float):
     return _smoothed_sums(logits, targets, targets != pad_id, jnp.float32(smoothing))
 
 
-class SharedKeys:
-    """For `MultiHeadAttention` (cross-attention): keys and values (`context`, `kv`) of B / g rows
-    serve g consecutive rows of x (B, T, D) each as one row's g * T queries, mask (B / g, 1, 1, S),
-    no `return_attention`: so `shrinking_while` keeps one copy of a sentence's encoder output and
-    cross-attention keys for its hypotheses, which torch's search (and the plain one) repeats."""
-
-    def __call__(self, x, context, mask=None, kv=None, *args, **kwargs):
-        rows = len(context if kv is None else kv[0])
-        if rows == len(x):
-            return super().__call__(x, context, mask, kv, *args, **kwargs)
-        return super().__call__(x.reshape(rows, -1, x.shape[-1]), context, mask, kv, *args, **kwargs).reshape(x.shape)
+def shared_keys(x, context, kv):
+    """For `MultiHeadAttention` (cross-attention): where keys and values (`context`, `kv`) of B / g
+    rows serve g consecutive rows of x (B, T, D), x as (B / g, g * T, D), one row's g * T queries
+    (mask (B / g, 1, 1, S), no `return_attention`); None where every row has its own. So
+    `shrinking_while` keeps one copy of a sentence's encoder output and cross-attention keys for its
+    hypotheses, which torch's search (and the plain one) repeats."""
+    rows = len(context if kv is None else kv[0])
+    return None if rows == len(x) else x.reshape(rows, -1, x.shape[-1])
 
 
 def best_candidates(cfg, logits, base, must_end, n: int, neg_inf: float, chunk: int = 128):
@@ -251,7 +250,7 @@ def shrinking_while(step, result, carry, length: int):
     carry: a pytree whose leaves lead with the b sentences' axis, or with b * n rows, a sentence's
     n rows next to each other; carry["done"] (b,), carry["cache"] (`Transformer.init_cache`'s, or
     None), carry["memory"] (or None) and carry["src_mask"] among them, the last three of which
-    keep one row a sentence here (`SharedKeys`). step(position, carry) -> carry; result(carry)
+    keep one row a sentence here (`shared_keys`). step(position, carry) -> carry; result(carry)
     -> per-sentence outputs.
 
     With static shapes a finished sentence keeps its rows in every matmul, so the search is a chain

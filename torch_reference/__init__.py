@@ -9,7 +9,7 @@ from .config import TransformerConfig
 _MODEL_NAMES = (
     "Transformer", "Encoder", "Decoder", "EncoderLayer", "DecoderLayer", "MultiHeadAttention",
     "FeedForward", "PositionalEncoding", "scaled_dot_product_attention", "sinusoidal_positions",
-    "padding_mask", "causal_mask", "target_mask", "shift_right",
+    "padding_mask", "causal_mask", "target_mask", "shift_right", "KERNELS", "fused_attention", "set_kernels",
 )
 
 __all__ = ["TransformerConfig", *_MODEL_NAMES]

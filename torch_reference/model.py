@@ -17,9 +17,15 @@ import math
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from .config import TransformerConfig
+
+# How the layers compute, by name (`set_kernels`): `reference` is this file's plain path; `fused`
+# computes attention with F.scaled_dot_product_attention (a fused kernel on a GPU). Both give the
+# same results to float32 rounding. (The JAX twin has a third, `xla_cpu`, for XLA:CPU.)
+KERNELS = ("reference", "fused")
 
 # --------------------------------------------------------------------------------------------
 # Pure functions
@@ -114,6 +120,29 @@ def scaled_dot_product_attention(
     return (out, attention) if return_attention else out
 
 
+def fused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
+    """`scaled_dot_product_attention` without dropout or weights, in one F.scaled_dot_product_attention
+    (a fused kernel on a GPU). One difference: a fully masked row, which only a row of padding holds,
+    gives zeros (and no gradient) where `scaled_dot_product_attention` averages the values. (Passing
+    the mask as a large negative score instead gives garbage gradients there on the CPU.)
+    """
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, T, K)
+
+
+def set_kernels(module: nn.Module, kernels: str = "reference", remat: bool = False) -> None:
+    """Choose once how every layer of `module` computes: the kernel set `kernels` (one of KERNELS)
+    and `remat`, whether each encoder and decoder layer recomputes its activations in the backward
+    pass (torch.utils.checkpoint) instead of keeping them. The modules that read them hold them as
+    attributes, set here on all at once; `Transformer` calls it."""
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels={kernels!r} is not one of {', '.join(KERNELS)}")
+    for m in module.modules():
+        if hasattr(m, "kernels"):
+            m.kernels = kernels
+        if hasattr(m, "remat"):
+            m.remat = remat
+
+
 def make_norm(cfg: TransformerConfig) -> nn.Module:
     """LayerNorm (paper) or RMSNorm, both with the config's epsilon (never a library default)."""
     if cfg.norm == "rmsnorm":
@@ -155,6 +184,8 @@ class PositionalEncoding(nn.Module):
 class MultiHeadAttention(nn.Module):
     """Multi-head attention (§3.2.2): project, split into H heads, attend, merge, project."""
 
+    kernels = "reference"  # set_kernels
+
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
         self.num_heads = cfg.num_heads
@@ -187,7 +218,10 @@ class MultiHeadAttention(nn.Module):
         """
         q = self.split_heads(self.q_proj(x))  # (B, H, T, K)
         k, v = self.project_kv(context) if kv is None else kv  # (B, H, S, K) each
-        out = scaled_dot_product_attention(q, k, v, mask, self.dropout, return_attention)  # (B, H, T, K)
+        if self.kernels == "fused" and not return_attention and (not self.training or self.dropout.p == 0):
+            out = fused_attention(q, k, v, mask)  # (B, H, T, K)
+        else:
+            out = scaled_dot_product_attention(q, k, v, mask, self.dropout, return_attention)  # (B, H, T, K)
         if return_attention:
             out, attention = out
         B, H, T, K = out.shape
@@ -316,6 +350,7 @@ class Encoder(nn.Module):
     """Positions and dropout on the embedded input, `num_layers` layers, a final norm if pre-norm."""
 
     layer_type = EncoderLayer
+    remat = False  # set_kernels
 
     def __init__(self, cfg: TransformerConfig, num_layers: int):
         super().__init__()
@@ -324,11 +359,24 @@ class Encoder(nn.Module):
         self.layers = nn.ModuleList(self.layer_type(cfg) for _ in range(num_layers))
         self.norm = make_norm(cfg) if cfg.norm_position == "pre" else None
 
+<<<<<<< HEAD
     def forward(self, x: Tensor, mask: Tensor | None = None, *, positions: Tensor | None = None) -> Tensor:
         """Embedded source x (B, S, D) -> memory (B, S, D); `positions` (B, S): see PositionalEncoding."""
         x = self.dropout(self.positions(x, positions=positions))
+=======
+    def run_layer(self, layer: nn.Module, x: Tensor, *args, **static):
+        """layer(x, *args); with `remat` its activations are recomputed for the backward pass."""
+        if self.remat and torch.is_grad_enabled():
+            # Non-reentrant, and the RNG state restored: the recomputation draws the same dropout masks.
+            return torch.utils.checkpoint.checkpoint(layer, x, *args, use_reentrant=False, **static)
+        return layer(x, *args, **static)
+
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        """Embedded source x (B, S, D) -> memory (B, S, D)."""
+        x = self.dropout(self.positions(x))
+>>>>>>> kernels
         for layer in self.layers:
-            x = layer(x, mask)
+            x = self.run_layer(layer, x, mask)
         return x if self.norm is None else self.norm(x)
 
 
@@ -352,7 +400,7 @@ class Decoder(Encoder):
         x = self.dropout(self.positions(x, positions=positions))
         attention = []
         for layer in self.layers:
-            x = layer(x, memory, src_mask, tgt_mask, return_attention)
+            x = self.run_layer(layer, x, memory, src_mask, tgt_mask, return_attention=return_attention)
             if return_attention:
                 x, weights = x
                 attention.append(weights)
@@ -376,9 +424,14 @@ class Transformer(nn.Module):
 
     `encode`, `decode` and `project` are public so that search (decode.py) can run them apart.
     Masks default to those implied by `cfg.pad_id` (and causality for the decoder).
+
+    `kernels` and `remat`: see `set_kernels`. The model holds the kernel set (`kernels`); its layers
+    read it there. The same parameters and checkpoint keys whatever the set.
     """
 
-    def __init__(self, cfg: TransformerConfig):
+    kernels = "reference"  # set_kernels
+
+    def __init__(self, cfg: TransformerConfig, kernels: str = "reference", remat: bool = False):
         super().__init__()
         self.cfg = cfg
         self.embed_scale = math.sqrt(cfg.d_model) if cfg.scale_embeddings else 1.0
@@ -392,6 +445,7 @@ class Transformer(nn.Module):
         # `output_bias`: a bias on the logits, tied output or not (Marian's final_logits_bias).
         self.logits_bias = nn.Parameter(torch.zeros(cfg.tgt_vocab_size)) if cfg.output_bias else None
         self.reset_parameters()
+        set_kernels(self, kernels, remat)
 
     def reset_parameters(self) -> None:
         """tensor2tensor's scheme: Xavier-uniform matrices, zero biases (the logits' too), unit norm scales, and

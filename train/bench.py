@@ -8,6 +8,7 @@ Flags and printing; each measurement runs in a worker process of its own (`train
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -18,8 +19,8 @@ from pathlib import Path
 from torch_reference.config import TransformerConfig
 
 from .backends import allocator
-from .benchmark import BACKENDS, PRECISIONS, _cpu_name, run_worker, write_plot
-from .config import non_negative_int, positive_int, probability
+from .benchmark import BACKENDS, PRECISIONS, REMAT_MODES, _cpu_name, run_worker, write_plot
+from .config import KERNEL_CHOICES, non_negative_int, positive_int, probability
 from .runtime.files import UserError, check_output_file, json_text, write_text_atomic
 
 
@@ -45,6 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dropout", type=probability, default=0.0, help="dropout rate (default 0: off; the paper's 0.1 with --dropout 0.1)")
     parser.add_argument("--precisions", default="float32",
                         help=f"comma-separated, from {', '.join(PRECISIONS)} (default float32; see below)")
+    parser.add_argument("--remat", choices=("off", "on", "both"), default="off",
+                        help="train.run --remat: recompute each layer's activations in the backward pass; both: each "
+                        "backend without then with it, side by side (default off)")
+    parser.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto",
+                        help="train.run --kernels: the models' kernel set (default auto)")
     parser.add_argument("--json", type=Path, help="write all figures to this JSON file")
     parser.add_argument("--plot", type=Path, help="write a bar chart of step times to this PNG")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -52,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--backend", help=argparse.SUPPRESS)
     parser.add_argument("--batch-size", type=positive_int, help=argparse.SUPPRESS)
     parser.add_argument("--precision", default="float32", choices=PRECISIONS, help=argparse.SUPPRESS)
+    parser.add_argument("--remat-on", action="store_true", help=argparse.SUPPRESS)
     return parser
 
 
@@ -87,12 +94,14 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for precision in precisions:
         for preset in presets:
-            for backend in backends:
+            for backend, remat in itertools.product(backends, REMAT_MODES[args.remat]):
                 command = [sys.executable, "-m", "train.bench", "--worker", "--preset", preset, "--backend", backend,
                            "--batch-size", str(batch_size), "--length", str(args.length),
                            "--vocab-size", str(args.vocab_size), "--steps", str(args.steps), "--warmup", str(args.warmup),
-                           "--dropout", str(args.dropout), "--precision", precision]
-                print(f"{precision} / {preset} / {backend} ...", file=sys.stderr, flush=True)
+                           "--dropout", str(args.dropout), "--precision", precision,
+                           "--kernels", args.kernels,
+                           *(["--remat-on"] if remat else [])]
+                print(f"{precision} / {preset} / {backend}{' / remat' if remat else ''} ...", file=sys.stderr, flush=True)
                 done = subprocess.run(command, capture_output=True, text=True)
                 if done.returncode:
                     sys.stderr.write(done.stderr[-3000:])
@@ -107,9 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     print(header)
     for r in results:
         eager = next((x for x in results if x["preset"] == r["preset"] and x["precision"] == r["precision"]
-                      and x["backend"] == "torch"), None)
+                      and x["backend"] == "torch" and not x["remat"]), None)
         ratio = f"{r['median_step_s'] / eager['median_step_s']:.2f}" if eager else "-"
-        print(f"{r['precision']:9s} {r['preset']:6s} {r['backend']:14s} {r['median_step_s'] * 1e3:9.1f} {r['first_step_s']:8.2f} "
+        name = r["backend"] + ("+remat" if r["remat"] else "")
+        print(f"{r['precision']:9s} {r['preset']:6s} {name:14s} {r['median_step_s'] * 1e3:9.1f} {r['first_step_s']:8.2f} "
               f"{r['tokens_per_s']:8.0f} {r['achieved_gflops']:8.1f} {r['matmul_peak_gflops']:6.0f} {r['mfu']:6.2f} "
               f"{r['peak_memory_mib']:8.0f} {ratio:>8s}")
     if args.plot:

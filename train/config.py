@@ -29,6 +29,8 @@ Dtype = Literal["float32", "bfloat16"]
 DTYPES = ("float32", "bfloat16")
 ParamSharding = Literal["replicated", "fsdp"]
 PARAM_SHARDINGS = ("replicated", "fsdp")
+# The models' kernel sets (jax_transformer.KERNELS; torch_reference has reference and fused), and auto.
+KERNEL_CHOICES = ("auto", "reference", "xla_cpu", "fused")
 
 # Vocabulary sizes when --vocab-size is not given. The numbers corpus has a few dozen distinct
 # words: at 400 BPE keeps German compounds in pieces ("drei|undsechzig|tausend"), which is what
@@ -72,6 +74,22 @@ non_negative_int = NON_NEGATIVE.parse
 positive_float = Range(float, above=0.0).parse
 non_negative_float = Range(float, low=0.0).parse
 probability = PROBABILITY.parse
+
+
+def default_dtype(platform: str) -> str:
+    """--dtype's default on a device platform (JAX's names: cpu, gpu, tpu): bfloat16 mixed precision
+    on an accelerator, float32 on the CPU (where bfloat16 matmuls are no faster)."""
+    return "float32" if platform == "cpu" else "bfloat16"
+
+
+def resolve_kernels(choice: str, backend: str, platform: str) -> str:
+    """The kernel set a model computes with: `choice`, or for "auto" xla_cpu on JAX's CPU, fused on
+    a GPU, reference otherwise. ValueError for a set the backend's model lacks."""
+    if choice == "auto":
+        return "fused" if platform == "gpu" else "xla_cpu" if (backend, platform) == ("jax", "cpu") else "reference"
+    if choice == "xla_cpu" and backend != "jax":
+        raise ValueError("--kernels xla_cpu is the JAX model's (the torch model has reference and fused)")
+    return choice
 
 
 def flag_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -242,9 +260,22 @@ class ExperimentConfig:
         "its largest dimension divisible by their count, ZeRO-3 style: 1/N of the state per device, gathered "
         "for the forward and backward passes)", choices=PARAM_SHARDINGS, launch=True,
     )
-    dtype: Dtype = _field(
-        "float32", "dist", "compute dtype: float32, or bfloat16 mixed precision (activations and matmuls in "
-        "bfloat16; parameters, optimizer state, softmax and loss in float32)", choices=DTYPES,
+    dtype: Dtype | None = _field(
+        None, "dist", "compute dtype: float32, or bfloat16 mixed precision (activations and matmuls in "
+        "bfloat16; parameters, optimizer state, softmax and loss in float32); default: bfloat16 on a GPU or TPU, "
+        "float32 on the CPU (docs/parity.md#bfloat16)", choices=DTYPES,
+    )
+    kernels: str = _field(
+        "auto", "dist", "how the model computes, the same function whatever the choice: reference (the plain path, "
+        "torch_reference line by line), xla_cpu (jax: backward passes and search loop tuned for XLA:CPU), fused "
+        "(attention in one fused kernel: jax.nn.dot_product_attention, cuDNN's on a GPU; torch's "
+        "scaled_dot_product_attention); auto: xla_cpu on the CPU with jax, fused on a GPU, reference otherwise",
+        choices=KERNEL_CHOICES, launch=True,
+    )
+    remat: bool = _field(
+        False, "dist", "recompute each encoder and decoder layer's activations in the backward pass instead of "
+        "keeping them (jax.checkpoint; torch.utils.checkpoint): less memory, more time (docs/performance.md#remat)",
+        launch=True,
     )
     coordinator_address: str | None = _field(
         None, "dist", "jax multi-process run: HOST:PORT of process 0's coordinator, for jax.distributed.initialize; "
@@ -278,6 +309,9 @@ class ExperimentConfig:
         unknown = sorted(set(self.model) - known)
         if unknown:
             raise ValueError(f"unknown model field(s) {', '.join(map(repr, unknown))}; choose from {', '.join(sorted(known))}")
+        if self.kernels not in KERNEL_CHOICES:
+            raise ValueError(f"kernels={self.kernels!r} is not one of {', '.join(KERNEL_CHOICES)}")
+        resolve_kernels(self.kernels, self.backend, "cpu")  # a set the backend's model has
         if self.param_sharding not in PARAM_SHARDINGS:
             raise ValueError(f"param_sharding={self.param_sharding!r} is not one of {', '.join(PARAM_SHARDINGS)}")
         for name, allowed in FIELD_RANGES.items():

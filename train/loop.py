@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from . import data, plots, pretrained, runtime
 from .backends import Backend, Topology, create_backend, initialize
 from .backends.compiles import Compiles, totals
-from .config import ExperimentConfig
+from .config import ExperimentConfig, default_dtype
 from .data.splits import load_splits
 from .metrics import bands_text, evaluate_pairs
 from .runtime import CHECKPOINTS, CONFIG_FILE, CURVES_FILE, RESULTS_FILE, TENSORBOARD, Interrupted, UserError, say
@@ -58,6 +58,8 @@ def train(cfg: ExperimentConfig, *, explicit: Iterable[str] | None = None,
     except ValueError as err:
         raise UserError(str(err)) from None
     compiled_before = totals()  # this run's compilations: those after this point
+    if cfg.dtype is None and not cfg.resume:  # a resumed run keeps the dtype it was started with
+        cfg = cfg.replace(dtype=default_dtype(topology.platform))
     if topology.process_count > 1 and cfg.run_dir is None:
         raise UserError("a multi-process run needs --run-dir: one directory, the same for every process")
     if cfg.init_from and not cfg.resume:

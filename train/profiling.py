@@ -97,7 +97,7 @@ def jax_parts(cfg: TransformerConfig, batch: int, length: int, repeats: int, see
     from jax_transformer.objective import label_smoothed_cross_entropy
 
     tuned = jax.devices()[0].platform == "cpu"
-    model = jax_transformer.Transformer(cfg, xla_cpu=tuned, rngs=nnx.Rngs(seed))
+    model = jax_transformer.Transformer(cfg, kernels="xla_cpu" if tuned else "reference", rngs=nnx.Rngs(seed))
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.standard_normal((batch, length, cfg.d_model), dtype=np.float32))
     memory = jnp.asarray(rng.standard_normal((batch, length, cfg.d_model), dtype=np.float32))
@@ -193,7 +193,8 @@ def xla_op_split(cfg: TransformerConfig, batch: int, length: int, repeats: int =
     import jax_transformer
     from jax_transformer.objective import label_smoothed_cross_entropy
 
-    model = jax_transformer.Transformer(cfg, xla_cpu=jax.devices()[0].platform == "cpu", rngs=nnx.Rngs(seed))
+    kernels = "xla_cpu" if jax.devices()[0].platform == "cpu" else "reference"
+    model = jax_transformer.Transformer(cfg, kernels=kernels, rngs=nnx.Rngs(seed))
     graphdef, params = nnx.split(model, nnx.Param)
     ids = jnp.asarray(np.random.default_rng(seed).integers(4, cfg.tgt_vocab_size, (batch, length)))
 
@@ -223,7 +224,7 @@ def xla_op_split(cfg: TransformerConfig, batch: int, length: int, repeats: int =
 
 def xla_cpu_ab(cfg: TransformerConfig, batch: int, length: int, repeats: int, sentences: int, seed: int = 0) -> dict:
     """{"train step" | "beam-4 search": {"plain" | "tuned": [seconds each]}, "temporaries MiB": {...}}
-    of the model built with `xla_cpu=False` and `True`, alternated call by call: the backend's step
+    of the model built with `kernels="reference"` and `"xla_cpu"`, alternated call by call: the backend's step
     (smoothed loss and NLL summed, Adam, the state donated), and a search over random sources of
     random lengths, each run to its own length limit by the random weights."""
     import jax
@@ -243,7 +244,8 @@ def xla_cpu_ab(cfg: TransformerConfig, batch: int, length: int, repeats: int, se
     tx, eps = optax.adam(1e-4, b1=0.9, b2=0.98, eps=1e-9), (0.1, 0.0)
     runs, temporaries = {}, {}
     for name in ("plain", "tuned"):
-        graphdef, params = nnx.split(jax_transformer.Transformer(cfg, xla_cpu=name == "tuned", rngs=nnx.Rngs(seed)))
+        kernels = "xla_cpu" if name == "tuned" else "reference"
+        graphdef, params = nnx.split(jax_transformer.Transformer(cfg, kernels=kernels, rngs=nnx.Rngs(seed)))
 
         def step(state, graphdef=graphdef):
             def loss(p):  # the smoothed loss's sum over the tokens, and the NLL's

@@ -215,8 +215,8 @@ def test_activation_dropout_is_explicit_and_seeded():
     np.testing.assert_allclose(np.asarray(d), expected.detach().numpy(), atol=1e-5, rtol=0)  # model tolerance
 
 
-@pytest.mark.parametrize("xla_cpu", [False, True])
-def test_activation_dropout_drops_the_activations_before_linear2(xla_cpu):
+@pytest.mark.parametrize("kernels", jt.model.KERNELS)
+def test_activation_dropout_drops_the_activations_before_linear2(kernels):
     """With linear2 the identity plus 0.5, each output entry is 0.5 or relu(linear1(x)) / (1 - p) + 0.5
     in both twins (dropout after linear2 would give 0 or (relu + 0.5) / (1 - p)); about a fraction p
     of the positive activations dropped."""
@@ -227,7 +227,8 @@ def test_activation_dropout_drops_the_activations_before_linear2(xla_cpu):
     with torch.no_grad():
         tff.linear2.weight.copy_(torch.eye(width))
         tff.linear2.bias.fill_(0.5)
-    jff = jt.model.FeedForward(cfg, xla_cpu=xla_cpu, rngs=nnx.Rngs(0))
+    jff = jt.model.FeedForward(cfg, rngs=nnx.Rngs(0))
+    jt.model.set_kernels(jff, kernels)
     jff.linear1.kernel[...] = t2j(tff.linear1.weight.T)
     jff.linear1.bias[...] = t2j(tff.linear1.bias)
     jff.linear2.kernel[...] = jnp.eye(width)

@@ -1,5 +1,5 @@
 """jax_transformer.xla_cpu: each tuned piece gives what the plain path gives, the model built with
-`xla_cpu=True` gives the plain model's losses, gradients and searches on the CPU, and the pieces do
+`kernels="xla_cpu"` gives the plain model's losses, gradients and searches on the CPU, and the pieces do
 what they exist for (no transposed copy of the logits' gradient, fewer arrays kept by the step)."""
 
 import re
@@ -98,6 +98,8 @@ def test_the_model_layer_norm_has_flax_parameters_and_falls_back_where_not_float
     norm = LayerNorm(8, epsilon=1e-6, use_fast_variance=False, rngs=nnx.Rngs(0))
     assert set(nnx.to_pure_dict(nnx.state(norm, nnx.Param))) == {"scale", "bias"}
     x = normal(2, 3, 8)
+    assert "custom_vjp_call" not in str(jax.make_jaxpr(lambda x: norm(x))(x))  # the reference kernel set
+    norm.kernels = "xla_cpu"
     assert "custom_vjp_call" in str(jax.make_jaxpr(lambda x: norm(x))(x))
     assert "custom_vjp_call" not in str(jax.make_jaxpr(lambda x: norm(x))(x.astype(jnp.bfloat16)))
 
@@ -176,7 +178,7 @@ def test_shared_keys_equal_the_keys_repeated_for_each_row():
     keys repeated g times give: to 1e-6 (values of order 1, 24 wide: float32 rounding of a matmul
     over g * T rows against one over T)."""
     cfg = TransformerConfig(src_vocab_size=53, tgt_vocab_size=53, d_model=24, num_heads=3, d_ff=40, dropout=0.0)
-    attn = jax_transformer.Transformer(cfg, xla_cpu=True, rngs=nnx.Rngs(0)).decoder.layers[0].cross_attn
+    attn = jax_transformer.Transformer(cfg, kernels="xla_cpu", rngs=nnx.Rngs(0)).decoder.layers[0].cross_attn
     rng = np.random.default_rng(4)
     b, g, T, S = 3, 4, 2, 5
     x = jnp.asarray(rng.normal(size=(b * g, T, 24)), jnp.float32)
@@ -194,7 +196,7 @@ TINY = TransformerConfig.preset("tiny", src_vocab_size=50, tgt_vocab_size=50, ma
 
 def both_paths(cfg):
     """{False: the plain model, True: the XLA:CPU-tuned one}, from one seed: the same weights."""
-    models = {tuned: jax_transformer.Transformer(cfg, xla_cpu=tuned, rngs=nnx.Rngs(0)) for tuned in (False, True)}
+    models = {tuned: jax_transformer.Transformer(cfg, kernels="xla_cpu" if tuned else "reference", rngs=nnx.Rngs(0)) for tuned in (False, True)}
     plain, tuned = (jax.tree.leaves(nnx.state(models[t])) for t in (False, True))
     assert len(plain) == len(tuned) and all(np.array_equal(a, b) for a, b in zip(plain, tuned))
     return models
@@ -243,7 +245,7 @@ def sources(sentences: int, length: int, vocab: int, seed: int) -> np.ndarray:
     pytest.param({"norm_position": "pre", "share_embeddings": False, "tie_output": False},
                  [("beam_search", {"beam_size": 3, "cached": False})], marks=pytest.mark.slow)])
 def test_both_paths_give_the_same_losses_gradients_and_searches_on_the_cpu(overrides, searches):
-    """The model built with `xla_cpu=True` against the plain one, both run here on the CPU: the same
+    """The model built with `kernels="xla_cpu"` against the plain one, both run here on the CPU: the same
     loss and gradients to float32 rounding, and searches (greedy, beam 3, cached and not) with
     identical tokens. 40 sentences and 47 positions: the tuned loops shrink the batch to 20
     sentences and grow the self-attention cache (11, 23, 47 positions)."""

@@ -36,8 +36,8 @@ def pair(seed=0, **overrides):
 
 
 def tuned(jax_model):
-    """The same weights in a model built with `xla_cpu=True`: its search runs the XLA:CPU loop."""
-    model = jmodel.Transformer(jax_model.cfg, xla_cpu=True, rngs=nnx.Rngs(0))
+    """The same weights in a model built with `kernels="xla_cpu"`: its search runs the XLA:CPU loop."""
+    model = jmodel.Transformer(jax_model.cfg, kernels="xla_cpu", rngs=nnx.Rngs(0))
     nnx.update(model, nnx.state(jax_model))
     return model
 

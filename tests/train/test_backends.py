@@ -68,10 +68,17 @@ def _pair(fast_config, corpus, **changes):
         # Both accumulation paths (two micro-batches per update) and clipping that triggers
         # (gradient norms here are ~1-3): the same formulas on both sides.
         {"grad_accum": 2, "clip_norm": 0.5},
+<<<<<<< HEAD
         # Packed rows (segment ids): the same masks and positions on both sides.
         {"pack": True},
     ],
     ids=["plain", "accumulate-and-clip", "packed"],
+=======
+        # The fused attention kernels and remat in both frameworks: the same training to the same bounds.
+        pytest.param({"kernels": "fused", "remat": True, "dropout": 0.0}, marks=pytest.mark.slow),
+    ],
+    ids=["plain", "accumulate-and-clip", "fused-remat"],
+>>>>>>> kernels
 )
 def test_jax_and_torch_train_alike(fast_config, corpus, changes):
     # lr_factor 0.3: five updates at lr 0.008-0.03. At lr_factor 1 (0.026-0.1) the run is chaotic at
@@ -240,3 +247,42 @@ def test_float32_means_float32_matmuls_off_the_cpu(dtype, platform, preset, expe
         assert jax.config.jax_default_matmul_precision == expected
     finally:
         jax.config.update("jax_default_matmul_precision", before)
+
+
+@pytest.mark.parametrize("choice, backend, platform, expected", [
+    ("auto", "jax", "cpu", "xla_cpu"), ("auto", "jax", "gpu", "fused"), ("auto", "jax", "tpu", "reference"),
+    ("auto", "torch", "cpu", "reference"), ("auto", "torch", "gpu", "fused"), ("reference", "jax", "cpu", "reference"),
+    ("fused", "torch", "cpu", "fused"), ("xla_cpu", "jax", "gpu", "xla_cpu"),
+])
+def test_the_kernel_set_is_resolved_from_the_platform(choice, backend, platform, expected):
+    from train.config import resolve_kernels
+
+    assert resolve_kernels(choice, backend, platform) == expected
+
+
+def test_dtype_defaults_to_bfloat16_off_the_cpu_and_a_torch_xla_cpu_choice_is_refused(fast_config):
+    from train.config import default_dtype
+
+    assert [default_dtype(p) for p in ("cpu", "gpu", "tpu")] == ["float32", "bfloat16", "bfloat16"]
+    assert fast_config("jax").dtype is None  # automatic: resolved where the platform is known
+    with pytest.raises(ValueError, match="--kernels xla_cpu is the JAX model's"):
+        fast_config("torch", kernels="xla_cpu")
+
+
+def test_backends_build_their_models_with_the_kernel_set_and_remat(fast_config, corpus):
+    """On the CPU, auto gives JAX xla_cpu and torch reference, in float32; the model holds the choice
+    and every module that reads it has it; --kernels and --remat reach the models."""
+    _, tokenizers = corpus
+    cfg = fast_config("jax", model=LOPSIDED).resolve()
+    model_cfg = cfg.model_config(tokenizers.src.get_vocab_size(), tokenizers.tgt.get_vocab_size())
+    jax_backend = create_backend(cfg, model_cfg)
+    model = jax_backend.ctx.model(jax_backend.state["params"])
+    assert jax_backend.kernels == model.kernels == "xla_cpu" and model.xla_cpu and not model.encoder.remat
+    assert model.encoder.layers[0].ff.linear1.dot_general.__name__ == "linear_dot_general"
+    torch_backend = create_backend(cfg.replace(backend="torch"), model_cfg)
+    assert torch_backend.kernels == torch_backend.model.kernels == "reference" and torch_backend.dtype == "float32"
+    for backend in ("jax", "torch"):
+        chosen = create_backend(cfg.replace(backend=backend, kernels="fused", remat=True), model_cfg)
+        model = chosen.ctx.model(chosen.state["params"]) if backend == "jax" else chosen.model
+        assert model.kernels == model.decoder.layers[0].cross_attn.kernels == "fused", backend
+        assert model.encoder.remat and model.decoder.remat, backend

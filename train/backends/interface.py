@@ -31,6 +31,7 @@ class Topology:
     process_index: int = 0
     process_count: int = 1
     num_devices: int = 1
+    platform: str = "cpu"  # the devices' kind, as JAX names it: cpu, gpu, tpu
 
     @property
     def is_main(self) -> bool:

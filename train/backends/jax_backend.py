@@ -25,7 +25,7 @@ from jax_transformer import decode, sharding, xla_cpu
 from jax_transformer.objective import label_smoothed_cross_entropy, noam_learning_rate
 from torch_reference.config import TransformerConfig
 
-from ..config import ExperimentConfig
+from ..config import ExperimentConfig, default_dtype, resolve_kernels
 from ..data import Batch
 from ..store import TrainingState, check_keys
 from ..store.jax_store import JaxStore
@@ -71,8 +71,8 @@ def initialize(exp_cfg: ExperimentConfig) -> Topology:
     platform = mesh.devices.flat[0].platform
     if platform == "cpu":
         allocator.tune()
-    full_float32_matmuls(exp_cfg.dtype, platform)
-    return Topology(jax.process_index(), jax.process_count(), mesh.devices.size)
+    full_float32_matmuls(exp_cfg.dtype or default_dtype(platform), platform)
+    return Topology(jax.process_index(), jax.process_count(), mesh.devices.size, platform)
 
 
 def full_float32_matmuls(dtype: str, platform: str) -> bool:
@@ -109,7 +109,7 @@ def loss_sums(ctx: StepContext, params, batch, key, total_tokens, deterministic)
     segments = {k: batch[k] for k in ("src_segments", "tgt_segments") if k in batch}  # packed rows
     logits = model(batch["src"], batch["tgt_in"], **segments, deterministic=deterministic, rngs=rngs)  # (B, T, V)
     pad, eps = ctx.model_cfg.pad_id, ctx.exp_cfg.label_smoothing
-    if model.xla_cpu:
+    if model.kernels == "xla_cpu":
         loss_sum, nll_sum = xla_cpu.smoothed_sums(logits, batch["tgt_out"], pad, eps)
     else:
         loss_sum, nll_sum = (label_smoothed_cross_entropy(logits, batch["tgt_out"], pad, e, "sum") for e in (eps, 0.0))
@@ -203,10 +203,12 @@ class JaxBackend(StoreMethods):
         self._compiled_shapes: set[tuple] = set()
         # Every process initialises the same weights from the seed, then they are replicated.
         init_key, rng = jax.random.split(jax.random.key(exp_cfg.seed))
-        dtype = COMPUTE_DTYPES[exp_cfg.dtype]
-        # The XLA:CPU-tuned kernels and search (jax_transformer/xla_cpu.py) where the devices are CPUs.
-        on_cpu = self.mesh.devices.flat[0].platform == "cpu"
-        model = jax_transformer.Transformer(model_cfg, dtype=dtype, xla_cpu=on_cpu, rngs=nnx.Rngs(params=init_key))
+        platform = self.mesh.devices.flat[0].platform
+        dtype = COMPUTE_DTYPES[exp_cfg.dtype or default_dtype(platform)]
+        # The kernel set, chosen here once: the model's layers, its searches and `loss_sums` read it from the model.
+        self.kernels = resolve_kernels(exp_cfg.kernels, "jax", platform)
+        model = jax_transformer.Transformer(model_cfg, dtype=dtype, kernels=self.kernels, remat=exp_cfg.remat,
+                                            rngs=nnx.Rngs(params=init_key))
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
         self.tx = make_optimizer(exp_cfg, model_cfg.d_model)
         state = {"params": params, "opt_state": self.tx.init(params), "step": jnp.zeros((), jnp.int32)}

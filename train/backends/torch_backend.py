@@ -18,7 +18,7 @@ from torch_reference import decode
 from torch_reference.config import TransformerConfig
 from torch_reference.objective import label_smoothed_cross_entropy, noam_learning_rate
 
-from ..config import ExperimentConfig
+from ..config import ExperimentConfig, default_dtype, resolve_kernels
 from ..data import Batch
 from ..store import TrainingState, check_keys
 from ..store.torch_store import TorchStore
@@ -41,7 +41,7 @@ def initialize(exp_cfg: ExperimentConfig) -> Topology:
     if exp_cfg.coordinator_address or exp_cfg.num_processes not in (None, 1):
         raise ValueError("multi-process training (--coordinator-address, --num-processes) needs --backend jax")
     torch.set_num_threads(exp_cfg.threads or len(os.sched_getaffinity(0)))
-    return Topology()
+    return Topology(platform="gpu" if torch.cuda.is_available() else "cpu")
 
 
 class TorchBackend(StoreMethods):
@@ -53,8 +53,11 @@ class TorchBackend(StoreMethods):
         self.exp_cfg, self.model_cfg = exp_cfg, model_cfg
         self.topology = Topology()
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        platform = "gpu" if self.device.type == "cuda" else "cpu"
+        self.dtype = exp_cfg.dtype or default_dtype(platform)
+        self.kernels = resolve_kernels(exp_cfg.kernels, "torch", platform)
         torch.manual_seed(exp_cfg.seed)
-        self.model = torch_reference.Transformer(model_cfg).to(self.device)
+        self.model = torch_reference.Transformer(model_cfg, self.kernels, exp_cfg.remat).to(self.device)
         self.forward = torch.compile(self.model) if exp_cfg.compile else self.model
         # lr = 1 times the schedule's factor: LambdaLR multiplies the base lr by lr_lambda(epoch).
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1.0, betas=(0.9, 0.98), eps=1e-9)
@@ -76,7 +79,7 @@ class TorchBackend(StoreMethods):
 
     def autocast(self):
         """bfloat16 autocast for --dtype bfloat16 (parameters stay float32), else nothing."""
-        if self.exp_cfg.dtype == "bfloat16":
+        if self.dtype == "bfloat16":
             return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 

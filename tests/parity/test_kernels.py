@@ -1,0 +1,158 @@
+"""Kernel sets by name and rematerialisation, in both twins, on the CPU: `fused` attention
+(jax.nn.dot_product_attention, F.scaled_dot_product_attention) against the `reference` path, alone
+and in the model, outputs and gradients, with padding and causal masks and a fully masked row (which
+only a row of padding holds: torch's fused kernel gives zeros there, the others the average);
+attention weights asked of a fused model come from the reference path; `remat` gives the same loss
+and gradients as without, dropout on.
+
+Tolerances: 1e-6 on attention outputs and gradients of order 1 (a K = 8 wide softmax average,
+float32: the two paths sum the same products in another order; measured <= 4e-7); 1e-5 on logits
+and parameter gradients of the lopsided model, the parity contract's float32 bound for tiny models.
+Remat recomputes the same operations: the same values to 1e-6 (XLA may fuse the recomputed forward
+pass differently; measured equal).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+
+import jax_transformer as jt
+import torch_reference as tr
+from jax_transformer import objective as jax_objective
+from parity.check import enable_parity_numerics
+from torch_reference import objective as torch_objective
+
+enable_parity_numerics()
+
+CONFIG = dict(src_vocab_size=53, tgt_vocab_size=53, d_model=24, num_heads=3, d_ff=40,
+              num_encoder_layers=2, num_decoder_layers=3, max_len=40, dropout=0.0)
+B, H, T, S, K = 3, 3, 5, 7, 8
+
+
+def masks():
+    """{name: mask (B, 1, T|1, S) bool}: keys padded (row 2 has none left: a fully masked row), and
+    causal with padding (T = S positions)."""
+    keys = np.arange(S)[None, :] < np.array([S, 4, 0])[:, None]  # (B, S)
+    causal = np.tril(np.ones((S, S), bool))[None, None] & (np.arange(S) < np.array([S, 3, 5])[:, None])[:, None, None]
+    return {"padding": keys[:, None, None, :], "causal": causal}
+
+
+@pytest.mark.parametrize("name", ["padding", "causal", "none"])
+def test_fused_attention_equals_the_reference_outputs_and_gradients(name):
+    rng = np.random.default_rng(0)
+    mask = masks().get(name)
+    q = rng.normal(size=(B, H, S if name == "causal" else T, K)).astype(np.float32)
+    k, v = (rng.normal(size=(B, H, S, K)).astype(np.float32) for _ in range(2))
+    g = rng.normal(size=q.shape).astype(np.float32)  # the output's cotangent
+    results = {}
+    for framework, sdpa, fused in (("jax", jt.scaled_dot_product_attention, jt.fused_attention),
+                                   ("torch", tr.scaled_dot_product_attention, tr.fused_attention)):
+        for kernel, f in (("reference", sdpa), ("fused", fused)):
+            if framework == "jax":
+                m = None if mask is None else jnp.asarray(mask)
+                out, vjp = jax.vjp(lambda q, k, v: f(q, k, v, m), *map(jnp.asarray, (q, k, v)))
+                results[framework, kernel] = [np.asarray(x) for x in (out, *vjp(jnp.asarray(g)))]
+            else:
+                qkv = [torch.tensor(x, requires_grad=True) for x in (q, k, v)]
+                out = f(*qkv, None if mask is None else torch.from_numpy(mask))
+                out.backward(torch.from_numpy(g))
+                results[framework, kernel] = [out.detach().numpy(), *(x.grad.numpy() for x in qkv)]
+    real = slice(None) if name == "none" else slice(0, 2)  # row 2 of the padding mask is fully masked
+    for framework in ("jax", "torch"):
+        for got, want in zip(results[framework, "fused"], results[framework, "reference"]):
+            np.testing.assert_allclose(got[real], want[real], atol=1e-6, rtol=0)
+    for got, want in zip(results["jax", "fused"], results["jax", "reference"]):  # JAX: every row alike
+        np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
+    if name == "padding":  # a fully masked row: the values' average in JAX (as both references), zeros in torch
+        np.testing.assert_allclose(results["jax", "fused"][0][2], np.broadcast_to(v[2].mean(1, keepdims=True),
+                                   (H, T, K)), atol=1e-6)
+        for array in results["torch", "fused"]:
+            assert not array[2].any()
+
+def batch():
+    rng = np.random.default_rng(1)
+    src = rng.integers(4, 53, size=(B, 9))
+    src[1, 5:] = 0  # padding
+    tgt = rng.integers(4, 53, size=(B, 6))
+    tgt[2, 3:] = 0
+    return src, np.concatenate([np.ones((B, 1), np.int64), tgt[:, :-1]], 1), tgt
+
+
+def jax_loss_and_grads(model, src, tgt_in, tgt_out, dropout=None):
+    """(loss, logits, parameter gradients); `dropout`: the seed of the dropout masks, None for none."""
+    def loss(params):
+        mode = {} if dropout is None else dict(deterministic=False, rngs=nnx.Rngs(dropout=dropout))
+        logits = nnx.merge(graphdef, params)(src, tgt_in, **mode)
+        return jax_objective.label_smoothed_cross_entropy(logits, tgt_out, 0, 0.1), logits
+
+    graphdef, params = nnx.split(model)
+    (value, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)  # jit: eager is slow
+    return float(value), np.asarray(logits), [np.asarray(x) for x in jax.tree.leaves(grads)]
+
+
+def torch_loss_and_grads(model, src, tgt_in, tgt_out):
+    model.zero_grad()
+    logits = model(*(torch.from_numpy(x) for x in (src, tgt_in)))
+    value = torch_objective.label_smoothed_cross_entropy(logits, torch.from_numpy(tgt_out), 0, 0.1)
+    value.backward()
+    return float(value), logits.detach().numpy(), [p.grad.numpy().copy() for p in model.parameters()]
+
+
+def assert_close(a, b, atol):
+    assert a[0] == pytest.approx(b[0], abs=atol)
+    np.testing.assert_allclose(a[1], b[1], atol=atol, rtol=0)
+    assert len(a[2]) == len(b[2])
+    for x, y in zip(a[2], b[2]):
+        np.testing.assert_allclose(x, y, atol=atol, rtol=0)
+
+
+def test_fused_models_give_the_reference_logits_gradients_and_attention_weights():
+    cfg = jt.TransformerConfig(**CONFIG)
+    src, tgt_in, tgt_out = batch()
+    j = {name: jt.Transformer(cfg, kernels=name, rngs=nnx.Rngs(0)) for name in ("reference", "fused")}
+    assert j["fused"].kernels == "fused" and not j["fused"].xla_cpu
+    assert {m.kernels for _, m in nnx.iter_modules(j["fused"]) if hasattr(m, "kernels")} == {"fused"}
+    assert_close(jax_loss_and_grads(j["fused"], src, tgt_in, tgt_out),
+                 jax_loss_and_grads(j["reference"], src, tgt_in, tgt_out), 1e-5)
+    weights = [np.asarray(nnx.jit(lambda m: m(src, tgt_in, return_attention=True)[1])(m)) for m in j.values()]
+    np.testing.assert_allclose(weights[0], weights[1], atol=1e-5, rtol=0)  # the layers below differ by rounding
+    torch.manual_seed(0)
+    t_ref = tr.Transformer(cfg)
+    t_fused = tr.Transformer(cfg, kernels="fused")
+    t_fused.load_state_dict(t_ref.state_dict())
+    assert {m.kernels for m in t_fused.modules() if hasattr(m, "kernels")} == {"fused"}
+    assert_close(torch_loss_and_grads(t_fused, src, tgt_in, tgt_out),
+                 torch_loss_and_grads(t_ref, src, tgt_in, tgt_out), 1e-5)
+    with torch.no_grad():
+        src_t, tgt_t = torch.from_numpy(src), torch.from_numpy(tgt_in)
+        weights = [m(src_t, tgt_t, return_attention=True)[1] for m in (t_ref, t_fused)]
+    torch.testing.assert_close(weights[0], weights[1], rtol=0, atol=1e-5)
+
+
+def test_remat_gives_the_same_loss_and_gradients_with_dropout():
+    cfg = jt.TransformerConfig(**{**CONFIG, "dropout": 0.3, "attention_dropout": 0.2})
+    src, tgt_in, tgt_out = batch()
+    results = []
+    for remat in (False, True):
+        model = jt.Transformer(cfg, remat=remat, rngs=nnx.Rngs(0))
+        assert model.encoder.remat == model.decoder.remat == remat
+        results.append(jax_loss_and_grads(model, src, tgt_in, tgt_out, dropout=3))
+    assert_close(results[0], results[1], 1e-6)
+    results = []
+    for remat in (False, True):
+        torch.manual_seed(0)
+        model = tr.Transformer(cfg, remat=remat).train()
+        torch.manual_seed(1)  # the same dropout masks
+        results.append(torch_loss_and_grads(model, src, tgt_in, tgt_out))
+    assert_close(results[0], results[1], 1e-6)
+
+
+def test_an_unknown_kernel_set_is_refused_in_both_twins():
+    cfg = jt.TransformerConfig(**CONFIG)
+    with pytest.raises(ValueError, match="kernels='flash' is not one of reference, xla_cpu, fused"):
+        jt.Transformer(cfg, kernels="flash", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="kernels='xla_cpu' is not one of reference, fused"):
+        tr.Transformer(cfg, kernels="xla_cpu")
