@@ -359,11 +359,6 @@ class Encoder(nn.Module):
         self.layers = nn.ModuleList(self.layer_type(cfg) for _ in range(num_layers))
         self.norm = make_norm(cfg) if cfg.norm_position == "pre" else None
 
-<<<<<<< HEAD
-    def forward(self, x: Tensor, mask: Tensor | None = None, *, positions: Tensor | None = None) -> Tensor:
-        """Embedded source x (B, S, D) -> memory (B, S, D); `positions` (B, S): see PositionalEncoding."""
-        x = self.dropout(self.positions(x, positions=positions))
-=======
     def run_layer(self, layer: nn.Module, x: Tensor, *args, **static):
         """layer(x, *args); with `remat` its activations are recomputed for the backward pass."""
         if self.remat and torch.is_grad_enabled():
@@ -371,10 +366,9 @@ class Encoder(nn.Module):
             return torch.utils.checkpoint.checkpoint(layer, x, *args, use_reentrant=False, **static)
         return layer(x, *args, **static)
 
-    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
-        """Embedded source x (B, S, D) -> memory (B, S, D)."""
-        x = self.dropout(self.positions(x))
->>>>>>> kernels
+    def forward(self, x: Tensor, mask: Tensor | None = None, *, positions: Tensor | None = None) -> Tensor:
+        """Embedded source x (B, S, D) -> memory (B, S, D); `positions` (B, S): see PositionalEncoding."""
+        x = self.dropout(self.positions(x, positions=positions))
         for layer in self.layers:
             x = self.run_layer(layer, x, mask)
         return x if self.norm is None else self.norm(x)

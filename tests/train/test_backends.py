@@ -68,17 +68,12 @@ def _pair(fast_config, corpus, **changes):
         # Both accumulation paths (two micro-batches per update) and clipping that triggers
         # (gradient norms here are ~1-3): the same formulas on both sides.
         {"grad_accum": 2, "clip_norm": 0.5},
-<<<<<<< HEAD
         # Packed rows (segment ids): the same masks and positions on both sides.
         {"pack": True},
-    ],
-    ids=["plain", "accumulate-and-clip", "packed"],
-=======
         # The fused attention kernels and remat in both frameworks: the same training to the same bounds.
         pytest.param({"kernels": "fused", "remat": True, "dropout": 0.0}, marks=pytest.mark.slow),
     ],
-    ids=["plain", "accumulate-and-clip", "fused-remat"],
->>>>>>> kernels
+    ids=["plain", "accumulate-and-clip", "packed", "fused-remat"],
 )
 def test_jax_and_torch_train_alike(fast_config, corpus, changes):
     # lr_factor 0.3: five updates at lr 0.008-0.03. At lr_factor 1 (0.026-0.1) the run is chaotic at
