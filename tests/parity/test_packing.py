@@ -120,13 +120,13 @@ def test_torch_packed_logits_equal_each_pair_alone(variant):
         np.testing.assert_allclose(packed[row, tgt], single[where[i], : tgt.stop - tgt.start], atol=1e-5)
 
 
-@pytest.mark.parametrize("xla_cpu", [False, True])
+@pytest.mark.parametrize("kernels", jmodel.KERNELS)
 @pytest.mark.parametrize("variant", VARIANTS, ids=["paper", "learned,pre"])
-def test_jax_packed_logits_equal_each_pair_alone_and_torch(variant, xla_cpu):
+def test_jax_packed_logits_equal_each_pair_alone_and_torch(variant, kernels):
     torch.manual_seed(0)
     torch_model = tr.Transformer(tr.TransformerConfig(**{**CFG, **variant})).eval()
     model = torch_to_jax(torch_model)
-    model.xla_cpu = xla_cpu  # the tuned kernels take the same masks
+    jmodel.set_kernels(model, kernels)  # every kernel set takes the same segment masks
     examples, batch = packed_batch()
     j = lambda x: jnp.asarray(np.asarray(x, np.int32))
     packed = np.asarray(model(j(batch.src), j(batch.tgt_in), src_segments=j(batch.src_segments),
