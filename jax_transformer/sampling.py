@@ -87,27 +87,37 @@ def _sentence_ids(sentence_ids, batch: int):
 
 
 def sampling_distribution(logprobs, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
-    """logprobs (N, V) -> (order (N, V) token ids by falling probability, probs (N, V) the sampling
-    probability of each, in that order): torch's `sampling_distribution` (temperature, top-k with
-    ties kept, top-p's smallest prefix reaching p, renormalised; a stable sort)."""
+    """logprobs (N, V) -> probs (N, V), each token's sampling probability in token-id order: torch's
+    `sampling_distribution` (temperature, top-k with ties kept, top-p's smallest most probable set
+    reaching p with ties by lower id, renormalised; thresholds, nothing reordered or sorted unfiltered)."""
     scaled = logprobs / temperature
-    order = jnp.argsort(-scaled, axis=-1, stable=True)  # (N, V)
-    scaled = jnp.take_along_axis(scaled, order, axis=-1)
     if top_k:
-        scaled = jnp.where(scaled >= scaled[:, min(top_k, scaled.shape[-1]) - 1, None], scaled, -jnp.inf)
+        kth = jax.lax.top_k(scaled, min(top_k, scaled.shape[-1]))[0][:, -1:]  # (N, 1)
+        scaled = jnp.where(scaled >= kth, scaled, -jnp.inf)
     probs = jax.nn.softmax(scaled, axis=-1)
     if top_p < 1:
-        probs = jnp.where(jnp.cumsum(probs, axis=-1) - probs < top_p, probs, 0.0)  # mass before each token < p
-    return order, probs / probs.sum(axis=-1, keepdims=True)
+        probs = jnp.where(_top_p_kept(probs, top_p), probs, 0.0)
+        probs = probs / probs.sum(axis=-1, keepdims=True)
+    return probs
 
 
-def draw(order, probs, u):
-    """order, probs (N, V) of `sampling_distribution`, u (N,) in (0, 1) -> tokens (N,): by inverse CDF,
-    the first token in `order` whose cumulative probability exceeds u (never one of probability 0)."""
+def _top_p_kept(probs, top_p: float):
+    """probs (N, V) -> (N, V) bool, the tokens top-p keeps (torch's `_top_p_kept`: only values sorted)."""
+    falling = jnp.flip(jnp.sort(probs, axis=-1), axis=-1)
+    kept = (jnp.cumsum(falling, axis=-1) - falling < top_p).sum(axis=-1, keepdims=True)  # (N, 1) mass before < p
+    least = jnp.take_along_axis(falling, kept - 1, axis=-1)  # (N, 1) the least kept probability
+    above, tie = probs > least, probs == least
+    return above | (tie & (jnp.cumsum(tie, axis=-1) <= kept - above.sum(axis=-1, keepdims=True)))
+
+
+def draw(probs, u):
+    """probs (N, V) of `sampling_distribution`, u (N,) in (0, 1) -> tokens (N,): by inverse CDF in
+    token-id order, the first token whose cumulative probability exceeds u (never one of probability 0)."""
     cdf = jnp.cumsum(probs, axis=-1)
-    rank = (cdf <= u[:, None] * cdf[:, -1:]).sum(axis=-1)  # tokens whose cumulative probability is passed
-    rank = jnp.minimum(rank, (probs > 0).sum(axis=-1) - 1)  # u * total rounded up to the total
-    return jnp.take_along_axis(order, rank[:, None], axis=-1)[:, 0]
+    token = (cdf <= u[:, None] * cdf[:, -1:]).sum(axis=-1)  # tokens whose cumulative probability is passed
+    ids = jnp.arange(probs.shape[-1])
+    last = jnp.where(probs > 0, ids, -1).max(axis=-1)  # u * total rounded up to the total
+    return jnp.minimum(token, last)
 
 
 def sample(
@@ -141,7 +151,7 @@ def _sample(model: Transformer, src_ids, seed, sentence_ids, num_samples: int, t
         must_end = (position + 1 >= c["limits"])[:, None]  # rows at their limit emit EOS
         logprobs = jnp.where((must_end & not_eos) | never, NEG_INF, logprobs)
         u = uniform(seed, c["sentence"], c["sample"], position)  # (b,)
-        last = draw(*sampling_distribution(logprobs, temperature, top_k, top_p), u).astype(jnp.int32)
+        last = draw(sampling_distribution(logprobs, temperature, top_k, top_p), u).astype(jnp.int32)
         done = c["done"]
         return {
             **c, "cache": cache, "last": last, "done": done | (last == cfg.eos_id),

@@ -9,10 +9,11 @@ at the counter (sample, position), computed with integer arithmetic that rounds 
 tokens therefore depend on its seed, its sentence id and its model alone, never on the batch it
 is in or on the framework. torch lacks uint32 arithmetic: the words are held in int64 and masked.
 
-The token is drawn by inverse CDF over the filtered distribution sorted by falling probability:
-the first token whose cumulative probability exceeds u. Only the boundaries near u matter, and in
-sorted order those move with the small tail mass beyond them, so float32 differences in the
-logits change a token only when u falls within about 1e-6 of a boundary.
+The token is drawn by inverse CDF in token-id order: the first token whose cumulative probability
+exceeds u. The filters are thresholds and never reorder the tokens, so float32 differences in the
+logits move each boundary by rounding only, and change a token only when u falls within about 1e-6
+of the boundary (or a token sits at a filter's threshold); a sort would let two nearly equal
+probabilities swap places, moving a whole token's mass.
 """
 
 from __future__ import annotations
@@ -80,29 +81,43 @@ def _sentence_ids(sentence_ids, batch: int, device) -> Tensor:
     return ids
 
 
-def sampling_distribution(logprobs: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
-    """logprobs (N, V) -> (order (N, V) token ids by falling probability, probs (N, V) the sampling
-    probability of each, in that order), as HF's warpers (and fairseq) define them: softmax of
-    logprobs / temperature, kept to the tokens scoring at least the k-th largest (`top_k` > 0; ties
-    kept), then to the smallest prefix whose probability reaches `top_p` (a token stays while the
-    tokens before it hold less than top_p), renormalised. The sort is stable: ties in index order."""
-    scaled, order = torch.sort(-(logprobs / temperature), dim=-1, stable=True)  # (N, V) rising -scaled
-    scaled = -scaled
+def sampling_distribution(logprobs: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+    """logprobs (N, V) -> probs (N, V), each token's sampling probability in token-id order, as HF's
+    warpers (and fairseq) define them: softmax of logprobs / temperature, kept to the tokens scoring
+    at least the k-th largest (`top_k` > 0; ties kept), then to the smallest set of most probable
+    tokens whose probability reaches `top_p` (a token stays while the more probable tokens, and the
+    equally probable ones of lower id, hold less than top_p), renormalised. Both filters are
+    thresholds on the tokens in place: nothing is reordered, and with neither nothing is sorted."""
+    scaled = logprobs / temperature
     if top_k:
-        scaled = torch.where(scaled >= scaled[:, min(top_k, scaled.shape[-1]) - 1, None], scaled, -math.inf)
+        kth = torch.topk(scaled, min(top_k, scaled.shape[-1]), dim=-1).values[:, -1:]  # (N, 1)
+        scaled = torch.where(scaled >= kth, scaled, -math.inf)
     probs = torch.softmax(scaled, dim=-1)
     if top_p < 1:
-        probs = torch.where(probs.cumsum(dim=-1) - probs < top_p, probs, 0.0)  # mass before each token < p
-    return order, probs / probs.sum(dim=-1, keepdim=True)
+        probs = torch.where(_top_p_kept(probs, top_p), probs, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
 
 
-def draw(order: Tensor, probs: Tensor, u: Tensor) -> Tensor:
-    """order, probs (N, V) of `sampling_distribution`, u (N,) in (0, 1) -> tokens (N,): by inverse CDF,
-    the first token in `order` whose cumulative probability exceeds u (never one of probability 0)."""
+def _top_p_kept(probs: Tensor, top_p: float) -> Tensor:
+    """probs (N, V) -> (N, V) bool, the tokens top-p keeps: those above the least kept probability,
+    and as many of the tokens at it as the smallest set needs, lowest ids first. Only the values are
+    sorted (to find that threshold); the tokens stay in id order."""
+    falling = torch.sort(probs, dim=-1, descending=True).values
+    kept = ((falling.cumsum(dim=-1) - falling) < top_p).sum(dim=-1, keepdim=True)  # (N, 1) mass before < p
+    least = falling.gather(1, kept - 1)  # (N, 1) the least kept probability
+    above, tie = probs > least, probs == least
+    return above | (tie & (tie.cumsum(dim=-1) <= kept - above.sum(dim=-1, keepdim=True)))
+
+
+def draw(probs: Tensor, u: Tensor) -> Tensor:
+    """probs (N, V) of `sampling_distribution`, u (N,) in (0, 1) -> tokens (N,): by inverse CDF in
+    token-id order, the first token whose cumulative probability exceeds u (never one of probability 0)."""
     cdf = probs.cumsum(dim=-1)
-    rank = (cdf <= u[:, None] * cdf[:, -1:]).sum(dim=-1)  # tokens whose cumulative probability is passed
-    rank = torch.minimum(rank, (probs > 0).sum(dim=-1) - 1)  # u * total rounded up to the total
-    return order.gather(1, rank[:, None])[:, 0]
+    token = (cdf <= u[:, None] * cdf[:, -1:]).sum(dim=-1)  # tokens whose cumulative probability is passed
+    ids = torch.arange(probs.shape[-1], device=probs.device)
+    last = torch.where(probs > 0, ids, -1).amax(dim=-1)  # u * total rounded up to the total
+    return torch.minimum(token, last)
 
 
 @torch.no_grad()
@@ -140,7 +155,7 @@ def sample(
         must_end = (position + 1 >= limits)[:, None]  # rows at their limit emit EOS
         logprobs = torch.where((must_end & not_eos) | never, NEG_INF, logprobs)
         u = uniform(seed, sentence, sample_index, position)  # (B*N,)
-        last = draw(*sampling_distribution(logprobs, temperature, top_k, top_p), u)
+        last = draw(sampling_distribution(logprobs, temperature, top_k, top_p), u)
         scores = scores + torch.where(done, 0.0, logprobs.gather(1, last[:, None])[:, 0])
         tokens[:, position] = torch.where(done, cfg.pad_id, last)
         done = done | (last == cfg.eos_id)
