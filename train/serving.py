@@ -317,6 +317,11 @@ def app(run=None, limits: Limits | None = None, *, decode: Callable | None = Non
                 return None
         return bytes(body)
 
+    async def disconnected(request) -> None:
+        """Returns when the client has gone (its body was read: the next message is the disconnect)."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
     def error(status: int, message: str, headers: dict | None = None) -> JSONResponse:
         return JSONResponse({"error": message}, status, headers=headers)
 
@@ -324,16 +329,17 @@ def app(run=None, limits: Limits | None = None, *, decode: Callable | None = Non
         kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if kind != "application/json":
             return error(415, f"the content type must be application/json, not {kind or 'none'}")
-        too_large = error(413, f"the body is larger than {limits.max_body_bytes} bytes")
+        # the rest of such a body is never read: the connection closes after the answer
+        too_large = error(413, f"the body is larger than {limits.max_body_bytes} bytes", {"Connection": "close"})
         length = request.headers.get("content-length", "")
         if length and (not length.isdigit() or int(length) > limits.max_body_bytes):
-            return too_large  # refused before reading: the connection closes after the answer
+            return too_large
         try:
             body = await asyncio.wait_for(read_body(request, limits.max_body_bytes), limits.body_timeout_s)
             if body is None:
                 return too_large
         except TimeoutError:
-            return error(408, f"the body did not arrive within {limits.body_timeout_s:g} s")
+            return error(408, f"the body did not arrive within {limits.body_timeout_s:g} s", {"Connection": "close"})
         except ClientDisconnect:
             return error(400, "the client disconnected")
         try:
@@ -345,13 +351,21 @@ def app(run=None, limits: Limits | None = None, *, decode: Callable | None = Non
             future = batcher.submit(texts, count_tokens(texts), options)
         except QueueFull as err:
             return error(429, f"{err}: try again later", {"Retry-After": "1"})
+        gone = asyncio.ensure_future(disconnected(request))
         try:
-            results = await asyncio.wait_for(future, limits.request_timeout_s)
-        except TimeoutError:
+            await asyncio.wait([future, gone], timeout=limits.request_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not future.done():  # cancelled: a request still queued is dropped, not decoded
+            future.cancel()
+            if gone.done():
+                return error(400, "the client disconnected")
             return error(503, f"no translation within {limits.request_timeout_s:g} s: the server is busy",
                          {"Retry-After": "5"})
-        except Exception as err:  # noqa: BLE001 (what failed the batch, in one line; the server goes on)
+        if future.exception() is not None:  # what failed the batch, in one line; the server goes on
+            err = future.exception()
             return error(500, f"translation failed: {type(err).__name__}: {err}".splitlines()[0])
+        results = future.result()
         out: dict[str, Any] = {"translations": [r["translation"] for r in results]}
         if options[3]:
             out["attention"] = [r.get("attention") for r in results]
