@@ -16,6 +16,8 @@ COMMANDS = {  # subcommand: (module, what it does)
     "evaluate": ("train.evaluate", "score a run on parallel data: loss, BLEU, chrF, exact match"),
     "average": ("train.average", "average a run's last checkpoints into a new run"),
     "curves": ("train.curves", "redraw a run's learning curves"),
+    "serve": ("train.serve", "serve a run over HTTP: batched translation, a page that shows the attention"),
+    "loadtest": ("train.loadtest", "load a served run with concurrent clients: latency and throughput"),
     "bench": ("train.bench", "time the training step of both frameworks"),
     "profile": ("train.profile_step", "where a training step's time goes"),
     "convert": ("parity.convert", "weights and runs between frameworks; Marian import, Marian and CTranslate2 export"),

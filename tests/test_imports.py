@@ -244,7 +244,7 @@ def test_every_name_imported_from_the_project_exists():
 # The commands: flag parsing and printing over the library; `parity.cli` is `aiayn`, naming them all.
 COMMANDS = {
     "train.run", "train.translate", "train.evaluate", "train.average", "train.curves", "train.bench",
-    "train.profile_step", "parity.convert", "parity.check", "parity.trajectory", "parity.translate_bench", "parity.cli",
+    "train.profile_step", "train.serve", "train.loadtest", "parity.convert", "parity.check", "parity.trajectory", "parity.translate_bench", "parity.cli",
 }
 
 

@@ -1,0 +1,423 @@
+"""The HTTP server (train.serving, python -m train.serve): batching, the API, limits, hostile
+requests, SIGTERM, and a short load test. Servers run in-process on a free loopback port (uvicorn
+on a thread), except for the SIGTERM test's real `python -m train.serve` process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+
+import train
+from train import serving
+from train.loadgen import load_test
+from train.serving import Batcher, Limits, QueueFull, Server
+
+REPO = Path(__file__).resolve().parents[2]
+SOURCES = ["dreiundvierzig", "siebenhundertzwölf", "neun", "achtzehn", "zweitausendeins", "sechzig"]
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_torch_run):
+    with train.load(tiny_torch_run) as run:
+        yield run
+
+
+@pytest.fixture(scope="module")
+def server(loaded):
+    """The tiny run served with a short body timeout (slow clients) and a 20 ms batching wait."""
+    with Server(serving.app(loaded, Limits(body_timeout_s=1.0, max_wait_ms=20)), port=0).start() as running:
+        yield running
+
+
+def fake_server(decode=None, **limits) -> Server:
+    """A server without a model: `decode` (default: each text reversed) stands in for the run's."""
+    decode = decode or (lambda texts, options: [{"translation": t[::-1]} for t in texts])
+    asgi = serving.app(limits=Limits(**limits), decode=decode, count_tokens=lambda texts: sum(map(len, texts)),
+                       info={"step": 0, "backend": "fake"})
+    return Server(asgi, port=0).start()
+
+
+HTTP = httpx.Client(timeout=60)  # one client: a new one builds an SSL context, a tenth of a second here
+
+
+def post(url: str, body, **kwargs) -> httpx.Response:
+    return HTTP.post(f"{url}/translate", json=body, **kwargs)
+
+
+def assert_serving(url: str) -> None:
+    """The server still answers a good request."""
+    reply = post(url, {"texts": ["neun"], "beam": 1})
+    assert reply.status_code == 200, reply.text
+    assert len(reply.json()["translations"]) == 1
+
+
+def raw(url: str, data: bytes, timeout: float = 10.0) -> bytes:
+    """Send raw bytes on a new connection; the reply's first line (b"" if the server closed it)."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=timeout) as conn:
+        conn.sendall(data)
+        reply = b""
+        while b"\r\n" not in reply:
+            chunk = conn.recv(4096)
+            if not chunk:
+                break
+            reply += chunk
+    return reply.split(b"\r\n")[0]
+
+
+def error_of(reply: httpx.Response) -> str:
+    """A refusal's one-line JSON error."""
+    message = reply.json()["error"]
+    assert isinstance(message, str) and "\n" not in message
+    return message
+
+
+# ----------------------------------------------------------------------------------------------
+# The batcher, with a fake decoder (no model, no HTTP)
+
+
+def run_batcher(requests, limits: Limits, delay: float = 0.0):
+    """Submit `requests` [(texts, options)] at once; (each one's results, the batches decode saw)."""
+    batches = []
+
+    def decode(texts, options):
+        batches.append((list(texts), options))
+        time.sleep(delay)
+        return [t.upper() for t in texts]
+
+    async def main():
+        batcher = Batcher(decode, limits)
+        task = asyncio.create_task(batcher.run())
+        futures = [batcher.submit(texts, len(texts), options) for texts, options in requests]
+        results = await asyncio.gather(*futures)
+        task.cancel()
+        batcher.close()
+        return results
+
+    return asyncio.run(main()), batches
+
+
+def test_concurrent_requests_are_decoded_together_and_answered_in_order():
+    requests = [([f"r{i}s{j}" for j in range(i % 3 + 1)], (4,)) for i in range(10)]
+    results, batches = run_batcher(requests, Limits(max_wait_ms=50))
+    assert results == [[t.upper() for t in texts] for texts, _ in requests]
+    assert len(batches) == 1 and batches[0][0] == [t for texts, _ in requests for t in texts]
+
+
+def test_batches_are_bounded_in_requests_sentences_and_tokens():
+    requests = [([f"r{i}a", f"r{i}b"], (4,)) for i in range(6)]
+    _, batches = run_batcher(requests, Limits(max_batch_requests=1))
+    assert [len(b) for b, _ in batches] == [2] * 6  # batching off: one request per batch
+    _, batches = run_batcher(requests, Limits(max_batch_sentences=5, max_wait_ms=50))
+    assert [len(b) for b, _ in batches] == [4, 4, 4]  # a request is never split
+    _, batches = run_batcher(requests, Limits(max_batch_tokens=6, max_wait_ms=50))
+    assert [len(b) for b, _ in batches] == [6, 6]  # 2 tokens a request here
+
+
+def test_requests_with_other_decoding_options_are_not_mixed():
+    requests = [(["a"], (4,)), (["b"], (1,)), (["c"], (4,)), (["d"], (1,))]
+    results, batches = run_batcher(requests, Limits(max_wait_ms=50))
+    assert results == [["A"], ["B"], ["C"], ["D"]]
+    assert batches == [(["a", "c"], (4,)), (["b", "d"], (1,))]
+
+
+def test_a_full_queue_refuses_and_a_cancelled_request_is_dropped():
+    async def main():
+        batcher = Batcher(lambda texts, options: texts, Limits(max_queue_sentences=3))
+        first = batcher.submit(["a", "b"], 2, ())
+        with pytest.raises(QueueFull):
+            batcher.submit(["c", "d"], 2, ())
+        first.cancel()  # a request that timed out: its sentences leave the queue
+        task = asyncio.create_task(batcher.run())
+        await asyncio.sleep(0.05)
+        assert batcher.queued == 0 and not batcher.queue
+        second = batcher.submit(["c", "d"], 2, ())
+        assert await second == ["c", "d"]
+        task.cancel()
+        batcher.close()
+        return batcher.stats
+
+    assert asyncio.run(main())["batches"] == 1  # the cancelled request was never decoded
+
+
+# ----------------------------------------------------------------------------------------------
+# The API on the tiny run
+
+
+def test_translations_are_the_runs_own(server, loaded):
+    reply = post(server.url, {"texts": SOURCES, "beam": 2, "alpha": 0.6})
+    assert reply.status_code == 200, reply.text
+    assert reply.json() == {"translations": loaded.translate(SOURCES, beam=2)}
+
+
+def test_concurrent_clients_each_get_their_own_translations(server, loaded):
+    groups = [SOURCES[i : i + 1 + i % 3] for i in range(len(SOURCES))]
+    expected = [loaded.translate(g, beam=1) for g in groups]
+    replies = [None] * len(groups)
+
+    def client(i):
+        replies[i] = post(server.url, {"texts": groups[i], "beam": 1}).json()["translations"]
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(groups))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert replies == expected
+
+
+def test_attention_per_sentence(server, loaded):
+    reply = post(server.url, {"texts": SOURCES[:2], "beam": 1, "attention": True}).json()
+    assert reply["translations"] == loaded.translate(SOURCES[:2], beam=1)
+    cfg = loaded.model_config
+    for att in reply["attention"]:
+        weights = np.array(att["weights"])  # (layers, heads, T, S)
+        assert weights.shape == (cfg.num_decoder_layers, cfg.num_heads, len(att["target_tokens"]),
+                                 len(att["source_tokens"]))
+        assert att["source_tokens"][-1] == "<eos>"
+        # each row is a softmax over the source; rounded to 4 decimals, S terms are off by at most S x 5e-5
+        np.testing.assert_allclose(weights.sum(-1), 1.0, atol=weights.shape[-1] * 5e-5)
+
+
+def test_health_info_and_page(server, tiny_torch_run):
+    assert HTTP.get(f"{server.url}/health").json()["status"] == "ok"
+    info = HTTP.get(f"{server.url}/info").json()
+    assert (info["step"], info["backend"], info["devices"]) == (2, "torch", ["cpu"])
+    assert info["run_dir"] == str(tiny_torch_run) and info["model"]["num_decoder_layers"] == 1
+    assert info["limits"]["max_texts"] == Limits().max_texts
+    page = HTTP.get(f"{server.url}/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert '<canvas id="heatmap"' in page.text and "http" not in page.text.split("<script>")[1]  # nothing fetched from outside
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad and hostile requests: each its status, one line of JSON, and the server serves on
+
+
+@pytest.mark.parametrize(("body", "status", "says"), [
+    (b"{not json", 400, "not JSON"),
+    (b'{"texts": ["neun"], "beam": NaN}', 400, "NaN is not valid JSON"),
+    (b'{"texts": ["neun"], "beam": Infinity}', 400, "Infinity is not valid JSON"),
+    (b'{"texts": ["neun"], "beam": -1}', 400, "beam must be an integer from 1 to 16"),
+    (b'{"texts": ["neun"], "beam": 0}', 400, "beam must be"),
+    (b'{"texts": ["neun"], "beam": 1000000000000000000000000000000}', 400, "beam must be"),
+    (b'{"texts": ["neun"], "beam": 2.5}', 400, "beam must be"),
+    (b'{"texts": ["neun"], "beam": true}', 400, "beam must be"),
+    (b'{"texts": ["neun"], "alpha": -0.5}', 400, "alpha must be"),
+    (b'{"texts": ["neun"], "scoring": "best"}', 400, "scoring must be one of gnmt, hf"),
+    (b'{"texts": ["neun"], "attention": "yes"}', 400, "attention must be true or false"),
+    (b'{"texts": ["neun"], "path": "/tmp/x"}', 400, "unknown field 'path'"),
+    (b'["neun"]', 400, "must be a JSON object"),
+    (b'{"texts": []}', 400, "non-empty list of strings"),
+    (b'{"texts": "neun"}', 400, "non-empty list of strings"),
+    (b'{"texts": ["neun", 3]}', 400, "non-empty list of strings"),
+    (b'{"texts": ["neun", "  "]}', 400, "texts[1] is empty"),
+    (b'{"texts": ["neun\\nzehn"]}', 400, "line break"),
+    (json.dumps({"texts": ["neun"] * 65}).encode(), 400, "at most 64 per request"),
+    (json.dumps({"texts": ["a" * 2001]}).encode(), 400, "at most 2000"),
+    (b'{"texts": ["\xff\xfe neun"]}', 400, "not UTF-8"),
+    (b"[" * 200_000 + b"]" * 200_000, 400, "nested too deeply"),
+])
+def test_bad_requests(server, body, status, says):
+    reply = HTTP.post(f"{server.url}/translate", content=body, headers={"content-type": "application/json"})
+    assert reply.status_code == status
+    assert says in error_of(reply)
+    assert_serving(server.url)
+
+
+def test_wrong_content_type_wrong_method_wrong_path(server):
+    reply = HTTP.post(f"{server.url}/translate", content=b'{"texts": ["neun"]}', headers={"content-type": "text/plain"})
+    assert reply.status_code == 415 and "application/json" in error_of(reply)
+    reply = HTTP.post(f"{server.url}/translate", data={"texts": "neun"})  # a form
+    assert reply.status_code == 415
+    assert HTTP.get(f"{server.url}/translate").status_code == 405
+    assert HTTP.get(f"{server.url}/nothing").status_code == 404
+    assert_serving(server.url)
+
+
+def test_huge_bodies_get_413(server):
+    huge = b'{"texts": ["' + b"a" * (Limits().max_body_bytes + 1) + b'"]}'
+    reply = HTTP.post(f"{server.url}/translate", content=huge, headers={"content-type": "application/json"})
+    assert reply.status_code == 413 and "larger than 1048576 bytes" in error_of(reply)
+
+    def chunks():  # no Content-Length: counted as it arrives
+        for _ in range(40):
+            yield b"a" * 65536
+
+    reply = HTTP.post(f"{server.url}/translate", content=chunks(), headers={"content-type": "application/json"})
+    assert reply.status_code == 413
+    # a Content-Length that announces 10 GB: refused before a byte of the body is read
+    head = raw(server.url, b"POST /translate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Content-Length: 10000000000\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413")
+    assert_serving(server.url)
+
+
+def test_a_slow_client_gets_408_and_others_are_served_meanwhile(server):
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as slow:
+        slow.sendall(b"POST /translate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"texts\": [")  # and then nothing
+        started = time.monotonic()
+        assert_serving(server.url)  # while the slow body hangs
+        reply = b""
+        while chunk := slow.recv(4096):  # the server closes the connection after its answer
+            reply += chunk
+        assert reply.startswith(b"HTTP/1.1 408") and b"did not arrive within 1 s" in reply
+        assert time.monotonic() - started < 8
+    # a client that stops halfway through its headers and never finishes
+    with socket.create_connection((host, int(port)), timeout=10) as stalled:
+        stalled.sendall(b"POST /translate HTTP/1.1\r\nHost: x\r\nContent-Le")
+        assert_serving(server.url)
+
+
+def test_many_connections_opened_and_dropped(server):
+    host, port = server.url.removeprefix("http://").split(":")
+    for i in range(1000):
+        conn = socket.create_connection((host, int(port)), timeout=10)
+        if i % 3 == 1:  # half a request, then gone
+            conn.sendall(b"POST /translate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 50\r\n\r\n{")
+        elif i % 3 == 2:  # a whole request, gone before the answer
+            conn.sendall(b'POST /translate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n'
+                         b'Content-Length: 19\r\n\r\n{"texts": ["neun"]}')
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # reset, not FIN
+        conn.close()
+    assert_serving(server.url)
+    for _ in range(100):  # the requests of clients that left are dropped, not decoded
+        if HTTP.get(f"{server.url}/health").json()["queued_sentences"] == 0:
+            break
+        time.sleep(0.05)
+    assert HTTP.get(f"{server.url}/health").json()["queued_sentences"] == 0
+
+
+def test_invalid_http_gets_400(server):
+    assert raw(server.url, b"\x16\x03\x01\x00\xa5garbage\r\n\r\n").startswith(b"HTTP/1.1 400")  # a TLS hello, say
+    assert_serving(server.url)
+
+
+def test_nothing_a_client_sends_writes_a_file(server, tiny_torch_run, tmp_path, monkeypatch):
+    def snapshot():
+        return sorted((str(p), p.stat().st_mtime_ns) for p in Path(tiny_torch_run).rglob("*"))
+
+    before = snapshot()
+    for body in ({"texts": ["neun"], "attention": True}, {"texts": ["../../etc/passwd"]}, {"texts": ["neun"], "output": "x"}):
+        post(server.url, body)
+    assert snapshot() == before
+
+
+# ----------------------------------------------------------------------------------------------
+# Queue, timeout and a failing model (no model: a fake decoder)
+
+
+def test_a_full_queue_gets_429_with_retry_after():
+    started = threading.Event()
+
+    def slow(texts, options):
+        started.set()
+        time.sleep(0.5)
+        return [{"translation": t} for t in texts]
+
+    with fake_server(slow, max_queue_sentences=2, max_wait_ms=1) as running:
+        first = threading.Thread(target=post, args=(running.url, {"texts": ["a", "b"]}))
+        first.start()
+        started.wait(10)
+        reply = post(running.url, {"texts": ["c"]})
+        first.join()
+        assert reply.status_code == 429 and reply.headers["retry-after"] == "1"
+        assert "its limit is 2" in error_of(reply)
+        assert post(running.url, {"texts": ["c"]}).json() == {"translations": ["c"]}
+
+
+def test_a_request_past_its_timeout_gets_503_and_the_server_goes_on():
+    def slow(texts, options):
+        time.sleep(0.6 if texts == ["slow"] else 0)
+        return [{"translation": t} for t in texts]
+
+    with fake_server(slow, request_timeout_s=0.2) as running:
+        reply = post(running.url, {"texts": ["slow"]})
+        assert reply.status_code == 503 and reply.headers["retry-after"] == "5"
+        assert "no translation within 0.2 s" in error_of(reply)
+        time.sleep(0.5)
+        assert post(running.url, {"texts": ["fast"]}).json() == {"translations": ["fast"]}
+
+
+def test_a_failing_model_gets_500_in_one_line_and_the_server_goes_on():
+    def failing(texts, options):
+        if "bad" in texts:
+            raise RuntimeError("out of memory\nsecond line")
+        return [{"translation": t} for t in texts]
+
+    with fake_server(failing, max_batch_requests=1) as running:
+        reply = post(running.url, {"texts": ["bad"]})
+        assert reply.status_code == 500 and error_of(reply) == "translation failed: RuntimeError: out of memory"
+        assert post(running.url, {"texts": ["good"]}).json() == {"translations": ["good"]}
+
+
+# ----------------------------------------------------------------------------------------------
+# Load and shutdown
+
+
+def test_a_short_load_test_has_no_errors_and_batches(server, loaded):
+    before = HTTP.get(f"{server.url}/info").json()["served"]
+    result = load_test(server.url, SOURCES, clients=8, requests=48, beam=1)
+    after = HTTP.get(f"{server.url}/info").json()["served"]
+    assert (result["errors"], result["statuses"]) == (0, {"200": 48})
+    assert after["requests"] - before.get("requests", 0) == 48
+    assert after["sentences"] - before.get("sentences", 0) == result["sentences"]
+    assert after["batches"] - before.get("batches", 0) < 48  # requests were decoded together
+    assert result["latency_ms"]["p50"] <= result["latency_ms"]["p99"] <= result["latency_ms"]["max"]
+
+
+def test_sigterm_finishes_the_requests_in_flight_and_exits_0(tiny_torch_run):
+    # A 1.5 s batching wait holds the request in the server when SIGTERM arrives.
+    command = [sys.executable, "-m", "train.serve", "--run-dir", str(tiny_torch_run), "--port", "0",
+               "--max-wait-ms", "1500"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(command, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stderr.readline()
+        assert " on http://" in line, line
+        url = line.split(" on ")[1].split()[0]
+        replies = []
+        client = threading.Thread(target=lambda: replies.append(post(url, {"texts": ["neun", "zehn"], "beam": 1})))
+        client.start()
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        client.join(60)
+        assert replies and replies[0].status_code == 200 and len(replies[0].json()["translations"]) == 2
+        assert proc.wait(60) == 0
+        rest = proc.stderr.read()
+        assert "stopped by signal 15" in rest and "Traceback" not in rest
+        with pytest.raises(httpx.ConnectError):  # no longer listening
+            HTTP.get(f"{url}/health")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_missing_run_is_one_line(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "train.serve", "--run-dir", str(tmp_path / "none"), "--port", "0"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 1
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith("error: ")
+
+
+def test_aiayn_names_serve_and_loadtest():
+    from parity.cli import COMMANDS
+
+    assert COMMANDS["serve"][0] == "train.serve" and COMMANDS["loadtest"][0] == "train.loadtest"

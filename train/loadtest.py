@@ -1,0 +1,147 @@
+"""`python -m train.loadtest --run-dir RUN --data SPEC` (`aiayn loadtest`): load a served run on loopback.
+
+Starts `python -m train.serve` on the run (or targets --url), sends --requests requests of 1-8
+sentences from --clients concurrent clients, and prints errors, latency percentiles and
+sentences/s; --unbatched repeats it with one request per batch, --cli times `python -m
+train.translate` on the same sentences (`train.loadgen`, docs/serving.md#load-test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .config import positive_int
+from .loadgen import load_test
+from .runtime import read_experiment
+from .runtime.files import UserError, error_text
+
+
+class ServedRun:
+    """`python -m train.serve --run-dir RUN --port 0 ARGS` in a child process: `url` once it
+    listens; `stop()` sends SIGTERM and returns its exit status."""
+
+    def __init__(self, run_dir: str | os.PathLike, *args: str, startup_s: float = 300.0):
+        command = [sys.executable, "-m", "train.serve", "--run-dir", str(run_dir), "--port", "0", *args]
+        self.proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        self.log: list[str] = []
+        deadline = time.monotonic() + startup_s
+        for line in self.proc.stderr:
+            self.log.append(line)
+            if found := re.search(r" on (http://\S+) ", line):
+                self.url = found[1]
+                # read on, so that a chatty server never blocks on a full pipe
+                threading.Thread(target=self.log.extend, args=(self.proc.stderr,), daemon=True).start()
+                return
+            if time.monotonic() > deadline:
+                break
+        self.proc.kill()
+        raise UserError(f"the server did not start: {''.join(self.log).strip() or 'no output'}")
+
+    def stop(self, timeout: float = 120.0) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            self.stop()
+
+
+def cli_throughput(run_dir: str | os.PathLike, lines: Sequence[str], beam: int = 4) -> dict[str, Any]:
+    """`python -m train.translate` on `lines` (a file): its own summary's lines/s (the translation,
+    without loading the run) and the wall time of the whole command."""
+    with tempfile.TemporaryDirectory() as tmp:
+        source = Path(tmp) / "source.txt"
+        source.write_text("".join(f"{line}\n" for line in lines), encoding="utf-8")
+        start = time.perf_counter()
+        done = subprocess.run([sys.executable, "-m", "train.translate", "--run-dir", str(run_dir), "--input",
+                               str(source), "--output", str(Path(tmp) / "out.txt"), "--beam", str(beam)],
+                              check=False, capture_output=True, text=True)
+        wall = time.perf_counter() - start
+    found = re.search(r"translated ([\d,]+) lines in ([\d.]+) s: ([\d,.]+) lines/s", done.stderr)
+    if done.returncode or not found:
+        raise UserError(f"python -m train.translate failed: {done.stderr.strip().splitlines()[-1:]}")
+    return {"sentences": int(found[1].replace(",", "")), "seconds": float(found[2]),
+            "sentences_per_s": float(found[3].replace(",", "")), "wall_seconds": round(wall, 1)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m train.loadtest", description=__doc__.split("\n\n")[1])
+    parser.add_argument("--run-dir", required=True, type=Path, help="the run to serve (and to translate with --cli)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--data", metavar="SPEC", help="the source side of a data spec: numbers:test, FILE.tsv, ...")
+    source.add_argument("--input", type=Path, help="a file of source sentences, one per line")
+    parser.add_argument("--url", help="load this running server instead of starting one (then no --unbatched)")
+    parser.add_argument("--clients", type=positive_int, default=64, help="concurrent clients (default 64)")
+    parser.add_argument("--requests", type=positive_int, default=2000, help="requests in all (default 2000)")
+    parser.add_argument("--max-texts", type=positive_int, default=8, help="sentences per request: 1 to N (default 8)")
+    parser.add_argument("--beam", type=positive_int, default=4, help="beam size of every request (default 4)")
+    parser.add_argument("--unbatched", action="store_true",
+                        help="also serve with --max-batch-requests 1 (no batching) under the same load")
+    parser.add_argument("--cli", action="store_true", help="also time python -m train.translate on the same sentences")
+    parser.add_argument("--serve-args", default="", help="more flags for python -m train.serve, e.g. '--max-wait-ms 2'")
+    return parser
+
+
+def row(name: str, result: dict) -> str:
+    if "latency_ms" not in result:
+        return f"| {name} | {result['sentences']:,} | | {result['sentences_per_s']:,.1f} | | |"
+    lat = result["latency_ms"]
+    return (f"| {name} | {result['sentences']:,} | {result['errors']} | {result['sentences_per_s']:,.1f} | "
+            f"{lat['p50']:,.0f} | {lat['p99']:,.0f} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.input is not None:
+            lines = [line.strip() for line in args.input.read_text(encoding="utf-8").splitlines() if line.strip()]
+        else:
+            from .data.splits import load_split
+
+            lines = [s for s, _ in load_split(read_experiment(args.run_dir), args.data)]
+        if not lines:
+            raise UserError("no sentence to send")
+        load = {"clients": args.clients, "requests": args.requests, "max_texts": args.max_texts, "beam": args.beam}
+        results = {}
+        setups = {"served, batched": args.serve_args.split()}
+        if args.unbatched:
+            setups["served, one request per batch"] = [*args.serve_args.split(), "--max-batch-requests", "1"]
+        for name, flags in setups.items():
+            if args.url:
+                results[name] = load_test(args.url, lines, **load)
+                break
+            with ServedRun(args.run_dir, *flags) as served:
+                print(f"{name}: {served.url} ...", file=sys.stderr, flush=True)
+                results[name] = load_test(served.url, lines, **load)
+        if args.cli:
+            pool = [lines[i % len(lines)] for i in range(max(len(lines), sum(r["sentences"] for r in results.values())
+                                                              // len(results)))]
+            results["CLI bulk (python -m train.translate)"] = cli_throughput(args.run_dir, pool, args.beam)
+    except (UserError, OSError, ValueError) as err:
+        parser.exit(1, f"error: {error_text(err)}\n")
+    print(json.dumps(results, indent=1))
+    print(f"\n{args.clients} clients, {args.requests:,} requests of 1-{args.max_texts} sentences, beam {args.beam}\n")
+    print("| setup | sentences | errors | sentences/s | p50 ms | p99 ms |\n|---|---|---|---|---|---|")
+    for name, result in results.items():
+        print(row(name, result))
+    return 1 if any(r.get("errors") for r in results.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
