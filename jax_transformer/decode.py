@@ -12,6 +12,9 @@ The loop's state is a dict of arrays led by the sentence axis (or by a sentence'
 each other), so that over a model built with `xla_cpu=True` the search runs the loop of
 `xla_cpu.shrinking_while` and ranks candidates with `xla_cpu.best_candidates`, tuned for XLA:CPU:
 the same outputs (tests/jax_transformer/test_xla_cpu.py).
+
+Beyond the best output (docs/decoding.md), as torch's: `beam_search(..., n_best=K)`, `prefix`,
+`score`.
 """
 
 from __future__ import annotations
@@ -70,6 +73,33 @@ def _check_source(model: Transformer, src_ids) -> None:
         raise ValueError(
             f"source of {src_ids.shape[1]} tokens exceeds the model's max_len={model.cfg.max_len}; truncate it first"
         )
+
+
+def _check_n_best(n_best: int | None, beam_size: int) -> None:
+    if n_best is not None and not 1 <= n_best <= beam_size:
+        raise ValueError(f"n_best must be between 1 and the beam size {beam_size}, got {n_best}")
+
+
+def check_prefix(src_ids, prefix, pad_id: int, max_len: int, max_len_a: float, max_len_b: int) -> None:
+    """ValueError unless each row of prefix (B, P) (tokens, then pad_id) leaves its sentence room
+    for <eos>: fewer tokens than its length limit (`sentence_limits`). Values inside a trace are
+    the caller's to check."""
+    if isinstance(src_ids, jax.core.Tracer) or isinstance(prefix, jax.core.Tracer):
+        return
+    src_len = (jnp.asarray(src_ids) != pad_id).sum(1).tolist()
+    for row, (n, used) in enumerate(zip(src_len, (jnp.asarray(prefix) != pad_id).sum(1).tolist())):
+        limit = max(1, min(max_len, math.floor(max_len_a * n + max_len_b)))
+        if used and (used >= limit or n == 0):
+            raise ValueError(f"the prefix of sentence {row} has {used} tokens: its length limit of {limit} tokens "
+                             "leaves no room after it")
+
+
+def _prefix_columns(prefix, pad_id: int, length: int):
+    """prefix (B, P) -> (B, length): its tokens by output position, pad_id where there is none."""
+    if prefix is None:
+        return None
+    prefix = jnp.asarray(prefix, jnp.int32)[:, :length]
+    return jnp.pad(prefix, ((0, 0), (0, length - prefix.shape[1])), constant_values=pad_id)
 
 
 # torch's `_Decoder` as functions of the loop's state: its arrays ride in the loop's carry.
@@ -135,15 +165,25 @@ def _while(model: Transformer, step, result, carry, length: int):
     return result(jax.lax.while_loop(running, lambda state: (state[0] + 1, step(*state)), (jnp.int32(0), carry))[1])
 
 
-def greedy_search(model: Transformer, src_ids, max_len_a: float = 1.5, max_len_b: int = 10, cached: bool = True):
+def greedy_search(model: Transformer, src_ids, max_len_a: float = 1.5, max_len_b: int = 10, cached: bool = True,
+                  prefix=None):
     """src_ids (B, S) -> (tokens (B, L), scores (B,)): the argmax token at each step; the score is
-    the sum of the chosen tokens' log-probabilities. `cached=False`: no key/value cache."""
+    the sum of the chosen tokens' log-probabilities. `cached=False`: no key/value cache.
+    `prefix` (B, P): the first tokens of each output (then pad_id; `check_prefix`), forced, their
+    log-probabilities counted in the score; the search continues after them."""
     _check_source(model, src_ids)
-    return _greedy_search(model, jnp.asarray(src_ids, jnp.int32), max_len_a, max_len_b, cached)
+    if prefix is not None:
+        check_prefix(src_ids, prefix, model.cfg.pad_id, model.cfg.max_len, max_len_a, max_len_b)
+    return _greedy_search(model, jnp.asarray(src_ids, jnp.int32), max_len_a, max_len_b, cached, prefix)
+
+
+def _forced_logprob(logits, forced):
+    """log_softmax(logits (..., V)) at the tokens forced (...,): the log-prob a prefix token adds."""
+    return jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), forced[..., None], axis=-1)[..., 0]
 
 
 @functools.partial(nnx.jit, static_argnums=(2, 3, 4))
-def _greedy_search(model: Transformer, src_ids, max_len_a: float, max_len_b: int, cached: bool):
+def _greedy_search(model: Transformer, src_ids, max_len_a: float, max_len_b: int, cached: bool, prefix=None):
     cfg = model.cfg
     B, S = src_ids.shape
     length = output_length(S, cfg.max_len, max_len_a, max_len_b)
@@ -155,10 +195,15 @@ def _greedy_search(model: Transformer, src_ids, max_len_a: float, max_len_b: int
         logprob, last = top_candidates(
             cfg, logits.astype(jnp.float32)[:, None], jnp.zeros((len(must_end), 1)), must_end, 1, model.xla_cpu
         )
-        last, done = last[:, 0], c["done"]  # (b,) the argmax token
+        last, done, logprob = last[:, 0], c["done"], logprob[:, 0]  # (b,) the argmax token
+        if c["prefix"] is not None:  # the prefix's token where one is left (never masked: check_prefix)
+            forced = c["prefix"][:, position]
+            forcing = forced != cfg.pad_id
+            last = jnp.where(forcing, forced, last)
+            logprob = jnp.where(forcing, _forced_logprob(logits.astype(jnp.float32), forced), logprob)
         return {
             **c, "cache": cache, "last": last, "done": done | (last == cfg.eos_id),
-            "scores": c["scores"] + jnp.where(done, 0.0, logprob[:, 0]),
+            "scores": c["scores"] + jnp.where(done, 0.0, logprob),
             "tokens": c["tokens"].at[:, position].set(jnp.where(done, cfg.pad_id, last)),
         }
 
@@ -169,6 +214,7 @@ def _greedy_search(model: Transformer, src_ids, max_len_a: float, max_len_b: int
         "last": jnp.full((B,), cfg.bos_id, jnp.int32),
         **_decoder(model, model.encode(src_ids, src_mask), src_mask, length, cached),
         "limits": sentence_limits(src_ids, cfg.pad_id, length, max_len_a, max_len_b),  # (B,)
+        "prefix": _prefix_columns(prefix, cfg.pad_id, length),  # (B, L) or None
     }
     return _while(model, step, lambda c: (c["tokens"], c["scores"]), carry, length)
 
@@ -179,26 +225,55 @@ def _gather(x, index):
 
 
 def _done(finished_scores, live_logprob, best_possible_penalty, no_sentence):
-    """(B,) True where no live hypothesis can beat the best finished one (torch's `_done`)."""
+    """(B,) True where no live hypothesis can beat the first finished one given (torch's `_done`)."""
     return (finished_scores[:, 0] >= live_logprob[:, 0] / best_possible_penalty) | no_sentence
 
 
+def _forced_candidates(forced_logprob, live_logprob, forced, pad_id: int, V: int, top_logprob, top_index):
+    """The 2k candidates (top_logprob, top_index (B, 2k)) where a sentence has a prefix token left
+    (forced (B,), else pad_id): its k hypotheses each extended by that token (forced_logprob (B, k)
+    its log-prob after each), then k fillers that rank last (2 * NEG_INF) and never end."""
+    k = live_logprob.shape[1]
+    forcing = (forced != pad_id)[:, None]  # (B, 1)
+    extended = live_logprob + forced_logprob  # (B, k)
+    values = jnp.concatenate([extended, jnp.full_like(extended, 2 * NEG_INF)], axis=1)  # (B, 2k)
+    index = jnp.tile(jnp.arange(k)[None] * V + forced[:, None], (1, 2))  # (B, 2k)
+    return jnp.where(forcing, values, top_logprob), jnp.where(forcing, index, top_index)
+
+
+def _n_best(tokens, logprob, scores, no_sentence, n: int, pad_id: int):
+    """The n best finished hypotheses, best first: (tokens (B, n, L), log-probs (B, n), scores (B, n));
+    a slot that holds no hypothesis is padding with -inf (torch's `_n_best`)."""
+    real = (logprob[:, :n] > NEG_INF / 2) & ~no_sentence[:, None]  # (B, n)
+    return (jnp.where(real[..., None], tokens[:, :n], pad_id), jnp.where(real, logprob[:, :n], -jnp.inf),
+            jnp.where(real, scores[:, :n], -jnp.inf))
+
+
 def beam_search(model: Transformer, src_ids, beam_size: int = 4, alpha: float = 0.6,
-                max_len_a: float = 1.5, max_len_b: int = 10, cached: bool = True, scoring: str = "gnmt"):
-    """src_ids (B, S) -> (tokens (B, L), scores (B,)) of the best finished hypothesis per sentence.
+                max_len_a: float = 1.5, max_len_b: int = 10, cached: bool = True, scoring: str = "gnmt",
+                n_best: int | None = None, prefix=None):
+    """src_ids (B, S) -> (tokens (B, L), scores (B,)) of the best finished hypothesis per sentence;
+    with `n_best` K (at most beam_size) the K best, best first: (tokens (B, K, L), log-probs
+    (B, K), scores (B, K)).
 
     See `torch_reference.decode.beam_search` for the algorithm; here it is one compiled loop.
-    `cached=False`: no key/value cache. `scoring`: one of SCORINGS.
+    `cached=False`: no key/value cache. `scoring`: one of SCORINGS. `prefix` (B, P): forced first
+    tokens, as in `greedy_search`.
     """
     _check_source(model, src_ids)
     _check_scoring(scoring, alpha)
-    return _beam_search(model, jnp.asarray(src_ids, jnp.int32), beam_size, alpha, max_len_a, max_len_b, cached, scoring)
+    _check_n_best(n_best, beam_size)
+    if prefix is not None:
+        check_prefix(src_ids, prefix, model.cfg.pad_id, model.cfg.max_len, max_len_a, max_len_b)
+    return _beam_search(model, jnp.asarray(src_ids, jnp.int32), beam_size, alpha, max_len_a, max_len_b, cached, scoring,
+                        n_best, prefix)
 
 
-@functools.partial(nnx.jit, static_argnums=(2, 3, 4, 5, 6, 7))
+@functools.partial(nnx.jit, static_argnums=(2, 3, 4, 5, 6, 7, 8))
 def _beam_search(model: Transformer, src_ids, beam_size: int, alpha: float, max_len_a: float, max_len_b: int,
-                 cached: bool, scoring: str):
+                 cached: bool, scoring: str, n_best: int | None = None, prefix=None):
     cfg = model.cfg
+    n = n_best or 1
     B, S = src_ids.shape
     k, V = beam_size, cfg.tgt_vocab_size
     length = output_length(S, cfg.max_len, max_len_a, max_len_b)
@@ -215,6 +290,11 @@ def _beam_search(model: Transformer, src_ids, beam_size: int, alpha: float, max_
         # The 2k best candidates of the k*V extensions (live log-prob + token log-prob).
         logits = logits.astype(jnp.float32).reshape(b, k, V)
         top_logprob, top_index = top_candidates(cfg, logits, c["live_logprob"], must_end, 2 * k, model.xla_cpu)
+        if c["prefix"] is not None:
+            forced = c["prefix"][:, position]  # (b,)
+            forced_logprob = _forced_logprob(logits, jnp.broadcast_to(forced[:, None], (b, k)))  # (b, k)
+            top_logprob, top_index = _forced_candidates(forced_logprob, c["live_logprob"], forced, cfg.pad_id, V,
+                                                        top_logprob, top_index)
         parent, token = top_index // V, (top_index % V).astype(jnp.int32)
         top_tokens = _gather(c["live_tokens"], parent).at[:, :, position].set(token)  # (b, 2k, L)
         ends = token == cfg.eos_id
@@ -225,6 +305,7 @@ def _beam_search(model: Transformer, src_ids, beam_size: int, alpha: float, max_
         new_scores = jnp.where(ends & may_finish, top_logprob / length_penalty(position + 1, alpha, scoring), NEG_INF)
         finished_scores, keep = jax.lax.top_k(jnp.concatenate([c["finished_scores"], new_scores], axis=1), k)
         finished_tokens = _gather(jnp.concatenate([c["finished_tokens"], top_tokens], axis=1), keep)
+        finished_logprob = _gather(jnp.concatenate([c["finished_logprob"], top_logprob], axis=1), keep)
 
         # Live: the best k candidates that did not end.
         live_logprob, keep = jax.lax.top_k(jnp.where(ends, NEG_INF, top_logprob), k)
@@ -232,8 +313,8 @@ def _beam_search(model: Transformer, src_ids, beam_size: int, alpha: float, max_
         return {
             **c, "cache": _reorder(cache, order), "last": _gather(token, keep), "live_logprob": live_logprob,
             "live_tokens": _gather(top_tokens, keep), "finished_tokens": finished_tokens,
-            "finished_scores": finished_scores,
-            "done": _done(finished_scores, live_logprob, c["best_possible_penalty"], c["no_sentence"]),
+            "finished_scores": finished_scores, "finished_logprob": finished_logprob,
+            "done": _done(finished_scores[:, n - 1 :], live_logprob, c["best_possible_penalty"], c["no_sentence"]),
         }
 
     carry = {
@@ -242,16 +323,38 @@ def _beam_search(model: Transformer, src_ids, beam_size: int, alpha: float, max_
         "live_logprob": jnp.full((B, k), NEG_INF, jnp.float32).at[:, 0].set(0.0),
         "finished_tokens": jnp.full((B, k, length), cfg.pad_id, jnp.int32),
         "finished_scores": jnp.full((B, k), NEG_INF, jnp.float32),
+        "finished_logprob": jnp.full((B, k), NEG_INF, jnp.float32),
         "last": jnp.full((B, k), cfg.bos_id, jnp.int32),
         **_decoder(model, memory, src_mask, length, cached),  # B*k rows, hypothesis-major per sentence
         "limits": limits,
         "best_possible_penalty": length_penalty(limits.astype(jnp.float32), alpha, scoring),  # (B,)
         "no_sentence": _no_sentence(src_ids, cfg.pad_id),
         "done": _no_sentence(src_ids, cfg.pad_id),
+        "prefix": _prefix_columns(prefix, cfg.pad_id, length),  # (B, L) or None
     }
 
     def result(c):
+        if n_best is not None:
+            return _n_best(c["finished_tokens"], c["finished_logprob"], c["finished_scores"], c["no_sentence"],
+                           n_best, cfg.pad_id)
         tokens = jnp.where(c["no_sentence"][:, None], cfg.pad_id, c["finished_tokens"][:, 0])
         return tokens, jnp.where(c["no_sentence"], 0.0, c["finished_scores"][:, 0])
 
     return _while(model, step, result, carry, length)
+
+
+def score(model: Transformer, src_ids, tgt_ids):
+    """src_ids (B, S), tgt_ids (B, T) (target tokens ending with <eos>, then pad_id) -> (B, T) the
+    log-probability of each target token given the source and the tokens before it (teacher
+    forcing), 0 at padding (torch's `score`)."""
+    _check_source(model, src_ids)
+    if tgt_ids.shape[1] > model.cfg.max_len:
+        raise ValueError(f"target of {tgt_ids.shape[1]} tokens exceeds the model's max_len={model.cfg.max_len}")
+    return _score(model, jnp.asarray(src_ids, jnp.int32), jnp.asarray(tgt_ids, jnp.int32))
+
+
+@nnx.jit
+def _score(model: Transformer, src_ids, tgt_ids):
+    logits = model(src_ids, shift_right(tgt_ids, model.cfg.bos_id))  # (B, T, V)
+    logprobs = _forced_logprob(logits.astype(jnp.float32), tgt_ids)  # (B, T)
+    return jnp.where(tgt_ids == model.cfg.pad_id, 0.0, logprobs)

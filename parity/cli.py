@@ -14,6 +14,7 @@ COMMANDS = {  # subcommand: (module, what it does)
     "train": ("train.run", "train (or resume) a model and evaluate it; recipes with --config"),
     "translate": ("train.translate", "translate text with a trained run"),
     "evaluate": ("train.evaluate", "score a run on parallel data: loss, BLEU, chrF, exact match"),
+    "score": ("train.score", "the log-probability of given translations under a trained run"),
     "average": ("train.average", "average a run's last checkpoints into a new run"),
     "curves": ("train.curves", "redraw a run's learning curves"),
     "serve": ("train.serve", "serve a run over HTTP: batched translation, a page that shows the attention"),

@@ -12,6 +12,10 @@ exclude BOS, end with EOS and are padded with `pad_id` after it, shape (B, L) wi
 L = min(max_len, floor(max_len_a * S + max_len_b)) for a padded source length S, as in JAX.
 Each sentence ends no later than floor(max_len_a * its length + max_len_b) tokens. A source row
 of padding only (the filler of a batch) is no sentence: its output is padding, with score 0.
+
+Beyond the best output (docs/decoding.md): `beam_search(..., n_best=K)` returns the K best
+finished hypotheses with their log-probabilities and scores; `prefix` forces the first tokens of
+each output, the search continuing after them; `score` gives the log-probability of given targets.
 """
 
 from __future__ import annotations
@@ -68,6 +72,32 @@ def _check_source(model: Transformer, src_ids: Tensor) -> None:
         )
 
 
+def _check_n_best(n_best: int | None, beam_size: int) -> None:
+    if n_best is not None and not 1 <= n_best <= beam_size:
+        raise ValueError(f"n_best must be between 1 and the beam size {beam_size}, got {n_best}")
+
+
+def check_prefix(src_ids, prefix, pad_id: int, max_len: int, max_len_a: float, max_len_b: int) -> None:
+    """ValueError unless each row of prefix (B, P) (tokens, then pad_id) leaves its sentence room
+    for <eos>: fewer tokens than its length limit (`sentence_limits`)."""
+    src_len = (src_ids != pad_id).sum(1).tolist()
+    for row, (n, used) in enumerate(zip(src_len, (prefix != pad_id).sum(1).tolist())):
+        limit = max(1, min(max_len, math.floor(max_len_a * n + max_len_b)))
+        if used and (used >= limit or n == 0):
+            raise ValueError(f"the prefix of sentence {row} has {used} tokens: its length limit of {limit} tokens "
+                             "leaves no room after it")
+
+
+def _prefix_columns(prefix: Tensor | None, pad_id: int, length: int) -> Tensor | None:
+    """prefix (B, P) -> (B, length): its tokens by output position, pad_id where there is none."""
+    if prefix is None:
+        return None
+    out = torch.full((prefix.shape[0], length), pad_id, dtype=torch.long, device=prefix.device)
+    n = min(length, prefix.shape[1])
+    out[:, :n] = prefix[:, :n]
+    return out
+
+
 class _Decoder:
     """Next-token logits of each row from the tokens it has written: one position per step with
     the key/value cache, or (cached=False) the whole decoder re-run over BOS and those tokens."""
@@ -94,14 +124,20 @@ class _Decoder:
 
 @torch.no_grad()
 def greedy_search(
-    model: Transformer, src_ids: Tensor, max_len_a: float = 1.5, max_len_b: int = 10, cached: bool = True
+    model: Transformer, src_ids: Tensor, max_len_a: float = 1.5, max_len_b: int = 10, cached: bool = True,
+    prefix: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """src_ids (B, S) -> (tokens (B, L), scores (B,)): the argmax token at each step; the score is
-    the sum of the chosen tokens' log-probabilities. `cached=False`: no key/value cache."""
+    the sum of the chosen tokens' log-probabilities. `cached=False`: no key/value cache.
+    `prefix` (B, P): the first tokens of each output (then pad_id; `check_prefix`), forced, their
+    log-probabilities counted in the score; the search continues after them."""
     _check_source(model, src_ids)
     cfg = model.cfg
     B, S = src_ids.shape
     length = output_length(S, cfg.max_len, max_len_a, max_len_b)
+    if prefix is not None:
+        check_prefix(src_ids, prefix, cfg.pad_id, cfg.max_len, max_len_a, max_len_b)
+    forced = _prefix_columns(prefix, cfg.pad_id, length)  # (B, L) or None
     limits = sentence_limits(src_ids, cfg.pad_id, length, max_len_a, max_len_b)  # (B,)
     src_mask = padding_mask(src_ids, cfg.pad_id)
     decoder = _Decoder(model, model.encode(src_ids, src_mask), src_mask, length, cached)
@@ -117,6 +153,8 @@ def greedy_search(
         must_end = (position + 1 >= limits)[:, None]  # sentences at their limit emit EOS
         logprobs = torch.where((must_end & not_eos) | never, NEG_INF, logprobs)
         last = logprobs.argmax(dim=-1)  # (B,)
+        if forced is not None:  # the prefix's token where one is left (never masked: check_prefix)
+            last = torch.where(forced[:, position] != cfg.pad_id, forced[:, position], last)
         scores = scores + torch.where(done, 0.0, logprobs.gather(1, last[:, None])[:, 0])
         tokens[:, position] = torch.where(done, cfg.pad_id, last)
         done = done | (last == cfg.eos_id)
@@ -131,34 +169,66 @@ def _gather(x: Tensor, index: Tensor) -> Tensor:
 
 
 def _done(finished_scores: Tensor, live_logprob: Tensor, best_possible_penalty: Tensor, no_sentence: Tensor) -> Tensor:
-    """(B,) True where the best finished hypothesis (finished_scores (B, k), best first) scores at
-    least what the best live one (live_logprob (B, k)) could still reach: its log-prob over the
-    penalty of the longest output allowed. Log-probs only fall and (alpha >= 0) the penalty only
-    grows, so no continuation can beat it: searching on could not change what is returned."""
+    """(B,) True where the first finished hypothesis given (finished_scores (B, m), best first: the
+    n-th best of an n-best search, the caller's slice) scores at least what the best live one
+    (live_logprob (B, k)) could still reach: its log-prob over the penalty of the longest output
+    allowed. Log-probs only fall and (alpha >= 0) the penalty only grows, so no continuation can
+    beat it: searching on could not change what is returned."""
     return (finished_scores[:, 0] >= live_logprob[:, 0] / best_possible_penalty) | no_sentence
+
+
+def _forced_candidates(forced_logprob: Tensor, live_logprob: Tensor, forced: Tensor, pad_id: int, V: int,
+                       top_logprob: Tensor, top_index: Tensor) -> tuple[Tensor, Tensor]:
+    """The 2k candidates (top_logprob, top_index (B, 2k)) where a sentence has a prefix token left
+    (forced (B,), else pad_id): its k hypotheses each extended by that token (forced_logprob (B, k)
+    its log-prob after each), then k fillers that rank last (2 * NEG_INF) and never end."""
+    k = live_logprob.shape[1]
+    forcing = (forced != pad_id)[:, None]  # (B, 1)
+    extended = live_logprob + forced_logprob  # (B, k)
+    values = torch.cat([extended, torch.full_like(extended, 2 * NEG_INF)], dim=1)  # (B, 2k)
+    index = (torch.arange(k, device=forced.device)[None] * V + forced[:, None]).repeat(1, 2)  # (B, 2k)
+    return torch.where(forcing, values, top_logprob), torch.where(forcing, index, top_index)
+
+
+def _n_best(tokens: Tensor, logprob: Tensor, scores: Tensor, no_sentence: Tensor, n: int, pad_id: int):
+    """The n best finished hypotheses, best first: (tokens (B, n, L), log-probs (B, n), scores (B, n)).
+    A slot that holds no hypothesis (a sentence with fewer than n possible outputs, a row of
+    padding) is padding with log-prob and score -inf: a real log-prob never nears NEG_INF."""
+    real = (logprob[:, :n] > NEG_INF / 2) & ~no_sentence[:, None]  # (B, n)
+    return (torch.where(real[..., None], tokens[:, :n], pad_id), torch.where(real, logprob[:, :n], -math.inf),
+            torch.where(real, scores[:, :n], -math.inf))
 
 
 @torch.no_grad()
 def beam_search(
     model: Transformer, src_ids: Tensor, beam_size: int = 4, alpha: float = 0.6,
     max_len_a: float = 1.5, max_len_b: int = 10, cached: bool = True, scoring: str = "gnmt",
-) -> tuple[Tensor, Tensor]:
-    """src_ids (B, S) -> (tokens (B, L), scores (B,)) of the best finished hypothesis per sentence.
+    n_best: int | None = None, prefix: Tensor | None = None,
+) -> tuple[Tensor, ...]:
+    """src_ids (B, S) -> (tokens (B, L), scores (B,)) of the best finished hypothesis per sentence;
+    with `n_best` K (at most beam_size) the K best, best first: (tokens (B, K, L), log-probs
+    (B, K), scores (B, K)), score = log-prob / length_penalty (`_n_best` for missing ones).
 
     Each step extends every live hypothesis by every token, keeps the 2k best candidates, moves
     those ending in EOS to the finished set (scored log-prob / length_penalty) and the k best
     others to the live set. A sentence is done when its best finished hypothesis beats the best
     score any live one could still reach (`_done`); the search stops when every sentence is
-    done. `cached=False`: no key/value cache. `scoring`: one of SCORINGS.
+    done (for n_best K: when its K-th best does). `cached=False`: no key/value cache. `scoring`:
+    one of SCORINGS. `prefix` (B, P): forced first tokens, as in `greedy_search`.
     """
     _check_source(model, src_ids)
     _check_scoring(scoring, alpha)
+    _check_n_best(n_best, beam_size)
+    n = n_best or 1
     cfg = model.cfg
     B, S = src_ids.shape
     k, V = beam_size, cfg.tgt_vocab_size
     device = src_ids.device
     length = output_length(S, cfg.max_len, max_len_a, max_len_b)
     limits = sentence_limits(src_ids, cfg.pad_id, length, max_len_a, max_len_b)  # (B,)
+    if prefix is not None:
+        check_prefix(src_ids, prefix, cfg.pad_id, cfg.max_len, max_len_a, max_len_b)
+    forced = _prefix_columns(prefix, cfg.pad_id, length)  # (B, L) or None
     src_mask = padding_mask(src_ids, cfg.pad_id).repeat_interleave(k, dim=0)  # (B*k, 1, 1, S)
     memory = model.encode(src_ids, padding_mask(src_ids, cfg.pad_id)).repeat_interleave(k, dim=0)
     decoder = _Decoder(model, memory, src_mask, length, cached)  # batch B*k, hypothesis-major per sentence
@@ -173,6 +243,7 @@ def beam_search(
     live_logprob[:, 0] = 0.0  # one live hypothesis at the start: the others are copies of it
     finished_tokens = live_tokens.clone()
     finished_scores = torch.full((B, k), NEG_INF, device=device)
+    finished_logprob = torch.full((B, k), NEG_INF, device=device)
     last = torch.full((B * k,), cfg.bos_id, dtype=torch.long, device=device)
     for position in range(length):
         logits = decoder.logits(live_tokens.reshape(B * k, length), last, position)
@@ -182,6 +253,10 @@ def beam_search(
 
         candidates = (live_logprob[:, :, None] + logprobs).view(B, k * V)
         top_logprob, top_index = candidates.topk(2 * k, dim=1)  # (B, 2k)
+        if forced is not None:
+            forced_logprob = logprobs.gather(2, forced[:, position, None, None].expand(B, k, 1))[..., 0]  # (B, k)
+            top_logprob, top_index = _forced_candidates(forced_logprob, live_logprob, forced[:, position], cfg.pad_id,
+                                                        V, top_logprob, top_index)
         parent, token = top_index // V, top_index % V
         top_tokens = _gather(live_tokens, parent)  # (B, 2k, L)
         top_tokens[:, :, position] = token
@@ -193,6 +268,7 @@ def beam_search(
         new_scores = torch.where(ends & may_finish, top_logprob / length_penalty(position + 1, alpha, scoring), NEG_INF)
         finished_scores, keep = torch.cat([finished_scores, new_scores], dim=1).topk(k, dim=1)
         finished_tokens = _gather(torch.cat([finished_tokens, top_tokens], dim=1), keep)
+        finished_logprob = _gather(torch.cat([finished_logprob, top_logprob], dim=1), keep)
 
         # Live: the best k candidates that did not end.
         live_logprob, keep = torch.where(ends, NEG_INF, top_logprob).topk(k, dim=1)
@@ -200,7 +276,23 @@ def beam_search(
         last = _gather(token, keep).reshape(B * k)
         decoder.reorder((torch.arange(B, device=device)[:, None] * k + _gather(parent, keep)).reshape(B * k))
 
-        if bool(_done(finished_scores, live_logprob, best_possible_penalty, no_sentence).all()):
+        if bool(_done(finished_scores[:, n - 1 :], live_logprob, best_possible_penalty, no_sentence).all()):
             break
+    if n_best is not None:
+        return _n_best(finished_tokens, finished_logprob, finished_scores, no_sentence, n_best, cfg.pad_id)
     tokens = torch.where(no_sentence[:, None], cfg.pad_id, finished_tokens[:, 0])
     return tokens, torch.where(no_sentence, 0.0, finished_scores[:, 0])
+
+
+@torch.no_grad()
+def score(model: Transformer, src_ids: Tensor, tgt_ids: Tensor) -> Tensor:
+    """src_ids (B, S), tgt_ids (B, T) (target tokens ending with <eos>, then pad_id) -> (B, T) the
+    log-probability of each target token given the source and the tokens before it (teacher
+    forcing), 0 at padding: a row's sum is its target's log-probability, which a search's score
+    of that output is (no token masked, nothing renormalised)."""
+    _check_source(model, src_ids)
+    if tgt_ids.shape[1] > model.cfg.max_len:
+        raise ValueError(f"target of {tgt_ids.shape[1]} tokens exceeds the model's max_len={model.cfg.max_len}")
+    logits = model(src_ids, shift_right(tgt_ids, model.cfg.bos_id))  # (B, T, V)
+    logprobs = torch.log_softmax(logits.float(), dim=-1).gather(2, tgt_ids[..., None])[..., 0]  # (B, T)
+    return torch.where(tgt_ids == model.cfg.pad_id, 0.0, logprobs)

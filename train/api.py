@@ -16,6 +16,7 @@ from .backends import Backend, create_backend, initialize
 from .config import ExperimentConfig
 from .runtime import CHECKPOINTS, UserError, check_model, read_experiment, read_model_config
 from .runtime.rundir import check_set_aside
+from .translation import Hypothesis
 
 
 @dataclasses.dataclass
@@ -35,16 +36,41 @@ class Run:
         return self.backend.step
 
     def translate(self, texts: str | Sequence[str], beam: int = 4, alpha: float = 0.6, scoring: str = "gnmt",
-                  batch_size: int | None = None, **options: Any) -> str | list[str]:
+                  batch_size: int | None = None, n_best: int | None = None,
+                  prefix: str | Sequence[str | None] | None = None, alignments: bool = False,
+                  **options: Any) -> str | list[str] | list[Hypothesis] | list[list[Hypothesis]]:
         """The translations of `texts` in order (one string for one string): beam search of width
         `beam` (1: greedy), length penalty exponent `alpha` with `scoring` "gnmt" or "hf" (as
-        `python -m train.translate --help` says); sources longer than the run's max_len are cut."""
+        `python -m train.translate --help` says); sources longer than the run's max_len are cut.
+        `n_best` K (<= beam) or `alignments`: each text's K best (1 with alignments alone) as
+        `Hypothesis` (text, logprob, score, tokens, alignment) instead of strings. `prefix`: each
+        output's forced start (a string for one text, else one per text, None for none);
+        docs/decoding.md."""
         from .translation import translate_texts
 
         one = isinstance(texts, str)
+        prefixes = None if prefix is None else [prefix] if isinstance(prefix, str) and one else list(prefix)
+        if isinstance(prefix, str) and not one:
+            raise UserError("prefix: give one per text (a list), not one string for several texts")
         out = translate_texts(self.backend, self.tokenizers, [texts] if one else list(texts),
                               max_len=self.config.max_len, token_budget=self.config.token_budget,
-                              batch_size=batch_size, beam_size=beam, alpha=alpha, scoring=scoring, **options)
+                              batch_size=batch_size, beam_size=beam, alpha=alpha, scoring=scoring, n_best=n_best,
+                              prefixes=prefixes, alignments=alignments, **options)
+        return out[0] if one else out
+
+    def score(self, sources: str | Sequence[str], targets: str | Sequence[str],
+              batch_size: int | None = None) -> dict[str, Any] | list[dict[str, Any]]:
+        """The log-probability of each target given its source under the model (what
+        `python -m train.score` prints), one dict per pair (one for one string pair): "logprob"
+        (the sum), "tokens" (the target's, "<eos>" last) and "token_logprobs" (one each)."""
+        from .translation import score_pairs
+
+        one = isinstance(sources, str)
+        if one != isinstance(targets, str):
+            raise UserError("sources and targets: give two strings or two lists")
+        out = score_pairs(self.backend, self.tokenizers, [sources] if one else list(sources),
+                          [targets] if one else list(targets), max_len=self.config.max_len,
+                          token_budget=self.config.token_budget, batch_size=batch_size)
         return out[0] if one else out
 
     def evaluate(self, pairs: str | Sequence[tuple[str, str]], beam: int = 4, alpha: float = 0.6,

@@ -1,7 +1,8 @@
 """`python -m train.translate --run-dir DIR [--input FILE]` (`aiayn translate`): translate with a trained run.
 
-One translation per input line (FILE, or any readable stream: `data.LineReader`), in input order,
-with the run's backend and checkpoint (best by validation BLEU by default). The input streams
+One output record per input line (FILE, or any readable stream: `data.LineReader`), in input order,
+with the run's backend and checkpoint (best by validation BLEU by default): the translation, or with
+--format tsv|jsonl n-best lists with scores and alignments (docs/decoding.md). The input streams
 through in chunks of --chunk-lines lines, each translated (`Run.translate`) and written before
 the next is read; --output is written resumably (`runtime.output.PartialOutput`).
 """
@@ -28,7 +29,7 @@ from .runtime.files import UserError, error_text, open_stream, output_file
 from .runtime.output import OtherInput, PartialOutput, Progress, StreamOutput
 from .runtime.rundir import check_set_aside
 from .store import DIGEST_FILE
-from .translation import translate_stream
+from .translation import FORMATS, TsvColumns, check_format, check_search, translate_stream
 
 CHUNK_LINES = 4000
 
@@ -81,6 +82,20 @@ def build_parser() -> argparse.ArgumentParser:
         "last decoder layer, heads averaged) and NNNN_layers.png (every layer x head); translations are written as "
         "usual",
     )
+    parser.add_argument("--input-format", choices=("text", "tsv"),
+                        help="text: one source sentence per line; tsv: a header row naming the columns 'source' and, "
+                        "optionally, 'prefix' (each output's forced start: the search continues after it), then one row "
+                        "per sentence (default: tsv for an --input named .tsv or .tsv.gz, else text)")
+    parser.add_argument("--n-best", type=positive_int, metavar="K",
+                        help="the K best translations of each sentence, best first (K <= --beam; with --format tsv or "
+                        "jsonl)")
+    parser.add_argument("--format", choices=FORMATS, default="text",
+                        help="text (default): the best translation; tsv: per hypothesis its text, log-probability and "
+                        "length-normalised score, tab-separated; jsonl: a JSON object with the hypotheses, their scores "
+                        "and target tokens. Always one line per input line")
+    parser.add_argument("--alignments", action="store_true",
+                        help="with --format jsonl: one source position per target token (the argmax of the last "
+                        "decoder layer's cross-attention averaged over heads), and the source tokens")
     # The benchmark needs both frameworks on one set of weights, so it lives in `parity`: say where.
     parser.add_argument("--benchmark", action="store_true", help=argparse.SUPPRESS)
     return parser
@@ -107,13 +122,25 @@ def main(argv: list[str] | None = None) -> int:
                        "FILE [--beam K] [--ctranslate2]`: it runs both frameworks (and CTranslate2) on the run's weights\n")
 
     try:
+        check_search(args.beam, args.n_best)
+        check_format(args.format, args.n_best, args.alignments)
         split_host()  # before jax is imported
         reader = LineReader(args.input, args.max_line_bytes)
         first = next(reader, None)  # read before the run loads: bad input fails fast
+        columns = None
+        tsv = args.input is not None and args.input.name.endswith((".tsv", ".tsv.gz"))
+        if (args.input_format or ("tsv" if tsv else "text")) == "tsv":
+            if first is None:
+                raise UserError(f"{reader.name} is empty: TSV input needs a header row")
+            columns, first = TsvColumns(first, reader.name), next(reader, None)
         if args.plot_attention is not None:
             from .attention import check_plot_directory
 
             check_plot_directory(args.plot_attention)
+        # What else shapes the output, recorded where it departs from plain text (earlier partial outputs stay valid).
+        decoding = {k: v for k, v in {"n_best": args.n_best, "format": args.format, "alignments": args.alignments,
+                                      "prefix": columns is not None and columns.prefix is not None}.items()
+                    if v not in (None, "text", False)}
         # Checked before the work, not after it; None: a stream, written directly.
         target = None if args.output is None else output_file(args.output, "--output")
         if target is not None and reader.same_file(target):
@@ -134,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             out = PartialOutput(target, {"run_dir": str(args.run_dir.absolute()), "step": run.backend.step,
                                          "weights": weights_digest(args.run_dir, run.backend.step), "beam": args.beam,
-                                         "alpha": args.alpha, "scoring": args.scoring})
+                                         "alpha": args.alpha, "scoring": args.scoring, **decoding})
     except (UserError, OSError, ValueError) as err:
         parser.exit(1, f"error: {error_text(err)}\n")
     if out.note:
@@ -145,8 +172,9 @@ def main(argv: list[str] | None = None) -> int:
         with interruptible():
             skipped = translate_stream(
                 run, itertools.chain([first], reader), out, chunk_lines=args.chunk_lines, progress=progress,
-                counts=counts, plot_attention=args.plot_attention, batch_size=args.batch_size, beam=args.beam,
-                alpha=args.alpha, scoring=args.scoring)
+                counts=counts, plot_attention=args.plot_attention, fmt=args.format, columns=columns,
+                batch_size=args.batch_size, beam=args.beam, alpha=args.alpha, scoring=args.scoring,
+                n_best=args.n_best, alignments=args.alignments)
         out.finish()
     except (Interrupted, KeyboardInterrupt) as stop:
         signum = getattr(stop, "signum", 2)

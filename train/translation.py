@@ -1,10 +1,15 @@
-"""Texts in, translations out: batched by length, searched by a backend, detokenized in order."""
+"""Texts in, translations out: batched by length, searched by a backend, detokenized in order;
+n-best lists with scores, forced prefixes, alignments and their output formats, and the scores of
+given translations (docs/decoding.md)."""
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hashlib
 import itertools
+import json
+import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -12,8 +17,89 @@ from typing import Any
 import numpy as np
 
 from . import data
-from .backends import Translator
+from .backends import Hypotheses, Translator
+from .runtime.files import UserError, quoted
 from .runtime.output import OtherInput
+
+FORMATS = ("text", "tsv", "jsonl")
+# The search's length limit (`decode.sentence_limits` at the backends' defaults): a * source tokens + b.
+MAX_LEN_A, MAX_LEN_B = 1.5, 10
+
+
+@dataclasses.dataclass(frozen=True)
+class Hypothesis:
+    """One output of a sentence: its text; its log-probability (the sum over its tokens, <eos>
+    included); its score (the log-prob over the length penalty: what beam search ranks by); its
+    target tokens (<eos> left out); with alignments, one source position per target token (the
+    argmax of the last decoder layer's cross-attention averaged over heads; positions count the
+    source tokens, <eos> included)."""
+
+    text: str
+    logprob: float
+    score: float
+    tokens: list[str]
+    alignment: list[int] | None = None
+
+
+def check_search(beam: int, n_best: int | None) -> None:
+    """UserError unless n_best is between 1 and the beam (a beam search keeps `beam` hypotheses)."""
+    if n_best is not None and not 1 <= n_best <= beam:
+        raise UserError(f"--n-best {n_best} must be between 1 and --beam {beam}: a beam search keeps beam hypotheses")
+
+
+def check_format(fmt: str, n_best: int | None, alignments: bool) -> None:
+    """UserError for output options that cannot be written: one line per input line, always."""
+    if fmt not in FORMATS:
+        raise UserError(f"--format {fmt}: expected one of {', '.join(FORMATS)}")
+    if fmt == "text" and (n_best or 1) > 1:
+        raise UserError(f"--n-best {n_best} gives several translations per input line: give --format tsv or jsonl")
+    if alignments and fmt != "jsonl":
+        raise UserError("--alignments are written with --format jsonl")
+
+
+def encode_prefixes(tokenizer, prefixes: Sequence[str | None], count: int) -> list[list[int]]:
+    """Target ids of each forced prefix (None or "": none), without <eos>. UserError for a list of
+    another length than the `count` texts, or a prefix with pieces the vocabulary lacks (<unk>):
+    the output could not be written back as text."""
+    if len(prefixes) != count:
+        raise UserError(f"{len(prefixes)} prefixes for {count} sentences: give one per sentence (None for none)")
+    ids = data.encode(tokenizer, [p or "" for p in prefixes])
+    out = [[i for i in row if i != data.EOS_ID] for row in ids]
+    for line, (row, text) in enumerate(zip(out, prefixes), start=1):
+        if data.UNK_ID in row:
+            raise UserError(f"prefix of sentence {line} ({quoted(text, 80)}) has pieces the target vocabulary lacks")
+    return out
+
+
+def _check_prefix_room(src_ids: Sequence[Sequence[int]], prefix_ids: Sequence[Sequence[int]], max_len: int) -> None:
+    for line, (src, prefix) in enumerate(zip(src_ids, prefix_ids), start=1):
+        limit = max(1, min(max_len, math.floor(MAX_LEN_A * min(len(src), max_len) + MAX_LEN_B)))
+        if len(prefix) >= limit:
+            raise UserError(f"prefix of sentence {line} has {len(prefix)} tokens: its output may have at most {limit} "
+                            f"tokens with <eos> ({MAX_LEN_A} x {min(len(src), max_len)} source tokens + {MAX_LEN_B}, "
+                            f"at most {max_len})")
+
+
+def _padded(rows: Sequence[Sequence[int]], max_len: int) -> np.ndarray | None:
+    """rows as one (B, P) array padded with <pad> to a bucket length (few compiled shapes); None if all empty."""
+    longest = max(map(len, rows), default=0)
+    if not longest:
+        return None
+    buckets = data.bucket_lengths(max_len)
+    out = np.full((len(rows), buckets[min(np.searchsorted(buckets, longest), len(buckets) - 1)]), data.PAD_ID, np.int32)
+    for row, ids in enumerate(rows):
+        out[row, : len(ids)] = ids
+    return out
+
+
+def _alignments(backend: Translator, src: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """src (B, S), tokens (B, n, L) -> (B, n, L): the argmax source position of each output token,
+    over the last decoder layer's cross-attention averaged over heads (teacher-forced)."""
+    B, n, L = tokens.shape
+    flat = tokens.reshape(B * n, L)
+    tgt_in = np.concatenate([np.full((B * n, 1), data.BOS_ID, flat.dtype), flat[:, :-1]], axis=1)
+    attention = backend.cross_attention(np.repeat(src, n, axis=0), tgt_in)  # (B*n, layers, H, L, S)
+    return attention[:, -1].mean(axis=1).argmax(axis=-1).reshape(B, n, L)
 
 class EvaluationStopped(Exception):
     """A search or evaluation stopped between batches because its `stop` callable said so."""
@@ -21,38 +107,153 @@ class EvaluationStopped(Exception):
 
 def translate_texts(backend: Translator, tokenizers: data.Tokenizers, texts: Sequence[str], *, max_len: int,
                     token_budget: int, batch_size: int | None = None, beam_size: int = 4, alpha: float = 0.6,
-                    scoring: str = "gnmt", stop: Callable[[], bool] | None = None,
+                    scoring: str = "gnmt", n_best: int | None = None, prefixes: Sequence[str | None] | None = None,
+                    alignments: bool = False, stop: Callable[[], bool] | None = None,
                     on_batch: Callable[..., None] | None = None,
-                    counts: collections.Counter | None = None, fixed_shapes: bool = False) -> list[str]:
+                    counts: collections.Counter | None = None,
+                    fixed_shapes: bool = False) -> list[str] | list[list[Hypothesis]]:
     """Detokenized translations of `texts`, in order (an empty or whitespace-only line translates
-    to ""). `stop` is asked before each batch: True raises EvaluationStopped. `on_batch(indices,
+    to ""); with `n_best` K or `alignments`, each sentence's K best `Hypothesis` (K = 1 with
+    alignments alone; none for an empty line). `prefixes`: one forced start of the output per text
+    (None: none). `stop` is asked before each batch: True raises EvaluationStopped. `on_batch(indices,
     src, tokens)` sees each batch's search (`train.attention.AttentionRecorder`). `counts["cut"]`
     grows by the sources cut to max_len. `fixed_shapes`: search in `data.source_batches`' few fixed
     shapes (shared by any set of texts: fewer programs for JAX to compile)."""
+    check_search(beam_size, n_best)
     src_ids = data.encode(tokenizers.src, list(texts))
+    prefix_ids = None
+    if prefixes is not None:
+        prefix_ids = encode_prefixes(tokenizers.tgt, prefixes, len(texts))
+        _check_prefix_room(src_ids, prefix_ids, max_len)
     if counts is not None:
         counts["cut"] += sum(len(ids) > max_len for ids in src_ids)
-    out = [""] * len(texts)
+    listed = n_best is not None or alignments
+    out: list = [[] if listed else "" for _ in texts]
     for index, src in data.source_batches(src_ids, max_len, token_budget, batch_size, fixed=fixed_shapes):
         if stop is not None and stop():
             raise EvaluationStopped("translation stopped")
-        tokens = backend.translate(src, beam_size, alpha, scoring=scoring)
+        prefix = None if prefix_ids is None else _padded([prefix_ids[i] if i >= 0 else [] for i in index], max_len)
+        result = backend.translate(src, beam_size, alpha, scoring=scoring, n_best=(n_best or 1) if listed else None,
+                                   prefix=prefix)
+        tokens = result.tokens[:, 0] if isinstance(result, Hypotheses) else result
         if on_batch is not None:
             on_batch(index, src, tokens)
+        if listed:
+            _collect(out, texts, index, result, tokenizers.tgt, _alignments(backend, src, result.tokens) if alignments else None)
+            continue
         hyps = data.decode_batch(tokenizers.tgt, tokens)
         for row, i in enumerate(index):
             if i >= 0 and texts[i].strip():
-                # A model may emit a newline byte: kept, it would make one input line several.
-                out[i] = " ".join(data.split_lines(hyps[row].replace("\r", "\n")))
+                out[i] = _one_line(hyps[row])
+    return out
+
+
+def _one_line(text: str) -> str:
+    # A model may emit a newline byte: kept, it would make one input line several.
+    return " ".join(data.split_lines(text.replace("\r", "\n")))
+
+
+def _collect(out: list, texts: Sequence[str], index: np.ndarray, result: Hypotheses, tokenizer,
+             aligned: np.ndarray | None) -> None:
+    """Each real row's hypotheses (`Hypothesis`) into out[i], in rank order, empty slots left out."""
+    for row, i in enumerate(index):
+        if i < 0 or not texts[i].strip():
+            continue
+        for h, ids in enumerate(result.tokens[row]):
+            if not np.isfinite(result.logprob[row, h]):
+                continue
+            ids = [int(t) for t in ids]
+            ids = ids[: ids.index(data.EOS_ID)] if data.EOS_ID in ids else [t for t in ids if t != data.PAD_ID]
+            out[i].append(Hypothesis(
+                _one_line(data.decode(tokenizer, ids)), float(result.logprob[row, h]), float(result.score[row, h]),
+                [tokenizer.id_to_token(t) for t in ids],
+                None if aligned is None else [int(a) for a in aligned[row, h, : len(ids)]]))
+
+
+def format_record(result: str | list[Hypothesis], fmt: str, source_tokens: list[str] | None = None) -> str:
+    """One output line for one input line: the best text ("text"); each hypothesis's text, log-prob
+    and score, tab-separated ("tsv"); a JSON object with every field of each hypothesis, and the
+    source tokens the alignments point into ("jsonl")."""
+    hyps = [Hypothesis(result, math.nan, math.nan, [])] if isinstance(result, str) else result
+    if fmt == "text":
+        return hyps[0].text if hyps else ""
+    if fmt == "tsv":
+        return "\t".join(f"{h.text.replace(chr(9), ' ')}\t{_number(h.logprob)}\t{_number(h.score)}" for h in hyps)
+    record: dict[str, Any] = {"hypotheses": [
+        {"text": h.text, "logprob": _number(h.logprob), "score": _number(h.score), "tokens": h.tokens,
+         **({} if h.alignment is None else {"alignment": h.alignment})} for h in hyps]}
+    if source_tokens is not None:
+        record["source_tokens"] = source_tokens
+    return json.dumps(record, ensure_ascii=False)
+
+
+def _number(x: float) -> float | None:
+    return None if not math.isfinite(x) else float(f"{x:.7g}")  # float32's digits
+
+
+def source_tokens(tokenizers: data.Tokenizers, texts: Sequence[str], max_len: int) -> list[list[str]]:
+    """The source tokens each text is translated from (<eos> included, cut as the search cuts them):
+    what alignments point into."""
+    ids = [s if len(s) <= max_len else [*s[: max_len - 1], data.EOS_ID] for s in data.encode(tokenizers.src, list(texts))]
+    return [[tokenizers.src.id_to_token(int(i)) for i in row] for row in ids]
+
+
+class TsvColumns:
+    """A TSV input's columns from its header row: `source` (required) and `prefix` (optional), rows
+    split at tabs with the header's number of columns (as training TSV: no quoting)."""
+
+    def __init__(self, header: str, name: str):
+        self.header, self.name = header.split("\t"), name
+        if "source" not in self.header:
+            raise UserError(f"{name}: no column 'source' in the header row {quoted(self.header)} (TSV input: a header "
+                            "row naming the columns source and, optionally, prefix)")
+        self.source = self.header.index("source")
+        self.prefix = self.header.index("prefix") if "prefix" in self.header else None
+
+    def split(self, rows: Sequence[str], first_line: int) -> tuple[list[str], list[str] | None]:
+        """(sources, prefixes or None) of `rows`, the first of which is line `first_line` of the input."""
+        cells = [row.split("\t") for row in rows]
+        for number, row in enumerate(cells, start=first_line):
+            if len(row) != len(self.header):
+                raise UserError(f"{self.name}: line {number} has {len(row)} columns, the header (line 1) has "
+                                f"{len(self.header)}")
+        return [row[self.source] for row in cells], None if self.prefix is None else [row[self.prefix] for row in cells]
+
+
+def score_pairs(backend: Translator, tokenizers: data.Tokenizers, sources: Sequence[str], targets: Sequence[str], *,
+                max_len: int, token_budget: int, batch_size: int | None = None) -> list[dict[str, Any]]:
+    """Per (source, target) pair, in order, the target's log-probability given the source
+    (teacher-forced, `decode.score`): {"logprob": the sum, "tokens": the target tokens with "<eos>"
+    last, "token_logprobs": one per token}. Sources longer than max_len are cut as in translation;
+    a target of more than max_len tokens is a UserError naming its line."""
+    if len(sources) != len(targets):
+        raise UserError(f"{len(sources)} sources and {len(targets)} targets: give one target per source")
+    src_ids, tgt_ids = data.encode(tokenizers.src, list(sources)), data.encode(tokenizers.tgt, list(targets))
+    for line, ids in enumerate(tgt_ids, start=1):
+        if len(ids) > max_len:
+            raise UserError(f"target {line} has {len(ids)} tokens with <eos>, more than the model's max_len {max_len}")
+    out: list[dict[str, Any]] = [{} for _ in sources]
+    for index, src in data.source_batches(src_ids, max_len, token_budget, batch_size):
+        rows = [tgt_ids[i] if i >= 0 else [data.EOS_ID] for i in index]
+        tgt = _padded(rows, max_len)  # (B, T)
+        logprobs = backend.score(src, tgt)  # (B, T)
+        for row, i in enumerate(index):
+            if i >= 0:
+                n = len(tgt_ids[i])
+                out[i] = {"logprob": float(logprobs[row, :n].sum(dtype=np.float64)),
+                          "tokens": [tokenizers.tgt.id_to_token(t) for t in tgt_ids[i]],
+                          "token_logprobs": [float(x) for x in logprobs[row, :n]]}
     return out
 
 
 def translate_stream(run, lines: Iterator[str], out, *, chunk_lines: int, progress, counts: collections.Counter,
-                     plot_attention: Path | None = None, **search: Any) -> int:
+                     plot_attention: Path | None = None, fmt: str = "text", columns: TsvColumns | None = None,
+                     **search: Any) -> int:
     """Translate `lines` with the loaded run `run` (`train.load`) chunk by chunk into `out` (a
-    `runtime.output` writer), after the lines it already holds; returns how many lines were
-    skipped because `out` held them. `search`: `Run.translate`'s options; `progress` sees each
-    batch; `plot_attention`: a directory for each sentence's cross-attention heatmaps."""
+    `runtime.output` writer), one record in format `fmt` per line, after the lines it already holds;
+    returns how many lines were skipped because `out` held them. `search`: `Run.translate`'s
+    options; `progress` sees each batch; `plot_attention`: a directory for each sentence's
+    cross-attention heatmaps; `columns`: the lines are TSV rows after that header row."""
     digest = hashlib.sha256()  # of every input line up to the last finished chunk, for a resume's check
     done = out.done
     if run.backend.topology.process_count > 1:  # process 0 alone knows what its output holds
@@ -72,6 +273,7 @@ def translate_stream(run, lines: Iterator[str], out, *, chunk_lines: int, progre
 
         recorder = AttentionRecorder(run.backend, run.tokenizers, seen)
     progress.begin()
+    rows = skipped  # input lines (rows) before the chunk
     for chunk in _chunks(lines, chunk_lines):
         offset = len(seen)
 
@@ -80,12 +282,18 @@ def translate_stream(run, lines: Iterator[str], out, *, chunk_lines: int, progre
             if recorder is not None:
                 recorder(np.where(index >= 0, index + offset, -1), src, tokens)
 
+        sources, prefixes = chunk, None
+        if columns is not None:  # line 1 is the header
+            sources, prefixes = columns.split(chunk, rows + 2)
+        rows += len(chunk)
         if recorder is not None:
-            seen.extend(chunk)
-        hyps = run.translate(chunk, on_batch=on_batch, counts=counts, **search)
+            seen.extend(sources)
+        results = run.translate(sources, on_batch=on_batch, counts=counts, prefix=prefixes, **search)
+        tokens = source_tokens(run.tokenizers, sources, run.config.max_len) if search.get("alignments") else None
+        records = [format_record(r, fmt, tokens and tokens[i]) for i, r in enumerate(results)]
         for line in chunk:
             digest.update(line.encode("utf-8", "surrogateescape") + b"\n")
-        out.write(hyps, digest.hexdigest())
+        out.write(records, digest.hexdigest())
     if recorder is not None:
         recorder.plot(plot_attention)
     return skipped

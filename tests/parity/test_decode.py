@@ -330,3 +330,120 @@ def test_search_parity_on_multi30k_with_a_trained_model(multi30k, tmp_path):
         if search == "greedy_search":  # long outputs: ~100 steps of both caches compared
             assert (tokens_t != 0).sum(dim=1).float().mean() > 3
         # (Beam search finds that this barely trained model's likeliest output is an immediate EOS.)
+
+
+@pytest.mark.parametrize("scoring", ["gnmt", "hf"])
+def test_n_best_is_identical_in_both_frameworks_and_led_by_the_one_best(scoring):
+    """n_best=3 of beam 4: the same tokens, log-probs and scores (1e-5: sums as above) in torch,
+    JAX and JAX's XLA:CPU search; hypothesis 0 is the 1-best search's; best first; score =
+    log-prob / length_penalty; and (gnmt) each log-prob is `score` of its tokens, to 1e-5."""
+    torch_model, jax_model = pair(seed=3)
+    src = source(batch=5, length=11, seed=3)
+    tokens, logprob, scores = td.beam_search(torch_model, torch.from_numpy(src), beam_size=4, n_best=3, scoring=scoring)
+    one_tokens, one_scores = td.beam_search(torch_model, torch.from_numpy(src), beam_size=4, scoring=scoring)
+    assert torch.equal(tokens[:, 0], one_tokens) and torch.equal(scores[:, 0], one_scores)
+    assert (scores[:, :-1] >= scores[:, 1:]).all()
+    assert all(len({tuple(h) for h in row}) == 3 for row in tokens.tolist())  # three different hypotheses
+    lengths = (tokens != 0).sum(-1).float()
+    np.testing.assert_allclose(scores, logprob / td.length_penalty(lengths, 0.6, scoring), rtol=1e-6)
+    for model in (jax_model, tuned(jax_model)):
+        out = jd.beam_search(model, src, beam_size=4, n_best=3, scoring=scoring)
+        np.testing.assert_array_equal(np.asarray(out[0]), tokens.numpy())
+        for mine, theirs in zip(out[1:], (logprob, scores)):  # rtol: as in the prefix test below
+            np.testing.assert_allclose(np.asarray(mine), theirs.numpy(), atol=1e-5, rtol=1e-6)
+    if scoring == "gnmt":  # (hf: an <eos> forced at the limit adds nothing, as HF's)
+        for h in range(3):
+            np.testing.assert_allclose(td.score(torch_model, torch.from_numpy(src), tokens[:, h]).sum(1), logprob[:, h],
+                                       atol=1e-5, rtol=1e-6)
+
+
+def test_n_best_of_a_beam_holding_every_hypothesis_is_the_brute_force_ranking():
+    """As the exact 1-best test above: with every prefix in the beam, the 4 best of beam 16 are
+    the 4 best of all sequences, in order, with their log-probs (1e-5)."""
+    torch_model, jax_model = pair(seed=5, src_vocab_size=7, tgt_vocab_size=7)
+    src = torch.tensor([[4, 5, 6, 2]])
+    mask = tr.padding_mask(src, 0)
+    with torch.no_grad():
+        memory = torch_model.encode(src, mask)
+        scored = []
+        for n in range(1, 4):
+            for body in itertools.product([3, 4, 5, 6], repeat=n - 1):
+                seq = [*body, 2]
+                logits = torch_model.project(torch_model.decode(torch.tensor([[1, *seq[:-1]]]), memory, mask))
+                logp = torch.log_softmax(logits[0], -1)[torch.arange(n), torch.tensor(seq)].sum().item()
+                scored.append((logp / td.length_penalty(n, 0.6), logp, seq))
+    best = sorted(scored, reverse=True)[:4]
+    kwargs = {"beam_size": 16, "n_best": 4, "max_len_a": 0.0, "max_len_b": 3}
+    for tokens, logprob, scores in (td.beam_search(torch_model, src, **kwargs), jd.beam_search(jax_model, src.numpy(), **kwargs)):
+        for h, (score, logp, seq) in enumerate(best):
+            assert np.asarray(tokens)[0, h].tolist()[: len(seq)] == seq
+            assert abs(float(scores[0, h]) - score) <= 1e-5 and abs(float(logprob[0, h]) - logp) <= 1e-5
+
+
+def test_a_sentence_with_fewer_outputs_than_n_best_has_empty_slots():
+    """A one-token limit allows one output, <eos>: the other slots are padding with -inf."""
+    torch_model, jax_model = pair()
+    src = np.array([[2, 0], [0, 0]])
+    for tokens, logprob, scores in (td.beam_search(torch_model, torch.from_numpy(src), 3, 0.6, 1.0, 0, n_best=3),
+                                    jd.beam_search(jax_model, src, 3, 0.6, 1.0, 0, n_best=3)):
+        assert np.asarray(tokens)[:, :, 0].tolist() == [[2, 0, 0], [0, 0, 0]]
+        assert np.isfinite(np.asarray(logprob)).tolist() == [[True, False, False], [False] * 3]
+        assert np.array_equal(np.isfinite(np.asarray(scores)), np.isfinite(np.asarray(logprob)))
+
+
+@pytest.mark.parametrize("search", ["greedy", "beam"])
+def test_a_forced_prefix_is_identical_in_both_frameworks_and_the_search_continues_after_it(search):
+    """Rows with a prefix of 2, 1, 0 and 3 tokens (and a row of padding): each output starts with
+    its prefix; tokens identical in torch, JAX and the XLA:CPU search, log-probs to 1e-5; the
+    log-prob is `score` of the output (the prefix's tokens counted); a row without a prefix is
+    the search without one."""
+    torch_model, jax_model = pair(seed=3)
+    src = source(batch=5, length=11, seed=3)
+    src[4] = 0
+    prefix = np.array([[5, 6, 0], [7, 0, 0], [0, 0, 0], [8, 9, 10], [0, 0, 0]])
+    if search == "greedy":
+        tokens, logprob = td.greedy_search(torch_model, torch.from_numpy(src), prefix=torch.from_numpy(prefix))
+        plain = td.greedy_search(torch_model, torch.from_numpy(src))[0]
+        run = functools.partial(jd.greedy_search, prefix=prefix)
+    else:
+        tokens, logprob, _ = (x[:, 0] for x in td.beam_search(torch_model, torch.from_numpy(src), beam_size=3, n_best=1,
+                                                               prefix=torch.from_numpy(prefix)))
+        plain = td.beam_search(torch_model, torch.from_numpy(src), beam_size=3)[0]
+        run = lambda model, src: [x[:, 0] for x in jd.beam_search(model, src, beam_size=3, n_best=1, prefix=prefix)]
+    for row, p in enumerate(prefix.tolist()[:4]):
+        p = [t for t in p if t]
+        assert tokens[row, : len(p)].tolist() == p and tokens[row, len(p):].ne(0).any()
+    assert tokens[2].tolist() == plain[2].tolist() and (tokens[4] == 0).all()
+    assert tokens[0].tolist() != plain[0].tolist()  # the prefix changed the output
+    for model in (jax_model, tuned(jax_model)):
+        tokens_j, logprob_j = run(model, src)[:2]
+        np.testing.assert_array_equal(np.asarray(tokens_j), tokens.numpy())
+        # Sums of up to 26 log-probs reaching -60, where a float32 ulp is 3.8e-6: 1e-5 absolute is
+        # below their rounding, so also 1e-6 relative (~16 ulps; measured 1.5e-5, 2.5e-7 relative).
+        np.testing.assert_allclose(np.asarray(logprob_j), logprob.numpy(), atol=1e-5, rtol=1e-6)
+    np.testing.assert_allclose(td.score(torch_model, torch.from_numpy(src), tokens).sum(1)[:4], logprob[:4],
+                               atol=1e-5, rtol=1e-6)
+
+
+def test_score_is_identical_in_both_frameworks_and_zero_at_padding():
+    """Per-token log-probs of given targets: torch = JAX to 1e-5 (single log-probs: float32
+    rounding of logits that agree to 1e-5 above), 0 at padding, each below 0."""
+    torch_model, jax_model = pair(seed=2, norm_position="pre")
+    src = source(batch=4, length=9, seed=2)
+    tgt = source(batch=4, length=7, seed=8)  # token rows ending in <eos>, padded
+    ours = td.score(torch_model, torch.from_numpy(src), torch.from_numpy(tgt)).numpy()
+    np.testing.assert_allclose(np.asarray(jd.score(jax_model, src, tgt)), ours, atol=1e-5, rtol=0)
+    assert (ours[tgt == 0] == 0).all() and (ours[tgt != 0] < 0).all()
+
+
+def test_bad_n_best_or_prefix_is_refused_in_both_frameworks():
+    torch_model, jax_model = pair()
+    src = source(batch=2, length=4)
+    too_long = np.full((2, 30), 5)  # limits 1.5 * len + 10 <= 16 tokens
+    for beam, model, src_, wrap in ((td.beam_search, torch_model, torch.from_numpy(src), torch.from_numpy),
+                                    (jd.beam_search, jax_model, src, np.asarray)):
+        for n_best in (5, 0):
+            with pytest.raises(ValueError, match=f"n_best must be between 1 and the beam size 4, got {n_best}"):
+                beam(model, src_, beam_size=4, n_best=n_best)
+        with pytest.raises(ValueError, match="the prefix of sentence 0 has 30 tokens: its length limit of 1[0-9] tokens"):
+            beam(model, src_, beam_size=4, prefix=wrap(too_long))

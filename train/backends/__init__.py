@@ -14,9 +14,9 @@ import importlib
 from torch_reference.config import TransformerConfig
 
 from ..config import ExperimentConfig
-from .interface import Backend, Metrics, Store, Topology, Trainer, Translator
+from .interface import Backend, Hypotheses, Metrics, Store, Topology, Trainer, Translator
 
-__all__ = ["Backend", "Metrics", "Store", "Topology", "Trainer", "Translator", "create_backend", "initialize"]
+__all__ = ["Backend", "Hypotheses", "Metrics", "Store", "Topology", "Trainer", "Translator", "create_backend", "initialize"]
 
 BACKEND_MODULES = {"jax": "train.backends.jax_backend", "torch": "train.backends.torch_backend"}
 

@@ -74,18 +74,41 @@ class Trainer(Protocol):
         """The learning rate of update number `step` (from 1)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Hypotheses:
+    """The n best outputs of each sentence, best first: a search's `n_best` result as NumPy. A
+    slot without a hypothesis (fewer possible outputs than n) holds padding, log-prob and score -inf."""
+
+    tokens: np.ndarray  # (B, n, L) int32: target ids ending with <eos>, then <pad>
+    logprob: np.ndarray  # (B, n) float32: the sum of the tokens' log-probabilities, <eos> included
+    score: np.ndarray  # (B, n) float32: logprob / the length penalty, what the beam ranks by
+
+
+def check_greedy_n_best(n_best: int) -> None:
+    """Greedy search (beam 1) has one hypothesis: n_best 1."""
+    if n_best != 1:
+        raise ValueError(f"n_best must be between 1 and the beam size 1, got {n_best}")
+
+
 @runtime_checkable
 class Translator(Protocol):
-    """Search and attention weights, dropout off."""
+    """Search, scores and attention weights, dropout off."""
 
     def translate(self, src: np.ndarray, beam_size: int = 4, alpha: float = 0.6, cached: bool = True,
-                  scoring: str = "gnmt") -> np.ndarray:
+                  scoring: str = "gnmt", n_best: int | None = None,
+                  prefix: np.ndarray | None = None) -> np.ndarray | Hypotheses:
         """Cached search (`decode.py` of the backend's framework), dropout off: src ids (B, S) ->
         target ids (B, L) ending with <eos> then <pad>; greedy when beam_size is 1. L and each
         sentence's length limit follow decode.output_length / sentence_limits (1.5 x source + 10,
         at most the model's max_len). Never emits <pad> or <bos>. `cached=False`: the same search
         re-running the decoder over every prefix (the benchmark's baseline). `scoring`: how beams
-        are ranked, "gnmt" or "hf" (`torch_reference.config.SCORINGS`)."""
+        are ranked, "gnmt" or "hf" (`torch_reference.config.SCORINGS`). `n_best` K (<= beam_size):
+        `Hypotheses` of the K best instead (greedy: K = 1, scored by the same length penalty).
+        `prefix` (B, P): each output's forced first tokens, then <pad> (`decode.check_prefix`)."""
+
+    def score(self, src: np.ndarray, tgt: np.ndarray) -> np.ndarray:
+        """The log-probability of each target token, dropout off: src ids (B, S), tgt ids (B, T)
+        ending with <eos> then <pad> -> float32 (B, T), 0 at padding (`decode.score`)."""
 
     def cross_attention(self, src: np.ndarray, tgt_in: np.ndarray) -> np.ndarray:
         """The decoder's cross-attention weights, dropout off, for src ids (B, S) and decoder

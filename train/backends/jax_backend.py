@@ -30,7 +30,7 @@ from ..data import Batch
 from ..store import TrainingState, check_keys
 from ..store.jax_store import JaxStore
 from . import allocator, compiles, jax_cache
-from .interface import Metrics, StoreMethods, Topology
+from .interface import Hypotheses, Metrics, StoreMethods, Topology, check_greedy_n_best
 
 
 def make_optimizer(exp_cfg: ExperimentConfig, d_model: int) -> optax.GradientTransformation:
@@ -171,22 +171,41 @@ def eval_sums(ctx: StepContext, params, batch):
     return loss_sum, nll_sum, total
 
 
-def search(ctx: StepContext, params, src, beam_size: int, alpha: float, cached: bool, scoring: str):
-    """Output tokens (B, L) of greedy (beam_size 1) or beam search over src (B, S)."""
+def search(ctx: StepContext, params, src, prefix, beam_size: int, alpha: float, cached: bool, scoring: str,
+           n_best: int | None):
+    """Output tokens (B, L) of greedy (beam_size 1) or beam search over src (B, S), each output
+    starting with its row of prefix (B, P) (or None); with `n_best` (tokens (B, n, L), log-probs
+    (B, n), scores (B, n)) of the n best."""
     model = ctx.model(params)
     if beam_size == 1:
-        return decode.greedy_search(model, src, cached=cached)[0]
-    return decode.beam_search(model, src, beam_size, alpha, cached=cached, scoring=scoring)[0]
+        tokens, logprob = decode.greedy_search(model, src, cached=cached, prefix=prefix)
+        if n_best is None:
+            return tokens
+        penalty = decode.length_penalty((tokens != ctx.model_cfg.pad_id).sum(1).astype(jnp.float32), alpha, scoring)
+        return tokens[:, None], logprob[:, None], (logprob / penalty)[:, None]
+    out = decode.beam_search(model, src, beam_size, alpha, cached=cached, scoring=scoring, n_best=n_best, prefix=prefix)
+    return out[0] if n_best is None else out
 
 
-def sharded_search(ctx: StepContext, mesh, params, src, *options):
-    """`search` data parallel: each device of `mesh` searches its own rows of src (sharded along
-    `data`) with its copy of the replicated parameters, its loop ending when its own sentences are
-    done (`shard_map`; no collective inside, so `check_vma=False`); the output sharded alike."""
+def sharded_search(ctx: StepContext, mesh, params, src, prefix, *options):
+    """`search` data parallel: each device of `mesh` searches its own rows of src and prefix
+    (sharded along `data`) with its copy of the replicated parameters, its loop ending when its own
+    sentences are done (`shard_map`; no collective inside, so `check_vma=False`); the output sharded
+    alike."""
     rows = jax.sharding.PartitionSpec(sharding.DATA_AXIS)
-    per_device = jax.shard_map(lambda p, s: search(ctx, p, s, *options), mesh=mesh,
-                               in_specs=(jax.sharding.PartitionSpec(), rows), out_specs=rows, check_vma=False)
-    return per_device(params, src)
+    arrays = (src,) if prefix is None else (src, prefix)
+    per_device = jax.shard_map(lambda p, s, x=None: search(ctx, p, s, x, *options), mesh=mesh,
+                               in_specs=(jax.sharding.PartitionSpec(), *(rows,) * len(arrays)), out_specs=rows,
+                               check_vma=False)
+    return per_device(params, *arrays)
+
+
+def _host(out) -> np.ndarray | Hypotheses:
+    """A search's output as NumPy: tokens (B, L), or `Hypotheses` from (tokens, log-probs, scores)."""
+    if not isinstance(out, tuple):
+        return np.asarray(out, np.int32)
+    tokens, logprob, score = jax.device_get(out)
+    return Hypotheses(np.asarray(tokens, np.int32), np.asarray(logprob, np.float32), np.asarray(score, np.float32))
 
 
 class JaxBackend(StoreMethods):
@@ -241,8 +260,9 @@ class JaxBackend(StoreMethods):
         self._eval = jax.jit(bound(eval_sums, self.ctx))  # on one device, over local_copy(params)
         # Searches jit-compiled over the parameters alone: a call skips nnx.jit's walk of the module graph
         # (docs/performance.md#what-made-the-jax-search-fast).
-        self._search = jax.jit(bound(search, self.ctx), static_argnums=(2, 3, 4, 5))
-        self._sharded_search = jax.jit(bound(sharded_search, self.ctx, self.mesh), static_argnums=(2, 3, 4, 5))
+        self._search = jax.jit(bound(search, self.ctx), static_argnums=(3, 4, 5, 6, 7))
+        self._sharded_search = jax.jit(bound(sharded_search, self.ctx, self.mesh), static_argnums=(3, 4, 5, 6, 7))
+        self._score = jax.jit(lambda params, src, tgt: decode.score(self.ctx.model(params), src, tgt))
 
     @property
     def step(self) -> int:
@@ -296,22 +316,35 @@ class JaxBackend(StoreMethods):
         return self._eval(self.local_params(), _as_arrays(batch))
 
     def translate(self, src: np.ndarray, beam_size: int = 4, alpha: float = 0.6, cached: bool = True,
-                  scoring: str = "gnmt") -> np.ndarray:
+                  scoring: str = "gnmt", n_best: int | None = None,
+                  prefix: np.ndarray | None = None) -> np.ndarray | Hypotheses:
         src = np.asarray(src, np.int32)
+        if prefix is not None:  # checked here: inside the compiled search its values are not known
+            prefix = np.asarray(prefix, np.int32)
+            decode.check_prefix(src, prefix, self.model_cfg.pad_id, self.model_cfg.max_len, 1.5, 10)
+        if beam_size == 1 and n_best is not None:
+            check_greedy_n_best(n_best)
+        options = (beam_size, alpha, cached, scoring, n_best)
         devices = self.mesh.devices.size
         if devices == 1:
-            return np.asarray(self._search(self.local_params(), src, beam_size, alpha, cached, scoring), np.int32)
+            return _host(self._search(self.local_params(), src, prefix, *options))
         # Data parallel over the mesh: rows of padding (no sentence: done at once) up to a multiple
         # of the devices, each process supplying its own rows, the output gathered on every process.
         rows = len(src)
-        src = np.pad(src, ((0, -rows % devices), (0, 0)), constant_values=self.model_cfg.pad_id)
-        batch = sharding.shard_batch({"src": src[sharding.process_slice(len(src))]}, self.mesh)["src"]
-        tokens = self._sharded_search(self.mesh_params(), batch, beam_size, alpha, cached, scoring)
+        arrays = {"src": src} if prefix is None else {"src": src, "prefix": prefix}
+        arrays = {k: np.pad(v, ((0, -rows % devices), (0, 0)), constant_values=self.model_cfg.pad_id)
+                  for k, v in arrays.items()}
+        batch = sharding.shard_batch({k: v[sharding.process_slice(len(v))] for k, v in arrays.items()}, self.mesh)
+        out = self._sharded_search(self.mesh_params(), batch["src"], batch.get("prefix"), *options)
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
-            tokens = multihost_utils.process_allgather(tokens, tiled=True)
-        return np.asarray(tokens, np.int32)[:rows]
+            out = multihost_utils.process_allgather(out, tiled=True)
+        return _host(jax.tree.map(lambda x: x[:rows], out))
+
+    def score(self, src: np.ndarray, tgt: np.ndarray) -> np.ndarray:
+        return np.asarray(self._score(self.local_params(), np.asarray(src, np.int32), np.asarray(tgt, np.int32)),
+                          np.float32)
 
     def cross_attention(self, src: np.ndarray, tgt_in: np.ndarray) -> np.ndarray:
         # Jitted (compiled once per shape; eagerly, every operation would compile per new shape).

@@ -22,7 +22,7 @@ from ..config import ExperimentConfig, default_dtype, resolve_kernels
 from ..data import Batch
 from ..store import TrainingState, check_keys
 from ..store.torch_store import TorchStore
-from .interface import Metrics, StoreMethods, Topology
+from .interface import Hypotheses, Metrics, StoreMethods, Topology, check_greedy_n_best
 
 
 def _long(device: torch.device, *arrays: np.ndarray) -> tuple[torch.Tensor, ...]:
@@ -139,15 +139,34 @@ class TorchBackend(StoreMethods):
         return loss_sum, nll_sum, batch.num_tgt_tokens
 
     def translate(self, src: np.ndarray, beam_size: int = 4, alpha: float = 0.6, cached: bool = True,
-                  scoring: str = "gnmt") -> np.ndarray:
+                  scoring: str = "gnmt", n_best: int | None = None,
+                  prefix: np.ndarray | None = None) -> np.ndarray | Hypotheses:
         self.model.eval()
         (src_t,) = _long(self.device, src)  # (B, S)
+        prefix_t = None if prefix is None else _long(self.device, prefix)[0]
         with self.autocast():
             if beam_size == 1:
-                tokens, _ = decode.greedy_search(self.model, src_t, cached=cached)
+                tokens, logprob = decode.greedy_search(self.model, src_t, cached=cached, prefix=prefix_t)
+                if n_best is not None:
+                    check_greedy_n_best(n_best)
+                    penalty = decode.length_penalty((tokens != self.model_cfg.pad_id).sum(1).float(), alpha, scoring)
+                    tokens, logprob, score = tokens[:, None], logprob[:, None], (logprob / penalty)[:, None]
+            elif n_best is None:
+                tokens, _ = decode.beam_search(self.model, src_t, beam_size, alpha, cached=cached, scoring=scoring,
+                                               prefix=prefix_t)
             else:
-                tokens, _ = decode.beam_search(self.model, src_t, beam_size, alpha, cached=cached, scoring=scoring)
-        return tokens.cpu().numpy().astype(np.int32)
+                tokens, logprob, score = decode.beam_search(self.model, src_t, beam_size, alpha, cached=cached,
+                                                            scoring=scoring, n_best=n_best, prefix=prefix_t)
+        tokens = tokens.cpu().numpy().astype(np.int32)
+        if n_best is None:
+            return tokens
+        return Hypotheses(tokens, logprob.float().cpu().numpy(), score.float().cpu().numpy())
+
+    @torch.no_grad()
+    def score(self, src: np.ndarray, tgt: np.ndarray) -> np.ndarray:
+        self.model.eval()
+        with self.autocast():
+            return decode.score(self.model, *_long(self.device, src, tgt)).float().cpu().numpy()
 
     @torch.no_grad()
     def cross_attention(self, src: np.ndarray, tgt_in: np.ndarray) -> np.ndarray:
