@@ -172,3 +172,74 @@ def test_an_export_that_computes_something_else_fails_and_leaves_nothing(trained
     lines = capsys.readouterr().err.strip().splitlines()
     assert exited.value.code == 1 and len(lines) == 1 and "does not compute what the run computes" in lines[0], lines
     assert list(tmp_path.iterdir()) == []
+
+
+def test_greedy_with_a_target_prefix_is_ctranslate2s_target_prefix(trained):
+    """Each test sentence forced to start with the first two tokens of another sentence's greedy
+    output (so the search continues from a start it would not choose): our greedy search, in both
+    frameworks, gives CTranslate2's `translate_batch(..., target_prefix=...)` tokens (float32;
+    `same_output` forgives an <eos> forced at the length limit, as above)."""
+    import torch
+
+    from jax_transformer import decode as jd
+    from parity import torch_to_jax
+    from parity.ctranslate2 import Translator, tokens
+
+    run_dir, f32, _ = trained
+    run = train.load(run_dir)
+    model = run.backend.model.eval()
+    jax_model = torch_to_jax(model)
+    translator = Translator(f32)
+    ids = sources(run_dir)[:20]
+    plain = [[int(t) for t in np.asarray(run.backend.translate(np.asarray([s]), beam_size=1))[0] if t] for s in ids]
+    prefixes = [plain[(i + 1) % len(plain)][:2] for i in range(len(ids))]
+    changed = 0
+    for s, prefix, before in zip(ids, prefixes, plain):
+        prefix = [t for t in prefix if t != data.EOS_ID]
+        src, pre = np.asarray([s]), np.asarray([prefix])
+        ours = [int(t) for t in td.greedy_search(model, torch.from_numpy(src), prefix=torch.from_numpy(pre))[0][0] if t]
+        assert [int(t) for t in np.asarray(jd.greedy_search(jax_model, src, prefix=pre)[0])[0] if t] == ours
+        limit = td.output_length(len(s), run.model_config.max_len, 1.5, 10)
+        result = translator.translator.translate_batch(
+            [tokens(translator.src_vocab, s)], target_prefix=[[translator.tgt_vocab[t] for t in prefix]], beam_size=1,
+            max_decoding_length=limit, min_decoding_length=0, return_end_token=True)
+        theirs = [translator.tgt_ids[t] for t in result[0].hypotheses[0]]
+        assert ours[: len(prefix)] == prefix and same_output(ours, theirs, limit), (ours, theirs)
+        changed += ours != before
+    run.backend.close()
+    assert changed >= len(ids) // 2  # the prefixes changed most outputs: the continuation was compared
+
+
+def test_score_is_ctranslate2s_score_batch(trained):
+    """`Run.score` (per token, <eos> included) against CTranslate2's `score_batch` log_probs on the
+    float32 export, 16 test pairs. The export adds -1e9 to the <pad> and <bos> logits (never
+    emitted), so CTranslate2 normalises over the other tokens: its log-probs are ours plus
+    -log(1 - p(<pad>) - p(<bos>)) at each position (up to 2.0e-3 after these 150 updates). With that
+    term added, equal to 1e-5 per token (float32 rounding of single log-probs)."""
+    import torch
+
+    from parity.ctranslate2 import Translator, tokens
+    from torch_reference.model import shift_right
+
+    run_dir, f32, _ = trained
+    run = train.load(run_dir)
+    cfg = run.config
+    pairs = data.numbers_corpus(cfg.numbers_train, cfg.numbers_valid, cfg.numbers_test, seed=cfg.seed).test[:16]
+    scored = run.score([s for s, _ in pairs], [t for _, t in pairs])
+    src_ids = data.encode(run.tokenizers.src, [s for s, _ in pairs])
+    tgt_ids = data.encode(run.tokenizers.tgt, [t for _, t in pairs])
+    model = run.backend.model.eval()
+    translator = Translator(f32)
+    results = translator.translator.score_batch(
+        [tokens(translator.src_vocab, s) for s in src_ids], [tokens(translator.tgt_vocab, t)[:-1] for t in tgt_ids])
+    raw = 0.0
+    for ours, theirs, s, t in zip(scored, results, src_ids, tgt_ids):
+        assert ours["tokens"][-1] == "<eos>" and len(theirs.log_probs) == len(ours["token_logprobs"]) == len(t)
+        with torch.no_grad():
+            probs = torch.softmax(model(torch.tensor([s]), shift_right(torch.tensor([t]), data.BOS_ID))[0], dim=-1)
+        left_out = -torch.log1p(-(probs[:, data.PAD_ID] + probs[:, data.BOS_ID])).numpy()  # (T,)
+        diff = np.asarray(theirs.log_probs) - np.asarray(ours["token_logprobs"])
+        np.testing.assert_allclose(diff, left_out, atol=1e-5, rtol=0)
+        raw = max(raw, float(np.abs(diff).max()))
+    run.backend.close()
+    assert raw > 1e-5  # the term is there: the comparison is not vacuous

@@ -337,3 +337,52 @@ def test_hf_scoring_is_hf_generate_beam_search_token_for_token(trained_as_hf):
             differ_gnmt += gnmt != ours
     assert ended >= len(sources)  # at least half the searches end before their limit: length matters
     print(f"GNMT scoring chose otherwise on {differ_gnmt} of {2 * len(sources)} searches")
+
+
+def test_n_best_with_hf_scoring_is_hf_generate_num_return_sequences(trained_as_hf):
+    """`n_best=3` of beam 4 with `scoring="hf"` on 10 test sentences: HF `generate(num_beams=4,
+    num_return_sequences=3)`'s three sequences, in its order, and its sequences_scores to 1e-5 (as the
+    1-best test above), in both twins."""
+    from jax_transformer import decode as jd
+    from train import data
+
+    run, hf = trained_as_hf
+    cfg, model = run.config, run.backend.model.eval()
+    jax_model = torch_to_jax(model)
+    pairs = data.numbers_corpus(cfg.numbers_train, cfg.numbers_valid, cfg.numbers_test, seed=cfg.seed).test
+    for ids in data.encode(run.tokenizers.src, [s for s, _ in pairs[:10]]):
+        src = torch.tensor([ids])
+        limit = td.output_length(len(ids), run.model_config.max_len, 1.5, 10)
+        out = hf.generate(src, attention_mask=torch.ones_like(src), num_beams=4, num_return_sequences=3, do_sample=False,
+                          length_penalty=1.0, early_stopping="never", max_new_tokens=limit, bad_words_ids=[[0], [1]],
+                          output_scores=True, return_dict_in_generate=True)
+        # HF pads the shorter sequences with <eos> (2) or <pad> (0): each ends at its first <eos>.
+        theirs = [row[1:].tolist() for row in out.sequences]
+        theirs = [[t for t in row[: row.index(2) + 1] if t != 0] if 2 in row else row for row in theirs]
+        for tokens, _, scores in (td.beam_search(model, src, 4, 1.0, scoring="hf", n_best=3),
+                                  jd.beam_search(jax_model, src.numpy(), 4, 1.0, scoring="hf", n_best=3)):
+            assert [[t for t in np.asarray(row).tolist() if t != 0] for row in tokens[0]] == theirs, ids
+            np.testing.assert_allclose(np.asarray(scores[0]), out.sequences_scores.numpy(), atol=1e-5, rtol=0)
+
+
+def test_score_is_hf_per_token_losses(trained_as_hf):
+    """`decode.score` of the test targets = minus HF's per-token cross-entropy (reduction "none")
+    from MarianMTModel's logits, to 1e-5 (logits agree to 1e-5: single log-probs), in both twins."""
+    from jax_transformer import decode as jd
+    from train import data
+
+    run, hf = trained_as_hf
+    cfg, model = run.config, run.backend.model.eval()
+    pairs = data.numbers_corpus(cfg.numbers_train, cfg.numbers_valid, cfg.numbers_test, seed=cfg.seed).test[:8]
+    pad = lambda rows: torch.nn.utils.rnn.pad_sequence([torch.tensor(r) for r in rows], batch_first=True)
+    src = pad(data.encode(run.tokenizers.src, [s for s, _ in pairs]))
+    tgt = pad(data.encode(run.tokenizers.tgt, [t for _, t in pairs]))
+    with torch.no_grad():
+        logits = hf(input_ids=src, attention_mask=(src != 0).long(),
+                    decoder_input_ids=torch.cat([torch.ones_like(tgt[:, :1]), tgt[:, :-1]], dim=1)).logits
+        losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), tgt, reduction="none", ignore_index=0)
+    ours = td.score(model, src, tgt)
+    np.testing.assert_allclose(ours.numpy(), -losses.numpy(), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(jd.score(torch_to_jax(model), src.numpy(), tgt.numpy())), -losses.numpy(),
+                               atol=1e-5, rtol=0)
+    assert (ours[tgt != 0] < 0).all()
