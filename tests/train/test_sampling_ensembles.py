@@ -13,7 +13,7 @@ import shutil
 import pytest
 
 import train
-from train import data, translate
+from train import data, score, translate
 from train.runtime import UserError
 
 from .cli import run_cli
@@ -146,6 +146,13 @@ def test_ensemble_command_and_refusals(runs, tmp_path, capsys):
                            "--input", str(tmp_path / "in.txt"), "--beam", "2")
     with train.load(torch_dir) as run:
         assert code == 0 and out.splitlines() == run.translate(TEXTS, beam=2)
+    (tmp_path / "pairs.tsv").write_text("source\ttarget\n" + "".join(f"{t}\t{t}\n" for t in TEXTS))
+    code, out, _ = run_cli(score.main, capsys, "--run-dir", str(torch_dir), "--run-dir", str(torch_dir),
+                           "--input", str(tmp_path / "pairs.tsv"))
+    code_one, out_one, _ = run_cli(score.main, capsys, "--run-dir", str(torch_dir), "--input", str(tmp_path / "pairs.tsv"))
+    assert code == code_one == 0 and len(out.splitlines()) == len(TEXTS)
+    for mine, theirs in zip(out.splitlines(), out_one.splitlines()):  # the mean of equal log-probs, to 1e-5
+        assert abs(float(mine) - float(theirs)) <= 1e-5
     code, _, err = run_cli(translate.main, capsys, "--run-dir", str(torch_dir), "--run-dir", str(torch_dir),
                            "--input", str(tmp_path / "in.txt"), "--alignments", "--format", "jsonl")
     one_error(code, err, "--alignments with several --run-dir")
