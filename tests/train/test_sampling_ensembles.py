@@ -111,18 +111,20 @@ def test_sampling_refuses_a_tsv_prefix_column_and_the_api_its_bad_settings(tiny_
 
 def _ensemble_outputs(run_dirs):
     with train.load(run_dirs) as run:
-        return run.translate(TEXTS, beam=1), run.translate(TEXTS, beam=2, n_best=2), run.score(TEXTS, TEXTS)
+        return (run.translate(TEXTS, beam=1), run.translate(TEXTS, beam=2, n_best=2), run.score(TEXTS, TEXTS),
+                run.evaluate(list(zip(TEXTS, TEXTS)), beam=1)["loss"])
 
 
 # JAX compiles a program per search, shape and ensemble (~25 s on 2 shared cores): slow; torch stays in CI.
 @pytest.mark.parametrize("backend", ["torch", pytest.param("jax", marks=pytest.mark.slow)])
 def test_an_ensemble_of_a_model_twice_translates_as_the_model(runs, backend):
     """load([A, A]) averages a model's log-probabilities with themselves: greedy and beam tokens as
-    load(A)'s, scores to 1e-5 (float32 rounding of the mean and the renormalisation); samples
-    alike; JAX's ensemble gives torch's tokens."""
+    load(A)'s, scores and the evaluation loss to 1e-5 (float32 rounding of the mean and the
+    renormalisation); samples alike; JAX's ensemble gives torch's tokens."""
     run_dir = runs[backend == "jax"]
-    greedy, beams, scored = _ensemble_outputs(run_dir)
+    greedy, beams, scored, loss = _ensemble_outputs(run_dir)
     with train.load([run_dir, run_dir]) as pair:
+        assert abs(pair.evaluate(list(zip(TEXTS, TEXTS)), beam=1)["loss"] - loss) <= 1e-5
         assert pair.steps == [2, 2] and pair.step == 2
         assert pair.translate(TEXTS, beam=1) == greedy
         pair_beams = pair.translate(TEXTS, beam=2, n_best=2)

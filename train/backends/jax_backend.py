@@ -107,9 +107,12 @@ def loss_sums(ctx: StepContext, params, batch, key, total_tokens, deterministic)
     rngs = nnx.Rngs(dropout=key)
     model = ctx.model(params)
     segments = {k: batch[k] for k in ("src_segments", "tgt_segments") if k in batch}  # packed rows
-    logits = model(batch["src"], batch["tgt_in"], **segments, deterministic=deterministic, rngs=rngs)  # (B, T, V)
+    if isinstance(model, ensemble.Ensemble):  # evaluation only: its log-probabilities (B, T, V), their own logits
+        logits = model(batch["src"], batch["tgt_in"])
+    else:
+        logits = model(batch["src"], batch["tgt_in"], **segments, deterministic=deterministic, rngs=rngs)  # (B, T, V)
     pad, eps = ctx.model_cfg.pad_id, ctx.exp_cfg.label_smoothing
-    if model.kernels == "xla_cpu":
+    if getattr(model, "kernels", None) == "xla_cpu":
         loss_sum, nll_sum = xla_cpu.smoothed_sums(logits, batch["tgt_out"], pad, eps)
     else:
         loss_sum, nll_sum = (label_smoothed_cross_entropy(logits, batch["tgt_out"], pad, e, "sum") for e in (eps, 0.0))
@@ -285,6 +288,7 @@ class JaxBackend(StoreMethods):
         self.ctx = dataclasses.replace(self.ctx, graphdef=graphdef, rest=rest, gather=None, scatter=None)
         self.state = {**self.state, "params": params}
         self.layout, self._whole_params, self.members = "replicated", None, others
+        self._eval = jax.jit(functools.partial(eval_sums, self.ctx))
         self._compile_decoders()
 
     @property
