@@ -56,7 +56,7 @@ class Run:
         output's forced start (a string for one text, else one per text, None for none). `sample`:
         `num_samples` random translations per text instead of the search (`temperature`, `top_k`,
         `top_p`, `seed`: `translation.Sampling`; beam, alpha unused), `Hypothesis` lists when
-        num_samples > 1; docs/decoding.md."""
+        num_samples > 1 or with `hypotheses=True` (an option of `translate_texts`); docs/decoding.md."""
         from .translation import Sampling, translate_texts
 
         given = {"num_samples": num_samples != 1, "temperature": temperature != 1.0, "top_k": top_k != 0,

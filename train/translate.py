@@ -2,7 +2,8 @@
 
 One output record per input line (FILE, or any readable stream: `data.LineReader`), in input order,
 with the run's backend and checkpoint (best by validation BLEU by default): the translation, or with
---format tsv|jsonl n-best lists with scores and alignments (docs/decoding.md). The input streams
+--format tsv|jsonl n-best lists with scores and alignments; --sample draws random translations, and
+several --run-dir translate with an ensemble of runs (docs/decoding.md). The input streams
 through in chunks of --chunk-lines lines, each translated (`Run.translate`) and written before
 the next is read; --output is written resumably (`runtime.output.PartialOutput`).
 """

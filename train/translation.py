@@ -57,6 +57,9 @@ class Sampling:
 
     def check(self) -> None:
         """UserError, named as the flags are, for a setting the sampler refuses."""
+        for name in ("seed", "num_samples", "top_k"):
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
+                raise UserError(f"--{name.replace('_', '-')} {getattr(self, name)!r} must be an integer")
         if not 0 <= self.seed < 2**32:
             raise UserError(f"--seed {self.seed} must be in [0, 2**32)")
         if self.num_samples < 1:

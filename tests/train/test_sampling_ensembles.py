@@ -50,6 +50,10 @@ def test_samples_are_the_same_in_both_backends_and_follow_the_seed(runs, backend
         assert _key(run.translate(TEXTS, sample=True, **{**SETTINGS, "seed": 8})) != _key(hyps)
         one = run.translate(TEXTS, sample=True, seed=7)  # one sample: plain strings, as a search gives
         assert isinstance(one, list) and all(isinstance(t, str) for t in one)
+        if backend == "torch":  # alignments of samples: one source position per sampled token
+            aligned = run.translate(TEXTS, sample=True, seed=7, alignments=True)
+            assert [h[0].text for h in aligned] == one
+            assert all(len(h[0].alignment) == len(h[0].tokens) for h in aligned)
     assert all(len(h) == 3 and all(x.score == x.logprob < 0 for x in h) for h in hyps)
     if backend == "jax":
         reference = _samples(runs[0])
@@ -103,7 +107,8 @@ def test_sampling_refuses_a_tsv_prefix_column_and_the_api_its_bad_settings(tiny_
         for kwargs, fragment in [({"top_k": 3}, "top_k: sampling settings, give sample=True"),
                                  ({"sample": True, "prefix": ["one"]}, "forced prefixes are for the searches"),
                                  ({"sample": True, "n_best": 2}, "--sample with --n-best"),
-                                 ({"sample": True, "top_p": 2.0}, "--top-p 2.0 must be in (0, 1]")]:
+                                 ({"sample": True, "top_p": 2.0}, "--top-p 2.0 must be in (0, 1]"),
+                                 ({"sample": True, "seed": 1.5}, "--seed 1.5 must be an integer")]:
             with pytest.raises(UserError, match="^.*$") as info:
                 run.translate(TEXTS[:1], **kwargs)
             assert fragment in str(info.value) and "\n" not in str(info.value)
