@@ -1,5 +1,5 @@
 """Sampling speed beside greedy and beam search, torch and JAX on the same weights, in one process
-(docs/decoding-sampling.md#speed):
+(docs/decoding.md#sampling-speed):
 
     python -c "from parity.sampling_bench import report; report('RUN', 'FILE', beam=4, samples=1)"
 

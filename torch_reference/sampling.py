@@ -1,7 +1,7 @@
 """Sampling from the reference model's cached decoding, with random numbers both frameworks share.
 
 `jax_transformer/sampling.py` is the same algorithm in one jit-compiled `lax.while_loop`; for the
-same seed and weights the two return the same tokens (docs/decoding-sampling.md).
+same seed and weights the two return the same tokens (docs/decoding.md#sampling).
 
 The random numbers come from a counter-based function, not a generator's state: the uniform of a
 step is Threefry-2x32 (20 rounds, Salmon et al. 2011, JAX's own PRNG) keyed by (seed, sentence id)

@@ -21,7 +21,8 @@ from .translation import Hypothesis
 
 @dataclasses.dataclass
 class Run:
-    """A trained run, loaded: its settings, tokenizers and a backend holding one checkpoint."""
+    """A trained run, loaded: its settings, tokenizers and a backend holding one checkpoint; for an
+    ensemble (`load([a, b])`) the first run's, its backend decoding with every run's model."""
 
     run_dir: Path
     config: ExperimentConfig
@@ -29,25 +30,42 @@ class Run:
     tokenizers: data.Tokenizers
     backend: Backend
     meta: dict[str, Any]
+    members: list[Run] = dataclasses.field(default_factory=list)  # an ensemble's other runs
 
     @property
     def step(self) -> int:
-        """The update count of the loaded checkpoint."""
+        """The update count of the loaded checkpoint (of the first run's, for an ensemble: `steps`)."""
         return self.backend.step
+
+    @property
+    def steps(self) -> list[int]:
+        """The update count of each run's checkpoint: one, or an ensemble's in the order loaded."""
+        return [self.step, *(m.step for m in self.members)]
 
     def translate(self, texts: str | Sequence[str], beam: int = 4, alpha: float = 0.6, scoring: str = "gnmt",
                   batch_size: int | None = None, n_best: int | None = None,
                   prefix: str | Sequence[str | None] | None = None, alignments: bool = False,
+                  sample: bool = False, num_samples: int = 1, temperature: float = 1.0, top_k: int = 0,
+                  top_p: float = 1.0, seed: int = 0,
                   **options: Any) -> str | list[str] | list[Hypothesis] | list[list[Hypothesis]]:
         """The translations of `texts` in order (one string for one string): beam search of width
         `beam` (1: greedy), length penalty exponent `alpha` with `scoring` "gnmt" or "hf" (as
         `python -m train.translate --help` says); sources longer than the run's max_len are cut.
         `n_best` K (<= beam) or `alignments`: each text's K best (1 with alignments alone) as
         `Hypothesis` (text, logprob, score, tokens, alignment) instead of strings. `prefix`: each
-        output's forced start (a string for one text, else one per text, None for none);
-        docs/decoding.md."""
-        from .translation import translate_texts
+        output's forced start (a string for one text, else one per text, None for none). `sample`:
+        `num_samples` random translations per text instead of the search (`temperature`, `top_k`,
+        `top_p`, `seed`: `translation.Sampling`; beam, alpha unused), `Hypothesis` lists when
+        num_samples > 1 or with `hypotheses=True` (an option of `translate_texts`); docs/decoding.md."""
+        from .translation import Sampling, translate_texts
 
+        given = {"num_samples": num_samples != 1, "temperature": temperature != 1.0, "top_k": top_k != 0,
+                 "top_p": top_p != 1.0, "seed": seed != 0}
+        if not sample and any(given.values()):
+            raise UserError(f"{', '.join(k for k, v in given.items() if v)}: sampling settings, give sample=True")
+        if self.members and alignments:
+            raise UserError("alignments with an ensemble: its members' attention weights are not one alignment")
+        sampling = Sampling(seed, num_samples, temperature, top_k, top_p) if sample else None
         one = isinstance(texts, str)
         prefixes = None if prefix is None else [prefix] if isinstance(prefix, str) and one else list(prefix)
         if isinstance(prefix, str) and not one:
@@ -55,7 +73,7 @@ class Run:
         out = translate_texts(self.backend, self.tokenizers, [texts] if one else list(texts),
                               max_len=self.config.max_len, token_budget=self.config.token_budget,
                               batch_size=batch_size, beam_size=beam, alpha=alpha, scoring=scoring, n_best=n_best,
-                              prefixes=prefixes, alignments=alignments, **options)
+                              prefixes=prefixes, alignments=alignments, sample=sampling, **options)
         return out[0] if one else out
 
     def score(self, sources: str | Sequence[str], targets: str | Sequence[str],
@@ -95,8 +113,10 @@ class Run:
                 "scoring": scoring, **result}
 
     def close(self) -> None:
-        """Free the backend's devices and files."""
+        """Free the backend's devices and files (an ensemble's every one)."""
         self.backend.close()
+        for member in self.members:
+            member.close()
 
     def __enter__(self) -> Run:
         return self
@@ -105,16 +125,59 @@ class Run:
         self.close()
 
 
-def load(run_dir: str | os.PathLike, checkpoint: str | int = "best", backend: str | None = None,
-         devices: int | None = None, **launch: Any) -> Run:
+def load(run_dir: str | os.PathLike | Sequence[str | os.PathLike], checkpoint: str | int = "best",
+         backend: str | None = None, devices: int | None = None, **launch: Any) -> Run:
     """The run in `run_dir` with checkpoint `checkpoint` ("best" by validation BLEU, "latest" or a
     step) restored onto this process's devices (the first `devices` of them; checkpoints restore
     onto any mesh). `backend`: the framework the caller expects ("jax" or "torch"), refused with
     the conversion command when the run is the other's. `launch`: other launch options of
-    `ExperimentConfig` (coordinator_address, num_processes, process_id). Raises UserError."""
+    `ExperimentConfig` (coordinator_address, num_processes, process_id). A list of run directories
+    (runs of one framework with the same tokenizers, each at `checkpoint`): an ensemble, their
+    log-probabilities averaged (docs/decoding.md#ensembles). Raises UserError."""
+    if not isinstance(run_dir, (str, os.PathLike)):
+        return _load_ensemble([Path(d) for d in run_dir], checkpoint, backend, devices, **launch)
+    return _load_one(Path(run_dir), checkpoint, backend, devices, **launch)
+
+
+def _load_ensemble(run_dirs: list[Path], checkpoint: str | int, backend: str | None, devices: int | None,
+                   **launch: Any) -> Run:
+    if not run_dirs:
+        raise UserError("an ensemble needs at least one run directory, got none")
+    first = read_experiment(run_dirs[0]).backend if backend is None else backend
+    for run_dir in run_dirs:  # before any weights load
+        check_set_aside(run_dir)
+        other = read_experiment(run_dir).backend
+        if other != first:
+            raise UserError(f"{run_dir} is a {other} run, {run_dirs[0]} a {first} one: an ensemble's runs share one "
+                            f"framework; convert it first: python -m parity.convert --to {first} --run-dir {run_dir} "
+                            "--dst DIR")
+        if _tokenizer_bytes(run_dir) != _tokenizer_bytes(run_dirs[0]):
+            raise UserError(f"{run_dir} has another vocabulary than {run_dirs[0]} (its tokenizer files differ): an "
+                            "ensemble's runs must share their tokenizers")
+    runs: list[Run] = []
+    try:
+        for run_dir in run_dirs:
+            runs.append(_load_one(run_dir, checkpoint, backend, devices, **launch))
+        head, rest = runs[0], runs[1:]
+        try:
+            head.backend.ensemble([r.backend for r in rest])
+        except ValueError as err:  # vocabulary sizes or special ids the tokenizer files did not show
+            raise UserError(f"{' + '.join(map(str, run_dirs))}: {err}") from None
+    except BaseException:
+        for run in runs:
+            run.close()
+        raise
+    return dataclasses.replace(head, members=rest)
+
+
+def _tokenizer_bytes(run_dir: Path) -> dict[str, bytes]:
+    return {name: (run_dir / name).read_bytes() for name in data.tokenizer_files(run_dir)}
+
+
+def _load_one(run_dir: Path, checkpoint: str | int = "best", backend: str | None = None, devices: int | None = None,
+              **launch: Any) -> Run:
     from .store import CheckpointError, parse_checkpoint
 
-    run_dir = Path(run_dir)
     check_set_aside(run_dir)  # an --overwrite killed or still running: named, not half a run loaded
     cfg = read_experiment(run_dir)
     if backend is not None and backend != cfg.backend:

@@ -418,12 +418,18 @@ def parse_model_override(text: str) -> tuple[str, Any]:
     return TransformerConfig.parse_override(text, exclude=DERIVED_MODEL_FIELDS)
 
 
-def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+def add_run_arguments(parser: argparse.ArgumentParser, ensembles: bool = False) -> None:
     """--run-dir, --checkpoint, --beam, --alpha and --scoring, shared by translate, evaluate and
-    parity.translate_bench."""
-    parser.add_argument(
-        "--run-dir", required=True, type=Path, help="the run directory (holds config.json, tokenizer, checkpoints/)"
-    )
+    parity.translate_bench; `ensembles`: --run-dir may repeat (a list of directories)."""
+    if ensembles:
+        parser.add_argument(
+            "--run-dir", required=True, type=Path, action="append",
+            help="the run directory (holds config.json, tokenizer, checkpoints/); given again, an ensemble: the runs' "
+            "log-probabilities averaged (runs of one framework with the same tokenizers, each at --checkpoint)")
+    else:
+        parser.add_argument(
+            "--run-dir", required=True, type=Path, help="the run directory (holds config.json, tokenizer, checkpoints/)"
+        )
     parser.add_argument(
         "--checkpoint", default="best", help="'best' (by validation BLEU, the default), 'latest', or a step number"
     )

@@ -2,7 +2,8 @@
 
 One output record per input line (FILE, or any readable stream: `data.LineReader`), in input order,
 with the run's backend and checkpoint (best by validation BLEU by default): the translation, or with
---format tsv|jsonl n-best lists with scores and alignments (docs/decoding.md). The input streams
+--format tsv|jsonl n-best lists with scores and alignments; --sample draws random translations, and
+several --run-dir translate with an ensemble of runs (docs/decoding.md). The input streams
 through in chunks of --chunk-lines lines, each translated (`Run.translate`) and written before
 the next is read; --output is written resumably (`runtime.output.PartialOutput`).
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import hashlib
 import itertools
 import os
@@ -29,7 +31,15 @@ from .runtime.files import UserError, error_text, open_stream, output_file
 from .runtime.output import OtherInput, PartialOutput, Progress, StreamOutput
 from .runtime.rundir import check_set_aside
 from .store import DIGEST_FILE
-from .translation import FORMATS, TsvColumns, check_format, check_search, translate_stream
+from .translation import (
+    FORMATS,
+    Sampling,
+    TsvColumns,
+    check_format,
+    check_sampling,
+    check_search,
+    translate_stream,
+)
 
 CHUNK_LINES = 4000
 
@@ -43,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
         "streams through in chunks, each written in input order as it finishes.",
         epilog=f"{HOST_DEVICES_HELP}. {JAX_CACHE_HELP}.",
     )
-    add_run_arguments(parser)
+    add_run_arguments(parser, ensembles=True)
     parser.add_argument(
         "--input", type=Path, help="one source sentence per line: a file (plain, or gzip when named .gz), a FIFO, "
         "/dev/stdin or <(command); default: stdin",
@@ -96,6 +106,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--alignments", action="store_true",
                         help="with --format jsonl: one source position per target token (the argmax of the last "
                         "decoder layer's cross-attention averaged over heads), and the source tokens")
+    group = parser.add_argument_group("sampling", "random translations instead of the search (docs/decoding.md#sampling)")
+    group.add_argument("--sample", action="store_true",
+                       help="draw each token at random from the model's distribution instead of searching (--beam "
+                       "and --alpha unused; --scoring hf, --n-best and prefixes refused: a sample is not ranked); with "
+                       "--format tsv/jsonl each sample's log-probability (its score too)")
+    group.add_argument("--num-samples", type=int, default=1, metavar="N",
+                       help="N samples per sentence (default 1; N > 1 with --format tsv or jsonl)")
+    group.add_argument("--temperature", type=float, metavar="T",
+                       help="divide the log-probabilities by T > 0 before drawing (default 1; < 1 sharper)")
+    group.add_argument("--top-k", type=int, metavar="K", help="draw among the K most probable tokens (default 0: all)")
+    group.add_argument("--top-p", type=float, metavar="P",
+                       help="draw among the most probable tokens whose probabilities reach P, in (0, 1] (default 1: all)")
+    group.add_argument("--seed", type=int, metavar="S",
+                       help="the random numbers' seed, in [0, 2**32) (default 0): the same seed gives the same samples, "
+                       "in the jax and torch backends alike, whatever the batching")
     # The benchmark needs both frameworks on one set of weights, so it lives in `parity`: say where.
     parser.add_argument("--benchmark", action="store_true", help=argparse.SUPPRESS)
     return parser
@@ -114,6 +139,29 @@ def weights_digest(run_dir: Path, step: int) -> str:
     return digest.hexdigest()
 
 
+def sampling_settings(args: argparse.Namespace) -> Sampling | None:
+    """The --sample settings, or None without --sample; UserError for a sampling flag without it."""
+    given = {flag: v for flag, v in (("--num-samples", args.num_samples != 1), ("--temperature", args.temperature),
+                                     ("--top-k", args.top_k), ("--top-p", args.top_p), ("--seed", args.seed))
+             if v not in (None, False)}
+    if not args.sample:
+        if given:
+            raise UserError(f"{', '.join(given)} without --sample: sampling settings, the searches take none")
+        return None
+    defaults = Sampling()
+    return Sampling(defaults.seed if args.seed is None else args.seed, args.num_samples,
+                    defaults.temperature if args.temperature is None else args.temperature,
+                    defaults.top_k if args.top_k is None else args.top_k,
+                    defaults.top_p if args.top_p is None else args.top_p)
+
+
+def sampling_options(sample: Sampling | None, fmt: str) -> dict:
+    """`Run.translate`'s keywords for `sample`: each sample's scores too when the format writes them."""
+    if sample is None:
+        return {}
+    return {"sample": True, **dataclasses.asdict(sample), "hypotheses": fmt != "text"}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -122,8 +170,14 @@ def main(argv: list[str] | None = None) -> int:
                        "FILE [--beam K] [--ctranslate2]`: it runs both frameworks (and CTranslate2) on the run's weights\n")
 
     try:
+        sample = sampling_settings(args)
         check_search(args.beam, args.n_best)
-        check_format(args.format, args.n_best, args.alignments)
+        check_sampling(sample, args.n_best, False, args.scoring)
+        check_format(args.format, args.n_best, args.alignments, sample.num_samples if sample else 1)
+        ensemble = len(args.run_dir) > 1
+        if ensemble and (args.alignments or args.plot_attention is not None):
+            raise UserError(f"{'--alignments' if args.alignments else '--plot-attention'} with several --run-dir: an "
+                            "ensemble's members' attention weights are not one alignment")
         split_host()  # before jax is imported
         reader = LineReader(args.input, args.max_line_bytes)
         first = next(reader, None)  # read before the run loads: bad input fails fast
@@ -133,23 +187,28 @@ def main(argv: list[str] | None = None) -> int:
             if first is None:
                 raise UserError(f"{reader.name} is empty: TSV input needs a header row")
             columns, first = TsvColumns(first, reader.name), next(reader, None)
+            if sample is not None and columns.prefix is not None:
+                raise UserError(f"--sample with {reader.name}'s prefix column: forced prefixes are for the searches")
         if args.plot_attention is not None:
             from .attention import check_plot_directory
 
             check_plot_directory(args.plot_attention)
         # What else shapes the output, recorded where it departs from plain text (earlier partial outputs stay valid).
         decoding = {k: v for k, v in {"n_best": args.n_best, "format": args.format, "alignments": args.alignments,
-                                      "prefix": columns is not None and columns.prefix is not None}.items()
+                                      "prefix": columns is not None and columns.prefix is not None,
+                                      "sample": sample and dataclasses.asdict(sample),
+                                      "ensemble": ensemble and [str(d.absolute()) for d in args.run_dir[1:]]}.items()
                     if v not in (None, "text", False)}
         # Checked before the work, not after it; None: a stream, written directly.
         target = None if args.output is None else output_file(args.output, "--output")
         if target is not None and reader.same_file(target):
             raise UserError(f"--output {args.output} is the input {reader.name}: writing it would destroy the "
                             "input; give another --output")
-        check_set_aside(args.run_dir)
-        if (args.devices or 1) > 1 and read_experiment(args.run_dir).backend == "torch":
+        for run_dir in args.run_dir:
+            check_set_aside(run_dir)
+        if (args.devices or 1) > 1 and read_experiment(args.run_dir[0]).backend == "torch":
             raise UserError(f"--devices {args.devices}: a torch run translates on one device")
-        run = load(args.run_dir, args.checkpoint, devices=args.devices, coordinator_address=args.coordinator_address,
+        run = load(args.run_dir if ensemble else args.run_dir[0], args.checkpoint, devices=args.devices, coordinator_address=args.coordinator_address,
                    num_processes=args.num_processes, process_id=args.process_id)
         if first is None:
             raise UserError(f"{reader.name} holds no sentence to translate")
@@ -159,8 +218,10 @@ def main(argv: list[str] | None = None) -> int:
         elif target is None:  # standard output, or a stream written directly
             out = StreamOutput(args.output and open_stream(args.output))
         else:
-            out = PartialOutput(target, {"run_dir": str(args.run_dir.absolute()), "step": run.backend.step,
-                                         "weights": weights_digest(args.run_dir, run.backend.step), "beam": args.beam,
+            weights = "".join(weights_digest(d, step) for d, step in zip(args.run_dir, run.steps))
+            out = PartialOutput(target, {"run_dir": str(args.run_dir[0].absolute()), "step": run.backend.step,
+                                         "weights": weights if ensemble else weights_digest(args.run_dir[0], run.step),
+                                         "beam": args.beam,
                                          "alpha": args.alpha, "scoring": args.scoring, **decoding})
     except (UserError, OSError, ValueError) as err:
         parser.exit(1, f"error: {error_text(err)}\n")
@@ -174,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
                 run, itertools.chain([first], reader), out, chunk_lines=args.chunk_lines, progress=progress,
                 counts=counts, plot_attention=args.plot_attention, fmt=args.format, columns=columns,
                 batch_size=args.batch_size, beam=args.beam, alpha=args.alpha, scoring=args.scoring,
-                n_best=args.n_best, alignments=args.alignments)
+                n_best=args.n_best, alignments=args.alignments, **sampling_options(sample, args.format))
         out.finish()
     except (Interrupted, KeyboardInterrupt) as stop:
         signum = getattr(stop, "signum", 2)

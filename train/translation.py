@@ -41,18 +41,66 @@ class Hypothesis:
     alignment: list[int] | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """Random sampling instead of a search (`Translator.sample`, docs/decoding.md#sampling):
+    `num_samples` translations per sentence, each token drawn with the uniform of (seed, the
+    sentence's index in the input, sample, position), so a sentence's samples do not depend on the
+    batch it falls in; `temperature` divides the log-probabilities, `top_k` (0: all) and `top_p`
+    (1: all) keep the most probable tokens. A sample's score is its log-probability."""
+
+    seed: int = 0
+    num_samples: int = 1
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def check(self) -> None:
+        """UserError, named as the flags are, for a setting the sampler refuses."""
+        for name in ("seed", "num_samples", "top_k"):
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
+                raise UserError(f"--{name.replace('_', '-')} {getattr(self, name)!r} must be an integer")
+        if not 0 <= self.seed < 2**32:
+            raise UserError(f"--seed {self.seed} must be in [0, 2**32)")
+        if self.num_samples < 1:
+            raise UserError(f"--num-samples {self.num_samples} must be at least 1")
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise UserError(f"--temperature {self.temperature} must be a number > 0")
+        if self.top_k < 0:
+            raise UserError(f"--top-k {self.top_k} must be >= 0 (0: no limit)")
+        if not 0 < self.top_p <= 1:
+            raise UserError(f"--top-p {self.top_p} must be in (0, 1] (1: no limit)")
+
+
+def check_sampling(sample: Sampling | None, n_best: int | None, prefixes: bool, scoring: str) -> None:
+    """UserError for a sampling setting, or one that does not go with sampling: n-best lists and
+    forced prefixes are the searches', and `scoring` "hf" ranks beams (a sample is not ranked)."""
+    if sample is None:
+        return
+    sample.check()
+    if n_best is not None:
+        raise UserError("--sample with --n-best: sampling gives --num-samples translations, not a ranked list")
+    if prefixes:
+        raise UserError("--sample with prefixes: forced prefixes are for the searches")
+    if scoring != "gnmt":
+        raise UserError(f"--sample with --scoring {scoring}: scoring ranks a beam's hypotheses, a sample is not ranked")
+
+
 def check_search(beam: int, n_best: int | None) -> None:
     """UserError unless n_best is between 1 and the beam (a beam search keeps `beam` hypotheses)."""
     if n_best is not None and not 1 <= n_best <= beam:
         raise UserError(f"--n-best {n_best} must be between 1 and --beam {beam}: a beam search keeps beam hypotheses")
 
 
-def check_format(fmt: str, n_best: int | None, alignments: bool) -> None:
+def check_format(fmt: str, n_best: int | None, alignments: bool, num_samples: int = 1) -> None:
     """UserError for output options that cannot be written: one line per input line, always."""
     if fmt not in FORMATS:
         raise UserError(f"--format {fmt}: expected one of {', '.join(FORMATS)}")
     if fmt == "text" and (n_best or 1) > 1:
         raise UserError(f"--n-best {n_best} gives several translations per input line: give --format tsv or jsonl")
+    if fmt == "text" and num_samples > 1:
+        raise UserError(f"--num-samples {num_samples} gives several translations per input line: give --format tsv "
+                        "or jsonl")
     if alignments and fmt != "jsonl":
         raise UserError("--alignments are written with --format jsonl")
 
@@ -111,15 +159,19 @@ def translate_texts(backend: Translator, tokenizers: data.Tokenizers, texts: Seq
                     alignments: bool = False, stop: Callable[[], bool] | None = None,
                     on_batch: Callable[..., None] | None = None,
                     counts: collections.Counter | None = None,
-                    fixed_shapes: bool = False) -> list[str] | list[list[Hypothesis]]:
+                    fixed_shapes: bool = False, sample: Sampling | None = None, first_id: int = 0,
+                    hypotheses: bool = False) -> list[str] | list[list[Hypothesis]]:
     """Detokenized translations of `texts`, in order (an empty or whitespace-only line translates
     to ""); with `n_best` K or `alignments`, each sentence's K best `Hypothesis` (K = 1 with
     alignments alone; none for an empty line). `prefixes`: one forced start of the output per text
     (None: none). `stop` is asked before each batch: True raises EvaluationStopped. `on_batch(indices,
     src, tokens)` sees each batch's search (`train.attention.AttentionRecorder`). `counts["cut"]`
     grows by the sources cut to max_len. `fixed_shapes`: search in `data.source_batches`' few fixed
-    shapes (shared by any set of texts: fewer programs for JAX to compile)."""
+    shapes (shared by any set of texts: fewer programs for JAX to compile). `sample`: random samples
+    instead of the search (beam_size and alpha unused), text i keying its random numbers by
+    `first_id` + i; `Hypothesis` lists when num_samples > 1 or `hypotheses` (also for one)."""
     check_search(beam_size, n_best)
+    check_sampling(sample, n_best, prefixes is not None and any(prefixes), scoring)
     src_ids = data.encode(tokenizers.src, list(texts))
     prefix_ids = None
     if prefixes is not None:
@@ -127,14 +179,18 @@ def translate_texts(backend: Translator, tokenizers: data.Tokenizers, texts: Seq
         _check_prefix_room(src_ids, prefix_ids, max_len)
     if counts is not None:
         counts["cut"] += sum(len(ids) > max_len for ids in src_ids)
-    listed = n_best is not None or alignments
+    listed = n_best is not None or alignments or hypotheses or (sample is not None and sample.num_samples > 1)
     out: list = [[] if listed else "" for _ in texts]
     for index, src in data.source_batches(src_ids, max_len, token_budget, batch_size, fixed=fixed_shapes):
         if stop is not None and stop():
             raise EvaluationStopped("translation stopped")
         prefix = None if prefix_ids is None else _padded([prefix_ids[i] if i >= 0 else [] for i in index], max_len)
-        result = backend.translate(src, beam_size, alpha, scoring=scoring, n_best=(n_best or 1) if listed else None,
-                                   prefix=prefix)
+        if sample is not None:
+            result = backend.sample(src, sample.seed, sample.num_samples, sample.temperature, sample.top_k,
+                                    sample.top_p, sentence_ids=np.maximum(index, 0) + first_id)
+        else:
+            result = backend.translate(src, beam_size, alpha, scoring=scoring,
+                                       n_best=(n_best or 1) if listed else None, prefix=prefix)
         tokens = result.tokens[:, 0] if isinstance(result, Hypotheses) else result
         if on_batch is not None:
             on_batch(index, src, tokens)
@@ -285,10 +341,11 @@ def translate_stream(run, lines: Iterator[str], out, *, chunk_lines: int, progre
         sources, prefixes = chunk, None
         if columns is not None:  # line 1 is the header
             sources, prefixes = columns.split(chunk, rows + 2)
+        first = {"first_id": rows} if search.get("sample") else {}  # samples keyed by input line, not by chunk
         rows += len(chunk)
         if recorder is not None:
             seen.extend(sources)
-        results = run.translate(sources, on_batch=on_batch, counts=counts, prefix=prefixes, **search)
+        results = run.translate(sources, on_batch=on_batch, counts=counts, prefix=prefixes, **first, **search)
         tokens = source_tokens(run.tokenizers, sources, run.config.max_len) if search.get("alignments") else None
         records = [format_record(r, fmt, tokens and tokens[i]) for i, r in enumerate(results)]
         for line in chunk:

@@ -48,6 +48,16 @@ def tiny_torch_run(tmp_path_factory):
     return run_dir
 
 
+@pytest.fixture(scope="session")
+def tiny_torch_and_jax_runs(tiny_torch_run, tmp_path_factory):
+    """(`tiny_torch_run`, the same weights converted to a JAX run dir): read them, never write."""
+    from parity.convert import main as convert
+
+    jax_dir = tmp_path_factory.mktemp("tiny-jax-run") / "run"
+    assert convert(["--to", "jax", "--run-dir", str(tiny_torch_run), "--dst", str(jax_dir)]) == 0
+    return tiny_torch_run, jax_dir
+
+
 @pytest.fixture
 def torch_run(tiny_torch_run):
     """`tiny_torch_run` under a shorter name: read it, never write into it."""

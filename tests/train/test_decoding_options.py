@@ -28,14 +28,10 @@ def one_error(code, err, *fragments):
         assert fragment in lines[0], (fragment, err)
 
 
-@pytest.fixture(scope="module")
-def runs(tiny_torch_run, tmp_path_factory):
+@pytest.fixture
+def runs(tiny_torch_and_jax_runs):
     """(torch run dir, the same weights as a JAX run dir)."""
-    from parity.convert import main as convert
-
-    jax_dir = tmp_path_factory.mktemp("jax") / "run"
-    assert convert(["--to", "jax", "--run-dir", str(tiny_torch_run), "--dst", str(jax_dir)]) == 0
-    return tiny_torch_run, jax_dir
+    return tiny_torch_and_jax_runs
 
 
 def test_n_best_prefix_and_score_are_the_same_through_both_backends(runs):

@@ -106,6 +106,14 @@ class Translator(Protocol):
         `Hypotheses` of the K best instead (greedy: K = 1, scored by the same length penalty).
         `prefix` (B, P): each output's forced first tokens, then <pad> (`decode.check_prefix`)."""
 
+    def sample(self, src: np.ndarray, seed: int, num_samples: int = 1, temperature: float = 1.0, top_k: int = 0,
+               top_p: float = 1.0, sentence_ids: np.ndarray | None = None) -> Hypotheses:
+        """`num_samples` N translations of each source drawn at random (`sampling.sample` of the
+        backend's framework: the same tokens in both for the same seed), dropout off: src ids (B, S)
+        -> `Hypotheses` with tokens (B, N, L), logprob (B, N) the sum of the drawn tokens' untempered
+        log-probabilities, score = logprob. `sentence_ids` (B,): the ids the random numbers are keyed
+        by (0..B-1 unless given). ValueError for bad settings."""
+
     def score(self, src: np.ndarray, tgt: np.ndarray) -> np.ndarray:
         """The log-probability of each target token, dropout off: src ids (B, S), tgt ids (B, T)
         ending with <eos> then <pad> -> float32 (B, T), 0 at padding (`decode.score`)."""
@@ -150,6 +158,16 @@ class Store(Protocol):
 
     def close(self) -> None:
         """Finish pending checkpoint writes."""
+
+
+class Ensembles(Protocol):
+    """A translating backend turned into several models decoding as one."""
+
+    def ensemble(self, others: Sequence[Any], average: str = "logprob") -> None:
+        """Translate, sample and score from now on with the twin's `Ensemble` of this backend's model
+        and `others`' (backends of the same framework, checkpoints restored; kept alive by it): their
+        log-probabilities averaged by `average`. Training, checkpoints and attention weights are then
+        no longer this backend's business. ValueError for members of other vocabulary sizes or ids."""
 
 
 class StoreMethods:

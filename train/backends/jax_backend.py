@@ -21,7 +21,7 @@ import optax
 from flax import nnx
 
 import jax_transformer
-from jax_transformer import decode, sharding, xla_cpu
+from jax_transformer import decode, ensemble, sampling, sharding, xla_cpu
 from jax_transformer.objective import label_smoothed_cross_entropy, noam_learning_rate
 from torch_reference.config import TransformerConfig
 
@@ -107,9 +107,12 @@ def loss_sums(ctx: StepContext, params, batch, key, total_tokens, deterministic)
     rngs = nnx.Rngs(dropout=key)
     model = ctx.model(params)
     segments = {k: batch[k] for k in ("src_segments", "tgt_segments") if k in batch}  # packed rows
-    logits = model(batch["src"], batch["tgt_in"], **segments, deterministic=deterministic, rngs=rngs)  # (B, T, V)
+    if isinstance(model, ensemble.Ensemble):  # evaluation only: its log-probabilities (B, T, V), their own logits
+        logits = model(batch["src"], batch["tgt_in"])
+    else:
+        logits = model(batch["src"], batch["tgt_in"], **segments, deterministic=deterministic, rngs=rngs)  # (B, T, V)
     pad, eps = ctx.model_cfg.pad_id, ctx.exp_cfg.label_smoothing
-    if model.kernels == "xla_cpu":
+    if getattr(model, "kernels", None) == "xla_cpu":
         loss_sum, nll_sum = xla_cpu.smoothed_sums(logits, batch["tgt_out"], pad, eps)
     else:
         loss_sum, nll_sum = (label_smoothed_cross_entropy(logits, batch["tgt_out"], pad, e, "sum") for e in (eps, 0.0))
@@ -200,6 +203,15 @@ def sharded_search(ctx: StepContext, mesh, params, src, prefix, *options):
     return per_device(params, *arrays)
 
 
+def draw_samples(ctx: StepContext, params, src, seed, sentence_ids, num_samples: int, temperature: float, top_k: int,
+                 top_p: float):
+    """(tokens (B, N, L), log-probs (B, N)) of `sampling.sample` over src (B, S), seed and sentence_ids
+    (B,) traced (one program for every seed), the settings checked by the caller."""
+    # The compiled loop itself: `sample`'s checks read the seed and the ids as host values.
+    return sampling._sample(ctx.model(params), src, seed, sentence_ids, num_samples, temperature, top_k, top_p,
+                            1.5, 10)
+
+
 def _host(out) -> np.ndarray | Hypotheses:
     """A search's output as NumPy: tokens (B, L), or `Hypotheses` from (tokens, log-probs, scores)."""
     if not isinstance(out, tuple):
@@ -258,11 +270,26 @@ class JaxBackend(StoreMethods):
                               out_shardings=(state_s, whole), donate_argnums=0)
         self._zeros = jax.jit(lambda tree: jax.tree.map(jnp.zeros_like, tree), out_shardings=acc_s)
         self._eval = jax.jit(bound(eval_sums, self.ctx))  # on one device, over local_copy(params)
+        self._compile_decoders()
+
+    def _compile_decoders(self) -> None:
         # Searches jit-compiled over the parameters alone: a call skips nnx.jit's walk of the module graph
         # (docs/performance.md#what-made-the-jax-search-fast).
-        self._search = jax.jit(bound(search, self.ctx), static_argnums=(3, 4, 5, 6, 7))
-        self._sharded_search = jax.jit(bound(sharded_search, self.ctx, self.mesh), static_argnums=(3, 4, 5, 6, 7))
-        self._score = jax.jit(lambda params, src, tgt: decode.score(self.ctx.model(params), src, tgt))
+        bound, ctx = functools.partial, self.ctx
+        self._search = jax.jit(bound(search, ctx), static_argnums=(3, 4, 5, 6, 7))
+        self._sharded_search = jax.jit(bound(sharded_search, ctx, self.mesh), static_argnums=(3, 4, 5, 6, 7))
+        self._score = jax.jit(lambda params, src, tgt: decode.score(ctx.model(params), src, tgt))
+        self._sample = jax.jit(bound(draw_samples, ctx), static_argnums=(4, 5, 6, 7))
+        self._cross_attention = None
+
+    def ensemble(self, others: Sequence[JaxBackend], average: str = "logprob") -> None:
+        members = [b.ctx.model(b.mesh_params()) for b in (self, *others)]  # whole on this mesh's devices
+        graphdef, params, rest = nnx.split(ensemble.Ensemble(members, average), nnx.Param, ...)
+        self.ctx = dataclasses.replace(self.ctx, graphdef=graphdef, rest=rest, gather=None, scatter=None)
+        self.state = {**self.state, "params": params}
+        self.layout, self._whole_params, self.members = "replicated", None, others
+        self._eval = jax.jit(functools.partial(eval_sums, self.ctx))
+        self._compile_decoders()
 
     @property
     def step(self) -> int:
@@ -342,13 +369,24 @@ class JaxBackend(StoreMethods):
             out = multihost_utils.process_allgather(out, tiled=True)
         return _host(jax.tree.map(lambda x: x[:rows], out))
 
+    def sample(self, src: np.ndarray, seed: int, num_samples: int = 1, temperature: float = 1.0, top_k: int = 0,
+               top_p: float = 1.0, sentence_ids: np.ndarray | None = None) -> Hypotheses:
+        src = np.asarray(src, np.int32)
+        sampling._check_sampling(seed, num_samples, temperature, top_k, top_p)
+        ids = sampling._sentence_ids(sentence_ids, len(src))
+        # On one device: sampling is not data parallel over the mesh.
+        tokens, logprob = jax.device_get(self._sample(self.local_params(), src, np.uint32(seed), ids, num_samples,
+                                                      float(temperature), top_k, float(top_p)))
+        logprob = np.asarray(logprob, np.float32)
+        return Hypotheses(np.asarray(tokens, np.int32), logprob, logprob.copy())
+
     def score(self, src: np.ndarray, tgt: np.ndarray) -> np.ndarray:
         return np.asarray(self._score(self.local_params(), np.asarray(src, np.int32), np.asarray(tgt, np.int32)),
                           np.float32)
 
     def cross_attention(self, src: np.ndarray, tgt_in: np.ndarray) -> np.ndarray:
         # Jitted (compiled once per shape; eagerly, every operation would compile per new shape).
-        if getattr(self, "_cross_attention", None) is None:
+        if self._cross_attention is None:
             self._cross_attention = jax.jit(lambda params, s, t: self.ctx.model(params)(s, t, return_attention=True)[1])
         attention = self._cross_attention(self.local_params(), np.asarray(src, np.int32), np.asarray(tgt_in, np.int32))
         return np.asarray(attention, np.float32)  # (B, layers, H, T, S)

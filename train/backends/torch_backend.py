@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 import torch_reference
-from torch_reference import decode
+from torch_reference import decode, ensemble, sampling
 from torch_reference.config import TransformerConfig
 from torch_reference.objective import label_smoothed_cross_entropy, noam_learning_rate
 
@@ -161,6 +161,20 @@ class TorchBackend(StoreMethods):
         if n_best is None:
             return tokens
         return Hypotheses(tokens, logprob.float().cpu().numpy(), score.float().cpu().numpy())
+
+    def sample(self, src: np.ndarray, seed: int, num_samples: int = 1, temperature: float = 1.0, top_k: int = 0,
+               top_p: float = 1.0, sentence_ids: np.ndarray | None = None) -> Hypotheses:
+        self.model.eval()
+        (src_t,) = _long(self.device, src)  # (B, S)
+        with self.autocast():
+            tokens, logprob = sampling.sample(self.model, src_t, seed, num_samples, temperature, top_k, top_p,
+                                              sentence_ids=sentence_ids)  # (B, N, L), (B, N)
+        logprob = logprob.float().cpu().numpy()
+        return Hypotheses(tokens.cpu().numpy().astype(np.int32), logprob, logprob.copy())
+
+    def ensemble(self, others: Sequence[TorchBackend], average: str = "logprob") -> None:
+        self.members = [self.model, *(b.model for b in others)]
+        self.model = self.forward = ensemble.Ensemble(self.members, average).eval()
 
     @torch.no_grad()
     def score(self, src: np.ndarray, tgt: np.ndarray) -> np.ndarray:
