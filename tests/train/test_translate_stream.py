@@ -497,8 +497,9 @@ def test_a_cpu_translates_on_one_device_per_core(jax_run, tmp_path, capsys):
     """No XLA_FLAGS: `python -m train.translate` splits the CPU into devices ($AIAYN_HOST_DEVICES=2
     here, as on a 2-core machine), says so, and writes what one device writes."""
     source = write_lines(tmp_path / "in.txt", LINES)
-    code, expected, err = run_main(capsys, "--run-dir", str(jax_run), "--input", str(source), "--batch-size", "3")
-    assert code == 0 and " devices" not in err, err  # this process: jax imported before, one device
+    code, expected, err = run_main(capsys, "--run-dir", str(jax_run), "--input", str(source), "--batch-size", "3",
+                                   "--devices", "1")  # one device, whatever an earlier test split this process into
+    assert code == 0 and " devices" not in err, err
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") and k != "XLA_FLAGS"}
     env.update({"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO), jax_cache.ENV: "off", host_devices.ENV: "2"})
     command = [sys.executable, "-m", "train.translate", "--run-dir", str(jax_run), "--input", str(source),
