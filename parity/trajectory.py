@@ -58,6 +58,7 @@ def experiment_config(steps: int = 100, preset: str = "tiny", model: dict | None
     settings = dict(
         backend="torch", preset=preset, model=dict(model or {}), steps=steps, warmup=PAPER_WARMUP, dropout=0.0,
         numbers_train=4000, numbers_valid=1, numbers_test=0, token_budget=1024, threads=1, progress=False,
+        dtype="float32",
     )
     settings.update({k: v for k, v in changes.items() if v is not None})
     return ExperimentConfig(**settings).resolve()
