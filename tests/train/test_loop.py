@@ -15,7 +15,7 @@ from train.config import ExperimentConfig
 
 REPO = Path(__file__).resolve().parents[2]
 RESULT_KEYS = {"backend", "run_dir", "steps", "num_params", "train", "valid", "test", "best", "wall_time_s",
-               "config", "model", "history"}
+               "config", "model", "history", "compiled_programs", "compile_seconds", "compile_cache_hits"}
 EVAL_KEYS = {"step", "loss", "nll", "ppl", "bleu", "bleu_signature", "chrf", "chrf_signature", "bleu_lc",
              "bleu_lc_signature", "exact_match", "tokens", "sentences", "bands"}
 
@@ -44,6 +44,11 @@ def test_short_run_learns_and_writes_results(short_run, capsys):
     on_disk = json.loads((run_dir / "results.json").read_text())
     assert on_disk == json.loads(json.dumps(results))  # what train() returned is what it wrote
     assert set(results) == RESULT_KEYS
+    compiles = (results["compiled_programs"], results["compile_seconds"], results["compile_cache_hits"])
+    if cfg.backend == "torch":  # torch compiles nothing
+        assert compiles == (None, None, None)
+    else:
+        assert compiles[0] >= 1 and compiles[1] > 0 and compiles[2] >= 0, compiles
     assert set(results["valid"]) == EVAL_KEYS and set(results["test"]) == EVAL_KEYS
     assert (results["backend"], results["steps"], results["test"]["sentences"]) == (cfg.backend, 60, 40)
     # --eval-sentences 20 limits validation only: the test set is scored whole.
@@ -79,8 +84,9 @@ def test_short_run_learns_and_writes_results(short_run, capsys):
     assert kept == sorted({50, 60, results["best"]["step"]})
     # config.json holds the experiment; the launch options (run dir, steps, intervals) are not saved.
     saved = json.loads((run_dir / "config.json").read_text())
-    assert saved == cfg.resolve().experiment() and not set(saved) & set(ExperimentConfig.launch_fields())
-    assert runtime.read_experiment(run_dir) == cfg.resolve().replace(**{
+    resolved = cfg.resolve().replace(dtype="float32")  # the run fills --dtype in from the platform: the CPU's
+    assert saved == resolved.experiment() and not set(saved) & set(ExperimentConfig.launch_fields())
+    assert runtime.read_experiment(run_dir) == resolved.replace(**{
         name: getattr(ExperimentConfig(), name) for name in ExperimentConfig.launch_fields()
     })
 
