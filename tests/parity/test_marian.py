@@ -339,6 +339,7 @@ def test_hf_scoring_is_hf_generate_beam_search_token_for_token(trained_as_hf):
     print(f"GNMT scoring chose otherwise on {differ_gnmt} of {2 * len(sources)} searches")
 
 
+@pytest.mark.slow  # ~18 s: HF generate with num_return_sequences beside both twins
 def test_n_best_with_hf_scoring_is_hf_generate_num_return_sequences(trained_as_hf):
     """`n_best=3` of beam 4 with `scoring="hf"` on 10 test sentences: HF `generate(num_beams=4,
     num_return_sequences=3)`'s three sequences, in its order, and its sequences_scores to 1e-5 (as the
