@@ -87,18 +87,18 @@ def band_scores(pairs: Sequence[data.Pair], hypotheses: Sequence[str],
 
 def loss_and_perplexity(backend: Trainer, batches, stop: Callable[[], bool] | None = None) -> dict[str, float]:
     """{"loss", "nll", "ppl", "tokens"} over padded batches, dropout off: the sums stay on the
-    device and are read once. `stop` is asked before each batch: True raises EvaluationStopped."""
-    loss = nll = tokens = 0
+    device until every batch is queued, then read and added on the host (adding device scalars would
+    compile programs of its own). `stop` is asked before each batch: True raises EvaluationStopped."""
+    sums = []
     for batch in batches:
         if stop is not None and stop():
             raise EvaluationStopped("evaluation stopped")
-        batch_loss, batch_nll, batch_tokens = backend.eval_loss(batch)
-        loss, nll, tokens = loss + batch_loss, nll + batch_nll, tokens + batch_tokens
-    tokens = float(tokens)
+        sums.append(backend.eval_loss(batch))
+    loss, nll, tokens = (math.fsum(float(x) for x in column) for column in zip(*sums)) if sums else (0.0, 0.0, 0.0)
     if tokens == 0:
         return {"loss": math.nan, "nll": math.nan, "ppl": math.nan, "tokens": 0}
-    mean_nll = float(nll) / tokens
-    return {"loss": float(loss) / tokens, "nll": mean_nll, "ppl": math.exp(min(mean_nll, 700.0)), "tokens": int(tokens)}
+    mean_nll = nll / tokens
+    return {"loss": loss / tokens, "nll": mean_nll, "ppl": math.exp(min(mean_nll, 700.0)), "tokens": int(tokens)}
 
 
 def bands_text(bands: dict[str, Any] | None) -> str:

@@ -12,6 +12,7 @@ import pytest
 import train
 from train import data, evaluate, loop, metrics, runtime, translate, translation
 from train.config import ExperimentConfig
+from train.data.batches import fixed_lengths
 
 REPO = Path(__file__).resolve().parents[2]
 RESULT_KEYS = {"backend", "run_dir", "steps", "num_params", "train", "valid", "test", "best", "wall_time_s",
@@ -349,3 +350,13 @@ def test_source_batches_bucket_pad_and_keep_every_sentence():
     # One shape per bucket; rows: the least of the budget's, --batch-size and the bucket's
     # sentence count rounded up to a power of two (a lone long sentence runs as one row).
     assert {src.shape for _, src in batches} == {(2, 8), (2, 16), (1, 24), (1, 32)}
+
+
+def test_fixed_source_batches_search_any_sentences_in_one_shape_below_64_tokens():
+    assert fixed_lengths(128) == (64, 128) and fixed_lengths(32) == (32,) and fixed_lengths(300) == (64, 128, 256, 300)
+    src_ids = [[5] * n + [2] for n in (3, 9, 1, 20, 63, 64)]  # with <eos>: 4..65 tokens
+    batches = list(data.source_batches(src_ids, max_len=128, token_budget=256, fixed=True))
+    # Every source of up to 64 tokens in (256 // 64) rows of 64, the 65-token one in 2 rows of 128:
+    # the rows the budget allows whatever the number of sentences, so any set compiles these two.
+    assert [src.shape for _, src in batches] == [(4, 64), (4, 64), (2, 128)]
+    assert sorted(int(i) for index, _ in batches for i in index if i >= 0) == list(range(6))

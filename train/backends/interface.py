@@ -68,7 +68,7 @@ class Trainer(Protocol):
 
     def eval_loss(self, batch: Batch) -> tuple[Any, Any, Any]:
         """(smoothed loss sum, nll sum, target tokens) of one batch, dropout off, as device scalars
-        that support `+`; `float()` of a sum reads it."""
+        that `float()` reads."""
 
     def learning_rate(self, step: int) -> float:
         """The learning rate of update number `step` (from 1)."""

@@ -232,22 +232,29 @@ class JaxBackend(StoreMethods):
         # XLA:CPU's buffers are host memory from glibc (tuned by `initialize`): `train_step` hands it back.
         self._host_buffers = allocator.tuned()
         self._compiled_shapes: set[tuple] = set()
-        # Every process initialises the same weights from the seed, then they are replicated.
-        init_key, rng = jax.random.split(jax.random.key(exp_cfg.seed))
         platform = self.mesh.devices.flat[0].platform
         dtype = COMPUTE_DTYPES[exp_cfg.dtype or default_dtype(platform)]
         # The kernel set, chosen here once: the model's layers, its searches and `loss_sums` read it from the model.
         self.kernels = resolve_kernels(exp_cfg.kernels, "jax", platform)
-        model = jax_transformer.Transformer(model_cfg, dtype=dtype, kernels=self.kernels, remat=exp_cfg.remat,
-                                            rngs=nnx.Rngs(params=init_key))
-        self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
         self.tx = make_optimizer(exp_cfg, model_cfg.d_model)
-        state = {"params": params, "opt_state": self.tx.init(params), "step": jnp.zeros((), jnp.int32)}
-        # One sharding per array of the state: replicated, or split over `data` (FSDP).
         self.layout = exp_cfg.param_sharding
-        self.state_sharding = sharding.state_shardings(state, self.mesh, self.layout)
-        self.state = sharding.place(state, self.state_sharding)
-        self.rng = sharding.replicate(rng, self.mesh)
+
+        def init(seed):
+            # Every process computes the same weights from the seed, each device only its shards.
+            init_key, rng = jax.random.split(jax.random.key(seed))
+            model = jax_transformer.Transformer(model_cfg, dtype=dtype, kernels=self.kernels, remat=exp_cfg.remat,
+                                                rngs=nnx.Rngs(params=init_key))
+            graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+            state = {"params": params, "opt_state": self.tx.init(params), "step": jnp.zeros((), jnp.int32)}
+            return graphdef, state, rest, rng
+
+        # One compiled program, not one per eager operation of the initialisers (about 30).
+        self.graphdef, abstract, _, _ = jax.eval_shape(init, exp_cfg.seed)
+        # One sharding per array of the state: replicated, or split over `data` (FSDP).
+        self.state_sharding = sharding.state_shardings(abstract, self.mesh, self.layout)
+        whole = sharding.replicated(self.mesh)
+        _, self.state, self.rest, self.rng = jax.jit(init,
+                                      out_shardings=(None, self.state_sharding, whole, whole))(exp_cfg.seed)
         self._whole_params: tuple[int, Any] | None = None  # (step, gathered params) under FSDP
         self._step = 0  # host copy of state["step"], so reading it never syncs
         self.store = JaxStore(checkpoint_dir, exp_cfg.keep_checkpoints)
@@ -255,7 +262,7 @@ class JaxBackend(StoreMethods):
         # The state (and the gradient accumulator, shaped like the parameters) in its layout,
         # batches split along `data`, the rest replicated; a single sharding is a pytree prefix:
         # one sharding for every leaf of that argument.
-        whole, rows = sharding.replicated(self.mesh), sharding.batch_sharded(self.mesh)
+        rows = sharding.batch_sharded(self.mesh)
         state_s = self.state_sharding
         fsdp = self.layout == "fsdp"
         self.ctx = StepContext(self.graphdef, self.rest, self.tx, model_cfg, exp_cfg,

@@ -245,8 +245,10 @@ def _flat(rows) -> list[int]:
 
 
 def fixed_lengths(max_len: int) -> tuple[int, ...]:
-    """The few padded lengths of fixed-shape search: 16, 32, 64, ... below max_len, then max_len."""
-    return tuple(16 << k for k in range(max_len.bit_length()) if 16 << k < max_len) + (max_len,)
+    """The few padded lengths of fixed-shape search: 64, 128, ... below max_len, then max_len. Most
+    sentences fit the first: one search program, its shorter sources costing a little more encoder
+    and cross-attention work than a length of their own would (docs/performance.md#sequence-packing)."""
+    return tuple(64 << k for k in range(max_len.bit_length()) if 64 << k < max_len) + (max_len,)
 
 
 def source_batches(src_ids: Sequence[Sequence[int]], max_len: int, token_budget: int,
