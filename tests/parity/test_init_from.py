@@ -52,6 +52,7 @@ def test_flags_that_change_the_model_are_refused_by_name(source, tmp_path):
         train.fit(dict(run_dir=str(tmp_path / "x"), init_from=str(tmp_path), **TINY))
 
 
+@pytest.mark.slow  # ~11 s; in CI docs/finetune.md's run fine-tunes a hub Marian model in one command
 def test_a_marian_model_fine_tuned_in_one_command_learns_and_exports_to_hf(tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
     from parity import convert, marian

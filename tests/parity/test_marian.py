@@ -258,6 +258,7 @@ def test_imported_run_translates_evaluates_and_fine_tunes(small, tmp_path, capsy
     assert json.loads((run_dir / runtime.RESULTS_FILE).read_text())["steps"] == 2
 
 
+@pytest.mark.slow  # ~20 s; CI checks the same against HF at small shapes (the tests above)
 def test_opus_mt_de_en_shapes_logits_and_greedy_equal_hf(tmp_path):
     """At opus-mt-de-en's shapes (d 512, 8 heads, 6+6 layers, ffn 2048, swish, scaled embeddings,
     58101 tokens), two short sentences: logits to 1e-5 in both twins, greedy tokens identical."""
