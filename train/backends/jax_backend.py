@@ -253,8 +253,8 @@ class JaxBackend(StoreMethods):
         # One sharding per array of the state: replicated, or split over `data` (FSDP).
         self.state_sharding = sharding.state_shardings(abstract, self.mesh, self.layout)
         whole = sharding.replicated(self.mesh)
-        _, self.state, self.rest, self.rng = jax.jit(init,
-                                      out_shardings=(None, self.state_sharding, whole, whole))(exp_cfg.seed)
+        initialized = jax.jit(init, out_shardings=(None, self.state_sharding, whole, whole))
+        _, self.state, self.rest, self.rng = initialized(exp_cfg.seed)
         self._whole_params: tuple[int, Any] | None = None  # (step, gathered params) under FSDP
         self._step = 0  # host copy of state["step"], so reading it never syncs
         self.store = JaxStore(checkpoint_dir, exp_cfg.keep_checkpoints)
