@@ -248,7 +248,7 @@ class JaxBackend(StoreMethods):
             state = {"params": params, "opt_state": self.tx.init(params), "step": jnp.zeros((), jnp.int32)}
             return graphdef, state, rest, rng
 
-        # One compiled program, not one per eager operation of the initialisers (about 30).
+        # One compiled program, not one per eager operation of the initialisers.
         self.graphdef, abstract, _, _ = jax.eval_shape(init, exp_cfg.seed)
         # One sharding per array of the state: replicated, or split over `data` (FSDP).
         self.state_sharding = sharding.state_shardings(abstract, self.mesh, self.layout)
