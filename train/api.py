@@ -96,7 +96,8 @@ class Run:
                  moses: str | None = None, samples: int = 0) -> dict[str, Any]:
         """What `python -m train.evaluate` prints: loss, perplexity, BLEU and chrF with their
         signatures, exact match (per number of digits for number data) on `pairs`, a data spec
-        ("numbers:test", "de:en:PREFIX", "FILE.tsv", ...) or (source, target) pairs."""
+        ("numbers:test", "de:en:PREFIX", "FILE.tsv", ...) or (source, target) pairs. An ensemble's
+        result also names its other runs ("ensemble") and every run's step ("steps")."""
         from .data.splits import load_split
         from .metrics import evaluate_pairs
 
@@ -109,8 +110,9 @@ class Run:
             max_sentences=max_sentences, samples=samples, beam_size=beam, alpha=alpha, scoring=scoring,
             lowercase=lowercase, moses=moses, seen=seen,
         )
-        return {"run_dir": str(self.run_dir), "data": spec, "step": self.step, "beam": beam, "alpha": alpha,
-                "scoring": scoring, **result}
+        ensemble = {"ensemble": [str(m.run_dir) for m in self.members], "steps": self.steps} if self.members else {}
+        return {"run_dir": str(self.run_dir), "data": spec, "step": self.step, **ensemble, "beam": beam,
+                "alpha": alpha, "scoring": scoring, **result}
 
     def close(self) -> None:
         """Free the backend's devices and files (an ensemble's every one)."""

@@ -1,6 +1,6 @@
 """`python -m train.evaluate --run-dir DIR --data SPEC` (`aiayn evaluate`): score a run, print JSON.
 
-Flag parsing and printing over `train.load(...).evaluate(...)`; what each score means:
+Several --run-dir score an ensemble of runs (docs/decoding.md). Flag parsing and printing over `train.load(...).evaluate(...)`; what each score means:
 `train.metrics`.
 """
 
@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
         "round thousands). For a run trained on the numbers corpus, "
         f"the per-digit scores count the sentences seen in its training split. {HOST_DEVICES_HELP}.",
     )
-    add_run_arguments(parser)
+    add_run_arguments(parser, ensembles=True)
     parser.add_argument("--data", required=True, help="parallel data to score (see below)")
     parser.add_argument(
         "--max-sentences", type=positive_int, help="translate only the first N pairs for BLEU/chrF; default: all"
@@ -65,10 +65,10 @@ def main(argv: list[str] | None = None) -> int:
         if target is not None and target.exists() and any(os.path.samefile(f, target) for f in spec_files(args.data)):
             raise UserError(f"--output {args.output} is a file of --data {args.data}: writing it would destroy "
                             "the data; give another --output")
-        run = load(args.run_dir, args.checkpoint)
+        run = load(args.run_dir if len(args.run_dir) > 1 else args.run_dir[0], args.checkpoint)
         lowercase = args.lowercase or run.config.lowercase
         if lowercase and not args.lowercase:  # lowercase output: cased BLEU alone would mislead
-            print(f"note: {args.run_dir} was trained with --lowercase, so its translations are lowercase: "
+            print(f"note: {args.run_dir[0]} was trained with --lowercase, so its translations are lowercase: "
                   "bleu_lc (lowercased references) is scored too", file=sys.stderr)
         with run:
             result = run.evaluate(args.data, beam=args.beam, alpha=args.alpha, scoring=args.scoring,

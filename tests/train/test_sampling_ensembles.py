@@ -13,7 +13,7 @@ import shutil
 import pytest
 
 import train
-from train import data, score, translate
+from train import data, evaluate, score, translate
 from train.runtime import UserError
 
 from .cli import run_cli
@@ -160,6 +160,13 @@ def test_ensemble_command_and_refusals(runs, tmp_path, capsys):
     assert code == code_one == 0 and len(out.splitlines()) == len(TEXTS)
     for mine, theirs in zip(out.splitlines(), out_one.splitlines()):  # the mean of equal log-probs, to 1e-5
         assert abs(float(mine) - float(theirs)) <= 1e-5
+    pairs = ["--data", str(tmp_path / "pairs.tsv"), "--beam", "2"]
+    code, out, _ = run_cli(evaluate.main, capsys, "--run-dir", str(torch_dir), "--run-dir", str(torch_dir), *pairs)
+    code_one, out_one, _ = run_cli(evaluate.main, capsys, "--run-dir", str(torch_dir), *pairs)
+    pair, one = json.loads(out), json.loads(out_one)
+    assert code == code_one == 0 and pair["ensemble"] == [str(torch_dir)] and pair["steps"] == [2, 2]
+    assert "ensemble" not in one and abs(pair["loss"] - one["loss"]) <= 1e-5  # the mean of equal log-probs
+    assert pair["bleu"] == one["bleu"] and pair["samples"] == one["samples"]  # the same tokens
     code, _, err = run_cli(translate.main, capsys, "--run-dir", str(torch_dir), "--run-dir", str(torch_dir),
                            "--input", str(tmp_path / "in.txt"), "--alignments", "--format", "jsonl")
     one_error(code, err, "--alignments with several --run-dir")
