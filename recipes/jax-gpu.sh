@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# JAX on one GPU, end to end (docs/performance.md#on-a-gpu-owed): the de->en anchor recipe trained
+# JAX on one GPU, end to end (docs/performance.md#still-owed): the de->en anchor recipe trained
 # with JAX (bfloat16 and the fused attention kernels, the GPU defaults), its last 10 checkpoints
 # averaged and evaluated as the CPU figure was (beam 5, alpha 1.4, lowercased Moses BLEU on
 # test_2016_flickr: 43.42 on the CPU); then train.bench's base and big steps in bfloat16, JAX
