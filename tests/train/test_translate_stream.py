@@ -493,6 +493,9 @@ def test_eight_devices_translate_as_one(jax_run, tmp_path):
         assert len(outputs[f"8/{beam}"]) == len(LINES)
 
 
+# ~11 s, two fresh processes compiling for 2 devices: slow; CI checks the split in test_host_devices.py
+# and that several devices translate as one does (above).
+@pytest.mark.slow
 def test_a_cpu_translates_on_one_device_per_core(jax_run, tmp_path, capsys):
     """No XLA_FLAGS: `python -m train.translate` splits the CPU into devices ($AIAYN_HOST_DEVICES=2
     here, as on a 2-core machine), says so, and writes what one device writes."""
