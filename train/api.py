@@ -4,6 +4,7 @@ train one; the commands (`python -m train.X`, `aiayn X`) are thin shells over th
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -114,6 +115,11 @@ class Run:
         return {"run_dir": str(self.run_dir), "data": spec, "step": self.step, **ensemble, "beam": beam,
                 "alpha": alpha, "scoring": scoring, **result}
 
+    def weights_digest(self) -> str:
+        """Which weights this run translates with (an ensemble's: each run's, in order): the key
+        under which `train.translate` resumes a partial output (`weights_digest` below)."""
+        return "".join(weights_digest(r.run_dir, r.step) for r in (self, *self.members))
+
     def close(self) -> None:
         """Free the backend's devices and files (an ensemble's every one)."""
         self.backend.close()
@@ -170,6 +176,22 @@ def _load_ensemble(run_dirs: list[Path], checkpoint: str | int, backend: str | N
             run.close()
         raise
     return dataclasses.replace(head, members=rest)
+
+
+def weights_digest(run_dir: str | os.PathLike, step: int) -> str:
+    """SHA-256 of checkpoint `step`'s digest.json (of its every file when it has none) and of the
+    tokenizer files: which weights a partial output was translated with."""
+    from .store import DIGEST_FILE
+
+    run_dir = Path(run_dir)
+    checkpoint = run_dir / CHECKPOINTS / str(step)
+    files = [checkpoint / DIGEST_FILE] if (checkpoint / DIGEST_FILE).is_file() else sorted(
+        p for p in checkpoint.rglob("*") if p.is_file())
+    digest = hashlib.sha256()
+    for path in [*files, *(run_dir / name for name in data.tokenizer_files(run_dir))]:
+        with open(path, "rb") as f:
+            digest.update(hashlib.file_digest(f, "sha256").digest())
+    return digest.hexdigest()
 
 
 def _tokenizer_bytes(run_dir: Path) -> dict[str, bytes]:

@@ -13,24 +13,21 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import hashlib
 import itertools
 import os
 import sys
 from pathlib import Path
 
-from . import data
 from .api import load
 from .backends.host_devices import HELP as HOST_DEVICES_HELP
 from .backends.host_devices import split_host
 from .backends.jax_cache import HELP as JAX_CACHE_HELP
 from .config import add_run_arguments, positive_int
 from .data.streams import MAX_LINE_BYTES, LineReader
-from .runtime import CHECKPOINTS, Interrupted, interruptible, read_experiment
+from .runtime import Interrupted, interruptible, read_experiment
 from .runtime.files import UserError, error_text, open_stream, output_file
 from .runtime.output import OtherInput, PartialOutput, Progress, StreamOutput
 from .runtime.rundir import check_set_aside
-from .store import DIGEST_FILE
 from .translation import (
     FORMATS,
     Sampling,
@@ -126,19 +123,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def weights_digest(run_dir: Path, step: int) -> str:
-    """SHA-256 of checkpoint `step`'s digest.json (of its every file when it has none) and of the
-    tokenizer files: which weights a partial output was translated with."""
-    checkpoint = run_dir / CHECKPOINTS / str(step)
-    files = [checkpoint / DIGEST_FILE] if (checkpoint / DIGEST_FILE).is_file() else sorted(
-        p for p in checkpoint.rglob("*") if p.is_file())
-    digest = hashlib.sha256()
-    for path in [*files, *(run_dir / name for name in data.tokenizer_files(run_dir))]:
-        with open(path, "rb") as f:
-            digest.update(hashlib.file_digest(f, "sha256").digest())
-    return digest.hexdigest()
-
-
 def sampling_settings(args: argparse.Namespace) -> Sampling | None:
     """The --sample settings, or None without --sample; UserError for a sampling flag without it."""
     given = {flag: v for flag, v in (("--num-samples", args.num_samples != 1), ("--temperature", args.temperature),
@@ -218,10 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         elif target is None:  # standard output, or a stream written directly
             out = StreamOutput(args.output and open_stream(args.output))
         else:
-            weights = "".join(weights_digest(d, step) for d, step in zip(args.run_dir, run.steps))
             out = PartialOutput(target, {"run_dir": str(args.run_dir[0].absolute()), "step": run.backend.step,
-                                         "weights": weights if ensemble else weights_digest(args.run_dir[0], run.step),
-                                         "beam": args.beam,
+                                         "weights": run.weights_digest(), "beam": args.beam,
                                          "alpha": args.alpha, "scoring": args.scoring, **decoding})
     except (UserError, OSError, ValueError) as err:
         parser.exit(1, f"error: {error_text(err)}\n")

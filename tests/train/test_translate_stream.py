@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # when run as the worker script
     sys.path.insert(0, str(REPO))
 
-from train import data, translate, translation  # noqa: E402
+from train import api, data, translate, translation  # noqa: E402
 from train.runtime import output as run_output  # noqa: E402
 from train.backends import host_devices, jax_cache  # noqa: E402
 
@@ -199,7 +199,7 @@ def test_a_partial_output_of_other_settings_is_discarded_and_of_other_input_refu
     assert not partial.exists() and not record.exists()
     # The same settings over other input lines: refused, the partial output kept.
     settings = {"run_dir": str(tiny_torch_run.absolute()), "step": 2, "beam": 4, "alpha": 0.6, "scoring": "gnmt",
-                "weights": translate.weights_digest(tiny_torch_run, 2)}
+                "weights": api.weights_digest(tiny_torch_run, 2)}
     run_output.PartialOutput(output, settings).write(["x"] * 4, "0" * 64)
     code, _, err = run_main(capsys, *args)
     one_error(code, err, f"{partial} holds the translations of other input (its first 4 lines differ from these): "
@@ -322,12 +322,12 @@ def test_a_partial_output_of_other_weights_is_started_afresh(run_copy, tmp_path,
     assert code == 0 and err.splitlines()[0] == (f"note: {tmp_path / '.out.txt.partial'} was translated with other "
                                                  "settings (weights); starting afresh"), err
     assert output.read_text(encoding="utf-8") == expected and "continued after" not in err
-    digest = translate.weights_digest(run_copy, 2)  # the key: the checkpoint's digest and the tokenizer's
+    digest = api.weights_digest(run_copy, 2)  # the key: the checkpoint's digest and the tokenizer's
     _other_weights(run_copy / "checkpoints" / "2")
-    assert translate.weights_digest(run_copy, 2) != digest
-    digest, tokenizer = translate.weights_digest(run_copy, 2), run_copy / "tokenizer.json"
+    assert api.weights_digest(run_copy, 2) != digest
+    digest, tokenizer = api.weights_digest(run_copy, 2), run_copy / "tokenizer.json"
     tokenizer.write_text(json.dumps(json.loads(tokenizer.read_text(encoding="utf-8"))), encoding="utf-8")
-    assert translate.weights_digest(run_copy, 2) != digest  # the same vocabulary, other bytes
+    assert api.weights_digest(run_copy, 2) != digest  # the same vocabulary, other bytes
 
 
 def test_a_second_translation_into_one_output_is_refused(tiny_torch_run, tmp_path, capsys):
