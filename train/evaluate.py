@@ -1,7 +1,7 @@
 """`python -m train.evaluate --run-dir DIR --data SPEC` (`aiayn evaluate`): score a run, print JSON.
 
-Several --run-dir score an ensemble of runs (docs/decoding.md). Flag parsing and printing over `train.load(...).evaluate(...)`; what each score means:
-`train.metrics`.
+Several --run-dir score an ensemble of runs (docs/decoding.md). Flag parsing and printing over
+`train.load(...).evaluate(...)`; what each score means: `train.metrics`.
 """
 
 from __future__ import annotations
