@@ -141,10 +141,12 @@ def load(run_dir: str | os.PathLike | Sequence[str | os.PathLike], checkpoint: s
     the conversion command when the run is the other's. `launch`: other launch options of
     `ExperimentConfig` (coordinator_address, num_processes, process_id). A list of run directories
     (runs of one framework with the same tokenizers, each at `checkpoint`): an ensemble, their
-    log-probabilities averaged (docs/decoding.md#ensembles). Raises UserError."""
-    if not isinstance(run_dir, (str, os.PathLike)):
-        return _load_ensemble([Path(d) for d in run_dir], checkpoint, backend, devices, **launch)
-    return _load_one(Path(run_dir), checkpoint, backend, devices, **launch)
+    log-probabilities averaged (docs/decoding.md#ensembles); a list of one: that run. Raises UserError."""
+    if isinstance(run_dir, (str, os.PathLike)):
+        run_dir = [run_dir]
+    if len(run_dir) == 1:  # a run alone keeps what an ensemble gives up (attention weights, training)
+        return _load_one(Path(run_dir[0]), checkpoint, backend, devices, **launch)
+    return _load_ensemble([Path(d) for d in run_dir], checkpoint, backend, devices, **launch)
 
 
 def _load_ensemble(run_dirs: list[Path], checkpoint: str | int, backend: str | None, devices: int | None,

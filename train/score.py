@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         loaded = load_parallel(args.input)
         if not loaded.pairs:
             raise UserError(f"{args.input} holds no pair to score")
-        with load(args.run_dir if len(args.run_dir) > 1 else args.run_dir[0], args.checkpoint) as run:
+        with load(args.run_dir, args.checkpoint) as run:
             scores = run.score([s for s, _ in loaded.pairs], [t for _, t in loaded.pairs], batch_size=args.batch_size)
         lines = [json.dumps(s, ensure_ascii=False) if args.format == "jsonl" else f"{s['logprob']:.7g}" for s in scores]
         out = open_stream(args.output) if args.output is not None else sys.stdout

@@ -184,3 +184,6 @@ def test_ensemble_command_and_refusals(runs, tmp_path, capsys):
     assert f"{other} has another vocabulary than {torch_dir}" in str(info.value) and "\n" not in str(info.value)
     with pytest.raises(UserError, match="an ensemble needs at least one run directory"):
         train.load([])
+    with train.load([torch_dir]) as alone, train.load(torch_dir) as run:  # a list of one: the run, not an ensemble
+        assert alone.members == [] and alone.step == 2
+        assert alone.translate(TEXTS, beam=2, alignments=True) == run.translate(TEXTS, beam=2, alignments=True)
