@@ -134,23 +134,24 @@ class Run:
 
 
 def load(run_dir: str | os.PathLike | Sequence[str | os.PathLike], checkpoint: str | int = "best",
-         backend: str | None = None, devices: int | None = None, **launch: Any) -> Run:
+         backend: str | None = None, devices: int | None = None, average: str = "logprob", **launch: Any) -> Run:
     """The run in `run_dir` with checkpoint `checkpoint` ("best" by validation BLEU, "latest" or a
     step) restored onto this process's devices (the first `devices` of them; checkpoints restore
     onto any mesh). `backend`: the framework the caller expects ("jax" or "torch"), refused with
     the conversion command when the run is the other's. `launch`: other launch options of
     `ExperimentConfig` (coordinator_address, num_processes, process_id). A list of run directories
     (runs of one framework with the same tokenizers, each at `checkpoint`): an ensemble, their
-    log-probabilities averaged (docs/decoding.md#ensembles); a list of one: that run. Raises UserError."""
+    log-probabilities averaged (docs/decoding.md#ensembles; `average="prob"`: the log of their mean
+    probability); a list of one: that run. Raises UserError."""
     if isinstance(run_dir, (str, os.PathLike)):
         run_dir = [run_dir]
     if len(run_dir) == 1:  # a run alone keeps what an ensemble gives up (attention weights, training)
         return _load_one(Path(run_dir[0]), checkpoint, backend, devices, **launch)
-    return _load_ensemble([Path(d) for d in run_dir], checkpoint, backend, devices, **launch)
+    return _load_ensemble([Path(d) for d in run_dir], checkpoint, backend, devices, average, **launch)
 
 
 def _load_ensemble(run_dirs: list[Path], checkpoint: str | int, backend: str | None, devices: int | None,
-                   **launch: Any) -> Run:
+                   average: str, **launch: Any) -> Run:
     if not run_dirs:
         raise UserError("an ensemble needs at least one run directory, got none")
     first = read_experiment(run_dirs[0]).backend if backend is None else backend
@@ -170,7 +171,7 @@ def _load_ensemble(run_dirs: list[Path], checkpoint: str | int, backend: str | N
             runs.append(_load_one(run_dir, checkpoint, backend, devices, **launch))
         head, rest = runs[0], runs[1:]
         try:
-            head.backend.ensemble([r.backend for r in rest])
+            head.backend.ensemble([r.backend for r in rest], average)
         except ValueError as err:  # vocabulary sizes or special ids the tokenizer files did not show
             raise UserError(f"{' + '.join(map(str, run_dirs))}: {err}") from None
     except BaseException:

@@ -418,6 +418,12 @@ def parse_model_override(text: str) -> tuple[str, Any]:
     return TransformerConfig.parse_override(text, exclude=DERIVED_MODEL_FIELDS)
 
 
+def add_ensemble_average(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ensemble-average", choices=("logprob", "prob"), default="logprob",
+                        help="how an ensemble combines its runs at each step: 'logprob' (the default, Marian's) the "
+                        "mean of their log-probabilities, renormalised; 'prob' the log of the mean probability (fairseq's)")
+
+
 def add_run_arguments(parser: argparse.ArgumentParser, ensembles: bool = False) -> None:
     """--run-dir, --checkpoint, --beam, --alpha and --scoring, shared by translate, evaluate and
     parity.translate_bench; `ensembles`: --run-dir may repeat (a list of directories)."""
@@ -426,6 +432,7 @@ def add_run_arguments(parser: argparse.ArgumentParser, ensembles: bool = False) 
             "--run-dir", required=True, type=Path, action="append",
             help="the run directory (holds config.json, tokenizer, checkpoints/); given again, an ensemble: the runs' "
             "log-probabilities averaged (runs of one framework with the same tokenizers, each at --checkpoint)")
+        add_ensemble_average(parser)
     else:
         parser.add_argument(
             "--run-dir", required=True, type=Path, help="the run directory (holds config.json, tokenizer, checkpoints/)"

@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         if target is not None and target.exists() and any(os.path.samefile(f, target) for f in spec_files(args.data)):
             raise UserError(f"--output {args.output} is a file of --data {args.data}: writing it would destroy "
                             "the data; give another --output")
-        run = load(args.run_dir, args.checkpoint)
+        run = load(args.run_dir, args.checkpoint, average=args.ensemble_average)
         lowercase = args.lowercase or run.config.lowercase
         if lowercase and not args.lowercase:  # lowercase output: cased BLEU alone would mislead
             print(f"note: {args.run_dir[0]} was trained with --lowercase, so its translations are lowercase: "

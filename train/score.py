@@ -14,6 +14,7 @@ from pathlib import Path
 
 from .api import load
 from .backends.host_devices import split_host
+from .config import add_ensemble_average
 from .data import load_parallel
 from .runtime.files import UserError, error_text, open_stream
 
@@ -28,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--run-dir", required=True, type=Path, action="append",
                         help="the run directory; given again, an ensemble's score (the runs' log-probabilities "
                         "averaged: docs/decoding.md#ensembles)")
+    add_ensemble_average(parser)
     parser.add_argument("--checkpoint", default="best", help="'best' (the default), 'latest', or a step number")
     parser.add_argument("--input", required=True,
                         help="the pairs: a data spec as train.run's --valid takes (FILE.tsv with columns source and "
@@ -48,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         loaded = load_parallel(args.input)
         if not loaded.pairs:
             raise UserError(f"{args.input} holds no pair to score")
-        with load(args.run_dir, args.checkpoint) as run:
+        with load(args.run_dir, args.checkpoint, average=args.ensemble_average) as run:
             scores = run.score([s for s, _ in loaded.pairs], [t for _, t in loaded.pairs], batch_size=args.batch_size)
         lines = [json.dumps(s, ensure_ascii=False) if args.format == "jsonl" else f"{s['logprob']:.7g}" for s in scores]
         out = open_stream(args.output) if args.output is not None else sys.stdout

@@ -160,6 +160,14 @@ def test_ensemble_command_and_refusals(runs, tmp_path, capsys):
     assert code == code_one == 0 and len(out.splitlines()) == len(TEXTS)
     for mine, theirs in zip(out.splitlines(), out_one.splitlines()):  # the mean of equal log-probs, to 1e-5
         assert abs(float(mine) - float(theirs)) <= 1e-5
+    code, out, _ = run_cli(score.main, capsys, "--run-dir", str(torch_dir), "--run-dir", str(torch_dir),
+                           "--ensemble-average", "prob", "--input", str(tmp_path / "pairs.tsv"))
+    for mine, theirs in zip(out.splitlines(), out_one.splitlines()):  # the log of the mean of equal probs
+        assert abs(float(mine) - float(theirs)) <= 1e-5
+    with train.load([torch_dir, torch_dir], average="prob") as pair:
+        assert pair.backend.model.average == "prob"
+    with pytest.raises(UserError, match="average must be one of logprob, prob, got 'max'"):
+        train.load([torch_dir, torch_dir], average="max")
     pairs = ["--data", str(tmp_path / "pairs.tsv"), "--beam", "2"]
     code, out, _ = run_cli(evaluate.main, capsys, "--run-dir", str(torch_dir), "--run-dir", str(torch_dir), *pairs)
     code_one, out_one, _ = run_cli(evaluate.main, capsys, "--run-dir", str(torch_dir), *pairs)
