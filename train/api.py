@@ -14,7 +14,7 @@ from torch_reference.config import TransformerConfig
 
 from . import data
 from .backends import Backend, create_backend, initialize
-from .config import ExperimentConfig
+from .config import ENSEMBLE_AVERAGES, ExperimentConfig
 from .runtime import CHECKPOINTS, UserError, check_model, read_experiment, read_model_config
 from .runtime.rundir import check_set_aside
 from .translation import Hypothesis
@@ -143,6 +143,8 @@ def load(run_dir: str | os.PathLike | Sequence[str | os.PathLike], checkpoint: s
     (runs of one framework with the same tokenizers, each at `checkpoint`): an ensemble, their
     log-probabilities averaged (docs/decoding.md#ensembles; `average="prob"`: the log of their mean
     probability); a list of one: that run. Raises UserError."""
+    if average not in ENSEMBLE_AVERAGES:  # refused for one run too, before anything loads
+        raise UserError(f"average must be one of {', '.join(ENSEMBLE_AVERAGES)}, got {average!r}")
     if isinstance(run_dir, (str, os.PathLike)):
         run_dir = [run_dir]
     if len(run_dir) == 1:  # a run alone keeps what an ensemble gives up (attention weights, training)

@@ -418,10 +418,15 @@ def parse_model_override(text: str) -> tuple[str, Any]:
     return TransformerConfig.parse_override(text, exclude=DERIVED_MODEL_FIELDS)
 
 
+# The twins' ensemble.AVERAGES (a test keeps them equal), named here so that this module imports neither framework.
+ENSEMBLE_AVERAGES = ("logprob", "prob")
+
+
 def add_ensemble_average(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ensemble-average", choices=("logprob", "prob"), default="logprob",
+    parser.add_argument("--ensemble-average", choices=ENSEMBLE_AVERAGES, default="logprob",
                         help="how an ensemble combines its runs at each step: 'logprob' (the default, Marian's) the "
-                        "mean of their log-probabilities, renormalised; 'prob' the log of the mean probability (fairseq's)")
+                        "mean of their log-probabilities, renormalised; 'prob' the log of the mean probability "
+                        "(fairseq's)")
 
 
 def add_run_arguments(parser: argparse.ArgumentParser, ensembles: bool = False) -> None:

@@ -193,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         if (args.devices or 1) > 1 and read_experiment(args.run_dir[0]).backend == "torch":
             raise UserError(f"--devices {args.devices}: a torch run translates on one device")
         run = load(args.run_dir, args.checkpoint, devices=args.devices, average=args.ensemble_average,
-                   coordinator_address=args.coordinator_address, num_processes=args.num_processes, process_id=args.process_id)
+                   coordinator_address=args.coordinator_address, num_processes=args.num_processes,
+                   process_id=args.process_id)
         if first is None:
             raise UserError(f"{reader.name} holds no sentence to translate")
         topology = run.backend.topology

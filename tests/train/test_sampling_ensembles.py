@@ -14,6 +14,7 @@ import pytest
 
 import train
 from train import data, evaluate, score, translate
+from train.config import ENSEMBLE_AVERAGES
 from train.runtime import UserError
 
 from .cli import run_cli
@@ -162,12 +163,14 @@ def test_ensemble_command_and_refusals(runs, tmp_path, capsys):
         assert abs(float(mine) - float(theirs)) <= 1e-5
     code, out, _ = run_cli(score.main, capsys, "--run-dir", str(torch_dir), "--run-dir", str(torch_dir),
                            "--ensemble-average", "prob", "--input", str(tmp_path / "pairs.tsv"))
+    assert code == 0 and len(out.splitlines()) == len(TEXTS)
     for mine, theirs in zip(out.splitlines(), out_one.splitlines()):  # the log of the mean of equal probs
         assert abs(float(mine) - float(theirs)) <= 1e-5
     with train.load([torch_dir, torch_dir], average="prob") as pair:
         assert pair.backend.model.average == "prob"
-    with pytest.raises(UserError, match="average must be one of logprob, prob, got 'max'"):
-        train.load([torch_dir, torch_dir], average="max")
+    for dirs in ([torch_dir, torch_dir], torch_dir):  # one run too: refused, not ignored
+        with pytest.raises(UserError, match="average must be one of logprob, prob, got 'max'"):
+            train.load(dirs, average="max")
     pairs = ["--data", str(tmp_path / "pairs.tsv"), "--beam", "2"]
     code, out, _ = run_cli(evaluate.main, capsys, "--run-dir", str(torch_dir), "--run-dir", str(torch_dir), *pairs)
     code_one, out_one, _ = run_cli(evaluate.main, capsys, "--run-dir", str(torch_dir), *pairs)
@@ -195,3 +198,10 @@ def test_ensemble_command_and_refusals(runs, tmp_path, capsys):
     with train.load([torch_dir]) as alone, train.load(torch_dir) as run:  # a list of one: the run, not an ensemble
         assert alone.members == [] and alone.step == 2
         assert alone.translate(TEXTS, beam=2, alignments=True) == run.translate(TEXTS, beam=2, alignments=True)
+
+
+def test_the_commands_offer_the_twins_averages():
+    from jax_transformer import ensemble as jax_ensemble
+    from torch_reference import ensemble as torch_ensemble
+
+    assert ENSEMBLE_AVERAGES == torch_ensemble.AVERAGES == jax_ensemble.AVERAGES
