@@ -16,8 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -37,6 +36,8 @@ KERNEL_CHOICES = ("auto", "reference", "xla_cpu", "fused")
 # makes the task need attention; at 8000 it would learn whole numbers as single tokens.
 NUMBERS_VOCAB_SIZE = 400
 DEFAULT_VOCAB_SIZE = 8000
+# The experiment fields that decide the model's shape and vocabulary: --init-from takes its source's.
+SOURCE_FIELDS = ("preset", "model", "vocab_size", "joint_vocab", "max_len", "lowercase")
 RECIPE_FILE = "recipe.json"  # in a run directory: train.run --config's recipe, {"path", "toml"}; a resume reads it
 
 # Warmup when --warmup is not given: the paper's 4000 steps (§5.3) are 4% of its 100k-step run; short runs
@@ -348,21 +349,49 @@ class ExperimentConfig:
     def uses_numbers_corpus(self) -> bool:
         return self.train is None
 
-    def resolve(self) -> ExperimentConfig:
-        """A copy with every automatic (None) field filled in: vocabulary size, warmup,
-        checkpoint interval, packing and run directory."""
+    def resolve(self, platform: str | None = None, *, given: Iterable[str] | None = None,
+                saved: ExperimentConfig | None = None, source: ExperimentConfig | None = None) -> ExperimentConfig:
+        """The config a run trains with: every automatic (None) field filled in (vocabulary size,
+        warmup, checkpoint interval, packing; the dtype of `platform` for a new run). The run
+        directory's default is chosen where the run is claimed (`runtime.session`).
+
+        `saved`: the experiment a --resume continues, kept whole but for this launch's options.
+        `source`: the experiment --init-from starts from, whose model fields (SOURCE_FIELDS) are
+        taken. A field `given` with another value than theirs: ValueError. `given` None (a
+        programmatic call): every field set counts, for --init-from every one off its default.
+        """
+        cfg, defaults = self, ExperimentConfig()
+        if saved is not None:
+            cfg = saved.replace(**{name: getattr(self, name) for name in self.launch_fields()})
+            self._refuse_changes(saved, "run", "--resume cannot change how the run trains", self.experiment(),
+                                 given if given is not None else [f for f, v in self.to_dict().items() if v is not None])
+        elif source is not None:
+            cfg = self.replace(**{name: getattr(source, name) for name in SOURCE_FIELDS})
+            self._refuse_changes(source, str(self.init_from), "--init-from takes the model's shape and vocabulary from its source",
+                                 SOURCE_FIELDS, given if given is not None else
+                                 [f for f in SOURCE_FIELDS if getattr(self, f) != getattr(defaults, f)])
         changes: dict[str, Any] = {}
-        if self.vocab_size is None:
-            changes["vocab_size"] = NUMBERS_VOCAB_SIZE if self.uses_numbers_corpus else DEFAULT_VOCAB_SIZE
-        if self.warmup is None:
-            changes["warmup"] = max(1, min(PAPER_WARMUP, round(WARMUP_FRACTION * self.steps)))
-        if self.save_every is None:
-            changes["save_every"] = self.eval_every
-        if self.pack is None:
-            changes["pack"] = self.backend == "jax"
-        if self.run_dir is None:
-            changes["run_dir"] = f"runs/{self.backend}-{time.strftime('%Y%m%d-%H%M%S')}"
-        return self.replace(**changes)
+        if cfg.vocab_size is None:
+            changes["vocab_size"] = NUMBERS_VOCAB_SIZE if cfg.uses_numbers_corpus else DEFAULT_VOCAB_SIZE
+        if cfg.warmup is None:
+            changes["warmup"] = max(1, min(PAPER_WARMUP, round(WARMUP_FRACTION * cfg.steps)))
+        if cfg.save_every is None:
+            changes["save_every"] = cfg.eval_every
+        if cfg.pack is None:
+            changes["pack"] = cfg.backend == "jax"
+        if cfg.dtype is None and platform is not None and saved is None:  # a resumed run keeps its own
+            changes["dtype"] = default_dtype(platform)
+        return cfg.replace(**changes)
+
+    def _refuse_changes(self, other: ExperimentConfig, whose: str, why: str, names: Iterable[str],
+                        given: Iterable[str]) -> None:
+        """ValueError naming each field of `names` that was `given` with another value than `other` has."""
+        given = set(given)
+        flags = {f.name: f.metadata.get("flag", "--" + f.name.replace("_", "-")) for f in dataclasses.fields(self)}
+        differ = [f"{flags[name]}: {whose} has {getattr(other, name)!r}, got {getattr(self, name)!r}"
+                  for name in names if name in given and getattr(self, name) != getattr(other, name)]
+        if differ:
+            raise ValueError(f"{why}:\n  " + "\n  ".join(differ))
 
     def model_config(self, src_vocab_size: int, tgt_vocab_size: int) -> TransformerConfig:
         """The model: the preset with `--set` overrides, the tokenizers' vocabulary sizes, max_len,

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from . import data, plots, pretrained, runtime
 from .backends import Backend, Topology, create_backend, initialize
 from .backends.compiles import Compiles, totals
-from .config import ExperimentConfig, default_dtype
+from .config import ExperimentConfig
 from .data.splits import load_splits
 from .metrics import bands_text, evaluate_pairs
 from .runtime import CHECKPOINTS, CONFIG_FILE, CURVES_FILE, RESULTS_FILE, TENSORBOARD, Interrupted, UserError, say
@@ -58,22 +58,18 @@ def train(cfg: ExperimentConfig, *, explicit: Iterable[str] | None = None,
     except ValueError as err:
         raise UserError(str(err)) from None
     compiled_before = totals()  # this run's compilations: those after this point
-    if cfg.dtype is None and not cfg.resume:  # a resumed run keeps the dtype it was started with
-        cfg = cfg.replace(dtype=default_dtype(topology.platform))
     if topology.process_count > 1 and cfg.run_dir is None:
         raise UserError("a multi-process run needs --run-dir: one directory, the same for every process")
-    if cfg.init_from and not cfg.resume:
-        cfg = pretrained.adopt(cfg, explicit, init_dir or cfg.init_from)
+    source = (init_dir or cfg.init_from) if cfg.init_from else None
     with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(sys.stdout if topology.is_main else devnull), \
-            runtime.session(cfg, explicit, topology.is_main) as cfg:
+            runtime.session(cfg, explicit, topology.platform, topology.is_main, source) as cfg:
         run = setup(cfg, topology, init_dir)
         run.compiled_before = compiled_before
-        if (done := run.finished_before()) is not None:
+        if run.finished is not None:
             run.backend.close()
-            return done
+            return run.finished
         with run:
-            with runtime.StopSignals(enabled=topology.process_count == 1) as stop:
-                fit(run, stop)
+            fit(run)
             results = finish(run, started)
         if topology.is_main:
             _write_results(results)
@@ -92,25 +88,13 @@ class Training:
     batcher: data.Batcher
     backend: Backend
     log: _Log
+    finished: dict[str, Any] | None = None  # a resumed run that had trained --steps: its results
     writer: Any = None
     compiled_before: Compiles = dataclasses.field(default_factory=Compiles)  # the process's, before this run
 
     def compiled(self) -> Compiles | None:
         """What this run has compiled so far (JAX's compile events); None for torch, which reports none."""
         return totals() - self.compiled_before if self.cfg.backend == "jax" else None
-
-    def finished_before(self) -> dict[str, Any] | None:
-        """A resumed run that has trained --steps already and written its results: those results."""
-        if not (self.cfg.resume and self.backend.step >= self.cfg.steps):
-            return None
-        done = read_json(Path(self.cfg.run_dir) / RESULTS_FILE, default=None)
-        if isinstance(done, dict) and done.get("steps") == self.backend.step:
-            say(f"{self.cfg.run_dir} has trained {self.backend.step} steps (--steps {self.cfg.steps}): nothing to do; "
-                f"{RESULTS_FILE} left as it is (resume with a larger --steps to train on)")
-            return done
-        say(f"{self.cfg.run_dir} has trained {self.backend.step} steps (--steps {self.cfg.steps}): nothing to train; "
-            "evaluating its last checkpoint (resume with a larger --steps to train on)")
-        return None
 
     def __enter__(self) -> Training:
         if self.topology.is_main:
@@ -198,7 +182,21 @@ def setup(cfg: ExperimentConfig, topology: Topology, init_dir: str | Path | None
         + (", parameters and optimizer state sharded (FSDP)" if cfg.param_sharding == "fsdp" else "")
         + f"; run dir {run_dir}"
     )
-    return Training(cfg, topology, splits, tokenizers, batcher, backend, log)
+    return Training(cfg, topology, splits, tokenizers, batcher, backend, log, _finished(cfg, backend.step))
+
+
+def _finished(cfg: ExperimentConfig, step: int) -> dict[str, Any] | None:
+    """A resumed run that has trained --steps already and written its results: those results."""
+    if not (cfg.resume and step >= cfg.steps):
+        return None
+    done = read_json(Path(cfg.run_dir) / RESULTS_FILE, default=None)
+    if isinstance(done, dict) and done.get("steps") == step:
+        say(f"{cfg.run_dir} has trained {step} steps (--steps {cfg.steps}): nothing to do; "
+            f"{RESULTS_FILE} left as it is (resume with a larger --steps to train on)")
+        return done
+    say(f"{cfg.run_dir} has trained {step} steps (--steps {cfg.steps}): nothing to train; "
+        "evaluating its last checkpoint (resume with a larger --steps to train on)")
+    return None
 
 
 def _check_resumed(meta: dict[str, Any], cfg: ExperimentConfig, batcher: data.Batcher, topology: Topology) -> None:
@@ -362,68 +360,69 @@ def _save(cfg: ExperimentConfig, backend: Backend, batcher: data.Batcher, evalua
     backend.save(finite_values(meta), metrics=None if evaluated is None else {"bleu": evaluated["bleu"]})
 
 
-def fit(run: Training, stop: runtime.StopSignals | None = None) -> None:
+def fit(run: Training) -> None:
     """The update loop from the backend's step to cfg.steps: train, log, evaluate, checkpoint.
 
     Metrics are read at every log, evaluation and save, and a non-finite loss or gradient norm
     raises TrainingDiverged there, before anything is saved: checkpoints never hold a diverged
-    update; so does a non-finite validation loss. When `stop` reports a signal, the loop logs,
-    saves and raises Interrupted; a signal during an evaluation stops it (it is not counted as
-    done), so the save follows the signal by at most one update (and an evaluation batch).
+    update; so does a non-finite validation loss. SIGTERM and Ctrl-C (`runtime.StopSignals`, in a
+    single-process run) make the loop log, save and raise Interrupted; a signal during an
+    evaluation stops it (not counted as done), so the save follows the signal by at most one
+    update (and an evaluation batch).
     `run.log`: the history so far (restored on --resume), extended in place.
     """
     cfg, backend, batcher, writer, log = run.cfg, run.backend, run.batcher, run.writer, run.log
-    stop = stop or runtime.StopSignals(enabled=False)
-    show_progress = run.topology.is_main
-    bar = tqdm(total=cfg.steps, initial=backend.step, disable=not (cfg.progress and show_progress), unit="step",
-               dynamic_ncols=True, desc=cfg.backend)
-    pending: list = []  # metrics of the steps not yet read from the device
-    window_tokens, window_start = 0, time.perf_counter()
-    for step in range(backend.step + 1, cfg.steps + 1):
-        batches = [next(batcher) for _ in range(cfg.grad_accum)]
-        pending.append(backend.train_step(batches))
-        window_tokens += sum(b.num_tgt_tokens for b in batches)
+    with runtime.StopSignals(enabled=run.topology.process_count == 1) as stop:
+        show_progress = run.topology.is_main
+        bar = tqdm(total=cfg.steps, initial=backend.step, disable=not (cfg.progress and show_progress), unit="step",
+                   dynamic_ncols=True, desc=cfg.backend)
+        pending: list = []  # metrics of the steps not yet read from the device
+        window_tokens, window_start = 0, time.perf_counter()
+        for step in range(backend.step + 1, cfg.steps + 1):
+            batches = [next(batcher) for _ in range(cfg.grad_accum)]
+            pending.append(backend.train_step(batches))
+            window_tokens += sum(b.num_tgt_tokens for b in batches)
 
-        stopping = stop.requested is not None
-        evaluate_now = (step % cfg.eval_every == 0 or step == cfg.steps) and not stopping
-        save_now = step % cfg.save_every == 0 or step == cfg.steps or stopping
-        # Also log before an evaluation or a save, so that tokens/s never counts their time.
-        if step % cfg.log_every == 0 or evaluate_now or save_now:
-            values = backend.fetch(pending)  # the loop's only host sync between evaluations
-            if bad := _first_non_finite(values, step):
-                raise _diverged(backend, bad)
-            _log_window(cfg, step, values, window_tokens, time.perf_counter() - window_start, log, writer, bar,
-                        run.compiled())
-            pending, window_tokens = [], 0
+            stopping = stop.requested is not None
+            evaluate_now = (step % cfg.eval_every == 0 or step == cfg.steps) and not stopping
+            save_now = step % cfg.save_every == 0 or step == cfg.steps or stopping
+            # Also log before an evaluation or a save, so that tokens/s never counts their time.
+            if step % cfg.log_every == 0 or evaluate_now or save_now:
+                values = backend.fetch(pending)  # the loop's only host sync between evaluations
+                if bad := _first_non_finite(values, step):
+                    raise _diverged(backend, bad)
+                _log_window(cfg, step, values, window_tokens, time.perf_counter() - window_start, log, writer, bar,
+                            run.compiled())
+                pending, window_tokens = [], 0
 
-        evaluated = None
-        if evaluate_now:
-            eval_start = time.perf_counter()
-            try:
-                evaluated = _evaluate(cfg, backend, run.tokenizers, run.splits.valid, cfg.samples,
-                                      stop=lambda: stop.requested is not None)
-                eval_time = time.perf_counter() - eval_start  # compiling included
-            except EvaluationStopped:  # a signal came mid-evaluation: save without it
-                stopping = save_now = True
-            else:
-                if not math.isfinite(evaluated["loss"]):
-                    raise _diverged(backend, f"validation loss {evaluated['loss']} at step {step}")
-                _log_evaluation(step, evaluated, eval_time, log, writer)
-            if stop.requested is not None:  # a signal after the evaluation's last look: stop before the next update
-                stopping = save_now = True
-        if save_now:
-            _save(cfg, backend, batcher, evaluated, log)
-        if stopping:
-            bar.close()
-            name = signal.Signals(stop.requested).name
-            raise Interrupted(
-                stop.requested,
-                f"{name}: stopped at step {step} of {cfg.steps} with a checkpoint saved; continue with\n"
-                f"  python -m train.run --run-dir {cfg.run_dir} --resume",
-            )
-        if not pending:  # just logged: the next window starts now, after any evaluation or save
-            window_start = time.perf_counter()
-    bar.close()
+            evaluated = None
+            if evaluate_now:
+                eval_start = time.perf_counter()
+                try:
+                    evaluated = _evaluate(cfg, backend, run.tokenizers, run.splits.valid, cfg.samples,
+                                          stop=lambda: stop.requested is not None)
+                    eval_time = time.perf_counter() - eval_start  # compiling included
+                except EvaluationStopped:  # a signal came mid-evaluation: save without it
+                    stopping = save_now = True
+                else:
+                    if not math.isfinite(evaluated["loss"]):
+                        raise _diverged(backend, f"validation loss {evaluated['loss']} at step {step}")
+                    _log_evaluation(step, evaluated, eval_time, log, writer)
+                if stop.requested is not None:  # a signal after the evaluation's last look: stop before the next update
+                    stopping = save_now = True
+            if save_now:
+                _save(cfg, backend, batcher, evaluated, log)
+            if stopping:
+                bar.close()
+                name = signal.Signals(stop.requested).name
+                raise Interrupted(
+                    stop.requested,
+                    f"{name}: stopped at step {step} of {cfg.steps} with a checkpoint saved; continue with\n"
+                    f"  python -m train.run --run-dir {cfg.run_dir} --resume",
+                )
+            if not pending:  # just logged: the next window starts now, after any evaluation or save
+                window_start = time.perf_counter()
+        bar.close()
 
 
 def finish(run: Training, started: float) -> dict[str, Any]:

@@ -8,7 +8,6 @@ the other framework is first made one by `parity.runs.init_source` (which `train
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -19,9 +18,6 @@ from . import data, runtime
 from .backends import create_backend
 from .config import ExperimentConfig
 from .store import CheckpointError
-
-# The experiment fields that decide the model's shape and vocabulary: the source's, never changed.
-SOURCE_FIELDS = ("preset", "model", "vocab_size", "joint_vocab", "max_len", "lowercase")
 
 
 @dataclasses.dataclass
@@ -35,26 +31,10 @@ class Pretrained:
     params: dict[str, np.ndarray]
 
 
-def adopt(cfg: ExperimentConfig, explicit: Iterable[str] | None, source: str | Path) -> ExperimentConfig:
-    """`cfg` with the model fields of the run in `source` (SOURCE_FIELDS); one given (`explicit`,
-    None: every field that differs from the defaults) with another value is refused by name."""
-    saved = _source_experiment(source)
-    defaults = ExperimentConfig()
-    given = set(explicit) if explicit is not None else {
-        f for f in SOURCE_FIELDS if getattr(cfg, f) != getattr(defaults, f)}
-    flags = {f.name: f.metadata.get("flag", "--" + f.name.replace("_", "-")) for f in dataclasses.fields(cfg)}
-    refused = [f"{flags[name]}: {source} has {getattr(saved, name)!r}, got {getattr(cfg, name)!r}"
-               for name in SOURCE_FIELDS if name in given and getattr(cfg, name) != getattr(saved, name)]
-    if refused:
-        raise runtime.UserError("--init-from takes the model's shape and vocabulary from its source:\n  "
-                                + "\n  ".join(refused))
-    return cfg.replace(**{name: getattr(saved, name) for name in SOURCE_FIELDS})
-
-
 def load(source: str | Path, cfg: ExperimentConfig) -> Pretrained:
     """The best checkpoint's weights, the tokenizers and the model of the run in `source`, which
     must be a run of `cfg.backend` whose model `cfg` rebuilds (dropout aside)."""
-    saved, source = _source_experiment(source), Path(source)
+    saved, source = runtime.read_experiment(source), Path(source)
     if saved.backend != cfg.backend:
         raise runtime.UserError(f"--init-from {source} is a {saved.backend} run and this one trains {cfg.backend}: "
                                 f"convert it first (python -m parity.convert --to {cfg.backend} --run-dir {source} "
@@ -74,10 +54,3 @@ def load(source: str | Path, cfg: ExperimentConfig) -> Pretrained:
     finally:
         backend.close()
     return Pretrained(source, saved, model_cfg, tokenizers, params)
-
-
-def _source_experiment(source: str | Path) -> ExperimentConfig:
-    if not (Path(source) / runtime.CONFIG_FILE).is_file():
-        raise runtime.UserError(f"--init-from {source}: not a run directory; train.fit starts from a run of its "
-                                "backend (python -m train.run also takes a Marian directory or hf:ORG/NAME)")
-    return runtime.read_experiment(source)

@@ -19,12 +19,31 @@ def test_json_round_trip_and_resolve():
     resolved = cfg.resolve()
     # Automatic fields: vocabulary per corpus, warmup a quarter of the steps, save at each eval.
     assert (resolved.vocab_size, resolved.warmup, resolved.save_every) == (400, 75, cfg.eval_every)
-    assert resolved.run_dir.startswith("runs/torch-")
+    assert resolved.run_dir is None and resolved.dtype is None  # chosen where the run is claimed (runtime.session)
+    assert [cfg.resolve(platform).dtype for platform in ("cpu", "gpu")] == ["float32", "bfloat16"]
+    assert cfg.replace(dtype="float32").resolve("gpu").dtype == "float32"
     assert ExperimentConfig(steps=100_000).resolve().warmup == 4000  # the paper's, as a cap
     assert ExperimentConfig(train="a.tsv", valid="b.tsv").resolve().vocab_size == 8000
     assert ExperimentConfig.from_json(resolved.to_json()) == resolved
     with pytest.raises(ValueError, match="unknown ExperimentConfig fields: 'nope'"):
         ExperimentConfig.from_dict({"nope": 1})
+
+
+def test_resolve_resumes_the_saved_experiment_and_adopts_a_source():
+    saved = ExperimentConfig(backend="torch", seed=3, steps=10, dtype=None).resolve()
+    launch = ExperimentConfig(run_dir="R", resume=True, steps=20)
+    resumed = launch.resolve("gpu", given={"run_dir", "resume", "steps"}, saved=saved)
+    # The run's own experiment (a resume keeps its dtype, even unset) with this launch's options.
+    assert (resumed.backend, resumed.seed, resumed.dtype, resumed.steps, resumed.resume) == ("torch", 3, None, 20, True)
+    with pytest.raises(ValueError, match="--resume cannot change how the run trains:\n  --seed: run has 3, got 4$"):
+        launch.replace(seed=4).resolve(given={"seed"}, saved=saved)
+    with pytest.raises(ValueError, match="--backend: run has 'torch', got 'jax'"):
+        launch.resolve(saved=saved)  # None given: every field set counts, the default backend too
+    source = ExperimentConfig(preset="small", vocab_size=500, max_len=64)
+    tuned = ExperimentConfig(init_from="SRC", steps=5, lr_factor=0.5).resolve(source=source)
+    assert (tuned.preset, tuned.vocab_size, tuned.max_len, tuned.lr_factor) == ("small", 500, 64, 0.5)
+    with pytest.raises(ValueError, match="--max-len: SRC has 64, got 32$"):
+        ExperimentConfig(init_from="SRC", max_len=32).resolve(source=source)
 
 
 def test_model_config_from_experiment():

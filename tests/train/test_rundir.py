@@ -1,6 +1,8 @@
-"""`runtime.derive`: a directory built from a run appears whole or not at all."""
+"""`runtime.session` claims a run directory for training; `runtime.derive`: a directory built
+from a run appears whole or not at all."""
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -27,6 +29,21 @@ def old_run(root):
 def contents(directory):
     return {p.relative_to(directory).as_posix(): p.read_text() for p in sorted(directory.rglob("*"))
             if p.is_file() and p.name != runtime.LOCK_FILE}
+
+
+def test_session_locks_a_new_run_dir_and_leaves_nothing_behind(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with runtime.session(ExperimentConfig(backend="torch", steps=10), platform="cpu") as cfg:
+        run_dir = Path(cfg.run_dir)
+        assert cfg.run_dir.startswith("runs/torch-") and (cfg.dtype, cfg.vocab_size) == ("float32", 400)
+        assert [p.name for p in run_dir.iterdir()] == [runtime.LOCK_FILE]
+        with pytest.raises(runtime.UserError, match="is in use by pid"):
+            runtime.RunLock(run_dir).acquire()
+    assert not run_dir.exists()  # made for the lock and left empty: removed
+    with pytest.raises(runtime.UserError, match="--init-from nowhere: not a run directory"):
+        with runtime.session(ExperimentConfig(run_dir="new", init_from="nowhere"), source="nowhere"):
+            pass
+    assert not (tmp_path / "new").exists()
 
 
 def test_derive_replaces_the_destination_with_the_new_files_and_the_copies(tmp_path):

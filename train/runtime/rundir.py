@@ -1,12 +1,12 @@
-"""Claiming a run directory for training: new, --resume or --overwrite (`claim_run_dir`, `replacing`),
+"""Claiming a run directory for training: new, --resume or --overwrite (`session`, `replacing`),
 writing its first files (`prepare_run_dir`), and refusing files that describe different runs."""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import fcntl
 import os
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -20,48 +20,56 @@ from .layout import CHECKPOINTS, CONFIG_FILE, LOCK_FILE, MODEL_FILE, TENSORBOARD
 from .lock import RunLock
 from .replace import kind_of, remove
 
-def _resumed_config(cfg: ExperimentConfig, explicit: Iterable[str] | None) -> ExperimentConfig:
-    """The experiment saved in cfg.run_dir with this launch's options; an experiment field given
-    again with another value is an error (it would change how the run trains)."""
-    if not (Path(cfg.run_dir) / CONFIG_FILE).is_file():
-        raise UserError(f"nothing to resume: {cfg.run_dir} holds no run ({CONFIG_FILE} missing)")
-    saved = read_experiment(cfg.run_dir)
-    if explicit is None:  # a programmatic call: every field that is set counts as given
-        explicit = [f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) is not None]
-    launch = ExperimentConfig.launch_fields()
-    conflicts = [
-        f"--{name.replace('_', '-')}: run has {getattr(saved, name)!r}, got {getattr(cfg, name)!r}"
-        for name in explicit
-        if name not in launch and getattr(cfg, name) != getattr(saved, name)
-    ]
-    if conflicts:
-        raise UserError("--resume cannot change how the run trains:\n  " + "\n  ".join(conflicts))
-    return saved.replace(**{name: getattr(cfg, name) for name in launch}).resolve()
 
-
-def claim_run_dir(cfg: ExperimentConfig, explicit: Iterable[str] | None = None) -> ExperimentConfig:
-    """Check the run directory against --resume/--overwrite and return the config to run with:
-    the resolved `cfg` for a new run, the saved experiment with this launch's options on --resume.
-    Changes nothing on disk: `prepare_run_dir` does, once the data has loaded.
+@contextlib.contextmanager
+def session(cfg: ExperimentConfig, explicit: Iterable[str] | None = None, platform: str | None = None,
+            is_main: bool = True, source: str | Path | None = None) -> Iterator[ExperimentConfig]:
+    """The run directory claimed for training, and the config to train with: a new run, the saved
+    experiment with this launch's options on --resume, or with --init-from `source`'s model fields
+    (`ExperimentConfig.resolve`). Process 0 locks the directory first, and an old run --overwrite
+    replaces is set aside until the new one holds a checkpoint (`replacing`); the others only read.
 
     A directory holding a run (config.json) is refused unless --resume or --overwrite; a
-    non-empty directory that holds no run is never deleted.
+    non-empty directory that holds no run is never deleted. Nothing is written but the lock:
+    `prepare_run_dir` writes the run's files once its data has loaded.
     """
-    cfg = cfg.resolve()
-    run_dir = Path(cfg.run_dir)
+    run_dir = Path(cfg.run_dir or time.strftime(f"runs/{cfg.backend}-%Y%m%d-%H%M%S"))
+    with contextlib.ExitStack() as claimed:
+        if is_main:
+            _check_claim(run_dir, cfg.resume, cfg.overwrite)
+            created = not run_dir.exists()
+            run_dir.mkdir(parents=True, exist_ok=True)
+            claimed.enter_context(RunLock(run_dir, created))
+            claimed.enter_context(replacing(run_dir, cfg.overwrite))
+        if cfg.resume and not (run_dir / CONFIG_FILE).is_file():
+            raise UserError(f"nothing to resume: {run_dir} holds no run ({CONFIG_FILE} missing)")
+        saved = read_experiment(run_dir) if cfg.resume else None
+        origin = _source_experiment(source) if source is not None and not cfg.resume else None
+        try:
+            cfg = cfg.replace(run_dir=str(run_dir)).resolve(platform, given=explicit, saved=saved, source=origin)
+        except ValueError as err:
+            raise UserError(str(err)) from None
+        yield cfg
+
+
+def _check_claim(run_dir: Path, resume: bool, overwrite: bool) -> None:
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"--run-dir {run_dir} is a file")
     check_set_aside(run_dir)
-    if cfg.resume:
-        resumed = _resumed_config(cfg, explicit)
+    if resume:
         check_links(run_dir)
-        return resumed
-    if run_dir.is_dir() and any(p.name != LOCK_FILE for p in run_dir.iterdir()):
+    elif run_dir.is_dir() and any(p.name != LOCK_FILE for p in run_dir.iterdir()):
         if kind_of(run_dir) != "run":
             raise UserError(f"{run_dir} is not empty and holds no run; choose another --run-dir")
-        if not cfg.overwrite:
+        if not overwrite:
             raise UserError(f"{run_dir} already holds a run; pass --resume to continue it or --overwrite to replace it")
-    return cfg
+
+
+def _source_experiment(source: str | Path) -> ExperimentConfig:
+    if not (Path(source) / CONFIG_FILE).is_file():
+        raise UserError(f"--init-from {source}: not a run directory; train.fit starts from a run of its "
+                        "backend (python -m train.run also takes a Marian directory or hf:ORG/NAME)")
+    return read_experiment(source)
 
 
 def set_aside_path(run_dir: Path) -> Path:
@@ -105,7 +113,7 @@ def replacing(run_dir: Path, overwrite: bool) -> Iterator[None]:
         yield
         return
     old = set_aside_path(run_dir)
-    old.mkdir()  # claim_run_dir refused one already there
+    old.mkdir()  # session refused one already there
     say(f"--overwrite: the run in {run_dir} is kept in {old} until this one holds a checkpoint, then deleted")
     try:
         for entry in run_dir.iterdir():
@@ -138,25 +146,8 @@ def check_links(run_dir: Path) -> None:
                             "never where a link points; replace the link by a copy of what it points to")
 
 
-def lock_run_dir(cfg: ExperimentConfig) -> RunLock:
-    """The writer lock of the run directory `claim_run_dir` accepted, taken by `with` (creating the
-    directory, empty but for the lock file until `prepare_run_dir`); UserError when another
-    process holds it."""
-    run_dir = Path(cfg.run_dir)
-    created = not run_dir.exists()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return RunLock(run_dir, created)
-
-
-def follow_run_dir(cfg: ExperimentConfig, explicit: Iterable[str] | None = None) -> ExperimentConfig:
-    """`claim_run_dir` for the processes other than 0 of a multi-process run: the same config,
-    without checking, creating or deleting anything (process 0 does that)."""
-    cfg = cfg.resolve()
-    return _resumed_config(cfg, explicit) if cfg.resume else cfg
-
-
 def prepare_run_dir(cfg: ExperimentConfig, model_cfg: TransformerConfig, tokenizers: data.Tokenizers | None) -> None:
-    """Create the run directory `claim_run_dir` accepted (an old run set aside by `replacing`) and
+    """Create the run directory `session` claimed (an old run set aside by `replacing`) and
     write its experiment, model and (when given: newly trained) tokenizers. config.json first:
     from there on the directory holds this run."""
     run_dir = Path(cfg.run_dir)
