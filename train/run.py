@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None, *, process_settings: bool = False) -> in
 
     try:
         with tempfile.TemporaryDirectory(prefix="aiayn-init-") as scratch:
-            train(cfg, explicit=given, init_dir=_init_dir(cfg, Path(scratch) / "source"))
+            init_dir = _init_dir(cfg, Path(scratch) / "source")  # a source made a run of this backend first
+            train(cfg, explicit=given, init_dir=init_dir)
     except (UserError, OSError) as err:  # OSError: a full disk, a read-only place, no permission
         print(f"error: {error_text(err)}", file=sys.stderr)
         return 1
