@@ -22,10 +22,9 @@ from .runtime.files import UserError, error_text, json_text, open_stream, output
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m train.evaluate",
-        description="Score a run trained by `python -m train.run` on parallel data: label-smoothed loss, "
-        "perplexity, sacreBLEU BLEU/chrF (with their signatures) and exact match (sentence accuracy) of "
-        "beam-search translations, and for number data the exact match per number of digits. Prints one "
-        "JSON object.",
+        description="Score a run trained by `python -m train.run` on parallel data: label-smoothed loss, perplexity, "
+        "sacreBLEU BLEU/chrF (with their signatures) and exact match (sentence accuracy) of beam-search translations, "
+        "and for number data the exact match per number of digits. Prints one JSON object.",
         epilog="DATA is a data spec as for train.run (SRC:TGT:PREFIX, FILE.tsv, FILE.jsonl, hf:NAME[:CONFIG]:SPLIT), "
         "numbers:train|valid|test for the run's own split of the embedded numbers corpus, or numbers:FIRST-LAST[/STEP] "
         "for every (STEP-th) number from FIRST to LAST (e.g. numbers:0-999, or numbers:1000-999000/1000 for the "
