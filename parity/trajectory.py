@@ -406,9 +406,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("need --steps >= 1 and 0 <= --switch < --steps")
     try:
         cfg = experiment_config(args.steps, args.preset, dict(args.overrides), warmup=args.warmup,
-                                lr_factor=args.lr_factor, label_smoothing=args.label_smoothing, clip_norm=args.clip_norm,
-                                numbers_train=args.numbers_train, token_budget=args.token_budget, max_len=args.max_len,
-                                seed=args.seed)
+                                lr_factor=args.lr_factor, label_smoothing=args.label_smoothing,
+                                clip_norm=args.clip_norm, numbers_train=args.numbers_train,
+                                token_budget=args.token_budget, max_len=args.max_len, seed=args.seed)
     except ValueError as err:
         parser.error(str(err))
     report = parity_report(cfg, args.steps, switch, args.control, progress=True)

@@ -33,20 +33,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_run_arguments(parser, ensembles=True)
     parser.add_argument("--data", required=True, help="parallel data to score (see below)")
-    parser.add_argument(
-        "--max-sentences", type=positive_int, help="translate only the first N pairs for BLEU/chrF; default: all"
-    )
-    parser.add_argument(
-        "--lowercase", action="store_true",
-        help="also score BLEU on lowercased text (13a tokenization), as bleu_lc with its signature (always for a "
-        "run trained with --lowercase)",
-    )
-    parser.add_argument(
-        "--moses", metavar="LANG",
-        help="also score BLEU on Moses-tokenized text of language LANG (e.g. de, en; sacremoses, no escaping; "
-        "sacreBLEU's tokenization off), as papers quoting tokenized BLEU do: bleu_moses, and bleu_moses_lc "
-        "with --lowercase",
-    )
+    parser.add_argument("--max-sentences", type=positive_int,
+                        help="translate only the first N pairs for BLEU/chrF; default: all")
+    parser.add_argument("--lowercase", action="store_true",
+                        help="also score BLEU on lowercased text (13a tokenization), as bleu_lc with its signature "
+                        "(always for a run trained with --lowercase)")
+    parser.add_argument("--moses", metavar="LANG",
+                        help="also score BLEU on Moses-tokenized text of language LANG (e.g. de, en; sacremoses, no "
+                        "escaping; sacreBLEU's tokenization off), as papers quoting tokenized BLEU do: bleu_moses, and "
+                        "bleu_moses_lc with --lowercase")
     parser.add_argument("--samples", type=non_negative_int, default=0, help="include N example translations in the JSON")
     parser.add_argument("--output", type=Path, help="also write the JSON to this file, atomically (a symbolic link's "
                         "target); a FIFO, device, socket or /dev/fd/N is written directly")
