@@ -30,11 +30,8 @@ from .weights import jax_key, jax_params_to_torch, torch_to_jax
 
 # Bounds of the parity contract (README): float32, highest matmul precision, dropout off. The
 # wider bounds for base/big allow for float32 rounding accumulated over 12 layers of width 512+.
-BOUNDS = {
-    "logits_max_abs": {"tiny": 1e-5, "small": 1e-5, "base": 1e-4, "big": 1e-4},
-    "loss_rel": 1e-6,
-    "grad_rel_l2": {"tiny": 1e-5, "small": 1e-5, "base": 1e-4, "big": 1e-4},
-}
+BOUNDS = {"logits_max_abs": {"tiny": 1e-5, "small": 1e-5, "base": 1e-4, "big": 1e-4}, "loss_rel": 1e-6,
+          "grad_rel_l2": {"tiny": 1e-5, "small": 1e-5, "base": 1e-4, "big": 1e-4}}
 
 # ReLU inputs closer to 0 than this (in float64) may round to either side in float32: 2.5x the frameworks'
 # largest forward difference at a FeedForward input (docs/parity.md#three-findings-behind-the-gradient-figures).
@@ -90,11 +87,9 @@ def _diff(a: np.ndarray, b: np.ndarray, scale: np.ndarray | None = None) -> dict
     """max |a-b| and ||a-b|| / ||scale|| with `scale` the reference `b` unless given."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     norm = np.linalg.norm(b if scale is None else np.asarray(scale, np.float64))
-    return {
-        "max_abs": float(np.abs(a - b).max()),
-        "rel_l2": float(np.linalg.norm(a - b) / norm) if norm > 0 else float(np.linalg.norm(a - b)),
-        "ref_norm": float(norm),
-    }
+    return {"max_abs": float(np.abs(a - b).max()),
+            "rel_l2": float(np.linalg.norm(a - b) / norm) if norm > 0 else float(np.linalg.norm(a - b)),
+            "ref_norm": float(norm)}
 
 
 def gradient_scale_key(key: str) -> str:
@@ -128,17 +123,13 @@ def compare(torch_model: torch_reference.Transformer, jax_model, batch: dict, sm
     flat = {jax_key(p): np.asarray(v[...]) for p, v in nnx.to_flat_state(grads)}
     jax_grads = jax_params_to_torch(flat, cfg)  # torch keys, kernels transposed back
 
-    grad_diffs = {
-        k: _diff(jax_grads[k].numpy(), torch_grads[k].numpy(), torch_grads[gradient_scale_key(k)].numpy())
-        for k in torch_grads
-    }
+    grad_diffs = {k: _diff(jax_grads[k].numpy(), torch_grads[k].numpy(), torch_grads[gradient_scale_key(k)].numpy())
+                  for k in torch_grads}
     worst = max(grad_diffs, key=lambda k: grad_diffs[k]["rel_l2"])
     loss_t, loss_j = loss_t.item(), float(loss_j)
-    return {
-        "logits": _diff(np.asarray(jax_logits), torch_logits.detach().numpy()),
-        "loss": {"torch": loss_t, "jax": loss_j, "rel": abs(loss_j - loss_t) / abs(loss_t)},
-        "grads": {"max_rel_l2": grad_diffs[worst]["rel_l2"], "worst": worst, "per_parameter": grad_diffs},
-    }
+    return {"logits": _diff(np.asarray(jax_logits), torch_logits.detach().numpy()),
+            "loss": {"torch": loss_t, "jax": loss_j, "rel": abs(loss_j - loss_t) / abs(loss_t)},
+            "grads": {"max_rel_l2": grad_diffs[worst]["rel_l2"], "worst": worst, "per_parameter": grad_diffs}}
 
 
 def relu_inputs_near_kink(torch_model: torch_reference.Transformer, batch: dict, radius: float = RELU_KINK_RADIUS) -> dict:
@@ -147,11 +138,8 @@ def relu_inputs_near_kink(torch_model: torch_reference.Transformer, batch: dict,
     but not comparable (docs/parity.md#three-findings-behind-the-gradient-figures)."""
     model64 = copy.deepcopy(torch_model).double()
     inputs = []
-    hooks = [
-        m.linear1.register_forward_hook(lambda mod, inp, out: inputs.append(out.detach().abs()))
-        for m in model64.modules()
-        if isinstance(m, torch_reference.FeedForward)
-    ]
+    hooks = [m.linear1.register_forward_hook(lambda mod, inp, out: inputs.append(out.detach().abs()))
+             for m in model64.modules() if isinstance(m, torch_reference.FeedForward)]
     with torch.no_grad():
         model64(torch.from_numpy(batch["src"]), torch.from_numpy(batch["tgt_in"]))
     for h in hooks:
@@ -200,8 +188,7 @@ def failures(report: dict, bounds: dict) -> list[str]:
     if not grads["max_rel_l2"] <= bounds["grad_rel_l2"] and "smooth_path_grads" in report:
         grads = report["smooth_path_grads"]  # the ReLU gradients differ by subgradient choices at the kink
     if not grads["max_rel_l2"] <= bounds["grad_rel_l2"]:
-        out.append(f"gradient of {grads['worst']} rel L2 {grads['max_rel_l2']:.3g} "
-                   f"> {bounds['grad_rel_l2']:g}")
+        out.append(f"gradient of {grads['worst']} rel L2 {grads['max_rel_l2']:.3g} > {bounds['grad_rel_l2']:g}")
     return out
 
 

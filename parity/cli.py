@@ -28,8 +28,7 @@ COMMANDS = {  # subcommand: (module, what it does)
 }
 
 USAGE = "usage: aiayn COMMAND [ARGS...]   (aiayn COMMAND --help for its flags)\n\ncommands:\n" + "".join(
-    f"  {name:<16}{what} (python -m {module})\n" for name, (module, what) in COMMANDS.items()
-)
+    f"  {name:<16}{what} (python -m {module})\n" for name, (module, what) in COMMANDS.items())
 
 
 def main(argv: list[str] | None = None) -> int:

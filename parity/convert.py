@@ -60,10 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("train", "valid", "test"):
         parser.add_argument(f"--{name}", metavar="SPEC", help=f"with --from: the {name} data spec recorded in the run "
                             "(train.run's data specs), for fine-tuning with train.run --resume")
-    parser.add_argument("--proof-sentences", metavar="FILE", help="with --run-dir or --to marian/ctranslate2: the "
-                        "sentences the result is checked on, read back by its own runtime against the run (default: the "
-                        "run's first "
-                        f"{proof.SENTENCES} validation sources); the figures go to the export's {proof.PROOF_FILE}")
+    parser.add_argument("--proof-sentences", metavar="FILE",
+                        help="with --run-dir or --to marian/ctranslate2: the sentences the result is checked on, read "
+                        f"back by its own runtime against the run (default: the run's first {proof.SENTENCES} "
+                        f"validation sources); the figures go to the export's {proof.PROOF_FILE}")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing destination")
     return parser
 

@@ -131,10 +131,9 @@ def build_spec(params: Mapping[str, np.ndarray], cfg: TransformerConfig, src_tok
     return spec
 
 
-def export_ctranslate2(
-    run_dir: str | os.PathLike, params: Mapping[str, np.ndarray], cfg: TransformerConfig, dst: str | os.PathLike,
-    quantization: str | None = None, force: bool = False, check: Callable[[Path], object] | None = None,
-) -> Path:
+def export_ctranslate2(run_dir: str | os.PathLike, params: Mapping[str, np.ndarray], cfg: TransformerConfig,
+                       dst: str | os.PathLike, quantization: str | None = None, force: bool = False,
+                       check: Callable[[Path], object] | None = None) -> Path:
     """Weights `params` (our torch layout) of the run in `run_dir` -> a CTranslate2 model directory
     `dst` (model.bin, vocabularies, config.json) with the run's tokenizer files beside them, built
     beside `dst` and swapped in (`runtime.derive`; `force`: replace one that is there) once
@@ -203,8 +202,7 @@ class Translator:
                       length_penalty: float = 1.0, max_batch_size: int = 0) -> list[list[int]]:
         """Source ids (each ending with <eos>, padding ignored) -> output ids ending with <eos>."""
         batch = [tokens(self.src_vocab, row) for row in src_ids]
-        results = self.translator.translate_batch(
-            batch, beam_size=beam_size, max_decoding_length=max_len, min_decoding_length=0,
-            length_penalty=length_penalty, return_end_token=True, max_batch_size=max_batch_size,
-        )
+        results = self.translator.translate_batch(batch, beam_size=beam_size, max_decoding_length=max_len,
+                                                  min_decoding_length=0, length_penalty=length_penalty,
+                                                  return_end_token=True, max_batch_size=max_batch_size)
         return [[self.tgt_ids[t] for t in r.hypotheses[0]] for r in results]

@@ -192,10 +192,9 @@ def from_marian(state: Mapping[str, np.ndarray], cfg: TransformerConfig, ids: Ma
     strictly checked: a missing key, a wrong shape or a key left over raises CheckpointMismatchError."""
     orders = dict(zip(("src", "tgt"), side_orders(ids)))
     wanted = expected_torch_params(cfg)
-    expected = list(wanted)
     embeddings = _embedding_sources(cfg)
     out, used, missing = {}, set(), []
-    for key in expected:
+    for key in wanted:
         if key in embeddings:
             candidates, side = embeddings[key]
             found = next((c for c in candidates if c in state), None)
@@ -366,20 +365,16 @@ def experiment_for(cfg: TransformerConfig, backend: str, train: str | None = Non
     from train.config import DERIVED_MODEL_FIELDS, SPECIAL_ID_FIELDS
 
     model = {k: v for k, v in cfg.to_dict().items() if k not in (*DERIVED_MODEL_FIELDS, *SPECIAL_ID_FIELDS)}
-    experiment = ExperimentConfig(
-        backend=backend, preset="base", model=model, dropout=cfg.dropout, max_len=cfg.max_len,
-        joint_vocab=cfg.share_embeddings, vocab_size=cfg.src_vocab_size if cfg.src_vocab_size >= 260 else None,
-        train=train, valid=valid, test=test,
-    )
+    experiment = ExperimentConfig(backend=backend, preset="base", model=model, dropout=cfg.dropout, max_len=cfg.max_len,
+                                  joint_vocab=cfg.share_embeddings, train=train, valid=valid, test=test,
+                                  vocab_size=cfg.src_vocab_size if cfg.src_vocab_size >= 260 else None)
     rebuilt = experiment.model_config(cfg.src_vocab_size, cfg.tgt_vocab_size)
     assert rebuilt == cfg, (rebuilt, cfg)
     return experiment
 
 
-def import_marian(
-    src: str | os.PathLike, dst: str | os.PathLike, to: str = "torch", train: str | None = None,
-    valid: str | None = None, test: str | None = None, overwrite: bool = False,
-) -> dict[str, Any]:
+def import_marian(src: str | os.PathLike, dst: str | os.PathLike, to: str = "torch", train: str | None = None,
+                  valid: str | None = None, test: str | None = None, overwrite: bool = False) -> dict[str, Any]:
     """An HF Marian directory or hub name (`marian_source`) -> a run directory of the `to` backend
     (see the module doc), built beside `dst` and swapped in (`runtime.derive`)."""
     (src, origin), dst = marian_source(src), Path(dst)
@@ -401,9 +396,8 @@ def import_marian(
             backend.save(meta, None)
         finally:
             backend.close()
-        runtime.write_json_atomic(tmp / runtime.IMPORTED_FILE, {
-            **origin, "format": MARIAN_FORMAT, "marian_config": hf, "marian_ids": ids,
-        })
+        runtime.write_json_atomic(tmp / runtime.IMPORTED_FILE,
+                                  {**origin, "format": MARIAN_FORMAT, "marian_config": hf, "marian_ids": ids})
     return {"run_dir": str(dst), "backend": to, **origin, "config": cfg}
 
 

@@ -46,9 +46,8 @@ def convert_checkpoints(src_cfg: ExperimentConfig, model_cfg: TransformerConfig,
         available = source.checkpoint_steps()
         if not available:
             raise FileNotFoundError("the run has no checkpoint to convert")
-        steps = available if which == "all" else [
-            store.choose_checkpoint(available, which, source.checkpoint_metrics, src_dir)
-        ]
+        steps = (available if which == "all"
+                 else [store.choose_checkpoint(available, which, source.checkpoint_metrics, src_dir)])
         for step in steps:
             meta = source.restore(step)
             transfer_state(source, target)

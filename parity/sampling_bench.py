@@ -48,11 +48,9 @@ def searches(beam: int, samples: int, top_p: float, seed: int) -> dict:
     def jax_sample(model, src, ids):
         return np.asarray(js.sample(model, src, seed, samples, top_p=top_p, sentence_ids=ids)[0])
 
-    return {
-        "greedy": (torch_run(td.greedy_search), jax_run(jd.greedy_search)),
-        f"beam {beam}": (torch_run(td.beam_search, beam_size=beam), jax_run(jd.beam_search, beam_size=beam)),
-        f"sample x{samples}": (torch_sample, jax_sample),
-    }
+    return {"greedy": (torch_run(td.greedy_search), jax_run(jd.greedy_search)),
+            f"beam {beam}": (torch_run(td.beam_search, beam_size=beam), jax_run(jd.beam_search, beam_size=beam)),
+            f"sample x{samples}": (torch_sample, jax_sample)}
 
 
 def benchmark(run_dir, lines: Sequence[str], beam: int = 4, samples: int = 1, top_p: float = 1.0, seed: int = 0,
@@ -62,9 +60,8 @@ def benchmark(run_dir, lines: Sequence[str], beam: int = 4, samples: int = 1, to
     with load(run_dir) as run:
         cfg, model_cfg, tokenizer = run.config, run.model_config, run.tokenizers.src
         weights = convert_state(run.backend.export_state(), "torch", model_cfg).params
-    torch_model = torch_reference.Transformer(model_cfg)
+    torch_model = torch_reference.Transformer(model_cfg).eval()
     torch_model.load_state_dict({k: numpy_to_torch(v) for k, v in weights.items()}, strict=True)
-    torch_model.eval()
     models = {"torch": torch_model, "jax": torch_to_jax(torch_model)}
     src_ids = data.encode(tokenizer, list(lines))
     # Filler rows (index -1) are padding only: never sampled, any id serves.

@@ -55,11 +55,9 @@ def experiment_config(steps: int = 100, preset: str = "tiny", model: dict | None
     """The training settings of a trajectory: the product's Adam and label smoothing 0.1 on the
     paper's schedule, a small numbers corpus, dropout off, float32, and one torch thread (a second
     competes with XLA's pool: docs/parity.md#a-training-curve-in-both-frameworks)."""
-    settings = dict(
-        backend="torch", preset=preset, model=dict(model or {}), steps=steps, warmup=PAPER_WARMUP, dropout=0.0,
-        numbers_train=4000, numbers_valid=1, numbers_test=0, token_budget=1024, threads=1, progress=False,
-        dtype="float32",
-    )
+    settings = dict(backend="torch", preset=preset, model=dict(model or {}), steps=steps, warmup=PAPER_WARMUP,
+                    dropout=0.0, numbers_train=4000, numbers_valid=1, numbers_test=0, token_budget=1024, threads=1,
+                    progress=False, dtype="float32")
     settings.update({k: v for k, v in changes.items() if v is not None})
     return ExperimentConfig(**settings).resolve()
 
@@ -80,10 +78,8 @@ def one_ulp_away(state: TrainingState, seed: int = 1) -> TrainingState:
     """`state` with every weight moved by one float32 ulp up or down at random: one rounding
     error per weight, the size of the differences between the frameworks' arithmetic."""
     rng = np.random.default_rng(seed)
-    params = {
-        k: np.where(rng.random(v.shape) < 0.5, np.nextafter(v, np.inf), np.nextafter(v, -np.inf)).astype(v.dtype)
-        for k, v in state.params.items()
-    }
+    params = {k: np.where(rng.random(v.shape) < 0.5, np.nextafter(v, np.inf), np.nextafter(v, -np.inf)).astype(v.dtype)
+              for k, v in state.params.items()}
     return dataclasses.replace(state, params=params)
 
 
@@ -122,10 +118,8 @@ def compare_weights(actual: dict[str, np.ndarray], reference: dict[str, np.ndarr
     noise = [k for k in rel if k.endswith(NOISE_ONLY_SUFFIX)]
     if noise:
         worst_noise = max(noise, key=rel.get)
-        out["k_proj_bias"] = {
-            "max_rel_l2": rel[worst_noise], "worst": worst_noise,
-            "max_abs": max(float(np.abs(actual[k] - reference[k]).max()) for k in noise),
-        }
+        out["k_proj_bias"] = {"max_rel_l2": rel[worst_noise], "worst": worst_noise,
+                              "max_abs": max(float(np.abs(actual[k] - reference[k]).max()) for k in noise)}
     return out
 
 
@@ -160,15 +154,13 @@ class Comparison:
 
     def to_dict(self) -> dict:
         i = int(np.argmax(self.loss_rel))
-        return {
-            "label": self.label, "run": self.run, "reference": self.reference, "from_step": self.start,
-            "bounded": self.bounded, "max_loss_rel": self.loss_rel[i], "max_loss_rel_step": self.steps[i],
-            "final_step": self.steps[-1], "final_param_rel_l2": self.final["max_rel_l2"],
-            "final_param_worst": self.final["worst"], "k_proj_bias": self.final.get("k_proj_bias"),
-            "per_step": {"step": self.steps, "loss_rel": self.loss_rel, "param_rel_l2": self.param_rel_l2,
-                         "param_worst": self.param_worst, "k_proj_bias_rel_l2": self.k_proj_bias_rel_l2},
-            "final_per_parameter": self.final["per_parameter"],
-        }
+        return {"label": self.label, "run": self.run, "reference": self.reference, "from_step": self.start,
+                "bounded": self.bounded, "max_loss_rel": self.loss_rel[i], "max_loss_rel_step": self.steps[i],
+                "final_step": self.steps[-1], "final_param_rel_l2": self.final["max_rel_l2"],
+                "final_param_worst": self.final["worst"], "k_proj_bias": self.final.get("k_proj_bias"),
+                "per_step": {"step": self.steps, "loss_rel": self.loss_rel, "param_rel_l2": self.param_rel_l2,
+                             "param_worst": self.param_worst, "k_proj_bias_rel_l2": self.k_proj_bias_rel_l2},
+                "final_per_parameter": self.final["per_parameter"]}
 
 
 def _switch(run: Run, cfg, model_cfg, prepared, workdir: Path) -> tuple[Run, bool]:
@@ -413,11 +405,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 1 or not 0 <= switch < args.steps:
         parser.error("need --steps >= 1 and 0 <= --switch < --steps")
     try:
-        cfg = experiment_config(
-            args.steps, args.preset, dict(args.overrides), warmup=args.warmup, lr_factor=args.lr_factor,
-            label_smoothing=args.label_smoothing, clip_norm=args.clip_norm, numbers_train=args.numbers_train,
-            token_budget=args.token_budget, max_len=args.max_len, seed=args.seed,
-        )
+        cfg = experiment_config(args.steps, args.preset, dict(args.overrides), warmup=args.warmup,
+                                lr_factor=args.lr_factor, label_smoothing=args.label_smoothing,
+                                clip_norm=args.clip_norm, numbers_train=args.numbers_train,
+                                token_budget=args.token_budget, max_len=args.max_len, seed=args.seed)
     except ValueError as err:
         parser.error(str(err))
     report = parity_report(cfg, args.steps, switch, args.control, progress=True)

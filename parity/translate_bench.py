@@ -124,18 +124,14 @@ def benchmark(run: Run, lines: Sequence[str], beam_size: int, batch_size: int | 
                 seconds, outputs, peak = timed(search, batches if name == "jax" else batches[:1])
             if search_name == REFERENCE:
                 reference[beam] = outputs
-            rows.append({
-                "search": search_name, "beam": beam, "seconds": seconds, "peak_mib": peak,
-                "tokens": int(sum((out != data.PAD_ID).sum() for out in outputs)),
-                "differ": None if search_name == REFERENCE
-                else sum(_trim(a) != _trim(b) for a, b in zip(outputs, reference[beam])),
-            })
-    if ctranslate2:
-        with allocator.settled():
-            rows += _ctranslate2_rows(run, state, batches, beam_size, alpha, timed, reference)
-    if hf:
-        with allocator.settled():
-            rows += _hf_rows(run, state, batches, beam_size, alpha, timed, reference)
+            rows.append({"search": search_name, "beam": beam, "seconds": seconds, "peak_mib": peak,
+                         "tokens": int(sum((out != data.PAD_ID).sum() for out in outputs)),
+                         "differ": None if search_name == REFERENCE
+                         else sum(_trim(a) != _trim(b) for a, b in zip(outputs, reference[beam]))})
+    for wanted, foreign_rows in ((ctranslate2, _ctranslate2_rows), (hf, _hf_rows)):
+        if wanted:
+            with allocator.settled():
+                rows += foreign_rows(run, state, batches, beam_size, alpha, timed, reference)
     for row in rows:
         row.update(sentences=len(lines), sentences_per_s=len(lines) / row["seconds"], tokens_per_s=row["tokens"] / row["seconds"])
         for baseline in (REFERENCE, "torch uncached"):
@@ -193,11 +189,9 @@ def _foreign_row(run: Run, name: str, beam: int, search, batches, timed, referen
             limits[int(index[row])] = _limit(run, int((src[row] != data.PAD_ID).sum()))
     seconds, outputs, peak = timed(search, batches[:1])
     ours = reference[beam]
-    return {
-        "search": name, "beam": beam, "seconds": seconds, "peak_mib": peak,
-        "tokens": int(sum(len(out) for out in outputs)),
-        "differ": sum(not same_output(_trim(ours[i]), out, limits[i]) for i, out in enumerate(outputs)),
-    }, outputs
+    return {"search": name, "beam": beam, "seconds": seconds, "peak_mib": peak,
+            "tokens": int(sum(len(out) for out in outputs)),
+            "differ": sum(not same_output(_trim(ours[i]), out, limits[i]) for i, out in enumerate(outputs))}, outputs
 
 
 def _hf_rows(run: Run, state, batches, beam_size: int, alpha: float, timed, reference) -> list[dict]:
@@ -233,11 +227,10 @@ def _hf_rows(run: Run, state, batches, beam_size: int, alpha: float, timed, refe
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m parity.translate_bench",
-        description="Time translation with a run's weights in JAX and torch cached search and torch's uncached loop, "
-        "greedy and with --beam: sentences/s, tokens/s, speed-ups and outputs that differ from torch cached search's.",
-    )
+    parser = argparse.ArgumentParser(prog="python -m parity.translate_bench", description="Time translation with a "
+                                     "run's weights in JAX and torch cached search and torch's uncached loop, greedy "
+                                     "and with --beam: sentences/s, tokens/s, speed-ups and outputs that differ from "
+                                     "torch cached search's.")
     add_run_arguments(parser)
     parser.add_argument("--input", type=Path, help="text file, one source sentence per line (plain or .gz); default: stdin")
     parser.add_argument("--batch-size", type=positive_int, help="at most N sentences per batch; default: the run's --token-budget")

@@ -95,8 +95,7 @@ class AttentionRecorder:
                 line=int(i) + 1, source=self.texts[i].strip(), translation=hyps[row],
                 src_tokens=[token_label(self.tokenizers.src, t) for t in source],
                 tgt_tokens=[token_label(self.tokenizers.tgt, t) for t in outputs[row]],
-                weights=weights[row, :, :, : len(outputs[row]), : len(source)],
-            ))
+                weights=weights[row, :, :, : len(outputs[row]), : len(source)]))
         self.found.sort(key=lambda a: a.line)
 
     def plot(self, directory: Path) -> None:

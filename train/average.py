@@ -13,11 +13,9 @@ from .runtime.files import UserError, error_text
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m train.average",
-        description="Average the weights of a run's newest N checkpoints (the paper's §6.1: 5 for base models, 20 "
-        "for big ones) into a new run directory that translate, evaluate and train.run --resume accept.",
-    )
+    parser = argparse.ArgumentParser(prog="python -m train.average", description="Average the weights of a run's "
+                                     "newest N checkpoints (the paper's §6.1: 5 for base models, 20 for big ones) into "
+                                     "a new run directory that translate, evaluate and train.run --resume accept.")
     parser.add_argument("--run-dir", type=Path, required=True, help="the trained run (keeps at least N checkpoints)")
     parser.add_argument("--last", type=positive_int, default=5, metavar="N",
                         help="average the newest N checkpoints (default 5)")

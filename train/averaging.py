@@ -52,10 +52,9 @@ def average_run(src: str | os.PathLike, dst: str | os.PathLike, last: int = 5, o
     try:
         steps = reader.checkpoint_steps()
         if len(steps) < last:
-            raise runtime.UserError(
-                f"{src} keeps {len(steps)} checkpoint(s) (steps {', '.join(map(str, steps)) or 'none'}), fewer than "
-                f"--last {last}; train with --keep-checkpoints {last} or more to average {last}"
-            )
+            have = ", ".join(map(str, steps)) or "none"
+            raise runtime.UserError(f"{src} keeps {len(steps)} checkpoint(s) (steps {have}), fewer than --last "
+                                    f"{last}; train with --keep-checkpoints {last} or more to average {last}")
         steps = steps[-last:]
         states = []
         for step in steps:

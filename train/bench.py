@@ -98,8 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                 command = [sys.executable, "-m", "train.bench", "--worker", "--preset", preset, "--backend", backend,
                            "--batch-size", str(batch_size), "--length", str(args.length),
                            "--vocab-size", str(args.vocab_size), "--steps", str(args.steps), "--warmup", str(args.warmup),
-                           "--dropout", str(args.dropout), "--precision", precision,
-                           "--kernels", args.kernels,
+                           "--dropout", str(args.dropout), "--precision", precision, "--kernels", args.kernels,
                            *(["--remat-on"] if remat else [])]
                 print(f"{precision} / {preset} / {backend}{' / remat' if remat else ''} ...", file=sys.stderr, flush=True)
                 done = subprocess.run(command, capture_output=True, text=True)

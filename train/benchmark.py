@@ -43,9 +43,8 @@ def step_flops(cfg: TransformerConfig, batch_size: int, src_len: int, tgt_len: i
     D, F, V = cfg.d_model, cfg.d_ff, cfg.tgt_vocab_size
     ff = (6 if cfg.activation == "swiglu" else 4) * D * F
     encoder = cfg.num_encoder_layers * src_len * (8 * D * D + ff + 4 * src_len * D)
-    decoder = cfg.num_decoder_layers * (
-        tgt_len * (8 * D * D + 4 * tgt_len * D + 4 * D * D + 4 * src_len * D + ff) + src_len * 4 * D * D
-    )
+    decoder = cfg.num_decoder_layers * (tgt_len * (8 * D * D + 4 * tgt_len * D + 4 * D * D + 4 * src_len * D + ff)
+                                        + src_len * 4 * D * D)
     return 3 * batch_size * (encoder + decoder + tgt_len * 2 * D * V)
 
 
@@ -142,10 +141,9 @@ def run_worker(args) -> dict:
 
     framework = "jax" if args.backend == "jax" else "torch"
     set_precision(framework, args.precision)
-    cfg = TransformerConfig.preset(
-        args.preset, src_vocab_size=args.vocab_size, tgt_vocab_size=args.vocab_size, max_len=max(args.length, 64),
-        dropout=args.dropout if args.dropout is not None else TransformerConfig.preset(args.preset).dropout,
-    )
+    dropout = TransformerConfig.preset(args.preset).dropout if args.dropout is None else args.dropout
+    cfg = TransformerConfig.preset(args.preset, src_vocab_size=args.vocab_size, tgt_vocab_size=args.vocab_size,
+                                   max_len=max(args.length, 64), dropout=dropout)
     exp = ExperimentConfig(backend=framework, preset=args.preset, compile=args.backend == "torch-compile",
                            steps=10**6, warmup=4000, progress=False, dropout=cfg.dropout,
                            dtype="bfloat16" if args.precision == "bfloat16" else "float32",
@@ -172,15 +170,12 @@ def run_worker(args) -> dict:
     median = statistics.median(times[args.warmup:])
     flops = step_flops(cfg, args.batch_size, args.length, args.length)
     tokens = 2 * args.batch_size * args.length
-    result = {
-        "preset": args.preset, "backend": args.backend, "precision": args.precision, "dropout": cfg.dropout,
-        "kernels": backend.kernels, "remat": args.remat_on,
-        "batch": [args.batch_size, args.length], "tokens_per_step": tokens,
-        "first_step_s": times[0], "median_step_s": median, "step_times_s": times[args.warmup:],
-        "tokens_per_s": tokens / median, "step_flops": flops, "achieved_gflops": flops / median / 1e9,
-        "matmul_peak_gflops": peak, "mfu": flops / median / 1e9 / peak, "final_loss": loss,
-        "num_params": backend.num_params,
-    }
+    result = {"preset": args.preset, "backend": args.backend, "precision": args.precision, "dropout": cfg.dropout,
+              "kernels": backend.kernels, "remat": args.remat_on, "batch": [args.batch_size, args.length],
+              "tokens_per_step": tokens, "first_step_s": times[0], "median_step_s": median,
+              "step_times_s": times[args.warmup:], "tokens_per_s": tokens / median, "step_flops": flops,
+              "achieved_gflops": flops / median / 1e9, "matmul_peak_gflops": peak, "mfu": flops / median / 1e9 / peak,
+              "final_loss": loss, "num_params": backend.num_params}
     if framework == "jax":
         import jax
 

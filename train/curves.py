@@ -13,11 +13,9 @@ from .runtime.files import UserError, check_output_file, error_text, json_text
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m train.curves",
-        description="Draw a run's learning curves (training and validation loss, validation BLEU, against steps "
-        "and training time) to a PNG from its results.json.",
-    )
+    parser = argparse.ArgumentParser(prog="python -m train.curves", description="Draw a run's learning curves "
+                                     "(training and validation loss, validation BLEU, against steps "
+                                     "and training time) to a PNG from its results.json.")
     parser.add_argument("--run-dir", required=True, metavar="DIR", help="run directory written by train.run")
     parser.add_argument("--out", metavar="PNG", help=f"output file, replaced if it exists (default: RUN/{CURVES_FILE})")
     return parser

@@ -22,10 +22,9 @@ from .runtime.files import UserError, error_text, json_text, open_stream, output
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m train.evaluate",
-        description="Score a run trained by `python -m train.run` on parallel data: label-smoothed loss, "
-        "perplexity, sacreBLEU BLEU/chrF (with their signatures) and exact match (sentence accuracy) of "
-        "beam-search translations, and for number data the exact match per number of digits. Prints one "
-        "JSON object.",
+        description="Score a run trained by `python -m train.run` on parallel data: label-smoothed loss, perplexity, "
+        "sacreBLEU BLEU/chrF (with their signatures) and exact match (sentence accuracy) of beam-search translations, "
+        "and for number data the exact match per number of digits. Prints one JSON object.",
         epilog="DATA is a data spec as for train.run (SRC:TGT:PREFIX, FILE.tsv, FILE.jsonl, hf:NAME[:CONFIG]:SPLIT), "
         "numbers:train|valid|test for the run's own split of the embedded numbers corpus, or numbers:FIRST-LAST[/STEP] "
         "for every (STEP-th) number from FIRST to LAST (e.g. numbers:0-999, or numbers:1000-999000/1000 for the "
@@ -34,20 +33,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_run_arguments(parser, ensembles=True)
     parser.add_argument("--data", required=True, help="parallel data to score (see below)")
-    parser.add_argument(
-        "--max-sentences", type=positive_int, help="translate only the first N pairs for BLEU/chrF; default: all"
-    )
-    parser.add_argument(
-        "--lowercase", action="store_true",
-        help="also score BLEU on lowercased text (13a tokenization), as bleu_lc with its signature (always for a "
-        "run trained with --lowercase)",
-    )
-    parser.add_argument(
-        "--moses", metavar="LANG",
-        help="also score BLEU on Moses-tokenized text of language LANG (e.g. de, en; sacremoses, no escaping; "
-        "sacreBLEU's tokenization off), as papers quoting tokenized BLEU do: bleu_moses, and bleu_moses_lc "
-        "with --lowercase",
-    )
+    parser.add_argument("--max-sentences", type=positive_int,
+                        help="translate only the first N pairs for BLEU/chrF; default: all")
+    parser.add_argument("--lowercase", action="store_true",
+                        help="also score BLEU on lowercased text (13a tokenization), as bleu_lc with its signature "
+                        "(always for a run trained with --lowercase)")
+    parser.add_argument("--moses", metavar="LANG",
+                        help="also score BLEU on Moses-tokenized text of language LANG (e.g. de, en; sacremoses, no "
+                        "escaping; sacreBLEU's tokenization off), as papers quoting tokenized BLEU do: bleu_moses, and "
+                        "bleu_moses_lc with --lowercase")
     parser.add_argument("--samples", type=non_negative_int, default=0, help="include N example translations in the JSON")
     parser.add_argument("--output", type=Path, help="also write the JSON to this file, atomically (a symbolic link's "
                         "target); a FIFO, device, socket or /dev/fd/N is written directly")

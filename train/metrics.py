@@ -71,17 +71,17 @@ def band_scores(pairs: Sequence[data.Pair], hypotheses: Sequence[str],
     numbers = [data.number_from_english(reference.strip()) for _, reference in pairs]
     if not numbers or None in numbers:
         return None
+
+    def match(rows: list[int]) -> float:
+        return exact_match([hypotheses[i] for i in rows], [pairs[i][1] for i in rows])
+
     bands: dict[str, dict[str, Any]] = {}
     for band in sorted({data.number_band(n) for n in numbers}):
         members = [i for i, n in enumerate(numbers) if data.number_band(n) == band]
         unseen = members if seen is None else [i for i in members if pairs[i][0] not in seen]
-        bands[str(band)] = {
-            "sentences": len(members),
-            "exact_match": exact_match([hypotheses[i] for i in members], [pairs[i][1] for i in members]),
-            "seen": None if seen is None else len(members) - len(unseen),
-            "unseen_exact_match": exact_match([hypotheses[i] for i in unseen], [pairs[i][1] for i in unseen])
-            if unseen else None,
-        }
+        bands[str(band)] = {"sentences": len(members), "exact_match": match(members),
+                            "seen": None if seen is None else len(members) - len(unseen),
+                            "unseen_exact_match": match(unseen) if unseen else None}
     return bands
 
 

@@ -1,12 +1,5 @@
-"""Where a training step's time goes (`python -m train.profile_step`): each part of the model, forward
-+ backward, JAX vs PyTorch.
-
-`train.bench` times whole steps; this times their parts on the same shapes (sublayers, layers, the
-output projection with the loss, the Adam update), each as `grad(sum(part(x)))` (jit-compiled on the
-JAX side, the model built as the training backend builds it), the median of repeated runs after a
-warm-up; `xla_cpu_ab` times the JAX train step and a beam-4 search with and without the XLA:CPU-tuned
-pieces (`jax_transformer/xla_cpu.py`), alternately.
-"""
+"""The measurements of `python -m train.profile_step` (what they time and how: its module doc):
+each part of a training step, forward + backward, JAX vs PyTorch; the XLA:CPU A/B and op split."""
 
 from __future__ import annotations
 

@@ -15,19 +15,15 @@ from typing import Any
 from .config import FIELD_RANGES, ExperimentConfig, flag_type, parse_model_override
 from .runtime.files import UserError, quoted, shortened
 
-GROUPS = {  # flag group -> its title in --help
-    "run": "run", "model": "model", "data": "data", "optim": "optimisation", "eval": "evaluation and logging",
-    "ckpt": "checkpoints", "dist": "devices, processes and precision",
-}
-
-# The TOML types a recipe key takes, by the field's type (the rest are strings).
+# flag group -> its title in --help
+GROUPS = {"run": "run", "model": "model", "data": "data", "optim": "optimisation", "eval": "evaluation and logging",
+          "ckpt": "checkpoints", "dist": "devices, processes and precision"}
 LAUNCH_DECISIONS = ("run_dir", "resume", "overwrite")  # which launch this is: never read from a recipe file
 MAX_RECIPE_BYTES = 1 << 20  # a recipe is a page of flags; a bigger file is not one
+# The TOML types a recipe key takes, by the field's type (the rest are strings).
+RECIPE_TYPES = {"int": (int, "an integer"), "float": ((int, float), "a number"), "bool": (bool, "true or false"),
+                "dict": (list, "a list of strings")}
 
-RECIPE_TYPES = {
-    "int": (int, "an integer"), "float": ((int, float), "a number"), "bool": (bool, "true or false"),
-    "dict": (list, "a list of strings"),
-}
 
 def _type_name(annotation: str) -> str:
     """'int | None' -> 'int': the field's base type (annotations are strings here)."""
@@ -52,7 +48,6 @@ def build_parser(epilog: str | None = None) -> argparse.ArgumentParser:
     defaults = ExperimentConfig()
     for field in dataclasses.fields(ExperimentConfig):
         meta = field.metadata
-        flag = _flag(field)
         default = getattr(defaults, field.name)
         kind = _type_name(str(field.type))
         # SUPPRESS: only flags actually given reach the config, so --resume can tell them apart.
@@ -64,16 +59,12 @@ def build_parser(epilog: str | None = None) -> argparse.ArgumentParser:
         elif kind == "dict":
             kwargs.update(action="append", type=flag_type(parse_model_override), metavar=meta.get("metavar"), help=help)
         else:
-            kwargs.update(
-                # Numbers range-checked by the field's own rule: a bad value exits 2 with one line.
-                type=FIELD_RANGES[field.name].parser(field.name) if field.name in FIELD_RANGES else str,
-                choices=meta.get("choices"),
-                metavar=meta.get("metavar", {"int": "N", "float": "X"}.get(kind)),
-                help=help,
-            )
-        groups[meta["group"]].add_argument(flag, **kwargs)
+            # Numbers range-checked by the field's own rule: a bad value exits 2 with one line.
+            kwargs.update(type=FIELD_RANGES[field.name].parser(field.name) if field.name in FIELD_RANGES else str,
+                          choices=meta.get("choices"), help=help,
+                          metavar=meta.get("metavar", {"int": "N", "float": "X"}.get(kind)))
+        groups[meta["group"]].add_argument(_flag(field), **kwargs)
     return parser
-
 
 
 def recipe_config(path: str, overrides: Mapping[str, Any] | None = None) -> tuple[ExperimentConfig, set[str]]:

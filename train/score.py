@@ -20,12 +20,10 @@ from .runtime.files import UserError, error_text, open_stream
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m train.score",
-        description="Score given translations with a run trained by `python -m train.run`: per pair the "
-        "log-probability of the target given the source (teacher forcing; sources longer than the model's max_len "
-        "cut to it, as translate cuts them).",
-    )
+    parser = argparse.ArgumentParser(prog="python -m train.score", description="Score given translations with a run "
+                                     "trained by `python -m train.run`: per pair the log-probability of the target "
+                                     "given the source (teacher forcing; sources longer than the model's max_len cut "
+                                     "to it, as translate cuts them).")
     parser.add_argument("--run-dir", required=True, type=Path, action="append",
                         help="the run directory; given again, an ensemble's score (the runs' log-probabilities "
                         "averaged: docs/decoding.md#ensembles)")

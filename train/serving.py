@@ -267,12 +267,10 @@ def run_decoder(run) -> Callable[[list[str], tuple], list[dict[str, Any]]]:
 def run_info(run) -> dict[str, Any]:
     """What /info says of a loaded run."""
     backend = run.backend
-    if hasattr(backend, "mesh"):
-        devices = [str(d) for d in backend.mesh.devices.flat]
-    else:
-        devices = [str(getattr(backend, "device", "cpu"))]
-    return {"run_dir": str(run.run_dir), "step": run.step, "backend": run.config.backend, "devices": devices,
-            "max_len": run.config.max_len, "model": dataclasses.asdict(run.model_config)}
+    devices = backend.mesh.devices.flat if hasattr(backend, "mesh") else [getattr(backend, "device", "cpu")]
+    return {"run_dir": str(run.run_dir), "step": run.step, "backend": run.config.backend,
+            "devices": [str(d) for d in devices], "max_len": run.config.max_len,
+            "model": dataclasses.asdict(run.model_config)}
 
 
 def token_counts(run) -> Callable[[Sequence[str]], int]:
@@ -362,8 +360,7 @@ def app(run=None, limits: Limits | None = None, *, decode: Callable | None = Non
                 return error(400, "the client disconnected")
             return error(503, f"no translation within {limits.request_timeout_s:g} s: the server is busy",
                          {"Retry-After": "5"})
-        if future.exception() is not None:  # what failed the batch, in one line; the server goes on
-            err = future.exception()
+        if (err := future.exception()) is not None:  # what failed the batch, in one line; the server goes on
             return error(500, f"translation failed: {type(err).__name__}: {err}".splitlines()[0])
         results = future.result()
         out: dict[str, Any] = {"translations": [r["translation"] for r in results]}

@@ -28,15 +28,7 @@ from .runtime import Interrupted, interruptible, read_experiment
 from .runtime.files import UserError, error_text, open_stream, output_file
 from .runtime.output import OtherInput, PartialOutput, Progress, StreamOutput
 from .runtime.rundir import check_set_aside
-from .translation import (
-    FORMATS,
-    Sampling,
-    TsvColumns,
-    check_format,
-    check_sampling,
-    check_search,
-    translate_stream,
-)
+from .translation import FORMATS, Sampling, TsvColumns, check_format, check_sampling, check_search, translate_stream
 
 CHUNK_LINES = 4000
 
@@ -51,16 +43,13 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=f"{HOST_DEVICES_HELP}. {JAX_CACHE_HELP}.",
     )
     add_run_arguments(parser, ensembles=True)
-    parser.add_argument(
-        "--input", type=Path, help="one source sentence per line: a file (plain, or gzip when named .gz), a FIFO, "
-        "/dev/stdin or <(command); default: stdin",
-    )
-    parser.add_argument(
-        "--output", type=Path, help="write translations here instead of stdout: through .OUTPUT.partial, renamed "
-        "onto OUTPUT at the end (a symbolic link's target); an interrupted run (Ctrl-C, SIGTERM, a crash) leaves "
-        "OUTPUT as it was and the same command continues after the finished chunks. A FIFO, device, socket or "
-        "/dev/fd/N (>(command)) is written directly, as a stream: no partial file, no resume",
-    )
+    parser.add_argument("--input", type=Path, help="one source sentence per line: a file (plain, or gzip when named "
+                        ".gz), a FIFO, /dev/stdin or <(command); default: stdin")
+    parser.add_argument("--output", type=Path,
+                        help="write translations here instead of stdout: through .OUTPUT.partial, renamed onto OUTPUT "
+                        "at the end (a symbolic link's target); an interrupted run (Ctrl-C, SIGTERM, a crash) leaves "
+                        "OUTPUT as it was and the same command continues after the finished chunks. A FIFO, device, "
+                        "socket or /dev/fd/N (>(command)) is written directly, as a stream: no partial file, no resume")
     parser.add_argument("--chunk-lines", type=positive_int, default=CHUNK_LINES,
                         help=f"lines read, translated and written at a time (default {CHUNK_LINES}); memory grows "
                         "with this, not with the input")
@@ -68,38 +57,31 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"refuse a line longer than this, naming it (default {MAX_LINE_BYTES:,}, 1 MiB)")
     parser.add_argument("--no-progress", dest="progress", action="store_false",
                         help="no progress line on stderr (shown only when stderr is a terminal); the summary stays")
-    parser.add_argument(
-        "--devices", type=positive_int,
-        help="jax runs: decode each batch data parallel over the first N devices (default: every visible device, on a CPU "
-        "one per core: see below); "
-        "a torch run translates on one device and refuses N > 1",
-    )
+    parser.add_argument("--devices", type=positive_int, help="jax runs: decode each batch data parallel over the first "
+                        "N devices (default: every visible device, on a CPU one per core: see below); a torch run "
+                        "translates on one device and refuses N > 1")
     parser.add_argument("--coordinator-address", metavar="HOST:PORT",
                         help="jax multi-process translation, as train.run's: every process reads the whole input, "
                         "process 0 writes; default: $JAX_COORDINATOR_ADDRESS, else a single process")
     parser.add_argument("--num-processes", type=positive_int, help="jax multi-process: number of processes")
     parser.add_argument("--process-id", type=int, help="jax multi-process: this process's id, 0..N-1")
-    parser.add_argument(
-        "--batch-size", type=positive_int,
-        help="at most N sentences per batch; default: as many as the run's --token-budget",
-    )
-    parser.add_argument(
-        "--plot-attention", type=Path, metavar="DIR",
-        help="also write each sentence's cross-attention heatmaps to DIR (created): NNNN.png for input line N (the "
-        "last decoder layer, heads averaged) and NNNN_layers.png (every layer x head); translations are written as "
-        "usual",
-    )
+    parser.add_argument("--batch-size", type=positive_int,
+                        help="at most N sentences per batch; default: as many as the run's --token-budget")
+    parser.add_argument("--plot-attention", type=Path, metavar="DIR",
+                        help="also write each sentence's cross-attention heatmaps to DIR (created): NNNN.png for input "
+                        "line N (the last decoder layer, heads averaged) and NNNN_layers.png (every layer x head); "
+                        "translations are written as usual")
     parser.add_argument("--input-format", choices=("text", "tsv"),
                         help="text: one source sentence per line; tsv: a header row naming the columns 'source' and, "
-                        "optionally, 'prefix' (each output's forced start: the search continues after it), then one row "
-                        "per sentence (default: tsv for an --input named .tsv or .tsv.gz, else text)")
+                        "optionally, 'prefix' (each output's forced start: the search continues after it), then one "
+                        "row per sentence (default: tsv for an --input named .tsv or .tsv.gz, else text)")
     parser.add_argument("--n-best", type=positive_int, metavar="K",
                         help="the K best translations of each sentence, best first (K <= --beam; with --format tsv or "
                         "jsonl)")
     parser.add_argument("--format", choices=FORMATS, default="text",
                         help="text (default): the best translation; tsv: per hypothesis its text, log-probability and "
-                        "length-normalised score, tab-separated; jsonl: a JSON object with the hypotheses, their scores "
-                        "and target tokens. Always one line per input line")
+                        "length-normalised score, tab-separated; jsonl: a JSON object with the hypotheses, their "
+                        "scores and target tokens. Always one line per input line")
     parser.add_argument("--alignments", action="store_true",
                         help="with --format jsonl: one source position per target token (the argmax of the last "
                         "decoder layer's cross-attention averaged over heads), and the source tokens")
@@ -116,8 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--top-p", type=float, metavar="P",
                        help="draw among the most probable tokens whose probabilities reach P, in (0, 1] (default 1: all)")
     group.add_argument("--seed", type=int, metavar="S",
-                       help="the random numbers' seed, in [0, 2**32) (default 0): the same seed gives the same samples, "
-                       "in the jax and torch backends alike, whatever the batching")
+                       help="the random numbers' seed, in [0, 2**32) (default 0): the same seed gives the same "
+                       "samples, in the jax and torch backends alike, whatever the batching")
     # The benchmark needs both frameworks on one set of weights, so it lives in `parity`: say where.
     parser.add_argument("--benchmark", action="store_true", help=argparse.SUPPRESS)
     return parser
@@ -132,11 +114,8 @@ def sampling_settings(args: argparse.Namespace) -> Sampling | None:
         if given:
             raise UserError(f"{', '.join(given)} without --sample: sampling settings, the searches take none")
         return None
-    defaults = Sampling()
-    return Sampling(defaults.seed if args.seed is None else args.seed, args.num_samples,
-                    defaults.temperature if args.temperature is None else args.temperature,
-                    defaults.top_k if args.top_k is None else args.top_k,
-                    defaults.top_p if args.top_p is None else args.top_p)
+    chosen = {k: getattr(args, k) for k in ("seed", "temperature", "top_k", "top_p")}
+    return Sampling(num_samples=args.num_samples, **{k: v for k, v in chosen.items() if v is not None})
 
 
 def sampling_options(sample: Sampling | None, fmt: str) -> dict:

@@ -96,11 +96,9 @@ def check_format(fmt: str, n_best: int | None, alignments: bool, num_samples: in
     """UserError for output options that cannot be written: one line per input line, always."""
     if fmt not in FORMATS:
         raise UserError(f"--format {fmt}: expected one of {', '.join(FORMATS)}")
-    if fmt == "text" and (n_best or 1) > 1:
-        raise UserError(f"--n-best {n_best} gives several translations per input line: give --format tsv or jsonl")
-    if fmt == "text" and num_samples > 1:
-        raise UserError(f"--num-samples {num_samples} gives several translations per input line: give --format tsv "
-                        "or jsonl")
+    for flag, many in (("--n-best", n_best or 1), ("--num-samples", num_samples)):
+        if fmt == "text" and many > 1:
+            raise UserError(f"{flag} {many} gives several translations per input line: give --format tsv or jsonl")
     if alignments and fmt != "jsonl":
         raise UserError("--alignments are written with --format jsonl")
 
@@ -157,8 +155,7 @@ def translate_texts(backend: Translator, tokenizers: data.Tokenizers, texts: Seq
                     token_budget: int, batch_size: int | None = None, beam_size: int = 4, alpha: float = 0.6,
                     scoring: str = "gnmt", n_best: int | None = None, prefixes: Sequence[str | None] | None = None,
                     alignments: bool = False, stop: Callable[[], bool] | None = None,
-                    on_batch: Callable[..., None] | None = None,
-                    counts: collections.Counter | None = None,
+                    on_batch: Callable[..., None] | None = None, counts: collections.Counter | None = None,
                     fixed_shapes: bool = False, sample: Sampling | None = None, first_id: int = 0,
                     hypotheses: bool = False) -> list[str] | list[list[Hypothesis]]:
     """Detokenized translations of `texts`, in order (an empty or whitespace-only line translates
@@ -291,8 +288,7 @@ def score_pairs(backend: Translator, tokenizers: data.Tokenizers, sources: Seque
     out: list[dict[str, Any]] = [{} for _ in sources]
     for index, src in data.source_batches(src_ids, max_len, token_budget, batch_size):
         rows = [tgt_ids[i] if i >= 0 else [data.EOS_ID] for i in index]
-        tgt = _padded(rows, max_len)  # (B, T)
-        logprobs = backend.score(src, tgt)  # (B, T)
+        logprobs = backend.score(src, _padded(rows, max_len))  # (B, T)
         for row, i in enumerate(index):
             if i >= 0:
                 n = len(tgt_ids[i])
@@ -338,9 +334,8 @@ def translate_stream(run, lines: Iterator[str], out, *, chunk_lines: int, progre
             if recorder is not None:
                 recorder(np.where(index >= 0, index + offset, -1), src, tokens)
 
-        sources, prefixes = chunk, None
-        if columns is not None:  # line 1 is the header
-            sources, prefixes = columns.split(chunk, rows + 2)
+        # line 1 of a TSV input is the header
+        sources, prefixes = (chunk, None) if columns is None else columns.split(chunk, rows + 2)
         first = {"first_id": rows} if search.get("sample") else {}  # samples keyed by input line, not by chunk
         rows += len(chunk)
         if recorder is not None:

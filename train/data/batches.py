@@ -53,11 +53,6 @@ class Batch:
     def num_sentences(self) -> int:
         return int((self.ids >= 0).sum())
 
-    @property
-    def padding_share(self) -> float:
-        """The share of padding among the source and target positions of the batch."""
-        return 1.0 - (self.num_src_tokens + self.num_tgt_tokens) / (self.src.size + self.tgt_out.size)
-
 
 class Batcher:
     """Padded batches under a token budget, in length buckets or packed, shuffled per epoch, resumable.

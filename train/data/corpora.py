@@ -66,13 +66,10 @@ def load_parallel(spec: str, cache_dir: str | Path | None = None) -> LoadedPairs
         src, tgt = _columns(options, *langs)
         ds = _datasets().load_dataset(name, config, split=split, cache_dir=cache_dir)
         return _pairs(_field(ds, src, spec), _field(ds, tgt, spec))
-    if spec.endswith(_TSV):
-        path = _existing(Path(spec))
-        src, tgt = _columns(options, "source", "target")
-        return _tsv_pairs(path, src, tgt)
-    if spec.endswith(_JSON):
-        path = _existing(Path(spec))
-        src, tgt = _columns(options, "source", "target")
+    if spec.endswith(_TSV + _JSON):
+        path, (src, tgt) = _existing(Path(spec)), _columns(options, "source", "target")
+        if spec.endswith(_TSV):
+            return _tsv_pairs(path, src, tgt)
         if not check_text(path):  # datasets' json builder fails on an empty file
             return LoadedPairs([], 0)
         ds = _load_dataset("json", data_files=str(path), split="train", cache_dir=cache_dir)
@@ -85,15 +82,11 @@ def load_parallel(spec: str, cache_dir: str | Path | None = None) -> LoadedPairs
         if len(sides[0]) != len(sides[1]):
             (short, n_short), (long, n_long) = sorted(zip(paths, map(len, sides)), key=lambda pair: pair[1])
             extra = f"line {n_long} of {long} has" if n_long == n_short + 1 else f"lines {n_short + 1}-{n_long} of {long} have"
-            raise ValueError(
-                f"line counts differ: {paths[0]} has {len(sides[0])} lines, {paths[1]} has {len(sides[1])}; "
-                f"{extra} no counterpart in {short}"
-            )
+            raise ValueError(f"line counts differ: {paths[0]} has {len(sides[0])} lines, {paths[1]} has "
+                             f"{len(sides[1])}; {extra} no counterpart in {short}")
         return _pairs(*sides)
-    raise ValueError(
-        f"unknown data spec {quoted(spec, 200)}: expected SRC:TGT:PREFIX, FILE.tsv, FILE.jsonl, FILE.json "
-        "(optionally .gz, with #src=..,tgt=..) or hf:NAME[:CONFIG]:SPLIT"
-    )
+    raise ValueError(f"unknown data spec {quoted(spec, 200)}: expected SRC:TGT:PREFIX, FILE.tsv, FILE.jsonl, "
+                     "FILE.json (optionally .gz, with #src=..,tgt=..) or hf:NAME[:CONFIG]:SPLIT")
 
 
 def spec_files(spec: str) -> list[Path]:
@@ -200,9 +193,8 @@ def check_text(path: Path, chunk_size: int = 1 << 20, max_line_bytes: int = MAX_
                     decoder.decode(chunk, final=not chunk)
                 except UnicodeDecodeError as err:  # err.start counts from the held bytes
                     line = lines + (held + chunk)[: err.start].count(b"\n") + 1
-                    raise ValueError(
-                        f"{path}: invalid UTF-8 at byte offset {offset - len(held) + err.start} (line {line}): {err.reason}"
-                    ) from None
+                    raise ValueError(f"{path}: invalid UTF-8 at byte offset {offset - len(held) + err.start} "
+                                     f"(line {line}): {err.reason}") from None
                 if not chunk:
                     return offset
                 lengths = [len(part) for part in chunk.split(b"\n")]

@@ -140,10 +140,9 @@ def numbers_corpus(train_size: int = 20_000, valid_size: int = 1_000, test_size:
     if min(train_size, valid_size, test_size) < 0:
         raise ValueError(f"split sizes must be >= 0, got {train_size}, {valid_size}, {test_size}")
     rng = np.random.default_rng(seed)
-    bands = {  # each band's numbers in the order (seed, band) permutes them
-        d: (band_range(d).start + np.random.default_rng([seed, d]).permutation(len(band_range(d)))).tolist()
-        for d in NUMBER_BANDS
-    }
+    # each band's numbers in the order (seed, band) permutes them
+    bands = {d: (band_range(d).start + np.random.default_rng([seed, d]).permutation(len(band_range(d)))).tolist()
+             for d in NUMBER_BANDS}
     held = {d: len(bands[d]) // 2 for d in NUMBER_BANDS if d not in SEEN_BANDS}  # held-out room per band
     splits: dict[str, list[int]] = {}
     for name, size in (("test", test_size), ("valid", valid_size)):

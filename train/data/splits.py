@@ -38,9 +38,8 @@ def load_split(cfg: ExperimentConfig, spec: str) -> list[Pair]:
             except ValueError as err:
                 raise UserError(f"{spec}: {err}") from None
         if name not in ("train", "valid", "test"):
-            raise UserError(
-                f"expected numbers:train, numbers:valid, numbers:test or numbers:FIRST-LAST[/STEP], got {spec!r}"
-            )
+            raise UserError(f"expected numbers:train, numbers:valid, numbers:test or numbers:FIRST-LAST[/STEP], "
+                            f"got {spec!r}")
         corpus = numbers_corpus(cfg.numbers_train, cfg.numbers_valid, cfg.numbers_test, seed=cfg.seed)
         return getattr(corpus, name)
     try:

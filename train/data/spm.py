@@ -47,8 +47,7 @@ class SentencePieceTokenizer:
                  model_name: str = "source.spm", decode_model_name: str | None = None):
         spm = require("sentencepiece")
         self.model, self.decode_model = bytes(model), bytes(decode_model if decode_model is not None else model)
-        self.model_name = model_name
-        self.decode_model_name = decode_model_name or model_name
+        self.model_name, self.decode_model_name = model_name, decode_model_name or model_name
         self._encoder = spm.SentencePieceProcessor(model_proto=self.model)
         self._decoder = self._encoder if self.decode_model == self.model else spm.SentencePieceProcessor(
             model_proto=self.decode_model)

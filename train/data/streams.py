@@ -50,9 +50,7 @@ class LineReader:
 
     def fraction(self) -> float | None:
         """The part of a regular file read so far (of its compressed bytes for .gz), else None."""
-        if not self._size:
-            return None
-        return min(1.0, self._raw.tell() / self._size)
+        return min(1.0, self._raw.tell() / self._size) if self._size else None
 
     def __iter__(self) -> Iterator[str]:
         return self

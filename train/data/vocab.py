@@ -51,10 +51,9 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 8000, min_frequency:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
     tokenizer.decoder = decoders.Sequence([decoders.ByteLevel(), decoders.Strip(" ", 1, 0)])
     tokenizer.post_processor = processors.TemplateProcessing(single="$A <eos>", special_tokens=[("<eos>", EOS_ID)])
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte: no <unk>, ever
-    )
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, show_progress=False,
+                                  special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # every byte: no <unk>, ever
     tokenizer.train_from_iterator(texts, trainer)
     assert [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS] == [PAD_ID, BOS_ID, EOS_ID, UNK_ID]
     return tokenizer
@@ -91,9 +90,7 @@ def decode_batch(tokenizer: Tokenizer, rows: Iterable[Sequence[int]]) -> list[st
 
 def encode_pairs(tokenizers: Tokenizers, pairs: Sequence[Pair]) -> list[tuple[list[int], list[int]]]:
     """(source ids, target ids) per pair, each ending with <eos>."""
-    sources = encode(tokenizers.src, [s for s, _ in pairs])
-    targets = encode(tokenizers.tgt, [t for _, t in pairs])
-    return list(zip(sources, targets))
+    return list(zip(encode(tokenizers.src, [s for s, _ in pairs]), encode(tokenizers.tgt, [t for _, t in pairs])))
 
 
 JOINT_TOKENIZER, SRC_TOKENIZER, TGT_TOKENIZER = "tokenizer.json", "src_tokenizer.json", "tgt_tokenizer.json"
