@@ -107,9 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def sampling_settings(args: argparse.Namespace) -> Sampling | None:
     """The --sample settings, or None without --sample; UserError for a sampling flag without it."""
-    given = {flag: v for flag, v in (("--num-samples", args.num_samples != 1), ("--temperature", args.temperature),
-                                     ("--top-k", args.top_k), ("--top-p", args.top_p), ("--seed", args.seed))
-             if v not in (None, False)}
+    given = [flag for flag, value in (("--num-samples", args.num_samples != 1), ("--temperature", args.temperature),
+                                      ("--top-k", args.top_k), ("--top-p", args.top_p), ("--seed", args.seed))
+             if value is not None and value is not False]  # --seed 0 and --top-k 0 are given too
     if not args.sample:
         if given:
             raise UserError(f"{', '.join(given)} without --sample: sampling settings, the searches take none")

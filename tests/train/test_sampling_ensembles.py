@@ -90,6 +90,7 @@ def test_sample_command_writes_the_apis_samples(tiny_torch_run, tmp_path, capsys
     (["--sample", "--num-samples", "2"], ["--num-samples 2 gives several translations", "tsv or jsonl"]),
     (["--top-k", "5", "--seed", "1"], ["--top-k, --seed without --sample"]),
     (["--temperature", "0.5"], ["--temperature without --sample"]),
+    (["--seed", "0", "--top-k", "0"], ["--top-k, --seed without --sample"]),  # zeros are given too
     (["--top-p", "0.5"], ["--top-p without --sample"]),
 ])
 def test_bad_sampling_flags_are_one_error_line(tiny_torch_run, tmp_path, capsys, args, fragments):
