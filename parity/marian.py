@@ -41,11 +41,9 @@ from .weights import to_jax_layout
 
 MARIAN_FORMAT = "marian"
 # Our layer submodule -> HF's, inside encoder.layers.N / decoder.layers.N.
-LAYER_NAMES = {
-    "self_attn": "self_attn", "self_attn_norm": "self_attn_layer_norm",
-    "cross_attn": "encoder_attn", "cross_attn_norm": "encoder_attn_layer_norm",
-    "ff.linear1": "fc1", "ff.linear2": "fc2", "ff_norm": "final_layer_norm",
-}
+LAYER_NAMES = {"self_attn": "self_attn", "self_attn_norm": "self_attn_layer_norm",
+               "cross_attn": "encoder_attn", "cross_attn_norm": "encoder_attn_layer_norm",
+               "ff.linear1": "fc1", "ff.linear2": "fc2", "ff_norm": "final_layer_norm"}
 ACTIVATIONS = {"swish": "silu", "silu": "silu", "relu": "relu", "gelu": "gelu"}  # HF ACT2FN name -> ours
 HF_LAYER_NORM_EPS = 1e-5  # MarianEncoderLayer/MarianDecoderLayer: nn.LayerNorm(d_model), torch's default eps
 POSITION_TOLERANCE = 1e-6  # a stored sinusoid table vs ours: float64 tables rounded once to float32 agree to ~1 ulp

@@ -227,15 +227,13 @@ def run_trajectory(cfg, steps: int | None = None, switch: int | None = None, con
                     for c in comparisons if c.steps), flush=True)
         for run in runs.values():
             run.backend.close()
-    return {
-        "steps": steps, "switch": switch, "seconds": round(time.perf_counter() - started, 1),
-        "experiment": cfg.to_dict(), "model": model_cfg.to_dict(), "bounds": dict(BOUNDS),
-        "excluded": f"*{NOISE_ONLY_SUFFIX}: analytically zero gradient (softmax is shift invariant)",
-        "conversion_bit_exact": conversions_exact,
-        "losses": {name: [run.losses[s] for s in sorted(run.losses)] for name, run in runs.items()},
-        "lr": [runs["torch"].backend.learning_rate(s) for s in range(1, steps + 1)],
-        "comparisons": [c.to_dict() for c in comparisons],
-    }
+    return {"steps": steps, "switch": switch, "seconds": round(time.perf_counter() - started, 1),
+            "experiment": cfg.to_dict(), "model": model_cfg.to_dict(), "bounds": dict(BOUNDS),
+            "excluded": f"*{NOISE_ONLY_SUFFIX}: analytically zero gradient (softmax is shift invariant)",
+            "conversion_bit_exact": conversions_exact,
+            "losses": {name: [run.losses[s] for s in sorted(run.losses)] for name, run in runs.items()},
+            "lr": [runs["torch"].backend.learning_rate(s) for s in range(1, steps + 1)],
+            "comparisons": [c.to_dict() for c in comparisons]}
 
 
 def _bound_failures(report: dict) -> tuple[list[str], list[str]]:

@@ -106,11 +106,10 @@ class Run:
         pairs = load_split(self.config, pairs) if spec is not None else [(s, t) for s, t in pairs]
         cfg = self.config
         seen = {s for s, _ in load_split(cfg, "numbers:train")} if cfg.uses_numbers_corpus else None
-        result = evaluate_pairs(
-            self.backend, self.tokenizers, pairs, max_len=cfg.max_len, token_budget=cfg.token_budget,
-            max_sentences=max_sentences, samples=samples, beam_size=beam, alpha=alpha, scoring=scoring,
-            lowercase=lowercase, moses=moses, seen=seen,
-        )
+        result = evaluate_pairs(self.backend, self.tokenizers, pairs, max_len=cfg.max_len,
+                                token_budget=cfg.token_budget, max_sentences=max_sentences, samples=samples,
+                                beam_size=beam, alpha=alpha, scoring=scoring, lowercase=lowercase, moses=moses,
+                                seen=seen)
         ensemble = {"ensemble": [str(m.run_dir) for m in self.members], "steps": self.steps} if self.members else {}
         return {"run_dir": str(self.run_dir), "data": spec, "step": self.step, **ensemble, "beam": beam,
                 "alpha": alpha, "scoring": scoring, **result}

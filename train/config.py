@@ -59,10 +59,9 @@ SPECIAL_IDS_FIXED = (
 # Each numeric field's range: checked by ExperimentConfig.__post_init__ (every entry point, the
 # Python API and a hand-edited config.json alike) and by the argparse type of its train.run flag.
 FIELD_RANGES: dict[str, Range] = {
-    **{name: POSITIVE for name in (
-        "numbers_train", "numbers_valid", "max_len", "token_budget", "steps", "grad_accum", "eval_every",
-        "log_every", "keep_checkpoints", "beam", "warmup", "save_every", "eval_sentences", "threads", "devices",
-        "num_processes")},
+    **{name: POSITIVE for name in ("numbers_train", "numbers_valid", "max_len", "token_budget", "steps", "grad_accum",
+                                   "eval_every", "log_every", "keep_checkpoints", "beam", "warmup", "save_every",
+                                   "eval_sentences", "threads", "devices", "num_processes")},
     "numbers_test": NON_NEGATIVE, "samples": NON_NEGATIVE, "process_id": NON_NEGATIVE, "seed": NON_NEGATIVE,
     "vocab_size": Range(int, low=260),  # 4 special tokens + 256 bytes
     "lr_factor": Range(float, above=0.0), "clip_norm": Range(float, above=0.0),
@@ -134,10 +133,8 @@ class ExperimentConfig:
     )
 
     # Model
-    preset: str = _field(
-        "tiny", "model", "model size preset: " + ", ".join(TransformerConfig.presets()),
-        choices=TransformerConfig.presets(),
-    )
+    preset: str = _field("tiny", "model", "model size preset: " + ", ".join(TransformerConfig.presets()),
+                         choices=TransformerConfig.presets())
     model: dict = _field(
         {}, "model", "override a TransformerConfig field of the preset, e.g. --set d_model=128 "
         "--set norm_position=pre (repeatable)", flag="--set", metavar="FIELD=VALUE",
@@ -151,14 +148,12 @@ class ExperimentConfig:
     )
 
     # Data
-    train: str | None = _field(
-        None, "data", "training data spec (see 'data specs' below); default: the embedded numbers corpus",
-        metavar="SPEC",
-    )
+    train: str | None = _field(None, "data",
+                               "training data spec (see 'data specs' below); default: the embedded numbers corpus",
+                               metavar="SPEC")
     valid: str | None = _field(None, "data", "validation data spec; required with --train", metavar="SPEC")
-    test: str | None = _field(
-        None, "data", "test data spec, evaluated at the end; default with --train: no test set", metavar="SPEC"
-    )
+    test: str | None = _field(None, "data", "test data spec, evaluated at the end; default with --train: no test set",
+                              metavar="SPEC")
     numbers_train: int = _field(
         40_000, "data", "numbers corpus: training pairs, an even share for numbers of each length (1 to 6 digits)"
     )
@@ -197,9 +192,8 @@ class ExperimentConfig:
         None, "optim", f"warmup steps of the schedule (§5.3); default {WARMUP_FRACTION:g} x steps, "
         f"at most {PAPER_WARMUP}",
     )
-    lr_factor: float = _field(
-        1.0, "optim", "factor on the paper's schedule d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)"
-    )
+    lr_factor: float = _field(1.0, "optim",
+                              "factor on the paper's schedule d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)")
     label_smoothing: float = _field(0.1, "optim", "label smoothing epsilon (§5.4), padding ignored")
     clip_norm: float | None = _field(
         None, "optim", "clip gradients to this global norm (optax clip_by_global_norm formula); default: no clipping"
@@ -396,10 +390,8 @@ class ExperimentConfig:
     def model_config(self, src_vocab_size: int, tgt_vocab_size: int) -> TransformerConfig:
         """The model: the preset with `--set` overrides, the tokenizers' vocabulary sizes, max_len,
         dropout, and shared embeddings exactly when the vocabulary is joint."""
-        derived = dict(
-            src_vocab_size=src_vocab_size, tgt_vocab_size=tgt_vocab_size, max_len=self.max_len,
-            share_embeddings=self.joint_vocab,
-        )
+        derived = dict(src_vocab_size=src_vocab_size, tgt_vocab_size=tgt_vocab_size, max_len=self.max_len,
+                       share_embeddings=self.joint_vocab)
         if self.dropout is not None:
             derived["dropout"] = self.dropout
         return TransformerConfig.preset(self.preset, **{**self.model, **derived})
@@ -468,12 +460,10 @@ def add_run_arguments(parser: argparse.ArgumentParser, ensembles: bool = False) 
             "log-probabilities averaged (runs of one framework with the same tokenizers, each at --checkpoint)")
         add_ensemble_average(parser)
     else:
-        parser.add_argument(
-            "--run-dir", required=True, type=Path, help="the run directory (holds config.json, tokenizer, checkpoints/)"
-        )
-    parser.add_argument(
-        "--checkpoint", default="best", help="'best' (by validation BLEU, the default), 'latest', or a step number"
-    )
+        parser.add_argument("--run-dir", required=True, type=Path,
+                            help="the run directory (holds config.json, tokenizer, checkpoints/)")
+    parser.add_argument("--checkpoint", default="best",
+                        help="'best' (by validation BLEU, the default), 'latest', or a step number")
     parser.add_argument("--beam", type=positive_int, default=4, help="beam size (default 4; 1 = greedy search)")
     parser.add_argument("--alpha", type=non_negative_float, default=0.6,
                         help="beam search's length penalty exponent (default 0.6): see --scoring")

@@ -135,9 +135,8 @@ def setup(cfg: ExperimentConfig, topology: Topology, init_dir: str | Path | None
     if trained_tokenizers and initial is not None:
         tokenizers = initial.tokenizers
     elif trained_tokenizers:  # BPE training is deterministic: every process gets the same tokenizer
-        tokenizers = data.train_tokenizers(
-            splits.train, vocab_size=cfg.vocab_size, joint=cfg.joint_vocab, lowercase=cfg.lowercase
-        )
+        tokenizers = data.train_tokenizers(splits.train, vocab_size=cfg.vocab_size, joint=cfg.joint_vocab,
+                                           lowercase=cfg.lowercase)
     model_cfg = cfg.model_config(tokenizers.src.get_vocab_size(), tokenizers.tgt.get_vocab_size())
     if initial is not None and model_cfg != initial.model_config.replace(dropout=model_cfg.dropout):
         raise UserError(f"--init-from {cfg.init_from}: its files describe another model than its experiment rebuilds")
@@ -250,11 +249,9 @@ def _evaluate(cfg, backend, tokenizers, pairs, samples: int, *, validation: bool
     """`evaluate_pairs` with lowercased BLEU too. --eval-sentences limits the translations of
     validation only: a test set (validation=False) is always scored whole. `stop`: a callable
     asked between batches; when it says True, EvaluationStopped."""
-    return evaluate_pairs(
-        backend, tokenizers, pairs, max_len=cfg.max_len, token_budget=cfg.token_budget,
-        max_sentences=cfg.eval_sentences if validation else None, samples=samples, beam_size=cfg.beam,
-        lowercase=True, moses=cfg.moses, seen=seen, stop=stop, fixed_shapes=cfg.pack,
-    )
+    return evaluate_pairs(backend, tokenizers, pairs, max_len=cfg.max_len, token_budget=cfg.token_budget,
+                          max_sentences=cfg.eval_sentences if validation else None, samples=samples, beam_size=cfg.beam,
+                          lowercase=True, moses=cfg.moses, seen=seen, stop=stop, fixed_shapes=cfg.pack)
 
 
 @dataclasses.dataclass

@@ -208,8 +208,7 @@ def draw_samples(ctx: StepContext, params, src, seed, sentence_ids, num_samples:
     """(tokens (B, N, L), log-probs (B, N)) of `sampling.sample` over src (B, S), seed and sentence_ids
     (B,) traced (one program for every seed), the settings checked by the caller."""
     # The compiled loop itself: `sample`'s checks read the seed and the ids as host values.
-    return sampling._sample(ctx.model(params), src, seed, sentence_ids, num_samples, temperature, top_k, top_p,
-                            1.5, 10)
+    return sampling._sample(ctx.model(params), src, seed, sentence_ids, num_samples, temperature, top_k, top_p, 1.5, 10)
 
 
 def _host(out) -> np.ndarray | Hypotheses:

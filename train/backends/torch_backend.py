@@ -121,13 +121,8 @@ class TorchBackend(StoreMethods):
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
-        return {
-            "loss": loss_total / total_tokens,
-            "nll": nll_total / total_tokens,
-            "grad_norm": grad_norm.detach(),
-            "lr": lr,
-            "tokens": total_tokens,
-        }
+        return {"loss": loss_total / total_tokens, "nll": nll_total / total_tokens, "grad_norm": grad_norm.detach(),
+                "lr": lr, "tokens": total_tokens}
 
     def fetch(self, metrics: Sequence[Metrics]) -> list[dict[str, float]]:
         return [{k: float(v) for k, v in m.items()} for m in metrics]

@@ -10,10 +10,8 @@ training run up and the names below; docs/operations.md says what each guarantee
 from __future__ import annotations
 
 from .files import UserError, error_text, json_text, read_json, say, write_error, write_json_atomic, write_text_atomic
-from .layout import (
-    AVERAGED_FILE, CHECKPOINTS, CONFIG_FILE, CURVES_FILE, IMPORTED_FILE, LOCK_FILE, MODEL_FILE, PROVENANCE_FILE,
-    RESULTS_FILE, TENSORBOARD, read_experiment, read_model_config,
-)
+from .layout import (AVERAGED_FILE, CHECKPOINTS, CONFIG_FILE, CURVES_FILE, IMPORTED_FILE, LOCK_FILE, MODEL_FILE,
+                     PROVENANCE_FILE, RESULTS_FILE, TENSORBOARD, read_experiment, read_model_config)
 from .lock import RunLock
 from .replace import KIND_FILE, KINDS, check_destination, derive, kind_of, remove, swap_in
 from .rundir import check_checkpoint_config, check_model, prepare_run_dir, replacing, session, set_aside_path
