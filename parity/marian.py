@@ -102,12 +102,11 @@ def marian_config(hf: Mapping[str, Any]) -> TransformerConfig:
             num_heads=get("encoder_attention_heads", 16), d_ff=get("encoder_ffn_dim", 4096),
             num_encoder_layers=get("encoder_layers", 12), num_decoder_layers=get("decoder_layers", 12),
             dropout=float(get("dropout", 0.1)), attention_dropout=float(get("attention_dropout", 0.0)),
-            activation_dropout=float(get("activation_dropout", 0.0)),
-            max_len=get("max_position_embeddings", 1024), layer_norm_eps=HF_LAYER_NORM_EPS,
-            norm_position="post", activation=ACTIVATIONS[activation], norm="layernorm", positions="sinusoidal_halves",
-            attention_bias=True, share_embeddings=share, tie_output=bool(get("tie_word_embeddings", True)),
-            scale_embeddings=bool(get("scale_embedding", False)), output_bias=True,
-        )
+            activation_dropout=float(get("activation_dropout", 0.0)), max_len=get("max_position_embeddings", 1024),
+            layer_norm_eps=HF_LAYER_NORM_EPS, norm_position="post", activation=ACTIVATIONS[activation],
+            norm="layernorm", positions="sinusoidal_halves", attention_bias=True, share_embeddings=share,
+            tie_output=bool(get("tie_word_embeddings", True)), scale_embeddings=bool(get("scale_embedding", False)),
+            output_bias=True)
     except ValueError as err:
         raise UnsupportedMarianConfig(f"cannot import this Marian model: {err}") from None
 

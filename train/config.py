@@ -53,8 +53,7 @@ DERIVED_MODEL_FIELDS = ("src_vocab_size", "tgt_vocab_size", "max_len", "dropout"
 SPECIAL_ID_FIELDS = ("pad_id", "bos_id", "eos_id")
 SPECIAL_IDS_FIXED = (
     "the special token ids are fixed: " + ", ".join(f"{t}={i}" for i, t in enumerate(SPECIAL_TOKENS))
-    + " (the tokenizers', used alike by batches, model, loss and search)"
-)
+    + " (the tokenizers', used alike by batches, model, loss and search)")
 
 # Each numeric field's range: checked by ExperimentConfig.__post_init__ (every entry point, the
 # Python API and a hand-edited config.json alike) and by the argparse type of its train.run flag.
@@ -123,29 +122,25 @@ class ExperimentConfig:
     """
 
     backend: Backend = _field(
-        "jax", "run", "framework that trains the model: jax (Flax NNX, jit) or torch (the reference)", choices=BACKENDS
-    )
+        "jax", "run", "framework that trains the model: jax (Flax NNX, jit) or torch (the reference)", choices=BACKENDS)
     recipe: str | None = _field(
         None, "run", "read flags from a TOML recipe, e.g. recipes/multi30k-de-en.toml: one key per long flag, "
         "with _ for - (eval_every = 1000, joint_vocab = false, set = [\"norm_position=pre\"]); flags given on the "
         "command line override the file's, and --set adds to its list. The run directory keeps the recipe "
-        "(recipe.json)", flag="--config", metavar="FILE", launch=True,
-    )
+        "(recipe.json)", flag="--config", metavar="FILE", launch=True)
 
     # Model
     preset: str = _field("tiny", "model", "model size preset: " + ", ".join(TransformerConfig.presets()),
                          choices=TransformerConfig.presets())
     model: dict = _field(
         {}, "model", "override a TransformerConfig field of the preset, e.g. --set d_model=128 "
-        "--set norm_position=pre (repeatable)", flag="--set", metavar="FIELD=VALUE",
-    )
+        "--set norm_position=pre (repeatable)", flag="--set", metavar="FIELD=VALUE")
     dropout: float | None = _field(None, "model", "residual dropout rate (paper: 0.1); default: the preset's")
     init_from: str | None = _field(
         None, "model", "start from a pretrained model: a run directory, an HF Marian directory or "
         "hf:ORG/NAME[@REVISION]; the run takes its model, tokenizers and weights and trains them on --train with a "
         "fresh optimizer and schedule (--lr-factor, --warmup, --steps); flags that would change the model's shape "
-        "or vocabulary are refused", metavar="SOURCE",
-    )
+        "or vocabulary are refused", metavar="SOURCE")
 
     # Data
     train: str | None = _field(None, "data",
@@ -155,26 +150,21 @@ class ExperimentConfig:
     test: str | None = _field(None, "data", "test data spec, evaluated at the end; default with --train: no test set",
                               metavar="SPEC")
     numbers_train: int = _field(
-        40_000, "data", "numbers corpus: training pairs, an even share for numbers of each length (1 to 6 digits)"
-    )
+        40_000, "data", "numbers corpus: training pairs, an even share for numbers of each length (1 to 6 digits)")
     numbers_valid: int = _field(500, "data", "numbers corpus: validation pairs, spread like the test pairs")
     numbers_test: int = _field(
         1000, "data", "numbers corpus: test pairs, spread evenly over numbers of 1 to 6 digits (those of 3 or more "
-        "digits never trained on; the 100 below 100 are all training numbers)",
-    )
+        "digits never trained on; the 100 below 100 are all training numbers)")
     vocab_size: int | None = _field(
         None, "data", f"BPE vocabulary size; default {NUMBERS_VOCAB_SIZE} for the numbers corpus, "
-        f"{DEFAULT_VOCAB_SIZE} otherwise",
-    )
+        f"{DEFAULT_VOCAB_SIZE} otherwise")
     joint_vocab: bool = _field(
         True, "data", "one BPE vocabulary for source and target, with shared embeddings "
-        "(--no-joint-vocab: one per side)",
-    )
+        "(--no-joint-vocab: one per side)")
     lowercase: bool = _field(
         False, "data", "lowercase all text: the training, validation and test pairs, and every input of the "
         "trained tokenizer (a Lowercase normalizer in tokenizer.json, so translate lowercases too); the "
-        "translations are then lowercase. The Multi30k anchors train on lowercased text",
-    )
+        "translations are then lowercase. The Multi30k anchors train on lowercased text")
     max_len: int = _field(128, "data", "longest sequence in tokens (with <eos>); longer training pairs are dropped")
     token_budget: int = _field(4096, "data", "padded tokens per batch (B x L <= budget, per length bucket)")
     pack: bool | None = _field(
@@ -182,41 +172,34 @@ class ExperimentConfig:
         "positions restarting per pair, attention within each pair; google/flax examples/wmt's packing), one "
         "batch shape instead of one per length bucket, and search the evaluation sentences in a few fixed shapes: "
         "few programs for JAX to compile and little padding (--no-pack: length buckets). Default: on for jax, "
-        "off for torch (which compiles nothing; docs/performance.md#sequence-packing)",
-    )
+        "off for torch (which compiles nothing; docs/performance.md#sequence-packing)")
     hf_cache: str | None = _field(None, "data", "HF datasets cache directory; default: HF's own", metavar="DIR", launch=True)
 
     # Optimisation
     steps: int = _field(700, "optim", "optimizer updates to train for", launch=True)
     warmup: int | None = _field(
         None, "optim", f"warmup steps of the schedule (§5.3); default {WARMUP_FRACTION:g} x steps, "
-        f"at most {PAPER_WARMUP}",
-    )
+        f"at most {PAPER_WARMUP}")
     lr_factor: float = _field(1.0, "optim",
                               "factor on the paper's schedule d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)")
     label_smoothing: float = _field(0.1, "optim", "label smoothing epsilon (§5.4), padding ignored")
     clip_norm: float | None = _field(
-        None, "optim", "clip gradients to this global norm (optax clip_by_global_norm formula); default: no clipping"
-    )
+        None, "optim", "clip gradients to this global norm (optax clip_by_global_norm formula); default: no clipping")
     grad_accum: int = _field(
-        1, "optim", "micro-batches per update; the loss is summed over them and divided by their total target tokens"
-    )
+        1, "optim", "micro-batches per update; the loss is summed over them and divided by their total target tokens")
 
     # Evaluation and logging
     eval_every: int = _field(
-        200, "eval", "validate (loss, perplexity, BLEU, chrF, samples) every N steps and at the end", launch=True
-    )
+        200, "eval", "validate (loss, perplexity, BLEU, chrF, samples) every N steps and at the end", launch=True)
     log_every: int = _field(20, "eval", "read metrics from the device and log them every N steps", launch=True)
     eval_sentences: int | None = _field(
         None, "eval", "translate at most this many validation sentences for BLEU/chrF/exact match; default: all "
-        "(the test set is always translated whole)", launch=True
-    )
+        "(the test set is always translated whole)", launch=True)
     samples: int = _field(3, "eval", "sample translations printed at each evaluation", launch=True)
     beam: int = _field(4, "eval", "beam size of the translations scored by BLEU/chrF (1 = greedy search)", launch=True)
     moses: str | None = _field(
         None, "eval", "also score BLEU on Moses-tokenized text of this target language (e.g. de), as bleu_moses and "
-        "bleu_moses_lc (train.evaluate --moses)", launch=True, metavar="LANG",
-    )
+        "bleu_moses_lc (train.evaluate --moses)", launch=True, metavar="LANG")
 
     # Checkpoints
     save_every: int | None = _field(None, "ckpt", "checkpoint every N steps and at the end; default: --eval-every", launch=True)
@@ -226,63 +209,51 @@ class ExperimentConfig:
     seed: int = _field(0, "run", "seed of the initial weights, dropout, batch order and the numbers corpus")
     run_dir: str | None = _field(
         None, "run", "directory for config, tokenizer, checkpoints, TensorBoard events and results.json; "
-        "default runs/BACKEND-TIMESTAMP", metavar="DIR", launch=True,
-    )
+        "default runs/BACKEND-TIMESTAMP", metavar="DIR", launch=True)
     resume: bool = _field(
         False, "run", "continue the run in --run-dir from its newest complete checkpoint; --steps and the eval "
         "and checkpoint flags are not stored with the run: give them again, or they come from the recipe "
-        "(--config) the run was started from, which the run directory keeps", launch=True,
-    )
+        "(--config) the run was started from, which the run directory keeps", launch=True)
     overwrite: bool = _field(
         False, "run", "replace the run already in --run-dir (the old one is kept beside it, in .NAME.run-old, "
-        "until the new one holds a checkpoint, and put back if it never does)", launch=True,
-    )
+        "until the new one holds a checkpoint, and put back if it never does)", launch=True)
     compile: bool = _field(False, "run", "torch backend: wrap the model with torch.compile", launch=True)
     threads: int | None = _field(
-        None, "run", "torch backend: intra-op CPU threads; default: the CPUs this process may use", launch=True
-    )
+        None, "run", "torch backend: intra-op CPU threads; default: the CPUs this process may use", launch=True)
     progress: bool = _field(True, "run", "show a progress bar (--no-progress for logs)", launch=True)
 
     # Devices, processes and precision
     devices: int | None = _field(
         None, "dist", "jax backend: train data parallel over the first N devices (the global batch is split "
         "evenly over them, every bucket's batch size a multiple of N); default: every visible device. The torch "
-        "backend trains on one device", launch=True,
-    )
+        "backend trains on one device", launch=True)
     param_sharding: ParamSharding = _field(
         "replicated", "dist", "jax backend: where parameters and Adam's moments live over the devices: replicated "
         "(a whole copy on every device; plain data parallelism) or fsdp (each array split over the devices along "
         "its largest dimension divisible by their count, ZeRO-3 style: 1/N of the state per device, gathered "
-        "for the forward and backward passes)", choices=PARAM_SHARDINGS, launch=True,
-    )
+        "for the forward and backward passes)", choices=PARAM_SHARDINGS, launch=True)
     dtype: Dtype | None = _field(
         None, "dist", "compute dtype: float32, or bfloat16 mixed precision (activations and matmuls in "
         "bfloat16; parameters, optimizer state, softmax and loss in float32); default: bfloat16 on a GPU or TPU, "
-        "float32 on the CPU (docs/parity.md#bfloat16)", choices=DTYPES,
-    )
+        "float32 on the CPU (docs/parity.md#bfloat16)", choices=DTYPES)
     kernels: str = _field(
         "auto", "dist", "how the model computes, the same function whatever the choice: reference (the plain path, "
         "torch_reference line by line), xla_cpu (jax: backward passes and search loop tuned for XLA:CPU), fused "
         "(attention in one fused kernel: jax.nn.dot_product_attention, cuDNN's on a GPU; torch's "
         "scaled_dot_product_attention); auto: xla_cpu on the CPU with jax, fused on a GPU, reference otherwise",
-        choices=KERNEL_CHOICES, launch=True,
-    )
+        choices=KERNEL_CHOICES, launch=True)
     remat: bool = _field(
         False, "dist", "recompute each encoder and decoder layer's activations in the backward pass instead of "
         "keeping them (jax.checkpoint; torch.utils.checkpoint): less memory, more time (docs/performance.md#remat)",
-        launch=True,
-    )
+        launch=True)
     coordinator_address: str | None = _field(
         None, "dist", "jax multi-process run: HOST:PORT of process 0's coordinator, for jax.distributed.initialize; "
-        "default: $JAX_COORDINATOR_ADDRESS, else a single process", metavar="HOST:PORT", launch=True,
-    )
+        "default: $JAX_COORDINATOR_ADDRESS, else a single process", metavar="HOST:PORT", launch=True)
     num_processes: int | None = _field(
-        None, "dist", "jax multi-process run: number of processes; default: $JAX_NUM_PROCESSES, else 1", launch=True
-    )
+        None, "dist", "jax multi-process run: number of processes; default: $JAX_NUM_PROCESSES, else 1", launch=True)
     process_id: int | None = _field(
         None, "dist", "jax multi-process run: this process's id, 0..N-1 (0 writes logs and results); "
-        "default: $JAX_PROCESS_ID", launch=True
-    )
+        "default: $JAX_PROCESS_ID", launch=True)
 
     def __post_init__(self):
         """Every field checked once, whatever built the config: ValueError naming the field."""
@@ -298,8 +269,7 @@ class ExperimentConfig:
         if bad:
             raise ValueError(
                 f"--set {bad[0]}=... is not allowed: {', '.join(DERIVED_MODEL_FIELDS)} come from the data and "
-                "from --vocab-size, --max-len, --dropout, --joint-vocab"
-            )
+                "from --vocab-size, --max-len, --dropout, --joint-vocab")
         known = {f.name for f in dataclasses.fields(TransformerConfig)}
         unknown = sorted(set(self.model) - known)
         if unknown:

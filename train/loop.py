@@ -179,8 +179,7 @@ def setup(cfg: ExperimentConfig, topology: Topology, init_dir: str | Path | None
         f"{cfg.dtype}, {topology.num_devices} device(s)"
         + (f" in {topology.process_count} processes" if topology.process_count > 1 else "")
         + (", parameters and optimizer state sharded (FSDP)" if cfg.param_sharding == "fsdp" else "")
-        + f"; run dir {run_dir}"
-    )
+        + f"; run dir {run_dir}")
     return Training(cfg, topology, splits, tokenizers, batcher, backend, log, _finished(cfg, backend.step))
 
 
@@ -205,8 +204,7 @@ def _check_resumed(meta: dict[str, Any], cfg: ExperimentConfig, batcher: data.Ba
         raise UserError(
             f"resuming on {topology.num_devices} device(s) changes the batch shapes from {meta['shapes']} to "
             f"{shapes} (batch sizes are multiples of the device count), so the run would not continue as it "
-            "started: resume with the device count it ran with, or one that keeps every batch size divisible"
-        )
+            "started: resume with the device count it ran with, or one that keeps every batch size divisible")
 
 
 def _write_results(results: dict[str, Any]) -> None:
@@ -228,15 +226,13 @@ def make_batcher(cfg: ExperimentConfig, tokenizers: data.Tokenizers, pairs, num_
         raise UserError(
             f"--token-budget {cfg.token_budget} holds {cfg.token_budget // cfg.max_len} sequence(s) of --max-len "
             f"{cfg.max_len}, fewer than the {num_devices} devices each batch is split over: raise --token-budget to "
-            f"at least {cfg.max_len * num_devices} or train on fewer devices (--devices)"
-        )
+            f"at least {cfg.max_len * num_devices} or train on fewer devices (--devices)")
     batcher = data.Batcher(data.encode_pairs(tokenizers, pairs), token_budget=cfg.token_budget, max_len=cfg.max_len,
                            multiple_of=num_devices, seed=cfg.seed, pack=cfg.pack)
     if not batcher.num_batches:
         raise UserError(
             f"no training pair is left: all {len(pairs)} are longer than --max-len {cfg.max_len} tokens "
-            "(<eos> included); raise --max-len"
-        )
+            "(<eos> included); raise --max-len")
     return batcher
 
 
@@ -307,8 +303,7 @@ def _log_window(cfg, step: int, values: list[dict[str, float]], tokens: int, ela
     if not cfg.progress:
         say(
             f"step {step}/{cfg.steps} loss {entry['loss']:.4f} lr {entry['lr']:.3e} tok/s {entry['tokens_per_s']:,.0f}"
-            + (f", {compiled.text()} so far" if compiled is not None else "")
-        )
+            + (f", {compiled.text()} so far" if compiled is not None else ""))
 
 
 def _log_evaluation(step: int, evaluated: dict[str, Any], eval_time: float, log: _Log, writer) -> None:
@@ -320,8 +315,7 @@ def _log_evaluation(step: int, evaluated: dict[str, Any], eval_time: float, log:
     say(
         f"step {step}: valid loss {evaluated['loss']:.4f} ppl {evaluated['ppl']:.3f} "
         f"BLEU {evaluated['bleu']:.2f} chrF {evaluated['chrf']:.2f} exact {evaluated['exact_match']:.1f}% "
-        f"({evaluated['sentences']} sentences, {eval_time:.1f} s)" + bands_text(evaluated["bands"])
-    )
+        f"({evaluated['sentences']} sentences, {eval_time:.1f} s)" + bands_text(evaluated["bands"]))
     for sample in evaluated["samples"]:
         say(f"  {sample['source']}\n    ref: {sample['reference']}\n    hyp: {sample['hypothesis']}")
 
@@ -415,8 +409,7 @@ def fit(run: Training) -> None:
                 raise Interrupted(
                     stop.requested,
                     f"{name}: stopped at step {step} of {cfg.steps} with a checkpoint saved; continue with\n"
-                    f"  python -m train.run --run-dir {cfg.run_dir} --resume",
-                )
+                    f"  python -m train.run --run-dir {cfg.run_dir} --resume")
             if not pending:  # just logged: the next window starts now, after any evaluation or save
                 window_start = time.perf_counter()
         bar.close()
@@ -476,7 +469,6 @@ def _summary_line(results: dict[str, Any]) -> str:
     if test is not None:
         parts.append(
             f"test ({test['sentences']} sentences) BLEU {test['bleu']:.2f} chrF {test['chrf']:.2f} "
-            f"exact {test['exact_match']:.1f}%" + bands_text(test["bands"])
-        )
+            f"exact {test['exact_match']:.1f}%" + bands_text(test["bands"]))
     parts.append(str(Path(results["run_dir"]) / RESULTS_FILE))
     return " | ".join(parts)

@@ -445,8 +445,7 @@ class JaxBackend(StoreMethods):
             template = optax.tree_utils.tree_get(old["opt_state"], "mu")
             opt_state = optax.tree_utils.tree_set(
                 opt_state, mu=_from_flat(template, state.mu, "Adam first moments (mu / exp_avg)"),
-                nu=_from_flat(template, state.nu, "Adam second moments (nu / exp_avg_sq)"),
-            )
+                nu=_from_flat(template, state.nu, "Adam second moments (nu / exp_avg_sq)"))
         opt_state = optax.tree_utils.tree_set(opt_state, count=jnp.asarray(state.step, jnp.int32))
         step = jnp.asarray(state.step, old["step"].dtype)
         self.state = sharding.place({"params": params, "opt_state": opt_state, "step": step}, self.state_sharding)

@@ -197,10 +197,8 @@ def check_checkpoint_config(meta: Mapping[str, Any], cfg: ExperimentConfig) -> N
     differ = [
         f"--{name.replace('_', '-')}: checkpoint has {saved.get(name)!r}, run has {value!r}"
         for name, value in cfg.experiment().items()
-        if saved.get(name) != value
-    ]
+        if saved.get(name) != value]
     if differ:
         raise UserError(
             f"checkpoint {meta.get('step')} in {cfg.run_dir} was written by a run configured differently, so it "
-            "cannot be resumed here:\n  " + "\n  ".join(differ)
-        )
+            "cannot be resumed here:\n  " + "\n  ".join(differ))
