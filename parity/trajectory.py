@@ -371,9 +371,8 @@ _override = flag_type(functools.partial(TransformerConfig.parse_override, exclud
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m parity.trajectory", description=__doc__.split("\n\n")[1])
     parser.add_argument("--steps", type=positive_int, default=100, help="updates (default 100)")
-    parser.add_argument("--switch", type=non_negative_int, default=None,
-                        help="convert both runs' checkpoints at this update and continue in the other framework "
-                        "(default: half of --steps; 0: off)")
+    parser.add_argument("--switch", type=non_negative_int, default=None, help="convert both runs' checkpoints at "
+                        "this update and continue in the other framework (default: half of --steps; 0: off)")
     parser.add_argument("--preset", default="tiny", choices=TransformerConfig.presets(),
                         help="model size (default tiny)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], type=_override,
@@ -388,9 +387,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--token-budget", type=positive_int, default=1024, help="padded tokens per batch (default 1024)")
     parser.add_argument("--max-len", type=positive_int, default=128, help="longest sequence in tokens (default 128)")
     parser.add_argument("--seed", type=non_negative_int, default=0)
-    parser.add_argument("--control", action="store_true",
-                        help="also train torch from the initial weights moved by one ulp: float32's own drift "
-                        "(not bounded)")
+    parser.add_argument("--control", action="store_true", help="also train torch from the initial weights moved "
+                        "by one ulp: float32's own drift (not bounded)")
     parser.add_argument("--json", type=Path, help="write the full report (every update, every parameter) here")
     parser.add_argument("--plot", type=Path, help="write a PNG of the differences per update here")
     return parser

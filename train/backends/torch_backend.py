@@ -217,8 +217,7 @@ class TorchBackend(StoreMethods):
         optimizer_state["state"] = {} if state.mu is None else {
             i: {"step": adam_step.clone(), "exp_avg": torch.from_numpy(np.array(state.mu[n])),
                 "exp_avg_sq": torch.from_numpy(np.array(state.nu[n]))}
-            for i, n in enumerate(names)
-        }
+            for i, n in enumerate(names)}
         self.optimizer.load_state_dict(optimizer_state)
         # LambdaLR's position is the number of updates done; the next runs at lr(step + 1).
         self.scheduler.last_epoch = state.step

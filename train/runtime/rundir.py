@@ -194,10 +194,8 @@ def check_checkpoint_config(meta: Mapping[str, Any], cfg: ExperimentConfig) -> N
     saved = meta.get("config", cfg.experiment())
     if "pack" not in saved:  # written before packing existed: length buckets
         saved = {**saved, "pack": False}
-    differ = [
-        f"--{name.replace('_', '-')}: checkpoint has {saved.get(name)!r}, run has {value!r}"
-        for name, value in cfg.experiment().items()
-        if saved.get(name) != value]
+    differ = [f"--{name.replace('_', '-')}: checkpoint has {saved.get(name)!r}, run has {value!r}"
+              for name, value in cfg.experiment().items() if saved.get(name) != value]
     if differ:
         raise UserError(
             f"checkpoint {meta.get('step')} in {cfg.run_dir} was written by a run configured differently, so it "
