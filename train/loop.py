@@ -150,37 +150,40 @@ def setup(cfg: ExperimentConfig, topology: Topology, init_dir: str | Path | None
             shutil.copyfile(initial.source / runtime.IMPORTED_FILE, run_dir / runtime.IMPORTED_FILE)
 
     backend = create_backend(cfg, model_cfg, str(run_dir / CHECKPOINTS))
-    log = _Log()
-    if cfg.resume and backend.checkpoint_steps():
-        try:
-            meta = backend.restore("latest")
-        except CheckpointError as err:
-            backend.close()
-            raise UserError(str(err)) from None
-        try:
-            _check_resumed(meta, cfg, batcher, topology)
-        except UserError:
-            backend.close()
-            raise
-        batcher.restore(meta["data"])
-        log = _Log.restore(meta.get("history"), backend.step)
-        say(f"resumed {run_dir} at step {backend.step}")
-    elif cfg.resume:
-        say(f"{run_dir} has no checkpoint yet: starting at step 0 with its tokenizer")
-    if initial is not None and backend.step == 0:
-        backend.import_state(TrainingState(cfg.backend, 0, initial.params))  # a fresh optimizer and schedule
-        say(f"starting from the weights of {cfg.init_from}")
-    say(
-        f"[{cfg.backend}] {backend.num_params:,} parameters ({cfg.preset}, d_model={model_cfg.d_model}, "
-        f"{model_cfg.num_encoder_layers}+{model_cfg.num_decoder_layers} layers), vocab "
-        f"{model_cfg.src_vocab_size}/{model_cfg.tgt_vocab_size}, {len(splits.train):,} training pairs "
-        f"({batcher.num_dropped} longer than {cfg.max_len} dropped), {batcher.num_batches} batches/epoch, "
-        f"{'packed, ' if cfg.pack else ''}shapes {batcher.shapes}, {batcher.padding_share():.1%} padding, "
-        f"{cfg.dtype}, {topology.num_devices} device(s)"
-        + (f" in {topology.process_count} processes" if topology.process_count > 1 else "")
-        + (", parameters and optimizer state sharded (FSDP)" if cfg.param_sharding == "fsdp" else "")
-        + f"; run dir {run_dir}")
-    return Training(cfg, topology, splits, tokenizers, batcher, backend, log, _finished(cfg, backend.step))
+    try:
+        log = _resume(cfg, backend, batcher, topology) if cfg.resume else _Log()
+        if initial is not None and backend.step == 0:
+            backend.import_state(TrainingState(cfg.backend, 0, initial.params))  # a fresh optimizer and schedule
+            say(f"starting from the weights of {cfg.init_from}")
+        say(f"[{cfg.backend}] {backend.num_params:,} parameters ({cfg.preset}, d_model={model_cfg.d_model}, "
+            f"{model_cfg.num_encoder_layers}+{model_cfg.num_decoder_layers} layers), vocab "
+            f"{model_cfg.src_vocab_size}/{model_cfg.tgt_vocab_size}, {len(splits.train):,} training pairs "
+            f"({batcher.num_dropped} longer than {cfg.max_len} dropped), {batcher.num_batches} batches/epoch, "
+            f"{'packed, ' if cfg.pack else ''}shapes {batcher.shapes}, {batcher.padding_share():.1%} padding, "
+            f"{cfg.dtype}, {topology.num_devices} device(s)"
+            + (f" in {topology.process_count} processes" if topology.process_count > 1 else "")
+            + (", parameters and optimizer state sharded (FSDP)" if cfg.param_sharding == "fsdp" else "")
+            + f"; run dir {run_dir}")
+        return Training(cfg, topology, splits, tokenizers, batcher, backend, log, _finished(cfg, backend.step))
+    except BaseException:
+        backend.close()  # its devices and files freed for what the caller does next (a notebook goes on)
+        raise
+
+
+def _resume(cfg: ExperimentConfig, backend: Backend, batcher: data.Batcher, topology: Topology) -> _Log:
+    """The backend restored from the run's last checkpoint and the batches positioned after it;
+    returns the history so far (empty when the run has no checkpoint yet)."""
+    if not backend.checkpoint_steps():
+        say(f"{cfg.run_dir} has no checkpoint yet: starting at step 0 with its tokenizer")
+        return _Log()
+    try:
+        meta = backend.restore("latest")
+    except CheckpointError as err:
+        raise UserError(str(err)) from None
+    _check_resumed(meta, cfg, batcher, topology)
+    batcher.restore(meta["data"])
+    say(f"resumed {cfg.run_dir} at step {backend.step}")
+    return _Log.restore(meta.get("history"), backend.step)
 
 
 def _finished(cfg: ExperimentConfig, step: int) -> dict[str, Any] | None:

@@ -288,6 +288,25 @@ def test_run_dir_refused_without_resume_or_overwrite(fast_config, tmp_path):
         loop.train(cfg.replace(run_dir=str(tmp_path / "fresh"), resume=True))
 
 
+def test_a_resume_that_fails_to_restore_closes_its_backend(fast_config, monkeypatch):
+    """Whatever ends the set-up after the backend is built (here a disk error reading the checkpoint),
+    the backend is closed: a notebook that catches the error goes on without its devices held."""
+    from train.backends.torch_backend import TorchBackend
+
+    cfg = fast_config("torch", steps=2, eval_every=2, eval_sentences=2, numbers_valid=2, numbers_test=0)
+    loop.train(cfg)
+    closed, close = [], TorchBackend.close
+
+    def unreadable(self, which):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(TorchBackend, "restore", unreadable)
+    monkeypatch.setattr(TorchBackend, "close", lambda self: (closed.append(self), close(self)))
+    with pytest.raises(OSError, match="Input/output error"):
+        loop.train(cfg.replace(resume=True, steps=4))
+    assert len(closed) == 1
+
+
 def test_resume_from_the_command_line_reads_the_saved_flags(fast_config):
     """`--resume --run-dir X --steps N` needs no other flag: the run's own config is used."""
     cfg = fast_config("torch", steps=2, eval_every=2, eval_sentences=2, numbers_valid=2, numbers_test=0, seed=5)
