@@ -48,8 +48,8 @@ examples:
       --process-id 0     # and the same with --process-id 1 in a second shell: one run, two processes
 Ctrl-C or SIGTERM finishes the current update, saves a checkpoint and exits (status 130/143);
 `--resume` continues from the newest complete checkpoint, exactly as if never stopped (a run
-started from a recipe reads it again from the run directory). A
-non-finite loss stops the run before it is saved (exit status 1).
+started from a recipe reads it again from the run directory). A non-finite loss stops the run
+before it is saved (exit status 1).
 then: python -m train.translate --run-dir DIR < input.txt
       python -m train.evaluate --run-dir DIR --data numbers:test
 """

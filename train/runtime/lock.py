@@ -12,6 +12,7 @@ from pathlib import Path
 from .files import UserError, say
 from .layout import LOCK_FILE
 
+
 class RunLock:
     """The run directory's writer lock: `fcntl.flock` on DIR/.lock, exclusive and non-blocking, held
     by whoever writes the run (docs/operations.md#signals-crashes-locks). The OS releases a flock when
