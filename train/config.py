@@ -324,16 +324,19 @@ class ExperimentConfig:
         taken. A field `given` with another value than theirs: ValueError. `given` None (a
         programmatic call): every field set counts, for --init-from every one off its default.
         """
-        cfg, defaults = self, ExperimentConfig()
+        cfg = self
         if saved is not None:
             cfg = saved.replace(**{name: getattr(self, name) for name in self.launch_fields()})
+            set_fields = [name for name, value in self.to_dict().items() if value is not None]
             self._refuse_changes(saved, "run", "--resume cannot change how the run trains", self.experiment(),
-                                 given if given is not None else [f for f, v in self.to_dict().items() if v is not None])
+                                 set_fields if given is None else given)
         elif source is not None:
             cfg = self.replace(**{name: getattr(source, name) for name in SOURCE_FIELDS})
-            self._refuse_changes(source, str(self.init_from), "--init-from takes the model's shape and vocabulary from its source",
-                                 SOURCE_FIELDS, given if given is not None else
-                                 [f for f in SOURCE_FIELDS if getattr(self, f) != getattr(defaults, f)])
+            defaults = ExperimentConfig()
+            off_default = [name for name in SOURCE_FIELDS if getattr(self, name) != getattr(defaults, name)]
+            self._refuse_changes(source, str(self.init_from),
+                                 "--init-from takes the model's shape and vocabulary from its source", SOURCE_FIELDS,
+                                 off_default if given is None else given)
         changes: dict[str, Any] = {}
         if cfg.vocab_size is None:
             changes["vocab_size"] = NUMBERS_VOCAB_SIZE if cfg.uses_numbers_corpus else DEFAULT_VOCAB_SIZE
