@@ -49,6 +49,8 @@ HF_LAYER_NORM_EPS = 1e-5  # MarianEncoderLayer/MarianDecoderLayer: nn.LayerNorm(
 POSITION_TOLERANCE = 1e-6  # a stored sinusoid table vs ours: float64 tables rounded once to float32 agree to ~1 ulp
 HUB_PREFIX = "hf:"  # hf:ORG/NAME[@REVISION]: a Marian model on the Hugging Face hub
 HUB_FILES = ["config.json", "model.safetensors", "pytorch_model.bin", "*.spm", "*vocab.json", "tokenizer_config.json"]
+# tied to a parameter the state dict fills (the shared embedding), so load_state_dict reports them missing
+TIED_KEYS = ("lm_head.weight", "model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight")
 
 
 class UnsupportedMarianConfig(ValueError):
@@ -422,7 +424,7 @@ def export_marian(run_dir: str | os.PathLike, params: Mapping[str, np.ndarray], 
     model = transformers.MarianMTModel(hf_config)
     state = to_marian(params, cfg, record["marian_ids"])
     missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if "embed_positions" not in k and not _tied_in(model, k)]
+    missing = [k for k in missing if "embed_positions" not in k and k not in TIED_KEYS]
     if missing or unexpected:
         raise CheckpointMismatchError(f"export to Marian: missing {missing}, unexpected {unexpected}")
     tokenizers = data.load_tokenizers(run_dir)
@@ -442,7 +444,3 @@ def export_marian(run_dir: str | os.PathLike, params: Mapping[str, np.ndarray], 
             check(tmp)
     return dst
 
-
-def _tied_in(model, key: str) -> bool:
-    """`key` is tied to a parameter the state dict filled (the shared/decoder embeddings, lm_head)."""
-    return key in ("lm_head.weight", "model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight")
