@@ -8,7 +8,7 @@ batches (the translate command's batching) with greedy search, beam search and `
 framework: seconds, sentences/s (outputs/s: `samples` a sentence), tokens/s, and how
 many sampled outputs differ between torch and JAX (0 expected: the same seed gives the same tokens).
 JAX runs every batch once untimed first (each batch shape compiles there), torch the first batch.
-On a GPU call `parity.check.enable_parity_numerics()` first (full float32 matmuls in both).
+On a GPU call `parity.comparison.enable_parity_numerics()` first (full float32 matmuls in both).
 """
 
 from __future__ import annotations

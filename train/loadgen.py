@@ -1,18 +1,28 @@
 """Load on a translation server (`python -m train.loadtest`, docs/serving.md#load-test): concurrent
 clients on loopback, each sending requests of a few sentences one after the other, with latency
-percentiles and throughput."""
+percentiles and throughput; the server in a child process (`ServedRun`), and the throughput of
+`python -m train.translate` on the same sentences (`cli_throughput`)."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from .runtime.files import UserError
 from .serving import require
 
 
@@ -62,3 +72,54 @@ def load_test(url: str, lines: Sequence[str], *, clients: int = 64, requests: in
             "requests_per_s": round(requests / seconds, 1),
             "latency_ms": {f"p{q}": round(float(np.percentile(ms, q)), 1) for q in (50, 90, 99)}
             | {"max": round(float(ms.max()), 1)}}
+
+
+class ServedRun:
+    """`python -m train.serve --run-dir RUN --port 0 ARGS` in a child process: `url` once it
+    listens; `stop()` sends SIGTERM and returns its exit status."""
+
+    def __init__(self, run_dir: str | os.PathLike, *args: str, startup_s: float = 300.0):
+        command = [sys.executable, "-m", "train.serve", "--run-dir", str(run_dir), "--port", "0", *args]
+        self.proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        self.log: list[str] = []
+        deadline = time.monotonic() + startup_s
+        for line in self.proc.stderr:
+            self.log.append(line)
+            if found := re.search(r" on (http://\S+) ", line):
+                self.url = found[1]
+                # read on, so that a chatty server never blocks on a full pipe
+                threading.Thread(target=self.log.extend, args=(self.proc.stderr,), daemon=True).start()
+                return
+            if time.monotonic() > deadline:
+                break
+        self.proc.kill()
+        raise UserError(f"the server did not start: {''.join(self.log).strip() or 'no output'}")
+
+    def stop(self, timeout: float = 120.0) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            self.stop()
+
+
+def cli_throughput(run_dir: str | os.PathLike, lines: Sequence[str], beam: int = 4) -> dict[str, Any]:
+    """`python -m train.translate` on `lines` (a file): its own summary's lines/s (the translation,
+    without loading the run) and the wall time of the whole command."""
+    with tempfile.TemporaryDirectory() as tmp:
+        source = Path(tmp) / "source.txt"
+        source.write_text("".join(f"{line}\n" for line in lines), encoding="utf-8")
+        start = time.perf_counter()
+        done = subprocess.run([sys.executable, "-m", "train.translate", "--run-dir", str(run_dir), "--input",
+                               str(source), "--output", str(Path(tmp) / "out.txt"), "--beam", str(beam)],
+                              check=False, capture_output=True, text=True)
+        wall = time.perf_counter() - start
+    found = re.search(r"translated ([\d,]+) lines in ([\d.]+) s: ([\d,.]+) lines/s", done.stderr)
+    if done.returncode or not found:
+        raise UserError(f"python -m train.translate failed: {done.stderr.strip().splitlines()[-1:]}")
+    return {"sentences": int(found[1].replace(",", "")), "seconds": float(found[2]),
+            "sentences_per_s": float(found[3].replace(",", "")), "wall_seconds": round(wall, 1)}

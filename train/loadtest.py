@@ -10,73 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
-import signal
-import subprocess
 import sys
-import tempfile
-import threading
-import time
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from .config import positive_int
-from .loadgen import load_test
+from .loadgen import ServedRun, cli_throughput, load_test
 from .runtime import read_experiment
 from .runtime.files import UserError, error_text
-
-
-class ServedRun:
-    """`python -m train.serve --run-dir RUN --port 0 ARGS` in a child process: `url` once it
-    listens; `stop()` sends SIGTERM and returns its exit status."""
-
-    def __init__(self, run_dir: str | os.PathLike, *args: str, startup_s: float = 300.0):
-        command = [sys.executable, "-m", "train.serve", "--run-dir", str(run_dir), "--port", "0", *args]
-        self.proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, start_new_session=True)
-        self.log: list[str] = []
-        deadline = time.monotonic() + startup_s
-        for line in self.proc.stderr:
-            self.log.append(line)
-            if found := re.search(r" on (http://\S+) ", line):
-                self.url = found[1]
-                # read on, so that a chatty server never blocks on a full pipe
-                threading.Thread(target=self.log.extend, args=(self.proc.stderr,), daemon=True).start()
-                return
-            if time.monotonic() > deadline:
-                break
-        self.proc.kill()
-        raise UserError(f"the server did not start: {''.join(self.log).strip() or 'no output'}")
-
-    def stop(self, timeout: float = 120.0) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.proc.poll() is None:
-            self.stop()
-
-
-def cli_throughput(run_dir: str | os.PathLike, lines: Sequence[str], beam: int = 4) -> dict[str, Any]:
-    """`python -m train.translate` on `lines` (a file): its own summary's lines/s (the translation,
-    without loading the run) and the wall time of the whole command."""
-    with tempfile.TemporaryDirectory() as tmp:
-        source = Path(tmp) / "source.txt"
-        source.write_text("".join(f"{line}\n" for line in lines), encoding="utf-8")
-        start = time.perf_counter()
-        done = subprocess.run([sys.executable, "-m", "train.translate", "--run-dir", str(run_dir), "--input",
-                               str(source), "--output", str(Path(tmp) / "out.txt"), "--beam", str(beam)],
-                              check=False, capture_output=True, text=True)
-        wall = time.perf_counter() - start
-    found = re.search(r"translated ([\d,]+) lines in ([\d.]+) s: ([\d,.]+) lines/s", done.stderr)
-    if done.returncode or not found:
-        raise UserError(f"python -m train.translate failed: {done.stderr.strip().splitlines()[-1:]}")
-    return {"sentences": int(found[1].replace(",", "")), "seconds": float(found[2]),
-            "sentences_per_s": float(found[3].replace(",", "")), "wall_seconds": round(wall, 1)}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -17,7 +17,7 @@ import torch
 
 import torch_reference as tr
 from parity import torch_to_jax
-from parity.check import enable_parity_numerics
+from parity.comparison import enable_parity_numerics
 
 enable_parity_numerics()
 

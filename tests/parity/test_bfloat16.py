@@ -18,7 +18,7 @@ import jax_transformer as jt
 import torch_reference as tr
 from jax_transformer import objective as jax_objective
 from parity import torch_to_jax
-from parity.check import enable_parity_numerics
+from parity.comparison import enable_parity_numerics
 from torch_reference import objective as torch_objective
 
 enable_parity_numerics()

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-import parity.check as check
+from parity import check, comparison
 from torch_reference.config import TransformerConfig
 
 LOPSIDED = dict(src_vocab_size=97, tgt_vocab_size=97, d_model=24, num_heads=3, d_ff=40,
@@ -14,14 +14,14 @@ LOPSIDED = dict(src_vocab_size=97, tgt_vocab_size=97, d_model=24, num_heads=3, d
 # Each variant's check takes 8-25 s on 2 cores: CI runs the paper's model and Marian's (which
 # carries four variants at once); `-m slow` runs the other nine.
 @pytest.mark.parametrize("variant", [v if v in ("paper", "marian") else pytest.param(v, marks=pytest.mark.slow)
-                                     for v in check.VARIANTS], ids=str)
+                                     for v in comparison.VARIANTS], ids=str)
 def test_gradients_match_for_every_variant(variant):
-    overrides = dict(check.VARIANTS[variant])
+    overrides = dict(comparison.VARIANTS[variant])
     if not overrides.get("share_embeddings", True):
         overrides["tgt_vocab_size"] = 101
     cfg = TransformerConfig(**{**LOPSIDED, **overrides})
-    report = check.run_check(cfg, batch_size=5, src_len=13, tgt_len=9, seed=1)
-    bounds = check.bounds_for("tiny")
+    report = comparison.run_check(cfg, batch_size=5, src_len=13, tgt_len=9, seed=1)
+    bounds = comparison.bounds_for("tiny")
     assert report["logits"]["max_abs"] <= bounds["logits_max_abs"]
     assert report["loss"]["rel"] <= bounds["loss_rel"]
     if report.get("relu_kink", {"units": 0})["units"] == 0:
@@ -31,12 +31,14 @@ def test_gradients_match_for_every_variant(variant):
     assert set(report["grads"]["per_parameter"]) == set(
         k for k, _ in __import__("torch_reference").Transformer(cfg).named_parameters()
     )
-    assert check.failures(report, bounds) == []
+    assert comparison.failures(report, bounds) == []
 
 
 def test_key_bias_gradient_is_measured_against_its_weight():
-    assert check.gradient_scale_key("decoder.layers.0.cross_attn.k_proj.bias") == "decoder.layers.0.cross_attn.k_proj.weight"
-    assert check.gradient_scale_key("decoder.layers.0.cross_attn.q_proj.bias") == "decoder.layers.0.cross_attn.q_proj.bias"
+    assert (comparison.gradient_scale_key("decoder.layers.0.cross_attn.k_proj.bias")
+            == "decoder.layers.0.cross_attn.k_proj.weight")
+    assert (comparison.gradient_scale_key("decoder.layers.0.cross_attn.q_proj.bias")
+            == "decoder.layers.0.cross_attn.q_proj.bias")
 
 
 def test_relu_kink_detection_counts_inputs_near_zero():
@@ -46,9 +48,9 @@ def test_relu_kink_detection_counts_inputs_near_zero():
     cfg = TransformerConfig(**LOPSIDED, dropout=0.0)
     torch.manual_seed(0)
     model = torch_reference.Transformer(cfg)
-    batch = check.random_batch(cfg, 5, 13, 9, seed=1)
-    tight = check.relu_inputs_near_kink(model, batch, radius=1e-12)
-    loose = check.relu_inputs_near_kink(model, batch, radius=10.0)
+    batch = comparison.random_batch(cfg, 5, 13, 9, seed=1)
+    tight = comparison.relu_inputs_near_kink(model, batch, radius=1e-12)
+    loose = comparison.relu_inputs_near_kink(model, batch, radius=10.0)
     assert tight["units"] == 0
     total = 5 * 13 * 40 * 2 + 5 * 9 * 40 * 3  # every FeedForward input: encoder and decoder tokens x d_ff
     assert loose["units"] == total and loose["closest"] < 1.0
@@ -67,8 +69,8 @@ def test_cli_writes_json_and_exits_zero(tmp_path):
 
 
 def test_cli_exits_nonzero_when_a_bound_is_exceeded(tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(check.BOUNDS, "loss_rel", 0.0)
-    monkeypatch.setitem(check.BOUNDS["logits_max_abs"], "tiny", 1e-12)
+    monkeypatch.setitem(comparison.BOUNDS, "loss_rel", 0.0)
+    monkeypatch.setitem(comparison.BOUNDS["logits_max_abs"], "tiny", 1e-12)
     code = check.main(["--preset", "tiny", "--vocab-size", "101", "--batch-size", "3", "--src-len", "9", "--tgt-len", "7"])
     assert code == 1
     assert "bound exceeded: logits max abs" in capsys.readouterr().out

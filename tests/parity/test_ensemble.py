@@ -19,7 +19,7 @@ from jax_transformer import decode as jd
 from jax_transformer import ensemble as je
 from jax_transformer import model as jmodel
 from jax_transformer import sampling as js
-from parity.check import enable_parity_numerics
+from parity.comparison import enable_parity_numerics
 from torch_reference import decode as td
 from torch_reference import ensemble as te
 from torch_reference import sampling as ts

@@ -22,7 +22,7 @@ from flax import nnx
 import jax_transformer as jt
 import torch_reference as tr
 from jax_transformer import objective as jax_objective
-from parity.check import enable_parity_numerics
+from parity.comparison import enable_parity_numerics
 from torch_reference import objective as torch_objective
 
 enable_parity_numerics()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from jax_transformer import sampling as js
-from parity.check import enable_parity_numerics
+from parity.comparison import enable_parity_numerics
 from torch_reference import sampling as ts
 
 from .test_decode import pair, source, tuned

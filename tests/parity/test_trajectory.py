@@ -12,7 +12,7 @@ import json
 import numpy as np
 import pytest
 
-from parity import trajectory
+from parity import trajectories, trajectory
 from torch_reference.objective import noam_learning_rate
 
 LOPSIDED = {"d_model": 24, "num_heads": 3, "d_ff": 40, "num_encoder_layers": 2, "num_decoder_layers": 1}
@@ -21,8 +21,8 @@ STEPS, SWITCH = 100, 50
 
 @pytest.fixture(scope="module")
 def report():
-    cfg = trajectory.experiment_config(STEPS, model=LOPSIDED, numbers_train=600, token_budget=256, max_len=16)
-    return trajectory.parity_report(cfg, STEPS, SWITCH)
+    cfg = trajectories.experiment_config(STEPS, model=LOPSIDED, numbers_train=600, token_budget=256, max_len=16)
+    return trajectories.parity_report(cfg, STEPS, SWITCH)
 
 
 def _comparison(report, label):
@@ -49,12 +49,12 @@ def test_one_curve_in_both_frameworks(report):
     # 1e-5 at every update: float32 rounding of two libraries (summation orders, fused kernels)
     # through 100 Adam updates; measured <=2.3e-7 here (<=1.3e-6 on the tiny preset). A formula
     # slip (schedule one update off, epsilon placement, smoothing mass) is >=1e-3 within a few.
-    assert max(c["per_step"]["loss_rel"]) <= trajectory.BOUNDS["loss_rel"] == 1e-5
+    assert max(c["per_step"]["loss_rel"]) <= trajectories.BOUNDS["loss_rel"] == 1e-5
     # 1e-4 per parameter after 100 updates (measured <=4.3e-7 here): the biases start at 0, so
     # their relative error is the relative error of their accumulated updates.
     params = c["final_per_parameter"]
     bounded = {k: v for k, v in params.items() if not k.endswith(".k_proj.bias")}
-    assert max(bounded.values()) == c["final_param_rel_l2"] and trajectory.BOUNDS["param_rel_l2"] == 1e-4
+    assert max(bounded.values()) == c["final_param_rel_l2"] and trajectories.BOUNDS["param_rel_l2"] == 1e-4
     _assert_parameter_bound(report, "jax vs torch")
     # Excluded, with their figure reported: the key biases' gradient is analytically 0 (softmax
     # is shift invariant), so Adam turns rounding noise into independent +-lr steps per run.
@@ -90,9 +90,9 @@ def test_the_report_can_be_read(report, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "jax vs torch" in out and "bit-exact" in out and "bounds: loss rel <= 1e-05" in out and ": met" in out
     assert json.loads(json.dumps(report))["steps"] == STEPS  # JSON-able as written by --json
-    png = trajectory.plot(report, tmp_path / "curve.png")
+    png = trajectories.plot(report, tmp_path / "curve.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
-    growth = trajectory.growth(report["comparisons"][0])
+    growth = trajectories.growth(report["comparisons"][0])
     assert [s for s, _, _ in growth] == [1, 10, 25, 50, 75, 100]
 
 
@@ -108,15 +108,15 @@ def test_relu_parameters_are_excused_only_by_a_smooth_path_that_meets_the_bound(
     same weights with GELU (continuous derivative) must then meet the bound. The loss bound is
     never excused."""
     over = {"comparisons": [_synthetic(1e-6, 8e-4)], "conversion_bit_exact": {}}
-    assert trajectory.failures(over) == ["jax vs torch: w rel L2 0.0008 > 0.0001"]
+    assert trajectories.failures(over) == ["jax vs torch: w rel L2 0.0008 > 0.0001"]
     smooth_ok = {"comparisons": [_synthetic(2e-7, 5e-7)], "conversion_bit_exact": {}}
-    assert trajectory.failures({**over, "smooth_path": smooth_ok}) == []
+    assert trajectories.failures({**over, "smooth_path": smooth_ok}) == []
     smooth_bad = {"comparisons": [_synthetic(2e-7, 3e-4)], "conversion_bit_exact": {}}
-    assert trajectory.failures({**over, "smooth_path": smooth_bad}) == [
+    assert trajectories.failures({**over, "smooth_path": smooth_bad}) == [
         "smooth path (GELU): jax vs torch: w rel L2 0.0003 > 0.0001"
     ]
     loss_over = {"comparisons": [_synthetic(3e-5, 5e-7)], "conversion_bit_exact": {"jax→torch": False}}
-    assert trajectory.failures({**loss_over, "smooth_path": smooth_ok}) == [
+    assert trajectories.failures({**loss_over, "smooth_path": smooth_ok}) == [
         "jax vs torch: loss rel 3e-05 at update 1 > 1e-05",
         "jax→torch: the converted checkpoint did not restore bit-exactly",
     ]
@@ -125,7 +125,7 @@ def test_relu_parameters_are_excused_only_by_a_smooth_path_that_meets_the_bound(
 def test_weights_comparison_names_the_worst_and_keeps_the_key_biases_apart():
     ref = {"a.k_proj.bias": np.ones(4), "a.k_proj.weight": np.ones((4, 4)), "b.bias": np.ones(3)}
     got = {"a.k_proj.bias": -np.ones(4), "a.k_proj.weight": np.ones((4, 4)) * (1 + 1e-5), "b.bias": np.ones(3)}
-    diff = trajectory.compare_weights(got, ref)
+    diff = trajectories.compare_weights(got, ref)
     assert diff["worst"] == "a.k_proj.weight" and diff["max_rel_l2"] == pytest.approx(1e-5)
     assert diff["k_proj_bias"] == {"max_rel_l2": pytest.approx(2.0), "worst": "a.k_proj.bias", "max_abs": 2.0}
 
@@ -134,7 +134,7 @@ def test_one_ulp_away_moves_every_weight_by_one_rounding_error():
     from train.store import TrainingState
 
     w = np.linspace(-1, 1, 1001, dtype=np.float32)
-    moved = trajectory.one_ulp_away(TrainingState("torch", 0, {"w": w})).params["w"]
+    moved = trajectories.one_ulp_away(TrainingState("torch", 0, {"w": w})).params["w"]
     assert moved.dtype == np.float32 and not np.any(moved == w)
     np.testing.assert_array_equal(np.nextafter(moved, w), w)  # neighbours: nothing representable between
     assert 0.4 < np.mean(moved > w) < 0.6  # up or down at random

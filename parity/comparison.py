@@ -1,0 +1,182 @@
+"""The parity contract on one batch (`python -m parity.check`, docs/parity.md): a random PyTorch
+model and its Flax conversion on the same padded batch, their logits, label-smoothed loss and every
+parameter's gradient compared, and the bounds they must meet."""
+
+from __future__ import annotations
+
+import copy
+
+import jax
+import numpy as np
+import torch
+from flax import nnx
+
+import torch_reference
+from jax_transformer.objective import label_smoothed_cross_entropy as jax_loss
+from torch_reference.config import TransformerConfig
+from torch_reference.objective import label_smoothed_cross_entropy as torch_loss
+
+from .weights import jax_key, jax_params_to_torch, torch_to_jax
+
+# Bounds of the parity contract (README): float32, highest matmul precision, dropout off. The
+# wider bounds for base/big allow for float32 rounding accumulated over 12 layers of width 512+.
+BOUNDS = {"logits_max_abs": {"tiny": 1e-5, "small": 1e-5, "base": 1e-4, "big": 1e-4}, "loss_rel": 1e-6,
+          "grad_rel_l2": {"tiny": 1e-5, "small": 1e-5, "base": 1e-4, "big": 1e-4}}
+
+# ReLU inputs closer to 0 than this (in float64) may round to either side in float32: 2.5x the frameworks'
+# largest forward difference at a FeedForward input (docs/parity.md#three-findings-behind-the-gradient-figures).
+RELU_KINK_RADIUS = 1e-5
+
+# Variants named in the parity contract, each a set of config overrides.
+VARIANTS = {
+    "paper": {},
+    "pre-norm": {"norm_position": "pre"},
+    "gelu": {"activation": "gelu"},
+    "swiglu": {"activation": "swiglu"},
+    "rmsnorm": {"norm": "rmsnorm"},
+    "learned-positions": {"positions": "learned"},
+    "untied": {"share_embeddings": False, "tie_output": False},
+    "shared-untied-output": {"tie_output": False},
+    "separate-vocabularies-tied": {"share_embeddings": False},
+    "no-attention-bias": {"attention_bias": False},
+    # HF Marian's (OPUS-MT): swish, sines then cosines, a logits bias, torch's eps, the decoder started by pad.
+    "marian": {"activation": "silu", "positions": "sinusoidal_halves", "output_bias": True, "layer_norm_eps": 1e-5,
+               "bos_id": 0},
+}
+
+
+def enable_parity_numerics() -> None:
+    """float32 matmuls on every backend: GPUs/TPUs default to TF32/bf16 passes in JAX and TF32 in
+    torch's cuDNN; parity is asserted at full float32 precision."""
+    jax.config.update("jax_default_matmul_precision", "highest")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+def random_batch(cfg: TransformerConfig, batch_size: int, src_len: int, tgt_len: int, seed: int) -> dict:
+    """Token ids (int64 NumPy) with right padding of random lengths; one row is always full length
+    and special ids (pad, bos, eos) appear only where they belong."""
+    rng = np.random.default_rng(seed)
+    first = max(cfg.pad_id, cfg.bos_id, cfg.eos_id) + 2  # ids below are special tokens
+
+    def padded(vocab: int, length: int) -> np.ndarray:
+        ids = rng.integers(first, vocab, size=(batch_size, length))
+        lengths = rng.integers(1, length + 1, size=batch_size)
+        lengths[0] = length
+        ids[:, :][np.arange(length)[None, :] >= lengths[:, None]] = cfg.pad_id
+        ids[np.arange(batch_size), lengths - 1] = cfg.eos_id
+        return ids
+
+    src = padded(cfg.src_vocab_size, src_len)
+    tgt_out = padded(cfg.tgt_vocab_size, tgt_len)
+    tgt_in = np.concatenate([np.full((batch_size, 1), cfg.bos_id), tgt_out[:, :-1]], axis=1)
+    return {"src": src, "tgt_in": tgt_in, "tgt_out": tgt_out}
+
+
+def _diff(a: np.ndarray, b: np.ndarray, scale: np.ndarray | None = None) -> dict:
+    """max |a-b| and ||a-b|| / ||scale|| with `scale` the reference `b` unless given."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    norm = np.linalg.norm(b if scale is None else np.asarray(scale, np.float64))
+    return {"max_abs": float(np.abs(a - b).max()),
+            "rel_l2": float(np.linalg.norm(a - b) / norm) if norm > 0 else float(np.linalg.norm(a - b)),
+            "ref_norm": float(norm)}
+
+
+def gradient_scale_key(key: str) -> str:
+    """The parameter whose gradient norm measures the rounding error of `key`'s gradient: the
+    key-projection bias, whose gradient is analytically zero (rounding noise in both frameworks),
+    is measured against its weight's (docs/parity.md#three-findings-behind-the-gradient-figures)."""
+    return key.replace(".k_proj.bias", ".k_proj.weight") if key.endswith(".k_proj.bias") else key
+
+
+def compare(torch_model: torch_reference.Transformer, jax_model, batch: dict, smoothing: float = 0.1) -> dict:
+    """Logits, loss and every parameter's gradient of the two models on one batch."""
+    cfg = torch_model.cfg
+    t = {k: torch.from_numpy(v) for k, v in batch.items()}
+    torch_model.zero_grad()
+    torch_logits = torch_model(t["src"], t["tgt_in"])
+    loss_t = torch_loss(torch_logits, t["tgt_out"], cfg.pad_id, smoothing)
+    loss_t.backward()
+    torch_grads = {k: p.grad for k, p in torch_model.named_parameters()}
+
+    j = {k: jax.numpy.asarray(v, jax.numpy.int32) for k, v in batch.items()}
+
+    @nnx.jit
+    def forward_backward(model):
+        def loss_fn(model):
+            logits = model(j["src"], j["tgt_in"], deterministic=True)
+            return jax_loss(logits, j["tgt_out"], cfg.pad_id, smoothing), logits
+
+        return nnx.value_and_grad(loss_fn, has_aux=True)(model)
+
+    (loss_j, jax_logits), grads = forward_backward(jax_model)
+    flat = {jax_key(p): np.asarray(v[...]) for p, v in nnx.to_flat_state(grads)}
+    jax_grads = jax_params_to_torch(flat, cfg)  # torch keys, kernels transposed back
+
+    grad_diffs = {k: _diff(jax_grads[k].numpy(), torch_grads[k].numpy(), torch_grads[gradient_scale_key(k)].numpy())
+                  for k in torch_grads}
+    worst = max(grad_diffs, key=lambda k: grad_diffs[k]["rel_l2"])
+    loss_t, loss_j = loss_t.item(), float(loss_j)
+    return {"logits": _diff(np.asarray(jax_logits), torch_logits.detach().numpy()),
+            "loss": {"torch": loss_t, "jax": loss_j, "rel": abs(loss_j - loss_t) / abs(loss_t)},
+            "grads": {"max_rel_l2": grad_diffs[worst]["rel_l2"], "worst": worst, "per_parameter": grad_diffs}}
+
+
+def relu_inputs_near_kink(torch_model: torch_reference.Transformer, batch: dict, radius: float = RELU_KINK_RADIUS) -> dict:
+    """How many ReLU inputs lie within `radius` of 0, measured in a float64 copy of the model: where
+    either framework may round to either side of the kink, the gradients are both valid subgradients
+    but not comparable (docs/parity.md#three-findings-behind-the-gradient-figures)."""
+    model64 = copy.deepcopy(torch_model).double()
+    inputs = []
+    hooks = [m.linear1.register_forward_hook(lambda mod, inp, out: inputs.append(out.detach().abs()))
+             for m in model64.modules() if isinstance(m, torch_reference.FeedForward)]
+    with torch.no_grad():
+        model64(torch.from_numpy(batch["src"]), torch.from_numpy(batch["tgt_in"]))
+    for h in hooks:
+        h.remove()
+    closest = min(float(x.min()) for x in inputs) if inputs else float("inf")
+    return {"radius": radius, "units": int(sum(int((x < radius).sum()) for x in inputs)), "closest": closest}
+
+
+def run_check(cfg: TransformerConfig, batch_size: int = 8, src_len: int = 23, tgt_len: int = 17,
+              seed: int = 0, smoothing: float = 0.1) -> dict:
+    """Logits, loss and gradient differences between the frameworks for one random model.
+
+    For ReLU models with inputs at the kink (see `relu_inputs_near_kink`) the gradients are also
+    compared on the smooth path: the same weights with exact GELU, whose derivative is continuous,
+    so every other operation of the backward pass is still held to the bound.
+    """
+    enable_parity_numerics()
+    cfg = cfg.replace(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)  # dropout streams cannot be matched
+    torch.manual_seed(seed)
+    torch_model = torch_reference.Transformer(cfg)
+    batch = random_batch(cfg, batch_size, src_len, tgt_len, seed)
+    report = compare(torch_model, torch_to_jax(torch_model), batch, smoothing)
+    report["num_parameters"] = sum(p.numel() for p in torch_model.parameters())
+    report["batch"] = {"batch_size": batch_size, "src_len": src_len, "tgt_len": tgt_len, "seed": seed}
+    if cfg.activation == "relu":
+        report["relu_kink"] = relu_inputs_near_kink(torch_model, batch)
+        if report["relu_kink"]["units"]:
+            smooth = torch_reference.Transformer(cfg.replace(activation="gelu"))
+            smooth.load_state_dict(torch_model.state_dict())
+            report["smooth_path_grads"] = compare(smooth, torch_to_jax(smooth), batch, smoothing)["grads"]
+    return report
+
+
+def bounds_for(preset: str) -> dict:
+    size = preset if preset in BOUNDS["logits_max_abs"] else "base"
+    return {name: bound[size] if isinstance(bound, dict) else bound for name, bound in BOUNDS.items()}
+
+
+def failures(report: dict, bounds: dict) -> list[str]:
+    out = []
+    if not report["logits"]["max_abs"] <= bounds["logits_max_abs"]:
+        out.append(f"logits max abs {report['logits']['max_abs']:.3g} > {bounds['logits_max_abs']:g}")
+    if not report["loss"]["rel"] <= bounds["loss_rel"]:
+        out.append(f"loss rel {report['loss']['rel']:.3g} > {bounds['loss_rel']:g}")
+    grads = report["grads"]
+    if not grads["max_rel_l2"] <= bounds["grad_rel_l2"] and "smooth_path_grads" in report:
+        grads = report["smooth_path_grads"]  # the ReLU gradients differ by subgradient choices at the kink
+    if not grads["max_rel_l2"] <= bounds["grad_rel_l2"]:
+        out.append(f"gradient of {grads['worst']} rel L2 {grads['max_rel_l2']:.3g} > {bounds['grad_rel_l2']:g}")
+    return out

@@ -1,0 +1,196 @@
+"""Translation speed of one run's weights in both frameworks (`python -m parity.translate_bench`,
+docs/performance.md#translation-speed): each search timed on the same batches, with its peak memory
+growth and the outputs that differ from torch cached search's; CTranslate2 and HF generate beside them."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from train import data
+from train.api import Run
+from train.backends import allocator, create_backend, initialize
+from train.benchmark import _rss_mib
+from train.data.spm import require
+
+from .weights import convert_state
+
+REFERENCE = "torch cached"
+
+
+def _trim(out) -> list[int]:
+    return [int(t) for t in out if t != data.PAD_ID]
+
+
+class PeakMemory:
+    """The largest resident set size of this process within the block, above its size at entry
+    (`mib`), read from /proc/self/statm every `interval` seconds by a thread."""
+
+    def __init__(self, interval: float = 0.005):
+        self.interval, self.mib = interval, 0.0
+
+    def __enter__(self) -> PeakMemory:
+        self.start = self.peak = _rss_mib()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._done.wait(self.interval):
+            self.peak = max(self.peak, _rss_mib())
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss_mib())
+        self.mib = self.peak - self.start
+
+
+def benchmark(run: Run, lines: Sequence[str], beam_size: int, batch_size: int | None, alpha: float = 0.6,
+              ctranslate2: bool = False, scoring: str = "gnmt", hf: bool = False, uncached: bool = True) -> list[dict]:
+    """One row per search and beam: seconds, sentences/s, tokens/s, speed-ups, outputs that differ.
+
+    JAX runs every batch once untimed first (jit compiles each batch shape there), torch and
+    CTranslate2 the first.
+    """
+    cfg, model_cfg = run.config, run.model_config
+    state = run.backend.export_state()
+    backends = {}
+    for framework in ("torch", "jax"):
+        initialize(cfg.replace(backend=framework))  # each framework's process settings (threads, allocator)
+        backend = create_backend(cfg.replace(backend=framework), model_cfg, None)
+        backend.import_state(convert_state(state, framework, model_cfg))
+        backends[framework] = backend
+    src_ids = data.encode(run.tokenizers.src, list(lines))
+    batches = list(data.source_batches(src_ids, cfg.max_len, cfg.token_budget, batch_size))
+
+    def timed(search, warmup) -> tuple[float, list, float]:
+        """(seconds, outputs in input order, peak memory growth in MiB) of searching every batch."""
+        for _, src in warmup:
+            search(src)
+        outputs = [None] * len(lines)
+        with PeakMemory() as memory:
+            start = time.perf_counter()
+            for index, src in batches:
+                out = search(src)
+                for row in np.flatnonzero(index >= 0):
+                    outputs[index[row]] = out[row]
+            seconds = time.perf_counter() - start
+        return seconds, outputs, memory.mib
+
+    rows, reference = [], {}
+    for name, cached in (("torch", True), ("jax", True), ("torch", False))[: 3 if uncached else 2]:
+        search_name = f"{name} {'cached' if cached else 'uncached'}"
+        for beam in sorted({1, beam_size}):
+            search = lambda src, b=backends[name], k=beam, c=cached: b.translate(src, k, alpha, cached=c, scoring=scoring)
+            # Each framework under the allocator it has in a process of its own (allocator.settled)
+            with allocator.settled() if name == "torch" else contextlib.nullcontext():
+                seconds, outputs, peak = timed(search, batches if name == "jax" else batches[:1])
+            if search_name == REFERENCE:
+                reference[beam] = outputs
+            rows.append({"search": search_name, "beam": beam, "seconds": seconds, "peak_mib": peak,
+                         "tokens": int(sum((out != data.PAD_ID).sum() for out in outputs)),
+                         "differ": None if search_name == REFERENCE
+                         else sum(_trim(a) != _trim(b) for a, b in zip(outputs, reference[beam]))})
+    for wanted, foreign_rows in ((ctranslate2, _ctranslate2_rows), (hf, _hf_rows)):
+        if wanted:
+            with allocator.settled():
+                rows += foreign_rows(run, state, batches, beam_size, alpha, timed, reference)
+    for row in rows:
+        row.update(sentences=len(lines), sentences_per_s=len(lines) / row["seconds"], tokens_per_s=row["tokens"] / row["seconds"])
+        for baseline in (REFERENCE, "torch uncached"):
+            match = next((r for r in rows if r["search"] == baseline and r["beam"] == row["beam"]), None)
+            row[f"speedup_vs_{baseline.replace(' ', '_')}"] = match and match["seconds"] / row["seconds"]
+    for backend in backends.values():
+        backend.close()
+    return rows
+
+
+def _ctranslate2_rows(run: Run, state, batches, beam_size: int, alpha: float, timed, reference) -> list[dict]:
+    """Rows "ctranslate2 float32" and "ctranslate2 int8", and int8's BLEU against float32 (in the int8 rows)."""
+    import tempfile
+
+    import sacrebleu
+    import torch
+
+    from . import ctranslate2 as ct2
+
+    params = convert_state(state, "torch", run.model_config).params
+    threads = torch.get_num_threads()  # as many as torch's cached search uses
+    rows, texts = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind in ("float32", "int8"):
+            ct2.export_ctranslate2(run.run_dir, params, run.model_config, Path(tmp) / kind, quantization=kind)
+            translator = ct2.Translator(Path(tmp) / kind, intra_threads=threads)
+            for beam in sorted({1, beam_size}):
+                def search(src, k=beam):
+                    limit = _limit(run, src.shape[1])
+                    return translator.translate_ids(src, beam_size=k, max_len=limit, length_penalty=alpha)
+
+                row, outputs = _foreign_row(run, f"ctranslate2 {kind}", beam, search, batches, timed, reference)
+                texts[kind, beam] = data.decode_batch(run.tokenizers.tgt, outputs)
+                if kind == "int8":
+                    row["bleu_vs_float32"] = sacrebleu.corpus_bleu(texts[kind, beam], [texts["float32", beam]]).score
+                rows.append(row)
+    return rows
+
+
+def _limit(run: Run, length: int) -> int:
+    """Our search's length limit for a source of `length` tokens (1.5 x its length + 10)."""
+    from torch_reference.decode import output_length
+
+    return output_length(length, run.model_config.max_len, 1.5, 10)
+
+
+def _foreign_row(run: Run, name: str, beam: int, search, batches, timed, reference) -> tuple[dict, list]:
+    """(row `name`, outputs) of a search outside this project (CTranslate2, HF) whose outputs count
+    as ours when `ctranslate2.same_output` says so, each sentence under its own length limit."""
+    from .ctranslate2 import same_output
+
+    limits = {}
+    for index, src in batches:
+        for row in np.flatnonzero(index >= 0):
+            limits[int(index[row])] = _limit(run, int((src[row] != data.PAD_ID).sum()))
+    seconds, outputs, peak = timed(search, batches[:1])
+    ours = reference[beam]
+    return {"search": name, "beam": beam, "seconds": seconds, "peak_mib": peak,
+            "tokens": int(sum(len(out) for out in outputs)),
+            "differ": sum(not same_output(_trim(ours[i]), out, limits[i]) for i, out in enumerate(outputs))}, outputs
+
+
+def _hf_rows(run: Run, state, batches, beam_size: int, alpha: float, timed, reference) -> list[dict]:
+    """Row "hf generate": the run's weights as a MarianMTModel, `generate` on the same batches."""
+    import torch
+
+    from . import marian
+
+    transformers = require("transformers")
+    record = marian.marian_origin(run.run_dir)
+    config = {k: v for k, v in record["marian_config"].items()
+              if k not in ("architectures", "transformers_version", "model_type")}
+    model = transformers.MarianMTModel(transformers.MarianConfig(**config)).eval()
+    params = convert_state(state, "torch", run.model_config).params
+    model.load_state_dict(marian.to_marian(params, run.model_config, record["marian_ids"]), strict=False)
+    ids = record["marian_ids"]
+    src_order, tgt_order = marian.side_orders(ids)
+    to_ours = {int(m): ours for ours, m in enumerate(tgt_order) if ours != data.BOS_ID}
+    rows = []
+    for beam in sorted({1, beam_size}):
+        def search(src, k=beam):
+            limit = _limit(run, src.shape[1])
+            with torch.inference_mode():
+                out = model.generate(
+                    input_ids=torch.from_numpy(src_order[src]), attention_mask=torch.from_numpy(src != data.PAD_ID),
+                    num_beams=k, do_sample=False, max_new_tokens=limit, bad_words_ids=[[ids["pad"]]],
+                    forced_eos_token_id=ids["eos"], **({"length_penalty": alpha, "early_stopping": "never"} if k > 1 else {}),
+                )
+            return [[to_ours[int(m)] for m in row[1:] if m != ids["pad"]] for row in out.tolist()]
+
+        rows.append(_foreign_row(run, "hf generate", beam, search, batches, timed, reference)[0])
+    return rows

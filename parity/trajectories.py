@@ -1,0 +1,319 @@
+"""One training curve in two frameworks (`python -m parity.trajectory`,
+docs/parity.md#a-training-curve-in-both-frameworks): the JAX and PyTorch backends of `train` trained
+in lockstep from one set of weights on identical batches, compared after every update, optionally
+switching framework through a converted checkpoint; the report judged against `BOUNDS`, and plotted."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from torch_reference.config import TransformerConfig
+from train import data
+from train.backends import create_backend, initialize
+from train.config import ExperimentConfig
+from train.loop import make_batcher
+from train.store import TrainingState
+
+from .comparison import enable_parity_numerics
+from .runs import convert_checkpoints
+from .weights import convert_state
+
+# The parity contract for a training curve (float32, highest matmul precision, dropout off). A formula
+# slip (schedule one update off, Adam's epsilon inside the root, the wrong smoothing mass) moves the loss
+# by >=1e-3 within a few updates, far above float32's own drift (docs/parity.md#a-training-curve-in-both-frameworks).
+BOUNDS = {"loss_rel": 1e-5, "param_rel_l2": 1e-4}
+
+# The paper's warmup (§5.3): the trajectory runs the first updates of the paper's schedule.
+PAPER_WARMUP = 4000
+
+# Parameters with an analytically zero gradient (softmax ignores a shift of a row): excluded from the bound.
+NOISE_ONLY_SUFFIX = ".k_proj.bias"
+
+
+def experiment_config(steps: int = 100, preset: str = "tiny", model: dict | None = None, **changes: Any):
+    """The training settings of a trajectory: the product's Adam and label smoothing 0.1 on the
+    paper's schedule, a small numbers corpus, dropout off, float32, and one torch thread (a second
+    competes with XLA's pool: docs/parity.md#a-training-curve-in-both-frameworks)."""
+    settings = dict(backend="torch", preset=preset, model=dict(model or {}), steps=steps, warmup=PAPER_WARMUP,
+                    dropout=0.0, numbers_train=4000, numbers_valid=1, numbers_test=0, token_budget=1024, threads=1,
+                    progress=False, dtype="float32")
+    settings.update({k: v for k, v in changes.items() if v is not None})
+    return ExperimentConfig(**settings).resolve()
+
+
+def prepare(cfg) -> tuple[TransformerConfig, Any]:
+    """(model config, (splits, tokenizers)) for `cfg`: the corpus and BPE as train.loop builds them."""
+    if getattr(cfg, "dtype", "float32") != "float32":
+        raise ValueError("parity is measured in float32")
+    splits = data.load_splits(cfg)
+    tokenizers = data.train_tokenizers(splits.train, vocab_size=cfg.vocab_size, joint=cfg.joint_vocab)
+    model_cfg = cfg.model_config(tokenizers.src.get_vocab_size(), tokenizers.tgt.get_vocab_size())
+    if model_cfg.dropout or model_cfg.attention_dropout or model_cfg.activation_dropout:
+        raise ValueError("parity needs dropout off: dropout streams cannot be matched across frameworks")
+    return model_cfg, (splits, tokenizers)
+
+
+def one_ulp_away(state: TrainingState, seed: int = 1) -> TrainingState:
+    """`state` with every weight moved by one float32 ulp up or down at random: one rounding
+    error per weight, the size of the differences between the frameworks' arithmetic."""
+    rng = np.random.default_rng(seed)
+    params = {k: np.where(rng.random(v.shape) < 0.5, np.nextafter(v, np.inf), np.nextafter(v, -np.inf)).astype(v.dtype)
+              for k, v in state.params.items()}
+    return dataclasses.replace(state, params=params)
+
+
+@dataclasses.dataclass
+class Run:
+    """One training run: its backend, its batches, and the loss of each update (by step)."""
+
+    name: str
+    backend: Any
+    batcher: Any
+    losses: dict[int, float] = dataclasses.field(default_factory=dict)
+    batch_ids: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
+
+    def step(self) -> int:
+        batch = next(self.batcher)
+        metrics = self.backend.fetch([self.backend.train_step([batch])])[0]
+        step = self.backend.step
+        self.losses[step], self.batch_ids[step] = metrics["loss"], batch.ids
+        return step
+
+
+def _weights(backend) -> dict[str, np.ndarray]:
+    """The weights under their torch names (the spec's), as float64 NumPy."""
+    state = backend.export_state()
+    state = TrainingState(state.framework, state.step, state.params)  # the weights alone
+    return {k: v.astype(np.float64) for k, v in convert_state(state, "torch", backend.model_cfg).params.items()}
+
+
+def compare_weights(actual: dict[str, np.ndarray], reference: dict[str, np.ndarray]) -> dict:
+    """Per parameter ||a - r|| / ||r||; the worst over the bounded parameters, and the excluded
+    key-projection biases separately (also as max |a - r|)."""
+    rel = {k: float(np.linalg.norm(actual[k] - r) / max(np.linalg.norm(r), 1e-30)) for k, r in reference.items()}
+    bounded = {k: v for k, v in rel.items() if not k.endswith(NOISE_ONLY_SUFFIX)}
+    worst = max(bounded, key=bounded.get)
+    out = {"max_rel_l2": bounded[worst], "worst": worst, "per_parameter": rel}
+    noise = [k for k in rel if k.endswith(NOISE_ONLY_SUFFIX)]
+    if noise:
+        worst_noise = max(noise, key=rel.get)
+        out["k_proj_bias"] = {"max_rel_l2": rel[worst_noise], "worst": worst_noise,
+                              "max_abs": max(float(np.abs(actual[k] - reference[k]).max()) for k in noise)}
+    return out
+
+
+@dataclasses.dataclass
+class Comparison:
+    """Run `run` against run `reference` over the updates after `start`. `bounded`: held to
+    BOUNDS (the control is not: it measures how float32 training itself responds to rounding)."""
+
+    label: str
+    run: str
+    reference: str
+    start: int = 0
+    bounded: bool = True
+    steps: list[int] = dataclasses.field(default_factory=list)
+    loss_rel: list[float] = dataclasses.field(default_factory=list)
+    param_rel_l2: list[float] = dataclasses.field(default_factory=list)
+    param_worst: list[str] = dataclasses.field(default_factory=list)
+    k_proj_bias_rel_l2: list[float] = dataclasses.field(default_factory=list)
+    final: dict | None = None
+
+    def record(self, step: int, runs: dict[str, Run], weights: dict[str, dict]) -> None:
+        a, r = runs[self.run], runs[self.reference]
+        if not np.array_equal(a.batch_ids[step], r.batch_ids[step]):
+            raise AssertionError(f"{self.label}: update {step} trained on different batches")
+        diff = compare_weights(weights[self.run], weights[self.reference])
+        self.steps.append(step)
+        self.loss_rel.append(abs(a.losses[step] - r.losses[step]) / abs(r.losses[step]))
+        self.param_rel_l2.append(diff["max_rel_l2"])
+        self.param_worst.append(diff["worst"])
+        self.k_proj_bias_rel_l2.append(diff.get("k_proj_bias", {}).get("max_rel_l2", 0.0))
+        self.final = diff
+
+    def to_dict(self) -> dict:
+        i = int(np.argmax(self.loss_rel))
+        return {"label": self.label, "run": self.run, "reference": self.reference, "from_step": self.start,
+                "bounded": self.bounded, "max_loss_rel": self.loss_rel[i], "max_loss_rel_step": self.steps[i],
+                "final_step": self.steps[-1], "final_param_rel_l2": self.final["max_rel_l2"],
+                "final_param_worst": self.final["worst"], "k_proj_bias": self.final.get("k_proj_bias"),
+                "per_step": {"step": self.steps, "loss_rel": self.loss_rel, "param_rel_l2": self.param_rel_l2,
+                             "param_worst": self.param_worst, "k_proj_bias_rel_l2": self.k_proj_bias_rel_l2},
+                "final_per_parameter": self.final["per_parameter"]}
+
+
+def _switch(run: Run, cfg, model_cfg, prepared, workdir: Path) -> tuple[Run, bool]:
+    """Save `run`'s checkpoint with its backend's `save`, convert it to the other framework, and
+    `restore` it in a fresh backend of that framework with the data position from its meta.
+    Returns (the continuing run, whether the restored state equals the saved one bit for bit)."""
+    splits, tokenizers = prepared
+    src, other = run.name, "torch" if run.name == "jax" else "jax"
+    src_cfg = cfg.replace(backend=src)
+    before = convert_state(run.backend.export_state(), other, model_cfg)
+    run.backend.save({"step": run.backend.step, "data": run.batcher.state(), "config": src_cfg.experiment()})
+    dst_dir = workdir / f"{src}-to-{other}"
+    convert_checkpoints(src_cfg, model_cfg, workdir / src, dst_dir, to=other)
+    backend = create_backend(cfg.replace(backend=other), model_cfg, str(dst_dir))
+    meta = backend.restore("latest")
+    batcher = make_batcher(cfg, tokenizers, splits.train)
+    batcher.restore(meta["data"])
+    exact = not before.differences(backend.export_state())
+    return Run(f"{src}→{other}", backend, batcher), exact
+
+
+def run_trajectory(cfg, steps: int | None = None, switch: int | None = None, control: bool = False,
+                   initial: TrainingState | None = None, progress: bool = False, prepared=None) -> dict:
+    """Train `steps` updates in both frameworks in lockstep (plus the switched runs when
+    0 < switch < steps, plus torch from weights one ulp away with `control`) from `initial`
+    (default: the torch backend's initial weights for `cfg`). Returns the report, without
+    judging it (`failures`)."""
+    enable_parity_numerics()
+    steps = steps or cfg.steps
+    model_cfg, prepared = prepared or prepare(cfg)
+    splits, tokenizers = prepared
+    comparisons = [Comparison("jax vs torch", "jax", "torch")]
+    if control:
+        comparisons.append(Comparison("torch (init 1 ulp away) vs torch", "torch+1ulp", "torch", bounded=False))
+    conversions_exact = {}
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="trajectory-") as tmp:
+        workdir = Path(tmp)
+        names = ("torch", "jax", "torch+1ulp") if control else ("torch", "jax")
+        for framework in ("torch", "jax"):
+            initialize(cfg.replace(backend=framework))  # each framework's process settings (threads, allocator)
+        backends = {n: create_backend(cfg.replace(backend=n.split("+")[0]), model_cfg, str(workdir / n)) for n in names}
+        if initial is None:
+            initial = backends["torch"].export_state()
+        for name, backend in backends.items():  # one set of initial weights, moved by the conversion
+            state = one_ulp_away(initial) if name == "torch+1ulp" else initial
+            backend.import_state(convert_state(state, name.split("+")[0], model_cfg))
+        runs = {n: Run(n, b, make_batcher(cfg, tokenizers, splits.train)) for n, b in backends.items()}
+        for step in range(1, steps + 1):
+            for run in list(runs.values()):
+                assert run.step() == step
+            weights = {name: _weights(run.backend) for name, run in runs.items()}
+            for c in comparisons:
+                c.record(step, runs, weights)
+            if switch and step == switch and step < steps:
+                for src, other in (("jax", "torch"), ("torch", "jax")):
+                    new, exact = _switch(runs[src], cfg, model_cfg, prepared, workdir)
+                    runs[new.name], conversions_exact[new.name] = new, exact
+                    label = f"{src} {switch} + {other} {steps - switch} vs {other} {steps}"
+                    comparisons.append(Comparison(label, new.name, other, switch))
+            if progress and (step % 10 == 0 or step == steps):
+                print(f"  update {step}/{steps}: " + "; ".join(
+                    f"[{c.label}] loss {c.loss_rel[-1]:.1e} params {c.param_rel_l2[-1]:.1e}"
+                    for c in comparisons if c.steps), flush=True)
+        for run in runs.values():
+            run.backend.close()
+    return {"steps": steps, "switch": switch, "seconds": round(time.perf_counter() - started, 1),
+            "experiment": cfg.to_dict(), "model": model_cfg.to_dict(), "bounds": dict(BOUNDS),
+            "excluded": f"*{NOISE_ONLY_SUFFIX}: analytically zero gradient (softmax is shift invariant)",
+            "conversion_bit_exact": conversions_exact,
+            "losses": {name: [run.losses[s] for s in sorted(run.losses)] for name, run in runs.items()},
+            "lr": [runs["torch"].backend.learning_rate(s) for s in range(1, steps + 1)],
+            "comparisons": [c.to_dict() for c in comparisons]}
+
+
+def _bound_failures(report: dict) -> tuple[list[str], list[str]]:
+    """(the loss bounds, the parameter bounds) that the bounded comparisons of `report` exceed."""
+    bounded = [c for c in report["comparisons"] if c["bounded"]]
+    loss_bound, param_bound = BOUNDS["loss_rel"], BOUNDS["param_rel_l2"]
+    loss = [f"{c['label']}: loss rel {c['max_loss_rel']:.3g} at update {c['max_loss_rel_step']} > {loss_bound:g}"
+            for c in bounded if not c["max_loss_rel"] <= loss_bound]
+    params = [f"{c['label']}: {c['final_param_worst']} rel L2 {c['final_param_rel_l2']:.3g} > {param_bound:g}"
+              for c in bounded if not c["final_param_rel_l2"] <= param_bound]
+    return loss, params
+
+
+def failures(report: dict) -> list[str]:
+    """The bounds a report exceeds. The parameter bound of a ReLU run is judged on its smooth
+    path when there is one (`report["smooth_path"]`); the loss bound always on the run itself."""
+    out, params = _bound_failures(report)
+    if params and "smooth_path" in report:
+        params = [f"smooth path (GELU): {line}" for part in _bound_failures(report["smooth_path"]) for line in part]
+    out += params
+    for report_ in (report, report.get("smooth_path", {})):
+        out += [f"{name}: the converted checkpoint did not restore bit-exactly"
+                for name, exact in report_.get("conversion_bit_exact", {}).items() if not exact]
+    return out
+
+
+def parity_report(cfg, steps: int | None = None, switch: int | None = None, control: bool = False,
+                  progress: bool = False) -> dict:
+    """`run_trajectory`, judged; for a ReLU model whose parameters exceed the bound, also the
+    smooth path (same initial weights, exact GELU) on which that bound is then judged."""
+    enable_parity_numerics()
+    model_cfg, prepared = prepare(cfg)
+    initial = create_backend(cfg.replace(backend="torch"), model_cfg).export_state()
+    report = run_trajectory(cfg, steps, switch, control, initial, progress, (model_cfg, prepared))
+    if _bound_failures(report)[1] and model_cfg.activation == "relu":
+        if progress:
+            print("  parameters exceed the bound with ReLU: running the smooth path (same weights, exact GELU)")
+        smooth_cfg = cfg.replace(model={**cfg.model, "activation": "gelu"})
+        report["smooth_path"] = run_trajectory(smooth_cfg, steps, switch, False, initial, progress)
+    report["failures"] = failures(report)
+    return report
+
+
+def growth(comparison: dict, at=(1, 10, 25, 50, 75, 100)) -> list[tuple[int, float, float]]:
+    """(update, loss rel, param rel L2) at a few updates that a comparison covers, and its last."""
+    per = comparison["per_step"]
+    index = {s: i for i, s in enumerate(per["step"])}
+    points = sorted({s for s in at if s in index} | {per["step"][-1]})
+    return [(s, per["loss_rel"][index[s]], per["param_rel_l2"][index[s]]) for s in points]
+
+
+def growth_exponent(comparison: dict, start: int = 10) -> float | None:
+    """p in param rel L2 ~ update^p between update `start` and the last (log-log slope)."""
+    per = comparison["per_step"]
+    if start not in per["step"] or per["step"][-1] <= start:
+        return None
+    a, b = per["param_rel_l2"][per["step"].index(start)], per["param_rel_l2"][-1]
+    return math.log(b / a) / math.log(per["step"][-1] / start) if a > 0 and b > 0 else None
+
+
+def plot(report: dict, path: str | Path) -> Path:
+    """Loss and weight differences per update, log scale, one line per comparison; bounds dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    floor = 1e-9  # where a difference of exactly 0 is drawn on the log axes (float32 rounding is ~6e-8)
+    fig, (ax_loss, ax_param) = plt.subplots(1, 2, figsize=(13, 4.8), constrained_layout=True)
+    paths = [("", report)] + ([("smooth path (GELU): ", report["smooth_path"])] if "smooth_path" in report else [])
+    for prefix, rep in paths:
+        for c in rep["comparisons"]:
+            per, style = c["per_step"], "--" if prefix else "-"
+            label = prefix + c["label"]
+            ax_loss.semilogy(per["step"], np.maximum(per["loss_rel"], floor), style, label=label, lw=1)
+            ax_param.semilogy(per["step"], np.maximum(per["param_rel_l2"], floor), style, label=label, lw=1)
+    first = report["comparisons"][0]["per_step"]
+    ax_param.semilogy(first["step"], np.maximum(first["k_proj_bias_rel_l2"], floor), ":", color="grey", lw=1,
+                      label="k_proj.bias, jax vs torch (excluded: zero gradient)")
+    for ax, bound in ((ax_loss, BOUNDS["loss_rel"]), (ax_param, BOUNDS["param_rel_l2"])):
+        ax.axhline(bound, ls="-.", color="black", lw=1.2, label="bound")
+        if report["switch"]:
+            ax.axvline(report["switch"], ls=":", color="grey", lw=1)
+        ax.set_ylim(bottom=floor / 2)
+    ax_loss.set(xlabel="update", ylabel="|loss_a - loss_b| / loss_b (0 drawn at 1e-9)",
+                title="training loss, relative difference")
+    ax_param.set(xlabel="update", ylabel="max over parameters of ||a - b|| / ||b||",
+                 title="weights, worst relative L2 distance")
+    ax_param.legend(fontsize=7)
+    exp = report["experiment"]
+    fig.suptitle(f"JAX vs PyTorch, preset {exp['preset']}, {report['steps']} updates (warmup {exp['warmup']}), "
+                 "float32, dropout off")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
