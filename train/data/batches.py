@@ -124,9 +124,9 @@ class Batcher:
             return len(self._epoch_plan(0))
         return sum(-(-len(idx) // self.batch_size[length]) for length, idx in self._members.items())
 
-    def padding_share(self, epoch: int = 0) -> float:
-        """The share of padding among the source and target positions of an epoch's batches."""
-        plan = self._epoch_plan(epoch)
+    def padding_share(self) -> float:
+        """The share of padding among the source and target positions of epoch 0's batches."""
+        plan = self._epoch_plan(0)
         if not plan:
             return 0.0
         tokens = sum(int(self._src_len[i].sum() + self._tgt_len[i].sum()) for _, rows in plan for i in _flat(rows))
