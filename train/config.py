@@ -103,6 +103,11 @@ def flag_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     return parsed
 
 
+def flag_name(field: dataclasses.Field) -> str:
+    """The train.run flag of an `ExperimentConfig` field: its metadata's "flag", else --the-name."""
+    return field.metadata.get("flag", "--" + field.name.replace("_", "-"))
+
+
 def _field(default: Any, group: str, help: str, launch: bool = False, **meta: Any) -> Any:
     """A dataclass field with its CLI help text and flag group in the metadata. `launch`: a launch
     option (how and how long this launch runs), which is never saved with the experiment."""
@@ -350,7 +355,7 @@ class ExperimentConfig:
                         given: Iterable[str]) -> None:
         """ValueError naming each field of `names` that was `given` with another value than `other` has."""
         given = set(given)
-        flags = {f.name: f.metadata.get("flag", "--" + f.name.replace("_", "-")) for f in dataclasses.fields(self)}
+        flags = {f.name: flag_name(f) for f in dataclasses.fields(self)}
         differ = [f"{flags[name]}: {whose} has {getattr(other, name)!r}, got {getattr(self, name)!r}"
                   for name in names if name in given and getattr(self, name) != getattr(other, name)]
         if differ:
