@@ -204,9 +204,7 @@ def read_run(run_dir: Path, cfg: ExperimentConfig) -> tuple[TransformerConfig, d
 def check_checkpoint_config(meta: Mapping[str, Any], cfg: ExperimentConfig) -> None:
     """Refuse a checkpoint written by another run: one whose experiment (saved in its meta)
     differs from this run's."""
-    saved = meta.get("config", cfg.experiment())
-    if "pack" not in saved:  # written before packing existed: length buckets
-        saved = {**saved, "pack": False}
+    saved = {"pack": False, **meta.get("config", cfg.experiment())}  # no "pack": saved before packing, on buckets
     differ = [f"--{name.replace('_', '-')}: checkpoint has {saved.get(name)!r}, run has {value!r}"
               for name, value in cfg.experiment().items() if saved.get(name) != value]
     if differ:
