@@ -15,7 +15,7 @@ from torch_reference.config import TransformerConfig
 from . import data
 from .backends import Backend, create_backend, initialize
 from .config import ENSEMBLE_AVERAGES, ExperimentConfig
-from .runtime import CHECKPOINTS, UserError, check_model, read_experiment, read_model_config
+from .runtime import CHECKPOINTS, UserError, read_experiment, read_run
 from .runtime.rundir import check_set_aside
 from .translation import Hypothesis
 
@@ -213,13 +213,8 @@ def _load_one(run_dir: Path, checkpoint: str | int = "best", backend: str | None
                         f"python -m parity.convert --to {backend} --run-dir {run_dir} --dst DIR")
     launch = {**launch, "devices": devices}
     cfg = cfg.replace(**{k: v for k, v in launch.items() if v is not None})
-    model_cfg = read_model_config(run_dir)
     checkpoint = parse_checkpoint(checkpoint)
-    try:
-        tokenizers = data.load_tokenizers(run_dir, cfg.joint_vocab)
-    except (FileNotFoundError, ValueError) as err:
-        raise UserError(str(err)) from None
-    check_model(run_dir, cfg, model_cfg, tokenizers)
+    model_cfg, tokenizers = read_run(run_dir, cfg)
     initialize(cfg)  # the process's settings for its platform, before any device is touched
     model = create_backend(cfg, model_cfg, str(run_dir / CHECKPOINTS))
     try:

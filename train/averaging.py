@@ -41,12 +41,9 @@ def average_run(src: str | os.PathLike, dst: str | os.PathLike, last: int = 5, o
     beside it and renamed into place, so an interrupted average leaves nothing). Returns a summary."""
     src, dst = Path(src), Path(dst)
     runtime.rundir.check_set_aside(src)
-    cfg, model_cfg = runtime.read_experiment(src), runtime.read_model_config(src)
+    cfg = runtime.read_experiment(src)
     runtime.check_destination(dst, overwrite, src=src)
-    try:
-        runtime.check_model(src, cfg, model_cfg, data.load_tokenizers(src, cfg.joint_vocab))
-    except (FileNotFoundError, ValueError) as err:  # the tokenizer missing or unreadable
-        raise runtime.UserError(str(err)) from None
+    model_cfg, _ = runtime.read_run(src, cfg)
 
     reader = create_backend(cfg, model_cfg, str(src / runtime.CHECKPOINTS))
     try:

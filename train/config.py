@@ -103,6 +103,11 @@ def flag_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     return parsed
 
 
+def flag_name(field: dataclasses.Field) -> str:
+    """The train.run flag of an `ExperimentConfig` field: its metadata's "flag", else --the-name."""
+    return field.metadata.get("flag", "--" + field.name.replace("_", "-"))
+
+
 def _field(default: Any, group: str, help: str, launch: bool = False, **meta: Any) -> Any:
     """A dataclass field with its CLI help text and flag group in the metadata. `launch`: a launch
     option (how and how long this launch runs), which is never saved with the experiment."""
@@ -258,10 +263,10 @@ class ExperimentConfig:
     def __post_init__(self):
         """Every field checked once, whatever built the config: ValueError naming the field."""
         self._check_types()
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend={self.backend!r} is not one of {', '.join(BACKENDS)}")
-        if self.preset not in TransformerConfig.presets():
-            raise ValueError(f"preset={self.preset!r} is not one of {', '.join(TransformerConfig.presets())}")
+        for field in dataclasses.fields(self):  # the fields with a fixed set of values (their flags' choices)
+            choices, value = field.metadata.get("choices"), getattr(self, field.name)
+            if choices is not None and value is not None and value not in choices:
+                raise ValueError(f"{field.name}={value!r} is not one of {', '.join(choices)}")
         fixed = sorted(set(self.model) & set(SPECIAL_ID_FIELDS))
         if fixed:
             raise ValueError(f"--set {fixed[0]}=... is not allowed: {SPECIAL_IDS_FIXED}")
@@ -274,11 +279,7 @@ class ExperimentConfig:
         unknown = sorted(set(self.model) - known)
         if unknown:
             raise ValueError(f"unknown model field(s) {', '.join(map(repr, unknown))}; choose from {', '.join(sorted(known))}")
-        if self.kernels not in KERNEL_CHOICES:
-            raise ValueError(f"kernels={self.kernels!r} is not one of {', '.join(KERNEL_CHOICES)}")
         resolve_kernels(self.kernels, self.backend, "cpu")  # a set the backend's model has
-        if self.param_sharding not in PARAM_SHARDINGS:
-            raise ValueError(f"param_sharding={self.param_sharding!r} is not one of {', '.join(PARAM_SHARDINGS)}")
         for name, allowed in FIELD_RANGES.items():
             value = getattr(self, name)
             if value is not None:
@@ -354,7 +355,7 @@ class ExperimentConfig:
                         given: Iterable[str]) -> None:
         """ValueError naming each field of `names` that was `given` with another value than `other` has."""
         given = set(given)
-        flags = {f.name: f.metadata.get("flag", "--" + f.name.replace("_", "-")) for f in dataclasses.fields(self)}
+        flags = {f.name: flag_name(f) for f in dataclasses.fields(self)}
         differ = [f"{flags[name]}: {whose} has {getattr(other, name)!r}, got {getattr(self, name)!r}"
                   for name in names if name in given and getattr(self, name) != getattr(other, name)]
         if differ:

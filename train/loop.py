@@ -341,14 +341,14 @@ def _diverged(backend: Backend, what: str) -> TrainingDiverged:
 
 
 def _save(cfg: ExperimentConfig, backend: Backend, batcher: data.Batcher, evaluated: dict[str, Any] | None,
-          log: _Log | None = None) -> None:
+          log: _Log) -> None:
     meta = {
         "step": backend.step,
         "data": batcher.state(),  # where the next batch comes from, for --resume
         "shapes": [list(shape) for shape in batcher.shapes],  # checked on --resume
         "config": cfg.experiment(),
         "valid": None if evaluated is None else _eval_summary(evaluated),
-        "history": (log or _Log()).state(),  # results.json's history, restored by --resume
+        "history": log.state(),  # results.json's history, restored by --resume
     }
     # Strict JSON in both backends' meta (orbax's JsonSave would write NaN): non-finite -> null.
     backend.save(finite_values(meta), metrics=None if evaluated is None else {"bleu": evaluated["bleu"]})

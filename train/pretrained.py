@@ -39,12 +39,7 @@ def load(source: str | Path, cfg: ExperimentConfig) -> Pretrained:
         raise runtime.UserError(f"--init-from {source} is a {saved.backend} run and this one trains {cfg.backend}: "
                                 f"convert it first (python -m parity.convert --to {cfg.backend} --run-dir {source} "
                                 "--dst DIR), or start it with python -m train.run, which does")
-    model_cfg = runtime.read_model_config(source)
-    try:
-        tokenizers = data.load_tokenizers(source, saved.joint_vocab)
-    except (FileNotFoundError, ValueError) as err:
-        raise runtime.UserError(str(err)) from None
-    runtime.check_model(source, saved, model_cfg, tokenizers)
+    model_cfg, tokenizers = runtime.read_run(source, saved)
     backend = create_backend(saved, model_cfg, str(source / runtime.CHECKPOINTS))
     try:
         backend.restore("best")

@@ -27,7 +27,7 @@ from .runtime.files import json_text
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m train.profile_step", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="base", choices=["tiny", "small", "base", "big"])
+    parser.add_argument("--preset", default="base", choices=TransformerConfig.presets())
     parser.add_argument("--batch", type=positive_int, default=32, help="sentences per batch (default 32)")
     parser.add_argument("--length", type=positive_int, default=32, help="tokens per sentence, source and target (default 32)")
     parser.add_argument("--vocab", type=positive_int, default=8000, help="shared vocabulary size (default 8000)")

@@ -12,7 +12,7 @@ import tomllib
 from collections.abc import Mapping
 from typing import Any
 
-from .config import FIELD_RANGES, ExperimentConfig, flag_type, parse_model_override
+from .config import FIELD_RANGES, ExperimentConfig, flag_name, flag_type, parse_model_override
 from .runtime.files import UserError, quoted, shortened
 
 # flag group -> its title in --help
@@ -28,10 +28,6 @@ RECIPE_TYPES = {"int": (int, "an integer"), "float": ((int, float), "a number"),
 def _type_name(annotation: str) -> str:
     """'int | None' -> 'int': the field's base type (annotations are strings here)."""
     return annotation.replace(" | None", "").strip()
-
-
-def _flag(field: dataclasses.Field) -> str:
-    return field.metadata.get("flag", "--" + field.name.replace("_", "-"))
 
 
 def build_parser(epilog: str | None = None) -> argparse.ArgumentParser:
@@ -63,7 +59,7 @@ def build_parser(epilog: str | None = None) -> argparse.ArgumentParser:
             kwargs.update(type=FIELD_RANGES[field.name].parser(field.name) if field.name in FIELD_RANGES else str,
                           choices=meta.get("choices"), help=help,
                           metavar=meta.get("metavar", {"int": "N", "float": "X"}.get(kind)))
-        groups[meta["group"]].add_argument(_flag(field), **kwargs)
+        groups[meta["group"]].add_argument(flag_name(field), **kwargs)
     return parser
 
 
@@ -110,7 +106,7 @@ def recipe_flags(path: str, text: str | None = None) -> list[str]:
         fail(f"not UTF-8 text: byte {err.start} ({err.object[err.start:err.start + 1]!r}) {err.reason}")
     except tomllib.TOMLDecodeError as err:  # its message names the line and column
         fail(f"invalid TOML: {err}")
-    fields = {_flag(f)[2:].replace("-", "_"): f for f in dataclasses.fields(ExperimentConfig) if f.name != "recipe"}
+    fields = {flag_name(f)[2:].replace("-", "_"): f for f in dataclasses.fields(ExperimentConfig) if f.name != "recipe"}
     flags = []
     for key, value in table.items():
         if key in LAUNCH_DECISIONS:
@@ -126,7 +122,7 @@ def recipe_flags(path: str, text: str | None = None) -> list[str]:
         if (not isinstance(value, types) or isinstance(value, bool) != (kind == "bool")
                 or kind == "dict" and not all(isinstance(item, str) for item in value)):
             fail(f"key {key!r}: expected {expected}, got {quoted(value)}")
-        flag = _flag(fields[key])
+        flag = flag_name(fields[key])
         if kind == "bool":
             args = [flag if value else "--no-" + flag[2:]]
         else:

@@ -410,14 +410,13 @@ class Server:
     SIGINT or `stop()`: it stops accepting, finishes the requests in flight and returns.
     `start()` runs it on a thread instead (tests, notebooks); `url` once it is listening."""
 
-    def __init__(self, asgi_app, host: str = "127.0.0.1", port: int = 8000, *, access_log: bool = False,
-                 limit_concurrency: int = 2048, timeout_keep_alive: int = 5, timeout_graceful_shutdown: int = 120):
+    def __init__(self, asgi_app, host: str = "127.0.0.1", port: int = 8000, *, access_log: bool = False):
         uvicorn = require("uvicorn")
         # limit_concurrency: connections and tasks at once, past it 503 (thousands of idle or dropped
         # connections cannot starve the process); the graceful timeout bounds the wait on SIGTERM.
         config = uvicorn.Config(asgi_app, host=host, port=port, log_level="warning", access_log=access_log,
-                                limit_concurrency=limit_concurrency, timeout_keep_alive=timeout_keep_alive,
-                                timeout_graceful_shutdown=timeout_graceful_shutdown, lifespan="on")
+                                limit_concurrency=2048, timeout_keep_alive=5, timeout_graceful_shutdown=120,
+                                lifespan="on")
         self.server = uvicorn.Server(config)
         self.thread: threading.Thread | None = None
 

@@ -90,7 +90,6 @@ class Batcher:
             raise ValueError(f"token_budget={token_budget} cannot hold {multiple_of} sequence(s) of max_len={max_len}: "
                              f"needs at least {max_len * multiple_of}")
         self.examples, self.shuffle, self.seed, self.pack = examples, shuffle, seed, pack
-        self.batch_size = {length: token_budget // (length * multiple_of) * multiple_of for length in self.buckets}
         self._src_len = np.array([len(s) for s, _ in examples], dtype=np.int64).reshape(-1)
         self._tgt_len = np.array([len(t) for _, t in examples], dtype=np.int64).reshape(-1)
         lengths = np.maximum(self._src_len, self._tgt_len)
@@ -107,7 +106,8 @@ class Batcher:
             if not lengths[keep].max(initial=0) <= self.pack_length <= max_len:
                 raise ValueError(f"pack_length={self.pack_length} must hold the longest pair and be at most "
                                  f"max_len={max_len}")
-            self.batch_size = {self.pack_length: token_budget // (self.pack_length * multiple_of) * multiple_of}
+        padded = (self.pack_length,) if pack else self.buckets  # the lengths batches are padded to
+        self.batch_size = {length: token_budget // (length * multiple_of) * multiple_of for length in padded}
         self.epoch, self.index, self._plan_cache = 0, 0, (None, [])
 
     @property
@@ -124,9 +124,9 @@ class Batcher:
             return len(self._epoch_plan(0))
         return sum(-(-len(idx) // self.batch_size[length]) for length, idx in self._members.items())
 
-    def padding_share(self, epoch: int = 0) -> float:
-        """The share of padding among the source and target positions of an epoch's batches."""
-        plan = self._epoch_plan(epoch)
+    def padding_share(self) -> float:
+        """The share of padding among the source and target positions of epoch 0's batches."""
+        plan = self._epoch_plan(0)
         if not plan:
             return 0.0
         tokens = sum(int(self._src_len[i].sum() + self._tgt_len[i].sum()) for _, rows in plan for i in _flat(rows))

@@ -16,7 +16,8 @@ from torch_reference.config import TransformerConfig
 from .. import data
 from ..config import RECIPE_FILE, ExperimentConfig
 from .files import UserError, say, write_json_atomic
-from .layout import CHECKPOINTS, CONFIG_FILE, LOCK_FILE, MODEL_FILE, TENSORBOARD, experiment_of, read_experiment
+from .layout import (CHECKPOINTS, CONFIG_FILE, LOCK_FILE, MODEL_FILE, TENSORBOARD, experiment_of, read_experiment,
+                     read_model_config)
 from .lock import RunLock
 from .replace import kind_of, remove
 
@@ -188,12 +189,22 @@ def check_model(run_dir: Path, cfg: ExperimentConfig, model_cfg: TransformerConf
                             "files of the run do not describe one model (edited by hand?)")
 
 
+def read_run(run_dir: Path, cfg: ExperimentConfig) -> tuple[TransformerConfig, data.Tokenizers]:
+    """The model and tokenizers of the run in `run_dir` whose experiment is `cfg`, checked to describe
+    one model (`check_model`); UserError for a missing or unreadable file."""
+    model_cfg = read_model_config(run_dir)
+    try:
+        tokenizers = data.load_tokenizers(run_dir, cfg.joint_vocab)
+    except (FileNotFoundError, ValueError) as err:
+        raise UserError(str(err)) from None
+    check_model(run_dir, cfg, model_cfg, tokenizers)
+    return model_cfg, tokenizers
+
+
 def check_checkpoint_config(meta: Mapping[str, Any], cfg: ExperimentConfig) -> None:
     """Refuse a checkpoint written by another run: one whose experiment (saved in its meta)
     differs from this run's."""
-    saved = meta.get("config", cfg.experiment())
-    if "pack" not in saved:  # written before packing existed: length buckets
-        saved = {**saved, "pack": False}
+    saved = {"pack": False, **meta.get("config", cfg.experiment())}  # no "pack": saved before packing, on buckets
     differ = [f"--{name.replace('_', '-')}: checkpoint has {saved.get(name)!r}, run has {value!r}"
               for name, value in cfg.experiment().items() if saved.get(name) != value]
     if differ:

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ..runtime.files import UserError, json_text, write_error
+from ..runtime.files import UserError, json_text, shortened, write_error
 
 # The safetensors metadata key holding the TransformerConfig JSON, in weights files and checkpoints.
 WEIGHTS_CONFIG_KEY = "transformer_config"
@@ -109,7 +109,7 @@ def unreadable(directory, step: int, steps: Sequence[int], err: BaseException) -
         hint = (f"the other checkpoints there are steps {others}: pick one with --checkpoint STEP (translate, "
                 f"evaluate), or delete {step}/ so that --resume continues from the newest one left")
     reason = " ".join(str(err).split()).split(" See full")[0]  # TensorStore appends pages of its spec
-    reason = f"{type(err).__name__}: {reason[:300]}{'...' if len(reason) > 300 else ''}"
+    reason = f"{type(err).__name__}: {shortened(reason, 300)}"
     return CheckpointError(f"checkpoint {step} in {directory} cannot be restored ({reason}); {hint}")
 
 
