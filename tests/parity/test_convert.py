@@ -1,6 +1,5 @@
 """Weight conversion: strict keys and shapes, bit-exact round trips, files and the CLI."""
 
-import json
 import subprocess
 import sys
 
