@@ -210,8 +210,7 @@ def from_marian(state: Mapping[str, np.ndarray], cfg: TransformerConfig, ids: Ma
                 continue
             out[key], _ = np.asarray(state[theirs], dtype=np.float32), used.add(theirs)
     # Duplicates HF ties to the ones read (shared/tied embeddings) and the positions: checked, not read.
-    ignorable = {"model.shared.weight", "model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight",
-                 "lm_head.weight"} if cfg.tie_output or cfg.share_embeddings else set()
+    ignorable = {"model.shared.weight", *TIED_KEYS} if cfg.tie_output or cfg.share_embeddings else set()
     for stack in ("encoder", "decoder"):
         key = f"model.{stack}.embed_positions.weight"
         if key in state:
@@ -246,17 +245,12 @@ def to_marian(params: Mapping[str, np.ndarray], cfg: TransformerConfig,
         inverses = {"src": np.arange(cfg.src_vocab_size), "tgt": np.arange(cfg.tgt_vocab_size)}
     else:
         inverses = {side: inverse_order(order) for side, order in zip(("src", "tgt"), side_orders(ids))}
-    out = {}
+    embeddings, out = _embedding_sources(cfg), {}
     for key, value in params.items():
         value = np.asarray(value, dtype=np.float32)
-        if key == "src_embed.weight":
-            out["model.shared.weight" if cfg.share_embeddings else "model.encoder.embed_tokens.weight"] = value[inverses["src"]]
-        elif key == "tgt_embed.weight":
-            out["model.decoder.embed_tokens.weight"] = value[inverses["tgt"]]
-        elif key == "out_proj.weight":
-            out["lm_head.weight"] = value[inverses["tgt"]]
-        elif key == "logits_bias":
-            out["final_logits_bias"] = value[inverses["tgt"]][None]
+        if key in embeddings:  # written under the first HF key the import reads it from
+            (theirs, *_), side = embeddings[key]
+            out[theirs] = value[inverses[side]][None] if key == "logits_bias" else value[inverses[side]]
         else:
             out[hf_key(key)] = value
     return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in out.items()}
