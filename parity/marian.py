@@ -404,23 +404,29 @@ def marian_origin(run_dir: str | os.PathLike) -> dict[str, Any]:
     return record
 
 
+def marian_model(record: Mapping[str, Any], params: Mapping[str, np.ndarray], cfg: TransformerConfig):
+    """A `MarianMTModel` of an imported run's Marian config (`marian_origin`) holding `params` (our
+    torch layout, `to_marian`); CheckpointMismatchError for a parameter missing or left over."""
+    transformers = spm.require("transformers")
+    hf_config = transformers.MarianConfig(**{k: v for k, v in record["marian_config"].items()
+                                             if k not in ("architectures", "transformers_version", "model_type")})
+    model = transformers.MarianMTModel(hf_config)
+    missing, unexpected = model.load_state_dict(to_marian(params, cfg, record["marian_ids"]), strict=False)
+    missing = [k for k in missing if "embed_positions" not in k and k not in TIED_KEYS]
+    if missing or unexpected:
+        raise CheckpointMismatchError(f"export to Marian: missing {missing}, unexpected {unexpected}")
+    return model
+
+
 def export_marian(run_dir: str | os.PathLike, params: Mapping[str, np.ndarray], cfg: TransformerConfig,
                   dst: str | os.PathLike, overwrite: bool = False, check: Callable[[Path], object] | None = None) -> Path:
     """Weights `params` (our torch layout, e.g. a checkpoint of `run_dir`, imported from Marian and
     perhaps fine-tuned) -> an HF Marian directory that `MarianMTModel.from_pretrained` and
     `MarianTokenizer.from_pretrained` load, built beside `dst` and swapped in (`runtime.derive`) once
     `check(directory)` (`parity.proof`) accepts it."""
-    transformers = spm.require("transformers")
     run_dir, dst = Path(run_dir), Path(dst)
     record = marian_origin(run_dir)
-    hf_config = transformers.MarianConfig(**{k: v for k, v in record["marian_config"].items()
-                                             if k not in ("architectures", "transformers_version", "model_type")})
-    model = transformers.MarianMTModel(hf_config)
-    state = to_marian(params, cfg, record["marian_ids"])
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if "embed_positions" not in k and k not in TIED_KEYS]
-    if missing or unexpected:
-        raise CheckpointMismatchError(f"export to Marian: missing {missing}, unexpected {unexpected}")
+    model = marian_model(record, params, cfg)
     tokenizers = data.load_tokenizers(run_dir)
     src_tok, tgt_tok = tokenizers.src, tokenizers.tgt
     src_inverse, tgt_inverse = (inverse_order(o) for o in side_orders(record["marian_ids"]))

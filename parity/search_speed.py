@@ -16,7 +16,6 @@ from train import data
 from train.api import Run
 from train.backends import allocator, create_backend, initialize
 from train.benchmark import _rss_mib
-from train.data.spm import require
 
 from .weights import convert_state
 
@@ -170,13 +169,9 @@ def _hf_rows(run: Run, state, batches, beam_size: int, alpha: float, timed, refe
 
     from . import marian
 
-    transformers = require("transformers")
     record = marian.marian_origin(run.run_dir)
-    config = {k: v for k, v in record["marian_config"].items()
-              if k not in ("architectures", "transformers_version", "model_type")}
-    model = transformers.MarianMTModel(transformers.MarianConfig(**config)).eval()
     params = convert_state(state, "torch", run.model_config).params
-    model.load_state_dict(marian.to_marian(params, run.model_config, record["marian_ids"]), strict=False)
+    model = marian.marian_model(record, params, run.model_config).eval()
     ids = record["marian_ids"]
     src_order, tgt_order = marian.side_orders(ids)
     to_ours = {int(m): ours for ours, m in enumerate(tgt_order) if ours != data.BOS_ID}
