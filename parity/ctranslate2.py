@@ -63,9 +63,9 @@ def build_spec(params: Mapping[str, np.ndarray], cfg: TransformerConfig, src_tok
         activation=activations[cfg.activation], ffn_glu=cfg.activation == "swiglu", rms_norm=cfg.norm == "rmsnorm",
     )
 
-    def linear(target, name, bias=True):
+    def linear(target, name):
         target.weight = p[f"{name}.weight"]
-        if bias and f"{name}.bias" in p:
+        if f"{name}.bias" in p:
             target.bias = p[f"{name}.bias"]
 
     def fused(target, names):
@@ -86,6 +86,7 @@ def build_spec(params: Mapping[str, np.ndarray], cfg: TransformerConfig, src_tok
             fused(target.linear[0], [q])
             fused(target.linear[1], [k, v])
         linear(target.linear[-1], f"{name}.out_proj")
+        norm(target.layer_norm, f"{name}_norm")
 
     def ffn(target, name):
         linear(target.linear_0, f"{name}.ff.linear1")
@@ -106,18 +107,13 @@ def build_spec(params: Mapping[str, np.ndarray], cfg: TransformerConfig, src_tok
         target.position_encodings.encodings = positions(stack)
         if pre_norm:
             norm(target.layer_norm, f"{stack}.norm")
+        for i, layer in enumerate(target.layer):
+            attention(layer.self_attention, f"{stack}.layers.{i}.self_attn", True)
+            if stack == "decoder":
+                attention(layer.attention, f"{stack}.layers.{i}.cross_attn", False)
+            ffn(layer.ffn, f"{stack}.layers.{i}")
     spec.encoder.embeddings[0].weight = p["src_embed.weight"]
     spec.decoder.embeddings.weight = tgt_embed
-    for i, layer in enumerate(spec.encoder.layer):
-        attention(layer.self_attention, f"encoder.layers.{i}.self_attn", True)
-        norm(layer.self_attention.layer_norm, f"encoder.layers.{i}.self_attn_norm")
-        ffn(layer.ffn, f"encoder.layers.{i}")
-    for i, layer in enumerate(spec.decoder.layer):
-        attention(layer.self_attention, f"decoder.layers.{i}.self_attn", True)
-        norm(layer.self_attention.layer_norm, f"decoder.layers.{i}.self_attn_norm")
-        attention(layer.attention, f"decoder.layers.{i}.cross_attn", False)
-        norm(layer.attention.layer_norm, f"decoder.layers.{i}.cross_attn_norm")
-        ffn(layer.ffn, f"decoder.layers.{i}")
     spec.decoder.projection.weight = tgt_embed if cfg.tie_output else p["out_proj.weight"]
     bias = p.get("logits_bias", np.zeros(cfg.tgt_vocab_size, np.float32)).copy()
     bias[[PAD_ID, BOS_ID]] += NEVER_EMITTED_BIAS
