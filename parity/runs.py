@@ -14,11 +14,10 @@ import pickle
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
-from flax import nnx
+from flax import nnx, traverse_util
 
 import jax_transformer
 import torch_reference
@@ -202,14 +201,6 @@ def save_jax_weights(model: nnx.Module, directory: str | os.PathLike, overwrite:
     return directory
 
 
-def _flatten(tree: Mapping, prefix: str = "") -> dict[str, Any]:
-    flat = {}
-    for k, v in tree.items():
-        key = f"{prefix}{k}"
-        flat.update(_flatten(v, key + ".") if isinstance(v, Mapping) else {key: v})
-    return flat
-
-
 def load_jax_weights(directory: str | os.PathLike) -> jax_transformer.Transformer:
     """The Flax Transformer saved by `save_jax_weights` (checked strictly against its config)."""
     import orbax.checkpoint as ocp
@@ -220,4 +211,5 @@ def load_jax_weights(directory: str | os.PathLike) -> jax_transformer.Transforme
     cfg = TransformerConfig.from_json((directory / "config.json").read_text())
     with ocp.StandardCheckpointer() as checkpointer:
         tree = checkpointer.restore(directory / "params")
-    return jax_model_from_params(_flatten(tree), cfg)
+    flat = {".".join(map(str, path)): value for path, value in traverse_util.flatten_dict(tree).items()}
+    return jax_model_from_params(flat, cfg)

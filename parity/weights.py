@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import torch
-from flax import nnx
+from flax import nnx, traverse_util
 
 import jax_transformer
 import torch_reference
@@ -115,14 +115,9 @@ def jax_params(model: nnx.Module) -> dict[str, np.ndarray]:
 
 
 def nest(flat: Mapping[str, Any]) -> dict:
-    tree: dict = {}
-    for key, value in flat.items():
-        *parents, leaf = (int(p) if p.isdigit() else p for p in key.split("."))
-        node = tree
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return tree
+    """{"a.0.b": v} -> {"a": {0: {"b": v}}}, layer indices as ints (nnx's pure dicts)."""
+    return traverse_util.unflatten_dict({tuple(int(p) if p.isdigit() else p for p in key.split(".")): value
+                                         for key, value in flat.items()})
 
 
 def jax_model_from_params(params: Mapping[str, Any], cfg: TransformerConfig) -> jax_transformer.Transformer:
