@@ -69,9 +69,10 @@ def reference(params: Mapping[str, np.ndarray], cfg: TransformerConfig, src_ids:
     return outputs, logits
 
 
-def limit(src: Sequence[int], cfg: TransformerConfig) -> int:
-    """The most tokens the run's search lets the translation of `src` have (torch_reference.decode)."""
-    return output_length(len(src), cfg.max_len, 1.5, 10)
+def limit(src_len: int, cfg: TransformerConfig) -> int:
+    """The most tokens the run's search lets the translation of `src_len` source tokens have
+    (torch_reference.decode)."""
+    return output_length(src_len, cfg.max_len, 1.5, 10)
 
 
 def prove(export_dir: Path, ours: Sequence[list[int]], theirs: Sequence[list[int]], diffs: Sequence[float],
@@ -110,7 +111,7 @@ def ctranslate2_proof(export_dir: Path, run_dir: Path, params, cfg: TransformerC
 
     src_ids = data.encode(data.load_tokenizers(run_dir).src, sentences)
     ours, ours_logits = reference(params, cfg, src_ids)
-    ct2, limits = Translator(export_dir), [limit(ids, cfg) for ids in src_ids]
+    ct2, limits = Translator(export_dir), [limit(len(ids), cfg) for ids in src_ids]
     theirs, diffs = [], []
     for ids, n, out, logits in zip(src_ids, limits, ours, ours_logits):
         (result,) = ct2.translator.translate_batch(
@@ -135,7 +136,7 @@ def run_proof(converted: Path, run_dir: Path, sentences: Sequence[str]) -> dict[
     ours_run = train.load(run_dir, theirs_run.step)
     try:
         src_ids = data.encode(ours_run.tokenizers.src, sentences)
-        limits = [limit(ids, ours_run.model_config) for ids in src_ids]
+        limits = [limit(len(ids), ours_run.model_config) for ids in src_ids]
         ours, theirs, diffs = [], [], []
         for ids in src_ids:
             out = [_greedy(run, ids) for run in (ours_run, theirs_run)]
@@ -179,7 +180,7 @@ def marian_proof(export_dir: Path, run_dir: Path, params, cfg: TransformerConfig
     columns = [o for o in range(cfg.tgt_vocab_size) if o not in (cfg.bos_id, cfg.pad_id)]
     src_ids = data.encode(data.load_tokenizers(run_dir).src, sentences)
     ours, ours_logits = reference(params, cfg, src_ids)
-    theirs, diffs, limits = [], [], [limit(ids, cfg) for ids in src_ids]
+    theirs, diffs, limits = [], [], [limit(len(ids), cfg) for ids in src_ids]
     with torch.no_grad():
         for ids, out, logits, n in zip(src_ids, ours, ours_logits, limits):
             src, start = torch.tensor([[int(src_order[i]) for i in ids]]), marian_ids["decoder_start"]

@@ -17,6 +17,7 @@ from train.api import Run
 from train.backends import allocator, create_backend, initialize
 from train.benchmark import _rss_mib
 
+from . import proof
 from .weights import convert_state
 
 REFERENCE = "torch cached"
@@ -129,7 +130,7 @@ def _ctranslate2_rows(run: Run, state, batches, beam_size: int, alpha: float, ti
             translator = ct2.Translator(Path(tmp) / kind, intra_threads=threads)
             for beam in sorted({1, beam_size}):
                 def search(src, k=beam):
-                    limit = _limit(run, src.shape[1])
+                    limit = proof.limit(src.shape[1], run.model_config)
                     return translator.translate_ids(src, beam_size=k, max_len=limit, length_penalty=alpha)
 
                 row, outputs = _foreign_row(run, f"ctranslate2 {kind}", beam, search, batches, timed, reference)
@@ -140,13 +141,6 @@ def _ctranslate2_rows(run: Run, state, batches, beam_size: int, alpha: float, ti
     return rows
 
 
-def _limit(run: Run, length: int) -> int:
-    """Our search's length limit for a source of `length` tokens (1.5 x its length + 10)."""
-    from torch_reference.decode import output_length
-
-    return output_length(length, run.model_config.max_len, 1.5, 10)
-
-
 def _foreign_row(run: Run, name: str, beam: int, search, batches, timed, reference) -> tuple[dict, list]:
     """(row `name`, outputs) of a search outside this project (CTranslate2, HF) whose outputs count
     as ours when `ctranslate2.same_output` says so, each sentence under its own length limit."""
@@ -155,7 +149,7 @@ def _foreign_row(run: Run, name: str, beam: int, search, batches, timed, referen
     limits = {}
     for index, src in batches:
         for row in np.flatnonzero(index >= 0):
-            limits[int(index[row])] = _limit(run, int((src[row] != data.PAD_ID).sum()))
+            limits[int(index[row])] = proof.limit(int((src[row] != data.PAD_ID).sum()), run.model_config)
     seconds, outputs, peak = timed(search, batches[:1])
     ours = reference[beam]
     return {"search": name, "beam": beam, "seconds": seconds, "peak_mib": peak,
@@ -178,7 +172,7 @@ def _hf_rows(run: Run, state, batches, beam_size: int, alpha: float, timed, refe
     rows = []
     for beam in sorted({1, beam_size}):
         def search(src, k=beam):
-            limit = _limit(run, src.shape[1])
+            limit = proof.limit(src.shape[1], run.model_config)
             with torch.inference_mode():
                 out = model.generate(
                     input_ids=torch.from_numpy(src_order[src]), attention_mask=torch.from_numpy(src != data.PAD_ID),
