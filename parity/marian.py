@@ -33,7 +33,7 @@ from torch_reference.config import BOS_ID, EOS_ID, PAD_ID, SPECIAL_TOKENS, UNK_I
 from torch_reference.model import Transformer, sinusoidal_positions
 from train import data, runtime
 from train.backends import create_backend
-from train.config import ExperimentConfig
+from train.config import DERIVED_MODEL_FIELDS, SPECIAL_ID_FIELDS, ExperimentConfig
 from train.data import spm
 from train.store import CheckpointMismatchError, TrainingState
 
@@ -355,8 +355,6 @@ def experiment_for(cfg: TransformerConfig, backend: str, train: str | None = Non
                    test: str | None = None) -> ExperimentConfig:
     """The experiment of an imported run: preset base with every model field as a `--set`
     override, the vocabulary, max_len, dropout and sharing the data-derived fields take from it."""
-    from train.config import DERIVED_MODEL_FIELDS, SPECIAL_ID_FIELDS
-
     model = {k: v for k, v in cfg.to_dict().items() if k not in (*DERIVED_MODEL_FIELDS, *SPECIAL_ID_FIELDS)}
     experiment = ExperimentConfig(backend=backend, preset="base", model=model, dropout=cfg.dropout, max_len=cfg.max_len,
                                   joint_vocab=cfg.share_embeddings, train=train, valid=valid, test=test,

@@ -22,8 +22,12 @@ import torch
 from torch_reference.config import EOS_ID, PAD_ID, TransformerConfig
 from torch_reference.decode import greedy_search, output_length
 from torch_reference.model import Transformer
+import train
 from train import data, runtime
 from train.data import spm
+from train.data.streams import read_lines
+
+from .ctranslate2 import Translator, same_output, tokens
 
 PROOF_FILE = "proof.json"
 SENTENCES = 32  # validation sources proved on: enough to cover the vocabulary's common rows, fast on a CPU
@@ -39,8 +43,6 @@ def proof_sentences(run_dir: str | os.PathLike, given: str | os.PathLike | None 
     (a run imported without data) texts of consecutive source-vocabulary pieces: a proof of the
     same function needs inputs the model reads, not good sentences."""
     if given is not None:
-        from train.data.streams import read_lines
-
         texts = read_lines(Path(given))
     elif (cfg := runtime.read_experiment(run_dir)).valid or cfg.uses_numbers_corpus:
         texts = [source for source, _ in data.load_split(cfg, cfg.valid or "numbers:valid")]
@@ -79,8 +81,6 @@ def prove(export_dir: Path, ours: Sequence[list[int]], theirs: Sequence[list[int
           sentences: Sequence[str], limits: Sequence[int], kind: str, exact: bool) -> dict[str, Any]:
     """Write proof.json and a README.md line into `export_dir`; refuse a float32 (`exact`) export
     outside the bounds with one line."""
-    from .ctranslate2 import same_output
-
     diff = max(diffs)
     agree = sum(same_output(a, b, n) for a, b, n in zip(ours, theirs, limits)) / len(ours)
     proof = {"kind": kind, "sentences": len(sentences), "greedy_agreement": agree, "max_abs_logit_diff": diff,
@@ -107,8 +107,6 @@ def _shared_steps(ours: list[int], theirs: list[int]) -> int:
 def ctranslate2_proof(export_dir: Path, run_dir: Path, params, cfg: TransformerConfig, sentences: Sequence[str],
                       quantization: str | None) -> dict[str, Any]:
     """The CTranslate2 model in `export_dir` against the run: greedy `translate_batch` with its logits."""
-    from .ctranslate2 import Translator, tokens
-
     src_ids = data.encode(data.load_tokenizers(run_dir).src, sentences)
     ours, ours_logits = reference(params, cfg, src_ids)
     ct2, limits = Translator(export_dir), [limit(len(ids), cfg) for ids in src_ids]
@@ -130,8 +128,6 @@ def run_proof(converted: Path, run_dir: Path, sentences: Sequence[str]) -> dict[
     """A run converted to the other framework (`converted`, its newest checkpoint) against the
     source run at the same step, each read by its own backend: greedy searches, and the logits
     along the source's greedy translations."""
-    import train
-
     theirs_run = train.load(converted, "latest")
     ours_run = train.load(run_dir, theirs_run.step)
     try:
@@ -171,7 +167,7 @@ def marian_proof(export_dir: Path, run_dir: Path, params, cfg: TransformerConfig
     teacher-forced forward pass, in Marian's numbering mapped to ours (`parity.marian`). Our pad and
     bos columns are left out: Marian holds them as one row (its pad, the decoder start), which the
     export writes from our bos row, and neither is ever emitted."""
-    from .marian import side_orders
+    from .marian import side_orders  # here: parity.marian loads jax, which the other proofs need not
 
     transformers = spm.require("transformers")
     hf = transformers.MarianMTModel.from_pretrained(str(export_dir)).eval()

@@ -5,19 +5,22 @@ growth and the outputs that differ from torch cached search's; CTranslate2 and H
 from __future__ import annotations
 
 import contextlib
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from train import data
 from train.api import Run
 from train.backends import allocator, create_backend, initialize
 from train.benchmark import _rss_mib
 
-from . import proof
+from . import ctranslate2 as ct2
+from . import marian, proof
 from .weights import convert_state
 
 REFERENCE = "torch cached"
@@ -114,12 +117,7 @@ def benchmark(run: Run, lines: Sequence[str], beam_size: int, batch_size: int | 
 
 def _ctranslate2_rows(run: Run, state, batches, beam_size: int, alpha: float, timed, reference) -> list[dict]:
     """Rows "ctranslate2 float32" and "ctranslate2 int8", and int8's BLEU against float32 (in the int8 rows)."""
-    import tempfile
-
     import sacrebleu
-    import torch
-
-    from . import ctranslate2 as ct2
 
     params = convert_state(state, "torch", run.model_config).params
     threads = torch.get_num_threads()  # as many as torch's cached search uses
@@ -144,25 +142,19 @@ def _ctranslate2_rows(run: Run, state, batches, beam_size: int, alpha: float, ti
 def _foreign_row(run: Run, name: str, beam: int, search, batches, timed, reference) -> tuple[dict, list]:
     """(row `name`, outputs) of a search outside this project (CTranslate2, HF) whose outputs count
     as ours when `ctranslate2.same_output` says so, each sentence under its own length limit."""
-    from .ctranslate2 import same_output
-
     limits = {}
     for index, src in batches:
         for row in np.flatnonzero(index >= 0):
             limits[int(index[row])] = proof.limit(int((src[row] != data.PAD_ID).sum()), run.model_config)
     seconds, outputs, peak = timed(search, batches[:1])
     ours = reference[beam]
+    differ = sum(not ct2.same_output(_trim(ours[i]), out, limits[i]) for i, out in enumerate(outputs))
     return {"search": name, "beam": beam, "seconds": seconds, "peak_mib": peak,
-            "tokens": int(sum(len(out) for out in outputs)),
-            "differ": sum(not same_output(_trim(ours[i]), out, limits[i]) for i, out in enumerate(outputs))}, outputs
+            "tokens": int(sum(len(out) for out in outputs)), "differ": differ}, outputs
 
 
 def _hf_rows(run: Run, state, batches, beam_size: int, alpha: float, timed, reference) -> list[dict]:
     """Row "hf generate": the run's weights as a MarianMTModel, `generate` on the same batches."""
-    import torch
-
-    from . import marian
-
     record = marian.marian_origin(run.run_dir)
     params = convert_state(state, "torch", run.model_config).params
     model = marian.marian_model(record, params, run.model_config).eval()
