@@ -29,8 +29,6 @@ from train.config import ExperimentConfig
 
 from .weights import convert_state, jax_model_from_params, jax_params, nest, transfer_state
 
-CONFIG_KEY = store.WEIGHTS_CONFIG_KEY  # safetensors metadata key holding the config JSON
-
 
 def convert_checkpoints(src_cfg: ExperimentConfig, model_cfg: TransformerConfig, src_dir: str | os.PathLike,
                         dst_dir: str | os.PathLike, to: str, which: str | int = "latest") -> list[int]:
@@ -124,7 +122,7 @@ def save_torch_weights(model: torch_reference.Transformer, path: str | os.PathLi
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_file(state_dict, str(tmp), metadata={CONFIG_KEY: model.cfg.to_json()})
+        save_file(state_dict, str(tmp), metadata={store.WEIGHTS_CONFIG_KEY: model.cfg.to_json()})
         os.replace(tmp, path)
     except Exception as err:
         raise runtime.write_error(err, path) or err from None
@@ -155,8 +153,8 @@ def load_torch_weights(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor]
                 metadata = f.metadata() or {}
         except SafetensorError as err:
             raise ValueError(f"{path} is not a readable safetensors file ({err})") from None
-    if CONFIG_KEY in metadata:
-        cfg = TransformerConfig.from_json(metadata[CONFIG_KEY])
+    if store.WEIGHTS_CONFIG_KEY in metadata:
+        cfg = TransformerConfig.from_json(metadata[store.WEIGHTS_CONFIG_KEY])
     elif (path.parent / "config.json").is_file():
         cfg = TransformerConfig.from_json((path.parent / "config.json").read_text())
     else:
