@@ -35,10 +35,6 @@ class SentenceAttention:
     tgt_tokens: list[str]  # (T,) labels, the output tokens, ending <eos> unless the length limit stopped it
     weights: np.ndarray  # (layers, heads, T, S) float32
 
-    @property
-    def stem(self) -> str:
-        return f"{self.line:04d}"
-
 
 def _byte_values() -> dict[str, int]:
     """The byte-level BPE alphabet (GPT-2's, which `tokenizers`' ByteLevel uses): character -> byte.
@@ -185,7 +181,7 @@ def write_plots(attentions: Sequence[SentenceAttention], directory: Path) -> lis
     written = []
     for att in attentions:
         for plot, suffix in ((plot_sentence, ""), (plot_layers, "_layers")):
-            path = directory / f"{att.stem}{suffix}.png"
+            path = directory / f"{att.line:04d}{suffix}.png"
             plot(att, path)
             written.append(path)
     return written
