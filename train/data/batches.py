@@ -129,7 +129,8 @@ class Batcher:
         plan = self._epoch_plan(0)
         if not plan:
             return 0.0
-        tokens = sum(int(self._src_len[i].sum() + self._tgt_len[i].sum()) for _, rows in plan for i in _flat(rows))
+        indices = [np.hstack(rows) for _, rows in plan]  # packed: a list of each row's indices
+        tokens = sum(int(self._src_len[i].sum() + self._tgt_len[i].sum()) for i in indices)
         positions = sum(2 * self.batch_size[length] * length for length, _ in plan)
         return 1.0 - tokens / positions
 
@@ -232,11 +233,6 @@ class Batcher:
     def restore(self, state: dict[str, int]) -> None:
         """Continue from a `state()` (e.g. read back from a checkpoint's JSON)."""
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
-
-
-def _flat(rows) -> list[int]:
-    """The example indices of a batch's plan: an index array, or packed, a list of rows of them."""
-    return [i for row in rows for i in row] if isinstance(rows, list) else list(rows)
 
 
 def fixed_lengths(max_len: int) -> tuple[int, ...]:
