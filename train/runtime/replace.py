@@ -36,8 +36,8 @@ def remove(path: Path) -> None:
     """Delete `path`, whatever it is; a symbolic link is removed, never followed."""
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
-    elif path.is_symlink() or path.exists():
-        path.unlink()
+    else:
+        path.unlink(missing_ok=True)
 
 
 def check_destination(dst: Path, overwrite: bool, kind: str = "run", src: str | Path | None = None) -> None:
