@@ -256,16 +256,13 @@ def _evaluate(cfg, backend, tokenizers, pairs, samples: int, *, validation: bool
 @dataclasses.dataclass
 class _Log:
     """What the loop records: logged training windows, evaluations, and training time/tokens.
-    The whole run's, across resumes: each checkpoint's meta holds it up to its step (`state`),
+    The whole run's, across resumes: each checkpoint's meta holds it up to its step (its fields),
     and --resume continues from there (`restore`)."""
 
     train: list[dict[str, float]] = dataclasses.field(default_factory=list)
     valid: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     time_s: float = 0.0
     tokens: int = 0
-
-    def state(self) -> dict[str, Any]:
-        return {"train": self.train, "valid": self.valid, "time_s": self.time_s, "tokens": self.tokens}
 
     @classmethod
     def restore(cls, state: dict[str, Any] | None, step: int) -> _Log:
@@ -348,7 +345,7 @@ def _save(cfg: ExperimentConfig, backend: Backend, batcher: data.Batcher, evalua
         "shapes": [list(shape) for shape in batcher.shapes],  # checked on --resume
         "config": cfg.experiment(),
         "valid": None if evaluated is None else _eval_summary(evaluated),
-        "history": log.state(),  # results.json's history, restored by --resume
+        "history": dataclasses.asdict(log),  # results.json's history, restored by --resume
     }
     # Strict JSON in both backends' meta (orbax's JsonSave would write NaN): non-finite -> null.
     backend.save(finite_values(meta), metrics=None if evaluated is None else {"bleu": evaluated["bleu"]})
