@@ -263,5 +263,5 @@ def xla_cpu_ab(cfg: TransformerConfig, batch: int, length: int, repeats: int, se
             runs[name][part]()
         for _ in range(repeats):
             for name in runs:
-                times[part][name].append(median_time(runs[name][part], 1, warmup=0))
+                times[part][name] += timings(runs[name][part], 1)
     return {**times, "temporaries MiB": temporaries}
