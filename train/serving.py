@@ -381,7 +381,7 @@ def app(run=None, limits: Limits | None = None, *, decode: Callable | None = Non
         return HTMLResponse(html)
 
     async def http_error(request, exc: HTTPException):  # 404, 405: as JSON, as every other error
-        return error(exc.status_code, exc.detail, getattr(exc, "headers", None))
+        return error(exc.status_code, exc.detail, exc.headers)
 
     async def server_error(request, exc: Exception):
         return error(500, f"internal error: {type(exc).__name__}")
