@@ -8,6 +8,7 @@ over its tokens, <eos> included), or with --format jsonl also its tokens and the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -51,13 +52,9 @@ def main(argv: list[str] | None = None) -> int:
         with load(args.run_dir, args.checkpoint, average=args.ensemble_average) as run:
             scores = run.score([s for s, _ in loaded.pairs], [t for _, t in loaded.pairs], batch_size=args.batch_size)
         lines = [json.dumps(s, ensure_ascii=False) if args.format == "jsonl" else f"{s['logprob']:.7g}" for s in scores]
-        out = open_stream(args.output) if args.output is not None else sys.stdout
-        try:
+        with open_stream(args.output) if args.output is not None else contextlib.nullcontext(sys.stdout) as out:
             out.write("".join(line + "\n" for line in lines))
             out.flush()
-        finally:
-            if out is not sys.stdout:
-                out.close()
     except (UserError, OSError, ValueError) as err:
         parser.exit(1, f"error: {error_text(err)}\n")
     skipped = f"; {loaded.skipped_empty:,} pairs with an empty side skipped" if loaded.skipped_empty else ""
