@@ -267,7 +267,7 @@ def run_decoder(run) -> Callable[[list[str], tuple], list[dict[str, Any]]]:
 def run_info(run) -> dict[str, Any]:
     """What /info says of a loaded run."""
     backend = run.backend
-    devices = backend.mesh.devices.flat if hasattr(backend, "mesh") else [getattr(backend, "device", "cpu")]
+    devices = backend.mesh.devices.flat if hasattr(backend, "mesh") else [backend.device]
     return {"run_dir": str(run.run_dir), "step": run.step, "backend": run.config.backend,
             "devices": [str(d) for d in devices], "max_len": run.config.max_len,
             "model": dataclasses.asdict(run.model_config)}
