@@ -364,9 +364,8 @@ def fit(run: Training) -> None:
     """
     cfg, backend, batcher, writer, log = run.cfg, run.backend, run.batcher, run.writer, run.log
     with runtime.StopSignals(enabled=run.topology.process_count == 1) as stop:
-        show_progress = run.topology.is_main
-        bar = tqdm(total=cfg.steps, initial=backend.step, disable=not (cfg.progress and show_progress), unit="step",
-                   dynamic_ncols=True, desc=cfg.backend)
+        bar = tqdm(total=cfg.steps, initial=backend.step, disable=not (cfg.progress and run.topology.is_main),
+                   unit="step", dynamic_ncols=True, desc=cfg.backend)
         pending: list = []  # metrics of the steps not yet read from the device
         window_tokens, window_start = 0, time.perf_counter()
         for step in range(backend.step + 1, cfg.steps + 1):
