@@ -173,3 +173,18 @@ def test_score_command_prints_one_line_per_pair(tiny_torch_run, tmp_path, capsys
     assert all(abs(r["logprob"] - s) <= 1e-4 * abs(s) for r, s in zip(records, sums))
     code, _, err = run_cli(score.main, capsys, "--run-dir", str(tiny_torch_run), "--input", str(tmp_path / "no.tsv"))
     one_error(code, err, "no.tsv")
+
+
+def test_score_command_writes_a_new_output_file_and_never_over_its_input(tiny_torch_run, tmp_path, capsys):
+    pairs = tmp_path / "pairs.tsv"
+    pairs.write_text("source\ttarget\n" + "".join(f"{t}\tseven\n" for t in TEXTS[:3]))
+    args = ["--run-dir", str(tiny_torch_run), "--input", str(pairs)]
+    code, printed, _ = run_cli(score.main, capsys, *args)
+    code_file, out, _ = run_cli(score.main, capsys, *args, "--output", str(tmp_path / "scores.txt"))
+    assert code == code_file == 0 and out == "" and (tmp_path / "scores.txt").read_text() == printed
+    before = pairs.read_text()
+    code, _, err = run_cli(score.main, capsys, *args, "--output", str(pairs))
+    one_error(code, err, "is a file of --input")
+    assert pairs.read_text() == before
+    code, _, err = run_cli(score.main, capsys, *args, "--output", str(tmp_path / "no" / "scores.txt"))
+    one_error(code, err, "does not exist")
