@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         reader.close()
-        run.backend.close()
+        run.close()  # an ensemble's members too
         out.close()
     progress.clear()
     if topology.is_main:

@@ -148,11 +148,16 @@ def test_an_ensemble_of_a_model_twice_translates_as_the_model(runs, backend):
         assert _key(pair_beams) == _key(_ensemble_outputs([runs[0], runs[0]])[1])
 
 
-def test_ensemble_command_and_refusals(runs, tmp_path, capsys):
+def test_ensemble_command_and_refusals(runs, tmp_path, capsys, monkeypatch):
     torch_dir, jax_dir = runs
     (tmp_path / "in.txt").write_text("".join(t + "\n" for t in TEXTS))
+    closed = []
+    real_close = train.api.Run.close
+    monkeypatch.setattr(train.api.Run, "close", lambda self: closed.append(self) or real_close(self))
     code, out, _ = run_cli(translate.main, capsys, "--run-dir", str(torch_dir), "--run-dir", str(torch_dir),
                            "--input", str(tmp_path / "in.txt"), "--beam", "2")
+    assert len(closed) == 2  # the ensemble and its second member: every backend the command loaded is freed
+    monkeypatch.undo()
     with train.load(torch_dir) as run:
         assert code == 0 and out.splitlines() == run.translate(TEXTS, beam=2)
     (tmp_path / "pairs.tsv").write_text("source\ttarget\n" + "".join(f"{t}\t{t}\n" for t in TEXTS))
