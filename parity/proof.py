@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 import torch
 
+import train
 from torch_reference.config import EOS_ID, PAD_ID, TransformerConfig
 from torch_reference.decode import greedy_search, output_length
 from torch_reference.model import Transformer
-import train
 from train import data, runtime
 from train.data import spm
 from train.data.streams import read_lines
