@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .api import load
 from .backends.host_devices import split_host
-from .config import add_ensemble_average
+from .config import add_ensemble_average, positive_int
 from .data import load_parallel
 from .data.corpora import spec_files
 from .runtime.files import UserError, error_text, open_stream, output_file, write_text_atomic
@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--format", choices=("text", "jsonl"), default="text",
                         help="text (default): the log-probability; jsonl: also the target tokens (<eos> last) and "
                         "each one's log-probability")
-    parser.add_argument("--batch-size", type=int, help="at most N pairs per batch (default: the run's token budget)")
+    parser.add_argument("--batch-size", type=positive_int, help="at most N pairs per batch (default: the run's token budget)")
     return parser
 
 

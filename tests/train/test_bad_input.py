@@ -312,6 +312,7 @@ def test_an_experiment_config_validates_itself(changes, message):
     ("train.translate", ["--run-dir", "x", "--alpha", "nan"], "--alpha: must be finite, got nan"),
     ("train.translate", ["--run-dir", "x", "--alpha", "-1"], "--alpha: must be >= 0, got -1"),
     ("train.translate", ["--run-dir", "x", "--batch-size", "0"], "--batch-size: must be >= 1, got 0"),
+    ("train.score", ["--run-dir", "x", "--input", "y", "--batch-size", "-3"], "--batch-size: must be >= 1, got -3"),
     ("train.evaluate", ["--run-dir", "x", "--data", "d", "--samples", "-1"], "--samples: must be >= 0, got -1"),
     ("train.evaluate", ["--run-dir", "x", "--data", "d", "--max-sentences", "inf"], "--max-sentences: must be an integer"),
     ("train.bench", ["--dropout", "1"], "--dropout: must be in [0, 1), got 1"),

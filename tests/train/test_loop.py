@@ -369,6 +369,9 @@ def test_source_batches_bucket_pad_and_keep_every_sentence():
     # One shape per bucket; rows: the least of the budget's, --batch-size and the bucket's
     # sentence count rounded up to a power of two (a lone long sentence runs as one row).
     assert {src.shape for _, src in batches} == {(2, 8), (2, 16), (1, 24), (1, 32)}
+    for bad in (0, -3):  # the Python API's batch_size: never silently the default or one sentence
+        with pytest.raises(ValueError, match=f"batch_size must be >= 1, got {bad}"):
+            list(data.source_batches(src_ids, max_len=32, token_budget=64, batch_size=bad))
 
 
 def test_fixed_source_batches_search_any_sentences_in_one_shape_below_64_tokens():
