@@ -7,7 +7,6 @@ Several --run-dir score an ensemble of runs (docs/decoding.md). Flag parsing and
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from .backends.host_devices import HELP as HOST_DEVICES_HELP
 from .backends.host_devices import split_host
 from .config import add_run_arguments, non_negative_int, positive_int
 from .data.corpora import spec_files
-from .runtime.files import UserError, error_text, json_text, open_stream, output_file, write_text_atomic
+from .runtime.files import UserError, error_text, json_text, output_file, write_output
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,10 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         split_host()  # before jax is imported
         # Checked before the work, not after it; None: a stream (a FIFO, a device), written directly.
-        target = None if args.output is None else output_file(args.output, "--output")
-        if target is not None and target.exists() and any(os.path.samefile(f, target) for f in spec_files(args.data)):
-            raise UserError(f"--output {args.output} is a file of --data {args.data}: writing it would destroy "
-                            "the data; give another --output")
+        target = None if args.output is None else output_file(args.output, "--output", spec_files(args.data),
+                                                              f"--data {args.data}")
         run = load(args.run_dir, args.checkpoint, average=args.ensemble_average)
         lowercase = args.lowercase or run.config.lowercase
         if lowercase and not args.lowercase:  # lowercase output: cased BLEU alone would mislead
@@ -74,11 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.output is not None:
         try:
-            if target is None:
-                with open_stream(args.output) as stream:
-                    stream.write(text + "\n")
-            else:
-                write_text_atomic(target, text + "\n")
+            write_output(args.output, target, text + "\n")
         except OSError as err:  # a full disk, a read-only place: the JSON is on stdout all the same
             parser.exit(1, f"error: {error_text(err)}\n")
     return 0

@@ -8,9 +8,7 @@ over its tokens, <eos> included), or with --format jsonl also its tokens and the
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -19,7 +17,7 @@ from .backends.host_devices import split_host
 from .config import add_ensemble_average, positive_int
 from .data import load_parallel
 from .data.corpora import spec_files
-from .runtime.files import UserError, error_text, open_stream, output_file, write_text_atomic
+from .runtime.files import UserError, error_text, output_file, write_output
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,10 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         split_host()  # before jax is imported
         # Checked before the work; None: a stream (a FIFO, a device, /dev/stdout), written directly.
-        target = None if args.output is None else output_file(args.output, "--output")
-        if target is not None and target.exists() and any(os.path.samefile(f, target) for f in spec_files(args.input)):
-            raise UserError(f"--output {args.output} is a file of --input {args.input}: writing it would destroy "
-                            "the pairs; give another --output")
+        target = None if args.output is None else output_file(args.output, "--output", spec_files(args.input),
+                                                              f"--input {args.input}")
         loaded = load_parallel(args.input)
         if not loaded.pairs:
             raise UserError(f"{args.input} holds no pair to score")
@@ -60,12 +56,11 @@ def main(argv: list[str] | None = None) -> int:
             scores = run.score([s for s, _ in loaded.pairs], [t for _, t in loaded.pairs], batch_size=args.batch_size)
         lines = [json.dumps(s, ensure_ascii=False) if args.format == "jsonl" else f"{s['logprob']:.7g}" for s in scores]
         text = "".join(line + "\n" for line in lines)
-        if target is not None:
-            write_text_atomic(target, text)  # whole or not at all; a link there is written through
+        if args.output is None:
+            sys.stdout.write(text)
+            sys.stdout.flush()
         else:
-            with open_stream(args.output) if args.output is not None else contextlib.nullcontext(sys.stdout) as out:
-                out.write(text)
-                out.flush()
+            write_output(args.output, target, text)
     except (UserError, OSError, ValueError) as err:
         parser.exit(1, f"error: {error_text(err)}\n")
     skipped = f"; {loaded.skipped_empty:,} pairs with an empty side skipped" if loaded.skipped_empty else ""

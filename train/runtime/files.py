@@ -11,6 +11,7 @@ import re
 import socket
 import stat
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -154,14 +155,26 @@ def open_stream(path: Path) -> TextIO:
     return open(path, "w", encoding="utf-8")  # a FIFO or a device; the caller closes it
 
 
-def output_file(path: Path, flag: str) -> Path | None:
+def output_file(path: Path, flag: str, inputs: Iterable[Path] = (), of: str = "") -> Path | None:
     """The regular file to write --output `path` as, atomically (`path`, or what a symbolic link
-    there names); None for a stream (`is_stream`). `check_output_file`'s UserError before the work."""
+    there names); None for a stream (`is_stream`). `check_output_file`'s UserError before the work,
+    and one where it is a file of `inputs` (those of `of`, e.g. "--data SPEC"), by any name."""
     if is_stream(path):
         return None
     target = path.resolve() if path.is_symlink() else path
     check_output_file(target, flag)
+    if target.exists() and any(os.path.samefile(f, target) for f in inputs):
+        raise UserError(f"{flag} {path} is a file of {of}: writing it would destroy the data; give another {flag}")
     return target
+
+
+def write_output(path: Path, target: Path | None, text: str) -> None:
+    """`text` into an output `output_file` checked: its regular `target` atomically, a stream directly."""
+    if target is None:
+        with open_stream(path) as stream:
+            stream.write(text)
+    else:
+        write_text_atomic(target, text)
 
 
 def shortened(text: str, limit: int = 200) -> str:
