@@ -70,12 +70,7 @@ def summary_writer(logdir: Path, purge_step: int | None = None) -> Events:
     finally:
         if hide_torch:
             del sys.modules["torch"]
-    # purge_step: TensorBoard drops the events at this step and later that earlier sessions wrote
-    # (a run killed after its last checkpoint), so a resumed curve has each step once.
-    # tensorboardX names a file by the second it opened it (events.out.tfevents.SECONDS.HOST), so
-    # a session resumed within the second of the last one overwrote its file, and that session's
-    # events were lost (seen: two resumes of a tiny run 1 s apart). The suffix makes each name
-    # unique and, within one second, sorts the sessions by their first step, as TensorBoard reads them.
+    # tensorboardX names a file by its second only: the suffix keeps each session's file (docs/operations.md#resume)
     suffix = f".{purge_step or 0:010d}.{os.getpid()}"
     logdir.mkdir(parents=True, exist_ok=True)
     return Events(logdir, EventsWriter(str(logdir / "events"), suffix), purge_step)
