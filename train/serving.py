@@ -204,6 +204,8 @@ def parse_request(body: bytes, limits: Limits) -> tuple[list[str], tuple]:
         raise BadRequest(f"the body is not JSON: {err.msg} at line {err.lineno} column {err.colno}") from None
     except RecursionError:
         raise BadRequest("the body is nested too deeply") from None
+    except ValueError:  # an integer past int's bound on digits (4300 by default)
+        raise BadRequest("the body holds an integer too long to read") from None
     if not isinstance(request, dict):
         raise BadRequest('the body must be a JSON object: {"texts": ["..."], "beam": 4, ...}')
     unknown = sorted(set(request) - set(FIELDS))

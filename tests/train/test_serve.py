@@ -216,6 +216,7 @@ def test_health_info_and_page(server, tiny_torch_run):
     (b'{"texts": ["neun"], "beam": -1}', 400, "beam must be an integer from 1 to 16"),
     (b'{"texts": ["neun"], "beam": 0}', 400, "beam must be"),
     (b'{"texts": ["neun"], "beam": 1000000000000000000000000000000}', 400, "beam must be"),
+    (b'{"texts": ["neun"], "beam": ' + b"1" * 5000 + b"}", 400, "an integer too long to read"),
     (b'{"texts": ["neun"], "beam": 2.5}', 400, "beam must be"),
     (b'{"texts": ["neun"], "beam": true}', 400, "beam must be"),
     (b'{"texts": ["neun"], "alpha": -0.5}', 400, "alpha must be"),
