@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import importlib
 import json
+import re
 import signal
 import threading
 from collections.abc import Callable, Sequence
@@ -223,6 +224,8 @@ def parse_request(body: bytes, limits: Limits) -> tuple[list[str], tuple]:
             raise BadRequest(f"texts[{i}] has {len(t)} characters; at most {limits.max_text_chars}")
         if "\n" in t or "\r" in t:
             raise BadRequest(f"texts[{i}] holds a line break: send one sentence per string")
+        if re.search("[\ud800-\udfff]", t):  # a \uXXXX escape of half a pair: no character, no tokens
+            raise BadRequest(f"texts[{i}] holds a lone surrogate (an unpaired \\ud800-\\udfff escape)")
     beam = request.get("beam", 4)
     if not isinstance(beam, int) or isinstance(beam, bool) or not 1 <= beam <= limits.max_beam:
         raise BadRequest(f"beam must be an integer from 1 to {limits.max_beam}")

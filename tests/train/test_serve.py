@@ -229,6 +229,7 @@ def test_health_info_and_page(server, tiny_torch_run):
     (b'{"texts": ["neun", 3]}', 400, "non-empty list of strings"),
     (b'{"texts": ["neun", "  "]}', 400, "texts[1] is empty"),
     (b'{"texts": ["neun\\nzehn"]}', 400, "line break"),
+    (b'{"texts": ["neun \\ud800"]}', 400, "texts[0] holds a lone surrogate"),
     (json.dumps({"texts": ["neun"] * 65}).encode(), 400, "at most 64 per request"),
     (json.dumps({"texts": ["a" * 2001]}).encode(), 400, "at most 2000"),
     (b'{"texts": ["\xff\xfe neun"]}', 400, "not UTF-8"),
