@@ -433,11 +433,10 @@ class Server:
     def run(self, on_ready: Callable[[str], None] | None = None) -> int:
         """Serve until stopped; `on_ready(url)` once listening. Returns the signal that stopped it (0: none)."""
         stopped_by = []
-        if threading.current_thread() is threading.main_thread():
-            # uvicorn re-raises the signal it caught after its graceful shutdown: handled here, the
-            # process then exits 0 instead of dying of it.
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, lambda signum, frame: stopped_by.append(signum))
+        # uvicorn re-raises the signal it caught after its graceful shutdown: handled here (the process
+        # then exits 0 instead of dying of it), then the caller's own handlers are put back.
+        handlers = {sig: signal.signal(sig, lambda signum, frame: stopped_by.append(signum))
+                    for sig in (signal.SIGTERM, signal.SIGINT) if threading.current_thread() is threading.main_thread()}
 
         async def main():
             task = asyncio.create_task(self.server.serve())
@@ -447,7 +446,11 @@ class Server:
                 on_ready(self.url)
             await task
 
-        asyncio.run(main())
+        try:
+            asyncio.run(main())
+        finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
         if not self.server.started:
             raise UserError(f"could not listen on {self.server.config.host}:{self.server.config.port}")
         return stopped_by[0] if stopped_by else 0

@@ -412,6 +412,13 @@ def test_sigterm_finishes_the_requests_in_flight_and_exits_0(tiny_torch_run):
         proc.wait()
 
 
+def test_run_on_the_main_thread_stops_on_ctrl_c_and_puts_back_the_callers_signal_handlers():
+    before = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
+    asgi = serving.app(decode=lambda texts, options: [], count_tokens=len, info={"backend": "fake"})
+    assert Server(asgi, port=0).run(on_ready=lambda url: os.kill(os.getpid(), signal.SIGINT)) == signal.SIGINT
+    assert [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)] == before  # Ctrl-C interrupts again
+
+
 def test_a_missing_run_is_one_line(tmp_path):
     done = subprocess.run([sys.executable, "-m", "train.serve", "--run-dir", str(tmp_path / "none"), "--port", "0"],
                           cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
