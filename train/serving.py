@@ -438,8 +438,12 @@ class Server:
         handlers = {sig: signal.signal(sig, lambda signum, frame: stopped_by.append(signum))
                     for sig in (signal.SIGTERM, signal.SIGINT) if threading.current_thread() is threading.main_thread()}
 
+        async def serve():
+            with contextlib.suppress(SystemExit):  # uvicorn's way out where it cannot listen (it logged why)
+                await self.server.serve()
+
         async def main():
-            task = asyncio.create_task(self.server.serve())
+            task = asyncio.create_task(serve())
             while not self.server.started and not task.done():
                 await asyncio.sleep(0.02)
             if self.server.started and on_ready is not None:
@@ -456,12 +460,20 @@ class Server:
         return stopped_by[0] if stopped_by else 0
 
     def start(self, timeout: float = 60.0) -> Server:
-        """Serve on a thread; returns once listening."""
-        self.thread = threading.Thread(target=self.run, name="serve", daemon=True)
+        """Serve on a thread; returns once listening (UserError where it cannot listen)."""
+        failed = []
+
+        def run():
+            try:
+                self.run()
+            except UserError as err:  # raised by start(), not printed by the thread
+                failed.append(err)
+
+        self.thread = threading.Thread(target=run, name="serve", daemon=True)
         self.thread.start()
         while not self.server.started:
             if not self.thread.is_alive() or timeout <= 0:
-                raise RuntimeError("the server did not start")
+                raise failed[0] if failed else RuntimeError("the server did not start")
             self.thread.join(0.02)
             timeout -= 0.02
         return self

@@ -23,6 +23,7 @@ pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
 import train
+from train import serve as serve_command
 from train import serving
 from train.loadgen import load_test
 from train.serving import Batcher, Limits, QueueFull, Server
@@ -417,6 +418,18 @@ def test_run_on_the_main_thread_stops_on_ctrl_c_and_puts_back_the_callers_signal
     asgi = serving.app(decode=lambda texts, options: [], count_tokens=len, info={"backend": "fake"})
     assert Server(asgi, port=0).run(on_ready=lambda url: os.kill(os.getpid(), signal.SIGINT)) == signal.SIGINT
     assert [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)] == before  # Ctrl-C interrupts again
+
+
+def test_a_port_in_use_or_out_of_range_is_one_line(capsys):
+    asgi = serving.app(decode=lambda texts, options: [], count_tokens=len, info={"backend": "fake"})
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        for start in (lambda server: server.run(), Server.start):  # uvicorn exits (SystemExit 3) where it cannot bind
+            with pytest.raises(serving.UserError, match=f"could not listen on 127.0.0.1:{port}"):
+                start(Server(asgi, port=port))
+    with pytest.raises(SystemExit):  # not a traceback from bind()
+        serve_command.main(["--run-dir", "run", "--port", "65536"])
+    assert "--port: must be in [0, 65536), got 65536" in capsys.readouterr().err
 
 
 def test_a_missing_run_is_one_line(tmp_path):
