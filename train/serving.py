@@ -428,7 +428,7 @@ class Server:
     @property
     def url(self) -> str:
         host, port = self.server.servers[0].sockets[0].getsockname()[:2]
-        return f"http://{host}:{port}"
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"  # an IPv6 address in brackets
 
     def run(self, on_ready: Callable[[str], None] | None = None) -> int:
         """Serve until stopped; `on_ready(url)` once listening. Returns the signal that stopped it (0: none)."""

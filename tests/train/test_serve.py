@@ -432,6 +432,17 @@ def test_a_port_in_use_or_out_of_range_is_one_line(capsys):
     assert "--port: must be in [0, 65536), got 65536" in capsys.readouterr().err
 
 
+def test_an_ipv6_servers_url_is_one_a_client_can_use():
+    try:
+        socket.create_server(("::1", 0), family=socket.AF_INET6).close()
+    except OSError:
+        pytest.skip("this machine has no IPv6 loopback")
+    asgi = serving.app(decode=lambda texts, options: [], count_tokens=len, info={"backend": "fake"})
+    with Server(asgi, host="::1", port=0).start() as running:
+        assert running.url.startswith("http://[::1]:")
+        assert HTTP.get(f"{running.url}/health").json()["status"] == "ok"
+
+
 def test_a_missing_run_is_one_line(tmp_path):
     done = subprocess.run([sys.executable, "-m", "train.serve", "--run-dir", str(tmp_path / "none"), "--port", "0"],
                           cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
