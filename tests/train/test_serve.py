@@ -23,8 +23,8 @@ pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
 import train
+from train import loadtest, serving
 from train import serve as serve_command
-from train import serving
 from train.loadgen import load_test
 from train.serving import Batcher, Limits, QueueFull, Server
 
@@ -384,6 +384,13 @@ def test_a_short_load_test_has_no_errors_and_batches(server, loaded):
     assert after["sentences"] - before.get("sentences", 0) == result["sentences"]
     assert after["batches"] - before.get("batches", 0) < 48  # requests were decoded together
     assert result["latency_ms"]["p50"] <= result["latency_ms"]["p99"] <= result["latency_ms"]["max"]
+
+
+@pytest.mark.parametrize("flag", [["--unbatched"], ["--serve-args", "--max-wait-ms 2"]])
+def test_loadtest_refuses_the_flags_of_its_own_server_with_url(flag, capsys):
+    with pytest.raises(SystemExit):  # they were ignored: the load went to --url alone
+        loadtest.main(["--run-dir", "run", "--data", "numbers:test", "--url", "http://127.0.0.1:1", *flag])
+    assert "--unbatched and --serve-args start servers of their own: give them without --url" in capsys.readouterr().err
 
 
 def test_sigterm_finishes_the_requests_in_flight_and_exits_0(tiny_torch_run):
