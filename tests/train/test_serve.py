@@ -393,6 +393,16 @@ def test_loadtest_refuses_the_flags_of_its_own_server_with_url(flag, capsys):
     assert "--unbatched and --serve-args start servers of their own: give them without --url" in capsys.readouterr().err
 
 
+def test_a_load_tests_throughput_counts_the_answered_requests_alone():
+    with fake_server(max_texts=1) as running:  # the requests of 2 sentences get 400
+        result = load_test(running.url, ["a", "b"], clients=2, requests=20, max_texts=2)
+    answered = result["statuses"]["200"]
+    assert 0 < answered < 20 and result["errors"] == 20 - answered
+    assert result["sentences"] == answered
+    assert result["sentences_per_s"] == pytest.approx(answered / result["seconds"], rel=0.05)
+    assert result["requests_per_s"] == pytest.approx(answered / result["seconds"], rel=0.05)
+
+
 def test_sigterm_finishes_the_requests_in_flight_and_exits_0(tiny_torch_run):
     # A 1.5 s batching wait holds the request in the server when SIGTERM arrives.
     command = [sys.executable, "-m", "train.serve", "--run-dir", str(tiny_torch_run), "--port", "0",
