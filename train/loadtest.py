@@ -25,7 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--data", metavar="SPEC", help="the source side of a data spec: numbers:test, FILE.tsv, ...")
     source.add_argument("--input", type=Path, help="a file of source sentences, one per line")
-    parser.add_argument("--url", help="load this running server instead of starting one (then no --unbatched or --serve-args)")
+    parser.add_argument("--url",
+                        help="load this running server instead of starting one (then no --unbatched or --serve-args)")
     parser.add_argument("--clients", type=positive_int, default=64, help="concurrent clients (default 64)")
     parser.add_argument("--requests", type=positive_int, default=2000, help="requests in all (default 2000)")
     parser.add_argument("--max-texts", type=positive_int, default=8, help="sentences per request: 1 to N (default 8)")
