@@ -1,7 +1,7 @@
 """`python -m train.loadtest --run-dir RUN --data SPEC` (`aiayn loadtest`): load a served run on loopback.
 
-Starts `python -m train.serve` on the run (or targets --url), sends --requests requests of 1-8
-sentences from --clients concurrent clients, and prints errors, latency percentiles and
+Starts `python -m train.serve` on the run (or targets --url), sends --requests requests of 1 to
+--max-texts sentences from --clients concurrent clients, and prints errors, latency percentiles and
 sentences/s; --unbatched repeats it with one request per batch, --cli times `python -m
 train.translate` on the same sentences (`train.loadgen`, docs/serving.md#load-test).
 """
