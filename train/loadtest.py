@@ -1,7 +1,7 @@
 """`python -m train.loadtest --run-dir RUN --data SPEC` (`aiayn loadtest`): load a served run on loopback.
 
-Starts `python -m train.serve` on the run (or targets --url), sends --requests requests of 1-8
-sentences from --clients concurrent clients, and prints errors, latency percentiles and
+Starts `python -m train.serve` on the run (or targets --url), sends --requests requests of 1 to
+--max-texts sentences from --clients concurrent clients, and prints errors, latency percentiles and
 sentences/s; --unbatched repeats it with one request per batch, --cli times `python -m
 train.translate` on the same sentences (`train.loadgen`, docs/serving.md#load-test).
 """
@@ -25,7 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--data", metavar="SPEC", help="the source side of a data spec: numbers:test, FILE.tsv, ...")
     source.add_argument("--input", type=Path, help="a file of source sentences, one per line")
-    parser.add_argument("--url", help="load this running server instead of starting one (then no --unbatched)")
+    parser.add_argument("--url",
+                        help="load this running server instead of starting one (then no --unbatched or --serve-args)")
     parser.add_argument("--clients", type=positive_int, default=64, help="concurrent clients (default 64)")
     parser.add_argument("--requests", type=positive_int, default=2000, help="requests in all (default 2000)")
     parser.add_argument("--max-texts", type=positive_int, default=8, help="sentences per request: 1 to N (default 8)")
@@ -48,6 +49,8 @@ def row(name: str, result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.url and (args.unbatched or args.serve_args):
+        parser.error("--unbatched and --serve-args start servers of their own: give them without --url")
     try:
         if args.input is not None:
             lines = [line.strip() for line in args.input.read_text(encoding="utf-8").splitlines() if line.strip()]

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from .backends.host_devices import split_host
-from .config import positive_float, positive_int
+from .config import Range, positive_float, positive_int
 from .runtime.files import UserError, error_text
 from .serving import Limits, serve
 
@@ -29,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--run-dir", required=True, type=Path, help="the run directory to serve")
     parser.add_argument("--checkpoint", default="best", help="'best' (the default), 'latest', or a step number")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: a free one)")
+    parser.add_argument("--port", type=Range(int, low=0, below=65536).parse, default=8000,
+                        help="port to listen on (default 8000; 0: a free one)")
     parser.add_argument("--devices", type=positive_int,
                         help="jax runs: decode over the first N devices (default: every visible device)")
     parser.add_argument("--access-log", action="store_true", help="log every request on stderr")

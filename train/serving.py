@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import importlib
 import json
+import re
 import signal
 import threading
 from collections.abc import Callable, Sequence
@@ -204,6 +205,8 @@ def parse_request(body: bytes, limits: Limits) -> tuple[list[str], tuple]:
         raise BadRequest(f"the body is not JSON: {err.msg} at line {err.lineno} column {err.colno}") from None
     except RecursionError:
         raise BadRequest("the body is nested too deeply") from None
+    except ValueError:  # an integer past int's bound on digits (4300 by default)
+        raise BadRequest("the body holds an integer too long to read") from None
     if not isinstance(request, dict):
         raise BadRequest('the body must be a JSON object: {"texts": ["..."], "beam": 4, ...}')
     unknown = sorted(set(request) - set(FIELDS))
@@ -221,6 +224,8 @@ def parse_request(body: bytes, limits: Limits) -> tuple[list[str], tuple]:
             raise BadRequest(f"texts[{i}] has {len(t)} characters; at most {limits.max_text_chars}")
         if "\n" in t or "\r" in t:
             raise BadRequest(f"texts[{i}] holds a line break: send one sentence per string")
+        if re.search("[\ud800-\udfff]", t):  # a \uXXXX escape of half a pair: no character, no tokens
+            raise BadRequest(f"texts[{i}] holds a lone surrogate (an unpaired \\ud800-\\udfff escape)")
     beam = request.get("beam", 4)
     if not isinstance(beam, int) or isinstance(beam, bool) or not 1 <= beam <= limits.max_beam:
         raise BadRequest(f"beam must be an integer from 1 to {limits.max_beam}")
@@ -423,37 +428,52 @@ class Server:
     @property
     def url(self) -> str:
         host, port = self.server.servers[0].sockets[0].getsockname()[:2]
-        return f"http://{host}:{port}"
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"  # an IPv6 address in brackets
 
     def run(self, on_ready: Callable[[str], None] | None = None) -> int:
         """Serve until stopped; `on_ready(url)` once listening. Returns the signal that stopped it (0: none)."""
         stopped_by = []
-        if threading.current_thread() is threading.main_thread():
-            # uvicorn re-raises the signal it caught after its graceful shutdown: handled here, the
-            # process then exits 0 instead of dying of it.
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, lambda signum, frame: stopped_by.append(signum))
+        # uvicorn re-raises the signal it caught after its graceful shutdown: handled here (the process
+        # then exits 0 instead of dying of it), then the caller's own handlers are put back.
+        handlers = {sig: signal.signal(sig, lambda signum, frame: stopped_by.append(signum))
+                    for sig in (signal.SIGTERM, signal.SIGINT) if threading.current_thread() is threading.main_thread()}
+
+        async def serve():
+            with contextlib.suppress(SystemExit):  # uvicorn's way out where it cannot listen (it logged why)
+                await self.server.serve()
 
         async def main():
-            task = asyncio.create_task(self.server.serve())
+            task = asyncio.create_task(serve())
             while not self.server.started and not task.done():
                 await asyncio.sleep(0.02)
             if self.server.started and on_ready is not None:
                 on_ready(self.url)
             await task
 
-        asyncio.run(main())
+        try:
+            asyncio.run(main())
+        finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
         if not self.server.started:
             raise UserError(f"could not listen on {self.server.config.host}:{self.server.config.port}")
         return stopped_by[0] if stopped_by else 0
 
     def start(self, timeout: float = 60.0) -> Server:
-        """Serve on a thread; returns once listening."""
-        self.thread = threading.Thread(target=self.run, name="serve", daemon=True)
+        """Serve on a thread; returns once listening (UserError where it cannot listen)."""
+        failed = []
+
+        def run():
+            try:
+                self.run()
+            except UserError as err:  # raised by start(), not printed by the thread
+                failed.append(err)
+
+        self.thread = threading.Thread(target=run, name="serve", daemon=True)
         self.thread.start()
         while not self.server.started:
             if not self.thread.is_alive() or timeout <= 0:
-                raise RuntimeError("the server did not start")
+                raise failed[0] if failed else RuntimeError("the server did not start")
             self.thread.join(0.02)
             timeout -= 0.02
         return self

@@ -23,7 +23,8 @@ pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
 import train
-from train import serving
+from train import loadtest, serving
+from train import serve as serve_command
 from train.loadgen import load_test
 from train.serving import Batcher, Limits, QueueFull, Server
 
@@ -216,6 +217,7 @@ def test_health_info_and_page(server, tiny_torch_run):
     (b'{"texts": ["neun"], "beam": -1}', 400, "beam must be an integer from 1 to 16"),
     (b'{"texts": ["neun"], "beam": 0}', 400, "beam must be"),
     (b'{"texts": ["neun"], "beam": 1000000000000000000000000000000}', 400, "beam must be"),
+    (b'{"texts": ["neun"], "beam": ' + b"1" * 5000 + b"}", 400, "an integer too long to read"),
     (b'{"texts": ["neun"], "beam": 2.5}', 400, "beam must be"),
     (b'{"texts": ["neun"], "beam": true}', 400, "beam must be"),
     (b'{"texts": ["neun"], "alpha": -0.5}', 400, "alpha must be"),
@@ -228,6 +230,7 @@ def test_health_info_and_page(server, tiny_torch_run):
     (b'{"texts": ["neun", 3]}', 400, "non-empty list of strings"),
     (b'{"texts": ["neun", "  "]}', 400, "texts[1] is empty"),
     (b'{"texts": ["neun\\nzehn"]}', 400, "line break"),
+    (b'{"texts": ["neun \\ud800"]}', 400, "texts[0] holds a lone surrogate"),
     (json.dumps({"texts": ["neun"] * 65}).encode(), 400, "at most 64 per request"),
     (json.dumps({"texts": ["a" * 2001]}).encode(), 400, "at most 2000"),
     (b'{"texts": ["\xff\xfe neun"]}', 400, "not UTF-8"),
@@ -383,6 +386,23 @@ def test_a_short_load_test_has_no_errors_and_batches(server, loaded):
     assert result["latency_ms"]["p50"] <= result["latency_ms"]["p99"] <= result["latency_ms"]["max"]
 
 
+@pytest.mark.parametrize("flag", [["--unbatched"], ["--serve-args", "--max-wait-ms 2"]])
+def test_loadtest_refuses_the_flags_of_its_own_server_with_url(flag, capsys):
+    with pytest.raises(SystemExit):  # they were ignored: the load went to --url alone
+        loadtest.main(["--run-dir", "run", "--data", "numbers:test", "--url", "http://127.0.0.1:1", *flag])
+    assert "--unbatched and --serve-args start servers of their own: give them without --url" in capsys.readouterr().err
+
+
+def test_a_load_tests_throughput_counts_the_answered_requests_alone():
+    with fake_server(max_texts=1) as running:  # the requests of 2 sentences get 400
+        result = load_test(running.url, ["a", "b"], clients=2, requests=20, max_texts=2)
+    answered = result["statuses"]["200"]
+    assert 0 < answered < 20 and result["errors"] == 20 - answered
+    assert result["sentences"] == answered
+    assert result["sentences_per_s"] == pytest.approx(answered / result["seconds"], rel=0.05)
+    assert result["requests_per_s"] == pytest.approx(answered / result["seconds"], rel=0.05)
+
+
 def test_sigterm_finishes_the_requests_in_flight_and_exits_0(tiny_torch_run):
     # A 1.5 s batching wait holds the request in the server when SIGTERM arrives.
     command = [sys.executable, "-m", "train.serve", "--run-dir", str(tiny_torch_run), "--port", "0",
@@ -408,6 +428,36 @@ def test_sigterm_finishes_the_requests_in_flight_and_exits_0(tiny_torch_run):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_run_on_the_main_thread_stops_on_ctrl_c_and_puts_back_the_callers_signal_handlers():
+    before = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
+    asgi = serving.app(decode=lambda texts, options: [], count_tokens=len, info={"backend": "fake"})
+    assert Server(asgi, port=0).run(on_ready=lambda url: os.kill(os.getpid(), signal.SIGINT)) == signal.SIGINT
+    assert [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)] == before  # Ctrl-C interrupts again
+
+
+def test_a_port_in_use_or_out_of_range_is_one_line(capsys):
+    asgi = serving.app(decode=lambda texts, options: [], count_tokens=len, info={"backend": "fake"})
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        for start in (lambda server: server.run(), Server.start):  # uvicorn exits (SystemExit 3) where it cannot bind
+            with pytest.raises(serving.UserError, match=f"could not listen on 127.0.0.1:{port}"):
+                start(Server(asgi, port=port))
+    with pytest.raises(SystemExit):  # not a traceback from bind()
+        serve_command.main(["--run-dir", "run", "--port", "65536"])
+    assert "--port: must be in [0, 65536), got 65536" in capsys.readouterr().err
+
+
+def test_an_ipv6_servers_url_is_one_a_client_can_use():
+    try:
+        socket.create_server(("::1", 0), family=socket.AF_INET6).close()
+    except OSError:
+        pytest.skip("this machine has no IPv6 loopback")
+    asgi = serving.app(decode=lambda texts, options: [], count_tokens=len, info={"backend": "fake"})
+    with Server(asgi, host="::1", port=0).start() as running:
+        assert running.url.startswith("http://[::1]:")
+        assert HTTP.get(f"{running.url}/health").json()["status"] == "ok"
 
 
 def test_a_missing_run_is_one_line(tmp_path):
