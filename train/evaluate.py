@@ -65,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
             result = run.evaluate(args.data, beam=args.beam, alpha=args.alpha, scoring=args.scoring,
                                   max_sentences=args.max_sentences, lowercase=lowercase, moses=args.moses,
                                   samples=args.samples)
-    except (UserError, FileNotFoundError, ValueError) as err:
-        parser.exit(1, f"error: {err}\n")
+    except (UserError, OSError, ValueError) as err:  # OSError: e.g. an hf: spec with the Hub out of reach
+        parser.exit(1, f"error: {error_text(err)}\n")
     text = json_text(result)  # strict JSON: a non-finite score is null, never NaN
     print(text)
     if args.output is not None:
