@@ -11,14 +11,13 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import jax
 import torch
 
 from torch_reference.config import TransformerConfig
 from train.config import flag_type, non_negative_int, positive_int
-from train.runtime.files import json_text
+from train.runtime.files import json_text, output_path
 
 from .comparison import VARIANTS, bounds_for, failures, run_check
 
@@ -35,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--src-len", type=positive_int, default=23, help="padded source length (default 23)")
     parser.add_argument("--tgt-len", type=positive_int, default=17, help="padded target length (default 17)")
     parser.add_argument("--seed", type=non_negative_int, default=0)
-    parser.add_argument("--json", type=Path, help="write the full report (every parameter) to this file")
+    parser.add_argument("--json", type=output_path, help="write the full report (every parameter) to this file")
     return parser
 
 
@@ -71,7 +70,6 @@ def main(argv: list[str] | None = None) -> int:
         for line in report["failures"]:
             print(f"  bound exceeded: {line}")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
         payload = {"preset": args.preset, "passed": not failed, "device": jax.devices()[0].device_kind,
                    "versions": {"jax": jax.__version__, "torch": torch.__version__}, "results": results}
         args.json.write_text(json_text(payload))

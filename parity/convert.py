@@ -75,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     dst = Path(args.dst)
     if dst.exists() and not args.overwrite:  # a refused destination is a file problem (1), not a flag's (2)
         parser.exit(1, f"error: {dst} exists; pass --overwrite to replace it\n")
+    reads_run = args.source_format is None and (args.run_dir is not None or args.to in ("marian", "ctranslate2"))
+    for flag, value in (("--checkpoint", args.checkpoint), ("--proof-sentences", args.proof_sentences)):
+        if value is not None and not reads_run:  # weights alone or an import have no checkpoints, no proof
+            parser.error(f"{flag} goes with --run-dir, or with --to marian or ctranslate2")
     try:
         if args.source_format is not None or args.to in ("marian", "ctranslate2"):
             return _interop_cli(parser, args)
@@ -84,8 +88,6 @@ def main(argv: list[str] | None = None) -> int:
             parser.exit(1, f"error: {problem}\n")  # checked before any work, so nothing is left half-made
         if args.run_dir is not None:
             return _convert_run_cli(parser, args)
-        if args.checkpoint is not None:
-            parser.error("--checkpoint goes with --run-dir")
         if args.to == "jax":
             state_dict, cfg = load_torch_weights(args.src)
             save_jax_weights(torch_to_jax(state_dict, cfg), dst, overwrite=args.overwrite)

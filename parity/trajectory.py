@@ -15,14 +15,13 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
-from pathlib import Path
 
 import jax
 import torch
 
 from torch_reference.config import TransformerConfig
 from train.config import DERIVED_MODEL_FIELDS, flag_type, non_negative_int, positive_float, positive_int, probability
-from train.runtime.files import json_text
+from train.runtime.files import json_text, output_path
 
 from .trajectories import BOUNDS, PAPER_WARMUP, experiment_config, growth, growth_exponent, parity_report, plot
 
@@ -83,8 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--control", action="store_true", help="also train torch from the initial weights moved "
                         "by one ulp: float32's own drift (not bounded)")
-    parser.add_argument("--json", type=Path, help="write the full report (every update, every parameter) here")
-    parser.add_argument("--plot", type=Path, help="write a PNG of the differences per update here")
+    parser.add_argument("--json", type=output_path, help="write the full report (every update, every parameter) here")
+    parser.add_argument("--plot", type=output_path, help="write a PNG of the differences per update here")
     return parser
 
 
@@ -106,7 +105,6 @@ def main(argv: list[str] | None = None) -> int:
                   command="python -m parity.trajectory " + " ".join(sys.argv[1:] if argv is None else argv))
     print_report(report)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json_text(report))
     if args.plot:
         print(f"  plot: {plot(report, args.plot)}")

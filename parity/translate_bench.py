@@ -37,7 +37,7 @@ from train.backends import host_devices
 from train.config import add_run_arguments, positive_int
 from train.data.spm import require
 from train.data.streams import read_lines
-from train.runtime.files import UserError, json_text, write_text_atomic
+from train.runtime.files import UserError, json_text, output_path, write_text_atomic
 
 from .comparison import enable_parity_numerics
 from .search_speed import benchmark
@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_arguments(parser)
     parser.add_argument("--input", type=Path, help="text file, one source sentence per line (plain or .gz); default: stdin")
     parser.add_argument("--batch-size", type=positive_int, help="at most N sentences per batch; default: the run's --token-budget")
-    parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
+    parser.add_argument("--json", type=output_path, help="also write the figures to this JSON file")
     parser.add_argument("--ctranslate2", action="store_true", help="also time the run exported to CTranslate2 in "
                         "float32 and int8 (needs the interop extra: pip install -e \".[interop]\")")
     parser.add_argument("--hf", action="store_true", help="also time HF transformers' generate on the run's weights "

@@ -14,14 +14,13 @@ import os
 import platform
 import subprocess
 import sys
-from pathlib import Path
 
 from torch_reference.config import TransformerConfig
 
 from .backends import allocator
 from .benchmark import BACKENDS, PRECISIONS, REMAT_MODES, _cpu_name, run_worker, write_plot
 from .config import KERNEL_CHOICES, non_negative_int, positive_int, probability
-from .runtime.files import UserError, check_output_file, json_text, write_text_atomic
+from .runtime.files import json_text, output_path, write_text_atomic
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,8 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "backend without then with it, side by side (default off)")
     parser.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto",
                         help="train.run --kernels: the models' kernel set (default auto)")
-    parser.add_argument("--json", type=Path, help="write all figures to this JSON file")
-    parser.add_argument("--plot", type=Path, help="write a bar chart of step times to this PNG")
+    parser.add_argument("--json", type=output_path, help="write all figures to this JSON file")
+    parser.add_argument("--plot", type=output_path, help="write a bar chart of step times to this PNG")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--preset", help=argparse.SUPPRESS)
     parser.add_argument("--backend", help=argparse.SUPPRESS)
@@ -80,12 +79,6 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             if name not in known:
                 parser.error(f"unknown {flag[2:-1]} {name!r}; choose from {', '.join(known)}")
-    for flag, path in (("--json", args.json), ("--plot", args.plot)):
-        if path is not None:
-            try:  # before any worker runs, not after minutes of them
-                check_output_file(path, flag)
-            except UserError as err:
-                parser.error(str(err))
     batch_size = max(1, args.batch_tokens // args.length)
     machine = {"cpu": _cpu_name(), "cpus": os.cpu_count(), "platform": platform.platform()}
     record = {"machine": machine, "batch": [batch_size, args.length],

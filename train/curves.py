@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .plots import plot_curves, run_title
 from .runtime import CURVES_FILE, RESULTS_FILE
-from .runtime.files import UserError, check_output_file, error_text, json_text
+from .runtime.files import UserError, error_text, json_text, output_file
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,9 +30,10 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as err:
         parser.exit(1, f"error: no finished run in {run_dir} ({err}); TensorBoard shows a run still training\n")
     history = results.get("history") or {}
+    out = Path(args.out or run_dir / CURVES_FILE)
     try:
-        check_output_file(args.out or run_dir / CURVES_FILE, "--out")
-        out = plot_curves(history, args.out or run_dir / CURVES_FILE, run_title(results))
+        output_file(out, "--out", [run_dir / RESULTS_FILE], f"--run-dir {run_dir}")
+        plot_curves(history, out, run_title(results))
     except (UserError, OSError) as err:
         parser.exit(1, f"error: {error_text(err)}\n")
     print(json_text({"curves": str(out), "train_points": len(history.get("train") or []),

@@ -65,15 +65,15 @@ def main(argv: list[str] | None = None) -> int:
             result = run.evaluate(args.data, beam=args.beam, alpha=args.alpha, scoring=args.scoring,
                                   max_sentences=args.max_sentences, lowercase=lowercase, moses=args.moses,
                                   samples=args.samples)
-    except (UserError, FileNotFoundError, ValueError) as err:
-        parser.exit(1, f"error: {err}\n")
+    except (UserError, OSError, ValueError) as err:  # OSError: e.g. an hf: spec with the Hub out of reach
+        parser.exit(1, f"error: {error_text(err)}\n")
     text = json_text(result)  # strict JSON: a non-finite score is null, never NaN
-    print(text)
-    if args.output is not None:
-        try:
+    try:
+        print(text, flush=True)
+        if args.output is not None:
             write_output(args.output, target, text + "\n")
-        except OSError as err:  # a full disk, a read-only place: the JSON is on stdout all the same
-            parser.exit(1, f"error: {error_text(err)}\n")
+    except OSError as err:  # a closed pipe (| head); a full disk, a read-only place: the JSON is on stdout
+        parser.exit(1, f"error: {error_text(err)}\n")
     return 0
 
 

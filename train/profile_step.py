@@ -15,14 +15,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-from pathlib import Path
 
 from torch_reference.config import TransformerConfig
 
 from .benchmark import _cpu_name
 from .config import positive_int
 from .profiling import jax_parts, torch_parts, xla_cpu_ab, xla_op_split
-from .runtime.files import json_text
+from .runtime.files import json_text, output_path
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--length", type=positive_int, default=32, help="tokens per sentence, source and target (default 32)")
     parser.add_argument("--vocab", type=positive_int, default=8000, help="shared vocabulary size (default 8000)")
     parser.add_argument("--repeats", type=positive_int, default=10, help="timed runs per part (default 10)")
-    parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
+    parser.add_argument("--json", type=output_path, help="also write the figures to this JSON file")
     parser.add_argument("--xla-ops", action="store_true",
                         help="instead: split JAX's forward + backward time into matmuls and other operations")
     parser.add_argument("--xla-cpu-ab", action="store_true",

@@ -18,6 +18,7 @@ from . import recipes
 from .backends.host_devices import check_xla_flags
 from .config import RECIPE_FILE, ExperimentConfig
 from .recipes import LAUNCH_DECISIONS, recipe_flags
+from .runtime import read_experiment
 from .runtime.files import UserError, error_text, read_json
 
 EPILOG = """\
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None, *, process_settings: bool = False) -> in
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    if process_settings and cfg.backend == "jax":
+    if process_settings and _backend(cfg) == "jax":
         from .backends import allocator
 
         allocator.use_huge_pages()
@@ -138,6 +139,14 @@ def main(argv: list[str] | None = None, *, process_settings: bool = False) -> in
     return 0
 
 
+def _backend(cfg: ExperimentConfig) -> str:
+    """The backend this launch trains with: on --resume the run's own, which --backend need not repeat."""
+    try:
+        return read_experiment(cfg.run_dir).backend if cfg.resume and cfg.run_dir else cfg.backend
+    except UserError:  # no run there, or a damaged one: train() says so
+        return cfg.backend
+
+
 def _init_dir(cfg: ExperimentConfig, scratch: Path) -> Path | None:
     """Where --init-from's weights are read when its SOURCE is no run of this backend: a Marian
     model (a directory or hf:ORG/NAME) imported, or the other framework's run converted, into
@@ -145,7 +154,6 @@ def _init_dir(cfg: ExperimentConfig, scratch: Path) -> Path | None:
     checkpoint yet, so starts from its source again."""
     source, backend = cfg.init_from, cfg.backend
     if source is None and cfg.resume and cfg.run_dir and (Path(cfg.run_dir) / "config.json").is_file():
-        from .runtime import read_experiment
         from .runtime.rundir import has_checkpoint
 
         if not has_checkpoint(Path(cfg.run_dir)):

@@ -159,6 +159,18 @@ def test_cli_round_trip_and_errors(tmp_path, capsys):
     assert code == 1 and "no weights file" in err
 
 
+@pytest.mark.parametrize("flag,value", [("--checkpoint", "5"), ("--proof-sentences", "missing.txt")])
+@pytest.mark.parametrize("source", [["--to", "jax", "--src", "model.safetensors"], ["--to", "torch", "--src", "jax/"],
+                                    ["--to", "torch", "--from", "marian", "--src", "hf-dir"]])
+def test_cli_refuses_run_flags_without_a_run(source, flag, value, tmp_path, capsys):
+    """Weights alone and a Marian import have no checkpoint to pick nor proof to run: the flag was ignored."""
+    with pytest.raises(SystemExit) as exited:
+        main([*source, "--dst", str(tmp_path / "out"), flag, value])
+    assert exited.value.code == 2
+    assert f"error: {flag} goes with --run-dir, or with --to marian or ctranslate2" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_cli_help_explains_both_directions(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--help"])

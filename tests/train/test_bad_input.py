@@ -203,6 +203,34 @@ def test_evaluate_refuses_empty_data_and_missing_runs(trained, tmp_path, capsys)
     assert json.loads((tmp_path / "e.json").read_text())["sentences"] == 4
 
 
+def test_evaluate_says_the_hub_is_out_of_reach_in_one_line(trained, capsys, monkeypatch):
+    """datasets' ConnectionError (an OSError) for an hf: spec offline: one line, as train.score and train.run say it;
+    evaluate caught FileNotFoundError alone and printed a traceback."""
+    import datasets
+
+    def offline(name, *args, **kwargs):
+        raise ConnectionError(f"Couldn't reach '{name}' on the Hub (OfflineModeIsEnabled)")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(SystemExit) as exit_info:
+        evaluate.main(["--run-dir", str(trained), "--data", "hf:org/corpus:test"])
+    assert_one_error(exit_info.value.code, capsys.readouterr().err, "error: Couldn't reach 'org/corpus' on the Hub")
+
+
+def test_evaluate_into_a_closed_pipe_is_one_line(trained, capsys, monkeypatch):
+    """`train.evaluate ... | head -1`: the reader gone, one error line as translate says it, not a BrokenPipeError
+    traceback from the print."""
+
+    class ClosedPipe(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(sys, "stdout", ClosedPipe())
+    with pytest.raises(SystemExit) as exit_info:
+        evaluate.main(["--run-dir", str(trained), "--data", "numbers:valid", "--beam", "1"])
+    assert_one_error(exit_info.value.code, capsys.readouterr().err, "error: Broken pipe")
+
+
 def test_malformed_json_lines_name_the_file(tmp_path, corpus, capsys):
     bad = write(tmp_path / "pairs.jsonl", '{"source": "eins", "target": "one"}\n{"source": broken\n')
     code, _, err = train_cli(capsys, "--run-dir", str(tmp_path / "run"), *data_flags(str(bad), f"de:en:{corpus}"))

@@ -140,6 +140,21 @@ def test_bad_arguments_are_refused_before_anything_runs():
         assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr
 
 
+@pytest.mark.parametrize("command", ["train.profile_step", "parity.check", "parity.trajectory", "parity.translate_bench"])
+def test_report_files_are_refused_before_the_work(command, tmp_path, capsys):
+    """--json (--plot) a directory or in a missing one: a usage error while the flags are read, as train.bench's;
+    these commands wrote them after the work (minutes of it), with a traceback."""
+    import importlib
+
+    parser = importlib.import_module(command).build_parser()
+    for where, says in ((tmp_path, "is a directory"), (tmp_path / "missing" / "r.json", "does not exist")):
+        for flag in [f for f in ("--json", "--plot") if f in parser._option_string_actions]:
+            with pytest.raises(SystemExit) as exited:
+                parser.parse_args(["--run-dir", "RUN", flag, str(where)][2 * (command != "parity.translate_bench"):])
+            err = capsys.readouterr().err
+            assert exited.value.code == 2 and f"argument {flag}: {where}" in err and says in err
+
+
 @pytest.mark.slow  # ~20 s
 def test_profile_step_times_every_part_in_both_frameworks(tmp_path, capsys, monkeypatch):
     measured = {}  # the seconds each framework's timing returned, as profile_step's table must report them

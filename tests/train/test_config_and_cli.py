@@ -139,3 +139,14 @@ def test_cli_help_and_clean_errors(tmp_path):
         assert message in result.stderr and "Traceback" not in result.stderr, result.stderr
     # A run that failed on its data leaves no run behind: the same --run-dir works next time.
     assert not (tmp_path / "r").exists() or not any((tmp_path / "r").iterdir())
+
+
+def test_resume_without_backend_takes_the_process_settings_of_the_runs_own(run_copy, monkeypatch, capsys):
+    """A torch run resumed without --backend: --backend's default (jax) re-executed the process for JAX's allocator
+    (huge pages), so everything before it ran and printed twice."""
+    from train.backends import allocator
+
+    asked = []
+    monkeypatch.setattr(allocator, "use_huge_pages", lambda: asked.append(True))
+    assert run.main(["--run-dir", str(run_copy), "--resume", "--steps", "2", "--no-progress"], process_settings=True) == 0
+    assert asked == [] and "nothing to do" in capsys.readouterr().out

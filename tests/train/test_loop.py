@@ -92,6 +92,20 @@ def test_short_run_learns_and_writes_results(short_run, capsys):
     })
 
 
+def test_curves_never_draws_over_the_results_it_reads(run_copy, capsys):
+    """train.curves --out RUN/results.json (or a link to it) is refused: it wrote the PNG over the run's results."""
+    from train import curves
+
+    results = (run_copy / runtime.RESULTS_FILE).read_bytes()
+    (run_copy / "link.json").symlink_to(runtime.RESULTS_FILE)
+    for out in (runtime.RESULTS_FILE, "link.json"):
+        with pytest.raises(SystemExit) as exited:
+            curves.main(["--run-dir", str(run_copy), "--out", str(run_copy / out)])
+        assert exited.value.code == 1
+        assert f"--out {run_copy / out} is a file of --run-dir {run_copy}" in capsys.readouterr().err
+    assert (run_copy / runtime.RESULTS_FILE).read_bytes() == results
+
+
 @pytest.mark.parametrize("short_run", BOTH_JAX_SLOW, indirect=True)
 def test_learning_curves(short_run, tmp_path, capsys):
     """Every run draws curves.png; train.curves redraws it from results.json."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import errno
 import json
@@ -126,6 +127,16 @@ def check_output_file(path: str | Path, flag: str) -> None:
         raise UserError(f"{flag} {path}: directory {path.parent} does not exist")
     if not os.access(path.parent, os.W_OK):
         raise UserError(f"{flag} {path}: directory {path.parent} is not writable")
+
+
+def output_path(text: str) -> Path:
+    """argparse type of a file a command writes after its work (--json, --plot): refused as
+    `check_output_file` refuses it while the flags are read, not after minutes of work."""
+    try:
+        check_output_file(text, "")
+    except UserError as err:
+        raise argparse.ArgumentTypeError(str(err).lstrip()) from None
+    return Path(text)
 
 
 # A descriptor this process holds: `>(cmd)`, `3>file`, /dev/stdout; written through a copy of it.
