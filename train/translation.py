@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from torch_reference.config import POSITIVE, SCORINGS, Range
+
 from . import data
 from .backends import Hypotheses, Translator
 from .runtime.files import UserError, quoted
@@ -86,8 +88,14 @@ def check_sampling(sample: Sampling | None, n_best: int | None, prefixes: bool, 
         raise UserError(f"--sample with --scoring {scoring}: scoring ranks a beam's hypotheses, a sample is not ranked")
 
 
-def check_search(beam: int, n_best: int | None) -> None:
-    """UserError unless n_best is between 1 and the beam (a beam search keeps `beam` hypotheses)."""
+def check_search(beam: int, n_best: int | None, alpha: float = 0.6, scoring: str = "gnmt") -> None:
+    """UserError unless beam is a positive integer, alpha a number >= 0, scoring one of SCORINGS and
+    n_best between 1 and the beam (a beam search keeps `beam` hypotheses)."""
+    for flag, value, allowed in (("--beam", beam, POSITIVE), ("--alpha", alpha, Range(float, low=0.0))):
+        if (problem := allowed.error(value)) is not None:
+            raise UserError(f"{flag} {problem}")
+    if scoring not in SCORINGS:
+        raise UserError(f"--scoring {scoring}: expected one of {', '.join(SCORINGS)}")
     if n_best is not None and not 1 <= n_best <= beam:
         raise UserError(f"--n-best {n_best} must be between 1 and --beam {beam}: a beam search keeps beam hypotheses")
 
@@ -167,7 +175,7 @@ def translate_texts(backend: Translator, tokenizers: data.Tokenizers, texts: Seq
     shapes (shared by any set of texts: fewer programs for JAX to compile). `sample`: random samples
     instead of the search (beam_size and alpha unused), text i keying its random numbers by
     `first_id` + i; `Hypothesis` lists when num_samples > 1 or `hypotheses` (also for one)."""
-    check_search(beam_size, n_best)
+    check_search(beam_size, n_best, alpha, scoring)
     check_sampling(sample, n_best, prefixes is not None and any(prefixes), scoring)
     src_ids = data.encode(tokenizers.src, list(texts))
     prefix_ids = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 
@@ -159,6 +160,22 @@ def test_python_api_refuses_bad_combinations(tiny_torch_run):
             run.score(TEXTS[:2], ["one"])
         with pytest.raises(UserError, match="target 1 has 31 tokens with <eos>, more than the model's max_len 16"):
             run.score(TEXTS[:1], [" ".join(["one"] * 30)])
+
+
+def test_python_api_refuses_bad_search_settings_before_any_work(tiny_torch_run):
+    """A beam of 0 was an IndexError deep in the search, -1 a RuntimeError, 2.5 a TypeError; evaluate
+    met them only after computing the loss."""
+    pairs = list(zip(TEXTS, TEXTS))
+    with train.load(tiny_torch_run) as run:
+        for options, message in (({"beam": 0}, "--beam must be >= 1, got 0"), ({"beam": -1}, "--beam must be >= 1"),
+                                 ({"beam": 2.5}, "--beam must be an integer, got 2.5"),
+                                 ({"alpha": -1}, "--alpha must be >= 0, got -1"),
+                                 ({"alpha": "0.6"}, "--alpha must be a number, got '0.6'"),
+                                 ({"scoring": "best"}, "--scoring best: expected one of gnmt, hf")):
+            with pytest.raises(UserError, match=f"^{re.escape(message)}"):
+                run.translate(TEXTS, **options)
+            with pytest.raises(UserError, match=f"^{re.escape(message)}"):
+                run.evaluate(pairs, **options)
 
 
 def test_score_command_prints_one_line_per_pair(tiny_torch_run, tmp_path, capsys):
