@@ -10,14 +10,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from torch_reference.config import TransformerConfig
+from torch_reference.config import NON_NEGATIVE, POSITIVE, TransformerConfig
 
 from . import data
 from .backends import Backend, create_backend, initialize
 from .config import ENSEMBLE_AVERAGES, ExperimentConfig
 from .runtime import CHECKPOINTS, UserError, read_experiment, read_run
 from .runtime.rundir import check_set_aside
-from .translation import Hypothesis
+from .translation import Hypothesis, check_numbers
 
 
 @dataclasses.dataclass
@@ -102,6 +102,7 @@ class Run:
         from .data.splits import load_split
         from .metrics import evaluate_pairs
 
+        check_numbers({"--max-sentences": (max_sentences, POSITIVE), "--samples": (samples, NON_NEGATIVE)})
         spec = pairs if isinstance(pairs, str) else None
         pairs = load_split(self.config, pairs) if spec is not None else [(s, t) for s, t in pairs]
         cfg = self.config

@@ -88,12 +88,18 @@ def check_sampling(sample: Sampling | None, n_best: int | None, prefixes: bool, 
         raise UserError(f"--sample with --scoring {scoring}: scoring ranks a beam's hypotheses, a sample is not ranked")
 
 
+def check_numbers(settings: dict[str, tuple[Any, Range]]) -> None:
+    """UserError naming the flag of the first setting ({flag: (value, its range)}) whose range refuses
+    its value; a value of None (a default) is not checked."""
+    for flag, (value, allowed) in settings.items():
+        if value is not None and (problem := allowed.error(value)) is not None:
+            raise UserError(f"{flag} {problem}")
+
+
 def check_search(beam: int, n_best: int | None, alpha: float = 0.6, scoring: str = "gnmt") -> None:
     """UserError unless beam is a positive integer, alpha a number >= 0, scoring one of SCORINGS and
     n_best between 1 and the beam (a beam search keeps `beam` hypotheses)."""
-    for flag, value, allowed in (("--beam", beam, POSITIVE), ("--alpha", alpha, Range(float, low=0.0))):
-        if (problem := allowed.error(value)) is not None:
-            raise UserError(f"{flag} {problem}")
+    check_numbers({"--beam": (beam, POSITIVE), "--alpha": (alpha, Range(float, low=0.0))})
     if scoring not in SCORINGS:
         raise UserError(f"--scoring {scoring}: expected one of {', '.join(SCORINGS)}")
     if n_best is not None and not 1 <= n_best <= beam:
