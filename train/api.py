@@ -105,6 +105,8 @@ class Run:
         check_numbers({"--max-sentences": (max_sentences, POSITIVE), "--samples": (samples, NON_NEGATIVE)})
         spec = pairs if isinstance(pairs, str) else None
         pairs = load_split(self.config, pairs) if spec is not None else [(s, t) for s, t in pairs]
+        if not pairs:  # sacreBLEU's scores need a sentence
+            raise UserError(f"{spec or 'pairs'} holds no sentence pairs")
         cfg = self.config
         seen = {s for s, _ in load_split(cfg, "numbers:train")} if cfg.uses_numbers_corpus else None
         result = evaluate_pairs(self.backend, self.tokenizers, pairs, max_len=cfg.max_len,

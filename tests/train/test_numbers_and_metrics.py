@@ -173,3 +173,20 @@ def test_evaluate_refuses_a_bad_sentence_count_or_sample_count(tiny_torch_run):
                                  ({"samples": -1}, "--samples must be >= 0, got -1")):
             with pytest.raises(UserError, match=f"^{message}$"):
                 run.evaluate(pairs, beam=1, **options)
+
+
+def test_evaluating_no_pairs_is_one_error_line(tiny_torch_run, capsys):
+    """An empty list of pairs, or numbers:test of a run trained with numbers_test=0, was an
+    IndexError from sacreBLEU, in Python and through train.evaluate alike."""
+    import train
+    from train import evaluate
+    from train.runtime import UserError
+
+    from .cli import run_cli
+
+    with train.load(tiny_torch_run) as run:
+        for spec, message in (([], "pairs holds no sentence pairs"), ("numbers:test", "numbers:test holds no sentence pairs")):
+            with pytest.raises(UserError, match=f"^{message}$"):
+                run.evaluate(spec, beam=1)
+    code, out, err = run_cli(evaluate.main, capsys, "--run-dir", str(tiny_torch_run), "--data", "numbers:test")
+    assert (code, out, err) == (1, "", "error: numbers:test holds no sentence pairs\n")
