@@ -97,8 +97,9 @@ class Run:
                  moses: str | None = None, samples: int = 0) -> dict[str, Any]:
         """What `python -m train.evaluate` prints: loss, perplexity, BLEU and chrF with their
         signatures, exact match (per number of digits for number data) on `pairs`, a data spec
-        ("numbers:test", "de:en:PREFIX", "FILE.tsv", ...) or (source, target) pairs. An ensemble's
-        result also names its other runs ("ensemble") and every run's step ("steps")."""
+        ("numbers:test", "de:en:PREFIX", "FILE.tsv", ...) or (source, target) pairs; "bleu_lc" with
+        `lowercase`, and always for a run trained with --lowercase (its translations are lowercase).
+        An ensemble's result also names its other runs ("ensemble") and every run's step ("steps")."""
         from .data.splits import load_split
         from .metrics import evaluate_pairs
 
@@ -111,8 +112,8 @@ class Run:
         seen = {s for s, _ in load_split(cfg, "numbers:train")} if cfg.uses_numbers_corpus else None
         result = evaluate_pairs(self.backend, self.tokenizers, pairs, max_len=cfg.max_len,
                                 token_budget=cfg.token_budget, max_sentences=max_sentences, samples=samples,
-                                beam_size=beam, alpha=alpha, scoring=scoring, lowercase=lowercase, moses=moses,
-                                seen=seen)
+                                beam_size=beam, alpha=alpha, scoring=scoring, lowercase=lowercase or cfg.lowercase,
+                                moses=moses, seen=seen)
         ensemble = {"ensemble": [str(m.run_dir) for m in self.members], "steps": self.steps} if self.members else {}
         return {"run_dir": str(self.run_dir), "data": spec, "step": self.step, **ensemble, "beam": beam,
                 "alpha": alpha, "scoring": scoring, **result}

@@ -190,3 +190,15 @@ def test_evaluating_no_pairs_is_one_error_line(tiny_torch_run, capsys):
                 run.evaluate(spec, beam=1)
     code, out, err = run_cli(evaluate.main, capsys, "--run-dir", str(tiny_torch_run), "--data", "numbers:test")
     assert (code, out, err) == (1, "", "error: numbers:test holds no sentence pairs\n")
+
+
+def test_evaluate_scores_lowercased_bleu_for_a_lowercased_run_as_the_command_does(run_copy):
+    """train.evaluate adds bleu_lc for a run trained with --lowercase; Run.evaluate left it out."""
+    import json
+
+    import train
+
+    config = json.loads((run_copy / "config.json").read_text())
+    (run_copy / "config.json").write_text(json.dumps({**config, "lowercase": True}))
+    with train.load(run_copy) as run:
+        assert "bleu_lc" in run.evaluate([data.number_words(7)], beam=1)
