@@ -231,22 +231,23 @@ def _load_one(run_dir: Path, checkpoint: str | int = "best", backend: str | None
 
 def fit(config: ExperimentConfig | dict[str, Any] | str | os.PathLike | None = None, **overrides: Any) -> dict[str, Any]:
     """Train the run `config` describes and return what its results.json holds: `config` is an
-    `ExperimentConfig`, a dict of its fields, a recipe file (recipes/*.toml) or None (the
-    defaults: the numbers corpus); `overrides` are fields on top, e.g. `steps=300`,
-    `run_dir="runs/mine"`, `resume=True`. Raises UserError for bad settings, `runtime.Interrupted`
-    on SIGTERM/Ctrl-C (after saving a checkpoint)."""
+    `ExperimentConfig`, a dict of its fields, a recipe file (recipes/*.toml; also as a `recipe`
+    field of the dict or the overrides) or None (the defaults: the numbers corpus); `overrides`
+    are fields on top, e.g. `steps=300`, `run_dir="runs/mine"`, `resume=True`. Raises UserError
+    for bad settings, `runtime.Interrupted` on SIGTERM/Ctrl-C (after saving a checkpoint)."""
     from .loop import train
     from .recipes import recipe_config
 
     explicit: set[str] | None = None  # an ExperimentConfig: every field that is set counts as given
     try:
-        if isinstance(config, (str, os.PathLike)):
-            cfg, explicit = recipe_config(str(config), overrides)
-        elif isinstance(config, ExperimentConfig):
+        if isinstance(config, ExperimentConfig):
             cfg = config.replace(**overrides)
         else:
-            given = {**(config or {}), **overrides}
-            cfg, explicit = ExperimentConfig(**given), set(given)
+            given = {**({"recipe": config} if isinstance(config, (str, os.PathLike)) else config or {}), **overrides}
+            if given.get("recipe") is not None:  # read as train.run --config reads it (not only recorded)
+                cfg, explicit = recipe_config(os.fspath(given.pop("recipe")), given)
+            else:
+                cfg, explicit = ExperimentConfig(**given), set(given)
     except (TypeError, ValueError) as err:
         raise UserError(str(err)) from None
     return train(cfg, explicit=explicit)

@@ -188,3 +188,17 @@ def test_recipe_trains_and_the_run_records_it(tmp_path):
                              "--no-progress"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert json.loads((run_dir / "results.json").read_text())["steps"] == 3
+
+
+def test_fit_reads_a_recipe_given_as_a_field(tmp_path, monkeypatch):
+    """train.fit(recipe=FILE) or fit({"recipe": FILE}) recorded the recipe with the run but trained
+    with the defaults: the file's keys were never read, as train.fit(FILE) and --config read them."""
+    import train
+
+    monkeypatch.setattr("train.loop.train", lambda cfg, explicit: (cfg, explicit))
+    (tmp_path / "mine.toml").write_text("steps = 30\npreset = 'small'\n")
+    recipe = str(tmp_path / "mine.toml")
+    for cfg, explicit in (train.fit(recipe, preset="tiny"), train.fit(recipe=recipe, preset="tiny"),
+                          train.fit({"recipe": recipe}, preset="tiny"), train.fit(tmp_path / "mine.toml", preset="tiny")):
+        assert (cfg.recipe, cfg.steps, cfg.preset, explicit) == (recipe, 30, "tiny", {"recipe", "steps", "preset"})
+    assert train.fit(steps=5)[0] == ExperimentConfig(steps=5)  # no recipe: the defaults
