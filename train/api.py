@@ -14,7 +14,7 @@ from torch_reference.config import NON_NEGATIVE, POSITIVE, TransformerConfig
 
 from . import data
 from .backends import Backend, create_backend, initialize
-from .config import ENSEMBLE_AVERAGES, ExperimentConfig
+from .config import BACKENDS, ENSEMBLE_AVERAGES, ExperimentConfig
 from .runtime import CHECKPOINTS, UserError, read_experiment, read_run
 from .runtime.rundir import check_set_aside
 from .translation import Hypothesis, check_numbers
@@ -148,6 +148,8 @@ def load(run_dir: str | os.PathLike | Sequence[str | os.PathLike], checkpoint: s
     probability); a list of one: that run. Raises UserError."""
     if average not in ENSEMBLE_AVERAGES:  # refused for one run too, before anything loads
         raise UserError(f"average must be one of {', '.join(ENSEMBLE_AVERAGES)}, got {average!r}")
+    if backend not in (None, *BACKENDS):  # not a framework to convert the run to
+        raise UserError(f"backend must be one of {', '.join(BACKENDS)} (None: the run's own), got {backend!r}")
     if isinstance(run_dir, (str, os.PathLike)):
         run_dir = [run_dir]
     if len(run_dir) == 1:  # a run alone keeps what an ensemble gives up (attention weights, training)

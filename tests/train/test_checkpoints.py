@@ -262,3 +262,10 @@ def test_history_survives_any_number_of_resumes(run4, tmp_path, capsys):
     loop.train(cfg.replace(run_dir=str(copy), resume=True, steps=5))
     assert "has trained 8 steps (--steps 5): nothing to train; evaluating" in capsys.readouterr().out
     assert json.loads((copy / "results.json").read_text())["steps"] == 8
+
+
+def test_load_refuses_a_backend_that_is_not_a_framework(tiny_torch_run):
+    """backend="tf" was answered with a conversion command that does not exist (--to tf)."""
+    for run_dirs in (tiny_torch_run, [tiny_torch_run, tiny_torch_run]):
+        with pytest.raises(runtime.UserError, match=r"^backend must be one of jax, torch \(None: the run's own\), got 'tf'$"):
+            train.load(run_dirs, backend="tf")
