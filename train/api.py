@@ -217,11 +217,13 @@ def _load_one(run_dir: Path, checkpoint: str | int = "best", backend: str | None
     if backend is not None and backend != cfg.backend:
         raise UserError(f"{run_dir} is a {cfg.backend} run; for {backend}, convert it first: "
                         f"python -m parity.convert --to {backend} --run-dir {run_dir} --dst DIR")
-    launch = {**launch, "devices": devices}
-    cfg = cfg.replace(**{k: v for k, v in launch.items() if v is not None})
+    try:  # a launch option the config refuses (devices=0) or the backend (a torch run on several devices)
+        cfg = cfg.replace(**{k: v for k, v in {**launch, "devices": devices}.items() if v is not None})
+        initialize(cfg)  # the process's settings for its platform, before any device is touched
+    except (TypeError, ValueError) as err:
+        raise UserError(str(err)) from None
     checkpoint = parse_checkpoint(checkpoint)
     model_cfg, tokenizers = read_run(run_dir, cfg)
-    initialize(cfg)  # the process's settings for its platform, before any device is touched
     model = create_backend(cfg, model_cfg, str(run_dir / CHECKPOINTS))
     try:
         meta = model.restore(checkpoint)

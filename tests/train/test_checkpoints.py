@@ -269,3 +269,13 @@ def test_load_refuses_a_backend_that_is_not_a_framework(tiny_torch_run):
     for run_dirs in (tiny_torch_run, [tiny_torch_run, tiny_torch_run]):
         with pytest.raises(runtime.UserError, match=r"^backend must be one of jax, torch \(None: the run's own\), got 'tf'$"):
             train.load(run_dirs, backend="tf")
+
+
+def test_load_refuses_bad_launch_options_with_a_user_error(tiny_torch_run):
+    """devices=0 or a torch run on 2 devices raised ValueError, an unknown option TypeError: load
+    promises UserError, as train.translate and train.serve print it."""
+    for options, message in (({"devices": 0}, "devices must be >= 1, got 0"),
+                             ({"devices": 2}, "--devices 2: the torch backend trains on one device"),
+                             ({"process_count": 2}, "unexpected keyword argument 'process_count'")):
+        with pytest.raises(runtime.UserError, match=message):
+            train.load(tiny_torch_run, **options)
