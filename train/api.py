@@ -124,8 +124,10 @@ class Run:
         return "".join(weights_digest(r.run_dir, r.step) for r in (self, *self.members))
 
     def close(self) -> None:
-        """Free the backend's devices and files (an ensemble's every one)."""
-        self.backend.close()
+        """Free the backend's devices and files (an ensemble's every one): a closed run's weights are
+        let go of, and using it is a UserError."""
+        backend, self.backend = self.backend, _Closed(self.run_dir)
+        backend.close()
         for member in self.members:
             member.close()
 
@@ -134,6 +136,19 @@ class Run:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _Closed:
+    """What a closed `Run` holds instead of its backend: any use of it one line saying so."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+
+    def __getattr__(self, name: str) -> Any:
+        raise UserError(f"the run {self.run_dir} is closed (Run.close): train.load it again to use it")
+
+    def close(self) -> None:  # closing twice is no error
+        pass
 
 
 def load(run_dir: str | os.PathLike | Sequence[str | os.PathLike], checkpoint: str | int = "best",

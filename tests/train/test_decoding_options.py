@@ -7,9 +7,11 @@ every bad combination as one error line.
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import re
+import weakref
 
 import pytest
 
@@ -176,6 +178,21 @@ def test_python_api_refuses_bad_search_settings_before_any_work(tiny_torch_run):
                 run.translate(TEXTS, **options)
             with pytest.raises(UserError, match=f"^{re.escape(message)}"):
                 run.evaluate(pairs, **options)
+
+
+def test_a_closed_run_lets_go_of_its_weights_and_refuses_use(tiny_torch_run):
+    """Run.close promised to free the backend's devices, yet the run kept its weights and went on
+    translating; an ensemble's members alike."""
+    for run in (train.load(tiny_torch_run), train.load([tiny_torch_run, tiny_torch_run])):
+        backends = [weakref.ref(r.backend) for r in (run, *run.members)]
+        with run:
+            assert isinstance(run.translate(TEXTS[0], beam=1), str)
+        gc.collect()
+        assert [b() for b in backends] == [None] * len(backends)
+        for use in (lambda: run.translate(TEXTS), lambda: run.score(TEXTS, TEXTS), lambda: run.step):  # noqa: B023
+            with pytest.raises(UserError, match="^the run .* is closed \\(Run.close\\): train.load it again to use it$"):
+                use()
+        run.close()  # twice: no error
 
 
 def test_score_command_prints_one_line_per_pair(tiny_torch_run, tmp_path, capsys):
