@@ -180,6 +180,17 @@ def test_python_api_refuses_bad_search_settings_before_any_work(tiny_torch_run):
                 run.evaluate(pairs, **options)
 
 
+def test_python_api_names_a_text_that_is_not_a_string(tiny_torch_run):
+    """A number or None among the texts was a TypeError from the tokenizer naming neither the text
+    nor its position ('TextEncodeInput must be Union[TextInputSequence, ...]')."""
+    with train.load(tiny_torch_run) as run:
+        for call, message in ((lambda: run.translate([TEXTS[0], None]), "text 2 is None (NoneType), not a string"),
+                              (lambda: run.score([7], ["seven"]), "text 1 is 7 (int), not a string"),
+                              (lambda: run.evaluate([(TEXTS[0], 7.0)]), "text 1 is 7.0 (float), not a string")):
+            with pytest.raises(UserError, match=f"^{re.escape(message)}$"):
+                call()
+
+
 def test_a_closed_run_lets_go_of_its_weights_and_refuses_use(tiny_torch_run):
     """Run.close promised to free the backend's devices, yet the run kept its weights and went on
     translating; an ensemble's members alike."""
