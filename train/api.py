@@ -105,7 +105,9 @@ class Run:
 
         check_numbers({"--max-sentences": (max_sentences, POSITIVE), "--samples": (samples, NON_NEGATIVE)})
         spec = pairs if isinstance(pairs, str) else None
-        pairs = load_split(self.config, pairs) if spec is not None else [(s, t) for s, t in pairs]
+        pairs = load_split(self.config, spec) if spec is not None else list(pairs)
+        if spec is None and not all(isinstance(pair, (tuple, list)) and len(pair) == 2 for pair in pairs):
+            raise UserError("pairs: give a data spec or a list of (source, target) pairs")  # not one pair alone
         if not pairs:  # sacreBLEU's scores need a sentence
             raise UserError(f"{spec or 'pairs'} holds no sentence pairs")
         cfg = self.config

@@ -202,3 +202,15 @@ def test_evaluate_scores_lowercased_bleu_for_a_lowercased_run_as_the_command_doe
     (run_copy / "config.json").write_text(json.dumps({**config, "lowercase": True}))
     with train.load(run_copy) as run:
         assert "bleu_lc" in run.evaluate([data.number_words(7)], beam=1)
+
+
+def test_evaluate_refuses_what_is_not_a_list_of_pairs(tiny_torch_run):
+    """One pair alone, or a pair of three, was a ValueError: 'too many values to unpack (expected 2)'."""
+    import train
+    from train.runtime import UserError
+
+    with train.load(tiny_torch_run) as run:
+        for pairs in (data.number_words(7), [(*data.number_words(7), "x")]):
+            with pytest.raises(UserError, match=r"^pairs: give a data spec or a list of \(source, target\) pairs$"):
+                run.evaluate(pairs, beam=1)
+        assert run.evaluate([list(data.number_words(7))], beam=1)["sentences"] == 1
