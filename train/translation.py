@@ -59,9 +59,11 @@ class Sampling:
 
     def check(self) -> None:
         """UserError, named as the flags are, for a setting the sampler refuses."""
-        for name in ("seed", "num_samples", "top_k"):
-            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
-                raise UserError(f"--{name.replace('_', '-')} {getattr(self, name)!r} must be an integer")
+        for name in ("seed", "num_samples", "top_k", "temperature", "top_p"):
+            value, integer = getattr(self, name), name in ("seed", "num_samples", "top_k")
+            if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+                raise UserError(f"--{name.replace('_', '-')} {value!r} must be "
+                                f"{'an integer' if integer else 'a number'}")
         if not 0 <= self.seed < 2**32:
             raise UserError(f"--seed {self.seed} must be in [0, 2**32)")
         if self.num_samples < 1:
@@ -99,7 +101,8 @@ def check_numbers(settings: dict[str, tuple[Any, Range]]) -> None:
 def check_search(beam: int, n_best: int | None, alpha: float = 0.6, scoring: str = "gnmt") -> None:
     """UserError unless beam is a positive integer, alpha a number >= 0, scoring one of SCORINGS and
     n_best between 1 and the beam (a beam search keeps `beam` hypotheses)."""
-    check_numbers({"--beam": (beam, POSITIVE), "--alpha": (alpha, Range(float, low=0.0))})
+    check_numbers({"--beam": (beam, POSITIVE), "--alpha": (alpha, Range(float, low=0.0)),
+                   "--n-best": (n_best, POSITIVE)})
     if scoring not in SCORINGS:
         raise UserError(f"--scoring {scoring}: expected one of {', '.join(SCORINGS)}")
     if n_best is not None and not 1 <= n_best <= beam:

@@ -180,6 +180,23 @@ def test_python_api_refuses_bad_search_settings_before_any_work(tiny_torch_run):
                 run.evaluate(pairs, **options)
 
 
+def test_python_api_names_a_decoding_number_of_the_wrong_type(tiny_torch_run):
+    """n_best=2.5, batch_size=1.5 or "2", temperature="1" were TypeErrors from deep inside (slice
+    indices, '>=' not supported); n_best=True was a 1-best list."""
+    with train.load(tiny_torch_run) as run:
+        for options, error, message in (
+                ({"n_best": 2.5}, UserError, "--n-best must be an integer, got 2.5"),
+                ({"n_best": True}, UserError, "--n-best must be an integer, got True"),
+                ({"batch_size": 1.5}, ValueError, "batch_size must be an integer, got 1.5"),
+                ({"batch_size": "2"}, ValueError, "batch_size must be an integer, got '2'"),
+                ({"sample": True, "temperature": "1"}, UserError, "--temperature '1' must be a number"),
+                ({"sample": True, "top_p": None}, UserError, "--top-p None must be a number")):
+            with pytest.raises(error, match=f"^{re.escape(message)}$"):
+                run.translate(TEXTS, **options)
+        with pytest.raises(ValueError, match="^batch_size must be an integer, got 1.5$"):
+            run.score(TEXTS, TEXTS, batch_size=1.5)
+
+
 def test_python_api_names_a_text_that_is_not_a_string(tiny_torch_run):
     """A number or None among the texts was a TypeError from the tokenizer naming neither the text
     nor its position ('TextEncodeInput must be Union[TextInputSequence, ...]')."""
