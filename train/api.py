@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -257,7 +258,7 @@ def fit(config: ExperimentConfig | dict[str, Any] | str | os.PathLike | None = N
     are fields on top, e.g. `steps=300`, `run_dir="runs/mine"`, `resume=True`. Raises UserError
     for bad settings, `runtime.Interrupted` on SIGTERM/Ctrl-C (after saving a checkpoint)."""
     from .loop import train
-    from .recipes import recipe_config
+    from .recipes import recipe_config, recorded_launch
 
     explicit: set[str] | None = None  # an ExperimentConfig: every field that is set counts as given
     try:
@@ -268,6 +269,10 @@ def fit(config: ExperimentConfig | dict[str, Any] | str | os.PathLike | None = N
             if given.get("recipe") is not None:  # read as train.run --config reads it (not only recorded)
                 cfg, explicit = recipe_config(os.fspath(given.pop("recipe")), given)
             else:
+                if given.get("resume") and given.get("run_dir") and (recorded := recorded_launch(given["run_dir"])):
+                    given = {**recorded[0], **given}  # as train.run --resume: not the defaults
+                    print(f"resume: steps, evaluation and checkpoint settings from the recipe the run was started "
+                          f"from ({recorded[1]}, kept in the run directory) unless given now", file=sys.stderr)
                 cfg, explicit = ExperimentConfig(**given), set(given)
     except (TypeError, ValueError) as err:
         raise UserError(str(err)) from None
