@@ -93,7 +93,7 @@ class Run:
                           token_budget=self.config.token_budget, batch_size=batch_size)
         return out[0] if one else out
 
-    def evaluate(self, pairs: str | Sequence[tuple[str, str]], beam: int = 4, alpha: float = 0.6,
+    def evaluate(self, pairs: str | os.PathLike | Sequence[tuple[str, str]], beam: int = 4, alpha: float = 0.6,
                  scoring: str = "gnmt", max_sentences: int | None = None, lowercase: bool = False,
                  moses: str | None = None, samples: int = 0) -> dict[str, Any]:
         """What `python -m train.evaluate` prints: loss, perplexity, BLEU and chrF with their
@@ -105,7 +105,7 @@ class Run:
         from .metrics import evaluate_pairs
 
         check_numbers({"--max-sentences": (max_sentences, POSITIVE), "--samples": (samples, NON_NEGATIVE)})
-        spec = pairs if isinstance(pairs, str) else None
+        spec = os.fspath(pairs) if isinstance(pairs, (str, os.PathLike)) else None  # a file as a path too
         pairs = load_split(self.config, spec) if spec is not None else list(pairs)
         if spec is None and not all(isinstance(pair, (tuple, list)) and len(pair) == 2 for pair in pairs):
             raise UserError("pairs: give a data spec or a list of (source, target) pairs")  # not one pair alone

@@ -185,7 +185,8 @@ def test_evaluating_no_pairs_is_one_error_line(tiny_torch_run, capsys):
     from .cli import run_cli
 
     with train.load(tiny_torch_run) as run:
-        for spec, message in (([], "pairs holds no sentence pairs"), ("numbers:test", "numbers:test holds no sentence pairs")):
+        for spec, message in (([], "pairs holds no sentence pairs"),
+                              ("numbers:test", "numbers:test holds no sentence pairs")):
             with pytest.raises(UserError, match=f"^{message}$"):
                 run.evaluate(spec, beam=1)
     code, out, err = run_cli(evaluate.main, capsys, "--run-dir", str(tiny_torch_run), "--data", "numbers:test")
@@ -214,3 +215,14 @@ def test_evaluate_refuses_what_is_not_a_list_of_pairs(tiny_torch_run):
             with pytest.raises(UserError, match=r"^pairs: give a data spec or a list of \(source, target\) pairs$"):
                 run.evaluate(pairs, beam=1)
         assert run.evaluate([list(data.number_words(7))], beam=1)["sentences"] == 1
+
+
+def test_evaluate_takes_a_data_file_as_a_path(tiny_torch_run, tmp_path):
+    """evaluate(tmp_path / "pairs.tsv") was taken for a list of pairs: "'PosixPath' object is not iterable"."""
+    import train
+
+    rows = [data.number_words(n) for n in (7, 43)]
+    (tmp_path / "pairs.tsv").write_text("source\ttarget\n" + "".join(f"{s}\t{t}\n" for s, t in rows))
+    with train.load(tiny_torch_run) as run:
+        result = run.evaluate(tmp_path / "pairs.tsv", beam=1)
+    assert (result["data"], result["sentences"]) == (str(tmp_path / "pairs.tsv"), 2)
