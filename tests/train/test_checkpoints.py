@@ -267,7 +267,8 @@ def test_history_survives_any_number_of_resumes(run4, tmp_path, capsys):
 def test_load_refuses_a_backend_that_is_not_a_framework(tiny_torch_run):
     """backend="tf" was answered with a conversion command that does not exist (--to tf)."""
     for run_dirs in (tiny_torch_run, [tiny_torch_run, tiny_torch_run]):
-        with pytest.raises(runtime.UserError, match=r"^backend must be one of jax, torch \(None: the run's own\), got 'tf'$"):
+        with pytest.raises(runtime.UserError, match=r"^backend must be one of jax, torch \(None: the run's own\), "
+                                                    r"got 'tf'$"):
             train.load(run_dirs, backend="tf")
 
 

@@ -218,7 +218,7 @@ def test_a_closed_run_lets_go_of_its_weights_and_refuses_use(tiny_torch_run):
         gc.collect()
         assert [b() for b in backends] == [None] * len(backends)
         for use in (lambda: run.translate(TEXTS), lambda: run.score(TEXTS, TEXTS), lambda: run.step):  # noqa: B023
-            with pytest.raises(UserError, match="^the run .* is closed \\(Run.close\\): train.load it again to use it$"):
+            with pytest.raises(UserError, match=r"^the run .* is closed \(Run.close\): train.load it again to use it$"):
                 use()
         run.close()  # twice: no error
 

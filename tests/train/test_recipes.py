@@ -199,7 +199,8 @@ def test_fit_reads_a_recipe_given_as_a_field(tmp_path, monkeypatch):
     (tmp_path / "mine.toml").write_text("steps = 30\npreset = 'small'\n")
     recipe = str(tmp_path / "mine.toml")
     for cfg, explicit in (train.fit(recipe, preset="tiny"), train.fit(recipe=recipe, preset="tiny"),
-                          train.fit({"recipe": recipe}, preset="tiny"), train.fit(tmp_path / "mine.toml", preset="tiny")):
+                          train.fit({"recipe": recipe}, preset="tiny"),
+                          train.fit(tmp_path / "mine.toml", preset="tiny")):
         assert (cfg.recipe, cfg.steps, cfg.preset, explicit) == (recipe, 30, "tiny", {"recipe", "steps", "preset"})
     assert train.fit(steps=5)[0] == ExperimentConfig(steps=5)  # no recipe: the defaults
 
