@@ -179,7 +179,7 @@ def _load_ensemble(run_dirs: list[Path], checkpoint: str | int, backend: str | N
                    average: str, **launch: Any) -> Run:
     if not run_dirs:
         raise UserError("an ensemble needs at least one run directory, got none")
-    first = read_experiment(run_dirs[0]).backend if backend is None else backend
+    first = read_experiment(run_dirs[0]).backend  # a backend= of another framework: refused as for one run
     for run_dir in run_dirs:  # before any weights load
         check_set_aside(run_dir)
         other = read_experiment(run_dir).backend

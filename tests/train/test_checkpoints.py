@@ -280,3 +280,9 @@ def test_load_refuses_bad_launch_options_with_a_user_error(tiny_torch_run):
                              ({"process_count": 2}, "unexpected keyword argument 'process_count'")):
         with pytest.raises(runtime.UserError, match=message):
             train.load(tiny_torch_run, **options)
+
+
+def test_an_ensemble_of_the_other_framework_is_refused_with_the_truth(tiny_torch_run):
+    """load([a, a], backend="jax") of torch runs said 'a is a torch run, a a jax one': a is no jax run."""
+    with pytest.raises(runtime.UserError, match=r"is a torch run; for jax, convert it first: python -m parity.convert"):
+        train.load([tiny_torch_run, tiny_torch_run], backend="jax")
