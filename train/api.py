@@ -6,18 +6,19 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from torch_reference.config import TransformerConfig
+from torch_reference.config import NON_NEGATIVE, POSITIVE, TransformerConfig
 
 from . import data
 from .backends import Backend, create_backend, initialize
-from .config import ENSEMBLE_AVERAGES, ExperimentConfig
+from .config import BACKENDS, ENSEMBLE_AVERAGES, ExperimentConfig
 from .runtime import CHECKPOINTS, UserError, read_experiment, read_run
 from .runtime.rundir import check_set_aside
-from .translation import Hypothesis
+from .translation import Hypothesis, check_numbers
 
 
 @dataclasses.dataclass
@@ -92,24 +93,30 @@ class Run:
                           token_budget=self.config.token_budget, batch_size=batch_size)
         return out[0] if one else out
 
-    def evaluate(self, pairs: str | Sequence[tuple[str, str]], beam: int = 4, alpha: float = 0.6,
+    def evaluate(self, pairs: str | os.PathLike | Sequence[tuple[str, str]], beam: int = 4, alpha: float = 0.6,
                  scoring: str = "gnmt", max_sentences: int | None = None, lowercase: bool = False,
                  moses: str | None = None, samples: int = 0) -> dict[str, Any]:
         """What `python -m train.evaluate` prints: loss, perplexity, BLEU and chrF with their
         signatures, exact match (per number of digits for number data) on `pairs`, a data spec
-        ("numbers:test", "de:en:PREFIX", "FILE.tsv", ...) or (source, target) pairs. An ensemble's
-        result also names its other runs ("ensemble") and every run's step ("steps")."""
+        ("numbers:test", "de:en:PREFIX", "FILE.tsv", ...) or (source, target) pairs; "bleu_lc" with
+        `lowercase`, and always for a run trained with --lowercase (its translations are lowercase).
+        An ensemble's result also names its other runs ("ensemble") and every run's step ("steps")."""
         from .data.splits import load_split
         from .metrics import evaluate_pairs
 
-        spec = pairs if isinstance(pairs, str) else None
-        pairs = load_split(self.config, pairs) if spec is not None else [(s, t) for s, t in pairs]
+        check_numbers({"--max-sentences": (max_sentences, POSITIVE), "--samples": (samples, NON_NEGATIVE)})
+        spec = os.fspath(pairs) if isinstance(pairs, (str, os.PathLike)) else None  # a file as a path too
+        pairs = load_split(self.config, spec) if spec is not None else list(pairs)
+        if spec is None and not all(isinstance(pair, (tuple, list)) and len(pair) == 2 for pair in pairs):
+            raise UserError("pairs: give a data spec or a list of (source, target) pairs")  # not one pair alone
+        if not pairs:  # sacreBLEU's scores need a sentence
+            raise UserError(f"{spec or 'pairs'} holds no sentence pairs")
         cfg = self.config
         seen = {s for s, _ in load_split(cfg, "numbers:train")} if cfg.uses_numbers_corpus else None
         result = evaluate_pairs(self.backend, self.tokenizers, pairs, max_len=cfg.max_len,
                                 token_budget=cfg.token_budget, max_sentences=max_sentences, samples=samples,
-                                beam_size=beam, alpha=alpha, scoring=scoring, lowercase=lowercase, moses=moses,
-                                seen=seen)
+                                beam_size=beam, alpha=alpha, scoring=scoring, lowercase=lowercase or cfg.lowercase,
+                                moses=moses, seen=seen)
         ensemble = {"ensemble": [str(m.run_dir) for m in self.members], "steps": self.steps} if self.members else {}
         return {"run_dir": str(self.run_dir), "data": spec, "step": self.step, **ensemble, "beam": beam,
                 "alpha": alpha, "scoring": scoring, **result}
@@ -120,8 +127,10 @@ class Run:
         return "".join(weights_digest(r.run_dir, r.step) for r in (self, *self.members))
 
     def close(self) -> None:
-        """Free the backend's devices and files (an ensemble's every one)."""
-        self.backend.close()
+        """Free the backend's devices and files (an ensemble's every one): a closed run's weights are
+        let go of, and using it is a UserError."""
+        backend, self.backend = self.backend, _Closed(self.run_dir)
+        backend.close()
         for member in self.members:
             member.close()
 
@@ -130,6 +139,19 @@ class Run:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _Closed:
+    """What a closed `Run` holds instead of its backend: any use of it one line saying so."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+
+    def __getattr__(self, name: str) -> Any:
+        raise UserError(f"the run {self.run_dir} is closed (Run.close): train.load it again to use it")
+
+    def close(self) -> None:  # closing twice is no error
+        pass
 
 
 def load(run_dir: str | os.PathLike | Sequence[str | os.PathLike], checkpoint: str | int = "best",
@@ -144,6 +166,8 @@ def load(run_dir: str | os.PathLike | Sequence[str | os.PathLike], checkpoint: s
     probability); a list of one: that run. Raises UserError."""
     if average not in ENSEMBLE_AVERAGES:  # refused for one run too, before anything loads
         raise UserError(f"average must be one of {', '.join(ENSEMBLE_AVERAGES)}, got {average!r}")
+    if backend not in (None, *BACKENDS):  # not a framework to convert the run to
+        raise UserError(f"backend must be one of {', '.join(BACKENDS)} (None: the run's own), got {backend!r}")
     if isinstance(run_dir, (str, os.PathLike)):
         run_dir = [run_dir]
     if len(run_dir) == 1:  # a run alone keeps what an ensemble gives up (attention weights, training)
@@ -155,7 +179,7 @@ def _load_ensemble(run_dirs: list[Path], checkpoint: str | int, backend: str | N
                    average: str, **launch: Any) -> Run:
     if not run_dirs:
         raise UserError("an ensemble needs at least one run directory, got none")
-    first = read_experiment(run_dirs[0]).backend if backend is None else backend
+    first = read_experiment(run_dirs[0]).backend  # a backend= of another framework: refused as for one run
     for run_dir in run_dirs:  # before any weights load
         check_set_aside(run_dir)
         other = read_experiment(run_dir).backend
@@ -211,11 +235,13 @@ def _load_one(run_dir: Path, checkpoint: str | int = "best", backend: str | None
     if backend is not None and backend != cfg.backend:
         raise UserError(f"{run_dir} is a {cfg.backend} run; for {backend}, convert it first: "
                         f"python -m parity.convert --to {backend} --run-dir {run_dir} --dst DIR")
-    launch = {**launch, "devices": devices}
-    cfg = cfg.replace(**{k: v for k, v in launch.items() if v is not None})
+    try:  # a launch option the config refuses (devices=0) or the backend (a torch run on several devices)
+        cfg = cfg.replace(**{k: v for k, v in {**launch, "devices": devices}.items() if v is not None})
+        initialize(cfg)  # the process's settings for its platform, before any device is touched
+    except (TypeError, ValueError) as err:
+        raise UserError(str(err)) from None
     checkpoint = parse_checkpoint(checkpoint)
     model_cfg, tokenizers = read_run(run_dir, cfg)
-    initialize(cfg)  # the process's settings for its platform, before any device is touched
     model = create_backend(cfg, model_cfg, str(run_dir / CHECKPOINTS))
     try:
         meta = model.restore(checkpoint)
@@ -227,22 +253,27 @@ def _load_one(run_dir: Path, checkpoint: str | int = "best", backend: str | None
 
 def fit(config: ExperimentConfig | dict[str, Any] | str | os.PathLike | None = None, **overrides: Any) -> dict[str, Any]:
     """Train the run `config` describes and return what its results.json holds: `config` is an
-    `ExperimentConfig`, a dict of its fields, a recipe file (recipes/*.toml) or None (the
-    defaults: the numbers corpus); `overrides` are fields on top, e.g. `steps=300`,
-    `run_dir="runs/mine"`, `resume=True`. Raises UserError for bad settings, `runtime.Interrupted`
-    on SIGTERM/Ctrl-C (after saving a checkpoint)."""
+    `ExperimentConfig`, a dict of its fields, a recipe file (recipes/*.toml; also as a `recipe`
+    field of the dict or the overrides) or None (the defaults: the numbers corpus); `overrides`
+    are fields on top, e.g. `steps=300`, `run_dir="runs/mine"`, `resume=True`. Raises UserError
+    for bad settings, `runtime.Interrupted` on SIGTERM/Ctrl-C (after saving a checkpoint)."""
     from .loop import train
-    from .recipes import recipe_config
+    from .recipes import recipe_config, recorded_launch
 
     explicit: set[str] | None = None  # an ExperimentConfig: every field that is set counts as given
     try:
-        if isinstance(config, (str, os.PathLike)):
-            cfg, explicit = recipe_config(str(config), overrides)
-        elif isinstance(config, ExperimentConfig):
+        if isinstance(config, ExperimentConfig):
             cfg = config.replace(**overrides)
         else:
-            given = {**(config or {}), **overrides}
-            cfg, explicit = ExperimentConfig(**given), set(given)
+            given = {**({"recipe": config} if isinstance(config, (str, os.PathLike)) else config or {}), **overrides}
+            if given.get("recipe") is not None:  # read as train.run --config reads it (not only recorded)
+                cfg, explicit = recipe_config(os.fspath(given.pop("recipe")), given)
+            else:
+                if given.get("resume") and given.get("run_dir") and (recorded := recorded_launch(given["run_dir"])):
+                    given = {**recorded[0], **given}  # as train.run --resume: not the defaults
+                    print(f"resume: steps, evaluation and checkpoint settings from the recipe the run was started "
+                          f"from ({recorded[1]}, kept in the run directory) unless given now", file=sys.stderr)
+                cfg, explicit = ExperimentConfig(**given), set(given)
     except (TypeError, ValueError) as err:
         raise UserError(str(err)) from None
     return train(cfg, explicit=explicit)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Literal
@@ -305,6 +306,8 @@ class ExperimentConfig:
                 continue
             kind = kind.replace(" | None", "")
             expected = bool if kind == "bool" else dict if kind == "dict" else str
+            if expected is str and isinstance(value, os.PathLike):  # run_dir=Path(...), as train.load takes it
+                object.__setattr__(self, field.name, value := os.fspath(value))
             if not isinstance(value, expected):
                 raise ValueError(f"{field.name} must be {expected.__name__}, got {value!r}")
         if not all(isinstance(key, str) for key in self.model):

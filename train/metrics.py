@@ -21,7 +21,7 @@ from sacrebleu.metrics import BLEU, CHRF
 
 from . import data
 from .backends import Backend, Trainer
-from .translation import EvaluationStopped, translate_texts
+from .translation import EvaluationStopped, check_search, translate_texts
 
 def exact_match(hypotheses: Sequence[str], references: Sequence[str]) -> float:
     """Percentage of hypotheses equal to their reference after stripping surrounding whitespace
@@ -124,6 +124,7 @@ def evaluate_pairs(backend: Backend, tokenizers: data.Tokenizers, pairs: Sequenc
     EvaluationStopped (a training run's SIGTERM). `fixed_shapes`: the loss over packed batches of
     one shape (rows of max_len) and the search in a few fixed shapes, the same for any set of pairs:
     few programs for JAX to compile (the same values)."""
+    check_search(beam_size, None, alpha, scoring)  # before the loss, not after it
     examples = data.encode_pairs(tokenizers, pairs)
     batcher = data.Batcher(examples, token_budget=token_budget, max_len=max_len, shuffle=False, pack=fixed_shapes,
                            pack_length=max_len if fixed_shapes else None)

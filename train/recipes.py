@@ -12,8 +12,8 @@ import tomllib
 from collections.abc import Mapping
 from typing import Any
 
-from .config import FIELD_RANGES, ExperimentConfig, flag_name, flag_type, parse_model_override
-from .runtime.files import UserError, quoted, shortened
+from .config import FIELD_RANGES, RECIPE_FILE, ExperimentConfig, flag_name, flag_type, parse_model_override
+from .runtime.files import UserError, quoted, read_json, shortened
 
 # flag group -> its title in --help
 GROUPS = {"run": "run", "model": "model", "data": "data", "optim": "optimisation", "eval": "evaluation and logging",
@@ -74,6 +74,21 @@ def recipe_config(path: str, overrides: Mapping[str, Any] | None = None) -> tupl
         return ExperimentConfig(**given), set(given)
     except (TypeError, ValueError) as err:
         raise UserError(f"{path}: {err}") from None
+
+
+def recorded_launch(run_dir: str | os.PathLike) -> tuple[dict[str, Any], str] | None:
+    """(the launch fields of the recipe the run in `run_dir` was started from: steps, evaluation and
+    checkpoints, not which launch this is; that recipe's path), None for a run started without one:
+    what a resume takes where they are not given again. UserError for a damaged record."""
+    path = os.path.join(run_dir, RECIPE_FILE)
+    recorded = read_json(path, default=None)
+    if recorded is None:
+        return None
+    if not (isinstance(recorded, dict) and all(isinstance(recorded.get(k), str) for k in ("path", "toml"))):
+        raise UserError(f"{path}: expected {{\"path\": ..., \"toml\": ...}}, the recipe a run was started from")
+    flags = vars(build_parser().parse_args(recipe_flags(f"{path} (the recipe {recorded['path']})", recorded["toml"])))
+    launch = set(ExperimentConfig.launch_fields()) - set(LAUNCH_DECISIONS)
+    return {k: v for k, v in flags.items() if k in launch}, recorded["path"]
 
 
 def recipe_flags(path: str, text: str | None = None) -> list[str]:

@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from torch_reference.config import POSITIVE, SCORINGS, Range
+
 from . import data
 from .backends import Hypotheses, Translator
 from .runtime.files import UserError, quoted
@@ -57,9 +59,11 @@ class Sampling:
 
     def check(self) -> None:
         """UserError, named as the flags are, for a setting the sampler refuses."""
-        for name in ("seed", "num_samples", "top_k"):
-            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
-                raise UserError(f"--{name.replace('_', '-')} {getattr(self, name)!r} must be an integer")
+        for name in ("seed", "num_samples", "top_k", "temperature", "top_p"):
+            value, integer = getattr(self, name), name in ("seed", "num_samples", "top_k")
+            if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+                raise UserError(f"--{name.replace('_', '-')} {value!r} must be "
+                                f"{'an integer' if integer else 'a number'}")
         if not 0 <= self.seed < 2**32:
             raise UserError(f"--seed {self.seed} must be in [0, 2**32)")
         if self.num_samples < 1:
@@ -86,8 +90,21 @@ def check_sampling(sample: Sampling | None, n_best: int | None, prefixes: bool, 
         raise UserError(f"--sample with --scoring {scoring}: scoring ranks a beam's hypotheses, a sample is not ranked")
 
 
-def check_search(beam: int, n_best: int | None) -> None:
-    """UserError unless n_best is between 1 and the beam (a beam search keeps `beam` hypotheses)."""
+def check_numbers(settings: dict[str, tuple[Any, Range]]) -> None:
+    """UserError naming the flag of the first setting ({flag: (value, its range)}) whose range refuses
+    its value; a value of None (a default) is not checked."""
+    for flag, (value, allowed) in settings.items():
+        if value is not None and (problem := allowed.error(value)) is not None:
+            raise UserError(f"{flag} {problem}")
+
+
+def check_search(beam: int, n_best: int | None, alpha: float = 0.6, scoring: str = "gnmt") -> None:
+    """UserError unless beam is a positive integer, alpha a number >= 0, scoring one of SCORINGS and
+    n_best between 1 and the beam (a beam search keeps `beam` hypotheses)."""
+    check_numbers({"--beam": (beam, POSITIVE), "--alpha": (alpha, Range(float, low=0.0)),
+                   "--n-best": (n_best, POSITIVE)})
+    if scoring not in SCORINGS:
+        raise UserError(f"--scoring {scoring}: expected one of {', '.join(SCORINGS)}")
     if n_best is not None and not 1 <= n_best <= beam:
         raise UserError(f"--n-best {n_best} must be between 1 and --beam {beam}: a beam search keeps beam hypotheses")
 
@@ -167,7 +184,7 @@ def translate_texts(backend: Translator, tokenizers: data.Tokenizers, texts: Seq
     shapes (shared by any set of texts: fewer programs for JAX to compile). `sample`: random samples
     instead of the search (beam_size and alpha unused), text i keying its random numbers by
     `first_id` + i; `Hypothesis` lists when num_samples > 1 or `hypotheses` (also for one)."""
-    check_search(beam_size, n_best)
+    check_search(beam_size, n_best, alpha, scoring)
     check_sampling(sample, n_best, prefixes is not None and any(prefixes), scoring)
     src_ids = data.encode(tokenizers.src, list(texts))
     prefix_ids = None

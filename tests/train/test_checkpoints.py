@@ -262,3 +262,27 @@ def test_history_survives_any_number_of_resumes(run4, tmp_path, capsys):
     loop.train(cfg.replace(run_dir=str(copy), resume=True, steps=5))
     assert "has trained 8 steps (--steps 5): nothing to train; evaluating" in capsys.readouterr().out
     assert json.loads((copy / "results.json").read_text())["steps"] == 8
+
+
+def test_load_refuses_a_backend_that_is_not_a_framework(tiny_torch_run):
+    """backend="tf" was answered with a conversion command that does not exist (--to tf)."""
+    for run_dirs in (tiny_torch_run, [tiny_torch_run, tiny_torch_run]):
+        with pytest.raises(runtime.UserError, match=r"^backend must be one of jax, torch \(None: the run's own\), "
+                                                    r"got 'tf'$"):
+            train.load(run_dirs, backend="tf")
+
+
+def test_load_refuses_bad_launch_options_with_a_user_error(tiny_torch_run):
+    """devices=0 or a torch run on 2 devices raised ValueError, an unknown option TypeError: load
+    promises UserError, as train.translate and train.serve print it."""
+    for options, message in (({"devices": 0}, "devices must be >= 1, got 0"),
+                             ({"devices": 2}, "--devices 2: the torch backend trains on one device"),
+                             ({"process_count": 2}, "unexpected keyword argument 'process_count'")):
+        with pytest.raises(runtime.UserError, match=message):
+            train.load(tiny_torch_run, **options)
+
+
+def test_an_ensemble_of_the_other_framework_is_refused_with_the_truth(tiny_torch_run):
+    """load([a, a], backend="jax") of torch runs said 'a is a torch run, a a jax one': a is no jax run."""
+    with pytest.raises(runtime.UserError, match=r"is a torch run; for jax, convert it first: python -m parity.convert"):
+        train.load([tiny_torch_run, tiny_torch_run], backend="jax")

@@ -79,6 +79,13 @@ def test_invalid_values(changes, message):
         ExperimentConfig(**changes)
 
 
+def test_path_fields_take_a_path_as_train_load_does(tmp_path):
+    """train.fit(run_dir=tmp_path / "run") was refused: 'run_dir must be str, got PosixPath(...)'."""
+    cfg = ExperimentConfig(run_dir=tmp_path / "run", train=tmp_path / "t.tsv", valid=str(tmp_path / "v.tsv"))
+    assert (cfg.run_dir, cfg.train, cfg.valid) == tuple(str(tmp_path / name) for name in ("run", "t.tsv", "v.tsv"))
+    assert ExperimentConfig.from_json(cfg.to_json()) == cfg
+
+
 def test_parse_model_override():
     assert parse_model_override("d_model=128") == ("d_model", 128)
     assert parse_model_override("attention_bias=false") == ("attention_bias", False)

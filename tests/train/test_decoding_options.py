@@ -7,8 +7,11 @@ every bad combination as one error line.
 
 from __future__ import annotations
 
+import gc
 import json
 import math
+import re
+import weakref
 
 import pytest
 
@@ -159,6 +162,65 @@ def test_python_api_refuses_bad_combinations(tiny_torch_run):
             run.score(TEXTS[:2], ["one"])
         with pytest.raises(UserError, match="target 1 has 31 tokens with <eos>, more than the model's max_len 16"):
             run.score(TEXTS[:1], [" ".join(["one"] * 30)])
+
+
+def test_python_api_refuses_bad_search_settings_before_any_work(tiny_torch_run):
+    """A beam of 0 was an IndexError deep in the search, -1 a RuntimeError, 2.5 a TypeError; evaluate
+    met them only after computing the loss."""
+    pairs = list(zip(TEXTS, TEXTS))
+    with train.load(tiny_torch_run) as run:
+        for options, message in (({"beam": 0}, "--beam must be >= 1, got 0"), ({"beam": -1}, "--beam must be >= 1"),
+                                 ({"beam": 2.5}, "--beam must be an integer, got 2.5"),
+                                 ({"alpha": -1}, "--alpha must be >= 0, got -1"),
+                                 ({"alpha": "0.6"}, "--alpha must be a number, got '0.6'"),
+                                 ({"scoring": "best"}, "--scoring best: expected one of gnmt, hf")):
+            with pytest.raises(UserError, match=f"^{re.escape(message)}"):
+                run.translate(TEXTS, **options)
+            with pytest.raises(UserError, match=f"^{re.escape(message)}"):
+                run.evaluate(pairs, **options)
+
+
+def test_python_api_names_a_decoding_number_of_the_wrong_type(tiny_torch_run):
+    """n_best=2.5, batch_size=1.5 or "2", temperature="1" were TypeErrors from deep inside (slice
+    indices, '>=' not supported); n_best=True was a 1-best list."""
+    with train.load(tiny_torch_run) as run:
+        for options, error, message in (
+                ({"n_best": 2.5}, UserError, "--n-best must be an integer, got 2.5"),
+                ({"n_best": True}, UserError, "--n-best must be an integer, got True"),
+                ({"batch_size": 1.5}, ValueError, "batch_size must be an integer, got 1.5"),
+                ({"batch_size": "2"}, ValueError, "batch_size must be an integer, got '2'"),
+                ({"sample": True, "temperature": "1"}, UserError, "--temperature '1' must be a number"),
+                ({"sample": True, "top_p": None}, UserError, "--top-p None must be a number")):
+            with pytest.raises(error, match=f"^{re.escape(message)}$"):
+                run.translate(TEXTS, **options)
+        with pytest.raises(ValueError, match="^batch_size must be an integer, got 1.5$"):
+            run.score(TEXTS, TEXTS, batch_size=1.5)
+
+
+def test_python_api_names_a_text_that_is_not_a_string(tiny_torch_run):
+    """A number or None among the texts was a TypeError from the tokenizer naming neither the text
+    nor its position ('TextEncodeInput must be Union[TextInputSequence, ...]')."""
+    with train.load(tiny_torch_run) as run:
+        for call, message in ((lambda: run.translate([TEXTS[0], None]), "text 2 is None (NoneType), not a string"),
+                              (lambda: run.score([7], ["seven"]), "text 1 is 7 (int), not a string"),
+                              (lambda: run.evaluate([(TEXTS[0], 7.0)]), "text 1 is 7.0 (float), not a string")):
+            with pytest.raises(UserError, match=f"^{re.escape(message)}$"):
+                call()
+
+
+def test_a_closed_run_lets_go_of_its_weights_and_refuses_use(tiny_torch_run):
+    """Run.close promised to free the backend's devices, yet the run kept its weights and went on
+    translating; an ensemble's members alike."""
+    for run in (train.load(tiny_torch_run), train.load([tiny_torch_run, tiny_torch_run])):
+        backends = [weakref.ref(r.backend) for r in (run, *run.members)]
+        with run:
+            assert isinstance(run.translate(TEXTS[0], beam=1), str)
+        gc.collect()
+        assert [b() for b in backends] == [None] * len(backends)
+        for use in (lambda: run.translate(TEXTS), lambda: run.score(TEXTS, TEXTS), lambda: run.step):  # noqa: B023
+            with pytest.raises(UserError, match=r"^the run .* is closed \(Run.close\): train.load it again to use it$"):
+                use()
+        run.close()  # twice: no error
 
 
 def test_score_command_prints_one_line_per_pair(tiny_torch_run, tmp_path, capsys):

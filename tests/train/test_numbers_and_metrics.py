@@ -156,3 +156,73 @@ def test_number_range_specs_with_a_step():
     for spec, message in (("numbers:5-7/0", "step >= 1"), ("numbers:5-7/x", "numbers:FIRST-LAST[/STEP]")):
         with pytest.raises(runtime.UserError, match=message.replace("[", r"\[").replace("]", r"\]")):
             data.load_split(cfg, spec)
+
+
+def test_evaluate_refuses_a_bad_sentence_count_or_sample_count(tiny_torch_run):
+    """max_sentences=0 evaluated every pair, -1 all but the last, samples=-1 all but the last:
+    silently; train.evaluate's --max-sentences and --samples refuse them."""
+    import train
+    from train.runtime import UserError
+
+    pairs = [data.number_words(n) for n in (7, 43)]
+    with train.load(tiny_torch_run) as run:
+        assert run.evaluate(pairs, beam=1, max_sentences=1, samples=1)["sentences"] == 1
+        for options, message in (({"max_sentences": 0}, "--max-sentences must be >= 1, got 0"),
+                                 ({"max_sentences": -1}, "--max-sentences must be >= 1, got -1"),
+                                 ({"max_sentences": 1.5}, "--max-sentences must be an integer, got 1.5"),
+                                 ({"samples": -1}, "--samples must be >= 0, got -1")):
+            with pytest.raises(UserError, match=f"^{message}$"):
+                run.evaluate(pairs, beam=1, **options)
+
+
+def test_evaluating_no_pairs_is_one_error_line(tiny_torch_run, capsys):
+    """An empty list of pairs, or numbers:test of a run trained with numbers_test=0, was an
+    IndexError from sacreBLEU, in Python and through train.evaluate alike."""
+    import train
+    from train import evaluate
+    from train.runtime import UserError
+
+    from .cli import run_cli
+
+    with train.load(tiny_torch_run) as run:
+        for spec, message in (([], "pairs holds no sentence pairs"),
+                              ("numbers:test", "numbers:test holds no sentence pairs")):
+            with pytest.raises(UserError, match=f"^{message}$"):
+                run.evaluate(spec, beam=1)
+    code, out, err = run_cli(evaluate.main, capsys, "--run-dir", str(tiny_torch_run), "--data", "numbers:test")
+    assert (code, out, err) == (1, "", "error: numbers:test holds no sentence pairs\n")
+
+
+def test_evaluate_scores_lowercased_bleu_for_a_lowercased_run_as_the_command_does(run_copy):
+    """train.evaluate adds bleu_lc for a run trained with --lowercase; Run.evaluate left it out."""
+    import json
+
+    import train
+
+    config = json.loads((run_copy / "config.json").read_text())
+    (run_copy / "config.json").write_text(json.dumps({**config, "lowercase": True}))
+    with train.load(run_copy) as run:
+        assert "bleu_lc" in run.evaluate([data.number_words(7)], beam=1)
+
+
+def test_evaluate_refuses_what_is_not_a_list_of_pairs(tiny_torch_run):
+    """One pair alone, or a pair of three, was a ValueError: 'too many values to unpack (expected 2)'."""
+    import train
+    from train.runtime import UserError
+
+    with train.load(tiny_torch_run) as run:
+        for pairs in (data.number_words(7), [(*data.number_words(7), "x")]):
+            with pytest.raises(UserError, match=r"^pairs: give a data spec or a list of \(source, target\) pairs$"):
+                run.evaluate(pairs, beam=1)
+        assert run.evaluate([list(data.number_words(7))], beam=1)["sentences"] == 1
+
+
+def test_evaluate_takes_a_data_file_as_a_path(tiny_torch_run, tmp_path):
+    """evaluate(tmp_path / "pairs.tsv") was taken for a list of pairs: "'PosixPath' object is not iterable"."""
+    import train
+
+    rows = [data.number_words(n) for n in (7, 43)]
+    (tmp_path / "pairs.tsv").write_text("source\ttarget\n" + "".join(f"{s}\t{t}\n" for s, t in rows))
+    with train.load(tiny_torch_run) as run:
+        result = run.evaluate(tmp_path / "pairs.tsv", beam=1)
+    assert (result["data"], result["sentences"]) == (str(tmp_path / "pairs.tsv"), 2)

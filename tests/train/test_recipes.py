@@ -188,3 +188,36 @@ def test_recipe_trains_and_the_run_records_it(tmp_path):
                              "--no-progress"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert json.loads((run_dir / "results.json").read_text())["steps"] == 3
+
+
+def test_fit_reads_a_recipe_given_as_a_field(tmp_path, monkeypatch):
+    """train.fit(recipe=FILE) or fit({"recipe": FILE}) recorded the recipe with the run but trained
+    with the defaults: the file's keys were never read, as train.fit(FILE) and --config read them."""
+    import train
+
+    monkeypatch.setattr("train.loop.train", lambda cfg, explicit: (cfg, explicit))
+    (tmp_path / "mine.toml").write_text("steps = 30\npreset = 'small'\n")
+    recipe = str(tmp_path / "mine.toml")
+    for cfg, explicit in (train.fit(recipe, preset="tiny"), train.fit(recipe=recipe, preset="tiny"),
+                          train.fit({"recipe": recipe}, preset="tiny"),
+                          train.fit(tmp_path / "mine.toml", preset="tiny")):
+        assert (cfg.recipe, cfg.steps, cfg.preset, explicit) == (recipe, 30, "tiny", {"recipe", "steps", "preset"})
+    assert train.fit(steps=5)[0] == ExperimentConfig(steps=5)  # no recipe: the defaults
+
+
+def test_fit_resume_reads_the_recipe_the_run_was_started_from(tmp_path, monkeypatch, capsys):
+    """train.fit(run_dir=RUN, resume=True) took steps 700 and the default intervals where
+    train.run --resume takes the recipe's (kept in recipe.json): a run of 8000 steps stopped at 700."""
+    import train
+
+    monkeypatch.setattr("train.loop.train", lambda cfg, explicit: (cfg, explicit))
+    recipe = {"path": "recipes/mine.toml", "toml": 'steps = 8000\nsave_every = 100\nwarmup = 2000\n'}
+    (tmp_path / "recipe.json").write_text(json.dumps(recipe))
+    cfg, explicit = train.fit(run_dir=str(tmp_path), resume=True)
+    assert (cfg.steps, cfg.save_every, cfg.warmup) == (8000, 100, None)  # the launch flags, not how it trains
+    assert explicit == {"run_dir", "resume", "steps", "save_every"} and "recipes/mine.toml" in capsys.readouterr().err
+    assert train.fit(run_dir=str(tmp_path), resume=True, steps=9000)[0].steps == 9000  # given now: it wins
+    assert train.fit(run_dir=str(tmp_path))[0].steps == 700  # not a resume: the default
+    (tmp_path / "recipe.json").write_text("[1]")
+    with pytest.raises(train.runtime.UserError, match=r"recipe.json: expected \{"):
+        train.fit(run_dir=str(tmp_path), resume=True)

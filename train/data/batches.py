@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from torch_reference.config import BOS_ID, EOS_ID, PAD_ID
+from torch_reference.config import BOS_ID, EOS_ID, PAD_ID, POSITIVE
 
 log = logging.getLogger(__name__)
 
@@ -252,8 +252,8 @@ def source_batches(src_ids: Sequence[Sequence[int]], max_len: int, token_budget:
     `fixed`: the lengths are `fixed_lengths` and every batch of length L has the rows the budget
     allows, however few sentences there are, so any set of sentences (a validation's, a test's)
     runs in the same few shapes: few programs for jit to compile."""
-    if batch_size is not None and not batch_size >= 1:  # 0 would mean the default, -3 one sentence: silently
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if batch_size is not None:  # 0 would mean the default, -3 one sentence: silently
+        POSITIVE.check("batch_size", batch_size)
     buckets = fixed_lengths(max_len) if fixed else bucket_lengths(max_len)
     ids = [list(s) if len(s) <= max_len else [*s[: max_len - 1], EOS_ID] for s in src_ids]
     lengths = np.array([len(s) for s in ids], dtype=np.int64)

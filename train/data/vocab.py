@@ -16,7 +16,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 
 from torch_reference.config import BOS_ID, EOS_ID, PAD_ID, SPECIAL_TOKENS, UNK_ID
 
-from ..runtime.files import write_bytes_atomic, write_text_atomic
+from ..runtime.files import UserError, quoted, write_bytes_atomic, write_text_atomic
 from . import spm
 from .corpora import Pair
 
@@ -71,8 +71,12 @@ def train_tokenizers(pairs: Sequence[Pair], vocab_size: int = 8000, joint: bool 
 
 
 def encode(tokenizer: Tokenizer, texts: Sequence[str]) -> list[list[int]]:
-    """Token ids of each text, ending with <eos>."""
-    return [e.ids for e in tokenizer.encode_batch(list(texts))]
+    """Token ids of each text, ending with <eos>; UserError for a text that is not a string."""
+    texts = list(texts)
+    for number, text in enumerate(texts, start=1):
+        if not isinstance(text, str):  # the tokenizer's own TypeError names none of it
+            raise UserError(f"text {number} is {quoted(text)} ({type(text).__name__}), not a string")
+    return [e.ids for e in tokenizer.encode_batch(texts)]
 
 
 def decode(tokenizer: Tokenizer, ids: Sequence[int]) -> str:
