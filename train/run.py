@@ -16,10 +16,10 @@ from pathlib import Path
 
 from . import recipes
 from .backends.host_devices import check_xla_flags
-from .config import RECIPE_FILE, ExperimentConfig
-from .recipes import LAUNCH_DECISIONS, recipe_flags
+from .config import ExperimentConfig
+from .recipes import recipe_flags, recorded_launch
 from .runtime import read_experiment
-from .runtime.files import UserError, error_text, read_json
+from .runtime.files import UserError, error_text
 
 EPILOG = """\
 data specs (--train, --valid, --test):
@@ -70,36 +70,17 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple[Exp
     given = vars(parser.parse_args(argv))
     if "recipe" in given:  # the file's flags first: the command line's come after and win
         given = vars(parser.parse_args(recipe_flags(given["recipe"]) + argv))
-    elif given.get("resume") and given.get("run_dir") and (recorded := _recorded_recipe(parser, given["run_dir"])):
-        # How long and how this launch runs (steps, evaluation, checkpoints) from the recipe the run
-        # was started from; how it trains is the run's own config.json, as for any resume. Not the
-        # flags that say which launch this is.
-        launch = set(ExperimentConfig.launch_fields()) - set(LAUNCH_DECISIONS)
-        where = f"{Path(given['run_dir']) / RECIPE_FILE} (the recipe {recorded['path']})"
-        flags = vars(parser.parse_args(recipe_flags(where, recorded["toml"])))
-        given = {**{k: v for k, v in flags.items() if k in launch}, **given}
+    elif given.get("resume") and given.get("run_dir") and (recorded := recorded_launch(given["run_dir"])):
+        # How long and how this launch runs from the recipe the run was started from; how it trains is its config.json.
+        given = {**recorded[0], **given}
         print(f"--resume: steps, evaluation and checkpoint flags from the recipe the run was started from "
-              f"({recorded['path']}, kept in the run directory) unless given now", file=sys.stderr)
+              f"({recorded[1]}, kept in the run directory) unless given now", file=sys.stderr)
     if "model" in given:
         given["model"] = dict(given["model"])
     try:
         return ExperimentConfig(**given), set(given)
     except ValueError as err:
         parser.error(str(err))
-
-
-def _recorded_recipe(parser: argparse.ArgumentParser, run_dir: str) -> dict[str, str] | None:
-    """The recipe a run was started from ({"path", "toml"}, its recipe.json), None when it has none;
-    an unreadable or malformed record ends the process with one line naming it (exit status 2)."""
-    path = Path(run_dir) / RECIPE_FILE
-    try:
-        recorded = read_json(path, default=None)
-    except UserError as err:
-        parser.error(str(err))
-    ok = isinstance(recorded, dict) and all(isinstance(recorded.get(k), str) for k in ("path", "toml"))
-    if recorded is not None and not ok:
-        parser.error(f"{path}: expected {{\"path\": ..., \"toml\": ...}}, the recipe a run was started from")
-    return recorded
 
 
 def build_parser() -> argparse.ArgumentParser:
