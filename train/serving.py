@@ -308,7 +308,7 @@ def app(run=None, limits: Limits | None = None, *, decode: Callable | None = Non
     limits = limits or Limits()
     decode = decode or run_decoder(run)
     count_tokens = count_tokens or token_counts(run)
-    info = {**(info or run_info(run)), "limits": dataclasses.asdict(limits)}
+    info = {**(run_info(run) if info is None else info), "limits": dataclasses.asdict(limits)}
     state: dict[str, Any] = {}
 
     async def read_body(request, limit: int) -> bytes | None:

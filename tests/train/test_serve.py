@@ -5,6 +5,7 @@ on a thread), except for the SIGTERM test's real `python -m train.serve` process
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -204,6 +205,12 @@ def test_health_info_and_page(server, tiny_torch_run):
     page = HTTP.get(f"{server.url}/")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert '<canvas id="heatmap"' in page.text and "http" not in page.text.split("<script>")[1]  # nothing fetched from outside
+
+
+def test_an_app_given_empty_info_needs_no_run():  # {} is the info to serve, not a missing one
+    asgi = serving.app(decode=lambda texts, options: [], count_tokens=len, info={})
+    with Server(asgi, port=0).start() as running:
+        assert HTTP.get(f"{running.url}/info").json() == {"limits": dataclasses.asdict(Limits()), "served": {}}
 
 
 # ----------------------------------------------------------------------------------------------
