@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from .backends.host_devices import split_host
-from .config import Range, positive_float, positive_int
+from .config import Range, positive_int
 from .runtime.files import UserError, error_text
 from .serving import Limits, serve
 
@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     limits = parser.add_argument_group("limits and batching (docs/serving.md#limits)")
     defaults = Limits()
     for field in dataclasses.fields(Limits):
-        kind = positive_float if field.type.startswith("float") else positive_int
+        kind = field.metadata["range"].parse
         default = getattr(defaults, field.name)
         limits.add_argument(f"--{field.name.replace('_', '-')}", type=kind, default=default, metavar="N",
                             help=f"{field.metadata['help']} (default {default if default is not None else 'none'})")

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from torch_reference.config import SCORINGS
+from torch_reference.config import POSITIVE, SCORINGS, Range
 
 from . import data
 from .runtime import UserError
@@ -41,7 +41,8 @@ def require(module: str) -> Any:
 
 
 def _limit(default, help: str):
-    return dataclasses.field(default=default, metadata={"help": help})
+    allowed = Range(float, above=0.0) if isinstance(default, float) else POSITIVE  # ms and s: finite, above 0
+    return dataclasses.field(default=default, metadata={"help": help, "range": allowed})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,10 +62,10 @@ class Limits:
     body_timeout_s: float = _limit(10.0, "to receive a whole body (a slow client); past it 408")
 
     def __post_init__(self):
-        for field in dataclasses.fields(self):
+        for field in dataclasses.fields(self):  # the ranges of the command's flags, for Python callers too
             value = getattr(self, field.name)
-            if value is not None and not value > 0:
-                raise UserError(f"{field.name.replace('_', '-')} must be positive, not {value}")
+            if value is not None and (problem := field.metadata["range"].error(value)):
+                raise UserError(f"{field.name} {problem}")
 
 
 class QueueFull(Exception):

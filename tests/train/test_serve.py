@@ -157,6 +157,18 @@ def test_a_full_queue_refuses_and_a_cancelled_request_is_dropped():
     assert asyncio.run(main())["batches"] == 1  # the cancelled request was never decoded
 
 
+@pytest.mark.parametrize(("limits", "says"), [
+    ({"max_texts": "5"}, "max_texts must be an integer, got '5'"),
+    ({"max_beam": 2.5}, "max_beam must be an integer, got 2.5"),
+    ({"max_wait_ms": float("inf")}, "max_wait_ms must be finite, got inf"),
+    ({"request_timeout_s": 0}, "request_timeout_s must be > 0, got 0"),
+])
+def test_limits_from_python_refuse_what_the_flags_refuse_in_one_line(limits, says):
+    with pytest.raises(serving.UserError) as refused:
+        Limits(**limits)
+    assert str(refused.value) == says
+
+
 # ----------------------------------------------------------------------------------------------
 # The API on the tiny run
 
