@@ -422,6 +422,12 @@ def test_a_load_tests_throughput_counts_the_answered_requests_alone():
     assert result["requests_per_s"] == pytest.approx(answered / result["seconds"], rel=0.05)
 
 
+def test_a_load_test_with_no_answered_request_has_no_latency():
+    with fake_server(max_texts=1) as running:  # every request of 2 sentences gets 400
+        result = load_test(running.url, ["a"], clients=2, requests=4, min_texts=2, max_texts=2)
+    assert (result["statuses"], result["latency_ms"]) == ({"400": 4}, None)  # not a p50 of 0 ms
+    assert loadtest.row("served", result) == "| served | 0 | 4 | 0.0 | none answered | none answered |"
+
 def test_sigterm_finishes_the_requests_in_flight_and_exits_0(tiny_torch_run):
     # A 1.5 s batching wait holds the request in the server when SIGTERM arrives.
     command = [sys.executable, "-m", "train.serve", "--run-dir", str(tiny_torch_run), "--port", "0",
