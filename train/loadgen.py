@@ -80,18 +80,22 @@ class ServedRun:
         command = [sys.executable, "-m", "train.serve", "--run-dir", str(run_dir), "--port", "0", *args]
         self.proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, start_new_session=True)
         self.log: list[str] = []
-        deadline = time.monotonic() + startup_s
-        for line in self.proc.stderr:
-            self.log.append(line)
-            if found := re.search(r" on (http://\S+) ", line):
-                self.url = found[1]
-                # read on, so that a chatty server never blocks on a full pipe
-                threading.Thread(target=self.log.extend, args=(self.proc.stderr,), daemon=True).start()
-                return
-            if time.monotonic() > deadline:
-                break
-        self.proc.kill()
-        raise UserError(f"the server did not start: {''.join(self.log).strip() or 'no output'}")
+        self.url: str | None = None
+        listening = threading.Event()
+
+        def read() -> None:  # on a thread: the deadline holds on a silent server, and a chatty one never blocks
+            for line in self.proc.stderr:
+                self.log.append(line)
+                if self.url is None and (found := re.search(r" on (http://\S+) ", line)):
+                    self.url = found[1]
+                    listening.set()
+            listening.set()  # it exited
+
+        threading.Thread(target=read, daemon=True).start()
+        if not listening.wait(startup_s) or self.url is None:
+            self.proc.kill()
+            self.proc.wait()
+            raise UserError(f"the server did not start: {''.join(self.log).strip() or 'no output'}")
 
     def stop(self, timeout: float = 120.0) -> int:
         self.proc.send_signal(signal.SIGTERM)

@@ -26,7 +26,7 @@ httpx = pytest.importorskip("httpx")
 import train
 from train import loadtest, serving
 from train import serve as serve_command
-from train.loadgen import load_test
+from train.loadgen import ServedRun, load_test
 from train.serving import Batcher, Limits, QueueFull, Server
 
 REPO = Path(__file__).resolve().parents[2]
@@ -427,6 +427,19 @@ def test_a_load_test_with_no_answered_request_has_no_latency():
         result = load_test(running.url, ["a"], clients=2, requests=4, min_texts=2, max_texts=2)
     assert (result["statuses"], result["latency_ms"]) == ({"400": 4}, None)  # not a p50 of 0 ms
     assert loadtest.row("served", result) == "| served | 0 | 4 | 0.0 | none answered | none answered |"
+
+def test_a_served_run_that_hangs_silently_fails_at_its_deadline_and_is_reaped(tmp_path, monkeypatch):
+    hang = tmp_path / "hang"
+    hang.write_text("#!/bin/sh\nexec sleep 4\n")  # a server that never says where it listens
+    hang.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(hang))
+    started, popen = [], subprocess.Popen
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: started.append(popen(*a, **k)) or started[-1])
+    begun = time.monotonic()
+    with pytest.raises(serving.UserError, match="the server did not start: no output"):
+        ServedRun("run", startup_s=0.3)
+    assert time.monotonic() - begun < 2  # not when the child exits
+    assert started[0].returncode == -signal.SIGKILL  # killed and waited on: no zombie
 
 def test_sigterm_finishes_the_requests_in_flight_and_exits_0(tiny_torch_run):
     # A 1.5 s batching wait holds the request in the server when SIGTERM arrives.
