@@ -1,13 +1,15 @@
 """`python -m train.serve --run-dir RUN [--host 127.0.0.1] [--port 8000]` (`aiayn serve`): serve a run over HTTP.
 
 `POST /translate`, `GET /health`, `GET /info` and a page at `/` (`train.serving`, docs/serving.md).
-SIGTERM or Ctrl-C stops accepting, finishes the requests in flight and exits 0.
+SIGTERM or Ctrl-C stops accepting, finishes the requests in flight and exits 0; a second Ctrl-C
+stops at once, cancelling them, and exits 130.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import signal
 import sys
 from pathlib import Path
 
@@ -23,8 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve a run trained by `python -m train.run` over HTTP: POST /translate with JSON "
         '{"texts": [...], "beam": 4, "alpha": 0.6, "scoring": "gnmt", "attention": false}, GET /health, GET /info, '
         "and a page at / that translates and draws the cross-attention. Concurrent requests are decoded together "
-        "in batches. SIGTERM stops accepting, finishes the requests in flight and exits 0. Needs the serve extra: "
-        'pip install -e ".[serve]".',
+        "in batches. SIGTERM or Ctrl-C stops accepting, finishes the requests in flight and exits 0; a second Ctrl-C "
+        'stops at once, cancelling them, and exits 130. Needs the serve extra: pip install -e ".[serve]".',
     )
     parser.add_argument("--run-dir", required=True, type=Path, help="the run directory to serve")
     parser.add_argument("--checkpoint", default="best", help="'best' (the default), 'latest', or a step number")
@@ -59,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
                        limits=limits, on_ready=ready, access_log=args.access_log)
     except (UserError, OSError, ValueError) as err:
         parser.exit(1, f"error: {error_text(err)}\n")
+    except KeyboardInterrupt:  # a second Ctrl-C while serving (or one while loading the run)
+        print("stopped at once by Ctrl-C: any request in flight was cancelled, not answered", file=sys.stderr)
+        return 128 + signal.SIGINT
     print(f"stopped{f' by signal {signum}' if signum else ''}: the requests in flight were answered", file=sys.stderr)
     return 0
 

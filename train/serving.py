@@ -413,7 +413,8 @@ def app(run=None, limits: Limits | None = None, *, decode: Callable | None = Non
 
 class Server:
     """uvicorn serving `asgi_app` on host:port (port 0: a free one). `run()` blocks until SIGTERM,
-    SIGINT or `stop()`: it stops accepting, finishes the requests in flight and returns.
+    SIGINT or `stop()`: it stops accepting, finishes the requests in flight and returns; a second
+    SIGINT (Ctrl-C) meanwhile stops at once, cancelling them, and raises KeyboardInterrupt.
     `start()` runs it on a thread instead (tests, notebooks); `url` once it is listening."""
 
     def __init__(self, asgi_app, host: str = "127.0.0.1", port: int = 8000, *, access_log: bool = False):
@@ -432,7 +433,8 @@ class Server:
         return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"  # an IPv6 address in brackets
 
     def run(self, on_ready: Callable[[str], None] | None = None) -> int:
-        """Serve until stopped; `on_ready(url)` once listening. Returns the signal that stopped it (0: none)."""
+        """Serve until stopped; `on_ready(url)` once listening. Returns the signal that stopped it (0: none);
+        KeyboardInterrupt after a second Ctrl-C."""
         stopped_by = []
         # uvicorn re-raises the signal it caught after its graceful shutdown: handled here (the process
         # then exits 0 instead of dying of it), then the caller's own handlers are put back.
@@ -456,6 +458,8 @@ class Server:
         finally:
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
+        if self.server.force_exit:  # uvicorn cancelled the requests in flight (their clients got 500)
+            raise KeyboardInterrupt
         if not self.server.started:
             raise UserError(f"could not listen on {self.server.config.host}:{self.server.config.port}")
         return stopped_by[0] if stopped_by else 0

@@ -468,6 +468,32 @@ def test_sigterm_finishes_the_requests_in_flight_and_exits_0(tiny_torch_run):
         proc.wait()
 
 
+def test_a_second_ctrl_c_cancels_the_requests_in_flight_and_says_so(tiny_torch_run, monkeypatch, capsys):
+    replies, threads = [], []
+
+    def press_ctrl_c_twice():
+        time.sleep(0.3)  # the request waits for its batch (--max-wait-ms 1500)
+        for _ in range(2):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.2)
+
+    def serve_and_interrupt(*args, on_ready, **kwargs):
+        def ready(url):
+            on_ready(url)
+            threads.extend([threading.Thread(target=lambda: replies.append(post(url, {"texts": ["neun"]}))),
+                            threading.Thread(target=press_ctrl_c_twice)])
+            for thread in threads:
+                thread.start()
+
+        return serving.serve(*args, on_ready=ready, **kwargs)
+
+    monkeypatch.setattr(serve_command, "serve", serve_and_interrupt)
+    assert serve_command.main(["--run-dir", str(tiny_torch_run), "--port", "0", "--max-wait-ms", "1500"]) == 130
+    threads[0].join(10)
+    assert replies[0].status_code == 500
+    assert "stopped at once by Ctrl-C: any request in flight was cancelled, not answered" in capsys.readouterr().err
+
+
 def test_run_on_the_main_thread_stops_on_ctrl_c_and_puts_back_the_callers_signal_handlers():
     before = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
     asgi = serving.app(decode=lambda texts, options: [], count_tokens=len, info={"backend": "fake"})
