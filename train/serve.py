@@ -15,6 +15,7 @@ from pathlib import Path
 
 from .backends.host_devices import split_host
 from .config import Range, positive_int
+from .runtime import read_experiment
 from .runtime.files import UserError, error_text
 from .serving import Limits, serve
 
@@ -33,8 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=Range(int, low=0, below=65536).parse, default=8000,
                         help="port to listen on (default 8000; 0: a free one)")
-    parser.add_argument("--devices", type=positive_int,
-                        help="jax runs: decode over the first N devices (default: every visible device)")
+    parser.add_argument("--devices", type=positive_int, help="jax runs: decode over the first N devices (default: "
+                        "every visible device); a torch run serves on one device and refuses N > 1")
     parser.add_argument("--access-log", action="store_true", help="log every request on stderr")
     limits = parser.add_argument_group("limits and batching (docs/serving.md#limits)")
     defaults = Limits()
@@ -56,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
               "Ctrl-C or SIGTERM stops", file=sys.stderr, flush=True)
 
     try:
+        if (args.devices or 1) > 1 and read_experiment(args.run_dir).backend == "torch":  # its backend says "trains"
+            raise UserError(f"--devices {args.devices}: a torch run serves on one device")
         split_host()  # before jax is imported
         signum = serve(args.run_dir, args.host, args.port, checkpoint=args.checkpoint, devices=args.devices,
                        limits=limits, on_ready=ready, access_log=args.access_log)
