@@ -31,7 +31,7 @@ def load_test(url: str, lines: Sequence[str], *, clients: int = 64, requests: in
     """`clients` concurrent clients (one connection each) send `requests` POST /translate requests
     in all, each of `min_texts`..`max_texts` lines drawn from `lines` (seeded). Returns counts
     (requests, sentences translated, errors, statuses), seconds, and the sentences/s, requests/s
-    and latency percentiles in ms (p50, p90, p99, max) of the answered requests."""
+    and latency percentiles in ms (p50, p90, p99, max) of the answered requests (None: none was)."""
     httpx = require("httpx")
     rng = random.Random(seed)
     bodies = [{"texts": rng.choices(lines, k=rng.randint(min_texts, max_texts)), "beam": beam} for _ in range(requests)]
@@ -62,14 +62,14 @@ def load_test(url: str, lines: Sequence[str], *, clients: int = 64, requests: in
             return time.perf_counter() - start
 
     seconds = asyncio.run(main())
-    ms = np.array(latencies) * 1000 if latencies else np.zeros(1)
+    ms = np.array(latencies) * 1000
     sentences = sum(translated)
     return {"url": url, "clients": clients, "requests": requests, "sentences": sentences, "errors": len(failures),
             "statuses": {str(k): v for k, v in statuses.items()}, "first_errors": failures[:3],
             "seconds": round(seconds, 3), "sentences_per_s": round(sentences / seconds, 1),
             "requests_per_s": round(len(latencies) / seconds, 1),
             "latency_ms": {f"p{q}": round(float(np.percentile(ms, q)), 1) for q in (50, 90, 99)}
-            | {"max": round(float(ms.max()), 1)}}
+            | {"max": round(float(ms.max()), 1)} if latencies else None}  # none answered: no latency
 
 
 class ServedRun:
@@ -80,18 +80,22 @@ class ServedRun:
         command = [sys.executable, "-m", "train.serve", "--run-dir", str(run_dir), "--port", "0", *args]
         self.proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, start_new_session=True)
         self.log: list[str] = []
-        deadline = time.monotonic() + startup_s
-        for line in self.proc.stderr:
-            self.log.append(line)
-            if found := re.search(r" on (http://\S+) ", line):
-                self.url = found[1]
-                # read on, so that a chatty server never blocks on a full pipe
-                threading.Thread(target=self.log.extend, args=(self.proc.stderr,), daemon=True).start()
-                return
-            if time.monotonic() > deadline:
-                break
-        self.proc.kill()
-        raise UserError(f"the server did not start: {''.join(self.log).strip() or 'no output'}")
+        self.url: str | None = None
+        listening = threading.Event()
+
+        def read() -> None:  # on a thread: the deadline holds on a silent server, and a chatty one never blocks
+            for line in self.proc.stderr:
+                self.log.append(line)
+                if self.url is None and (found := re.search(r" on (http://\S+) ", line)):
+                    self.url = found[1]
+                    listening.set()
+            listening.set()  # it exited
+
+        threading.Thread(target=read, daemon=True).start()
+        if not listening.wait(startup_s) or self.url is None:
+            self.proc.kill()
+            self.proc.wait()
+            raise UserError(f"the server did not start: {''.join(self.log).strip() or 'no output'}")
 
     def stop(self, timeout: float = 120.0) -> int:
         self.proc.send_signal(signal.SIGTERM)

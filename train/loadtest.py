@@ -42,8 +42,8 @@ def row(name: str, result: dict) -> str:
     if "latency_ms" not in result:
         return f"| {name} | {result['sentences']:,} | | {result['sentences_per_s']:,.1f} | | |"
     lat = result["latency_ms"]
-    return (f"| {name} | {result['sentences']:,} | {result['errors']} | {result['sentences_per_s']:,.1f} | "
-            f"{lat['p50']:,.0f} | {lat['p99']:,.0f} |")
+    latency = f"{lat['p50']:,.0f} | {lat['p99']:,.0f}" if lat else "none answered | none answered"
+    return f"| {name} | {result['sentences']:,} | {result['errors']} | {result['sentences_per_s']:,.1f} | {latency} |"
 
 
 def main(argv: list[str] | None = None) -> int:

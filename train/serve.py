@@ -1,18 +1,21 @@
 """`python -m train.serve --run-dir RUN [--host 127.0.0.1] [--port 8000]` (`aiayn serve`): serve a run over HTTP.
 
 `POST /translate`, `GET /health`, `GET /info` and a page at `/` (`train.serving`, docs/serving.md).
-SIGTERM or Ctrl-C stops accepting, finishes the requests in flight and exits 0.
+SIGTERM or Ctrl-C stops accepting, finishes the requests in flight and exits 0; a second Ctrl-C
+stops at once, cancelling them, and exits 130.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import signal
 import sys
 from pathlib import Path
 
 from .backends.host_devices import split_host
-from .config import Range, positive_float, positive_int
+from .config import Range, positive_int
+from .runtime import read_experiment
 from .runtime.files import UserError, error_text
 from .serving import Limits, serve
 
@@ -23,21 +26,21 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve a run trained by `python -m train.run` over HTTP: POST /translate with JSON "
         '{"texts": [...], "beam": 4, "alpha": 0.6, "scoring": "gnmt", "attention": false}, GET /health, GET /info, '
         "and a page at / that translates and draws the cross-attention. Concurrent requests are decoded together "
-        "in batches. SIGTERM stops accepting, finishes the requests in flight and exits 0. Needs the serve extra: "
-        'pip install -e ".[serve]".',
+        "in batches. SIGTERM or Ctrl-C stops accepting, finishes the requests in flight and exits 0; a second Ctrl-C "
+        'stops at once, cancelling them, and exits 130. Needs the serve extra: pip install -e ".[serve]".',
     )
     parser.add_argument("--run-dir", required=True, type=Path, help="the run directory to serve")
     parser.add_argument("--checkpoint", default="best", help="'best' (the default), 'latest', or a step number")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=Range(int, low=0, below=65536).parse, default=8000,
                         help="port to listen on (default 8000; 0: a free one)")
-    parser.add_argument("--devices", type=positive_int,
-                        help="jax runs: decode over the first N devices (default: every visible device)")
+    parser.add_argument("--devices", type=positive_int, help="jax runs: decode over the first N devices (default: "
+                        "every visible device); a torch run serves on one device and refuses N > 1")
     parser.add_argument("--access-log", action="store_true", help="log every request on stderr")
     limits = parser.add_argument_group("limits and batching (docs/serving.md#limits)")
     defaults = Limits()
     for field in dataclasses.fields(Limits):
-        kind = positive_float if field.type.startswith("float") else positive_int
+        kind = field.metadata["range"].parse
         default = getattr(defaults, field.name)
         limits.add_argument(f"--{field.name.replace('_', '-')}", type=kind, default=default, metavar="N",
                             help=f"{field.metadata['help']} (default {default if default is not None else 'none'})")
@@ -54,11 +57,16 @@ def main(argv: list[str] | None = None) -> int:
               "Ctrl-C or SIGTERM stops", file=sys.stderr, flush=True)
 
     try:
+        if (args.devices or 1) > 1 and read_experiment(args.run_dir).backend == "torch":  # its backend says "trains"
+            raise UserError(f"--devices {args.devices}: a torch run serves on one device")
         split_host()  # before jax is imported
         signum = serve(args.run_dir, args.host, args.port, checkpoint=args.checkpoint, devices=args.devices,
                        limits=limits, on_ready=ready, access_log=args.access_log)
     except (UserError, OSError, ValueError) as err:
         parser.exit(1, f"error: {error_text(err)}\n")
+    except KeyboardInterrupt:  # a second Ctrl-C while serving (or one while loading the run)
+        print("stopped at once by Ctrl-C: any request in flight was cancelled, not answered", file=sys.stderr)
+        return 128 + signal.SIGINT
     print(f"stopped{f' by signal {signum}' if signum else ''}: the requests in flight were answered", file=sys.stderr)
     return 0
 

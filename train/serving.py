@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from torch_reference.config import SCORINGS
+from torch_reference.config import POSITIVE, SCORINGS, Range
 
 from . import data
 from .runtime import UserError
@@ -41,7 +41,8 @@ def require(module: str) -> Any:
 
 
 def _limit(default, help: str):
-    return dataclasses.field(default=default, metadata={"help": help})
+    allowed = Range(float, above=0.0) if isinstance(default, float) else POSITIVE  # ms and s: finite, above 0
+    return dataclasses.field(default=default, metadata={"help": help, "range": allowed})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,10 +62,10 @@ class Limits:
     body_timeout_s: float = _limit(10.0, "to receive a whole body (a slow client); past it 408")
 
     def __post_init__(self):
-        for field in dataclasses.fields(self):
+        for field in dataclasses.fields(self):  # the ranges of the command's flags, for Python callers too
             value = getattr(self, field.name)
-            if value is not None and not value > 0:
-                raise UserError(f"{field.name.replace('_', '-')} must be positive, not {value}")
+            if value is not None and (problem := field.metadata["range"].error(value)):
+                raise UserError(f"{field.name} {problem}")
 
 
 class QueueFull(Exception):
@@ -308,7 +309,7 @@ def app(run=None, limits: Limits | None = None, *, decode: Callable | None = Non
     limits = limits or Limits()
     decode = decode or run_decoder(run)
     count_tokens = count_tokens or token_counts(run)
-    info = {**(info or run_info(run)), "limits": dataclasses.asdict(limits)}
+    info = {**(run_info(run) if info is None else info), "limits": dataclasses.asdict(limits)}
     state: dict[str, Any] = {}
 
     async def read_body(request, limit: int) -> bytes | None:
@@ -412,7 +413,8 @@ def app(run=None, limits: Limits | None = None, *, decode: Callable | None = Non
 
 class Server:
     """uvicorn serving `asgi_app` on host:port (port 0: a free one). `run()` blocks until SIGTERM,
-    SIGINT or `stop()`: it stops accepting, finishes the requests in flight and returns.
+    SIGINT or `stop()`: it stops accepting, finishes the requests in flight and returns; a second
+    SIGINT (Ctrl-C) meanwhile stops at once, cancelling them, and raises KeyboardInterrupt.
     `start()` runs it on a thread instead (tests, notebooks); `url` once it is listening."""
 
     def __init__(self, asgi_app, host: str = "127.0.0.1", port: int = 8000, *, access_log: bool = False):
@@ -431,7 +433,8 @@ class Server:
         return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"  # an IPv6 address in brackets
 
     def run(self, on_ready: Callable[[str], None] | None = None) -> int:
-        """Serve until stopped; `on_ready(url)` once listening. Returns the signal that stopped it (0: none)."""
+        """Serve until stopped; `on_ready(url)` once listening. Returns the signal that stopped it (0: none);
+        KeyboardInterrupt after a second Ctrl-C."""
         stopped_by = []
         # uvicorn re-raises the signal it caught after its graceful shutdown: handled here (the process
         # then exits 0 instead of dying of it), then the caller's own handlers are put back.
@@ -455,6 +458,8 @@ class Server:
         finally:
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
+        if self.server.force_exit:  # uvicorn cancelled the requests in flight (their clients got 500)
+            raise KeyboardInterrupt
         if not self.server.started:
             raise UserError(f"could not listen on {self.server.config.host}:{self.server.config.port}")
         return stopped_by[0] if stopped_by else 0

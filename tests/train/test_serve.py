@@ -5,6 +5,7 @@ on a thread), except for the SIGTERM test's real `python -m train.serve` process
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -25,7 +26,7 @@ httpx = pytest.importorskip("httpx")
 import train
 from train import loadtest, serving
 from train import serve as serve_command
-from train.loadgen import load_test
+from train.loadgen import ServedRun, load_test
 from train.serving import Batcher, Limits, QueueFull, Server
 
 REPO = Path(__file__).resolve().parents[2]
@@ -156,6 +157,18 @@ def test_a_full_queue_refuses_and_a_cancelled_request_is_dropped():
     assert asyncio.run(main())["batches"] == 1  # the cancelled request was never decoded
 
 
+@pytest.mark.parametrize(("limits", "says"), [
+    ({"max_texts": "5"}, "max_texts must be an integer, got '5'"),
+    ({"max_beam": 2.5}, "max_beam must be an integer, got 2.5"),
+    ({"max_wait_ms": float("inf")}, "max_wait_ms must be finite, got inf"),
+    ({"request_timeout_s": 0}, "request_timeout_s must be > 0, got 0"),
+])
+def test_limits_from_python_refuse_what_the_flags_refuse_in_one_line(limits, says):
+    with pytest.raises(serving.UserError) as refused:
+        Limits(**limits)
+    assert str(refused.value) == says
+
+
 # ----------------------------------------------------------------------------------------------
 # The API on the tiny run
 
@@ -204,6 +217,12 @@ def test_health_info_and_page(server, tiny_torch_run):
     page = HTTP.get(f"{server.url}/")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert '<canvas id="heatmap"' in page.text and "http" not in page.text.split("<script>")[1]  # nothing fetched from outside
+
+
+def test_an_app_given_empty_info_needs_no_run():  # {} is the info to serve, not a missing one
+    asgi = serving.app(decode=lambda texts, options: [], count_tokens=len, info={})
+    with Server(asgi, port=0).start() as running:
+        assert HTTP.get(f"{running.url}/info").json() == {"limits": dataclasses.asdict(Limits()), "served": {}}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -403,6 +422,25 @@ def test_a_load_tests_throughput_counts_the_answered_requests_alone():
     assert result["requests_per_s"] == pytest.approx(answered / result["seconds"], rel=0.05)
 
 
+def test_a_load_test_with_no_answered_request_has_no_latency():
+    with fake_server(max_texts=1) as running:  # every request of 2 sentences gets 400
+        result = load_test(running.url, ["a"], clients=2, requests=4, min_texts=2, max_texts=2)
+    assert (result["statuses"], result["latency_ms"]) == ({"400": 4}, None)  # not a p50 of 0 ms
+    assert loadtest.row("served", result) == "| served | 0 | 4 | 0.0 | none answered | none answered |"
+
+def test_a_served_run_that_hangs_silently_fails_at_its_deadline_and_is_reaped(tmp_path, monkeypatch):
+    hang = tmp_path / "hang"
+    hang.write_text("#!/bin/sh\nexec sleep 4\n")  # a server that never says where it listens
+    hang.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(hang))
+    started, popen = [], subprocess.Popen
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: started.append(popen(*a, **k)) or started[-1])
+    begun = time.monotonic()
+    with pytest.raises(serving.UserError, match="the server did not start: no output"):
+        ServedRun("run", startup_s=0.3)
+    assert time.monotonic() - begun < 2  # not when the child exits
+    assert started[0].returncode == -signal.SIGKILL  # killed and waited on: no zombie
+
 def test_sigterm_finishes_the_requests_in_flight_and_exits_0(tiny_torch_run):
     # A 1.5 s batching wait holds the request in the server when SIGTERM arrives.
     command = [sys.executable, "-m", "train.serve", "--run-dir", str(tiny_torch_run), "--port", "0",
@@ -430,6 +468,32 @@ def test_sigterm_finishes_the_requests_in_flight_and_exits_0(tiny_torch_run):
         proc.wait()
 
 
+def test_a_second_ctrl_c_cancels_the_requests_in_flight_and_says_so(tiny_torch_run, monkeypatch, capsys):
+    replies, threads = [], []
+
+    def press_ctrl_c_twice():
+        time.sleep(0.3)  # the request waits for its batch (--max-wait-ms 1500)
+        for _ in range(2):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.2)
+
+    def serve_and_interrupt(*args, on_ready, **kwargs):
+        def ready(url):
+            on_ready(url)
+            threads.extend([threading.Thread(target=lambda: replies.append(post(url, {"texts": ["neun"]}))),
+                            threading.Thread(target=press_ctrl_c_twice)])
+            for thread in threads:
+                thread.start()
+
+        return serving.serve(*args, on_ready=ready, **kwargs)
+
+    monkeypatch.setattr(serve_command, "serve", serve_and_interrupt)
+    assert serve_command.main(["--run-dir", str(tiny_torch_run), "--port", "0", "--max-wait-ms", "1500"]) == 130
+    threads[0].join(10)
+    assert replies[0].status_code == 500
+    assert "stopped at once by Ctrl-C: any request in flight was cancelled, not answered" in capsys.readouterr().err
+
+
 def test_run_on_the_main_thread_stops_on_ctrl_c_and_puts_back_the_callers_signal_handlers():
     before = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
     asgi = serving.app(decode=lambda texts, options: [], count_tokens=len, info={"backend": "fake"})
@@ -448,6 +512,12 @@ def test_a_port_in_use_or_out_of_range_is_one_line(capsys):
         serve_command.main(["--run-dir", "run", "--port", "65536"])
     assert "--port: must be in [0, 65536), got 65536" in capsys.readouterr().err
 
+
+def test_devices_on_a_torch_run_says_it_serves_on_one_device(tiny_torch_run, capsys):
+    with pytest.raises(SystemExit):  # the backend's own error said the torch backend "trains" on one device
+        serve_command.main(["--run-dir", str(tiny_torch_run), "--port", "0", "--devices", "2"])
+    assert capsys.readouterr().err == "error: --devices 2: a torch run serves on one device\n"
+    assert "a torch run serves on one device" in " ".join(serve_command.build_parser().format_help().split())
 
 def test_an_ipv6_servers_url_is_one_a_client_can_use():
     try:
