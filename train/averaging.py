@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from torch_reference.config import POSITIVE
+
 from . import data, runtime
 from .backends import create_backend
 from .store import CheckpointError, TrainingState
@@ -39,6 +41,7 @@ def average_states(states: Sequence[TrainingState]) -> TrainingState:
 def average_run(src: str | os.PathLike, dst: str | os.PathLike, last: int = 5, overwrite: bool = False) -> dict:
     """Average the newest `last` checkpoints of run `src` into a new run directory `dst` (built
     beside it and renamed into place, so an interrupted average leaves nothing). Returns a summary."""
+    POSITIVE.check("last", last)  # 0 would average every checkpoint, -1 all but the oldest
     src, dst = Path(src), Path(dst)
     runtime.rundir.check_set_aside(src)
     cfg = runtime.read_experiment(src)

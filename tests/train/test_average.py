@@ -91,3 +91,7 @@ def test_cli_errors(run_with_checkpoints, tmp_path, capsys):
     with pytest.raises(SystemExit) as exited:
         average.main(["--run-dir", src, "--last", "0", "--dst", str(tmp_path / "y")])
     assert exited.value.code == 2
+    for last in (0, -1):  # from Python too: 0 averaged every checkpoint, -1 all but the oldest
+        with pytest.raises(ValueError, match=f"last must be >= 1, got {last}"):
+            averaging.average_run(src, tmp_path / "y", last=last)
+    assert not (tmp_path / "y").exists()

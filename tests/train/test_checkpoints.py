@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import train
@@ -286,3 +287,12 @@ def test_an_ensemble_of_the_other_framework_is_refused_with_the_truth(tiny_torch
     """load([a, a], backend="jax") of torch runs said 'a is a torch run, a a jax one': a is no jax run."""
     with pytest.raises(runtime.UserError, match=r"is a torch run; for jax, convert it first: python -m parity.convert"):
         train.load([tiny_torch_run, tiny_torch_run], backend="jax")
+
+
+def test_parse_checkpoint_takes_integer_steps_of_any_integer_type_but_not_a_bool():
+    """`checkpoint=True` loaded step 1, and NumPy's integers (a step read from an array) were refused."""
+    assert store.parse_checkpoint(np.int64(60)) == 60 and type(store.parse_checkpoint(np.int64(60))) is int
+    assert store.parse_checkpoint("60") == 60 and store.parse_checkpoint("best") == "best"
+    for bad in (True, 2.0, "-1", None):
+        with pytest.raises(runtime.UserError, match="checkpoint must be 'best', 'latest' or a step number"):
+            store.parse_checkpoint(bad)

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import numbers
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -152,7 +153,8 @@ def saved_experiments(directory: str | os.PathLike) -> dict[int, dict]:
 
 def parse_checkpoint(which: str | int) -> str | int:
     """'best', 'latest' or a step number (as int); UserError for anything else."""
-    if isinstance(which, int) or (isinstance(which, str) and which.isdigit()):
+    step = isinstance(which, numbers.Integral) and not isinstance(which, bool)  # np.int64 too; True is no step
+    if step or (isinstance(which, str) and which.isdigit()):
         return int(which)
     if which not in ("best", "latest"):
         raise UserError(f"checkpoint must be 'best', 'latest' or a step number, got {which!r}")
