@@ -238,6 +238,9 @@ def test_malformed_json_lines_name_the_file(tmp_path, corpus, capsys):
     empty = write(tmp_path / "empty.jsonl", "")
     code, _, err = train_cli(capsys, "--run-dir", str(tmp_path / "run"), *data_flags(str(empty), f"de:en:{corpus}"))
     assert_one_error(code, err, "empty.jsonl' holds no sentence pairs")
+    spec = f"hf:{tmp_path}:train"  # a local directory as a hub dataset: its data unparsable (a traceback before)
+    code, _, err = train_cli(capsys, "--run-dir", str(tmp_path / "run"), *data_flags(spec, f"de:en:{corpus}"))
+    assert_one_error(code, err, f"{spec}: not valid data", "JSON parse error")
 
 
 def test_a_data_file_of_one_huge_line_is_one_short_error_line(tmp_path, corpus, capsys):

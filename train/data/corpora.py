@@ -64,7 +64,7 @@ def load_parallel(spec: str, cache_dir: str | Path | None = None) -> LoadedPairs
         name, config, split = match.groups()
         langs = config.split("-") if config and re.fullmatch(r"\w+-\w+", config) else ("source", "target")
         src, tgt = _columns(options, *langs)
-        ds = _datasets().load_dataset(name, config, split=split, cache_dir=cache_dir)
+        ds = _load_dataset(f"{spec}: not valid data", name, config, split=split, cache_dir=cache_dir)
         return _pairs(_field(ds, src, spec), _field(ds, tgt, spec))
     if spec.endswith(_TSV + _JSON):
         path, (src, tgt) = _existing(Path(spec)), _columns(options, "source", "target")
@@ -72,7 +72,7 @@ def load_parallel(spec: str, cache_dir: str | Path | None = None) -> LoadedPairs
             return _tsv_pairs(path, src, tgt)
         if not check_text(path):  # datasets' json builder fails on an empty file
             return LoadedPairs([], 0)
-        ds = _load_dataset("json", data_files=str(path), split="train", cache_dir=cache_dir)
+        ds = _load_dataset(f"{path}: not valid json", "json", data_files=str(path), split="train", cache_dir=cache_dir)
         return _pairs(_field(ds, src, path), _field(ds, tgt, path))
     match = _TEXT_PAIR.match(spec)
     if match and not options:
@@ -110,17 +110,17 @@ def _datasets():
     return datasets
 
 
-def _load_dataset(builder: str, data_files: str, **kwargs):
-    """datasets.load_dataset on a local file; a file it cannot parse raises ValueError naming it."""
+def _load_dataset(what: str, *args, **kwargs):
+    """datasets.load_dataset(*args, **kwargs); data it cannot parse raises ValueError saying `what`."""
     datasets = _datasets()
     verbosity = datasets.logging.get_verbosity()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # it also logs the parse error it raises
     try:
-        return datasets.load_dataset(builder, data_files=data_files, **kwargs)
+        return datasets.load_dataset(*args, **kwargs)
     except datasets.exceptions.DatasetGenerationError as err:
         cause = err.__cause__ or err
         reason = shortened(str(cause))  # a parser's message may quote the line
-        raise ValueError(f"{data_files}: not valid {builder} ({type(cause).__name__}: {reason})") from None
+        raise ValueError(f"{what} ({type(cause).__name__}: {reason})") from None
     finally:
         datasets.logging.set_verbosity(verbosity)
 
