@@ -7,7 +7,7 @@ import dataclasses
 import hashlib
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ from . import data
 from .backends import Backend, create_backend, initialize
 from .config import BACKENDS, ENSEMBLE_AVERAGES, ExperimentConfig
 from .runtime import CHECKPOINTS, UserError, read_experiment, read_run
+from .runtime.files import quoted
 from .runtime.rundir import check_set_aside
 from .translation import Hypothesis, check_numbers
 
@@ -168,8 +169,11 @@ def load(run_dir: str | os.PathLike | Sequence[str | os.PathLike], checkpoint: s
         raise UserError(f"average must be one of {', '.join(ENSEMBLE_AVERAGES)}, got {average!r}")
     if backend not in (None, *BACKENDS):  # not a framework to convert the run to
         raise UserError(f"backend must be one of {', '.join(BACKENDS)} (None: the run's own), got {backend!r}")
-    if isinstance(run_dir, (str, os.PathLike)):
+    if isinstance(run_dir, (str, os.PathLike)) or not isinstance(run_dir, Iterable):
         run_dir = [run_dir]
+    run_dir = list(run_dir)  # a generator too
+    if not all(isinstance(d, (str, os.PathLike)) for d in run_dir):
+        raise UserError(f"run_dir: give a run directory or a list of them, got {quoted(run_dir)}")
     if len(run_dir) == 1:  # a run alone keeps what an ensemble gives up (attention weights, training)
         return _load_one(Path(run_dir[0]), checkpoint, backend, devices, **launch)
     return _load_ensemble([Path(d) for d in run_dir], checkpoint, backend, devices, average, **launch)
