@@ -276,7 +276,8 @@ def test_load_refuses_a_backend_that_is_not_a_framework(tiny_torch_run):
 def test_load_takes_a_generator_of_run_directories_and_names_what_is_none():
     """None or a number was a bare TypeError (len() of it), a generator of directories one too."""
     for bad in (None, 5, [None]):
-        with pytest.raises(runtime.UserError, match=r"^run_dir: give a run directory or a list of them, got \[(None|5)]"):
+        with pytest.raises(runtime.UserError,
+                           match=r"^run_dir: give a run directory or a list of them, got \[(None|5)]$"):
             train.load(bad)
     with pytest.raises(runtime.UserError, match="not a run directory"):  # read as a list: the directory is looked at
         train.load(d for d in ["/nonexistent-run"])
