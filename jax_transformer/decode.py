@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from torch_reference.config import SCORINGS
+from torch_reference.config import POSITIVE, SCORINGS
 
 from . import xla_cpu as tuned
 from .model import Transformer, padding_mask, shift_right
@@ -76,7 +76,8 @@ def _check_source(model: Transformer, src_ids) -> None:
 
 
 def _check_n_best(n_best: int | None, beam_size: int) -> None:
-    if n_best is not None and not 1 <= n_best <= beam_size:
+    POSITIVE.check("beam_size", beam_size)
+    if n_best is not None and (POSITIVE.error(n_best) or n_best > beam_size):
         raise ValueError(f"n_best must be between 1 and the beam size {beam_size}, got {n_best}")
 
 

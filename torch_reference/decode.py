@@ -25,7 +25,7 @@ import math
 import torch
 from torch import Tensor
 
-from .config import SCORINGS
+from .config import POSITIVE, SCORINGS
 from .model import Transformer, padding_mask, shift_right
 
 # A finite "minus infinity": sums of it stay finite, so no inf - inf = NaN in the scores.
@@ -73,7 +73,8 @@ def _check_source(model: Transformer, src_ids: Tensor) -> None:
 
 
 def _check_n_best(n_best: int | None, beam_size: int) -> None:
-    if n_best is not None and not 1 <= n_best <= beam_size:
+    POSITIVE.check("beam_size", beam_size)
+    if n_best is not None and (POSITIVE.error(n_best) or n_best > beam_size):
         raise ValueError(f"n_best must be between 1 and the beam size {beam_size}, got {n_best}")
 
 

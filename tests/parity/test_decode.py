@@ -447,3 +447,15 @@ def test_bad_n_best_or_prefix_is_refused_in_both_frameworks():
                 beam(model, src_, beam_size=4, n_best=n_best)
         with pytest.raises(ValueError, match="the prefix of sentence 0 has 30 tokens: its length limit of 1[0-9] tokens"):
             beam(model, src_, beam_size=4, prefix=wrap(too_long))
+
+
+@pytest.mark.parametrize("beam_size", [0, -1, 2.0, True])
+def test_a_beam_size_that_is_no_positive_integer_is_refused_in_both_frameworks(beam_size):
+    # 0 and -1 failed deep inside (an IndexError, a RuntimeError), 2.0 in a TypeError; JAX searched with True.
+    torch_model, jax_model = pair()
+    src = source(batch=2, length=4)
+    for beam, model, src_ in ((td.beam_search, torch_model, torch.from_numpy(src)), (jd.beam_search, jax_model, src)):
+        with pytest.raises(ValueError, match="beam_size must be"):
+            beam(model, src_, beam_size=beam_size)
+        with pytest.raises(ValueError, match="n_best must be between 1 and the beam size 2, got 1.0"):
+            beam(model, src_, beam_size=2, n_best=1.0)
