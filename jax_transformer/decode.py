@@ -68,7 +68,19 @@ def _check_scoring(scoring: str, alpha: float) -> None:
         raise ValueError(f"alpha must be >= 0, got {alpha}")
 
 
+def _check_ids(name: str, ids, vocab_size: int) -> None:
+    """ValueError unless `ids` is a (B, L) integer array of token ids in [0, vocab_size) (values inside a
+    trace are the caller's to check)."""
+    if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ValueError(f"{name} must be (batch, length) integer token ids, got {ids.dtype} of shape "
+                         f"{tuple(ids.shape)}")
+    if ids.size and not isinstance(ids, jax.core.Tracer) and not 0 <= int(ids.min()) <= int(ids.max()) < vocab_size:
+        raise ValueError(f"{name} holds ids outside [0, {vocab_size}), the vocabulary: "
+                         f"{int(ids.min())}..{int(ids.max())}")
+
+
 def _check_source(model: Transformer, src_ids) -> None:
+    _check_ids("src_ids", src_ids, model.cfg.src_vocab_size)
     if src_ids.shape[1] > model.cfg.max_len:
         raise ValueError(
             f"source of {src_ids.shape[1]} tokens exceeds the model's max_len={model.cfg.max_len}; truncate it first"
@@ -349,6 +361,7 @@ def score(model: Transformer, src_ids, tgt_ids):
     log-probability of each target token given the source and the tokens before it (teacher
     forcing), 0 at padding (torch's `score`)."""
     _check_source(model, src_ids)
+    _check_ids("tgt_ids", tgt_ids, model.cfg.tgt_vocab_size)
     if tgt_ids.shape[1] > model.cfg.max_len:
         raise ValueError(f"target of {tgt_ids.shape[1]} tokens exceeds the model's max_len={model.cfg.max_len}")
     return _score(model, jnp.asarray(src_ids, jnp.int32), jnp.asarray(tgt_ids, jnp.int32))

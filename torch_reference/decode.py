@@ -65,7 +65,18 @@ def _check_scoring(scoring: str, alpha: float) -> None:
         raise ValueError(f"alpha must be >= 0, got {alpha}")
 
 
+def _check_ids(name: str, ids: Tensor, vocab_size: int) -> None:
+    """ValueError unless `ids` is a (B, L) integer tensor of token ids in [0, vocab_size)."""
+    if ids.ndim != 2 or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise ValueError(f"{name} must be (batch, length) integer token ids, got {ids.dtype} of shape "
+                         f"{tuple(ids.shape)}")
+    if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < vocab_size:
+        raise ValueError(f"{name} holds ids outside [0, {vocab_size}), the vocabulary: "
+                         f"{int(ids.min())}..{int(ids.max())}")
+
+
 def _check_source(model: Transformer, src_ids: Tensor) -> None:
+    _check_ids("src_ids", src_ids, model.cfg.src_vocab_size)
     if src_ids.shape[1] > model.cfg.max_len:
         raise ValueError(
             f"source of {src_ids.shape[1]} tokens exceeds the model's max_len={model.cfg.max_len}; truncate it first"
@@ -292,6 +303,7 @@ def score(model: Transformer, src_ids: Tensor, tgt_ids: Tensor) -> Tensor:
     forcing), 0 at padding: a row's sum is its target's log-probability, which a search's score
     of that output is (no token masked, nothing renormalised)."""
     _check_source(model, src_ids)
+    _check_ids("tgt_ids", tgt_ids, model.cfg.tgt_vocab_size)
     if tgt_ids.shape[1] > model.cfg.max_len:
         raise ValueError(f"target of {tgt_ids.shape[1]} tokens exceeds the model's max_len={model.cfg.max_len}")
     logits = model(src_ids, shift_right(tgt_ids, model.cfg.bos_id))  # (B, T, V)

@@ -459,3 +459,21 @@ def test_a_beam_size_that_is_no_positive_integer_is_refused_in_both_frameworks(b
             beam(model, src_, beam_size=beam_size)
         with pytest.raises(ValueError, match="n_best must be between 1 and the beam size 2, got 1.0"):
             beam(model, src_, beam_size=2, n_best=1.0)
+
+
+@pytest.mark.parametrize("bad", ["id 53", "id -1", "float", "1-D"])
+def test_source_and_target_ids_outside_the_vocabulary_or_not_integers_are_refused_in_both_frameworks(bad):
+    # JAX searched ids >= the vocabulary size (NaN embeddings) and -1 (the last row) and cast float ids, silently;
+    # torch failed deep inside (an IndexError, an embedding's RuntimeError). `score` the same for its targets.
+    torch_model, jax_model = pair()
+    ids = source(batch=2, length=4)
+    ids = {"id 53": ids.clip(max=52) + (ids == 2) * 51, "id -1": ids - (ids == 2) * 3, "float": ids.astype(np.float32),
+           "1-D": ids[0]}[bad]
+    match = "ids outside" if bad.startswith("id") else "integer token ids"
+    good = source(batch=2, length=4)
+    for model, td_or_jd, wrap in ((torch_model, td, torch.from_numpy), (jax_model, jd, np.asarray)):
+        for search in (td_or_jd.greedy_search, functools.partial(td_or_jd.beam_search, beam_size=2)):
+            with pytest.raises(ValueError, match=f"src_ids .*{match}|src_ids {match}"):
+                search(model, wrap(ids))
+        with pytest.raises(ValueError, match=f"tgt_ids .*{match}|tgt_ids {match}"):
+            td_or_jd.score(model, wrap(good), wrap(ids))
