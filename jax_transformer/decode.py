@@ -99,6 +99,9 @@ def check_prefix(src_ids, prefix, pad_id: int, max_len: int, max_len_a: float, m
     the caller's to check."""
     if isinstance(src_ids, jax.core.Tracer) or isinstance(prefix, jax.core.Tracer):
         return
+    if jnp.ndim(prefix) != 2 or jnp.shape(prefix)[0] != src_ids.shape[0]:
+        raise ValueError(f"prefix must be (batch, length) with the batch of src_ids, {src_ids.shape[0]} rows; "
+                         f"got shape {jnp.shape(prefix)}")
     src_len = (jnp.asarray(src_ids) != pad_id).sum(1).tolist()
     for row, (n, used) in enumerate(zip(src_len, (jnp.asarray(prefix) != pad_id).sum(1).tolist())):
         limit = max(1, min(max_len, math.floor(max_len_a * n + max_len_b)))
@@ -186,6 +189,7 @@ def greedy_search(model: Transformer, src_ids, max_len_a: float = 1.5, max_len_b
     log-probabilities counted in the score; the search continues after them."""
     _check_source(model, src_ids)
     if prefix is not None:
+        _check_ids("prefix", jnp.asarray(prefix), model.cfg.tgt_vocab_size)
         check_prefix(src_ids, prefix, model.cfg.pad_id, model.cfg.max_len, max_len_a, max_len_b)
     return _greedy_search(model, jnp.asarray(src_ids, jnp.int32), max_len_a, max_len_b, cached, prefix)
 
@@ -277,6 +281,7 @@ def beam_search(model: Transformer, src_ids, beam_size: int = 4, alpha: float = 
     _check_scoring(scoring, alpha)
     _check_n_best(n_best, beam_size)
     if prefix is not None:
+        _check_ids("prefix", jnp.asarray(prefix), model.cfg.tgt_vocab_size)
         check_prefix(src_ids, prefix, model.cfg.pad_id, model.cfg.max_len, max_len_a, max_len_b)
     return _beam_search(model, jnp.asarray(src_ids, jnp.int32), beam_size, alpha, max_len_a, max_len_b, cached, scoring,
                         n_best, prefix)

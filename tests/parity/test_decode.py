@@ -477,3 +477,18 @@ def test_source_and_target_ids_outside_the_vocabulary_or_not_integers_are_refuse
                 search(model, wrap(ids))
         with pytest.raises(ValueError, match=f"tgt_ids .*{match}|tgt_ids {match}"):
             td_or_jd.score(model, wrap(good), wrap(ids))
+
+
+@pytest.mark.parametrize("bad", ["one row for two", "1-D", "id 53", "float"])
+def test_a_prefix_of_another_batch_or_of_ids_outside_the_vocabulary_is_refused_in_both_frameworks(bad):
+    # A (1, P) prefix for 2 sources was broadcast, silently forcing row 0's prefix on row 1, in both; JAX forced
+    # ids >= the vocabulary size and floats; torch failed deep inside (a RuntimeError of gather).
+    torch_model, jax_model = pair()
+    src = source(batch=2, length=4)
+    prefix = {"one row for two": np.array([[5, 6]]), "1-D": np.array([5, 6]), "id 53": np.array([[5, 53], [7, 0]]),
+              "float": np.array([[5., 6.], [7., 0.]])}[bad]
+    match = "outside" if bad == "id 53" else "prefix must be"
+    for model, td_or_jd, wrap in ((torch_model, td, torch.from_numpy), (jax_model, jd, np.asarray)):
+        for search in (td_or_jd.greedy_search, functools.partial(td_or_jd.beam_search, beam_size=2)):
+            with pytest.raises(ValueError, match=match):
+                search(model, wrap(src), prefix=wrap(prefix))
