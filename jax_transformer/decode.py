@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from torch_reference.config import SCORINGS
+from torch_reference.config import POSITIVE, SCORINGS
 
 from . import xla_cpu as tuned
 from .model import Transformer, padding_mask, shift_right
@@ -68,7 +68,19 @@ def _check_scoring(scoring: str, alpha: float) -> None:
         raise ValueError(f"alpha must be >= 0, got {alpha}")
 
 
+def _check_ids(name: str, ids, vocab_size: int) -> None:
+    """ValueError unless `ids` is a (B, L) integer array of token ids in [0, vocab_size) (values inside a
+    trace are the caller's to check)."""
+    if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ValueError(f"{name} must be (batch, length) integer token ids, got {ids.dtype} of shape "
+                         f"{tuple(ids.shape)}")
+    if ids.size and not isinstance(ids, jax.core.Tracer) and not 0 <= int(ids.min()) <= int(ids.max()) < vocab_size:
+        raise ValueError(f"{name} holds ids outside [0, {vocab_size}), the vocabulary: "
+                         f"{int(ids.min())}..{int(ids.max())}")
+
+
 def _check_source(model: Transformer, src_ids) -> None:
+    _check_ids("src_ids", src_ids, model.cfg.src_vocab_size)
     if src_ids.shape[1] > model.cfg.max_len:
         raise ValueError(
             f"source of {src_ids.shape[1]} tokens exceeds the model's max_len={model.cfg.max_len}; truncate it first"
@@ -76,7 +88,8 @@ def _check_source(model: Transformer, src_ids) -> None:
 
 
 def _check_n_best(n_best: int | None, beam_size: int) -> None:
-    if n_best is not None and not 1 <= n_best <= beam_size:
+    POSITIVE.check("beam_size", beam_size)
+    if n_best is not None and (POSITIVE.error(n_best) or n_best > beam_size):
         raise ValueError(f"n_best must be between 1 and the beam size {beam_size}, got {n_best}")
 
 
@@ -86,6 +99,9 @@ def check_prefix(src_ids, prefix, pad_id: int, max_len: int, max_len_a: float, m
     the caller's to check."""
     if isinstance(src_ids, jax.core.Tracer) or isinstance(prefix, jax.core.Tracer):
         return
+    if jnp.ndim(prefix) != 2 or jnp.shape(prefix)[0] != src_ids.shape[0]:
+        raise ValueError(f"prefix must be (batch, length) with the batch of src_ids, {src_ids.shape[0]} rows; "
+                         f"got shape {jnp.shape(prefix)}")
     src_len = (jnp.asarray(src_ids) != pad_id).sum(1).tolist()
     for row, (n, used) in enumerate(zip(src_len, (jnp.asarray(prefix) != pad_id).sum(1).tolist())):
         limit = max(1, min(max_len, math.floor(max_len_a * n + max_len_b)))
@@ -173,6 +189,7 @@ def greedy_search(model: Transformer, src_ids, max_len_a: float = 1.5, max_len_b
     log-probabilities counted in the score; the search continues after them."""
     _check_source(model, src_ids)
     if prefix is not None:
+        _check_ids("prefix", jnp.asarray(prefix), model.cfg.tgt_vocab_size)
         check_prefix(src_ids, prefix, model.cfg.pad_id, model.cfg.max_len, max_len_a, max_len_b)
     return _greedy_search(model, jnp.asarray(src_ids, jnp.int32), max_len_a, max_len_b, cached, prefix)
 
@@ -264,6 +281,7 @@ def beam_search(model: Transformer, src_ids, beam_size: int = 4, alpha: float = 
     _check_scoring(scoring, alpha)
     _check_n_best(n_best, beam_size)
     if prefix is not None:
+        _check_ids("prefix", jnp.asarray(prefix), model.cfg.tgt_vocab_size)
         check_prefix(src_ids, prefix, model.cfg.pad_id, model.cfg.max_len, max_len_a, max_len_b)
     return _beam_search(model, jnp.asarray(src_ids, jnp.int32), beam_size, alpha, max_len_a, max_len_b, cached, scoring,
                         n_best, prefix)
@@ -348,6 +366,7 @@ def score(model: Transformer, src_ids, tgt_ids):
     log-probability of each target token given the source and the tokens before it (teacher
     forcing), 0 at padding (torch's `score`)."""
     _check_source(model, src_ids)
+    _check_ids("tgt_ids", tgt_ids, model.cfg.tgt_vocab_size)
     if tgt_ids.shape[1] > model.cfg.max_len:
         raise ValueError(f"target of {tgt_ids.shape[1]} tokens exceeds the model's max_len={model.cfg.max_len}")
     return _score(model, jnp.asarray(src_ids, jnp.int32), jnp.asarray(tgt_ids, jnp.int32))

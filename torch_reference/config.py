@@ -164,7 +164,7 @@ class TransformerConfig:
                 raise ValueError(f"{name}={value!r} is not one of {', '.join(map(repr, allowed))}")
         for name, allowed in FIELD_RANGES.items():
             allowed.check(name, getattr(self, name))
-        for name in ("attention_bias", "share_embeddings", "tie_output", "scale_embeddings"):
+        for name in ("attention_bias", "share_embeddings", "tie_output", "scale_embeddings", "output_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.d_model % self.num_heads:

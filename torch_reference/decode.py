@@ -25,7 +25,7 @@ import math
 import torch
 from torch import Tensor
 
-from .config import SCORINGS
+from .config import POSITIVE, SCORINGS
 from .model import Transformer, padding_mask, shift_right
 
 # A finite "minus infinity": sums of it stay finite, so no inf - inf = NaN in the scores.
@@ -65,7 +65,18 @@ def _check_scoring(scoring: str, alpha: float) -> None:
         raise ValueError(f"alpha must be >= 0, got {alpha}")
 
 
+def _check_ids(name: str, ids: Tensor, vocab_size: int) -> None:
+    """ValueError unless `ids` is a (B, L) integer tensor of token ids in [0, vocab_size)."""
+    if ids.ndim != 2 or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise ValueError(f"{name} must be (batch, length) integer token ids, got {ids.dtype} of shape "
+                         f"{tuple(ids.shape)}")
+    if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < vocab_size:
+        raise ValueError(f"{name} holds ids outside [0, {vocab_size}), the vocabulary: "
+                         f"{int(ids.min())}..{int(ids.max())}")
+
+
 def _check_source(model: Transformer, src_ids: Tensor) -> None:
+    _check_ids("src_ids", src_ids, model.cfg.src_vocab_size)
     if src_ids.shape[1] > model.cfg.max_len:
         raise ValueError(
             f"source of {src_ids.shape[1]} tokens exceeds the model's max_len={model.cfg.max_len}; truncate it first"
@@ -73,13 +84,17 @@ def _check_source(model: Transformer, src_ids: Tensor) -> None:
 
 
 def _check_n_best(n_best: int | None, beam_size: int) -> None:
-    if n_best is not None and not 1 <= n_best <= beam_size:
+    POSITIVE.check("beam_size", beam_size)
+    if n_best is not None and (POSITIVE.error(n_best) or n_best > beam_size):
         raise ValueError(f"n_best must be between 1 and the beam size {beam_size}, got {n_best}")
 
 
 def check_prefix(src_ids, prefix, pad_id: int, max_len: int, max_len_a: float, max_len_b: int) -> None:
     """ValueError unless each row of prefix (B, P) (tokens, then pad_id) leaves its sentence room
     for <eos>: fewer tokens than its length limit (`sentence_limits`)."""
+    if prefix.ndim != 2 or prefix.shape[0] != src_ids.shape[0]:
+        raise ValueError(f"prefix must be (batch, length) with the batch of src_ids, {src_ids.shape[0]} rows; "
+                         f"got shape {tuple(prefix.shape)}")
     src_len = (src_ids != pad_id).sum(1).tolist()
     for row, (n, used) in enumerate(zip(src_len, (prefix != pad_id).sum(1).tolist())):
         limit = max(1, min(max_len, math.floor(max_len_a * n + max_len_b)))
@@ -136,6 +151,7 @@ def greedy_search(
     B, S = src_ids.shape
     length = output_length(S, cfg.max_len, max_len_a, max_len_b)
     if prefix is not None:
+        _check_ids("prefix", prefix, cfg.tgt_vocab_size)
         check_prefix(src_ids, prefix, cfg.pad_id, cfg.max_len, max_len_a, max_len_b)
     forced = _prefix_columns(prefix, cfg.pad_id, length)  # (B, L) or None
     limits = sentence_limits(src_ids, cfg.pad_id, length, max_len_a, max_len_b)  # (B,)
@@ -227,6 +243,7 @@ def beam_search(
     length = output_length(S, cfg.max_len, max_len_a, max_len_b)
     limits = sentence_limits(src_ids, cfg.pad_id, length, max_len_a, max_len_b)  # (B,)
     if prefix is not None:
+        _check_ids("prefix", prefix, cfg.tgt_vocab_size)
         check_prefix(src_ids, prefix, cfg.pad_id, cfg.max_len, max_len_a, max_len_b)
     forced = _prefix_columns(prefix, cfg.pad_id, length)  # (B, L) or None
     src_mask = padding_mask(src_ids, cfg.pad_id).repeat_interleave(k, dim=0)  # (B*k, 1, 1, S)
@@ -291,6 +308,7 @@ def score(model: Transformer, src_ids: Tensor, tgt_ids: Tensor) -> Tensor:
     forcing), 0 at padding: a row's sum is its target's log-probability, which a search's score
     of that output is (no token masked, nothing renormalised)."""
     _check_source(model, src_ids)
+    _check_ids("tgt_ids", tgt_ids, model.cfg.tgt_vocab_size)
     if tgt_ids.shape[1] > model.cfg.max_len:
         raise ValueError(f"target of {tgt_ids.shape[1]} tokens exceeds the model's max_len={model.cfg.max_len}")
     logits = model(src_ids, shift_right(tgt_ids, model.cfg.bos_id))  # (B, T, V)

@@ -527,6 +527,8 @@ class Transformer(nn.Module):
         Packed rows (several pairs a row, as google/flax examples/wmt packs them): `src_segments`
         (B, S) and `tgt_segments` (B, T) number each row's pairs 1, 2, ... (0 on padding); every
         attention stays within its segment and positions restart at each segment's start."""
+        if (src_segments is None) != (tgt_segments is None):
+            raise ValueError("packed rows need both src_segments and tgt_segments, got only one")
         src_mask = padding_mask(src_ids, self.cfg.pad_id)
         cross_mask, tgt_mask, src_positions, tgt_positions = src_mask, None, None, None
         if src_segments is not None:

@@ -184,6 +184,19 @@ def test_full_model_logits_encode_decode(variant):
     np.testing.assert_allclose(memory_j, memory_t, atol=1e-5)
 
 
+
+@pytest.mark.parametrize("given", ["src_segments", "tgt_segments"])
+def test_segments_of_one_side_only_are_refused_in_both_twins(given):
+    # src_segments alone failed deep inside ('NoneType' object is not subscriptable); tgt_segments alone was
+    # ignored, silently: every attention crossed the packed pairs.
+    cfg, tm, jm = make_pair()
+    src, tgt = ids(cfg, 2, 5, seed=0), ids(cfg, 2, 4, seed=1)
+    segments = {"src_segments": np.ones_like(src), "tgt_segments": np.ones_like(tgt)}[given]
+    with pytest.raises(ValueError, match="both src_segments and tgt_segments"):
+        tm(torch.from_numpy(src), torch.from_numpy(tgt), **{given: torch.from_numpy(segments)})
+    with pytest.raises(ValueError, match="both src_segments and tgt_segments"):
+        jm(jnp.asarray(src), jnp.asarray(tgt), **{given: jnp.asarray(segments)})
+
 def test_fully_padded_source_is_finite_in_jax():
     cfg, tm, jm = make_pair()
     src = np.zeros((2, 5), dtype=np.int64)

@@ -447,3 +447,48 @@ def test_bad_n_best_or_prefix_is_refused_in_both_frameworks():
                 beam(model, src_, beam_size=4, n_best=n_best)
         with pytest.raises(ValueError, match="the prefix of sentence 0 has 30 tokens: its length limit of 1[0-9] tokens"):
             beam(model, src_, beam_size=4, prefix=wrap(too_long))
+
+
+@pytest.mark.parametrize("beam_size", [0, -1, 2.0, True])
+def test_a_beam_size_that_is_no_positive_integer_is_refused_in_both_frameworks(beam_size):
+    # 0 and -1 failed deep inside (an IndexError, a RuntimeError), 2.0 in a TypeError; JAX searched with True.
+    torch_model, jax_model = pair()
+    src = source(batch=2, length=4)
+    for beam, model, src_ in ((td.beam_search, torch_model, torch.from_numpy(src)), (jd.beam_search, jax_model, src)):
+        with pytest.raises(ValueError, match="beam_size must be"):
+            beam(model, src_, beam_size=beam_size)
+        with pytest.raises(ValueError, match="n_best must be between 1 and the beam size 2, got 1.0"):
+            beam(model, src_, beam_size=2, n_best=1.0)
+
+
+@pytest.mark.parametrize("bad", ["id 53", "id -1", "float", "1-D"])
+def test_source_and_target_ids_outside_the_vocabulary_or_not_integers_are_refused_in_both_frameworks(bad):
+    # JAX searched ids >= the vocabulary size (NaN embeddings) and -1 (the last row) and cast float ids, silently;
+    # torch failed deep inside (an IndexError, an embedding's RuntimeError). `score` the same for its targets.
+    torch_model, jax_model = pair()
+    ids = source(batch=2, length=4)
+    ids = {"id 53": ids.clip(max=52) + (ids == 2) * 51, "id -1": ids - (ids == 2) * 3, "float": ids.astype(np.float32),
+           "1-D": ids[0]}[bad]
+    match = "ids outside" if bad.startswith("id") else "integer token ids"
+    good = source(batch=2, length=4)
+    for model, td_or_jd, wrap in ((torch_model, td, torch.from_numpy), (jax_model, jd, np.asarray)):
+        for search in (td_or_jd.greedy_search, functools.partial(td_or_jd.beam_search, beam_size=2)):
+            with pytest.raises(ValueError, match=f"src_ids .*{match}|src_ids {match}"):
+                search(model, wrap(ids))
+        with pytest.raises(ValueError, match=f"tgt_ids .*{match}|tgt_ids {match}"):
+            td_or_jd.score(model, wrap(good), wrap(ids))
+
+
+@pytest.mark.parametrize("bad", ["one row for two", "1-D", "id 53", "float"])
+def test_a_prefix_of_another_batch_or_of_ids_outside_the_vocabulary_is_refused_in_both_frameworks(bad):
+    # A (1, P) prefix for 2 sources was broadcast, silently forcing row 0's prefix on row 1, in both; JAX forced
+    # ids >= the vocabulary size and floats; torch failed deep inside (a RuntimeError of gather).
+    torch_model, jax_model = pair()
+    src = source(batch=2, length=4)
+    prefix = {"one row for two": np.array([[5, 6]]), "1-D": np.array([5, 6]), "id 53": np.array([[5, 53], [7, 0]]),
+              "float": np.array([[5., 6.], [7., 0.]])}[bad]
+    match = "outside" if bad == "id 53" else "prefix must be"
+    for model, td_or_jd, wrap in ((torch_model, td, torch.from_numpy), (jax_model, jd, np.asarray)):
+        for search in (td_or_jd.greedy_search, functools.partial(td_or_jd.beam_search, beam_size=2)):
+            with pytest.raises(ValueError, match=match):
+                search(model, wrap(src), prefix=wrap(prefix))

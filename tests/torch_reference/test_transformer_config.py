@@ -108,3 +108,12 @@ def test_config_is_frozen_and_replace_validates():
     assert cfg.replace(d_model=256).d_model == 256 and cfg.d_model == 512
     with pytest.raises(ValueError, match="activation"):
         cfg.replace(activation="tanh")
+
+
+@pytest.mark.parametrize("field", ["attention_bias", "share_embeddings", "tie_output", "scale_embeddings",
+                                   "output_bias"])
+@pytest.mark.parametrize("value", [1, "false"])
+def test_switches_must_be_true_or_false(field, value):
+    # output_bias="false" (a JSON string, a typo) built a model with a logits bias, silently.
+    with pytest.raises(ValueError, match=f"{field} must be true or false"):
+        TransformerConfig(**{field: value})
