@@ -93,15 +93,18 @@ def _check_n_best(n_best: int | None, beam_size: int) -> None:
         raise ValueError(f"n_best must be between 1 and the beam size {beam_size}, got {n_best}")
 
 
-def check_prefix(src_ids, prefix, pad_id: int, max_len: int, max_len_a: float, max_len_b: int) -> None:
+def check_prefix(src_ids, prefix, pad_id: int, max_len: int, max_len_a: float, max_len_b: int,
+                 bos_id: int | None = None) -> None:
     """ValueError unless each row of prefix (B, P) (tokens, then pad_id) leaves its sentence room
-    for <eos>: fewer tokens than its length limit (`sentence_limits`). Values inside a trace are
-    the caller's to check."""
+    for <eos>: fewer tokens than its length limit (`sentence_limits`), and holds no `bos_id`. Values
+    inside a trace are the caller's to check."""
     if isinstance(src_ids, jax.core.Tracer) or isinstance(prefix, jax.core.Tracer):
         return
     if jnp.ndim(prefix) != 2 or jnp.shape(prefix)[0] != src_ids.shape[0]:
         raise ValueError(f"prefix must be (batch, length) with the batch of src_ids, {src_ids.shape[0]} rows; "
                          f"got shape {jnp.shape(prefix)}")
+    if bos_id is not None and bool((jnp.asarray(prefix) == bos_id).any()):  # every search masks it
+        raise ValueError(f"prefix holds <bos> (id {bos_id}), which no output holds")
     src_len = (jnp.asarray(src_ids) != pad_id).sum(1).tolist()
     for row, (n, used) in enumerate(zip(src_len, (jnp.asarray(prefix) != pad_id).sum(1).tolist())):
         limit = max(1, min(max_len, math.floor(max_len_a * n + max_len_b)))
@@ -190,7 +193,7 @@ def greedy_search(model: Transformer, src_ids, max_len_a: float = 1.5, max_len_b
     _check_source(model, src_ids)
     if prefix is not None:
         _check_ids("prefix", jnp.asarray(prefix), model.cfg.tgt_vocab_size)
-        check_prefix(src_ids, prefix, model.cfg.pad_id, model.cfg.max_len, max_len_a, max_len_b)
+        check_prefix(src_ids, prefix, model.cfg.pad_id, model.cfg.max_len, max_len_a, max_len_b, model.cfg.bos_id)
     return _greedy_search(model, jnp.asarray(src_ids, jnp.int32), max_len_a, max_len_b, cached, prefix)
 
 
@@ -282,7 +285,7 @@ def beam_search(model: Transformer, src_ids, beam_size: int = 4, alpha: float = 
     _check_n_best(n_best, beam_size)
     if prefix is not None:
         _check_ids("prefix", jnp.asarray(prefix), model.cfg.tgt_vocab_size)
-        check_prefix(src_ids, prefix, model.cfg.pad_id, model.cfg.max_len, max_len_a, max_len_b)
+        check_prefix(src_ids, prefix, model.cfg.pad_id, model.cfg.max_len, max_len_a, max_len_b, model.cfg.bos_id)
     return _beam_search(model, jnp.asarray(src_ids, jnp.int32), beam_size, alpha, max_len_a, max_len_b, cached, scoring,
                         n_best, prefix)
 

@@ -479,15 +479,16 @@ def test_source_and_target_ids_outside_the_vocabulary_or_not_integers_are_refuse
             td_or_jd.score(model, wrap(good), wrap(ids))
 
 
-@pytest.mark.parametrize("bad", ["one row for two", "1-D", "id 53", "float"])
+@pytest.mark.parametrize("bad", ["one row for two", "1-D", "id 53", "float", "<bos>"])
 def test_a_prefix_of_another_batch_or_of_ids_outside_the_vocabulary_is_refused_in_both_frameworks(bad):
     # A (1, P) prefix for 2 sources was broadcast, silently forcing row 0's prefix on row 1, in both; JAX forced
     # ids >= the vocabulary size and floats; torch failed deep inside (a RuntimeError of gather).
     torch_model, jax_model = pair()
     src = source(batch=2, length=4)
     prefix = {"one row for two": np.array([[5, 6]]), "1-D": np.array([5, 6]), "id 53": np.array([[5, 53], [7, 0]]),
-              "float": np.array([[5., 6.], [7., 0.]])}[bad]
-    match = "outside" if bad == "id 53" else "prefix must be"
+              "float": np.array([[5., 6.], [7., 0.]]), "<bos>": np.array([[1, 5], [7, 0]])}[bad]
+    # <bos> was forced with torch's masked score (-1e9) and JAX's unmasked one: the twins' scores 1e9 apart
+    match = {"id 53": "outside", "<bos>": r"prefix holds <bos> \(id 1\)"}.get(bad, "prefix must be")
     for model, td_or_jd, wrap in ((torch_model, td, torch.from_numpy), (jax_model, jd, np.asarray)):
         for search in (td_or_jd.greedy_search, functools.partial(td_or_jd.beam_search, beam_size=2)):
             with pytest.raises(ValueError, match=match):
