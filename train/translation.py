@@ -122,15 +122,18 @@ def check_format(fmt: str, n_best: int | None, alignments: bool, num_samples: in
 
 def encode_prefixes(tokenizer, prefixes: Sequence[str | None], count: int) -> list[list[int]]:
     """Target ids of each forced prefix (None or "": none), without <eos>. UserError for a list of
-    another length than the `count` texts, or a prefix with pieces the vocabulary lacks (<unk>):
-    the output could not be written back as text."""
+    another length than the `count` texts, a prefix with pieces the vocabulary lacks (<unk>): the
+    output could not be written back as text, or with a special token written out ("<bos>")."""
     if len(prefixes) != count:
         raise UserError(f"{len(prefixes)} prefixes for {count} sentences: give one per sentence (None for none)")
     ids = data.encode(tokenizer, [p or "" for p in prefixes])
-    out = [[i for i in row if i != data.EOS_ID] for row in ids]
+    out = [row[:-1] if row[-1:] == [data.EOS_ID] else row for row in ids]  # the <eos> encoding appends
     for line, (row, text) in enumerate(zip(out, prefixes), start=1):
         if data.UNK_ID in row:
             raise UserError(f"prefix of sentence {line} ({quoted(text, 80)}) has pieces the target vocabulary lacks")
+        if {data.PAD_ID, data.BOS_ID, data.EOS_ID} & set(row):  # no output holds them: <pad> meant "not forced"
+            raise UserError(f"prefix of sentence {line} ({quoted(text, 80)}) holds <pad>, <bos> or <eos>: "
+                            "a prefix is the output's first words")
     return out
 
 
