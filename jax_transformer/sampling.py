@@ -90,7 +90,7 @@ def sampling_distribution(logprobs, temperature: float = 1.0, top_k: int = 0, to
     """logprobs (N, V) -> probs (N, V), each token's sampling probability in token-id order: torch's
     `sampling_distribution` (temperature, top-k with ties kept, top-p's smallest most probable set
     reaching p with ties by lower id, renormalised; thresholds, nothing reordered or sorted unfiltered)."""
-    scaled = logprobs / temperature
+    scaled = (logprobs - logprobs.max(axis=-1, keepdims=True)) / temperature  # best at 0: no overflow
     if top_k:
         kth = jax.lax.top_k(scaled, min(top_k, scaled.shape[-1]))[0][:, -1:]  # (N, 1)
         scaled = jnp.where(scaled >= kth, scaled, -jnp.inf)

@@ -88,7 +88,7 @@ def sampling_distribution(logprobs: Tensor, temperature: float = 1.0, top_k: int
     tokens whose probability reaches `top_p` (a token stays while the more probable tokens, and the
     equally probable ones of lower id, hold less than top_p), renormalised. Both filters are
     thresholds on the tokens in place: nothing is reordered, and with neither nothing is sorted."""
-    scaled = logprobs / temperature
+    scaled = (logprobs - logprobs.amax(dim=-1, keepdim=True)) / temperature  # best at 0: no overflow
     if top_k:
         kth = torch.topk(scaled, min(top_k, scaled.shape[-1]), dim=-1).values[:, -1:]  # (N, 1)
         scaled = torch.where(scaled >= kth, scaled, -math.inf)

@@ -181,6 +181,19 @@ def test_torch_and_jax_sample_the_same_tokens(settings):
     assert np.mean([len({tuple(s) for s in sentence}) == 4 for sentence in tokens[real]]) > 0.9  # samples differ
 
 
+def test_a_tiny_temperature_samples_the_greedy_output_in_both_frameworks():
+    """temperature 1e-10: JAX computed logprobs / T and its max in two fusions that rounded apart, so
+    exp overflowed to inf / inf = NaN and it sampled token -1; shifted by the max first, it is greedy."""
+    from torch_reference.decode import greedy_search
+
+    torch_model, jax_model = pair(seed=2, output_bias=True)
+    src = source(batch=6, length=9, seed=2)
+    (tokens,) = _compare(src, torch_model, jax_model, [0], num_samples=2, temperature=1e-10)
+    greedy = greedy_search(torch_model, torch.from_numpy(src))[0].numpy()
+    n = greedy.shape[-1]
+    assert (tokens[:, :, :n] == greedy[:, None]).all() and (tokens[:, :, n:] == 0).all()
+
+
 @pytest.mark.slow  # ~40 s: the XLA:CPU loop compiles its stages
 def test_torch_and_jax_sample_the_same_tokens_over_the_xla_cpu_loop():
     torch_model, jax_model = pair(seed=3)
