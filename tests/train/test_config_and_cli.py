@@ -83,7 +83,8 @@ def test_parse_model_override():
     assert parse_model_override("d_model=128") == ("d_model", 128)
     assert parse_model_override("attention_bias=false") == ("attention_bias", False)
     assert parse_model_override("layer_norm_eps=1e-5") == ("layer_norm_eps", 1e-5)
-    bad_values = [("d_model", "FIELD=VALUE"), ("d_model=big", "takes a int"), ("tie_output=maybe", "true or false")]
+    bad_values = [("d_model", "FIELD=VALUE"), ("d_model=big", "d_model takes an integer, got 'big'"),
+                  ("layer_norm_eps=tiny", "layer_norm_eps takes a number"), ("tie_output=maybe", "true or false")]
     for bad, message in bad_values:
         with pytest.raises(ValueError, match=message):
             parse_model_override(bad)
@@ -129,7 +130,7 @@ def test_cli_help_and_clean_errors(tmp_path):
     for args, message in [
         (["--steps", "-3"], "steps must be >= 1"),
         (["--backend", "tf"], "invalid choice: 'tf'"),
-        (["--set", "d_model=wide"], "d_model takes a int"),
+        (["--set", "d_model=wide"], "d_model takes an integer"),
         (["--set", "pad_id=5"], "pad_id cannot be set: the special token ids are fixed: <pad>=0, <bos>=1, <eos>=2"),
         (["--train", "de:en:/nonexistent/x", "--valid", "de:en:/nonexistent/y", "--run-dir", str(tmp_path / "r")],
          "no such file"),
