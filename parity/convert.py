@@ -170,4 +170,4 @@ def _convert_run_cli(parser: argparse.ArgumentParser, args: argparse.Namespace) 
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(runtime.exit_status(main))

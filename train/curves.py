@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from .plots import IMAGE_FORMATS, plot_curves, run_title
-from .runtime import CURVES_FILE, RESULTS_FILE
+from .runtime import CURVES_FILE, RESULTS_FILE, exit_status
 from .runtime.files import UserError, error_text, json_text, output_file
 
 
@@ -46,4 +46,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status(main))
