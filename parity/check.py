@@ -17,6 +17,7 @@ import torch
 
 from torch_reference.config import TransformerConfig
 from train.config import flag_type, non_negative_int, positive_int
+from train.runtime import exit_status
 from train.runtime.files import json_text, output_path
 
 from .comparison import VARIANTS, bounds_for, failures, run_check
@@ -77,4 +78,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status(main))

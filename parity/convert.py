@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     dst = Path(args.dst)
-    if dst.exists() and not args.overwrite:  # a refused destination is a file problem (1), not a flag's (2)
+    # A refused destination is a file problem (1), not a flag's (2); an empty directory holds nothing to replace.
+    if dst.exists() and not args.overwrite and not (dst.is_dir() and not any(dst.iterdir())):
         parser.exit(1, f"error: {dst} exists; pass --overwrite to replace it\n")
     reads_run = args.source_format is None and (args.run_dir is not None or args.to in ("marian", "ctranslate2"))
     for flag, value in (("--checkpoint", args.checkpoint), ("--proof-sentences", args.proof_sentences)):
@@ -169,4 +170,4 @@ def _convert_run_cli(parser: argparse.ArgumentParser, args: argparse.Namespace) 
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(runtime.exit_status(main))

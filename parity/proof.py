@@ -11,6 +11,7 @@ it replaces anything.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -25,7 +26,7 @@ from torch_reference.decode import greedy_search, output_length
 from torch_reference.model import Transformer
 from train import data, runtime
 from train.data import spm
-from train.data.streams import read_lines
+from train.data.streams import LineReader
 
 from .ctranslate2 import Translator, same_output, tokens
 
@@ -43,7 +44,8 @@ def proof_sentences(run_dir: str | os.PathLike, given: str | os.PathLike | None 
     (a run imported without data) texts of consecutive source-vocabulary pieces: a proof of the
     same function needs inputs the model reads, not good sentences."""
     if given is not None:
-        texts = read_lines(Path(given))
+        with contextlib.closing(LineReader(Path(given), flag="--proof-sentences")) as lines:  # its errors name the flag
+            texts = list(lines)
     elif (cfg := runtime.read_experiment(run_dir)).valid or cfg.uses_numbers_corpus:
         texts = [source for source, _ in data.load_split(cfg, cfg.valid or "numbers:valid")]
     else:

@@ -21,6 +21,7 @@ import torch
 
 from torch_reference.config import TransformerConfig
 from train.config import DERIVED_MODEL_FIELDS, flag_type, non_negative_int, positive_float, positive_int, probability
+from train.runtime import exit_status
 from train.runtime.files import json_text, output_path
 
 from .trajectories import BOUNDS, PAPER_WARMUP, experiment_config, growth, growth_exponent, parity_report, plot
@@ -112,4 +113,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status(main))

@@ -37,6 +37,7 @@ from train.backends import host_devices
 from train.config import add_run_arguments, positive_int
 from train.data.spm import require
 from train.data.streams import read_lines
+from train.runtime import exit_status
 from train.runtime.files import UserError, json_text, output_path, write_text_atomic
 
 from .comparison import enable_parity_numerics
@@ -109,4 +110,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status(main))

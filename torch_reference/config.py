@@ -214,7 +214,7 @@ class TransformerConfig:
         try:
             return key, kind(value)
         except ValueError:
-            raise ValueError(f"{key} takes a {kind.__name__}, got {value!r}") from None
+            raise ValueError(f"{key} takes {'an integer' if kind is int else 'a number'}, got {value!r}") from None
 
     def replace(self, **changes: Any) -> "TransformerConfig":
         return dataclasses.replace(self, **changes)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from .averaging import average_run
 from .config import positive_int
+from .runtime import exit_status
 from .runtime.files import UserError, error_text
 
 
@@ -37,4 +38,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status(main))

@@ -20,6 +20,7 @@ from torch_reference.config import TransformerConfig
 from .backends import allocator
 from .benchmark import BACKENDS, PRECISIONS, REMAT_MODES, _cpu_name, run_worker, write_plot
 from .config import KERNEL_CHOICES, non_negative_int, positive_int, probability
+from .runtime import exit_status
 from .runtime.files import json_text, output_path, write_text_atomic
 
 
@@ -124,4 +125,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     allocator.use_huge_pages()  # re-executes once; see train/backends/allocator.py
-    sys.exit(main())
+    sys.exit(exit_status(main))

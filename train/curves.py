@@ -1,4 +1,4 @@
-"""`python -m train.curves --run-dir RUN [--out PNG]` (`aiayn curves`): redraw a run's learning curves."""
+"""`python -m train.curves --run-dir RUN [--out FILE]` (`aiayn curves`): redraw a run's learning curves."""
 
 from __future__ import annotations
 
@@ -7,17 +7,18 @@ import json
 import sys
 from pathlib import Path
 
-from .plots import plot_curves, run_title
-from .runtime import CURVES_FILE, RESULTS_FILE
+from .plots import IMAGE_FORMATS, plot_curves, run_title
+from .runtime import CURVES_FILE, RESULTS_FILE, exit_status
 from .runtime.files import UserError, error_text, json_text, output_file
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m train.curves", description="Draw a run's learning curves "
                                      "(training and validation loss, validation BLEU, against steps "
-                                     "and training time) to a PNG from its results.json.")
+                                     "and training time) to an image from its results.json.")
     parser.add_argument("--run-dir", required=True, metavar="DIR", help="run directory written by train.run")
-    parser.add_argument("--out", metavar="PNG", help=f"output file, replaced if it exists (default: RUN/{CURVES_FILE})")
+    parser.add_argument("--out", metavar="FILE", help="output file, replaced if it exists, in the format its suffix "
+                        f"names: {', '.join(IMAGE_FORMATS)}; PNG without one (default: RUN/{CURVES_FILE})")
     return parser
 
 
@@ -33,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or run_dir / CURVES_FILE)
     try:
         output_file(out, "--out", [run_dir / RESULTS_FILE], f"--run-dir {run_dir}")
+        if out.suffix[1:].lower() not in ("", *IMAGE_FORMATS):  # never PNG bytes under another format's name
+            raise UserError(f"--out {out}: {out.suffix} is no image format; end the name in "
+                            f".{', .'.join(IMAGE_FORMATS)}")
         plot_curves(history, out, run_title(results))
     except (UserError, OSError) as err:
         parser.exit(1, f"error: {error_text(err)}\n")
@@ -42,4 +46,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status(main))

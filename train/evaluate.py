@@ -15,6 +15,7 @@ from .backends.host_devices import HELP as HOST_DEVICES_HELP
 from .backends.host_devices import split_host
 from .config import add_run_arguments, non_negative_int, positive_int
 from .data.corpora import spec_files
+from .runtime import exit_status
 from .runtime.files import UserError, error_text, json_text, output_file, write_output
 
 
@@ -78,4 +79,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status(main))

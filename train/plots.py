@@ -16,9 +16,13 @@ from matplotlib.figure import Figure
 
 from .runtime.files import write_bytes_atomic
 
+# What a file name's suffix may ask for (png, svg, pdf, jpg, ...); pgf needs a LaTeX installation.
+IMAGE_FORMATS = sorted(set(FigureCanvasAgg.get_supported_filetypes()) - {"pgf"})
+
 
 def plot_curves(history: dict[str, Any], path: str | Path, title: str = "") -> Path:
-    """Draw `history` ({"train": [...], "valid": [...]} as in results.json) to the PNG `path`.
+    """Draw `history` ({"train": [...], "valid": [...]} as in results.json) to `path`, in the
+    format its suffix names (`IMAGE_FORMATS`; PNG without one).
 
     Panels against time are left empty (with a note) where the history holds no training time.
     """
@@ -50,9 +54,9 @@ def plot_curves(history: dict[str, Any], path: str | Path, title: str = "") -> P
             ax.grid(alpha=0.3)
     if title:  # a path with undecodable bytes (surrogate escapes) is shown with U+FFFD in their place
         fig.suptitle(title.encode("utf-8", "surrogateescape").decode("utf-8", "replace"))
-    path, png = Path(path), io.BytesIO()
-    fig.savefig(png, format="png", dpi=100)
-    write_bytes_atomic(path, png.getvalue())  # whole or not at all; a link at `path` is replaced
+    path, image = Path(path), io.BytesIO()
+    fig.savefig(image, format=path.suffix[1:].lower() or "png", dpi=100)
+    write_bytes_atomic(path, image.getvalue())  # whole or not at all; a link at `path` is replaced
     return path
 
 

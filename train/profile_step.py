@@ -21,6 +21,7 @@ from torch_reference.config import TransformerConfig
 from .benchmark import _cpu_name
 from .config import positive_int
 from .profiling import jax_parts, torch_parts, xla_cpu_ab, xla_op_split
+from .runtime import exit_status
 from .runtime.files import json_text, output_path
 
 
@@ -89,4 +90,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(exit_status(main))

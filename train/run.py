@@ -18,7 +18,7 @@ from . import recipes
 from .backends.host_devices import check_xla_flags
 from .config import ExperimentConfig
 from .recipes import recipe_flags, recorded_launch
-from .runtime import read_experiment
+from .runtime import exit_status, read_experiment
 from .runtime.files import UserError, error_text
 
 EPILOG = """\
@@ -151,4 +151,4 @@ def _init_dir(cfg: ExperimentConfig, scratch: Path) -> Path | None:
 
 
 if __name__ == "__main__":
-    sys.exit(main(process_settings=True))
+    sys.exit(exit_status(main, process_settings=True))

@@ -17,6 +17,7 @@ from .backends.host_devices import split_host
 from .config import add_ensemble_average, positive_int
 from .data import load_parallel
 from .data.corpora import spec_files
+from .runtime import exit_status
 from .runtime.files import UserError, error_text, output_file, write_output
 
 
@@ -69,4 +70,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status(main))

@@ -24,7 +24,7 @@ from .backends.host_devices import split_host
 from .backends.jax_cache import HELP as JAX_CACHE_HELP
 from .config import add_run_arguments, positive_int
 from .data.streams import MAX_LINE_BYTES, LineReader
-from .runtime import Interrupted, interruptible, read_experiment
+from .runtime import Interrupted, exit_status, interruptible, read_experiment
 from .runtime.files import UserError, error_text, open_stream, output_file
 from .runtime.output import OtherInput, PartialOutput, Progress, StreamOutput
 from .runtime.rundir import check_set_aside
@@ -225,4 +225,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status(main))

@@ -171,6 +171,25 @@ def test_cli_refuses_run_flags_without_a_run(source, flag, value, tmp_path, caps
     assert not (tmp_path / "out").exists()
 
 
+def test_cli_writes_into_an_empty_destination_directory(tmp_path):
+    """An empty --dst holds nothing to replace: written without --overwrite, as train.average writes one."""
+    src = save_torch_weights(model(), tmp_path / "model.safetensors")
+    (tmp_path / "jax").mkdir()
+    assert main(["--to", "jax", "--src", str(src), "--dst", str(tmp_path / "jax")]) == 0
+    assert sorted(p.name for p in (tmp_path / "jax").iterdir()) == ["config.json", "params"]
+
+
+def test_cli_names_proof_sentences_in_its_errors(tmp_path, capsys):
+    """A directory given as --proof-sentences: the error names that flag (the reader's default was --input)."""
+    with pytest.raises(SystemExit) as exited:
+        main(["--to", "jax", "--run-dir", str(tmp_path), "--dst", str(tmp_path / "out"),
+              "--proof-sentences", str(tmp_path)])
+    assert exited.value.code == 1
+    assert capsys.readouterr().err == (f"error: --proof-sentences {tmp_path} is a directory; "
+                                       "give a file (one sentence per line)\n")
+    assert not (tmp_path / "out").exists()
+
+
 def test_cli_help_explains_both_directions(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--help"])

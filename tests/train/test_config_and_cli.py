@@ -1,6 +1,7 @@
 """ExperimentConfig (validation, automatic fields, JSON) and the train.run command line."""
 
 import dataclasses
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -90,7 +91,8 @@ def test_parse_model_override():
     assert parse_model_override("d_model=128") == ("d_model", 128)
     assert parse_model_override("attention_bias=false") == ("attention_bias", False)
     assert parse_model_override("layer_norm_eps=1e-5") == ("layer_norm_eps", 1e-5)
-    bad_values = [("d_model", "FIELD=VALUE"), ("d_model=big", "takes a int"), ("tie_output=maybe", "true or false")]
+    bad_values = [("d_model", "FIELD=VALUE"), ("d_model=big", "d_model takes an integer, got 'big'"),
+                  ("layer_norm_eps=tiny", "layer_norm_eps takes a number"), ("tie_output=maybe", "true or false")]
     for bad, message in bad_values:
         with pytest.raises(ValueError, match=message):
             parse_model_override(bad)
@@ -136,7 +138,7 @@ def test_cli_help_and_clean_errors(tmp_path):
     for args, message in [
         (["--steps", "-3"], "steps must be >= 1"),
         (["--backend", "tf"], "invalid choice: 'tf'"),
-        (["--set", "d_model=wide"], "d_model takes a int"),
+        (["--set", "d_model=wide"], "d_model takes an integer"),
         (["--set", "pad_id=5"], "pad_id cannot be set: the special token ids are fixed: <pad>=0, <bos>=1, <eos>=2"),
         (["--train", "de:en:/nonexistent/x", "--valid", "de:en:/nonexistent/y", "--run-dir", str(tmp_path / "r")],
          "no such file"),
@@ -157,3 +159,25 @@ def test_resume_without_backend_takes_the_process_settings_of_the_runs_own(run_c
     monkeypatch.setattr(allocator, "use_huge_pages", lambda: asked.append(True))
     assert run.main(["--run-dir", str(run_copy), "--resume", "--steps", "2", "--no-progress"], process_settings=True) == 0
     assert asked == [] and "nothing to do" in capsys.readouterr().out
+
+
+def test_ctrl_c_ends_every_command_in_one_line(monkeypatch, capsys):
+    """Ctrl-C where a command does not handle it (evaluating, averaging): one line and status 130, as translate
+    and train.run end, not a traceback; by `python -m` (runpy, as Python runs it) and by `aiayn`."""
+    import runpy
+
+    from parity import cli
+    from train import api, averaging
+
+    def ctrl_c(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(api, "load", ctrl_c)
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # evaluate adds a device count before jax loads
+    monkeypatch.setattr(averaging, "average_run", ctrl_c)
+    monkeypatch.setattr(sys, "argv", ["python -m train.average", "--run-dir", "r", "--dst", "d"])
+    for command in (lambda: runpy.run_module("train.average", run_name="__main__"),
+                    lambda: cli.main(["evaluate", "--run-dir", "r", "--data", "numbers:test"])):
+        with pytest.raises((SystemExit, KeyboardInterrupt)) as exited:  # KeyboardInterrupt: Python's traceback
+            command()
+        assert (getattr(exited.value, "code", None), capsys.readouterr().err) == (130, "interrupted (SIGINT)\n")

@@ -106,6 +106,21 @@ def test_curves_never_draws_over_the_results_it_reads(run_copy, capsys):
     assert (run_copy / runtime.RESULTS_FILE).read_bytes() == results
 
 
+def test_curves_writes_the_format_its_name_says(tiny_torch_run, tmp_path, capsys):
+    """--out c.svg is an SVG, c.pdf a PDF, a name without a suffix a PNG; c.txt is refused (it got PNG bytes)."""
+    from train import curves
+
+    for name, magic in (("c.svg", b"<?xml"), ("c.pdf", b"%PDF"), ("c", b"\x89PNG")):
+        assert curves.main(["--run-dir", str(tiny_torch_run), "--out", str(tmp_path / name)]) == 0
+        assert (tmp_path / name).read_bytes().startswith(magic), name
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        curves.main(["--run-dir", str(tiny_torch_run), "--out", str(tmp_path / "c.txt")])
+    assert exited.value.code == 1 and f"error: --out {tmp_path / 'c.txt'}: .txt is no image format; end the name in " \
+        ".avif, " in capsys.readouterr().err
+    assert not (tmp_path / "c.txt").exists()
+
+
 @pytest.mark.parametrize("short_run", BOTH_JAX_SLOW, indirect=True)
 def test_learning_curves(short_run, tmp_path, capsys):
     """Every run draws curves.png; train.curves redraws it from results.json."""

@@ -98,7 +98,7 @@ def test_a_resume_reads_the_recipe_the_run_was_started_from(tmp_path, capsys):
     ("joint_vocab = 1", "key 'joint_vocab': expected true or false, got 1"),
     ("steps = 0", "key 'steps': steps must be >= 1, got 0"),
     ("preset = 'huge'", "key 'preset': invalid choice: 'huge' (choose from 'tiny', 'small', 'base', 'big')"),
-    ("set = ['d_model=wide']", "key 'set': d_model takes a int, got 'wide'"),
+    ("set = ['d_model=wide']", "key 'set': d_model takes an integer, got 'wide'"),
     ("steps = 3\nwarmup = = 2", "invalid TOML: Invalid value (at line 2, column 10)"),
     # Issue 58: which launch this is never comes from a shared file (a confirmation).
     ("overwrite = true", "key 'overwrite': a launch decision, not a recipe key; give --overwrite on the command line"),

@@ -1,13 +1,15 @@
 """SIGTERM and SIGINT: a training run stops after the current update with a checkpoint saved
 (`StopSignals`); a translation stops between two operations (`interruptible`). Installed in the
-main thread only, and only while the block runs."""
+main thread only, and only while the block runs. The commands' `__main__` go through
+`exit_status`: a Ctrl-C the command does not handle ends in one line, not a traceback."""
 
 from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from .files import say
@@ -19,6 +21,16 @@ class Interrupted(Exception):
     def __init__(self, signum: int, message: str | None = None):
         super().__init__(message or signal.Signals(signum).name)
         self.signum = signum
+
+
+def exit_status(main: Callable[..., int], **kwargs: Any) -> int:
+    """`main(**kwargs)`'s exit status; a Ctrl-C it lets through prints one line and gives 130, as translate
+    and train.run end, instead of Python's traceback."""
+    try:
+        return main(**kwargs)
+    except KeyboardInterrupt:
+        print(f"interrupted ({Interrupted(signal.SIGINT)})", file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 @contextlib.contextmanager
