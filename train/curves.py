@@ -38,10 +38,10 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(f"--out {out}: {out.suffix} is no image format; end the name in "
                             f".{', .'.join(IMAGE_FORMATS)}")
         plot_curves(history, out, run_title(results))
-    except (UserError, OSError) as err:
+        print(json_text({"curves": str(out), "train_points": len(history.get("train") or []),
+                         "valid_points": len(history.get("valid") or [])}), flush=True)
+    except (UserError, OSError) as err:  # OSError: a full disk, a closed pipe (| head)
         parser.exit(1, f"error: {error_text(err)}\n")
-    print(json_text({"curves": str(out), "train_points": len(history.get("train") or []),
-                     "valid_points": len(history.get("valid") or [])}))
     return 0
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .config import positive_int
 from .loadgen import ServedRun, cli_throughput, load_test
-from .runtime import read_experiment
+from .runtime import exit_status, read_experiment
 from .runtime.files import UserError, error_text
 
 
@@ -87,4 +87,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status(main))

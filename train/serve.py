@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .backends.host_devices import split_host
 from .config import Range, positive_int
-from .runtime import read_experiment
+from .runtime import exit_status, read_experiment
 from .runtime.files import UserError, error_text
 from .serving import Limits, serve
 
@@ -72,4 +72,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status(main))

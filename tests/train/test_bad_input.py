@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from torch_reference.config import TransformerConfig
-from train import data, evaluate, run, runtime, translate
+from train import curves, data, evaluate, run, runtime, translate
 from train.config import ExperimentConfig
 from train.data import corpora
 
@@ -217,7 +217,7 @@ def test_evaluate_says_the_hub_is_out_of_reach_in_one_line(trained, capsys, monk
     assert_one_error(exit_info.value.code, capsys.readouterr().err, "error: Couldn't reach 'org/corpus' on the Hub")
 
 
-def test_evaluate_into_a_closed_pipe_is_one_line(trained, capsys, monkeypatch):
+def test_evaluate_and_curves_into_a_closed_pipe_are_one_line(trained, tmp_path, capsys, monkeypatch):
     """`train.evaluate ... | head -1`: the reader gone, one error line as translate says it, not a BrokenPipeError
     traceback from the print."""
 
@@ -228,6 +228,9 @@ def test_evaluate_into_a_closed_pipe_is_one_line(trained, capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdout", ClosedPipe())
     with pytest.raises(SystemExit) as exit_info:
         evaluate.main(["--run-dir", str(trained), "--data", "numbers:valid", "--beam", "1"])
+    assert_one_error(exit_info.value.code, capsys.readouterr().err, "error: Broken pipe")
+    with pytest.raises(SystemExit) as exit_info:
+        curves.main(["--run-dir", str(trained), "--out", str(tmp_path / "c.png")])
     assert_one_error(exit_info.value.code, capsys.readouterr().err, "error: Broken pipe")
 
 

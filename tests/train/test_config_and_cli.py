@@ -1,6 +1,7 @@
 """ExperimentConfig (validation, automatic fields, JSON) and the train.run command line."""
 
 import dataclasses
+import importlib.util
 import os
 import subprocess
 import sys
@@ -181,3 +182,6 @@ def test_ctrl_c_ends_every_command_in_one_line(monkeypatch, capsys):
         with pytest.raises((SystemExit, KeyboardInterrupt)) as exited:  # KeyboardInterrupt: Python's traceback
             command()
         assert (getattr(exited.value, "code", None), capsys.readouterr().err) == (130, "interrupted (SIGINT)\n")
+    for module, _ in cli.COMMANDS.values():  # every command's __main__ goes through the one wrapper
+        source = importlib.util.find_spec(module).loader.get_source(module)
+        assert "exit_status(main" in source.rpartition('if __name__ == "__main__":')[2], module
