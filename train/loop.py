@@ -30,6 +30,7 @@ from .backends.compiles import Compiles, totals
 from .config import ExperimentConfig
 from .data.splits import load_splits
 from .metrics import bands_text, evaluate_pairs
+from .recipes import resume_command
 from .runtime import CHECKPOINTS, CONFIG_FILE, CURVES_FILE, RESULTS_FILE, TENSORBOARD, Interrupted, UserError, say
 from .runtime.events import NoWriter, summary_writer
 from .runtime.files import finite_values, read_json, write_json_atomic
@@ -408,7 +409,7 @@ def fit(run: Training) -> None:
                 raise Interrupted(
                     stop.requested,
                     f"{name}: stopped at step {step} of {cfg.steps} with a checkpoint saved; continue with\n"
-                    f"  python -m train.run --run-dir {cfg.run_dir} --resume")
+                    f"  {resume_command(cfg)}")
             if not pending:  # just logged: the next window starts now, after any evaluation or save
                 window_start = time.perf_counter()
         bar.close()

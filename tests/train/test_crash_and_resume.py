@@ -152,7 +152,8 @@ def test_ctrl_c_saves_then_stops_and_twice_stops_at_once(tmp_path, monkeypatch, 
     monkeypatch.setattr(loop, "_log_window", log_then_interrupt)
     before = signal.getsignal(signal.SIGINT)
     if times == 1:
-        with pytest.raises(loop.Interrupted, match=r"SIGINT: stopped at step 4 of 10 .*\n  python -m train.run --run-dir .* --resume") as info:
+        with pytest.raises(loop.Interrupted, match=r"SIGINT: stopped at step 4 of 10 .*\n  python -m train.run "
+                           r"--run-dir .* --resume --steps 10 .*--save-every 2") as info:  # not 700 steps
             loop.train(cfg)
         assert info.value.signum == signal.SIGINT and complete_steps(tmp_path / "run") == [2, 4]
     else:
