@@ -205,10 +205,14 @@ def _check_resumed(meta: dict[str, Any], cfg: ExperimentConfig, batcher: data.Ba
     runtime.check_checkpoint_config(meta, cfg)
     shapes = [list(shape) for shape in batcher.shapes]
     if meta.get("shapes", shapes) != shapes:
+        # Each batch size is the most rows of the budget that is a multiple of the device count (make_batcher).
+        keep = [n for n in range(1, min(rows for rows, _ in meta["shapes"]) + 1)
+                if all(cfg.token_budget // (length * n) * n == rows for rows, length in meta["shapes"])]
         raise UserError(
             f"resuming on {topology.num_devices} device(s) changes the batch shapes from {meta['shapes']} to "
             f"{shapes} (batch sizes are multiples of the device count), so the run would not continue as it "
-            "started: resume with the device count it ran with, or one that keeps every batch size divisible")
+            f"started: resume with --devices {' or '.join(map(str, keep[:6]))}{' or ...' if len(keep) > 6 else ''}, "
+            "which keep them")
 
 
 def _write_results(results: dict[str, Any]) -> None:
