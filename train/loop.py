@@ -30,6 +30,7 @@ from .backends.compiles import Compiles, totals
 from .config import ExperimentConfig
 from .data.splits import load_splits
 from .metrics import bands_text, evaluate_pairs
+from .recipes import resume_command
 from .runtime import CHECKPOINTS, CONFIG_FILE, CURVES_FILE, RESULTS_FILE, TENSORBOARD, Interrupted, UserError, say
 from .runtime.events import NoWriter, summary_writer
 from .runtime.files import finite_values, read_json, write_json_atomic
@@ -204,10 +205,14 @@ def _check_resumed(meta: dict[str, Any], cfg: ExperimentConfig, batcher: data.Ba
     runtime.check_checkpoint_config(meta, cfg)
     shapes = [list(shape) for shape in batcher.shapes]
     if meta.get("shapes", shapes) != shapes:
+        # Each batch size is the most rows of the budget that is a multiple of the device count (make_batcher).
+        keep = [n for n in range(1, min(rows for rows, _ in meta["shapes"]) + 1)
+                if all(cfg.token_budget // (length * n) * n == rows for rows, length in meta["shapes"])]
         raise UserError(
             f"resuming on {topology.num_devices} device(s) changes the batch shapes from {meta['shapes']} to "
             f"{shapes} (batch sizes are multiples of the device count), so the run would not continue as it "
-            "started: resume with the device count it ran with, or one that keeps every batch size divisible")
+            f"started: resume with --devices {' or '.join(map(str, keep[:6]))}{' or ...' if len(keep) > 6 else ''}, "
+            "which keep them")
 
 
 def _write_results(results: dict[str, Any]) -> None:
@@ -408,7 +413,7 @@ def fit(run: Training) -> None:
                 raise Interrupted(
                     stop.requested,
                     f"{name}: stopped at step {step} of {cfg.steps} with a checkpoint saved; continue with\n"
-                    f"  python -m train.run --run-dir {cfg.run_dir} --resume")
+                    f"  {resume_command(cfg)}")
             if not pending:  # just logged: the next window starts now, after any evaluation or save
                 window_start = time.perf_counter()
         bar.close()

@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import difflib
 import os
+import shlex
 import stat
 import tomllib
 from collections.abc import Mapping
@@ -89,6 +90,23 @@ def recorded_launch(run_dir: str | os.PathLike) -> tuple[dict[str, Any], str] | 
     flags = vars(build_parser().parse_args(recipe_flags(f"{path} (the recipe {recorded['path']})", recorded["toml"])))
     launch = set(ExperimentConfig.launch_fields()) - set(LAUNCH_DECISIONS)
     return {k: v for k, v in flags.items() if k in launch}, recorded["path"]
+
+
+def resume_command(cfg: ExperimentConfig) -> str:
+    """The command that continues the run `cfg` launches as launched: --resume and the launch flags
+    (steps, intervals, devices) whose values a bare --resume would not take again."""
+    bare = ExperimentConfig(**(recorded_launch(cfg.run_dir) or ({}, ""))[0])
+    bare = bare.replace(save_every=bare.save_every or cfg.eval_every)  # --save-every defaults to --eval-every
+    flags, skip = [], {*LAUNCH_DECISIONS, "recipe"}
+    for field in dataclasses.fields(ExperimentConfig):
+        value, flag = getattr(cfg, field.name), flag_name(field)
+        if not field.metadata["launch"] or field.name in skip or value == getattr(bare, field.name):
+            continue
+        if isinstance(value, bool):
+            flags.append(flag if value else f"--no-{flag[2:]}")
+        else:
+            flags.append(f"{flag} {shlex.quote(str(value))}")
+    return " ".join(["python -m train.run --run-dir", shlex.quote(str(cfg.run_dir)), "--resume", *flags])
 
 
 def recipe_flags(path: str, text: str | None = None) -> list[str]:

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -152,7 +153,8 @@ def test_ctrl_c_saves_then_stops_and_twice_stops_at_once(tmp_path, monkeypatch, 
     monkeypatch.setattr(loop, "_log_window", log_then_interrupt)
     before = signal.getsignal(signal.SIGINT)
     if times == 1:
-        with pytest.raises(loop.Interrupted, match=r"SIGINT: stopped at step 4 of 10 .*\n  python -m train.run --run-dir .* --resume") as info:
+        with pytest.raises(loop.Interrupted, match=r"SIGINT: stopped at step 4 of 10 .*\n  python -m train.run "
+                           r"--run-dir .* --resume --steps 10 .*--save-every 2") as info:  # not 700 steps
             loop.train(cfg)
         assert info.value.signum == signal.SIGINT and complete_steps(tmp_path / "run") == [2, 4]
     else:
@@ -272,3 +274,14 @@ def test_a_run_saved_before_packing_existed_resumes_on_length_buckets():
     runtime.check_checkpoint_config({"config": saved, "step": 4}, cfg)
     with pytest.raises(runtime.UserError, match="--pack: checkpoint has False, run has True"):
         runtime.check_checkpoint_config({"config": saved, "step": 4}, cfg.replace(pack=True))
+
+
+def test_a_resume_on_a_device_count_that_changes_the_batch_shapes_names_the_counts_that_keep_them():
+    """4 devices packed 168 rows of 24 tokens (budget 4096); 2 devices would pack 170, which the
+    message called a count that 'keeps every batch size divisible' (168 is): it names 3, 4, 6... now."""
+    cfg = ExperimentConfig(backend="jax", run_dir="RUN", token_budget=4096).resolve()
+    meta = {"config": cfg.experiment(), "step": 4, "shapes": [[168, 24]]}
+    batcher = SimpleNamespace(shapes=[(170, 24)])
+    with pytest.raises(runtime.UserError, match=r"\[\[170, 24\]\] .* resume with --devices 3 or 4 or 6 or 7 or 8 "
+                                                r"or 12 or \.\.\., which keep them$"):
+        loop._check_resumed(meta, cfg, batcher, SimpleNamespace(num_devices=2))

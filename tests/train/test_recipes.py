@@ -1,13 +1,14 @@
 """recipes/*.toml and `python -m train.run --config FILE`: keys, overrides, errors, the run's record."""
 
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from train import run
+from train import recipes, run
 from train.config import ExperimentConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -87,6 +88,23 @@ def test_a_resume_reads_the_recipe_the_run_was_started_from(tmp_path, capsys):
         assert exit_.value.code == 2 and message in err and str(tmp_path / "recipe.json") in err, err
     (tmp_path / "recipe.json").unlink()
     assert run.parse_config(["--run-dir", str(tmp_path), "--resume"])[0].steps == 700  # no record: the default
+
+
+def test_the_resume_command_a_signal_prints_continues_the_launch(tmp_path, capsys):
+    """Parsed again, the printed command gives the stopped launch's steps, intervals and devices
+    (`--resume` alone trained to the default 700 steps), from a recipe or without one."""
+    launch = ["--steps", "60", "--eval-every", "30", "--save-every", "10", "--devices", "2", "--no-progress",
+              "--beam", "2"]
+    for recorded in (None, 'steps = 8000\neval_every = 30\nbeam = 3\n'):
+        if recorded:
+            (tmp_path / "recipe.json").write_text(json.dumps({"path": "recipes/mine.toml", "toml": recorded}))
+        cfg = run.parse_config(["--run-dir", str(tmp_path), *launch])[0].resolve()
+        command = shlex.split(recipes.resume_command(cfg))
+        assert command[:5] == ["python", "-m", "train.run", "--run-dir", str(tmp_path)] and "--resume" in command
+        again = run.parse_config(command[3:])[0].resolve()
+        assert [getattr(again, name) for name in ExperimentConfig.launch_fields() if name != "resume"] == \
+            [getattr(cfg, name) for name in ExperimentConfig.launch_fields() if name != "resume"]
+    assert "--eval-every" not in command and "--beam" in command  # only what the recipe does not give
 
 
 @pytest.mark.parametrize("body, message", [

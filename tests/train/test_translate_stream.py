@@ -444,6 +444,15 @@ def test_cache_directory_rules(monkeypatch, tmp_path):
     assert "AIAYN_JAX_CACHE=off" in " ".join(translate.build_parser().format_help().split())
 
 
+def test_a_cache_directory_that_cannot_be_written_is_one_warning(monkeypatch, capsys):
+    import jax
+
+    monkeypatch.setattr(jax.config, "update", lambda *args: pytest.fail(f"cache configured: {args}"))
+    monkeypatch.setenv(jax_cache.ENV, "/proc/self")  # a directory no one may create files in, root included
+    assert jax_cache.enable() is None  # JAX would warn twice at every program it compiles
+    assert capsys.readouterr().err.startswith("warning: no compilation cache: cannot write to /proc/self: ")
+
+
 @pytest.fixture(scope="module")
 def jax_run(tmp_path_factory):
     """A 2-step JAX run (max_len 16, a 1+1-layer tiny model)."""

@@ -447,8 +447,10 @@ class JaxBackend(StoreMethods):
             opt_state = optax.tree_utils.tree_set(
                 opt_state, mu=_from_flat(template, state.mu, "Adam first moments (mu / exp_avg)"),
                 nu=_from_flat(template, state.nu, "Adam second moments (nu / exp_avg_sq)"))
-        opt_state = optax.tree_utils.tree_set(opt_state, count=jnp.asarray(state.step, jnp.int32))
-        step = jnp.asarray(state.step, old["step"].dtype)
+        # Host values: one device array at every `count`, placed on several devices, keeps one buffer there,
+        # which the first update donates twice (XLA: "Attempt to donate the same buffer twice", a segfault).
+        opt_state = optax.tree_utils.tree_set(opt_state, count=np.asarray(state.step, np.int32))
+        step = np.asarray(state.step, old["step"].dtype)
         self.state = sharding.place({"params": params, "opt_state": opt_state, "step": step}, self.state_sharding)
         self._step = state.step
         self._whole_params = None

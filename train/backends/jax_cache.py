@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 ENV = "AIAYN_JAX_CACHE"
@@ -31,7 +32,7 @@ def cache_dir() -> Path | None:
 
 def enable() -> Path | None:
     """Point JAX's persistent cache at `cache_dir()` (before the first compilation); the directory,
-    or None when off or when it cannot be created (a warning then: the process compiles as usual)."""
+    or None when off or when it cannot be created or written (a warning then: the process compiles as usual)."""
     import jax
 
     path = cache_dir()
@@ -39,8 +40,9 @@ def enable() -> Path | None:
         return None
     try:
         path.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()  # JAX would warn at every program of a directory it cannot write
     except OSError as err:
-        print(f"warning: no compilation cache: cannot create {path}: {err.strerror or err}", file=sys.stderr)
+        print(f"warning: no compilation cache: cannot write to {path}: {err.strerror or err}", file=sys.stderr)
         return None
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
