@@ -9,6 +9,7 @@ directories end with one `error:` line and exit status 2 (flags) or 1 (files), n
 from __future__ import annotations
 
 import argparse
+import contextlib
 import signal
 import sys
 import tempfile
@@ -104,9 +105,8 @@ def main(argv: list[str] | None = None, *, process_settings: bool = False) -> in
     from .runtime import Interrupted
 
     try:
-        with tempfile.TemporaryDirectory(prefix="aiayn-init-") as scratch:
-            init_dir = _init_dir(cfg, Path(scratch) / "source")  # a source made a run of this backend first
-            train(cfg, explicit=given, init_dir=init_dir)
+        with contextlib.ExitStack() as scratch:  # holds the directory of a source made a run of this backend
+            train(cfg, explicit=given, init_dir=_init_dir(cfg, scratch))
     except (UserError, OSError) as err:  # OSError: a full disk, a read-only place, no permission
         print(f"error: {error_text(err)}", file=sys.stderr)
         return 1
@@ -128,11 +128,11 @@ def _backend(cfg: ExperimentConfig) -> str:
         return cfg.backend
 
 
-def _init_dir(cfg: ExperimentConfig, scratch: Path) -> Path | None:
+def _init_dir(cfg: ExperimentConfig, scratch: contextlib.ExitStack) -> Path | None:
     """Where --init-from's weights are read when its SOURCE is no run of this backend: a Marian
-    model (a directory or hf:ORG/NAME) imported, or the other framework's run converted, into
-    `scratch` by `parity` (which the library does not import). Also for a resumed run that has no
-    checkpoint yet, so starts from its source again."""
+    model (a directory or hf:ORG/NAME) imported, or the other framework's run converted, into a
+    temporary directory that `scratch` removes, by `parity` (which the library does not import).
+    Also for a resumed run that has no checkpoint yet, so starts from its source again."""
     source, backend = cfg.init_from, cfg.backend
     if source is None and cfg.resume and cfg.run_dir and (Path(cfg.run_dir) / "config.json").is_file():
         from .runtime.rundir import has_checkpoint
@@ -144,8 +144,10 @@ def _init_dir(cfg: ExperimentConfig, scratch: Path) -> Path | None:
         return None
     from parity.runs import init_source
 
+    # Made here, not for every run: a killed process leaves it behind.
+    where = Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="aiayn-init-"))) / "source"
     try:
-        return init_source(source, backend, scratch)
+        return init_source(source, backend, where)
     except (FileNotFoundError, ValueError) as err:
         raise UserError(f"--init-from {source}: {error_text(err)}") from None
 

@@ -3,7 +3,9 @@ weights and trains them with a fresh optimizer and schedule: from a run of the s
 library alone), from a Marian directory (imported through parity by train.run), refusing flags
 that would change the model's shape or vocabulary, resumable, and exported back to HF."""
 
+import contextlib
 import json
+import tempfile
 
 import pytest
 
@@ -50,6 +52,16 @@ def test_flags_that_change_the_model_are_refused_by_name(source, tmp_path):
         train.fit(dict(run_dir=str(tmp_path / "x"), init_from=str(source), **{**TINY, "backend": "jax"}))
     with pytest.raises(runtime.UserError, match="not a run directory"):
         train.fit(dict(run_dir=str(tmp_path / "x"), init_from=str(tmp_path), **TINY))
+
+
+def test_a_scratch_directory_is_made_for_an_init_from_source_alone(source, tmp_path, monkeypatch):
+    """train.run made a /tmp/aiayn-init-* directory for every launch, which a killed process left behind."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with contextlib.ExitStack() as scratch:
+        assert run._init_dir(ExperimentConfig(**TINY), scratch) is None and not list(tmp_path.iterdir())
+        assert run._init_dir(ExperimentConfig(init_from=str(source), **TINY), scratch) == source  # torch's own
+        assert len(list(tmp_path.glob("aiayn-init-*"))) == 1
+    assert not list(tmp_path.iterdir())
 
 
 @pytest.mark.slow  # ~11 s; in CI docs/finetune.md's run fine-tunes a hub Marian model in one command
