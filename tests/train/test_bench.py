@@ -140,7 +140,8 @@ def test_bad_arguments_are_refused_before_anything_runs():
         assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr
 
 
-@pytest.mark.parametrize("command", ["train.profile_step", "parity.check", "parity.trajectory", "parity.translate_bench"])
+@pytest.mark.parametrize("command",
+                         ["train.profile_step", "parity.check", "parity.trajectory", "parity.translate_bench"])
 def test_report_files_are_refused_before_the_work(command, tmp_path, capsys):
     """--json (--plot) a directory or in a missing one: a usage error while the flags are read, as train.bench's;
     these commands wrote them after the work (minutes of it), with a traceback."""

@@ -158,7 +158,8 @@ def test_resume_without_backend_takes_the_process_settings_of_the_runs_own(run_c
 
     asked = []
     monkeypatch.setattr(allocator, "use_huge_pages", lambda: asked.append(True))
-    assert run.main(["--run-dir", str(run_copy), "--resume", "--steps", "2", "--no-progress"], process_settings=True) == 0
+    argv = ["--run-dir", str(run_copy), "--resume", "--steps", "2", "--no-progress"]
+    assert run.main(argv, process_settings=True) == 0
     assert asked == [] and "nothing to do" in capsys.readouterr().out
 
 
