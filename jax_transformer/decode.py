@@ -370,6 +370,8 @@ def score(model: Transformer, src_ids, tgt_ids):
     forcing), 0 at padding (torch's `score`)."""
     _check_source(model, src_ids)
     _check_ids("tgt_ids", tgt_ids, model.cfg.tgt_vocab_size)
+    if tgt_ids.shape[0] != src_ids.shape[0]:  # not broadcast: torch gave one row for two, JAX two
+        raise ValueError(f"tgt_ids has {tgt_ids.shape[0]} rows, src_ids {src_ids.shape[0]}: one target per source")
     if tgt_ids.shape[1] > model.cfg.max_len:
         raise ValueError(f"target of {tgt_ids.shape[1]} tokens exceeds the model's max_len={model.cfg.max_len}")
     return _score(model, jnp.asarray(src_ids, jnp.int32), jnp.asarray(tgt_ids, jnp.int32))

@@ -312,6 +312,8 @@ def score(model: Transformer, src_ids: Tensor, tgt_ids: Tensor) -> Tensor:
     of that output is (no token masked, nothing renormalised)."""
     _check_source(model, src_ids)
     _check_ids("tgt_ids", tgt_ids, model.cfg.tgt_vocab_size)
+    if tgt_ids.shape[0] != src_ids.shape[0]:  # not broadcast: torch gave one row for two, JAX two
+        raise ValueError(f"tgt_ids has {tgt_ids.shape[0]} rows, src_ids {src_ids.shape[0]}: one target per source")
     if tgt_ids.shape[1] > model.cfg.max_len:
         raise ValueError(f"target of {tgt_ids.shape[1]} tokens exceeds the model's max_len={model.cfg.max_len}")
     logits = model(src_ids, shift_right(tgt_ids, model.cfg.bos_id))  # (B, T, V)

@@ -479,6 +479,15 @@ def test_source_and_target_ids_outside_the_vocabulary_or_not_integers_are_refuse
             td_or_jd.score(model, wrap(good), wrap(ids))
 
 
+def test_score_refuses_targets_of_another_batch_in_both_frameworks():
+    # Broadcast, it gave torch one row for two sources and JAX two.
+    torch_model, jax_model = pair()
+    src, tgt = source(batch=2, length=4), source(batch=1, length=4)
+    for model, td_or_jd, wrap in ((torch_model, td, torch.from_numpy), (jax_model, jd, np.asarray)):
+        with pytest.raises(ValueError, match="tgt_ids has 1 rows, src_ids 2: one target per source"):
+            td_or_jd.score(model, wrap(src), wrap(tgt))
+
+
 @pytest.mark.parametrize("bad", ["one row for two", "1-D", "id 53", "float", "<bos>"])
 def test_a_prefix_of_another_batch_or_of_ids_outside_the_vocabulary_is_refused_in_both_frameworks(bad):
     # A (1, P) prefix for 2 sources was broadcast, silently forcing row 0's prefix on row 1, in both; JAX forced
