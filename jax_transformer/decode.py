@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from torch_reference.config import POSITIVE, SCORINGS
+from torch_reference.config import POSITIVE, SCORINGS, TransformerConfig
 
 from . import xla_cpu as tuned
 from .model import Transformer, padding_mask, shift_right
@@ -93,21 +93,22 @@ def _check_n_best(n_best: int | None, beam_size: int) -> None:
         raise ValueError(f"n_best must be between 1 and the beam size {beam_size}, got {n_best}")
 
 
-def check_prefix(src_ids, prefix, pad_id: int, max_len: int, max_len_a: float, max_len_b: int,
-                 bos_id: int | None = None) -> None:
-    """ValueError unless each row of prefix (B, P) (tokens, then pad_id) leaves its sentence room
-    for <eos>: fewer tokens than its length limit (`sentence_limits`), and holds no `bos_id`. Values
-    inside a trace are the caller's to check."""
+def check_prefix(src_ids, prefix, cfg: TransformerConfig, max_len_a: float, max_len_b: int) -> None:
+    """ValueError unless prefix (B, P) holds target-vocabulary ids other than <bos> (then pad_id), a
+    row for each source, each leaving its sentence room for <eos>: fewer tokens than its length limit
+    (`sentence_limits`). Values inside a trace are the caller's to check."""
     if isinstance(src_ids, jax.core.Tracer) or isinstance(prefix, jax.core.Tracer):
         return
-    if jnp.ndim(prefix) != 2 or jnp.shape(prefix)[0] != src_ids.shape[0]:
+    src_ids, prefix = jnp.asarray(src_ids), jnp.asarray(prefix)
+    _check_ids("prefix", prefix, cfg.tgt_vocab_size)
+    if prefix.shape[0] != src_ids.shape[0]:
         raise ValueError(f"prefix must be (batch, length) with the batch of src_ids, {src_ids.shape[0]} rows; "
-                         f"got shape {jnp.shape(prefix)}")
-    if bos_id is not None and bool((jnp.asarray(prefix) == bos_id).any()):  # every search masks it
-        raise ValueError(f"prefix holds <bos> (id {bos_id}), which no output holds")
-    src_len = (jnp.asarray(src_ids) != pad_id).sum(1).tolist()
-    for row, (n, used) in enumerate(zip(src_len, (jnp.asarray(prefix) != pad_id).sum(1).tolist())):
-        limit = max(1, min(max_len, math.floor(max_len_a * n + max_len_b)))
+                         f"got shape {tuple(prefix.shape)}")
+    if bool((prefix == cfg.bos_id).any()):  # every search masks it
+        raise ValueError(f"prefix holds <bos> (id {cfg.bos_id}), which no output holds")
+    src_len = (src_ids != cfg.pad_id).sum(1).tolist()
+    for row, (n, used) in enumerate(zip(src_len, (prefix != cfg.pad_id).sum(1).tolist())):
+        limit = max(1, min(cfg.max_len, math.floor(max_len_a * n + max_len_b)))
         if used and (used >= limit or n == 0):
             raise ValueError(f"the prefix of sentence {row} has {used} tokens: its length limit of {limit} tokens "
                              "leaves no room after it")
@@ -192,8 +193,7 @@ def greedy_search(model: Transformer, src_ids, max_len_a: float = 1.5, max_len_b
     log-probabilities counted in the score; the search continues after them."""
     _check_source(model, src_ids)
     if prefix is not None:
-        _check_ids("prefix", jnp.asarray(prefix), model.cfg.tgt_vocab_size)
-        check_prefix(src_ids, prefix, model.cfg.pad_id, model.cfg.max_len, max_len_a, max_len_b, model.cfg.bos_id)
+        check_prefix(src_ids, prefix, model.cfg, max_len_a, max_len_b)
     return _greedy_search(model, jnp.asarray(src_ids, jnp.int32), max_len_a, max_len_b, cached, prefix)
 
 
@@ -284,8 +284,7 @@ def beam_search(model: Transformer, src_ids, beam_size: int = 4, alpha: float = 
     _check_scoring(scoring, alpha)
     _check_n_best(n_best, beam_size)
     if prefix is not None:
-        _check_ids("prefix", jnp.asarray(prefix), model.cfg.tgt_vocab_size)
-        check_prefix(src_ids, prefix, model.cfg.pad_id, model.cfg.max_len, max_len_a, max_len_b, model.cfg.bos_id)
+        check_prefix(src_ids, prefix, model.cfg, max_len_a, max_len_b)
     return _beam_search(model, jnp.asarray(src_ids, jnp.int32), beam_size, alpha, max_len_a, max_len_b, cached, scoring,
                         n_best, prefix)
 

@@ -25,7 +25,7 @@ import math
 import torch
 from torch import Tensor
 
-from .config import POSITIVE, SCORINGS
+from .config import POSITIVE, SCORINGS, TransformerConfig
 from .model import Transformer, padding_mask, shift_right
 
 # A finite "minus infinity": sums of it stay finite, so no inf - inf = NaN in the scores.
@@ -89,18 +89,19 @@ def _check_n_best(n_best: int | None, beam_size: int) -> None:
         raise ValueError(f"n_best must be between 1 and the beam size {beam_size}, got {n_best}")
 
 
-def check_prefix(src_ids, prefix, pad_id: int, max_len: int, max_len_a: float, max_len_b: int,
-                 bos_id: int | None = None) -> None:
-    """ValueError unless each row of prefix (B, P) (tokens, then pad_id) leaves its sentence room
-    for <eos>: fewer tokens than its length limit (`sentence_limits`), and holds no `bos_id`."""
-    if prefix.ndim != 2 or prefix.shape[0] != src_ids.shape[0]:
+def check_prefix(src_ids, prefix, cfg: TransformerConfig, max_len_a: float, max_len_b: int) -> None:
+    """ValueError unless prefix (B, P) holds target-vocabulary ids other than <bos> (then pad_id), a
+    row for each source, each leaving its sentence room for <eos>: fewer tokens than its length limit
+    (`sentence_limits`)."""
+    _check_ids("prefix", prefix, cfg.tgt_vocab_size)
+    if prefix.shape[0] != src_ids.shape[0]:
         raise ValueError(f"prefix must be (batch, length) with the batch of src_ids, {src_ids.shape[0]} rows; "
                          f"got shape {tuple(prefix.shape)}")
-    if bos_id is not None and bool((prefix == bos_id).any()):  # every search masks it
-        raise ValueError(f"prefix holds <bos> (id {bos_id}), which no output holds")
-    src_len = (src_ids != pad_id).sum(1).tolist()
-    for row, (n, used) in enumerate(zip(src_len, (prefix != pad_id).sum(1).tolist())):
-        limit = max(1, min(max_len, math.floor(max_len_a * n + max_len_b)))
+    if bool((prefix == cfg.bos_id).any()):  # every search masks it
+        raise ValueError(f"prefix holds <bos> (id {cfg.bos_id}), which no output holds")
+    src_len = (src_ids != cfg.pad_id).sum(1).tolist()
+    for row, (n, used) in enumerate(zip(src_len, (prefix != cfg.pad_id).sum(1).tolist())):
+        limit = max(1, min(cfg.max_len, math.floor(max_len_a * n + max_len_b)))
         if used and (used >= limit or n == 0):
             raise ValueError(f"the prefix of sentence {row} has {used} tokens: its length limit of {limit} tokens "
                              "leaves no room after it")
@@ -154,8 +155,7 @@ def greedy_search(
     B, S = src_ids.shape
     length = output_length(S, cfg.max_len, max_len_a, max_len_b)
     if prefix is not None:
-        _check_ids("prefix", prefix, cfg.tgt_vocab_size)
-        check_prefix(src_ids, prefix, cfg.pad_id, cfg.max_len, max_len_a, max_len_b, cfg.bos_id)
+        check_prefix(src_ids, prefix, cfg, max_len_a, max_len_b)
     forced = _prefix_columns(prefix, cfg.pad_id, length)  # (B, L) or None
     limits = sentence_limits(src_ids, cfg.pad_id, length, max_len_a, max_len_b)  # (B,)
     src_mask = padding_mask(src_ids, cfg.pad_id)
@@ -246,8 +246,7 @@ def beam_search(
     length = output_length(S, cfg.max_len, max_len_a, max_len_b)
     limits = sentence_limits(src_ids, cfg.pad_id, length, max_len_a, max_len_b)  # (B,)
     if prefix is not None:
-        _check_ids("prefix", prefix, cfg.tgt_vocab_size)
-        check_prefix(src_ids, prefix, cfg.pad_id, cfg.max_len, max_len_a, max_len_b, cfg.bos_id)
+        check_prefix(src_ids, prefix, cfg, max_len_a, max_len_b)
     forced = _prefix_columns(prefix, cfg.pad_id, length)  # (B, L) or None
     src_mask = padding_mask(src_ids, cfg.pad_id).repeat_interleave(k, dim=0)  # (B*k, 1, 1, S)
     memory = model.encode(src_ids, padding_mask(src_ids, cfg.pad_id)).repeat_interleave(k, dim=0)

@@ -354,8 +354,7 @@ class JaxBackend(StoreMethods):
         src = np.asarray(src, np.int32)
         if prefix is not None:  # checked here: inside the compiled search its values are not known
             prefix = np.asarray(prefix, np.int32)
-            decode.check_prefix(src, prefix, self.model_cfg.pad_id, self.model_cfg.max_len, 1.5, 10,
-                                self.model_cfg.bos_id)
+            decode.check_prefix(src, prefix, self.model_cfg, 1.5, 10)
         if beam_size == 1 and n_best is not None:
             check_greedy_n_best(n_best)
         options = (beam_size, alpha, cached, scoring, n_best)
