@@ -241,6 +241,8 @@ def _load_one(run_dir: Path, checkpoint: str | int = "best", backend: str | None
                         f"python -m parity.convert --to {backend} --run-dir {run_dir} --dst DIR")
     try:  # a launch option the config refuses (devices=0) or the backend (a torch run on several devices)
         cfg = cfg.replace(**{k: v for k, v in {**launch, "devices": devices}.items() if v is not None})
+        if (cfg.devices or 1) > 1 and cfg.backend == "torch":  # the backend's own refusal speaks of training
+            raise UserError(f"--devices {cfg.devices}: a torch run decodes on one device")
         initialize(cfg)  # the process's settings for its platform, before any device is touched
     except (TypeError, ValueError) as err:
         raise UserError(str(err)) from None

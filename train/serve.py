@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .backends.host_devices import split_host
 from .config import Range, positive_int
-from .runtime import exit_status, read_experiment
+from .runtime import exit_status
 from .runtime.files import UserError, error_text
 from .serving import Limits, serve
 
@@ -57,8 +57,6 @@ def main(argv: list[str] | None = None) -> int:
               "Ctrl-C or SIGTERM stops", file=sys.stderr, flush=True)
 
     try:
-        if (args.devices or 1) > 1 and read_experiment(args.run_dir).backend == "torch":  # its backend says "trains"
-            raise UserError(f"--devices {args.devices}: a torch run serves on one device")
         split_host()  # before jax is imported
         signum = serve(args.run_dir, args.host, args.port, checkpoint=args.checkpoint, devices=args.devices,
                        limits=limits, on_ready=ready, access_log=args.access_log)

@@ -24,7 +24,7 @@ from .backends.host_devices import split_host
 from .backends.jax_cache import HELP as JAX_CACHE_HELP
 from .config import add_run_arguments, positive_int
 from .data.streams import MAX_LINE_BYTES, LineReader
-from .runtime import Interrupted, exit_status, interruptible, read_experiment
+from .runtime import Interrupted, exit_status, interruptible
 from .runtime.files import UserError, error_text, open_stream, output_file
 from .runtime.output import OtherInput, PartialOutput, Progress, StreamOutput
 from .runtime.rundir import check_set_aside
@@ -169,8 +169,6 @@ def main(argv: list[str] | None = None) -> int:
                             "input; give another --output")
         for run_dir in args.run_dir:
             check_set_aside(run_dir)
-        if (args.devices or 1) > 1 and read_experiment(args.run_dir[0]).backend == "torch":
-            raise UserError(f"--devices {args.devices}: a torch run translates on one device")
         run = load(args.run_dir, args.checkpoint, devices=args.devices, average=args.ensemble_average,
                    coordinator_address=args.coordinator_address, num_processes=args.num_processes,
                    process_id=args.process_id)

@@ -419,7 +419,7 @@ def test_an_over_long_line_is_refused_with_its_number(tiny_torch_run, tmp_path, 
 def test_torch_refuses_devices(tiny_torch_run, capsys, monkeypatch):
     code, _, err = run_main(capsys, "--run-dir", str(tiny_torch_run), "--devices", "2", stdin=b"eins\n",
                             monkeypatch=monkeypatch)
-    one_error(code, err, "--devices 2: a torch run translates on one device")
+    one_error(code, err, "--devices 2: a torch run decodes on one device")
     assert "a torch run translates on one device and refuses N > 1" in " ".join(translate.build_parser().format_help().split())
 
 
