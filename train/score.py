@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--format", choices=("text", "jsonl"), default="text",
                         help="text (default): the log-probability; jsonl: also the target tokens (<eos> last) and "
                         "each one's log-probability")
-    parser.add_argument("--batch-size", type=positive_int, help="at most N pairs per batch (default: the run's token budget)")
+    parser.add_argument("--batch-size", type=positive_int,
+                        help="at most N pairs per batch (default: the run's token budget)")
     return parser
 
 
