@@ -412,7 +412,8 @@ def marian_model(record: Mapping[str, Any], params: Mapping[str, np.ndarray], cf
     missing, unexpected = model.load_state_dict(to_marian(params, cfg, record["marian_ids"]), strict=False)
     missing = [k for k in missing if "embed_positions" not in k and k not in TIED_KEYS]
     if missing or unexpected:
-        raise CheckpointMismatchError(f"the run's weights in a Marian model: missing {missing}, unexpected {unexpected}")
+        raise CheckpointMismatchError(f"the run's weights in a Marian model: missing {missing}, "
+                                      f"unexpected {unexpected}")
     return model
 
 
