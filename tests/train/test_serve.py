@@ -27,7 +27,7 @@ import train
 from train import loadtest, serving
 from train import serve as serve_command
 from train.loadgen import ServedRun, load_test
-from train.serving import Batcher, Limits, QueueFull, Server
+from train.serving import Batcher, Decoding, Limits, QueueFull, Request, Server
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCES = ["dreiundvierzig", "siebenhundertzwölf", "neun", "achtzehn", "zweitausendeins", "sechzig"]
@@ -48,7 +48,7 @@ def server(loaded):
 
 def fake_server(decode=None, **limits) -> Server:
     """A server without a model: `decode` (default: each text reversed) stands in for the run's."""
-    decode = decode or (lambda texts, options: [{"translation": t[::-1]} for t in texts])
+    decode = decode or (lambda texts, prefixes, options: [{"translation": t[::-1]} for t in texts])
     asgi = serving.app(limits=Limits(**limits), decode=decode, count_tokens=lambda texts: sum(map(len, texts)),
                        info={"step": 0, "backend": "fake"})
     return Server(asgi, port=0).start()
@@ -94,18 +94,18 @@ def error_of(reply: httpx.Response) -> str:
 
 
 def run_batcher(requests, limits: Limits, delay: float = 0.0):
-    """Submit `requests` [(texts, options)] at once; (each one's results, the batches decode saw)."""
+    """Submit `requests` [(texts, beam)] at once; (each one's results, the batches decode saw as (texts, beam))."""
     batches = []
 
-    def decode(texts, options):
-        batches.append((list(texts), options))
+    def decode(texts, prefixes, options):
+        batches.append((list(texts), options.beam))
         time.sleep(delay)
         return [t.upper() for t in texts]
 
     async def main():
         batcher = Batcher(decode, limits)
         task = asyncio.create_task(batcher.run())
-        futures = [batcher.submit(texts, len(texts), options) for texts, options in requests]
+        futures = [batcher.submit(Request(texts, None, Decoding(beam)), len(texts)) for texts, beam in requests]
         results = await asyncio.gather(*futures)
         task.cancel()
         batcher.close()
@@ -115,14 +115,14 @@ def run_batcher(requests, limits: Limits, delay: float = 0.0):
 
 
 def test_concurrent_requests_are_decoded_together_and_answered_in_order():
-    requests = [([f"r{i}s{j}" for j in range(i % 3 + 1)], (4,)) for i in range(10)]
+    requests = [([f"r{i}s{j}" for j in range(i % 3 + 1)], 4) for i in range(10)]
     results, batches = run_batcher(requests, Limits(max_wait_ms=50))
     assert results == [[t.upper() for t in texts] for texts, _ in requests]
     assert len(batches) == 1 and batches[0][0] == [t for texts, _ in requests for t in texts]
 
 
 def test_batches_are_bounded_in_requests_sentences_and_tokens():
-    requests = [([f"r{i}a", f"r{i}b"], (4,)) for i in range(6)]
+    requests = [([f"r{i}a", f"r{i}b"], 4) for i in range(6)]
     _, batches = run_batcher(requests, Limits(max_batch_requests=1))
     assert [len(b) for b, _ in batches] == [2] * 6  # batching off: one request per batch
     _, batches = run_batcher(requests, Limits(max_batch_sentences=5, max_wait_ms=50))
@@ -132,23 +132,23 @@ def test_batches_are_bounded_in_requests_sentences_and_tokens():
 
 
 def test_requests_with_other_decoding_options_are_not_mixed():
-    requests = [(["a"], (4,)), (["b"], (1,)), (["c"], (4,)), (["d"], (1,))]
+    requests = [(["a"], 4), (["b"], 1), (["c"], 4), (["d"], 1)]
     results, batches = run_batcher(requests, Limits(max_wait_ms=50))
     assert results == [["A"], ["B"], ["C"], ["D"]]
-    assert batches == [(["a", "c"], (4,)), (["b", "d"], (1,))]
+    assert batches == [(["a", "c"], 4), (["b", "d"], 1)]
 
 
 def test_a_full_queue_refuses_and_a_cancelled_request_is_dropped():
     async def main():
-        batcher = Batcher(lambda texts, options: texts, Limits(max_queue_sentences=3))
-        first = batcher.submit(["a", "b"], 2, ())
+        batcher = Batcher(lambda texts, prefixes, options: texts, Limits(max_queue_sentences=3))
+        first = batcher.submit(Request(["a", "b"], None, Decoding()), 2)
         with pytest.raises(QueueFull):
-            batcher.submit(["c", "d"], 2, ())
+            batcher.submit(Request(["c", "d"], None, Decoding()), 2)
         first.cancel()  # a request that timed out: its sentences leave the queue
         task = asyncio.create_task(batcher.run())
         await asyncio.sleep(0.05)
         assert batcher.queued == 0 and not batcher.queue
-        second = batcher.submit(["c", "d"], 2, ())
+        second = batcher.submit(Request(["c", "d"], None, Decoding()), 2)
         assert await second == ["c", "d"]
         task.cancel()
         batcher.close()
@@ -220,7 +220,7 @@ def test_health_info_and_page(server, tiny_torch_run):
 
 
 def test_an_app_given_empty_info_needs_no_run():  # {} is the info to serve, not a missing one
-    asgi = serving.app(decode=lambda texts, options: [], count_tokens=len, info={})
+    asgi = serving.app(decode=lambda texts, prefixes, options: [], count_tokens=len, info={})
     with Server(asgi, port=0).start() as running:
         assert HTTP.get(f"{running.url}/info").json() == {"limits": dataclasses.asdict(Limits()), "served": {}}
 
@@ -233,14 +233,14 @@ def test_an_app_given_empty_info_needs_no_run():  # {} is the info to serve, not
     (b"{not json", 400, "not JSON"),
     (b'{"texts": ["neun"], "beam": NaN}', 400, "NaN is not valid JSON"),
     (b'{"texts": ["neun"], "beam": Infinity}', 400, "Infinity is not valid JSON"),
-    (b'{"texts": ["neun"], "beam": -1}', 400, "beam must be an integer from 1 to 16"),
-    (b'{"texts": ["neun"], "beam": 0}', 400, "beam must be"),
-    (b'{"texts": ["neun"], "beam": 1000000000000000000000000000000}', 400, "beam must be"),
+    (b'{"texts": ["neun"], "beam": -1}', 400, "beam must be >= 1, got -1"),
+    (b'{"texts": ["neun"], "beam": 0}', 400, "beam must be >= 1, got 0"),
+    (b'{"texts": ["neun"], "beam": 1000000000000000000000000000000}', 400, "more than this server's limit, 16"),
     (b'{"texts": ["neun"], "beam": ' + b"1" * 5000 + b"}", 400, "an integer too long to read"),
-    (b'{"texts": ["neun"], "beam": 2.5}', 400, "beam must be"),
-    (b'{"texts": ["neun"], "beam": true}', 400, "beam must be"),
-    (b'{"texts": ["neun"], "alpha": -0.5}', 400, "alpha must be"),
-    (b'{"texts": ["neun"], "scoring": "best"}', 400, "scoring must be one of gnmt, hf"),
+    (b'{"texts": ["neun"], "beam": 2.5}', 400, "beam must be an integer, got 2.5"),
+    (b'{"texts": ["neun"], "beam": true}', 400, "beam must be an integer, got True"),
+    (b'{"texts": ["neun"], "alpha": -0.5}', 400, "alpha must be >= 0, got -0.5"),
+    (b'{"texts": ["neun"], "scoring": "best"}', 400, "expected one of gnmt, hf"),
     (b'{"texts": ["neun"], "attention": "yes"}', 400, "attention must be true or false"),
     (b'{"texts": ["neun"], "path": "/tmp/x"}', 400, "unknown field 'path'"),
     (b'["neun"]', 400, "must be a JSON object"),
@@ -349,7 +349,7 @@ def test_nothing_a_client_sends_writes_a_file(server, tiny_torch_run, tmp_path, 
 def test_a_full_queue_gets_429_with_retry_after():
     started = threading.Event()
 
-    def slow(texts, options):
+    def slow(texts, prefixes, options):
         started.set()
         time.sleep(0.5)
         return [{"translation": t} for t in texts]
@@ -366,7 +366,7 @@ def test_a_full_queue_gets_429_with_retry_after():
 
 
 def test_a_request_past_its_timeout_gets_503_and_the_server_goes_on():
-    def slow(texts, options):
+    def slow(texts, prefixes, options):
         time.sleep(0.6 if texts == ["slow"] else 0)
         return [{"translation": t} for t in texts]
 
@@ -379,7 +379,7 @@ def test_a_request_past_its_timeout_gets_503_and_the_server_goes_on():
 
 
 def test_a_failing_model_gets_500_in_one_line_and_the_server_goes_on():
-    def failing(texts, options):
+    def failing(texts, prefixes, options):
         if "bad" in texts:
             raise RuntimeError("out of memory\nsecond line")
         return [{"translation": t} for t in texts]
@@ -468,19 +468,20 @@ def test_sigterm_finishes_the_requests_in_flight_and_exits_0(tiny_torch_run):
         proc.wait()
 
 
-def test_a_second_ctrl_c_cancels_the_requests_in_flight_and_says_so(tiny_torch_run, monkeypatch, capsys):
+def test_a_second_ctrl_c_answers_the_requests_in_flight_503_in_json_and_says_so_in_one_line(tiny_torch_run,
+                                                                                            monkeypatch, capsys):
     replies, threads = [], []
 
     def press_ctrl_c_twice():
-        time.sleep(0.3)  # the request waits for its batch (--max-wait-ms 1500)
+        time.sleep(0.3)  # the request waits for its batch (--max-wait-ms 3000)
         for _ in range(2):
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.2)
 
     def serve_and_interrupt(*args, on_ready, **kwargs):
-        def ready(url):
-            on_ready(url)
-            threads.extend([threading.Thread(target=lambda: replies.append(post(url, {"texts": ["neun"]}))),
+        def ready(server):
+            on_ready(server)
+            threads.extend([threading.Thread(target=lambda: replies.append(post(server.url, {"texts": ["neun"]}))),
                             threading.Thread(target=press_ctrl_c_twice)])
             for thread in threads:
                 thread.start()
@@ -488,21 +489,58 @@ def test_a_second_ctrl_c_cancels_the_requests_in_flight_and_says_so(tiny_torch_r
         return serving.serve(*args, on_ready=ready, **kwargs)
 
     monkeypatch.setattr(serve_command, "serve", serve_and_interrupt)
-    assert serve_command.main(["--run-dir", str(tiny_torch_run), "--port", "0", "--max-wait-ms", "1500"]) == 130
+    assert serve_command.main(["--run-dir", str(tiny_torch_run), "--port", "0", "--max-wait-ms", "3000"]) == 130
     threads[0].join(10)
-    assert replies[0].status_code == 500
-    assert "stopped at once by Ctrl-C: any request in flight was cancelled, not answered" in capsys.readouterr().err
+    assert replies[0].status_code == 503 and replies[0].headers["retry-after"] == "5"  # on main: a plain-text 500
+    assert error_of(replies[0]) == "the server is stopping: try again"
+    err = capsys.readouterr().err
+    assert err.endswith("\nstopped at once by Ctrl-C: 1 request in flight answered 503 (retry)\n"), err
+    assert "Traceback" not in err
+
+
+def test_sighup_answers_the_requests_in_flight_503_and_ends_in_one_line(tiny_torch_run):
+    # On main SIGHUP killed the server at once, its requests unanswered and nothing said.
+    proc = subprocess.Popen([sys.executable, "-m", "train.serve", "--run-dir", str(tiny_torch_run), "--port", "0",
+                             "--max-wait-ms", "3000"], cwd=REPO, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        url = proc.stderr.readline().split(" on ")[1].split()[0]
+        replies = []
+        clients = [threading.Thread(target=lambda: replies.append(post(url, {"texts": ["neun"]}))) for _ in range(3)]
+        for client in clients:
+            client.start()
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGHUP)
+        for client in clients:
+            client.join(30)
+        assert [(r.status_code, error_of(r)) for r in replies] == [(503, "the server is stopping: try again")] * 3
+        assert proc.wait(30) == 128 + signal.SIGHUP
+        assert proc.stderr.read() == "stopped at once by SIGHUP: 3 requests in flight answered 503 (retry)\n"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("host", ["", "0.0.0.0"])
+def test_listening_beyond_loopback_is_said_on_the_first_line(host, monkeypatch, capsys):
+    # On main `--host ''` listened on every interface without a word.
+    asgi = serving.app(decode=lambda texts, prefixes, options: [], count_tokens=len, info={"backend": "fake"})
+    monkeypatch.setattr(serve_command, "serve", lambda run_dirs, host, port, *, on_ready, **kwargs: Server(
+        asgi, host, port).run(on_ready=lambda server: (on_ready(server), os.kill(os.getpid(), signal.SIGTERM))))
+    assert serve_command.main(["--run-dir", "run", "--host", host, "--port", "0"]) == 0
+    first = capsys.readouterr().err.splitlines()[0]
+    assert "(listening beyond loopback: other machines can reach it)" in first, first
 
 
 def test_run_on_the_main_thread_stops_on_ctrl_c_and_puts_back_the_callers_signal_handlers():
     before = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
-    asgi = serving.app(decode=lambda texts, options: [], count_tokens=len, info={"backend": "fake"})
-    assert Server(asgi, port=0).run(on_ready=lambda url: os.kill(os.getpid(), signal.SIGINT)) == signal.SIGINT
+    asgi = serving.app(decode=lambda texts, prefixes, options: [], count_tokens=len, info={"backend": "fake"})
+    assert Server(asgi, port=0).run(on_ready=lambda server: os.kill(os.getpid(), signal.SIGINT)) == signal.SIGINT
     assert [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)] == before  # Ctrl-C interrupts again
 
 
 def test_a_port_in_use_or_out_of_range_is_one_line(capsys):
-    asgi = serving.app(decode=lambda texts, options: [], count_tokens=len, info={"backend": "fake"})
+    asgi = serving.app(decode=lambda texts, prefixes, options: [], count_tokens=len, info={"backend": "fake"})
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
         for start in (lambda server: server.run(), Server.start):  # uvicorn exits (SystemExit 3) where it cannot bind
@@ -524,7 +562,7 @@ def test_an_ipv6_servers_url_is_one_a_client_can_use():
         socket.create_server(("::1", 0), family=socket.AF_INET6).close()
     except OSError:
         pytest.skip("this machine has no IPv6 loopback")
-    asgi = serving.app(decode=lambda texts, options: [], count_tokens=len, info={"backend": "fake"})
+    asgi = serving.app(decode=lambda texts, prefixes, options: [], count_tokens=len, info={"backend": "fake"})
     with Server(asgi, host="::1", port=0).start() as running:
         assert running.url.startswith("http://[::1]:")
         assert HTTP.get(f"{running.url}/health").json()["status"] == "ok"

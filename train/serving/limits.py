@@ -1,0 +1,176 @@
+"""What one request may ask (`Limits`) and what it asks: a /translate body parsed into its texts,
+prefixes and decoding options (`Request`, `Decoding`), or a `BadRequest` with the first problem."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import re
+from typing import Any
+
+from torch_reference.config import POSITIVE, Range
+
+from ..runtime import UserError
+from ..translation import Sampling, check_sampling, check_search
+
+SERVE_INSTALL = 'pip install -e ".[serve]"'
+
+
+def require(module: str) -> Any:
+    """Import a package of the `serve` extra, or fail with one line naming the install."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise UserError(f"{module} is not installed; it comes with the serve extra: {SERVE_INSTALL}") from None
+
+
+def _limit(default, help: str):
+    allowed = Range(float, above=0.0) if isinstance(default, float) else POSITIVE  # ms and s: finite, above 0
+    return dataclasses.field(default=default, metadata={"help": help, "range": allowed})
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What one request may ask and how requests are batched (docs/serving.md#limits)."""
+
+    max_body_bytes: int = _limit(1 << 20, "larger request bodies get 413")
+    max_texts: int = _limit(64, "sentences per request")
+    max_text_chars: int = _limit(2000, "characters per sentence (the model reads at most max_len tokens of it)")
+    max_beam: int = _limit(16, "the largest beam (and number of samples) a request may ask for")
+    max_queue_sentences: int = _limit(4096, "sentences waiting or decoding; past it a request gets 429 with Retry-After")
+    max_batch_sentences: int = _limit(512, "sentences decoded together")
+    max_batch_tokens: int = _limit(16384, "source tokens decoded together")
+    max_batch_requests: int | None = _limit(None, "requests decoded together (1: no batching)")
+    max_wait_ms: float = _limit(5.0, "how long the oldest waiting request waits for others to join its batch")
+    request_timeout_s: float = _limit(60.0, "from a body's arrival to its translation; past it 503")
+    body_timeout_s: float = _limit(10.0, "to receive a whole body (a slow client); past it 408")
+    idle_timeout_s: float = _limit(5.0, "a connection that sends no whole request head for this long is closed")
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):  # the ranges of the command's flags, for Python callers too
+            value = getattr(self, field.name)
+            if value is not None and (problem := field.metadata["range"].error(value)):
+                raise UserError(f"{field.name} {problem}")
+
+
+class BadRequest(Exception):
+    """A request the server refuses: `status` and a one-line message."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoding:
+    """A request's decoding options: `Run.translate`'s keywords, checked by the library's own checks
+    (a UserError is the request's 400), plus `attention` (the cross-attention weights of each text).
+    Requests with equal options share a batch, except sampled ones: a sample's random numbers are
+    keyed by the sentence's place in its own request."""
+
+    beam: int = 4
+    alpha: float = 0.6
+    scoring: str = "gnmt"
+    n_best: int | None = None
+    alignments: bool = False
+    sample: bool = False
+    num_samples: int = 1
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    attention: bool = False
+
+    def __post_init__(self):
+        for name in ("alignments", "sample", "attention"):
+            if not isinstance(getattr(self, name), bool):
+                raise UserError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        check_search(self.beam, self.n_best, self.alpha, self.scoring)
+        check_sampling(self.sampling() if self.sample else None, self.n_best, False, self.scoring)
+
+    def sampling(self) -> Sampling:
+        return Sampling(self.seed, self.num_samples, self.temperature, self.top_k, self.top_p)
+
+    @property
+    def shares_batches(self) -> bool:
+        return not self.sample
+
+    def translate_options(self) -> dict[str, Any]:
+        """`Run.translate`'s keywords."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "attention"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """A /translate body: its texts, their forced prefixes (None: none) and decoding options."""
+
+    texts: list[str]
+    prefix: list[str | None] | None
+    options: Decoding
+
+
+FIELDS = ("texts", "prefix", *(f.name for f in dataclasses.fields(Decoding)))
+
+
+def _reject_constant(name: str):
+    raise BadRequest(f"{name} is not valid JSON (numbers must be finite)")
+
+
+def _check_text(name: str, text: str, limits: Limits) -> None:
+    if len(text) > limits.max_text_chars:
+        raise BadRequest(f"{name} has {len(text)} characters; at most {limits.max_text_chars}")
+    if "\n" in text or "\r" in text:
+        raise BadRequest(f"{name} holds a line break: send one sentence per string")
+    if re.search("[\ud800-\udfff]", text):  # a \uXXXX escape of half a pair: no character, no tokens
+        raise BadRequest(f"{name} holds a lone surrogate (an unpaired \\ud800-\\udfff escape)")
+
+
+def _json(body: bytes) -> Any:
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise BadRequest(f"the body is not UTF-8 (byte {err.start})") from None
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError as err:
+        raise BadRequest(f"the body is not JSON: {err.msg} at line {err.lineno} column {err.colno}") from None
+    except RecursionError:
+        raise BadRequest("the body is nested too deeply") from None
+    except ValueError:  # an integer past int's bound on digits (4300 by default)
+        raise BadRequest("the body holds an integer too long to read") from None
+
+
+def parse_request(body: bytes, limits: Limits) -> Request:
+    """The texts, prefixes and decoding options of a /translate body; raises BadRequest with the first problem."""
+    request = _json(body)
+    if not isinstance(request, dict):
+        raise BadRequest('the body must be a JSON object: {"texts": ["..."], "beam": 4, ...}')
+    unknown = sorted(set(request) - set(FIELDS))
+    if unknown:
+        raise BadRequest(f"unknown field {unknown[0]!r}; the fields are {', '.join(FIELDS)}")
+    texts = request.pop("texts", None)
+    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
+        raise BadRequest("texts must be a non-empty list of strings")
+    if len(texts) > limits.max_texts:
+        raise BadRequest(f"texts holds {len(texts)} sentences; at most {limits.max_texts} per request")
+    for i, t in enumerate(texts):
+        if not t.strip():
+            raise BadRequest(f"texts[{i}] is empty")
+        _check_text(f"texts[{i}]", t, limits)
+    prefix = request.pop("prefix", None)
+    if prefix is not None:
+        if not isinstance(prefix, list) or len(prefix) != len(texts) or not all(
+                p is None or isinstance(p, str) for p in prefix):
+            raise BadRequest("prefix must be a list of one string (or null) per text")
+        for i, p in enumerate(prefix):
+            _check_text(f"prefix[{i}]", p or "", limits)
+    for name in ("beam", "num_samples"):  # the server's own bound on the work of one request
+        value = request.get(name, 1)
+        if isinstance(value, int) and value > limits.max_beam:
+            raise BadRequest(f"{name} {value} is more than this server's limit, {limits.max_beam}")
+    try:
+        options = Decoding(**request)
+    except UserError as err:
+        raise BadRequest(str(err)) from None
+    return Request(texts, prefix, options)
