@@ -208,6 +208,67 @@ def test_attention_per_sentence(server, loaded):
         np.testing.assert_allclose(weights.sum(-1), 1.0, atol=weights.shape[-1] * 5e-5)
 
 
+def as_served(results) -> dict:
+    """What the server answers for `Run.translate` results: strings, or Hypothesis lists."""
+    if all(isinstance(r, str) for r in results):
+        return {"translations": results}
+    return {"translations": [r[0].text for r in results],
+            "hypotheses": [[dataclasses.asdict(h) for h in r] for r in results]}
+
+
+@pytest.mark.parametrize("options", [
+    {"beam": 3, "n_best": 2},
+    {"beam": 2, "alpha": 1.5, "scoring": "hf", "n_best": 2},
+    {"beam": 1, "alignments": True},
+    {"sample": True, "num_samples": 2, "seed": 7, "temperature": 0.8, "top_k": 5, "top_p": 0.9},
+    {"beam": 2, "prefix": ["forty", None, "nine hundred"]},
+])
+def test_every_decoding_option_over_http_equals_the_api(server, loaded, options):
+    texts = SOURCES[:3]
+    replies = [None] * 3
+
+    def client(i):  # concurrent: batched with each other (a sample's each alone), the same answers
+        replies[i] = post(server.url, {"texts": texts, **options})
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    expected = as_served(loaded.translate(texts, **options))
+    assert [r.json() for r in replies] == [expected] * 3
+
+
+@pytest.mark.parametrize("options", [
+    {"beam": 2, "n_best": 3},
+    {"sample": True, "top_p": 2.0},
+    {"sample": True, "n_best": 2},
+    {"sample": True, "scoring": "hf"},
+    {"top_k": 3},  # a sampling setting without sample: refused by Run.translate itself, on the decoding thread
+    {"prefix": ["forty", "nine " * 300, None]},  # longer than the output may be
+])
+def test_options_the_api_refuses_get_400_with_the_apis_message(server, loaded, options):
+    with pytest.raises(serving.UserError) as refused:
+        loaded.translate(SOURCES[:3], **options)
+    good = threading.Thread(target=lambda: replies.append(post(server.url, {"texts": SOURCES[:3]})))
+    replies = []
+    good.start()  # a good request alongside, maybe in the same batch: its answer is its own
+    reply = post(server.url, {"texts": SOURCES[:3], **options})
+    good.join()
+    assert reply.status_code == 400 and error_of(reply) == str(refused.value)
+    assert replies[0].json() == {"translations": loaded.translate(SOURCES[:3])}
+
+
+def test_a_server_of_several_runs_serves_their_ensemble(tiny_torch_run):
+    runs = [tiny_torch_run, tiny_torch_run]
+    with train.load(runs) as ensemble, Server(serving.app(ensemble), port=0).start() as running:
+        assert HTTP.get(f"{running.url}/info").json()["ensemble"] == [str(tiny_torch_run)]
+        body = {"texts": SOURCES[:3], "beam": 3, "n_best": 2}
+        assert post(running.url, body).json() == as_served(ensemble.translate(SOURCES[:3], beam=3, n_best=2))
+        reply = post(running.url, {"texts": ["neun"], "alignments": True})
+        assert reply.status_code == 400 and "alignments with an ensemble" in error_of(reply)
+
+
 def test_health_info_and_page(server, tiny_torch_run):
     assert HTTP.get(f"{server.url}/health").json()["status"] == "ok"
     info = HTTP.get(f"{server.url}/info").json()
