@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from .runtime.files import UserError
-from .serving import require
+from .serving import Limits, require
 
 
 def load_test(url: str, lines: Sequence[str], *, clients: int = 64, requests: int = 2000, min_texts: int = 1,
@@ -70,6 +70,20 @@ def load_test(url: str, lines: Sequence[str], *, clients: int = 64, requests: in
             "requests_per_s": round(len(latencies) / seconds, 1),
             "latency_ms": {f"p{q}": round(float(np.percentile(ms, q)), 1) for q in (50, 90, 99)}
             | {"max": round(float(ms.max()), 1)} if latencies else None}  # none answered: no latency
+
+
+def read_lines(path: str | os.PathLike, max_chars: int = Limits().max_text_chars) -> list[str]:
+    """The non-blank lines of a file of sentences, stripped. Each is read with a bound: a line longer
+    than `max_chars` (the server's --max-text-chars, which would refuse it) is refused after that
+    many characters are read, not held whole (a 200 MB line took 5 GB)."""
+    lines = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(iter(lambda: f.readline(max_chars + 2), ""), 1):
+            if len(line.rstrip("\r\n")) > max_chars:
+                raise UserError(f"{path} line {number} is longer than {max_chars} characters, which the server refuses")
+            if line.strip():
+                lines.append(line.strip())
+    return lines
 
 
 class ServedRun:

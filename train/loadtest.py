@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from .config import positive_int
-from .loadgen import ServedRun, cli_throughput, load_test
+from .loadgen import ServedRun, cli_throughput, load_test, read_lines
 from .runtime import exit_status, read_experiment
 from .runtime.files import UserError, error_text
 
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--unbatched and --serve-args start servers of their own: give them without --url")
     try:
         if args.input is not None:
-            lines = [line.strip() for line in args.input.read_text(encoding="utf-8").splitlines() if line.strip()]
+            lines = read_lines(args.input)
         else:
             from .data.splits import load_split
 

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +27,7 @@ httpx = pytest.importorskip("httpx")
 import train
 from train import loadtest, serving
 from train import serve as serve_command
-from train.loadgen import ServedRun, load_test
+from train.loadgen import ServedRun, load_test, read_lines
 from train.serving import Batcher, Decoding, Limits, QueueFull, Request, Server
 
 REPO = Path(__file__).resolve().parents[2]
@@ -388,8 +389,37 @@ def test_many_connections_opened_and_dropped(server):
     assert HTTP.get(f"{server.url}/health").json()["queued_sentences"] == 0
 
 
-def test_invalid_http_gets_400(server):
-    assert raw(server.url, b"\x16\x03\x01\x00\xa5garbage\r\n\r\n").startswith(b"HTTP/1.1 400")  # a TLS hello, say
+@pytest.mark.parametrize("sent", [b"", b"POST /transl", b"POST /translate HTTP/1.1\r\nHost: x\r\nContent-Le"])
+def test_a_connection_that_sends_no_whole_request_head_is_closed(sent):
+    # On main nothing, or half a request line, held a connection open for ever: 2,100 of them held everyone on 503.
+    with fake_server(idle_timeout_s=0.3) as running:
+        host, port = running.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as idle:
+            idle.sendall(sent)
+            started = time.monotonic()
+            assert idle.recv(4096) == b""  # closed by the server
+            assert time.monotonic() - started < 3
+
+
+def test_past_the_connection_limit_the_answer_is_a_json_503(monkeypatch):
+    # On main uvicorn's limit answered in plain text.
+    monkeypatch.setattr(serving.server, "MAX_CONNECTIONS", 1)
+    with fake_server() as running:
+        host, port = running.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10):  # holds the one connection
+            reply = HTTP.post(f"{running.url}/translate", json={"texts": ["neun"]})
+    assert reply.status_code == 503 and reply.headers["retry-after"] == "1"
+    assert error_of(reply) == "the server holds 1 connections: try again"
+
+
+def test_invalid_http_gets_400_in_json(server):
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        conn.sendall(b"\x16\x03\x01\x00\xa5garbage\r\n\r\n")  # a TLS hello, say
+        reply = b""
+        while chunk := conn.recv(4096):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 400") and json.loads(reply.split(b"\r\n\r\n")[1])["error"].startswith("invalid HTTP")
     assert_serving(server.url)
 
 
@@ -471,6 +501,23 @@ def test_loadtest_refuses_the_flags_of_its_own_server_with_url(flag, capsys):
     with pytest.raises(SystemExit):  # they were ignored: the load went to --url alone
         loadtest.main(["--run-dir", "run", "--data", "numbers:test", "--url", "http://127.0.0.1:1", *flag])
     assert "--unbatched and --serve-args start servers of their own: give them without --url" in capsys.readouterr().err
+
+
+def test_loadtest_input_with_a_line_longer_than_the_server_takes_is_refused_without_reading_it_whole(tmp_path,
+                                                                                                      capsys):
+    # On main a 200 MB line peaked at 5.1 GB: the file read whole, then split.
+    source = tmp_path / "in.de"
+    with open(source, "w", encoding="utf-8") as f:
+        f.write("neun\n\n" + "a" * 50_000_000 + "\nzehn\n")
+    tracemalloc.start()
+    with pytest.raises(SystemExit):
+        loadtest.main(["--run-dir", "run", "--input", str(source), "--url", "http://127.0.0.1:1"])
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 5_000_000  # bytes: the 50 MB line is never held (a few lines of 2,000 characters are)
+    assert capsys.readouterr().err == f"error: {source} line 3 is longer than 2000 characters, which the server refuses\n"
+    source.write_text("neun\n\n  zehn \r\n" + "a" * 2000 + "\n", encoding="utf-8")
+    assert read_lines(source) == ["neun", "zehn", "a" * 2000]  # 2,000 characters: the server's limit, taken
 
 
 def test_a_load_tests_throughput_counts_the_answered_requests_alone():
