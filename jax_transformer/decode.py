@@ -64,8 +64,8 @@ def _no_sentence(src_ids, pad_id: int):
 def _check_scoring(scoring: str, alpha: float) -> None:
     if scoring not in SCORINGS:
         raise ValueError(f"scoring must be one of {', '.join(SCORINGS)}, got {scoring!r}")
-    if not alpha >= 0:  # the early stop's bound needs a penalty that grows with length
-        raise ValueError(f"alpha must be >= 0, got {alpha}")
+    if not isinstance(alpha, jax.core.Tracer) and not alpha >= 0:  # the early stop needs a growing penalty
+        raise ValueError(f"alpha must be >= 0, got {alpha}")  # (a traced alpha, data of the program: its caller's check)
 
 
 def _check_ids(name: str, ids, vocab_size: int) -> None:
@@ -289,7 +289,7 @@ def beam_search(model: Transformer, src_ids, beam_size: int = 4, alpha: float = 
                         n_best, prefix)
 
 
-@functools.partial(nnx.jit, static_argnums=(2, 3, 4, 5, 6, 7, 8))
+@functools.partial(nnx.jit, static_argnums=(2, 4, 5, 6, 7, 8))  # alpha is data: one program for every alpha
 def _beam_search(model: Transformer, src_ids, beam_size: int, alpha: float, max_len_a: float, max_len_b: int,
                  cached: bool, scoring: str, n_best: int | None = None, prefix=None):
     cfg = model.cfg

@@ -35,6 +35,14 @@ class Run:
     meta: dict[str, Any]
     members: list[Run] = dataclasses.field(default_factory=list)  # an ensemble's other runs
 
+    def __repr__(self) -> str:  # one line: the fields hold both tokenizers and the whole history
+        m = self.model_config
+        step = "closed" if isinstance(self.backend, _Closed) else f"step {self.step}"
+        ensemble = f", an ensemble with {', '.join(str(r.run_dir) for r in self.members)}" if self.members else ""
+        return (f"Run({str(self.run_dir)!r}, {step}, {self.config.backend}, d_model {m.d_model} x {m.num_heads} heads, "
+                f"{m.num_encoder_layers}+{m.num_decoder_layers} layers, d_ff {m.d_ff}, vocabulary "
+                f"{m.src_vocab_size}/{m.tgt_vocab_size}{ensemble})")
+
     @property
     def step(self) -> int:
         """The update count of the loaded checkpoint (of the first run's, for an ensemble: `steps`)."""

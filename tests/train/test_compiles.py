@@ -56,3 +56,22 @@ def test_torch_reports_no_compile_count(fast_config):
     results = loop.train(fast_config("torch", steps=1, eval_every=1, numbers_test=0))
     assert results["compiled_programs"] is None and results["compile_seconds"] is None
     assert results["train"]["packed"] is False
+
+
+def test_a_jax_search_compiles_one_program_for_every_alpha_and_each_alpha_counts(tiny_torch_and_jax_runs):
+    # On main alpha was a constant of the program: a server compiled one per distinct alpha (11 MB each, kept).
+    import train
+
+    texts = ["dreiundvierzig", "neun", "siebenhundertzwölf"]
+    compiles.listen()
+    with train.load(tiny_torch_and_jax_runs[0]) as spec, train.load(tiny_torch_and_jax_runs[1]) as run:
+        for beam in (1, 3):  # the greedy search's scores use alpha too
+            run.translate(texts, beam=beam, alpha=0.6, n_best=1)  # compiles this search once
+            start = compiles.totals()
+            for alpha in (0.0, 0.3, 1.7, 4.0):
+                got = run.translate(texts, beam=beam, alpha=alpha, n_best=1)
+                want = spec.translate(texts, beam=beam, alpha=alpha, n_best=1)  # the torch twin's, alpha a float
+                assert [h[0].tokens for h in got] == [h[0].tokens for h in want]
+                # float32 in both; the penalty's power computed by each framework's own kernel
+                np.testing.assert_allclose([h[0].score for h in got], [h[0].score for h in want], rtol=1e-5)
+            assert (compiles.totals() - start).programs == 0

@@ -232,6 +232,21 @@ def test_a_closed_run_lets_go_of_its_weights_and_refuses_use(tiny_torch_run):
         run.close()  # twice: no error
 
 
+def test_a_run_and_its_tokenizers_print_in_one_short_line(tiny_torch_run):
+    # On main print(train.load(RUN)) wrote 12,000-20,000 characters: both tokenizers and the whole history.
+    run = train.load(tiny_torch_run)
+    m = run.model_config
+    assert repr(run) == (f"Run({str(tiny_torch_run)!r}, step 2, torch, d_model {m.d_model} x {m.num_heads} heads, 1+1 layers, "
+                         f"d_ff {m.d_ff}, vocabulary {m.src_vocab_size}/{m.tgt_vocab_size})")
+    vocab = run.tokenizers.src.get_vocab_size()
+    assert repr(run.tokenizers) == (f"Tokenizers(joint, {vocab} tokens)" if run.tokenizers.joint else
+                                    f"Tokenizers(source {vocab} tokens, target {run.tokenizers.tgt.get_vocab_size()} tokens)")
+    run.close()
+    assert repr(run).startswith(f"Run({str(tiny_torch_run)!r}, closed, torch, ")
+    with train.load([tiny_torch_run, tiny_torch_run]) as pair:
+        assert repr(pair).endswith(f", an ensemble with {tiny_torch_run})") and len(repr(pair)) < 300
+
+
 def test_score_command_prints_one_line_per_pair(tiny_torch_run, tmp_path, capsys):
     (tmp_path / "pairs.tsv").write_text("source\ttarget\n" + "".join(f"{t}\tseven\n" for t in TEXTS[:3]))
     args = ["--run-dir", str(tiny_torch_run), "--input", str(tmp_path / "pairs.tsv")]

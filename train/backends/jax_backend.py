@@ -190,17 +190,16 @@ def search(ctx: StepContext, params, src, prefix, beam_size: int, alpha: float, 
     return out[0] if n_best is None else out
 
 
-def sharded_search(ctx: StepContext, mesh, params, src, prefix, *options):
+def sharded_search(ctx: StepContext, mesh, params, src, prefix, beam_size: int, alpha, *options):
     """`search` data parallel: each device of `mesh` searches its own rows of src and prefix
-    (sharded along `data`) with its copy of the replicated parameters, its loop ending when its own
-    sentences are done (`shard_map`; no collective inside, so `check_vma=False`); the output sharded
-    alike."""
-    rows = jax.sharding.PartitionSpec(sharding.DATA_AXIS)
+    (sharded along `data`) with its copy of the replicated parameters and alpha, its loop ending
+    when its own sentences are done (`shard_map`; no collective inside, so `check_vma=False`); the
+    output sharded alike."""
+    whole, rows = jax.sharding.PartitionSpec(), jax.sharding.PartitionSpec(sharding.DATA_AXIS)
     arrays = (src,) if prefix is None else (src, prefix)
-    per_device = jax.shard_map(lambda p, s, x=None: search(ctx, p, s, x, *options), mesh=mesh,
-                               in_specs=(jax.sharding.PartitionSpec(), *(rows,) * len(arrays)), out_specs=rows,
-                               check_vma=False)
-    return per_device(params, *arrays)
+    per_device = jax.shard_map(lambda p, a, s, x=None: search(ctx, p, s, x, beam_size, a, *options), mesh=mesh,
+                               in_specs=(whole, whole, *(rows,) * len(arrays)), out_specs=rows, check_vma=False)
+    return per_device(params, alpha, *arrays)
 
 
 def draw_samples(ctx: StepContext, params, src, seed, sentence_ids, num_samples: int, temperature: float, top_k: int,
@@ -282,8 +281,9 @@ class JaxBackend(StoreMethods):
         # Searches jit-compiled over the parameters alone: a call skips nnx.jit's walk of the module graph
         # (docs/performance.md#what-made-the-jax-search-fast).
         bound, ctx = functools.partial, self.ctx
-        self._search = jax.jit(bound(search, ctx), static_argnums=(3, 4, 5, 6, 7))
-        self._sharded_search = jax.jit(bound(sharded_search, ctx, self.mesh), static_argnums=(3, 4, 5, 6, 7))
+        # alpha (argument 4) is data: one program for every alpha (a server's requests each gave their own)
+        self._search = jax.jit(bound(search, ctx), static_argnums=(3, 5, 6, 7))
+        self._sharded_search = jax.jit(bound(sharded_search, ctx, self.mesh), static_argnums=(3, 5, 6, 7))
         self._score = jax.jit(lambda params, src, tgt: decode.score(ctx.model(params), src, tgt))
         self._sample = jax.jit(bound(draw_samples, ctx), static_argnums=(4, 5, 6, 7))
         self._cross_attention = None
@@ -357,7 +357,7 @@ class JaxBackend(StoreMethods):
             decode.check_prefix(src, prefix, self.model_cfg, 1.5, 10)
         if beam_size == 1 and n_best is not None:
             check_greedy_n_best(n_best)
-        options = (beam_size, alpha, cached, scoring, n_best)
+        options = (beam_size, np.float32(alpha), cached, scoring, n_best)
         devices = self.mesh.devices.size
         if devices == 1:
             return _host(self._search(self.local_params(), src, prefix, *options))

@@ -32,6 +32,11 @@ class Tokenizers:
     def joint(self) -> bool:
         return self.src is self.tgt
 
+    def __repr__(self) -> str:  # a tokenizer's own repr is its whole configuration and vocabulary
+        if self.joint:
+            return f"Tokenizers(joint, {self.src.get_vocab_size()} tokens)"
+        return f"Tokenizers(source {self.src.get_vocab_size()} tokens, target {self.tgt.get_vocab_size()} tokens)"
+
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int = 8000, min_frequency: int = 2,
                     lowercase: bool = False) -> Tokenizer:
