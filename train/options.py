@@ -3,7 +3,7 @@ how to search (`Search`), how to sample (`Sampling`), which runs to load (`RunSe
 
 The Python API, the server and the commands all build these objects, so a rule lives here alone.
 An error names the parameter (`top_p must be in (0, 1], got 2`); the commands' flags are generated
-from the fields' metadata (`add_flags`), and `build` rewords the same error with the flag
+from the fields' metadata (`add_flags`), and a command's `call` rewords the same error with the flag
 (`--top-p must be ...`).
 
     >>> Search(beam=4, n_best=2).n_best
@@ -25,7 +25,9 @@ from typing import Any
 
 from torch_reference.config import NON_NEGATIVE, POSITIVE, SCORINGS, Range
 
+from .config import flag_name as flag_of
 from .runtime.files import UserError
+from .runtime.signals import exit_status
 
 FORMATS = ("text", "tsv", "jsonl")
 # The twins' ensemble.AVERAGES (a test keeps them equal), named here so that this module imports neither framework.
@@ -52,16 +54,11 @@ def option(default: Any, help: str, **meta: Any) -> Any:
     return dataclasses.field(default=default, metadata={"help": help, **meta})
 
 
-def flag_of(field: dataclasses.Field) -> str:
-    """The flag of a field: its metadata's "flag", else --the-name."""
-    return field.metadata.get("flag", "--" + field.name.replace("_", "-"))
-
-
 def check_fields(obj: Any) -> None:
     """OptionError naming the first field of `obj` outside its `range` or `choices` (None: a default, unchecked)."""
     for field in dataclasses.fields(obj):
         value, allowed, choices = getattr(obj, field.name), field.metadata.get("range"), field.metadata.get("choices")
-        if value is None:
+        if value is None and "None" in str(field.type):
             continue
         if allowed is not None and (problem := allowed.error(value)) is not None:
             raise OptionError("{} " + problem.replace("{", "{{").replace("}", "}}"), field.name)
@@ -87,13 +84,13 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: ty
         shown = show_defaults and default is not None and kind not in ("bool", "dict", "list") and default != ""
         kwargs: dict = {"dest": field.name, "default": argparse.SUPPRESS,
                         "help": f"{meta['help']} (default: {default})" if shown else meta["help"]}
-        allowed = meta.get("range", ranges.get(field.name))
         if kind == "bool":
-            kwargs["action"] = argparse.BooleanOptionalAction if default else "store_true"
+            kwargs["action"] = argparse.BooleanOptionalAction
         elif "parse" in meta:  # a repeatable flag of its own syntax (--set FIELD=VALUE)
             kwargs.update(action="append", type=_typed(meta["parse"]), metavar=meta.get("metavar"))
         else:
-            parse = allowed.parser(flag_of(field)) if allowed is not None else Path if kind == "Path" else str
+            # Typed here, checked once by the class (its error reworded with the flag: `call`); `ranges`: checked here.
+            parse = ranges[field.name].parser(field.name) if field.name in ranges else _TYPES.get(kind, str)
             kwargs.update(type=parse, choices=meta.get("choices"),
                           metavar=meta.get("metavar", {"int": "N", "float": "X"}.get(kind)))
             if kind.startswith("list"):
@@ -102,6 +99,9 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: ty
             kwargs["required"] = True
         target = groups[meta["group"]] if groups and "group" in meta else parser
         target.add_argument(flag_of(field), **kwargs)
+
+
+_TYPES = {"int": int, "float": float, "Path": Path}
 
 
 def _typed(parse: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -115,13 +115,23 @@ def _typed(parse: Callable[[str], Any]) -> Callable[[str], Any]:
 
 
 def build(cls: type, given: Mapping[str, Any], **extra: Any) -> Any:
-    """`cls` from the flags `given` (argparse's dict: field name -> value) that are its fields, and
-    `extra`; its OptionError reworded with the flags' names (UserError)."""
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    try:
-        return cls(**{k: v for k, v in given.items() if k in fields}, **extra)
-    except OptionError as err:
-        raise UserError(err.worded(lambda name: flag_of(fields[name]) if name in fields else name)) from None
+    """`cls` from the flags `given` (argparse's dict: field name -> value) that are its fields, and `extra`."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in given.items() if k in fields}, **extra)
+
+
+def call(parser: argparse.ArgumentParser, job: Callable[[], Any]) -> int:
+    """The exit status of `job()` by the commands' one protocol (`runtime.exit_status`), an
+    OptionError worded with the flags of `parser` instead of the parameters' names."""
+    flags = {action.dest: action.option_strings[0] for action in parser._actions if action.option_strings}
+
+    def worded() -> Any:
+        try:
+            return job()
+        except OptionError as err:
+            raise UserError(err.worded(lambda name: flags.get(name, name))) from None
+
+    return exit_status(worded)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,7 +216,7 @@ class RunSelection:
     run_dir: list[Path] = option(
         [], "the run directory (holds config.json, tokenizer, checkpoints/); given again, an ensemble: the runs' "
         "log-probabilities averaged (runs of one framework with the same tokenizers, each at --checkpoint)",
-        required=True)
+        required=True, metavar="DIR")
     checkpoint: str | int = option("best", "'best' (by validation BLEU), 'latest', or a step number")
     average: str = option(
         "logprob", "how an ensemble combines its runs at each step: 'logprob' (Marian's) the mean of their "
@@ -237,3 +247,65 @@ class RunSelection:
         """The launch options given (`ExperimentConfig`'s fields)."""
         return {k: v for k in ("devices", "coordinator_address", "num_processes", "process_id")
                 if (v := getattr(self, k)) is not None}
+
+
+@dataclasses.dataclass(frozen=True)
+class Evaluation:
+    """What `Run.evaluate` scores besides the search's translations (`train.metrics.evaluate_pairs`)."""
+
+    max_sentences: int | None = option(None, "translate only the first N pairs for BLEU/chrF; default: all",
+                                       range=POSITIVE)
+    lowercase: bool = option(False, "also score BLEU on lowercased text (13a tokenization), as bleu_lc with its "
+                             "signature (always for a run trained with --lowercase)")
+    moses: str | None = option(
+        None, "also score BLEU on Moses-tokenized text of language LANG (e.g. de, en; sacremoses, no escaping; "
+        "sacreBLEU's tokenization off), as papers quoting tokenized BLEU do: bleu_moses, and bleu_moses_lc with "
+        "--lowercase", metavar="LANG")
+    samples: int = option(0, "include N example translations in the JSON", range=NON_NEGATIVE)
+
+    def __post_init__(self):
+        check_fields(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class TranslateFiles:
+    """Where `train.translate` reads and writes, and how (`translation.translate_file`)."""
+
+    input: Path | None = option(None, "one source sentence per line: a file (plain, or gzip when named .gz), a "
+                                "FIFO, /dev/stdin or <(command); default: stdin")
+    output: Path | None = option(
+        None, "write translations here instead of stdout: through .OUTPUT.partial, renamed onto OUTPUT at the end (a "
+        "symbolic link's target); an interrupted run (Ctrl-C, SIGTERM, a crash) leaves OUTPUT as it was and the same "
+        "command continues after the finished chunks. A FIFO, device, socket or /dev/fd/N (>(command)) is written "
+        "directly, as a stream: no partial file, no resume")
+    input_format: str | None = option(
+        None, "text: one source sentence per line; tsv: a header row naming the columns 'source' and, optionally, "
+        "'prefix' (each output's forced start: the search continues after it), then one row per sentence (default: "
+        "tsv for an --input named .tsv or .tsv.gz, else text)", choices=("text", "tsv"))
+    format: str = option(
+        "text", "text: the best translation; tsv: per hypothesis its text, log-probability and length-normalised "
+        "score, tab-separated; jsonl: a JSON object with the hypotheses, their scores and target tokens. Always one "
+        "line per input line", choices=FORMATS)
+    chunk_lines: int = option(4000, "lines read, translated and written at a time; memory grows with this, not with "
+                              "the input", range=POSITIVE)
+    max_line_bytes: int = option(1 << 20, "refuse a line longer than this, naming it", range=POSITIVE)
+    batch_size: int | None = option(None, "at most N sentences per batch; default: as many as the run's "
+                                    "--token-budget", range=POSITIVE)
+    plot_attention: Path | None = option(
+        None, "also write each sentence's cross-attention heatmaps to DIR (created): NNNN.png for input line N (the "
+        "last decoder layer, heads averaged) and NNNN_layers.png (every layer x head)", metavar="DIR")
+    progress: bool = option(True, "a progress line on stderr (shown only when stderr is a terminal); the summary "
+                            "stays")
+
+    def __post_init__(self):
+        check_fields(self)
+
+
+def sampling_from(given: Mapping[str, Any]) -> Sampling | None:
+    """The `Sampling` of the flags `given` when --sample is, else None; a sampling flag without it: UserError."""
+    if not given.get("sample"):
+        stray = [flag_of(f) for f in dataclasses.fields(Sampling) if f.name in given]
+        if stray:
+            raise UserError(f"{', '.join(stray)} without --sample: sampling settings, the searches take none")
+        return None
+    return build(Sampling, given)
