@@ -63,7 +63,7 @@ def uniform(seed, sentence, sample, position):
     return ((word >> 9) * 2 + 1).astype(jnp.float32) * 2.0**-24
 
 
-def _check_sampling(seed, num_samples, temperature, top_k, top_p) -> None:
+def check_sampling(seed, num_samples, temperature, top_k, top_p) -> None:
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MASK:
         raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
@@ -127,15 +127,16 @@ def sample(
     """src_ids (B, S) -> (tokens (B, N, L), scores (B, N)): see `torch_reference.sampling.sample`;
     here one compiled loop, compiled once for every seed and sentence ids (traced, not static)."""
     _check_source(model, src_ids)
-    _check_sampling(seed, num_samples, temperature, top_k, top_p)
+    check_sampling(seed, num_samples, temperature, top_k, top_p)
     ids = _sentence_ids(sentence_ids, src_ids.shape[0])
-    return _sample(model, jnp.asarray(src_ids, jnp.int32), jnp.uint32(seed), ids, num_samples, float(temperature),
+    return sample_loop(model, jnp.asarray(src_ids, jnp.int32), jnp.uint32(seed), ids, num_samples, float(temperature),
                    top_k, float(top_p), max_len_a, max_len_b)
 
 
 @functools.partial(nnx.jit, static_argnums=(4, 5, 6, 7, 8, 9))
-def _sample(model: Transformer, src_ids, seed, sentence_ids, num_samples: int, temperature: float, top_k: int,
-            top_p: float, max_len_a: float, max_len_b: int):
+def sample_loop(model: Transformer, src_ids, seed, sentence_ids, num_samples: int, temperature: float, top_k: int,
+                top_p: float, max_len_a: float, max_len_b: int):
+    """`sample`'s drawing loop, its settings checked and its sentence ids (B,) given."""
     cfg = model.cfg
     B, S = src_ids.shape
     N = num_samples

@@ -1,14 +1,16 @@
 """`aiayn`: one installed command whose subcommands are the project's commands.
 
-`aiayn train ARGS` runs `python -m train.run ARGS`, and so on for each name below; `aiayn --help`
+`aiayn train ARGS` calls `train.run.main(ARGS)`, and so on for each name below; `aiayn --help`
 lists them and `aiayn NAME --help` gives that command's own help. It lives in `parity`, the package
 above all the others, so that it may name the commands of both `train` and `parity`.
 """
 
 from __future__ import annotations
 
-import runpy
+import importlib
 import sys
+
+from train.runtime import exit_status
 
 COMMANDS = {  # subcommand: (module, what it does)
     "train": ("train.run", "train (or resume) a model and evaluate it; recipes with --config"),
@@ -39,10 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] not in COMMANDS:
         print(f"aiayn: unknown command {argv[0]!r}\n\n{USAGE}", file=sys.stderr)
         return 2
-    module = COMMANDS[argv[0]][0]
-    sys.argv = [f"aiayn {argv[0]}", *argv[1:]]  # the command reads its flags from sys.argv
-    runpy.run_module(module, run_name="__main__", alter_sys=True)  # its own `if __name__ == "__main__"` runs
-    return 0
+    command = importlib.import_module(COMMANDS[argv[0]][0]).main
+    return exit_status(command, argv[1:], **({"process_settings": True} if argv[0] == "train" else {}))
 
 
 if __name__ == "__main__":

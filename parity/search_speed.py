@@ -15,9 +15,10 @@ import numpy as np
 import torch
 
 from train import data
-from train.api import Run
+from train.api import Run, load
 from train.backends import allocator, create_backend, initialize
 from train.benchmark import _rss_mib
+from train.options import RunSelection, Search
 
 from . import ctranslate2 as ct2
 from . import marian, proof
@@ -174,4 +175,59 @@ def _hf_rows(run: Run, state, batches, beam_size: int, alpha: float, timed, refe
             return [[to_ours[int(m)] for m in row[1:] if m != ids["pad"]] for row in out.tolist()]
 
         rows.append(_foreign_row(run, "hf generate", beam, search, batches, timed, reference)[0])
+    return rows
+
+
+def bench_file(selection: RunSelection, search: Search, input: Path | None, batch_size: int | None = None,
+               json_path: Path | None = None, **extras: bool) -> list[dict]:
+    """`python -m parity.translate_bench`: `benchmark` of the run `selection` names on the sentences of
+    `input` (stdin), printed as a table (and written to `json_path`); `extras`: ctranslate2, hf,
+    uncached as `benchmark` takes them."""
+    import platform
+
+    import jax
+
+    from train.backends import host_devices
+    from train.data.spm import require
+    from train.data.streams import read_lines
+    from train.runtime.files import UserError, json_text, write_text_atomic
+
+    from .comparison import enable_parity_numerics
+
+    enable_parity_numerics()
+    if len(selection.run_dir) > 1:
+        raise UserError("--run-dir once: the benchmark times one run's weights")
+    sentences = [line for line in read_lines(input) if line.strip()]
+    if not sentences:
+        raise UserError(f"{input or 'standard input'} holds no sentence to translate")
+    run = load(selection)
+    for package in [name for name, wanted in (("ctranslate2", extras.get("ctranslate2")),
+                                              ("transformers", extras.get("hf"))) if wanted]:
+        try:
+            require(package)
+        except ImportError as err:  # one line naming the extra
+            raise UserError(str(err)) from None
+    if extras.get("hf"):
+        try:
+            marian.marian_origin(selection.run_dir[0])
+        except ValueError as err:
+            raise UserError(f"--hf: {err}") from None
+    rows = benchmark(run, sentences, search.beam, batch_size, search.alpha, scoring=search.scoring, **extras)
+    run.backend.close()
+    machine = f"{platform.processor() or platform.machine()}, {host_devices.cores()} CPUs"
+    if jax.default_backend() != "cpu":
+        machine += f", {jax.devices()[0].device_kind}"
+    machine += f", jax on {jax.device_count()} device{'s' * (jax.device_count() > 1)}"
+    print(f"{len(sentences)} sentences, {run.model_config.d_model}-wide {run.config.preset} model, {machine}")
+    print(f"{'search':19s} {'beam':>4s} {'seconds':>8s} {'sent/s':>8s} {'tok/s':>8s} {'peak MiB':>8s} "
+          f"{'vs torch cached':>16s} {'vs uncached':>12s} {'outputs differ':>15s}")
+    for r in rows:
+        differ = "reference" if r["differ"] is None else str(r["differ"])
+        uncached = "-" if r["speedup_vs_torch_uncached"] is None else f"{r['speedup_vs_torch_uncached']:.2f}x"
+        print(f"{r['search']:19s} {r['beam']:4d} {r['seconds']:8.2f} {r['sentences_per_s']:8.1f} "
+              f"{r['tokens_per_s']:8.0f} {r['peak_mib']:8.0f} {r['speedup_vs_torch_cached']:15.2f}x {uncached:>12s} "
+              f"{differ:>15s}" + (f"   BLEU vs float32 {r['bleu_vs_float32']:.2f}" if "bleu_vs_float32" in r else ""))
+    if json_path:
+        write_text_atomic(json_path, json_text({"run_dir": str(selection.run_dir[0]), "machine": machine,
+                                                "rows": rows}))
     return rows

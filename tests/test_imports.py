@@ -102,7 +102,7 @@ def test_dependencies_run_one_way_without_cycles():
     modules = project_modules()
     graph = {name: imports_of(name, path, modules) for name, path in modules.items()}
     assert graph["train.runtime.rundir"] >= {"train.store", "train.config", "train.data"}  # the parser sees imports
-    assert "train.metrics" in graph["train.loop"] and "train.api" in graph["train.translate"]
+    assert "train.metrics" in graph["train.loop"] and "train.api" in graph["train.jobs"]
     # The backend factory's table of module names is seen as importing them.
     assert graph["train.backends"] >= {"train.backends.jax_backend", "train.backends.torch_backend"}
     assert "train.serve" not in graph["train.loadgen"]  # it starts the server in a child process

@@ -34,16 +34,21 @@ PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(len(SPECIAL_TOKENS))
 SCORINGS = ("gnmt", "hf")
 
 
+def _g(x: float) -> str:
+    return f"{x:g}" if isinstance(x, float) else str(x)  # 2**32 in full, not 4.29497e+09
+
+
 @dataclasses.dataclass(frozen=True)
 class Range:
     """The values a numeric setting may take: `kind` int (bool refused) or float (finite; an int
-    is accepted), at least `low`, above `above` (open), below `below` (open). The one rule both a
-    config's validation and its command-line flag (`parse`, an argparse type) apply."""
+    is accepted), at least `low`, above `above` (open), below `below` (open), at most `high`. The
+    one rule both a config's validation and its command-line flag (`parse`, an argparse type) apply."""
 
     kind: type = int
     low: float | None = None
     above: float | None = None
     below: float | None = None
+    high: float | None = None
 
     def error(self, value: Any) -> str | None:
         """Why `value` is not allowed ('must be >= 1, got 0'), or None when it is."""
@@ -52,13 +57,17 @@ class Range:
         if self.kind is float and not math.isfinite(value):
             return f"must be finite, got {value}"
         if self.low is not None and self.below is not None and not self.low <= value < self.below:
-            return f"must be in [{self.low:g}, {self.below:g}), got {value:g}"
+            return f"must be in [{_g(self.low)}, {_g(self.below)}), got {_g(value)}"
+        if self.above is not None and self.high is not None and not self.above < value <= self.high:
+            return f"must be in ({_g(self.above)}, {_g(self.high)}], got {_g(value)}"
         if self.low is not None and value < self.low:
-            return f"must be >= {self.low:g}, got {value:g}"
+            return f"must be >= {_g(self.low)}, got {_g(value)}"
         if self.above is not None and value <= self.above:
-            return f"must be > {self.above:g}, got {value:g}"
+            return f"must be > {_g(self.above)}, got {_g(value)}"
         if self.below is not None and value >= self.below:
-            return f"must be < {self.below:g}, got {value:g}"
+            return f"must be < {_g(self.below)}, got {_g(value)}"
+        if self.high is not None and value > self.high:
+            return f"must be <= {_g(self.high)}, got {_g(value)}"
         return None
 
     def check(self, name: str, value: Any) -> None:

@@ -58,7 +58,7 @@ def uniform(seed, sentence, sample, position) -> Tensor:
     return ((word >> 9) * 2 + 1).float() * 2.0**-24
 
 
-def _check_sampling(seed, num_samples, temperature, top_k, top_p) -> None:
+def check_sampling(seed, num_samples, temperature, top_k, top_p) -> None:
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MASK:
         raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
@@ -132,7 +132,15 @@ def sample(
     numbers, 0..B-1 unless given; pass each sentence's index in the input so that its samples do not
     depend on the batch it falls in. Lengths and padding as `decode.greedy_search`."""
     _check_source(model, src_ids)
-    _check_sampling(seed, num_samples, temperature, top_k, top_p)
+    check_sampling(seed, num_samples, temperature, top_k, top_p)
+    ids = _sentence_ids(sentence_ids, src_ids.shape[0], src_ids.device)
+    return sample_loop(model, src_ids, seed, ids, num_samples, temperature, top_k, top_p, max_len_a, max_len_b)
+
+
+@torch.no_grad()
+def sample_loop(model: Transformer, src_ids: Tensor, seed, sentence_ids: Tensor, num_samples: int, temperature: float,
+                top_k: int, top_p: float, max_len_a: float, max_len_b: int) -> tuple[Tensor, Tensor]:
+    """`sample`'s drawing loop, its settings checked and its sentence ids (B,) given."""
     cfg = model.cfg
     B, S = src_ids.shape
     N, device = num_samples, src_ids.device
@@ -141,7 +149,7 @@ def sample(
     src_mask = padding_mask(src_ids, cfg.pad_id)
     memory = model.encode(src_ids, src_mask).repeat_interleave(N, dim=0)  # (B*N, S, D), a sentence's rows together
     decoder = _Decoder(model, memory, src_mask.repeat_interleave(N, dim=0), length, cached=True)
-    sentence = _sentence_ids(sentence_ids, B, device).repeat_interleave(N)  # (B*N,)
+    sentence = sentence_ids.repeat_interleave(N)  # (B*N,)
     sample_index = torch.arange(N, device=device).repeat(B)  # (B*N,)
     not_eos = torch.arange(cfg.tgt_vocab_size, device=device) != cfg.eos_id  # (V,)
     never = _never_emitted(cfg, torch.arange(cfg.tgt_vocab_size, device=device))  # (V,) pad and bos

@@ -6,20 +6,19 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
-import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from torch_reference.config import NON_NEGATIVE, POSITIVE, TransformerConfig
+from torch_reference.config import TransformerConfig
 
 from . import data
 from .backends import Backend, create_backend, initialize
-from .config import BACKENDS, ENSEMBLE_AVERAGES, ExperimentConfig
+from .config import BACKENDS, ExperimentConfig
 from .runtime import CHECKPOINTS, UserError, read_experiment, read_run
-from .runtime.files import quoted
 from .runtime.rundir import check_set_aside
-from .translation import Hypothesis, check_numbers
+from .options import Evaluation, OptionError, RunSelection, Sampling, Search
+from .translation import Hypothesis
 
 
 @dataclasses.dataclass
@@ -53,38 +52,35 @@ class Run:
         """The update count of each run's checkpoint: one, or an ensemble's in the order loaded."""
         return [self.step, *(m.step for m in self.members)]
 
-    def translate(self, texts: str | Sequence[str], beam: int = 4, alpha: float = 0.6, scoring: str = "gnmt",
-                  batch_size: int | None = None, n_best: int | None = None,
-                  prefix: str | Sequence[str | None] | None = None, alignments: bool = False,
-                  sample: bool = False, num_samples: int = 1, temperature: float = 1.0, top_k: int = 0,
-                  top_p: float = 1.0, seed: int = 0,
+    def translate(self, texts: str | Sequence[str], search: Search | None = None, sample: Sampling | bool | None = None,
+                  *, prefix: str | Sequence[str | None] | None = None, batch_size: int | None = None,
                   **options: Any) -> str | list[str] | list[Hypothesis] | list[list[Hypothesis]]:
-        """The translations of `texts` in order (one string for one string): beam search of width
-        `beam` (1: greedy), length penalty exponent `alpha` with `scoring` "gnmt" or "hf" (as
-        `python -m train.translate --help` says); sources longer than the run's max_len are cut.
-        `n_best` K (<= beam) or `alignments`: each text's K best (1 with alignments alone) as
-        `Hypothesis` (text, logprob, score, tokens, alignment) instead of strings. `prefix`: each
-        output's forced start (a string for one text, else one per text, None for none). `sample`:
-        `num_samples` random translations per text instead of the search (`temperature`, `top_k`,
-        `top_p`, `seed`: `translation.Sampling`; beam, alpha unused), `Hypothesis` lists when
+        """The translations of `texts` in order (one string for one string) by `search` (`Search`:
+        beam, alpha, scoring, n_best, alignments; also given as keywords, `beam=1`), sources longer
+        than the run's max_len cut. With `n_best` K or `alignments`: each text's K best (1 with
+        alignments alone) as `Hypothesis` (text, logprob, score, tokens, alignment). `prefix`: each
+        output's forced start (a string for one text, else one per text, None for none). `sample`
+        (a `Sampling`, or True with its fields as keywords: `num_samples`, `temperature`, `top_k`,
+        `top_p`, `seed`): random translations instead of the search, `Hypothesis` lists when
         num_samples > 1 or with `hypotheses=True` (an option of `translate_texts`); docs/decoding.md."""
-        from .translation import Sampling, translate_texts
+        from .translation import translate_texts
 
-        given = {"num_samples": num_samples != 1, "temperature": temperature != 1.0, "top_k": top_k != 0,
-                 "top_p": top_p != 1.0, "seed": seed != 0}
-        if not sample and any(given.values()):
-            raise UserError(f"{', '.join(k for k, v in given.items() if v)}: sampling settings, give sample=True")
-        if self.members and alignments:
-            raise UserError("alignments with an ensemble: its members' attention weights are not one alignment")
-        sampling = Sampling(seed, num_samples, temperature, top_k, top_p) if sample else None
+        search = _options(Search, search, options)
+        sampling = _options(Sampling, None if sample is True else sample or None, options)
+        if sample is None or sample is False:
+            off = [f.name for f in dataclasses.fields(Sampling) if getattr(sampling, f.name) != f.default]
+            if off:
+                raise OptionError("{}: a sampling setting, give sample=True", off[0])
+            sampling = None
+        if self.members and search.alignments:
+            raise OptionError("{} with an ensemble: its members' attention weights are not one alignment", "alignments")
         one = isinstance(texts, str)
         prefixes = None if prefix is None else [prefix] if isinstance(prefix, str) and one else list(prefix)
         if isinstance(prefix, str) and not one:
-            raise UserError("prefix: give one per text (a list), not one string for several texts")
+            raise OptionError("{}: give one per text (a list), not one string for several texts", "prefix")
         out = translate_texts(self.backend, self.tokenizers, [texts] if one else list(texts),
                               max_len=self.config.max_len, token_budget=self.config.token_budget,
-                              batch_size=batch_size, beam_size=beam, alpha=alpha, scoring=scoring, n_best=n_best,
-                              prefixes=prefixes, alignments=alignments, sample=sampling, **options)
+                              batch_size=batch_size, search=search, sample=sampling, prefixes=prefixes, **options)
         return out[0] if one else out
 
     def score(self, sources: str | Sequence[str], targets: str | Sequence[str],
@@ -102,18 +98,21 @@ class Run:
                           token_budget=self.config.token_budget, batch_size=batch_size)
         return out[0] if one else out
 
-    def evaluate(self, pairs: str | os.PathLike | Sequence[tuple[str, str]], beam: int = 4, alpha: float = 0.6,
-                 scoring: str = "gnmt", max_sentences: int | None = None, lowercase: bool = False,
-                 moses: str | None = None, samples: int = 0) -> dict[str, Any]:
+    def evaluate(self, pairs: str | os.PathLike | Sequence[tuple[str, str]], search: Search | None = None,
+                 evaluation: Evaluation | None = None, **options: Any) -> dict[str, Any]:
         """What `python -m train.evaluate` prints: loss, perplexity, BLEU and chrF with their
         signatures, exact match (per number of digits for number data) on `pairs`, a data spec
-        ("numbers:test", "de:en:PREFIX", "FILE.tsv", ...) or (source, target) pairs; "bleu_lc" with
-        `lowercase`, and always for a run trained with --lowercase (its translations are lowercase).
-        An ensemble's result also names its other runs ("ensemble") and every run's step ("steps")."""
+        ("numbers:test", "de:en:PREFIX", "FILE.tsv", ...) or (source, target) pairs, translated by
+        `search`; `evaluation` (`Evaluation`, or its fields as keywords: max_sentences, samples,
+        lowercase, moses): "bleu_lc" with `lowercase`, and always for a run trained with --lowercase
+        (its translations are lowercase). An ensemble's result also names its other runs
+        ("ensemble") and every run's step ("steps")."""
         from .data.splits import load_split
         from .metrics import evaluate_pairs
 
-        check_numbers({"--max-sentences": (max_sentences, POSITIVE), "--samples": (samples, NON_NEGATIVE)})
+        search, evaluation = _options(Search, search, options), _options(Evaluation, evaluation, options)
+        if options:
+            raise TypeError(f"evaluate() got an unexpected keyword argument {next(iter(options))!r}")
         spec = os.fspath(pairs) if isinstance(pairs, (str, os.PathLike)) else None  # a file as a path too
         pairs = load_split(self.config, spec) if spec is not None else list(pairs)
         if spec is None and not all(isinstance(pair, (tuple, list)) and len(pair) == 2 for pair in pairs):
@@ -122,13 +121,12 @@ class Run:
             raise UserError(f"{spec or 'pairs'} holds no sentence pairs")
         cfg = self.config
         seen = {s for s, _ in load_split(cfg, "numbers:train")} if cfg.uses_numbers_corpus else None
+        scoring = {**dataclasses.asdict(evaluation), "lowercase": evaluation.lowercase or cfg.lowercase}
         result = evaluate_pairs(self.backend, self.tokenizers, pairs, max_len=cfg.max_len,
-                                token_budget=cfg.token_budget, max_sentences=max_sentences, samples=samples,
-                                beam_size=beam, alpha=alpha, scoring=scoring, lowercase=lowercase or cfg.lowercase,
-                                moses=moses, seen=seen)
+                                token_budget=cfg.token_budget, search=search, seen=seen, **scoring)
         ensemble = {"ensemble": [str(m.run_dir) for m in self.members], "steps": self.steps} if self.members else {}
-        return {"run_dir": str(self.run_dir), "data": spec, "step": self.step, **ensemble, "beam": beam,
-                "alpha": alpha, "scoring": scoring, **result}
+        return {"run_dir": str(self.run_dir), "data": spec, "step": self.step, **ensemble, "beam": search.beam,
+                "alpha": search.alpha, "scoring": search.scoring, **result}
 
     def weights_digest(self) -> str:
         """Which weights this run translates with (an ensemble's: each run's, in order): the key
@@ -150,6 +148,17 @@ class Run:
         self.close()
 
 
+def _options(cls: type, given: Any, keywords: dict[str, Any]) -> Any:
+    """`given` (an instance of the options class `cls`), or one built from the keywords that are its
+    fields (taken out of `keywords`); both at once: OptionError."""
+    mine = {f.name: keywords.pop(f.name) for f in dataclasses.fields(cls) if f.name in keywords}
+    if given is None:
+        return cls(**mine)
+    if not isinstance(given, cls) or mine:
+        raise OptionError(f"{{}}: give a {cls.__name__} or its fields as keywords, not both", cls.__name__.lower())
+    return given
+
+
 class _Closed:
     """What a closed `Run` holds instead of its backend: any use of it one line saying so."""
 
@@ -163,7 +172,7 @@ class _Closed:
         pass
 
 
-def load(run_dir: str | os.PathLike | Sequence[str | os.PathLike], checkpoint: str | int = "best",
+def load(run_dir: str | os.PathLike | Sequence[str | os.PathLike] | RunSelection, checkpoint: str | int = "best",
          backend: str | None = None, devices: int | None = None, average: str = "logprob", **launch: Any) -> Run:
     """The run in `run_dir` with checkpoint `checkpoint` ("best" by validation BLEU, "latest" or a
     step) restored onto this process's devices (the first `devices` of them; checkpoints restore
@@ -172,25 +181,21 @@ def load(run_dir: str | os.PathLike | Sequence[str | os.PathLike], checkpoint: s
     `ExperimentConfig` (coordinator_address, num_processes, process_id). A list of run directories
     (runs of one framework with the same tokenizers, each at `checkpoint`): an ensemble, their
     log-probabilities averaged (docs/decoding.md#ensembles; `average="prob"`: the log of their mean
-    probability); a list of one: that run. Raises UserError."""
-    if average not in ENSEMBLE_AVERAGES:  # refused for one run too, before anything loads
-        raise UserError(f"average must be one of {', '.join(ENSEMBLE_AVERAGES)}, got {average!r}")
+    probability); a list of one: that run. `run_dir` may be a `RunSelection` holding all of these
+    but `backend`. Raises UserError."""
+    selection = run_dir if isinstance(run_dir, RunSelection) else RunSelection(
+        run_dir, checkpoint, average, devices, **launch)
     if backend not in (None, *BACKENDS):  # not a framework to convert the run to
-        raise UserError(f"backend must be one of {', '.join(BACKENDS)} (None: the run's own), got {backend!r}")
-    if isinstance(run_dir, (str, os.PathLike)) or not isinstance(run_dir, Iterable):
-        run_dir = [run_dir]
-    run_dir = list(run_dir)  # a generator too
-    if not all(isinstance(d, (str, os.PathLike)) for d in run_dir):
-        raise UserError(f"run_dir: give a run directory or a list of them, got {quoted(run_dir)}")
-    if len(run_dir) == 1:  # a run alone keeps what an ensemble gives up (attention weights, training)
-        return _load_one(Path(run_dir[0]), checkpoint, backend, devices, **launch)
-    return _load_ensemble([Path(d) for d in run_dir], checkpoint, backend, devices, average, **launch)
+        raise OptionError("{} " + f"must be one of {', '.join(BACKENDS)} (None: the run's own), got {backend!r}",
+                          "backend")
+    first, *others = selection.run_dir
+    if not others:  # a run alone keeps what an ensemble gives up (attention weights, training)
+        return _load_one(first, selection.checkpoint, backend, **selection.launch)
+    return _load_ensemble(selection.run_dir, selection.checkpoint, backend, selection.average, **selection.launch)
 
 
-def _load_ensemble(run_dirs: list[Path], checkpoint: str | int, backend: str | None, devices: int | None,
-                   average: str, **launch: Any) -> Run:
-    if not run_dirs:
-        raise UserError("an ensemble needs at least one run directory, got none")
+def _load_ensemble(run_dirs: list[Path], checkpoint: str | int, backend: str | None, average: str,
+                   **launch: Any) -> Run:
     first = read_experiment(run_dirs[0]).backend  # a backend= of another framework: refused as for one run
     for run_dir in run_dirs:  # before any weights load
         check_set_aside(run_dir)
@@ -205,7 +210,7 @@ def _load_ensemble(run_dirs: list[Path], checkpoint: str | int, backend: str | N
     runs: list[Run] = []
     try:
         for run_dir in run_dirs:
-            runs.append(_load_one(run_dir, checkpoint, backend, devices, **launch))
+            runs.append(_load_one(run_dir, checkpoint, backend, **launch))
         head, rest = runs[0], runs[1:]
         try:
             head.backend.ensemble([r.backend for r in rest], average)
@@ -238,8 +243,7 @@ def _tokenizer_bytes(run_dir: Path) -> dict[str, bytes]:
     return {name: (run_dir / name).read_bytes() for name in data.tokenizer_files(run_dir)}
 
 
-def _load_one(run_dir: Path, checkpoint: str | int = "best", backend: str | None = None, devices: int | None = None,
-              **launch: Any) -> Run:
+def _load_one(run_dir: Path, checkpoint: str | int = "best", backend: str | None = None, **launch: Any) -> Run:
     from .store import CheckpointError, parse_checkpoint
 
     check_set_aside(run_dir)  # an --overwrite killed or still running: named, not half a run loaded
@@ -248,7 +252,7 @@ def _load_one(run_dir: Path, checkpoint: str | int = "best", backend: str | None
         raise UserError(f"{run_dir} is a {cfg.backend} run; for {backend}, convert it first: "
                         f"python -m parity.convert --to {backend} --run-dir {run_dir} --dst DIR")
     try:  # a launch option the config refuses (devices=0) or the backend (a torch run on several devices)
-        cfg = cfg.replace(**{k: v for k, v in {**launch, "devices": devices}.items() if v is not None})
+        cfg = cfg.replace(**launch)
         if (cfg.devices or 1) > 1 and cfg.backend == "torch":  # the backend's own refusal speaks of training
             raise UserError(f"--devices {cfg.devices}: a torch run decodes on one device")
         initialize(cfg)  # the process's settings for its platform, before any device is touched
@@ -272,22 +276,14 @@ def fit(config: ExperimentConfig | dict[str, Any] | str | os.PathLike | None = N
     are fields on top, e.g. `steps=300`, `run_dir="runs/mine"`, `resume=True`. Raises UserError
     for bad settings, `runtime.Interrupted` on SIGTERM/Ctrl-C (after saving a checkpoint)."""
     from .loop import train
-    from .recipes import recipe_config, recorded_launch
+    from .recipes import experiment
 
-    explicit: set[str] | None = None  # an ExperimentConfig: every field that is set counts as given
-    try:
-        if isinstance(config, ExperimentConfig):
-            cfg = config.replace(**overrides)
-        else:
-            given = {**({"recipe": config} if isinstance(config, (str, os.PathLike)) else config or {}), **overrides}
-            if given.get("recipe") is not None:  # read as train.run --config reads it (not only recorded)
-                cfg, explicit = recipe_config(os.fspath(given.pop("recipe")), given)
-            else:
-                if given.get("resume") and given.get("run_dir") and (recorded := recorded_launch(given["run_dir"])):
-                    given = {**recorded[0], **given}  # as train.run --resume: not the defaults
-                    print(f"resume: steps, evaluation and checkpoint settings from the recipe the run was started "
-                          f"from ({recorded[1]}, kept in the run directory) unless given now", file=sys.stderr)
-                cfg, explicit = ExperimentConfig(**given), set(given)
-    except (TypeError, ValueError) as err:
-        raise UserError(str(err)) from None
+    if isinstance(config, ExperimentConfig):
+        try:
+            cfg, explicit = config.replace(**overrides), None  # every field that is set counts as given
+        except (TypeError, ValueError) as err:
+            raise UserError(str(err)) from None
+    else:
+        given = {**({"recipe": config} if isinstance(config, (str, os.PathLike)) else config or {}), **overrides}
+        cfg, explicit = experiment(given)
     return train(cfg, explicit=explicit)

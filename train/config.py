@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Literal
 
-from torch_reference.config import NON_NEGATIVE, POSITIVE, PROBABILITY, SCORINGS, SPECIAL_TOKENS, Range, TransformerConfig
+from torch_reference.config import NON_NEGATIVE, POSITIVE, PROBABILITY, SPECIAL_TOKENS, Range, TransformerConfig
 
 Backend = Literal["jax", "torch"]
 BACKENDS = ("jax", "torch")
@@ -109,6 +109,14 @@ def flag_name(field: dataclasses.Field) -> str:
     return field.metadata.get("flag", "--" + field.name.replace("_", "-"))
 
 
+def parse_model_override(text: str) -> tuple[str, Any]:
+    """'FIELD=VALUE' -> (field, value typed like the TransformerConfig field), for `--set`;
+    the fields derived from the data and the special token ids are refused."""
+    if text.partition("=")[0] in SPECIAL_ID_FIELDS:
+        raise ValueError(f"{text.partition('=')[0]} cannot be set: {SPECIAL_IDS_FIXED}")
+    return TransformerConfig.parse_override(text, exclude=DERIVED_MODEL_FIELDS)
+
+
 def _field(default: Any, group: str, help: str, launch: bool = False, **meta: Any) -> Any:
     """A dataclass field with its CLI help text and flag group in the metadata. `launch`: a launch
     option (how and how long this launch runs), which is never saved with the experiment."""
@@ -140,7 +148,7 @@ class ExperimentConfig:
                          choices=TransformerConfig.presets())
     model: dict = _field(
         {}, "model", "override a TransformerConfig field of the preset, e.g. --set d_model=128 "
-        "--set norm_position=pre (repeatable)", flag="--set", metavar="FIELD=VALUE")
+        "--set norm_position=pre (repeatable)", flag="--set", metavar="FIELD=VALUE", parse=parse_model_override)
     dropout: float | None = _field(None, "model", "residual dropout rate (paper: 0.1); default: the preset's")
     init_from: str | None = _field(
         None, "model", "start from a pretrained model: a run directory, an HF Marian directory or "
@@ -406,47 +414,3 @@ class ExperimentConfig:
     @classmethod
     def from_json(cls, text: str) -> ExperimentConfig:
         return cls.from_dict(json.loads(text))
-
-
-def parse_model_override(text: str) -> tuple[str, Any]:
-    """'FIELD=VALUE' -> (field, value typed like the TransformerConfig field), for `--set`;
-    the fields derived from the data and the special token ids are refused."""
-    if text.partition("=")[0] in SPECIAL_ID_FIELDS:
-        raise ValueError(f"{text.partition('=')[0]} cannot be set: {SPECIAL_IDS_FIXED}")
-    return TransformerConfig.parse_override(text, exclude=DERIVED_MODEL_FIELDS)
-
-
-# The twins' ensemble.AVERAGES (a test keeps them equal), named here so that this module imports neither framework.
-ENSEMBLE_AVERAGES = ("logprob", "prob")
-
-
-def add_ensemble_average(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ensemble-average", choices=ENSEMBLE_AVERAGES, default="logprob",
-                        help="how an ensemble combines its runs at each step: 'logprob' (the default, Marian's) the "
-                        "mean of their log-probabilities, renormalised; 'prob' the log of the mean probability "
-                        "(fairseq's)")
-
-
-def add_run_arguments(parser: argparse.ArgumentParser, ensembles: bool = False) -> None:
-    """--run-dir, --checkpoint, --beam, --alpha and --scoring, shared by translate, evaluate and
-    parity.translate_bench; `ensembles`: --run-dir may repeat (a list of directories)."""
-    if ensembles:
-        parser.add_argument(
-            "--run-dir", required=True, type=Path, action="append",
-            help="the run directory (holds config.json, tokenizer, checkpoints/); given again, an ensemble: the runs' "
-            "log-probabilities averaged (runs of one framework with the same tokenizers, each at --checkpoint)")
-        add_ensemble_average(parser)
-    else:
-        parser.add_argument("--run-dir", required=True, type=Path,
-                            help="the run directory (holds config.json, tokenizer, checkpoints/)")
-    parser.add_argument("--checkpoint", default="best",
-                        help="'best' (by validation BLEU, the default), 'latest', or a step number")
-    parser.add_argument("--beam", type=positive_int, default=4, help="beam size (default 4; 1 = greedy search)")
-    parser.add_argument("--alpha", type=non_negative_float, default=0.6,
-                        help="beam search's length penalty exponent (default 0.6): see --scoring")
-    parser.add_argument("--scoring", choices=SCORINGS, default="gnmt",
-                        help="how beam search ranks finished translations: 'gnmt' (the default) divides their "
-                        "log-probability by ((5+len)/6)^alpha and lets an <eos> among the 2 x beam best candidates "
-                        "finish; 'hf' divides by len^alpha, lets only an <eos> among the beam best finish and counts an "
-                        "<eos> forced at the length limit as free, as HF transformers' generate(num_beams=beam, "
-                        "length_penalty=alpha, early_stopping='never') does")

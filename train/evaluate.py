@@ -1,7 +1,7 @@
 """`python -m train.evaluate --run-dir DIR --data SPEC` (`aiayn evaluate`): score a run, print JSON.
 
-Several --run-dir score an ensemble of runs (docs/decoding.md). Flag parsing and printing over
-`train.load(...).evaluate(...)`; what each score means: `train.metrics`.
+Several --run-dir score an ensemble of runs (docs/decoding.md). Flags over `train.jobs.evaluate_spec`;
+what each score means: `train.metrics`.
 """
 
 from __future__ import annotations
@@ -10,13 +10,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from .api import load
 from .backends.host_devices import HELP as HOST_DEVICES_HELP
-from .backends.host_devices import split_host
-from .config import add_run_arguments, non_negative_int, positive_int
-from .data.corpora import spec_files
-from .runtime import exit_status
-from .runtime.files import UserError, error_text, json_text, output_file, write_output
+from .options import Evaluation, RunSelection, Search, add_flags, build, call
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,18 +26,10 @@ def build_parser() -> argparse.ArgumentParser:
         "round thousands). For a run trained on the numbers corpus, "
         f"the per-digit scores count the sentences seen in its training split. {HOST_DEVICES_HELP}.",
     )
-    add_run_arguments(parser, ensembles=True)
+    add_flags(parser, RunSelection)
+    add_flags(parser, Search, skip=("n_best", "alignments"))
     parser.add_argument("--data", required=True, help="parallel data to score (see below)")
-    parser.add_argument("--max-sentences", type=positive_int,
-                        help="translate only the first N pairs for BLEU/chrF; default: all")
-    parser.add_argument("--lowercase", action="store_true",
-                        help="also score BLEU on lowercased text (13a tokenization), as bleu_lc with its signature "
-                        "(always for a run trained with --lowercase)")
-    parser.add_argument("--moses", metavar="LANG",
-                        help="also score BLEU on Moses-tokenized text of language LANG (e.g. de, en; sacremoses, no "
-                        "escaping; sacreBLEU's tokenization off), as papers quoting tokenized BLEU do: bleu_moses, and "
-                        "bleu_moses_lc with --lowercase")
-    parser.add_argument("--samples", type=non_negative_int, default=0, help="include N example translations in the JSON")
+    add_flags(parser, Evaluation)
     parser.add_argument("--output", type=Path, help="also write the JSON to this file, atomically (a symbolic link's "
                         "target); a FIFO, device, socket or /dev/fd/N is written directly")
     return parser
@@ -50,33 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    given = vars(parser.parse_args(argv))
+    from .jobs import evaluate_spec
 
-    try:
-        split_host()  # before jax is imported
-        # Checked before the work, not after it; None: a stream (a FIFO, a device), written directly.
-        target = None if args.output is None else output_file(args.output, "--output", spec_files(args.data),
-                                                              f"--data {args.data}")
-        run = load(args.run_dir, args.checkpoint, average=args.ensemble_average)
-        lowercase = args.lowercase or run.config.lowercase
-        if lowercase and not args.lowercase:  # lowercase output: cased BLEU alone would mislead
-            print(f"note: {args.run_dir[0]} was trained with --lowercase, so its translations are lowercase: "
-                  "bleu_lc (lowercased references) is scored too", file=sys.stderr)
-        with run:
-            result = run.evaluate(args.data, beam=args.beam, alpha=args.alpha, scoring=args.scoring,
-                                  max_sentences=args.max_sentences, lowercase=lowercase, moses=args.moses,
-                                  samples=args.samples)
-    except (UserError, OSError, ValueError) as err:  # OSError: e.g. an hf: spec with the Hub out of reach
-        parser.exit(1, f"error: {error_text(err)}\n")
-    text = json_text(result)  # strict JSON: a non-finite score is null, never NaN
-    try:
-        print(text, flush=True)
-        if args.output is not None:
-            write_output(args.output, target, text + "\n")
-    except OSError as err:  # a closed pipe (| head); a full disk, a read-only place: the JSON is on stdout
-        parser.exit(1, f"error: {error_text(err)}\n")
-    return 0
+    return call(parser, lambda: evaluate_spec(build(RunSelection, given), given["data"], build(Search, given),
+                                              build(Evaluation, given), given.get("output")))
 
 
 if __name__ == "__main__":
-    sys.exit(exit_status(main))
+    sys.exit(main())

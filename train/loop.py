@@ -30,6 +30,7 @@ from .backends.compiles import Compiles, totals
 from .config import ExperimentConfig
 from .data.splits import load_splits
 from .metrics import bands_text, evaluate_pairs
+from .options import Search
 from .recipes import resume_command
 from .runtime import CHECKPOINTS, CONFIG_FILE, CURVES_FILE, RESULTS_FILE, TENSORBOARD, Interrupted, UserError, say
 from .runtime.events import NoWriter, summary_writer
@@ -254,8 +255,8 @@ def _evaluate(cfg, backend, tokenizers, pairs, samples: int, *, validation: bool
     validation only: a test set (validation=False) is always scored whole. `stop`: a callable
     asked between batches; when it says True, EvaluationStopped."""
     return evaluate_pairs(backend, tokenizers, pairs, max_len=cfg.max_len, token_budget=cfg.token_budget,
-                          max_sentences=cfg.eval_sentences if validation else None, samples=samples, beam_size=cfg.beam,
-                          lowercase=True, moses=cfg.moses, seen=seen, stop=stop, fixed_shapes=cfg.pack)
+                          max_sentences=cfg.eval_sentences if validation else None, samples=samples,
+                          search=Search(beam=cfg.beam), lowercase=True, moses=cfg.moses, seen=seen, stop=stop, fixed_shapes=cfg.pack)
 
 
 @dataclasses.dataclass

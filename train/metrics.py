@@ -21,7 +21,8 @@ from sacrebleu.metrics import BLEU, CHRF
 
 from . import data
 from .backends import Backend, Trainer
-from .translation import EvaluationStopped, check_search, translate_texts
+from .options import Search
+from .translation import EvaluationStopped, translate_texts
 
 def exact_match(hypotheses: Sequence[str], references: Sequence[str]) -> float:
     """Percentage of hypotheses equal to their reference after stripping surrounding whitespace
@@ -113,25 +114,24 @@ def bands_text(bands: dict[str, Any] | None) -> str:
 
 
 def evaluate_pairs(backend: Backend, tokenizers: data.Tokenizers, pairs: Sequence[data.Pair], *, max_len: int,
-                   token_budget: int, max_sentences: int | None = None, samples: int = 0, beam_size: int = 4,
-                   alpha: float = 0.6, scoring: str = "gnmt", lowercase: bool = False, moses: str | None = None,
+                   token_budget: int, max_sentences: int | None = None, samples: int = 0, search: Search = Search(),
+                   lowercase: bool = False, moses: str | None = None,
                    seen: Collection[str] | None = None, stop: Callable[[], bool] | None = None,
                    fixed_shapes: bool = False) -> dict[str, Any]:
     """Loss and perplexity on every pair (those longer than max_len left out); `corpus_scores` and
-    `band_scores` ("bands") of the translations (as `Backend.translate` makes them) of the first
+    `band_scores` ("bands") of the translations (by `search`) of the first
     `max_sentences` pairs (default: all), their count as "sentences"; `samples` examples as
     {"source", "reference", "hypothesis"}. `stop` is asked between batches: True raises
     EvaluationStopped (a training run's SIGTERM). `fixed_shapes`: the loss over packed batches of
     one shape (rows of max_len) and the search in a few fixed shapes, the same for any set of pairs:
     few programs for JAX to compile (the same values)."""
-    check_search(beam_size, None, alpha, scoring)  # before the loss, not after it
     examples = data.encode_pairs(tokenizers, pairs)
     batcher = data.Batcher(examples, token_budget=token_budget, max_len=max_len, shuffle=False, pack=fixed_shapes,
                            pack_length=max_len if fixed_shapes else None)
     result: dict[str, Any] = loss_and_perplexity(backend, batcher.epoch_batches(), stop)
     scored = list(pairs[:max_sentences] if max_sentences else pairs)
     hyps = translate_texts(backend, tokenizers, [s for s, _ in scored], max_len=max_len, token_budget=token_budget,
-                           beam_size=beam_size, alpha=alpha, scoring=scoring, stop=stop, fixed_shapes=fixed_shapes)
+                           search=search, stop=stop, fixed_shapes=fixed_shapes)
     result.update(corpus_scores(hyps, [t for _, t in scored], lowercase=lowercase, moses=moses))
     result["sentences"] = len(scored)
     result["bands"] = band_scores(scored, hyps, seen)

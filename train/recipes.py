@@ -1,5 +1,7 @@
-"""Recipes: a TOML file of train.run's flags (recipes/*.toml), and the flag parser they are checked
-with, built from the fields of `ExperimentConfig`."""
+"""Recipes: a TOML file of train.run's settings (recipes/*.toml) read into `ExperimentConfig`'s
+fields, the flag parser generated from those fields, and `experiment`: the config of what a
+launch gives, in one place for `python -m train.run` and `train.fit` (a recipe under the given
+fields, a resume's recorded launch settings)."""
 
 from __future__ import annotations
 
@@ -9,11 +11,13 @@ import difflib
 import os
 import shlex
 import stat
+import sys
 import tomllib
 from collections.abc import Mapping
 from typing import Any
 
-from .config import FIELD_RANGES, RECIPE_FILE, ExperimentConfig, flag_name, flag_type, parse_model_override
+from .config import FIELD_RANGES, RECIPE_FILE, ExperimentConfig, flag_name, parse_model_override
+from .options import add_flags
 from .runtime.files import UserError, quoted, read_json, shortened
 
 # flag group -> its title in --help
@@ -42,39 +46,32 @@ def build_parser(epilog: str | None = None) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     groups = {key: parser.add_argument_group(title) for key, title in GROUPS.items()}
-    defaults = ExperimentConfig()
-    for field in dataclasses.fields(ExperimentConfig):
-        meta = field.metadata
-        default = getattr(defaults, field.name)
-        kind = _type_name(str(field.type))
-        # SUPPRESS: only flags actually given reach the config, so --resume can tell them apart.
-        kwargs: dict = {"dest": field.name, "default": argparse.SUPPRESS}
-        # Automatic defaults (None) are explained in the help text itself.
-        help = meta["help"] if default is None or kind == "dict" else f"{meta['help']} (default: {default})"
-        if kind == "bool":
-            kwargs.update(action=argparse.BooleanOptionalAction, help=help)
-        elif kind == "dict":
-            kwargs.update(action="append", type=flag_type(parse_model_override), metavar=meta.get("metavar"), help=help)
-        else:
-            # Numbers range-checked by the field's own rule: a bad value exits 2 with one line.
-            kwargs.update(type=FIELD_RANGES[field.name].parser(field.name) if field.name in FIELD_RANGES else str,
-                          choices=meta.get("choices"), help=help,
-                          metavar=meta.get("metavar", {"int": "N", "float": "X"}.get(kind)))
-        groups[meta["group"]].add_argument(flag_name(field), **kwargs)
+    add_flags(parser, ExperimentConfig, ranges=FIELD_RANGES, groups=groups)
     return parser
 
 
-def recipe_config(path: str, overrides: Mapping[str, Any] | None = None) -> tuple[ExperimentConfig, set[str]]:
-    """(the experiment of the recipe at `path` with `overrides` (field names) on top, the names of the
-    fields given); UserError naming the file, key or field for anything it refuses."""
-    given = vars(build_parser().parse_args(recipe_flags(path)))
-    if "model" in given:
+def experiment(given: Mapping[str, Any], note: str = "settings") -> tuple[ExperimentConfig, set[str]]:
+    """(the config of the fields `given`, the names of the fields given): a `recipe` among them read
+    first (the given fields win; --set's overrides add to the file's), and on a resume without one the
+    launch settings of the recipe the run was started from where not given. UserError naming the
+    file, key or field for anything refused; `note`: what the resume's note calls the settings."""
+    given = dict(given)
+    if isinstance(given.get("model"), list):  # --set's (field, value) pairs
         given["model"] = dict(given["model"])
-    given = {**given, "recipe": path, **(overrides or {})}
+    if given.get("recipe") is not None:
+        given["recipe"] = os.fspath(given["recipe"])
+        read = read_recipe(given["recipe"])
+        model = {**read.get("model", {}), **given.get("model", {})}
+        given = {**read, **given, **({"model": model} if model else {})}
+    elif given.get("resume") and given.get("run_dir") and (recorded := recorded_launch(given["run_dir"])):
+        # How long and how this launch runs from the recipe the run was started from; how it trains is its config.json.
+        given = {**recorded[0], **given}
+        print(f"--resume: steps, evaluation and checkpoint {note} from the recipe the run was started from "
+              f"({recorded[1]}, kept in the run directory) unless given now", file=sys.stderr)
     try:
         return ExperimentConfig(**given), set(given)
     except (TypeError, ValueError) as err:
-        raise UserError(f"{path}: {err}") from None
+        raise UserError(f"{given['recipe']}: {err}" if given.get("recipe") else str(err)) from None
 
 
 def recorded_launch(run_dir: str | os.PathLike) -> tuple[dict[str, Any], str] | None:
@@ -87,9 +84,9 @@ def recorded_launch(run_dir: str | os.PathLike) -> tuple[dict[str, Any], str] | 
         return None
     if not (isinstance(recorded, dict) and all(isinstance(recorded.get(k), str) for k in ("path", "toml"))):
         raise UserError(f"{path}: expected {{\"path\": ..., \"toml\": ...}}, the recipe a run was started from")
-    flags = vars(build_parser().parse_args(recipe_flags(f"{path} (the recipe {recorded['path']})", recorded["toml"])))
+    fields = read_recipe(f"{path} (the recipe {recorded['path']})", recorded["toml"])
     launch = set(ExperimentConfig.launch_fields()) - set(LAUNCH_DECISIONS)
-    return {k: v for k, v in flags.items() if k in launch}, recorded["path"]
+    return {k: v for k, v in fields.items() if k in launch}, recorded["path"]
 
 
 def resume_command(cfg: ExperimentConfig) -> str:
@@ -109,10 +106,10 @@ def resume_command(cfg: ExperimentConfig) -> str:
     return " ".join(["python -m train.run --run-dir", shlex.quote(str(cfg.run_dir)), "--resume", *flags])
 
 
-def recipe_flags(path: str, text: str | None = None) -> list[str]:
-    """The TOML recipe at `path` (or its `text`, as a run directory keeps it) as train.run flags:
-    `eval_every = 1000` -> `--eval-every=1000`, `joint_vocab = false` -> `--no-joint-vocab`,
-    `set = ["a=1", "b=2"]` -> `--set=a=1 --set=b=2`. A file that cannot be read, bad TOML, an
+def read_recipe(path: str, text: str | None = None) -> dict[str, Any]:
+    """The TOML recipe at `path` (or its `text`, as a run directory keeps it) as `ExperimentConfig`
+    fields: one key per long flag of train.run with _ for - (`eval_every = 1000`, `joint_vocab =
+    false`, `set = ["a=1"]` for the model's overrides). A file that cannot be read, bad TOML, an
     unknown key, a launch decision (run_dir, resume, overwrite: flags only, so that a shared recipe
     never deletes a run), a wrong type or a bad value raise UserError naming the file (and the key
     or line)."""
@@ -120,8 +117,6 @@ def recipe_flags(path: str, text: str | None = None) -> list[str]:
     def fail(message: str):
         raise UserError(f"{path}: {message}")
 
-    parser = build_parser()
-    parser.exit_on_error = False  # a bad value raises, to be reported with the file and key
     recorded = text is not None
     try:
         if not recorded:  # only a regular file: a FIFO without a writer would block, a device never end
@@ -140,7 +135,7 @@ def recipe_flags(path: str, text: str | None = None) -> list[str]:
     except tomllib.TOMLDecodeError as err:  # its message names the line and column
         fail(f"invalid TOML: {err}")
     fields = {flag_name(f)[2:].replace("-", "_"): f for f in dataclasses.fields(ExperimentConfig) if f.name != "recipe"}
-    flags = []
+    out: dict[str, Any] = {}
     for key, value in table.items():
         if key in LAUNCH_DECISIONS:
             if recorded:  # the recorded recipe of a run started before they were refused
@@ -150,19 +145,20 @@ def recipe_flags(path: str, text: str | None = None) -> list[str]:
             close = difflib.get_close_matches(key, fields, n=1)
             fail(f"key {quoted(key)}: unknown" + (f" (did you mean {close[0]!r}?)" if close else
                                             ": the keys are the long flags of python -m train.run --help, with _ for -"))
-        kind = _type_name(str(fields[key].type))
+        field = fields[key]
+        kind, choices = _type_name(str(field.type)), field.metadata.get("choices")
         types, expected = RECIPE_TYPES.get(kind, (str, "a string"))
         if (not isinstance(value, types) or isinstance(value, bool) != (kind == "bool")
                 or kind == "dict" and not all(isinstance(item, str) for item in value)):
             fail(f"key {key!r}: expected {expected}, got {quoted(value)}")
-        flag = flag_name(fields[key])
-        if kind == "bool":
-            args = [flag if value else "--no-" + flag[2:]]
-        else:
-            args = [f"{flag}={item}" for item in (value if kind == "dict" else [value])]
         try:
-            parser.parse_args(args)
-        except argparse.ArgumentError as err:
-            fail(f"key {key!r}: {shortened(err.message)}")  # a bad choice quotes the value
-        flags += args
-    return flags
+            if kind == "dict":
+                value = dict(parse_model_override(item) for item in value)
+            elif field.name in FIELD_RANGES:
+                FIELD_RANGES[field.name].check(field.name, value)
+            elif choices is not None and value not in choices:
+                raise ValueError(f"invalid choice: {quoted(value)} (choose from {', '.join(map(repr, choices))})")
+        except ValueError as err:
+            fail(f"key {key!r}: {shortened(str(err))}")
+        out[field.name] = value
+    return out

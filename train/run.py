@@ -18,8 +18,8 @@ from pathlib import Path
 from . import recipes
 from .backends.host_devices import check_xla_flags
 from .config import ExperimentConfig
-from .recipes import recipe_flags, recorded_launch
-from .runtime import exit_status, read_experiment
+from .recipes import experiment
+from .runtime import Interrupted, exit_status, read_experiment
 from .runtime.files import UserError, error_text
 
 EPILOG = """\
@@ -61,27 +61,9 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExperimentConfig, set[s
     """(config, names of the fields given on the command line); exits with a message on bad values."""
     parser = build_parser()
     try:
-        return _parse(parser, argv)
-    except UserError as err:  # a recipe it refused
+        return experiment(vars(parser.parse_args(argv)), note="flags")
+    except UserError as err:  # a recipe it refused, a value the config refuses
         parser.exit(2, f"error: {err}\n")
-
-
-def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple[ExperimentConfig, set[str]]:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    given = vars(parser.parse_args(argv))
-    if "recipe" in given:  # the file's flags first: the command line's come after and win
-        given = vars(parser.parse_args(recipe_flags(given["recipe"]) + argv))
-    elif given.get("resume") and given.get("run_dir") and (recorded := recorded_launch(given["run_dir"])):
-        # How long and how this launch runs from the recipe the run was started from; how it trains is its config.json.
-        given = {**recorded[0], **given}
-        print(f"--resume: steps, evaluation and checkpoint flags from the recipe the run was started from "
-              f"({recorded[1]}, kept in the run directory) unless given now", file=sys.stderr)
-    if "model" in given:
-        given["model"] = dict(given["model"])
-    try:
-        return ExperimentConfig(**given), set(given)
-    except ValueError as err:
-        parser.error(str(err))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,32 +74,23 @@ def main(argv: list[str] | None = None, *, process_settings: bool = False) -> in
     """The command; `process_settings`: apply the allocator setting a JAX run wants first (it
     re-executes the process once, so only `python -m train.run` and `aiayn train` ask for it)."""
     cfg, given = parse_config(argv)
-    try:
-        check_xla_flags()  # before jax reads them: XLA would abort printing its 94-line flag list
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+    return exit_status(_train, cfg, given, process_settings)
+
+
+def _train(cfg: ExperimentConfig, given: set[str], process_settings: bool) -> None:
+    check_xla_flags()  # before jax reads them: XLA would abort printing its 94-line flag list
     if process_settings and _backend(cfg) == "jax":
         from .backends import allocator
 
         allocator.use_huge_pages()
     from .loop import train  # after parsing: --help and flag errors stay fast
-    from .runtime import Interrupted
 
     try:
         with contextlib.ExitStack() as scratch:  # holds the directory of a source made a run of this backend
             train(cfg, explicit=given, init_dir=_init_dir(cfg, scratch))
-    except (UserError, OSError) as err:  # OSError: a full disk, a read-only place, no permission
-        print(f"error: {error_text(err)}", file=sys.stderr)
-        return 1
-    except Interrupted as err:  # SIGTERM / Ctrl-C: a checkpoint was saved
-        print(err, file=sys.stderr)
-        return 128 + err.signum
     except KeyboardInterrupt:  # a second Ctrl-C, or one outside the update loop
-        print("interrupted: nothing of the current step was saved; --resume continues from the last checkpoint",
-              file=sys.stderr)
-        return 128 + signal.SIGINT
-    return 0
+        raise Interrupted(signal.SIGINT, "interrupted: nothing of the current step was saved; --resume continues "
+                          "from the last checkpoint") from None
 
 
 def _backend(cfg: ExperimentConfig) -> str:
@@ -153,4 +126,4 @@ def _init_dir(cfg: ExperimentConfig, scratch: contextlib.ExitStack) -> Path | No
 
 
 if __name__ == "__main__":
-    sys.exit(exit_status(main, process_settings=True))
+    sys.exit(main(process_settings=True))

@@ -1,5 +1,5 @@
 """`python -m train.score --run-dir DIR --input PAIRS.tsv` (`aiayn score`): the log-probability
-of given translations under a trained run (`Run.score`; docs/decoding.md#scoring).
+of given translations under a trained run (`train.jobs.score_file`; docs/decoding.md#scoring).
 
 One output line per pair, in order: the log-probability of the target given the source (the sum
 over its tokens, <eos> included), or with --format jsonl also its tokens and their log-probabilities.
@@ -8,17 +8,10 @@ over its tokens, <eos> included), or with --format jsonl also its tokens and the
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-from .api import load
-from .backends.host_devices import split_host
-from .config import add_ensemble_average, positive_int
-from .data import load_parallel
-from .data.corpora import spec_files
-from .runtime import exit_status
-from .runtime.files import UserError, error_text, output_file, write_output
+from .options import POSITIVE, RunSelection, add_flags, build, call
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,11 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "trained by `python -m train.run`: per pair the log-probability of the target "
                                      "given the source (teacher forcing; sources longer than the model's max_len cut "
                                      "to it, as translate cuts them).")
-    parser.add_argument("--run-dir", required=True, type=Path, action="append",
-                        help="the run directory; given again, an ensemble's score (the runs' log-probabilities "
-                        "averaged: docs/decoding.md#ensembles)")
-    add_ensemble_average(parser)
-    parser.add_argument("--checkpoint", default="best", help="'best' (the default), 'latest', or a step number")
+    add_flags(parser, RunSelection, skip=("devices", "coordinator_address", "num_processes", "process_id"))
     parser.add_argument("--input", required=True,
                         help="the pairs: a data spec as train.run's --valid takes (FILE.tsv with columns source and "
                         "target, SRC:TGT:PREFIX for PREFIX.SRC and PREFIX.TGT, FILE.jsonl)")
@@ -38,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--format", choices=("text", "jsonl"), default="text",
                         help="text (default): the log-probability; jsonl: also the target tokens (<eos> last) and "
                         "each one's log-probability")
-    parser.add_argument("--batch-size", type=positive_int,
+    parser.add_argument("--batch-size", type=POSITIVE.parser(),
                         help="at most N pairs per batch (default: the run's token budget)")
     return parser
 
@@ -46,29 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        split_host()  # before jax is imported
-        # Checked before the work; None: a stream (a FIFO, a device, /dev/stdout), written directly.
-        target = None if args.output is None else output_file(args.output, "--output", spec_files(args.input),
-                                                              f"--input {args.input}")
-        loaded = load_parallel(args.input)
-        if not loaded.pairs:
-            raise UserError(f"{args.input} holds no pair to score")
-        with load(args.run_dir, args.checkpoint, average=args.ensemble_average) as run:
-            scores = run.score([s for s, _ in loaded.pairs], [t for _, t in loaded.pairs], batch_size=args.batch_size)
-        lines = [json.dumps(s, ensure_ascii=False) if args.format == "jsonl" else f"{s['logprob']:.7g}" for s in scores]
-        text = "".join(line + "\n" for line in lines)
-        if args.output is None:
-            sys.stdout.write(text)
-            sys.stdout.flush()
-        else:
-            write_output(args.output, target, text)
-    except (UserError, OSError, ValueError) as err:
-        parser.exit(1, f"error: {error_text(err)}\n")
-    skipped = f"; {loaded.skipped_empty:,} pairs with an empty side skipped" if loaded.skipped_empty else ""
-    print(f"scored {len(scores):,} pairs{skipped}", file=sys.stderr)
-    return 0
+    from .jobs import score_file
+
+    return call(parser, lambda: score_file(build(RunSelection, vars(args)), args.input, args.output, args.format,
+                                           args.batch_size))
 
 
 if __name__ == "__main__":
-    sys.exit(exit_status(main))
+    sys.exit(main())

@@ -16,14 +16,12 @@ from typing import Any
 
 import numpy as np
 
-from torch_reference.config import POSITIVE, SCORINGS, Range
-
 from . import data
 from .backends import Hypotheses, Translator
+from .options import Sampling, Search
 from .runtime.files import UserError, quoted
 from .runtime.output import OtherInput
 
-FORMATS = ("text", "tsv", "jsonl")
 # The search's length limit (`decode.sentence_limits` at the backends' defaults): a * source tokens + b.
 MAX_LEN_A, MAX_LEN_B = 1.5, 10
 
@@ -41,83 +39,6 @@ class Hypothesis:
     score: float
     tokens: list[str]
     alignment: list[int] | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class Sampling:
-    """Random sampling instead of a search (`Translator.sample`, docs/decoding.md#sampling):
-    `num_samples` translations per sentence, each token drawn with the uniform of (seed, the
-    sentence's index in the input, sample, position), so a sentence's samples do not depend on the
-    batch it falls in; `temperature` divides the log-probabilities, `top_k` (0: all) and `top_p`
-    (1: all) keep the most probable tokens. A sample's score is its log-probability."""
-
-    seed: int = 0
-    num_samples: int = 1
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-
-    def check(self) -> None:
-        """UserError, named as the flags are, for a setting the sampler refuses."""
-        for name in ("seed", "num_samples", "top_k", "temperature", "top_p"):
-            value, integer = getattr(self, name), name in ("seed", "num_samples", "top_k")
-            if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
-                raise UserError(f"--{name.replace('_', '-')} {value!r} must be "
-                                f"{'an integer' if integer else 'a number'}")
-        if not 0 <= self.seed < 2**32:
-            raise UserError(f"--seed {self.seed} must be in [0, 2**32)")
-        if self.num_samples < 1:
-            raise UserError(f"--num-samples {self.num_samples} must be at least 1")
-        if not (math.isfinite(self.temperature) and self.temperature > 0):
-            raise UserError(f"--temperature {self.temperature} must be a number > 0")
-        if self.top_k < 0:
-            raise UserError(f"--top-k {self.top_k} must be >= 0 (0: no limit)")
-        if not 0 < self.top_p <= 1:
-            raise UserError(f"--top-p {self.top_p} must be in (0, 1] (1: no limit)")
-
-
-def check_sampling(sample: Sampling | None, n_best: int | None, prefixes: bool, scoring: str) -> None:
-    """UserError for a sampling setting, or one that does not go with sampling: n-best lists and
-    forced prefixes are the searches', and `scoring` "hf" ranks beams (a sample is not ranked)."""
-    if sample is None:
-        return
-    sample.check()
-    if n_best is not None:
-        raise UserError("--sample with --n-best: sampling gives --num-samples translations, not a ranked list")
-    if prefixes:
-        raise UserError("--sample with prefixes: forced prefixes are for the searches")
-    if scoring != "gnmt":
-        raise UserError(f"--sample with --scoring {scoring}: scoring ranks a beam's hypotheses, a sample is not ranked")
-
-
-def check_numbers(settings: dict[str, tuple[Any, Range]]) -> None:
-    """UserError naming the flag of the first setting ({flag: (value, its range)}) whose range refuses
-    its value; a value of None (a default) is not checked."""
-    for flag, (value, allowed) in settings.items():
-        if value is not None and (problem := allowed.error(value)) is not None:
-            raise UserError(f"{flag} {problem}")
-
-
-def check_search(beam: int, n_best: int | None, alpha: float = 0.6, scoring: str = "gnmt") -> None:
-    """UserError unless beam is a positive integer, alpha a number >= 0, scoring one of SCORINGS and
-    n_best between 1 and the beam (a beam search keeps `beam` hypotheses)."""
-    check_numbers({"--beam": (beam, POSITIVE), "--alpha": (alpha, Range(float, low=0.0)),
-                   "--n-best": (n_best, POSITIVE)})
-    if scoring not in SCORINGS:
-        raise UserError(f"--scoring {scoring}: expected one of {', '.join(SCORINGS)}")
-    if n_best is not None and not 1 <= n_best <= beam:
-        raise UserError(f"--n-best {n_best} must be between 1 and --beam {beam}: a beam search keeps beam hypotheses")
-
-
-def check_format(fmt: str, n_best: int | None, alignments: bool, num_samples: int = 1) -> None:
-    """UserError for output options that cannot be written: one line per input line, always."""
-    if fmt not in FORMATS:
-        raise UserError(f"--format {fmt}: expected one of {', '.join(FORMATS)}")
-    for flag, many in (("--n-best", n_best or 1), ("--num-samples", num_samples)):
-        if fmt == "text" and many > 1:
-            raise UserError(f"{flag} {many} gives several translations per input line: give --format tsv or jsonl")
-    if alignments and fmt != "jsonl":
-        raise UserError("--alignments are written with --format jsonl")
 
 
 def encode_prefixes(tokenizer, prefixes: Sequence[str | None], count: int) -> list[list[int]]:
@@ -172,23 +93,22 @@ class EvaluationStopped(Exception):
 
 
 def translate_texts(backend: Translator, tokenizers: data.Tokenizers, texts: Sequence[str], *, max_len: int,
-                    token_budget: int, batch_size: int | None = None, beam_size: int = 4, alpha: float = 0.6,
-                    scoring: str = "gnmt", n_best: int | None = None, prefixes: Sequence[str | None] | None = None,
-                    alignments: bool = False, stop: Callable[[], bool] | None = None,
-                    on_batch: Callable[..., None] | None = None, counts: collections.Counter | None = None,
-                    fixed_shapes: bool = False, sample: Sampling | None = None, first_id: int = 0,
+                    token_budget: int, batch_size: int | None = None, search: Search = Search(),
+                    sample: Sampling | None = None, prefixes: Sequence[str | None] | None = None,
+                    stop: Callable[[], bool] | None = None, on_batch: Callable[..., None] | None = None,
+                    counts: collections.Counter | None = None, fixed_shapes: bool = False, first_id: int = 0,
                     hypotheses: bool = False) -> list[str] | list[list[Hypothesis]]:
     """Detokenized translations of `texts`, in order (an empty or whitespace-only line translates
-    to ""); with `n_best` K or `alignments`, each sentence's K best `Hypothesis` (K = 1 with
-    alignments alone; none for an empty line). `prefixes`: one forced start of the output per text
-    (None: none). `stop` is asked before each batch: True raises EvaluationStopped. `on_batch(indices,
-    src, tokens)` sees each batch's search (`train.attention.AttentionRecorder`). `counts["cut"]`
-    grows by the sources cut to max_len. `fixed_shapes`: search in `data.source_batches`' few fixed
-    shapes (shared by any set of texts: fewer programs for JAX to compile). `sample`: random samples
-    instead of the search (beam_size and alpha unused), text i keying its random numbers by
+    to ""), by `search`, or by `sample` instead when given; with the search's `n_best` K or
+    `alignments`, each sentence's K best `Hypothesis` (K = 1 with alignments alone; none for an
+    empty line). `prefixes`: one forced start of the output per text (None: none). `stop` is asked
+    before each batch: True raises EvaluationStopped. `on_batch(indices, src, tokens)` sees each
+    batch's search (`train.attention.AttentionRecorder`). `counts["cut"]` grows by the sources cut
+    to max_len. `fixed_shapes`: search in `data.source_batches`' few fixed shapes (shared by any set
+    of texts: fewer programs for JAX to compile). Text i keys its samples' random numbers by
     `first_id` + i; `Hypothesis` lists when num_samples > 1 or `hypotheses` (also for one)."""
-    check_search(beam_size, n_best, alpha, scoring)
-    check_sampling(sample, n_best, prefixes is not None and any(prefixes), scoring)
+    if sample is not None:
+        sample.check_with(search, prefixes is not None and any(prefixes))
     src_ids = data.encode(tokenizers.src, list(texts))
     prefix_ids = None
     if prefixes is not None:
@@ -196,6 +116,7 @@ def translate_texts(backend: Translator, tokenizers: data.Tokenizers, texts: Seq
         _check_prefix_room(src_ids, prefix_ids, max_len)
     if counts is not None:
         counts["cut"] += sum(len(ids) > max_len for ids in src_ids)
+    n_best, alignments = search.n_best, search.alignments
     listed = n_best is not None or alignments or hypotheses or (sample is not None and sample.num_samples > 1)
     out: list = [[] if listed else "" for _ in texts]
     for index, src in data.source_batches(src_ids, max_len, token_budget, batch_size, fixed=fixed_shapes):
@@ -206,7 +127,7 @@ def translate_texts(backend: Translator, tokenizers: data.Tokenizers, texts: Seq
             result = backend.sample(src, sample.seed, sample.num_samples, sample.temperature, sample.top_k,
                                     sample.top_p, sentence_ids=np.maximum(index, 0) + first_id)
         else:
-            result = backend.translate(src, beam_size, alpha, scoring=scoring,
+            result = backend.translate(src, search.beam, search.alpha, scoring=search.scoring,
                                        n_best=(n_best or 1) if listed else None, prefix=prefix)
         tokens = result.tokens[:, 0] if isinstance(result, Hypotheses) else result
         if on_batch is not None:
@@ -320,12 +241,12 @@ def score_pairs(backend: Translator, tokenizers: data.Tokenizers, sources: Seque
 
 def translate_stream(run, lines: Iterator[str], out, *, chunk_lines: int, progress, counts: collections.Counter,
                      plot_attention: Path | None = None, fmt: str = "text", columns: TsvColumns | None = None,
-                     **search: Any) -> int:
+                     **options: Any) -> int:
     """Translate `lines` with the loaded run `run` (`train.load`) chunk by chunk into `out` (a
     `runtime.output` writer), one record in format `fmt` per line, after the lines it already holds;
-    returns how many lines were skipped because `out` held them. `search`: `Run.translate`'s
-    options; `progress` sees each batch; `plot_attention`: a directory for each sentence's
-    cross-attention heatmaps; `columns`: the lines are TSV rows after that header row."""
+    returns how many lines were skipped because `out` held them. `options`: `Run.translate`'s
+    (search, sample, ...); `progress` sees each batch; `plot_attention`: a directory for each
+    sentence's cross-attention heatmaps; `columns`: the lines are TSV rows after that header row."""
     digest = hashlib.sha256()  # of every input line up to the last finished chunk, for a resume's check
     done = out.done
     if run.backend.topology.process_count > 1:  # process 0 alone knows what its output holds
@@ -356,12 +277,13 @@ def translate_stream(run, lines: Iterator[str], out, *, chunk_lines: int, progre
 
         # line 1 of a TSV input is the header
         sources, prefixes = (chunk, None) if columns is None else columns.split(chunk, rows + 2)
-        first = {"first_id": rows} if search.get("sample") else {}  # samples keyed by input line, not by chunk
+        first = {"first_id": rows} if options.get("sample") else {}  # samples keyed by input line, not by chunk
         rows += len(chunk)
         if recorder is not None:
             seen.extend(sources)
-        results = run.translate(sources, on_batch=on_batch, counts=counts, prefix=prefixes, **first, **search)
-        tokens = source_tokens(run.tokenizers, sources, run.config.max_len) if search.get("alignments") else None
+        results = run.translate(sources, on_batch=on_batch, counts=counts, prefix=prefixes, **first, **options)
+        aligned = getattr(options.get("search"), "alignments", options.get("alignments"))
+        tokens = source_tokens(run.tokenizers, sources, run.config.max_len) if aligned else None
         records = [format_record(r, fmt, tokens and tokens[i]) for i, r in enumerate(results)]
         for line in chunk:
             digest.update(line.encode("utf-8", "surrogateescape") + b"\n")

@@ -163,7 +163,7 @@ def test_a_prefix_holding_a_special_token_is_refused(tiny_torch_run):
 
 def test_python_api_refuses_bad_combinations(tiny_torch_run):
     with train.load(tiny_torch_run) as run:
-        with pytest.raises(UserError, match="--n-best 5 must be between 1 and --beam 4"):
+        with pytest.raises(UserError, match="^n_best 5 must be between 1 and beam 4"):
             run.translate(TEXTS, n_best=5)
         with pytest.raises(UserError, match="1 prefixes for 4 sentences"):
             run.translate(TEXTS, prefix=["one"])
@@ -178,11 +178,11 @@ def test_python_api_refuses_bad_search_settings_before_any_work(tiny_torch_run):
     met them only after computing the loss."""
     pairs = list(zip(TEXTS, TEXTS))
     with train.load(tiny_torch_run) as run:
-        for options, message in (({"beam": 0}, "--beam must be >= 1, got 0"), ({"beam": -1}, "--beam must be >= 1"),
-                                 ({"beam": 2.5}, "--beam must be an integer, got 2.5"),
-                                 ({"alpha": -1}, "--alpha must be >= 0, got -1"),
-                                 ({"alpha": "0.6"}, "--alpha must be a number, got '0.6'"),
-                                 ({"scoring": "best"}, "--scoring best: expected one of gnmt, hf")):
+        for options, message in (({"beam": 0}, "beam must be >= 1, got 0"), ({"beam": -1}, "beam must be >= 1"),
+                                 ({"beam": 2.5}, "beam must be an integer, got 2.5"),
+                                 ({"alpha": -1}, "alpha must be >= 0, got -1"),
+                                 ({"alpha": "0.6"}, "alpha must be a number, got '0.6'"),
+                                 ({"scoring": "best"}, "scoring must be one of gnmt, hf, got 'best'")):
             with pytest.raises(UserError, match=f"^{re.escape(message)}"):
                 run.translate(TEXTS, **options)
             with pytest.raises(UserError, match=f"^{re.escape(message)}"):
@@ -194,12 +194,13 @@ def test_python_api_names_a_decoding_number_of_the_wrong_type(tiny_torch_run):
     indices, '>=' not supported); n_best=True was a 1-best list."""
     with train.load(tiny_torch_run) as run:
         for options, error, message in (
-                ({"n_best": 2.5}, UserError, "--n-best must be an integer, got 2.5"),
-                ({"n_best": True}, UserError, "--n-best must be an integer, got True"),
+                ({"n_best": 2.5}, UserError, "n_best must be an integer, got 2.5"),
+                ({"n_best": True}, UserError, "n_best must be an integer, got True"),
                 ({"batch_size": 1.5}, ValueError, "batch_size must be an integer, got 1.5"),
                 ({"batch_size": "2"}, ValueError, "batch_size must be an integer, got '2'"),
-                ({"sample": True, "temperature": "1"}, UserError, "--temperature '1' must be a number"),
-                ({"sample": True, "top_p": None}, UserError, "--top-p None must be a number")):
+                ({"sample": True, "temperature": "1"}, UserError, "temperature must be a number, got '1'"),
+                ({"sample": True, "top_p": None}, UserError, "top_p must be a number, got None"),
+                ({"sample": True, "top_p": 2}, UserError, "top_p must be in (0, 1], got 2")):
             with pytest.raises(error, match=f"^{re.escape(message)}$"):
                 run.translate(TEXTS, **options)
         with pytest.raises(ValueError, match="^batch_size must be an integer, got 1.5$"):

@@ -167,10 +167,10 @@ def test_evaluate_refuses_a_bad_sentence_count_or_sample_count(tiny_torch_run):
     pairs = [data.number_words(n) for n in (7, 43)]
     with train.load(tiny_torch_run) as run:
         assert run.evaluate(pairs, beam=1, max_sentences=1, samples=1)["sentences"] == 1
-        for options, message in (({"max_sentences": 0}, "--max-sentences must be >= 1, got 0"),
-                                 ({"max_sentences": -1}, "--max-sentences must be >= 1, got -1"),
-                                 ({"max_sentences": 1.5}, "--max-sentences must be an integer, got 1.5"),
-                                 ({"samples": -1}, "--samples must be >= 0, got -1")):
+        for options, message in (({"max_sentences": 0}, "max_sentences must be >= 1, got 0"),
+                                 ({"max_sentences": -1}, "max_sentences must be >= 1, got -1"),
+                                 ({"max_sentences": 1.5}, "max_sentences must be an integer, got 1.5"),
+                                 ({"samples": -1}, "samples must be >= 0, got -1")):
             with pytest.raises(UserError, match=f"^{message}$"):
                 run.evaluate(pairs, beam=1, **options)
 

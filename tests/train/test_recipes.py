@@ -171,7 +171,7 @@ def test_a_recipe_that_is_not_text_is_one_line(tmp_path, capsys):
     bom.write_bytes("\ufeffsteps = 3\n".encode())
     assert run.parse_config(["--config", str(bom)])[0].steps == 3
     # The text a run keeps in recipe.json has the mark too: a resume reads it as well.
-    assert run.recipes.recipe_flags("recipe.json", "\ufeffsteps = 3\n") == ["--steps=3"]
+    assert run.recipes.read_recipe("recipe.json", "\ufeffsteps = 3\n") == {"steps": 3}
 
 
 def test_a_huge_recipe_value_or_key_is_quoted_short(tmp_path, capsys):

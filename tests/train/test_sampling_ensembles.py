@@ -14,7 +14,7 @@ import pytest
 
 import train
 from train import data, evaluate, score, translate
-from train.config import ENSEMBLE_AVERAGES
+from train.options import ENSEMBLE_AVERAGES
 from train.runtime import UserError
 
 from .cli import run_cli
@@ -82,11 +82,11 @@ def test_sample_command_writes_the_apis_samples(tiny_torch_run, tmp_path, capsys
 @pytest.mark.parametrize("args, fragments", [
     (["--sample", "--n-best", "2", "--format", "tsv"], ["--sample with --n-best"]),
     (["--sample", "--scoring", "hf"], ["--sample with --scoring hf"]),
-    (["--sample", "--top-p", "0"], ["--top-p 0.0 must be in (0, 1]"]),
-    (["--sample", "--top-p", "1.5"], ["--top-p 1.5 must be in (0, 1]"]),
-    (["--sample", "--temperature", "0"], ["--temperature 0.0 must be a number > 0"]),
-    (["--sample", "--top-k", "-1"], ["--top-k -1 must be >= 0"]),
-    (["--sample", "--num-samples", "0"], ["--num-samples 0 must be at least 1"]),
+    (["--sample", "--top-p", "0"], ["--top-p must be in (0, 1], got 0"]),
+    (["--sample", "--top-p", "1.5"], ["--top-p must be in (0, 1], got 1.5"]),
+    (["--sample", "--temperature", "0"], ["--temperature must be > 0, got 0"]),
+    (["--sample", "--top-k", "-1"], ["--top-k must be >= 0, got -1"]),
+    (["--sample", "--num-samples", "0"], ["--num-samples must be >= 1, got 0"]),
     (["--sample", "--num-samples", "2"], ["--num-samples 2 gives several translations", "tsv or jsonl"]),
     (["--top-k", "5", "--seed", "1"], ["--top-k, --seed without --sample"]),
     (["--temperature", "0.5"], ["--temperature without --sample"]),
@@ -109,8 +109,8 @@ def test_sampling_refuses_a_tsv_prefix_column_and_the_api_its_bad_settings(tiny_
         for kwargs, fragment in [({"top_k": 3}, "top_k: sampling settings, give sample=True"),
                                  ({"sample": True, "prefix": ["one"]}, "forced prefixes are for the searches"),
                                  ({"sample": True, "n_best": 2}, "--sample with --n-best"),
-                                 ({"sample": True, "top_p": 2.0}, "--top-p 2.0 must be in (0, 1]"),
-                                 ({"sample": True, "seed": 1.5}, "--seed 1.5 must be an integer")]:
+                                 ({"sample": True, "top_p": 2.0}, "top_p must be in (0, 1], got 2"),
+                                 ({"sample": True, "seed": 1.5}, "seed must be an integer, got 1.5")]:
             with pytest.raises(UserError, match="^.*$") as info:
                 run.translate(TEXTS[:1], **kwargs)
             assert fragment in str(info.value) and "\n" not in str(info.value)

@@ -207,7 +207,7 @@ def draw_samples(ctx: StepContext, params, src, seed, sentence_ids, num_samples:
     """(tokens (B, N, L), log-probs (B, N)) of `sampling.sample` over src (B, S), seed and sentence_ids
     (B,) traced (one program for every seed), the settings checked by the caller."""
     # The compiled loop itself: `sample`'s checks read the seed and the ids as host values.
-    return sampling._sample(ctx.model(params), src, seed, sentence_ids, num_samples, temperature, top_k, top_p, 1.5, 10)
+    return sampling.sample_loop(ctx.model(params), src, seed, sentence_ids, num_samples, temperature, top_k, top_p, 1.5, 10)
 
 
 def _host(out) -> np.ndarray | Hypotheses:
@@ -378,8 +378,8 @@ class JaxBackend(StoreMethods):
     def sample(self, src: np.ndarray, seed: int, num_samples: int = 1, temperature: float = 1.0, top_k: int = 0,
                top_p: float = 1.0, sentence_ids: np.ndarray | None = None) -> Hypotheses:
         src = np.asarray(src, np.int32)
-        sampling._check_sampling(seed, num_samples, temperature, top_k, top_p)
-        ids = sampling._sentence_ids(sentence_ids, len(src))
+        sampling.check_sampling(seed, num_samples, temperature, top_k, top_p)
+        ids = np.arange(len(src), dtype=np.uint32) if sentence_ids is None else np.asarray(sentence_ids, np.uint32)
         # On one device: sampling is not data parallel over the mesh.
         tokens, logprob = jax.device_get(self._sample(self.local_params(), src, np.uint32(seed), ids, num_samples,
                                                       float(temperature), top_k, float(top_p)))

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .files import say
+from .files import UserError, error_text, say
 
 
 class Interrupted(Exception):
@@ -23,11 +23,19 @@ class Interrupted(Exception):
         self.signum = signum
 
 
-def exit_status(main: Callable[..., int], **kwargs: Any) -> int:
-    """`main(**kwargs)`'s exit status; a Ctrl-C it lets through prints one line and gives 130, as translate
-    and train.run end, instead of Python's traceback."""
+def exit_status(main: Callable[..., int | None], *args: Any, **kwargs: Any) -> int:
+    """`main(*args, **kwargs)`'s exit status, the one exit protocol of every command: what the user
+    can cause (UserError, OSError, ValueError) one line `error: ...` and status 1; a stop (SIGTERM,
+    Ctrl-C) its one line and 128 + the signal (130 for Ctrl-C), never a traceback."""
     try:
-        return main(**kwargs)
+        status = main(*args, **kwargs)
+        return status if isinstance(status, int) else 0  # a job's result (None, a dict): done
+    except (UserError, OSError, ValueError) as err:  # OSError: a full disk, a read-only place, no permission
+        print(f"error: {error_text(err)}", file=sys.stderr)
+        return 1
+    except Interrupted as err:
+        print(err if str(err) != signal.Signals(err.signum).name else f"interrupted ({err})", file=sys.stderr)
+        return 128 + err.signum
     except KeyboardInterrupt:
         print(f"interrupted ({Interrupted(signal.SIGINT)})", file=sys.stderr)
         return 128 + signal.SIGINT

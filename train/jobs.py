@@ -1,0 +1,150 @@
+"""The jobs of the decoding commands, callable from Python: translate a file (`translate_file`),
+evaluate a run on a data spec (`evaluate_spec`), score the pairs of a file (`score_file`). Each
+takes the options objects of `train.options`; the commands (`train.translate`, `train.evaluate`,
+`train.score`) parse their flags into those and call these."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import json
+import os
+import sys
+from typing import Any
+
+from . import api
+from .backends.host_devices import split_host
+from .data import load_parallel
+from .data.corpora import spec_files
+from .data.streams import LineReader
+from .options import Evaluation, RunSelection, Sampling, Search, TranslateFiles, check_format
+from .runtime import Interrupted, interruptible
+from .runtime.files import UserError, error_text, json_text, open_stream, output_file, write_output
+from .runtime.output import OtherInput, PartialOutput, Progress, StreamOutput
+from .translation import TsvColumns, translate_stream
+
+
+def translate_file(selection: RunSelection, search: Search = Search(), sample: Sampling | None = None,
+                   files: TranslateFiles = TranslateFiles()) -> None:
+    """Translate `files.input` (stdin) into `files.output` (stdout), one record per line, chunk by
+    chunk, resumably (docs/decoding.md); a summary on stderr. Raises UserError, OSError, and
+    Interrupted naming what was kept."""
+    check_format(files.format, search, sample)
+    if sample is not None:
+        sample.check_with(search)
+    ensemble = len(selection.run_dir) > 1
+    if ensemble and (search.alignments or files.plot_attention is not None):
+        raise UserError(f"{'--alignments' if search.alignments else '--plot-attention'} with several --run-dir: an "
+                        "ensemble's members' attention weights are not one alignment")
+    split_host()  # before jax is imported
+    reader = LineReader(files.input, files.max_line_bytes)
+    first = next(reader, None)  # read before the run loads: bad input fails fast
+    columns = None
+    tsv = files.input is not None and files.input.name.endswith((".tsv", ".tsv.gz"))
+    if (files.input_format or ("tsv" if tsv else "text")) == "tsv":
+        if first is None:
+            raise UserError(f"{reader.name} is empty: TSV input needs a header row")
+        columns, first = TsvColumns(first, reader.name), next(reader, None)
+        if sample is not None and columns.prefix is not None:
+            raise UserError(f"--sample with {reader.name}'s prefix column: forced prefixes are for the searches")
+    if files.plot_attention is not None:
+        from .attention import check_plot_directory
+
+        check_plot_directory(files.plot_attention)
+    # What else shapes the output, recorded where it departs from plain text (earlier partial outputs stay valid).
+    decoding = {k: v for k, v in {"n_best": search.n_best, "format": files.format, "alignments": search.alignments,
+                                  "prefix": columns is not None and columns.prefix is not None,
+                                  "sample": sample and dataclasses.asdict(sample),
+                                  "ensemble": ensemble and [str(d.absolute()) for d in selection.run_dir[1:]]}.items()
+                if v not in (None, "text", False)}
+    # Checked before the work, not after it; None: a stream, written directly.
+    target = None if files.output is None else output_file(files.output, "--output")
+    if target is not None and reader.same_file(target):
+        raise UserError(f"--output {files.output} is the input {reader.name}: writing it would destroy the input; "
+                        "give another --output")
+    with api.load(selection) as run:
+        if first is None:
+            raise UserError(f"{reader.name} holds no sentence to translate")
+        topology = run.backend.topology
+        if not topology.is_main:  # every process translates alike; process 0 alone writes
+            out = StreamOutput(open(os.devnull, "w"))  # noqa: SIM115 (closed at the end)
+        elif target is None:  # standard output, or a stream written directly
+            out = StreamOutput(files.output and open_stream(files.output))
+        else:
+            out = PartialOutput(target, {"run_dir": str(selection.run_dir[0].absolute()), "step": run.backend.step,
+                                         "weights": run.weights_digest(), "beam": search.beam, "alpha": search.alpha,
+                                         "scoring": search.scoring, **decoding})
+        if out.note:
+            print(out.note, file=sys.stderr)
+        progress = Progress(files.progress and topology.is_main and sys.stderr.isatty(), reader.fraction)
+        counts: collections.Counter = collections.Counter()
+        try:
+            with interruptible():
+                skipped = translate_stream(
+                    run, itertools.chain([first], reader), out, chunk_lines=files.chunk_lines, progress=progress,
+                    counts=counts, plot_attention=files.plot_attention, fmt=files.format, columns=columns,
+                    batch_size=files.batch_size, search=search, sample=sample,
+                    hypotheses=sample is not None and files.format != "text")
+            out.finish()
+        except (Interrupted, KeyboardInterrupt) as stop:
+            signum = getattr(stop, "signum", 2)
+            progress.clear()
+            kept = f"; {out.kept()}" if out.done and isinstance(out, PartialOutput) else ""
+            raise Interrupted(signum, f"interrupted ({Interrupted(signum)}) after {out.done:,} input lines{kept}")
+        except (UserError, OSError) as err:  # bad input further on, a full disk: the chunks before it are kept
+            progress.clear()
+            resumable = out.done and isinstance(out, PartialOutput) and not isinstance(err, OtherInput)
+            raise UserError(error_text(err) + (f" ({out.kept()})" if resumable else "")) from None
+        finally:
+            reader.close()
+            out.close()
+    progress.clear()
+    if topology.is_main:
+        cut = f"; {counts['cut']:,} cut to the model's {run.config.max_len} tokens" if counts["cut"] else ""
+        resumed = f"; continued after line {skipped:,}" if skipped else ""
+        devices = f" on {topology.num_devices} devices" if topology.num_devices > 1 else ""
+        print(progress.summary() + devices + cut + resumed, file=sys.stderr)
+
+
+def evaluate_spec(selection: RunSelection, data: str, search: Search = Search(),
+                  evaluation: Evaluation = Evaluation(), output: os.PathLike | None = None) -> dict[str, Any]:
+    """`Run.evaluate` of the runs `selection` on the data spec `data`, printed as JSON (and written to
+    `output`, atomically); returns the result."""
+    split_host()  # before jax is imported
+    # Checked before the work, not after it; None: a stream (a FIFO, a device), written directly.
+    target = None if output is None else output_file(output, "--output", spec_files(data), f"--data {data}")
+    with api.load(selection) as run:
+        if run.config.lowercase and not evaluation.lowercase:  # lowercase output: cased BLEU alone would mislead
+            print(f"note: {selection.run_dir[0]} was trained with --lowercase, so its translations are lowercase: "
+                  "bleu_lc (lowercased references) is scored too", file=sys.stderr)
+        result = run.evaluate(data, search, evaluation)
+    text = json_text(result)  # strict JSON: a non-finite score is null, never NaN
+    print(text, flush=True)
+    if output is not None:
+        write_output(output, target, text + "\n")
+    return result
+
+
+def score_file(selection: RunSelection, input: str, output: os.PathLike | None = None, format: str = "text",
+               batch_size: int | None = None) -> None:
+    """Per pair of the data spec `input`, the target's log-probability under the runs `selection`
+    (`Run.score`), one line each to `output` (stdout): the number, or with `format` "jsonl" the
+    JSON object with its tokens."""
+    split_host()  # before jax is imported
+    # Checked before the work; None: a stream (a FIFO, a device, /dev/stdout), written directly.
+    target = None if output is None else output_file(output, "--output", spec_files(input), f"--input {input}")
+    loaded = load_parallel(input)
+    if not loaded.pairs:
+        raise UserError(f"{input} holds no pair to score")
+    with api.load(selection) as run:
+        scores = run.score([s for s, _ in loaded.pairs], [t for _, t in loaded.pairs], batch_size=batch_size)
+    text = "".join((json.dumps(s, ensure_ascii=False) if format == "jsonl" else f"{s['logprob']:.7g}") + "\n"
+                   for s in scores)
+    if output is None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    else:
+        write_output(output, target, text)
+    skipped = f"; {loaded.skipped_empty:,} pairs with an empty side skipped" if loaded.skipped_empty else ""
+    print(f"scored {len(scores):,} pairs{skipped}", file=sys.stderr)

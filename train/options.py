@@ -1,0 +1,311 @@
+"""The options of the library's jobs as plain dataclasses, each checked once in `__post_init__`:
+how to search (`Search`), how to sample (`Sampling`), which runs to load (`RunSelection`).
+
+The Python API, the server and the commands all build these objects, so a rule lives here alone.
+An error names the parameter (`top_p must be in (0, 1], got 2`); the commands' flags are generated
+from the fields' metadata (`add_flags`), and a command's `call` rewords the same error with the flag
+(`--top-p must be ...`).
+
+    >>> Search(beam=4, n_best=2).n_best
+    2
+    >>> Sampling(top_p=2)
+    Traceback (most recent call last):
+    ...
+    train.options.OptionError: top_p must be in (0, 1], got 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from torch_reference.config import NON_NEGATIVE, POSITIVE, SCORINGS, Range
+
+from .config import flag_name as flag_of
+from .runtime.files import UserError
+from .runtime.signals import exit_status
+
+FORMATS = ("text", "tsv", "jsonl")
+# The twins' ensemble.AVERAGES (a test keeps them equal), named here so that this module imports neither framework.
+ENSEMBLE_AVERAGES = ("logprob", "prob")
+
+
+class OptionError(UserError, ValueError):
+    """A refused option: its message is `template` with each `{}` filled by the name of one of
+    `names`, a parameter's (str) or a flag's (`worded`)."""
+
+    def __init__(self, template: str, *names: str):
+        self.template, self.names = template, names
+        super().__init__(template.format(*names))
+
+    def worded(self, name_of: Callable[[str], str]) -> str:
+        return self.template.format(*map(name_of, self.names))
+
+
+def option(default: Any, help: str, **meta: Any) -> Any:
+    """A dataclass field with what its flag needs: `help`, and optionally `range` (a Range),
+    `choices`, `flag` (default --the-name), `metavar`, `group`; a list default is copied."""
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=lambda: list(default), metadata={"help": help, **meta})
+    return dataclasses.field(default=default, metadata={"help": help, **meta})
+
+
+def check_fields(obj: Any) -> None:
+    """OptionError naming the first field of `obj` outside its `range` or `choices` (None: a default, unchecked)."""
+    for field in dataclasses.fields(obj):
+        value, allowed, choices = getattr(obj, field.name), field.metadata.get("range"), field.metadata.get("choices")
+        if value is None and "None" in str(field.type):
+            continue
+        if allowed is not None and (problem := allowed.error(value)) is not None:
+            raise OptionError("{} " + problem.replace("{", "{{").replace("}", "}}"), field.name)
+        if choices is not None and value not in choices:
+            raise OptionError("{} " + f"must be one of {', '.join(map(str, choices))}, got {value!r}", field.name)
+        if str(field.type) == "bool" and not isinstance(value, bool):
+            raise OptionError("{} " + f"must be True or False, got {value!r}", field.name)
+
+
+def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, *,
+              ranges: Mapping[str, Range] | None = None, skip: Iterable[str] = (), groups: Mapping | None = None,
+              show_defaults: bool = True) -> None:
+    """One flag per field of the dataclass `cls` (but `skip`), typed, ranged and documented by the
+    field's metadata (`ranges`: ranges kept beside the class); every default SUPPRESSed, so that
+    only the flags given reach `build` (the class's defaults apply to the rest). `groups`: the
+    argument group of each metadata "group"."""
+    ranges = ranges or {}
+    for field in dataclasses.fields(cls):
+        if field.name in skip or field.metadata.get("flag") is False:
+            continue
+        meta, kind = field.metadata, str(field.type).replace(" | None", "")
+        default = field.default if field.default is not dataclasses.MISSING else None
+        shown = show_defaults and default is not None and kind not in ("bool", "dict", "list") and default != ""
+        kwargs: dict = {"dest": field.name, "default": argparse.SUPPRESS,
+                        "help": f"{meta['help']} (default: {default})" if shown else meta["help"]}
+        if kind == "bool":
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif "parse" in meta:  # a repeatable flag of its own syntax (--set FIELD=VALUE)
+            kwargs.update(action="append", type=_typed(meta["parse"]), metavar=meta.get("metavar"))
+        else:
+            # Typed here, checked once by the class (its error reworded with the flag: `call`); `ranges`: checked here.
+            parse = ranges[field.name].parser(field.name) if field.name in ranges else _TYPES.get(kind, str)
+            kwargs.update(type=parse, choices=meta.get("choices"),
+                          metavar=meta.get("metavar", {"int": "N", "float": "X"}.get(kind)))
+            if kind.startswith("list"):
+                kwargs["action"] = "append"
+        if meta.get("required"):
+            kwargs["required"] = True
+        target = groups[meta["group"]] if groups and "group" in meta else parser
+        target.add_argument(flag_of(field), **kwargs)
+
+
+_TYPES = {"int": int, "float": float, "Path": Path}
+
+
+def _typed(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    def parsed(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    return parsed
+
+
+def build(cls: type, given: Mapping[str, Any], **extra: Any) -> Any:
+    """`cls` from the flags `given` (argparse's dict: field name -> value) that are its fields, and `extra`."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in given.items() if k in fields}, **extra)
+
+
+def call(parser: argparse.ArgumentParser, job: Callable[[], Any]) -> int:
+    """The exit status of `job()` by the commands' one protocol (`runtime.exit_status`), an
+    OptionError worded with the flags of `parser` instead of the parameters' names."""
+    flags = {action.dest: action.option_strings[0] for action in parser._actions if action.option_strings}
+
+    def worded() -> Any:
+        try:
+            return job()
+        except OptionError as err:
+            raise UserError(err.worded(lambda name: flags.get(name, name))) from None
+
+    return exit_status(worded)
+
+
+@dataclasses.dataclass(frozen=True)
+class Search:
+    """A beam search (greedy with beam 1; docs/decoding.md): `n_best` K (<= beam) or `alignments`
+    give each sentence's K best `Hypothesis` (1 with alignments alone) instead of strings."""
+
+    beam: int = option(4, "beam size (1 = greedy search)", range=POSITIVE)
+    alpha: float = option(0.6, "beam search's length penalty exponent: see --scoring", range=Range(float, low=0.0))
+    scoring: str = option(
+        "gnmt", "how beam search ranks finished translations: 'gnmt' divides their log-probability by "
+        "((5+len)/6)^alpha and lets an <eos> among the 2 x beam best candidates finish; 'hf' divides by len^alpha, "
+        "lets only an <eos> among the beam best finish and counts an <eos> forced at the length limit as free, as "
+        "HF transformers' generate(num_beams=beam, length_penalty=alpha, early_stopping='never') does",
+        choices=SCORINGS)
+    n_best: int | None = option(None, "the K best translations of each sentence, best first (K <= --beam; with "
+                                "--format tsv or jsonl)", range=POSITIVE, metavar="K")
+    alignments: bool = option(False, "with --format jsonl: one source position per target token (the argmax of "
+                              "the last decoder layer's cross-attention averaged over heads), and the source tokens")
+
+    def __post_init__(self):
+        check_fields(self)
+        if self.n_best is not None and self.n_best > self.beam:
+            raise OptionError("{} " + f"{self.n_best} must be between 1 and " + "{} " + f"{self.beam}: a beam search "
+                              "keeps beam hypotheses", "n_best", "beam")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """Random sampling instead of a search (`Translator.sample`, docs/decoding.md#sampling):
+    `num_samples` translations per sentence, each token drawn with the uniform of (seed, the
+    sentence's index in the input, sample, position), so a sentence's samples do not depend on the
+    batch it falls in; `temperature` divides the log-probabilities, `top_k` (0: all) and `top_p`
+    (1: all) keep the most probable tokens. A sample's score is its log-probability."""
+
+    seed: int = option(0, "the random numbers' seed, in [0, 2**32): the same seed gives the same samples, in the "
+                       "jax and torch backends alike, whatever the batching", range=Range(int, low=0, below=2**32),
+                       metavar="S")
+    num_samples: int = option(1, "N samples per sentence (N > 1 with --format tsv or jsonl)", range=POSITIVE,
+                              metavar="N")
+    temperature: float = option(1.0, "divide the log-probabilities by T > 0 before drawing (< 1 sharper)",
+                                range=Range(float, above=0.0), metavar="T")
+    top_k: int = option(0, "draw among the K most probable tokens (0: all)", range=NON_NEGATIVE, metavar="K")
+    top_p: float = option(1.0, "draw among the most probable tokens whose probabilities reach P, in (0, 1] (1: all)",
+                          range=Range(float, above=0.0, high=1.0), metavar="P")
+
+    def __post_init__(self):
+        check_fields(self)
+
+    def check_with(self, search: Search, prefixes: bool = False) -> None:
+        """OptionError for what does not go with sampling: n-best lists and forced prefixes are the
+        searches', and scoring "hf" ranks beams (a sample is not ranked)."""
+        if search.n_best is not None:
+            raise OptionError("sampling with {}: sampling gives num_samples translations, not a ranked list",
+                              "n_best")
+        if prefixes:
+            raise OptionError("sampling with prefixes: forced prefixes are for the searches")
+        if search.scoring != "gnmt":
+            raise OptionError("sampling with {} " + f"{search.scoring}: scoring ranks a beam's hypotheses, a sample "
+                              "is not ranked", "scoring")
+
+
+def check_format(fmt: str, search: Search, sample: Sampling | None = None) -> None:
+    """OptionError for output options that cannot be written: one line per input line, always."""
+    if fmt not in FORMATS:
+        raise OptionError("{} " + f"must be one of {', '.join(FORMATS)}, got {fmt!r}", "format")
+    for name, many in (("n_best", search.n_best or 1), ("num_samples", sample.num_samples if sample else 1)):
+        if fmt == "text" and many > 1:
+            raise OptionError("{} " + f"{many} gives several translations per input line: give " + "{} tsv or jsonl",
+                              name, "format")
+    if search.alignments and fmt != "jsonl":
+        raise OptionError("{} are written with {} jsonl", "alignments", "format")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSelection:
+    """Which trained runs to load and onto what (`train.load`): one run directory, or several (an
+    ensemble of runs of one framework with the same tokenizers, combined by `average`), each at
+    `checkpoint` ("best" by validation BLEU, "latest" or a step); `devices`: the first N devices;
+    the launch options of a multi-process JAX run."""
+
+    run_dir: list[Path] = option(
+        [], "the run directory (holds config.json, tokenizer, checkpoints/); given again, an ensemble: the runs' "
+        "log-probabilities averaged (runs of one framework with the same tokenizers, each at --checkpoint)",
+        required=True, metavar="DIR")
+    checkpoint: str | int = option("best", "'best' (by validation BLEU), 'latest', or a step number")
+    average: str = option(
+        "logprob", "how an ensemble combines its runs at each step: 'logprob' (Marian's) the mean of their "
+        "log-probabilities, renormalised; 'prob' the log of the mean probability (fairseq's)",
+        choices=ENSEMBLE_AVERAGES, flag="--ensemble-average")
+    devices: int | None = option(None, "jax runs: decode each batch data parallel over the first N devices (default: "
+                                 "every visible device); a torch run decodes on one device and refuses N > 1",
+                                 range=POSITIVE)
+    coordinator_address: str | None = option(
+        None, "jax multi-process: HOST:PORT of process 0's coordinator, as train.run's: every process reads the "
+        "whole input, process 0 writes; default: $JAX_COORDINATOR_ADDRESS, else a single process",
+        metavar="HOST:PORT")
+    num_processes: int | None = option(None, "jax multi-process: number of processes", range=POSITIVE)
+    process_id: int | None = option(None, "jax multi-process: this process's id, 0..N-1", range=NON_NEGATIVE)
+
+    def __post_init__(self):
+        dirs = self.run_dir
+        if isinstance(dirs, (str, os.PathLike)) or not isinstance(dirs, Iterable):
+            dirs = [dirs]
+        dirs = list(dirs)  # a generator too
+        if not dirs or not all(isinstance(d, (str, os.PathLike)) for d in dirs):
+            raise OptionError("{}: give a run directory or a list of them, " + f"got {dirs!r}", "run_dir")
+        object.__setattr__(self, "run_dir", [Path(d) for d in dirs])
+        check_fields(self)
+
+    @property
+    def launch(self) -> dict[str, Any]:
+        """The launch options given (`ExperimentConfig`'s fields)."""
+        return {k: v for k in ("devices", "coordinator_address", "num_processes", "process_id")
+                if (v := getattr(self, k)) is not None}
+
+
+@dataclasses.dataclass(frozen=True)
+class Evaluation:
+    """What `Run.evaluate` scores besides the search's translations (`train.metrics.evaluate_pairs`)."""
+
+    max_sentences: int | None = option(None, "translate only the first N pairs for BLEU/chrF; default: all",
+                                       range=POSITIVE)
+    lowercase: bool = option(False, "also score BLEU on lowercased text (13a tokenization), as bleu_lc with its "
+                             "signature (always for a run trained with --lowercase)")
+    moses: str | None = option(
+        None, "also score BLEU on Moses-tokenized text of language LANG (e.g. de, en; sacremoses, no escaping; "
+        "sacreBLEU's tokenization off), as papers quoting tokenized BLEU do: bleu_moses, and bleu_moses_lc with "
+        "--lowercase", metavar="LANG")
+    samples: int = option(0, "include N example translations in the JSON", range=NON_NEGATIVE)
+
+    def __post_init__(self):
+        check_fields(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class TranslateFiles:
+    """Where `train.translate` reads and writes, and how (`translation.translate_file`)."""
+
+    input: Path | None = option(None, "one source sentence per line: a file (plain, or gzip when named .gz), a "
+                                "FIFO, /dev/stdin or <(command); default: stdin")
+    output: Path | None = option(
+        None, "write translations here instead of stdout: through .OUTPUT.partial, renamed onto OUTPUT at the end (a "
+        "symbolic link's target); an interrupted run (Ctrl-C, SIGTERM, a crash) leaves OUTPUT as it was and the same "
+        "command continues after the finished chunks. A FIFO, device, socket or /dev/fd/N (>(command)) is written "
+        "directly, as a stream: no partial file, no resume")
+    input_format: str | None = option(
+        None, "text: one source sentence per line; tsv: a header row naming the columns 'source' and, optionally, "
+        "'prefix' (each output's forced start: the search continues after it), then one row per sentence (default: "
+        "tsv for an --input named .tsv or .tsv.gz, else text)", choices=("text", "tsv"))
+    format: str = option(
+        "text", "text: the best translation; tsv: per hypothesis its text, log-probability and length-normalised "
+        "score, tab-separated; jsonl: a JSON object with the hypotheses, their scores and target tokens. Always one "
+        "line per input line", choices=FORMATS)
+    chunk_lines: int = option(4000, "lines read, translated and written at a time; memory grows with this, not with "
+                              "the input", range=POSITIVE)
+    max_line_bytes: int = option(1 << 20, "refuse a line longer than this, naming it", range=POSITIVE)
+    batch_size: int | None = option(None, "at most N sentences per batch; default: as many as the run's "
+                                    "--token-budget", range=POSITIVE)
+    plot_attention: Path | None = option(
+        None, "also write each sentence's cross-attention heatmaps to DIR (created): NNNN.png for input line N (the "
+        "last decoder layer, heads averaged) and NNNN_layers.png (every layer x head)", metavar="DIR")
+    progress: bool = option(True, "a progress line on stderr (shown only when stderr is a terminal); the summary "
+                            "stays")
+
+    def __post_init__(self):
+        check_fields(self)
+
+
+def sampling_from(given: Mapping[str, Any]) -> Sampling | None:
+    """The `Sampling` of the flags `given` when --sample is, else None; a sampling flag without it: UserError."""
+    if not given.get("sample"):
+        stray = [flag_of(f) for f in dataclasses.fields(Sampling) if f.name in given]
+        if stray:
+            raise UserError(f"{', '.join(stray)} without --sample: sampling settings, the searches take none")
+        return None
+    return build(Sampling, given)
