@@ -28,6 +28,7 @@ import train
 from train import loadtest, serving
 from train import serve as serve_command
 from train.loadgen import ServedRun, load_test, read_lines
+from train.options import Search
 from train.serving import Batcher, Decoding, Limits, QueueFull, Request, Server
 
 REPO = Path(__file__).resolve().parents[2]
@@ -99,14 +100,14 @@ def run_batcher(requests, limits: Limits, delay: float = 0.0):
     batches = []
 
     def decode(texts, prefixes, options):
-        batches.append((list(texts), options.beam))
+        batches.append((list(texts), options.search.beam))
         time.sleep(delay)
         return [t.upper() for t in texts]
 
     async def main():
         batcher = Batcher(decode, limits)
         task = asyncio.create_task(batcher.run())
-        futures = [batcher.submit(Request(texts, None, Decoding(beam)), len(texts)) for texts, beam in requests]
+        futures = [batcher.submit(Request(texts, None, Decoding(Search(beam=beam))), len(texts)) for texts, beam in requests]
         results = await asyncio.gather(*futures)
         task.cancel()
         batcher.close()
@@ -302,7 +303,7 @@ def test_an_app_given_empty_info_needs_no_run():  # {} is the info to serve, not
     (b'{"texts": ["neun"], "beam": 2.5}', 400, "beam must be an integer, got 2.5"),
     (b'{"texts": ["neun"], "beam": true}', 400, "beam must be an integer, got True"),
     (b'{"texts": ["neun"], "alpha": -0.5}', 400, "alpha must be >= 0, got -0.5"),
-    (b'{"texts": ["neun"], "scoring": "best"}', 400, "expected one of gnmt, hf"),
+    (b'{"texts": ["neun"], "scoring": "best"}', 400, "scoring must be one of gnmt, hf, got 'best'"),
     (b'{"texts": ["neun"], "attention": "yes"}', 400, "attention must be true or false"),
     (b'{"texts": ["neun"], "path": "/tmp/x"}', 400, "unknown field 'path'"),
     (b'["neun"]', 400, "must be a JSON object"),

@@ -12,7 +12,7 @@ from typing import Any
 from torch_reference.config import POSITIVE, Range
 
 from ..runtime import UserError
-from ..translation import Sampling, check_sampling, check_search
+from ..options import OptionError, Sampling, Search
 
 SERVE_INSTALL = 'pip install -e ".[serve]"'
 
@@ -64,41 +64,41 @@ class BadRequest(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class Decoding:
-    """A request's decoding options: `Run.translate`'s keywords, checked by the library's own checks
-    (a UserError is the request's 400), plus `attention` (the cross-attention weights of each text).
-    Requests with equal options share a batch, except sampled ones: a sample's random numbers are
-    keyed by the sentence's place in its own request."""
+    """A request's decoding options: the API's own `Search`, `sample` with the `sampling` settings
+    given (`Run.translate`'s keywords, checked there: a sampling setting without sample is its
+    refusal), and `attention` (the cross-attention weights of each text). Requests with equal
+    options share a batch, except sampled ones: a sample's random numbers are keyed by the
+    sentence's place in its own request."""
 
-    beam: int = 4
-    alpha: float = 0.6
-    scoring: str = "gnmt"
-    n_best: int | None = None
-    alignments: bool = False
+    search: Search = Search()
     sample: bool = False
-    num_samples: int = 1
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
+    sampling: tuple[tuple[str, Any], ...] = ()
     attention: bool = False
-
-    def __post_init__(self):
-        for name in ("alignments", "sample", "attention"):
-            if not isinstance(getattr(self, name), bool):
-                raise UserError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        check_search(self.beam, self.n_best, self.alpha, self.scoring)
-        check_sampling(self.sampling() if self.sample else None, self.n_best, False, self.scoring)
-
-    def sampling(self) -> Sampling:
-        return Sampling(self.seed, self.num_samples, self.temperature, self.top_k, self.top_p)
 
     @property
     def shares_batches(self) -> bool:
         return not self.sample
 
     def translate_options(self) -> dict[str, Any]:
-        """`Run.translate`'s keywords."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if k != "attention"}
+        """`Run.translate`'s arguments."""
+        return {"search": self.search, "sample": self.sample or None, **dict(self.sampling)}
+
+
+SEARCH_FIELDS = tuple(f.name for f in dataclasses.fields(Search))
+SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(Sampling))
+
+
+def decoding(fields: dict[str, Any], prefixes: bool = False) -> Decoding:
+    """The options objects of a request's fields (beam, n_best, sample, seed, ..., attention), each
+    checked by its class, as `Run.translate` builds them: their refusal an OptionError (a UserError)."""
+    for name in ("sample", "attention"):
+        if not isinstance(fields.get(name, False), bool):
+            raise OptionError("{} " + f"must be true or false, got {fields[name]!r}", name)
+    search = Search(**{k: v for k, v in fields.items() if k in SEARCH_FIELDS})
+    sampling = {k: v for k, v in fields.items() if k in SAMPLING_FIELDS}
+    if fields.get("sample"):
+        Sampling(**sampling).check_with(search, prefixes)
+    return Decoding(search, fields.get("sample", False), tuple(sorted(sampling.items())), fields.get("attention", False))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +110,7 @@ class Request:
     options: Decoding
 
 
-FIELDS = ("texts", "prefix", *(f.name for f in dataclasses.fields(Decoding)))
+FIELDS = ("texts", "prefix", *SEARCH_FIELDS, "sample", *SAMPLING_FIELDS, "attention")
 
 
 def _reject_constant(name: str):
@@ -170,7 +170,7 @@ def parse_request(body: bytes, limits: Limits) -> Request:
         if isinstance(value, int) and value > limits.max_beam:
             raise BadRequest(f"{name} {value} is more than this server's limit, {limits.max_beam}")
     try:
-        options = Decoding(**request)
+        options = decoding(request, prefix is not None and any(prefix))
     except UserError as err:
         raise BadRequest(str(err)) from None
     return Request(texts, prefix, options)
