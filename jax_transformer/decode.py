@@ -64,8 +64,9 @@ def _no_sentence(src_ids, pad_id: int):
 def _check_scoring(scoring: str, alpha: float) -> None:
     if scoring not in SCORINGS:
         raise ValueError(f"scoring must be one of {', '.join(SCORINGS)}, got {scoring!r}")
-    if not isinstance(alpha, jax.core.Tracer) and not alpha >= 0:  # the early stop needs a growing penalty
-        raise ValueError(f"alpha must be >= 0, got {alpha}")  # (a traced alpha, data of the program: its caller's check)
+    # The early stop needs a penalty that grows with length; a traced alpha (data of the program) is the caller's check.
+    if not isinstance(alpha, jax.core.Tracer) and not alpha >= 0:
+        raise ValueError(f"alpha must be >= 0, got {alpha}")
 
 
 def _check_ids(name: str, ids, vocab_size: int) -> None:

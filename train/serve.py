@@ -28,7 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
         'seed, ...; docs/serving.md), GET /health, GET /info, '
         "and a page at / that translates and draws the cross-attention. Concurrent requests are decoded together "
         "in batches. SIGTERM or Ctrl-C stops accepting, finishes the requests in flight and exits 0; SIGHUP or "
-        'a second Ctrl-C stops at once, answering them 503 (retry), and exits 129 or 130. Needs the serve extra: pip install -e ".[serve]".',
+        "a second Ctrl-C stops at once, answering them 503 (retry), and exits 129 or 130. Needs the serve extra: "
+        'pip install -e ".[serve]".',
     )
     parser.add_argument("--run-dir", required=True, type=Path, action="append",
                         help="the run directory to serve; several: an ensemble (their log-probabilities averaged)")

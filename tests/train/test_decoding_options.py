@@ -237,11 +237,11 @@ def test_a_run_and_its_tokenizers_print_in_one_short_line(tiny_torch_run):
     # On main print(train.load(RUN)) wrote 12,000-20,000 characters: both tokenizers and the whole history.
     run = train.load(tiny_torch_run)
     m = run.model_config
-    assert repr(run) == (f"Run({str(tiny_torch_run)!r}, step 2, torch, d_model {m.d_model} x {m.num_heads} heads, 1+1 layers, "
-                         f"d_ff {m.d_ff}, vocabulary {m.src_vocab_size}/{m.tgt_vocab_size})")
-    vocab = run.tokenizers.src.get_vocab_size()
-    assert repr(run.tokenizers) == (f"Tokenizers(joint, {vocab} tokens)" if run.tokenizers.joint else
-                                    f"Tokenizers(source {vocab} tokens, target {run.tokenizers.tgt.get_vocab_size()} tokens)")
+    assert repr(run) == (f"Run({str(tiny_torch_run)!r}, step 2, torch, d_model {m.d_model} x {m.num_heads} heads, "
+                         f"1+1 layers, d_ff {m.d_ff}, vocabulary {m.src_vocab_size}/{m.tgt_vocab_size})")
+    src, tgt = run.tokenizers.src.get_vocab_size(), run.tokenizers.tgt.get_vocab_size()
+    assert repr(run.tokenizers) == (f"Tokenizers(joint, {src} tokens)" if run.tokenizers.joint else
+                                    f"Tokenizers(source {src} tokens, target {tgt} tokens)")
     run.close()
     assert repr(run).startswith(f"Run({str(tiny_torch_run)!r}, closed, torch, ")
     with train.load([tiny_torch_run, tiny_torch_run]) as pair:

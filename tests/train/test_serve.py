@@ -107,7 +107,8 @@ def run_batcher(requests, limits: Limits, delay: float = 0.0):
     async def main():
         batcher = Batcher(decode, limits)
         task = asyncio.create_task(batcher.run())
-        futures = [batcher.submit(Request(texts, None, Decoding(Search(beam=beam))), len(texts)) for texts, beam in requests]
+        futures = [batcher.submit(Request(texts, None, Decoding(Search(beam=beam))), len(texts))
+                   for texts, beam in requests]
         results = await asyncio.gather(*futures)
         task.cancel()
         batcher.close()
@@ -420,7 +421,8 @@ def test_invalid_http_gets_400_in_json(server):
         reply = b""
         while chunk := conn.recv(4096):
             reply += chunk
-    assert reply.startswith(b"HTTP/1.1 400") and json.loads(reply.split(b"\r\n\r\n")[1])["error"].startswith("invalid HTTP")
+    assert reply.startswith(b"HTTP/1.1 400")
+    assert json.loads(reply.split(b"\r\n\r\n")[1])["error"].startswith("invalid HTTP")
     assert_serving(server.url)
 
 
@@ -516,7 +518,8 @@ def test_loadtest_input_with_a_line_longer_than_the_server_takes_is_refused_with
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert peak < 5_000_000  # bytes: the 50 MB line is never held (a few lines of 2,000 characters are)
-    assert capsys.readouterr().err == f"error: {source} line 3 is longer than 2000 characters, which the server refuses\n"
+    err = capsys.readouterr().err
+    assert err == f"error: {source} line 3 is longer than 2000 characters, which the server refuses\n"
     source.write_text("neun\n\n  zehn \r\n" + "a" * 2000 + "\n", encoding="utf-8")
     assert read_lines(source) == ["neun", "zehn", "a" * 2000]  # 2,000 characters: the server's limit, taken
 

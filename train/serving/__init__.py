@@ -8,10 +8,10 @@ rest of `train` imports without them. Nothing a client sends is written anywhere
 """
 
 from ..runtime import UserError
-from .app import app, page, run_decoder, run_info
+from .app import app, run_decoder, run_info
 from .batcher import Batcher, QueueFull
 from .limits import SERVE_INSTALL, BadRequest, Decoding, Limits, Request, parse_request, require
 from .server import Server, StoppedAtOnce, serve
 
 __all__ = ["SERVE_INSTALL", "BadRequest", "Batcher", "Decoding", "Limits", "QueueFull", "Request", "Server",
-           "StoppedAtOnce", "UserError", "app", "page", "parse_request", "require", "run_decoder", "run_info", "serve"]
+           "StoppedAtOnce", "UserError", "app", "parse_request", "require", "run_decoder", "run_info", "serve"]

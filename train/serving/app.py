@@ -17,6 +17,12 @@ from ..runtime import UserError
 from .batcher import Batcher, QueueFull
 from .limits import BadRequest, Decoding, Limits, parse_request, require
 
+try:
+    from starlette.requests import ClientDisconnect
+    from starlette.responses import HTMLResponse, JSONResponse
+except ImportError:  # the serve extra: `app()` says how to install it
+    ClientDisconnect = HTMLResponse = JSONResponse = None
+
 
 def attention_json(att) -> dict[str, Any]:
     """A `train.attention.SentenceAttention` as JSON: tokens and weights [layer][head][target][source]."""
@@ -25,8 +31,7 @@ def attention_json(att) -> dict[str, Any]:
 
 
 def result_json(result) -> dict[str, Any]:
-    """One text's `Run.translate` result as JSON: a string, or a list of `Hypothesis` (n-best,
-    samples, alignments) whose first is the translation."""
+    """One text's `Run.translate` result: a string, or `Hypothesis` (n-best, samples), the first its translation."""
     if isinstance(result, str):
         return {"translation": result}
     return {"translation": result[0].text if result else "", "hypotheses": [dataclasses.asdict(h) for h in result]}
@@ -70,16 +75,9 @@ def token_counts(run) -> Callable[[Sequence[str]], int]:
     return lambda texts: sum(min(len(ids), max_len) for ids in data.encode(run.tokenizers.src, texts))
 
 
-def page() -> str:
-    """The page served at `/` (train/static/index.html)."""
-    return resources.files("train").joinpath("static/index.html").read_text(encoding="utf-8")
-
-
 @dataclasses.dataclass
 class Served:
-    """What the handlers share: the limits, the decoder, the batcher (while the app runs) and the
-    event that a stop at once sets (`Server`: SIGHUP, a second Ctrl-C), which answers the requests
-    in flight with 503."""
+    """What the handlers share; `stop_now` set (SIGHUP, a second Ctrl-C) answers the requests in flight 503."""
 
     limits: Limits
     decode: Callable[..., list]
@@ -92,8 +90,6 @@ class Served:
 
 
 def error(status: int, message: str, headers: dict | None = None):
-    from starlette.responses import JSONResponse
-
     return JSONResponse({"error": message}, status, headers=headers)
 
 
@@ -115,8 +111,6 @@ async def disconnected(request) -> None:
 
 async def receive(request, limits: Limits):
     """The request's body parsed (`Request`), or the error response refusing it."""
-    from starlette.requests import ClientDisconnect
-
     kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if kind != "application/json":
         return error(415, f"the content type must be application/json, not {kind or 'none'}")
@@ -140,8 +134,6 @@ async def receive(request, limits: Limits):
 
 
 async def translate(request):
-    from starlette.responses import JSONResponse
-
     served: Served = request.app.state.served
     limits = served.limits
     parsed = await receive(request, limits)
@@ -179,22 +171,16 @@ async def translate(request):
 
 
 async def health(request):
-    from starlette.responses import JSONResponse
-
     batcher = request.app.state.served.batcher
     return JSONResponse({"status": "ok", "queued_sentences": batcher.queued if batcher else 0})
 
 
 async def get_info(request):
-    from starlette.responses import JSONResponse
-
     served: Served = request.app.state.served
     return JSONResponse({**served.info, "served": dict(served.batcher.stats)})
 
 
 async def index(request):
-    from starlette.responses import HTMLResponse
-
     return HTMLResponse(request.app.state.served.html)
 
 
@@ -231,8 +217,9 @@ def app(run=None, limits: Limits | None = None, *, decode: Callable | None = Non
     limits = limits or Limits()
     routes = [Route("/", index), Route("/translate", translate, methods=["POST"]), Route("/health", health),
               Route("/info", get_info)]
-    asgi = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error, 500: server_error})
+    asgi = Starlette(routes=routes, lifespan=lifespan,
+                     exception_handlers={HTTPException: http_error, 500: server_error})
     asgi.state.served = Served(limits, decode or run_decoder(run), count_tokens or token_counts(run),
                                {**(run_info(run) if info is None else info), "limits": dataclasses.asdict(limits)},
-                               page())
+                               resources.files("train").joinpath("static/index.html").read_text(encoding="utf-8"))
     return asgi

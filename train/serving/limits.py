@@ -98,7 +98,8 @@ def decoding(fields: dict[str, Any], prefixes: bool = False) -> Decoding:
     sampling = {k: v for k, v in fields.items() if k in SAMPLING_FIELDS}
     if fields.get("sample"):
         Sampling(**sampling).check_with(search, prefixes)
-    return Decoding(search, fields.get("sample", False), tuple(sorted(sampling.items())), fields.get("attention", False))
+    sample, attention = fields.get("sample", False), fields.get("attention", False)
+    return Decoding(search, sample, tuple(sorted(sampling.items())), attention)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,8 +24,7 @@ MAX_CONNECTIONS = 2048  # thousands of idle or dropped connections cannot starve
 
 
 class StoppedAtOnce(Exception):
-    """SIGHUP or a second Ctrl-C stopped the server: `signum`, and the message (how many requests in
-    flight were answered 503)."""
+    """SIGHUP or a second Ctrl-C stopped the server (`signum`); the message says how many requests got 503."""
 
     def __init__(self, signum: int, message: str):
         super().__init__(message)
@@ -33,7 +32,7 @@ class StoppedAtOnce(Exception):
 
 
 def raw_response(status: int, message: str, retry: bool = False) -> bytes:
-    """A whole HTTP/1.1 answer with the JSON error body, closing the connection (no request to answer yet)."""
+    """A whole HTTP/1.1 answer with a JSON error, closing the connection (before or without a request)."""
     body = json.dumps({"error": message}).encode()
     head = [f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}", "content-type: application/json",
             f"content-length: {len(body)}", "connection: close", *(["retry-after: 1"] if retry else [])]
@@ -42,19 +41,19 @@ def raw_response(status: int, message: str, retry: bool = False) -> bytes:
 
 @functools.cache
 def uvicorn_classes() -> tuple[type, type]:
-    """(the h11 protocol, the server) of uvicorn as this server runs them, made once uvicorn is imported."""
+    """uvicorn's (h11 protocol, server) as this server runs them, made once uvicorn is imported."""
     uvicorn = require("uvicorn")
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class Protocol(H11Protocol):
-        """uvicorn's h11 protocol, its keep-alive deadline also on a new connection and kept until a
-        whole request head arrives (uvicorn's own lifts it on any byte: half a request line held the
-        connection forever), and its refusals (too many connections, invalid HTTP) in JSON."""
+        """uvicorn's h11 protocol, its keep-alive deadline also on a new connection and kept until a whole
+        request head arrives (uvicorn's lifts it on any byte), its refusals in JSON."""
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
-            self.refused = len(self.connections) > MAX_CONNECTIONS  # answered when its request comes
-            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
+            self.refused = len(self.connections) > MAX_CONNECTIONS  # answered 503 when its request comes
+            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                                self.timeout_keep_alive_handler)
 
         def data_received(self, data: bytes) -> None:  # the head's arrival lifts the deadline (handle_events)
             if self.refused:
@@ -70,9 +69,8 @@ def uvicorn_classes() -> tuple[type, type]:
             self.transport.close()
 
     class UvicornServer(uvicorn.Server):
-        """uvicorn's server with this one's signals: SIGTERM or a first Ctrl-C stop gracefully;
-        SIGHUP or a second Ctrl-C set `stop_now` (the app answers its requests in flight 503); one more
-        Ctrl-C after that: uvicorn's force exit."""
+        """uvicorn's server with these signals: SIGTERM or a first Ctrl-C stop gracefully; SIGHUP or a second
+        Ctrl-C set the app's `stop_now` (503 to the requests in flight); one more Ctrl-C: uvicorn's force exit."""
 
         signals: list[int]
         stop_now: Callable[[], None]
@@ -86,7 +84,8 @@ def uvicorn_classes() -> tuple[type, type]:
                 return
             loop = asyncio.get_running_loop()
             self.stop_now = lambda: loop.call_soon_threadsafe(self.config.app.state.served.stop_now.set)
-            before = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+            before = {sig: signal.signal(sig, self.handle_exit)
+                      for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
             try:
                 yield
             finally:  # the caller's own handlers back (uvicorn re-raises the signal it caught: not here)
