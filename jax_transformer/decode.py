@@ -64,8 +64,7 @@ def _no_sentence(src_ids, pad_id: int):
 def _check_scoring(scoring: str, alpha: float) -> None:
     if scoring not in SCORINGS:
         raise ValueError(f"scoring must be one of {', '.join(SCORINGS)}, got {scoring!r}")
-    # The early stop needs a penalty that grows with length; a traced alpha (data of the program) is the caller's check.
-    if not isinstance(alpha, jax.core.Tracer) and not alpha >= 0:
+    if not alpha >= 0:  # the early stop's bound needs a penalty that grows with length
         raise ValueError(f"alpha must be >= 0, got {alpha}")
 
 
@@ -282,7 +281,7 @@ def beam_search(model: Transformer, src_ids, beam_size: int = 4, alpha: float = 
     tokens, as in `greedy_search`.
     """
     _check_source(model, src_ids)
-    _check_scoring(scoring, alpha)
+    _check_scoring(scoring, 0.0 if isinstance(alpha, jax.core.Tracer) else alpha)  # traced (data): its caller's check
     _check_n_best(n_best, beam_size)
     if prefix is not None:
         check_prefix(src_ids, prefix, model.cfg, max_len_a, max_len_b)
