@@ -16,7 +16,7 @@ import jax
 import torch
 
 from torch_reference.config import TransformerConfig
-from train.config import flag_type, non_negative_int, positive_int
+from train.options import NON_NEGATIVE, POSITIVE, typed
 from train.runtime import exit_status
 from train.runtime.files import json_text, output_path
 
@@ -26,15 +26,15 @@ from .comparison import VARIANTS, bounds_for, failures, run_check
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m parity.check", description=__doc__.split("\n\n")[1])
     parser.add_argument("--preset", default="tiny", choices=TransformerConfig.presets(), help="model size (default tiny)")
-    parser.add_argument("--vocab-size", type=positive_int, default=8000, help="shared vocabulary size (default 8000)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], type=flag_type(TransformerConfig.parse_override),
+    parser.add_argument("--vocab-size", type=POSITIVE.parser(), default=8000, help="shared vocabulary size (default 8000)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], type=typed(TransformerConfig.parse_override),
                         metavar="FIELD=VALUE", help="override a TransformerConfig field, e.g. --set norm_position=pre")
     parser.add_argument("--variants", action="store_true",
                         help=f"check every named variant in turn: {', '.join(VARIANTS)}")
-    parser.add_argument("--batch-size", type=positive_int, default=8)
-    parser.add_argument("--src-len", type=positive_int, default=23, help="padded source length (default 23)")
-    parser.add_argument("--tgt-len", type=positive_int, default=17, help="padded target length (default 17)")
-    parser.add_argument("--seed", type=non_negative_int, default=0)
+    parser.add_argument("--batch-size", type=POSITIVE.parser(), default=8)
+    parser.add_argument("--src-len", type=POSITIVE.parser(), default=23, help="padded source length (default 23)")
+    parser.add_argument("--tgt-len", type=POSITIVE.parser(), default=17, help="padded target length (default 17)")
+    parser.add_argument("--seed", type=NON_NEGATIVE.parser(), default=0)
     parser.add_argument("--json", type=output_path, help="write the full report (every parameter) to this file")
     return parser
 

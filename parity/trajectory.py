@@ -13,18 +13,17 @@ path: docs/parity.md#a-training-curve-in-both-frameworks.
 from __future__ import annotations
 
 import argparse
-import functools
 import sys
 
 import jax
 import torch
 
-from torch_reference.config import TransformerConfig
-from train.config import DERIVED_MODEL_FIELDS, flag_type, non_negative_int, positive_float, positive_int, probability
+from train.config import FIELD_RANGES, ExperimentConfig
+from train.options import NON_NEGATIVE, add_flags
 from train.runtime import exit_status
 from train.runtime.files import json_text, output_path
 
-from .trajectories import BOUNDS, PAPER_WARMUP, experiment_config, growth, growth_exponent, parity_report, plot
+from .trajectories import BOUNDS, experiment_config, growth, growth_exponent, parity_report, plot
 
 
 def _print_comparisons(report: dict, prefix: str = "") -> None:
@@ -58,29 +57,20 @@ def print_report(report: dict) -> None:
         print(f"    {line}")
 
 
-# --set FIELD=VALUE: the vocabulary sizes, max_len, dropout and embedding sharing come from the data.
-_override = flag_type(functools.partial(TransformerConfig.parse_override, exclude=DERIVED_MODEL_FIELDS))
+# The training settings a trajectory takes, as train.run's flags (`trajectories.experiment_config` has its defaults).
+SETTINGS = ("steps", "preset", "model", "warmup", "lr_factor", "label_smoothing", "clip_norm", "numbers_train",
+            "token_budget", "max_len", "seed")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m parity.trajectory", description=__doc__.split("\n\n")[1])
-    parser.add_argument("--steps", type=positive_int, default=100, help="updates (default 100)")
-    parser.add_argument("--switch", type=non_negative_int, default=None, help="convert both runs' checkpoints at "
+    parser = argparse.ArgumentParser(
+        prog="python -m parity.trajectory", description=__doc__.split("\n\n")[1],
+        epilog="defaults: --steps 100, --preset tiny, --warmup 4000 (the paper's; a short warmup reaches learning rates "
+        "at which float32 training is chaotic, see --control), --numbers-train 4000, --token-budget 1024, otherwise "
+        "train.run's")
+    add_flags(parser, ExperimentConfig, ranges=FIELD_RANGES, only=SETTINGS, show_defaults=False)
+    parser.add_argument("--switch", type=NON_NEGATIVE.parser(), default=None, help="convert both runs' checkpoints at "
                         "this update and continue in the other framework (default: half of --steps; 0: off)")
-    parser.add_argument("--preset", default="tiny", choices=TransformerConfig.presets(),
-                        help="model size (default tiny)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], type=_override,
-                        metavar="FIELD=VALUE", help="override a TransformerConfig field, e.g. --set activation=gelu")
-    parser.add_argument("--warmup", type=positive_int, default=PAPER_WARMUP,
-                        help=f"schedule warmup (default {PAPER_WARMUP}, the paper's; short warmups reach learning "
-                        "rates at which float32 training is chaotic, see --control)")
-    parser.add_argument("--lr-factor", type=positive_float, default=1.0, help="factor on the Noam schedule (default 1)")
-    parser.add_argument("--label-smoothing", type=probability, default=0.1)
-    parser.add_argument("--clip-norm", type=positive_float, default=None, help="global-norm clipping (default: none)")
-    parser.add_argument("--numbers-train", type=positive_int, default=4000, help="training pairs of the numbers corpus")
-    parser.add_argument("--token-budget", type=positive_int, default=1024, help="padded tokens per batch (default 1024)")
-    parser.add_argument("--max-len", type=positive_int, default=128, help="longest sequence in tokens (default 128)")
-    parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--control", action="store_true", help="also train torch from the initial weights moved "
                         "by one ulp: float32's own drift (not bounded)")
     parser.add_argument("--json", type=output_path, help="write the full report (every update, every parameter) here")
@@ -91,17 +81,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    switch = args.steps // 2 if args.switch is None else args.switch
-    if args.steps < 1 or not 0 <= switch < args.steps:
-        parser.error("need --steps >= 1 and 0 <= --switch < --steps")
+    given = {k: v for k, v in vars(args).items() if k in SETTINGS}
     try:
-        cfg = experiment_config(args.steps, args.preset, dict(args.overrides), warmup=args.warmup,
-                                lr_factor=args.lr_factor, label_smoothing=args.label_smoothing,
-                                clip_norm=args.clip_norm, numbers_train=args.numbers_train,
-                                token_budget=args.token_budget, max_len=args.max_len, seed=args.seed)
+        cfg = experiment_config(**{**given, "model": dict(given.get("model", []))})
     except ValueError as err:
         parser.error(str(err))
-    report = parity_report(cfg, args.steps, switch, args.control, progress=True)
+    switch = cfg.steps // 2 if args.switch is None else args.switch
+    if not 0 <= switch < cfg.steps:
+        parser.error("need 0 <= --switch < --steps")
+    report = parity_report(cfg, cfg.steps, switch, args.control, progress=True)
     report.update(device=jax.devices()[0].device_kind, versions={"jax": jax.__version__, "torch": torch.__version__},
                   command="python -m parity.trajectory " + " ".join(sys.argv[1:] if argv is None else argv))
     print_report(report)

@@ -8,9 +8,7 @@ import sys
 from pathlib import Path
 
 from .averaging import average_run
-from .config import positive_int
-from .runtime import exit_status
-from .runtime.files import UserError, error_text
+from .options import POSITIVE, call
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,7 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "newest N checkpoints (the paper's §6.1: 5 for base models, 20 for big ones) into "
                                      "a new run directory that translate, evaluate and train.run --resume accept.")
     parser.add_argument("--run-dir", type=Path, required=True, help="the trained run (keeps at least N checkpoints)")
-    parser.add_argument("--last", type=positive_int, default=5, metavar="N",
+    parser.add_argument("--last", type=POSITIVE.parser(), default=5, metavar="N",
                         help="average the newest N checkpoints (default 5)")
     parser.add_argument("--dst", type=Path, required=True, help="the new run directory to write")
     parser.add_argument("--overwrite", action="store_true", help="replace --dst if it holds a run")
@@ -28,14 +26,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
+
+    def job():
         summary = average_run(args.run_dir, args.dst, args.last, args.overwrite)
-    except (UserError, OSError) as err:  # OSError: a full disk, a read-only place, no permission
-        parser.exit(1, f"error: {error_text(err)}\n")
-    print(f"averaged steps {', '.join(map(str, summary['averaged_steps']))} of {args.run_dir} into {args.dst} "
-          f"(step {summary['step']})")
-    return 0
+        print(f"averaged steps {', '.join(map(str, summary['averaged_steps']))} of {args.run_dir} into {args.dst} "
+              f"(step {summary['step']})")
+
+    return call(parser, job)
 
 
 if __name__ == "__main__":
-    sys.exit(exit_status(main))
+    sys.exit(main())

@@ -19,7 +19,8 @@ from torch_reference.config import TransformerConfig
 
 from .backends import allocator
 from .benchmark import BACKENDS, PRECISIONS, REMAT_MODES, _cpu_name, run_worker, write_plot
-from .config import KERNEL_CHOICES, non_negative_int, positive_int, probability
+from .config import KERNEL_CHOICES
+from .options import NON_NEGATIVE, POSITIVE, PROBABILITY
 from .runtime import exit_status
 from .runtime.files import json_text, output_path, write_text_atomic
 
@@ -37,13 +38,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--presets", default="tiny,small,base", help="comma-separated model presets (default tiny,small,base)")
     parser.add_argument("--backends", default="jax,torch,torch-compile", help=f"comma-separated, from {', '.join(BACKENDS)}")
-    parser.add_argument("--batch-tokens", type=positive_int, default=1024,
+    parser.add_argument("--batch-tokens", type=POSITIVE.parser(), default=1024,
                         help="tokens per side per batch: B = batch-tokens / length sentences (default 1024)")
-    parser.add_argument("--length", type=positive_int, default=32, help="source and target length of every sentence (default 32)")
-    parser.add_argument("--vocab-size", type=positive_int, default=8000, help="shared vocabulary size (default 8000)")
-    parser.add_argument("--steps", type=positive_int, default=10, help="timed steps after warm-up (default 10)")
-    parser.add_argument("--warmup", type=non_negative_int, default=3, help="untimed steps first, compilation included (default 3)")
-    parser.add_argument("--dropout", type=probability, default=0.0, help="dropout rate (default 0: off; the paper's 0.1 with --dropout 0.1)")
+    parser.add_argument("--length", type=POSITIVE.parser(), default=32, help="source and target length of every sentence (default 32)")
+    parser.add_argument("--vocab-size", type=POSITIVE.parser(), default=8000, help="shared vocabulary size (default 8000)")
+    parser.add_argument("--steps", type=POSITIVE.parser(), default=10, help="timed steps after warm-up (default 10)")
+    parser.add_argument("--warmup", type=NON_NEGATIVE.parser(), default=3, help="untimed steps first, compilation included (default 3)")
+    parser.add_argument("--dropout", type=PROBABILITY.parser(), default=0.0, help="dropout rate (default 0: off; the paper's 0.1 with --dropout 0.1)")
     parser.add_argument("--precisions", default="float32",
                         help=f"comma-separated, from {', '.join(PRECISIONS)} (default float32; see below)")
     parser.add_argument("--remat", choices=("off", "on", "both"), default="off",
@@ -56,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--preset", help=argparse.SUPPRESS)
     parser.add_argument("--backend", help=argparse.SUPPRESS)
-    parser.add_argument("--batch-size", type=positive_int, help=argparse.SUPPRESS)
+    parser.add_argument("--batch-size", type=POSITIVE.parser(), help=argparse.SUPPRESS)
     parser.add_argument("--precision", default="float32", choices=PRECISIONS, help=argparse.SUPPRESS)
     parser.add_argument("--remat-on", action="store_true", help=argparse.SUPPRESS)
     return parser

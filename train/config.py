@@ -13,11 +13,10 @@ translated or evaluated run reads back the exact values it trained with.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -68,12 +67,7 @@ FIELD_RANGES: dict[str, Range] = {
     "label_smoothing": PROBABILITY, "dropout": PROBABILITY,
 }
 
-# The argparse types of the other CLIs' numeric flags (translate, evaluate, bench, parity.*).
-positive_int = POSITIVE.parse
-non_negative_int = NON_NEGATIVE.parse
-positive_float = Range(float, above=0.0).parse
-non_negative_float = Range(float, low=0.0).parse
-probability = PROBABILITY.parse
+positive_int = POSITIVE.parse  # the argparse type of train.serve's and train.loadtest's counts
 
 
 def default_dtype(platform: str) -> str:
@@ -90,18 +84,6 @@ def resolve_kernels(choice: str, backend: str, platform: str) -> str:
     if choice == "xla_cpu" and backend != "jax":
         raise ValueError("--kernels xla_cpu is the JAX model's (the torch model has reference and fused)")
     return choice
-
-
-def flag_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
-    """`parse` as an argparse type: its ValueError's message is the flag's error."""
-
-    def parsed(text: str) -> Any:
-        try:
-            return parse(text)
-        except ValueError as err:
-            raise argparse.ArgumentTypeError(str(err)) from None
-
-    return parsed
 
 
 def flag_name(field: dataclasses.Field) -> str:

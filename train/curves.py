@@ -8,8 +8,9 @@ import sys
 from pathlib import Path
 
 from .plots import IMAGE_FORMATS, plot_curves, run_title
-from .runtime import CURVES_FILE, RESULTS_FILE, exit_status
-from .runtime.files import UserError, error_text, json_text, output_file
+from .options import call
+from .runtime import CURVES_FILE, RESULTS_FILE
+from .runtime.files import UserError, json_text, output_file
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,25 +26,24 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    run_dir = Path(args.run_dir)
+    return call(parser, lambda: draw(Path(args.run_dir), args.out))
+
+
+def draw(run_dir: Path, out: str | None = None) -> None:
+    """Draw the curves of the finished run in `run_dir` to `out` (RUN/curves.png) and print where, as JSON."""
     try:
         results = json.loads((run_dir / RESULTS_FILE).read_text())
     except (OSError, ValueError) as err:
-        parser.exit(1, f"error: no finished run in {run_dir} ({err}); TensorBoard shows a run still training\n")
+        raise UserError(f"no finished run in {run_dir} ({err}); TensorBoard shows a run still training") from None
     history = results.get("history") or {}
-    out = Path(args.out or run_dir / CURVES_FILE)
-    try:
-        output_file(out, "--out", [run_dir / RESULTS_FILE], f"--run-dir {run_dir}")
-        if out.suffix[1:].lower() not in ("", *IMAGE_FORMATS):  # never PNG bytes under another format's name
-            raise UserError(f"--out {out}: {out.suffix} is no image format; end the name in "
-                            f".{', .'.join(IMAGE_FORMATS)}")
-        plot_curves(history, out, run_title(results))
-        print(json_text({"curves": str(out), "train_points": len(history.get("train") or []),
-                         "valid_points": len(history.get("valid") or [])}), flush=True)
-    except (UserError, OSError) as err:  # OSError: a full disk, a closed pipe (| head)
-        parser.exit(1, f"error: {error_text(err)}\n")
-    return 0
+    out = Path(out or run_dir / CURVES_FILE)
+    output_file(out, "--out", [run_dir / RESULTS_FILE], f"--run-dir {run_dir}")
+    if out.suffix[1:].lower() not in ("", *IMAGE_FORMATS):  # never PNG bytes under another format's name
+        raise UserError(f"--out {out}: {out.suffix} is no image format; end the name in .{', .'.join(IMAGE_FORMATS)}")
+    plot_curves(history, out, run_title(results))
+    print(json_text({"curves": str(out), "train_points": len(history.get("train") or []),
+                     "valid_points": len(history.get("valid") or [])}), flush=True)
 
 
 if __name__ == "__main__":
-    sys.exit(exit_status(main))
+    sys.exit(main())

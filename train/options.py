@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from torch_reference.config import NON_NEGATIVE, POSITIVE, SCORINGS, Range
+from torch_reference.config import NON_NEGATIVE, POSITIVE, PROBABILITY, SCORINGS, Range  # noqa: F401 (for commands)
 
 from .config import flag_name as flag_of
 from .runtime.files import UserError
@@ -69,15 +69,15 @@ def check_fields(obj: Any) -> None:
 
 
 def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, *,
-              ranges: Mapping[str, Range] | None = None, skip: Iterable[str] = (), groups: Mapping | None = None,
-              show_defaults: bool = True) -> None:
-    """One flag per field of the dataclass `cls` (but `skip`), typed, ranged and documented by the
+              ranges: Mapping[str, Range] | None = None, skip: Iterable[str] = (), only: Iterable[str] | None = None,
+              groups: Mapping | None = None, show_defaults: bool = True) -> None:
+    """One flag per field of the dataclass `cls` (`only` those, but `skip`), typed, ranged and documented by the
     field's metadata (`ranges`: ranges kept beside the class); every default SUPPRESSed, so that
     only the flags given reach `build` (the class's defaults apply to the rest). `groups`: the
     argument group of each metadata "group"."""
-    ranges = ranges or {}
+    ranges, only = ranges or {}, None if only is None else set(only)
     for field in dataclasses.fields(cls):
-        if field.name in skip or field.metadata.get("flag") is False:
+        if field.name in skip or (only is not None and field.name not in only):
             continue
         meta, kind = field.metadata, str(field.type).replace(" | None", "")
         default = field.default if field.default is not dataclasses.MISSING else None
@@ -87,7 +87,7 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: ty
         if kind == "bool":
             kwargs["action"] = argparse.BooleanOptionalAction
         elif "parse" in meta:  # a repeatable flag of its own syntax (--set FIELD=VALUE)
-            kwargs.update(action="append", type=_typed(meta["parse"]), metavar=meta.get("metavar"))
+            kwargs.update(action="append", type=typed(meta["parse"]), metavar=meta.get("metavar"))
         else:
             # Typed here, checked once by the class (its error reworded with the flag: `call`); `ranges`: checked here.
             parse = ranges[field.name].parser(field.name) if field.name in ranges else _TYPES.get(kind, str)
@@ -104,7 +104,9 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: ty
 _TYPES = {"int": int, "float": float, "Path": Path}
 
 
-def _typed(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+def typed(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """`parse` as an argparse type: its ValueError's message is the flag's error."""
+
     def parsed(text: str) -> Any:
         try:
             return parse(text)
@@ -222,9 +224,9 @@ class RunSelection:
         "logprob", "how an ensemble combines its runs at each step: 'logprob' (Marian's) the mean of their "
         "log-probabilities, renormalised; 'prob' the log of the mean probability (fairseq's)",
         choices=ENSEMBLE_AVERAGES, flag="--ensemble-average")
-    devices: int | None = option(None, "jax runs: decode each batch data parallel over the first N devices (default: "
-                                 "every visible device); a torch run decodes on one device and refuses N > 1",
-                                 range=POSITIVE)
+    devices: int | None = option(
+        None, "jax runs: decode each batch data parallel over the first N devices (default: every visible device, on "
+        "a CPU one per core); a torch run translates on one device and refuses N > 1", range=POSITIVE)
     coordinator_address: str | None = option(
         None, "jax multi-process: HOST:PORT of process 0's coordinator, as train.run's: every process reads the "
         "whole input, process 0 writes; default: $JAX_COORDINATOR_ADDRESS, else a single process",

@@ -19,7 +19,7 @@ import statistics
 from torch_reference.config import TransformerConfig
 
 from .benchmark import _cpu_name
-from .config import positive_int
+from .options import POSITIVE
 from .profiling import jax_parts, torch_parts, xla_cpu_ab, xla_op_split
 from .runtime import exit_status
 from .runtime.files import json_text, output_path
@@ -28,16 +28,16 @@ from .runtime.files import json_text, output_path
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m train.profile_step", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="base", choices=TransformerConfig.presets())
-    parser.add_argument("--batch", type=positive_int, default=32, help="sentences per batch (default 32)")
-    parser.add_argument("--length", type=positive_int, default=32, help="tokens per sentence, source and target (default 32)")
-    parser.add_argument("--vocab", type=positive_int, default=8000, help="shared vocabulary size (default 8000)")
-    parser.add_argument("--repeats", type=positive_int, default=10, help="timed runs per part (default 10)")
+    parser.add_argument("--batch", type=POSITIVE.parser(), default=32, help="sentences per batch (default 32)")
+    parser.add_argument("--length", type=POSITIVE.parser(), default=32, help="tokens per sentence, source and target (default 32)")
+    parser.add_argument("--vocab", type=POSITIVE.parser(), default=8000, help="shared vocabulary size (default 8000)")
+    parser.add_argument("--repeats", type=POSITIVE.parser(), default=10, help="timed runs per part (default 10)")
     parser.add_argument("--json", type=output_path, help="also write the figures to this JSON file")
     parser.add_argument("--xla-ops", action="store_true",
                         help="instead: split JAX's forward + backward time into matmuls and other operations")
     parser.add_argument("--xla-cpu-ab", action="store_true",
                         help="instead: time JAX's train step and a beam-4 search with and without xla_cpu's pieces")
-    parser.add_argument("--sentences", type=positive_int, default=64, help="sources of the --xla-cpu-ab search")
+    parser.add_argument("--sentences", type=POSITIVE.parser(), default=64, help="sources of the --xla-cpu-ab search")
     return parser
 
 

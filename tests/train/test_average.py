@@ -75,9 +75,8 @@ def test_cli_averages_the_newest_checkpoints_into_a_run_that_translates_evaluate
 
 def test_cli_errors(run_with_checkpoints, tmp_path, capsys):
     src = str(run_with_checkpoints)
-    with pytest.raises(SystemExit) as exited:
-        average.main(["--run-dir", src, "--last", "5", "--dst", str(tmp_path / "x")])
-    assert exited.value.code == 1
+    code = average.main(["--run-dir", src, "--last", "5", "--dst", str(tmp_path / "x")])
+    assert code == 1
     assert "keeps 3 checkpoint(s) (steps 2, 4, 6), fewer than --last 5" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
     for args, message in (
@@ -85,10 +84,9 @@ def test_cli_errors(run_with_checkpoints, tmp_path, capsys):
         (["--dst", str(tmp_path)], "is not empty and holds no run"),
     ):
         (tmp_path / "stray").write_text("x")
-        with pytest.raises(SystemExit) as exited:
-            average.main(["--run-dir", src, "--last", "2", *args, "--overwrite"])
-        assert exited.value.code == 1 and message in capsys.readouterr().err
-    with pytest.raises(SystemExit) as exited:
+        code = average.main(["--run-dir", src, "--last", "2", *args, "--overwrite"])
+        assert code == 1 and message in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:  # argparse's usage error
         average.main(["--run-dir", src, "--last", "0", "--dst", str(tmp_path / "y")])
     assert exited.value.code == 2
     for last in (0, -1):  # from Python too: 0 averaged every checkpoint, -1 all but the oldest

@@ -46,13 +46,13 @@ def test_the_variable_sets_the_count_and_one_turns_it_off(no_jax):
 def test_devices_beyond_the_cores_are_not_made(no_jax, monkeypatch):
     """Issue 58: `translate --devices 99` on 4 cores made 99 XLA devices; now the split is the cores
     whatever --devices asks (it picks the first N), so the mesh refuses 99 as training does."""
-    from train import translate
+    from train import jobs, translate
 
     class Split(Exception):
         pass
 
     asked = []
-    monkeypatch.setattr(translate, "split_host", lambda *a, **k: asked.append((a, k)) or (_ for _ in ()).throw(Split))
+    monkeypatch.setattr(jobs, "split_host", lambda *a, **k: asked.append((a, k)) or (_ for _ in ()).throw(Split))
     with pytest.raises(Split):
         translate.main(["--run-dir", "run", "--devices", "99"])
     assert asked == [((), {})]  # --devices is not the count

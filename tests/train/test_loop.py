@@ -99,9 +99,8 @@ def test_curves_never_draws_over_the_results_it_reads(run_copy, capsys):
     results = (run_copy / runtime.RESULTS_FILE).read_bytes()
     (run_copy / "link.json").symlink_to(runtime.RESULTS_FILE)
     for out in (runtime.RESULTS_FILE, "link.json"):
-        with pytest.raises(SystemExit) as exited:
-            curves.main(["--run-dir", str(run_copy), "--out", str(run_copy / out)])
-        assert exited.value.code == 1
+        code = curves.main(["--run-dir", str(run_copy), "--out", str(run_copy / out)])
+        assert code == 1
         assert f"--out {run_copy / out} is a file of --run-dir {run_copy}" in capsys.readouterr().err
     assert (run_copy / runtime.RESULTS_FILE).read_bytes() == results
 
@@ -114,9 +113,8 @@ def test_curves_writes_the_format_its_name_says(tiny_torch_run, tmp_path, capsys
         assert curves.main(["--run-dir", str(tiny_torch_run), "--out", str(tmp_path / name)]) == 0
         assert (tmp_path / name).read_bytes().startswith(magic), name
     capsys.readouterr()
-    with pytest.raises(SystemExit) as exited:
-        curves.main(["--run-dir", str(tiny_torch_run), "--out", str(tmp_path / "c.txt")])
-    assert exited.value.code == 1 and f"error: --out {tmp_path / 'c.txt'}: .txt is no image format; end the name in " \
+    code = curves.main(["--run-dir", str(tiny_torch_run), "--out", str(tmp_path / "c.txt")])
+    assert code == 1 and f"error: --out {tmp_path / 'c.txt'}: .txt is no image format; end the name in " \
         ".avif, " in capsys.readouterr().err
     assert not (tmp_path / "c.txt").exists()
 
@@ -143,12 +141,10 @@ def test_learning_curves(short_run, tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     assert (report["train_points"], report["valid_points"]) == (6, 6)
     assert (imread(tmp_path / "c.png") == drawn).all()  # the same history draws the same picture
-    with pytest.raises(SystemExit) as exited:
-        curves.main(["--run-dir", str(tmp_path)])
-    assert exited.value.code == 1 and "no finished run" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as exited:  # a directory where the PNG would go: refused, nothing drawn
-        curves.main(["--run-dir", cfg.run_dir, "--out", str(tmp_path)])
-    assert exited.value.code == 1 and "is a directory; give a file name" in capsys.readouterr().err
+    code = curves.main(["--run-dir", str(tmp_path)])
+    assert code == 1 and "no finished run" in capsys.readouterr().err
+    code = curves.main(["--run-dir", cfg.run_dir, "--out", str(tmp_path)])  # a directory where the PNG would go
+    assert code == 1 and "is a directory; give a file name" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("short_run", BOTH_JAX_SLOW, indirect=True)
@@ -177,7 +173,7 @@ def test_translate_and_evaluate_a_run(short_run, capsys):
                           "--scoring", "hf", "--alpha", "1.0"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert (report["scoring"], report["alpha"], report["sentences"]) == ("hf", 1.0, 40)
-    with pytest.raises(SystemExit) as exited:
+    with pytest.raises(SystemExit) as exited:  # argparse's usage error
         evaluate.main(["--run-dir", cfg.run_dir, "--data", "numbers:test", "--scoring", "fairseq"])
     assert exited.value.code == 2 and "invalid choice: 'fairseq'" in capsys.readouterr().err
 
@@ -193,9 +189,8 @@ def test_translate_and_evaluate_a_run(short_run, capsys):
         loop.data.number_words(n)[0] in {s for s, _ in data.load_split(run.config, "numbers:train")} for n in range(100, 105)
     )
     capsys.readouterr()
-    with pytest.raises(SystemExit) as exited:
-        evaluate.main(["--run-dir", cfg.run_dir, "--data", "numbers:9-1000000"])
-    assert exited.value.code == 1 and "error: numbers:9-1000000: expected 0 <= first <= last" in capsys.readouterr().err
+    code = evaluate.main(["--run-dir", cfg.run_dir, "--data", "numbers:9-1000000"])
+    assert code == 1 and "error: numbers:9-1000000: expected 0 <= first <= last" in capsys.readouterr().err
 
     sources = [s for s, _ in test_pairs[:5]] + [""]
     expected = translation.translate_texts(

@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # when run as the worker script
     sys.path.insert(0, str(REPO))
 
-from train import api, data, translate, translation  # noqa: E402
+from train import api, data, jobs, translate, translation  # noqa: E402
 from train.runtime import output as run_output  # noqa: E402
 from train.backends import host_devices, jax_cache  # noqa: E402
 
@@ -79,7 +79,7 @@ def test_chunks_smaller_than_the_input_keep_its_order_and_never_hold_more(tiny_t
                                                                           capsys, monkeypatch):
     readers, calls = [], []
 
-    class Recorded(translate.LineReader):
+    class Recorded(jobs.LineReader):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             readers.append(self)
@@ -90,7 +90,7 @@ def test_chunks_smaller_than_the_input_keep_its_order_and_never_hold_more(tiny_t
         calls.append((len(texts), readers[0].lines))  # lines read from the input so far
         return real(backend, tokenizers, texts, **kwargs)
 
-    monkeypatch.setattr(translate, "LineReader", Recorded)
+    monkeypatch.setattr(jobs, "LineReader", Recorded)
     monkeypatch.setattr(translation, "translate_texts", spy)
     source = write_lines(tmp_path / "in.txt", LINES)
     code, out, err = run_main(capsys, "--run-dir", str(tiny_torch_run), "--input", str(source), "--chunk-lines", "5")
