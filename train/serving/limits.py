@@ -51,7 +51,7 @@ class Limits:
         for field in dataclasses.fields(self):  # the ranges of the command's flags, for Python callers too
             value = getattr(self, field.name)
             if value is not None and (problem := field.metadata["range"].error(value)):
-                raise UserError(f"{field.name} {problem}")
+                raise OptionError("{} " + problem, field.name)
 
 
 class BadRequest(Exception):

@@ -16,19 +16,16 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..runtime import UserError
+from ..runtime import Interrupted, UserError
+from ..options import RunSelection
 from .app import app
 from .limits import Limits, require
 
 MAX_CONNECTIONS = 2048  # thousands of idle or dropped connections cannot starve the process: past it 503
 
 
-class StoppedAtOnce(Exception):
+class StoppedAtOnce(Interrupted):
     """SIGHUP or a second Ctrl-C stopped the server (`signum`); the message says how many requests got 503."""
-
-    def __init__(self, signum: int, message: str):
-        super().__init__(message)
-        self.signum = signum
 
 
 def raw_response(status: int, message: str, retry: bool = False) -> bytes:
@@ -191,16 +188,17 @@ class Server:
         self.stop()
 
 
-def serve(run_dir: str | os.PathLike | Sequence[str | os.PathLike], host: str = "127.0.0.1", port: int = 8000, *,
-          checkpoint: str | int = "best", devices: int | None = None, limits: Limits | None = None,
-          on_ready: Callable[[Server], None] | None = None, **server: Any) -> int:
-    """Load the run in `run_dir` (`train.load`; several: an ensemble) and serve it until SIGTERM or
-    SIGINT (what `python -m train.serve` does); returns the signal number that stopped it."""
+def serve(runs: str | os.PathLike | Sequence[str | os.PathLike] | RunSelection, host: str = "127.0.0.1",
+          port: int = 8000, *, limits: Limits | None = None, on_ready: Callable[[Server], None] | None = None,
+          **server: Any) -> int:
+    """Load `runs` (`train.load`: a run directory, several for an ensemble, or a `RunSelection`) and
+    serve them until SIGTERM or SIGINT (what `python -m train.serve` does); returns the signal
+    number that stopped it."""
     from ..api import load
 
     require("starlette")
     require("uvicorn")
-    with load(run_dir, checkpoint, devices=devices) as run:
+    with load(runs) as run:
         if run.backend.topology.process_count > 1:
             raise UserError("the server runs in one process: give no --coordinator-address")
         return Server(app(run, limits), host, port, **server).run(on_ready)
