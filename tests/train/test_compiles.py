@@ -75,3 +75,16 @@ def test_a_jax_search_compiles_one_program_for_every_alpha_and_each_alpha_counts
                 # float32 in both; the penalty's power computed by each framework's own kernel
                 np.testing.assert_allclose([h[0].score for h in got], [h[0].score for h in want], rtol=1e-5)
             assert (compiles.totals() - start).programs == 0
+
+
+def test_the_jax_samplers_programs_are_bounded(tiny_torch_and_jax_runs, monkeypatch):
+    # A server's requests may each give another temperature or top_p: a program each, kept for ever on main.
+    import train
+    from train.backends import jax_backend
+
+    monkeypatch.setattr(jax_backend, "SAMPLE_PROGRAMS", 2)
+    with train.load(tiny_torch_and_jax_runs[1]) as run:
+        for temperature in (0.5, 0.7, 0.9):
+            run.translate(["neun"], sample=True, temperature=temperature)
+            assert run.backend._sample._cache_size() <= 2  # JAX's own count of the programs it holds
+        assert run.backend._sampled == {(1, 0.9, 0, 1.0)}  # the third setting cleared the first two

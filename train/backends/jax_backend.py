@@ -58,6 +58,7 @@ def _as_arrays(batch: Batch, rows: slice = slice(None)) -> dict[str, np.ndarray]
 
 
 COMPUTE_DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}  # None: the parameters' float32
+SAMPLE_PROGRAMS = 8  # sampling settings compiled at once (a server's requests may each ask for others); past it: cleared
 
 
 def initialize(exp_cfg: ExperimentConfig) -> Topology:
@@ -286,6 +287,7 @@ class JaxBackend(StoreMethods):
         self._sharded_search = jax.jit(bound(sharded_search, ctx, self.mesh), static_argnums=(3, 5, 6, 7))
         self._score = jax.jit(lambda params, src, tgt: decode.score(ctx.model(params), src, tgt))
         self._sample = jax.jit(bound(draw_samples, ctx), static_argnums=(4, 5, 6, 7))
+        self._sampled: set[tuple] = set()  # the settings self._sample holds programs for
         self._cross_attention = None
 
     def ensemble(self, others: Sequence[JaxBackend], average: str = "logprob") -> None:
@@ -380,6 +382,11 @@ class JaxBackend(StoreMethods):
         src = np.asarray(src, np.int32)
         sampling.check_sampling(seed, num_samples, temperature, top_k, top_p)
         ids = np.arange(len(src), dtype=np.uint32) if sentence_ids is None else np.asarray(sentence_ids, np.uint32)
+        settings = (num_samples, float(temperature), top_k, float(top_p))  # static: one program each
+        if settings not in self._sampled and len(self._sampled) >= SAMPLE_PROGRAMS:
+            self._sample.clear_cache()
+            self._sampled.clear()
+        self._sampled.add(settings)
         # On one device: sampling is not data parallel over the mesh.
         tokens, logprob = jax.device_get(self._sample(self.local_params(), src, np.uint32(seed), ids, num_samples,
                                                       float(temperature), top_k, float(top_p)))
