@@ -68,7 +68,7 @@ def test_a_jax_search_compiles_one_program_for_every_alpha_and_each_alpha_counts
         for beam in (1, 3):  # the greedy search's scores use alpha too
             run.translate(texts, beam=beam, alpha=0.6, n_best=1)  # compiles this search once
             start = compiles.totals()
-            for alpha in (0.0, 0.3, 1.7, 4.0):
+            for alpha in (0.0, 1.7, 4.0):
                 got = run.translate(texts, beam=beam, alpha=alpha, n_best=1)
                 want = spec.translate(texts, beam=beam, alpha=alpha, n_best=1)  # the torch twin's, alpha a float
                 assert [h[0].tokens for h in got] == [h[0].tokens for h in want]
