@@ -610,27 +610,29 @@ def test_a_second_ctrl_c_answers_the_requests_in_flight_503_in_json_and_says_so_
     assert "Traceback" not in err
 
 
-def test_sighup_answers_the_requests_in_flight_503_and_ends_in_one_line(tiny_torch_run):
+def test_sighup_answers_the_requests_in_flight_503_and_ends_in_one_line(tiny_torch_run, monkeypatch, capsys):
     # On main SIGHUP killed the server at once, its requests unanswered and nothing said.
-    proc = subprocess.Popen([sys.executable, "-m", "train.serve", "--run-dir", str(tiny_torch_run), "--port", "0",
-                             "--max-wait-ms", "3000"], cwd=REPO, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        url = proc.stderr.readline().split(" on ")[1].split()[0]
-        replies = []
-        clients = [threading.Thread(target=lambda: replies.append(post(url, {"texts": ["neun"]}))) for _ in range(3)]
-        for client in clients:
-            client.start()
-        time.sleep(0.5)
-        proc.send_signal(signal.SIGHUP)
-        for client in clients:
-            client.join(30)
-        assert [(r.status_code, error_of(r)) for r in replies] == [(503, "the server is stopping: try again")] * 3
-        assert proc.wait(30) == 128 + signal.SIGHUP
-        assert proc.stderr.read() == "stopped at once by SIGHUP: 3 requests in flight answered 503 (retry)\n"
-    finally:
-        proc.kill()
-        proc.wait()
+    replies, threads = [], []
+
+    def serve_and_hang_up(*args, on_ready, **kwargs):
+        def ready(server):
+            on_ready(server)
+            threads.extend(threading.Thread(target=lambda: replies.append(post(server.url, {"texts": ["neun"]})))
+                           for _ in range(3))
+            threads.append(threading.Thread(target=lambda: (time.sleep(0.5), os.kill(os.getpid(), signal.SIGHUP))))
+            for thread in threads:
+                thread.start()
+
+        return serving.serve(*args, on_ready=ready, **kwargs)
+
+    monkeypatch.setattr(serve_command, "serve", serve_and_hang_up)
+    assert serve_command.main(["--run-dir", str(tiny_torch_run), "--port", "0", "--max-wait-ms", "3000"]) == 129
+    for thread in threads:
+        thread.join(10)
+    assert [(r.status_code, error_of(r)) for r in replies] == [(503, "the server is stopping: try again")] * 3
+    said = capsys.readouterr().err.splitlines()[1:]  # after the serving line
+    assert said == ["stopped at once by SIGHUP: 3 requests in flight answered 503 (retry)"]
+    assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL  # the caller's handler back
 
 
 @pytest.mark.parametrize("host", ["", "0.0.0.0"])
