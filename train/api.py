@@ -70,7 +70,7 @@ class Run:
         if sample is None or sample is False:
             off = [f.name for f in dataclasses.fields(Sampling) if getattr(sampling, f.name) != f.default]
             if off:
-                raise OptionError("{}: a sampling setting, give sample=True", off[0])
+                raise OptionError(", ".join(["{}"] * len(off)) + ": sampling settings, give sample=True", *off)
             sampling = None
         if self.members and search.alignments:
             raise OptionError("{} with an ensemble: its members' attention weights are not one alignment", "alignments")

@@ -18,7 +18,7 @@ import sys
 from torch_reference.config import TransformerConfig
 
 from .backends import allocator
-from .benchmark import BACKENDS, PRECISIONS, REMAT_MODES, _cpu_name, run_worker, write_plot
+from .benchmark import BACKENDS, PRECISIONS, REMAT_MODES, _cpu_name, print_results, run_worker, write_plot
 from .config import KERNEL_CHOICES
 from .options import NON_NEGATIVE, POSITIVE, PROBABILITY
 from .runtime import exit_status
@@ -104,18 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                 if args.json:  # after every worker, so an interrupted invocation keeps what it measured
                     write_text_atomic(args.json, json_text({**record, "results": results}))
 
-    print(f"\nmachine: {_cpu_name()}, {os.cpu_count()} CPUs; device {results[0]['device']}; batch {batch_size} x "
-          f"{args.length} tokens per side; dropout {args.dropout}")
-    header = f"{'precision':9s} {'preset':6s} {'backend':14s} {'step ms':>9s} {'first s':>8s} {'tok/s':>8s} {'GFLOP/s':>8s} {'peak':>6s} {'MFU':>6s} {'mem MiB':>8s} {'vs torch':>8s}"
-    print(header)
-    for r in results:
-        eager = next((x for x in results if x["preset"] == r["preset"] and x["precision"] == r["precision"]
-                      and x["backend"] == "torch" and not x["remat"]), None)
-        ratio = f"{r['median_step_s'] / eager['median_step_s']:.2f}" if eager else "-"
-        name = r["backend"] + ("+remat" if r["remat"] else "")
-        print(f"{r['precision']:9s} {r['preset']:6s} {name:14s} {r['median_step_s'] * 1e3:9.1f} {r['first_step_s']:8.2f} "
-              f"{r['tokens_per_s']:8.0f} {r['achieved_gflops']:8.1f} {r['matmul_peak_gflops']:6.0f} {r['mfu']:6.2f} "
-              f"{r['peak_memory_mib']:8.0f} {ratio:>8s}")
+    print_results(results, batch_size, args.length, args.dropout)
     if args.plot:
         try:
             write_plot(results, args.plot)

@@ -231,3 +231,19 @@ def write_plot(results: list[dict], path: Path) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def print_results(results: list[dict], batch_size: int, length: int, dropout: float) -> None:
+    """`python -m train.bench`'s table: one row per measurement, its step time against torch eager's."""
+    print(f"\nmachine: {_cpu_name()}, {os.cpu_count()} CPUs; device {results[0]['device']}; batch {batch_size} x "
+          f"{length} tokens per side; dropout {dropout}")
+    print(f"{'precision':9s} {'preset':6s} {'backend':14s} {'step ms':>9s} {'first s':>8s} {'tok/s':>8s} "
+          f"{'GFLOP/s':>8s} {'peak':>6s} {'MFU':>6s} {'mem MiB':>8s} {'vs torch':>8s}")
+    for r in results:
+        eager = next((x for x in results if x["preset"] == r["preset"] and x["precision"] == r["precision"]
+                      and x["backend"] == "torch" and not x["remat"]), None)
+        ratio = f"{r['median_step_s'] / eager['median_step_s']:.2f}" if eager else "-"
+        name = r["backend"] + ("+remat" if r["remat"] else "")
+        print(f"{r['precision']:9s} {r['preset']:6s} {name:14s} {r['median_step_s'] * 1e3:9.1f} {r['first_step_s']:8.2f} "
+              f"{r['tokens_per_s']:8.0f} {r['achieved_gflops']:8.1f} {r['matmul_peak_gflops']:6.0f} {r['mfu']:6.2f} "
+              f"{r['peak_memory_mib']:8.0f} {ratio:>8s}")

@@ -187,13 +187,13 @@ class Sampling:
         """OptionError for what does not go with sampling: n-best lists and forced prefixes are the
         searches', and scoring "hf" ranks beams (a sample is not ranked)."""
         if search.n_best is not None:
-            raise OptionError("sampling with {}: sampling gives num_samples translations, not a ranked list",
-                              "n_best")
+            raise OptionError("{} with {}: sampling gives {} translations, not a ranked list", "sample", "n_best",
+                              "num_samples")
         if prefixes:
-            raise OptionError("sampling with prefixes: forced prefixes are for the searches")
+            raise OptionError("{} with prefixes: forced prefixes are for the searches", "sample")
         if search.scoring != "gnmt":
-            raise OptionError("sampling with {} " + f"{search.scoring}: scoring ranks a beam's hypotheses, a sample "
-                              "is not ranked", "scoring")
+            raise OptionError("{} with {} " + f"{search.scoring}: scoring ranks a beam's hypotheses, a sample is "
+                              "not ranked", "sample", "scoring")
 
 
 def check_format(fmt: str, search: Search, sample: Sampling | None = None) -> None:
@@ -306,7 +306,9 @@ class TranslateFiles:
 def sampling_from(given: Mapping[str, Any]) -> Sampling | None:
     """The `Sampling` of the flags `given` when --sample is, else None; a sampling flag without it: UserError."""
     if not given.get("sample"):
-        stray = [flag_of(f) for f in dataclasses.fields(Sampling) if f.name in given]
+        order = ("num_samples", "temperature", "top_k", "top_p", "seed")
+        stray = [flag_of(f) for f in sorted(dataclasses.fields(Sampling), key=lambda f: order.index(f.name))
+                 if f.name in given]
         if stray:
             raise UserError(f"{', '.join(stray)} without --sample: sampling settings, the searches take none")
         return None

@@ -108,7 +108,7 @@ def test_sampling_refuses_a_tsv_prefix_column_and_the_api_its_bad_settings(tiny_
     with train.load(tiny_torch_run) as run:
         for kwargs, fragment in [({"top_k": 3}, "top_k: sampling settings, give sample=True"),
                                  ({"sample": True, "prefix": ["one"]}, "forced prefixes are for the searches"),
-                                 ({"sample": True, "n_best": 2}, "--sample with --n-best"),
+                                 ({"sample": True, "n_best": 2}, "sample with n_best"),
                                  ({"sample": True, "top_p": 2.0}, "top_p must be in (0, 1], got 2"),
                                  ({"sample": True, "seed": 1.5}, "seed must be an integer, got 1.5")]:
             with pytest.raises(UserError, match="^.*$") as info:
