@@ -82,17 +82,6 @@ def tokenizers_digest(tokenizers: Tokenizers) -> str:
     return h.hexdigest()
 
 
-def file_digest(paths: Iterable[Path]) -> str:
-    """sha256 over the bytes of `paths`, read in blocks (a corpus is never held whole)."""
-    h = hashlib.sha256()
-    for path in paths:
-        with open(path, "rb") as f:
-            while block := f.read(1 << 22):
-                h.update(block)
-        h.update(b"\0")
-    return h.hexdigest()
-
-
 def cache_dir(hf_cache: str | None = None) -> Path:
     """Where stores live: `$AIAYN_DATA_CACHE`, else `aiayn-corpora/` in --hf-cache, else in the HF
     datasets cache (`$HF_DATASETS_CACHE`, `$HF_HOME/datasets`, ~/.cache/huggingface/datasets)."""
@@ -103,9 +92,10 @@ def cache_dir(hf_cache: str | None = None) -> Path:
 
 
 def corpus_store(root: Path, data_digest: str, tokenizers: Tokenizers, pairs: Iterable[tuple[str, str]],
-                 total: int | None = None, name: str = "corpus") -> TokenStore:
+                 total: int | None = None, name: str = "corpus", progress: bool = True) -> TokenStore:
     """The store of the data `data_digest` names tokenized by `tokenizers` under `root`: opened when
-    it is there, else built from `pairs` (a callable returning them is called only then)."""
+    it is there, else built from `pairs` (a callable returning them is called only then), with a
+    progress bar on a terminal when `progress`."""
     key = hashlib.sha256(f"{FORMAT}\n{data_digest}\n{tokenizers_digest(tokenizers)}".encode()).hexdigest()[:32]
     path = root / key
     if not (path / MANIFEST).is_file():
@@ -113,12 +103,12 @@ def corpus_store(root: Path, data_digest: str, tokenizers: Tokenizers, pairs: It
         with open(root / f".{key}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # a second build of the key waits, then opens the first's store
             if not (path / MANIFEST).is_file():
-                build_store(path, pairs() if callable(pairs) else pairs, tokenizers, key, total, name)
+                build_store(path, pairs() if callable(pairs) else pairs, tokenizers, key, total, name, progress)
     return open_store(path, key)
 
 
 def build_store(path: Path, pairs: Iterable[tuple[str, str]], tokenizers: Tokenizers, key: str = "",
-                total: int | None = None, name: str = "corpus") -> None:
+                total: int | None = None, name: str = "corpus", progress: bool = True) -> None:
     """Tokenize `pairs` chunk by chunk (`encode_batch` runs on every core) into a new store at `path`,
     written in a temporary directory beside it and renamed into place when complete."""
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
@@ -129,7 +119,8 @@ def build_store(path: Path, pairs: Iterable[tuple[str, str]], tokenizers: Tokeni
                 stack.enter_context(f)
                 f.write(_npy_header(0))
             counts = dict.fromkeys(files, 0)
-            bar = stack.enter_context(tqdm(total=total, unit=" pairs", desc=f"tokenizing {name}", dynamic_ncols=True))
+            bar = stack.enter_context(tqdm(total=total, unit=" pairs", desc=f"tokenizing {name}", dynamic_ncols=True,
+                                           disable=None if progress else True))  # None: on a terminal only
             for chunk in _chunks(pairs, CHUNK):
                 for side, tok, texts in zip(SIDES, (tokenizers.src, tokenizers.tgt), zip(*chunk)):
                     ids = [e.ids for e in tok.encode_batch(list(texts))]
