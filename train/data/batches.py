@@ -144,7 +144,8 @@ class Batcher:
         plan = self._epoch_plan(0)
         if not plan:
             return 0.0
-        tokens = sum(int(self._src_len[i].sum()) + int(self._tgt_len[i].sum()) for i in (ids[ids >= 0] for _, ids in plan))
+        present = (ids[ids >= 0] for _, ids in plan)
+        tokens = sum(int(self._src_len[i].sum()) + int(self._tgt_len[i].sum()) for i in present)
         positions = sum(2 * self.batch_size[length] * length for length, _ in plan)
         return 1.0 - tokens / positions
 
