@@ -178,19 +178,20 @@ class Batcher:
         src_len, tgt_len = self._src_len[order].tolist(), self._tgt_len[order].tolist()
         queue, batches = collections.deque(range(len(order))), []  # positions in `order`
         while queue:
-            free_src, free_tgt = [length] * size, [length] * size
+            free_src, free_tgt = np.full(size, length), np.full(size, length)
             rows: list[list[int]] = [[] for _ in range(size)]
             waiting: list[int] = []
             while queue and len(waiting) < size:
                 k = queue.popleft()
                 s, t = src_len[k], tgt_len[k]
-                row = next((r for r in range(size) if free_src[r] >= s and free_tgt[r] >= t), None)
-                if row is None:
-                    waiting.append(k)
-                else:
+                fits = (free_src >= s) & (free_tgt >= t)
+                row = int(fits.argmax())
+                if fits[row]:
                     rows[row].append(k)
                     free_src[row] -= s
                     free_tgt[row] -= t
+                else:
+                    waiting.append(k)
             queue.extendleft(reversed(waiting))  # first in the next batch
             rows = [row for row in rows if row]
             ids = np.full((len(rows), max(map(len, rows))), -1, np.int64)
