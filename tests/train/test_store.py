@@ -120,6 +120,12 @@ def test_damaged_store_is_refused(numbers, tmp_path):
     pairs, tokenizers = numbers
     _store(tmp_path, tokenizers, pairs[:100])
     [path] = [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
+    manifest = (path / "store.json").read_text()
+    (path / "store.json").write_text(manifest.replace(path.name, "another-corpus"))  # another key's store moved here
+    with pytest.raises(UserError, match=r"^corpus store .* does not match its manifest"):
+        _store(tmp_path, tokenizers, pairs[:100])
+    (path / "store.json").write_text(manifest)
+    assert len(_store(tmp_path, tokenizers, pairs[:100])) == 100
     with open(path / "tgt.npy", "r+b") as f:  # truncated: the last tokens lost
         f.truncate(f.seek(0, 2) - 8)
     with pytest.raises(UserError, match=r"^corpus store .* does not match its manifest .*delete it"):
