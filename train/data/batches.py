@@ -5,7 +5,7 @@ shuffled per epoch from a seed, and resumable from a JSON-able state.
 
 from __future__ import annotations
 
-import collections
+import itertools
 import dataclasses
 import logging
 from collections.abc import Iterator, Sequence
@@ -175,14 +175,16 @@ class Batcher:
         """The pairs of `order` packed first-fit into batches of B_P rows of P positions each: per
         batch, a (rows in use, most pairs a row) array of pair indices, -1 after a row's pairs."""
         length, size = self.pack_length, self.batch_size[self.pack_length]
-        src_len, tgt_len = self._src_len[order].tolist(), self._tgt_len[order].tolist()
-        queue, batches = collections.deque(range(len(order))), []  # positions in `order`
-        while queue:
+        src_len, tgt_len = self._src_len[order].tolist(), self._tgt_len[order].tolist()  # lists: fast to index
+        carried, start, batches = [], 0, []  # positions in `order`: those waiting from the last batch, the next new
+        while carried or start < len(order):
             free_src, free_tgt = np.full(size, length), np.full(size, length)
             rows: list[list[int]] = [[] for _ in range(size)]
             waiting: list[int] = []
-            while queue and len(waiting) < size:
-                k = queue.popleft()
+            queue = itertools.chain(carried, range(start, len(order)))
+            taken = 0
+            for k in queue:
+                taken += 1
                 s, t = src_len[k], tgt_len[k]
                 fits = (free_src >= s) & (free_tgt >= t)
                 row = int(fits.argmax())
@@ -192,7 +194,10 @@ class Batcher:
                     free_tgt[row] -= t
                 else:
                     waiting.append(k)
-            queue.extendleft(reversed(waiting))  # first in the next batch
+                    if len(waiting) == size:
+                        break
+            # The waiting pairs come first in the next batch, then those not reached.
+            carried, start = waiting + carried[taken:], start + max(0, taken - len(carried))
             rows = [row for row in rows if row]
             ids = np.full((len(rows), max(map(len, rows))), -1, np.int64)
             for r, row in enumerate(rows):
