@@ -1,17 +1,26 @@
 """The PyTorch backend: `torch_reference.Transformer` with torch.optim, the same semantics as JAX, on
-one device (CUDA when available, else the CPU). `--dtype bfloat16` runs the forward passes under
-`torch.autocast`; checkpoints are `train.store.torch_store.TorchStore`'s (safetensors).
+CUDA when available, else the CPU. `--dtype bfloat16` runs the forward passes under
+`torch.autocast`; checkpoints are `train.store.torch_store.TorchStore`'s (safetensors). On several
+devices: one process each (`--devices N` starts them, or torchrun does), DistributedDataParallel,
+each process taking its rows of the global batch (docs/operations.md#devices-and-processes).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import datetime
+import multiprocessing
 import os
+import socket
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 import torch_reference
 from torch_reference import decode, ensemble, sampling
@@ -20,6 +29,8 @@ from torch_reference.objective import label_smoothed_cross_entropy, noam_learnin
 
 from ..config import ExperimentConfig, default_dtype, resolve_kernels
 from ..data import Batch
+from ..runtime import Interrupted, UserError
+from ..runtime.files import error_text
 from ..store import TrainingState, check_keys
 from ..store.torch_store import TorchStore
 from .interface import Hypotheses, Metrics, StoreMethods, Topology, check_greedy_n_best
@@ -31,17 +42,100 @@ def _long(device: torch.device, *arrays: np.ndarray) -> tuple[torch.Tensor, ...]
 
 
 def initialize(exp_cfg: ExperimentConfig) -> Topology:
-    """Once per process, where a CLI starts: refuse the JAX backend's --devices and multi-process
-    settings (one process, one device), and set torch's intra-op threads (--threads)."""
-    if exp_cfg.devices not in (None, 1):
-        raise ValueError(f"--devices {exp_cfg.devices}: the torch backend trains on one device (use --backend jax)")
-    if exp_cfg.param_sharding != "replicated":
-        raise ValueError(f"--param-sharding {exp_cfg.param_sharding}: the torch backend trains on one device "
-                         "(use --backend jax)")
+    """Once per process, where a CLI starts: join the run's processes (torchrun's environment, or
+    the one `launch` gives the processes it starts) and set torch's intra-op threads (--threads,
+    else this process's share of the CPUs)."""
     if exp_cfg.coordinator_address or exp_cfg.num_processes not in (None, 1):
-        raise ValueError("multi-process training (--coordinator-address, --num-processes) needs --backend jax")
-    torch.set_num_threads(exp_cfg.threads or len(os.sched_getaffinity(0)))
-    return Topology(platform="gpu" if torch.cuda.is_available() else "cpu")
+        raise ValueError("--coordinator-address and --num-processes are jax's: launch torch with torchrun")
+    if exp_cfg.param_sharding != "replicated":
+        raise ValueError(f"--param-sharding {exp_cfg.param_sharding}: the torch backend trains replicated")
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if exp_cfg.devices not in (None, world) and world > 1:
+        raise ValueError(f"--devices {exp_cfg.devices}: torchrun started {world} processes")
+    gpu = torch.cuda.is_available()
+    dist_backend = exp_cfg.dist_backend or ("nccl" if gpu else "gloo")
+    if dist_backend == "nccl" and not gpu:
+        raise ValueError("--dist-backend nccl needs CUDA GPUs and this machine has none: use gloo")
+    if gpu and max(world, exp_cfg.devices or 1) > torch.cuda.device_count():
+        raise ValueError(f"--devices {max(world, exp_cfg.devices or 1)}: {torch.cuda.device_count()} GPU(s) visible")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    torch.set_num_threads(exp_cfg.threads or max(1, len(os.sched_getaffinity(0)) // local))
+    if world == 1:
+        return Topology(platform="gpu" if gpu else "cpu")
+    if gpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if not dist.is_initialized():
+        # A peer that never comes (or dies while joining) ends the wait within this limit.
+        dist.init_process_group(dist_backend, timeout=datetime.timedelta(minutes=10))
+    return Topology(dist.get_rank(), world, world, "gpu" if gpu else "cpu")
+
+
+@contextlib.contextmanager
+def launch(exp_cfg: ExperimentConfig, target, **kwargs):
+    """`--devices N` outside torchrun: processes 1..N-1 started for the block, each running
+    `target(exp_cfg, **kwargs)` (train.loop.train) with torchrun's environment on this machine, this
+    process number 0. On the way out the process group ends (on an error first, so that the others,
+    waiting in a collective, stop in one line) and the others are waited for."""
+    if (exp_cfg.devices or 1) == 1 or "WORLD_SIZE" in os.environ:
+        yield
+        return
+    initialize(exp_cfg)  # its checks, before any process starts
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    n = exp_cfg.devices
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n)}
+    spawn = multiprocessing.get_context("spawn")
+    children = [spawn.Process(target=_process, args=({**env, "RANK": str(r), "LOCAL_RANK": str(r)}, target, exp_cfg,
+                                                     kwargs), daemon=True) for r in range(1, n)]
+    for child in children:
+        child.start()
+    saved = {k: os.environ.get(k) for k in (*env, "RANK", "LOCAL_RANK")}
+    os.environ.update(env, RANK="0", LOCAL_RANK="0")
+    try:
+        yield
+    except BaseException:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise
+    finally:
+        for child in children:
+            child.join(timeout=60)
+            if child.is_alive():
+                child.kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
+def _process(env: dict[str, str], target, exp_cfg: ExperimentConfig, kwargs: dict) -> None:
+    """A process `launch` started: `train.run.main`'s endings (process 0 prints the resume command)."""
+    os.environ.update(env)
+    try:
+        target(exp_cfg, **kwargs)
+    except (UserError, OSError) as err:
+        print(f"error: {error_text(err)}", file=sys.stderr)
+        sys.exit(1)
+    except Interrupted as err:
+        sys.exit(128 + err.signum)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+def _collective(call, *args):
+    """A torch.distributed call; a peer gone (killed, crashed) ends this process in one line."""
+    try:
+        return call(*args)
+    except (RuntimeError, dist.DistError) as err:
+        raise UserError(f"process {dist.get_rank()} of {dist.get_world_size()}: another process of the run stopped "
+                        f"({str(err).splitlines()[0][:200]}); --resume continues from the last checkpoint") from None
+
+
+def _sum_gradients(state, bucket):  # unannotated: DDP checks the annotations, strings here
+    """DDP's communication hook: gradients summed over the processes, not averaged: each process's
+    loss is already divided by the global batch's target tokens (the mean over the batch, as JAX)."""
+    return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda fut: fut.value()[0])
 
 
 class TorchBackend(StoreMethods):
@@ -51,14 +145,22 @@ class TorchBackend(StoreMethods):
 
     def __init__(self, exp_cfg: ExperimentConfig, model_cfg: TransformerConfig, checkpoint_dir: str | None = None):
         self.exp_cfg, self.model_cfg = exp_cfg, model_cfg
-        self.topology = Topology()
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.distributed = dist.is_initialized()
+        world = dist.get_world_size() if self.distributed else 1
+        self.topology = Topology(dist.get_rank() if self.distributed else 0, world, world)
+        self.device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
         platform = "gpu" if self.device.type == "cuda" else "cpu"
         self.dtype = exp_cfg.dtype or default_dtype(platform)
         self.kernels = resolve_kernels(exp_cfg.kernels, "torch", platform)
         torch.manual_seed(exp_cfg.seed)
         self.model = torch_reference.Transformer(model_cfg, self.kernels, exp_cfg.remat).to(self.device)
-        self.forward = torch.compile(self.model) if exp_cfg.compile else self.model
+        self.forward = self.model
+        if self.distributed:  # every process starts from process 0's weights (the same seed's anyway)
+            self.forward = DistributedDataParallel(self.model, device_ids=None if self.device.type == "cpu" else
+                                                   [self.device])
+            self.forward.register_comm_hook(None, _sum_gradients)
+        if exp_cfg.compile:
+            self.forward = torch.compile(self.forward)
         # lr = 1 times the schedule's factor: LambdaLR multiplies the base lr by lr_lambda(epoch).
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1.0, betas=(0.9, 0.98), eps=1e-9)
         # LambdaLR counts from 0 and sets lr_lambda(0) at construction; the paper counts from 1,
@@ -97,17 +199,37 @@ class TorchBackend(StoreMethods):
             nll_sum = label_smoothed_cross_entropy(logits, tgt_out, pad, 0.0, reduction="sum")
         return loss_sum, nll_sum
 
+    def _rows(self, batch: Batch) -> Batch:
+        """This process's rows of a global batch (`sharding.process_slice`'s); its token counts the global batch's."""
+        index, count = self.topology.process_index, self.topology.process_count
+        if count == 1 or batch.global_rows is not None:  # one process, or the Batcher gave this one's share
+            return batch
+        rows = len(batch.src)
+        if rows % count:
+            raise ValueError(f"a global batch of {rows} rows cannot be split over {count} processes")
+        part = slice(index * rows // count, (index + 1) * rows // count)
+        arrays = {k: None if getattr(batch, k) is None else getattr(batch, k)[part]
+                  for k in ("src", "tgt_in", "tgt_out", "ids", "src_segments", "tgt_segments")}
+        return dataclasses.replace(batch, **arrays, global_rows=rows)
+
     def train_step(self, batches: Sequence[Batch]) -> Metrics:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        total_tokens = sum(b.num_tgt_tokens for b in batches)
+        total_tokens = sum(b.num_tgt_tokens for b in batches)  # of the global batches
         loss_total = nll_total = torch.zeros((), device=self.device)
-        for batch in batches:
-            loss_sum, nll_sum = self._loss_sums(self.forward, batch)
-            # Sum over micro-batches of (loss sum / the update's tokens): the gradient of one
-            # batch holding all of them, as on the JAX side.
-            (loss_sum / total_tokens).backward()
+        for i, batch in enumerate(batches):
+            # DDP sums the gradients over the processes in the last micro-batch's backward pass.
+            last = not self.distributed or i == len(batches) - 1
+            with contextlib.nullcontext() if last else self.forward.no_sync():
+                loss_sum, nll_sum = self._loss_sums(self.forward, self._rows(batch))
+                # Sum over micro-batches of (loss sum / the update's tokens): the gradient of one
+                # batch holding all of them, as on the JAX side.
+                _collective((loss_sum / total_tokens).backward)
             loss_total, nll_total = loss_total + loss_sum.detach(), nll_total + nll_sum
+        if self.distributed:
+            sums = torch.stack([loss_total, nll_total])
+            _collective(dist.all_reduce, sums)
+            loss_total, nll_total = sums[0], sums[1]
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         grad_norm = torch.sqrt(sum(g.square().sum() for g in grads))  # optax.tree.norm, before clipping
         if self.exp_cfg.clip_norm is not None:
@@ -228,7 +350,18 @@ class TorchBackend(StoreMethods):
 
     # Checkpoints: export_state in the store, the store's state through import_state
     def save(self, meta: dict[str, Any], metrics: dict[str, float] | None = None) -> None:
-        self.store.save(self.export_state(), meta, metrics)
+        if self.topology.is_main:  # the state is the same in every process
+            self.store.save(self.export_state(), meta, metrics)
+        if self.distributed:  # none goes on (and may resume) before the checkpoint is complete
+            _collective(dist.barrier)
+
+    def agreed_signal(self, signum: int | None) -> int | None:
+        """A stop signal that any process received (the processes stop at the same update), or None."""
+        if not self.distributed:
+            return signum
+        flag = torch.tensor([signum or 0], device=self.device)
+        _collective(dist.all_reduce, flag, dist.ReduceOp.MAX)
+        return int(flag.item()) or None
 
     def restore(self, which: str | int = "latest") -> dict[str, Any]:
         return self.store.restore(which, self.import_state)
