@@ -54,6 +54,9 @@ def train(cfg: ExperimentConfig, *, explicit: Iterable[str] | None = None,
     train alongside but print and write nothing.
     """
     started = time.perf_counter()
+    if cfg.resume and cfg.run_dir and explicit is not None and "backend" not in explicit:
+        with contextlib.suppress(UserError):  # the run's backend starts its processes (no run: the session says so)
+            cfg = cfg.replace(backend=runtime.read_experiment(cfg.run_dir).backend)
     with launch(cfg, train, explicit=explicit, init_dir=init_dir):  # torch --devices N: its other processes
         return _train(cfg, explicit, init_dir, started)
 

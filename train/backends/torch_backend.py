@@ -79,7 +79,10 @@ def launch(exp_cfg: ExperimentConfig, target, **kwargs):
     if (exp_cfg.devices or 1) == 1 or "WORLD_SIZE" in os.environ:
         yield
         return
-    initialize(exp_cfg)  # its checks, before any process starts
+    try:
+        initialize(exp_cfg)  # its checks, before any process starts
+    except ValueError as err:
+        raise UserError(str(err)) from None
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -129,7 +132,8 @@ def _collective(call, *args):
         return call(*args)
     except (RuntimeError, dist.DistError) as err:
         raise UserError(f"process {dist.get_rank()} of {dist.get_world_size()}: another process of the run stopped "
-                        f"({str(err).splitlines()[0][:200]}); --resume continues from the last checkpoint") from None
+                        f"({type(err).__name__} in {getattr(call, '__name__', 'a collective')}); --resume continues "
+                        "from the last checkpoint") from None
 
 
 def _sum_gradients(state, bucket):  # unannotated: DDP checks the annotations, strings here
@@ -156,8 +160,8 @@ class TorchBackend(StoreMethods):
         self.model = torch_reference.Transformer(model_cfg, self.kernels, exp_cfg.remat).to(self.device)
         self.forward = self.model
         if self.distributed:  # every process starts from process 0's weights (the same seed's anyway)
-            self.forward = DistributedDataParallel(self.model, device_ids=None if self.device.type == "cpu" else
-                                                   [self.device])
+            self.forward = _collective(DistributedDataParallel, self.model, None if self.device.type == "cpu" else
+                                       [self.device])
             self.forward.register_comm_hook(None, _sum_gradients)
         if exp_cfg.compile:
             self.forward = torch.compile(self.forward)
