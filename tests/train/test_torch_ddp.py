@@ -1,6 +1,7 @@
 """The torch backend on two processes (gloo, CPU): DistributedDataParallel through `train.run --devices 2`.
 
-- the 2-process curve equals the 1-device curve (same global batches);
+- the 2-process curve equals the 1-device curve (same global batches), with DDP and with FSDP2 (whose
+  checkpoint resumes on one device);
 - a run trained on torch over 2 processes continues on JAX over 2 devices and the other way, the
   losses those of the run continuing in its own framework (the torch 2-process curve against JAX's);
 - SIGTERM to process 0 saves one checkpoint (all processes stop at the same update), a killed
@@ -78,11 +79,18 @@ def torch_2(tmp_path_factory) -> Path:
     return run_dir
 
 
-def test_two_processes_take_the_updates_of_one_device(torch_2, tmp_path):
+def test_two_processes_take_the_updates_of_one_device_replicated_or_sharded(torch_2, tmp_path):
+    one = _torch(tmp_path / "torch-1", 1, steps=9)
     two = _losses(torch_2)
     assert len(two) == 6 and two[-1] < two[0]
-    np.testing.assert_allclose(two, _torch(tmp_path / "torch-1", 1), rtol=RTOL)
+    np.testing.assert_allclose(two, one[:6], rtol=RTOL)
     assert sorted(p.name for p in (torch_2 / "checkpoints").iterdir() if p.name.isdigit()) == ["3", "6"]
+    # FSDP2 over 2 processes: the same updates; its checkpoint (gathered whole) resumes on one device.
+    sharded = tmp_path / "fsdp"
+    loop.train(ExperimentConfig(backend="torch", run_dir=str(sharded), steps=6, devices=2, param_sharding="fsdp",
+                                **FLAGS))
+    np.testing.assert_allclose(_losses(sharded), one[:6], rtol=RTOL)
+    np.testing.assert_allclose(_torch(sharded, 1, steps=9, resume=True), one, rtol=RTOL)
 
 
 def test_resume_across_frameworks_on_two_devices_each_way(torch_2, tmp_path):

@@ -8,6 +8,7 @@ each process taking its rows of the global batch (docs/operations.md#devices-and
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import datetime
 import multiprocessing
@@ -20,6 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
 import torch_reference
@@ -47,8 +50,6 @@ def initialize(exp_cfg: ExperimentConfig) -> Topology:
     else this process's share of the CPUs)."""
     if exp_cfg.coordinator_address or exp_cfg.num_processes not in (None, 1):
         raise ValueError("--coordinator-address and --num-processes are jax's: launch torch with torchrun")
-    if exp_cfg.param_sharding != "replicated":
-        raise ValueError(f"--param-sharding {exp_cfg.param_sharding}: the torch backend trains replicated")
     world = int(os.environ.get("WORLD_SIZE", 1))
     if exp_cfg.devices not in (None, world) and world > 1:
         raise ValueError(f"--devices {exp_cfg.devices}: torchrun started {world} processes")
@@ -136,6 +137,25 @@ def _collective(call, *args):
                         "from the last checkpoint") from None
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This process's part of a tensor: an FSDP shard's local tensor, else the tensor."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor whole: an FSDP-sharded one gathered from every process."""
+    return _collective(tensor.full_tensor) if isinstance(tensor, DTensor) else tensor.detach()
+
+
+def _like(param: torch.Tensor, value) -> torch.Tensor:
+    """A whole array as a tensor laid out as `param`: sharded as it is under FSDP (every process holds the
+    whole value), else plain."""
+    value = value if isinstance(value, torch.Tensor) else torch.from_numpy(np.array(value))
+    if isinstance(param, DTensor):
+        return distribute_tensor(value.to(param.device), param.device_mesh, param.placements)
+    return value
+
+
 def _sum_gradients(state, bucket):  # unannotated: DDP checks the annotations, strings here
     """DDP's communication hook: gradients summed over the processes, not averaged: each process's
     loss is already divided by the global batch's target tokens (the mean over the batch, as JAX)."""
@@ -158,15 +178,25 @@ class TorchBackend(StoreMethods):
         self.kernels = resolve_kernels(exp_cfg.kernels, "torch", platform)
         torch.manual_seed(exp_cfg.seed)
         self.model = torch_reference.Transformer(model_cfg, self.kernels, exp_cfg.remat).to(self.device)
-        self.forward = self.model
-        if self.distributed:  # every process starts from process 0's weights (the same seed's anyway)
+        self.forward = self.trained = self.model  # the module the updates go through, and the one they change
+        # FSDP2: each process keeps a shard of every parameter, gradient and Adam moment; self.model, whole, is
+        # what evaluation and search use, refreshed from the shards once per update (`_whole`), as JAX gathers.
+        self.fsdp = exp_cfg.param_sharding == "fsdp" and self.distributed
+        self._whole_step = 0
+        if self.fsdp:
+            self.forward = self.trained = copy.deepcopy(self.model)
+            for module in (*self.trained.encoder.layers, *self.trained.decoder.layers, self.trained):
+                fully_shard(module)
+                module.set_gradient_divide_factor(1.0)  # summed, as `_sum_gradients`
+                module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+        elif self.distributed:  # every process starts from process 0's weights (the same seed's anyway)
             self.forward = _collective(DistributedDataParallel, self.model, None if self.device.type == "cpu" else
                                        [self.device])
             self.forward.register_comm_hook(None, _sum_gradients)
         if exp_cfg.compile:
             self.forward = torch.compile(self.forward)
         # lr = 1 times the schedule's factor: LambdaLR multiplies the base lr by lr_lambda(epoch).
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1.0, betas=(0.9, 0.98), eps=1e-9)
+        self.optimizer = torch.optim.Adam(self.trained.parameters(), lr=1.0, betas=(0.9, 0.98), eps=1e-9)
         # LambdaLR counts from 0 and sets lr_lambda(0) at construction; the paper counts from 1,
         # so update n (from 1) runs at lr(step=n), as optax's count + 1 on the JAX side.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda epoch: self.learning_rate(epoch + 1))
@@ -203,6 +233,15 @@ class TorchBackend(StoreMethods):
             nll_sum = label_smoothed_cross_entropy(logits, tgt_out, pad, 0.0, reduction="sum")
         return loss_sum, nll_sum
 
+    def _whole(self) -> torch.nn.Module:
+        """The whole model at the current step (under FSDP gathered from the shards, by every process)."""
+        if self.fsdp and self._whole_step != self.step:
+            with torch.no_grad():
+                for (name, shard), whole in zip(self.trained.named_parameters(), self.model.parameters()):
+                    whole.copy_(_collective(shard.full_tensor))
+            self._whole_step = self.step
+        return self.model
+
     def _rows(self, batch: Batch) -> Batch:
         """This process's rows of a global batch (`sharding.process_slice`'s); its token counts the global batch's."""
         index, count = self.topology.process_index, self.topology.process_count
@@ -217,14 +256,16 @@ class TorchBackend(StoreMethods):
         return dataclasses.replace(batch, **arrays, global_rows=rows)
 
     def train_step(self, batches: Sequence[Batch]) -> Metrics:
-        self.model.train()
+        self.trained.train()
         self.optimizer.zero_grad(set_to_none=True)
         total_tokens = sum(b.num_tgt_tokens for b in batches)  # of the global batches
         loss_total = nll_total = torch.zeros((), device=self.device)
         for i, batch in enumerate(batches):
             # DDP sums the gradients over the processes in the last micro-batch's backward pass.
             last = not self.distributed or i == len(batches) - 1
-            with contextlib.nullcontext() if last else self.forward.no_sync():
+            if self.fsdp:
+                self.trained.set_requires_gradient_sync(last)
+            with contextlib.nullcontext() if last or self.fsdp else self.forward.no_sync():
                 loss_sum, nll_sum = self._loss_sums(self.forward, self._rows(batch))
                 # Sum over micro-batches of (loss sum / the update's tokens): the gradient of one
                 # batch holding all of them, as on the JAX side.
@@ -234,8 +275,11 @@ class TorchBackend(StoreMethods):
             sums = torch.stack([loss_total, nll_total])
             _collective(dist.all_reduce, sums)
             loss_total, nll_total = sums[0], sums[1]
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        grad_norm = torch.sqrt(sum(g.square().sum() for g in grads))  # optax.tree.norm, before clipping
+        grads = [_local(p.grad) for p in self.trained.parameters() if p.grad is not None]  # FSDP: this process's shards
+        squares = sum(g.square().sum() for g in grads)
+        if self.fsdp:
+            _collective(dist.all_reduce, squares)
+        grad_norm = torch.sqrt(squares)  # optax.tree.norm, before clipping
         if self.exp_cfg.clip_norm is not None:
             # optax.clip_by_global_norm: g unchanged when ||g|| < max_norm, else (g / ||g||) * max_norm.
             # Not torch.nn.utils.clip_grad_norm_, which scales by max_norm / (||g|| + 1e-6).
@@ -255,14 +299,14 @@ class TorchBackend(StoreMethods):
 
     @torch.no_grad()
     def eval_loss(self, batch: Batch):
-        self.model.eval()
+        self._whole().eval()
         loss_sum, nll_sum = self._loss_sums(self.model, batch)
         return loss_sum, nll_sum, batch.num_tgt_tokens
 
     def translate(self, src: np.ndarray, beam_size: int = 4, alpha: float = 0.6, cached: bool = True,
                   scoring: str = "gnmt", n_best: int | None = None,
                   prefix: np.ndarray | None = None) -> np.ndarray | Hypotheses:
-        self.model.eval()
+        self._whole().eval()
         (src_t,) = _long(self.device, src)  # (B, S)
         prefix_t = None if prefix is None else _long(self.device, prefix)[0]
         with self.autocast():
@@ -285,7 +329,7 @@ class TorchBackend(StoreMethods):
 
     def sample(self, src: np.ndarray, seed: int, num_samples: int = 1, temperature: float = 1.0, top_k: int = 0,
                top_p: float = 1.0, sentence_ids: np.ndarray | None = None) -> Hypotheses:
-        self.model.eval()
+        self._whole().eval()
         (src_t,) = _long(self.device, src)  # (B, S)
         with self.autocast():
             tokens, logprob = sampling.sample(self.model, src_t, seed, num_samples, temperature, top_k, top_p,
@@ -299,26 +343,26 @@ class TorchBackend(StoreMethods):
 
     @torch.no_grad()
     def score(self, src: np.ndarray, tgt: np.ndarray) -> np.ndarray:
-        self.model.eval()
+        self._whole().eval()
         with self.autocast():
             return decode.score(self.model, *_long(self.device, src, tgt)).float().cpu().numpy()
 
     @torch.no_grad()
     def cross_attention(self, src: np.ndarray, tgt_in: np.ndarray) -> np.ndarray:
-        self.model.eval()
+        self._whole().eval()
         src_t, tgt_t = _long(self.device, src, tgt_in)
         with self.autocast():
             _, attention = self.model(src_t, tgt_t, return_attention=True)  # (B, layers, H, T, S)
         return attention.float().cpu().numpy()
 
     def weights(self) -> dict[str, np.ndarray]:
-        return {k: v.detach().cpu().numpy().copy() for k, v in self.model.state_dict().items()}
+        return {k: v.detach().cpu().numpy().copy() for k, v in self._whole().state_dict().items()}
 
     def export_state(self) -> TrainingState:
-        names = {p: name for name, p in self.model.named_parameters()}
+        names = {p: name for name, p in self.trained.named_parameters()}
         moments = {names[p]: s for p, s in self.optimizer.state.items()}
-        mu = {n: s["exp_avg"].detach().cpu().numpy().copy() for n, s in moments.items()} or None
-        nu = {n: s["exp_avg_sq"].detach().cpu().numpy().copy() for n, s in moments.items()} or None
+        mu, nu = ({n: _full(s[key]).cpu().numpy().copy() for n, s in moments.items()} or None
+                  for key in ("exp_avg", "exp_avg_sq"))
         rng = torch.get_rng_state().numpy().copy()
         state = TrainingState("torch", self.step, self.weights(), mu, nu, rng)
         state.check()
@@ -338,12 +382,16 @@ class TorchBackend(StoreMethods):
             self.model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in state.params.items()}, strict=True)
         # torch.optim.Adam's own layout, by parameter index; `step` as the float tensor it keeps.
         optimizer_state = self.optimizer.state_dict()
-        names = [name for name, _ in self.model.named_parameters()]
+        params = list(self.trained.named_parameters())
         adam_step = torch.tensor(float(state.step))
         optimizer_state["state"] = {} if state.mu is None else {
-            i: {"step": adam_step.clone(), "exp_avg": torch.from_numpy(np.array(state.mu[n])),
-                "exp_avg_sq": torch.from_numpy(np.array(state.nu[n]))}
-            for i, n in enumerate(names)}
+            i: {"step": adam_step.clone(), "exp_avg": _like(p, state.mu[n]), "exp_avg_sq": _like(p, state.nu[n])}
+            for i, (n, p) in enumerate(params)}
+        if self.fsdp:  # each process its shards of the whole weights just loaded
+            with torch.no_grad():
+                for (_, shard), whole in zip(params, self.model.parameters()):
+                    shard.to_local().copy_(_like(shard, whole.detach()).to_local())
+        self._whole_step = state.step
         self.optimizer.load_state_dict(optimizer_state)
         # LambdaLR's position is the number of updates done; the next runs at lr(step + 1).
         self.scheduler.last_epoch = state.step
@@ -354,8 +402,9 @@ class TorchBackend(StoreMethods):
 
     # Checkpoints: export_state in the store, the store's state through import_state
     def save(self, meta: dict[str, Any], metrics: dict[str, float] | None = None) -> None:
-        if self.topology.is_main:  # the state is the same in every process
-            self.store.save(self.export_state(), meta, metrics)
+        state = self.export_state() if self.fsdp or self.topology.is_main else None  # FSDP: gathered by all
+        if self.topology.is_main:  # the same state in every process
+            self.store.save(state, meta, metrics)
         if self.distributed:  # none goes on (and may resume) before the checkpoint is complete
             _collective(dist.barrier)
 
