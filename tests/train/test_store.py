@@ -10,8 +10,10 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import multiprocessing
-import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -19,7 +21,10 @@ import pytest
 
 from train import data
 from train.data import store as store_mod
+from train.config import ExperimentConfig
 from train.runtime import UserError
+
+from .helpers import REPO
 
 
 def _digest(batches) -> tuple[int, str]:
@@ -115,6 +120,12 @@ def test_damaged_store_is_refused(numbers, tmp_path):
     pairs, tokenizers = numbers
     _store(tmp_path, tokenizers, pairs[:100])
     [path] = [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
+    manifest = (path / "store.json").read_text()
+    (path / "store.json").write_text(manifest.replace(path.name, "another-corpus"))  # another key's store moved here
+    with pytest.raises(UserError, match=r"^corpus store .* does not match its manifest"):
+        _store(tmp_path, tokenizers, pairs[:100])
+    (path / "store.json").write_text(manifest)
+    assert len(_store(tmp_path, tokenizers, pairs[:100])) == 100
     with open(path / "tgt.npy", "r+b") as f:  # truncated: the last tokens lost
         f.truncate(f.seek(0, 2) - 8)
     with pytest.raises(UserError, match=r"^corpus store .* does not match its manifest .*delete it"):
@@ -151,9 +162,9 @@ def _slow_build(cache, tokenizers_dir, pairs, started):
 def test_two_builds_at_once_make_one_store(numbers, tmp_path):
     pairs, tokenizers = numbers
     data.save_tokenizers(tokenizers, tmp_path / "tok")
-    started = multiprocessing.get_context("fork").Event()
-    other = multiprocessing.get_context("fork").Process(target=_slow_build,
-                                                        args=(tmp_path / "cache", tmp_path / "tok", pairs[:50], started))
+    fork = multiprocessing.get_context("fork")
+    started = fork.Event()
+    other = fork.Process(target=_slow_build, args=(tmp_path / "cache", tmp_path / "tok", pairs[:50], started))
     other.start()
     assert started.wait(30)
     stored = _store(tmp_path, tokenizers, lambda: pytest.fail("built twice"))  # waits for the other's build
@@ -162,11 +173,107 @@ def test_two_builds_at_once_make_one_store(numbers, tmp_path):
     assert sorted(p.suffix for p in (tmp_path / "cache").iterdir()) == ["", ".lock"]
 
 
-def test_changed_corpus_gets_its_own_store(tmp_path, numbers):
+def _config(tmp_path, spec: str, **changes) -> ExperimentConfig:
+    return ExperimentConfig(train=spec, valid=spec, hf_cache=str(tmp_path / "hf"), progress=False, **changes)
+
+
+def _stores(tmp_path) -> list:
+    return sorted(p for p in (tmp_path / "hf" / "aiayn-corpora").iterdir() if p.is_dir())
+
+
+def test_text_corpus_store_follows_its_files(tmp_path, numbers):
+    """Built from the files a line at a time, opened in place next time (the text only digested),
+    and another store for a corpus changed under it or --lowercase."""
     _, tokenizers = numbers
-    prefix = tmp_path / "corpus"
-    for lang, text in (("de", "eins\nzwei\n"), ("en", "one\ntwo\n")):
-        (tmp_path / f"corpus.{lang}").write_text(text)
-    first = store_mod.file_digest(data.corpora.spec_files(f"de:en:{prefix}"))
-    (tmp_path / "corpus.en").write_text("one\nthree\n")
-    assert store_mod.file_digest(data.corpora.spec_files(f"de:en:{prefix}")) != first
+    pairs = [(f"  eins {i}", f"one {i}") for i in range(30)] + [("zwei", " ")]  # the last: an empty side
+    for k, lang in enumerate(("de", "en")):
+        (tmp_path / f"c.{lang}").write_text("".join(p[k] + "\n" for p in pairs))
+    cfg = _config(tmp_path, f"de:en:{tmp_path}/c")
+    stored = data.train_store(cfg, tokenizers)
+    expected = data.encode_pairs(tokenizers, data.load_parallel(cfg.train).pairs)
+    assert len(stored) == 30 and stored.gather("src", np.arange(30))[0].tolist() == [i for s, _ in expected for i in s]
+    again = data.train_store(cfg, tokenizers, pairs=[])  # pairs given but not needed: the store is there
+    assert len(again) == 30 and len(_stores(tmp_path)) == 1
+    with open(tmp_path / "c.en", "a") as f:  # the corpus changes under its store
+        f.write("extra\n")
+    with open(tmp_path / "c.de", "a") as f:
+        f.write("mehr\n")
+    assert len(data.train_store(cfg, tokenizers)) == 31 and len(_stores(tmp_path)) == 2
+    assert len(data.train_store(cfg.replace(lowercase=True), tokenizers)) == 31 and len(_stores(tmp_path)) == 3
+    (tmp_path / "c.de").write_text("nur eine\n")
+    with pytest.raises(UserError, match=r"^cannot load .*line counts differ"):
+        data.train_store(cfg, tokenizers)
+    assert len(_stores(tmp_path)) == 3  # nothing of the failed build left
+
+
+def _hub_build_peak(tmp_path, tokenizers, n: int) -> tuple:
+    """(the store, the Python memory its build peaked at) of an hf: spec of `n` pairs (a local parquet
+    dataset standing in for the hub, no network here)."""
+    import tracemalloc
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pairs = [(f"{i} und {i % 97} sind {i * 7}", f"{i} and {i % 97} are {i * 7}") for i in range(n)]
+    (tmp_path / f"hub{n}" / "data").mkdir(parents=True)
+    translation = pa.array([{"de": s, "en": t} for s, t in pairs])
+    pq.write_table(pa.table({"translation": translation}), tmp_path / f"hub{n}" / "data" / "train.parquet")
+    cfg = _config(tmp_path, f"hf:{tmp_path}/hub{n}:train#src=de,tgt=en")
+    data.corpora.stream_parallel(cfg.train, cfg.hf_cache, digest=False)  # datasets converts the parquet to Arrow
+    tracemalloc.start()
+    stored = data.train_store(cfg, tokenizers)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    idx = np.array([0, n // 3, n - 1])
+    expected = data.encode_pairs(tokenizers, [pairs[k] for k in idx])
+    assert stored.gather("tgt", idx)[0].tolist() == [i for _, t in expected for i in t]
+    assert len(stored) == n and len(data.train_store(cfg, tokenizers)) == n  # opened, not rebuilt
+    return stored, peak
+
+
+def test_hub_corpus_streams_into_the_store(tmp_path, numbers, monkeypatch):
+    """hf: specs are written into the store from datasets' memory-mapped Arrow cache a chunk at a
+    time: the build's Python memory does not grow with the corpus."""
+    monkeypatch.setattr(store_mod, "CHUNK", 250)
+    _, small = _hub_build_peak(tmp_path, numbers[1], 2_000)  # both read in several of datasets' batches of 1,000
+    _, large = _hub_build_peak(tmp_path, numbers[1], 6_000)
+    # Measured 909 kB and 908 kB (datasets' batches of 1,000 rows as Python, two at a time, and a chunk);
+    # held whole, 4,000 more pairs would add over 800 kB (200 bytes a pair as Python strings): 200 kB
+    # leaves room for allocator noise.
+    assert large < small + 200_000, (small, large)
+    assert len(_stores(tmp_path)) == 2
+
+
+@pytest.mark.slow  # ~90 s: three jax processes compile; test_process_shares_are_the_batch_rows covers the shares
+def test_two_processes_read_their_rows_like_one_process_on_two_devices(tmp_path):
+    """`python -m train.run` on a --train text corpus: two processes with one CPU device each,
+    each reading its half of every batch from the one store, against one process with two devices."""
+    from .test_distributed import SMALL, _env, _free_port
+
+    splits = data.numbers_corpus(600, 8, 0, seed=3)
+    for name, pairs in (("train", splits.train), ("valid", splits.valid)):
+        for k, lang in enumerate(("de", "en")):
+            (tmp_path / f"{name}.{lang}").write_text("".join(pair[k] + "\n" for pair in pairs))
+    flags = ["--train", f"de:en:{tmp_path}/train", "--valid", f"de:en:{tmp_path}/valid", "--steps", "6",
+             "--eval-every", "6", "--log-every", "1", "--eval-sentences", "4", "--beam", "1", "--vocab-size", "300",
+             "--no-progress", "--max-len", "16", "--token-budget", "256", "--seed", "3", "--warmup", "5"]
+    flags += [arg for k, v in SMALL["model"].items() for arg in ("--set", f"{k}={v}")]
+    command = [sys.executable, "-m", "train.run", *flags]
+    env = {**_env(2), "AIAYN_DATA_CACHE": str(tmp_path / "cache")}
+    single = subprocess.Popen([*command, "--run-dir", str(tmp_path / "one")], env=env, cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    port = _free_port()
+    multi = [subprocess.Popen([*command, "--run-dir", str(tmp_path / "two"), "--coordinator-address",
+                               f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
+                              env={**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}, cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outputs = [p.communicate(timeout=1200) for p in (single, *multi)]
+    for p, (stdout, stderr) in zip((single, *multi), outputs):
+        assert p.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    one, two = (json.loads((tmp_path / run / "results.json").read_text()) for run in ("one", "two"))
+    losses = [[t["loss"] for t in run["history"]["train"]] for run in (one, two)]
+    assert len(losses[0]) == 6
+    # The same global batches; only the all-reduce's summation order differs (test_distributed.REL).
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-4)
+    assert "2 device(s) in 2 processes" in outputs[1][0]
+    assert len([p for p in (tmp_path / "cache").iterdir() if p.is_dir()]) == 1  # one store, read by all three

@@ -15,6 +15,7 @@ import contextlib
 import fcntl
 import hashlib
 import io
+import itertools
 import json
 import os
 import shutil
@@ -66,9 +67,12 @@ class TokenStore:
         return np.asarray(self.arrays[side][positions]), lengths
 
 
-def _starts(lengths: np.ndarray) -> np.ndarray:
-    return np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)[:-1]]).astype(np.int64) if len(lengths) else \
-        np.zeros(0, np.int64)
+def _starts(lengths: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Each pair's offset in the flat ids: 0, then the running sum of the lengths before it."""
+    out = np.empty(len(lengths), np.int64) if out is None else out
+    out[:1] = 0
+    np.cumsum(lengths[:-1], out=out[1:])
+    return out
 
 
 def tokenizers_digest(tokenizers: Tokenizers) -> str:
@@ -82,17 +86,6 @@ def tokenizers_digest(tokenizers: Tokenizers) -> str:
     return h.hexdigest()
 
 
-def file_digest(paths: Iterable[Path]) -> str:
-    """sha256 over the bytes of `paths`, read in blocks (a corpus is never held whole)."""
-    h = hashlib.sha256()
-    for path in paths:
-        with open(path, "rb") as f:
-            while block := f.read(1 << 22):
-                h.update(block)
-        h.update(b"\0")
-    return h.hexdigest()
-
-
 def cache_dir(hf_cache: str | None = None) -> Path:
     """Where stores live: `$AIAYN_DATA_CACHE`, else `aiayn-corpora/` in --hf-cache, else in the HF
     datasets cache (`$HF_DATASETS_CACHE`, `$HF_HOME/datasets`, ~/.cache/huggingface/datasets)."""
@@ -103,9 +96,10 @@ def cache_dir(hf_cache: str | None = None) -> Path:
 
 
 def corpus_store(root: Path, data_digest: str, tokenizers: Tokenizers, pairs: Iterable[tuple[str, str]],
-                 total: int | None = None, name: str = "corpus") -> TokenStore:
+                 total: int | None = None, name: str = "corpus", progress: bool = True) -> TokenStore:
     """The store of the data `data_digest` names tokenized by `tokenizers` under `root`: opened when
-    it is there, else built from `pairs` (a callable returning them is called only then)."""
+    it is there, else built from `pairs` (a callable returning them is called only then), with a
+    progress bar on a terminal when `progress`."""
     key = hashlib.sha256(f"{FORMAT}\n{data_digest}\n{tokenizers_digest(tokenizers)}".encode()).hexdigest()[:32]
     path = root / key
     if not (path / MANIFEST).is_file():
@@ -113,12 +107,12 @@ def corpus_store(root: Path, data_digest: str, tokenizers: Tokenizers, pairs: It
         with open(root / f".{key}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # a second build of the key waits, then opens the first's store
             if not (path / MANIFEST).is_file():
-                build_store(path, pairs() if callable(pairs) else pairs, tokenizers, key, total, name)
+                build_store(path, pairs() if callable(pairs) else pairs, tokenizers, key, total, name, progress)
     return open_store(path, key)
 
 
 def build_store(path: Path, pairs: Iterable[tuple[str, str]], tokenizers: Tokenizers, key: str = "",
-                total: int | None = None, name: str = "corpus") -> None:
+                total: int | None = None, name: str = "corpus", progress: bool = True) -> None:
     """Tokenize `pairs` chunk by chunk (`encode_batch` runs on every core) into a new store at `path`,
     written in a temporary directory beside it and renamed into place when complete."""
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
@@ -129,12 +123,14 @@ def build_store(path: Path, pairs: Iterable[tuple[str, str]], tokenizers: Tokeni
                 stack.enter_context(f)
                 f.write(_npy_header(0))
             counts = dict.fromkeys(files, 0)
-            bar = stack.enter_context(tqdm(total=total, unit=" pairs", desc=f"tokenizing {name}", dynamic_ncols=True))
+            bar = stack.enter_context(tqdm(total=total, unit=" pairs", desc=f"tokenizing {name}", dynamic_ncols=True,
+                                           disable=None if progress else True))  # None: on a terminal only
             for chunk in _chunks(pairs, CHUNK):
                 for side, tok, texts in zip(SIDES, (tokenizers.src, tokenizers.tgt), zip(*chunk)):
-                    ids = [e.ids for e in tok.encode_batch(list(texts))]
-                    lengths = np.fromiter(map(len, ids), np.int32, len(ids))
-                    flat = np.fromiter((i for row in ids for i in row), np.int32, int(lengths.sum()))
+                    encodings = tok.encode_batch(list(texts))  # held by the tokenizer's library, not as lists
+                    lengths = np.fromiter(map(len, encodings), np.int32, len(encodings))
+                    flat = np.fromiter(itertools.chain.from_iterable(e.ids for e in encodings), np.int32,
+                                       int(lengths.sum()))
                     for array, name_ in ((flat, side), (lengths, f"{side}_len")):
                         files[name_].write(array.tobytes())
                         counts[name_] += len(array)
@@ -142,9 +138,11 @@ def build_store(path: Path, pairs: Iterable[tuple[str, str]], tokenizers: Tokeni
             for name_, f in files.items():  # the headers now say how long the arrays are
                 f.seek(0)
                 f.write(_npy_header(counts[name_]))
-        for side in SIDES:
+        for side in SIDES:  # written in place: no array of the corpus's size in memory
             lengths = np.load(tmp / f"{side}_len.npy", mmap_mode="r")
-            np.save(tmp / f"{side}_start.npy", _starts(lengths))
+            starts = np.lib.format.open_memmap(tmp / f"{side}_start.npy", "w+", np.int64, (len(lengths),))
+            _starts(lengths, starts).flush()
+            del starts
         manifest = {"format": FORMAT, "key": key, "pairs": counts["src_len"], "tokens": {s: counts[s] for s in SIDES},
                     "files": {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
