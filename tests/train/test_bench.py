@@ -76,18 +76,18 @@ def test_bench_runs_both_backends_on_the_same_work(tmp_path):
     assert "tiny   jax" in done.stdout and "vs torch" in done.stdout
 
 
-def test_bench_devices_splits_the_same_global_batch_over_a_mesh_and_over_processes(tmp_path):
+def test_bench_devices_splits_the_global_batch_over_torch_processes(tmp_path):
     out = tmp_path / "bench.json"
     done = subprocess.run(
-        [sys.executable, "-m", "train.bench", "--presets", "tiny", "--backends", "jax,torch", "--devices", "2",
+        [sys.executable, "-m", "train.bench", "--presets", "tiny", "--backends", "torch", "--devices", "2",
          "--steps", "1", "--warmup", "1", "--batch-tokens", "256", "--length", "16", "--vocab-size", "500",
          "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     results = json.loads(out.read_text())["results"]
-    # JAX on 2 host devices, torch DDP in 2 processes, each on the global 16 sentences (8 a device).
-    assert [(r["backend"], r["devices"], r["batch"]) for r in results] == [("jax", 2, [16, 16]), ("torch", 2, [16, 16])]
-    for r in results:  # near-uniform predictions after 2 updates at the paper's warmup, as above
-        assert abs(r["final_loss"] - math.log(500)) < 0.2 * math.log(500)
+    # torch DDP in 2 processes on the global 16 sentences (8 a process); JAX's mesh is the one
+    # test_host_devices.py and test_distributed.py train on. Near-uniform predictions after 2 updates, as above.
+    assert [(r["backend"], r["devices"], r["batch"]) for r in results] == [("torch", 2, [16, 16])]
+    assert abs(results[0]["final_loss"] - math.log(500)) < 0.2 * math.log(500)
     assert "over 2 device(s)" in done.stdout
 
 
