@@ -134,6 +134,7 @@ def test_sigterm_saves_a_step_and_a_dead_process_stops_the_other_in_one_line(tmp
 
 
 def test_nccl_on_a_cpu_is_one_line(tmp_path, capsys):
-    assert train_run.main([*_argv(tmp_path / "r"), "--backend", "torch", "--devices", "2", "--dist-backend", "nccl"]) == 1
+    argv = [*_argv(tmp_path / "r"), "--backend", "torch", "--devices", "2", "--dist-backend", "nccl"]
+    assert train_run.main(argv) == 1
     assert capsys.readouterr().err == "error: --dist-backend nccl needs CUDA GPUs and this machine has none: use gloo\n"
     assert not (tmp_path / "r").exists()
