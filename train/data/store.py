@@ -159,7 +159,8 @@ def open_store(path: Path, key: str | None = None) -> TokenStore:
         sizes = {p.name: p.stat().st_size for p in path.iterdir() if p.name != MANIFEST}
         bad = manifest.get("format") != FORMAT or (key is not None and manifest.get("key") != key) or \
             sizes != manifest["files"]
-        arrays = {} if bad else {p[:-4]: np.load(path / p, mmap_mode="r") for p in sizes}
+        # Plain arrays over the maps: np.memmap's own indexing adds checks to every gather.
+        arrays = {} if bad else {p[:-4]: np.asarray(np.load(path / p, mmap_mode="r")) for p in sizes}
         bad = bad or any(
             len(arrays[f"{s}_len"]) != manifest["pairs"] or len(arrays[s]) != manifest["tokens"][s]
             or len(arrays[f"{s}_start"]) != manifest["pairs"] for s in SIDES)
