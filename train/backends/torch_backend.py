@@ -241,7 +241,7 @@ class TorchBackend(StoreMethods):
         """The whole model at the current step (under FSDP gathered from the shards, by every process)."""
         if self.fsdp and self._whole_step != self.step:
             with torch.no_grad():
-                for (name, shard), whole in zip(self.trained.named_parameters(), self.model.parameters()):
+                for shard, whole in zip(self.trained.parameters(), self.model.parameters()):
                     whole.copy_(_collective(shard.full_tensor))
             self._whole_step = self.step
         return self.model
