@@ -12,6 +12,7 @@ import itertools
 import json
 import os
 import platform
+import socket
 import subprocess
 import sys
 
@@ -52,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "backend without then with it, side by side (default off)")
     parser.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto",
                         help="train.run --kernels: the models' kernel set (default auto)")
+    parser.add_argument("--devices", type=POSITIVE.parser(), default=1,
+                        help="data parallel over N devices, the same global batch split over them: JAX's mesh (on a "
+                        "CPU, N host devices), torch DistributedDataParallel in N processes (default 1)")
     parser.add_argument("--json", type=output_path, help="write all figures to this JSON file")
     parser.add_argument("--plot", type=output_path, help="write a bar chart of step times to this PNG")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -82,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
             if name not in known:
                 parser.error(f"unknown {flag[2:-1]} {name!r}; choose from {', '.join(known)}")
     batch_size = max(1, args.batch_tokens // args.length)
+    if batch_size % args.devices:
+        parser.error(f"--devices {args.devices} does not divide the batch of {batch_size} sentences "
+                     "(--batch-tokens / --length)")
     machine = {"cpu": _cpu_name(), "cpus": os.cpu_count(), "platform": platform.platform()}
     record = {"machine": machine, "batch": [batch_size, args.length],
               "args": {k: str(v) for k, v in vars(args).items()}}
@@ -94,9 +101,9 @@ def main(argv: list[str] | None = None) -> int:
                            "--batch-size", str(batch_size), "--length", str(args.length),
                            "--vocab-size", str(args.vocab_size), "--steps", str(args.steps), "--warmup", str(args.warmup),
                            "--dropout", str(args.dropout), "--precision", precision, "--kernels", args.kernels,
-                           *(["--remat-on"] if remat else [])]
+                           "--devices", str(args.devices), *(["--remat-on"] if remat else [])]
                 print(f"{precision} / {preset} / {backend}{' / remat' if remat else ''} ...", file=sys.stderr, flush=True)
-                done = subprocess.run(command, capture_output=True, text=True)
+                done = _run_workers(command, args.devices, backend != "jax")
                 if done.returncode:
                     sys.stderr.write(done.stderr[-3000:])
                     return 1
@@ -104,13 +111,32 @@ def main(argv: list[str] | None = None) -> int:
                 if args.json:  # after every worker, so an interrupted invocation keeps what it measured
                     write_text_atomic(args.json, json_text({**record, "results": results}))
 
-    print_results(results, batch_size, args.length, args.dropout)
+    print_results(results, batch_size, args.length, args.dropout, args.devices)
     if args.plot:
         try:
             write_plot(results, args.plot)
         except ImportError:
             print("matplotlib is not installed: pip install matplotlib for --plot", file=sys.stderr)
     return 0
+
+
+def _run_workers(command: list[str], devices: int, torch: bool) -> subprocess.CompletedProcess:
+    """One worker; on several devices JAX's with as many host devices (on a CPU), torch's as one process a
+    device in torchrun's environment (process 0 prints the figures)."""
+    env = dict(os.environ)
+    if not torch:
+        if devices > 1 and "xla_force_host_platform_device_count" not in env.get("XLA_FLAGS", ""):
+            env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
+        return subprocess.run(command, capture_output=True, text=True, env=env)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]), WORLD_SIZE=str(devices),
+                   LOCAL_WORLD_SIZE=str(devices))
+    workers = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(devices)]
+    outputs = [w.communicate() for w in workers]
+    failed = next((i for i, w in enumerate(workers) if w.returncode), 0)
+    return subprocess.CompletedProcess(command, workers[failed].returncode, outputs[0][0], outputs[failed][1])
 
 
 if __name__ == "__main__":

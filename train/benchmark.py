@@ -147,7 +147,7 @@ def run_worker(args) -> dict:
     exp = ExperimentConfig(backend=framework, preset=args.preset, compile=args.backend == "torch-compile",
                            steps=10**6, warmup=4000, progress=False, dropout=cfg.dropout,
                            dtype="bfloat16" if args.precision == "bfloat16" else "float32",
-                           kernels=args.kernels, remat=args.remat_on)
+                           kernels=args.kernels, remat=args.remat_on, devices=getattr(args, "devices", 1))
     peak = matmul_peak_gflops(framework, args.precision)
     batches = fixed_batches(cfg, args.batch_size, args.length, 4)
     # Memory counts from here: the model, its optimizer state (JAX makes it at creation, torch in
@@ -170,7 +170,8 @@ def run_worker(args) -> dict:
     median = statistics.median(times[args.warmup:])
     flops = step_flops(cfg, args.batch_size, args.length, args.length)
     tokens = 2 * args.batch_size * args.length
-    result = {"preset": args.preset, "backend": args.backend, "precision": args.precision, "dropout": cfg.dropout,
+    result = {"preset": args.preset, "backend": args.backend, "devices": exp.devices, "precision": args.precision,
+              "dropout": cfg.dropout,
               "kernels": backend.kernels, "remat": args.remat_on, "batch": [args.batch_size, args.length],
               "tokens_per_step": tokens, "first_step_s": times[0], "median_step_s": median,
               "step_times_s": times[args.warmup:], "tokens_per_s": tokens / median, "step_flops": flops,
@@ -233,10 +234,10 @@ def write_plot(results: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def print_results(results: list[dict], batch_size: int, length: int, dropout: float) -> None:
+def print_results(results: list[dict], batch_size: int, length: int, dropout: float, devices: int = 1) -> None:
     """`python -m train.bench`'s table: one row per measurement, its step time against torch eager's."""
     print(f"\nmachine: {_cpu_name()}, {os.cpu_count()} CPUs; device {results[0]['device']}; batch {batch_size} x "
-          f"{length} tokens per side; dropout {dropout}")
+          f"{length} tokens per side over {devices} device(s); dropout {dropout}")
     print(f"{'precision':9s} {'preset':6s} {'backend':14s} {'step ms':>9s} {'first s':>8s} {'tok/s':>8s} "
           f"{'GFLOP/s':>8s} {'peak':>6s} {'MFU':>6s} {'mem MiB':>8s} {'vs torch':>8s}")
     for r in results:

@@ -28,6 +28,7 @@ Dtype = Literal["float32", "bfloat16"]
 DTYPES = ("float32", "bfloat16")
 ParamSharding = Literal["replicated", "fsdp"]
 PARAM_SHARDINGS = ("replicated", "fsdp")
+DIST_BACKENDS = ("gloo", "nccl")  # torch.distributed's: gloo on CPUs, NCCL between GPUs
 # The models' kernel sets (jax_transformer.KERNELS; torch_reference has reference and fused), and auto.
 KERNEL_CHOICES = ("auto", "reference", "xla_cpu", "fused")
 
@@ -220,11 +221,11 @@ class ExperimentConfig:
 
     # Devices, processes and precision
     devices: int | None = _field(
-        None, "dist", "jax backend: train data parallel over the first N devices (the global batch is split "
-        "evenly over them, every bucket's batch size a multiple of N); default: every visible device. The torch "
-        "backend trains on one device", launch=True)
+        None, "dist", "train data parallel over N devices (the global batch is split evenly over them, every "
+        "bucket's batch size a multiple of N). jax: the first N devices, default every visible one; torch: N "
+        "processes started here (DistributedDataParallel), default 1, or torchrun's --nproc-per-node", launch=True)
     param_sharding: ParamSharding = _field(
-        "replicated", "dist", "jax backend: where parameters and Adam's moments live over the devices: replicated "
+        "replicated", "dist", "where parameters and Adam's moments live over the devices: replicated "
         "(a whole copy on every device; plain data parallelism) or fsdp (each array split over the devices along "
         "its largest dimension divisible by their count, ZeRO-3 style: 1/N of the state per device, gathered "
         "for the forward and backward passes)", choices=PARAM_SHARDINGS, launch=True)
@@ -250,6 +251,9 @@ class ExperimentConfig:
     process_id: int | None = _field(
         None, "dist", "jax multi-process run: this process's id, 0..N-1 (0 writes logs and results); "
         "default: $JAX_PROCESS_ID", launch=True)
+    dist_backend: str | None = _field(
+        None, "dist", "torch run on several devices: torch.distributed's backend; default: nccl on GPUs, gloo on "
+        "CPUs", choices=DIST_BACKENDS, launch=True)
 
     def __post_init__(self):
         """Every field checked once, whatever built the config: ValueError naming the field."""

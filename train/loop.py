@@ -25,7 +25,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from . import data, plots, pretrained, runtime
-from .backends import Backend, Topology, create_backend, initialize
+from .backends import Backend, Topology, create_backend, initialize, launch
 from .backends.compiles import Compiles, totals
 from .config import ExperimentConfig
 from .data.splits import load_splits
@@ -55,6 +55,15 @@ def train(cfg: ExperimentConfig, *, explicit: Iterable[str] | None = None,
     train alongside but print and write nothing.
     """
     started = time.perf_counter()
+    if cfg.resume and cfg.run_dir and explicit is not None and "backend" not in explicit:
+        with contextlib.suppress(UserError):  # the run's backend starts its processes (no run: the session says so)
+            cfg = cfg.replace(backend=runtime.read_experiment(cfg.run_dir).backend)
+    with launch(cfg, train, explicit=explicit, init_dir=init_dir):  # torch --devices N: its other processes
+        return _train(cfg, explicit, init_dir, started)
+
+
+def _train(cfg: ExperimentConfig, explicit: Iterable[str] | None, init_dir: str | Path | None,
+           started: float) -> dict[str, Any]:
     try:
         topology = initialize(cfg)  # first: jax.distributed.initialize precedes any device use
     except ValueError as err:
@@ -376,7 +385,10 @@ def fit(run: Training) -> None:
     `run.log`: the history so far (restored on --resume), extended in place.
     """
     cfg, backend, batcher, writer, log = run.cfg, run.backend, run.batcher, run.writer, run.log
-    with runtime.StopSignals(enabled=run.topology.process_count == 1) as stop:
+    # Several processes must agree on the update to stop after: those of a backend that can ask the others.
+    agreed = getattr(backend, "agreed_signal", None) if run.topology.process_count > 1 else None
+    with runtime.StopSignals(enabled=run.topology.process_count == 1 or agreed is not None) as stop:
+        agreed = agreed or (lambda signum: signum)
         bar = tqdm(total=cfg.steps, initial=backend.step, disable=not (cfg.progress and run.topology.is_main),
                    unit="step", dynamic_ncols=True, desc=cfg.backend)
         pending: list = []  # metrics of the steps not yet read from the device
@@ -386,6 +398,7 @@ def fit(run: Training) -> None:
             pending.append(backend.train_step(batches))
             window_tokens += sum(b.num_tgt_tokens for b in batches)
 
+            stop.requested = agreed(stop.requested)
             stopping = stop.requested is not None
             evaluate_now = (step % cfg.eval_every == 0 or step == cfg.steps) and not stopping
             save_now = step % cfg.save_every == 0 or step == cfg.steps or stopping
@@ -403,7 +416,7 @@ def fit(run: Training) -> None:
                 eval_start = time.perf_counter()
                 try:
                     evaluated = _evaluate(cfg, backend, run.tokenizers, run.splits.valid, cfg.samples,
-                                          stop=lambda: stop.requested is not None)
+                                          stop=lambda: run.topology.process_count == 1 and stop.requested is not None)
                     eval_time = time.perf_counter() - eval_start  # compiling included
                 except EvaluationStopped:  # a signal came mid-evaluation: save without it
                     stopping = save_now = True
@@ -411,6 +424,7 @@ def fit(run: Training) -> None:
                     if not math.isfinite(evaluated["loss"]):
                         raise _diverged(backend, f"validation loss {evaluated['loss']} at step {step}")
                     _log_evaluation(step, evaluated, eval_time, log, writer)
+                stop.requested = agreed(stop.requested)
                 if stop.requested is not None:  # a signal after the evaluation's last look: stop before the next update
                     stopping = save_now = True
             if save_now:

@@ -48,6 +48,8 @@ examples:
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m train.run   # 8 CPU devices, for testing
   python -m train.run --run-dir runs/mh --coordinator-address 127.0.0.1:12345 --num-processes 2 \\
       --process-id 0     # and the same with --process-id 1 in a second shell: one run, two processes
+  python -m train.run --backend torch --devices 2   # PyTorch DistributedDataParallel, 2 processes started here
+  torchrun --nproc-per-node 8 -m train.run --backend torch --param-sharding fsdp   # FSDP2 over 8 GPUs
 Ctrl-C or SIGTERM finishes the current update, saves a checkpoint and exits (status 130/143);
 `--resume` continues from the newest complete checkpoint, exactly as if never stopped (a run
 started from a recipe reads it again from the run directory). A non-finite loss stops the run

@@ -76,6 +76,21 @@ def test_bench_runs_both_backends_on_the_same_work(tmp_path):
     assert "tiny   jax" in done.stdout and "vs torch" in done.stdout
 
 
+def test_bench_devices_splits_the_global_batch_over_torch_processes(tmp_path):
+    out = tmp_path / "bench.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "train.bench", "--presets", "tiny", "--backends", "torch", "--devices", "2",
+         "--steps", "1", "--warmup", "1", "--batch-tokens", "256", "--length", "16", "--vocab-size", "500",
+         "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = json.loads(out.read_text())["results"]
+    # torch DDP in 2 processes on the global 16 sentences (8 a process); JAX's mesh is the one
+    # test_host_devices.py and test_distributed.py train on. Near-uniform predictions after 2 updates, as above.
+    assert [(r["backend"], r["devices"], r["batch"]) for r in results] == [("torch", 2, [16, 16])]
+    assert abs(results[0]["final_loss"] - math.log(500)) < 0.2 * math.log(500)
+    assert "over 2 device(s)" in done.stdout
+
+
 def assert_mfu(result: dict, flops: int) -> None:
     """MFU is the FLOPs counted here (not the result's own step_flops) per second of the median
     timed step, over the matmul peak. It is below 1: the peak is the best of ten 2048 x 2048
@@ -134,6 +149,9 @@ def test_bad_arguments_are_refused_before_anything_runs():
     done = subprocess.run([sys.executable, "-m", "train.bench", "--precisions", ","], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--precisions names nothing to measure" in done.stderr
+    done = subprocess.run([sys.executable, "-m", "train.bench", "--devices", "3"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--devices 3 does not divide the batch of 32 sentences" in done.stderr
     for where, says in ((str(REPO), "is a directory"), (str(REPO / "missing" / "b.json"), "does not exist")):
         done = subprocess.run([sys.executable, "-m", "train.bench", "--json", where], cwd=REPO,
                               capture_output=True, text=True, timeout=60)

@@ -279,14 +279,16 @@ def test_bfloat16_loss_falls(backend, fast_config):
             assert trainer.model(src, tgt_in).dtype == torch.bfloat16
 
 
-def test_devices_errors(fast_config, capsys):
+def test_devices_errors(fast_config, capsys, monkeypatch):
     from train import run
 
     base = ["--run-dir", str(fast_config("jax").run_dir), "--no-progress"]
     assert run.main([*base, "--devices", "2"]) == 1  # this process sees one CPU device
     assert "--devices 2: 1 device(s) visible" in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "3")  # under torchrun --nproc-per-node 3
     assert run.main([*base, "--backend", "torch", "--devices", "2"]) == 1
-    assert "torch backend trains on one device" in capsys.readouterr().err
+    assert capsys.readouterr().err == "error: --devices 2: torchrun started 3 processes\n"
+    monkeypatch.delenv("WORLD_SIZE")
     with pytest.raises(SystemExit):
         run.parse_config(["--devices", "0"])
     assert "devices must be >= 1" in capsys.readouterr().err

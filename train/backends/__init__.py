@@ -9,6 +9,7 @@ schedule, the first update at lr(step=1). What leaves a backend is a `TrainingSt
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 
 from torch_reference.config import TransformerConfig
@@ -16,7 +17,8 @@ from torch_reference.config import TransformerConfig
 from ..config import ExperimentConfig
 from .interface import Backend, Hypotheses, Metrics, Store, Topology, Trainer, Translator
 
-__all__ = ["Backend", "Hypotheses", "Metrics", "Store", "Topology", "Trainer", "Translator", "create_backend", "initialize"]
+__all__ = ["Backend", "Hypotheses", "Metrics", "Store", "Topology", "Trainer", "Translator", "create_backend",
+           "initialize", "launch"]
 
 BACKEND_MODULES = {"jax": "train.backends.jax_backend", "torch": "train.backends.torch_backend"}
 
@@ -25,6 +27,13 @@ def initialize(exp_cfg: ExperimentConfig) -> Topology:
     """Join the run's processes (jax.distributed.initialize for a multi-process JAX run) and check
     --devices; call it before anything else touches a device. Raises ValueError on bad settings."""
     return importlib.import_module(BACKEND_MODULES[exp_cfg.backend]).initialize(exp_cfg)
+
+
+def launch(exp_cfg: ExperimentConfig, target, **kwargs):
+    """A context around a run: where the backend starts its own processes (torch --devices N), they
+    run `target(exp_cfg, **kwargs)` beside this one inside it; else nothing."""
+    module = importlib.import_module(BACKEND_MODULES[exp_cfg.backend])
+    return getattr(module, "launch", lambda *args, **kw: contextlib.nullcontext())(exp_cfg, target, **kwargs)
 
 
 def create_backend(exp_cfg: ExperimentConfig, model_cfg: TransformerConfig,

@@ -1,17 +1,29 @@
 """The PyTorch backend: `torch_reference.Transformer` with torch.optim, the same semantics as JAX, on
-one device (CUDA when available, else the CPU). `--dtype bfloat16` runs the forward passes under
-`torch.autocast`; checkpoints are `train.store.torch_store.TorchStore`'s (safetensors).
+CUDA when available, else the CPU. `--dtype bfloat16` runs the forward passes under
+`torch.autocast`; checkpoints are `train.store.torch_store.TorchStore`'s (safetensors). On several
+devices: one process each (`--devices N` starts them, or torchrun does), DistributedDataParallel,
+each process taking its rows of the global batch (docs/operations.md#devices-and-processes).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
+import datetime
+import multiprocessing
 import os
+import socket
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.nn.parallel import DistributedDataParallel
 
 import torch_reference
 from torch_reference import decode, ensemble, sampling
@@ -20,6 +32,8 @@ from torch_reference.objective import label_smoothed_cross_entropy, noam_learnin
 
 from ..config import ExperimentConfig, default_dtype, resolve_kernels
 from ..data import Batch
+from ..runtime import Interrupted, UserError
+from ..runtime.files import error_text
 from ..store import TrainingState, check_keys
 from ..store.torch_store import TorchStore
 from .interface import Hypotheses, Metrics, StoreMethods, Topology, check_greedy_n_best
@@ -31,17 +45,125 @@ def _long(device: torch.device, *arrays: np.ndarray) -> tuple[torch.Tensor, ...]
 
 
 def initialize(exp_cfg: ExperimentConfig) -> Topology:
-    """Once per process, where a CLI starts: refuse the JAX backend's --devices and multi-process
-    settings (one process, one device), and set torch's intra-op threads (--threads)."""
-    if exp_cfg.devices not in (None, 1):
-        raise ValueError(f"--devices {exp_cfg.devices}: the torch backend trains on one device (use --backend jax)")
-    if exp_cfg.param_sharding != "replicated":
-        raise ValueError(f"--param-sharding {exp_cfg.param_sharding}: the torch backend trains on one device "
-                         "(use --backend jax)")
+    """Once per process, where a CLI starts: join the run's processes (torchrun's environment, or
+    the one `launch` gives the processes it starts) and set torch's intra-op threads (--threads,
+    else this process's share of the CPUs)."""
     if exp_cfg.coordinator_address or exp_cfg.num_processes not in (None, 1):
-        raise ValueError("multi-process training (--coordinator-address, --num-processes) needs --backend jax")
-    torch.set_num_threads(exp_cfg.threads or len(os.sched_getaffinity(0)))
-    return Topology(platform="gpu" if torch.cuda.is_available() else "cpu")
+        raise ValueError("--coordinator-address and --num-processes are jax's: launch torch with torchrun")
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if exp_cfg.devices not in (None, world) and world > 1:
+        raise ValueError(f"--devices {exp_cfg.devices}: torchrun started {world} processes")
+    gpu = torch.cuda.is_available()
+    dist_backend = exp_cfg.dist_backend or ("nccl" if gpu else "gloo")
+    if dist_backend == "nccl" and not gpu:
+        raise ValueError("--dist-backend nccl needs CUDA GPUs and this machine has none: use gloo")
+    if gpu and max(world, exp_cfg.devices or 1) > torch.cuda.device_count():
+        raise ValueError(f"--devices {max(world, exp_cfg.devices or 1)}: {torch.cuda.device_count()} GPU(s) visible")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    torch.set_num_threads(exp_cfg.threads or max(1, len(os.sched_getaffinity(0)) // local))
+    if world == 1:
+        return Topology(platform="gpu" if gpu else "cpu")
+    if gpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if not dist.is_initialized():
+        # A peer that never comes (or dies while joining) ends the wait within this limit.
+        dist.init_process_group(dist_backend, timeout=datetime.timedelta(minutes=10))
+    return Topology(dist.get_rank(), world, world, "gpu" if gpu else "cpu")
+
+
+@contextlib.contextmanager
+def launch(exp_cfg: ExperimentConfig, target, **kwargs):
+    """`--devices N` outside torchrun: processes 1..N-1 started for the block, each running
+    `target(exp_cfg, **kwargs)` (train.loop.train) with torchrun's environment on this machine, this
+    process number 0. On the way out the process group ends (on an error first, so that the others,
+    waiting in a collective, stop in one line) and the others are waited for."""
+    if (exp_cfg.devices or 1) == 1 or "WORLD_SIZE" in os.environ:
+        yield
+        return
+    try:
+        initialize(exp_cfg)  # its checks, before any process starts
+    except ValueError as err:
+        raise UserError(str(err)) from None
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    n = exp_cfg.devices
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n)}
+    spawn = multiprocessing.get_context("spawn")
+    children = [spawn.Process(target=_process, args=({**env, "RANK": str(r), "LOCAL_RANK": str(r)}, target, exp_cfg,
+                                                     kwargs), daemon=True) for r in range(1, n)]
+    for child in children:
+        child.start()
+    saved = {k: os.environ.get(k) for k in (*env, "RANK", "LOCAL_RANK")}
+    os.environ.update(env, RANK="0", LOCAL_RANK="0")
+    try:
+        yield
+    except BaseException:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise
+    finally:
+        for child in children:
+            child.join(timeout=60)
+            if child.is_alive():
+                child.kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
+def _process(env: dict[str, str], target, exp_cfg: ExperimentConfig, kwargs: dict) -> None:
+    """A process `launch` started: `train.run.main`'s endings (process 0 prints the resume command)."""
+    os.environ.update(env)
+    try:
+        target(exp_cfg, **kwargs)
+    except (UserError, OSError) as err:
+        print(f"error: {error_text(err)}", file=sys.stderr)
+        sys.exit(1)
+    except Interrupted as err:
+        sys.exit(128 + err.signum)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+def _collective(call, *args):
+    """A torch.distributed call; a peer gone (killed, crashed) ends this process in one line."""
+    if not dist.is_initialized():
+        return call(*args)
+    try:
+        return call(*args)
+    except torch.OutOfMemoryError:
+        raise
+    except (RuntimeError, dist.DistError) as err:
+        raise UserError(f"process {dist.get_rank()} of {dist.get_world_size()}: another process of the run stopped "
+                        f"({type(err).__name__} in {getattr(call, '__name__', 'a collective')}); --resume continues "
+                        "from the last checkpoint") from None
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This process's part of a tensor: an FSDP shard's local tensor, else the tensor."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor whole: an FSDP-sharded one gathered from every process."""
+    return _collective(tensor.full_tensor) if isinstance(tensor, DTensor) else tensor.detach()
+
+
+def _like(param: torch.Tensor, value) -> torch.Tensor:
+    """A whole array as a tensor laid out as `param`: sharded as it is under FSDP (every process holds the
+    whole value), else plain."""
+    value = value if isinstance(value, torch.Tensor) else torch.from_numpy(np.array(value))
+    if isinstance(param, DTensor):
+        return distribute_tensor(value.to(param.device), param.device_mesh, param.placements)
+    return value
+
+
+def _sum_gradients(state, bucket):  # unannotated: DDP checks the annotations, strings here
+    """DDP's communication hook: gradients summed over the processes, not averaged: each process's
+    loss is already divided by the global batch's target tokens (the mean over the batch, as JAX)."""
+    return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda fut: fut.value()[0])
 
 
 class TorchBackend(StoreMethods):
@@ -51,16 +173,34 @@ class TorchBackend(StoreMethods):
 
     def __init__(self, exp_cfg: ExperimentConfig, model_cfg: TransformerConfig, checkpoint_dir: str | None = None):
         self.exp_cfg, self.model_cfg = exp_cfg, model_cfg
-        self.topology = Topology()
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.distributed = dist.is_initialized()
+        world = dist.get_world_size() if self.distributed else 1
+        self.topology = Topology(dist.get_rank() if self.distributed else 0, world, world)
+        self.device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
         platform = "gpu" if self.device.type == "cuda" else "cpu"
         self.dtype = exp_cfg.dtype or default_dtype(platform)
         self.kernels = resolve_kernels(exp_cfg.kernels, "torch", platform)
         torch.manual_seed(exp_cfg.seed)
         self.model = torch_reference.Transformer(model_cfg, self.kernels, exp_cfg.remat).to(self.device)
-        self.forward = torch.compile(self.model) if exp_cfg.compile else self.model
+        self.forward = self.trained = self.model  # the module the updates go through, and the one they change
+        # FSDP2: each process keeps a shard of every parameter, gradient and Adam moment; self.model, whole, is
+        # what evaluation and search use, refreshed from the shards once per update (`_whole`), as JAX gathers.
+        self.fsdp = exp_cfg.param_sharding == "fsdp" and self.distributed
+        self._whole_step = 0
+        if self.fsdp:
+            self.forward = self.trained = copy.deepcopy(self.model)
+            for module in (*self.trained.encoder.layers, *self.trained.decoder.layers, self.trained):
+                fully_shard(module)
+                module.set_gradient_divide_factor(1.0)  # summed, as `_sum_gradients`
+                module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+        elif self.distributed:  # every process starts from process 0's weights (the same seed's anyway)
+            self.forward = _collective(DistributedDataParallel, self.model, None if self.device.type == "cpu" else
+                                       [self.device])
+            self.forward.register_comm_hook(None, _sum_gradients)
+        if exp_cfg.compile:
+            self.forward = torch.compile(self.forward)
         # lr = 1 times the schedule's factor: LambdaLR multiplies the base lr by lr_lambda(epoch).
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1.0, betas=(0.9, 0.98), eps=1e-9)
+        self.optimizer = torch.optim.Adam(self.trained.parameters(), lr=1.0, betas=(0.9, 0.98), eps=1e-9)
         # LambdaLR counts from 0 and sets lr_lambda(0) at construction; the paper counts from 1,
         # so update n (from 1) runs at lr(step=n), as optax's count + 1 on the JAX side.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda epoch: self.learning_rate(epoch + 1))
@@ -97,19 +237,53 @@ class TorchBackend(StoreMethods):
             nll_sum = label_smoothed_cross_entropy(logits, tgt_out, pad, 0.0, reduction="sum")
         return loss_sum, nll_sum
 
+    def _whole(self) -> torch.nn.Module:
+        """The whole model at the current step (under FSDP gathered from the shards, by every process)."""
+        if self.fsdp and self._whole_step != self.step:
+            with torch.no_grad():
+                for shard, whole in zip(self.trained.parameters(), self.model.parameters()):
+                    whole.copy_(_collective(shard.full_tensor))
+            self._whole_step = self.step
+        return self.model
+
+    def _rows(self, batch: Batch) -> Batch:
+        """This process's rows of a global batch (`sharding.process_slice`'s); its token counts the global batch's."""
+        index, count = self.topology.process_index, self.topology.process_count
+        if count == 1 or batch.global_rows is not None:  # one process, or the Batcher gave this one's share
+            return batch
+        rows = len(batch.src)
+        if rows % count:
+            raise ValueError(f"a global batch of {rows} rows cannot be split over {count} processes")
+        part = slice(index * rows // count, (index + 1) * rows // count)
+        arrays = {k: None if getattr(batch, k) is None else getattr(batch, k)[part]
+                  for k in ("src", "tgt_in", "tgt_out", "ids", "src_segments", "tgt_segments")}
+        return dataclasses.replace(batch, **arrays, global_rows=rows)
+
     def train_step(self, batches: Sequence[Batch]) -> Metrics:
-        self.model.train()
+        self.trained.train()
         self.optimizer.zero_grad(set_to_none=True)
-        total_tokens = sum(b.num_tgt_tokens for b in batches)
+        total_tokens = sum(b.num_tgt_tokens for b in batches)  # of the global batches
         loss_total = nll_total = torch.zeros((), device=self.device)
-        for batch in batches:
-            loss_sum, nll_sum = self._loss_sums(self.forward, batch)
-            # Sum over micro-batches of (loss sum / the update's tokens): the gradient of one
-            # batch holding all of them, as on the JAX side.
-            (loss_sum / total_tokens).backward()
+        for i, batch in enumerate(batches):
+            # DDP sums the gradients over the processes in the last micro-batch's backward pass.
+            last = not self.distributed or i == len(batches) - 1
+            if self.fsdp:
+                self.trained.set_requires_gradient_sync(last)
+            with contextlib.nullcontext() if last or self.fsdp else self.forward.no_sync():
+                loss_sum, nll_sum = self._loss_sums(self.forward, self._rows(batch))
+                # Sum over micro-batches of (loss sum / the update's tokens): the gradient of one
+                # batch holding all of them, as on the JAX side.
+                _collective((loss_sum / total_tokens).backward)
             loss_total, nll_total = loss_total + loss_sum.detach(), nll_total + nll_sum
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        grad_norm = torch.sqrt(sum(g.square().sum() for g in grads))  # optax.tree.norm, before clipping
+        if self.distributed:
+            sums = torch.stack([loss_total, nll_total])
+            _collective(dist.all_reduce, sums)
+            loss_total, nll_total = sums[0], sums[1]
+        grads = [_local(p.grad) for p in self.trained.parameters() if p.grad is not None]  # FSDP: this process's shards
+        squares = sum(g.square().sum() for g in grads)
+        if self.fsdp:
+            _collective(dist.all_reduce, squares)
+        grad_norm = torch.sqrt(squares)  # optax.tree.norm, before clipping
         if self.exp_cfg.clip_norm is not None:
             # optax.clip_by_global_norm: g unchanged when ||g|| < max_norm, else (g / ||g||) * max_norm.
             # Not torch.nn.utils.clip_grad_norm_, which scales by max_norm / (||g|| + 1e-6).
@@ -129,14 +303,14 @@ class TorchBackend(StoreMethods):
 
     @torch.no_grad()
     def eval_loss(self, batch: Batch):
-        self.model.eval()
+        self._whole().eval()
         loss_sum, nll_sum = self._loss_sums(self.model, batch)
         return loss_sum, nll_sum, batch.num_tgt_tokens
 
     def translate(self, src: np.ndarray, beam_size: int = 4, alpha: float = 0.6, cached: bool = True,
                   scoring: str = "gnmt", n_best: int | None = None,
                   prefix: np.ndarray | None = None) -> np.ndarray | Hypotheses:
-        self.model.eval()
+        self._whole().eval()
         (src_t,) = _long(self.device, src)  # (B, S)
         prefix_t = None if prefix is None else _long(self.device, prefix)[0]
         with self.autocast():
@@ -159,7 +333,7 @@ class TorchBackend(StoreMethods):
 
     def sample(self, src: np.ndarray, seed: int, num_samples: int = 1, temperature: float = 1.0, top_k: int = 0,
                top_p: float = 1.0, sentence_ids: np.ndarray | None = None) -> Hypotheses:
-        self.model.eval()
+        self._whole().eval()
         (src_t,) = _long(self.device, src)  # (B, S)
         with self.autocast():
             tokens, logprob = sampling.sample(self.model, src_t, seed, num_samples, temperature, top_k, top_p,
@@ -173,26 +347,26 @@ class TorchBackend(StoreMethods):
 
     @torch.no_grad()
     def score(self, src: np.ndarray, tgt: np.ndarray) -> np.ndarray:
-        self.model.eval()
+        self._whole().eval()
         with self.autocast():
             return decode.score(self.model, *_long(self.device, src, tgt)).float().cpu().numpy()
 
     @torch.no_grad()
     def cross_attention(self, src: np.ndarray, tgt_in: np.ndarray) -> np.ndarray:
-        self.model.eval()
+        self._whole().eval()
         src_t, tgt_t = _long(self.device, src, tgt_in)
         with self.autocast():
             _, attention = self.model(src_t, tgt_t, return_attention=True)  # (B, layers, H, T, S)
         return attention.float().cpu().numpy()
 
     def weights(self) -> dict[str, np.ndarray]:
-        return {k: v.detach().cpu().numpy().copy() for k, v in self.model.state_dict().items()}
+        return {k: v.detach().cpu().numpy().copy() for k, v in self._whole().state_dict().items()}
 
     def export_state(self) -> TrainingState:
-        names = {p: name for name, p in self.model.named_parameters()}
+        names = {p: name for name, p in self.trained.named_parameters()}
         moments = {names[p]: s for p, s in self.optimizer.state.items()}
-        mu = {n: s["exp_avg"].detach().cpu().numpy().copy() for n, s in moments.items()} or None
-        nu = {n: s["exp_avg_sq"].detach().cpu().numpy().copy() for n, s in moments.items()} or None
+        mu, nu = ({n: _full(s[key]).cpu().numpy().copy() for n, s in moments.items()} or None
+                  for key in ("exp_avg", "exp_avg_sq"))
         rng = torch.get_rng_state().numpy().copy()
         state = TrainingState("torch", self.step, self.weights(), mu, nu, rng)
         state.check()
@@ -212,12 +386,16 @@ class TorchBackend(StoreMethods):
             self.model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in state.params.items()}, strict=True)
         # torch.optim.Adam's own layout, by parameter index; `step` as the float tensor it keeps.
         optimizer_state = self.optimizer.state_dict()
-        names = [name for name, _ in self.model.named_parameters()]
+        params = list(self.trained.named_parameters())
         adam_step = torch.tensor(float(state.step))
         optimizer_state["state"] = {} if state.mu is None else {
-            i: {"step": adam_step.clone(), "exp_avg": torch.from_numpy(np.array(state.mu[n])),
-                "exp_avg_sq": torch.from_numpy(np.array(state.nu[n]))}
-            for i, n in enumerate(names)}
+            i: {"step": adam_step.clone(), "exp_avg": _like(p, state.mu[n]), "exp_avg_sq": _like(p, state.nu[n])}
+            for i, (n, p) in enumerate(params)}
+        if self.fsdp:  # each process its shards of the whole weights just loaded
+            with torch.no_grad():
+                for (_, shard), whole in zip(params, self.model.parameters()):
+                    shard.to_local().copy_(_like(shard, whole.detach()).to_local())
+        self._whole_step = state.step
         self.optimizer.load_state_dict(optimizer_state)
         # LambdaLR's position is the number of updates done; the next runs at lr(step + 1).
         self.scheduler.last_epoch = state.step
@@ -228,7 +406,19 @@ class TorchBackend(StoreMethods):
 
     # Checkpoints: export_state in the store, the store's state through import_state
     def save(self, meta: dict[str, Any], metrics: dict[str, float] | None = None) -> None:
-        self.store.save(self.export_state(), meta, metrics)
+        state = self.export_state() if self.fsdp or self.topology.is_main else None  # FSDP: gathered by all
+        if self.topology.is_main:  # the same state in every process
+            self.store.save(state, meta, metrics)
+        if self.distributed:  # none goes on (and may resume) before the checkpoint is complete
+            _collective(dist.barrier)
+
+    def agreed_signal(self, signum: int | None) -> int | None:
+        """A stop signal that any process received (the processes stop at the same update), or None."""
+        if not self.distributed:
+            return signum
+        flag = torch.tensor([signum or 0], device=self.device)
+        _collective(dist.all_reduce, flag, dist.ReduceOp.MAX)
+        return int(flag.item()) or None
 
     def restore(self, which: str | int = "latest") -> dict[str, Any]:
         return self.store.restore(which, self.import_state)
