@@ -84,7 +84,8 @@ def measure(command: list[str], first: str = r"^step 1/", every: float = 0.1) ->
     reader.join()
     result = {"command": " ".join(command), "rc": proc.returncode, "wall_s": round(time.perf_counter() - start, 1),
               "first_step_s": found["first_step_s"] and round(found["first_step_s"], 1),
-              "peak_rss_anon_mb": round(peak / 1024), "max_rss_mb": found["max_rss_kb"] and round(found["max_rss_kb"] / 1024)}
+              "peak_rss_anon_mb": round(peak / 1024),
+              "max_rss_mb": found["max_rss_kb"] and round(found["max_rss_kb"] / 1024)}
     print(json.dumps(result))
     return result
 

@@ -168,8 +168,9 @@ class ExperimentConfig:
         None, "data", f"BPE vocabulary size; default {NUMBERS_VOCAB_SIZE} for the numbers corpus, "
         f"{DEFAULT_VOCAB_SIZE} otherwise")
     tokenizer_sample: int = _field(
-        DEFAULT_TOKENIZER_SAMPLE, "data", "train the tokenizers on at most N training pairs: a seeded uniform sample when the corpus "
-        "has more, the whole corpus otherwise (SentencePiece's input_sentence_size, Marian's --sentencepiece-max-lines)")
+        DEFAULT_TOKENIZER_SAMPLE, "data", "train the tokenizers on at most N training pairs: a seeded uniform "
+        "sample when the corpus has more, the whole corpus otherwise (SentencePiece's input_sentence_size, Marian's "
+        "--sentencepiece-max-lines)")
     joint_vocab: bool = _field(
         True, "data", "one BPE vocabulary for source and target, with shared embeddings "
         "(--no-joint-vocab: one per side)")
