@@ -3,6 +3,7 @@
     python recipes/wmt_sized.py generate --pairs 4500000 --out /tmp/wmt/train    # /tmp/wmt/train.de, .en
     python recipes/wmt_sized.py measure -- python -m train.run ... --no-progress --log-every 1
     python recipes/wmt_sized.py encode /tmp/wmt/train --tokenizer RUN/tokenizer.json
+    python recipes/wmt_sized.py batches /tmp/wmt/train --tokenizer RUN/tokenizer.json --pairs 200000
 """
 
 from __future__ import annotations
@@ -106,6 +107,35 @@ def encode(prefix: str, tokenizer: str, batch: int = 10_000) -> dict:
     return result
 
 
+def batches(prefix: str, tokenizer: str, pairs: int, budget: int = 25_000, count: int = 500) -> dict:
+    """Packed training batches of `budget` tokens made per second by train.data.Batcher, from the first
+    `pairs` pairs of prefix.de / prefix.en (or from a corpus store directory, where the store is there)."""
+    from tokenizers import Tokenizer
+
+    from train.data import Batcher
+
+    if (Path(prefix) / "store.json").is_file():
+        from train.data.store import open_store
+        examples = open_store(Path(prefix))
+    else:
+        tok = Tokenizer.from_file(tokenizer)
+        sides = []
+        for lang in ("de", "en"):
+            with open(f"{prefix}.{lang}", encoding="utf-8") as f:
+                sides.append([e.ids for e in tok.encode_batch([line for _, line in zip(range(pairs), f)])])
+        examples = list(zip(*sides))
+    start = time.perf_counter()
+    batcher = Batcher(examples, budget, max_len=128, pack=True)
+    planned = time.perf_counter()
+    for _ in range(count):
+        next(batcher)
+    made = time.perf_counter()
+    result = {"pairs": len(examples), "plan_s": round(planned - start, 2), "batches": count,
+              "batches_per_s": round(count / (made - planned), 1), "shape": batcher.shapes}
+    print(json.dumps(result))
+    return result
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="what", required=True)
@@ -119,13 +149,19 @@ def main(argv: list[str] | None = None) -> None:
     e = sub.add_parser("encode", help="pairs/s of tokenizers' encode_batch over PREFIX.de and PREFIX.en")
     e.add_argument("prefix")
     e.add_argument("--tokenizer", required=True)
+    b = sub.add_parser("batches", help="packed batches of 25,000 tokens per second (train.data.Batcher)")
+    b.add_argument("prefix", help="PREFIX of PREFIX.de and PREFIX.en, or a corpus store directory")
+    b.add_argument("--tokenizer")
+    b.add_argument("--pairs", type=int, default=200_000)
     args = parser.parse_args(argv)
     if args.what == "generate":
         generate(args.pairs, args.out, args.seed, args.multi30k)
     elif args.what == "measure":
         sys.exit(measure(args.command[1:] if args.command[:1] == ["--"] else args.command)["rc"])
-    else:
+    elif args.what == "encode":
         encode(args.prefix, args.tokenizer)
+    else:
+        batches(args.prefix, args.tokenizer, args.pairs)
 
 
 if __name__ == "__main__":
