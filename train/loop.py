@@ -120,19 +120,20 @@ def setup(cfg: ExperimentConfig, topology: Topology, init_dir: str | Path | None
     write the run's first files (process 0) and build the backend, restored from the last
     checkpoint on --resume or holding the weights --init-from names."""
     run_dir = Path(cfg.run_dir)
-    splits = load_splits(cfg)
-    if not splits.train or not splits.valid:
-        raise UserError("the training and validation data must each hold at least one pair")
-    initial = None
-    if cfg.init_from and not (cfg.resume and has_checkpoint(run_dir)):
-        initial = pretrained.load(init_dir or cfg.init_from, cfg)
     try:
         tokenizers = data.load_tokenizers(run_dir, cfg.joint_vocab) if cfg.resume else None
     except FileNotFoundError:  # a run stopped before its tokenizer was saved
         tokenizers = None
     except ValueError as err:
         raise UserError(str(err)) from None
+    initial = None
+    if cfg.init_from and not (cfg.resume and has_checkpoint(run_dir)):
+        initial = pretrained.load(init_dir or cfg.init_from, cfg)
     trained_tokenizers = tokenizers is None
+    # The training text is read only to train tokenizers; otherwise its store holds all a run needs.
+    splits = load_splits(cfg, train=trained_tokenizers and initial is None)
+    if not splits.valid or not (splits.train or cfg.train):
+        raise UserError("the training and validation data must each hold at least one pair")
     if trained_tokenizers and initial is not None:
         tokenizers = initial.tokenizers
     elif trained_tokenizers:  # BPE training is deterministic: every process gets the same tokenizer
@@ -143,7 +144,8 @@ def setup(cfg: ExperimentConfig, topology: Topology, init_dir: str | Path | None
         raise UserError(f"--init-from {cfg.init_from}: its files describe another model than its experiment rebuilds")
     if cfg.resume:
         runtime.check_model(run_dir, cfg, model_cfg, tokenizers, what=CONFIG_FILE)
-    batcher = make_batcher(cfg, tokenizers, splits.train, topology.num_devices)
+    stored = data.train_store(cfg, tokenizers, splits.train or None, progress=topology.is_main)
+    batcher = make_batcher(cfg, tokenizers, stored, topology.num_devices, topology)
     # Only now that the data has loaded and batched are the run's files written: config.json first.
     if topology.is_main:
         runtime.prepare_run_dir(cfg, model_cfg, tokenizers if trained_tokenizers else None)
@@ -158,7 +160,7 @@ def setup(cfg: ExperimentConfig, topology: Topology, init_dir: str | Path | None
             say(f"starting from the weights of {cfg.init_from}")
         say(f"[{cfg.backend}] {backend.num_params:,} parameters ({cfg.preset}, d_model={model_cfg.d_model}, "
             f"{model_cfg.num_encoder_layers}+{model_cfg.num_decoder_layers} layers), vocab "
-            f"{model_cfg.src_vocab_size}/{model_cfg.tgt_vocab_size}, {len(splits.train):,} training pairs "
+            f"{model_cfg.src_vocab_size}/{model_cfg.tgt_vocab_size}, {len(batcher.store):,} training pairs "
             f"({batcher.num_dropped} longer than {cfg.max_len} dropped), {batcher.num_batches} batches/epoch, "
             f"{'packed, ' if cfg.pack else ''}shapes {batcher.shapes}, {batcher.padding_share():.1%} padding, "
             f"{cfg.dtype}, {topology.num_devices} device(s)"
@@ -226,20 +228,25 @@ def _write_results(results: dict[str, Any]) -> None:
         say(f"warning: {CURVES_FILE} not drawn ({type(err).__name__}: {err})")
 
 
-def make_batcher(cfg: ExperimentConfig, tokenizers: data.Tokenizers, pairs, num_devices: int = 1) -> data.Batcher:
-    """The training batches: token budget, length buckets, shuffled from the seed. Built the same
-    way whatever the backend, so both backends see identical batches for the same seed and device
-    count; every batch size is a multiple of `num_devices`, over which each batch is split."""
+def make_batcher(cfg: ExperimentConfig, tokenizers: data.Tokenizers, pairs, num_devices: int = 1,
+                 topology: Topology | None = None) -> data.Batcher:
+    """The training batches of `pairs` (text pairs, or a `data.TokenStore`): token budget, length
+    buckets, shuffled from the seed. Built the same way whatever the backend, so both backends see
+    identical batches for the same seed and device count; every batch size is a multiple of
+    `num_devices`, over which each batch is split. With a multi-process `topology` each process
+    gathers only its share of each batch's rows."""
     if cfg.token_budget < cfg.max_len * num_devices:
         raise UserError(
             f"--token-budget {cfg.token_budget} holds {cfg.token_budget // cfg.max_len} sequence(s) of --max-len "
             f"{cfg.max_len}, fewer than the {num_devices} devices each batch is split over: raise --token-budget to "
             f"at least {cfg.max_len * num_devices} or train on fewer devices (--devices)")
-    batcher = data.Batcher(data.encode_pairs(tokenizers, pairs), token_budget=cfg.token_budget, max_len=cfg.max_len,
-                           multiple_of=num_devices, seed=cfg.seed, pack=cfg.pack)
+    examples = pairs if isinstance(pairs, data.TokenStore) else data.encode_pairs(tokenizers, pairs)
+    process = (topology.process_index, topology.process_count) if topology is not None else (0, 1)
+    batcher = data.Batcher(examples, token_budget=cfg.token_budget, max_len=cfg.max_len, multiple_of=num_devices,
+                           seed=cfg.seed, pack=cfg.pack, process=process)
     if not batcher.num_batches:
         raise UserError(
-            f"no training pair is left: all {len(pairs)} are longer than --max-len {cfg.max_len} tokens "
+            f"no training pair is left: all {len(batcher.store)} are longer than --max-len {cfg.max_len} tokens "
             "(<eos> included); raise --max-len")
     return batcher
 

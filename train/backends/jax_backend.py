@@ -307,8 +307,9 @@ class JaxBackend(StoreMethods):
 
     def global_batch(self, batch: Batch) -> dict[str, jax.Array]:
         """The loop's batch (the global one, built alike in every process) as arrays sharded over
-        the mesh, this process supplying its own rows."""
-        return sharding.shard_batch(_as_arrays(batch, sharding.process_slice(len(batch.src))), self.mesh)
+        the mesh, this process supplying its own rows (the Batcher gathered only those: `global_rows`)."""
+        rows = slice(None) if batch.global_rows is not None else sharding.process_slice(len(batch.src))
+        return sharding.shard_batch(_as_arrays(batch, rows), self.mesh)
 
     def train_step(self, batches: Sequence[Batch]) -> Metrics:
         shapes = tuple(b.src.shape + b.tgt_in.shape for b in batches)

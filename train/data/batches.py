@@ -14,6 +14,8 @@ import numpy as np
 
 from torch_reference.config import BOS_ID, EOS_ID, PAD_ID, POSITIVE
 
+from .store import TokenStore
+
 log = logging.getLogger(__name__)
 
 
@@ -48,6 +50,7 @@ class Batch:
     num_tgt_tokens: int  # non-pad tokens in tgt_out: what the loss averages over
     src_segments: np.ndarray | None = None  # (B, S) int32, packed batches only
     tgt_segments: np.ndarray | None = None  # (B, T) int32, packed batches only
+    global_rows: int | None = None  # a process's share of a global batch of this many rows; None: the whole batch
 
     @property
     def num_sentences(self) -> int:
@@ -76,11 +79,16 @@ class Batcher:
     epoch), and `restore(state)` continues exactly from there. `epoch_batches(e)` yields one epoch
     without touching the state (with shuffle=False: bucket by bucket, or packed, pairs in their
     given order, for evaluation).
+
+    `examples`: (source ids, target ids) pairs, or a `TokenStore` (train.data.store), memory-mapped
+    from disk: the plan is computed from its lengths alone and each batch's rows gathered from it
+    when the batch is made. `process=(index, count)`: each batch holds only that process's share of
+    the global batch's rows (`Batch.global_rows`), its token counts the global batch's.
     """
 
-    def __init__(self, examples: Sequence[tuple[Sequence[int], Sequence[int]]], token_budget: int, max_len: int = 256,
-                 buckets: Sequence[int] | None = None, multiple_of: int = 1, shuffle: bool = True, seed: int = 0,
-                 pack: bool = False, pack_length: int | None = None):
+    def __init__(self, examples: Sequence[tuple[Sequence[int], Sequence[int]]] | TokenStore, token_budget: int,
+                 max_len: int = 256, buckets: Sequence[int] | None = None, multiple_of: int = 1, shuffle: bool = True,
+                 seed: int = 0, pack: bool = False, pack_length: int | None = None, process: tuple[int, int] = (0, 1)):
         self.buckets = tuple(buckets) if buckets is not None else bucket_lengths(max_len)
         if list(self.buckets) != sorted(set(self.buckets)) or self.buckets[-1] != max_len:
             raise ValueError(f"buckets must increase and end at max_len={max_len}, got {self.buckets}")
@@ -89,25 +97,32 @@ class Batcher:
         if token_budget < max_len * multiple_of:
             raise ValueError(f"token_budget={token_budget} cannot hold {multiple_of} sequence(s) of max_len={max_len}: "
                              f"needs at least {max_len * multiple_of}")
-        self.examples, self.shuffle, self.seed, self.pack = examples, shuffle, seed, pack
-        self._src_len = np.array([len(s) for s, _ in examples], dtype=np.int64).reshape(-1)
-        self._tgt_len = np.array([len(t) for _, t in examples], dtype=np.int64).reshape(-1)
+        self.store = examples if isinstance(examples, TokenStore) else TokenStore.from_pairs(examples)
+        self.shuffle, self.seed, self.pack, self.process = shuffle, seed, pack, process
+        self._src_len, self._tgt_len = self.store.src_len, self.store.tgt_len
         lengths = np.maximum(self._src_len, self._tgt_len)
         keep = lengths <= max_len
-        self.num_dropped = int((~keep).sum())
+        self.num_dropped = int(len(keep) - np.count_nonzero(keep))
         if self.num_dropped:
-            log.info("dropped %d of %d pairs longer than max_len=%d", self.num_dropped, len(examples), max_len)
-        bucket_of = np.searchsorted(self.buckets, lengths)  # smallest bucket >= length
-        members = {length: np.flatnonzero(keep & (bucket_of == b)) for b, length in enumerate(self.buckets)}
+            log.info("dropped %d of %d pairs longer than max_len=%d", self.num_dropped, len(keep), max_len)
+        index = np.int32 if len(keep) < 2**31 else np.int64  # half the memory of int64 for every corpus there is
+        bucket_of = np.searchsorted(self.buckets, lengths).astype(np.int16)  # smallest bucket >= length
+        bucket_of[~keep] = -1
+        del lengths
+        members = {length: np.flatnonzero(bucket_of == b).astype(index) for b, length in enumerate(self.buckets)}
         self._members = {length: idx for length, idx in members.items() if len(idx)}  # buckets in use
         if pack:
-            self._kept = np.flatnonzero(keep)
+            self._kept = np.flatnonzero(keep).astype(index)
             self.pack_length = pack_length or (max(self._members) if self._members else max_len)
-            if not lengths[keep].max(initial=0) <= self.pack_length <= max_len:
+            longest = max(int(self._src_len[self._kept].max(initial=0)), int(self._tgt_len[self._kept].max(initial=0)))
+            if not longest <= self.pack_length <= max_len:
                 raise ValueError(f"pack_length={self.pack_length} must hold the longest pair and be at most "
                                  f"max_len={max_len}")
         padded = (self.pack_length,) if pack else self.buckets  # the lengths batches are padded to
         self.batch_size = {length: token_budget // (length * multiple_of) * multiple_of for length in padded}
+        for length, size in self.batch_size.items():
+            if size % process[1]:
+                raise ValueError(f"batches of {size} rows cannot be split over {process[1]} processes")
         self.epoch, self.index, self._plan_cache = 0, 0, (None, [])
 
     @property
@@ -129,8 +144,7 @@ class Batcher:
         plan = self._epoch_plan(0)
         if not plan:
             return 0.0
-        indices = [np.hstack(rows) for _, rows in plan]  # packed: a list of each row's indices
-        tokens = sum(int(self._src_len[i].sum() + self._tgt_len[i].sum()) for i in indices)
+        tokens = sum(int(self._src_len[i].sum()) + int(self._tgt_len[i].sum()) for i in (ids[ids >= 0] for _, ids in plan))
         positions = sum(2 * self.batch_size[length] * length for length, _ in plan)
         return 1.0 - tokens / positions
 
@@ -139,8 +153,8 @@ class Batcher:
             self._plan_cache = (epoch, self._plan(epoch))
         return self._plan_cache[1]
 
-    def _plan(self, epoch: int) -> list:
-        """(L, example indices) of every batch of `epoch`, in order (packed: a list of each row's indices)."""
+    def _plan(self, epoch: int) -> list[tuple[int, np.ndarray]]:
+        """(L, pair indices) of every batch of `epoch`, in order (packed: (rows, pairs) a row, -1 after them)."""
         rng = np.random.default_rng((self.seed, epoch))
         if self.pack:
             plan = [(self.pack_length, rows) for rows in self._packed(rng.permutation(self._kept) if self.shuffle
@@ -156,58 +170,63 @@ class Batcher:
             plan = [plan[i] for i in rng.permutation(len(plan))]
         return plan
 
-    def _packed(self, order: np.ndarray) -> list[list[list[int]]]:
-        """The pairs of `order` packed first-fit into batches of B_P rows of P positions each."""
+    def _packed(self, order: np.ndarray) -> list[np.ndarray]:
+        """The pairs of `order` packed first-fit into batches of B_P rows of P positions each: per
+        batch, a (rows in use, most pairs a row) array of pair indices, -1 after a row's pairs."""
         length, size = self.pack_length, self.batch_size[self.pack_length]
-        queue, batches = collections.deque(order.tolist()), []
+        src_len, tgt_len = self._src_len[order].tolist(), self._tgt_len[order].tolist()
+        queue, batches = collections.deque(range(len(order))), []  # positions in `order`
         while queue:
-            free_src, free_tgt = np.full(size, length), np.full(size, length)
+            free_src, free_tgt = [length] * size, [length] * size
             rows: list[list[int]] = [[] for _ in range(size)]
             waiting: list[int] = []
             while queue and len(waiting) < size:
-                i = queue.popleft()
-                fits = (free_src >= self._src_len[i]) & (free_tgt >= self._tgt_len[i])
-                if fits.any():
-                    row = int(fits.argmax())
-                    rows[row].append(i)
-                    free_src[row] -= self._src_len[i]
-                    free_tgt[row] -= self._tgt_len[i]
+                k = queue.popleft()
+                s, t = src_len[k], tgt_len[k]
+                row = next((r for r in range(size) if free_src[r] >= s and free_tgt[r] >= t), None)
+                if row is None:
+                    waiting.append(k)
                 else:
-                    waiting.append(i)
+                    rows[row].append(k)
+                    free_src[row] -= s
+                    free_tgt[row] -= t
             queue.extendleft(reversed(waiting))  # first in the next batch
-            batches.append([row for row in rows if row])
+            rows = [row for row in rows if row]
+            ids = np.full((len(rows), max(map(len, rows))), -1, np.int64)
+            for r, row in enumerate(rows):
+                ids[r, : len(row)] = order[row]
+            batches.append(ids)
         return batches
 
-    def _collate(self, length: int, idx) -> Batch:
-        if self.pack:
-            return self._collate_packed(length, idx)
-        size = self.batch_size[length]
-        src = np.zeros((size, length), np.int32)  # (B, S)
-        tgt_out = np.zeros((size, length), np.int32)  # (B, T)
-        for row, i in enumerate(idx):
-            s, t = self.examples[i]
-            src[row, : len(s)] = s
-            tgt_out[row, : len(t)] = t
-        tgt_in = np.concatenate([np.full((size, 1), BOS_ID, np.int32), tgt_out[:, :-1]], axis=1)  # (B, T)
-        ids = np.full(size, -1, np.int64)
-        ids[: len(idx)] = idx
-        return Batch(src, tgt_in, tgt_out, ids, int((src != PAD_ID).sum()), int((tgt_out != PAD_ID).sum()))
-
-    def _collate_packed(self, length: int, rows: list[list[int]]) -> Batch:
-        size = self.batch_size[length]
-        src, tgt_in, tgt_out, src_seg, tgt_seg = (np.zeros((size, length), np.int32) for _ in range(5))  # (B, L) each
-        ids = np.full((size, max(len(row) for row in rows)), -1, np.int64)
-        for r, row in enumerate(rows):
-            ids[r, : len(row)] = row
-            s_at = t_at = 0
-            for segment, i in enumerate(row, start=1):
-                s, t = self.examples[i]
-                src[r, s_at : s_at + len(s)], src_seg[r, s_at : s_at + len(s)] = s, segment
-                tgt_out[r, t_at : t_at + len(t)], tgt_seg[r, t_at : t_at + len(t)] = t, segment
-                tgt_in[r, t_at : t_at + len(t)] = [BOS_ID, *t[:-1]]  # shift_right within the segment
-                s_at, t_at = s_at + len(s), t_at + len(t)
-        return Batch(src, tgt_in, tgt_out, ids, int((src != PAD_ID).sum()), int((tgt_out != PAD_ID).sum()),
-                     src_seg, tgt_seg)
+    def _collate(self, length: int, ids: np.ndarray) -> Batch:
+        """The batch of pair indices `ids` ((n,) bucketed, (rows, n) packed), this process's rows of it."""
+        size, (index, count) = self.batch_size[length], self.process
+        full = np.full((size, *ids.shape[1:]), -1, np.int64)
+        full[: len(ids)] = ids
+        present = full[full >= 0]
+        tokens = int(self._src_len[present].sum()), int(self._tgt_len[present].sum())  # the global batch's
+        local = full[index * size // count : (index + 1) * size // count]
+        grid = local.reshape(len(local), -1)  # (B, pairs a row)
+        rows, segment = np.nonzero(grid >= 0)  # row-major: each row's pairs in order
+        arrays = {}
+        for side in ("src", "tgt"):
+            values, lengths = self.store.gather(side, grid[rows, segment])
+            out, seg = np.zeros((len(local), length), np.int32), np.zeros((len(local), length), np.int32)
+            before = np.cumsum(lengths) - lengths
+            first = np.searchsorted(rows, np.arange(len(local)))  # each row's first pair in the flat order
+            column = np.arange(len(values)) - np.repeat(before[first[rows]] if len(rows) else before, lengths)
+            token_rows = np.repeat(rows, lengths)
+            out[token_rows, column], seg[token_rows, column] = values, np.repeat(segment + 1, lengths)
+            arrays[side], arrays[f"{side}_seg"] = out, seg
+        src, tgt_out, tgt_seg = arrays["src"], arrays["tgt"], arrays["tgt_seg"]
+        if not self.pack:
+            tgt_in = np.concatenate([np.full((len(local), 1), BOS_ID, np.int32), tgt_out[:, :-1]], axis=1)  # (B, T)
+            return Batch(src, tgt_in, tgt_out, local, *tokens, global_rows=None if count == 1 else size)
+        shifted = np.concatenate([np.zeros((len(local), 1), np.int32), tgt_out[:, :-1]], axis=1)
+        starts = tgt_seg != np.concatenate([np.zeros((len(local), 1), np.int32), tgt_seg[:, :-1]], axis=1)
+        tgt_in = np.where(tgt_seg > 0, np.where(starts, BOS_ID, shifted), 0).astype(np.int32)  # shift_right per segment
+        return Batch(src, tgt_in, tgt_out, local, *tokens, arrays["src_seg"], tgt_seg,
+                     global_rows=None if count == 1 else size)
 
     def epoch_batches(self, epoch: int = 0) -> Iterator[Batch]:
         """All batches of one epoch; the iteration state is left alone."""

@@ -18,13 +18,15 @@ from __future__ import annotations
 import codecs
 import dataclasses
 import gzip
+import hashlib
+import itertools
 import logging
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from ..runtime.files import quoted, shortened
-from .streams import MAX_LINE_BYTES
+from .streams import MAX_LINE_BYTES, LineReader
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,14 @@ def load_parallel(spec: str, cache_dir: str | Path | None = None) -> LoadedPairs
     Raises FileNotFoundError for a missing file, ValueError for an unknown format, a missing
     column, or text files whose line counts differ.
     """
+    stream = stream_parallel(spec, cache_dir, digest=False)[1]
+    return LoadedPairs(list(stream), stream.skipped)
+
+
+def stream_parallel(spec: str, cache_dir: str | Path | None = None, digest: bool = True) -> tuple[str, PairStream]:
+    """(a digest of the data's content ("" with digest=False), its pairs, empty sides skipped): text
+    pairs are read a line at a time and hub datasets from datasets' memory-mapped Arrow cache,
+    never held whole; TSV and JSON are read whole. Errors as `load_parallel`'s, some while iterating."""
     spec, _, options = spec.partition("#")
     cache_dir = None if cache_dir is None else str(cache_dir)
     if spec.startswith("hf:"):
@@ -65,28 +75,101 @@ def load_parallel(spec: str, cache_dir: str | Path | None = None) -> LoadedPairs
         langs = config.split("-") if config and re.fullmatch(r"\w+-\w+", config) else ("source", "target")
         src, tgt = _columns(options, *langs)
         ds = _load_dataset(f"{spec}: not valid data", name, config, split=split, cache_dir=cache_dir)
-        return _pairs(_field(ds, src, spec), _field(ds, tgt, spec))
+        return f"{ds._fingerprint}#{src},{tgt}", PairStream(_hub_pairs(ds, src, tgt, spec))
     if spec.endswith(_TSV + _JSON):
         path, (src, tgt) = _existing(Path(spec)), _columns(options, "source", "target")
+        digest = f"{_digest([path]) if digest else ''}#{src},{tgt}"
         if spec.endswith(_TSV):
-            return _tsv_pairs(path, src, tgt)
+            return digest, PairStream(_tsv_pairs(path, src, tgt))
         if not check_text(path):  # datasets' json builder fails on an empty file
-            return LoadedPairs([], 0)
+            return digest, PairStream(())
         ds = _load_dataset(f"{path}: not valid json", "json", data_files=str(path), split="train", cache_dir=cache_dir)
-        return _pairs(_field(ds, src, path), _field(ds, tgt, path))
+        return digest, PairStream(_hub_pairs(ds, src, tgt, path))
     match = _TEXT_PAIR.match(spec)
     if match and not options:
         src_lang, tgt_lang, prefix = match.groups()
         paths = [_existing(Path(f"{prefix}.{lang}"), Path(f"{prefix}.{lang}.gz")) for lang in (src_lang, tgt_lang)]
-        sides = [read_lines(p) for p in paths]
-        if len(sides[0]) != len(sides[1]):
-            (short, n_short), (long, n_long) = sorted(zip(paths, map(len, sides)), key=lambda pair: pair[1])
-            extra = f"line {n_long} of {long} has" if n_long == n_short + 1 else f"lines {n_short + 1}-{n_long} of {long} have"
-            raise ValueError(f"line counts differ: {paths[0]} has {len(sides[0])} lines, {paths[1]} has "
-                             f"{len(sides[1])}; {extra} no counterpart in {short}")
-        return _pairs(*sides)
+        return _digest(paths) if digest else "", PairStream(_text_pairs(paths))
     raise ValueError(f"unknown data spec {quoted(spec, 200)}: expected SRC:TGT:PREFIX, FILE.tsv, FILE.jsonl, "
                      "FILE.json (optionally .gz, with #src=..,tgt=..) or hf:NAME[:CONFIG]:SPLIT")
+
+
+def _digest(paths: Iterable[Path]) -> str:
+    """sha256 over the bytes of `paths`, read in blocks (a corpus is never held whole)."""
+    h = hashlib.sha256()
+    for path in paths:
+        try:
+            with open(path, "rb") as f:
+                while block := f.read(1 << 22):
+                    h.update(block)
+        except OSError as err:
+            raise ValueError(f"cannot read {path}: {err.strerror or err}") from None
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def _text_pairs(paths: list[Path]) -> Iterator[tuple[str, str]]:
+    """Line N of one file with line N of the other; ValueError when their line counts differ."""
+    for path in paths:
+        check_text(path)  # ValueError naming the file, as load_parallel's
+    readers = [LineReader(path) for path in paths]
+    try:
+        for sides in itertools.zip_longest(*readers):
+            if None in sides:
+                for reader in readers:
+                    for _ in reader:  # count the rest
+                        pass
+                (short, n_short), (long, n_long) = sorted(zip(paths, (r.lines for r in readers)), key=lambda p: p[1])
+                extra = f"line {n_long} of {long} has" if n_long == n_short + 1 else \
+                    f"lines {n_short + 1}-{n_long} of {long} have"
+                raise ValueError(f"line counts differ: {paths[0]} has {readers[0].lines} lines, {paths[1]} has "
+                                 f"{readers[1].lines}; {extra} no counterpart in {short}")
+            yield sides
+    finally:
+        for reader in readers:
+            reader.close()
+
+
+def _hub_pairs(ds, src: str, tgt: str, where) -> Iterator[tuple]:
+    """Columns `src` and `tgt` (or keys of a `translation` dict column) of a datasets Dataset,
+    a thousand rows at a time from its memory-mapped Arrow table."""
+    if src in ds.column_names and tgt in ds.column_names:
+        columns = [src, tgt]
+    elif "translation" in ds.column_names:
+        columns = ["translation"]
+    else:
+        missing = src if src not in ds.column_names else tgt
+        raise ValueError(f"{where}: no field {quoted(missing)} (columns: {quoted(ds.column_names, 200)})")
+    for rows in ds.select_columns(columns).iter(batch_size=1000):
+        if len(columns) == 2:
+            yield from zip(rows[src], rows[tgt])
+            continue
+        for row in rows["translation"]:
+            if row is None or src not in row or tgt not in row:
+                name = src if row is None or src not in row else tgt
+                raise ValueError(f"{where}: no field {quoted(name)} (columns: {quoted(ds.column_names, 200)})")
+            yield row[src], row[tgt]
+
+
+class PairStream:
+    """The pairs of an iterable of (source, target), both sides stripped of surrounding whitespace;
+    those with a side then empty are left out and counted in `skipped`."""
+
+    def __init__(self, pairs: Iterable):
+        self.pairs, self.skipped, self.read = pairs, 0, 0
+
+    def __iter__(self) -> Iterator[Pair]:
+        for s, t in self.pairs:
+            s, t = ("" if s is None else str(s)).strip(), ("" if t is None else str(t)).strip()
+            if s and t:
+                self.read += 1
+                yield s, t
+            else:
+                self.skipped += 1
+        if self.skipped:
+            log.info("skipped %d of %d pairs with an empty side", self.skipped, self.skipped + self.read)
+
+
 
 
 def spec_files(spec: str) -> list[Path]:
@@ -142,7 +225,7 @@ def read_lines(path: Path) -> list[str]:
         return split_lines(f.read().decode("utf-8"))
 
 
-def _tsv_pairs(path: Path, src: str, tgt: str) -> LoadedPairs:
+def _tsv_pairs(path: Path, src: str, tgt: str) -> list[tuple[str, str]]:
     """Columns `src` and `tgt` of a TSV file with a header row: every row split at tabs, no
     quoting, no NA values, and exactly the header's number of columns."""
     lines = read_lines(path)
@@ -157,7 +240,7 @@ def _tsv_pairs(path: Path, src: str, tgt: str) -> LoadedPairs:
     for number, row in enumerate(rows, start=2):
         if len(row) != len(header):
             raise ValueError(f"{path}: line {number} has {len(row)} columns, the header (line 1) has {len(header)}")
-    return _pairs([row[i] for row in rows], [row[j] for row in rows])
+    return [(row[i], row[j]) for row in rows]
 
 
 def _existing(*candidates: Path) -> Path:
@@ -217,27 +300,3 @@ def _columns(options: str, src: str, tgt: str) -> tuple[str, str]:
             raise ValueError(f"bad column option {quoted(item)}: expected src=NAME or tgt=NAME")
         names[key] = value
     return names["src"], names["tgt"]
-
-
-def _field(ds, name: str, where) -> list:
-    """Column `name`, or key `name` of the hub's `translation` dict column."""
-    if name in ds.column_names:
-        return list(ds[name])
-    if "translation" in ds.column_names:
-        rows = list(ds["translation"])
-        if all(row is not None and name in row for row in rows):
-            return [row[name] for row in rows]
-    raise ValueError(f"{where}: no field {quoted(name)} (columns: {quoted(ds.column_names, 200)})")
-
-
-def _pairs(sources: Iterable, targets: Iterable) -> LoadedPairs:
-    pairs, skipped = [], 0
-    for s, t in zip(sources, targets, strict=True):
-        s, t = ("" if s is None else str(s)).strip(), ("" if t is None else str(t)).strip()
-        if s and t:
-            pairs.append((s, t))
-        else:
-            skipped += 1
-    if skipped:
-        log.info("skipped %d of %d pairs with an empty side", skipped, skipped + len(pairs))
-    return LoadedPairs(pairs, skipped)

@@ -6,20 +6,24 @@ import re
 
 from ..config import ExperimentConfig
 from ..runtime.files import UserError, quoted, say
-from .corpora import Pair, load_parallel
+from .corpora import Pair, load_parallel, stream_parallel
 from .numbers import Splits, numbers_corpus, numbers_range
+from .store import TokenStore, cache_dir, corpus_store
+from .vocab import Tokenizers, encode_pairs
 
 MAX_SPEC = 4096  # characters of a data spec: PATH_MAX, with room for SRC:TGT: and #src=..,tgt=..
 
 
-def load_splits(cfg: ExperimentConfig) -> Splits:
+def load_splits(cfg: ExperimentConfig, train: bool = True) -> Splits:
     """Train, validation and test pairs: the numbers corpus, or the --train/--valid/--test specs
     (test empty when not given), every text lowercased with --lowercase. Bad specs and missing
-    files raise UserError."""
+    files raise UserError. `train=False`: a --train spec is not read (its pairs come from
+    `train_store`), the training split left empty."""
     if cfg.uses_numbers_corpus:
         splits = numbers_corpus(cfg.numbers_train, cfg.numbers_valid, cfg.numbers_test, seed=cfg.seed)
     else:
-        splits = Splits(*(load_split(cfg, spec) if spec else [] for spec in (cfg.train, cfg.valid, cfg.test)))
+        splits = Splits(*(load_split(cfg, spec) if spec and (train or k) else []
+                          for k, spec in enumerate((cfg.train, cfg.valid, cfg.test))))
     if not cfg.lowercase:
         return splits
     return Splits(*([(s.lower(), t.lower()) for s, t in pairs] for pairs in (splits.train, splits.valid, splits.test)))
@@ -52,3 +56,27 @@ def load_split(cfg: ExperimentConfig, spec: str) -> list[Pair]:
     if loaded.skipped_empty:
         say(f"{spec}: skipped {loaded.skipped_empty} of {loaded.skipped_empty + len(loaded.pairs)} pairs with an empty side")
     return loaded.pairs
+
+
+def train_store(cfg: ExperimentConfig, tokenizers: Tokenizers, pairs: list[Pair] | None = None,
+                progress: bool = True) -> TokenStore:
+    """The training pairs tokenized: a --train spec's from its store on disk (train.data.store),
+    opened in place, or built on first use from `pairs` when given (those of `load_splits`), else
+    read from the spec a chunk at a time; the numbers corpus's (and `numbers:` specs') in memory."""
+    if cfg.uses_numbers_corpus or cfg.train.startswith("numbers:"):
+        return TokenStore.from_pairs(encode_pairs(tokenizers, pairs if pairs is not None else
+                                                  load_splits(cfg).train))
+    try:
+        digest, stream = stream_parallel(cfg.train, cache_dir=cfg.hf_cache)
+        source = pairs if pairs is not None else (
+            ((s.lower(), t.lower()) for s, t in stream) if cfg.lowercase else stream)
+        stored = corpus_store(cache_dir(cfg.hf_cache), f"{digest}#lowercase={cfg.lowercase}", tokenizers, source,
+                              total=None if pairs is None else len(pairs), name=cfg.train,
+                              progress=progress and cfg.progress)
+    except (FileNotFoundError, ValueError) as err:
+        raise UserError(f"cannot load {cfg.train!r}: {err}") from None
+    if stream.skipped:
+        say(f"{cfg.train}: skipped {stream.skipped} of {stream.skipped + len(stored)} pairs with an empty side")
+    if not len(stored):
+        raise UserError(f"{cfg.train!r} holds no sentence pairs")
+    return stored

@@ -1,0 +1,211 @@
+"""The corpus store (train/data/store.py) and batches planned from its lengths (train/data/batches.py).
+
+- The batches are main's: digests of every batch of main's (list-based) Batcher at 7b321f9 for the
+  numbers corpus and Multi30k, bucketed and packed, are reproduced from a store on disk;
+- a process's share of each batch is that batch's rows, with the global batch's token counts;
+- a store is built once, opened in place after, and truncated, concurrent or changed-corpus cases
+  are refused or rebuilt, never read wrong.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from train import data
+from train.data import store as store_mod
+from train.runtime import UserError
+
+from .helpers import REPO
+
+
+def _digest(batches) -> tuple[int, str]:
+    h, n = hashlib.sha256(), 0
+    for b in batches:
+        for a in (b.src, b.tgt_in, b.tgt_out, b.ids, b.src_segments, b.tgt_segments):
+            if a is not None:
+                h.update(str(a.shape).encode())
+                h.update(np.ascontiguousarray(a).tobytes())
+        h.update(f"{b.num_src_tokens},{b.num_tgt_tokens}".encode())
+        n += 1
+    return n, h.hexdigest()[:16]
+
+
+def _check(examples, expected: dict, max_len: int) -> None:
+    """Epoch 0 and 3 batches of epoch 1 through next(), and epoch 2 through epoch_batches, against
+    the digests main's Batcher gave (tests/train/test_store.py's _digest, computed at 7b321f9)."""
+    for (pack, budget, seed, multiple_of), (count, first, second) in expected.items():
+        batcher = data.Batcher(examples, token_budget=budget, max_len=max_len, seed=seed, pack=pack,
+                               multiple_of=multiple_of)
+        taken = [next(batcher) for _ in range(batcher.num_batches + 3)]
+        assert (_digest(taken), batcher.state()) == ((count, first), {"epoch": 1, "index": 3})
+        assert _digest(batcher.epoch_batches(2))[1] == second
+
+
+def _store(tmp_path, tokenizers, pairs):
+    return store_mod.corpus_store(tmp_path / "cache", "digest-of-test-data", tokenizers, pairs, name="test")
+
+
+@pytest.fixture(scope="module")
+def numbers():
+    splits = data.numbers_corpus(2000, 10, 0, seed=3)
+    return splits.train, data.train_tokenizers(splits.train, vocab_size=400)
+
+
+def test_numbers_batches_are_mains(numbers, tmp_path):
+    pairs, tokenizers = numbers
+    stored = _store(tmp_path, tokenizers, pairs)
+    assert (stored.src_len.base is not None or isinstance(stored.src_len, np.memmap))  # read in place
+    # (pack, budget, seed, multiple_of): (batches, digest, epoch 2's digest), from main's Batcher
+    _check(stored, {(False, 512, 3, 1): (48, "24807cf0eeb323e1", "08638f4678aa475f"),
+                    (False, 512, 4, 2): (48, "485e374d4b9eaee4", "09ed409a1105d56a"),
+                    (True, 512, 3, 1): (34, "f74f97711c0d737d", "9a5cff8405b603e4"),
+                    (True, 512, 4, 2): (34, "739b2b9ff1ff306f", "4d057529632220b3")}, max_len=16)
+    evaluation = data.Batcher(data.encode_pairs(tokenizers, pairs), token_budget=512, max_len=16, shuffle=False)
+    assert _digest(evaluation.epoch_batches()) == (45, "0571ef82a788dfaf")
+
+
+@pytest.mark.slow  # ~20 s: a tokenizer trained on Multi30k; the numbers test covers the same code
+def test_multi30k_batches_are_mains(multi30k, tmp_path):
+    pairs = data.load_parallel(f"de:en:{multi30k}/train").pairs
+    tokenizers = data.train_tokenizers(pairs, vocab_size=8000)
+    _check(_store(tmp_path, tokenizers, pairs),
+           {(False, 4096, 1, 2): (148, "fbbdad2fb724508f", "0efa4e164f6fe1cf"),
+            (False, 25000, 1, 1): (30, "e61f4d01fe11b4ac", "678ab56c5375421b"),
+            (True, 4096, 1, 2): (122, "87724e1cf72d5460", "453d2b86f4db39a7"),
+            (True, 25000, 1, 1): (23, "65fec1e6e55e50d9", "81edc4c3085ec2b1")}, max_len=128)
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_process_shares_are_the_batch_rows(numbers, pack):
+    pairs, tokenizers = numbers
+    examples = data.encode_pairs(tokenizers, pairs)
+    whole = data.Batcher(examples, token_budget=512, max_len=16, seed=1, pack=pack, multiple_of=2)
+    shares = [data.Batcher(examples, token_budget=512, max_len=16, seed=1, pack=pack, multiple_of=2, process=(i, 2))
+              for i in range(2)]
+    for _ in range(whole.num_batches + 2):
+        batch, parts = next(whole), [next(s) for s in shares]
+        for name in ("src", "tgt_in", "tgt_out", "ids", "src_segments", "tgt_segments"):
+            if getattr(batch, name) is not None:
+                np.testing.assert_array_equal(np.concatenate([getattr(p, name) for p in parts]), getattr(batch, name))
+        assert {(p.num_src_tokens, p.num_tgt_tokens, p.global_rows) for p in parts} == {
+            (batch.num_src_tokens, batch.num_tgt_tokens, len(batch.src))}
+    with pytest.raises(ValueError, match="cannot be split over 3 processes"):
+        data.Batcher(examples, token_budget=512, max_len=16, multiple_of=2, process=(0, 3))
+
+
+def test_store_holds_the_encoded_pairs(numbers, tmp_path):
+    pairs, tokenizers = numbers
+    stored = _store(tmp_path, tokenizers, iter(pairs[:300]))  # any iterable: read once, chunk by chunk
+    expected = data.encode_pairs(tokenizers, pairs[:300])
+    idx = np.array([299, 0, 17, 17])
+    for k, side in enumerate(("src", "tgt")):
+        values, lengths = stored.gather(side, idx)
+        rows = [expected[i][k] for i in idx]
+        assert lengths.tolist() == [len(r) for r in rows] and values.tolist() == [t for r in rows for t in r]
+    # Opened again: the same directory, nothing rebuilt (a callable is not even called).
+    again = _store(tmp_path, tokenizers, lambda: pytest.fail("rebuilt"))
+    assert np.array_equal(again.src, stored.src) and len(list((tmp_path / "cache").iterdir())) == 2  # store + lock
+
+
+def test_damaged_store_is_refused(numbers, tmp_path):
+    pairs, tokenizers = numbers
+    _store(tmp_path, tokenizers, pairs[:100])
+    [path] = [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
+    with open(path / "tgt.npy", "r+b") as f:  # truncated: the last tokens lost
+        f.truncate(f.seek(0, 2) - 8)
+    with pytest.raises(UserError, match=r"^corpus store .* does not match its manifest .*delete it"):
+        _store(tmp_path, tokenizers, pairs[:100])
+    (path / "store.json").write_text("{")
+    with pytest.raises(UserError, match=r"^corpus store .* is unreadable"):
+        _store(tmp_path, tokenizers, pairs[:100])
+
+
+def test_interrupted_build_leaves_no_store(numbers, tmp_path):
+    pairs, tokenizers = numbers
+
+    def broken():
+        yield from pairs[:10]
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        _store(tmp_path, tokenizers, broken())
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [next((tmp_path / "cache").iterdir()).name]
+    assert next((tmp_path / "cache").iterdir()).name.endswith(".lock")  # no store, no temporary directory
+    assert len(_store(tmp_path, tokenizers, pairs[:10])) == 10  # the next run builds it
+
+
+def _slow_build(cache, tokenizers_dir, pairs, started):
+    def slowly():
+        started.set()
+        time.sleep(0.5)  # the other build starts meanwhile
+        yield from pairs
+
+    tokenizers = data.load_tokenizers(tokenizers_dir)
+    store_mod.corpus_store(cache, "digest-of-test-data", tokenizers, slowly(), name="test")
+
+
+def test_two_builds_at_once_make_one_store(numbers, tmp_path):
+    pairs, tokenizers = numbers
+    data.save_tokenizers(tokenizers, tmp_path / "tok")
+    started = multiprocessing.get_context("fork").Event()
+    other = multiprocessing.get_context("fork").Process(target=_slow_build,
+                                                        args=(tmp_path / "cache", tmp_path / "tok", pairs[:50], started))
+    other.start()
+    assert started.wait(30)
+    stored = _store(tmp_path, tokenizers, lambda: pytest.fail("built twice"))  # waits for the other's build
+    other.join(30)
+    assert other.exitcode == 0 and len(stored) == 50
+    assert sorted(p.suffix for p in (tmp_path / "cache").iterdir()) == ["", ".lock"]
+
+
+def test_changed_corpus_gets_its_own_store(tmp_path, numbers):
+    _, tokenizers = numbers
+    prefix = tmp_path / "corpus"
+    for lang, text in (("de", "eins\nzwei\n"), ("en", "one\ntwo\n")):
+        (tmp_path / f"corpus.{lang}").write_text(text)
+    first = data.corpora._digest(data.corpora.spec_files(f"de:en:{prefix}"))
+    (tmp_path / "corpus.en").write_text("one\nthree\n")
+    assert data.corpora._digest(data.corpora.spec_files(f"de:en:{prefix}")) != first
+
+
+@pytest.mark.slow  # ~90 s: three jax processes compile; test_process_shares_are_the_batch_rows covers the shares
+def test_two_processes_read_their_rows_like_one_process_on_two_devices(tmp_path):
+    """`python -m train.run` on a --train text corpus: two processes with one CPU device each,
+    each reading its half of every batch from the one store, against one process with two devices."""
+    from .test_distributed import SMALL, _env, _free_port
+
+    splits = data.numbers_corpus(600, 8, 0, seed=3)
+    for name, pairs in (("train", splits.train), ("valid", splits.valid)):
+        for k, lang in enumerate(("de", "en")):
+            (tmp_path / f"{name}.{lang}").write_text("".join(pair[k] + "\n" for pair in pairs))
+    flags = ["--train", f"de:en:{tmp_path}/train", "--valid", f"de:en:{tmp_path}/valid", "--steps", "6",
+             "--eval-every", "6", "--log-every", "1", "--eval-sentences", "4", "--beam", "1", "--vocab-size", "300",
+             "--no-progress", "--max-len", "16", "--token-budget", "256", "--seed", "3", "--warmup", "5"]
+    flags += [arg for k, v in SMALL["model"].items() for arg in ("--set", f"{k}={v}")]
+    command = [sys.executable, "-m", "train.run", *flags]
+    env = {**_env(2), "AIAYN_DATA_CACHE": str(tmp_path / "cache")}
+    single = subprocess.Popen([*command, "--run-dir", str(tmp_path / "one")], env=env, cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    port = _free_port()
+    multi = [subprocess.Popen([*command, "--run-dir", str(tmp_path / "two"), "--coordinator-address",
+                               f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
+                              env={**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}, cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outputs = [p.communicate(timeout=1200) for p in (single, *multi)]
+    for p, (stdout, stderr) in zip((single, *multi), outputs):
+        assert p.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    one, two = (json.loads((tmp_path / run / "results.json").read_text()) for run in ("one", "two"))
+    losses = [[t["loss"] for t in run["history"]["train"]] for run in (one, two)]
+    assert len(losses[0]) == 6
+    # The same global batches; only the all-reduce's summation order differs (test_distributed.REL).
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-4)
+    assert "2 device(s) in 2 processes" in outputs[1][0]
+    assert len([p for p in (tmp_path / "cache").iterdir() if p.is_dir()]) == 1  # one store, read by all three

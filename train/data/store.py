@@ -1,0 +1,183 @@
+"""A corpus tokenized once: `TokenStore`, every pair's source and target ids as flat int32 arrays with
+their lengths and offsets, in memory (`TokenStore.from_pairs`) or memory-mapped from a directory of
+NumPy `.npy` files (`open_store`, written by `build_store`, found by `corpus_store`).
+
+On disk a store is `<cache>/<key>/` (docs/operations.md#the-corpus-store): the key digests the
+data's content and the tokenizers, so a changed corpus or tokenizer gets a store of its own. It is
+written into a temporary directory and renamed into place, under a lock, so an interrupted build
+leaves no store and two builds of one key make it once; a store whose files disagree with its
+manifest is refused in one line, never read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import io
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from ..runtime.files import UserError
+from .vocab import Tokenizers
+
+FORMAT = "aiayn-token-store/1"
+MANIFEST = "store.json"
+SIDES = ("src", "tgt")
+CHUNK = 20_000  # pairs per encode_batch call: the tokenizer's threads busy, a bounded buffer
+
+
+class TokenStore:
+    """Flat token ids of both sides (`src`, `tgt`, int32), each pair's lengths (`src_len`, `tgt_len`,
+    int32) and start offsets (`src_start`, `tgt_start`, int64): arrays or read-only memory maps."""
+
+    def __init__(self, arrays: dict[str, np.ndarray]):
+        self.arrays = arrays
+        for name, array in arrays.items():
+            setattr(self, name, array)
+
+    def __len__(self) -> int:
+        return len(self.src_len)
+
+    @classmethod
+    def from_pairs(cls, examples: Iterable[tuple[Iterable[int], Iterable[int]]]) -> TokenStore:
+        """A store in memory from (source ids, target ids) pairs."""
+        examples = list(examples)
+        arrays = {}
+        for k, side in enumerate(SIDES):
+            rows = [np.asarray(pair[k], np.int32).reshape(-1) for pair in examples]
+            lengths = np.array([len(r) for r in rows], np.int32)
+            arrays[side] = np.concatenate(rows) if rows else np.zeros(0, np.int32)
+            arrays[f"{side}_len"], arrays[f"{side}_start"] = lengths, _starts(lengths)
+        return cls(arrays)
+
+    def gather(self, side: str, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(the ids of pairs `idx` one after another, their lengths) on `side`."""
+        starts, lengths = self.arrays[f"{side}_start"][idx], self.arrays[f"{side}_len"][idx].astype(np.int64)
+        before = np.cumsum(lengths) - lengths  # where each pair begins in the output
+        positions = np.repeat(starts - before, lengths) + np.arange(int(lengths.sum()))
+        return np.asarray(self.arrays[side][positions]), lengths
+
+
+def _starts(lengths: np.ndarray) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)[:-1]]).astype(np.int64) if len(lengths) else \
+        np.zeros(0, np.int64)
+
+
+def tokenizers_digest(tokenizers: Tokenizers) -> str:
+    """A digest of what the tokenizers do (their serialized form; SentencePiece: models and pieces)."""
+    h = hashlib.sha256()
+    for tok in (tokenizers.src, tokenizers.tgt):
+        if hasattr(tok, "to_str"):
+            h.update(tok.to_str().encode())
+        else:
+            h.update(tok.model + tok.decode_model + "\n".join(tok.pieces).encode())
+    return h.hexdigest()
+
+
+def cache_dir(hf_cache: str | None = None) -> Path:
+    """Where stores live: `$AIAYN_DATA_CACHE`, else `aiayn-corpora/` in --hf-cache, else in the HF
+    datasets cache (`$HF_DATASETS_CACHE`, `$HF_HOME/datasets`, ~/.cache/huggingface/datasets)."""
+    if os.environ.get("AIAYN_DATA_CACHE") and hf_cache is None:
+        return Path(os.environ["AIAYN_DATA_CACHE"])
+    hf_home = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface"))
+    return Path(hf_cache or os.environ.get("HF_DATASETS_CACHE") or hf_home / "datasets") / "aiayn-corpora"
+
+
+def corpus_store(root: Path, data_digest: str, tokenizers: Tokenizers, pairs: Iterable[tuple[str, str]],
+                 total: int | None = None, name: str = "corpus", progress: bool = True) -> TokenStore:
+    """The store of the data `data_digest` names tokenized by `tokenizers` under `root`: opened when
+    it is there, else built from `pairs` (a callable returning them is called only then), with a
+    progress bar on a terminal when `progress`."""
+    key = hashlib.sha256(f"{FORMAT}\n{data_digest}\n{tokenizers_digest(tokenizers)}".encode()).hexdigest()[:32]
+    path = root / key
+    if not (path / MANIFEST).is_file():
+        root.mkdir(parents=True, exist_ok=True)
+        with open(root / f".{key}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # a second build of the key waits, then opens the first's store
+            if not (path / MANIFEST).is_file():
+                build_store(path, pairs() if callable(pairs) else pairs, tokenizers, key, total, name, progress)
+    return open_store(path, key)
+
+
+def build_store(path: Path, pairs: Iterable[tuple[str, str]], tokenizers: Tokenizers, key: str = "",
+                total: int | None = None, name: str = "corpus", progress: bool = True) -> None:
+    """Tokenize `pairs` chunk by chunk (`encode_batch` runs on every core) into a new store at `path`,
+    written in a temporary directory beside it and renamed into place when complete."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        files = {name_: open(tmp / f"{name_}.npy", "wb") for name_ in ("src", "tgt", "src_len", "tgt_len")}
+        with contextlib.ExitStack() as stack:
+            for f in files.values():
+                stack.enter_context(f)
+                f.write(_npy_header(0))
+            counts = dict.fromkeys(files, 0)
+            bar = stack.enter_context(tqdm(total=total, unit=" pairs", desc=f"tokenizing {name}", dynamic_ncols=True,
+                                           disable=None if progress else True))  # None: on a terminal only
+            for chunk in _chunks(pairs, CHUNK):
+                for side, tok, texts in zip(SIDES, (tokenizers.src, tokenizers.tgt), zip(*chunk)):
+                    ids = [e.ids for e in tok.encode_batch(list(texts))]
+                    lengths = np.fromiter(map(len, ids), np.int32, len(ids))
+                    flat = np.fromiter((i for row in ids for i in row), np.int32, int(lengths.sum()))
+                    for array, name_ in ((flat, side), (lengths, f"{side}_len")):
+                        files[name_].write(array.tobytes())
+                        counts[name_] += len(array)
+                bar.update(len(chunk))
+            for name_, f in files.items():  # the headers now say how long the arrays are
+                f.seek(0)
+                f.write(_npy_header(counts[name_]))
+        for side in SIDES:
+            lengths = np.load(tmp / f"{side}_len.npy", mmap_mode="r")
+            np.save(tmp / f"{side}_start.npy", _starts(lengths))
+        manifest = {"format": FORMAT, "key": key, "pairs": counts["src_len"], "tokens": {s: counts[s] for s in SIDES},
+                    "files": {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        os.rename(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def open_store(path: Path, key: str | None = None) -> TokenStore:
+    """The store at `path`, memory-mapped; UserError in one line when its files do not match its
+    manifest (truncated, replaced, another key): delete the directory and the next run rebuilds it."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        sizes = {p.name: p.stat().st_size for p in path.iterdir() if p.name != MANIFEST}
+        bad = manifest.get("format") != FORMAT or (key is not None and manifest.get("key") != key) or \
+            sizes != manifest["files"]
+        arrays = {} if bad else {p[:-4]: np.load(path / p, mmap_mode="r") for p in sizes}
+        bad = bad or any(
+            len(arrays[f"{s}_len"]) != manifest["pairs"] or len(arrays[s]) != manifest["tokens"][s]
+            or len(arrays[f"{s}_start"]) != manifest["pairs"] for s in SIDES)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise UserError(f"corpus store {path} is unreadable ({err}): delete it and run again to rebuild it") from None
+    if bad:
+        raise UserError(f"corpus store {path} does not match its manifest (truncated or changed): delete it and run "
+                        "again to rebuild it")
+    return TokenStore(arrays)
+
+
+def _npy_header(length: int) -> bytes:
+    """A 1-D int32 .npy header; 128 bytes for any length, so the final one overwrites the first."""
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, {"descr": "<i4", "fortran_order": False, "shape": (length,)})
+    assert len(buf.getvalue()) == 128
+    return buf.getvalue()
+
+
+def _chunks(pairs: Iterable, size: int) -> Iterator[list]:
+    chunk = []
+    for pair in pairs:
+        chunk.append(pair)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
