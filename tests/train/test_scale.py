@@ -70,14 +70,15 @@ def test_the_generated_corpus_has_wmt14s_sentence_length(tmp_path, multi30k):
 def test_the_wmt14_recipe_trains_on_a_generated_corpus(tmp_path, multi30k):
     """The recipe as written (base model, 37,000-token BPE, the paper's schedule), its data and steps
     replaced: two steps on a small WMT-shaped corpus, in batches of 2,048 tokens (25,000 on the CPU
-    would hold 10 GB: 25,000 x 37,000 logits are 3.7 GB a copy)."""
+    would hold 10 GB: 25,000 x 37,000 logits are 3.7 GB a copy), by the torch twin (JAX's compile of
+    the base model takes minutes on 2 CPUs; the twins' equality is tests/parity's)."""
     cfg = run.parse_config(["--config", str(REPO / "recipes/wmt14-en-de-base.toml")])[0]
     assert (cfg.preset, cfg.vocab_size, cfg.token_budget, cfg.warmup, cfg.steps, cfg.keep_checkpoints, cfg.beam) == (
         "base", 37000, 25000, 4000, 100_000, 5, 4)
     assert cfg.train == "hf:wmt14:de-en:train#src=en,tgt=de" and cfg.test == "hf:wmt14:de-en:test#src=en,tgt=de"
     wmt_sized.generate(3000, str(tmp_path / "train"), multi30k=multi30k)
     results = train.fit(str(REPO / "recipes/wmt14-en-de-base.toml"), train=f"en:de:{tmp_path / 'train'}",
-                        valid=f"en:de:{multi30k / 'val'}", test=None, steps=2, eval_sentences=2, token_budget=2048,
+                        valid=f"en:de:{multi30k / 'val'}", test=None, steps=2, eval_sentences=2, token_budget=2048, backend="torch",
                         run_dir=str(tmp_path / "run"), progress=False)
     assert results["steps"] == 2 and np.isfinite(results["train"]["loss"])
     assert results["model"]["d_model"] == 512 and results["model"]["src_vocab_size"] > 8000  # base, a large BPE
