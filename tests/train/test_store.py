@@ -21,6 +21,7 @@ import pytest
 
 from train import data
 from train.data import store as store_mod
+from train.config import ExperimentConfig
 from train.runtime import UserError
 
 from .helpers import REPO
@@ -119,6 +120,12 @@ def test_damaged_store_is_refused(numbers, tmp_path):
     pairs, tokenizers = numbers
     _store(tmp_path, tokenizers, pairs[:100])
     [path] = [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
+    manifest = (path / "store.json").read_text()
+    (path / "store.json").write_text(manifest.replace(path.name, "another-corpus"))  # another key's store moved here
+    with pytest.raises(UserError, match=r"^corpus store .* does not match its manifest"):
+        _store(tmp_path, tokenizers, pairs[:100])
+    (path / "store.json").write_text(manifest)
+    assert len(_store(tmp_path, tokenizers, pairs[:100])) == 100
     with open(path / "tgt.npy", "r+b") as f:  # truncated: the last tokens lost
         f.truncate(f.seek(0, 2) - 8)
     with pytest.raises(UserError, match=r"^corpus store .* does not match its manifest .*delete it"):
@@ -155,9 +162,9 @@ def _slow_build(cache, tokenizers_dir, pairs, started):
 def test_two_builds_at_once_make_one_store(numbers, tmp_path):
     pairs, tokenizers = numbers
     data.save_tokenizers(tokenizers, tmp_path / "tok")
-    started = multiprocessing.get_context("fork").Event()
-    other = multiprocessing.get_context("fork").Process(target=_slow_build,
-                                                        args=(tmp_path / "cache", tmp_path / "tok", pairs[:50], started))
+    fork = multiprocessing.get_context("fork")
+    started = fork.Event()
+    other = fork.Process(target=_slow_build, args=(tmp_path / "cache", tmp_path / "tok", pairs[:50], started))
     other.start()
     assert started.wait(30)
     stored = _store(tmp_path, tokenizers, lambda: pytest.fail("built twice"))  # waits for the other's build
@@ -166,14 +173,75 @@ def test_two_builds_at_once_make_one_store(numbers, tmp_path):
     assert sorted(p.suffix for p in (tmp_path / "cache").iterdir()) == ["", ".lock"]
 
 
-def test_changed_corpus_gets_its_own_store(tmp_path, numbers):
+def _config(tmp_path, spec: str, **changes) -> ExperimentConfig:
+    return ExperimentConfig(train=spec, valid=spec, hf_cache=str(tmp_path / "hf"), progress=False, **changes)
+
+
+def _stores(tmp_path) -> list:
+    return sorted(p for p in (tmp_path / "hf" / "aiayn-corpora").iterdir() if p.is_dir())
+
+
+def test_text_corpus_store_follows_its_files(tmp_path, numbers):
+    """Built from the files a line at a time, opened in place next time (the text only digested),
+    and another store for a corpus changed under it or --lowercase."""
     _, tokenizers = numbers
-    prefix = tmp_path / "corpus"
-    for lang, text in (("de", "eins\nzwei\n"), ("en", "one\ntwo\n")):
-        (tmp_path / f"corpus.{lang}").write_text(text)
-    first = data.corpora._digest(data.corpora.spec_files(f"de:en:{prefix}"))
-    (tmp_path / "corpus.en").write_text("one\nthree\n")
-    assert data.corpora._digest(data.corpora.spec_files(f"de:en:{prefix}")) != first
+    pairs = [(f"  eins {i}", f"one {i}") for i in range(30)] + [("zwei", " ")]  # the last: an empty side
+    for k, lang in enumerate(("de", "en")):
+        (tmp_path / f"c.{lang}").write_text("".join(p[k] + "\n" for p in pairs))
+    cfg = _config(tmp_path, f"de:en:{tmp_path}/c")
+    stored = data.train_store(cfg, tokenizers)
+    expected = data.encode_pairs(tokenizers, data.load_parallel(cfg.train).pairs)
+    assert len(stored) == 30 and stored.gather("src", np.arange(30))[0].tolist() == [i for s, _ in expected for i in s]
+    again = data.train_store(cfg, tokenizers, pairs=[])  # pairs given but not needed: the store is there
+    assert len(again) == 30 and len(_stores(tmp_path)) == 1
+    with open(tmp_path / "c.en", "a") as f:  # the corpus changes under its store
+        f.write("extra\n")
+    with open(tmp_path / "c.de", "a") as f:
+        f.write("mehr\n")
+    assert len(data.train_store(cfg, tokenizers)) == 31 and len(_stores(tmp_path)) == 2
+    assert len(data.train_store(cfg.replace(lowercase=True), tokenizers)) == 31 and len(_stores(tmp_path)) == 3
+    (tmp_path / "c.de").write_text("nur eine\n")
+    with pytest.raises(UserError, match=r"^cannot load .*line counts differ"):
+        data.train_store(cfg, tokenizers)
+    assert len(_stores(tmp_path)) == 3  # nothing of the failed build left
+
+
+def _hub_build_peak(tmp_path, tokenizers, n: int) -> tuple:
+    """(the store, the Python memory its build peaked at) of an hf: spec of `n` pairs (a local parquet
+    dataset standing in for the hub, no network here)."""
+    import tracemalloc
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pairs = [(f"{i} und {i % 97} sind {i * 7}", f"{i} and {i % 97} are {i * 7}") for i in range(n)]
+    (tmp_path / f"hub{n}" / "data").mkdir(parents=True)
+    translation = pa.array([{"de": s, "en": t} for s, t in pairs])
+    pq.write_table(pa.table({"translation": translation}), tmp_path / f"hub{n}" / "data" / "train.parquet")
+    cfg = _config(tmp_path, f"hf:{tmp_path}/hub{n}:train#src=de,tgt=en")
+    data.corpora.stream_parallel(cfg.train, cfg.hf_cache, digest=False)  # datasets converts the parquet to Arrow
+    tracemalloc.start()
+    stored = data.train_store(cfg, tokenizers)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    idx = np.array([0, n // 3, n - 1])
+    expected = data.encode_pairs(tokenizers, [pairs[k] for k in idx])
+    assert stored.gather("tgt", idx)[0].tolist() == [i for _, t in expected for i in t]
+    assert len(stored) == n and len(data.train_store(cfg, tokenizers)) == n  # opened, not rebuilt
+    return stored, peak
+
+
+def test_hub_corpus_streams_into_the_store(tmp_path, numbers, monkeypatch):
+    """hf: specs are written into the store from datasets' memory-mapped Arrow cache a chunk at a
+    time: the build's Python memory does not grow with the corpus."""
+    monkeypatch.setattr(store_mod, "CHUNK", 250)
+    _, small = _hub_build_peak(tmp_path, numbers[1], 2_000)  # both read in several of datasets' batches of 1,000
+    _, large = _hub_build_peak(tmp_path, numbers[1], 6_000)
+    # Measured 909 kB and 908 kB (datasets' batches of 1,000 rows as Python, two at a time, and a chunk);
+    # held whole, 4,000 more pairs would add over 800 kB (200 bytes a pair as Python strings): 200 kB
+    # leaves room for allocator noise.
+    assert large < small + 200_000, (small, large)
+    assert len(_stores(tmp_path)) == 2
 
 
 @pytest.mark.slow  # ~90 s: three jax processes compile; test_process_shares_are_the_batch_rows covers the shares

@@ -5,7 +5,7 @@ shuffled per epoch from a seed, and resumable from a JSON-able state.
 
 from __future__ import annotations
 
-import collections
+import itertools
 import dataclasses
 import logging
 from collections.abc import Iterator, Sequence
@@ -144,7 +144,8 @@ class Batcher:
         plan = self._epoch_plan(0)
         if not plan:
             return 0.0
-        tokens = sum(int(self._src_len[i].sum()) + int(self._tgt_len[i].sum()) for i in (ids[ids >= 0] for _, ids in plan))
+        present = (ids[ids >= 0] for _, ids in plan)
+        tokens = sum(int(self._src_len[i].sum()) + int(self._tgt_len[i].sum()) for i in present)
         positions = sum(2 * self.batch_size[length] * length for length, _ in plan)
         return 1.0 - tokens / positions
 
@@ -174,23 +175,29 @@ class Batcher:
         """The pairs of `order` packed first-fit into batches of B_P rows of P positions each: per
         batch, a (rows in use, most pairs a row) array of pair indices, -1 after a row's pairs."""
         length, size = self.pack_length, self.batch_size[self.pack_length]
-        src_len, tgt_len = self._src_len[order].tolist(), self._tgt_len[order].tolist()
-        queue, batches = collections.deque(range(len(order))), []  # positions in `order`
-        while queue:
-            free_src, free_tgt = [length] * size, [length] * size
+        src_len, tgt_len = self._src_len[order].tolist(), self._tgt_len[order].tolist()  # lists: fast to index
+        carried, start, batches = [], 0, []  # positions in `order`: those waiting from the last batch, the next new
+        while carried or start < len(order):
+            free_src, free_tgt = np.full(size, length), np.full(size, length)
             rows: list[list[int]] = [[] for _ in range(size)]
             waiting: list[int] = []
-            while queue and len(waiting) < size:
-                k = queue.popleft()
+            queue = itertools.chain(carried, range(start, len(order)))
+            taken = 0
+            for k in queue:
+                taken += 1
                 s, t = src_len[k], tgt_len[k]
-                row = next((r for r in range(size) if free_src[r] >= s and free_tgt[r] >= t), None)
-                if row is None:
-                    waiting.append(k)
-                else:
+                fits = (free_src >= s) & (free_tgt >= t)
+                row = int(fits.argmax())
+                if fits[row]:
                     rows[row].append(k)
                     free_src[row] -= s
                     free_tgt[row] -= t
-            queue.extendleft(reversed(waiting))  # first in the next batch
+                else:
+                    waiting.append(k)
+                    if len(waiting) == size:
+                        break
+            # The waiting pairs come first in the next batch, then those not reached.
+            carried, start = waiting + carried[taken:], start + max(0, taken - len(carried))
             rows = [row for row in rows if row]
             ids = np.full((len(rows), max(map(len, rows))), -1, np.int64)
             for r, row in enumerate(rows):
@@ -201,32 +208,42 @@ class Batcher:
     def _collate(self, length: int, ids: np.ndarray) -> Batch:
         """The batch of pair indices `ids` ((n,) bucketed, (rows, n) packed), this process's rows of it."""
         size, (index, count) = self.batch_size[length], self.process
+        present = ids[ids >= 0]
+        tokens = int(self._src_len[present].sum()), int(self._tgt_len[present].sum())  # the global batch's
         full = np.full((size, *ids.shape[1:]), -1, np.int64)
         full[: len(ids)] = ids
-        present = full[full >= 0]
-        tokens = int(self._src_len[present].sum()), int(self._tgt_len[present].sum())  # the global batch's
         local = full[index * size // count : (index + 1) * size // count]
-        grid = local.reshape(len(local), -1)  # (B, pairs a row)
-        rows, segment = np.nonzero(grid >= 0)  # row-major: each row's pairs in order
+        rows = len(local)
+        if self.pack:
+            row, segment = np.nonzero(local >= 0)  # row-major: each row's pairs in order
+            pairs = local[row, segment]
+        else:
+            pairs = local[local >= 0]  # the rows in use come first
         arrays = {}
         for side in ("src", "tgt"):
-            values, lengths = self.store.gather(side, grid[rows, segment])
-            out, seg = np.zeros((len(local), length), np.int32), np.zeros((len(local), length), np.int32)
-            before = np.cumsum(lengths) - lengths
-            first = np.searchsorted(rows, np.arange(len(local)))  # each row's first pair in the flat order
-            column = np.arange(len(values)) - np.repeat(before[first[rows]] if len(rows) else before, lengths)
-            token_rows = np.repeat(rows, lengths)
-            out[token_rows, column], seg[token_rows, column] = values, np.repeat(segment + 1, lengths)
+            values, lengths = self.store.gather(side, pairs)
+            out = np.zeros((rows, length), np.int32)
+            if not self.pack:
+                out[: len(pairs)][np.arange(length) < lengths[:, None]] = values
+                arrays[side] = out
+                continue
+            before = np.cumsum(lengths) - lengths  # where each pair's ids begin among `values`
+            at = np.repeat(row * length - before[np.searchsorted(row, row)], lengths) + np.arange(len(values))
+            out.reshape(-1)[at] = values
+            seg = np.zeros((rows, length), np.int32)
+            seg.reshape(-1)[at] = np.repeat(segment + 1, lengths)
             arrays[side], arrays[f"{side}_seg"] = out, seg
-        src, tgt_out, tgt_seg = arrays["src"], arrays["tgt"], arrays["tgt_seg"]
+            if side == "tgt":  # shift_right within each segment: bos, then the pair's ids but its last
+                shifted = np.concatenate([[BOS_ID], values[:-1]]).astype(np.int32)
+                shifted[before] = BOS_ID
+                arrays["tgt_in"] = np.zeros((rows, length), np.int32)
+                arrays["tgt_in"].reshape(-1)[at] = shifted
+        src, tgt_out, global_rows = arrays["src"], arrays["tgt"], None if count == 1 else size
         if not self.pack:
-            tgt_in = np.concatenate([np.full((len(local), 1), BOS_ID, np.int32), tgt_out[:, :-1]], axis=1)  # (B, T)
-            return Batch(src, tgt_in, tgt_out, local, *tokens, global_rows=None if count == 1 else size)
-        shifted = np.concatenate([np.zeros((len(local), 1), np.int32), tgt_out[:, :-1]], axis=1)
-        starts = tgt_seg != np.concatenate([np.zeros((len(local), 1), np.int32), tgt_seg[:, :-1]], axis=1)
-        tgt_in = np.where(tgt_seg > 0, np.where(starts, BOS_ID, shifted), 0).astype(np.int32)  # shift_right per segment
-        return Batch(src, tgt_in, tgt_out, local, *tokens, arrays["src_seg"], tgt_seg,
-                     global_rows=None if count == 1 else size)
+            tgt_in = np.concatenate([np.full((rows, 1), BOS_ID, np.int32), tgt_out[:, :-1]], axis=1)  # (B, T)
+            return Batch(src, tgt_in, tgt_out, local, *tokens, global_rows=global_rows)
+        return Batch(src, arrays["tgt_in"], tgt_out, local, *tokens, arrays["src_seg"], arrays["tgt_seg"],
+                     global_rows=global_rows)
 
     def epoch_batches(self, epoch: int = 0) -> Iterator[Batch]:
         """All batches of one epoch; the iteration state is left alone."""

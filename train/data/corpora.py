@@ -16,16 +16,18 @@ feed, a lone "\r") is text. Python's `str.splitlines` and universal newlines wou
 from __future__ import annotations
 
 import codecs
+import contextlib
 import dataclasses
 import gzip
 import hashlib
 import itertools
 import logging
+import os
 import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from ..runtime.files import quoted, shortened
+from ..runtime.files import UserError, quoted, read_json, shortened, write_json_atomic
 from .streams import MAX_LINE_BYTES, LineReader
 
 log = logging.getLogger(__name__)
@@ -61,10 +63,13 @@ def load_parallel(spec: str, cache_dir: str | Path | None = None) -> LoadedPairs
     return LoadedPairs(list(stream), stream.skipped)
 
 
-def stream_parallel(spec: str, cache_dir: str | Path | None = None, digest: bool = True) -> tuple[str, PairStream]:
+def stream_parallel(spec: str, cache_dir: str | Path | None = None, digest: bool = True,
+                    memo: Path | None = None) -> tuple[str, PairStream]:
     """(a digest of the data's content ("" with digest=False), its pairs, empty sides skipped): text
     pairs are read a line at a time and hub datasets from datasets' memory-mapped Arrow cache,
-    never held whole; TSV and JSON are read whole. Errors as `load_parallel`'s, some while iterating."""
+    never held whole; TSV and JSON are read whole. `memo`: a JSON file of the digests of files
+    already read, by path, size, modification time and inode (`file_digest`). Errors as
+    `load_parallel`'s, some while iterating."""
     spec, _, options = spec.partition("#")
     cache_dir = None if cache_dir is None else str(cache_dir)
     if spec.startswith("hf:"):
@@ -78,7 +83,7 @@ def stream_parallel(spec: str, cache_dir: str | Path | None = None, digest: bool
         return f"{ds._fingerprint}#{src},{tgt}", PairStream(_hub_pairs(ds, src, tgt, spec))
     if spec.endswith(_TSV + _JSON):
         path, (src, tgt) = _existing(Path(spec)), _columns(options, "source", "target")
-        digest = f"{_digest([path]) if digest else ''}#{src},{tgt}"
+        digest = f"{file_digest([path], memo) if digest else ''}#{src},{tgt}"
         if spec.endswith(_TSV):
             return digest, PairStream(_tsv_pairs(path, src, tgt))
         if not check_text(path):  # datasets' json builder fails on an empty file
@@ -89,22 +94,36 @@ def stream_parallel(spec: str, cache_dir: str | Path | None = None, digest: bool
     if match and not options:
         src_lang, tgt_lang, prefix = match.groups()
         paths = [_existing(Path(f"{prefix}.{lang}"), Path(f"{prefix}.{lang}.gz")) for lang in (src_lang, tgt_lang)]
-        return _digest(paths) if digest else "", PairStream(_text_pairs(paths))
+        return file_digest(paths, memo) if digest else "", PairStream(_text_pairs(paths))
     raise ValueError(f"unknown data spec {quoted(spec, 200)}: expected SRC:TGT:PREFIX, FILE.tsv, FILE.jsonl, "
                      "FILE.json (optionally .gz, with #src=..,tgt=..) or hf:NAME[:CONFIG]:SPLIT")
 
 
-def _digest(paths: Iterable[Path]) -> str:
-    """sha256 over the bytes of `paths`, read in blocks (a corpus is never held whole)."""
-    h = hashlib.sha256()
+def file_digest(paths: Iterable[Path], memo: Path | None = None) -> str:
+    """sha256 over the bytes of `paths`, read in blocks; a file whose path, size, modification time
+    and inode are in the JSON file `memo` is not read again (as git's index and make do)."""
+    try:
+        known = read_json(memo, default={}) if memo is not None else {}
+    except UserError:  # a damaged memo: read every file again, and rewrite it
+        known = {}
+    known = known if isinstance(known, dict) else {}
+    h, changed = hashlib.sha256(), False
     for path in paths:
         try:
-            with open(path, "rb") as f:
-                while block := f.read(1 << 22):
-                    h.update(block)
+            info = os.stat(path)
+            key = f"{os.path.realpath(path)}|{info.st_size}|{info.st_mtime_ns}|{info.st_ino}"
+            if key not in known:
+                one = hashlib.sha256()
+                with open(path, "rb") as f:
+                    while block := f.read(1 << 22):
+                        one.update(block)
+                known[key], changed = one.hexdigest(), True
         except OSError as err:
             raise ValueError(f"cannot read {path}: {err.strerror or err}") from None
-        h.update(b"\0")
+        h.update(known[key].encode())
+    if changed and memo is not None:
+        with contextlib.suppress(OSError):  # a memo not written costs a re-read next time, nothing more
+            write_json_atomic(memo, known)
     return h.hexdigest()
 
 

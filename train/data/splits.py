@@ -67,10 +67,12 @@ def train_store(cfg: ExperimentConfig, tokenizers: Tokenizers, pairs: list[Pair]
         return TokenStore.from_pairs(encode_pairs(tokenizers, pairs if pairs is not None else
                                                   load_splits(cfg).train))
     try:
-        digest, stream = stream_parallel(cfg.train, cache_dir=cfg.hf_cache)
+        root = cache_dir(cfg.hf_cache)
+        root.mkdir(parents=True, exist_ok=True)
+        digest, stream = stream_parallel(cfg.train, cache_dir=cfg.hf_cache, memo=root / "file-digests.json")
         source = pairs if pairs is not None else (
             ((s.lower(), t.lower()) for s, t in stream) if cfg.lowercase else stream)
-        stored = corpus_store(cache_dir(cfg.hf_cache), f"{digest}#lowercase={cfg.lowercase}", tokenizers, source,
+        stored = corpus_store(root, f"{digest}#lowercase={cfg.lowercase}", tokenizers, source,
                               total=None if pairs is None else len(pairs), name=cfg.train,
                               progress=progress and cfg.progress)
     except (FileNotFoundError, ValueError) as err:

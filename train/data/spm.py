@@ -35,6 +35,9 @@ def require(module: str) -> Any:
 class Encoding:
     ids: list[int]
 
+    def __len__(self) -> int:  # as tokenizers.Encoding's
+        return len(self.ids)
+
 
 class SentencePieceTokenizer:
     """Segment with a SentencePiece model, map pieces to ids through `pieces` (id -> piece).

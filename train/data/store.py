@@ -15,6 +15,7 @@ import contextlib
 import fcntl
 import hashlib
 import io
+import itertools
 import json
 import os
 import shutil
@@ -66,9 +67,12 @@ class TokenStore:
         return np.asarray(self.arrays[side][positions]), lengths
 
 
-def _starts(lengths: np.ndarray) -> np.ndarray:
-    return np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)[:-1]]).astype(np.int64) if len(lengths) else \
-        np.zeros(0, np.int64)
+def _starts(lengths: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Each pair's offset in the flat ids: 0, then the running sum of the lengths before it."""
+    out = np.empty(len(lengths), np.int64) if out is None else out
+    out[:1] = 0
+    np.cumsum(lengths[:-1], out=out[1:])
+    return out
 
 
 def tokenizers_digest(tokenizers: Tokenizers) -> str:
@@ -123,9 +127,10 @@ def build_store(path: Path, pairs: Iterable[tuple[str, str]], tokenizers: Tokeni
                                            disable=None if progress else True))  # None: on a terminal only
             for chunk in _chunks(pairs, CHUNK):
                 for side, tok, texts in zip(SIDES, (tokenizers.src, tokenizers.tgt), zip(*chunk)):
-                    ids = [e.ids for e in tok.encode_batch(list(texts))]
-                    lengths = np.fromiter(map(len, ids), np.int32, len(ids))
-                    flat = np.fromiter((i for row in ids for i in row), np.int32, int(lengths.sum()))
+                    encodings = tok.encode_batch(list(texts))  # held by the tokenizer's library, not as lists
+                    lengths = np.fromiter(map(len, encodings), np.int32, len(encodings))
+                    flat = np.fromiter(itertools.chain.from_iterable(e.ids for e in encodings), np.int32,
+                                       int(lengths.sum()))
                     for array, name_ in ((flat, side), (lengths, f"{side}_len")):
                         files[name_].write(array.tobytes())
                         counts[name_] += len(array)
@@ -133,9 +138,11 @@ def build_store(path: Path, pairs: Iterable[tuple[str, str]], tokenizers: Tokeni
             for name_, f in files.items():  # the headers now say how long the arrays are
                 f.seek(0)
                 f.write(_npy_header(counts[name_]))
-        for side in SIDES:
+        for side in SIDES:  # written in place: no array of the corpus's size in memory
             lengths = np.load(tmp / f"{side}_len.npy", mmap_mode="r")
-            np.save(tmp / f"{side}_start.npy", _starts(lengths))
+            starts = np.lib.format.open_memmap(tmp / f"{side}_start.npy", "w+", np.int64, (len(lengths),))
+            _starts(lengths, starts).flush()
+            del starts
         manifest = {"format": FORMAT, "key": key, "pairs": counts["src_len"], "tokens": {s: counts[s] for s in SIDES},
                     "files": {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
@@ -152,7 +159,8 @@ def open_store(path: Path, key: str | None = None) -> TokenStore:
         sizes = {p.name: p.stat().st_size for p in path.iterdir() if p.name != MANIFEST}
         bad = manifest.get("format") != FORMAT or (key is not None and manifest.get("key") != key) or \
             sizes != manifest["files"]
-        arrays = {} if bad else {p[:-4]: np.load(path / p, mmap_mode="r") for p in sizes}
+        # Plain arrays over the maps: np.memmap's own indexing adds checks to every gather.
+        arrays = {} if bad else {p[:-4]: np.asarray(np.load(path / p, mmap_mode="r")) for p in sizes}
         bad = bad or any(
             len(arrays[f"{s}_len"]) != manifest["pairs"] or len(arrays[s]) != manifest["tokens"][s]
             or len(arrays[f"{s}_start"]) != manifest["pairs"] for s in SIDES)
