@@ -37,8 +37,11 @@ KERNEL_CHOICES = ("auto", "reference", "xla_cpu", "fused")
 # makes the task need attention; at 8000 it would learn whole numbers as single tokens.
 NUMBERS_VOCAB_SIZE = 400
 DEFAULT_VOCAB_SIZE = 8000
+# Pairs the tokenizers train on at most: 2 million sentences for a joint vocabulary, Marian's
+# --sentencepiece-max-lines default (SentencePiece's input_sentence_size is the same bound).
+DEFAULT_TOKENIZER_SAMPLE = 1_000_000
 # The experiment fields that decide the model's shape and vocabulary: --init-from takes its source's.
-SOURCE_FIELDS = ("preset", "model", "vocab_size", "joint_vocab", "max_len", "lowercase")
+SOURCE_FIELDS = ("preset", "model", "vocab_size", "tokenizer_sample", "joint_vocab", "max_len", "lowercase")
 RECIPE_FILE = "recipe.json"  # in a run directory: train.run --config's recipe, {"path", "toml"}; a resume reads it
 
 # Warmup when --warmup is not given: the paper's 4000 steps (§5.3) are 4% of its 100k-step run; short runs
@@ -61,7 +64,7 @@ SPECIAL_IDS_FIXED = (
 FIELD_RANGES: dict[str, Range] = {
     **{name: POSITIVE for name in ("numbers_train", "numbers_valid", "max_len", "token_budget", "steps", "grad_accum",
                                    "eval_every", "log_every", "keep_checkpoints", "beam", "warmup", "save_every",
-                                   "eval_sentences", "threads", "devices", "num_processes")},
+                                   "eval_sentences", "threads", "devices", "num_processes", "tokenizer_sample")},
     "numbers_test": NON_NEGATIVE, "samples": NON_NEGATIVE, "process_id": NON_NEGATIVE, "seed": NON_NEGATIVE,
     "vocab_size": Range(int, low=260),  # 4 special tokens + 256 bytes
     "lr_factor": Range(float, above=0.0), "clip_norm": Range(float, above=0.0),
@@ -155,6 +158,10 @@ class ExperimentConfig:
     vocab_size: int | None = _field(
         None, "data", f"BPE vocabulary size; default {NUMBERS_VOCAB_SIZE} for the numbers corpus, "
         f"{DEFAULT_VOCAB_SIZE} otherwise")
+    tokenizer_sample: int = _field(
+        DEFAULT_TOKENIZER_SAMPLE, "data", "train the tokenizers on at most N training pairs: a seeded uniform "
+        "sample when the corpus has more, the whole corpus otherwise (SentencePiece's input_sentence_size, Marian's "
+        "--sentencepiece-max-lines)")
     joint_vocab: bool = _field(
         True, "data", "one BPE vocabulary for source and target, with shared embeddings "
         "(--no-joint-vocab: one per side)")

@@ -148,7 +148,7 @@ def setup(cfg: ExperimentConfig, topology: Topology, init_dir: str | Path | None
         tokenizers = initial.tokenizers
     elif trained_tokenizers:  # BPE training is deterministic: every process gets the same tokenizer
         tokenizers = data.train_tokenizers(splits.train, vocab_size=cfg.vocab_size, joint=cfg.joint_vocab,
-                                           lowercase=cfg.lowercase)
+                                           lowercase=cfg.lowercase, sample_size=cfg.tokenizer_sample)
     model_cfg = cfg.model_config(tokenizers.src.get_vocab_size(), tokenizers.tgt.get_vocab_size())
     if initial is not None and model_cfg != initial.model_config.replace(dropout=model_cfg.dropout):
         raise UserError(f"--init-from {cfg.init_from}: its files describe another model than its experiment rebuilds")

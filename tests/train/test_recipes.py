@@ -27,6 +27,7 @@ RECIPES = {
     "multi30k-en-de-anchor-pre.toml": ("jax", "small", "en:de:", 8000, 2000, 10, {
         "d_model": 128, "d_ff": 256, "num_heads": 4, "num_encoder_layers": 4, "num_decoder_layers": 4,
         "norm_position": "pre"}, 4096),
+    "wmt14-en-de-base.toml": ("jax", "base", None, 100_000, 4000, 5, {}, 25000),
     "multi30k-de-en-anchor-pre.toml": ("jax", "small", "de:en:", 8000, 2000, 10, {
         "d_model": 128, "d_ff": 256, "num_heads": 4, "num_encoder_layers": 4, "num_decoder_layers": 4,
         "norm_position": "pre"}, 4096),

@@ -9,13 +9,16 @@ one space byte-level BPE prepends is removed again, so leading whitespace is los
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+import numpy as np
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from torch_reference.config import BOS_ID, EOS_ID, PAD_ID, SPECIAL_TOKENS, UNK_ID
 
+from ..config import DEFAULT_TOKENIZER_SAMPLE
 from ..runtime.files import UserError, quoted, write_bytes_atomic, write_text_atomic
 from . import spm
 from .corpora import Pair
@@ -64,9 +67,31 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 8000, min_frequency:
     return tokenizer
 
 
-def train_tokenizers(pairs: Sequence[Pair], vocab_size: int = 8000, joint: bool = True,
-                     min_frequency: int = 2, lowercase: bool = False) -> Tokenizers:
-    """Tokenizers trained on the training pairs: one on both sides (joint), or one per side."""
+def sample(items: Iterable, size: int, seed: int = 0, chunk: int = 1 << 16) -> list:
+    """`size` items drawn uniformly without replacement from a stream of any length, holding at
+    most `size` of them (reservoir sampling, Algorithm R, seeded); all of them, in their order,
+    when the stream has no more than `size`."""
+    items = iter(items)
+    reservoir = list(itertools.islice(items, size))
+    rng, seen = np.random.default_rng(seed), len(reservoir)
+    while block := list(itertools.islice(items, chunk)):
+        # item number i (0-based) replaces a random slot with probability size / (i + 1)
+        slots = rng.integers(0, np.arange(seen + 1, seen + len(block) + 1))
+        for item, slot in zip(block, slots.tolist()):
+            if slot < size:
+                reservoir[slot] = item
+        seen += len(block)
+    return reservoir
+
+
+def train_tokenizers(pairs: Iterable[Pair], vocab_size: int = 8000, joint: bool = True,
+                     min_frequency: int = 2, lowercase: bool = False,
+                     sample_size: int = DEFAULT_TOKENIZER_SAMPLE) -> Tokenizers:
+    """Tokenizers trained on the training pairs, or on a uniform sample of `sample_size` of them when
+    there are more (`sample`, seed 0 whatever the run's seed, so that runs of different seeds share
+    one vocabulary and can be ensembled): one on both sides (joint), or one per side. `pairs` may be
+    a stream: only the sample is held."""
+    pairs = sample(pairs, sample_size)
     sources, targets = [s for s, _ in pairs], [t for _, t in pairs]
     if joint:
         tokenizer = train_tokenizer(sources + targets, vocab_size, min_frequency, lowercase)
