@@ -140,12 +140,14 @@ def setup(cfg: ExperimentConfig, topology: Topology, init_dir: str | Path | None
     if cfg.init_from and not (cfg.resume and has_checkpoint(run_dir)):
         initial = pretrained.load(init_dir or cfg.init_from, cfg)
     trained_tokenizers = tokenizers is None
-    # The training text is read only to train tokenizers; otherwise its store holds all a run needs.
-    splits = load_splits(cfg, train=trained_tokenizers and initial is None)
+    # A --train spec's text is streamed (tokenizer sample, store), never held; the numbers corpus is generated.
+    splits = load_splits(cfg, train=trained_tokenizers and initial is None and _numbers(cfg))
     if not splits.valid or not (splits.train or cfg.train):
         raise UserError("the training and validation data must each hold at least one pair")
     if trained_tokenizers and initial is not None:
         tokenizers = initial.tokenizers
+    elif trained_tokenizers and not _numbers(cfg):
+        tokenizers = data.corpus_tokenizers(cfg)
     elif trained_tokenizers:  # BPE training is deterministic: every process gets the same tokenizer
         tokenizers = data.train_tokenizers(splits.train, vocab_size=cfg.vocab_size, joint=cfg.joint_vocab,
                                            lowercase=cfg.lowercase, sample_size=cfg.tokenizer_sample)
@@ -181,6 +183,10 @@ def setup(cfg: ExperimentConfig, topology: Topology, init_dir: str | Path | None
     except BaseException:
         backend.close()  # its devices and files freed for what the caller does next (a notebook goes on)
         raise
+
+
+def _numbers(cfg: ExperimentConfig) -> bool:
+    return cfg.uses_numbers_corpus or cfg.train.startswith("numbers:")
 
 
 def _resume(cfg: ExperimentConfig, backend: Backend, batcher: data.Batcher, topology: Topology) -> _Log:

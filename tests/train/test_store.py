@@ -277,3 +277,20 @@ def test_two_processes_read_their_rows_like_one_process_on_two_devices(tmp_path)
     np.testing.assert_allclose(losses[1], losses[0], rtol=1e-4)
     assert "2 device(s) in 2 processes" in outputs[1][0]
     assert len([p for p in (tmp_path / "cache").iterdir() if p.is_dir()]) == 1  # one store, read by all three
+
+
+def test_a_corpus_tokenizers_are_trained_from_its_stream_once(tmp_path, monkeypatch):
+    pairs = data.numbers_corpus(600, 10, 0, seed=5).train
+    (tmp_path / "c.de").write_text("".join(s + "\n" for s, _ in pairs))
+    (tmp_path / "c.en").write_text("".join(t + "\n" for _, t in pairs))
+    monkeypatch.setenv("AIAYN_DATA_CACHE", str(tmp_path / "cache"))
+    cfg = ExperimentConfig(train=f"de:en:{tmp_path}/c", valid="numbers:valid", vocab_size=300)
+    first = data.corpus_tokenizers(cfg)
+    # Trained on the whole corpus (smaller than the sample) in order: today's tokenizer, byte for byte.
+    assert first.src.to_str() == data.train_tokenizers(pairs, vocab_size=300).src.to_str()
+    monkeypatch.setattr(data.splits, "train_tokenizers", None)  # a second run must not train again
+    assert data.corpus_tokenizers(cfg).src.to_str() == first.src.to_str()
+    (next((tmp_path / "cache").glob("tokenizers-*")) / "tokenizer.json").write_text("{damaged")
+    monkeypatch.undo()
+    monkeypatch.setenv("AIAYN_DATA_CACHE", str(tmp_path / "cache"))
+    assert data.corpus_tokenizers(cfg).src.to_str() == first.src.to_str()  # a damaged copy is trained again

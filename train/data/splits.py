@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import re
+import shutil
+import tempfile
+from pathlib import Path
 
 from ..config import ExperimentConfig
 from ..runtime.files import UserError, quoted, say
 from .corpora import Pair, load_parallel, stream_parallel
 from .numbers import Splits, numbers_corpus, numbers_range
 from .store import TokenStore, cache_dir, corpus_store
-from .vocab import Tokenizers, encode_pairs
+from .vocab import Tokenizers, encode_pairs, load_tokenizers, save_tokenizers, train_tokenizers
 
 MAX_SPEC = 4096  # characters of a data spec: PATH_MAX, with room for SRC:TGT: and #src=..,tgt=..
 
@@ -67,11 +73,8 @@ def train_store(cfg: ExperimentConfig, tokenizers: Tokenizers, pairs: list[Pair]
         return TokenStore.from_pairs(encode_pairs(tokenizers, pairs if pairs is not None else
                                                   load_splits(cfg).train))
     try:
-        root = cache_dir(cfg.hf_cache)
-        root.mkdir(parents=True, exist_ok=True)
-        digest, stream = stream_parallel(cfg.train, cache_dir=cfg.hf_cache, memo=root / "file-digests.json")
-        source = pairs if pairs is not None else (
-            ((s.lower(), t.lower()) for s, t in stream) if cfg.lowercase else stream)
+        root, digest, stream = _training_stream(cfg)
+        source = pairs if pairs is not None else _lowered(cfg, stream)
         stored = corpus_store(root, f"{digest}#lowercase={cfg.lowercase}", tokenizers, source,
                               total=None if pairs is None else len(pairs), name=cfg.train,
                               progress=progress and cfg.progress)
@@ -82,3 +85,39 @@ def train_store(cfg: ExperimentConfig, tokenizers: Tokenizers, pairs: list[Pair]
     if not len(stored):
         raise UserError(f"{cfg.train!r} holds no sentence pairs")
     return stored
+
+
+def corpus_tokenizers(cfg: ExperimentConfig) -> Tokenizers:
+    """Tokenizers trained on a --train spec streamed (only --tokenizer-sample pairs held), kept beside
+    its stores under a key of the data and the settings: a second run on a corpus does not train them again."""
+    try:
+        root, digest, stream = _training_stream(cfg)
+    except (FileNotFoundError, ValueError) as err:
+        raise UserError(f"cannot load {cfg.train!r}: {err}") from None
+    settings = [digest, cfg.vocab_size, cfg.joint_vocab, cfg.lowercase, cfg.tokenizer_sample]
+    path = root / ("tokenizers-" + hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:32])
+    try:
+        return load_tokenizers(path, cfg.joint_vocab)
+    except (FileNotFoundError, ValueError):  # none yet, or damaged: train them (again)
+        pass
+    tokenizers = train_tokenizers(_lowered(cfg, stream), vocab_size=cfg.vocab_size, joint=cfg.joint_vocab,
+                                  lowercase=cfg.lowercase, sample_size=cfg.tokenizer_sample)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=root))
+    save_tokenizers(tokenizers, tmp)
+    try:
+        shutil.rmtree(path, ignore_errors=True)
+        os.rename(tmp, path)  # whole or absent; another process's identical copy may have won the race
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return tokenizers
+
+
+def _training_stream(cfg: ExperimentConfig):
+    root = cache_dir(cfg.hf_cache)
+    root.mkdir(parents=True, exist_ok=True)
+    digest, stream = stream_parallel(cfg.train, cache_dir=cfg.hf_cache, memo=root / "file-digests.json")
+    return root, digest, stream
+
+
+def _lowered(cfg: ExperimentConfig, pairs):
+    return ((s.lower(), t.lower()) for s, t in pairs) if cfg.lowercase else pairs
