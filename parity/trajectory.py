@@ -22,7 +22,8 @@ import torch
 from torch_reference.config import TransformerConfig
 from train.config import DERIVED_MODEL_FIELDS, flag_type, non_negative_int, positive_float, positive_int, probability
 from train.runtime import exit_status
-from train.runtime.files import json_text, output_path
+from train.runtime.files import json_text
+from train.runtime.output import output_path
 
 from .trajectories import BOUNDS, PAPER_WARMUP, experiment_config, growth, growth_exponent, parity_report, plot
 
@@ -106,9 +107,11 @@ def main(argv: list[str] | None = None) -> int:
                   command="python -m parity.trajectory " + " ".join(sys.argv[1:] if argv is None else argv))
     print_report(report)
     if args.json:
-        args.json.write_text(json_text(report))
+        args.json.write(json_text(report))
     if args.plot:
-        print(f"  plot: {plot(report, args.plot)}")
+        with args.plot.writing() as path:
+            plot(report, path)
+        print(f"  plot: {args.plot.path}")
     return 1 if report["failures"] else 0
 
 

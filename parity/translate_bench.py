@@ -38,7 +38,8 @@ from train.config import add_run_arguments, positive_int
 from train.data.spm import require
 from train.data.streams import read_lines
 from train.runtime import exit_status
-from train.runtime.files import UserError, json_text, output_path, write_text_atomic
+from train.runtime.files import UserError, json_text
+from train.runtime.output import output_path
 
 from .comparison import enable_parity_numerics
 from .search_speed import benchmark
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['peak_mib']:8.0f} {r['speedup_vs_torch_cached']:15.2f}x {uncached:>12s} {differ:>15s}"
               + (f"   BLEU vs float32 {r['bleu_vs_float32']:.2f}" if "bleu_vs_float32" in r else ""))
     if args.json:
-        write_text_atomic(args.json, json_text({"run_dir": str(args.run_dir), "machine": machine, "rows": rows}))
+        args.json.write(json_text({"run_dir": str(args.run_dir), "machine": machine, "rows": rows}))
     return 0
 
 

@@ -21,7 +21,8 @@ from .backends import allocator
 from .benchmark import BACKENDS, PRECISIONS, REMAT_MODES, _cpu_name, run_worker, write_plot
 from .config import KERNEL_CHOICES, non_negative_int, positive_int, probability
 from .runtime import exit_status
-from .runtime.files import json_text, output_path, write_text_atomic
+from .runtime.files import json_text
+from .runtime.output import output_path
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,7 +102,9 @@ def main(argv: list[str] | None = None) -> int:
                     return 1
                 results.append(json.loads(done.stdout.strip().splitlines()[-1]))
                 if args.json:  # after every worker, so an interrupted invocation keeps what it measured
-                    write_text_atomic(args.json, json_text({**record, "results": results}))
+                    args.json.update(json_text({**record, "results": results}))
+    if args.json:
+        args.json.write(json_text({**record, "results": results}))
 
     print(f"\nmachine: {_cpu_name()}, {os.cpu_count()} CPUs; device {results[0]['device']}; batch {batch_size} x "
           f"{args.length} tokens per side; dropout {args.dropout}")
@@ -117,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['peak_memory_mib']:8.0f} {ratio:>8s}")
     if args.plot:
         try:
-            write_plot(results, args.plot)
+            with args.plot.writing() as path:
+                write_plot(results, path)
         except ImportError:
             print("matplotlib is not installed: pip install matplotlib for --plot", file=sys.stderr)
     return 0

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
 
 from .plots import IMAGE_FORMATS, plot_curves, run_title
 from .runtime import CURVES_FILE, RESULTS_FILE, exit_status
-from .runtime.files import UserError, error_text, json_text, output_file
+from .runtime.files import UserError, error_text, json_text
+from .runtime.output import Destination
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,11 +35,12 @@ def main(argv: list[str] | None = None) -> int:
     history = results.get("history") or {}
     out = Path(args.out or run_dir / CURVES_FILE)
     try:
-        output_file(out, "--out", [run_dir / RESULTS_FILE], f"--run-dir {run_dir}")
+        output = Destination(out, "--out", [run_dir / RESULTS_FILE], f"--run-dir {run_dir}") if args.out else None
         if out.suffix[1:].lower() not in ("", *IMAGE_FORMATS):  # never PNG bytes under another format's name
             raise UserError(f"--out {out}: {out.suffix} is no image format; end the name in "
                             f".{', .'.join(IMAGE_FORMATS)}")
-        plot_curves(history, out, run_title(results))
+        with output.writing() if output else contextlib.nullcontext(out) as path:  # without --out: the run's own
+            plot_curves(history, path, run_title(results))
         print(json_text({"curves": str(out), "train_points": len(history.get("train") or []),
                          "valid_points": len(history.get("valid") or [])}), flush=True)
     except (UserError, OSError) as err:  # OSError: a full disk, a closed pipe (| head)

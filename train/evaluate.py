@@ -16,7 +16,8 @@ from .backends.host_devices import split_host
 from .config import add_run_arguments, non_negative_int, positive_int
 from .data.corpora import spec_files
 from .runtime import exit_status
-from .runtime.files import UserError, error_text, json_text, output_file, write_output
+from .runtime.files import UserError, error_text, json_text
+from .runtime.output import destination
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,9 +55,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         split_host()  # before jax is imported
-        # Checked before the work, not after it; None: a stream (a FIFO, a device), written directly.
-        target = None if args.output is None else output_file(args.output, "--output", spec_files(args.data),
-                                                              f"--data {args.data}")
+        output = destination(args.output, "--output", spec_files(args.data), f"--data {args.data}")  # before the work
         run = load(args.run_dir, args.checkpoint, average=args.ensemble_average)
         lowercase = args.lowercase or run.config.lowercase
         if lowercase and not args.lowercase:  # lowercase output: cased BLEU alone would mislead
@@ -71,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     text = json_text(result)  # strict JSON: a non-finite score is null, never NaN
     try:
         print(text, flush=True)
-        if args.output is not None:
-            write_output(args.output, target, text + "\n")
+        if output is not None:
+            output.write(text + "\n")
     except OSError as err:  # a closed pipe (| head); a full disk, a read-only place: the JSON is on stdout
         parser.exit(1, f"error: {error_text(err)}\n")
     return 0

@@ -18,7 +18,8 @@ from .config import add_ensemble_average, positive_int
 from .data import load_parallel
 from .data.corpora import spec_files
 from .runtime import exit_status
-from .runtime.files import UserError, error_text, output_file, write_output
+from .runtime.files import UserError, error_text
+from .runtime.output import destination
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,9 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         split_host()  # before jax is imported
-        # Checked before the work; None: a stream (a FIFO, a device, /dev/stdout), written directly.
-        target = None if args.output is None else output_file(args.output, "--output", spec_files(args.input),
-                                                              f"--input {args.input}")
+        output = destination(args.output, "--output", spec_files(args.input), f"--input {args.input}")  # before the work
         loaded = load_parallel(args.input)
         if not loaded.pairs:
             raise UserError(f"{args.input} holds no pair to score")
@@ -58,11 +57,11 @@ def main(argv: list[str] | None = None) -> int:
             scores = run.score([s for s, _ in loaded.pairs], [t for _, t in loaded.pairs], batch_size=args.batch_size)
         lines = [json.dumps(s, ensure_ascii=False) if args.format == "jsonl" else f"{s['logprob']:.7g}" for s in scores]
         text = "".join(line + "\n" for line in lines)
-        if args.output is None:
+        if output is None:
             sys.stdout.write(text)
             sys.stdout.flush()
         else:
-            write_output(args.output, target, text)
+            output.write(text)
     except (UserError, OSError, ValueError) as err:
         parser.exit(1, f"error: {error_text(err)}\n")
     skipped = f"; {loaded.skipped_empty:,} pairs with an empty side skipped" if loaded.skipped_empty else ""

@@ -25,7 +25,8 @@ from .backends.jax_cache import HELP as JAX_CACHE_HELP
 from .config import add_run_arguments, positive_int
 from .data.streams import MAX_LINE_BYTES, LineReader
 from .runtime import Interrupted, exit_status, interruptible
-from .runtime.files import UserError, error_text, open_stream, output_file
+from .runtime.files import UserError, error_text
+from .runtime.output import destination, open_stream
 from .runtime.output import OtherInput, PartialOutput, Progress, StreamOutput
 from .runtime.rundir import check_set_aside
 from .translation import FORMATS, Sampling, TsvColumns, check_format, check_sampling, check_search, translate_stream
@@ -155,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.plot_attention is not None:
             from .attention import check_plot_directory
 
-            check_plot_directory(args.plot_attention)
+            check_plot_directory(args.plot_attention, args.input)
         # What else shapes the output, recorded where it departs from plain text (earlier partial outputs stay valid).
         decoding = {k: v for k, v in {"n_best": args.n_best, "format": args.format, "alignments": args.alignments,
                                       "prefix": columns is not None and columns.prefix is not None,
@@ -163,10 +164,10 @@ def main(argv: list[str] | None = None) -> int:
                                       "ensemble": ensemble and [str(d.absolute()) for d in args.run_dir[1:]]}.items()
                     if v not in (None, "text", False)}
         # Checked before the work, not after it; None: a stream, written directly.
-        target = None if args.output is None else output_file(args.output, "--output")
-        if target is not None and reader.same_file(target):
-            raise UserError(f"--output {args.output} is the input {reader.name}: writing it would destroy the "
-                            "input; give another --output")
+        target = (output := destination(args.output, "--output")) and output.target
+        if output is not None and any(reader.same_file(f) for f in output.side_files):
+            raise UserError(f"--output {args.output} is the input {reader.name}: writing it would destroy the input "
+                            "(or a file written beside it); give another --output")
         for run_dir in args.run_dir:
             check_set_aside(run_dir)
         run = load(args.run_dir, args.checkpoint, devices=args.devices, average=args.ensemble_average,

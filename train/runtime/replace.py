@@ -32,6 +32,15 @@ def kind_of(path: Path) -> str | None:
         return None
 
 
+def check_outside_runs(path: str | Path, flag: str) -> None:
+    """UserError when `path` (its links resolved) lies inside a run or an export this project wrote (`kind_of`):
+    no command writes into a run it reads or did not create (docs/operations.md#output-files)."""
+    for parent in Path(path).resolve().parents:
+        if found := kind_of(parent):
+            raise UserError(f"{flag} {path} lies inside the {KINDS[found]} {parent}: a command never writes into a "
+                            f"run it did not create; give a path outside it")
+
+
 def remove(path: Path) -> None:
     """Delete `path`, whatever it is; a symbolic link is removed, never followed."""
     if path.is_dir() and not path.is_symlink():
@@ -50,6 +59,7 @@ def check_destination(dst: Path, overwrite: bool, kind: str = "run", src: str | 
         if source == target or source in target.parents or target in source.parents:
             where = "is" if source == target else "is inside" if source in target.parents else "holds"
             raise FileExistsError(f"--dst {dst} {where} the source {src}; --dst must differ from it and lie outside it")
+    check_outside_runs(dst, "--dst")
     if dst.is_symlink():
         raise FileExistsError(f"{dst} is a symbolic link; it is never replaced, nor what it points to")
     if dst.exists() and not dst.is_dir():
