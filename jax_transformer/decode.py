@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from torch_reference.config import POSITIVE, SCORINGS, TransformerConfig
+from torch_reference.config import POSITIVE, SCORINGS, TransformerConfig, float32_error
 
 from . import xla_cpu as tuned
 from .model import Transformer, padding_mask, shift_right
@@ -64,8 +64,10 @@ def _no_sentence(src_ids, pad_id: int):
 def _check_scoring(scoring: str, alpha: float) -> None:
     if scoring not in SCORINGS:
         raise ValueError(f"scoring must be one of {', '.join(SCORINGS)}, got {scoring!r}")
-    if not alpha >= 0:  # the early stop's bound needs a penalty that grows with length
-        raise ValueError(f"alpha must be >= 0, got {alpha}")
+    if not (alpha >= 0 and math.isfinite(alpha)):  # the early stop's bound needs a penalty that grows with length
+        raise ValueError(f"alpha must be a finite number >= 0, got {alpha}")
+    if (problem := float32_error(alpha)) is not None:
+        raise ValueError(f"alpha {problem}")
 
 
 def _check_ids(name: str, ids, vocab_size: int) -> None:

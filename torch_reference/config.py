@@ -7,6 +7,7 @@ in one framework builds the identical model in the other.
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import json
 import math
@@ -34,6 +35,15 @@ PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(len(SPECIAL_TOKENS))
 SCORINGS = ("gnmt", "hf")
 
 
+def float32_error(value: float) -> str | None:
+    """Why a float setting means something else in float32, the dtype both twins compute in (a nonzero
+    value that rounds to 0 there, a finite one beyond its range), or None: the one edge rule."""
+    as32 = array.array("f", [value])[0]
+    if (value != 0 and as32 == 0) or (math.isfinite(value) and not math.isfinite(as32)):
+        return f"must keep its value in float32, the dtype it is computed in: {value:g} is {as32:g} there"
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class Range:
     """The values a numeric setting may take: `kind` int (bool refused) or float (finite; an int
@@ -51,6 +61,8 @@ class Range:
             return f"must be {'an integer' if self.kind is int else 'a number'}, got {value!r}"
         if self.kind is float and not math.isfinite(value):
             return f"must be finite, got {value}"
+        if self.kind is float and (problem := float32_error(value)):
+            return problem
         if self.low is not None and self.below is not None and not self.low <= value < self.below:
             return f"must be in [{self.low:g}, {self.below:g}), got {value:g}"
         if self.low is not None and value < self.low:

@@ -51,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
         split_host()  # before jax is imported
         output = destination(args.output, "--output", spec_files(args.input), f"--input {args.input}")  # before the work
         loaded = load_parallel(args.input)
+        if loaded.skipped_empty:  # skipped, line N would no longer be pair N's score
+            raise UserError(f"--input {args.input}: {loaded.skipped_empty:,} pairs with an empty side; every pair gets "
+                            "its line, so remove them or give them text")
         if not loaded.pairs:
             raise UserError(f"{args.input} holds no pair to score")
         with load(args.run_dir, args.checkpoint, average=args.ensemble_average) as run:
@@ -64,8 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             output.write(text)
     except (UserError, OSError, ValueError) as err:
         parser.exit(1, f"error: {error_text(err)}\n")
-    skipped = f"; {loaded.skipped_empty:,} pairs with an empty side skipped" if loaded.skipped_empty else ""
-    print(f"scored {len(scores):,} pairs{skipped}", file=sys.stderr)
+    print(f"scored {len(scores):,} pairs", file=sys.stderr)
     return 0
 
 

@@ -4,6 +4,7 @@ it refuses to replace (`check_destination`)."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
 from collections.abc import Callable, Iterable, Iterator
@@ -18,6 +19,23 @@ from .lock import RunLock
 KINDS = {"run": "run", "ctranslate2": "CTranslate2 model written by parity.convert",
          "marian": "HF Marian directory written by parity.convert"}
 KIND_FILE = ".aiayn.json"  # {"kind": "ctranslate2" | "marian"}
+PROOF_FILE = "proof.json"  # what an export computes against its run, and its files' digests (parity.proof)
+
+
+def export_digests(directory: Path) -> dict[str, str]:
+    """SHA-256 of each file of an export but its proof, README.md and kind marker, by relative name."""
+    return {str(f.relative_to(directory)): hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in sorted(Path(directory).rglob("*")) if f.is_file() and f.name not in (PROOF_FILE, "README.md", KIND_FILE)}
+
+
+def check_export(directory: str | Path) -> None:
+    """UserError when the digests `directory`'s proof.json records (`export_digests`) are not its files':
+    an export changed after its proof is never read as proven."""
+    recorded = (read_json(Path(directory) / PROOF_FILE, None) or {}).get("files")
+    if recorded is not None and (found := export_digests(Path(directory))) != recorded:
+        changed = sorted(n for n in {*recorded, *found} if recorded.get(n) != found.get(n))
+        raise UserError(f"{directory}: {', '.join(changed)} changed since its {PROOF_FILE} was written (the digests "
+                        "differ): export it again")
 
 
 def kind_of(path: Path) -> str | None:
