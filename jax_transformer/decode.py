@@ -64,8 +64,8 @@ def _no_sentence(src_ids, pad_id: int):
 def _check_scoring(scoring: str, alpha: float) -> None:
     if scoring not in SCORINGS:
         raise ValueError(f"scoring must be one of {', '.join(SCORINGS)}, got {scoring!r}")
-    if not (alpha >= 0 and math.isfinite(alpha)):  # the early stop's bound needs a penalty that grows with length
-        raise ValueError(f"alpha must be a finite number >= 0, got {alpha}")
+    if not 0 <= alpha <= 10:  # >= 0: the early stop needs a penalty growing with length; <= 10: finite in float32
+        raise ValueError(f"alpha must be >= 0 and at most 10, got {alpha}")
     if (problem := float32_error(alpha)) is not None:
         raise ValueError(f"alpha {problem}")
 

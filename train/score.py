@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         split_host()  # before jax is imported
-        output = destination(args.output, "--output", spec_files(args.input), f"--input {args.input}")  # before the work
+        output = destination(args.output, "--output", spec_files(args.input), f"--input {args.input}")  # before work
         loaded = load_parallel(args.input)
         if loaded.skipped_empty:  # skipped, line N would no longer be pair N's score
             raise UserError(f"--input {args.input}: {loaded.skipped_empty:,} pairs with an empty side; every pair gets "

@@ -55,9 +55,10 @@ class Destination:
     """A file a command writes, checked before the work, one rule for every command
     (docs/operations.md#output-files): a FIFO, device, socket or descriptor is a stream, written
     directly and never replaced; a symbolic link is followed, as the shell's `>` and tee follow it
-    (one to nothing creates its target); a regular file is replaced whole (nothing half-written on a failure). UserError, in
-    one line naming `flag`: a directory, a missing or read-only directory, a file of `inputs` (by
-    any name) or one of this output's side files, a place inside a run or an export."""
+    (one to nothing creates its target); a regular file is replaced whole (nothing half-written on
+    a failure). UserError, in one line naming `flag`: a directory, a missing or read-only
+    directory, a file of `inputs` (by any name) or one of this output's side files, a place
+    inside a run or an export."""
 
     def __init__(self, path: str | Path, flag: str, inputs: Iterable[str | Path] = (), of: str = ""):
         self.path, self.flag, self.target = Path(path), flag, None
@@ -112,7 +113,8 @@ class Destination:
                 self.write(path.read_bytes())
 
 
-def destination(path: str | Path | None, flag: str, inputs: Iterable[str | Path] = (), of: str = "") -> Destination | None:
+def destination(path: str | Path | None, flag: str, inputs: Iterable[str | Path] = (),
+                of: str = "") -> Destination | None:
     """`Destination(path, ...)`, None without a path: what every command calls for each file it writes."""
     return None if path is None else Destination(path, flag, inputs, of)
 

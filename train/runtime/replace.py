@@ -25,7 +25,8 @@ PROOF_FILE = "proof.json"  # what an export computes against its run, and its fi
 def export_digests(directory: Path) -> dict[str, str]:
     """SHA-256 of each file of an export but its proof, README.md and kind marker, by relative name."""
     return {str(f.relative_to(directory)): hashlib.sha256(f.read_bytes()).hexdigest()
-            for f in sorted(Path(directory).rglob("*")) if f.is_file() and f.name not in (PROOF_FILE, "README.md", KIND_FILE)}
+            for f in sorted(Path(directory).rglob("*"))
+            if f.is_file() and f.name not in (PROOF_FILE, "README.md", KIND_FILE)}
 
 
 def check_export(directory: str | Path) -> None:
