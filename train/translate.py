@@ -26,8 +26,7 @@ from .config import add_run_arguments, positive_int
 from .data.streams import MAX_LINE_BYTES, LineReader
 from .runtime import Interrupted, exit_status, interruptible
 from .runtime.files import UserError, error_text
-from .runtime.output import destination, open_stream
-from .runtime.output import OtherInput, PartialOutput, Progress, StreamOutput
+from .runtime.output import OtherInput, PartialOutput, Progress, StreamOutput, destination, open_stream
 from .runtime.rundir import check_set_aside
 from .translation import FORMATS, Sampling, TsvColumns, check_format, check_sampling, check_search, translate_stream
 
