@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from torch_reference.config import POSITIVE, SCORINGS, TransformerConfig, float32_error
+from torch_reference.config import ALPHA, POSITIVE, SCORINGS, TransformerConfig
 
 from . import xla_cpu as tuned
 from .model import Transformer, padding_mask, shift_right
@@ -64,10 +64,7 @@ def _no_sentence(src_ids, pad_id: int):
 def _check_scoring(scoring: str, alpha: float) -> None:
     if scoring not in SCORINGS:
         raise ValueError(f"scoring must be one of {', '.join(SCORINGS)}, got {scoring!r}")
-    if not 0 <= alpha <= 10:  # >= 0: the early stop needs a penalty growing with length; <= 10: finite in float32
-        raise ValueError(f"alpha must be >= 0 and at most 10, got {alpha}")
-    if (problem := float32_error(alpha)) is not None:
-        raise ValueError(f"alpha {problem}")
+    ALPHA.check("alpha", alpha)  # the early stop's bound needs a penalty that grows with length
 
 
 def _check_ids(name: str, ids, vocab_size: int) -> None:

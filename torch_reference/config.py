@@ -100,6 +100,7 @@ class Range:
 
 POSITIVE, NON_NEGATIVE = Range(int, low=1), Range(int, low=0)
 PROBABILITY = Range(float, low=0.0, below=1.0)  # dropout rates, label smoothing: [0, 1)
+ALPHA = Range(float, low=0.0, below=10.0)  # a length penalty's: growing with length, finite in float32 up to 4096 tokens
 # Each numeric TransformerConfig field's range (checked by __post_init__, so by every entry point).
 FIELD_RANGES = {
     "src_vocab_size": POSITIVE, "tgt_vocab_size": POSITIVE, "d_model": POSITIVE, "num_heads": POSITIVE,

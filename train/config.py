@@ -21,7 +21,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Literal
 
-from torch_reference.config import NON_NEGATIVE, POSITIVE, PROBABILITY, SCORINGS, SPECIAL_TOKENS, Range, TransformerConfig
+from torch_reference.config import (ALPHA, NON_NEGATIVE, POSITIVE, PROBABILITY, SCORINGS, SPECIAL_TOKENS, Range,
+                                    TransformerConfig)
 
 Backend = Literal["jax", "torch"]
 BACKENDS = ("jax", "torch")
@@ -72,7 +73,6 @@ FIELD_RANGES: dict[str, Range] = {
 positive_int = POSITIVE.parse
 non_negative_int = NON_NEGATIVE.parse
 positive_float = Range(float, above=0.0).parse
-non_negative_float = Range(float, low=0.0).parse
 probability = PROBABILITY.parse
 
 
@@ -442,7 +442,7 @@ def add_run_arguments(parser: argparse.ArgumentParser, ensembles: bool = False) 
     parser.add_argument("--checkpoint", default="best",
                         help="'best' (by validation BLEU, the default), 'latest', or a step number")
     parser.add_argument("--beam", type=positive_int, default=4, help="beam size (default 4; 1 = greedy search)")
-    parser.add_argument("--alpha", type=non_negative_float, default=0.6,
+    parser.add_argument("--alpha", type=ALPHA.parser("--alpha"), default=0.6,
                         help="beam search's length penalty exponent (default 0.6): see --scoring")
     parser.add_argument("--scoring", choices=SCORINGS, default="gnmt",
                         help="how beam search ranks finished translations: 'gnmt' (the default) divides their "

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from torch_reference.config import POSITIVE, SCORINGS, Range
+from torch_reference.config import ALPHA, POSITIVE, SCORINGS, Range
 
 from . import data
 from .backends import Hypotheses, Translator
@@ -101,7 +101,7 @@ def check_numbers(settings: dict[str, tuple[Any, Range]]) -> None:
 def check_search(beam: int, n_best: int | None, alpha: float = 0.6, scoring: str = "gnmt") -> None:
     """UserError unless beam is a positive integer, alpha a number >= 0, scoring one of SCORINGS and
     n_best between 1 and the beam (a beam search keeps `beam` hypotheses)."""
-    check_numbers({"--beam": (beam, POSITIVE), "--alpha": (alpha, Range(float, low=0.0)),
+    check_numbers({"--beam": (beam, POSITIVE), "--alpha": (alpha, ALPHA),
                    "--n-best": (n_best, POSITIVE)})
     if scoring not in SCORINGS:
         raise UserError(f"--scoring {scoring}: expected one of {', '.join(SCORINGS)}")

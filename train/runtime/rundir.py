@@ -35,6 +35,8 @@ def session(cfg: ExperimentConfig, explicit: Iterable[str] | None = None, platfo
     `prepare_run_dir` writes the run's files once its data has loaded.
     """
     run_dir = Path(cfg.run_dir or time.strftime(f"runs/{cfg.backend}-%Y%m%d-%H%M%S"))
+    if ".." in run_dir.parts:  # R/checkpoints/.. names nothing once --overwrite has set checkpoints/ aside
+        run_dir = run_dir.resolve()
     with contextlib.ExitStack() as claimed:
         if is_main:
             _check_claim(run_dir, cfg.resume, cfg.overwrite)
