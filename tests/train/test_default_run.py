@@ -45,3 +45,13 @@ def test_the_default_run_gets_every_number_right(tmp_path):
             assert len(pairs) >= min(PER_BAND, len(band_range(digits)))
             wrong = [(s, t, h) for (s, t), h in zip(pairs, run.translate([s for s, _ in pairs])) if h != t]
             assert not wrong, (digits, wrong)
+
+
+def test_the_draw_holds_only_numbers_the_default_run_never_trained_on():
+    """The slow test's premise, in a second: its own numbers, 150 a band (all 10 and 90 of the small
+    bands, which training holds whole), none of 3+ digits in the default run's training split."""
+    trained = {t for _, t in numbers_corpus(40_000, 500, 1_000, seed=0).train}
+    draw = unseen_draw(trained)
+    assert [len(draw[d]) for d in NUMBER_BANDS] == [10, 90, 150, 150, 150, 150]
+    assert not any(t in trained for d in NUMBER_BANDS[2:] for _, t in draw[d])
+    assert draw != unseen_draw(trained, seed=0)  # not the corpus's own seed's order
