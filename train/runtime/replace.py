@@ -22,19 +22,23 @@ KIND_FILE = ".aiayn.json"  # {"kind": "ctranslate2" | "marian"}
 PROOF_FILE = "proof.json"  # what an export computes against its run, and its files' digests (parity.proof)
 
 
-def export_digests(directory: Path) -> dict[str, str]:
-    """SHA-256 of each file of an export but its proof, README.md and kind marker, by relative name."""
-    return {str(f.relative_to(directory)): hashlib.sha256(f.read_bytes()).hexdigest()
-            for f in sorted(Path(directory).rglob("*"))
-            if f.is_file() and f.name not in (PROOF_FILE, "README.md", KIND_FILE)}
+def export_digests(directory: Path, names: Iterable[str] | None = None) -> dict[str, str]:
+    """SHA-256 of each file `names` (default: every file of an export but its proof, README.md and
+    kind marker), by relative name; None for one that is missing."""
+    directory = Path(directory)
+    if names is None:
+        names = [str(f.relative_to(directory)) for f in sorted(directory.rglob("*"))
+                 if f.is_file() and f.name not in (PROOF_FILE, "README.md", KIND_FILE)]
+    return {n: hashlib.sha256((directory / n).read_bytes()).hexdigest() if (directory / n).is_file() else None
+            for n in names}
 
 
 def check_export(directory: str | Path) -> None:
-    """UserError when the digests `directory`'s proof.json records (`export_digests`) are not its files':
-    an export changed after its proof is never read as proven."""
+    """UserError when a file whose digest `directory`'s proof.json records (`export_digests`) differs
+    or is missing: an export changed after its proof is never read as proven."""
     recorded = (read_json(Path(directory) / PROOF_FILE, None) or {}).get("files")
-    if recorded is not None and (found := export_digests(Path(directory))) != recorded:
-        changed = sorted(n for n in {*recorded, *found} if recorded.get(n) != found.get(n))
+    if recorded is not None and (found := export_digests(Path(directory), recorded)) != recorded:
+        changed = sorted(n for n in recorded if recorded[n] != found[n])
         raise UserError(f"{directory}: {', '.join(changed)} changed since its {PROOF_FILE} was written (the digests "
                         "differ): export it again")
 
