@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from torch_reference.config import POSITIVE, SCORINGS, TransformerConfig
+from torch_reference.config import ALPHA, POSITIVE, SCORINGS, TransformerConfig
 
 from . import xla_cpu as tuned
 from .model import Transformer, padding_mask, shift_right
@@ -64,8 +64,7 @@ def _no_sentence(src_ids, pad_id: int):
 def _check_scoring(scoring: str, alpha: float) -> None:
     if scoring not in SCORINGS:
         raise ValueError(f"scoring must be one of {', '.join(SCORINGS)}, got {scoring!r}")
-    if not alpha >= 0:  # the early stop's bound needs a penalty that grows with length
-        raise ValueError(f"alpha must be >= 0, got {alpha}")
+    ALPHA.check("alpha", alpha)  # the early stop's bound needs a penalty that grows with length
 
 
 def _check_ids(name: str, ids, vocab_size: int) -> None:

@@ -18,7 +18,8 @@ import torch
 from torch_reference.config import TransformerConfig
 from train.options import NON_NEGATIVE, POSITIVE, typed
 from train.runtime import exit_status
-from train.runtime.files import json_text, output_path
+from train.runtime.files import json_text
+from train.runtime.output import output_path
 
 from .comparison import VARIANTS, bounds_for, failures, run_check
 
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         payload = {"preset": args.preset, "passed": not failed, "device": jax.devices()[0].device_kind,
                    "versions": {"jax": jax.__version__, "torch": torch.__version__}, "results": results}
-        args.json.write_text(json_text(payload))
+        args.json.write(json_text(payload))
     return 1 if failed else 0
 
 

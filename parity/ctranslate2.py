@@ -182,6 +182,7 @@ class Translator:
                  inter_threads: int = 1, intra_threads: int = 0):
         ctranslate2 = spm.require("ctranslate2")
         self.model_dir = Path(model_dir)
+        runtime.check_export(self.model_dir)
         self.translator = ctranslate2.Translator(str(model_dir), device=device, compute_type=compute_type,
                                                  inter_threads=inter_threads, intra_threads=intra_threads)
         shared = any((self.model_dir / f"shared_vocabulary.{ext}").is_file() for ext in ("json", "txt"))

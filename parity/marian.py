@@ -292,6 +292,7 @@ def read_marian_dir(src: str | os.PathLike) -> tuple[dict[str, Any], dict[str, n
     src = Path(src)
     if not (src / "config.json").is_file():
         raise FileNotFoundError(f"{src} is not an HF model directory (config.json missing)")
+    runtime.check_export(src)
     hf = runtime.read_json(src / "config.json")  # UserError naming the file when it is not JSON
     if not isinstance(hf, dict):
         raise ValueError(f"{src / 'config.json'} holds no JSON object")  # noqa: TRY004 (a bad file: main's one line)

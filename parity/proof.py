@@ -30,7 +30,7 @@ from train.data.streams import LineReader
 
 from .ctranslate2 import Translator, same_output, tokens
 
-PROOF_FILE = "proof.json"
+PROOF_FILE = runtime.PROOF_FILE
 SENTENCES = 32  # validation sources proved on: enough to cover the vocabulary's common rows, fast on a CPU
 # A float32 export computes the run's function with other kernels (another summation order): the
 # twins' own logits bound (docs/parity.md), and every greedy translation the same.
@@ -88,6 +88,8 @@ def prove(export_dir: Path, ours: Sequence[list[int]], theirs: Sequence[list[int
     proof = {"kind": kind, "sentences": len(sentences), "greedy_agreement": agree, "max_abs_logit_diff": diff,
              "bounds": {"greedy_agreement": MIN_AGREEMENT, "max_abs_logit_diff": MAX_LOGIT_DIFF} if exact else None,
              "first_sentences": list(sentences[:3])}
+    if kind in ("ctranslate2", "marian"):  # the bytes proven, checked where an export is read (runtime.check_export)
+        proof["files"] = runtime.export_digests(export_dir)
     if exact and (diff > MAX_LOGIT_DIFF or agree < MIN_AGREEMENT):
         raise runtime.UserError(f"the {kind} export does not compute what the run computes: greedy agreement "
                                 f"{agree:.1%} (bound {MIN_AGREEMENT:.0%}), largest logit difference {diff:.2e} "

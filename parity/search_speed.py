@@ -190,7 +190,7 @@ def bench_file(selection: RunSelection, search: Search, input: Path | None, batc
     from train.backends import host_devices
     from train.data.spm import require
     from train.data.streams import read_lines
-    from train.runtime.files import UserError, json_text, write_text_atomic
+    from train.runtime.files import UserError, json_text
 
     from .comparison import enable_parity_numerics
 
@@ -228,6 +228,5 @@ def bench_file(selection: RunSelection, search: Search, input: Path | None, batc
               f"{r['tokens_per_s']:8.0f} {r['peak_mib']:8.0f} {r['speedup_vs_torch_cached']:15.2f}x {uncached:>12s} "
               f"{differ:>15s}" + (f"   BLEU vs float32 {r['bleu_vs_float32']:.2f}" if "bleu_vs_float32" in r else ""))
     if json_path:
-        write_text_atomic(json_path, json_text({"run_dir": str(selection.run_dir[0]), "machine": machine,
-                                                "rows": rows}))
+        json_path.write(json_text({"run_dir": str(selection.run_dir[0]), "machine": machine, "rows": rows}))
     return rows

@@ -21,7 +21,8 @@ import torch
 from train.config import FIELD_RANGES, ExperimentConfig
 from train.options import NON_NEGATIVE, add_flags
 from train.runtime import exit_status
-from train.runtime.files import json_text, output_path
+from train.runtime.files import json_text
+from train.runtime.output import output_path
 
 from .trajectories import BOUNDS, experiment_config, growth, growth_exponent, parity_report, plot
 
@@ -94,9 +95,11 @@ def main(argv: list[str] | None = None) -> int:
                   command="python -m parity.trajectory " + " ".join(sys.argv[1:] if argv is None else argv))
     print_report(report)
     if args.json:
-        args.json.write_text(json_text(report))
+        args.json.write(json_text(report))
     if args.plot:
-        print(f"  plot: {plot(report, args.plot)}")
+        with args.plot.writing() as path:
+            plot(report, path)
+        print(f"  plot: {args.plot.path}")
     return 1 if report["failures"] else 0
 
 

@@ -32,7 +32,7 @@ import sys
 from pathlib import Path
 
 from train.options import POSITIVE, RunSelection, Search, add_flags, build, call
-from train.runtime.files import output_path
+from train.runtime.output import output_path
 
 
 def build_parser() -> argparse.ArgumentParser:

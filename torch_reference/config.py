@@ -7,6 +7,7 @@ in one framework builds the identical model in the other.
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import json
 import math
@@ -38,6 +39,15 @@ def _g(x: float) -> str:
     return f"{x:g}" if isinstance(x, float) else str(x)  # 2**32 in full, not 4.29497e+09
 
 
+def float32_error(value: float) -> str | None:
+    """Why a float setting means something else in float32, the dtype both twins compute in (a nonzero
+    value that rounds to 0 there, a finite one beyond its range), or None: the one edge rule."""
+    as32 = array.array("f", [value])[0]
+    if (value != 0 and as32 == 0) or (math.isfinite(value) and not math.isfinite(as32)):
+        return f"must keep its value in float32, the dtype it is computed in: {value:g} is {as32:g} there"
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class Range:
     """The values a numeric setting may take: `kind` int (bool refused) or float (finite; an int
@@ -56,6 +66,8 @@ class Range:
             return f"must be {'an integer' if self.kind is int else 'a number'}, got {value!r}"
         if self.kind is float and not math.isfinite(value):
             return f"must be finite, got {value}"
+        if self.kind is float and (problem := float32_error(value)):
+            return problem
         if self.low is not None and self.below is not None and not self.low <= value < self.below:
             return f"must be in [{_g(self.low)}, {_g(self.below)}), got {_g(value)}"
         if self.above is not None and self.high is not None and not self.above < value <= self.high:
@@ -97,6 +109,7 @@ class Range:
 
 POSITIVE, NON_NEGATIVE = Range(int, low=1), Range(int, low=0)
 PROBABILITY = Range(float, low=0.0, below=1.0)  # dropout rates, label smoothing: [0, 1)
+ALPHA = Range(float, low=0.0, below=10.0)  # a length penalty's: growing with length, finite in float32 up to 4096 tokens
 # Each numeric TransformerConfig field's range (checked by __post_init__, so by every entry point).
 FIELD_RANGES = {
     "src_vocab_size": POSITIVE, "tgt_vocab_size": POSITIVE, "d_model": POSITIVE, "num_heads": POSITIVE,

@@ -25,7 +25,7 @@ import math
 import torch
 from torch import Tensor
 
-from .config import POSITIVE, SCORINGS, TransformerConfig
+from .config import ALPHA, POSITIVE, SCORINGS, TransformerConfig
 from .model import Transformer, padding_mask, shift_right
 
 # A finite "minus infinity": sums of it stay finite, so no inf - inf = NaN in the scores.
@@ -61,8 +61,7 @@ def _no_sentence(src_ids: Tensor, pad_id: int) -> Tensor:
 def _check_scoring(scoring: str, alpha: float) -> None:
     if scoring not in SCORINGS:
         raise ValueError(f"scoring must be one of {', '.join(SCORINGS)}, got {scoring!r}")
-    if not alpha >= 0:  # the early stop's bound needs a penalty that grows with length
-        raise ValueError(f"alpha must be >= 0, got {alpha}")
+    ALPHA.check("alpha", alpha)  # the early stop's bound needs a penalty that grows with length
 
 
 def _check_ids(name: str, ids: Tensor, vocab_size: int) -> None:

@@ -23,6 +23,7 @@ import math
 import torch
 from torch import Tensor
 
+from .config import float32_error
 from .decode import NEG_INF, _check_source, _Decoder, _never_emitted, _no_sentence, output_length, sentence_limits
 from .model import Transformer, padding_mask
 
@@ -69,6 +70,9 @@ def check_sampling(seed, num_samples, temperature, top_k, top_p) -> None:
         raise ValueError(f"top_k must be an integer >= 0 (0: no limit), got {top_k!r}")
     if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
         raise ValueError(f"top_p must be in (0, 1] (1: no limit), got {top_p!r}")
+    for name, value in (("temperature", temperature), ("top_p", top_p)):
+        if (problem := float32_error(value)) is not None:
+            raise ValueError(f"{name} {problem}")
 
 
 def _sentence_ids(sentence_ids, batch: int, device) -> Tensor:

@@ -21,6 +21,7 @@ from matplotlib.figure import Figure
 
 from . import data
 from .runtime.files import write_error
+from .runtime.replace import check_outside_runs
 from .backends import Translator
 
 
@@ -166,8 +167,13 @@ def plot_layers(att: SentenceAttention, path: Path) -> None:
     _save(fig, path)
 
 
-def check_plot_directory(directory: Path) -> None:
-    """Raise ValueError unless `directory` is a directory or can be created as one."""
+def check_plot_directory(directory: Path, source: Path | None = None) -> None:
+    """Raise ValueError unless `directory` is a directory or can be created as one, outside any run
+    (`check_outside_runs`), and does not hold the input file `source` (its plots would replace it)."""
+    check_outside_runs(directory / "0001.png", "--plot-attention")
+    if source is not None and directory.resolve() in source.resolve().parents:
+        raise ValueError(f"--plot-attention {directory} holds the input {source}: its plots could replace it; "
+                         "give another directory")
     for path in (directory, *directory.parents):
         if path.exists():
             if not path.is_dir():

@@ -23,7 +23,8 @@ from .benchmark import BACKENDS, PRECISIONS, REMAT_MODES, _cpu_name, print_resul
 from .config import KERNEL_CHOICES
 from .options import NON_NEGATIVE, POSITIVE, PROBABILITY
 from .runtime import exit_status
-from .runtime.files import json_text, output_path, write_text_atomic
+from .runtime.files import json_text
+from .runtime.output import output_path
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,12 +110,15 @@ def main(argv: list[str] | None = None) -> int:
                     return 1
                 results.append(json.loads(done.stdout.strip().splitlines()[-1]))
                 if args.json:  # after every worker, so an interrupted invocation keeps what it measured
-                    write_text_atomic(args.json, json_text({**record, "results": results}))
+                    args.json.update(json_text({**record, "results": results}))
+    if args.json:
+        args.json.write(json_text({**record, "results": results}))
 
     print_results(results, batch_size, args.length, args.dropout, args.devices)
     if args.plot:
         try:
-            write_plot(results, args.plot)
+            with args.plot.writing() as path:
+                write_plot(results, path)
         except ImportError:
             print("matplotlib is not installed: pip install matplotlib for --plot", file=sys.stderr)
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -10,7 +11,8 @@ from pathlib import Path
 from .plots import IMAGE_FORMATS, plot_curves, run_title
 from .options import call
 from .runtime import CURVES_FILE, RESULTS_FILE
-from .runtime.files import UserError, json_text, output_file
+from .runtime.files import UserError, json_text
+from .runtime.output import Destination
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,11 +38,12 @@ def draw(run_dir: Path, out: str | None = None) -> None:
     except (OSError, ValueError) as err:
         raise UserError(f"no finished run in {run_dir} ({err}); TensorBoard shows a run still training") from None
     history = results.get("history") or {}
+    output = Destination(out, "--out", [run_dir / RESULTS_FILE], f"--run-dir {run_dir}") if out else None
     out = Path(out or run_dir / CURVES_FILE)
-    output_file(out, "--out", [run_dir / RESULTS_FILE], f"--run-dir {run_dir}")
     if out.suffix[1:].lower() not in ("", *IMAGE_FORMATS):  # never PNG bytes under another format's name
         raise UserError(f"--out {out}: {out.suffix} is no image format; end the name in .{', .'.join(IMAGE_FORMATS)}")
-    plot_curves(history, out, run_title(results))
+    with output.writing() if output else contextlib.nullcontext(out) as path:  # without --out: the run's own
+        plot_curves(history, path, run_title(results))
     print(json_text({"curves": str(out), "train_points": len(history.get("train") or []),
                      "valid_points": len(history.get("valid") or [])}), flush=True)
 

@@ -20,8 +20,8 @@ from .data.corpora import spec_files
 from .data.streams import LineReader
 from .options import Evaluation, RunSelection, Sampling, Search, TranslateFiles, check_format
 from .runtime import Interrupted, interruptible
-from .runtime.files import UserError, error_text, json_text, open_stream, output_file, write_output
-from .runtime.output import OtherInput, PartialOutput, Progress, StreamOutput
+from .runtime.files import UserError, error_text, json_text
+from .runtime.output import OtherInput, PartialOutput, Progress, StreamOutput, destination, open_stream
 from .translation import TsvColumns, translate_stream
 
 
@@ -51,7 +51,7 @@ def translate_file(selection: RunSelection, search: Search = Search(), sample: S
     if files.plot_attention is not None:
         from .attention import check_plot_directory
 
-        check_plot_directory(files.plot_attention)
+        check_plot_directory(files.plot_attention, files.input)
     # What else shapes the output, recorded where it departs from plain text (earlier partial outputs stay valid).
     decoding = {k: v for k, v in {"n_best": search.n_best, "format": files.format, "alignments": search.alignments,
                                   "prefix": columns is not None and columns.prefix is not None,
@@ -59,10 +59,10 @@ def translate_file(selection: RunSelection, search: Search = Search(), sample: S
                                   "ensemble": ensemble and [str(d.absolute()) for d in selection.run_dir[1:]]}.items()
                 if v not in (None, "text", False)}
     # Checked before the work, not after it; None: a stream, written directly.
-    target = None if files.output is None else output_file(files.output, "--output")
-    if target is not None and reader.same_file(target):
-        raise UserError(f"--output {files.output} is the input {reader.name}: writing it would destroy the input; "
-                        "give another --output")
+    target = (output := destination(files.output, "--output")) and output.target
+    if output is not None and any(reader.same_file(f) for f in output.side_files):
+        raise UserError(f"--output {files.output} is the input {reader.name}: writing it would destroy the input "
+                        "(or a file written beside it); give another --output")
     with api.load(selection) as run:
         if first is None:
             raise UserError(f"{reader.name} holds no sentence to translate")
@@ -112,8 +112,7 @@ def evaluate_spec(selection: RunSelection, data: str, search: Search = Search(),
     """`Run.evaluate` of the runs `selection` on the data spec `data`, printed as JSON (and written to
     `output`, atomically); returns the result."""
     split_host()  # before jax is imported
-    # Checked before the work, not after it; None: a stream (a FIFO, a device), written directly.
-    target = None if output is None else output_file(output, "--output", spec_files(data), f"--data {data}")
+    destined = destination(output, "--output", spec_files(data), f"--data {data}")  # checked before the work
     with api.load(selection) as run:
         if run.config.lowercase and not evaluation.lowercase:  # lowercase output: cased BLEU alone would mislead
             print(f"note: {selection.run_dir[0]} was trained with --lowercase, so its translations are lowercase: "
@@ -121,8 +120,8 @@ def evaluate_spec(selection: RunSelection, data: str, search: Search = Search(),
         result = run.evaluate(data, search, evaluation)
     text = json_text(result)  # strict JSON: a non-finite score is null, never NaN
     print(text, flush=True)
-    if output is not None:
-        write_output(output, target, text + "\n")
+    if destined is not None:
+        destined.write(text + "\n")
     return result
 
 
@@ -132,19 +131,20 @@ def score_file(selection: RunSelection, input: str, output: os.PathLike | None =
     (`Run.score`), one line each to `output` (stdout): the number, or with `format` "jsonl" the
     JSON object with its tokens."""
     split_host()  # before jax is imported
-    # Checked before the work; None: a stream (a FIFO, a device, /dev/stdout), written directly.
-    target = None if output is None else output_file(output, "--output", spec_files(input), f"--input {input}")
+    destined = destination(output, "--output", spec_files(input), f"--input {input}")  # checked before the work
     loaded = load_parallel(input)
+    if loaded.skipped_empty:  # skipped, line N would no longer be pair N's score
+        raise UserError(f"--input {input}: {loaded.skipped_empty:,} pairs with an empty side; every pair gets its "
+                        "line, so remove them or give them text")
     if not loaded.pairs:
         raise UserError(f"{input} holds no pair to score")
     with api.load(selection) as run:
         scores = run.score([s for s, _ in loaded.pairs], [t for _, t in loaded.pairs], batch_size=batch_size)
     text = "".join((json.dumps(s, ensure_ascii=False) if format == "jsonl" else f"{s['logprob']:.7g}") + "\n"
                    for s in scores)
-    if output is None:
+    if destined is None:
         sys.stdout.write(text)
         sys.stdout.flush()
     else:
-        write_output(output, target, text)
-    skipped = f"; {loaded.skipped_empty:,} pairs with an empty side skipped" if loaded.skipped_empty else ""
-    print(f"scored {len(scores):,} pairs{skipped}", file=sys.stderr)
+        destined.write(text)
+    print(f"scored {len(scores):,} pairs", file=sys.stderr)

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from torch_reference.config import NON_NEGATIVE, POSITIVE, PROBABILITY, SCORINGS, Range  # noqa: F401 (for commands)
+from torch_reference.config import ALPHA, NON_NEGATIVE, POSITIVE, PROBABILITY, SCORINGS, Range  # noqa: F401 (for commands)
 
 from .config import flag_name as flag_of
 from .runtime.files import UserError
@@ -142,7 +142,7 @@ class Search:
     give each sentence's K best `Hypothesis` (1 with alignments alone) instead of strings."""
 
     beam: int = option(4, "beam size (1 = greedy search)", range=POSITIVE)
-    alpha: float = option(0.6, "beam search's length penalty exponent: see --scoring", range=Range(float, low=0.0))
+    alpha: float = option(0.6, "beam search's length penalty exponent: see --scoring", range=ALPHA)
     scoring: str = option(
         "gnmt", "how beam search ranks finished translations: 'gnmt' divides their log-probability by "
         "((5+len)/6)^alpha and lets an <eos> among the 2 x beam best candidates finish; 'hf' divides by len^alpha, "

@@ -22,7 +22,8 @@ from .benchmark import _cpu_name
 from .options import POSITIVE
 from .profiling import jax_parts, torch_parts, xla_cpu_ab, xla_op_split
 from .runtime import exit_status
-from .runtime.files import json_text, output_path
+from .runtime.files import json_text
+from .runtime.output import output_path
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         memory = ab["temporaries MiB"]
         print(f"compiled train step's temporaries: plain {memory['plain']:.1f} MiB, tuned {memory['tuned']:.1f} MiB")
         if args.json:
-            args.json.write_text(json_text({"preset": args.preset, "batch": [args.batch, args.length], **ab}))
+            args.json.write(json_text({"preset": args.preset, "batch": [args.batch, args.length], **ab}))
         return 0
     torch_times = torch_parts(cfg, args.batch, args.length, args.repeats)
     jax_times = jax_parts(cfg, args.batch, args.length, args.repeats)
@@ -84,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"part": name, "jax_ms": j, "torch_ms": t, "ratio": j / t})
         print(f"{name:28s} {j:9.2f} {t:9.2f} {j / t:10.2f}")
     if args.json:
-        args.json.write_text(json_text({"preset": args.preset, "batch": [args.batch, args.length],
-                                         "vocab": args.vocab, "rows": rows}))
+        args.json.write(json_text({"preset": args.preset, "batch": [args.batch, args.length],
+                                    "vocab": args.vocab, "rows": rows}))
     return 0
 
 

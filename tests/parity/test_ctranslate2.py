@@ -244,3 +244,22 @@ def test_score_is_ctranslate2s_score_batch(trained):
         raw = max(raw, float(np.abs(diff).max()))
     run.backend.close()
     assert raw > 1e-5  # the term is there: the comparison is not vacuous
+
+
+def test_an_export_changed_after_its_proof_is_refused_where_it_is_read(trained, tmp_path):
+    """proof.json records the SHA-256 of every exported file: a model.bin edited afterwards (the issue's
+    three negated matrices loaded silently, 62.5% agreement under a proof saying 1.0) is refused."""
+    import shutil
+
+    from parity.ctranslate2 import Translator
+
+    _, f32, _ = trained
+    recorded = json.loads((f32 / "proof.json").read_text())["files"]
+    assert "model.bin" in recorded and recorded == runtime.export_digests(f32, recorded)
+    edited = shutil.copytree(f32, tmp_path / "edited")
+    model = bytearray((edited / "model.bin").read_bytes())
+    model[-4:] = bytes(4)  # the last float of the last matrix zeroed: still a loadable model
+    (edited / "model.bin").write_bytes(bytes(model))
+    with pytest.raises(runtime.UserError, match="model.bin changed since its proof.json was written"):
+        Translator(edited)
+    Translator(f32)  # the untouched export loads

@@ -282,7 +282,7 @@ def test_a_length_penalty_that_shrinks_or_an_unknown_scoring_is_refused():
     src = source(batch=1, length=4)
     for search, model, src_ in ((td.beam_search, torch_model, torch.from_numpy(src)), (jd.beam_search, jax_model, src)):
         for alpha in (-0.5, float("nan")):  # the early stop's bound assumes the penalty grows with length
-            with pytest.raises(ValueError, match="alpha must be >= 0"):
+            with pytest.raises(ValueError, match="alpha must be"):
                 search(model, src_, alpha=alpha)
         with pytest.raises(ValueError, match="scoring must be one of gnmt, hf, got 'fairseq'"):
             search(model, src_, scoring="fairseq")

@@ -180,7 +180,7 @@ def test_python_api_refuses_bad_search_settings_before_any_work(tiny_torch_run):
     with train.load(tiny_torch_run) as run:
         for options, message in (({"beam": 0}, "beam must be >= 1, got 0"), ({"beam": -1}, "beam must be >= 1"),
                                  ({"beam": 2.5}, "beam must be an integer, got 2.5"),
-                                 ({"alpha": -1}, "alpha must be >= 0, got -1"),
+                                 ({"alpha": -1}, "alpha must be in [0, 10), got -1"),
                                  ({"alpha": "0.6"}, "alpha must be a number, got '0.6'"),
                                  ({"scoring": "best"}, "scoring must be one of gnmt, hf, got 'best'")):
             with pytest.raises(UserError, match=f"^{re.escape(message)}"):

@@ -106,6 +106,8 @@ def encode(tokenizer: Tokenizer, texts: Sequence[str]) -> list[list[int]]:
     for number, text in enumerate(texts, start=1):
         if not isinstance(text, str):  # the tokenizer's own TypeError names none of it
             raise UserError(f"text {number} is {quoted(text)} ({type(text).__name__}), not a string")
+    if isinstance(tokenizer, Tokenizer):  # typed "<pad>", "<eos>", "<bos>", "<unk>" is text, never a control id
+        tokenizer.encode_special_tokens = True
     return [e.ids for e in tokenizer.encode_batch(texts)]
 
 

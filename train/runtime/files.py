@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import errno
 import json
 import math
 import os
-import re
-import socket
 import stat
 import sys
-from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 
 class UserError(Exception):
@@ -115,77 +111,6 @@ def read_json(path: str | Path, default: Any = ...) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as err:
         raise UserError(f"{path} is not valid JSON: {err.msg} at line {err.lineno} column {err.colno}") from None
-
-
-def check_output_file(path: str | Path, flag: str) -> None:
-    """UserError unless a file can be written at `path`: its directory exists and `path` is not
-    a directory. For the --output flags, checked before the work starts."""
-    path = Path(path)
-    if path.is_dir():
-        raise UserError(f"{flag} {path} is a directory; give a file name")
-    if not path.parent.is_dir():
-        raise UserError(f"{flag} {path}: directory {path.parent} does not exist")
-    if not os.access(path.parent, os.W_OK):
-        raise UserError(f"{flag} {path}: directory {path.parent} is not writable")
-
-
-def output_path(text: str) -> Path:
-    """argparse type of a file a command writes after its work (--json, --plot): refused as
-    `check_output_file` refuses it while the flags are read, not after minutes of work."""
-    try:
-        check_output_file(text, "")
-    except UserError as err:
-        raise argparse.ArgumentTypeError(str(err).lstrip()) from None
-    return Path(text)
-
-
-# A descriptor this process holds: `>(cmd)`, `3>file`, /dev/stdout; written through a copy of it.
-_DESCRIPTOR = re.compile(r"/(?:dev|proc/self)/fd/(\d+)|/dev/std(out|err)")
-
-
-def is_stream(path: Path) -> bool:
-    """Whether an output `path` is written directly, as a stream: a descriptor (/dev/fd/N,
-    /dev/stdout), or through any links a FIFO, device or socket; never renamed over, no resume."""
-    if _DESCRIPTOR.fullmatch(str(path)):
-        return True
-    try:
-        mode = os.stat(path).st_mode
-    except OSError:  # missing: a file to create
-        return False
-    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
-
-
-def open_stream(path: Path) -> TextIO:
-    """An `is_stream` output opened for writing text: a descriptor duplicated, a socket connected."""
-    if match := _DESCRIPTOR.fullmatch(str(path)):
-        return os.fdopen(os.dup(int(match[1]) if match[1] else {"out": 1, "err": 2}[match[2]]), "w", encoding="utf-8")
-    if stat.S_ISSOCK(os.stat(path).st_mode):
-        client = socket.socket(socket.AF_UNIX)
-        client.connect(str(path))
-        return client.makefile("w", encoding="utf-8")
-    return open(path, "w", encoding="utf-8")  # a FIFO or a device; the caller closes it
-
-
-def output_file(path: Path, flag: str, inputs: Iterable[Path] = (), of: str = "") -> Path | None:
-    """The regular file to write --output `path` as, atomically (`path`, or what a symbolic link
-    there names); None for a stream (`is_stream`). `check_output_file`'s UserError before the work,
-    and one where it is a file of `inputs` (those of `of`, e.g. "--data SPEC"), by any name."""
-    if is_stream(path):
-        return None
-    target = path.resolve() if path.is_symlink() else path
-    check_output_file(target, flag)
-    if target.exists() and any(os.path.samefile(f, target) for f in inputs):
-        raise UserError(f"{flag} {path} is a file of {of}: writing it would destroy the data; give another {flag}")
-    return target
-
-
-def write_output(path: Path, target: Path | None, text: str) -> None:
-    """`text` into an output `output_file` checked: its regular `target` atomically, a stream directly."""
-    if target is None:
-        with open_stream(path) as stream:
-            stream.write(text)
-    else:
-        write_text_atomic(target, text)
 
 
 def shortened(text: str, limit: int = 200) -> str:

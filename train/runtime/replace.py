@@ -4,6 +4,7 @@ it refuses to replace (`check_destination`)."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
 from collections.abc import Callable, Iterable, Iterator
@@ -18,6 +19,28 @@ from .lock import RunLock
 KINDS = {"run": "run", "ctranslate2": "CTranslate2 model written by parity.convert",
          "marian": "HF Marian directory written by parity.convert"}
 KIND_FILE = ".aiayn.json"  # {"kind": "ctranslate2" | "marian"}
+PROOF_FILE = "proof.json"  # what an export computes against its run, and its files' digests (parity.proof)
+
+
+def export_digests(directory: Path, names: Iterable[str] | None = None) -> dict[str, str]:
+    """SHA-256 of each file `names` (default: every file of an export but its proof, README.md and
+    kind marker), by relative name; None for one that is missing."""
+    directory = Path(directory)
+    if names is None:
+        names = [str(f.relative_to(directory)) for f in sorted(directory.rglob("*"))
+                 if f.is_file() and f.name not in (PROOF_FILE, "README.md", KIND_FILE)]
+    return {n: hashlib.sha256((directory / n).read_bytes()).hexdigest() if (directory / n).is_file() else None
+            for n in names}
+
+
+def check_export(directory: str | Path) -> None:
+    """UserError when a file whose digest `directory`'s proof.json records (`export_digests`) differs
+    or is missing: an export changed after its proof is never read as proven."""
+    recorded = (read_json(Path(directory) / PROOF_FILE, None) or {}).get("files")
+    if recorded is not None and (found := export_digests(Path(directory), recorded)) != recorded:
+        changed = sorted(n for n in recorded if recorded[n] != found[n])
+        raise UserError(f"{directory}: {', '.join(changed)} changed since its {PROOF_FILE} was written (the digests "
+                        "differ): export it again")
 
 
 def kind_of(path: Path) -> str | None:
@@ -30,6 +53,15 @@ def kind_of(path: Path) -> str | None:
         return "run"
     except (UserError, OSError):
         return None
+
+
+def check_outside_runs(path: str | Path, flag: str) -> None:
+    """UserError when `path` (its links resolved) lies inside a run or an export this project wrote (`kind_of`):
+    no command writes into a run it reads or did not create (docs/operations.md#output-files)."""
+    for parent in Path(path).resolve().parents:
+        if found := kind_of(parent):
+            raise UserError(f"{flag} {path} lies inside the {KINDS[found]} {parent}: a command never writes into a "
+                            f"run it did not create; give a path outside it")
 
 
 def remove(path: Path) -> None:
@@ -50,6 +82,7 @@ def check_destination(dst: Path, overwrite: bool, kind: str = "run", src: str | 
         if source == target or source in target.parents or target in source.parents:
             where = "is" if source == target else "is inside" if source in target.parents else "holds"
             raise FileExistsError(f"--dst {dst} {where} the source {src}; --dst must differ from it and lie outside it")
+    check_outside_runs(dst, "--dst")
     if dst.is_symlink():
         raise FileExistsError(f"{dst} is a symbolic link; it is never replaced, nor what it points to")
     if dst.exists() and not dst.is_dir():

@@ -19,7 +19,7 @@ from .files import UserError, say, write_json_atomic
 from .layout import (CHECKPOINTS, CONFIG_FILE, LOCK_FILE, MODEL_FILE, TENSORBOARD, experiment_of, read_experiment,
                      read_model_config)
 from .lock import RunLock
-from .replace import kind_of, remove
+from .replace import check_outside_runs, kind_of, remove
 
 
 @contextlib.contextmanager
@@ -35,6 +35,8 @@ def session(cfg: ExperimentConfig, explicit: Iterable[str] | None = None, platfo
     `prepare_run_dir` writes the run's files once its data has loaded.
     """
     run_dir = Path(cfg.run_dir or time.strftime(f"runs/{cfg.backend}-%Y%m%d-%H%M%S"))
+    if ".." in run_dir.parts:  # R/checkpoints/.. names nothing once --overwrite has set checkpoints/ aside
+        run_dir = run_dir.resolve()
     with contextlib.ExitStack() as claimed:
         if is_main:
             _check_claim(run_dir, cfg.resume, cfg.overwrite)
@@ -56,6 +58,7 @@ def session(cfg: ExperimentConfig, explicit: Iterable[str] | None = None, platfo
 def _check_claim(run_dir: Path, resume: bool, overwrite: bool) -> None:
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"--run-dir {run_dir} is a file")
+    check_outside_runs(run_dir, "--run-dir")
     check_set_aside(run_dir)
     if resume:
         check_links(run_dir)
@@ -74,7 +77,9 @@ def _source_experiment(source: str | Path) -> ExperimentConfig:
 
 
 def set_aside_path(run_dir: Path) -> Path:
-    """Where a replacement keeps the old run meanwhile (`replacing`, `derive`)."""
+    """Where a replacement keeps the old run meanwhile (`replacing`, `derive`): beside it, however
+    `run_dir` is spelled (R/checkpoints/.., ..)."""
+    run_dir = run_dir.resolve()
     return run_dir.with_name(f".{run_dir.name}.run-old")
 
 
@@ -120,6 +125,12 @@ def replacing(run_dir: Path, overwrite: bool) -> Iterator[None]:
         for entry in run_dir.iterdir():
             if entry.name != LOCK_FILE:
                 os.rename(entry, old / entry.name)
+    except BaseException:  # a rename refused: what moved goes back, the old run whole
+        for entry in old.iterdir():
+            os.rename(entry, run_dir / entry.name)
+        old.rmdir()
+        raise
+    try:
         yield
     except BaseException:
         if not has_checkpoint(run_dir):
