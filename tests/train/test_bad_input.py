@@ -339,7 +339,7 @@ def test_an_experiment_config_validates_itself(changes, message):
     ("train.run", ["--set", "num_heads=0"], "num_heads must be >= 1, got 0"),
     ("train.run", ["--steps", "1e3"], "--steps: steps must be an integer, got '1e3'"),
     ("train.translate", ["--run-dir", "x", "--alpha", "nan"], "--alpha must be finite, got nan"),
-    ("train.translate", ["--run-dir", "x", "--alpha", "-1"], "--alpha must be >= 0, got -1"),
+    ("train.translate", ["--run-dir", "x", "--alpha", "-1"], "--alpha must be in [0, 10), got -1"),
     ("train.translate", ["--run-dir", "x", "--batch-size", "0"], "--batch-size must be >= 1, got 0"),
     ("train.score", ["--run-dir", "x", "--input", "y", "--batch-size", "-3"], "--batch-size: must be >= 1, got -3"),
     ("train.evaluate", ["--run-dir", "x", "--data", "d", "--samples", "-1"], "--samples must be >= 0, got -1"),

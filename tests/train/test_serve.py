@@ -303,7 +303,7 @@ def test_an_app_given_empty_info_needs_no_run():  # {} is the info to serve, not
     (b'{"texts": ["neun"], "beam": ' + b"1" * 5000 + b"}", 400, "an integer too long to read"),
     (b'{"texts": ["neun"], "beam": 2.5}', 400, "beam must be an integer, got 2.5"),
     (b'{"texts": ["neun"], "beam": true}', 400, "beam must be an integer, got True"),
-    (b'{"texts": ["neun"], "alpha": -0.5}', 400, "alpha must be >= 0, got -0.5"),
+    (b'{"texts": ["neun"], "alpha": -0.5}', 400, "alpha must be in [0, 10), got -0.5"),
     (b'{"texts": ["neun"], "scoring": "best"}', 400, "scoring must be one of gnmt, hf, got 'best'"),
     (b'{"texts": ["neun"], "attention": "yes"}', 400, "attention must be true or false"),
     (b'{"texts": ["neun"], "path": "/tmp/x"}', 400, "unknown field 'path'"),
