@@ -17,7 +17,6 @@ import dataclasses
 import json
 import os
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any, Literal
 
 from torch_reference.config import NON_NEGATIVE, POSITIVE, PROBABILITY, SPECIAL_TOKENS, Range, TransformerConfig
