@@ -349,8 +349,8 @@ def test_an_experiment_config_validates_itself(changes, message):
     ("train.profile_step", ["--repeats", "-2"], "--repeats: must be >= 1, got -2"),
     ("parity.check", ["--set", "num_heads=0"], "num_heads must be >= 1, got 0"),
     ("parity.check", ["--src-len", "0"], "--src-len: must be >= 1, got 0"),
-    ("parity.trajectory", ["--lr-factor", "inf"], "--lr-factor: must be finite, got inf"),
-    ("parity.trajectory", ["--label-smoothing", "-0.1"], "--label-smoothing: must be in [0, 1), got -0.1"),
+    ("parity.trajectory", ["--lr-factor", "inf"], "--lr-factor: lr_factor must be finite, got inf"),
+    ("parity.trajectory", ["--label-smoothing", "-0.1"], "--label-smoothing: label_smoothing must be in [0, 1), got -0.1"),
     ("parity.translate_bench", ["--run-dir", "x", "--alpha", "inf"], "--alpha must be finite, got inf"),
 ])
 def test_every_numeric_flag_is_range_checked(module, argv, message, capsys):

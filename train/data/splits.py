@@ -15,7 +15,7 @@ from ..runtime.files import UserError, quoted, say
 from .corpora import Pair, load_parallel, stream_parallel
 from .numbers import Splits, numbers_corpus, numbers_range
 from .store import TokenStore, cache_dir, corpus_store
-from .vocab import Tokenizers, encode_pairs, load_tokenizers, save_tokenizers, train_tokenizers
+from .vocab import Tokenizers, encode_pairs, load_tokenizers, sample, save_tokenizers, train_tokenizers
 
 MAX_SPEC = 4096  # characters of a data spec: PATH_MAX, with room for SRC:TGT: and #src=..,tgt=..
 
@@ -100,8 +100,15 @@ def corpus_tokenizers(cfg: ExperimentConfig) -> Tokenizers:
         return load_tokenizers(path, cfg.joint_vocab)
     except (FileNotFoundError, ValueError):  # none yet, or damaged: train them (again)
         pass
-    tokenizers = train_tokenizers(_lowered(cfg, stream), vocab_size=cfg.vocab_size, joint=cfg.joint_vocab,
-                                  lowercase=cfg.lowercase, sample_size=cfg.tokenizer_sample)
+    try:
+        pairs = sample(_lowered(cfg, stream), cfg.tokenizer_sample)
+    except (FileNotFoundError, ValueError) as err:
+        raise UserError(f"cannot load {cfg.train!r}: {err}") from None
+    if not pairs:
+        raise UserError(f"{cfg.train!r} holds no sentence pairs" + (
+            f" ({stream.skipped} skipped: a side is empty)" if stream.skipped else ""))
+    tokenizers = train_tokenizers(pairs, vocab_size=cfg.vocab_size, joint=cfg.joint_vocab, lowercase=cfg.lowercase,
+                                  sample_size=cfg.tokenizer_sample)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=root))
     save_tokenizers(tokenizers, tmp)
     try:
@@ -113,6 +120,8 @@ def corpus_tokenizers(cfg: ExperimentConfig) -> Tokenizers:
 
 
 def _training_stream(cfg: ExperimentConfig):
+    if len(cfg.train) > MAX_SPEC:  # no path is that long; quoted whole, it would flood the message
+        raise UserError(f"data spec {quoted(cfg.train)} is {len(cfg.train):,} characters long: no file has such a name")
     root = cache_dir(cfg.hf_cache)
     root.mkdir(parents=True, exist_ok=True)
     digest, stream = stream_parallel(cfg.train, cache_dir=cfg.hf_cache, memo=root / "file-digests.json")
