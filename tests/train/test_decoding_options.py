@@ -152,13 +152,16 @@ def test_a_prefix_with_pieces_the_vocabulary_lacks_is_refused():
         encode_prefixes(Pieces(), ["one", "one \u2603"], 2)
 
 
-def test_a_prefix_holding_a_special_token_is_refused(tiny_torch_run):
+def test_a_prefix_holding_a_written_special_token_is_text(tiny_torch_run):
     """'<bos> seven' forced <bos> (the twins then scored it 1e9 apart), '<pad> x' left its first position
-    free, and '<eos>' was dropped: the tokenizer reads the written-out tokens as the special ones."""
+    free, and '<eos>' was dropped: typed special tokens are now text, encoded as their characters."""
+    from train.translation import encode_prefixes
+
     with train.load(tiny_torch_run) as run:
-        for prefix in ("<bos> seven", "<pad> seven", "seven <eos> three"):
-            with pytest.raises(UserError, match=r"prefix of sentence 2 .* holds <pad>, <bos> or <eos>"):
-                run.translate(TEXTS[:2], prefix=[None, prefix])
+        prefixes = ["<bos> seven", "<pad> seven", "seven <eos> three"]
+        for row, text in zip(encode_prefixes(run.tokenizers.tgt, prefixes, 3), prefixes):
+            assert not {data.PAD_ID, data.BOS_ID, data.EOS_ID, data.UNK_ID} & set(row)
+            assert data.decode(run.tokenizers.tgt, row) == text
 
 
 def test_python_api_refuses_bad_combinations(tiny_torch_run):

@@ -101,7 +101,7 @@ def test_curves_never_draws_over_the_results_it_reads(run_copy, capsys):
     for out in (runtime.RESULTS_FILE, "link.json"):
         code = curves.main(["--run-dir", str(run_copy), "--out", str(run_copy / out)])
         assert code == 1
-        assert f"--out {run_copy / out} is a file of --run-dir {run_copy}" in capsys.readouterr().err
+        assert f"lies inside the run {run_copy}: a command never writes into a run" in capsys.readouterr().err
     assert (run_copy / runtime.RESULTS_FILE).read_bytes() == results
 
 
