@@ -128,7 +128,7 @@ def _run_workers(command: list[str], devices: int, torch: bool) -> subprocess.Co
     """One worker; on several devices JAX's with as many host devices (on a CPU), torch's as one process a
     device in torchrun's environment (process 0 prints the figures)."""
     env = dict(os.environ)
-    if not torch:
+    if not torch or devices == 1:
         if devices > 1 and "xla_force_host_platform_device_count" not in env.get("XLA_FLAGS", ""):
             env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
         return subprocess.run(command, capture_output=True, text=True, env=env)

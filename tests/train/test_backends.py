@@ -68,8 +68,10 @@ def _pair(fast_config, corpus, **changes):
         # Both accumulation paths (two micro-batches per update) and clipping that triggers
         # (gradient norms here are ~1-3): the same formulas on both sides.
         {"grad_accum": 2, "clip_norm": 0.5},
-        # Packed rows (segment ids): the same masks and positions on both sides.
-        {"pack": True},
+        # Packed rows (segment ids): the same masks and positions on both sides. lr_factor 0.2: at 0.3, on a
+        # CPU without AVX-512 (torch's AVX2 kernels), the grad norms parted at update 5 (2.9e-4 after 1.5e-5
+        # at update 4, the losses still within 1e-5): the chaos described below, reached sooner.
+        {"pack": True, "lr_factor": 0.2},
         # The fused attention kernels and remat in both frameworks: the same training to the same bounds.
         pytest.param({"kernels": "fused", "remat": True, "dropout": 0.0}, marks=pytest.mark.slow),
     ],
@@ -106,7 +108,7 @@ def test_jax_and_torch_train_alike(fast_config, corpus, changes):
         # 1e-4 for the gradient norm: a sum of squares over every parameter, more rounding.
         np.testing.assert_allclose([m[name] for m in history["jax"]], [m[name] for m in history["torch"]], rtol=1e-4)
     # Both number updates from 1: update n runs at the paper's lr(step=n).
-    expected_lr = [noam_learning_rate(n, 24, 4, 0.3) for n in range(1, steps + 1)]
+    expected_lr = [noam_learning_rate(n, 24, 4, changes["lr_factor"]) for n in range(1, steps + 1)]
     np.testing.assert_allclose([m["lr"] for m in history["torch"]], expected_lr, rtol=1e-12)  # Python floats
     np.testing.assert_allclose([m["lr"] for m in history["jax"]], expected_lr, rtol=1e-6)  # float32
     assert torch_backend.step == jax_backend.step == steps
