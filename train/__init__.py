@@ -1,6 +1,8 @@
 """Train, translate and evaluate the Transformer with either twin: `train.fit` trains a run,
-`train.load` opens one to translate and evaluate with (docs/python.md)."""
+`train.load` opens one to translate and evaluate with (docs/python.md); `train.options` holds the
+options objects they take (Search, Sampling, RunSelection, Evaluation)."""
 
+from . import options
 from .api import Run, fit, load
 
-__all__ = ["Run", "fit", "load"]
+__all__ = ["Run", "fit", "load", "options"]

@@ -183,8 +183,15 @@ def load(run_dir: str | os.PathLike | Sequence[str | os.PathLike] | RunSelection
     log-probabilities averaged (docs/decoding.md#ensembles; `average="prob"`: the log of their mean
     probability); a list of one: that run. `run_dir` may be a `RunSelection` holding all of these
     but `backend`. Raises UserError."""
-    selection = run_dir if isinstance(run_dir, RunSelection) else RunSelection(
-        run_dir, checkpoint, average, devices, **launch)
+    if isinstance(run_dir, RunSelection):
+        selection = run_dir
+    else:
+        launch_fields = {"coordinator_address", "num_processes", "process_id"}  # RunSelection's
+        for name in launch:  # a TypeError from RunSelection would name it, not load, and be no UserError
+            if name not in launch_fields:
+                raise UserError(f"load() got an unexpected keyword argument {name!r} (launch options: "
+                                f"{', '.join(sorted(launch_fields))})")
+        selection = RunSelection(run_dir, checkpoint, average, devices, **launch)
     if backend not in (None, *BACKENDS):  # not a framework to convert the run to
         raise OptionError("{} " + f"must be one of {', '.join(BACKENDS)} (None: the run's own), got {backend!r}",
                           "backend")

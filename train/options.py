@@ -239,7 +239,9 @@ class RunSelection:
         if isinstance(dirs, (str, os.PathLike)) or not isinstance(dirs, Iterable):
             dirs = [dirs]
         dirs = list(dirs)  # a generator too
-        if not dirs or not all(isinstance(d, (str, os.PathLike)) for d in dirs):
+        if not dirs:
+            raise OptionError("{}: an ensemble needs at least one run directory, got []", "run_dir")
+        if not all(isinstance(d, (str, os.PathLike)) for d in dirs):
             raise OptionError("{}: give a run directory or a list of them, " + f"got {dirs!r}", "run_dir")
         object.__setattr__(self, "run_dir", [Path(d) for d in dirs])
         check_fields(self)

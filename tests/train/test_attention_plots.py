@@ -16,6 +16,7 @@ import train
 from train import attention, data, loop, translate, translation
 from train.backends import create_backend
 from train.config import ExperimentConfig
+from train.options import Search
 
 from .cli import run_cli
 
@@ -68,7 +69,7 @@ def test_plot_attention_writes_one_heatmap_and_one_grid_per_sentence(trained, tm
 
 def test_sentence_attention_labels_and_weights(trained):
     run = train.load(trained, "latest")
-    limits = dict(max_len=run.config.max_len, token_budget=run.config.token_budget, beam_size=1)
+    limits = dict(max_len=run.config.max_len, token_budget=run.config.token_budget, search=Search(beam=1))
     recorder = attention.AttentionRecorder(run.backend, run.tokenizers, LINES)
     hyps = translation.translate_texts(run.backend, run.tokenizers, LINES, on_batch=recorder, **limits)
     found = recorder.found

@@ -62,8 +62,7 @@ def test_convert_never_overwrites_unasked_or_leaves_temporary_files(tmp_path, ca
 
 
 def test_output_destinations_are_checked_before_the_work(torch_run, tmp_path, capsys, monkeypatch):
-    for command in (translate, evaluate):
-        monkeypatch.setattr(command, "load", lambda *a, **k: pytest.fail("the work started"))
+    monkeypatch.setattr(train.api, "load", lambda *a, **k: pytest.fail("the work started"))  # what the jobs call
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"eins\n")))
     for output, message in [(tmp_path, "is a directory"), (tmp_path / "absent" / "out.txt", "does not exist")]:
         for main, extra in [(translate.main, []), (evaluate.main, ["--data", "numbers:valid"])]:
@@ -100,8 +99,7 @@ def test_an_output_that_is_the_input_is_refused_and_the_input_kept(torch_run, tm
     a symbolic or hard link, standard input redirected from it) an --output that is the input of
     translate, or a file of evaluate's --data, is refused in one line before the work."""
     monkeypatch.chdir(tmp_path)
-    for command in (translate, evaluate):
-        monkeypatch.setattr(command, "load", lambda *a, **k: pytest.fail("the work started"))
+    monkeypatch.setattr(train.api, "load", lambda *a, **k: pytest.fail("the work started"))  # what the jobs call
     same = tmp_path / "same.de"
     same.write_text("eins\nzwei\n")
     (tmp_path / "same.en").write_text("one\ntwo\n")
