@@ -3,6 +3,7 @@
 recipe loads, and the README stays a short entry page."""
 
 import importlib
+import os
 import re
 import shlex
 import subprocess
@@ -117,8 +118,9 @@ def test_python_page_runs(tmp_path):
     blocks = _python_blocks(REPO / "docs" / "python.md")
     assert len(blocks) >= 5
     (tmp_path / "recipes").symlink_to(REPO / "recipes")
+    # This checkout's train, not another that the interpreter's installation points at.
     result = subprocess.run([sys.executable, "-c", "\n".join(blocks)], cwd=tmp_path, capture_output=True,
-                            text=True, timeout=900)
+                            text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert "['forty-three', 'seven hundred and twelve']" in out  # the translation the page shows
