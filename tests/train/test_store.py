@@ -84,6 +84,46 @@ def test_multi30k_batches_are_mains(multi30k, tmp_path):
             (True, 25000, 1, 1): (23, "65fec1e6e55e50d9", "81edc4c3085ec2b1")}, max_len=128)
 
 
+def _first_fit_item_by_item(src_len, tgt_len, size: int, length: int) -> list[list[list[int]]]:
+    """main's packing at 7b321f9, pair by pair: each pair to the first row of the batch it fits, else it
+    waits; a batch closes when `size` pairs wait, and they come first in the next one."""
+    queue, batches = list(range(len(src_len))), []
+    while queue:
+        free, rows, waiting, reached = [[length, length] for _ in range(size)], [[] for _ in range(size)], [], 0
+        for k in queue:
+            reached += 1
+            row = next((r for r, (s, t) in enumerate(free) if s >= src_len[k] and t >= tgt_len[k]), None)
+            if row is None:
+                waiting.append(k)
+                if len(waiting) == size:
+                    break
+                continue
+            rows[row].append(k)
+            free[row] = [free[row][0] - src_len[k], free[row][1] - tgt_len[k]]
+        queue = waiting + queue[reached:]
+        batches.append([row for row in rows if row])
+    return batches
+
+
+@pytest.mark.parametrize("size,length,longest", [(1, 8, 8), (3, 16, 16), (32, 64, 40), (195, 128, 100)])
+def test_packed_plan_is_first_fit_pair_by_pair(size, length, longest):
+    """Batcher packs row by row over bit sets (train.data.batches._first_fit): the same batches as
+    placing one pair at a time, on lengths like Multi30k's and WMT's (sources and targets alike) and
+    skewed ones (long sources, short targets) that make pairs wait."""
+    rng = np.random.default_rng(size)
+    n = 40 * size + 7
+    src = rng.integers(1, longest + 1, n)
+    tgt = np.clip(src + rng.integers(-3, 4, n), 1, longest)
+    tgt[::5] = rng.integers(1, 4, len(tgt[::5]))
+    store = data.TokenStore({"src_len": src.astype(np.int32), "tgt_len": tgt.astype(np.int32)})
+    batcher = data.Batcher(store, token_budget=size * length, max_len=length, pack=True, pack_length=length)
+    order = rng.permutation(n)
+    expected = _first_fit_item_by_item(src[order].tolist(), tgt[order].tolist(), size, length)
+    got = batcher._packed(order)
+    assert [ids.tolist() for ids in got] == [[[*order[row], *[-1] * (max(map(len, rows)) - len(row))] for row in rows]
+                                             for rows in expected]
+
+
 @pytest.mark.parametrize("pack", [False, True])
 def test_process_shares_are_the_batch_rows(numbers, pack):
     pairs, tokenizers = numbers
