@@ -9,9 +9,12 @@
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import multiprocessing
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -166,6 +169,18 @@ def test_damaged_store_is_refused(numbers, tmp_path):
         _store(tmp_path, tokenizers, pairs[:100])
     (path / "store.json").write_text(manifest)
     assert len(_store(tmp_path, tokenizers, pairs[:100])) == 100
+    with open(path / "src.npy", "r+b") as f:  # one bit of a token flipped, the size unchanged
+        f.seek(-3, 2)
+        flipped = f.read(1)[0] ^ 1
+        f.seek(-3, 2)
+        f.write(bytes([flipped]))
+    with pytest.raises(UserError, match=r"^corpus store .* does not match its manifest") as refused:
+        _store(tmp_path, tokenizers, pairs[:100])
+    assert "\n" not in str(refused.value)
+    with open(path / "src.npy", "r+b") as f:
+        f.seek(-3, 2)
+        f.write(bytes([flipped ^ 1]))
+    assert len(_store(tmp_path, tokenizers, pairs[:100])) == 100  # the byte put back
     with open(path / "tgt.npy", "r+b") as f:  # truncated: the last tokens lost
         f.truncate(f.seek(0, 2) - 8)
     with pytest.raises(UserError, match=r"^corpus store .* does not match its manifest .*delete it"):
@@ -187,6 +202,66 @@ def test_interrupted_build_leaves_no_store(numbers, tmp_path):
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [next((tmp_path / "cache").iterdir()).name]
     assert next((tmp_path / "cache").iterdir()).name.endswith(".lock")  # no store, no temporary directory
     assert len(_store(tmp_path, tokenizers, pairs[:10])) == 10  # the next run builds it
+
+
+def test_a_store_is_digested_once_a_process(numbers, tmp_path, monkeypatch):
+    pairs, tokenizers = numbers
+    stored = _store(tmp_path, tokenizers, pairs[:100])
+    assert stored.src.dtype == np.uint16 and stored.tgt.dtype == np.uint16  # a vocabulary of 400 ids
+    _store(tmp_path, tokenizers, pairs[:100])  # its files written just now: digested again (they may change unseen)
+    monkeypatch.setattr(store_mod, "RACY_S", -1)  # as if written long ago
+    _store(tmp_path, tokenizers, pairs[:100])
+    monkeypatch.setattr(store_mod, "_file_digest", lambda path: pytest.fail("digested twice"))
+    assert len(_store(tmp_path, tokenizers, pairs[:100])) == 100
+
+
+def test_file_digests_are_not_remembered_past_a_rewrite(tmp_path, monkeypatch):
+    """The memo of file digests is keyed by the change time too: a rewrite that keeps the size and puts
+    the modification time back is read again; a file written within RACY_S seconds is not remembered."""
+    path, memo = tmp_path / "c.de", tmp_path / "digests.json"
+    path.write_text("eins\n")
+    assert data.corpora.file_digest([path], memo) == hashlib.sha256(hashlib.sha256(b"eins\n").hexdigest().encode()).hexdigest()
+    assert not memo.exists()  # written just now
+    monkeypatch.setattr(data.corpora, "RACY_S", -1)
+    first = data.corpora.file_digest([path], memo)
+    assert len(json.loads(memo.read_text())) == 1
+    written = path.stat()
+    time.sleep(0.05)  # past the kernel's clock tick for file times (at most 10 ms)
+    path.write_text("zwei\n")
+    os.utime(path, ns=(written.st_atime_ns, written.st_mtime_ns))
+    assert (path.stat().st_size, path.stat().st_mtime_ns) == (written.st_size, written.st_mtime_ns)
+    assert data.corpora.file_digest([path], memo) != first
+
+
+def _killed_build(cache, tokenizers_dir, pairs, digest, started):
+    def stalled():
+        yield from pairs
+        started.set()
+        time.sleep(120)  # killed meanwhile
+
+    store_mod.corpus_store(cache, digest, data.load_tokenizers(tokenizers_dir), stalled(), name="test")
+
+
+def test_a_build_removes_what_killed_builds_left(numbers, tmp_path):
+    """SIGKILL leaves a build's temporary directory; the next build removes those of its own key and
+    of keys no process is building, and leaves one whose build holds its lock."""
+    pairs, tokenizers = numbers
+    data.save_tokenizers(tokenizers, tmp_path / "tok")
+    cache = tmp_path / "cache"
+    fork = multiprocessing.get_context("fork")
+    for digest in ("another-corpus", "digest-of-test-data"):
+        started = fork.Event()
+        build = fork.Process(target=_killed_build, args=(cache, tmp_path / "tok", pairs[:10], digest, started))
+        build.start()
+        assert started.wait(30)
+        os.kill(build.pid, signal.SIGKILL)
+        build.join(30)
+        assert len(list(cache.glob(".*.tmp-*"))) == 1  # the second build removed the first's (another key)
+    (cache / f".{'f' * 32}.tmp-busy").mkdir()
+    with open(cache / f".{'f' * 32}.lock", "w") as busy:
+        fcntl.flock(busy, fcntl.LOCK_EX)  # that store's build is running
+        assert len(_store(tmp_path, tokenizers, pairs[:10])) == 10
+    assert [p.name for p in cache.glob(".*.tmp-*")] == [f".{'f' * 32}.tmp-busy"]
 
 
 def _slow_build(cache, tokenizers_dir, pairs, started):
