@@ -159,6 +159,16 @@ def test_store_holds_the_encoded_pairs(numbers, tmp_path):
     assert np.array_equal(again.src, stored.src) and len(list((tmp_path / "cache").iterdir())) == 2  # store + lock
 
 
+def test_a_store_encodes_typed_special_tokens_as_text(numbers, tmp_path):
+    pairs, tokenizers = numbers
+    data.save_tokenizers(tokenizers, tmp_path / "tok")
+    typed = [("eins <eos> zwei", "<pad> one <unk>")]
+    stored = _store(tmp_path, data.load_tokenizers(tmp_path / "tok"), typed)  # a tokenizer data.encode never saw
+    [(src, tgt)] = data.encode_pairs(tokenizers, typed)
+    assert 2 not in src[:-1] and 0 not in tgt  # <eos> only at the end, no <pad>: the typed ones are text
+    assert [stored.gather(side, np.array([0]))[0].tolist() for side in ("src", "tgt")] == [src, tgt]
+
+
 def test_damaged_store_is_refused(numbers, tmp_path):
     pairs, tokenizers = numbers
     _store(tmp_path, tokenizers, pairs[:100])

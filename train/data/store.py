@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 from ..runtime.files import UserError
 from .corpora import RACY_S
-from .vocab import Tokenizers
+from .vocab import Tokenizers, batch_encoder
 
 FORMAT = "aiayn-token-store/2"
 MANIFEST = "store.json"
@@ -151,7 +151,7 @@ def build_store(path: Path, pairs: Iterable[tuple[str, str]], tokenizers: Tokeni
             pairs = iter(pairs)
             while chunk := list(itertools.islice(pairs, CHUNK)):
                 for side, tok, texts in zip(SIDES, (tokenizers.src, tokenizers.tgt), zip(*chunk)):
-                    encodings = tok.encode_batch(list(texts))  # held by the tokenizer's library, not as lists
+                    encodings = batch_encoder(tok)(list(texts))  # held by the tokenizer's library, not as lists
                     lengths = np.fromiter(map(len, encodings), np.int32, len(encodings))
                     flat = np.fromiter(itertools.chain.from_iterable(e.ids for e in encodings), np.int32,
                                        int(lengths.sum()))
