@@ -1,6 +1,7 @@
 """A corpus tokenized once: `TokenStore`, every pair's source and target ids as flat arrays (uint16
-when the vocabularies fit, else int32) with their lengths and offsets, in memory (`TokenStore.from_pairs`) or memory-mapped from a directory of
-NumPy `.npy` files (`open_store`, written by `build_store`, found by `corpus_store`).
+when the vocabularies fit, else int32) with their lengths and offsets, in memory (`TokenStore.from_pairs`)
+or memory-mapped from a directory of NumPy `.npy` files (`open_store`, written by `build_store`, found
+by `corpus_store`).
 
 On disk a store is `<cache>/<key>/` (docs/operations.md#the-corpus-store): the key digests the
 data's content and the tokenizers, so a changed corpus or tokenizer gets a store of its own. It is
@@ -23,7 +24,7 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -32,12 +33,13 @@ from tqdm.auto import tqdm
 
 from ..runtime.files import UserError
 from .corpora import RACY_S
-from .vocab import Tokenizers, batch_encoder
+from .vocab import Tokenizers, encode
 
 FORMAT = "aiayn-token-store/2"
 MANIFEST = "store.json"
 SIDES = ("src", "tgt")
 CHUNK = 20_000  # pairs per encode_batch call: the tokenizer's threads busy, a bounded buffer
+HEADER = 128  # bytes of a 1-D .npy header (format 1.0), whatever the array's length
 _VERIFIED: set[tuple] = set()  # the stores this process has digested, with their files' stat: read once
 
 
@@ -136,27 +138,24 @@ def build_store(path: Path, pairs: Iterable[tuple[str, str]], tokenizers: Tokeni
     """Tokenize `pairs` chunk by chunk (`encode_batch` runs on every core) into a new store at `path`,
     written in a temporary directory beside it and renamed into place when complete."""
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    vocab = max(tokenizers.src.get_vocab_size(), tokenizers.tgt.get_vocab_size())
-    kinds = dict.fromkeys(SIDES, np.dtype(np.uint16 if vocab <= 1 << 16 else np.int32))  # uint16: half the bytes
-    kinds.update(src_len=np.dtype(np.int32), tgt_len=np.dtype(np.int32))
+    ids = np.uint16 if max(tok.get_vocab_size() for tok in (tokenizers.src, tokenizers.tgt)) <= 1 << 16 else np.int32
+    kinds = {"src": ids, "tgt": ids, "src_len": np.int32, "tgt_len": np.int32}  # uint16 ids: half the bytes
     try:
-        files = {name_: open(tmp / f"{name_}.npy", "wb") for name_ in kinds}
         with contextlib.ExitStack() as stack:
-            for name_, f in files.items():
-                stack.enter_context(f)
-                f.write(_npy_header(0, kinds[name_]))
+            files = {name_: stack.enter_context(open(tmp / f"{name_}.npy", "wb")) for name_ in kinds}
+            for f in files.values():
+                f.seek(HEADER)  # the header is written last, when the length is known
             counts = dict.fromkeys(files, 0)
             bar = stack.enter_context(tqdm(total=total, unit=" pairs", desc=f"tokenizing {name}", dynamic_ncols=True,
                                            disable=None if progress else True))  # None: on a terminal only
             pairs = iter(pairs)
             while chunk := list(itertools.islice(pairs, CHUNK)):
                 for side, tok, texts in zip(SIDES, (tokenizers.src, tokenizers.tgt), zip(*chunk)):
-                    encodings = batch_encoder(tok)(list(texts))  # held by the tokenizer's library, not as lists
-                    lengths = np.fromiter(map(len, encodings), np.int32, len(encodings))
-                    flat = np.fromiter(itertools.chain.from_iterable(e.ids for e in encodings), np.int32,
-                                       int(lengths.sum()))
+                    rows = encode(tok, texts)  # as every other text is encoded
+                    lengths = np.fromiter(map(len, rows), np.int32, len(rows))
+                    flat = np.fromiter(itertools.chain.from_iterable(rows), kinds[side], int(lengths.sum()))
                     for array, name_ in ((flat, side), (lengths, f"{side}_len")):
-                        files[name_].write(array.astype(kinds[name_], copy=False).tobytes())
+                        files[name_].write(array.tobytes())
                         counts[name_] += len(array)
                 bar.update(len(chunk))
             for name_, f in files.items():  # the headers now say how long the arrays are
@@ -208,10 +207,11 @@ def _file_digest(path: Path) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, xxhash.xxh3_128).hexdigest()
 
-def _npy_header(length: int, dtype: np.dtype) -> bytes:
-    """A 1-D .npy header; 128 bytes for any length, so the final one overwrites the first."""
+def _npy_header(length: int, dtype) -> bytes:
+    """A 1-D .npy header of HEADER bytes."""
     buf = io.BytesIO()
-    np.lib.format.write_array_header_1_0(buf, {"descr": dtype.str, "fortran_order": False, "shape": (length,)})
-    assert len(buf.getvalue()) == 128
+    header = {"descr": np.dtype(dtype).str, "fortran_order": False, "shape": (length,)}
+    np.lib.format.write_array_header_1_0(buf, header)
+    assert len(buf.getvalue()) == HEADER
     return buf.getvalue()
 

@@ -106,15 +106,9 @@ def encode(tokenizer: Tokenizer, texts: Sequence[str]) -> list[list[int]]:
     for number, text in enumerate(texts, start=1):
         if not isinstance(text, str):  # the tokenizer's own TypeError names none of it
             raise UserError(f"text {number} is {quoted(text)} ({type(text).__name__}), not a string")
-    return [e.ids for e in batch_encoder(tokenizer)(texts)]
-
-
-def batch_encoder(tokenizer: Tokenizer):
-    """`tokenizer`'s encode_batch: typed "<pad>", "<eos>", "<bos>", "<unk>" encoded as text, never as
-    control ids; `encode_batch_fast` where the library has it (the same ids, no character offsets)."""
-    if isinstance(tokenizer, Tokenizer):
+    if isinstance(tokenizer, Tokenizer):  # typed "<pad>", "<eos>", "<bos>", "<unk>" is text, never a control id
         tokenizer.encode_special_tokens = True
-    return getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
+    return [e.ids for e in getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)(texts)]  # fast: no offsets
 
 
 def decode(tokenizer: Tokenizer, ids: Sequence[int]) -> str:
