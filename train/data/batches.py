@@ -6,6 +6,7 @@ shuffled per epoch from a seed, and resumable from a JSON-able state.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 from collections.abc import Iterator, Sequence
 
@@ -188,9 +189,9 @@ class Batcher:
             # The batch closes at its size-th pair that fits no row; those after it were not reached.
             stop = int(unplaced[-1]) if len(unplaced) == size else len(queue)
             rows = [row if row[-1] < stop else [p for p in row if p < stop] for row in rows if row[0] < stop]
-            counts = np.array([len(row) for row in rows])
+            counts = np.fromiter(map(len, rows), np.int64, len(rows))
             ids = np.full((len(rows), counts.max()), -1, np.int64)
-            ids[np.arange(counts.max()) < counts[:, None]] = order[queue[np.concatenate(rows)]]
+            ids[np.arange(counts.max()) < counts[:, None]] = order[queue[np.fromiter(itertools.chain(*rows), np.int64)]]
             batches.append(ids)
             # The first waiting pair always fits the empty first row, so the batch ends among the new ones.
             window = (stop - len(waiting)) * 5 // 4 + size
@@ -272,7 +273,8 @@ def _first_fit(src_len: np.ndarray, tgt_len: np.ndarray, size: int, length: int)
     for lengths, fit in ((src_len, fit_s), (tgt_len, fit_t)):
         values = np.flatnonzero(np.bincount(lengths))  # the lengths present: a room fits what the longest below fits
         packed = np.packbits(lengths[None, :] <= values[:, None], axis=1, bitorder="little")
-        sets = [0] + [int.from_bytes(row.tobytes(), "little") for row in packed]
+        raw, width = packed.tobytes(), packed.shape[1]
+        sets = [0] + [int.from_bytes(raw[i : i + width], "little") for i in range(0, len(raw), width)]
         fit += [sets[i] for i in np.searchsorted(values, np.arange(length + 1), side="right").tolist()]
     s, t = src_len.tolist(), tgt_len.tolist()
     left, rows = (1 << len(s)) - 1, []
