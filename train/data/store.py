@@ -120,9 +120,7 @@ def corpus_store(root: Path, data_digest: str, tokenizers: Tokenizers, pairs: It
     return open_store(path, key)
 
 
-def _remove_stale(root: Path, key: str) -> None:
-    """Remove the temporary directories killed builds left in `root`: those of `key` (whose lock this
-    build holds) and of any other key whose lock no process holds."""
+def _remove_stale(root: Path, key: str) -> None:  # killed builds' temporary directories: of `key`, of unlocked keys
     for tmp in root.glob(".*.tmp-*"):
         owner = re.fullmatch(r"\.([0-9a-f]{32})\.tmp-.*", tmp.name)  # a store's (tokenizers' take no lock)
         if not owner:
