@@ -1,8 +1,8 @@
 """`python -m parity.convert`: weights, training runs and pretrained models between formats.
 
-Weights and training runs between the frameworks (`parity.weights`, `parity.runs`); with the
-`interop` extra an HF Marian directory becomes a run, an imported run goes back to one
-(`parity.marian`), and any run becomes a CTranslate2 model (`parity.ctranslate2`). Examples:
+Weights and training runs between the frameworks (`train.interop.weights`, `train.interop.runs`); with
+the `interop` extra an HF Marian directory becomes a run, an imported run goes back to one
+(`train.interop.marian`), and any run becomes a CTranslate2 model (`parity.ctranslate2`). Examples:
 docs/interop.md.
 """
 
@@ -13,12 +13,14 @@ import sys
 from pathlib import Path
 
 from train import runtime, store
+from train.interop import marian
+from train.interop.runs import (convert_run, load_jax_weights, load_torch_weights, run_weights, save_jax_weights,
+                                save_torch_weights)
+from train.interop.weights import FRAMEWORKS, jax_to_torch, torch_to_jax
 from train.store import CheckpointError
 
 from . import ctranslate2 as ct2_export
-from . import marian, proof
-from .runs import convert_run, load_jax_weights, load_torch_weights, run_weights, save_jax_weights, save_torch_weights
-from .weights import FRAMEWORKS, jax_to_torch, torch_to_jax
+from . import proof
 
 
 def build_parser() -> argparse.ArgumentParser:

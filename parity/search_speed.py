@@ -18,11 +18,12 @@ from train import data
 from train.api import Run, load
 from train.backends import allocator, create_backend, initialize
 from train.benchmark import _rss_mib
+from train.interop import marian
+from train.interop.weights import convert_state
 from train.options import RunSelection, Search
 
 from . import ctranslate2 as ct2
-from . import marian, proof
-from .weights import convert_state
+from . import proof
 
 REFERENCE = "torch cached"
 

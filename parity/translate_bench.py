@@ -14,7 +14,7 @@ speed-ups against torch cached and uncached, and how many outputs differ from to
 --ctranslate2 adds the run exported to CTranslate2 in float32 and int8 (`parity.ctranslate2`,
 outputs compared by `ctranslate2.same_output`, int8's BLEU against float32's:
 docs/interop.md#speed); --hf adds HF's `generate` on a run imported from Marian
-(`parity.marian.to_marian`), each batch limited to our length limit for its padded length.
+(`train.interop.marian.to_marian`), each batch limited to our length limit for its padded length.
 """
 
 from __future__ import annotations
