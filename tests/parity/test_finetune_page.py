@@ -30,6 +30,7 @@ def write_tsv(path: Path, first: int, n: int) -> None:
     path.write_text("source\ttarget\n" + "".join(f"{de}\t{en}\n" for de, en in pairs))
 
 
+@pytest.mark.slow  # ~70 s; CI fine-tunes a Marian directory through train.fit (tests/parity/test_init_from.py)
 def test_the_fine_tuning_page_runs_as_written(tmp_path, monkeypatch):
     commands = [shlex.split(line) for block in blocks("bash") for line in block.splitlines() if line.strip()]
     assert [c[2] for c in commands] == ["parity.convert", "train.evaluate", "train.run", "train.evaluate",
