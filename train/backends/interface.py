@@ -125,6 +125,12 @@ class Translator(Protocol):
         weighs the source for the prediction after tgt_in[:, t]; each row sums to 1 and padded
         source positions get 0."""
 
+    def ensemble(self, others: Sequence[Any], average: str = "logprob") -> None:
+        """Translate, sample and score from now on with the twin's `Ensemble` of this backend's model
+        and `others`' (backends of the same framework, checkpoints restored; kept alive by it): their
+        log-probabilities averaged by `average`. Training, checkpoints and attention weights are then
+        no longer this backend's business. ValueError for members of other vocabulary sizes or ids."""
+
 
 @runtime_checkable
 class Store(Protocol):
@@ -158,16 +164,6 @@ class Store(Protocol):
 
     def close(self) -> None:
         """Finish pending checkpoint writes."""
-
-
-class Ensembles(Protocol):
-    """A translating backend turned into several models decoding as one."""
-
-    def ensemble(self, others: Sequence[Any], average: str = "logprob") -> None:
-        """Translate, sample and score from now on with the twin's `Ensemble` of this backend's model
-        and `others`' (backends of the same framework, checkpoints restored; kept alive by it): their
-        log-probabilities averaged by `average`. Training, checkpoints and attention weights are then
-        no longer this backend's business. ValueError for members of other vocabulary sizes or ids."""
 
 
 class StoreMethods:
