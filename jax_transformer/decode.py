@@ -20,29 +20,18 @@ Beyond the best output (docs/decoding.md), as torch's: `beam_search(..., n_best=
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from torch_reference.config import ALPHA, POSITIVE, SCORINGS, TransformerConfig
+from torch_reference.config import TransformerConfig, check_beam, length_penalty, output_length
 
 from . import xla_cpu as tuned
 from .model import Transformer, padding_mask, shift_right
 
 # A finite "minus infinity": sums of it stay finite, so no inf - inf = NaN in the scores.
 NEG_INF = -1.0e9
-
-
-def length_penalty(length, alpha: float, scoring: str = "gnmt"):
-    """The divisor of a finished hypothesis's log-probability (`config.SCORINGS` says which)."""
-    return ((5.0 + length) / 6.0) ** alpha if scoring == "gnmt" else length ** alpha
-
-
-def output_length(src_len: int, max_len: int, max_len_a: float, max_len_b: int) -> int:
-    """The padded output length for a padded source length: a static shape."""
-    return max(1, min(max_len, math.floor(max_len_a * src_len + max_len_b)))
 
 
 def sentence_limits(src_ids, pad_id: int, length: int, max_len_a: float, max_len_b: int):
@@ -59,12 +48,6 @@ def _never_emitted(cfg, vocab):
 def _no_sentence(src_ids, pad_id: int):
     """(B,) True for source rows of padding only: done before the first step."""
     return (src_ids == pad_id).all(axis=1)
-
-
-def _check_scoring(scoring: str, alpha: float) -> None:
-    if scoring not in SCORINGS:
-        raise ValueError(f"scoring must be one of {', '.join(SCORINGS)}, got {scoring!r}")
-    ALPHA.check("alpha", alpha)  # the early stop's bound needs a penalty that grows with length
 
 
 def _check_ids(name: str, ids, vocab_size: int) -> None:
@@ -86,12 +69,6 @@ def _check_source(model: Transformer, src_ids) -> None:
         )
 
 
-def _check_n_best(n_best: int | None, beam_size: int) -> None:
-    POSITIVE.check("beam_size", beam_size)
-    if n_best is not None and (POSITIVE.error(n_best) or n_best > beam_size):
-        raise ValueError(f"n_best must be between 1 and the beam size {beam_size}, got {n_best}")
-
-
 def check_prefix(src_ids, prefix, cfg: TransformerConfig, max_len_a: float, max_len_b: int) -> None:
     """ValueError unless prefix (B, P) holds target-vocabulary ids other than <bos> (then pad_id), a
     row for each source, each leaving its sentence room for <eos>: fewer tokens than its length limit
@@ -107,7 +84,7 @@ def check_prefix(src_ids, prefix, cfg: TransformerConfig, max_len_a: float, max_
         raise ValueError(f"prefix holds <bos> (id {cfg.bos_id}), which no output holds")
     src_len = (src_ids != cfg.pad_id).sum(1).tolist()
     for row, (n, used) in enumerate(zip(src_len, (prefix != cfg.pad_id).sum(1).tolist())):
-        limit = max(1, min(cfg.max_len, math.floor(max_len_a * n + max_len_b)))
+        limit = output_length(n, cfg.max_len, max_len_a, max_len_b)
         if used and (used >= limit or n == 0):
             raise ValueError(f"the prefix of sentence {row} has {used} tokens: its length limit of {limit} tokens "
                              "leaves no room after it")
@@ -280,8 +257,7 @@ def beam_search(model: Transformer, src_ids, beam_size: int = 4, alpha: float = 
     tokens, as in `greedy_search`.
     """
     _check_source(model, src_ids)
-    _check_scoring(scoring, 0.0 if isinstance(alpha, jax.core.Tracer) else alpha)  # traced (data): its caller's check
-    _check_n_best(n_best, beam_size)
+    check_beam(beam_size, 0.0 if isinstance(alpha, jax.core.Tracer) else alpha, scoring, n_best)  # traced: the caller's
     if prefix is not None:
         check_prefix(src_ids, prefix, model.cfg, max_len_a, max_len_b)
     return _beam_search(model, jnp.asarray(src_ids, jnp.int32), beam_size, alpha, max_len_a, max_len_b, cached, scoring,

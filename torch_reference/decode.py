@@ -25,21 +25,11 @@ import math
 import torch
 from torch import Tensor
 
-from .config import ALPHA, POSITIVE, SCORINGS, TransformerConfig
+from .config import TransformerConfig, check_beam, length_penalty, output_length
 from .model import Transformer, padding_mask, shift_right
 
 # A finite "minus infinity": sums of it stay finite, so no inf - inf = NaN in the scores.
 NEG_INF = -1.0e9
-
-
-def length_penalty(length, alpha: float, scoring: str = "gnmt"):
-    """The divisor of a finished hypothesis's log-probability (`config.SCORINGS` says which)."""
-    return ((5.0 + length) / 6.0) ** alpha if scoring == "gnmt" else length ** alpha
-
-
-def output_length(src_len: int, max_len: int, max_len_a: float, max_len_b: int) -> int:
-    """The padded output length for a padded source length (a static shape on the JAX side)."""
-    return max(1, min(max_len, math.floor(max_len_a * src_len + max_len_b)))
 
 
 def sentence_limits(src_ids: Tensor, pad_id: int, length: int, max_len_a: float, max_len_b: int) -> Tensor:
@@ -56,12 +46,6 @@ def _never_emitted(cfg, vocab):
 def _no_sentence(src_ids: Tensor, pad_id: int) -> Tensor:
     """(B,) True for source rows of padding only: done before the first step."""
     return (src_ids == pad_id).all(dim=1)
-
-
-def _check_scoring(scoring: str, alpha: float) -> None:
-    if scoring not in SCORINGS:
-        raise ValueError(f"scoring must be one of {', '.join(SCORINGS)}, got {scoring!r}")
-    ALPHA.check("alpha", alpha)  # the early stop's bound needs a penalty that grows with length
 
 
 def _check_ids(name: str, ids: Tensor, vocab_size: int) -> None:
@@ -82,12 +66,6 @@ def _check_source(model: Transformer, src_ids: Tensor) -> None:
         )
 
 
-def _check_n_best(n_best: int | None, beam_size: int) -> None:
-    POSITIVE.check("beam_size", beam_size)
-    if n_best is not None and (POSITIVE.error(n_best) or n_best > beam_size):
-        raise ValueError(f"n_best must be between 1 and the beam size {beam_size}, got {n_best}")
-
-
 def check_prefix(src_ids, prefix, cfg: TransformerConfig, max_len_a: float, max_len_b: int) -> None:
     """ValueError unless prefix (B, P) holds target-vocabulary ids other than <bos> (then pad_id), a
     row for each source, each leaving its sentence room for <eos>: fewer tokens than its length limit
@@ -100,7 +78,7 @@ def check_prefix(src_ids, prefix, cfg: TransformerConfig, max_len_a: float, max_
         raise ValueError(f"prefix holds <bos> (id {cfg.bos_id}), which no output holds")
     src_len = (src_ids != cfg.pad_id).sum(1).tolist()
     for row, (n, used) in enumerate(zip(src_len, (prefix != cfg.pad_id).sum(1).tolist())):
-        limit = max(1, min(cfg.max_len, math.floor(max_len_a * n + max_len_b)))
+        limit = output_length(n, cfg.max_len, max_len_a, max_len_b)
         if used and (used >= limit or n == 0):
             raise ValueError(f"the prefix of sentence {row} has {used} tokens: its length limit of {limit} tokens "
                              "leaves no room after it")
@@ -235,8 +213,7 @@ def beam_search(
     one of SCORINGS. `prefix` (B, P): forced first tokens, as in `greedy_search`.
     """
     _check_source(model, src_ids)
-    _check_scoring(scoring, alpha)
-    _check_n_best(n_best, beam_size)
+    check_beam(beam_size, alpha, scoring, n_best)
     n = n_best or 1
     cfg = model.cfg
     B, S = src_ids.shape

@@ -27,24 +27,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from .config import AVERAGES, check_ensemble  # noqa: F401 (AVERAGES: `average`'s choices, by name)
 from .model import Transformer, padding_mask
-
-AVERAGES = ("logprob", "prob")
-# What the members must share: the searches read them from one `cfg` (and decode one vocabulary).
-SHARED_FIELDS = ("src_vocab_size", "tgt_vocab_size", "pad_id", "bos_id", "eos_id")
-
-
-def _check_members(models, average: str) -> None:
-    if not models:
-        raise ValueError("an ensemble needs at least one model, got none")
-    if average not in AVERAGES:
-        raise ValueError(f"average must be one of {', '.join(AVERAGES)}, got {average!r}")
-    first = models[0].cfg
-    for i, model in enumerate(models[1:], 1):
-        for name in SHARED_FIELDS:
-            if getattr(model.cfg, name) != getattr(first, name):
-                raise ValueError(f"ensemble members differ in {name}: model 0 has {getattr(first, name)}, "
-                                 f"model {i} has {getattr(model.cfg, name)}")
 
 
 def combine(logits: list[Tensor], average: str = "logprob") -> Tensor:
@@ -64,7 +48,7 @@ class Ensemble(nn.Module):
     def __init__(self, models: Sequence[Transformer], average: str = "logprob"):
         super().__init__()
         models = list(models)
-        _check_members(models, average)
+        check_ensemble([m.cfg for m in models], average)
         self.members = nn.ModuleList(models)
         self.average = average
         self.cfg = dataclasses.replace(models[0].cfg, max_len=min(m.cfg.max_len for m in models))

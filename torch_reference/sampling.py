@@ -23,7 +23,7 @@ import math
 import torch
 from torch import Tensor
 
-from .config import float32_error
+from .config import check_sampling
 from .decode import NEG_INF, _check_source, _Decoder, _never_emitted, _no_sentence, output_length, sentence_limits
 from .model import Transformer, padding_mask
 
@@ -57,22 +57,6 @@ def uniform(seed, sentence, sample, position) -> Tensor:
     the top 23 bits of Threefry's first word as the odd multiple (2m + 1) / 2**24, exact in float32."""
     word, _ = threefry2x32(seed, sentence, sample, position)
     return ((word >> 9) * 2 + 1).float() * 2.0**-24
-
-
-def check_sampling(seed, num_samples, temperature, top_k, top_p) -> None:
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MASK:
-        raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
-    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-        raise ValueError(f"num_samples must be an integer >= 1, got {num_samples!r}")
-    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-        raise ValueError(f"top_k must be an integer >= 0 (0: no limit), got {top_k!r}")
-    if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
-        raise ValueError(f"top_p must be in (0, 1] (1: no limit), got {top_p!r}")
-    for name, value in (("temperature", temperature), ("top_p", top_p)):
-        if (problem := float32_error(value)) is not None:
-            raise ValueError(f"{name} {problem}")
 
 
 def _sentence_ids(sentence_ids, batch: int, device) -> Tensor:
