@@ -161,6 +161,40 @@ def _while(model: Transformer, step, result, carry, length: int):
     return result(jax.lax.while_loop(running, lambda state: (state[0] + 1, step(*state)), (jnp.int32(0), carry))[1])
 
 
+def _token_by_token(model: Transformer, src_ids, n: int, choose, carry: dict, max_len_a: float, max_len_b: int,
+                    cached: bool = True):
+    """torch's `_token_by_token` as one loop: choose(position, logits (b, V) float32, must_end (b,), carry)
+    -> (tokens (b,), their log-probabilities (b,)) picks each step's token; `carry` holds what `choose` reads
+    besides, led by the B*n rows -> (tokens (B*n, L), scores (B*n,))."""
+    cfg = model.cfg
+    B, S = src_ids.shape
+    length = output_length(S, cfg.max_len, max_len_a, max_len_b)
+    src_mask = padding_mask(src_ids, cfg.pad_id)
+    memory = jnp.repeat(model.encode(src_ids, src_mask), n, axis=0)  # (B*n, S, D), a sentence's rows together
+
+    def step(position, c):
+        logits, cache = _logits(model, c, c["tokens"], c["last"], position)  # (b, V)
+        must_end = position + 1 >= c["limits"]  # (b,) rows at their limit emit EOS
+        last, logprob = choose(position, logits.astype(jnp.float32), must_end, c)  # (b,) each
+        done = c["done"]
+        return {
+            **c, "cache": cache, "last": last, "done": done | (last == cfg.eos_id),
+            "scores": c["scores"] + jnp.where(done, 0.0, logprob),
+            "tokens": c["tokens"].at[:, position].set(jnp.where(done, cfg.pad_id, last)),
+        }
+
+    carry = {
+        **carry,
+        "tokens": jnp.full((B * n, length), cfg.pad_id, jnp.int32),
+        "scores": jnp.zeros(B * n, jnp.float32),
+        "done": jnp.repeat(_no_sentence(src_ids, cfg.pad_id), n),
+        "last": jnp.full((B * n,), cfg.bos_id, jnp.int32),
+        **_decoder(model, memory, jnp.repeat(src_mask, n, axis=0), length, cached),
+        "limits": jnp.repeat(sentence_limits(src_ids, cfg.pad_id, length, max_len_a, max_len_b), n),  # (B*n,)
+    }
+    return _while(model, step, lambda c: (c["tokens"], c["scores"]), carry, length)
+
+
 def greedy_search(model: Transformer, src_ids, max_len_a: float = 1.5, max_len_b: int = 10, cached: bool = True,
                   prefix=None):
     """src_ids (B, S) -> (tokens (B, L), scores (B,)): the argmax token at each step; the score is
@@ -181,38 +215,19 @@ def _forced_logprob(logits, forced):
 @functools.partial(nnx.jit, static_argnums=(2, 3, 4))
 def _greedy_search(model: Transformer, src_ids, max_len_a: float, max_len_b: int, cached: bool, prefix=None):
     cfg = model.cfg
-    B, S = src_ids.shape
-    length = output_length(S, cfg.max_len, max_len_a, max_len_b)
-    src_mask = padding_mask(src_ids, cfg.pad_id)
 
-    def step(position, c):
-        logits, cache = _logits(model, c, c["tokens"], c["last"], position)  # (b, V)
-        must_end = position + 1 >= c["limits"]  # (b,) sentences at their limit emit EOS
-        logprob, last = top_candidates(
-            cfg, logits.astype(jnp.float32)[:, None], jnp.zeros((len(must_end), 1)), must_end, 1, model.xla_cpu
-        )
-        last, done, logprob = last[:, 0], c["done"], logprob[:, 0]  # (b,) the argmax token
-        if c["prefix"] is not None:  # the prefix's token where one is left (never masked: check_prefix)
-            forced = c["prefix"][:, position]
-            forcing = forced != cfg.pad_id
-            last = jnp.where(forcing, forced, last)
-            logprob = jnp.where(forcing, _forced_logprob(logits.astype(jnp.float32), forced), logprob)
-        return {
-            **c, "cache": cache, "last": last, "done": done | (last == cfg.eos_id),
-            "scores": c["scores"] + jnp.where(done, 0.0, logprob),
-            "tokens": c["tokens"].at[:, position].set(jnp.where(done, cfg.pad_id, last)),
-        }
+    def choose(position, logits, must_end, c):
+        logprob, last = top_candidates(cfg, logits[:, None], jnp.zeros((len(must_end), 1)), must_end, 1, model.xla_cpu)
+        last, logprob = last[:, 0], logprob[:, 0]  # (b,) the argmax token
+        if c["prefix"] is None:
+            return last, logprob
+        forced = c["prefix"][:, position]  # the prefix's token where one is left (never masked: check_prefix)
+        forcing = forced != cfg.pad_id
+        return jnp.where(forcing, forced, last), jnp.where(forcing, _forced_logprob(logits, forced), logprob)
 
-    carry = {
-        "tokens": jnp.full((B, length), cfg.pad_id, jnp.int32),
-        "scores": jnp.zeros(B, jnp.float32),
-        "done": _no_sentence(src_ids, cfg.pad_id),
-        "last": jnp.full((B,), cfg.bos_id, jnp.int32),
-        **_decoder(model, model.encode(src_ids, src_mask), src_mask, length, cached),
-        "limits": sentence_limits(src_ids, cfg.pad_id, length, max_len_a, max_len_b),  # (B,)
-        "prefix": _prefix_columns(prefix, cfg.pad_id, length),  # (B, L) or None
-    }
-    return _while(model, step, lambda c: (c["tokens"], c["scores"]), carry, length)
+    length = output_length(src_ids.shape[1], cfg.max_len, max_len_a, max_len_b)
+    prefix = {"prefix": _prefix_columns(prefix, cfg.pad_id, length)}  # (B, L) or None
+    return _token_by_token(model, src_ids, 1, choose, prefix, max_len_a, max_len_b, cached)
 
 
 def _gather(x, index):

@@ -19,18 +19,8 @@ from flax import nnx
 
 from torch_reference.config import check_sampling
 
-from .decode import (
-    NEG_INF,
-    _check_source,
-    _decoder,
-    _logits,
-    _never_emitted,
-    _no_sentence,
-    _while,
-    output_length,
-    sentence_limits,
-)
-from .model import Transformer, padding_mask
+from .decode import NEG_INF, _check_source, _never_emitted, _token_by_token
+from .model import Transformer
 
 # Threefry-2x32's rotation distances and key-schedule parity (Random123, threefry.h).
 ROTATIONS = (13, 15, 26, 6, 17, 29, 16, 24)
@@ -126,37 +116,17 @@ def sample_loop(model: Transformer, src_ids, seed, sentence_ids, num_samples: in
                 top_p: float, max_len_a: float, max_len_b: int):
     """`sample`'s drawing loop, its settings checked and its sentence ids (B,) given."""
     cfg = model.cfg
-    B, S = src_ids.shape
-    N = num_samples
-    length = output_length(S, cfg.max_len, max_len_a, max_len_b)
-    src_mask = padding_mask(src_ids, cfg.pad_id)
-    memory = jnp.repeat(model.encode(src_ids, src_mask), N, axis=0)  # (B*N, S, D), a sentence's rows together
+    B, N = src_ids.shape[0], num_samples
     vocab = jnp.arange(cfg.tgt_vocab_size)
     not_eos, never = vocab != cfg.eos_id, _never_emitted(cfg, vocab)  # (V,)
 
-    def step(position, c):
-        logits, cache = _logits(model, c, c["tokens"], c["last"], position)  # (b, V)
-        logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-        must_end = (position + 1 >= c["limits"])[:, None]  # rows at their limit emit EOS
-        logprobs = jnp.where((must_end & not_eos) | never, NEG_INF, logprobs)
+    def choose(position, logits, must_end, c):
+        logprobs = jnp.where((must_end[:, None] & not_eos) | never, NEG_INF, jax.nn.log_softmax(logits, axis=-1))
         u = uniform(seed, c["sentence"], c["sample"], position)  # (b,)
         last = draw(sampling_distribution(logprobs, temperature, top_k, top_p), u).astype(jnp.int32)
-        done = c["done"]
-        return {
-            **c, "cache": cache, "last": last, "done": done | (last == cfg.eos_id),
-            "scores": c["scores"] + jnp.where(done, 0.0, jnp.take_along_axis(logprobs, last[:, None], axis=1)[:, 0]),
-            "tokens": c["tokens"].at[:, position].set(jnp.where(done, cfg.pad_id, last)),
-        }
+        return last, jnp.take_along_axis(logprobs, last[:, None], axis=1)[:, 0]
 
-    carry = {
-        "tokens": jnp.full((B * N, length), cfg.pad_id, jnp.int32),
-        "scores": jnp.zeros(B * N, jnp.float32),
-        "done": jnp.repeat(_no_sentence(src_ids, cfg.pad_id), N),
-        "last": jnp.full((B * N,), cfg.bos_id, jnp.int32),
-        **_decoder(model, memory, jnp.repeat(src_mask, N, axis=0), length, True),
-        "limits": jnp.repeat(sentence_limits(src_ids, cfg.pad_id, length, max_len_a, max_len_b), N),  # (B*N,)
-        "sentence": jnp.repeat(sentence_ids, N),  # the random numbers' key and counter ride with their rows
-        "sample": jnp.tile(jnp.arange(N, dtype=jnp.uint32), B),
-    }
-    tokens, scores = _while(model, step, lambda c: (c["tokens"], c["scores"]), carry, length)
-    return tokens.reshape(B, N, length), scores.reshape(B, N)
+    # The random numbers' key and counter ride with their rows.
+    rows = {"sentence": jnp.repeat(sentence_ids, N), "sample": jnp.tile(jnp.arange(N, dtype=jnp.uint32), B)}
+    tokens, scores = _token_by_token(model, src_ids, N, choose, rows, max_len_a, max_len_b)
+    return tokens.reshape(B, N, -1), scores.reshape(B, N)

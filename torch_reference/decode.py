@@ -118,6 +118,40 @@ class _Decoder:
             self.cache = [{**c, "self_k": c["self_k"][order], "self_v": c["self_v"][order]} for c in self.cache]
 
 
+def _token_by_token(model: Transformer, src_ids: Tensor, n: int, choose, max_len_a: float, max_len_b: int,
+                    cached: bool = True) -> tuple[Tensor, Tensor]:
+    """The loop of greedy search and sampling over `n` rows a sentence (a sentence's rows together):
+    choose(position, logprobs (B*n, V)) -> tokens (B*n,) picks each step's token, from log-probabilities
+    where pad, BOS and (at a row's length limit) every token but EOS are masked -> (tokens (B*n, L),
+    scores (B*n,): the sums of the chosen tokens' log-probabilities)."""
+    cfg = model.cfg
+    B, S = src_ids.shape
+    device = src_ids.device
+    length = output_length(S, cfg.max_len, max_len_a, max_len_b)
+    limits = sentence_limits(src_ids, cfg.pad_id, length, max_len_a, max_len_b).repeat_interleave(n)  # (B*n,)
+    src_mask = padding_mask(src_ids, cfg.pad_id)
+    memory = model.encode(src_ids, src_mask).repeat_interleave(n, dim=0)  # (B*n, S, D)
+    decoder = _Decoder(model, memory, src_mask.repeat_interleave(n, dim=0), length, cached)
+    not_eos = torch.arange(cfg.tgt_vocab_size, device=device) != cfg.eos_id  # (V,)
+    never = _never_emitted(cfg, torch.arange(cfg.tgt_vocab_size, device=device))  # (V,) pad and bos
+
+    tokens = torch.full((B * n, length), cfg.pad_id, dtype=torch.long, device=device)
+    scores = torch.zeros(B * n, device=device)
+    done = _no_sentence(src_ids, cfg.pad_id).repeat_interleave(n)  # (B*n,)
+    last = torch.full((B * n,), cfg.bos_id, dtype=torch.long, device=device)
+    for position in range(length):
+        logprobs = torch.log_softmax(decoder.logits(tokens, last, position).float(), dim=-1)  # (B*n, V)
+        must_end = (position + 1 >= limits)[:, None]  # rows at their limit emit EOS
+        logprobs = torch.where((must_end & not_eos) | never, NEG_INF, logprobs)
+        last = choose(position, logprobs)  # (B*n,)
+        scores = scores + torch.where(done, 0.0, logprobs.gather(1, last[:, None])[:, 0])
+        tokens[:, position] = torch.where(done, cfg.pad_id, last)
+        done = done | (last == cfg.eos_id)
+        if bool(done.all()):
+            break
+    return tokens, scores
+
+
 @torch.no_grad()
 def greedy_search(
     model: Transformer, src_ids: Tensor, max_len_a: float = 1.5, max_len_b: int = 10, cached: bool = True,
@@ -129,34 +163,15 @@ def greedy_search(
     log-probabilities counted in the score; the search continues after them."""
     _check_source(model, src_ids)
     cfg = model.cfg
-    B, S = src_ids.shape
-    length = output_length(S, cfg.max_len, max_len_a, max_len_b)
     if prefix is not None:
         check_prefix(src_ids, prefix, cfg, max_len_a, max_len_b)
-    forced = _prefix_columns(prefix, cfg.pad_id, length)  # (B, L) or None
-    limits = sentence_limits(src_ids, cfg.pad_id, length, max_len_a, max_len_b)  # (B,)
-    src_mask = padding_mask(src_ids, cfg.pad_id)
-    decoder = _Decoder(model, model.encode(src_ids, src_mask), src_mask, length, cached)
-    not_eos = torch.arange(cfg.tgt_vocab_size, device=src_ids.device) != cfg.eos_id  # (V,)
-    never = _never_emitted(cfg, torch.arange(cfg.tgt_vocab_size, device=src_ids.device))  # (V,) pad and bos
+    forced = _prefix_columns(prefix, cfg.pad_id, output_length(src_ids.shape[1], cfg.max_len, max_len_a, max_len_b))
 
-    tokens = torch.full((B, length), cfg.pad_id, dtype=torch.long, device=src_ids.device)
-    scores = torch.zeros(B, device=src_ids.device)
-    done = _no_sentence(src_ids, cfg.pad_id)  # (B,)
-    last = torch.full((B,), cfg.bos_id, dtype=torch.long, device=src_ids.device)
-    for position in range(length):
-        logprobs = torch.log_softmax(decoder.logits(tokens, last, position).float(), dim=-1)  # (B, V)
-        must_end = (position + 1 >= limits)[:, None]  # sentences at their limit emit EOS
-        logprobs = torch.where((must_end & not_eos) | never, NEG_INF, logprobs)
-        last = logprobs.argmax(dim=-1)  # (B,)
-        if forced is not None:  # the prefix's token where one is left (never masked: check_prefix)
-            last = torch.where(forced[:, position] != cfg.pad_id, forced[:, position], last)
-        scores = scores + torch.where(done, 0.0, logprobs.gather(1, last[:, None])[:, 0])
-        tokens[:, position] = torch.where(done, cfg.pad_id, last)
-        done = done | (last == cfg.eos_id)
-        if bool(done.all()):
-            break
-    return tokens, scores
+    def choose(position: int, logprobs: Tensor) -> Tensor:  # the prefix's token where one is left (never masked)
+        best = logprobs.argmax(dim=-1)  # (B,)
+        return best if forced is None else torch.where(forced[:, position] != cfg.pad_id, forced[:, position], best)
+
+    return _token_by_token(model, src_ids, 1, choose, max_len_a, max_len_b, cached)
 
 
 def _gather(x: Tensor, index: Tensor) -> Tensor:

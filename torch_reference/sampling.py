@@ -24,8 +24,8 @@ import torch
 from torch import Tensor
 
 from .config import check_sampling
-from .decode import NEG_INF, _check_source, _Decoder, _never_emitted, _no_sentence, output_length, sentence_limits
-from .model import Transformer, padding_mask
+from .decode import _check_source, _token_by_token
+from .model import Transformer
 
 # Threefry-2x32's rotation distances and key-schedule parity (Random123, threefry.h).
 ROTATIONS = (13, 15, 26, 6, 17, 29, 16, 24)
@@ -129,32 +129,13 @@ def sample(
 def sample_loop(model: Transformer, src_ids: Tensor, seed, sentence_ids: Tensor, num_samples: int, temperature: float,
                 top_k: int, top_p: float, max_len_a: float, max_len_b: int) -> tuple[Tensor, Tensor]:
     """`sample`'s drawing loop, its settings checked and its sentence ids (B,) given."""
-    cfg = model.cfg
-    B, S = src_ids.shape
-    N, device = num_samples, src_ids.device
-    length = output_length(S, cfg.max_len, max_len_a, max_len_b)
-    limits = sentence_limits(src_ids, cfg.pad_id, length, max_len_a, max_len_b).repeat_interleave(N)  # (B*N,)
-    src_mask = padding_mask(src_ids, cfg.pad_id)
-    memory = model.encode(src_ids, src_mask).repeat_interleave(N, dim=0)  # (B*N, S, D), a sentence's rows together
-    decoder = _Decoder(model, memory, src_mask.repeat_interleave(N, dim=0), length, cached=True)
+    B, N = src_ids.shape[0], num_samples
     sentence = sentence_ids.repeat_interleave(N)  # (B*N,)
-    sample_index = torch.arange(N, device=device).repeat(B)  # (B*N,)
-    not_eos = torch.arange(cfg.tgt_vocab_size, device=device) != cfg.eos_id  # (V,)
-    never = _never_emitted(cfg, torch.arange(cfg.tgt_vocab_size, device=device))  # (V,) pad and bos
+    sample_index = torch.arange(N, device=src_ids.device).repeat(B)  # (B*N,)
 
-    tokens = torch.full((B * N, length), cfg.pad_id, dtype=torch.long, device=device)
-    scores = torch.zeros(B * N, device=device)
-    done = _no_sentence(src_ids, cfg.pad_id).repeat_interleave(N)  # (B*N,)
-    last = torch.full((B * N,), cfg.bos_id, dtype=torch.long, device=device)
-    for position in range(length):
-        logprobs = torch.log_softmax(decoder.logits(tokens, last, position).float(), dim=-1)  # (B*N, V)
-        must_end = (position + 1 >= limits)[:, None]  # rows at their limit emit EOS
-        logprobs = torch.where((must_end & not_eos) | never, NEG_INF, logprobs)
+    def choose(position: int, logprobs: Tensor) -> Tensor:
         u = uniform(seed, sentence, sample_index, position)  # (B*N,)
-        last = draw(sampling_distribution(logprobs, temperature, top_k, top_p), u)
-        scores = scores + torch.where(done, 0.0, logprobs.gather(1, last[:, None])[:, 0])
-        tokens[:, position] = torch.where(done, cfg.pad_id, last)
-        done = done | (last == cfg.eos_id)
-        if bool(done.all()):
-            break
-    return tokens.view(B, N, length), scores.view(B, N)
+        return draw(sampling_distribution(logprobs, temperature, top_k, top_p), u)
+
+    tokens, scores = _token_by_token(model, src_ids, N, choose, max_len_a, max_len_b)
+    return tokens.view(B, N, -1), scores.view(B, N)
