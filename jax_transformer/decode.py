@@ -1,20 +1,10 @@
-"""Search over the Flax model's cached decoding: greedy and beam search, each one jit-compiled
-`lax.while_loop` with static shapes.
+"""Greedy and beam search over the Flax model's key/value cache, each one jit-compiled
+`lax.while_loop` with static shapes: `torch_reference/decode.py`'s algorithm step by step (its
+docstrings tell the details), with the same names, defaults and outputs, to float32 rounding.
 
-`torch_reference/decode.py` is the same algorithm step by step (read its docstrings for the
-details), with the same names and defaults; both return identical tokens and scores to float32
-rounding. Output tokens (B, L) exclude BOS, end with EOS and are padded after it, with
-L = min(max_len, floor(max_len_a * S + max_len_b)) for a padded source length S; a source row of
-padding only is no sentence (padding, score 0). `cached=False` re-runs the whole decoder over the
-(padded, causally masked) prefix at every step instead.
-
-The loop's state is a dict of arrays led by the sentence axis (or by a sentence's rows next to
-each other), so that over a model built with `xla_cpu=True` the search runs the loop of
-`xla_cpu.shrinking_while` and ranks candidates with `xla_cpu.best_candidates`, tuned for XLA:CPU:
-the same outputs (tests/jax_transformer/test_xla_cpu.py).
-
-Beyond the best output (docs/decoding.md), as torch's: `beam_search(..., n_best=K)`, `prefix`,
-`score`.
+The loop's state is a dict of arrays led by the sentence axis (or a sentence's rows next to each
+other), so that over a model of the kernel set `xla_cpu` the search runs `xla_cpu.shrinking_while`'s
+loop and ranks candidates with `xla_cpu.best_candidates`.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Several models decoding as one: `Ensemble(models)` goes wherever decode.py's searches and
-sampling.py's `sample` take a model. `torch_reference/ensemble.py` is its twin (read its docstring
-for the layout and the two averages); both give the same tokens for the same weights.
-
-Here the ensemble is an `nnx.Module` holding its members, so the searches' `nnx.jit` traces them all
-in one program; `xla_cpu` (the tuned loop of `xla_cpu.shrinking_while`) is on when every member's is.
+"""Several models decoding as one, the twin of `torch_reference/ensemble.py` (its docstring tells the
+layout and the averages): an `nnx.Module` holding its members, so that the searches' `nnx.jit` traces
+them all in one program; `xla_cpu` (`xla_cpu.shrinking_while`'s loop) is on when every member's is.
 """
 
 from __future__ import annotations

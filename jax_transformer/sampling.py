@@ -1,11 +1,6 @@
-"""Sampling from the Flax model's cached decoding, with random numbers both frameworks share: one
-jit-compiled `lax.while_loop` (over a model built with `xla_cpu=True`, `xla_cpu.shrinking_while`).
-
-`torch_reference/sampling.py` is the same algorithm step by step (read its docstrings for the
-details), with the same names and defaults; for the same seed and weights both return the same
-tokens, and scores to float32 rounding (docs/decoding.md#sampling). The uniforms are Threefry-2x32
-(20 rounds) keyed by (seed, sentence id) at the counter (sample, position), here in uint32
-arithmetic; tests/parity/test_sampling.py checks it against `jax.extend.random.threefry_2x32`.
+"""Sampling from the Flax model's cached decoding: `torch_reference/sampling.py` step by step (its
+docstrings tell the details) in one jit-compiled loop, the uniforms in uint32 arithmetic; the same
+tokens for the same seed and weights, scores to float32 rounding (docs/decoding.md#sampling).
 """
 
 from __future__ import annotations

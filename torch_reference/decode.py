@@ -1,21 +1,12 @@
-"""Search over the reference model's cached decoding: greedy and beam search.
+"""Greedy and beam search over the reference model's key/value cache (`Transformer.init_cache` /
+`decode_step`); `jax_transformer/decode.py` is the same algorithm in one jit-compiled loop, with
+identical tokens and scores (to float32 rounding). `cached=False` re-runs the whole decoder over every
+prefix instead, as the seed repositories did: the benchmark's baseline and a check of the cache.
 
-`jax_transformer/decode.py` is the same algorithm in one jit-compiled `lax.while_loop`; the two
-return identical tokens and scores (to float32 rounding) for the same weights.
-
-Both search with the model's key/value cache (`Transformer.init_cache` / `decode_step`): each
-step feeds one token per hypothesis and reads earlier positions from the cache. With
-`cached=False` the same search re-runs the whole decoder over every prefix at every step, as the
-seed repositories did: the baseline of `python -m parity.translate_bench`, and a check of the cache
-(the two return the same tokens). Output tokens
-exclude BOS, end with EOS and are padded with `pad_id` after it, shape (B, L) with
-L = min(max_len, floor(max_len_a * S + max_len_b)) for a padded source length S, as in JAX.
-Each sentence ends no later than floor(max_len_a * its length + max_len_b) tokens. A source row
-of padding only (the filler of a batch) is no sentence: its output is padding, with score 0.
-
-Beyond the best output (docs/decoding.md): `beam_search(..., n_best=K)` returns the K best
-finished hypotheses with their log-probabilities and scores; `prefix` forces the first tokens of
-each output, the search continuing after them; `score` gives the log-probability of given targets.
+Output tokens exclude BOS, end with EOS and are padded with `pad_id`, shape (B, L) with
+L = output_length(S, ...) for a padded source length S; each sentence ends within its own limit
+(`sentence_limits`), and a source row of padding only is no sentence (padding, score 0). n-best
+lists, forced prefixes and `score`: docs/decoding.md.
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
 """Several models decoding as one: `Ensemble(models)` goes wherever decode.py's searches and
-sampling.py's `sample` take a model, and its next-token distribution combines the members' at
-every step (fairseq's `EnsembleModel`, Marian's ensembles). `jax_transformer/ensemble.py` is its
-twin; both give the same tokens for the same weights (tests/parity/test_ensemble.py).
+sampling.py's `sample` take a model, its next-token distribution combining the members' at every
+step (fairseq's `EnsembleModel`, Marian's ensembles); `jax_transformer/ensemble.py` is its twin.
 
-The searches read a model's `cfg`, `encode`, `init_cache`, `decode_step`, `decode` and `project`;
-the ensemble offers them over its members laid side by side: its memory and hidden states are the
-members' concatenated along the feature axis (B, S, D1 + D2 + ...), so the searches' repeats and
-reorders of whole rows serve every member at once, and its cache is the members' layer lists one
-after the other. Members may differ in width, depth, heads and variant; they must share the
-vocabulary sizes and the special ids, which `cfg` carries for the searches.
-
-What it returns where a model returns logits is the combined log-probabilities, which the searches'
-log_softmax leaves as they are (`average="prob"`) or renormalises (`average="logprob"`):
-
-    "logprob"  the mean of the members' log-probabilities (a normalised geometric mean of their
-               distributions): "averaging the models' log-probabilities" as Marian and the issue say
-    "prob"     the log of the mean of their probabilities, fairseq's `EnsembleModel`
+Its memory and hidden states are the members' side by side on the feature axis and its cache their
+layer lists one after the other, so the searches' repeats and reorders of rows serve every member.
+Where a model returns logits it returns the combined log-probabilities: "logprob" the mean of the
+members' (renormalised by the searches' log_softmax), "prob" the log of their mean probability
+(docs/decoding.md#the-twins-ensemble).
 """
 
 from __future__ import annotations

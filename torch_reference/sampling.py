@@ -1,19 +1,11 @@
-"""Sampling from the reference model's cached decoding, with random numbers both frameworks share.
+"""Sampling from the reference model's cached decoding, with random numbers both frameworks share;
+`jax_transformer/sampling.py` is its twin: the same tokens for the same seed and weights.
 
-`jax_transformer/sampling.py` is the same algorithm in one jit-compiled `lax.while_loop`; for the
-same seed and weights the two return the same tokens (docs/decoding.md#sampling).
-
-The random numbers come from a counter-based function, not a generator's state: the uniform of a
-step is Threefry-2x32 (20 rounds, Salmon et al. 2011, JAX's own PRNG) keyed by (seed, sentence id)
-at the counter (sample, position), computed with integer arithmetic that rounds nowhere. A row's
-tokens therefore depend on its seed, its sentence id and its model alone, never on the batch it
-is in or on the framework. torch lacks uint32 arithmetic: the words are held in int64 and masked.
-
-The token is drawn by inverse CDF in token-id order: the first token whose cumulative probability
-exceeds u. The filters are thresholds and never reorder the tokens, so float32 differences in the
-logits move each boundary by rounding only, and change a token only when u falls within about 1e-6
-of the boundary (or a token sits at a filter's threshold); a sort would let two nearly equal
-probabilities swap places, moving a whole token's mass.
+The uniform of a step is Threefry-2x32 keyed by (seed, sentence id) at the counter (sample,
+position), integer arithmetic that rounds nowhere (torch lacks uint32: int64 words, masked), so a
+row's tokens depend on its seed, sentence id and model alone. The token is drawn by inverse CDF in
+token-id order and the filters are thresholds that never reorder tokens, so float32 differences move
+a boundary by rounding only (docs/decoding.md#sampling).
 """
 
 from __future__ import annotations
