@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from torch_reference.config import TransformerConfig, check_beam, length_penalty, output_length
+from torch_reference.config import TransformerConfig, check_beam, check_prefix_rows, length_penalty, output_length
 
 from . import xla_cpu as tuned
 from .model import Transformer, padding_mask, shift_right
@@ -67,17 +67,7 @@ def check_prefix(src_ids, prefix, cfg: TransformerConfig, max_len_a: float, max_
         return
     src_ids, prefix = jnp.asarray(src_ids), jnp.asarray(prefix)
     _check_ids("prefix", prefix, cfg.tgt_vocab_size)
-    if prefix.shape[0] != src_ids.shape[0]:
-        raise ValueError(f"prefix must be (batch, length) with the batch of src_ids, {src_ids.shape[0]} rows; "
-                         f"got shape {tuple(prefix.shape)}")
-    if bool((prefix == cfg.bos_id).any()):  # every search masks it
-        raise ValueError(f"prefix holds <bos> (id {cfg.bos_id}), which no output holds")
-    src_len = (src_ids != cfg.pad_id).sum(1).tolist()
-    for row, (n, used) in enumerate(zip(src_len, (prefix != cfg.pad_id).sum(1).tolist())):
-        limit = output_length(n, cfg.max_len, max_len_a, max_len_b)
-        if used and (used >= limit or n == 0):
-            raise ValueError(f"the prefix of sentence {row} has {used} tokens: its length limit of {limit} tokens "
-                             "leaves no room after it")
+    check_prefix_rows(src_ids, prefix, cfg, max_len_a, max_len_b)
 
 
 def _prefix_columns(prefix, pad_id: int, length: int):

@@ -141,6 +141,23 @@ def check_beam(beam_size, alpha, scoring: str, n_best) -> None:
         raise ValueError(f"n_best must be between 1 and the beam size {beam_size}, got {n_best}")
 
 
+def check_prefix_rows(src_ids, prefix, cfg: TransformerConfig, max_len_a: float, max_len_b: int) -> None:
+    """`decode.check_prefix` of either twin past the ids' type and range, over tensors or arrays: ValueError
+    unless prefix (B, P) has a row for each source (B, S), no <bos>, and each row leaves its sentence
+    room for <eos> (fewer tokens than its length limit)."""
+    if prefix.shape[0] != src_ids.shape[0]:
+        raise ValueError(f"prefix must be (batch, length) with the batch of src_ids, {src_ids.shape[0]} rows; "
+                         f"got shape {tuple(prefix.shape)}")
+    if bool((prefix == cfg.bos_id).any()):  # every search masks it
+        raise ValueError(f"prefix holds <bos> (id {cfg.bos_id}), which no output holds")
+    src_len = (src_ids != cfg.pad_id).sum(1).tolist()
+    for row, (n, used) in enumerate(zip(src_len, (prefix != cfg.pad_id).sum(1).tolist())):
+        limit = output_length(n, cfg.max_len, max_len_a, max_len_b)
+        if used and (used >= limit or n == 0):
+            raise ValueError(f"the prefix of sentence {row} has {used} tokens: its length limit of {limit} tokens "
+                             "leaves no room after it")
+
+
 def check_sampling(seed, num_samples, temperature, top_k, top_p) -> None:
     """ValueError naming the first sampling setting out of its range (`SAMPLING_RANGES`)."""
     for (name, allowed), value in zip(SAMPLING_RANGES.items(), (seed, num_samples, temperature, top_k, top_p)):
