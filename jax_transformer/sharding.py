@@ -29,9 +29,7 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
         num_processes = int(os.environ[ENV_NUM_PROCESSES])
     if process_id is None and os.environ.get(ENV_PROCESS_ID):
         process_id = int(os.environ[ENV_PROCESS_ID])
-    if coordinator_address is None and num_processes in (None, 1):
-        return
-    if jax.distributed.is_initialized():
+    if (coordinator_address is None and num_processes in (None, 1)) or jax.distributed.is_initialized():
         return
     if num_processes is None or process_id is None or coordinator_address is None:
         raise ValueError("a multi-process run needs the coordinator address, the number of processes and this "
