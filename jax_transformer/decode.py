@@ -243,14 +243,9 @@ def _n_best(tokens, logprob, scores, no_sentence, n: int, pad_id: int):
 def beam_search(model: Transformer, src_ids, beam_size: int = 4, alpha: float = 0.6,
                 max_len_a: float = 1.5, max_len_b: int = 10, cached: bool = True, scoring: str = "gnmt",
                 n_best: int | None = None, prefix=None):
-    """src_ids (B, S) -> (tokens (B, L), scores (B,)) of the best finished hypothesis per sentence;
-    with `n_best` K (at most beam_size) the K best, best first: (tokens (B, K, L), log-probs
-    (B, K), scores (B, K)).
-
-    See `torch_reference.decode.beam_search` for the algorithm; here it is one compiled loop.
-    `cached=False`: no key/value cache. `scoring`: one of SCORINGS. `prefix` (B, P): forced first
-    tokens, as in `greedy_search`.
-    """
+    """src_ids (B, S) -> (tokens (B, L), scores (B,)), or with `n_best` K (tokens (B, K, L), log-probs
+    (B, K), scores (B, K)): `torch_reference.decode.beam_search` (its docstring tells the algorithm and
+    the arguments) in one compiled loop."""
     _check_source(model, src_ids)
     check_beam(beam_size, 0.0 if isinstance(alpha, jax.core.Tracer) else alpha, scoring, n_best)  # traced: the caller's
     if prefix is not None:
