@@ -260,20 +260,19 @@ def shrinking_while(step, result, carry, length: int):
         carry = _resize_cache(carry, cache_lengths[0])
     out = jax.tree.map(jnp.zeros_like, result(carry))
     slots = jnp.arange(sizes[0])  # the sentence in each row of the current batch
+
+    def loop(position, carry, limit: int, next_size: int):  # until `limit` positions or `next_size` sentences live
+        def going(state):
+            return (state[0] < limit) & ((~state[1]["done"]).sum() > next_size)
+
+        return jax.lax.while_loop(going, lambda state: (state[0] + 1, step(*state)), (position, carry))
+
     position = jnp.int32(0)
     for limit, longer in zip(cache_lengths, cache_lengths[1:]):
-        def within(state, limit=limit, next_size=sizes[1] if len(sizes) > 1 else 0):
-            position, carry = state
-            return (position < limit) & ((~carry["done"]).sum() > next_size)
-
-        position, carry = jax.lax.while_loop(within, lambda state: (state[0] + 1, step(*state)), (position, carry))
+        position, carry = loop(position, carry, limit, sizes[1] if len(sizes) > 1 else 0)
         carry = _resize_cache(carry, longer)
     for next_size in [*sizes[1:], 0]:
-        def running(state, next_size=next_size):
-            position, carry = state
-            return (position < length) & ((~carry["done"]).sum() > next_size)
-
-        position, carry = jax.lax.while_loop(running, lambda state: (state[0] + 1, step(*state)), (position, carry))
+        position, carry = loop(position, carry, length, next_size)
         out = jax.tree.map(lambda o, r: o.at[slots].set(r), out, result(carry))
         if next_size:
             keep = jnp.argsort(carry["done"], stable=True)[:next_size]  # the live sentences first
