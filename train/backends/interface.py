@@ -84,12 +84,6 @@ class Hypotheses:
     score: np.ndarray  # (B, n) float32: logprob / the length penalty, what the beam ranks by
 
 
-def check_greedy_n_best(n_best: int) -> None:
-    """Greedy search (beam 1) has one hypothesis: n_best 1."""
-    if n_best != 1:
-        raise ValueError(f"n_best must be between 1 and the beam size 1, got {n_best}")
-
-
 @runtime_checkable
 class Translator(Protocol):
     """Search, scores and attention weights, dropout off."""

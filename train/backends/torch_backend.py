@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import torch_reference
 from torch_reference import decode, ensemble, sampling
-from torch_reference.config import TransformerConfig
+from torch_reference.config import TransformerConfig, check_beam
 from torch_reference.objective import label_smoothed_cross_entropy, noam_learning_rate
 
 from ..config import ExperimentConfig, default_dtype, resolve_kernels
@@ -36,7 +36,7 @@ from ..runtime import Interrupted, UserError
 from ..runtime.files import error_text
 from ..store import TrainingState, check_keys
 from ..store.torch_store import TorchStore
-from .interface import Hypotheses, Metrics, StoreMethods, Topology, check_greedy_n_best
+from .interface import Hypotheses, Metrics, StoreMethods, Topology
 
 
 def _long(device: torch.device, *arrays: np.ndarray) -> tuple[torch.Tensor, ...]:
@@ -319,8 +319,8 @@ class TorchBackend(StoreMethods):
                                          n_best=n_best, prefix=prefix_t)
             else:
                 tokens, logprob = out = decode.greedy_search(self.model, src_t, cached=cached, prefix=prefix_t)
-                if n_best is not None:
-                    check_greedy_n_best(n_best)
+                if n_best is not None:  # greedy's one-best list
+                    check_beam(1, alpha, scoring, n_best)
                     penalty = decode.length_penalty((tokens != self.model_cfg.pad_id).sum(1).float(), alpha, scoring)
                     out = tokens[:, None], logprob[:, None], (logprob / penalty)[:, None]
         tokens = out[0].cpu().numpy().astype(np.int32)
