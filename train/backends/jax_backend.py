@@ -466,12 +466,8 @@ class JaxBackend(StoreMethods):
 
 def _key(path: tuple) -> str:
     """A JAX tree path -> the dotted attribute path `encoder.layers.0.self_attn.q_proj.kernel`."""
-    names = []
-    for p in path:
-        if isinstance(p, jax.tree_util.GetAttrKey) and p.name == "value":
-            continue  # an nnx.Variable's value
-        names.append(str(getattr(p, "key", getattr(p, "idx", getattr(p, "name", p)))))
-    return ".".join(names)
+    return ".".join(str(getattr(p, "key", getattr(p, "idx", getattr(p, "name", p)))) for p in path
+                    if not (isinstance(p, jax.tree_util.GetAttrKey) and p.name == "value"))  # an nnx.Variable's value
 
 
 def _to_flat(tree: Any) -> dict[str, np.ndarray]:
