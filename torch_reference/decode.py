@@ -134,10 +134,8 @@ def _token_by_token(model: Transformer, src_ids: Tensor, n: int, choose, max_len
 
 
 @torch.no_grad()
-def greedy_search(
-    model: Transformer, src_ids: Tensor, max_len_a: float = 1.5, max_len_b: int = 10, cached: bool = True,
-    prefix: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
+def greedy_search(model: Transformer, src_ids: Tensor, max_len_a: float = 1.5, max_len_b: int = 10,
+                  cached: bool = True, prefix: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """src_ids (B, S) -> (tokens (B, L), scores (B,)): the argmax token at each step; the score is
     the sum of the chosen tokens' log-probabilities. `cached=False`: no key/value cache.
     `prefix` (B, P): the first tokens of each output (then pad_id; `check_prefix`), forced, their
@@ -192,11 +190,9 @@ def _n_best(tokens: Tensor, logprob: Tensor, scores: Tensor, no_sentence: Tensor
 
 
 @torch.no_grad()
-def beam_search(
-    model: Transformer, src_ids: Tensor, beam_size: int = 4, alpha: float = 0.6,
-    max_len_a: float = 1.5, max_len_b: int = 10, cached: bool = True, scoring: str = "gnmt",
-    n_best: int | None = None, prefix: Tensor | None = None,
-) -> tuple[Tensor, ...]:
+def beam_search(model: Transformer, src_ids: Tensor, beam_size: int = 4, alpha: float = 0.6,
+                max_len_a: float = 1.5, max_len_b: int = 10, cached: bool = True, scoring: str = "gnmt",
+                n_best: int | None = None, prefix: Tensor | None = None) -> tuple[Tensor, ...]:
     """src_ids (B, S) -> (tokens (B, L), scores (B,)) of the best finished hypothesis per sentence;
     with `n_best` K (at most beam_size) the K best, best first: (tokens (B, K, L), log-probs
     (B, K), scores (B, K)), score = log-prob / length_penalty (`_n_best` for missing ones).
