@@ -66,6 +66,22 @@ def check_fields(obj: Any) -> None:
             raise OptionError("{} " + f"must be one of {', '.join(map(str, choices))}, got {value!r}", field.name)
         if str(field.type) == "bool" and not isinstance(value, bool):
             raise OptionError("{} " + f"must be True or False, got {value!r}", field.name)
+        if str(field.type).startswith("Destination") and value is not None:
+            object.__setattr__(obj, field.name, destination(value, field.name))
+
+
+def destination(value: Any, name: str) -> Any:
+    """`value` (a path, or a Destination already checked) as the `Destination` of parameter `name`: an
+    OptionError naming it where the file cannot be written (docs/operations.md#output-files)."""
+    from .runtime.output import Destination
+
+    if isinstance(value, Destination):
+        return value
+    try:
+        return Destination(value, "")
+    except UserError as err:  # its message names no flag: the parameter's name, or its flag (`call`), leads it
+        text = str(err).lstrip().replace("{", "{{").replace("}", "}}")
+        raise OptionError("{} " + text, name) from None
 
 
 def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, *,
@@ -101,7 +117,13 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: ty
         target.add_argument(flag_of(field), **kwargs)
 
 
-_TYPES = {"int": int, "float": float, "Path": Path}
+def _output_path(text: str) -> Any:
+    from .runtime.output import output_path  # output files' rules (a heavier import): only when parsed
+
+    return output_path(text)
+
+
+_TYPES = {"int": int, "float": float, "Path": Path, "Destination": _output_path}
 
 
 def typed(parse: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -134,6 +156,20 @@ def call(parser: argparse.ArgumentParser, job: Callable[[], Any]) -> int:
             raise UserError(err.worded(lambda name: flags.get(name, name))) from None
 
     return exit_status(worded)
+
+
+def command(prog: str, description: str, *classes: type, **kwargs: Any) -> argparse.ArgumentParser:
+    """A command's parser (`kwargs`: ArgumentParser's): one flag per field of each options class of `classes`."""
+    parser = argparse.ArgumentParser(prog=prog, description=description, **kwargs)
+    for cls in classes:
+        add_flags(parser, cls)
+    return parser
+
+
+def run(parser: argparse.ArgumentParser, argv: list[str] | None, job: Callable[[dict[str, Any]], Any]) -> int:
+    """A command's exit status: `job` of the flags given (`argv`: sys.argv's), by `call`'s protocol."""
+    given = vars(parser.parse_args(argv))
+    return call(parser, lambda: job(given))
 
 
 @dataclasses.dataclass(frozen=True)

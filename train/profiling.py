@@ -3,16 +3,48 @@ each part of a training step, forward + backward, JAX vs PyTorch; the XLA:CPU A/
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import statistics
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from torch_reference.config import TransformerConfig
+from torch_reference.config import POSITIVE, TransformerConfig
 
 from .benchmark import timings
+from .options import check_fields, option
+
+if TYPE_CHECKING:
+    from .runtime.output import Destination
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """What `python -m train.profile_step` times: the parts of `preset`'s training step on `batch`
+    sentences of `length` tokens (float32, dropout off), or with `xla_ops` / `xla_cpu_ab` instead the
+    XLA op split / the xla_cpu A/B."""
+
+    preset: str = option("base", "model preset", choices=tuple(TransformerConfig.presets()))
+    batch: int = option(32, "sentences per batch", range=POSITIVE)
+    length: int = option(32, "tokens per sentence, source and target", range=POSITIVE)
+    vocab: int = option(8000, "shared vocabulary size", range=POSITIVE)
+    repeats: int = option(10, "timed runs per part", range=POSITIVE)
+    json: Destination | None = option(None, "also write the figures to this JSON file")
+    xla_ops: bool = option(False, "instead: split JAX's forward + backward time into matmuls and other operations")
+    xla_cpu_ab: bool = option(False, "instead: time JAX's train step and a beam-4 search with and without "
+                              "xla_cpu's pieces")
+    sentences: int = option(64, "sources of the --xla-cpu-ab search", range=POSITIVE)
+
+    def __post_init__(self):
+        check_fields(self)
+
+    @property
+    def config(self) -> TransformerConfig:
+        return TransformerConfig.preset(self.preset, src_vocab_size=self.vocab, tgt_vocab_size=self.vocab,
+                                        max_len=max(self.length, 64), dropout=0.0)
 
 
 def median_time(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:

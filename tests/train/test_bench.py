@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from torch_reference.config import TransformerConfig
-from train import profile_step
+from train import benchmark, profile_step
 from train.benchmark import step_flops
 
 REPO = Path(__file__).resolve().parents[2]
@@ -111,8 +111,6 @@ def test_each_precision_sets_both_frameworks_matmuls(precision, jax_setting, tor
     import jax
     import torch
 
-    from train import benchmark
-
     before = jax.config.jax_default_matmul_precision, torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
     try:
         benchmark.set_precision("jax", precision)
@@ -146,15 +144,15 @@ def test_bench_measures_bfloat16_against_the_bfloat16_matmul_peak(tmp_path):
 
 
 def test_bad_arguments_are_refused_before_anything_runs():
-    done = subprocess.run([sys.executable, "-m", "train.bench", "--precisions", "fp8"], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and "unknown precision 'fp8'" in done.stderr
-    done = subprocess.run([sys.executable, "-m", "train.bench", "--precisions", ","], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and "--precisions names nothing to measure" in done.stderr
-    done = subprocess.run([sys.executable, "-m", "train.bench", "--devices", "3"], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and "--devices 3 does not divide the batch of 32 sentences" in done.stderr
+    """Bench's own checks (status 1, the options' protocol) name the flag; in Python, the parameter."""
+    for flags, says in ((["--precisions", "fp8"], "--precisions: unknown precision 'fp8'"),
+                        (["--precisions", ","], "--precisions names nothing to measure"),
+                        (["--devices", "3"], "--devices 3 does not divide the batch of 32 sentences")):
+        done = subprocess.run([sys.executable, "-m", "train.bench", *flags], cwd=REPO, capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 1 and done.stderr.startswith(f"error: {says}"), done.stderr
+    with pytest.raises(benchmark.OptionError, match="^devices 3 does not divide the batch of 32 sentences"):
+        benchmark.Bench(devices=3)
     for where, says in ((str(REPO), "is a directory"), (str(REPO / "missing" / "b.json"), "does not exist")):
         done = subprocess.run([sys.executable, "-m", "train.bench", "--json", where], cwd=REPO,
                               capture_output=True, text=True, timeout=60)
