@@ -24,18 +24,14 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from torch_reference.config import NON_NEGATIVE, POSITIVE, PROBABILITY, TransformerConfig
 
 from .config import KERNEL_CHOICES
-from .options import OptionError, check_fields, option
+from .options import OptionError, Output, check_fields, option
 from .runtime.files import json_text
-
-if TYPE_CHECKING:
-    from .runtime.output import Destination
 
 BACKENDS = ("jax", "torch", "torch-compile")
 PRECISIONS = ("float32", "tf32", "bfloat16")
@@ -67,8 +63,8 @@ class Bench:
     kernels: str = option("auto", "train.run --kernels: the models' kernel set", choices=KERNEL_CHOICES)
     devices: int = option(1, "data parallel over N devices, the same global batch split over them: JAX's mesh (on a "
                           "CPU, N host devices), torch DistributedDataParallel in N processes", range=POSITIVE)
-    json: Destination | None = option(None, "write all figures to this JSON file (after every measurement)")
-    plot: Destination | None = option(None, "write a bar chart of step times to this PNG")
+    json: Output = option(None, "write all figures to this JSON file (after every measurement)")
+    plot: Output = option(None, "write a bar chart of step times to this PNG")
 
     def __post_init__(self):
         for name, known in (("presets", TransformerConfig.presets()), ("backends", BACKENDS),

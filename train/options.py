@@ -21,7 +21,7 @@ import dataclasses
 import os
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from torch_reference.config import ALPHA, NON_NEGATIVE, POSITIVE, PROBABILITY, SCORINGS, Range  # noqa: F401 (for commands)
 
@@ -29,7 +29,12 @@ from .config import flag_name as flag_of
 from .runtime.files import UserError
 from .runtime.signals import exit_status
 
+if TYPE_CHECKING:
+    from .runtime.output import Destination
+
 FORMATS = ("text", "tsv", "jsonl")
+# The type of a field naming a file a command writes: given a path, checked at once and kept as its `Destination`.
+Output = Optional["Destination"]
 # The twins' ensemble.AVERAGES (a test keeps them equal), named here so that this module imports neither framework.
 ENSEMBLE_AVERAGES = ("logprob", "prob")
 
@@ -66,7 +71,7 @@ def check_fields(obj: Any) -> None:
             raise OptionError("{} " + f"must be one of {', '.join(map(str, choices))}, got {value!r}", field.name)
         if str(field.type) == "bool" and not isinstance(value, bool):
             raise OptionError("{} " + f"must be True or False, got {value!r}", field.name)
-        if str(field.type).startswith("Destination") and value is not None:
+        if str(field.type) == "Output" and value is not None:
             object.__setattr__(obj, field.name, destination(value, field.name))
 
 
@@ -123,7 +128,7 @@ def _output_path(text: str) -> Any:
     return output_path(text)
 
 
-_TYPES = {"int": int, "float": float, "Path": Path, "Destination": _output_path}
+_TYPES = {"int": int, "float": float, "Path": Path, "Output": _output_path}
 
 
 def typed(parse: Callable[[str], Any]) -> Callable[[str], Any]:

@@ -8,17 +8,13 @@ import functools
 import json
 import statistics
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from torch_reference.config import POSITIVE, TransformerConfig
 
 from .benchmark import timings
-from .options import check_fields, option
-
-if TYPE_CHECKING:
-    from .runtime.output import Destination
+from .options import Output, check_fields, option
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +28,7 @@ class Profile:
     length: int = option(32, "tokens per sentence, source and target", range=POSITIVE)
     vocab: int = option(8000, "shared vocabulary size", range=POSITIVE)
     repeats: int = option(10, "timed runs per part", range=POSITIVE)
-    json: Destination | None = option(None, "also write the figures to this JSON file")
+    json: Output = option(None, "also write the figures to this JSON file")
     xla_ops: bool = option(False, "instead: split JAX's forward + backward time into matmuls and other operations")
     xla_cpu_ab: bool = option(False, "instead: time JAX's train step and a beam-4 search with and without "
                               "xla_cpu's pieces")
