@@ -5,6 +5,7 @@ growth and the outputs that differ from torch cached search's; CTranslate2 and H
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import tempfile
 import threading
 import time
@@ -18,7 +19,7 @@ from train import data
 from train.api import Run, load
 from train.backends import allocator, create_backend, initialize
 from train.benchmark import _rss_mib
-from train.options import RunSelection, Search
+from train.options import POSITIVE, Output, RunSelection, Search, check_fields, option
 
 from . import ctranslate2 as ct2
 from . import marian, proof
@@ -178,11 +179,28 @@ def _hf_rows(run: Run, state, batches, beam_size: int, alpha: float, timed, refe
     return rows
 
 
-def bench_file(selection: RunSelection, search: Search, input: Path | None, batch_size: int | None = None,
-               json_path: Path | None = None, **extras: bool) -> list[dict]:
+@dataclasses.dataclass(frozen=True)
+class SpeedBench:
+    """What `bench_file` times besides the run's own searches, on which sentences, and where it writes."""
+
+    input: Path | None = option(None, "text file, one source sentence per line (plain or .gz); default: stdin")
+    batch_size: int | None = option(None, "at most N sentences per batch; default: the run's --token-budget",
+                                    range=POSITIVE)
+    json: Output = option(None, "also write the figures to this JSON file")
+    ctranslate2: bool = option(False, "also time the run exported to CTranslate2 in float32 and int8 (needs the "
+                               "interop extra: pip install -e \".[interop]\")")
+    hf: bool = option(False, "also time HF transformers' generate on the run's weights (a run imported from Marian: "
+                      "parity.convert --from marian; needs the interop extra)")
+    uncached: bool = option(True, "torch's uncached loop (hours at large shapes; --no-uncached leaves it out and "
+                            "the speed-ups against it are then null)")
+
+    def __post_init__(self):
+        check_fields(self)
+
+
+def bench_file(selection: RunSelection, search: Search, bench: SpeedBench = SpeedBench()) -> list[dict]:
     """`python -m parity.translate_bench`: `benchmark` of the run `selection` names on the sentences of
-    `input` (stdin), printed as a table (and written to `json_path`); `extras`: ctranslate2, hf,
-    uncached as `benchmark` takes them."""
+    `bench.input` (stdin), printed as a table (and written to `bench.json`)."""
     import platform
 
     import jax
@@ -197,22 +215,22 @@ def bench_file(selection: RunSelection, search: Search, input: Path | None, batc
     enable_parity_numerics()
     if len(selection.run_dir) > 1:
         raise UserError("--run-dir once: the benchmark times one run's weights")
-    sentences = [line for line in read_lines(input) if line.strip()]
+    sentences = [line for line in read_lines(bench.input) if line.strip()]
     if not sentences:
-        raise UserError(f"{input or 'standard input'} holds no sentence to translate")
+        raise UserError(f"{bench.input or 'standard input'} holds no sentence to translate")
     run = load(selection)
-    for package in [name for name, wanted in (("ctranslate2", extras.get("ctranslate2")),
-                                              ("transformers", extras.get("hf"))) if wanted]:
+    for package in [name for name, wanted in (("ctranslate2", bench.ctranslate2), ("transformers", bench.hf)) if wanted]:
         try:
             require(package)
         except ImportError as err:  # one line naming the extra
             raise UserError(str(err)) from None
-    if extras.get("hf"):
+    if bench.hf:
         try:
             marian.marian_origin(selection.run_dir[0])
         except ValueError as err:
             raise UserError(f"--hf: {err}") from None
-    rows = benchmark(run, sentences, search.beam, batch_size, search.alpha, scoring=search.scoring, **extras)
+    rows = benchmark(run, sentences, search.beam, bench.batch_size, search.alpha, scoring=search.scoring,
+                     ctranslate2=bench.ctranslate2, hf=bench.hf, uncached=bench.uncached)
     run.backend.close()
     machine = f"{platform.processor() or platform.machine()}, {host_devices.cores()} CPUs"
     if jax.default_backend() != "cpu":
@@ -227,6 +245,6 @@ def bench_file(selection: RunSelection, search: Search, input: Path | None, batc
         print(f"{r['search']:19s} {r['beam']:4d} {r['seconds']:8.2f} {r['sentences_per_s']:8.1f} "
               f"{r['tokens_per_s']:8.0f} {r['peak_mib']:8.0f} {r['speedup_vs_torch_cached']:15.2f}x {uncached:>12s} "
               f"{differ:>15s}" + (f"   BLEU vs float32 {r['bleu_vs_float32']:.2f}" if "bleu_vs_float32" in r else ""))
-    if json_path:
-        json_path.write(json_text({"run_dir": str(selection.run_dir[0]), "machine": machine, "rows": rows}))
+    if bench.json:
+        bench.json.write(json_text({"run_dir": str(selection.run_dir[0]), "machine": machine, "rows": rows}))
     return rows

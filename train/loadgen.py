@@ -6,6 +6,7 @@ percentiles and throughput; the server in a child process (`ServedRun`), and the
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import random
 import re
@@ -22,8 +23,65 @@ from typing import Any
 
 import numpy as np
 
+from .options import POSITIVE, OptionError, check_fields, option
 from .runtime.files import UserError
 from .serving import Limits, require
+
+
+@dataclasses.dataclass(frozen=True)
+class Load:
+    """A load test of the run in `run_dir` (`load_run`): `requests` requests of 1 to `max_texts`
+    sentences of `data` (a data spec's sources) or `input` (a file) from `clients` concurrent clients."""
+
+    run_dir: Path = option(None, "the run to serve (and to translate with --cli)", required=True)
+    data: str | None = option(None, "the source side of a data spec: numbers:test, FILE.tsv, ...", metavar="SPEC")
+    input: Path | None = option(None, "a file of source sentences, one per line (instead of --data)")
+    url: str | None = option(None, "load this running server instead of starting one (then no --unbatched or "
+                             "--serve-args)")
+    clients: int = option(64, "concurrent clients", range=POSITIVE)
+    requests: int = option(2000, "requests in all", range=POSITIVE)
+    max_texts: int = option(8, "sentences per request: 1 to N", range=POSITIVE, metavar="N")
+    beam: int = option(4, "beam size of every request", range=POSITIVE)
+    unbatched: bool = option(False, "also serve with --max-batch-requests 1 (no batching) under the same load")
+    cli: bool = option(False, "also time python -m train.translate on the same sentences")
+    serve_args: str = option("", "more flags for python -m train.serve, e.g. '--max-wait-ms 2'")
+
+    def __post_init__(self):
+        check_fields(self)
+        if (self.data is None) == (self.input is None):
+            raise OptionError("give {} or {}: the sentences to send", "data", "input")
+        if self.url and (self.unbatched or self.serve_args):
+            raise OptionError("{} and {} start servers of their own: give them without {}", "unbatched", "serve_args",
+                              "url")
+
+
+def load_run(load: Load) -> dict[str, dict[str, Any]]:
+    """`load_test` of each setup `load` asks for (served batched, unbatched; `cli_throughput`), by name."""
+    if load.input is not None:
+        lines = read_lines(load.input)
+    else:
+        from .data.splits import load_split
+        from .runtime import read_experiment
+
+        lines = [s for s, _ in load_split(read_experiment(load.run_dir), load.data)]
+    if not lines:
+        raise UserError("no sentence to send")
+    settings = {"clients": load.clients, "requests": load.requests, "max_texts": load.max_texts, "beam": load.beam}
+    setups, results = {"served, batched": load.serve_args.split()}, {}
+    if load.unbatched:
+        setups["served, one request per batch"] = [*load.serve_args.split(), "--max-batch-requests", "1"]
+    for name, flags in setups.items():
+        if load.url:
+            results[name] = load_test(load.url, lines, **settings)
+            break
+        with ServedRun(load.run_dir, *flags) as served:
+            print(f"{name}: {served.url} ...", file=sys.stderr, flush=True)
+            results[name] = load_test(served.url, lines, **settings)
+    if load.cli:
+        sent = sum(r["sentences"] for r in results.values()) // len(results)
+        pool = [lines[i % len(lines)] for i in range(max(len(lines), sent))]
+        results["CLI bulk (python -m train.translate)"] = cli_throughput(load.run_dir, pool, load.beam)
+    return results
 
 
 def load_test(url: str, lines: Sequence[str], *, clients: int = 64, requests: int = 2000, min_texts: int = 1,
