@@ -18,7 +18,7 @@ from .backends.host_devices import split_host
 from .data import load_parallel
 from .data.corpora import spec_files
 from .data.streams import LineReader
-from .options import Evaluation, RunSelection, Sampling, Search, TranslateFiles, check_format
+from .options import Evaluation, RunSelection, Sampling, ScoreFiles, Search, TranslateFiles, check_format
 from .runtime import Interrupted, interruptible
 from .runtime.files import UserError, error_text, json_text
 from .runtime.output import OtherInput, PartialOutput, Progress, StreamOutput, destination, open_stream
@@ -125,13 +125,13 @@ def evaluate_spec(selection: RunSelection, data: str, search: Search = Search(),
     return result
 
 
-def score_file(selection: RunSelection, input: str, output: os.PathLike | None = None, format: str = "text",
-               batch_size: int | None = None) -> None:
-    """Per pair of the data spec `input`, the target's log-probability under the runs `selection`
-    (`Run.score`), one line each to `output` (stdout): the number, or with `format` "jsonl" the
+def score_file(selection: RunSelection, files: ScoreFiles) -> None:
+    """Per pair of the data spec `files.input`, the target's log-probability under the runs `selection`
+    (`Run.score`), one line each to `files.output` (stdout): the number, or with format "jsonl" the
     JSON object with its tokens."""
     split_host()  # before jax is imported
-    destined = destination(output, "--output", spec_files(input), f"--input {input}")  # checked before the work
+    input = files.input
+    destined = destination(files.output, "--output", spec_files(input), f"--input {input}")  # checked before the work
     loaded = load_parallel(input)
     if loaded.skipped_empty:  # skipped, line N would no longer be pair N's score
         raise UserError(f"--input {input}: {loaded.skipped_empty:,} pairs with an empty side; every pair gets its "
@@ -139,8 +139,8 @@ def score_file(selection: RunSelection, input: str, output: os.PathLike | None =
     if not loaded.pairs:
         raise UserError(f"{input} holds no pair to score")
     with api.load(selection) as run:
-        scores = run.score([s for s, _ in loaded.pairs], [t for _, t in loaded.pairs], batch_size=batch_size)
-    text = "".join((json.dumps(s, ensure_ascii=False) if format == "jsonl" else f"{s['logprob']:.7g}") + "\n"
+        scores = run.score([s for s, _ in loaded.pairs], [t for _, t in loaded.pairs], batch_size=files.batch_size)
+    text = "".join((json.dumps(s, ensure_ascii=False) if files.format == "jsonl" else f"{s['logprob']:.7g}") + "\n"
                    for s in scores)
     if destined is None:
         sys.stdout.write(text)

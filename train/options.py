@@ -346,6 +346,22 @@ class TranslateFiles:
         check_fields(self)
 
 
+@dataclasses.dataclass(frozen=True)
+class ScoreFiles:
+    """Which pairs `train.score` scores, and where and how it writes their log-probabilities (`jobs.score_file`)."""
+
+    input: str = option(None, "the pairs: a data spec as train.run's --valid takes (FILE.tsv with columns source and "
+                        "target, SRC:TGT:PREFIX for PREFIX.SRC and PREFIX.TGT, FILE.jsonl)", required=True)
+    output: Path | None = option(None, "write here instead of stdout")
+    format: str = option("text", "text: the log-probability; jsonl: also the target tokens (<eos> last) and each "
+                         "one's log-probability", choices=("text", "jsonl"))
+    batch_size: int | None = option(None, "at most N pairs per batch (default: the run's token budget)",
+                                    range=POSITIVE)
+
+    def __post_init__(self):
+        check_fields(self)
+
+
 def sampling_from(given: Mapping[str, Any]) -> Sampling | None:
     """The `Sampling` of the flags `given` when --sample is, else None; a sampling flag without it: UserError."""
     if not given.get("sample"):

@@ -7,38 +7,24 @@ over its tokens, <eos> included), or with --format jsonl also its tokens and the
 
 from __future__ import annotations
 
-import argparse
 import sys
-from pathlib import Path
 
-from .options import POSITIVE, RunSelection, add_flags, build, call
+from .options import RunSelection, ScoreFiles, add_flags, build, command, run
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m train.score", description="Score given translations with a run "
-                                     "trained by `python -m train.run`: per pair the log-probability of the target "
-                                     "given the source (teacher forcing; sources longer than the model's max_len cut "
-                                     "to it, as translate cuts them).")
+def build_parser():
+    parser = command("python -m train.score", "Score given translations with a run trained by `python -m "
+                     "train.run`: per pair the log-probability of the target given the source (teacher forcing; "
+                     "sources longer than the model's max_len cut to it, as translate cuts them).")
     add_flags(parser, RunSelection, skip=("devices", "coordinator_address", "num_processes", "process_id"))
-    parser.add_argument("--input", required=True,
-                        help="the pairs: a data spec as train.run's --valid takes (FILE.tsv with columns source and "
-                        "target, SRC:TGT:PREFIX for PREFIX.SRC and PREFIX.TGT, FILE.jsonl)")
-    parser.add_argument("--output", type=Path, help="write here instead of stdout")
-    parser.add_argument("--format", choices=("text", "jsonl"), default="text",
-                        help="text (default): the log-probability; jsonl: also the target tokens (<eos> last) and "
-                        "each one's log-probability")
-    parser.add_argument("--batch-size", type=POSITIVE.parser(),
-                        help="at most N pairs per batch (default: the run's token budget)")
+    add_flags(parser, ScoreFiles)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
     from .jobs import score_file
 
-    return call(parser, lambda: score_file(build(RunSelection, vars(args)), args.input, args.output, args.format,
-                                           args.batch_size))
+    return run(build_parser(), argv, lambda given: score_file(build(RunSelection, given), build(ScoreFiles, given)))
 
 
 if __name__ == "__main__":

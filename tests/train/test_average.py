@@ -86,9 +86,8 @@ def test_cli_errors(run_with_checkpoints, tmp_path, capsys):
         (tmp_path / "stray").write_text("x")
         code = average.main(["--run-dir", src, "--last", "2", *args, "--overwrite"])
         assert code == 1 and message in capsys.readouterr().err
-    with pytest.raises(SystemExit) as exited:  # argparse's usage error
-        average.main(["--run-dir", src, "--last", "0", "--dst", str(tmp_path / "y")])
-    assert exited.value.code == 2
+    assert average.main(["--run-dir", src, "--last", "0", "--dst", str(tmp_path / "y")]) == 1  # Averaging's check
+    assert capsys.readouterr().err == "error: --last must be >= 1, got 0\n"
     for last in (0, -1):  # from Python too: 0 averaged every checkpoint, -1 all but the oldest
         with pytest.raises(ValueError, match=f"last must be >= 1, got {last}"):
             averaging.average_run(src, tmp_path / "y", last=last)
