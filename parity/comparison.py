@@ -5,7 +5,6 @@ parameter's gradient compared, and the bounds they must meet."""
 from __future__ import annotations
 
 import copy
-import dataclasses
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -19,7 +18,7 @@ import torch_reference
 from jax_transformer.objective import label_smoothed_cross_entropy as jax_loss
 from torch_reference.config import NON_NEGATIVE, POSITIVE, TransformerConfig
 from torch_reference.objective import label_smoothed_cross_entropy as torch_loss
-from train.options import Output, check_fields, option
+from train.options import Output, checked, option
 
 from .weights import jax_key, jax_params_to_torch, torch_to_jax
 
@@ -187,7 +186,7 @@ def failures(report: dict, bounds: dict) -> list[str]:
     return out
 
 
-@dataclasses.dataclass(frozen=True)
+@checked
 class Check:
     """What `check` compares: a random `preset` model with `overrides` (or each of `VARIANTS` in turn,
     with `overrides` on top) on one random padded batch."""
@@ -204,8 +203,7 @@ class Check:
     seed: int = option(0, "the random model's and batch's seed", range=NON_NEGATIVE)
     json: Output = option(None, "write the full report (every parameter) to this file")
 
-    def __post_init__(self):
-        check_fields(self)
+    def check(self) -> None:
         self.configs()  # a field value the config refuses: refused now, not after the first variant's work
 
     def configs(self) -> dict[str, TransformerConfig]:

@@ -8,11 +8,10 @@ proved by its own runtime (`parity.proof`). Examples: docs/interop.md.
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 from train import runtime, store
-from train.options import OptionError, check_fields, option
+from train.options import OptionError, checked, option
 
 from . import ctranslate2 as ct2_export
 from . import marian, proof
@@ -22,7 +21,7 @@ from .weights import FRAMEWORKS, jax_to_torch, torch_to_jax
 EXPORTS = ("marian", "ctranslate2")
 
 
-@dataclasses.dataclass(frozen=True)
+@checked
 class Conversion:
     """What `convert` makes of what: weights (`src`) or a run (`run_dir`) into the other framework, a
     Marian model into a run (`source_format` "marian"), a run into Marian or CTranslate2 (`to`)."""
@@ -36,14 +35,14 @@ class Conversion:
         "pytorch_model.bin, source.spm, target.spm, vocab.json); --dst the run directory of the --to backend, which "
         "train.translate, train.evaluate and train.run --resume (fine-tuning) accept", choices=("marian",),
         flag="--from")
-    src: str | None = option(None, "weights only: a .safetensors file (--to jax; a legacy torch.save state dict "
-                             ".pt/.pth/.bin with config.json beside it is read with weights_only=True) or a JAX weights "
-                             "directory (--to torch); with --from marian the HF directory; with --to marian or "
-                             "ctranslate2 a run directory")
+    src: str | None = option(
+        None, "weights only: a .safetensors file (--to jax; a legacy torch.save state dict .pt/.pth/.bin with "
+        "config.json beside it is read with weights_only=True) or a JAX weights directory (--to torch); with --from "
+        "marian the HF directory; with --to marian or ctranslate2 a run directory")
     run_dir: str | None = option(None, "instead of --src: a whole training run directory of the other backend "
                                  "(train.run --run-dir)")
-    dst: Path = option(None, "a JAX weights directory (--to jax) or a .safetensors file (--to torch); with --run-dir or "
-                       "--from the new run directory; with --to marian or ctranslate2 the model directory",
+    dst: Path = option(None, "a JAX weights directory (--to jax) or a .safetensors file (--to torch); with --run-dir "
+                       "or --from the new run directory; with --to marian or ctranslate2 the model directory",
                        required=True)
     checkpoint: str | None = option(None, "with --run-dir: which checkpoints to convert: latest (default), best, all, "
                                     "or a step number; with --to marian or ctranslate2: best (default), latest or a "
@@ -60,8 +59,7 @@ class Conversion:
         f"the export's {proof.PROOF_FILE}", metavar="FILE")
     overwrite: bool = option(False, "replace an existing destination")
 
-    def __post_init__(self):
-        check_fields(self)
+    def check(self) -> None:
         if (self.src is None) == (self.run_dir is None):
             raise OptionError("give {} or {}: what to convert", "src", "run_dir")
         reads_run = self.source_format is None and (self.run_dir is not None or self.to in EXPORTS)

@@ -5,7 +5,6 @@ growth and the outputs that differ from torch cached search's; CTranslate2 and H
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import tempfile
 import threading
 import time
@@ -19,7 +18,7 @@ from train import data
 from train.api import Run, load
 from train.backends import allocator, create_backend, initialize
 from train.benchmark import _rss_mib
-from train.options import POSITIVE, Output, RunSelection, Search, check_fields, option
+from train.options import POSITIVE, Output, RunSelection, Search, checked, option
 
 from . import ctranslate2 as ct2
 from . import marian, proof
@@ -179,7 +178,7 @@ def _hf_rows(run: Run, state, batches, beam_size: int, alpha: float, timed, refe
     return rows
 
 
-@dataclasses.dataclass(frozen=True)
+@checked
 class SpeedBench:
     """What `bench_file` times besides the run's own searches, on which sentences, and where it writes."""
 
@@ -193,9 +192,6 @@ class SpeedBench:
                       "parity.convert --from marian; needs the interop extra)")
     uncached: bool = option(True, "torch's uncached loop (hours at large shapes; --no-uncached leaves it out and "
                             "the speed-ups against it are then null)")
-
-    def __post_init__(self):
-        check_fields(self)
 
 
 def bench_file(selection: RunSelection, search: Search, bench: SpeedBench = SpeedBench()) -> list[dict]:
@@ -219,7 +215,8 @@ def bench_file(selection: RunSelection, search: Search, bench: SpeedBench = Spee
     if not sentences:
         raise UserError(f"{bench.input or 'standard input'} holds no sentence to translate")
     run = load(selection)
-    for package in [name for name, wanted in (("ctranslate2", bench.ctranslate2), ("transformers", bench.hf)) if wanted]:
+    for package in [name for name, wanted in (("ctranslate2", bench.ctranslate2), ("transformers", bench.hf))
+                    if wanted]:
         try:
             require(package)
         except ImportError as err:  # one line naming the extra

@@ -19,7 +19,7 @@ from train import data
 from train.backends import create_backend, initialize
 from train.config import ExperimentConfig
 from train.loop import make_batcher
-from train.options import OptionError, Output, check_fields, option
+from train.options import OptionError, Output, checked, option
 from train.store import TrainingState
 
 from .comparison import enable_parity_numerics
@@ -49,7 +49,7 @@ def experiment_config(steps: int = 100, preset: str = "tiny", model: dict | None
     return ExperimentConfig(**settings).resolve()
 
 
-@dataclasses.dataclass(frozen=True)
+@checked
 class Trajectory:
     """How `parity_report` runs a trajectory of `steps` updates (its training settings: `experiment_config`)."""
 
@@ -61,8 +61,7 @@ class Trajectory:
     json: Output = option(None, "write the full report (every update, every parameter) here")
     plot: Output = option(None, "write a PNG of the differences per update here")
 
-    def __post_init__(self):
-        check_fields(self)
+    def check(self) -> None:
         object.__setattr__(self, "switch", self.steps // 2 if self.switch is None else self.switch)
         if self.switch >= self.steps:
             raise OptionError("{} " + f"{self.switch} must be below " + "{} " + f"{self.steps}", "switch", "steps")

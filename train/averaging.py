@@ -20,11 +20,11 @@ from torch_reference.config import POSITIVE
 
 from . import data, runtime
 from .backends import create_backend
-from .options import check_fields, option
+from .options import checked, option
 from .store import CheckpointError, TrainingState
 
 
-@dataclasses.dataclass(frozen=True)
+@checked
 class Averaging:
     """What `average_run` averages: the newest `last` checkpoints of run `src` into a new run `dst`."""
 
@@ -33,9 +33,6 @@ class Averaging:
     dst: Path = option(None, "the new run directory to write", required=True, metavar="OUT")
     last: int = option(5, "average the newest N checkpoints", range=POSITIVE, metavar="N")
     overwrite: bool = option(False, "replace --dst if it holds a run")
-
-    def __post_init__(self):
-        check_fields(self)
 
 
 def average_states(states: Sequence[TrainingState]) -> TrainingState:

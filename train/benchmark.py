@@ -30,7 +30,7 @@ import numpy as np
 from torch_reference.config import NON_NEGATIVE, POSITIVE, PROBABILITY, TransformerConfig
 
 from .config import KERNEL_CHOICES
-from .options import OptionError, Output, check_fields, option
+from .options import OptionError, Output, checked, option
 from .runtime.files import json_text
 
 BACKENDS = ("jax", "torch", "torch-compile")
@@ -44,7 +44,7 @@ WORKER = ("import json, sys; from train.benchmark import run_worker; "
           "print(json.dumps(run_worker(**json.loads(sys.argv[1]))))")
 
 
-@dataclasses.dataclass(frozen=True)
+@checked
 class Bench:
     """What `measure` times: every precision x preset x backend (x remat), each in a worker process
     of its own, on batches of `batch_tokens` / `length` sentences of `length` tokens."""
@@ -66,7 +66,7 @@ class Bench:
     json: Output = option(None, "write all figures to this JSON file (after every measurement)")
     plot: Output = option(None, "write a bar chart of step times to this PNG")
 
-    def __post_init__(self):
+    def check(self) -> None:
         for name, known in (("presets", TransformerConfig.presets()), ("backends", BACKENDS),
                             ("precisions", PRECISIONS)):
             value = getattr(self, name)
@@ -76,7 +76,6 @@ class Bench:
             if unknown := [n for n in names if n not in known]:
                 raise OptionError("{}: " + f"unknown {name[:-1]} {unknown[0]!r}; choose from {', '.join(known)}", name)
             object.__setattr__(self, name, names)
-        check_fields(self)
         if self.batch_size % self.devices:
             raise OptionError("{} " + f"{self.devices} does not divide the batch of {self.batch_size} sentences (" +
                               "{} / {})", "devices", "batch_tokens", "length")

@@ -6,7 +6,6 @@ percentiles and throughput; the server in a child process (`ServedRun`), and the
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import random
 import re
@@ -23,12 +22,12 @@ from typing import Any
 
 import numpy as np
 
-from .options import POSITIVE, OptionError, check_fields, option
+from .options import POSITIVE, OptionError, checked, option
 from .runtime.files import UserError
 from .serving import Limits, require
 
 
-@dataclasses.dataclass(frozen=True)
+@checked
 class Load:
     """A load test of the run in `run_dir` (`load_run`): `requests` requests of 1 to `max_texts`
     sentences of `data` (a data spec's sources) or `input` (a file) from `clients` concurrent clients."""
@@ -46,8 +45,7 @@ class Load:
     cli: bool = option(False, "also time python -m train.translate on the same sentences")
     serve_args: str = option("", "more flags for python -m train.serve, e.g. '--max-wait-ms 2'")
 
-    def __post_init__(self):
-        check_fields(self)
+    def check(self) -> None:
         if (self.data is None) == (self.input is None):
             raise OptionError("give {} or {}: the sentences to send", "data", "input")
         if self.url and (self.unbatched or self.serve_args):

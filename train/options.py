@@ -75,6 +75,17 @@ def check_fields(obj: Any) -> None:
             object.__setattr__(obj, field.name, destination(value, field.name))
 
 
+def checked(cls: type) -> type:
+    """`cls` as a frozen dataclass that checks itself when made: its fields (`check_fields`), then its own `check`."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        getattr(self, "check", lambda: None)()
+
+    cls.__post_init__ = __post_init__
+    return dataclasses.dataclass(frozen=True)(cls)
+
+
 def destination(value: Any, name: str) -> Any:
     """`value` (a path, or a Destination already checked) as the `Destination` of parameter `name`: an
     OptionError naming it where the file cannot be written (docs/operations.md#output-files)."""
@@ -177,7 +188,7 @@ def run(parser: argparse.ArgumentParser, argv: list[str] | None, job: Callable[[
     return call(parser, lambda: job(given))
 
 
-@dataclasses.dataclass(frozen=True)
+@checked
 class Search:
     """A beam search (greedy with beam 1; docs/decoding.md): `n_best` K (<= beam) or `alignments`
     give each sentence's K best `Hypothesis` (1 with alignments alone) instead of strings."""
@@ -195,14 +206,13 @@ class Search:
     alignments: bool = option(False, "with --format jsonl: one source position per target token (the argmax of "
                               "the last decoder layer's cross-attention averaged over heads), and the source tokens")
 
-    def __post_init__(self):
-        check_fields(self)
+    def check(self) -> None:
         if self.n_best is not None and self.n_best > self.beam:
             raise OptionError("{} " + f"{self.n_best} must be between 1 and " + "{} " + f"{self.beam}: a beam search "
                               "keeps beam hypotheses", "n_best", "beam")
 
 
-@dataclasses.dataclass(frozen=True)
+@checked
 class Sampling:
     """Random sampling instead of a search (`Translator.sample`, docs/decoding.md#sampling):
     `num_samples` translations per sentence, each token drawn with the uniform of (seed, the
@@ -220,9 +230,6 @@ class Sampling:
     top_k: int = option(0, "draw among the K most probable tokens (0: all)", range=NON_NEGATIVE, metavar="K")
     top_p: float = option(1.0, "draw among the most probable tokens whose probabilities reach P, in (0, 1] (1: all)",
                           range=Range(float, above=0.0, high=1.0), metavar="P")
-
-    def __post_init__(self):
-        check_fields(self)
 
     def check_with(self, search: Search, prefixes: bool = False) -> None:
         """OptionError for what does not go with sampling: n-best lists and forced prefixes are the
@@ -249,7 +256,7 @@ def check_format(fmt: str, search: Search, sample: Sampling | None = None) -> No
         raise OptionError("{} are written with {} jsonl", "alignments", "format")
 
 
-@dataclasses.dataclass(frozen=True)
+@checked
 class RunSelection:
     """Which trained runs to load and onto what (`train.load`): one run directory, or several (an
     ensemble of runs of one framework with the same tokenizers, combined by `average`), each at
@@ -275,7 +282,7 @@ class RunSelection:
     num_processes: int | None = option(None, "jax multi-process: number of processes", range=POSITIVE)
     process_id: int | None = option(None, "jax multi-process: this process's id, 0..N-1", range=NON_NEGATIVE)
 
-    def __post_init__(self):
+    def check(self) -> None:
         dirs = self.run_dir
         if isinstance(dirs, (str, os.PathLike)) or not isinstance(dirs, Iterable):
             dirs = [dirs]
@@ -285,7 +292,6 @@ class RunSelection:
         if not all(isinstance(d, (str, os.PathLike)) for d in dirs):
             raise OptionError("{}: give a run directory or a list of them, " + f"got {dirs!r}", "run_dir")
         object.__setattr__(self, "run_dir", [Path(d) for d in dirs])
-        check_fields(self)
 
     @property
     def launch(self) -> dict[str, Any]:
@@ -294,7 +300,7 @@ class RunSelection:
                 if (v := getattr(self, k)) is not None}
 
 
-@dataclasses.dataclass(frozen=True)
+@checked
 class Evaluation:
     """What `Run.evaluate` scores besides the search's translations (`train.metrics.evaluate_pairs`)."""
 
@@ -308,11 +314,8 @@ class Evaluation:
         "--lowercase", metavar="LANG")
     samples: int = option(0, "include N example translations in the JSON", range=NON_NEGATIVE)
 
-    def __post_init__(self):
-        check_fields(self)
 
-
-@dataclasses.dataclass(frozen=True)
+@checked
 class TranslateFiles:
     """Where `train.translate` reads and writes, and how (`translation.translate_file`)."""
 
@@ -342,11 +345,8 @@ class TranslateFiles:
     progress: bool = option(True, "a progress line on stderr (shown only when stderr is a terminal); the summary "
                             "stays")
 
-    def __post_init__(self):
-        check_fields(self)
 
-
-@dataclasses.dataclass(frozen=True)
+@checked
 class ScoreFiles:
     """Which pairs `train.score` scores, and where and how it writes their log-probabilities (`jobs.score_file`)."""
 
@@ -357,9 +357,6 @@ class ScoreFiles:
                          "one's log-probability", choices=("text", "jsonl"))
     batch_size: int | None = option(None, "at most N pairs per batch (default: the run's token budget)",
                                     range=POSITIVE)
-
-    def __post_init__(self):
-        check_fields(self)
 
 
 def sampling_from(given: Mapping[str, Any]) -> Sampling | None:

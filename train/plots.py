@@ -8,7 +8,6 @@ saves excluded, so an interrupted and resumed run plots on one time axis). Matpl
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import io
 import json
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from .options import check_fields, option
+from .options import checked, option
 from .runtime.files import UserError, write_bytes_atomic
 from .runtime.layout import CURVES_FILE, RESULTS_FILE
 
@@ -25,7 +24,7 @@ from .runtime.layout import CURVES_FILE, RESULTS_FILE
 IMAGE_FORMATS = sorted(set(FigureCanvasAgg.get_supported_filetypes()) - {"pgf"})
 
 
-@dataclasses.dataclass(frozen=True)
+@checked
 class Curves:
     """Which run's curves `draw` redraws, and where."""
 
@@ -33,9 +32,6 @@ class Curves:
     out: Path | None = option(None, "output file, replaced if it exists, in the format its suffix names: "
                               f"{', '.join(IMAGE_FORMATS)}; PNG without one (default: RUN/{CURVES_FILE})",
                               metavar="FILE")
-
-    def __post_init__(self):
-        check_fields(self)
 
 
 def draw(curves: Curves) -> dict[str, Any]:

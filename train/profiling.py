@@ -3,7 +3,6 @@ each part of a training step, forward + backward, JAX vs PyTorch; the XLA:CPU A/
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import statistics
@@ -14,10 +13,10 @@ import numpy as np
 from torch_reference.config import POSITIVE, TransformerConfig
 
 from .benchmark import timings
-from .options import Output, check_fields, option
+from .options import Output, checked, option
 
 
-@dataclasses.dataclass(frozen=True)
+@checked
 class Profile:
     """What `python -m train.profile_step` times: the parts of `preset`'s training step on `batch`
     sentences of `length` tokens (float32, dropout off), or with `xla_ops` / `xla_cpu_ab` instead the
@@ -33,9 +32,6 @@ class Profile:
     xla_cpu_ab: bool = option(False, "instead: time JAX's train step and a beam-4 search with and without "
                               "xla_cpu's pieces")
     sentences: int = option(64, "sources of the --xla-cpu-ab search", range=POSITIVE)
-
-    def __post_init__(self):
-        check_fields(self)
 
     @property
     def config(self) -> TransformerConfig:
