@@ -180,7 +180,16 @@ def _hf_rows(run: Run, state, batches, beam_size: int, alpha: float, timed, refe
 
 @checked
 class SpeedBench:
-    """What `bench_file` times besides the run's own searches, on which sentences, and where it writes."""
+    """What `bench_file` times, on which sentences, and where it writes. It opens a run (either backend),
+    moves its weights into the other framework (`convert_state`), and times JAX and torch cached search
+    and torch's uncached loop (the decoder re-run over every prefix; `uncached`), each greedy and with the
+    search's beam: seconds, sentences/s, tokens/s, `peak_mib` (the largest growth of resident memory in
+    the timed loop), the speed-ups against torch cached and uncached, and how many outputs differ from
+    torch cached search's (0 expected). Torch and CTranslate2 run under glibc's settled allocator
+    thresholds (`allocator.settled`), float32 matmuls in full float32 (TF32 off) in both frameworks.
+    `ctranslate2` adds the run exported to CTranslate2 in float32 and int8 (outputs compared by
+    `ctranslate2.same_output`, int8's BLEU against float32's: docs/interop.md#speed); `hf` adds HF's
+    `generate` on a run imported from Marian (`marian.to_marian`), each batch limited to our length limit."""
 
     input: Path | None = option(None, "text file, one source sentence per line (plain or .gz); default: stdin")
     batch_size: int | None = option(None, "at most N sentences per batch; default: the run's --token-budget",

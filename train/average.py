@@ -1,5 +1,5 @@
-"""`python -m train.average --run-dir RUN --last N --dst OUT` (`aiayn average`): the mean of a run's
-newest N checkpoints as a new run (`train.averaging`)."""
+"""Average the weights of a run's newest N checkpoints (the paper's §6.1: 5 for base models, 20 for big
+ones) into a new run directory that translate, evaluate and train.run --resume accept (`train.averaging`)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,7 @@ from .options import build, command, run
 
 
 def build_parser():
-    return command("python -m train.average", "Average the weights of a run's newest N checkpoints (the paper's "
-                   "§6.1: 5 for base models, 20 for big ones) into a new run directory that translate, evaluate and "
-                   "train.run --resume accept.", Averaging)
+    return command("python -m train.average", __doc__, Averaging)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,9 +1,6 @@
-"""`python -m train.bench` (`aiayn bench`): train-step time of both frameworks on the same model and batches.
-
-    python -m train.bench --presets tiny,small,base --backends jax,torch,torch-compile --json bench.json --plot bench.png
-
-Flags and printing; each measurement runs in a worker process of its own (`train.benchmark.measure`).
-"""
+"""Median train-step time of the same model and batches on JAX, PyTorch eager and torch.compile, with
+tokens/s, model FLOPs, MFU against the matmul peak measured in the same process at the same precision, and
+peak memory; each measurement in a worker process of its own (`train.benchmark.measure`)."""
 
 from __future__ import annotations
 
@@ -15,9 +12,7 @@ from .options import build, command, run
 
 
 def build_parser():
-    return command("python -m train.bench", "Median train-step time of the same model and batches on JAX, PyTorch "
-                   "eager and torch.compile, with tokens/s, model FLOPs, MFU against the matmul peak measured in the "
-                   "same process at the same precision, and peak memory.", Bench, epilog=f"{PRECISION_HELP}. Example "
+    return command("python -m train.bench", __doc__, Bench, epilog=f"{PRECISION_HELP}. Example "
                    "on a GPU: python -m train.bench --presets base,big --precisions float32,tf32,bfloat16 "
                    "--batch-tokens 16384 --length 64")
 

@@ -144,7 +144,7 @@ def _reset_peak_rss() -> bool:
 
 
 def set_precision(framework: str, precision: str) -> None:
-    """Matmul precision of this process for `precision` (one of PRECISIONS: see `build_parser`'s epilog)."""
+    """Matmul precision of this process for `precision` (one of PRECISIONS: `PRECISION_HELP`)."""
     if framework == "jax":
         import jax
 

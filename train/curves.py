@@ -1,5 +1,5 @@
-"""`python -m train.curves --run-dir RUN [--out FILE]` (`aiayn curves`): redraw a run's learning curves
-(`train.plots.draw`)."""
+"""Draw a run's learning curves (training and validation loss, validation BLEU, against steps and training
+time) to an image from its results.json (`train.plots.draw`)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ from .runtime.files import json_text
 
 
 def build_parser():
-    return command("python -m train.curves", "Draw a run's learning curves (training and validation loss, "
-                   "validation BLEU, against steps and training time) to an image from its results.json.", Curves)
+    return command("python -m train.curves", __doc__, Curves)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,7 +3,7 @@ how to search (`Search`), how to sample (`Sampling`), which runs to load (`RunSe
 
 The Python API, the server and the commands all build these objects, so a rule lives here alone.
 An error names the parameter (`top_p must be in (0, 1], got 2`); the commands' flags are generated
-from the fields' metadata (`add_flags`), and a command's `call` rewords the same error with the flag
+from the fields' metadata (`add_flags`), and a command's `run` rewords the same error with the flag
 (`--top-p must be ...`).
 
     >>> Search(beam=4, n_best=2).n_best
@@ -95,7 +95,7 @@ def destination(value: Any, name: str) -> Any:
         return value
     try:
         return Destination(value, "")
-    except UserError as err:  # its message names no flag: the parameter's name, or its flag (`call`), leads it
+    except UserError as err:  # its message names no flag: the parameter's name, or its flag (`run`), leads it
         text = str(err).lstrip().replace("{", "{{").replace("}", "}}")
         raise OptionError("{} " + text, name) from None
 
@@ -121,7 +121,7 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: ty
         elif "parse" in meta:  # a repeatable flag of its own syntax (--set FIELD=VALUE)
             kwargs.update(action="append", type=typed(meta["parse"]), metavar=meta.get("metavar"))
         else:
-            # Typed here, checked once by the class (its error reworded with the flag: `call`); `ranges`: checked here.
+            # Typed here, checked once by the class (its error reworded with the flag: `run`); `ranges`: checked here.
             parse = ranges[field.name].parser(field.name) if field.name in ranges else _TYPES.get(kind, str)
             kwargs.update(type=parse, choices=meta.get("choices"),
                           metavar=meta.get("metavar", {"int": "N", "float": "X"}.get(kind)))
@@ -134,9 +134,11 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: ty
 
 
 def _output_path(text: str) -> Any:
-    from .runtime.output import output_path  # output files' rules (a heavier import): only when parsed
-
-    return output_path(text)
+    """argparse's type of an `Output` field: refused while the flags are read, not after minutes of work."""
+    try:
+        return destination(text, "")
+    except OptionError as err:
+        raise argparse.ArgumentTypeError(str(err).lstrip()) from None
 
 
 _TYPES = {"int": int, "float": float, "Path": Path, "Output": _output_path}
@@ -154,24 +156,9 @@ def typed(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     return parsed
 
 
-def build(cls: type, given: Mapping[str, Any], **extra: Any) -> Any:
-    """`cls` from the flags `given` (argparse's dict: field name -> value) that are its fields, and `extra`."""
-    fields = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{k: v for k, v in given.items() if k in fields}, **extra)
-
-
-def call(parser: argparse.ArgumentParser, job: Callable[[], Any]) -> int:
-    """The exit status of `job()` by the commands' one protocol (`runtime.exit_status`), an
-    OptionError worded with the flags of `parser` instead of the parameters' names."""
-    flags = {action.dest: action.option_strings[0] for action in parser._actions if action.option_strings}
-
-    def worded() -> Any:
-        try:
-            return job()
-        except OptionError as err:
-            raise UserError(err.worded(lambda name: flags.get(name, name))) from None
-
-    return exit_status(worded)
+def build(cls: type, given: Mapping[str, Any]) -> Any:
+    """`cls` from the flags `given` (argparse's dict: field name -> value) that are its fields."""
+    return cls(**{k: v for k, v in given.items() if k in {f.name for f in dataclasses.fields(cls)}})
 
 
 def command(prog: str, description: str, *classes: type, **kwargs: Any) -> argparse.ArgumentParser:
@@ -183,9 +170,18 @@ def command(prog: str, description: str, *classes: type, **kwargs: Any) -> argpa
 
 
 def run(parser: argparse.ArgumentParser, argv: list[str] | None, job: Callable[[dict[str, Any]], Any]) -> int:
-    """A command's exit status: `job` of the flags given (`argv`: sys.argv's), by `call`'s protocol."""
+    """A command's exit status: `job` of the flags given (`argv`: sys.argv's) by the one protocol
+    (`runtime.exit_status`), an OptionError worded with the flags of `parser` instead of the parameters' names."""
     given = vars(parser.parse_args(argv))
-    return call(parser, lambda: job(given))
+    flags = {action.dest: action.option_strings[0] for action in parser._actions if action.option_strings}
+
+    def worded() -> Any:
+        try:
+            return job(given)
+        except OptionError as err:
+            raise UserError(err.worded(lambda name: flags.get(name, name))) from None
+
+    return exit_status(worded)
 
 
 @checked
@@ -246,8 +242,6 @@ class Sampling:
 
 def check_format(fmt: str, search: Search, sample: Sampling | None = None) -> None:
     """OptionError for output options that cannot be written: one line per input line, always."""
-    if fmt not in FORMATS:
-        raise OptionError("{} " + f"must be one of {', '.join(FORMATS)}, got {fmt!r}", "format")
     for name, many in (("n_best", search.n_best or 1), ("num_samples", sample.num_samples if sample else 1)):
         if fmt == "text" and many > 1:
             raise OptionError("{} " + f"{many} gives several translations per input line: give " + "{} tsv or jsonl",

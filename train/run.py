@@ -39,16 +39,10 @@ data specs (--train, --valid, --test):
 examples:
   python -m train.run --backend=jax
   python -m train.run --backend=torch --steps 2000 --run-dir runs/torch-numbers
-  python -m train.run --run-dir runs/m30k --train de:en:../shared/data/multi30k/train \\
-      --valid de:en:../shared/data/multi30k/val --test de:en:../shared/data/multi30k/test_2016_flickr \\
-      --preset small --steps 20000 --token-budget 8192
   python -m train.run --config recipes/multi30k-de-en.toml --run-dir runs/m30k   # a recipe (recipes/*.toml)
   python -m train.run --run-dir runs/torch-numbers --resume --steps 4000
-  python -m train.run --devices 4 --dtype bfloat16          # data parallel over 4 devices, bf16
-  XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m train.run   # 8 CPU devices, for testing
-  python -m train.run --run-dir runs/mh --coordinator-address 127.0.0.1:12345 --num-processes 2 \\
-      --process-id 0     # and the same with --process-id 1 in a second shell: one run, two processes
-  python -m train.run --backend torch --devices 2   # PyTorch DistributedDataParallel, 2 processes started here
+  python -m train.run --devices 4 --dtype bfloat16   # data parallel over 4 devices, bf16
+  python -m train.run --backend torch --devices 2    # PyTorch DDP, 2 processes (several hosts: docs/operations.md)
   torchrun --nproc-per-node 8 -m train.run --backend torch --param-sharding fsdp   # FSDP2 over 8 GPUs
 Ctrl-C or SIGTERM finishes the current update, saves a checkpoint and exits (status 130/143);
 `--resume` continues from the newest complete checkpoint, exactly as if never stopped (a run

@@ -1,8 +1,7 @@
-"""`python -m train.score --run-dir DIR --input PAIRS.tsv` (`aiayn score`): the log-probability
-of given translations under a trained run (`train.jobs.score_file`; docs/decoding.md#scoring).
-
-One output line per pair, in order: the log-probability of the target given the source (the sum
-over its tokens, <eos> included), or with --format jsonl also its tokens and their log-probabilities.
+"""Score given translations with a run trained by `python -m train.run` (`train.jobs.score_file`;
+docs/decoding.md#scoring): one output line per pair, in order, the log-probability of the target given the
+source (the sum over its tokens, <eos> included; teacher forcing; sources longer than the model's max_len cut
+to it, as translate cuts them), or with --format jsonl also its tokens and their log-probabilities.
 """
 
 from __future__ import annotations
@@ -13,9 +12,7 @@ from .options import RunSelection, ScoreFiles, add_flags, build, command, run
 
 
 def build_parser():
-    parser = command("python -m train.score", "Score given translations with a run trained by `python -m "
-                     "train.run`: per pair the log-probability of the target given the source (teacher forcing; "
-                     "sources longer than the model's max_len cut to it, as translate cuts them).")
+    parser = command("python -m train.score", __doc__)
     add_flags(parser, RunSelection, skip=("devices", "coordinator_address", "num_processes", "process_id"))
     add_flags(parser, ScoreFiles)
     return parser

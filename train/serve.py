@@ -1,8 +1,9 @@
-"""`python -m train.serve --run-dir RUN [--host 127.0.0.1] [--port 8000]` (`aiayn serve`): serve a run over HTTP.
-
-`POST /translate`, `GET /health`, `GET /info` and a page at `/` (`train.serving`, docs/serving.md).
-SIGTERM or Ctrl-C stops accepting, finishes the requests in flight and exits 0; SIGHUP or a second
-Ctrl-C stops at once, answering them 503 (retry), and exits 128 + the signal.
+"""Serve a run trained by `python -m train.run` over HTTP (`train.serving`, docs/serving.md): POST
+/translate with JSON {"texts": [...], "beam": 4, ...} (every option of Run.translate: n_best, prefix,
+alignments, sample, seed, ...), GET /health, GET /info, and a page at / that translates and draws the
+cross-attention. Concurrent requests are decoded together in batches. SIGTERM or Ctrl-C stops accepting,
+finishes the requests in flight and exits 0; SIGHUP or a second Ctrl-C stops at once, answering them 503
+(retry), and exits 129 or 130. Needs the serve extra: pip install -e ".[serve]".
 """
 
 from __future__ import annotations
@@ -11,19 +12,12 @@ import argparse
 import sys
 
 from .backends.host_devices import split_host
-from .options import Range, RunSelection, add_flags, build, call
+from .options import Range, RunSelection, add_flags, build, command, run
 from .serving import Limits, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m train.serve",
-        description="Serve a run trained by `python -m train.run` over HTTP: POST /translate with JSON "
-        '{"texts": [...], "beam": 4, ...} (every option of Run.translate: n_best, prefix, alignments, sample, '
-        "seed, ...; docs/serving.md), GET /health, GET /info, and a page at / that translates and draws the "
-        "cross-attention. Concurrent requests are decoded together in batches. SIGTERM or Ctrl-C stops accepting, "
-        "finishes the requests in flight and exits 0; SIGHUP or a second Ctrl-C stops at once, answering them 503 "
-        '(retry), and exits 129 or 130. Needs the serve extra: pip install -e ".[serve]".')
+    parser = command("python -m train.serve", __doc__)
     add_flags(parser, RunSelection, skip=("coordinator_address", "num_processes", "process_id"))
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine "
                         "only; any other is said on the first line)")
@@ -35,23 +29,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    def job(given: dict) -> None:
+        selection = build(RunSelection, given)
 
-    def ready(server) -> None:
-        public = " (listening beyond loopback: other machines can reach it)" if server.beyond_loopback else ""
-        print(f"serving {' + '.join(map(str, args.run_dir))} on {server.url}{public} (POST /translate, GET /health, "
-              "GET /info, the page at /); Ctrl-C or SIGTERM stops", file=sys.stderr, flush=True)
+        def ready(server) -> None:
+            public = " (listening beyond loopback: other machines can reach it)" if server.beyond_loopback else ""
+            print(f"serving {' + '.join(map(str, selection.run_dir))} on {server.url}{public} (POST /translate, GET "
+                  "/health, GET /info, the page at /); Ctrl-C or SIGTERM stops", file=sys.stderr, flush=True)
 
-    def job() -> None:
         split_host()  # before jax is imported
-        signum = serve(build(RunSelection, vars(args)), args.host, args.port, limits=build(Limits, vars(args)),
-                       on_ready=ready, access_log=args.access_log)
+        signum = serve(selection, given["host"], given["port"], limits=build(Limits, given), on_ready=ready,
+                       access_log=given["access_log"])
         print(f"stopped{f' by signal {signum}' if signum else ''}: the requests in flight were answered",
               file=sys.stderr)
 
-    return call(parser, job)
-
+    return run(build_parser(), argv, job)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -187,4 +187,4 @@ def test_ctrl_c_ends_every_command_in_one_line(monkeypatch, capsys):
         assert (code, capsys.readouterr().err) == (130, "interrupted (SIGINT)\n")
     for module, _ in cli.COMMANDS.values():  # every command goes through the one protocol (runtime.exit_status)
         source = importlib.util.find_spec(module).loader.get_source(module)
-        assert "exit_status(" in source or "call(parser" in source, module
+        assert "exit_status(" in source or "run(build_parser(), argv" in source, module
