@@ -18,9 +18,8 @@ import torch_reference
 from jax_transformer.objective import label_smoothed_cross_entropy as jax_loss
 from torch_reference.config import NON_NEGATIVE, POSITIVE, TransformerConfig
 from torch_reference.objective import label_smoothed_cross_entropy as torch_loss
+from train.interop.weights import jax_key, jax_params_to_torch, torch_to_jax
 from train.options import Output, checked, option
-
-from .weights import jax_key, jax_params_to_torch, torch_to_jax
 
 # Bounds of the parity contract (README): float32, highest matmul precision, dropout off. The
 # wider bounds for base/big allow for float32 rounding accumulated over 12 layers of width 512+.

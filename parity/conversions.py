@@ -1,9 +1,9 @@
 """Every conversion `python -m parity.convert` makes, as one call: `convert(Conversion(...))`.
 
-Weights and training runs between the frameworks (`parity.weights`, `parity.runs`); with the
-`interop` extra an HF Marian directory becomes a run, an imported run goes back to one
-(`parity.marian`), and any run becomes a CTranslate2 model (`parity.ctranslate2`), each export
-proved by its own runtime (`parity.proof`). Examples: docs/interop.md.
+Weights and training runs between the frameworks (`train.interop.weights`, `train.interop.runs`);
+with the `interop` extra an HF Marian directory becomes a run, an imported run goes back to one
+(`train.interop.marian`), and any run becomes a CTranslate2 model (`parity.ctranslate2`), each
+export proved by its own runtime (`parity.proof`). Examples: docs/interop.md.
 """
 
 from __future__ import annotations
@@ -11,12 +11,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from train import runtime, store
+from train.interop import marian
+from train.interop.runs import (convert_run, load_jax_weights, load_torch_weights, run_weights, save_jax_weights,
+                                save_torch_weights)
+from train.interop.weights import FRAMEWORKS, jax_to_torch, torch_to_jax
 from train.options import OptionError, checked, option
 
 from . import ctranslate2 as ct2_export
-from . import marian, proof
-from .runs import convert_run, load_jax_weights, load_torch_weights, run_weights, save_jax_weights, save_torch_weights
-from .weights import FRAMEWORKS, jax_to_torch, torch_to_jax
+from . import proof
 
 EXPORTS = ("marian", "ctranslate2")
 

@@ -168,10 +168,10 @@ def _logits(run, ids: list[int], out: list[int]) -> np.ndarray:
 def marian_proof(export_dir: Path, run_dir: Path, params, cfg: TransformerConfig, sentences: Sequence[str],
                  marian_ids: Mapping[str, int]) -> dict[str, Any]:
     """The HF Marian directory in `export_dir` against the run: `generate(num_beams=1)` and a
-    teacher-forced forward pass, in Marian's numbering mapped to ours (`parity.marian`). Our pad and
+    teacher-forced forward pass, in Marian's numbering mapped to ours (`train.interop.marian`). Our pad and
     bos columns are left out: Marian holds them as one row (its pad, the decoder start), which the
     export writes from our bos row, and neither is ever emitted."""
-    from .marian import side_orders  # here: parity.marian loads jax, which the other proofs need not
+    from train.interop.marian import side_orders  # here: it loads jax, which the other proofs need not
 
     transformers = spm.require("transformers")
     hf = transformers.MarianMTModel.from_pretrained(str(export_dir)).eval()

@@ -18,11 +18,12 @@ from train import data
 from train.api import Run, load
 from train.backends import allocator, create_backend, initialize
 from train.benchmark import _rss_mib
+from train.interop import marian
+from train.interop.weights import convert_state
 from train.options import POSITIVE, Output, RunSelection, Search, checked, option
 
 from . import ctranslate2 as ct2
-from . import marian, proof
-from .weights import convert_state
+from . import proof
 
 REFERENCE = "torch cached"
 
@@ -189,7 +190,7 @@ class SpeedBench:
     thresholds (`allocator.settled`), float32 matmuls in full float32 (TF32 off) in both frameworks.
     `ctranslate2` adds the run exported to CTranslate2 in float32 and int8 (outputs compared by
     `ctranslate2.same_output`, int8's BLEU against float32's: docs/interop.md#speed); `hf` adds HF's
-    `generate` on a run imported from Marian (`marian.to_marian`), each batch limited to our length limit."""
+    `generate` on a run imported from Marian (`train.interop.marian.to_marian`), each batch limited to our length limit."""
 
     input: Path | None = option(None, "text file, one source sentence per line (plain or .gz); default: stdin")
     batch_size: int | None = option(None, "at most N sentences per batch; default: the run's --token-budget",

@@ -18,13 +18,13 @@ from torch_reference.config import NON_NEGATIVE, POSITIVE, TransformerConfig
 from train import data
 from train.backends import create_backend, initialize
 from train.config import ExperimentConfig
+from train.interop.runs import convert_checkpoints
+from train.interop.weights import convert_state
 from train.loop import make_batcher
 from train.options import OptionError, Output, checked, option
 from train.store import TrainingState
 
 from .comparison import enable_parity_numerics
-from .runs import convert_checkpoints
-from .weights import convert_state
 
 # The parity contract for a training curve (float32, highest matmul precision, dropout off). A formula
 # slip (schedule one update off, Adam's epsilon inside the root, the wrong smoothing mass) moves the loss

@@ -50,16 +50,19 @@ def train(cfg: ExperimentConfig, *, explicit: Iterable[str] | None = None,
 
     `explicit` names the fields the user set (run.py passes the flags given); on --resume the
     others are read from the run's saved config. None: every field not None counts as set.
-    `init_dir`: the run --init-from starts from when `cfg.init_from` names something else (a
-    Marian model that `train.run` imported there). Processes other than 0 of a multi-process run
-    train alongside but print and write nothing.
+    --init-from's source is made a run of this backend first (`pretrained.source_run`: converted or
+    imported into a temporary directory, removed after the run); `init_dir`: where that is already
+    done (process 0 passes it to the processes it starts). Processes other than 0 of a
+    multi-process run train alongside but print and write nothing.
     """
     started = time.perf_counter()
     if cfg.resume and cfg.run_dir and explicit is not None and "backend" not in explicit:
         with contextlib.suppress(UserError):  # the run's backend starts its processes (no run: the session says so)
             cfg = cfg.replace(backend=runtime.read_experiment(cfg.run_dir).backend)
-    with launch(cfg, train, explicit=explicit, init_dir=init_dir):  # torch --devices N: its other processes
-        return _train(cfg, explicit, init_dir, started)
+    with contextlib.ExitStack() as scratch:  # holds a source converted or imported for --init-from
+        init_dir = init_dir or pretrained.source_run(cfg, scratch)
+        with launch(cfg, train, explicit=explicit, init_dir=init_dir):  # torch --devices N: its other processes
+            return _train(cfg, explicit, init_dir, started)
 
 
 def _train(cfg: ExperimentConfig, explicit: Iterable[str] | None, init_dir: str | Path | None,
@@ -153,7 +156,7 @@ def setup(cfg: ExperimentConfig, topology: Topology, init_dir: str | Path | None
                                            lowercase=cfg.lowercase, sample_size=cfg.tokenizer_sample)
     model_cfg = cfg.model_config(tokenizers.src.get_vocab_size(), tokenizers.tgt.get_vocab_size())
     if initial is not None and model_cfg != initial.model_config.replace(dropout=model_cfg.dropout):
-        raise UserError(f"--init-from {cfg.init_from}: its files describe another model than its experiment rebuilds")
+        raise pretrained.refused(cfg.init_from, "its files describe another model than its experiment rebuilds")
     if cfg.resume:
         runtime.check_model(run_dir, cfg, model_cfg, tokenizers, what=CONFIG_FILE)
     stored = data.train_store(cfg, tokenizers, splits.train or None, progress=topology.is_main)

@@ -9,18 +9,17 @@ directories end with one `error:` line and exit status 2 (flags) or 1 (files), n
 from __future__ import annotations
 
 import argparse
-import contextlib
+import dataclasses
 import signal
 import sys
-import tempfile
-from pathlib import Path
 
 from . import recipes
 from .backends.host_devices import check_xla_flags
-from .config import ExperimentConfig
+from .config import ExperimentConfig, flag_name
+from .options import OptionError
 from .recipes import experiment
 from .runtime import Interrupted, exit_status, read_experiment
-from .runtime.files import UserError, error_text
+from .runtime.files import UserError
 
 EPILOG = """\
 data specs (--train, --valid, --test):
@@ -82,8 +81,10 @@ def _train(cfg: ExperimentConfig, given: set[str], process_settings: bool) -> No
     from .loop import train  # after parsing: --help and flag errors stay fast
 
     try:
-        with contextlib.ExitStack() as scratch:  # holds the directory of a source made a run of this backend
-            train(cfg, explicit=given, init_dir=_init_dir(cfg, scratch))
+        train(cfg, explicit=given)
+    except OptionError as err:  # the library names the parameter (init_from), the command its flag (--init-from)
+        flags = {field.name: flag_name(field) for field in dataclasses.fields(ExperimentConfig)}
+        raise UserError(err.worded(lambda name: flags.get(name, name))) from None
     except KeyboardInterrupt:  # a second Ctrl-C, or one outside the update loop
         raise Interrupted(signal.SIGINT, "interrupted: nothing of the current step was saved; --resume continues "
                           "from the last checkpoint") from None
@@ -95,30 +96,6 @@ def _backend(cfg: ExperimentConfig) -> str:
         return read_experiment(cfg.run_dir).backend if cfg.resume and cfg.run_dir else cfg.backend
     except UserError:  # no run there, or a damaged one: train() says so
         return cfg.backend
-
-
-def _init_dir(cfg: ExperimentConfig, scratch: contextlib.ExitStack) -> Path | None:
-    """Where --init-from's weights are read when its SOURCE is no run of this backend: a Marian
-    model (a directory or hf:ORG/NAME) imported, or the other framework's run converted, into a
-    temporary directory that `scratch` removes, by `parity` (which the library does not import).
-    Also for a resumed run that has no checkpoint yet, so starts from its source again."""
-    source, backend = cfg.init_from, cfg.backend
-    if source is None and cfg.resume and cfg.run_dir and (Path(cfg.run_dir) / "config.json").is_file():
-        from .runtime.rundir import has_checkpoint
-
-        if not has_checkpoint(Path(cfg.run_dir)):
-            saved = read_experiment(cfg.run_dir)
-            source, backend = saved.init_from, saved.backend
-    if source is None:
-        return None
-    from parity.runs import init_source
-
-    # Made here, not for every run: a killed process leaves it behind.
-    where = Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="aiayn-init-"))) / "source"
-    try:
-        return init_source(source, backend, where)
-    except (FileNotFoundError, ValueError) as err:
-        raise UserError(f"--init-from {source}: {error_text(err)}") from None
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Whole training checkpoints across frameworks (backends' export_state / import_state,
-parity.weights.convert_state, `parity.convert --run-dir`): the Adam state inside the trainer's
+train.interop.weights.convert_state, `parity.convert --run-dir`): the Adam state inside the trainer's
 optax chain, strict checks, bit-exact round trips of a real run directory, and `train.run --resume` continuing a converted run in the other framework
 with the losses it would have had in its own.
 
@@ -18,14 +18,13 @@ import numpy as np
 import optax
 import pytest
 
-from parity import CheckpointMismatchError
 from parity.convert import main as convert_main
-from parity.runs import convert_run
-from parity.weights import convert_state, transfer_state
 from train import averaging, data, loop, runtime, store
 from train import run as train_run
 from train.backends import create_backend
 from train.config import ExperimentConfig
+from train.interop.runs import convert_run
+from train.interop.weights import CheckpointMismatchError, convert_state, transfer_state
 
 jax.config.update("jax_default_matmul_precision", "highest")  # parity numerics (README, numerics contract)
 

@@ -10,10 +10,9 @@ import pytest
 import torch
 
 import torch_reference as tr
-from parity import CheckpointMismatchError, jax_to_torch, torch_to_jax
 from parity.convert import main
-from parity.runs import load_jax_weights, load_torch_weights, save_jax_weights, save_torch_weights
-from parity.weights import expected_jax_params, jax_params
+from train.interop.runs import load_jax_weights, load_torch_weights, save_jax_weights, save_torch_weights
+from train.interop.weights import CheckpointMismatchError, expected_jax_params, jax_params, jax_to_torch, torch_to_jax
 
 BASE = dict(src_vocab_size=53, tgt_vocab_size=53, d_model=24, num_heads=3, d_ff=40,
             num_encoder_layers=2, num_decoder_layers=1, max_len=64)

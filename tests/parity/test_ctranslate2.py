@@ -16,8 +16,8 @@ import json
 import numpy as np
 import pytest
 
-from torch_reference import decode as td
 import train
+from torch_reference import decode as td
 from train import data, loop, runtime
 from train.config import ExperimentConfig
 from train.data import spm
@@ -182,8 +182,8 @@ def test_greedy_with_a_target_prefix_is_ctranslate2s_target_prefix(trained):
     import torch
 
     from jax_transformer import decode as jd
-    from parity import torch_to_jax
     from parity.ctranslate2 import Translator, tokens
+    from train.interop.weights import torch_to_jax
 
     run_dir, f32, _ = trained
     run = train.load(run_dir)

@@ -1,4 +1,4 @@
-"""HF Marian import and export (parity.marian) against HF `transformers` itself, offline.
+"""HF Marian import and export (train.interop.marian) against HF `transformers` itself, offline.
 
 The models are randomly initialised MarianMTModels saved locally (marian_fixtures), at a small
 lopsided shape and at opus-mt-de-en's; the tokenizers are SentencePiece models trained here on
@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 import torch
 
-from parity import marian, torch_to_jax
+from train.interop import marian
+from train.interop.weights import torch_to_jax
 from torch_reference import decode as td
 import train
 from train import runtime
@@ -64,7 +65,7 @@ def compare_logits(hf_dir, run_dir, n: int = 4, skip: int = 0):
     dec_in = torch.cat([torch.full_like(labels[:, :1], ids["decoder_start"]), labels[:, :-1]], dim=1)
     with torch.no_grad():
         reference = hf(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], decoder_input_ids=dec_in).logits
-    # The same batch in our ids: the tokenizers agree, the rows permute (module doc of parity.marian).
+    # The same batch in our ids: the tokenizers agree, the rows permute (module doc of train.interop.marian).
     src_order = marian.side_orders(ids)[0]
     ours_src = [[int(src_order[i]) for i in e.ids] for e in tokenizers.src.encode_batch(src_texts)]
     theirs_src = [[i for i, m in zip(row, mask) if m] for row, mask in zip(enc["input_ids"].tolist(), enc["attention_mask"].tolist())]

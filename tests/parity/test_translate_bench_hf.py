@@ -8,7 +8,8 @@ import shutil
 
 import pytest
 
-from parity import marian, translate_bench
+from parity import translate_bench
+from train.interop import marian
 
 from .marian_fixtures import lines, make_marian_dir
 

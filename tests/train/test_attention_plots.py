@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from tokenizers import decoders
 
-from parity.weights import transfer_state
+from train.interop.weights import transfer_state
 import train
 from train import attention, data, loop, translate, translation
 from train.backends import create_backend

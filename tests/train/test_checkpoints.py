@@ -112,7 +112,7 @@ def test_weights_of_another_architecture_are_refused(saved_run, tmp_path):
 def test_a_refused_pickle_is_one_line_without_colour_codes(tmp_path):
     import torch
 
-    from parity.runs import load_torch_weights
+    from train.interop.runs import load_torch_weights
 
     (tmp_path / "config.json").write_text(TransformerConfig().to_json())
     torch.save({"w": torch.zeros(1), "f": print}, tmp_path / "model.pt")

@@ -34,7 +34,7 @@ from .helpers import TINY_ARGV as TINY
 def test_convert_never_overwrites_unasked_or_leaves_temporary_files(tmp_path, capsys):
     import torch_reference
     from parity.convert import main as convert_main
-    from parity.runs import save_torch_weights
+    from train.interop.runs import save_torch_weights
 
     cfg = TransformerConfig.preset("tiny", src_vocab_size=64, tgt_vocab_size=64, num_encoder_layers=1,
                                    num_decoder_layers=1)

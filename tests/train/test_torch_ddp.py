@@ -23,10 +23,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from parity.runs import convert_run
 from train import loop
 from train import run as train_run
 from train.config import ExperimentConfig
+from train.interop.runs import convert_run
 
 REPO = Path(__file__).resolve().parents[2]
 # buckets of 8 and 16 tokens, batches of 32 and 16 rows: the same for 1 and 2 devices

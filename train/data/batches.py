@@ -5,8 +5,8 @@ shuffled per epoch from a seed, and resumable from a JSON-able state.
 
 from __future__ import annotations
 
-import itertools
 import dataclasses
+import itertools
 import logging
 from collections.abc import Iterator, Sequence
 
@@ -175,34 +175,27 @@ class Batcher:
         """The pairs of `order` packed first-fit into batches of B_P rows of P positions each: per
         batch, a (rows in use, most pairs a row) array of pair indices, -1 after a row's pairs."""
         length, size = self.pack_length, self.batch_size[self.pack_length]
-        src_len, tgt_len = self._src_len[order].tolist(), self._tgt_len[order].tolist()  # lists: fast to index
-        carried, start, batches = [], 0, []  # positions in `order`: those waiting from the last batch, the next new
-        while carried or start < len(order):
-            free_src, free_tgt = np.full(size, length), np.full(size, length)
-            rows: list[list[int]] = [[] for _ in range(size)]
-            waiting: list[int] = []
-            queue = itertools.chain(carried, range(start, len(order)))
-            taken = 0
-            for k in queue:
-                taken += 1
-                s, t = src_len[k], tgt_len[k]
-                fits = (free_src >= s) & (free_tgt >= t)
-                row = int(fits.argmax())
-                if fits[row]:
-                    rows[row].append(k)
-                    free_src[row] -= s
-                    free_tgt[row] -= t
-                else:
-                    waiting.append(k)
-                    if len(waiting) == size:
-                        break
-            # The waiting pairs come first in the next batch, then those not reached.
-            carried, start = waiting + carried[taken:], start + max(0, taken - len(carried))
-            rows = [row for row in rows if row]
-            ids = np.full((len(rows), max(map(len, rows))), -1, np.int64)
-            for r, row in enumerate(rows):
-                ids[r, : len(row)] = order[row]
+        src_len, tgt_len = self._src_len[order], self._tgt_len[order]
+        waiting, start, window, batches = np.zeros(0, np.int64), 0, 4 * size, []  # positions in `order`
+        while len(waiting) or start < len(order):
+            while True:  # a window of the queue (the waiting pairs, then new ones) that holds the batch's end
+                queue = np.concatenate([waiting, np.arange(start, min(len(order), start + window))])
+                rows, left = _first_fit(src_len[queue], tgt_len[queue], size, length)
+                if left.bit_count() >= size or start + window >= len(order):
+                    break
+                window *= 2
+            bits = np.frombuffer(left.to_bytes(len(queue) // 8 + 1, "little"), np.uint8)
+            unplaced = np.flatnonzero(np.unpackbits(bits, bitorder="little"))[:size]
+            # The batch closes at its size-th pair that fits no row; those after it were not reached.
+            stop = int(unplaced[-1]) if len(unplaced) == size else len(queue)
+            rows = [row if row[-1] < stop else [p for p in row if p < stop] for row in rows if row[0] < stop]
+            counts = np.fromiter(map(len, rows), np.int64, len(rows))
+            ids = np.full((len(rows), counts.max()), -1, np.int64)
+            ids[np.arange(counts.max()) < counts[:, None]] = order[queue[np.fromiter(itertools.chain(*rows), np.int64)]]
             batches.append(ids)
+            # The first waiting pair always fits the empty first row, so the batch ends among the new ones.
+            window = (stop - len(waiting)) * 5 // 4 + size
+            start, waiting = max(start, int(queue[min(stop, len(queue) - 1)]) + 1), queue[unplaced]
         return batches
 
     def _collate(self, length: int, ids: np.ndarray) -> Batch:
@@ -269,6 +262,32 @@ class Batcher:
     def restore(self, state: dict[str, int]) -> None:
         """Continue from a `state()` (e.g. read back from a checkpoint's JSON)."""
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
+
+
+def _first_fit(src_len: np.ndarray, tgt_len: np.ndarray, size: int, length: int) -> tuple[list[list[int]], int]:
+    """First-fit of a queue of pairs into `size` rows of `length` positions a side, computed row by row:
+    (each row's queue positions, the bit set of the positions no row took). Row r takes, in queue order,
+    each pair the rows before it left that fits what r has left: what first-fit gives it. A pair r
+    rejected stays rejected (a row only fills), so r's next pair is the lowest bit of (left & fits)."""
+    fit_s, fit_t = [], []  # fit[room]: the bit set (a Python int, bit i for pair i) of the pairs that fit in room
+    for lengths, fit in ((src_len, fit_s), (tgt_len, fit_t)):
+        values = np.flatnonzero(np.bincount(lengths))  # the lengths present: a room fits what the longest below fits
+        packed = np.packbits(lengths[None, :] <= values[:, None], axis=1, bitorder="little")
+        raw, width = packed.tobytes(), packed.shape[1]
+        sets = [0] + [int.from_bytes(raw[i : i + width], "little") for i in range(0, len(raw), width)]
+        fit += [sets[i] for i in np.searchsorted(values, np.arange(length + 1), side="right").tolist()]
+    s, t = src_len.tolist(), tgt_len.tolist()
+    left, rows = (1 << len(s)) - 1, []
+    while left and len(rows) < size:
+        free_s, free_t, row = length, length, []
+        while fits := left & fit_s[free_s] & fit_t[free_t]:
+            low = fits & -fits
+            p = low.bit_length() - 1
+            left ^= low
+            free_s, free_t = free_s - s[p], free_t - t[p]
+            row.append(p)
+        rows.append(row)
+    return rows, left
 
 
 def fixed_lengths(max_len: int) -> tuple[int, ...]:

@@ -24,6 +24,7 @@ import itertools
 import logging
 import os
 import re
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -49,6 +50,7 @@ _HUB = re.compile(r"^hf:([^:]+):(?:([^:\[]+):)?([^:\[]+(?:\[.*\])?)$")
 _TEXT_PAIR = re.compile(r"^([\w-]+):([\w-]+):(.+)$")
 _TSV = (".tsv", ".tsv.gz")
 _JSON = (".jsonl", ".jsonl.gz", ".json", ".json.gz")
+RACY_S = 2  # seconds: coarser than any filesystem's timestamps (FAT's are 2 s), git's "racy" entries
 
 
 def load_parallel(spec: str, cache_dir: str | Path | None = None) -> LoadedPairs:
@@ -100,8 +102,10 @@ def stream_parallel(spec: str, cache_dir: str | Path | None = None, digest: bool
 
 
 def file_digest(paths: Iterable[Path], memo: Path | None = None) -> str:
-    """sha256 over the bytes of `paths`, read in blocks; a file whose path, size, modification time
-    and inode are in the JSON file `memo` is not read again (as git's index and make do)."""
+    """sha256 over the bytes of `paths`, read in blocks; a file whose path, size, modification and change
+    times and inode are in the JSON file `memo` is not read again (as git's index and make do). The
+    change time is set by every write, even one that puts the modification time back; a file written in
+    the last `RACY_S` seconds is not remembered (another write within the clock's tick could keep both)."""
     try:
         known = read_json(memo, default={}) if memo is not None else {}
     except UserError:  # a damaged memo: read every file again, and rewrite it
@@ -111,16 +115,16 @@ def file_digest(paths: Iterable[Path], memo: Path | None = None) -> str:
     for path in paths:
         try:
             info = os.stat(path)
-            key = f"{os.path.realpath(path)}|{info.st_size}|{info.st_mtime_ns}|{info.st_ino}"
-            if key not in known:
-                one = hashlib.sha256()
+            key = f"{os.path.realpath(path)}|{info.st_size}|{info.st_mtime_ns}|{info.st_ctime_ns}|{info.st_ino}"
+            digest = known.get(key)
+            if digest is None:
                 with open(path, "rb") as f:
-                    while block := f.read(1 << 22):
-                        one.update(block)
-                known[key], changed = one.hexdigest(), True
+                    digest = hashlib.file_digest(f, "sha256").hexdigest()
+                if time.time() - max(info.st_mtime, info.st_ctime) > RACY_S:
+                    known[key], changed = digest, True
         except OSError as err:
             raise ValueError(f"cannot read {path}: {err.strerror or err}") from None
-        h.update(known[key].encode())
+        h.update(digest.encode())
     if changed and memo is not None:
         with contextlib.suppress(OSError):  # a memo not written costs a re-read next time, nothing more
             write_json_atomic(memo, known)

@@ -13,7 +13,7 @@ The two models have the same attribute tree (keys are the dotted paths on both s
 Keys and shapes are checked strictly against the config (an abstract Flax model: one
 `CheckpointMismatchError` lists every offender); values keep their dtype bit for bit. `convert_state`
 maps a training state's weights and Adam's moments by the same rules; the random state stays behind
-(dropout streams differ between frameworks). Files and run directories: `parity.runs`.
+(dropout streams differ between frameworks). Files and run directories: `train.interop.runs`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from flax import nnx, traverse_util
 import jax_transformer
 import torch_reference
 from torch_reference.config import TransformerConfig
-from train.store import CheckpointMismatchError, TrainingState, check_keys  # noqa: F401 (re-exported)
+
+from ..store import CheckpointMismatchError, TrainingState, check_keys  # noqa: F401 (re-exported)
 
 # Flax leaf name -> (torch leaf name, transposed?)
 LEAF_RULES = {

@@ -1,5 +1,5 @@
-"""Training runs and weights files between the frameworks (the leaf rules: `parity.weights`; the
-file formats: docs/interop.md).
+"""Training runs and weights files between the frameworks (the leaf rules: `train.interop.weights`;
+the file formats: docs/interop.md).
 
 `convert_run` converts the checkpoints of a run directory of one backend into the other's, with
 their meta (data position, validation scores) and ranking metrics, so `python -m train.run
@@ -22,11 +22,10 @@ from flax import nnx, traverse_util
 import jax_transformer
 import torch_reference
 from torch_reference.config import TransformerConfig
-import train
-from train import data, runtime, store
-from train.backends import create_backend
-from train.config import ExperimentConfig
 
+from .. import data, runtime, store
+from ..backends import create_backend
+from ..config import ExperimentConfig
 from .weights import convert_state, jax_model_from_params, jax_params, nest, transfer_state
 
 
@@ -86,10 +85,13 @@ def convert_run(src: str | os.PathLike, dst: str | os.PathLike, to: str | None =
 
 
 def init_source(source: str, backend: str, dst: str | os.PathLike) -> Path:
-    """A run directory of `backend` for `train.run --init-from SOURCE`: SOURCE itself when it is one;
-    a run of the other framework converted (its best checkpoint) or an HF Marian directory or
-    hf:ORG/NAME[@REVISION] imported, at `dst`."""
+    """A run directory of `backend` for `--init-from SOURCE` (`train.pretrained.source_run`): SOURCE
+    itself when it is one; a run of the other framework converted (its best checkpoint) or an HF
+    Marian directory or hf:ORG/NAME[@REVISION] imported, at `dst`."""
     path, dst = Path(source), Path(dst)
+    if not source.startswith("hf:") and not (path / runtime.CONFIG_FILE).is_file():  # both kinds hold one
+        raise FileNotFoundError(f"{path} is neither a run directory nor an HF Marian directory "
+                                f"({runtime.CONFIG_FILE} missing)")
     if not source.startswith("hf:") and runtime.kind_of(path) == "run":
         if runtime.read_experiment(path).backend == backend:
             return path
@@ -103,12 +105,18 @@ def init_source(source: str, backend: str, dst: str | os.PathLike) -> Path:
 
 def run_weights(run_dir: str | os.PathLike, checkpoint: str | int = "best") -> tuple[dict[str, np.ndarray], TransformerConfig]:
     """(weights in torch's layout as NumPy, config) of a run's checkpoint, whichever backend wrote it."""
-    run = train.load(run_dir, checkpoint)
+    # Not through train.load: the library's setup imports this module (--init-from), so it stays below train.api.
+    run_dir = Path(run_dir)
+    runtime.rundir.check_set_aside(run_dir)
+    cfg = runtime.read_experiment(run_dir)
+    model_cfg, _ = runtime.read_run(run_dir, cfg)
+    backend = create_backend(cfg, model_cfg, str(run_dir / runtime.CHECKPOINTS))
     try:
-        state = convert_state(run.backend.export_state(), "torch", run.model_config)
+        backend.restore(store.parse_checkpoint(checkpoint))
+        state = convert_state(backend.export_state(), "torch", model_cfg)
     finally:
-        run.backend.close()
-    return state.params, run.model_config
+        backend.close()
+    return state.params, model_cfg
 
 
 def save_torch_weights(model: torch_reference.Transformer, path: str | os.PathLike) -> Path:
@@ -177,7 +185,7 @@ def save_jax_weights(model: nnx.Module, directory: str | os.PathLike, overwrite:
     left on any error. A full disk or a read-only place raises an OSError naming `directory`."""
     import orbax.checkpoint as ocp
 
-    from train.store.jax_store import quiet_orbax
+    from ..store.jax_store import quiet_orbax
 
     directory = Path(directory).absolute()  # orbax wants absolute paths
     tmp, old = (directory.with_name(f".{directory.name}.{suffix}") for suffix in ("tmp", "old"))

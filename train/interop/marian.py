@@ -31,12 +31,12 @@ import torch
 
 from torch_reference.config import BOS_ID, EOS_ID, PAD_ID, SPECIAL_TOKENS, UNK_ID, TransformerConfig
 from torch_reference.model import Transformer, sinusoidal_positions
-from train import data, runtime
-from train.backends import create_backend
-from train.config import DERIVED_MODEL_FIELDS, SPECIAL_ID_FIELDS, ExperimentConfig
-from train.data import spm
-from train.store import CheckpointMismatchError, TrainingState
 
+from .. import data, runtime
+from ..backends import create_backend
+from ..config import DERIVED_MODEL_FIELDS, SPECIAL_ID_FIELDS, ExperimentConfig
+from ..data import spm
+from ..store import CheckpointMismatchError, TrainingState
 from .weights import to_jax_layout
 
 MARIAN_FORMAT = "marian"
