@@ -1,4 +1,4 @@
-"""The parity contract on one batch (`python -m parity.check`, docs/parity.md): a random PyTorch
+"""The parity contract on one batch (`aiayn check`, docs/parity.md): a random PyTorch
 model and its Flax conversion on the same padded batch, their logits, label-smoothed loss and every
 parameter's gradient compared, and the bounds they must meet."""
 

@@ -1,4 +1,4 @@
-"""Every conversion `python -m parity.convert` makes, as one call: `convert(Conversion(...))`.
+"""Every conversion `aiayn convert` makes, as one call: `convert(Conversion(...))`.
 
 Weights and training runs between the frameworks (`train.interop.weights`, `train.interop.runs`);
 with the `interop` extra an HF Marian directory becomes a run, an imported run goes back to one
@@ -35,7 +35,7 @@ class Conversion:
         None, "import a pretrained model: --src is hf:ORG/NAME[@REVISION] (fetched into the Hugging Face cache; "
         "HF_HUB_OFFLINE=1 reads only the cache) or a local HF Marian directory (config.json, model.safetensors or "
         "pytorch_model.bin, source.spm, target.spm, vocab.json); --dst the run directory of the --to backend, which "
-        "train.translate, train.evaluate and train.run --resume (fine-tuning) accept", choices=("marian",),
+        "aiayn translate, aiayn evaluate and train.run --resume (fine-tuning) accept", choices=("marian",),
         flag="--from")
     src: str | None = option(
         None, "weights only: a .safetensors file (--to jax; a legacy torch.save state dict .pt/.pth/.bin with "
@@ -107,7 +107,7 @@ def convert(c: Conversion) -> str:
         cfg, revision = done["config"], f" at revision {done['revision']}" if "revision" in done else ""
         return (f"wrote {dst}: the {c.to} run of {src}{revision} ({cfg.num_encoder_layers}+{cfg.num_decoder_layers} "
                 f"layers, d_model {cfg.d_model}, vocab {cfg.src_vocab_size}/{cfg.tgt_vocab_size}, step 0)\n"
-                f"translate with: python -m train.translate --run-dir {dst}")
+                f"translate with: aiayn translate --run-dir {dst}")
     sentences = proof.proof_sentences(src, c.proof_sentences)
     params, cfg = run_weights(src, store.parse_checkpoint(c.checkpoint or "best"))
     if c.to == "marian":

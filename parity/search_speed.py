@@ -1,4 +1,4 @@
-"""Translation speed of one run's weights in both frameworks (`python -m parity.translate_bench`,
+"""Translation speed of one run's weights in both frameworks (`aiayn translate-bench`,
 docs/performance.md#translation-speed): each search timed on the same batches, with its peak memory
 growth and the outputs that differ from torch cached search's; CTranslate2 and HF generate beside them."""
 
@@ -199,13 +199,13 @@ class SpeedBench:
     ctranslate2: bool = option(False, "also time the run exported to CTranslate2 in float32 and int8 (needs the "
                                "interop extra: pip install -e \".[interop]\")")
     hf: bool = option(False, "also time HF transformers' generate on the run's weights (a run imported from Marian: "
-                      "parity.convert --from marian; needs the interop extra)")
+                      "aiayn convert --from marian; needs the interop extra)")
     uncached: bool = option(True, "torch's uncached loop (hours at large shapes; --no-uncached leaves it out and "
                             "the speed-ups against it are then null)")
 
 
 def bench_file(selection: RunSelection, search: Search, bench: SpeedBench = SpeedBench()) -> list[dict]:
-    """`python -m parity.translate_bench`: `benchmark` of the run `selection` names on the sentences of
+    """`aiayn translate-bench`: `benchmark` of the run `selection` names on the sentences of
     `bench.input` (stdin), printed as a table (and written to `bench.json`)."""
     import platform
 

@@ -1,4 +1,4 @@
-"""One training curve in two frameworks (`python -m parity.trajectory`,
+"""One training curve in two frameworks (`aiayn trajectory`,
 docs/parity.md#a-training-curve-in-both-frameworks): the JAX and PyTorch backends of `train` trained
 in lockstep from one set of weights on identical batches, compared after every update, optionally
 switching framework through a converted checkpoint; the report judged against `BOUNDS`, and plotted."""

@@ -6,7 +6,7 @@ return identical tokens and scores (to float32 rounding) for the same weights.
 Both search with the model's key/value cache (`Transformer.init_cache` / `decode_step`): each
 step feeds one token per hypothesis and reads earlier positions from the cache. With
 `cached=False` the same search re-runs the whole decoder over every prefix at every step, as the
-seed repositories did: the baseline of `python -m parity.translate_bench`, and a check of the cache
+seed repositories did: the baseline of `aiayn translate-bench`, and a check of the cache
 (the two return the same tokens). Output tokens
 exclude BOS, end with EOS and are padded with `pad_id` after it, shape (B, L) with
 L = min(max_len, floor(max_len_a * S + max_len_b)) for a padded source length S, as in JAX.

@@ -1,4 +1,4 @@
-"""Checkpoint averaging (`python -m train.average`), as the paper averages the last 5 (base) or 20
+"""Checkpoint averaging (`aiayn average`), as the paper averages the last 5 (base) or 20
 (big) checkpoints (§6.1).
 
 OUT is a run holding one checkpoint: the element-wise mean of the weights of RUN's newest N

@@ -1,4 +1,4 @@
-"""Step-time benchmark (`python -m train.bench`): JAX vs PyTorch eager vs torch.compile on the same
+"""Step-time benchmark (`aiayn bench`): JAX vs PyTorch eager vs torch.compile on the same
 model and batches.
 
 For each precision, preset and backend a fresh worker process (so that one backend's memory and
@@ -38,7 +38,7 @@ PRECISIONS = ("float32", "tf32", "bfloat16")
 PRECISION_HELP = (
     "precisions: float32 = full float32 matmuls (TF32 off); tf32 = float32 with TF32 tensor-core matmuls (JAX's "
     "default on Ampere and newer GPUs; float32 on a CPU); bfloat16 = mixed precision, as train.run --dtype bfloat16")
-REMAT_MODES = {"off": (False,), "on": (True,), "both": (False, True)}  # train.bench --remat
+REMAT_MODES = {"off": (False,), "on": (True,), "both": (False, True)}  # aiayn bench --remat
 # One measurement in a fresh interpreter: `run_worker` of the JSON keywords given, its result the last line printed.
 WORKER = ("import json, sys; from train.benchmark import run_worker; "
           "print(json.dumps(run_worker(**json.loads(sys.argv[1]))))")
@@ -289,7 +289,7 @@ def write_plot(results: list[dict], path: Path) -> None:
 
 
 def print_results(results: list[dict], batch_size: int, length: int, dropout: float, devices: int = 1) -> None:
-    """`python -m train.bench`'s table: one row per measurement, its step time against torch eager's."""
+    """`aiayn bench`'s table: one row per measurement, its step time against torch eager's."""
     print(f"\nmachine: {_cpu_name()}, {os.cpu_count()} CPUs; device {results[0]['device']}; batch {batch_size} x "
           f"{length} tokens per side over {devices} device(s); dropout {dropout}")
     print(f"{'precision':9s} {'preset':6s} {'backend':14s} {'step ms':>9s} {'first s':>8s} {'tok/s':>8s} "

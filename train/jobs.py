@@ -1,7 +1,7 @@
 """The jobs of the decoding commands, callable from Python: translate a file (`translate_file`),
 evaluate a run on a data spec (`evaluate_spec`), score the pairs of a file (`score_file`). Each
-takes the options objects of `train.options`; the commands (`train.translate`, `train.evaluate`,
-`train.score`) parse their flags into those and call these."""
+takes the options objects of `train.options`; the commands (`aiayn translate`, `aiayn evaluate`,
+`aiayn score`) parse their flags into those and call these."""
 
 from __future__ import annotations
 

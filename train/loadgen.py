@@ -1,7 +1,7 @@
-"""Load on a translation server (`python -m train.loadtest`, docs/serving.md#load-test): concurrent
+"""Load on a translation server (`aiayn loadtest`, docs/serving.md#load-test): concurrent
 clients on loopback, each sending requests of a few sentences one after the other, with latency
 percentiles and throughput; the server in a child process (`ServedRun`), and the throughput of
-`python -m train.translate` on the same sentences (`cli_throughput`)."""
+`aiayn translate` on the same sentences (`cli_throughput`)."""
 
 from __future__ import annotations
 
@@ -42,8 +42,8 @@ class Load:
     max_texts: int = option(8, "sentences per request: 1 to N", range=POSITIVE, metavar="N")
     beam: int = option(4, "beam size of every request", range=POSITIVE)
     unbatched: bool = option(False, "also serve with --max-batch-requests 1 (no batching) under the same load")
-    cli: bool = option(False, "also time python -m train.translate on the same sentences")
-    serve_args: str = option("", "more flags for python -m train.serve, e.g. '--max-wait-ms 2'")
+    cli: bool = option(False, "also time aiayn translate on the same sentences")
+    serve_args: str = option("", "more flags for aiayn serve, e.g. '--max-wait-ms 2'")
 
     def check(self) -> None:
         if (self.data is None) == (self.input is None):
@@ -78,7 +78,7 @@ def load_run(load: Load) -> dict[str, dict[str, Any]]:
     if load.cli:
         sent = sum(r["sentences"] for r in results.values()) // len(results)
         pool = [lines[i % len(lines)] for i in range(max(len(lines), sent))]
-        results["CLI bulk (python -m train.translate)"] = cli_throughput(load.run_dir, pool, load.beam)
+        results["CLI bulk (aiayn translate)"] = cli_throughput(load.run_dir, pool, load.beam)
     return results
 
 
@@ -143,11 +143,11 @@ def read_lines(path: str | os.PathLike, max_chars: int = Limits().max_text_chars
 
 
 class ServedRun:
-    """`python -m train.serve --run-dir RUN --port 0 ARGS` in a child process: `url` once it
+    """`aiayn serve --run-dir RUN --port 0 ARGS` in a child process: `url` once it
     listens; `stop()` sends SIGTERM and returns its exit status."""
 
     def __init__(self, run_dir: str | os.PathLike, *args: str, startup_s: float = 300.0):
-        command = [sys.executable, "-m", "train.serve", "--run-dir", str(run_dir), "--port", "0", *args]
+        command = [sys.executable, "-m", "train.commands.serve", "--run-dir", str(run_dir), "--port", "0", *args]
         self.proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, start_new_session=True)
         self.log: list[str] = []
         self.url: str | None = None
@@ -180,18 +180,18 @@ class ServedRun:
 
 
 def cli_throughput(run_dir: str | os.PathLike, lines: Sequence[str], beam: int = 4) -> dict[str, Any]:
-    """`python -m train.translate` on `lines` (a file): its own summary's lines/s (the translation,
+    """`aiayn translate` on `lines` (a file): its own summary's lines/s (the translation,
     without loading the run) and the wall time of the whole command."""
     with tempfile.TemporaryDirectory() as tmp:
         source = Path(tmp) / "source.txt"
         source.write_text("".join(f"{line}\n" for line in lines), encoding="utf-8")
         start = time.perf_counter()
-        done = subprocess.run([sys.executable, "-m", "train.translate", "--run-dir", str(run_dir), "--input",
+        done = subprocess.run([sys.executable, "-m", "train.commands.translate", "--run-dir", str(run_dir), "--input",
                                str(source), "--output", str(Path(tmp) / "out.txt"), "--beam", str(beam)],
                               check=False, capture_output=True, text=True)
         wall = time.perf_counter() - start
     found = re.search(r"translated ([\d,]+) lines in ([\d.]+) s: ([\d,.]+) lines/s", done.stderr)
     if done.returncode or not found:
-        raise UserError(f"python -m train.translate failed: {done.stderr.strip().splitlines()[-1:]}")
+        raise UserError(f"aiayn translate failed: {done.stderr.strip().splitlines()[-1:]}")
     return {"sentences": int(found[1].replace(",", "")), "seconds": float(found[2]),
             "sentences_per_s": float(found[3].replace(",", "")), "wall_seconds": round(wall, 1)}

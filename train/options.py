@@ -311,7 +311,7 @@ class Evaluation:
 
 @checked
 class TranslateFiles:
-    """Where `train.translate` reads and writes, and how (`translation.translate_file`)."""
+    """Where `aiayn translate` reads and writes, and how (`translation.translate_file`)."""
 
     input: Path | None = option(None, "one source sentence per line: a file (plain, or gzip when named .gz), a "
                                 "FIFO, /dev/stdin or <(command); default: stdin")
@@ -342,7 +342,7 @@ class TranslateFiles:
 
 @checked
 class ScoreFiles:
-    """Which pairs `train.score` scores, and where and how it writes their log-probabilities (`jobs.score_file`)."""
+    """Which pairs `aiayn score` scores, and where and how it writes their log-probabilities (`jobs.score_file`)."""
 
     input: str = option(None, "the pairs: a data spec as train.run's --valid takes (FILE.tsv with columns source and "
                         "target, SRC:TGT:PREFIX for PREFIX.SRC and PREFIX.TGT, FILE.jsonl)", required=True)

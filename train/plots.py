@@ -1,4 +1,4 @@
-"""Learning curves of a run (`train.run` draws RUN/curves.png; `python -m train.curves` redraws it).
+"""Learning curves of a run (`train.run` draws RUN/curves.png; `aiayn curves` redraws it).
 
 Four panels from the run's `results.json` history (the whole run's, across resumes): training and
 validation loss and validation BLEU against steps, and against training time (evaluations and

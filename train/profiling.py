@@ -1,4 +1,4 @@
-"""The measurements of `python -m train.profile_step` (what they time and how: its module doc):
+"""The measurements of `aiayn profile` (what they time and how: its module doc):
 each part of a training step, forward + backward, JAX vs PyTorch; the XLA:CPU A/B and op split."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from .options import Output, checked, option
 
 @checked
 class Profile:
-    """What `python -m train.profile_step` times: the parts of `preset`'s training step on `batch`
+    """What `aiayn profile` times: the parts of `preset`'s training step on `batch`
     sentences of `length` tokens (float32, dropout off), or with `xla_ops` / `xla_cpu_ab` instead the
     XLA op split / the xla_cpu A/B."""
 

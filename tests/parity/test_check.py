@@ -1,10 +1,11 @@
-"""`python -m parity.check`: figures within the contract's bounds, and a check that can fail."""
+"""`aiayn check`: figures within the contract's bounds, and a check that can fail."""
 
 import json
 
 import pytest
 
-from parity import check, comparison
+from parity import comparison
+from parity.commands import check
 from torch_reference.config import TransformerConfig
 
 LOPSIDED = dict(src_vocab_size=97, tgt_vocab_size=97, d_model=24, num_heads=3, d_ff=40,

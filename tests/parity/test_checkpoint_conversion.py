@@ -1,5 +1,5 @@
 """Whole training checkpoints across frameworks (backends' export_state / import_state,
-train.interop.weights.convert_state, `parity.convert --run-dir`): the Adam state inside the trainer's
+train.interop.weights.convert_state, `aiayn convert --run-dir`): the Adam state inside the trainer's
 optax chain, strict checks, bit-exact round trips of a real run directory, and `train.run --resume` continuing a converted run in the other framework
 with the losses it would have had in its own.
 
@@ -18,10 +18,10 @@ import numpy as np
 import optax
 import pytest
 
-from parity.convert import main as convert_main
+from parity.commands.convert import main as convert_main
 from train import averaging, data, loop, runtime, store
-from train import run as train_run
 from train.backends import create_backend
+from train.commands import run as train_run
 from train.config import ExperimentConfig
 from train.interop.runs import convert_run
 from train.interop.weights import CheckpointMismatchError, convert_state, transfer_state
@@ -289,7 +289,7 @@ def test_best_checkpoint_is_selectable(jax_run, tmp_path):
 
 
 def test_averaging_the_same_checkpoints_in_either_framework_gives_the_same_weights(jax_run, tmp_path):
-    """`train.average` of checkpoints 2 and 4 of a JAX run, and of the same two converted to torch:
+    """`aiayn average` of checkpoints 2 and 4 of a JAX run, and of the same two converted to torch:
     bit-identical weights (a float64 mean in step order, rounded once), the newest checkpoint's
     moments and step."""
     torch_dir = tmp_path / "torch"

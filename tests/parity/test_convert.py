@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import torch_reference as tr
-from parity.convert import main
+from parity.commands.convert import main
 from train.interop.runs import load_jax_weights, load_torch_weights, save_jax_weights, save_torch_weights
 from train.interop.weights import CheckpointMismatchError, expected_jax_params, jax_params, jax_to_torch, torch_to_jax
 
@@ -126,7 +126,8 @@ def test_cli_round_trip_and_errors(tmp_path, capsys):
     src = save_torch_weights(torch_model, tmp_path / "a" / "model.safetensors")
 
     def cli(*args):
-        return subprocess.run([sys.executable, "-m", "parity.convert", *map(str, args)], capture_output=True, text=True)
+        return subprocess.run([sys.executable, "-m", "parity.commands.convert", *map(str, args)], capture_output=True,
+                              text=True)
 
     done = cli("--to", "jax", "--src", src, "--dst", tmp_path / "jax")
     assert done.returncode == 0, done.stderr
@@ -167,7 +168,7 @@ def test_cli_refuses_run_flags_without_a_run(source, flag, value, tmp_path, caps
 
 
 def test_cli_writes_into_an_empty_destination_directory(tmp_path):
-    """An empty --dst holds nothing to replace: written without --overwrite, as train.average writes one."""
+    """An empty --dst holds nothing to replace: written without --overwrite, as aiayn average writes one."""
     src = save_torch_weights(model(), tmp_path / "model.safetensors")
     (tmp_path / "jax").mkdir()
     assert main(["--to", "jax", "--src", str(src), "--dst", str(tmp_path / "jax")]) == 0

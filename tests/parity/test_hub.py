@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from parity import convert
+from parity.commands import convert
 
 from .marian_fixtures import make_marian_dir
 

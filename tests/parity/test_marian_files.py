@@ -1,5 +1,5 @@
 """Marian directories in and out (issue 42): a damaged file of an HF Marian directory is named by
-`parity.convert --from marian` in one line (a truncated model.safetensors, an invalid config.json
+`aiayn convert --from marian` in one line (a truncated model.safetensors, an invalid config.json
 or vocab.json, a SentencePiece model that is not one); `--to marian --overwrite` replaces only a
 Marian directory it wrote, never a run and never its source."""
 
@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from parity import convert
+from parity.commands import convert
 from train import runtime
 
 from .marian_fixtures import make_marian_dir

@@ -1,4 +1,4 @@
-"""Checkpoint averaging (`train.average`): the mean of a run's newest N checkpoints as a new run
+"""Checkpoint averaging (`aiayn average`): the mean of a run's newest N checkpoints as a new run
 that translate, evaluate and resume accept. Parity across frameworks: tests/parity/test_checkpoint_conversion.py."""
 
 import json
@@ -6,9 +6,10 @@ import json
 import numpy as np
 import pytest
 
-from train import average, averaging, evaluate, loop, translate
-from train import run as train_run
+from train import averaging, loop
 from train.backends import create_backend
+from train.commands import average, evaluate, translate
+from train.commands import run as train_run
 from train.config import ExperimentConfig
 from train.runtime import read_experiment, read_model_config
 from train.store import TrainingState

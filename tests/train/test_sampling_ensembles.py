@@ -1,5 +1,5 @@
 """Sampling and ensembles through the library (`Run.translate(sample=True)`, `train.load([a, b])`)
-and the command (`train.translate --sample`, `--run-dir A --run-dir B`), on the session's 2-step
+and the command (`aiayn translate --sample`, `--run-dir A --run-dir B`), on the session's 2-step
 torch run and its conversion to JAX. The samplers and ensembles themselves are compared across
 frameworks in tests/parity; here: the plumbing, both backends alike, and every bad combination as
 one error line.
@@ -13,7 +13,8 @@ import shutil
 import pytest
 
 import train
-from train import data, evaluate, score, translate
+from train import data
+from train.commands import evaluate, score, translate
 from train.options import ENSEMBLE_AVERAGES
 from train.runtime import UserError
 
@@ -189,7 +190,7 @@ def test_ensemble_command_and_refusals(runs, tmp_path, capsys, monkeypatch):
     one_error(code, err, "--alignments with several --run-dir")
     code, _, err = run_cli(translate.main, capsys, "--run-dir", str(torch_dir), "--run-dir", str(jax_dir),
                            "--input", str(tmp_path / "in.txt"))
-    one_error(code, err, f"{jax_dir} is a jax run", "python -m parity.convert --to torch")
+    one_error(code, err, f"{jax_dir} is a jax run", "aiayn convert --to torch")
 
     other = shutil.copytree(torch_dir, tmp_path / "other")  # the same model over another vocabulary: 2 ids swapped
     tokenizer = json.loads((other / data.JOINT_TOKENIZER).read_text())

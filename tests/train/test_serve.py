@@ -1,6 +1,6 @@
-"""The HTTP server (train.serving, python -m train.serve): batching, the API, limits, hostile
+"""The HTTP server (train.serving, aiayn serve): batching, the API, limits, hostile
 requests, SIGTERM, and a short load test. Servers run in-process on a free loopback port (uvicorn
-on a thread), except for the SIGTERM test's real `python -m train.serve` process."""
+on a thread), except for the SIGTERM test's real `aiayn serve` process."""
 
 from __future__ import annotations
 
@@ -25,8 +25,9 @@ pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
 import train
-from train import loadtest, serving
-from train import serve as serve_command
+from train import serving
+from train.commands import loadtest
+from train.commands import serve as serve_command
 from train.loadgen import ServedRun, load_test, read_lines
 from train.options import Search
 from train.serving import Batcher, Decoding, Limits, QueueFull, Request, Server
@@ -554,7 +555,7 @@ def test_a_served_run_that_hangs_silently_fails_at_its_deadline_and_is_reaped(tm
 
 def test_sigterm_finishes_the_requests_in_flight_and_exits_0(tiny_torch_run):
     # A 1.5 s batching wait holds the request in the server when SIGTERM arrives.
-    command = [sys.executable, "-m", "train.serve", "--run-dir", str(tiny_torch_run), "--port", "0",
+    command = [sys.executable, "-m", "train.commands.serve", "--run-dir", str(tiny_torch_run), "--port", "0",
                "--max-wait-ms", "1500"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(command, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
@@ -682,13 +683,13 @@ def test_an_ipv6_servers_url_is_one_a_client_can_use():
 
 
 def test_a_missing_run_is_one_line(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "train.serve", "--run-dir", str(tmp_path / "none"), "--port", "0"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+    done = subprocess.run([sys.executable, "-m", "train.commands.serve", "--run-dir", str(tmp_path / "none"), "--port",
+                           "0"], cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 1
     assert done.stderr.count("\n") == 1 and done.stderr.startswith("error: ")
 
 
 def test_aiayn_names_serve_and_loadtest():
-    from parity.cli import COMMANDS
+    from parity.commands.cli import COMMANDS
 
-    assert COMMANDS["serve"][0] == "train.serve" and COMMANDS["loadtest"][0] == "train.loadtest"
+    assert COMMANDS["serve"][0] == "train.commands.serve" and COMMANDS["loadtest"][0] == "train.commands.loadtest"

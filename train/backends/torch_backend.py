@@ -374,7 +374,7 @@ class TorchBackend(StoreMethods):
 
     def import_state(self, state: TrainingState) -> None:
         if state.framework != "torch":
-            raise ValueError(f"a {state.framework} training state: convert it to torch's layout first (parity.convert)")
+            raise ValueError(f"a {state.framework} training state: convert it to torch's layout first (aiayn convert)")
         state.check()
         current = self.model.state_dict()
         check_keys("PyTorch weights", {k: tuple(v.shape) for k, v in current.items()}, {k: np.shape(v) for k, v in state.params.items()})

@@ -1,9 +1,9 @@
-"""`python -m train.loadtest --run-dir RUN --data SPEC` (`aiayn loadtest`): load a served run on loopback.
+"""`aiayn loadtest --run-dir RUN --data SPEC` (`aiayn loadtest`): load a served run on loopback.
 
-Starts `python -m train.serve` on the run (or targets --url), sends --requests requests of 1 to
+Starts `aiayn serve` on the run (or targets --url), sends --requests requests of 1 to
 --max-texts sentences from --clients concurrent clients, and prints errors, latency percentiles and
 sentences/s; --unbatched repeats it with one request per batch, --cli times `python -m
-train.translate` on the same sentences (`train.loadgen.load_run`, docs/serving.md#load-test).
+aiayn translate` on the same sentences (`train.loadgen.load_run`, docs/serving.md#load-test).
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from __future__ import annotations
 import json
 import sys
 
-from .loadgen import Load, load_run
-from .options import build, command, run
+from ..loadgen import Load, load_run
+from ..options import build, command, run
 
 
 def build_parser():
-    return command("python -m train.loadtest", __doc__.split("\n\n")[1], Load)
+    return command("aiayn loadtest", __doc__.split("\n\n")[1], Load)
 
 
 def row(name: str, result: dict) -> str:
@@ -32,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
         load = build(Load, given)
         results = load_run(load)
         print(json.dumps(results, indent=1))
-        print(f"\n{load.clients} clients, {load.requests:,} requests of 1-{load.max_texts} sentences, beam {load.beam}\n")
+        print(f"\n{load.clients} clients, {load.requests:,} requests of 1-{load.max_texts} sentences, "
+              f"beam {load.beam}\n")
         print("| setup | sentences | errors | sentences/s | p50 ms | p99 ms |\n|---|---|---|---|---|---|")
         for name, result in results.items():
             print(row(name, result))

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import sys
 
-from .options import build, command, run
-from .plots import Curves, draw
-from .runtime.files import json_text
+from ..options import build, command, run
+from ..plots import Curves, draw
+from ..runtime.files import json_text
 
 
 def build_parser():
-    return command("python -m train.curves", __doc__, Curves)
+    return command("aiayn curves", __doc__, Curves)
 
 
 def main(argv: list[str] | None = None) -> int:

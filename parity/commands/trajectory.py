@@ -1,4 +1,4 @@
-"""One training curve in two frameworks: `python -m parity.trajectory`.
+"""One training curve in two frameworks: `aiayn trajectory`.
 
 Trains one model in the JAX and the PyTorch backends of `train` (the product's own `train_step`)
 from one set of initial weights on identical batches of the numbers corpus, float32, dropout off,
@@ -21,7 +21,7 @@ from train.config import FIELD_RANGES, ExperimentConfig
 from train.options import add_flags, build, command, run
 from train.runtime.files import json_text
 
-from .trajectories import BOUNDS, Trajectory, experiment_config, growth, growth_exponent, parity_report, plot
+from ..trajectories import BOUNDS, Trajectory, experiment_config, growth, growth_exponent, parity_report, plot
 
 
 def _print_comparisons(report: dict, prefix: str = "") -> None:
@@ -34,7 +34,7 @@ def _print_comparisons(report: dict, prefix: str = "") -> None:
 
 def print_report(report: dict) -> None:
     exp = report["experiment"]
-    print(f"parity.trajectory: preset {exp['preset']}, {report['steps']} updates, Adam(0.9, 0.98, 1e-9), Noam "
+    print(f"aiayn trajectory: preset {exp['preset']}, {report['steps']} updates, Adam(0.9, 0.98, 1e-9), Noam "
           f"schedule (warmup {exp['warmup']}, lr up to {max(report['lr']):.3g}), label smoothing "
           f"{exp['label_smoothing']}, clip {exp['clip_norm']}, float32 highest, dropout off; loss "
           f"{report['losses']['torch'][0]:.3f} -> {report['losses']['torch'][-1]:.3f}; {report['seconds']} s")
@@ -61,10 +61,9 @@ SETTINGS = ("preset", "model", "warmup", "lr_factor", "label_smoothing", "clip_n
 
 
 def build_parser():
-    parser = command("python -m parity.trajectory", __doc__.split("\n\n")[1], Trajectory, epilog="defaults: "
-                     "--preset tiny, --warmup 4000 (the paper's; a short warmup reaches learning rates at which float32 "
-                     "training is chaotic, see --control), --numbers-train 4000, --token-budget 1024, otherwise "
-                     "train.run's")
+    parser = command("aiayn trajectory", __doc__.split("\n\n")[1], Trajectory, epilog="defaults: --preset tiny, "
+                     "--warmup 4000 (the paper's; a short warmup reaches learning rates at which float32 training is "
+                     "chaotic, see --control), --numbers-train 4000, --token-budget 1024, otherwise train.run's")
     add_flags(parser, ExperimentConfig, ranges=FIELD_RANGES, only=SETTINGS, show_defaults=False)
     return parser
 
@@ -79,7 +78,7 @@ def report(t: Trajectory, given: dict, argv: list[str] | None) -> int:
     cfg = experiment_config(t.steps, **{**settings, "model": dict(settings.get("model", []))})
     result = parity_report(cfg, t.steps, t.switch, t.control, progress=True)
     result.update(device=jax.devices()[0].device_kind, versions={"jax": jax.__version__, "torch": torch.__version__},
-                  command="python -m parity.trajectory " + " ".join(sys.argv[1:] if argv is None else argv))
+                  command="aiayn trajectory " + " ".join(sys.argv[1:] if argv is None else argv))
     print_report(result)
     if t.json:
         t.json.write(json_text(result))

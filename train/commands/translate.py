@@ -11,14 +11,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .backends.host_devices import HELP as HOST_DEVICES_HELP
-from .backends.jax_cache import HELP as JAX_CACHE_HELP
-from .options import RunSelection, Sampling, Search, TranslateFiles, add_flags, build, command, run, sampling_from
-from .runtime.files import UserError
+from ..backends.host_devices import HELP as HOST_DEVICES_HELP
+from ..backends.jax_cache import HELP as JAX_CACHE_HELP
+from ..options import RunSelection, Sampling, Search, TranslateFiles, add_flags, build, command, run, sampling_from
+from ..runtime.files import UserError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = command("python -m train.translate", __doc__, RunSelection, Search, TranslateFiles,
+    parser = command("aiayn translate", __doc__, RunSelection, Search, TranslateFiles,
                      epilog=f"{HOST_DEVICES_HELP}. {JAX_CACHE_HELP}.")
     group = parser.add_argument_group("sampling", "random translations instead of the search (docs/decoding.md)")
     group.add_argument("--sample", action="store_true", default=argparse.SUPPRESS, help="draw each token at random "
@@ -32,11 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .jobs import translate_file
+    from ..jobs import translate_file
 
     def job(given: dict) -> None:
         if given.get("benchmark"):
-            raise UserError("the translation benchmark is `python -m parity.translate_bench --run-dir RUN --input "
+            raise UserError("the translation benchmark is `aiayn translate-bench --run-dir RUN --input "
                             "FILE [--beam K] [--ctranslate2]`: it runs both frameworks (and CTranslate2) on the run's "
                             "weights")
         translate_file(build(RunSelection, given), build(Search, given), sampling_from(given),

@@ -1,4 +1,4 @@
-"""`python -m parity.convert`: weights, training runs and pretrained models between formats
+"""`aiayn convert`: weights, training runs and pretrained models between formats
 (`parity.conversions.convert`; examples: docs/interop.md)."""
 
 from __future__ import annotations
@@ -10,19 +10,19 @@ from train.options import build, command, run
 from train.runtime.files import UserError, error_text
 from train.store import CheckpointError
 
-from .conversions import Conversion, convert
+from ..conversions import Conversion, convert
 
 
 def build_parser() -> argparse.ArgumentParser:
     return command(
-        "python -m parity.convert", "Convert Transformer weights between the PyTorch reference (safetensors) and the "
+        "aiayn convert", "Convert Transformer weights between the PyTorch reference (safetensors) and the "
         "Flax mirror (orbax checkpoint directory). The config travels with the weights; every key and shape is checked "
         "strictly. With --run-dir: convert a whole training run of `train.run` (weights, Adam moments, step and "
         "schedule position, data position, tokenizer, config) to the other backend, so that `python -m train.run "
         "--run-dir DST --resume` continues it there.", Conversion, formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="examples:\n  python -m parity.convert --to jax --src model.safetensors --dst jax_ckpt/\n"
-        "  python -m parity.convert --to torch --src jax_ckpt/ --dst model.safetensors\n"
-        "  python -m parity.convert --to torch --run-dir runs/jax-numbers --dst runs/torch-numbers\n"
+        epilog="examples:\n  aiayn convert --to jax --src model.safetensors --dst jax_ckpt/\n"
+        "  aiayn convert --to torch --src jax_ckpt/ --dst model.safetensors\n"
+        "  aiayn convert --to torch --run-dir runs/jax-numbers --dst runs/torch-numbers\n"
         "  python -m train.run --run-dir runs/torch-numbers --resume --steps 1600")
 
 

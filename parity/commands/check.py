@@ -1,5 +1,5 @@
 """Proof that the two frameworks compute the same function and the same gradients:
-`python -m parity.check` (docs/parity.md).
+`aiayn check` (docs/parity.md).
 
 Builds a random PyTorch reference model, converts it to Flax, runs both on one random batch with
 padding (dropout off, float32, `jax_default_matmul_precision="highest"`), and compares logits, the
@@ -16,11 +16,11 @@ import torch
 from train.options import build, command, run
 from train.runtime.files import json_text
 
-from .comparison import Check, check
+from ..comparison import Check, check
 
 
 def build_parser():
-    return command("python -m parity.check", __doc__.split("\n\n")[1], Check)
+    return command("aiayn check", __doc__.split("\n\n")[1], Check)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,9 +1,9 @@
 """Where a training step's time goes: each part of the model, forward + backward, JAX vs PyTorch.
 
-    python -m train.profile_step --preset base [--batch 32 --length 32 --vocab 8000] [--json PATH]
-    python -m train.profile_step --preset small --xla-cpu-ab [--repeats 10 --sentences 64]
+    aiayn profile --preset base [--batch 32 --length 32 --vocab 8000] [--json PATH]
+    aiayn profile --preset small --xla-cpu-ab [--repeats 10 --sentences 64]
 
-`train.bench` times whole steps; this times their parts on the same shapes (sublayers, layers, the
+`aiayn bench` times whole steps; this times their parts on the same shapes (sublayers, layers, the
 output projection with the loss, the Adam update), each as `grad(sum(part(x)))` (jit-compiled on the
 JAX side, the model built as the training backend builds it), the median of --repeats runs after a
 warm-up. `--xla-cpu-ab` instead times the JAX train step and a beam-4 search with and without the
@@ -16,14 +16,14 @@ import os
 import statistics
 import sys
 
-from .benchmark import _cpu_name
-from .options import build, command, run
-from .profiling import Profile, jax_parts, torch_parts, xla_cpu_ab, xla_op_split
-from .runtime.files import json_text
+from ..benchmark import _cpu_name
+from ..options import build, command, run
+from ..profiling import Profile, jax_parts, torch_parts, xla_cpu_ab, xla_op_split
+from ..runtime.files import json_text
 
 
 def build_parser():
-    return command("python -m train.profile_step", __doc__.split("\n\n")[0], Profile)
+    return command("aiayn profile", __doc__.split("\n\n")[0], Profile)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import sys
 
-from .backends import allocator
-from .benchmark import PRECISION_HELP, Bench, measure, print_results
-from .options import build, command, run
+from ..backends import allocator
+from ..benchmark import PRECISION_HELP, Bench, measure, print_results
+from ..options import build, command, run
 
 
 def build_parser():
-    return command("python -m train.bench", __doc__, Bench, epilog=f"{PRECISION_HELP}. Example "
-                   "on a GPU: python -m train.bench --presets base,big --precisions float32,tf32,bfloat16 "
+    return command("aiayn bench", __doc__, Bench, epilog=f"{PRECISION_HELP}. Example "
+                   "on a GPU: aiayn bench --presets base,big --precisions float32,tf32,bfloat16 "
                    "--batch-tokens 16384 --length 64")
 
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .backends.host_devices import split_host
-from .options import Range, RunSelection, add_flags, build, command, run
-from .serving import Limits, serve
+from ..backends.host_devices import split_host
+from ..options import Range, RunSelection, add_flags, build, command, run
+from ..serving import Limits, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = command("python -m train.serve", __doc__)
+    parser = command("aiayn serve", __doc__)
     add_flags(parser, RunSelection, skip=("coordinator_address", "num_processes", "process_id"))
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine "
                         "only; any other is said on the first line)")

@@ -10,13 +10,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from .backends.host_devices import HELP as HOST_DEVICES_HELP
-from .options import Evaluation, RunSelection, Search, add_flags, build, command, run
+from ..backends.host_devices import HELP as HOST_DEVICES_HELP
+from ..options import Evaluation, RunSelection, Search, add_flags, build, command, run
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = command(
-        "python -m train.evaluate", __doc__, RunSelection, epilog="DATA is a data spec as for train.run "
+        "aiayn evaluate", __doc__, RunSelection, epilog="DATA is a data spec as for train.run "
         "(SRC:TGT:PREFIX, FILE.tsv, FILE.jsonl, hf:NAME[:CONFIG]:SPLIT), numbers:train|valid|test for the run's own "
         "split of the embedded numbers corpus, or numbers:FIRST-LAST[/STEP] for every (STEP-th) number from FIRST "
         "to LAST (e.g. numbers:0-999, or numbers:1000-999000/1000 for the round thousands). For a run trained on "
@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .jobs import evaluate_spec
+    from ..jobs import evaluate_spec
 
     return run(build_parser(), argv, lambda given: evaluate_spec(
         build(RunSelection, given), given["data"], build(Search, given), build(Evaluation, given), given.get("output")))

@@ -8,18 +8,18 @@ from __future__ import annotations
 
 import sys
 
-from .options import RunSelection, ScoreFiles, add_flags, build, command, run
+from ..options import RunSelection, ScoreFiles, add_flags, build, command, run
 
 
 def build_parser():
-    parser = command("python -m train.score", __doc__)
+    parser = command("aiayn score", __doc__)
     add_flags(parser, RunSelection, skip=("devices", "coordinator_address", "num_processes", "process_id"))
     add_flags(parser, ScoreFiles)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .jobs import score_file
+    from ..jobs import score_file
 
     return run(build_parser(), argv, lambda given: score_file(build(RunSelection, given), build(ScoreFiles, given)))
 

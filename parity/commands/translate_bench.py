@@ -16,11 +16,11 @@ import sys
 
 from train.options import RunSelection, Search, add_flags, build, command, run
 
-from .search_speed import SpeedBench, bench_file
+from ..search_speed import SpeedBench, bench_file
 
 
 def build_parser():
-    parser = command("python -m parity.translate_bench", __doc__)
+    parser = command("aiayn translate-bench", __doc__)
     add_flags(parser, RunSelection, skip=("average", "devices", "coordinator_address", "num_processes", "process_id"))
     add_flags(parser, Search, skip=("n_best", "alignments"))
     add_flags(parser, SpeedBench)

@@ -6,12 +6,12 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from .averaging import Averaging, average_run
-from .options import build, command, run
+from ..averaging import Averaging, average_run
+from ..options import build, command, run
 
 
 def build_parser():
-    return command("python -m train.average", __doc__, Averaging)
+    return command("aiayn average", __doc__, Averaging)
 
 
 def main(argv: list[str] | None = None) -> int:
