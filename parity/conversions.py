@@ -1,10 +1,5 @@
-"""Every conversion `aiayn convert` makes, as one call: `convert(Conversion(...))`.
-
-Weights and training runs between the frameworks (`train.interop.weights`, `train.interop.runs`);
-with the `interop` extra an HF Marian directory becomes a run, an imported run goes back to one
-(`train.interop.marian`), and any run becomes a CTranslate2 model (`parity.ctranslate2`), each
-export proved by its own runtime (`parity.proof`). Examples: docs/interop.md.
-"""
+"""Every conversion `aiayn convert` makes, as one call: `convert(Conversion(...))`, over `train.interop`
+(weights, runs, Marian) and `parity.ctranslate2`, each export proved by its own runtime (`parity.proof`)."""
 
 from __future__ import annotations
 
@@ -129,9 +124,8 @@ def _proved(dst: Path, whose: str) -> str:
 
 
 def _check_weights_destination(src: Path, dst: Path, to: str) -> None:
-    """UserError where `dst` cannot receive the converted weights of `src`: the source itself, a
-    destination of the other kind (a directory for a file, a file for a directory), or a directory
-    holding files that are not JAX weights (never replaced)."""
+    """UserError where `dst` cannot receive the converted weights of `src`: the source itself, a destination of
+    the other kind (a directory for a file, or the reverse), a directory holding other files (never replaced)."""
     if dst.exists() and src.exists() and dst.resolve() == src.resolve():
         raise runtime.UserError(f"--dst {dst} is the source; write the converted weights elsewhere")
     if to == "torch" and dst.is_dir():

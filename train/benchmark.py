@@ -31,7 +31,7 @@ from torch_reference.config import NON_NEGATIVE, POSITIVE, PROBABILITY, Transfor
 
 from .config import KERNEL_CHOICES
 from .options import OptionError, Output, checked, option
-from .runtime.files import json_text
+from .runtime.files import UserError, json_text
 
 BACKENDS = ("jax", "torch", "torch-compile")
 PRECISIONS = ("float32", "tf32", "bfloat16")
@@ -305,11 +305,8 @@ def print_results(results: list[dict], batch_size: int, length: int, dropout: fl
 
 
 def measure(bench: Bench) -> list[dict]:
-    """Every measurement of `bench`, each in a worker process (its progress on stderr); written to
-    `bench.json` after every one (an interrupted benchmark keeps what it measured) and drawn to
-    `bench.plot`. UserError with the worker's own error where one fails."""
-    from .runtime.files import UserError
-
+    """Every measurement of `bench`, each in a worker process (progress on stderr), written to `bench.json` after
+    every one (an interrupted benchmark keeps them) and drawn to `bench.plot`; a failed worker: UserError."""
     machine = {"cpu": _cpu_name(), "cpus": os.cpu_count(), "platform": platform.platform()}
     settings = {f.name: getattr(bench, f.name) for f in dataclasses.fields(bench) if f.name not in ("json", "plot")}
     record, results = {"machine": machine, "batch": [bench.batch_size, bench.length], "options": settings}, []

@@ -31,8 +31,6 @@ def translate_file(selection: RunSelection, search: Search = Search(), sample: S
     chunk, resumably (docs/decoding.md); a summary on stderr. Raises UserError, OSError, and
     Interrupted naming what was kept."""
     check_format(files.format, search, sample)
-    if sample is not None:
-        sample.check_with(search)
     ensemble = len(selection.run_dir) > 1
     if ensemble and (search.alignments or files.plot_attention is not None):
         raise UserError(f"{'--alignments' if search.alignments else '--plot-attention'} with several --run-dir: an "
@@ -46,8 +44,8 @@ def translate_file(selection: RunSelection, search: Search = Search(), sample: S
         if first is None:
             raise UserError(f"{reader.name} is empty: TSV input needs a header row")
         columns, first = TsvColumns(first, reader.name), next(reader, None)
-        if sample is not None and columns.prefix is not None:
-            raise UserError(f"--sample with {reader.name}'s prefix column: forced prefixes are for the searches")
+    if sample is not None:  # the prefix column of TSV input: forced prefixes
+        sample.check_with(search, prefixes=columns is not None and columns.prefix is not None)
     if files.plot_attention is not None:
         from .attention import check_plot_directory
 

@@ -1,10 +1,8 @@
-"""The options of the library's jobs as plain dataclasses, each checked once in `__post_init__`:
-how to search (`Search`), how to sample (`Sampling`), which runs to load (`RunSelection`).
-
-The Python API, the server and the commands all build these objects, so a rule lives here alone.
-An error names the parameter (`top_p must be in (0, 1], got 2`); the commands' flags are generated
-from the fields' metadata (`add_flags`), and a command's `run` rewords the same error with the flag
-(`--top-p must be ...`).
+"""The options of the library's jobs as dataclasses that check themselves when made (`checked`): how to
+search (`Search`), how to sample (`Sampling`), which runs to load (`RunSelection`), ... The API, the server
+and the commands all build these, so a rule lives here alone. An error names the parameter (`top_p must be
+in (0, 1], got 2`); the commands' flags are generated from the fields' metadata (`add_flags`), and a
+command's `run` rewords the same error with the flag (`--top-p must be ...`).
 
     >>> Search(beam=4, n_best=2).n_best
     2
@@ -95,18 +93,16 @@ def destination(value: Any, name: str) -> Any:
         return value
     try:
         return Destination(value, "")
-    except UserError as err:  # its message names no flag: the parameter's name, or its flag (`run`), leads it
-        text = str(err).lstrip().replace("{", "{{").replace("}", "}}")
-        raise OptionError("{} " + text, name) from None
+    except UserError as err:  # its message (" PATH is ...") names no flag: the parameter, or its flag (`run`), leads it
+        raise OptionError("{}" + str(err).replace("{", "{{").replace("}", "}}"), name) from None
 
 
 def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, *,
               ranges: Mapping[str, Range] | None = None, skip: Iterable[str] = (), only: Iterable[str] | None = None,
               groups: Mapping | None = None, show_defaults: bool = True) -> None:
     """One flag per field of the dataclass `cls` (`only` those, but `skip`), typed, ranged and documented by the
-    field's metadata (`ranges`: ranges kept beside the class); every default SUPPRESSed, so that
-    only the flags given reach `build` (the class's defaults apply to the rest). `groups`: the
-    argument group of each metadata "group"."""
+    field's metadata (`ranges`: ranges kept beside the class); every default SUPPRESSed, so that only the flags
+    given reach `build` (the class's defaults apply to the rest). `groups`: each metadata "group"'s group."""
     ranges, only = ranges or {}, None if only is None else set(only)
     for field in dataclasses.fields(cls):
         if field.name in skip or (only is not None and field.name not in only):
@@ -127,8 +123,7 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: ty
                           metavar=meta.get("metavar", {"int": "N", "float": "X"}.get(kind)))
             if kind.startswith("list"):
                 kwargs["action"] = "append"
-        if meta.get("required"):
-            kwargs["required"] = True
+        kwargs["required"] = bool(meta.get("required"))
         target = groups[meta["group"]] if groups and "group" in meta else parser
         target.add_argument(flag_of(field), **kwargs)
 
@@ -216,9 +211,6 @@ class Sampling:
     batch it falls in; `temperature` divides the log-probabilities, `top_k` (0: all) and `top_p`
     (1: all) keep the most probable tokens. A sample's score is its log-probability."""
 
-    seed: int = option(0, "the random numbers' seed, in [0, 2**32): the same seed gives the same samples, in the "
-                       "jax and torch backends alike, whatever the batching", range=Range(int, low=0, below=2**32),
-                       metavar="S")
     num_samples: int = option(1, "N samples per sentence (N > 1 with --format tsv or jsonl)", range=POSITIVE,
                               metavar="N")
     temperature: float = option(1.0, "divide the log-probabilities by T > 0 before drawing (< 1 sharper)",
@@ -226,6 +218,9 @@ class Sampling:
     top_k: int = option(0, "draw among the K most probable tokens (0: all)", range=NON_NEGATIVE, metavar="K")
     top_p: float = option(1.0, "draw among the most probable tokens whose probabilities reach P, in (0, 1] (1: all)",
                           range=Range(float, above=0.0, high=1.0), metavar="P")
+    seed: int = option(0, "the random numbers' seed, in [0, 2**32): the same seed gives the same samples, in the "
+                       "jax and torch backends alike, whatever the batching", range=Range(int, low=0, below=2**32),
+                       metavar="S")
 
     def check_with(self, search: Search, prefixes: bool = False) -> None:
         """OptionError for what does not go with sampling: n-best lists and forced prefixes are the
@@ -356,10 +351,7 @@ class ScoreFiles:
 def sampling_from(given: Mapping[str, Any]) -> Sampling | None:
     """The `Sampling` of the flags `given` when --sample is, else None; a sampling flag without it: UserError."""
     if not given.get("sample"):
-        order = ("num_samples", "temperature", "top_k", "top_p", "seed")
-        stray = [flag_of(f) for f in sorted(dataclasses.fields(Sampling), key=lambda f: order.index(f.name))
-                 if f.name in given]
-        if stray:
+        if stray := [flag_of(f) for f in dataclasses.fields(Sampling) if f.name in given]:
             raise UserError(f"{', '.join(stray)} without --sample: sampling settings, the searches take none")
         return None
     return build(Sampling, given)

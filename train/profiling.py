@@ -33,11 +33,6 @@ class Profile:
                               "xla_cpu's pieces")
     sentences: int = option(64, "sources of the --xla-cpu-ab search", range=POSITIVE)
 
-    @property
-    def config(self) -> TransformerConfig:
-        return TransformerConfig.preset(self.preset, src_vocab_size=self.vocab, tgt_vocab_size=self.vocab,
-                                        max_len=max(self.length, 64), dropout=0.0)
-
 
 def median_time(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
     return statistics.median(timings(fn, repeats, warmup))

@@ -1,2 +1,1 @@
-"""`parity`'s commands and `aiayn` (`cli`), the dispatcher of every command: flags and one call each
-into the library, which never imports them (docs/design.md#layout)."""
+"""`parity`'s commands and `aiayn` (`cli`), which names every command; the library never imports them."""

@@ -1,16 +1,11 @@
-"""`aiayn`: one installed command whose subcommands are the project's commands.
-
-`aiayn train ARGS` calls `train.commands.run.main(ARGS)`, and so on for each name below; `aiayn --help`
-lists them and `aiayn NAME --help` gives that command's own help. It lives in `parity`, the package
-above all the others, so that it may name the commands of both `train` and `parity`.
-"""
+"""`aiayn`: one installed command whose subcommands are the project's commands: `aiayn train ARGS` calls
+`train.commands.run.main(ARGS)`, and so on for each name below (`aiayn --help` lists them). It lives in
+`parity`, the package above all the others, so that it may name the commands of both `train` and `parity`."""
 
 from __future__ import annotations
 
 import importlib
 import sys
-
-from train.runtime import exit_status
 
 COMMANDS = {  # subcommand: (module, what it does)
     "train": ("train.commands.run", "train (or resume) a model and evaluate it; recipes with --config"),
@@ -41,8 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] not in COMMANDS:
         print(f"aiayn: unknown command {argv[0]!r}\n\n{USAGE}", file=sys.stderr)
         return 2
-    command = importlib.import_module(COMMANDS[argv[0]][0]).main
-    return exit_status(command, argv[1:], **({"process_settings": True} if argv[0] == "train" else {}))
+    command = importlib.import_module(COMMANDS[argv[0]][0]).main  # it ends by the one protocol (options.run)
+    return command(argv[1:], **({"process_settings": True} if argv[0] == "train" else {}))
 
 
 if __name__ == "__main__":

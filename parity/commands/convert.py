@@ -1,5 +1,9 @@
-"""`aiayn convert`: weights, training runs and pretrained models between formats
-(`parity.conversions.convert`; examples: docs/interop.md)."""
+"""Convert Transformer weights between the PyTorch reference (safetensors) and the Flax mirror (orbax
+checkpoint directory): the config travels with the weights, every key and shape is checked strictly.
+With --run-dir: a whole training run of `train.run` (weights, Adam moments, step and schedule
+position, data position, tokenizer, config) to the other backend, so that `python -m train.run
+--run-dir DST --resume` continues it there. With the interop extra: HF Marian models in and out, and
+CTranslate2 export (`parity.conversions.convert`; docs/interop.md)."""
 
 from __future__ import annotations
 
@@ -15,11 +19,7 @@ from ..conversions import Conversion, convert
 
 def build_parser() -> argparse.ArgumentParser:
     return command(
-        "aiayn convert", "Convert Transformer weights between the PyTorch reference (safetensors) and the "
-        "Flax mirror (orbax checkpoint directory). The config travels with the weights; every key and shape is checked "
-        "strictly. With --run-dir: convert a whole training run of `train.run` (weights, Adam moments, step and "
-        "schedule position, data position, tokenizer, config) to the other backend, so that `python -m train.run "
-        "--run-dir DST --resume` continues it there.", Conversion, formatter_class=argparse.RawDescriptionHelpFormatter,
+        "aiayn convert", __doc__, Conversion, formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n  aiayn convert --to jax --src model.safetensors --dst jax_ckpt/\n"
         "  aiayn convert --to torch --src jax_ckpt/ --dst model.safetensors\n"
         "  aiayn convert --to torch --run-dir runs/jax-numbers --dst runs/torch-numbers\n"

@@ -105,7 +105,7 @@ def test_sampling_refuses_a_tsv_prefix_column_and_the_api_its_bad_settings(tiny_
     (tmp_path / "in.tsv").write_text("source\tprefix\n" + TEXTS[0] + "\tseven\n")
     code, _, err = run_cli(translate.main, capsys, "--run-dir", str(tiny_torch_run), "--input",
                            str(tmp_path / "in.tsv"), "--sample")
-    one_error(code, err, "--sample with", "prefix column")
+    one_error(code, err, "--sample with prefixes: forced prefixes are for the searches")
     with train.load(tiny_torch_run) as run:
         for kwargs, fragment in [({"top_k": 3}, "top_k: sampling settings, give sample=True"),
                                  ({"sample": True, "prefix": ["one"]}, "forced prefixes are for the searches"),

@@ -1,2 +1,1 @@
-"""`train`'s commands (`aiayn NAME`, `python -m train.commands.NAME`): each a module of flags generated from
-options dataclasses and one call into the library, which never imports them (docs/design.md#layout)."""
+"""`train`'s commands (`aiayn NAME`): options' flags and one call each; the library never imports them."""

@@ -16,12 +16,11 @@ from ..options import Evaluation, RunSelection, Search, add_flags, build, comman
 
 def build_parser() -> argparse.ArgumentParser:
     parser = command(
-        "aiayn evaluate", __doc__, RunSelection, epilog="DATA is a data spec as for train.run "
-        "(SRC:TGT:PREFIX, FILE.tsv, FILE.jsonl, hf:NAME[:CONFIG]:SPLIT), numbers:train|valid|test for the run's own "
-        "split of the embedded numbers corpus, or numbers:FIRST-LAST[/STEP] for every (STEP-th) number from FIRST "
-        "to LAST (e.g. numbers:0-999, or numbers:1000-999000/1000 for the round thousands). For a run trained on "
-        "the numbers corpus, the per-digit scores count the sentences seen in its training split. "
-        f"{HOST_DEVICES_HELP}.")
+        "aiayn evaluate", __doc__, RunSelection, epilog="DATA is a data spec as for train.run (SRC:TGT:PREFIX, "
+        "FILE.tsv, FILE.jsonl, hf:NAME[:CONFIG]:SPLIT), numbers:train|valid|test for the run's own split of the "
+        "numbers corpus, or numbers:FIRST-LAST[/STEP] for every (STEP-th) number from FIRST to LAST (e.g. "
+        "numbers:1000-999000/1000: the round thousands); a run trained on numbers counts the sentences seen in its "
+        f"training split apart. {HOST_DEVICES_HELP}.")
     add_flags(parser, Search, skip=("n_best", "alignments"))
     parser.add_argument("--data", required=True, help="parallel data to score (see below)")
     add_flags(parser, Evaluation)

@@ -16,6 +16,8 @@ import os
 import statistics
 import sys
 
+from torch_reference.config import TransformerConfig
+
 from ..benchmark import _cpu_name
 from ..options import build, command, run
 from ..profiling import Profile, jax_parts, torch_parts, xla_cpu_ab, xla_op_split
@@ -35,7 +37,9 @@ def profile(p: Profile) -> None:
     import jax
 
     jax.config.update("jax_default_matmul_precision", "highest")
-    cfg, shape, usable = p.config, f"batch {p.batch}x{p.length}", f"{len(os.sched_getaffinity(0))} usable"
+    cfg = TransformerConfig.preset(p.preset, src_vocab_size=p.vocab, tgt_vocab_size=p.vocab, max_len=max(p.length, 64),
+                                   dropout=0.0)
+    shape, usable = f"batch {p.batch}x{p.length}", f"{len(os.sched_getaffinity(0))} usable"
     if p.xla_ops:
         print(f"{p.preset}: JAX forward + backward, {shape}, {os.cpu_count()} CPUs visible, {usable}")
         for key, ms in xla_op_split(cfg, p.batch, p.length).items():

@@ -1,10 +1,6 @@
-"""`python -m train.run` (`aiayn train`): train, evaluate and save a translation model.
-
-Flag parsing and printing only: every flag is a field of `train.config.ExperimentConfig` (its help
-text lives there), `--config FILE` reads flags from a TOML recipe (`train.recipes`) before those of
-the command line, and the work is `train.loop.train(config)`. Bad values and unusable files or run
-directories end with one `error:` line and exit status 2 (flags) or 1 (files), never a traceback.
-"""
+"""`python -m train.run` (`aiayn train`): train, evaluate and save a translation model: the flags of
+`train.config.ExperimentConfig`'s fields, a TOML recipe's first with `--config FILE` (`train.recipes`),
+and `train.loop.train(config)`; one `error:` line and status 2 (flags) or 1 (files), never a traceback."""
 
 from __future__ import annotations
 
@@ -22,18 +18,14 @@ from ..runtime import Interrupted, exit_status, read_experiment
 from ..runtime.files import UserError
 
 EPILOG = """\
-data specs (--train, --valid, --test):
-  SRC:TGT:PREFIX                      two aligned text files PREFIX.SRC and PREFIX.TGT, one sentence
-                                      per line, plain or gzipped (PREFIX.SRC.gz), e.g.
-                                      de:en:../shared/data/multi30k/train
+data specs (--train, --valid, --test; docs/operations.md#training-and-data):
+  SRC:TGT:PREFIX                      aligned text files PREFIX.SRC and PREFIX.TGT, one sentence a line,
+                                      plain or gzipped, e.g. de:en:../shared/data/multi30k/train
   FILE.tsv[.gz][#src=COL,tgt=COL]     tab-separated with a header row; columns default to source,target
-  FILE.jsonl|.json[.gz][#src=F,tgt=F] JSON lines; fields default to source,target (also looked up
-                                      inside a "translation" dict)
-  hf:NAME[:CONFIG]:SPLIT[#src=F,tgt=F]  datasets.load_dataset(NAME, CONFIG, split=SPLIT): a hub id
-                                      (needs internet) or a local dataset directory; SPLIT may slice,
-                                      e.g. hf:bentrevett/multi30k:train#src=de,tgt=en
-  Without --train: the embedded numbers corpus, German number words -> English (0..999,999),
-  generated offline from --seed with --numbers-train/--numbers-valid/--numbers-test pairs.
+  FILE.jsonl|.json[.gz][#src=F,tgt=F] JSON lines; fields source,target, or inside a "translation" dict
+  hf:NAME[:CONFIG]:SPLIT[#src=F,tgt=F]  datasets.load_dataset: a hub id or a local dataset directory;
+                                      SPLIT may slice, e.g. hf:bentrevett/multi30k:train#src=de,tgt=en
+  Without --train: the embedded numbers corpus, German number words -> English, made from --seed.
 
 examples:
   python -m train.run --backend=jax
