@@ -114,7 +114,7 @@ def launch(exp_cfg: ExperimentConfig, target, **kwargs):
 
 
 def _process(env: dict[str, str], target, exp_cfg: ExperimentConfig, kwargs: dict) -> None:
-    """A process `launch` started: `train.run.main`'s endings (process 0 prints the resume command)."""
+    """A process `launch` started: `train.commands.run.main`'s endings (process 0 prints the resume command)."""
     os.environ.update(env)
     try:
         target(exp_cfg, **kwargs)
