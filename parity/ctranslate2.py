@@ -1,4 +1,4 @@
-"""A trained run as a CTranslate2 model: `python -m parity.convert --to ctranslate2 --src RUN --dst DIR`.
+"""A trained run as a CTranslate2 model: `aiayn convert --to ctranslate2 --src RUN --dst DIR`.
 
 Built from this project's weights through CTranslate2's own specification classes
 (`ctranslate2.specs.TransformerSpec.from_config`, then a `Converter`), never by writing its file

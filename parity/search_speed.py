@@ -1,4 +1,4 @@
-"""Translation speed of one run's weights in both frameworks (`python -m parity.translate_bench`,
+"""Translation speed of one run's weights in both frameworks (`aiayn translate-bench`,
 docs/performance.md#translation-speed): each search timed on the same batches, with its peak memory
 growth and the outputs that differ from torch cached search's; CTranslate2 and HF generate beside them."""
 
@@ -20,7 +20,7 @@ from train.backends import allocator, create_backend, initialize
 from train.benchmark import _rss_mib
 from train.interop import marian
 from train.interop.weights import convert_state
-from train.options import RunSelection, Search
+from train.options import POSITIVE, Output, RunSelection, Search, checked, option
 
 from . import ctranslate2 as ct2
 from . import proof
@@ -179,11 +179,34 @@ def _hf_rows(run: Run, state, batches, beam_size: int, alpha: float, timed, refe
     return rows
 
 
-def bench_file(selection: RunSelection, search: Search, input: Path | None, batch_size: int | None = None,
-               json_path: Path | None = None, **extras: bool) -> list[dict]:
-    """`python -m parity.translate_bench`: `benchmark` of the run `selection` names on the sentences of
-    `input` (stdin), printed as a table (and written to `json_path`); `extras`: ctranslate2, hf,
-    uncached as `benchmark` takes them."""
+@checked
+class SpeedBench:
+    """What `bench_file` times, on which sentences, and where it writes. It opens a run (either backend),
+    moves its weights into the other framework (`convert_state`), and times JAX and torch cached search
+    and torch's uncached loop (the decoder re-run over every prefix; `uncached`), each greedy and with the
+    search's beam: seconds, sentences/s, tokens/s, `peak_mib` (the largest growth of resident memory in
+    the timed loop), the speed-ups against torch cached and uncached, and how many outputs differ from
+    torch cached search's (0 expected). Torch and CTranslate2 run under glibc's settled allocator
+    thresholds (`allocator.settled`), float32 matmuls in full float32 (TF32 off) in both frameworks.
+    `ctranslate2` adds the run exported to CTranslate2 in float32 and int8 (outputs compared by
+    `ctranslate2.same_output`, int8's BLEU against float32's: docs/interop.md#speed); `hf` adds HF's
+    `generate` on a run imported from Marian (`train.interop.marian.to_marian`), each batch limited to our length limit."""
+
+    input: Path | None = option(None, "text file, one source sentence per line (plain or .gz); default: stdin")
+    batch_size: int | None = option(None, "at most N sentences per batch; default: the run's --token-budget",
+                                    range=POSITIVE)
+    json: Output = option(None, "also write the figures to this JSON file")
+    ctranslate2: bool = option(False, "also time the run exported to CTranslate2 in float32 and int8 (needs the "
+                               "interop extra: pip install -e \".[interop]\")")
+    hf: bool = option(False, "also time HF transformers' generate on the run's weights (a run imported from Marian: "
+                      "aiayn convert --from marian; needs the interop extra)")
+    uncached: bool = option(True, "torch's uncached loop (hours at large shapes; --no-uncached leaves it out and "
+                            "the speed-ups against it are then null)")
+
+
+def bench_file(selection: RunSelection, search: Search, bench: SpeedBench = SpeedBench()) -> list[dict]:
+    """`aiayn translate-bench`: `benchmark` of the run `selection` names on the sentences of
+    `bench.input` (stdin), printed as a table (and written to `bench.json`)."""
     import platform
 
     import jax
@@ -198,22 +221,23 @@ def bench_file(selection: RunSelection, search: Search, input: Path | None, batc
     enable_parity_numerics()
     if len(selection.run_dir) > 1:
         raise UserError("--run-dir once: the benchmark times one run's weights")
-    sentences = [line for line in read_lines(input) if line.strip()]
+    sentences = [line for line in read_lines(bench.input) if line.strip()]
     if not sentences:
-        raise UserError(f"{input or 'standard input'} holds no sentence to translate")
+        raise UserError(f"{bench.input or 'standard input'} holds no sentence to translate")
     run = load(selection)
-    for package in [name for name, wanted in (("ctranslate2", extras.get("ctranslate2")),
-                                              ("transformers", extras.get("hf"))) if wanted]:
+    for package in [name for name, wanted in (("ctranslate2", bench.ctranslate2), ("transformers", bench.hf))
+                    if wanted]:
         try:
             require(package)
         except ImportError as err:  # one line naming the extra
             raise UserError(str(err)) from None
-    if extras.get("hf"):
+    if bench.hf:
         try:
             marian.marian_origin(selection.run_dir[0])
         except ValueError as err:
             raise UserError(f"--hf: {err}") from None
-    rows = benchmark(run, sentences, search.beam, batch_size, search.alpha, scoring=search.scoring, **extras)
+    rows = benchmark(run, sentences, search.beam, bench.batch_size, search.alpha, scoring=search.scoring,
+                     ctranslate2=bench.ctranslate2, hf=bench.hf, uncached=bench.uncached)
     run.backend.close()
     machine = f"{platform.processor() or platform.machine()}, {host_devices.cores()} CPUs"
     if jax.default_backend() != "cpu":
@@ -228,6 +252,6 @@ def bench_file(selection: RunSelection, search: Search, input: Path | None, batc
         print(f"{r['search']:19s} {r['beam']:4d} {r['seconds']:8.2f} {r['sentences_per_s']:8.1f} "
               f"{r['tokens_per_s']:8.0f} {r['peak_mib']:8.0f} {r['speedup_vs_torch_cached']:15.2f}x {uncached:>12s} "
               f"{differ:>15s}" + (f"   BLEU vs float32 {r['bleu_vs_float32']:.2f}" if "bleu_vs_float32" in r else ""))
-    if json_path:
-        json_path.write(json_text({"run_dir": str(selection.run_dir[0]), "machine": machine, "rows": rows}))
+    if bench.json:
+        bench.json.write(json_text({"run_dir": str(selection.run_dir[0]), "machine": machine, "rows": rows}))
     return rows

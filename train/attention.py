@@ -1,4 +1,4 @@
-"""Cross-attention heatmaps: `python -m train.translate --run-dir RUN --plot-attention DIR`.
+"""Cross-attention heatmaps: `aiayn translate --run-dir RUN --plot-attention DIR`.
 
 An `AttentionRecorder`, `translate_texts`' `on_batch`, teacher-forces each batch's output through
 the model once (`Translator.cross_attention`): row t of the weights is the step that produced

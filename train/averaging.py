@@ -1,4 +1,4 @@
-"""Checkpoint averaging (`python -m train.average`), as the paper averages the last 5 (base) or 20
+"""Checkpoint averaging (`aiayn average`), as the paper averages the last 5 (base) or 20
 (big) checkpoints (§6.1).
 
 OUT is a run holding one checkpoint: the element-wise mean of the weights of RUN's newest N
@@ -20,7 +20,19 @@ from torch_reference.config import POSITIVE
 
 from . import data, runtime
 from .backends import create_backend
+from .options import checked, option
 from .store import CheckpointError, TrainingState
+
+
+@checked
+class Averaging:
+    """What `average_run` averages: the newest `last` checkpoints of run `src` into a new run `dst`."""
+
+    src: Path = option(None, "the trained run (keeps at least N checkpoints)", flag="--run-dir", required=True,
+                     metavar="RUN")
+    dst: Path = option(None, "the new run directory to write", required=True, metavar="OUT")
+    last: int = option(5, "average the newest N checkpoints", range=POSITIVE, metavar="N")
+    overwrite: bool = option(False, "replace --dst if it holds a run")
 
 
 def average_states(states: Sequence[TrainingState]) -> TrainingState:
@@ -41,7 +53,7 @@ def average_states(states: Sequence[TrainingState]) -> TrainingState:
 def average_run(src: str | os.PathLike, dst: str | os.PathLike, last: int = 5, overwrite: bool = False) -> dict:
     """Average the newest `last` checkpoints of run `src` into a new run directory `dst` (built
     beside it and renamed into place, so an interrupted average leaves nothing). Returns a summary."""
-    POSITIVE.check("last", last)  # 0 would average every checkpoint, -1 all but the oldest
+    Averaging(src, dst, last, overwrite)  # its checks: 0 would average every checkpoint, -1 all but the oldest
     src, dst = Path(src), Path(dst)
     runtime.rundir.check_set_aside(src)
     cfg = runtime.read_experiment(src)

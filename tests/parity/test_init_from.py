@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import train
-from train import pretrained, run, runtime
+from train import pretrained, runtime
+from train.commands import run
 from train.config import ExperimentConfig
 from train.interop.runs import convert_run, run_weights
 
@@ -117,7 +118,7 @@ def test_fit_starts_from_a_marian_directory(tmp_path, monkeypatch):
 @pytest.mark.slow  # ~11 s; in CI train.fit starts from a Marian directory (above)
 def test_a_marian_model_fine_tuned_in_one_command_learns_and_exports_to_hf(tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
-    from parity import convert
+    from parity.commands import convert
     from train.interop import marian
 
     hf_dir = make_marian_dir(tmp_path / "hf", seed=1)

@@ -160,7 +160,7 @@ def test_greedy_translations_token_identical_to_hf_generate(small):
 def test_greedy_of_the_jax_twin_equals_the_torch_run(small, tmp_path):
     """The JAX import (same weights through the leaf rules) searches the same tokens."""
     hf_dir, torch_run = small
-    from parity.convert import main as convert
+    from parity.commands.convert import main as convert
 
     assert convert(["--from", "marian", "--src", str(hf_dir), "--to", "jax", "--dst", str(tmp_path / "jax")]) == 0
     texts = ["Ein Hund läuft.", "Zwei Kinder spielen im Sand."]
@@ -213,7 +213,7 @@ def test_export_round_trips_to_an_hf_directory(small, tmp_path):
     """--to marian: the untrained import goes back to the very weights (bit for bit), which
     MarianMTModel.from_pretrained loads with the same logits, and MarianTokenizer reads its files."""
     hf_dir, run_dir = small
-    done = subprocess.run([sys.executable, "-m", "parity.convert", "--to", "marian", "--src", str(run_dir),
+    done = subprocess.run([sys.executable, "-m", "parity.commands.convert", "--to", "marian", "--src", str(run_dir),
                            "--dst", str(tmp_path / "hf")], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     proof = json.loads((tmp_path / "hf" / "proof.json").read_text())  # checked by HF itself at export
@@ -236,9 +236,9 @@ def test_export_round_trips_to_an_hf_directory(small, tmp_path):
 
 def test_imported_run_translates_evaluates_and_fine_tunes(small, tmp_path, capsys):
     """The CLIs end to end (in this process: no interpreter start-ups): import with fine-tuning
-    data, train.translate, train.evaluate, train.run --resume for two updates."""
-    from parity.convert import main as convert
-    from train import evaluate, run, translate
+    data, aiayn translate, aiayn evaluate, train.run --resume for two updates."""
+    from parity.commands.convert import main as convert
+    from train.commands import evaluate, run, translate
 
     hf_dir = small[0]
     prefix = tmp_path / "ft"

@@ -203,7 +203,7 @@ def test_checkpoints_keep_newest_and_best(tmp_path, fast_config, corpus, backend
 
 
 def test_torch_checkpoint_files(tmp_path, fast_config, corpus):
-    """safetensors only (no pickle), the config in the weights' metadata as parity.convert reads it."""
+    """safetensors only (no pickle), the config in the weights' metadata as aiayn convert reads it."""
     from safetensors import safe_open
 
     from train.interop import runs

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from parity import convert
-from train import average, data, loop, plots, runtime, store, translate
-from train import run as train_run
+from parity.commands import convert
+from train import data, loop, plots, runtime, store
+from train.commands import average, translate
+from train.commands import run as train_run
 
 from .helpers import REPO, exit_code, files_of, one_error_line, run_files
 from .helpers import TINY_ARGV as TINY

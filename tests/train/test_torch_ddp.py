@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from train import loop
-from train import run as train_run
+from train.commands import run as train_run
 from train.config import ExperimentConfig
 from train.interop.runs import convert_run
 

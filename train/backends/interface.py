@@ -151,7 +151,7 @@ class Store(Protocol):
         """Weights, Adam's moments, the update count and the random state, as NumPy copies."""
 
     def import_state(self, state: TrainingState) -> None:
-        """Continue from `state` (of this framework, or converted to its layout by parity.convert):
+        """Continue from `state` (of this framework, or converted to its layout by aiayn convert):
         weights, moments and update count (the schedule's position follows it); the random state
         when it is this framework's, else the backend keeps its own. Keys, shapes and dtypes are
         checked strictly (CheckpointMismatchError, ValueError)."""

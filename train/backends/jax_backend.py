@@ -443,7 +443,7 @@ class JaxBackend(StoreMethods):
 
     def import_state(self, state: TrainingState) -> None:
         if state.framework != "jax":
-            raise ValueError(f"a {state.framework} training state: convert it to JAX's layout first (parity.convert)")
+            raise ValueError(f"a {state.framework} training state: convert it to JAX's layout first (aiayn convert)")
         state.check()
         old = self.state
         params = _from_flat(old["params"], state.params, "weights")

@@ -114,7 +114,7 @@ def launch(exp_cfg: ExperimentConfig, target, **kwargs):
 
 
 def _process(env: dict[str, str], target, exp_cfg: ExperimentConfig, kwargs: dict) -> None:
-    """A process `launch` started: `train.run.main`'s endings (process 0 prints the resume command)."""
+    """A process `launch` started: `train.commands.run.main`'s endings (process 0 prints the resume command)."""
     os.environ.update(env)
     try:
         target(exp_cfg, **kwargs)
@@ -371,7 +371,7 @@ class TorchBackend(StoreMethods):
 
     def import_state(self, state: TrainingState) -> None:
         if state.framework != "torch":
-            raise ValueError(f"a {state.framework} training state: convert it to torch's layout first (parity.convert)")
+            raise ValueError(f"a {state.framework} training state: convert it to torch's layout first (aiayn convert)")
         state.check()
         current = self.model.state_dict()
         check_keys("PyTorch weights", {k: tuple(v.shape) for k, v in current.items()}, {k: np.shape(v) for k, v in state.params.items()})

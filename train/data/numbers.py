@@ -130,7 +130,7 @@ def numbers_corpus(train_size: int = 20_000, valid_size: int = 1_000, test_size:
     (seed, band) and cut test first, then valid, then train (at most half of a band held out), so
     the splits share no number of 3 or more digits and test and valid do not depend on train_size.
     The 100 numbers below 100 are too few to hold out: every split draws them from the same
-    numbers (`train.evaluate` reports seen numbers apart). Training cycles each band's numbers to
+    numbers (`aiayn evaluate` reports seen numbers apart). Training cycles each band's numbers to
     fill its share, at most `TRAIN_REPEATS` times each (`ONE_DIGIT_REPEATS` for 1 digit), with
     `ROUND_SHARE` of each band from 4 digits on given to its round thousands, the roundest first.
     A coin per number (from `seed`) picks its spelling with or without a leading "ein"

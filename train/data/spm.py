@@ -1,5 +1,5 @@
 """SentencePiece tokenizers with a vocabulary of the run's own ids: the tokenizer kind of runs
-imported from a pretrained model (`python -m parity.convert --from marian`).
+imported from a pretrained model (`aiayn convert --from marian`).
 
 `SentencePieceTokenizer` encodes as `transformers.MarianTokenizer` does (a leading `>>xx<<` language
 code one token, pieces missing from the vocabulary <unk>, <eos> last) into this project's numbering

@@ -1,4 +1,4 @@
-"""HF Marian (OPUS-MT) models in and out: `python -m parity.convert --from marian` / `--to marian`.
+"""HF Marian (OPUS-MT) models in and out: `aiayn convert --from marian` / `--to marian`.
 
 A Marian model is this project's Transformer with a few of its variants (docs/interop.md):
 `marian_config` maps every field of `MarianConfig` that changes the function and refuses, naming
@@ -398,7 +398,7 @@ def marian_origin(run_dir: str | os.PathLike) -> dict[str, Any]:
     path = Path(run_dir) / runtime.IMPORTED_FILE
     record = json.loads(path.read_text()) if path.is_file() else {}
     if record.get("format") != MARIAN_FORMAT:
-        raise ValueError(f"{run_dir} was not imported from a Marian model (parity.convert --from marian): its "
+        raise ValueError(f"{run_dir} was not imported from a Marian model (aiayn convert --from marian): its "
                          "vocabulary has no Marian numbering to export to")
     return record
 

@@ -15,9 +15,9 @@ from .layout import read_experiment
 from .lock import RunLock
 
 # What each kind of output is called; `kind_of` recognises it. A run is what train.run can read
-# (its config.json); a model directory parity.convert exports carries KIND_FILE naming its kind.
-KINDS = {"run": "run", "ctranslate2": "CTranslate2 model written by parity.convert",
-         "marian": "HF Marian directory written by parity.convert"}
+# (its config.json); a model directory aiayn convert exports carries KIND_FILE naming its kind.
+KINDS = {"run": "run", "ctranslate2": "CTranslate2 model written by aiayn convert",
+         "marian": "HF Marian directory written by aiayn convert"}
 KIND_FILE = ".aiayn.json"  # {"kind": "ctranslate2" | "marian"}
 PROOF_FILE = "proof.json"  # what an export computes against its run, and its files' digests (parity.proof)
 

@@ -1,4 +1,4 @@
-"""Serve a loaded run over HTTP (`python -m train.serve`, docs/serving.md): `limits` (what a request
+"""Serve a loaded run over HTTP (`aiayn serve`, docs/serving.md): `limits` (what a request
 may ask, and its parsing into decoding options), `batcher` (requests decoded together on one
 thread), `app` (the Starlette app: /translate, /health, /info and the page) and `server` (uvicorn,
 its deadlines and its stops).

@@ -12,7 +12,7 @@ from typing import Any
 from torch_reference.config import POSITIVE, Range
 
 from ..runtime import UserError
-from ..options import OptionError, Sampling, Search
+from ..options import OptionError, Sampling, Search, checked
 
 SERVE_INSTALL = 'pip install -e ".[serve]"'
 
@@ -30,7 +30,7 @@ def _limit(default, help: str):
     return dataclasses.field(default=default, metadata={"help": help, "range": allowed})
 
 
-@dataclasses.dataclass(frozen=True)
+@checked
 class Limits:
     """What one request may ask and how requests are batched (docs/serving.md#limits)."""
 
@@ -46,12 +46,6 @@ class Limits:
     request_timeout_s: float = _limit(60.0, "from a body's arrival to its translation; past it 503")
     body_timeout_s: float = _limit(10.0, "to receive a whole body (a slow client); past it 408")
     idle_timeout_s: float = _limit(5.0, "a connection that sends no whole request head for this long is closed")
-
-    def __post_init__(self):
-        for field in dataclasses.fields(self):  # the ranges of the command's flags, for Python callers too
-            value = getattr(self, field.name)
-            if value is not None and (problem := field.metadata["range"].error(value)):
-                raise OptionError("{} " + problem, field.name)
 
 
 class BadRequest(Exception):

@@ -192,7 +192,7 @@ def serve(runs: str | os.PathLike | Sequence[str | os.PathLike] | RunSelection, 
           port: int = 8000, *, limits: Limits | None = None, on_ready: Callable[[Server], None] | None = None,
           **server: Any) -> int:
     """Load `runs` (`train.load`: a run directory, several for an ensemble, or a `RunSelection`) and
-    serve them until SIGTERM or SIGINT (what `python -m train.serve` does); returns the signal
+    serve them until SIGTERM or SIGINT (what `aiayn serve` does); returns the signal
     number that stopped it."""
     from ..api import load
 
