@@ -88,10 +88,9 @@ def stream_parallel(spec: str, cache_dir: str | Path | None = None, digest: bool
 
 
 def file_digest(paths: Iterable[Path], memo: Path | None = None) -> str:
-    """sha256 over the bytes of `paths`, read in blocks; a file whose path, size, modification and change
-    times and inode are in the JSON file `memo` is not read again (as git's index and make do). The
-    change time is set by every write, even one that puts the modification time back; a file written in
-    the last `RACY_S` seconds is not remembered (another write within the clock's tick could keep both)."""
+    """sha256 over the bytes of `paths`; a file whose path, size, modification and change times and inode
+    are in the JSON file `memo` is not read again (as git's index does), unless written in the last
+    `RACY_S` seconds (another write within the clock's tick could keep all of them)."""
     try:
         known = read_json(memo, default={}) if memo is not None else {}
     except UserError:  # a damaged memo: read every file again, and rewrite it

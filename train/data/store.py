@@ -167,9 +167,8 @@ def build_store(path: Path, pairs: Iterable[tuple[str, str]], tokenizers: Tokeni
 
 
 def open_store(path: Path, key: str | None = None) -> TokenStore:
-    """The store at `path`, memory-mapped; UserError in one line when its files do not match its
-    manifest (truncated, replaced, another key, a changed byte: each file's digest is checked the
-    first time a process opens the store): delete the directory and the next run rebuilds it."""
+    """The store at `path`, memory-mapped; UserError in one line when its files do not match its manifest
+    (each file's digest checked the first time a process opens it): the next run rebuilds a deleted one."""
     try:
         manifest = json.loads((path / MANIFEST).read_text())
         stats = {p.name: p.stat() for p in path.iterdir() if p.name != MANIFEST}

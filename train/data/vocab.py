@@ -138,10 +138,9 @@ def save_tokenizers(tokenizers: Tokenizers, run_dir: str | Path) -> None:
 
 
 def load_tokenizers(run_dir: str | Path, joint: bool | None = None) -> Tokenizers:
-    """Read what `save_tokenizers` wrote; a joint tokenizer comes back as one shared object.
-    `joint`: whether the run's vocabulary is joint (config.json's joint_vocab), so that a missing
-    file is named as the one the run needs; None: whichever is there. FileNotFoundError when
-    there is none, ValueError when one cannot be read."""
+    """Read what `save_tokenizers` wrote (a joint tokenizer as one shared object); `joint`: config.json's
+    joint_vocab, so that a missing file is the one the run needs (None: whichever is there).
+    FileNotFoundError when there is none, ValueError when one cannot be read."""
     run_dir = Path(run_dir)
     if (run_dir / spm.SPM_TOKENIZER).is_file():
         return Tokenizers(*spm.load(run_dir))
