@@ -1,8 +1,6 @@
-"""Starting a run from a pretrained one (`--init-from`): its model, tokenizers and weights, trained
-on new data with a fresh optimizer and schedule (docs/finetune.md).
-
-`source_run` makes any source a run directory of the backend that trains (a Marian model, a hub
-name or the other framework's run through `train.interop`); `load` reads that run's weights.
+"""Starting a run from a pretrained one (`--init-from`): its model, tokenizers and weights, trained on
+new data with a fresh optimizer and schedule (docs/finetune.md). `source_run` makes any source a run of
+the backend that trains (through `train.interop`); `load` reads that run's weights.
 """
 
 from __future__ import annotations
@@ -35,10 +33,9 @@ class Pretrained:
 
 
 def source_run(cfg: ExperimentConfig, scratch: contextlib.ExitStack) -> Path | None:
-    """The run directory of `cfg.backend` that --init-from's weights are read from (None: no source):
-    the source itself when it is one; else the other framework's run converted (its best checkpoint),
-    or a Marian directory or hf:ORG/NAME[@REVISION] imported, into a temporary directory that
-    `scratch` removes. Also for a resumed run that has no checkpoint yet, which starts from its source again."""
+    """The run directory of `cfg.backend` that --init-from's weights are read from (None: no source), as
+    `interop.runs.init_source` makes it, in a temporary directory `scratch` removes; also for a resumed
+    run that has no checkpoint yet, which starts from its source again."""
     source, backend = cfg.init_from, cfg.backend
     if source is None and cfg.resume and cfg.run_dir and (Path(cfg.run_dir) / runtime.CONFIG_FILE).is_file():
         from .runtime.rundir import has_checkpoint

@@ -20,11 +20,8 @@ log = logging.getLogger(__name__)
 
 
 def bucket_lengths(max_len: int) -> tuple[int, ...]:
-    """Padded lengths 8, 16, 24, 32, 48, 64, 96, ... (2^k and 3*2^k) below max_len, then max_len.
-
-    From 16 on, consecutive buckets differ by at most 1.5x, so padding to a bucket wastes under a
-    third of it, and max_len=256 gives 10 buckets.
-    """
+    """Padded lengths 8, 16, 24, 32, 48, 64, 96, ... (2^k and 3*2^k) below max_len, then max_len:
+    from 16 on, neighbours differ by at most 1.5x, so padding wastes under a third of a bucket."""
     if max_len < 1:
         raise ValueError(f"max_len must be >= 1, got {max_len}")
     steps = sorted({m << k for m in (8, 24) for k in range(max_len.bit_length())})
@@ -34,11 +31,8 @@ def bucket_lengths(max_len: int) -> tuple[int, ...]:
 @dataclasses.dataclass(frozen=True)
 class Batch:
     """One padded batch: src, tgt_in and tgt_out are int32, padded with 0 to the bucket length S = T.
-
-    A packed batch (google/flax examples/wmt's convention) holds several pairs a row, one after
-    the other: `src_segments` and `tgt_segments` number them 1, 2, ... along the row (0 on
-    padding), and each segment's tgt_in starts with its own bos; unpacked, both are None.
-    """
+    Packed (google/flax examples/wmt's convention), `src_segments` and `tgt_segments` number a row's
+    pairs 1, 2, ... (0 on padding) and each segment's tgt_in starts with its own bos; else both None."""
 
     src: np.ndarray  # (B, S): source ids + eos
     tgt_in: np.ndarray  # (B, T): decoder input, shift_right(tgt_out): bos + tgt_out[:, :-1] (per segment)
@@ -60,30 +54,16 @@ class Batch:
 class Batcher:
     """Padded batches under a token budget, in length buckets or packed, shuffled per epoch, resumable.
 
-    A pair goes to the smallest bucket length L >= max(len(src), len(tgt)) (lengths include
-    <eos>); source and target are both padded to L, so a bucket has one batch shape (B_L, L) with
-        B_L = floor(token_budget / (L * multiple_of)) * multiple_of,  i.e.  B_L * L <= token_budget.
-    The last batch of a bucket is filled up with all-pad rows (ids -1, no tokens) so that shape
-    never changes: at most one shape per bucket, `shapes`. Pairs longer than max_len are dropped
-    and counted in `num_dropped`.
+    Buckets: a pair goes to the smallest bucket length L >= max(len(src), len(tgt)) (<eos> included),
+    both sides padded to L, B_L = floor(token_budget / (L * multiple_of)) * multiple_of rows; a bucket's
+    last batch is filled with all-pad rows (ids -1), so one shape per bucket in use (`shapes`). Pairs
+    longer than max_len are dropped (`num_dropped`). `pack=True`: one shape (B_P, `pack_length`), rows
+    filled first-fit in the epoch's order (docs/performance.md#sequence-packing).
 
-    `pack=True`: one shape (B_P, P) for every batch, P = `pack_length` (default: the smallest bucket
-    length holding the longest pair): each row holds as many pairs as fit, source after source and
-    target after target (`Batch.src_segments`, `tgt_segments`), filled first-fit in the epoch's order;
-    a pair that fits no row of the batch waits for the next one (a batch closes when B_P pairs wait).
-    Fewer programs to compile and less padding than buckets (docs/performance.md#sequence-packing).
-
-    Epoch e is shuffled by numpy's Generator seeded with (seed, e): pairs within each bucket, then
-    the order of all batches (packed: all pairs, then the batches). `next(batcher)` runs through
-    epochs endlessly; `state()` is a JSON-able {"epoch", "index"} (batches already taken from that
-    epoch), and `restore(state)` continues exactly from there. `epoch_batches(e)` yields one epoch
-    without touching the state (with shuffle=False: bucket by bucket, or packed, pairs in their
-    given order, for evaluation).
-
-    `examples`: (source ids, target ids) pairs, or a `TokenStore` (train.data.store), memory-mapped
-    from disk: the plan is computed from its lengths alone and each batch's rows gathered from it
-    when the batch is made. `process=(index, count)`: each batch holds only that process's share of
-    the global batch's rows (`Batch.global_rows`), its token counts the global batch's.
+    Epoch e is shuffled with the seed (seed, e); `next(batcher)` runs through epochs endlessly, `state()`
+    and `restore(state)` resume exactly, `epoch_batches(e)` yields one epoch without touching the state.
+    `examples`: pairs of ids, or a `TokenStore` whose rows are gathered when a batch is made.
+    `process=(index, count)`: each batch holds only that process's rows (`Batch.global_rows`).
     """
 
     def __init__(self, examples: Sequence[tuple[Sequence[int], Sequence[int]]] | TokenStore, token_budget: int,
@@ -206,34 +186,23 @@ class Batcher:
         full = np.full((size, *ids.shape[1:]), -1, np.int64)
         full[: len(ids)] = ids
         local = full[index * size // count : (index + 1) * size // count]
-        rows = len(local)
-        if self.pack:
-            row, segment = np.nonzero(local >= 0)  # row-major: each row's pairs in order
-            pairs = local[row, segment]
-        else:
-            pairs = local[local >= 0]  # the rows in use come first
+        grid = local.reshape(len(local), -1)  # (rows, pairs a row): bucketed, one pair a row, the rows in use first
+        row, segment = np.nonzero(grid >= 0)  # row-major: each row's pairs in order
         arrays = {}
         for side in ("src", "tgt"):
-            values, lengths = self.store.gather(side, pairs)
-            out = np.zeros((rows, length), np.int32)
-            if not self.pack:
-                out[: len(pairs)][np.arange(length) < lengths[:, None]] = values
-                arrays[side] = out
-                continue
+            values, lengths = self.store.gather(side, grid[row, segment])
             before = np.cumsum(lengths) - lengths  # where each pair's ids begin among `values`
             at = np.repeat(row * length - before[np.searchsorted(row, row)], lengths) + np.arange(len(values))
-            out.reshape(-1)[at] = values
-            seg = np.zeros((rows, length), np.int32)
-            seg.reshape(-1)[at] = np.repeat(segment + 1, lengths)
-            arrays[side], arrays[f"{side}_seg"] = out, seg
-            if side == "tgt":  # shift_right within each segment: bos, then the pair's ids but its last
-                shifted = np.concatenate([[BOS_ID], values[:-1]]).astype(np.int32)
-                shifted[before] = BOS_ID
-                arrays["tgt_in"] = np.zeros((rows, length), np.int32)
-                arrays["tgt_in"].reshape(-1)[at] = shifted
+            flat = {side: values, f"{side}_seg": np.repeat(segment + 1, lengths)}
+            if side == "tgt" and self.pack:  # shift_right within each segment: bos, then the pair's ids but its last
+                flat["tgt_in"] = np.concatenate([[BOS_ID], values[:-1]]).astype(np.int32)
+                flat["tgt_in"][before] = BOS_ID
+            for name, content in flat.items():
+                arrays[name] = np.zeros((len(local), length), np.int32)
+                arrays[name].reshape(-1)[at] = content
         src, tgt_out, global_rows = arrays["src"], arrays["tgt"], None if count == 1 else size
         if not self.pack:
-            tgt_in = np.concatenate([np.full((rows, 1), BOS_ID, np.int32), tgt_out[:, :-1]], axis=1)  # (B, T)
+            tgt_in = np.concatenate([np.full((len(local), 1), BOS_ID, np.int32), tgt_out[:, :-1]], axis=1)  # (B, T)
             return Batch(src, tgt_in, tgt_out, local, *tokens, global_rows=global_rows)
         return Batch(src, arrays["tgt_in"], tgt_out, local, *tokens, arrays["src_seg"], arrays["tgt_seg"],
                      global_rows=global_rows)

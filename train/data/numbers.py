@@ -30,14 +30,9 @@ def _below_1000(lang: str) -> tuple[str, ...]:
 
 def number_words(n: int, *, drop_ein: bool = False) -> Pair:
     """(German, English) words for 0 <= n < 1,000,000, exactly as `num2words` writes them, or with
-    `drop_ein` without the "ein" that num2words puts before a leading hundred or thousand:
-    "hundertdrei" for "einhundertdrei" (103), "tausend" for "eintausend" (1000), as correct and what
-    a person types first. Other numbers are the same either way.
-
-    num2words' German converter is slow, so numbers >= 1000 are composed from its words for 0..999
-    with its own thousands rules (docs/results.md#the-numbers-corpus), its quirks such as
-    "einhunderteinstausend" (101,000) kept: the corpus is num2words' output.
-    """
+    `drop_ein` without the "ein" before a leading hundred or thousand ("hundertdrei", "tausend"), as
+    correct and what a person types first. Numbers >= 1000 are composed from num2words' words for
+    0..999 by its own thousands rules, its quirks kept ("einhunderteinstausend"): its German is slow."""
     if not 0 <= n < 1_000_000:
         raise ValueError(f"number_words covers 0..999999, got {n}")
     de, en = _below_1000("de"), _below_1000("en")
@@ -103,9 +98,8 @@ def numbers_range(first: int, last: int, step: int = 1) -> list[Pair]:
 
 
 def _spread(total: int, capacities: Sequence[int]) -> list[int]:
-    """`total` split as evenly as the capacities allow: every part at most its capacity, and a part
-    below an even share only when it is full; the remainder goes to the last parts. Raises
-    ValueError when the capacities hold fewer than `total`."""
+    """`total` split as evenly as the capacities allow (a part below an even share only when full, the
+    remainder to the last parts); ValueError when the capacities hold fewer than `total`."""
     counts = [0] * len(capacities)
     left = total
     by_capacity = sorted(range(len(capacities)), key=lambda i: (capacities[i], i))

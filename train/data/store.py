@@ -1,14 +1,7 @@
-"""A corpus tokenized once: `TokenStore`, every pair's source and target ids as flat arrays (uint16
-when the vocabularies fit, else int32) with their lengths and offsets, in memory (`TokenStore.from_pairs`)
-or memory-mapped from a directory of NumPy `.npy` files (`open_store`, written by `build_store`, found
-by `corpus_store`).
-
-On disk a store is `<cache>/<key>/` (docs/operations.md#the-corpus-store): the key digests the
-data's content and the tokenizers, so a changed corpus or tokenizer gets a store of its own. It is
-written into a temporary directory and renamed into place, under a lock, so an interrupted build
-leaves no store (the next build removes what a killed one left) and two builds of one key make it
-once; a store whose files disagree with its manifest (sizes, and xxh3-128 digests checked once a
-process) is refused in one line, never read.
+"""A corpus tokenized once: `TokenStore`, every pair's ids as flat arrays with their lengths and offsets,
+in memory (`TokenStore.from_pairs`) or memory-mapped from `<cache>/<key>/`, a directory of `.npy` files
+keyed by the data's content and the tokenizers, built whole or not at all and refused in one line when
+its files disagree with its manifest (docs/operations.md#the-corpus-store).
 """
 
 from __future__ import annotations
@@ -174,9 +167,8 @@ def build_store(path: Path, pairs: Iterable[tuple[str, str]], tokenizers: Tokeni
 
 
 def open_store(path: Path, key: str | None = None) -> TokenStore:
-    """The store at `path`, memory-mapped; UserError in one line when its files do not match its
-    manifest (truncated, replaced, another key, a changed byte: each file's digest is checked the
-    first time a process opens the store): delete the directory and the next run rebuilds it."""
+    """The store at `path`, memory-mapped; UserError in one line when its files do not match its manifest
+    (each file's digest checked the first time a process opens it): the next run rebuilds a deleted one."""
     try:
         manifest = json.loads((path / MANIFEST).read_text())
         stats = {p.name: p.stat() for p in path.iterdir() if p.name != MANIFEST}
@@ -204,6 +196,7 @@ def _file_digest(path: Path) -> str:
     """xxh3-128 of a file's bytes: not cryptographic, a check against damage at memory speed."""
     with open(path, "rb") as f:
         return hashlib.file_digest(f, xxhash.xxh3_128).hexdigest()
+
 
 def _npy_header(length: int, dtype) -> bytes:
     """A 1-D .npy header of HEADER bytes."""
