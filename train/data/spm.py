@@ -1,6 +1,7 @@
 """SentencePiece tokenizers in this project's numbering, the tokenizers of runs imported from Marian
 (`aiayn convert --from marian`): they encode as `transformers.MarianTokenizer` does and offer the
-`tokenizers.Tokenizer` methods a run uses. In a run directory: `sentencepiece.json` and the models it names (`sentencepiece`: an optional extra).
+`tokenizers.Tokenizer` methods a run uses. In a run directory: `sentencepiece.json` and the models it
+names (`sentencepiece`: an optional extra).
 """
 
 from __future__ import annotations
