@@ -21,7 +21,8 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from torch_reference.config import ALPHA, NON_NEGATIVE, POSITIVE, PROBABILITY, SCORINGS, Range  # noqa: F401 (for commands)
+from torch_reference.config import (  # noqa: F401 (PROBABILITY, Range: for commands)
+    ALPHA, AVERAGES, NON_NEGATIVE, POSITIVE, PROBABILITY, SAMPLING_RANGES, SCORINGS, Range)
 
 from .config import flag_name as flag_of
 from .runtime.files import UserError
@@ -33,8 +34,7 @@ if TYPE_CHECKING:
 FORMATS = ("text", "tsv", "jsonl")
 # The type of a field naming a file a command writes: given a path, checked at once and kept as its `Destination`.
 Output = Optional["Destination"]
-# The twins' ensemble.AVERAGES (a test keeps them equal), named here so that this module imports neither framework.
-ENSEMBLE_AVERAGES = ("logprob", "prob")
+ENSEMBLE_AVERAGES = AVERAGES  # the twins' ensemble.AVERAGES
 
 
 class OptionError(UserError, ValueError):
@@ -211,16 +211,15 @@ class Sampling:
     batch it falls in; `temperature` divides the log-probabilities, `top_k` (0: all) and `top_p`
     (1: all) keep the most probable tokens. A sample's score is its log-probability."""
 
-    num_samples: int = option(1, "N samples per sentence (N > 1 with --format tsv or jsonl)", range=POSITIVE,
-                              metavar="N")
+    num_samples: int = option(1, "N samples per sentence (N > 1 with --format tsv or jsonl)",
+                              range=SAMPLING_RANGES["num_samples"], metavar="N")
     temperature: float = option(1.0, "divide the log-probabilities by T > 0 before drawing (< 1 sharper)",
-                                range=Range(float, above=0.0), metavar="T")
-    top_k: int = option(0, "draw among the K most probable tokens (0: all)", range=NON_NEGATIVE, metavar="K")
+                                range=SAMPLING_RANGES["temperature"], metavar="T")
+    top_k: int = option(0, "draw among the K most probable tokens (0: all)", range=SAMPLING_RANGES["top_k"], metavar="K")
     top_p: float = option(1.0, "draw among the most probable tokens whose probabilities reach P, in (0, 1] (1: all)",
-                          range=Range(float, above=0.0, high=1.0), metavar="P")
+                          range=SAMPLING_RANGES["top_p"], metavar="P")
     seed: int = option(0, "the random numbers' seed, in [0, 2**32): the same seed gives the same samples, in the "
-                       "jax and torch backends alike, whatever the batching", range=Range(int, low=0, below=2**32),
-                       metavar="S")
+                       "jax and torch backends alike, whatever the batching", range=SAMPLING_RANGES["seed"], metavar="S")
 
     def check_with(self, search: Search, prefixes: bool = False) -> None:
         """OptionError for what does not go with sampling: n-best lists and forced prefixes are the
