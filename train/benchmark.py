@@ -1,12 +1,5 @@
-"""Step-time benchmark (`aiayn bench`): JAX vs PyTorch eager vs torch.compile on the same
-model and batches.
-
-For each precision, preset and backend a fresh worker process (so that one backend's memory and
-threads never touch another's) builds the model from seed 0, trains on the same fixed batches and
-reports the median step time after warm-up (the first, compiling step apart), tokens/s, the model
-FLOPs of a step, MFU against the matmul peak measured in that process at that precision, and the
-peak memory of training (device memory on GPUs; on CPUs the rise of the process's peak resident
-memory). The precisions are `PRECISION_HELP`'s (docs/performance.md).
+"""Step-time benchmark (`aiayn bench`): JAX vs PyTorch eager vs torch.compile on the same model and batches,
+each in a fresh worker process so that one backend's memory and threads never touch another's (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -83,6 +76,8 @@ class Bench:
     @property
     def batch_size(self) -> int:
         return max(1, self.batch_tokens // self.length)
+
+
 _JAX_MATMUL_PRECISION = {"float32": "highest", "tf32": "tensorfloat32", "bfloat16": "default"}
 
 
@@ -257,12 +252,10 @@ def run_worker(preset: str, backend: str, precision: str, remat: bool, batch_siz
 
 def _cpu_name() -> str:
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown CPU"
 
 
 def write_plot(results: list[dict], path: Path) -> None:
