@@ -271,10 +271,8 @@ class RunSelection:
     process_id: int | None = option(None, "jax multi-process: this process's id, 0..N-1", range=NON_NEGATIVE)
 
     def check(self) -> None:
-        dirs = self.run_dir
-        if isinstance(dirs, (str, os.PathLike)) or not isinstance(dirs, Iterable):
-            dirs = [dirs]
-        dirs = list(dirs)  # a generator too
+        one = isinstance(self.run_dir, (str, os.PathLike)) or not isinstance(self.run_dir, Iterable)
+        dirs = [self.run_dir] if one else list(self.run_dir)  # a generator too
         if not dirs:
             raise OptionError("{}: an ensemble needs at least one run directory, got []", "run_dir")
         if not all(isinstance(d, (str, os.PathLike)) for d in dirs):
