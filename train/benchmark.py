@@ -82,15 +82,9 @@ _JAX_MATMUL_PRECISION = {"float32": "highest", "tf32": "tensorfloat32", "bfloat1
 
 
 def step_flops(cfg: TransformerConfig, batch_size: int, src_len: int, tgt_len: int) -> int:
-    """Model FLOPs of one training step: 3 x the forward pass (the backward costs two forwards).
-
-    Forward, counting 2 FLOPs per multiply-add of every matmul (embedding lookups are free):
-      encoder layer, per source token: q,k,v,out projections 8D² + feed-forward 4DF (6DF for
-        SwiGLU) + scores and weighted values 4SD;
-      decoder layer, per target token: self-attention 8D² + 4TD, cross-attention q,out 4D² +
-        4SD (+ k,v projections 4D² per source token), feed-forward as above;
-      output projection 2DV per target token.
-    """
+    """Model FLOPs of one training step: 3 x the forward pass (the backward costs two forwards), counting 2
+    FLOPs per multiply-add of every matmul (projections 8D² a layer, feed-forward 4DF, 6DF for SwiGLU; attention
+    4 x length x D; the output projection 2DV a target token); embedding lookups are free."""
     D, F, V = cfg.d_model, cfg.d_ff, cfg.tgt_vocab_size
     ff = (6 if cfg.activation == "swiglu" else 4) * D * F
     encoder = cfg.num_encoder_layers * src_len * (8 * D * D + ff + 4 * src_len * D)
