@@ -205,11 +205,8 @@ class Search:
 
 @checked
 class Sampling:
-    """Random sampling instead of a search (`Translator.sample`, docs/decoding.md#sampling):
-    `num_samples` translations per sentence, each token drawn with the uniform of (seed, the
-    sentence's index in the input, sample, position), so a sentence's samples do not depend on the
-    batch it falls in; `temperature` divides the log-probabilities, `top_k` (0: all) and `top_p`
-    (1: all) keep the most probable tokens. A sample's score is its log-probability."""
+    """Random sampling instead of a search (`Translator.sample`, docs/decoding.md#sampling): each token drawn
+    with the uniform of (seed, sentence, sample, position), so that a sentence's samples do not depend on its batch."""
 
     num_samples: int = option(1, "N samples per sentence (N > 1 with --format tsv or jsonl)",
                               range=SAMPLING_RANGES["num_samples"], metavar="N")
@@ -246,10 +243,8 @@ def check_format(fmt: str, search: Search, sample: Sampling | None = None) -> No
 
 @checked
 class RunSelection:
-    """Which trained runs to load and onto what (`train.load`): one run directory, or several (an
-    ensemble of runs of one framework with the same tokenizers, combined by `average`), each at
-    `checkpoint` ("best" by validation BLEU, "latest" or a step); `devices`: the first N devices;
-    the launch options of a multi-process JAX run."""
+    """Which trained runs to load and onto what (`train.load`): one run directory, or several (an ensemble
+    combined by `average`), each at `checkpoint`, on the first `devices` devices of one or several processes."""
 
     run_dir: list[Path] = option(
         [], "the run directory (holds config.json, tokenizer, checkpoints/); given again, an ensemble: the runs' "
