@@ -128,17 +128,6 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: ty
         target.add_argument(flag_of(field), **kwargs)
 
 
-def _output_path(text: str) -> Any:
-    """argparse's type of an `Output` field: refused while the flags are read, not after minutes of work."""
-    try:
-        return destination(text, "")
-    except OptionError as err:
-        raise argparse.ArgumentTypeError(str(err).lstrip()) from None
-
-
-_TYPES = {"int": int, "float": float, "Path": Path, "Output": _output_path}
-
-
 def typed(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     """`parse` as an argparse type: its ValueError's message is the flag's error."""
 
@@ -146,9 +135,13 @@ def typed(parse: Callable[[str], Any]) -> Callable[[str], Any]:
         try:
             return parse(text)
         except ValueError as err:
-            raise argparse.ArgumentTypeError(str(err)) from None
+            raise argparse.ArgumentTypeError(str(err).lstrip()) from None
 
     return parsed
+
+
+# An `Output` field's path is refused while the flags are read, not after minutes of work.
+_TYPES = {"int": int, "float": float, "Path": Path, "Output": typed(lambda text: destination(text, ""))}
 
 
 def build(cls: type, given: Mapping[str, Any]) -> Any:
