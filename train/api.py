@@ -64,8 +64,7 @@ class Run:
         search = _options(Search, search, options)
         sampling = _options(Sampling, None if sample is True else sample or None, options)
         if sample is None or sample is False:
-            off = [f.name for f in dataclasses.fields(Sampling) if getattr(sampling, f.name) != f.default]
-            if off:
+            if off := [f.name for f in dataclasses.fields(Sampling) if getattr(sampling, f.name) != f.default]:
                 raise OptionError(", ".join(["{}"] * len(off)) + ": sampling settings, give sample=True", *off)
             sampling = None
         if self.members and search.alignments:
