@@ -21,8 +21,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from torch_reference.config import (  # noqa: F401 (PROBABILITY, Range: for commands)
-    ALPHA, AVERAGES, NON_NEGATIVE, POSITIVE, PROBABILITY, SAMPLING_RANGES, SCORINGS, Range)
+from torch_reference.config import ALPHA, AVERAGES, NON_NEGATIVE, POSITIVE, SAMPLING_RANGES, SCORINGS, Range
 
 from .config import flag_name as flag_of
 from .runtime.files import UserError
