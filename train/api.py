@@ -55,21 +55,16 @@ class Run:
     def translate(self, texts: str | Sequence[str], search: Search | None = None, sample: Sampling | bool | None = None,
                   *, prefix: str | Sequence[str | None] | None = None, batch_size: int | None = None,
                   **options: Any) -> str | list[str] | list[Hypothesis] | list[list[Hypothesis]]:
-        """The translations of `texts` in order (one string for one string) by `search` (`Search`:
-        beam, alpha, scoring, n_best, alignments; also given as keywords, `beam=1`), sources longer
-        than the run's max_len cut. With `n_best` K or `alignments`: each text's K best (1 with
-        alignments alone) as `Hypothesis` (text, logprob, score, tokens, alignment). `prefix`: each
-        output's forced start (a string for one text, else one per text, None for none). `sample`
-        (a `Sampling`, or True with its fields as keywords: `num_samples`, `temperature`, `top_k`,
-        `top_p`, `seed`): random translations instead of the search, `Hypothesis` lists when
-        num_samples > 1 or with `hypotheses=True` (an option of `translate_texts`); docs/decoding.md."""
+        """The translations of `texts` in order (one string for one string) by `search` (a `Search`, or its
+        fields as keywords), sources longer than the run's max_len cut; `Hypothesis` lists with `n_best` or
+        `alignments`. `prefix`: each output's forced start (None: none). `sample` (a `Sampling`, or True with its
+        fields as keywords): random translations instead of the search (docs/python.md, docs/decoding.md)."""
         from .translation import translate_texts
 
         search = _options(Search, search, options)
         sampling = _options(Sampling, None if sample is True else sample or None, options)
         if sample is None or sample is False:
-            off = [f.name for f in dataclasses.fields(Sampling) if getattr(sampling, f.name) != f.default]
-            if off:
+            if off := [f.name for f in dataclasses.fields(Sampling) if getattr(sampling, f.name) != f.default]:
                 raise OptionError(", ".join(["{}"] * len(off)) + ": sampling settings, give sample=True", *off)
             sampling = None
         if self.members and search.alignments:
@@ -100,13 +95,9 @@ class Run:
 
     def evaluate(self, pairs: str | os.PathLike | Sequence[tuple[str, str]], search: Search | None = None,
                  evaluation: Evaluation | None = None, **options: Any) -> dict[str, Any]:
-        """What `aiayn evaluate` prints: loss, perplexity, BLEU and chrF with their
-        signatures, exact match (per number of digits for number data) on `pairs`, a data spec
-        ("numbers:test", "de:en:PREFIX", "FILE.tsv", ...) or (source, target) pairs, translated by
-        `search`; `evaluation` (`Evaluation`, or its fields as keywords: max_sentences, samples,
-        lowercase, moses): "bleu_lc" with `lowercase`, and always for a run trained with --lowercase
-        (its translations are lowercase). An ensemble's result also names its other runs
-        ("ensemble") and every run's step ("steps")."""
+        """What `aiayn evaluate` prints (loss, perplexity, BLEU, chrF, exact match) on `pairs`, a data spec
+        or (source, target) pairs, translated by `search`; `evaluation`: an `Evaluation`, or its fields as
+        keywords (docs/python.md). An ensemble's result also names its other runs and every run's step."""
         from .data.splits import load_split
         from .metrics import evaluate_pairs
 
@@ -174,15 +165,10 @@ class _Closed:
 
 def load(run_dir: str | os.PathLike | Sequence[str | os.PathLike] | RunSelection, checkpoint: str | int = "best",
          backend: str | None = None, devices: int | None = None, average: str = "logprob", **launch: Any) -> Run:
-    """The run in `run_dir` with checkpoint `checkpoint` ("best" by validation BLEU, "latest" or a
-    step) restored onto this process's devices (the first `devices` of them; checkpoints restore
-    onto any mesh). `backend`: the framework the caller expects ("jax" or "torch"), refused with
-    the conversion command when the run is the other's. `launch`: other launch options of
-    `ExperimentConfig` (coordinator_address, num_processes, process_id). A list of run directories
-    (runs of one framework with the same tokenizers, each at `checkpoint`): an ensemble, their
-    log-probabilities averaged (docs/decoding.md#ensembles; `average="prob"`: the log of their mean
-    probability); a list of one: that run. `run_dir` may be a `RunSelection` holding all of these
-    but `backend`. Raises UserError."""
+    """The run in `run_dir` at `checkpoint` ("best" by validation BLEU, "latest" or a step) restored onto
+    this process's first `devices` devices; `backend`: the framework the caller expects, refused with the
+    conversion command when the run is the other's; `launch`: `RunSelection`'s launch options. A list of run
+    directories: an ensemble (docs/decoding.md#ensembles). `run_dir` may be a `RunSelection`. Raises UserError."""
     if isinstance(run_dir, RunSelection):
         selection = run_dir
     else:

@@ -1,12 +1,5 @@
-"""Step-time benchmark (`aiayn bench`): JAX vs PyTorch eager vs torch.compile on the same
-model and batches.
-
-For each precision, preset and backend a fresh worker process (so that one backend's memory and
-threads never touch another's) builds the model from seed 0, trains on the same fixed batches and
-reports the median step time after warm-up (the first, compiling step apart), tokens/s, the model
-FLOPs of a step, MFU against the matmul peak measured in that process at that precision, and the
-peak memory of training (device memory on GPUs; on CPUs the rise of the process's peak resident
-memory). The precisions are `PRECISION_HELP`'s (docs/performance.md).
+"""Step-time benchmark (`aiayn bench`): JAX vs PyTorch eager vs torch.compile on the same model and batches,
+each in a fresh worker process so that one backend's memory and threads never touch another's (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -83,19 +76,15 @@ class Bench:
     @property
     def batch_size(self) -> int:
         return max(1, self.batch_tokens // self.length)
+
+
 _JAX_MATMUL_PRECISION = {"float32": "highest", "tf32": "tensorfloat32", "bfloat16": "default"}
 
 
 def step_flops(cfg: TransformerConfig, batch_size: int, src_len: int, tgt_len: int) -> int:
-    """Model FLOPs of one training step: 3 x the forward pass (the backward costs two forwards).
-
-    Forward, counting 2 FLOPs per multiply-add of every matmul (embedding lookups are free):
-      encoder layer, per source token: q,k,v,out projections 8D² + feed-forward 4DF (6DF for
-        SwiGLU) + scores and weighted values 4SD;
-      decoder layer, per target token: self-attention 8D² + 4TD, cross-attention q,out 4D² +
-        4SD (+ k,v projections 4D² per source token), feed-forward as above;
-      output projection 2DV per target token.
-    """
+    """Model FLOPs of one training step: 3 x the forward pass (the backward costs two forwards), counting 2
+    FLOPs per multiply-add of every matmul (projections 8D² a layer, feed-forward 4DF, 6DF for SwiGLU; attention
+    4 x length x D; the output projection 2DV a target token); embedding lookups are free."""
     D, F, V = cfg.d_model, cfg.d_ff, cfg.tgt_vocab_size
     ff = (6 if cfg.activation == "swiglu" else 4) * D * F
     encoder = cfg.num_encoder_layers * src_len * (8 * D * D + ff + 4 * src_len * D)
@@ -257,12 +246,10 @@ def run_worker(preset: str, backend: str, precision: str, remat: bool, batch_siz
 
 def _cpu_name() -> str:
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown CPU"
 
 
 def write_plot(results: list[dict], path: Path) -> None:

@@ -1,7 +1,5 @@
-"""The jobs of the decoding commands, callable from Python: translate a file (`translate_file`),
-evaluate a run on a data spec (`evaluate_spec`), score the pairs of a file (`score_file`). Each
-takes the options objects of `train.options`; the commands (`aiayn translate`, `aiayn evaluate`,
-`aiayn score`) parse their flags into those and call these."""
+"""The jobs of `aiayn translate`, `aiayn evaluate` and `aiayn score`, callable from Python with the options
+objects of `train.options`: `translate_file`, `evaluate_spec`, `score_file`."""
 
 from __future__ import annotations
 
@@ -125,8 +123,7 @@ def evaluate_spec(selection: RunSelection, data: str, search: Search = Search(),
 
 def score_file(selection: RunSelection, files: ScoreFiles) -> None:
     """Per pair of the data spec `files.input`, the target's log-probability under the runs `selection`
-    (`Run.score`), one line each to `files.output` (stdout): the number, or with format "jsonl" the
-    JSON object with its tokens."""
+    (`Run.score`), one line each to `files.output` (stdout): the number, or (format "jsonl") with its tokens."""
     split_host()  # before jax is imported
     input = files.input
     destined = destination(files.output, "--output", spec_files(input), f"--input {input}")  # checked before the work

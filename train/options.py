@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from torch_reference.config import ALPHA, NON_NEGATIVE, POSITIVE, PROBABILITY, SCORINGS, Range  # noqa: F401 (for commands)
+from torch_reference.config import ALPHA, AVERAGES, NON_NEGATIVE, POSITIVE, SAMPLING_RANGES, SCORINGS, Range
 
 from .config import flag_name as flag_of
 from .runtime.files import UserError
@@ -33,8 +33,7 @@ if TYPE_CHECKING:
 FORMATS = ("text", "tsv", "jsonl")
 # The type of a field naming a file a command writes: given a path, checked at once and kept as its `Destination`.
 Output = Optional["Destination"]
-# The twins' ensemble.AVERAGES (a test keeps them equal), named here so that this module imports neither framework.
-ENSEMBLE_AVERAGES = ("logprob", "prob")
+ENSEMBLE_AVERAGES = AVERAGES  # the twins' ensemble.AVERAGES
 
 
 class OptionError(UserError, ValueError):
@@ -128,17 +127,6 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: ty
         target.add_argument(flag_of(field), **kwargs)
 
 
-def _output_path(text: str) -> Any:
-    """argparse's type of an `Output` field: refused while the flags are read, not after minutes of work."""
-    try:
-        return destination(text, "")
-    except OptionError as err:
-        raise argparse.ArgumentTypeError(str(err).lstrip()) from None
-
-
-_TYPES = {"int": int, "float": float, "Path": Path, "Output": _output_path}
-
-
 def typed(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     """`parse` as an argparse type: its ValueError's message is the flag's error."""
 
@@ -146,9 +134,13 @@ def typed(parse: Callable[[str], Any]) -> Callable[[str], Any]:
         try:
             return parse(text)
         except ValueError as err:
-            raise argparse.ArgumentTypeError(str(err)) from None
+            raise argparse.ArgumentTypeError(str(err).lstrip()) from None
 
     return parsed
+
+
+# An `Output` field's path is refused while the flags are read, not after minutes of work.
+_TYPES = {"int": int, "float": float, "Path": Path, "Output": typed(lambda text: destination(text, ""))}
 
 
 def build(cls: type, given: Mapping[str, Any]) -> Any:
@@ -205,22 +197,18 @@ class Search:
 
 @checked
 class Sampling:
-    """Random sampling instead of a search (`Translator.sample`, docs/decoding.md#sampling):
-    `num_samples` translations per sentence, each token drawn with the uniform of (seed, the
-    sentence's index in the input, sample, position), so a sentence's samples do not depend on the
-    batch it falls in; `temperature` divides the log-probabilities, `top_k` (0: all) and `top_p`
-    (1: all) keep the most probable tokens. A sample's score is its log-probability."""
+    """Random sampling instead of a search (`Translator.sample`, docs/decoding.md#sampling): each token drawn
+    with the uniform of (seed, sentence, sample, position), so that a sentence's samples do not depend on its batch."""
 
-    num_samples: int = option(1, "N samples per sentence (N > 1 with --format tsv or jsonl)", range=POSITIVE,
-                              metavar="N")
+    num_samples: int = option(1, "N samples per sentence (N > 1 with --format tsv or jsonl)",
+                              range=SAMPLING_RANGES["num_samples"], metavar="N")
     temperature: float = option(1.0, "divide the log-probabilities by T > 0 before drawing (< 1 sharper)",
-                                range=Range(float, above=0.0), metavar="T")
-    top_k: int = option(0, "draw among the K most probable tokens (0: all)", range=NON_NEGATIVE, metavar="K")
+                                range=SAMPLING_RANGES["temperature"], metavar="T")
+    top_k: int = option(0, "draw among the K most probable tokens (0: all)", range=SAMPLING_RANGES["top_k"], metavar="K")
     top_p: float = option(1.0, "draw among the most probable tokens whose probabilities reach P, in (0, 1] (1: all)",
-                          range=Range(float, above=0.0, high=1.0), metavar="P")
+                          range=SAMPLING_RANGES["top_p"], metavar="P")
     seed: int = option(0, "the random numbers' seed, in [0, 2**32): the same seed gives the same samples, in the "
-                       "jax and torch backends alike, whatever the batching", range=Range(int, low=0, below=2**32),
-                       metavar="S")
+                       "jax and torch backends alike, whatever the batching", range=SAMPLING_RANGES["seed"], metavar="S")
 
     def check_with(self, search: Search, prefixes: bool = False) -> None:
         """OptionError for what does not go with sampling: n-best lists and forced prefixes are the
@@ -247,10 +235,8 @@ def check_format(fmt: str, search: Search, sample: Sampling | None = None) -> No
 
 @checked
 class RunSelection:
-    """Which trained runs to load and onto what (`train.load`): one run directory, or several (an
-    ensemble of runs of one framework with the same tokenizers, combined by `average`), each at
-    `checkpoint` ("best" by validation BLEU, "latest" or a step); `devices`: the first N devices;
-    the launch options of a multi-process JAX run."""
+    """Which trained runs to load and onto what (`train.load`): one run directory, or several (an ensemble
+    combined by `average`), each at `checkpoint`, on the first `devices` devices of one or several processes."""
 
     run_dir: list[Path] = option(
         [], "the run directory (holds config.json, tokenizer, checkpoints/); given again, an ensemble: the runs' "
@@ -272,10 +258,8 @@ class RunSelection:
     process_id: int | None = option(None, "jax multi-process: this process's id, 0..N-1", range=NON_NEGATIVE)
 
     def check(self) -> None:
-        dirs = self.run_dir
-        if isinstance(dirs, (str, os.PathLike)) or not isinstance(dirs, Iterable):
-            dirs = [dirs]
-        dirs = list(dirs)  # a generator too
+        one = isinstance(self.run_dir, (str, os.PathLike)) or not isinstance(self.run_dir, Iterable)
+        dirs = [self.run_dir] if one else list(self.run_dir)  # a generator too
         if not dirs:
             raise OptionError("{}: an ensemble needs at least one run directory, got []", "run_dir")
         if not all(isinstance(d, (str, os.PathLike)) for d in dirs):

@@ -192,8 +192,7 @@ def jax_parts(cfg: TransformerConfig, batch: int, length: int, repeats: int, see
 def xla_op_split(cfg: TransformerConfig, batch: int, length: int, repeats: int = 3, seed: int = 0) -> dict[str, float]:
     """Milliseconds per JAX forward + backward of the whole model spent in matmuls (XLA's dot and
     YNNPACK fusions) and in every other compiled operation, summed over the operations as the
-    profiler (jax.profiler.trace) records them. Run it pinned to one core and to two (`taskset`)
-    to see which part uses the second core."""
+    profiler (jax.profiler.trace) records them (docs/performance.md: pinned to one core and to two)."""
     import glob
     import gzip
     import tempfile

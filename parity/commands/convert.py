@@ -36,7 +36,5 @@ def main(argv: list[str] | None = None) -> int:
     return run(build_parser(), argv, job)
 
 
-
-
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,13 +1,7 @@
 """Where a training step's time goes: each part of the model, forward + backward, JAX vs PyTorch.
 
-    aiayn profile --preset base [--batch 32 --length 32 --vocab 8000] [--json PATH]
-    aiayn profile --preset small --xla-cpu-ab [--repeats 10 --sentences 64]
-
-`aiayn bench` times whole steps; this times their parts on the same shapes (sublayers, layers, the
-output projection with the loss, the Adam update), each as `grad(sum(part(x)))` (jit-compiled on the
-JAX side, the model built as the training backend builds it), the median of --repeats runs after a
-warm-up. `--xla-cpu-ab` instead times the JAX train step and a beam-4 search with and without the
-XLA:CPU-tuned pieces (`jax_transformer/xla_cpu.py`), alternately.
+Each part (sublayers, layers, the output projection with the loss, the Adam update) is timed as
+`grad(sum(part(x)))`, the median of --repeats runs after a warm-up (docs/performance.md#where-a-cpu-steps-time-goes).
 """
 
 from __future__ import annotations
