@@ -35,6 +35,7 @@ KERNEL_CHOICES = ("auto", "reference", "xla_cpu", "fused")
 # words: at 400 BPE keeps German compounds in pieces ("drei|undsechzig|tausend"), which is what
 # makes the task need attention; at 8000 it would learn whole numbers as single tokens.
 NUMBERS_VOCAB_SIZE = 400
+NUMBERS_AVERAGE_LAST = 2  # the last two checkpoints (steps 600 and 700): docs/results.md#the-numbers-corpus
 DEFAULT_VOCAB_SIZE = 8000
 # Pairs the tokenizers train on at most: 2 million sentences for a joint vocabulary, Marian's
 # --sentencepiece-max-lines default (SentencePiece's input_sentence_size is the same bound).
@@ -62,8 +63,9 @@ SPECIAL_IDS_FIXED = (
 # Python API and a hand-edited config.json alike) and by the argparse type of its train.run flag.
 FIELD_RANGES: dict[str, Range] = {
     **{name: POSITIVE for name in ("numbers_train", "numbers_valid", "max_len", "token_budget", "steps", "grad_accum",
-                                   "eval_every", "log_every", "keep_checkpoints", "beam", "warmup", "save_every",
-                                   "eval_sentences", "threads", "devices", "num_processes", "tokenizer_sample")},
+                                   "eval_every", "log_every", "keep_checkpoints", "average_last", "beam", "warmup",
+                                   "save_every", "eval_sentences", "threads", "devices", "num_processes",
+                                   "tokenizer_sample")},
     "numbers_test": NON_NEGATIVE, "samples": NON_NEGATIVE, "process_id": NON_NEGATIVE, "seed": NON_NEGATIVE,
     "vocab_size": Range(int, low=260),  # 4 special tokens + 256 bytes
     "lr_factor": Range(float, above=0.0), "clip_norm": Range(float, above=0.0),
@@ -207,6 +209,12 @@ class ExperimentConfig:
     # Checkpoints
     save_every: int | None = _field(None, "ckpt", "checkpoint every N steps and at the end; default: --eval-every", launch=True)
     keep_checkpoints: int = _field(2, "ckpt", "keep the newest N checkpoints, plus the best by validation BLEU", launch=True)
+    average_last: int | None = _field(
+        None, "ckpt", "end the run with the mean of the weights of its last N checkpoints, this final step's "
+        "included (the paper's checkpoint averaging, §6.1; train.average does it after a run): the final "
+        "evaluation, the test set and the last checkpoint use them; fewer when fewer were saved, at most "
+        f"--keep-checkpoints. Default {NUMBERS_AVERAGE_LAST} (at most --keep-checkpoints) for the numbers corpus "
+        "(docs/results.md#the-numbers-corpus), 1 (no averaging) otherwise", metavar="N")
 
     # Run
     seed: int = _field(0, "run", "seed of the initial weights, dropout, batch order and the numbers corpus")
@@ -291,6 +299,9 @@ class ExperimentConfig:
             raise ValueError("--valid/--test need --train (the numbers corpus brings its own splits)")
         if self.train is not None and self.valid is None:
             raise ValueError("--train needs --valid (validation data for loss, BLEU and the best checkpoint)")
+        if self.average_last is not None and self.average_last > self.keep_checkpoints:
+            raise ValueError(f"average_last={self.average_last} averages more checkpoints than keep_checkpoints="
+                             f"{self.keep_checkpoints} keeps")
         if self.resume and self.overwrite:
             raise ValueError("--resume and --overwrite exclude each other")
         if (self.resume or self.overwrite) and self.run_dir is None:
@@ -344,6 +355,8 @@ class ExperimentConfig:
         changes: dict[str, Any] = {}
         if cfg.vocab_size is None:
             changes["vocab_size"] = NUMBERS_VOCAB_SIZE if cfg.uses_numbers_corpus else DEFAULT_VOCAB_SIZE
+        if cfg.average_last is None:
+            changes["average_last"] = min(NUMBERS_AVERAGE_LAST, cfg.keep_checkpoints) if cfg.uses_numbers_corpus else 1
         if cfg.warmup is None:
             changes["warmup"] = max(1, min(PAPER_WARMUP, round(WARMUP_FRACTION * cfg.steps)))
         if cfg.save_every is None:

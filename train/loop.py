@@ -21,6 +21,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from . import data, plots, pretrained, runtime
+from .averaging import average_states
 from .backends import Backend, Topology, create_backend, initialize, launch
 from .backends.compiles import Compiles, totals
 from .config import ExperimentConfig
@@ -98,6 +99,7 @@ class Training:
     finished: dict[str, Any] | None = None  # a resumed run that had trained --steps: its results
     writer: Any = None
     compiled_before: Compiles = dataclasses.field(default_factory=Compiles)  # the process's, before this run
+    averaged: list[int] | None = None  # the steps whose weights the final ones average (--average-last)
 
     def compiled(self) -> Compiles | None:
         """What this run has compiled so far (JAX's compile events); None for torch, which reports none."""
@@ -364,6 +366,22 @@ def _save(cfg: ExperimentConfig, backend: Backend, batcher: data.Batcher, evalua
     backend.save(finite_values(meta), metrics=None if evaluated is None else {"bleu": evaluated["bleu"]})
 
 
+def _average_last(backend: Backend, last: int) -> list[int]:
+    """Replace the backend's weights by the mean of its newest `last` - 1 saved checkpoints' and its
+    own (`train.averaging`; Adam's moments, step and random state stay this step's). The steps
+    averaged, or [] when no earlier checkpoint is kept."""
+    earlier = [step for step in backend.checkpoint_steps() if step < backend.step][-(last - 1):]
+    if not earlier:
+        return []
+    current = backend.export_state()
+    states = []
+    for step in earlier:
+        backend.restore(step)
+        states.append(backend.export_state())
+    backend.import_state(average_states([*states, current]))
+    return [*earlier, current.step]
+
+
 def fit(run: Training) -> None:
     """The update loop from the backend's step to cfg.steps: train, log, evaluate, checkpoint; `run.log`
     extended in place. A non-finite loss, gradient norm or validation loss raises TrainingDiverged
@@ -396,6 +414,8 @@ def fit(run: Training) -> None:
                             run.compiled())
                 pending, window_tokens = [], 0
 
+            if step == cfg.steps and cfg.average_last > 1:  # the final weights: before their evaluation and save
+                run.averaged = _average_last(backend, cfg.average_last)
             evaluated = None
             if evaluate_now:
                 eval_start = time.perf_counter()
@@ -460,6 +480,7 @@ def finish(run: Training, started: float) -> dict[str, Any]:
         "valid": valid,
         "test": test,
         "best": None if best is None else {"step": best["step"], "bleu": best["bleu"]},
+        "averaged_steps": run.averaged,
         "wall_time_s": time.perf_counter() - started,
         "config": cfg.to_dict(),
         "model": backend.model_cfg.to_dict(),
@@ -476,6 +497,8 @@ def _summary_line(results: dict[str, Any]) -> str:
         f"({results['train']['time_s']:.0f} s of training since step 0{compiled})",
         f"valid loss {valid['loss']:.4f} ppl {valid['ppl']:.3f} BLEU {valid['bleu']:.2f}",
     ]
+    if results.get("averaged_steps"):
+        parts.insert(1, "weights of steps " + ", ".join(map(str, results["averaged_steps"])) + " averaged")
     if test is not None:
         parts.append(
             f"test ({test['sentences']} sentences) BLEU {test['bleu']:.2f} chrF {test['chrf']:.2f} "

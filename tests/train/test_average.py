@@ -32,16 +32,37 @@ def test_average_states_is_the_float64_mean_rounded_once():
         averaging.average_states([])
 
 
+def _config(run_dir, **changes) -> ExperimentConfig:
+    return ExperimentConfig(
+        backend="torch", run_dir=str(run_dir), steps=6, eval_every=2, keep_checkpoints=3, threads=1,
+        numbers_train=1500, numbers_valid=20, numbers_test=20, max_len=16, token_budget=512, eval_sentences=10,
+        model={"num_encoder_layers": 1, "num_decoder_layers": 1}, progress=False, samples=0, **changes,
+    )
+
+
 @pytest.fixture(scope="module")
 def run_with_checkpoints(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("avg") / "run"
-    cfg = ExperimentConfig(
-        backend="torch", run_dir=str(run_dir), steps=6, eval_every=2, keep_checkpoints=3, threads=1,
-        numbers_train=1500, numbers_valid=20, numbers_test=20, max_len=16, token_budget=512, eval_sentences=10,
-        model={"num_encoder_layers": 1, "num_decoder_layers": 1}, progress=False, samples=0,
-    )
-    loop.train(cfg)
+    loop.train(_config(run_dir))
     return run_dir
+
+
+def test_a_run_ends_with_the_mean_of_its_last_checkpoints(run_with_checkpoints, tmp_path):
+    """--average-last (2 for the numbers corpus): the final checkpoint holds the mean of the
+    weights of the step before it and the final step's own, as a run without averaging has them."""
+    results = json.loads((run_with_checkpoints / "results.json").read_text())
+    assert results["config"]["average_last"] == 2 and results["averaged_steps"] == [4, 6]
+    plain_dir = tmp_path / "plain"
+    assert loop.train(_config(plain_dir, average_last=1))["averaged_steps"] is None
+    plain = [_weights(plain_dir, step) for step in (4, 6)]
+    before = _weights(run_with_checkpoints, 4)
+    for name, value in plain[0].items():  # torch on one thread: the same updates up to the end, bit for bit
+        np.testing.assert_array_equal(before[name], value, err_msg=name)
+    for name, value in _weights(run_with_checkpoints, 6).items():
+        expected = ((plain[0][name].astype(np.float64) + plain[1][name]) / 2).astype(np.float32)
+        np.testing.assert_array_equal(value, expected, err_msg=name)
+    with pytest.raises(ValueError, match="average_last=3 averages more checkpoints than keep_checkpoints=2 keeps"):
+        ExperimentConfig(average_last=3)
 
 
 def _weights(run_dir, step):

@@ -26,6 +26,9 @@ def test_json_round_trip_and_resolve():
     assert cfg.replace(dtype="float32").resolve("gpu").dtype == "float32"
     assert ExperimentConfig(steps=100_000).resolve().warmup == 4000  # the paper's, as a cap
     assert ExperimentConfig(train="a.tsv", valid="b.tsv").resolve().vocab_size == 8000
+    # The numbers corpus's run ends with the mean of its last two checkpoints; other data with its last.
+    assert (resolved.average_last, ExperimentConfig(train="a.tsv", valid="b.tsv").resolve().average_last) == (2, 1)
+    assert ExperimentConfig(keep_checkpoints=1).resolve().average_last == 1  # no more than the run keeps
     assert ExperimentConfig.from_json(resolved.to_json()) == resolved
     with pytest.raises(ValueError, match="unknown ExperimentConfig fields: 'nope'"):
         ExperimentConfig.from_dict({"nope": 1})

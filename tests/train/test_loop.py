@@ -16,8 +16,8 @@ from train.config import ExperimentConfig
 from train.data.batches import fixed_lengths
 
 REPO = Path(__file__).resolve().parents[2]
-RESULT_KEYS = {"backend", "run_dir", "steps", "num_params", "train", "valid", "test", "best", "wall_time_s",
-               "config", "model", "history", "compiled_programs", "compile_seconds", "compile_cache_hits"}
+RESULT_KEYS = {"backend", "run_dir", "steps", "num_params", "train", "valid", "test", "best", "averaged_steps",
+               "wall_time_s", "config", "model", "history", "compiled_programs", "compile_seconds", "compile_cache_hits"}
 EVAL_KEYS = {"step", "loss", "nll", "ppl", "bleu", "bleu_signature", "chrf", "chrf_signature", "bleu_lc",
              "bleu_lc_signature", "exact_match", "tokens", "sentences", "bands"}
 
@@ -82,6 +82,7 @@ def test_short_run_learns_and_writes_results(short_run, capsys):
     names = {p.name for p in run_dir.iterdir()}
     assert {"config.json", "model.json", "tokenizer.json", "checkpoints", "tensorboard", "results.json"} <= names
     assert any(p.name.startswith("events.out.tfevents") for p in (run_dir / "tensorboard").iterdir())
+    assert results["averaged_steps"] == [50, 60]  # the numbers corpus's run ends with the mean of its last two
     kept = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
     assert kept == sorted({50, 60, results["best"]["step"]})
     # config.json holds the experiment; the launch options (run dir, steps, intervals) are not saved.
