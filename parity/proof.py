@@ -1,13 +1,7 @@
-"""Exports that carry their proof (docs/interop.md#exports-with-proof).
-
-At export the model is read back by its own runtime (HF transformers for a Marian directory,
-CTranslate2 for a CTranslate2 model) and held against the run (the PyTorch reference on the
-exported weights) on fixed sentences, the run's validation sources or given ones: how many greedy
-translations agree, and the largest difference of the logits along the run's greedy translations
-(teacher-forced; where the export's own greedy output departs, up to there). The figures go into
-the export as proof.json and a line of README.md; a float32 export outside the bounds fails before
-it replaces anything.
-"""
+"""Exports that carry their proof (docs/interop.md#exports-with-proof): the export read back by its
+own runtime (HF transformers, CTranslate2) and held against the run on a few sentences (greedy
+agreement, the largest logit difference along the run's greedy translations), written into the
+export as proof.json and a README.md line; a float32 export outside the bounds fails first."""
 
 from __future__ import annotations
 
@@ -21,12 +15,13 @@ import numpy as np
 import torch
 
 import train
-from torch_reference.config import EOS_ID, PAD_ID, TransformerConfig
+from torch_reference.config import PAD_ID, TransformerConfig
 from torch_reference.decode import greedy_search, output_length
 from torch_reference.model import Transformer
 from train import data, runtime
 from train.data import spm
 from train.data.streams import LineReader
+from train.translation import output_tokens
 
 from .ctranslate2 import Translator, same_output, tokens
 
@@ -66,16 +61,14 @@ def reference(params: Mapping[str, np.ndarray], cfg: TransformerConfig, src_ids:
     with torch.no_grad():
         for ids in src_ids:
             src = torch.tensor([ids])
-            tokens = greedy_search(model, src)[0][0].tolist()
-            tokens = tokens[: tokens.index(EOS_ID) + 1] if EOS_ID in tokens else tokens
+            tokens = output_tokens(greedy_search(model, src)[0][0].tolist())
             outputs.append(tokens)
             logits.append(model(src, torch.tensor([[cfg.bos_id, *tokens[:-1]]]))[0].numpy())
     return outputs, logits
 
 
 def limit(src_len: int, cfg: TransformerConfig) -> int:
-    """The most tokens the run's search lets the translation of `src_len` source tokens have
-    (torch_reference.decode)."""
+    """The most tokens the run's search lets the translation of `src_len` source tokens have."""
     return output_length(src_len, cfg.max_len, 1.5, 10)
 
 
@@ -151,8 +144,7 @@ def run_proof(converted: Path, run_dir: Path, sentences: Sequence[str]) -> dict[
 
 
 def _greedy(run, ids: list[int]) -> list[int]:
-    tokens = [int(t) for t in run.backend.translate(np.array([ids]), beam_size=1)[0]]
-    return tokens[: tokens.index(EOS_ID) + 1] if EOS_ID in tokens else tokens
+    return output_tokens(run.backend.translate(np.array([ids]), beam_size=1)[0])
 
 
 def _logits(run, ids: list[int], out: list[int]) -> np.ndarray:

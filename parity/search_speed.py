@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,7 +16,7 @@ import torch
 from train import data
 from train.api import Run, load
 from train.backends import allocator, create_backend, initialize
-from train.benchmark import _rss_mib
+from train.benchmark import _peak_rss_mib, _reset_peak_rss, _rss_mib
 from train.options import RunSelection, Search
 
 from . import ctranslate2 as ct2
@@ -29,31 +28,6 @@ REFERENCE = "torch cached"
 
 def _trim(out) -> list[int]:
     return [int(t) for t in out if t != data.PAD_ID]
-
-
-class PeakMemory:
-    """The largest resident set size of this process within the block, above its size at entry
-    (`mib`), read from /proc/self/statm every `interval` seconds by a thread."""
-
-    def __init__(self, interval: float = 0.005):
-        self.interval, self.mib = interval, 0.0
-
-    def __enter__(self) -> PeakMemory:
-        self.start = self.peak = _rss_mib()
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while not self._done.wait(self.interval):
-            self.peak = max(self.peak, _rss_mib())
-
-    def __exit__(self, *exc) -> None:
-        self._done.set()
-        self._thread.join()
-        self.peak = max(self.peak, _rss_mib())
-        self.mib = self.peak - self.start
 
 
 def benchmark(run: Run, lines: Sequence[str], beam_size: int, batch_size: int | None, alpha: float = 0.6,
@@ -79,14 +53,13 @@ def benchmark(run: Run, lines: Sequence[str], beam_size: int, batch_size: int | 
         for _, src in warmup:
             search(src)
         outputs = [None] * len(lines)
-        with PeakMemory() as memory:
-            start = time.perf_counter()
-            for index, src in batches:
-                out = search(src)
-                for row in np.flatnonzero(index >= 0):
-                    outputs[index[row]] = out[row]
-            seconds = time.perf_counter() - start
-        return seconds, outputs, memory.mib
+        _reset_peak_rss()  # the kernel's high-water mark (VmHWM) restarts from here
+        rss, start = _rss_mib(), time.perf_counter()
+        for index, src in batches:
+            out = search(src)
+            for row in np.flatnonzero(index >= 0):
+                outputs[index[row]] = out[row]
+        return time.perf_counter() - start, outputs, _peak_rss_mib() - rss
 
     rows, reference = [], {}
     for name, cached in (("torch", True), ("jax", True), ("torch", False))[: 3 if uncached else 2]:
