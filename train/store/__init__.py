@@ -1,10 +1,6 @@
-"""Checkpoints, framework-neutral: the training state that crosses frameworks, the rule that picks
-a step, and the digests that prove a checkpoint's files are the ones written.
-
-A checkpoint is CHECKPOINTS/<step>/, written by one framework's store (`jax_store`: orbax;
-`torch_store`: safetensors), which this module's `CheckpointStore` is the common part of; each
-holds digest.json, the SHA-256 of every file, checked on load. No framework is imported here.
-"""
+"""Checkpoints, framework-neutral (no framework imported): the training state that crosses
+frameworks, the rule that picks a step, the digests (digest.json) that prove a checkpoint's files
+are the ones written, and `CheckpointStore`, the common part of `jax_store` and `torch_store`."""
 
 from __future__ import annotations
 
@@ -29,14 +25,10 @@ WEIGHTS_CONFIG_KEY = "transformer_config"
 
 @dataclasses.dataclass
 class TrainingState:
-    """One backend's training state, framework-neutral: NumPy arrays keyed by attribute path.
-
-    `framework` names the layout of the arrays ("jax": Flax paths, kernels (in, out); "torch":
-    state-dict keys, weights (out, in)). `mu` and `nu` are Adam's moments, None before the first
-    update (torch keeps none then). `rng` is the framework's own random state (JAX: the run's
-    key data; torch: the CPU generator), None once the state has crossed frameworks, since
-    dropout streams cannot be matched. The data position travels in the checkpoint's meta.
-    """
+    """One backend's training state as NumPy arrays keyed by attribute path, in the layout of
+    `framework` ("jax": Flax paths, kernels (in, out); "torch": state-dict keys, weights (out, in)).
+    `mu`, `nu`: Adam's moments, None before the first update. `rng`: the framework's own random
+    state, None once the state has crossed frameworks (dropout streams cannot be matched)."""
 
     framework: str
     step: int
@@ -102,8 +94,7 @@ class CheckpointError(Exception):
 
 
 def unreadable(directory, step: int, steps: Sequence[int], err: BaseException) -> CheckpointError:
-    """The CheckpointError for checkpoint `step` of `directory` failing with `err`, naming the
-    other checkpoints there (`steps`) as the way out."""
+    """The CheckpointError of checkpoint `step` failing with `err`, naming the other `steps` as the way out."""
     others = [s for s in steps if s != step]
     hint = "it is the only one there"
     if others:
@@ -135,9 +126,8 @@ ROTATION_RETRIES = 10  # how often "latest" or "best" is chosen again while a ru
 
 
 def saved_experiments(directory: str | os.PathLike) -> dict[int, dict]:
-    """The experiment (config.json's content) each checkpoint in `directory` was saved with, by
-    step, read from its meta without a framework or the weights: torch's meta.json, orbax's
-    meta item (meta/metadata). Checkpoints without one (or gone meanwhile) are left out."""
+    """The experiment each checkpoint in `directory` was saved with, by step, read from its meta
+    (torch's meta.json, orbax's meta/metadata) without a framework; those without one left out."""
     found = {}
     for step_dir in Path(directory).glob("[0-9]*"):
         for name, key in (("meta.json", "meta"), ("meta/metadata", None)):
@@ -216,9 +206,8 @@ def verify_checkpoint(directory: str | Path) -> bool:
 
 
 class CheckpointStore:
-    """What each framework's store (`jax_store`, `torch_store`: `steps`, `metrics`, `save`, `load`)
-    shares: CHECKPOINTS/<step>/ in `directory` (None: none), the newest `keep` kept with the best
-    by BLEU, one rule for restoring. A store knows neither run directories nor backends."""
+    """What the framework's stores (`steps`, `metrics`, `save`, `load`) share: CHECKPOINTS/<step>/ in
+    `directory` (None: none), the newest `keep` kept with the best by BLEU, one rule for restoring."""
 
     read_errors: tuple[type[BaseException], ...] = (Exception,)  # what `load` raises for a bad checkpoint
     write_errors: tuple[type[BaseException], ...] = (OSError,)  # what `save` raises for a full or read-only disk
@@ -258,9 +247,8 @@ class CheckpointStore:
 
     @contextlib.contextmanager
     def saving(self, step: int):
-        """Report a failure to save checkpoint `step` for a full disk, a read-only directory or a
-        missing permission as one OSError naming it, once what the save left is removed
-        (`discard`); the checkpoints saved before it are untouched."""
+        """A failed save of `step` (a full disk, a read-only place, no permission) as one OSError naming
+        it, once what the save left is removed (`discard`)."""
         try:
             yield
         except self.write_errors as err:

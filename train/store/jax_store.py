@@ -22,9 +22,8 @@ from . import CheckpointStore, write_checkpoint_digest
 
 @contextlib.contextmanager
 def quiet_orbax():
-    """Within: absl and asyncio logs off and 'Event loop is closed' tracebacks dropped. Orbax warns through
-    absl for every checkpoint saved without metrics; a failed save (a full disk) logs each array's error
-    and ends TensorStore's writes on a closed event loop before raising the first (`saving`'s one line)."""
+    """Within: absl and asyncio logs off, and the 'Event loop is closed' tracebacks of TensorStore's writes
+    after a failed save dropped: orbax warns of each save without metrics, `saving` says a failure in a line."""
     levels, previous = {name: logging.getLogger(name).level for name in ("absl", "asyncio")}, sys.unraisablehook
     sys.unraisablehook = lambda r: None if repr(r.exc_value) == "RuntimeError('Event loop is closed')" else previous(r)
     for name in levels:
