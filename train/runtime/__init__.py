@@ -1,11 +1,7 @@
-"""The run machinery: what keeps a run directory safe, apart from what trains in it.
-
-One writer per run (`lock`), files written whole (`files`), a run claimed new, resumed or
-replaced without losing the old one (`rundir`), directories built whole or not at all
-(`replace.derive`), its settings read back (`layout`), signals (`signals`), TensorBoard events
-(`events`) and resumable translation output (`output`). The library calls `session` to set a
-training run up and the names below; docs/operations.md says what each guarantees.
-"""
+"""The run machinery, apart from what trains: one writer per run (`lock`), files written whole
+(`files`), a run claimed new, resumed or replaced (`rundir`), directories built whole (`replace`),
+settings read back (`layout`), `signals`, TensorBoard `events`, resumable `output`
+(docs/operations.md says what each guarantees)."""
 
 from __future__ import annotations
 

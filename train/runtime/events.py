@@ -20,10 +20,8 @@ class NoWriter:
 
 
 class Events:
-    """A run's TensorBoard scalars, written in the calling thread to one event file (tensorboardX's
-    `EventsWriter`: the format). tensorboardX's SummaryWriter writes from a worker thread and flushes
-    again at exit, so a full disk made both print tracebacks; here a failed write is one OSError
-    naming the file, raised where it happens."""
+    """A run's TensorBoard scalars in one event file (tensorboardX's `EventsWriter`), not its
+    SummaryWriter, whose worker thread and flush at exit printed tracebacks for a full disk."""
 
     def __init__(self, logdir: Path, writer, purge_step: int | None):
         from tensorboardX.proto.event_pb2 import Event, SessionLog
@@ -56,12 +54,8 @@ class Events:
 
 
 def summary_writer(logdir: Path, purge_step: int | None = None) -> Events:
-    """The run's TensorBoard event file (`Events`), tensorboardX imported without loading torch into a JAX run.
-
-    tensorboardX's package runs `import torch` when torch is installed (to accept tensors); the loop
-    logs Python floats only, so where torch is not loaded yet that import is made to fail (a None
-    entry in sys.modules raises ImportError) and tensorboardX falls back to NumPy.
-    """
+    """The run's TensorBoard event file (`Events`). tensorboardX imports torch where installed; a JAX
+    run logs floats only, so that import is made to fail (a None in sys.modules) and torch stays out."""
     hide_torch = "torch" not in sys.modules and "tensorboardX" not in sys.modules
     if hide_torch:
         sys.modules["torch"] = None  # type: ignore[assignment]

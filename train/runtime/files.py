@@ -18,11 +18,9 @@ class UserError(Exception):
 
 
 def write_bytes_atomic(path: str | Path, data: bytes) -> None:
-    """Write `data` to a new temporary file beside `path`, then rename it into place: a crash
-    leaves the old file or the new one, never half of one, and the rename replaces a symbolic
-    link at `path` instead of writing where it points (so nothing outside the directory is
-    written). Any failure (a full disk, a read-only place) leaves the old file and no temporary
-    one, and raises an OSError naming `path`."""
+    """Write `data` to a new temporary file beside `path`, then rename it into place: the old file
+    or the new one, never half of one; a link at `path` is replaced, never written through. A
+    failure (a full disk, a read-only place) leaves the old file and raises an OSError naming `path`."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
@@ -83,10 +81,8 @@ def finite_values(obj: Any) -> Any:
 
 
 def json_text(obj: Any) -> str:
-    """Strict JSON of `obj`, as every file and every output of the project holds: a non-finite
-    number becomes null (never NaN or Infinity, which JSON does not have), and a string holding
-    a byte that was not UTF-8 (a path, read with surrogateescape) keeps it as a \\uDCxx escape,
-    so the text always encodes as UTF-8."""
+    """Strict JSON of `obj`, as every file of the project holds: a non-finite number becomes null,
+    and a byte that was not UTF-8 (a path read with surrogateescape) a \\uDCxx escape."""
     text = json.dumps(finite_values(obj), indent=2, ensure_ascii=False, allow_nan=False)
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 

@@ -47,7 +47,6 @@ def _read_settings(run_dir: str | Path, name: str, build: Callable[[dict], Any])
         raise UserError(f"{path}: {err}") from None
 
 
-
 def read_model_config(run_dir: str | Path) -> TransformerConfig:
     return _read_settings(run_dir, MODEL_FILE, TransformerConfig.from_dict)
 

@@ -52,13 +52,10 @@ def open_stream(path: Path) -> TextIO:
 
 
 class Destination:
-    """A file a command writes, checked before the work, one rule for every command
-    (docs/operations.md#output-files): a FIFO, device, socket or descriptor is a stream, written
-    directly and never replaced; a symbolic link is followed, as the shell's `>` and tee follow it
-    (one to nothing creates its target); a regular file is replaced whole (nothing half-written on
-    a failure). UserError, in one line naming `flag`: a directory, a missing or read-only
-    directory, a file of `inputs` (by any name) or one of this output's side files, a place
-    inside a run or an export."""
+    """A file a command writes, checked before the work (docs/operations.md#output-files): a stream
+    (FIFO, device, socket, descriptor) is written directly; a link is followed, as the shell's `>`;
+    a regular file is replaced whole. UserError naming `flag`: a directory, a missing or read-only
+    directory, a file of `inputs` (by any name, side files too), a place inside a run or an export."""
 
     def __init__(self, path: str | Path, flag: str, inputs: Iterable[str | Path] = (), of: str = ""):
         self.path, self.flag, self.target = Path(path), flag, None

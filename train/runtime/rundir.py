@@ -25,15 +25,10 @@ from .replace import check_outside_runs, kind_of, remove
 @contextlib.contextmanager
 def session(cfg: ExperimentConfig, explicit: Iterable[str] | None = None, platform: str | None = None,
             is_main: bool = True, source: str | Path | None = None) -> Iterator[ExperimentConfig]:
-    """The run directory claimed for training, and the config to train with: a new run, the saved
-    experiment with this launch's options on --resume, or with --init-from `source`'s model fields
-    (`ExperimentConfig.resolve`). Process 0 locks the directory first, and an old run --overwrite
-    replaces is set aside until the new one holds a checkpoint (`replacing`); the others only read.
-
-    A directory holding a run (config.json) is refused unless --resume or --overwrite; a
-    non-empty directory that holds no run is never deleted. Nothing is written but the lock:
-    `prepare_run_dir` writes the run's files once its data has loaded.
-    """
+    """The run directory claimed for training and the config to train with (`ExperimentConfig.resolve`:
+    new, --resume, --init-from `source`). Process 0 locks it and sets aside an old run --overwrite
+    replaces (`replacing`); a run is refused without --resume or --overwrite, a directory holding
+    no run always. Nothing is written but the lock (`prepare_run_dir` writes the run's files)."""
     run_dir = Path(cfg.run_dir or time.strftime(f"runs/{cfg.backend}-%Y%m%d-%H%M%S"))
     if ".." in run_dir.parts:  # R/checkpoints/.. names nothing once --overwrite has set checkpoints/ aside
         run_dir = run_dir.resolve()
@@ -110,11 +105,9 @@ def has_checkpoint(run_dir: Path) -> bool:
 
 @contextlib.contextmanager
 def replacing(run_dir: Path, overwrite: bool) -> Iterator[None]:
-    """`train.run --overwrite` of a run, which never loses the old run to a failed new one: the old
-    run's files (all but the lock this process holds) are moved beside it into `.NAME.run-old`, the
-    new run trains at its own path (where --resume, translate and TensorBoard find it), and when
-    the block ends, however it ends, the old run is deleted if the new one holds a checkpoint (a
-    run --resume continues) and put back as it was if not."""
+    """--overwrite without losing the old run to a failed new one: its files (but the lock) wait in
+    `.NAME.run-old` while the new run trains at its path; when the block ends, however it ends, they
+    are deleted if the new run holds a checkpoint, and put back if not."""
     if not (overwrite and (run_dir / CONFIG_FILE).is_file()):
         yield
         return

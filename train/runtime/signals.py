@@ -61,12 +61,9 @@ def interruptible() -> Iterator[None]:
 
 
 class StopSignals:
-    """While active, SIGTERM and SIGINT (Ctrl-C) ask the loop to stop (`requested` holds the
-    signal) instead of killing it: the loop saves a checkpoint after the current update and
-    raises Interrupted. A second signal stops at once (KeyboardInterrupt), losing only the work
-    since the last checkpoint. Installed only in the main thread of a single-process run: the
-    processes of a multi-process run would have to agree on the step to save at, so there the
-    signals keep their default effect and --resume continues from the last checkpoint."""
+    """While active, SIGTERM and Ctrl-C ask the loop to stop (`requested`): it saves a checkpoint after
+    this update and raises Interrupted; a second signal stops at once (KeyboardInterrupt). Only in the
+    main thread of a single-process run (several processes would have to agree on the step)."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
