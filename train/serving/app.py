@@ -130,7 +130,7 @@ async def receive(request, limits: Limits):
     try:
         return parse_request(body, limits)
     except BadRequest as err:
-        return error(err.status, str(err))
+        return error(400, str(err))
 
 
 async def translate(request):

@@ -6,6 +6,7 @@ import asyncio
 import collections
 import concurrent.futures
 import dataclasses
+import itertools
 from collections.abc import Callable
 
 from ..runtime import UserError
@@ -29,12 +30,10 @@ class _Pending:
 
 
 class Batcher:
-    """`submit(request, tokens)` queues a request and returns a future of its results; `run()` (a
-    task) takes the oldest request and those queued after it that may share its batch, up to
-    `max_batch_*`, waiting at most `max_wait_ms` from the oldest's arrival for more, and calls
-    `decode(texts, prefixes, options)` (blocking, on one worker thread) on them all at once. A
-    request whose future was cancelled (timed out) is dropped. Where a batch of several requests
-    fails with a UserError, each is decoded alone, so the error goes to the request that caused it."""
+    """`submit(request, tokens)` queues a request, a future of its results; `run()` (a task) takes the
+    oldest and those after it that may share its batch (up to `max_batch_*`, waiting `max_wait_ms` at
+    most for more) to `decode(texts, prefixes, options)` on one worker thread. A UserError of a batch
+    is said to the request that caused it (each decoded alone); a cancelled (timed out) one is dropped."""
 
     def __init__(self, decode: Callable[..., list], limits: Limits):
         self.decode, self.limits = decode, limits
@@ -88,9 +87,7 @@ class Batcher:
             return [err] if len(batch) == 1 else [r for item in batch for r in self._decode([item])]
         except Exception as err:  # noqa: BLE001 (the model failed on this batch: said to its requests; the server goes on)
             return [err] * len(batch)
-        starts = [0]
-        for item in batch:
-            starts.append(starts[-1] + len(item.request.texts))
+        starts = [0, *itertools.accumulate(len(item.request.texts) for item in batch)]
         return [results[a:b] for a, b in zip(starts, starts[1:])]
 
     async def run(self) -> None:

@@ -55,20 +55,14 @@ class Limits:
 
 
 class BadRequest(Exception):
-    """A request the server refuses: `status` and a one-line message."""
-
-    def __init__(self, message: str, status: int = 400):
-        super().__init__(message)
-        self.status = status
+    """A request the server refuses (400), with a one-line message."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Decoding:
-    """A request's decoding options: the API's own `Search`, `sample` with the `sampling` settings
-    given (`Run.translate`'s keywords, checked there: a sampling setting without sample is its
-    refusal), and `attention` (the cross-attention weights of each text). Requests with equal
-    options share a batch, except sampled ones: a sample's random numbers are keyed by the
-    sentence's place in its own request."""
+    """A request's decoding options: the API's `Search`, `sample` with the `sampling` settings given
+    (`Run.translate`'s keywords), `attention`. Requests with equal options share a batch, but sampled
+    ones: a sample's random numbers are keyed by the sentence's place in its own request."""
 
     search: Search = Search()
     sample: bool = False
