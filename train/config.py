@@ -1,20 +1,11 @@
-"""The experiment configuration: every training setting, separate from the model's TransformerConfig.
-
-`ExperimentConfig` is frozen and framework-free (no torch, no jax). Each field carries its own
-help text and flag group in its metadata, so `python -m train.run --help` documents exactly the
-fields of this class. Fields left at `None` mean "automatic" and are filled in by `resolve()`
-before a run starts; the run directory stores the resolved config (`config.json`), so a resumed,
-translated or evaluated run reads back the exact values it trained with.
-
-    >>> cfg = ExperimentConfig(backend="torch", steps=200).resolve()
-    >>> cfg.vocab_size, cfg.warmup
-    (400, 50)
-"""
+"""The experiment configuration: every training setting, apart from the model's TransformerConfig.
+`ExperimentConfig` is frozen and framework-free; each field's metadata holds its flag's help and
+group (`python -m train.run --help`). A None field is automatic, filled in by `resolve()`; a run
+directory keeps the resolved config (config.json), read back exactly on resume, translate, evaluate."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Iterable
 from typing import Any, Literal
@@ -113,12 +104,8 @@ def _field(default: Any, group: str, help: str, launch: bool = False, **meta: An
 
 @dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
-    """Training, data, evaluation and checkpoint settings of one run (see `python -m train.run --help`).
-
-    The model is `TransformerConfig.preset(preset, **model)` with the vocabulary sizes of the
-    trained tokenizer, `max_len`, `dropout` and `share_embeddings = joint_vocab` filled in by
-    `model_config()`.
-    """
+    """Training, data, evaluation and checkpoint settings of one run (`python -m train.run --help`);
+    the model is `model_config()`: the preset with `model`'s overrides and what the data decides."""
 
     backend: Backend = _field(
         "jax", "run", "framework that trains the model: jax (Flax NNX, jit) or torch (the reference)", choices=BACKENDS)
@@ -319,15 +306,11 @@ class ExperimentConfig:
 
     def resolve(self, platform: str | None = None, *, given: Iterable[str] | None = None,
                 saved: ExperimentConfig | None = None, source: ExperimentConfig | None = None) -> ExperimentConfig:
-        """The config a run trains with: every automatic (None) field filled in (vocabulary size,
-        warmup, checkpoint interval, packing; the dtype of `platform` for a new run). The run
-        directory's default is chosen where the run is claimed (`runtime.session`).
-
-        `saved`: the experiment a --resume continues, kept whole but for this launch's options.
-        `source`: the experiment --init-from starts from, whose model fields (SOURCE_FIELDS) are
-        taken. A field `given` with another value than theirs: ValueError. `given` None (a
-        programmatic call): every field set counts, for --init-from every one off its default.
-        """
+        """The config a run trains with, every automatic (None) field filled in (the dtype of `platform` for
+        a new run; the run directory where the run is claimed, `runtime.session`). `saved`: the experiment
+        a --resume continues, whole but for this launch's options; `source`: --init-from's, whose
+        SOURCE_FIELDS are taken. ValueError for a field `given` otherwise than theirs (`given` None: every
+        field set, for --init-from every one off its default)."""
         cfg = self
         if saved is not None:
             cfg = saved.replace(**{name: getattr(self, name) for name in self.launch_fields()})
@@ -378,9 +361,8 @@ class ExperimentConfig:
 
     @classmethod
     def launch_fields(cls) -> tuple[str, ...]:
-        """The launch options: where, how long and how this launch runs (paths, resume, steps,
-        evaluation and checkpoint intervals, progress, threads, devices, processes). A resume may
-        change them; they are never saved with the experiment."""
+        """The launch options (where, how long and how this launch runs): a resume may change them, and
+        they are never saved with the experiment."""
         return tuple(f.name for f in dataclasses.fields(cls) if f.metadata["launch"])
 
     def to_dict(self) -> dict[str, Any]:
@@ -399,10 +381,3 @@ class ExperimentConfig:
         if unknown:
             raise ValueError(f"unknown ExperimentConfig fields: {', '.join(map(repr, unknown))}")
         return cls(**data)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> ExperimentConfig:
-        return cls.from_dict(json.loads(text))
