@@ -1,14 +1,8 @@
-"""Sampling speed beside greedy and beam search, torch and JAX on the same weights, in one process
-(docs/decoding.md#sampling-speed):
+"""Sampling speed beside greedy and beam search, both twins on a run's weights in one process
+(docs/decoding.md#sampling-speed), and how many samples differ between them (0: the same seed,
+the same tokens); on a GPU call `parity.comparison.enable_parity_numerics()` first:
 
     python -c "from parity.sampling_bench import report; report('RUN', 'FILE', beam=4, samples=1)"
-
-Opens a run (either backend), builds the twins with its weights and times decoding the input's
-batches (the translate command's batching) with greedy search, beam search and `sample` in each
-framework: seconds, sentences/s (outputs/s: `samples` a sentence), tokens/s, and how
-many sampled outputs differ between torch and JAX (0 expected: the same seed gives the same tokens).
-JAX runs every batch once untimed first (each batch shape compiles there), torch the first batch.
-On a GPU call `parity.comparison.enable_parity_numerics()` first (full float32 matmuls in both).
 """
 
 from __future__ import annotations

@@ -32,11 +32,8 @@ def _trim(out) -> list[int]:
 
 def benchmark(run: Run, lines: Sequence[str], beam_size: int, batch_size: int | None, alpha: float = 0.6,
               ctranslate2: bool = False, scoring: str = "gnmt", hf: bool = False, uncached: bool = True) -> list[dict]:
-    """One row per search and beam: seconds, sentences/s, tokens/s, speed-ups, outputs that differ.
-
-    JAX runs every batch once untimed first (jit compiles each batch shape there), torch and
-    CTranslate2 the first.
-    """
+    """One row per search and beam: seconds, sentences/s, tokens/s, speed-ups, outputs that differ
+    (untimed first: every batch for JAX, which compiles each shape there, the first for the others)."""
     cfg, model_cfg = run.config, run.model_config
     state = run.backend.export_state()
     backends = {}

@@ -35,6 +35,7 @@ PAPER_WARMUP = 4000
 
 # Parameters with an analytically zero gradient (softmax ignores a shift of a row): excluded from the bound.
 NOISE_ONLY_SUFFIX = ".k_proj.bias"
+PER_STEP = ("step", "loss_rel", "param_rel_l2", "param_worst", "k_proj_bias_rel_l2")  # a comparison's per update
 
 
 def experiment_config(steps: int = 100, preset: str = "tiny", model: dict | None = None, **changes: Any):
@@ -119,40 +120,32 @@ class Comparison:
     reference: str
     start: int = 0
     bounded: bool = True
-    steps: list[int] = dataclasses.field(default_factory=list)
-    loss_rel: list[float] = dataclasses.field(default_factory=list)
-    param_rel_l2: list[float] = dataclasses.field(default_factory=list)
-    param_worst: list[str] = dataclasses.field(default_factory=list)
-    k_proj_bias_rel_l2: list[float] = dataclasses.field(default_factory=list)
+    per_step: dict[str, list] = dataclasses.field(default_factory=lambda: {key: [] for key in PER_STEP})
     final: dict | None = None
 
     def record(self, step: int, runs: dict[str, Run], weights: dict[str, dict]) -> None:
         a, r = runs[self.run], runs[self.reference]
         if not np.array_equal(a.batch_ids[step], r.batch_ids[step]):
             raise AssertionError(f"{self.label}: update {step} trained on different batches")
-        diff = compare_weights(weights[self.run], weights[self.reference])
-        self.steps.append(step)
-        self.loss_rel.append(abs(a.losses[step] - r.losses[step]) / abs(r.losses[step]))
-        self.param_rel_l2.append(diff["max_rel_l2"])
-        self.param_worst.append(diff["worst"])
-        self.k_proj_bias_rel_l2.append(diff.get("k_proj_bias", {}).get("max_rel_l2", 0.0))
-        self.final = diff
+        diff = self.final = compare_weights(weights[self.run], weights[self.reference])
+        values = (step, abs(a.losses[step] - r.losses[step]) / abs(r.losses[step]), diff["max_rel_l2"], diff["worst"],
+                  diff.get("k_proj_bias", {}).get("max_rel_l2", 0.0))
+        for key, value in zip(PER_STEP, values):
+            self.per_step[key].append(value)
 
     def to_dict(self) -> dict:
-        i = int(np.argmax(self.loss_rel))
+        per = self.per_step
+        i = int(np.argmax(per["loss_rel"]))
         return {"label": self.label, "run": self.run, "reference": self.reference, "from_step": self.start,
-                "bounded": self.bounded, "max_loss_rel": self.loss_rel[i], "max_loss_rel_step": self.steps[i],
-                "final_step": self.steps[-1], "final_param_rel_l2": self.final["max_rel_l2"],
+                "bounded": self.bounded, "max_loss_rel": per["loss_rel"][i], "max_loss_rel_step": per["step"][i],
+                "final_step": per["step"][-1], "final_param_rel_l2": self.final["max_rel_l2"],
                 "final_param_worst": self.final["worst"], "k_proj_bias": self.final.get("k_proj_bias"),
-                "per_step": {"step": self.steps, "loss_rel": self.loss_rel, "param_rel_l2": self.param_rel_l2,
-                             "param_worst": self.param_worst, "k_proj_bias_rel_l2": self.k_proj_bias_rel_l2},
-                "final_per_parameter": self.final["per_parameter"]}
+                "per_step": per, "final_per_parameter": self.final["per_parameter"]}
 
 
 def _switch(run: Run, cfg, model_cfg, prepared, workdir: Path) -> tuple[Run, bool]:
-    """Save `run`'s checkpoint with its backend's `save`, convert it to the other framework, and
-    `restore` it in a fresh backend of that framework with the data position from its meta.
-    Returns (the continuing run, whether the restored state equals the saved one bit for bit)."""
+    """`run`'s checkpoint saved, converted and restored in a fresh backend of the other framework: (the
+    continuing run, whether the restored state equals the saved one bit for bit)."""
     splits, tokenizers = prepared
     src, other = run.name, "torch" if run.name == "jax" else "jax"
     src_cfg = cfg.replace(backend=src)
@@ -170,10 +163,8 @@ def _switch(run: Run, cfg, model_cfg, prepared, workdir: Path) -> tuple[Run, boo
 
 def run_trajectory(cfg, steps: int | None = None, switch: int | None = None, control: bool = False,
                    initial: TrainingState | None = None, progress: bool = False, prepared=None) -> dict:
-    """Train `steps` updates in both frameworks in lockstep (plus the switched runs when
-    0 < switch < steps, plus torch from weights one ulp away with `control`) from `initial`
-    (default: the torch backend's initial weights for `cfg`). Returns the report, without
-    judging it (`failures`)."""
+    """The report (unjudged: `failures`) of `steps` updates in both frameworks in lockstep from `initial`
+    (default: torch's), plus the switched runs where 0 < switch < steps, plus torch one ulp away with `control`."""
     enable_parity_numerics()
     steps = steps or cfg.steps
     model_cfg, prepared = prepared or prepare(cfg)
@@ -209,8 +200,8 @@ def run_trajectory(cfg, steps: int | None = None, switch: int | None = None, con
                     comparisons.append(Comparison(label, new.name, other, switch))
             if progress and (step % 10 == 0 or step == steps):
                 print(f"  update {step}/{steps}: " + "; ".join(
-                    f"[{c.label}] loss {c.loss_rel[-1]:.1e} params {c.param_rel_l2[-1]:.1e}"
-                    for c in comparisons if c.steps), flush=True)
+                    f"[{c.label}] loss {c.per_step['loss_rel'][-1]:.1e} params {c.per_step['param_rel_l2'][-1]:.1e}"
+                    for c in comparisons if c.per_step["step"]), flush=True)
         for run in runs.values():
             run.backend.close()
     return {"steps": steps, "switch": switch, "seconds": round(time.perf_counter() - started, 1),

@@ -1,11 +1,6 @@
-"""Cross-attention heatmaps: `python -m train.translate --run-dir RUN --plot-attention DIR`.
-
-An `AttentionRecorder`, `translate_texts`' `on_batch`, teacher-forces each batch's output through
-the model once (`Translator.cross_attention`): row t of the weights is the step that produced
-output token t. For input line N it writes `DIR/NNNN.png` (the last decoder layer, heads averaged)
-and `DIR/NNNN_layers.png` (every layer x head), tokens as text with a word's first marked ▁.
-Plots use matplotlib's Agg canvas (no display, no pyplot state).
-"""
+"""Cross-attention heatmaps (`python -m train.translate --plot-attention DIR`): each batch's output
+teacher-forced through the model once (row t: the step that produced token t), drawn for input line
+N as DIR/NNNN.png (last decoder layer, heads averaged) and DIR/NNNN_layers.png (every layer x head)."""
 
 from __future__ import annotations
 
@@ -39,8 +34,8 @@ class SentenceAttention:
 
 
 def _byte_values() -> dict[str, int]:
-    """The byte-level BPE alphabet (GPT-2's, which `tokenizers`' ByteLevel uses): character -> byte.
-    Printable bytes stand for themselves; the others are shifted to code points from 256 on."""
+    """The byte-level BPE alphabet (GPT-2's, `tokenizers`' ByteLevel), character -> byte: printable bytes
+    stand for themselves, the others for code points from 256 on."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     others = [b for b in range(256) if b not in printable]
     return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
@@ -163,8 +158,7 @@ def plot_layers(att: SentenceAttention, path: Path) -> None:
 
 
 def check_plot_directory(directory: Path, source: Path | None = None) -> None:
-    """Raise ValueError unless `directory` is a directory or can be created as one, outside any run
-    (`check_outside_runs`), and does not hold the input file `source` (its plots would replace it)."""
+    """ValueError unless `directory` is or can become a directory outside any run, not holding `source`."""
     check_outside_runs(directory / "0001.png", "--plot-attention")
     if source is not None and directory.resolve() in source.resolve().parents:
         raise ValueError(f"--plot-attention {directory} holds the input {source}: its plots could replace it; "

@@ -1,11 +1,6 @@
-"""Checkpoint averaging (`python -m train.average`), as the paper averages the last 5 (base) or 20
-(big) checkpoints (§6.1).
-
-OUT is a run holding one checkpoint: the element-wise mean of the weights of RUN's newest N
-checkpoints, at the newest one's step, with its optimizer state and data position. The mean is
-taken in float64 in step order and rounded once to the weights' dtype, so it does not depend on
-the framework: the same N checkpoints averaged by either backend give the same weights, bit for bit.
-"""
+"""Checkpoint averaging (`python -m train.average`), as the paper averages the last 5 or 20 (§6.1):
+a run of one checkpoint, the mean of a run's newest N at the newest one's step (its optimizer
+state, its data position), taken in float64 and rounded once: bit for bit alike in either backend."""
 
 from __future__ import annotations
 
@@ -28,14 +23,9 @@ def average_states(states: Sequence[TrainingState]) -> TrainingState:
     given order, divided once, rounded once to each weight's dtype)."""
     if not states:
         raise ValueError("nothing to average")
-    last = states[-1]
-    params = {}
-    for name, value in last.params.items():
-        total = np.zeros(value.shape, np.float64)
-        for state in states:
-            total += state.params[name]
-        params[name] = (total / len(states)).astype(value.dtype)
-    return dataclasses.replace(last, params=params)
+    params = {name: (sum(s.params[name].astype(np.float64) for s in states) / len(states)).astype(value.dtype)
+              for name, value in states[-1].params.items()}
+    return dataclasses.replace(states[-1], params=params)
 
 
 def average_run(src: str | os.PathLike, dst: str | os.PathLike, last: int = 5, overwrite: bool = False) -> dict:

@@ -73,9 +73,8 @@ def load_test(url: str, lines: Sequence[str], *, clients: int = 64, requests: in
 
 
 def read_lines(path: str | os.PathLike, max_chars: int = Limits().max_text_chars) -> list[str]:
-    """The non-blank lines of a file of sentences, stripped. Each is read with a bound: a line longer
-    than `max_chars` (the server's --max-text-chars, which would refuse it) is refused after that
-    many characters are read, not held whole (a 200 MB line took 5 GB)."""
+    """The non-blank lines of a file of sentences, stripped; a line longer than `max_chars` (which the
+    server refuses) is refused once that many characters are read, never held whole."""
     lines = []
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(iter(lambda: f.readline(max_chars + 2), ""), 1):

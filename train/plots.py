@@ -1,9 +1,5 @@
-"""Learning curves of a run (`train.run` draws RUN/curves.png; `python -m train.curves` redraws it).
-
-Four panels from the run's `results.json` history (the whole run's, across resumes): training and
-validation loss and validation BLEU against steps, and against training time (evaluations and
-saves excluded, so an interrupted and resumed run plots on one time axis). Matplotlib's Agg canvas.
-"""
+"""Learning curves of a run (RUN/curves.png; `python -m train.curves`): loss and validation BLEU of
+the results.json history against steps and against training time (evaluations and saves excluded)."""
 
 from __future__ import annotations
 
@@ -21,11 +17,8 @@ IMAGE_FORMATS = sorted(set(FigureCanvasAgg.get_supported_filetypes()) - {"pgf"})
 
 
 def plot_curves(history: dict[str, Any], path: str | Path, title: str = "") -> Path:
-    """Draw `history` ({"train": [...], "valid": [...]} as in results.json) to `path`, in the
-    format its suffix names (`IMAGE_FORMATS`; PNG without one).
-
-    Panels against time are left empty (with a note) where the history holds no training time.
-    """
+    """Draw `history` ({"train": [...], "valid": [...]} as in results.json) to `path`, in the format its
+    suffix names (`IMAGE_FORMATS`; PNG without one); without training times those panels say so."""
     train, valid = history.get("train") or [], history.get("valid") or []
     fig = Figure(figsize=(11, 7), layout="constrained")
     FigureCanvasAgg(fig)
