@@ -1,7 +1,5 @@
 """Load on a translation server (`python -m train.loadtest`, docs/serving.md#load-test): concurrent
-clients on loopback, each sending requests of a few sentences one after the other, with latency
-percentiles and throughput; the server in a child process (`ServedRun`), and the throughput of
-`python -m train.translate` on the same sentences (`cli_throughput`)."""
+clients, the server in a child process (`ServedRun`), and `python -m train.translate`'s throughput."""
 
 from __future__ import annotations
 
@@ -28,10 +26,8 @@ from .serving import Limits, require
 
 def load_test(url: str, lines: Sequence[str], *, clients: int = 64, requests: int = 2000, min_texts: int = 1,
               max_texts: int = 8, beam: int = 4, seed: int = 0, timeout: float = 300.0) -> dict[str, Any]:
-    """`clients` concurrent clients (one connection each) send `requests` POST /translate requests
-    in all, each of `min_texts`..`max_texts` lines drawn from `lines` (seeded). Returns counts
-    (requests, sentences translated, errors, statuses), seconds, and the sentences/s, requests/s
-    and latency percentiles in ms (p50, p90, p99, max) of the answered requests (None: none was)."""
+    """`clients` clients (a connection each) send `requests` requests in all, of `min_texts`..`max_texts`
+    seeded draws of `lines`: counts, seconds, sentences/s, requests/s and latency percentiles in ms."""
     httpx = require("httpx")
     rng = random.Random(seed)
     bodies = [{"texts": rng.choices(lines, k=rng.randint(min_texts, max_texts)), "beam": beam} for _ in range(requests)]

@@ -1,6 +1,5 @@
-"""Texts in, translations out: batched by length, searched by a backend, detokenized in order;
-n-best lists with scores, forced prefixes, alignments and their output formats, and the scores of
-given translations (docs/decoding.md)."""
+"""Texts in, translations out (docs/decoding.md): batched, searched, detokenized in order; n-best lists,
+prefixes, alignments and their output formats, and the scores of given translations."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""The run machinery, apart from what trains: one writer per run (`lock`), files written whole
-(`files`), a run claimed new, resumed or replaced (`rundir`), directories built whole (`replace`),
-settings read back (`layout`), `signals`, TensorBoard `events`, resumable `output`
-(docs/operations.md says what each guarantees)."""
+"""The run machinery (docs/operations.md): `lock`, `files` written whole, a run claimed (`rundir`),
+directories built whole (`replace`), settings read back (`layout`), `signals`, `events`, `output`."""
 
 from __future__ import annotations
 

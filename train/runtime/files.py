@@ -53,9 +53,8 @@ WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPE
 
 
 def write_error(err: BaseException, path: str | Path) -> OSError | None:
-    """`err` as an OSError naming `path` when it is a full disk, a read-only place or a missing
-    permission (orbax, TensorStore and safetensors raise their own types that repeat the OS's
-    words: "No space left on device"); None for any other error."""
+    """`err` as an OSError naming `path` when it is a full disk, a read-only place or no permission (also
+    where orbax, TensorStore or safetensors raise their own types with the OS's words); else None."""
     code = err.errno if isinstance(err, OSError) and err.errno in WRITE_ERRNOS else next(
         (code for code in WRITE_ERRNOS if os.strerror(code) in str(err)), None)
     return None if code is None else OSError(code, os.strerror(code), str(path))

@@ -14,9 +14,8 @@ from .layout import LOCK_FILE
 
 
 class RunLock:
-    """The run directory's writer lock: `fcntl.flock` on DIR/.lock, exclusive and non-blocking, held
-    by whoever writes the run (docs/operations.md#signals-crashes-locks). The OS releases a flock when
-    its process dies, so a killed run's lock never blocks; without flock support a warning says so."""
+    """The run's writer lock: an exclusive `fcntl.flock` on DIR/.lock, which the OS releases when its
+    process dies (a killed run's never blocks); without flock support a warning says so."""
 
     def __init__(self, run_dir: str | Path, created: bool = False):
         self.path = Path(run_dir) / LOCK_FILE

@@ -152,10 +152,8 @@ class StreamOutput:
 
 
 class PartialOutput:
-    """--output F, grown as `.F.partial` one synced chunk at a time, each followed by its record
-    `.F.partial.json` (lines and bytes done, a SHA-256 of the input lines they translate, the
-    settings), and renamed onto F at the end. Run again, it continues after the recorded chunks.
-    The partial file is flock'ed meanwhile: a second translation into F is refused."""
+    """--output F grown as `.F.partial` (flock'ed) one synced chunk at a time, each recorded in `.F.partial.json`
+    (lines, bytes, the input's SHA-256, the settings), renamed onto F at the end; run again, it continues."""
 
     def __init__(self, path: Path, settings: dict[str, Any]):
         self.path, self.settings = path, settings

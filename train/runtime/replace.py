@@ -73,10 +73,8 @@ def remove(path: Path) -> None:
 
 
 def check_destination(dst: Path, overwrite: bool, kind: str = "run", src: str | Path | None = None) -> None:
-    """Refuse, before any work, a destination whose replacement would lose something: the source
-    `src`, a place inside it or holding it, a file or a symbolic link, a directory holding anything
-    but a `kind` this project wrote (`kind_of`: even with `overwrite`), or one without
-    `overwrite`. Raises FileExistsError."""
+    """FileExistsError, before any work, for a destination whose replacement would lose something: `src`,
+    inside it or holding it, a file, a link, anything but a `kind` this project wrote, or any without `overwrite`."""
     if src is not None:
         source, target = Path(src).resolve(), dst.resolve()
         if source == target or source in target.parents or target in source.parents:
@@ -96,9 +94,8 @@ def check_destination(dst: Path, overwrite: bool, kind: str = "run", src: str | 
 
 
 def swap_in(new: Path, dst: Path, old: Path) -> None:
-    """Rename `new` onto `dst`: an existing `dst` is renamed to `old` first (refused, losing
-    nothing, while an earlier `old` holds files) and put back if the second rename fails. The
-    caller removes `old` once it is sure."""
+    """Rename `new` onto `dst`, an existing `dst` to `old` first (put back if the second rename fails);
+    the caller removes `old` once it is sure."""
     aside = dst.exists()
     if aside:
         os.replace(dst, old)
@@ -113,12 +110,9 @@ def swap_in(new: Path, dst: Path, old: Path) -> None:
 @contextlib.contextmanager
 def derive(src: str | Path | None, dst: str | Path, kind: str = "run", overwrite: bool = False,
            copy: Iterable[str] = (), check: Callable[[Path], object] | None = None) -> Iterator[Path]:
-    """Build `dst`, a `kind` of `KINDS`, from `src` (a run, a model directory, or None) whole or not
-    at all, for average, convert, import and export: `check_destination`, then the block fills
-    `.NAME.KIND` beside `dst` (yielded); the names `copy` that `src` holds (files or directories)
-    are copied in, the old `dst` renamed aside, the new one into its place, and only then the old
-    one removed. On any error (Ctrl-C included, or `check(new directory)` refusing it, just before
-    the swap) `dst` is as it was. Its lock is held meanwhile (a run in training is never replaced)."""
+    """Build `dst`, a `kind` of `KINDS`, from `src` whole or not at all, under its lock: the block fills
+    `.NAME.KIND` beside it (yielded), `copy`'s names of `src` are copied in, `check(it)` may refuse it, and
+    it is swapped in (`swap_in`). On any error, Ctrl-C included, `dst` is as it was."""
     dst = Path(dst)
     check_destination(dst, overwrite, kind, src)
     guard = RunLock(dst).acquire() if dst.is_dir() else None

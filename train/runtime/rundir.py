@@ -79,9 +79,8 @@ def set_aside_path(run_dir: Path) -> Path:
 
 
 def check_set_aside(run_dir: str | Path) -> None:
-    """UserError naming `.RUN.run-old` when it is beside the run: the old run an --overwrite set
-    aside (`replacing`), still running (it holds the run's lock) or killed before it could put it
-    back or delete it. Every command that opens a run checks this first."""
+    """UserError naming `.RUN.run-old` beside the run: set aside by an --overwrite still running (it holds
+    the lock) or killed before it could put it back or delete it. Every command opening a run checks it."""
     run_dir = Path(run_dir)
     if not ((old := set_aside_path(run_dir)).exists() or old.is_symlink()):
         return
@@ -140,9 +139,8 @@ def replacing(run_dir: Path, overwrite: bool) -> Iterator[None]:
 
 
 def check_links(run_dir: Path) -> None:
-    """Refuse a run to resume whose checkpoints/, tensorboard/ or a checkpoint in it is a symbolic
-    link: a run writes (and deletes its old checkpoints) only inside its own directory. Its files
-    may be links: each is replaced by a rename, never written through."""
+    """Refuse a run to resume whose checkpoints/, tensorboard/ or a checkpoint is a link: a run writes and
+    deletes only inside its own directory (its files may be links: each is replaced by a rename)."""
     checkpoints = run_dir / CHECKPOINTS
     steps = list(checkpoints.iterdir()) if checkpoints.is_dir() and not checkpoints.is_symlink() else []
     for part in (checkpoints, run_dir / TENSORBOARD, *steps):
@@ -152,9 +150,8 @@ def check_links(run_dir: Path) -> None:
 
 
 def prepare_run_dir(cfg: ExperimentConfig, model_cfg: TransformerConfig, tokenizers: data.Tokenizers | None) -> None:
-    """Create the run directory `session` claimed (an old run set aside by `replacing`) and
-    write its experiment, model and (when given: newly trained) tokenizers. config.json first:
-    from there on the directory holds this run."""
+    """Create the run directory `session` claimed and write config.json (from there on it holds this
+    run), its model and (when given: newly trained) tokenizers."""
     run_dir = Path(cfg.run_dir)
     try:  # the recipe of --config, read before anything changes
         recipe = cfg.recipe and {"path": cfg.recipe, "toml": Path(cfg.recipe).read_text("utf-8")}
@@ -171,10 +168,8 @@ def prepare_run_dir(cfg: ExperimentConfig, model_cfg: TransformerConfig, tokeniz
 
 def check_model(run_dir: Path, cfg: ExperimentConfig, model_cfg: TransformerConfig, tokenizers: data.Tokenizers,
                 what: str = MODEL_FILE) -> None:
-    """Refuse, before a model is built, a run whose files describe different models: `model_cfg`
-    (from `what`) must be the model of config.json with the tokenizers' vocabularies and that of
-    each checkpoint's own saved experiment (read without a framework or the weights). A hand-edited
-    size is named here instead of allocated (d_model = 2**20 would ask for terabytes first)."""
+    """Refuse, before a model is built (a hand-edited size is named, not allocated), a run whose files describe
+    different models: `model_cfg` (from `what`) must be that of config.json and of each checkpoint's experiment."""
     from ..store import saved_experiments  # here: the stores write through runtime.files, below this package
 
     sizes = tokenizers.src.get_vocab_size(), tokenizers.tgt.get_vocab_size()

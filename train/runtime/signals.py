@@ -1,7 +1,5 @@
-"""SIGTERM and SIGINT: a training run stops after the current update with a checkpoint saved
-(`StopSignals`); a translation stops between two operations (`interruptible`). Installed in the
-main thread only, and only while the block runs. The commands' `__main__` go through
-`exit_status`: a Ctrl-C the command does not handle ends in one line, not a traceback."""
+"""SIGTERM and SIGINT, in the main thread while the block runs: training stops after an update with a
+checkpoint (`StopSignals`), a translation between two operations (`interruptible`); `exit_status`."""
 
 from __future__ import annotations
 
@@ -24,9 +22,8 @@ class Interrupted(Exception):
 
 
 def exit_status(main: Callable[..., int | None], *args: Any, **kwargs: Any) -> int:
-    """`main(*args, **kwargs)`'s exit status, the one exit protocol of every command: what the user
-    can cause (UserError, OSError, ValueError) one line `error: ...` and status 1; a stop (SIGTERM,
-    Ctrl-C) its one line and 128 + the signal (130 for Ctrl-C), never a traceback."""
+    """`main(*args, **kwargs)`'s exit status, every command's: a UserError, OSError or ValueError one
+    line `error: ...` and 1; a stop (SIGTERM, Ctrl-C) one line and 128 + the signal; never a traceback."""
     try:
         status = main(*args, **kwargs)
         return status if isinstance(status, int) else 0  # a job's result (None, a dict): done

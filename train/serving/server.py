@@ -1,6 +1,5 @@
-"""uvicorn serving the app (docs/serving.md): a deadline on every request head, every refusal in
-JSON, and the stops: SIGTERM or Ctrl-C finish the requests in flight; SIGHUP or a second Ctrl-C
-answer them 503 at once."""
+"""uvicorn serving the app (docs/serving.md): a deadline on every request head, every refusal in JSON;
+SIGTERM or Ctrl-C finish the requests in flight, SIGHUP or a second Ctrl-C answer them 503 at once."""
 
 from __future__ import annotations
 
@@ -102,10 +101,8 @@ def uvicorn_classes() -> tuple[type, type]:
 
 
 class Server:
-    """uvicorn serving `asgi_app` (an `app()`) on host:port (port 0: a free one). `run()` blocks
-    until SIGTERM, SIGINT or `stop()`: it stops accepting, finishes the requests in flight and
-    returns the signal; SIGHUP or a second SIGINT answer them 503 at once and raise StoppedAtOnce.
-    `start()` runs it on a thread instead (tests, notebooks); `url` once it is listening."""
+    """uvicorn serving `asgi_app` (an `app()`) on host:port (0: a free one): `run()` until stopped, or
+    `start()` on a thread (tests, notebooks); `url` once it is listening."""
 
     def __init__(self, asgi_app, host: str = "127.0.0.1", port: int = 8000, *, access_log: bool = False):
         protocol, server = uvicorn_classes()
@@ -191,9 +188,8 @@ class Server:
 def serve(runs: str | os.PathLike | Sequence[str | os.PathLike] | RunSelection, host: str = "127.0.0.1",
           port: int = 8000, *, limits: Limits | None = None, on_ready: Callable[[Server], None] | None = None,
           **server: Any) -> int:
-    """Load `runs` (`train.load`: a run directory, several for an ensemble, or a `RunSelection`) and
-    serve them until SIGTERM or SIGINT (what `python -m train.serve` does); returns the signal
-    number that stopped it."""
+    """Load `runs` (`train.load`'s: directories, a `RunSelection`) and serve them until SIGTERM or SIGINT
+    (`python -m train.serve`); returns the signal number that stopped it."""
     from ..api import load
 
     require("starlette")

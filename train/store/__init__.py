@@ -1,6 +1,5 @@
-"""Checkpoints, framework-neutral (no framework imported): the training state that crosses
-frameworks, the rule that picks a step, the digests (digest.json) that prove a checkpoint's files
-are the ones written, and `CheckpointStore`, the common part of `jax_store` and `torch_store`."""
+"""Checkpoints, framework-neutral: the training state that crosses frameworks, the rule that picks a
+step, the digests that prove a checkpoint's files, and `CheckpointStore` (`jax_store`, `torch_store`)."""
 
 from __future__ import annotations
 
@@ -106,9 +105,8 @@ def unreadable(directory, step: int, steps: Sequence[int], err: BaseException) -
 
 
 def choose_checkpoint(steps: Sequence[int], which: str | int, metrics: Callable[[int], Mapping | None], where) -> int:
-    """The step `which` ("latest", "best" or a step number) names among `steps` (oldest first).
-    "best" is the highest validation BLEU among `metrics(step)` (ties: the newest), the latest
-    when no checkpoint has metrics. FileNotFoundError when there is no such checkpoint in `where`."""
+    """The step `which` ("latest", "best": the highest BLEU of `metrics(step)`, ties the newest, or a
+    number) names among `steps` (oldest first); FileNotFoundError when there is no such checkpoint."""
     if not steps:
         raise FileNotFoundError(f"no checkpoint in {where}")
     if which == "latest":
@@ -182,9 +180,8 @@ def write_checkpoint_digest(directory: str | Path) -> None:
 
 
 def verify_checkpoint(directory: str | Path) -> bool:
-    """Check every file of the checkpoint `directory` against its digest.json: CheckpointDamaged
-    naming the first file that differs or is missing. False, checking nothing, for a checkpoint
-    without digest.json (docs/operations.md#checkpoint-digests)."""
+    """Check every file of the checkpoint `directory` against its digest.json (CheckpointDamaged naming
+    the first that differs or is missing); False for one without digest.json."""
     directory = Path(directory)
     try:
         record = json.loads((directory / DIGEST_FILE).read_text(encoding="utf-8"))
@@ -225,9 +222,8 @@ class CheckpointStore:
         return self.root() / str(step)
 
     def restore(self, which: str | int, *args: Any) -> Any:
-        """`load(step, *args)` of the checkpoint `which` names (`choose_checkpoint`), its digest
-        verified first; any failure to read it is a CheckpointError naming the other checkpoints.
-        "latest" and "best" are chosen again while a run beside the reader rotates its checkpoints."""
+        """`load(step, *args)` of the checkpoint `which` names, its digest verified first (a CheckpointError
+        naming the others); "latest" and "best" chosen again while a run beside the reader rotates them."""
         for attempt in range(ROTATION_RETRIES + 1):
             steps, step = self.steps(), None
             try:

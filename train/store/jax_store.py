@@ -1,7 +1,5 @@
-"""The JAX backend's checkpoints: an orbax `CheckpointManager` keeping the newest `keep` steps plus
-the best by validation BLEU, each step the state (`StandardSave`) and a JSON `meta` item, then
-`digest.json`. The state is restored onto the target's shapes, dtypes and shardings (orbax reshards).
-"""
+"""The JAX backend's checkpoints: an orbax `CheckpointManager`, each step the state and a JSON `meta`
+item, then digest.json; restored onto the target's shapes, dtypes and shardings (orbax reshards)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""The torch backend's checkpoints, never pickle: CHECKPOINTS/<step>/ holds `model.safetensors`
-(weights, config in the metadata), `optimizer.safetensors` (Adam's moments, the CPU generator's
-state), `meta.json` and `digest.json`, written in a temporary directory renamed into place. Read
-and written as NumPy (byte for byte what `safetensors.torch` writes): no framework is imported.
-"""
+"""The torch backend's checkpoints as NumPy, never pickle: CHECKPOINTS/<step>/ holds model.safetensors,
+optimizer.safetensors (Adam's moments, the CPU generator), meta.json, digest.json, renamed into place."""
 
 from __future__ import annotations
 
