@@ -1,6 +1,5 @@
-"""The parity contract on one batch (`python -m parity.check`, docs/parity.md): a random PyTorch
-model and its Flax conversion on the same padded batch, their logits, label-smoothed loss and every
-parameter's gradient compared, and the bounds they must meet."""
+"""The parity contract on one batch (`python -m parity.check`, docs/parity.md): a random PyTorch model and
+its Flax conversion, their logits, loss and every gradient compared, and the bounds they must meet."""
 
 from __future__ import annotations
 
@@ -83,9 +82,8 @@ def _diff(a: np.ndarray, b: np.ndarray, scale: np.ndarray | None = None) -> dict
 
 
 def gradient_scale_key(key: str) -> str:
-    """The parameter whose gradient norm measures the rounding error of `key`'s gradient: the
-    key-projection bias, whose gradient is analytically zero (rounding noise in both frameworks),
-    is measured against its weight's (docs/parity.md#three-findings-behind-the-gradient-figures)."""
+    """The parameter whose gradient norm measures `key`'s gradient's rounding error: the key-projection bias's
+    (analytically zero: rounding noise) is measured against its weight's (docs/parity.md)."""
     return key.replace(".k_proj.bias", ".k_proj.weight") if key.endswith(".k_proj.bias") else key
 
 
@@ -123,9 +121,8 @@ def compare(torch_model: torch_reference.Transformer, jax_model, batch: dict, sm
 
 
 def relu_inputs_near_kink(torch_model: torch_reference.Transformer, batch: dict, radius: float = RELU_KINK_RADIUS) -> dict:
-    """How many ReLU inputs lie within `radius` of 0, measured in a float64 copy of the model: where
-    either framework may round to either side of the kink, the gradients are both valid subgradients
-    but not comparable (docs/parity.md#three-findings-behind-the-gradient-figures)."""
+    """How many ReLU inputs lie within `radius` of 0 in a float64 copy of the model: where a framework may
+    round to either side of the kink, the gradients are both valid subgradients but not comparable."""
     model64 = copy.deepcopy(torch_model).double()
     inputs = []
     hooks = [m.linear1.register_forward_hook(lambda mod, inp, out: inputs.append(out.detach().abs()))

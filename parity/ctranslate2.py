@@ -118,10 +118,8 @@ def build_spec(params: Mapping[str, np.ndarray], cfg: TransformerConfig, src_tok
 def export_ctranslate2(run_dir: str | os.PathLike, params: Mapping[str, np.ndarray], cfg: TransformerConfig,
                        dst: str | os.PathLike, quantization: str | None = None, force: bool = False,
                        check: Callable[[Path], object] | None = None) -> Path:
-    """Weights `params` (our torch layout) of the run in `run_dir` -> a CTranslate2 model directory
-    `dst` (model.bin, vocabularies, config.json) with the run's tokenizer files beside them, built
-    beside `dst` and swapped in (`runtime.derive`; `force`: replace one that is there) once
-    `check(directory)` (`parity.proof`) accepts it."""
+    """Weights `params` (torch layout) of the run in `run_dir` -> a CTranslate2 model directory `dst` with
+    the run's tokenizers, swapped in (`runtime.derive`, `force`: replacing one) once `check(it)` accepts it."""
     ctranslate2 = spm.require("ctranslate2")
     tokenizers = data.load_tokenizers(run_dir)
     src_tokens = vocabulary(tokenizers.src, cfg.src_vocab_size)
@@ -146,10 +144,8 @@ def tokens(vocab: Sequence[str], ids: Sequence[int]) -> list[str]:
 
 
 def same_output(ours: Sequence[int], theirs: Sequence[int], limit: int) -> bool:
-    """Whether CTranslate2's output (ids ending with <eos>) is this project's for a sentence whose
-    length limit is `limit`: the same ids, or, where our search reached the limit and forced
-    <eos> there, the same ids before it (CTranslate2, given one longer limit for a whole batch or
-    stopping at the limit without <eos>, may go on or end differently)."""
+    """Whether CTranslate2's output (ids ending <eos>) is ours for a sentence of length limit `limit`: the same
+    ids, or where we forced <eos> at the limit the same before it (CTranslate2's limit is the batch's)."""
     ours, theirs = list(ours), list(theirs)
     if len(ours) == limit and ours[-1:] == [EOS_ID]:
         return theirs[: limit - 1] == ours[:-1]

@@ -1,7 +1,5 @@
-"""Exports that carry their proof (docs/interop.md#exports-with-proof): the export read back by its
-own runtime (HF transformers, CTranslate2) and held against the run on a few sentences (greedy
-agreement, the largest logit difference along the run's greedy translations), written into the
-export as proof.json and a README.md line; a float32 export outside the bounds fails first."""
+"""Exports that carry their proof (docs/interop.md#exports-with-proof): read back by their own runtime and
+held against the run (greedy agreement, logit differences), the figures in proof.json and README.md."""
 
 from __future__ import annotations
 
@@ -35,9 +33,8 @@ MASKED = -1e8  # CTranslate2 reports the logits of tokens it may not emit at a s
 
 
 def proof_sentences(run_dir: str | os.PathLike, given: str | os.PathLike | None = None) -> list[str]:
-    """The first SENTENCES non-empty lines of `given`, else of the run's validation sources, else
-    (a run imported without data) texts of consecutive source-vocabulary pieces: a proof of the
-    same function needs inputs the model reads, not good sentences."""
+    """The first SENTENCES non-empty lines of `given`, the run's validation sources, or (a run without data)
+    runs of source-vocabulary pieces: a proof of the same function needs inputs, not good sentences."""
     if given is not None:
         with contextlib.closing(LineReader(Path(given), flag="--proof-sentences")) as lines:  # its errors name the flag
             texts = list(lines)
@@ -122,9 +119,8 @@ def ctranslate2_proof(export_dir: Path, run_dir: Path, params, cfg: TransformerC
 
 
 def run_proof(converted: Path, run_dir: Path, sentences: Sequence[str]) -> dict[str, Any]:
-    """A run converted to the other framework (`converted`, its newest checkpoint) against the
-    source run at the same step, each read by its own backend: greedy searches, and the logits
-    along the source's greedy translations."""
+    """A run `converted` to the other framework (its newest checkpoint) against the source run at that
+    step, each read by its own backend: greedy searches and the logits along the source's."""
     theirs_run = train.load(converted, "latest")
     ours_run = train.load(run_dir, theirs_run.step)
     try:
@@ -159,10 +155,8 @@ def _logits(run, ids: list[int], out: list[int]) -> np.ndarray:
 
 def marian_proof(export_dir: Path, run_dir: Path, params, cfg: TransformerConfig, sentences: Sequence[str],
                  marian_ids: Mapping[str, int]) -> dict[str, Any]:
-    """The HF Marian directory in `export_dir` against the run: `generate(num_beams=1)` and a
-    teacher-forced forward pass, in Marian's numbering mapped to ours (`parity.marian`). Our pad and
-    bos columns are left out: Marian holds them as one row (its pad, the decoder start), which the
-    export writes from our bos row, and neither is ever emitted."""
+    """The HF Marian directory in `export_dir` against the run: greedy `generate` and a teacher-forced pass,
+    in Marian's numbering; our pad and bos columns left out (Marian's one row for both, never emitted)."""
     from .marian import side_orders  # here: parity.marian loads jax, which the other proofs need not
 
     transformers = spm.require("transformers")

@@ -1,6 +1,5 @@
-"""Translation speed of one run's weights in both frameworks (`python -m parity.translate_bench`,
-docs/performance.md#translation-speed): each search timed on the same batches, with its peak memory
-growth and the outputs that differ from torch cached search's; CTranslate2 and HF generate beside them."""
+"""Translation speed of a run's weights in both frameworks, CTranslate2 and HF generate beside them
+(`python -m parity.translate_bench`, docs/performance.md#translation-speed)."""
 
 from __future__ import annotations
 
@@ -150,9 +149,8 @@ def _hf_rows(run: Run, state, batches, beam_size: int, alpha: float, timed, refe
 
 def bench_file(selection: RunSelection, search: Search, input: Path | None, batch_size: int | None = None,
                json_path: Path | None = None, **extras: bool) -> list[dict]:
-    """`python -m parity.translate_bench`: `benchmark` of the run `selection` names on the sentences of
-    `input` (stdin), printed as a table (and written to `json_path`); `extras`: ctranslate2, hf,
-    uncached as `benchmark` takes them."""
+    """`python -m parity.translate_bench`: `benchmark(**extras)` of `selection`'s run on the sentences of
+    `input` (stdin), printed as a table (and written to `json_path`)."""
     import platform
 
     import jax

@@ -1,7 +1,6 @@
-"""One training curve in two frameworks (`python -m parity.trajectory`,
-docs/parity.md#a-training-curve-in-both-frameworks): the JAX and PyTorch backends of `train` trained
-in lockstep from one set of weights on identical batches, compared after every update, optionally
-switching framework through a converted checkpoint; the report judged against `BOUNDS`, and plotted."""
+"""One training curve in two frameworks (`python -m parity.trajectory`, docs/parity.md): both backends in
+lockstep from one set of weights on identical batches, compared after every update (optionally switching
+framework through a converted checkpoint), judged against `BOUNDS` and plotted."""
 
 from __future__ import annotations
 
@@ -39,9 +38,8 @@ PER_STEP = ("step", "loss_rel", "param_rel_l2", "param_worst", "k_proj_bias_rel_
 
 
 def experiment_config(steps: int = 100, preset: str = "tiny", model: dict | None = None, **changes: Any):
-    """The training settings of a trajectory: the product's Adam and label smoothing 0.1 on the
-    paper's schedule, a small numbers corpus, dropout off, float32, and one torch thread (a second
-    competes with XLA's pool: docs/parity.md#a-training-curve-in-both-frameworks)."""
+    """A trajectory's settings: the paper's schedule, a small numbers corpus, dropout off, float32, and one
+    torch thread (a second competes with XLA's pool)."""
     settings = dict(backend="torch", preset=preset, model=dict(model or {}), steps=steps, warmup=PAPER_WARMUP,
                     dropout=0.0, numbers_train=4000, numbers_valid=1, numbers_test=0, token_budget=1024, threads=1,
                     progress=False, dtype="float32")

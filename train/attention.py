@@ -1,6 +1,5 @@
-"""Cross-attention heatmaps (`python -m train.translate --plot-attention DIR`): each batch's output
-teacher-forced through the model once (row t: the step that produced token t), drawn for input line
-N as DIR/NNNN.png (last decoder layer, heads averaged) and DIR/NNNN_layers.png (every layer x head)."""
+"""Cross-attention heatmaps (`train.translate --plot-attention DIR`): each output teacher-forced once, input
+line N drawn as DIR/NNNN.png (last decoder layer, heads averaged) and DIR/NNNN_layers.png (each layer, head)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Checkpoint averaging (`python -m train.average`), as the paper averages the last 5 or 20 (§6.1):
-a run of one checkpoint, the mean of a run's newest N at the newest one's step (its optimizer
-state, its data position), taken in float64 and rounded once: bit for bit alike in either backend."""
+"""Checkpoint averaging (`python -m train.average`, paper §6.1): the mean of a run's newest N checkpoints,
+in float64 rounded once (alike bit for bit in either backend), at the newest one's step and state."""
 
 from __future__ import annotations
 

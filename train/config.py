@@ -1,7 +1,5 @@
-"""The experiment configuration: every training setting, apart from the model's TransformerConfig.
-`ExperimentConfig` is frozen and framework-free; each field's metadata holds its flag's help and
-group (`python -m train.run --help`). A None field is automatic, filled in by `resolve()`; a run
-directory keeps the resolved config (config.json), read back exactly on resume, translate, evaluate."""
+"""`ExperimentConfig`: every training setting (frozen, framework-free), each field's metadata its flag's
+help and group; a None field is automatic until `resolve()`, and a run keeps the resolved config."""
 
 from __future__ import annotations
 
@@ -306,11 +304,9 @@ class ExperimentConfig:
 
     def resolve(self, platform: str | None = None, *, given: Iterable[str] | None = None,
                 saved: ExperimentConfig | None = None, source: ExperimentConfig | None = None) -> ExperimentConfig:
-        """The config a run trains with, every automatic (None) field filled in (the dtype of `platform` for
-        a new run; the run directory where the run is claimed, `runtime.session`). `saved`: the experiment
-        a --resume continues, whole but for this launch's options; `source`: --init-from's, whose
-        SOURCE_FIELDS are taken. ValueError for a field `given` otherwise than theirs (`given` None: every
-        field set, for --init-from every one off its default)."""
+        """The config a run trains with, every automatic field filled in (the dtype of `platform` for a new run):
+        `saved`'s (a --resume's) with this launch's options, or with `source`'s (--init-from's) SOURCE_FIELDS;
+        ValueError for a field `given` otherwise (None: every field set, for --init-from every one off its default)."""
         cfg = self
         if saved is not None:
             cfg = saved.replace(**{name: getattr(self, name) for name in self.launch_fields()})

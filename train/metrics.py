@@ -1,6 +1,5 @@
-"""Evaluation (docs/results.md): loss (label-smoothed), perplexity (exp of the unsmoothed per-token
-NLL), sacreBLEU's BLEU (13a; `bleu_lc` lowercased, `bleu_moses` on Moses-tokenized text) and chrF
-with their signatures, exact match, and for the numbers corpus its `bands` by number of digits."""
+"""Evaluation (docs/results.md): loss (label-smoothed), perplexity (of the unsmoothed NLL), sacreBLEU's
+BLEU and chrF with their signatures, exact match, and for the numbers corpus `bands` by digits."""
 
 from __future__ import annotations
 
