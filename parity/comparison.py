@@ -45,16 +45,14 @@ VARIANTS = {
 
 
 def enable_parity_numerics() -> None:
-    """float32 matmuls on every backend: GPUs/TPUs default to TF32/bf16 passes in JAX and TF32 in
-    torch's cuDNN; parity is asserted at full float32 precision."""
+    """Full float32 matmuls in both frameworks (accelerators default to TF32/bf16 passes)."""
     jax.config.update("jax_default_matmul_precision", "highest")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
 
 
 def random_batch(cfg: TransformerConfig, batch_size: int, src_len: int, tgt_len: int, seed: int) -> dict:
-    """Token ids (int64 NumPy) with right padding of random lengths; one row is always full length
-    and special ids (pad, bos, eos) appear only where they belong."""
+    """Token ids (int64) right-padded to random lengths, one row full, special ids only where they belong."""
     rng = np.random.default_rng(seed)
     first = max(cfg.pad_id, cfg.bos_id, cfg.eos_id) + 2  # ids below are special tokens
 

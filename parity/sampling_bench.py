@@ -49,8 +49,7 @@ def searches(beam: int, samples: int, top_p: float, seed: int) -> dict:
 
 def benchmark(run_dir, lines: Sequence[str], beam: int = 4, samples: int = 1, top_p: float = 1.0, seed: int = 0,
               batch_size: int | None = None) -> list[dict]:
-    """One row per framework and search: seconds, sentences/s, outputs/s, tokens/s; sampling's rows
-    also how many sampled outputs differ from the other framework's."""
+    """One row per framework and search: seconds, sentences/s, outputs/s, tokens/s (sampling's: outputs that differ)."""
     with load(run_dir) as run:
         cfg, model_cfg, tokenizer = run.config, run.model_config, run.tokenizers.src
         weights = convert_state(run.backend.export_state(), "torch", model_cfg).params

@@ -94,8 +94,7 @@ def _weights(backend) -> dict[str, np.ndarray]:
 
 
 def compare_weights(actual: dict[str, np.ndarray], reference: dict[str, np.ndarray]) -> dict:
-    """Per parameter ||a - r|| / ||r||; the worst over the bounded parameters, and the excluded
-    key-projection biases separately (also as max |a - r|)."""
+    """Per parameter ||a - r|| / ||r||: the worst bounded one, and the excluded k_proj biases apart."""
     rel = {k: float(np.linalg.norm(actual[k] - r) / max(np.linalg.norm(r), 1e-30)) for k, r in reference.items()}
     bounded = {k: v for k, v in rel.items() if not k.endswith(NOISE_ONLY_SUFFIX)}
     worst = max(bounded, key=bounded.get)

@@ -123,8 +123,7 @@ def _save(fig, path: Path) -> None:
 
 
 def plot_sentence(att: SentenceAttention, path: Path) -> None:
-    """The last decoder layer's cross-attention, heads averaged: output tokens (rows) x source
-    tokens (columns), a colour bar, the sentence and its translation as the title."""
+    """The last decoder layer's cross-attention, heads averaged: outputs (rows) x sources, sentence as title."""
     layers, heads, T, S = att.weights.shape
     cell = 0.42  # inches per token
     title, title_width = _title(att, f"cross-attention, decoder layer {layers} of {layers}, mean of {heads} heads")

@@ -18,8 +18,7 @@ from .store import CheckpointError, TrainingState
 
 
 def average_states(states: Sequence[TrainingState]) -> TrainingState:
-    """The last state with its weights replaced by the mean of every state's (float64 sum in the
-    given order, divided once, rounded once to each weight's dtype)."""
+    """The last state with the mean weights of all (a float64 sum in order, divided and rounded once)."""
     if not states:
         raise ValueError("nothing to average")
     params = {name: (sum(s.params[name].astype(np.float64) for s in states) / len(states)).astype(value.dtype)

@@ -84,8 +84,7 @@ def flag_name(field: dataclasses.Field) -> str:
 
 
 def parse_model_override(text: str) -> tuple[str, Any]:
-    """'FIELD=VALUE' -> (field, value typed like the TransformerConfig field), for `--set`;
-    the fields derived from the data and the special token ids are refused."""
+    """'FIELD=VALUE' -> (field, typed value) for `--set`; the fields the data decides and the special ids refused."""
     if text.partition("=")[0] in SPECIAL_ID_FIELDS:
         raise ValueError(f"{text.partition('=')[0]} cannot be set: {SPECIAL_IDS_FIXED}")
     return TransformerConfig.parse_override(text, exclude=DERIVED_MODEL_FIELDS)
@@ -283,8 +282,7 @@ class ExperimentConfig:
         self.model_config(100, 100)  # the model overrides must make a valid TransformerConfig
 
     def _check_types(self) -> None:
-        """The fields that are not numbers: strings, booleans and the --set dict, as annotated
-        (a hand-edited config.json can hold anything)."""
+        """The fields that are not numbers (strings, booleans, the --set dict), as annotated: config.json is edited."""
         for field in dataclasses.fields(self):
             value, kind = getattr(self, field.name), str(field.type)
             if field.name in FIELD_RANGES or (value is None and "None" in kind):
@@ -357,16 +355,14 @@ class ExperimentConfig:
 
     @classmethod
     def launch_fields(cls) -> tuple[str, ...]:
-        """The launch options (where, how long and how this launch runs): a resume may change them, and
-        they are never saved with the experiment."""
+        """The launch options (where, how long, how this launch runs): a resume may change them, never saved."""
         return tuple(f.name for f in dataclasses.fields(cls) if f.metadata["launch"])
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def experiment(self) -> dict[str, Any]:
-        """The fields that define how the run trains: what config.json and checkpoints save, and
-        what a resume must match."""
+        """The fields that define how the run trains: what config.json and checkpoints save, a resume must match."""
         launch = self.launch_fields()
         return {k: v for k, v in self.to_dict().items() if k not in launch}
 

@@ -82,8 +82,7 @@ def read_lines(path: str | os.PathLike, max_chars: int = Limits().max_text_chars
 
 
 class ServedRun:
-    """`python -m train.serve --run-dir RUN --port 0 ARGS` in a child process: `url` once it
-    listens; `stop()` sends SIGTERM and returns its exit status."""
+    """`python -m train.serve --run-dir RUN --port 0 ARGS` in a child process: `url` once it listens; `stop()`."""
 
     def __init__(self, run_dir: str | os.PathLike, *args: str, startup_s: float = 300.0):
         command = [sys.executable, "-m", "train.serve", "--run-dir", str(run_dir), "--port", "0", *args]

@@ -15,8 +15,7 @@ from .options import Search
 from .translation import EvaluationStopped, translate_texts
 
 def exact_match(hypotheses: Sequence[str], references: Sequence[str]) -> float:
-    """Percentage of hypotheses equal to their reference after stripping surrounding whitespace
-    (nan for no sentences)."""
+    """Percentage of hypotheses equal to their reference, both stripped (nan for no sentences)."""
     if not hypotheses:
         return math.nan
     if len(hypotheses) != len(references):

@@ -61,8 +61,7 @@ def write_error(err: BaseException, path: str | Path) -> OSError | None:
 
 
 def error_text(err: BaseException) -> str:
-    """What a CLI's one `error: ` line says: an OSError with its path (`PATH: CAUSE`: a full
-    disk, a read-only place, a missing permission), any other error its message."""
+    """A CLI's one `error: ` line: an OSError as `PATH: CAUSE` (a full disk, ...), any other error its message."""
     if isinstance(err, OSError) and err.strerror:
         return f"{err.filename}: {err.strerror}" if err.filename else err.strerror
     return str(err)
@@ -91,8 +90,7 @@ def write_json_atomic(path: str | Path, obj: Any) -> None:
 
 
 def read_json(path: str | Path, default: Any = ...) -> Any:
-    """The JSON in `path`; UserError naming the file when it is not valid JSON. A missing file
-    returns `default` when given, else raises UserError too."""
+    """The JSON in `path`; UserError naming the file for invalid JSON, or when missing without a `default`."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")

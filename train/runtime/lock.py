@@ -47,8 +47,7 @@ class RunLock:
         return self
 
     def release(self) -> None:
-        """Unlock; a directory made for the lock and still holding nothing else is removed (a run
-        that failed on its data leaves nothing behind)."""
+        """Unlock; a directory made for the lock and holding nothing else is removed (a failed run leaves nothing)."""
         if self._fd is None:
             return
         if self.created and [p.name for p in self.path.parent.iterdir()] == [LOCK_FILE]:

@@ -97,8 +97,7 @@ class Destination:
 
     @contextlib.contextmanager
     def writing(self) -> Iterator[Path]:
-        """A path of the same suffix for a library to save to (a plot), written as `write` writes
-        it when the block ends; removed, and nothing written, when the block fails."""
+        """A path (same suffix) for a library to save to (a plot), written as `write` does if the block succeeds."""
         with tempfile.TemporaryDirectory(dir=None if self.target is None else self.target.parent,
                                          prefix=".aiayn-") as tmp:
             path = Path(tmp) / f"output{self.path.suffix}"
@@ -117,8 +116,7 @@ def destination(path: str | Path | None, flag: str, inputs: Iterable[str | Path]
 
 
 def output_path(text: str) -> Destination:
-    """argparse type of a file a command writes after its work (--json, --plot): a `Destination`,
-    refused while the flags are read, not after minutes of work."""
+    """argparse type of a file a command writes after its work (--json, --plot): refused before the work."""
     try:
         return Destination(text, "")
     except UserError as err:
@@ -218,8 +216,7 @@ class PartialOutput:
 
 
 def _locked(path: Path, busy: str) -> BinaryIO:
-    """`path` opened for reading and writing (created if missing) under an exclusive flock, as a
-    run's lock; UserError `busy` while another process holds it."""
+    """`path` opened read-write (created if missing) under an exclusive flock; UserError `busy` while it is held."""
     while True:
         file = open(os.open(path, os.O_RDWR | os.O_CREAT, 0o644), "r+b")  # noqa: SIM115 (the caller closes it)
         try:

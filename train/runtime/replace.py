@@ -23,8 +23,7 @@ PROOF_FILE = "proof.json"  # what an export computes against its run, and its fi
 
 
 def export_digests(directory: Path, names: Iterable[str] | None = None) -> dict[str, str]:
-    """SHA-256 of each file `names` (default: every file of an export but its proof, README.md and
-    kind marker), by relative name; None for one that is missing."""
+    """SHA-256 of each file `names` (default: an export's but its proof, README.md, marker); None if missing."""
     directory = Path(directory)
     if names is None:
         names = [str(f.relative_to(directory)) for f in sorted(directory.rglob("*"))
@@ -94,8 +93,7 @@ def check_destination(dst: Path, overwrite: bool, kind: str = "run", src: str | 
 
 
 def swap_in(new: Path, dst: Path, old: Path) -> None:
-    """Rename `new` onto `dst`, an existing `dst` to `old` first (put back if the second rename fails);
-    the caller removes `old` once it is sure."""
+    """Rename `new` onto `dst`, an existing `dst` to `old` first (put back if that fails); the caller removes `old`."""
     aside = dst.exists()
     if aside:
         os.replace(dst, old)

@@ -72,8 +72,7 @@ def _source_experiment(source: str | Path) -> ExperimentConfig:
 
 
 def set_aside_path(run_dir: Path) -> Path:
-    """Where a replacement keeps the old run meanwhile (`replacing`, `derive`): beside it, however
-    `run_dir` is spelled (R/checkpoints/.., ..)."""
+    """Where a replacement keeps the old run meanwhile: beside it, however `run_dir` is spelled (R/checkpoints/..)."""
     run_dir = run_dir.resolve()
     return run_dir.with_name(f".{run_dir.name}.run-old")
 
@@ -189,8 +188,7 @@ def check_model(run_dir: Path, cfg: ExperimentConfig, model_cfg: TransformerConf
 
 
 def read_run(run_dir: Path, cfg: ExperimentConfig) -> tuple[TransformerConfig, data.Tokenizers]:
-    """The model and tokenizers of the run in `run_dir` whose experiment is `cfg`, checked to describe
-    one model (`check_model`); UserError for a missing or unreadable file."""
+    """The model and tokenizers of the run in `run_dir` (experiment `cfg`), checked by `check_model`; UserError."""
     model_cfg = read_model_config(run_dir)
     try:
         tokenizers = data.load_tokenizers(run_dir, cfg.joint_vocab)
@@ -201,8 +199,7 @@ def read_run(run_dir: Path, cfg: ExperimentConfig) -> tuple[TransformerConfig, d
 
 
 def check_checkpoint_config(meta: Mapping[str, Any], cfg: ExperimentConfig) -> None:
-    """Refuse a checkpoint written by another run: one whose experiment (saved in its meta)
-    differs from this run's."""
+    """Refuse a checkpoint written by another run: one whose experiment (in its meta) differs from this run's."""
     saved = {"pack": False, **meta.get("config", cfg.experiment())}  # no "pack": saved before packing, on buckets
     differ = [f"--{name.replace('_', '-')}: checkpoint has {saved.get(name)!r}, run has {value!r}"
               for name, value in cfg.experiment().items() if saved.get(name) != value]

@@ -40,8 +40,7 @@ def exit_status(main: Callable[..., int | None], *args: Any, **kwargs: Any) -> i
 
 @contextlib.contextmanager
 def interruptible() -> Iterator[None]:
-    """Within the block SIGTERM and SIGINT raise `Interrupted` (main thread only; elsewhere the
-    signals keep their handlers)."""
+    """Within the block SIGTERM and SIGINT raise `Interrupted` (main thread only; elsewhere nothing changes)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

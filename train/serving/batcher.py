@@ -44,8 +44,7 @@ class Batcher:
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="decode")
 
     def submit(self, request: Request, tokens: int) -> asyncio.Future:
-        """Queue a request; raises QueueFull when its sentences would pass `max_queue_sentences`
-        (a request alone in an empty queue always enters)."""
+        """Queue a request; QueueFull past `max_queue_sentences` (a request alone in an empty queue always enters)."""
         texts = len(request.texts)
         if self.queued and self.queued + texts > self.limits.max_queue_sentences:
             raise QueueFull(f"the server holds {self.queued} sentences, its limit is {self.limits.max_queue_sentences}")

@@ -158,8 +158,7 @@ class CheckpointDamaged(ValueError):
 
 
 def write_checkpoint_digest(directory: str | Path) -> None:
-    """Hash every file of the checkpoint `directory` (each synced here as it is read) and write
-    DIRECTORY/digest.json, before the checkpoint is published (docs/operations.md#checkpoint-digests)."""
+    """Hash every file of the checkpoint `directory` (syncing it) into its digest.json, before it is published."""
     directory = Path(directory)
     files = {}
     for path in sorted(directory.rglob("*")):
@@ -243,8 +242,7 @@ class CheckpointStore:
 
     @contextlib.contextmanager
     def saving(self, step: int):
-        """A failed save of `step` (a full disk, a read-only place, no permission) as one OSError naming
-        it, once what the save left is removed (`discard`)."""
+        """A failed save of `step` (a full disk, no permission) as one OSError naming it, its leftovers removed."""
         try:
             yield
         except self.write_errors as err:
