@@ -107,10 +107,9 @@ class ExperimentConfig:
     backend: Backend = _field(
         "jax", "run", "framework that trains the model: jax (Flax NNX, jit) or torch (the reference)", choices=BACKENDS)
     recipe: str | None = _field(
-        None, "run", "read flags from a TOML recipe, e.g. recipes/multi30k-de-en.toml: one key per long flag, "
-        "with _ for - (eval_every = 1000, joint_vocab = false, set = [\"norm_position=pre\"]); flags given on the "
-        "command line override the file's, and --set adds to its list. The run directory keeps the recipe "
-        "(recipe.json)", flag="--config", metavar="FILE", launch=True)
+        None, "run", "read flags from a TOML recipe (recipes/*.toml): a key per long flag, with _ for - (set = "
+        "[\"norm_position=pre\"]); the command line's flags override it, --set adds to its list; the run keeps it",
+        flag="--config", metavar="FILE", launch=True)
 
     # Model
     preset: str = _field("tiny", "model", "model size preset: " + ", ".join(TransformerConfig.presets()),
@@ -120,15 +119,13 @@ class ExperimentConfig:
         "--set norm_position=pre (repeatable)", flag="--set", metavar="FIELD=VALUE", parse=parse_model_override)
     dropout: float | None = _field(None, "model", "residual dropout rate (paper: 0.1); default: the preset's")
     init_from: str | None = _field(
-        None, "model", "start from a pretrained model: a run directory, an HF Marian directory or "
-        "hf:ORG/NAME[@REVISION]; the run takes its model, tokenizers and weights and trains them on --train with a "
-        "fresh optimizer and schedule (--lr-factor, --warmup, --steps); flags that would change the model's shape "
-        "or vocabulary are refused", metavar="SOURCE")
+        None, "model", "start from a pretrained model (a run directory, an HF Marian directory or "
+        "hf:ORG/NAME[@REVISION]): its model, tokenizers and weights, trained on --train with a fresh optimizer and "
+        "schedule; flags that would change the model's shape or vocabulary are refused", metavar="SOURCE")
 
     # Data
-    train: str | None = _field(None, "data",
-                               "training data spec (see 'data specs' below); default: the embedded numbers corpus",
-                               metavar="SPEC")
+    train: str | None = _field(
+        None, "data", "training data spec ('data specs' below); default: the embedded numbers corpus", metavar="SPEC")
     valid: str | None = _field(None, "data", "validation data spec; required with --train", metavar="SPEC")
     test: str | None = _field(None, "data", "test data spec, evaluated at the end; default with --train: no test set",
                               metavar="SPEC")
@@ -136,30 +133,22 @@ class ExperimentConfig:
         40_000, "data", "numbers corpus: training pairs, an even share for numbers of each length (1 to 6 digits)")
     numbers_valid: int = _field(500, "data", "numbers corpus: validation pairs, spread like the test pairs")
     numbers_test: int = _field(
-        1000, "data", "numbers corpus: test pairs, spread evenly over numbers of 1 to 6 digits (those of 3 or more "
-        "digits never trained on; the 100 below 100 are all training numbers)")
+        1000, "data", "numbers corpus: test pairs, even over numbers of 1 to 6 digits (3 or more never trained on)")
     vocab_size: int | None = _field(
         None, "data", f"BPE vocabulary size; default {NUMBERS_VOCAB_SIZE} for the numbers corpus, "
         f"{DEFAULT_VOCAB_SIZE} otherwise")
     tokenizer_sample: int = _field(
-        DEFAULT_TOKENIZER_SAMPLE, "data", "train the tokenizers on at most N training pairs: a seeded uniform "
-        "sample when the corpus has more, the whole corpus otherwise (SentencePiece's input_sentence_size, Marian's "
-        "--sentencepiece-max-lines)")
+        DEFAULT_TOKENIZER_SAMPLE, "data", "train the tokenizers on at most N training pairs (a seeded sample of more)")
     joint_vocab: bool = _field(
-        True, "data", "one BPE vocabulary for source and target, with shared embeddings "
-        "(--no-joint-vocab: one per side)")
+        True, "data", "one BPE vocabulary for source and target, shared embeddings (--no-joint-vocab: one per side)")
     lowercase: bool = _field(
-        False, "data", "lowercase all text: the training, validation and test pairs, and every input of the "
-        "trained tokenizer (a Lowercase normalizer in tokenizer.json, so translate lowercases too); the "
-        "translations are then lowercase. The Multi30k anchors train on lowercased text")
+        False, "data", "lowercase all text: every pair, and every input of the tokenizer (translate lowercases too)")
     max_len: int = _field(128, "data", "longest sequence in tokens (with <eos>); longer training pairs are dropped")
     token_budget: int = _field(4096, "data", "padded tokens per batch (B x L <= budget, per length bucket)")
     pack: bool | None = _field(
-        None, "data", "pack several pairs into each row of a training or validation-loss batch (segment ids, "
-        "positions restarting per pair, attention within each pair; google/flax examples/wmt's packing), one "
-        "batch shape instead of one per length bucket, and search the evaluation sentences in a few fixed shapes: "
-        "few programs for JAX to compile and little padding (--no-pack: length buckets). Default: on for jax, "
-        "off for torch (which compiles nothing; docs/performance.md#sequence-packing)")
+        None, "data", "pack several pairs into each batch row (attention within each pair) and search in a few fixed "
+        "shapes: few programs for JAX to compile, little padding (--no-pack: length buckets); default: on for jax, "
+        "off for torch (docs/performance.md#sequence-packing)")
     hf_cache: str | None = _field(None, "data", "HF datasets cache directory; default: HF's own", metavar="DIR", launch=True)
 
     # Optimisation
@@ -198,12 +187,11 @@ class ExperimentConfig:
         None, "run", "directory for config, tokenizer, checkpoints, TensorBoard events and results.json; "
         "default runs/BACKEND-TIMESTAMP", metavar="DIR", launch=True)
     resume: bool = _field(
-        False, "run", "continue the run in --run-dir from its newest complete checkpoint; --steps and the eval "
-        "and checkpoint flags are not stored with the run: give them again, or they come from the recipe "
-        "(--config) the run was started from, which the run directory keeps", launch=True)
+        False, "run", "continue the run in --run-dir from its newest complete checkpoint; --steps and the eval and "
+        "checkpoint flags are not stored: give them again, or they come from the run's recipe (--config)", launch=True)
     overwrite: bool = _field(
-        False, "run", "replace the run already in --run-dir (the old one is kept beside it, in .NAME.run-old, "
-        "until the new one holds a checkpoint, and put back if it never does)", launch=True)
+        False, "run", "replace the run in --run-dir (the old one kept beside it, .NAME.run-old, until the new one "
+        "holds a checkpoint)", launch=True)
     compile: bool = _field(False, "run", "torch backend: wrap the model with torch.compile", launch=True)
     threads: int | None = _field(
         None, "run", "torch backend: intra-op CPU threads; default: the CPUs this process may use", launch=True)
@@ -211,28 +199,22 @@ class ExperimentConfig:
 
     # Devices, processes and precision
     devices: int | None = _field(
-        None, "dist", "train data parallel over N devices (the global batch is split evenly over them, every "
-        "bucket's batch size a multiple of N). jax: the first N devices, default every visible one; torch: N "
-        "processes started here (DistributedDataParallel), default 1, or torchrun's --nproc-per-node", launch=True)
+        None, "dist", "train data parallel over N devices: jax the first N (default: every visible one); torch N "
+        "processes (DistributedDataParallel; default 1, or torchrun's --nproc-per-node)", launch=True)
     param_sharding: ParamSharding = _field(
-        "replicated", "dist", "where parameters and Adam's moments live over the devices: replicated "
-        "(a whole copy on every device; plain data parallelism) or fsdp (each array split over the devices along "
-        "its largest dimension divisible by their count, ZeRO-3 style: 1/N of the state per device, gathered "
-        "for the forward and backward passes)", choices=PARAM_SHARDINGS, launch=True)
+        "replicated", "dist", "parameters and Adam's moments: replicated (a whole copy on every device) or fsdp (each "
+        "array split over the devices, ZeRO-3 style)", choices=PARAM_SHARDINGS, launch=True)
     dtype: Dtype | None = _field(
-        None, "dist", "compute dtype: float32, or bfloat16 mixed precision (activations and matmuls in "
-        "bfloat16; parameters, optimizer state, softmax and loss in float32); default: bfloat16 on a GPU or TPU, "
-        "float32 on the CPU (docs/parity.md#bfloat16)", choices=DTYPES)
+        None, "dist", "compute dtype: float32, or bfloat16 mixed precision (parameters, optimizer state, softmax and "
+        "loss in float32); default: bfloat16 on a GPU or TPU, float32 on the CPU (docs/parity.md#bfloat16)",
+        choices=DTYPES)
     kernels: str = _field(
-        "auto", "dist", "how the model computes, the same function whatever the choice: reference (the plain path, "
-        "torch_reference line by line), xla_cpu (jax: backward passes and search loop tuned for XLA:CPU), fused "
-        "(attention in one fused kernel: jax.nn.dot_product_attention, cuDNN's on a GPU; torch's "
-        "scaled_dot_product_attention); auto: xla_cpu on the CPU with jax, fused on a GPU, reference otherwise",
-        choices=KERNEL_CHOICES, launch=True)
+        "auto", "dist", "how the model computes the same function: reference (torch_reference line by line), xla_cpu "
+        "(jax, tuned for XLA:CPU), fused (one fused attention kernel); auto: xla_cpu for jax on the CPU, fused on a "
+        "GPU, reference otherwise", choices=KERNEL_CHOICES, launch=True)
     remat: bool = _field(
-        False, "dist", "recompute each encoder and decoder layer's activations in the backward pass instead of "
-        "keeping them (jax.checkpoint; torch.utils.checkpoint): less memory, more time (docs/performance.md#remat)",
-        launch=True)
+        False, "dist", "recompute each layer's activations in the backward pass instead of keeping them: less memory, "
+        "more time (docs/performance.md#remat)", launch=True)
     coordinator_address: str | None = _field(
         None, "dist", "jax multi-process run: HOST:PORT of process 0's coordinator, for jax.distributed.initialize; "
         "default: $JAX_COORDINATOR_ADDRESS, else a single process", metavar="HOST:PORT", launch=True)
