@@ -4,22 +4,28 @@
 from __future__ import annotations
 
 import contextlib
+import platform
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import jax
 import numpy as np
 import torch
 
 from train import data
 from train.api import Run, load
-from train.backends import allocator, create_backend, initialize
+from train.backends import allocator, create_backend, host_devices, initialize
 from train.benchmark import _peak_rss_mib, _reset_peak_rss, _rss_mib
+from train.data.spm import require
+from train.data.streams import read_lines
 from train.options import RunSelection, Search
+from train.runtime.files import UserError, json_text
 
 from . import ctranslate2 as ct2
 from . import marian, proof
+from .comparison import enable_parity_numerics
 from .weights import convert_state
 
 REFERENCE = "torch cached"
@@ -151,17 +157,6 @@ def bench_file(selection: RunSelection, search: Search, input: Path | None, batc
                json_path: Path | None = None, **extras: bool) -> list[dict]:
     """`python -m parity.translate_bench`: `benchmark(**extras)` of `selection`'s run on the sentences of
     `input` (stdin), printed as a table (and written to `json_path`)."""
-    import platform
-
-    import jax
-
-    from train.backends import host_devices
-    from train.data.spm import require
-    from train.data.streams import read_lines
-    from train.runtime.files import UserError, json_text
-
-    from .comparison import enable_parity_numerics
-
     enable_parity_numerics()
     if len(selection.run_dir) > 1:
         raise UserError("--run-dir once: the benchmark times one run's weights")

@@ -270,13 +270,11 @@ def growth_exponent(comparison: dict, start: int = 10) -> float | None:
 
 def plot(report: dict, path: str | Path) -> Path:
     """Loss and weight differences per update, log scale, one line per comparison; bounds dashed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: no display, no global state
 
     floor = 1e-9  # where a difference of exactly 0 is drawn on the log axes (float32 rounding is ~6e-8)
-    fig, (ax_loss, ax_param) = plt.subplots(1, 2, figsize=(13, 4.8), constrained_layout=True)
+    fig = Figure(figsize=(13, 4.8), layout="constrained")
+    ax_loss, ax_param = fig.subplots(1, 2)
     paths = [("", report)] + ([("smooth path (GELU): ", report["smooth_path"])] if "smooth_path" in report else [])
     for prefix, rep in paths:
         for c in rep["comparisons"]:
@@ -303,5 +301,4 @@ def plot(report: dict, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path

@@ -66,12 +66,8 @@ class AttentionRecorder:
     def __call__(self, index: np.ndarray, src: np.ndarray, tokens: np.ndarray) -> None:
         hyps = data.decode_batch(self.tokenizers.tgt, tokens)
         outputs = [output_tokens(row) for row in tokens]
-        # Teacher forcing: <bos> and every output token but the last, so that row t predicts token t;
-        # as wide as the search's output (one shape per source bucket, for jit), padding masked out.
-        tgt_in = np.full(tokens.shape, data.PAD_ID, np.int32)  # (B, T)
-        tgt_in[:, 0] = data.BOS_ID
-        for row, ids in enumerate(outputs):
-            tgt_in[row, 1 : len(ids)] = ids[:-1]
+        # Teacher forcing: <bos>, then the output but its last token (row t predicts token t; later ones causal-masked)
+        tgt_in = np.concatenate([np.full((len(tokens), 1), data.BOS_ID, tokens.dtype), tokens[:, :-1]], axis=1)
         weights = self.backend.cross_attention(src, tgt_in)  # (B, layers, H, T, S)
         for row, i in enumerate(index):
             if i < 0 or not self.texts[i].strip() or not outputs[row]:  # no sentence or no output: no plot

@@ -12,7 +12,7 @@ from typing import Any
 from torch_reference.config import POSITIVE, Range
 
 from ..runtime import UserError
-from ..options import OptionError, Sampling, Search
+from ..options import OptionError, Sampling, Search, check_fields, option
 
 SERVE_INSTALL = 'pip install -e ".[serve]"'
 
@@ -26,8 +26,7 @@ def require(module: str) -> Any:
 
 
 def _limit(default, help: str):
-    allowed = Range(float, above=0.0) if isinstance(default, float) else POSITIVE  # ms and s: finite, above 0
-    return dataclasses.field(default=default, metadata={"help": help, "range": allowed})
+    return option(default, help, range=Range(float, above=0.0) if isinstance(default, float) else POSITIVE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,10 +47,7 @@ class Limits:
     idle_timeout_s: float = _limit(5.0, "a connection that sends no whole request head for this long is closed")
 
     def __post_init__(self):
-        for field in dataclasses.fields(self):  # the ranges of the command's flags, for Python callers too
-            value = getattr(self, field.name)
-            if value is not None and (problem := field.metadata["range"].error(value)):
-                raise OptionError("{} " + problem, field.name)
+        check_fields(self)  # the ranges of the command's flags, for Python callers too
 
 
 class BadRequest(Exception):
