@@ -125,13 +125,9 @@ def run_proof(converted: Path, run_dir: Path, sentences: Sequence[str]) -> dict[
     try:
         src_ids = data.encode(ours_run.tokenizers.src, sentences)
         limits = [limit(len(ids), ours_run.model_config) for ids in src_ids]
-        ours, theirs, diffs = [], [], []
-        for ids in src_ids:
-            out = [_greedy(run, ids) for run in (ours_run, theirs_run)]
-            ours.append(out[0])
-            theirs.append(out[1])
-            a, b = (_logits(run, ids, out[0]) for run in (ours_run, theirs_run))
-            diffs.append(float(np.abs(a - b).max()))
+        ours, theirs = ([_greedy(run, ids) for ids in src_ids] for run in (ours_run, theirs_run))
+        diffs = [float(np.abs(_logits(ours_run, ids, out) - _logits(theirs_run, ids, out)).max())
+                 for ids, out in zip(src_ids, ours)]
     finally:
         ours_run.close()
         theirs_run.close()

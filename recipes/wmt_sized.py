@@ -83,12 +83,10 @@ def measure(command: list[str], first: str = r"^step 1/", every: float = 0.1) ->
         peak = max(peak, tree_rss_anon(proc.pid))
         time.sleep(every)
     reader.join()
-    result = {"command": " ".join(command), "rc": proc.returncode, "wall_s": round(time.perf_counter() - start, 1),
-              "first_step_s": found["first_step_s"] and round(found["first_step_s"], 1),
-              "peak_rss_anon_mb": round(peak / 1024),
-              "max_rss_mb": found["max_rss_kb"] and round(found["max_rss_kb"] / 1024)}
-    print(json.dumps(result))
-    return result
+    return {"command": " ".join(command), "rc": proc.returncode, "wall_s": round(time.perf_counter() - start, 1),
+            "first_step_s": found["first_step_s"] and round(found["first_step_s"], 1),
+            "peak_rss_anon_mb": round(peak / 1024),
+            "max_rss_mb": found["max_rss_kb"] and round(found["max_rss_kb"] / 1024)}
 
 
 def encode(prefix: str, tokenizer: str, batch: int = 10_000) -> dict:
@@ -102,9 +100,7 @@ def encode(prefix: str, tokenizer: str, batch: int = 10_000) -> dict:
             tok.encode_batch([line for _, line in zip(range(len(lines)), en)])
             pairs += len(lines)
     seconds = time.perf_counter() - start
-    result = {"pairs": pairs, "seconds": round(seconds, 1), "pairs_per_s": round(pairs / seconds)}
-    print(json.dumps(result))
-    return result
+    return {"pairs": pairs, "seconds": round(seconds, 1), "pairs_per_s": round(pairs / seconds)}
 
 
 def batches(prefix: str, tokenizer: str, pairs: int, budget: int = 25_000, count: int = 500) -> dict:
@@ -130,10 +126,8 @@ def batches(prefix: str, tokenizer: str, pairs: int, budget: int = 25_000, count
     for _ in range(count):
         next(batcher)
     made = time.perf_counter()
-    result = {"pairs": len(examples), "plan_s": round(planned - start, 2), "batches": count,
-              "batches_per_s": round(count / (made - planned), 1), "shape": batcher.shapes}
-    print(json.dumps(result))
-    return result
+    return {"pairs": len(examples), "plan_s": round(planned - start, 2), "batches": count,
+            "batches_per_s": round(count / (made - planned), 1), "shape": batcher.shapes}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -155,13 +149,15 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--pairs", type=int, default=200_000)
     args = parser.parse_args(argv)
     if args.what == "generate":
-        generate(args.pairs, args.out, args.seed, args.multi30k)
-    elif args.what == "measure":
-        sys.exit(measure(args.command[1:] if args.command[:1] == ["--"] else args.command)["rc"])
+        return generate(args.pairs, args.out, args.seed, args.multi30k)
+    if args.what == "measure":
+        result = measure(args.command[1:] if args.command[:1] == ["--"] else args.command)
     elif args.what == "encode":
-        encode(args.prefix, args.tokenizer)
+        result = encode(args.prefix, args.tokenizer)
     else:
-        batches(args.prefix, args.tokenizer, args.pairs)
+        result = batches(args.prefix, args.tokenizer, args.pairs)
+    print(json.dumps(result))
+    sys.exit(result.get("rc", 0))
 
 
 if __name__ == "__main__":

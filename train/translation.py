@@ -9,7 +9,7 @@ import hashlib
 import itertools
 import json
 import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -259,7 +259,7 @@ def translate_stream(run, lines: Iterator[str], out, *, chunk_lines: int, progre
         recorder = AttentionRecorder(run.backend, run.tokenizers, seen)
     progress.begin()
     rows = skipped  # input lines (rows) before the chunk
-    for chunk in _chunks(lines, chunk_lines):
+    for chunk in iter(lambda: list(itertools.islice(lines, chunk_lines)), []):
         offset = len(seen)
 
         def on_batch(index, src, tokens, offset=offset):
@@ -283,9 +283,3 @@ def translate_stream(run, lines: Iterator[str], out, *, chunk_lines: int, progre
     if recorder is not None:
         recorder.plot(plot_attention)
     return skipped
-
-
-def _chunks(lines: Iterable[str], size: int) -> Iterator[list[str]]:
-    lines = iter(lines)
-    while chunk := list(itertools.islice(lines, size)):
-        yield chunk
