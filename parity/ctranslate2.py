@@ -25,8 +25,8 @@ import numpy as np
 from torch_reference.config import BOS_ID, EOS_ID, PAD_ID, SPECIAL_TOKENS, UNK_ID, TransformerConfig
 from torch_reference.model import sinusoidal_positions
 from train import data, runtime
+from train.attention import output_tokens
 from train.data import spm
-from train.translation import output_tokens
 
 NEVER_EMITTED_BIAS = -1.0e9  # on <pad> and <bos>: far below any logit, finite (no inf - inf)
 

@@ -17,7 +17,6 @@ from . import data
 from .runtime.files import write_error
 from .runtime.replace import check_outside_runs
 from .backends import Translator
-from .translation import output_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +52,12 @@ def token_label(tokenizer, token_id: int) -> str:
         return token
     text = bytes(BYTE_VALUES[c] for c in token).decode("utf-8", errors="backslashreplace")
     return "▁" + text[1:] if text.startswith(" ") else text
+
+
+def output_tokens(row: Sequence[int]) -> list[int]:
+    """A search output row (ending <eos> then <pad>) -> its tokens up to and including <eos>."""
+    row = [int(t) for t in row if t != data.PAD_ID]
+    return row[: row.index(data.EOS_ID) + 1] if data.EOS_ID in row else row
 
 
 class AttentionRecorder:

@@ -84,13 +84,6 @@ def _alignments(backend: Translator, src: np.ndarray, tokens: np.ndarray) -> np.
     attention = backend.cross_attention(np.repeat(src, n, axis=0), tgt_in)  # (B*n, layers, H, L, S)
     return attention[:, -1].mean(axis=1).argmax(axis=-1).reshape(B, n, L)
 
-
-def output_tokens(row: Sequence[int]) -> list[int]:
-    """A search output row (ending <eos> then <pad>) -> its tokens up to and including <eos>."""
-    row = [int(t) for t in row if t != data.PAD_ID]
-    return row[: row.index(data.EOS_ID) + 1] if data.EOS_ID in row else row
-
-
 class EvaluationStopped(Exception):
     """A search or evaluation stopped between batches because its `stop` callable said so."""
 
