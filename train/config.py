@@ -6,15 +6,12 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Iterable
-from typing import Any, Literal
+from typing import Any
 
 from torch_reference.config import NON_NEGATIVE, POSITIVE, PROBABILITY, SPECIAL_TOKENS, Range, TransformerConfig
 
-Backend = Literal["jax", "torch"]
-BACKENDS = ("jax", "torch")
-Dtype = Literal["float32", "bfloat16"]
+BACKENDS = ("jax", "torch")  # each field's choices (its metadata) are its values
 DTYPES = ("float32", "bfloat16")
-ParamSharding = Literal["replicated", "fsdp"]
 PARAM_SHARDINGS = ("replicated", "fsdp")
 DIST_BACKENDS = ("gloo", "nccl")  # torch.distributed's: gloo on CPUs, NCCL between GPUs
 # The models' kernel sets (jax_transformer.KERNELS; torch_reference has reference and fused), and auto.
@@ -104,14 +101,13 @@ class ExperimentConfig:
     """Training, data, evaluation and checkpoint settings of one run (`python -m train.run --help`);
     the model is `model_config()`: the preset with `model`'s overrides and what the data decides."""
 
-    backend: Backend = _field(
+    backend: str = _field(
         "jax", "run", "framework that trains the model: jax (Flax NNX, jit) or torch (the reference)", choices=BACKENDS)
     recipe: str | None = _field(
         None, "run", "read flags from a TOML recipe (recipes/*.toml): a key per long flag, with _ for - (set = "
         "[\"norm_position=pre\"]); the command line's flags override it, --set adds to its list; the run keeps it",
         flag="--config", metavar="FILE", launch=True)
 
-    # Model
     preset: str = _field("tiny", "model", "model size preset: " + ", ".join(TransformerConfig.presets()),
                          choices=TransformerConfig.presets())
     model: dict = _field(
@@ -123,7 +119,6 @@ class ExperimentConfig:
         "hf:ORG/NAME[@REVISION]): its model, tokenizers and weights, trained on --train with a fresh optimizer and "
         "schedule; flags that would change the model's shape or vocabulary are refused", metavar="SOURCE")
 
-    # Data
     train: str | None = _field(
         None, "data", "training data spec ('data specs' below); default: the embedded numbers corpus", metavar="SPEC")
     valid: str | None = _field(None, "data", "validation data spec; required with --train", metavar="SPEC")
@@ -151,7 +146,6 @@ class ExperimentConfig:
         "off for torch (docs/performance.md#sequence-packing)")
     hf_cache: str | None = _field(None, "data", "HF datasets cache directory; default: HF's own", metavar="DIR", launch=True)
 
-    # Optimisation
     steps: int = _field(700, "optim", "optimizer updates to train for", launch=True)
     warmup: int | None = _field(
         None, "optim", f"warmup steps of the schedule (§5.3); default {WARMUP_FRACTION:g} x steps, "
@@ -164,7 +158,6 @@ class ExperimentConfig:
     grad_accum: int = _field(
         1, "optim", "micro-batches per update; the loss is summed over them and divided by their total target tokens")
 
-    # Evaluation and logging
     eval_every: int = _field(
         200, "eval", "validate (loss, perplexity, BLEU, chrF, samples) every N steps and at the end", launch=True)
     log_every: int = _field(20, "eval", "read metrics from the device and log them every N steps", launch=True)
@@ -177,11 +170,9 @@ class ExperimentConfig:
         None, "eval", "also score BLEU on Moses-tokenized text of this target language (e.g. de), as bleu_moses and "
         "bleu_moses_lc (train.evaluate --moses)", launch=True, metavar="LANG")
 
-    # Checkpoints
     save_every: int | None = _field(None, "ckpt", "checkpoint every N steps and at the end; default: --eval-every", launch=True)
     keep_checkpoints: int = _field(2, "ckpt", "keep the newest N checkpoints, plus the best by validation BLEU", launch=True)
 
-    # Run
     seed: int = _field(0, "run", "seed of the initial weights, dropout, batch order and the numbers corpus")
     run_dir: str | None = _field(
         None, "run", "directory for config, tokenizer, checkpoints, TensorBoard events and results.json; "
@@ -197,14 +188,13 @@ class ExperimentConfig:
         None, "run", "torch backend: intra-op CPU threads; default: the CPUs this process may use", launch=True)
     progress: bool = _field(True, "run", "show a progress bar (--no-progress for logs)", launch=True)
 
-    # Devices, processes and precision
     devices: int | None = _field(
         None, "dist", "train data parallel over N devices: jax the first N (default: every visible one); torch N "
         "processes (DistributedDataParallel; default 1, or torchrun's --nproc-per-node)", launch=True)
-    param_sharding: ParamSharding = _field(
+    param_sharding: str = _field(
         "replicated", "dist", "parameters and Adam's moments: replicated (a whole copy on every device) or fsdp (each "
         "array split over the devices, ZeRO-3 style)", choices=PARAM_SHARDINGS, launch=True)
-    dtype: Dtype | None = _field(
+    dtype: str | None = _field(
         None, "dist", "compute dtype: float32, or bfloat16 mixed precision (parameters, optimizer state, softmax and "
         "loss in float32); default: bfloat16 on a GPU or TPU, float32 on the CPU (docs/parity.md#bfloat16)",
         choices=DTYPES)

@@ -58,7 +58,7 @@ class Destination:
     directory, a file of `inputs` (by any name, side files too), a place inside a run or an export."""
 
     def __init__(self, path: str | Path, flag: str, inputs: Iterable[str | Path] = (), of: str = ""):
-        self.path, self.flag, self.target = Path(path), flag, None
+        self.path, self.target = Path(path), None
         if is_stream(self.path):
             return
         target = self.path.resolve()
@@ -155,7 +155,6 @@ class PartialOutput:
 
     def __init__(self, path: Path, settings: dict[str, Any]):
         self.path, self.settings = path, settings
-        self.name = str(path)
         self.partial = path.with_name(f".{path.name}.partial")
         self.record = path.with_name(f".{path.name}.partial.json")
         self.done, self.bytes, self.digest, self.note, self._started = 0, 0, None, None, False

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import itertools
 from collections.abc import Callable
@@ -101,10 +102,8 @@ class Batcher:
             wait = self.queue[0].arrived + self.limits.max_wait_ms / 1000 - loop.time()
             if not full and wait > 0:  # a bounded wait for more requests to join
                 self._wake.clear()
-                try:
+                with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), wait)
-                except TimeoutError:
-                    pass
                 continue  # look again: the batch may have grown (or timed out)
             for item in batch:
                 self.queue.remove(item)
