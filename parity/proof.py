@@ -50,8 +50,7 @@ def proof_sentences(run_dir: str | os.PathLike, given: str | os.PathLike | None 
 
 
 def reference(params: Mapping[str, np.ndarray], cfg: TransformerConfig, src_ids: list[list[int]]):
-    """(the run's greedy translations, each ending at <eos>, the logits (T, V) along each) by the
-    PyTorch reference on `params`, one sentence at a time (no padding to disagree about)."""
+    """(the run's greedy translations, the (T, V) logits along each) by the reference on `params`, one at a time."""
     model = Transformer(cfg).eval()
     model.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in params.items()})
     outputs, logits = [], []

@@ -155,8 +155,7 @@ def _hf_rows(run: Run, state, batches, beam_size: int, alpha: float, timed, refe
 
 def bench_file(selection: RunSelection, search: Search, input: Path | None, batch_size: int | None = None,
                json_path: Path | None = None, **extras: bool) -> list[dict]:
-    """`python -m parity.translate_bench`: `benchmark(**extras)` of `selection`'s run on the sentences of
-    `input` (stdin), printed as a table (and written to `json_path`)."""
+    """`python -m parity.translate_bench`: `benchmark(**extras)` of `selection` on `input`, printed (and saved)."""
     enable_parity_numerics()
     if len(selection.run_dir) > 1:
         raise UserError("--run-dir once: the benchmark times one run's weights")

@@ -38,8 +38,7 @@ PER_STEP = ("step", "loss_rel", "param_rel_l2", "param_worst", "k_proj_bias_rel_
 
 
 def experiment_config(steps: int = 100, preset: str = "tiny", model: dict | None = None, **changes: Any):
-    """A trajectory's settings: the paper's schedule, a small numbers corpus, dropout off, float32, and one
-    torch thread (a second competes with XLA's pool)."""
+    """A trajectory's settings: the paper's schedule, dropout off, float32, one torch thread (two compete with XLA)."""
     settings = dict(backend="torch", preset=preset, model=dict(model or {}), steps=steps, warmup=PAPER_WARMUP,
                     dropout=0.0, numbers_train=4000, numbers_valid=1, numbers_test=0, token_budget=1024, threads=1,
                     progress=False, dtype="float32")
@@ -60,8 +59,7 @@ def prepare(cfg) -> tuple[TransformerConfig, Any]:
 
 
 def one_ulp_away(state: TrainingState, seed: int = 1) -> TrainingState:
-    """`state` with every weight moved by one float32 ulp up or down at random: one rounding
-    error per weight, the size of the differences between the frameworks' arithmetic."""
+    """`state` with every weight one float32 ulp up or down at random: the size of the frameworks' differences."""
     rng = np.random.default_rng(seed)
     params = {k: np.where(rng.random(v.shape) < 0.5, np.nextafter(v, np.inf), np.nextafter(v, -np.inf)).astype(v.dtype)
               for k, v in state.params.items()}
@@ -141,8 +139,7 @@ class Comparison:
 
 
 def _switch(run: Run, cfg, model_cfg, prepared, workdir: Path) -> tuple[Run, bool]:
-    """`run`'s checkpoint saved, converted and restored in a fresh backend of the other framework: (the
-    continuing run, whether the restored state equals the saved one bit for bit)."""
+    """`run`'s checkpoint saved, converted and restored in the other framework: (that run, whether bit-exact)."""
     splits, tokenizers = prepared
     src, other = run.name, "torch" if run.name == "jax" else "jax"
     src_cfg = cfg.replace(backend=src)
@@ -236,8 +233,7 @@ def failures(report: dict) -> list[str]:
 
 def parity_report(cfg, steps: int | None = None, switch: int | None = None, control: bool = False,
                   progress: bool = False) -> dict:
-    """`run_trajectory`, judged; for a ReLU model whose parameters exceed the bound, also the
-    smooth path (same initial weights, exact GELU) on which that bound is then judged."""
+    """`run_trajectory`, judged; a ReLU model out of the parameter bound judged on its smooth path (exact GELU) too."""
     enable_parity_numerics()
     model_cfg, prepared = prepare(cfg)
     initial = create_backend(cfg.replace(backend="torch"), model_cfg).export_state()

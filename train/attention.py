@@ -32,8 +32,7 @@ class SentenceAttention:
 
 
 def _byte_values() -> dict[str, int]:
-    """The byte-level BPE alphabet (GPT-2's, `tokenizers`' ByteLevel), character -> byte: printable bytes
-    stand for themselves, the others for code points from 256 on."""
+    """The byte-level BPE alphabet (GPT-2's, `tokenizers`' ByteLevel): character -> byte."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     others = [b for b in range(256) if b not in printable]
     return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
@@ -43,8 +42,7 @@ BYTE_VALUES = _byte_values()
 
 
 def token_label(tokenizer, token_id: int) -> str:
-    """A token as readable text: specials by name, a leading space as ▁, bytes as UTF-8 text, and
-    the bytes of a character split across tokens (an incomplete UTF-8 sequence) as \\xNN."""
+    """A token as readable text: specials by name, a leading space as ▁, bytes as UTF-8 (half a character as \\xNN)."""
     token = tokenizer.id_to_token(int(token_id))
     if token is None:
         return f"<{int(token_id)}>"
@@ -61,8 +59,7 @@ def output_tokens(row: Sequence[int]) -> list[int]:
 
 
 class AttentionRecorder:
-    """`translate_texts`' `on_batch` for `texts`: the attention of each non-empty line (`found`,
-    in input order), its output teacher-forced through `backend` once per batch."""
+    """`translate_texts`' `on_batch` for `texts`: each non-empty line's attention (`found`, in input order)."""
 
     def __init__(self, backend: Translator, tokenizers: data.Tokenizers, texts: Sequence[str]):
         self.backend, self.tokenizers, self.texts = backend, tokenizers, texts

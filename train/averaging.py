@@ -27,8 +27,7 @@ def average_states(states: Sequence[TrainingState]) -> TrainingState:
 
 
 def average_run(src: str | os.PathLike, dst: str | os.PathLike, last: int = 5, overwrite: bool = False) -> dict:
-    """Average the newest `last` checkpoints of run `src` into a new run directory `dst` (built
-    beside it and renamed into place, so an interrupted average leaves nothing). Returns a summary."""
+    """Average the newest `last` checkpoints of run `src` into a new run `dst`, whole or not at all; a summary."""
     POSITIVE.check("last", last)  # 0 would average every checkpoint, -1 all but the oldest
     src, dst = Path(src), Path(dst)
     runtime.rundir.check_set_aside(src)

@@ -60,14 +60,12 @@ positive_int = POSITIVE.parse  # the argparse type of train.serve's and train.lo
 
 
 def default_dtype(platform: str) -> str:
-    """--dtype's default on a device platform (JAX's names: cpu, gpu, tpu): bfloat16 mixed precision
-    on an accelerator, float32 on the CPU (where bfloat16 matmuls are no faster)."""
+    """--dtype's default on a JAX platform: bfloat16 mixed precision on an accelerator, float32 on the CPU."""
     return "float32" if platform == "cpu" else "bfloat16"
 
 
 def resolve_kernels(choice: str, backend: str, platform: str) -> str:
-    """The kernel set a model computes with: `choice`, or for "auto" xla_cpu on JAX's CPU, fused on
-    a GPU, reference otherwise. ValueError for a set the backend's model lacks."""
+    """`choice`, or for auto xla_cpu (JAX on a CPU), fused (a GPU) or reference; ValueError where the model lacks it."""
     if choice == "auto":
         return "fused" if platform == "gpu" else "xla_cpu" if (backend, platform) == ("jax", "cpu") else "reference"
     if choice == "xla_cpu" and backend != "jax":
@@ -88,8 +86,7 @@ def parse_model_override(text: str) -> tuple[str, Any]:
 
 
 def _field(default: Any, group: str, help: str, launch: bool = False, **meta: Any) -> Any:
-    """A dataclass field with its CLI help text and flag group in the metadata. `launch`: a launch
-    option (how and how long this launch runs), which is never saved with the experiment."""
+    """A dataclass field with its flag's help and group; `launch`: how this launch runs, never saved with the run."""
     metadata = {"help": help, "group": group, "launch": launch, **meta}
     if isinstance(default, dict):
         return dataclasses.field(default_factory=dict, metadata=metadata)
@@ -314,8 +311,7 @@ class ExperimentConfig:
             raise ValueError(f"{why}:\n  " + "\n  ".join(differ))
 
     def model_config(self, src_vocab_size: int, tgt_vocab_size: int) -> TransformerConfig:
-        """The model: the preset with `--set` overrides, the tokenizers' vocabulary sizes, max_len,
-        dropout, and shared embeddings exactly when the vocabulary is joint."""
+        """The preset with `--set` overrides, the vocabulary sizes, max_len, dropout, shared embeddings if joint."""
         derived = dict(src_vocab_size=src_vocab_size, tgt_vocab_size=tgt_vocab_size, max_len=self.max_len,
                        share_embeddings=self.joint_vocab)
         if self.dropout is not None:

@@ -69,8 +69,7 @@ def load_test(url: str, lines: Sequence[str], *, clients: int = 64, requests: in
 
 
 def read_lines(path: str | os.PathLike, max_chars: int = Limits().max_text_chars) -> list[str]:
-    """The non-blank lines of a file of sentences, stripped; a line longer than `max_chars` (which the
-    server refuses) is refused once that many characters are read, never held whole."""
+    """The non-blank lines of a file, stripped; one past `max_chars` (the server's bound) refused, never held whole."""
     lines = []
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(iter(lambda: f.readline(max_chars + 2), ""), 1):
@@ -118,8 +117,7 @@ class ServedRun:
 
 
 def cli_throughput(run_dir: str | os.PathLike, lines: Sequence[str], beam: int = 4) -> dict[str, Any]:
-    """`python -m train.translate` on `lines` (a file): its own summary's lines/s (the translation,
-    without loading the run) and the wall time of the whole command."""
+    """`python -m train.translate` on `lines`: its summary's lines/s (loading the run left out) and its wall time."""
     with tempfile.TemporaryDirectory() as tmp:
         source = Path(tmp) / "source.txt"
         source.write_text("".join(f"{line}\n" for line in lines), encoding="utf-8")

@@ -24,8 +24,7 @@ def exact_match(hypotheses: Sequence[str], references: Sequence[str]) -> float:
 
 
 def moses_tokenized(texts: Sequence[str], lang: str) -> list[str]:
-    """`texts` tokenized by the Moses tokenizer (sacremoses) for language `lang`, tokens joined by
-    spaces, without Moses' XML escaping: the text that tokenized BLEU is computed on."""
+    """`texts` Moses-tokenized for language `lang` (sacremoses, no XML escaping): what tokenized BLEU scores."""
     from sacremoses import MosesTokenizer
 
     tokenizer = MosesTokenizer(lang=lang)
@@ -89,8 +88,7 @@ def loss_and_perplexity(backend: Trainer, batches, stop: Callable[[], bool] | No
 
 
 def bands_text(bands: dict[str, Any] | None) -> str:
-    """' by digits 1:100* 2:100* 3:99.56 ...': `band_scores`' exact match per number of digits, * on
-    a band whose sentences were all seen in training; '' when there are no bands."""
+    """' by digits 1:100* 2:99.56 ...': `band_scores`' exact match, * on bands seen whole in training; '' for none."""
     if not bands:
         return ""
     text = " ".join(f"{band}:{scores['exact_match']:.4g}" + ("*" if scores["unseen_exact_match"] is None else "")

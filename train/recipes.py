@@ -85,8 +85,7 @@ def recorded_launch(run_dir: str | os.PathLike) -> tuple[dict[str, Any], str] | 
 
 
 def resume_command(cfg: ExperimentConfig) -> str:
-    """The command that continues the run `cfg` launches as launched: --resume and the launch flags
-    (steps, intervals, devices) whose values a bare --resume would not take again."""
+    """The command continuing the run `cfg` launches: --resume and the launch flags a bare --resume would not take."""
     bare = ExperimentConfig(**(recorded_launch(cfg.run_dir) or ({}, ""))[0])
     bare = bare.replace(save_every=bare.save_every or cfg.eval_every)  # --save-every defaults to --eval-every
     flags, skip = [], {*LAUNCH_DECISIONS, "recipe"}

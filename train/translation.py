@@ -76,8 +76,7 @@ def _padded(rows: Sequence[Sequence[int]], max_len: int) -> np.ndarray | None:
 
 
 def _alignments(backend: Translator, src: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-    """src (B, S), tokens (B, n, L) -> (B, n, L): the argmax source position of each output token,
-    over the last decoder layer's cross-attention averaged over heads (teacher-forced)."""
+    """src (B, S), tokens (B, n, L) -> (B, n, L): each output token's argmax source (last layer, heads' mean)."""
     B, n, L = tokens.shape
     flat = tokens.reshape(B * n, L)
     tgt_in = np.concatenate([np.full((B * n, 1), data.BOS_ID, flat.dtype), flat[:, :-1]], axis=1)

@@ -20,8 +20,7 @@ class NoWriter:
 
 
 class Events:
-    """A run's TensorBoard scalars in one event file (tensorboardX's `EventsWriter`), not its
-    SummaryWriter, whose worker thread and flush at exit printed tracebacks for a full disk."""
+    """A run's TensorBoard scalars, written here (SummaryWriter's thread printed tracebacks on a full disk)."""
 
     def __init__(self, logdir: Path, writer, purge_step: int | None):
         from tensorboardX.proto.event_pb2 import Event, SessionLog

@@ -37,8 +37,7 @@ def write_bytes_atomic(path: str | Path, data: bytes) -> None:
 
 
 def check_replaceable(path: Path) -> None:
-    """OSError unless `path` is missing, a regular file or a symbolic link: a rename never replaces
-    a device, FIFO or socket (`--output /dev/null` would turn /dev/null into a file)."""
+    """OSError unless `path` is missing, a file or a link: a rename never replaces a device (`--output /dev/null`)."""
     with contextlib.suppress(FileNotFoundError):
         if not (stat.S_ISREG(mode := os.lstat(path).st_mode) or stat.S_ISLNK(mode)):
             raise OSError(errno.EEXIST, "not a regular file, so never replaced by one", str(path))

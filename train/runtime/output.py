@@ -29,8 +29,7 @@ _DESCRIPTOR = re.compile(r"/(?:dev|proc/self)/fd/(\d+)|/dev/std(out|err)")
 
 
 def is_stream(path: Path) -> bool:
-    """Whether an output `path` is written directly, as a stream: a descriptor (/dev/fd/N,
-    /dev/stdout), or through any links a FIFO, device or socket; never renamed over, no resume."""
+    """Whether `path` is a stream (a descriptor, or through links a FIFO, device, socket): never renamed over."""
     if _DESCRIPTOR.fullmatch(str(path)):
         return True
     try:
@@ -232,8 +231,7 @@ def _locked(path: Path, busy: str) -> BinaryIO:
 
 
 class Progress:
-    """Counts and, when stderr is a terminal, one progress line rewritten in place (lines, lines/s,
-    target tokens/s, an ETA for a regular file); `summary()` is the closing line."""
+    """Counts and, on a terminal, a progress line rewritten in place (lines/s, tokens/s, ETA); `summary()`."""
 
     INTERVAL = 0.5  # seconds between two progress lines
 

@@ -33,8 +33,7 @@ def export_digests(directory: Path, names: Iterable[str] | None = None) -> dict[
 
 
 def check_export(directory: str | Path) -> None:
-    """UserError when a file whose digest `directory`'s proof.json records (`export_digests`) differs
-    or is missing: an export changed after its proof is never read as proven."""
+    """UserError when a file whose digest `directory`'s proof.json records differs or is missing: the proof is stale."""
     recorded = (read_json(Path(directory) / PROOF_FILE, None) or {}).get("files")
     if recorded is not None and (found := export_digests(Path(directory), recorded)) != recorded:
         changed = sorted(n for n in recorded if recorded[n] != found[n])

@@ -149,8 +149,7 @@ def check_links(run_dir: Path) -> None:
 
 
 def prepare_run_dir(cfg: ExperimentConfig, model_cfg: TransformerConfig, tokenizers: data.Tokenizers | None) -> None:
-    """Create the run directory `session` claimed and write config.json (from there on it holds this
-    run), its model and (when given: newly trained) tokenizers."""
+    """Write the claimed run's config.json (from there on it holds this run), model and (given: new) tokenizers."""
     run_dir = Path(cfg.run_dir)
     try:  # the recipe of --config, read before anything changes
         recipe = cfg.recipe and {"path": cfg.recipe, "toml": Path(cfg.recipe).read_text("utf-8")}

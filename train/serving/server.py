@@ -101,8 +101,7 @@ def uvicorn_classes() -> tuple[type, type]:
 
 
 class Server:
-    """uvicorn serving `asgi_app` (an `app()`) on host:port (0: a free one): `run()` until stopped, or
-    `start()` on a thread (tests, notebooks); `url` once it is listening."""
+    """uvicorn serving `asgi_app` on host:port (0: a free one): `run()` until stopped, or `start()` on a thread."""
 
     def __init__(self, asgi_app, host: str = "127.0.0.1", port: int = 8000, *, access_log: bool = False):
         protocol, server = uvicorn_classes()
@@ -188,8 +187,7 @@ class Server:
 def serve(runs: str | os.PathLike | Sequence[str | os.PathLike] | RunSelection, host: str = "127.0.0.1",
           port: int = 8000, *, limits: Limits | None = None, on_ready: Callable[[Server], None] | None = None,
           **server: Any) -> int:
-    """Load `runs` (`train.load`'s: directories, a `RunSelection`) and serve them until SIGTERM or SIGINT
-    (`python -m train.serve`); returns the signal number that stopped it."""
+    """Load `runs` (`train.load`'s) and serve them until SIGTERM or SIGINT; the signal number that stopped it."""
     from ..api import load
 
     require("starlette")

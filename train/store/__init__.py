@@ -179,8 +179,7 @@ def write_checkpoint_digest(directory: str | Path) -> None:
 
 
 def verify_checkpoint(directory: str | Path) -> bool:
-    """Check every file of the checkpoint `directory` against its digest.json (CheckpointDamaged naming
-    the first that differs or is missing); False for one without digest.json."""
+    """CheckpointDamaged naming the first file unlike its digest.json (or missing); False without digest.json."""
     directory = Path(directory)
     try:
         record = json.loads((directory / DIGEST_FILE).read_text(encoding="utf-8"))
