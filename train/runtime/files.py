@@ -18,7 +18,7 @@ class UserError(Exception):
 
 
 def write_bytes_atomic(path: str | Path, data: bytes) -> None:
-    """Write `data` to a new temporary file beside `path`, then rename it into place: the old file
+    """Write `data` to a new temporary file beside `path`, synced, then rename it into place: the old file
     or the new one, never half of one; a link at `path` is replaced, never written through. A
     failure (a full disk, a read-only place) leaves the old file and raises an OSError naming `path`."""
     path = Path(path)
@@ -28,6 +28,8 @@ def write_bytes_atomic(path: str | Path, data: bytes) -> None:
         tmp.unlink(missing_ok=True)  # a leftover, or a link planted there: removed, never followed
         with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), "wb") as f:
             f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as err:
         raise OSError(err.errno, err.strerror, str(path)) from None

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ..runtime.files import UserError, json_text, shortened, write_error
+from ..runtime.files import UserError, shortened, write_error, write_json_atomic
 
 # The safetensors metadata key holding the TransformerConfig JSON, in weights files and checkpoints.
 WEIGHTS_CONFIG_KEY = "transformer_config"
@@ -167,15 +167,7 @@ def write_checkpoint_digest(directory: str | Path) -> None:
         with open(path, "rb") as f:
             os.fsync(f.fileno())
             files[path.relative_to(directory).as_posix()] = hashlib.file_digest(f, DIGEST_ALGORITHM).hexdigest()
-    tmp = directory / f".{DIGEST_FILE}.tmp"
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(json_text({"algorithm": DIGEST_ALGORITHM, "files": files}) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, directory / DIGEST_FILE)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_json_atomic(directory / DIGEST_FILE, {"algorithm": DIGEST_ALGORITHM, "files": files})
 
 
 def verify_checkpoint(directory: str | Path) -> bool:
