@@ -44,9 +44,8 @@ def benchmark(run: Run, lines: Sequence[str], beam_size: int, batch_size: int | 
     backends = {}
     for framework in ("torch", "jax"):
         initialize(cfg.replace(backend=framework))  # each framework's process settings (threads, allocator)
-        backend = create_backend(cfg.replace(backend=framework), model_cfg, None)
-        backend.import_state(convert_state(state, framework, model_cfg))
-        backends[framework] = backend
+        backends[framework] = create_backend(cfg.replace(backend=framework), model_cfg, None)
+        backends[framework].import_state(convert_state(state, framework, model_cfg))
     src_ids = data.encode(run.tokenizers.src, list(lines))
     batches = list(data.source_batches(src_ids, cfg.max_len, cfg.token_budget, batch_size))
 
@@ -118,10 +117,8 @@ def _ctranslate2_rows(run: Run, state, batches, beam_size: int, alpha: float, ti
 def _foreign_row(run: Run, name: str, beam: int, search, batches, timed, reference) -> tuple[dict, list]:
     """(row `name`, outputs) of a search outside this project (CTranslate2, HF) whose outputs count
     as ours when `ctranslate2.same_output` says so, each sentence under its own length limit."""
-    limits = {}
-    for index, src in batches:
-        for row in np.flatnonzero(index >= 0):
-            limits[int(index[row])] = proof.limit(int((src[row] != data.PAD_ID).sum()), run.model_config)
+    limits = {int(index[row]): proof.limit(int((src[row] != data.PAD_ID).sum()), run.model_config)
+              for index, src in batches for row in np.flatnonzero(index >= 0)}
     seconds, outputs, peak = timed(search, batches[:1])
     ours = reference[beam]
     differ = sum(not ct2.same_output(_trim(ours[i]), out, limits[i]) for i, out in enumerate(outputs))
