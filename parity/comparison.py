@@ -17,8 +17,7 @@ from torch_reference.objective import label_smoothed_cross_entropy as torch_loss
 
 from .weights import jax_key, jax_params_to_torch, torch_to_jax
 
-# Bounds of the parity contract (README): float32, highest matmul precision, dropout off. The
-# wider bounds for base/big allow for float32 rounding accumulated over 12 layers of width 512+.
+# Bounds of the parity contract (float32, dropout off); base and big accumulate rounding over 12 wide layers.
 BOUNDS = {"logits_max_abs": {"tiny": 1e-5, "small": 1e-5, "base": 1e-4, "big": 1e-4}, "loss_rel": 1e-6,
           "grad_rel_l2": {"tiny": 1e-5, "small": 1e-5, "base": 1e-4, "big": 1e-4}}
 

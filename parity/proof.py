@@ -25,8 +25,7 @@ from .ctranslate2 import Translator, same_output, tokens
 
 PROOF_FILE = runtime.PROOF_FILE
 SENTENCES = 32  # validation sources proved on: enough to cover the vocabulary's common rows, fast on a CPU
-# A float32 export computes the run's function with other kernels (another summation order): the
-# twins' own logits bound (docs/parity.md), and every greedy translation the same.
+# A float32 export computes the run's function with other kernels: the twins' own logits bound, every greedy alike.
 MAX_LOGIT_DIFF = 1e-4
 MIN_AGREEMENT = 1.0
 MASKED = -1e8  # CTranslate2 reports the logits of tokens it may not emit at a step as about -1e9

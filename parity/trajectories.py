@@ -16,7 +16,7 @@ import numpy as np
 from torch_reference.config import TransformerConfig
 from train import data
 from train.backends import create_backend, initialize
-from train.config import ExperimentConfig
+from train.config import PAPER_WARMUP, ExperimentConfig  # a trajectory: the first updates of the paper's schedule
 from train.loop import make_batcher
 from train.store import TrainingState
 
@@ -24,13 +24,9 @@ from .comparison import enable_parity_numerics
 from .runs import convert_checkpoints
 from .weights import convert_state
 
-# The parity contract for a training curve (float32, highest matmul precision, dropout off). A formula
-# slip (schedule one update off, Adam's epsilon inside the root, the wrong smoothing mass) moves the loss
-# by >=1e-3 within a few updates, far above float32's own drift (docs/parity.md#a-training-curve-in-both-frameworks).
+# The parity contract for a training curve (float32, dropout off): a formula slip moves the loss by >=1e-3
+# within a few updates, far above float32's own drift (docs/parity.md#a-training-curve-in-both-frameworks).
 BOUNDS = {"loss_rel": 1e-5, "param_rel_l2": 1e-4}
-
-# The paper's warmup (§5.3): the trajectory runs the first updates of the paper's schedule.
-PAPER_WARMUP = 4000
 
 # Parameters with an analytically zero gradient (softmax ignores a shift of a row): excluded from the bound.
 NOISE_ONLY_SUFFIX = ".k_proj.bias"

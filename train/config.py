@@ -17,35 +17,30 @@ DIST_BACKENDS = ("gloo", "nccl")  # torch.distributed's: gloo on CPUs, NCCL betw
 # The models' kernel sets (jax_transformer.KERNELS; torch_reference has reference and fused), and auto.
 KERNEL_CHOICES = ("auto", "reference", "xla_cpu", "fused")
 
-# Vocabulary sizes when --vocab-size is not given. The numbers corpus has a few dozen distinct
-# words: at 400 BPE keeps German compounds in pieces ("drei|undsechzig|tausend"), which is what
-# makes the task need attention; at 8000 it would learn whole numbers as single tokens.
+# Vocabulary sizes when --vocab-size is not given: at 400 BPE keeps the numbers corpus' German compounds in
+# pieces ("drei|undsechzig|tausend"), which makes the task need attention; 8000 would learn whole numbers.
 NUMBERS_VOCAB_SIZE = 400
 DEFAULT_VOCAB_SIZE = 8000
-# Pairs the tokenizers train on at most: 2 million sentences for a joint vocabulary, Marian's
-# --sentencepiece-max-lines default (SentencePiece's input_sentence_size is the same bound).
+# Pairs the tokenizers train on at most: Marian's --sentencepiece-max-lines default (2 million sentences).
 DEFAULT_TOKENIZER_SAMPLE = 1_000_000
 # The experiment fields that decide the model's shape and vocabulary: --init-from takes its source's.
 SOURCE_FIELDS = ("preset", "model", "vocab_size", "tokenizer_sample", "joint_vocab", "max_len", "lowercase")
 RECIPE_FILE = "recipe.json"  # in a run directory: train.run --config's recipe, {"path", "toml"}; a resume reads it
 
-# Warmup when --warmup is not given: the paper's 4000 steps (§5.3) are 4% of its 100k-step run; short runs
-# need relatively more (a small model's peak lr d_model^-0.5 / sqrt(warmup) is high), so a quarter of the
-# steps, capped at the paper's 4000 (docs/results.md#the-numbers-corpus).
+# Warmup when --warmup is not given: a quarter of the steps (short runs need more than the paper's 4%: a small
+# model's peak lr is high), capped at the paper's 4000 (§5.3; docs/results.md#the-numbers-corpus).
 PAPER_WARMUP = 4000
 WARMUP_FRACTION = 0.25
 
 # Fields derived from the data and the experiment, so `--set` may not change them.
 DERIVED_MODEL_FIELDS = ("src_vocab_size", "tgt_vocab_size", "max_len", "dropout", "share_embeddings")
-# The special token ids are the tokenizers' (torch_reference.config.SPECIAL_TOKENS), shared by
-# data, model, loss and search: fixed, so `--set` may not change them either.
+# The special token ids are the tokenizers', shared by data, model, loss and search: not for `--set` either.
 SPECIAL_ID_FIELDS = ("pad_id", "bos_id", "eos_id")
 SPECIAL_IDS_FIXED = (
     "the special token ids are fixed: " + ", ".join(f"{t}={i}" for i, t in enumerate(SPECIAL_TOKENS))
     + " (the tokenizers', used alike by batches, model, loss and search)")
 
-# Each numeric field's range: checked by ExperimentConfig.__post_init__ (every entry point, the
-# Python API and a hand-edited config.json alike) and by the argparse type of its train.run flag.
+# Each numeric field's range, checked by ExperimentConfig.__post_init__ (every entry point) and its flag's type.
 FIELD_RANGES: dict[str, Range] = {
     **{name: POSITIVE for name in ("numbers_train", "numbers_valid", "max_len", "token_budget", "steps", "grad_accum",
                                    "eval_every", "log_every", "keep_checkpoints", "beam", "warmup", "save_every",

@@ -14,8 +14,7 @@ from .files import UserError, read_json, write_error, write_json_atomic
 from .layout import read_experiment
 from .lock import RunLock
 
-# What each kind of output is called; `kind_of` recognises it. A run is what train.run can read
-# (its config.json); a model directory parity.convert exports carries KIND_FILE naming its kind.
+# What `kind_of` recognises: a run (its config.json), or an export of parity.convert (KIND_FILE names it).
 KINDS = {"run": "run", "ctranslate2": "CTranslate2 model written by parity.convert",
          "marian": "HF Marian directory written by parity.convert"}
 KIND_FILE = ".aiayn.json"  # {"kind": "ctranslate2" | "marian"}

@@ -65,8 +65,7 @@ class JaxStore(CheckpointStore):
         with self.saving(step), quiet_orbax():
             self.manager.save(step, args=args, metrics=metrics)
             self.manager.wait_until_finished()
-            # orbax has renamed the step's directory into place by now (its own "before the rename"
-            # is internal): the digest follows at once, written whole (temporary file + rename).
+            # orbax has renamed the step into place by now (its "before the rename" is internal): the digest follows
             if jax.process_index() == 0:
                 write_checkpoint_digest(self.path(step))
 
