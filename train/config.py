@@ -216,17 +216,14 @@ class ExperimentConfig:
             choices, value = field.metadata.get("choices"), getattr(self, field.name)
             if choices is not None and value is not None and value not in choices:
                 raise ValueError(f"{field.name}={value!r} is not one of {', '.join(choices)}")
-        fixed = sorted(set(self.model) & set(SPECIAL_ID_FIELDS))
-        if fixed:
+        if fixed := sorted(set(self.model) & set(SPECIAL_ID_FIELDS)):
             raise ValueError(f"--set {fixed[0]}=... is not allowed: {SPECIAL_IDS_FIXED}")
-        bad = sorted(set(self.model) & set(DERIVED_MODEL_FIELDS))
-        if bad:
+        if bad := sorted(set(self.model) & set(DERIVED_MODEL_FIELDS)):
             raise ValueError(
                 f"--set {bad[0]}=... is not allowed: {', '.join(DERIVED_MODEL_FIELDS)} come from the data and "
                 "from --vocab-size, --max-len, --dropout, --joint-vocab")
         known = {f.name for f in dataclasses.fields(TransformerConfig)}
-        unknown = sorted(set(self.model) - known)
-        if unknown:
+        if unknown := sorted(set(self.model) - known):
             raise ValueError(f"unknown model field(s) {', '.join(map(repr, unknown))}; choose from {', '.join(sorted(known))}")
         resolve_kernels(self.kernels, self.backend, "cpu")  # a set the backend's model has
         for name, allowed in FIELD_RANGES.items():
@@ -332,7 +329,6 @@ class ExperimentConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ExperimentConfig:
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
+        if unknown := sorted(set(data) - known):
             raise ValueError(f"unknown ExperimentConfig fields: {', '.join(map(repr, unknown))}")
         return cls(**data)

@@ -179,8 +179,7 @@ def check_model(run_dir: Path, cfg: ExperimentConfig, model_cfg: TransformerConf
             continue  # an older checkpoint's fields: its weights' shapes are checked when it loads
     for where, experiment in sources.items():
         rebuilt = experiment.model_config(*sizes)
-        differ = [k for k, v in model_cfg.to_dict().items() if getattr(rebuilt, k) != v]
-        if differ:
+        if differ := [k for k, v in model_cfg.to_dict().items() if getattr(rebuilt, k) != v]:
             raise UserError(f"{run_dir / what} says {', '.join(f'{k}={getattr(model_cfg, k)!r}' for k in differ)} "
                             f"but {where} gives {', '.join(f'{k}={getattr(rebuilt, k)!r}' for k in differ)}: the "
                             "files of the run do not describe one model (edited by hand?)")

@@ -137,8 +137,7 @@ def parse_request(body: bytes, limits: Limits) -> Request:
     request = _json(body)
     if not isinstance(request, dict):
         raise BadRequest('the body must be a JSON object: {"texts": ["..."], "beam": 4, ...}')
-    unknown = sorted(set(request) - set(FIELDS))
-    if unknown:
+    if unknown := sorted(set(request) - set(FIELDS)):
         raise BadRequest(f"unknown field {unknown[0]!r}; the fields are {', '.join(FIELDS)}")
     texts = request.pop("texts", None)
     if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
