@@ -134,9 +134,8 @@ def relu_inputs_near_kink(torch_model: torch_reference.Transformer, batch: dict,
 
 def run_check(cfg: TransformerConfig, batch_size: int = 8, src_len: int = 23, tgt_len: int = 17,
               seed: int = 0, smoothing: float = 0.1) -> dict:
-    """Logits, loss and gradient differences between the frameworks for one random model; with ReLU
-    inputs at the kink (`relu_inputs_near_kink`) the gradients also on the smooth path: the same
-    weights with exact GELU, so every other operation of the backward pass is still held to the bound."""
+    """Logits, loss and gradient differences of the frameworks for one random model; with ReLU inputs at the
+    kink, the gradients also on the smooth path (exact GELU), so every other operation is held to the bound."""
     enable_parity_numerics()
     cfg = cfg.replace(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)  # dropout streams cannot be matched
     torch.manual_seed(seed)

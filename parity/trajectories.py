@@ -1,6 +1,5 @@
 """One training curve in two frameworks (`python -m parity.trajectory`, docs/parity.md): both backends in
-lockstep from one set of weights on identical batches, compared after every update (optionally switching
-framework through a converted checkpoint), judged against `BOUNDS` and plotted."""
+lockstep on identical batches, compared after every update (optionally switching framework), judged."""
 
 from __future__ import annotations
 

@@ -102,9 +102,8 @@ def evaluate_pairs(backend: Backend, tokenizers: data.Tokenizers, pairs: Sequenc
                    lowercase: bool = False, moses: str | None = None,
                    seen: Collection[str] | None = None, stop: Callable[[], bool] | None = None,
                    fixed_shapes: bool = False) -> dict[str, Any]:
-    """Loss and perplexity on every pair (longer than max_len: left out); `corpus_scores` and "bands" of
-    the translations of the first `max_sentences` ("sentences": their count); `samples` examples. `stop()`
-    True between batches raises EvaluationStopped; `fixed_shapes`: a few shapes for any pairs (for JAX)."""
+    """Loss and perplexity on every pair (but those past max_len); `corpus_scores` and "bands" of the first
+    `max_sentences` translated; `samples` examples; `stop` and `fixed_shapes` as `translate_texts` takes them."""
     examples = data.encode_pairs(tokenizers, pairs)
     batcher = data.Batcher(examples, token_budget=token_budget, max_len=max_len, shuffle=False, pack=fixed_shapes,
                            pack_length=max_len if fixed_shapes else None)

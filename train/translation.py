@@ -27,9 +27,8 @@ MAX_LEN_A, MAX_LEN_B = 1.5, 10
 
 @dataclasses.dataclass(frozen=True)
 class Hypothesis:
-    """One output of a sentence: text; log-probability (summed over its tokens, <eos> included); score
-    (what beam search ranks by: over the length penalty); tokens (no <eos>); with alignments, each
-    token's source position (<eos> counted), the argmax of `_alignments`."""
+    """One output of a sentence: text, log-probability (of its tokens and <eos>), score (over the length penalty:
+    what beam search ranks by), tokens (no <eos>), with alignments each token's source position."""
 
     text: str
     logprob: float
@@ -228,9 +227,8 @@ def score_pairs(backend: Translator, tokenizers: data.Tokenizers, sources: Seque
 def translate_stream(run, lines: Iterator[str], out, *, chunk_lines: int, progress, counts: collections.Counter,
                      plot_attention: Path | None = None, fmt: str = "text", columns: TsvColumns | None = None,
                      **options: Any) -> int:
-    """Translate `lines` with the run (`train.load`) chunk by chunk into `out` (a `runtime.output`
-    writer), a `fmt` record a line, after the lines it holds (their count returned). `options`:
-    `Run.translate`'s; `plot_attention`: a directory of heatmaps; `columns`: TSV rows after their header."""
+    """Translate `lines` by `run.translate(**options)` chunk by chunk into `out` (a `runtime.output` writer), a
+    `fmt` record a line, after the lines it holds (their count returned); `columns`: TSV rows after a header."""
     digest = hashlib.sha256()  # of every input line up to the last finished chunk, for a resume's check
     done = out.done
     if run.backend.topology.process_count > 1:  # process 0 alone knows what its output holds

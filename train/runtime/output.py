@@ -1,6 +1,5 @@
-"""Every file a command writes (`Destination`: --output, --out, --json, --plot), where a streamed
-translation's finished chunks go (`PartialOutput`: resumable; `StreamOutput`) and its progress line
-(`Progress`); docs/operations.md#output-files and #translating."""
+"""Every file a command writes (`Destination`), a streamed translation's output (`PartialOutput`: resumable;
+`StreamOutput`) and its `Progress` line (docs/operations.md#output-files, #translating)."""
 
 from __future__ import annotations
 

@@ -106,9 +106,8 @@ def swap_in(new: Path, dst: Path, old: Path) -> None:
 @contextlib.contextmanager
 def derive(src: str | Path | None, dst: str | Path, kind: str = "run", overwrite: bool = False,
            copy: Iterable[str] = (), check: Callable[[Path], object] | None = None) -> Iterator[Path]:
-    """Build `dst`, a `kind` of `KINDS`, from `src` whole or not at all, under its lock: the block fills
-    `.NAME.KIND` beside it (yielded), `copy`'s names of `src` are copied in, `check(it)` may refuse it, and
-    it is swapped in (`swap_in`). On any error, Ctrl-C included, `dst` is as it was."""
+    """Build `dst` (a `kind`) from `src` whole or not at all, under its lock: the block fills `.NAME.KIND` (yielded),
+    `copy`'s names of `src` join it, `check(it)` may refuse it, then `swap_in`; on any error `dst` is as it was."""
     dst = Path(dst)
     check_destination(dst, overwrite, kind, src)
     guard = RunLock(dst).acquire() if dst.is_dir() else None

@@ -103,9 +103,8 @@ def has_checkpoint(run_dir: Path) -> bool:
 
 @contextlib.contextmanager
 def replacing(run_dir: Path, overwrite: bool) -> Iterator[None]:
-    """--overwrite without losing the old run to a failed new one: its files (but the lock) wait in
-    `.NAME.run-old` while the new run trains at its path; when the block ends, however it ends, they
-    are deleted if the new run holds a checkpoint, and put back if not."""
+    """--overwrite, never losing the old run to a failed new one: its files wait in `.NAME.run-old` while the
+    new run trains; when the block ends they are deleted if the new run holds a checkpoint, else put back."""
     if not (overwrite and (run_dir / CONFIG_FILE).is_file()):
         yield
         return

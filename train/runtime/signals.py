@@ -57,9 +57,8 @@ def interruptible() -> Iterator[None]:
 
 
 class StopSignals:
-    """While active, SIGTERM and Ctrl-C ask the loop to stop (`requested`): it saves a checkpoint after
-    this update and raises Interrupted; a second signal stops at once (KeyboardInterrupt). Only in the
-    main thread of a single-process run (several processes would have to agree on the step)."""
+    """SIGTERM and Ctrl-C ask the loop to stop (`requested`) with a checkpoint, a second at once (KeyboardInterrupt);
+    only in the main thread of a single process (several would have to agree on the step)."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 

@@ -1,6 +1,5 @@
-"""Serve a loaded run over HTTP (`python -m train.serve`, docs/serving.md): `limits` (what a request
-may ask, parsed into decoding options), `batcher`, `app` (Starlette) and `server` (uvicorn), both
-imported only when an app is built (the `serve` extra). Nothing a client sends is written anywhere."""
+"""Serve a loaded run over HTTP (`python -m train.serve`, docs/serving.md): `limits`, `batcher`, `app`
+(Starlette) and `server` (uvicorn: the `serve` extra, imported once an app is built)."""
 
 from ..runtime import UserError
 from .app import app, run_decoder, run_info

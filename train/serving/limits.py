@@ -56,9 +56,8 @@ class BadRequest(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class Decoding:
-    """A request's decoding options: the API's `Search`, `sample` with the `sampling` settings given
-    (`Run.translate`'s keywords), `attention`. Requests with equal options share a batch, but sampled
-    ones: a sample's random numbers are keyed by the sentence's place in its own request."""
+    """A request's `Search`, `sample` with its `sampling` keywords, `attention`. Equal options share a batch,
+    but sampled ones: a sample's random numbers are keyed by the sentence's place in its own request."""
 
     search: Search = Search()
     sample: bool = False
