@@ -116,8 +116,7 @@ def ctranslate2_proof(export_dir: Path, run_dir: Path, params, cfg: TransformerC
 
 
 def run_proof(converted: Path, run_dir: Path, sentences: Sequence[str]) -> dict[str, Any]:
-    """A run `converted` to the other framework (its newest checkpoint) against the source run at that
-    step, each read by its own backend: greedy searches and the logits along the source's."""
+    """A run `converted` to the other framework against its source at that step: greedy searches, logits along them."""
     theirs_run = train.load(converted, "latest")
     ours_run = train.load(run_dir, theirs_run.step)
     try:

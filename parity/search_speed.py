@@ -115,8 +115,7 @@ def _ctranslate2_rows(run: Run, state, batches, beam_size: int, alpha: float, ti
 
 
 def _foreign_row(run: Run, name: str, beam: int, search, batches, timed, reference) -> tuple[dict, list]:
-    """(row `name`, outputs) of a search outside this project (CTranslate2, HF) whose outputs count
-    as ours when `ctranslate2.same_output` says so, each sentence under its own length limit."""
+    """(row `name`, outputs) of a search outside this project, outputs ours where `ct2.same_output` says so."""
     limits = {int(index[row]): proof.limit(int((src[row] != data.PAD_ID).sum()), run.model_config)
               for index, src in batches for row in np.flatnonzero(index >= 0)}
     seconds, outputs, peak = timed(search, batches[:1])

@@ -102,8 +102,7 @@ def compare_weights(actual: dict[str, np.ndarray], reference: dict[str, np.ndarr
 
 @dataclasses.dataclass
 class Comparison:
-    """Run `run` against run `reference` over the updates after `start`. `bounded`: held to
-    BOUNDS (the control is not: it measures how float32 training itself responds to rounding)."""
+    """Run `run` against `reference` after update `start`; `bounded`: held to BOUNDS (the control measures drift)."""
 
     label: str
     run: str
@@ -214,8 +213,7 @@ def _bound_failures(report: dict) -> tuple[list[str], list[str]]:
 
 
 def failures(report: dict) -> list[str]:
-    """The bounds a report exceeds. The parameter bound of a ReLU run is judged on its smooth
-    path when there is one (`report["smooth_path"]`); the loss bound always on the run itself."""
+    """The bounds a report exceeds; a ReLU run's parameter bound on its smooth path where there is one."""
     out, params = _bound_failures(report)
     if params and "smooth_path" in report:
         params = [f"smooth path (GELU): {line}" for part in _bound_failures(report["smooth_path"]) for line in part]

@@ -17,8 +17,7 @@ IMAGE_FORMATS = sorted(set(FigureCanvasAgg.get_supported_filetypes()) - {"pgf"})
 
 
 def plot_curves(history: dict[str, Any], path: str | Path, title: str = "") -> Path:
-    """Draw `history` ({"train": [...], "valid": [...]} as in results.json) to `path`, in the format its
-    suffix names (`IMAGE_FORMATS`; PNG without one); without training times those panels say so."""
+    """Draw `history` (results.json's) to `path` in the format its suffix names (`IMAGE_FORMATS`; PNG without one)."""
     train, valid = history.get("train") or [], history.get("valid") or []
     fig = Figure(figsize=(11, 7), layout="constrained")
     FigureCanvasAgg(fig)

@@ -38,8 +38,7 @@ class Hypothesis:
 
 
 def encode_prefixes(tokenizer, prefixes: Sequence[str | None], count: int) -> list[list[int]]:
-    """Target ids of each forced prefix (None or "": none), without <eos>. UserError for other than
-    `count` prefixes, a prefix the vocabulary cannot write (<unk>), or one holding a special token."""
+    """Target ids of each forced prefix (None: none), without <eos>; UserError for <unk>, a special token, a count."""
     if len(prefixes) != count:
         raise UserError(f"{len(prefixes)} prefixes for {count} sentences: give one per sentence (None for none)")
     ids = data.encode(tokenizer, [p or "" for p in prefixes])
@@ -155,8 +154,7 @@ def _collect(out: list, texts: Sequence[str], index: np.ndarray, result: Hypothe
 
 
 def format_record(result: str | list[Hypothesis], fmt: str, source_tokens: list[str] | None = None) -> str:
-    """One output line per input line: the best text ("text"); each hypothesis's text, log-prob and
-    score ("tsv"); every field of each and the source tokens alignments point into ("jsonl")."""
+    """One output line per input line in format `fmt`: "text" (the best), "tsv" (each hypothesis's scores), "jsonl"."""
     hyps = [Hypothesis(result, math.nan, math.nan, [])] if isinstance(result, str) else result
     if fmt == "text":
         return hyps[0].text if hyps else ""

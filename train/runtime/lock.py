@@ -14,8 +14,7 @@ from .layout import LOCK_FILE
 
 
 class RunLock:
-    """The run's writer lock: an exclusive `fcntl.flock` on DIR/.lock, which the OS releases when its
-    process dies (a killed run's never blocks); without flock support a warning says so."""
+    """The run's writer lock: an exclusive flock on DIR/.lock, which the OS releases when its process dies."""
 
     def __init__(self, run_dir: str | Path, created: bool = False):
         self.path = Path(run_dir) / LOCK_FILE

@@ -53,8 +53,7 @@ def kind_of(path: Path) -> str | None:
 
 
 def check_outside_runs(path: str | Path, flag: str) -> None:
-    """UserError when `path` (its links resolved) lies inside a run or an export this project wrote (`kind_of`):
-    no command writes into a run it reads or did not create (docs/operations.md#output-files)."""
+    """UserError when `path` (links resolved) lies inside a run or an export: no command writes into one."""
     for parent in Path(path).resolve().parents:
         if found := kind_of(parent):
             raise UserError(f"{flag} {path} lies inside the {KINDS[found]} {parent}: a command never writes into a "

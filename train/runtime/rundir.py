@@ -137,8 +137,7 @@ def replacing(run_dir: Path, overwrite: bool) -> Iterator[None]:
 
 
 def check_links(run_dir: Path) -> None:
-    """Refuse a run to resume whose checkpoints/, tensorboard/ or a checkpoint is a link: a run writes and
-    deletes only inside its own directory (its files may be links: each is replaced by a rename)."""
+    """Refuse a run to resume whose checkpoints/, tensorboard/ or a checkpoint is a link: a run writes only inside."""
     checkpoints = run_dir / CHECKPOINTS
     steps = list(checkpoints.iterdir()) if checkpoints.is_dir() and not checkpoints.is_symlink() else []
     for part in (checkpoints, run_dir / TENSORBOARD, *steps):

@@ -105,8 +105,7 @@ def unreadable(directory, step: int, steps: Sequence[int], err: BaseException) -
 
 
 def choose_checkpoint(steps: Sequence[int], which: str | int, metrics: Callable[[int], Mapping | None], where) -> int:
-    """The step `which` ("latest", "best": the highest BLEU of `metrics(step)`, ties the newest, or a
-    number) names among `steps` (oldest first); FileNotFoundError when there is no such checkpoint."""
+    """The step `which` ("latest", "best" by BLEU, or a number) names among `steps`; FileNotFoundError if none."""
     if not steps:
         raise FileNotFoundError(f"no checkpoint in {where}")
     if which == "latest":
@@ -124,8 +123,7 @@ ROTATION_RETRIES = 10  # how often "latest" or "best" is chosen again while a ru
 
 
 def saved_experiments(directory: str | os.PathLike) -> dict[int, dict]:
-    """The experiment each checkpoint in `directory` was saved with, by step, read from its meta
-    (torch's meta.json, orbax's meta/metadata) without a framework; those without one left out."""
+    """Each checkpoint's saved experiment by step, read from its meta without a framework (none: left out)."""
     found = {}
     for step_dir in Path(directory).glob("[0-9]*"):
         for name, key in (("meta.json", "meta"), ("meta/metadata", None)):
