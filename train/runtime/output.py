@@ -96,15 +96,10 @@ class Destination:
     @contextlib.contextmanager
     def writing(self) -> Iterator[Path]:
         """A path (same suffix) for a library to save to (a plot), written as `write` does if the block succeeds."""
-        with tempfile.TemporaryDirectory(dir=None if self.target is None else self.target.parent,
-                                         prefix=".aiayn-") as tmp:
+        with tempfile.TemporaryDirectory(prefix="aiayn-") as tmp:
             path = Path(tmp) / f"output{self.path.suffix}"
             yield path
-            if self.target is not None:
-                check_replaceable(self.target)
-                os.replace(path, self.target)
-            else:
-                self.write(path.read_bytes())
+            self.write(path.read_bytes())
 
 
 def destination(path: str | Path | None, flag: str, inputs: Iterable[str | Path] = (),
