@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import tempfile
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
@@ -14,7 +15,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from . import data
-from .runtime.files import write_error
+from .runtime.files import write_bytes_atomic, write_error
 from .runtime.replace import check_outside_runs
 from .backends import Translator
 
@@ -109,15 +110,12 @@ def _heatmap(ax, weights: np.ndarray, att: SentenceAttention, x_labels: bool, y_
 
 def _save(fig, path: Path) -> None:
     FigureCanvasAgg(fig)
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        fig.savefig(tmp, format="png", dpi=100)
-        tmp.replace(path)  # a plot is complete or absent
-    except Exception as err:  # a full disk, a read-only place: said of the plot, not of its temporary file
-        raise write_error(err, path) or err from None
-    finally:
-        if tmp.exists():  # (unlink of a missing file on a read-only place fails, and would hide the cause)
-            tmp.unlink()
+    with tempfile.TemporaryDirectory(prefix="aiayn-") as tmp:
+        try:
+            fig.savefig(Path(tmp) / path.name, format="png", dpi=100)
+        except Exception as err:  # a full disk, a read-only place: said of the plot, not of its temporary file
+            raise write_error(err, path) or err from None
+        write_bytes_atomic(path, (Path(tmp) / path.name).read_bytes())  # a plot is complete or absent
 
 
 def plot_sentence(att: SentenceAttention, path: Path) -> None:
