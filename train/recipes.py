@@ -28,11 +28,6 @@ RECIPE_TYPES = {"int": (int, "an integer"), "float": ((int, float), "a number"),
                 "dict": (list, "a list of strings")}
 
 
-def _type_name(annotation: str) -> str:
-    """'int | None' -> 'int': the field's base type (annotations are strings here)."""
-    return annotation.replace(" | None", "").strip()
-
-
 def build_parser(epilog: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m train.run",
@@ -136,7 +131,7 @@ def read_recipe(path: str, text: str | None = None) -> dict[str, Any]:
             fail(f"key {quoted(key)}: unknown" + (f" (did you mean {close[0]!r}?)" if close else
                                             ": the keys are the long flags of python -m train.run --help, with _ for -"))
         field = fields[key]
-        kind, choices = _type_name(str(field.type)), field.metadata.get("choices")
+        kind, choices = str(field.type).replace(" | None", ""), field.metadata.get("choices")  # 'int | None': int
         types, expected = RECIPE_TYPES.get(kind, (str, "a string"))
         if (not isinstance(value, types) or isinstance(value, bool) != (kind == "bool")
                 or kind == "dict" and not all(isinstance(item, str) for item in value)):
