@@ -67,7 +67,7 @@ class Batcher:
                 return batch, True
             batch.append(item)
             sentences, tokens = sentences + len(item.request.texts), tokens + item.tokens
-            if not item.request.options.shares_batches or len(batch) == lim.max_batch_requests:
+            if item.request.options.sample or len(batch) == lim.max_batch_requests:  # a sample is its request's own
                 return batch, True
         return batch, False
 

@@ -64,10 +64,6 @@ class Decoding:
     sampling: tuple[tuple[str, Any], ...] = ()
     attention: bool = False
 
-    @property
-    def shares_batches(self) -> bool:
-        return not self.sample
-
     def translate_options(self) -> dict[str, Any]:
         """`Run.translate`'s arguments."""
         return {"search": self.search, "sample": self.sample or None, **dict(self.sampling)}
