@@ -1,16 +1,6 @@
 """A trained run as a CTranslate2 model (`python -m parity.convert --to ctranslate2`), built through
-CTranslate2's own specification classes, never its file format by hand (docs/interop.md#ctranslate2-out).
-Every variant of `TransformerConfig` has a counterpart there:
-
-    post-norm / pre-norm      pre_norm (pre-norm with the stacks' final norms)
-    relu / gelu / silu        Activation.RELU / GELU (exact erf) / SWISH
-    swiglu                    ffn_glu with SWISH: linear_0 = linear1, linear_0_noact = linear_gate
-    layernorm / rmsnorm       rms_norm; the epsilon in the model config (layer_norm_epsilon)
-    positions                 the table itself (sinusoid of either layout, or the learned one)
-    scale_embeddings          scale_embeddings = sqrt(d_model) or 1
-    attention projections     q, k, v fused as CTranslate2 stores them (k, v for cross-attention)
-    tied / untied output      projection = the target embedding or out_proj; output_bias its bias
-"""
+CTranslate2's own specification classes, never its file format by hand; each variant of `TransformerConfig`
+has a counterpart there (docs/interop.md#ctranslate2-out lists them)."""
 
 from __future__ import annotations
 
