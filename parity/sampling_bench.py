@@ -1,9 +1,5 @@
-"""Sampling speed beside greedy and beam search, both twins on a run's weights in one process
-(docs/decoding.md#sampling-speed), and how many samples differ between them (0: the same seed,
-the same tokens); on a GPU call `parity.comparison.enable_parity_numerics()` first:
-
-    python -c "from parity.sampling_bench import report; report('RUN', 'FILE', beam=4, samples=1)"
-"""
+"""Sampling speed beside greedy and beam search, both twins on a run's weights in one process, and how many
+samples differ (0: one seed, the same tokens): `report(RUN, FILE, ...)`, docs/decoding.md#sampling-speed."""
 
 from __future__ import annotations
 
