@@ -1,10 +1,4 @@
-"""WMT-shaped corpora from Multi30k, and the measurements of docs/scale.md.
-
-    python recipes/wmt_sized.py generate --pairs 4500000 --out /tmp/wmt/train    # /tmp/wmt/train.de, .en
-    python recipes/wmt_sized.py measure -- python -m train.run ... --no-progress --log-every 1
-    python recipes/wmt_sized.py encode /tmp/wmt/train --tokenizer RUN/tokenizer.json
-    python recipes/wmt_sized.py batches /tmp/wmt/train --tokenizer RUN/tokenizer.json --pairs 200000
-"""
+"""WMT-shaped corpora from Multi30k, and the measurements of docs/scale.md (which shows each command)."""
 
 from __future__ import annotations
 
