@@ -25,10 +25,9 @@ from .replace import check_outside_runs, kind_of, remove
 @contextlib.contextmanager
 def session(cfg: ExperimentConfig, explicit: Iterable[str] | None = None, platform: str | None = None,
             is_main: bool = True, source: str | Path | None = None) -> Iterator[ExperimentConfig]:
-    """The run directory claimed for training and the config to train with (`ExperimentConfig.resolve`:
-    new, --resume, --init-from `source`). Process 0 locks it and sets aside an old run --overwrite
-    replaces (`replacing`); a run is refused without --resume or --overwrite, a directory holding
-    no run always. Nothing is written but the lock (`prepare_run_dir` writes the run's files)."""
+    """The run directory claimed for training and the config to train with (`ExperimentConfig.resolve`); process 0
+    locks it (`replacing` an old one with --overwrite). A run is refused without --resume or --overwrite, a
+    directory holding no run always; nothing is written but the lock (`prepare_run_dir` writes the run)."""
     run_dir = Path(cfg.run_dir or time.strftime(f"runs/{cfg.backend}-%Y%m%d-%H%M%S"))
     if ".." in run_dir.parts:  # R/checkpoints/.. names nothing once --overwrite has set checkpoints/ aside
         run_dir = run_dir.resolve()

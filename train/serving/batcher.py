@@ -31,10 +31,9 @@ class _Pending:
 
 
 class Batcher:
-    """`submit(request, tokens)` queues a request, a future of its results; `run()` (a task) takes the
-    oldest and those after it that may share its batch (up to `max_batch_*`, waiting `max_wait_ms` at
-    most for more) to `decode(texts, prefixes, options)` on one worker thread. A UserError of a batch
-    is said to the request that caused it (each decoded alone); a cancelled (timed out) one is dropped."""
+    """`submit(request, tokens)` queues a request (a future of its results); `run()` decodes the oldest with those
+    that may share its batch (up to `max_batch_*`, waiting `max_wait_ms` at most) on one worker thread; a
+    UserError goes to the request that caused it (each decoded alone), a cancelled request is dropped."""
 
     def __init__(self, decode: Callable[..., list], limits: Limits):
         self.decode, self.limits = decode, limits

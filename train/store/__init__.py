@@ -24,10 +24,9 @@ WEIGHTS_CONFIG_KEY = "transformer_config"
 
 @dataclasses.dataclass
 class TrainingState:
-    """One backend's training state as NumPy arrays keyed by attribute path, in the layout of
-    `framework` ("jax": Flax paths, kernels (in, out); "torch": state-dict keys, weights (out, in)).
-    `mu`, `nu`: Adam's moments, None before the first update. `rng`: the framework's own random
-    state, None once the state has crossed frameworks (dropout streams cannot be matched)."""
+    """One backend's training state as NumPy arrays by attribute path, in `framework`'s layout (jax: kernels
+    (in, out); torch: weights (out, in)); `mu`, `nu`: Adam's moments (None before an update); `rng`: the
+    framework's random state, None once the state has crossed frameworks (dropout streams cannot be matched)."""
 
     framework: str
     step: int
