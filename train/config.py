@@ -279,18 +279,11 @@ class ExperimentConfig:
             self._refuse_changes(source, str(self.init_from),
                                  "--init-from takes the model's shape and vocabulary from its source", SOURCE_FIELDS,
                                  off_default if given is None else given)
-        changes: dict[str, Any] = {}
-        if cfg.vocab_size is None:
-            changes["vocab_size"] = NUMBERS_VOCAB_SIZE if cfg.uses_numbers_corpus else DEFAULT_VOCAB_SIZE
-        if cfg.warmup is None:
-            changes["warmup"] = max(1, min(PAPER_WARMUP, round(WARMUP_FRACTION * cfg.steps)))
-        if cfg.save_every is None:
-            changes["save_every"] = cfg.eval_every
-        if cfg.pack is None:
-            changes["pack"] = cfg.backend == "jax"
-        if cfg.dtype is None and platform is not None and saved is None:  # a resumed run keeps its own
-            changes["dtype"] = default_dtype(platform)
-        return cfg.replace(**changes)
+        automatic = {"vocab_size": NUMBERS_VOCAB_SIZE if cfg.uses_numbers_corpus else DEFAULT_VOCAB_SIZE,
+                     "warmup": max(1, min(PAPER_WARMUP, round(WARMUP_FRACTION * cfg.steps))),
+                     "save_every": cfg.eval_every, "pack": cfg.backend == "jax",
+                     "dtype": default_dtype(platform) if platform and saved is None else None}  # a resume keeps its own
+        return cfg.replace(**{name: value for name, value in automatic.items() if getattr(cfg, name) is None})
 
     def _refuse_changes(self, other: ExperimentConfig, whose: str, why: str, names: Iterable[str],
                         given: Iterable[str]) -> None:
