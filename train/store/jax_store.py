@@ -4,6 +4,7 @@ item, then digest.json; restored onto the target's shapes, dtypes and shardings 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -45,20 +46,17 @@ class JaxStore(CheckpointStore):
 
     def __init__(self, directory: str | os.PathLike | None, keep: int):
         super().__init__(None if directory is None else Path(directory).absolute(), keep)
-        self._manager: ocp.CheckpointManager | None = None
 
-    @property
+    @functools.cached_property
     def manager(self) -> ocp.CheckpointManager:
-        if self._manager is None:
-            policies = ocp.checkpoint_managers
-            preservation = policies.AnyPreservationPolicy([
-                policies.LatestN(self.keep),
-                policies.BestN(get_metric_fn=_bleu, n=1, keep_checkpoints_without_metrics=False),
-            ])
-            options = ocp.CheckpointManagerOptions(  # synchronous: the next train_step donates the state's buffers
-                best_fn=_bleu, best_mode="max", preservation_policy=preservation, enable_async_checkpointing=False)
-            self._manager = ocp.CheckpointManager(self.root(), options=options, item_names=("state", "meta"))
-        return self._manager
+        policies = ocp.checkpoint_managers
+        preservation = policies.AnyPreservationPolicy([
+            policies.LatestN(self.keep),
+            policies.BestN(get_metric_fn=_bleu, n=1, keep_checkpoints_without_metrics=False),
+        ])
+        options = ocp.CheckpointManagerOptions(  # synchronous: the next train_step donates the state's buffers
+            best_fn=_bleu, best_mode="max", preservation_policy=preservation, enable_async_checkpointing=False)
+        return ocp.CheckpointManager(self.root(), options=options, item_names=("state", "meta"))
 
     def save(self, step: int, state: Any, meta: dict[str, Any], metrics: dict[str, float] | None = None) -> None:
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
@@ -91,7 +89,6 @@ class JaxStore(CheckpointStore):
         return restored["state"], dict(restored["meta"])
 
     def close(self) -> None:
-        if self._manager is not None:
-            self._manager.wait_until_finished()
-            self._manager.close()
-            self._manager = None
+        if (manager := self.__dict__.pop("manager", None)) is not None:  # made by a first use (cached_property)
+            manager.wait_until_finished()
+            manager.close()
