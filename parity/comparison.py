@@ -159,14 +159,11 @@ def bounds_for(preset: str) -> dict:
 
 
 def failures(report: dict, bounds: dict) -> list[str]:
-    out = []
-    if not report["logits"]["max_abs"] <= bounds["logits_max_abs"]:
-        out.append(f"logits max abs {report['logits']['max_abs']:.3g} > {bounds['logits_max_abs']:g}")
-    if not report["loss"]["rel"] <= bounds["loss_rel"]:
-        out.append(f"loss rel {report['loss']['rel']:.3g} > {bounds['loss_rel']:g}")
+    """The bounds a `run_check` report exceeds (`not <=`: a NaN exceeds every bound)."""
     grads = report["grads"]
     if not grads["max_rel_l2"] <= bounds["grad_rel_l2"] and "smooth_path_grads" in report:
         grads = report["smooth_path_grads"]  # the ReLU gradients differ by subgradient choices at the kink
-    if not grads["max_rel_l2"] <= bounds["grad_rel_l2"]:
-        out.append(f"gradient of {grads['worst']} rel L2 {grads['max_rel_l2']:.3g} > {bounds['grad_rel_l2']:g}")
-    return out
+    checks = [("logits max abs", report["logits"]["max_abs"], "logits_max_abs"),
+              ("loss rel", report["loss"]["rel"], "loss_rel"),
+              (f"gradient of {grads['worst']} rel L2", grads["max_rel_l2"], "grad_rel_l2")]
+    return [f"{what} {value:.3g} > {bounds[bound]:g}" for what, value, bound in checks if not value <= bounds[bound]]
