@@ -159,12 +159,10 @@ def format_record(result: str | list[Hypothesis], fmt: str, source_tokens: list[
         return hyps[0].text if hyps else ""
     if fmt == "tsv":
         return "\t".join(f"{h.text.replace(chr(9), ' ')}\t{_number(h.logprob)}\t{_number(h.score)}" for h in hyps)
-    record: dict[str, Any] = {"hypotheses": [
+    return json.dumps({"hypotheses": [
         {"text": h.text, "logprob": _number(h.logprob), "score": _number(h.score), "tokens": h.tokens,
-         **({} if h.alignment is None else {"alignment": h.alignment})} for h in hyps]}
-    if source_tokens is not None:
-        record["source_tokens"] = source_tokens
-    return json.dumps(record, ensure_ascii=False)
+         **({} if h.alignment is None else {"alignment": h.alignment})} for h in hyps],
+        **({} if source_tokens is None else {"source_tokens": source_tokens})}, ensure_ascii=False)
 
 
 def _number(x: float) -> float | None:
