@@ -196,9 +196,8 @@ def read_run(run_dir: Path, cfg: ExperimentConfig) -> tuple[TransformerConfig, d
 def check_checkpoint_config(meta: Mapping[str, Any], cfg: ExperimentConfig) -> None:
     """Refuse a checkpoint written by another run: one whose experiment (in its meta) differs from this run's."""
     saved = {"pack": False, **meta.get("config", cfg.experiment())}  # no "pack": saved before packing, on buckets
-    differ = [f"--{name.replace('_', '-')}: checkpoint has {saved.get(name)!r}, run has {value!r}"
-              for name, value in cfg.experiment().items() if saved.get(name) != value]
-    if differ:
+    if differ := [f"--{name.replace('_', '-')}: checkpoint has {saved.get(name)!r}, run has {value!r}"
+                  for name, value in cfg.experiment().items() if saved.get(name) != value]:
         raise UserError(
             f"checkpoint {meta.get('step')} in {cfg.run_dir} was written by a run configured differently, so it "
             "cannot be resumed here:\n  " + "\n  ".join(differ))

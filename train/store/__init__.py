@@ -46,9 +46,8 @@ class TrainingState:
         shapes = {k: np.shape(v) for k, v in self.params.items()}
         for name, moments in (("Adam first moments (mu / exp_avg)", self.mu), ("Adam second moments (nu / exp_avg_sq)", self.nu)):
             check_keys(name, shapes, {k: np.shape(v) for k, v in moments.items()})
-            wrong = [f"{k}: {np.dtype(m.dtype)}, parameter {np.dtype(self.params[k].dtype)}"
-                     for k, m in moments.items() if m.dtype != self.params[k].dtype]
-            if wrong:
+            if wrong := [f"{k}: {np.dtype(m.dtype)}, parameter {np.dtype(self.params[k].dtype)}"
+                         for k, m in moments.items() if m.dtype != self.params[k].dtype]:
                 raise ValueError(f"{name} have other dtypes than their parameters:\n  " + "\n  ".join(wrong))
 
     def differences(self, other: TrainingState) -> list[str]:
