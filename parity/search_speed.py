@@ -1,5 +1,4 @@
-"""Translation speed of a run's weights in both frameworks, CTranslate2 and HF generate beside them
-(`python -m parity.translate_bench`, docs/performance.md#translation-speed)."""
+"""Translation speed of a run's weights in both frameworks, CTranslate2 and HF (docs/performance.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""`ExperimentConfig`: every training setting (frozen, framework-free), each field's metadata its flag's
-help and group; a None field is automatic until `resolve()`, and a run keeps the resolved config."""
+"""`ExperimentConfig`: every training setting, its fields' metadata train.run's flags, None automatic."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Load on a translation server (`python -m train.loadtest`, docs/serving.md#load-test): concurrent
-clients, the server in a child process (`ServedRun`), and `python -m train.translate`'s throughput."""
+"""Load on a translation server (`python -m train.loadtest`, docs/serving.md#load-test), and translate's speed."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Evaluation (docs/results.md): loss (label-smoothed), perplexity (of the unsmoothed NLL), sacreBLEU's
-BLEU and chrF with their signatures, exact match, and for the numbers corpus `bands` by digits."""
+"""Evaluation (docs/results.md): loss, perplexity, sacreBLEU's BLEU and chrF, exact match, numbers' bands."""
 
 from __future__ import annotations
 

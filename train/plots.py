@@ -1,5 +1,4 @@
-"""Learning curves of a run (RUN/curves.png; `python -m train.curves`): loss and validation BLEU of
-the results.json history against steps and against training time (evaluations and saves excluded)."""
+"""A run's learning curves (RUN/curves.png; `python -m train.curves`): loss and BLEU by steps and time."""
 
 from __future__ import annotations
 

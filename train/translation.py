@@ -1,5 +1,4 @@
-"""Texts in, translations out (docs/decoding.md): batched, searched, detokenized in order; n-best lists,
-prefixes, alignments and their output formats, and the scores of given translations."""
+"""Texts in, translations out (docs/decoding.md): searched in batches, n-best, prefixes, alignments, scores."""
 
 from __future__ import annotations
 

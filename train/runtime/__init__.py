@@ -1,5 +1,4 @@
-"""The run machinery (docs/operations.md): `lock`, `files` written whole, a run claimed (`rundir`),
-directories built whole (`replace`), settings read back (`layout`), `signals`, `events`, `output`."""
+"""The run machinery: what keeps a run directory safe, apart from what trains in it (docs/operations.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""A run's TensorBoard event file, written in the calling thread so that a failed write (a full
-disk) is one OSError naming the file, raised where it happens."""
+"""A run's TensorBoard event file, written in the calling thread: a failed write is one OSError naming it."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Every file a command writes (`Destination`), a streamed translation's output (`PartialOutput`: resumable;
-`StreamOutput`) and its `Progress` line (docs/operations.md#output-files, #translating)."""
+"""Every file a command writes (`Destination`), a streamed translation's output and `Progress` line."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Building a directory whole or not at all: `derive` (average, convert, import, export) and what
-it refuses to replace (`check_destination`)."""
+"""Building a directory whole or not at all (`derive`), and what it refuses to replace (`check_destination`)."""
 
 from __future__ import annotations
 

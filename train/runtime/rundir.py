@@ -1,5 +1,4 @@
-"""Claiming a run directory for training: new, --resume or --overwrite (`session`, `replacing`),
-writing its first files (`prepare_run_dir`), and refusing files that describe different runs."""
+"""Claiming a run directory for training (new, --resume, --overwrite) and writing its first files."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""SIGTERM and SIGINT, in the main thread while the block runs: training stops after an update with a
-checkpoint (`StopSignals`), a translation between two operations (`interruptible`); `exit_status`."""
+"""SIGTERM and SIGINT: training stops with a checkpoint, translation between operations; `exit_status`."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Serve a loaded run over HTTP (`python -m train.serve`, docs/serving.md): `limits`, `batcher`, `app`
-(Starlette) and `server` (uvicorn: the `serve` extra, imported once an app is built)."""
+"""Serve a loaded run over HTTP (`python -m train.serve`, docs/serving.md): Starlette and uvicorn."""
 
 from ..runtime import UserError
 from .app import app, run_decoder, run_info

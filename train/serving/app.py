@@ -1,5 +1,4 @@
-"""The ASGI app (Starlette): `POST /translate`, `GET /health`, `GET /info` and the page at `/`;
-module-level handlers sharing one `Served` on the app's state (docs/serving.md#the-api)."""
+"""The ASGI app (Starlette): /translate, /health, /info and the page, handlers sharing one `Served`."""
 
 from __future__ import annotations
 

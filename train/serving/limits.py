@@ -1,5 +1,4 @@
-"""What one request may ask (`Limits`) and what it asks: a /translate body parsed into its texts,
-prefixes and decoding options (`Request`, `Decoding`), or a `BadRequest` with the first problem."""
+"""What one request may ask (`Limits`) and what it asks: a /translate body parsed, or a `BadRequest`."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The JAX backend's checkpoints: an orbax `CheckpointManager`, each step the state and a JSON `meta`
-item, then digest.json; restored onto the target's shapes, dtypes and shardings (orbax reshards)."""
+"""The JAX backend's checkpoints: orbax's `CheckpointManager`, restored onto the target's shardings."""
 
 from __future__ import annotations
 
