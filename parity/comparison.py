@@ -79,8 +79,7 @@ def _diff(a: np.ndarray, b: np.ndarray, scale: np.ndarray | None = None) -> dict
 
 
 def gradient_scale_key(key: str) -> str:
-    """The parameter whose gradient norm measures `key`'s gradient's rounding error: the key-projection bias's
-    (analytically zero: rounding noise) is measured against its weight's (docs/parity.md)."""
+    """The parameter whose gradient norm scales `key`'s: the k_proj bias's (analytically zero) its weight's."""
     return key.replace(".k_proj.bias", ".k_proj.weight") if key.endswith(".k_proj.bias") else key
 
 

@@ -89,8 +89,7 @@ def _field(default: Any, group: str, help: str, launch: bool = False, **meta: An
 
 @dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
-    """Training, data, evaluation and checkpoint settings of one run (`python -m train.run --help`);
-    the model is `model_config()`: the preset with `model`'s overrides and what the data decides."""
+    """Training, data, evaluation and checkpoint settings of one run; its model is `model_config()`."""
 
     backend: str = _field(
         "jax", "run", "framework that trains the model: jax (Flax NNX, jit) or torch (the reference)", choices=BACKENDS)

@@ -66,8 +66,7 @@ def experiment(given: Mapping[str, Any], note: str = "settings") -> tuple[Experi
 
 
 def recorded_launch(run_dir: str | os.PathLike) -> tuple[dict[str, Any], str] | None:
-    """(the launch fields but LAUNCH_DECISIONS of the recipe `run_dir` was started from, its path), None
-    without one: what a resume takes where they are not given again. UserError for a damaged record."""
+    """(the launch fields of the recipe `run_dir` was started from, its path), None without; UserError if damaged."""
     path = os.path.join(run_dir, RECIPE_FILE)
     recorded = read_json(path, default=None)
     if recorded is None:

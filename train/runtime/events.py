@@ -52,8 +52,7 @@ class Events:
 
 
 def summary_writer(logdir: Path, purge_step: int | None = None) -> Events:
-    """The run's TensorBoard event file (`Events`). tensorboardX imports torch where installed; a JAX
-    run logs floats only, so that import is made to fail (a None in sys.modules) and torch stays out."""
+    """The run's TensorBoard event file; a JAX run's tensorboardX imported with torch hidden (floats need no torch)."""
     hide_torch = "torch" not in sys.modules and "tensorboardX" not in sys.modules
     if hide_torch:
         sys.modules["torch"] = None  # type: ignore[assignment]

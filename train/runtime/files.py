@@ -54,8 +54,7 @@ WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPE
 
 
 def write_error(err: BaseException, path: str | Path) -> OSError | None:
-    """`err` as an OSError naming `path` when it is a full disk, a read-only place or no permission (also
-    where orbax, TensorStore or safetensors raise their own types with the OS's words); else None."""
+    """`err` as an OSError naming `path` when it says a full disk, a read-only place or no permission; else None."""
     code = err.errno if isinstance(err, OSError) and err.errno in WRITE_ERRNOS else next(
         (code for code in WRITE_ERRNOS if os.strerror(code) in str(err)), None)
     return None if code is None else OSError(code, os.strerror(code), str(path))
@@ -80,8 +79,7 @@ def finite_values(obj: Any) -> Any:
 
 
 def json_text(obj: Any) -> str:
-    """Strict JSON of `obj`, as every file of the project holds: a non-finite number becomes null,
-    and a byte that was not UTF-8 (a path read with surrogateescape) a \\uDCxx escape."""
+    """Strict JSON of `obj`: a non-finite number null, a byte that was not UTF-8 (surrogateescape) a \\uDCxx escape."""
     text = json.dumps(finite_values(obj), indent=2, ensure_ascii=False, allow_nan=False)
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 

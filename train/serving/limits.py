@@ -73,8 +73,7 @@ SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(Sampling))
 
 
 def decoding(fields: dict[str, Any], prefixes: bool = False) -> Decoding:
-    """The options objects of a request's fields (beam, n_best, sample, seed, ..., attention), each
-    checked by its class, as `Run.translate` builds them: their refusal an OptionError (a UserError)."""
+    """The options objects of a request's fields, each checked by its class as `Run.translate` builds them."""
     for name in ("sample", "attention"):
         if not isinstance(fields.get(name, False), bool):
             raise OptionError("{} " + f"must be true or false, got {fields[name]!r}", name)

@@ -42,8 +42,7 @@ def uvicorn_classes() -> tuple[type, type]:
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class Protocol(H11Protocol):
-        """uvicorn's h11 protocol, its keep-alive deadline also on a new connection and kept until a whole
-        request head arrives (uvicorn's lifts it on any byte), its refusals in JSON."""
+        """uvicorn's h11 protocol, its keep-alive deadline kept until a whole request head arrives; refusals in JSON."""
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)

@@ -189,8 +189,7 @@ def verify_checkpoint(directory: str | Path) -> bool:
 
 
 class CheckpointStore:
-    """What the framework's stores (`steps`, `metrics`, `save`, `load`) share: CHECKPOINTS/<step>/ in
-    `directory` (None: none), the newest `keep` kept with the best by BLEU, one rule for restoring."""
+    """What the framework's stores share: CHECKPOINTS/<step>/ in `directory`, the newest `keep` and the best kept."""
 
     read_errors: tuple[type[BaseException], ...] = (Exception,)  # what `load` raises for a bad checkpoint
     write_errors: tuple[type[BaseException], ...] = (OSError,)  # what `save` raises for a full or read-only disk
