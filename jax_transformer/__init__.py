@@ -2,25 +2,9 @@
 
 from torch_reference.config import TransformerConfig
 
-from .model import (
-    KERNELS,
-    Decoder,
-    DecoderLayer,
-    Encoder,
-    EncoderLayer,
-    FeedForward,
-    MultiHeadAttention,
-    PositionalEncoding,
-    Transformer,
-    causal_mask,
-    fused_attention,
-    padding_mask,
-    scaled_dot_product_attention,
-    set_kernels,
-    shift_right,
-    sinusoidal_positions,
-    target_mask,
-)
+from .model import (KERNELS, Decoder, DecoderLayer, Encoder, EncoderLayer, FeedForward, MultiHeadAttention,
+                    PositionalEncoding, Transformer, causal_mask, fused_attention, padding_mask,
+                    scaled_dot_product_attention, set_kernels, shift_right, sinusoidal_positions, target_mask)
 
 __all__ = [
     "TransformerConfig", "Transformer", "Encoder", "Decoder", "EncoderLayer", "DecoderLayer",

@@ -1,48 +1,27 @@
-"""Search over the Flax model's cached decoding: greedy and beam search, each one jit-compiled
-`lax.while_loop` with static shapes.
+"""Greedy and beam search over the Flax model's key/value cache, each one jit-compiled
+`lax.while_loop` with static shapes: `torch_reference/decode.py`'s algorithm step by step (its
+docstrings tell the details), with the same names, defaults and outputs, to float32 rounding.
 
-`torch_reference/decode.py` is the same algorithm step by step (read its docstrings for the
-details), with the same names and defaults; both return identical tokens and scores to float32
-rounding. Output tokens (B, L) exclude BOS, end with EOS and are padded after it, with
-L = min(max_len, floor(max_len_a * S + max_len_b)) for a padded source length S; a source row of
-padding only is no sentence (padding, score 0). `cached=False` re-runs the whole decoder over the
-(padded, causally masked) prefix at every step instead.
-
-The loop's state is a dict of arrays led by the sentence axis (or by a sentence's rows next to
-each other), so that over a model built with `xla_cpu=True` the search runs the loop of
-`xla_cpu.shrinking_while` and ranks candidates with `xla_cpu.best_candidates`, tuned for XLA:CPU:
-the same outputs (tests/jax_transformer/test_xla_cpu.py).
-
-Beyond the best output (docs/decoding.md), as torch's: `beam_search(..., n_best=K)`, `prefix`,
-`score`.
+The loop's state is a dict of arrays led by the sentence axis (or a sentence's rows next to each
+other), so that over a model of the kernel set `xla_cpu` the search runs `xla_cpu.shrinking_while`'s
+loop and ranks candidates with `xla_cpu.best_candidates`.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from torch_reference.config import ALPHA, POSITIVE, SCORINGS, TransformerConfig
+from torch_reference.config import TransformerConfig, check_beam, check_prefix_rows, length_penalty, output_length
 
 from . import xla_cpu as tuned
 from .model import Transformer, padding_mask, shift_right
 
 # A finite "minus infinity": sums of it stay finite, so no inf - inf = NaN in the scores.
 NEG_INF = -1.0e9
-
-
-def length_penalty(length, alpha: float, scoring: str = "gnmt"):
-    """The divisor of a finished hypothesis's log-probability (`config.SCORINGS` says which)."""
-    return ((5.0 + length) / 6.0) ** alpha if scoring == "gnmt" else length ** alpha
-
-
-def output_length(src_len: int, max_len: int, max_len_a: float, max_len_b: int) -> int:
-    """The padded output length for a padded source length: a static shape."""
-    return max(1, min(max_len, math.floor(max_len_a * src_len + max_len_b)))
 
 
 def sentence_limits(src_ids, pad_id: int, length: int, max_len_a: float, max_len_b: int):
@@ -59,12 +38,6 @@ def _never_emitted(cfg, vocab):
 def _no_sentence(src_ids, pad_id: int):
     """(B,) True for source rows of padding only: done before the first step."""
     return (src_ids == pad_id).all(axis=1)
-
-
-def _check_scoring(scoring: str, alpha: float) -> None:
-    if scoring not in SCORINGS:
-        raise ValueError(f"scoring must be one of {', '.join(SCORINGS)}, got {scoring!r}")
-    ALPHA.check("alpha", alpha)  # the early stop's bound needs a penalty that grows with length
 
 
 def _check_ids(name: str, ids, vocab_size: int) -> None:
@@ -86,12 +59,6 @@ def _check_source(model: Transformer, src_ids) -> None:
         )
 
 
-def _check_n_best(n_best: int | None, beam_size: int) -> None:
-    POSITIVE.check("beam_size", beam_size)
-    if n_best is not None and (POSITIVE.error(n_best) or n_best > beam_size):
-        raise ValueError(f"n_best must be between 1 and the beam size {beam_size}, got {n_best}")
-
-
 def check_prefix(src_ids, prefix, cfg: TransformerConfig, max_len_a: float, max_len_b: int) -> None:
     """ValueError unless prefix (B, P) holds target-vocabulary ids other than <bos> (then pad_id), a
     row for each source, each leaving its sentence room for <eos>: fewer tokens than its length limit
@@ -100,17 +67,7 @@ def check_prefix(src_ids, prefix, cfg: TransformerConfig, max_len_a: float, max_
         return
     src_ids, prefix = jnp.asarray(src_ids), jnp.asarray(prefix)
     _check_ids("prefix", prefix, cfg.tgt_vocab_size)
-    if prefix.shape[0] != src_ids.shape[0]:
-        raise ValueError(f"prefix must be (batch, length) with the batch of src_ids, {src_ids.shape[0]} rows; "
-                         f"got shape {tuple(prefix.shape)}")
-    if bool((prefix == cfg.bos_id).any()):  # every search masks it
-        raise ValueError(f"prefix holds <bos> (id {cfg.bos_id}), which no output holds")
-    src_len = (src_ids != cfg.pad_id).sum(1).tolist()
-    for row, (n, used) in enumerate(zip(src_len, (prefix != cfg.pad_id).sum(1).tolist())):
-        limit = max(1, min(cfg.max_len, math.floor(max_len_a * n + max_len_b)))
-        if used and (used >= limit or n == 0):
-            raise ValueError(f"the prefix of sentence {row} has {used} tokens: its length limit of {limit} tokens "
-                             "leaves no room after it")
+    check_prefix_rows(src_ids, prefix, cfg, max_len_a, max_len_b)
 
 
 def _prefix_columns(prefix, pad_id: int, length: int):
@@ -184,6 +141,40 @@ def _while(model: Transformer, step, result, carry, length: int):
     return result(jax.lax.while_loop(running, lambda state: (state[0] + 1, step(*state)), (jnp.int32(0), carry))[1])
 
 
+def _token_by_token(model: Transformer, src_ids, n: int, choose, carry: dict, max_len_a: float, max_len_b: int,
+                    cached: bool = True):
+    """torch's `_token_by_token` as one loop: choose(position, logits (b, V) float32, must_end (b,), carry)
+    -> (tokens (b,), their log-probabilities (b,)) picks each step's token; `carry` holds what `choose` reads
+    besides, led by the B*n rows -> (tokens (B*n, L), scores (B*n,))."""
+    cfg = model.cfg
+    B, S = src_ids.shape
+    length = output_length(S, cfg.max_len, max_len_a, max_len_b)
+    src_mask = padding_mask(src_ids, cfg.pad_id)
+    memory = jnp.repeat(model.encode(src_ids, src_mask), n, axis=0)  # (B*n, S, D), a sentence's rows together
+
+    def step(position, c):
+        logits, cache = _logits(model, c, c["tokens"], c["last"], position)  # (b, V)
+        must_end = position + 1 >= c["limits"]  # (b,) rows at their limit emit EOS
+        last, logprob = choose(position, logits.astype(jnp.float32), must_end, c)  # (b,) each
+        done = c["done"]
+        return {
+            **c, "cache": cache, "last": last, "done": done | (last == cfg.eos_id),
+            "scores": c["scores"] + jnp.where(done, 0.0, logprob),
+            "tokens": c["tokens"].at[:, position].set(jnp.where(done, cfg.pad_id, last)),
+        }
+
+    carry = {
+        **carry,
+        "tokens": jnp.full((B * n, length), cfg.pad_id, jnp.int32),
+        "scores": jnp.zeros(B * n, jnp.float32),
+        "done": jnp.repeat(_no_sentence(src_ids, cfg.pad_id), n),
+        "last": jnp.full((B * n,), cfg.bos_id, jnp.int32),
+        **_decoder(model, memory, jnp.repeat(src_mask, n, axis=0), length, cached),
+        "limits": jnp.repeat(sentence_limits(src_ids, cfg.pad_id, length, max_len_a, max_len_b), n),  # (B*n,)
+    }
+    return _while(model, step, lambda c: (c["tokens"], c["scores"]), carry, length)
+
+
 def greedy_search(model: Transformer, src_ids, max_len_a: float = 1.5, max_len_b: int = 10, cached: bool = True,
                   prefix=None):
     """src_ids (B, S) -> (tokens (B, L), scores (B,)): the argmax token at each step; the score is
@@ -204,38 +195,19 @@ def _forced_logprob(logits, forced):
 @functools.partial(nnx.jit, static_argnums=(2, 3, 4))
 def _greedy_search(model: Transformer, src_ids, max_len_a: float, max_len_b: int, cached: bool, prefix=None):
     cfg = model.cfg
-    B, S = src_ids.shape
-    length = output_length(S, cfg.max_len, max_len_a, max_len_b)
-    src_mask = padding_mask(src_ids, cfg.pad_id)
 
-    def step(position, c):
-        logits, cache = _logits(model, c, c["tokens"], c["last"], position)  # (b, V)
-        must_end = position + 1 >= c["limits"]  # (b,) sentences at their limit emit EOS
-        logprob, last = top_candidates(
-            cfg, logits.astype(jnp.float32)[:, None], jnp.zeros((len(must_end), 1)), must_end, 1, model.xla_cpu
-        )
-        last, done, logprob = last[:, 0], c["done"], logprob[:, 0]  # (b,) the argmax token
-        if c["prefix"] is not None:  # the prefix's token where one is left (never masked: check_prefix)
-            forced = c["prefix"][:, position]
-            forcing = forced != cfg.pad_id
-            last = jnp.where(forcing, forced, last)
-            logprob = jnp.where(forcing, _forced_logprob(logits.astype(jnp.float32), forced), logprob)
-        return {
-            **c, "cache": cache, "last": last, "done": done | (last == cfg.eos_id),
-            "scores": c["scores"] + jnp.where(done, 0.0, logprob),
-            "tokens": c["tokens"].at[:, position].set(jnp.where(done, cfg.pad_id, last)),
-        }
+    def choose(position, logits, must_end, c):
+        logprob, last = top_candidates(cfg, logits[:, None], jnp.zeros((len(must_end), 1)), must_end, 1, model.xla_cpu)
+        last, logprob = last[:, 0], logprob[:, 0]  # (b,) the argmax token
+        if c["prefix"] is None:
+            return last, logprob
+        forced = c["prefix"][:, position]  # the prefix's token where one is left (never masked: check_prefix)
+        forcing = forced != cfg.pad_id
+        return jnp.where(forcing, forced, last), jnp.where(forcing, _forced_logprob(logits, forced), logprob)
 
-    carry = {
-        "tokens": jnp.full((B, length), cfg.pad_id, jnp.int32),
-        "scores": jnp.zeros(B, jnp.float32),
-        "done": _no_sentence(src_ids, cfg.pad_id),
-        "last": jnp.full((B,), cfg.bos_id, jnp.int32),
-        **_decoder(model, model.encode(src_ids, src_mask), src_mask, length, cached),
-        "limits": sentence_limits(src_ids, cfg.pad_id, length, max_len_a, max_len_b),  # (B,)
-        "prefix": _prefix_columns(prefix, cfg.pad_id, length),  # (B, L) or None
-    }
-    return _while(model, step, lambda c: (c["tokens"], c["scores"]), carry, length)
+    length = output_length(src_ids.shape[1], cfg.max_len, max_len_a, max_len_b)
+    prefix = {"prefix": _prefix_columns(prefix, cfg.pad_id, length)}  # (B, L) or None
+    return _token_by_token(model, src_ids, 1, choose, prefix, max_len_a, max_len_b, cached)
 
 
 def _gather(x, index):
@@ -271,17 +243,11 @@ def _n_best(tokens, logprob, scores, no_sentence, n: int, pad_id: int):
 def beam_search(model: Transformer, src_ids, beam_size: int = 4, alpha: float = 0.6,
                 max_len_a: float = 1.5, max_len_b: int = 10, cached: bool = True, scoring: str = "gnmt",
                 n_best: int | None = None, prefix=None):
-    """src_ids (B, S) -> (tokens (B, L), scores (B,)) of the best finished hypothesis per sentence;
-    with `n_best` K (at most beam_size) the K best, best first: (tokens (B, K, L), log-probs
-    (B, K), scores (B, K)).
-
-    See `torch_reference.decode.beam_search` for the algorithm; here it is one compiled loop.
-    `cached=False`: no key/value cache. `scoring`: one of SCORINGS. `prefix` (B, P): forced first
-    tokens, as in `greedy_search`.
-    """
+    """src_ids (B, S) -> (tokens (B, L), scores (B,)), or with `n_best` K (tokens (B, K, L), log-probs
+    (B, K), scores (B, K)): `torch_reference.decode.beam_search` (its docstring tells the algorithm and
+    the arguments) in one compiled loop."""
     _check_source(model, src_ids)
-    _check_scoring(scoring, 0.0 if isinstance(alpha, jax.core.Tracer) else alpha)  # traced (data): its caller's check
-    _check_n_best(n_best, beam_size)
+    check_beam(beam_size, 0.0 if isinstance(alpha, jax.core.Tracer) else alpha, scoring, n_best)  # traced: the caller's
     if prefix is not None:
         check_prefix(src_ids, prefix, model.cfg, max_len_a, max_len_b)
     return _beam_search(model, jnp.asarray(src_ids, jnp.int32), beam_size, alpha, max_len_a, max_len_b, cached, scoring,

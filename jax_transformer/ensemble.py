@@ -1,9 +1,6 @@
-"""Several models decoding as one: `Ensemble(models)` goes wherever decode.py's searches and
-sampling.py's `sample` take a model. `torch_reference/ensemble.py` is its twin (read its docstring
-for the layout and the two averages); both give the same tokens for the same weights.
-
-Here the ensemble is an `nnx.Module` holding its members, so the searches' `nnx.jit` traces them all
-in one program; `xla_cpu` (the tuned loop of `xla_cpu.shrinking_while`) is on when every member's is.
+"""Several models decoding as one, the twin of `torch_reference/ensemble.py` (its docstring tells the
+layout and the averages): an `nnx.Module` holding its members, so that the searches' `nnx.jit` traces
+them all in one program; `xla_cpu` (`xla_cpu.shrinking_while`'s loop) is on when every member's is.
 """
 
 from __future__ import annotations
@@ -17,24 +14,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from torch_reference.config import AVERAGES, check_ensemble  # noqa: F401 (AVERAGES: `average`'s choices, by name)
+
 from .model import Transformer, padding_mask
-
-AVERAGES = ("logprob", "prob")
-# What the members must share: the searches read them from one `cfg` (and decode one vocabulary).
-SHARED_FIELDS = ("src_vocab_size", "tgt_vocab_size", "pad_id", "bos_id", "eos_id")
-
-
-def _check_members(models, average: str) -> None:
-    if not models:
-        raise ValueError("an ensemble needs at least one model, got none")
-    if average not in AVERAGES:
-        raise ValueError(f"average must be one of {', '.join(AVERAGES)}, got {average!r}")
-    first = models[0].cfg
-    for i, model in enumerate(models[1:], 1):
-        for name in SHARED_FIELDS:
-            if getattr(model.cfg, name) != getattr(first, name):
-                raise ValueError(f"ensemble members differ in {name}: model 0 has {getattr(first, name)}, "
-                                 f"model {i} has {getattr(model.cfg, name)}")
 
 
 def combine(logits: list, average: str = "logprob"):
@@ -52,7 +34,7 @@ class Ensemble(nnx.Module):
 
     def __init__(self, models: Sequence[Transformer], average: str = "logprob"):
         models = list(models)
-        _check_members(models, average)
+        check_ensemble([m.cfg for m in models], average)
         self.members = nnx.List(models)
         self.average = average
         self.cfg = dataclasses.replace(models[0].cfg, max_len=min(m.cfg.max_len for m in models))

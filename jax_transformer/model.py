@@ -450,17 +450,12 @@ class Transformer(nnx.Module):
     passes `deterministic=False` and `rngs=nnx.Rngs(dropout=key)` for the dropout masks.
 
     `dtype` is the computation dtype: None (float32, as the torch reference) or jnp.bfloat16 for
-    mixed precision, where embeddings, matmuls and activations run in bfloat16 while parameters
-    stay float32 (cast at use), the attention softmax and the norms' statistics run in float32,
-    and the loss casts the logits to float32. The torch side gets the same from torch.autocast,
-    so the twin has no such argument.
+    mixed precision: parameters stay float32 (cast at use); the attention softmax, the norms'
+    statistics and the loss run in float32 (torch's twin gets the same from torch.autocast).
 
-    `kernels` and `remat`: see `set_kernels`. The model holds the kernel set (`kernels`); its layers,
-    `decode`'s searches and the training objective read it there. `xla_cpu` (xla_cpu.py: backward
-    passes ordered for XLA:CPU, fewer arrays kept, a tuned search loop) is what the training backend
-    chooses where its devices are CPUs, `fused` on a GPU. The same parameters and checkpoint keys
-    whatever the set, the same results to float32 rounding (tests/jax_transformer/test_xla_cpu.py,
-    tests/jax_transformer/test_kernels.py).
+    `kernels` and `remat`: see `set_kernels`. The model holds the kernel set; its layers, `decode`'s
+    searches and the training objective read it there. The same parameters and checkpoint keys
+    whatever the set, the same results to float32 rounding.
     """
 
     kernels = "reference"  # set_kernels

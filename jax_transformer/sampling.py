@@ -1,37 +1,21 @@
-"""Sampling from the Flax model's cached decoding, with random numbers both frameworks share: one
-jit-compiled `lax.while_loop` (over a model built with `xla_cpu=True`, `xla_cpu.shrinking_while`).
-
-`torch_reference/sampling.py` is the same algorithm step by step (read its docstrings for the
-details), with the same names and defaults; for the same seed and weights both return the same
-tokens, and scores to float32 rounding (docs/decoding.md#sampling). The uniforms are Threefry-2x32
-(20 rounds) keyed by (seed, sentence id) at the counter (sample, position), here in uint32
-arithmetic; tests/parity/test_sampling.py checks it against `jax.extend.random.threefry_2x32`.
+"""Sampling from the Flax model's cached decoding: `torch_reference/sampling.py` step by step (its
+docstrings tell the details) in one jit-compiled loop, the uniforms in uint32 arithmetic; the same
+tokens for the same seed and weights, scores to float32 rounding (docs/decoding.md#sampling).
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from torch_reference.config import float32_error
+from torch_reference.config import check_sampling
 
-from .decode import (
-    NEG_INF,
-    _check_source,
-    _decoder,
-    _logits,
-    _never_emitted,
-    _no_sentence,
-    _while,
-    output_length,
-    sentence_limits,
-)
-from .model import Transformer, padding_mask
+from .decode import NEG_INF, _check_source, _never_emitted, _token_by_token
+from .model import Transformer
 
 # Threefry-2x32's rotation distances and key-schedule parity (Random123, threefry.h).
 ROTATIONS = (13, 15, 26, 6, 17, 29, 16, 24)
@@ -63,22 +47,6 @@ def uniform(seed, sentence, sample, position):
     the top 23 bits of Threefry's first word as the odd multiple (2m + 1) / 2**24, exact in float32."""
     word, _ = threefry2x32(seed, sentence, sample, position)
     return ((word >> 9) * 2 + 1).astype(jnp.float32) * 2.0**-24
-
-
-def check_sampling(seed, num_samples, temperature, top_k, top_p) -> None:
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MASK:
-        raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
-    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-        raise ValueError(f"num_samples must be an integer >= 1, got {num_samples!r}")
-    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-        raise ValueError(f"top_k must be an integer >= 0 (0: no limit), got {top_k!r}")
-    if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
-        raise ValueError(f"top_p must be in (0, 1] (1: no limit), got {top_p!r}")
-    for name, value in (("temperature", temperature), ("top_p", top_p)):
-        if (problem := float32_error(value)) is not None:
-            raise ValueError(f"{name} {problem}")
 
 
 def _sentence_ids(sentence_ids, batch: int):
@@ -143,37 +111,17 @@ def sample_loop(model: Transformer, src_ids, seed, sentence_ids, num_samples: in
                 top_p: float, max_len_a: float, max_len_b: int):
     """`sample`'s drawing loop, its settings checked and its sentence ids (B,) given."""
     cfg = model.cfg
-    B, S = src_ids.shape
-    N = num_samples
-    length = output_length(S, cfg.max_len, max_len_a, max_len_b)
-    src_mask = padding_mask(src_ids, cfg.pad_id)
-    memory = jnp.repeat(model.encode(src_ids, src_mask), N, axis=0)  # (B*N, S, D), a sentence's rows together
+    B, N = src_ids.shape[0], num_samples
     vocab = jnp.arange(cfg.tgt_vocab_size)
     not_eos, never = vocab != cfg.eos_id, _never_emitted(cfg, vocab)  # (V,)
 
-    def step(position, c):
-        logits, cache = _logits(model, c, c["tokens"], c["last"], position)  # (b, V)
-        logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-        must_end = (position + 1 >= c["limits"])[:, None]  # rows at their limit emit EOS
-        logprobs = jnp.where((must_end & not_eos) | never, NEG_INF, logprobs)
+    def choose(position, logits, must_end, c):
+        logprobs = jnp.where((must_end[:, None] & not_eos) | never, NEG_INF, jax.nn.log_softmax(logits, axis=-1))
         u = uniform(seed, c["sentence"], c["sample"], position)  # (b,)
         last = draw(sampling_distribution(logprobs, temperature, top_k, top_p), u).astype(jnp.int32)
-        done = c["done"]
-        return {
-            **c, "cache": cache, "last": last, "done": done | (last == cfg.eos_id),
-            "scores": c["scores"] + jnp.where(done, 0.0, jnp.take_along_axis(logprobs, last[:, None], axis=1)[:, 0]),
-            "tokens": c["tokens"].at[:, position].set(jnp.where(done, cfg.pad_id, last)),
-        }
+        return last, jnp.take_along_axis(logprobs, last[:, None], axis=1)[:, 0]
 
-    carry = {
-        "tokens": jnp.full((B * N, length), cfg.pad_id, jnp.int32),
-        "scores": jnp.zeros(B * N, jnp.float32),
-        "done": jnp.repeat(_no_sentence(src_ids, cfg.pad_id), N),
-        "last": jnp.full((B * N,), cfg.bos_id, jnp.int32),
-        **_decoder(model, memory, jnp.repeat(src_mask, N, axis=0), length, True),
-        "limits": jnp.repeat(sentence_limits(src_ids, cfg.pad_id, length, max_len_a, max_len_b), N),  # (B*N,)
-        "sentence": jnp.repeat(sentence_ids, N),  # the random numbers' key and counter ride with their rows
-        "sample": jnp.tile(jnp.arange(N, dtype=jnp.uint32), B),
-    }
-    tokens, scores = _while(model, step, lambda c: (c["tokens"], c["scores"]), carry, length)
-    return tokens.reshape(B, N, length), scores.reshape(B, N)
+    # The random numbers' key and counter ride with their rows.
+    rows = {"sentence": jnp.repeat(sentence_ids, N), "sample": jnp.tile(jnp.arange(N, dtype=jnp.uint32), B)}
+    tokens, scores = _token_by_token(model, src_ids, N, choose, rows, max_len_a, max_len_b)
+    return tokens.reshape(B, N, -1), scores.reshape(B, N)

@@ -1,13 +1,7 @@
-"""Data parallelism over a 1-D device mesh, axis `data`, as `jax.jit` with shardings
+"""Data parallelism over a 1-D device mesh, axis `data`, as `jax.jit` with shardings: batches split
+along their first axis, the training state replicated or (FSDP) each array split along one dimension,
+XLA inserting the collectives; with several processes each loads its own rows of the global batch
 (docs/operations.md#devices-and-processes).
-
-Batches are split along their first axis over `data`; the training state is replicated, or under
-FSDP (`state_shardings(tree, mesh, "fsdp")`) each array split along one dimension (`fsdp_spec`).
-Under `jax.jit` XLA inserts the collectives: the gradients' all-reduce when replicated, the
-parameters' all-gather and the gradients' reduce-scatter under FSDP. With several processes each
-builds the same global batch, keeps its own rows (`process_slice`) and `shard_batch` assembles
-the global array; `place` and `replicate` put host values on the mesh, `gather` makes a sharded
-tree whole (a collective) and `local_copy` gives a process its own copy of a replicated tree.
 """
 
 from __future__ import annotations
@@ -35,9 +29,7 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
         num_processes = int(os.environ[ENV_NUM_PROCESSES])
     if process_id is None and os.environ.get(ENV_PROCESS_ID):
         process_id = int(os.environ[ENV_PROCESS_ID])
-    if coordinator_address is None and num_processes in (None, 1):
-        return
-    if jax.distributed.is_initialized():
+    if (coordinator_address is None and num_processes in (None, 1)) or jax.distributed.is_initialized():
         return
     if num_processes is None or process_id is None or coordinator_address is None:
         raise ValueError("a multi-process run needs the coordinator address, the number of processes and this "

@@ -1,24 +1,12 @@
-"""The model's and the search's pieces tuned for XLA:CPU: the kernel set `xla_cpu` of
-`Transformer(kernels="xla_cpu")`, which the training backend builds where its devices are CPUs,
-computes with them, and `decode`'s searches over it run with them. Each gives what the plain path gives (to float32 rounding; the searches the same
-tokens), and is here because it is faster or smaller on the CPU, side by side with the plain path
-(docs/performance.md#the-xlacpu-tuned-path-side-by-side):
+"""The kernel set `xla_cpu` (`Transformer(kernels="xla_cpu")`, what the training backend builds where
+its devices are CPUs): pieces of the model and the search that give what the plain path gives (to
+float32 rounding; the searches the same tokens) and are faster or smaller on XLA:CPU, each kept by a
+side-by-side measurement (docs/performance.md#the-xlacpu-tuned-path-side-by-side).
 
-    linear_dot_general  every nnx.Linear's x @ W with a backward pass ordered for XLA:CPU
-    attend              the output projection tied to the embedding, likewise
-    LayerNorm           nnx.LayerNorm keeping x̂ and 1/σ for its backward pass (torch: x, mean, 1/σ)
-    relu_linear         linear2(relu(h)) keeping h alone for its backward pass
-    smoothed_sums       the loss and NLL sums with their gradient written out
-    best_candidates     the search's top-k over k·V extensions, by chunks of the vocabulary
-    shrinking_while     the search's loop over a shrinking batch and a growing cache
-    shared_keys         a sentence's hypotheses attending over one copy of its encoder output
-
-A weight gradient contracts over the token axis, the major axis of both the input and the
-incoming gradient, so one is transposed; XLA:CPU transposes the gradient, for the tied projection
-a (N, V) -> (V, N) copy of the logits' gradient. Here the narrower operand is transposed. And
-XLA:CPU fuses a cheap forward computation (max(h + b, 0)) into the backward operation that reads
-it, keeping that computation's inputs alive too: two (B, L, F) arrays in every ReLU feed-forward
-layer where torch keeps one, one (B, L, D) array more than torch in every LayerNorm.
+Why: a weight gradient contracts over the token axis, the major axis of both operands, so one is
+transposed; XLA:CPU transposes the gradient (for the tied projection, the logits'), here the narrower
+operand is. And XLA:CPU fuses a cheap forward computation (max(h + b, 0)) into the backward operation
+that reads it, keeping its inputs alive too; the backward passes here keep one array fewer.
 """
 
 from __future__ import annotations
@@ -272,20 +260,19 @@ def shrinking_while(step, result, carry, length: int):
         carry = _resize_cache(carry, cache_lengths[0])
     out = jax.tree.map(jnp.zeros_like, result(carry))
     slots = jnp.arange(sizes[0])  # the sentence in each row of the current batch
+
+    def loop(position, carry, limit: int, next_size: int):  # until `limit` positions or `next_size` sentences live
+        def going(state):
+            return (state[0] < limit) & ((~state[1]["done"]).sum() > next_size)
+
+        return jax.lax.while_loop(going, lambda state: (state[0] + 1, step(*state)), (position, carry))
+
     position = jnp.int32(0)
     for limit, longer in zip(cache_lengths, cache_lengths[1:]):
-        def within(state, limit=limit, next_size=sizes[1] if len(sizes) > 1 else 0):
-            position, carry = state
-            return (position < limit) & ((~carry["done"]).sum() > next_size)
-
-        position, carry = jax.lax.while_loop(within, lambda state: (state[0] + 1, step(*state)), (position, carry))
+        position, carry = loop(position, carry, limit, sizes[1] if len(sizes) > 1 else 0)
         carry = _resize_cache(carry, longer)
     for next_size in [*sizes[1:], 0]:
-        def running(state, next_size=next_size):
-            position, carry = state
-            return (position < length) & ((~carry["done"]).sum() > next_size)
-
-        position, carry = jax.lax.while_loop(running, lambda state: (state[0] + 1, step(*state)), (position, carry))
+        position, carry = loop(position, carry, length, next_size)
         out = jax.tree.map(lambda o, r: o.at[slots].set(r), out, result(carry))
         if next_size:
             keep = jnp.argsort(carry["done"], stable=True)[:next_size]  # the live sentences first

@@ -1,4 +1,5 @@
-"""The bridge between the PyTorch reference and the Flax mirror: weight conversion and checks."""
+"""The bridge between the PyTorch reference and the Flax mirror: proofs, comparisons, benchmarks and
+the conversion commands (the conversions themselves: `train.interop`)."""
 
 __all__ = ["CheckpointMismatchError", "jax_to_torch", "torch_to_jax"]
 
@@ -6,7 +7,7 @@ __all__ = ["CheckpointMismatchError", "jax_to_torch", "torch_to_jax"]
 def __getattr__(name):
     # Lazy (PEP 562): importing parity loads no framework.
     if name in __all__:
-        from . import weights
+        from train.interop import weights
 
         return getattr(weights, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,9 +1,12 @@
-"""The parity contract on one batch (`python -m parity.check`, docs/parity.md): a random PyTorch model and
-its Flax conversion, their logits, loss and every gradient compared, and the bounds they must meet."""
+"""The parity contract on one batch (`aiayn check`, docs/parity.md): a random PyTorch model and its Flax
+conversion, their logits, loss and every gradient compared, and the bounds they must meet."""
 
 from __future__ import annotations
 
 import copy
+import time
+from collections.abc import Iterator
+from typing import Any
 
 import jax
 import numpy as np
@@ -12,10 +15,10 @@ from flax import nnx
 
 import torch_reference
 from jax_transformer.objective import label_smoothed_cross_entropy as jax_loss
-from torch_reference.config import TransformerConfig
+from torch_reference.config import NON_NEGATIVE, POSITIVE, TransformerConfig
 from torch_reference.objective import label_smoothed_cross_entropy as torch_loss
-
-from .weights import jax_key, jax_params_to_torch, torch_to_jax
+from train.interop.weights import jax_key, jax_params_to_torch, torch_to_jax
+from train.options import Output, checked, option
 
 # Bounds of the parity contract (float32, dropout off); base and big accumulate rounding over 12 wide layers.
 BOUNDS = {"logits_max_abs": {"tiny": 1e-5, "small": 1e-5, "base": 1e-4, "big": 1e-4}, "loss_rel": 1e-6,
@@ -116,7 +119,8 @@ def compare(torch_model: torch_reference.Transformer, jax_model, batch: dict, sm
             "grads": {"max_rel_l2": grad_diffs[worst]["rel_l2"], "worst": worst, "per_parameter": grad_diffs}}
 
 
-def relu_inputs_near_kink(torch_model: torch_reference.Transformer, batch: dict, radius: float = RELU_KINK_RADIUS) -> dict:
+def relu_inputs_near_kink(torch_model: torch_reference.Transformer, batch: dict,
+                          radius: float = RELU_KINK_RADIUS) -> dict:
     """How many ReLU inputs lie within `radius` of 0 in a float64 copy of the model: where a framework may
     round to either side of the kink, the gradients are both valid subgradients but not comparable."""
     model64 = copy.deepcopy(torch_model).double()
@@ -166,3 +170,46 @@ def failures(report: dict, bounds: dict) -> list[str]:
               ("loss rel", report["loss"]["rel"], "loss_rel"),
               (f"gradient of {grads['worst']} rel L2", grads["max_rel_l2"], "grad_rel_l2")]
     return [f"{what} {value:.3g} > {bounds[bound]:g}" for what, value, bound in checks if not value <= bounds[bound]]
+
+
+@checked
+class Check:
+    """What `check` compares: a random `preset` model with `overrides` (or each of `VARIANTS` in turn,
+    with `overrides` on top) on one random padded batch."""
+
+    preset: str = option("tiny", "model size", choices=tuple(TransformerConfig.presets()))
+    vocab_size: int = option(8000, "shared vocabulary size", range=POSITIVE)
+    overrides: list[tuple[str, Any]] = option([], "override a TransformerConfig field, e.g. --set norm_position=pre",
+                                              flag="--set", parse=TransformerConfig.parse_override,
+                                              metavar="FIELD=VALUE")
+    variants: bool = option(False, f"check every named variant in turn: {', '.join(VARIANTS)}")
+    batch_size: int = option(8, "sentences in the batch", range=POSITIVE)
+    src_len: int = option(23, "padded source length", range=POSITIVE)
+    tgt_len: int = option(17, "padded target length", range=POSITIVE)
+    seed: int = option(0, "the random model's and batch's seed", range=NON_NEGATIVE)
+    json: Output = option(None, "write the full report (every parameter) to this file")
+
+    def check(self) -> None:
+        self.configs()  # a field value the config refuses: refused now, not after the first variant's work
+
+    def configs(self) -> dict[str, TransformerConfig]:
+        """The model of each comparison, by name."""
+        overrides, configs = dict(self.overrides), {}
+        for name, variant in (VARIANTS if self.variants else {"custom" if overrides else "paper": {}}).items():
+            fields = {"src_vocab_size": self.vocab_size, "tgt_vocab_size": self.vocab_size, **variant, **overrides}
+            if not fields.get("share_embeddings", True) and "tgt_vocab_size" not in overrides:
+                fields["tgt_vocab_size"] = self.vocab_size + 7  # separate vocabularies: make them differ
+            configs[name] = TransformerConfig.preset(self.preset, **fields)
+        return configs
+
+
+def check(options: Check) -> Iterator[tuple[str, dict]]:
+    """(name, report) of each comparison of `options` in turn: `run_check`'s, with the config, the
+    bounds, the seconds it took and the bounds it exceeds (`failures`: none when it passes)."""
+    bounds = bounds_for(options.preset)
+    for name, cfg in options.configs().items():
+        start = time.perf_counter()
+        report = run_check(cfg, options.batch_size, options.src_len, options.tgt_len, options.seed)
+        report.update(config=cfg.to_dict(), bounds=bounds, seconds=round(time.perf_counter() - start, 2))
+        report["failures"] = failures(report, bounds)
+        yield name, report

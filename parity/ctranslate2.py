@@ -1,4 +1,4 @@
-"""A trained run as a CTranslate2 model (`python -m parity.convert --to ctranslate2`), built through
+"""A trained run as a CTranslate2 model (`aiayn convert --to ctranslate2`), built through
 CTranslate2's own specification classes, never its file format by hand; each variant of `TransformerConfig`
 has a counterpart there (docs/interop.md#ctranslate2-out lists them)."""
 

@@ -149,7 +149,7 @@ def marian_proof(export_dir: Path, run_dir: Path, params, cfg: TransformerConfig
                  marian_ids: Mapping[str, int]) -> dict[str, Any]:
     """The HF Marian directory in `export_dir` against the run: greedy `generate` and a teacher-forced pass,
     in Marian's numbering; our pad and bos columns left out (Marian's one row for both, never emitted)."""
-    from .marian import side_orders  # here: parity.marian loads jax, which the other proofs need not
+    from train.interop.marian import side_orders  # here: it loads jax, which the other proofs need not
 
     transformers = spm.require("transformers")
     hf = transformers.MarianMTModel.from_pretrained(str(export_dir)).eval()

@@ -20,8 +20,7 @@ from train import data
 from train.api import load
 from train.backends import host_devices
 from train.data.streams import read_lines
-
-from .weights import convert_state, numpy_to_torch, torch_to_jax
+from train.interop.weights import convert_state, numpy_to_torch, torch_to_jax
 
 
 def searches(beam: int, samples: int, top_p: float, seed: int) -> dict:

@@ -1,4 +1,5 @@
-"""Translation speed of a run's weights in both frameworks, CTranslate2 and HF (docs/performance.md)."""
+"""Translation speed of a run's weights in both frameworks, CTranslate2 and HF (`aiayn translate-bench`,
+docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -19,13 +20,14 @@ from train.backends import allocator, create_backend, host_devices, initialize
 from train.benchmark import _peak_rss_mib, _reset_peak_rss, _rss_mib
 from train.data.spm import require
 from train.data.streams import read_lines
-from train.options import RunSelection, Search
+from train.interop import marian
+from train.interop.weights import convert_state
+from train.options import POSITIVE, Output, RunSelection, Search, checked, option
 from train.runtime.files import UserError, json_text
 
 from . import ctranslate2 as ct2
-from . import marian, proof
+from . import proof
 from .comparison import enable_parity_numerics
-from .weights import convert_state
 
 REFERENCE = "torch cached"
 
@@ -65,7 +67,8 @@ def benchmark(run: Run, lines: Sequence[str], beam_size: int, batch_size: int | 
     for name, cached in (("torch", True), ("jax", True), ("torch", False))[: 3 if uncached else 2]:
         search_name = f"{name} {'cached' if cached else 'uncached'}"
         for beam in sorted({1, beam_size}):
-            search = lambda src, b=backends[name], k=beam, c=cached: b.translate(src, k, alpha, cached=c, scoring=scoring)
+            search = lambda src, b=backends[name], k=beam, c=cached: b.translate(src, k, alpha, cached=c,
+                                                                                scoring=scoring)
             # Each framework under the allocator it has in a process of its own (allocator.settled)
             with allocator.settled() if name == "torch" else contextlib.nullcontext():
                 seconds, outputs, peak = timed(search, batches if name == "jax" else batches[:1])
@@ -80,7 +83,8 @@ def benchmark(run: Run, lines: Sequence[str], beam_size: int, batch_size: int | 
             with allocator.settled():
                 rows += foreign_rows(run, state, batches, beam_size, alpha, timed, reference)
     for row in rows:
-        row.update(sentences=len(lines), sentences_per_s=len(lines) / row["seconds"], tokens_per_s=row["tokens"] / row["seconds"])
+        row.update(sentences=len(lines), sentences_per_s=len(lines) / row["seconds"],
+                   tokens_per_s=row["tokens"] / row["seconds"])
         for baseline in (REFERENCE, "torch uncached"):
             match = next((r for r in rows if r["search"] == baseline and r["beam"] == row["beam"]), None)
             row[f"speedup_vs_{baseline.replace(' ', '_')}"] = match and match["seconds"] / row["seconds"]
@@ -140,7 +144,8 @@ def _hf_rows(run: Run, state, batches, beam_size: int, alpha: float, timed, refe
                 out = model.generate(
                     input_ids=torch.from_numpy(src_order[src]), attention_mask=torch.from_numpy(src != data.PAD_ID),
                     num_beams=k, do_sample=False, max_new_tokens=limit, bad_words_ids=[[ids["pad"]]],
-                    forced_eos_token_id=ids["eos"], **({"length_penalty": alpha, "early_stopping": "never"} if k > 1 else {}),
+                    forced_eos_token_id=ids["eos"],
+                    **({"length_penalty": alpha, "early_stopping": "never"} if k > 1 else {}),
                 )
             return [[to_ours[int(m)] for m in row[1:] if m != ids["pad"]] for row in out.tolist()]
 
@@ -148,28 +153,47 @@ def _hf_rows(run: Run, state, batches, beam_size: int, alpha: float, timed, refe
     return rows
 
 
-def bench_file(selection: RunSelection, search: Search, input: Path | None, batch_size: int | None = None,
-               json_path: Path | None = None, **extras: bool) -> list[dict]:
-    """`python -m parity.translate_bench`: `benchmark(**extras)` of `selection` on `input`, printed (and saved)."""
+@checked
+class SpeedBench:
+    """What `bench_file` times, on which sentences, and where it writes: JAX and torch cached search and torch's
+    uncached loop, greedy and with the search's beam; `ctranslate2` and `hf` add those exports
+    (docs/performance.md#translation-speed)."""
+
+    input: Path | None = option(None, "text file, one source sentence per line (plain or .gz); default: stdin")
+    batch_size: int | None = option(None, "at most N sentences per batch; default: the run's --token-budget",
+                                    range=POSITIVE)
+    json: Output = option(None, "also write the figures to this JSON file")
+    ctranslate2: bool = option(False, "also time the run exported to CTranslate2 in float32 and int8 (needs the "
+                               "interop extra: pip install -e \".[interop]\")")
+    hf: bool = option(False, "also time HF transformers' generate on the run's weights (a run imported from Marian: "
+                      "aiayn convert --from marian; needs the interop extra)")
+    uncached: bool = option(True, "torch's uncached loop (hours at large shapes; --no-uncached leaves it out and "
+                            "the speed-ups against it are then null)")
+
+
+def bench_file(selection: RunSelection, search: Search, bench: SpeedBench = SpeedBench()) -> list[dict]:
+    """`aiayn translate-bench`: `benchmark` of the run `selection` names on the sentences of
+    `bench.input` (stdin), printed as a table (and written to `bench.json`)."""
     enable_parity_numerics()
     if len(selection.run_dir) > 1:
         raise UserError("--run-dir once: the benchmark times one run's weights")
-    sentences = [line for line in read_lines(input) if line.strip()]
+    sentences = [line for line in read_lines(bench.input) if line.strip()]
     if not sentences:
-        raise UserError(f"{input or 'standard input'} holds no sentence to translate")
+        raise UserError(f"{bench.input or 'standard input'} holds no sentence to translate")
     run = load(selection)
-    for package in [name for name, wanted in (("ctranslate2", extras.get("ctranslate2")),
-                                              ("transformers", extras.get("hf"))) if wanted]:
+    for package in [name for name, wanted in (("ctranslate2", bench.ctranslate2), ("transformers", bench.hf))
+                    if wanted]:
         try:
             require(package)
         except ImportError as err:  # one line naming the extra
             raise UserError(str(err)) from None
-    if extras.get("hf"):
+    if bench.hf:
         try:
             marian.marian_origin(selection.run_dir[0])
         except ValueError as err:
             raise UserError(f"--hf: {err}") from None
-    rows = benchmark(run, sentences, search.beam, batch_size, search.alpha, scoring=search.scoring, **extras)
+    rows = benchmark(run, sentences, search.beam, bench.batch_size, search.alpha, scoring=search.scoring,
+                     ctranslate2=bench.ctranslate2, hf=bench.hf, uncached=bench.uncached)
     run.backend.close()
     machine = f"{platform.processor() or platform.machine()}, {host_devices.cores()} CPUs"
     if jax.default_backend() != "cpu":
@@ -184,6 +208,6 @@ def bench_file(selection: RunSelection, search: Search, input: Path | None, batc
         print(f"{r['search']:19s} {r['beam']:4d} {r['seconds']:8.2f} {r['sentences_per_s']:8.1f} "
               f"{r['tokens_per_s']:8.0f} {r['peak_mib']:8.0f} {r['speedup_vs_torch_cached']:15.2f}x {uncached:>12s} "
               f"{differ:>15s}" + (f"   BLEU vs float32 {r['bleu_vs_float32']:.2f}" if "bleu_vs_float32" in r else ""))
-    if json_path:
-        json_path.write(json_text({"run_dir": str(selection.run_dir[0]), "machine": machine, "rows": rows}))
+    if bench.json:
+        bench.json.write(json_text({"run_dir": str(selection.run_dir[0]), "machine": machine, "rows": rows}))
     return rows

@@ -1,4 +1,4 @@
-"""One training curve in two frameworks (`python -m parity.trajectory`, docs/parity.md): both backends in
+"""One training curve in two frameworks (`aiayn trajectory`, docs/parity.md): both backends in
 lockstep on identical batches, compared after every update (optionally switching framework), judged."""
 
 from __future__ import annotations
@@ -12,16 +12,17 @@ from typing import Any
 
 import numpy as np
 
-from torch_reference.config import TransformerConfig
+from torch_reference.config import NON_NEGATIVE, POSITIVE, TransformerConfig
 from train import data
 from train.backends import create_backend, initialize
 from train.config import PAPER_WARMUP, ExperimentConfig  # a trajectory: the first updates of the paper's schedule
+from train.interop.runs import convert_checkpoints
+from train.interop.weights import convert_state
 from train.loop import make_batcher
+from train.options import OptionError, Output, checked, option
 from train.store import TrainingState
 
 from .comparison import enable_parity_numerics
-from .runs import convert_checkpoints
-from .weights import convert_state
 
 # The parity contract for a training curve (float32, dropout off): a formula slip moves the loss by >=1e-3
 # within a few updates, far above float32's own drift (docs/parity.md#a-training-curve-in-both-frameworks).
@@ -39,6 +40,24 @@ def experiment_config(steps: int = 100, preset: str = "tiny", model: dict | None
                     progress=False, dtype="float32")
     settings.update({k: v for k, v in changes.items() if v is not None})
     return ExperimentConfig(**settings).resolve()
+
+
+@checked
+class Trajectory:
+    """How `parity_report` runs a trajectory of `steps` updates (its training settings: `experiment_config`)."""
+
+    steps: int = option(100, "updates in each framework", range=POSITIVE)
+    switch: int | None = option(None, "convert both runs' checkpoints at this update and continue in the other "
+                                "framework (default: half of --steps; 0: off)", range=NON_NEGATIVE)
+    control: bool = option(False, "also train torch from the initial weights moved by one ulp: float32's own drift "
+                           "(not bounded)")
+    json: Output = option(None, "write the full report (every update, every parameter) here")
+    plot: Output = option(None, "write a PNG of the differences per update here")
+
+    def check(self) -> None:
+        object.__setattr__(self, "switch", self.steps // 2 if self.switch is None else self.switch)
+        if self.switch >= self.steps:
+            raise OptionError("{} " + f"{self.switch} must be below " + "{} " + f"{self.steps}", "switch", "steps")
 
 
 def prepare(cfg) -> tuple[TransformerConfig, Any]:

@@ -83,45 +83,84 @@ def measure(command: list[str], first: str = r"^step 1/", every: float = 0.1) ->
             "max_rss_mb": found["max_rss_kb"] and round(found["max_rss_kb"] / 1024)}
 
 
-def encode(prefix: str, tokenizer: str, batch: int = 10_000) -> dict:
-    """Pairs/s of `tokenizers`' own encode_batch (all cores) over both sides of prefix.de / prefix.en."""
-    from tokenizers import Tokenizer
+def preprocess(prefix: str, store_dir: str, vocab_size: int = 8000) -> dict:
+    """Pairs/s of the corpus store's build (train.data.store, the text read as a run reads it) against
+    `tokenizers`' own encode_batch of the same text, read whole first, in the store's chunks, on the same
+    cores, one after the other in one run; the tokenizer (joint BPE) is trained on the corpus first."""
+    from train import data
+    from train.data import store
 
-    tok, pairs, start = Tokenizer.from_file(tokenizer), 0, time.perf_counter()
-    with open(f"{prefix}.de", encoding="utf-8") as de, open(f"{prefix}.en", encoding="utf-8") as en:
-        while lines := [line for _, line in zip(range(batch), de)]:
-            tok.encode_batch(lines)
-            tok.encode_batch([line for _, line in zip(range(len(lines)), en)])
-            pairs += len(lines)
-    seconds = time.perf_counter() - start
-    return {"pairs": pairs, "seconds": round(seconds, 1), "pairs_per_s": round(pairs / seconds)}
+    pairs = data.load_parallel(f"de:en:{prefix}").pairs
+    tokenizers = data.train_tokenizers(pairs, vocab_size=vocab_size)
+    start = time.perf_counter()
+    for k in range(0, len(pairs), store.CHUNK):
+        for tok, texts in zip((tokenizers.src, tokenizers.tgt), zip(*pairs[k : k + store.CHUNK])):
+            tok.encode_batch(list(texts))
+    library = time.perf_counter() - start
+    Path(store_dir).parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    store.build_store(Path(store_dir), data.corpora.stream_parallel(f"de:en:{prefix}", digest=False)[1], tokenizers,
+                      progress=False)
+    built = time.perf_counter() - start
+    return {"pairs": len(pairs), "encode_batch_pairs_per_s": round(len(pairs) / library),
+            "store_pairs_per_s": round(len(pairs) / built), "store_time_over_library": round(built / library, 2),
+            "load_average": os.getloadavg(), "cpus": os.cpu_count()}
 
 
-def batches(prefix: str, tokenizer: str, pairs: int, budget: int = 25_000, count: int = 500) -> dict:
-    """Packed training batches of `budget` tokens made per second by train.data.Batcher, from the first
-    `pairs` pairs of prefix.de / prefix.en (or from a corpus store directory, where the store is there)."""
-    from tokenizers import Tokenizer
-
+def batches(store_dir: str, budget: int = 25_000, count: int = 500) -> dict:
+    """Packed training batches of `budget` tokens made per second by train.data.Batcher from a corpus store,
+    and the seconds its epoch plan takes."""
     from train.data import Batcher
+    from train.data.store import open_store
 
-    if (Path(prefix) / "store.json").is_file():
-        from train.data.store import open_store
-        examples = open_store(Path(prefix))
-    else:
-        tok = Tokenizer.from_file(tokenizer)
-        sides = []
-        for lang in ("de", "en"):
-            with open(f"{prefix}.{lang}", encoding="utf-8") as f:
-                sides.append([e.ids for e in tok.encode_batch([line for _, line in zip(range(pairs), f)])])
-        examples = list(zip(*sides))
+    examples = open_store(Path(store_dir))
     start = time.perf_counter()
     batcher = Batcher(examples, budget, max_len=128, pack=True)
+    assert batcher.num_batches  # the epoch's plan, made now
     planned = time.perf_counter()
     for _ in range(count):
         next(batcher)
     made = time.perf_counter()
     return {"pairs": len(examples), "plan_s": round(planned - start, 2), "batches": count,
             "batches_per_s": round(count / (made - planned), 1), "shape": batcher.shapes}
+
+
+def gather(store_dir: str, budget: int = 25_000, count: int = 300, seed: int = 0) -> dict:
+    """Batches per second gathered from a corpus store's memory-mapped .npy arrays (TokenStore.gather) and
+    from a `datasets` Arrow table of the same ids (saved to disk, memory-mapped, Table.take): the ids and
+    lengths of both sides of random pairs, about `budget` tokens a side, in turn in one run."""
+    import tempfile
+
+    import datasets
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from train.data.store import open_store
+
+    stored = open_store(Path(store_dir))
+    offsets = {side: np.append(stored.arrays[f"{side}_start"], len(stored.arrays[side])).astype(np.int32)
+               for side in ("src", "tgt")}
+    columns = {side: pa.ListArray.from_arrays(offsets[side], stored.arrays[side]) for side in ("src", "tgt")}
+    rng = np.random.default_rng(seed)
+    per_batch = round(budget / (len(stored.src) / len(stored)))  # pairs holding about `budget` source tokens
+    picks = [rng.integers(0, len(stored), per_batch) for _ in range(count)]
+    with tempfile.TemporaryDirectory() as tmp:
+        datasets.Dataset(pa.table(columns)).save_to_disk(tmp)
+        table = datasets.load_from_disk(tmp).data.table  # memory-mapped Arrow files
+        npy = arrow = 0.0
+        for idx in picks:  # the two in turn, batch by batch: the machine's load falls on both alike
+            start = time.perf_counter()
+            for side in ("src", "tgt"):
+                values, lengths = stored.gather(side, idx)
+            middle = time.perf_counter()
+            rows = table.take(idx)
+            for side in ("src", "tgt"):
+                column = rows.column(side).combine_chunks()
+                values, lengths = column.flatten().to_numpy(), pc.list_value_length(column).to_numpy()
+            npy, arrow = npy + middle - start, arrow + time.perf_counter() - middle
+    return {"pairs": len(stored), "pairs_a_batch": per_batch, "batches": count,
+            "npy_batches_per_s": round(count / npy, 1), "arrow_batches_per_s": round(count / arrow, 1),
+            "load_average": os.getloadavg()}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -134,22 +173,22 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--multi30k", type=Path, default=MULTI30K, help="Multi30k's directory (train.de.gz, train.en.gz)")
     m = sub.add_parser("measure", help="run a command; print its peak memory and times as JSON")
     m.add_argument("command", nargs=argparse.REMAINDER)
-    e = sub.add_parser("encode", help="pairs/s of tokenizers' encode_batch over PREFIX.de and PREFIX.en")
-    e.add_argument("prefix")
-    e.add_argument("--tokenizer", required=True)
+    p = sub.add_parser("preprocess", help="pairs/s of the store's build of PREFIX.de/.en against encode_batch's")
+    p.add_argument("prefix")
+    p.add_argument("--store", required=True, help="the store directory to write (must not exist)")
     b = sub.add_parser("batches", help="packed batches of 25,000 tokens per second (train.data.Batcher)")
-    b.add_argument("prefix", help="PREFIX of PREFIX.de and PREFIX.en, or a corpus store directory")
-    b.add_argument("--tokenizer")
-    b.add_argument("--pairs", type=int, default=200_000)
+    b.add_argument("store", help="a corpus store directory")
+    a = sub.add_parser("gather", help="random batches of 25,000 tokens per second: .npy store against Arrow")
+    a.add_argument("store", help="a corpus store directory")
     args = parser.parse_args(argv)
     if args.what == "generate":
         return generate(args.pairs, args.out, args.seed, args.multi30k)
     if args.what == "measure":
         result = measure(args.command[1:] if args.command[:1] == ["--"] else args.command)
-    elif args.what == "encode":
-        result = encode(args.prefix, args.tokenizer)
+    elif args.what == "preprocess":
+        result = preprocess(args.prefix, args.store)
     else:
-        result = batches(args.prefix, args.tokenizer, args.pairs)
+        result = (batches if args.what == "batches" else gather)(args.store)
     print(json.dumps(result))
     sys.exit(result.get("rc", 0))
 

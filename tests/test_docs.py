@@ -1,6 +1,6 @@
-"""What README.md and docs/*.md show holds: links and images resolve, every `python -m train.*` or
-`parity.*` command in a code block is accepted by its CLI's parser (a dry parse, no work), every
-recipe loads, and the README stays a short entry page."""
+"""What README.md and docs/*.md show holds: links and images resolve, every `aiayn NAME`, `python -m
+train.*` or `parity.*` command in a code block is accepted by its CLI's parser (a dry parse, no work),
+every recipe loads, and the README stays a short entry page."""
 
 import importlib
 import os
@@ -13,7 +13,8 @@ from urllib.parse import unquote
 
 import pytest
 
-from train import run
+from parity.commands.cli import COMMANDS as AIAYN
+from train.commands import run
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -21,15 +22,16 @@ FENCED = re.compile(r"^[ \t]*```.*?^[ \t]*```", re.M | re.S)
 INLINE_CODE = re.compile(r"`[^`\n]*`")
 LINK = re.compile(r"\[[^\]]*\]\(\s*<?([^)\s>]+)")  # [text](target "title") and ![alt](target)
 OPERATORS = set("|&;<>()")  # a shell token made of these ends a command
-# `python -m train.X` or `parity.X` where a shell command starts: a line's start (after VAR=value
-# settings) or after |, &&, ;, (.
-COMMAND = re.compile(r"(?:^|[|&;(])\s*(?:\w+=\S*\s+)*python3? -m ((?:train|parity)\.\w+)")
+# `aiayn NAME` or `python -m train.X` / `parity.X` where a shell command starts: a line's start (after
+# VAR=value settings) or after |, &&, ;, (.
+COMMAND = re.compile(r"(?:^|[|&;(])\s*(?:\w+=\S*\s+)*(?:python3? -m ((?:train|parity)[\w.]*)|aiayn ([\w-]+))")
 
 
 def _commands(doc: Path):
-    """(where, module, argv) of each `python -m train.X|parity.X ...` in the fenced code blocks of
-    `doc`: lines continued with a backslash joined, comments and what follows |, &&, ;, < or >
-    left out; placeholders (RUN, FILE) stay as they are, and `...` (flags left out) is dropped."""
+    """(where, module, argv) of each `aiayn NAME ...` or `python -m train.X|parity.X ...` in the fenced
+    code blocks of `doc` (an `aiayn` name by its module): lines continued with a backslash joined,
+    comments and what follows |, &&, ;, < or > left out; placeholders (RUN, FILE) stay as they are,
+    and `...` (flags left out) is dropped."""
     text = doc.read_text(encoding="utf-8")
     for block in FENCED.finditer(text):
         line_number = text.count("\n", 0, block.start()) + 1
@@ -48,7 +50,8 @@ def _commands(doc: Path):
                 except ValueError as err:  # an unclosed quote: reported by the test, not at collection
                     yield where, None, [str(err), line]
                     continue
-                yield where, command[1], argv
+                module = command[1] or AIAYN.get(command[2], (None,))[0]
+                yield where, module, argv if module else [f"no command aiayn {command[2]}", line]
 
 
 COMMANDS = [command for doc in DOCS for command in _commands(doc)]
@@ -59,7 +62,7 @@ def test_documented_command_parses(where, module, argv, monkeypatch, capsys):
     assert module, f"{where}: {argv}"
     monkeypatch.chdir(REPO)  # recipes and data are named relative to the repository root
     try:
-        if module == "train.run":
+        if module in ("train.run", "train.commands.run"):
             run.parse_config(argv)  # with --config, the recipe is loaded too
         else:
             importlib.import_module(module).build_parser().parse_args(argv)
@@ -69,7 +72,7 @@ def test_documented_command_parses(where, module, argv, monkeypatch, capsys):
 
 def test_documented_commands_found():
     modules = {module for _, module, _ in COMMANDS}
-    assert {"train.run", "train.evaluate", "train.average"} <= modules, modules
+    assert {"train.run", "train.commands.evaluate", "train.commands.average"} <= modules, modules
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=[d.name for d in DOCS])

@@ -2,11 +2,12 @@
 
 The order (docs/design.md): `torch_reference` at the ground (no other package of the project),
 `jax_transformer` beside it (only the framework-free `torch_reference.config`), `train` above
-both, `parity` above all of them; no file imports another that imports it back. Checked on every
+both, `parity` above all of them (its commands use `train`, never the reverse: no module of
+`train` imports `parity`); no file imports another that imports it back. Checked on every
 import statement of every file, those inside functions included, and on dynamic imports: a string
 constant naming a project module (`importlib.import_module("train.backends.jax_backend")`, or a
 table of such names) counts as an import of it, but for the module a child process runs
-(`[sys.executable, "-m", "train.serve", ...]`).
+(`[sys.executable, "-m", "train.commands.serve", ...]`).
 
 The framework checks run in a fresh interpreter: in this pytest process torch and jax are long
 imported. The child prints the top-level names in `sys.modules` as JSON; the assertions are made
@@ -22,7 +23,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from parity.cli import COMMANDS as AIAYN_COMMANDS
+from parity.commands.cli import COMMANDS as AIAYN_COMMANDS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 JAX_MODULES = {"jax", "jaxlib", "flax", "optax", "orbax"}
@@ -105,13 +106,15 @@ def test_dependencies_run_one_way_without_cycles():
     assert "train.metrics" in graph["train.loop"] and "train.api" in graph["train.jobs"]
     # The backend factory's table of module names is seen as importing them.
     assert graph["train.backends"] >= {"train.backends.jax_backend", "train.backends.torch_backend"}
-    assert "train.serve" not in graph["train.loadgen"]  # it starts the server in a child process
+    assert "train.commands.serve" not in graph["train.loadgen"]  # it starts the server in a child process
 
+    assert "train.interop.runs" in graph["train.pretrained"]  # --init-from converts through the library itself
+    upward = [f"{name} imports {target}" for name, targets in graph.items() if name.split(".")[0] == "train"
+              for target in sorted(targets) if target.split(".")[0] == "parity"]
+    assert not upward, "train importing parity:\n  " + "\n  ".join(upward)
     wrong = []
     for name, targets in graph.items():
         package = name.split(".")[0]
-        if name in COMMANDS:  # the commands sit on top of every library (train.run --init-from imports via parity)
-            package = "parity"
         for target in targets:
             other = target.split(".")[0]
             allowed = MAY_IMPORT[package]
@@ -203,7 +206,7 @@ def test_checkpoint_stores_know_neither_run_directories_nor_backends():
     graph = {name: imports_of(name, path, modules) for name, path in modules.items()}
     stores = sorted(name for name in graph if name.split(".")[:2] == ["train", "store"])
     assert stores == ["train.store", "train.store.jax_store", "train.store.torch_store"]
-    assert "train.runtime.rundir" in reachable(graph, "train.average")  # the walk does find what is imported
+    assert "train.runtime.rundir" in reachable(graph, "train.commands.average")  # the walk does find what is imported
     for store in stores:
         wrong = {m for m in reachable(graph, store)
                  if m.split(".")[:2] in (["train", "runtime"], ["train", "backends"]) and m != "train.runtime.files"}
@@ -250,16 +253,21 @@ def test_every_name_imported_from_the_project_exists():
     assert json.loads(result.stdout.strip().splitlines()[-1]) == []
 
 
-# The commands: flag parsing and printing over the library, each a subcommand of `aiayn` (`parity.cli`).
-COMMANDS = {module for module, _ in AIAYN_COMMANDS.values()} | {"parity.cli"}
+# The commands, by docs/design.md's one rule: every module in a `commands/` folder, and `train.run`, the
+# quick start's alias of `train.commands.run`; `aiayn` (`parity.commands.cli`) names all the others.
+COMMANDS = {name for name in project_modules() if name.split(".")[1:2] == ["commands"]} | {"train.run"}
+COMMAND_PACKAGES = {"train.commands", "parity.commands"}
 
 
 def test_no_module_imports_a_command():
     modules = project_modules()
     graph = {name: imports_of(name, path, modules) for name, path in modules.items()}
-    assert COMMANDS <= set(modules)
-    # Nor does a command import another: what two commands share is library code (`aiayn` only names them).
-    wrong = [f"{name} imports {target}" for name, targets in graph.items() if name != "parity.cli"
-             for target in sorted(targets & COMMANDS)]
+    named = {module for module, _ in AIAYN_COMMANDS.values()}
+    assert named == COMMANDS - COMMAND_PACKAGES - {"parity.commands.cli", "train.run"}  # aiayn names every one
+    # Nor does a command import another: what two commands share is library code (`aiayn` and the alias only
+    # name them).
+    wrong = [f"{name} imports {target}" for name, targets in graph.items()
+             if name not in ("parity.commands.cli", "train.run") for target in sorted(targets & COMMANDS)]
     assert not wrong, "modules importing commands:\n  " + "\n  ".join(wrong)
-    assert graph["parity.cli"] >= COMMANDS - {"parity.cli"}  # the walk sees aiayn's table of commands
+    assert graph["parity.commands.cli"] >= named  # the walk sees aiayn's table of commands
+    assert graph["train.run"] == {"train.commands.run"}  # the alias runs the command, by name

@@ -1,4 +1,5 @@
-"""The model configuration shared by both frameworks.
+"""The model configuration shared by both frameworks, and the rules both twins' searches, sampling
+and ensembles check (one definition for the two).
 
 This module imports neither torch nor jax: `torch_reference.TransformerConfig` and
 `jax_transformer.TransformerConfig` are this one class, so a config saved next to a checkpoint
@@ -110,6 +111,71 @@ class Range:
 POSITIVE, NON_NEGATIVE = Range(int, low=1), Range(int, low=0)
 PROBABILITY = Range(float, low=0.0, below=1.0)  # dropout rates, label smoothing: [0, 1)
 ALPHA = Range(float, low=0.0, below=10.0)  # a length penalty's: growing with length, finite in float32 up to 4096 tokens
+# `sampling.sample`'s settings (either twin); the seed keys a uint32 function.
+SAMPLING_RANGES = {"seed": Range(int, low=0, below=2**32), "num_samples": POSITIVE,
+                   "temperature": Range(float, above=0.0), "top_k": NON_NEGATIVE,
+                   "top_p": Range(float, above=0.0, high=1.0)}
+# How an `ensemble.Ensemble` (either twin) averages its members, and what they must share: the searches
+# read those fields from one `cfg` (and decode one vocabulary).
+AVERAGES = ("logprob", "prob")
+SHARED_FIELDS = ("src_vocab_size", "tgt_vocab_size", "pad_id", "bos_id", "eos_id")
+
+
+def length_penalty(length, alpha: float, scoring: str = "gnmt"):
+    """The divisor of a finished hypothesis's log-probability (`SCORINGS` says which), of a number or an array."""
+    return ((5.0 + length) / 6.0) ** alpha if scoring == "gnmt" else length ** alpha
+
+
+def output_length(src_len: int, max_len: int, max_len_a: float, max_len_b: int) -> int:
+    """The padded output length of a search for a padded source length (a static shape on the JAX side)."""
+    return max(1, min(max_len, math.floor(max_len_a * src_len + max_len_b)))
+
+
+def check_beam(beam_size, alpha, scoring: str, n_best) -> None:
+    """ValueError naming the first of a beam search's settings that is out of its range."""
+    if scoring not in SCORINGS:
+        raise ValueError(f"scoring must be one of {', '.join(SCORINGS)}, got {scoring!r}")
+    ALPHA.check("alpha", alpha)  # the early stop's bound needs a penalty that grows with length
+    POSITIVE.check("beam_size", beam_size)
+    if n_best is not None and (POSITIVE.error(n_best) or n_best > beam_size):
+        raise ValueError(f"n_best must be between 1 and the beam size {beam_size}, got {n_best}")
+
+
+def check_prefix_rows(src_ids, prefix, cfg: TransformerConfig, max_len_a: float, max_len_b: int) -> None:
+    """`decode.check_prefix` of either twin past the ids' type and range, over tensors or arrays: ValueError
+    unless prefix (B, P) has a row for each source (B, S), no <bos>, and each row leaves its sentence
+    room for <eos> (fewer tokens than its length limit)."""
+    if prefix.shape[0] != src_ids.shape[0]:
+        raise ValueError(f"prefix must be (batch, length) with the batch of src_ids, {src_ids.shape[0]} rows; "
+                         f"got shape {tuple(prefix.shape)}")
+    if bool((prefix == cfg.bos_id).any()):  # every search masks it
+        raise ValueError(f"prefix holds <bos> (id {cfg.bos_id}), which no output holds")
+    src_len = (src_ids != cfg.pad_id).sum(1).tolist()
+    for row, (n, used) in enumerate(zip(src_len, (prefix != cfg.pad_id).sum(1).tolist())):
+        limit = output_length(n, cfg.max_len, max_len_a, max_len_b)
+        if used and (used >= limit or n == 0):
+            raise ValueError(f"the prefix of sentence {row} has {used} tokens: its length limit of {limit} tokens "
+                             "leaves no room after it")
+
+
+def check_sampling(seed, num_samples, temperature, top_k, top_p) -> None:
+    """ValueError naming the first sampling setting out of its range (`SAMPLING_RANGES`)."""
+    for (name, allowed), value in zip(SAMPLING_RANGES.items(), (seed, num_samples, temperature, top_k, top_p)):
+        allowed.check(name, value)
+
+
+def check_ensemble(configs, average: str) -> None:
+    """ValueError unless `configs`, an ensemble's members', are some that share `SHARED_FIELDS`, and
+    `average` is one of AVERAGES."""
+    if not configs:
+        raise ValueError("an ensemble needs at least one model, got none")
+    if average not in AVERAGES:
+        raise ValueError(f"average must be one of {', '.join(AVERAGES)}, got {average!r}")
+    for i, cfg in enumerate(configs[1:], 1):
+        for name in SHARED_FIELDS:
+            if getattr(cfg, name) != getattr(configs[0], name):
+                raise ValueError(f"ensemble members differ in {name}: model 0 has {getattr(configs[0], name)}, "
+                                 f"model {i} has {getattr(cfg, name)}")
 # Each numeric TransformerConfig field's range (checked by __post_init__, so by every entry point).
 FIELD_RANGES = {
     "src_vocab_size": POSITIVE, "tgt_vocab_size": POSITIVE, "d_model": POSITIVE, "num_heads": POSITIVE,

@@ -1,21 +1,12 @@
-"""Search over the reference model's cached decoding: greedy and beam search.
+"""Greedy and beam search over the reference model's key/value cache (`Transformer.init_cache` /
+`decode_step`); `jax_transformer/decode.py` is the same algorithm in one jit-compiled loop, with
+identical tokens and scores (to float32 rounding). `cached=False` re-runs the whole decoder over every
+prefix instead, as the seed repositories did: the benchmark's baseline and a check of the cache.
 
-`jax_transformer/decode.py` is the same algorithm in one jit-compiled `lax.while_loop`; the two
-return identical tokens and scores (to float32 rounding) for the same weights.
-
-Both search with the model's key/value cache (`Transformer.init_cache` / `decode_step`): each
-step feeds one token per hypothesis and reads earlier positions from the cache. With
-`cached=False` the same search re-runs the whole decoder over every prefix at every step, as the
-seed repositories did: the baseline of `python -m parity.translate_bench`, and a check of the cache
-(the two return the same tokens). Output tokens
-exclude BOS, end with EOS and are padded with `pad_id` after it, shape (B, L) with
-L = min(max_len, floor(max_len_a * S + max_len_b)) for a padded source length S, as in JAX.
-Each sentence ends no later than floor(max_len_a * its length + max_len_b) tokens. A source row
-of padding only (the filler of a batch) is no sentence: its output is padding, with score 0.
-
-Beyond the best output (docs/decoding.md): `beam_search(..., n_best=K)` returns the K best
-finished hypotheses with their log-probabilities and scores; `prefix` forces the first tokens of
-each output, the search continuing after them; `score` gives the log-probability of given targets.
+Output tokens exclude BOS, end with EOS and are padded with `pad_id`, shape (B, L) with
+L = output_length(S, ...) for a padded source length S; each sentence ends within its own limit
+(`sentence_limits`), and a source row of padding only is no sentence (padding, score 0). n-best
+lists, forced prefixes and `score`: docs/decoding.md.
 """
 
 from __future__ import annotations
@@ -25,21 +16,11 @@ import math
 import torch
 from torch import Tensor
 
-from .config import ALPHA, POSITIVE, SCORINGS, TransformerConfig
+from .config import TransformerConfig, check_beam, check_prefix_rows, length_penalty, output_length
 from .model import Transformer, padding_mask, shift_right
 
 # A finite "minus infinity": sums of it stay finite, so no inf - inf = NaN in the scores.
 NEG_INF = -1.0e9
-
-
-def length_penalty(length, alpha: float, scoring: str = "gnmt"):
-    """The divisor of a finished hypothesis's log-probability (`config.SCORINGS` says which)."""
-    return ((5.0 + length) / 6.0) ** alpha if scoring == "gnmt" else length ** alpha
-
-
-def output_length(src_len: int, max_len: int, max_len_a: float, max_len_b: int) -> int:
-    """The padded output length for a padded source length (a static shape on the JAX side)."""
-    return max(1, min(max_len, math.floor(max_len_a * src_len + max_len_b)))
 
 
 def sentence_limits(src_ids: Tensor, pad_id: int, length: int, max_len_a: float, max_len_b: int) -> Tensor:
@@ -56,12 +37,6 @@ def _never_emitted(cfg, vocab):
 def _no_sentence(src_ids: Tensor, pad_id: int) -> Tensor:
     """(B,) True for source rows of padding only: done before the first step."""
     return (src_ids == pad_id).all(dim=1)
-
-
-def _check_scoring(scoring: str, alpha: float) -> None:
-    if scoring not in SCORINGS:
-        raise ValueError(f"scoring must be one of {', '.join(SCORINGS)}, got {scoring!r}")
-    ALPHA.check("alpha", alpha)  # the early stop's bound needs a penalty that grows with length
 
 
 def _check_ids(name: str, ids: Tensor, vocab_size: int) -> None:
@@ -82,28 +57,12 @@ def _check_source(model: Transformer, src_ids: Tensor) -> None:
         )
 
 
-def _check_n_best(n_best: int | None, beam_size: int) -> None:
-    POSITIVE.check("beam_size", beam_size)
-    if n_best is not None and (POSITIVE.error(n_best) or n_best > beam_size):
-        raise ValueError(f"n_best must be between 1 and the beam size {beam_size}, got {n_best}")
-
-
 def check_prefix(src_ids, prefix, cfg: TransformerConfig, max_len_a: float, max_len_b: int) -> None:
     """ValueError unless prefix (B, P) holds target-vocabulary ids other than <bos> (then pad_id), a
     row for each source, each leaving its sentence room for <eos>: fewer tokens than its length limit
     (`sentence_limits`)."""
     _check_ids("prefix", prefix, cfg.tgt_vocab_size)
-    if prefix.shape[0] != src_ids.shape[0]:
-        raise ValueError(f"prefix must be (batch, length) with the batch of src_ids, {src_ids.shape[0]} rows; "
-                         f"got shape {tuple(prefix.shape)}")
-    if bool((prefix == cfg.bos_id).any()):  # every search masks it
-        raise ValueError(f"prefix holds <bos> (id {cfg.bos_id}), which no output holds")
-    src_len = (src_ids != cfg.pad_id).sum(1).tolist()
-    for row, (n, used) in enumerate(zip(src_len, (prefix != cfg.pad_id).sum(1).tolist())):
-        limit = max(1, min(cfg.max_len, math.floor(max_len_a * n + max_len_b)))
-        if used and (used >= limit or n == 0):
-            raise ValueError(f"the prefix of sentence {row} has {used} tokens: its length limit of {limit} tokens "
-                             "leaves no room after it")
+    check_prefix_rows(src_ids, prefix, cfg, max_len_a, max_len_b)
 
 
 def _prefix_columns(prefix: Tensor | None, pad_id: int, length: int) -> Tensor | None:
@@ -140,45 +99,58 @@ class _Decoder:
             self.cache = [{**c, "self_k": c["self_k"][order], "self_v": c["self_v"][order]} for c in self.cache]
 
 
-@torch.no_grad()
-def greedy_search(
-    model: Transformer, src_ids: Tensor, max_len_a: float = 1.5, max_len_b: int = 10, cached: bool = True,
-    prefix: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
-    """src_ids (B, S) -> (tokens (B, L), scores (B,)): the argmax token at each step; the score is
-    the sum of the chosen tokens' log-probabilities. `cached=False`: no key/value cache.
-    `prefix` (B, P): the first tokens of each output (then pad_id; `check_prefix`), forced, their
-    log-probabilities counted in the score; the search continues after them."""
-    _check_source(model, src_ids)
+def _token_by_token(model: Transformer, src_ids: Tensor, n: int, choose, max_len_a: float, max_len_b: int,
+                    cached: bool = True) -> tuple[Tensor, Tensor]:
+    """The loop of greedy search and sampling over `n` rows a sentence (a sentence's rows together):
+    choose(position, logprobs (B*n, V)) -> tokens (B*n,) picks each step's token, from log-probabilities
+    where pad, BOS and (at a row's length limit) every token but EOS are masked -> (tokens (B*n, L),
+    scores (B*n,): the sums of the chosen tokens' log-probabilities)."""
     cfg = model.cfg
     B, S = src_ids.shape
+    device = src_ids.device
     length = output_length(S, cfg.max_len, max_len_a, max_len_b)
-    if prefix is not None:
-        check_prefix(src_ids, prefix, cfg, max_len_a, max_len_b)
-    forced = _prefix_columns(prefix, cfg.pad_id, length)  # (B, L) or None
-    limits = sentence_limits(src_ids, cfg.pad_id, length, max_len_a, max_len_b)  # (B,)
+    limits = sentence_limits(src_ids, cfg.pad_id, length, max_len_a, max_len_b).repeat_interleave(n)  # (B*n,)
     src_mask = padding_mask(src_ids, cfg.pad_id)
-    decoder = _Decoder(model, model.encode(src_ids, src_mask), src_mask, length, cached)
-    not_eos = torch.arange(cfg.tgt_vocab_size, device=src_ids.device) != cfg.eos_id  # (V,)
-    never = _never_emitted(cfg, torch.arange(cfg.tgt_vocab_size, device=src_ids.device))  # (V,) pad and bos
+    memory = model.encode(src_ids, src_mask).repeat_interleave(n, dim=0)  # (B*n, S, D)
+    decoder = _Decoder(model, memory, src_mask.repeat_interleave(n, dim=0), length, cached)
+    not_eos = torch.arange(cfg.tgt_vocab_size, device=device) != cfg.eos_id  # (V,)
+    never = _never_emitted(cfg, torch.arange(cfg.tgt_vocab_size, device=device))  # (V,) pad and bos
 
-    tokens = torch.full((B, length), cfg.pad_id, dtype=torch.long, device=src_ids.device)
-    scores = torch.zeros(B, device=src_ids.device)
-    done = _no_sentence(src_ids, cfg.pad_id)  # (B,)
-    last = torch.full((B,), cfg.bos_id, dtype=torch.long, device=src_ids.device)
+    tokens = torch.full((B * n, length), cfg.pad_id, dtype=torch.long, device=device)
+    scores = torch.zeros(B * n, device=device)
+    done = _no_sentence(src_ids, cfg.pad_id).repeat_interleave(n)  # (B*n,)
+    last = torch.full((B * n,), cfg.bos_id, dtype=torch.long, device=device)
     for position in range(length):
-        logprobs = torch.log_softmax(decoder.logits(tokens, last, position).float(), dim=-1)  # (B, V)
-        must_end = (position + 1 >= limits)[:, None]  # sentences at their limit emit EOS
+        logprobs = torch.log_softmax(decoder.logits(tokens, last, position).float(), dim=-1)  # (B*n, V)
+        must_end = (position + 1 >= limits)[:, None]  # rows at their limit emit EOS
         logprobs = torch.where((must_end & not_eos) | never, NEG_INF, logprobs)
-        last = logprobs.argmax(dim=-1)  # (B,)
-        if forced is not None:  # the prefix's token where one is left (never masked: check_prefix)
-            last = torch.where(forced[:, position] != cfg.pad_id, forced[:, position], last)
+        last = choose(position, logprobs)  # (B*n,)
         scores = scores + torch.where(done, 0.0, logprobs.gather(1, last[:, None])[:, 0])
         tokens[:, position] = torch.where(done, cfg.pad_id, last)
         done = done | (last == cfg.eos_id)
         if bool(done.all()):
             break
     return tokens, scores
+
+
+@torch.no_grad()
+def greedy_search(model: Transformer, src_ids: Tensor, max_len_a: float = 1.5, max_len_b: int = 10,
+                  cached: bool = True, prefix: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """src_ids (B, S) -> (tokens (B, L), scores (B,)): the argmax token at each step; the score is
+    the sum of the chosen tokens' log-probabilities. `cached=False`: no key/value cache.
+    `prefix` (B, P): the first tokens of each output (then pad_id; `check_prefix`), forced, their
+    log-probabilities counted in the score; the search continues after them."""
+    _check_source(model, src_ids)
+    cfg = model.cfg
+    if prefix is not None:
+        check_prefix(src_ids, prefix, cfg, max_len_a, max_len_b)
+    forced = _prefix_columns(prefix, cfg.pad_id, output_length(src_ids.shape[1], cfg.max_len, max_len_a, max_len_b))
+
+    def choose(position: int, logprobs: Tensor) -> Tensor:  # the prefix's token where one is left (never masked)
+        best = logprobs.argmax(dim=-1)  # (B,)
+        return best if forced is None else torch.where(forced[:, position] != cfg.pad_id, forced[:, position], best)
+
+    return _token_by_token(model, src_ids, 1, choose, max_len_a, max_len_b, cached)
 
 
 def _gather(x: Tensor, index: Tensor) -> Tensor:
@@ -218,11 +190,9 @@ def _n_best(tokens: Tensor, logprob: Tensor, scores: Tensor, no_sentence: Tensor
 
 
 @torch.no_grad()
-def beam_search(
-    model: Transformer, src_ids: Tensor, beam_size: int = 4, alpha: float = 0.6,
-    max_len_a: float = 1.5, max_len_b: int = 10, cached: bool = True, scoring: str = "gnmt",
-    n_best: int | None = None, prefix: Tensor | None = None,
-) -> tuple[Tensor, ...]:
+def beam_search(model: Transformer, src_ids: Tensor, beam_size: int = 4, alpha: float = 0.6,
+                max_len_a: float = 1.5, max_len_b: int = 10, cached: bool = True, scoring: str = "gnmt",
+                n_best: int | None = None, prefix: Tensor | None = None) -> tuple[Tensor, ...]:
     """src_ids (B, S) -> (tokens (B, L), scores (B,)) of the best finished hypothesis per sentence;
     with `n_best` K (at most beam_size) the K best, best first: (tokens (B, K, L), log-probs
     (B, K), scores (B, K)), score = log-prob / length_penalty (`_n_best` for missing ones).
@@ -235,8 +205,7 @@ def beam_search(
     one of SCORINGS. `prefix` (B, P): forced first tokens, as in `greedy_search`.
     """
     _check_source(model, src_ids)
-    _check_scoring(scoring, alpha)
-    _check_n_best(n_best, beam_size)
+    check_beam(beam_size, alpha, scoring, n_best)
     n = n_best or 1
     cfg = model.cfg
     B, S = src_ids.shape

@@ -1,21 +1,12 @@
 """Several models decoding as one: `Ensemble(models)` goes wherever decode.py's searches and
-sampling.py's `sample` take a model, and its next-token distribution combines the members' at
-every step (fairseq's `EnsembleModel`, Marian's ensembles). `jax_transformer/ensemble.py` is its
-twin; both give the same tokens for the same weights (tests/parity/test_ensemble.py).
+sampling.py's `sample` take a model, its next-token distribution combining the members' at every
+step (fairseq's `EnsembleModel`, Marian's ensembles); `jax_transformer/ensemble.py` is its twin.
 
-The searches read a model's `cfg`, `encode`, `init_cache`, `decode_step`, `decode` and `project`;
-the ensemble offers them over its members laid side by side: its memory and hidden states are the
-members' concatenated along the feature axis (B, S, D1 + D2 + ...), so the searches' repeats and
-reorders of whole rows serve every member at once, and its cache is the members' layer lists one
-after the other. Members may differ in width, depth, heads and variant; they must share the
-vocabulary sizes and the special ids, which `cfg` carries for the searches.
-
-What it returns where a model returns logits is the combined log-probabilities, which the searches'
-log_softmax leaves as they are (`average="prob"`) or renormalises (`average="logprob"`):
-
-    "logprob"  the mean of the members' log-probabilities (a normalised geometric mean of their
-               distributions): "averaging the models' log-probabilities" as Marian and the issue say
-    "prob"     the log of the mean of their probabilities, fairseq's `EnsembleModel`
+Its memory and hidden states are the members' side by side on the feature axis and its cache their
+layer lists one after the other, so the searches' repeats and reorders of rows serve every member.
+Where a model returns logits it returns the combined log-probabilities: "logprob" the mean of the
+members' (renormalised by the searches' log_softmax), "prob" the log of their mean probability
+(docs/decoding.md#the-twins-ensemble).
 """
 
 from __future__ import annotations
@@ -27,24 +18,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from .config import AVERAGES, check_ensemble  # noqa: F401 (AVERAGES: `average`'s choices, by name)
 from .model import Transformer, padding_mask
-
-AVERAGES = ("logprob", "prob")
-# What the members must share: the searches read them from one `cfg` (and decode one vocabulary).
-SHARED_FIELDS = ("src_vocab_size", "tgt_vocab_size", "pad_id", "bos_id", "eos_id")
-
-
-def _check_members(models, average: str) -> None:
-    if not models:
-        raise ValueError("an ensemble needs at least one model, got none")
-    if average not in AVERAGES:
-        raise ValueError(f"average must be one of {', '.join(AVERAGES)}, got {average!r}")
-    first = models[0].cfg
-    for i, model in enumerate(models[1:], 1):
-        for name in SHARED_FIELDS:
-            if getattr(model.cfg, name) != getattr(first, name):
-                raise ValueError(f"ensemble members differ in {name}: model 0 has {getattr(first, name)}, "
-                                 f"model {i} has {getattr(model.cfg, name)}")
 
 
 def combine(logits: list[Tensor], average: str = "logprob") -> Tensor:
@@ -64,7 +39,7 @@ class Ensemble(nn.Module):
     def __init__(self, models: Sequence[Transformer], average: str = "logprob"):
         super().__init__()
         models = list(models)
-        _check_members(models, average)
+        check_ensemble([m.cfg for m in models], average)
         self.members = nn.ModuleList(models)
         self.average = average
         self.cfg = dataclasses.replace(models[0].cfg, max_len=min(m.cfg.max_len for m in models))

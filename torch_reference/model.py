@@ -93,11 +93,7 @@ def shift_right(ids: Tensor, bos_id: int) -> Tensor:
 
 
 def scaled_dot_product_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    mask: Tensor | None = None,
-    dropout: nn.Module | None = None,
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, dropout: nn.Module | None = None,
     return_attention: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """softmax(q kᵀ / √K) v (§3.2.1) for q (B, H, T, K), k and v (B, H, S, K) -> (B, H, T, K).
@@ -204,11 +200,7 @@ class MultiHeadAttention(nn.Module):
         return self.split_heads(self.k_proj(context)), self.split_heads(self.v_proj(context))
 
     def forward(
-        self,
-        x: Tensor,
-        context: Tensor | None,
-        mask: Tensor | None = None,
-        kv: tuple[Tensor, Tensor] | None = None,
+        self, x: Tensor, context: Tensor | None, mask: Tensor | None = None, kv: tuple[Tensor, Tensor] | None = None,
         return_attention: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Queries from x (B, T, D), keys and values from context (B, S, D) -> (B, T, D).
@@ -294,11 +286,7 @@ class DecoderLayer(EncoderLayer):
         self.cross_attn_norm = make_norm(cfg)
 
     def forward(
-        self,
-        x: Tensor,
-        memory: Tensor,
-        src_mask: Tensor | None = None,
-        tgt_mask: Tensor | None = None,
+        self, x: Tensor, memory: Tensor, src_mask: Tensor | None = None, tgt_mask: Tensor | None = None,
         return_attention: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """x (B, T, D), memory (B, S, D) -> (B, T, D); with `return_attention` also the
@@ -380,14 +368,8 @@ class Decoder(Encoder):
     layer_type = DecoderLayer
 
     def forward(
-        self,
-        x: Tensor,
-        memory: Tensor,
-        src_mask: Tensor | None = None,
-        tgt_mask: Tensor | None = None,
-        return_attention: bool = False,
-        *,
-        positions: Tensor | None = None,
+        self, x: Tensor, memory: Tensor, src_mask: Tensor | None = None, tgt_mask: Tensor | None = None,
+        return_attention: bool = False, *, positions: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Embedded target x (B, T, D), memory (B, S, D) -> hidden states (B, T, D); with
         `return_attention` also every layer's cross-attention weights, (B, layers, H, T, S)."""
@@ -471,14 +453,8 @@ class Transformer(nn.Module):
         return self.encoder(self.src_embed(src_ids) * self.embed_scale, src_mask, positions=positions)
 
     def decode(
-        self,
-        tgt_in_ids: Tensor,
-        memory: Tensor,
-        src_mask: Tensor | None = None,
-        tgt_mask: Tensor | None = None,
-        return_attention: bool = False,
-        *,
-        positions: Tensor | None = None,
+        self, tgt_in_ids: Tensor, memory: Tensor, src_mask: Tensor | None = None, tgt_mask: Tensor | None = None,
+        return_attention: bool = False, *, positions: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """tgt_in_ids (B, T), memory (B, S, D) -> hidden states (B, T, D).
 

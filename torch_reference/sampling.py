@@ -1,19 +1,11 @@
-"""Sampling from the reference model's cached decoding, with random numbers both frameworks share.
+"""Sampling from the reference model's cached decoding, with random numbers both frameworks share;
+`jax_transformer/sampling.py` is its twin: the same tokens for the same seed and weights.
 
-`jax_transformer/sampling.py` is the same algorithm in one jit-compiled `lax.while_loop`; for the
-same seed and weights the two return the same tokens (docs/decoding.md#sampling).
-
-The random numbers come from a counter-based function, not a generator's state: the uniform of a
-step is Threefry-2x32 (20 rounds, Salmon et al. 2011, JAX's own PRNG) keyed by (seed, sentence id)
-at the counter (sample, position), computed with integer arithmetic that rounds nowhere. A row's
-tokens therefore depend on its seed, its sentence id and its model alone, never on the batch it
-is in or on the framework. torch lacks uint32 arithmetic: the words are held in int64 and masked.
-
-The token is drawn by inverse CDF in token-id order: the first token whose cumulative probability
-exceeds u. The filters are thresholds and never reorder the tokens, so float32 differences in the
-logits move each boundary by rounding only, and change a token only when u falls within about 1e-6
-of the boundary (or a token sits at a filter's threshold); a sort would let two nearly equal
-probabilities swap places, moving a whole token's mass.
+The uniform of a step is Threefry-2x32 keyed by (seed, sentence id) at the counter (sample,
+position), integer arithmetic that rounds nowhere (torch lacks uint32: int64 words, masked), so a
+row's tokens depend on its seed, sentence id and model alone. The token is drawn by inverse CDF in
+token-id order and the filters are thresholds that never reorder tokens, so float32 differences move
+a boundary by rounding only (docs/decoding.md#sampling).
 """
 
 from __future__ import annotations
@@ -23,9 +15,9 @@ import math
 import torch
 from torch import Tensor
 
-from .config import float32_error
-from .decode import NEG_INF, _check_source, _Decoder, _never_emitted, _no_sentence, output_length, sentence_limits
-from .model import Transformer, padding_mask
+from .config import check_sampling
+from .decode import _check_source, _token_by_token
+from .model import Transformer
 
 # Threefry-2x32's rotation distances and key-schedule parity (Random123, threefry.h).
 ROTATIONS = (13, 15, 26, 6, 17, 29, 16, 24)
@@ -57,22 +49,6 @@ def uniform(seed, sentence, sample, position) -> Tensor:
     the top 23 bits of Threefry's first word as the odd multiple (2m + 1) / 2**24, exact in float32."""
     word, _ = threefry2x32(seed, sentence, sample, position)
     return ((word >> 9) * 2 + 1).float() * 2.0**-24
-
-
-def check_sampling(seed, num_samples, temperature, top_k, top_p) -> None:
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MASK:
-        raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
-    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-        raise ValueError(f"num_samples must be an integer >= 1, got {num_samples!r}")
-    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-        raise ValueError(f"top_k must be an integer >= 0 (0: no limit), got {top_k!r}")
-    if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
-        raise ValueError(f"top_p must be in (0, 1] (1: no limit), got {top_p!r}")
-    for name, value in (("temperature", temperature), ("top_p", top_p)):
-        if (problem := float32_error(value)) is not None:
-            raise ValueError(f"{name} {problem}")
 
 
 def _sentence_ids(sentence_ids, batch: int, device) -> Tensor:
@@ -145,32 +121,13 @@ def sample(
 def sample_loop(model: Transformer, src_ids: Tensor, seed, sentence_ids: Tensor, num_samples: int, temperature: float,
                 top_k: int, top_p: float, max_len_a: float, max_len_b: int) -> tuple[Tensor, Tensor]:
     """`sample`'s drawing loop, its settings checked and its sentence ids (B,) given."""
-    cfg = model.cfg
-    B, S = src_ids.shape
-    N, device = num_samples, src_ids.device
-    length = output_length(S, cfg.max_len, max_len_a, max_len_b)
-    limits = sentence_limits(src_ids, cfg.pad_id, length, max_len_a, max_len_b).repeat_interleave(N)  # (B*N,)
-    src_mask = padding_mask(src_ids, cfg.pad_id)
-    memory = model.encode(src_ids, src_mask).repeat_interleave(N, dim=0)  # (B*N, S, D), a sentence's rows together
-    decoder = _Decoder(model, memory, src_mask.repeat_interleave(N, dim=0), length, cached=True)
+    B, N = src_ids.shape[0], num_samples
     sentence = sentence_ids.repeat_interleave(N)  # (B*N,)
-    sample_index = torch.arange(N, device=device).repeat(B)  # (B*N,)
-    not_eos = torch.arange(cfg.tgt_vocab_size, device=device) != cfg.eos_id  # (V,)
-    never = _never_emitted(cfg, torch.arange(cfg.tgt_vocab_size, device=device))  # (V,) pad and bos
+    sample_index = torch.arange(N, device=src_ids.device).repeat(B)  # (B*N,)
 
-    tokens = torch.full((B * N, length), cfg.pad_id, dtype=torch.long, device=device)
-    scores = torch.zeros(B * N, device=device)
-    done = _no_sentence(src_ids, cfg.pad_id).repeat_interleave(N)  # (B*N,)
-    last = torch.full((B * N,), cfg.bos_id, dtype=torch.long, device=device)
-    for position in range(length):
-        logprobs = torch.log_softmax(decoder.logits(tokens, last, position).float(), dim=-1)  # (B*N, V)
-        must_end = (position + 1 >= limits)[:, None]  # rows at their limit emit EOS
-        logprobs = torch.where((must_end & not_eos) | never, NEG_INF, logprobs)
+    def choose(position: int, logprobs: Tensor) -> Tensor:
         u = uniform(seed, sentence, sample_index, position)  # (B*N,)
-        last = draw(sampling_distribution(logprobs, temperature, top_k, top_p), u)
-        scores = scores + torch.where(done, 0.0, logprobs.gather(1, last[:, None])[:, 0])
-        tokens[:, position] = torch.where(done, cfg.pad_id, last)
-        done = done | (last == cfg.eos_id)
-        if bool(done.all()):
-            break
-    return tokens.view(B, N, length), scores.view(B, N)
+        return draw(sampling_distribution(logprobs, temperature, top_k, top_p), u)
+
+    tokens, scores = _token_by_token(model, src_ids, N, choose, max_len_a, max_len_b)
+    return tokens.view(B, N, -1), scores.view(B, N)

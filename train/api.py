@@ -1,5 +1,5 @@
 """The Python API (docs/python.md): `load` a trained run to translate and evaluate with, `fit` to
-train one; the commands (`python -m train.X`, `aiayn X`) are thin shells over these."""
+train one; the commands (`aiayn X`, `train.commands`) are thin shells over these."""
 
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ class Run:
     def score(self, sources: str | Sequence[str], targets: str | Sequence[str],
               batch_size: int | None = None) -> dict[str, Any] | list[dict[str, Any]]:
         """The log-probability of each target given its source under the model (what
-        `python -m train.score` prints), one dict per pair (one for one string pair): "logprob"
+        `aiayn score` prints), one dict per pair (one for one string pair): "logprob"
         (the sum), "tokens" (the target's, "<eos>" last) and "token_logprobs" (one each)."""
         from .translation import score_pairs
 
@@ -100,7 +100,7 @@ class Run:
 
     def evaluate(self, pairs: str | os.PathLike | Sequence[tuple[str, str]], search: Search | None = None,
                  evaluation: Evaluation | None = None, **options: Any) -> dict[str, Any]:
-        """What `python -m train.evaluate` prints: loss, perplexity, BLEU and chrF with their
+        """What `aiayn evaluate` prints: loss, perplexity, BLEU and chrF with their
         signatures, exact match (per number of digits for number data) on `pairs`, a data spec
         ("numbers:test", "de:en:PREFIX", "FILE.tsv", ...) or (source, target) pairs, translated by
         `search`; `evaluation` (`Evaluation`, or its fields as keywords: max_sentences, samples,
@@ -130,7 +130,7 @@ class Run:
 
     def weights_digest(self) -> str:
         """Which weights this run translates with (an ensemble's: each run's, in order): the key
-        under which `train.translate` resumes a partial output (`weights_digest` below)."""
+        under which `aiayn translate` resumes a partial output (`weights_digest` below)."""
         return "".join(weights_digest(r.run_dir, r.step) for r in (self, *self.members))
 
     def close(self) -> None:
@@ -209,7 +209,7 @@ def _load_ensemble(run_dirs: list[Path], checkpoint: str | int, backend: str | N
         other = read_experiment(run_dir).backend
         if other != first:
             raise UserError(f"{run_dir} is a {other} run, {run_dirs[0]} a {first} one: an ensemble's runs share one "
-                            f"framework; convert it first: python -m parity.convert --to {first} --run-dir {run_dir} "
+                            f"framework; convert it first: aiayn convert --to {first} --run-dir {run_dir} "
                             "--dst DIR")
         if _tokenizer_bytes(run_dir) != _tokenizer_bytes(run_dirs[0]):
             raise UserError(f"{run_dir} has another vocabulary than {run_dirs[0]} (its tokenizer files differ): an "
@@ -257,7 +257,7 @@ def _load_one(run_dir: Path, checkpoint: str | int = "best", backend: str | None
     cfg = read_experiment(run_dir)
     if backend is not None and backend != cfg.backend:
         raise UserError(f"{run_dir} is a {cfg.backend} run; for {backend}, convert it first: "
-                        f"python -m parity.convert --to {backend} --run-dir {run_dir} --dst DIR")
+                        f"aiayn convert --to {backend} --run-dir {run_dir} --dst DIR")
     try:  # a launch option the config refuses (devices=0) or the backend (a torch run on several devices)
         cfg = cfg.replace(**launch)
         if (cfg.devices or 1) > 1 and cfg.backend == "torch":  # the backend's own refusal speaks of training

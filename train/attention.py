@@ -1,4 +1,4 @@
-"""Cross-attention heatmaps (`train.translate --plot-attention DIR`): each output teacher-forced once, input
+"""Cross-attention heatmaps (`aiayn translate --plot-attention DIR`): each output teacher-forced once, input
 line N drawn as DIR/NNNN.png (last decoder layer, heads averaged) and DIR/NNNN_layers.png (each layer, head)."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from . import data
+from .backends import Translator
 from .runtime.files import write_bytes_atomic, write_error
 from .runtime.replace import check_outside_runs
-from .backends import Translator
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +43,8 @@ BYTE_VALUES = _byte_values()
 
 
 def token_label(tokenizer, token_id: int) -> str:
-    """A token as readable text: specials by name, a leading space as ▁, bytes as UTF-8 (half a character as \\xNN)."""
+    """A token as readable text: specials by name, a leading space as ▁, bytes as UTF-8 (half a character:
+    \\xNN)."""
     token = tokenizer.id_to_token(int(token_id))
     if token is None:
         return f"<{int(token_id)}>"

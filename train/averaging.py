@@ -1,4 +1,4 @@
-"""Checkpoint averaging (`python -m train.average`, paper §6.1): the mean of a run's newest N checkpoints,
+"""Checkpoint averaging (`aiayn average`, paper §6.1): the mean of a run's newest N checkpoints,
 in float64 rounded once (alike bit for bit in either backend), at the newest one's step and state."""
 
 from __future__ import annotations
@@ -14,7 +14,19 @@ from torch_reference.config import POSITIVE
 
 from . import data, runtime
 from .backends import create_backend
+from .options import checked, option
 from .store import CheckpointError, TrainingState
+
+
+@checked
+class Averaging:
+    """What `average_run` averages: the newest `last` checkpoints of run `src` into a new run `dst`."""
+
+    src: Path = option(None, "the trained run (keeps at least N checkpoints)", flag="--run-dir", required=True,
+                     metavar="RUN")
+    dst: Path = option(None, "the new run directory to write", required=True, metavar="OUT")
+    last: int = option(5, "average the newest N checkpoints", range=POSITIVE, metavar="N")
+    overwrite: bool = option(False, "replace --dst if it holds a run")
 
 
 def average_states(states: Sequence[TrainingState]) -> TrainingState:
@@ -28,7 +40,7 @@ def average_states(states: Sequence[TrainingState]) -> TrainingState:
 
 def average_run(src: str | os.PathLike, dst: str | os.PathLike, last: int = 5, overwrite: bool = False) -> dict:
     """Average the newest `last` checkpoints of run `src` into a new run `dst`, whole or not at all; a summary."""
-    POSITIVE.check("last", last)  # 0 would average every checkpoint, -1 all but the oldest
+    Averaging(src, dst, last, overwrite)  # its checks: 0 would average every checkpoint, -1 all but the oldest
     src, dst = Path(src), Path(dst)
     runtime.rundir.check_set_aside(src)
     cfg = runtime.read_experiment(src)

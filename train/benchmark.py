@@ -1,4 +1,4 @@
-"""Step-time benchmark (`python -m train.bench`): JAX vs PyTorch eager vs torch.compile on the same
+"""Step-time benchmark (`aiayn bench`): JAX vs PyTorch eager vs torch.compile on the same
 model and batches.
 
 For each precision, preset and backend a fresh worker process (so that one backend's memory and
@@ -6,27 +6,83 @@ threads never touch another's) builds the model from seed 0, trains on the same 
 reports the median step time after warm-up (the first, compiling step apart), tokens/s, the model
 FLOPs of a step, MFU against the matmul peak measured in that process at that precision, and the
 peak memory of training (device memory on GPUs; on CPUs the rise of the process's peak resident
-memory). The precisions are `build_parser`'s epilog's (docs/performance.md).
+memory). The precisions are `PRECISION_HELP`'s (docs/performance.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import json
 import os
 import platform
 import resource
+import socket
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
-from torch_reference.config import TransformerConfig
+from torch_reference.config import NON_NEGATIVE, POSITIVE, PROBABILITY, TransformerConfig
 
+from .config import KERNEL_CHOICES
+from .options import OptionError, Output, checked, option
+from .runtime.files import UserError, json_text
 
 BACKENDS = ("jax", "torch", "torch-compile")
 PRECISIONS = ("float32", "tf32", "bfloat16")
-REMAT_MODES = {"off": (False,), "on": (True,), "both": (False, True)}  # train.bench --remat
+PRECISION_HELP = (
+    "precisions: float32 = full float32 matmuls (TF32 off); tf32 = float32 with TF32 tensor-core matmuls (JAX's "
+    "default on Ampere and newer GPUs; float32 on a CPU); bfloat16 = mixed precision, as train.run --dtype bfloat16")
+REMAT_MODES = {"off": (False,), "on": (True,), "both": (False, True)}  # aiayn bench --remat
+# One measurement in a fresh interpreter: `run_worker` of the JSON keywords given, its result the last line printed.
+WORKER = ("import json, sys; from train.benchmark import run_worker; "
+          "print(json.dumps(run_worker(**json.loads(sys.argv[1]))))")
+
+
+@checked
+class Bench:
+    """What `measure` times: every precision x preset x backend (x remat), each in a worker process
+    of its own, on batches of `batch_tokens` / `length` sentences of `length` tokens."""
+
+    presets: tuple[str, ...] | str = option("tiny,small,base", "comma-separated model presets")
+    backends: tuple[str, ...] | str = option(",".join(BACKENDS), f"comma-separated, from {', '.join(BACKENDS)}")
+    batch_tokens: int = option(1024, "tokens per side per batch: B = batch-tokens / length sentences", range=POSITIVE)
+    length: int = option(32, "source and target length of every sentence", range=POSITIVE)
+    vocab_size: int = option(8000, "shared vocabulary size", range=POSITIVE)
+    steps: int = option(10, "timed steps after warm-up", range=POSITIVE)
+    warmup: int = option(3, "untimed steps first, compilation included", range=NON_NEGATIVE)
+    dropout: float = option(0.0, "dropout rate (0: off; the paper's 0.1 with --dropout 0.1)", range=PROBABILITY)
+    precisions: tuple[str, ...] | str = option("float32", f"comma-separated, from {', '.join(PRECISIONS)} (see below)")
+    remat: str = option("off", "train.run --remat: recompute each layer's activations in the backward pass; both: "
+                        "each backend without then with it, side by side", choices=tuple(REMAT_MODES))
+    kernels: str = option("auto", "train.run --kernels: the models' kernel set", choices=KERNEL_CHOICES)
+    devices: int = option(1, "data parallel over N devices, the same global batch split over them: JAX's mesh (on a "
+                          "CPU, N host devices), torch DistributedDataParallel in N processes", range=POSITIVE)
+    json: Output = option(None, "write all figures to this JSON file (after every measurement)")
+    plot: Output = option(None, "write a bar chart of step times to this PNG")
+
+    def check(self) -> None:
+        for name, known in (("presets", TransformerConfig.presets()), ("backends", BACKENDS),
+                            ("precisions", PRECISIONS)):
+            value = getattr(self, name)
+            names = tuple(n for n in (value.split(",") if isinstance(value, str) else value) if n)
+            if not names:
+                raise OptionError("{} names nothing to measure", name)
+            if unknown := [n for n in names if n not in known]:
+                raise OptionError("{}: " + f"unknown {name[:-1]} {unknown[0]!r}; choose from {', '.join(known)}", name)
+            object.__setattr__(self, name, names)
+        if self.batch_size % self.devices:
+            raise OptionError("{} " + f"{self.devices} does not divide the batch of {self.batch_size} sentences (" +
+                              "{} / {})", "devices", "batch_tokens", "length")
+
+    @property
+    def batch_size(self) -> int:
+        return max(1, self.batch_tokens // self.length)
 _JAX_MATMUL_PRECISION = {"float32": "highest", "tf32": "tensorfloat32", "bfloat16": "default"}
 
 
@@ -88,7 +144,7 @@ def _reset_peak_rss() -> bool:
 
 
 def set_precision(framework: str, precision: str) -> None:
-    """Matmul precision of this process for `precision` (one of PRECISIONS: see `build_parser`'s epilog)."""
+    """Matmul precision of this process for `precision` (one of PRECISIONS: `PRECISION_HELP`)."""
     if framework == "jax":
         import jax
 
@@ -134,22 +190,21 @@ def matmul_peak_gflops(framework: str, precision: str = "float32", n: int | None
     return 2 * n**3 / min(timings(run, repeats, warmup=1)) / 1e9
 
 
-def run_worker(args) -> dict:
-    """Train `args.steps` steps of one backend on the fixed batches and measure them."""
+def run_worker(preset: str, backend: str, precision: str, remat: bool, batch_size: int, length: int,
+               vocab_size: int, steps: int, warmup: int, dropout: float, kernels: str, devices: int) -> dict:
+    """Train `steps` steps of one backend on the fixed batches and measure them."""
     from .backends import create_backend, initialize
     from .config import ExperimentConfig
 
-    framework = "jax" if args.backend == "jax" else "torch"
-    set_precision(framework, args.precision)
-    dropout = TransformerConfig.preset(args.preset).dropout if args.dropout is None else args.dropout
-    cfg = TransformerConfig.preset(args.preset, src_vocab_size=args.vocab_size, tgt_vocab_size=args.vocab_size,
-                                   max_len=max(args.length, 64), dropout=dropout)
-    exp = ExperimentConfig(backend=framework, preset=args.preset, compile=args.backend == "torch-compile",
-                           steps=10**6, warmup=4000, progress=False, dropout=cfg.dropout,
-                           dtype="bfloat16" if args.precision == "bfloat16" else "float32",
-                           kernels=args.kernels, remat=args.remat_on, devices=getattr(args, "devices", 1))
-    peak = matmul_peak_gflops(framework, args.precision)
-    batches = fixed_batches(cfg, args.batch_size, args.length, 4)
+    framework, name = "jax" if backend == "jax" else "torch", backend
+    set_precision(framework, precision)
+    cfg = TransformerConfig.preset(preset, src_vocab_size=vocab_size, tgt_vocab_size=vocab_size,
+                                   max_len=max(length, 64), dropout=dropout)
+    exp = ExperimentConfig(backend=framework, preset=preset, compile=backend == "torch-compile", steps=10**6,
+                           warmup=4000, progress=False, dropout=cfg.dropout, kernels=kernels, remat=remat,
+                           dtype="bfloat16" if precision == "bfloat16" else "float32", devices=devices)
+    peak = matmul_peak_gflops(framework, precision)
+    batches = fixed_batches(cfg, batch_size, length, 4)
     # Memory counts from here: the model, its optimizer state (JAX makes it at creation, torch in
     # the first step), gradients, activations and the runtime's buffers.
     initialize(exp)  # the process's settings (allocator, threads), as train.run applies them
@@ -157,8 +212,8 @@ def run_worker(args) -> dict:
     backend = create_backend(exp, cfg, None)
 
     times = []
-    for i in range(args.warmup + args.steps):
-        if i == args.warmup:  # compilation's transient memory is reported apart from training's
+    for i in range(warmup + steps):
+        if i == warmup:  # compilation's transient memory is reported apart from training's
             warmup_peak = _peak_rss_mib() - rss_base
             steady = _reset_peak_rss()
         start = time.perf_counter()
@@ -167,14 +222,13 @@ def run_worker(args) -> dict:
         times.append(time.perf_counter() - start)
     loss = backend.fetch([metrics])[0]["loss"]
 
-    median = statistics.median(times[args.warmup:])
-    flops = step_flops(cfg, args.batch_size, args.length, args.length)
-    tokens = 2 * args.batch_size * args.length
-    result = {"preset": args.preset, "backend": args.backend, "devices": exp.devices, "precision": args.precision,
-              "dropout": cfg.dropout,
-              "kernels": backend.kernels, "remat": args.remat_on, "batch": [args.batch_size, args.length],
+    median = statistics.median(times[warmup:])
+    flops = step_flops(cfg, batch_size, length, length)
+    tokens = 2 * batch_size * length
+    result = {"preset": preset, "backend": name, "devices": exp.devices, "precision": precision,
+              "dropout": cfg.dropout, "kernels": backend.kernels, "remat": remat, "batch": [batch_size, length],
               "tokens_per_step": tokens, "first_step_s": times[0], "median_step_s": median,
-              "step_times_s": times[args.warmup:], "tokens_per_s": tokens / median, "step_flops": flops,
+              "step_times_s": times[warmup:], "tokens_per_s": tokens / median, "step_flops": flops,
               "achieved_gflops": flops / median / 1e9, "matmul_peak_gflops": peak, "mfu": flops / median / 1e9 / peak,
               "final_loss": loss, "num_params": backend.num_params}
     if framework == "jax":
@@ -235,7 +289,7 @@ def write_plot(results: list[dict], path: Path) -> None:
 
 
 def print_results(results: list[dict], batch_size: int, length: int, dropout: float, devices: int = 1) -> None:
-    """`python -m train.bench`'s table: one row per measurement, its step time against torch eager's."""
+    """`aiayn bench`'s table: one row per measurement, its step time against torch eager's."""
     print(f"\nmachine: {_cpu_name()}, {os.cpu_count()} CPUs; device {results[0]['device']}; batch {batch_size} x "
           f"{length} tokens per side over {devices} device(s); dropout {dropout}")
     print(f"{'precision':9s} {'preset':6s} {'backend':14s} {'step ms':>9s} {'first s':>8s} {'tok/s':>8s} "
@@ -248,3 +302,48 @@ def print_results(results: list[dict], batch_size: int, length: int, dropout: fl
         print(f"{r['precision']:9s} {r['preset']:6s} {name:14s} {r['median_step_s'] * 1e3:9.1f} {r['first_step_s']:8.2f} "
               f"{r['tokens_per_s']:8.0f} {r['achieved_gflops']:8.1f} {r['matmul_peak_gflops']:6.0f} {r['mfu']:6.2f} "
               f"{r['peak_memory_mib']:8.0f} {ratio:>8s}")
+
+
+def measure(bench: Bench) -> list[dict]:
+    """Every measurement of `bench`, each in a worker process (progress on stderr), written to `bench.json` after
+    every one (an interrupted benchmark keeps them) and drawn to `bench.plot`; a failed worker: UserError."""
+    machine = {"cpu": _cpu_name(), "cpus": os.cpu_count(), "platform": platform.platform()}
+    settings = {f.name: getattr(bench, f.name) for f in dataclasses.fields(bench) if f.name not in ("json", "plot")}
+    record, results = {"machine": machine, "batch": [bench.batch_size, bench.length], "options": settings}, []
+    fixed = {k: settings[k] for k in ("length", "vocab_size", "steps", "warmup", "dropout", "kernels", "devices")}
+    for precision, preset, backend, remat in itertools.product(bench.precisions, bench.presets, bench.backends,
+                                                                REMAT_MODES[bench.remat]):
+        print(f"{precision} / {preset} / {backend}{' / remat' if remat else ''} ...", file=sys.stderr, flush=True)
+        job = {"preset": preset, "backend": backend, "precision": precision, "remat": remat,
+               "batch_size": bench.batch_size, **fixed}
+        done = _run_workers([sys.executable, "-c", WORKER, json.dumps(job)], bench.devices, backend != "jax")
+        if done.returncode:
+            raise UserError(f"the {precision} / {preset} / {backend} worker failed:\n{done.stderr[-3000:].strip()}")
+        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        if bench.json:
+            bench.json.update(json_text({**record, "results": results}))
+    if bench.json:
+        bench.json.write(json_text({**record, "results": results}))
+    if bench.plot:
+        with bench.plot.writing() as path:
+            write_plot(results, path)
+    return results
+
+
+def _run_workers(command: list[str], devices: int, torch: bool) -> subprocess.CompletedProcess:
+    """One worker; on several devices JAX's with as many host devices (on a CPU), torch's as one process a
+    device in torchrun's environment (process 0 prints the figures)."""
+    env = dict(os.environ)
+    if not torch or devices == 1:
+        if devices > 1 and "xla_force_host_platform_device_count" not in env.get("XLA_FLAGS", ""):
+            env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
+        return subprocess.run(command, capture_output=True, text=True, env=env)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]), WORLD_SIZE=str(devices),
+                   LOCAL_WORLD_SIZE=str(devices))
+    workers = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(devices)]
+    outputs = [w.communicate() for w in workers]
+    failed = next((i for i, w in enumerate(workers) if w.returncode), 0)
+    return subprocess.CompletedProcess(command, workers[failed].returncode, outputs[0][0], outputs[failed][1])

@@ -50,7 +50,7 @@ FIELD_RANGES: dict[str, Range] = {
     "label_smoothing": PROBABILITY, "dropout": PROBABILITY,
 }
 
-positive_int = POSITIVE.parse  # the argparse type of train.serve's and train.loadtest's counts
+positive_int = POSITIVE.parse  # the argparse type of aiayn serve's and aiayn loadtest's counts
 
 
 def default_dtype(platform: str) -> str:
@@ -158,7 +158,7 @@ class ExperimentConfig:
     beam: int = _field(4, "eval", "beam size of the translations scored by BLEU/chrF (1 = greedy search)", launch=True)
     moses: str | None = _field(
         None, "eval", "also score BLEU on Moses-tokenized text of this target language (e.g. de), as bleu_moses and "
-        "bleu_moses_lc (train.evaluate --moses)", launch=True, metavar="LANG")
+        "bleu_moses_lc (aiayn evaluate --moses)", launch=True, metavar="LANG")
 
     save_every: int | None = _field(None, "ckpt", "checkpoint every N steps and at the end; default: --eval-every", launch=True)
     keep_checkpoints: int = _field(2, "ckpt", "keep the newest N checkpoints, plus the best by validation BLEU", launch=True)

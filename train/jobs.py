@@ -1,7 +1,7 @@
 """The jobs of the decoding commands, callable from Python: translate a file (`translate_file`),
 evaluate a run on a data spec (`evaluate_spec`), score the pairs of a file (`score_file`). Each
-takes the options objects of `train.options`; the commands (`train.translate`, `train.evaluate`,
-`train.score`) parse their flags into those and call these."""
+takes the options objects of `train.options`; the commands (`aiayn translate`, `aiayn evaluate`,
+`aiayn score`) parse their flags into those and call these."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from .backends.host_devices import split_host
 from .data import load_parallel
 from .data.corpora import spec_files
 from .data.streams import LineReader
-from .options import Evaluation, RunSelection, Sampling, Search, TranslateFiles, check_format
+from .options import Evaluation, RunSelection, Sampling, ScoreFiles, Search, TranslateFiles, check_format
 from .runtime import Interrupted, interruptible
 from .runtime.files import UserError, error_text, json_text
 from .runtime.output import OtherInput, PartialOutput, Progress, StreamOutput, destination, open_stream
@@ -31,8 +31,6 @@ def translate_file(selection: RunSelection, search: Search = Search(), sample: S
     chunk, resumably (docs/decoding.md); a summary on stderr. Raises UserError, OSError, and
     Interrupted naming what was kept."""
     check_format(files.format, search, sample)
-    if sample is not None:
-        sample.check_with(search)
     ensemble = len(selection.run_dir) > 1
     if ensemble and (search.alignments or files.plot_attention is not None):
         raise UserError(f"{'--alignments' if search.alignments else '--plot-attention'} with several --run-dir: an "
@@ -46,8 +44,8 @@ def translate_file(selection: RunSelection, search: Search = Search(), sample: S
         if first is None:
             raise UserError(f"{reader.name} is empty: TSV input needs a header row")
         columns, first = TsvColumns(first, reader.name), next(reader, None)
-        if sample is not None and columns.prefix is not None:
-            raise UserError(f"--sample with {reader.name}'s prefix column: forced prefixes are for the searches")
+    if sample is not None:  # the prefix column of TSV input: forced prefixes
+        sample.check_with(search, prefixes=columns is not None and columns.prefix is not None)
     if files.plot_attention is not None:
         from .attention import check_plot_directory
 
@@ -125,13 +123,13 @@ def evaluate_spec(selection: RunSelection, data: str, search: Search = Search(),
     return result
 
 
-def score_file(selection: RunSelection, input: str, output: os.PathLike | None = None, format: str = "text",
-               batch_size: int | None = None) -> None:
-    """Per pair of the data spec `input`, the target's log-probability under the runs `selection`
-    (`Run.score`), one line each to `output` (stdout): the number, or with `format` "jsonl" the
+def score_file(selection: RunSelection, files: ScoreFiles) -> None:
+    """Per pair of the data spec `files.input`, the target's log-probability under the runs `selection`
+    (`Run.score`), one line each to `files.output` (stdout): the number, or with format "jsonl" the
     JSON object with its tokens."""
     split_host()  # before jax is imported
-    destined = destination(output, "--output", spec_files(input), f"--input {input}")  # checked before the work
+    input = files.input
+    destined = destination(files.output, "--output", spec_files(input), f"--input {input}")  # checked before the work
     loaded = load_parallel(input)
     if loaded.skipped_empty:  # skipped, line N would no longer be pair N's score
         raise UserError(f"--input {input}: {loaded.skipped_empty:,} pairs with an empty side; every pair gets its "
@@ -139,8 +137,8 @@ def score_file(selection: RunSelection, input: str, output: os.PathLike | None =
     if not loaded.pairs:
         raise UserError(f"{input} holds no pair to score")
     with api.load(selection) as run:
-        scores = run.score([s for s, _ in loaded.pairs], [t for _, t in loaded.pairs], batch_size=batch_size)
-    text = "".join((json.dumps(s, ensure_ascii=False) if format == "jsonl" else f"{s['logprob']:.7g}") + "\n"
+        scores = run.score([s for s, _ in loaded.pairs], [t for _, t in loaded.pairs], batch_size=files.batch_size)
+    text = "".join((json.dumps(s, ensure_ascii=False) if files.format == "jsonl" else f"{s['logprob']:.7g}") + "\n"
                    for s in scores)
     if destined is None:
         sys.stdout.write(text)

@@ -1,4 +1,4 @@
-"""Load on a translation server (`python -m train.loadtest`, docs/serving.md#load-test), and translate's speed."""
+"""Load on a translation server (`aiayn loadtest`, docs/serving.md#load-test), and translate's speed."""
 
 from __future__ import annotations
 
@@ -19,8 +19,64 @@ from typing import Any
 
 import numpy as np
 
+from .options import POSITIVE, OptionError, checked, option
 from .runtime.files import UserError
 from .serving import Limits, require
+
+
+@checked
+class Load:
+    """A load test of the run in `run_dir` (`load_run`): `requests` requests of 1 to `max_texts`
+    sentences of `data` (a data spec's sources) or `input` (a file) from `clients` concurrent clients."""
+
+    run_dir: Path = option(None, "the run to serve (and to translate with --cli)", required=True)
+    data: str | None = option(None, "the source side of a data spec: numbers:test, FILE.tsv, ...", metavar="SPEC")
+    input: Path | None = option(None, "a file of source sentences, one per line (instead of --data)")
+    url: str | None = option(None, "load this running server instead of starting one (then no --unbatched or "
+                             "--serve-args)")
+    clients: int = option(64, "concurrent clients", range=POSITIVE)
+    requests: int = option(2000, "requests in all", range=POSITIVE)
+    max_texts: int = option(8, "sentences per request: 1 to N", range=POSITIVE, metavar="N")
+    beam: int = option(4, "beam size of every request", range=POSITIVE)
+    unbatched: bool = option(False, "also serve with --max-batch-requests 1 (no batching) under the same load")
+    cli: bool = option(False, "also time aiayn translate on the same sentences")
+    serve_args: str = option("", "more flags for aiayn serve, e.g. '--max-wait-ms 2'")
+
+    def check(self) -> None:
+        if (self.data is None) == (self.input is None):
+            raise OptionError("give {} or {}: the sentences to send", "data", "input")
+        if self.url and (self.unbatched or self.serve_args):
+            raise OptionError("{} and {} start servers of their own: give them without {}", "unbatched", "serve_args",
+                              "url")
+
+
+def load_run(load: Load) -> dict[str, dict[str, Any]]:
+    """`load_test` of each setup `load` asks for (served batched, unbatched; `cli_throughput`), by name."""
+    if load.input is not None:
+        lines = read_lines(load.input)
+    else:
+        from .data.splits import load_split
+        from .runtime import read_experiment
+
+        lines = [s for s, _ in load_split(read_experiment(load.run_dir), load.data)]
+    if not lines:
+        raise UserError("no sentence to send")
+    settings = {"clients": load.clients, "requests": load.requests, "max_texts": load.max_texts, "beam": load.beam}
+    setups, results = {"served, batched": load.serve_args.split()}, {}
+    if load.unbatched:
+        setups["served, one request per batch"] = [*load.serve_args.split(), "--max-batch-requests", "1"]
+    for name, flags in setups.items():
+        if load.url:
+            results[name] = load_test(load.url, lines, **settings)
+            break
+        with ServedRun(load.run_dir, *flags) as served:
+            print(f"{name}: {served.url} ...", file=sys.stderr, flush=True)
+            results[name] = load_test(served.url, lines, **settings)
+    if load.cli:
+        sent = sum(r["sentences"] for r in results.values()) // len(results)
+        pool = [lines[i % len(lines)] for i in range(max(len(lines), sent))]
+        results["CLI bulk (aiayn translate)"] = cli_throughput(load.run_dir, pool, load.beam)
+    return results
 
 
 def load_test(url: str, lines: Sequence[str], *, clients: int = 64, requests: int = 2000, min_texts: int = 1,
@@ -80,10 +136,10 @@ def read_lines(path: str | os.PathLike, max_chars: int = Limits().max_text_chars
 
 
 class ServedRun:
-    """`python -m train.serve --run-dir RUN --port 0 ARGS` in a child process: `url` once it listens; `stop()`."""
+    """`aiayn serve --run-dir RUN --port 0 ARGS` in a child process: `url` once it listens; `stop()`."""
 
     def __init__(self, run_dir: str | os.PathLike, *args: str, startup_s: float = 300.0):
-        command = [sys.executable, "-m", "train.serve", "--run-dir", str(run_dir), "--port", "0", *args]
+        command = [sys.executable, "-m", "train.commands.serve", "--run-dir", str(run_dir), "--port", "0", *args]
         self.proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, start_new_session=True)
         self.log: list[str] = []
         self.url: str | None = None
@@ -116,17 +172,17 @@ class ServedRun:
 
 
 def cli_throughput(run_dir: str | os.PathLike, lines: Sequence[str], beam: int = 4) -> dict[str, Any]:
-    """`python -m train.translate` on `lines`: its summary's lines/s (loading the run left out) and its wall time."""
+    """`aiayn translate` on `lines`: its summary's lines/s (loading the run left out) and its wall time."""
     with tempfile.TemporaryDirectory() as tmp:
         source = Path(tmp) / "source.txt"
         source.write_text("".join(f"{line}\n" for line in lines), encoding="utf-8")
         start = time.perf_counter()
-        done = subprocess.run([sys.executable, "-m", "train.translate", "--run-dir", str(run_dir), "--input",
+        done = subprocess.run([sys.executable, "-m", "train.commands.translate", "--run-dir", str(run_dir), "--input",
                                str(source), "--output", str(Path(tmp) / "out.txt"), "--beam", str(beam)],
                               check=False, capture_output=True, text=True)
         wall = time.perf_counter() - start
     found = re.search(r"translated ([\d,]+) lines in ([\d.]+) s: ([\d,.]+) lines/s", done.stderr)
     if done.returncode or not found:
-        raise UserError(f"python -m train.translate failed: {done.stderr.strip().splitlines()[-1:]}")
+        raise UserError(f"aiayn translate failed: {done.stderr.strip().splitlines()[-1:]}")
     return {"sentences": int(found[1].replace(",", "")), "seconds": float(found[2]),
             "sentences_per_s": float(found[3].replace(",", "")), "wall_seconds": round(wall, 1)}

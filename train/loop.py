@@ -1,11 +1,7 @@
-"""The framework-neutral training loop behind `train.fit` and `python -m train.run`.
-
-`train(cfg)` sets a run up (`setup`: data, tokenizers, batches, the backend, resumed from its last
-checkpoint with --resume), fits it (`fit`: updates with logging, evaluation and checkpoints) and
-finishes it (`finish`: a test-set evaluation, results.json, curves.png). The run directory's
-safety (claiming, locking, replacing an old run, signals, event files) is `train.runtime`'s; the
-backend (`train.backends`) is the only part that knows a framework. Signals, divergence, devices
-and processes: docs/operations.md.
+"""The framework-neutral training loop behind `train.fit` and `python -m train.run`: `train(cfg)` =
+`setup` (data, tokenizers, batches, the backend, resumed with --resume) -> `fit` (updates, logs,
+evaluations, checkpoints) -> `finish` (a test-set evaluation, results.json, curves.png). The run
+directory's safety is `train.runtime`'s; only the backend knows a framework (docs/operations.md).
 """
 
 from __future__ import annotations
@@ -48,18 +44,18 @@ def train(cfg: ExperimentConfig, *, explicit: Iterable[str] | None = None,
           init_dir: str | Path | None = None) -> dict[str, Any]:
     """Train (or resume) the run `cfg` describes, evaluate it, write results.json; returns its content.
 
-    `explicit` names the fields the user set (run.py passes the flags given); on --resume the
-    others are read from the run's saved config. None: every field not None counts as set.
-    `init_dir`: the run --init-from starts from when `cfg.init_from` names something else (a
-    Marian model that `train.run` imported there). Processes other than 0 of a multi-process run
-    train alongside but print and write nothing.
+    `explicit` names the fields the user set (on --resume the others come from the run's config; None:
+    every field not None). `init_dir`: --init-from's source already made a run of this backend
+    (`pretrained.source_run`; process 0 passes it to the processes it starts, which print and write nothing).
     """
     started = time.perf_counter()
     if cfg.resume and cfg.run_dir and explicit is not None and "backend" not in explicit:
         with contextlib.suppress(UserError):  # the run's backend starts its processes (no run: the session says so)
             cfg = cfg.replace(backend=runtime.read_experiment(cfg.run_dir).backend)
-    with launch(cfg, train, explicit=explicit, init_dir=init_dir):  # torch --devices N: its other processes
-        return _train(cfg, explicit, init_dir, started)
+    with contextlib.ExitStack() as scratch:  # holds a source converted or imported for --init-from
+        init_dir = init_dir or pretrained.source_run(cfg, scratch)
+        with launch(cfg, train, explicit=explicit, init_dir=init_dir):  # torch --devices N: its other processes
+            return _train(cfg, explicit, init_dir, started)
 
 
 def _train(cfg: ExperimentConfig, explicit: Iterable[str] | None, init_dir: str | Path | None,
@@ -108,19 +104,14 @@ class Training:
         return totals() - self.compiled_before if self.cfg.backend == "jax" else None
 
     def __enter__(self) -> Training:
-        if self.topology.is_main:
-            self.writer = summary_writer(Path(self.cfg.run_dir) / TENSORBOARD, purge_step=self.backend.step + 1)
-        else:
-            self.writer = NoWriter()
+        events = Path(self.cfg.run_dir) / TENSORBOARD
+        self.writer = summary_writer(events, purge_step=self.backend.step + 1) if self.topology.is_main else NoWriter()
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
-        try:
-            if exc_type is None:
+        try:  # on an error, that first error is the one reported (a full disk: both fail)
+            with contextlib.suppress(*(() if exc_type is None else (OSError,))):
                 self.writer.close()
-            else:
-                with contextlib.suppress(OSError):  # the first error is the one reported (a full disk: both fail)
-                    self.writer.close()
         finally:
             self.backend.close()
 
@@ -153,7 +144,7 @@ def setup(cfg: ExperimentConfig, topology: Topology, init_dir: str | Path | None
                                            lowercase=cfg.lowercase, sample_size=cfg.tokenizer_sample)
     model_cfg = cfg.model_config(tokenizers.src.get_vocab_size(), tokenizers.tgt.get_vocab_size())
     if initial is not None and model_cfg != initial.model_config.replace(dropout=model_cfg.dropout):
-        raise UserError(f"--init-from {cfg.init_from}: its files describe another model than its experiment rebuilds")
+        raise pretrained.refused(cfg.init_from, "its files describe another model than its experiment rebuilds")
     if cfg.resume:
         runtime.check_model(run_dir, cfg, model_cfg, tokenizers, what=CONFIG_FILE)
     stored = data.train_store(cfg, tokenizers, splits.train or None, progress=topology.is_main)
@@ -246,11 +237,9 @@ def _write_results(results: dict[str, Any]) -> None:
 
 def make_batcher(cfg: ExperimentConfig, tokenizers: data.Tokenizers, pairs, num_devices: int = 1,
                  topology: Topology | None = None) -> data.Batcher:
-    """The training batches of `pairs` (text pairs, or a `data.TokenStore`): token budget, length
-    buckets, shuffled from the seed. Built the same way whatever the backend, so both backends see
-    identical batches for the same seed and device count; every batch size is a multiple of
-    `num_devices`, over which each batch is split. With a multi-process `topology` each process
-    gathers only its share of each batch's rows."""
+    """The training batches of `pairs` (text pairs, or a `data.TokenStore`), the same in both backends for
+    the same seed and device count: every batch size a multiple of `num_devices`, over which each batch is
+    split; with a multi-process `topology`, each process gathers only its share of each batch's rows."""
     if cfg.token_budget < cfg.max_len * num_devices:
         raise UserError(
             f"--token-budget {cfg.token_budget} holds {cfg.token_budget // cfg.max_len} sequence(s) of --max-len "
@@ -273,9 +262,8 @@ def _eval_summary(result: dict[str, Any]) -> dict[str, Any]:
 
 def _evaluate(cfg, backend, tokenizers, pairs, samples: int, *, validation: bool = True, seen=None,
               stop=None) -> dict[str, Any]:
-    """`evaluate_pairs` with lowercased BLEU too. --eval-sentences limits the translations of
-    validation only: a test set (validation=False) is always scored whole. `stop`: a callable
-    asked between batches; when it says True, EvaluationStopped."""
+    """`evaluate_pairs` with lowercased BLEU too; --eval-sentences limits validation only (a test set,
+    validation=False, is scored whole). `stop`: asked between batches; True raises EvaluationStopped."""
     return evaluate_pairs(backend, tokenizers, pairs, max_len=cfg.max_len, token_budget=cfg.token_budget,
                           max_sentences=cfg.eval_sentences if validation else None, samples=samples,
                           search=Search(beam=cfg.beam), lowercase=True, moses=cfg.moses, seen=seen, stop=stop, fixed_shapes=cfg.pack)
@@ -283,9 +271,8 @@ def _evaluate(cfg, backend, tokenizers, pairs, samples: int, *, validation: bool
 
 @dataclasses.dataclass
 class _Log:
-    """What the loop records: logged training windows, evaluations, and training time/tokens.
-    The whole run's, across resumes: each checkpoint's meta holds it up to its step (its fields),
-    and --resume continues from there (`restore`)."""
+    """What the loop records, the whole run's across resumes (each checkpoint's meta holds it up to its
+    step): logged training windows, evaluations, and training time/tokens."""
 
     train: list[dict[str, float]] = dataclasses.field(default_factory=list)
     valid: list[dict[str, Any]] = dataclasses.field(default_factory=list)
@@ -294,8 +281,7 @@ class _Log:
 
     @classmethod
     def restore(cls, state: dict[str, Any] | None, step: int) -> _Log:
-        """The log saved with the checkpoint of `step` (empty for checkpoints written before
-        histories were kept); entries after `step` are left out."""
+        """The log saved with the checkpoint of `step` (empty for older checkpoints), up to `step`."""
         if not isinstance(state, dict):
             return cls()
 
@@ -310,16 +296,11 @@ def _log_window(cfg, step: int, values: list[dict[str, float]], tokens: int, ela
                 compiled: Compiles | None = None):
     """Record the metrics of the steps since the last log (one per step) as one history entry."""
     total = sum(v["tokens"] for v in values)
-    entry = {
-        "step": step,
-        "loss": sum(v["loss"] * v["tokens"] for v in values) / total,  # per target token, like the loss
-        "nll": sum(v["nll"] * v["tokens"] for v in values) / total,
-        "lr": values[-1]["lr"],
-        "grad_norm": values[-1]["grad_norm"],
-        "tokens_per_s": tokens / max(elapsed, 1e-9),  # target tokens
-    }
     log.time_s, log.tokens = log.time_s + elapsed, log.tokens + tokens
-    entry["train_time_s"] = log.time_s  # seconds in training steps so far, for curves against time
+    # loss and nll per target token, like the loss; train_time_s: seconds in training steps so far, for curves
+    entry = {"step": step, **{key: sum(v[key] * v["tokens"] for v in values) / total for key in ("loss", "nll")},
+             "lr": values[-1]["lr"], "grad_norm": values[-1]["grad_norm"],
+             "tokens_per_s": tokens / max(elapsed, 1e-9), "train_time_s": log.time_s}
     log.train.append(entry)
     for offset, v in enumerate(values):
         for key in ("loss", "nll", "lr", "grad_norm"):
@@ -338,14 +319,18 @@ def _log_evaluation(step: int, evaluated: dict[str, Any], eval_time: float, log:
     # train_time_s: seconds spent training up to this evaluation (evaluations excluded), for curves;
     # eval_time_s: this evaluation's own seconds
     log.valid.append({"step": step, "train_time_s": log.time_s, "eval_time_s": eval_time, **_eval_summary(evaluated)})
-    for key in ("loss", "ppl", "bleu", "chrf", "exact_match"):
-        writer.add_scalar(f"valid/{key}", evaluated[key], step)
+    _add_scores(writer, "valid", evaluated, step)
     say(
         f"step {step}: valid loss {evaluated['loss']:.4f} ppl {evaluated['ppl']:.3f} "
         f"BLEU {evaluated['bleu']:.2f} chrF {evaluated['chrf']:.2f} exact {evaluated['exact_match']:.1f}% "
         f"({evaluated['sentences']} sentences, {eval_time:.1f} s)" + bands_text(evaluated["bands"]))
     for sample in evaluated["samples"]:
         say(f"  {sample['source']}\n    ref: {sample['reference']}\n    hyp: {sample['hypothesis']}")
+
+
+def _add_scores(writer, split: str, evaluated: dict[str, Any], step: int) -> None:
+    for key in ("loss", "ppl", "bleu", "chrf", "exact_match"):
+        writer.add_scalar(f"{split}/{key}", evaluated[key], step)
 
 
 def _first_non_finite(values: list[dict[str, float]], step: int) -> str | None:
@@ -380,16 +365,10 @@ def _save(cfg: ExperimentConfig, backend: Backend, batcher: data.Batcher, evalua
 
 
 def fit(run: Training) -> None:
-    """The update loop from the backend's step to cfg.steps: train, log, evaluate, checkpoint.
-
-    Metrics are read at every log, evaluation and save, and a non-finite loss or gradient norm
-    raises TrainingDiverged there, before anything is saved: checkpoints never hold a diverged
-    update; so does a non-finite validation loss. SIGTERM and Ctrl-C (`runtime.StopSignals`, in a
-    single-process run) make the loop log, save and raise Interrupted; a signal during an
-    evaluation stops it (not counted as done), so the save follows the signal by at most one
-    update (and an evaluation batch).
-    `run.log`: the history so far (restored on --resume), extended in place.
-    """
+    """The update loop from the backend's step to cfg.steps: train, log, evaluate, checkpoint; `run.log`
+    extended in place. A non-finite loss, gradient norm or validation loss raises TrainingDiverged
+    before anything is saved. SIGTERM and Ctrl-C (`runtime.StopSignals`) make the loop save and raise
+    Interrupted, at most one update (and an evaluation batch: an evaluation stops) after the signal."""
     cfg, backend, batcher, writer, log = run.cfg, run.backend, run.batcher, run.writer, run.log
     # Several processes must agree on the update to stop after: those of a backend that can ask the others.
     agreed = getattr(backend, "agreed_signal", None) if run.topology.process_count > 1 else None
@@ -459,8 +438,7 @@ def finish(run: Training, started: float) -> dict[str, Any]:
         seen = {source for source, _ in splits.train} if cfg.uses_numbers_corpus else None  # for "bands"
         test = {"step": backend.step,
                 **_eval_summary(_evaluate(cfg, backend, tokenizers, splits.test, 0, validation=False, seen=seen))}
-        for key in ("loss", "ppl", "bleu", "chrf", "exact_match"):
-            writer.add_scalar(f"test/{key}", test[key], backend.step)
+        _add_scores(writer, "test", test, backend.step)
         for band, scores in (test["bands"] or {}).items():
             writer.add_scalar(f"test/exact_match_{band}_digits", scores["exact_match"], backend.step)
     best = max(log.valid, key=lambda v: (v["bleu"], v["step"]), default=None)

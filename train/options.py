@@ -1,10 +1,8 @@
-"""The options of the library's jobs as plain dataclasses, each checked once in `__post_init__`:
-how to search (`Search`), how to sample (`Sampling`), which runs to load (`RunSelection`).
-
-The Python API, the server and the commands all build these objects, so a rule lives here alone.
-An error names the parameter (`top_p must be in (0, 1], got 2`); the commands' flags are generated
-from the fields' metadata (`add_flags`), and a command's `call` rewords the same error with the flag
-(`--top-p must be ...`).
+"""The options of the library's jobs as dataclasses that check themselves when made (`checked`): how to
+search (`Search`), how to sample (`Sampling`), which runs to load (`RunSelection`), ... The API, the server
+and the commands all build these, so a rule lives here alone. An error names the parameter (`top_p must be
+in (0, 1], got 2`); the commands' flags are generated from the fields' metadata (`add_flags`), and a
+command's `run` rewords the same error with the flag (`--top-p must be ...`).
 
     >>> Search(beam=4, n_best=2).n_best
     2
@@ -21,7 +19,7 @@ import dataclasses
 import os
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from torch_reference.config import ALPHA, NON_NEGATIVE, POSITIVE, PROBABILITY, SCORINGS, Range  # noqa: F401 (for commands)
 
@@ -29,7 +27,12 @@ from .config import flag_name as flag_of
 from .runtime.files import UserError
 from .runtime.signals import exit_status
 
+if TYPE_CHECKING:
+    from .runtime.output import Destination
+
 FORMATS = ("text", "tsv", "jsonl")
+# The type of a field naming a file a command writes: given a path, checked at once and kept as its `Destination`.
+Output = Optional["Destination"]
 # The twins' ensemble.AVERAGES (a test keeps them equal), named here so that this module imports neither framework.
 ENSEMBLE_AVERAGES = ("logprob", "prob")
 
@@ -66,15 +69,40 @@ def check_fields(obj: Any) -> None:
             raise OptionError("{} " + f"must be one of {', '.join(map(str, choices))}, got {value!r}", field.name)
         if str(field.type) == "bool" and not isinstance(value, bool):
             raise OptionError("{} " + f"must be True or False, got {value!r}", field.name)
+        if str(field.type) == "Output" and value is not None:
+            object.__setattr__(obj, field.name, destination(value, field.name))
+
+
+def checked(cls: type) -> type:
+    """`cls` as a frozen dataclass that checks itself when made: its fields (`check_fields`), then its own `check`."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        getattr(self, "check", lambda: None)()
+
+    cls.__post_init__ = __post_init__
+    return dataclasses.dataclass(frozen=True)(cls)
+
+
+def destination(value: Any, name: str) -> Any:
+    """`value` (a path, or a Destination already checked) as the `Destination` of parameter `name`: an
+    OptionError naming it where the file cannot be written (docs/operations.md#output-files)."""
+    from .runtime.output import Destination
+
+    if isinstance(value, Destination):
+        return value
+    try:
+        return Destination(value, "")
+    except UserError as err:  # its message (" PATH is ...") names no flag: the parameter, or its flag (`run`), leads it
+        raise OptionError("{}" + str(err).replace("{", "{{").replace("}", "}}"), name) from None
 
 
 def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, *,
               ranges: Mapping[str, Range] | None = None, skip: Iterable[str] = (), only: Iterable[str] | None = None,
               groups: Mapping | None = None, show_defaults: bool = True) -> None:
     """One flag per field of the dataclass `cls` (`only` those, but `skip`), typed, ranged and documented by the
-    field's metadata (`ranges`: ranges kept beside the class); every default SUPPRESSed, so that
-    only the flags given reach `build` (the class's defaults apply to the rest). `groups`: the
-    argument group of each metadata "group"."""
+    field's metadata (`ranges`: ranges kept beside the class); every default SUPPRESSed, so that only the flags
+    given reach `build` (the class's defaults apply to the rest). `groups`: each metadata "group"'s group."""
     ranges, only = ranges or {}, None if only is None else set(only)
     for field in dataclasses.fields(cls):
         if field.name in skip or (only is not None and field.name not in only):
@@ -89,19 +117,26 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: ty
         elif "parse" in meta:  # a repeatable flag of its own syntax (--set FIELD=VALUE)
             kwargs.update(action="append", type=typed(meta["parse"]), metavar=meta.get("metavar"))
         else:
-            # Typed here, checked once by the class (its error reworded with the flag: `call`); `ranges`: checked here.
+            # Typed here, checked once by the class (its error reworded with the flag: `run`); `ranges`: checked here.
             parse = ranges[field.name].parser(field.name) if field.name in ranges else _TYPES.get(kind, str)
             kwargs.update(type=parse, choices=meta.get("choices"),
                           metavar=meta.get("metavar", {"int": "N", "float": "X"}.get(kind)))
             if kind.startswith("list"):
                 kwargs["action"] = "append"
-        if meta.get("required"):
-            kwargs["required"] = True
+        kwargs["required"] = bool(meta.get("required"))
         target = groups[meta["group"]] if groups and "group" in meta else parser
         target.add_argument(flag_of(field), **kwargs)
 
 
-_TYPES = {"int": int, "float": float, "Path": Path}
+def _output_path(text: str) -> Any:
+    """argparse's type of an `Output` field: refused while the flags are read, not after minutes of work."""
+    try:
+        return destination(text, "")
+    except OptionError as err:
+        raise argparse.ArgumentTypeError(str(err).lstrip()) from None
+
+
+_TYPES = {"int": int, "float": float, "Path": Path, "Output": _output_path}
 
 
 def typed(parse: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -116,27 +151,35 @@ def typed(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     return parsed
 
 
-def build(cls: type, given: Mapping[str, Any], **extra: Any) -> Any:
-    """`cls` from the flags `given` (argparse's dict: field name -> value) that are its fields, and `extra`."""
-    fields = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{k: v for k, v in given.items() if k in fields}, **extra)
+def build(cls: type, given: Mapping[str, Any]) -> Any:
+    """`cls` from the flags `given` (argparse's dict: field name -> value) that are its fields."""
+    return cls(**{k: v for k, v in given.items() if k in {f.name for f in dataclasses.fields(cls)}})
 
 
-def call(parser: argparse.ArgumentParser, job: Callable[[], Any]) -> int:
-    """The exit status of `job()` by the commands' one protocol (`runtime.exit_status`), an
-    OptionError worded with the flags of `parser` instead of the parameters' names."""
+def command(prog: str, description: str, *classes: type, **kwargs: Any) -> argparse.ArgumentParser:
+    """A command's parser (`kwargs`: ArgumentParser's): one flag per field of each options class of `classes`."""
+    parser = argparse.ArgumentParser(prog=prog, description=description, **kwargs)
+    for cls in classes:
+        add_flags(parser, cls)
+    return parser
+
+
+def run(parser: argparse.ArgumentParser, argv: list[str] | None, job: Callable[[dict[str, Any]], Any]) -> int:
+    """A command's exit status: `job` of the flags given (`argv`: sys.argv's) by the one protocol
+    (`runtime.exit_status`), an OptionError worded with the flags of `parser` instead of the parameters' names."""
+    given = vars(parser.parse_args(argv))
     flags = {action.dest: action.option_strings[0] for action in parser._actions if action.option_strings}
 
     def worded() -> Any:
         try:
-            return job()
+            return job(given)
         except OptionError as err:
             raise UserError(err.worded(lambda name: flags.get(name, name))) from None
 
     return exit_status(worded)
 
 
-@dataclasses.dataclass(frozen=True)
+@checked
 class Search:
     """A beam search (greedy with beam 1; docs/decoding.md): `n_best` K (<= beam) or `alignments`
     give each sentence's K best `Hypothesis` (1 with alignments alone) instead of strings."""
@@ -154,14 +197,13 @@ class Search:
     alignments: bool = option(False, "with --format jsonl: one source position per target token (the argmax of "
                               "the last decoder layer's cross-attention averaged over heads), and the source tokens")
 
-    def __post_init__(self):
-        check_fields(self)
+    def check(self) -> None:
         if self.n_best is not None and self.n_best > self.beam:
             raise OptionError("{} " + f"{self.n_best} must be between 1 and " + "{} " + f"{self.beam}: a beam search "
                               "keeps beam hypotheses", "n_best", "beam")
 
 
-@dataclasses.dataclass(frozen=True)
+@checked
 class Sampling:
     """Random sampling instead of a search (`Translator.sample`, docs/decoding.md#sampling):
     `num_samples` translations per sentence, each token drawn with the uniform of (seed, the
@@ -169,9 +211,6 @@ class Sampling:
     batch it falls in; `temperature` divides the log-probabilities, `top_k` (0: all) and `top_p`
     (1: all) keep the most probable tokens. A sample's score is its log-probability."""
 
-    seed: int = option(0, "the random numbers' seed, in [0, 2**32): the same seed gives the same samples, in the "
-                       "jax and torch backends alike, whatever the batching", range=Range(int, low=0, below=2**32),
-                       metavar="S")
     num_samples: int = option(1, "N samples per sentence (N > 1 with --format tsv or jsonl)", range=POSITIVE,
                               metavar="N")
     temperature: float = option(1.0, "divide the log-probabilities by T > 0 before drawing (< 1 sharper)",
@@ -179,9 +218,9 @@ class Sampling:
     top_k: int = option(0, "draw among the K most probable tokens (0: all)", range=NON_NEGATIVE, metavar="K")
     top_p: float = option(1.0, "draw among the most probable tokens whose probabilities reach P, in (0, 1] (1: all)",
                           range=Range(float, above=0.0, high=1.0), metavar="P")
-
-    def __post_init__(self):
-        check_fields(self)
+    seed: int = option(0, "the random numbers' seed, in [0, 2**32): the same seed gives the same samples, in the "
+                       "jax and torch backends alike, whatever the batching", range=Range(int, low=0, below=2**32),
+                       metavar="S")
 
     def check_with(self, search: Search, prefixes: bool = False) -> None:
         """OptionError for what does not go with sampling: n-best lists and forced prefixes are the
@@ -198,8 +237,6 @@ class Sampling:
 
 def check_format(fmt: str, search: Search, sample: Sampling | None = None) -> None:
     """OptionError for output options that cannot be written: one line per input line, always."""
-    if fmt not in FORMATS:
-        raise OptionError("{} " + f"must be one of {', '.join(FORMATS)}, got {fmt!r}", "format")
     for name, many in (("n_best", search.n_best or 1), ("num_samples", sample.num_samples if sample else 1)):
         if fmt == "text" and many > 1:
             raise OptionError("{} " + f"{many} gives several translations per input line: give " + "{} tsv or jsonl",
@@ -208,7 +245,7 @@ def check_format(fmt: str, search: Search, sample: Sampling | None = None) -> No
         raise OptionError("{} are written with {} jsonl", "alignments", "format")
 
 
-@dataclasses.dataclass(frozen=True)
+@checked
 class RunSelection:
     """Which trained runs to load and onto what (`train.load`): one run directory, or several (an
     ensemble of runs of one framework with the same tokenizers, combined by `average`), each at
@@ -234,7 +271,7 @@ class RunSelection:
     num_processes: int | None = option(None, "jax multi-process: number of processes", range=POSITIVE)
     process_id: int | None = option(None, "jax multi-process: this process's id, 0..N-1", range=NON_NEGATIVE)
 
-    def __post_init__(self):
+    def check(self) -> None:
         dirs = self.run_dir
         if isinstance(dirs, (str, os.PathLike)) or not isinstance(dirs, Iterable):
             dirs = [dirs]
@@ -244,7 +281,6 @@ class RunSelection:
         if not all(isinstance(d, (str, os.PathLike)) for d in dirs):
             raise OptionError("{}: give a run directory or a list of them, " + f"got {dirs!r}", "run_dir")
         object.__setattr__(self, "run_dir", [Path(d) for d in dirs])
-        check_fields(self)
 
     @property
     def launch(self) -> dict[str, Any]:
@@ -253,7 +289,7 @@ class RunSelection:
                 if (v := getattr(self, k)) is not None}
 
 
-@dataclasses.dataclass(frozen=True)
+@checked
 class Evaluation:
     """What `Run.evaluate` scores besides the search's translations (`train.metrics.evaluate_pairs`)."""
 
@@ -267,13 +303,10 @@ class Evaluation:
         "--lowercase", metavar="LANG")
     samples: int = option(0, "include N example translations in the JSON", range=NON_NEGATIVE)
 
-    def __post_init__(self):
-        check_fields(self)
 
-
-@dataclasses.dataclass(frozen=True)
+@checked
 class TranslateFiles:
-    """Where `train.translate` reads and writes, and how (`translation.translate_file`)."""
+    """Where `aiayn translate` reads and writes, and how (`translation.translate_file`)."""
 
     input: Path | None = option(None, "one source sentence per line: a file (plain, or gzip when named .gz), a "
                                 "FIFO, /dev/stdin or <(command); default: stdin")
@@ -301,17 +334,24 @@ class TranslateFiles:
     progress: bool = option(True, "a progress line on stderr (shown only when stderr is a terminal); the summary "
                             "stays")
 
-    def __post_init__(self):
-        check_fields(self)
+
+@checked
+class ScoreFiles:
+    """Which pairs `aiayn score` scores, and where and how it writes their log-probabilities (`jobs.score_file`)."""
+
+    input: str = option(None, "the pairs: a data spec as train.run's --valid takes (FILE.tsv with columns source and "
+                        "target, SRC:TGT:PREFIX for PREFIX.SRC and PREFIX.TGT, FILE.jsonl)", required=True)
+    output: Path | None = option(None, "write here instead of stdout")
+    format: str = option("text", "text: the log-probability; jsonl: also the target tokens (<eos> last) and each "
+                         "one's log-probability", choices=("text", "jsonl"))
+    batch_size: int | None = option(None, "at most N pairs per batch (default: the run's token budget)",
+                                    range=POSITIVE)
 
 
 def sampling_from(given: Mapping[str, Any]) -> Sampling | None:
     """The `Sampling` of the flags `given` when --sample is, else None; a sampling flag without it: UserError."""
     if not given.get("sample"):
-        order = ("num_samples", "temperature", "top_k", "top_p", "seed")
-        stray = [flag_of(f) for f in sorted(dataclasses.fields(Sampling), key=lambda f: order.index(f.name))
-                 if f.name in given]
-        if stray:
+        if stray := [flag_of(f) for f in dataclasses.fields(Sampling) if f.name in given]:
             raise UserError(f"{', '.join(stray)} without --sample: sampling settings, the searches take none")
         return None
     return build(Sampling, given)

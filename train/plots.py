@@ -1,18 +1,53 @@
-"""A run's learning curves (RUN/curves.png; `python -m train.curves`): loss and BLEU by steps and time."""
+"""A run's learning curves (RUN/curves.png; `aiayn curves`): loss and BLEU by steps and time."""
 
 from __future__ import annotations
 
+import contextlib
 import io
+import json
 from pathlib import Path
 from typing import Any
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from .runtime.files import write_bytes_atomic
+from .options import checked, option
+from .runtime.files import UserError, write_bytes_atomic
+from .runtime.layout import CURVES_FILE, RESULTS_FILE
 
 # What a file name's suffix may ask for (png, svg, pdf, jpg, ...); pgf needs a LaTeX installation.
 IMAGE_FORMATS = sorted(set(FigureCanvasAgg.get_supported_filetypes()) - {"pgf"})
+
+
+@checked
+class Curves:
+    """Which run's curves `draw` redraws, and where."""
+
+    run_dir: Path = option(None, "run directory written by train.run", required=True, metavar="DIR")
+    out: Path | None = option(None, "output file, replaced if it exists, in the format its suffix names: "
+                              f"{', '.join(IMAGE_FORMATS)}; PNG without one (default: RUN/{CURVES_FILE})",
+                              metavar="FILE")
+
+
+def draw(curves: Curves) -> dict[str, Any]:
+    """Draw the curves of the finished run `curves.run_dir` to `curves.out` (RUN/curves.png); where, and
+    the points drawn."""
+    from .runtime.output import Destination
+
+    run_dir, out = Path(curves.run_dir), curves.out
+    try:
+        results = json.loads((run_dir / RESULTS_FILE).read_text())
+    except (OSError, ValueError) as err:
+        raise UserError(f"no finished run in {run_dir} ({err}); TensorBoard shows a run still training") from None
+    history = results.get("history") or {}
+    output = Destination(out, "--out", [run_dir / RESULTS_FILE], f"--run-dir {run_dir}") if out else None
+    out = Path(out or run_dir / CURVES_FILE)
+    if out.suffix[1:].lower() not in ("", *IMAGE_FORMATS):  # never PNG bytes under another format's name
+        raise UserError(f"--out {out}: {out.suffix} is no image format; end the name in .{', .'.join(IMAGE_FORMATS)}")
+    with output.writing() if output else contextlib.nullcontext(out) as path:  # without --out: the run's own
+        plot_curves(history, path, run_title(results))
+    return {"curves": str(out), "train_points": len(history.get("train") or []),
+            "valid_points": len(history.get("valid") or [])}
 
 
 def plot_curves(history: dict[str, Any], path: str | Path, title: str = "") -> Path:

@@ -1,13 +1,13 @@
-"""Starting a run from a pretrained one (`--init-from`): its model, tokenizers and weights, trained
-on new data with a fresh optimizer and schedule (docs/finetune.md).
-
-The library starts from a run directory of its own backend; a Marian model, a hub name or a run of
-the other framework is first made one by `parity.runs.init_source` (which `train.run` calls).
+"""Starting a run from a pretrained one (`--init-from`): its model, tokenizers and weights, trained on
+new data with a fresh optimizer and schedule (docs/finetune.md). `source_run` makes any source a run of
+the backend that trains (through `train.interop`); `load` reads that run's weights.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +17,7 @@ from torch_reference.config import TransformerConfig
 from . import data, runtime
 from .backends import create_backend
 from .config import ExperimentConfig
+from .options import OptionError
 from .store import CheckpointError
 
 
@@ -31,21 +32,45 @@ class Pretrained:
     params: dict[str, np.ndarray]
 
 
+def source_run(cfg: ExperimentConfig, scratch: contextlib.ExitStack) -> Path | None:
+    """The run directory of `cfg.backend` that --init-from's weights are read from (None: no source), as
+    `interop.runs.init_source` makes it, in a temporary directory `scratch` removes; also for a resumed
+    run that has no checkpoint yet, which starts from its source again."""
+    source, backend = cfg.init_from, cfg.backend
+    if source is None and cfg.resume and cfg.run_dir and (Path(cfg.run_dir) / runtime.CONFIG_FILE).is_file():
+        from .runtime.rundir import has_checkpoint
+
+        if not has_checkpoint(Path(cfg.run_dir)):
+            saved = runtime.read_experiment(cfg.run_dir)
+            source, backend = saved.init_from, saved.backend
+    if source is None:
+        return None
+    from .interop.runs import init_source  # loads both frameworks: only for a source to convert
+
+    # Made here, not for every run: a killed process leaves it behind.
+    where = Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="aiayn-init-"))) / "source"
+    try:
+        return init_source(source, backend, where)
+    except (FileNotFoundError, ValueError) as err:
+        raise refused(source, runtime.error_text(err)) from None
+
+
 def load(source: str | Path, cfg: ExperimentConfig) -> Pretrained:
-    """The best checkpoint's weights, the tokenizers and the model of the run in `source`, which
-    must be a run of `cfg.backend` whose model `cfg` rebuilds (dropout aside)."""
+    """The best checkpoint's weights, the tokenizers and the model of the run in `source`, a run of
+    `cfg.backend` (`source_run`) whose model `cfg` rebuilds (dropout aside)."""
     saved, source = runtime.read_experiment(source), Path(source)
-    if saved.backend != cfg.backend:
-        raise runtime.UserError(f"--init-from {source} is a {saved.backend} run and this one trains {cfg.backend}: "
-                                f"convert it first (python -m parity.convert --to {cfg.backend} --run-dir {source} "
-                                "--dst DIR), or start it with python -m train.run, which does")
     model_cfg, tokenizers = runtime.read_run(source, saved)
     backend = create_backend(saved, model_cfg, str(source / runtime.CHECKPOINTS))
     try:
         backend.restore("best")
         params = backend.export_state().params
     except (FileNotFoundError, CheckpointError) as err:
-        raise runtime.UserError(f"--init-from {source}: {err}") from None
+        raise refused(cfg.init_from, str(err)) from None
     finally:
         backend.close()
     return Pretrained(source, saved, model_cfg, tokenizers, params)
+
+
+def refused(source: str | Path | None, why: str) -> OptionError:
+    """An error about the source `init_from` names: `init_from SOURCE: WHY` (`--init-from` at the command line)."""
+    return OptionError("{} " + f"{source}: {why}".replace("{", "{{").replace("}", "}}"), "init_from")

@@ -1,4 +1,4 @@
-"""The measurements of `python -m train.profile_step` (what they time and how: its module doc):
+"""The measurements of `aiayn profile` (what they time and how: its module doc):
 each part of a training step, forward + backward, JAX vs PyTorch; the XLA:CPU A/B and op split."""
 
 from __future__ import annotations
@@ -10,9 +10,28 @@ from collections.abc import Callable
 
 import numpy as np
 
-from torch_reference.config import TransformerConfig
+from torch_reference.config import POSITIVE, TransformerConfig
 
 from .benchmark import timings
+from .options import Output, checked, option
+
+
+@checked
+class Profile:
+    """What `aiayn profile` times: the parts of `preset`'s training step on `batch`
+    sentences of `length` tokens (float32, dropout off), or with `xla_ops` / `xla_cpu_ab` instead the
+    XLA op split / the xla_cpu A/B."""
+
+    preset: str = option("base", "model preset", choices=tuple(TransformerConfig.presets()))
+    batch: int = option(32, "sentences per batch", range=POSITIVE)
+    length: int = option(32, "tokens per sentence, source and target", range=POSITIVE)
+    vocab: int = option(8000, "shared vocabulary size", range=POSITIVE)
+    repeats: int = option(10, "timed runs per part", range=POSITIVE)
+    json: Output = option(None, "also write the figures to this JSON file")
+    xla_ops: bool = option(False, "instead: split JAX's forward + backward time into matmuls and other operations")
+    xla_cpu_ab: bool = option(False, "instead: time JAX's train step and a beam-4 search with and without "
+                              "xla_cpu's pieces")
+    sentences: int = option(64, "sources of the --xla-cpu-ab search", range=POSITIVE)
 
 
 def median_time(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:

@@ -15,9 +15,9 @@ from flax import nnx
 import jax_transformer as jt
 import torch_reference as tr
 from jax_transformer import objective as jobj
-from parity import torch_to_jax
 from parity.comparison import enable_parity_numerics
 from torch_reference import objective as tobj
+from train.interop.weights import torch_to_jax
 
 enable_parity_numerics()
 

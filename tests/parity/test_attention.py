@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import torch_reference as tr
-from parity import torch_to_jax
 from parity.comparison import enable_parity_numerics
+from train.interop.weights import torch_to_jax
 
 enable_parity_numerics()
 

@@ -1,5 +1,5 @@
 """Whole training checkpoints across frameworks (backends' export_state / import_state,
-parity.weights.convert_state, `parity.convert --run-dir`): the Adam state inside the trainer's
+train.interop.weights.convert_state, `aiayn convert --run-dir`): the Adam state inside the trainer's
 optax chain, strict checks, bit-exact round trips of a real run directory, and `train.run --resume` continuing a converted run in the other framework
 with the losses it would have had in its own.
 
@@ -18,14 +18,13 @@ import numpy as np
 import optax
 import pytest
 
-from parity import CheckpointMismatchError
-from parity.convert import main as convert_main
-from parity.runs import convert_run
-from parity.weights import convert_state, transfer_state
+from parity.commands.convert import main as convert_main
 from train import averaging, data, loop, runtime, store
-from train import run as train_run
 from train.backends import create_backend
+from train.commands import run as train_run
 from train.config import ExperimentConfig
+from train.interop.runs import convert_run
+from train.interop.weights import CheckpointMismatchError, convert_state, transfer_state
 
 jax.config.update("jax_default_matmul_precision", "highest")  # parity numerics (README, numerics contract)
 
@@ -247,14 +246,12 @@ def test_cli_converts_a_run_and_resume_continues_in_the_other_framework(jax_run,
 
 def test_cli_errors(jax_run, tmp_path):
     def cli(*args):
-        with pytest.raises(SystemExit) as exit_:
-            convert_main([str(a) for a in args])
-        return exit_.value.code
+        return convert_main([str(a) for a in args])
 
     assert cli("--to", "torch", "--run-dir", jax_run, "--dst", jax_run.parent) == 1  # exists, no --overwrite
     assert cli("--to", "jax", "--run-dir", jax_run, "--dst", tmp_path / "x") == 1  # already a jax run
     assert cli("--to", "torch", "--run-dir", tmp_path, "--dst", tmp_path / "y") == 1  # not a run directory
-    assert cli("--to", "torch", "--run-dir", jax_run, "--dst", tmp_path / "z", "--checkpoint", "newest") == 2
+    assert cli("--to", "torch", "--run-dir", jax_run, "--dst", tmp_path / "z", "--checkpoint", "newest") == 1
     assert cli("--to", "torch", "--run-dir", jax_run, "--dst", tmp_path / "z", "--checkpoint", "3") == 1
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep")
@@ -275,10 +272,9 @@ def test_converting_a_tampered_optimizer_file_names_the_problem(jax_run, tmp_pat
     del moments["decoder.layers.0.ff.linear1.bias.exp_avg"], moments["decoder.layers.0.ff.linear1.bias.exp_avg_sq"]
     save_file(moments, str(path))
     store.write_checkpoint_digest(path.parent)  # a consistent but foreign file: the digest cannot tell
-    with pytest.raises(SystemExit) as exit_:
-        convert_main(["--to", "jax", "--run-dir", str(torch_dir), "--dst", str(tmp_path / "back")])
+    code = convert_main(["--to", "jax", "--run-dir", str(torch_dir), "--dst", str(tmp_path / "back")])
     err = capsys.readouterr().err
-    assert exit_.value.code == 1 and "Traceback" not in err
+    assert code == 1 and "Traceback" not in err
     assert "checkpoint 4 in" in err and "cannot be restored" in err and "do not match the architecture: missing decoder.layers.0.ff.linear1.bias" in err
     assert not (tmp_path / "back").exists()
 
@@ -293,7 +289,7 @@ def test_best_checkpoint_is_selectable(jax_run, tmp_path):
 
 
 def test_averaging_the_same_checkpoints_in_either_framework_gives_the_same_weights(jax_run, tmp_path):
-    """`train.average` of checkpoints 2 and 4 of a JAX run, and of the same two converted to torch:
+    """`aiayn average` of checkpoints 2 and 4 of a JAX run, and of the same two converted to torch:
     bit-identical weights (a float64 mean in step order, rounded once), the newest checkpoint's
     moments and step."""
     torch_dir = tmp_path / "torch"

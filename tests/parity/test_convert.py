@@ -10,10 +10,9 @@ import pytest
 import torch
 
 import torch_reference as tr
-from parity import CheckpointMismatchError, jax_to_torch, torch_to_jax
-from parity.convert import main
-from parity.runs import load_jax_weights, load_torch_weights, save_jax_weights, save_torch_weights
-from parity.weights import expected_jax_params, jax_params
+from parity.commands.convert import main
+from train.interop.runs import load_jax_weights, load_torch_weights, save_jax_weights, save_torch_weights
+from train.interop.weights import CheckpointMismatchError, expected_jax_params, jax_params, jax_to_torch, torch_to_jax
 
 BASE = dict(src_vocab_size=53, tgt_vocab_size=53, d_model=24, num_heads=3, d_ff=40,
             num_encoder_layers=2, num_decoder_layers=1, max_len=64)
@@ -127,7 +126,8 @@ def test_cli_round_trip_and_errors(tmp_path, capsys):
     src = save_torch_weights(torch_model, tmp_path / "a" / "model.safetensors")
 
     def cli(*args):
-        return subprocess.run([sys.executable, "-m", "parity.convert", *map(str, args)], capture_output=True, text=True)
+        return subprocess.run([sys.executable, "-m", "parity.commands.convert", *map(str, args)], capture_output=True,
+                              text=True)
 
     done = cli("--to", "jax", "--src", src, "--dst", tmp_path / "jax")
     assert done.returncode == 0, done.stderr
@@ -140,9 +140,7 @@ def test_cli_round_trip_and_errors(tmp_path, capsys):
     def refused(*args) -> tuple[int, str]:
         """The exit status and stderr of `main` (in this process: a subprocess costs ~5 s of imports)."""
         capsys.readouterr()
-        with pytest.raises(SystemExit) as exited:
-            main(list(map(str, args)))
-        return exited.value.code, capsys.readouterr().err
+        return main(list(map(str, args))), capsys.readouterr().err
 
     # An existing destination is never overwritten silently.
     code, err = refused("--to", "jax", "--src", src, "--dst", tmp_path / "jax")
@@ -164,15 +162,13 @@ def test_cli_round_trip_and_errors(tmp_path, capsys):
                                     ["--to", "torch", "--from", "marian", "--src", "hf-dir"]])
 def test_cli_refuses_run_flags_without_a_run(source, flag, value, tmp_path, capsys):
     """Weights alone and a Marian import have no checkpoint to pick nor proof to run: the flag was ignored."""
-    with pytest.raises(SystemExit) as exited:
-        main([*source, "--dst", str(tmp_path / "out"), flag, value])
-    assert exited.value.code == 2
+    assert main([*source, "--dst", str(tmp_path / "out"), flag, value]) == 1
     assert f"error: {flag} goes with --run-dir, or with --to marian or ctranslate2" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 
 def test_cli_writes_into_an_empty_destination_directory(tmp_path):
-    """An empty --dst holds nothing to replace: written without --overwrite, as train.average writes one."""
+    """An empty --dst holds nothing to replace: written without --overwrite, as aiayn average writes one."""
     src = save_torch_weights(model(), tmp_path / "model.safetensors")
     (tmp_path / "jax").mkdir()
     assert main(["--to", "jax", "--src", str(src), "--dst", str(tmp_path / "jax")]) == 0
@@ -181,10 +177,8 @@ def test_cli_writes_into_an_empty_destination_directory(tmp_path):
 
 def test_cli_names_proof_sentences_in_its_errors(tmp_path, capsys):
     """A directory given as --proof-sentences: the error names that flag (the reader's default was --input)."""
-    with pytest.raises(SystemExit) as exited:
-        main(["--to", "jax", "--run-dir", str(tmp_path), "--dst", str(tmp_path / "out"),
-              "--proof-sentences", str(tmp_path)])
-    assert exited.value.code == 1
+    assert main(["--to", "jax", "--run-dir", str(tmp_path), "--dst", str(tmp_path / "out"), "--proof-sentences",
+                 str(tmp_path)]) == 1
     assert capsys.readouterr().err == (f"error: --proof-sentences {tmp_path} is a directory; "
                                        "give a file (one sentence per line)\n")
     assert not (tmp_path / "out").exists()

@@ -16,9 +16,9 @@ from flax import nnx
 import torch_reference as tr
 from jax_transformer import decode as jd
 from jax_transformer import model as jmodel
-from parity import torch_to_jax
 from parity.comparison import enable_parity_numerics
 from torch_reference import decode as td
+from train.interop.weights import torch_to_jax
 
 enable_parity_numerics()
 

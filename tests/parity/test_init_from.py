@@ -1,17 +1,21 @@
 """`--init-from SOURCE` (`train.run`, `train.fit`): a new run takes its source's model, tokenizers and
-weights and trains them with a fresh optimizer and schedule: from a run of the same backend (the
-library alone), from a Marian directory (imported through parity by train.run), refusing flags
-that would change the model's shape or vocabulary, resumable, and exported back to HF."""
+weights and trains them with a fresh optimizer and schedule: from a run of the same backend, of the
+other framework (converted) or a Marian directory (imported), by the library itself
+(`train.pretrained.source_run`) for both entry points, refusing flags that would change the
+model's shape or vocabulary, resumable, and exported back to HF."""
 
 import contextlib
 import json
 import tempfile
 
+import numpy as np
 import pytest
 
 import train
-from train import run, runtime
+from train import pretrained, runtime
+from train.commands import run
 from train.config import ExperimentConfig
+from train.interop.runs import convert_run, run_weights
 
 from .marian_fixtures import lines, make_marian_dir
 
@@ -42,32 +46,80 @@ def test_a_run_starts_from_another_runs_weights_with_a_fresh_optimizer(source, t
     assert resumed["steps"] == 6
 
 
-def test_flags_that_change_the_model_are_refused_by_name(source, tmp_path):
+def test_flags_that_change_the_model_are_refused_by_name(source, tmp_path, capsys):
     for change, says in [({"vocab_size": 300}, "--vocab-size: "), ({"model": {"d_model": 32}}, "--set: "),
                          ({"preset": "small"}, "--preset: ")]:
         with pytest.raises(runtime.UserError, match=says + f"{source} has "):
             train.fit(dict(run_dir=str(tmp_path / "x"), init_from=str(source), **{**TINY, **change}))
         assert not (tmp_path / "x").exists()
-    with pytest.raises(runtime.UserError, match="is a torch run and this one trains jax: convert it first"):
-        train.fit(dict(run_dir=str(tmp_path / "x"), init_from=str(source), **{**TINY, "backend": "jax"}))
-    with pytest.raises(runtime.UserError, match="not a run directory"):
-        train.fit(dict(run_dir=str(tmp_path / "x"), init_from=str(tmp_path), **TINY))
+    nowhere = tmp_path / "nowhere"
+    says = f"{nowhere}: {nowhere} is neither a run directory nor an HF Marian directory"
+    with pytest.raises(runtime.UserError, match=f"^init_from {says}"):  # Python names the parameter
+        train.fit(dict(run_dir=str(tmp_path / "x"), init_from=str(nowhere), **TINY))
+    flags = ["--backend", "torch", "--run-dir", str(tmp_path / "x"), "--no-progress", "--init-from", str(nowhere)]
+    assert run.main(flags) == 1
+    assert capsys.readouterr().err == f"error: --init-from {says} (config.json missing)\n"  # the command its flag
+    assert not (tmp_path / "x").exists()
 
 
 def test_a_scratch_directory_is_made_for_an_init_from_source_alone(source, tmp_path, monkeypatch):
     """train.run made a /tmp/aiayn-init-* directory for every launch, which a killed process left behind."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     with contextlib.ExitStack() as scratch:
-        assert run._init_dir(ExperimentConfig(**TINY), scratch) is None and not list(tmp_path.iterdir())
-        assert run._init_dir(ExperimentConfig(init_from=str(source), **TINY), scratch) == source  # torch's own
+        assert pretrained.source_run(ExperimentConfig(**TINY), scratch) is None and not list(tmp_path.iterdir())
+        assert pretrained.source_run(ExperimentConfig(init_from=str(source), **TINY), scratch) == source  # torch's own
         assert len(list(tmp_path.glob("aiayn-init-*"))) == 1
     assert not list(tmp_path.iterdir())
 
 
-@pytest.mark.slow  # ~11 s; in CI docs/finetune.md's run fine-tunes a hub Marian model in one command
+# So small a learning rate that one update leaves every weight within 1e-6 of where it started (Adam's
+# step is about the learning rate, here ~1e-12), so the run's weights after it are its source's.
+UNMOVED = dict(steps=1, eval_every=1, lr_factor=1e-9)
+
+
+def assert_same_weights(run_dir, source_dir):
+    after, _ = run_weights(run_dir, "latest")
+    before, _ = run_weights(source_dir, "best")
+    assert after.keys() == before.keys()
+    assert max(float(np.max(np.abs(after[k] - before[k]))) for k in after) < 1e-6
+
+
+def test_fit_starts_from_the_other_frameworks_run(source, tmp_path, monkeypatch):
+    """A JAX run (the torch source converted) as fit's source for a torch run: converted back from
+    its best checkpoint into a scratch directory, removed after the run."""
+    convert_run(source, tmp_path / "jax", to="jax", which="best")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "scratch"))
+    (tmp_path / "scratch").mkdir()
+    train.fit(dict(run_dir=str(tmp_path / "tuned"), init_from=str(tmp_path / "jax"), **{**TINY, **UNMOVED}))
+    assert_same_weights(tmp_path / "tuned", source)
+    assert runtime.read_experiment(tmp_path / "tuned").init_from == str(tmp_path / "jax")
+    assert not list((tmp_path / "scratch").iterdir())
+
+
+def test_fit_starts_from_a_marian_directory(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    from train.interop import marian
+
+    hf_dir = make_marian_dir(tmp_path / "hf", seed=1)
+    for split, (first, n) in {"ft": (1000, 40), "dev": (1300, 4)}.items():
+        for lang in ("de", "en"):
+            (tmp_path / f"{split}.{lang}").write_text("\n".join(lines(f"train.{lang}.gz", n, skip=first)) + "\n")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "scratch"))
+    (tmp_path / "scratch").mkdir()
+    train.fit(dict(run_dir=str(tmp_path / "tuned"), init_from=str(hf_dir), backend="torch", eval_sentences=2, beam=1,
+                   train=f"de:en:{tmp_path / 'ft'}", valid=f"de:en:{tmp_path / 'dev'}", token_budget=2048,
+                   progress=False, samples=0, **UNMOVED))
+    marian.import_marian(hf_dir, tmp_path / "imported", to="torch")
+    assert_same_weights(tmp_path / "tuned", tmp_path / "imported")
+    assert runtime.read_json(tmp_path / "tuned" / runtime.IMPORTED_FILE)["format"] == "marian"  # its numbering kept
+    assert not list((tmp_path / "scratch").iterdir())
+
+
+@pytest.mark.slow  # ~11 s; in CI train.fit starts from a Marian directory (above)
 def test_a_marian_model_fine_tuned_in_one_command_learns_and_exports_to_hf(tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
-    from parity import convert, marian
+    from parity.commands import convert
+    from train.interop import marian
 
     hf_dir = make_marian_dir(tmp_path / "hf", seed=1)
     for split, (first, n) in {"ft": (1000, 200), "dev": (1300, 24)}.items():

@@ -1,4 +1,4 @@
-"""HF Marian import and export (parity.marian) against HF `transformers` itself, offline.
+"""HF Marian import and export (train.interop.marian) against HF `transformers` itself, offline.
 
 The models are randomly initialised MarianMTModels saved locally (marian_fixtures), at a small
 lopsided shape and at opus-mt-de-en's; the tokenizers are SentencePiece models trained here on
@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 import torch
 
-from parity import marian, torch_to_jax
+from train.interop import marian
+from train.interop.weights import torch_to_jax
 from torch_reference import decode as td
 import train
 from train import runtime
@@ -64,7 +65,7 @@ def compare_logits(hf_dir, run_dir, n: int = 4, skip: int = 0):
     dec_in = torch.cat([torch.full_like(labels[:, :1], ids["decoder_start"]), labels[:, :-1]], dim=1)
     with torch.no_grad():
         reference = hf(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], decoder_input_ids=dec_in).logits
-    # The same batch in our ids: the tokenizers agree, the rows permute (module doc of parity.marian).
+    # The same batch in our ids: the tokenizers agree, the rows permute (module doc of train.interop.marian).
     src_order = marian.side_orders(ids)[0]
     ours_src = [[int(src_order[i]) for i in e.ids] for e in tokenizers.src.encode_batch(src_texts)]
     theirs_src = [[i for i, m in zip(row, mask) if m] for row, mask in zip(enc["input_ids"].tolist(), enc["attention_mask"].tolist())]
@@ -159,7 +160,7 @@ def test_greedy_translations_token_identical_to_hf_generate(small):
 def test_greedy_of_the_jax_twin_equals_the_torch_run(small, tmp_path):
     """The JAX import (same weights through the leaf rules) searches the same tokens."""
     hf_dir, torch_run = small
-    from parity.convert import main as convert
+    from parity.commands.convert import main as convert
 
     assert convert(["--from", "marian", "--src", str(hf_dir), "--to", "jax", "--dst", str(tmp_path / "jax")]) == 0
     texts = ["Ein Hund läuft.", "Zwei Kinder spielen im Sand."]
@@ -212,7 +213,7 @@ def test_export_round_trips_to_an_hf_directory(small, tmp_path):
     """--to marian: the untrained import goes back to the very weights (bit for bit), which
     MarianMTModel.from_pretrained loads with the same logits, and MarianTokenizer reads its files."""
     hf_dir, run_dir = small
-    done = subprocess.run([sys.executable, "-m", "parity.convert", "--to", "marian", "--src", str(run_dir),
+    done = subprocess.run([sys.executable, "-m", "parity.commands.convert", "--to", "marian", "--src", str(run_dir),
                            "--dst", str(tmp_path / "hf")], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     proof = json.loads((tmp_path / "hf" / "proof.json").read_text())  # checked by HF itself at export
@@ -235,9 +236,9 @@ def test_export_round_trips_to_an_hf_directory(small, tmp_path):
 
 def test_imported_run_translates_evaluates_and_fine_tunes(small, tmp_path, capsys):
     """The CLIs end to end (in this process: no interpreter start-ups): import with fine-tuning
-    data, train.translate, train.evaluate, train.run --resume for two updates."""
-    from parity.convert import main as convert
-    from train import evaluate, run, translate
+    data, aiayn translate, aiayn evaluate, train.run --resume for two updates."""
+    from parity.commands.convert import main as convert
+    from train.commands import evaluate, run, translate
 
     hf_dir = small[0]
     prefix = tmp_path / "ft"

@@ -1,5 +1,5 @@
 """Marian directories in and out (issue 42): a damaged file of an HF Marian directory is named by
-`parity.convert --from marian` in one line (a truncated model.safetensors, an invalid config.json
+`aiayn convert --from marian` in one line (a truncated model.safetensors, an invalid config.json
 or vocab.json, a SentencePiece model that is not one); `--to marian --overwrite` replaces only a
 Marian directory it wrote, never a run and never its source."""
 
@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from parity import convert
+from parity.commands import convert
 from train import runtime
 
 from .marian_fixtures import make_marian_dir
@@ -31,10 +31,10 @@ def hf_dir(tmp_path_factory):
 def test_a_damaged_file_of_a_marian_directory_is_named(hf_dir, tmp_path, capsys, name, damage, says):
     broken = shutil.copytree(hf_dir, tmp_path / "hf")
     (broken / name).write_bytes(damage((broken / name).read_bytes()))
-    with pytest.raises(SystemExit) as exited:
-        convert.main(["--from", "marian", "--src", str(broken), "--to", "torch", "--dst", str(tmp_path / "run")])
+    code = convert.main(["--from", "marian", "--src", str(broken), "--to", "torch", "--dst",
+                         str(tmp_path / "run")])
     lines = capsys.readouterr().err.strip().splitlines()
-    assert exited.value.code == 1 and len(lines) == 1 and lines[0].startswith(f"error: {broken / name}"), lines
+    assert code == 1 and len(lines) == 1 and lines[0].startswith(f"error: {broken / name}"), lines
     assert says in lines[0] and not (tmp_path / "run").exists()
 
 
@@ -47,9 +47,8 @@ def test_marian_export_overwrites_only_its_own_kind_and_never_the_source(hf_dir,
     capsys.readouterr()
     before = {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file() and p.name != runtime.LOCK_FILE}
     for dst, says in [(other, "holds a run, not a HF Marian directory"), (run, "is the source")]:
-        with pytest.raises(SystemExit) as exited:
-            convert.main(["--to", "marian", "--src", str(run), "--dst", str(dst), "--overwrite"])
+        code = convert.main(["--to", "marian", "--src", str(run), "--dst", str(dst), "--overwrite"])
         err = capsys.readouterr().err
-        assert exited.value.code == 1 and says in err and len(err.strip().splitlines()) == 1, err
+        assert code == 1 and says in err and len(err.strip().splitlines()) == 1, err
     assert {p: p.read_bytes() for p in before} == before  # both runs whole
     assert convert.main(["--to", "marian", "--src", str(run), "--dst", str(exported), "--overwrite"]) == 0

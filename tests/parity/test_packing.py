@@ -16,10 +16,10 @@ import torch
 
 import torch_reference as tr
 from jax_transformer import model as jmodel
-from parity import torch_to_jax
 from parity.comparison import enable_parity_numerics
 from torch_reference import model as tmodel
 from train.data import BOS_ID, EOS_ID, PAD_ID, Batcher
+from train.interop.weights import torch_to_jax
 
 enable_parity_numerics()
 

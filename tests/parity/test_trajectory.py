@@ -1,4 +1,4 @@
-"""parity.trajectory: one training curve in both frameworks, and one run across them.
+"""aiayn trajectory: one training curve in both frameworks, and one run across them.
 
 100 updates of the product's training code (train.backends.jax_backend / train.backends.torch_backend: Adam, the
 paper's schedule, label smoothing 0.1) from the same initial weights on identical batches,
@@ -12,7 +12,8 @@ import json
 import numpy as np
 import pytest
 
-from parity import trajectories, trajectory
+from parity import trajectories
+from parity.commands import trajectory
 from torch_reference.objective import noam_learning_rate
 
 LOPSIDED = {"d_model": 24, "num_heads": 3, "d_ff": 40, "num_encoder_layers": 2, "num_decoder_layers": 1}
@@ -31,7 +32,7 @@ def _comparison(report, label):
 
 
 def _assert_parameter_bound(report, label):
-    """The parameter bound, judged as `parity.trajectory` judges it: on the ReLU run itself, or,
+    """The parameter bound, judged as `aiayn trajectory` judges it: on the ReLU run itself, or,
     where one of its units flipped (a ReLU input within rounding of 0 lands on either side, Adam
     makes that a full-size step; CI's CPU did so once: 1.67e-4 in every comparison, a flip in one
     framework before update 50), on the smooth path -- the same initial weights with exact GELU."""
@@ -103,7 +104,7 @@ def _synthetic(loss, param, label="jax vs torch"):
 
 
 def test_relu_parameters_are_excused_only_by_a_smooth_path_that_meets_the_bound():
-    """As parity.check does for gradients: a flipped ReLU unit (an input within rounding of 0)
+    """As aiayn check does for gradients: a flipped ReLU unit (an input within rounding of 0)
     gets a gradient in one framework only, and Adam makes that a full step for that unit; the
     same weights with GELU (continuous derivative) must then meet the bound. The loss bound is
     never excused."""

@@ -1,4 +1,4 @@
-"""`parity.translate_bench --hf`: HF generate timed beside the other searches on an imported Marian
+"""`aiayn translate-bench --hf`: HF generate timed beside the other searches on an imported Marian
 model (random weights at a small lopsided shape, marian_fixtures), its outputs compared."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ import shutil
 
 import pytest
 
-from parity import marian, translate_bench
+from parity.commands import translate_bench
+from train.interop import marian
 
 from .marian_fixtures import lines, make_marian_dir
 

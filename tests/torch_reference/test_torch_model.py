@@ -560,7 +560,7 @@ def test_fully_padded_source_row_is_finite_and_isolated(model):
 def test_a_pad_start_token_is_attended_like_any_start():
     """bos_id == pad_id (Marian starts its decoder with its pad id): the start position is not
     masked, so the model equals one with a separate start token whose embedding row is pad's (the
-    row copy `parity.marian` imports with), at every real position, logits over the shared ids."""
+    row copy `train.interop.marian` imports with), at every real position, logits over the shared ids."""
     cfg = TransformerConfig(src_vocab_size=SRC_VOCAB, tgt_vocab_size=SRC_VOCAB, d_model=16, num_heads=2, d_ff=24,
                             num_encoder_layers=1, num_decoder_layers=2, dropout=0.0, bos_id=0)
     torch.manual_seed(0)

@@ -51,7 +51,7 @@ def tiny_torch_run(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_torch_and_jax_runs(tiny_torch_run, tmp_path_factory):
     """(`tiny_torch_run`, the same weights converted to a JAX run dir): read them, never write."""
-    from parity.convert import main as convert
+    from parity.commands.convert import main as convert
 
     jax_dir = tmp_path_factory.mktemp("tiny-jax-run") / "run"
     assert convert(["--to", "jax", "--run-dir", str(tiny_torch_run), "--dst", str(jax_dir)]) == 0

@@ -1,4 +1,4 @@
-"""`python -m train.translate --plot-attention DIR` on a tiny run: the translations as without the
+"""`aiayn translate --plot-attention DIR` on a tiny run: the translations as without the
 flag, one heatmap and one layer x head grid per sentence, the labels and weights behind them, and
 the two backends' `cross_attention` equal on the same weights."""
 
@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 from tokenizers import decoders
 
-from parity.weights import transfer_state
+from train.interop.weights import transfer_state
 import train
-from train import attention, data, loop, translate, translation
+from train import attention, data, loop, translation
+from train.commands import translate
 from train.backends import create_backend
 from train.config import ExperimentConfig
 from train.options import Search

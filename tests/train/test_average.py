@@ -1,4 +1,4 @@
-"""Checkpoint averaging (`train.average`): the mean of a run's newest N checkpoints as a new run
+"""Checkpoint averaging (`aiayn average`): the mean of a run's newest N checkpoints as a new run
 that translate, evaluate and resume accept. Parity across frameworks: tests/parity/test_checkpoint_conversion.py."""
 
 import json
@@ -6,9 +6,10 @@ import json
 import numpy as np
 import pytest
 
-from train import average, averaging, evaluate, loop, translate
-from train import run as train_run
+from train import averaging, loop
 from train.backends import create_backend
+from train.commands import average, evaluate, translate
+from train.commands import run as train_run
 from train.config import ExperimentConfig
 from train.runtime import read_experiment, read_model_config
 from train.store import TrainingState
@@ -86,9 +87,8 @@ def test_cli_errors(run_with_checkpoints, tmp_path, capsys):
         (tmp_path / "stray").write_text("x")
         code = average.main(["--run-dir", src, "--last", "2", *args, "--overwrite"])
         assert code == 1 and message in capsys.readouterr().err
-    with pytest.raises(SystemExit) as exited:  # argparse's usage error
-        average.main(["--run-dir", src, "--last", "0", "--dst", str(tmp_path / "y")])
-    assert exited.value.code == 2
+    assert average.main(["--run-dir", src, "--last", "0", "--dst", str(tmp_path / "y")]) == 1  # Averaging's check
+    assert capsys.readouterr().err == "error: --last must be >= 1, got 0\n"
     for last in (0, -1):  # from Python too: 0 averaged every checkpoint, -1 all but the oldest
         with pytest.raises(ValueError, match=f"last must be >= 1, got {last}"):
             averaging.average_run(src, tmp_path / "y", last=last)

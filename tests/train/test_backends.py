@@ -1,7 +1,7 @@
 """The two backends against each other: same weights, same batches, dropout off -> same training.
 
 The central test is `test_jax_and_torch_train_alike`: a torch model's initial state is
-converted into the JAX backend (parity.weights.transfer_state) and both take the same updates; the per-step
+converted into the JAX backend (train.interop.weights.transfer_state) and both take the same updates; the per-step
 losses must agree to 1e-5 relative. Lopsided model sizes (d_model=24 with 3 heads, 2 encoder
 layers and 1 decoder layer) so a swapped axis cannot pass.
 """
@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from parity.weights import convert_state, transfer_state
 from torch_reference.objective import noam_learning_rate
 from train import data, loop
 from train.backends import Backend, create_backend
+from train.interop.weights import convert_state, transfer_state
 
 # Parity is asserted at full float32 matmul precision (the README's numerics contract).
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -203,10 +203,10 @@ def test_checkpoints_keep_newest_and_best(tmp_path, fast_config, corpus, backend
 
 
 def test_torch_checkpoint_files(tmp_path, fast_config, corpus):
-    """safetensors only (no pickle), the config in the weights' metadata as parity.convert reads it."""
+    """safetensors only (no pickle), the config in the weights' metadata as aiayn convert reads it."""
     from safetensors import safe_open
 
-    from parity import runs
+    from train.interop import runs
 
     splits, tokenizers = corpus
     cfg = fast_config("torch", model=LOPSIDED).resolve()

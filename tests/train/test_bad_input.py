@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from torch_reference.config import TransformerConfig
-from train import curves, data, evaluate, run, runtime, translate
+from train import data, runtime
+from train.commands import curves, evaluate, run, translate
 from train.config import ExperimentConfig
 from train.data import corpora
 
@@ -143,9 +144,8 @@ def test_unknown_values_and_flags_exit_with_usage(capsys):
     for main, data in ((translate.main, []), (evaluate.main, ["--data", "numbers:valid"])):  # one check: Search's
         assert main(["--run-dir", "x", *data, "--beam", "0"]) == 1
         assert capsys.readouterr().err == "error: --beam must be >= 1, got 0\n"
-    with pytest.raises(SystemExit) as exit_info:  # the benchmark's old place names its new one
-        translate.main(["--run-dir", "x", "--benchmark"])
-    assert exit_info.value.code == 2 and "python -m parity.translate_bench --run-dir RUN" in capsys.readouterr().err
+    assert translate.main(["--run-dir", "x", "--benchmark"]) == 1  # the benchmark's old place names its new one
+    assert "aiayn translate-bench --run-dir RUN" in capsys.readouterr().err
 
 
 @pytest.fixture
@@ -202,7 +202,7 @@ def test_evaluate_refuses_empty_data_and_missing_runs(trained, tmp_path, capsys)
 
 
 def test_evaluate_says_the_hub_is_out_of_reach_in_one_line(trained, capsys, monkeypatch):
-    """datasets' ConnectionError (an OSError) for an hf: spec offline: one line, as train.score and train.run say it;
+    """datasets' ConnectionError (an OSError) for an hf: spec offline: one line, as aiayn score and train.run say it;
     evaluate caught FileNotFoundError alone and printed a traceback."""
     import datasets
 
@@ -215,7 +215,7 @@ def test_evaluate_says_the_hub_is_out_of_reach_in_one_line(trained, capsys, monk
 
 
 def test_evaluate_and_curves_into_a_closed_pipe_are_one_line(trained, tmp_path, capsys, monkeypatch):
-    """`train.evaluate ... | head -1`: the reader gone, one error line as translate says it, not a BrokenPipeError
+    """`aiayn evaluate ... | head -1`: the reader gone, one error line as translate says it, not a BrokenPipeError
     traceback from the print."""
 
     class ClosedPipe(io.StringIO):
@@ -333,34 +333,37 @@ def test_an_experiment_config_validates_itself(changes, message):
 
 
 @pytest.mark.parametrize("module, argv, message", [
-    ("train.run", ["--lr-factor", "nan"], "--lr-factor: lr_factor must be finite, got nan"),
-    ("train.run", ["--clip-norm", "inf"], "--clip-norm: clip_norm must be finite, got inf"),
-    ("train.run", ["--set", "layer_norm_eps=-1"], "layer_norm_eps must be > 0, got -1"),
-    ("train.run", ["--set", "num_heads=0"], "num_heads must be >= 1, got 0"),
-    ("train.run", ["--steps", "1e3"], "--steps: steps must be an integer, got '1e3'"),
-    ("train.translate", ["--run-dir", "x", "--alpha", "nan"], "--alpha must be finite, got nan"),
-    ("train.translate", ["--run-dir", "x", "--alpha", "-1"], "--alpha must be in [0, 10), got -1"),
-    ("train.translate", ["--run-dir", "x", "--batch-size", "0"], "--batch-size must be >= 1, got 0"),
-    ("train.score", ["--run-dir", "x", "--input", "y", "--batch-size", "-3"], "--batch-size: must be >= 1, got -3"),
-    ("train.evaluate", ["--run-dir", "x", "--data", "d", "--samples", "-1"], "--samples must be >= 0, got -1"),
-    ("train.evaluate", ["--run-dir", "x", "--data", "d", "--max-sentences", "inf"], "--max-sentences: invalid int"),
-    ("train.bench", ["--dropout", "1"], "--dropout: must be in [0, 1), got 1"),
-    ("train.bench", ["--steps", "0"], "--steps: must be >= 1, got 0"),
-    ("train.profile_step", ["--repeats", "-2"], "--repeats: must be >= 1, got -2"),
-    ("parity.check", ["--set", "num_heads=0"], "num_heads must be >= 1, got 0"),
-    ("parity.check", ["--src-len", "0"], "--src-len: must be >= 1, got 0"),
-    ("parity.trajectory", ["--lr-factor", "inf"], "--lr-factor: lr_factor must be finite, got inf"),
-    ("parity.trajectory", ["--label-smoothing", "-0.1"], "--label-smoothing: label_smoothing must be in [0, 1), got -0.1"),
-    ("parity.translate_bench", ["--run-dir", "x", "--alpha", "inf"], "--alpha must be finite, got inf"),
+    ("train.commands.run", ["--lr-factor", "nan"], "--lr-factor: lr_factor must be finite, got nan"),
+    ("train.commands.run", ["--clip-norm", "inf"], "--clip-norm: clip_norm must be finite, got inf"),
+    ("train.commands.run", ["--set", "layer_norm_eps=-1"], "layer_norm_eps must be > 0, got -1"),
+    ("train.commands.run", ["--set", "num_heads=0"], "num_heads must be >= 1, got 0"),
+    ("train.commands.run", ["--steps", "1e3"], "--steps: steps must be an integer, got '1e3'"),
+    ("train.commands.translate", ["--run-dir", "x", "--alpha", "nan"], "--alpha must be finite, got nan"),
+    ("train.commands.translate", ["--run-dir", "x", "--alpha", "-1"], "--alpha must be in [0, 10), got -1"),
+    ("train.commands.translate", ["--run-dir", "x", "--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+    ("train.commands.score", ["--run-dir", "x", "--input", "y", "--batch-size", "-3"],
+     "--batch-size must be >= 1, got -3"),
+    ("train.commands.evaluate", ["--run-dir", "x", "--data", "d", "--samples", "-1"], "--samples must be >= 0, got -1"),
+    ("train.commands.evaluate", ["--run-dir", "x", "--data", "d", "--max-sentences", "inf"],
+     "--max-sentences: invalid int"),
+    ("train.commands.bench", ["--dropout", "1"], "--dropout must be in [0, 1), got 1"),
+    ("train.commands.bench", ["--steps", "0"], "--steps must be >= 1, got 0"),
+    ("train.commands.profile_step", ["--repeats", "-2"], "--repeats must be >= 1, got -2"),
+    ("parity.commands.check", ["--set", "num_heads=0"], "num_heads must be >= 1, got 0"),
+    ("parity.commands.check", ["--src-len", "0"], "--src-len must be >= 1, got 0"),
+    ("parity.commands.trajectory", ["--lr-factor", "inf"], "--lr-factor: lr_factor must be finite, got inf"),
+    ("parity.commands.trajectory", ["--label-smoothing", "-0.1"],
+     "--label-smoothing: label_smoothing must be in [0, 1), got -0.1"),
+    ("parity.commands.translate_bench", ["--run-dir", "x", "--alpha", "inf"], "--alpha must be finite, got inf"),
 ])
 def test_every_numeric_flag_is_range_checked(module, argv, message, capsys):
     import importlib
 
     code, err = _exit_status(importlib.import_module(module).main, argv, capsys)
-    # The decoding commands' options check themselves (train.options: status 1, the one exit protocol);
-    # argparse refuses what is no number at all (status 2), as it checks the other commands' ranges.
-    options_checked = module in ("train.translate", "train.evaluate", "parity.translate_bench") and "invalid" not in message
-    assert code == (1 if options_checked else 2) and "Traceback" not in err
+    # The commands' options check themselves (train.options: status 1, the one exit protocol); argparse refuses
+    # what is no number at all (status 2), as it checks the ranges of ExperimentConfig's flags (train.run's).
+    argparse_checked = module in ("train.commands.run", "parity.commands.trajectory") or "invalid" in message
+    assert code == (2 if argparse_checked else 1) and "Traceback" not in err
     assert message in [line for line in err.splitlines() if "error:" in line][0], err
 
 

@@ -1,4 +1,4 @@
-"""train.bench and train.profile_step: the FLOP count, and both tools end to end on a tiny model."""
+"""aiayn bench and aiayn profile: the FLOP count, and both tools end to end on a tiny model."""
 
 import json
 import math
@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from torch_reference.config import TransformerConfig
-from train import profile_step
+from train import benchmark
 from train.benchmark import step_flops
+from train.commands import profile_step
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -35,7 +36,7 @@ def test_step_flops_counts_every_matmul():
 def tiny_step_flops(batch: int, length: int, vocab: int) -> int:
     """Model FLOPs of one training step of the tiny preset on `batch` sentences of `length` tokens a
     side, counted by hand from its dimensions (2 FLOPs per multiply-add, forward x 3 for the
-    backward) without train.bench: what `train.bench` must report for the same work."""
+    backward) without aiayn bench: what `aiayn bench` must report for the same work."""
     cfg = TransformerConfig.preset("tiny")
     assert (cfg.d_model, cfg.d_ff, cfg.num_encoder_layers, cfg.num_decoder_layers, cfg.activation) == (
         64, 128, 2, 2, "relu"), "the tiny preset changed: count its FLOPs again"
@@ -52,7 +53,7 @@ def tiny_step_flops(batch: int, length: int, vocab: int) -> int:
 def test_bench_runs_both_backends_on_the_same_work(tmp_path):
     out = tmp_path / "bench.json"
     done = subprocess.run(
-        [sys.executable, "-m", "train.bench", "--presets", "tiny", "--backends", "jax,torch", "--steps", "2",
+        [sys.executable, "-m", "train.commands.bench", "--presets", "tiny", "--backends", "jax,torch", "--steps", "2",
          "--warmup", "1", "--batch-tokens", "256", "--length", "16", "--vocab-size", "500", "--json", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=600,
     )
@@ -80,7 +81,7 @@ def test_bench_runs_both_backends_on_the_same_work(tmp_path):
 def test_bench_devices_splits_the_global_batch_over_torch_processes(tmp_path):
     out = tmp_path / "bench.json"
     done = subprocess.run(
-        [sys.executable, "-m", "train.bench", "--presets", "tiny", "--backends", "torch", "--devices", "2",
+        [sys.executable, "-m", "train.commands.bench", "--presets", "tiny", "--backends", "torch", "--devices", "2",
          "--steps", "1", "--warmup", "1", "--batch-tokens", "256", "--length", "16", "--vocab-size", "500",
          "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -111,8 +112,6 @@ def test_each_precision_sets_both_frameworks_matmuls(precision, jax_setting, tor
     import jax
     import torch
 
-    from train import benchmark
-
     before = jax.config.jax_default_matmul_precision, torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
     try:
         benchmark.set_precision("jax", precision)
@@ -131,8 +130,8 @@ def test_each_precision_sets_both_frameworks_matmuls(precision, jax_setting, tor
 def test_bench_measures_bfloat16_against_the_bfloat16_matmul_peak(tmp_path):
     out = tmp_path / "bench.json"
     done = subprocess.run(
-        [sys.executable, "-m", "train.bench", "--presets", "tiny", "--backends", "torch", "--precisions", "bfloat16",
-         "--steps", "1", "--warmup", "1", "--batch-tokens", "128", "--length", "16", "--vocab-size", "300",
+        [sys.executable, "-m", "train.commands.bench", "--presets", "tiny", "--backends", "torch", "--precisions",
+         "bfloat16", "--steps", "1", "--warmup", "1", "--batch-tokens", "128", "--length", "16", "--vocab-size", "300",
          "--json", str(out), "--plot", str(tmp_path / "bench.png")],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )
@@ -146,33 +145,35 @@ def test_bench_measures_bfloat16_against_the_bfloat16_matmul_peak(tmp_path):
 
 
 def test_bad_arguments_are_refused_before_anything_runs():
-    done = subprocess.run([sys.executable, "-m", "train.bench", "--precisions", "fp8"], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and "unknown precision 'fp8'" in done.stderr
-    done = subprocess.run([sys.executable, "-m", "train.bench", "--precisions", ","], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and "--precisions names nothing to measure" in done.stderr
-    done = subprocess.run([sys.executable, "-m", "train.bench", "--devices", "3"], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and "--devices 3 does not divide the batch of 32 sentences" in done.stderr
+    """Bench's own checks (status 1, the options' protocol) name the flag; in Python, the parameter."""
+    for flags, says in ((["--precisions", "fp8"], "--precisions: unknown precision 'fp8'"),
+                        (["--precisions", ","], "--precisions names nothing to measure"),
+                        (["--devices", "3"], "--devices 3 does not divide the batch of 32 sentences")):
+        done = subprocess.run([sys.executable, "-m", "train.commands.bench", *flags], cwd=REPO, capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 1 and done.stderr.startswith(f"error: {says}"), done.stderr
+    with pytest.raises(benchmark.OptionError, match="^devices 3 does not divide the batch of 32 sentences"):
+        benchmark.Bench(devices=3)
     for where, says in ((str(REPO), "is a directory"), (str(REPO / "missing" / "b.json"), "does not exist")):
-        done = subprocess.run([sys.executable, "-m", "train.bench", "--json", where], cwd=REPO,
+        done = subprocess.run([sys.executable, "-m", "train.commands.bench", "--json", where], cwd=REPO,
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr
 
 
 @pytest.mark.parametrize("command",
-                         ["train.profile_step", "parity.check", "parity.trajectory", "parity.translate_bench"])
+                         ["train.commands.profile_step", "parity.commands.check", "parity.commands.trajectory",
+                          "parity.commands.translate_bench"])
 def test_report_files_are_refused_before_the_work(command, tmp_path, capsys):
-    """--json (--plot) a directory or in a missing one: a usage error while the flags are read, as train.bench's;
+    """--json (--plot) a directory or in a missing one: a usage error while the flags are read, as aiayn bench's;
     these commands wrote them after the work (minutes of it), with a traceback."""
     import importlib
 
     parser = importlib.import_module(command).build_parser()
+    runs = command == "parity.commands.translate_bench"  # the one of these that reads a run
     for where, says in ((tmp_path, "is a directory"), (tmp_path / "missing" / "r.json", "does not exist")):
         for flag in [f for f in ("--json", "--plot") if f in parser._option_string_actions]:
             with pytest.raises(SystemExit) as exited:
-                parser.parse_args(["--run-dir", "RUN", flag, str(where)][2 * (command != "parity.translate_bench"):])
+                parser.parse_args(["--run-dir", "RUN", flag, str(where)][0 if runs else 2:])
             err = capsys.readouterr().err
             assert exited.value.code == 2 and f"argument {flag}: {where}" in err and says in err
 

@@ -112,7 +112,7 @@ def test_weights_of_another_architecture_are_refused(saved_run, tmp_path):
 def test_a_refused_pickle_is_one_line_without_colour_codes(tmp_path):
     import torch
 
-    from parity.runs import load_torch_weights
+    from train.interop.runs import load_torch_weights
 
     (tmp_path / "config.json").write_text(TransformerConfig().to_json())
     torch.save({"w": torch.zeros(1), "f": print}, tmp_path / "model.pt")
@@ -172,16 +172,17 @@ def test_flipped_bytes_are_named_by_every_loader(run4, tmp_path):
     damaged = flip_bytes(copy, 4)
     expected = (f"checkpoint 4 in {copy / 'checkpoints'} cannot be restored", f"{damaged} does not match the sha256 "
                 "digest written with it", "the other checkpoints there are steps [2]")
-    done = python("train.evaluate", "--run-dir", str(copy), "--data", "numbers:valid", "--checkpoint", "latest")
+    done = python("train.commands.evaluate", "--run-dir", str(copy), "--data", "numbers:valid", "--checkpoint",
+                  "latest")
     assert done.returncode == 1 and not done.stdout
     one_error_line(done.stderr, *expected)
-    done = python("train.translate", "--run-dir", str(copy), "--checkpoint", "latest", stdin=b"eins\n")
+    done = python("train.commands.translate", "--run-dir", str(copy), "--checkpoint", "latest", stdin=b"eins\n")
     assert done.returncode == 1 and not done.stdout
     one_error_line(done.stderr, *expected)
     with pytest.raises(runtime.UserError) as info:
         loop.train(cfg.replace(run_dir=str(copy), resume=True, steps=6))
     assert all(e in str(info.value) for e in expected) and "\n" not in str(info.value)
-    from parity.convert import main as convert_main
+    from parity.commands.convert import main as convert_main
 
     with pytest.raises(SystemExit) as exit_info:
         convert_main(["--to", "torch" if cfg.backend == "jax" else "jax", "--run-dir", str(copy), "--dst",
@@ -285,7 +286,7 @@ def test_load_takes_a_generator_of_run_directories_and_names_what_is_none():
 
 def test_load_refuses_bad_launch_options_with_a_user_error(tiny_torch_run):
     """devices=0 or a torch run on 2 devices raised ValueError, an unknown option TypeError: load
-    promises UserError, as train.translate and train.serve print it."""
+    promises UserError, as aiayn translate and aiayn serve print it."""
     for options, message in (({"devices": 0}, "devices must be >= 1, got 0"),
                              ({"devices": 2}, "--devices 2: a torch run decodes on one device"),
                              ({"process_count": 2}, "unexpected keyword argument 'process_count'")):
@@ -295,7 +296,7 @@ def test_load_refuses_bad_launch_options_with_a_user_error(tiny_torch_run):
 
 def test_an_ensemble_of_the_other_framework_is_refused_with_the_truth(tiny_torch_run):
     """load([a, a], backend="jax") of torch runs said 'a is a torch run, a a jax one': a is no jax run."""
-    with pytest.raises(runtime.UserError, match=r"is a torch run; for jax, convert it first: python -m parity.convert"):
+    with pytest.raises(runtime.UserError, match=r"is a torch run; for jax, convert it first: aiayn convert"):
         train.load([tiny_torch_run, tiny_torch_run], backend="jax")
 
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 import train
-from train import run as train_run
 from train import runtime, store
+from train.commands import run as train_run
 
 from .helpers import REPO, exit_code, finish, launch, read_until
 from .helpers import TINY_ARGV as TINY

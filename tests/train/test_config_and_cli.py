@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from train import run
+from train.commands import run
 from train.config import ExperimentConfig, parse_model_override
 from train.runtime.files import json_text
 
@@ -175,7 +175,7 @@ def test_ctrl_c_ends_every_command_in_one_line(monkeypatch, capsys):
     and train.run end, not a traceback; by `python -m` (runpy, as Python runs it) and by `aiayn`."""
     import runpy
 
-    from parity import cli
+    from parity.commands import cli
     from train import api, averaging
 
     def ctrl_c(*args, **kwargs):
@@ -184,8 +184,8 @@ def test_ctrl_c_ends_every_command_in_one_line(monkeypatch, capsys):
     monkeypatch.setattr(api, "load", ctrl_c)
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # evaluate adds a device count before jax loads
     monkeypatch.setattr(averaging, "average_run", ctrl_c)
-    monkeypatch.setattr(sys, "argv", ["python -m train.average", "--run-dir", "r", "--dst", "d"])
-    for command in (lambda: runpy.run_module("train.average", run_name="__main__"),
+    monkeypatch.setattr(sys, "argv", ["aiayn average", "--run-dir", "r", "--dst", "d"])
+    for command in (lambda: runpy.run_module("train.commands.average", run_name="__main__"),
                     lambda: cli.main(["evaluate", "--run-dir", "r", "--data", "numbers:test"])):
         try:  # a KeyboardInterrupt out of here would be Python's traceback
             code = command()
@@ -194,4 +194,4 @@ def test_ctrl_c_ends_every_command_in_one_line(monkeypatch, capsys):
         assert (code, capsys.readouterr().err) == (130, "interrupted (SIGINT)\n")
     for module, _ in cli.COMMANDS.values():  # every command goes through the one protocol (runtime.exit_status)
         source = importlib.util.find_spec(module).loader.get_source(module)
-        assert "exit_status(" in source or "call(parser" in source, module
+        assert "exit_status(" in source or "run(build_parser(), argv" in source, module

@@ -187,6 +187,7 @@ def test_a_signal_during_an_evaluation_that_finishes_stops_before_the_next_updat
     assert meta["step"] == 2 and meta["meta"]["valid"]["bleu"] >= 0.0  # saved with its evaluation
 
 
+@pytest.mark.slow  # ~18 s; CI: the in-process signal during an evaluation above
 def test_sigterm_during_evaluation_saves_within_one_update(tmp_path):
     """The small preset evaluating 2,000 validation sentences with beam 4 (several seconds; 200
     took 0.7 s once the search stopped each sentence as soon as its best could not be beaten):

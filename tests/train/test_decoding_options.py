@@ -1,5 +1,5 @@
 """n-best lists, output formats, alignments, forced prefixes and scoring through the library
-(`Run.translate`, `Run.score`) and the commands (`train.translate`, `train.score`), on the
+(`Run.translate`, `Run.score`) and the commands (`aiayn translate`, `aiayn score`), on the
 session's 2-step torch run and its conversion to JAX. The searches themselves are compared
 across frameworks in tests/parity/test_decode.py; here: the plumbing, both backends alike, and
 every bad combination as one error line.
@@ -16,7 +16,8 @@ import weakref
 import pytest
 
 import train
-from train import data, score, translate
+from train import data
+from train.commands import score, translate
 from train.runtime import UserError
 
 from .cli import run_cli

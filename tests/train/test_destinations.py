@@ -19,10 +19,11 @@ from pathlib import Path
 import pytest
 
 import train
-from parity import convert
+from parity.commands import convert
 from torch_reference.config import TransformerConfig
-from train import average, averaging, evaluate, loop, runtime, translate
-from train import run as train_run
+from train import averaging, loop, runtime
+from train.commands import average, evaluate, translate
+from train.commands import run as train_run
 
 from .helpers import REPO, _exit_status, exit_code, files_of, one_error_line, run_files
 from .helpers import TINY_ARGV as TINY
@@ -33,8 +34,8 @@ from .helpers import TINY_ARGV as TINY
 
 def test_convert_never_overwrites_unasked_or_leaves_temporary_files(tmp_path, capsys):
     import torch_reference
-    from parity.convert import main as convert_main
-    from parity.runs import save_torch_weights
+    from parity.commands.convert import main as convert_main
+    from train.interop.runs import save_torch_weights
 
     cfg = TransformerConfig.preset("tiny", src_vocab_size=64, tgt_vocab_size=64, num_encoder_layers=1,
                                    num_decoder_layers=1)
@@ -73,13 +74,16 @@ def test_output_destinations_are_checked_before_the_work(torch_run, tmp_path, ca
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["parity.convert", "--to", "marian", "--src", "run", "--dst", "run"], "--dst run is the source"),
-    (["parity.convert", "--to", "ctranslate2", "--src", "run", "--dst", "run"], "--dst run is the source"),
-    (["parity.convert", "--to", "jax", "--run-dir", "run", "--dst", "run/checkpoints"], "is inside the source"),
-    (["parity.convert", "--to", "ctranslate2", "--src", "run", "--dst", "run/checkpoints/new"], "is inside the source"),
-    (["parity.convert", "--to", "jax", "--run-dir", "run", "--dst", "."], "holds the source"),
-    (["train.average", "--run-dir", "run", "--last", "1", "--dst", "run/checkpoints/2"], "is inside the source"),
-    (["train.average", "--run-dir", "run", "--last", "1", "--dst", "run"], "is the source"),
+    (["parity.commands.convert", "--to", "marian", "--src", "run", "--dst", "run"], "--dst run is the source"),
+    (["parity.commands.convert", "--to", "ctranslate2", "--src", "run", "--dst", "run"], "--dst run is the source"),
+    (["parity.commands.convert", "--to", "jax", "--run-dir", "run", "--dst", "run/checkpoints"],
+     "is inside the source"),
+    (["parity.commands.convert", "--to", "ctranslate2", "--src", "run", "--dst", "run/checkpoints/new"],
+     "is inside the source"),
+    (["parity.commands.convert", "--to", "jax", "--run-dir", "run", "--dst", "."], "holds the source"),
+    (["train.commands.average", "--run-dir", "run", "--last", "1", "--dst", "run/checkpoints/2"],
+     "is inside the source"),
+    (["train.commands.average", "--run-dir", "run", "--last", "1", "--dst", "run"], "is the source"),
 ])
 def test_a_destination_that_is_inside_or_holds_the_source_is_refused_before_any_work(
         run_copy, tmp_path, monkeypatch, capfd, argv, message):
@@ -87,7 +91,7 @@ def test_a_destination_that_is_inside_or_holds_the_source_is_refused_before_any_
     monkeypatch.setattr(train.api, "create_backend", lambda *a, **k: pytest.fail("the work started"))
     monkeypatch.setattr(averaging, "create_backend", lambda *a, **k: pytest.fail("the work started"))
     before = files_of(tmp_path)
-    main = {"parity.convert": convert.main, "train.average": average.main}[argv[0]]
+    main = {"parity.commands.convert": convert.main, "train.commands.average": average.main}[argv[0]]
     code = exit_code(main, [*argv[1:], "--overwrite"])
     assert code == 1
     one_error_line(capfd.readouterr().err, message)
@@ -266,7 +270,7 @@ def test_an_old_run_left_aside_by_a_killed_overwrite_is_named_not_deleted(run_co
 
 def test_an_old_run_left_aside_is_named_by_every_command_that_opens_the_run(run_copy, tmp_path, capfd, monkeypatch):
     """Issue 58: after a killed --overwrite, `.RUN.run-old` beside RUN: translate, evaluate, --resume,
-    --overwrite, average, parity.convert and train.load each refuse in one line naming it and what to do; while a
+    --overwrite, average, aiayn convert and train.load each refuse in one line naming it and what to do; while a
     live --overwrite holds RUN's lock, they say to wait for it."""
     aside = runtime.set_aside_path(run_copy)
     shutil.copytree(run_copy, aside)

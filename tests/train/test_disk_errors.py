@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from parity import convert
-from train import average, data, loop, plots, runtime, store, translate
-from train import run as train_run
+from parity.commands import convert
+from train import data, loop, plots, runtime, store
+from train.commands import average, translate
+from train.commands import run as train_run
 
 from .helpers import REPO, exit_code, files_of, one_error_line, run_files
 from .helpers import TINY_ARGV as TINY
@@ -304,8 +305,8 @@ def test_a_library_error_repeating_a_full_disk_is_an_os_error_naming_the_path(tm
 def weights(tmp_path):
     """A tiny model's weights both ways: (model.safetensors, a JAX weights directory)."""
     import torch_reference
-    from parity.runs import save_torch_weights
     from torch_reference.config import TransformerConfig
+    from train.interop.runs import save_torch_weights
 
     cfg = TransformerConfig.preset("tiny", src_vocab_size=64, tgt_vocab_size=64, num_encoder_layers=1,
                                    num_decoder_layers=1)

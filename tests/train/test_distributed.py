@@ -280,7 +280,7 @@ def test_bfloat16_loss_falls(backend, fast_config):
 
 
 def test_devices_errors(fast_config, capsys, monkeypatch):
-    from train import run
+    from train.commands import run
 
     base = ["--run-dir", str(fast_config("jax").run_dir), "--no-progress"]
     assert run.main([*base, "--devices", "2"]) == 1  # this process sees one CPU device

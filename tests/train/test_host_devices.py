@@ -46,7 +46,8 @@ def test_the_variable_sets_the_count_and_one_turns_it_off(no_jax):
 def test_devices_beyond_the_cores_are_not_made(no_jax, monkeypatch):
     """Issue 58: `translate --devices 99` on 4 cores made 99 XLA devices; now the split is the cores
     whatever --devices asks (it picks the first N), so the mesh refuses 99 as training does."""
-    from train import jobs, translate
+    from train import jobs
+    from train.commands import translate
 
     class Split(Exception):
         pass
@@ -91,7 +92,7 @@ def test_a_bad_count_in_xla_flags_is_one_line_before_jax_reads_it(value, monkeyp
     """Issue 58: XLA aborts on `--xla_force_host_platform_device_count=abc` printing 94 lines of its
     flags; the search CLIs (split_host, even once jax is imported) and train.run refuse it first."""
     from train import loop
-    from train import run as train_run
+    from train.commands import run as train_run
 
     env = {"XLA_FLAGS": f"--xla_cpu_use_thunk_runtime=true {FLAG}={value}"}
     with pytest.raises(ValueError, match=rf"^\$XLA_FLAGS: {FLAG}='{value}': expected a number of devices from 1$"):

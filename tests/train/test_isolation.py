@@ -26,7 +26,7 @@ def test_loop_and_clis_import_no_framework():
     loaded = loaded_after(
         """
         import tempfile, pathlib
-        import train.loop, train.run, train.evaluate, train.translate, train.backends
+        import train.loop, train.commands.run, train.commands.evaluate, train.commands.translate, train.backends
         writer = train.loop.summary_writer(pathlib.Path(tempfile.mkdtemp()))
         writer.add_scalar("x", 1.0, 1)
         writer.close()

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 import train
-from train import data, evaluate, loop, metrics, runtime, translate, translation
+from train import data, loop, metrics, runtime, translation
+from train.commands import evaluate, translate
 from train.config import ExperimentConfig
 from train.data.batches import fixed_lengths
 
@@ -93,8 +94,8 @@ def test_short_run_learns_and_writes_results(short_run, capsys):
 
 
 def test_curves_never_draws_over_the_results_it_reads(run_copy, capsys):
-    """train.curves --out RUN/results.json (or a link to it) is refused: it wrote the PNG over the run's results."""
-    from train import curves
+    """aiayn curves --out RUN/results.json (or a link to it) is refused: it wrote the PNG over the run's results."""
+    from train.commands import curves
 
     results = (run_copy / runtime.RESULTS_FILE).read_bytes()
     (run_copy / "link.json").symlink_to(runtime.RESULTS_FILE)
@@ -107,7 +108,7 @@ def test_curves_never_draws_over_the_results_it_reads(run_copy, capsys):
 
 def test_curves_writes_the_format_its_name_says(tiny_torch_run, tmp_path, capsys):
     """--out c.svg is an SVG, c.pdf a PDF, a name without a suffix a PNG; c.txt is refused (it got PNG bytes)."""
-    from train import curves
+    from train.commands import curves
 
     for name, magic in (("c.svg", b"<?xml"), ("c.pdf", b"%PDF"), ("c", b"\x89PNG")):
         assert curves.main(["--run-dir", str(tiny_torch_run), "--out", str(tmp_path / name)]) == 0
@@ -121,10 +122,10 @@ def test_curves_writes_the_format_its_name_says(tiny_torch_run, tmp_path, capsys
 
 @pytest.mark.parametrize("short_run", BOTH_JAX_SLOW, indirect=True)
 def test_learning_curves(short_run, tmp_path, capsys):
-    """Every run draws curves.png; train.curves redraws it from results.json."""
+    """Every run draws curves.png; aiayn curves redraws it from results.json."""
     from matplotlib.image import imread
 
-    from train import curves
+    from train.commands import curves
 
     cfg, results = short_run
     drawn = imread(Path(cfg.run_dir) / runtime.CURVES_FILE)
@@ -211,13 +212,13 @@ def _write_lines(path: Path, lines) -> str:
 def test_translate_cli_reads_stdin(short_run):
     cfg, _ = short_run
     result = subprocess.run(
-        [sys.executable, "-m", "train.translate", "--run-dir", cfg.run_dir],
+        [sys.executable, "-m", "train.commands.translate", "--run-dir", cfg.run_dir],
         input="dreiundvierzig\nsiebenhundert\n", cwd=REPO, capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 0, result.stderr
     assert len(result.stdout.splitlines()) == 2
     bad = subprocess.run(
-        [sys.executable, "-m", "train.translate", "--run-dir", str(Path(cfg.run_dir).parent)],
+        [sys.executable, "-m", "train.commands.translate", "--run-dir", str(Path(cfg.run_dir).parent)],
         input="", cwd=REPO, capture_output=True, text=True, timeout=120,
     )
     assert bad.returncode == 1 and "not a run directory" in bad.stderr and "Traceback" not in bad.stderr
@@ -225,7 +226,7 @@ def test_translate_cli_reads_stdin(short_run):
 
 @pytest.mark.parametrize("short_run", ["torch"], indirect=True)  # the benchmark runs both frameworks anyway
 def test_translate_benchmark_times_every_search_and_checks_their_outputs(short_run, capsys):
-    from parity import translate_bench
+    from parity.commands import translate_bench
 
     cfg, _ = short_run
     sources = ["dreiundvierzig", "siebenhundertzwölf", "", "neun", "tausendeins"]

@@ -160,7 +160,7 @@ def test_number_range_specs_with_a_step():
 
 def test_evaluate_refuses_a_bad_sentence_count_or_sample_count(tiny_torch_run):
     """max_sentences=0 evaluated every pair, -1 all but the last, samples=-1 all but the last:
-    silently; train.evaluate's --max-sentences and --samples refuse them."""
+    silently; aiayn evaluate's --max-sentences and --samples refuse them."""
     import train
     from train.runtime import UserError
 
@@ -177,9 +177,9 @@ def test_evaluate_refuses_a_bad_sentence_count_or_sample_count(tiny_torch_run):
 
 def test_evaluating_no_pairs_is_one_error_line(tiny_torch_run, capsys):
     """An empty list of pairs, or numbers:test of a run trained with numbers_test=0, was an
-    IndexError from sacreBLEU, in Python and through train.evaluate alike."""
+    IndexError from sacreBLEU, in Python and through aiayn evaluate alike."""
     import train
-    from train import evaluate
+    from train.commands import evaluate
     from train.runtime import UserError
 
     from .cli import run_cli
@@ -194,7 +194,7 @@ def test_evaluating_no_pairs_is_one_error_line(tiny_torch_run, capsys):
 
 
 def test_evaluate_scores_lowercased_bleu_for_a_lowercased_run_as_the_command_does(run_copy):
-    """train.evaluate adds bleu_lc for a run trained with --lowercase; Run.evaluate left it out."""
+    """aiayn evaluate adds bleu_lc for a run trained with --lowercase; Run.evaluate left it out."""
     import json
 
     import train

@@ -1,7 +1,7 @@
 """One rule for every file a command writes (docs/operations.md#output-files), issue 71 cases 1, 2
 and 5: no output inside a run (the one read, or any other), streams written directly, links
 followed, a directory refused by name, nothing half-written, a command's own side files never an
-input, and what a failed --overwrite, train.score and typed special tokens must not lose."""
+input, and what a failed --overwrite, aiayn score and typed special tokens must not lose."""
 
 import os
 import threading
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 import train
-from parity import check as parity_check
-from parity import convert, trajectory, translate_bench
-from train import average, bench, curves, evaluate, profile_step, score, translate
-from train import run as train_run
+from parity.commands import check as parity_check
+from parity.commands import convert, trajectory, translate_bench
+from train.commands import average, bench, curves, evaluate, profile_step, score, translate
+from train.commands import run as train_run
 from train.runtime.output import Destination
 
 from .helpers import TINY_ARGV, _exit_status, files_of, one_error_line, run_files
@@ -43,17 +43,17 @@ def _commands(run: Path, data: Path) -> dict:
         "bench --json": (bench.main, ["--presets", "tiny"], "--json"),
         "bench --plot": (bench.main, ["--presets", "tiny"], "--plot"),
         "profile_step --json": (profile_step.main, ["--preset", "tiny"], "--json"),
-        "parity.check --json": (parity_check.main, ["--preset", "tiny"], "--json"),
-        "parity.trajectory --json": (trajectory.main, ["--preset", "tiny"], "--json"),
-        "parity.trajectory --plot": (trajectory.main, ["--preset", "tiny"], "--plot"),
-        "parity.translate_bench --json": (translate_bench.main, ["--run-dir", run, "--input", data / "in.de"],
+        "aiayn check --json": (parity_check.main, ["--preset", "tiny"], "--json"),
+        "aiayn trajectory --json": (trajectory.main, ["--preset", "tiny"], "--json"),
+        "aiayn trajectory --plot": (trajectory.main, ["--preset", "tiny"], "--plot"),
+        "aiayn translate-bench --json": (translate_bench.main, ["--run-dir", run, "--input", data / "in.de"],
                                           "--json"),
     }
 
 
 COMMANDS = list(_commands(Path(), Path()))
-PARSED = {"bench --json", "bench --plot", "profile_step --json", "parity.check --json", "parity.trajectory --json",
-          "parity.trajectory --plot", "parity.translate_bench --json"}  # refused by argparse: usage, then the line
+PARSED = {"bench --json", "bench --plot", "profile_step --json", "aiayn check --json", "aiayn trajectory --json",
+          "aiayn trajectory --plot", "aiayn translate-bench --json"}  # refused by argparse: usage, then the line
 
 
 def _refused(main, argv, capsys, command, *fragments):

@@ -47,14 +47,14 @@ def test_an_unreadable_input_and_an_unwritable_output_are_one_line_each(tiny_tor
     locked = place / "locked.de"
     locked.write_text("eins\n")
     locked.chmod(0)
-    one_line(as_nobody(place, "train.translate", "--run-dir", str(run), "--input", str(locked)),
+    one_line(as_nobody(place, "train.commands.translate", "--run-dir", str(run), "--input", str(locked)),
              f"cannot read {locked}", "Permission denied")
     (place / "in.de").write_text("eins\n")
     (place / "in.de").chmod(0o644)
     shut = place / "shut"
     shut.mkdir(mode=0o555)
     shut.chmod(0o555)
-    one_line(as_nobody(place, "train.translate", "--run-dir", str(run), "--input", str(place / "in.de"),
+    one_line(as_nobody(place, "train.commands.translate", "--run-dir", str(run), "--input", str(place / "in.de"),
                        "--output", str(shut / "out.en")), f"directory {shut} is not writable")
     one_line(as_nobody(place, "train.run", "--backend", "torch", "--run-dir", str(shut / "run"), "--steps", "1"),
              str(shut), "Permission denied")

@@ -17,7 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from torch_reference.config import TransformerConfig
-from train import data, run, runtime, translate
+from train import data, runtime
+from train.commands import run, translate
 from train.config import ExperimentConfig
 
 FEW = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from train import recipes, run
+from train import recipes
+from train.commands import run
 from train.config import ExperimentConfig
 
 REPO = Path(__file__).resolve().parents[2]

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 import train
-from train import data, evaluate, loop, runtime, store, translate
-from train import run as train_run
+from train import data, loop, runtime, store
+from train.commands import evaluate, translate
+from train.commands import run as train_run
 from train.config import ExperimentConfig
 
 from .helpers import TINY_FIELDS as TINY

@@ -19,9 +19,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
-from parity import convert
-from train import average, runtime
-from train import run as train_run
+from parity.commands import convert
+from train import runtime
+from train.commands import average
+from train.commands import run as train_run
 
 TINY = ["--backend", "torch", "--numbers-train", "300", "--numbers-valid", "4", "--numbers-test", "0",
         "--max-len", "16", "--token-budget", "512", "--set", "num_encoder_layers=1", "--set", "num_decoder_layers=1",

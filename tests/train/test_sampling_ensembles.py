@@ -1,5 +1,5 @@
 """Sampling and ensembles through the library (`Run.translate(sample=True)`, `train.load([a, b])`)
-and the command (`train.translate --sample`, `--run-dir A --run-dir B`), on the session's 2-step
+and the command (`aiayn translate --sample`, `--run-dir A --run-dir B`), on the session's 2-step
 torch run and its conversion to JAX. The samplers and ensembles themselves are compared across
 frameworks in tests/parity; here: the plumbing, both backends alike, and every bad combination as
 one error line.
@@ -13,7 +13,8 @@ import shutil
 import pytest
 
 import train
-from train import data, evaluate, score, translate
+from train import data
+from train.commands import evaluate, score, translate
 from train.options import ENSEMBLE_AVERAGES
 from train.runtime import UserError
 
@@ -104,7 +105,7 @@ def test_sampling_refuses_a_tsv_prefix_column_and_the_api_its_bad_settings(tiny_
     (tmp_path / "in.tsv").write_text("source\tprefix\n" + TEXTS[0] + "\tseven\n")
     code, _, err = run_cli(translate.main, capsys, "--run-dir", str(tiny_torch_run), "--input",
                            str(tmp_path / "in.tsv"), "--sample")
-    one_error(code, err, "--sample with", "prefix column")
+    one_error(code, err, "--sample with prefixes: forced prefixes are for the searches")
     with train.load(tiny_torch_run) as run:
         for kwargs, fragment in [({"top_k": 3}, "top_k: sampling settings, give sample=True"),
                                  ({"sample": True, "prefix": ["one"]}, "forced prefixes are for the searches"),
@@ -189,7 +190,7 @@ def test_ensemble_command_and_refusals(runs, tmp_path, capsys, monkeypatch):
     one_error(code, err, "--alignments with several --run-dir")
     code, _, err = run_cli(translate.main, capsys, "--run-dir", str(torch_dir), "--run-dir", str(jax_dir),
                            "--input", str(tmp_path / "in.txt"))
-    one_error(code, err, f"{jax_dir} is a jax run", "python -m parity.convert --to torch")
+    one_error(code, err, f"{jax_dir} is a jax run", "aiayn convert --to torch")
 
     other = shutil.copytree(torch_dir, tmp_path / "other")  # the same model over another vocabulary: 2 ids swapped
     tokenizer = json.loads((other / data.JOINT_TOKENIZER).read_text())

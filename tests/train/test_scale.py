@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import train
-from train import data, run
+from train import data
+from train.commands import run
 from train.config import DEFAULT_TOKENIZER_SAMPLE, ExperimentConfig
 from train.data.numbers import numbers_corpus
 from train.data.vocab import sample

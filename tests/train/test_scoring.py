@@ -1,4 +1,4 @@
-"""Moses-tokenized BLEU (train.evaluate --moses): the scoring of papers that quote tokenized BLEU."""
+"""Moses-tokenized BLEU (aiayn evaluate --moses): the scoring of papers that quote tokenized BLEU."""
 
 import math
 

@@ -9,9 +9,12 @@
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import multiprocessing
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -84,6 +87,46 @@ def test_multi30k_batches_are_mains(multi30k, tmp_path):
             (True, 25000, 1, 1): (23, "65fec1e6e55e50d9", "81edc4c3085ec2b1")}, max_len=128)
 
 
+def _first_fit_item_by_item(src_len, tgt_len, size: int, length: int) -> list[list[list[int]]]:
+    """main's packing at 7b321f9, pair by pair: each pair to the first row of the batch it fits, else it
+    waits; a batch closes when `size` pairs wait, and they come first in the next one."""
+    queue, batches = list(range(len(src_len))), []
+    while queue:
+        free, rows, waiting, reached = [[length, length] for _ in range(size)], [[] for _ in range(size)], [], 0
+        for k in queue:
+            reached += 1
+            row = next((r for r, (s, t) in enumerate(free) if s >= src_len[k] and t >= tgt_len[k]), None)
+            if row is None:
+                waiting.append(k)
+                if len(waiting) == size:
+                    break
+                continue
+            rows[row].append(k)
+            free[row] = [free[row][0] - src_len[k], free[row][1] - tgt_len[k]]
+        queue = waiting + queue[reached:]
+        batches.append([row for row in rows if row])
+    return batches
+
+
+@pytest.mark.parametrize("size,length,longest", [(1, 8, 8), (3, 16, 16), (32, 64, 40), (195, 128, 100)])
+def test_packed_plan_is_first_fit_pair_by_pair(size, length, longest):
+    """Batcher packs row by row over bit sets (train.data.batches._first_fit): the same batches as
+    placing one pair at a time, on lengths like Multi30k's and WMT's (sources and targets alike) and
+    skewed ones (long sources, short targets) that make pairs wait."""
+    rng = np.random.default_rng(size)
+    n = 40 * size + 7
+    src = rng.integers(1, longest + 1, n)
+    tgt = np.clip(src + rng.integers(-3, 4, n), 1, longest)
+    tgt[::5] = rng.integers(1, 4, len(tgt[::5]))
+    store = data.TokenStore({"src_len": src.astype(np.int32), "tgt_len": tgt.astype(np.int32)})
+    batcher = data.Batcher(store, token_budget=size * length, max_len=length, pack=True, pack_length=length)
+    order = rng.permutation(n)
+    expected = _first_fit_item_by_item(src[order].tolist(), tgt[order].tolist(), size, length)
+    got = batcher._packed(order)
+    assert [ids.tolist() for ids in got] == [[[*order[row], *[-1] * (max(map(len, rows)) - len(row))] for row in rows]
+                                             for rows in expected]
+
+
 @pytest.mark.parametrize("pack", [False, True])
 def test_process_shares_are_the_batch_rows(numbers, pack):
     pairs, tokenizers = numbers
@@ -116,6 +159,16 @@ def test_store_holds_the_encoded_pairs(numbers, tmp_path):
     assert np.array_equal(again.src, stored.src) and len(list((tmp_path / "cache").iterdir())) == 2  # store + lock
 
 
+def test_a_store_encodes_typed_special_tokens_as_text(numbers, tmp_path):
+    pairs, tokenizers = numbers
+    data.save_tokenizers(tokenizers, tmp_path / "tok")
+    typed = [("eins <eos> zwei", "<pad> one <unk>")]
+    stored = _store(tmp_path, data.load_tokenizers(tmp_path / "tok"), typed)  # a tokenizer data.encode never saw
+    [(src, tgt)] = data.encode_pairs(tokenizers, typed)
+    assert 2 not in src[:-1] and 0 not in tgt  # <eos> only at the end, no <pad>: the typed ones are text
+    assert [stored.gather(side, np.array([0]))[0].tolist() for side in ("src", "tgt")] == [src, tgt]
+
+
 def test_damaged_store_is_refused(numbers, tmp_path):
     pairs, tokenizers = numbers
     _store(tmp_path, tokenizers, pairs[:100])
@@ -126,6 +179,18 @@ def test_damaged_store_is_refused(numbers, tmp_path):
         _store(tmp_path, tokenizers, pairs[:100])
     (path / "store.json").write_text(manifest)
     assert len(_store(tmp_path, tokenizers, pairs[:100])) == 100
+    with open(path / "src.npy", "r+b") as f:  # one bit of a token flipped, the size unchanged
+        f.seek(-3, 2)
+        flipped = f.read(1)[0] ^ 1
+        f.seek(-3, 2)
+        f.write(bytes([flipped]))
+    with pytest.raises(UserError, match=r"^corpus store .* does not match its manifest") as refused:
+        _store(tmp_path, tokenizers, pairs[:100])
+    assert "\n" not in str(refused.value)
+    with open(path / "src.npy", "r+b") as f:
+        f.seek(-3, 2)
+        f.write(bytes([flipped ^ 1]))
+    assert len(_store(tmp_path, tokenizers, pairs[:100])) == 100  # the byte put back
     with open(path / "tgt.npy", "r+b") as f:  # truncated: the last tokens lost
         f.truncate(f.seek(0, 2) - 8)
     with pytest.raises(UserError, match=r"^corpus store .* does not match its manifest .*delete it"):
@@ -147,6 +212,67 @@ def test_interrupted_build_leaves_no_store(numbers, tmp_path):
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [next((tmp_path / "cache").iterdir()).name]
     assert next((tmp_path / "cache").iterdir()).name.endswith(".lock")  # no store, no temporary directory
     assert len(_store(tmp_path, tokenizers, pairs[:10])) == 10  # the next run builds it
+
+
+def test_a_store_is_digested_once_a_process(numbers, tmp_path, monkeypatch):
+    pairs, tokenizers = numbers
+    stored = _store(tmp_path, tokenizers, pairs[:100])
+    assert stored.src.dtype == np.uint16 and stored.tgt.dtype == np.uint16  # a vocabulary of 400 ids
+    _store(tmp_path, tokenizers, pairs[:100])  # its files written just now: digested again (they may change unseen)
+    monkeypatch.setattr(store_mod, "RACY_S", -1)  # as if written long ago
+    _store(tmp_path, tokenizers, pairs[:100])
+    monkeypatch.setattr(store_mod, "_file_digest", lambda path: pytest.fail("digested twice"))
+    assert len(_store(tmp_path, tokenizers, pairs[:100])) == 100
+
+
+def test_file_digests_are_not_remembered_past_a_rewrite(tmp_path, monkeypatch):
+    """The memo of file digests is keyed by the change time too: a rewrite that keeps the size and puts
+    the modification time back is read again; a file written within RACY_S seconds is not remembered."""
+    path, memo = tmp_path / "c.de", tmp_path / "digests.json"
+    path.write_text("eins\n")
+    one = hashlib.sha256(b"eins\n").hexdigest().encode()  # the digest of the file's digests
+    assert data.corpora.file_digest([path], memo) == hashlib.sha256(one).hexdigest()
+    assert not memo.exists()  # written just now
+    monkeypatch.setattr(data.corpora, "RACY_S", -1)
+    first = data.corpora.file_digest([path], memo)
+    assert len(json.loads(memo.read_text())) == 1
+    written = path.stat()
+    time.sleep(0.05)  # past the kernel's clock tick for file times (at most 10 ms)
+    path.write_text("zwei\n")
+    os.utime(path, ns=(written.st_atime_ns, written.st_mtime_ns))
+    assert (path.stat().st_size, path.stat().st_mtime_ns) == (written.st_size, written.st_mtime_ns)
+    assert data.corpora.file_digest([path], memo) != first
+
+
+def _killed_build(cache, tokenizers_dir, pairs, digest, started):
+    def stalled():
+        yield from pairs
+        started.set()
+        time.sleep(120)  # killed meanwhile
+
+    store_mod.corpus_store(cache, digest, data.load_tokenizers(tokenizers_dir), stalled(), name="test")
+
+
+def test_a_build_removes_what_killed_builds_left(numbers, tmp_path):
+    """SIGKILL leaves a build's temporary directory; the next build removes those of its own key and
+    of keys no process is building, and leaves one whose build holds its lock."""
+    pairs, tokenizers = numbers
+    data.save_tokenizers(tokenizers, tmp_path / "tok")
+    cache = tmp_path / "cache"
+    fork = multiprocessing.get_context("fork")
+    for digest in ("another-corpus", "digest-of-test-data"):
+        started = fork.Event()
+        build = fork.Process(target=_killed_build, args=(cache, tmp_path / "tok", pairs[:10], digest, started))
+        build.start()
+        assert started.wait(30)
+        os.kill(build.pid, signal.SIGKILL)
+        build.join(30)
+        assert len(list(cache.glob(".*.tmp-*"))) == 1  # the second build removed the first's (another key)
+    (cache / f".{'f' * 32}.tmp-busy").mkdir()
+    with open(cache / f".{'f' * 32}.lock", "w") as busy:
+        fcntl.flock(busy, fcntl.LOCK_EX)  # that store's build is running
+        assert len(_store(tmp_path, tokenizers, pairs[:10])) == 10
+    assert [p.name for p in cache.glob(".*.tmp-*")] == [f".{'f' * 32}.tmp-busy"]
 
 
 def _slow_build(cache, tokenizers_dir, pairs, started):
@@ -276,7 +402,8 @@ def test_two_processes_read_their_rows_like_one_process_on_two_devices(tmp_path)
     # The same global batches; only the all-reduce's summation order differs (test_distributed.REL).
     np.testing.assert_allclose(losses[1], losses[0], rtol=1e-4)
     assert "2 device(s) in 2 processes" in outputs[1][0]
-    assert len([p for p in (tmp_path / "cache").iterdir() if p.is_dir()]) == 1  # one store, read by all three
+    stores = [p for p in (tmp_path / "cache").iterdir() if p.is_dir() and not p.name.startswith("tokenizers-")]
+    assert len(stores) == 1  # one store, read by all three (beside the corpus's tokenizers)
 
 
 def test_a_corpus_tokenizers_are_trained_from_its_stream_once(tmp_path, monkeypatch):

@@ -1,4 +1,4 @@
-"""`python -m train.translate` streams: chunks in input order, bounded memory, an interrupted
+"""`aiayn translate` streams: chunks in input order, bounded memory, an interrupted
 --output resumed, progress and summary, any readable stream as input, every device, the
 compilation cache.
 
@@ -26,7 +26,8 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # when run as the worker script
     sys.path.insert(0, str(REPO))
 
-from train import api, data, jobs, translate, translation  # noqa: E402
+from train import api, data, jobs, translation  # noqa: E402
+from train.commands import translate  # noqa: E402
 from train.runtime import output as run_output  # noqa: E402
 from train.backends import host_devices, jax_cache  # noqa: E402
 
@@ -145,7 +146,7 @@ def test_cut_lines_are_counted(tiny_torch_run, capsys, monkeypatch):
 
 def _process(args, **kwargs) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.Popen([sys.executable, "-m", "train.translate", *args], cwd=REPO, env=env, text=True,
+    return subprocess.Popen([sys.executable, "-m", "train.commands.translate", *args], cwd=REPO, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kwargs)
 
 
@@ -211,7 +212,8 @@ def test_process_substitution_and_dev_stdin(tiny_torch_run, reference, tmp_path)
     source = write_lines(tmp_path / "in.txt", LINES)
     for command in (f"--input <(cat {source})", f"--input /dev/stdin < {source}"):
         result = subprocess.run(
-            ["bash", "-c", f"{sys.executable} -m train.translate --run-dir {tiny_torch_run} --no-progress {command}"],
+            ["bash", "-c",
+             f"{sys.executable} -m train.commands.translate --run-dir {tiny_torch_run} --no-progress {command}"],
             cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120,
         )
         assert result.returncode == 0, result.stderr
@@ -472,7 +474,7 @@ def jax_run(tmp_path_factory):
 def test_a_second_process_loads_what_the_first_compiled(jax_run, tmp_path):
     cache, source = tmp_path / "cache", write_lines(tmp_path / "in.txt", LINES)
     env = {**os.environ, "PYTHONPATH": str(REPO), jax_cache.ENV: str(cache)}
-    command = [sys.executable, "-m", "train.translate", "--run-dir", str(jax_run), "--input", str(source)]
+    command = [sys.executable, "-m", "train.commands.translate", "--run-dir", str(jax_run), "--input", str(source)]
     first = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr
     entries = {p.name: p.read_bytes() for p in cache.iterdir() if p.name.endswith("-atime")}
@@ -506,7 +508,7 @@ def test_eight_devices_translate_as_one(jax_run, tmp_path):
 # and that several devices translate as one does (above).
 @pytest.mark.slow
 def test_a_cpu_translates_on_one_device_per_core(jax_run, tmp_path, capsys):
-    """No XLA_FLAGS: `python -m train.translate` splits the CPU into devices ($AIAYN_HOST_DEVICES=2
+    """No XLA_FLAGS: `aiayn translate` splits the CPU into devices ($AIAYN_HOST_DEVICES=2
     here, as on a 2-core machine), says so, and writes what one device writes."""
     source = write_lines(tmp_path / "in.txt", LINES)
     code, expected, err = run_main(capsys, "--run-dir", str(jax_run), "--input", str(source), "--batch-size", "3",
@@ -514,7 +516,7 @@ def test_a_cpu_translates_on_one_device_per_core(jax_run, tmp_path, capsys):
     assert code == 0 and " devices" not in err, err
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") and k != "XLA_FLAGS"}
     env.update({"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO), jax_cache.ENV: "off", host_devices.ENV: "2"})
-    command = [sys.executable, "-m", "train.translate", "--run-dir", str(jax_run), "--input", str(source),
+    command = [sys.executable, "-m", "train.commands.translate", "--run-dir", str(jax_run), "--input", str(source),
                "--batch-size", "3"]
     proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -532,8 +534,8 @@ def test_more_devices_than_the_cpu_has_are_refused(jax_run):
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") and k not in ("XLA_FLAGS", host_devices.ENV)}
     env.update({"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO), jax_cache.ENV: "off"})
     asked = host_devices.cores() + 1
-    proc = subprocess.run([sys.executable, "-m", "train.translate", "--run-dir", str(jax_run), "--devices", str(asked)],
-                          input="eins\n", cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "train.commands.translate", "--run-dir", str(jax_run), "--devices",
+                           str(asked)], input="eins\n", cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert (proc.returncode, proc.stdout) == (1, "")
     assert proc.stderr == f"error: --devices {asked}: {host_devices.cores()} device(s) visible (cpu)\n"
 
@@ -552,8 +554,9 @@ def test_two_processes_translate_as_one(jax_run, tmp_path, capsys):
         port = free.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") and k != "XLA_FLAGS"}
     env.update(XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
-    command = [sys.executable, "-m", "train.translate", "--run-dir", str(jax_run), "--input", str(source), "--output",
-               str(output), "--batch-size", "3", "--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2"]
+    command = [sys.executable, "-m", "train.commands.translate", "--run-dir", str(jax_run), "--input", str(source),
+               "--output", str(output), "--batch-size", "3", "--coordinator-address", f"127.0.0.1:{port}",
+               "--num-processes", "2"]
     processes = [subprocess.Popen([*command, "--process-id", str(i)], env=env, cwd=REPO, text=True,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(2)]
     results = [p.communicate(timeout=600) for p in processes]
@@ -570,7 +573,7 @@ def test_two_processes_translate_as_one(jax_run, tmp_path, capsys):
 
 def _worker(run_dir: str, out: str) -> None:
     """Translate LINES on 8 devices and on 1 (greedy and beam 4; batches of 5 rows, so padded to
-    8 on 8 devices), through `train.translate.main`; the outputs to `out` as JSON."""
+    8 on 8 devices), through `train.commands.translate.main`; the outputs to `out` as JSON."""
     import contextlib
 
     import jax

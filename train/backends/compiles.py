@@ -42,18 +42,13 @@ _totals = Compiles()
 _listening = False
 
 
-def _on_duration(event: str, seconds: float, **_: Any) -> None:
+def _count(event: str, seconds: float = 0.0, **_: Any) -> None:
+    """JAX's listener of both kinds: a program compiled (a duration event, its seconds) or read from the cache."""
     global _totals
-    if event == COMPILE_EVENT:
+    compiled, hit = event == COMPILE_EVENT, event == CACHE_HIT_EVENT
+    if compiled or hit:
         with _lock:
-            _totals = Compiles(_totals.programs + 1, _totals.seconds + seconds, _totals.cache_hits)
-
-
-def _on_event(event: str, **_: Any) -> None:
-    global _totals
-    if event == CACHE_HIT_EVENT:
-        with _lock:
-            _totals = Compiles(_totals.programs, _totals.seconds, _totals.cache_hits + 1)
+            _totals = Compiles(_totals.programs + compiled, _totals.seconds + seconds, _totals.cache_hits + hit)
 
 
 def listen() -> None:
@@ -65,8 +60,8 @@ def listen() -> None:
         _listening = True
     from jax import monitoring
 
-    monitoring.register_event_duration_secs_listener(_on_duration)
-    monitoring.register_event_listener(_on_event)
+    monitoring.register_event_duration_secs_listener(_count)
+    monitoring.register_event_listener(_count)
 
 
 def totals() -> Compiles:

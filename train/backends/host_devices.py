@@ -1,4 +1,4 @@
-"""One JAX device per CPU core for searching: `translate`, `evaluate` and `parity.translate_bench`
+"""One JAX device per CPU core for searching: `translate`, `evaluate` and `aiayn translate-bench`
 ask XLA for them before jax is imported, and decode each batch data parallel over every device.
 
 XLA:CPU runs a beam search's small matmuls on one core; split into one device per core, each core

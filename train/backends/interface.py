@@ -84,12 +84,6 @@ class Hypotheses:
     score: np.ndarray  # (B, n) float32: logprob / the length penalty, what the beam ranks by
 
 
-def check_greedy_n_best(n_best: int) -> None:
-    """Greedy search (beam 1) has one hypothesis: n_best 1."""
-    if n_best != 1:
-        raise ValueError(f"n_best must be between 1 and the beam size 1, got {n_best}")
-
-
 @runtime_checkable
 class Translator(Protocol):
     """Search, scores and attention weights, dropout off."""
@@ -125,6 +119,12 @@ class Translator(Protocol):
         weighs the source for the prediction after tgt_in[:, t]; each row sums to 1 and padded
         source positions get 0."""
 
+    def ensemble(self, others: Sequence[Any], average: str = "logprob") -> None:
+        """Translate, sample and score from now on with the twin's `Ensemble` of this backend's model
+        and `others`' (backends of the same framework, checkpoints restored; kept alive by it): their
+        log-probabilities averaged by `average`. Training, checkpoints and attention weights are then
+        no longer this backend's business. ValueError for members of other vocabulary sizes or ids."""
+
 
 @runtime_checkable
 class Store(Protocol):
@@ -151,23 +151,13 @@ class Store(Protocol):
         """Weights, Adam's moments, the update count and the random state, as NumPy copies."""
 
     def import_state(self, state: TrainingState) -> None:
-        """Continue from `state` (of this framework, or converted to its layout by parity.convert):
+        """Continue from `state` (of this framework, or converted to its layout by aiayn convert):
         weights, moments and update count (the schedule's position follows it); the random state
         when it is this framework's, else the backend keeps its own. Keys, shapes and dtypes are
         checked strictly (CheckpointMismatchError, ValueError)."""
 
     def close(self) -> None:
         """Finish pending checkpoint writes."""
-
-
-class Ensembles(Protocol):
-    """A translating backend turned into several models decoding as one."""
-
-    def ensemble(self, others: Sequence[Any], average: str = "logprob") -> None:
-        """Translate, sample and score from now on with the twin's `Ensemble` of this backend's model
-        and `others`' (backends of the same framework, checkpoints restored; kept alive by it): their
-        log-probabilities averaged by `average`. Training, checkpoints and attention weights are then
-        no longer this backend's business. ValueError for members of other vocabulary sizes or ids."""
 
 
 class StoreMethods:

@@ -23,14 +23,14 @@ from flax import nnx
 import jax_transformer
 from jax_transformer import decode, ensemble, sampling, sharding, xla_cpu
 from jax_transformer.objective import label_smoothed_cross_entropy, noam_learning_rate
-from torch_reference.config import TransformerConfig
+from torch_reference.config import TransformerConfig, check_beam
 
 from ..config import ExperimentConfig, default_dtype, resolve_kernels
 from ..data import Batch
 from ..store import TrainingState, check_keys
 from ..store.jax_store import JaxStore
 from . import allocator, compiles, jax_cache
-from .interface import Hypotheses, Metrics, StoreMethods, Topology, check_greedy_n_best
+from .interface import Hypotheses, Metrics, StoreMethods, Topology
 
 
 def make_optimizer(exp_cfg: ExperimentConfig, d_model: int) -> optax.GradientTransformation:
@@ -358,8 +358,8 @@ class JaxBackend(StoreMethods):
         if prefix is not None:  # checked here: inside the compiled search its values are not known
             prefix = np.asarray(prefix, np.int32)
             decode.check_prefix(src, prefix, self.model_cfg, 1.5, 10)
-        if beam_size == 1 and n_best is not None:
-            check_greedy_n_best(n_best)
+        if beam_size == 1 and n_best is not None:  # greedy's one-best list
+            check_beam(1, alpha, scoring, n_best)
         options = (beam_size, np.float32(alpha), cached, scoring, n_best)
         devices = self.mesh.devices.size
         if devices == 1:
@@ -389,8 +389,7 @@ class JaxBackend(StoreMethods):
             self._sampled.clear()
         self._sampled.add(settings)
         # On one device: sampling is not data parallel over the mesh.
-        tokens, logprob = jax.device_get(self._sample(self.local_params(), src, np.uint32(seed), ids, num_samples,
-                                                      float(temperature), top_k, float(top_p)))
+        tokens, logprob = jax.device_get(self._sample(self.local_params(), src, np.uint32(seed), ids, *settings))
         logprob = np.asarray(logprob, np.float32)
         return Hypotheses(np.asarray(tokens, np.int32), logprob, logprob.copy())
 
@@ -444,7 +443,7 @@ class JaxBackend(StoreMethods):
 
     def import_state(self, state: TrainingState) -> None:
         if state.framework != "jax":
-            raise ValueError(f"a {state.framework} training state: convert it to JAX's layout first (parity.convert)")
+            raise ValueError(f"a {state.framework} training state: convert it to JAX's layout first (aiayn convert)")
         state.check()
         old = self.state
         params = _from_flat(old["params"], state.params, "weights")
@@ -467,12 +466,8 @@ class JaxBackend(StoreMethods):
 
 def _key(path: tuple) -> str:
     """A JAX tree path -> the dotted attribute path `encoder.layers.0.self_attn.q_proj.kernel`."""
-    names = []
-    for p in path:
-        if isinstance(p, jax.tree_util.GetAttrKey) and p.name == "value":
-            continue  # an nnx.Variable's value
-        names.append(str(getattr(p, "key", getattr(p, "idx", getattr(p, "name", p)))))
-    return ".".join(names)
+    return ".".join(str(getattr(p, "key", getattr(p, "idx", getattr(p, "name", p)))) for p in path
+                    if not (isinstance(p, jax.tree_util.GetAttrKey) and p.name == "value"))  # an nnx.Variable's value
 
 
 def _to_flat(tree: Any) -> dict[str, np.ndarray]:

@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import torch_reference
 from torch_reference import decode, ensemble, sampling
-from torch_reference.config import TransformerConfig
+from torch_reference.config import TransformerConfig, check_beam
 from torch_reference.objective import label_smoothed_cross_entropy, noam_learning_rate
 
 from ..config import ExperimentConfig, default_dtype, resolve_kernels
@@ -36,7 +36,7 @@ from ..runtime import Interrupted, UserError
 from ..runtime.files import error_text
 from ..store import TrainingState, check_keys
 from ..store.torch_store import TorchStore
-from .interface import Hypotheses, Metrics, StoreMethods, Topology, check_greedy_n_best
+from .interface import Hypotheses, Metrics, StoreMethods, Topology
 
 
 def _long(device: torch.device, *arrays: np.ndarray) -> tuple[torch.Tensor, ...]:
@@ -114,7 +114,7 @@ def launch(exp_cfg: ExperimentConfig, target, **kwargs):
 
 
 def _process(env: dict[str, str], target, exp_cfg: ExperimentConfig, kwargs: dict) -> None:
-    """A process `launch` started: `train.run.main`'s endings (process 0 prints the resume command)."""
+    """A process `launch` started: `train.commands.run.main`'s endings (process 0 prints the resume command)."""
     os.environ.update(env)
     try:
         target(exp_cfg, **kwargs)
@@ -314,22 +314,19 @@ class TorchBackend(StoreMethods):
         (src_t,) = _long(self.device, src)  # (B, S)
         prefix_t = None if prefix is None else _long(self.device, prefix)[0]
         with self.autocast():
-            if beam_size == 1:
-                tokens, logprob = decode.greedy_search(self.model, src_t, cached=cached, prefix=prefix_t)
-                if n_best is not None:
-                    check_greedy_n_best(n_best)
-                    penalty = decode.length_penalty((tokens != self.model_cfg.pad_id).sum(1).float(), alpha, scoring)
-                    tokens, logprob, score = tokens[:, None], logprob[:, None], (logprob / penalty)[:, None]
-            elif n_best is None:
-                tokens, _ = decode.beam_search(self.model, src_t, beam_size, alpha, cached=cached, scoring=scoring,
-                                               prefix=prefix_t)
+            if beam_size > 1:
+                out = decode.beam_search(self.model, src_t, beam_size, alpha, cached=cached, scoring=scoring,
+                                         n_best=n_best, prefix=prefix_t)
             else:
-                tokens, logprob, score = decode.beam_search(self.model, src_t, beam_size, alpha, cached=cached,
-                                                            scoring=scoring, n_best=n_best, prefix=prefix_t)
-        tokens = tokens.cpu().numpy().astype(np.int32)
+                tokens, logprob = out = decode.greedy_search(self.model, src_t, cached=cached, prefix=prefix_t)
+                if n_best is not None:  # greedy's one-best list
+                    check_beam(1, alpha, scoring, n_best)
+                    penalty = decode.length_penalty((tokens != self.model_cfg.pad_id).sum(1).float(), alpha, scoring)
+                    out = tokens[:, None], logprob[:, None], (logprob / penalty)[:, None]
+        tokens = out[0].cpu().numpy().astype(np.int32)
         if n_best is None:
             return tokens
-        return Hypotheses(tokens, logprob.float().cpu().numpy(), score.float().cpu().numpy())
+        return Hypotheses(tokens, out[1].float().cpu().numpy(), out[2].float().cpu().numpy())
 
     def sample(self, src: np.ndarray, seed: int, num_samples: int = 1, temperature: float = 1.0, top_k: int = 0,
                top_p: float = 1.0, sentence_ids: np.ndarray | None = None) -> Hypotheses:
@@ -374,7 +371,7 @@ class TorchBackend(StoreMethods):
 
     def import_state(self, state: TrainingState) -> None:
         if state.framework != "torch":
-            raise ValueError(f"a {state.framework} training state: convert it to torch's layout first (parity.convert)")
+            raise ValueError(f"a {state.framework} training state: convert it to torch's layout first (aiayn convert)")
         state.check()
         current = self.model.state_dict()
         check_keys("PyTorch weights", {k: tuple(v.shape) for k, v in current.items()}, {k: np.shape(v) for k, v in state.params.items()})

@@ -5,8 +5,8 @@ shuffled per epoch from a seed, and resumable from a JSON-able state.
 
 from __future__ import annotations
 
-import itertools
 import dataclasses
+import itertools
 import logging
 from collections.abc import Iterator, Sequence
 
@@ -20,11 +20,8 @@ log = logging.getLogger(__name__)
 
 
 def bucket_lengths(max_len: int) -> tuple[int, ...]:
-    """Padded lengths 8, 16, 24, 32, 48, 64, 96, ... (2^k and 3*2^k) below max_len, then max_len.
-
-    From 16 on, consecutive buckets differ by at most 1.5x, so padding to a bucket wastes under a
-    third of it, and max_len=256 gives 10 buckets.
-    """
+    """Padded lengths 8, 16, 24, 32, 48, 64, 96, ... (2^k and 3*2^k) below max_len, then max_len:
+    from 16 on, neighbours differ by at most 1.5x, so padding wastes under a third of a bucket."""
     if max_len < 1:
         raise ValueError(f"max_len must be >= 1, got {max_len}")
     steps = sorted({m << k for m in (8, 24) for k in range(max_len.bit_length())})
@@ -34,11 +31,8 @@ def bucket_lengths(max_len: int) -> tuple[int, ...]:
 @dataclasses.dataclass(frozen=True)
 class Batch:
     """One padded batch: src, tgt_in and tgt_out are int32, padded with 0 to the bucket length S = T.
-
-    A packed batch (google/flax examples/wmt's convention) holds several pairs a row, one after
-    the other: `src_segments` and `tgt_segments` number them 1, 2, ... along the row (0 on
-    padding), and each segment's tgt_in starts with its own bos; unpacked, both are None.
-    """
+    Packed (google/flax examples/wmt's convention), `src_segments` and `tgt_segments` number a row's
+    pairs 1, 2, ... (0 on padding) and each segment's tgt_in starts with its own bos; else both None."""
 
     src: np.ndarray  # (B, S): source ids + eos
     tgt_in: np.ndarray  # (B, T): decoder input, shift_right(tgt_out): bos + tgt_out[:, :-1] (per segment)
@@ -60,30 +54,16 @@ class Batch:
 class Batcher:
     """Padded batches under a token budget, in length buckets or packed, shuffled per epoch, resumable.
 
-    A pair goes to the smallest bucket length L >= max(len(src), len(tgt)) (lengths include
-    <eos>); source and target are both padded to L, so a bucket has one batch shape (B_L, L) with
-        B_L = floor(token_budget / (L * multiple_of)) * multiple_of,  i.e.  B_L * L <= token_budget.
-    The last batch of a bucket is filled up with all-pad rows (ids -1, no tokens) so that shape
-    never changes: at most one shape per bucket, `shapes`. Pairs longer than max_len are dropped
-    and counted in `num_dropped`.
+    Buckets: a pair goes to the smallest bucket length L >= max(len(src), len(tgt)) (<eos> included),
+    both sides padded to L, B_L = floor(token_budget / (L * multiple_of)) * multiple_of rows; a bucket's
+    last batch is filled with all-pad rows (ids -1), so one shape per bucket in use (`shapes`). Pairs
+    longer than max_len are dropped (`num_dropped`). `pack=True`: one shape (B_P, `pack_length`), rows
+    filled first-fit in the epoch's order (docs/performance.md#sequence-packing).
 
-    `pack=True`: one shape (B_P, P) for every batch, P = `pack_length` (default: the smallest bucket
-    length holding the longest pair): each row holds as many pairs as fit, source after source and
-    target after target (`Batch.src_segments`, `tgt_segments`), filled first-fit in the epoch's order;
-    a pair that fits no row of the batch waits for the next one (a batch closes when B_P pairs wait).
-    Fewer programs to compile and less padding than buckets (docs/performance.md#sequence-packing).
-
-    Epoch e is shuffled by numpy's Generator seeded with (seed, e): pairs within each bucket, then
-    the order of all batches (packed: all pairs, then the batches). `next(batcher)` runs through
-    epochs endlessly; `state()` is a JSON-able {"epoch", "index"} (batches already taken from that
-    epoch), and `restore(state)` continues exactly from there. `epoch_batches(e)` yields one epoch
-    without touching the state (with shuffle=False: bucket by bucket, or packed, pairs in their
-    given order, for evaluation).
-
-    `examples`: (source ids, target ids) pairs, or a `TokenStore` (train.data.store), memory-mapped
-    from disk: the plan is computed from its lengths alone and each batch's rows gathered from it
-    when the batch is made. `process=(index, count)`: each batch holds only that process's share of
-    the global batch's rows (`Batch.global_rows`), its token counts the global batch's.
+    Epoch e is shuffled with the seed (seed, e); `next(batcher)` runs through epochs endlessly, `state()`
+    and `restore(state)` resume exactly, `epoch_batches(e)` yields one epoch without touching the state.
+    `examples`: pairs of ids, or a `TokenStore` whose rows are gathered when a batch is made.
+    `process=(index, count)`: each batch holds only that process's rows (`Batch.global_rows`).
     """
 
     def __init__(self, examples: Sequence[tuple[Sequence[int], Sequence[int]]] | TokenStore, token_budget: int,
@@ -175,34 +155,27 @@ class Batcher:
         """The pairs of `order` packed first-fit into batches of B_P rows of P positions each: per
         batch, a (rows in use, most pairs a row) array of pair indices, -1 after a row's pairs."""
         length, size = self.pack_length, self.batch_size[self.pack_length]
-        src_len, tgt_len = self._src_len[order].tolist(), self._tgt_len[order].tolist()  # lists: fast to index
-        carried, start, batches = [], 0, []  # positions in `order`: those waiting from the last batch, the next new
-        while carried or start < len(order):
-            free_src, free_tgt = np.full(size, length), np.full(size, length)
-            rows: list[list[int]] = [[] for _ in range(size)]
-            waiting: list[int] = []
-            queue = itertools.chain(carried, range(start, len(order)))
-            taken = 0
-            for k in queue:
-                taken += 1
-                s, t = src_len[k], tgt_len[k]
-                fits = (free_src >= s) & (free_tgt >= t)
-                row = int(fits.argmax())
-                if fits[row]:
-                    rows[row].append(k)
-                    free_src[row] -= s
-                    free_tgt[row] -= t
-                else:
-                    waiting.append(k)
-                    if len(waiting) == size:
-                        break
-            # The waiting pairs come first in the next batch, then those not reached.
-            carried, start = waiting + carried[taken:], start + max(0, taken - len(carried))
-            rows = [row for row in rows if row]
-            ids = np.full((len(rows), max(map(len, rows))), -1, np.int64)
-            for r, row in enumerate(rows):
-                ids[r, : len(row)] = order[row]
+        src_len, tgt_len = self._src_len[order], self._tgt_len[order]
+        waiting, start, window, batches = np.zeros(0, np.int64), 0, 4 * size, []  # positions in `order`
+        while len(waiting) or start < len(order):
+            while True:  # a window of the queue (the waiting pairs, then new ones) that holds the batch's end
+                queue = np.concatenate([waiting, np.arange(start, min(len(order), start + window))])
+                rows, left = _first_fit(src_len[queue], tgt_len[queue], size, length)
+                if left.bit_count() >= size or start + window >= len(order):
+                    break
+                window *= 2
+            bits = np.frombuffer(left.to_bytes(len(queue) // 8 + 1, "little"), np.uint8)
+            unplaced = np.flatnonzero(np.unpackbits(bits, bitorder="little"))[:size]
+            # The batch closes at its size-th pair that fits no row; those after it were not reached.
+            stop = int(unplaced[-1]) if len(unplaced) == size else len(queue)
+            rows = [row if row[-1] < stop else [p for p in row if p < stop] for row in rows if row[0] < stop]
+            counts = np.fromiter(map(len, rows), np.int64, len(rows))
+            ids = np.full((len(rows), counts.max()), -1, np.int64)
+            ids[np.arange(counts.max()) < counts[:, None]] = order[queue[np.fromiter(itertools.chain(*rows), np.int64)]]
             batches.append(ids)
+            # The first waiting pair always fits the empty first row, so the batch ends among the new ones.
+            window = (stop - len(waiting)) * 5 // 4 + size
+            start, waiting = max(start, int(queue[min(stop, len(queue) - 1)]) + 1), queue[unplaced]
         return batches
 
     def _collate(self, length: int, ids: np.ndarray) -> Batch:
@@ -213,34 +186,23 @@ class Batcher:
         full = np.full((size, *ids.shape[1:]), -1, np.int64)
         full[: len(ids)] = ids
         local = full[index * size // count : (index + 1) * size // count]
-        rows = len(local)
-        if self.pack:
-            row, segment = np.nonzero(local >= 0)  # row-major: each row's pairs in order
-            pairs = local[row, segment]
-        else:
-            pairs = local[local >= 0]  # the rows in use come first
+        grid = local.reshape(len(local), -1)  # (rows, pairs a row): bucketed, one pair a row, the rows in use first
+        row, segment = np.nonzero(grid >= 0)  # row-major: each row's pairs in order
         arrays = {}
         for side in ("src", "tgt"):
-            values, lengths = self.store.gather(side, pairs)
-            out = np.zeros((rows, length), np.int32)
-            if not self.pack:
-                out[: len(pairs)][np.arange(length) < lengths[:, None]] = values
-                arrays[side] = out
-                continue
+            values, lengths = self.store.gather(side, grid[row, segment])
             before = np.cumsum(lengths) - lengths  # where each pair's ids begin among `values`
             at = np.repeat(row * length - before[np.searchsorted(row, row)], lengths) + np.arange(len(values))
-            out.reshape(-1)[at] = values
-            seg = np.zeros((rows, length), np.int32)
-            seg.reshape(-1)[at] = np.repeat(segment + 1, lengths)
-            arrays[side], arrays[f"{side}_seg"] = out, seg
-            if side == "tgt":  # shift_right within each segment: bos, then the pair's ids but its last
-                shifted = np.concatenate([[BOS_ID], values[:-1]]).astype(np.int32)
-                shifted[before] = BOS_ID
-                arrays["tgt_in"] = np.zeros((rows, length), np.int32)
-                arrays["tgt_in"].reshape(-1)[at] = shifted
+            flat = {side: values, f"{side}_seg": np.repeat(segment + 1, lengths)}
+            if side == "tgt" and self.pack:  # shift_right within each segment: bos, then the pair's ids but its last
+                flat["tgt_in"] = np.concatenate([[BOS_ID], values[:-1]]).astype(np.int32)
+                flat["tgt_in"][before] = BOS_ID
+            for name, content in flat.items():
+                arrays[name] = np.zeros((len(local), length), np.int32)
+                arrays[name].reshape(-1)[at] = content
         src, tgt_out, global_rows = arrays["src"], arrays["tgt"], None if count == 1 else size
         if not self.pack:
-            tgt_in = np.concatenate([np.full((rows, 1), BOS_ID, np.int32), tgt_out[:, :-1]], axis=1)  # (B, T)
+            tgt_in = np.concatenate([np.full((len(local), 1), BOS_ID, np.int32), tgt_out[:, :-1]], axis=1)  # (B, T)
             return Batch(src, tgt_in, tgt_out, local, *tokens, global_rows=global_rows)
         return Batch(src, arrays["tgt_in"], tgt_out, local, *tokens, arrays["src_seg"], arrays["tgt_seg"],
                      global_rows=global_rows)
@@ -269,6 +231,32 @@ class Batcher:
     def restore(self, state: dict[str, int]) -> None:
         """Continue from a `state()` (e.g. read back from a checkpoint's JSON)."""
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
+
+
+def _first_fit(src_len: np.ndarray, tgt_len: np.ndarray, size: int, length: int) -> tuple[list[list[int]], int]:
+    """First-fit of a queue of pairs into `size` rows of `length` positions a side, computed row by row:
+    (each row's queue positions, the bit set of the positions no row took). Row r takes, in queue order,
+    each pair the rows before it left that fits what r has left: what first-fit gives it. A pair r
+    rejected stays rejected (a row only fills), so r's next pair is the lowest bit of (left & fits)."""
+    fit_s, fit_t = [], []  # fit[room]: the bit set (a Python int, bit i for pair i) of the pairs that fit in room
+    for lengths, fit in ((src_len, fit_s), (tgt_len, fit_t)):
+        values = np.flatnonzero(np.bincount(lengths))  # the lengths present: a room fits what the longest below fits
+        packed = np.packbits(lengths[None, :] <= values[:, None], axis=1, bitorder="little")
+        raw, width = packed.tobytes(), packed.shape[1]
+        sets = [0] + [int.from_bytes(raw[i : i + width], "little") for i in range(0, len(raw), width)]
+        fit += [sets[i] for i in np.searchsorted(values, np.arange(length + 1), side="right").tolist()]
+    s, t = src_len.tolist(), tgt_len.tolist()
+    left, rows = (1 << len(s)) - 1, []
+    while left and len(rows) < size:
+        free_s, free_t, row = length, length, []
+        while fits := left & fit_s[free_s] & fit_t[free_t]:
+            low = fits & -fits
+            p = low.bit_length() - 1
+            left ^= low
+            free_s, free_t = free_s - s[p], free_t - t[p]
+            row.append(p)
+        rows.append(row)
+    return rows, left
 
 
 def fixed_lengths(max_len: int) -> tuple[int, ...]:

@@ -1,21 +1,13 @@
 """`load_parallel(spec)`: sentence pairs from local files or a datasets-hub dataset, for the data
-specs `python -m train.run --help` lists (`train.run.EPILOG`); JSON and hub specs are read through
-HF `datasets`, text pairs and TSV directly.
-
-TSV is read without quoting or NA parsing ('"' and "null", German for 0, are text), every row with
-the header's number of columns (else ValueError naming the line). A hub spec's fields default to
-the two halves of a CONFIG like "de-en"; in JSON and hub datasets a field is looked up as a column,
-then inside a "translation" dict column. Both sides are stripped of surrounding whitespace; pairs
-where either side is then empty are skipped and counted (`LoadedPairs.skipped_empty`).
-
-Lines: one rule for every text file (text pairs, TSV, translate's input), `split_lines`: a line
-ends at "\n" (a "\r" before it is dropped too); every other character (U+2028, U+0085, form
-feed, a lone "\r") is text. Python's `str.splitlines` and universal newlines would split there.
+specs of `train.run.EPILOG`; JSON and hub specs through HF `datasets`, text pairs and TSV directly.
+Both sides are stripped; pairs with a side then empty are skipped and counted. Every text file's lines
+end at "\n" only (`split_lines`), where Python's `str.splitlines` would also split at U+2028 and the like.
 """
 
 from __future__ import annotations
 
 import codecs
+import collections
 import contextlib
 import dataclasses
 import gzip
@@ -24,6 +16,7 @@ import itertools
 import logging
 import os
 import re
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -49,27 +42,22 @@ _HUB = re.compile(r"^hf:([^:]+):(?:([^:\[]+):)?([^:\[]+(?:\[.*\])?)$")
 _TEXT_PAIR = re.compile(r"^([\w-]+):([\w-]+):(.+)$")
 _TSV = (".tsv", ".tsv.gz")
 _JSON = (".jsonl", ".jsonl.gz", ".json", ".json.gz")
+RACY_S = 2  # seconds: coarser than any filesystem's timestamps (FAT's are 2 s), git's "racy" entries
 
 
 def load_parallel(spec: str, cache_dir: str | Path | None = None) -> LoadedPairs:
-    """Sentence pairs from a spec string (the formats of `train.run.EPILOG`).
-
-    `cache_dir` is handed to `datasets.load_dataset` (default: the HF datasets cache). HF
-    `datasets`, slow to import, is imported only for hub and JSON specs (docs/operations.md#training-and-data).
-    Raises FileNotFoundError for a missing file, ValueError for an unknown format, a missing
-    column, or text files whose line counts differ.
-    """
+    """Sentence pairs from a spec string (the formats of `train.run.EPILOG`); `cache_dir`: datasets' cache.
+    FileNotFoundError for a missing file, ValueError for an unknown format, a missing column, or text
+    files whose line counts differ."""
     stream = stream_parallel(spec, cache_dir, digest=False)[1]
     return LoadedPairs(list(stream), stream.skipped)
 
 
 def stream_parallel(spec: str, cache_dir: str | Path | None = None, digest: bool = True,
                     memo: Path | None = None) -> tuple[str, PairStream]:
-    """(a digest of the data's content ("" with digest=False), its pairs, empty sides skipped): text
-    pairs are read a line at a time and hub datasets from datasets' memory-mapped Arrow cache,
-    never held whole; TSV and JSON are read whole. `memo`: a JSON file of the digests of files
-    already read, by path, size, modification time and inode (`file_digest`). Errors as
-    `load_parallel`'s, some while iterating."""
+    """(a digest of the data's content ("" with digest=False), its pairs, empty sides skipped): text pairs
+    and hub datasets streamed, TSV and JSON read whole; `memo`: `file_digest`'s. Errors as `load_parallel`'s,
+    some while iterating."""
     spec, _, options = spec.partition("#")
     cache_dir = None if cache_dir is None else str(cache_dir)
     if spec.startswith("hf:"):
@@ -100,8 +88,9 @@ def stream_parallel(spec: str, cache_dir: str | Path | None = None, digest: bool
 
 
 def file_digest(paths: Iterable[Path], memo: Path | None = None) -> str:
-    """sha256 over the bytes of `paths`, read in blocks; a file whose path, size, modification time
-    and inode are in the JSON file `memo` is not read again (as git's index and make do)."""
+    """sha256 over the bytes of `paths`; a file whose path, size, modification and change times and inode
+    are in the JSON file `memo` is not read again (as git's index does), unless written in the last
+    `RACY_S` seconds (another write within the clock's tick could keep all of them)."""
     try:
         known = read_json(memo, default={}) if memo is not None else {}
     except UserError:  # a damaged memo: read every file again, and rewrite it
@@ -111,16 +100,16 @@ def file_digest(paths: Iterable[Path], memo: Path | None = None) -> str:
     for path in paths:
         try:
             info = os.stat(path)
-            key = f"{os.path.realpath(path)}|{info.st_size}|{info.st_mtime_ns}|{info.st_ino}"
-            if key not in known:
-                one = hashlib.sha256()
+            key = f"{os.path.realpath(path)}|{info.st_size}|{info.st_mtime_ns}|{info.st_ctime_ns}|{info.st_ino}"
+            digest = known.get(key)
+            if digest is None:
                 with open(path, "rb") as f:
-                    while block := f.read(1 << 22):
-                        one.update(block)
-                known[key], changed = one.hexdigest(), True
+                    digest = hashlib.file_digest(f, "sha256").hexdigest()
+                if time.time() - max(info.st_mtime, info.st_ctime) > RACY_S:
+                    known[key], changed = digest, True
         except OSError as err:
             raise ValueError(f"cannot read {path}: {err.strerror or err}") from None
-        h.update(known[key].encode())
+        h.update(digest.encode())
     if changed and memo is not None:
         with contextlib.suppress(OSError):  # a memo not written costs a re-read next time, nothing more
             write_json_atomic(memo, known)
@@ -136,8 +125,7 @@ def _text_pairs(paths: list[Path]) -> Iterator[tuple[str, str]]:
         for sides in itertools.zip_longest(*readers):
             if None in sides:
                 for reader in readers:
-                    for _ in reader:  # count the rest
-                        pass
+                    collections.deque(reader, maxlen=0)  # count the rest
                 (short, n_short), (long, n_long) = sorted(zip(paths, (r.lines for r in readers)), key=lambda p: p[1])
                 extra = f"line {n_long} of {long} has" if n_long == n_short + 1 else \
                     f"lines {n_short + 1}-{n_long} of {long} have"
@@ -189,8 +177,6 @@ class PairStream:
             log.info("skipped %d of %d pairs with an empty side", self.skipped, self.skipped + self.read)
 
 
-
-
 def spec_files(spec: str) -> list[Path]:
     """The local files a data spec names that exist (what an output must not replace)."""
     spec = spec.partition("#")[0]
@@ -203,18 +189,11 @@ def spec_files(spec: str) -> list[Path]:
     return [path for path in paths if path.exists()]
 
 
-def _datasets():
-    """HF `datasets`, imported on first use, its progress bars off ("Generating train split" bars
-    for local files are noise)."""
-    import datasets
-
-    datasets.disable_progress_bars()
-    return datasets
-
-
 def _load_dataset(what: str, *args, **kwargs):
     """datasets.load_dataset(*args, **kwargs); data it cannot parse raises ValueError saying `what`."""
-    datasets = _datasets()
+    import datasets  # slow to import: only for hub and JSON specs
+
+    datasets.disable_progress_bars()  # "Generating train split" bars for local files are noise
     verbosity = datasets.logging.get_verbosity()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # it also logs the parse error it raises
     try:
@@ -276,14 +255,9 @@ def _existing(*candidates: Path) -> Path:
 
 
 def check_text(path: Path, chunk_size: int = 1 << 20, max_line_bytes: int = MAX_LINE_BYTES) -> int:
-    """The size in bytes of `path` (decompressed when it ends in .gz). Raises ValueError naming
-    the byte offset and line of its first invalid UTF-8 sequence, a line longer than
-    `max_line_bytes` (before any line is held: a file of one huge line is refused, not loaded), or
-    when it cannot be read.
-
-    `datasets` would fail on such a file too, but with an offset into one of its own chunks and
-    no file name; one streaming pass here costs little next to tokenisation.
-    """
+    """The size in bytes of `path` (decompressed when it ends in .gz). ValueError naming the byte offset
+    and line of its first invalid UTF-8 sequence, a line longer than `max_line_bytes` (refused before it
+    is held), or a file that cannot be read: `datasets` would name neither the file nor the offset."""
     decoder = codecs.getincrementaldecoder("utf-8")()
     offset, lines, open_line = 0, 0, 0  # bytes and newlines before the current chunk, bytes of its open line
     try:

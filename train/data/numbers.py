@@ -30,14 +30,9 @@ def _below_1000(lang: str) -> tuple[str, ...]:
 
 def number_words(n: int, *, drop_ein: bool = False) -> Pair:
     """(German, English) words for 0 <= n < 1,000,000, exactly as `num2words` writes them, or with
-    `drop_ein` without the "ein" that num2words puts before a leading hundred or thousand:
-    "hundertdrei" for "einhundertdrei" (103), "tausend" for "eintausend" (1000), as correct and what
-    a person types first. Other numbers are the same either way.
-
-    num2words' German converter is slow, so numbers >= 1000 are composed from its words for 0..999
-    with its own thousands rules (docs/results.md#the-numbers-corpus), its quirks such as
-    "einhunderteinstausend" (101,000) kept: the corpus is num2words' output.
-    """
+    `drop_ein` without the "ein" before a leading hundred or thousand ("hundertdrei", "tausend"), as
+    correct and what a person types first. Numbers >= 1000 are composed from num2words' words for
+    0..999 by its own thousands rules, its quirks kept ("einhunderteinstausend"): its German is slow."""
     if not 0 <= n < 1_000_000:
         raise ValueError(f"number_words covers 0..999999, got {n}")
     de, en = _below_1000("de"), _below_1000("en")
@@ -103,9 +98,8 @@ def numbers_range(first: int, last: int, step: int = 1) -> list[Pair]:
 
 
 def _spread(total: int, capacities: Sequence[int]) -> list[int]:
-    """`total` split as evenly as the capacities allow: every part at most its capacity, and a part
-    below an even share only when it is full; the remainder goes to the last parts. Raises
-    ValueError when the capacities hold fewer than `total`."""
+    """`total` split as evenly as the capacities allow (a part below an even share only when full, the
+    remainder to the last parts); ValueError when the capacities hold fewer than `total`."""
     counts = [0] * len(capacities)
     left = total
     by_capacity = sorted(range(len(capacities)), key=lambda i: (capacities[i], i))
@@ -130,7 +124,7 @@ def numbers_corpus(train_size: int = 20_000, valid_size: int = 1_000, test_size:
     (seed, band) and cut test first, then valid, then train (at most half of a band held out), so
     the splits share no number of 3 or more digits and test and valid do not depend on train_size.
     The 100 numbers below 100 are too few to hold out: every split draws them from the same
-    numbers (`train.evaluate` reports seen numbers apart). Training cycles each band's numbers to
+    numbers (`aiayn evaluate` reports seen numbers apart). Training cycles each band's numbers to
     fill its share, at most `TRAIN_REPEATS` times each (`ONE_DIGIT_REPEATS` for 1 digit), with
     `ROUND_SHARE` of each band from 4 digits on given to its round thousands, the roundest first.
     A coin per number (from `seed`) picks its spelling with or without a leading "ein"

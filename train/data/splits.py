@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -52,15 +53,9 @@ def load_split(cfg: ExperimentConfig, spec: str) -> list[Pair]:
                             f"got {spec!r}")
         corpus = numbers_corpus(cfg.numbers_train, cfg.numbers_valid, cfg.numbers_test, seed=cfg.seed)
         return getattr(corpus, name)
-    try:
+    with _loading(spec):
         loaded = load_parallel(spec, cache_dir=cfg.hf_cache)
-    except (FileNotFoundError, ValueError) as err:
-        raise UserError(f"cannot load {spec!r}: {err}") from None
-    if not loaded.pairs:
-        raise UserError(f"{spec!r} holds no sentence pairs" + (
-            f" ({loaded.skipped_empty} skipped: a side is empty)" if loaded.skipped_empty else ""))
-    if loaded.skipped_empty:
-        say(f"{spec}: skipped {loaded.skipped_empty} of {loaded.skipped_empty + len(loaded.pairs)} pairs with an empty side")
+    _check_pairs(spec, len(loaded.pairs), loaded.skipped_empty)
     return loaded.pairs
 
 
@@ -72,41 +67,31 @@ def train_store(cfg: ExperimentConfig, tokenizers: Tokenizers, pairs: list[Pair]
     if cfg.uses_numbers_corpus or cfg.train.startswith("numbers:"):
         return TokenStore.from_pairs(encode_pairs(tokenizers, pairs if pairs is not None else
                                                   load_splits(cfg).train))
-    try:
+    with _loading(cfg.train):
         root, digest, stream = _training_stream(cfg)
         source = pairs if pairs is not None else _lowered(cfg, stream)
         stored = corpus_store(root, f"{digest}#lowercase={cfg.lowercase}", tokenizers, source,
                               total=None if pairs is None else len(pairs), name=cfg.train,
                               progress=progress and cfg.progress)
-    except (FileNotFoundError, ValueError) as err:
-        raise UserError(f"cannot load {cfg.train!r}: {err}") from None
-    if stream.skipped:
-        say(f"{cfg.train}: skipped {stream.skipped} of {stream.skipped + len(stored)} pairs with an empty side")
-    if not len(stored):
-        raise UserError(f"{cfg.train!r} holds no sentence pairs")
+    _check_pairs(cfg.train, len(stored), stream.skipped)
     return stored
 
 
 def corpus_tokenizers(cfg: ExperimentConfig) -> Tokenizers:
     """Tokenizers trained on a --train spec streamed (only --tokenizer-sample pairs held), kept beside
     its stores under a key of the data and the settings: a second run on a corpus does not train them again."""
-    try:
+    with _loading(cfg.train):
         root, digest, stream = _training_stream(cfg)
-    except (FileNotFoundError, ValueError) as err:
-        raise UserError(f"cannot load {cfg.train!r}: {err}") from None
     settings = [digest, cfg.vocab_size, cfg.joint_vocab, cfg.lowercase, cfg.tokenizer_sample]
     path = root / ("tokenizers-" + hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:32])
     try:
         return load_tokenizers(path, cfg.joint_vocab)
     except (FileNotFoundError, ValueError):  # none yet, or damaged: train them (again)
         pass
-    try:
+    with _loading(cfg.train):
         pairs = sample(_lowered(cfg, stream), cfg.tokenizer_sample)
-    except (FileNotFoundError, ValueError) as err:
-        raise UserError(f"cannot load {cfg.train!r}: {err}") from None
     if not pairs:
-        raise UserError(f"{cfg.train!r} holds no sentence pairs" + (
-            f" ({stream.skipped} skipped: a side is empty)" if stream.skipped else ""))
+        _check_pairs(cfg.train, 0, stream.skipped)
     tokenizers = train_tokenizers(pairs, vocab_size=cfg.vocab_size, joint=cfg.joint_vocab, lowercase=cfg.lowercase,
                                   sample_size=cfg.tokenizer_sample)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=root))
@@ -119,8 +104,24 @@ def corpus_tokenizers(cfg: ExperimentConfig) -> Tokenizers:
     return tokenizers
 
 
+@contextlib.contextmanager
+def _loading(spec: str):  # a missing file or bad data: one UserError naming the spec
+    try:
+        yield
+    except (FileNotFoundError, ValueError) as err:
+        raise UserError(f"cannot load {spec!r}: {err}") from None
+
+
+def _check_pairs(spec: str, kept: int, skipped: int) -> None:  # no pair: an error; pairs skipped: a line
+    if not kept:
+        why = f" ({skipped} skipped: a side is empty)" if skipped else ""
+        raise UserError(f"{spec!r} holds no sentence pairs{why}")
+    if skipped:
+        say(f"{spec}: skipped {skipped} of {skipped + kept} pairs with an empty side")
+
+
 def _training_stream(cfg: ExperimentConfig):
-    if len(cfg.train) > MAX_SPEC:  # no path is that long; quoted whole, it would flood the message
+    if len(cfg.train) > MAX_SPEC:  # as load_split's
         raise UserError(f"data spec {quoted(cfg.train)} is {len(cfg.train):,} characters long: no file has such a name")
     root = cache_dir(cfg.hf_cache)
     root.mkdir(parents=True, exist_ok=True)

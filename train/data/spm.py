@@ -1,10 +1,7 @@
-"""SentencePiece tokenizers with a vocabulary of the run's own ids: the tokenizer kind of runs
-imported from a pretrained model (`python -m parity.convert --from marian`).
-
-`SentencePieceTokenizer` encodes as `transformers.MarianTokenizer` does (a leading `>>xx<<` language
-code one token, pieces missing from the vocabulary <unk>, <eos> last) into this project's numbering
-(pad 0, bos 1, eos 2, unk 3), and offers the `tokenizers.Tokenizer` methods a run uses. In a run
-directory: `sentencepiece.json` and the models it names. `sentencepiece` is an optional extra.
+"""SentencePiece tokenizers in this project's numbering, the tokenizers of runs imported from Marian
+(`aiayn convert --from marian`): they encode as `transformers.MarianTokenizer` does and offer the
+`tokenizers.Tokenizer` methods a run uses. In a run directory: `sentencepiece.json` and the models it
+names (`sentencepiece`: an optional extra).
 """
 
 from __future__ import annotations
@@ -40,11 +37,9 @@ class Encoding:
 
 
 class SentencePieceTokenizer:
-    """Segment with a SentencePiece model, map pieces to ids through `pieces` (id -> piece).
-
-    `model` and `decode_model` are serialized SentencePiece models (the bytes of a .spm file);
-    `pieces[:4]` are the special tokens' names (never produced by segmentation).
-    """
+    """Segment with a SentencePiece model (`model`, `decode_model`: the bytes of .spm files) and map the
+    pieces to ids through `pieces` (id -> piece; the first 4 the special tokens, never segmented): a
+    leading `>>xx<<` language code one token, a piece not in the vocabulary <unk>, <eos> last."""
 
     def __init__(self, model: bytes, pieces: Sequence[str], decode_model: bytes | None = None,
                  model_name: str = "source.spm", decode_model_name: str | None = None):

@@ -1,12 +1,7 @@
-"""A corpus tokenized once: `TokenStore`, every pair's source and target ids as flat int32 arrays with
-their lengths and offsets, in memory (`TokenStore.from_pairs`) or memory-mapped from a directory of
-NumPy `.npy` files (`open_store`, written by `build_store`, found by `corpus_store`).
-
-On disk a store is `<cache>/<key>/` (docs/operations.md#the-corpus-store): the key digests the
-data's content and the tokenizers, so a changed corpus or tokenizer gets a store of its own. It is
-written into a temporary directory and renamed into place, under a lock, so an interrupted build
-leaves no store and two builds of one key make it once; a store whose files disagree with its
-manifest is refused in one line, never read.
+"""A corpus tokenized once: `TokenStore`, every pair's ids as flat arrays with their lengths and offsets,
+in memory (`TokenStore.from_pairs`) or memory-mapped from `<cache>/<key>/`, a directory of `.npy` files
+keyed by the data's content and the tokenizers, built whole or not at all and refused in one line when
+its files disagree with its manifest (docs/operations.md#the-corpus-store).
 """
 
 from __future__ import annotations
@@ -18,25 +13,31 @@ import io
 import itertools
 import json
 import os
+import re
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator
+import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
+import xxhash
 from tqdm.auto import tqdm
 
 from ..runtime.files import UserError
-from .vocab import Tokenizers
+from .corpora import RACY_S
+from .vocab import Tokenizers, encode
 
-FORMAT = "aiayn-token-store/1"
+FORMAT = "aiayn-token-store/2"
 MANIFEST = "store.json"
 SIDES = ("src", "tgt")
 CHUNK = 20_000  # pairs per encode_batch call: the tokenizer's threads busy, a bounded buffer
+HEADER = 128  # bytes of a 1-D .npy header (format 1.0), whatever the array's length
+_VERIFIED: set[tuple] = set()  # the stores this process has digested, with their files' stat: read once
 
 
 class TokenStore:
-    """Flat token ids of both sides (`src`, `tgt`, int32), each pair's lengths (`src_len`, `tgt_len`,
+    """Flat token ids of both sides (`src`, `tgt`, uint16 or int32), each pair's lengths (`src_len`, `tgt_len`,
     int32) and start offsets (`src_start`, `tgt_start`, int64): arrays or read-only memory maps."""
 
     def __init__(self, arrays: dict[str, np.ndarray]):
@@ -107,8 +108,20 @@ def corpus_store(root: Path, data_digest: str, tokenizers: Tokenizers, pairs: It
         with open(root / f".{key}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # a second build of the key waits, then opens the first's store
             if not (path / MANIFEST).is_file():
+                _remove_stale(root, key)
                 build_store(path, pairs() if callable(pairs) else pairs, tokenizers, key, total, name, progress)
     return open_store(path, key)
+
+
+def _remove_stale(root: Path, key: str) -> None:  # killed builds' temporary directories: of `key`, of unlocked keys
+    for tmp in root.glob(".*.tmp-*"):
+        owner = re.fullmatch(r"\.([0-9a-f]{32})\.tmp-.*", tmp.name)  # a store's (tokenizers' take no lock)
+        if not owner:
+            continue
+        with open(root / f".{owner[1]}.lock", "a") as lock, contextlib.suppress(BlockingIOError):
+            if owner[1] != key:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: being built now
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def build_store(path: Path, pairs: Iterable[tuple[str, str]], tokenizers: Tokenizers, key: str = "",
@@ -116,35 +129,37 @@ def build_store(path: Path, pairs: Iterable[tuple[str, str]], tokenizers: Tokeni
     """Tokenize `pairs` chunk by chunk (`encode_batch` runs on every core) into a new store at `path`,
     written in a temporary directory beside it and renamed into place when complete."""
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    ids = np.uint16 if max(tok.get_vocab_size() for tok in (tokenizers.src, tokenizers.tgt)) <= 1 << 16 else np.int32
+    kinds = {"src": ids, "tgt": ids, "src_len": np.int32, "tgt_len": np.int32}  # uint16 ids: half the bytes
     try:
-        files = {name_: open(tmp / f"{name_}.npy", "wb") for name_ in ("src", "tgt", "src_len", "tgt_len")}
         with contextlib.ExitStack() as stack:
+            files = {name_: stack.enter_context(open(tmp / f"{name_}.npy", "wb")) for name_ in kinds}
             for f in files.values():
-                stack.enter_context(f)
-                f.write(_npy_header(0))
+                f.seek(HEADER)  # the header is written last, when the length is known
             counts = dict.fromkeys(files, 0)
             bar = stack.enter_context(tqdm(total=total, unit=" pairs", desc=f"tokenizing {name}", dynamic_ncols=True,
                                            disable=None if progress else True))  # None: on a terminal only
-            for chunk in _chunks(pairs, CHUNK):
+            pairs = iter(pairs)
+            while chunk := list(itertools.islice(pairs, CHUNK)):
                 for side, tok, texts in zip(SIDES, (tokenizers.src, tokenizers.tgt), zip(*chunk)):
-                    encodings = tok.encode_batch(list(texts))  # held by the tokenizer's library, not as lists
-                    lengths = np.fromiter(map(len, encodings), np.int32, len(encodings))
-                    flat = np.fromiter(itertools.chain.from_iterable(e.ids for e in encodings), np.int32,
-                                       int(lengths.sum()))
+                    rows = encode(tok, texts)  # as every other text is encoded
+                    lengths = np.fromiter(map(len, rows), np.int32, len(rows))
+                    flat = np.fromiter(itertools.chain.from_iterable(rows), kinds[side], int(lengths.sum()))
                     for array, name_ in ((flat, side), (lengths, f"{side}_len")):
                         files[name_].write(array.tobytes())
                         counts[name_] += len(array)
                 bar.update(len(chunk))
             for name_, f in files.items():  # the headers now say how long the arrays are
                 f.seek(0)
-                f.write(_npy_header(counts[name_]))
+                f.write(_npy_header(counts[name_], kinds[name_]))
         for side in SIDES:  # written in place: no array of the corpus's size in memory
             lengths = np.load(tmp / f"{side}_len.npy", mmap_mode="r")
             starts = np.lib.format.open_memmap(tmp / f"{side}_start.npy", "w+", np.int64, (len(lengths),))
             _starts(lengths, starts).flush()
             del starts
         manifest = {"format": FORMAT, "key": key, "pairs": counts["src_len"], "tokens": {s: counts[s] for s in SIDES},
-                    "files": {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}}
+                    "files": {p.name: p.stat().st_size for p in sorted(tmp.iterdir())},
+                    "xxh3_128": {p.name: _file_digest(p) for p in sorted(tmp.iterdir())}}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         os.rename(tmp, path)
     finally:
@@ -152,13 +167,16 @@ def build_store(path: Path, pairs: Iterable[tuple[str, str]], tokenizers: Tokeni
 
 
 def open_store(path: Path, key: str | None = None) -> TokenStore:
-    """The store at `path`, memory-mapped; UserError in one line when its files do not match its
-    manifest (truncated, replaced, another key): delete the directory and the next run rebuilds it."""
+    """The store at `path`, memory-mapped; UserError in one line when its files do not match its manifest
+    (each file's digest checked the first time a process opens it): the next run rebuilds a deleted one."""
     try:
         manifest = json.loads((path / MANIFEST).read_text())
-        sizes = {p.name: p.stat().st_size for p in path.iterdir() if p.name != MANIFEST}
+        stats = {p.name: p.stat() for p in path.iterdir() if p.name != MANIFEST}
+        sizes = {name: stat.st_size for name, stat in stats.items()}
+        seen = (str(path), *sorted((n, s.st_size, s.st_mtime_ns, s.st_ctime_ns, s.st_ino) for n, s in stats.items()))
         bad = manifest.get("format") != FORMAT or (key is not None and manifest.get("key") != key) or \
-            sizes != manifest["files"]
+            sizes != manifest["files"] or (seen not in _VERIFIED and any(
+                _file_digest(path / name) != digest for name, digest in manifest["xxh3_128"].items()))
         # Plain arrays over the maps: np.memmap's own indexing adds checks to every gather.
         arrays = {} if bad else {p[:-4]: np.asarray(np.load(path / p, mmap_mode="r")) for p in sizes}
         bad = bad or any(
@@ -169,23 +187,22 @@ def open_store(path: Path, key: str | None = None) -> TokenStore:
     if bad:
         raise UserError(f"corpus store {path} does not match its manifest (truncated or changed): delete it and run "
                         "again to rebuild it")
+    if time.time() - max(max(s.st_mtime, s.st_ctime) for s in stats.values()) > RACY_S:  # else may change unseen
+        _VERIFIED.add(seen)
     return TokenStore(arrays)
 
 
-def _npy_header(length: int) -> bytes:
-    """A 1-D int32 .npy header; 128 bytes for any length, so the final one overwrites the first."""
+def _file_digest(path: Path) -> str:
+    """xxh3-128 of a file's bytes: not cryptographic, a check against damage at memory speed."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, xxhash.xxh3_128).hexdigest()
+
+
+def _npy_header(length: int, dtype) -> bytes:
+    """A 1-D .npy header of HEADER bytes."""
     buf = io.BytesIO()
-    np.lib.format.write_array_header_1_0(buf, {"descr": "<i4", "fortran_order": False, "shape": (length,)})
-    assert len(buf.getvalue()) == 128
+    header = {"descr": np.dtype(dtype).str, "fortran_order": False, "shape": (length,)}
+    np.lib.format.write_array_header_1_0(buf, header)
+    assert len(buf.getvalue()) == HEADER
     return buf.getvalue()
 
-
-def _chunks(pairs: Iterable, size: int) -> Iterator[list]:
-    chunk = []
-    for pair in pairs:
-        chunk.append(pair)
-        if len(chunk) == size:
-            yield chunk
-            chunk = []
-    if chunk:
-        yield chunk

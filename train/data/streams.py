@@ -1,11 +1,6 @@
-"""Lines of any readable stream, one at a time, in bounded memory: `LineReader`.
-
-A regular file (plain, or gzip when its name ends in .gz), a FIFO, `/dev/stdin`, a process
-substitution (`<(...)`, a /dev/fd/N path) or standard input (path None). Lines end at "\n" (a
-"\r" before it is dropped), the rule of `corpora.split_lines`; a line longer than `max_bytes`
-bytes is refused with its number instead of being read whole (`< /dev/zero` ends in one error,
-not a MemoryError). Every problem is a `UserError` naming the input: missing, a directory,
-unreadable, invalid UTF-8 (byte offset and line), a line too long.
+"""`LineReader`: the lines of a file (plain or .gz), a FIFO, a process substitution or standard input,
+one at a time, by the rule of `corpora.split_lines`; a line over `max_bytes` is refused by number, not
+read whole (`< /dev/zero` ends in one error, not a MemoryError). Every problem is a UserError naming the input.
 """
 
 from __future__ import annotations
@@ -24,10 +19,7 @@ MAX_LINE_BYTES = 1 << 20  # 1 MiB: far beyond any sentence, far below a machine'
 
 
 class LineReader:
-    """Iterate over the lines (str) of `path`, or of standard input when it is None.
-
-    `lines` counts the lines read; `fraction()` is how much of a regular file has been read
-    (None for streams), for an ETA."""
+    """Iterate over the lines (str) of `path`, or of standard input when it is None; `lines` counts them."""
 
     def __init__(self, path: Path | None, max_bytes: int = MAX_LINE_BYTES, flag: str = "--input"):
         self.name = "standard input" if path is None else str(path)
@@ -87,9 +79,8 @@ class LineReader:
 
 
 def read_lines(path: Path | None, max_line_bytes: int = MAX_LINE_BYTES) -> list[str]:
-    """Every line of a file (plain or .gz), any readable stream, or stdin when `path` is None,
-    split by the one rule of `data.split_lines` (at "\\n" and "\\r\\n" only), so output line N is
-    input line N. Any problem raises UserError naming the input (`data.streams.LineReader`)."""
+    """Every line of a file, any readable stream, or stdin when `path` is None (`LineReader`), so that
+    output line N is input line N; any problem raises UserError naming the input."""
     reader = LineReader(path, max_line_bytes)
     try:
         return list(reader)

@@ -1,9 +1,7 @@
-"""Tokenizers are byte-level BPE (HF `tokenizers`), trained on the training split, one joint
-source+target vocabulary by default. Special ids: `torch_reference.config.SPECIAL_TOKENS`
-(<pad>=0, <bos>=1, <eos>=2, <unk>=3), the one definition the model, loss and search read too. Encoding
-appends <eos>; decoding stops at the first <eos> and drops the other special tokens. Byte-level
-BPE never maps to <unk> and decode(encode(s)) == s for every s without leading whitespace (the
-one space byte-level BPE prepends is removed again, so leading whitespace is lost).
+"""Byte-level BPE tokenizers (HF `tokenizers`) trained on the training split, one joint vocabulary by
+default, with the special ids of `torch_reference.config.SPECIAL_TOKENS`. Encoding appends <eos>; decoding
+stops at the first <eos>. Byte-level BPE never maps to <unk>, and decode(encode(s)) == s but for leading
+whitespace.
 """
 
 from __future__ import annotations
@@ -41,16 +39,10 @@ class Tokenizers:
         return f"Tokenizers(source {self.src.get_vocab_size()} tokens, target {self.tgt.get_vocab_size()} tokens)"
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int = 8000, min_frequency: int = 2,
-                    lowercase: bool = False) -> Tokenizer:
-    """A byte-level BPE `tokenizers.Tokenizer` trained on `texts`.
-
-    The vocabulary holds the 4 special tokens (ids 0..3), the 256 byte symbols and merges up to
-    `vocab_size` in all; it is smaller when the text runs out of merges seen `min_frequency`
-    times, so read the size from `tokenizer.get_vocab_size()`. `lowercase`: a Lowercase normalizer
-    lowercases every text it trains on and encodes. The saved tokenizer.json carries
-    the whole behaviour (eos appended by its post-processor, prefix space removed by its decoder).
-    """
+def train_tokenizer(texts: Iterable[str], vocab_size: int = 8000, lowercase: bool = False) -> Tokenizer:
+    """A byte-level BPE `tokenizers.Tokenizer` trained on `texts`: the 4 special tokens (ids 0..3), the 256
+    bytes and merges seen twice or more, up to `vocab_size` in all (read the size from
+    `get_vocab_size()`), lowercasing every text with `lowercase`; its tokenizer.json carries it all."""
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
     if lowercase:
         tokenizer.normalizer = normalizers.Lowercase()
@@ -59,7 +51,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 8000, min_frequency:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
     tokenizer.decoder = decoders.Sequence([decoders.ByteLevel(), decoders.Strip(" ", 1, 0)])
     tokenizer.post_processor = processors.TemplateProcessing(single="$A <eos>", special_tokens=[("<eos>", EOS_ID)])
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False,
                                   special_tokens=list(SPECIAL_TOKENS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # every byte: no <unk>, ever
     tokenizer.train_from_iterator(texts, trainer)
@@ -84,8 +76,7 @@ def sample(items: Iterable, size: int, seed: int = 0, chunk: int = 1 << 16) -> l
     return reservoir
 
 
-def train_tokenizers(pairs: Iterable[Pair], vocab_size: int = 8000, joint: bool = True,
-                     min_frequency: int = 2, lowercase: bool = False,
+def train_tokenizers(pairs: Iterable[Pair], vocab_size: int = 8000, joint: bool = True, lowercase: bool = False,
                      sample_size: int = DEFAULT_TOKENIZER_SAMPLE) -> Tokenizers:
     """Tokenizers trained on the training pairs, or on a uniform sample of `sample_size` of them when
     there are more (`sample`, seed 0 whatever the run's seed, so that runs of different seeds share
@@ -94,10 +85,9 @@ def train_tokenizers(pairs: Iterable[Pair], vocab_size: int = 8000, joint: bool 
     pairs = sample(pairs, sample_size)
     sources, targets = [s for s, _ in pairs], [t for _, t in pairs]
     if joint:
-        tokenizer = train_tokenizer(sources + targets, vocab_size, min_frequency, lowercase)
+        tokenizer = train_tokenizer(sources + targets, vocab_size, lowercase)
         return Tokenizers(tokenizer, tokenizer)
-    return Tokenizers(train_tokenizer(sources, vocab_size, min_frequency, lowercase),
-                      train_tokenizer(targets, vocab_size, min_frequency, lowercase))
+    return Tokenizers(train_tokenizer(sources, vocab_size, lowercase), train_tokenizer(targets, vocab_size, lowercase))
 
 
 def encode(tokenizer: Tokenizer, texts: Sequence[str]) -> list[list[int]]:
@@ -108,7 +98,7 @@ def encode(tokenizer: Tokenizer, texts: Sequence[str]) -> list[list[int]]:
             raise UserError(f"text {number} is {quoted(text)} ({type(text).__name__}), not a string")
     if isinstance(tokenizer, Tokenizer):  # typed "<pad>", "<eos>", "<bos>", "<unk>" is text, never a control id
         tokenizer.encode_special_tokens = True
-    return [e.ids for e in tokenizer.encode_batch(texts)]
+    return [e.ids for e in getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)(texts)]  # fast: no offsets
 
 
 def decode(tokenizer: Tokenizer, ids: Sequence[int]) -> str:
@@ -148,10 +138,9 @@ def save_tokenizers(tokenizers: Tokenizers, run_dir: str | Path) -> None:
 
 
 def load_tokenizers(run_dir: str | Path, joint: bool | None = None) -> Tokenizers:
-    """Read what `save_tokenizers` wrote; a joint tokenizer comes back as one shared object.
-    `joint`: whether the run's vocabulary is joint (config.json's joint_vocab), so that a missing
-    file is named as the one the run needs; None: whichever is there. FileNotFoundError when
-    there is none, ValueError when one cannot be read."""
+    """Read what `save_tokenizers` wrote (a joint tokenizer as one shared object); `joint`: config.json's
+    joint_vocab, so that a missing file is the one the run needs (None: whichever is there).
+    FileNotFoundError when there is none, ValueError when one cannot be read."""
     run_dir = Path(run_dir)
     if (run_dir / spm.SPM_TOKENIZER).is_file():
         return Tokenizers(*spm.load(run_dir))

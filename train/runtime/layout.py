@@ -12,10 +12,10 @@ from ..config import ExperimentConfig
 from .files import UserError, read_json
 
 CONFIG_FILE, MODEL_FILE, RESULTS_FILE = "config.json", "model.json", "results.json"  # experiment, TransformerConfig
-PROVENANCE_FILE = "converted.json"  # where a converted run came from (parity.convert --run-dir)
-AVERAGED_FILE = "averaged.json"  # which checkpoints an averaged run holds the mean of (train.average)
-CURVES_FILE = "curves.png"  # learning curves, drawn at the end of a run (train.curves)
-IMPORTED_FILE = "imported.json"  # a pretrained model's origin and original numbering (parity.convert --from)
+PROVENANCE_FILE = "converted.json"  # where a converted run came from (aiayn convert --run-dir)
+AVERAGED_FILE = "averaged.json"  # which checkpoints an averaged run holds the mean of (aiayn average)
+CURVES_FILE = "curves.png"  # learning curves, drawn at the end of a run (aiayn curves)
+IMPORTED_FILE = "imported.json"  # a pretrained model's origin and original numbering (aiayn convert --from)
 CHECKPOINTS, TENSORBOARD = "checkpoints", "tensorboard"  # checkpoints/<step>/ (train.store), event files
 LOCK_FILE = ".lock"  # held (flock) by the one process that writes the run
 

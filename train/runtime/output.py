@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import fcntl
 import os
@@ -104,14 +103,6 @@ def destination(path: str | Path | None, flag: str, inputs: Iterable[str | Path]
                 of: str = "") -> Destination | None:
     """`Destination(path, ...)`, None without a path: what every command calls for each file it writes."""
     return None if path is None else Destination(path, flag, inputs, of)
-
-
-def output_path(text: str) -> Destination:
-    """argparse type of a file a command writes after its work (--json, --plot): refused before the work."""
-    try:
-        return Destination(text, "")
-    except UserError as err:
-        raise argparse.ArgumentTypeError(str(err).lstrip()) from None
 
 
 class OtherInput(UserError):

@@ -13,9 +13,9 @@ from .files import UserError, read_json, write_error, write_json_atomic
 from .layout import read_experiment
 from .lock import RunLock
 
-# What `kind_of` recognises: a run (its config.json), or an export of parity.convert (KIND_FILE names it).
-KINDS = {"run": "run", "ctranslate2": "CTranslate2 model written by parity.convert",
-         "marian": "HF Marian directory written by parity.convert"}
+# What `kind_of` recognises: a run (its config.json), or an export of aiayn convert (KIND_FILE names it).
+KINDS = {"run": "run", "ctranslate2": "CTranslate2 model written by aiayn convert",
+         "marian": "HF Marian directory written by aiayn convert"}
 KIND_FILE = ".aiayn.json"  # {"kind": "ctranslate2" | "marian"}
 PROOF_FILE = "proof.json"  # what an export computes against its run, and its files' digests (parity.proof)
 
@@ -84,7 +84,8 @@ def check_destination(dst: Path, overwrite: bool, kind: str = "run", src: str | 
         if not overwrite:
             raise FileExistsError(f"{dst} exists; pass --overwrite to replace it")
         if (found := kind_of(dst)) != kind:
-            held = f"holds a {KINDS[found]}, not a {KINDS[kind]}" if found else f"is not empty and holds no {KINDS[kind]}"
+            held = (f"holds a {KINDS[found]}, not a {KINDS[kind]}" if found
+                    else f"is not empty and holds no {KINDS[kind]}")
             raise FileExistsError(f"{dst} {held}; it is never deleted")
 
 

@@ -64,8 +64,7 @@ def _check_claim(run_dir: Path, resume: bool, overwrite: bool) -> None:
 
 def _source_experiment(source: str | Path) -> ExperimentConfig:
     if not (Path(source) / CONFIG_FILE).is_file():
-        raise UserError(f"--init-from {source}: not a run directory; train.fit starts from a run of its "
-                        "backend (python -m train.run also takes a Marian directory or hf:ORG/NAME)")
+        raise UserError(f"--init-from {source}: not a run directory")  # train.loop made it one (pretrained.source_run)
     return read_experiment(source)
 
 

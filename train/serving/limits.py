@@ -10,8 +10,8 @@ from typing import Any
 
 from torch_reference.config import POSITIVE, Range
 
+from ..options import OptionError, Sampling, Search, checked, option
 from ..runtime import UserError
-from ..options import OptionError, Sampling, Search, check_fields, option
 
 SERVE_INSTALL = 'pip install -e ".[serve]"'
 
@@ -28,7 +28,7 @@ def _limit(default, help: str):
     return option(default, help, range=Range(float, above=0.0) if isinstance(default, float) else POSITIVE)
 
 
-@dataclasses.dataclass(frozen=True)
+@checked
 class Limits:
     """What one request may ask and how requests are batched (docs/serving.md#limits)."""
 
@@ -36,7 +36,7 @@ class Limits:
     max_texts: int = _limit(64, "sentences per request")
     max_text_chars: int = _limit(2000, "characters per sentence (the model reads at most max_len tokens of it)")
     max_beam: int = _limit(16, "the largest beam (and number of samples) a request may ask for")
-    max_queue_sentences: int = _limit(4096, "sentences waiting or decoding; past it a request gets 429 with Retry-After")
+    max_queue_sentences: int = _limit(4096, "sentences waiting or decoding; past it 429 with Retry-After")
     max_batch_sentences: int = _limit(512, "sentences decoded together")
     max_batch_tokens: int = _limit(16384, "source tokens decoded together")
     max_batch_requests: int | None = _limit(None, "requests decoded together (1: no batching)")
@@ -44,9 +44,6 @@ class Limits:
     request_timeout_s: float = _limit(60.0, "from a body's arrival to its translation; past it 503")
     body_timeout_s: float = _limit(10.0, "to receive a whole body (a slow client); past it 408")
     idle_timeout_s: float = _limit(5.0, "a connection that sends no whole request head for this long is closed")
-
-    def __post_init__(self):
-        check_fields(self)  # the ranges of the command's flags, for Python callers too
 
 
 class BadRequest(Exception):

@@ -15,8 +15,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..runtime import Interrupted, UserError
 from ..options import RunSelection
+from ..runtime import Interrupted, UserError
 from .app import app
 from .limits import Limits, require
 

@@ -1,4 +1,4 @@
-"""One training curve in two frameworks: `python -m parity.trajectory`.
+"""One training curve in two frameworks: `aiayn trajectory`.
 
 Trains one model in the JAX and the PyTorch backends of `train` (the product's own `train_step`)
 from one set of initial weights on identical batches of the numbers corpus, float32, dropout off,
@@ -12,19 +12,16 @@ path: docs/parity.md#a-training-curve-in-both-frameworks.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import jax
 import torch
 
 from train.config import FIELD_RANGES, ExperimentConfig
-from train.options import NON_NEGATIVE, add_flags
-from train.runtime import exit_status
+from train.options import add_flags, build, command, run
 from train.runtime.files import json_text
-from train.runtime.output import output_path
 
-from .trajectories import BOUNDS, experiment_config, growth, growth_exponent, parity_report, plot
+from ..trajectories import BOUNDS, Trajectory, experiment_config, growth, growth_exponent, parity_report, plot
 
 
 def _print_comparisons(report: dict, prefix: str = "") -> None:
@@ -37,7 +34,7 @@ def _print_comparisons(report: dict, prefix: str = "") -> None:
 
 def print_report(report: dict) -> None:
     exp = report["experiment"]
-    print(f"parity.trajectory: preset {exp['preset']}, {report['steps']} updates, Adam(0.9, 0.98, 1e-9), Noam "
+    print(f"aiayn trajectory: preset {exp['preset']}, {report['steps']} updates, Adam(0.9, 0.98, 1e-9), Noam "
           f"schedule (warmup {exp['warmup']}, lr up to {max(report['lr']):.3g}), label smoothing "
           f"{exp['label_smoothing']}, clip {exp['clip_norm']}, float32 highest, dropout off; loss "
           f"{report['losses']['torch'][0]:.3f} -> {report['losses']['torch'][-1]:.3f}; {report['seconds']} s")
@@ -59,49 +56,38 @@ def print_report(report: dict) -> None:
 
 
 # The training settings a trajectory takes, as train.run's flags (`trajectories.experiment_config` has its defaults).
-SETTINGS = ("steps", "preset", "model", "warmup", "lr_factor", "label_smoothing", "clip_norm", "numbers_train",
-            "token_budget", "max_len", "seed")
+SETTINGS = ("preset", "model", "warmup", "lr_factor", "label_smoothing", "clip_norm", "numbers_train", "token_budget",
+            "max_len", "seed")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m parity.trajectory", description=__doc__.split("\n\n")[1],
-        epilog="defaults: --steps 100, --preset tiny, --warmup 4000 (the paper's; a short warmup reaches learning rates "
-        "at which float32 training is chaotic, see --control), --numbers-train 4000, --token-budget 1024, otherwise "
-        "train.run's")
+def build_parser():
+    parser = command("aiayn trajectory", __doc__.split("\n\n")[1], Trajectory, epilog="defaults: --preset tiny, "
+                     "--warmup 4000 (the paper's; a short warmup reaches learning rates at which float32 training is "
+                     "chaotic, see --control), --numbers-train 4000, --token-budget 1024, otherwise train.run's")
     add_flags(parser, ExperimentConfig, ranges=FIELD_RANGES, only=SETTINGS, show_defaults=False)
-    parser.add_argument("--switch", type=NON_NEGATIVE.parser(), default=None, help="convert both runs' checkpoints at "
-                        "this update and continue in the other framework (default: half of --steps; 0: off)")
-    parser.add_argument("--control", action="store_true", help="also train torch from the initial weights moved "
-                        "by one ulp: float32's own drift (not bounded)")
-    parser.add_argument("--json", type=output_path, help="write the full report (every update, every parameter) here")
-    parser.add_argument("--plot", type=output_path, help="write a PNG of the differences per update here")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    given = {k: v for k, v in vars(args).items() if k in SETTINGS}
-    try:
-        cfg = experiment_config(**{**given, "model": dict(given.get("model", []))})
-    except ValueError as err:
-        parser.error(str(err))
-    switch = cfg.steps // 2 if args.switch is None else args.switch
-    if not 0 <= switch < cfg.steps:
-        parser.error("need 0 <= --switch < --steps")
-    report = parity_report(cfg, cfg.steps, switch, args.control, progress=True)
-    report.update(device=jax.devices()[0].device_kind, versions={"jax": jax.__version__, "torch": torch.__version__},
-                  command="python -m parity.trajectory " + " ".join(sys.argv[1:] if argv is None else argv))
-    print_report(report)
-    if args.json:
-        args.json.write(json_text(report))
-    if args.plot:
-        with args.plot.writing() as path:
-            plot(report, path)
-        print(f"  plot: {args.plot.path}")
-    return 1 if report["failures"] else 0
+    return run(build_parser(), argv, lambda given: report(build(Trajectory, given), given, argv))
+
+
+def report(t: Trajectory, given: dict, argv: list[str] | None) -> int:
+    """Train, compare and print `t` with the training settings `given` (and write its JSON and plot)."""
+    settings = {k: v for k, v in given.items() if k in SETTINGS}
+    cfg = experiment_config(t.steps, **{**settings, "model": dict(settings.get("model", []))})
+    result = parity_report(cfg, t.steps, t.switch, t.control, progress=True)
+    result.update(device=jax.devices()[0].device_kind, versions={"jax": jax.__version__, "torch": torch.__version__},
+                  command="aiayn trajectory " + " ".join(sys.argv[1:] if argv is None else argv))
+    print_report(result)
+    if t.json:
+        t.json.write(json_text(result))
+    if t.plot:
+        with t.plot.writing() as path:
+            plot(result, path)
+        print(f"  plot: {t.plot.path}")
+    return 1 if result["failures"] else 0
 
 
 if __name__ == "__main__":
-    sys.exit(exit_status(main))
+    sys.exit(main())

@@ -10,16 +10,17 @@ The two models have the same attribute tree (keys are the dotted paths on both s
     Embedding.weight          Embed.embedding   as is
     logits_bias               logits_bias       as is (the output_bias variant)
 
-Keys and shapes are checked strictly against the config (an abstract Flax model: one
-`CheckpointMismatchError` lists every offender); values keep their dtype bit for bit. `convert_state`
-maps a training state's weights and Adam's moments by the same rules; the random state stays behind
-(dropout streams differ between frameworks). Files and run directories: `parity.runs`.
+Keys and shapes are checked strictly against the config (one `CheckpointMismatchError` lists every
+offender); values keep their dtype bit for bit. Files and run directories: `train.interop.runs`.
 """
 
 from __future__ import annotations
 
 import functools
+import pickle
+import re
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
@@ -31,7 +32,8 @@ from flax import nnx, traverse_util
 import jax_transformer
 import torch_reference
 from torch_reference.config import TransformerConfig
-from train.store import CheckpointMismatchError, TrainingState, check_keys  # noqa: F401 (re-exported)
+
+from ..store import CheckpointMismatchError, TrainingState, check_keys  # noqa: F401 (re-exported)
 
 # Flax leaf name -> (torch leaf name, transposed?)
 LEAF_RULES = {
@@ -97,11 +99,8 @@ def to_jax_layout(flat: Mapping[str, Any], cfg: TransformerConfig, what: str = "
 def to_torch_layout(flat: Mapping[str, Any], cfg: TransformerConfig, what: str = "JAX weights") -> dict[str, np.ndarray]:
     """{flax key: NumPy array} -> {torch key: array}, strictly checked against `cfg`."""
     check_keys(what, expected_jax_params(cfg), _shapes(flat))
-    out = {}
-    for key, value in flat.items():
-        torch_key, transpose = to_torch_key(key)
-        out[torch_key] = _moved(value, transpose)
-    return out
+    rules = {key: to_torch_key(key) for key in flat}  # flax key -> (torch key, transposed?)
+    return {torch_key: _moved(flat[key], transpose) for key, (torch_key, transpose) in rules.items()}
 
 
 def jax_params_to_torch(params: Mapping[str, Any], cfg: TransformerConfig) -> dict[str, torch.Tensor]:
@@ -123,8 +122,7 @@ def nest(flat: Mapping[str, Any]) -> dict:
 def jax_model_from_params(params: Mapping[str, Any], cfg: TransformerConfig) -> jax_transformer.Transformer:
     """A Flax Transformer for `cfg` holding `params` (checked strictly; dtypes kept)."""
     check_keys("JAX weights", expected_jax_params(cfg), _shapes(params))
-    abstract = nnx.eval_shape(lambda: jax_transformer.Transformer(cfg, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: jax_transformer.Transformer(cfg, rngs=nnx.Rngs(0))))
     nnx.replace_by_pure_dict(state, nest({k: jnp.asarray(v) for k, v in params.items()}))
     return nnx.merge(graphdef, state)
 
@@ -132,11 +130,9 @@ def jax_model_from_params(params: Mapping[str, Any], cfg: TransformerConfig) -> 
 def torch_to_jax(model_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor],
                  cfg: TransformerConfig | None = None) -> jax_transformer.Transformer:
     """A Flax Transformer with the weights of a torch Transformer (or its state dict + `cfg`)."""
+    state_dict = model_or_state_dict
     if isinstance(model_or_state_dict, torch.nn.Module):
-        cfg = cfg or model_or_state_dict.cfg
-        state_dict = model_or_state_dict.state_dict()
-    else:
-        state_dict = model_or_state_dict
+        cfg, state_dict = cfg or model_or_state_dict.cfg, model_or_state_dict.state_dict()
     if cfg is None:
         raise ValueError("torch_to_jax needs `cfg` when given a state dict")
     return jax_model_from_params(to_jax_layout({k: torch_to_numpy(v) for k, v in state_dict.items()}, cfg), cfg)
@@ -169,3 +165,28 @@ def convert_state(state: TrainingState, to: str, cfg: TransformerConfig) -> Trai
 def transfer_state(source, target) -> None:
     """Give backend `target` the whole training state of backend `source` (of either framework)."""
     target.import_state(convert_state(source.export_state(), target.name, target.model_cfg))
+
+
+LEGACY_SUFFIXES = (".pt", ".pth", ".bin")  # torch.save files: read with weights_only=True
+
+
+def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file, or of a legacy `torch.save` file (LEGACY_SUFFIXES) read with
+    `torch.load(weights_only=True)`, whose unpickler admits tensors and containers only, so no code in a
+    file ever runs; a pickle named .safetensors is not a safetensors file and is refused (ValueError)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if path.suffix not in LEGACY_SUFFIXES:
+        try:
+            return load_file(str(path))
+        except (SafetensorError, OSError) as err:  # truncated, garbled
+            raise ValueError(f"{path} is not a readable safetensors file ({err})") from None
+    try:
+        state_dict = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        reason = re.sub(r"\x1b\[[0-9;]*m", "", str(err)).strip().splitlines()[0]  # torch colours it
+        raise ValueError(f"{path} was refused by torch.load(weights_only=True), which loads no code: {reason}") from None
+    if not isinstance(state_dict, Mapping) or not all(isinstance(v, torch.Tensor) for v in state_dict.values()):
+        raise ValueError(f"{path} holds no state dict of tensors")
+    return dict(state_dict)

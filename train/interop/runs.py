@@ -1,5 +1,5 @@
-"""Training runs and weights files between the frameworks (the leaf rules: `parity.weights`; the
-file formats: docs/interop.md).
+"""Training runs and weights files between the frameworks (the leaf rules: `train.interop.weights`;
+the file formats: docs/interop.md).
 
 `convert_run` converts the checkpoints of a run directory of one backend into the other's, with
 their meta (data position, validation scores) and ranking metrics, so `python -m train.run
@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pickle
-import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -22,12 +20,12 @@ from flax import nnx, traverse_util
 import jax_transformer
 import torch_reference
 from torch_reference.config import TransformerConfig
-import train
-from train import data, runtime, store
-from train.backends import create_backend
-from train.config import ExperimentConfig
 
-from .weights import convert_state, jax_model_from_params, jax_params, nest, transfer_state
+from .. import data, runtime, store
+from ..backends import create_backend
+from ..config import ExperimentConfig
+from .weights import (LEGACY_SUFFIXES, convert_state, jax_model_from_params, jax_params, nest, read_state_dict,
+                      transfer_state)
 
 
 def convert_checkpoints(src_cfg: ExperimentConfig, model_cfg: TransformerConfig, src_dir: str | os.PathLike,
@@ -59,13 +57,9 @@ def convert_checkpoints(src_cfg: ExperimentConfig, model_cfg: TransformerConfig,
 
 def convert_run(src: str | os.PathLike, dst: str | os.PathLike, to: str | None = None, which: str | int = "latest",
                 overwrite: bool = False, check: Callable[[Path], object] | None = None) -> dict:
-    """A run directory of one backend (train.run) -> the same run for the other backend.
-
-    `dst` receives config.json (the backend switched), model.json, the tokenizer files (byte
-    copies), the TensorBoard events, and the checkpoints `which` ("latest", "best", "all" or a
-    step) converted; it is built beside `dst` and renamed into place, whole or not at all, once
-    `check(directory)` (`parity.proof.run_proof`) accepts it.
-    """
+    """A run directory of one backend (train.run) -> the same run for the other backend: config.json (the
+    backend switched), model.json, the tokenizers, the TensorBoard events and the checkpoints `which`
+    converted, built beside `dst` and renamed into place once `check(directory)` (`parity.proof`) accepts it."""
     src, dst = Path(src), Path(dst)
     runtime.rundir.check_set_aside(src)  # an --overwrite killed or still running: named, not half a run converted
     try:
@@ -86,10 +80,13 @@ def convert_run(src: str | os.PathLike, dst: str | os.PathLike, to: str | None =
 
 
 def init_source(source: str, backend: str, dst: str | os.PathLike) -> Path:
-    """A run directory of `backend` for `train.run --init-from SOURCE`: SOURCE itself when it is one;
-    a run of the other framework converted (its best checkpoint) or an HF Marian directory or
-    hf:ORG/NAME[@REVISION] imported, at `dst`."""
+    """A run directory of `backend` for `--init-from SOURCE` (`train.pretrained.source_run`): SOURCE
+    itself when it is one; a run of the other framework converted (its best checkpoint) or an HF
+    Marian directory or hf:ORG/NAME[@REVISION] imported, at `dst`."""
     path, dst = Path(source), Path(dst)
+    if not source.startswith("hf:") and not (path / runtime.CONFIG_FILE).is_file():  # both kinds hold one
+        raise FileNotFoundError(f"{path} is neither a run directory nor an HF Marian directory "
+                                f"({runtime.CONFIG_FILE} missing)")
     if not source.startswith("hf:") and runtime.kind_of(path) == "run":
         if runtime.read_experiment(path).backend == backend:
             return path
@@ -103,12 +100,18 @@ def init_source(source: str, backend: str, dst: str | os.PathLike) -> Path:
 
 def run_weights(run_dir: str | os.PathLike, checkpoint: str | int = "best") -> tuple[dict[str, np.ndarray], TransformerConfig]:
     """(weights in torch's layout as NumPy, config) of a run's checkpoint, whichever backend wrote it."""
-    run = train.load(run_dir, checkpoint)
+    # Not through train.load: the library's setup imports this module (--init-from), so it stays below train.api.
+    run_dir = Path(run_dir)
+    runtime.rundir.check_set_aside(run_dir)
+    cfg = runtime.read_experiment(run_dir)
+    model_cfg, _ = runtime.read_run(run_dir, cfg)
+    backend = create_backend(cfg, model_cfg, str(run_dir / runtime.CHECKPOINTS))
     try:
-        state = convert_state(run.backend.export_state(), "torch", run.model_config)
+        backend.restore(store.parse_checkpoint(checkpoint))
+        state = convert_state(backend.export_state(), "torch", model_cfg)
     finally:
-        run.backend.close()
-    return state.params, run.model_config
+        backend.close()
+    return state.params, model_cfg
 
 
 def save_torch_weights(model: torch_reference.Transformer, path: str | os.PathLike) -> Path:
@@ -132,16 +135,10 @@ def save_torch_weights(model: torch_reference.Transformer, path: str | os.PathLi
     return path
 
 
-LEGACY_SUFFIXES = (".pt", ".pth", ".bin")  # torch.save files: read with weights_only=True
-
-
 def load_torch_weights(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], TransformerConfig]:
     """(state dict, config) from a safetensors file, or from a legacy `torch.save` state dict
-    (.pt, .pth, .bin) with config.json beside it. Legacy files are read with
-    `torch.load(weights_only=True)`, whose unpickler admits tensors and containers only, so no
-    code in a file ever runs; a pickle named .safetensors is not a safetensors file and is refused."""
+    (.pt, .pth, .bin) with config.json beside it (`read_state_dict`)."""
     from safetensors import SafetensorError, safe_open
-    from safetensors.torch import load_file
 
     path = Path(path)
     if not path.is_file():
@@ -159,16 +156,7 @@ def load_torch_weights(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor]
         cfg = TransformerConfig.from_json((path.parent / "config.json").read_text())
     else:
         raise FileNotFoundError(f"{path} carries no config and there is no config.json beside it")
-    if path.suffix not in LEGACY_SUFFIXES:
-        return load_file(str(path)), cfg
-    try:
-        state_dict = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:
-        reason = re.sub(r"\x1b\[[0-9;]*m", "", str(err)).strip().splitlines()[0]  # torch colours it
-        raise ValueError(f"{path} was refused by torch.load(weights_only=True), which loads no code: {reason}") from None
-    if not isinstance(state_dict, Mapping) or not all(isinstance(v, torch.Tensor) for v in state_dict.values()):
-        raise ValueError(f"{path} holds no state dict of tensors")
-    return dict(state_dict), cfg
+    return read_state_dict(path), cfg
 
 
 def save_jax_weights(model: nnx.Module, directory: str | os.PathLike, overwrite: bool = False) -> Path:
@@ -177,7 +165,7 @@ def save_jax_weights(model: nnx.Module, directory: str | os.PathLike, overwrite:
     left on any error. A full disk or a read-only place raises an OSError naming `directory`."""
     import orbax.checkpoint as ocp
 
-    from train.store.jax_store import quiet_orbax
+    from ..store.jax_store import quiet_orbax
 
     directory = Path(directory).absolute()  # orbax wants absolute paths
     tmp, old = (directory.with_name(f".{directory.name}.{suffix}") for suffix in ("tmp", "old"))

@@ -1,27 +1,17 @@
-"""HF Marian (OPUS-MT) models in and out: `python -m parity.convert --from marian` / `--to marian`.
+"""HF Marian (OPUS-MT) models in and out: `aiayn convert --from marian` / `--to marian`.
 
-A Marian model is this project's Transformer with a few of its variants (docs/interop.md):
-`marian_config` maps every field of `MarianConfig` that changes the function and refuses, naming
-the field, one this model cannot represent. Marian numbers its vocabulary otherwise (eos 0, unk 1,
-pad last in OPUS-MT, the decoder starting from pad), so the import permutes the embedding rows (and
-the output projection's and the logits bias's) to this project's fixed ids:
-
-    our id 0 (pad)  <- Marian's pad row
-    our id 1 (bos)  <- Marian's decoder start row (its pad row in OPUS-MT): a copy, one row more
-    our id 2 (eos)  <- Marian's eos row
-    our id 3 (unk)  <- Marian's unk row
-    our ids 4...    <- every other Marian row, in Marian's order
-
-The export inverts it, Marian's start row written from our bos row (which fine-tuning trains), so
-an imported run exported untrained gives back the original weights bit for bit. The import writes
-a run of `train.run` at step 0, with the model's SentencePiece tokenizers and imported.json.
+`marian_config` maps every field of `MarianConfig` that changes the function (docs/interop.md) and
+refuses, naming the field, one this model cannot represent. Marian numbers its vocabulary otherwise,
+so the import permutes the embedding rows (and the output projection's and logits bias's) to ours:
+pad 0 <- Marian's pad row, bos 1 <- its decoder start row (a copy: one row more), eos 2 <- eos,
+unk 3 <- unk, 4... <- every other row in Marian's order. The export inverts it (Marian's start row
+from our bos row), so an imported run exported untrained gives back the original weights bit for bit.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import pickle
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -31,13 +21,13 @@ import torch
 
 from torch_reference.config import BOS_ID, EOS_ID, PAD_ID, SPECIAL_TOKENS, UNK_ID, TransformerConfig
 from torch_reference.model import Transformer, sinusoidal_positions
-from train import data, runtime
-from train.backends import create_backend
-from train.config import DERIVED_MODEL_FIELDS, SPECIAL_ID_FIELDS, ExperimentConfig
-from train.data import spm
-from train.store import CheckpointMismatchError, TrainingState
 
-from .weights import to_jax_layout
+from .. import data, runtime
+from ..backends import create_backend
+from ..config import DERIVED_MODEL_FIELDS, SPECIAL_ID_FIELDS, ExperimentConfig
+from ..data import spm
+from ..store import CheckpointMismatchError, TrainingState
+from .weights import read_state_dict, to_jax_layout
 
 MARIAN_FORMAT = "marian"
 # Our layer submodule -> HF's, inside encoder.layers.N / decoder.layers.N.
@@ -56,9 +46,6 @@ TIED_KEYS = ("lm_head.weight", "model.encoder.embed_tokens.weight", "model.decod
 class UnsupportedMarianConfig(ValueError):
     """A Marian config this project's Transformer cannot represent (the message names the field)."""
 
-
-# ---------------------------------------------------------------------------------------------
-# Config
 
 
 def _refuse(field: str, value: Any, why: str) -> None:
@@ -147,9 +134,6 @@ def inverse_order(order: np.ndarray) -> np.ndarray:
     return inverse
 
 
-# ---------------------------------------------------------------------------------------------
-# Weights
-
 
 def expected_torch_params(cfg: TransformerConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter key of the torch model for `cfg` with its shape (built on the meta device:
@@ -176,9 +160,9 @@ def hf_key(key: str) -> str:
 
 def _embedding_sources(cfg: TransformerConfig) -> dict[str, tuple[tuple[str, ...], str]]:
     """Our non-layer torch keys -> (HF keys to read, in preference order; which side's order)."""
-    out = {"src_embed.weight": (("model.shared.weight", "model.encoder.embed_tokens.weight"), "src")}
+    shared = ("model.shared.weight",) if cfg.share_embeddings else ()
+    out = {"src_embed.weight": ((*shared, "model.encoder.embed_tokens.weight"), "src")}
     if not cfg.share_embeddings:
-        out["src_embed.weight"] = (("model.encoder.embed_tokens.weight",), "src")
         out["tgt_embed.weight"] = (("model.decoder.embed_tokens.weight",), "tgt")
     if not cfg.tie_output:
         out["out_proj.weight"] = (("lm_head.weight",), "tgt")
@@ -194,21 +178,14 @@ def from_marian(state: Mapping[str, np.ndarray], cfg: TransformerConfig, ids: Ma
     embeddings = _embedding_sources(cfg)
     out, used, missing = {}, set(), []
     for key in wanted:
-        if key in embeddings:
-            candidates, side = embeddings[key]
-            found = next((c for c in candidates if c in state), None)
-            if found is None:
-                missing.append(f"{key} (HF {' or '.join(candidates)})")
-                continue
-            value = np.asarray(state[found], dtype=np.float32)
-            value = value.reshape(-1) if key == "logits_bias" else value
-            out[key], _ = value[orders[side]], used.add(found)
-        else:
-            theirs = hf_key(key)
-            if theirs not in state:
-                missing.append(f"{key} (HF {theirs})")
-                continue
-            out[key], _ = np.asarray(state[theirs], dtype=np.float32), used.add(theirs)
+        candidates, side = embeddings[key] if key in embeddings else ((hf_key(key),), None)  # a layer's: as it is
+        found = next((c for c in candidates if c in state), None)
+        if found is None:
+            missing.append(f"{key} (HF {' or '.join(candidates)})")
+            continue
+        used.add(found)
+        value = np.asarray(state[found], dtype=np.float32)
+        out[key] = value if side is None else (value.reshape(-1) if key == "logits_bias" else value)[orders[side]]
     # Duplicates HF ties to the ones read (shared/tied embeddings) and the positions: checked, not read.
     ignorable = {"model.shared.weight", *TIED_KEYS} if cfg.tie_output or cfg.share_embeddings else set()
     for stack in ("encoder", "decoder"):
@@ -256,9 +233,6 @@ def to_marian(params: Mapping[str, np.ndarray], cfg: TransformerConfig,
     return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in out.items()}
 
 
-# ---------------------------------------------------------------------------------------------
-# Files
-
 
 def marian_source(src: str | os.PathLike) -> tuple[Path, dict[str, Any]]:
     """The local Marian directory `src` names and where it came from ({"from": src}, with "revision":
@@ -296,22 +270,10 @@ def read_marian_dir(src: str | os.PathLike) -> tuple[dict[str, Any], dict[str, n
     hf = runtime.read_json(src / "config.json")  # UserError naming the file when it is not JSON
     if not isinstance(hf, dict):
         raise ValueError(f"{src / 'config.json'} holds no JSON object")  # noqa: TRY004 (a bad file: main's one line)
-    if (src / "model.safetensors").is_file():
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
-        try:
-            state = load_file(str(src / "model.safetensors"))
-        except (SafetensorError, OSError) as err:  # truncated, garbled
-            raise ValueError(f"{src / 'model.safetensors'} is not a readable safetensors file ({err})") from None
-    elif (src / "pytorch_model.bin").is_file():
-        try:
-            state = torch.load(src / "pytorch_model.bin", map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as err:
-            raise ValueError(f"{src / 'pytorch_model.bin'} was refused by torch.load(weights_only=True): "
-                             f"{str(err).strip().splitlines()[0]}") from None
-    else:
+    names = [name for name in ("model.safetensors", "pytorch_model.bin") if (src / name).is_file()]
+    if not names:
         raise FileNotFoundError(f"{src} holds neither model.safetensors nor pytorch_model.bin")
+    state = read_state_dict(src / names[0])
     return hf, {k: (v.float() if v.is_floating_point() else v).numpy() for k, v in state.items()}
 
 
@@ -398,7 +360,7 @@ def marian_origin(run_dir: str | os.PathLike) -> dict[str, Any]:
     path = Path(run_dir) / runtime.IMPORTED_FILE
     record = json.loads(path.read_text()) if path.is_file() else {}
     if record.get("format") != MARIAN_FORMAT:
-        raise ValueError(f"{run_dir} was not imported from a Marian model (parity.convert --from marian): its "
+        raise ValueError(f"{run_dir} was not imported from a Marian model (aiayn convert --from marian): its "
                          "vocabulary has no Marian numbering to export to")
     return record
 

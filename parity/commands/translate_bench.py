@@ -1,0 +1,36 @@
+"""Time translation with a run's weights in JAX and torch cached search and torch's uncached loop, greedy
+and with --beam: sentences/s, tokens/s, speed-ups and outputs that differ from torch cached search's
+(`parity.search_speed.SpeedBench` says what it times; docs/performance.md#translation-speed)."""
+
+from __future__ import annotations
+
+if __name__ == "__main__":  # before jax is imported: the CPU as translate splits it, one device per core
+    from train.backends.host_devices import split_host
+
+    try:
+        split_host()
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
+
+import sys
+
+from train.options import RunSelection, Search, add_flags, build, command, run
+
+from ..search_speed import SpeedBench, bench_file
+
+
+def build_parser():
+    parser = command("aiayn translate-bench", __doc__)
+    add_flags(parser, RunSelection, skip=("average", "devices", "coordinator_address", "num_processes", "process_id"))
+    add_flags(parser, Search, skip=("n_best", "alignments"))
+    add_flags(parser, SpeedBench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(build_parser(), argv, lambda given: bench_file(build(RunSelection, given), build(Search, given),
+                                                              build(SpeedBench, given)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

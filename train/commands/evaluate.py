@@ -1,0 +1,40 @@
+"""Score a run trained by `python -m train.run` on parallel data (`train.jobs.evaluate_spec`): label-smoothed
+loss, perplexity, sacreBLEU BLEU/chrF (with their signatures) and exact match (sentence accuracy) of beam-search
+translations, and for number data the exact match per number of digits (`train.metrics`). Prints one JSON
+object. Several --run-dir score an ensemble of runs (docs/decoding.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ..backends.host_devices import HELP as HOST_DEVICES_HELP
+from ..options import Evaluation, RunSelection, Search, add_flags, build, command, run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = command(
+        "aiayn evaluate", __doc__, RunSelection, epilog="DATA is a data spec as for train.run (SRC:TGT:PREFIX, "
+        "FILE.tsv, FILE.jsonl, hf:NAME[:CONFIG]:SPLIT), numbers:train|valid|test for the run's own split of the "
+        "numbers corpus, or numbers:FIRST-LAST[/STEP] for every (STEP-th) number from FIRST to LAST (e.g. "
+        "numbers:1000-999000/1000: the round thousands); a run trained on numbers counts the sentences seen in its "
+        f"training split apart. {HOST_DEVICES_HELP}.")
+    add_flags(parser, Search, skip=("n_best", "alignments"))
+    parser.add_argument("--data", required=True, help="parallel data to score (see below)")
+    add_flags(parser, Evaluation)
+    parser.add_argument("--output", type=Path, help="also write the JSON to this file, atomically (a symbolic link's "
+                        "target); a FIFO, device, socket or /dev/fd/N is written directly")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..jobs import evaluate_spec
+
+    return run(build_parser(), argv, lambda given: evaluate_spec(
+        build(RunSelection, given), given["data"], build(Search, given), build(Evaluation, given), given.get("output")))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
