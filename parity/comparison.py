@@ -1,6 +1,5 @@
-"""The parity contract on one batch (`aiayn check`, docs/parity.md): a random PyTorch
-model and its Flax conversion on the same padded batch, their logits, label-smoothed loss and every
-parameter's gradient compared, and the bounds they must meet."""
+"""The parity contract on one batch (`aiayn check`, docs/parity.md): a random PyTorch model and its Flax
+conversion, their logits, loss and every gradient compared, and the bounds they must meet."""
 
 from __future__ import annotations
 
@@ -21,8 +20,7 @@ from torch_reference.objective import label_smoothed_cross_entropy as torch_loss
 from train.interop.weights import jax_key, jax_params_to_torch, torch_to_jax
 from train.options import Output, checked, option
 
-# Bounds of the parity contract (README): float32, highest matmul precision, dropout off. The
-# wider bounds for base/big allow for float32 rounding accumulated over 12 layers of width 512+.
+# Bounds of the parity contract (float32, dropout off); base and big accumulate rounding over 12 wide layers.
 BOUNDS = {"logits_max_abs": {"tiny": 1e-5, "small": 1e-5, "base": 1e-4, "big": 1e-4}, "loss_rel": 1e-6,
           "grad_rel_l2": {"tiny": 1e-5, "small": 1e-5, "base": 1e-4, "big": 1e-4}}
 
@@ -49,16 +47,14 @@ VARIANTS = {
 
 
 def enable_parity_numerics() -> None:
-    """float32 matmuls on every backend: GPUs/TPUs default to TF32/bf16 passes in JAX and TF32 in
-    torch's cuDNN; parity is asserted at full float32 precision."""
+    """Full float32 matmuls in both frameworks (accelerators default to TF32/bf16 passes)."""
     jax.config.update("jax_default_matmul_precision", "highest")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
 
 
 def random_batch(cfg: TransformerConfig, batch_size: int, src_len: int, tgt_len: int, seed: int) -> dict:
-    """Token ids (int64 NumPy) with right padding of random lengths; one row is always full length
-    and special ids (pad, bos, eos) appear only where they belong."""
+    """Token ids (int64) right-padded to random lengths, one row full, special ids only where they belong."""
     rng = np.random.default_rng(seed)
     first = max(cfg.pad_id, cfg.bos_id, cfg.eos_id) + 2  # ids below are special tokens
 
@@ -86,9 +82,7 @@ def _diff(a: np.ndarray, b: np.ndarray, scale: np.ndarray | None = None) -> dict
 
 
 def gradient_scale_key(key: str) -> str:
-    """The parameter whose gradient norm measures the rounding error of `key`'s gradient: the
-    key-projection bias, whose gradient is analytically zero (rounding noise in both frameworks),
-    is measured against its weight's (docs/parity.md#three-findings-behind-the-gradient-figures)."""
+    """The parameter whose gradient norm scales `key`'s: the k_proj bias's (analytically zero) its weight's."""
     return key.replace(".k_proj.bias", ".k_proj.weight") if key.endswith(".k_proj.bias") else key
 
 
@@ -125,10 +119,10 @@ def compare(torch_model: torch_reference.Transformer, jax_model, batch: dict, sm
             "grads": {"max_rel_l2": grad_diffs[worst]["rel_l2"], "worst": worst, "per_parameter": grad_diffs}}
 
 
-def relu_inputs_near_kink(torch_model: torch_reference.Transformer, batch: dict, radius: float = RELU_KINK_RADIUS) -> dict:
-    """How many ReLU inputs lie within `radius` of 0, measured in a float64 copy of the model: where
-    either framework may round to either side of the kink, the gradients are both valid subgradients
-    but not comparable (docs/parity.md#three-findings-behind-the-gradient-figures)."""
+def relu_inputs_near_kink(torch_model: torch_reference.Transformer, batch: dict,
+                          radius: float = RELU_KINK_RADIUS) -> dict:
+    """How many ReLU inputs lie within `radius` of 0 in a float64 copy of the model: where a framework may
+    round to either side of the kink, the gradients are both valid subgradients but not comparable."""
     model64 = copy.deepcopy(torch_model).double()
     inputs = []
     hooks = [m.linear1.register_forward_hook(lambda mod, inp, out: inputs.append(out.detach().abs()))
@@ -143,12 +137,8 @@ def relu_inputs_near_kink(torch_model: torch_reference.Transformer, batch: dict,
 
 def run_check(cfg: TransformerConfig, batch_size: int = 8, src_len: int = 23, tgt_len: int = 17,
               seed: int = 0, smoothing: float = 0.1) -> dict:
-    """Logits, loss and gradient differences between the frameworks for one random model.
-
-    For ReLU models with inputs at the kink (see `relu_inputs_near_kink`) the gradients are also
-    compared on the smooth path: the same weights with exact GELU, whose derivative is continuous,
-    so every other operation of the backward pass is still held to the bound.
-    """
+    """Logits, loss and gradient differences of the frameworks for one random model; with ReLU inputs at the
+    kink, the gradients also on the smooth path (exact GELU), so every other operation is held to the bound."""
     enable_parity_numerics()
     cfg = cfg.replace(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)  # dropout streams cannot be matched
     torch.manual_seed(seed)
@@ -172,17 +162,14 @@ def bounds_for(preset: str) -> dict:
 
 
 def failures(report: dict, bounds: dict) -> list[str]:
-    out = []
-    if not report["logits"]["max_abs"] <= bounds["logits_max_abs"]:
-        out.append(f"logits max abs {report['logits']['max_abs']:.3g} > {bounds['logits_max_abs']:g}")
-    if not report["loss"]["rel"] <= bounds["loss_rel"]:
-        out.append(f"loss rel {report['loss']['rel']:.3g} > {bounds['loss_rel']:g}")
+    """The bounds a `run_check` report exceeds (`not <=`: a NaN exceeds every bound)."""
     grads = report["grads"]
     if not grads["max_rel_l2"] <= bounds["grad_rel_l2"] and "smooth_path_grads" in report:
         grads = report["smooth_path_grads"]  # the ReLU gradients differ by subgradient choices at the kink
-    if not grads["max_rel_l2"] <= bounds["grad_rel_l2"]:
-        out.append(f"gradient of {grads['worst']} rel L2 {grads['max_rel_l2']:.3g} > {bounds['grad_rel_l2']:g}")
-    return out
+    checks = [("logits max abs", report["logits"]["max_abs"], "logits_max_abs"),
+              ("loss rel", report["loss"]["rel"], "loss_rel"),
+              (f"gradient of {grads['worst']} rel L2", grads["max_rel_l2"], "grad_rel_l2")]
+    return [f"{what} {value:.3g} > {bounds[bound]:g}" for what, value, bound in checks if not value <= bounds[bound]]
 
 
 @checked

@@ -1,22 +1,6 @@
-"""A trained run as a CTranslate2 model: `aiayn convert --to ctranslate2 --src RUN --dst DIR`.
-
-Built from this project's weights through CTranslate2's own specification classes
-(`ctranslate2.specs.TransformerSpec.from_config`, then a `Converter`), never by writing its file
-format by hand (docs/interop.md#ctranslate2-out). Every variant of `TransformerConfig` has a
-counterpart there:
-
-    post-norm / pre-norm      pre_norm (pre-norm with the stacks' final norms)
-    relu / gelu / silu        Activation.RELU / GELU (exact erf) / SWISH
-    swiglu                    ffn_glu with SWISH: linear_0 = linear1, linear_0_noact = linear_gate
-    layernorm / rmsnorm       rms_norm; the epsilon in the model config (layer_norm_epsilon)
-    positions                 the table itself (sinusoid of either layout, or the learned one)
-    scale_embeddings          scale_embeddings = sqrt(d_model) or 1
-    attention projections     q, k, v fused as CTranslate2 stores them (k, v for cross-attention)
-    tied / untied output      projection = the target embedding or out_proj; output_bias its bias
-
-CTranslate2 takes tokens, so translating text is: our tokenizer's ids -> `tokens(ids)` ->
-translate_batch -> ids -> decode.
-"""
+"""A trained run as a CTranslate2 model (`aiayn convert --to ctranslate2`), built through
+CTranslate2's own specification classes, never its file format by hand; each variant of `TransformerConfig`
+has a counterpart there (docs/interop.md#ctranslate2-out lists them)."""
 
 from __future__ import annotations
 
@@ -24,12 +8,14 @@ import json
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from torch_reference.config import BOS_ID, EOS_ID, PAD_ID, SPECIAL_TOKENS, UNK_ID, TransformerConfig
 from torch_reference.model import sinusoidal_positions
 from train import data, runtime
+from train.attention import output_tokens
 from train.data import spm
 
 NEVER_EMITTED_BIAS = -1.0e9  # on <pad> and <bos>: far below any logit, finite (no inf - inf)
@@ -63,12 +49,7 @@ def build_spec(params: Mapping[str, np.ndarray], cfg: TransformerConfig, src_tok
         activation=activations[cfg.activation], ffn_glu=cfg.activation == "swiglu", rms_norm=cfg.norm == "rmsnorm",
     )
 
-    def linear(target, name):
-        target.weight = p[f"{name}.weight"]
-        if f"{name}.bias" in p:
-            target.bias = p[f"{name}.bias"]
-
-    def fused(target, names):
+    def linear(target, *names):  # several: fused, as CTranslate2 stores q, k, v
         target.weight = np.concatenate([p[f"{n}.weight"] for n in names])
         if f"{names[0]}.bias" in p:
             target.bias = np.concatenate([p[f"{n}.bias"] for n in names])
@@ -80,11 +61,8 @@ def build_spec(params: Mapping[str, np.ndarray], cfg: TransformerConfig, src_tok
 
     def attention(target, name, self_attention):
         q, k, v = (f"{name}.{x}_proj" for x in "qkv")
-        if self_attention:
-            fused(target.linear[0], [q, k, v])
-        else:
-            fused(target.linear[0], [q])
-            fused(target.linear[1], [k, v])
+        for linear_spec, names in zip(target.linear, [[q, k, v]] if self_attention else [[q], [k, v]]):
+            linear(linear_spec, *names)
         linear(target.linear[-1], f"{name}.out_proj")
         norm(target.layer_norm, f"{name}_norm")
 
@@ -95,16 +73,13 @@ def build_spec(params: Mapping[str, np.ndarray], cfg: TransformerConfig, src_tok
             linear(target.linear_0_noact, f"{name}.ff.linear_gate")
         norm(target.layer_norm, f"{name}.ff_norm")
 
-    def positions(stack):
-        if cfg.positions == "learned":
-            return p[f"{stack}.positions.embedding.weight"]
-        return sinusoidal_positions(cfg.max_len, cfg.d_model, halves=cfg.positions == "sinusoidal_halves").numpy()
-
     scale = float(np.sqrt(cfg.d_model)) if cfg.scale_embeddings else 1.0
     tgt_embed = p["src_embed.weight" if cfg.share_embeddings else "tgt_embed.weight"]
+    sinusoids = sinusoidal_positions(cfg.max_len, cfg.d_model, halves=cfg.positions == "sinusoidal_halves").numpy()
+    learned = cfg.positions == "learned"
     for stack, target in (("encoder", spec.encoder), ("decoder", spec.decoder)):
         target.scale_embeddings = scale
-        target.position_encodings.encodings = positions(stack)
+        target.position_encodings.encodings = p[f"{stack}.positions.embedding.weight"] if learned else sinusoids
         if pre_norm:
             norm(target.layer_norm, f"{stack}.norm")
         for i, layer in enumerate(target.layer):
@@ -130,10 +105,8 @@ def build_spec(params: Mapping[str, np.ndarray], cfg: TransformerConfig, src_tok
 def export_ctranslate2(run_dir: str | os.PathLike, params: Mapping[str, np.ndarray], cfg: TransformerConfig,
                        dst: str | os.PathLike, quantization: str | None = None, force: bool = False,
                        check: Callable[[Path], object] | None = None) -> Path:
-    """Weights `params` (our torch layout) of the run in `run_dir` -> a CTranslate2 model directory
-    `dst` (model.bin, vocabularies, config.json) with the run's tokenizer files beside them, built
-    beside `dst` and swapped in (`runtime.derive`; `force`: replace one that is there) once
-    `check(directory)` (`parity.proof`) accepts it."""
+    """Weights `params` (torch layout) of the run in `run_dir` -> a CTranslate2 model directory `dst` with
+    the run's tokenizers, swapped in (`runtime.derive`, `force`: replacing one) once `check(it)` accepts it."""
     ctranslate2 = spm.require("ctranslate2")
     tokenizers = data.load_tokenizers(run_dir)
     src_tokens = vocabulary(tokenizers.src, cfg.src_vocab_size)
@@ -154,21 +127,12 @@ def export_ctranslate2(run_dir: str | os.PathLike, params: Mapping[str, np.ndarr
 
 def tokens(vocab: Sequence[str], ids: Sequence[int]) -> list[str]:
     """Our ids of one sentence -> CTranslate2's tokens (up to and with the first <eos>)."""
-    out = []
-    for i in map(int, ids):
-        if i == PAD_ID:
-            continue
-        out.append(vocab[i])
-        if i == EOS_ID:
-            break
-    return out
+    return [vocab[i] for i in output_tokens(ids)]
 
 
 def same_output(ours: Sequence[int], theirs: Sequence[int], limit: int) -> bool:
-    """Whether CTranslate2's output (ids ending with <eos>) is this project's for a sentence whose
-    length limit is `limit`: the same ids, or, where our search reached the limit and forced
-    <eos> there, the same ids before it (CTranslate2, given one longer limit for a whole batch or
-    stopping at the limit without <eos>, may go on or end differently)."""
+    """Whether CTranslate2's output (ids ending <eos>) is ours for a sentence of length limit `limit`: the same
+    ids, or where we forced <eos> at the limit the same before it (CTranslate2's limit is the batch's)."""
     ours, theirs = list(ours), list(theirs)
     if len(ours) == limit and ours[-1:] == [EOS_ID]:
         return theirs[: limit - 1] == ours[:-1]
@@ -178,13 +142,12 @@ def same_output(ours: Sequence[int], theirs: Sequence[int], limit: int) -> bool:
 class Translator:
     """A CTranslate2 model directory written by `export_ctranslate2`, fed and read in our ids."""
 
-    def __init__(self, model_dir: str | os.PathLike, device: str = "cpu", compute_type: str = "default",
-                 inter_threads: int = 1, intra_threads: int = 0):
+    def __init__(self, model_dir: str | os.PathLike, **options: Any):
+        """`options`: `ctranslate2.Translator`'s (device, compute_type, intra_threads, ...)."""
         ctranslate2 = spm.require("ctranslate2")
         self.model_dir = Path(model_dir)
         runtime.check_export(self.model_dir)
-        self.translator = ctranslate2.Translator(str(model_dir), device=device, compute_type=compute_type,
-                                                 inter_threads=inter_threads, intra_threads=intra_threads)
+        self.translator = ctranslate2.Translator(str(model_dir), **options)
         shared = any((self.model_dir / f"shared_vocabulary.{ext}").is_file() for ext in ("json", "txt"))
         self.src_vocab = self._vocab("shared_vocabulary" if shared else "source_vocabulary")
         self.tgt_vocab = self._vocab("shared_vocabulary" if shared else "target_vocabulary")
@@ -196,10 +159,10 @@ class Translator:
         return (self.model_dir / f"{stem}.txt").read_text(encoding="utf-8").splitlines()
 
     def translate_ids(self, src_ids: Sequence[Sequence[int]], beam_size: int = 1, max_len: int = 256,
-                      length_penalty: float = 1.0, max_batch_size: int = 0) -> list[list[int]]:
+                      length_penalty: float = 1.0) -> list[list[int]]:
         """Source ids (each ending with <eos>, padding ignored) -> output ids ending with <eos>."""
         batch = [tokens(self.src_vocab, row) for row in src_ids]
         results = self.translator.translate_batch(batch, beam_size=beam_size, max_decoding_length=max_len,
                                                   min_decoding_length=0, length_penalty=length_penalty,
-                                                  return_end_token=True, max_batch_size=max_batch_size)
+                                                  return_end_token=True)
         return [[self.tgt_ids[t] for t in r.hypotheses[0]] for r in results]

@@ -1,13 +1,5 @@
-"""Exports that carry their proof (docs/interop.md#exports-with-proof).
-
-At export the model is read back by its own runtime (HF transformers for a Marian directory,
-CTranslate2 for a CTranslate2 model) and held against the run (the PyTorch reference on the
-exported weights) on fixed sentences, the run's validation sources or given ones: how many greedy
-translations agree, and the largest difference of the logits along the run's greedy translations
-(teacher-forced; where the export's own greedy output departs, up to there). The figures go into
-the export as proof.json and a line of README.md; a float32 export outside the bounds fails before
-it replaces anything.
-"""
+"""Exports that carry their proof (docs/interop.md#exports-with-proof): read back by their own runtime and
+held against the run (greedy agreement, logit differences), the figures in proof.json and README.md."""
 
 from __future__ import annotations
 
@@ -21,10 +13,11 @@ import numpy as np
 import torch
 
 import train
-from torch_reference.config import EOS_ID, PAD_ID, TransformerConfig
+from torch_reference.config import PAD_ID, TransformerConfig
 from torch_reference.decode import greedy_search, output_length
 from torch_reference.model import Transformer
 from train import data, runtime
+from train.attention import output_tokens
 from train.data import spm
 from train.data.streams import LineReader
 
@@ -32,17 +25,15 @@ from .ctranslate2 import Translator, same_output, tokens
 
 PROOF_FILE = runtime.PROOF_FILE
 SENTENCES = 32  # validation sources proved on: enough to cover the vocabulary's common rows, fast on a CPU
-# A float32 export computes the run's function with other kernels (another summation order): the
-# twins' own logits bound (docs/parity.md), and every greedy translation the same.
+# A float32 export computes the run's function with other kernels: the twins' own logits bound, every greedy alike.
 MAX_LOGIT_DIFF = 1e-4
 MIN_AGREEMENT = 1.0
 MASKED = -1e8  # CTranslate2 reports the logits of tokens it may not emit at a step as about -1e9
 
 
 def proof_sentences(run_dir: str | os.PathLike, given: str | os.PathLike | None = None) -> list[str]:
-    """The first SENTENCES non-empty lines of `given`, else of the run's validation sources, else
-    (a run imported without data) texts of consecutive source-vocabulary pieces: a proof of the
-    same function needs inputs the model reads, not good sentences."""
+    """The first SENTENCES non-empty lines of `given`, the run's validation sources, or (a run without data)
+    runs of source-vocabulary pieces: a proof of the same function needs inputs, not good sentences."""
     if given is not None:
         with contextlib.closing(LineReader(Path(given), flag="--proof-sentences")) as lines:  # its errors name the flag
             texts = list(lines)
@@ -58,31 +49,27 @@ def proof_sentences(run_dir: str | os.PathLike, given: str | os.PathLike | None 
 
 
 def reference(params: Mapping[str, np.ndarray], cfg: TransformerConfig, src_ids: list[list[int]]):
-    """(the run's greedy translations, each ending at <eos>, the logits (T, V) along each) by the
-    PyTorch reference on `params`, one sentence at a time (no padding to disagree about)."""
+    """(the run's greedy translations, the (T, V) logits along each) by the reference on `params`, one at a time."""
     model = Transformer(cfg).eval()
     model.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in params.items()})
     outputs, logits = [], []
     with torch.no_grad():
         for ids in src_ids:
             src = torch.tensor([ids])
-            tokens = greedy_search(model, src)[0][0].tolist()
-            tokens = tokens[: tokens.index(EOS_ID) + 1] if EOS_ID in tokens else tokens
+            tokens = output_tokens(greedy_search(model, src)[0][0].tolist())
             outputs.append(tokens)
             logits.append(model(src, torch.tensor([[cfg.bos_id, *tokens[:-1]]]))[0].numpy())
     return outputs, logits
 
 
 def limit(src_len: int, cfg: TransformerConfig) -> int:
-    """The most tokens the run's search lets the translation of `src_len` source tokens have
-    (torch_reference.decode)."""
+    """The most tokens the run's search lets the translation of `src_len` source tokens have."""
     return output_length(src_len, cfg.max_len, 1.5, 10)
 
 
 def prove(export_dir: Path, ours: Sequence[list[int]], theirs: Sequence[list[int]], diffs: Sequence[float],
           sentences: Sequence[str], limits: Sequence[int], kind: str, exact: bool) -> dict[str, Any]:
-    """Write proof.json and a README.md line into `export_dir`; refuse a float32 (`exact`) export
-    outside the bounds with one line."""
+    """Write proof.json and a README.md line into `export_dir`; refuse a float32 (`exact`) export out of bounds."""
     diff = max(diffs)
     agree = sum(same_output(a, b, n) for a, b, n in zip(ours, theirs, limits)) / len(ours)
     proof = {"kind": kind, "sentences": len(sentences), "greedy_agreement": agree, "max_abs_logit_diff": diff,
@@ -129,21 +116,15 @@ def ctranslate2_proof(export_dir: Path, run_dir: Path, params, cfg: TransformerC
 
 
 def run_proof(converted: Path, run_dir: Path, sentences: Sequence[str]) -> dict[str, Any]:
-    """A run converted to the other framework (`converted`, its newest checkpoint) against the
-    source run at the same step, each read by its own backend: greedy searches, and the logits
-    along the source's greedy translations."""
+    """A run `converted` to the other framework against its source at that step: greedy searches, logits along them."""
     theirs_run = train.load(converted, "latest")
     ours_run = train.load(run_dir, theirs_run.step)
     try:
         src_ids = data.encode(ours_run.tokenizers.src, sentences)
         limits = [limit(len(ids), ours_run.model_config) for ids in src_ids]
-        ours, theirs, diffs = [], [], []
-        for ids in src_ids:
-            out = [_greedy(run, ids) for run in (ours_run, theirs_run)]
-            ours.append(out[0])
-            theirs.append(out[1])
-            a, b = (_logits(run, ids, out[0]) for run in (ours_run, theirs_run))
-            diffs.append(float(np.abs(a - b).max()))
+        ours, theirs = ([_greedy(run, ids) for ids in src_ids] for run in (ours_run, theirs_run))
+        diffs = [float(np.abs(_logits(ours_run, ids, out) - _logits(theirs_run, ids, out)).max())
+                 for ids, out in zip(src_ids, ours)]
     finally:
         ours_run.close()
         theirs_run.close()
@@ -151,8 +132,7 @@ def run_proof(converted: Path, run_dir: Path, sentences: Sequence[str]) -> dict[
 
 
 def _greedy(run, ids: list[int]) -> list[int]:
-    tokens = [int(t) for t in run.backend.translate(np.array([ids]), beam_size=1)[0]]
-    return tokens[: tokens.index(EOS_ID) + 1] if EOS_ID in tokens else tokens
+    return output_tokens(run.backend.translate(np.array([ids]), beam_size=1)[0])
 
 
 def _logits(run, ids: list[int], out: list[int]) -> np.ndarray:
@@ -167,10 +147,8 @@ def _logits(run, ids: list[int], out: list[int]) -> np.ndarray:
 
 def marian_proof(export_dir: Path, run_dir: Path, params, cfg: TransformerConfig, sentences: Sequence[str],
                  marian_ids: Mapping[str, int]) -> dict[str, Any]:
-    """The HF Marian directory in `export_dir` against the run: `generate(num_beams=1)` and a
-    teacher-forced forward pass, in Marian's numbering mapped to ours (`train.interop.marian`). Our pad and
-    bos columns are left out: Marian holds them as one row (its pad, the decoder start), which the
-    export writes from our bos row, and neither is ever emitted."""
+    """The HF Marian directory in `export_dir` against the run: greedy `generate` and a teacher-forced pass,
+    in Marian's numbering; our pad and bos columns left out (Marian's one row for both, never emitted)."""
     from train.interop.marian import side_orders  # here: it loads jax, which the other proofs need not
 
     transformers = spm.require("transformers")

@@ -1,15 +1,5 @@
-"""Sampling speed beside greedy and beam search, torch and JAX on the same weights, in one process
-(docs/decoding.md#sampling-speed):
-
-    python -c "from parity.sampling_bench import report; report('RUN', 'FILE', beam=4, samples=1)"
-
-Opens a run (either backend), builds the twins with its weights and times decoding the input's
-batches (the translate command's batching) with greedy search, beam search and `sample` in each
-framework: seconds, sentences/s (outputs/s: `samples` a sentence), tokens/s, and how
-many sampled outputs differ between torch and JAX (0 expected: the same seed gives the same tokens).
-JAX runs every batch once untimed first (each batch shape compiles there), torch the first batch.
-On a GPU call `parity.comparison.enable_parity_numerics()` first (full float32 matmuls in both).
-"""
+"""Sampling speed beside greedy and beam search, both twins on a run's weights in one process, and how many
+samples differ (0: one seed, the same tokens): `report(RUN, FILE, ...)`, docs/decoding.md#sampling-speed."""
 
 from __future__ import annotations
 
@@ -35,27 +25,21 @@ from train.interop.weights import convert_state, numpy_to_torch, torch_to_jax
 
 def searches(beam: int, samples: int, top_p: float, seed: int) -> dict:
     """name -> (torch search, JAX search), each (model, src (B, S), sentence ids (B,)) -> tokens (B, ..., L) NumPy."""
-    def torch_run(fn, **kw):
-        return lambda model, src, ids: fn(model, torch.from_numpy(src), **kw)[0].numpy()
+    def twins(torch_fn, jax_fn, keyed: bool = False, **kw):  # keyed: samples by each sentence's line, any batch
+        def call(fn, model, src, ids):
+            return fn(model, src, **kw, **({"sentence_ids": ids} if keyed else {}))[0]
 
-    def jax_run(fn, **kw):
-        return lambda model, src, ids: np.asarray(fn(model, src, **kw)[0])
+        return (lambda model, src, ids: call(torch_fn, model, torch.from_numpy(src), ids).numpy(),
+                lambda model, src, ids: np.asarray(call(jax_fn, model, src, ids)))
 
-    def torch_sample(model, src, ids):  # keyed by each sentence's line: its samples whatever its batch
-        return ts.sample(model, torch.from_numpy(src), seed, samples, top_p=top_p, sentence_ids=ids)[0].numpy()
-
-    def jax_sample(model, src, ids):
-        return np.asarray(js.sample(model, src, seed, samples, top_p=top_p, sentence_ids=ids)[0])
-
-    return {"greedy": (torch_run(td.greedy_search), jax_run(jd.greedy_search)),
-            f"beam {beam}": (torch_run(td.beam_search, beam_size=beam), jax_run(jd.beam_search, beam_size=beam)),
-            f"sample x{samples}": (torch_sample, jax_sample)}
+    return {"greedy": twins(td.greedy_search, jd.greedy_search),
+            f"beam {beam}": twins(td.beam_search, jd.beam_search, beam_size=beam),
+            f"sample x{samples}": twins(ts.sample, js.sample, True, seed=seed, num_samples=samples, top_p=top_p)}
 
 
 def benchmark(run_dir, lines: Sequence[str], beam: int = 4, samples: int = 1, top_p: float = 1.0, seed: int = 0,
               batch_size: int | None = None) -> list[dict]:
-    """One row per framework and search: seconds, sentences/s, outputs/s, tokens/s; sampling's rows
-    also how many sampled outputs differ from the other framework's."""
+    """One row per framework and search: seconds, sentences/s, outputs/s, tokens/s (sampling's: outputs that differ)."""
     with load(run_dir) as run:
         cfg, model_cfg, tokenizer = run.config, run.model_config, run.tokenizers.src
         weights = convert_state(run.backend.export_state(), "torch", model_cfg).params

@@ -1,29 +1,33 @@
-"""Translation speed of one run's weights in both frameworks (`aiayn translate-bench`,
-docs/performance.md#translation-speed): each search timed on the same batches, with its peak memory
-growth and the outputs that differ from torch cached search's; CTranslate2 and HF generate beside them."""
+"""Translation speed of a run's weights in both frameworks, CTranslate2 and HF (`aiayn translate-bench`,
+docs/performance.md)."""
 
 from __future__ import annotations
 
 import contextlib
+import platform
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import jax
 import numpy as np
 import torch
 
 from train import data
 from train.api import Run, load
-from train.backends import allocator, create_backend, initialize
-from train.benchmark import _rss_mib
+from train.backends import allocator, create_backend, host_devices, initialize
+from train.benchmark import _peak_rss_mib, _reset_peak_rss, _rss_mib
+from train.data.spm import require
+from train.data.streams import read_lines
 from train.interop import marian
 from train.interop.weights import convert_state
 from train.options import POSITIVE, Output, RunSelection, Search, checked, option
+from train.runtime.files import UserError, json_text
 
 from . import ctranslate2 as ct2
 from . import proof
+from .comparison import enable_parity_numerics
 
 REFERENCE = "torch cached"
 
@@ -32,46 +36,17 @@ def _trim(out) -> list[int]:
     return [int(t) for t in out if t != data.PAD_ID]
 
 
-class PeakMemory:
-    """The largest resident set size of this process within the block, above its size at entry
-    (`mib`), read from /proc/self/statm every `interval` seconds by a thread."""
-
-    def __init__(self, interval: float = 0.005):
-        self.interval, self.mib = interval, 0.0
-
-    def __enter__(self) -> PeakMemory:
-        self.start = self.peak = _rss_mib()
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while not self._done.wait(self.interval):
-            self.peak = max(self.peak, _rss_mib())
-
-    def __exit__(self, *exc) -> None:
-        self._done.set()
-        self._thread.join()
-        self.peak = max(self.peak, _rss_mib())
-        self.mib = self.peak - self.start
-
-
 def benchmark(run: Run, lines: Sequence[str], beam_size: int, batch_size: int | None, alpha: float = 0.6,
               ctranslate2: bool = False, scoring: str = "gnmt", hf: bool = False, uncached: bool = True) -> list[dict]:
-    """One row per search and beam: seconds, sentences/s, tokens/s, speed-ups, outputs that differ.
-
-    JAX runs every batch once untimed first (jit compiles each batch shape there), torch and
-    CTranslate2 the first.
-    """
+    """One row per search and beam: seconds, sentences/s, tokens/s, speed-ups, outputs that differ
+    (untimed first: every batch for JAX, which compiles each shape there, the first for the others)."""
     cfg, model_cfg = run.config, run.model_config
     state = run.backend.export_state()
     backends = {}
     for framework in ("torch", "jax"):
         initialize(cfg.replace(backend=framework))  # each framework's process settings (threads, allocator)
-        backend = create_backend(cfg.replace(backend=framework), model_cfg, None)
-        backend.import_state(convert_state(state, framework, model_cfg))
-        backends[framework] = backend
+        backends[framework] = create_backend(cfg.replace(backend=framework), model_cfg, None)
+        backends[framework].import_state(convert_state(state, framework, model_cfg))
     src_ids = data.encode(run.tokenizers.src, list(lines))
     batches = list(data.source_batches(src_ids, cfg.max_len, cfg.token_budget, batch_size))
 
@@ -80,20 +55,20 @@ def benchmark(run: Run, lines: Sequence[str], beam_size: int, batch_size: int | 
         for _, src in warmup:
             search(src)
         outputs = [None] * len(lines)
-        with PeakMemory() as memory:
-            start = time.perf_counter()
-            for index, src in batches:
-                out = search(src)
-                for row in np.flatnonzero(index >= 0):
-                    outputs[index[row]] = out[row]
-            seconds = time.perf_counter() - start
-        return seconds, outputs, memory.mib
+        _reset_peak_rss()  # the kernel's high-water mark (VmHWM) restarts from here
+        rss, start = _rss_mib(), time.perf_counter()
+        for index, src in batches:
+            out = search(src)
+            for row in np.flatnonzero(index >= 0):
+                outputs[index[row]] = out[row]
+        return time.perf_counter() - start, outputs, _peak_rss_mib() - rss
 
     rows, reference = [], {}
     for name, cached in (("torch", True), ("jax", True), ("torch", False))[: 3 if uncached else 2]:
         search_name = f"{name} {'cached' if cached else 'uncached'}"
         for beam in sorted({1, beam_size}):
-            search = lambda src, b=backends[name], k=beam, c=cached: b.translate(src, k, alpha, cached=c, scoring=scoring)
+            search = lambda src, b=backends[name], k=beam, c=cached: b.translate(src, k, alpha, cached=c,
+                                                                                scoring=scoring)
             # Each framework under the allocator it has in a process of its own (allocator.settled)
             with allocator.settled() if name == "torch" else contextlib.nullcontext():
                 seconds, outputs, peak = timed(search, batches if name == "jax" else batches[:1])
@@ -108,7 +83,8 @@ def benchmark(run: Run, lines: Sequence[str], beam_size: int, batch_size: int | 
             with allocator.settled():
                 rows += foreign_rows(run, state, batches, beam_size, alpha, timed, reference)
     for row in rows:
-        row.update(sentences=len(lines), sentences_per_s=len(lines) / row["seconds"], tokens_per_s=row["tokens"] / row["seconds"])
+        row.update(sentences=len(lines), sentences_per_s=len(lines) / row["seconds"],
+                   tokens_per_s=row["tokens"] / row["seconds"])
         for baseline in (REFERENCE, "torch uncached"):
             match = next((r for r in rows if r["search"] == baseline and r["beam"] == row["beam"]), None)
             row[f"speedup_vs_{baseline.replace(' ', '_')}"] = match and match["seconds"] / row["seconds"]
@@ -142,12 +118,9 @@ def _ctranslate2_rows(run: Run, state, batches, beam_size: int, alpha: float, ti
 
 
 def _foreign_row(run: Run, name: str, beam: int, search, batches, timed, reference) -> tuple[dict, list]:
-    """(row `name`, outputs) of a search outside this project (CTranslate2, HF) whose outputs count
-    as ours when `ctranslate2.same_output` says so, each sentence under its own length limit."""
-    limits = {}
-    for index, src in batches:
-        for row in np.flatnonzero(index >= 0):
-            limits[int(index[row])] = proof.limit(int((src[row] != data.PAD_ID).sum()), run.model_config)
+    """(row `name`, outputs) of a search outside this project, outputs ours where `ct2.same_output` says so."""
+    limits = {int(index[row]): proof.limit(int((src[row] != data.PAD_ID).sum()), run.model_config)
+              for index, src in batches for row in np.flatnonzero(index >= 0)}
     seconds, outputs, peak = timed(search, batches[:1])
     ours = reference[beam]
     differ = sum(not ct2.same_output(_trim(ours[i]), out, limits[i]) for i, out in enumerate(outputs))
@@ -171,7 +144,8 @@ def _hf_rows(run: Run, state, batches, beam_size: int, alpha: float, timed, refe
                 out = model.generate(
                     input_ids=torch.from_numpy(src_order[src]), attention_mask=torch.from_numpy(src != data.PAD_ID),
                     num_beams=k, do_sample=False, max_new_tokens=limit, bad_words_ids=[[ids["pad"]]],
-                    forced_eos_token_id=ids["eos"], **({"length_penalty": alpha, "early_stopping": "never"} if k > 1 else {}),
+                    forced_eos_token_id=ids["eos"],
+                    **({"length_penalty": alpha, "early_stopping": "never"} if k > 1 else {}),
                 )
             return [[to_ours[int(m)] for m in row[1:] if m != ids["pad"]] for row in out.tolist()]
 
@@ -181,16 +155,9 @@ def _hf_rows(run: Run, state, batches, beam_size: int, alpha: float, timed, refe
 
 @checked
 class SpeedBench:
-    """What `bench_file` times, on which sentences, and where it writes. It opens a run (either backend),
-    moves its weights into the other framework (`convert_state`), and times JAX and torch cached search
-    and torch's uncached loop (the decoder re-run over every prefix; `uncached`), each greedy and with the
-    search's beam: seconds, sentences/s, tokens/s, `peak_mib` (the largest growth of resident memory in
-    the timed loop), the speed-ups against torch cached and uncached, and how many outputs differ from
-    torch cached search's (0 expected). Torch and CTranslate2 run under glibc's settled allocator
-    thresholds (`allocator.settled`), float32 matmuls in full float32 (TF32 off) in both frameworks.
-    `ctranslate2` adds the run exported to CTranslate2 in float32 and int8 (outputs compared by
-    `ctranslate2.same_output`, int8's BLEU against float32's: docs/interop.md#speed); `hf` adds HF's
-    `generate` on a run imported from Marian (`train.interop.marian.to_marian`), each batch limited to our length limit."""
+    """What `bench_file` times, on which sentences, and where it writes: JAX and torch cached search and torch's
+    uncached loop, greedy and with the search's beam; `ctranslate2` and `hf` add those exports
+    (docs/performance.md#translation-speed)."""
 
     input: Path | None = option(None, "text file, one source sentence per line (plain or .gz); default: stdin")
     batch_size: int | None = option(None, "at most N sentences per batch; default: the run's --token-budget",
@@ -207,17 +174,6 @@ class SpeedBench:
 def bench_file(selection: RunSelection, search: Search, bench: SpeedBench = SpeedBench()) -> list[dict]:
     """`aiayn translate-bench`: `benchmark` of the run `selection` names on the sentences of
     `bench.input` (stdin), printed as a table (and written to `bench.json`)."""
-    import platform
-
-    import jax
-
-    from train.backends import host_devices
-    from train.data.spm import require
-    from train.data.streams import read_lines
-    from train.runtime.files import UserError, json_text
-
-    from .comparison import enable_parity_numerics
-
     enable_parity_numerics()
     if len(selection.run_dir) > 1:
         raise UserError("--run-dir once: the benchmark times one run's weights")

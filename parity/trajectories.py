@@ -1,7 +1,5 @@
-"""One training curve in two frameworks (`aiayn trajectory`,
-docs/parity.md#a-training-curve-in-both-frameworks): the JAX and PyTorch backends of `train` trained
-in lockstep from one set of weights on identical batches, compared after every update, optionally
-switching framework through a converted checkpoint; the report judged against `BOUNDS`, and plotted."""
+"""One training curve in two frameworks (`aiayn trajectory`, docs/parity.md): both backends in
+lockstep on identical batches, compared after every update (optionally switching framework), judged."""
 
 from __future__ import annotations
 
@@ -17,7 +15,7 @@ import numpy as np
 from torch_reference.config import NON_NEGATIVE, POSITIVE, TransformerConfig
 from train import data
 from train.backends import create_backend, initialize
-from train.config import ExperimentConfig
+from train.config import PAPER_WARMUP, ExperimentConfig  # a trajectory: the first updates of the paper's schedule
 from train.interop.runs import convert_checkpoints
 from train.interop.weights import convert_state
 from train.loop import make_batcher
@@ -26,22 +24,17 @@ from train.store import TrainingState
 
 from .comparison import enable_parity_numerics
 
-# The parity contract for a training curve (float32, highest matmul precision, dropout off). A formula
-# slip (schedule one update off, Adam's epsilon inside the root, the wrong smoothing mass) moves the loss
-# by >=1e-3 within a few updates, far above float32's own drift (docs/parity.md#a-training-curve-in-both-frameworks).
+# The parity contract for a training curve (float32, dropout off): a formula slip moves the loss by >=1e-3
+# within a few updates, far above float32's own drift (docs/parity.md#a-training-curve-in-both-frameworks).
 BOUNDS = {"loss_rel": 1e-5, "param_rel_l2": 1e-4}
-
-# The paper's warmup (§5.3): the trajectory runs the first updates of the paper's schedule.
-PAPER_WARMUP = 4000
 
 # Parameters with an analytically zero gradient (softmax ignores a shift of a row): excluded from the bound.
 NOISE_ONLY_SUFFIX = ".k_proj.bias"
+PER_STEP = ("step", "loss_rel", "param_rel_l2", "param_worst", "k_proj_bias_rel_l2")  # a comparison's per update
 
 
 def experiment_config(steps: int = 100, preset: str = "tiny", model: dict | None = None, **changes: Any):
-    """The training settings of a trajectory: the product's Adam and label smoothing 0.1 on the
-    paper's schedule, a small numbers corpus, dropout off, float32, and one torch thread (a second
-    competes with XLA's pool: docs/parity.md#a-training-curve-in-both-frameworks)."""
+    """A trajectory's settings: the paper's schedule, dropout off, float32, one torch thread (two compete with XLA)."""
     settings = dict(backend="torch", preset=preset, model=dict(model or {}), steps=steps, warmup=PAPER_WARMUP,
                     dropout=0.0, numbers_train=4000, numbers_valid=1, numbers_test=0, token_budget=1024, threads=1,
                     progress=False, dtype="float32")
@@ -80,8 +73,7 @@ def prepare(cfg) -> tuple[TransformerConfig, Any]:
 
 
 def one_ulp_away(state: TrainingState, seed: int = 1) -> TrainingState:
-    """`state` with every weight moved by one float32 ulp up or down at random: one rounding
-    error per weight, the size of the differences between the frameworks' arithmetic."""
+    """`state` with every weight one float32 ulp up or down at random: the size of the frameworks' differences."""
     rng = np.random.default_rng(seed)
     params = {k: np.where(rng.random(v.shape) < 0.5, np.nextafter(v, np.inf), np.nextafter(v, -np.inf)).astype(v.dtype)
               for k, v in state.params.items()}
@@ -114,8 +106,7 @@ def _weights(backend) -> dict[str, np.ndarray]:
 
 
 def compare_weights(actual: dict[str, np.ndarray], reference: dict[str, np.ndarray]) -> dict:
-    """Per parameter ||a - r|| / ||r||; the worst over the bounded parameters, and the excluded
-    key-projection biases separately (also as max |a - r|)."""
+    """Per parameter ||a - r|| / ||r||: the worst bounded one, and the excluded k_proj biases apart."""
     rel = {k: float(np.linalg.norm(actual[k] - r) / max(np.linalg.norm(r), 1e-30)) for k, r in reference.items()}
     bounded = {k: v for k, v in rel.items() if not k.endswith(NOISE_ONLY_SUFFIX)}
     worst = max(bounded, key=bounded.get)
@@ -130,48 +121,38 @@ def compare_weights(actual: dict[str, np.ndarray], reference: dict[str, np.ndarr
 
 @dataclasses.dataclass
 class Comparison:
-    """Run `run` against run `reference` over the updates after `start`. `bounded`: held to
-    BOUNDS (the control is not: it measures how float32 training itself responds to rounding)."""
+    """Run `run` against `reference` after update `start`; `bounded`: held to BOUNDS (the control measures drift)."""
 
     label: str
     run: str
     reference: str
     start: int = 0
     bounded: bool = True
-    steps: list[int] = dataclasses.field(default_factory=list)
-    loss_rel: list[float] = dataclasses.field(default_factory=list)
-    param_rel_l2: list[float] = dataclasses.field(default_factory=list)
-    param_worst: list[str] = dataclasses.field(default_factory=list)
-    k_proj_bias_rel_l2: list[float] = dataclasses.field(default_factory=list)
+    per_step: dict[str, list] = dataclasses.field(default_factory=lambda: {key: [] for key in PER_STEP})
     final: dict | None = None
 
     def record(self, step: int, runs: dict[str, Run], weights: dict[str, dict]) -> None:
         a, r = runs[self.run], runs[self.reference]
         if not np.array_equal(a.batch_ids[step], r.batch_ids[step]):
             raise AssertionError(f"{self.label}: update {step} trained on different batches")
-        diff = compare_weights(weights[self.run], weights[self.reference])
-        self.steps.append(step)
-        self.loss_rel.append(abs(a.losses[step] - r.losses[step]) / abs(r.losses[step]))
-        self.param_rel_l2.append(diff["max_rel_l2"])
-        self.param_worst.append(diff["worst"])
-        self.k_proj_bias_rel_l2.append(diff.get("k_proj_bias", {}).get("max_rel_l2", 0.0))
-        self.final = diff
+        diff = self.final = compare_weights(weights[self.run], weights[self.reference])
+        values = (step, abs(a.losses[step] - r.losses[step]) / abs(r.losses[step]), diff["max_rel_l2"], diff["worst"],
+                  diff.get("k_proj_bias", {}).get("max_rel_l2", 0.0))
+        for key, value in zip(PER_STEP, values):
+            self.per_step[key].append(value)
 
     def to_dict(self) -> dict:
-        i = int(np.argmax(self.loss_rel))
+        per = self.per_step
+        i = int(np.argmax(per["loss_rel"]))
         return {"label": self.label, "run": self.run, "reference": self.reference, "from_step": self.start,
-                "bounded": self.bounded, "max_loss_rel": self.loss_rel[i], "max_loss_rel_step": self.steps[i],
-                "final_step": self.steps[-1], "final_param_rel_l2": self.final["max_rel_l2"],
+                "bounded": self.bounded, "max_loss_rel": per["loss_rel"][i], "max_loss_rel_step": per["step"][i],
+                "final_step": per["step"][-1], "final_param_rel_l2": self.final["max_rel_l2"],
                 "final_param_worst": self.final["worst"], "k_proj_bias": self.final.get("k_proj_bias"),
-                "per_step": {"step": self.steps, "loss_rel": self.loss_rel, "param_rel_l2": self.param_rel_l2,
-                             "param_worst": self.param_worst, "k_proj_bias_rel_l2": self.k_proj_bias_rel_l2},
-                "final_per_parameter": self.final["per_parameter"]}
+                "per_step": per, "final_per_parameter": self.final["per_parameter"]}
 
 
 def _switch(run: Run, cfg, model_cfg, prepared, workdir: Path) -> tuple[Run, bool]:
-    """Save `run`'s checkpoint with its backend's `save`, convert it to the other framework, and
-    `restore` it in a fresh backend of that framework with the data position from its meta.
-    Returns (the continuing run, whether the restored state equals the saved one bit for bit)."""
+    """`run`'s checkpoint saved, converted and restored in the other framework: (that run, whether bit-exact)."""
     splits, tokenizers = prepared
     src, other = run.name, "torch" if run.name == "jax" else "jax"
     src_cfg = cfg.replace(backend=src)
@@ -189,10 +170,8 @@ def _switch(run: Run, cfg, model_cfg, prepared, workdir: Path) -> tuple[Run, boo
 
 def run_trajectory(cfg, steps: int | None = None, switch: int | None = None, control: bool = False,
                    initial: TrainingState | None = None, progress: bool = False, prepared=None) -> dict:
-    """Train `steps` updates in both frameworks in lockstep (plus the switched runs when
-    0 < switch < steps, plus torch from weights one ulp away with `control`) from `initial`
-    (default: the torch backend's initial weights for `cfg`). Returns the report, without
-    judging it (`failures`)."""
+    """The report (unjudged: `failures`) of `steps` updates in both frameworks in lockstep from `initial`
+    (default: torch's), plus the switched runs where 0 < switch < steps, plus torch one ulp away with `control`."""
     enable_parity_numerics()
     steps = steps or cfg.steps
     model_cfg, prepared = prepared or prepare(cfg)
@@ -228,8 +207,8 @@ def run_trajectory(cfg, steps: int | None = None, switch: int | None = None, con
                     comparisons.append(Comparison(label, new.name, other, switch))
             if progress and (step % 10 == 0 or step == steps):
                 print(f"  update {step}/{steps}: " + "; ".join(
-                    f"[{c.label}] loss {c.loss_rel[-1]:.1e} params {c.param_rel_l2[-1]:.1e}"
-                    for c in comparisons if c.steps), flush=True)
+                    f"[{c.label}] loss {c.per_step['loss_rel'][-1]:.1e} params {c.per_step['param_rel_l2'][-1]:.1e}"
+                    for c in comparisons if c.per_step["step"]), flush=True)
         for run in runs.values():
             run.backend.close()
     return {"steps": steps, "switch": switch, "seconds": round(time.perf_counter() - started, 1),
@@ -253,8 +232,7 @@ def _bound_failures(report: dict) -> tuple[list[str], list[str]]:
 
 
 def failures(report: dict) -> list[str]:
-    """The bounds a report exceeds. The parameter bound of a ReLU run is judged on its smooth
-    path when there is one (`report["smooth_path"]`); the loss bound always on the run itself."""
+    """The bounds a report exceeds; a ReLU run's parameter bound on its smooth path where there is one."""
     out, params = _bound_failures(report)
     if params and "smooth_path" in report:
         params = [f"smooth path (GELU): {line}" for part in _bound_failures(report["smooth_path"]) for line in part]
@@ -267,8 +245,7 @@ def failures(report: dict) -> list[str]:
 
 def parity_report(cfg, steps: int | None = None, switch: int | None = None, control: bool = False,
                   progress: bool = False) -> dict:
-    """`run_trajectory`, judged; for a ReLU model whose parameters exceed the bound, also the
-    smooth path (same initial weights, exact GELU) on which that bound is then judged."""
+    """`run_trajectory`, judged; a ReLU model out of the parameter bound judged on its smooth path (exact GELU) too."""
     enable_parity_numerics()
     model_cfg, prepared = prepare(cfg)
     initial = create_backend(cfg.replace(backend="torch"), model_cfg).export_state()
@@ -301,13 +278,11 @@ def growth_exponent(comparison: dict, start: int = 10) -> float | None:
 
 def plot(report: dict, path: str | Path) -> Path:
     """Loss and weight differences per update, log scale, one line per comparison; bounds dashed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: no display, no global state
 
     floor = 1e-9  # where a difference of exactly 0 is drawn on the log axes (float32 rounding is ~6e-8)
-    fig, (ax_loss, ax_param) = plt.subplots(1, 2, figsize=(13, 4.8), constrained_layout=True)
+    fig = Figure(figsize=(13, 4.8), layout="constrained")
+    ax_loss, ax_param = fig.subplots(1, 2)
     paths = [("", report)] + ([("smooth path (GELU): ", report["smooth_path"])] if "smooth_path" in report else [])
     for prefix, rep in paths:
         for c in rep["comparisons"]:
@@ -334,5 +309,4 @@ def plot(report: dict, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path

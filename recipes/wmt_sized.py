@@ -1,11 +1,4 @@
-"""WMT-shaped corpora from Multi30k, and the measurements of docs/scale.md.
-
-    python recipes/wmt_sized.py generate --pairs 4500000 --out /tmp/wmt/train    # /tmp/wmt/train.de, .en
-    python recipes/wmt_sized.py measure -- python -m train.run ... --no-progress --log-every 1
-    python recipes/wmt_sized.py preprocess /tmp/wmt/train --store /tmp/wmt/store    # store build vs encode_batch
-    python recipes/wmt_sized.py batches /tmp/wmt/store                                 # packed batches per second
-    python recipes/wmt_sized.py gather /tmp/wmt/store                                  # .npy against Arrow
-"""
+"""WMT-shaped corpora from Multi30k, and the measurements of docs/scale.md (which shows each command)."""
 
 from __future__ import annotations
 
@@ -84,12 +77,10 @@ def measure(command: list[str], first: str = r"^step 1/", every: float = 0.1) ->
         peak = max(peak, tree_rss_anon(proc.pid))
         time.sleep(every)
     reader.join()
-    result = {"command": " ".join(command), "rc": proc.returncode, "wall_s": round(time.perf_counter() - start, 1),
-              "first_step_s": found["first_step_s"] and round(found["first_step_s"], 1),
-              "peak_rss_anon_mb": round(peak / 1024),
-              "max_rss_mb": found["max_rss_kb"] and round(found["max_rss_kb"] / 1024)}
-    print(json.dumps(result))
-    return result
+    return {"command": " ".join(command), "rc": proc.returncode, "wall_s": round(time.perf_counter() - start, 1),
+            "first_step_s": found["first_step_s"] and round(found["first_step_s"], 1),
+            "peak_rss_anon_mb": round(peak / 1024),
+            "max_rss_mb": found["max_rss_kb"] and round(found["max_rss_kb"] / 1024)}
 
 
 def preprocess(prefix: str, store_dir: str, vocab_size: int = 8000) -> dict:
@@ -111,11 +102,9 @@ def preprocess(prefix: str, store_dir: str, vocab_size: int = 8000) -> dict:
     store.build_store(Path(store_dir), data.corpora.stream_parallel(f"de:en:{prefix}", digest=False)[1], tokenizers,
                       progress=False)
     built = time.perf_counter() - start
-    result = {"pairs": len(pairs), "encode_batch_pairs_per_s": round(len(pairs) / library),
-              "store_pairs_per_s": round(len(pairs) / built), "store_time_over_library": round(built / library, 2),
-              "load_average": os.getloadavg(), "cpus": os.cpu_count()}
-    print(json.dumps(result))
-    return result
+    return {"pairs": len(pairs), "encode_batch_pairs_per_s": round(len(pairs) / library),
+            "store_pairs_per_s": round(len(pairs) / built), "store_time_over_library": round(built / library, 2),
+            "load_average": os.getloadavg(), "cpus": os.cpu_count()}
 
 
 def batches(store_dir: str, budget: int = 25_000, count: int = 500) -> dict:
@@ -132,10 +121,8 @@ def batches(store_dir: str, budget: int = 25_000, count: int = 500) -> dict:
     for _ in range(count):
         next(batcher)
     made = time.perf_counter()
-    result = {"pairs": len(examples), "plan_s": round(planned - start, 2), "batches": count,
-              "batches_per_s": round(count / (made - planned), 1), "shape": batcher.shapes}
-    print(json.dumps(result))
-    return result
+    return {"pairs": len(examples), "plan_s": round(planned - start, 2), "batches": count,
+            "batches_per_s": round(count / (made - planned), 1), "shape": batcher.shapes}
 
 
 def gather(store_dir: str, budget: int = 25_000, count: int = 300, seed: int = 0) -> dict:
@@ -171,11 +158,9 @@ def gather(store_dir: str, budget: int = 25_000, count: int = 300, seed: int = 0
                 column = rows.column(side).combine_chunks()
                 values, lengths = column.flatten().to_numpy(), pc.list_value_length(column).to_numpy()
             npy, arrow = npy + middle - start, arrow + time.perf_counter() - middle
-    result = {"pairs": len(stored), "pairs_a_batch": per_batch, "batches": count,
-              "npy_batches_per_s": round(count / npy, 1), "arrow_batches_per_s": round(count / arrow, 1),
-              "load_average": os.getloadavg()}
-    print(json.dumps(result))
-    return result
+    return {"pairs": len(stored), "pairs_a_batch": per_batch, "batches": count,
+            "npy_batches_per_s": round(count / npy, 1), "arrow_batches_per_s": round(count / arrow, 1),
+            "load_average": os.getloadavg()}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -197,13 +182,15 @@ def main(argv: list[str] | None = None) -> None:
     a.add_argument("store", help="a corpus store directory")
     args = parser.parse_args(argv)
     if args.what == "generate":
-        generate(args.pairs, args.out, args.seed, args.multi30k)
-    elif args.what == "measure":
-        sys.exit(measure(args.command[1:] if args.command[:1] == ["--"] else args.command)["rc"])
+        return generate(args.pairs, args.out, args.seed, args.multi30k)
+    if args.what == "measure":
+        result = measure(args.command[1:] if args.command[:1] == ["--"] else args.command)
     elif args.what == "preprocess":
-        preprocess(args.prefix, args.store)
+        result = preprocess(args.prefix, args.store)
     else:
-        (batches if args.what == "batches" else gather)(args.store)
+        result = (batches if args.what == "batches" else gather)(args.store)
+    print(json.dumps(result))
+    sys.exit(result.get("rc", 0))
 
 
 if __name__ == "__main__":

@@ -1,16 +1,11 @@
-"""Cross-attention heatmaps: `aiayn translate --run-dir RUN --plot-attention DIR`.
-
-An `AttentionRecorder`, `translate_texts`' `on_batch`, teacher-forces each batch's output through
-the model once (`Translator.cross_attention`): row t of the weights is the step that produced
-output token t. For input line N it writes `DIR/NNNN.png` (the last decoder layer, heads averaged)
-and `DIR/NNNN_layers.png` (every layer x head), tokens as text with a word's first marked ▁.
-Plots use matplotlib's Agg canvas (no display, no pyplot state).
-"""
+"""Cross-attention heatmaps (`aiayn translate --plot-attention DIR`): each output teacher-forced once, input
+line N drawn as DIR/NNNN.png (last decoder layer, heads averaged) and DIR/NNNN_layers.png (each layer, head)."""
 
 from __future__ import annotations
 
 import dataclasses
 import sys
+import tempfile
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,9 +15,9 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from . import data
-from .runtime.files import write_error
-from .runtime.replace import check_outside_runs
 from .backends import Translator
+from .runtime.files import write_bytes_atomic, write_error
+from .runtime.replace import check_outside_runs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,8 +33,7 @@ class SentenceAttention:
 
 
 def _byte_values() -> dict[str, int]:
-    """The byte-level BPE alphabet (GPT-2's, which `tokenizers`' ByteLevel uses): character -> byte.
-    Printable bytes stand for themselves; the others are shifted to code points from 256 on."""
+    """The byte-level BPE alphabet (GPT-2's, `tokenizers`' ByteLevel): character -> byte."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     others = [b for b in range(256) if b not in printable]
     return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
@@ -49,8 +43,8 @@ BYTE_VALUES = _byte_values()
 
 
 def token_label(tokenizer, token_id: int) -> str:
-    """A token as readable text: specials by name, a leading space as ▁, bytes as UTF-8 text, and
-    the bytes of a character split across tokens (an incomplete UTF-8 sequence) as \\xNN."""
+    """A token as readable text: specials by name, a leading space as ▁, bytes as UTF-8 (half a character:
+    \\xNN)."""
     token = tokenizer.id_to_token(int(token_id))
     if token is None:
         return f"<{int(token_id)}>"
@@ -60,15 +54,14 @@ def token_label(tokenizer, token_id: int) -> str:
     return "▁" + text[1:] if text.startswith(" ") else text
 
 
-def output_tokens(row: np.ndarray) -> list[int]:
+def output_tokens(row: Sequence[int]) -> list[int]:
     """A search output row (ending <eos> then <pad>) -> its tokens up to and including <eos>."""
     row = [int(t) for t in row if t != data.PAD_ID]
     return row[: row.index(data.EOS_ID) + 1] if data.EOS_ID in row else row
 
 
 class AttentionRecorder:
-    """`translate_texts`' `on_batch` for `texts`: the attention of each non-empty line (`found`,
-    in input order), its output teacher-forced through `backend` once per batch."""
+    """`translate_texts`' `on_batch` for `texts`: each non-empty line's attention (`found`, in input order)."""
 
     def __init__(self, backend: Translator, tokenizers: data.Tokenizers, texts: Sequence[str]):
         self.backend, self.tokenizers, self.texts = backend, tokenizers, texts
@@ -77,12 +70,8 @@ class AttentionRecorder:
     def __call__(self, index: np.ndarray, src: np.ndarray, tokens: np.ndarray) -> None:
         hyps = data.decode_batch(self.tokenizers.tgt, tokens)
         outputs = [output_tokens(row) for row in tokens]
-        # Teacher forcing: <bos> and every output token but the last, so that row t predicts token t;
-        # as wide as the search's output (one shape per source bucket, for jit), padding masked out.
-        tgt_in = np.full(tokens.shape, data.PAD_ID, np.int32)  # (B, T)
-        tgt_in[:, 0] = data.BOS_ID
-        for row, ids in enumerate(outputs):
-            tgt_in[row, 1 : len(ids)] = ids[:-1]
+        # Teacher forcing: <bos>, then the output but its last token (row t predicts token t; later ones causal-masked)
+        tgt_in = np.concatenate([np.full((len(tokens), 1), data.BOS_ID, tokens.dtype), tokens[:, :-1]], axis=1)
         weights = self.backend.cross_attention(src, tgt_in)  # (B, layers, H, T, S)
         for row, i in enumerate(index):
             if i < 0 or not self.texts[i].strip() or not outputs[row]:  # no sentence or no output: no plot
@@ -122,20 +111,16 @@ def _heatmap(ax, weights: np.ndarray, att: SentenceAttention, x_labels: bool, y_
 
 def _save(fig, path: Path) -> None:
     FigureCanvasAgg(fig)
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        fig.savefig(tmp, format="png", dpi=100)
-        tmp.replace(path)  # a plot is complete or absent
-    except Exception as err:  # a full disk, a read-only place: said of the plot, not of its temporary file
-        raise write_error(err, path) or err from None
-    finally:
-        if tmp.exists():  # (unlink of a missing file on a read-only place fails, and would hide the cause)
-            tmp.unlink()
+    with tempfile.TemporaryDirectory(prefix="aiayn-") as tmp:
+        try:
+            fig.savefig(Path(tmp) / path.name, format="png", dpi=100)
+        except Exception as err:  # a full disk, a read-only place: said of the plot, not of its temporary file
+            raise write_error(err, path) or err from None
+        write_bytes_atomic(path, (Path(tmp) / path.name).read_bytes())  # a plot is complete or absent
 
 
 def plot_sentence(att: SentenceAttention, path: Path) -> None:
-    """The last decoder layer's cross-attention, heads averaged: output tokens (rows) x source
-    tokens (columns), a colour bar, the sentence and its translation as the title."""
+    """The last decoder layer's cross-attention, heads averaged: outputs (rows) x sources, sentence as title."""
     layers, heads, T, S = att.weights.shape
     cell = 0.42  # inches per token
     title, title_width = _title(att, f"cross-attention, decoder layer {layers} of {layers}, mean of {heads} heads")
@@ -168,8 +153,7 @@ def plot_layers(att: SentenceAttention, path: Path) -> None:
 
 
 def check_plot_directory(directory: Path, source: Path | None = None) -> None:
-    """Raise ValueError unless `directory` is a directory or can be created as one, outside any run
-    (`check_outside_runs`), and does not hold the input file `source` (its plots would replace it)."""
+    """ValueError unless `directory` is or can become a directory outside any run, not holding `source`."""
     check_outside_runs(directory / "0001.png", "--plot-attention")
     if source is not None and directory.resolve() in source.resolve().parents:
         raise ValueError(f"--plot-attention {directory} holds the input {source}: its plots could replace it; "

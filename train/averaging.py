@@ -1,11 +1,5 @@
-"""Checkpoint averaging (`aiayn average`), as the paper averages the last 5 (base) or 20
-(big) checkpoints (§6.1).
-
-OUT is a run holding one checkpoint: the element-wise mean of the weights of RUN's newest N
-checkpoints, at the newest one's step, with its optimizer state and data position. The mean is
-taken in float64 in step order and rounded once to the weights' dtype, so it does not depend on
-the framework: the same N checkpoints averaged by either backend give the same weights, bit for bit.
-"""
+"""Checkpoint averaging (`aiayn average`, paper §6.1): the mean of a run's newest N checkpoints,
+in float64 rounded once (alike bit for bit in either backend), at the newest one's step and state."""
 
 from __future__ import annotations
 
@@ -36,23 +30,16 @@ class Averaging:
 
 
 def average_states(states: Sequence[TrainingState]) -> TrainingState:
-    """The last state with its weights replaced by the mean of every state's (float64 sum in the
-    given order, divided once, rounded once to each weight's dtype)."""
+    """The last state with the mean weights of all (a float64 sum in order, divided and rounded once)."""
     if not states:
         raise ValueError("nothing to average")
-    last = states[-1]
-    params = {}
-    for name, value in last.params.items():
-        total = np.zeros(value.shape, np.float64)
-        for state in states:
-            total += state.params[name]
-        params[name] = (total / len(states)).astype(value.dtype)
-    return dataclasses.replace(last, params=params)
+    params = {name: (sum(s.params[name].astype(np.float64) for s in states) / len(states)).astype(value.dtype)
+              for name, value in states[-1].params.items()}
+    return dataclasses.replace(states[-1], params=params)
 
 
 def average_run(src: str | os.PathLike, dst: str | os.PathLike, last: int = 5, overwrite: bool = False) -> dict:
-    """Average the newest `last` checkpoints of run `src` into a new run directory `dst` (built
-    beside it and renamed into place, so an interrupted average leaves nothing). Returns a summary."""
+    """Average the newest `last` checkpoints of run `src` into a new run `dst`, whole or not at all; a summary."""
     Averaging(src, dst, last, overwrite)  # its checks: 0 would average every checkpoint, -1 all but the oldest
     src, dst = Path(src), Path(dst)
     runtime.rundir.check_set_aside(src)

@@ -1,66 +1,46 @@
-"""The experiment configuration: every training setting, separate from the model's TransformerConfig.
-
-`ExperimentConfig` is frozen and framework-free (no torch, no jax). Each field carries its own
-help text and flag group in its metadata, so `python -m train.run --help` documents exactly the
-fields of this class. Fields left at `None` mean "automatic" and are filled in by `resolve()`
-before a run starts; the run directory stores the resolved config (`config.json`), so a resumed,
-translated or evaluated run reads back the exact values it trained with.
-
-    >>> cfg = ExperimentConfig(backend="torch", steps=200).resolve()
-    >>> cfg.vocab_size, cfg.warmup
-    (400, 50)
-"""
+"""`ExperimentConfig`: every training setting, its fields' metadata train.run's flags, None automatic."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Iterable
-from typing import Any, Literal
+from typing import Any
 
 from torch_reference.config import NON_NEGATIVE, POSITIVE, PROBABILITY, SPECIAL_TOKENS, Range, TransformerConfig
 
-Backend = Literal["jax", "torch"]
-BACKENDS = ("jax", "torch")
-Dtype = Literal["float32", "bfloat16"]
+BACKENDS = ("jax", "torch")  # each field's choices (its metadata) are its values
 DTYPES = ("float32", "bfloat16")
-ParamSharding = Literal["replicated", "fsdp"]
 PARAM_SHARDINGS = ("replicated", "fsdp")
 DIST_BACKENDS = ("gloo", "nccl")  # torch.distributed's: gloo on CPUs, NCCL between GPUs
 # The models' kernel sets (jax_transformer.KERNELS; torch_reference has reference and fused), and auto.
 KERNEL_CHOICES = ("auto", "reference", "xla_cpu", "fused")
 
-# Vocabulary sizes when --vocab-size is not given. The numbers corpus has a few dozen distinct
-# words: at 400 BPE keeps German compounds in pieces ("drei|undsechzig|tausend"), which is what
-# makes the task need attention; at 8000 it would learn whole numbers as single tokens.
+# Vocabulary sizes when --vocab-size is not given: at 400 BPE keeps the numbers corpus' German compounds in
+# pieces ("drei|undsechzig|tausend"), which makes the task need attention; 8000 would learn whole numbers.
 NUMBERS_VOCAB_SIZE = 400
 NUMBERS_AVERAGE_LAST = 2  # the last two checkpoints (steps 600 and 700): docs/results.md#the-numbers-corpus
 DEFAULT_VOCAB_SIZE = 8000
-# Pairs the tokenizers train on at most: 2 million sentences for a joint vocabulary, Marian's
-# --sentencepiece-max-lines default (SentencePiece's input_sentence_size is the same bound).
+# Pairs the tokenizers train on at most: Marian's --sentencepiece-max-lines default (2 million sentences).
 DEFAULT_TOKENIZER_SAMPLE = 1_000_000
 # The experiment fields that decide the model's shape and vocabulary: --init-from takes its source's.
 SOURCE_FIELDS = ("preset", "model", "vocab_size", "tokenizer_sample", "joint_vocab", "max_len", "lowercase")
 RECIPE_FILE = "recipe.json"  # in a run directory: train.run --config's recipe, {"path", "toml"}; a resume reads it
 
-# Warmup when --warmup is not given: the paper's 4000 steps (§5.3) are 4% of its 100k-step run; short runs
-# need relatively more (a small model's peak lr d_model^-0.5 / sqrt(warmup) is high), so a quarter of the
-# steps, capped at the paper's 4000 (docs/results.md#the-numbers-corpus).
+# Warmup when --warmup is not given: a quarter of the steps (short runs need more than the paper's 4%: a small
+# model's peak lr is high), capped at the paper's 4000 (§5.3; docs/results.md#the-numbers-corpus).
 PAPER_WARMUP = 4000
 WARMUP_FRACTION = 0.25
 
 # Fields derived from the data and the experiment, so `--set` may not change them.
 DERIVED_MODEL_FIELDS = ("src_vocab_size", "tgt_vocab_size", "max_len", "dropout", "share_embeddings")
-# The special token ids are the tokenizers' (torch_reference.config.SPECIAL_TOKENS), shared by
-# data, model, loss and search: fixed, so `--set` may not change them either.
+# The special token ids are the tokenizers', shared by data, model, loss and search: not for `--set` either.
 SPECIAL_ID_FIELDS = ("pad_id", "bos_id", "eos_id")
 SPECIAL_IDS_FIXED = (
     "the special token ids are fixed: " + ", ".join(f"{t}={i}" for i, t in enumerate(SPECIAL_TOKENS))
     + " (the tokenizers', used alike by batches, model, loss and search)")
 
-# Each numeric field's range: checked by ExperimentConfig.__post_init__ (every entry point, the
-# Python API and a hand-edited config.json alike) and by the argparse type of its train.run flag.
+# Each numeric field's range, checked by ExperimentConfig.__post_init__ (every entry point) and its flag's type.
 FIELD_RANGES: dict[str, Range] = {
     **{name: POSITIVE for name in ("numbers_train", "numbers_valid", "max_len", "token_budget", "steps", "grad_accum",
                                    "eval_every", "log_every", "keep_checkpoints", "average_last", "beam", "warmup",
@@ -76,14 +56,12 @@ positive_int = POSITIVE.parse  # the argparse type of aiayn serve's and aiayn lo
 
 
 def default_dtype(platform: str) -> str:
-    """--dtype's default on a device platform (JAX's names: cpu, gpu, tpu): bfloat16 mixed precision
-    on an accelerator, float32 on the CPU (where bfloat16 matmuls are no faster)."""
+    """--dtype's default on a JAX platform: bfloat16 mixed precision on an accelerator, float32 on the CPU."""
     return "float32" if platform == "cpu" else "bfloat16"
 
 
 def resolve_kernels(choice: str, backend: str, platform: str) -> str:
-    """The kernel set a model computes with: `choice`, or for "auto" xla_cpu on JAX's CPU, fused on
-    a GPU, reference otherwise. ValueError for a set the backend's model lacks."""
+    """`choice`, or for auto xla_cpu (JAX on a CPU), fused (a GPU) or reference; ValueError where the model lacks it."""
     if choice == "auto":
         return "fused" if platform == "gpu" else "xla_cpu" if (backend, platform) == ("jax", "cpu") else "reference"
     if choice == "xla_cpu" and backend != "jax":
@@ -97,16 +75,14 @@ def flag_name(field: dataclasses.Field) -> str:
 
 
 def parse_model_override(text: str) -> tuple[str, Any]:
-    """'FIELD=VALUE' -> (field, value typed like the TransformerConfig field), for `--set`;
-    the fields derived from the data and the special token ids are refused."""
+    """'FIELD=VALUE' -> (field, typed value) for `--set`; the fields the data decides and the special ids refused."""
     if text.partition("=")[0] in SPECIAL_ID_FIELDS:
         raise ValueError(f"{text.partition('=')[0]} cannot be set: {SPECIAL_IDS_FIXED}")
     return TransformerConfig.parse_override(text, exclude=DERIVED_MODEL_FIELDS)
 
 
 def _field(default: Any, group: str, help: str, launch: bool = False, **meta: Any) -> Any:
-    """A dataclass field with its CLI help text and flag group in the metadata. `launch`: a launch
-    option (how and how long this launch runs), which is never saved with the experiment."""
+    """A dataclass field with its flag's help and group; `launch`: how this launch runs, never saved with the run."""
     metadata = {"help": help, "group": group, "launch": launch, **meta}
     if isinstance(default, dict):
         return dataclasses.field(default_factory=dict, metadata=metadata)
@@ -115,22 +91,15 @@ def _field(default: Any, group: str, help: str, launch: bool = False, **meta: An
 
 @dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
-    """Training, data, evaluation and checkpoint settings of one run (see `python -m train.run --help`).
+    """Training, data, evaluation and checkpoint settings of one run; its model is `model_config()`."""
 
-    The model is `TransformerConfig.preset(preset, **model)` with the vocabulary sizes of the
-    trained tokenizer, `max_len`, `dropout` and `share_embeddings = joint_vocab` filled in by
-    `model_config()`.
-    """
-
-    backend: Backend = _field(
+    backend: str = _field(
         "jax", "run", "framework that trains the model: jax (Flax NNX, jit) or torch (the reference)", choices=BACKENDS)
     recipe: str | None = _field(
-        None, "run", "read flags from a TOML recipe, e.g. recipes/multi30k-de-en.toml: one key per long flag, "
-        "with _ for - (eval_every = 1000, joint_vocab = false, set = [\"norm_position=pre\"]); flags given on the "
-        "command line override the file's, and --set adds to its list. The run directory keeps the recipe "
-        "(recipe.json)", flag="--config", metavar="FILE", launch=True)
+        None, "run", "read flags from a TOML recipe (recipes/*.toml): a key per long flag, with _ for - (set = "
+        "[\"norm_position=pre\"]); the command line's flags override it, --set adds to its list; the run keeps it",
+        flag="--config", metavar="FILE", launch=True)
 
-    # Model
     preset: str = _field("tiny", "model", "model size preset: " + ", ".join(TransformerConfig.presets()),
                          choices=TransformerConfig.presets())
     model: dict = _field(
@@ -138,15 +107,12 @@ class ExperimentConfig:
         "--set norm_position=pre (repeatable)", flag="--set", metavar="FIELD=VALUE", parse=parse_model_override)
     dropout: float | None = _field(None, "model", "residual dropout rate (paper: 0.1); default: the preset's")
     init_from: str | None = _field(
-        None, "model", "start from a pretrained model: a run directory, an HF Marian directory or "
-        "hf:ORG/NAME[@REVISION]; the run takes its model, tokenizers and weights and trains them on --train with a "
-        "fresh optimizer and schedule (--lr-factor, --warmup, --steps); flags that would change the model's shape "
-        "or vocabulary are refused", metavar="SOURCE")
+        None, "model", "start from a pretrained model (a run directory, an HF Marian directory or "
+        "hf:ORG/NAME[@REVISION]): its model, tokenizers and weights, trained on --train with a fresh optimizer and "
+        "schedule; flags that would change the model's shape or vocabulary are refused", metavar="SOURCE")
 
-    # Data
-    train: str | None = _field(None, "data",
-                               "training data spec (see 'data specs' below); default: the embedded numbers corpus",
-                               metavar="SPEC")
+    train: str | None = _field(
+        None, "data", "training data spec ('data specs' below); default: the embedded numbers corpus", metavar="SPEC")
     valid: str | None = _field(None, "data", "validation data spec; required with --train", metavar="SPEC")
     test: str | None = _field(None, "data", "test data spec, evaluated at the end; default with --train: no test set",
                               metavar="SPEC")
@@ -154,33 +120,24 @@ class ExperimentConfig:
         40_000, "data", "numbers corpus: training pairs, an even share for numbers of each length (1 to 6 digits)")
     numbers_valid: int = _field(500, "data", "numbers corpus: validation pairs, spread like the test pairs")
     numbers_test: int = _field(
-        1000, "data", "numbers corpus: test pairs, spread evenly over numbers of 1 to 6 digits (those of 3 or more "
-        "digits never trained on; the 100 below 100 are all training numbers)")
+        1000, "data", "numbers corpus: test pairs, even over numbers of 1 to 6 digits (3 or more never trained on)")
     vocab_size: int | None = _field(
         None, "data", f"BPE vocabulary size; default {NUMBERS_VOCAB_SIZE} for the numbers corpus, "
         f"{DEFAULT_VOCAB_SIZE} otherwise")
     tokenizer_sample: int = _field(
-        DEFAULT_TOKENIZER_SAMPLE, "data", "train the tokenizers on at most N training pairs: a seeded uniform "
-        "sample when the corpus has more, the whole corpus otherwise (SentencePiece's input_sentence_size, Marian's "
-        "--sentencepiece-max-lines)")
+        DEFAULT_TOKENIZER_SAMPLE, "data", "train the tokenizers on at most N training pairs (a seeded sample of more)")
     joint_vocab: bool = _field(
-        True, "data", "one BPE vocabulary for source and target, with shared embeddings "
-        "(--no-joint-vocab: one per side)")
+        True, "data", "one BPE vocabulary for source and target, shared embeddings (--no-joint-vocab: one per side)")
     lowercase: bool = _field(
-        False, "data", "lowercase all text: the training, validation and test pairs, and every input of the "
-        "trained tokenizer (a Lowercase normalizer in tokenizer.json, so translate lowercases too); the "
-        "translations are then lowercase. The Multi30k anchors train on lowercased text")
+        False, "data", "lowercase all text: every pair, and every input of the tokenizer (translate lowercases too)")
     max_len: int = _field(128, "data", "longest sequence in tokens (with <eos>); longer training pairs are dropped")
     token_budget: int = _field(4096, "data", "padded tokens per batch (B x L <= budget, per length bucket)")
     pack: bool | None = _field(
-        None, "data", "pack several pairs into each row of a training or validation-loss batch (segment ids, "
-        "positions restarting per pair, attention within each pair; google/flax examples/wmt's packing), one "
-        "batch shape instead of one per length bucket, and search the evaluation sentences in a few fixed shapes: "
-        "few programs for JAX to compile and little padding (--no-pack: length buckets). Default: on for jax, "
-        "off for torch (which compiles nothing; docs/performance.md#sequence-packing)")
+        None, "data", "pack several pairs into each batch row (attention within each pair) and search in a few fixed "
+        "shapes: few programs for JAX to compile, little padding (--no-pack: length buckets); default: on for jax, "
+        "off for torch (docs/performance.md#sequence-packing)")
     hf_cache: str | None = _field(None, "data", "HF datasets cache directory; default: HF's own", metavar="DIR", launch=True)
 
-    # Optimisation
     steps: int = _field(700, "optim", "optimizer updates to train for", launch=True)
     warmup: int | None = _field(
         None, "optim", f"warmup steps of the schedule (§5.3); default {WARMUP_FRACTION:g} x steps, "
@@ -193,7 +150,6 @@ class ExperimentConfig:
     grad_accum: int = _field(
         1, "optim", "micro-batches per update; the loss is summed over them and divided by their total target tokens")
 
-    # Evaluation and logging
     eval_every: int = _field(
         200, "eval", "validate (loss, perplexity, BLEU, chrF, samples) every N steps and at the end", launch=True)
     log_every: int = _field(20, "eval", "read metrics from the device and log them every N steps", launch=True)
@@ -206,7 +162,6 @@ class ExperimentConfig:
         None, "eval", "also score BLEU on Moses-tokenized text of this target language (e.g. de), as bleu_moses and "
         "bleu_moses_lc (aiayn evaluate --moses)", launch=True, metavar="LANG")
 
-    # Checkpoints
     save_every: int | None = _field(None, "ckpt", "checkpoint every N steps and at the end; default: --eval-every", launch=True)
     keep_checkpoints: int = _field(2, "ckpt", "keep the newest N checkpoints, plus the best by validation BLEU", launch=True)
     average_last: int | None = _field(
@@ -216,47 +171,38 @@ class ExperimentConfig:
         f"--keep-checkpoints. Default {NUMBERS_AVERAGE_LAST} (at most --keep-checkpoints) for the numbers corpus "
         "(docs/results.md#the-numbers-corpus), 1 (no averaging) otherwise", metavar="N")
 
-    # Run
     seed: int = _field(0, "run", "seed of the initial weights, dropout, batch order and the numbers corpus")
     run_dir: str | None = _field(
         None, "run", "directory for config, tokenizer, checkpoints, TensorBoard events and results.json; "
         "default runs/BACKEND-TIMESTAMP", metavar="DIR", launch=True)
     resume: bool = _field(
-        False, "run", "continue the run in --run-dir from its newest complete checkpoint; --steps and the eval "
-        "and checkpoint flags are not stored with the run: give them again, or they come from the recipe "
-        "(--config) the run was started from, which the run directory keeps", launch=True)
+        False, "run", "continue the run in --run-dir from its newest complete checkpoint; --steps and the eval and "
+        "checkpoint flags are not stored: give them again, or they come from the run's recipe (--config)", launch=True)
     overwrite: bool = _field(
-        False, "run", "replace the run already in --run-dir (the old one is kept beside it, in .NAME.run-old, "
-        "until the new one holds a checkpoint, and put back if it never does)", launch=True)
+        False, "run", "replace the run in --run-dir (the old one kept beside it, .NAME.run-old, until the new one "
+        "holds a checkpoint)", launch=True)
     compile: bool = _field(False, "run", "torch backend: wrap the model with torch.compile", launch=True)
     threads: int | None = _field(
         None, "run", "torch backend: intra-op CPU threads; default: the CPUs this process may use", launch=True)
     progress: bool = _field(True, "run", "show a progress bar (--no-progress for logs)", launch=True)
 
-    # Devices, processes and precision
     devices: int | None = _field(
-        None, "dist", "train data parallel over N devices (the global batch is split evenly over them, every "
-        "bucket's batch size a multiple of N). jax: the first N devices, default every visible one; torch: N "
-        "processes started here (DistributedDataParallel), default 1, or torchrun's --nproc-per-node", launch=True)
-    param_sharding: ParamSharding = _field(
-        "replicated", "dist", "where parameters and Adam's moments live over the devices: replicated "
-        "(a whole copy on every device; plain data parallelism) or fsdp (each array split over the devices along "
-        "its largest dimension divisible by their count, ZeRO-3 style: 1/N of the state per device, gathered "
-        "for the forward and backward passes)", choices=PARAM_SHARDINGS, launch=True)
-    dtype: Dtype | None = _field(
-        None, "dist", "compute dtype: float32, or bfloat16 mixed precision (activations and matmuls in "
-        "bfloat16; parameters, optimizer state, softmax and loss in float32); default: bfloat16 on a GPU or TPU, "
-        "float32 on the CPU (docs/parity.md#bfloat16)", choices=DTYPES)
+        None, "dist", "train data parallel over N devices: jax the first N (default: every visible one); torch N "
+        "processes (DistributedDataParallel; default 1, or torchrun's --nproc-per-node)", launch=True)
+    param_sharding: str = _field(
+        "replicated", "dist", "parameters and Adam's moments: replicated (a whole copy on every device) or fsdp (each "
+        "array split over the devices, ZeRO-3 style)", choices=PARAM_SHARDINGS, launch=True)
+    dtype: str | None = _field(
+        None, "dist", "compute dtype: float32, or bfloat16 mixed precision (parameters, optimizer state, softmax and "
+        "loss in float32); default: bfloat16 on a GPU or TPU, float32 on the CPU (docs/parity.md#bfloat16)",
+        choices=DTYPES)
     kernels: str = _field(
-        "auto", "dist", "how the model computes, the same function whatever the choice: reference (the plain path, "
-        "torch_reference line by line), xla_cpu (jax: backward passes and search loop tuned for XLA:CPU), fused "
-        "(attention in one fused kernel: jax.nn.dot_product_attention, cuDNN's on a GPU; torch's "
-        "scaled_dot_product_attention); auto: xla_cpu on the CPU with jax, fused on a GPU, reference otherwise",
-        choices=KERNEL_CHOICES, launch=True)
+        "auto", "dist", "how the model computes the same function: reference (torch_reference line by line), xla_cpu "
+        "(jax, tuned for XLA:CPU), fused (one fused attention kernel); auto: xla_cpu for jax on the CPU, fused on a "
+        "GPU, reference otherwise", choices=KERNEL_CHOICES, launch=True)
     remat: bool = _field(
-        False, "dist", "recompute each encoder and decoder layer's activations in the backward pass instead of "
-        "keeping them (jax.checkpoint; torch.utils.checkpoint): less memory, more time (docs/performance.md#remat)",
-        launch=True)
+        False, "dist", "recompute each layer's activations in the backward pass instead of keeping them: less memory, "
+        "more time (docs/performance.md#remat)", launch=True)
     coordinator_address: str | None = _field(
         None, "dist", "jax multi-process run: HOST:PORT of process 0's coordinator, for jax.distributed.initialize; "
         "default: $JAX_COORDINATOR_ADDRESS, else a single process", metavar="HOST:PORT", launch=True)
@@ -276,17 +222,14 @@ class ExperimentConfig:
             choices, value = field.metadata.get("choices"), getattr(self, field.name)
             if choices is not None and value is not None and value not in choices:
                 raise ValueError(f"{field.name}={value!r} is not one of {', '.join(choices)}")
-        fixed = sorted(set(self.model) & set(SPECIAL_ID_FIELDS))
-        if fixed:
+        if fixed := sorted(set(self.model) & set(SPECIAL_ID_FIELDS)):
             raise ValueError(f"--set {fixed[0]}=... is not allowed: {SPECIAL_IDS_FIXED}")
-        bad = sorted(set(self.model) & set(DERIVED_MODEL_FIELDS))
-        if bad:
+        if bad := sorted(set(self.model) & set(DERIVED_MODEL_FIELDS)):
             raise ValueError(
                 f"--set {bad[0]}=... is not allowed: {', '.join(DERIVED_MODEL_FIELDS)} come from the data and "
                 "from --vocab-size, --max-len, --dropout, --joint-vocab")
         known = {f.name for f in dataclasses.fields(TransformerConfig)}
-        unknown = sorted(set(self.model) - known)
-        if unknown:
+        if unknown := sorted(set(self.model) - known):
             raise ValueError(f"unknown model field(s) {', '.join(map(repr, unknown))}; choose from {', '.join(sorted(known))}")
         resolve_kernels(self.kernels, self.backend, "cpu")  # a set the backend's model has
         for name, allowed in FIELD_RANGES.items():
@@ -309,8 +252,7 @@ class ExperimentConfig:
         self.model_config(100, 100)  # the model overrides must make a valid TransformerConfig
 
     def _check_types(self) -> None:
-        """The fields that are not numbers: strings, booleans and the --set dict, as annotated
-        (a hand-edited config.json can hold anything)."""
+        """The fields that are not numbers (strings, booleans, the --set dict), as annotated: config.json is edited."""
         for field in dataclasses.fields(self):
             value, kind = getattr(self, field.name), str(field.type)
             if field.name in FIELD_RANGES or (value is None and "None" in kind):
@@ -330,15 +272,9 @@ class ExperimentConfig:
 
     def resolve(self, platform: str | None = None, *, given: Iterable[str] | None = None,
                 saved: ExperimentConfig | None = None, source: ExperimentConfig | None = None) -> ExperimentConfig:
-        """The config a run trains with: every automatic (None) field filled in (vocabulary size,
-        warmup, checkpoint interval, packing; the dtype of `platform` for a new run). The run
-        directory's default is chosen where the run is claimed (`runtime.session`).
-
-        `saved`: the experiment a --resume continues, kept whole but for this launch's options.
-        `source`: the experiment --init-from starts from, whose model fields (SOURCE_FIELDS) are
-        taken. A field `given` with another value than theirs: ValueError. `given` None (a
-        programmatic call): every field set counts, for --init-from every one off its default.
-        """
+        """The config a run trains with, every automatic field filled in (the dtype of `platform` for a new run):
+        `saved`'s (a --resume's) with this launch's options, or with `source`'s (--init-from's) SOURCE_FIELDS;
+        ValueError for a field `given` otherwise (None: every field set, for --init-from every one off its default)."""
         cfg = self
         if saved is not None:
             cfg = saved.replace(**{name: getattr(self, name) for name in self.launch_fields()})
@@ -352,20 +288,12 @@ class ExperimentConfig:
             self._refuse_changes(source, str(self.init_from),
                                  "--init-from takes the model's shape and vocabulary from its source", SOURCE_FIELDS,
                                  off_default if given is None else given)
-        changes: dict[str, Any] = {}
-        if cfg.vocab_size is None:
-            changes["vocab_size"] = NUMBERS_VOCAB_SIZE if cfg.uses_numbers_corpus else DEFAULT_VOCAB_SIZE
-        if cfg.average_last is None:
-            changes["average_last"] = min(NUMBERS_AVERAGE_LAST, cfg.keep_checkpoints) if cfg.uses_numbers_corpus else 1
-        if cfg.warmup is None:
-            changes["warmup"] = max(1, min(PAPER_WARMUP, round(WARMUP_FRACTION * cfg.steps)))
-        if cfg.save_every is None:
-            changes["save_every"] = cfg.eval_every
-        if cfg.pack is None:
-            changes["pack"] = cfg.backend == "jax"
-        if cfg.dtype is None and platform is not None and saved is None:  # a resumed run keeps its own
-            changes["dtype"] = default_dtype(platform)
-        return cfg.replace(**changes)
+        automatic = {"vocab_size": NUMBERS_VOCAB_SIZE if cfg.uses_numbers_corpus else DEFAULT_VOCAB_SIZE,
+                     "average_last": min(NUMBERS_AVERAGE_LAST, cfg.keep_checkpoints) if cfg.uses_numbers_corpus else 1,
+                     "warmup": max(1, min(PAPER_WARMUP, round(WARMUP_FRACTION * cfg.steps))),
+                     "save_every": cfg.eval_every, "pack": cfg.backend == "jax",
+                     "dtype": default_dtype(platform) if platform and saved is None else None}  # a resume keeps its own
+        return cfg.replace(**{name: value for name, value in automatic.items() if getattr(cfg, name) is None})
 
     def _refuse_changes(self, other: ExperimentConfig, whose: str, why: str, names: Iterable[str],
                         given: Iterable[str]) -> None:
@@ -378,8 +306,7 @@ class ExperimentConfig:
             raise ValueError(f"{why}:\n  " + "\n  ".join(differ))
 
     def model_config(self, src_vocab_size: int, tgt_vocab_size: int) -> TransformerConfig:
-        """The model: the preset with `--set` overrides, the tokenizers' vocabulary sizes, max_len,
-        dropout, and shared embeddings exactly when the vocabulary is joint."""
+        """The preset with `--set` overrides, the vocabulary sizes, max_len, dropout, shared embeddings if joint."""
         derived = dict(src_vocab_size=src_vocab_size, tgt_vocab_size=tgt_vocab_size, max_len=self.max_len,
                        share_embeddings=self.joint_vocab)
         if self.dropout is not None:
@@ -391,31 +318,20 @@ class ExperimentConfig:
 
     @classmethod
     def launch_fields(cls) -> tuple[str, ...]:
-        """The launch options: where, how long and how this launch runs (paths, resume, steps,
-        evaluation and checkpoint intervals, progress, threads, devices, processes). A resume may
-        change them; they are never saved with the experiment."""
+        """The launch options (where, how long, how this launch runs): a resume may change them, never saved."""
         return tuple(f.name for f in dataclasses.fields(cls) if f.metadata["launch"])
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def experiment(self) -> dict[str, Any]:
-        """The fields that define how the run trains: what config.json and checkpoints save, and
-        what a resume must match."""
+        """The fields that define how the run trains: what config.json and checkpoints save, a resume must match."""
         launch = self.launch_fields()
         return {k: v for k, v in self.to_dict().items() if k not in launch}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ExperimentConfig:
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
+        if unknown := sorted(set(data) - known):
             raise ValueError(f"unknown ExperimentConfig fields: {', '.join(map(repr, unknown))}")
         return cls(**data)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> ExperimentConfig:
-        return cls.from_dict(json.loads(text))

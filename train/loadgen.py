@@ -1,7 +1,4 @@
-"""Load on a translation server (`aiayn loadtest`, docs/serving.md#load-test): concurrent
-clients on loopback, each sending requests of a few sentences one after the other, with latency
-percentiles and throughput; the server in a child process (`ServedRun`), and the throughput of
-`aiayn translate` on the same sentences (`cli_throughput`)."""
+"""Load on a translation server (`aiayn loadtest`, docs/serving.md#load-test), and translate's speed."""
 
 from __future__ import annotations
 
@@ -84,10 +81,8 @@ def load_run(load: Load) -> dict[str, dict[str, Any]]:
 
 def load_test(url: str, lines: Sequence[str], *, clients: int = 64, requests: int = 2000, min_texts: int = 1,
               max_texts: int = 8, beam: int = 4, seed: int = 0, timeout: float = 300.0) -> dict[str, Any]:
-    """`clients` concurrent clients (one connection each) send `requests` POST /translate requests
-    in all, each of `min_texts`..`max_texts` lines drawn from `lines` (seeded). Returns counts
-    (requests, sentences translated, errors, statuses), seconds, and the sentences/s, requests/s
-    and latency percentiles in ms (p50, p90, p99, max) of the answered requests (None: none was)."""
+    """`clients` clients (a connection each) send `requests` requests in all, of `min_texts`..`max_texts`
+    seeded draws of `lines`: counts, seconds, sentences/s, requests/s and latency percentiles in ms."""
     httpx = require("httpx")
     rng = random.Random(seed)
     bodies = [{"texts": rng.choices(lines, k=rng.randint(min_texts, max_texts)), "beam": beam} for _ in range(requests)]
@@ -129,9 +124,7 @@ def load_test(url: str, lines: Sequence[str], *, clients: int = 64, requests: in
 
 
 def read_lines(path: str | os.PathLike, max_chars: int = Limits().max_text_chars) -> list[str]:
-    """The non-blank lines of a file of sentences, stripped. Each is read with a bound: a line longer
-    than `max_chars` (the server's --max-text-chars, which would refuse it) is refused after that
-    many characters are read, not held whole (a 200 MB line took 5 GB)."""
+    """The non-blank lines of a file, stripped; one past `max_chars` (the server's bound) refused, never held whole."""
     lines = []
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(iter(lambda: f.readline(max_chars + 2), ""), 1):
@@ -143,8 +136,7 @@ def read_lines(path: str | os.PathLike, max_chars: int = Limits().max_text_chars
 
 
 class ServedRun:
-    """`aiayn serve --run-dir RUN --port 0 ARGS` in a child process: `url` once it
-    listens; `stop()` sends SIGTERM and returns its exit status."""
+    """`aiayn serve --run-dir RUN --port 0 ARGS` in a child process: `url` once it listens; `stop()`."""
 
     def __init__(self, run_dir: str | os.PathLike, *args: str, startup_s: float = 300.0):
         command = [sys.executable, "-m", "train.commands.serve", "--run-dir", str(run_dir), "--port", "0", *args]
@@ -180,8 +172,7 @@ class ServedRun:
 
 
 def cli_throughput(run_dir: str | os.PathLike, lines: Sequence[str], beam: int = 4) -> dict[str, Any]:
-    """`aiayn translate` on `lines` (a file): its own summary's lines/s (the translation,
-    without loading the run) and the wall time of the whole command."""
+    """`aiayn translate` on `lines`: its summary's lines/s (loading the run left out) and its wall time."""
     with tempfile.TemporaryDirectory() as tmp:
         source = Path(tmp) / "source.txt"
         source.write_text("".join(f"{line}\n" for line in lines), encoding="utf-8")

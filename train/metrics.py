@@ -1,15 +1,4 @@
-"""Evaluation: loss, perplexity, sacreBLEU/chrF and exact match of beam-search translations.
-
-BLEU and chrF are sacreBLEU's corpus scores on detokenized text (13a, mixed case), each stored with
-its signature, and `sentences` says how many sentences they cover. `bleu_lc` is the same BLEU on
-lowercased text; `bleu_moses` and `bleu_moses_lc` (`--moses LANG`) are BLEU on Moses-tokenized text
-with sacreBLEU's tokenization off, as papers quoting "tokenized BLEU" score (a BLEU point or more
-from 13a). `exact_match` is the percentage of hypotheses equal to their reference (both stripped).
-Perplexity is exp of the unsmoothed per-token NLL; `loss` is the label-smoothed objective. When
-every reference is a number as the numbers corpus writes it, `bands` holds the exact match per
-number of digits, with how many of its sentences are `seen` in training and the exact match on the
-others (`unseen_exact_match`, None when there are none).
-"""
+"""Evaluation (docs/results.md): loss, perplexity, sacreBLEU's BLEU and chrF, exact match, numbers' bands."""
 
 from __future__ import annotations
 
@@ -25,8 +14,7 @@ from .options import Search
 from .translation import EvaluationStopped, translate_texts
 
 def exact_match(hypotheses: Sequence[str], references: Sequence[str]) -> float:
-    """Percentage of hypotheses equal to their reference after stripping surrounding whitespace
-    (nan for no sentences)."""
+    """Percentage of hypotheses equal to their reference, both stripped (nan for no sentences)."""
     if not hypotheses:
         return math.nan
     if len(hypotheses) != len(references):
@@ -35,8 +23,7 @@ def exact_match(hypotheses: Sequence[str], references: Sequence[str]) -> float:
 
 
 def moses_tokenized(texts: Sequence[str], lang: str) -> list[str]:
-    """`texts` tokenized by the Moses tokenizer (sacremoses) for language `lang`, tokens joined by
-    spaces, without Moses' XML escaping: the text that tokenized BLEU is computed on."""
+    """`texts` Moses-tokenized for language `lang` (sacremoses, no XML escaping): what tokenized BLEU scores."""
     from sacremoses import MosesTokenizer
 
     tokenizer = MosesTokenizer(lang=lang)
@@ -45,9 +32,8 @@ def moses_tokenized(texts: Sequence[str], lang: str) -> list[str]:
 
 def corpus_scores(hypotheses: Sequence[str], references: Sequence[str], *, lowercase: bool = False,
                   moses: str | None = None) -> dict[str, Any]:
-    """{"bleu", "chrf", "exact_match"} of detokenized hypotheses vs one reference each, each score
-    with its "_signature"; "bleu_lc" with `lowercase`, "bleu_moses" (and "bleu_moses_lc") with
-    `moses` (a language code), its signature ending in "|pretok:moses-LANG" (module docstring)."""
+    """{"bleu", "chrf", "exact_match"} of hypotheses vs one reference each, scores with their "_signature";
+    "bleu_lc" with `lowercase`, "bleu_moses" (and "bleu_moses_lc") with `moses` (a language code)."""
     hyps, refs = list(hypotheses), [list(references)]
     result: dict[str, Any] = {}
     metrics = [("bleu", BLEU()), ("chrf", CHRF())] + ([("bleu_lc", BLEU(lowercase=True))] if lowercase else [])
@@ -66,9 +52,8 @@ def corpus_scores(hypotheses: Sequence[str], references: Sequence[str], *, lower
 
 def band_scores(pairs: Sequence[data.Pair], hypotheses: Sequence[str],
                 seen: Collection[str] | None = None) -> dict[str, dict[str, Any]] | None:
-    """Exact match per number of digits ("1".."6", bands present only) when every reference is a
-    number in the numbers corpus' English (`data.number_from_english`), else None; each
-    {"sentences", "exact_match", "seen", "unseen_exact_match"}, `seen` the training sources."""
+    """Exact match per number of digits ("1".."6") when every reference is a number in the numbers corpus'
+    English, else None: {"sentences", "exact_match", "seen" (of the sources `seen`), "unseen_exact_match"}."""
     numbers = [data.number_from_english(reference.strip()) for _, reference in pairs]
     if not numbers or None in numbers:
         return None
@@ -87,9 +72,8 @@ def band_scores(pairs: Sequence[data.Pair], hypotheses: Sequence[str],
 
 
 def loss_and_perplexity(backend: Trainer, batches, stop: Callable[[], bool] | None = None) -> dict[str, float]:
-    """{"loss", "nll", "ppl", "tokens"} over padded batches, dropout off: the sums stay on the
-    device until every batch is queued, then read and added on the host (adding device scalars would
-    compile programs of its own). `stop` is asked before each batch: True raises EvaluationStopped."""
+    """{"loss", "nll", "ppl", "tokens"} over padded batches, dropout off, summed on the host once every
+    batch is queued (device scalars would compile programs of their own); `stop()` True: EvaluationStopped."""
     sums = []
     for batch in batches:
         if stop is not None and stop():
@@ -103,8 +87,7 @@ def loss_and_perplexity(backend: Trainer, batches, stop: Callable[[], bool] | No
 
 
 def bands_text(bands: dict[str, Any] | None) -> str:
-    """' by digits 1:100* 2:100* 3:99.56 ...': `band_scores`' exact match per number of digits, * on
-    a band whose sentences were all seen in training; '' when there are no bands."""
+    """' by digits 1:100* 2:99.56 ...': `band_scores`' exact match, * on bands seen whole in training; '' for none."""
     if not bands:
         return ""
     text = " ".join(f"{band}:{scores['exact_match']:.4g}" + ("*" if scores["unseen_exact_match"] is None else "")
@@ -118,13 +101,8 @@ def evaluate_pairs(backend: Backend, tokenizers: data.Tokenizers, pairs: Sequenc
                    lowercase: bool = False, moses: str | None = None,
                    seen: Collection[str] | None = None, stop: Callable[[], bool] | None = None,
                    fixed_shapes: bool = False) -> dict[str, Any]:
-    """Loss and perplexity on every pair (those longer than max_len left out); `corpus_scores` and
-    `band_scores` ("bands") of the translations (by `search`) of the first
-    `max_sentences` pairs (default: all), their count as "sentences"; `samples` examples as
-    {"source", "reference", "hypothesis"}. `stop` is asked between batches: True raises
-    EvaluationStopped (a training run's SIGTERM). `fixed_shapes`: the loss over packed batches of
-    one shape (rows of max_len) and the search in a few fixed shapes, the same for any set of pairs:
-    few programs for JAX to compile (the same values)."""
+    """Loss and perplexity on every pair (but those past max_len); `corpus_scores` and "bands" of the first
+    `max_sentences` translated; `samples` examples; `stop` and `fixed_shapes` as `translate_texts` takes them."""
     examples = data.encode_pairs(tokenizers, pairs)
     batcher = data.Batcher(examples, token_budget=token_budget, max_len=max_len, shuffle=False, pack=fixed_shapes,
                            pack_length=max_len if fixed_shapes else None)

@@ -1,9 +1,4 @@
-"""Learning curves of a run (`train.run` draws RUN/curves.png; `aiayn curves` redraws it).
-
-Four panels from the run's `results.json` history (the whole run's, across resumes): training and
-validation loss and validation BLEU against steps, and against training time (evaluations and
-saves excluded, so an interrupted and resumed run plots on one time axis). Matplotlib's Agg canvas.
-"""
+"""A run's learning curves (RUN/curves.png; `aiayn curves`): loss and BLEU by steps and time."""
 
 from __future__ import annotations
 
@@ -56,11 +51,7 @@ def draw(curves: Curves) -> dict[str, Any]:
 
 
 def plot_curves(history: dict[str, Any], path: str | Path, title: str = "") -> Path:
-    """Draw `history` ({"train": [...], "valid": [...]} as in results.json) to `path`, in the
-    format its suffix names (`IMAGE_FORMATS`; PNG without one).
-
-    Panels against time are left empty (with a note) where the history holds no training time.
-    """
+    """Draw `history` (results.json's) to `path` in the format its suffix names (`IMAGE_FORMATS`; PNG without one)."""
     train, valid = history.get("train") or [], history.get("valid") or []
     fig = Figure(figsize=(11, 7), layout="constrained")
     FigureCanvasAgg(fig)

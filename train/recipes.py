@@ -1,7 +1,5 @@
-"""Recipes: a TOML file of train.run's settings (recipes/*.toml) read into `ExperimentConfig`'s
-fields, the flag parser generated from those fields, and `experiment`: the config of what a
-launch gives, in one place for `python -m train.run` and `train.fit` (a recipe under the given
-fields, a resume's recorded launch settings)."""
+"""Recipes (TOML files of train.run's settings) read into `ExperimentConfig`'s fields, train.run's parser
+from those fields, and `experiment`: the config a launch gives, for `python -m train.run` and `train.fit`."""
 
 from __future__ import annotations
 
@@ -30,11 +28,6 @@ RECIPE_TYPES = {"int": (int, "an integer"), "float": ((int, float), "a number"),
                 "dict": (list, "a list of strings")}
 
 
-def _type_name(annotation: str) -> str:
-    """'int | None' -> 'int': the field's base type (annotations are strings here)."""
-    return annotation.replace(" | None", "").strip()
-
-
 def build_parser(epilog: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m train.run",
@@ -51,10 +44,8 @@ def build_parser(epilog: str | None = None) -> argparse.ArgumentParser:
 
 
 def experiment(given: Mapping[str, Any], note: str = "settings") -> tuple[ExperimentConfig, set[str]]:
-    """(the config of the fields `given`, the names of the fields given): a `recipe` among them read
-    first (the given fields win; --set's overrides add to the file's), and on a resume without one the
-    launch settings of the recipe the run was started from where not given. UserError naming the
-    file, key or field for anything refused; `note`: what the resume's note calls the settings."""
+    """(the config of the fields `given`, their names): a `recipe` among them under the given fields (--set
+    adds to its list), a resume without one under the run's `recorded_launch`; UserError for anything refused."""
     given = dict(given)
     if isinstance(given.get("model"), list):  # --set's (field, value) pairs
         given["model"] = dict(given["model"])
@@ -75,9 +66,7 @@ def experiment(given: Mapping[str, Any], note: str = "settings") -> tuple[Experi
 
 
 def recorded_launch(run_dir: str | os.PathLike) -> tuple[dict[str, Any], str] | None:
-    """(the launch fields of the recipe the run in `run_dir` was started from: steps, evaluation and
-    checkpoints, not which launch this is; that recipe's path), None for a run started without one:
-    what a resume takes where they are not given again. UserError for a damaged record."""
+    """(the launch fields of the recipe `run_dir` was started from, its path), None without; UserError if damaged."""
     path = os.path.join(run_dir, RECIPE_FILE)
     recorded = read_json(path, default=None)
     if recorded is None:
@@ -90,8 +79,7 @@ def recorded_launch(run_dir: str | os.PathLike) -> tuple[dict[str, Any], str] | 
 
 
 def resume_command(cfg: ExperimentConfig) -> str:
-    """The command that continues the run `cfg` launches as launched: --resume and the launch flags
-    (steps, intervals, devices) whose values a bare --resume would not take again."""
+    """The command continuing the run `cfg` launches: --resume and the launch flags a bare --resume would not take."""
     bare = ExperimentConfig(**(recorded_launch(cfg.run_dir) or ({}, ""))[0])
     bare = bare.replace(save_every=bare.save_every or cfg.eval_every)  # --save-every defaults to --eval-every
     flags, skip = [], {*LAUNCH_DECISIONS, "recipe"}
@@ -107,12 +95,8 @@ def resume_command(cfg: ExperimentConfig) -> str:
 
 
 def read_recipe(path: str, text: str | None = None) -> dict[str, Any]:
-    """The TOML recipe at `path` (or its `text`, as a run directory keeps it) as `ExperimentConfig`
-    fields: one key per long flag of train.run with _ for - (`eval_every = 1000`, `joint_vocab =
-    false`, `set = ["a=1"]` for the model's overrides). A file that cannot be read, bad TOML, an
-    unknown key, a launch decision (run_dir, resume, overwrite: flags only, so that a shared recipe
-    never deletes a run), a wrong type or a bad value raise UserError naming the file (and the key
-    or line)."""
+    """The TOML recipe at `path` (or its `text`) as `ExperimentConfig` fields, a key per long flag with _ for -;
+    UserError naming the file and key for anything refused, a launch decision too (a recipe never deletes a run)."""
 
     def fail(message: str):
         raise UserError(f"{path}: {message}")
@@ -146,7 +130,7 @@ def read_recipe(path: str, text: str | None = None) -> dict[str, Any]:
             fail(f"key {quoted(key)}: unknown" + (f" (did you mean {close[0]!r}?)" if close else
                                             ": the keys are the long flags of python -m train.run --help, with _ for -"))
         field = fields[key]
-        kind, choices = _type_name(str(field.type)), field.metadata.get("choices")
+        kind, choices = str(field.type).replace(" | None", ""), field.metadata.get("choices")  # 'int | None': int
         types, expected = RECIPE_TYPES.get(kind, (str, "a string"))
         if (not isinstance(value, types) or isinstance(value, bool) != (kind == "bool")
                 or kind == "dict" and not all(isinstance(item, str) for item in value)):

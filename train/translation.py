@@ -1,6 +1,4 @@
-"""Texts in, translations out: batched by length, searched by a backend, detokenized in order;
-n-best lists with scores, forced prefixes, alignments and their output formats, and the scores of
-given translations (docs/decoding.md)."""
+"""Texts in, translations out (docs/decoding.md): searched in batches, n-best, prefixes, alignments, scores."""
 
 from __future__ import annotations
 
@@ -10,7 +8,7 @@ import hashlib
 import itertools
 import json
 import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +26,8 @@ MAX_LEN_A, MAX_LEN_B = 1.5, 10
 
 @dataclasses.dataclass(frozen=True)
 class Hypothesis:
-    """One output of a sentence: its text; its log-probability (the sum over its tokens, <eos>
-    included); its score (the log-prob over the length penalty: what beam search ranks by); its
-    target tokens (<eos> left out); with alignments, one source position per target token (the
-    argmax of the last decoder layer's cross-attention averaged over heads; positions count the
-    source tokens, <eos> included)."""
+    """One output of a sentence: text, log-probability (of its tokens and <eos>), score (over the length penalty:
+    what beam search ranks by), tokens (no <eos>), with alignments each token's source position."""
 
     text: str
     logprob: float
@@ -42,9 +37,7 @@ class Hypothesis:
 
 
 def encode_prefixes(tokenizer, prefixes: Sequence[str | None], count: int) -> list[list[int]]:
-    """Target ids of each forced prefix (None or "": none), without <eos>. UserError for a list of
-    another length than the `count` texts, a prefix with pieces the vocabulary lacks (<unk>): the
-    output could not be written back as text, or with a special token written out ("<bos>")."""
+    """Target ids of each forced prefix (None: none), without <eos>; UserError for <unk>, a special token, a count."""
     if len(prefixes) != count:
         raise UserError(f"{len(prefixes)} prefixes for {count} sentences: give one per sentence (None for none)")
     ids = data.encode(tokenizer, [p or "" for p in prefixes])
@@ -80,8 +73,7 @@ def _padded(rows: Sequence[Sequence[int]], max_len: int) -> np.ndarray | None:
 
 
 def _alignments(backend: Translator, src: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-    """src (B, S), tokens (B, n, L) -> (B, n, L): the argmax source position of each output token,
-    over the last decoder layer's cross-attention averaged over heads (teacher-forced)."""
+    """src (B, S), tokens (B, n, L) -> (B, n, L): each output token's argmax source (last layer, heads' mean)."""
     B, n, L = tokens.shape
     flat = tokens.reshape(B * n, L)
     tgt_in = np.concatenate([np.full((B * n, 1), data.BOS_ID, flat.dtype), flat[:, :-1]], axis=1)
@@ -98,15 +90,10 @@ def translate_texts(backend: Translator, tokenizers: data.Tokenizers, texts: Seq
                     stop: Callable[[], bool] | None = None, on_batch: Callable[..., None] | None = None,
                     counts: collections.Counter | None = None, fixed_shapes: bool = False, first_id: int = 0,
                     hypotheses: bool = False) -> list[str] | list[list[Hypothesis]]:
-    """Detokenized translations of `texts`, in order (an empty or whitespace-only line translates
-    to ""), by `search`, or by `sample` instead when given; with the search's `n_best` K or
-    `alignments`, each sentence's K best `Hypothesis` (K = 1 with alignments alone; none for an
-    empty line). `prefixes`: one forced start of the output per text (None: none). `stop` is asked
-    before each batch: True raises EvaluationStopped. `on_batch(indices, src, tokens)` sees each
-    batch's search (`train.attention.AttentionRecorder`). `counts["cut"]` grows by the sources cut
-    to max_len. `fixed_shapes`: search in `data.source_batches`' few fixed shapes (shared by any set
-    of texts: fewer programs for JAX to compile). Text i keys its samples' random numbers by
-    `first_id` + i; `Hypothesis` lists when num_samples > 1 or `hypotheses` (also for one)."""
+    """Detokenized translations of `texts` in order (a blank line: "") by `search` or `sample`; `Hypothesis` lists
+    with `n_best` K, `alignments`, num_samples > 1 or `hypotheses`. `prefixes`: each output's forced start;
+    `stop()` True before a batch raises EvaluationStopped; `on_batch(indices, src, tokens)` sees each batch;
+    `counts["cut"]`: sources cut; `fixed_shapes`: a few shapes for any texts; text i samples as `first_id` + i."""
     if sample is not None:
         sample.check_with(search, prefixes is not None and any(prefixes))
     src_ids = data.encode(tokenizers.src, list(texts))
@@ -165,20 +152,16 @@ def _collect(out: list, texts: Sequence[str], index: np.ndarray, result: Hypothe
 
 
 def format_record(result: str | list[Hypothesis], fmt: str, source_tokens: list[str] | None = None) -> str:
-    """One output line for one input line: the best text ("text"); each hypothesis's text, log-prob
-    and score, tab-separated ("tsv"); a JSON object with every field of each hypothesis, and the
-    source tokens the alignments point into ("jsonl")."""
+    """One output line per input line in format `fmt`: "text" (the best), "tsv" (each hypothesis's scores), "jsonl"."""
     hyps = [Hypothesis(result, math.nan, math.nan, [])] if isinstance(result, str) else result
     if fmt == "text":
         return hyps[0].text if hyps else ""
     if fmt == "tsv":
         return "\t".join(f"{h.text.replace(chr(9), ' ')}\t{_number(h.logprob)}\t{_number(h.score)}" for h in hyps)
-    record: dict[str, Any] = {"hypotheses": [
+    return json.dumps({"hypotheses": [
         {"text": h.text, "logprob": _number(h.logprob), "score": _number(h.score), "tokens": h.tokens,
-         **({} if h.alignment is None else {"alignment": h.alignment})} for h in hyps]}
-    if source_tokens is not None:
-        record["source_tokens"] = source_tokens
-    return json.dumps(record, ensure_ascii=False)
+         **({} if h.alignment is None else {"alignment": h.alignment})} for h in hyps],
+        **({} if source_tokens is None else {"source_tokens": source_tokens})}, ensure_ascii=False)
 
 
 def _number(x: float) -> float | None:
@@ -186,15 +169,13 @@ def _number(x: float) -> float | None:
 
 
 def source_tokens(tokenizers: data.Tokenizers, texts: Sequence[str], max_len: int) -> list[list[str]]:
-    """The source tokens each text is translated from (<eos> included, cut as the search cuts them):
-    what alignments point into."""
+    """The source tokens each text is translated from, as the search cuts them: what alignments point into."""
     ids = [s if len(s) <= max_len else [*s[: max_len - 1], data.EOS_ID] for s in data.encode(tokenizers.src, list(texts))]
     return [[tokenizers.src.id_to_token(int(i)) for i in row] for row in ids]
 
 
 class TsvColumns:
-    """A TSV input's columns from its header row: `source` (required) and `prefix` (optional), rows
-    split at tabs with the header's number of columns (as training TSV: no quoting)."""
+    """A TSV input's columns `source` and (optional) `prefix`, named by its header row; no quoting."""
 
     def __init__(self, header: str, name: str):
         self.header, self.name = header.split("\t"), name
@@ -216,10 +197,8 @@ class TsvColumns:
 
 def score_pairs(backend: Translator, tokenizers: data.Tokenizers, sources: Sequence[str], targets: Sequence[str], *,
                 max_len: int, token_budget: int, batch_size: int | None = None) -> list[dict[str, Any]]:
-    """Per (source, target) pair, in order, the target's log-probability given the source
-    (teacher-forced, `decode.score`): {"logprob": the sum, "tokens": the target tokens with "<eos>"
-    last, "token_logprobs": one per token}. Sources longer than max_len are cut as in translation;
-    a target of more than max_len tokens is a UserError naming its line."""
+    """Per pair, the target's log-probability given the source (teacher-forced): {"logprob": the sum,
+    "tokens" ("<eos>" last), "token_logprobs"}; sources cut as in translation, a longer target a UserError."""
     if len(sources) != len(targets):
         raise UserError(f"{len(sources)} sources and {len(targets)} targets: give one target per source")
     src_ids, tgt_ids = data.encode(tokenizers.src, list(sources)), data.encode(tokenizers.tgt, list(targets))
@@ -242,11 +221,8 @@ def score_pairs(backend: Translator, tokenizers: data.Tokenizers, sources: Seque
 def translate_stream(run, lines: Iterator[str], out, *, chunk_lines: int, progress, counts: collections.Counter,
                      plot_attention: Path | None = None, fmt: str = "text", columns: TsvColumns | None = None,
                      **options: Any) -> int:
-    """Translate `lines` with the loaded run `run` (`train.load`) chunk by chunk into `out` (a
-    `runtime.output` writer), one record in format `fmt` per line, after the lines it already holds;
-    returns how many lines were skipped because `out` held them. `options`: `Run.translate`'s
-    (search, sample, ...); `progress` sees each batch; `plot_attention`: a directory for each
-    sentence's cross-attention heatmaps; `columns`: the lines are TSV rows after that header row."""
+    """Translate `lines` by `run.translate(**options)` chunk by chunk into `out` (a `runtime.output` writer), a
+    `fmt` record a line, after the lines it holds (their count returned); `columns`: TSV rows after a header."""
     digest = hashlib.sha256()  # of every input line up to the last finished chunk, for a resume's check
     done = out.done
     if run.backend.topology.process_count > 1:  # process 0 alone knows what its output holds
@@ -267,7 +243,7 @@ def translate_stream(run, lines: Iterator[str], out, *, chunk_lines: int, progre
         recorder = AttentionRecorder(run.backend, run.tokenizers, seen)
     progress.begin()
     rows = skipped  # input lines (rows) before the chunk
-    for chunk in _chunks(lines, chunk_lines):
+    for chunk in iter(lambda: list(itertools.islice(lines, chunk_lines)), []):
         offset = len(seen)
 
         def on_batch(index, src, tokens, offset=offset):
@@ -291,9 +267,3 @@ def translate_stream(run, lines: Iterator[str], out, *, chunk_lines: int, progre
     if recorder is not None:
         recorder.plot(plot_attention)
     return skipped
-
-
-def _chunks(lines: Iterable[str], size: int) -> Iterator[list[str]]:
-    lines = iter(lines)
-    while chunk := list(itertools.islice(lines, size)):
-        yield chunk

@@ -2,6 +2,7 @@
 
 import dataclasses
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -11,13 +12,19 @@ import pytest
 
 from train.commands import run
 from train.config import ExperimentConfig, parse_model_override
+from train.runtime.files import json_text
 
 REPO = Path(__file__).resolve().parents[2]
 
 
+def _round_trip(cfg: ExperimentConfig) -> ExperimentConfig:
+    """`cfg` through JSON text, as a run directory's config.json keeps it."""
+    return ExperimentConfig.from_dict(json.loads(json_text(cfg.to_dict())))
+
+
 def test_json_round_trip_and_resolve():
     cfg = ExperimentConfig(backend="torch", steps=300, model={"d_model": 32, "norm_position": "pre"}, clip_norm=1.0)
-    assert ExperimentConfig.from_json(cfg.to_json()) == cfg
+    assert _round_trip(cfg) == cfg
     resolved = cfg.resolve()
     # Automatic fields: vocabulary per corpus, warmup a quarter of the steps, save at each eval.
     assert (resolved.vocab_size, resolved.warmup, resolved.save_every) == (400, 75, cfg.eval_every)
@@ -29,7 +36,7 @@ def test_json_round_trip_and_resolve():
     # The numbers corpus's run ends with the mean of its last two checkpoints; other data with its last.
     assert (resolved.average_last, ExperimentConfig(train="a.tsv", valid="b.tsv").resolve().average_last) == (2, 1)
     assert ExperimentConfig(keep_checkpoints=1).resolve().average_last == 1  # no more than the run keeps
-    assert ExperimentConfig.from_json(resolved.to_json()) == resolved
+    assert _round_trip(resolved) == resolved
     with pytest.raises(ValueError, match="unknown ExperimentConfig fields: 'nope'"):
         ExperimentConfig.from_dict({"nope": 1})
 
@@ -88,7 +95,7 @@ def test_path_fields_take_a_path_as_train_load_does(tmp_path):
     """train.fit(run_dir=tmp_path / "run") was refused: 'run_dir must be str, got PosixPath(...)'."""
     cfg = ExperimentConfig(run_dir=tmp_path / "run", train=tmp_path / "t.tsv", valid=str(tmp_path / "v.tsv"))
     assert (cfg.run_dir, cfg.train, cfg.valid) == tuple(str(tmp_path / name) for name in ("run", "t.tsv", "v.tsv"))
-    assert ExperimentConfig.from_json(cfg.to_json()) == cfg
+    assert _round_trip(cfg) == cfg
 
 
 def test_parse_model_override():

@@ -1,11 +1,4 @@
-"""The run machinery: what keeps a run directory safe, apart from what trains in it.
-
-One writer per run (`lock`), files written whole (`files`), a run claimed new, resumed or
-replaced without losing the old one (`rundir`), directories built whole or not at all
-(`replace.derive`), its settings read back (`layout`), signals (`signals`), TensorBoard events
-(`events`) and resumable translation output (`output`). The library calls `session` to set a
-training run up and the names below; docs/operations.md says what each guarantees.
-"""
+"""The run machinery: what keeps a run directory safe, apart from what trains in it (docs/operations.md)."""
 
 from __future__ import annotations
 

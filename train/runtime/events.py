@@ -1,5 +1,4 @@
-"""A run's TensorBoard event file, written in the calling thread so that a failed write (a full
-disk) is one OSError naming the file, raised where it happens."""
+"""A run's TensorBoard event file, written in the calling thread: a failed write is one OSError naming it."""
 
 from __future__ import annotations
 
@@ -20,10 +19,7 @@ class NoWriter:
 
 
 class Events:
-    """A run's TensorBoard scalars, written in the calling thread to one event file (tensorboardX's
-    `EventsWriter`: the format). tensorboardX's SummaryWriter writes from a worker thread and flushes
-    again at exit, so a full disk made both print tracebacks; here a failed write is one OSError
-    naming the file, raised where it happens."""
+    """A run's TensorBoard scalars, written here (SummaryWriter's thread printed tracebacks on a full disk)."""
 
     def __init__(self, logdir: Path, writer, purge_step: int | None):
         from tensorboardX.proto.event_pb2 import Event, SessionLog
@@ -56,12 +52,7 @@ class Events:
 
 
 def summary_writer(logdir: Path, purge_step: int | None = None) -> Events:
-    """The run's TensorBoard event file (`Events`), tensorboardX imported without loading torch into a JAX run.
-
-    tensorboardX's package runs `import torch` when torch is installed (to accept tensors); the loop
-    logs Python floats only, so where torch is not loaded yet that import is made to fail (a None
-    entry in sys.modules raises ImportError) and tensorboardX falls back to NumPy.
-    """
+    """The run's TensorBoard event file; a JAX run's tensorboardX imported with torch hidden (floats need no torch)."""
     hide_torch = "torch" not in sys.modules and "tensorboardX" not in sys.modules
     if hide_torch:
         sys.modules["torch"] = None  # type: ignore[assignment]

@@ -18,11 +18,9 @@ class UserError(Exception):
 
 
 def write_bytes_atomic(path: str | Path, data: bytes) -> None:
-    """Write `data` to a new temporary file beside `path`, then rename it into place: a crash
-    leaves the old file or the new one, never half of one, and the rename replaces a symbolic
-    link at `path` instead of writing where it points (so nothing outside the directory is
-    written). Any failure (a full disk, a read-only place) leaves the old file and no temporary
-    one, and raises an OSError naming `path`."""
+    """Write `data` to a new temporary file beside `path`, synced, then rename it into place: the old file
+    or the new one, never half of one; a link at `path` is replaced, never written through. A
+    failure (a full disk, a read-only place) leaves the old file and raises an OSError naming `path`."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
@@ -30,6 +28,8 @@ def write_bytes_atomic(path: str | Path, data: bytes) -> None:
         tmp.unlink(missing_ok=True)  # a leftover, or a link planted there: removed, never followed
         with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), "wb") as f:
             f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as err:
         raise OSError(err.errno, err.strerror, str(path)) from None
@@ -39,8 +39,7 @@ def write_bytes_atomic(path: str | Path, data: bytes) -> None:
 
 
 def check_replaceable(path: Path) -> None:
-    """OSError unless `path` is missing, a regular file or a symbolic link: a rename never replaces
-    a device, FIFO or socket (`--output /dev/null` would turn /dev/null into a file)."""
+    """OSError unless `path` is missing, a file or a link: a rename never replaces a device (`--output /dev/null`)."""
     with contextlib.suppress(FileNotFoundError):
         if not (stat.S_ISREG(mode := os.lstat(path).st_mode) or stat.S_ISLNK(mode)):
             raise OSError(errno.EEXIST, "not a regular file, so never replaced by one", str(path))
@@ -55,17 +54,14 @@ WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPE
 
 
 def write_error(err: BaseException, path: str | Path) -> OSError | None:
-    """`err` as an OSError naming `path` when it is a full disk, a read-only place or a missing
-    permission (orbax, TensorStore and safetensors raise their own types that repeat the OS's
-    words: "No space left on device"); None for any other error."""
+    """`err` as an OSError naming `path` when it says a full disk, a read-only place or no permission; else None."""
     code = err.errno if isinstance(err, OSError) and err.errno in WRITE_ERRNOS else next(
         (code for code in WRITE_ERRNOS if os.strerror(code) in str(err)), None)
     return None if code is None else OSError(code, os.strerror(code), str(path))
 
 
 def error_text(err: BaseException) -> str:
-    """What a CLI's one `error: ` line says: an OSError with its path (`PATH: CAUSE`: a full
-    disk, a read-only place, a missing permission), any other error its message."""
+    """A CLI's one `error: ` line: an OSError as `PATH: CAUSE` (a full disk, ...), any other error its message."""
     if isinstance(err, OSError) and err.strerror:
         return f"{err.filename}: {err.strerror}" if err.filename else err.strerror
     return str(err)
@@ -83,10 +79,7 @@ def finite_values(obj: Any) -> Any:
 
 
 def json_text(obj: Any) -> str:
-    """Strict JSON of `obj`, as every file and every output of the project holds: a non-finite
-    number becomes null (never NaN or Infinity, which JSON does not have), and a string holding
-    a byte that was not UTF-8 (a path, read with surrogateescape) keeps it as a \\uDCxx escape,
-    so the text always encodes as UTF-8."""
+    """Strict JSON of `obj`: a non-finite number null, a byte that was not UTF-8 (surrogateescape) a \\uDCxx escape."""
     text = json.dumps(finite_values(obj), indent=2, ensure_ascii=False, allow_nan=False)
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
@@ -96,8 +89,7 @@ def write_json_atomic(path: str | Path, obj: Any) -> None:
 
 
 def read_json(path: str | Path, default: Any = ...) -> Any:
-    """The JSON in `path`; UserError naming the file when it is not valid JSON. A missing file
-    returns `default` when given, else raises UserError too."""
+    """The JSON in `path`; UserError naming the file for invalid JSON, or when missing without a `default`."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")

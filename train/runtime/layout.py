@@ -26,15 +26,13 @@ def read_experiment(run_dir: str | Path) -> ExperimentConfig:
 
 
 def experiment_of(saved: Mapping[str, Any]) -> ExperimentConfig:
-    """A saved experiment, without the launch options that runs written before they were left out hold;
-    a run saved before packing existed trained on length buckets (pack false)."""
+    """A saved experiment without the launch options older runs saved; a run saved before packing: pack false."""
     launch = ExperimentConfig.launch_fields()
     return ExperimentConfig.from_dict({"pack": False, **{k: v for k, v in saved.items() if k not in launch}})
 
 
 def _read_settings(run_dir: str | Path, name: str, build: Callable[[dict], Any]) -> Any:
-    """`build` of the JSON object in run_dir/name; UserError naming the file when it is missing,
-    holds no object, or `build` refuses it (a hand-edited file: unknown field, wrong type or value)."""
+    """`build` of the JSON object in run_dir/name; UserError naming the file when missing, not an object, refused."""
     path = Path(run_dir) / name
     if not path.is_file():
         raise UserError(f"{run_dir} is not a run directory ({name} missing)")
@@ -45,7 +43,6 @@ def _read_settings(run_dir: str | Path, name: str, build: Callable[[dict], Any])
         return build(saved)
     except (TypeError, ValueError) as err:
         raise UserError(f"{path}: {err}") from None
-
 
 
 def read_model_config(run_dir: str | Path) -> TransformerConfig:

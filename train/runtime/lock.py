@@ -14,9 +14,7 @@ from .layout import LOCK_FILE
 
 
 class RunLock:
-    """The run directory's writer lock: `fcntl.flock` on DIR/.lock, exclusive and non-blocking, held
-    by whoever writes the run (docs/operations.md#signals-crashes-locks). The OS releases a flock when
-    its process dies, so a killed run's lock never blocks; without flock support a warning says so."""
+    """The run's writer lock: an exclusive flock on DIR/.lock, which the OS releases when its process dies."""
 
     def __init__(self, run_dir: str | Path, created: bool = False):
         self.path = Path(run_dir) / LOCK_FILE
@@ -48,8 +46,7 @@ class RunLock:
         return self
 
     def release(self) -> None:
-        """Unlock; a directory made for the lock and still holding nothing else is removed (a run
-        that failed on its data leaves nothing behind)."""
+        """Unlock; a directory made for the lock and holding nothing else is removed (a failed run leaves nothing)."""
         if self._fd is None:
             return
         if self.created and [p.name for p in self.path.parent.iterdir()] == [LOCK_FILE]:

@@ -1,6 +1,4 @@
-"""Every file a command writes (`Destination`: --output, --out, --json, --plot), where a streamed
-translation's finished chunks go (`PartialOutput`: resumable; `StreamOutput`) and its progress line
-(`Progress`); docs/operations.md#output-files and #translating."""
+"""Every file a command writes (`Destination`), a streamed translation's output and `Progress` line."""
 
 from __future__ import annotations
 
@@ -28,8 +26,7 @@ _DESCRIPTOR = re.compile(r"/(?:dev|proc/self)/fd/(\d+)|/dev/std(out|err)")
 
 
 def is_stream(path: Path) -> bool:
-    """Whether an output `path` is written directly, as a stream: a descriptor (/dev/fd/N,
-    /dev/stdout), or through any links a FIFO, device or socket; never renamed over, no resume."""
+    """Whether `path` is a stream (a descriptor, or through links a FIFO, device, socket): never renamed over."""
     if _DESCRIPTOR.fullmatch(str(path)):
         return True
     try:
@@ -51,16 +48,12 @@ def open_stream(path: Path) -> TextIO:
 
 
 class Destination:
-    """A file a command writes, checked before the work, one rule for every command
-    (docs/operations.md#output-files): a FIFO, device, socket or descriptor is a stream, written
-    directly and never replaced; a symbolic link is followed, as the shell's `>` and tee follow it
-    (one to nothing creates its target); a regular file is replaced whole (nothing half-written on
-    a failure). UserError, in one line naming `flag`: a directory, a missing or read-only
-    directory, a file of `inputs` (by any name) or one of this output's side files, a place
-    inside a run or an export."""
+    """A file a command writes, checked before the work (docs/operations.md#output-files): a stream is written
+    directly, a link followed (as by the shell's `>`), a file replaced whole. UserError naming `flag`: a directory,
+    a missing or read-only directory, a file of `inputs` (side files too), a place inside a run or an export."""
 
     def __init__(self, path: str | Path, flag: str, inputs: Iterable[str | Path] = (), of: str = ""):
-        self.path, self.flag, self.target = Path(path), flag, None
+        self.path, self.target = Path(path), None
         if is_stream(self.path):
             return
         target = self.path.resolve()
@@ -99,17 +92,11 @@ class Destination:
 
     @contextlib.contextmanager
     def writing(self) -> Iterator[Path]:
-        """A path of the same suffix for a library to save to (a plot), written as `write` writes
-        it when the block ends; removed, and nothing written, when the block fails."""
-        with tempfile.TemporaryDirectory(dir=None if self.target is None else self.target.parent,
-                                         prefix=".aiayn-") as tmp:
+        """A path (same suffix) for a library to save to (a plot), written as `write` does if the block succeeds."""
+        with tempfile.TemporaryDirectory(prefix="aiayn-") as tmp:
             path = Path(tmp) / f"output{self.path.suffix}"
             yield path
-            if self.target is not None:
-                check_replaceable(self.target)
-                os.replace(path, self.target)
-            else:
-                self.write(path.read_bytes())
+            self.write(path.read_bytes())
 
 
 def destination(path: str | Path | None, flag: str, inputs: Iterable[str | Path] = (),
@@ -145,14 +132,11 @@ class StreamOutput:
 
 
 class PartialOutput:
-    """--output F, grown as `.F.partial` one synced chunk at a time, each followed by its record
-    `.F.partial.json` (lines and bytes done, a SHA-256 of the input lines they translate, the
-    settings), and renamed onto F at the end. Run again, it continues after the recorded chunks.
-    The partial file is flock'ed meanwhile: a second translation into F is refused."""
+    """--output F grown as `.F.partial` (flock'ed) one synced chunk at a time, each recorded in `.F.partial.json`
+    (lines, bytes, the input's SHA-256, the settings), renamed onto F at the end; run again, it continues."""
 
     def __init__(self, path: Path, settings: dict[str, Any]):
         self.path, self.settings = path, settings
-        self.name = str(path)
         self.partial = path.with_name(f".{path.name}.partial")
         self.record = path.with_name(f".{path.name}.partial.json")
         self.done, self.bytes, self.digest, self.note, self._started = 0, 0, None, None, False
@@ -213,8 +197,7 @@ class PartialOutput:
 
 
 def _locked(path: Path, busy: str) -> BinaryIO:
-    """`path` opened for reading and writing (created if missing) under an exclusive flock, as a
-    run's lock; UserError `busy` while another process holds it."""
+    """`path` opened read-write (created if missing) under an exclusive flock; UserError `busy` while it is held."""
     while True:
         file = open(os.open(path, os.O_RDWR | os.O_CREAT, 0o644), "r+b")  # noqa: SIM115 (the caller closes it)
         try:
@@ -231,8 +214,7 @@ def _locked(path: Path, busy: str) -> BinaryIO:
 
 
 class Progress:
-    """Counts and, when stderr is a terminal, one progress line rewritten in place (lines, lines/s,
-    target tokens/s, an ETA for a regular file); `summary()` is the closing line."""
+    """Counts and, on a terminal, a progress line rewritten in place (lines/s, tokens/s, ETA); `summary()`."""
 
     INTERVAL = 0.5  # seconds between two progress lines
 

@@ -1,5 +1,4 @@
-"""Building a directory whole or not at all: `derive` (average, convert, import, export) and what
-it refuses to replace (`check_destination`)."""
+"""Building a directory whole or not at all (`derive`), and what it refuses to replace (`check_destination`)."""
 
 from __future__ import annotations
 
@@ -14,8 +13,7 @@ from .files import UserError, read_json, write_error, write_json_atomic
 from .layout import read_experiment
 from .lock import RunLock
 
-# What each kind of output is called; `kind_of` recognises it. A run is what train.run can read
-# (its config.json); a model directory aiayn convert exports carries KIND_FILE naming its kind.
+# What `kind_of` recognises: a run (its config.json), or an export of aiayn convert (KIND_FILE names it).
 KINDS = {"run": "run", "ctranslate2": "CTranslate2 model written by aiayn convert",
          "marian": "HF Marian directory written by aiayn convert"}
 KIND_FILE = ".aiayn.json"  # {"kind": "ctranslate2" | "marian"}
@@ -23,8 +21,7 @@ PROOF_FILE = "proof.json"  # what an export computes against its run, and its fi
 
 
 def export_digests(directory: Path, names: Iterable[str] | None = None) -> dict[str, str]:
-    """SHA-256 of each file `names` (default: every file of an export but its proof, README.md and
-    kind marker), by relative name; None for one that is missing."""
+    """SHA-256 of each file `names` (default: an export's but its proof, README.md, marker); None if missing."""
     directory = Path(directory)
     if names is None:
         names = [str(f.relative_to(directory)) for f in sorted(directory.rglob("*"))
@@ -34,8 +31,7 @@ def export_digests(directory: Path, names: Iterable[str] | None = None) -> dict[
 
 
 def check_export(directory: str | Path) -> None:
-    """UserError when a file whose digest `directory`'s proof.json records (`export_digests`) differs
-    or is missing: an export changed after its proof is never read as proven."""
+    """UserError when a file whose digest `directory`'s proof.json records differs or is missing: the proof is stale."""
     recorded = (read_json(Path(directory) / PROOF_FILE, None) or {}).get("files")
     if recorded is not None and (found := export_digests(Path(directory), recorded)) != recorded:
         changed = sorted(n for n in recorded if recorded[n] != found[n])
@@ -56,8 +52,7 @@ def kind_of(path: Path) -> str | None:
 
 
 def check_outside_runs(path: str | Path, flag: str) -> None:
-    """UserError when `path` (its links resolved) lies inside a run or an export this project wrote (`kind_of`):
-    no command writes into a run it reads or did not create (docs/operations.md#output-files)."""
+    """UserError when `path` (links resolved) lies inside a run or an export: no command writes into one."""
     for parent in Path(path).resolve().parents:
         if found := kind_of(parent):
             raise UserError(f"{flag} {path} lies inside the {KINDS[found]} {parent}: a command never writes into a "
@@ -73,10 +68,8 @@ def remove(path: Path) -> None:
 
 
 def check_destination(dst: Path, overwrite: bool, kind: str = "run", src: str | Path | None = None) -> None:
-    """Refuse, before any work, a destination whose replacement would lose something: the source
-    `src`, a place inside it or holding it, a file or a symbolic link, a directory holding anything
-    but a `kind` this project wrote (`kind_of`: even with `overwrite`), or one without
-    `overwrite`. Raises FileExistsError."""
+    """FileExistsError, before any work, for a destination whose replacement would lose something: `src`,
+    inside it or holding it, a file, a link, anything but a `kind` this project wrote, or any without `overwrite`."""
     if src is not None:
         source, target = Path(src).resolve(), dst.resolve()
         if source == target or source in target.parents or target in source.parents:
@@ -91,14 +84,13 @@ def check_destination(dst: Path, overwrite: bool, kind: str = "run", src: str | 
         if not overwrite:
             raise FileExistsError(f"{dst} exists; pass --overwrite to replace it")
         if (found := kind_of(dst)) != kind:
-            held = f"holds a {KINDS[found]}, not a {KINDS[kind]}" if found else f"is not empty and holds no {KINDS[kind]}"
+            held = (f"holds a {KINDS[found]}, not a {KINDS[kind]}" if found
+                    else f"is not empty and holds no {KINDS[kind]}")
             raise FileExistsError(f"{dst} {held}; it is never deleted")
 
 
 def swap_in(new: Path, dst: Path, old: Path) -> None:
-    """Rename `new` onto `dst`: an existing `dst` is renamed to `old` first (refused, losing
-    nothing, while an earlier `old` holds files) and put back if the second rename fails. The
-    caller removes `old` once it is sure."""
+    """Rename `new` onto `dst`, an existing `dst` to `old` first (put back if that fails); the caller removes `old`."""
     aside = dst.exists()
     if aside:
         os.replace(dst, old)
@@ -113,12 +105,8 @@ def swap_in(new: Path, dst: Path, old: Path) -> None:
 @contextlib.contextmanager
 def derive(src: str | Path | None, dst: str | Path, kind: str = "run", overwrite: bool = False,
            copy: Iterable[str] = (), check: Callable[[Path], object] | None = None) -> Iterator[Path]:
-    """Build `dst`, a `kind` of `KINDS`, from `src` (a run, a model directory, or None) whole or not
-    at all, for average, convert, import and export: `check_destination`, then the block fills
-    `.NAME.KIND` beside `dst` (yielded); the names `copy` that `src` holds (files or directories)
-    are copied in, the old `dst` renamed aside, the new one into its place, and only then the old
-    one removed. On any error (Ctrl-C included, or `check(new directory)` refusing it, just before
-    the swap) `dst` is as it was. Its lock is held meanwhile (a run in training is never replaced)."""
+    """Build `dst` (a `kind`) from `src` whole or not at all, under its lock: the block fills `.NAME.KIND` (yielded),
+    `copy`'s names of `src` join it, `check(it)` may refuse it, then `swap_in`; on any error `dst` is as it was."""
     dst = Path(dst)
     check_destination(dst, overwrite, kind, src)
     guard = RunLock(dst).acquire() if dst.is_dir() else None

@@ -1,5 +1,4 @@
-"""Claiming a run directory for training: new, --resume or --overwrite (`session`, `replacing`),
-writing its first files (`prepare_run_dir`), and refusing files that describe different runs."""
+"""Claiming a run directory for training (new, --resume, --overwrite) and writing its first files."""
 
 from __future__ import annotations
 
@@ -25,15 +24,9 @@ from .replace import check_outside_runs, kind_of, remove
 @contextlib.contextmanager
 def session(cfg: ExperimentConfig, explicit: Iterable[str] | None = None, platform: str | None = None,
             is_main: bool = True, source: str | Path | None = None) -> Iterator[ExperimentConfig]:
-    """The run directory claimed for training, and the config to train with: a new run, the saved
-    experiment with this launch's options on --resume, or with --init-from `source`'s model fields
-    (`ExperimentConfig.resolve`). Process 0 locks the directory first, and an old run --overwrite
-    replaces is set aside until the new one holds a checkpoint (`replacing`); the others only read.
-
-    A directory holding a run (config.json) is refused unless --resume or --overwrite; a
-    non-empty directory that holds no run is never deleted. Nothing is written but the lock:
-    `prepare_run_dir` writes the run's files once its data has loaded.
-    """
+    """The run directory claimed for training and the config to train with (`ExperimentConfig.resolve`); process 0
+    locks it (`replacing` an old one with --overwrite). A run is refused without --resume or --overwrite, a
+    directory holding no run always; nothing is written but the lock (`prepare_run_dir` writes the run)."""
     run_dir = Path(cfg.run_dir or time.strftime(f"runs/{cfg.backend}-%Y%m%d-%H%M%S"))
     if ".." in run_dir.parts:  # R/checkpoints/.. names nothing once --overwrite has set checkpoints/ aside
         run_dir = run_dir.resolve()
@@ -76,16 +69,14 @@ def _source_experiment(source: str | Path) -> ExperimentConfig:
 
 
 def set_aside_path(run_dir: Path) -> Path:
-    """Where a replacement keeps the old run meanwhile (`replacing`, `derive`): beside it, however
-    `run_dir` is spelled (R/checkpoints/.., ..)."""
+    """Where a replacement keeps the old run meanwhile: beside it, however `run_dir` is spelled (R/checkpoints/..)."""
     run_dir = run_dir.resolve()
     return run_dir.with_name(f".{run_dir.name}.run-old")
 
 
 def check_set_aside(run_dir: str | Path) -> None:
-    """UserError naming `.RUN.run-old` when it is beside the run: the old run an --overwrite set
-    aside (`replacing`), still running (it holds the run's lock) or killed before it could put it
-    back or delete it. Every command that opens a run checks this first."""
+    """UserError naming `.RUN.run-old` beside the run: set aside by an --overwrite still running (it holds
+    the lock) or killed before it could put it back or delete it. Every command opening a run checks it."""
     run_dir = Path(run_dir)
     if not ((old := set_aside_path(run_dir)).exists() or old.is_symlink()):
         return
@@ -109,11 +100,8 @@ def has_checkpoint(run_dir: Path) -> bool:
 
 @contextlib.contextmanager
 def replacing(run_dir: Path, overwrite: bool) -> Iterator[None]:
-    """`train.run --overwrite` of a run, which never loses the old run to a failed new one: the old
-    run's files (all but the lock this process holds) are moved beside it into `.NAME.run-old`, the
-    new run trains at its own path (where --resume, translate and TensorBoard find it), and when
-    the block ends, however it ends, the old run is deleted if the new one holds a checkpoint (a
-    run --resume continues) and put back as it was if not."""
+    """--overwrite, never losing the old run to a failed new one: its files wait in `.NAME.run-old` while the
+    new run trains; when the block ends they are deleted if the new run holds a checkpoint, else put back."""
     if not (overwrite and (run_dir / CONFIG_FILE).is_file()):
         yield
         return
@@ -146,9 +134,7 @@ def replacing(run_dir: Path, overwrite: bool) -> Iterator[None]:
 
 
 def check_links(run_dir: Path) -> None:
-    """Refuse a run to resume whose checkpoints/, tensorboard/ or a checkpoint in it is a symbolic
-    link: a run writes (and deletes its old checkpoints) only inside its own directory. Its files
-    may be links: each is replaced by a rename, never written through."""
+    """Refuse a run to resume whose checkpoints/, tensorboard/ or a checkpoint is a link: a run writes only inside."""
     checkpoints = run_dir / CHECKPOINTS
     steps = list(checkpoints.iterdir()) if checkpoints.is_dir() and not checkpoints.is_symlink() else []
     for part in (checkpoints, run_dir / TENSORBOARD, *steps):
@@ -158,9 +144,7 @@ def check_links(run_dir: Path) -> None:
 
 
 def prepare_run_dir(cfg: ExperimentConfig, model_cfg: TransformerConfig, tokenizers: data.Tokenizers | None) -> None:
-    """Create the run directory `session` claimed (an old run set aside by `replacing`) and
-    write its experiment, model and (when given: newly trained) tokenizers. config.json first:
-    from there on the directory holds this run."""
+    """Write the claimed run's config.json (from there on it holds this run), model and (given: new) tokenizers."""
     run_dir = Path(cfg.run_dir)
     try:  # the recipe of --config, read before anything changes
         recipe = cfg.recipe and {"path": cfg.recipe, "toml": Path(cfg.recipe).read_text("utf-8")}
@@ -177,10 +161,8 @@ def prepare_run_dir(cfg: ExperimentConfig, model_cfg: TransformerConfig, tokeniz
 
 def check_model(run_dir: Path, cfg: ExperimentConfig, model_cfg: TransformerConfig, tokenizers: data.Tokenizers,
                 what: str = MODEL_FILE) -> None:
-    """Refuse, before a model is built, a run whose files describe different models: `model_cfg`
-    (from `what`) must be the model of config.json with the tokenizers' vocabularies and that of
-    each checkpoint's own saved experiment (read without a framework or the weights). A hand-edited
-    size is named here instead of allocated (d_model = 2**20 would ask for terabytes first)."""
+    """Refuse, before a model is built (a hand-edited size is named, not allocated), a run whose files describe
+    different models: `model_cfg` (from `what`) must be that of config.json and of each checkpoint's experiment."""
     from ..store import saved_experiments  # here: the stores write through runtime.files, below this package
 
     sizes = tokenizers.src.get_vocab_size(), tokenizers.tgt.get_vocab_size()
@@ -192,16 +174,14 @@ def check_model(run_dir: Path, cfg: ExperimentConfig, model_cfg: TransformerConf
             continue  # an older checkpoint's fields: its weights' shapes are checked when it loads
     for where, experiment in sources.items():
         rebuilt = experiment.model_config(*sizes)
-        differ = [k for k, v in model_cfg.to_dict().items() if getattr(rebuilt, k) != v]
-        if differ:
+        if differ := [k for k, v in model_cfg.to_dict().items() if getattr(rebuilt, k) != v]:
             raise UserError(f"{run_dir / what} says {', '.join(f'{k}={getattr(model_cfg, k)!r}' for k in differ)} "
                             f"but {where} gives {', '.join(f'{k}={getattr(rebuilt, k)!r}' for k in differ)}: the "
                             "files of the run do not describe one model (edited by hand?)")
 
 
 def read_run(run_dir: Path, cfg: ExperimentConfig) -> tuple[TransformerConfig, data.Tokenizers]:
-    """The model and tokenizers of the run in `run_dir` whose experiment is `cfg`, checked to describe
-    one model (`check_model`); UserError for a missing or unreadable file."""
+    """The model and tokenizers of the run in `run_dir` (experiment `cfg`), checked by `check_model`; UserError."""
     model_cfg = read_model_config(run_dir)
     try:
         tokenizers = data.load_tokenizers(run_dir, cfg.joint_vocab)
@@ -212,12 +192,10 @@ def read_run(run_dir: Path, cfg: ExperimentConfig) -> tuple[TransformerConfig, d
 
 
 def check_checkpoint_config(meta: Mapping[str, Any], cfg: ExperimentConfig) -> None:
-    """Refuse a checkpoint written by another run: one whose experiment (saved in its meta)
-    differs from this run's."""
+    """Refuse a checkpoint written by another run: one whose experiment (in its meta) differs from this run's."""
     saved = {"pack": False, **meta.get("config", cfg.experiment())}  # no "pack": saved before packing, on buckets
-    differ = [f"--{name.replace('_', '-')}: checkpoint has {saved.get(name)!r}, run has {value!r}"
-              for name, value in cfg.experiment().items() if saved.get(name) != value]
-    if differ:
+    if differ := [f"--{name.replace('_', '-')}: checkpoint has {saved.get(name)!r}, run has {value!r}"
+                  for name, value in cfg.experiment().items() if saved.get(name) != value]:
         raise UserError(
             f"checkpoint {meta.get('step')} in {cfg.run_dir} was written by a run configured differently, so it "
             "cannot be resumed here:\n  " + "\n  ".join(differ))

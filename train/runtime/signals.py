@@ -1,7 +1,4 @@
-"""SIGTERM and SIGINT: a training run stops after the current update with a checkpoint saved
-(`StopSignals`); a translation stops between two operations (`interruptible`). Installed in the
-main thread only, and only while the block runs. The commands' `__main__` go through
-`exit_status`: a Ctrl-C the command does not handle ends in one line, not a traceback."""
+"""SIGTERM and SIGINT: training stops with a checkpoint, translation between operations; `exit_status`."""
 
 from __future__ import annotations
 
@@ -24,9 +21,8 @@ class Interrupted(Exception):
 
 
 def exit_status(main: Callable[..., int | None], *args: Any, **kwargs: Any) -> int:
-    """`main(*args, **kwargs)`'s exit status, the one exit protocol of every command: what the user
-    can cause (UserError, OSError, ValueError) one line `error: ...` and status 1; a stop (SIGTERM,
-    Ctrl-C) its one line and 128 + the signal (130 for Ctrl-C), never a traceback."""
+    """`main(*args, **kwargs)`'s exit status, every command's: a UserError, OSError or ValueError one
+    line `error: ...` and 1; a stop (SIGTERM, Ctrl-C) one line and 128 + the signal; never a traceback."""
     try:
         status = main(*args, **kwargs)
         return status if isinstance(status, int) else 0  # a job's result (None, a dict): done
@@ -43,8 +39,7 @@ def exit_status(main: Callable[..., int | None], *args: Any, **kwargs: Any) -> i
 
 @contextlib.contextmanager
 def interruptible() -> Iterator[None]:
-    """Within the block SIGTERM and SIGINT raise `Interrupted` (main thread only; elsewhere the
-    signals keep their handlers)."""
+    """Within the block SIGTERM and SIGINT raise `Interrupted` (main thread only; elsewhere nothing changes)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -61,12 +56,8 @@ def interruptible() -> Iterator[None]:
 
 
 class StopSignals:
-    """While active, SIGTERM and SIGINT (Ctrl-C) ask the loop to stop (`requested` holds the
-    signal) instead of killing it: the loop saves a checkpoint after the current update and
-    raises Interrupted. A second signal stops at once (KeyboardInterrupt), losing only the work
-    since the last checkpoint. Installed only in the main thread of a single-process run: the
-    processes of a multi-process run would have to agree on the step to save at, so there the
-    signals keep their default effect and --resume continues from the last checkpoint."""
+    """SIGTERM and Ctrl-C ask the loop to stop (`requested`) with a checkpoint, a second at once (KeyboardInterrupt);
+    only in the main thread of a single process (several would have to agree on the step)."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 

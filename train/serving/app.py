@@ -1,5 +1,4 @@
-"""The ASGI app (Starlette): `POST /translate`, `GET /health`, `GET /info` and the page at `/`;
-module-level handlers sharing one `Served` on the app's state (docs/serving.md#the-api)."""
+"""The ASGI app (Starlette): /translate, /health, /info and the page, handlers sharing one `Served`."""
 
 from __future__ import annotations
 
@@ -130,7 +129,7 @@ async def receive(request, limits: Limits):
     try:
         return parse_request(body, limits)
     except BadRequest as err:
-        return error(err.status, str(err))
+        return error(400, str(err))
 
 
 async def translate(request):
@@ -206,9 +205,8 @@ async def lifespan(app):
 
 def app(run=None, limits: Limits | None = None, *, decode: Callable | None = None,
         count_tokens: Callable[[Sequence[str]], int] | None = None, info: dict | None = None):
-    """The ASGI app serving `run` (a `train.load` result, an ensemble too) with `limits`. `decode`,
-    `count_tokens` and `info` stand in for the run's (tests, other models): `decode(texts,
-    prefixes, options)` returns one dict per text with at least "translation"."""
+    """The ASGI app serving `run` (`train.load`'s) with `limits`; `decode(texts, prefixes, options)` (a dict
+    with "translation" per text), `count_tokens` and `info` stand in for the run's (tests, other models)."""
     require("starlette")
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException

@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
+import itertools
 from collections.abc import Callable
 
 from ..runtime import UserError
@@ -29,12 +31,9 @@ class _Pending:
 
 
 class Batcher:
-    """`submit(request, tokens)` queues a request and returns a future of its results; `run()` (a
-    task) takes the oldest request and those queued after it that may share its batch, up to
-    `max_batch_*`, waiting at most `max_wait_ms` from the oldest's arrival for more, and calls
-    `decode(texts, prefixes, options)` (blocking, on one worker thread) on them all at once. A
-    request whose future was cancelled (timed out) is dropped. Where a batch of several requests
-    fails with a UserError, each is decoded alone, so the error goes to the request that caused it."""
+    """`submit(request, tokens)` queues a request (a future of its results); `run()` decodes the oldest with those
+    that may share its batch (up to `max_batch_*`, waiting `max_wait_ms` at most) on one worker thread; a
+    UserError goes to the request that caused it (each decoded alone), a cancelled request is dropped."""
 
     def __init__(self, decode: Callable[..., list], limits: Limits):
         self.decode, self.limits = decode, limits
@@ -45,8 +44,7 @@ class Batcher:
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="decode")
 
     def submit(self, request: Request, tokens: int) -> asyncio.Future:
-        """Queue a request; raises QueueFull when its sentences would pass `max_queue_sentences`
-        (a request alone in an empty queue always enters)."""
+        """Queue a request; QueueFull past `max_queue_sentences` (a request alone in an empty queue always enters)."""
         texts = len(request.texts)
         if self.queued and self.queued + texts > self.limits.max_queue_sentences:
             raise QueueFull(f"the server holds {self.queued} sentences, its limit is {self.limits.max_queue_sentences}")
@@ -68,7 +66,7 @@ class Batcher:
                 return batch, True
             batch.append(item)
             sentences, tokens = sentences + len(item.request.texts), tokens + item.tokens
-            if not item.request.options.shares_batches or len(batch) == lim.max_batch_requests:
+            if item.request.options.sample or len(batch) == lim.max_batch_requests:  # a sample is its request's own
                 return batch, True
         return batch, False
 
@@ -88,9 +86,7 @@ class Batcher:
             return [err] if len(batch) == 1 else [r for item in batch for r in self._decode([item])]
         except Exception as err:  # noqa: BLE001 (the model failed on this batch: said to its requests; the server goes on)
             return [err] * len(batch)
-        starts = [0]
-        for item in batch:
-            starts.append(starts[-1] + len(item.request.texts))
+        starts = [0, *itertools.accumulate(len(item.request.texts) for item in batch)]
         return [results[a:b] for a, b in zip(starts, starts[1:])]
 
     async def run(self) -> None:
@@ -105,10 +101,8 @@ class Batcher:
             wait = self.queue[0].arrived + self.limits.max_wait_ms / 1000 - loop.time()
             if not full and wait > 0:  # a bounded wait for more requests to join
                 self._wake.clear()
-                try:
+                with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), wait)
-                except TimeoutError:
-                    pass
                 continue  # look again: the batch may have grown (or timed out)
             for item in batch:
                 self.queue.remove(item)

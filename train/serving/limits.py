@@ -1,5 +1,4 @@
-"""What one request may ask (`Limits`) and what it asks: a /translate body parsed into its texts,
-prefixes and decoding options (`Request`, `Decoding`), or a `BadRequest` with the first problem."""
+"""What one request may ask (`Limits`) and what it asks: a /translate body parsed, or a `BadRequest`."""
 
 from __future__ import annotations
 
@@ -11,8 +10,8 @@ from typing import Any
 
 from torch_reference.config import POSITIVE, Range
 
+from ..options import OptionError, Sampling, Search, checked, option
 from ..runtime import UserError
-from ..options import OptionError, Sampling, Search, checked
 
 SERVE_INSTALL = 'pip install -e ".[serve]"'
 
@@ -26,8 +25,7 @@ def require(module: str) -> Any:
 
 
 def _limit(default, help: str):
-    allowed = Range(float, above=0.0) if isinstance(default, float) else POSITIVE  # ms and s: finite, above 0
-    return dataclasses.field(default=default, metadata={"help": help, "range": allowed})
+    return option(default, help, range=Range(float, above=0.0) if isinstance(default, float) else POSITIVE)
 
 
 @checked
@@ -38,7 +36,7 @@ class Limits:
     max_texts: int = _limit(64, "sentences per request")
     max_text_chars: int = _limit(2000, "characters per sentence (the model reads at most max_len tokens of it)")
     max_beam: int = _limit(16, "the largest beam (and number of samples) a request may ask for")
-    max_queue_sentences: int = _limit(4096, "sentences waiting or decoding; past it a request gets 429 with Retry-After")
+    max_queue_sentences: int = _limit(4096, "sentences waiting or decoding; past it 429 with Retry-After")
     max_batch_sentences: int = _limit(512, "sentences decoded together")
     max_batch_tokens: int = _limit(16384, "source tokens decoded together")
     max_batch_requests: int | None = _limit(None, "requests decoded together (1: no batching)")
@@ -49,29 +47,18 @@ class Limits:
 
 
 class BadRequest(Exception):
-    """A request the server refuses: `status` and a one-line message."""
-
-    def __init__(self, message: str, status: int = 400):
-        super().__init__(message)
-        self.status = status
+    """A request the server refuses (400), with a one-line message."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Decoding:
-    """A request's decoding options: the API's own `Search`, `sample` with the `sampling` settings
-    given (`Run.translate`'s keywords, checked there: a sampling setting without sample is its
-    refusal), and `attention` (the cross-attention weights of each text). Requests with equal
-    options share a batch, except sampled ones: a sample's random numbers are keyed by the
-    sentence's place in its own request."""
+    """A request's `Search`, `sample` with its `sampling` keywords, `attention`. Equal options share a batch,
+    but sampled ones: a sample's random numbers are keyed by the sentence's place in its own request."""
 
     search: Search = Search()
     sample: bool = False
     sampling: tuple[tuple[str, Any], ...] = ()
     attention: bool = False
-
-    @property
-    def shares_batches(self) -> bool:
-        return not self.sample
 
     def translate_options(self) -> dict[str, Any]:
         """`Run.translate`'s arguments."""
@@ -83,8 +70,7 @@ SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(Sampling))
 
 
 def decoding(fields: dict[str, Any], prefixes: bool = False) -> Decoding:
-    """The options objects of a request's fields (beam, n_best, sample, seed, ..., attention), each
-    checked by its class, as `Run.translate` builds them: their refusal an OptionError (a UserError)."""
+    """The options objects of a request's fields, each checked by its class as `Run.translate` builds them."""
     for name in ("sample", "attention"):
         if not isinstance(fields.get(name, False), bool):
             raise OptionError("{} " + f"must be true or false, got {fields[name]!r}", name)
@@ -141,8 +127,7 @@ def parse_request(body: bytes, limits: Limits) -> Request:
     request = _json(body)
     if not isinstance(request, dict):
         raise BadRequest('the body must be a JSON object: {"texts": ["..."], "beam": 4, ...}')
-    unknown = sorted(set(request) - set(FIELDS))
-    if unknown:
+    if unknown := sorted(set(request) - set(FIELDS)):
         raise BadRequest(f"unknown field {unknown[0]!r}; the fields are {', '.join(FIELDS)}")
     texts = request.pop("texts", None)
     if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):

@@ -1,6 +1,5 @@
-"""uvicorn serving the app (docs/serving.md): a deadline on every request head, every refusal in
-JSON, and the stops: SIGTERM or Ctrl-C finish the requests in flight; SIGHUP or a second Ctrl-C
-answer them 503 at once."""
+"""uvicorn serving the app (docs/serving.md): a deadline on every request head, every refusal in JSON;
+SIGTERM or Ctrl-C finish the requests in flight, SIGHUP or a second Ctrl-C answer them 503 at once."""
 
 from __future__ import annotations
 
@@ -16,8 +15,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..runtime import Interrupted, UserError
 from ..options import RunSelection
+from ..runtime import Interrupted, UserError
 from .app import app
 from .limits import Limits, require
 
@@ -43,8 +42,7 @@ def uvicorn_classes() -> tuple[type, type]:
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class Protocol(H11Protocol):
-        """uvicorn's h11 protocol, its keep-alive deadline also on a new connection and kept until a whole
-        request head arrives (uvicorn's lifts it on any byte), its refusals in JSON."""
+        """uvicorn's h11 protocol, its keep-alive deadline kept until a whole request head arrives; refusals in JSON."""
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -102,10 +100,7 @@ def uvicorn_classes() -> tuple[type, type]:
 
 
 class Server:
-    """uvicorn serving `asgi_app` (an `app()`) on host:port (port 0: a free one). `run()` blocks
-    until SIGTERM, SIGINT or `stop()`: it stops accepting, finishes the requests in flight and
-    returns the signal; SIGHUP or a second SIGINT answer them 503 at once and raise StoppedAtOnce.
-    `start()` runs it on a thread instead (tests, notebooks); `url` once it is listening."""
+    """uvicorn serving `asgi_app` on host:port (0: a free one): `run()` until stopped, or `start()` on a thread."""
 
     def __init__(self, asgi_app, host: str = "127.0.0.1", port: int = 8000, *, access_log: bool = False):
         protocol, server = uvicorn_classes()
@@ -191,9 +186,7 @@ class Server:
 def serve(runs: str | os.PathLike | Sequence[str | os.PathLike] | RunSelection, host: str = "127.0.0.1",
           port: int = 8000, *, limits: Limits | None = None, on_ready: Callable[[Server], None] | None = None,
           **server: Any) -> int:
-    """Load `runs` (`train.load`: a run directory, several for an ensemble, or a `RunSelection`) and
-    serve them until SIGTERM or SIGINT (what `aiayn serve` does); returns the signal
-    number that stopped it."""
+    """Load `runs` (`train.load`'s) and serve them until SIGTERM or SIGINT; the signal number that stopped it."""
     from ..api import load
 
     require("starlette")

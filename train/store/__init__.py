@@ -1,10 +1,5 @@
-"""Checkpoints, framework-neutral: the training state that crosses frameworks, the rule that picks
-a step, and the digests that prove a checkpoint's files are the ones written.
-
-A checkpoint is CHECKPOINTS/<step>/, written by one framework's store (`jax_store`: orbax;
-`torch_store`: safetensors), which this module's `CheckpointStore` is the common part of; each
-holds digest.json, the SHA-256 of every file, checked on load. No framework is imported here.
-"""
+"""Checkpoints, framework-neutral: the training state that crosses frameworks, the rule that picks a
+step, the digests that prove a checkpoint's files, and `CheckpointStore` (`jax_store`, `torch_store`)."""
 
 from __future__ import annotations
 
@@ -21,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ..runtime.files import UserError, json_text, shortened, write_error
+from ..runtime.files import UserError, shortened, write_error, write_json_atomic
 
 # The safetensors metadata key holding the TransformerConfig JSON, in weights files and checkpoints.
 WEIGHTS_CONFIG_KEY = "transformer_config"
@@ -29,14 +24,9 @@ WEIGHTS_CONFIG_KEY = "transformer_config"
 
 @dataclasses.dataclass
 class TrainingState:
-    """One backend's training state, framework-neutral: NumPy arrays keyed by attribute path.
-
-    `framework` names the layout of the arrays ("jax": Flax paths, kernels (in, out); "torch":
-    state-dict keys, weights (out, in)). `mu` and `nu` are Adam's moments, None before the first
-    update (torch keeps none then). `rng` is the framework's own random state (JAX: the run's
-    key data; torch: the CPU generator), None once the state has crossed frameworks, since
-    dropout streams cannot be matched. The data position travels in the checkpoint's meta.
-    """
+    """One backend's training state as NumPy arrays by attribute path, in `framework`'s layout (jax: kernels
+    (in, out); torch: weights (out, in)); `mu`, `nu`: Adam's moments (None before an update); `rng`: the
+    framework's random state, None once the state has crossed frameworks (dropout streams cannot be matched)."""
 
     framework: str
     step: int
@@ -56,9 +46,8 @@ class TrainingState:
         shapes = {k: np.shape(v) for k, v in self.params.items()}
         for name, moments in (("Adam first moments (mu / exp_avg)", self.mu), ("Adam second moments (nu / exp_avg_sq)", self.nu)):
             check_keys(name, shapes, {k: np.shape(v) for k, v in moments.items()})
-            wrong = [f"{k}: {np.dtype(m.dtype)}, parameter {np.dtype(self.params[k].dtype)}"
-                     for k, m in moments.items() if m.dtype != self.params[k].dtype]
-            if wrong:
+            if wrong := [f"{k}: {np.dtype(m.dtype)}, parameter {np.dtype(self.params[k].dtype)}"
+                         for k, m in moments.items() if m.dtype != self.params[k].dtype]:
                 raise ValueError(f"{name} have other dtypes than their parameters:\n  " + "\n  ".join(wrong))
 
     def differences(self, other: TrainingState) -> list[str]:
@@ -102,8 +91,7 @@ class CheckpointError(Exception):
 
 
 def unreadable(directory, step: int, steps: Sequence[int], err: BaseException) -> CheckpointError:
-    """The CheckpointError for checkpoint `step` of `directory` failing with `err`, naming the
-    other checkpoints there (`steps`) as the way out."""
+    """The CheckpointError of checkpoint `step` failing with `err`, naming the other `steps` as the way out."""
     others = [s for s in steps if s != step]
     hint = "it is the only one there"
     if others:
@@ -115,9 +103,7 @@ def unreadable(directory, step: int, steps: Sequence[int], err: BaseException) -
 
 
 def choose_checkpoint(steps: Sequence[int], which: str | int, metrics: Callable[[int], Mapping | None], where) -> int:
-    """The step `which` ("latest", "best" or a step number) names among `steps` (oldest first).
-    "best" is the highest validation BLEU among `metrics(step)` (ties: the newest), the latest
-    when no checkpoint has metrics. FileNotFoundError when there is no such checkpoint in `where`."""
+    """The step `which` ("latest", "best" by BLEU, or a number) names among `steps`; FileNotFoundError if none."""
     if not steps:
         raise FileNotFoundError(f"no checkpoint in {where}")
     if which == "latest":
@@ -135,9 +121,7 @@ ROTATION_RETRIES = 10  # how often "latest" or "best" is chosen again while a ru
 
 
 def saved_experiments(directory: str | os.PathLike) -> dict[int, dict]:
-    """The experiment (config.json's content) each checkpoint in `directory` was saved with, by
-    step, read from its meta without a framework or the weights: torch's meta.json, orbax's
-    meta item (meta/metadata). Checkpoints without one (or gone meanwhile) are left out."""
+    """Each checkpoint's saved experiment by step, read from its meta without a framework (none: left out)."""
     found = {}
     for step_dir in Path(directory).glob("[0-9]*"):
         for name, key in (("meta.json", "meta"), ("meta/metadata", None)):
@@ -170,8 +154,7 @@ class CheckpointDamaged(ValueError):
 
 
 def write_checkpoint_digest(directory: str | Path) -> None:
-    """Hash every file of the checkpoint `directory` (each synced here as it is read) and write
-    DIRECTORY/digest.json, before the checkpoint is published (docs/operations.md#checkpoint-digests)."""
+    """Hash every file of the checkpoint `directory` (syncing it) into its digest.json, before it is published."""
     directory = Path(directory)
     files = {}
     for path in sorted(directory.rglob("*")):
@@ -180,21 +163,11 @@ def write_checkpoint_digest(directory: str | Path) -> None:
         with open(path, "rb") as f:
             os.fsync(f.fileno())
             files[path.relative_to(directory).as_posix()] = hashlib.file_digest(f, DIGEST_ALGORITHM).hexdigest()
-    tmp = directory / f".{DIGEST_FILE}.tmp"
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(json_text({"algorithm": DIGEST_ALGORITHM, "files": files}) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, directory / DIGEST_FILE)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_json_atomic(directory / DIGEST_FILE, {"algorithm": DIGEST_ALGORITHM, "files": files})
 
 
 def verify_checkpoint(directory: str | Path) -> bool:
-    """Check every file of the checkpoint `directory` against its digest.json: CheckpointDamaged
-    naming the first file that differs or is missing. False, checking nothing, for a checkpoint
-    without digest.json (docs/operations.md#checkpoint-digests)."""
+    """CheckpointDamaged naming the first file unlike its digest.json (or missing); False without digest.json."""
     directory = Path(directory)
     try:
         record = json.loads((directory / DIGEST_FILE).read_text(encoding="utf-8"))
@@ -216,9 +189,7 @@ def verify_checkpoint(directory: str | Path) -> bool:
 
 
 class CheckpointStore:
-    """What each framework's store (`jax_store`, `torch_store`: `steps`, `metrics`, `save`, `load`)
-    shares: CHECKPOINTS/<step>/ in `directory` (None: none), the newest `keep` kept with the best
-    by BLEU, one rule for restoring. A store knows neither run directories nor backends."""
+    """What the framework's stores share: CHECKPOINTS/<step>/ in `directory`, the newest `keep` and the best kept."""
 
     read_errors: tuple[type[BaseException], ...] = (Exception,)  # what `load` raises for a bad checkpoint
     write_errors: tuple[type[BaseException], ...] = (OSError,)  # what `save` raises for a full or read-only disk
@@ -236,9 +207,8 @@ class CheckpointStore:
         return self.root() / str(step)
 
     def restore(self, which: str | int, *args: Any) -> Any:
-        """`load(step, *args)` of the checkpoint `which` names (`choose_checkpoint`), its digest
-        verified first; any failure to read it is a CheckpointError naming the other checkpoints.
-        "latest" and "best" are chosen again while a run beside the reader rotates its checkpoints."""
+        """`load(step, *args)` of the checkpoint `which` names, its digest verified first (a CheckpointError
+        naming the others); "latest" and "best" chosen again while a run beside the reader rotates them."""
         for attempt in range(ROTATION_RETRIES + 1):
             steps, step = self.steps(), None
             try:
@@ -258,9 +228,7 @@ class CheckpointStore:
 
     @contextlib.contextmanager
     def saving(self, step: int):
-        """Report a failure to save checkpoint `step` for a full disk, a read-only directory or a
-        missing permission as one OSError naming it, once what the save left is removed
-        (`discard`); the checkpoints saved before it are untouched."""
+        """A failed save of `step` (a full disk, no permission) as one OSError naming it, its leftovers removed."""
         try:
             yield
         except self.write_errors as err:

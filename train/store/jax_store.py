@@ -1,11 +1,9 @@
-"""The JAX backend's checkpoints: an orbax `CheckpointManager` keeping the newest `keep` steps plus
-the best by validation BLEU, each step the state (`StandardSave`) and a JSON `meta` item, then
-`digest.json`. The state is restored onto the target's shapes, dtypes and shardings (orbax reshards).
-"""
+"""The JAX backend's checkpoints: orbax's `CheckpointManager`, restored onto the target's shardings."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -22,9 +20,8 @@ from . import CheckpointStore, write_checkpoint_digest
 
 @contextlib.contextmanager
 def quiet_orbax():
-    """Within: absl and asyncio logs off and 'Event loop is closed' tracebacks dropped. Orbax warns through
-    absl for every checkpoint saved without metrics; a failed save (a full disk) logs each array's error
-    and ends TensorStore's writes on a closed event loop before raising the first (`saving`'s one line)."""
+    """Within: absl and asyncio logs off, and the 'Event loop is closed' tracebacks of TensorStore's writes
+    after a failed save dropped: orbax warns of each save without metrics, `saving` says a failure in a line."""
     levels, previous = {name: logging.getLogger(name).level for name in ("absl", "asyncio")}, sys.unraisablehook
     sys.unraisablehook = lambda r: None if repr(r.exc_value) == "RuntimeError('Event loop is closed')" else previous(r)
     for name in levels:
@@ -48,28 +45,24 @@ class JaxStore(CheckpointStore):
 
     def __init__(self, directory: str | os.PathLike | None, keep: int):
         super().__init__(None if directory is None else Path(directory).absolute(), keep)
-        self._manager: ocp.CheckpointManager | None = None
 
-    @property
+    @functools.cached_property
     def manager(self) -> ocp.CheckpointManager:
-        if self._manager is None:
-            policies = ocp.checkpoint_managers
-            preservation = policies.AnyPreservationPolicy([
-                policies.LatestN(self.keep),
-                policies.BestN(get_metric_fn=_bleu, n=1, keep_checkpoints_without_metrics=False),
-            ])
-            options = ocp.CheckpointManagerOptions(  # synchronous: the next train_step donates the state's buffers
-                best_fn=_bleu, best_mode="max", preservation_policy=preservation, enable_async_checkpointing=False)
-            self._manager = ocp.CheckpointManager(self.root(), options=options, item_names=("state", "meta"))
-        return self._manager
+        policies = ocp.checkpoint_managers
+        preservation = policies.AnyPreservationPolicy([
+            policies.LatestN(self.keep),
+            policies.BestN(get_metric_fn=_bleu, n=1, keep_checkpoints_without_metrics=False),
+        ])
+        options = ocp.CheckpointManagerOptions(  # synchronous: the next train_step donates the state's buffers
+            best_fn=_bleu, best_mode="max", preservation_policy=preservation, enable_async_checkpointing=False)
+        return ocp.CheckpointManager(self.root(), options=options, item_names=("state", "meta"))
 
     def save(self, step: int, state: Any, meta: dict[str, Any], metrics: dict[str, float] | None = None) -> None:
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
         with self.saving(step), quiet_orbax():
             self.manager.save(step, args=args, metrics=metrics)
             self.manager.wait_until_finished()
-            # orbax has renamed the step's directory into place by now (its own "before the rename"
-            # is internal): the digest follows at once, written whole (temporary file + rename).
+            # orbax has renamed the step into place by now (its "before the rename" is internal): the digest follows
             if jax.process_index() == 0:
                 write_checkpoint_digest(self.path(step))
 
@@ -95,7 +88,6 @@ class JaxStore(CheckpointStore):
         return restored["state"], dict(restored["meta"])
 
     def close(self) -> None:
-        if self._manager is not None:
-            self._manager.wait_until_finished()
-            self._manager.close()
-            self._manager = None
+        if (manager := self.__dict__.pop("manager", None)) is not None:  # made by a first use (cached_property)
+            manager.wait_until_finished()
+            manager.close()

@@ -1,8 +1,5 @@
-"""The torch backend's checkpoints, never pickle: CHECKPOINTS/<step>/ holds `model.safetensors`
-(weights, config in the metadata), `optimizer.safetensors` (Adam's moments, the CPU generator's
-state), `meta.json` and `digest.json`, written in a temporary directory renamed into place. Read
-and written as NumPy (byte for byte what `safetensors.torch` writes): no framework is imported.
-"""
+"""The torch backend's checkpoints as NumPy, never pickle: CHECKPOINTS/<step>/ holds model.safetensors,
+optimizer.safetensors (Adam's moments, the CPU generator), meta.json, digest.json, renamed into place."""
 
 from __future__ import annotations
 
@@ -10,7 +7,6 @@ import json
 import os
 import shutil
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from safetensors import SafetensorError
@@ -35,10 +31,9 @@ class TorchStore(CheckpointStore):
         self.model_cfg = model_cfg
 
     def steps(self) -> list[int]:
-        root = self.directory
-        if root is None or not root.is_dir():
+        if self.directory is None or not self.directory.is_dir():
             return []
-        return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit() and (p / "meta.json").is_file())
+        return sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit() and (p / "meta.json").is_file())
 
     def metrics(self, step: int) -> dict[str, float] | None:
         try:
@@ -54,7 +49,15 @@ class TorchStore(CheckpointStore):
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
             try:
-                self._write(tmp, state, meta, metrics)
+                save_file(state.params, str(tmp / "model.safetensors"),
+                          metadata={WEIGHTS_CONFIG_KEY: self.model_cfg.to_json()})
+                moments = {RNG_KEY: state.rng}
+                for name in state.mu or {}:
+                    moments[f"{name}.exp_avg"], moments[f"{name}.exp_avg_sq"] = state.mu[name], state.nu[name]
+                save_file(moments, str(tmp / "optimizer.safetensors"))
+                # strict JSON: a non-finite metric is null
+                (tmp / "meta.json").write_text(json_text({"step": state.step, "metrics": metrics, "meta": meta}))
+                write_checkpoint_digest(tmp)  # every file synced and hashed, before the rename publishes them
                 final = root / str(state.step)
                 if final.exists():
                     shutil.rmtree(final)
@@ -62,17 +65,6 @@ class TorchStore(CheckpointStore):
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)  # a failed save (a full disk) leaves nothing behind
         self._prune()
-
-    def _write(self, directory: Path, state: TrainingState, meta: dict[str, Any], metrics) -> None:
-        """The checkpoint's files in `directory`: weights, Adam's moments and RNG, meta.json, digest.json."""
-        save_file(state.params, str(directory / "model.safetensors"), metadata={WEIGHTS_CONFIG_KEY: self.model_cfg.to_json()})
-        moments = {RNG_KEY: state.rng}
-        for name in state.mu or {}:
-            moments[f"{name}.exp_avg"], moments[f"{name}.exp_avg_sq"] = state.mu[name], state.nu[name]
-        save_file(moments, str(directory / "optimizer.safetensors"))
-        record = {"step": state.step, "metrics": metrics, "meta": meta}
-        (directory / "meta.json").write_text(json_text(record))  # strict JSON: a non-finite metric is null
-        write_checkpoint_digest(directory)  # every file synced and hashed, before the rename publishes them
 
     def _prune(self) -> None:
         """Keep the newest `keep` and the best by BLEU; delete the others."""
