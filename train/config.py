@@ -167,8 +167,8 @@ class ExperimentConfig:
     average_last: int | None = _field(
         None, "ckpt", "end the run with the mean of the weights of its last N checkpoints, this final step's "
         "included (the paper's checkpoint averaging, §6.1; train.average does it after a run): the final "
-        "evaluation, the test set and the last checkpoint use them; fewer when fewer were saved, at most "
-        f"--keep-checkpoints. Default {NUMBERS_AVERAGE_LAST} (at most --keep-checkpoints) for the numbers corpus "
+        "evaluation, the test set and the last checkpoint use them; fewer when fewer are kept. "
+        f"Default {NUMBERS_AVERAGE_LAST} (at most --keep-checkpoints) for the numbers corpus "
         "(docs/results.md#the-numbers-corpus), 1 (no averaging) otherwise", metavar="N")
 
     seed: int = _field(0, "run", "seed of the initial weights, dropout, batch order and the numbers corpus")
@@ -242,9 +242,6 @@ class ExperimentConfig:
             raise ValueError("--valid/--test need --train (the numbers corpus brings its own splits)")
         if self.train is not None and self.valid is None:
             raise ValueError("--train needs --valid (validation data for loss, BLEU and the best checkpoint)")
-        if self.average_last is not None and self.average_last > self.keep_checkpoints:
-            raise ValueError(f"average_last={self.average_last} averages more checkpoints than keep_checkpoints="
-                             f"{self.keep_checkpoints} keeps")
         if self.resume and self.overwrite:
             raise ValueError("--resume and --overwrite exclude each other")
         if (self.resume or self.overwrite) and self.run_dir is None:

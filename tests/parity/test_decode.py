@@ -115,7 +115,7 @@ def test_cached_search_equals_the_uncached_loop_in_each_framework(search, seed):
 MARIAN = {"activation": "silu", "positions": "sinusoidal_halves", "output_bias": True, "layer_norm_eps": 1e-5, "bos_id": 0}
 
 
-@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 3])
+@pytest.mark.parametrize("seed", [0, *(pytest.param(s, marks=pytest.mark.slow) for s in (1, 2, 3))])  # ~6 s each
 @pytest.mark.parametrize("search", ["greedy", "beam", "beam-hf"])
 def test_torch_and_jax_search_return_identical_tokens_and_scores(search, seed):
     """The JAX search over the plain model and over the XLA:CPU-tuned one."""
@@ -245,7 +245,7 @@ def test_search_over_a_shrinking_batch_and_rows_of_padding(search):
     assert hlo.count("stablehlo.while") == 4  # one loop per stage: 64, 32, 16, 8 sentences (SMALLEST_STAGE 8)
 
 
-@pytest.mark.parametrize("search", ["greedy", "beam"])
+@pytest.mark.parametrize("search", [pytest.param("greedy", marks=pytest.mark.slow), "beam"])  # ~8 s each
 def test_search_over_a_growing_cache(search):
     """In the XLA:CPU search the first quarter and the next quarter of the positions attend over a
     cache a quarter and a half as long, grown as the loop passes them: the same tokens as torch
@@ -332,7 +332,7 @@ def test_search_parity_on_multi30k_with_a_trained_model(multi30k, tmp_path):
         # (Beam search finds that this barely trained model's likeliest output is an immediate EOS.)
 
 
-@pytest.mark.parametrize("scoring", ["gnmt", "hf"])
+@pytest.mark.parametrize("scoring", [pytest.param("gnmt", marks=pytest.mark.slow), "hf"])  # ~7 s each
 def test_n_best_is_identical_in_both_frameworks_and_led_by_the_one_best(scoring):
     """n_best=3 of beam 4: the same tokens, log-probs and scores (1e-5: sums as above) in torch,
     JAX and JAX's XLA:CPU search; hypothesis 0 is the 1-best search's; best first; score =
@@ -391,7 +391,7 @@ def test_a_sentence_with_fewer_outputs_than_n_best_has_empty_slots():
         assert np.array_equal(np.isfinite(np.asarray(scores)), np.isfinite(np.asarray(logprob)))
 
 
-@pytest.mark.parametrize("search", ["greedy", "beam"])
+@pytest.mark.parametrize("search", [pytest.param("greedy", marks=pytest.mark.slow), "beam"])  # ~6 s each
 def test_a_forced_prefix_is_identical_in_both_frameworks_and_the_search_continues_after_it(search):
     """Rows with a prefix of 2, 1, 0 and 3 tokens (and a row of padding): each output starts with
     its prefix; tokens identical in torch, JAX and the XLA:CPU search, log-probs to 1e-5; the

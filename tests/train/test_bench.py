@@ -50,6 +50,7 @@ def tiny_step_flops(batch: int, length: int, vocab: int) -> int:
     return 3 * (2 * encoder_layer + 2 * decoder_layer + output)
 
 
+@pytest.mark.slow  # ~16 s; CI: the --devices and op-split tests below run the command
 def test_bench_runs_both_backends_on_the_same_work(tmp_path):
     out = tmp_path / "bench.json"
     done = subprocess.run(

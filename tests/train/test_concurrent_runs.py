@@ -21,6 +21,7 @@ from .helpers import REPO, exit_code, finish, launch, read_until
 from .helpers import TINY_ARGV as TINY
 
 
+@pytest.mark.slow  # ~15 s; CI: the writer lock in tests/train/test_rundir.py and the rotation test below
 def test_one_process_writes_a_run_and_a_dead_ones_lock_never_blocks(tmp_path):
     """While a run trains, a second `--resume` and an `--overwrite` of its directory are refused
     with the holder's pid (the OS lock, not a file's presence, decides); once the first process
