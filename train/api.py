@@ -15,9 +15,9 @@ from torch_reference.config import TransformerConfig
 from . import data
 from .backends import Backend, create_backend, initialize
 from .config import BACKENDS, ExperimentConfig
+from .options import SAMPLING_FIELDS, Evaluation, OptionError, RunSelection, Sampling, Search, sampling_of
 from .runtime import CHECKPOINTS, UserError, read_experiment, read_run
 from .runtime.rundir import check_set_aside
-from .options import Evaluation, OptionError, RunSelection, Sampling, Search
 from .translation import Hypothesis
 
 
@@ -62,11 +62,7 @@ class Run:
         from .translation import translate_texts
 
         search = _options(Search, search, options)
-        sampling = _options(Sampling, None if sample is True else sample or None, options)
-        if sample is None or sample is False:
-            if off := [f.name for f in dataclasses.fields(Sampling) if getattr(sampling, f.name) != f.default]:
-                raise OptionError(", ".join(["{}"] * len(off)) + ": sampling settings, give sample=True", *off)
-            sampling = None
+        sampling = sampling_of(sample, {k: options.pop(k) for k in SAMPLING_FIELDS if k in options})
         if self.members and search.alignments:
             raise OptionError("{} with an ensemble: its members' attention weights are not one alignment", "alignments")
         one = isinstance(texts, str)

@@ -289,6 +289,24 @@ class Evaluation:
 
 
 @checked
+class EvaluateFiles:
+    """What `aiayn evaluate` scores, and where it also writes its JSON (`jobs.evaluate_spec`)."""
+
+    data: str = option(None, "parallel data to score (see below)", required=True, metavar="DATA")
+    output: Path | None = option(None, "also write the JSON to this file, atomically (a symbolic link's target); a "
+                                 "FIFO, device, socket or /dev/fd/N is written directly")
+
+
+@checked
+class Sample:
+    """Whether `aiayn translate` samples (how: `Sampling`) instead of searching."""
+
+    sample: bool = option(False, "draw each token at random from the model's distribution instead of searching "
+                          "(--beam and --alpha unused; --scoring hf, --n-best and prefixes refused: a sample is not "
+                          "ranked); with --format tsv/jsonl each sample's log-probability (its score too)")
+
+
+@checked
 class TranslateFiles:
     """Where `aiayn translate` reads and writes, and how (`translation.translate_file`)."""
 
@@ -332,10 +350,17 @@ class ScoreFiles:
                                     range=POSITIVE)
 
 
-def sampling_from(given: Mapping[str, Any]) -> Sampling | None:
-    """The `Sampling` of the flags `given` when --sample is, else None; a sampling flag without it: UserError."""
-    if not given.get("sample"):
-        if stray := [flag_of(f) for f in dataclasses.fields(Sampling) if f.name in given]:
-            raise UserError(f"{', '.join(stray)} without --sample: sampling settings, the searches take none")
+def sampling_of(sample: Sampling | bool | None, settings: Mapping[str, Any]) -> Sampling | None:
+    """How to sample: `sample` when a `Sampling`, one of the `settings` (its fields given) when True, None when
+    None or False; settings given without sampling: OptionError naming them (the API, the server, the command)."""
+    if not sample:
+        if settings:
+            raise OptionError(", ".join(["{}"] * len(settings)) + " without {}: sampling settings, the searches take "
+                              "none", *settings, "sample")
         return None
-    return build(Sampling, given)
+    if isinstance(sample, Sampling) and settings:
+        raise OptionError("{}: give a Sampling or its fields as keywords, not both", "sample")
+    return sample if isinstance(sample, Sampling) else Sampling(**settings)
+
+
+SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(Sampling))

@@ -144,8 +144,6 @@ def test_unknown_values_and_flags_exit_with_usage(capsys):
     for main, data in ((translate.main, []), (evaluate.main, ["--data", "numbers:valid"])):  # one check: Search's
         assert main(["--run-dir", "x", *data, "--beam", "0"]) == 1
         assert capsys.readouterr().err == "error: --beam must be >= 1, got 0\n"
-    assert translate.main(["--run-dir", "x", "--benchmark"]) == 1  # the benchmark's old place names its new one
-    assert "aiayn translate-bench --run-dir RUN" in capsys.readouterr().err
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ import pytest
 import train
 from train import data
 from train.commands import evaluate, score, translate
-from train.options import ENSEMBLE_AVERAGES
+from train.options import ENSEMBLE_AVERAGES, Sampling
 from train.runtime import UserError
 
 from .cli import run_cli
@@ -107,7 +107,9 @@ def test_sampling_refuses_a_tsv_prefix_column_and_the_api_its_bad_settings(tiny_
                            str(tmp_path / "in.tsv"), "--sample")
     one_error(code, err, "--sample with prefixes: forced prefixes are for the searches")
     with train.load(tiny_torch_run) as run:
-        for kwargs, fragment in [({"top_k": 3}, "top_k: sampling settings, give sample=True"),
+        for kwargs, fragment in [({"top_k": 3}, "top_k without sample: sampling settings"),
+                                 ({"seed": 0, "top_p": 1.0}, "top_p, seed without sample"),  # as the command's
+                                 ({"sample": Sampling(), "seed": 1}, "sample: give a Sampling or its fields"),
                                  ({"sample": True, "prefix": ["one"]}, "forced prefixes are for the searches"),
                                  ({"sample": True, "n_best": 2}, "sample with n_best"),
                                  ({"sample": True, "top_p": 2.0}, "top_p must be in (0, 1], got 2"),

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from ..backends.host_devices import HELP as HOST_DEVICES_HELP
-from ..options import Evaluation, RunSelection, Search, add_flags, build, command, run
+from ..options import EvaluateFiles, Evaluation, RunSelection, Search, add_flags, build, command, run
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,18 +21,21 @@ def build_parser() -> argparse.ArgumentParser:
         "numbers:1000-999000/1000: the round thousands); a run trained on numbers counts the sentences seen in its "
         f"training split apart. {HOST_DEVICES_HELP}.")
     add_flags(parser, Search, skip=("n_best", "alignments"))
-    parser.add_argument("--data", required=True, help="parallel data to score (see below)")
+    add_flags(parser, EvaluateFiles, only=("data",))
     add_flags(parser, Evaluation)
-    parser.add_argument("--output", type=Path, help="also write the JSON to this file, atomically (a symbolic link's "
-                        "target); a FIFO, device, socket or /dev/fd/N is written directly")
+    add_flags(parser, EvaluateFiles, only=("output",))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     from ..jobs import evaluate_spec
 
-    return run(build_parser(), argv, lambda given: evaluate_spec(
-        build(RunSelection, given), given["data"], build(Search, given), build(Evaluation, given), given.get("output")))
+    def job(given: dict) -> dict:
+        files = build(EvaluateFiles, given)
+        return evaluate_spec(build(RunSelection, given), files.data, build(Search, given), build(Evaluation, given),
+                             files.output)
+
+    return run(build_parser(), argv, job)
 
 
 if __name__ == "__main__":

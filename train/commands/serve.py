@@ -12,18 +12,13 @@ import argparse
 import sys
 
 from ..backends.host_devices import split_host
-from ..options import Range, RunSelection, add_flags, build, command, run
-from ..serving import Limits, serve
+from ..options import RunSelection, add_flags, build, command, run
+from ..serving import Limits, Listen, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = command("aiayn serve", __doc__)
+    parser = command("aiayn serve", __doc__, Listen)
     add_flags(parser, RunSelection, skip=("coordinator_address", "num_processes", "process_id"))
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine "
-                        "only; any other is said on the first line)")
-    parser.add_argument("--port", type=Range(int, low=0, below=65536).parse, default=8000,
-                        help="port to listen on (default 8000; 0: a free one)")
-    parser.add_argument("--access-log", action="store_true", help="log every request on stderr")
     add_flags(parser.add_argument_group("limits and batching (docs/serving.md#limits)"), Limits)
     return parser
 
@@ -38,12 +33,14 @@ def main(argv: list[str] | None = None) -> int:
                   "/health, GET /info, the page at /); Ctrl-C or SIGTERM stops", file=sys.stderr, flush=True)
 
         split_host()  # before jax is imported
-        signum = serve(selection, given["host"], given["port"], limits=build(Limits, given), on_ready=ready,
-                       access_log=given["access_log"])
+        listen = build(Listen, given)
+        signum = serve(selection, listen.host, listen.port, limits=build(Limits, given), on_ready=ready,
+                       access_log=listen.access_log)
         print(f"stopped{f' by signal {signum}' if signum else ''}: the requests in flight were answered",
               file=sys.stderr)
 
     return run(build_parser(), argv, job)
+
 
 if __name__ == "__main__":
     sys.exit(main())

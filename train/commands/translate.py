@@ -13,21 +13,16 @@ import sys
 
 from ..backends.host_devices import HELP as HOST_DEVICES_HELP
 from ..backends.jax_cache import HELP as JAX_CACHE_HELP
-from ..options import RunSelection, Sampling, Search, TranslateFiles, add_flags, build, command, run, sampling_from
-from ..runtime.files import UserError
+from ..options import (SAMPLING_FIELDS, RunSelection, Sample, Sampling, Search, TranslateFiles, add_flags, build,
+                       command, run, sampling_of)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = command("aiayn translate", __doc__, RunSelection, Search, TranslateFiles,
                      epilog=f"{HOST_DEVICES_HELP}. {JAX_CACHE_HELP}.")
     group = parser.add_argument_group("sampling", "random translations instead of the search (docs/decoding.md)")
-    group.add_argument("--sample", action="store_true", default=argparse.SUPPRESS, help="draw each token at random "
-                       "from the model's distribution instead of searching (--beam and --alpha unused; --scoring hf, "
-                       "--n-best and prefixes refused: a sample is not ranked); with --format tsv/jsonl each "
-                       "sample's log-probability (its score too)")
+    add_flags(group, Sample)
     add_flags(group, Sampling)
-    # The benchmark needs both frameworks on one set of weights, so it lives in `parity`: say where.
-    parser.add_argument("--benchmark", action="store_true", help=argparse.SUPPRESS)
     return parser
 
 
@@ -35,11 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     from ..jobs import translate_file
 
     def job(given: dict) -> None:
-        if given.get("benchmark"):
-            raise UserError("the translation benchmark is `aiayn translate-bench --run-dir RUN --input "
-                            "FILE [--beam K] [--ctranslate2]`: it runs both frameworks (and CTranslate2) on the run's "
-                            "weights")
-        translate_file(build(RunSelection, given), build(Search, given), sampling_from(given),
+        translate_file(build(RunSelection, given), build(Search, given),
+                       sampling_of(build(Sample, given).sample, {k: given[k] for k in SAMPLING_FIELDS if k in given}),
                        build(TranslateFiles, given))
 
     return run(build_parser(), argv, job)

@@ -3,5 +3,5 @@
 from ..runtime import UserError
 from .app import app, run_decoder, run_info
 from .batcher import Batcher, QueueFull
-from .limits import SERVE_INSTALL, BadRequest, Decoding, Limits, Request, parse_request, require
+from .limits import SERVE_INSTALL, BadRequest, Decoding, Limits, Listen, Request, parse_request, require
 from .server import Server, StoppedAtOnce, serve

@@ -10,7 +10,7 @@ from typing import Any
 
 from torch_reference.config import POSITIVE, Range
 
-from ..options import OptionError, Sampling, Search, checked, option
+from ..options import SAMPLING_FIELDS, OptionError, Search, checked, option, sampling_of
 from ..runtime import UserError
 
 SERVE_INSTALL = 'pip install -e ".[serve]"'
@@ -46,6 +46,16 @@ class Limits:
     idle_timeout_s: float = _limit(5.0, "a connection that sends no whole request head for this long is closed")
 
 
+@checked
+class Listen:
+    """Where the server listens (`Server`), and whether it logs each request."""
+
+    host: str = option("127.0.0.1", "address to listen on (the default: this machine only; any other is said on the "
+                       "first line)")
+    port: int = option(8000, "port to listen on (0: a free one)", range=Range(int, low=0, below=65536))
+    access_log: bool = option(False, "log every request on stderr")
+
+
 class BadRequest(Exception):
     """A request the server refuses (400), with a one-line message."""
 
@@ -66,7 +76,6 @@ class Decoding:
 
 
 SEARCH_FIELDS = tuple(f.name for f in dataclasses.fields(Search))
-SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(Sampling))
 
 
 def decoding(fields: dict[str, Any], prefixes: bool = False) -> Decoding:
@@ -76,8 +85,8 @@ def decoding(fields: dict[str, Any], prefixes: bool = False) -> Decoding:
             raise OptionError("{} " + f"must be true or false, got {fields[name]!r}", name)
     search = Search(**{k: v for k, v in fields.items() if k in SEARCH_FIELDS})
     sampling = {k: v for k, v in fields.items() if k in SAMPLING_FIELDS}
-    if fields.get("sample"):
-        Sampling(**sampling).check_with(search, prefixes)
+    if sampled := sampling_of(fields.get("sample"), sampling):
+        sampled.check_with(search, prefixes)
     sample, attention = fields.get("sample", False), fields.get("attention", False)
     return Decoding(search, sample, tuple(sorted(sampling.items())), attention)
 
