@@ -108,15 +108,15 @@ def preprocess(prefix: str, store_dir: str, vocab_size: int = 8000) -> dict:
 
 
 def batches(store_dir: str, budget: int = 25_000, count: int = 500) -> dict:
-    """Packed training batches of `budget` tokens made per second by train.data.Batcher from a corpus store,
-    and the seconds its epoch plan takes."""
+    """Packed training batches of `budget` tokens made per second by train.data.Batcher from a corpus store
+    (the plans of the windows after the first counted), and the seconds the first window's plan takes."""
     from train.data import Batcher
     from train.data.store import open_store
 
     examples = open_store(Path(store_dir))
     start = time.perf_counter()
     batcher = Batcher(examples, budget, max_len=128, pack=True)
-    assert batcher.num_batches  # the epoch's plan, made now
+    assert batcher.num_batches  # the first window's plan, made now
     planned = time.perf_counter()
     for _ in range(count):
         next(batcher)
@@ -178,6 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--store", required=True, help="the store directory to write (must not exist)")
     b = sub.add_parser("batches", help="packed batches of 25,000 tokens per second (train.data.Batcher)")
     b.add_argument("store", help="a corpus store directory")
+    b.add_argument("--count", type=int, default=500, help="batches to make (past a window's: its plan counted)")
     a = sub.add_parser("gather", help="random batches of 25,000 tokens per second: .npy store against Arrow")
     a.add_argument("store", help="a corpus store directory")
     args = parser.parse_args(argv)
@@ -188,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.what == "preprocess":
         result = preprocess(args.prefix, args.store)
     else:
-        result = (batches if args.what == "batches" else gather)(args.store)
+        result = batches(args.store, count=args.count) if args.what == "batches" else gather(args.store)
     print(json.dumps(result))
     sys.exit(result.get("rc", 0))
 

@@ -128,6 +128,34 @@ def test_packed_plan_is_first_fit_pair_by_pair(size, length, longest):
 
 
 @pytest.mark.parametrize("pack", [False, True])
+def test_a_corpus_of_several_windows_is_planned_a_window_at_a_time(numbers, pack, monkeypatch):
+    """WINDOW cut to 256 pairs (2,000 numbers: 8 windows): every kept pair once an epoch, each window's pairs
+    spread over the corpus, epochs in other orders, `next` resumed mid-epoch from `state()` continuing alike."""
+    pairs, tokenizers = numbers
+    examples = data.encode_pairs(tokenizers, pairs[:1500])
+    whole = data.Batcher(examples, token_budget=256, max_len=16, seed=5, pack=pack)  # one window
+    kept = sorted(np.concatenate([b.ids[b.ids >= 0] for b in whole.epoch_batches()]).tolist())
+    monkeypatch.setattr(data.batches, "WINDOW", 256)
+    batcher = data.Batcher(examples, token_budget=256, max_len=16, seed=5, pack=pack)
+    assert (batcher.windows, batcher.num_dropped, whole.num_dropped) == (6, 1500 - len(kept), 1500 - len(kept))
+    assert 0 < batcher.num_dropped < 100  # pairs longer than 16 tokens
+    epochs = [[b.ids[b.ids >= 0] for b in batcher.epoch_batches(e)] for e in range(2)]
+    for batches in epochs:
+        assert sorted(np.concatenate(batches).tolist()) == kept
+    assert [b.tolist() for b in epochs[0]] != [b.tolist() for b in epochs[1]]
+    first = sorted(np.concatenate([idx[idx >= 0] for _, idx in batcher._window_plan(0, 0)]).tolist())
+    assert len(first) > 200 and first[-1] - first[0] > 1200  # 256 pairs less the dropped, spread over the corpus
+    actual = sum(1 for _ in batcher.epoch_batches(0))
+    assert abs(batcher.num_batches - actual) <= 0.15 * actual  # an estimate from the first window
+    taken = [next(batcher) for _ in range(actual + 5)]
+    assert batcher.state() == {"epoch": 1, "index": 5}
+    again = data.Batcher(examples, token_budget=256, max_len=16, seed=5, pack=pack)
+    again.restore({"epoch": 0, "index": actual - 3})
+    for want in taken[actual - 3:]:
+        np.testing.assert_array_equal(next(again).src, want.src)
+
+
+@pytest.mark.parametrize("pack", [False, True])
 def test_process_shares_are_the_batch_rows(numbers, pack):
     pairs, tokenizers = numbers
     examples = data.encode_pairs(tokenizers, pairs)

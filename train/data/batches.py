@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import math
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -17,6 +18,8 @@ from torch_reference.config import BOS_ID, EOS_ID, PAD_ID, POSITIVE
 from .store import TokenStore
 
 log = logging.getLogger(__name__)
+# Pairs planned at a time: a larger corpus's epoch is planned a window at a time, its memory flat in the corpus size.
+WINDOW = 1 << 20
 
 
 def bucket_lengths(max_len: int) -> tuple[int, ...]:
@@ -79,22 +82,22 @@ class Batcher:
                              f"needs at least {max_len * multiple_of}")
         self.store = examples if isinstance(examples, TokenStore) else TokenStore.from_pairs(examples)
         self.shuffle, self.seed, self.pack, self.process = shuffle, seed, pack, process
-        self._src_len, self._tgt_len = self.store.src_len, self.store.tgt_len
-        lengths = np.maximum(self._src_len, self._tgt_len)
-        keep = lengths <= max_len
-        self.num_dropped = int(len(keep) - np.count_nonzero(keep))
+        self.max_len, self._src_len, self._tgt_len = max_len, self.store.src_len, self.store.tgt_len
+        self.windows = max(1, -(-len(self.store) // WINDOW))
+        self._index = np.int32 if len(self.store) < 2**31 else np.int64  # half int64's memory for any real corpus
+        # One pass over the lengths, a window at a time: nothing the size of the corpus is held.
+        counts, longest = np.zeros(len(self.buckets), np.int64), 0
+        for start in range(0, len(self.store), WINDOW):
+            part = slice(start, start + WINDOW)
+            lengths = np.maximum(self._src_len[part], self._tgt_len[part])
+            counts += np.bincount(np.searchsorted(self.buckets, lengths), minlength=len(self.buckets) + 1)[:-1]
+            longest = max(longest, int(lengths[lengths <= max_len].max(initial=0)))
+        self._counts = {length: int(n) for length, n in zip(self.buckets, counts) if n}  # kept pairs, buckets in use
+        self.num_dropped = len(self.store) - sum(self._counts.values())
         if self.num_dropped:
-            log.info("dropped %d of %d pairs longer than max_len=%d", self.num_dropped, len(keep), max_len)
-        index = np.int32 if len(keep) < 2**31 else np.int64  # half the memory of int64 for every corpus there is
-        bucket_of = np.searchsorted(self.buckets, lengths).astype(np.int16)  # smallest bucket >= length
-        bucket_of[~keep] = -1
-        del lengths
-        members = {length: np.flatnonzero(bucket_of == b).astype(index) for b, length in enumerate(self.buckets)}
-        self._members = {length: idx for length, idx in members.items() if len(idx)}  # buckets in use
+            log.info("dropped %d of %d pairs longer than max_len=%d", self.num_dropped, len(self.store), max_len)
         if pack:
-            self._kept = np.flatnonzero(keep).astype(index)
-            self.pack_length = pack_length or (max(self._members) if self._members else max_len)
-            longest = max(int(self._src_len[self._kept].max(initial=0)), int(self._tgt_len[self._kept].max(initial=0)))
+            self.pack_length = pack_length or (max(self._counts) if self._counts else max_len)
             if not longest <= self.pack_length <= max_len:
                 raise ValueError(f"pack_length={self.pack_length} must hold the longest pair and be at most "
                                  f"max_len={max_len}")
@@ -103,25 +106,30 @@ class Batcher:
         for length, size in self.batch_size.items():
             if size % process[1]:
                 raise ValueError(f"batches of {size} rows cannot be split over {process[1]} processes")
-        self.epoch, self.index, self._plan_cache = 0, 0, (None, [])
+        self.epoch, self.index = 0, 0
+        self._plan_cache, self._place = (None, 0, []), (None, 0, 0)  # the last window planned; where `next` was
 
     @property
     def shapes(self) -> list[tuple[int, int]]:
         """The distinct (B, L) batch shapes this data produces (one per bucket in use; packed: one)."""
         if self.pack:
-            return [(self.batch_size[self.pack_length], self.pack_length)] if len(self._kept) else []
-        return [(self.batch_size[length], length) for length in self._members]
+            return [(self.batch_size[self.pack_length], self.pack_length)] if self._counts else []
+        return [(self.batch_size[length], length) for length in self._counts]
 
     @property
     def num_batches(self) -> int:
-        """Batches per epoch (the same every epoch; packed: epoch 0's, another's may differ by a few)."""
+        """Batches per epoch: epoch 0's (packed, another's may differ by a few). A corpus of several windows:
+        the first window's count scaled to the corpus, an estimate (exact would mean planning the whole epoch)."""
+        if self.windows > 1:
+            first = self._window_plan(0, 0)
+            return round(len(first) * len(self.store) / min(WINDOW, len(self.store)))
         if self.pack:
-            return len(self._epoch_plan(0))
-        return sum(-(-len(idx) // self.batch_size[length]) for length, idx in self._members.items())
+            return len(self._window_plan(0, 0))
+        return sum(-(-n // self.batch_size[length]) for length, n in self._counts.items())
 
     def padding_share(self) -> float:
-        """The share of padding among the source and target positions of epoch 0's batches."""
-        plan = self._epoch_plan(0)
+        """The share of padding among the source and target positions of epoch 0's batches (its first window's)."""
+        plan = self._window_plan(0, 0)
         if not plan:
             return 0.0
         present = (ids[ids >= 0] for _, ids in plan)
@@ -129,27 +137,59 @@ class Batcher:
         positions = sum(2 * self.batch_size[length] * length for length, _ in plan)
         return 1.0 - tokens / positions
 
-    def _epoch_plan(self, epoch: int) -> list:
-        if self._plan_cache[0] != epoch:
-            self._plan_cache = (epoch, self._plan(epoch))
-        return self._plan_cache[1]
-
-    def _plan(self, epoch: int) -> list[tuple[int, np.ndarray]]:
-        """(L, pair indices) of every batch of `epoch`, in order (packed: (rows, pairs) a row, -1 after them)."""
-        rng = np.random.default_rng((self.seed, epoch))
-        if self.pack:
-            plan = [(self.pack_length, rows) for rows in self._packed(rng.permutation(self._kept) if self.shuffle
-                                                                     else self._kept)]
+    def _window_plan(self, epoch: int, window: int) -> list[tuple[int, np.ndarray]]:
+        """(L, pair indices) of every batch of `window` of `epoch`, in order (packed: (rows, pairs) a row, -1
+        after them). One window (corpora up to WINDOW pairs): the whole epoch, shuffled with the seed (seed, epoch).
+        Several: window k holds the pairs (a * i + b) mod N for i in [k * WINDOW, (k + 1) * WINDOW), a stride `a`
+        prime to N and `b` drawn per epoch, so that each window spans the whole corpus; shuffled inside with the
+        seed (seed, epoch, k)."""
+        if self._plan_cache[:2] == (epoch, window):
+            return self._plan_cache[2]
+        rng, n = np.random.default_rng((self.seed, epoch)), len(self.store)
+        if self.windows == 1:
+            lengths, positions = np.maximum(self._src_len, self._tgt_len), np.arange(n, dtype=self._index)
         else:
-            plan = []
-            for length, idx in self._members.items():
+            positions = np.arange(window * WINDOW, min(n, (window + 1) * WINDOW), dtype=np.int64)
+            if self.shuffle:
+                stride, offset = int(rng.integers(1, n)), int(rng.integers(0, n))
+                while math.gcd(stride, n) != 1:
+                    stride += 1
+                positions = (positions * stride + offset) % n
+                rng = np.random.default_rng((self.seed, epoch, window))
+            positions = positions.astype(self._index)
+            lengths = np.maximum(self._src_len[positions], self._tgt_len[positions])
+        keep = lengths <= self.max_len
+        if self.pack:
+            kept = positions[keep]
+            plan = [(self.pack_length, rows) for rows in self._packed(rng.permutation(kept) if self.shuffle else kept)]
+        else:
+            bucket_of, plan = np.searchsorted(self.buckets, lengths), []
+            for b, length in enumerate(self.buckets):
+                if not len(idx := positions[(bucket_of == b) & keep]):
+                    continue
                 if self.shuffle:
                     idx = rng.permutation(idx)
                 size = self.batch_size[length]
                 plan += [(length, idx[i : i + size]) for i in range(0, len(idx), size)]
         if self.shuffle:
             plan = [plan[i] for i in rng.permutation(len(plan))]
+        self._plan_cache = (epoch, window, plan)
         return plan
+
+    def _find(self, epoch: int, index: int) -> tuple[int, int, int, int]:
+        """(epoch, index, window, batches of the epoch before the window) of batch `index` of `epoch`; an index
+        past the epoch's end: the next epoch's first batch."""
+        window, before = 0, 0
+        if self._place[0] == epoch and self._place[2] <= index:  # the window of the last batch, or a later one
+            window, before = self._place[1], self._place[2]
+        while True:
+            while window < self.windows:
+                plan = self._window_plan(epoch, window)
+                if index < before + len(plan):
+                    self._place = (epoch, window, before)
+                    return epoch, index, window, before
+                window, before = window + 1, before + len(plan)
+            epoch, index, window, before = epoch + 1, 0, 0, 0
 
     def _packed(self, order: np.ndarray) -> list[np.ndarray]:
         """The pairs of `order` packed first-fit into batches of B_P rows of P positions each: per
@@ -209,19 +249,19 @@ class Batcher:
 
     def epoch_batches(self, epoch: int = 0) -> Iterator[Batch]:
         """All batches of one epoch; the iteration state is left alone."""
-        for length, idx in self._plan(epoch):
-            yield self._collate(length, idx)
+        for window in range(self.windows):
+            for length, idx in self._window_plan(epoch, window):
+                yield self._collate(length, idx)
 
     def __iter__(self) -> Batcher:
         return self
 
     def __next__(self) -> Batch:
-        if not self._members:
+        if not self._counts:
             raise StopIteration  # no data: an endless stream would spin forever
-        if self.index >= len(self._epoch_plan(self.epoch)):
-            self.epoch, self.index = self.epoch + 1, 0
-        length, idx = self._epoch_plan(self.epoch)[self.index]
-        self.index += 1
+        self.epoch, index, window, before = self._find(self.epoch, self.index)
+        length, idx = self._window_plan(self.epoch, window)[index - before]
+        self.index = index + 1
         return self._collate(length, idx)
 
     def state(self) -> dict[str, int]:
