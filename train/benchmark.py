@@ -223,24 +223,21 @@ def run_worker(preset: str, backend: str, precision: str, remat: bool, batch_siz
     if framework == "jax":
         import jax
 
-        stats = jax.devices()[0].memory_stats() or {}
-        result["device"] = jax.devices()[0].device_kind
-        result["versions"] = {"jax": jax.__version__}
-        if "peak_bytes_in_use" in stats:
-            result["peak_memory_mib"] = stats["peak_bytes_in_use"] / 2**20
+        device = jax.devices()[0]
+        result.update(device=device.device_kind, versions={"jax": jax.__version__})
+        peak_bytes = (device.memory_stats() or {}).get("peak_bytes_in_use")
     else:
         import torch
 
-        result["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
-        result["versions"] = {"torch": torch.__version__}
-        if torch.cuda.is_available():
-            result["peak_memory_mib"] = torch.cuda.max_memory_allocated() / 2**20
-    if "peak_memory_mib" not in result:  # CPU: resident memory above the process before the model existed
-        result["peak_memory_mib"] = _peak_rss_mib() - rss_base
-        result["warmup_peak_memory_mib"] = warmup_peak
-        result["memory_kind"] = "peak RSS over training steps" if steady else "peak RSS since start (incl. compilation)"
+        gpu = torch.cuda.is_available()
+        result.update(device=torch.cuda.get_device_name() if gpu else platform.processor() or "cpu",
+                      versions={"torch": torch.__version__})
+        peak_bytes = torch.cuda.max_memory_allocated() if gpu else None
+    if peak_bytes is None:  # CPU: resident memory above the process before the model existed
+        kind = "peak RSS over training steps" if steady else "peak RSS since start (incl. compilation)"
+        result.update(peak_memory_mib=_peak_rss_mib() - rss_base, warmup_peak_memory_mib=warmup_peak, memory_kind=kind)
     else:
-        result["memory_kind"] = "device peak"
+        result.update(peak_memory_mib=peak_bytes / 2**20, memory_kind="device peak")
     return result
 
 
@@ -253,14 +250,13 @@ def _cpu_name() -> str:
 
 
 def write_plot(results: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """A bar chart of the median step times: a group per precision and preset, a bar per backend."""
+    from matplotlib.figure import Figure  # no pyplot: no display, no global state
 
     groups = list(dict.fromkeys((r["precision"], r["preset"]) for r in results))
     backends = list(dict.fromkeys(r["backend"] for r in results))
-    fig, ax = plt.subplots(figsize=(2.2 + 1.8 * len(groups), 3.6))
+    fig = Figure(figsize=(2.2 + 1.8 * len(groups), 3.6), layout="tight")
+    ax = fig.subplots()
     width = 0.8 / len(backends)
     for j, backend in enumerate(backends):
         values = [next((r["median_step_s"] * 1e3 for r in results
@@ -271,7 +267,6 @@ def write_plot(results: list[dict], path: Path) -> None:
     ax.set_ylabel("median train step (ms)")
     ax.set_title(f"train step, {results[0]['device']}", fontsize=9)
     ax.legend()
-    fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
