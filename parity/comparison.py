@@ -62,7 +62,7 @@ def random_batch(cfg: TransformerConfig, batch_size: int, src_len: int, tgt_len:
         ids = rng.integers(first, vocab, size=(batch_size, length))
         lengths = rng.integers(1, length + 1, size=batch_size)
         lengths[0] = length
-        ids[:, :][np.arange(length)[None, :] >= lengths[:, None]] = cfg.pad_id
+        ids[np.arange(length)[None, :] >= lengths[:, None]] = cfg.pad_id
         ids[np.arange(batch_size), lengths - 1] = cfg.eos_id
         return ids
 
@@ -98,15 +98,11 @@ def compare(torch_model: torch_reference.Transformer, jax_model, batch: dict, sm
 
     j = {k: jax.numpy.asarray(v, jax.numpy.int32) for k, v in batch.items()}
 
-    @nnx.jit
-    def forward_backward(model):
-        def loss_fn(model):
-            logits = model(j["src"], j["tgt_in"], deterministic=True)
-            return jax_loss(logits, j["tgt_out"], cfg.pad_id, smoothing), logits
+    def loss_fn(model):
+        logits = model(j["src"], j["tgt_in"], deterministic=True)
+        return jax_loss(logits, j["tgt_out"], cfg.pad_id, smoothing), logits
 
-        return nnx.value_and_grad(loss_fn, has_aux=True)(model)
-
-    (loss_j, jax_logits), grads = forward_backward(jax_model)
+    (loss_j, jax_logits), grads = nnx.jit(nnx.value_and_grad(loss_fn, has_aux=True))(jax_model)
     flat = {jax_key(p): np.asarray(v[...]) for p, v in nnx.to_flat_state(grads)}
     jax_grads = jax_params_to_torch(flat, cfg)  # torch keys, kernels transposed back
 
