@@ -283,10 +283,9 @@ def plot(report: dict, path: str | Path) -> Path:
     paths = [("", report)] + ([("smooth path (GELU): ", report["smooth_path"])] if "smooth_path" in report else [])
     for prefix, rep in paths:
         for c in rep["comparisons"]:
-            per, style = c["per_step"], "--" if prefix else "-"
-            label = prefix + c["label"]
-            ax_loss.semilogy(per["step"], np.maximum(per["loss_rel"], floor), style, label=label, lw=1)
-            ax_param.semilogy(per["step"], np.maximum(per["param_rel_l2"], floor), style, label=label, lw=1)
+            for ax, key in ((ax_loss, "loss_rel"), (ax_param, "param_rel_l2")):
+                ax.semilogy(c["per_step"]["step"], np.maximum(c["per_step"][key], floor), "--" if prefix else "-",
+                            label=prefix + c["label"], lw=1)
     first = report["comparisons"][0]["per_step"]
     ax_param.semilogy(first["step"], np.maximum(first["k_proj_bias_rel_l2"], floor), ":", color="grey", lw=1,
                       label="k_proj.bias, jax vs torch (excluded: zero gradient)")
