@@ -150,9 +150,7 @@ def _hf_searches(run: Run, params, beams: list[int], alpha: float):
 
 @checked
 class SpeedBench:
-    """What `bench_file` times, on which sentences, and where it writes: JAX and torch cached search and torch's
-    uncached loop, greedy and with the search's beam; `ctranslate2` and `hf` add those exports
-    (docs/performance.md#translation-speed)."""
+    """What `bench_file` times, on which sentences, and where it writes (docs/performance.md#translation-speed)."""
 
     input: Path | None = option(None, "text file, one source sentence per line (plain or .gz); default: stdin")
     batch_size: int | None = option(None, "at most N sentences per batch; default: the run's --token-budget",
@@ -167,8 +165,7 @@ class SpeedBench:
 
 
 def bench_file(selection: RunSelection, search: Search, bench: SpeedBench = SpeedBench()) -> list[dict]:
-    """`aiayn translate-bench`: `benchmark` of the run `selection` names on the sentences of
-    `bench.input` (stdin), printed as a table (and written to `bench.json`)."""
+    """`aiayn translate-bench`: `benchmark` of `selection`'s run on `bench.input` (stdin), printed (and to its json)."""
     enable_parity_numerics()
     if len(selection.run_dir) > 1:
         raise UserError("--run-dir once: the benchmark times one run's weights")
@@ -190,10 +187,9 @@ def bench_file(selection: RunSelection, search: Search, bench: SpeedBench = Spee
     rows = benchmark(run, sentences, search.beam, bench.batch_size, search.alpha, scoring=search.scoring,
                      ctranslate2=bench.ctranslate2, hf=bench.hf, uncached=bench.uncached)
     run.backend.close()
-    machine = f"{platform.processor() or platform.machine()}, {host_devices.cores()} CPUs"
-    if jax.default_backend() != "cpu":
-        machine += f", {jax.devices()[0].device_kind}"
-    machine += f", jax on {jax.device_count()} device{'s' * (jax.device_count() > 1)}"
+    accelerator = "" if jax.default_backend() == "cpu" else f", {jax.devices()[0].device_kind}"
+    machine = (f"{platform.processor() or platform.machine()}, {host_devices.cores()} CPUs{accelerator}, "
+               f"jax on {jax.device_count()} device{'s' * (jax.device_count() > 1)}")
     print(f"{len(sentences)} sentences, {run.model_config.d_model}-wide {run.config.preset} model, {machine}")
     print(f"{'search':19s} {'beam':>4s} {'seconds':>8s} {'sent/s':>8s} {'tok/s':>8s} {'peak MiB':>8s} "
           f"{'vs torch cached':>16s} {'vs uncached':>12s} {'outputs differ':>15s}")

@@ -1,6 +1,5 @@
 """Step-time benchmark (`aiayn bench`): JAX vs PyTorch eager vs torch.compile on the same model and batches,
-each in a fresh worker process so that one backend's memory and threads never touch another's (docs/performance.md).
-"""
+each in a fresh worker process so that one backend's memory and threads never touch another's (docs/performance.md)."""
 
 from __future__ import annotations
 

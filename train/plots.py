@@ -30,8 +30,7 @@ class Curves:
 
 
 def draw(curves: Curves) -> dict[str, Any]:
-    """Draw the curves of the finished run `curves.run_dir` to `curves.out` (RUN/curves.png); where, and
-    the points drawn."""
+    """Draw the finished run's curves to `curves.out` (RUN/curves.png); where, and the points drawn."""
     from .runtime.output import Destination
 
     run_dir, out = Path(curves.run_dir), curves.out

@@ -18,9 +18,8 @@ from .options import Output, checked, option
 
 @checked
 class Profile:
-    """What `aiayn profile` times: the parts of `preset`'s training step on `batch`
-    sentences of `length` tokens (float32, dropout off), or with `xla_ops` / `xla_cpu_ab` instead the
-    XLA op split / the xla_cpu A/B."""
+    """What `aiayn profile` times: the parts of a training step (float32, dropout off), or the XLA op split, or the
+    xla_cpu A/B."""
 
     preset: str = option("base", "model preset", choices=tuple(TransformerConfig.presets()))
     batch: int = option(32, "sentences per batch", range=POSITIVE)
