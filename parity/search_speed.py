@@ -51,26 +51,22 @@ def benchmark(run: Run, lines: Sequence[str], beam_size: int, batch_size: int | 
     src_ids = data.encode(run.tokenizers.src, list(lines))
     batches = list(data.source_batches(src_ids, cfg.max_len, cfg.token_budget, batch_size))
 
-    def timed(search, warmup) -> tuple[float, list, float]:
-        """(seconds, outputs in input order, peak memory growth in MiB) of searching every batch."""
+    outputs_of = {}  # (search, beam): outputs in input order
+
+    def row(name: str, beam: int, search, warmup, limits: dict | None = None) -> dict:
+        """`search` over every batch after `warmup`: its time, memory growth, and outputs held against torch cached
+        search's: equal, or for a search outside this project (`limits`: each sentence's length limit) the same
+        where `ct2.same_output` says so."""
         for _, src in warmup:
             search(src)
-        outputs = [None] * len(lines)
+        outputs = outputs_of[name, beam] = [None] * len(lines)
         _reset_peak_rss()  # the kernel's high-water mark (VmHWM) restarts from here
         rss, start = _rss_mib(), time.perf_counter()
         for index, src in batches:
             out = search(src)
-            for row in np.flatnonzero(index >= 0):
-                outputs[index[row]] = out[row]
-        return time.perf_counter() - start, outputs, _peak_rss_mib() - rss
-
-    outputs_of = {}  # (search, beam): outputs in input order
-
-    def row(name: str, beam: int, search, warmup, limits: dict | None = None) -> dict:
-        """`search` timed, its outputs held against torch cached search's: equal, or for a search outside this
-        project (`limits`: each sentence's length limit) the same where `ct2.same_output` says so."""
-        seconds, outputs, peak = timed(search, warmup)
-        outputs_of[name, beam] = outputs
+            for r in np.flatnonzero(index >= 0):
+                outputs[index[r]] = out[r]
+        seconds, peak = time.perf_counter() - start, _peak_rss_mib() - rss
         pairs = enumerate(zip(map(_trim, outputs_of[REFERENCE, beam]), outputs))
         same = [ct2.same_output(ours, out, limits[i]) if limits else ours == _trim(out) for i, (ours, out) in pairs]
         return {"search": name, "beam": beam, "seconds": seconds, "peak_mib": peak,
