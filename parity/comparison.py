@@ -119,14 +119,12 @@ def relu_inputs_near_kink(torch_model: torch_reference.Transformer, batch: dict,
                           radius: float = RELU_KINK_RADIUS) -> dict:
     """How many ReLU inputs lie within `radius` of 0 in a float64 copy of the model: where a framework may
     round to either side of the kink, the gradients are both valid subgradients but not comparable."""
-    model64 = copy.deepcopy(torch_model).double()
+    model64 = copy.deepcopy(torch_model).double()  # its hooks go with it
     inputs = []
-    hooks = [m.linear1.register_forward_hook(lambda mod, inp, out: inputs.append(out.detach().abs()))
-             for m in model64.modules() if isinstance(m, torch_reference.FeedForward)]
+    for ff in (m for m in model64.modules() if isinstance(m, torch_reference.FeedForward)):
+        ff.linear1.register_forward_hook(lambda mod, inp, out: inputs.append(out.detach().abs()))
     with torch.no_grad():
         model64(torch.from_numpy(batch["src"]), torch.from_numpy(batch["tgt_in"]))
-    for h in hooks:
-        h.remove()
     closest = min(float(x.min()) for x in inputs) if inputs else float("inf")
     return {"radius": radius, "units": int(sum(int((x < radius).sum()) for x in inputs)), "closest": closest}
 
