@@ -162,9 +162,7 @@ def check_plot_directory(directory: Path, source: Path | None = None) -> None:
     if source is not None and directory.resolve() in source.resolve().parents:
         raise ValueError(f"--plot-attention {directory} holds the input {source}: its plots could replace it; "
                          "give another directory")
-    for path in (directory, *directory.parents):
-        if path.exists():
-            if not path.is_dir():
-                raise ValueError(f"--plot-attention {directory}: {path} exists and is not a directory")
-            return
+    path = next(p for p in (directory, *directory.parents) if p.exists())  # the nearest that exists: "." or "/" last
+    if not path.is_dir():
+        raise ValueError(f"--plot-attention {directory}: {path} exists and is not a directory")
 
