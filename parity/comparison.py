@@ -66,8 +66,7 @@ def random_batch(cfg: TransformerConfig, batch_size: int, src_len: int, tgt_len:
         ids[np.arange(batch_size), lengths - 1] = cfg.eos_id
         return ids
 
-    src = padded(cfg.src_vocab_size, src_len)
-    tgt_out = padded(cfg.tgt_vocab_size, tgt_len)
+    src, tgt_out = padded(cfg.src_vocab_size, src_len), padded(cfg.tgt_vocab_size, tgt_len)  # in this order
     tgt_in = np.concatenate([np.full((batch_size, 1), cfg.bos_id), tgt_out[:, :-1]], axis=1)
     return {"src": src, "tgt_in": tgt_in, "tgt_out": tgt_out}
 
