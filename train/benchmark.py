@@ -97,14 +97,12 @@ def fixed_batches(cfg: TransformerConfig, batch_size: int, length: int, count: i
     from .data import Batch
 
     rng = np.random.default_rng(seed)
-    batches = []
     for _ in range(count):
         src = rng.integers(4, cfg.src_vocab_size, size=(batch_size, length), dtype=np.int32)
         tgt = rng.integers(4, cfg.tgt_vocab_size, size=(batch_size, length), dtype=np.int32)
         tgt[:, -1] = cfg.eos_id
         tgt_in = np.concatenate([np.full((batch_size, 1), cfg.bos_id, np.int32), tgt[:, :-1]], axis=1)
-        batches.append(Batch(src, tgt_in, tgt, np.arange(batch_size), src.size, tgt.size))
-    return batches
+        yield Batch(src, tgt_in, tgt, np.arange(batch_size), src.size, tgt.size)
 
 
 def _rss_mib() -> float:
@@ -192,7 +190,7 @@ def run_worker(preset: str, backend: str, precision: str, remat: bool, batch_siz
                            warmup=4000, progress=False, dropout=cfg.dropout, kernels=kernels, remat=remat,
                            dtype="bfloat16" if precision == "bfloat16" else "float32", devices=devices)
     peak = matmul_peak_gflops(framework, precision)
-    batches = fixed_batches(cfg, batch_size, length, 4)
+    batches = list(fixed_batches(cfg, batch_size, length, 4))
     # Memory counts from here: the model, its optimizer state (JAX makes it at creation, torch in
     # the first step), gradients, activations and the runtime's buffers.
     initialize(exp)  # the process's settings (allocator, threads), as train.run applies them
