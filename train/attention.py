@@ -165,4 +165,3 @@ def check_plot_directory(directory: Path, source: Path | None = None) -> None:
     path = next(p for p in (directory, *directory.parents) if p.exists())  # the nearest that exists: "." or "/" last
     if not path.is_dir():
         raise ValueError(f"--plot-attention {directory}: {path} exists and is not a directory")
-
