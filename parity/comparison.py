@@ -62,12 +62,11 @@ def random_batch(cfg: TransformerConfig, batch_size: int, src_len: int, tgt_len:
         ids = rng.integers(first, vocab, size=(batch_size, length))
         lengths = rng.integers(1, length + 1, size=batch_size)
         lengths[0] = length
-        ids[:, :][np.arange(length)[None, :] >= lengths[:, None]] = cfg.pad_id
+        ids[np.arange(length)[None, :] >= lengths[:, None]] = cfg.pad_id
         ids[np.arange(batch_size), lengths - 1] = cfg.eos_id
         return ids
 
-    src = padded(cfg.src_vocab_size, src_len)
-    tgt_out = padded(cfg.tgt_vocab_size, tgt_len)
+    src, tgt_out = padded(cfg.src_vocab_size, src_len), padded(cfg.tgt_vocab_size, tgt_len)  # in this order
     tgt_in = np.concatenate([np.full((batch_size, 1), cfg.bos_id), tgt_out[:, :-1]], axis=1)
     return {"src": src, "tgt_in": tgt_in, "tgt_out": tgt_out}
 
@@ -98,15 +97,11 @@ def compare(torch_model: torch_reference.Transformer, jax_model, batch: dict, sm
 
     j = {k: jax.numpy.asarray(v, jax.numpy.int32) for k, v in batch.items()}
 
-    @nnx.jit
-    def forward_backward(model):
-        def loss_fn(model):
-            logits = model(j["src"], j["tgt_in"], deterministic=True)
-            return jax_loss(logits, j["tgt_out"], cfg.pad_id, smoothing), logits
+    def loss_fn(model):
+        logits = model(j["src"], j["tgt_in"], deterministic=True)
+        return jax_loss(logits, j["tgt_out"], cfg.pad_id, smoothing), logits
 
-        return nnx.value_and_grad(loss_fn, has_aux=True)(model)
-
-    (loss_j, jax_logits), grads = forward_backward(jax_model)
+    (loss_j, jax_logits), grads = nnx.jit(nnx.value_and_grad(loss_fn, has_aux=True))(jax_model)
     flat = {jax_key(p): np.asarray(v[...]) for p, v in nnx.to_flat_state(grads)}
     jax_grads = jax_params_to_torch(flat, cfg)  # torch keys, kernels transposed back
 
@@ -123,14 +118,12 @@ def relu_inputs_near_kink(torch_model: torch_reference.Transformer, batch: dict,
                           radius: float = RELU_KINK_RADIUS) -> dict:
     """How many ReLU inputs lie within `radius` of 0 in a float64 copy of the model: where a framework may
     round to either side of the kink, the gradients are both valid subgradients but not comparable."""
-    model64 = copy.deepcopy(torch_model).double()
+    model64 = copy.deepcopy(torch_model).double()  # its hooks go with it
     inputs = []
-    hooks = [m.linear1.register_forward_hook(lambda mod, inp, out: inputs.append(out.detach().abs()))
-             for m in model64.modules() if isinstance(m, torch_reference.FeedForward)]
+    for ff in (m for m in model64.modules() if isinstance(m, torch_reference.FeedForward)):
+        ff.linear1.register_forward_hook(lambda mod, inp, out: inputs.append(out.detach().abs()))
     with torch.no_grad():
         model64(torch.from_numpy(batch["src"]), torch.from_numpy(batch["tgt_in"]))
-    for h in hooks:
-        h.remove()
     closest = min(float(x.min()) for x in inputs) if inputs else float("inf")
     return {"radius": radius, "units": int(sum(int((x < radius).sum()) for x in inputs)), "closest": closest}
 

@@ -50,25 +50,23 @@ def benchmark(run_dir, lines: Sequence[str], beam: int = 4, samples: int = 1, to
     # Filler rows (index -1) are padding only: never sampled, any id serves.
     batches = [(src, np.maximum(index, 0)) for index, src in
                data.source_batches(src_ids, cfg.max_len, cfg.token_budget, batch_size)]
-    rows, sampled = [], {}
+    rows = []
     for name, pair in searches(beam, samples, top_p, seed).items():
+        outputs = {}
         for framework, search in zip(("torch", "jax"), pair):
             for src, ids in batches if framework == "jax" else batches[:1]:  # compile / warm up, untimed
                 search(models[framework], src, ids)
             start = time.perf_counter()
-            outputs = [search(models[framework], src, ids) for src, ids in batches]
+            outputs[framework] = [search(models[framework], src, ids) for src, ids in batches]
             seconds = time.perf_counter() - start
-            if name.startswith("sample"):
-                sampled[framework] = outputs
             count = len(lines) * (samples if name.startswith("sample") else 1)
-            tokens = int(sum((out != data.PAD_ID).sum() for out in outputs))
+            tokens = int(sum((out != data.PAD_ID).sum() for out in outputs[framework]))
             rows.append({"framework": framework, "search": name, "seconds": seconds, "outputs": count,
                          "sentences_per_s": len(lines) / seconds, "outputs_per_s": count / seconds,
                          "tokens_per_s": tokens / seconds})
-    differ = sum(int((a != b).any(axis=-1).sum()) for a, b in zip(sampled["torch"], sampled["jax"]))
-    for row in rows:
-        if row["search"].startswith("sample"):
-            row["differ"] = differ  # padding rows (index -1) included: they are padding in both
+        if name.startswith("sample"):  # padding rows (index -1) included: they are padding in both
+            differ = sum(int((a != b).any(axis=-1).sum()) for a, b in zip(outputs["torch"], outputs["jax"]))
+            rows[-2]["differ"] = rows[-1]["differ"] = differ
     return rows
 
 

@@ -4,6 +4,7 @@ docs/performance.md)."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import platform
 import tempfile
 import time
@@ -50,94 +51,85 @@ def benchmark(run: Run, lines: Sequence[str], beam_size: int, batch_size: int | 
     src_ids = data.encode(run.tokenizers.src, list(lines))
     batches = list(data.source_batches(src_ids, cfg.max_len, cfg.token_budget, batch_size))
 
-    def timed(search, warmup) -> tuple[float, list, float]:
-        """(seconds, outputs in input order, peak memory growth in MiB) of searching every batch."""
+    outputs_of = {}  # (search, beam): outputs in input order
+
+    def row(name: str, beam: int, search, warmup, limits: dict | None = None) -> dict:
+        """`search` over every batch after `warmup`: its time, memory growth, and outputs held against torch cached
+        search's: equal, or for a search outside this project (`limits`: each sentence's length limit) the same
+        where `ct2.same_output` says so."""
         for _, src in warmup:
             search(src)
-        outputs = [None] * len(lines)
+        outputs = outputs_of[name, beam] = [None] * len(lines)
         _reset_peak_rss()  # the kernel's high-water mark (VmHWM) restarts from here
         rss, start = _rss_mib(), time.perf_counter()
         for index, src in batches:
             out = search(src)
-            for row in np.flatnonzero(index >= 0):
-                outputs[index[row]] = out[row]
-        return time.perf_counter() - start, outputs, _peak_rss_mib() - rss
+            for r in np.flatnonzero(index >= 0):
+                outputs[index[r]] = out[r]
+        seconds, peak = time.perf_counter() - start, _peak_rss_mib() - rss
+        pairs = enumerate(zip(map(_trim, outputs_of[REFERENCE, beam]), outputs))
+        same = [ct2.same_output(ours, out, limits[i]) if limits else ours == _trim(out) for i, (ours, out) in pairs]
+        return {"search": name, "beam": beam, "seconds": seconds, "peak_mib": peak,
+                "tokens": sum(len(_trim(out)) for out in outputs),
+                "differ": None if name == REFERENCE else same.count(False)}
 
-    rows, reference = [], {}
+    rows, beams = [], sorted({1, beam_size})
     for name, cached in (("torch", True), ("jax", True), ("torch", False))[: 3 if uncached else 2]:
-        search_name = f"{name} {'cached' if cached else 'uncached'}"
-        for beam in sorted({1, beam_size}):
+        for beam in beams:
             search = lambda src, b=backends[name], k=beam, c=cached: b.translate(src, k, alpha, cached=c,
                                                                                 scoring=scoring)
             # Each framework under the allocator it has in a process of its own (allocator.settled)
             with allocator.settled() if name == "torch" else contextlib.nullcontext():
-                seconds, outputs, peak = timed(search, batches if name == "jax" else batches[:1])
-            if search_name == REFERENCE:
-                reference[beam] = outputs
-            rows.append({"search": search_name, "beam": beam, "seconds": seconds, "peak_mib": peak,
-                         "tokens": int(sum((out != data.PAD_ID).sum() for out in outputs)),
-                         "differ": None if search_name == REFERENCE
-                         else sum(_trim(a) != _trim(b) for a, b in zip(outputs, reference[beam]))})
-    for wanted, foreign_rows in ((ctranslate2, _ctranslate2_rows), (hf, _hf_rows)):
-        if wanted:
-            with allocator.settled():
-                rows += foreign_rows(run, state, batches, beam_size, alpha, timed, reference)
-    for row in rows:
-        row.update(sentences=len(lines), sentences_per_s=len(lines) / row["seconds"],
-                   tokens_per_s=row["tokens"] / row["seconds"])
+                rows.append(row(f"{name} {'cached' if cached else 'uncached'}", beam, search,
+                                batches if name == "jax" else batches[:1]))
+    if ctranslate2 or hf:
+        params = convert_state(state, "torch", model_cfg).params
+        limits = {int(index[r]): proof.limit(int((src[r] != data.PAD_ID).sum()), model_cfg)
+                  for index, src in batches for r in np.flatnonzero(index >= 0)}
+        with allocator.settled(), tempfile.TemporaryDirectory() as tmp:
+            for name, beam, search in itertools.chain(
+                    _ctranslate2_searches(run, params, beams, alpha, Path(tmp)) if ctranslate2 else (),
+                    _hf_searches(run, params, beams, alpha) if hf else ()):
+                rows.append(row(name, beam, search, batches[:1], limits))
+    for r in rows:
+        if r["search"] == "ctranslate2 int8":  # how far quantization moves the translations
+            import sacrebleu
+
+            int8, exact = (data.decode_batch(run.tokenizers.tgt, outputs_of[f"ctranslate2 {kind}", r["beam"]])
+                           for kind in ("int8", "float32"))
+            r["bleu_vs_float32"] = sacrebleu.corpus_bleu(int8, [exact]).score
+        r.update(sentences=len(lines), sentences_per_s=len(lines) / r["seconds"],
+                 tokens_per_s=r["tokens"] / r["seconds"])
         for baseline in (REFERENCE, "torch uncached"):
-            match = next((r for r in rows if r["search"] == baseline and r["beam"] == row["beam"]), None)
-            row[f"speedup_vs_{baseline.replace(' ', '_')}"] = match and match["seconds"] / row["seconds"]
+            match = next((x for x in rows if x["search"] == baseline and x["beam"] == r["beam"]), None)
+            r[f"speedup_vs_{baseline.replace(' ', '_')}"] = match and match["seconds"] / r["seconds"]
     for backend in backends.values():
         backend.close()
     return rows
 
 
-def _ctranslate2_rows(run: Run, state, batches, beam_size: int, alpha: float, timed, reference) -> list[dict]:
-    """Rows "ctranslate2 float32" and "ctranslate2 int8", and int8's BLEU against float32 (in the int8 rows)."""
-    import sacrebleu
-
-    params = convert_state(state, "torch", run.model_config).params
+def _ctranslate2_searches(run: Run, params, beams: list[int], alpha: float, tmp: Path):
+    """("ctranslate2 float32" | "ctranslate2 int8", beam, search) of the run exported under `tmp`, in turn."""
     threads = torch.get_num_threads()  # as many as torch's cached search uses
-    rows, texts = [], {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for kind in ("float32", "int8"):
-            ct2.export_ctranslate2(run.run_dir, params, run.model_config, Path(tmp) / kind, quantization=kind)
-            translator = ct2.Translator(Path(tmp) / kind, intra_threads=threads)
-            for beam in sorted({1, beam_size}):
-                def search(src, k=beam):
-                    limit = proof.limit(src.shape[1], run.model_config)
-                    return translator.translate_ids(src, beam_size=k, max_len=limit, length_penalty=alpha)
+    for kind in ("float32", "int8"):
+        ct2.export_ctranslate2(run.run_dir, params, run.model_config, tmp / kind, quantization=kind)
+        translator = ct2.Translator(tmp / kind, intra_threads=threads)
+        for beam in beams:
+            def search(src, k=beam, translator=translator):
+                limit = proof.limit(src.shape[1], run.model_config)
+                return translator.translate_ids(src, beam_size=k, max_len=limit, length_penalty=alpha)
 
-                row, outputs = _foreign_row(run, f"ctranslate2 {kind}", beam, search, batches, timed, reference)
-                texts[kind, beam] = data.decode_batch(run.tokenizers.tgt, outputs)
-                if kind == "int8":
-                    row["bleu_vs_float32"] = sacrebleu.corpus_bleu(texts[kind, beam], [texts["float32", beam]]).score
-                rows.append(row)
-    return rows
+            yield f"ctranslate2 {kind}", beam, search
 
 
-def _foreign_row(run: Run, name: str, beam: int, search, batches, timed, reference) -> tuple[dict, list]:
-    """(row `name`, outputs) of a search outside this project, outputs ours where `ct2.same_output` says so."""
-    limits = {int(index[row]): proof.limit(int((src[row] != data.PAD_ID).sum()), run.model_config)
-              for index, src in batches for row in np.flatnonzero(index >= 0)}
-    seconds, outputs, peak = timed(search, batches[:1])
-    ours = reference[beam]
-    differ = sum(not ct2.same_output(_trim(ours[i]), out, limits[i]) for i, out in enumerate(outputs))
-    return {"search": name, "beam": beam, "seconds": seconds, "peak_mib": peak,
-            "tokens": int(sum(len(out) for out in outputs)), "differ": differ}, outputs
-
-
-def _hf_rows(run: Run, state, batches, beam_size: int, alpha: float, timed, reference) -> list[dict]:
-    """Row "hf generate": the run's weights as a MarianMTModel, `generate` on the same batches."""
+def _hf_searches(run: Run, params, beams: list[int], alpha: float):
+    """("hf generate", beam, search): the run's weights as a MarianMTModel, `generate` on the same batches."""
     record = marian.marian_origin(run.run_dir)
-    params = convert_state(state, "torch", run.model_config).params
     model = marian.marian_model(record, params, run.model_config).eval()
     ids = record["marian_ids"]
     src_order, tgt_order = marian.side_orders(ids)
     to_ours = {int(m): ours for ours, m in enumerate(tgt_order) if ours != data.BOS_ID}
-    rows = []
-    for beam in sorted({1, beam_size}):
+    for beam in beams:
         def search(src, k=beam):
             limit = proof.limit(src.shape[1], run.model_config)
             with torch.inference_mode():
@@ -149,15 +141,12 @@ def _hf_rows(run: Run, state, batches, beam_size: int, alpha: float, timed, refe
                 )
             return [[to_ours[int(m)] for m in row[1:] if m != ids["pad"]] for row in out.tolist()]
 
-        rows.append(_foreign_row(run, "hf generate", beam, search, batches, timed, reference)[0])
-    return rows
+        yield "hf generate", beam, search
 
 
 @checked
 class SpeedBench:
-    """What `bench_file` times, on which sentences, and where it writes: JAX and torch cached search and torch's
-    uncached loop, greedy and with the search's beam; `ctranslate2` and `hf` add those exports
-    (docs/performance.md#translation-speed)."""
+    """What `bench_file` times, on which sentences, and where it writes (docs/performance.md#translation-speed)."""
 
     input: Path | None = option(None, "text file, one source sentence per line (plain or .gz); default: stdin")
     batch_size: int | None = option(None, "at most N sentences per batch; default: the run's --token-budget",
@@ -172,8 +161,7 @@ class SpeedBench:
 
 
 def bench_file(selection: RunSelection, search: Search, bench: SpeedBench = SpeedBench()) -> list[dict]:
-    """`aiayn translate-bench`: `benchmark` of the run `selection` names on the sentences of
-    `bench.input` (stdin), printed as a table (and written to `bench.json`)."""
+    """`aiayn translate-bench`: `benchmark` of `selection`'s run on `bench.input` (stdin), printed (and to its json)."""
     enable_parity_numerics()
     if len(selection.run_dir) > 1:
         raise UserError("--run-dir once: the benchmark times one run's weights")
@@ -195,10 +183,9 @@ def bench_file(selection: RunSelection, search: Search, bench: SpeedBench = Spee
     rows = benchmark(run, sentences, search.beam, bench.batch_size, search.alpha, scoring=search.scoring,
                      ctranslate2=bench.ctranslate2, hf=bench.hf, uncached=bench.uncached)
     run.backend.close()
-    machine = f"{platform.processor() or platform.machine()}, {host_devices.cores()} CPUs"
-    if jax.default_backend() != "cpu":
-        machine += f", {jax.devices()[0].device_kind}"
-    machine += f", jax on {jax.device_count()} device{'s' * (jax.device_count() > 1)}"
+    accelerator = "" if jax.default_backend() == "cpu" else f", {jax.devices()[0].device_kind}"
+    machine = (f"{platform.processor() or platform.machine()}, {host_devices.cores()} CPUs{accelerator}, "
+               f"jax on {jax.device_count()} device{'s' * (jax.device_count() > 1)}")
     print(f"{len(sentences)} sentences, {run.model_config.d_model}-wide {run.config.preset} model, {machine}")
     print(f"{'search':19s} {'beam':>4s} {'seconds':>8s} {'sent/s':>8s} {'tok/s':>8s} {'peak MiB':>8s} "
           f"{'vs torch cached':>16s} {'vs uncached':>12s} {'outputs differ':>15s}")

@@ -168,11 +168,10 @@ def _switch(run: Run, cfg, model_cfg, prepared, workdir: Path) -> tuple[Run, boo
     return Run(f"{src}→{other}", backend, batcher), exact
 
 
-def run_trajectory(cfg, steps: int | None = None, switch: int | None = None, control: bool = False,
-                   initial: TrainingState | None = None, progress: bool = False, prepared=None) -> dict:
-    """The report (unjudged: `failures`) of `steps` updates in both frameworks in lockstep from `initial`
-    (default: torch's), plus the switched runs where 0 < switch < steps, plus torch one ulp away with `control`."""
-    enable_parity_numerics()
+def run_trajectory(cfg, initial: TrainingState, steps: int | None = None, switch: int | None = None,
+                   control: bool = False, progress: bool = False, prepared=None) -> dict:
+    """The report (unjudged: `failures`) of `steps` updates in both frameworks in lockstep from `initial`, plus
+    the switched runs where 0 < switch < steps, plus torch one ulp away with `control` (`parity_report` runs it)."""
     steps = steps or cfg.steps
     model_cfg, prepared = prepared or prepare(cfg)
     splits, tokenizers = prepared
@@ -187,8 +186,6 @@ def run_trajectory(cfg, steps: int | None = None, switch: int | None = None, con
         for framework in ("torch", "jax"):
             initialize(cfg.replace(backend=framework))  # each framework's process settings (threads, allocator)
         backends = {n: create_backend(cfg.replace(backend=n.split("+")[0]), model_cfg, str(workdir / n)) for n in names}
-        if initial is None:
-            initial = backends["torch"].export_state()
         for name, backend in backends.items():  # one set of initial weights, moved by the conversion
             state = one_ulp_away(initial) if name == "torch+1ulp" else initial
             backend.import_state(convert_state(state, name.split("+")[0], model_cfg))
@@ -249,12 +246,12 @@ def parity_report(cfg, steps: int | None = None, switch: int | None = None, cont
     enable_parity_numerics()
     model_cfg, prepared = prepare(cfg)
     initial = create_backend(cfg.replace(backend="torch"), model_cfg).export_state()
-    report = run_trajectory(cfg, steps, switch, control, initial, progress, (model_cfg, prepared))
+    report = run_trajectory(cfg, initial, steps, switch, control, progress, (model_cfg, prepared))
     if _bound_failures(report)[1] and model_cfg.activation == "relu":
         if progress:
             print("  parameters exceed the bound with ReLU: running the smooth path (same weights, exact GELU)")
         smooth_cfg = cfg.replace(model={**cfg.model, "activation": "gelu"})
-        report["smooth_path"] = run_trajectory(smooth_cfg, steps, switch, False, initial, progress)
+        report["smooth_path"] = run_trajectory(smooth_cfg, initial, steps, switch, False, progress)
     report["failures"] = failures(report)
     return report
 
@@ -286,10 +283,9 @@ def plot(report: dict, path: str | Path) -> Path:
     paths = [("", report)] + ([("smooth path (GELU): ", report["smooth_path"])] if "smooth_path" in report else [])
     for prefix, rep in paths:
         for c in rep["comparisons"]:
-            per, style = c["per_step"], "--" if prefix else "-"
-            label = prefix + c["label"]
-            ax_loss.semilogy(per["step"], np.maximum(per["loss_rel"], floor), style, label=label, lw=1)
-            ax_param.semilogy(per["step"], np.maximum(per["param_rel_l2"], floor), style, label=label, lw=1)
+            for ax, key in ((ax_loss, "loss_rel"), (ax_param, "param_rel_l2")):
+                ax.semilogy(c["per_step"]["step"], np.maximum(c["per_step"][key], floor), "--" if prefix else "-",
+                            label=prefix + c["label"], lw=1)
     first = report["comparisons"][0]["per_step"]
     ax_param.semilogy(first["step"], np.maximum(first["k_proj_bias_rel_l2"], floor), ":", color="grey", lw=1,
                       label="k_proj.bias, jax vs torch (excluded: zero gradient)")

@@ -85,9 +85,13 @@ class AttentionRecorder:
         self.found.sort(key=lambda a: a.line)
 
     def plot(self, directory: Path) -> None:
-        """Write every recorded sentence's plots to `directory` (`write_plots`)."""
-        written = write_plots(self.found, Path(directory))
-        print(f"wrote {len(written)} attention plots for {len(self.found)} sentences to {directory}", file=sys.stderr)
+        """Every recorded sentence's plots in `directory` (created): NNNN.png and NNNN_layers.png."""
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        for att in self.found:
+            plot_sentence(att, Path(directory) / f"{att.line:04d}.png")
+            plot_layers(att, Path(directory) / f"{att.line:04d}_layers.png")
+        print(f"wrote {2 * len(self.found)} attention plots for {len(self.found)} sentences to {directory}",
+              file=sys.stderr)
 
 
 TITLE_CHARS = 80  # a title line's length before it wraps (at word boundaries only)
@@ -158,20 +162,6 @@ def check_plot_directory(directory: Path, source: Path | None = None) -> None:
     if source is not None and directory.resolve() in source.resolve().parents:
         raise ValueError(f"--plot-attention {directory} holds the input {source}: its plots could replace it; "
                          "give another directory")
-    for path in (directory, *directory.parents):
-        if path.exists():
-            if not path.is_dir():
-                raise ValueError(f"--plot-attention {directory}: {path} exists and is not a directory")
-            return
-
-
-def write_plots(attentions: Sequence[SentenceAttention], directory: Path) -> list[Path]:
-    """`NNNN.png` and `NNNN_layers.png` per sentence in `directory` (created); the paths written."""
-    directory.mkdir(parents=True, exist_ok=True)
-    written = []
-    for att in attentions:
-        for plot, suffix in ((plot_sentence, ""), (plot_layers, "_layers")):
-            path = directory / f"{att.line:04d}{suffix}.png"
-            plot(att, path)
-            written.append(path)
-    return written
+    path = next(p for p in (directory, *directory.parents) if p.exists())  # the nearest that exists: "." or "/" last
+    if not path.is_dir():
+        raise ValueError(f"--plot-attention {directory}: {path} exists and is not a directory")

@@ -1,6 +1,5 @@
 """Step-time benchmark (`aiayn bench`): JAX vs PyTorch eager vs torch.compile on the same model and batches,
-each in a fresh worker process so that one backend's memory and threads never touch another's (docs/performance.md).
-"""
+each in a fresh worker process so that one backend's memory and threads never touch another's (docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -98,14 +97,12 @@ def fixed_batches(cfg: TransformerConfig, batch_size: int, length: int, count: i
     from .data import Batch
 
     rng = np.random.default_rng(seed)
-    batches = []
     for _ in range(count):
         src = rng.integers(4, cfg.src_vocab_size, size=(batch_size, length), dtype=np.int32)
         tgt = rng.integers(4, cfg.tgt_vocab_size, size=(batch_size, length), dtype=np.int32)
         tgt[:, -1] = cfg.eos_id
         tgt_in = np.concatenate([np.full((batch_size, 1), cfg.bos_id, np.int32), tgt[:, :-1]], axis=1)
-        batches.append(Batch(src, tgt_in, tgt, np.arange(batch_size), src.size, tgt.size))
-    return batches
+        yield Batch(src, tgt_in, tgt, np.arange(batch_size), src.size, tgt.size)
 
 
 def _rss_mib() -> float:
@@ -193,7 +190,7 @@ def run_worker(preset: str, backend: str, precision: str, remat: bool, batch_siz
                            warmup=4000, progress=False, dropout=cfg.dropout, kernels=kernels, remat=remat,
                            dtype="bfloat16" if precision == "bfloat16" else "float32", devices=devices)
     peak = matmul_peak_gflops(framework, precision)
-    batches = fixed_batches(cfg, batch_size, length, 4)
+    batches = list(fixed_batches(cfg, batch_size, length, 4))
     # Memory counts from here: the model, its optimizer state (JAX makes it at creation, torch in
     # the first step), gradients, activations and the runtime's buffers.
     initialize(exp)  # the process's settings (allocator, threads), as train.run applies them
@@ -223,24 +220,21 @@ def run_worker(preset: str, backend: str, precision: str, remat: bool, batch_siz
     if framework == "jax":
         import jax
 
-        stats = jax.devices()[0].memory_stats() or {}
-        result["device"] = jax.devices()[0].device_kind
-        result["versions"] = {"jax": jax.__version__}
-        if "peak_bytes_in_use" in stats:
-            result["peak_memory_mib"] = stats["peak_bytes_in_use"] / 2**20
+        device = jax.devices()[0]
+        result.update(device=device.device_kind, versions={"jax": jax.__version__})
+        peak_bytes = (device.memory_stats() or {}).get("peak_bytes_in_use")
     else:
         import torch
 
-        result["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
-        result["versions"] = {"torch": torch.__version__}
-        if torch.cuda.is_available():
-            result["peak_memory_mib"] = torch.cuda.max_memory_allocated() / 2**20
-    if "peak_memory_mib" not in result:  # CPU: resident memory above the process before the model existed
-        result["peak_memory_mib"] = _peak_rss_mib() - rss_base
-        result["warmup_peak_memory_mib"] = warmup_peak
-        result["memory_kind"] = "peak RSS over training steps" if steady else "peak RSS since start (incl. compilation)"
+        gpu = torch.cuda.is_available()
+        result.update(device=torch.cuda.get_device_name() if gpu else platform.processor() or "cpu",
+                      versions={"torch": torch.__version__})
+        peak_bytes = torch.cuda.max_memory_allocated() if gpu else None
+    if peak_bytes is None:  # CPU: resident memory above the process before the model existed
+        kind = "peak RSS over training steps" if steady else "peak RSS since start (incl. compilation)"
+        result.update(peak_memory_mib=_peak_rss_mib() - rss_base, warmup_peak_memory_mib=warmup_peak, memory_kind=kind)
     else:
-        result["memory_kind"] = "device peak"
+        result.update(peak_memory_mib=peak_bytes / 2**20, memory_kind="device peak")
     return result
 
 
@@ -253,14 +247,13 @@ def _cpu_name() -> str:
 
 
 def write_plot(results: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """A bar chart of the median step times: a group per precision and preset, a bar per backend."""
+    from matplotlib.figure import Figure  # no pyplot: no display, no global state
 
     groups = list(dict.fromkeys((r["precision"], r["preset"]) for r in results))
     backends = list(dict.fromkeys(r["backend"] for r in results))
-    fig, ax = plt.subplots(figsize=(2.2 + 1.8 * len(groups), 3.6))
+    fig = Figure(figsize=(2.2 + 1.8 * len(groups), 3.6), layout="tight")
+    ax = fig.subplots()
     width = 0.8 / len(backends)
     for j, backend in enumerate(backends):
         values = [next((r["median_step_s"] * 1e3 for r in results
@@ -271,7 +264,6 @@ def write_plot(results: list[dict], path: Path) -> None:
     ax.set_ylabel("median train step (ms)")
     ax.set_title(f"train step, {results[0]['device']}", fontsize=9)
     ax.legend()
-    fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import re
@@ -135,7 +136,7 @@ def read_lines(path: str | os.PathLike, max_chars: int = Limits().max_text_chars
     return lines
 
 
-class ServedRun:
+class ServedRun(contextlib.AbstractContextManager):
     """`aiayn serve --run-dir RUN --port 0 ARGS` in a child process: `url` once it listens; `stop()`."""
 
     def __init__(self, run_dir: str | os.PathLike, *args: str, startup_s: float = 300.0):
@@ -162,9 +163,6 @@ class ServedRun:
     def stop(self, timeout: float = 120.0) -> int:
         self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout)
-
-    def __enter__(self):
-        return self
 
     def __exit__(self, *exc) -> None:
         if self.proc.poll() is None:

@@ -92,8 +92,7 @@ def bands_text(bands: dict[str, Any] | None) -> str:
         return ""
     text = " ".join(f"{band}:{scores['exact_match']:.4g}" + ("*" if scores["unseen_exact_match"] is None else "")
                     for band, scores in bands.items())
-    seen_only = any(scores["unseen_exact_match"] is None for scores in bands.values())
-    return f" by digits {text}" + (" (*: seen in training)" if seen_only else "")
+    return f" by digits {text}" + (" (*: seen in training)" if "*" in text else "")
 
 
 def evaluate_pairs(backend: Backend, tokenizers: data.Tokenizers, pairs: Sequence[data.Pair], *, max_len: int,

@@ -30,8 +30,7 @@ class Curves:
 
 
 def draw(curves: Curves) -> dict[str, Any]:
-    """Draw the curves of the finished run `curves.run_dir` to `curves.out` (RUN/curves.png); where, and
-    the points drawn."""
+    """Draw the finished run's curves to `curves.out` (RUN/curves.png); where, and the points drawn."""
     from .runtime.output import Destination
 
     run_dir, out = Path(curves.run_dir), curves.out
@@ -50,15 +49,14 @@ def draw(curves: Curves) -> dict[str, Any]:
             "valid_points": len(history.get("valid") or [])}
 
 
-def plot_curves(history: dict[str, Any], path: str | Path, title: str = "") -> Path:
+def plot_curves(history: dict[str, Any], path: str | Path, title: str = "") -> None:
     """Draw `history` (results.json's) to `path` in the format its suffix names (`IMAGE_FORMATS`; PNG without one)."""
     train, valid = history.get("train") or [], history.get("valid") or []
     fig = Figure(figsize=(11, 7), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(2, 2)
-    for row, (x_key, x_label) in enumerate([("step", "optimizer steps"), ("train_time_s", "training time (min)")]):
-        scale = 1 / 60 if x_key == "train_time_s" else 1
-        loss_ax, bleu_ax = axes[row]
+    x_axes = [("step", "optimizer steps", 1), ("train_time_s", "training time (min)", 1 / 60)]  # key, label, scale
+    for (loss_ax, bleu_ax), (x_key, x_label, scale) in zip(axes, x_axes):
         for entries, label, style in [(train, "train loss (label smoothed)", "-"), (valid, "validation loss", "o-")]:
             points = [(e[x_key] * scale, e["loss"]) for e in entries if e.get(x_key) is not None
                       and e.get("loss") is not None]
@@ -83,7 +81,6 @@ def plot_curves(history: dict[str, Any], path: str | Path, title: str = "") -> P
     path, image = Path(path), io.BytesIO()
     fig.savefig(image, format=path.suffix[1:].lower() or "png", dpi=100)
     write_bytes_atomic(path, image.getvalue())  # whole or not at all; a link at `path` is replaced
-    return path
 
 
 def run_title(results: dict[str, Any]) -> str:

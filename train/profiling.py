@@ -18,9 +18,8 @@ from .options import Output, checked, option
 
 @checked
 class Profile:
-    """What `aiayn profile` times: the parts of `preset`'s training step on `batch`
-    sentences of `length` tokens (float32, dropout off), or with `xla_ops` / `xla_cpu_ab` instead the
-    XLA op split / the xla_cpu A/B."""
+    """What `aiayn profile` times: the parts of a training step (float32, dropout off), or the XLA op split, or the
+    xla_cpu A/B."""
 
     preset: str = option("base", "model preset", choices=tuple(TransformerConfig.presets()))
     batch: int = option(32, "sentences per batch", range=POSITIVE)
@@ -38,6 +37,25 @@ def median_time(fn: Callable[[], object], repeats: int, warmup: int = 2) -> floa
     return statistics.median(timings(fn, repeats, warmup))
 
 
+def _parts(model, loss: Callable, causal, src, tgt, projection: tuple) -> dict[str, tuple]:
+    """{part: (module, fn(module, x, memory))} of either twin's `model`; `loss(logits)`, the smoothed loss."""
+    layer_e, layer_d = model.encoder.layers[0], model.decoder.layers[0]
+    embeddings = ((model.src_embed, lambda m, x, mem: m(src) + m(tgt)) if model.cfg.share_embeddings
+                  else (model, lambda m, x, mem: m.src_embed(src) + m.target_embedding(tgt)))
+    return {
+        "self-attention": (layer_e.self_attn, lambda m, x, mem: m(x, x)),
+        "causal self-attention": (layer_d.self_attn, lambda m, x, mem: m(x, x, causal)),
+        "feed-forward": (layer_e.ff, lambda m, x, mem: m(x)),
+        "encoder layer": (layer_e, lambda m, x, mem: m(x)),
+        "decoder layer": (layer_d, lambda m, x, mem: m(x, mem, None, causal)),
+        "embeddings (src + tgt)": embeddings,
+        "encoder (all layers)": (model.encoder, lambda m, x, mem: m(x)),
+        "decoder (all layers)": (model.decoder, lambda m, x, mem: m(x, mem, None, causal)),
+        "output projection + loss": projection,
+        "forward + backward": (model, lambda m, x, mem: loss(m(src, tgt))),
+    }
+
+
 def torch_parts(cfg: TransformerConfig, batch: int, length: int, repeats: int, seed: int = 0) -> dict:
     """{part: seconds} for the torch reference."""
     import torch
@@ -47,50 +65,33 @@ def torch_parts(cfg: TransformerConfig, batch: int, length: int, repeats: int, s
 
     torch.manual_seed(seed)
     model = torch_reference.Transformer(cfg)
-    layer_e, layer_d = model.encoder.layers[0], model.decoder.layers[0]
     rng = np.random.default_rng(seed)
     x = torch.from_numpy(rng.standard_normal((batch, length, cfg.d_model), dtype=np.float32)).requires_grad_()
     memory = torch.from_numpy(rng.standard_normal((batch, length, cfg.d_model), dtype=np.float32)).requires_grad_()
     ids = torch.from_numpy(rng.integers(4, cfg.tgt_vocab_size, (batch, length)))
-    causal = torch_reference.model.causal_mask(length, device=x.device)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
 
-    def backward(fn):
+    def loss(logits):
+        return label_smoothed_cross_entropy(logits, ids, cfg.pad_id, 0.1)
+
+    def backward(module, fn):
         def run():
             model.zero_grad(set_to_none=True)
             x.grad = memory.grad = None
-            fn().sum().backward()
+            fn(module, x, memory).sum().backward()
 
         return run
 
     src, tgt = ids, torch.roll(ids, 1, dims=1)
-
-    def logits_loss():
-        return label_smoothed_cross_entropy(model.project(x), ids, cfg.pad_id, 0.1)
-
-    def full():
-        return label_smoothed_cross_entropy(model(src, tgt), ids, cfg.pad_id, 0.1)
-
-    parts = {
-        "self-attention": backward(lambda: layer_e.self_attn(x, x)),
-        "causal self-attention": backward(lambda: layer_d.self_attn(x, x, causal)),
-        "feed-forward": backward(lambda: layer_e.ff(x)),
-        "encoder layer": backward(lambda: layer_e(x)),
-        "decoder layer": backward(lambda: layer_d(x, memory, None, causal)),
-        "embeddings (src + tgt)": backward(lambda: model.src_embed(src) + model.target_embedding(tgt)),
-        "encoder (all layers)": backward(lambda: model.encoder(x)),
-        "decoder (all layers)": backward(lambda: model.decoder(x, memory, None, causal)),
-        "output projection + loss": backward(logits_loss),
-        "forward + backward": backward(full),
-    }
-    times = {name: median_time(fn, repeats) for name, fn in parts.items()}
-    backward(full)()  # gradients for Adam to apply
-
+    causal = torch_reference.model.causal_mask(length)
+    parts = _parts(model, loss, causal, src, tgt, (model, lambda m, x, mem: loss(m.project(x))))
+    times = {name: median_time(backward(*part), repeats) for name, part in parts.items()}
+    backward(*parts["forward + backward"])()  # gradients for Adam to apply
     times["adam update"] = median_time(optimizer.step, repeats)
 
     def step():
         optimizer.zero_grad(set_to_none=True)
-        full().backward()
+        loss(model(src, tgt)).backward()
         optimizer.step()
 
     times["train step"] = median_time(step, repeats)
@@ -98,6 +99,7 @@ def torch_parts(cfg: TransformerConfig, batch: int, length: int, repeats: int, s
 
 
 def jax_parts(cfg: TransformerConfig, batch: int, length: int, repeats: int, seed: int = 0) -> dict:
+    """{part: seconds} for the Flax twin (the XLA:CPU kernels on a CPU)."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -114,78 +116,48 @@ def jax_parts(cfg: TransformerConfig, batch: int, length: int, repeats: int, see
     x = jnp.asarray(rng.standard_normal((batch, length, cfg.d_model), dtype=np.float32))
     memory = jnp.asarray(rng.standard_normal((batch, length, cfg.d_model), dtype=np.float32))
     ids = jnp.asarray(rng.integers(4, cfg.tgt_vocab_size, (batch, length)))
-    causal = causal_mask(length)
-    layer_e, layer_d = model.encoder.layers[0], model.decoder.layers[0]
+
+    def loss(logits):
+        return label_smoothed_cross_entropy(logits, ids, cfg.pad_id, 0.1)
 
     def timed_grad(module, fn):
         """Median seconds of jit(grad(sum(fn(module, x, memory)))) over the module's params and the inputs."""
         graphdef, params = nnx.split(module)
 
-        @jax.jit
-        def grads(params, x, memory):
-            def loss(params, x, memory):
-                return fn(nnx.merge(graphdef, params), x, memory).sum()
+        def total(params, x, memory):
+            return fn(nnx.merge(graphdef, params), x, memory).sum()
 
-            return jax.grad(loss, argnums=(0, 1, 2))(params, x, memory)
-
+        grads = jax.jit(jax.grad(total, argnums=(0, 1, 2)))
         return median_time(lambda: jax.block_until_ready(grads(params, x, memory)), repeats)
 
-    src, tgt = ids, jnp.roll(ids, 1, axis=1)
-
-    # Differentiate each part with respect to its own parameters only: over the whole model, JAX
+    # Each part differentiated with respect to its own parameters only: over the whole model, JAX
     # would also write zero gradients for every other parameter (torch leaves them None).
-    def loss_of(m, x, memory):
-        logits = (xla_cpu.attend if tuned else nnx.Embed.attend)(m, x) if cfg.tie_output else m(x)
-        return label_smoothed_cross_entropy(logits, ids, cfg.pad_id, 0.1)
+    def projection_loss(m, x, memory):
+        return loss((xla_cpu.attend if tuned else nnx.Embed.attend)(m, x) if cfg.tie_output else m(x))
 
-    projection = model.target_embedding if cfg.tie_output else model.out_proj
-
-    def full(m, x, memory):
-        return label_smoothed_cross_entropy(m(src, tgt), ids, cfg.pad_id, 0.1)
-
-    times = {
-        "self-attention": timed_grad(layer_e.self_attn, lambda m, x, mem: m(x, x)),
-        "causal self-attention": timed_grad(layer_d.self_attn, lambda m, x, mem: m(x, x, causal)),
-        "feed-forward": timed_grad(layer_e.ff, lambda m, x, mem: m(x)),
-        "encoder layer": timed_grad(layer_e, lambda m, x, mem: m(x)),
-        "decoder layer": timed_grad(layer_d, lambda m, x, mem: m(x, mem, None, causal)),
-        "embeddings (src + tgt)": timed_grad(model.src_embed, lambda m, x, mem: m(src) + m(tgt))
-        if cfg.share_embeddings
-        else timed_grad(model, lambda m, x, mem: m.src_embed(src) + m.target_embedding(tgt)),
-        "encoder (all layers)": timed_grad(model.encoder, lambda m, x, mem: m(x)),
-        "decoder (all layers)": timed_grad(model.decoder, lambda m, x, mem: m(x, mem, None, causal)),
-        "output projection + loss": timed_grad(projection, loss_of),
-        "forward + backward": timed_grad(model, full),
-    }
+    projection = (model.target_embedding if cfg.tie_output else model.out_proj, projection_loss)
+    parts = _parts(model, loss, causal_mask(length), ids, jnp.roll(ids, 1, axis=1), projection)
+    times = {name: timed_grad(*part) for name, part in parts.items()}
     graphdef, params = nnx.split(model, nnx.Param)
     tx = optax.adam(1e-4, b1=0.9, b2=0.98, eps=1e-9)
-    state = (params, tx.init(params))
-    grads = jax.tree.map(jnp.ones_like, params)
+    state = [(params, tx.init(params))]  # donated to each update and replaced by its result, as the backend's step
 
-    @functools.partial(jax.jit, donate_argnums=0)  # as the backend's step: the state updated in place
-    def adam(state, grads):
-        params, opt_state = state
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
+    def timed_update(grads_of: Callable, *args) -> float:
+        """Median seconds of a jitted Adam update of `state` by `grads_of(params, *args)`."""
+        @functools.partial(jax.jit, donate_argnums=0)
+        def update(state, *args):
+            params, opt_state = state
+            updates, opt_state = tx.update(grads_of(params, *args), opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
 
-    holder = [state]
+        def run():
+            state[0] = jax.block_until_ready(update(state[0], *args))
 
-    def run_adam():
-        holder[0] = jax.block_until_ready(adam(holder[0], grads))
+        return median_time(run, repeats)
 
-    times["adam update"] = median_time(run_adam, repeats)
-
-    @functools.partial(jax.jit, donate_argnums=0)
-    def step(state):
-        params, opt_state = state
-        g = jax.grad(lambda p: full(nnx.merge(graphdef, p), None, None))(params)
-        updates, opt_state = tx.update(g, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
-
-    def run_step():  # continues from the Adam timings' state (the first one was donated)
-        holder[0] = jax.block_until_ready(step(holder[0]))
-
-    times["train step"] = median_time(run_step, repeats)
+    times["adam update"] = timed_update(lambda params, grads: grads, jax.tree.map(jnp.ones_like, params))
+    forward = parts["forward + backward"][1]
+    times["train step"] = timed_update(jax.grad(lambda params: forward(nnx.merge(graphdef, params), None, None)))
     return times
 
 
@@ -209,11 +181,10 @@ def xla_op_split(cfg: TransformerConfig, batch: int, length: int, repeats: int =
     graphdef, params = nnx.split(model, nnx.Param)
     ids = jnp.asarray(np.random.default_rng(seed).integers(4, cfg.tgt_vocab_size, (batch, length)))
 
-    @jax.jit
-    def grads(params, src, tgt):
-        loss = lambda p: label_smoothed_cross_entropy(nnx.merge(graphdef, p)(src, tgt), src, cfg.pad_id, 0.1)  # noqa: E731
-        return jax.grad(loss)(params)
+    def loss(params, src, tgt):
+        return label_smoothed_cross_entropy(nnx.merge(graphdef, params)(src, tgt), src, cfg.pad_id, 0.1)
 
+    grads = jax.jit(jax.grad(loss))
     args = (params, ids, jnp.roll(ids, 1, axis=1))
     jax.block_until_ready(grads(*args))
     with tempfile.TemporaryDirectory() as logdir:
