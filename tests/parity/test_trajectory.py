@@ -152,5 +152,5 @@ def test_cli(tmp_path):
             "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png")]
     assert trajectory.main(args) == 0
     written = json.loads((tmp_path / "r.json").read_text())
-    assert written["steps"] == 2 and written["failures"] == [] and written["command"].startswith("python -m parity")
+    assert written["steps"] == 2 and written["failures"] == [] and written["command"].startswith("aiayn trajectory")
     assert len(written["comparisons"]) == 3 and (tmp_path / "r.png").is_file()

@@ -86,6 +86,7 @@ def test_the_wmt14_recipe_trains_on_a_corpus_of_wmt_size(tmp_path, multi30k, mon
            f"valid='en:de:{multi30k / 'val'}', test=None, steps=2, eval_sentences=2, token_budget=2048, "
            f"backend='torch', run_dir='{tmp_path / 'run'}', progress=False)")
     measured = wmt_sized.measure([sys.executable, "-c", fit])
+    print(json.dumps(measured))  # with -s: the figures docs/scale.md quotes
     assert measured["rc"] == 0
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert results["steps"] == 2 and np.isfinite(results["train"]["loss"])
