@@ -27,7 +27,7 @@ from torch_reference.config import TransformerConfig, check_beam
 
 from ..config import ExperimentConfig, default_dtype, resolve_kernels
 from ..data import Batch
-from ..store import TrainingState, check_keys
+from ..store import TrainingState, check_arrays
 from ..store.jax_store import JaxStore
 from . import allocator, compiles, jax_cache
 from .interface import Hypotheses, Metrics, StoreMethods, Topology
@@ -442,9 +442,7 @@ class JaxBackend(StoreMethods):
         return state
 
     def import_state(self, state: TrainingState) -> None:
-        if state.framework != "jax":
-            raise ValueError(f"a {state.framework} training state: convert it to JAX's layout first (aiayn convert)")
-        state.check()
+        state.check("jax")
         old = self.state
         params = _from_flat(old["params"], state.params, "weights")
         opt_state = self.tx.init(params)
@@ -480,9 +478,5 @@ def _to_flat(tree: Any) -> dict[str, np.ndarray]:
 def _from_flat(template: Any, flat: Mapping[str, np.ndarray], what: str) -> Any:
     """`flat` as a tree of NumPy arrays shaped like `template`; keys, shapes and dtypes checked."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(template)
-    check_keys(what, {_key(p): tuple(leaf.shape) for p, leaf in leaves}, {k: np.shape(v) for k, v in flat.items()})
-    wrong = [f"{_key(p)}: expected {leaf.dtype}, got {flat[_key(p)].dtype}" for p, leaf in leaves
-             if flat[_key(p)].dtype != leaf.dtype]
-    if wrong:
-        raise ValueError(f"{what} have other dtypes than the target:\n  " + "\n  ".join(wrong))
+    check_arrays(what, {_key(p): leaf for p, leaf in leaves}, flat)
     return jax.tree_util.tree_unflatten(treedef, [np.asarray(flat[_key(p)]) for p, _ in leaves])

@@ -34,7 +34,7 @@ from ..config import ExperimentConfig, default_dtype, resolve_kernels
 from ..data import Batch
 from ..runtime import Interrupted, UserError
 from ..runtime.files import error_text
-from ..store import TrainingState, check_keys
+from ..store import TrainingState, check_arrays
 from ..store.torch_store import TorchStore
 from .interface import Hypotheses, Metrics, StoreMethods, Topology
 
@@ -370,15 +370,9 @@ class TorchBackend(StoreMethods):
         return state
 
     def import_state(self, state: TrainingState) -> None:
-        if state.framework != "torch":
-            raise ValueError(f"a {state.framework} training state: convert it to torch's layout first (aiayn convert)")
-        state.check()
-        current = self.model.state_dict()
-        check_keys("PyTorch weights", {k: tuple(v.shape) for k, v in current.items()}, {k: np.shape(v) for k, v in state.params.items()})
-        wrong = [f"{k}: expected {current[k].dtype}, got {v.dtype}" for k, v in state.params.items()
-                 if v.dtype != current[k].detach().cpu().numpy().dtype]
-        if wrong:
-            raise ValueError("weights have other dtypes than the target:\n  " + "\n  ".join(wrong))
+        state.check("torch")
+        check_arrays("PyTorch weights", {k: v.detach().cpu().numpy() for k, v in self.model.state_dict().items()},
+                     state.params)
         with torch.no_grad():
             self.model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in state.params.items()}, strict=True)
         # torch.optim.Adam's own layout, by parameter index; `step` as the float tensor it keeps.
