@@ -294,19 +294,19 @@ class _Log:
                    int(state.get("tokens") or 0))
 
 
-def _log_window(cfg, step: int, values: list[dict[str, float]], tokens: int, elapsed: float, log: _Log, writer, bar,
+def _log_window(cfg, step: int, values: list[dict[str, float]], elapsed: float, log: _Log, writer, bar,
                 compiled: Compiles | None = None):
     """Record the metrics of the steps since the last log (one per step) as one history entry."""
-    total = sum(v["tokens"] for v in values)
-    log.time_s, log.tokens = log.time_s + elapsed, log.tokens + tokens
+    tokens = sum(v["tokens"] for v in values)  # each update's global batch's target tokens
+    log.time_s, log.tokens = log.time_s + elapsed, log.tokens + int(tokens)
     # loss and nll per target token, like the loss; train_time_s: seconds in training steps so far, for curves
-    entry = {"step": step, **{key: sum(v[key] * v["tokens"] for v in values) / total for key in ("loss", "nll")},
+    entry = {"step": step, **{key: sum(v[key] * v["tokens"] for v in values) / tokens for key in ("loss", "nll")},
              "lr": values[-1]["lr"], "grad_norm": values[-1]["grad_norm"],
              "tokens_per_s": tokens / max(elapsed, 1e-9), "train_time_s": log.time_s}
     log.train.append(entry)
-    for offset, v in enumerate(values):
+    for at, v in enumerate(values, step - len(values) + 1):
         for key in ("loss", "nll", "lr", "grad_norm"):
-            writer.add_scalar(f"train/{key}", v[key], step - len(values) + 1 + offset)
+            writer.add_scalar(f"train/{key}", v[key], at)
     writer.add_scalar("train/tokens_per_s", entry["tokens_per_s"], step)
     bar.update(len(values))
     bar.set_postfix(loss=f"{entry['loss']:.3f}", lr=f"{entry['lr']:.2e}", tok_s=f"{entry['tokens_per_s']:,.0f}",
@@ -335,14 +335,13 @@ def _add_scores(writer, split: str, evaluated: dict[str, Any], step: int) -> Non
         writer.add_scalar(f"{split}/{key}", evaluated[key], step)
 
 
-def _first_non_finite(values: list[dict[str, float]], step: int) -> str | None:
-    """'loss nan at step 7' for the first of the window's steps (the last is `step`) whose loss
-    or gradient norm is not finite; None when all are."""
-    for offset, v in enumerate(values):
+def _check_finite(backend: Backend, values: list[dict[str, float]], step: int) -> None:
+    """TrainingDiverged ('loss nan at step 7') for the first of the window's steps (the last is `step`)
+    whose loss or gradient norm is not finite."""
+    for at, v in enumerate(values, step - len(values) + 1):
         for key in ("loss", "grad_norm"):
             if not math.isfinite(v[key]):
-                return f"{key.replace('_', ' ')} {v[key]} at step {step - len(values) + 1 + offset}"
-    return None
+                raise _diverged(backend, f"{key.replace('_', ' ')} {v[key]} at step {at}")
 
 
 def _diverged(backend: Backend, what: str) -> TrainingDiverged:
@@ -395,11 +394,9 @@ def fit(run: Training) -> None:
         bar = tqdm(total=cfg.steps, initial=backend.step, disable=not (cfg.progress and run.topology.is_main),
                    unit="step", dynamic_ncols=True, desc=cfg.backend)
         pending: list = []  # metrics of the steps not yet read from the device
-        window_tokens, window_start = 0, time.perf_counter()
+        window_start = time.perf_counter()
         for step in range(backend.step + 1, cfg.steps + 1):
-            batches = [next(batcher) for _ in range(cfg.grad_accum)]
-            pending.append(backend.train_step(batches))
-            window_tokens += sum(b.num_tgt_tokens for b in batches)
+            pending.append(backend.train_step([next(batcher) for _ in range(cfg.grad_accum)]))
 
             stop.requested = agreed(stop.requested)
             stopping = stop.requested is not None
@@ -408,11 +405,10 @@ def fit(run: Training) -> None:
             # Also log before an evaluation or a save, so that tokens/s never counts their time.
             if step % cfg.log_every == 0 or evaluate_now or save_now:
                 values = backend.fetch(pending)  # the loop's only host sync between evaluations
-                if bad := _first_non_finite(values, step):
-                    raise _diverged(backend, bad)
-                _log_window(cfg, step, values, window_tokens, time.perf_counter() - window_start, log, writer, bar,
-                            run.compiled())
-                pending, window_tokens = [], 0
+                _check_finite(backend, values, step)
+                _log_window(cfg, step, values, time.perf_counter() - window_start, log, writer, bar,
+                            compiled=run.compiled())
+                pending = []
 
             if step == cfg.steps and cfg.average_last > 1:  # the final weights: before their evaluation and save
                 run.averaged = _average_last(backend, cfg.average_last)
@@ -436,11 +432,8 @@ def fit(run: Training) -> None:
                 _save(cfg, backend, batcher, evaluated, log)
             if stopping:
                 bar.close()
-                name = signal.Signals(stop.requested).name
-                raise Interrupted(
-                    stop.requested,
-                    f"{name}: stopped at step {step} of {cfg.steps} with a checkpoint saved; continue with\n"
-                    f"  {resume_command(cfg)}")
+                raise Interrupted(stop.requested, f"{signal.Signals(stop.requested).name}: stopped at step {step} of "
+                                  f"{cfg.steps} with a checkpoint saved; continue with\n  {resume_command(cfg)}")
             if not pending:  # just logged: the next window starts now, after any evaluation or save
                 window_start = time.perf_counter()
         bar.close()
