@@ -138,8 +138,7 @@ def score_file(selection: RunSelection, files: ScoreFiles) -> None:
     text = "".join((json.dumps(s, ensure_ascii=False) if files.format == "jsonl" else f"{s['logprob']:.7g}") + "\n"
                    for s in scores)
     if destined is None:
-        sys.stdout.write(text)
-        sys.stdout.flush()
+        print(text, end="", flush=True)
     else:
         destined.write(text)
     print(f"scored {len(scores):,} pairs", file=sys.stderr)

@@ -219,9 +219,7 @@ class TorchBackend(StoreMethods):
 
     def autocast(self):
         """bfloat16 autocast for --dtype bfloat16 (parameters stay float32), else nothing."""
-        if self.dtype == "bfloat16":
-            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.dtype == "bfloat16")
 
     def _loss_sums(self, model, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         src, tgt_in, tgt_out = _long(self.device, batch.src, batch.tgt_in, batch.tgt_out)
