@@ -275,20 +275,20 @@ class JaxBackend(StoreMethods):
         self._apply = jax.jit(bound(apply_gradients, self.ctx), in_shardings=(state_s, acc_s, whole),
                               out_shardings=(state_s, whole), donate_argnums=0)
         self._zeros = jax.jit(lambda tree: jax.tree.map(jnp.zeros_like, tree), out_shardings=acc_s)
-        self._eval = jax.jit(bound(eval_sums, self.ctx))  # on one device, over local_copy(params)
         self._compile_decoders()
 
     def _compile_decoders(self) -> None:
-        # Searches jit-compiled over the parameters alone: a call skips nnx.jit's walk of the module graph
-        # (docs/performance.md#what-made-the-jax-search-fast).
+        # Jitted over the parameters alone: a call skips nnx.jit's walk of the module graph
+        # (docs/performance.md#what-made-the-jax-search-fast); eagerly, every operation would compile per shape.
         bound, ctx = functools.partial, self.ctx
+        self._eval = jax.jit(bound(eval_sums, ctx))  # on one device, over local_copy(params)
         # alpha (argument 4) is data: one program for every alpha (a server's requests each gave their own)
         self._search = jax.jit(bound(search, ctx), static_argnums=(3, 5, 6, 7))
         self._sharded_search = jax.jit(bound(sharded_search, ctx, self.mesh), static_argnums=(3, 5, 6, 7))
         self._score = jax.jit(lambda params, src, tgt: decode.score(ctx.model(params), src, tgt))
         self._sample = jax.jit(bound(draw_samples, ctx), static_argnums=(4, 5, 6, 7))
         self._sampled: set[tuple] = set()  # the settings self._sample holds programs for
-        self._cross_attention = None
+        self._cross_attention = jax.jit(lambda params, s, t: ctx.model(params)(s, t, return_attention=True)[1])
 
     def ensemble(self, others: Sequence[JaxBackend], average: str = "logprob") -> None:
         members = [b.ctx.model(b.mesh_params()) for b in (self, *others)]  # whole on this mesh's devices
@@ -296,7 +296,6 @@ class JaxBackend(StoreMethods):
         self.ctx = dataclasses.replace(self.ctx, graphdef=graphdef, rest=rest, gather=None, scatter=None)
         self.state = {**self.state, "params": params}
         self.layout, self._whole_params, self.members = "replicated", None, others
-        self._eval = jax.jit(functools.partial(eval_sums, self.ctx))
         self._compile_decoders()
 
     @property
@@ -398,9 +397,6 @@ class JaxBackend(StoreMethods):
                           np.float32)
 
     def cross_attention(self, src: np.ndarray, tgt_in: np.ndarray) -> np.ndarray:
-        # Jitted (compiled once per shape; eagerly, every operation would compile per new shape).
-        if self._cross_attention is None:
-            self._cross_attention = jax.jit(lambda params, s, t: self.ctx.model(params)(s, t, return_attention=True)[1])
         attention = self._cross_attention(self.local_params(), np.asarray(src, np.int32), np.asarray(tgt_in, np.int32))
         return np.asarray(attention, np.float32)  # (B, layers, H, T, S)
 
