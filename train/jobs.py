@@ -19,7 +19,7 @@ from .data.streams import LineReader
 from .options import Evaluation, RunSelection, Sampling, ScoreFiles, Search, TranslateFiles, check_format
 from .runtime import Interrupted, interruptible
 from .runtime.files import UserError, error_text, json_text
-from .runtime.output import OtherInput, PartialOutput, Progress, StreamOutput, destination, open_stream
+from .runtime.output import Destination, OtherInput, PartialOutput, Progress, StreamOutput, open_stream
 from .translation import TsvColumns, translate_stream
 
 
@@ -54,8 +54,9 @@ def translate_file(selection: RunSelection, search: Search = Search(), sample: S
                                   "sample": sample and dataclasses.asdict(sample),
                                   "ensemble": ensemble and [str(d.absolute()) for d in selection.run_dir[1:]]}.items()
                 if v not in (None, "text", False)}
-    # Checked before the work, not after it; None: a stream, written directly.
-    target = (output := destination(files.output, "--output")) and output.target
+    # Checked before the work, not after it; target None: a stream, written directly.
+    output = None if files.output is None else Destination(files.output, "--output")
+    target = output and output.target
     if output is not None and any(reader.same_file(f) for f in output.side_files):
         raise UserError(f"--output {files.output} is the input {reader.name}: writing it would destroy the input "
                         "(or a file written beside it); give another --output")
@@ -108,7 +109,7 @@ def evaluate_spec(selection: RunSelection, data: str, search: Search = Search(),
     """`Run.evaluate` of the runs `selection` on the data spec `data`, printed as JSON (and written to
     `output`, atomically); returns the result."""
     split_host()  # before jax is imported
-    destined = destination(output, "--output", spec_files(data), f"--data {data}")  # checked before the work
+    destined = None if output is None else Destination(output, "--output", spec_files(data), f"--data {data}")
     with api.load(selection) as run:
         if run.config.lowercase and not evaluation.lowercase:  # lowercase output: cased BLEU alone would mislead
             print(f"note: {selection.run_dir[0]} was trained with --lowercase, so its translations are lowercase: "
@@ -125,8 +126,8 @@ def score_file(selection: RunSelection, files: ScoreFiles) -> None:
     """Per pair of the data spec `files.input`, the target's log-probability under the runs `selection`
     (`Run.score`), one line each to `files.output` (stdout): the number, or (format "jsonl") with its tokens."""
     split_host()  # before jax is imported
-    input = files.input
-    destined = destination(files.output, "--output", spec_files(input), f"--input {input}")  # checked before the work
+    input, output = files.input, files.output
+    destined = None if output is None else Destination(output, "--output", spec_files(input), f"--input {input}")
     loaded = load_parallel(input)
     if loaded.skipped_empty:  # skipped, line N would no longer be pair N's score
         raise UserError(f"--input {input}: {loaded.skipped_empty:,} pairs with an empty side; every pair gets its "

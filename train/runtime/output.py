@@ -99,12 +99,6 @@ class Destination:
             self.write(path.read_bytes())
 
 
-def destination(path: str | Path | None, flag: str, inputs: Iterable[str | Path] = (),
-                of: str = "") -> Destination | None:
-    """`Destination(path, ...)`, None without a path: what every command calls for each file it writes."""
-    return None if path is None else Destination(path, flag, inputs, of)
-
-
 class OtherInput(UserError):
     """A partial output that translates other input lines than these."""
 
