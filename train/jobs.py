@@ -42,16 +42,16 @@ def translate_file(selection: RunSelection, search: Search = Search(), sample: S
         if first is None:
             raise UserError(f"{reader.name} is empty: TSV input needs a header row")
         columns, first = TsvColumns(first, reader.name), next(reader, None)
-    if sample is not None:  # the prefix column of TSV input: forced prefixes
-        sample.check_with(search, prefixes=columns is not None and columns.prefix is not None)
+    prefixed = columns is not None and columns.prefix is not None  # the prefix column of TSV input: forced prefixes
+    if sample is not None:
+        sample.check_with(search, prefixes=prefixed)
     if files.plot_attention is not None:
         from .attention import check_plot_directory
 
         check_plot_directory(files.plot_attention, files.input)
     # What else shapes the output, recorded where it departs from plain text (earlier partial outputs stay valid).
     decoding = {k: v for k, v in {"n_best": search.n_best, "format": files.format, "alignments": search.alignments,
-                                  "prefix": columns is not None and columns.prefix is not None,
-                                  "sample": sample and dataclasses.asdict(sample),
+                                  "prefix": prefixed, "sample": sample and dataclasses.asdict(sample),
                                   "ensemble": ensemble and [str(d.absolute()) for d in selection.run_dir[1:]]}.items()
                 if v not in (None, "text", False)}
     # Checked before the work, not after it; target None: a stream, written directly.
@@ -86,17 +86,15 @@ def translate_file(selection: RunSelection, search: Search = Search(), sample: S
             out.finish()
         except (Interrupted, KeyboardInterrupt) as stop:
             signum = getattr(stop, "signum", 2)
-            progress.clear()
             kept = f"; {out.kept()}" if out.done and isinstance(out, PartialOutput) else ""
             raise Interrupted(signum, f"interrupted ({Interrupted(signum)}) after {out.done:,} input lines{kept}")
         except (UserError, OSError) as err:  # bad input further on, a full disk: the chunks before it are kept
-            progress.clear()
             resumable = out.done and isinstance(out, PartialOutput) and not isinstance(err, OtherInput)
             raise UserError(error_text(err) + (f" ({out.kept()})" if resumable else "")) from None
         finally:
+            progress.clear()
             reader.close()
             out.close()
-    progress.clear()
     if topology.is_main:
         cut = f"; {counts['cut']:,} cut to the model's {run.config.max_len} tokens" if counts["cut"] else ""
         resumed = f"; continued after line {skipped:,}" if skipped else ""
