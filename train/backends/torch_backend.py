@@ -261,7 +261,7 @@ class TorchBackend(StoreMethods):
         self.trained.train()
         self.optimizer.zero_grad(set_to_none=True)
         total_tokens = sum(b.num_tgt_tokens for b in batches)  # of the global batches
-        loss_total = nll_total = torch.zeros((), device=self.device)
+        sums = torch.zeros(2, device=self.device)  # the loss's and the nll's, over the micro-batches
         for i, batch in enumerate(batches):
             # DDP sums the gradients over the processes in the last micro-batch's backward pass.
             last = not self.distributed or i == len(batches) - 1
@@ -272,11 +272,10 @@ class TorchBackend(StoreMethods):
                 # Sum over micro-batches of (loss sum / the update's tokens): the gradient of one
                 # batch holding all of them, as on the JAX side.
                 _collective((loss_sum / total_tokens).backward)
-            loss_total, nll_total = loss_total + loss_sum.detach(), nll_total + nll_sum
+            sums = sums + torch.stack([loss_sum.detach(), nll_sum])
         if self.distributed:
-            sums = torch.stack([loss_total, nll_total])
             _collective(dist.all_reduce, sums)
-            loss_total, nll_total = sums[0], sums[1]
+        loss_total, nll_total = sums
         grads = [_local(p.grad) for p in self.trained.parameters() if p.grad is not None]  # FSDP: this process's shards
         squares = sum(g.square().sum() for g in grads)
         if self.fsdp:
