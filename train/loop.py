@@ -44,11 +44,9 @@ class TrainingDiverged(UserError):
 def train(cfg: ExperimentConfig, *, explicit: Iterable[str] | None = None,
           init_dir: str | Path | None = None) -> dict[str, Any]:
     """Train (or resume) the run `cfg` describes, evaluate it, write results.json; returns its content.
-
     `explicit` names the fields the user set (on --resume the others come from the run's config; None:
     every field not None). `init_dir`: --init-from's source already made a run of this backend
-    (`pretrained.source_run`; process 0 passes it to the processes it starts, which print and write nothing).
-    """
+    (`pretrained.source_run`; process 0 passes it to the processes it starts, which print and write nothing)."""
     started = time.perf_counter()
     if cfg.resume and cfg.run_dir and explicit is not None and "backend" not in explicit:
         with contextlib.suppress(UserError):  # the run's backend starts its processes (no run: the session says so)
@@ -318,8 +316,7 @@ def _log_window(cfg, step: int, values: list[dict[str, float]], elapsed: float, 
 
 
 def _log_evaluation(step: int, evaluated: dict[str, Any], eval_time: float, log: _Log, writer) -> None:
-    # train_time_s: seconds spent training up to this evaluation (evaluations excluded), for curves;
-    # eval_time_s: this evaluation's own seconds
+    # train_time_s: seconds spent training before it (evaluations excluded), for curves; eval_time_s: its own
     log.valid.append({"step": step, "train_time_s": log.time_s, "eval_time_s": eval_time, **_eval_summary(evaluated)})
     _add_scores(writer, "valid", evaluated, step)
     say(

@@ -34,11 +34,8 @@ from .interface import Hypotheses, Metrics, StoreMethods, Topology
 
 
 def make_optimizer(exp_cfg: ExperimentConfig, d_model: int) -> optax.GradientTransformation:
-    """Optional global-norm clipping, then Adam(0.9, 0.98, 1e-9) (paper §5.3) on the Noam schedule.
-
-    optax counts updates from 0, the paper's schedule from 1: update n uses lr(step=n), as the
-    torch backend's LambdaLR does.
-    """
+    """Optional global-norm clipping, then Adam(0.9, 0.98, 1e-9) (paper §5.3) on the Noam schedule. optax counts
+    updates from 0, the paper's schedule from 1: update n uses lr(step=n), as the torch backend's LambdaLR does."""
 
     def schedule(count):
         return noam_learning_rate(count + 1, d_model, exp_cfg.warmup, exp_cfg.lr_factor)
@@ -126,9 +123,8 @@ def micro_grads(ctx: StepContext, params, batch, total_tokens, rng, step, index)
 
     def objective(params):
         if ctx.gather is not None:
-            # ZeRO-3: every device gathers each parameter whole and computes on its own rows, as
-            # replicated data parallelism does (left to itself, the partitioner may split a matmul
-            # over its contracting dimension instead, which sums in another order).
+            # ZeRO-3: every device gathers each parameter whole and computes on its own rows, as replicated data
+            # parallelism does (the partitioner may split a matmul's contraction instead: another summation order).
             params = jax.lax.with_sharding_constraint(params, ctx.gather)
         return loss_sums(ctx, params, batch, key, total_tokens, False)
 
@@ -258,9 +254,8 @@ class JaxBackend(StoreMethods):
         self._step = 0  # host copy of state["step"], so reading it never syncs
         self.store = JaxStore(checkpoint_dir, exp_cfg.keep_checkpoints)
 
-        # The state (and the gradient accumulator, shaped like the parameters) in its layout,
-        # batches split along `data`, the rest replicated; a single sharding is a pytree prefix:
-        # one sharding for every leaf of that argument.
+        # The state (and the gradient accumulator, shaped like the parameters) in its layout, batches split along
+        # `data`, the rest replicated; a single sharding is a pytree prefix: one for every leaf of that argument.
         rows = sharding.batch_sharded(self.mesh)
         state_s = self.state_sharding
         fsdp = self.layout == "fsdp"
@@ -407,9 +402,8 @@ class JaxBackend(StoreMethods):
         self.store.save(self._step, self.state, meta, metrics)
 
     def restore(self, which: str | int = "latest") -> dict[str, Any]:
-        # Target shapes, dtypes and shardings are those of this backend's mesh and layout, whatever
-        # the checkpoint was written from (orbax reshards on read): 8 devices -> 1, 1 -> 8,
-        # replicated -> FSDP and back.
+        # Onto this backend's mesh and layout, whatever the checkpoint was written from (orbax reshards on read):
+        # 8 devices -> 1, 1 -> 8, replicated -> FSDP and back.
         abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                 self.state, self.state_sharding)
         self.state, meta = self.store.restore(which, abstract)
