@@ -69,14 +69,14 @@ class StopSignals:
 
     def __init__(self, enabled: bool = True):
         self.requested: int | None = None
-        self._handled = _handled(self._handle) if enabled else contextlib.nullcontext()
+        self._handlers = _handled(self._handle) if enabled else contextlib.nullcontext()
 
     def __enter__(self) -> StopSignals:
-        self._handled.__enter__()
+        self._handlers.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._handled.__exit__(*exc)
+        self._handlers.__exit__(*exc)
 
     def _handle(self, signum: int, frame) -> None:
         if self.requested is not None:
