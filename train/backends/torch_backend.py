@@ -401,9 +401,7 @@ class TorchBackend(StoreMethods):
             _collective(dist.barrier)
 
     def agreed_signal(self, signum: int | None) -> int | None:
-        """A stop signal that any process received (the processes stop at the same update), or None."""
-        if not self.distributed:
-            return signum
+        """A stop signal that any process of the distributed run received (all stop at the same update), or None."""
         flag = torch.tensor([signum or 0], device=self.device)
         _collective(dist.all_reduce, flag, dist.ReduceOp.MAX)
         return int(flag.item()) or None
