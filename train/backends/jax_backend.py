@@ -84,17 +84,15 @@ def full_float32_matmuls(dtype: str, platform: str) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class StepContext:
-    """What the pure step functions read besides their arguments, fixed for a run (closed over by
-    `jax.jit`): the model's graph, the optimiser, the configs, and under FSDP the shardings the
-    parameters are gathered to for the passes and the gradients scattered back to."""
+    """What the pure step functions read besides their arguments, fixed for a run (closed over by `jax.jit`)."""
 
     graphdef: Any
     rest: Any  # non-parameter state of the model (none today): constant through training
     tx: optax.GradientTransformation
     model_cfg: TransformerConfig
     exp_cfg: ExperimentConfig
-    gather: Any = None  # FSDP: the replicated sharding
-    scatter: Any = None  # FSDP: the parameters' shardings
+    gather: Any = None  # FSDP: the replicated sharding, the parameters gathered to it for the passes
+    scatter: Any = None  # FSDP: the parameters' shardings, the gradients scattered back to them
 
     def model(self, params) -> jax_transformer.Transformer:
         return nnx.merge(self.graphdef, params, self.rest)
@@ -188,10 +186,9 @@ def search(ctx: StepContext, params, src, prefix, beam_size: int, alpha: float, 
 
 
 def sharded_search(ctx: StepContext, mesh, params, src, prefix, beam_size: int, alpha, *options):
-    """`search` data parallel: each device of `mesh` searches its own rows of src and prefix
-    (sharded along `data`) with its copy of the replicated parameters and alpha, its loop ending
-    when its own sentences are done (`shard_map`; no collective inside, so `check_vma=False`); the
-    output sharded alike."""
+    """`search` data parallel: each device of `mesh` searches its own rows of src and prefix (sharded along
+    `data`) with its copy of the replicated parameters and alpha, its loop ending when its own sentences are
+    done (`shard_map`; no collective inside, so `check_vma=False`); the output sharded alike."""
     whole, rows = jax.sharding.PartitionSpec(), jax.sharding.PartitionSpec(sharding.DATA_AXIS)
     arrays = (src,) if prefix is None else (src, prefix)
     per_device = jax.shard_map(lambda p, a, s, x=None: search(ctx, p, s, x, beam_size, a, *options), mesh=mesh,
