@@ -127,9 +127,8 @@ def setup(cfg: ExperimentConfig, topology: Topology, init_dir: str | Path | None
         tokenizers = None
     except ValueError as err:
         raise UserError(str(err)) from None
-    initial = None
-    if cfg.init_from and not (cfg.resume and has_checkpoint(run_dir)):
-        initial = pretrained.load(init_dir or cfg.init_from, cfg)
+    restored = cfg.resume and has_checkpoint(run_dir)  # --init-from's weights were the start of the checkpoints'
+    initial = pretrained.load(init_dir or cfg.init_from, cfg) if cfg.init_from and not restored else None
     trained_tokenizers = tokenizers is None
     # A --train spec's text is streamed (tokenizer sample, store), never held; the numbers corpus is generated.
     splits = load_splits(cfg, train=trained_tokenizers and initial is None and _numbers(cfg))

@@ -137,10 +137,9 @@ class PartialOutput:
         self._created = not self.partial.is_file()
         self._file = _locked(self.partial, f"{path} is being written by another translation (it holds "
                                            f"{self.partial}); wait for it to end or give another --output")
-        try:
+        state = None
+        with contextlib.suppress(UserError):  # an unreadable record: starting afresh
             state = read_json(self.record, default=None)
-        except UserError:
-            state = None
         if not isinstance(state, dict) or self._created:
             return
         saved = state.get("settings")
