@@ -284,11 +284,9 @@ class _Log:
         if not isinstance(state, dict):
             return cls()
 
-        def upto(entries):
-            return [e for e in entries or [] if isinstance(e, dict) and e.get("step", step + 1) <= step]
-
-        return cls(upto(state.get("train")), upto(state.get("valid")), float(state.get("time_s") or 0.0),
-                   int(state.get("tokens") or 0))
+        train, valid = ([e for e in state.get(key) or [] if isinstance(e, dict) and e.get("step", step + 1) <= step]
+                        for key in ("train", "valid"))
+        return cls(train, valid, float(state.get("time_s") or 0.0), int(state.get("tokens") or 0))
 
 
 def _log_window(cfg, step: int, values: list[dict[str, float]], elapsed: float, log: _Log, writer, bar,
