@@ -432,15 +432,13 @@ class JaxBackend(StoreMethods):
         state.check("jax")
         old = self.state
         params = _from_flat(old["params"], state.params, "weights")
-        opt_state = self.tx.init(params)
-        if state.mu is not None:
-            template = optax.tree_utils.tree_get(old["opt_state"], "mu")
-            opt_state = optax.tree_utils.tree_set(
-                opt_state, mu=_from_flat(template, state.mu, "Adam first moments (mu / exp_avg)"),
-                nu=_from_flat(template, state.nu, "Adam second moments (nu / exp_avg_sq)"))
+        template = optax.tree_utils.tree_get(old["opt_state"], "mu")
+        moments = {} if state.mu is None else {
+            "mu": _from_flat(template, state.mu, "Adam first moments (mu / exp_avg)"),
+            "nu": _from_flat(template, state.nu, "Adam second moments (nu / exp_avg_sq)")}
         # Host values: one device array at every `count`, placed on several devices, keeps one buffer there,
         # which the first update donates twice (XLA: "Attempt to donate the same buffer twice", a segfault).
-        opt_state = optax.tree_utils.tree_set(opt_state, count=np.asarray(state.step, np.int32))
+        opt_state = optax.tree_utils.tree_set(self.tx.init(params), count=np.asarray(state.step, np.int32), **moments)
         step = np.asarray(state.step, old["step"].dtype)
         self.state = sharding.place({"params": params, "opt_state": opt_state, "step": step}, self.state_sharding)
         self._step = state.step
