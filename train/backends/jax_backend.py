@@ -55,7 +55,7 @@ def _as_arrays(batch: Batch, rows: slice = slice(None)) -> dict[str, np.ndarray]
 
 
 COMPUTE_DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}  # None: the parameters' float32
-SAMPLE_PROGRAMS = 8  # sampling settings compiled at once (a server's requests may each ask for others); past it: cleared
+SAMPLE_PROGRAMS = 8  # sampling settings compiled at once (a server's requests may each ask for others); then cleared
 
 
 def initialize(exp_cfg: ExperimentConfig) -> Topology:
@@ -198,10 +198,10 @@ def sharded_search(ctx: StepContext, mesh, params, src, prefix, beam_size: int, 
 
 def draw_samples(ctx: StepContext, params, src, seed, sentence_ids, num_samples: int, temperature: float, top_k: int,
                  top_p: float):
-    """(tokens (B, N, L), log-probs (B, N)) of `sampling.sample` over src (B, S), seed and sentence_ids
-    (B,) traced (one program for every seed), the settings checked by the caller."""
-    # The compiled loop itself: `sample`'s checks read the seed and the ids as host values.
-    return sampling.sample_loop(ctx.model(params), src, seed, sentence_ids, num_samples, temperature, top_k, top_p, 1.5, 10)
+    """(tokens (B, N, L), log-probs (B, N)) of `sampling.sample` over src (B, S), seed and sentence_ids (B,) traced
+    (one program for every seed): its loop alone, as `sample`'s checks read them as host values (the caller checks)."""
+    model = ctx.model(params)
+    return sampling.sample_loop(model, src, seed, sentence_ids, num_samples, temperature, top_k, top_p, 1.5, 10)
 
 
 def _host(out) -> np.ndarray | Hypotheses:
@@ -413,16 +413,14 @@ class JaxBackend(StoreMethods):
         return _to_flat(self.local_params())
 
     def export_state(self) -> TrainingState:
-        whole = sharding.gather({"step": self.state["step"], "opt_state": self.state["opt_state"]}, self.mesh)
-        local = sharding.local_copy(whole)
-        counts = {"trainer step": int(local["step"]), "host step": self._step}
-        counts.update({_key(path): int(c) for path, c in optax.tree_utils.tree_get_all_with_path(local["opt_state"], "count")})
+        local = sharding.local_copy(sharding.gather({k: self.state[k] for k in ("step", "opt_state")}, self.mesh))
+        opt = local["opt_state"]
+        counts = {"trainer step": int(local["step"]), "host step": self._step,
+                  **{_key(path): int(c) for path, c in optax.tree_utils.tree_get_all_with_path(opt, "count")}}
         if len(set(counts.values())) != 1:
             raise ValueError(f"the JAX state's step counters disagree: {counts}")
-        opt = local["opt_state"]
-        mu, nu = (_to_flat(optax.tree_utils.tree_get(opt, name)) for name in ("mu", "nu"))
-        if self._step == 0:  # torch keeps no moments before the first update; optax holds zeros
-            mu = nu = None
+        # torch keeps no moments before the first update; optax holds zeros
+        mu, nu = (None if self._step == 0 else _to_flat(optax.tree_utils.tree_get(opt, name)) for name in ("mu", "nu"))
         rng = np.array(jax.random.key_data(sharding.local_copy(self.rng)), copy=True)
         state = TrainingState("jax", self._step, self.weights(), mu, nu, rng)
         state.check()
