@@ -265,7 +265,8 @@ def _evaluate(cfg, backend, tokenizers, pairs, samples: int, *, validation: bool
     validation=False, is scored whole). `stop`: asked between batches; True raises EvaluationStopped."""
     return evaluate_pairs(backend, tokenizers, pairs, max_len=cfg.max_len, token_budget=cfg.token_budget,
                           max_sentences=cfg.eval_sentences if validation else None, samples=samples,
-                          search=Search(beam=cfg.beam), lowercase=True, moses=cfg.moses, seen=seen, stop=stop, fixed_shapes=cfg.pack)
+                          search=Search(beam=cfg.beam), lowercase=True, moses=cfg.moses, seen=seen, stop=stop,
+                          fixed_shapes=cfg.pack)
 
 
 @dataclasses.dataclass
@@ -435,7 +436,8 @@ def fit(run: Training) -> None:
 
 def finish(run: Training, started: float) -> dict[str, Any]:
     """Final validation (unless the last step just ran it) and test evaluation; the results dict."""
-    cfg, backend, tokenizers, splits, writer, log = run.cfg, run.backend, run.tokenizers, run.splits, run.writer, run.log
+    cfg, backend, tokenizers, splits = run.cfg, run.backend, run.tokenizers, run.splits
+    writer, log = run.writer, run.log
     if log.valid and log.valid[-1]["step"] == backend.step:
         valid = {k: v for k, v in log.valid[-1].items() if k not in ("train_time_s", "eval_time_s")}  # history's own
     else:  # a resumed run that had nothing left to train
