@@ -47,7 +47,7 @@ class TrainingState:
         for name, moments in (("Adam first moments (mu / exp_avg)", self.mu),
                               ("Adam second moments (nu / exp_avg_sq)", self.nu)):
             if moments is not None:
-                check_arrays(name, self.params, moments)
+                check_arrays(name, self.params, moments, of="parameter")
 
     def differences(self, other: TrainingState) -> list[str]:
         """What differs from `other`, bit for bit (empty: identical; the random state not compared)."""
@@ -85,12 +85,12 @@ def check_keys(what: str, expected: Mapping[str, tuple], got: Mapping[str, tuple
         raise CheckpointMismatchError(what, missing, unexpected, wrong)
 
 
-def check_arrays(what: str, expected: Mapping[str, Any], got: Mapping[str, Any]) -> None:
-    """`check_keys` of the arrays' shapes, then ValueError naming each of `got` of another dtype than `expected`'s."""
+def check_arrays(what: str, expected: Mapping[str, Any], got: Mapping[str, Any], of: str = "target") -> None:
+    """`check_keys` of the shapes, then ValueError naming each of `got` of another dtype than its `of` in `expected`."""
     check_keys(what, {k: np.shape(v) for k, v in expected.items()}, {k: np.shape(v) for k, v in got.items()})
-    if wrong := [f"{k}: expected {np.dtype(v.dtype)}, got {np.dtype(got[k].dtype)}" for k, v in expected.items()
+    if wrong := [f"{k}: {np.dtype(got[k].dtype)}, {of} {np.dtype(v.dtype)}" for k, v in expected.items()
                  if np.dtype(v.dtype) != np.dtype(got[k].dtype)]:
-        raise ValueError(f"{what} have other dtypes than expected:\n  " + "\n  ".join(wrong))
+        raise ValueError(f"{what} have other dtypes than their {of}s:\n  " + "\n  ".join(wrong))
 
 
 class CheckpointError(Exception):
