@@ -290,13 +290,13 @@ class _Log:
         return cls(train, valid, float(state.get("time_s") or 0.0), int(state.get("tokens") or 0))
 
 
-def _log_window(cfg, step: int, values: list[dict[str, float]], elapsed: float, log: _Log, writer, bar,
+def _log_window(cfg, step: int, values: list[dict[str, float]], tokens: int, elapsed: float, log: _Log, writer, bar,
                 compiled: Compiles | None = None):
     """Record the metrics of the steps since the last log (one per step) as one history entry."""
-    tokens = sum(v["tokens"] for v in values)  # each update's global batch's target tokens
-    log.time_s, log.tokens = log.time_s + elapsed, log.tokens + int(tokens)
+    total = sum(v["tokens"] for v in values)
+    log.time_s, log.tokens = log.time_s + elapsed, log.tokens + tokens
     # loss and nll per target token, like the loss; train_time_s: seconds in training steps so far, for curves
-    entry = {"step": step, **{key: sum(v[key] * v["tokens"] for v in values) / tokens for key in ("loss", "nll")},
+    entry = {"step": step, **{key: sum(v[key] * v["tokens"] for v in values) / total for key in ("loss", "nll")},
              "lr": values[-1]["lr"], "grad_norm": values[-1]["grad_norm"],
              "tokens_per_s": tokens / max(elapsed, 1e-9), "train_time_s": log.time_s}
     log.train.append(entry)
@@ -389,9 +389,11 @@ def fit(run: Training) -> None:
         bar = tqdm(total=cfg.steps, initial=backend.step, disable=not (cfg.progress and run.topology.is_main),
                    unit="step", dynamic_ncols=True, desc=cfg.backend)
         pending: list = []  # metrics of the steps not yet read from the device
-        window_start = time.perf_counter()
+        window_tokens, window_start = 0, time.perf_counter()
         for step in range(backend.step + 1, cfg.steps + 1):
-            pending.append(backend.train_step([next(batcher) for _ in range(cfg.grad_accum)]))
+            batches = [next(batcher) for _ in range(cfg.grad_accum)]
+            pending.append(backend.train_step(batches))
+            window_tokens += sum(b.num_tgt_tokens for b in batches)
 
             stop.requested = agreed(stop.requested)
             stopping = stop.requested is not None
@@ -401,9 +403,9 @@ def fit(run: Training) -> None:
             if step % cfg.log_every == 0 or evaluate_now or save_now:
                 values = backend.fetch(pending)  # the loop's only host sync between evaluations
                 _check_finite(backend, values, step)
-                _log_window(cfg, step, values, time.perf_counter() - window_start, log, writer, bar,
-                            compiled=run.compiled())
-                pending = []
+                _log_window(cfg, step, values, window_tokens, time.perf_counter() - window_start, log, writer, bar,
+                            run.compiled())
+                pending, window_tokens = [], 0
 
             if step == cfg.steps and cfg.average_last > 1:  # the final weights: before their evaluation and save
                 run.averaged = _average_last(backend, cfg.average_last)
