@@ -152,8 +152,7 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _like(param: torch.Tensor, value) -> torch.Tensor:
-    """A whole array as a tensor laid out as `param`: sharded as it is under FSDP (every process holds the
-    whole value), else plain."""
+    """A whole array as a tensor laid out as `param`: sharded as it is under FSDP (each process holds it whole)."""
     value = value if isinstance(value, torch.Tensor) else torch.from_numpy(np.array(value))
     if isinstance(param, DTensor):
         return distribute_tensor(value.to(param.device), param.device_mesh, param.placements)
