@@ -19,7 +19,7 @@ from .data.streams import LineReader
 from .options import Evaluation, RunSelection, Sampling, ScoreFiles, Search, TranslateFiles, check_format
 from .runtime import Interrupted, interruptible
 from .runtime.files import UserError, error_text, json_text
-from .runtime.output import OtherInput, PartialOutput, Progress, StreamOutput, destination, open_stream
+from .runtime.output import Destination, OtherInput, PartialOutput, Progress, StreamOutput, open_stream
 from .translation import TsvColumns, translate_stream
 
 
@@ -42,20 +42,21 @@ def translate_file(selection: RunSelection, search: Search = Search(), sample: S
         if first is None:
             raise UserError(f"{reader.name} is empty: TSV input needs a header row")
         columns, first = TsvColumns(first, reader.name), next(reader, None)
-    if sample is not None:  # the prefix column of TSV input: forced prefixes
-        sample.check_with(search, prefixes=columns is not None and columns.prefix is not None)
+    prefixed = columns is not None and columns.prefix is not None  # the prefix column of TSV input: forced prefixes
+    if sample is not None:
+        sample.check_with(search, prefixes=prefixed)
     if files.plot_attention is not None:
         from .attention import check_plot_directory
 
         check_plot_directory(files.plot_attention, files.input)
     # What else shapes the output, recorded where it departs from plain text (earlier partial outputs stay valid).
     decoding = {k: v for k, v in {"n_best": search.n_best, "format": files.format, "alignments": search.alignments,
-                                  "prefix": columns is not None and columns.prefix is not None,
-                                  "sample": sample and dataclasses.asdict(sample),
+                                  "prefix": prefixed, "sample": sample and dataclasses.asdict(sample),
                                   "ensemble": ensemble and [str(d.absolute()) for d in selection.run_dir[1:]]}.items()
                 if v not in (None, "text", False)}
-    # Checked before the work, not after it; None: a stream, written directly.
-    target = (output := destination(files.output, "--output")) and output.target
+    # Checked before the work, not after it; target None: a stream, written directly.
+    output = None if files.output is None else Destination(files.output, "--output")
+    target = output and output.target
     if output is not None and any(reader.same_file(f) for f in output.side_files):
         raise UserError(f"--output {files.output} is the input {reader.name}: writing it would destroy the input "
                         "(or a file written beside it); give another --output")
@@ -85,17 +86,15 @@ def translate_file(selection: RunSelection, search: Search = Search(), sample: S
             out.finish()
         except (Interrupted, KeyboardInterrupt) as stop:
             signum = getattr(stop, "signum", 2)
-            progress.clear()
             kept = f"; {out.kept()}" if out.done and isinstance(out, PartialOutput) else ""
             raise Interrupted(signum, f"interrupted ({Interrupted(signum)}) after {out.done:,} input lines{kept}")
         except (UserError, OSError) as err:  # bad input further on, a full disk: the chunks before it are kept
-            progress.clear()
             resumable = out.done and isinstance(out, PartialOutput) and not isinstance(err, OtherInput)
             raise UserError(error_text(err) + (f" ({out.kept()})" if resumable else "")) from None
         finally:
+            progress.clear()
             reader.close()
             out.close()
-    progress.clear()
     if topology.is_main:
         cut = f"; {counts['cut']:,} cut to the model's {run.config.max_len} tokens" if counts["cut"] else ""
         resumed = f"; continued after line {skipped:,}" if skipped else ""
@@ -108,7 +107,7 @@ def evaluate_spec(selection: RunSelection, data: str, search: Search = Search(),
     """`Run.evaluate` of the runs `selection` on the data spec `data`, printed as JSON (and written to
     `output`, atomically); returns the result."""
     split_host()  # before jax is imported
-    destined = destination(output, "--output", spec_files(data), f"--data {data}")  # checked before the work
+    destined = None if output is None else Destination(output, "--output", spec_files(data), f"--data {data}")
     with api.load(selection) as run:
         if run.config.lowercase and not evaluation.lowercase:  # lowercase output: cased BLEU alone would mislead
             print(f"note: {selection.run_dir[0]} was trained with --lowercase, so its translations are lowercase: "
@@ -125,8 +124,8 @@ def score_file(selection: RunSelection, files: ScoreFiles) -> None:
     """Per pair of the data spec `files.input`, the target's log-probability under the runs `selection`
     (`Run.score`), one line each to `files.output` (stdout): the number, or (format "jsonl") with its tokens."""
     split_host()  # before jax is imported
-    input = files.input
-    destined = destination(files.output, "--output", spec_files(input), f"--input {input}")  # checked before the work
+    input, output = files.input, files.output
+    destined = None if output is None else Destination(output, "--output", spec_files(input), f"--input {input}")
     loaded = load_parallel(input)
     if loaded.skipped_empty:  # skipped, line N would no longer be pair N's score
         raise UserError(f"--input {input}: {loaded.skipped_empty:,} pairs with an empty side; every pair gets its "
@@ -138,8 +137,7 @@ def score_file(selection: RunSelection, files: ScoreFiles) -> None:
     text = "".join((json.dumps(s, ensure_ascii=False) if files.format == "jsonl" else f"{s['logprob']:.7g}") + "\n"
                    for s in scores)
     if destined is None:
-        sys.stdout.write(text)
-        sys.stdout.flush()
+        print(text, end="", flush=True)
     else:
         destined.write(text)
     print(f"scored {len(scores):,} pairs", file=sys.stderr)

@@ -44,11 +44,9 @@ class TrainingDiverged(UserError):
 def train(cfg: ExperimentConfig, *, explicit: Iterable[str] | None = None,
           init_dir: str | Path | None = None) -> dict[str, Any]:
     """Train (or resume) the run `cfg` describes, evaluate it, write results.json; returns its content.
-
     `explicit` names the fields the user set (on --resume the others come from the run's config; None:
     every field not None). `init_dir`: --init-from's source already made a run of this backend
-    (`pretrained.source_run`; process 0 passes it to the processes it starts, which print and write nothing).
-    """
+    (`pretrained.source_run`; process 0 passes it to the processes it starts, which print and write nothing)."""
     started = time.perf_counter()
     if cfg.resume and cfg.run_dir and explicit is not None and "backend" not in explicit:
         with contextlib.suppress(UserError):  # the run's backend starts its processes (no run: the session says so)
@@ -129,9 +127,8 @@ def setup(cfg: ExperimentConfig, topology: Topology, init_dir: str | Path | None
         tokenizers = None
     except ValueError as err:
         raise UserError(str(err)) from None
-    initial = None
-    if cfg.init_from and not (cfg.resume and has_checkpoint(run_dir)):
-        initial = pretrained.load(init_dir or cfg.init_from, cfg)
+    restored = cfg.resume and has_checkpoint(run_dir)  # --init-from's weights were the start of the checkpoints'
+    initial = pretrained.load(init_dir or cfg.init_from, cfg) if cfg.init_from and not restored else None
     trained_tokenizers = tokenizers is None
     # A --train spec's text is streamed (tokenizer sample, store), never held; the numbers corpus is generated.
     splits = load_splits(cfg, train=trained_tokenizers and initial is None and _numbers(cfg))
@@ -268,7 +265,8 @@ def _evaluate(cfg, backend, tokenizers, pairs, samples: int, *, validation: bool
     validation=False, is scored whole). `stop`: asked between batches; True raises EvaluationStopped."""
     return evaluate_pairs(backend, tokenizers, pairs, max_len=cfg.max_len, token_budget=cfg.token_budget,
                           max_sentences=cfg.eval_sentences if validation else None, samples=samples,
-                          search=Search(beam=cfg.beam), lowercase=True, moses=cfg.moses, seen=seen, stop=stop, fixed_shapes=cfg.pack)
+                          search=Search(beam=cfg.beam), lowercase=True, moses=cfg.moses, seen=seen, stop=stop,
+                          fixed_shapes=cfg.pack)
 
 
 @dataclasses.dataclass
@@ -287,11 +285,9 @@ class _Log:
         if not isinstance(state, dict):
             return cls()
 
-        def upto(entries):
-            return [e for e in entries or [] if isinstance(e, dict) and e.get("step", step + 1) <= step]
-
-        return cls(upto(state.get("train")), upto(state.get("valid")), float(state.get("time_s") or 0.0),
-                   int(state.get("tokens") or 0))
+        train, valid = ([e for e in state.get(key) or [] if isinstance(e, dict) and e.get("step", step + 1) <= step]
+                        for key in ("train", "valid"))
+        return cls(train, valid, float(state.get("time_s") or 0.0), int(state.get("tokens") or 0))
 
 
 def _log_window(cfg, step: int, values: list[dict[str, float]], tokens: int, elapsed: float, log: _Log, writer, bar,
@@ -304,9 +300,9 @@ def _log_window(cfg, step: int, values: list[dict[str, float]], tokens: int, ela
              "lr": values[-1]["lr"], "grad_norm": values[-1]["grad_norm"],
              "tokens_per_s": tokens / max(elapsed, 1e-9), "train_time_s": log.time_s}
     log.train.append(entry)
-    for offset, v in enumerate(values):
+    for at, v in enumerate(values, step - len(values) + 1):
         for key in ("loss", "nll", "lr", "grad_norm"):
-            writer.add_scalar(f"train/{key}", v[key], step - len(values) + 1 + offset)
+            writer.add_scalar(f"train/{key}", v[key], at)
     writer.add_scalar("train/tokens_per_s", entry["tokens_per_s"], step)
     bar.update(len(values))
     bar.set_postfix(loss=f"{entry['loss']:.3f}", lr=f"{entry['lr']:.2e}", tok_s=f"{entry['tokens_per_s']:,.0f}",
@@ -318,8 +314,7 @@ def _log_window(cfg, step: int, values: list[dict[str, float]], tokens: int, ela
 
 
 def _log_evaluation(step: int, evaluated: dict[str, Any], eval_time: float, log: _Log, writer) -> None:
-    # train_time_s: seconds spent training up to this evaluation (evaluations excluded), for curves;
-    # eval_time_s: this evaluation's own seconds
+    # train_time_s: seconds spent training before it (evaluations excluded), for curves; eval_time_s: its own
     log.valid.append({"step": step, "train_time_s": log.time_s, "eval_time_s": eval_time, **_eval_summary(evaluated)})
     _add_scores(writer, "valid", evaluated, step)
     say(
@@ -335,14 +330,13 @@ def _add_scores(writer, split: str, evaluated: dict[str, Any], step: int) -> Non
         writer.add_scalar(f"{split}/{key}", evaluated[key], step)
 
 
-def _first_non_finite(values: list[dict[str, float]], step: int) -> str | None:
-    """'loss nan at step 7' for the first of the window's steps (the last is `step`) whose loss
-    or gradient norm is not finite; None when all are."""
-    for offset, v in enumerate(values):
+def _check_finite(backend: Backend, values: list[dict[str, float]], step: int) -> None:
+    """TrainingDiverged ('loss nan at step 7') for the first of the window's steps (the last is `step`)
+    whose loss or gradient norm is not finite."""
+    for at, v in enumerate(values, step - len(values) + 1):
         for key in ("loss", "grad_norm"):
             if not math.isfinite(v[key]):
-                return f"{key.replace('_', ' ')} {v[key]} at step {step - len(values) + 1 + offset}"
-    return None
+                raise _diverged(backend, f"{key.replace('_', ' ')} {v[key]} at step {at}")
 
 
 def _diverged(backend: Backend, what: str) -> TrainingDiverged:
@@ -408,8 +402,7 @@ def fit(run: Training) -> None:
             # Also log before an evaluation or a save, so that tokens/s never counts their time.
             if step % cfg.log_every == 0 or evaluate_now or save_now:
                 values = backend.fetch(pending)  # the loop's only host sync between evaluations
-                if bad := _first_non_finite(values, step):
-                    raise _diverged(backend, bad)
+                _check_finite(backend, values, step)
                 _log_window(cfg, step, values, window_tokens, time.perf_counter() - window_start, log, writer, bar,
                             run.compiled())
                 pending, window_tokens = [], 0
@@ -436,11 +429,8 @@ def fit(run: Training) -> None:
                 _save(cfg, backend, batcher, evaluated, log)
             if stopping:
                 bar.close()
-                name = signal.Signals(stop.requested).name
-                raise Interrupted(
-                    stop.requested,
-                    f"{name}: stopped at step {step} of {cfg.steps} with a checkpoint saved; continue with\n"
-                    f"  {resume_command(cfg)}")
+                raise Interrupted(stop.requested, f"{signal.Signals(stop.requested).name}: stopped at step {step} of "
+                                  f"{cfg.steps} with a checkpoint saved; continue with\n  {resume_command(cfg)}")
             if not pending:  # just logged: the next window starts now, after any evaluation or save
                 window_start = time.perf_counter()
         bar.close()
@@ -448,7 +438,8 @@ def fit(run: Training) -> None:
 
 def finish(run: Training, started: float) -> dict[str, Any]:
     """Final validation (unless the last step just ran it) and test evaluation; the results dict."""
-    cfg, backend, tokenizers, splits, writer, log = run.cfg, run.backend, run.tokenizers, run.splits, run.writer, run.log
+    cfg, backend, tokenizers, splits = run.cfg, run.backend, run.tokenizers, run.splits
+    writer, log = run.writer, run.log
     if log.valid and log.valid[-1]["step"] == backend.step:
         valid = {k: v for k, v in log.valid[-1].items() if k not in ("train_time_s", "eval_time_s")}  # history's own
     else:  # a resumed run that had nothing left to train

@@ -38,9 +38,7 @@ def launch(exp_cfg: ExperimentConfig, target, **kwargs):
 
 def create_backend(exp_cfg: ExperimentConfig, model_cfg: TransformerConfig,
                    checkpoint_dir: str | None = None) -> Backend:
-    """A freshly initialised backend of kind `exp_cfg.backend` (weights from `exp_cfg.seed`).
-
-    `checkpoint_dir` is where `save`/`restore` work; None disables checkpoints.
-    """
+    """A freshly initialised backend of kind `exp_cfg.backend` (weights from `exp_cfg.seed`); `checkpoint_dir` is
+    where `save`/`restore` work, None disables checkpoints."""
     module = importlib.import_module(BACKEND_MODULES[exp_cfg.backend])
     return getattr(module, f"{exp_cfg.backend.title()}Backend")(exp_cfg, model_cfg, checkpoint_dir)

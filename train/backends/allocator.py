@@ -44,11 +44,10 @@ def _set(mmap_threshold: int, trim_threshold: int) -> bool:
     return bool(libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold)) and bool(libc.mallopt(M_TRIM_THRESHOLD, trim_threshold))
 
 
-def tune() -> bool:
-    """Fixed mmap and trim thresholds (4 MiB); True where applied."""
+def tune() -> None:
+    """Fixed mmap and trim thresholds (4 MiB), where glibc takes them (`tuned()`)."""
     global _tuned
     _tuned = _set(THRESHOLD, THRESHOLD) or _tuned
-    return _tuned
 
 
 def tuned() -> bool:

@@ -42,11 +42,9 @@ def check_xla_flags(environ: MutableMapping[str, str] | None = None) -> None:
 
 
 def split_host(environ: MutableMapping[str, str] | None = None) -> int | None:
-    """Add `FLAG=N` to XLA_FLAGS, N = $AIAYN_HOST_DEVICES or the cores (at most MAX_DEVICES; a
-    --devices beyond them is refused by the mesh, as in training), unless jax is already imported
-    or XLA_FLAGS names a count. The count added, or None. Raises ValueError for a
-    $AIAYN_HOST_DEVICES that is not a whole number from 1 to MAX_DEVICES, or a bad count in
-    XLA_FLAGS (`check_xla_flags`)."""
+    """Add `FLAG=N` to XLA_FLAGS, N = $AIAYN_HOST_DEVICES or the cores (at most MAX_DEVICES; a --devices beyond
+    them is refused by the mesh, as in training), unless jax is already imported or XLA_FLAGS names a count; the
+    count added, or None. ValueError for a $AIAYN_HOST_DEVICES not from 1 to MAX_DEVICES, or a bad XLA_FLAGS count."""
     environ = os.environ if environ is None else environ
     check_xla_flags(environ)
     flags = environ.get("XLA_FLAGS", "")

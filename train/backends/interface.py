@@ -59,16 +59,15 @@ class Trainer(Protocol):
         """Trainable parameters (a shared embedding counted once)."""
 
     def train_step(self, batches: Sequence[Batch]) -> Metrics:
-        """One update from `grad_accum` micro-batches. Returns device values, not synced:
-        loss (label-smoothed, mean per target token), nll (the same without smoothing),
-        grad_norm (before clipping), lr (of this update), tokens."""
+        """One update from `grad_accum` micro-batches. Returns device values, not synced: loss (label-smoothed,
+        mean per target token), nll (the same without smoothing), grad_norm (before clipping), lr (of this update),
+        tokens (the global batch's target tokens)."""
 
     def fetch(self, metrics: Sequence[Metrics]) -> list[dict[str, float]]:
         """The host values of some `train_step` results: one synchronisation for all of them."""
 
     def eval_loss(self, batch: Batch) -> tuple[Any, Any, Any]:
-        """(smoothed loss sum, nll sum, target tokens) of one batch, dropout off, as device scalars
-        that `float()` reads."""
+        """(smoothed loss sum, nll sum, target tokens) of one batch, dropout off, as device scalars `float()` reads."""
 
     def learning_rate(self, step: int) -> float:
         """The learning rate of update number `step` (from 1)."""
@@ -135,8 +134,7 @@ class Store(Protocol):
         config); `metrics` (e.g. {"bleu": ...}) ranks it for keep-the-best."""
 
     def restore(self, which: str | int = "latest") -> dict[str, Any]:
-        """Load checkpoint "latest", "best" or a step number; returns its `meta`.
-        Raises FileNotFoundError when there is none."""
+        """Load checkpoint "latest", "best" or a step number; returns its `meta` (FileNotFoundError if none)."""
 
     def checkpoint_steps(self) -> list[int]:
         """Steps of the complete checkpoints on disk, oldest first."""

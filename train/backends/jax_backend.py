@@ -27,18 +27,15 @@ from torch_reference.config import TransformerConfig, check_beam
 
 from ..config import ExperimentConfig, default_dtype, resolve_kernels
 from ..data import Batch
-from ..store import TrainingState, check_keys
+from ..store import TrainingState, check_arrays
 from ..store.jax_store import JaxStore
 from . import allocator, compiles, jax_cache
 from .interface import Hypotheses, Metrics, StoreMethods, Topology
 
 
 def make_optimizer(exp_cfg: ExperimentConfig, d_model: int) -> optax.GradientTransformation:
-    """Optional global-norm clipping, then Adam(0.9, 0.98, 1e-9) (paper §5.3) on the Noam schedule.
-
-    optax counts updates from 0, the paper's schedule from 1: update n uses lr(step=n), as the
-    torch backend's LambdaLR does.
-    """
+    """Optional global-norm clipping, then Adam(0.9, 0.98, 1e-9) (paper §5.3) on the Noam schedule. optax counts
+    updates from 0, the paper's schedule from 1: update n uses lr(step=n), as the torch backend's LambdaLR does."""
 
     def schedule(count):
         return noam_learning_rate(count + 1, d_model, exp_cfg.warmup, exp_cfg.lr_factor)
@@ -58,7 +55,7 @@ def _as_arrays(batch: Batch, rows: slice = slice(None)) -> dict[str, np.ndarray]
 
 
 COMPUTE_DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}  # None: the parameters' float32
-SAMPLE_PROGRAMS = 8  # sampling settings compiled at once (a server's requests may each ask for others); past it: cleared
+SAMPLE_PROGRAMS = 8  # sampling settings compiled at once (a server's requests may each ask for others); then cleared
 
 
 def initialize(exp_cfg: ExperimentConfig) -> Topology:
@@ -87,17 +84,15 @@ def full_float32_matmuls(dtype: str, platform: str) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class StepContext:
-    """What the pure step functions read besides their arguments, fixed for a run (closed over by
-    `jax.jit`): the model's graph, the optimiser, the configs, and under FSDP the shardings the
-    parameters are gathered to for the passes and the gradients scattered back to."""
+    """What the pure step functions read besides their arguments, fixed for a run (closed over by `jax.jit`)."""
 
     graphdef: Any
     rest: Any  # non-parameter state of the model (none today): constant through training
     tx: optax.GradientTransformation
     model_cfg: TransformerConfig
     exp_cfg: ExperimentConfig
-    gather: Any = None  # FSDP: the replicated sharding
-    scatter: Any = None  # FSDP: the parameters' shardings
+    gather: Any = None  # FSDP: the replicated sharding, the parameters gathered to it for the passes
+    scatter: Any = None  # FSDP: the parameters' shardings, the gradients scattered back to them
 
     def model(self, params) -> jax_transformer.Transformer:
         return nnx.merge(self.graphdef, params, self.rest)
@@ -126,9 +121,8 @@ def micro_grads(ctx: StepContext, params, batch, total_tokens, rng, step, index)
 
     def objective(params):
         if ctx.gather is not None:
-            # ZeRO-3: every device gathers each parameter whole and computes on its own rows, as
-            # replicated data parallelism does (left to itself, the partitioner may split a matmul
-            # over its contracting dimension instead, which sums in another order).
+            # ZeRO-3: every device gathers each parameter whole and computes on its own rows, as replicated data
+            # parallelism does (the partitioner may split a matmul's contraction instead: another summation order).
             params = jax.lax.with_sharding_constraint(params, ctx.gather)
         return loss_sums(ctx, params, batch, key, total_tokens, False)
 
@@ -192,10 +186,9 @@ def search(ctx: StepContext, params, src, prefix, beam_size: int, alpha: float, 
 
 
 def sharded_search(ctx: StepContext, mesh, params, src, prefix, beam_size: int, alpha, *options):
-    """`search` data parallel: each device of `mesh` searches its own rows of src and prefix
-    (sharded along `data`) with its copy of the replicated parameters and alpha, its loop ending
-    when its own sentences are done (`shard_map`; no collective inside, so `check_vma=False`); the
-    output sharded alike."""
+    """`search` data parallel: each device of `mesh` searches its own rows of src and prefix (sharded along
+    `data`) with its copy of the replicated parameters and alpha, its loop ending when its own sentences are
+    done (`shard_map`; no collective inside, so `check_vma=False`); the output sharded alike."""
     whole, rows = jax.sharding.PartitionSpec(), jax.sharding.PartitionSpec(sharding.DATA_AXIS)
     arrays = (src,) if prefix is None else (src, prefix)
     per_device = jax.shard_map(lambda p, a, s, x=None: search(ctx, p, s, x, beam_size, a, *options), mesh=mesh,
@@ -205,10 +198,10 @@ def sharded_search(ctx: StepContext, mesh, params, src, prefix, beam_size: int, 
 
 def draw_samples(ctx: StepContext, params, src, seed, sentence_ids, num_samples: int, temperature: float, top_k: int,
                  top_p: float):
-    """(tokens (B, N, L), log-probs (B, N)) of `sampling.sample` over src (B, S), seed and sentence_ids
-    (B,) traced (one program for every seed), the settings checked by the caller."""
-    # The compiled loop itself: `sample`'s checks read the seed and the ids as host values.
-    return sampling.sample_loop(ctx.model(params), src, seed, sentence_ids, num_samples, temperature, top_k, top_p, 1.5, 10)
+    """(tokens (B, N, L), log-probs (B, N)) of `sampling.sample` over src (B, S), seed and sentence_ids (B,) traced
+    (one program for every seed): its loop alone, as `sample`'s checks read them as host values (the caller checks)."""
+    model = ctx.model(params)
+    return sampling.sample_loop(model, src, seed, sentence_ids, num_samples, temperature, top_k, top_p, 1.5, 10)
 
 
 def _host(out) -> np.ndarray | Hypotheses:
@@ -258,9 +251,8 @@ class JaxBackend(StoreMethods):
         self._step = 0  # host copy of state["step"], so reading it never syncs
         self.store = JaxStore(checkpoint_dir, exp_cfg.keep_checkpoints)
 
-        # The state (and the gradient accumulator, shaped like the parameters) in its layout,
-        # batches split along `data`, the rest replicated; a single sharding is a pytree prefix:
-        # one sharding for every leaf of that argument.
+        # The state (and the gradient accumulator, shaped like the parameters) in its layout, batches split along
+        # `data`, the rest replicated; a single sharding is a pytree prefix: one for every leaf of that argument.
         rows = sharding.batch_sharded(self.mesh)
         state_s = self.state_sharding
         fsdp = self.layout == "fsdp"
@@ -275,20 +267,20 @@ class JaxBackend(StoreMethods):
         self._apply = jax.jit(bound(apply_gradients, self.ctx), in_shardings=(state_s, acc_s, whole),
                               out_shardings=(state_s, whole), donate_argnums=0)
         self._zeros = jax.jit(lambda tree: jax.tree.map(jnp.zeros_like, tree), out_shardings=acc_s)
-        self._eval = jax.jit(bound(eval_sums, self.ctx))  # on one device, over local_copy(params)
         self._compile_decoders()
 
     def _compile_decoders(self) -> None:
-        # Searches jit-compiled over the parameters alone: a call skips nnx.jit's walk of the module graph
-        # (docs/performance.md#what-made-the-jax-search-fast).
+        # Jitted over the parameters alone: a call skips nnx.jit's walk of the module graph
+        # (docs/performance.md#what-made-the-jax-search-fast); eagerly, every operation would compile per shape.
         bound, ctx = functools.partial, self.ctx
+        self._eval = jax.jit(bound(eval_sums, ctx))  # on one device, over local_copy(params)
         # alpha (argument 4) is data: one program for every alpha (a server's requests each gave their own)
         self._search = jax.jit(bound(search, ctx), static_argnums=(3, 5, 6, 7))
         self._sharded_search = jax.jit(bound(sharded_search, ctx, self.mesh), static_argnums=(3, 5, 6, 7))
         self._score = jax.jit(lambda params, src, tgt: decode.score(ctx.model(params), src, tgt))
         self._sample = jax.jit(bound(draw_samples, ctx), static_argnums=(4, 5, 6, 7))
         self._sampled: set[tuple] = set()  # the settings self._sample holds programs for
-        self._cross_attention = None
+        self._cross_attention = jax.jit(lambda params, s, t: ctx.model(params)(s, t, return_attention=True)[1])
 
     def ensemble(self, others: Sequence[JaxBackend], average: str = "logprob") -> None:
         members = [b.ctx.model(b.mesh_params()) for b in (self, *others)]  # whole on this mesh's devices
@@ -296,7 +288,6 @@ class JaxBackend(StoreMethods):
         self.ctx = dataclasses.replace(self.ctx, graphdef=graphdef, rest=rest, gather=None, scatter=None)
         self.state = {**self.state, "params": params}
         self.layout, self._whole_params, self.members = "replicated", None, others
-        self._eval = jax.jit(functools.partial(eval_sums, self.ctx))
         self._compile_decoders()
 
     @property
@@ -398,9 +389,6 @@ class JaxBackend(StoreMethods):
                           np.float32)
 
     def cross_attention(self, src: np.ndarray, tgt_in: np.ndarray) -> np.ndarray:
-        # Jitted (compiled once per shape; eagerly, every operation would compile per new shape).
-        if self._cross_attention is None:
-            self._cross_attention = jax.jit(lambda params, s, t: self.ctx.model(params)(s, t, return_attention=True)[1])
         attention = self._cross_attention(self.local_params(), np.asarray(src, np.int32), np.asarray(tgt_in, np.int32))
         return np.asarray(attention, np.float32)  # (B, layers, H, T, S)
 
@@ -411,9 +399,8 @@ class JaxBackend(StoreMethods):
         self.store.save(self._step, self.state, meta, metrics)
 
     def restore(self, which: str | int = "latest") -> dict[str, Any]:
-        # Target shapes, dtypes and shardings are those of this backend's mesh and layout, whatever
-        # the checkpoint was written from (orbax reshards on read): 8 devices -> 1, 1 -> 8,
-        # replicated -> FSDP and back.
+        # Onto this backend's mesh and layout, whatever the checkpoint was written from (orbax reshards on read):
+        # 8 devices -> 1, 1 -> 8, replicated -> FSDP and back.
         abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                 self.state, self.state_sharding)
         self.state, meta = self.store.restore(which, abstract)
@@ -426,36 +413,30 @@ class JaxBackend(StoreMethods):
         return _to_flat(self.local_params())
 
     def export_state(self) -> TrainingState:
-        whole = sharding.gather({"step": self.state["step"], "opt_state": self.state["opt_state"]}, self.mesh)
-        local = sharding.local_copy(whole)
-        counts = {"trainer step": int(local["step"]), "host step": self._step}
-        counts.update({_key(path): int(c) for path, c in optax.tree_utils.tree_get_all_with_path(local["opt_state"], "count")})
+        local = sharding.local_copy(sharding.gather({k: self.state[k] for k in ("step", "opt_state")}, self.mesh))
+        opt = local["opt_state"]
+        counts = {"trainer step": int(local["step"]), "host step": self._step,
+                  **{_key(path): int(c) for path, c in optax.tree_utils.tree_get_all_with_path(opt, "count")}}
         if len(set(counts.values())) != 1:
             raise ValueError(f"the JAX state's step counters disagree: {counts}")
-        opt = local["opt_state"]
-        mu, nu = (_to_flat(optax.tree_utils.tree_get(opt, name)) for name in ("mu", "nu"))
-        if self._step == 0:  # torch keeps no moments before the first update; optax holds zeros
-            mu = nu = None
+        # torch keeps no moments before the first update; optax holds zeros
+        mu, nu = (None if self._step == 0 else _to_flat(optax.tree_utils.tree_get(opt, name)) for name in ("mu", "nu"))
         rng = np.array(jax.random.key_data(sharding.local_copy(self.rng)), copy=True)
         state = TrainingState("jax", self._step, self.weights(), mu, nu, rng)
         state.check()
         return state
 
     def import_state(self, state: TrainingState) -> None:
-        if state.framework != "jax":
-            raise ValueError(f"a {state.framework} training state: convert it to JAX's layout first (aiayn convert)")
-        state.check()
+        state.check("jax")
         old = self.state
         params = _from_flat(old["params"], state.params, "weights")
-        opt_state = self.tx.init(params)
-        if state.mu is not None:
-            template = optax.tree_utils.tree_get(old["opt_state"], "mu")
-            opt_state = optax.tree_utils.tree_set(
-                opt_state, mu=_from_flat(template, state.mu, "Adam first moments (mu / exp_avg)"),
-                nu=_from_flat(template, state.nu, "Adam second moments (nu / exp_avg_sq)"))
+        template = optax.tree_utils.tree_get(old["opt_state"], "mu")
+        moments = {} if state.mu is None else {
+            "mu": _from_flat(template, state.mu, "Adam first moments (mu / exp_avg)"),
+            "nu": _from_flat(template, state.nu, "Adam second moments (nu / exp_avg_sq)")}
         # Host values: one device array at every `count`, placed on several devices, keeps one buffer there,
         # which the first update donates twice (XLA: "Attempt to donate the same buffer twice", a segfault).
-        opt_state = optax.tree_utils.tree_set(opt_state, count=np.asarray(state.step, np.int32))
+        opt_state = optax.tree_utils.tree_set(self.tx.init(params), count=np.asarray(state.step, np.int32), **moments)
         step = np.asarray(state.step, old["step"].dtype)
         self.state = sharding.place({"params": params, "opt_state": opt_state, "step": step}, self.state_sharding)
         self._step = state.step
@@ -480,9 +461,5 @@ def _to_flat(tree: Any) -> dict[str, np.ndarray]:
 def _from_flat(template: Any, flat: Mapping[str, np.ndarray], what: str) -> Any:
     """`flat` as a tree of NumPy arrays shaped like `template`; keys, shapes and dtypes checked."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(template)
-    check_keys(what, {_key(p): tuple(leaf.shape) for p, leaf in leaves}, {k: np.shape(v) for k, v in flat.items()})
-    wrong = [f"{_key(p)}: expected {leaf.dtype}, got {flat[_key(p)].dtype}" for p, leaf in leaves
-             if flat[_key(p)].dtype != leaf.dtype]
-    if wrong:
-        raise ValueError(f"{what} have other dtypes than the target:\n  " + "\n  ".join(wrong))
+    check_arrays(what, {_key(p): leaf for p, leaf in leaves}, flat)
     return jax.tree_util.tree_unflatten(treedef, [np.asarray(flat[_key(p)]) for p, _ in leaves])

@@ -34,7 +34,7 @@ from ..config import ExperimentConfig, default_dtype, resolve_kernels
 from ..data import Batch
 from ..runtime import Interrupted, UserError
 from ..runtime.files import error_text
-from ..store import TrainingState, check_keys
+from ..store import TrainingState, check_arrays
 from ..store.torch_store import TorchStore
 from .interface import Hypotheses, Metrics, StoreMethods, Topology
 
@@ -152,8 +152,7 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _like(param: torch.Tensor, value) -> torch.Tensor:
-    """A whole array as a tensor laid out as `param`: sharded as it is under FSDP (every process holds the
-    whole value), else plain."""
+    """A whole array as a tensor laid out as `param`: sharded as it is under FSDP (each process holds it whole)."""
     value = value if isinstance(value, torch.Tensor) else torch.from_numpy(np.array(value))
     if isinstance(param, DTensor):
         return distribute_tensor(value.to(param.device), param.device_mesh, param.placements)
@@ -219,9 +218,7 @@ class TorchBackend(StoreMethods):
 
     def autocast(self):
         """bfloat16 autocast for --dtype bfloat16 (parameters stay float32), else nothing."""
-        if self.dtype == "bfloat16":
-            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.dtype == "bfloat16")
 
     def _loss_sums(self, model, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         src, tgt_in, tgt_out = _long(self.device, batch.src, batch.tgt_in, batch.tgt_out)
@@ -263,7 +260,7 @@ class TorchBackend(StoreMethods):
         self.trained.train()
         self.optimizer.zero_grad(set_to_none=True)
         total_tokens = sum(b.num_tgt_tokens for b in batches)  # of the global batches
-        loss_total = nll_total = torch.zeros((), device=self.device)
+        sums = torch.zeros(2, device=self.device)  # the loss's and the nll's, over the micro-batches
         for i, batch in enumerate(batches):
             # DDP sums the gradients over the processes in the last micro-batch's backward pass.
             last = not self.distributed or i == len(batches) - 1
@@ -274,11 +271,10 @@ class TorchBackend(StoreMethods):
                 # Sum over micro-batches of (loss sum / the update's tokens): the gradient of one
                 # batch holding all of them, as on the JAX side.
                 _collective((loss_sum / total_tokens).backward)
-            loss_total, nll_total = loss_total + loss_sum.detach(), nll_total + nll_sum
+            sums = sums + torch.stack([loss_sum.detach(), nll_sum])
         if self.distributed:
-            sums = torch.stack([loss_total, nll_total])
             _collective(dist.all_reduce, sums)
-            loss_total, nll_total = sums[0], sums[1]
+        loss_total, nll_total = sums
         grads = [_local(p.grad) for p in self.trained.parameters() if p.grad is not None]  # FSDP: this process's shards
         squares = sum(g.square().sum() for g in grads)
         if self.fsdp:
@@ -370,15 +366,9 @@ class TorchBackend(StoreMethods):
         return state
 
     def import_state(self, state: TrainingState) -> None:
-        if state.framework != "torch":
-            raise ValueError(f"a {state.framework} training state: convert it to torch's layout first (aiayn convert)")
-        state.check()
-        current = self.model.state_dict()
-        check_keys("PyTorch weights", {k: tuple(v.shape) for k, v in current.items()}, {k: np.shape(v) for k, v in state.params.items()})
-        wrong = [f"{k}: expected {current[k].dtype}, got {v.dtype}" for k, v in state.params.items()
-                 if v.dtype != current[k].detach().cpu().numpy().dtype]
-        if wrong:
-            raise ValueError("weights have other dtypes than the target:\n  " + "\n  ".join(wrong))
+        state.check("torch")
+        check_arrays("PyTorch weights", {k: v.detach().cpu().numpy() for k, v in self.model.state_dict().items()},
+                     state.params)
         with torch.no_grad():
             self.model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in state.params.items()}, strict=True)
         # torch.optim.Adam's own layout, by parameter index; `step` as the float tensor it keeps.
@@ -410,9 +400,7 @@ class TorchBackend(StoreMethods):
             _collective(dist.barrier)
 
     def agreed_signal(self, signum: int | None) -> int | None:
-        """A stop signal that any process received (the processes stop at the same update), or None."""
-        if not self.distributed:
-            return signum
+        """A stop signal that any process of the distributed run received (all stop at the same update), or None."""
         flag = torch.tensor([signum or 0], device=self.device)
         _collective(dist.all_reduce, flag, dist.ReduceOp.MAX)
         return int(flag.item()) or None

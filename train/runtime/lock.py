@@ -22,14 +22,9 @@ class RunLock:
         self._fd: int | None = None
 
     def acquire(self) -> RunLock:
-        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW  # a link (in a copied run) is never followed
-        try:
-            self._fd = os.open(self.path, flags, 0o644)
-        except OSError as err:
-            if err.errno != errno.ELOOP:
-                raise
-            self.path.unlink()  # a symbolic link: no lock of ours, so it is replaced by a file
-            self._fd = os.open(self.path, flags, 0o644)
+        if self.path.is_symlink():  # a link (in a copied run) is no lock of ours: replaced by a file, never followed
+            self.path.unlink()
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:

@@ -99,12 +99,6 @@ class Destination:
             self.write(path.read_bytes())
 
 
-def destination(path: str | Path | None, flag: str, inputs: Iterable[str | Path] = (),
-                of: str = "") -> Destination | None:
-    """`Destination(path, ...)`, None without a path: what every command calls for each file it writes."""
-    return None if path is None else Destination(path, flag, inputs, of)
-
-
 class OtherInput(UserError):
     """A partial output that translates other input lines than these."""
 
@@ -143,10 +137,9 @@ class PartialOutput:
         self._created = not self.partial.is_file()
         self._file = _locked(self.partial, f"{path} is being written by another translation (it holds "
                                            f"{self.partial}); wait for it to end or give another --output")
-        try:
+        state = None
+        with contextlib.suppress(UserError):  # an unreadable record: starting afresh
             state = read_json(self.record, default=None)
-        except UserError:
-            state = None
         if not isinstance(state, dict) or self._created:
             return
         saved = state.get("settings")
@@ -238,13 +231,14 @@ class Progress:
         self.start = time.perf_counter()
         self._fraction0 = self.fraction()
 
-    def rates(self) -> tuple[float, float, float]:
+    def rates(self) -> tuple[float, str]:
+        """Seconds since `begin`, and the rates as text."""
         seconds = max(time.perf_counter() - self.start, 1e-9)
-        return seconds, self.lines / seconds, self.tokens / seconds
+        return seconds, f"{self.lines / seconds:,.1f} lines/s, {self.tokens / seconds:,.0f} target tokens/s"
 
     def status(self) -> str:
-        seconds, lines_per_s, tokens_per_s = self.rates()
-        text = f"{self.lines:,} lines, {lines_per_s:,.1f} lines/s, {tokens_per_s:,.0f} target tokens/s"
+        seconds, rates = self.rates()
+        text = f"{self.lines:,} lines, {rates}"
         fraction = self.fraction()
         if fraction is not None and self._fraction0 is not None and fraction > self._fraction0:
             left = seconds * (1 - fraction) / (fraction - self._fraction0)
@@ -256,6 +250,5 @@ class Progress:
             print("\r\x1b[K", end="", file=sys.stderr, flush=True)
 
     def summary(self) -> str:
-        seconds, lines_per_s, tokens_per_s = self.rates()
-        return (f"translated {self.lines:,} lines in {seconds:.1f} s: {lines_per_s:,.1f} lines/s, "
-                f"{tokens_per_s:,.0f} target tokens/s")
+        seconds, rates = self.rates()
+        return f"translated {self.lines:,} lines in {seconds:.1f} s: {rates}"

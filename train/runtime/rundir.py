@@ -40,7 +40,11 @@ def session(cfg: ExperimentConfig, explicit: Iterable[str] | None = None, platfo
         if cfg.resume and not (run_dir / CONFIG_FILE).is_file():
             raise UserError(f"nothing to resume: {run_dir} holds no run ({CONFIG_FILE} missing)")
         saved = read_experiment(run_dir) if cfg.resume else None
-        origin = _source_experiment(source) if source is not None and not cfg.resume else None
+        origin = None
+        if source is not None and not cfg.resume:  # train.loop made --init-from's source a run (pretrained.source_run)
+            if not (Path(source) / CONFIG_FILE).is_file():
+                raise UserError(f"--init-from {source}: not a run directory")
+            origin = read_experiment(source)
         try:
             cfg = cfg.replace(run_dir=str(run_dir)).resolve(platform, given=explicit, saved=saved, source=origin)
         except ValueError as err:
@@ -60,12 +64,6 @@ def _check_claim(run_dir: Path, resume: bool, overwrite: bool) -> None:
             raise UserError(f"{run_dir} is not empty and holds no run; choose another --run-dir")
         if not overwrite:
             raise UserError(f"{run_dir} already holds a run; pass --resume to continue it or --overwrite to replace it")
-
-
-def _source_experiment(source: str | Path) -> ExperimentConfig:
-    if not (Path(source) / CONFIG_FILE).is_file():
-        raise UserError(f"--init-from {source}: not a run directory")  # train.loop made it one (pretrained.source_run)
-    return read_experiment(source)
 
 
 def set_aside_path(run_dir: Path) -> Path:

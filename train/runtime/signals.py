@@ -37,17 +37,16 @@ def exit_status(main: Callable[..., int | None], *args: Any, **kwargs: Any) -> i
         return 128 + signal.SIGINT
 
 
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
 @contextlib.contextmanager
-def interruptible() -> Iterator[None]:
-    """Within the block SIGTERM and SIGINT raise `Interrupted` (main thread only; elsewhere nothing changes)."""
+def _handled(handler: Callable[[int, Any], None]) -> Iterator[None]:
+    """Within the block `handler` takes SIGTERM and SIGINT (main thread only; elsewhere nothing changes)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-
-    def handler(signum, frame):
-        raise Interrupted(signum)
-
-    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    old = {s: signal.signal(s, handler) for s in SIGNALS}
     try:
         yield
     finally:
@@ -55,25 +54,29 @@ def interruptible() -> Iterator[None]:
             signal.signal(s, h)
 
 
+def interruptible() -> contextlib.AbstractContextManager[None]:
+    """Within the block SIGTERM and SIGINT raise `Interrupted` (main thread only; elsewhere nothing changes)."""
+
+    def handler(signum, frame):
+        raise Interrupted(signum)
+
+    return _handled(handler)
+
+
 class StopSignals:
     """SIGTERM and Ctrl-C ask the loop to stop (`requested`) with a checkpoint, a second at once (KeyboardInterrupt);
     only in the main thread of a single process (several would have to agree on the step)."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
     def __init__(self, enabled: bool = True):
-        self.enabled = enabled and threading.current_thread() is threading.main_thread()
         self.requested: int | None = None
-        self._previous: dict[int, Any] = {}
+        self._handlers = _handled(self._handle) if enabled else contextlib.nullcontext()
 
     def __enter__(self) -> StopSignals:
-        if self.enabled:
-            self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        self._handlers.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+        self._handlers.__exit__(*exc)
 
     def _handle(self, signum: int, frame) -> None:
         if self.requested is not None:

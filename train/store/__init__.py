@@ -35,20 +35,19 @@ class TrainingState:
     nu: dict[str, np.ndarray] | None = None
     rng: np.ndarray | None = None
 
-    def check(self) -> None:
-        """Both moments or neither, with the parameters' keys, shapes and dtypes."""
+    def check(self, framework: str | None = None) -> None:
+        """Both moments or neither, with the parameters' keys, shapes and dtypes; of `framework`'s layout if given."""
+        if framework is not None and self.framework != framework:
+            raise ValueError(f"a {self.framework} training state: convert it to {framework}'s layout first "
+                             "(aiayn convert)")
         if (self.mu is None) != (self.nu is None):
             raise ValueError("Adam state holds only one of its two moments")
-        if self.mu is None:
-            if self.step != 0:
-                raise ValueError(f"Adam state is empty but the step is {self.step}: the moments are missing")
-            return
-        shapes = {k: np.shape(v) for k, v in self.params.items()}
-        for name, moments in (("Adam first moments (mu / exp_avg)", self.mu), ("Adam second moments (nu / exp_avg_sq)", self.nu)):
-            check_keys(name, shapes, {k: np.shape(v) for k, v in moments.items()})
-            if wrong := [f"{k}: {np.dtype(m.dtype)}, parameter {np.dtype(self.params[k].dtype)}"
-                         for k, m in moments.items() if m.dtype != self.params[k].dtype]:
-                raise ValueError(f"{name} have other dtypes than their parameters:\n  " + "\n  ".join(wrong))
+        if self.mu is None and self.step != 0:
+            raise ValueError(f"Adam state is empty but the step is {self.step}: the moments are missing")
+        for name, moments in (("Adam first moments (mu / exp_avg)", self.mu),
+                              ("Adam second moments (nu / exp_avg_sq)", self.nu)):
+            if moments is not None:
+                check_arrays(name, self.params, moments, of="parameter")
 
     def differences(self, other: TrainingState) -> list[str]:
         """What differs from `other`, bit for bit (empty: identical; the random state not compared)."""
@@ -84,6 +83,14 @@ def check_keys(what: str, expected: Mapping[str, tuple], got: Mapping[str, tuple
     wrong = [(k, expected[k], got[k]) for k in expected if k in got and tuple(got[k]) != tuple(expected[k])]
     if missing or unexpected or wrong:
         raise CheckpointMismatchError(what, missing, unexpected, wrong)
+
+
+def check_arrays(what: str, expected: Mapping[str, Any], got: Mapping[str, Any], of: str = "target") -> None:
+    """`check_keys` of the shapes, then ValueError naming each of `got` of another dtype than its `of` in `expected`."""
+    check_keys(what, {k: np.shape(v) for k, v in expected.items()}, {k: np.shape(v) for k, v in got.items()})
+    if wrong := [f"{k}: {np.dtype(got[k].dtype)}, {of} {np.dtype(v.dtype)}" for k, v in expected.items()
+                 if np.dtype(v.dtype) != np.dtype(got[k].dtype)]:
+        raise ValueError(f"{what} have other dtypes than their {of}s:\n  " + "\n  ".join(wrong))
 
 
 class CheckpointError(Exception):
