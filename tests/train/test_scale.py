@@ -93,6 +93,6 @@ def test_the_wmt14_recipe_trains_on_a_corpus_of_wmt_size(tmp_path, multi30k, mon
     assert results["model"]["d_model"] == 512 and results["model"]["src_vocab_size"] > 8000  # base, a large BPE
     (stored,) = [p for p in (tmp_path / "cache").iterdir() if (p / "store.json").is_file()]
     assert json.loads((stored / "store.json").read_text())["pairs"] == 4_500_000
-    # Measured 2026-11-28: MEASURED MiB, most of it the BPE trainer's on its 2 million sampled sentences
-    # and the base model with Adam; nothing of the corpus's size (docs/scale.md).
-    assert measured["peak_rss_anon_mb"] < 6000
+    # Measured 2026-11-28: 3,302 MiB, the BPE trainer's on its 2 million sampled sentences and the base model
+    # with Adam, nothing of the corpus's size (docs/scale.md); 20% over it for the allocators' variation.
+    assert measured["peak_rss_anon_mb"] < 4000
