@@ -10,7 +10,6 @@ from our bos row), so an imported run exported untrained gives back the original
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -26,7 +25,7 @@ from .. import data, runtime
 from ..backends import create_backend
 from ..config import DERIVED_MODEL_FIELDS, SPECIAL_ID_FIELDS, ExperimentConfig
 from ..data import spm
-from ..store import CheckpointMismatchError, TrainingState
+from ..store import CheckpointMismatchError, TrainingState, check_keys
 from .weights import read_state_dict, to_jax_layout
 
 MARIAN_FORMAT = "marian"
@@ -45,7 +44,6 @@ TIED_KEYS = ("lm_head.weight", "model.encoder.embed_tokens.weight", "model.decod
 
 class UnsupportedMarianConfig(ValueError):
     """A Marian config this project's Transformer cannot represent (the message names the field)."""
-
 
 
 def _refuse(field: str, value: Any, why: str) -> None:
@@ -100,13 +98,6 @@ def marian_config(hf: Mapping[str, Any]) -> TransformerConfig:
         raise UnsupportedMarianConfig(f"cannot import this Marian model: {err}") from None
 
 
-def special_ids(hf: Mapping[str, Any], src_unk: int, tgt_unk: int) -> dict[str, int]:
-    pad = hf.get("pad_token_id", 58100)
-    return {"pad": pad, "eos": hf.get("eos_token_id", 0), "decoder_start": hf.get("decoder_start_token_id", pad),
-            "src_unk": src_unk, "tgt_unk": tgt_unk, "src_vocab_size": hf.get("vocab_size", 58101),
-            "tgt_vocab_size": hf.get("decoder_vocab_size") or hf.get("vocab_size", 58101)}
-
-
 def marian_ids(vocab_size: int, pad: int, eos: int, unk: int, start: int) -> np.ndarray:
     """(vocab_size + 1,) the Marian id of each of our ids: pad, start, eos, unk, then the rest in order."""
     fixed = {PAD_ID: pad, BOS_ID: start, EOS_ID: eos, UNK_ID: unk}
@@ -134,28 +125,15 @@ def inverse_order(order: np.ndarray) -> np.ndarray:
     return inverse
 
 
-
-def expected_torch_params(cfg: TransformerConfig) -> dict[str, tuple[int, ...]]:
-    """Every parameter key of the torch model for `cfg` with its shape (built on the meta device:
-    no memory)."""
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    return {k: tuple(v.shape) for k, v in model.named_parameters()}
-
-
 def hf_key(key: str) -> str:
     """Our torch key of a layer parameter -> HF's (`encoder.layers.0.ff.linear1.weight` ->
     `model.encoder.layers.0.fc1.weight`)."""
     stack, layers, index, *rest = key.split(".")
-    assert layers == "layers", key
-    leaf, inner = rest[-1], ".".join(rest[:-1])
-    for ours, theirs in LAYER_NAMES.items():  # longest names first would matter; none is a prefix of another here
-        if inner == ours or inner.startswith(ours + "."):
-            inner = theirs + inner[len(ours):]
-            break
-    else:
+    inner = ".".join(rest)
+    ours = next((name for name in LAYER_NAMES if inner.startswith(name + ".")), None)  # no name prefixes another
+    if layers != "layers" or ours is None:
         raise KeyError(key)
-    return f"model.{stack}.layers.{index}.{inner}.{leaf}"
+    return f"model.{stack}.layers.{index}.{LAYER_NAMES[ours]}{inner[len(ours):]}"
 
 
 def _embedding_sources(cfg: TransformerConfig) -> dict[str, tuple[tuple[str, ...], str]]:
@@ -174,18 +152,16 @@ def from_marian(state: Mapping[str, np.ndarray], cfg: TransformerConfig, ids: Ma
     """A MarianMTModel state dict (NumPy) -> our torch-layout parameters (float32), rows permuted;
     strictly checked: a missing key, a wrong shape or a key left over raises CheckpointMismatchError."""
     orders = dict(zip(("src", "tgt"), side_orders(ids)))
-    wanted = expected_torch_params(cfg)
+    with torch.device("meta"):  # the parameters' shapes, no memory
+        wanted = {k: tuple(v.shape) for k, v in Transformer(cfg).named_parameters()}
     embeddings = _embedding_sources(cfg)
-    out, used, missing = {}, set(), []
+    out, used = {}, set()
     for key in wanted:
         candidates, side = embeddings[key] if key in embeddings else ((hf_key(key),), None)  # a layer's: as it is
-        found = next((c for c in candidates if c in state), None)
-        if found is None:
-            missing.append(f"{key} (HF {' or '.join(candidates)})")
-            continue
-        used.add(found)
-        value = np.asarray(state[found], dtype=np.float32)
-        out[key] = value if side is None else (value.reshape(-1) if key == "logits_bias" else value)[orders[side]]
+        if (found := next((c for c in candidates if c in state), None)) is not None:
+            used.add(found)
+            value = np.asarray(state[found], dtype=np.float32)
+            out[key] = value if side is None else (value.reshape(-1) if key == "logits_bias" else value)[orders[side]]
     # Duplicates HF ties to the ones read (shared/tied embeddings) and the positions: checked, not read.
     ignorable = {"model.shared.weight", *TIED_KEYS} if cfg.tie_output or cfg.share_embeddings else set()
     for stack in ("encoder", "decoder"):
@@ -195,14 +171,8 @@ def from_marian(state: Mapping[str, np.ndarray], cfg: TransformerConfig, ids: Ma
             table = sinusoidal_positions(*np.shape(state[key]), halves=True).numpy()
             if np.abs(np.asarray(state[key], np.float32) - table).max() > POSITION_TOLERANCE:
                 raise UnsupportedMarianConfig(f"cannot import this Marian model: {key} is not the sinusoid table")
-    left = sorted(k for k in state if k not in used and not (k in ignorable and _tied_copy(state, k, used)))
-    if missing or left:
-        raise CheckpointMismatchError("Marian weights do not match the config:\n  " + "\n  ".join(
-            [f"missing: {m}" for m in missing] + [f"unexpected: {k}" for k in left]))
-    shapes = {k: tuple(np.shape(v)) for k, v in out.items()}
-    wrong = [f"{k}: expected {wanted[k]}, got {shapes[k]}" for k in out if shapes[k] != wanted[k]]
-    if wrong:
-        raise CheckpointMismatchError("Marian weights have other shapes than the config says:\n  " + "\n  ".join(wrong))
+    left = [k for k in state if k not in used and not (k in ignorable and _tied_copy(state, k, used))]
+    check_keys("Marian weights", wanted, {k: np.shape(v) for k, v in [*out.items(), *((k, state[k]) for k in left)]})
     return out
 
 
@@ -231,7 +201,6 @@ def to_marian(params: Mapping[str, np.ndarray], cfg: TransformerConfig,
         else:
             out[hf_key(key)] = value
     return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in out.items()}
-
 
 
 def marian_source(src: str | os.PathLike) -> tuple[Path, dict[str, Any]]:
@@ -297,7 +266,10 @@ def marian_tokenizers(src: Path, hf: Mapping[str, Any]) -> tuple[spm.SentencePie
     for name, vocab in (("vocab.json", src_vocab), ("target_vocab.json", tgt_vocab)):
         if not isinstance(vocab, dict) or "<unk>" not in vocab:
             raise ValueError(f"{src / name} has no <unk>")
-    ids = special_ids(hf, src_vocab["<unk>"], tgt_vocab["<unk>"])
+    pad = hf.get("pad_token_id", 58100)
+    ids = {"pad": pad, "eos": hf.get("eos_token_id", 0), "decoder_start": hf.get("decoder_start_token_id", pad),
+           "src_unk": src_vocab["<unk>"], "tgt_unk": tgt_vocab["<unk>"], "src_vocab_size": hf.get("vocab_size", 58101),
+           "tgt_vocab_size": hf.get("decoder_vocab_size") or hf.get("vocab_size", 58101)}
     src_order, tgt_order = side_orders(ids)
     source_blob, target_blob = (src / "source.spm").read_bytes(), (src / "target.spm").read_bytes()
     # MarianTokenizer decodes with the source model when the vocabulary is shared, else the target's.
@@ -357,8 +329,7 @@ def import_marian(src: str | os.PathLike, dst: str | os.PathLike, to: str = "tor
 
 def marian_origin(run_dir: str | os.PathLike) -> dict[str, Any]:
     """The Marian config and special ids an imported run came with (imported.json)."""
-    path = Path(run_dir) / runtime.IMPORTED_FILE
-    record = json.loads(path.read_text()) if path.is_file() else {}
+    record = runtime.read_json(Path(run_dir) / runtime.IMPORTED_FILE, default={})
     if record.get("format") != MARIAN_FORMAT:
         raise ValueError(f"{run_dir} was not imported from a Marian model (aiayn convert --from marian): its "
                          "vocabulary has no Marian numbering to export to")
