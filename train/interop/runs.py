@@ -1,10 +1,6 @@
-"""Training runs and weights files between the frameworks (the leaf rules: `train.interop.weights`;
-the file formats: docs/interop.md).
-
-`convert_run` converts the checkpoints of a run directory of one backend into the other's, with
-their meta (data position, validation scores) and ranking metrics, so `python -m train.run
---resume` continues in the other framework as if it had never changed.
-"""
+"""Training runs and weights files between the frameworks (the leaf rules: `train.interop.weights`; the file
+formats: docs/interop.md). A converted run keeps its checkpoints' meta and ranking metrics, so `--resume`
+continues in the other framework as if it had never changed."""
 
 from __future__ import annotations
 
@@ -33,8 +29,6 @@ def convert_checkpoints(src_cfg: ExperimentConfig, model_cfg: TransformerConfig,
     """Convert the checkpoints `which` ("latest", "best", "all" or a step) of the `src_cfg.backend`
     backend in `src_dir` into the `to` backend's checkpoints in `dst_dir`, with the same meta (the
     experiment's backend switched) and ranking metrics; returns the steps."""
-    if to == src_cfg.backend:
-        raise ValueError(f"the checkpoints already belong to the {to} backend")
     source = create_backend(src_cfg, model_cfg, str(src_dir))
     target = create_backend(src_cfg.replace(backend=to), model_cfg, str(dst_dir))
     try:
@@ -138,25 +132,22 @@ def save_torch_weights(model: torch_reference.Transformer, path: str | os.PathLi
 def load_torch_weights(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], TransformerConfig]:
     """(state dict, config) from a safetensors file, or from a legacy `torch.save` state dict
     (.pt, .pth, .bin) with config.json beside it (`read_state_dict`)."""
-    from safetensors import SafetensorError, safe_open
+    from safetensors import safe_open
 
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no weights file at {path}")
-    metadata = {}
+    state_dict, metadata = read_state_dict(path), {}  # a file that is no safetensors file: its ValueError
     if path.suffix not in LEGACY_SUFFIXES:
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                metadata = f.metadata() or {}
-        except SafetensorError as err:
-            raise ValueError(f"{path} is not a readable safetensors file ({err})") from None
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
     if store.WEIGHTS_CONFIG_KEY in metadata:
         cfg = TransformerConfig.from_json(metadata[store.WEIGHTS_CONFIG_KEY])
     elif (path.parent / "config.json").is_file():
         cfg = TransformerConfig.from_json((path.parent / "config.json").read_text())
     else:
         raise FileNotFoundError(f"{path} carries no config and there is no config.json beside it")
-    return read_state_dict(path), cfg
+    return state_dict, cfg
 
 
 def save_jax_weights(model: nnx.Module, directory: str | os.PathLike, overwrite: bool = False) -> Path:
