@@ -153,8 +153,6 @@ def convert_state(state: TrainingState, to: str, cfg: TransformerConfig) -> Trai
     behind (None) when the framework changes: dropout streams cannot be matched."""
     if to == state.framework:
         return state
-    if to not in FRAMEWORKS:
-        raise ValueError(f"no framework {to!r}; choose from {', '.join(FRAMEWORKS)}")
     layout = to_jax_layout if to == "jax" else to_torch_layout
     names = ("weights", "Adam first moments (mu / exp_avg)", "Adam second moments (nu / exp_avg_sq)")
     params, mu, nu = (None if tree is None else layout(tree, cfg, f"{state.framework} {what}")
