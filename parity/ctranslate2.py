@@ -4,7 +4,6 @@ has a counterpart there (docs/interop.md#ctranslate2-out lists them)."""
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -148,15 +147,9 @@ class Translator:
         self.model_dir = Path(model_dir)
         runtime.check_export(self.model_dir)
         self.translator = ctranslate2.Translator(str(model_dir), **options)
-        shared = any((self.model_dir / f"shared_vocabulary.{ext}").is_file() for ext in ("json", "txt"))
-        self.src_vocab = self._vocab("shared_vocabulary" if shared else "source_vocabulary")
-        self.tgt_vocab = self._vocab("shared_vocabulary" if shared else "target_vocabulary")
+        names = ("shared", "shared") if (self.model_dir / "shared_vocabulary.json").is_file() else ("source", "target")
+        self.src_vocab, self.tgt_vocab = (runtime.read_json(self.model_dir / f"{n}_vocabulary.json") for n in names)
         self.tgt_ids = {t: i for i, t in enumerate(self.tgt_vocab)}
-
-    def _vocab(self, stem: str) -> list[str]:
-        if (self.model_dir / f"{stem}.json").is_file():
-            return json.loads((self.model_dir / f"{stem}.json").read_text(encoding="utf-8"))
-        return (self.model_dir / f"{stem}.txt").read_text(encoding="utf-8").splitlines()
 
     def translate_ids(self, src_ids: Sequence[Sequence[int]], beam_size: int = 1, max_len: int = 256,
                       length_penalty: float = 1.0) -> list[list[int]]:
