@@ -10,9 +10,6 @@ from typing import Any
 from torch_reference.config import NON_NEGATIVE, POSITIVE, PROBABILITY, SPECIAL_TOKENS, Range, TransformerConfig
 
 BACKENDS = ("jax", "torch")  # each field's choices (its metadata) are its values
-DTYPES = ("float32", "bfloat16")
-PARAM_SHARDINGS = ("replicated", "fsdp")
-DIST_BACKENDS = ("gloo", "nccl")  # torch.distributed's: gloo on CPUs, NCCL between GPUs
 # The models' kernel sets (jax_transformer.KERNELS; torch_reference has reference and fused), and auto.
 KERNEL_CHOICES = ("auto", "reference", "xla_cpu", "fused")
 
@@ -51,8 +48,6 @@ FIELD_RANGES: dict[str, Range] = {
     "lr_factor": Range(float, above=0.0), "clip_norm": Range(float, above=0.0),
     "label_smoothing": PROBABILITY, "dropout": PROBABILITY,
 }
-
-positive_int = POSITIVE.parse  # the argparse type of aiayn serve's and aiayn loadtest's counts
 
 
 def default_dtype(platform: str) -> str:
@@ -191,11 +186,11 @@ class ExperimentConfig:
         "processes (DistributedDataParallel; default 1, or torchrun's --nproc-per-node)", launch=True)
     param_sharding: str = _field(
         "replicated", "dist", "parameters and Adam's moments: replicated (a whole copy on every device) or fsdp (each "
-        "array split over the devices, ZeRO-3 style)", choices=PARAM_SHARDINGS, launch=True)
+        "array split over the devices, ZeRO-3 style)", choices=("replicated", "fsdp"), launch=True)
     dtype: str | None = _field(
         None, "dist", "compute dtype: float32, or bfloat16 mixed precision (parameters, optimizer state, softmax and "
         "loss in float32); default: bfloat16 on a GPU or TPU, float32 on the CPU (docs/parity.md#bfloat16)",
-        choices=DTYPES)
+        choices=("float32", "bfloat16"))
     kernels: str = _field(
         "auto", "dist", "how the model computes the same function: reference (torch_reference line by line), xla_cpu "
         "(jax, tuned for XLA:CPU), fused (one fused attention kernel); auto: xla_cpu for jax on the CPU, fused on a "
@@ -213,7 +208,7 @@ class ExperimentConfig:
         "default: $JAX_PROCESS_ID", launch=True)
     dist_backend: str | None = _field(
         None, "dist", "torch run on several devices: torch.distributed's backend; default: nccl on GPUs, gloo on "
-        "CPUs", choices=DIST_BACKENDS, launch=True)
+        "CPUs", choices=("gloo", "nccl"), launch=True)
 
     def __post_init__(self):
         """Every field checked once, whatever built the config: ValueError naming the field."""
