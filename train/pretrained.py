@@ -1,7 +1,5 @@
-"""Starting a run from a pretrained one (`--init-from`): its model, tokenizers and weights, trained on
-new data with a fresh optimizer and schedule (docs/finetune.md). `source_run` makes any source a run of
-the backend that trains (through `train.interop`); `load` reads that run's weights.
-"""
+"""Starting a run from a pretrained one (`--init-from`): its model, tokenizers and weights, trained on new data
+with a fresh optimizer and schedule (docs/finetune.md); any source made a run of the backend that trains first."""
 
 from __future__ import annotations
 
@@ -23,10 +21,9 @@ from .store import CheckpointError
 
 @dataclasses.dataclass
 class Pretrained:
-    """What a new run takes from its source: the source's experiment, model, tokenizers and weights."""
+    """What a new run takes from its source: its directory, model, tokenizers and weights."""
 
     source: Path
-    experiment: ExperimentConfig
     model_config: TransformerConfig
     tokenizers: data.Tokenizers
     params: dict[str, np.ndarray]
@@ -68,7 +65,7 @@ def load(source: str | Path, cfg: ExperimentConfig) -> Pretrained:
         raise refused(cfg.init_from, str(err)) from None
     finally:
         backend.close()
-    return Pretrained(source, saved, model_cfg, tokenizers, params)
+    return Pretrained(source, model_cfg, tokenizers, params)
 
 
 def refused(source: str | Path | None, why: str) -> OptionError:
