@@ -1,6 +1,5 @@
-"""A trained run as a CTranslate2 model (`aiayn convert --to ctranslate2`), built through
-CTranslate2's own specification classes, never its file format by hand; each variant of `TransformerConfig`
-has a counterpart there (docs/interop.md#ctranslate2-out lists them)."""
+"""A trained run as a CTranslate2 model (`aiayn convert --to ctranslate2`), built through CTranslate2's own
+specification classes, never its file format by hand (docs/interop.md#ctranslate2-out)."""
 
 from __future__ import annotations
 

@@ -30,9 +30,8 @@ class Pretrained:
 
 
 def source_run(cfg: ExperimentConfig, scratch: contextlib.ExitStack) -> Path | None:
-    """The run directory of `cfg.backend` that --init-from's weights are read from (None: no source), as
-    `interop.runs.init_source` makes it, in a temporary directory `scratch` removes; also for a resumed
-    run that has no checkpoint yet, which starts from its source again."""
+    """The run directory of `cfg.backend` (`interop.runs.init_source`, in a directory `scratch` removes) that
+    --init-from's weights are read from, also for a resume before a checkpoint; None without a source."""
     source, backend = cfg.init_from, cfg.backend
     if source is None and cfg.resume and cfg.run_dir and (Path(cfg.run_dir) / runtime.CONFIG_FILE).is_file():
         from .runtime.rundir import has_checkpoint

@@ -1,12 +1,8 @@
-"""HF Marian (OPUS-MT) models in and out: `aiayn convert --from marian` / `--to marian`.
+"""HF Marian (OPUS-MT) models in and out: `aiayn convert --from marian` / `--to marian` (docs/interop.md).
 
-`marian_config` maps every field of `MarianConfig` that changes the function (docs/interop.md) and
-refuses, naming the field, one this model cannot represent. Marian numbers its vocabulary otherwise,
-so the import permutes the embedding rows (and the output projection's and logits bias's) to ours:
-pad 0 <- Marian's pad row, bos 1 <- its decoder start row (a copy: one row more), eos 2 <- eos,
-unk 3 <- unk, 4... <- every other row in Marian's order. The export inverts it (Marian's start row
-from our bos row), so an imported run exported untrained gives back the original weights bit for bit.
-"""
+Marian numbers its vocabulary otherwise, so the import permutes the embedding, output projection and logits bias
+rows to ours: pad 0 <- Marian's pad, bos 1 <- its decoder start (a copy: one row more), eos 2 <- eos, unk 3 <- unk,
+4... <- the other rows in Marian's order. The export inverts it: an untrained round trip is bit for bit."""
 
 from __future__ import annotations
 
@@ -51,9 +47,8 @@ def _refuse(field: str, value: Any, why: str) -> None:
 
 
 def marian_config(hf: Mapping[str, Any]) -> TransformerConfig:
-    """The TransformerConfig computing what HF's MarianMTModel computes for config.json `hf`
-    (vocabulary sizes one larger: see the module doc); UnsupportedMarianConfig names a field
-    that has no counterpart."""
+    """The TransformerConfig computing what HF's MarianMTModel computes for config.json `hf` (vocabularies one row
+    larger: see the module doc); UnsupportedMarianConfig names a field that has no counterpart."""
     get = hf.get
     if get("model_type", MARIAN_FORMAT) != MARIAN_FORMAT:
         _refuse("model_type", get("model_type"), "only model_type 'marian' is read")
@@ -184,9 +179,8 @@ def _tied_copy(state: Mapping[str, np.ndarray], key: str, used: set[str]) -> boo
 
 def to_marian(params: Mapping[str, np.ndarray], cfg: TransformerConfig,
               ids: Mapping[str, int] | None) -> dict[str, torch.Tensor]:
-    """Our torch-layout parameters -> a MarianMTModel state dict (every key it loads; tied ones
-    written once, as `save_pretrained` would). `ids`: the Marian special ids of an imported run
-    (rows permuted back, see the module doc), or None to keep our rows as they are, for a
+    """Our torch-layout parameters -> a MarianMTModel state dict (tied keys once, as `save_pretrained` writes).
+    `ids`: the Marian special ids of an imported run (rows permuted back), or None to keep our rows, for a
     MarianConfig with our ids (pad_token_id=pad_id, decoder_start_token_id=bos_id, eos_token_id=eos_id)."""
     if ids is None:
         inverses = {"src": np.arange(cfg.src_vocab_size), "tgt": np.arange(cfg.tgt_vocab_size)}
@@ -204,10 +198,8 @@ def to_marian(params: Mapping[str, np.ndarray], cfg: TransformerConfig,
 
 
 def marian_source(src: str | os.PathLike) -> tuple[Path, dict[str, Any]]:
-    """The local Marian directory `src` names and where it came from ({"from": src}, with "revision":
-    the commit it resolved to for a hub name): a directory, or `hf:ORG/NAME[@REVISION]` fetched
-    through huggingface_hub's download and cache (HF_HUB_CACHE, HF_HUB_OFFLINE honoured). Every
-    failure is a UserError of one line."""
+    """(the local Marian directory `src` names, {"from": src, "revision" of a hub name}): a directory, or
+    `hf:ORG/NAME[@REVISION]` through huggingface_hub's cache (HF_HUB_OFFLINE honoured); failures a UserError."""
     text = str(src)
     if not text.startswith(HUB_PREFIX):
         return Path(src), {"from": text}
@@ -353,10 +345,8 @@ def marian_model(record: Mapping[str, Any], params: Mapping[str, np.ndarray], cf
 
 def export_marian(run_dir: str | os.PathLike, params: Mapping[str, np.ndarray], cfg: TransformerConfig,
                   dst: str | os.PathLike, overwrite: bool = False, check: Callable[[Path], object] | None = None) -> Path:
-    """Weights `params` (our torch layout, e.g. a checkpoint of `run_dir`, imported from Marian and
-    perhaps fine-tuned) -> an HF Marian directory that `MarianMTModel.from_pretrained` and
-    `MarianTokenizer.from_pretrained` load, built beside `dst` and swapped in (`runtime.derive`) once
-    `check(directory)` (`parity.proof`) accepts it."""
+    """Weights `params` (torch layout) of `run_dir`, a run imported from Marian -> an HF Marian directory for
+    `MarianMTModel`/`MarianTokenizer.from_pretrained`, swapped in at `dst` once `check(directory)` accepts it."""
     run_dir, dst = Path(run_dir), Path(dst)
     record = marian_origin(run_dir)
     model = marian_model(record, params, cfg)

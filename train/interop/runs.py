@@ -26,9 +26,8 @@ from .weights import (LEGACY_SUFFIXES, convert_state, jax_model_from_params, jax
 
 def convert_checkpoints(src_cfg: ExperimentConfig, model_cfg: TransformerConfig, src_dir: str | os.PathLike,
                         dst_dir: str | os.PathLike, to: str, which: str | int = "latest") -> list[int]:
-    """Convert the checkpoints `which` ("latest", "best", "all" or a step) of the `src_cfg.backend`
-    backend in `src_dir` into the `to` backend's checkpoints in `dst_dir`, with the same meta (the
-    experiment's backend switched) and ranking metrics; returns the steps."""
+    """The checkpoints `which` ("latest", "best", "all" or a step) in `src_dir` as the `to` backend's in `dst_dir`,
+    with their meta (the backend switched) and ranking metrics; returns their steps."""
     source = create_backend(src_cfg, model_cfg, str(src_dir))
     target = create_backend(src_cfg.replace(backend=to), model_cfg, str(dst_dir))
     try:
@@ -51,9 +50,8 @@ def convert_checkpoints(src_cfg: ExperimentConfig, model_cfg: TransformerConfig,
 
 def convert_run(src: str | os.PathLike, dst: str | os.PathLike, to: str | None = None, which: str | int = "latest",
                 overwrite: bool = False, check: Callable[[Path], object] | None = None) -> dict:
-    """A run directory of one backend (train.run) -> the same run for the other backend: config.json (the
-    backend switched), model.json, the tokenizers, the TensorBoard events and the checkpoints `which`
-    converted, built beside `dst` and renamed into place once `check(directory)` (`parity.proof`) accepts it."""
+    """A run directory -> the same run for the other backend, its checkpoints `which` converted, built beside `dst`
+    and renamed into place once `check(directory)` (`parity.proof`) accepts it."""
     src, dst = Path(src), Path(dst)
     runtime.rundir.check_set_aside(src)  # an --overwrite killed or still running: named, not half a run converted
     try:
@@ -74,9 +72,8 @@ def convert_run(src: str | os.PathLike, dst: str | os.PathLike, to: str | None =
 
 
 def init_source(source: str, backend: str, dst: str | os.PathLike) -> Path:
-    """A run directory of `backend` for `--init-from SOURCE` (`train.pretrained.source_run`): SOURCE
-    itself when it is one; a run of the other framework converted (its best checkpoint) or an HF
-    Marian directory or hf:ORG/NAME[@REVISION] imported, at `dst`."""
+    """A run directory of `backend` for `--init-from SOURCE`: SOURCE itself when it is one, else at `dst` a run of
+    the other framework converted (its best checkpoint) or an HF Marian directory or hf:ORG/NAME imported."""
     path, dst = Path(source), Path(dst)
     if not source.startswith("hf:") and not (path / runtime.CONFIG_FILE).is_file():  # both kinds hold one
         raise FileNotFoundError(f"{path} is neither a run directory nor an HF Marian directory "
@@ -109,9 +106,8 @@ def run_weights(run_dir: str | os.PathLike, checkpoint: str | int = "best") -> t
 
 
 def save_torch_weights(model: torch_reference.Transformer, path: str | os.PathLike) -> Path:
-    """`path` (.safetensors) with the config in its metadata; no other file is written (a
-    `config.json` beside it may be the user's). Written whole: a temporary file, removed on any
-    error, then a rename. A full disk or a read-only place raises an OSError naming `path`."""
+    """`path` (.safetensors) with the config in its metadata, alone (a `config.json` beside it may be the user's),
+    written whole; a full disk or a read-only place raises an OSError naming `path`."""
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -151,9 +147,8 @@ def load_torch_weights(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor]
 
 
 def save_jax_weights(model: nnx.Module, directory: str | os.PathLike, overwrite: bool = False) -> Path:
-    """An orbax checkpoint of the parameters in `directory/params` plus `directory/config.json`,
-    written whole: built in `.NAME.tmp` beside it, swapped in (an old one with `overwrite`), nothing
-    left on any error. A full disk or a read-only place raises an OSError naming `directory`."""
+    """`directory/params` (orbax) and `directory/config.json`, built beside it and swapped in (an old one with
+    `overwrite`); a full disk or a read-only place raises an OSError naming `directory`, leaving nothing."""
     import orbax.checkpoint as ocp
 
     from ..store.jax_store import quiet_orbax

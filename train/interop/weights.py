@@ -148,9 +148,8 @@ def jax_to_torch(model: nnx.Module, cfg: TransformerConfig | None = None) -> tor
 
 
 def convert_state(state: TrainingState, to: str, cfg: TransformerConfig) -> TrainingState:
-    """A backend's training state in the `to` framework's layout: weights and both Adam moments by
-    the leaf rules (strictly checked against `cfg`), the step as it is. The random state stays
-    behind (None) when the framework changes: dropout streams cannot be matched."""
+    """A training state in the `to` framework's layout (weights and Adam's moments checked against `cfg`); the
+    random state stays behind (None): the frameworks' dropout streams cannot be matched."""
     if to == state.framework:
         return state
     layout = to_jax_layout if to == "jax" else to_torch_layout
@@ -170,8 +169,7 @@ LEGACY_SUFFIXES = (".pt", ".pth", ".bin")  # torch.save files: read with weights
 
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors file, or of a legacy `torch.save` file (LEGACY_SUFFIXES) read with
-    `torch.load(weights_only=True)`, whose unpickler admits tensors and containers only, so no code in a
-    file ever runs; a pickle named .safetensors is not a safetensors file and is refused (ValueError)."""
+    `torch.load(weights_only=True)`, which runs no code; anything else a ValueError."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
