@@ -114,9 +114,8 @@ def inverse_order(order: np.ndarray) -> np.ndarray:
     """(Marian vocab,) which of our rows each Marian row is written from: its own, except the
     decoder start's, which is our bos row (see the module doc)."""
     inverse = np.empty(len(order) - 1, dtype=np.int64)
-    for ours in range(len(order) - 1, -1, -1):  # descending, so for a duplicated Marian row the lowest of ours wins
-        inverse[order[ours]] = ours
-    inverse[order[BOS_ID]] = BOS_ID
+    inverse[order] = np.arange(len(order))
+    inverse[order[BOS_ID]] = BOS_ID  # the one Marian row two of ours hold (order[BOS_ID]'s): bos wins either way
     return inverse
 
 
