@@ -116,10 +116,8 @@ def export_ctranslate2(run_dir: str | os.PathLike, params: Mapping[str, np.ndarr
             return build_spec({k: np.array(v) for k, v in params.items()}, cfg, src_tokens, tgt_tokens)
 
     copy = (*data.tokenizer_files(run_dir), runtime.MODEL_FILE)
-    with runtime.derive(run_dir, dst, "ctranslate2", force, copy) as tmp:
+    with runtime.derive(run_dir, dst, "ctranslate2", force, copy, check) as tmp:
         RunConverter().convert(str(tmp), quantization=quantization, force=True)  # tmp exists, empty
-        if check is not None:
-            check(tmp)
     return Path(dst)
 
 

@@ -352,7 +352,7 @@ def export_marian(run_dir: str | os.PathLike, params: Mapping[str, np.ndarray], 
     tokenizers = data.load_tokenizers(run_dir)
     src_tok, tgt_tok = tokenizers.src, tokenizers.tgt
     src_inverse, tgt_inverse = (inverse_order(o) for o in side_orders(record["marian_ids"]))
-    with runtime.derive(run_dir, dst, "marian", overwrite) as tmp:
+    with runtime.derive(run_dir, dst, "marian", overwrite, check=check) as tmp:
         model.save_pretrained(str(tmp))
         (tmp / "source.spm").write_bytes(src_tok.model)
         (tmp / "target.spm").write_bytes(tgt_tok.model)
@@ -362,7 +362,5 @@ def export_marian(run_dir: str | os.PathLike, params: Mapping[str, np.ndarray], 
             runtime.write_json_atomic(tmp / "target_vocab.json", vocab)
         runtime.write_json_atomic(tmp / "tokenizer_config.json", {"tokenizer_class": "MarianTokenizer", "separate_vocabs":
                                 not cfg.share_embeddings, "model_max_length": cfg.max_len})
-        if check is not None:
-            check(tmp)
     return dst
 
