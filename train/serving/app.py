@@ -23,12 +23,6 @@ except ImportError:  # the serve extra: `app()` says how to install it
     ClientDisconnect = HTMLResponse = JSONResponse = None
 
 
-def attention_json(att) -> dict[str, Any]:
-    """A `train.attention.SentenceAttention` as JSON: tokens and weights [layer][head][target][source]."""
-    return {"source_tokens": att.src_tokens, "target_tokens": att.tgt_tokens,
-            "weights": np.round(att.weights.astype(np.float64), 4).tolist()}
-
-
 def result_json(result) -> dict[str, Any]:
     """One text's `Run.translate` result: a string, or `Hypothesis` (n-best, samples), the first its translation."""
     if isinstance(result, str):
@@ -49,8 +43,10 @@ def run_decoder(run) -> Callable[..., list[dict[str, Any]]]:
             recorder = AttentionRecorder(run.backend, run.tokenizers, texts)
         results = run.translate(texts, prefix=prefixes, on_batch=recorder, **options.translate_options())
         out = [result_json(r) for r in results]
-        if recorder is not None:
-            found = {att.line - 1: attention_json(att) for att in recorder.found}
+        if recorder is not None:  # each sentence's tokens and weights [layer][head][target][source]
+            found = {att.line - 1: {"source_tokens": att.src_tokens, "target_tokens": att.tgt_tokens,
+                                    "weights": np.round(att.weights.astype(np.float64), 4).tolist()}
+                     for att in recorder.found}
             for i, result in enumerate(out):
                 result["attention"] = found.get(i)
         return out
