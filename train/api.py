@@ -18,7 +18,8 @@ from .config import BACKENDS, ExperimentConfig
 from .options import SAMPLING_FIELDS, Evaluation, OptionError, RunSelection, Sampling, Search, sampling_of
 from .runtime import CHECKPOINTS, UserError, read_experiment, read_run
 from .runtime.rundir import check_set_aside
-from .translation import Hypothesis
+from .store import DIGEST_FILE, CheckpointError, parse_checkpoint
+from .translation import Hypothesis, score_pairs, translate_texts
 
 
 @dataclasses.dataclass
@@ -59,8 +60,6 @@ class Run:
         fields as keywords), sources longer than the run's max_len cut; `Hypothesis` lists with `n_best` or
         `alignments`. `prefix`: each output's forced start (None: none). `sample` (a `Sampling`, or True with its
         fields as keywords): random translations instead of the search (docs/python.md, docs/decoding.md)."""
-        from .translation import translate_texts
-
         search = _options(Search, search, options)
         sampling = sampling_of(sample, {k: options.pop(k) for k in SAMPLING_FIELDS if k in options})
         if self.members and search.alignments:
@@ -79,8 +78,6 @@ class Run:
         """The log-probability of each target given its source under the model (what
         `aiayn score` prints), one dict per pair (one for one string pair): "logprob"
         (the sum), "tokens" (the target's, "<eos>" last) and "token_logprobs" (one each)."""
-        from .translation import score_pairs
-
         one = isinstance(sources, str)
         if one != isinstance(targets, str):
             raise UserError("sources and targets: give two strings or two lists")
@@ -94,20 +91,19 @@ class Run:
         """What `aiayn evaluate` prints (loss, perplexity, BLEU, chrF, exact match) on `pairs`, a data spec
         or (source, target) pairs, translated by `search`; `evaluation`: an `Evaluation`, or its fields as
         keywords (docs/python.md). An ensemble's result also names its other runs and every run's step."""
-        from .data.splits import load_split
         from .metrics import evaluate_pairs
 
         search, evaluation = _options(Search, search, options), _options(Evaluation, evaluation, options)
         if options:
             raise TypeError(f"evaluate() got an unexpected keyword argument {next(iter(options))!r}")
         spec = os.fspath(pairs) if isinstance(pairs, (str, os.PathLike)) else None  # a file as a path too
-        pairs = load_split(self.config, spec) if spec is not None else list(pairs)
+        pairs = data.load_split(self.config, spec) if spec is not None else list(pairs)
         if spec is None and not all(isinstance(pair, (tuple, list)) and len(pair) == 2 for pair in pairs):
             raise UserError("pairs: give a data spec or a list of (source, target) pairs")  # not one pair alone
         if not pairs:  # sacreBLEU's scores need a sentence
             raise UserError(f"{spec or 'pairs'} holds no sentence pairs")
         cfg = self.config
-        seen = {s for s, _ in load_split(cfg, "numbers:train")} if cfg.uses_numbers_corpus else None
+        seen = {s for s, _ in data.load_split(cfg, "numbers:train")} if cfg.uses_numbers_corpus else None
         scoring = {**dataclasses.asdict(evaluation), "lowercase": evaluation.lowercase or cfg.lowercase}
         result = evaluate_pairs(self.backend, self.tokenizers, pairs, max_len=cfg.max_len,
                                 token_budget=cfg.token_budget, search=search, seen=seen, **scoring)
@@ -215,8 +211,6 @@ def _load_ensemble(run_dirs: list[Path], checkpoint: str | int, backend: str | N
 def weights_digest(run_dir: str | os.PathLike, step: int) -> str:
     """SHA-256 of checkpoint `step`'s digest.json (of its every file when it has none) and of the
     tokenizer files: which weights a partial output was translated with."""
-    from .store import DIGEST_FILE
-
     run_dir = Path(run_dir)
     checkpoint = run_dir / CHECKPOINTS / str(step)
     files = [checkpoint / DIGEST_FILE] if (checkpoint / DIGEST_FILE).is_file() else sorted(
@@ -233,8 +227,6 @@ def _tokenizer_bytes(run_dir: Path) -> dict[str, bytes]:
 
 
 def _load_one(run_dir: Path, checkpoint: str | int = "best", backend: str | None = None, **launch: Any) -> Run:
-    from .store import CheckpointError, parse_checkpoint
-
     check_set_aside(run_dir)  # an --overwrite killed or still running: named, not half a run loaded
     cfg = read_experiment(run_dir)
     if backend is not None and backend != cfg.backend:

@@ -33,12 +33,10 @@ def source_run(cfg: ExperimentConfig, scratch: contextlib.ExitStack) -> Path | N
     """The run directory of `cfg.backend` (`interop.runs.init_source`, in a directory `scratch` removes) that
     --init-from's weights are read from, also for a resume before a checkpoint; None without a source."""
     source, backend = cfg.init_from, cfg.backend
-    if source is None and cfg.resume and cfg.run_dir and (Path(cfg.run_dir) / runtime.CONFIG_FILE).is_file():
-        from .runtime.rundir import has_checkpoint
-
-        if not has_checkpoint(Path(cfg.run_dir)):
-            saved = runtime.read_experiment(cfg.run_dir)
-            source, backend = saved.init_from, saved.backend
+    if (source is None and cfg.resume and cfg.run_dir and (Path(cfg.run_dir) / runtime.CONFIG_FILE).is_file()
+            and not runtime.rundir.has_checkpoint(Path(cfg.run_dir))):
+        saved = runtime.read_experiment(cfg.run_dir)
+        source, backend = saved.init_from, saved.backend
     if source is None:
         return None
     from .interop.runs import init_source  # loads both frameworks: only for a source to convert
