@@ -244,9 +244,7 @@ def translate_stream(run, lines: Iterator[str], out, *, chunk_lines: int, progre
     progress.begin()
     rows = skipped  # input lines (rows) before the chunk
     for chunk in iter(lambda: list(itertools.islice(lines, chunk_lines)), []):
-        offset = len(seen)
-
-        def on_batch(index, src, tokens, offset=offset):
+        def on_batch(index, src, tokens, offset=rows):  # rows: the lines before this chunk, as `seen` holds them
             progress.on_batch(index, src, tokens)
             if recorder is not None:
                 recorder(np.where(index >= 0, index + offset, -1), src, tokens)
