@@ -22,7 +22,7 @@ from ..backends import create_backend
 from ..config import DERIVED_MODEL_FIELDS, SPECIAL_ID_FIELDS, ExperimentConfig
 from ..data import spm
 from ..store import CheckpointMismatchError, TrainingState, check_keys
-from .weights import read_state_dict, to_jax_layout
+from .weights import convert_state, read_state_dict
 
 MARIAN_FORMAT = "marian"
 # Our layer submodule -> HF's, inside encoder.layers.N / decoder.layers.N.
@@ -245,15 +245,12 @@ def _pieces(vocab: Mapping[str, int], order: np.ndarray, vocab_size: int) -> lis
 def marian_tokenizers(src: Path, hf: Mapping[str, Any]) -> tuple[spm.SentencePieceTokenizer, spm.SentencePieceTokenizer, dict[str, int]]:
     """(source tokenizer, target tokenizer, special ids) from source.spm, target.spm, vocab.json
     (target_vocab.json for separate vocabularies): MarianTokenizer's segmentation, our ids."""
-    for name in ("source.spm", "target.spm", "vocab.json"):
+    share = bool(hf.get("share_encoder_decoder_embeddings", True))
+    for name in ("source.spm", "target.spm", "vocab.json", *(() if share else ("target_vocab.json",))):
         if not (src / name).is_file():
             raise FileNotFoundError(f"{src} holds no {name} (a Marian model's tokenizer files)")
-    share = bool(hf.get("share_encoder_decoder_embeddings", True))
     src_vocab = runtime.read_json(src / "vocab.json")
-    tgt_path = src / "target_vocab.json"
-    if not share and not tgt_path.is_file():
-        raise FileNotFoundError(f"{src} holds no target_vocab.json (separate vocabularies)")
-    tgt_vocab = src_vocab if share else runtime.read_json(tgt_path)
+    tgt_vocab = src_vocab if share else runtime.read_json(src / "target_vocab.json")
     for name, vocab in (("vocab.json", src_vocab), ("target_vocab.json", tgt_vocab)):
         if not isinstance(vocab, dict) or "<unk>" not in vocab:
             raise ValueError(f"{src / name} has no <unk>")
@@ -306,8 +303,7 @@ def import_marian(src: str | os.PathLike, dst: str | os.PathLike, to: str = "tor
         data.save_tokenizers(data.Tokenizers(src_tok, tgt_tok), tmp)
         backend = create_backend(experiment, cfg, str(tmp / runtime.CHECKPOINTS))
         try:
-            weights = params if to == "torch" else to_jax_layout(params, cfg, "Marian weights")
-            backend.import_state(TrainingState(to, 0, weights))
+            backend.import_state(convert_state(TrainingState("torch", 0, params), to, cfg))
             meta = {"step": 0, "data": {"epoch": 0, "index": 0}, "config": experiment.experiment(), "valid": None,
                     "imported_from": origin["from"]}
             backend.save(meta, None)
