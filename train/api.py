@@ -3,6 +3,7 @@ train one; the commands (`aiayn X`, `train.commands`) are thin shells over these
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import os
@@ -23,7 +24,7 @@ from .translation import Hypothesis, score_pairs, translate_texts
 
 
 @dataclasses.dataclass
-class Run:
+class Run(contextlib.AbstractContextManager):
     """A trained run, loaded: its settings, tokenizers and a backend holding one checkpoint; for an
     ensemble (`load([a, b])`) the first run's, its backend decoding with every run's model."""
 
@@ -123,9 +124,6 @@ class Run:
         backend.close()
         for member in self.members:
             member.close()
-
-    def __enter__(self) -> Run:
-        return self
 
     def __exit__(self, *exc) -> None:
         self.close()

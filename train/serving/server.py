@@ -99,7 +99,7 @@ def uvicorn_classes() -> tuple[type, type]:
     return Protocol, UvicornServer
 
 
-class Server:
+class Server(contextlib.AbstractContextManager):
     """uvicorn serving `asgi_app` on host:port (0: a free one): `run()` until stopped, or `start()` on a thread."""
 
     def __init__(self, asgi_app, host: str = "127.0.0.1", port: int = 8000, *, access_log: bool = False):
@@ -175,9 +175,6 @@ class Server:
         self.server.should_exit = True
         if self.thread is not None:
             self.thread.join()
-
-    def __enter__(self):
-        return self
 
     def __exit__(self, *exc) -> None:
         self.stop()
