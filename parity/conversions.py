@@ -82,8 +82,7 @@ def convert(c: Conversion) -> str:
     if c.source_format is None and c.to in FRAMEWORKS and c.run_dir is None:
         _check_weights_destination(Path(c.src), dst, c.to)  # before any work, so nothing is left half-made
         if c.to == "jax":
-            state_dict, cfg = load_torch_weights(c.src)
-            save_jax_weights(torch_to_jax(state_dict, cfg), dst, overwrite=c.overwrite)
+            save_jax_weights(torch_to_jax(*load_torch_weights(c.src)), dst, overwrite=c.overwrite)
         else:
             save_torch_weights(jax_to_torch(load_jax_weights(c.src)), dst)
         return f"wrote {dst}"
