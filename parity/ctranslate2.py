@@ -22,11 +22,10 @@ NEVER_EMITTED_BIAS = -1.0e9  # on <pad> and <bos>: far below any logit, finite (
 def vocabulary(tokenizer, size: int) -> list[str]:
     """Token strings by id: the special names, then the tokenizer's tokens (unique, as CTranslate2 needs)."""
     tokens = list(SPECIAL_TOKENS) + [tokenizer.id_to_token(i) or f"<id{i}>" for i in range(len(SPECIAL_TOKENS), size)]
-    seen: dict[str, int] = {}
+    seen: set[str] = set()
     for i, t in enumerate(tokens):  # a repeated token (e.g. a copied special row) gets a name of its own
-        if t in seen:
-            tokens[i] = f"<dup{i}>"
-        seen.setdefault(tokens[i], i)
+        tokens[i] = f"<dup{i}>" if t in seen else t
+        seen.add(tokens[i])
     return tokens
 
 
@@ -40,7 +39,8 @@ def build_spec(params: Mapping[str, np.ndarray], cfg: TransformerConfig, src_tok
                    "silu": common_spec.Activation.SWISH, "swiglu": common_spec.Activation.SWISH}
     if cfg.activation not in activations:
         raise ValueError(f"CTranslate2 has no counterpart of activation={cfg.activation!r}")
-    p = {k: np.ascontiguousarray(np.asarray(v, dtype=np.float32)) for k, v in params.items()}
+    # Copies: CTranslate2 quantizes the spec's arrays in place, which would change the caller's weights.
+    p = {k: np.array(v, dtype=np.float32, order="C") for k, v in params.items()}
     pre_norm = cfg.norm_position == "pre"
     spec = transformer_spec.TransformerSpec.from_config(
         (cfg.num_encoder_layers, cfg.num_decoder_layers), cfg.num_heads, pre_norm=pre_norm,
@@ -112,8 +112,7 @@ def export_ctranslate2(run_dir: str | os.PathLike, params: Mapping[str, np.ndarr
 
     class RunConverter(ctranslate2.converters.Converter):
         def _load(self):
-            # copies: CTranslate2 quantizes the spec's arrays in place, which would change the caller's weights
-            return build_spec({k: np.array(v) for k, v in params.items()}, cfg, src_tokens, tgt_tokens)
+            return build_spec(params, cfg, src_tokens, tgt_tokens)
 
     copy = (*data.tokenizer_files(run_dir), runtime.MODEL_FILE)
     with runtime.derive(run_dir, dst, "ctranslate2", force, copy, check) as tmp:
