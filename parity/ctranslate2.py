@@ -44,8 +44,7 @@ def build_spec(params: Mapping[str, np.ndarray], cfg: TransformerConfig, src_tok
     pre_norm = cfg.norm_position == "pre"
     spec = transformer_spec.TransformerSpec.from_config(
         (cfg.num_encoder_layers, cfg.num_decoder_layers), cfg.num_heads, pre_norm=pre_norm,
-        activation=activations[cfg.activation], ffn_glu=cfg.activation == "swiglu", rms_norm=cfg.norm == "rmsnorm",
-    )
+        activation=activations[cfg.activation], ffn_glu=cfg.activation == "swiglu", rms_norm=cfg.norm == "rmsnorm")
 
     def linear(target, *names):  # several: fused, as CTranslate2 stores q, k, v
         target.weight = np.concatenate([p[f"{n}.weight"] for n in names])

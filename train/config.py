@@ -220,9 +220,8 @@ class ExperimentConfig:
         if fixed := sorted(set(self.model) & set(SPECIAL_ID_FIELDS)):
             raise ValueError(f"--set {fixed[0]}=... is not allowed: {SPECIAL_IDS_FIXED}")
         if bad := sorted(set(self.model) & set(DERIVED_MODEL_FIELDS)):
-            raise ValueError(
-                f"--set {bad[0]}=... is not allowed: {', '.join(DERIVED_MODEL_FIELDS)} come from the data and "
-                "from --vocab-size, --max-len, --dropout, --joint-vocab")
+            raise ValueError(f"--set {bad[0]}=... is not allowed: {', '.join(DERIVED_MODEL_FIELDS)} come from the data "
+                             "and from --vocab-size, --max-len, --dropout, --joint-vocab")
         known = {f.name for f in dataclasses.fields(TransformerConfig)}
         if unknown := sorted(set(self.model) - known):
             raise ValueError(f"unknown model field(s) {', '.join(map(repr, unknown))}; choose from {', '.join(sorted(known))}")
