@@ -32,16 +32,14 @@ MASKED = -1e8  # CTranslate2 reports the logits of tokens it may not emit at a s
 
 
 def proof_sentences(run_dir: str | os.PathLike, given: str | os.PathLike | None = None) -> list[str]:
-    """The first SENTENCES non-empty lines of `given`, the run's validation sources, or (a run without data)
-    runs of source-vocabulary pieces: a proof of the same function needs inputs, not good sentences."""
+    """The first SENTENCES non-empty lines of `given`, else of the run's validation sources (the numbers corpus's
+    for a run without data, as an imported one: a proof of the same function needs inputs, not good sentences)."""
     if given is not None:
         with contextlib.closing(LineReader(Path(given), flag="--proof-sentences")) as lines:  # its errors name the flag
             texts = list(lines)
-    elif (cfg := runtime.read_experiment(run_dir)).valid or cfg.uses_numbers_corpus:
+    else:  # a config with --train has --valid
+        cfg = runtime.read_experiment(run_dir)
         texts = [source for source, _ in data.load_split(cfg, cfg.valid or "numbers:valid")]
-    else:
-        tokenizer = data.load_tokenizers(run_dir, cfg.joint_vocab).src
-        texts = [data.decode(tokenizer, range(first, first + 6)) for first in range(4, 4 + 6 * SENTENCES, 6)]
     texts = [t for t in texts if t.strip()][:SENTENCES]
     if not texts:
         raise runtime.UserError(f"{given or run_dir}: no sentence to prove the export on")
