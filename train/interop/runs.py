@@ -20,6 +20,7 @@ from torch_reference.config import TransformerConfig
 from .. import data, runtime, store
 from ..backends import create_backend
 from ..config import ExperimentConfig
+from .marian import import_marian
 from .weights import (LEGACY_SUFFIXES, convert_state, jax_model_from_params, jax_params, nest, read_state_dict,
                       transfer_state)
 
@@ -83,8 +84,6 @@ def init_source(source: str, backend: str, dst: str | os.PathLike) -> Path:
             return path
         convert_run(path, dst, to=backend, which="best")
         return dst
-    from .marian import import_marian
-
     import_marian(source, dst, to=backend)
     return dst
 
