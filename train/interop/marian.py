@@ -60,7 +60,6 @@ def marian_config(hf: Mapping[str, Any]) -> TransformerConfig:
             _refuse(field, get(field), f"{why}: MarianMTModel has none, this project's post-norm model neither")
     if get("static_position_embeddings", True) is False:
         _refuse("static_position_embeddings", False, "learned positions in Marian's layout")
-    d_model = get("d_model", 1024)
     for ours, (enc, dec), default in (("d_ff", ("encoder_ffn_dim", "decoder_ffn_dim"), 4096),
                                       ("num_heads", ("encoder_attention_heads", "decoder_attention_heads"), 16)):
         if get(enc, default) != get(dec, default):
@@ -80,7 +79,7 @@ def marian_config(hf: Mapping[str, Any]) -> TransformerConfig:
         _refuse("pad_token_id", None, "the model needs a pad id")
     try:
         return TransformerConfig(
-            src_vocab_size=vocab + 1, tgt_vocab_size=tgt_vocab + 1, d_model=d_model,
+            src_vocab_size=vocab + 1, tgt_vocab_size=tgt_vocab + 1, d_model=get("d_model", 1024),
             num_heads=get("encoder_attention_heads", 16), d_ff=get("encoder_ffn_dim", 4096),
             num_encoder_layers=get("encoder_layers", 12), num_decoder_layers=get("decoder_layers", 12),
             dropout=float(get("dropout", 0.1)), attention_dropout=float(get("attention_dropout", 0.0)),
