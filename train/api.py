@@ -113,13 +113,11 @@ class Run(contextlib.AbstractContextManager):
                 "alpha": search.alpha, "scoring": search.scoring, **result}
 
     def weights_digest(self) -> str:
-        """Which weights this run translates with (an ensemble's: each run's, in order): the key
-        under which `aiayn translate` resumes a partial output (`weights_digest` below)."""
+        """Which weights this run translates with (an ensemble's, each run's): what a partial output resumes under."""
         return "".join(weights_digest(r.run_dir, r.step) for r in (self, *self.members))
 
     def close(self) -> None:
-        """Free the backend's devices and files (an ensemble's every one): a closed run's weights are
-        let go of, and using it is a UserError."""
+        """Free the backend's devices, files and weights (an ensemble's every one); using it then is a UserError."""
         backend, self.backend = self.backend, _Closed(self.run_dir)
         backend.close()
         for member in self.members:
@@ -130,8 +128,7 @@ class Run(contextlib.AbstractContextManager):
 
 
 def _options(cls: type, given: Any, keywords: dict[str, Any]) -> Any:
-    """`given` (an instance of the options class `cls`), or one built from the keywords that are its
-    fields (taken out of `keywords`); both at once: OptionError."""
+    """`given` (a `cls`), or one built from the `keywords` that are its fields (taken out); both: OptionError."""
     mine = {f.name: keywords.pop(f.name) for f in dataclasses.fields(cls) if f.name in keywords}
     if given is None:
         return cls(**mine)
@@ -207,8 +204,7 @@ def _load_ensemble(run_dirs: list[Path], checkpoint: str | int, backend: str | N
 
 
 def weights_digest(run_dir: str | os.PathLike, step: int) -> str:
-    """SHA-256 of checkpoint `step`'s digest.json (of its every file when it has none) and of the
-    tokenizer files: which weights a partial output was translated with."""
+    """SHA-256 of checkpoint `step`'s digest.json (else of its every file) and of the run's tokenizer files."""
     run_dir = Path(run_dir)
     checkpoint = run_dir / CHECKPOINTS / str(step)
     files = [checkpoint / DIGEST_FILE] if (checkpoint / DIGEST_FILE).is_file() else sorted(

@@ -50,8 +50,7 @@ def source_run(cfg: ExperimentConfig, scratch: contextlib.ExitStack) -> Path | N
 
 
 def load(source: str | Path, cfg: ExperimentConfig) -> Pretrained:
-    """The best checkpoint's weights, the tokenizers and the model of the run in `source`, a run of
-    `cfg.backend` (`source_run`) whose model `cfg` rebuilds (dropout aside)."""
+    """The best checkpoint's weights, the tokenizers and the model of `source`, a `cfg.backend` run (`source_run`)."""
     saved, source = runtime.read_experiment(source), Path(source)
     model_cfg, tokenizers = runtime.read_run(source, saved)
     backend = create_backend(saved, model_cfg, str(source / runtime.CHECKPOINTS))

@@ -102,16 +102,14 @@ def marian_ids(vocab_size: int, pad: int, eos: int, unk: int, start: int) -> np.
 
 
 def side_orders(ids: Mapping[str, int]) -> tuple[np.ndarray, np.ndarray]:
-    """(source order, target order): our id -> Marian id on each side (the source starts nothing: its
-    bos row is a copy of pad's)."""
+    """(source order, target order): our id -> Marian id (the source starts nothing: its bos row copies pad's)."""
     src = marian_ids(ids["src_vocab_size"], ids["pad"], ids["eos"], ids["src_unk"], ids["pad"])
     tgt = marian_ids(ids["tgt_vocab_size"], ids["pad"], ids["eos"], ids["tgt_unk"], ids["decoder_start"])
     return src, tgt
 
 
 def inverse_order(order: np.ndarray) -> np.ndarray:
-    """(Marian vocab,) which of our rows each Marian row is written from: its own, except the
-    decoder start's, which is our bos row (see the module doc)."""
+    """(Marian vocab,) which of our rows each Marian row is written from: its own; the decoder start's, our bos."""
     inverse = np.empty(len(order) - 1, dtype=np.int64)
     inverse[order] = np.arange(len(order))
     inverse[order[BOS_ID]] = BOS_ID  # the one Marian row two of ours hold (order[BOS_ID]'s): bos wins either way
@@ -119,8 +117,7 @@ def inverse_order(order: np.ndarray) -> np.ndarray:
 
 
 def hf_key(key: str) -> str:
-    """Our torch key of a layer parameter -> HF's (`encoder.layers.0.ff.linear1.weight` ->
-    `model.encoder.layers.0.fc1.weight`)."""
+    """Our torch key of a layer parameter -> HF's (`encoder.layers.0.ff.linear1.weight` -> `...layers.0.fc1.weight`)."""
     stack, layers, index, *rest = key.split(".")
     inner = ".".join(rest)
     ours = next((name for name in LAYER_NAMES if inner.startswith(name + ".")), None)  # no name prefixes another
@@ -142,8 +139,7 @@ def _embedding_sources(cfg: TransformerConfig) -> dict[str, tuple[tuple[str, ...
 
 
 def from_marian(state: Mapping[str, np.ndarray], cfg: TransformerConfig, ids: Mapping[str, int]) -> dict[str, np.ndarray]:
-    """A MarianMTModel state dict (NumPy) -> our torch-layout parameters (float32), rows permuted;
-    strictly checked: a missing key, a wrong shape or a key left over raises CheckpointMismatchError."""
+    """A MarianMTModel state dict (NumPy) -> our torch-layout parameters (float32, rows permuted), checked strictly."""
     orders = dict(zip(("src", "tgt"), side_orders(ids)))
     with torch.device("meta"):  # the parameters' shapes, no memory
         wanted = {k: tuple(v.shape) for k, v in Transformer(cfg).named_parameters()}
@@ -220,8 +216,7 @@ def marian_source(src: str | os.PathLike) -> tuple[Path, dict[str, Any]]:
 
 
 def read_marian_dir(src: str | os.PathLike) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """(config.json, state dict as NumPy) of a local HF Marian directory: model.safetensors, or
-    pytorch_model.bin read with torch.load(weights_only=True) (no code in the file ever runs)."""
+    """(config.json, state dict as NumPy) of a local HF Marian directory (`read_state_dict`: no code runs)."""
     src = Path(src)
     if not (src / "config.json").is_file():
         raise FileNotFoundError(f"{src} is not an HF model directory (config.json missing)")
@@ -242,8 +237,7 @@ def _pieces(vocab: Mapping[str, int], order: np.ndarray, vocab_size: int) -> lis
 
 
 def marian_tokenizers(src: Path, hf: Mapping[str, Any]) -> tuple[spm.SentencePieceTokenizer, spm.SentencePieceTokenizer, dict[str, int]]:
-    """(source tokenizer, target tokenizer, special ids) from source.spm, target.spm, vocab.json
-    (target_vocab.json for separate vocabularies): MarianTokenizer's segmentation, our ids."""
+    """(source tokenizer, target tokenizer, special ids) of a Marian directory: MarianTokenizer's pieces, our ids."""
     share = bool(hf.get("share_encoder_decoder_embeddings", True))
     for name in ("source.spm", "target.spm", "vocab.json", *(() if share else ("target_vocab.json",))):
         if not (src / name).is_file():
@@ -275,8 +269,7 @@ def marian_tokenizers(src: Path, hf: Mapping[str, Any]) -> tuple[spm.SentencePie
 
 def experiment_for(cfg: TransformerConfig, backend: str, train: str | None = None, valid: str | None = None,
                    test: str | None = None) -> ExperimentConfig:
-    """The experiment of an imported run: preset base with every model field as a `--set`
-    override, the vocabulary, max_len, dropout and sharing the data-derived fields take from it."""
+    """The experiment of an imported run: preset base, each model field a `--set` override or a data-derived one."""
     model = {k: v for k, v in cfg.to_dict().items() if k not in (*DERIVED_MODEL_FIELDS, *SPECIAL_ID_FIELDS)}
     experiment = ExperimentConfig(backend=backend, preset="base", model=model, dropout=cfg.dropout, max_len=cfg.max_len,
                                   joint_vocab=cfg.share_embeddings, train=train, valid=valid, test=test,
@@ -288,8 +281,7 @@ def experiment_for(cfg: TransformerConfig, backend: str, train: str | None = Non
 
 def import_marian(src: str | os.PathLike, dst: str | os.PathLike, to: str = "torch", train: str | None = None,
                   valid: str | None = None, test: str | None = None, overwrite: bool = False) -> dict[str, Any]:
-    """An HF Marian directory or hub name (`marian_source`) -> a run directory of the `to` backend
-    (see the module doc), built beside `dst` and swapped in (`runtime.derive`)."""
+    """An HF Marian directory or hub name (`marian_source`) -> a run of the `to` backend at `dst`, whole or none."""
     (src, origin), dst = marian_source(src), Path(dst)
     hf, state = read_marian_dir(src)
     cfg = marian_config(hf)
@@ -323,8 +315,7 @@ def marian_origin(run_dir: str | os.PathLike) -> dict[str, Any]:
 
 
 def marian_model(record: Mapping[str, Any], params: Mapping[str, np.ndarray], cfg: TransformerConfig):
-    """A `MarianMTModel` of an imported run's Marian config (`marian_origin`) holding `params` (our
-    torch layout, `to_marian`); CheckpointMismatchError for a parameter missing or left over."""
+    """A `MarianMTModel` of an imported run's Marian config (`marian_origin`) holding `params`, checked strictly."""
     transformers = spm.require("transformers")
     hf_config = transformers.MarianConfig(**{k: v for k, v in record["marian_config"].items()
                                              if k not in ("architectures", "transformers_version", "model_type")})

@@ -27,8 +27,7 @@ from .weights import (LEGACY_SUFFIXES, convert_state, jax_model_from_params, jax
 
 def convert_checkpoints(src_cfg: ExperimentConfig, model_cfg: TransformerConfig, src_dir: str | os.PathLike,
                         dst_dir: str | os.PathLike, to: str, which: str | int = "latest") -> list[int]:
-    """The checkpoints `which` ("latest", "best", "all" or a step) in `src_dir` as the `to` backend's in `dst_dir`,
-    with their meta (the backend switched) and ranking metrics; returns their steps."""
+    """The steps of the checkpoints `which` in `src_dir` made the `to` backend's in `dst_dir`, meta and metrics kept."""
     source = create_backend(src_cfg, model_cfg, str(src_dir))
     target = create_backend(src_cfg.replace(backend=to), model_cfg, str(dst_dir))
     try:
@@ -125,8 +124,7 @@ def save_torch_weights(model: torch_reference.Transformer, path: str | os.PathLi
 
 
 def load_torch_weights(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], TransformerConfig]:
-    """(state dict, config) from a safetensors file, or from a legacy `torch.save` state dict
-    (.pt, .pth, .bin) with config.json beside it (`read_state_dict`)."""
+    """(state dict, config) of a safetensors file, or of a legacy `torch.save` file with config.json beside it."""
     from safetensors import safe_open
 
     path = Path(path)

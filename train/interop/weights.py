@@ -86,8 +86,7 @@ def _moved(value: Any, transpose: bool) -> np.ndarray:
 
 
 def to_jax_layout(flat: Mapping[str, Any], cfg: TransformerConfig, what: str = "PyTorch weights") -> dict[str, np.ndarray]:
-    """{torch key: NumPy array} -> {flax key: array}, strictly checked against `cfg` (a parameter-
-    shaped tree: weights or Adam's moments)."""
+    """{torch key: array} -> {flax key: array} of weights or Adam's moments, strictly checked against `cfg`."""
     expected = expected_jax_params(cfg)
     rules = {key: to_torch_key(key) for key in expected}  # flax key -> (torch key, transposed?)
     torch_expected = {torch_key: expected[key][::-1] if transpose else expected[key]
