@@ -20,6 +20,7 @@ from train import data, runtime
 from train.attention import output_tokens
 from train.data import spm
 from train.data.streams import LineReader
+from train.interop.marian import side_orders
 
 from .ctranslate2 import Translator, same_output, tokens
 
@@ -143,8 +144,6 @@ def marian_proof(export_dir: Path, run_dir: Path, params, cfg: TransformerConfig
                  marian_ids: Mapping[str, int]) -> dict[str, Any]:
     """The HF Marian directory in `export_dir` against the run: greedy `generate` and a teacher-forced pass,
     in Marian's numbering; our pad and bos columns left out (Marian's one row for both, never emitted)."""
-    from train.interop.marian import side_orders  # here: it loads jax, which the other proofs need not
-
     transformers = spm.require("transformers")
     hf = transformers.MarianMTModel.from_pretrained(str(export_dir)).eval()
     src_order, tgt_order = side_orders(marian_ids)
