@@ -1,18 +1,7 @@
-"""Weights between `torch_reference.Transformer` and `jax_transformer.Transformer`, both ways.
-
-The two models have the same attribute tree (keys are the dotted paths on both sides,
-`encoder.layers.0.self_attn.q_proj.kernel`), so one table of leaf names is the whole mapping:
-
-    torch                     flax              value
-    Linear.weight (out, in)   Linear.kernel     transposed (in, out)
-    Linear.bias               Linear.bias       as is
-    LayerNorm/RMSNorm.weight  *.scale           as is
-    Embedding.weight          Embed.embedding   as is
-    logits_bias               logits_bias       as is (the output_bias variant)
-
-Keys and shapes are checked strictly against the config (one `CheckpointMismatchError` lists every
-offender); values keep their dtype bit for bit. Files and run directories: `train.interop.runs`.
-"""
+"""Weights between `torch_reference.Transformer` and `jax_transformer.Transformer`, both ways: the two models have
+the same attribute tree (the keys: dotted paths), so `LEAF_RULES` is the whole mapping (docs/interop.md). Keys and
+shapes are checked strictly against the config (one `CheckpointMismatchError` lists every offender); values keep their
+dtype bit for bit. Files and run directories: `train.interop.runs`."""
 
 from __future__ import annotations
 
