@@ -97,10 +97,8 @@ def translate_texts(backend: Translator, tokenizers: data.Tokenizers, texts: Seq
     if sample is not None:
         sample.check_with(search, prefixes is not None and any(prefixes))
     src_ids = data.encode(tokenizers.src, list(texts))
-    prefix_ids = None
-    if prefixes is not None:
-        prefix_ids = encode_prefixes(tokenizers.tgt, prefixes, len(texts))
-        _check_prefix_room(src_ids, prefix_ids, max_len)
+    prefix_ids = None if prefixes is None else encode_prefixes(tokenizers.tgt, prefixes, len(texts))
+    _check_prefix_room(src_ids, prefix_ids or [], max_len)
     if counts is not None:
         counts["cut"] += sum(len(ids) > max_len for ids in src_ids)
     n_best, alignments = search.n_best, search.alignments
@@ -120,7 +118,8 @@ def translate_texts(backend: Translator, tokenizers: data.Tokenizers, texts: Seq
         if on_batch is not None:
             on_batch(index, src, tokens)
         if listed:
-            _collect(out, texts, index, result, tokenizers.tgt, _alignments(backend, src, result.tokens) if alignments else None)
+            aligned = _alignments(backend, src, result.tokens) if alignments else None
+            _collect(out, texts, index, result, tokenizers.tgt, aligned)
             continue
         hyps = data.decode_batch(tokenizers.tgt, tokens)
         for row, i in enumerate(index):
