@@ -213,10 +213,6 @@ class ExperimentConfig:
     def __post_init__(self):
         """Every field checked once, whatever built the config: ValueError naming the field."""
         self._check_types()
-        for field in dataclasses.fields(self):  # the fields with a fixed set of values (their flags' choices)
-            choices, value = field.metadata.get("choices"), getattr(self, field.name)
-            if choices is not None and value is not None and value not in choices:
-                raise ValueError(f"{field.name}={value!r} is not one of {', '.join(choices)}")
         if fixed := sorted(set(self.model) & set(SPECIAL_ID_FIELDS)):
             raise ValueError(f"--set {fixed[0]}=... is not allowed: {SPECIAL_IDS_FIXED}")
         if bad := sorted(set(self.model) & set(DERIVED_MODEL_FIELDS)):
@@ -243,7 +239,7 @@ class ExperimentConfig:
         self.model_config(100, 100)  # the model overrides must make a valid TransformerConfig
 
     def _check_types(self) -> None:
-        """The fields that are not numbers (strings, booleans, the --set dict), as annotated: config.json is edited."""
+        """Non-numeric fields (strings, booleans, --set's dict) as annotated, in their choices: config.json is edited."""
         for field in dataclasses.fields(self):
             value, kind = getattr(self, field.name), str(field.type)
             if field.name in FIELD_RANGES or (value is None and "None" in kind):
@@ -254,6 +250,8 @@ class ExperimentConfig:
                 object.__setattr__(self, field.name, value := os.fspath(value))
             if not isinstance(value, expected):
                 raise ValueError(f"{field.name} must be {expected.__name__}, got {value!r}")
+            if (choices := field.metadata.get("choices")) is not None and value not in choices:
+                raise ValueError(f"{field.name}={value!r} is not one of {', '.join(choices)}")
         if not all(isinstance(key, str) for key in self.model):
             raise ValueError(f"model must map field names to values, got {self.model!r}")
 
