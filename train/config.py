@@ -239,7 +239,7 @@ class ExperimentConfig:
         self.model_config(100, 100)  # the model overrides must make a valid TransformerConfig
 
     def _check_types(self) -> None:
-        """Non-numeric fields (strings, booleans, --set's dict) as annotated, in their choices: config.json is edited."""
+        """Non-numeric fields (strings, booleans, --set's dict) as annotated and chosen: config.json is edited."""
         for field in dataclasses.fields(self):
             value, kind = getattr(self, field.name), str(field.type)
             if field.name in FIELD_RANGES or (value is None and "None" in kind):
