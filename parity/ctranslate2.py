@@ -102,8 +102,7 @@ def build_spec(params: Mapping[str, np.ndarray], cfg: TransformerConfig, src_tok
 def export_ctranslate2(run_dir: str | os.PathLike, params: Mapping[str, np.ndarray], cfg: TransformerConfig,
                        dst: str | os.PathLike, quantization: str | None = None, force: bool = False,
                        check: Callable[[Path], object] | None = None) -> Path:
-    """Weights `params` (torch layout) of the run in `run_dir` -> a CTranslate2 model directory `dst` with
-    the run's tokenizers, swapped in (`runtime.derive`, `force`: replacing one) once `check(it)` accepts it."""
+    """Weights `params` of the run `run_dir` -> a CTranslate2 model with its tokenizers at `dst` once `check` passes."""
     ctranslate2 = spm.require("ctranslate2")
     tokenizers = data.load_tokenizers(run_dir)
     src_tokens = vocabulary(tokenizers.src, cfg.src_vocab_size)

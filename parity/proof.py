@@ -33,8 +33,7 @@ MASKED = -1e8  # CTranslate2 reports the logits of tokens it may not emit at a s
 
 
 def proof_sentences(run_dir: str | os.PathLike, given: str | os.PathLike | None = None) -> list[str]:
-    """The first SENTENCES non-empty lines of `given`, else of the run's validation sources (the numbers corpus's
-    for a run without data, as an imported one: a proof of the same function needs inputs, not good sentences)."""
+    """The first SENTENCES non-empty lines of `given`, else of the run's validation data (or the numbers corpus's)."""
     if given is not None:
         with contextlib.closing(LineReader(Path(given), flag="--proof-sentences")) as lines:  # its errors name the flag
             texts = list(lines)
@@ -48,8 +47,7 @@ def proof_sentences(run_dir: str | os.PathLike, given: str | os.PathLike | None 
 
 
 def reference(params: Mapping[str, np.ndarray], cfg: TransformerConfig, run_dir: Path, sentences: Sequence[str]):
-    """(the source ids of `sentences`, the run's greedy translations, the (T, V) logits along each, their length
-    limits) by the reference on `params`, one at a time."""
+    """(source ids, greedy translations, (T, V) logits along each, length limits) of `sentences` by the reference."""
     model = Transformer(cfg).eval()
     model.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in params.items()})
     src_ids, outputs, logits = data.encode(data.load_tokenizers(run_dir).src, sentences), [], []

@@ -330,8 +330,7 @@ def marian_model(record: Mapping[str, Any], params: Mapping[str, np.ndarray], cf
 
 def export_marian(run_dir: str | os.PathLike, params: Mapping[str, np.ndarray], cfg: TransformerConfig,
                   dst: str | os.PathLike, overwrite: bool = False, check: Callable[[Path], object] | None = None) -> Path:
-    """Weights `params` (torch layout) of `run_dir`, a run imported from Marian -> an HF Marian directory for
-    `MarianMTModel`/`MarianTokenizer.from_pretrained`, swapped in at `dst` once `check(directory)` accepts it."""
+    """Weights `params` of `run_dir` (imported from Marian) -> an HF Marian directory at `dst` once `check` passes."""
     run_dir, dst = Path(run_dir), Path(dst)
     record = marian_origin(run_dir)
     model = marian_model(record, params, cfg)

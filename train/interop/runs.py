@@ -50,8 +50,7 @@ def convert_checkpoints(src_cfg: ExperimentConfig, model_cfg: TransformerConfig,
 
 def convert_run(src: str | os.PathLike, dst: str | os.PathLike, to: str | None = None, which: str | int = "latest",
                 overwrite: bool = False, check: Callable[[Path], object] | None = None) -> dict:
-    """A run directory -> the same run for the other backend, its checkpoints `which` converted, built beside `dst`
-    and renamed into place once `check(directory)` (`parity.proof`) accepts it."""
+    """A run -> the same run for the other backend (checkpoints `which`), at `dst` once `check` accepts it."""
     src, dst = Path(src), Path(dst)
     runtime.rundir.check_set_aside(src)  # an --overwrite killed or still running: named, not half a run converted
     try:
