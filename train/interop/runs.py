@@ -10,8 +10,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
+import orbax.checkpoint as ocp
 import torch
 from flax import nnx, traverse_util
+from safetensors import safe_open
 
 import jax_transformer
 import torch_reference
@@ -20,6 +22,7 @@ from torch_reference.config import TransformerConfig
 from .. import data, runtime, store
 from ..backends import create_backend
 from ..config import ExperimentConfig
+from ..store.jax_store import quiet_orbax
 from .marian import import_marian
 from .weights import (LEGACY_SUFFIXES, convert_state, jax_model_from_params, jax_params, nest, read_state_dict,
                       transfer_state)
@@ -124,8 +127,6 @@ def save_torch_weights(model: torch_reference.Transformer, path: str | os.PathLi
 
 def load_torch_weights(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], TransformerConfig]:
     """(state dict, config) of a safetensors file, or of a legacy `torch.save` file with config.json beside it."""
-    from safetensors import safe_open
-
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no weights file at {path}")
@@ -145,10 +146,6 @@ def load_torch_weights(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor]
 def save_jax_weights(model: nnx.Module, directory: str | os.PathLike, overwrite: bool = False) -> Path:
     """`directory/params` (orbax) and `directory/config.json`, built beside it and swapped in (an old one with
     `overwrite`); a full disk or a read-only place raises an OSError naming `directory`, leaving nothing."""
-    import orbax.checkpoint as ocp
-
-    from ..store.jax_store import quiet_orbax
-
     directory = Path(directory).absolute()  # orbax wants absolute paths
     tmp, old = (directory.with_name(f".{directory.name}.{suffix}") for suffix in ("tmp", "old"))
     try:
@@ -171,8 +168,6 @@ def save_jax_weights(model: nnx.Module, directory: str | os.PathLike, overwrite:
 
 def load_jax_weights(directory: str | os.PathLike) -> jax_transformer.Transformer:
     """The Flax Transformer saved by `save_jax_weights` (checked strictly against its config)."""
-    import orbax.checkpoint as ocp
-
     directory = Path(directory).absolute()
     if not (directory / "config.json").is_file() or not (directory / "params").is_dir():
         raise FileNotFoundError(f"{directory} is not a JAX weights directory (expected params/ and config.json)")

@@ -17,6 +17,8 @@ import ml_dtypes
 import numpy as np
 import torch
 from flax import nnx, traverse_util
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 
 import jax_transformer
 import torch_reference
@@ -158,9 +160,6 @@ LEGACY_SUFFIXES = (".pt", ".pth", ".bin")  # torch.save files: read with weights
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors file, or of a legacy `torch.save` file (LEGACY_SUFFIXES) read with
     `torch.load(weights_only=True)`, which runs no code; anything else a ValueError."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     if path.suffix not in LEGACY_SUFFIXES:
         try:
             return load_file(str(path))
