@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..api import load
 from ..options import RunSelection
 from ..runtime import Interrupted, UserError
 from .app import app
@@ -184,8 +185,6 @@ def serve(runs: str | os.PathLike | Sequence[str | os.PathLike] | RunSelection, 
           port: int = 8000, *, limits: Limits | None = None, on_ready: Callable[[Server], None] | None = None,
           **server: Any) -> int:
     """Load `runs` (`train.load`'s) and serve them until SIGTERM or SIGINT; the signal number that stopped it."""
-    from ..api import load
-
     require("starlette")
     require("uvicorn")
     with load(runs) as run:
