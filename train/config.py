@@ -320,7 +320,6 @@ class ExperimentConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ExperimentConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        if unknown := sorted(set(data) - known):
+        if unknown := sorted(set(data) - {f.name for f in dataclasses.fields(cls)}):
             raise ValueError(f"unknown ExperimentConfig fields: {', '.join(map(repr, unknown))}")
         return cls(**data)
