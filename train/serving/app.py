@@ -56,8 +56,7 @@ def run_decoder(run) -> Callable[..., list[dict[str, Any]]]:
 
 def run_info(run) -> dict[str, Any]:
     """What /info says of a loaded run (an ensemble: its runs and their steps too)."""
-    backend = run.backend
-    devices = backend.mesh.devices.flat if hasattr(backend, "mesh") else [backend.device]
+    devices = run.backend.mesh.devices.flat if hasattr(run.backend, "mesh") else [run.backend.device]
     ensemble = {"ensemble": [str(m.run_dir) for m in run.members], "steps": run.steps} if run.members else {}
     return {"run_dir": str(run.run_dir), "step": run.step, **ensemble, "backend": run.config.backend,
             "devices": [str(d) for d in devices], "max_len": run.config.max_len,
