@@ -105,8 +105,7 @@ def ctranslate2_proof(export_dir: Path, run_dir: Path, params, cfg: TransformerC
         theirs.append([ct2.tgt_ids[t] for t in result.hypotheses[0]])
         steps = _shared_steps(out, theirs[-1])
         theirs_logits = np.stack([np.asarray(step).reshape(-1) for step in result.logits[0][:steps]])
-        shown = theirs_logits > MASKED
-        diffs.append(float(np.abs(theirs_logits - logits[:steps])[shown].max()))
+        diffs.append(float(np.abs(theirs_logits - logits[:steps])[theirs_logits > MASKED].max()))
     return prove(export_dir, ours, theirs, diffs, sentences, limits, "ctranslate2",
                  exact=quantization in (None, "float32"))
 
@@ -134,16 +133,14 @@ def _logits(run, ids: list[int], out: list[int]) -> np.ndarray:
     if run.config.backend == "torch":
         with torch.no_grad():
             return run.backend.model.eval()(torch.from_numpy(src), torch.from_numpy(tgt_in))[0].numpy()
-    model = run.backend.ctx.model(run.backend.local_params())
-    return np.asarray(model(src, tgt_in, deterministic=True))[0]
+    return np.asarray(run.backend.ctx.model(run.backend.local_params())(src, tgt_in, deterministic=True))[0]
 
 
 def marian_proof(export_dir: Path, run_dir: Path, params, cfg: TransformerConfig, sentences: Sequence[str],
                  marian_ids: Mapping[str, int]) -> dict[str, Any]:
     """The HF Marian directory in `export_dir` against the run: greedy `generate` and a teacher-forced pass,
     in Marian's numbering; our pad and bos columns left out (Marian's one row for both, never emitted)."""
-    transformers = spm.require("transformers")
-    hf = transformers.MarianMTModel.from_pretrained(str(export_dir)).eval()
+    hf = spm.require("transformers").MarianMTModel.from_pretrained(str(export_dir)).eval()
     src_order, tgt_order = side_orders(marian_ids)
     to_ours = {int(m): o for o, m in enumerate(tgt_order)}
     columns = [o for o in range(cfg.tgt_vocab_size) if o not in (cfg.bos_id, cfg.pad_id)]

@@ -65,8 +65,7 @@ def run_info(run) -> dict[str, Any]:
 
 def token_counts(run) -> Callable[[Sequence[str]], int]:
     """Source tokens of texts as the model reads them (cut to max_len), for the batch bound."""
-    max_len = run.config.max_len
-    return lambda texts: sum(min(len(ids), max_len) for ids in data.encode(run.tokenizers.src, texts))
+    return lambda texts: sum(min(len(ids), run.config.max_len) for ids in data.encode(run.tokenizers.src, texts))
 
 
 @dataclasses.dataclass
