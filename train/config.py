@@ -33,9 +33,8 @@ WARMUP_FRACTION = 0.25
 DERIVED_MODEL_FIELDS = ("src_vocab_size", "tgt_vocab_size", "max_len", "dropout", "share_embeddings")
 # The special token ids are the tokenizers', shared by data, model, loss and search: not for `--set` either.
 SPECIAL_ID_FIELDS = ("pad_id", "bos_id", "eos_id")
-SPECIAL_IDS_FIXED = (
-    "the special token ids are fixed: " + ", ".join(f"{t}={i}" for i, t in enumerate(SPECIAL_TOKENS))
-    + " (the tokenizers', used alike by batches, model, loss and search)")
+SPECIAL_IDS_FIXED = ("the special token ids are fixed: " + ", ".join(f"{t}={i}" for i, t in enumerate(SPECIAL_TOKENS))
+                     + " (the tokenizers', used alike by batches, model, loss and search)")
 
 # Each numeric field's range, checked by ExperimentConfig.__post_init__ (every entry point) and its flag's type.
 FIELD_RANGES: dict[str, Range] = {

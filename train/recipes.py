@@ -18,7 +18,6 @@ from .config import FIELD_RANGES, RECIPE_FILE, ExperimentConfig, flag_name, pars
 from .options import add_flags
 from .runtime.files import UserError, quoted, read_json, shortened
 
-# flag group -> its title in --help
 GROUPS = {"run": "run", "model": "model", "data": "data", "optim": "optimisation", "eval": "evaluation and logging",
           "ckpt": "checkpoints", "dist": "devices, processes and precision"}
 LAUNCH_DECISIONS = ("run_dir", "resume", "overwrite")  # which launch this is: never read from a recipe file
