@@ -148,8 +148,7 @@ class Translator:
     def translate_ids(self, src_ids: Sequence[Sequence[int]], beam_size: int = 1, max_len: int = 256,
                       length_penalty: float = 1.0) -> list[list[int]]:
         """Source ids (each ending with <eos>, padding ignored) -> output ids ending with <eos>."""
-        batch = [tokens(self.src_vocab, row) for row in src_ids]
-        results = self.translator.translate_batch(batch, beam_size=beam_size, max_decoding_length=max_len,
-                                                  min_decoding_length=0, length_penalty=length_penalty,
-                                                  return_end_token=True)
+        results = self.translator.translate_batch(
+            [tokens(self.src_vocab, row) for row in src_ids], beam_size=beam_size, max_decoding_length=max_len,
+            min_decoding_length=0, length_penalty=length_penalty, return_end_token=True)
         return [[self.tgt_ids[t] for t in r.hypotheses[0]] for r in results]
