@@ -295,9 +295,8 @@ def import_marian(src: str | os.PathLike, dst: str | os.PathLike, to: str = "tor
         backend = create_backend(experiment, cfg, str(tmp / runtime.CHECKPOINTS))
         try:
             backend.import_state(convert_state(TrainingState("torch", 0, params), to, cfg))
-            meta = {"step": 0, "data": {"epoch": 0, "index": 0}, "config": experiment.experiment(), "valid": None,
-                    "imported_from": origin["from"]}
-            backend.save(meta, None)
+            backend.save({"step": 0, "data": {"epoch": 0, "index": 0}, "config": experiment.experiment(), "valid": None,
+                          "imported_from": origin["from"]}, None)
         finally:
             backend.close()
         runtime.write_json_atomic(tmp / runtime.IMPORTED_FILE,
