@@ -70,12 +70,11 @@ def build_spec(params: Mapping[str, np.ndarray], cfg: TransformerConfig, src_tok
             linear(target.linear_0_noact, f"{name}.ff.linear_gate")
         norm(target.layer_norm, f"{name}.ff_norm")
 
-    scale = float(np.sqrt(cfg.d_model)) if cfg.scale_embeddings else 1.0
     tgt_embed = p["src_embed.weight" if cfg.share_embeddings else "tgt_embed.weight"]
     sinusoids = sinusoidal_positions(cfg.max_len, cfg.d_model, halves=cfg.positions == "sinusoidal_halves").numpy()
     learned = cfg.positions == "learned"
     for stack, target in (("encoder", spec.encoder), ("decoder", spec.decoder)):
-        target.scale_embeddings = scale
+        target.scale_embeddings = float(np.sqrt(cfg.d_model)) if cfg.scale_embeddings else 1.0
         target.position_encodings.encodings = p[f"{stack}.positions.embedding.weight"] if learned else sinusoids
         if pre_norm:
             norm(target.layer_norm, f"{stack}.norm")
