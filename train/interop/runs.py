@@ -24,8 +24,8 @@ from ..backends import create_backend
 from ..config import ExperimentConfig
 from ..store.jax_store import quiet_orbax
 from .marian import import_marian
-from .weights import (LEGACY_SUFFIXES, convert_state, jax_model_from_params, jax_params, nest, read_state_dict,
-                      transfer_state)
+from .weights import (LEGACY_SUFFIXES, convert_state, jax_key, jax_model_from_params, jax_params, nest,
+                      read_state_dict, transfer_state)
 
 
 def convert_checkpoints(src_cfg: ExperimentConfig, model_cfg: TransformerConfig, src_dir: str | os.PathLike,
@@ -174,5 +174,4 @@ def load_jax_weights(directory: str | os.PathLike) -> jax_transformer.Transforme
     cfg = TransformerConfig.from_json((directory / "config.json").read_text())
     with ocp.StandardCheckpointer() as checkpointer:
         tree = checkpointer.restore(directory / "params")
-    flat = {".".join(map(str, path)): value for path, value in traverse_util.flatten_dict(tree).items()}
-    return jax_model_from_params(flat, cfg)
+    return jax_model_from_params({jax_key(path): v for path, v in traverse_util.flatten_dict(tree).items()}, cfg)
