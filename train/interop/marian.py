@@ -176,10 +176,8 @@ def to_marian(params: Mapping[str, np.ndarray], cfg: TransformerConfig,
     """Our torch-layout parameters -> a MarianMTModel state dict (tied keys once, as `save_pretrained` writes).
     `ids`: the Marian special ids of an imported run (rows permuted back), or None to keep our rows, for a
     MarianConfig with our ids (pad_token_id=pad_id, decoder_start_token_id=bos_id, eos_token_id=eos_id)."""
-    if ids is None:
-        inverses = {"src": np.arange(cfg.src_vocab_size), "tgt": np.arange(cfg.tgt_vocab_size)}
-    else:
-        inverses = {side: inverse_order(order) for side, order in zip(("src", "tgt"), side_orders(ids))}
+    inverses = ({"src": np.arange(cfg.src_vocab_size), "tgt": np.arange(cfg.tgt_vocab_size)} if ids is None
+                else {side: inverse_order(order) for side, order in zip(("src", "tgt"), side_orders(ids))})
     embeddings, out = _embedding_sources(cfg), {}
     for key, value in params.items():
         value = np.asarray(value, dtype=np.float32)

@@ -169,8 +169,7 @@ async def health(request):
 
 
 async def get_info(request):
-    served: Served = request.app.state.served
-    return JSONResponse({**served.info, "served": dict(served.batcher.stats)})
+    return JSONResponse({**request.app.state.served.info, "served": dict(request.app.state.served.batcher.stats)})
 
 
 async def index(request):
