@@ -46,18 +46,18 @@ def proof_sentences(run_dir: str | os.PathLike, given: str | os.PathLike | None 
     return texts
 
 
-def reference(params: Mapping[str, np.ndarray], cfg: TransformerConfig, run_dir: Path, sentences: Sequence[str]):
-    """(source ids, greedy translations, (T, V) logits along each, length limits) of `sentences` by the reference."""
+def reference(params: Mapping[str, np.ndarray], cfg: TransformerConfig, src_ids: list[list[int]]):
+    """(the run's greedy translations, the (T, V) logits along each) by the reference on `params`, one at a time."""
     model = Transformer(cfg).eval()
     model.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in params.items()})
-    src_ids, outputs, logits = data.encode(data.load_tokenizers(run_dir).src, sentences), [], []
+    outputs, logits = [], []
     with torch.no_grad():
         for ids in src_ids:
             src = torch.tensor([ids])
             tokens = output_tokens(greedy_search(model, src)[0][0].tolist())
             outputs.append(tokens)
             logits.append(model(src, torch.tensor([[cfg.bos_id, *tokens[:-1]]]))[0].numpy())
-    return src_ids, outputs, logits, [limit(len(ids), cfg) for ids in src_ids]
+    return outputs, logits
 
 
 def limit(src_len: int, cfg: TransformerConfig) -> int:
@@ -96,8 +96,9 @@ def _shared_steps(ours: list[int], theirs: list[int]) -> int:
 def ctranslate2_proof(export_dir: Path, run_dir: Path, params, cfg: TransformerConfig, sentences: Sequence[str],
                       quantization: str | None) -> dict[str, Any]:
     """The CTranslate2 model in `export_dir` against the run: greedy `translate_batch` with its logits."""
-    src_ids, ours, ours_logits, limits = reference(params, cfg, run_dir, sentences)
-    ct2, theirs, diffs = Translator(export_dir), [], []
+    src_ids = data.encode(data.load_tokenizers(run_dir).src, sentences)
+    ours, ours_logits = reference(params, cfg, src_ids)
+    ct2, theirs, diffs, limits = Translator(export_dir), [], [], [limit(len(ids), cfg) for ids in src_ids]
     for ids, n, out, logits in zip(src_ids, limits, ours, ours_logits):
         (result,) = ct2.translator.translate_batch(
             [tokens(ct2.src_vocab, ids)], beam_size=1, max_decoding_length=n, min_decoding_length=0,
@@ -144,8 +145,9 @@ def marian_proof(export_dir: Path, run_dir: Path, params, cfg: TransformerConfig
     src_order, tgt_order = side_orders(marian_ids)
     to_ours = {int(m): o for o, m in enumerate(tgt_order)}
     columns = [o for o in range(cfg.tgt_vocab_size) if o not in (cfg.bos_id, cfg.pad_id)]
-    src_ids, ours, ours_logits, limits = reference(params, cfg, run_dir, sentences)
-    theirs, diffs = [], []
+    src_ids = data.encode(data.load_tokenizers(run_dir).src, sentences)
+    ours, ours_logits = reference(params, cfg, src_ids)
+    theirs, diffs, limits = [], [], [limit(len(ids), cfg) for ids in src_ids]
     with torch.no_grad():
         for ids, out, logits, n in zip(src_ids, ours, ours_logits, limits):
             src, start = torch.tensor([[int(src_order[i]) for i in ids]]), marian_ids["decoder_start"]
