@@ -101,8 +101,7 @@ def translate_texts(backend: Translator, tokenizers: data.Tokenizers, texts: Seq
     _check_prefix_room(src_ids, prefix_ids or [], max_len)
     if counts is not None:
         counts["cut"] += sum(len(ids) > max_len for ids in src_ids)
-    n_best, alignments = search.n_best, search.alignments
-    listed = n_best is not None or alignments or hypotheses or (sample is not None and sample.num_samples > 1)
+    listed = search.n_best is not None or search.alignments or hypotheses or getattr(sample, "num_samples", 1) > 1
     out: list = [[] if listed else "" for _ in texts]
     for index, src in data.source_batches(src_ids, max_len, token_budget, batch_size, fixed=fixed_shapes):
         if stop is not None and stop():
@@ -113,12 +112,12 @@ def translate_texts(backend: Translator, tokenizers: data.Tokenizers, texts: Seq
                                     sample.top_p, sentence_ids=np.maximum(index, 0) + first_id)
         else:
             result = backend.translate(src, search.beam, search.alpha, scoring=search.scoring,
-                                       n_best=(n_best or 1) if listed else None, prefix=prefix)
+                                       n_best=(search.n_best or 1) if listed else None, prefix=prefix)
         tokens = result.tokens[:, 0] if isinstance(result, Hypotheses) else result
         if on_batch is not None:
             on_batch(index, src, tokens)
         if listed:
-            aligned = _alignments(backend, src, result.tokens) if alignments else None
+            aligned = _alignments(backend, src, result.tokens) if search.alignments else None
             _collect(out, texts, index, result, tokenizers.tgt, aligned)
             continue
         hyps = data.decode_batch(tokenizers.tgt, tokens)
