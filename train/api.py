@@ -13,14 +13,14 @@ from typing import Any
 
 from torch_reference.config import TransformerConfig
 
-from . import data
+from . import data, translation
 from .backends import Backend, create_backend, initialize
 from .config import BACKENDS, ExperimentConfig
 from .options import SAMPLING_FIELDS, Evaluation, OptionError, RunSelection, Sampling, Search, sampling_of
 from .runtime import CHECKPOINTS, UserError, read_experiment, read_run
 from .runtime.rundir import check_set_aside
 from .store import DIGEST_FILE, CheckpointError, parse_checkpoint
-from .translation import Hypothesis, score_pairs, translate_texts
+from .translation import Hypothesis, score_pairs
 
 
 @dataclasses.dataclass
@@ -69,9 +69,10 @@ class Run(contextlib.AbstractContextManager):
         prefixes = None if prefix is None else [prefix] if isinstance(prefix, str) and one else list(prefix)
         if isinstance(prefix, str) and not one:
             raise OptionError("{}: give one per text (a list), not one string for several texts", "prefix")
-        out = translate_texts(self.backend, self.tokenizers, [texts] if one else list(texts),
-                              max_len=self.config.max_len, token_budget=self.config.token_budget,
-                              batch_size=batch_size, search=search, sample=sampling, prefixes=prefixes, **options)
+        out = translation.translate_texts(  # looked up on its module at each call, where tests spy on it
+            self.backend, self.tokenizers, [texts] if one else list(texts), max_len=self.config.max_len,
+            token_budget=self.config.token_budget, batch_size=batch_size, search=search, sample=sampling,
+            prefixes=prefixes, **options)
         return out[0] if one else out
 
     def score(self, sources: str | Sequence[str], targets: str | Sequence[str],

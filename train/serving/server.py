@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..api import load
+from .. import api
 from ..options import RunSelection
 from ..runtime import Interrupted, UserError
 from .app import app
@@ -187,7 +187,7 @@ def serve(runs: str | os.PathLike | Sequence[str | os.PathLike] | RunSelection, 
     """Load `runs` (`train.load`'s) and serve them until SIGTERM or SIGINT; the signal number that stopped it."""
     require("starlette")
     require("uvicorn")
-    with load(runs) as run:
+    with api.load(runs) as run:
         if run.backend.topology.process_count > 1:
             raise UserError("the server runs in one process: give no --coordinator-address")
         return Server(app(run, limits), host, port, **server).run(on_ready)
