@@ -82,8 +82,7 @@ def convert(c: Conversion) -> str:
     if c.source_format is None and c.to in FRAMEWORKS and c.run_dir is None:
         _check_weights_destination(Path(c.src), dst, c.to)  # before any work, so nothing is left half-made
         if c.to == "jax":
-            state_dict, cfg = load_torch_weights(c.src)
-            save_jax_weights(torch_to_jax(state_dict, cfg), dst, overwrite=c.overwrite)
+            save_jax_weights(torch_to_jax(*load_torch_weights(c.src)), dst, overwrite=c.overwrite)
         else:
             save_torch_weights(jax_to_torch(load_jax_weights(c.src)), dst)
         return f"wrote {dst}"
@@ -97,8 +96,7 @@ def convert(c: Conversion) -> str:
                 f"continue it with: python -m train.run --run-dir {dst} --resume")
     runtime.check_destination(dst, c.overwrite, "run" if c.source_format else c.to, src)
     if c.source_format == "marian":
-        done = marian.import_marian(src, dst, to=c.to, train=c.train, valid=c.valid, test=c.test,
-                                    overwrite=c.overwrite)
+        done = marian.import_marian(src, dst, to=c.to, train=c.train, valid=c.valid, test=c.test, overwrite=c.overwrite)
         cfg, revision = done["config"], f" at revision {done['revision']}" if "revision" in done else ""
         return (f"wrote {dst}: the {c.to} run of {src}{revision} ({cfg.num_encoder_layers}+{cfg.num_decoder_layers} "
                 f"layers, d_model {cfg.d_model}, vocab {cfg.src_vocab_size}/{cfg.tgt_vocab_size}, step 0)\n"

@@ -1,10 +1,8 @@
-"""A trained run as a CTranslate2 model (`aiayn convert --to ctranslate2`), built through
-CTranslate2's own specification classes, never its file format by hand; each variant of `TransformerConfig`
-has a counterpart there (docs/interop.md#ctranslate2-out lists them)."""
+"""A trained run as a CTranslate2 model (`aiayn convert --to ctranslate2`), built through CTranslate2's own
+specification classes, never its file format by hand (docs/interop.md#ctranslate2-out)."""
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -24,11 +22,10 @@ NEVER_EMITTED_BIAS = -1.0e9  # on <pad> and <bos>: far below any logit, finite (
 def vocabulary(tokenizer, size: int) -> list[str]:
     """Token strings by id: the special names, then the tokenizer's tokens (unique, as CTranslate2 needs)."""
     tokens = list(SPECIAL_TOKENS) + [tokenizer.id_to_token(i) or f"<id{i}>" for i in range(len(SPECIAL_TOKENS), size)]
-    seen: dict[str, int] = {}
+    seen: set[str] = set()
     for i, t in enumerate(tokens):  # a repeated token (e.g. a copied special row) gets a name of its own
-        if t in seen:
-            tokens[i] = f"<dup{i}>"
-        seen.setdefault(tokens[i], i)
+        tokens[i] = f"<dup{i}>" if t in seen else t
+        seen.add(tokens[i])
     return tokens
 
 
@@ -42,12 +39,12 @@ def build_spec(params: Mapping[str, np.ndarray], cfg: TransformerConfig, src_tok
                    "silu": common_spec.Activation.SWISH, "swiglu": common_spec.Activation.SWISH}
     if cfg.activation not in activations:
         raise ValueError(f"CTranslate2 has no counterpart of activation={cfg.activation!r}")
-    p = {k: np.ascontiguousarray(np.asarray(v, dtype=np.float32)) for k, v in params.items()}
+    # Copies: CTranslate2 quantizes the spec's arrays in place, which would change the caller's weights.
+    p = {k: np.array(v, dtype=np.float32, order="C") for k, v in params.items()}
     pre_norm = cfg.norm_position == "pre"
     spec = transformer_spec.TransformerSpec.from_config(
         (cfg.num_encoder_layers, cfg.num_decoder_layers), cfg.num_heads, pre_norm=pre_norm,
-        activation=activations[cfg.activation], ffn_glu=cfg.activation == "swiglu", rms_norm=cfg.norm == "rmsnorm",
-    )
+        activation=activations[cfg.activation], ffn_glu=cfg.activation == "swiglu", rms_norm=cfg.norm == "rmsnorm")
 
     def linear(target, *names):  # several: fused, as CTranslate2 stores q, k, v
         target.weight = np.concatenate([p[f"{n}.weight"] for n in names])
@@ -73,12 +70,11 @@ def build_spec(params: Mapping[str, np.ndarray], cfg: TransformerConfig, src_tok
             linear(target.linear_0_noact, f"{name}.ff.linear_gate")
         norm(target.layer_norm, f"{name}.ff_norm")
 
-    scale = float(np.sqrt(cfg.d_model)) if cfg.scale_embeddings else 1.0
     tgt_embed = p["src_embed.weight" if cfg.share_embeddings else "tgt_embed.weight"]
     sinusoids = sinusoidal_positions(cfg.max_len, cfg.d_model, halves=cfg.positions == "sinusoidal_halves").numpy()
     learned = cfg.positions == "learned"
     for stack, target in (("encoder", spec.encoder), ("decoder", spec.decoder)):
-        target.scale_embeddings = scale
+        target.scale_embeddings = float(np.sqrt(cfg.d_model)) if cfg.scale_embeddings else 1.0
         target.position_encodings.encodings = p[f"{stack}.positions.embedding.weight"] if learned else sinusoids
         if pre_norm:
             norm(target.layer_norm, f"{stack}.norm")
@@ -105,8 +101,7 @@ def build_spec(params: Mapping[str, np.ndarray], cfg: TransformerConfig, src_tok
 def export_ctranslate2(run_dir: str | os.PathLike, params: Mapping[str, np.ndarray], cfg: TransformerConfig,
                        dst: str | os.PathLike, quantization: str | None = None, force: bool = False,
                        check: Callable[[Path], object] | None = None) -> Path:
-    """Weights `params` (torch layout) of the run in `run_dir` -> a CTranslate2 model directory `dst` with
-    the run's tokenizers, swapped in (`runtime.derive`, `force`: replacing one) once `check(it)` accepts it."""
+    """Weights `params` of the run `run_dir` -> a CTranslate2 model with its tokenizers at `dst` once `check` passes."""
     ctranslate2 = spm.require("ctranslate2")
     tokenizers = data.load_tokenizers(run_dir)
     src_tokens = vocabulary(tokenizers.src, cfg.src_vocab_size)
@@ -114,14 +109,11 @@ def export_ctranslate2(run_dir: str | os.PathLike, params: Mapping[str, np.ndarr
 
     class RunConverter(ctranslate2.converters.Converter):
         def _load(self):
-            # copies: CTranslate2 quantizes the spec's arrays in place, which would change the caller's weights
-            return build_spec({k: np.array(v) for k, v in params.items()}, cfg, src_tokens, tgt_tokens)
+            return build_spec(params, cfg, src_tokens, tgt_tokens)
 
     copy = (*data.tokenizer_files(run_dir), runtime.MODEL_FILE)
-    with runtime.derive(run_dir, dst, "ctranslate2", force, copy) as tmp:
+    with runtime.derive(run_dir, dst, "ctranslate2", force, copy, check) as tmp:
         RunConverter().convert(str(tmp), quantization=quantization, force=True)  # tmp exists, empty
-        if check is not None:
-            check(tmp)
     return Path(dst)
 
 
@@ -148,21 +140,14 @@ class Translator:
         self.model_dir = Path(model_dir)
         runtime.check_export(self.model_dir)
         self.translator = ctranslate2.Translator(str(model_dir), **options)
-        shared = any((self.model_dir / f"shared_vocabulary.{ext}").is_file() for ext in ("json", "txt"))
-        self.src_vocab = self._vocab("shared_vocabulary" if shared else "source_vocabulary")
-        self.tgt_vocab = self._vocab("shared_vocabulary" if shared else "target_vocabulary")
+        names = ("shared", "shared") if (self.model_dir / "shared_vocabulary.json").is_file() else ("source", "target")
+        self.src_vocab, self.tgt_vocab = (runtime.read_json(self.model_dir / f"{n}_vocabulary.json") for n in names)
         self.tgt_ids = {t: i for i, t in enumerate(self.tgt_vocab)}
-
-    def _vocab(self, stem: str) -> list[str]:
-        if (self.model_dir / f"{stem}.json").is_file():
-            return json.loads((self.model_dir / f"{stem}.json").read_text(encoding="utf-8"))
-        return (self.model_dir / f"{stem}.txt").read_text(encoding="utf-8").splitlines()
 
     def translate_ids(self, src_ids: Sequence[Sequence[int]], beam_size: int = 1, max_len: int = 256,
                       length_penalty: float = 1.0) -> list[list[int]]:
         """Source ids (each ending with <eos>, padding ignored) -> output ids ending with <eos>."""
-        batch = [tokens(self.src_vocab, row) for row in src_ids]
-        results = self.translator.translate_batch(batch, beam_size=beam_size, max_decoding_length=max_len,
-                                                  min_decoding_length=0, length_penalty=length_penalty,
-                                                  return_end_token=True)
+        results = self.translator.translate_batch(
+            [tokens(self.src_vocab, row) for row in src_ids], beam_size=beam_size, max_decoding_length=max_len,
+            min_decoding_length=0, length_penalty=length_penalty, return_end_token=True)
         return [[self.tgt_ids[t] for t in r.hypotheses[0]] for r in results]

@@ -20,6 +20,7 @@ from train import data, runtime
 from train.attention import output_tokens
 from train.data import spm
 from train.data.streams import LineReader
+from train.interop.marian import side_orders
 
 from .ctranslate2 import Translator, same_output, tokens
 
@@ -32,16 +33,13 @@ MASKED = -1e8  # CTranslate2 reports the logits of tokens it may not emit at a s
 
 
 def proof_sentences(run_dir: str | os.PathLike, given: str | os.PathLike | None = None) -> list[str]:
-    """The first SENTENCES non-empty lines of `given`, the run's validation sources, or (a run without data)
-    runs of source-vocabulary pieces: a proof of the same function needs inputs, not good sentences."""
+    """The first SENTENCES non-empty lines of `given`, else of the run's validation data (or the numbers corpus's)."""
     if given is not None:
         with contextlib.closing(LineReader(Path(given), flag="--proof-sentences")) as lines:  # its errors name the flag
             texts = list(lines)
-    elif (cfg := runtime.read_experiment(run_dir)).valid or cfg.uses_numbers_corpus:
+    else:  # a config with --train has --valid
+        cfg = runtime.read_experiment(run_dir)
         texts = [source for source, _ in data.load_split(cfg, cfg.valid or "numbers:valid")]
-    else:
-        tokenizer = data.load_tokenizers(run_dir, cfg.joint_vocab).src
-        texts = [data.decode(tokenizer, range(first, first + 6)) for first in range(4, 4 + 6 * SENTENCES, 6)]
     texts = [t for t in texts if t.strip()][:SENTENCES]
     if not texts:
         raise runtime.UserError(f"{given or run_dir}: no sentence to prove the export on")
@@ -100,8 +98,7 @@ def ctranslate2_proof(export_dir: Path, run_dir: Path, params, cfg: TransformerC
     """The CTranslate2 model in `export_dir` against the run: greedy `translate_batch` with its logits."""
     src_ids = data.encode(data.load_tokenizers(run_dir).src, sentences)
     ours, ours_logits = reference(params, cfg, src_ids)
-    ct2, limits = Translator(export_dir), [limit(len(ids), cfg) for ids in src_ids]
-    theirs, diffs = [], []
+    ct2, theirs, diffs, limits = Translator(export_dir), [], [], [limit(len(ids), cfg) for ids in src_ids]
     for ids, n, out, logits in zip(src_ids, limits, ours, ours_logits):
         (result,) = ct2.translator.translate_batch(
             [tokens(ct2.src_vocab, ids)], beam_size=1, max_decoding_length=n, min_decoding_length=0,
@@ -109,8 +106,7 @@ def ctranslate2_proof(export_dir: Path, run_dir: Path, params, cfg: TransformerC
         theirs.append([ct2.tgt_ids[t] for t in result.hypotheses[0]])
         steps = _shared_steps(out, theirs[-1])
         theirs_logits = np.stack([np.asarray(step).reshape(-1) for step in result.logits[0][:steps]])
-        shown = theirs_logits > MASKED
-        diffs.append(float(np.abs(theirs_logits - logits[:steps])[shown].max()))
+        diffs.append(float(np.abs(theirs_logits - logits[:steps])[theirs_logits > MASKED].max()))
     return prove(export_dir, ours, theirs, diffs, sentences, limits, "ctranslate2",
                  exact=quantization in (None, "float32"))
 
@@ -122,7 +118,8 @@ def run_proof(converted: Path, run_dir: Path, sentences: Sequence[str]) -> dict[
     try:
         src_ids = data.encode(ours_run.tokenizers.src, sentences)
         limits = [limit(len(ids), ours_run.model_config) for ids in src_ids]
-        ours, theirs = ([_greedy(run, ids) for ids in src_ids] for run in (ours_run, theirs_run))
+        ours, theirs = ([output_tokens(run.backend.translate(np.array([ids]), beam_size=1)[0]) for ids in src_ids]
+                        for run in (ours_run, theirs_run))
         diffs = [float(np.abs(_logits(ours_run, ids, out) - _logits(theirs_run, ids, out)).max())
                  for ids, out in zip(src_ids, ours)]
     finally:
@@ -131,28 +128,20 @@ def run_proof(converted: Path, run_dir: Path, sentences: Sequence[str]) -> dict[
     return prove(converted, ours, theirs, diffs, sentences, limits, theirs_run.config.backend, exact=True)
 
 
-def _greedy(run, ids: list[int]) -> list[int]:
-    return output_tokens(run.backend.translate(np.array([ids]), beam_size=1)[0])
-
-
 def _logits(run, ids: list[int], out: list[int]) -> np.ndarray:
     """The (T, V) logits of `run`'s model for source `ids` and target `out`, teacher-forced."""
     src, tgt_in = np.array([ids]), np.array([[run.model_config.bos_id, *out[:-1]]])
     if run.config.backend == "torch":
         with torch.no_grad():
             return run.backend.model.eval()(torch.from_numpy(src), torch.from_numpy(tgt_in))[0].numpy()
-    model = run.backend.ctx.model(run.backend.local_params())
-    return np.asarray(model(src, tgt_in, deterministic=True))[0]
+    return np.asarray(run.backend.ctx.model(run.backend.local_params())(src, tgt_in, deterministic=True))[0]
 
 
 def marian_proof(export_dir: Path, run_dir: Path, params, cfg: TransformerConfig, sentences: Sequence[str],
                  marian_ids: Mapping[str, int]) -> dict[str, Any]:
     """The HF Marian directory in `export_dir` against the run: greedy `generate` and a teacher-forced pass,
     in Marian's numbering; our pad and bos columns left out (Marian's one row for both, never emitted)."""
-    from train.interop.marian import side_orders  # here: it loads jax, which the other proofs need not
-
-    transformers = spm.require("transformers")
-    hf = transformers.MarianMTModel.from_pretrained(str(export_dir)).eval()
+    hf = spm.require("transformers").MarianMTModel.from_pretrained(str(export_dir)).eval()
     src_order, tgt_order = side_orders(marian_ids)
     to_ours = {int(m): o for o, m in enumerate(tgt_order)}
     columns = [o for o in range(cfg.tgt_vocab_size) if o not in (cfg.bos_id, cfg.pad_id)]

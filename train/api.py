@@ -3,6 +3,7 @@ train one; the commands (`aiayn X`, `train.commands`) are thin shells over these
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import os
@@ -12,17 +13,18 @@ from typing import Any
 
 from torch_reference.config import TransformerConfig
 
-from . import data
+from . import data, translation
 from .backends import Backend, create_backend, initialize
 from .config import BACKENDS, ExperimentConfig
 from .options import SAMPLING_FIELDS, Evaluation, OptionError, RunSelection, Sampling, Search, sampling_of
 from .runtime import CHECKPOINTS, UserError, read_experiment, read_run
 from .runtime.rundir import check_set_aside
-from .translation import Hypothesis
+from .store import DIGEST_FILE, CheckpointError, parse_checkpoint
+from .translation import Hypothesis, score_pairs
 
 
 @dataclasses.dataclass
-class Run:
+class Run(contextlib.AbstractContextManager):
     """A trained run, loaded: its settings, tokenizers and a backend holding one checkpoint; for an
     ensemble (`load([a, b])`) the first run's, its backend decoding with every run's model."""
 
@@ -59,8 +61,6 @@ class Run:
         fields as keywords), sources longer than the run's max_len cut; `Hypothesis` lists with `n_best` or
         `alignments`. `prefix`: each output's forced start (None: none). `sample` (a `Sampling`, or True with its
         fields as keywords): random translations instead of the search (docs/python.md, docs/decoding.md)."""
-        from .translation import translate_texts
-
         search = _options(Search, search, options)
         sampling = sampling_of(sample, {k: options.pop(k) for k in SAMPLING_FIELDS if k in options})
         if self.members and search.alignments:
@@ -69,9 +69,10 @@ class Run:
         prefixes = None if prefix is None else [prefix] if isinstance(prefix, str) and one else list(prefix)
         if isinstance(prefix, str) and not one:
             raise OptionError("{}: give one per text (a list), not one string for several texts", "prefix")
-        out = translate_texts(self.backend, self.tokenizers, [texts] if one else list(texts),
-                              max_len=self.config.max_len, token_budget=self.config.token_budget,
-                              batch_size=batch_size, search=search, sample=sampling, prefixes=prefixes, **options)
+        out = translation.translate_texts(  # looked up on its module at each call, where tests spy on it
+            self.backend, self.tokenizers, [texts] if one else list(texts), max_len=self.config.max_len,
+            token_budget=self.config.token_budget, batch_size=batch_size, search=search, sample=sampling,
+            prefixes=prefixes, **options)
         return out[0] if one else out
 
     def score(self, sources: str | Sequence[str], targets: str | Sequence[str],
@@ -79,8 +80,6 @@ class Run:
         """The log-probability of each target given its source under the model (what
         `aiayn score` prints), one dict per pair (one for one string pair): "logprob"
         (the sum), "tokens" (the target's, "<eos>" last) and "token_logprobs" (one each)."""
-        from .translation import score_pairs
-
         one = isinstance(sources, str)
         if one != isinstance(targets, str):
             raise UserError("sources and targets: give two strings or two lists")
@@ -94,20 +93,19 @@ class Run:
         """What `aiayn evaluate` prints (loss, perplexity, BLEU, chrF, exact match) on `pairs`, a data spec
         or (source, target) pairs, translated by `search`; `evaluation`: an `Evaluation`, or its fields as
         keywords (docs/python.md). An ensemble's result also names its other runs and every run's step."""
-        from .data.splits import load_split
         from .metrics import evaluate_pairs
 
         search, evaluation = _options(Search, search, options), _options(Evaluation, evaluation, options)
         if options:
             raise TypeError(f"evaluate() got an unexpected keyword argument {next(iter(options))!r}")
         spec = os.fspath(pairs) if isinstance(pairs, (str, os.PathLike)) else None  # a file as a path too
-        pairs = load_split(self.config, spec) if spec is not None else list(pairs)
+        pairs = data.load_split(self.config, spec) if spec is not None else list(pairs)
         if spec is None and not all(isinstance(pair, (tuple, list)) and len(pair) == 2 for pair in pairs):
             raise UserError("pairs: give a data spec or a list of (source, target) pairs")  # not one pair alone
         if not pairs:  # sacreBLEU's scores need a sentence
             raise UserError(f"{spec or 'pairs'} holds no sentence pairs")
         cfg = self.config
-        seen = {s for s, _ in load_split(cfg, "numbers:train")} if cfg.uses_numbers_corpus else None
+        seen = {s for s, _ in data.load_split(cfg, "numbers:train")} if cfg.uses_numbers_corpus else None
         scoring = {**dataclasses.asdict(evaluation), "lowercase": evaluation.lowercase or cfg.lowercase}
         result = evaluate_pairs(self.backend, self.tokenizers, pairs, max_len=cfg.max_len,
                                 token_budget=cfg.token_budget, search=search, seen=seen, **scoring)
@@ -116,28 +114,22 @@ class Run:
                 "alpha": search.alpha, "scoring": search.scoring, **result}
 
     def weights_digest(self) -> str:
-        """Which weights this run translates with (an ensemble's: each run's, in order): the key
-        under which `aiayn translate` resumes a partial output (`weights_digest` below)."""
+        """Which weights this run translates with (an ensemble's, each run's): what a partial output resumes under."""
         return "".join(weights_digest(r.run_dir, r.step) for r in (self, *self.members))
 
     def close(self) -> None:
-        """Free the backend's devices and files (an ensemble's every one): a closed run's weights are
-        let go of, and using it is a UserError."""
+        """Free the backend's devices, files and weights (an ensemble's every one); using it then is a UserError."""
         backend, self.backend = self.backend, _Closed(self.run_dir)
         backend.close()
         for member in self.members:
             member.close()
-
-    def __enter__(self) -> Run:
-        return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
 
 def _options(cls: type, given: Any, keywords: dict[str, Any]) -> Any:
-    """`given` (an instance of the options class `cls`), or one built from the keywords that are its
-    fields (taken out of `keywords`); both at once: OptionError."""
+    """`given` (a `cls`), or one built from the `keywords` that are its fields (taken out); both: OptionError."""
     mine = {f.name: keywords.pop(f.name) for f in dataclasses.fields(cls) if f.name in keywords}
     if given is None:
         return cls(**mine)
@@ -213,10 +205,7 @@ def _load_ensemble(run_dirs: list[Path], checkpoint: str | int, backend: str | N
 
 
 def weights_digest(run_dir: str | os.PathLike, step: int) -> str:
-    """SHA-256 of checkpoint `step`'s digest.json (of its every file when it has none) and of the
-    tokenizer files: which weights a partial output was translated with."""
-    from .store import DIGEST_FILE
-
+    """SHA-256 of checkpoint `step`'s digest.json (else of its every file) and of the run's tokenizer files."""
     run_dir = Path(run_dir)
     checkpoint = run_dir / CHECKPOINTS / str(step)
     files = [checkpoint / DIGEST_FILE] if (checkpoint / DIGEST_FILE).is_file() else sorted(
@@ -233,8 +222,6 @@ def _tokenizer_bytes(run_dir: Path) -> dict[str, bytes]:
 
 
 def _load_one(run_dir: Path, checkpoint: str | int = "best", backend: str | None = None, **launch: Any) -> Run:
-    from .store import CheckpointError, parse_checkpoint
-
     check_set_aside(run_dir)  # an --overwrite killed or still running: named, not half a run loaded
     cfg = read_experiment(run_dir)
     if backend is not None and backend != cfg.backend:

@@ -10,9 +10,6 @@ from typing import Any
 from torch_reference.config import NON_NEGATIVE, POSITIVE, PROBABILITY, SPECIAL_TOKENS, Range, TransformerConfig
 
 BACKENDS = ("jax", "torch")  # each field's choices (its metadata) are its values
-DTYPES = ("float32", "bfloat16")
-PARAM_SHARDINGS = ("replicated", "fsdp")
-DIST_BACKENDS = ("gloo", "nccl")  # torch.distributed's: gloo on CPUs, NCCL between GPUs
 # The models' kernel sets (jax_transformer.KERNELS; torch_reference has reference and fused), and auto.
 KERNEL_CHOICES = ("auto", "reference", "xla_cpu", "fused")
 
@@ -36,9 +33,8 @@ WARMUP_FRACTION = 0.25
 DERIVED_MODEL_FIELDS = ("src_vocab_size", "tgt_vocab_size", "max_len", "dropout", "share_embeddings")
 # The special token ids are the tokenizers', shared by data, model, loss and search: not for `--set` either.
 SPECIAL_ID_FIELDS = ("pad_id", "bos_id", "eos_id")
-SPECIAL_IDS_FIXED = (
-    "the special token ids are fixed: " + ", ".join(f"{t}={i}" for i, t in enumerate(SPECIAL_TOKENS))
-    + " (the tokenizers', used alike by batches, model, loss and search)")
+SPECIAL_IDS_FIXED = ("the special token ids are fixed: " + ", ".join(f"{t}={i}" for i, t in enumerate(SPECIAL_TOKENS))
+                     + " (the tokenizers', used alike by batches, model, loss and search)")
 
 # Each numeric field's range, checked by ExperimentConfig.__post_init__ (every entry point) and its flag's type.
 FIELD_RANGES: dict[str, Range] = {
@@ -51,8 +47,6 @@ FIELD_RANGES: dict[str, Range] = {
     "lr_factor": Range(float, above=0.0), "clip_norm": Range(float, above=0.0),
     "label_smoothing": PROBABILITY, "dropout": PROBABILITY,
 }
-
-positive_int = POSITIVE.parse  # the argparse type of aiayn serve's and aiayn loadtest's counts
 
 
 def default_dtype(platform: str) -> str:
@@ -191,11 +185,11 @@ class ExperimentConfig:
         "processes (DistributedDataParallel; default 1, or torchrun's --nproc-per-node)", launch=True)
     param_sharding: str = _field(
         "replicated", "dist", "parameters and Adam's moments: replicated (a whole copy on every device) or fsdp (each "
-        "array split over the devices, ZeRO-3 style)", choices=PARAM_SHARDINGS, launch=True)
+        "array split over the devices, ZeRO-3 style)", choices=("replicated", "fsdp"), launch=True)
     dtype: str | None = _field(
         None, "dist", "compute dtype: float32, or bfloat16 mixed precision (parameters, optimizer state, softmax and "
         "loss in float32); default: bfloat16 on a GPU or TPU, float32 on the CPU (docs/parity.md#bfloat16)",
-        choices=DTYPES)
+        choices=("float32", "bfloat16"))
     kernels: str = _field(
         "auto", "dist", "how the model computes the same function: reference (torch_reference line by line), xla_cpu "
         "(jax, tuned for XLA:CPU), fused (one fused attention kernel); auto: xla_cpu for jax on the CPU, fused on a "
@@ -213,21 +207,16 @@ class ExperimentConfig:
         "default: $JAX_PROCESS_ID", launch=True)
     dist_backend: str | None = _field(
         None, "dist", "torch run on several devices: torch.distributed's backend; default: nccl on GPUs, gloo on "
-        "CPUs", choices=DIST_BACKENDS, launch=True)
+        "CPUs", choices=("gloo", "nccl"), launch=True)
 
     def __post_init__(self):
         """Every field checked once, whatever built the config: ValueError naming the field."""
         self._check_types()
-        for field in dataclasses.fields(self):  # the fields with a fixed set of values (their flags' choices)
-            choices, value = field.metadata.get("choices"), getattr(self, field.name)
-            if choices is not None and value is not None and value not in choices:
-                raise ValueError(f"{field.name}={value!r} is not one of {', '.join(choices)}")
         if fixed := sorted(set(self.model) & set(SPECIAL_ID_FIELDS)):
             raise ValueError(f"--set {fixed[0]}=... is not allowed: {SPECIAL_IDS_FIXED}")
         if bad := sorted(set(self.model) & set(DERIVED_MODEL_FIELDS)):
-            raise ValueError(
-                f"--set {bad[0]}=... is not allowed: {', '.join(DERIVED_MODEL_FIELDS)} come from the data and "
-                "from --vocab-size, --max-len, --dropout, --joint-vocab")
+            raise ValueError(f"--set {bad[0]}=... is not allowed: {', '.join(DERIVED_MODEL_FIELDS)} come from the data "
+                             "and from --vocab-size, --max-len, --dropout, --joint-vocab")
         known = {f.name for f in dataclasses.fields(TransformerConfig)}
         if unknown := sorted(set(self.model) - known):
             raise ValueError(f"unknown model field(s) {', '.join(map(repr, unknown))}; choose from {', '.join(sorted(known))}")
@@ -249,7 +238,7 @@ class ExperimentConfig:
         self.model_config(100, 100)  # the model overrides must make a valid TransformerConfig
 
     def _check_types(self) -> None:
-        """The fields that are not numbers (strings, booleans, the --set dict), as annotated: config.json is edited."""
+        """Non-numeric fields (strings, booleans, --set's dict) as annotated and chosen: config.json is edited."""
         for field in dataclasses.fields(self):
             value, kind = getattr(self, field.name), str(field.type)
             if field.name in FIELD_RANGES or (value is None and "None" in kind):
@@ -260,6 +249,8 @@ class ExperimentConfig:
                 object.__setattr__(self, field.name, value := os.fspath(value))
             if not isinstance(value, expected):
                 raise ValueError(f"{field.name} must be {expected.__name__}, got {value!r}")
+            if (choices := field.metadata.get("choices")) is not None and value not in choices:
+                raise ValueError(f"{field.name}={value!r} is not one of {', '.join(choices)}")
         if not all(isinstance(key, str) for key in self.model):
             raise ValueError(f"model must map field names to values, got {self.model!r}")
 
@@ -328,7 +319,6 @@ class ExperimentConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ExperimentConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        if unknown := sorted(set(data) - known):
+        if unknown := sorted(set(data) - {f.name for f in dataclasses.fields(cls)}):
             raise ValueError(f"unknown ExperimentConfig fields: {', '.join(map(repr, unknown))}")
         return cls(**data)

@@ -1,7 +1,5 @@
-"""Starting a run from a pretrained one (`--init-from`): its model, tokenizers and weights, trained on
-new data with a fresh optimizer and schedule (docs/finetune.md). `source_run` makes any source a run of
-the backend that trains (through `train.interop`); `load` reads that run's weights.
-"""
+"""Starting a run from a pretrained one (`--init-from`): its model, tokenizers and weights, trained on new data
+with a fresh optimizer and schedule (docs/finetune.md); any source made a run of the backend that trains first."""
 
 from __future__ import annotations
 
@@ -23,26 +21,22 @@ from .store import CheckpointError
 
 @dataclasses.dataclass
 class Pretrained:
-    """What a new run takes from its source: the source's experiment, model, tokenizers and weights."""
+    """What a new run takes from its source: its directory, model, tokenizers and weights."""
 
     source: Path
-    experiment: ExperimentConfig
     model_config: TransformerConfig
     tokenizers: data.Tokenizers
     params: dict[str, np.ndarray]
 
 
 def source_run(cfg: ExperimentConfig, scratch: contextlib.ExitStack) -> Path | None:
-    """The run directory of `cfg.backend` that --init-from's weights are read from (None: no source), as
-    `interop.runs.init_source` makes it, in a temporary directory `scratch` removes; also for a resumed
-    run that has no checkpoint yet, which starts from its source again."""
+    """The run directory of `cfg.backend` (`interop.runs.init_source`, in a directory `scratch` removes) that
+    --init-from's weights are read from, also for a resume before a checkpoint; None without a source."""
     source, backend = cfg.init_from, cfg.backend
-    if source is None and cfg.resume and cfg.run_dir and (Path(cfg.run_dir) / runtime.CONFIG_FILE).is_file():
-        from .runtime.rundir import has_checkpoint
-
-        if not has_checkpoint(Path(cfg.run_dir)):
-            saved = runtime.read_experiment(cfg.run_dir)
-            source, backend = saved.init_from, saved.backend
+    if (source is None and cfg.resume and cfg.run_dir and (Path(cfg.run_dir) / runtime.CONFIG_FILE).is_file()
+            and not runtime.rundir.has_checkpoint(Path(cfg.run_dir))):
+        saved = runtime.read_experiment(cfg.run_dir)
+        source, backend = saved.init_from, saved.backend
     if source is None:
         return None
     from .interop.runs import init_source  # loads both frameworks: only for a source to convert
@@ -56,8 +50,7 @@ def source_run(cfg: ExperimentConfig, scratch: contextlib.ExitStack) -> Path | N
 
 
 def load(source: str | Path, cfg: ExperimentConfig) -> Pretrained:
-    """The best checkpoint's weights, the tokenizers and the model of the run in `source`, a run of
-    `cfg.backend` (`source_run`) whose model `cfg` rebuilds (dropout aside)."""
+    """The best checkpoint's weights, the tokenizers and the model of `source`, a `cfg.backend` run (`source_run`)."""
     saved, source = runtime.read_experiment(source), Path(source)
     model_cfg, tokenizers = runtime.read_run(source, saved)
     backend = create_backend(saved, model_cfg, str(source / runtime.CHECKPOINTS))
@@ -68,7 +61,7 @@ def load(source: str | Path, cfg: ExperimentConfig) -> Pretrained:
         raise refused(cfg.init_from, str(err)) from None
     finally:
         backend.close()
-    return Pretrained(source, saved, model_cfg, tokenizers, params)
+    return Pretrained(source, model_cfg, tokenizers, params)
 
 
 def refused(source: str | Path | None, why: str) -> OptionError:

@@ -18,7 +18,6 @@ from .config import FIELD_RANGES, RECIPE_FILE, ExperimentConfig, flag_name, pars
 from .options import add_flags
 from .runtime.files import UserError, quoted, read_json, shortened
 
-# flag group -> its title in --help
 GROUPS = {"run": "run", "model": "model", "data": "data", "optim": "optimisation", "eval": "evaluation and logging",
           "ckpt": "checkpoints", "dist": "devices, processes and precision"}
 LAUNCH_DECISIONS = ("run_dir", "resume", "overwrite")  # which launch this is: never read from a recipe file
@@ -29,15 +28,13 @@ RECIPE_TYPES = {"int": (int, "an integer"), "float": ((int, float), "a number"),
 
 
 def build_parser(epilog: str | None = None) -> argparse.ArgumentParser:
+    """train.run's parser: a flag per `ExperimentConfig` field, in their groups."""
     parser = argparse.ArgumentParser(
-        prog="python -m train.run",
+        prog="python -m train.run", epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Train the Transformer of 'Attention Is All You Need' with the JAX (Flax NNX) or the PyTorch "
         "backend, the same loop and the same semantics; evaluate it (loss, perplexity, sacreBLEU BLEU and chrF) "
         "and write checkpoints, TensorBoard events and results.json to the run directory. With no flag it "
-        "trains a small model on the embedded numbers corpus in a few minutes on a CPU.",
-        epilog=epilog,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+        "trains a small model on the embedded numbers corpus in a few minutes on a CPU.")
     groups = {key: parser.add_argument_group(title) for key, title in GROUPS.items()}
     add_flags(parser, ExperimentConfig, ranges=FIELD_RANGES, groups=groups)
     return parser

@@ -97,14 +97,11 @@ def translate_texts(backend: Translator, tokenizers: data.Tokenizers, texts: Seq
     if sample is not None:
         sample.check_with(search, prefixes is not None and any(prefixes))
     src_ids = data.encode(tokenizers.src, list(texts))
-    prefix_ids = None
-    if prefixes is not None:
-        prefix_ids = encode_prefixes(tokenizers.tgt, prefixes, len(texts))
-        _check_prefix_room(src_ids, prefix_ids, max_len)
+    prefix_ids = None if prefixes is None else encode_prefixes(tokenizers.tgt, prefixes, len(texts))
+    _check_prefix_room(src_ids, prefix_ids or [], max_len)
     if counts is not None:
         counts["cut"] += sum(len(ids) > max_len for ids in src_ids)
-    n_best, alignments = search.n_best, search.alignments
-    listed = n_best is not None or alignments or hypotheses or (sample is not None and sample.num_samples > 1)
+    listed = search.n_best is not None or search.alignments or hypotheses or getattr(sample, "num_samples", 1) > 1
     out: list = [[] if listed else "" for _ in texts]
     for index, src in data.source_batches(src_ids, max_len, token_budget, batch_size, fixed=fixed_shapes):
         if stop is not None and stop():
@@ -115,12 +112,13 @@ def translate_texts(backend: Translator, tokenizers: data.Tokenizers, texts: Seq
                                     sample.top_p, sentence_ids=np.maximum(index, 0) + first_id)
         else:
             result = backend.translate(src, search.beam, search.alpha, scoring=search.scoring,
-                                       n_best=(n_best or 1) if listed else None, prefix=prefix)
+                                       n_best=(search.n_best or 1) if listed else None, prefix=prefix)
         tokens = result.tokens[:, 0] if isinstance(result, Hypotheses) else result
         if on_batch is not None:
             on_batch(index, src, tokens)
         if listed:
-            _collect(out, texts, index, result, tokenizers.tgt, _alignments(backend, src, result.tokens) if alignments else None)
+            aligned = _alignments(backend, src, result.tokens) if search.alignments else None
+            _collect(out, texts, index, result, tokenizers.tgt, aligned)
             continue
         hyps = data.decode_batch(tokenizers.tgt, tokens)
         for row, i in enumerate(index):
@@ -244,9 +242,7 @@ def translate_stream(run, lines: Iterator[str], out, *, chunk_lines: int, progre
     progress.begin()
     rows = skipped  # input lines (rows) before the chunk
     for chunk in iter(lambda: list(itertools.islice(lines, chunk_lines)), []):
-        offset = len(seen)
-
-        def on_batch(index, src, tokens, offset=offset):
+        def on_batch(index, src, tokens, offset=rows):  # rows: the lines before this chunk, as `seen` holds them
             progress.on_batch(index, src, tokens)
             if recorder is not None:
                 recorder(np.where(index >= 0, index + offset, -1), src, tokens)

@@ -1,4 +1,2 @@
-"""Weights, runs and pretrained models between formats, for the library itself (`--init-from` of a
-Marian model or of the other framework's run) and for `parity`'s commands and proofs: the leaf
-rules between the twins (`weights`), whole runs and weights files (`runs`), HF Marian (`marian`).
-Each module loads both frameworks; nothing here is imported until a conversion is asked for."""
+"""Weights (`weights`), runs and weights files (`runs`) and HF Marian models (`marian`) between formats, for
+`--init-from` and `parity`; each module loads both frameworks, so none is imported until a conversion is asked for."""

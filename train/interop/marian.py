@@ -1,16 +1,11 @@
-"""HF Marian (OPUS-MT) models in and out: `aiayn convert --from marian` / `--to marian`.
+"""HF Marian (OPUS-MT) models in and out: `aiayn convert --from marian` / `--to marian` (docs/interop.md).
 
-`marian_config` maps every field of `MarianConfig` that changes the function (docs/interop.md) and
-refuses, naming the field, one this model cannot represent. Marian numbers its vocabulary otherwise,
-so the import permutes the embedding rows (and the output projection's and logits bias's) to ours:
-pad 0 <- Marian's pad row, bos 1 <- its decoder start row (a copy: one row more), eos 2 <- eos,
-unk 3 <- unk, 4... <- every other row in Marian's order. The export inverts it (Marian's start row
-from our bos row), so an imported run exported untrained gives back the original weights bit for bit.
-"""
+Marian numbers its vocabulary otherwise, so the import permutes the embedding, output projection and logits bias
+rows to ours: pad 0 <- Marian's pad, bos 1 <- its decoder start (a copy: one row more), eos 2 <- eos, unk 3 <- unk,
+4... <- the other rows in Marian's order. The export inverts it: an untrained round trip is bit for bit."""
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -26,8 +21,8 @@ from .. import data, runtime
 from ..backends import create_backend
 from ..config import DERIVED_MODEL_FIELDS, SPECIAL_ID_FIELDS, ExperimentConfig
 from ..data import spm
-from ..store import CheckpointMismatchError, TrainingState
-from .weights import read_state_dict, to_jax_layout
+from ..store import CheckpointMismatchError, TrainingState, check_keys
+from .weights import convert_state, read_state_dict
 
 MARIAN_FORMAT = "marian"
 # Our layer submodule -> HF's, inside encoder.layers.N / decoder.layers.N.
@@ -47,15 +42,13 @@ class UnsupportedMarianConfig(ValueError):
     """A Marian config this project's Transformer cannot represent (the message names the field)."""
 
 
-
 def _refuse(field: str, value: Any, why: str) -> None:
     raise UnsupportedMarianConfig(f"cannot import this Marian model: {field}={value!r} ({why})")
 
 
 def marian_config(hf: Mapping[str, Any]) -> TransformerConfig:
-    """The TransformerConfig computing what HF's MarianMTModel computes for config.json `hf`
-    (vocabulary sizes one larger: see the module doc); UnsupportedMarianConfig names a field
-    that has no counterpart."""
+    """The TransformerConfig computing what HF's MarianMTModel computes for config.json `hf` (vocabularies one row
+    larger: see the module doc); UnsupportedMarianConfig names a field that has no counterpart."""
     get = hf.get
     if get("model_type", MARIAN_FORMAT) != MARIAN_FORMAT:
         _refuse("model_type", get("model_type"), "only model_type 'marian' is read")
@@ -67,7 +60,6 @@ def marian_config(hf: Mapping[str, Any]) -> TransformerConfig:
             _refuse(field, get(field), f"{why}: MarianMTModel has none, this project's post-norm model neither")
     if get("static_position_embeddings", True) is False:
         _refuse("static_position_embeddings", False, "learned positions in Marian's layout")
-    d_model = get("d_model", 1024)
     for ours, (enc, dec), default in (("d_ff", ("encoder_ffn_dim", "decoder_ffn_dim"), 4096),
                                       ("num_heads", ("encoder_attention_heads", "decoder_attention_heads"), 16)):
         if get(enc, default) != get(dec, default):
@@ -87,7 +79,7 @@ def marian_config(hf: Mapping[str, Any]) -> TransformerConfig:
         _refuse("pad_token_id", None, "the model needs a pad id")
     try:
         return TransformerConfig(
-            src_vocab_size=vocab + 1, tgt_vocab_size=tgt_vocab + 1, d_model=d_model,
+            src_vocab_size=vocab + 1, tgt_vocab_size=tgt_vocab + 1, d_model=get("d_model", 1024),
             num_heads=get("encoder_attention_heads", 16), d_ff=get("encoder_ffn_dim", 4096),
             num_encoder_layers=get("encoder_layers", 12), num_decoder_layers=get("decoder_layers", 12),
             dropout=float(get("dropout", 0.1)), attention_dropout=float(get("attention_dropout", 0.0)),
@@ -100,13 +92,6 @@ def marian_config(hf: Mapping[str, Any]) -> TransformerConfig:
         raise UnsupportedMarianConfig(f"cannot import this Marian model: {err}") from None
 
 
-def special_ids(hf: Mapping[str, Any], src_unk: int, tgt_unk: int) -> dict[str, int]:
-    pad = hf.get("pad_token_id", 58100)
-    return {"pad": pad, "eos": hf.get("eos_token_id", 0), "decoder_start": hf.get("decoder_start_token_id", pad),
-            "src_unk": src_unk, "tgt_unk": tgt_unk, "src_vocab_size": hf.get("vocab_size", 58101),
-            "tgt_vocab_size": hf.get("decoder_vocab_size") or hf.get("vocab_size", 58101)}
-
-
 def marian_ids(vocab_size: int, pad: int, eos: int, unk: int, start: int) -> np.ndarray:
     """(vocab_size + 1,) the Marian id of each of our ids: pad, start, eos, unk, then the rest in order."""
     fixed = {PAD_ID: pad, BOS_ID: start, EOS_ID: eos, UNK_ID: unk}
@@ -117,45 +102,28 @@ def marian_ids(vocab_size: int, pad: int, eos: int, unk: int, start: int) -> np.
 
 
 def side_orders(ids: Mapping[str, int]) -> tuple[np.ndarray, np.ndarray]:
-    """(source order, target order): our id -> Marian id on each side (the source starts nothing: its
-    bos row is a copy of pad's)."""
+    """(source order, target order): our id -> Marian id (the source starts nothing: its bos row copies pad's)."""
     src = marian_ids(ids["src_vocab_size"], ids["pad"], ids["eos"], ids["src_unk"], ids["pad"])
     tgt = marian_ids(ids["tgt_vocab_size"], ids["pad"], ids["eos"], ids["tgt_unk"], ids["decoder_start"])
     return src, tgt
 
 
 def inverse_order(order: np.ndarray) -> np.ndarray:
-    """(Marian vocab,) which of our rows each Marian row is written from: its own, except the
-    decoder start's, which is our bos row (see the module doc)."""
+    """(Marian vocab,) which of our rows each Marian row is written from: its own; the decoder start's, our bos."""
     inverse = np.empty(len(order) - 1, dtype=np.int64)
-    for ours in range(len(order) - 1, -1, -1):  # descending, so for a duplicated Marian row the lowest of ours wins
-        inverse[order[ours]] = ours
-    inverse[order[BOS_ID]] = BOS_ID
+    inverse[order] = np.arange(len(order))
+    inverse[order[BOS_ID]] = BOS_ID  # the one Marian row two of ours hold (order[BOS_ID]'s): bos wins either way
     return inverse
 
 
-
-def expected_torch_params(cfg: TransformerConfig) -> dict[str, tuple[int, ...]]:
-    """Every parameter key of the torch model for `cfg` with its shape (built on the meta device:
-    no memory)."""
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    return {k: tuple(v.shape) for k, v in model.named_parameters()}
-
-
 def hf_key(key: str) -> str:
-    """Our torch key of a layer parameter -> HF's (`encoder.layers.0.ff.linear1.weight` ->
-    `model.encoder.layers.0.fc1.weight`)."""
+    """Our torch key of a layer parameter -> HF's (`encoder.layers.0.ff.linear1.weight` -> `...layers.0.fc1.weight`)."""
     stack, layers, index, *rest = key.split(".")
-    assert layers == "layers", key
-    leaf, inner = rest[-1], ".".join(rest[:-1])
-    for ours, theirs in LAYER_NAMES.items():  # longest names first would matter; none is a prefix of another here
-        if inner == ours or inner.startswith(ours + "."):
-            inner = theirs + inner[len(ours):]
-            break
-    else:
+    inner = ".".join(rest)
+    ours = next((name for name in LAYER_NAMES if inner.startswith(name + ".")), None)  # no name prefixes another
+    if layers != "layers" or ours is None:
         raise KeyError(key)
-    return f"model.{stack}.layers.{index}.{inner}.{leaf}"
+    return f"model.{stack}.layers.{index}.{LAYER_NAMES[ours]}{inner[len(ours):]}"
 
 
 def _embedding_sources(cfg: TransformerConfig) -> dict[str, tuple[tuple[str, ...], str]]:
@@ -171,21 +139,18 @@ def _embedding_sources(cfg: TransformerConfig) -> dict[str, tuple[tuple[str, ...
 
 
 def from_marian(state: Mapping[str, np.ndarray], cfg: TransformerConfig, ids: Mapping[str, int]) -> dict[str, np.ndarray]:
-    """A MarianMTModel state dict (NumPy) -> our torch-layout parameters (float32), rows permuted;
-    strictly checked: a missing key, a wrong shape or a key left over raises CheckpointMismatchError."""
+    """A MarianMTModel state dict (NumPy) -> our torch-layout parameters (float32, rows permuted), checked strictly."""
     orders = dict(zip(("src", "tgt"), side_orders(ids)))
-    wanted = expected_torch_params(cfg)
+    with torch.device("meta"):  # the parameters' shapes, no memory
+        wanted = {k: tuple(v.shape) for k, v in Transformer(cfg).named_parameters()}
     embeddings = _embedding_sources(cfg)
-    out, used, missing = {}, set(), []
+    out, used = {}, set()
     for key in wanted:
         candidates, side = embeddings[key] if key in embeddings else ((hf_key(key),), None)  # a layer's: as it is
-        found = next((c for c in candidates if c in state), None)
-        if found is None:
-            missing.append(f"{key} (HF {' or '.join(candidates)})")
-            continue
-        used.add(found)
-        value = np.asarray(state[found], dtype=np.float32)
-        out[key] = value if side is None else (value.reshape(-1) if key == "logits_bias" else value)[orders[side]]
+        if (found := next((c for c in candidates if c in state), None)) is not None:
+            used.add(found)
+            value = np.asarray(state[found], dtype=np.float32)
+            out[key] = value if side is None else (value.reshape(-1) if key == "logits_bias" else value)[orders[side]]
     # Duplicates HF ties to the ones read (shared/tied embeddings) and the positions: checked, not read.
     ignorable = {"model.shared.weight", *TIED_KEYS} if cfg.tie_output or cfg.share_embeddings else set()
     for stack in ("encoder", "decoder"):
@@ -195,14 +160,8 @@ def from_marian(state: Mapping[str, np.ndarray], cfg: TransformerConfig, ids: Ma
             table = sinusoidal_positions(*np.shape(state[key]), halves=True).numpy()
             if np.abs(np.asarray(state[key], np.float32) - table).max() > POSITION_TOLERANCE:
                 raise UnsupportedMarianConfig(f"cannot import this Marian model: {key} is not the sinusoid table")
-    left = sorted(k for k in state if k not in used and not (k in ignorable and _tied_copy(state, k, used)))
-    if missing or left:
-        raise CheckpointMismatchError("Marian weights do not match the config:\n  " + "\n  ".join(
-            [f"missing: {m}" for m in missing] + [f"unexpected: {k}" for k in left]))
-    shapes = {k: tuple(np.shape(v)) for k, v in out.items()}
-    wrong = [f"{k}: expected {wanted[k]}, got {shapes[k]}" for k in out if shapes[k] != wanted[k]]
-    if wrong:
-        raise CheckpointMismatchError("Marian weights have other shapes than the config says:\n  " + "\n  ".join(wrong))
+    left = [k for k in state if k not in used and not (k in ignorable and _tied_copy(state, k, used))]
+    check_keys("Marian weights", wanted, {k: np.shape(v) for k, v in [*out.items(), *((k, state[k]) for k in left)]})
     return out
 
 
@@ -214,14 +173,11 @@ def _tied_copy(state: Mapping[str, np.ndarray], key: str, used: set[str]) -> boo
 
 def to_marian(params: Mapping[str, np.ndarray], cfg: TransformerConfig,
               ids: Mapping[str, int] | None) -> dict[str, torch.Tensor]:
-    """Our torch-layout parameters -> a MarianMTModel state dict (every key it loads; tied ones
-    written once, as `save_pretrained` would). `ids`: the Marian special ids of an imported run
-    (rows permuted back, see the module doc), or None to keep our rows as they are, for a
+    """Our torch-layout parameters -> a MarianMTModel state dict (tied keys once, as `save_pretrained` writes).
+    `ids`: the Marian special ids of an imported run (rows permuted back), or None to keep our rows, for a
     MarianConfig with our ids (pad_token_id=pad_id, decoder_start_token_id=bos_id, eos_token_id=eos_id)."""
-    if ids is None:
-        inverses = {"src": np.arange(cfg.src_vocab_size), "tgt": np.arange(cfg.tgt_vocab_size)}
-    else:
-        inverses = {side: inverse_order(order) for side, order in zip(("src", "tgt"), side_orders(ids))}
+    inverses = ({"src": np.arange(cfg.src_vocab_size), "tgt": np.arange(cfg.tgt_vocab_size)} if ids is None
+                else {side: inverse_order(order) for side, order in zip(("src", "tgt"), side_orders(ids))})
     embeddings, out = _embedding_sources(cfg), {}
     for key, value in params.items():
         value = np.asarray(value, dtype=np.float32)
@@ -233,12 +189,9 @@ def to_marian(params: Mapping[str, np.ndarray], cfg: TransformerConfig,
     return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in out.items()}
 
 
-
 def marian_source(src: str | os.PathLike) -> tuple[Path, dict[str, Any]]:
-    """The local Marian directory `src` names and where it came from ({"from": src}, with "revision":
-    the commit it resolved to for a hub name): a directory, or `hf:ORG/NAME[@REVISION]` fetched
-    through huggingface_hub's download and cache (HF_HUB_CACHE, HF_HUB_OFFLINE honoured). Every
-    failure is a UserError of one line."""
+    """(the local Marian directory `src` names, {"from": src, "revision" of a hub name}): a directory, or
+    `hf:ORG/NAME[@REVISION]` through huggingface_hub's cache (HF_HUB_OFFLINE honoured); failures a UserError."""
     text = str(src)
     if not text.startswith(HUB_PREFIX):
         return Path(src), {"from": text}
@@ -261,8 +214,7 @@ def marian_source(src: str | os.PathLike) -> tuple[Path, dict[str, Any]]:
 
 
 def read_marian_dir(src: str | os.PathLike) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """(config.json, state dict as NumPy) of a local HF Marian directory: model.safetensors, or
-    pytorch_model.bin read with torch.load(weights_only=True) (no code in the file ever runs)."""
+    """(config.json, state dict as NumPy) of a local HF Marian directory (`read_state_dict`: no code runs)."""
     src = Path(src)
     if not (src / "config.json").is_file():
         raise FileNotFoundError(f"{src} is not an HF model directory (config.json missing)")
@@ -283,21 +235,20 @@ def _pieces(vocab: Mapping[str, int], order: np.ndarray, vocab_size: int) -> lis
 
 
 def marian_tokenizers(src: Path, hf: Mapping[str, Any]) -> tuple[spm.SentencePieceTokenizer, spm.SentencePieceTokenizer, dict[str, int]]:
-    """(source tokenizer, target tokenizer, special ids) from source.spm, target.spm, vocab.json
-    (target_vocab.json for separate vocabularies): MarianTokenizer's segmentation, our ids."""
-    for name in ("source.spm", "target.spm", "vocab.json"):
+    """(source tokenizer, target tokenizer, special ids) of a Marian directory: MarianTokenizer's pieces, our ids."""
+    share = bool(hf.get("share_encoder_decoder_embeddings", True))
+    for name in ("source.spm", "target.spm", "vocab.json", *(() if share else ("target_vocab.json",))):
         if not (src / name).is_file():
             raise FileNotFoundError(f"{src} holds no {name} (a Marian model's tokenizer files)")
-    share = bool(hf.get("share_encoder_decoder_embeddings", True))
     src_vocab = runtime.read_json(src / "vocab.json")
-    tgt_path = src / "target_vocab.json"
-    if not share and not tgt_path.is_file():
-        raise FileNotFoundError(f"{src} holds no target_vocab.json (separate vocabularies)")
-    tgt_vocab = src_vocab if share else runtime.read_json(tgt_path)
+    tgt_vocab = src_vocab if share else runtime.read_json(src / "target_vocab.json")
     for name, vocab in (("vocab.json", src_vocab), ("target_vocab.json", tgt_vocab)):
         if not isinstance(vocab, dict) or "<unk>" not in vocab:
             raise ValueError(f"{src / name} has no <unk>")
-    ids = special_ids(hf, src_vocab["<unk>"], tgt_vocab["<unk>"])
+    pad = hf.get("pad_token_id", 58100)
+    ids = {"pad": pad, "eos": hf.get("eos_token_id", 0), "decoder_start": hf.get("decoder_start_token_id", pad),
+           "src_unk": src_vocab["<unk>"], "tgt_unk": tgt_vocab["<unk>"], "src_vocab_size": hf.get("vocab_size", 58101),
+           "tgt_vocab_size": hf.get("decoder_vocab_size") or hf.get("vocab_size", 58101)}
     src_order, tgt_order = side_orders(ids)
     source_blob, target_blob = (src / "source.spm").read_bytes(), (src / "target.spm").read_bytes()
     # MarianTokenizer decodes with the source model when the vocabulary is shared, else the target's.
@@ -316,8 +267,7 @@ def marian_tokenizers(src: Path, hf: Mapping[str, Any]) -> tuple[spm.SentencePie
 
 def experiment_for(cfg: TransformerConfig, backend: str, train: str | None = None, valid: str | None = None,
                    test: str | None = None) -> ExperimentConfig:
-    """The experiment of an imported run: preset base with every model field as a `--set`
-    override, the vocabulary, max_len, dropout and sharing the data-derived fields take from it."""
+    """The experiment of an imported run: preset base, each model field a `--set` override or a data-derived one."""
     model = {k: v for k, v in cfg.to_dict().items() if k not in (*DERIVED_MODEL_FIELDS, *SPECIAL_ID_FIELDS)}
     experiment = ExperimentConfig(backend=backend, preset="base", model=model, dropout=cfg.dropout, max_len=cfg.max_len,
                                   joint_vocab=cfg.share_embeddings, train=train, valid=valid, test=test,
@@ -329,8 +279,7 @@ def experiment_for(cfg: TransformerConfig, backend: str, train: str | None = Non
 
 def import_marian(src: str | os.PathLike, dst: str | os.PathLike, to: str = "torch", train: str | None = None,
                   valid: str | None = None, test: str | None = None, overwrite: bool = False) -> dict[str, Any]:
-    """An HF Marian directory or hub name (`marian_source`) -> a run directory of the `to` backend
-    (see the module doc), built beside `dst` and swapped in (`runtime.derive`)."""
+    """An HF Marian directory or hub name (`marian_source`) -> a run of the `to` backend at `dst`, whole or none."""
     (src, origin), dst = marian_source(src), Path(dst)
     hf, state = read_marian_dir(src)
     cfg = marian_config(hf)
@@ -343,11 +292,9 @@ def import_marian(src: str | os.PathLike, dst: str | os.PathLike, to: str = "tor
         data.save_tokenizers(data.Tokenizers(src_tok, tgt_tok), tmp)
         backend = create_backend(experiment, cfg, str(tmp / runtime.CHECKPOINTS))
         try:
-            weights = params if to == "torch" else to_jax_layout(params, cfg, "Marian weights")
-            backend.import_state(TrainingState(to, 0, weights))
-            meta = {"step": 0, "data": {"epoch": 0, "index": 0}, "config": experiment.experiment(), "valid": None,
-                    "imported_from": origin["from"]}
-            backend.save(meta, None)
+            backend.import_state(convert_state(TrainingState("torch", 0, params), to, cfg))
+            backend.save({"step": 0, "data": {"epoch": 0, "index": 0}, "config": experiment.experiment(), "valid": None,
+                          "imported_from": origin["from"]}, None)
         finally:
             backend.close()
         runtime.write_json_atomic(tmp / runtime.IMPORTED_FILE,
@@ -357,8 +304,7 @@ def import_marian(src: str | os.PathLike, dst: str | os.PathLike, to: str = "tor
 
 def marian_origin(run_dir: str | os.PathLike) -> dict[str, Any]:
     """The Marian config and special ids an imported run came with (imported.json)."""
-    path = Path(run_dir) / runtime.IMPORTED_FILE
-    record = json.loads(path.read_text()) if path.is_file() else {}
+    record = runtime.read_json(Path(run_dir) / runtime.IMPORTED_FILE, default={})
     if record.get("format") != MARIAN_FORMAT:
         raise ValueError(f"{run_dir} was not imported from a Marian model (aiayn convert --from marian): its "
                          "vocabulary has no Marian numbering to export to")
@@ -366,8 +312,7 @@ def marian_origin(run_dir: str | os.PathLike) -> dict[str, Any]:
 
 
 def marian_model(record: Mapping[str, Any], params: Mapping[str, np.ndarray], cfg: TransformerConfig):
-    """A `MarianMTModel` of an imported run's Marian config (`marian_origin`) holding `params` (our
-    torch layout, `to_marian`); CheckpointMismatchError for a parameter missing or left over."""
+    """A `MarianMTModel` of an imported run's Marian config (`marian_origin`) holding `params`, checked strictly."""
     transformers = spm.require("transformers")
     hf_config = transformers.MarianConfig(**{k: v for k, v in record["marian_config"].items()
                                              if k not in ("architectures", "transformers_version", "model_type")})
@@ -382,17 +327,14 @@ def marian_model(record: Mapping[str, Any], params: Mapping[str, np.ndarray], cf
 
 def export_marian(run_dir: str | os.PathLike, params: Mapping[str, np.ndarray], cfg: TransformerConfig,
                   dst: str | os.PathLike, overwrite: bool = False, check: Callable[[Path], object] | None = None) -> Path:
-    """Weights `params` (our torch layout, e.g. a checkpoint of `run_dir`, imported from Marian and
-    perhaps fine-tuned) -> an HF Marian directory that `MarianMTModel.from_pretrained` and
-    `MarianTokenizer.from_pretrained` load, built beside `dst` and swapped in (`runtime.derive`) once
-    `check(directory)` (`parity.proof`) accepts it."""
+    """Weights `params` of `run_dir` (imported from Marian) -> an HF Marian directory at `dst` once `check` passes."""
     run_dir, dst = Path(run_dir), Path(dst)
     record = marian_origin(run_dir)
     model = marian_model(record, params, cfg)
     tokenizers = data.load_tokenizers(run_dir)
     src_tok, tgt_tok = tokenizers.src, tokenizers.tgt
     src_inverse, tgt_inverse = (inverse_order(o) for o in side_orders(record["marian_ids"]))
-    with runtime.derive(run_dir, dst, "marian", overwrite) as tmp:
+    with runtime.derive(run_dir, dst, "marian", overwrite, check=check) as tmp:
         model.save_pretrained(str(tmp))
         (tmp / "source.spm").write_bytes(src_tok.model)
         (tmp / "target.spm").write_bytes(tgt_tok.model)
@@ -402,7 +344,5 @@ def export_marian(run_dir: str | os.PathLike, params: Mapping[str, np.ndarray], 
             runtime.write_json_atomic(tmp / "target_vocab.json", vocab)
         runtime.write_json_atomic(tmp / "tokenizer_config.json", {"tokenizer_class": "MarianTokenizer", "separate_vocabs":
                                 not cfg.share_embeddings, "model_max_length": cfg.max_len})
-        if check is not None:
-            check(tmp)
     return dst
 

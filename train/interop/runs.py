@@ -1,10 +1,6 @@
-"""Training runs and weights files between the frameworks (the leaf rules: `train.interop.weights`;
-the file formats: docs/interop.md).
-
-`convert_run` converts the checkpoints of a run directory of one backend into the other's, with
-their meta (data position, validation scores) and ranking metrics, so `python -m train.run
---resume` continues in the other framework as if it had never changed.
-"""
+"""Training runs and weights files between the frameworks (the leaf rules: `train.interop.weights`; the file
+formats: docs/interop.md). A converted run keeps its checkpoints' meta and ranking metrics, so `--resume`
+continues in the other framework as if it had never changed."""
 
 from __future__ import annotations
 
@@ -14,8 +10,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
+import orbax.checkpoint as ocp
 import torch
 from flax import nnx, traverse_util
+from safetensors import safe_open
 
 import jax_transformer
 import torch_reference
@@ -24,17 +22,15 @@ from torch_reference.config import TransformerConfig
 from .. import data, runtime, store
 from ..backends import create_backend
 from ..config import ExperimentConfig
-from .weights import (LEGACY_SUFFIXES, convert_state, jax_model_from_params, jax_params, nest, read_state_dict,
-                      transfer_state)
+from ..store.jax_store import quiet_orbax
+from .marian import import_marian
+from .weights import (LEGACY_SUFFIXES, convert_state, jax_key, jax_model_from_params, jax_params, nest,
+                      read_state_dict, transfer_state)
 
 
 def convert_checkpoints(src_cfg: ExperimentConfig, model_cfg: TransformerConfig, src_dir: str | os.PathLike,
                         dst_dir: str | os.PathLike, to: str, which: str | int = "latest") -> list[int]:
-    """Convert the checkpoints `which` ("latest", "best", "all" or a step) of the `src_cfg.backend`
-    backend in `src_dir` into the `to` backend's checkpoints in `dst_dir`, with the same meta (the
-    experiment's backend switched) and ranking metrics; returns the steps."""
-    if to == src_cfg.backend:
-        raise ValueError(f"the checkpoints already belong to the {to} backend")
+    """The steps of the checkpoints `which` in `src_dir` made the `to` backend's in `dst_dir`, meta and metrics kept."""
     source = create_backend(src_cfg, model_cfg, str(src_dir))
     target = create_backend(src_cfg.replace(backend=to), model_cfg, str(dst_dir))
     try:
@@ -57,9 +53,7 @@ def convert_checkpoints(src_cfg: ExperimentConfig, model_cfg: TransformerConfig,
 
 def convert_run(src: str | os.PathLike, dst: str | os.PathLike, to: str | None = None, which: str | int = "latest",
                 overwrite: bool = False, check: Callable[[Path], object] | None = None) -> dict:
-    """A run directory of one backend (train.run) -> the same run for the other backend: config.json (the
-    backend switched), model.json, the tokenizers, the TensorBoard events and the checkpoints `which`
-    converted, built beside `dst` and renamed into place once `check(directory)` (`parity.proof`) accepts it."""
+    """A run -> the same run for the other backend (checkpoints `which`), at `dst` once `check` accepts it."""
     src, dst = Path(src), Path(dst)
     runtime.rundir.check_set_aside(src)  # an --overwrite killed or still running: named, not half a run converted
     try:
@@ -80,9 +74,8 @@ def convert_run(src: str | os.PathLike, dst: str | os.PathLike, to: str | None =
 
 
 def init_source(source: str, backend: str, dst: str | os.PathLike) -> Path:
-    """A run directory of `backend` for `--init-from SOURCE` (`train.pretrained.source_run`): SOURCE
-    itself when it is one; a run of the other framework converted (its best checkpoint) or an HF
-    Marian directory or hf:ORG/NAME[@REVISION] imported, at `dst`."""
+    """A run directory of `backend` for `--init-from SOURCE`: SOURCE itself when it is one, else at `dst` a run of
+    the other framework converted (its best checkpoint) or an HF Marian directory or hf:ORG/NAME imported."""
     path, dst = Path(source), Path(dst)
     if not source.startswith("hf:") and not (path / runtime.CONFIG_FILE).is_file():  # both kinds hold one
         raise FileNotFoundError(f"{path} is neither a run directory nor an HF Marian directory "
@@ -92,8 +85,6 @@ def init_source(source: str, backend: str, dst: str | os.PathLike) -> Path:
             return path
         convert_run(path, dst, to=backend, which="best")
         return dst
-    from .marian import import_marian
-
     import_marian(source, dst, to=backend)
     return dst
 
@@ -115,9 +106,8 @@ def run_weights(run_dir: str | os.PathLike, checkpoint: str | int = "best") -> t
 
 
 def save_torch_weights(model: torch_reference.Transformer, path: str | os.PathLike) -> Path:
-    """`path` (.safetensors) with the config in its metadata; no other file is written (a
-    `config.json` beside it may be the user's). Written whole: a temporary file, removed on any
-    error, then a rename. A full disk or a read-only place raises an OSError naming `path`."""
+    """`path` (.safetensors) with the config in its metadata, alone (a `config.json` beside it may be the user's),
+    written whole; a full disk or a read-only place raises an OSError naming `path`."""
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -136,37 +126,26 @@ def save_torch_weights(model: torch_reference.Transformer, path: str | os.PathLi
 
 
 def load_torch_weights(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], TransformerConfig]:
-    """(state dict, config) from a safetensors file, or from a legacy `torch.save` state dict
-    (.pt, .pth, .bin) with config.json beside it (`read_state_dict`)."""
-    from safetensors import SafetensorError, safe_open
-
+    """(state dict, config) of a safetensors file, or of a legacy `torch.save` file with config.json beside it."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no weights file at {path}")
-    metadata = {}
+    state_dict, metadata = read_state_dict(path), {}  # a file that is no safetensors file: its ValueError
     if path.suffix not in LEGACY_SUFFIXES:
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                metadata = f.metadata() or {}
-        except SafetensorError as err:
-            raise ValueError(f"{path} is not a readable safetensors file ({err})") from None
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
     if store.WEIGHTS_CONFIG_KEY in metadata:
         cfg = TransformerConfig.from_json(metadata[store.WEIGHTS_CONFIG_KEY])
     elif (path.parent / "config.json").is_file():
         cfg = TransformerConfig.from_json((path.parent / "config.json").read_text())
     else:
         raise FileNotFoundError(f"{path} carries no config and there is no config.json beside it")
-    return read_state_dict(path), cfg
+    return state_dict, cfg
 
 
 def save_jax_weights(model: nnx.Module, directory: str | os.PathLike, overwrite: bool = False) -> Path:
-    """An orbax checkpoint of the parameters in `directory/params` plus `directory/config.json`,
-    written whole: built in `.NAME.tmp` beside it, swapped in (an old one with `overwrite`), nothing
-    left on any error. A full disk or a read-only place raises an OSError naming `directory`."""
-    import orbax.checkpoint as ocp
-
-    from ..store.jax_store import quiet_orbax
-
+    """`directory/params` (orbax) and `directory/config.json`, built beside it and swapped in (an old one with
+    `overwrite`); a full disk or a read-only place raises an OSError naming `directory`, leaving nothing."""
     directory = Path(directory).absolute()  # orbax wants absolute paths
     tmp, old = (directory.with_name(f".{directory.name}.{suffix}") for suffix in ("tmp", "old"))
     try:
@@ -189,13 +168,10 @@ def save_jax_weights(model: nnx.Module, directory: str | os.PathLike, overwrite:
 
 def load_jax_weights(directory: str | os.PathLike) -> jax_transformer.Transformer:
     """The Flax Transformer saved by `save_jax_weights` (checked strictly against its config)."""
-    import orbax.checkpoint as ocp
-
     directory = Path(directory).absolute()
     if not (directory / "config.json").is_file() or not (directory / "params").is_dir():
         raise FileNotFoundError(f"{directory} is not a JAX weights directory (expected params/ and config.json)")
     cfg = TransformerConfig.from_json((directory / "config.json").read_text())
     with ocp.StandardCheckpointer() as checkpointer:
         tree = checkpointer.restore(directory / "params")
-    flat = {".".join(map(str, path)): value for path, value in traverse_util.flatten_dict(tree).items()}
-    return jax_model_from_params(flat, cfg)
+    return jax_model_from_params({jax_key(path): v for path, v in traverse_util.flatten_dict(tree).items()}, cfg)

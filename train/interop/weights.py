@@ -1,18 +1,7 @@
-"""Weights between `torch_reference.Transformer` and `jax_transformer.Transformer`, both ways.
-
-The two models have the same attribute tree (keys are the dotted paths on both sides,
-`encoder.layers.0.self_attn.q_proj.kernel`), so one table of leaf names is the whole mapping:
-
-    torch                     flax              value
-    Linear.weight (out, in)   Linear.kernel     transposed (in, out)
-    Linear.bias               Linear.bias       as is
-    LayerNorm/RMSNorm.weight  *.scale           as is
-    Embedding.weight          Embed.embedding   as is
-    logits_bias               logits_bias       as is (the output_bias variant)
-
-Keys and shapes are checked strictly against the config (one `CheckpointMismatchError` lists every
-offender); values keep their dtype bit for bit. Files and run directories: `train.interop.runs`.
-"""
+"""Weights between `torch_reference.Transformer` and `jax_transformer.Transformer`, both ways: the two models have
+the same attribute tree (the keys: dotted paths), so `LEAF_RULES` is the whole mapping (docs/interop.md). Keys and
+shapes are checked strictly against the config (one `CheckpointMismatchError` lists every offender); values keep their
+dtype bit for bit. Files and run directories: `train.interop.runs`."""
 
 from __future__ import annotations
 
@@ -28,6 +17,8 @@ import ml_dtypes
 import numpy as np
 import torch
 from flax import nnx, traverse_util
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 
 import jax_transformer
 import torch_reference
@@ -86,8 +77,7 @@ def _moved(value: Any, transpose: bool) -> np.ndarray:
 
 
 def to_jax_layout(flat: Mapping[str, Any], cfg: TransformerConfig, what: str = "PyTorch weights") -> dict[str, np.ndarray]:
-    """{torch key: NumPy array} -> {flax key: array}, strictly checked against `cfg` (a parameter-
-    shaped tree: weights or Adam's moments)."""
+    """{torch key: array} -> {flax key: array} of weights or Adam's moments, strictly checked against `cfg`."""
     expected = expected_jax_params(cfg)
     rules = {key: to_torch_key(key) for key in expected}  # flax key -> (torch key, transposed?)
     torch_expected = {torch_key: expected[key][::-1] if transpose else expected[key]
@@ -148,13 +138,10 @@ def jax_to_torch(model: nnx.Module, cfg: TransformerConfig | None = None) -> tor
 
 
 def convert_state(state: TrainingState, to: str, cfg: TransformerConfig) -> TrainingState:
-    """A backend's training state in the `to` framework's layout: weights and both Adam moments by
-    the leaf rules (strictly checked against `cfg`), the step as it is. The random state stays
-    behind (None) when the framework changes: dropout streams cannot be matched."""
+    """A training state in the `to` framework's layout (weights and Adam's moments checked against `cfg`); the
+    random state stays behind (None): the frameworks' dropout streams cannot be matched."""
     if to == state.framework:
         return state
-    if to not in FRAMEWORKS:
-        raise ValueError(f"no framework {to!r}; choose from {', '.join(FRAMEWORKS)}")
     layout = to_jax_layout if to == "jax" else to_torch_layout
     names = ("weights", "Adam first moments (mu / exp_avg)", "Adam second moments (nu / exp_avg_sq)")
     params, mu, nu = (None if tree is None else layout(tree, cfg, f"{state.framework} {what}")
@@ -172,11 +159,7 @@ LEGACY_SUFFIXES = (".pt", ".pth", ".bin")  # torch.save files: read with weights
 
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors file, or of a legacy `torch.save` file (LEGACY_SUFFIXES) read with
-    `torch.load(weights_only=True)`, whose unpickler admits tensors and containers only, so no code in a
-    file ever runs; a pickle named .safetensors is not a safetensors file and is refused (ValueError)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
+    `torch.load(weights_only=True)`, which runs no code; anything else a ValueError."""
     if path.suffix not in LEGACY_SUFFIXES:
         try:
             return load_file(str(path))

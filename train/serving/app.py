@@ -23,12 +23,6 @@ except ImportError:  # the serve extra: `app()` says how to install it
     ClientDisconnect = HTMLResponse = JSONResponse = None
 
 
-def attention_json(att) -> dict[str, Any]:
-    """A `train.attention.SentenceAttention` as JSON: tokens and weights [layer][head][target][source]."""
-    return {"source_tokens": att.src_tokens, "target_tokens": att.tgt_tokens,
-            "weights": np.round(att.weights.astype(np.float64), 4).tolist()}
-
-
 def result_json(result) -> dict[str, Any]:
     """One text's `Run.translate` result: a string, or `Hypothesis` (n-best, samples), the first its translation."""
     if isinstance(result, str):
@@ -49,8 +43,10 @@ def run_decoder(run) -> Callable[..., list[dict[str, Any]]]:
             recorder = AttentionRecorder(run.backend, run.tokenizers, texts)
         results = run.translate(texts, prefix=prefixes, on_batch=recorder, **options.translate_options())
         out = [result_json(r) for r in results]
-        if recorder is not None:
-            found = {att.line - 1: attention_json(att) for att in recorder.found}
+        if recorder is not None:  # each sentence's tokens and weights [layer][head][target][source]
+            found = {att.line - 1: {"source_tokens": att.src_tokens, "target_tokens": att.tgt_tokens,
+                                    "weights": np.round(att.weights.astype(np.float64), 4).tolist()}
+                     for att in recorder.found}
             for i, result in enumerate(out):
                 result["attention"] = found.get(i)
         return out
@@ -60,8 +56,7 @@ def run_decoder(run) -> Callable[..., list[dict[str, Any]]]:
 
 def run_info(run) -> dict[str, Any]:
     """What /info says of a loaded run (an ensemble: its runs and their steps too)."""
-    backend = run.backend
-    devices = backend.mesh.devices.flat if hasattr(backend, "mesh") else [backend.device]
+    devices = run.backend.mesh.devices.flat if hasattr(run.backend, "mesh") else [run.backend.device]
     ensemble = {"ensemble": [str(m.run_dir) for m in run.members], "steps": run.steps} if run.members else {}
     return {"run_dir": str(run.run_dir), "step": run.step, **ensemble, "backend": run.config.backend,
             "devices": [str(d) for d in devices], "max_len": run.config.max_len,
@@ -70,8 +65,7 @@ def run_info(run) -> dict[str, Any]:
 
 def token_counts(run) -> Callable[[Sequence[str]], int]:
     """Source tokens of texts as the model reads them (cut to max_len), for the batch bound."""
-    max_len = run.config.max_len
-    return lambda texts: sum(min(len(ids), max_len) for ids in data.encode(run.tokenizers.src, texts))
+    return lambda texts: sum(min(len(ids), run.config.max_len) for ids in data.encode(run.tokenizers.src, texts))
 
 
 @dataclasses.dataclass
@@ -175,8 +169,7 @@ async def health(request):
 
 
 async def get_info(request):
-    served: Served = request.app.state.served
-    return JSONResponse({**served.info, "served": dict(served.batcher.stats)})
+    return JSONResponse({**request.app.state.served.info, "served": dict(request.app.state.served.batcher.stats)})
 
 
 async def index(request):

@@ -87,8 +87,7 @@ def decoding(fields: dict[str, Any], prefixes: bool = False) -> Decoding:
     sampling = {k: v for k, v in fields.items() if k in SAMPLING_FIELDS}
     if sampled := sampling_of(fields.get("sample"), sampling):
         sampled.check_with(search, prefixes)
-    sample, attention = fields.get("sample", False), fields.get("attention", False)
-    return Decoding(search, sample, tuple(sorted(sampling.items())), attention)
+    return Decoding(search, bool(fields.get("sample")), tuple(sorted(sampling.items())), bool(fields.get("attention")))
 
 
 @dataclasses.dataclass(frozen=True)

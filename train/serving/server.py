@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .. import api
 from ..options import RunSelection
 from ..runtime import Interrupted, UserError
 from .app import app
@@ -99,7 +100,7 @@ def uvicorn_classes() -> tuple[type, type]:
     return Protocol, UvicornServer
 
 
-class Server:
+class Server(contextlib.AbstractContextManager):
     """uvicorn serving `asgi_app` on host:port (0: a free one): `run()` until stopped, or `start()` on a thread."""
 
     def __init__(self, asgi_app, host: str = "127.0.0.1", port: int = 8000, *, access_log: bool = False):
@@ -176,9 +177,6 @@ class Server:
         if self.thread is not None:
             self.thread.join()
 
-    def __enter__(self):
-        return self
-
     def __exit__(self, *exc) -> None:
         self.stop()
 
@@ -187,11 +185,9 @@ def serve(runs: str | os.PathLike | Sequence[str | os.PathLike] | RunSelection, 
           port: int = 8000, *, limits: Limits | None = None, on_ready: Callable[[Server], None] | None = None,
           **server: Any) -> int:
     """Load `runs` (`train.load`'s) and serve them until SIGTERM or SIGINT; the signal number that stopped it."""
-    from ..api import load
-
     require("starlette")
     require("uvicorn")
-    with load(runs) as run:
+    with api.load(runs) as run:
         if run.backend.topology.process_count > 1:
             raise UserError("the server runs in one process: give no --coordinator-address")
         return Server(app(run, limits), host, port, **server).run(on_ready)
