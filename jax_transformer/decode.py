@@ -30,9 +30,12 @@ def sentence_limits(src_ids, pad_id: int, length: int, max_len_a: float, max_len
     return jnp.clip(jnp.floor(max_len_a * src_len + max_len_b), 1, length).astype(jnp.int32)
 
 
-def _never_emitted(cfg, vocab):
-    """(V,) True for the ids a translation never contains: padding and BOS."""
-    return (vocab == cfg.pad_id) | (vocab == cfg.bos_id)
+def _next_logprobs(cfg: TransformerConfig, logits, must_end):
+    """log_softmax(logits (..., V)) in float32, NEG_INF at the tokens no translation holds (padding, BOS)
+    and, in rows that must end (must_end (...,): at their length limit), at every token but EOS."""
+    vocab = jnp.arange(logits.shape[-1])
+    masked = (must_end[..., None] & (vocab != cfg.eos_id)) | (vocab == cfg.pad_id) | (vocab == cfg.bos_id)
+    return jnp.where(masked, NEG_INF, jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))
 
 
 def _no_sentence(src_ids, pad_id: int):
@@ -121,9 +124,7 @@ def top_candidates(cfg, logits, base, must_end, n: int, xla_cpu: bool = False):
     if xla_cpu:
         return tuned.best_candidates(cfg, logits, base, must_end, n, NEG_INF)
     B, H, V = logits.shape
-    vocab = jnp.arange(V)
-    masked = (must_end[:, None, None] & (vocab != cfg.eos_id)) | _never_emitted(cfg, vocab)
-    logprobs = jnp.where(masked, NEG_INF, jax.nn.log_softmax(logits, axis=-1))
+    logprobs = _next_logprobs(cfg, logits, must_end[:, None])  # (B, H, V)
     return jax.lax.top_k((base[..., None] + logprobs).reshape(B, H * V), n)
 
 

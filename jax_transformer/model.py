@@ -35,6 +35,9 @@ xavier_uniform = nnx.initializers.xavier_uniform()
 # `xla_cpu` is xla_cpu.py's pieces, faster on XLA:CPU; `fused` computes attention with
 # jax.nn.dot_product_attention (cuDNN's kernel on a GPU). All give the same results to float32 rounding.
 KERNELS = ("reference", "xla_cpu", "fused")
+# Each `activation`'s function (swiglu: silu times the gate); GELU the exact erf form (jax defaults to tanh).
+ACTIVATIONS = {"relu": jax.nn.relu, "gelu": functools.partial(jax.nn.gelu, approximate=False), "silu": jax.nn.silu,
+               "swiglu": jax.nn.silu}
 
 # --------------------------------------------------------------------------------------------
 # Pure functions
@@ -46,14 +49,10 @@ def _sinusoid_table(length: int, d_model: int, halves: bool) -> np.ndarray:
     position = np.arange(length, dtype=np.float64)[:, None]  # (L, 1)
     inv_freq = np.exp(np.arange(0, d_model, 2, dtype=np.float64) * (-math.log(10000.0) / d_model))
     angles = position * inv_freq  # (L, ceil(D/2))
-    table = np.zeros((length, d_model), dtype=np.float64)
+    sines, cosines = np.sin(angles), np.cos(angles)
     if halves:
-        table[:, : angles.shape[1]] = np.sin(angles)
-        table[:, angles.shape[1] :] = np.cos(angles[:, : d_model // 2])
-    else:
-        table[:, 0::2] = np.sin(angles)
-        table[:, 1::2] = np.cos(angles[:, : d_model // 2])
-    return table.astype(np.float32)
+        return np.concatenate([sines, cosines[:, : d_model // 2]], axis=1).astype(np.float32)
+    return np.stack([sines, cosines], axis=-1).reshape(length, -1)[:, :d_model].astype(np.float32)  # interleaved
 
 
 def sinusoidal_positions(length: int, d_model: int, halves: bool = False) -> jax.Array:
@@ -283,16 +282,11 @@ class FeedForward(nnx.Module):
     def __call__(self, x: jax.Array, *, deterministic: bool = True, rngs: nnx.Rngs | None = None) -> jax.Array:
         h = self.linear1(x)  # (B, L, F)
         dropping = not deterministic and self.dropout.rate > 0
-        if self.activation == "relu":
-            if self.kernels == "xla_cpu" and h.dtype == jnp.float32 and not dropping:  # linear2(relu(h)) keeping h alone
-                return tuned.relu_linear(h, self.linear2.kernel[...]) + self.linear2.bias[...]
-            h = jax.nn.relu(h)
-        elif self.activation == "gelu":
-            h = jax.nn.gelu(h, approximate=False)  # exact erf GELU; jax defaults to the tanh form
-        elif self.activation == "silu":
-            h = jax.nn.silu(h)
-        else:
-            h = jax.nn.silu(h) * self.linear_gate(x)
+        if self.activation == "relu" and self.kernels == "xla_cpu" and h.dtype == jnp.float32 and not dropping:
+            return tuned.relu_linear(h, self.linear2.kernel[...]) + self.linear2.bias[...]  # linear2(relu(h)), h kept
+        h = ACTIVATIONS[self.activation](h)
+        if self.linear_gate is not None:
+            h = h * self.linear_gate(x)
         return self.linear2(self.dropout(h, deterministic=deterministic, rngs=rngs))  # (B, L, D)
 
 

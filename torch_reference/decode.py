@@ -29,9 +29,12 @@ def sentence_limits(src_ids: Tensor, pad_id: int, length: int, max_len_a: float,
     return torch.clamp(torch.floor(max_len_a * src_len + max_len_b), 1, length).long()
 
 
-def _never_emitted(cfg, vocab):
-    """(V,) True for the ids a translation never contains: padding and BOS."""
-    return (vocab == cfg.pad_id) | (vocab == cfg.bos_id)
+def _next_logprobs(cfg: TransformerConfig, logits: Tensor, must_end: Tensor) -> Tensor:
+    """log_softmax(logits (..., V)) in float32, NEG_INF at the tokens no translation holds (padding, BOS)
+    and, in rows that must end (must_end (...,): at their length limit), at every token but EOS."""
+    vocab = torch.arange(logits.shape[-1], device=logits.device)
+    masked = (must_end[..., None] & (vocab != cfg.eos_id)) | (vocab == cfg.pad_id) | (vocab == cfg.bos_id)
+    return torch.where(masked, NEG_INF, torch.log_softmax(logits.float(), dim=-1))
 
 
 def _no_sentence(src_ids: Tensor, pad_id: int) -> Tensor:
@@ -69,10 +72,8 @@ def _prefix_columns(prefix: Tensor | None, pad_id: int, length: int) -> Tensor |
     """prefix (B, P) -> (B, length): its tokens by output position, pad_id where there is none."""
     if prefix is None:
         return None
-    out = torch.full((prefix.shape[0], length), pad_id, dtype=torch.long, device=prefix.device)
-    n = min(length, prefix.shape[1])
-    out[:, :n] = prefix[:, :n]
-    return out
+    prefix = prefix[:, :length].long()
+    return torch.nn.functional.pad(prefix, (0, length - prefix.shape[1]), value=pad_id)
 
 
 class _Decoder:
@@ -113,17 +114,14 @@ def _token_by_token(model: Transformer, src_ids: Tensor, n: int, choose, max_len
     src_mask = padding_mask(src_ids, cfg.pad_id)
     memory = model.encode(src_ids, src_mask).repeat_interleave(n, dim=0)  # (B*n, S, D)
     decoder = _Decoder(model, memory, src_mask.repeat_interleave(n, dim=0), length, cached)
-    not_eos = torch.arange(cfg.tgt_vocab_size, device=device) != cfg.eos_id  # (V,)
-    never = _never_emitted(cfg, torch.arange(cfg.tgt_vocab_size, device=device))  # (V,) pad and bos
 
     tokens = torch.full((B * n, length), cfg.pad_id, dtype=torch.long, device=device)
     scores = torch.zeros(B * n, device=device)
     done = _no_sentence(src_ids, cfg.pad_id).repeat_interleave(n)  # (B*n,)
     last = torch.full((B * n,), cfg.bos_id, dtype=torch.long, device=device)
     for position in range(length):
-        logprobs = torch.log_softmax(decoder.logits(tokens, last, position).float(), dim=-1)  # (B*n, V)
-        must_end = (position + 1 >= limits)[:, None]  # rows at their limit emit EOS
-        logprobs = torch.where((must_end & not_eos) | never, NEG_INF, logprobs)
+        must_end = position + 1 >= limits  # (B*n,) rows at their limit emit EOS
+        logprobs = _next_logprobs(cfg, decoder.logits(tokens, last, position), must_end)  # (B*n, V)
         last = choose(position, logprobs)  # (B*n,)
         scores = scores + torch.where(done, 0.0, logprobs.gather(1, last[:, None])[:, 0])
         tokens[:, position] = torch.where(done, cfg.pad_id, last)
@@ -219,8 +217,6 @@ def beam_search(model: Transformer, src_ids: Tensor, beam_size: int = 4, alpha: 
     src_mask = padding_mask(src_ids, cfg.pad_id).repeat_interleave(k, dim=0)  # (B*k, 1, 1, S)
     memory = model.encode(src_ids, padding_mask(src_ids, cfg.pad_id)).repeat_interleave(k, dim=0)
     decoder = _Decoder(model, memory, src_mask, length, cached)  # batch B*k, hypothesis-major per sentence
-    not_eos = torch.arange(V, device=device) != cfg.eos_id  # (V,)
-    never = _never_emitted(cfg, torch.arange(V, device=device))  # (V,) pad and bos
     best_possible_penalty = length_penalty(limits.float(), alpha, scoring)  # (B,)
     may_finish = torch.arange(2 * k, device=device) < (k if scoring == "hf" else 2 * k)  # (2k,) candidate ranks
     no_sentence = _no_sentence(src_ids, cfg.pad_id)  # (B,)
@@ -233,10 +229,9 @@ def beam_search(model: Transformer, src_ids: Tensor, beam_size: int = 4, alpha: 
     finished_logprob = torch.full((B, k), NEG_INF, device=device)
     last = torch.full((B * k,), cfg.bos_id, dtype=torch.long, device=device)
     for position in range(length):
-        logits = decoder.logits(live_tokens.reshape(B * k, length), last, position)
-        logprobs = torch.log_softmax(logits.float(), dim=-1).view(B, k, V)
-        must_end = (position + 1 >= limits)[:, None, None]
-        logprobs = torch.where((must_end & not_eos) | never, NEG_INF, logprobs)
+        logits = decoder.logits(live_tokens.reshape(B * k, length), last, position).view(B, k, V)
+        must_end = position + 1 >= limits  # (B,)
+        logprobs = _next_logprobs(cfg, logits, must_end[:, None])  # (B, k, V)
 
         candidates = (live_logprob[:, :, None] + logprobs).view(B, k * V)
         top_logprob, top_index = candidates.topk(2 * k, dim=1)  # (B, 2k)
@@ -249,7 +244,7 @@ def beam_search(model: Transformer, src_ids: Tensor, beam_size: int = 4, alpha: 
         top_tokens[:, :, position] = token
         ends = token == cfg.eos_id
         if scoring == "hf":  # HF's <eos> forced at the limit adds nothing (its processor sets that log-prob to 0)
-            top_logprob = torch.where(must_end[:, :, 0] & ends, _gather(live_logprob, parent), top_logprob)
+            top_logprob = torch.where(must_end[:, None] & ends, _gather(live_logprob, parent), top_logprob)
 
         # Finished: the old ones and the new EOS candidates, the best k kept.
         new_scores = torch.where(ends & may_finish, top_logprob / length_penalty(position + 1, alpha, scoring), NEG_INF)

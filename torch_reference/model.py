@@ -26,6 +26,8 @@ from .config import TransformerConfig
 # computes attention with F.scaled_dot_product_attention (a fused kernel on a GPU). Both give the
 # same results to float32 rounding. (The JAX twin has a third, `xla_cpu`, for XLA:CPU.)
 KERNELS = ("reference", "fused")
+# Each `activation`'s function (swiglu: silu times the gate); GELU the exact erf form in both twins.
+ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu, "swiglu": F.silu}
 
 # --------------------------------------------------------------------------------------------
 # Pure functions
@@ -42,14 +44,10 @@ def sinusoidal_positions(length: int, d_model: int, halves: bool = False) -> Ten
     position = torch.arange(length, dtype=torch.float64)[:, None]  # (L, 1)
     inv_freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float64) * (-math.log(10000.0) / d_model))
     angles = position * inv_freq  # (L, ceil(D/2))
-    table = torch.zeros(length, d_model, dtype=torch.float64)
+    sines, cosines = torch.sin(angles), torch.cos(angles)
     if halves:
-        table[:, : angles.shape[1]] = torch.sin(angles)
-        table[:, angles.shape[1] :] = torch.cos(angles[:, : d_model // 2])
-    else:
-        table[:, 0::2] = torch.sin(angles)
-        table[:, 1::2] = torch.cos(angles[:, : d_model // 2])
-    return table.to(torch.float32)
+        return torch.cat([sines, cosines[:, : d_model // 2]], dim=1).to(torch.float32)
+    return torch.stack([sines, cosines], dim=-1).reshape(length, -1)[:, :d_model].to(torch.float32)  # interleaved
 
 
 def padding_mask(ids: Tensor, pad_id: int) -> Tensor:
@@ -238,15 +236,9 @@ class FeedForward(nn.Module):
         self.dropout = nn.Dropout(cfg.activation_dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        h = self.linear1(x)  # (B, L, F)
-        if self.activation == "relu":
-            h = F.relu(h)
-        elif self.activation == "gelu":
-            h = F.gelu(h, approximate="none")  # exact erf GELU, as on the JAX side
-        elif self.activation == "silu":
-            h = F.silu(h)
-        else:
-            h = F.silu(h) * self.linear_gate(x)
+        h = ACTIVATIONS[self.activation](self.linear1(x))  # (B, L, F)
+        if self.linear_gate is not None:
+            h = h * self.linear_gate(x)
         return self.linear2(self.dropout(h))  # (B, L, D)
 
 
