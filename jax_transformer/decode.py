@@ -82,13 +82,17 @@ def _prefix_columns(prefix, pad_id: int, length: int):
 
 
 # torch's `_Decoder` as functions of the loop's state: its arrays ride in the loop's carry.
-def _decoder(model: Transformer, memory, src_mask, length: int, cached: bool) -> dict:
-    """What next-token logits are computed from: the key/value cache for `length` positions over
-    memory (N, S, D), or (cached=False) memory itself, to re-run the whole decoder over; src_mask.
+def _decoder(model: Transformer, src_ids, rows: int, length: int, cached: bool) -> dict:
+    """What next-token logits are computed from, `rows` rows a sentence of src_ids (B, S) (a sentence's
+    rows together): the key/value cache for `length` positions over the memory (B*rows, S, D), or
+    (cached=False) the memory itself, to re-run the whole decoder over; src_mask.
 
     The barrier materialises the cross-attention keys and values before the loop: else XLA keeps them
     (N, S, H, K) and transposes them every step (docs/performance.md#what-made-the-jax-search-fast).
     """
+    src_mask = padding_mask(src_ids, model.cfg.pad_id)
+    memory = jnp.repeat(model.encode(src_ids, src_mask), rows, axis=0)  # (B*rows, S, D)
+    src_mask = jnp.repeat(src_mask, rows, axis=0)
     if not cached:
         return {"cache": None, "memory": memory, "src_mask": src_mask}
     cache = model.init_cache(memory, length)
@@ -136,8 +140,7 @@ def _while(model: Transformer, step, result, carry, length: int):
         return tuned.shrinking_while(step, result, carry, length)
 
     def running(state):
-        position, c = state
-        return (position < length) & ~c["done"].all()
+        return (state[0] < length) & ~state[1]["done"].all()
 
     return result(jax.lax.while_loop(running, lambda state: (state[0] + 1, step(*state)), (jnp.int32(0), carry))[1])
 
@@ -150,8 +153,6 @@ def _token_by_token(model: Transformer, src_ids, n: int, choose, carry: dict, ma
     cfg = model.cfg
     B, S = src_ids.shape
     length = output_length(S, cfg.max_len, max_len_a, max_len_b)
-    src_mask = padding_mask(src_ids, cfg.pad_id)
-    memory = jnp.repeat(model.encode(src_ids, src_mask), n, axis=0)  # (B*n, S, D), a sentence's rows together
 
     def step(position, c):
         logits, cache = _logits(model, c, c["tokens"], c["last"], position)  # (b, V)
@@ -170,7 +171,7 @@ def _token_by_token(model: Transformer, src_ids, n: int, choose, carry: dict, ma
         "scores": jnp.zeros(B * n, jnp.float32),
         "done": jnp.repeat(_no_sentence(src_ids, cfg.pad_id), n),
         "last": jnp.full((B * n,), cfg.bos_id, jnp.int32),
-        **_decoder(model, memory, jnp.repeat(src_mask, n, axis=0), length, cached),
+        **_decoder(model, src_ids, n, length, cached),
         "limits": jnp.repeat(sentence_limits(src_ids, cfg.pad_id, length, max_len_a, max_len_b), n),  # (B*n,)
     }
     return _while(model, step, lambda c: (c["tokens"], c["scores"]), carry, length)
@@ -264,8 +265,6 @@ def _beam_search(model: Transformer, src_ids, beam_size: int, alpha: float, max_
     k, V = beam_size, cfg.tgt_vocab_size
     length = output_length(S, cfg.max_len, max_len_a, max_len_b)
     limits = sentence_limits(src_ids, cfg.pad_id, length, max_len_a, max_len_b)  # (B,)
-    src_mask = jnp.repeat(padding_mask(src_ids, cfg.pad_id), k, axis=0)  # (B*k, 1, 1, S)
-    memory = jnp.repeat(model.encode(src_ids, padding_mask(src_ids, cfg.pad_id)), k, axis=0)  # (B*k, S, D)
     may_finish = jnp.arange(2 * k) < (k if scoring == "hf" else 2 * k)  # (2k,) candidate ranks
 
     def step(position, c):
@@ -311,7 +310,7 @@ def _beam_search(model: Transformer, src_ids, beam_size: int, alpha: float, max_
         "finished_scores": jnp.full((B, k), NEG_INF, jnp.float32),
         "finished_logprob": jnp.full((B, k), NEG_INF, jnp.float32),
         "last": jnp.full((B, k), cfg.bos_id, jnp.int32),
-        **_decoder(model, memory, src_mask, length, cached),  # B*k rows, hypothesis-major per sentence
+        **_decoder(model, src_ids, k, length, cached),  # B*k rows, hypothesis-major per sentence
         "limits": limits,
         "best_possible_penalty": length_penalty(limits.astype(jnp.float32), alpha, scoring),  # (B,)
         "no_sentence": _no_sentence(src_ids, cfg.pad_id),

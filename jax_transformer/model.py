@@ -9,9 +9,7 @@ Differences of idiom, not of maths: train/eval mode and randomness are explicit 
 `weight` (out, in) is a Flax `kernel` (in, out); LayerNorm/RMSNorm `weight` is `scale`; an
 Embedding `weight` is `embedding`. One constructor argument torch's twin lacks: `dtype` (mixed
 precision; torch has autocast). A third kernel set torch's twin lacks: `xla_cpu` (`xla_cpu.py`).
-
-Axis letters in shape comments: B batch, S source length, T target length, L any sequence
-length, H heads, D model width, K head width, F feed-forward width, V vocabulary.
+Axis letters in shape comments: the reference's.
 """
 
 from __future__ import annotations
@@ -140,8 +138,7 @@ def fused_attention(q, k, v, mask=None):
 def set_kernels(module: nnx.Module, kernels: str = "reference", remat: bool = False) -> None:
     """Choose once how every layer of `module` computes: the kernel set `kernels` (one of KERNELS)
     and `remat`, whether each encoder and decoder layer recomputes its activations in the backward
-    pass (`nnx.remat`, i.e. jax.checkpoint) instead of keeping them. The modules that read them hold
-    them as attributes, set here on all at once; `Transformer` calls it."""
+    pass (`nnx.remat`, i.e. jax.checkpoint) instead of keeping them; `Transformer` calls it."""
     if kernels not in KERNELS:
         raise ValueError(f"kernels={kernels!r} is not one of {', '.join(KERNELS)}")
     for _, m in nnx.iter_modules(module):
@@ -305,7 +302,7 @@ class EncoderLayer(nnx.Module):
         self.ff_norm = make_norm(cfg, rngs, dtype)
         self.dropout = nnx.Dropout(cfg.dropout)
 
-    def residual(self, x, norm, sublayer, deterministic, rngs):
+    def residual(self, x, norm, sublayer, deterministic=True, rngs=None):
         if self.pre_norm:
             return x + self.dropout(sublayer(norm(x)), deterministic=deterministic, rngs=rngs)
         return norm(x + self.dropout(sublayer(x), deterministic=deterministic, rngs=rngs))
@@ -366,13 +363,10 @@ class DecoderLayer(EncoderLayer):
             seen = (jnp.arange(length) <= position)[None, None, None, :]  # (1, 1, 1, L)
             return self.self_attn(h, None, seen, kv=(cache["self_k"], cache["self_v"]))
 
-        mode = dict(deterministic=True, rngs=None)
-        x = self.residual(x, self.self_attn_norm, cached_self_attn, **mode)
-        x = self.residual(
-            x, self.cross_attn_norm, lambda h: self.cross_attn(h, None, src_mask, kv=(cache["cross_k"], cache["cross_v"])),
-            **mode,
-        )
-        return self.residual(x, self.ff_norm, self.ff, **mode), cache
+        cross = (cache["cross_k"], cache["cross_v"])
+        x = self.residual(x, self.self_attn_norm, cached_self_attn)  # deterministic: decoding drops nothing
+        x = self.residual(x, self.cross_attn_norm, lambda h: self.cross_attn(h, None, src_mask, kv=cross))
+        return self.residual(x, self.ff_norm, self.ff), cache
 
 
 class Encoder(nnx.Module):
@@ -447,9 +441,8 @@ class Transformer(nnx.Module):
     mixed precision: parameters stay float32 (cast at use); the attention softmax, the norms'
     statistics and the loss run in float32 (torch's twin gets the same from torch.autocast).
 
-    `kernels` and `remat`: see `set_kernels`. The model holds the kernel set; its layers, `decode`'s
-    searches and the training objective read it there. The same parameters and checkpoint keys
-    whatever the set, the same results to float32 rounding.
+    `kernels` and `remat`: see `set_kernels`; the model holds the kernel set, which its layers, the searches and
+    the training objective read. The same parameters and checkpoint keys whatever the set.
     """
 
     kernels = "reference"  # set_kernels
@@ -557,7 +550,4 @@ class Transformer(nnx.Module):
         decoded = self.decode(
             tgt_in_ids, memory, cross_mask, tgt_mask, return_attention, positions=tgt_positions, **mode
         )
-        if return_attention:
-            hidden, attention = decoded
-            return self.project(hidden), attention
-        return self.project(decoded)
+        return (self.project(decoded[0]), decoded[1]) if return_attention else self.project(decoded)

@@ -72,22 +72,16 @@ def attend(embed: nnx.Embed, query: jax.Array) -> jax.Array:
     return tied_logits(query, embedding)
 
 
-def _statistics(x: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
-    """(x - mean, 1 / √(var + eps)) over the last axis, var = E[(x - mean)²], as Flax computes them."""
-    centred = x - x.mean(-1, keepdims=True)
-    return centred, jax.lax.rsqrt(jnp.mean(centred * centred, -1, keepdims=True) + eps)
-
-
 @jax.custom_vjp
 def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
-    """(x - mean) / √(var + eps) · scale + bias over the last axis of x (..., D)."""
-    centred, rstd = _statistics(x, eps)
-    return centred * (rstd * scale) + bias  # Flax's order of operations
+    """(x - mean) / √(var + eps) · scale + bias over the last axis of x (..., D), var = E[(x - mean)²]."""
+    return _layer_norm_fwd(x, scale, bias, eps)[0]
 
 
 def _layer_norm_fwd(x, scale, bias, eps):
-    centred, rstd = _statistics(x, eps)
-    return centred * (rstd * scale) + bias, (centred * rstd, rstd, scale)
+    centred = x - x.mean(-1, keepdims=True)  # the statistics as Flax computes them
+    rstd = jax.lax.rsqrt(jnp.mean(centred * centred, -1, keepdims=True) + eps)
+    return centred * (rstd * scale) + bias, (centred * rstd, rstd, scale)  # Flax's order of operations
 
 
 def _layer_norm_bwd(residuals, g):

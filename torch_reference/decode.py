@@ -78,10 +78,13 @@ def _prefix_columns(prefix: Tensor | None, pad_id: int, length: int) -> Tensor |
 
 class _Decoder:
     """Next-token logits of each row from the tokens it has written: one position per step with
-    the key/value cache, or (cached=False) the whole decoder re-run over BOS and those tokens."""
+    the key/value cache, or (cached=False) the whole decoder re-run over BOS and those tokens; `rows` rows
+    a sentence of src_ids (B, S), a sentence's rows together."""
 
-    def __init__(self, model: Transformer, memory: Tensor, src_mask: Tensor, length: int, cached: bool):
-        self.model, self.memory, self.src_mask = model, memory, src_mask
+    def __init__(self, model: Transformer, src_ids: Tensor, rows: int, length: int, cached: bool):
+        src_mask = padding_mask(src_ids, model.cfg.pad_id)
+        memory = model.encode(src_ids, src_mask).repeat_interleave(rows, dim=0)  # (B*rows, S, D)
+        self.model, self.memory, self.src_mask = model, memory, src_mask.repeat_interleave(rows, dim=0)
         self.cache = model.init_cache(memory, length) if cached else None
 
     def logits(self, written: Tensor, last: Tensor, position: int) -> Tensor:
@@ -111,9 +114,7 @@ def _token_by_token(model: Transformer, src_ids: Tensor, n: int, choose, max_len
     device = src_ids.device
     length = output_length(S, cfg.max_len, max_len_a, max_len_b)
     limits = sentence_limits(src_ids, cfg.pad_id, length, max_len_a, max_len_b).repeat_interleave(n)  # (B*n,)
-    src_mask = padding_mask(src_ids, cfg.pad_id)
-    memory = model.encode(src_ids, src_mask).repeat_interleave(n, dim=0)  # (B*n, S, D)
-    decoder = _Decoder(model, memory, src_mask.repeat_interleave(n, dim=0), length, cached)
+    decoder = _Decoder(model, src_ids, n, length, cached)
 
     tokens = torch.full((B * n, length), cfg.pad_id, dtype=torch.long, device=device)
     scores = torch.zeros(B * n, device=device)
@@ -157,11 +158,9 @@ def _gather(x: Tensor, index: Tensor) -> Tensor:
 
 
 def _done(finished_scores: Tensor, live_logprob: Tensor, best_possible_penalty: Tensor, no_sentence: Tensor) -> Tensor:
-    """(B,) True where the first finished hypothesis given (finished_scores (B, m), best first: the
-    n-th best of an n-best search, the caller's slice) scores at least what the best live one
-    (live_logprob (B, k)) could still reach: its log-prob over the penalty of the longest output
-    allowed. Log-probs only fall and (alpha >= 0) the penalty only grows, so no continuation can
-    beat it: searching on could not change what is returned."""
+    """(B,) True where the first finished hypothesis given (finished_scores (B, m), best first: the caller's
+    slice) scores at least what the best live one (live_logprob (B, k)) could still reach, its log-prob over
+    the penalty of the longest output allowed: log-probs only fall and (alpha >= 0) the penalty only grows."""
     return (finished_scores[:, 0] >= live_logprob[:, 0] / best_possible_penalty) | no_sentence
 
 
@@ -214,9 +213,7 @@ def beam_search(model: Transformer, src_ids: Tensor, beam_size: int = 4, alpha: 
     if prefix is not None:
         check_prefix(src_ids, prefix, cfg, max_len_a, max_len_b)
     forced = _prefix_columns(prefix, cfg.pad_id, length)  # (B, L) or None
-    src_mask = padding_mask(src_ids, cfg.pad_id).repeat_interleave(k, dim=0)  # (B*k, 1, 1, S)
-    memory = model.encode(src_ids, padding_mask(src_ids, cfg.pad_id)).repeat_interleave(k, dim=0)
-    decoder = _Decoder(model, memory, src_mask, length, cached)  # batch B*k, hypothesis-major per sentence
+    decoder = _Decoder(model, src_ids, k, length, cached)  # batch B*k, hypothesis-major per sentence
     best_possible_penalty = length_penalty(limits.float(), alpha, scoring)  # (B,)
     may_finish = torch.arange(2 * k, device=device) < (k if scoring == "hf" else 2 * k)  # (2k,) candidate ranks
     no_sentence = _no_sentence(src_ids, cfg.pad_id)  # (B,)

@@ -126,8 +126,7 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None)
 def set_kernels(module: nn.Module, kernels: str = "reference", remat: bool = False) -> None:
     """Choose once how every layer of `module` computes: the kernel set `kernels` (one of KERNELS)
     and `remat`, whether each encoder and decoder layer recomputes its activations in the backward
-    pass (torch.utils.checkpoint) instead of keeping them. The modules that read them hold them as
-    attributes, set here on all at once; `Transformer` calls it."""
+    pass (torch.utils.checkpoint) instead of keeping them; `Transformer` calls it."""
     if kernels not in KERNELS:
         raise ValueError(f"kernels={kernels!r} is not one of {', '.join(KERNELS)}")
     for m in module.modules():
@@ -319,10 +318,9 @@ class DecoderLayer(EncoderLayer):
             seen = (torch.arange(length, device=h.device) <= position)[None, None, None, :]  # (1, 1, 1, L)
             return self.self_attn(h, None, seen, kv=(cache["self_k"], cache["self_v"]))
 
+        cross = (cache["cross_k"], cache["cross_v"])
         x = self.residual(x, self.self_attn_norm, cached_self_attn)
-        x = self.residual(
-            x, self.cross_attn_norm, lambda h: self.cross_attn(h, None, src_mask, kv=(cache["cross_k"], cache["cross_v"]))
-        )
+        x = self.residual(x, self.cross_attn_norm, lambda h: self.cross_attn(h, None, src_mask, kv=cross))
         return self.residual(x, self.ff_norm, self.ff), cache
 
 
@@ -393,8 +391,8 @@ class Transformer(nn.Module):
     `encode`, `decode` and `project` are public so that search (decode.py) can run them apart.
     Masks default to those implied by `cfg.pad_id` (and causality for the decoder).
 
-    `kernels` and `remat`: see `set_kernels`. The model holds the kernel set (`kernels`); its layers
-    read it there. The same parameters and checkpoint keys whatever the set.
+    `kernels` and `remat`: see `set_kernels`; the model holds the kernel set, which its layers read. The same
+    parameters and checkpoint keys whatever the set.
     """
 
     kernels = "reference"  # set_kernels
@@ -507,7 +505,4 @@ class Transformer(nn.Module):
             src_positions, tgt_positions = segment_positions(src_segments), segment_positions(tgt_segments)
         memory = self.encode(src_ids, src_mask, positions=src_positions)
         decoded = self.decode(tgt_in_ids, memory, cross_mask, tgt_mask, return_attention, positions=tgt_positions)
-        if return_attention:
-            hidden, attention = decoded
-            return self.project(hidden), attention
-        return self.project(decoded)
+        return (self.project(decoded[0]), decoded[1]) if return_attention else self.project(decoded)
