@@ -43,23 +43,17 @@ def _no_sentence(src_ids, pad_id: int):
     return (src_ids == pad_id).all(axis=1)
 
 
-def _check_ids(name: str, ids, vocab_size: int) -> None:
-    """ValueError unless `ids` is a (B, L) integer array of token ids in [0, vocab_size) (values inside a
-    trace are the caller's to check)."""
+def _check_ids(name: str, ids, vocab_size: int, max_len: int | None = None) -> None:
+    """ValueError unless `ids` is a (B, L) integer array of token ids in [0, vocab_size), L at most `max_len`
+    (values inside a trace are the caller's to check)."""
     if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer):
         raise ValueError(f"{name} must be (batch, length) integer token ids, got {ids.dtype} of shape "
                          f"{tuple(ids.shape)}")
     if ids.size and not isinstance(ids, jax.core.Tracer) and not 0 <= int(ids.min()) <= int(ids.max()) < vocab_size:
         raise ValueError(f"{name} holds ids outside [0, {vocab_size}), the vocabulary: "
                          f"{int(ids.min())}..{int(ids.max())}")
-
-
-def _check_source(model: Transformer, src_ids) -> None:
-    _check_ids("src_ids", src_ids, model.cfg.src_vocab_size)
-    if src_ids.shape[1] > model.cfg.max_len:
-        raise ValueError(
-            f"source of {src_ids.shape[1]} tokens exceeds the model's max_len={model.cfg.max_len}; truncate it first"
-        )
+    if max_len is not None and ids.shape[1] > max_len:
+        raise ValueError(f"{name} of {ids.shape[1]} tokens exceeds the model's max_len={max_len}; truncate it first")
 
 
 def check_prefix(src_ids, prefix, cfg: TransformerConfig, max_len_a: float, max_len_b: int) -> None:
@@ -120,11 +114,9 @@ def _reorder(cache, order):
 
 
 def top_candidates(cfg, logits, base, must_end, n: int, xla_cpu: bool = False):
-    """The n best extensions of each sentence's hypotheses: logits (B, H, V) of H hypotheses with
-    scores base (B, H), must_end (B,) marking sentences at their length limit -> (values (B, n),
-    indices (B, n) into H*V), by `lax.top_k` over base + log_softmax(logits), where pad, BOS and,
-    for sentences that must end, every token but EOS score NEG_INF. `xla_cpu`: the same
-    values and indices from `xla_cpu.best_candidates`."""
+    """The n best extensions of each sentence's hypotheses: logits (B, H, V) of H hypotheses with scores
+    base (B, H), must_end (B,) marking sentences at their length limit -> (values (B, n), indices (B, n)
+    into H*V), by `lax.top_k` over base + `_next_logprobs`; `xla_cpu`: from `xla_cpu.best_candidates`."""
     if xla_cpu:
         return tuned.best_candidates(cfg, logits, base, must_end, n, NEG_INF)
     B, H, V = logits.shape
@@ -183,7 +175,7 @@ def greedy_search(model: Transformer, src_ids, max_len_a: float = 1.5, max_len_b
     the sum of the chosen tokens' log-probabilities. `cached=False`: no key/value cache.
     `prefix` (B, P): the first tokens of each output (then pad_id; `check_prefix`), forced, their
     log-probabilities counted in the score; the search continues after them."""
-    _check_source(model, src_ids)
+    _check_ids("src_ids", src_ids, model.cfg.src_vocab_size, model.cfg.max_len)
     if prefix is not None:
         check_prefix(src_ids, prefix, model.cfg, max_len_a, max_len_b)
     return _greedy_search(model, jnp.asarray(src_ids, jnp.int32), max_len_a, max_len_b, cached, prefix)
@@ -248,7 +240,7 @@ def beam_search(model: Transformer, src_ids, beam_size: int = 4, alpha: float = 
     """src_ids (B, S) -> (tokens (B, L), scores (B,)), or with `n_best` K (tokens (B, K, L), log-probs
     (B, K), scores (B, K)): `torch_reference.decode.beam_search` (its docstring tells the algorithm and
     the arguments) in one compiled loop."""
-    _check_source(model, src_ids)
+    _check_ids("src_ids", src_ids, model.cfg.src_vocab_size, model.cfg.max_len)
     check_beam(beam_size, 0.0 if isinstance(alpha, jax.core.Tracer) else alpha, scoring, n_best)  # traced: the caller's
     if prefix is not None:
         check_prefix(src_ids, prefix, model.cfg, max_len_a, max_len_b)
@@ -332,12 +324,10 @@ def score(model: Transformer, src_ids, tgt_ids):
     """src_ids (B, S), tgt_ids (B, T) (target tokens ending with <eos>, then pad_id) -> (B, T) the
     log-probability of each target token given the source and the tokens before it (teacher
     forcing), 0 at padding (torch's `score`)."""
-    _check_source(model, src_ids)
-    _check_ids("tgt_ids", tgt_ids, model.cfg.tgt_vocab_size)
+    _check_ids("src_ids", src_ids, model.cfg.src_vocab_size, model.cfg.max_len)
+    _check_ids("tgt_ids", tgt_ids, model.cfg.tgt_vocab_size, model.cfg.max_len)
     if tgt_ids.shape[0] != src_ids.shape[0]:  # not broadcast: torch gave one row for two, JAX two
         raise ValueError(f"tgt_ids has {tgt_ids.shape[0]} rows, src_ids {src_ids.shape[0]}: one target per source")
-    if tgt_ids.shape[1] > model.cfg.max_len:
-        raise ValueError(f"target of {tgt_ids.shape[1]} tokens exceeds the model's max_len={model.cfg.max_len}")
     return _score(model, jnp.asarray(src_ids, jnp.int32), jnp.asarray(tgt_ids, jnp.int32))
 
 

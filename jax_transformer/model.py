@@ -165,16 +165,13 @@ def make_norm(cfg: TransformerConfig, rngs: nnx.Rngs, dtype=None) -> nnx.Module:
 # `dtype` is the computation's dtype (None: that of the inputs and parameters, i.e. float32);
 # parameters are float32 whatever it is (mixed precision: Micikevicius et al. 2018).
 def _linear(d_in: int, d_out: int, rngs: nnx.Rngs, bias: bool = True, dtype=None) -> nnx.Linear:
-    return nnx.Linear(
-        d_in, d_out, use_bias=bias, kernel_init=xavier_uniform, dtype=dtype, param_dtype=jnp.float32, rngs=rngs,
-    )
+    return nnx.Linear(d_in, d_out, use_bias=bias, kernel_init=xavier_uniform, dtype=dtype, param_dtype=jnp.float32,
+                      rngs=rngs)
 
 
 def _embedding(num: int, d_model: int, std: float, rngs: nnx.Rngs, dtype=None) -> nnx.Embed:
-    return nnx.Embed(
-        num, d_model, embedding_init=nnx.initializers.normal(stddev=std), dtype=dtype, param_dtype=jnp.float32,
-        rngs=rngs,
-    )
+    init = nnx.initializers.normal(stddev=std)
+    return nnx.Embed(num, d_model, embedding_init=init, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -199,10 +196,8 @@ class PositionalEncoding(nnx.Module):
         length = x.shape[1]
         if isinstance(offset, int) and offset + length > self.max_len:
             raise ValueError(f"sequence of {offset + length} positions exceeds max_len={self.max_len}")
-        if self.embedding is None:
-            table = sinusoidal_positions(self.max_len, self.d_model, self.halves)
-        else:
-            table = self.embedding.embedding[...]
+        table = (sinusoidal_positions(self.max_len, self.d_model, self.halves) if self.embedding is None
+                 else self.embedding.embedding[...])
         if positions is not None:
             return x + table[positions].astype(x.dtype)  # (B, L, D)
         return x + jax.lax.dynamic_slice_in_dim(table, offset, length).astype(x.dtype)  # (B, L, D)
@@ -251,8 +246,7 @@ class MultiHeadAttention(nnx.Module):
             out = fused_attention(q, k, v, mask)  # (B, H, T, K)
         else:
             out = scaled_dot_product_attention(q, k, v, mask, dropout, return_attention)  # (B, H, T, K)
-        if return_attention:
-            out, attention = out
+        out, attention = out if return_attention else (out, None)
         B, H, T, K = out.shape
         out = self.out_proj(out.transpose(0, 2, 1, 3).reshape(B, T, H * K))  # (B, T, D)
         return (out, attention) if return_attention else out
@@ -455,9 +449,8 @@ class Transformer(nnx.Module):
         std = cfg.d_model**-0.5
         self.src_embed = _embedding(cfg.src_vocab_size, cfg.d_model, std, rngs, dtype)
         # With shared embeddings the target side reads src_embed: one parameter, one checkpoint key.
-        self.tgt_embed = (
-            None if cfg.share_embeddings else _embedding(cfg.tgt_vocab_size, cfg.d_model, std, rngs, dtype)
-        )
+        self.tgt_embed = (None if cfg.share_embeddings
+                          else _embedding(cfg.tgt_vocab_size, cfg.d_model, std, rngs, dtype))
         self.encoder = Encoder(cfg, cfg.num_encoder_layers, dtype=dtype, rngs=rngs)
         self.decoder = Decoder(cfg, cfg.num_decoder_layers, dtype=dtype, rngs=rngs)
         # Tied output: logits = h Eᵀ with the target embedding E (§3.4); no separate matrix.
@@ -547,7 +540,6 @@ class Transformer(nnx.Module):
             src_positions, tgt_positions = segment_positions(src_segments), segment_positions(tgt_segments)
         mode = dict(deterministic=deterministic, rngs=rngs)
         memory = self.encode(src_ids, src_mask, positions=src_positions, **mode)
-        decoded = self.decode(
-            tgt_in_ids, memory, cross_mask, tgt_mask, return_attention, positions=tgt_positions, **mode
-        )
+        decoded = self.decode(tgt_in_ids, memory, cross_mask, tgt_mask, return_attention, positions=tgt_positions,
+                              **mode)
         return (self.project(decoded[0]), decoded[1]) if return_attention else self.project(decoded)

@@ -14,7 +14,7 @@ from flax import nnx
 
 from torch_reference.config import check_sampling
 
-from .decode import _check_source, _next_logprobs, _token_by_token
+from .decode import _check_ids, _next_logprobs, _token_by_token
 from .model import Transformer
 
 # Threefry-2x32's rotation distances and key-schedule parity (Random123, threefry.h).
@@ -99,7 +99,7 @@ def sample(
 ):
     """src_ids (B, S) -> (tokens (B, N, L), scores (B, N)): see `torch_reference.sampling.sample`;
     here one compiled loop, compiled once for every seed and sentence ids (traced, not static)."""
-    _check_source(model, src_ids)
+    _check_ids("src_ids", src_ids, model.cfg.src_vocab_size, model.cfg.max_len)
     check_sampling(seed, num_samples, temperature, top_k, top_p)
     ids = _sentence_ids(sentence_ids, src_ids.shape[0])
     return sample_loop(model, jnp.asarray(src_ids, jnp.int32), jnp.uint32(seed), ids, num_samples, float(temperature),

@@ -226,20 +226,17 @@ MAX_STAGES = 5  # loops over B, B/2, ..., B/16 sentences (see shrinking_while)
 
 def shrinking_while(step, result, carry, length: int):
     """`decode`'s loop: run `step` until every sentence is done or `length` positions are written
-    -> result(carry), moving the live sentences into a batch half the size whenever they fit in
-    one, and with a self-attention cache that grows as the positions need it.
+    -> result(carry). With static shapes a finished sentence keeps its rows in every matmul, so this is
+    a chain of `lax.while_loop`s over B, B/2, B/4, ... sentences (MAX_STAGES; none below SMALLEST_STAGE),
+    each left as soon as the live sentences fit the next; and the first quarter of the positions
+    attends over a cache a quarter as long, the next over half (searches of 32 positions or more).
+    Rows never mix: the outputs are those of one loop (docs/performance.md#what-made-the-jax-search-fast).
 
     carry: a pytree whose leaves lead with the b sentences' axis, or with b * n rows, a sentence's
     n rows next to each other; carry["done"] (b,), carry["cache"] (`Transformer.init_cache`'s, or
     None), carry["memory"] (or None) and carry["src_mask"] among them, the last three of which
     keep one row a sentence here (`shared_keys`). step(position, carry) -> carry; result(carry)
     -> per-sentence outputs.
-
-    With static shapes a finished sentence keeps its rows in every matmul, so the search is a chain
-    of `lax.while_loop`s over B, B/2, B/4, ... sentences (MAX_STAGES; none below SMALLEST_STAGE),
-    each left as soon as the live sentences fit the next; and the first quarter of the positions
-    attends over a cache a quarter as long, the next over half (searches of 32 positions or more).
-    Rows never mix: the outputs are those of one loop (docs/performance.md#what-made-the-jax-search-fast).
     """
     sizes = [carry["done"].shape[0]]
     while sizes[-1] // 2 >= SMALLEST_STAGE and len(sizes) < MAX_STAGES:

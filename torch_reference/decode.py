@@ -42,22 +42,16 @@ def _no_sentence(src_ids: Tensor, pad_id: int) -> Tensor:
     return (src_ids == pad_id).all(dim=1)
 
 
-def _check_ids(name: str, ids: Tensor, vocab_size: int) -> None:
-    """ValueError unless `ids` is a (B, L) integer tensor of token ids in [0, vocab_size)."""
+def _check_ids(name: str, ids: Tensor, vocab_size: int, max_len: int | None = None) -> None:
+    """ValueError unless `ids` is a (B, L) integer tensor of token ids in [0, vocab_size), L at most `max_len`."""
     if ids.ndim != 2 or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         raise ValueError(f"{name} must be (batch, length) integer token ids, got {ids.dtype} of shape "
                          f"{tuple(ids.shape)}")
     if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < vocab_size:
         raise ValueError(f"{name} holds ids outside [0, {vocab_size}), the vocabulary: "
                          f"{int(ids.min())}..{int(ids.max())}")
-
-
-def _check_source(model: Transformer, src_ids: Tensor) -> None:
-    _check_ids("src_ids", src_ids, model.cfg.src_vocab_size)
-    if src_ids.shape[1] > model.cfg.max_len:
-        raise ValueError(
-            f"source of {src_ids.shape[1]} tokens exceeds the model's max_len={model.cfg.max_len}; truncate it first"
-        )
+    if max_len is not None and ids.shape[1] > max_len:
+        raise ValueError(f"{name} of {ids.shape[1]} tokens exceeds the model's max_len={max_len}; truncate it first")
 
 
 def check_prefix(src_ids, prefix, cfg: TransformerConfig, max_len_a: float, max_len_b: int) -> None:
@@ -139,7 +133,7 @@ def greedy_search(model: Transformer, src_ids: Tensor, max_len_a: float = 1.5, m
     the sum of the chosen tokens' log-probabilities. `cached=False`: no key/value cache.
     `prefix` (B, P): the first tokens of each output (then pad_id; `check_prefix`), forced, their
     log-probabilities counted in the score; the search continues after them."""
-    _check_source(model, src_ids)
+    _check_ids("src_ids", src_ids, model.cfg.src_vocab_size, model.cfg.max_len)
     cfg = model.cfg
     if prefix is not None:
         check_prefix(src_ids, prefix, cfg, max_len_a, max_len_b)
@@ -201,7 +195,7 @@ def beam_search(model: Transformer, src_ids: Tensor, beam_size: int = 4, alpha: 
     done (for n_best K: when its K-th best does). `cached=False`: no key/value cache. `scoring`:
     one of SCORINGS. `prefix` (B, P): forced first tokens, as in `greedy_search`.
     """
-    _check_source(model, src_ids)
+    _check_ids("src_ids", src_ids, model.cfg.src_vocab_size, model.cfg.max_len)
     check_beam(beam_size, alpha, scoring, n_best)
     n = n_best or 1
     cfg = model.cfg
@@ -269,12 +263,10 @@ def score(model: Transformer, src_ids: Tensor, tgt_ids: Tensor) -> Tensor:
     log-probability of each target token given the source and the tokens before it (teacher
     forcing), 0 at padding: a row's sum is its target's log-probability, which a search's score
     of that output is (no token masked, nothing renormalised)."""
-    _check_source(model, src_ids)
-    _check_ids("tgt_ids", tgt_ids, model.cfg.tgt_vocab_size)
+    _check_ids("src_ids", src_ids, model.cfg.src_vocab_size, model.cfg.max_len)
+    _check_ids("tgt_ids", tgt_ids, model.cfg.tgt_vocab_size, model.cfg.max_len)
     if tgt_ids.shape[0] != src_ids.shape[0]:  # not broadcast: torch gave one row for two, JAX two
         raise ValueError(f"tgt_ids has {tgt_ids.shape[0]} rows, src_ids {src_ids.shape[0]}: one target per source")
-    if tgt_ids.shape[1] > model.cfg.max_len:
-        raise ValueError(f"target of {tgt_ids.shape[1]} tokens exceeds the model's max_len={model.cfg.max_len}")
     logits = model(src_ids, shift_right(tgt_ids, model.cfg.bos_id))  # (B, T, V)
     logprobs = torch.log_softmax(logits.float(), dim=-1).gather(2, tgt_ids[..., None])[..., 0]  # (B, T)
     return torch.where(tgt_ids == model.cfg.pad_id, 0.0, logprobs)

@@ -211,8 +211,7 @@ class MultiHeadAttention(nn.Module):
             out = fused_attention(q, k, v, mask)  # (B, H, T, K)
         else:
             out = scaled_dot_product_attention(q, k, v, mask, self.dropout, return_attention)  # (B, H, T, K)
-        if return_attention:
-            out, attention = out
+        out, attention = out if return_attention else (out, None)
         B, H, T, K = out.shape
         out = self.out_proj(out.transpose(1, 2).reshape(B, T, H * K))  # (B, T, D)
         return (out, attention) if return_attention else out
