@@ -75,12 +75,9 @@ def _prefix_columns(prefix, pad_id: int, length: int):
     return jnp.pad(prefix, ((0, 0), (0, length - prefix.shape[1])), constant_values=pad_id)
 
 
-# torch's `_Decoder` as functions of the loop's state: its arrays ride in the loop's carry.
 def _decoder(model: Transformer, src_ids, rows: int, length: int, cached: bool) -> dict:
-    """What next-token logits are computed from, `rows` rows a sentence of src_ids (B, S) (a sentence's
-    rows together): the key/value cache for `length` positions over the memory (B*rows, S, D), or
-    (cached=False) the memory itself, to re-run the whole decoder over; src_mask.
-
+    """What next-token logits are computed from, `rows` rows a sentence of src_ids (B, S): torch's `_Decoder`
+    as arrays that ride in the loop's carry (`_logits`, `_reorder`).
     The barrier materialises the cross-attention keys and values before the loop: else XLA keeps them
     (N, S, H, K) and transposes them every step (docs/performance.md#what-made-the-jax-search-fast).
     """

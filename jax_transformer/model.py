@@ -1,8 +1,7 @@
 """The encoder-decoder Transformer of "Attention Is All You Need" in Flax NNX.
 
-A line-by-line translation of `torch_reference/model.py`, the specification: the same pure
-functions and classes in the same order, with the same attribute names, so that attribute paths
-are the checkpoint keys and `parity/convert.py` needs only a handful of naming rules.
+A line-by-line translation of `torch_reference/model.py`, the specification: the same names in the
+same order, so that attribute paths are the checkpoint keys.
 
 Differences of idiom, not of maths: train/eval mode and randomness are explicit call arguments
 (`deterministic`, `rngs`) instead of `module.train()` and a global generator; a torch Linear
@@ -116,11 +115,8 @@ def scaled_dot_product_attention(q, k, v, mask=None, dropout=None, return_attent
     if mask is not None:
         scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
     weights = jax.nn.softmax(scores, axis=-1).astype(q.dtype)  # (B, H, T, S)
-    attention = weights  # before dropout: what `return_attention` returns
-    if dropout is not None:
-        weights = dropout(weights)
-    out = jnp.matmul(weights, v)  # (B, H, T, K)
-    return (out, attention) if return_attention else out
+    out = jnp.matmul(weights if dropout is None else dropout(weights), v)  # (B, H, T, K)
+    return (out, weights) if return_attention else out  # the weights before dropout
 
 
 def fused_attention(q, k, v, mask=None):
@@ -316,9 +312,8 @@ class DecoderLayer(EncoderLayer):
         self.cross_attn = MultiHeadAttention(cfg, dtype=dtype, rngs=rngs)
         self.cross_attn_norm = make_norm(cfg, rngs, dtype)
 
-    def __call__(
-        self, x, memory, src_mask=None, tgt_mask=None, return_attention=False, *, deterministic=True, rngs=None
-    ):
+    def __call__(self, x, memory, src_mask=None, tgt_mask=None, return_attention=False, *, deterministic=True,
+                 rngs=None):
         """x (B, T, D), memory (B, S, D) -> (B, T, D); with `return_attention` also the
         cross-attention weights (B, H, T, S)."""
         mode = dict(deterministic=deterministic, rngs=rngs)
@@ -468,9 +463,8 @@ class Transformer(nnx.Module):
     def target_embedding(self) -> nnx.Embed:
         return self.src_embed if self.tgt_embed is None else self.tgt_embed
 
-    def encode(
-        self, src_ids, src_mask=None, *, positions=None, deterministic: bool = True, rngs: nnx.Rngs | None = None
-    ):
+    def encode(self, src_ids, src_mask=None, *, positions=None, deterministic: bool = True,
+               rngs: nnx.Rngs | None = None):
         """src_ids (B, S) -> memory (B, S, D). `src_mask` defaults to padding_mask(src_ids);
         `positions` (B, S) to 0, 1, ... along each row."""
         if src_mask is None:

@@ -1,7 +1,7 @@
 """Greedy and beam search over the reference model's key/value cache (`Transformer.init_cache` /
 `decode_step`); `jax_transformer/decode.py` is the same algorithm in one jit-compiled loop, with
 identical tokens and scores (to float32 rounding). `cached=False` re-runs the whole decoder over every
-prefix instead, as the seed repositories did: the benchmark's baseline and a check of the cache.
+prefix instead: the benchmark's baseline and a check of the cache.
 
 Output tokens exclude BOS, end with EOS and are padded with `pad_id`, shape (B, L) with
 L = output_length(S, ...) for a padded source length S; each sentence ends within its own limit
@@ -71,9 +71,8 @@ def _prefix_columns(prefix: Tensor | None, pad_id: int, length: int) -> Tensor |
 
 
 class _Decoder:
-    """Next-token logits of each row from the tokens it has written: one position per step with
-    the key/value cache, or (cached=False) the whole decoder re-run over BOS and those tokens; `rows` rows
-    a sentence of src_ids (B, S), a sentence's rows together."""
+    """Next-token logits of each row (`rows` rows a sentence of src_ids (B, S), together) from the tokens it
+    has written: one position per step with the key/value cache, or (cached=False) the whole decoder re-run."""
 
     def __init__(self, model: Transformer, src_ids: Tensor, rows: int, length: int, cached: bool):
         src_mask = padding_mask(src_ids, model.cfg.pad_id)

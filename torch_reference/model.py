@@ -107,11 +107,8 @@ def scaled_dot_product_attention(
     if mask is not None:
         scores = torch.where(mask, scores, torch.finfo(scores.dtype).min)
     weights = torch.softmax(scores, dim=-1).to(q.dtype)  # (B, H, T, S)
-    attention = weights  # before dropout: what `return_attention` returns
-    if dropout is not None:
-        weights = dropout(weights)
-    out = torch.matmul(weights, v)  # (B, H, T, K)
-    return (out, attention) if return_attention else out
+    out = torch.matmul(weights if dropout is None else dropout(weights), v)  # (B, H, T, K)
+    return (out, weights) if return_attention else out  # the weights before dropout
 
 
 def fused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
@@ -303,9 +300,8 @@ class DecoderLayer(EncoderLayer):
         empty = cross_k.new_zeros(B, H, max_len, K)
         return {"self_k": empty, "self_v": empty.clone(), "cross_k": cross_k, "cross_v": cross_v}
 
-    def step(
-        self, x: Tensor, cache: dict[str, Tensor], position: int, src_mask: Tensor | None = None
-    ) -> tuple[Tensor, dict[str, Tensor]]:
+    def step(self, x: Tensor, cache: dict[str, Tensor], position: int,
+             src_mask: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
         """`forward` for the one position `position`, x (B, 1, D), keys and values of the earlier
         positions read from `cache` (which is updated in place and returned) -> ((B, 1, D), cache)."""
 
@@ -372,9 +368,8 @@ class Decoder(Encoder):
         x = x if self.norm is None else self.norm(x)
         return (x, torch.stack(attention, dim=1)) if return_attention else x
 
-    def step(
-        self, x: Tensor, cache: list[dict[str, Tensor]], position: int, src_mask: Tensor | None = None
-    ) -> tuple[Tensor, list[dict[str, Tensor]]]:
+    def step(self, x: Tensor, cache: list[dict[str, Tensor]], position: int,
+             src_mask: Tensor | None = None) -> tuple[Tensor, list[dict[str, Tensor]]]:
         """Embedded target token x (B, 1, D) at `position` -> (hidden (B, 1, D), cache)."""
         x = self.positions(x, offset=position)  # no dropout: decoding is deterministic
         new_cache = []
@@ -461,9 +456,8 @@ class Transformer(nn.Module):
         """A decoding cache for `max_len` target positions over memory (B, S, D), one dict per layer."""
         return [layer.init_cache(memory, max_len) for layer in self.decoder.layers]
 
-    def decode_step(
-        self, tgt_ids: Tensor, cache: list[dict[str, Tensor]], position: int, src_mask: Tensor | None = None
-    ) -> tuple[Tensor, list[dict[str, Tensor]]]:
+    def decode_step(self, tgt_ids: Tensor, cache: list[dict[str, Tensor]], position: int,
+                    src_mask: Tensor | None = None) -> tuple[Tensor, list[dict[str, Tensor]]]:
         """The token at `position` of each row, tgt_ids (B,) -> (logits (B, V) for position + 1, cache).
 
         Equal to `project(decode(prefix, ...))[:, position]` for the prefix written so far, without

@@ -52,8 +52,6 @@ FIELD_RANGES: dict[str, Range] = {
     "label_smoothing": PROBABILITY, "dropout": PROBABILITY,
 }
 
-positive_int = POSITIVE.parse  # the argparse type of aiayn serve's and aiayn loadtest's counts
-
 
 def default_dtype(platform: str) -> str:
     """--dtype's default on a JAX platform: bfloat16 mixed precision on an accelerator, float32 on the CPU."""
