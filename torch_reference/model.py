@@ -1,8 +1,7 @@
 """The encoder-decoder Transformer of "Attention Is All You Need" (Vaswani et al., 2017) in PyTorch.
 
-This file is the specification of the project. `jax_transformer/model.py` holds the same pure
-functions and classes in the same order with the same attribute names, so that a diff of the two
-reads like a translation and attribute paths are the checkpoint keys.
+This file is the specification of the project. `jax_transformer/model.py` holds the same names in the
+same order, so that a diff of the two reads like a translation and attribute paths are the checkpoint keys.
 
 Axis letters used in shape comments (the same in both files): B batch, S source length,
 T target length, L any sequence length, H heads, D model width, K head width, F feed-forward
