@@ -30,9 +30,12 @@ def sentence_limits(src_ids, pad_id: int, length: int, max_len_a: float, max_len
     return jnp.clip(jnp.floor(max_len_a * src_len + max_len_b), 1, length).astype(jnp.int32)
 
 
-def _never_emitted(cfg, vocab):
-    """(V,) True for the ids a translation never contains: padding and BOS."""
-    return (vocab == cfg.pad_id) | (vocab == cfg.bos_id)
+def _next_logprobs(cfg: TransformerConfig, logits, must_end):
+    """log_softmax(logits (..., V)) in float32, NEG_INF at the tokens no translation holds (padding, BOS)
+    and, in rows that must end (must_end (...,): at their length limit), at every token but EOS."""
+    vocab = jnp.arange(logits.shape[-1])
+    masked = (must_end[..., None] & (vocab != cfg.eos_id)) | (vocab == cfg.pad_id) | (vocab == cfg.bos_id)
+    return jnp.where(masked, NEG_INF, jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))
 
 
 def _no_sentence(src_ids, pad_id: int):
@@ -40,23 +43,17 @@ def _no_sentence(src_ids, pad_id: int):
     return (src_ids == pad_id).all(axis=1)
 
 
-def _check_ids(name: str, ids, vocab_size: int) -> None:
-    """ValueError unless `ids` is a (B, L) integer array of token ids in [0, vocab_size) (values inside a
-    trace are the caller's to check)."""
+def _check_ids(name: str, ids, vocab_size: int, max_len: int | None = None) -> None:
+    """ValueError unless `ids` is a (B, L) integer array of token ids in [0, vocab_size), L at most `max_len`
+    (values inside a trace are the caller's to check)."""
     if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer):
         raise ValueError(f"{name} must be (batch, length) integer token ids, got {ids.dtype} of shape "
                          f"{tuple(ids.shape)}")
     if ids.size and not isinstance(ids, jax.core.Tracer) and not 0 <= int(ids.min()) <= int(ids.max()) < vocab_size:
         raise ValueError(f"{name} holds ids outside [0, {vocab_size}), the vocabulary: "
                          f"{int(ids.min())}..{int(ids.max())}")
-
-
-def _check_source(model: Transformer, src_ids) -> None:
-    _check_ids("src_ids", src_ids, model.cfg.src_vocab_size)
-    if src_ids.shape[1] > model.cfg.max_len:
-        raise ValueError(
-            f"source of {src_ids.shape[1]} tokens exceeds the model's max_len={model.cfg.max_len}; truncate it first"
-        )
+    if max_len is not None and ids.shape[1] > max_len:
+        raise ValueError(f"{name} of {ids.shape[1]} tokens exceeds the model's max_len={max_len}; truncate it first")
 
 
 def check_prefix(src_ids, prefix, cfg: TransformerConfig, max_len_a: float, max_len_b: int) -> None:
@@ -78,14 +75,15 @@ def _prefix_columns(prefix, pad_id: int, length: int):
     return jnp.pad(prefix, ((0, 0), (0, length - prefix.shape[1])), constant_values=pad_id)
 
 
-# torch's `_Decoder` as functions of the loop's state: its arrays ride in the loop's carry.
-def _decoder(model: Transformer, memory, src_mask, length: int, cached: bool) -> dict:
-    """What next-token logits are computed from: the key/value cache for `length` positions over
-    memory (N, S, D), or (cached=False) memory itself, to re-run the whole decoder over; src_mask.
-
+def _decoder(model: Transformer, src_ids, rows: int, length: int, cached: bool) -> dict:
+    """What next-token logits are computed from, `rows` rows a sentence of src_ids (B, S): torch's `_Decoder`
+    as arrays that ride in the loop's carry (`_logits`, `_reorder`).
     The barrier materialises the cross-attention keys and values before the loop: else XLA keeps them
     (N, S, H, K) and transposes them every step (docs/performance.md#what-made-the-jax-search-fast).
     """
+    src_mask = padding_mask(src_ids, model.cfg.pad_id)
+    memory = jnp.repeat(model.encode(src_ids, src_mask), rows, axis=0)  # (B*rows, S, D)
+    src_mask = jnp.repeat(src_mask, rows, axis=0)
     if not cached:
         return {"cache": None, "memory": memory, "src_mask": src_mask}
     cache = model.init_cache(memory, length)
@@ -113,17 +111,13 @@ def _reorder(cache, order):
 
 
 def top_candidates(cfg, logits, base, must_end, n: int, xla_cpu: bool = False):
-    """The n best extensions of each sentence's hypotheses: logits (B, H, V) of H hypotheses with
-    scores base (B, H), must_end (B,) marking sentences at their length limit -> (values (B, n),
-    indices (B, n) into H*V), by `lax.top_k` over base + log_softmax(logits), where pad, BOS and,
-    for sentences that must end, every token but EOS score NEG_INF. `xla_cpu`: the same
-    values and indices from `xla_cpu.best_candidates`."""
+    """The n best extensions of each sentence's hypotheses: logits (B, H, V) of H hypotheses with scores
+    base (B, H), must_end (B,) marking sentences at their length limit -> (values (B, n), indices (B, n)
+    into H*V), by `lax.top_k` over base + `_next_logprobs`; `xla_cpu`: from `xla_cpu.best_candidates`."""
     if xla_cpu:
         return tuned.best_candidates(cfg, logits, base, must_end, n, NEG_INF)
     B, H, V = logits.shape
-    vocab = jnp.arange(V)
-    masked = (must_end[:, None, None] & (vocab != cfg.eos_id)) | _never_emitted(cfg, vocab)
-    logprobs = jnp.where(masked, NEG_INF, jax.nn.log_softmax(logits, axis=-1))
+    logprobs = _next_logprobs(cfg, logits, must_end[:, None])  # (B, H, V)
     return jax.lax.top_k((base[..., None] + logprobs).reshape(B, H * V), n)
 
 
@@ -135,8 +129,7 @@ def _while(model: Transformer, step, result, carry, length: int):
         return tuned.shrinking_while(step, result, carry, length)
 
     def running(state):
-        position, c = state
-        return (position < length) & ~c["done"].all()
+        return (state[0] < length) & ~state[1]["done"].all()
 
     return result(jax.lax.while_loop(running, lambda state: (state[0] + 1, step(*state)), (jnp.int32(0), carry))[1])
 
@@ -149,8 +142,6 @@ def _token_by_token(model: Transformer, src_ids, n: int, choose, carry: dict, ma
     cfg = model.cfg
     B, S = src_ids.shape
     length = output_length(S, cfg.max_len, max_len_a, max_len_b)
-    src_mask = padding_mask(src_ids, cfg.pad_id)
-    memory = jnp.repeat(model.encode(src_ids, src_mask), n, axis=0)  # (B*n, S, D), a sentence's rows together
 
     def step(position, c):
         logits, cache = _logits(model, c, c["tokens"], c["last"], position)  # (b, V)
@@ -169,7 +160,7 @@ def _token_by_token(model: Transformer, src_ids, n: int, choose, carry: dict, ma
         "scores": jnp.zeros(B * n, jnp.float32),
         "done": jnp.repeat(_no_sentence(src_ids, cfg.pad_id), n),
         "last": jnp.full((B * n,), cfg.bos_id, jnp.int32),
-        **_decoder(model, memory, jnp.repeat(src_mask, n, axis=0), length, cached),
+        **_decoder(model, src_ids, n, length, cached),
         "limits": jnp.repeat(sentence_limits(src_ids, cfg.pad_id, length, max_len_a, max_len_b), n),  # (B*n,)
     }
     return _while(model, step, lambda c: (c["tokens"], c["scores"]), carry, length)
@@ -181,7 +172,7 @@ def greedy_search(model: Transformer, src_ids, max_len_a: float = 1.5, max_len_b
     the sum of the chosen tokens' log-probabilities. `cached=False`: no key/value cache.
     `prefix` (B, P): the first tokens of each output (then pad_id; `check_prefix`), forced, their
     log-probabilities counted in the score; the search continues after them."""
-    _check_source(model, src_ids)
+    _check_ids("src_ids", src_ids, model.cfg.src_vocab_size, model.cfg.max_len)
     if prefix is not None:
         check_prefix(src_ids, prefix, model.cfg, max_len_a, max_len_b)
     return _greedy_search(model, jnp.asarray(src_ids, jnp.int32), max_len_a, max_len_b, cached, prefix)
@@ -246,7 +237,7 @@ def beam_search(model: Transformer, src_ids, beam_size: int = 4, alpha: float = 
     """src_ids (B, S) -> (tokens (B, L), scores (B,)), or with `n_best` K (tokens (B, K, L), log-probs
     (B, K), scores (B, K)): `torch_reference.decode.beam_search` (its docstring tells the algorithm and
     the arguments) in one compiled loop."""
-    _check_source(model, src_ids)
+    _check_ids("src_ids", src_ids, model.cfg.src_vocab_size, model.cfg.max_len)
     check_beam(beam_size, 0.0 if isinstance(alpha, jax.core.Tracer) else alpha, scoring, n_best)  # traced: the caller's
     if prefix is not None:
         check_prefix(src_ids, prefix, model.cfg, max_len_a, max_len_b)
@@ -263,8 +254,6 @@ def _beam_search(model: Transformer, src_ids, beam_size: int, alpha: float, max_
     k, V = beam_size, cfg.tgt_vocab_size
     length = output_length(S, cfg.max_len, max_len_a, max_len_b)
     limits = sentence_limits(src_ids, cfg.pad_id, length, max_len_a, max_len_b)  # (B,)
-    src_mask = jnp.repeat(padding_mask(src_ids, cfg.pad_id), k, axis=0)  # (B*k, 1, 1, S)
-    memory = jnp.repeat(model.encode(src_ids, padding_mask(src_ids, cfg.pad_id)), k, axis=0)  # (B*k, S, D)
     may_finish = jnp.arange(2 * k) < (k if scoring == "hf" else 2 * k)  # (2k,) candidate ranks
 
     def step(position, c):
@@ -310,7 +299,7 @@ def _beam_search(model: Transformer, src_ids, beam_size: int, alpha: float, max_
         "finished_scores": jnp.full((B, k), NEG_INF, jnp.float32),
         "finished_logprob": jnp.full((B, k), NEG_INF, jnp.float32),
         "last": jnp.full((B, k), cfg.bos_id, jnp.int32),
-        **_decoder(model, memory, src_mask, length, cached),  # B*k rows, hypothesis-major per sentence
+        **_decoder(model, src_ids, k, length, cached),  # B*k rows, hypothesis-major per sentence
         "limits": limits,
         "best_possible_penalty": length_penalty(limits.astype(jnp.float32), alpha, scoring),  # (B,)
         "no_sentence": _no_sentence(src_ids, cfg.pad_id),
@@ -332,12 +321,10 @@ def score(model: Transformer, src_ids, tgt_ids):
     """src_ids (B, S), tgt_ids (B, T) (target tokens ending with <eos>, then pad_id) -> (B, T) the
     log-probability of each target token given the source and the tokens before it (teacher
     forcing), 0 at padding (torch's `score`)."""
-    _check_source(model, src_ids)
-    _check_ids("tgt_ids", tgt_ids, model.cfg.tgt_vocab_size)
+    _check_ids("src_ids", src_ids, model.cfg.src_vocab_size, model.cfg.max_len)
+    _check_ids("tgt_ids", tgt_ids, model.cfg.tgt_vocab_size, model.cfg.max_len)
     if tgt_ids.shape[0] != src_ids.shape[0]:  # not broadcast: torch gave one row for two, JAX two
         raise ValueError(f"tgt_ids has {tgt_ids.shape[0]} rows, src_ids {src_ids.shape[0]}: one target per source")
-    if tgt_ids.shape[1] > model.cfg.max_len:
-        raise ValueError(f"target of {tgt_ids.shape[1]} tokens exceeds the model's max_len={model.cfg.max_len}")
     return _score(model, jnp.asarray(src_ids, jnp.int32), jnp.asarray(tgt_ids, jnp.int32))
 
 

@@ -29,8 +29,8 @@ def combine(logits: list, average: str = "logprob"):
 
 class Ensemble(nnx.Module):
     """`models` (same vocabulary sizes and special ids) as one model for the searches:
-    `greedy_search(Ensemble([a, b]), src_ids)`. `average`: "logprob" or "prob" (torch's twin says
-    which is which). Its `cfg` is the first member's with the smallest `max_len` of them."""
+    `greedy_search(Ensemble([a, b]), src_ids)`. `average`: one of AVERAGES (torch's twin says which
+    is which). Its `cfg` is the first member's with the smallest `max_len` of them."""
 
     def __init__(self, models: Sequence[Transformer], average: str = "logprob"):
         models = list(models)

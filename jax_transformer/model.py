@@ -1,17 +1,14 @@
 """The encoder-decoder Transformer of "Attention Is All You Need" in Flax NNX.
 
-A line-by-line translation of `torch_reference/model.py`, the specification: the same pure
-functions and classes in the same order, with the same attribute names, so that attribute paths
-are the checkpoint keys and `parity/convert.py` needs only a handful of naming rules.
+A line-by-line translation of `torch_reference/model.py`, the specification: the same names in the
+same order, so that attribute paths are the checkpoint keys.
 
 Differences of idiom, not of maths: train/eval mode and randomness are explicit call arguments
 (`deterministic`, `rngs`) instead of `module.train()` and a global generator; a torch Linear
 `weight` (out, in) is a Flax `kernel` (in, out); LayerNorm/RMSNorm `weight` is `scale`; an
 Embedding `weight` is `embedding`. One constructor argument torch's twin lacks: `dtype` (mixed
 precision; torch has autocast). A third kernel set torch's twin lacks: `xla_cpu` (`xla_cpu.py`).
-
-Axis letters in shape comments: B batch, S source length, T target length, L any sequence
-length, H heads, D model width, K head width, F feed-forward width, V vocabulary.
+Axis letters in shape comments: the reference's.
 """
 
 from __future__ import annotations
@@ -35,6 +32,9 @@ xavier_uniform = nnx.initializers.xavier_uniform()
 # `xla_cpu` is xla_cpu.py's pieces, faster on XLA:CPU; `fused` computes attention with
 # jax.nn.dot_product_attention (cuDNN's kernel on a GPU). All give the same results to float32 rounding.
 KERNELS = ("reference", "xla_cpu", "fused")
+# Each `activation`'s function (swiglu: silu times the gate); GELU the exact erf form (jax defaults to tanh).
+ACTIVATIONS = {"relu": jax.nn.relu, "gelu": functools.partial(jax.nn.gelu, approximate=False), "silu": jax.nn.silu,
+               "swiglu": jax.nn.silu}
 
 # --------------------------------------------------------------------------------------------
 # Pure functions
@@ -46,14 +46,10 @@ def _sinusoid_table(length: int, d_model: int, halves: bool) -> np.ndarray:
     position = np.arange(length, dtype=np.float64)[:, None]  # (L, 1)
     inv_freq = np.exp(np.arange(0, d_model, 2, dtype=np.float64) * (-math.log(10000.0) / d_model))
     angles = position * inv_freq  # (L, ceil(D/2))
-    table = np.zeros((length, d_model), dtype=np.float64)
+    sines, cosines = np.sin(angles), np.cos(angles)
     if halves:
-        table[:, : angles.shape[1]] = np.sin(angles)
-        table[:, angles.shape[1] :] = np.cos(angles[:, : d_model // 2])
-    else:
-        table[:, 0::2] = np.sin(angles)
-        table[:, 1::2] = np.cos(angles[:, : d_model // 2])
-    return table.astype(np.float32)
+        return np.concatenate([sines, cosines[:, : d_model // 2]], axis=1).astype(np.float32)
+    return np.stack([sines, cosines], axis=-1).reshape(length, -1)[:, :d_model].astype(np.float32)  # interleaved
 
 
 def sinusoidal_positions(length: int, d_model: int, halves: bool = False) -> jax.Array:
@@ -119,11 +115,8 @@ def scaled_dot_product_attention(q, k, v, mask=None, dropout=None, return_attent
     if mask is not None:
         scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
     weights = jax.nn.softmax(scores, axis=-1).astype(q.dtype)  # (B, H, T, S)
-    attention = weights  # before dropout: what `return_attention` returns
-    if dropout is not None:
-        weights = dropout(weights)
-    out = jnp.matmul(weights, v)  # (B, H, T, K)
-    return (out, attention) if return_attention else out
+    out = jnp.matmul(weights if dropout is None else dropout(weights), v)  # (B, H, T, K)
+    return (out, weights) if return_attention else out  # the weights before dropout
 
 
 def fused_attention(q, k, v, mask=None):
@@ -141,8 +134,7 @@ def fused_attention(q, k, v, mask=None):
 def set_kernels(module: nnx.Module, kernels: str = "reference", remat: bool = False) -> None:
     """Choose once how every layer of `module` computes: the kernel set `kernels` (one of KERNELS)
     and `remat`, whether each encoder and decoder layer recomputes its activations in the backward
-    pass (`nnx.remat`, i.e. jax.checkpoint) instead of keeping them. The modules that read them hold
-    them as attributes, set here on all at once; `Transformer` calls it."""
+    pass (`nnx.remat`, i.e. jax.checkpoint) instead of keeping them; `Transformer` calls it."""
     if kernels not in KERNELS:
         raise ValueError(f"kernels={kernels!r} is not one of {', '.join(KERNELS)}")
     for _, m in nnx.iter_modules(module):
@@ -169,16 +161,13 @@ def make_norm(cfg: TransformerConfig, rngs: nnx.Rngs, dtype=None) -> nnx.Module:
 # `dtype` is the computation's dtype (None: that of the inputs and parameters, i.e. float32);
 # parameters are float32 whatever it is (mixed precision: Micikevicius et al. 2018).
 def _linear(d_in: int, d_out: int, rngs: nnx.Rngs, bias: bool = True, dtype=None) -> nnx.Linear:
-    return nnx.Linear(
-        d_in, d_out, use_bias=bias, kernel_init=xavier_uniform, dtype=dtype, param_dtype=jnp.float32, rngs=rngs,
-    )
+    return nnx.Linear(d_in, d_out, use_bias=bias, kernel_init=xavier_uniform, dtype=dtype, param_dtype=jnp.float32,
+                      rngs=rngs)
 
 
 def _embedding(num: int, d_model: int, std: float, rngs: nnx.Rngs, dtype=None) -> nnx.Embed:
-    return nnx.Embed(
-        num, d_model, embedding_init=nnx.initializers.normal(stddev=std), dtype=dtype, param_dtype=jnp.float32,
-        rngs=rngs,
-    )
+    init = nnx.initializers.normal(stddev=std)
+    return nnx.Embed(num, d_model, embedding_init=init, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -203,10 +192,8 @@ class PositionalEncoding(nnx.Module):
         length = x.shape[1]
         if isinstance(offset, int) and offset + length > self.max_len:
             raise ValueError(f"sequence of {offset + length} positions exceeds max_len={self.max_len}")
-        if self.embedding is None:
-            table = sinusoidal_positions(self.max_len, self.d_model, self.halves)
-        else:
-            table = self.embedding.embedding[...]
+        table = (sinusoidal_positions(self.max_len, self.d_model, self.halves) if self.embedding is None
+                 else self.embedding.embedding[...])
         if positions is not None:
             return x + table[positions].astype(x.dtype)  # (B, L, D)
         return x + jax.lax.dynamic_slice_in_dim(table, offset, length).astype(x.dtype)  # (B, L, D)
@@ -255,8 +242,7 @@ class MultiHeadAttention(nnx.Module):
             out = fused_attention(q, k, v, mask)  # (B, H, T, K)
         else:
             out = scaled_dot_product_attention(q, k, v, mask, dropout, return_attention)  # (B, H, T, K)
-        if return_attention:
-            out, attention = out
+        out, attention = out if return_attention else (out, None)
         B, H, T, K = out.shape
         out = self.out_proj(out.transpose(0, 2, 1, 3).reshape(B, T, H * K))  # (B, T, D)
         return (out, attention) if return_attention else out
@@ -283,16 +269,11 @@ class FeedForward(nnx.Module):
     def __call__(self, x: jax.Array, *, deterministic: bool = True, rngs: nnx.Rngs | None = None) -> jax.Array:
         h = self.linear1(x)  # (B, L, F)
         dropping = not deterministic and self.dropout.rate > 0
-        if self.activation == "relu":
-            if self.kernels == "xla_cpu" and h.dtype == jnp.float32 and not dropping:  # linear2(relu(h)) keeping h alone
-                return tuned.relu_linear(h, self.linear2.kernel[...]) + self.linear2.bias[...]
-            h = jax.nn.relu(h)
-        elif self.activation == "gelu":
-            h = jax.nn.gelu(h, approximate=False)  # exact erf GELU; jax defaults to the tanh form
-        elif self.activation == "silu":
-            h = jax.nn.silu(h)
-        else:
-            h = jax.nn.silu(h) * self.linear_gate(x)
+        if self.activation == "relu" and self.kernels == "xla_cpu" and h.dtype == jnp.float32 and not dropping:
+            return tuned.relu_linear(h, self.linear2.kernel[...]) + self.linear2.bias[...]  # linear2(relu(h)), h kept
+        h = ACTIVATIONS[self.activation](h)
+        if self.linear_gate is not None:
+            h = h * self.linear_gate(x)
         return self.linear2(self.dropout(h, deterministic=deterministic, rngs=rngs))  # (B, L, D)
 
 
@@ -311,7 +292,7 @@ class EncoderLayer(nnx.Module):
         self.ff_norm = make_norm(cfg, rngs, dtype)
         self.dropout = nnx.Dropout(cfg.dropout)
 
-    def residual(self, x, norm, sublayer, deterministic, rngs):
+    def residual(self, x, norm, sublayer, deterministic=True, rngs=None):
         if self.pre_norm:
             return x + self.dropout(sublayer(norm(x)), deterministic=deterministic, rngs=rngs)
         return norm(x + self.dropout(sublayer(x), deterministic=deterministic, rngs=rngs))
@@ -331,9 +312,8 @@ class DecoderLayer(EncoderLayer):
         self.cross_attn = MultiHeadAttention(cfg, dtype=dtype, rngs=rngs)
         self.cross_attn_norm = make_norm(cfg, rngs, dtype)
 
-    def __call__(
-        self, x, memory, src_mask=None, tgt_mask=None, return_attention=False, *, deterministic=True, rngs=None
-    ):
+    def __call__(self, x, memory, src_mask=None, tgt_mask=None, return_attention=False, *, deterministic=True,
+                 rngs=None):
         """x (B, T, D), memory (B, S, D) -> (B, T, D); with `return_attention` also the
         cross-attention weights (B, H, T, S)."""
         mode = dict(deterministic=deterministic, rngs=rngs)
@@ -372,13 +352,10 @@ class DecoderLayer(EncoderLayer):
             seen = (jnp.arange(length) <= position)[None, None, None, :]  # (1, 1, 1, L)
             return self.self_attn(h, None, seen, kv=(cache["self_k"], cache["self_v"]))
 
-        mode = dict(deterministic=True, rngs=None)
-        x = self.residual(x, self.self_attn_norm, cached_self_attn, **mode)
-        x = self.residual(
-            x, self.cross_attn_norm, lambda h: self.cross_attn(h, None, src_mask, kv=(cache["cross_k"], cache["cross_v"])),
-            **mode,
-        )
-        return self.residual(x, self.ff_norm, self.ff, **mode), cache
+        cross = (cache["cross_k"], cache["cross_v"])
+        x = self.residual(x, self.self_attn_norm, cached_self_attn)  # deterministic: decoding drops nothing
+        x = self.residual(x, self.cross_attn_norm, lambda h: self.cross_attn(h, None, src_mask, kv=cross))
+        return self.residual(x, self.ff_norm, self.ff), cache
 
 
 class Encoder(nnx.Module):
@@ -453,9 +430,8 @@ class Transformer(nnx.Module):
     mixed precision: parameters stay float32 (cast at use); the attention softmax, the norms'
     statistics and the loss run in float32 (torch's twin gets the same from torch.autocast).
 
-    `kernels` and `remat`: see `set_kernels`. The model holds the kernel set; its layers, `decode`'s
-    searches and the training objective read it there. The same parameters and checkpoint keys
-    whatever the set, the same results to float32 rounding.
+    `kernels` and `remat`: see `set_kernels`; the model holds the kernel set, which its layers, the searches and
+    the training objective read. The same parameters and checkpoint keys whatever the set.
     """
 
     kernels = "reference"  # set_kernels
@@ -468,9 +444,8 @@ class Transformer(nnx.Module):
         std = cfg.d_model**-0.5
         self.src_embed = _embedding(cfg.src_vocab_size, cfg.d_model, std, rngs, dtype)
         # With shared embeddings the target side reads src_embed: one parameter, one checkpoint key.
-        self.tgt_embed = (
-            None if cfg.share_embeddings else _embedding(cfg.tgt_vocab_size, cfg.d_model, std, rngs, dtype)
-        )
+        self.tgt_embed = (None if cfg.share_embeddings
+                          else _embedding(cfg.tgt_vocab_size, cfg.d_model, std, rngs, dtype))
         self.encoder = Encoder(cfg, cfg.num_encoder_layers, dtype=dtype, rngs=rngs)
         self.decoder = Decoder(cfg, cfg.num_decoder_layers, dtype=dtype, rngs=rngs)
         # Tied output: logits = h Eᵀ with the target embedding E (§3.4); no separate matrix.
@@ -488,9 +463,8 @@ class Transformer(nnx.Module):
     def target_embedding(self) -> nnx.Embed:
         return self.src_embed if self.tgt_embed is None else self.tgt_embed
 
-    def encode(
-        self, src_ids, src_mask=None, *, positions=None, deterministic: bool = True, rngs: nnx.Rngs | None = None
-    ):
+    def encode(self, src_ids, src_mask=None, *, positions=None, deterministic: bool = True,
+               rngs: nnx.Rngs | None = None):
         """src_ids (B, S) -> memory (B, S, D). `src_mask` defaults to padding_mask(src_ids);
         `positions` (B, S) to 0, 1, ... along each row."""
         if src_mask is None:
@@ -560,10 +534,6 @@ class Transformer(nnx.Module):
             src_positions, tgt_positions = segment_positions(src_segments), segment_positions(tgt_segments)
         mode = dict(deterministic=deterministic, rngs=rngs)
         memory = self.encode(src_ids, src_mask, positions=src_positions, **mode)
-        decoded = self.decode(
-            tgt_in_ids, memory, cross_mask, tgt_mask, return_attention, positions=tgt_positions, **mode
-        )
-        if return_attention:
-            hidden, attention = decoded
-            return self.project(hidden), attention
-        return self.project(decoded)
+        decoded = self.decode(tgt_in_ids, memory, cross_mask, tgt_mask, return_attention, positions=tgt_positions,
+                              **mode)
+        return (self.project(decoded[0]), decoded[1]) if return_attention else self.project(decoded)

@@ -20,9 +20,7 @@ def label_smoothed_cross_entropy(logits, targets, pad_id: int, smoothing: float 
     per_token = (1.0 - smoothing) * nll + smoothing * uniform
     keep = targets != pad_id
     total = jnp.where(keep, per_token, 0.0).sum()
-    if reduction == "sum":
-        return total
-    return total / keep.sum()  # like torch: NaN when every target is padding
+    return total if reduction == "sum" else total / keep.sum()  # like torch: NaN when every target is padding
 
 
 def noam_learning_rate(step, d_model: int, warmup_steps: int = 4000, factor: float = 1.0):

@@ -14,7 +14,7 @@ from flax import nnx
 
 from torch_reference.config import check_sampling
 
-from .decode import NEG_INF, _check_source, _never_emitted, _token_by_token
+from .decode import _check_ids, _next_logprobs, _token_by_token
 from .model import Transformer
 
 # Threefry-2x32's rotation distances and key-schedule parity (Random123, threefry.h).
@@ -99,7 +99,7 @@ def sample(
 ):
     """src_ids (B, S) -> (tokens (B, N, L), scores (B, N)): see `torch_reference.sampling.sample`;
     here one compiled loop, compiled once for every seed and sentence ids (traced, not static)."""
-    _check_source(model, src_ids)
+    _check_ids("src_ids", src_ids, model.cfg.src_vocab_size, model.cfg.max_len)
     check_sampling(seed, num_samples, temperature, top_k, top_p)
     ids = _sentence_ids(sentence_ids, src_ids.shape[0])
     return sample_loop(model, jnp.asarray(src_ids, jnp.int32), jnp.uint32(seed), ids, num_samples, float(temperature),
@@ -112,11 +112,9 @@ def sample_loop(model: Transformer, src_ids, seed, sentence_ids, num_samples: in
     """`sample`'s drawing loop, its settings checked and its sentence ids (B,) given."""
     cfg = model.cfg
     B, N = src_ids.shape[0], num_samples
-    vocab = jnp.arange(cfg.tgt_vocab_size)
-    not_eos, never = vocab != cfg.eos_id, _never_emitted(cfg, vocab)  # (V,)
 
     def choose(position, logits, must_end, c):
-        logprobs = jnp.where((must_end[:, None] & not_eos) | never, NEG_INF, jax.nn.log_softmax(logits, axis=-1))
+        logprobs = _next_logprobs(cfg, logits, must_end)
         u = uniform(seed, c["sentence"], c["sample"], position)  # (b,)
         last = draw(sampling_distribution(logprobs, temperature, top_k, top_p), u).astype(jnp.int32)
         return last, jnp.take_along_axis(logprobs, last[:, None], axis=1)[:, 0]

@@ -82,8 +82,7 @@ def state_shardings(tree: Any, mesh: Mesh, layout: str = "replicated") -> Any:
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r} is not one of {', '.join(LAYOUTS)}")
     if layout == "replicated":
-        whole = replicated(mesh)
-        return jax.tree.map(lambda _: whole, tree)
+        return jax.tree.map(lambda _: replicated(mesh), tree)
     return jax.tree.map(lambda x: NamedSharding(mesh, fsdp_spec(np.shape(x), mesh.devices.size)), tree)
 
 

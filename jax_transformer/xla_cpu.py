@@ -72,22 +72,16 @@ def attend(embed: nnx.Embed, query: jax.Array) -> jax.Array:
     return tied_logits(query, embedding)
 
 
-def _statistics(x: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
-    """(x - mean, 1 / √(var + eps)) over the last axis, var = E[(x - mean)²], as Flax computes them."""
-    centred = x - x.mean(-1, keepdims=True)
-    return centred, jax.lax.rsqrt(jnp.mean(centred * centred, -1, keepdims=True) + eps)
-
-
 @jax.custom_vjp
 def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
-    """(x - mean) / √(var + eps) · scale + bias over the last axis of x (..., D)."""
-    centred, rstd = _statistics(x, eps)
-    return centred * (rstd * scale) + bias  # Flax's order of operations
+    """(x - mean) / √(var + eps) · scale + bias over the last axis of x (..., D), var = E[(x - mean)²]."""
+    return _layer_norm_fwd(x, scale, bias, eps)[0]
 
 
 def _layer_norm_fwd(x, scale, bias, eps):
-    centred, rstd = _statistics(x, eps)
-    return centred * (rstd * scale) + bias, (centred * rstd, rstd, scale)
+    centred = x - x.mean(-1, keepdims=True)  # the statistics as Flax computes them
+    rstd = jax.lax.rsqrt(jnp.mean(centred * centred, -1, keepdims=True) + eps)
+    return centred * (rstd * scale) + bias, (centred * rstd, rstd, scale)  # Flax's order of operations
 
 
 def _layer_norm_bwd(residuals, g):
@@ -232,20 +226,17 @@ MAX_STAGES = 5  # loops over B, B/2, ..., B/16 sentences (see shrinking_while)
 
 def shrinking_while(step, result, carry, length: int):
     """`decode`'s loop: run `step` until every sentence is done or `length` positions are written
-    -> result(carry), moving the live sentences into a batch half the size whenever they fit in
-    one, and with a self-attention cache that grows as the positions need it.
+    -> result(carry). With static shapes a finished sentence keeps its rows in every matmul, so this is
+    a chain of `lax.while_loop`s over B, B/2, B/4, ... sentences (MAX_STAGES; none below SMALLEST_STAGE),
+    each left as soon as the live sentences fit the next; and the first quarter of the positions
+    attends over a cache a quarter as long, the next over half (searches of 32 positions or more).
+    Rows never mix: the outputs are those of one loop (docs/performance.md#what-made-the-jax-search-fast).
 
     carry: a pytree whose leaves lead with the b sentences' axis, or with b * n rows, a sentence's
     n rows next to each other; carry["done"] (b,), carry["cache"] (`Transformer.init_cache`'s, or
     None), carry["memory"] (or None) and carry["src_mask"] among them, the last three of which
     keep one row a sentence here (`shared_keys`). step(position, carry) -> carry; result(carry)
     -> per-sentence outputs.
-
-    With static shapes a finished sentence keeps its rows in every matmul, so the search is a chain
-    of `lax.while_loop`s over B, B/2, B/4, ... sentences (MAX_STAGES; none below SMALLEST_STAGE),
-    each left as soon as the live sentences fit the next; and the first quarter of the positions
-    attends over a cache a quarter as long, the next over half (searches of 32 positions or more).
-    Rows never mix: the outputs are those of one loop (docs/performance.md#what-made-the-jax-search-fast).
     """
     sizes = [carry["done"].shape[0]]
     while sizes[-1] // 2 >= SMALLEST_STAGE and len(sizes) < MAX_STAGES:

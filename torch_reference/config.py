@@ -12,6 +12,7 @@ import array
 import dataclasses
 import json
 import math
+import operator
 from typing import Any, Literal, get_args
 
 NormPosition = Literal["post", "pre"]
@@ -36,6 +37,9 @@ PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(len(SPECIAL_TOKENS))
 SCORINGS = ("gnmt", "hf")
 
 
+_HOLDS = {">=": operator.ge, ">": operator.gt, "<": operator.lt, "<=": operator.le}
+
+
 def _g(x: float) -> str:
     return f"{x:g}" if isinstance(x, float) else str(x)  # 2**32 in full, not 4.29497e+09
 
@@ -53,7 +57,7 @@ def float32_error(value: float) -> str | None:
 class Range:
     """The values a numeric setting may take: `kind` int (bool refused) or float (finite; an int
     is accepted), at least `low`, above `above` (open), below `below` (open), at most `high`. The
-    one rule both a config's validation and its command-line flag (`parse`, an argparse type) apply."""
+    one rule both a config's validation and its command-line flag (`parser`, an argparse type) apply."""
 
     kind: type = int
     low: float | None = None
@@ -73,14 +77,9 @@ class Range:
             return f"must be in [{_g(self.low)}, {_g(self.below)}), got {_g(value)}"
         if self.above is not None and self.high is not None and not self.above < value <= self.high:
             return f"must be in ({_g(self.above)}, {_g(self.high)}], got {_g(value)}"
-        if self.low is not None and value < self.low:
-            return f"must be >= {_g(self.low)}, got {_g(value)}"
-        if self.above is not None and value <= self.above:
-            return f"must be > {_g(self.above)}, got {_g(value)}"
-        if self.below is not None and value >= self.below:
-            return f"must be < {_g(self.below)}, got {_g(value)}"
-        if self.high is not None and value > self.high:
-            return f"must be <= {_g(self.high)}, got {_g(value)}"
+        for bound, sign in ((self.low, ">="), (self.above, ">"), (self.below, "<"), (self.high, "<=")):
+            if bound is not None and not _HOLDS[sign](value, bound):
+                return f"must be {sign} {_g(bound)}, got {_g(value)}"
         return None
 
     def check(self, name: str, value: Any) -> None:
@@ -88,12 +87,9 @@ class Range:
         if (problem := self.error(value)) is not None:
             raise ValueError(f"{name} {problem}")
 
-    def parse(self, text: str) -> int | float:
-        """An argparse `type=`: the value of `text`, or ArgumentTypeError saying why not."""
-        return self.parser()(text)
-
     def parser(self, name: str | None = None):
-        """`parse` with `name` leading its messages ('steps must be >= 1, got 0')."""
+        """An argparse `type=`: the value of its text, or ArgumentTypeError saying why not, `name` leading the
+        message ('steps must be >= 1, got 0')."""
         import argparse
 
         def parse(text: str) -> int | float:
@@ -312,8 +308,7 @@ class TransformerConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TransformerConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
+        unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise ValueError(f"unknown TransformerConfig fields: {', '.join(map(repr, unknown))}")
         return cls(**data)

@@ -1,7 +1,7 @@
 """Greedy and beam search over the reference model's key/value cache (`Transformer.init_cache` /
 `decode_step`); `jax_transformer/decode.py` is the same algorithm in one jit-compiled loop, with
 identical tokens and scores (to float32 rounding). `cached=False` re-runs the whole decoder over every
-prefix instead, as the seed repositories did: the benchmark's baseline and a check of the cache.
+prefix instead: the benchmark's baseline and a check of the cache.
 
 Output tokens exclude BOS, end with EOS and are padded with `pad_id`, shape (B, L) with
 L = output_length(S, ...) for a padded source length S; each sentence ends within its own limit
@@ -29,9 +29,12 @@ def sentence_limits(src_ids: Tensor, pad_id: int, length: int, max_len_a: float,
     return torch.clamp(torch.floor(max_len_a * src_len + max_len_b), 1, length).long()
 
 
-def _never_emitted(cfg, vocab):
-    """(V,) True for the ids a translation never contains: padding and BOS."""
-    return (vocab == cfg.pad_id) | (vocab == cfg.bos_id)
+def _next_logprobs(cfg: TransformerConfig, logits: Tensor, must_end: Tensor) -> Tensor:
+    """log_softmax(logits (..., V)) in float32, NEG_INF at the tokens no translation holds (padding, BOS)
+    and, in rows that must end (must_end (...,): at their length limit), at every token but EOS."""
+    vocab = torch.arange(logits.shape[-1], device=logits.device)
+    masked = (must_end[..., None] & (vocab != cfg.eos_id)) | (vocab == cfg.pad_id) | (vocab == cfg.bos_id)
+    return torch.where(masked, NEG_INF, torch.log_softmax(logits.float(), dim=-1))
 
 
 def _no_sentence(src_ids: Tensor, pad_id: int) -> Tensor:
@@ -39,22 +42,16 @@ def _no_sentence(src_ids: Tensor, pad_id: int) -> Tensor:
     return (src_ids == pad_id).all(dim=1)
 
 
-def _check_ids(name: str, ids: Tensor, vocab_size: int) -> None:
-    """ValueError unless `ids` is a (B, L) integer tensor of token ids in [0, vocab_size)."""
+def _check_ids(name: str, ids: Tensor, vocab_size: int, max_len: int | None = None) -> None:
+    """ValueError unless `ids` is a (B, L) integer tensor of token ids in [0, vocab_size), L at most `max_len`."""
     if ids.ndim != 2 or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         raise ValueError(f"{name} must be (batch, length) integer token ids, got {ids.dtype} of shape "
                          f"{tuple(ids.shape)}")
     if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < vocab_size:
         raise ValueError(f"{name} holds ids outside [0, {vocab_size}), the vocabulary: "
                          f"{int(ids.min())}..{int(ids.max())}")
-
-
-def _check_source(model: Transformer, src_ids: Tensor) -> None:
-    _check_ids("src_ids", src_ids, model.cfg.src_vocab_size)
-    if src_ids.shape[1] > model.cfg.max_len:
-        raise ValueError(
-            f"source of {src_ids.shape[1]} tokens exceeds the model's max_len={model.cfg.max_len}; truncate it first"
-        )
+    if max_len is not None and ids.shape[1] > max_len:
+        raise ValueError(f"{name} of {ids.shape[1]} tokens exceeds the model's max_len={max_len}; truncate it first")
 
 
 def check_prefix(src_ids, prefix, cfg: TransformerConfig, max_len_a: float, max_len_b: int) -> None:
@@ -69,18 +66,18 @@ def _prefix_columns(prefix: Tensor | None, pad_id: int, length: int) -> Tensor |
     """prefix (B, P) -> (B, length): its tokens by output position, pad_id where there is none."""
     if prefix is None:
         return None
-    out = torch.full((prefix.shape[0], length), pad_id, dtype=torch.long, device=prefix.device)
-    n = min(length, prefix.shape[1])
-    out[:, :n] = prefix[:, :n]
-    return out
+    prefix = prefix[:, :length].long()
+    return torch.nn.functional.pad(prefix, (0, length - prefix.shape[1]), value=pad_id)
 
 
 class _Decoder:
-    """Next-token logits of each row from the tokens it has written: one position per step with
-    the key/value cache, or (cached=False) the whole decoder re-run over BOS and those tokens."""
+    """Next-token logits of each row (`rows` rows a sentence of src_ids (B, S), together) from the tokens it
+    has written: one position per step with the key/value cache, or (cached=False) the whole decoder re-run."""
 
-    def __init__(self, model: Transformer, memory: Tensor, src_mask: Tensor, length: int, cached: bool):
-        self.model, self.memory, self.src_mask = model, memory, src_mask
+    def __init__(self, model: Transformer, src_ids: Tensor, rows: int, length: int, cached: bool):
+        src_mask = padding_mask(src_ids, model.cfg.pad_id)
+        memory = model.encode(src_ids, src_mask).repeat_interleave(rows, dim=0)  # (B*rows, S, D)
+        self.model, self.memory, self.src_mask = model, memory, src_mask.repeat_interleave(rows, dim=0)
         self.cache = model.init_cache(memory, length) if cached else None
 
     def logits(self, written: Tensor, last: Tensor, position: int) -> Tensor:
@@ -110,20 +107,15 @@ def _token_by_token(model: Transformer, src_ids: Tensor, n: int, choose, max_len
     device = src_ids.device
     length = output_length(S, cfg.max_len, max_len_a, max_len_b)
     limits = sentence_limits(src_ids, cfg.pad_id, length, max_len_a, max_len_b).repeat_interleave(n)  # (B*n,)
-    src_mask = padding_mask(src_ids, cfg.pad_id)
-    memory = model.encode(src_ids, src_mask).repeat_interleave(n, dim=0)  # (B*n, S, D)
-    decoder = _Decoder(model, memory, src_mask.repeat_interleave(n, dim=0), length, cached)
-    not_eos = torch.arange(cfg.tgt_vocab_size, device=device) != cfg.eos_id  # (V,)
-    never = _never_emitted(cfg, torch.arange(cfg.tgt_vocab_size, device=device))  # (V,) pad and bos
+    decoder = _Decoder(model, src_ids, n, length, cached)
 
     tokens = torch.full((B * n, length), cfg.pad_id, dtype=torch.long, device=device)
     scores = torch.zeros(B * n, device=device)
     done = _no_sentence(src_ids, cfg.pad_id).repeat_interleave(n)  # (B*n,)
     last = torch.full((B * n,), cfg.bos_id, dtype=torch.long, device=device)
     for position in range(length):
-        logprobs = torch.log_softmax(decoder.logits(tokens, last, position).float(), dim=-1)  # (B*n, V)
-        must_end = (position + 1 >= limits)[:, None]  # rows at their limit emit EOS
-        logprobs = torch.where((must_end & not_eos) | never, NEG_INF, logprobs)
+        must_end = position + 1 >= limits  # (B*n,) rows at their limit emit EOS
+        logprobs = _next_logprobs(cfg, decoder.logits(tokens, last, position), must_end)  # (B*n, V)
         last = choose(position, logprobs)  # (B*n,)
         scores = scores + torch.where(done, 0.0, logprobs.gather(1, last[:, None])[:, 0])
         tokens[:, position] = torch.where(done, cfg.pad_id, last)
@@ -140,7 +132,7 @@ def greedy_search(model: Transformer, src_ids: Tensor, max_len_a: float = 1.5, m
     the sum of the chosen tokens' log-probabilities. `cached=False`: no key/value cache.
     `prefix` (B, P): the first tokens of each output (then pad_id; `check_prefix`), forced, their
     log-probabilities counted in the score; the search continues after them."""
-    _check_source(model, src_ids)
+    _check_ids("src_ids", src_ids, model.cfg.src_vocab_size, model.cfg.max_len)
     cfg = model.cfg
     if prefix is not None:
         check_prefix(src_ids, prefix, cfg, max_len_a, max_len_b)
@@ -159,11 +151,9 @@ def _gather(x: Tensor, index: Tensor) -> Tensor:
 
 
 def _done(finished_scores: Tensor, live_logprob: Tensor, best_possible_penalty: Tensor, no_sentence: Tensor) -> Tensor:
-    """(B,) True where the first finished hypothesis given (finished_scores (B, m), best first: the
-    n-th best of an n-best search, the caller's slice) scores at least what the best live one
-    (live_logprob (B, k)) could still reach: its log-prob over the penalty of the longest output
-    allowed. Log-probs only fall and (alpha >= 0) the penalty only grows, so no continuation can
-    beat it: searching on could not change what is returned."""
+    """(B,) True where the first finished hypothesis given (finished_scores (B, m), best first: the caller's
+    slice) scores at least what the best live one (live_logprob (B, k)) could still reach, its log-prob over
+    the penalty of the longest output allowed: log-probs only fall and (alpha >= 0) the penalty only grows."""
     return (finished_scores[:, 0] >= live_logprob[:, 0] / best_possible_penalty) | no_sentence
 
 
@@ -204,7 +194,7 @@ def beam_search(model: Transformer, src_ids: Tensor, beam_size: int = 4, alpha: 
     done (for n_best K: when its K-th best does). `cached=False`: no key/value cache. `scoring`:
     one of SCORINGS. `prefix` (B, P): forced first tokens, as in `greedy_search`.
     """
-    _check_source(model, src_ids)
+    _check_ids("src_ids", src_ids, model.cfg.src_vocab_size, model.cfg.max_len)
     check_beam(beam_size, alpha, scoring, n_best)
     n = n_best or 1
     cfg = model.cfg
@@ -216,11 +206,7 @@ def beam_search(model: Transformer, src_ids: Tensor, beam_size: int = 4, alpha: 
     if prefix is not None:
         check_prefix(src_ids, prefix, cfg, max_len_a, max_len_b)
     forced = _prefix_columns(prefix, cfg.pad_id, length)  # (B, L) or None
-    src_mask = padding_mask(src_ids, cfg.pad_id).repeat_interleave(k, dim=0)  # (B*k, 1, 1, S)
-    memory = model.encode(src_ids, padding_mask(src_ids, cfg.pad_id)).repeat_interleave(k, dim=0)
-    decoder = _Decoder(model, memory, src_mask, length, cached)  # batch B*k, hypothesis-major per sentence
-    not_eos = torch.arange(V, device=device) != cfg.eos_id  # (V,)
-    never = _never_emitted(cfg, torch.arange(V, device=device))  # (V,) pad and bos
+    decoder = _Decoder(model, src_ids, k, length, cached)  # batch B*k, hypothesis-major per sentence
     best_possible_penalty = length_penalty(limits.float(), alpha, scoring)  # (B,)
     may_finish = torch.arange(2 * k, device=device) < (k if scoring == "hf" else 2 * k)  # (2k,) candidate ranks
     no_sentence = _no_sentence(src_ids, cfg.pad_id)  # (B,)
@@ -233,10 +219,9 @@ def beam_search(model: Transformer, src_ids: Tensor, beam_size: int = 4, alpha: 
     finished_logprob = torch.full((B, k), NEG_INF, device=device)
     last = torch.full((B * k,), cfg.bos_id, dtype=torch.long, device=device)
     for position in range(length):
-        logits = decoder.logits(live_tokens.reshape(B * k, length), last, position)
-        logprobs = torch.log_softmax(logits.float(), dim=-1).view(B, k, V)
-        must_end = (position + 1 >= limits)[:, None, None]
-        logprobs = torch.where((must_end & not_eos) | never, NEG_INF, logprobs)
+        logits = decoder.logits(live_tokens.reshape(B * k, length), last, position).view(B, k, V)
+        must_end = position + 1 >= limits  # (B,)
+        logprobs = _next_logprobs(cfg, logits, must_end[:, None])  # (B, k, V)
 
         candidates = (live_logprob[:, :, None] + logprobs).view(B, k * V)
         top_logprob, top_index = candidates.topk(2 * k, dim=1)  # (B, 2k)
@@ -249,7 +234,7 @@ def beam_search(model: Transformer, src_ids: Tensor, beam_size: int = 4, alpha: 
         top_tokens[:, :, position] = token
         ends = token == cfg.eos_id
         if scoring == "hf":  # HF's <eos> forced at the limit adds nothing (its processor sets that log-prob to 0)
-            top_logprob = torch.where(must_end[:, :, 0] & ends, _gather(live_logprob, parent), top_logprob)
+            top_logprob = torch.where(must_end[:, None] & ends, _gather(live_logprob, parent), top_logprob)
 
         # Finished: the old ones and the new EOS candidates, the best k kept.
         new_scores = torch.where(ends & may_finish, top_logprob / length_penalty(position + 1, alpha, scoring), NEG_INF)
@@ -277,12 +262,10 @@ def score(model: Transformer, src_ids: Tensor, tgt_ids: Tensor) -> Tensor:
     log-probability of each target token given the source and the tokens before it (teacher
     forcing), 0 at padding: a row's sum is its target's log-probability, which a search's score
     of that output is (no token masked, nothing renormalised)."""
-    _check_source(model, src_ids)
-    _check_ids("tgt_ids", tgt_ids, model.cfg.tgt_vocab_size)
+    _check_ids("src_ids", src_ids, model.cfg.src_vocab_size, model.cfg.max_len)
+    _check_ids("tgt_ids", tgt_ids, model.cfg.tgt_vocab_size, model.cfg.max_len)
     if tgt_ids.shape[0] != src_ids.shape[0]:  # not broadcast: torch gave one row for two, JAX two
         raise ValueError(f"tgt_ids has {tgt_ids.shape[0]} rows, src_ids {src_ids.shape[0]}: one target per source")
-    if tgt_ids.shape[1] > model.cfg.max_len:
-        raise ValueError(f"target of {tgt_ids.shape[1]} tokens exceeds the model's max_len={model.cfg.max_len}")
     logits = model(src_ids, shift_right(tgt_ids, model.cfg.bos_id))  # (B, T, V)
     logprobs = torch.log_softmax(logits.float(), dim=-1).gather(2, tgt_ids[..., None])[..., 0]  # (B, T)
     return torch.where(tgt_ids == model.cfg.pad_id, 0.0, logprobs)

@@ -32,9 +32,8 @@ def combine(logits: list[Tensor], average: str = "logprob") -> Tensor:
 
 class Ensemble(nn.Module):
     """`models` (same vocabulary sizes and special ids) as one model for the searches:
-    `greedy_search(Ensemble([a, b]), src_ids)`. `average`: "logprob" (the mean log-probability,
-    renormalised) or "prob" (the log of the mean probability); see the module's docstring.
-    Its `cfg` is the first member's with the smallest `max_len` of them."""
+    `greedy_search(Ensemble([a, b]), src_ids)`. `average`: one of AVERAGES (the module's docstring
+    says which is which). Its `cfg` is the first member's with the smallest `max_len` of them."""
 
     def __init__(self, models: Sequence[Transformer], average: str = "logprob"):
         super().__init__()

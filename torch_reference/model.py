@@ -1,8 +1,7 @@
 """The encoder-decoder Transformer of "Attention Is All You Need" (Vaswani et al., 2017) in PyTorch.
 
-This file is the specification of the project. `jax_transformer/model.py` holds the same pure
-functions and classes in the same order with the same attribute names, so that a diff of the two
-reads like a translation and attribute paths are the checkpoint keys.
+This file is the specification of the project. `jax_transformer/model.py` holds the same names in the
+same order, so that a diff of the two reads like a translation and attribute paths are the checkpoint keys.
 
 Axis letters used in shape comments (the same in both files): B batch, S source length,
 T target length, L any sequence length, H heads, D model width, K head width, F feed-forward
@@ -26,6 +25,8 @@ from .config import TransformerConfig
 # computes attention with F.scaled_dot_product_attention (a fused kernel on a GPU). Both give the
 # same results to float32 rounding. (The JAX twin has a third, `xla_cpu`, for XLA:CPU.)
 KERNELS = ("reference", "fused")
+# Each `activation`'s function (swiglu: silu times the gate); GELU the exact erf form in both twins.
+ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu, "swiglu": F.silu}
 
 # --------------------------------------------------------------------------------------------
 # Pure functions
@@ -42,14 +43,10 @@ def sinusoidal_positions(length: int, d_model: int, halves: bool = False) -> Ten
     position = torch.arange(length, dtype=torch.float64)[:, None]  # (L, 1)
     inv_freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float64) * (-math.log(10000.0) / d_model))
     angles = position * inv_freq  # (L, ceil(D/2))
-    table = torch.zeros(length, d_model, dtype=torch.float64)
+    sines, cosines = torch.sin(angles), torch.cos(angles)
     if halves:
-        table[:, : angles.shape[1]] = torch.sin(angles)
-        table[:, angles.shape[1] :] = torch.cos(angles[:, : d_model // 2])
-    else:
-        table[:, 0::2] = torch.sin(angles)
-        table[:, 1::2] = torch.cos(angles[:, : d_model // 2])
-    return table.to(torch.float32)
+        return torch.cat([sines, cosines[:, : d_model // 2]], dim=1).to(torch.float32)
+    return torch.stack([sines, cosines], dim=-1).reshape(length, -1)[:, :d_model].to(torch.float32)  # interleaved
 
 
 def padding_mask(ids: Tensor, pad_id: int) -> Tensor:
@@ -109,11 +106,8 @@ def scaled_dot_product_attention(
     if mask is not None:
         scores = torch.where(mask, scores, torch.finfo(scores.dtype).min)
     weights = torch.softmax(scores, dim=-1).to(q.dtype)  # (B, H, T, S)
-    attention = weights  # before dropout: what `return_attention` returns
-    if dropout is not None:
-        weights = dropout(weights)
-    out = torch.matmul(weights, v)  # (B, H, T, K)
-    return (out, attention) if return_attention else out
+    out = torch.matmul(weights if dropout is None else dropout(weights), v)  # (B, H, T, K)
+    return (out, weights) if return_attention else out  # the weights before dropout
 
 
 def fused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
@@ -128,8 +122,7 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None)
 def set_kernels(module: nn.Module, kernels: str = "reference", remat: bool = False) -> None:
     """Choose once how every layer of `module` computes: the kernel set `kernels` (one of KERNELS)
     and `remat`, whether each encoder and decoder layer recomputes its activations in the backward
-    pass (torch.utils.checkpoint) instead of keeping them. The modules that read them hold them as
-    attributes, set here on all at once; `Transformer` calls it."""
+    pass (torch.utils.checkpoint) instead of keeping them; `Transformer` calls it."""
     if kernels not in KERNELS:
         raise ValueError(f"kernels={kernels!r} is not one of {', '.join(KERNELS)}")
     for m in module.modules():
@@ -214,8 +207,7 @@ class MultiHeadAttention(nn.Module):
             out = fused_attention(q, k, v, mask)  # (B, H, T, K)
         else:
             out = scaled_dot_product_attention(q, k, v, mask, self.dropout, return_attention)  # (B, H, T, K)
-        if return_attention:
-            out, attention = out
+        out, attention = out if return_attention else (out, None)
         B, H, T, K = out.shape
         out = self.out_proj(out.transpose(1, 2).reshape(B, T, H * K))  # (B, T, D)
         return (out, attention) if return_attention else out
@@ -238,15 +230,9 @@ class FeedForward(nn.Module):
         self.dropout = nn.Dropout(cfg.activation_dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        h = self.linear1(x)  # (B, L, F)
-        if self.activation == "relu":
-            h = F.relu(h)
-        elif self.activation == "gelu":
-            h = F.gelu(h, approximate="none")  # exact erf GELU, as on the JAX side
-        elif self.activation == "silu":
-            h = F.silu(h)
-        else:
-            h = F.silu(h) * self.linear_gate(x)
+        h = ACTIVATIONS[self.activation](self.linear1(x))  # (B, L, F)
+        if self.linear_gate is not None:
+            h = h * self.linear_gate(x)
         return self.linear2(self.dropout(h))  # (B, L, D)
 
 
@@ -313,9 +299,8 @@ class DecoderLayer(EncoderLayer):
         empty = cross_k.new_zeros(B, H, max_len, K)
         return {"self_k": empty, "self_v": empty.clone(), "cross_k": cross_k, "cross_v": cross_v}
 
-    def step(
-        self, x: Tensor, cache: dict[str, Tensor], position: int, src_mask: Tensor | None = None
-    ) -> tuple[Tensor, dict[str, Tensor]]:
+    def step(self, x: Tensor, cache: dict[str, Tensor], position: int,
+             src_mask: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
         """`forward` for the one position `position`, x (B, 1, D), keys and values of the earlier
         positions read from `cache` (which is updated in place and returned) -> ((B, 1, D), cache)."""
 
@@ -327,10 +312,9 @@ class DecoderLayer(EncoderLayer):
             seen = (torch.arange(length, device=h.device) <= position)[None, None, None, :]  # (1, 1, 1, L)
             return self.self_attn(h, None, seen, kv=(cache["self_k"], cache["self_v"]))
 
+        cross = (cache["cross_k"], cache["cross_v"])
         x = self.residual(x, self.self_attn_norm, cached_self_attn)
-        x = self.residual(
-            x, self.cross_attn_norm, lambda h: self.cross_attn(h, None, src_mask, kv=(cache["cross_k"], cache["cross_v"]))
-        )
+        x = self.residual(x, self.cross_attn_norm, lambda h: self.cross_attn(h, None, src_mask, kv=cross))
         return self.residual(x, self.ff_norm, self.ff), cache
 
 
@@ -383,9 +367,8 @@ class Decoder(Encoder):
         x = x if self.norm is None else self.norm(x)
         return (x, torch.stack(attention, dim=1)) if return_attention else x
 
-    def step(
-        self, x: Tensor, cache: list[dict[str, Tensor]], position: int, src_mask: Tensor | None = None
-    ) -> tuple[Tensor, list[dict[str, Tensor]]]:
+    def step(self, x: Tensor, cache: list[dict[str, Tensor]], position: int,
+             src_mask: Tensor | None = None) -> tuple[Tensor, list[dict[str, Tensor]]]:
         """Embedded target token x (B, 1, D) at `position` -> (hidden (B, 1, D), cache)."""
         x = self.positions(x, offset=position)  # no dropout: decoding is deterministic
         new_cache = []
@@ -401,8 +384,8 @@ class Transformer(nn.Module):
     `encode`, `decode` and `project` are public so that search (decode.py) can run them apart.
     Masks default to those implied by `cfg.pad_id` (and causality for the decoder).
 
-    `kernels` and `remat`: see `set_kernels`. The model holds the kernel set (`kernels`); its layers
-    read it there. The same parameters and checkpoint keys whatever the set.
+    `kernels` and `remat`: see `set_kernels`; the model holds the kernel set, which its layers read. The same
+    parameters and checkpoint keys whatever the set.
     """
 
     kernels = "reference"  # set_kernels
@@ -472,9 +455,8 @@ class Transformer(nn.Module):
         """A decoding cache for `max_len` target positions over memory (B, S, D), one dict per layer."""
         return [layer.init_cache(memory, max_len) for layer in self.decoder.layers]
 
-    def decode_step(
-        self, tgt_ids: Tensor, cache: list[dict[str, Tensor]], position: int, src_mask: Tensor | None = None
-    ) -> tuple[Tensor, list[dict[str, Tensor]]]:
+    def decode_step(self, tgt_ids: Tensor, cache: list[dict[str, Tensor]], position: int,
+                    src_mask: Tensor | None = None) -> tuple[Tensor, list[dict[str, Tensor]]]:
         """The token at `position` of each row, tgt_ids (B,) -> (logits (B, V) for position + 1, cache).
 
         Equal to `project(decode(prefix, ...))[:, position]` for the prefix written so far, without
@@ -515,7 +497,4 @@ class Transformer(nn.Module):
             src_positions, tgt_positions = segment_positions(src_segments), segment_positions(tgt_segments)
         memory = self.encode(src_ids, src_mask, positions=src_positions)
         decoded = self.decode(tgt_in_ids, memory, cross_mask, tgt_mask, return_attention, positions=tgt_positions)
-        if return_attention:
-            hidden, attention = decoded
-            return self.project(hidden), attention
-        return self.project(decoded)
+        return (self.project(decoded[0]), decoded[1]) if return_attention else self.project(decoded)

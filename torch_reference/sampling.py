@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from .config import check_sampling
-from .decode import _check_source, _token_by_token
+from .decode import _check_ids, _token_by_token
 from .model import Transformer
 
 # Threefry-2x32's rotation distances and key-schedule parity (Random123, threefry.h).
@@ -111,7 +111,7 @@ def sample(
     greedy's: without temperature or filters). `sentence_ids` (B,): the ids that key the random
     numbers, 0..B-1 unless given; pass each sentence's index in the input so that its samples do not
     depend on the batch it falls in. Lengths and padding as `decode.greedy_search`."""
-    _check_source(model, src_ids)
+    _check_ids("src_ids", src_ids, model.cfg.src_vocab_size, model.cfg.max_len)
     check_sampling(seed, num_samples, temperature, top_k, top_p)
     ids = _sentence_ids(sentence_ids, src_ids.shape[0], src_ids.device)
     return sample_loop(model, src_ids, seed, ids, num_samples, temperature, top_k, top_p, max_len_a, max_len_b)
