@@ -155,6 +155,19 @@ def test_a_corpus_of_several_windows_is_planned_a_window_at_a_time(numbers, pack
         np.testing.assert_array_equal(next(again).src, want.src)
 
 
+def test_a_first_window_of_dropped_pairs_is_not_an_empty_corpus(numbers, monkeypatch):
+    """Unshuffled, windows are consecutive: 256 pairs too long, then 300 that fit."""
+    monkeypatch.setattr(data.batches, "WINDOW", 256)
+    pairs, tokenizers = numbers
+    short = [ids for ids in data.encode_pairs(tokenizers, pairs) if max(map(len, ids)) <= 16][:300]
+    examples = data.encode_pairs(tokenizers, [(pairs[0][0] + " und" * 20, "x")]) * 256 + short
+    batcher = data.Batcher(examples, token_budget=256, max_len=16, shuffle=False)
+    assert (batcher.windows, batcher.num_dropped) == (3, 256) and batcher.num_batches >= 1
+    assert sorted(np.concatenate([b.ids[b.ids >= 0] for b in batcher.epoch_batches()]).tolist()) == list(
+        range(256, 556))
+    assert next(batcher).ids.max() >= 256  # next() passes over the empty first window
+
+
 @pytest.mark.parametrize("pack", [False, True])
 def test_process_shares_are_the_batch_rows(numbers, pack):
     pairs, tokenizers = numbers

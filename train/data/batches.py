@@ -119,10 +119,13 @@ class Batcher:
     @property
     def num_batches(self) -> int:
         """Batches per epoch: epoch 0's (packed, another's may differ by a few). A corpus of several windows:
-        the first window's count scaled to the corpus, an estimate (exact would mean planning the whole epoch)."""
+        the first window's count scaled by the kept pairs, an estimate (exact would mean planning the whole epoch)."""
         if self.windows > 1:
-            first = self._window_plan(0, 0)
-            return round(len(first) * len(self.store) / min(WINDOW, len(self.store)))
+            first, kept = self._window_plan(0, 0), sum(self._counts.values())
+            pairs = sum(int((ids >= 0).sum()) for _, ids in first)
+            if not pairs:  # a first window of dropped pairs only: not "no data" while later windows hold some
+                return int(kept > 0)
+            return round(len(first) * kept / pairs)
         if self.pack:
             return len(self._window_plan(0, 0))
         return sum(-(-n // self.batch_size[length]) for length, n in self._counts.items())
