@@ -1,4 +1,5 @@
-"""What one request may ask (`Limits`) and what it asks: a /translate body parsed, or a `BadRequest`."""
+"""The server's options: where it listens (`Listen`), what one request may ask (`Limits`), and what a request
+asks: a /translate body parsed, or a `BadRequest`."""
 
 from __future__ import annotations
 
