@@ -1,9 +1,10 @@
-"""Translation speed of a run's weights in both frameworks, CTranslate2 and HF (`aiayn translate-bench`,
-docs/performance.md)."""
+"""Translation and sampling speed of a run's weights in both frameworks, CTranslate2 and HF
+(`aiayn translate-bench`, docs/performance.md, docs/decoding.md#sampling-speed)."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import platform
 import tempfile
@@ -23,7 +24,7 @@ from train.data.spm import require
 from train.data.streams import read_lines
 from train.interop import marian
 from train.interop.weights import convert_state
-from train.options import POSITIVE, Output, RunSelection, Search, checked, option
+from train.options import POSITIVE, Output, RunSelection, Sampling, Search, checked, option
 from train.runtime.files import UserError, json_text
 
 from . import ctranslate2 as ct2
@@ -38,9 +39,11 @@ def _trim(out) -> list[int]:
 
 
 def benchmark(run: Run, lines: Sequence[str], beam_size: int, batch_size: int | None, alpha: float = 0.6,
-              ctranslate2: bool = False, scoring: str = "gnmt", hf: bool = False, uncached: bool = True) -> list[dict]:
-    """One row per search and beam: seconds, sentences/s, tokens/s, speed-ups, outputs that differ
-    (untimed first: every batch for JAX, which compiles each shape there, the first for the others)."""
+              ctranslate2: bool = False, scoring: str = "gnmt", hf: bool = False, uncached: bool = True,
+              sampling: Sampling | None = None) -> list[dict]:
+    """One row per search and beam: seconds, sentences/s, outputs/s, tokens/s, speed-ups, outputs that differ
+    (untimed first: every batch for JAX, which compiles each shape there, the first for the others); with
+    `sampling`, "torch sample" and "jax sample" (beam 1), JAX's samples held against torch's."""
     cfg, model_cfg = run.config, run.model_config
     state = run.backend.export_state()
     backends = {}
@@ -51,37 +54,45 @@ def benchmark(run: Run, lines: Sequence[str], beam_size: int, batch_size: int | 
     src_ids = data.encode(run.tokenizers.src, list(lines))
     batches = list(data.source_batches(src_ids, cfg.max_len, cfg.token_budget, batch_size))
 
-    outputs_of = {}  # (search, beam): outputs in input order
+    outputs_of = {}  # (search, beam): outputs in input order (a sample row's: each sentence's samples in turn)
 
     def row(name: str, beam: int, search, warmup, limits: dict | None = None) -> dict:
-        """`search` over every batch after `warmup`: its time, memory growth, and outputs held against torch cached
-        search's: equal, or for a search outside this project (`limits`: each sentence's length limit) the same
-        where `ct2.same_output` says so."""
-        for _, src in warmup:
-            search(src)
-        outputs = outputs_of[name, beam] = [None] * len(lines)
+        """`search` (index, src) over every batch after `warmup`: its time, memory growth, and outputs held against
+        torch cached search's (torch sample's for a sample): equal, or for a search outside this project (`limits`:
+        each sentence's length limit) the same where `ct2.same_output` says so."""
+        for batch in warmup:
+            search(*batch)
+        outputs = [None] * len(lines)
         _reset_peak_rss()  # the kernel's high-water mark (VmHWM) restarts from here
         rss, start = _rss_mib(), time.perf_counter()
         for index, src in batches:
-            out = search(src)
+            out = search(index, src)
             for r in np.flatnonzero(index >= 0):
                 outputs[index[r]] = out[r]
         seconds, peak = time.perf_counter() - start, _peak_rss_mib() - rss
-        pairs = enumerate(zip(map(_trim, outputs_of[REFERENCE, beam]), outputs))
+        reference = "torch sample" if name.endswith("sample") else REFERENCE
+        if name.endswith("sample"):
+            outputs = [sample for samples in outputs for sample in samples]
+        outputs_of[name, beam] = outputs
+        pairs = enumerate(zip(map(_trim, outputs_of[reference, beam]), outputs))
         same = [ct2.same_output(ours, out, limits[i]) if limits else ours == _trim(out) for i, (ours, out) in pairs]
-        return {"search": name, "beam": beam, "seconds": seconds, "peak_mib": peak,
+        return {"search": name, "beam": beam, "seconds": seconds, "peak_mib": peak, "outputs": len(outputs),
                 "tokens": sum(len(_trim(out)) for out in outputs),
-                "differ": None if name == REFERENCE else same.count(False)}
+                "differ": None if name == reference else same.count(False)}
 
     rows, beams = [], sorted({1, beam_size})
-    for name, cached in (("torch", True), ("jax", True), ("torch", False))[: 3 if uncached else 2]:
-        for beam in beams:
-            search = lambda src, b=backends[name], k=beam, c=cached: b.translate(src, k, alpha, cached=c,
-                                                                                scoring=scoring)
-            # Each framework under the allocator it has in a process of its own (allocator.settled)
-            with allocator.settled() if name == "torch" else contextlib.nullcontext():
-                rows.append(row(f"{name} {'cached' if cached else 'uncached'}", beam, search,
-                                batches if name == "jax" else batches[:1]))
+    plans = [(f"{name} {'cached' if cached else 'uncached'}", beam,
+              lambda _, src, b=backends[name], k=beam, c=cached: b.translate(src, k, alpha, cached=c, scoring=scoring))
+             for name, cached in (("torch", True), ("jax", True), ("torch", False))[: 3 if uncached else 2]
+             for beam in beams]
+    # Samples keyed by each sentence's line, so batching leaves them alone; filler rows (-1) are padding only.
+    plans += [(f"{name} sample", 1, lambda index, src, b=backends[name]: b.sample(
+        src, sentence_ids=np.maximum(index, 0), **dataclasses.asdict(sampling)).tokens)
+              for name in ("torch", "jax") if sampling]
+    for name, beam, search in plans:
+        # Each framework under the allocator it has in a process of its own (allocator.settled)
+        with allocator.settled() if name.startswith("torch") else contextlib.nullcontext():
+            rows.append(row(name, beam, search, batches if name.startswith("jax") else batches[:1]))
     if ctranslate2 or hf:
         params = convert_state(state, "torch", model_cfg).params
         limits = {int(index[r]): proof.limit(int((src[r] != data.PAD_ID).sum()), model_cfg)
@@ -99,7 +110,7 @@ def benchmark(run: Run, lines: Sequence[str], beam_size: int, batch_size: int | 
                            for kind in ("int8", "float32"))
             r["bleu_vs_float32"] = sacrebleu.corpus_bleu(int8, [exact]).score
         r.update(sentences=len(lines), sentences_per_s=len(lines) / r["seconds"],
-                 tokens_per_s=r["tokens"] / r["seconds"])
+                 outputs_per_s=r["outputs"] / r["seconds"], tokens_per_s=r["tokens"] / r["seconds"])
         for baseline in (REFERENCE, "torch uncached"):
             match = next((x for x in rows if x["search"] == baseline and x["beam"] == r["beam"]), None)
             r[f"speedup_vs_{baseline.replace(' ', '_')}"] = match and match["seconds"] / r["seconds"]
@@ -115,7 +126,7 @@ def _ctranslate2_searches(run: Run, params, beams: list[int], alpha: float, tmp:
         ct2.export_ctranslate2(run.run_dir, params, run.model_config, tmp / kind, quantization=kind)
         translator = ct2.Translator(tmp / kind, intra_threads=threads)
         for beam in beams:
-            def search(src, k=beam, translator=translator):
+            def search(_, src, k=beam, translator=translator):
                 limit = proof.limit(src.shape[1], run.model_config)
                 return translator.translate_ids(src, beam_size=k, max_len=limit, length_penalty=alpha)
 
@@ -130,7 +141,7 @@ def _hf_searches(run: Run, params, beams: list[int], alpha: float):
     src_order, tgt_order = marian.side_orders(ids)
     to_ours = {int(m): ours for ours, m in enumerate(tgt_order) if ours != data.BOS_ID}
     for beam in beams:
-        def search(src, k=beam):
+        def search(_, src, k=beam):
             limit = proof.limit(src.shape[1], run.model_config)
             with torch.inference_mode():
                 out = model.generate(
@@ -158,10 +169,14 @@ class SpeedBench:
                       "aiayn convert --from marian; needs the interop extra)")
     uncached: bool = option(True, "torch's uncached loop (hours at large shapes; --no-uncached leaves it out and "
                             "the speed-ups against it are then null)")
+    sample: bool = option(False, "also time sampling in both frameworks as --num-samples, --temperature, --top-k, "
+                          "--top-p and --seed say (outputs: samples; JAX's held against torch's)")
 
 
-def bench_file(selection: RunSelection, search: Search, bench: SpeedBench = SpeedBench()) -> list[dict]:
-    """`aiayn translate-bench`: `benchmark` of `selection`'s run on `bench.input` (stdin), printed (and to its json)."""
+def bench_file(selection: RunSelection, search: Search, bench: SpeedBench = SpeedBench(),
+               sampling: Sampling | None = None) -> list[dict]:
+    """`aiayn translate-bench`: `benchmark` of `selection`'s run on `bench.input` (stdin), with `sampling`'s rows
+    when given, printed (and to its json)."""
     enable_parity_numerics()
     if len(selection.run_dir) > 1:
         raise UserError("--run-dir once: the benchmark times one run's weights")
@@ -181,20 +196,21 @@ def bench_file(selection: RunSelection, search: Search, bench: SpeedBench = Spee
         except ValueError as err:
             raise UserError(f"--hf: {err}") from None
     rows = benchmark(run, sentences, search.beam, bench.batch_size, search.alpha, scoring=search.scoring,
-                     ctranslate2=bench.ctranslate2, hf=bench.hf, uncached=bench.uncached)
+                     ctranslate2=bench.ctranslate2, hf=bench.hf, uncached=bench.uncached, sampling=sampling)
     run.backend.close()
     accelerator = "" if jax.default_backend() == "cpu" else f", {jax.devices()[0].device_kind}"
     machine = (f"{platform.processor() or platform.machine()}, {host_devices.cores()} CPUs{accelerator}, "
                f"jax on {jax.device_count()} device{'s' * (jax.device_count() > 1)}")
     print(f"{len(sentences)} sentences, {run.model_config.d_model}-wide {run.config.preset} model, {machine}")
-    print(f"{'search':19s} {'beam':>4s} {'seconds':>8s} {'sent/s':>8s} {'tok/s':>8s} {'peak MiB':>8s} "
+    print(f"{'search':19s} {'beam':>4s} {'seconds':>8s} {'sent/s':>8s} {'out/s':>8s} {'tok/s':>8s} {'peak MiB':>8s} "
           f"{'vs torch cached':>16s} {'vs uncached':>12s} {'outputs differ':>15s}")
     for r in rows:
         differ = "reference" if r["differ"] is None else str(r["differ"])
         uncached = "-" if r["speedup_vs_torch_uncached"] is None else f"{r['speedup_vs_torch_uncached']:.2f}x"
         print(f"{r['search']:19s} {r['beam']:4d} {r['seconds']:8.2f} {r['sentences_per_s']:8.1f} "
-              f"{r['tokens_per_s']:8.0f} {r['peak_mib']:8.0f} {r['speedup_vs_torch_cached']:15.2f}x {uncached:>12s} "
-              f"{differ:>15s}" + (f"   BLEU vs float32 {r['bleu_vs_float32']:.2f}" if "bleu_vs_float32" in r else ""))
+              f"{r['outputs_per_s']:8.1f} {r['tokens_per_s']:8.0f} {r['peak_mib']:8.0f} "
+              f"{r['speedup_vs_torch_cached']:15.2f}x {uncached:>12s} {differ:>15s}"
+              + (f"   BLEU vs float32 {r['bleu_vs_float32']:.2f}" if "bleu_vs_float32" in r else ""))
     if bench.json:
         bench.json.write(json_text({"run_dir": str(selection.run_dir[0]), "machine": machine, "rows": rows}))
     return rows

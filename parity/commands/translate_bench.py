@@ -1,6 +1,7 @@
 """Time translation with a run's weights in JAX and torch cached search and torch's uncached loop, greedy
-and with --beam: sentences/s, tokens/s, speed-ups and outputs that differ from torch cached search's
-(`parity.search_speed.SpeedBench` says what it times; docs/performance.md#translation-speed)."""
+and with --beam (and with --sample, sampling in both): sentences/s, outputs/s, tokens/s, speed-ups and outputs
+that differ from torch cached search's (`parity.search_speed.SpeedBench` says what it times;
+docs/performance.md#translation-speed)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ if __name__ == "__main__":  # before jax is imported: the CPU as translate split
 
 import sys
 
-from train.options import RunSelection, Search, add_flags, build, command, run
+from train.options import SAMPLING_FIELDS, RunSelection, Sampling, Search, add_flags, build, command, run, sampling_of
 
 from ..search_speed import SpeedBench, bench_file
 
@@ -24,12 +25,17 @@ def build_parser():
     add_flags(parser, RunSelection, skip=("average", "devices", "coordinator_address", "num_processes", "process_id"))
     add_flags(parser, Search, skip=("n_best", "alignments"))
     add_flags(parser, SpeedBench)
+    add_flags(parser, Sampling)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run(build_parser(), argv, lambda given: bench_file(build(RunSelection, given), build(Search, given),
-                                                              build(SpeedBench, given)))
+    def job(given: dict) -> list[dict]:
+        bench = build(SpeedBench, given)
+        sampling = sampling_of(bench.sample, {k: given[k] for k in SAMPLING_FIELDS if k in given})
+        return bench_file(build(RunSelection, given), build(Search, given), bench, sampling)
+
+    return run(build_parser(), argv, job)
 
 
 if __name__ == "__main__":

@@ -233,22 +233,27 @@ def test_translate_benchmark_times_every_search_and_checks_their_outputs(short_r
     sources = ["dreiundvierzig", "siebenhundertzwölf", "", "neun", "tausendeins"]
     out_json = Path(cfg.run_dir).parent / "bench.json"
     assert translate_bench.main(["--run-dir", cfg.run_dir, "--input", _write_lines(Path(cfg.run_dir).parent / "b.txt", sources),
-                                 "--beam", "3", "--json", str(out_json)]) == 0
+                                 "--beam", "3", "--json", str(out_json), "--sample", "--num-samples", "3",
+                                 "--seed", "1"]) == 0
     stdout = capsys.readouterr().out
     rows = json.loads(out_json.read_text())["rows"]
     assert [(r["search"], r["beam"]) for r in rows] == [
         (name, beam) for name in ("torch cached", "jax cached", "torch uncached") for beam in (1, 3)
-    ]
+    ] + [("torch sample", 1), ("jax sample", 1)]
     by = {(r["search"], r["beam"]): r for r in rows}
     for r in rows:
-        # The empty line is not timed; the same outputs everywhere; the reference is not compared with itself.
-        assert r["sentences"] == 4 and r["differ"] == (None if r["search"] == "torch cached" else 0)
+        # The empty line is not timed; the same outputs everywhere (samples: JAX's the same as torch's); each
+        # reference is not compared with itself.
+        assert r["sentences"] == 4 and r["differ"] == (None if r["search"] in ("torch cached", "torch sample") else 0)
+        assert r["outputs"] == 4 * (3 if r["search"].endswith("sample") else 1)
+        assert r["outputs_per_s"] == pytest.approx(r["outputs"] / r["seconds"])
         assert r["tokens"] >= 4 and r["seconds"] > 0  # at least <eos> per sentence
         assert r["sentences_per_s"] == pytest.approx(4 / r["seconds"])
         for baseline in ("torch cached", "torch uncached"):
             ratio = by[baseline, r["beam"]]["seconds"] / r["seconds"]
             assert r[f"speedup_vs_{baseline.replace(' ', '_')}"] == pytest.approx(ratio)
     assert by["torch cached", 3]["tokens"] == by["jax cached", 3]["tokens"] == by["torch uncached", 3]["tokens"]
+    assert by["torch sample", 1]["tokens"] == by["jax sample", 1]["tokens"] >= 12
     assert stdout.startswith("4 sentences, ") and len(stdout.splitlines()) == 2 + len(rows)
     # Both frameworks were timed in float32 (a GPU's JAX default, TF32, would change outputs).
     import jax
