@@ -70,9 +70,9 @@ def benchmark(run: Run, lines: Sequence[str], beam_size: int, batch_size: int | 
             for r in np.flatnonzero(index >= 0):
                 outputs[index[r]] = out[r]
         seconds, peak = time.perf_counter() - start, _peak_rss_mib() - rss
-        reference = "torch sample" if name.endswith("sample") else REFERENCE
-        if name.endswith("sample"):
-            outputs = [sample for samples in outputs for sample in samples]
+        reference = REFERENCE
+        if name.endswith("sample"):  # each sentence's samples in turn, held against torch's
+            reference, outputs = "torch sample", [sample for samples in outputs for sample in samples]
         outputs_of[name, beam] = outputs
         pairs = enumerate(zip(map(_trim, outputs_of[reference, beam]), outputs))
         same = [ct2.same_output(ours, out, limits[i]) if limits else ours == _trim(out) for i, (ours, out) in pairs]
@@ -86,8 +86,9 @@ def benchmark(run: Run, lines: Sequence[str], beam_size: int, batch_size: int | 
              for name, cached in (("torch", True), ("jax", True), ("torch", False))[: 3 if uncached else 2]
              for beam in beams]
     # Samples keyed by each sentence's line, so batching leaves them alone; filler rows (-1) are padding only.
-    plans += [(f"{name} sample", 1, lambda index, src, b=backends[name]: b.sample(
-        src, sentence_ids=np.maximum(index, 0), **dataclasses.asdict(sampling)).tokens)
+    plans += [(f"{name} sample", 1,
+               lambda index, src, b=backends[name]: b.sample(src, sentence_ids=np.maximum(index, 0),
+                                                            **dataclasses.asdict(sampling)).tokens)
               for name in ("torch", "jax") if sampling]
     for name, beam, search in plans:
         # Each framework under the allocator it has in a process of its own (allocator.settled)
