@@ -5,6 +5,7 @@ read whole (`< /dev/zero` ends in one error, not a MemoryError). Every problem i
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import os
 import stat
@@ -81,8 +82,5 @@ class LineReader:
 def read_lines(path: Path | None, max_line_bytes: int = MAX_LINE_BYTES) -> list[str]:
     """Every line of a file, any readable stream, or stdin when `path` is None (`LineReader`), so that
     output line N is input line N; any problem raises UserError naming the input."""
-    reader = LineReader(path, max_line_bytes)
-    try:
+    with contextlib.closing(LineReader(path, max_line_bytes)) as reader:
         return list(reader)
-    finally:
-        reader.close()
