@@ -29,11 +29,8 @@ def require(module: str) -> Any:
 
 
 @dataclasses.dataclass(frozen=True)
-class Encoding:
+class Encoding:  # what data.encode reads of a tokenizers.Encoding
     ids: list[int]
-
-    def __len__(self) -> int:  # as tokenizers.Encoding's
-        return len(self.ids)
 
 
 class SentencePieceTokenizer:
@@ -76,9 +73,6 @@ class SentencePieceTokenizer:
 
     def id_to_token(self, i: int) -> str | None:
         return self.pieces[i] if 0 <= i < len(self.pieces) else None
-
-    def token_to_id(self, piece: str) -> int | None:
-        return self._ids.get(piece)
 
     def describe(self) -> dict[str, Any]:
         return {"model": self.model_name, "decode_model": self.decode_model_name, "pieces": self.pieces}
