@@ -330,6 +330,4 @@ def source_batches(src_ids: Sequence[Sequence[int]], max_len: int, token_budget:
             src = np.full((size, length), PAD_ID, np.int32)  # (B, L)
             for row, i in enumerate(chunk):
                 src[row, : len(ids[i])] = ids[i]
-            index = np.full(size, -1, np.int64)
-            index[: len(chunk)] = chunk
-            yield index, src
+            yield np.pad(chunk, (0, size - len(chunk)), constant_values=-1), src

@@ -37,8 +37,7 @@ class LineReader:
         except OSError as err:
             raise UserError(f"cannot read {path}: {err.strerror or err}") from None
         info = os.fstat(self._raw.fileno())
-        if stat.S_ISREG(info.st_mode):
-            self._size = info.st_size
+        self._size = info.st_size if stat.S_ISREG(info.st_mode) else None
         self._stream = gzip.GzipFile(fileobj=self._raw) if path.suffix == ".gz" else self._raw
 
     def fraction(self) -> float | None:
