@@ -1,8 +1,6 @@
-"""A corpus tokenized once: `TokenStore`, every pair's ids as flat arrays with their lengths and offsets,
-in memory (`TokenStore.from_pairs`) or memory-mapped from `<cache>/<key>/`, a directory of `.npy` files
-keyed by the data's content and the tokenizers, built whole or not at all and refused in one line when
-its files disagree with its manifest (docs/operations.md#the-corpus-store).
-"""
+"""A corpus tokenized once (`TokenStore`), in memory or memory-mapped from `<cache>/<key>/`: `.npy` files keyed
+by the data and the tokenizers, built whole or not at all, checked against a manifest
+(docs/operations.md#the-corpus-store)."""
 
 from __future__ import annotations
 
