@@ -97,9 +97,8 @@ class Batcher:
                                  f"max_len={max_len}")
         padded = (self.pack_length,) if pack else self.buckets  # the lengths batches are padded to
         self.batch_size = {length: token_budget // (length * multiple_of) * multiple_of for length in padded}
-        for length, size in self.batch_size.items():
-            if size % process[1]:
-                raise ValueError(f"batches of {size} rows cannot be split over {process[1]} processes")
+        if uneven := [size for size in self.batch_size.values() if size % process[1]]:
+            raise ValueError(f"batches of {uneven[0]} rows cannot be split over {process[1]} processes")
         self.epoch, self.index = 0, 0
         self._plan_cache, self._place = (None, 0, []), (None, 0, 0)  # the last window planned; where `next` was
 
