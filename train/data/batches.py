@@ -49,10 +49,6 @@ class Batch:
     tgt_segments: np.ndarray | None = None  # (B, T) int32, packed batches only
     global_rows: int | None = None  # a process's share of a global batch of this many rows; None: the whole batch
 
-    @property
-    def num_sentences(self) -> int:
-        return int((self.ids >= 0).sum())
-
 
 class Batcher:
     """Padded batches under a token budget, in length buckets or packed, shuffled per epoch, resumable.
@@ -70,11 +66,9 @@ class Batcher:
     """
 
     def __init__(self, examples: Sequence[tuple[Sequence[int], Sequence[int]]] | TokenStore, token_budget: int,
-                 max_len: int = 256, buckets: Sequence[int] | None = None, multiple_of: int = 1, shuffle: bool = True,
-                 seed: int = 0, pack: bool = False, pack_length: int | None = None, process: tuple[int, int] = (0, 1)):
-        self.buckets = tuple(buckets) if buckets is not None else bucket_lengths(max_len)
-        if list(self.buckets) != sorted(set(self.buckets)) or self.buckets[-1] != max_len:
-            raise ValueError(f"buckets must increase and end at max_len={max_len}, got {self.buckets}")
+                 max_len: int = 256, multiple_of: int = 1, shuffle: bool = True, seed: int = 0, pack: bool = False,
+                 pack_length: int | None = None, process: tuple[int, int] = (0, 1)):
+        self.buckets = bucket_lengths(max_len)
         if multiple_of < 1:
             raise ValueError(f"multiple_of must be >= 1, got {multiple_of}")
         if token_budget < max_len * multiple_of:
@@ -103,9 +97,8 @@ class Batcher:
                                  f"max_len={max_len}")
         padded = (self.pack_length,) if pack else self.buckets  # the lengths batches are padded to
         self.batch_size = {length: token_budget // (length * multiple_of) * multiple_of for length in padded}
-        for length, size in self.batch_size.items():
-            if size % process[1]:
-                raise ValueError(f"batches of {size} rows cannot be split over {process[1]} processes")
+        if uneven := [size for size in self.batch_size.values() if size % process[1]]:
+            raise ValueError(f"batches of {uneven[0]} rows cannot be split over {process[1]} processes")
         self.epoch, self.index = 0, 0
         self._plan_cache, self._place = (None, 0, []), (None, 0, 0)  # the last window planned; where `next` was
 
@@ -149,18 +142,15 @@ class Batcher:
         if self._plan_cache[:2] == (epoch, window):
             return self._plan_cache[2]
         rng, n = np.random.default_rng((self.seed, epoch)), len(self.store)
-        if self.windows == 1:
-            lengths, positions = np.maximum(self._src_len, self._tgt_len), np.arange(n, dtype=self._index)
-        else:
-            positions = np.arange(window * WINDOW, min(n, (window + 1) * WINDOW), dtype=np.int64)
-            if self.shuffle:
-                stride, offset = int(rng.integers(1, n)), int(rng.integers(0, n))
-                while math.gcd(stride, n) != 1:
-                    stride += 1
-                positions = (positions * stride + offset) % n
-                rng = np.random.default_rng((self.seed, epoch, window))
-            positions = positions.astype(self._index)
-            lengths = np.maximum(self._src_len[positions], self._tgt_len[positions])
+        positions = np.arange(window * WINDOW, min(n, (window + 1) * WINDOW), dtype=np.int64)
+        if self.shuffle and self.windows > 1:
+            stride, offset = int(rng.integers(1, n)), int(rng.integers(0, n))
+            while math.gcd(stride, n) != 1:
+                stride += 1
+            positions = (positions * stride + offset) % n
+            rng = np.random.default_rng((self.seed, epoch, window))
+        positions = positions.astype(self._index)
+        lengths = np.maximum(self._src_len[positions], self._tgt_len[positions])
         keep = lengths <= self.max_len
         if self.pack:
             kept = positions[keep]
@@ -339,6 +329,4 @@ def source_batches(src_ids: Sequence[Sequence[int]], max_len: int, token_budget:
             src = np.full((size, length), PAD_ID, np.int32)  # (B, L)
             for row, i in enumerate(chunk):
                 src[row, : len(ids[i])] = ids[i]
-            index = np.full(size, -1, np.int64)
-            index[: len(chunk)] = chunk
-            yield index, src
+            yield np.pad(chunk, (0, size - len(chunk)), constant_values=-1), src

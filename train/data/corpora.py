@@ -215,18 +215,12 @@ def split_lines(text: str) -> list[str]:
     return [line.removesuffix("\r") for line in lines]
 
 
-def read_lines(path: Path) -> list[str]:
-    """`split_lines` of a UTF-8 text file, plain or .gz (ValueError naming the byte offset of
-    invalid UTF-8, FileNotFoundError for a missing file)."""
-    check_text(path)
-    with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
-        return split_lines(f.read().decode("utf-8"))
-
-
 def _tsv_pairs(path: Path, src: str, tgt: str) -> list[tuple[str, str]]:
     """Columns `src` and `tgt` of a TSV file with a header row: every row split at tabs, no
     quoting, no NA values, and exactly the header's number of columns."""
-    lines = read_lines(path)
+    check_text(path)  # invalid UTF-8 named by its byte offset, a missing file FileNotFoundError
+    with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
+        lines = split_lines(f.read().decode("utf-8"))
     if not lines:
         raise ValueError(f"{path}: empty file (a TSV needs a header row)")
     header = lines[0].split("\t")

@@ -31,48 +31,40 @@ def load_splits(cfg: ExperimentConfig, train: bool = True) -> Splits:
     else:
         splits = Splits(*(load_split(cfg, spec) if spec and (train or k) else []
                           for k, spec in enumerate((cfg.train, cfg.valid, cfg.test))))
-    if not cfg.lowercase:
-        return splits
-    return Splits(*([(s.lower(), t.lower()) for s, t in pairs] for pairs in (splits.train, splits.valid, splits.test)))
+    return Splits(*(list(_lowered(cfg, pairs)) for pairs in (splits.train, splits.valid, splits.test)))
 
 
 def load_split(cfg: ExperimentConfig, spec: str) -> list[Pair]:
     """Pairs of one data spec, of `numbers:train|valid|test`, the run's numbers corpus split, or of
     `numbers:FIRST-LAST[/STEP]`, every (STEP-th) number from FIRST to LAST (0..999,999)."""
-    if len(spec) > MAX_SPEC:  # no path is that long; quoted whole, it would flood the message
-        raise UserError(f"data spec {quoted(spec)} is {len(spec):,} characters long: no file has such a name")
-    if spec.startswith("numbers:"):
-        name = spec.partition(":")[2]
-        if bounds := re.fullmatch(r"(\d+)-(\d+)(?:/(\d+))?", name):
-            try:
-                return numbers_range(int(bounds[1]), int(bounds[2]), int(bounds[3] or 1))
-            except ValueError as err:
-                raise UserError(f"{spec}: {err}") from None
-        if name not in ("train", "valid", "test"):
-            raise UserError(f"expected numbers:train, numbers:valid, numbers:test or numbers:FIRST-LAST[/STEP], "
-                            f"got {spec!r}")
-        corpus = numbers_corpus(cfg.numbers_train, cfg.numbers_valid, cfg.numbers_test, seed=cfg.seed)
-        return getattr(corpus, name)
     with _loading(spec):
-        loaded = load_parallel(spec, cache_dir=cfg.hf_cache)
-    _check_pairs(spec, len(loaded.pairs), loaded.skipped_empty)
-    return loaded.pairs
+        if not spec.startswith("numbers:"):
+            loaded = load_parallel(spec, cache_dir=cfg.hf_cache)
+            _check_pairs(spec, len(loaded.pairs), loaded.skipped_empty)
+            return loaded.pairs
+    name = spec.partition(":")[2]
+    if bounds := re.fullmatch(r"(\d+)-(\d+)(?:/(\d+))?", name):
+        try:
+            return numbers_range(int(bounds[1]), int(bounds[2]), int(bounds[3] or 1))
+        except ValueError as err:
+            raise UserError(f"{spec}: {err}") from None
+    if name not in ("train", "valid", "test"):
+        raise UserError(f"expected numbers:train, numbers:valid, numbers:test or numbers:FIRST-LAST[/STEP], "
+                        f"got {spec!r}")
+    return getattr(numbers_corpus(cfg.numbers_train, cfg.numbers_valid, cfg.numbers_test, seed=cfg.seed), name)
 
 
 def train_store(cfg: ExperimentConfig, tokenizers: Tokenizers, pairs: list[Pair] | None = None,
                 progress: bool = True) -> TokenStore:
-    """The training pairs tokenized: a --train spec's from its store on disk (train.data.store),
-    opened in place, or built on first use from `pairs` when given (those of `load_splits`), else
-    read from the spec a chunk at a time; the numbers corpus's (and `numbers:` specs') in memory."""
+    """The training pairs tokenized: a --train spec's from its store on disk (train.data.store), opened in place
+    or built on first use from the spec read a chunk at a time; the numbers corpus's (and `numbers:` specs') in
+    memory, from `pairs` when given (those of `load_splits`)."""
     if cfg.uses_numbers_corpus or cfg.train.startswith("numbers:"):
-        return TokenStore.from_pairs(encode_pairs(tokenizers, pairs if pairs is not None else
-                                                  load_splits(cfg).train))
+        return TokenStore.from_pairs(encode_pairs(tokenizers, load_splits(cfg).train if pairs is None else pairs))
     with _loading(cfg.train):
         root, digest, stream = _training_stream(cfg)
-        source = pairs if pairs is not None else _lowered(cfg, stream)
-        stored = corpus_store(root, f"{digest}#lowercase={cfg.lowercase}", tokenizers, source,
-                              total=None if pairs is None else len(pairs), name=cfg.train,
-                              progress=progress and cfg.progress)
+        stored = corpus_store(root, f"{digest}#lowercase={cfg.lowercase}", tokenizers, _lowered(cfg, stream),
+                              name=cfg.train, progress=progress and cfg.progress)
     _check_pairs(cfg.train, len(stored), stream.skipped)
     return stored
 
@@ -105,7 +97,9 @@ def corpus_tokenizers(cfg: ExperimentConfig) -> Tokenizers:
 
 
 @contextlib.contextmanager
-def _loading(spec: str):  # a missing file or bad data: one UserError naming the spec
+def _loading(spec: str):  # a spec too long for a path, a missing file or bad data: one UserError naming the spec
+    if len(spec) > MAX_SPEC:  # quoted whole, it would flood the message
+        raise UserError(f"data spec {quoted(spec)} is {len(spec):,} characters long: no file has such a name")
     try:
         yield
     except (FileNotFoundError, ValueError) as err:
@@ -120,9 +114,7 @@ def _check_pairs(spec: str, kept: int, skipped: int) -> None:  # no pair: an err
         say(f"{spec}: skipped {skipped} of {skipped + kept} pairs with an empty side")
 
 
-def _training_stream(cfg: ExperimentConfig):
-    if len(cfg.train) > MAX_SPEC:  # as load_split's
-        raise UserError(f"data spec {quoted(cfg.train)} is {len(cfg.train):,} characters long: no file has such a name")
+def _training_stream(cfg: ExperimentConfig):  # within _loading(cfg.train)
     root = cache_dir(cfg.hf_cache)
     root.mkdir(parents=True, exist_ok=True)
     digest, stream = stream_parallel(cfg.train, cache_dir=cfg.hf_cache, memo=root / "file-digests.json")

@@ -29,11 +29,8 @@ def require(module: str) -> Any:
 
 
 @dataclasses.dataclass(frozen=True)
-class Encoding:
+class Encoding:  # what data.encode reads of a tokenizers.Encoding
     ids: list[int]
-
-    def __len__(self) -> int:  # as tokenizers.Encoding's
-        return len(self.ids)
 
 
 class SentencePieceTokenizer:
@@ -77,9 +74,6 @@ class SentencePieceTokenizer:
     def id_to_token(self, i: int) -> str | None:
         return self.pieces[i] if 0 <= i < len(self.pieces) else None
 
-    def token_to_id(self, piece: str) -> int | None:
-        return self._ids.get(piece)
-
     def describe(self) -> dict[str, Any]:
         return {"model": self.model_name, "decode_model": self.decode_model_name, "pieces": self.pieces}
 
@@ -109,12 +103,9 @@ def load(run_dir: str | os.PathLike) -> tuple[SentencePieceTokenizer, SentencePi
     run_dir = Path(run_dir)
     try:
         spec = json.loads((run_dir / SPM_TOKENIZER).read_text(encoding="utf-8"))
-        sides = []
-        for side in ("src", "tgt"):
-            s = spec[side]
-            blob = (run_dir / s["model"]).read_bytes()
-            decode_blob = (run_dir / s["decode_model"]).read_bytes()
-            sides.append(SentencePieceTokenizer(blob, s["pieces"], decode_blob, s["model"], s["decode_model"]))
+        sides = [SentencePieceTokenizer((run_dir / s["model"]).read_bytes(), s["pieces"],
+                                        (run_dir / s["decode_model"]).read_bytes(), s["model"], s["decode_model"])
+                 for s in (spec["src"], spec["tgt"])]
     except (OSError, KeyError, TypeError, json.JSONDecodeError) as err:
         raise ValueError(f"{run_dir / SPM_TOKENIZER} is not a readable SentencePiece tokenizer ({err})") from None
     return sides[0], sides[1]

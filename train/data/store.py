@@ -1,8 +1,6 @@
-"""A corpus tokenized once: `TokenStore`, every pair's ids as flat arrays with their lengths and offsets,
-in memory (`TokenStore.from_pairs`) or memory-mapped from `<cache>/<key>/`, a directory of `.npy` files
-keyed by the data's content and the tokenizers, built whole or not at all and refused in one line when
-its files disagree with its manifest (docs/operations.md#the-corpus-store).
-"""
+"""A corpus tokenized once (`TokenStore`), in memory or memory-mapped from `<cache>/<key>/`: `.npy` files keyed
+by the data and the tokenizers, built whole or not at all, checked against a manifest
+(docs/operations.md#the-corpus-store)."""
 
 from __future__ import annotations
 
@@ -42,8 +40,7 @@ class TokenStore:
 
     def __init__(self, arrays: dict[str, np.ndarray]):
         self.arrays = arrays
-        for name, array in arrays.items():
-            setattr(self, name, array)
+        self.__dict__.update(arrays)  # store.src_len for store.arrays["src_len"]
 
     def __len__(self) -> int:
         return len(self.src_len)
@@ -97,10 +94,9 @@ def cache_dir(hf_cache: str | None = None) -> Path:
 
 
 def corpus_store(root: Path, data_digest: str, tokenizers: Tokenizers, pairs: Iterable[tuple[str, str]],
-                 total: int | None = None, name: str = "corpus", progress: bool = True) -> TokenStore:
+                 name: str = "corpus", progress: bool = True) -> TokenStore:
     """The store of the data `data_digest` names tokenized by `tokenizers` under `root`: opened when
-    it is there, else built from `pairs` (a callable returning them is called only then), with a
-    progress bar on a terminal when `progress`."""
+    it is there, else built from `pairs` (read only then), with a progress bar on a terminal when `progress`."""
     key = hashlib.sha256(f"{FORMAT}\n{data_digest}\n{tokenizers_digest(tokenizers)}".encode()).hexdigest()[:32]
     path = root / key
     if not (path / MANIFEST).is_file():
@@ -109,7 +105,7 @@ def corpus_store(root: Path, data_digest: str, tokenizers: Tokenizers, pairs: It
             fcntl.flock(lock, fcntl.LOCK_EX)  # a second build of the key waits, then opens the first's store
             if not (path / MANIFEST).is_file():
                 _remove_stale(root, key)
-                build_store(path, pairs() if callable(pairs) else pairs, tokenizers, key, total, name, progress)
+                build_store(path, pairs, tokenizers, key, name, progress)
     return open_store(path, key)
 
 
@@ -125,7 +121,7 @@ def _remove_stale(root: Path, key: str) -> None:  # killed builds' temporary dir
 
 
 def build_store(path: Path, pairs: Iterable[tuple[str, str]], tokenizers: Tokenizers, key: str = "",
-                total: int | None = None, name: str = "corpus", progress: bool = True) -> None:
+                name: str = "corpus", progress: bool = True) -> None:
     """Tokenize `pairs` chunk by chunk (`encode_batch` runs on every core) into a new store at `path`,
     written in a temporary directory beside it and renamed into place when complete."""
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
@@ -137,7 +133,7 @@ def build_store(path: Path, pairs: Iterable[tuple[str, str]], tokenizers: Tokeni
             for f in files.values():
                 f.seek(HEADER)  # the header is written last, when the length is known
             counts = dict.fromkeys(files, 0)
-            bar = stack.enter_context(tqdm(total=total, unit=" pairs", desc=f"tokenizing {name}", dynamic_ncols=True,
+            bar = stack.enter_context(tqdm(unit=" pairs", desc=f"tokenizing {name}", dynamic_ncols=True,
                                            disable=None if progress else True))  # None: on a terminal only
             pairs = iter(pairs)
             while chunk := list(itertools.islice(pairs, CHUNK)):

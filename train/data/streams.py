@@ -5,6 +5,7 @@ read whole (`< /dev/zero` ends in one error, not a MemoryError). Every problem i
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import os
 import stat
@@ -36,8 +37,7 @@ class LineReader:
         except OSError as err:
             raise UserError(f"cannot read {path}: {err.strerror or err}") from None
         info = os.fstat(self._raw.fileno())
-        if stat.S_ISREG(info.st_mode):
-            self._size = info.st_size
+        self._size = info.st_size if stat.S_ISREG(info.st_mode) else None
         self._stream = gzip.GzipFile(fileobj=self._raw) if path.suffix == ".gz" else self._raw
 
     def fraction(self) -> float | None:
@@ -81,8 +81,5 @@ class LineReader:
 def read_lines(path: Path | None, max_line_bytes: int = MAX_LINE_BYTES) -> list[str]:
     """Every line of a file, any readable stream, or stdin when `path` is None (`LineReader`), so that
     output line N is input line N; any problem raises UserError naming the input."""
-    reader = LineReader(path, max_line_bytes)
-    try:
+    with contextlib.closing(LineReader(path, max_line_bytes)) as reader:
         return list(reader)
-    finally:
-        reader.close()

@@ -58,8 +58,7 @@ class TorchStore(CheckpointStore):
                 # strict JSON: a non-finite metric is null
                 (tmp / "meta.json").write_text(json_text({"step": state.step, "metrics": metrics, "meta": meta}))
                 write_checkpoint_digest(tmp)  # every file synced and hashed, before the rename publishes them
-                final = root / str(state.step)
-                if final.exists():
+                if (final := self.path(state.step)).exists():  # a save of this step before
                     shutil.rmtree(final)
                 os.replace(tmp, final)  # the checkpoint appears complete or not at all
             finally:
