@@ -5,18 +5,16 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-import tempfile
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from . import data
 from .backends import Translator
-from .runtime.files import write_bytes_atomic, write_error
+from .plots import save_figure
 from .runtime.replace import check_outside_runs
 
 
@@ -113,16 +111,6 @@ def _heatmap(ax, weights: np.ndarray, att: SentenceAttention, x_labels: bool, y_
     return image
 
 
-def _save(fig, path: Path) -> None:
-    FigureCanvasAgg(fig)
-    with tempfile.TemporaryDirectory(prefix="aiayn-") as tmp:
-        try:
-            fig.savefig(Path(tmp) / path.name, format="png", dpi=100)
-        except Exception as err:  # a full disk, a read-only place: said of the plot, not of its temporary file
-            raise write_error(err, path) or err from None
-        write_bytes_atomic(path, (Path(tmp) / path.name).read_bytes())  # a plot is complete or absent
-
-
 def plot_sentence(att: SentenceAttention, path: Path) -> None:
     """The last decoder layer's cross-attention, heads averaged: outputs (rows) x sources, sentence as title."""
     layers, heads, T, S = att.weights.shape
@@ -135,7 +123,7 @@ def plot_sentence(att: SentenceAttention, path: Path) -> None:
     ax.set_ylabel("output")
     fig.colorbar(image, ax=ax, shrink=0.8, label="attention weight")
     fig.suptitle(title, fontsize=10)
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def plot_layers(att: SentenceAttention, path: Path) -> None:
@@ -153,7 +141,7 @@ def plot_layers(att: SentenceAttention, path: Path) -> None:
             ax.set_title(f"layer {layer + 1}, head {head + 1}", fontsize=8)
     fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight")
     fig.suptitle(title, fontsize=10)
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def check_plot_directory(directory: Path, source: Path | None = None) -> None:
