@@ -33,8 +33,8 @@ class Profile:
     sentences: int = option(64, "sources of the --xla-cpu-ab search", range=POSITIVE)
 
 
-def median_time(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
-    return statistics.median(timings(fn, repeats, warmup))
+def median_time(fn: Callable[[], object], repeats: int) -> float:
+    return statistics.median(timings(fn, repeats, warmup=2))
 
 
 def _parts(model, loss: Callable, causal, src, tgt, projection: tuple) -> dict[str, tuple]:
@@ -130,8 +130,7 @@ def jax_parts(cfg: TransformerConfig, batch: int, length: int, repeats: int, see
         grads = jax.jit(jax.grad(total, argnums=(0, 1, 2)))
         return median_time(lambda: jax.block_until_ready(grads(params, x, memory)), repeats)
 
-    # Each part differentiated with respect to its own parameters only: over the whole model, JAX
-    # would also write zero gradients for every other parameter (torch leaves them None).
+    # Each part differentiated by its own parameters: over the whole model JAX also writes zeros for the others.
     def projection_loss(m, x, memory):
         return loss((xla_cpu.attend if tuned else nnx.Embed.attend)(m, x) if cfg.tie_output else m(x))
 
