@@ -63,13 +63,6 @@ def build_spec(params: Mapping[str, np.ndarray], cfg: TransformerConfig, src_tok
         linear(target.linear[-1], f"{name}.out_proj")
         norm(target.layer_norm, f"{name}_norm")
 
-    def ffn(target, name):
-        linear(target.linear_0, f"{name}.ff.linear1")
-        linear(target.linear_1, f"{name}.ff.linear2")
-        if cfg.activation == "swiglu":
-            linear(target.linear_0_noact, f"{name}.ff.linear_gate")
-        norm(target.layer_norm, f"{name}.ff_norm")
-
     tgt_embed = p["src_embed.weight" if cfg.share_embeddings else "tgt_embed.weight"]
     sinusoids = sinusoidal_positions(cfg.max_len, cfg.d_model, halves=cfg.positions == "sinusoidal_halves").numpy()
     learned = cfg.positions == "learned"
@@ -79,10 +72,15 @@ def build_spec(params: Mapping[str, np.ndarray], cfg: TransformerConfig, src_tok
         if pre_norm:
             norm(target.layer_norm, f"{stack}.norm")
         for i, layer in enumerate(target.layer):
-            attention(layer.self_attention, f"{stack}.layers.{i}.self_attn", True)
+            name = f"{stack}.layers.{i}"
+            attention(layer.self_attention, f"{name}.self_attn", True)
             if stack == "decoder":
-                attention(layer.attention, f"{stack}.layers.{i}.cross_attn", False)
-            ffn(layer.ffn, f"{stack}.layers.{i}")
+                attention(layer.attention, f"{name}.cross_attn", False)
+            linear(layer.ffn.linear_0, f"{name}.ff.linear1")
+            linear(layer.ffn.linear_1, f"{name}.ff.linear2")
+            if cfg.activation == "swiglu":
+                linear(layer.ffn.linear_0_noact, f"{name}.ff.linear_gate")
+            norm(layer.ffn.layer_norm, f"{name}.ff_norm")
     spec.encoder.embeddings[0].weight = p["src_embed.weight"]
     spec.decoder.embeddings.weight = tgt_embed
     spec.decoder.projection.weight = tgt_embed if cfg.tie_output else p["out_proj.weight"]

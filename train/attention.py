@@ -41,8 +41,7 @@ BYTE_VALUES = _byte_values()
 
 
 def token_label(tokenizer, token_id: int) -> str:
-    """A token as readable text: specials by name, a leading space as ▁, bytes as UTF-8 (half a character:
-    \\xNN)."""
+    """A token as readable text: specials by name, a leading space as ▁, bytes as UTF-8 (half a character: \\xNN)."""
     token = tokenizer.id_to_token(int(token_id))
     if token is None:
         return f"<{int(token_id)}>"
