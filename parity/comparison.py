@@ -53,6 +53,11 @@ def enable_parity_numerics() -> None:
     torch.backends.cudnn.allow_tf32 = False
 
 
+def environment() -> dict:
+    """The device and the framework versions a report was measured with."""
+    return {"device": jax.devices()[0].device_kind, "versions": {"jax": jax.__version__, "torch": torch.__version__}}
+
+
 def random_batch(cfg: TransformerConfig, batch_size: int, src_len: int, tgt_len: int, seed: int) -> dict:
     """Token ids (int64) right-padded to random lengths, one row full, special ids only where they belong."""
     rng = np.random.default_rng(seed)
