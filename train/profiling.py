@@ -224,8 +224,7 @@ def xla_cpu_ab(cfg: TransformerConfig, batch: int, length: int, repeats: int, se
         sources[row, : n - 1], sources[row, n - 1] = rng.integers(4, cfg.src_vocab_size, n - 1), cfg.eos_id
     tx, eps = optax.adam(1e-4, b1=0.9, b2=0.98, eps=1e-9), (0.1, 0.0)
     runs, temporaries = {}, {}
-    for name in ("plain", "tuned"):
-        kernels = "xla_cpu" if name == "tuned" else "reference"
+    for name, kernels in (("plain", "reference"), ("tuned", "xla_cpu")):
         graphdef, params = nnx.split(jax_transformer.Transformer(cfg, kernels=kernels, rngs=nnx.Rngs(seed)))
 
         def step(state, graphdef=graphdef):
