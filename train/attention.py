@@ -91,15 +91,11 @@ class AttentionRecorder:
               file=sys.stderr)
 
 
-TITLE_CHARS = 80  # a title line's length before it wraps (at word boundaries only)
-CHAR_INCHES = 0.085  # width of one character at the titles' 10 points (DejaVu Sans, with margin)
-
-
 def _title(att: SentenceAttention, *lines: str) -> tuple[str, float]:
     """(the title: the sentence, → its translation, then `lines`; the inches it needs)."""
-    wrap = lambda text: textwrap.wrap(text, TITLE_CHARS, break_long_words=False, subsequent_indent="    ")
+    wrap = lambda text: textwrap.wrap(text, 80, break_long_words=False, subsequent_indent="    ")  # at word ends
     title = [*wrap(att.source), *wrap(f"→ {att.translation}"), *lines]
-    return "\n".join(title), 0.5 + CHAR_INCHES * max(map(len, title))
+    return "\n".join(title), 0.5 + 0.085 * max(map(len, title))  # 0.085 in: a character at 10 points, with margin
 
 
 def _heatmap(ax, weights: np.ndarray, att: SentenceAttention, x_labels: bool, y_labels: bool, fontsize: float):
