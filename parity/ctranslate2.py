@@ -16,8 +16,6 @@ from train import data, runtime
 from train.attention import output_tokens
 from train.data import spm
 
-NEVER_EMITTED_BIAS = -1.0e9  # on <pad> and <bos>: far below any logit, finite (no inf - inf)
-
 
 def vocabulary(tokenizer, size: int) -> list[str]:
     """Token strings by id: the special names, then the tokenizer's tokens (unique, as CTranslate2 needs)."""
@@ -85,7 +83,7 @@ def build_spec(params: Mapping[str, np.ndarray], cfg: TransformerConfig, src_tok
     spec.decoder.embeddings.weight = tgt_embed
     spec.decoder.projection.weight = tgt_embed if cfg.tie_output else p["out_proj.weight"]
     bias = p.get("logits_bias", np.zeros(cfg.tgt_vocab_size, np.float32)).copy()
-    bias[[PAD_ID, BOS_ID]] += NEVER_EMITTED_BIAS
+    bias[[PAD_ID, BOS_ID]] -= 1e9  # never emitted: far below any logit, finite (no inf - inf)
     spec.decoder.projection.bias = bias
 
     spec.config.layer_norm_epsilon = cfg.layer_norm_eps
