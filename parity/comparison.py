@@ -77,7 +77,6 @@ def random_batch(cfg: TransformerConfig, batch_size: int, src_len: int, tgt_len:
 
 
 def _diff(a: np.ndarray, b: np.ndarray, scale: np.ndarray | None = None) -> dict:
-    """max |a-b| and ||a-b|| / ||scale|| with `scale` the reference `b` unless given."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     norm = np.linalg.norm(b if scale is None else np.asarray(scale, np.float64))
     return {"max_abs": float(np.abs(a - b).max()),

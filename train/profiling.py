@@ -121,7 +121,6 @@ def jax_parts(cfg: TransformerConfig, batch: int, length: int, repeats: int, see
         return label_smoothed_cross_entropy(logits, ids, cfg.pad_id, 0.1)
 
     def timed_grad(module, fn):
-        """Median seconds of jit(grad(sum(fn(module, x, memory)))) over the module's params and the inputs."""
         graphdef, params = nnx.split(module)
 
         def total(params, x, memory):
@@ -142,7 +141,6 @@ def jax_parts(cfg: TransformerConfig, batch: int, length: int, repeats: int, see
     state = [(params, tx.init(params))]  # donated to each update and replaced by its result, as the backend's step
 
     def timed_update(grads_of: Callable, *args) -> float:
-        """Median seconds of a jitted Adam update of `state` by `grads_of(params, *args)`."""
         @functools.partial(jax.jit, donate_argnums=0)
         def update(state, *args):
             params, opt_state = state
