@@ -104,8 +104,7 @@ def fixed_batches(cfg: TransformerConfig, batch_size: int, length: int, count: i
 
 
 def _rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def _peak_rss_mib() -> float:
@@ -120,8 +119,7 @@ def _peak_rss_mib() -> float:
 def _reset_peak_rss() -> bool:
     """Restart the peak (VmHWM) from the current resident memory (Linux >= 4.0); False where unsupported."""
     try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
+        Path("/proc/self/clear_refs").write_text("5")
         return True
     except OSError:
         return False
