@@ -53,6 +53,11 @@ def enable_parity_numerics() -> None:
     torch.backends.cudnn.allow_tf32 = False
 
 
+def environment() -> dict:
+    """The device and the framework versions a report was measured with."""
+    return {"device": jax.devices()[0].device_kind, "versions": {"jax": jax.__version__, "torch": torch.__version__}}
+
+
 def random_batch(cfg: TransformerConfig, batch_size: int, src_len: int, tgt_len: int, seed: int) -> dict:
     """Token ids (int64) right-padded to random lengths, one row full, special ids only where they belong."""
     rng = np.random.default_rng(seed)
@@ -72,7 +77,6 @@ def random_batch(cfg: TransformerConfig, batch_size: int, src_len: int, tgt_len:
 
 
 def _diff(a: np.ndarray, b: np.ndarray, scale: np.ndarray | None = None) -> dict:
-    """max |a-b| and ||a-b|| / ||scale|| with `scale` the reference `b` unless given."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     norm = np.linalg.norm(b if scale is None else np.asarray(scale, np.float64))
     return {"max_abs": float(np.abs(a - b).max()),
@@ -85,13 +89,13 @@ def gradient_scale_key(key: str) -> str:
     return key.replace(".k_proj.bias", ".k_proj.weight") if key.endswith(".k_proj.bias") else key
 
 
-def compare(torch_model: torch_reference.Transformer, jax_model, batch: dict, smoothing: float = 0.1) -> dict:
-    """Logits, loss and every parameter's gradient of the two models on one batch."""
+def compare(torch_model: torch_reference.Transformer, jax_model, batch: dict) -> dict:
+    """Logits, loss (label smoothing 0.1, the paper's) and every parameter's gradient of the two models on one batch."""
     cfg = torch_model.cfg
     t = {k: torch.from_numpy(v) for k, v in batch.items()}
     torch_model.zero_grad()
     torch_logits = torch_model(t["src"], t["tgt_in"])
-    loss_t = torch_loss(torch_logits, t["tgt_out"], cfg.pad_id, smoothing)
+    loss_t = torch_loss(torch_logits, t["tgt_out"], cfg.pad_id, 0.1)
     loss_t.backward()
     torch_grads = {k: p.grad for k, p in torch_model.named_parameters()}
 
@@ -99,7 +103,7 @@ def compare(torch_model: torch_reference.Transformer, jax_model, batch: dict, sm
 
     def loss_fn(model):
         logits = model(j["src"], j["tgt_in"], deterministic=True)
-        return jax_loss(logits, j["tgt_out"], cfg.pad_id, smoothing), logits
+        return jax_loss(logits, j["tgt_out"], cfg.pad_id, 0.1), logits
 
     (loss_j, jax_logits), grads = nnx.jit(nnx.value_and_grad(loss_fn, has_aux=True))(jax_model)
     flat = {jax_key(p): np.asarray(v[...]) for p, v in nnx.to_flat_state(grads)}
@@ -128,8 +132,7 @@ def relu_inputs_near_kink(torch_model: torch_reference.Transformer, batch: dict,
     return {"radius": radius, "units": int(sum(int((x < radius).sum()) for x in inputs)), "closest": closest}
 
 
-def run_check(cfg: TransformerConfig, batch_size: int = 8, src_len: int = 23, tgt_len: int = 17,
-              seed: int = 0, smoothing: float = 0.1) -> dict:
+def run_check(cfg: TransformerConfig, batch_size: int = 8, src_len: int = 23, tgt_len: int = 17, seed: int = 0) -> dict:
     """Logits, loss and gradient differences of the frameworks for one random model; with ReLU inputs at the
     kink, the gradients also on the smooth path (exact GELU), so every other operation is held to the bound."""
     enable_parity_numerics()
@@ -137,7 +140,7 @@ def run_check(cfg: TransformerConfig, batch_size: int = 8, src_len: int = 23, tg
     torch.manual_seed(seed)
     torch_model = torch_reference.Transformer(cfg)
     batch = random_batch(cfg, batch_size, src_len, tgt_len, seed)
-    report = compare(torch_model, torch_to_jax(torch_model), batch, smoothing)
+    report = compare(torch_model, torch_to_jax(torch_model), batch)
     report["num_parameters"] = sum(p.numel() for p in torch_model.parameters())
     report["batch"] = {"batch_size": batch_size, "src_len": src_len, "tgt_len": tgt_len, "seed": seed}
     if cfg.activation == "relu":
@@ -145,7 +148,7 @@ def run_check(cfg: TransformerConfig, batch_size: int = 8, src_len: int = 23, tg
         if report["relu_kink"]["units"]:
             smooth = torch_reference.Transformer(cfg.replace(activation="gelu"))
             smooth.load_state_dict(torch_model.state_dict())
-            report["smooth_path_grads"] = compare(smooth, torch_to_jax(smooth), batch, smoothing)["grads"]
+            report["smooth_path_grads"] = compare(smooth, torch_to_jax(smooth), batch)["grads"]
     return report
 
 

@@ -53,7 +53,7 @@ class Conversion:
     proof_sentences: str | None = option(
         None, "with --run-dir or --to marian/ctranslate2: the sentences the result is checked on, read back by its own "
         f"runtime against the run (default: the run's first {proof.SENTENCES} validation sources); the figures go to "
-        f"the export's {proof.PROOF_FILE}", metavar="FILE")
+        f"the export's {runtime.PROOF_FILE}", metavar="FILE")
     overwrite: bool = option(False, "replace an existing destination")
 
     def check(self) -> None:
@@ -116,9 +116,9 @@ def convert(c: Conversion) -> str:
 
 def _proved(dst: Path, whose: str) -> str:
     """What the proof written into `dst` found, against `whose` translations."""
-    checked = runtime.read_json(dst / proof.PROOF_FILE)
+    checked = runtime.read_json(dst / runtime.PROOF_FILE)
     return (f"{checked['greedy_agreement']:.1%} of {checked['sentences']} greedy translations equal {whose}'s, "
-            f"logits within {checked['max_abs_logit_diff']:.1e} ({proof.PROOF_FILE})")
+            f"logits within {checked['max_abs_logit_diff']:.1e} ({runtime.PROOF_FILE})")
 
 
 def _check_weights_destination(src: Path, dst: Path, to: str) -> None:

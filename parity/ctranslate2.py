@@ -16,8 +16,6 @@ from train import data, runtime
 from train.attention import output_tokens
 from train.data import spm
 
-NEVER_EMITTED_BIAS = -1.0e9  # on <pad> and <bos>: far below any logit, finite (no inf - inf)
-
 
 def vocabulary(tokenizer, size: int) -> list[str]:
     """Token strings by id: the special names, then the tokenizer's tokens (unique, as CTranslate2 needs)."""
@@ -63,13 +61,6 @@ def build_spec(params: Mapping[str, np.ndarray], cfg: TransformerConfig, src_tok
         linear(target.linear[-1], f"{name}.out_proj")
         norm(target.layer_norm, f"{name}_norm")
 
-    def ffn(target, name):
-        linear(target.linear_0, f"{name}.ff.linear1")
-        linear(target.linear_1, f"{name}.ff.linear2")
-        if cfg.activation == "swiglu":
-            linear(target.linear_0_noact, f"{name}.ff.linear_gate")
-        norm(target.layer_norm, f"{name}.ff_norm")
-
     tgt_embed = p["src_embed.weight" if cfg.share_embeddings else "tgt_embed.weight"]
     sinusoids = sinusoidal_positions(cfg.max_len, cfg.d_model, halves=cfg.positions == "sinusoidal_halves").numpy()
     learned = cfg.positions == "learned"
@@ -79,15 +70,20 @@ def build_spec(params: Mapping[str, np.ndarray], cfg: TransformerConfig, src_tok
         if pre_norm:
             norm(target.layer_norm, f"{stack}.norm")
         for i, layer in enumerate(target.layer):
-            attention(layer.self_attention, f"{stack}.layers.{i}.self_attn", True)
+            name = f"{stack}.layers.{i}"
+            attention(layer.self_attention, f"{name}.self_attn", True)
             if stack == "decoder":
-                attention(layer.attention, f"{stack}.layers.{i}.cross_attn", False)
-            ffn(layer.ffn, f"{stack}.layers.{i}")
+                attention(layer.attention, f"{name}.cross_attn", False)
+            linear(layer.ffn.linear_0, f"{name}.ff.linear1")
+            linear(layer.ffn.linear_1, f"{name}.ff.linear2")
+            if cfg.activation == "swiglu":
+                linear(layer.ffn.linear_0_noact, f"{name}.ff.linear_gate")
+            norm(layer.ffn.layer_norm, f"{name}.ff_norm")
     spec.encoder.embeddings[0].weight = p["src_embed.weight"]
     spec.decoder.embeddings.weight = tgt_embed
     spec.decoder.projection.weight = tgt_embed if cfg.tie_output else p["out_proj.weight"]
     bias = p.get("logits_bias", np.zeros(cfg.tgt_vocab_size, np.float32)).copy()
-    bias[[PAD_ID, BOS_ID]] += NEVER_EMITTED_BIAS
+    bias[[PAD_ID, BOS_ID]] -= 1e9  # never emitted: far below any logit, finite (no inf - inf)
     spec.decoder.projection.bias = bias
 
     spec.config.layer_norm_epsilon = cfg.layer_norm_eps

@@ -24,7 +24,6 @@ from train.interop.marian import side_orders
 
 from .ctranslate2 import Translator, same_output, tokens
 
-PROOF_FILE = runtime.PROOF_FILE
 SENTENCES = 32  # validation sources proved on: enough to cover the vocabulary's common rows, fast on a CPU
 # A float32 export computes the run's function with other kernels: the twins' own logits bound, every greedy alike.
 MAX_LOGIT_DIFF = 1e-4
@@ -79,9 +78,9 @@ def prove(export_dir: Path, ours: Sequence[list[int]], theirs: Sequence[list[int
         raise runtime.UserError(f"the {kind} export does not compute what the run computes: greedy agreement "
                                 f"{agree:.1%} (bound {MIN_AGREEMENT:.0%}), largest logit difference {diff:.2e} "
                                 f"(bound {MAX_LOGIT_DIFF:.0e}) on {len(sentences)} sentences; nothing was written")
-    runtime.write_json_atomic(export_dir / PROOF_FILE, proof)
+    runtime.write_json_atomic(export_dir / runtime.PROOF_FILE, proof)
     line = (f"Checked at export: {agree:.1%} of {len(sentences)} greedy translations equal the run's, logits "
-            f"within {diff:.1e} ({PROOF_FILE}).\n")
+            f"within {diff:.1e} ({runtime.PROOF_FILE}).\n")
     readme = export_dir / "README.md"
     runtime.write_text_atomic(readme, (readme.read_text("utf-8") if readme.is_file() else "") + line)
     return proof

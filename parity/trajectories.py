@@ -7,6 +7,7 @@ import dataclasses
 import math
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,8 +61,8 @@ class Trajectory:
             raise OptionError("{} " + f"{self.switch} must be below " + "{} " + f"{self.steps}", "switch", "steps")
 
 
-def prepare(cfg) -> tuple[TransformerConfig, Any]:
-    """(model config, (splits, tokenizers)) for `cfg`: the corpus and BPE as train.loop builds them."""
+def prepare(cfg) -> tuple[TransformerConfig, Callable[[], Any]]:
+    """(model config, a function making a new batcher of the training data) for `cfg`, as train.loop builds them."""
     if getattr(cfg, "dtype", "float32") != "float32":
         raise ValueError("parity is measured in float32")
     splits = data.load_splits(cfg)
@@ -69,7 +70,7 @@ def prepare(cfg) -> tuple[TransformerConfig, Any]:
     model_cfg = cfg.model_config(tokenizers.src.get_vocab_size(), tokenizers.tgt.get_vocab_size())
     if model_cfg.dropout or model_cfg.attention_dropout or model_cfg.activation_dropout:
         raise ValueError("parity needs dropout off: dropout streams cannot be matched across frameworks")
-    return model_cfg, (splits, tokenizers)
+    return model_cfg, lambda: make_batcher(cfg, tokenizers, splits.train)
 
 
 def one_ulp_away(state: TrainingState, seed: int = 1) -> TrainingState:
@@ -151,9 +152,8 @@ class Comparison:
                 "per_step": per, "final_per_parameter": self.final["per_parameter"]}
 
 
-def _switch(run: Run, cfg, model_cfg, prepared, workdir: Path) -> tuple[Run, bool]:
+def _switch(run: Run, cfg, model_cfg, new_batcher: Callable[[], Any], workdir: Path) -> tuple[Run, bool]:
     """`run`'s checkpoint saved, converted and restored in the other framework: (that run, whether bit-exact)."""
-    splits, tokenizers = prepared
     src, other = run.name, "torch" if run.name == "jax" else "jax"
     src_cfg = cfg.replace(backend=src)
     before = convert_state(run.backend.export_state(), other, model_cfg)
@@ -162,7 +162,7 @@ def _switch(run: Run, cfg, model_cfg, prepared, workdir: Path) -> tuple[Run, boo
     convert_checkpoints(src_cfg, model_cfg, workdir / src, dst_dir, to=other)
     backend = create_backend(cfg.replace(backend=other), model_cfg, str(dst_dir))
     meta = backend.restore("latest")
-    batcher = make_batcher(cfg, tokenizers, splits.train)
+    batcher = new_batcher()
     batcher.restore(meta["data"])
     exact = not before.differences(backend.export_state())
     return Run(f"{src}→{other}", backend, batcher), exact
@@ -173,8 +173,7 @@ def run_trajectory(cfg, initial: TrainingState, steps: int | None = None, switch
     """The report (unjudged: `failures`) of `steps` updates in both frameworks in lockstep from `initial`, plus
     the switched runs where 0 < switch < steps, plus torch one ulp away with `control` (`parity_report` runs it)."""
     steps = steps or cfg.steps
-    model_cfg, prepared = prepared or prepare(cfg)
-    splits, tokenizers = prepared
+    model_cfg, new_batcher = prepared or prepare(cfg)
     comparisons = [Comparison("jax vs torch", "jax", "torch")]
     if control:
         comparisons.append(Comparison("torch (init 1 ulp away) vs torch", "torch+1ulp", "torch", bounded=False))
@@ -189,7 +188,7 @@ def run_trajectory(cfg, initial: TrainingState, steps: int | None = None, switch
         for name, backend in backends.items():  # one set of initial weights, moved by the conversion
             state = one_ulp_away(initial) if name == "torch+1ulp" else initial
             backend.import_state(convert_state(state, name.split("+")[0], model_cfg))
-        runs = {n: Run(n, b, make_batcher(cfg, tokenizers, splits.train)) for n, b in backends.items()}
+        runs = {n: Run(n, b, new_batcher()) for n, b in backends.items()}
         for step in range(1, steps + 1):
             for run in list(runs.values()):
                 assert run.step() == step
@@ -198,7 +197,7 @@ def run_trajectory(cfg, initial: TrainingState, steps: int | None = None, switch
                 c.record(step, runs, weights)
             if switch and step == switch and step < steps:
                 for src, other in (("jax", "torch"), ("torch", "jax")):
-                    new, exact = _switch(runs[src], cfg, model_cfg, prepared, workdir)
+                    new, exact = _switch(runs[src], cfg, model_cfg, new_batcher, workdir)
                     runs[new.name], conversions_exact[new.name] = new, exact
                     label = f"{src} {switch} + {other} {steps - switch} vs {other} {steps}"
                     comparisons.append(Comparison(label, new.name, other, switch))
@@ -244,9 +243,9 @@ def parity_report(cfg, steps: int | None = None, switch: int | None = None, cont
                   progress: bool = False) -> dict:
     """`run_trajectory`, judged; a ReLU model out of the parameter bound judged on its smooth path (exact GELU) too."""
     enable_parity_numerics()
-    model_cfg, prepared = prepare(cfg)
+    model_cfg, new_batcher = prepare(cfg)
     initial = create_backend(cfg.replace(backend="torch"), model_cfg).export_state()
-    report = run_trajectory(cfg, initial, steps, switch, control, progress, (model_cfg, prepared))
+    report = run_trajectory(cfg, initial, steps, switch, control, progress, (model_cfg, new_batcher))
     if _bound_failures(report)[1] and model_cfg.activation == "relu":
         if progress:
             print("  parameters exceed the bound with ReLU: running the smooth path (same weights, exact GELU)")

@@ -171,27 +171,26 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--out", required=True)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--multi30k", type=Path, default=MULTI30K, help="Multi30k's directory (train.de.gz, train.en.gz)")
+    g.set_defaults(run=lambda x: generate(x.pairs, x.out, x.seed, x.multi30k))
     m = sub.add_parser("measure", help="run a command; print its peak memory and times as JSON")
     m.add_argument("command", nargs=argparse.REMAINDER)
+    m.set_defaults(run=lambda x: measure(x.command[1:] if x.command[:1] == ["--"] else x.command))
     p = sub.add_parser("preprocess", help="pairs/s of the store's build of PREFIX.de/.en against encode_batch's")
     p.add_argument("prefix")
     p.add_argument("--store", required=True, help="the store directory to write (must not exist)")
+    p.set_defaults(run=lambda x: preprocess(x.prefix, x.store))
     b = sub.add_parser("batches", help="packed batches of 25,000 tokens per second (train.data.Batcher)")
     b.add_argument("store", help="a corpus store directory")
     b.add_argument("--count", type=int, default=500, help="batches to make (past a window's: its plan counted)")
+    b.set_defaults(run=lambda x: batches(x.store, count=x.count))
     a = sub.add_parser("gather", help="random batches of 25,000 tokens per second: .npy store against Arrow")
     a.add_argument("store", help="a corpus store directory")
+    a.set_defaults(run=lambda x: gather(x.store))
     args = parser.parse_args(argv)
-    if args.what == "generate":
-        return generate(args.pairs, args.out, args.seed, args.multi30k)
-    if args.what == "measure":
-        result = measure(args.command[1:] if args.command[:1] == ["--"] else args.command)
-    elif args.what == "preprocess":
-        result = preprocess(args.prefix, args.store)
-    else:
-        result = batches(args.store, count=args.count) if args.what == "batches" else gather(args.store)
-    print(json.dumps(result))
-    sys.exit(result.get("rc", 0))
+    result = args.run(args)
+    if result is not None:  # generate writes files, no figures
+        print(json.dumps(result))
+        sys.exit(result.get("rc", 0))
 
 
 if __name__ == "__main__":

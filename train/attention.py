@@ -5,18 +5,16 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-import tempfile
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from . import data
 from .backends import Translator
-from .runtime.files import write_bytes_atomic, write_error
+from .plots import save_figure
 from .runtime.replace import check_outside_runs
 
 
@@ -43,8 +41,7 @@ BYTE_VALUES = _byte_values()
 
 
 def token_label(tokenizer, token_id: int) -> str:
-    """A token as readable text: specials by name, a leading space as ▁, bytes as UTF-8 (half a character:
-    \\xNN)."""
+    """A token as readable text: specials by name, a leading space as ▁, bytes as UTF-8 (half a character: \\xNN)."""
     token = tokenizer.id_to_token(int(token_id))
     if token is None:
         return f"<{int(token_id)}>"
@@ -94,15 +91,11 @@ class AttentionRecorder:
               file=sys.stderr)
 
 
-TITLE_CHARS = 80  # a title line's length before it wraps (at word boundaries only)
-CHAR_INCHES = 0.085  # width of one character at the titles' 10 points (DejaVu Sans, with margin)
-
-
 def _title(att: SentenceAttention, *lines: str) -> tuple[str, float]:
     """(the title: the sentence, → its translation, then `lines`; the inches it needs)."""
-    wrap = lambda text: textwrap.wrap(text, TITLE_CHARS, break_long_words=False, subsequent_indent="    ")
+    wrap = lambda text: textwrap.wrap(text, 80, break_long_words=False, subsequent_indent="    ")  # at word ends
     title = [*wrap(att.source), *wrap(f"→ {att.translation}"), *lines]
-    return "\n".join(title), 0.5 + CHAR_INCHES * max(map(len, title))
+    return "\n".join(title), 0.5 + 0.085 * max(map(len, title))  # 0.085 in: a character at 10 points, with margin
 
 
 def _heatmap(ax, weights: np.ndarray, att: SentenceAttention, x_labels: bool, y_labels: bool, fontsize: float):
@@ -111,16 +104,6 @@ def _heatmap(ax, weights: np.ndarray, att: SentenceAttention, x_labels: bool, y_
     ax.set_yticks(range(len(att.tgt_tokens)), att.tgt_tokens if y_labels else [], fontsize=fontsize)
     ax.tick_params(length=2)
     return image
-
-
-def _save(fig, path: Path) -> None:
-    FigureCanvasAgg(fig)
-    with tempfile.TemporaryDirectory(prefix="aiayn-") as tmp:
-        try:
-            fig.savefig(Path(tmp) / path.name, format="png", dpi=100)
-        except Exception as err:  # a full disk, a read-only place: said of the plot, not of its temporary file
-            raise write_error(err, path) or err from None
-        write_bytes_atomic(path, (Path(tmp) / path.name).read_bytes())  # a plot is complete or absent
 
 
 def plot_sentence(att: SentenceAttention, path: Path) -> None:
@@ -135,7 +118,7 @@ def plot_sentence(att: SentenceAttention, path: Path) -> None:
     ax.set_ylabel("output")
     fig.colorbar(image, ax=ax, shrink=0.8, label="attention weight")
     fig.suptitle(title, fontsize=10)
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def plot_layers(att: SentenceAttention, path: Path) -> None:
@@ -153,7 +136,7 @@ def plot_layers(att: SentenceAttention, path: Path) -> None:
             ax.set_title(f"layer {layer + 1}, head {head + 1}", fontsize=8)
     fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight")
     fig.suptitle(title, fontsize=10)
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def check_plot_directory(directory: Path, source: Path | None = None) -> None:

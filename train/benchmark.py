@@ -14,6 +14,7 @@ import statistics
 import subprocess
 import sys
 import time
+import timeit
 from collections.abc import Callable
 from pathlib import Path
 
@@ -77,9 +78,6 @@ class Bench:
         return max(1, self.batch_tokens // self.length)
 
 
-_JAX_MATMUL_PRECISION = {"float32": "highest", "tf32": "tensorfloat32", "bfloat16": "default"}
-
-
 def step_flops(cfg: TransformerConfig, batch_size: int, src_len: int, tgt_len: int) -> int:
     """Model FLOPs of one training step: 3 x the forward pass (the backward costs two forwards), counting 2
     FLOPs per multiply-add of every matmul (projections 8D² a layer, feed-forward 4DF, 6DF for SwiGLU; attention
@@ -92,11 +90,11 @@ def step_flops(cfg: TransformerConfig, batch_size: int, src_len: int, tgt_len: i
     return 3 * batch_size * (encoder + decoder + tgt_len * 2 * D * V)
 
 
-def fixed_batches(cfg: TransformerConfig, batch_size: int, length: int, count: int, seed: int = 0):
+def fixed_batches(cfg: TransformerConfig, batch_size: int, length: int, count: int):
     """`count` dense batches (no padding) of random ids: every backend trains on these."""
     from .data import Batch
 
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(0)
     for _ in range(count):
         src = rng.integers(4, cfg.src_vocab_size, size=(batch_size, length), dtype=np.int32)
         tgt = rng.integers(4, cfg.tgt_vocab_size, size=(batch_size, length), dtype=np.int32)
@@ -106,8 +104,7 @@ def fixed_batches(cfg: TransformerConfig, batch_size: int, length: int, count: i
 
 
 def _rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def _peak_rss_mib() -> float:
@@ -122,8 +119,7 @@ def _peak_rss_mib() -> float:
 def _reset_peak_rss() -> bool:
     """Restart the peak (VmHWM) from the current resident memory (Linux >= 4.0); False where unsupported."""
     try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
+        Path("/proc/self/clear_refs").write_text("5")
         return True
     except OSError:
         return False
@@ -134,7 +130,8 @@ def set_precision(framework: str, precision: str) -> None:
     if framework == "jax":
         import jax
 
-        jax.config.update("jax_default_matmul_precision", _JAX_MATMUL_PRECISION[precision])
+        jax.config.update("jax_default_matmul_precision",
+                          {"float32": "highest", "tf32": "tensorfloat32", "bfloat16": "default"}[precision])
     else:
         import torch
 
@@ -143,26 +140,21 @@ def set_precision(framework: str, precision: str) -> None:
 
 
 def timings(fn: Callable[[], object], repeats: int, warmup: int = 0) -> list[float]:
-    """Seconds of each of `repeats` calls of `fn`, after `warmup` untimed calls."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return times
+    """Seconds of each of `repeats` calls of `fn` (garbage collection paused), after `warmup` untimed calls."""
+    timer = timeit.Timer(fn)
+    timer.repeat(warmup, 1)
+    return timer.repeat(repeats, 1)
 
 
-def matmul_peak_gflops(framework: str, precision: str = "float32", n: int | None = None, repeats: int = 10) -> float:
-    """The best throughput of an n x n matmul in this process at `precision`, GFLOP/s
+def matmul_peak_gflops(framework: str, precision: str) -> float:
+    """The best of 10 throughputs of an n x n matmul in this process at `precision`, GFLOP/s
     (n 2048 on a CPU, 8192 on a GPU, where smaller products leave the tensor cores idle)."""
     dtype_name = "bfloat16" if precision == "bfloat16" else "float32"
     if framework == "jax":
         import jax
         import jax.numpy as jnp
 
-        n = n or (2048 if jax.devices()[0].platform == "cpu" else 8192)
+        n = 2048 if jax.devices()[0].platform == "cpu" else 8192
         a = jax.random.normal(jax.random.key(0), (n, n), getattr(jnp, dtype_name))
         mm = jax.jit(lambda x, y: x @ y)
         run = lambda: mm(a, a).block_until_ready()
@@ -170,10 +162,10 @@ def matmul_peak_gflops(framework: str, precision: str = "float32", n: int | None
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        n = n or (8192 if device == "cuda" else 2048)
+        n = 8192 if device == "cuda" else 2048
         a = torch.randn(n, n, device=device, dtype=getattr(torch, dtype_name))
         run = lambda: (a @ a)[0, 0].item()
-    return 2 * n**3 / min(timings(run, repeats, warmup=1)) / 1e9
+    return 2 * n**3 / min(timings(run, 10, warmup=1)) / 1e9
 
 
 def run_worker(preset: str, backend: str, precision: str, remat: bool, batch_size: int, length: int,
@@ -191,8 +183,7 @@ def run_worker(preset: str, backend: str, precision: str, remat: bool, batch_siz
                            dtype="bfloat16" if precision == "bfloat16" else "float32", devices=devices)
     peak = matmul_peak_gflops(framework, precision)
     batches = list(fixed_batches(cfg, batch_size, length, 4))
-    # Memory counts from here: the model, its optimizer state (JAX makes it at creation, torch in
-    # the first step), gradients, activations and the runtime's buffers.
+    # Memory counts from here: model, optimizer state (torch's made in the first step), gradients, activations.
     initialize(exp)  # the process's settings (allocator, threads), as train.run applies them
     rss_base = _rss_mib()
     backend = create_backend(exp, cfg, None)
@@ -267,7 +258,7 @@ def write_plot(results: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def print_results(results: list[dict], batch_size: int, length: int, dropout: float, devices: int = 1) -> None:
+def print_results(results: list[dict], batch_size: int, length: int, dropout: float, devices: int) -> None:
     """`aiayn bench`'s table: one row per measurement, its step time against torch eager's."""
     print(f"\nmachine: {_cpu_name()}, {os.cpu_count()} CPUs; device {results[0]['device']}; batch {batch_size} x "
           f"{length} tokens per side over {devices} device(s); dropout {dropout}")

@@ -137,7 +137,7 @@ def read_lines(path: str | os.PathLike, max_chars: int = Limits().max_text_chars
 
 
 class ServedRun(contextlib.AbstractContextManager):
-    """`aiayn serve --run-dir RUN --port 0 ARGS` in a child process: `url` once it listens; `stop()`."""
+    """`aiayn serve --run-dir RUN --port 0 ARGS` in a child process: `url` once it listens; stopped on exit."""
 
     def __init__(self, run_dir: str | os.PathLike, *args: str, startup_s: float = 300.0):
         command = [sys.executable, "-m", "train.commands.serve", "--run-dir", str(run_dir), "--port", "0", *args]
@@ -160,13 +160,10 @@ class ServedRun(contextlib.AbstractContextManager):
             self.proc.wait()
             raise UserError(f"the server did not start: {''.join(self.log).strip() or 'no output'}")
 
-    def stop(self, timeout: float = 120.0) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout)
-
     def __exit__(self, *exc) -> None:
         if self.proc.poll() is None:
-            self.stop()
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(120)
 
 
 def cli_throughput(run_dir: str | os.PathLike, lines: Sequence[str], beam: int = 4) -> dict[str, Any]:

@@ -53,7 +53,6 @@ def plot_curves(history: dict[str, Any], path: str | Path, title: str = "") -> N
     """Draw `history` (results.json's) to `path` in the format its suffix names (`IMAGE_FORMATS`; PNG without one)."""
     train, valid = history.get("train") or [], history.get("valid") or []
     fig = Figure(figsize=(11, 7), layout="constrained")
-    FigureCanvasAgg(fig)
     axes = fig.subplots(2, 2)
     x_axes = [("step", "optimizer steps", 1), ("train_time_s", "training time (min)", 1 / 60)]  # key, label, scale
     for (loss_ax, bleu_ax), (x_key, x_label, scale) in zip(axes, x_axes):
@@ -78,9 +77,14 @@ def plot_curves(history: dict[str, Any], path: str | Path, title: str = "") -> N
             ax.grid(alpha=0.3)
     if title:  # a path with undecodable bytes (surrogate escapes) is shown with U+FFFD in their place
         fig.suptitle(title.encode("utf-8", "surrogateescape").decode("utf-8", "replace"))
-    path, image = Path(path), io.BytesIO()
-    fig.savefig(image, format=path.suffix[1:].lower() or "png", dpi=100)
-    write_bytes_atomic(path, image.getvalue())  # whole or not at all; a link at `path` is replaced
+    save_figure(fig, path)
+
+
+def save_figure(fig: Figure, path: str | Path) -> None:
+    """`fig` to `path` whole or not at all (a link there replaced), in the format its suffix names (PNG without)."""
+    image = io.BytesIO()
+    fig.savefig(image, format=Path(path).suffix[1:].lower() or "png", dpi=100)
+    write_bytes_atomic(path, image.getvalue())
 
 
 def run_title(results: dict[str, Any]) -> str:

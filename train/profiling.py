@@ -33,8 +33,8 @@ class Profile:
     sentences: int = option(64, "sources of the --xla-cpu-ab search", range=POSITIVE)
 
 
-def median_time(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
-    return statistics.median(timings(fn, repeats, warmup))
+def median_time(fn: Callable[[], object], repeats: int) -> float:
+    return statistics.median(timings(fn, repeats, warmup=2))
 
 
 def _parts(model, loss: Callable, causal, src, tgt, projection: tuple) -> dict[str, tuple]:
@@ -121,7 +121,6 @@ def jax_parts(cfg: TransformerConfig, batch: int, length: int, repeats: int, see
         return label_smoothed_cross_entropy(logits, ids, cfg.pad_id, 0.1)
 
     def timed_grad(module, fn):
-        """Median seconds of jit(grad(sum(fn(module, x, memory)))) over the module's params and the inputs."""
         graphdef, params = nnx.split(module)
 
         def total(params, x, memory):
@@ -130,8 +129,7 @@ def jax_parts(cfg: TransformerConfig, batch: int, length: int, repeats: int, see
         grads = jax.jit(jax.grad(total, argnums=(0, 1, 2)))
         return median_time(lambda: jax.block_until_ready(grads(params, x, memory)), repeats)
 
-    # Each part differentiated with respect to its own parameters only: over the whole model, JAX
-    # would also write zero gradients for every other parameter (torch leaves them None).
+    # Each part differentiated by its own parameters: over the whole model JAX also writes zeros for the others.
     def projection_loss(m, x, memory):
         return loss((xla_cpu.attend if tuned else nnx.Embed.attend)(m, x) if cfg.tie_output else m(x))
 
@@ -143,7 +141,6 @@ def jax_parts(cfg: TransformerConfig, batch: int, length: int, repeats: int, see
     state = [(params, tx.init(params))]  # donated to each update and replaced by its result, as the backend's step
 
     def timed_update(grads_of: Callable, *args) -> float:
-        """Median seconds of a jitted Adam update of `state` by `grads_of(params, *args)`."""
         @functools.partial(jax.jit, donate_argnums=0)
         def update(state, *args):
             params, opt_state = state
@@ -225,8 +222,7 @@ def xla_cpu_ab(cfg: TransformerConfig, batch: int, length: int, repeats: int, se
         sources[row, : n - 1], sources[row, n - 1] = rng.integers(4, cfg.src_vocab_size, n - 1), cfg.eos_id
     tx, eps = optax.adam(1e-4, b1=0.9, b2=0.98, eps=1e-9), (0.1, 0.0)
     runs, temporaries = {}, {}
-    for name in ("plain", "tuned"):
-        kernels = "xla_cpu" if name == "tuned" else "reference"
+    for name, kernels in (("plain", "reference"), ("tuned", "xla_cpu")):
         graphdef, params = nnx.split(jax_transformer.Transformer(cfg, kernels=kernels, rngs=nnx.Rngs(seed)))
 
         def step(state, graphdef=graphdef):

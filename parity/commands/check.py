@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import sys
 
-import jax
-import torch
-
 from train.options import build, command, run
 from train.runtime.files import json_text
 
-from ..comparison import Check, check
+from ..comparison import Check, check, environment
 
 
 def build_parser():
@@ -44,9 +41,8 @@ def report(options: Check) -> int:
             print(f"  bound exceeded: {line}")
     failed = any(r["failures"] for r in results.values())
     if options.json:
-        options.json.write(json_text({"preset": options.preset, "passed": not failed,
-                                      "device": jax.devices()[0].device_kind, "results": results,
-                                      "versions": {"jax": jax.__version__, "torch": torch.__version__}}))
+        options.json.write(json_text({"preset": options.preset, "passed": not failed, **environment(),
+                                      "results": results}))
     return 1 if failed else 0
 
 

@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import sys
 
-import jax
-import torch
-
 from train.config import FIELD_RANGES, ExperimentConfig
 from train.options import add_flags, build, command, run
 from train.runtime.files import json_text
 
+from ..comparison import environment
 from ..trajectories import BOUNDS, Trajectory, experiment_config, growth, growth_exponent, parity_report, plot
 
 
@@ -75,10 +73,9 @@ def main(argv: list[str] | None = None) -> int:
 def report(t: Trajectory, given: dict, argv: list[str] | None) -> int:
     """Train, compare and print `t` with the training settings `given` (and write its JSON and plot)."""
     settings = {k: v for k, v in given.items() if k in SETTINGS}
-    cfg = experiment_config(t.steps, **{**settings, "model": dict(settings.get("model", []))})
+    cfg = experiment_config(t.steps, **settings)
     result = parity_report(cfg, t.steps, t.switch, t.control, progress=True)
-    result.update(device=jax.devices()[0].device_kind, versions={"jax": jax.__version__, "torch": torch.__version__},
-                  command="aiayn trajectory " + " ".join(sys.argv[1:] if argv is None else argv))
+    result.update(environment(), command="aiayn trajectory " + " ".join(sys.argv[1:] if argv is None else argv))
     print_report(result)
     if t.json:
         t.json.write(json_text(result))

@@ -383,19 +383,19 @@ def test_attention_plots_onto_a_full_disk_or_a_read_only_place_are_one_line(smal
 
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS, errno.EACCES])
 def test_an_injected_write_error_in_an_attention_plot_is_one_line(tiny_torch_run, tmp_path, monkeypatch, capsys, code):
-    """Where no filesystem can be mounted: matplotlib's savefig fails as the OS would make it; an
-    older plot of the same name stays as it was."""
-    from matplotlib.figure import Figure
-
+    """Where no filesystem can be mounted: a plot's file, written beside the older plot of the same name,
+    fails as the OS would make it when swapped in; the older plot stays as it was."""
     plots = tmp_path / "plots"
     assert plot_attention(tiny_torch_run, plots, monkeypatch, capsys)[0] == 0
     before = files_of(plots)
+    real_replace = os.replace
 
-    def failing(self, fname, **kwargs):
-        Path(fname).write_bytes(b"half a png")  # what a write cut short leaves
-        raise OSError(code, os.strerror(code), str(fname))
+    def failing(src, dst, *args, **kwargs):
+        if Path(dst).parent == plots:
+            raise OSError(code, os.strerror(code), str(src))
+        return real_replace(src, dst, *args, **kwargs)
 
-    monkeypatch.setattr(Figure, "savefig", failing)
+    monkeypatch.setattr(os, "replace", failing)
     code_, _, err = plot_attention(tiny_torch_run, plots, monkeypatch, capsys)
     assert code_ == 1
     one_error_line(err, f"error: {plots / '0001.png'}: {os.strerror(code)}")
