@@ -17,7 +17,7 @@ from . import data, translation
 from .backends import Backend, create_backend, initialize
 from .config import BACKENDS, ExperimentConfig
 from .options import SAMPLING_FIELDS, Evaluation, OptionError, RunSelection, Sampling, Search, sampling_of
-from .runtime import CHECKPOINTS, UserError, read_experiment, read_run
+from .runtime import CHECKPOINTS, UserError, read_experiment, read_run, user_errors
 from .runtime.rundir import check_set_aside
 from .store import DIGEST_FILE, CheckpointError, parse_checkpoint
 from .translation import Hypothesis, score_pairs
@@ -227,13 +227,11 @@ def _load_one(run_dir: Path, checkpoint: str | int = "best", backend: str | None
     if backend is not None and backend != cfg.backend:
         raise UserError(f"{run_dir} is a {cfg.backend} run; for {backend}, convert it first: "
                         f"aiayn convert --to {backend} --run-dir {run_dir} --dst DIR")
-    try:  # a launch option the config refuses (devices=0) or the backend (a torch run on several devices)
+    with user_errors(TypeError, ValueError):  # a launch option the config (devices=0) or the backend refuses
         cfg = cfg.replace(**launch)
         if (cfg.devices or 1) > 1 and cfg.backend == "torch":  # the backend's own refusal speaks of training
             raise UserError(f"--devices {cfg.devices}: a torch run decodes on one device")
         initialize(cfg)  # the process's settings for its platform, before any device is touched
-    except (TypeError, ValueError) as err:
-        raise UserError(str(err)) from None
     checkpoint = parse_checkpoint(checkpoint)
     model_cfg, tokenizers = read_run(run_dir, cfg)
     model = create_backend(cfg, model_cfg, str(run_dir / CHECKPOINTS))
@@ -255,10 +253,8 @@ def fit(config: ExperimentConfig | dict[str, Any] | str | os.PathLike | None = N
     from .recipes import experiment
 
     if isinstance(config, ExperimentConfig):
-        try:
+        with user_errors(TypeError, ValueError):
             cfg, explicit = config.replace(**overrides), None  # every field that is set counts as given
-        except (TypeError, ValueError) as err:
-            raise UserError(str(err)) from None
     else:
         given = {**({"recipe": config} if isinstance(config, (str, os.PathLike)) else config or {}), **overrides}
         cfg, explicit = experiment(given)

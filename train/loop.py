@@ -59,10 +59,8 @@ def train(cfg: ExperimentConfig, *, explicit: Iterable[str] | None = None,
 
 def _train(cfg: ExperimentConfig, explicit: Iterable[str] | None, init_dir: str | Path | None,
            started: float) -> dict[str, Any]:
-    try:
+    with runtime.user_errors(ValueError):
         topology = initialize(cfg)  # first: jax.distributed.initialize precedes any device use
-    except ValueError as err:
-        raise UserError(str(err)) from None
     compiled_before = totals()  # this run's compilations: those after this point
     if topology.process_count > 1 and cfg.run_dir is None:
         raise UserError("a multi-process run needs --run-dir: one directory, the same for every process")
@@ -121,12 +119,9 @@ def setup(cfg: ExperimentConfig, topology: Topology, init_dir: str | Path | None
     write the run's first files (process 0) and build the backend, restored from the last
     checkpoint on --resume or holding the weights --init-from names."""
     run_dir = Path(cfg.run_dir)
-    try:
+    tokenizers = None  # new, or a resumed run stopped before its tokenizer was saved (FileNotFoundError)
+    with runtime.user_errors(ValueError), contextlib.suppress(FileNotFoundError):
         tokenizers = data.load_tokenizers(run_dir, cfg.joint_vocab) if cfg.resume else None
-    except FileNotFoundError:  # a run stopped before its tokenizer was saved
-        tokenizers = None
-    except ValueError as err:
-        raise UserError(str(err)) from None
     restored = cfg.resume and has_checkpoint(run_dir)  # --init-from's weights were the start of the checkpoints'
     initial = pretrained.load(init_dir or cfg.init_from, cfg) if cfg.init_from and not restored else None
     trained_tokenizers = tokenizers is None
@@ -185,10 +180,8 @@ def _resume(cfg: ExperimentConfig, backend: Backend, batcher: data.Batcher, topo
     if not backend.checkpoint_steps():
         say(f"{cfg.run_dir} has no checkpoint yet: starting at step 0 with its tokenizer")
         return _Log()
-    try:
+    with runtime.user_errors(CheckpointError):
         meta = backend.restore("latest")
-    except CheckpointError as err:
-        raise UserError(str(err)) from None
     _check_resumed(meta, cfg, batcher, topology)
     batcher.restore(meta["data"])
     say(f"resumed {cfg.run_dir} at step {backend.step}")

@@ -32,7 +32,7 @@ from torch_reference.objective import label_smoothed_cross_entropy, noam_learnin
 
 from ..config import ExperimentConfig, default_dtype, resolve_kernels
 from ..data import Batch
-from ..runtime import Interrupted, UserError
+from ..runtime import Interrupted, UserError, user_errors
 from ..runtime.files import error_text
 from ..store import TrainingState, check_arrays
 from ..store.torch_store import TorchStore
@@ -80,10 +80,8 @@ def launch(exp_cfg: ExperimentConfig, target, **kwargs):
     if (exp_cfg.devices or 1) == 1 or "WORLD_SIZE" in os.environ:
         yield
         return
-    try:
+    with user_errors(ValueError):
         initialize(exp_cfg)  # its checks, before any process starts
-    except ValueError as err:
-        raise UserError(str(err)) from None
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -14,7 +14,7 @@ from torch_reference.config import TransformerConfig
 
 from .. import data
 from ..config import RECIPE_FILE, ExperimentConfig
-from .files import UserError, say, write_json_atomic
+from .files import UserError, say, user_errors, write_json_atomic
 from .layout import (CHECKPOINTS, CONFIG_FILE, LOCK_FILE, MODEL_FILE, TENSORBOARD, experiment_of, read_experiment,
                      read_model_config)
 from .lock import RunLock
@@ -45,10 +45,8 @@ def session(cfg: ExperimentConfig, explicit: Iterable[str] | None = None, platfo
             if not (Path(source) / CONFIG_FILE).is_file():
                 raise UserError(f"--init-from {source}: not a run directory")
             origin = read_experiment(source)
-        try:
+        with user_errors(ValueError):
             cfg = cfg.replace(run_dir=str(run_dir)).resolve(platform, given=explicit, saved=saved, source=origin)
-        except ValueError as err:
-            raise UserError(str(err)) from None
         yield cfg
 
 
@@ -181,10 +179,8 @@ def check_model(run_dir: Path, cfg: ExperimentConfig, model_cfg: TransformerConf
 def read_run(run_dir: Path, cfg: ExperimentConfig) -> tuple[TransformerConfig, data.Tokenizers]:
     """The model and tokenizers of the run in `run_dir` (experiment `cfg`), checked by `check_model`; UserError."""
     model_cfg = read_model_config(run_dir)
-    try:
+    with user_errors(FileNotFoundError, ValueError):
         tokenizers = data.load_tokenizers(run_dir, cfg.joint_vocab)
-    except (FileNotFoundError, ValueError) as err:
-        raise UserError(str(err)) from None
     check_model(run_dir, cfg, model_cfg, tokenizers)
     return model_cfg, tokenizers
 
