@@ -193,13 +193,11 @@ def _finished(cfg: ExperimentConfig, step: int) -> dict[str, Any] | None:
     if not (cfg.resume and step >= cfg.steps):
         return None
     done = read_json(Path(cfg.run_dir) / RESULTS_FILE, default=None)
-    if isinstance(done, dict) and done.get("steps") == step:
-        say(f"{cfg.run_dir} has trained {step} steps (--steps {cfg.steps}): nothing to do; "
-            f"{RESULTS_FILE} left as it is (resume with a larger --steps to train on)")
-        return done
-    say(f"{cfg.run_dir} has trained {step} steps (--steps {cfg.steps}): nothing to train; "
-        "evaluating its last checkpoint (resume with a larger --steps to train on)")
-    return None
+    done = done if isinstance(done, dict) and done.get("steps") == step else None
+    say(f"{cfg.run_dir} has trained {step} steps (--steps {cfg.steps}): " + (
+        f"nothing to do; {RESULTS_FILE} left as it is" if done else "nothing to train; evaluating its last checkpoint")
+        + " (resume with a larger --steps to train on)")
+    return done
 
 
 def _check_resumed(meta: dict[str, Any], cfg: ExperimentConfig, batcher: data.Batcher, topology: Topology) -> None:
@@ -377,10 +375,10 @@ def fit(run: Training) -> None:
     cfg, backend, batcher, writer, log = run.cfg, run.backend, run.batcher, run.writer, run.log
     # Several processes must agree on the update to stop after: those of a backend that can ask the others.
     agreed = getattr(backend, "agreed_signal", None) if run.topology.process_count > 1 else None
-    with runtime.StopSignals(enabled=run.topology.process_count == 1 or agreed is not None) as stop:
+    with (runtime.StopSignals(enabled=run.topology.process_count == 1 or agreed is not None) as stop,
+          tqdm(total=cfg.steps, initial=backend.step, disable=not (cfg.progress and run.topology.is_main),
+               unit="step", dynamic_ncols=True, desc=cfg.backend) as bar):
         agreed = agreed or (lambda signum: signum)
-        bar = tqdm(total=cfg.steps, initial=backend.step, disable=not (cfg.progress and run.topology.is_main),
-                   unit="step", dynamic_ncols=True, desc=cfg.backend)
         pending: list = []  # metrics of the steps not yet read from the device
         window_tokens, window_start = 0, time.perf_counter()
         for step in range(backend.step + 1, cfg.steps + 1):
@@ -421,12 +419,10 @@ def fit(run: Training) -> None:
             if save_now:
                 _save(cfg, backend, batcher, evaluated, log)
             if stopping:
-                bar.close()
                 raise Interrupted(stop.requested, f"{signal.Signals(stop.requested).name}: stopped at step {step} of "
                                   f"{cfg.steps} with a checkpoint saved; continue with\n  {resume_command(cfg)}")
             if not pending:  # just logged: the next window starts now, after any evaluation or save
                 window_start = time.perf_counter()
-        bar.close()
 
 
 def finish(run: Training, started: float) -> dict[str, Any]:
