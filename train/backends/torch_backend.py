@@ -127,13 +127,11 @@ def _process(env: dict[str, str], target, exp_cfg: ExperimentConfig, kwargs: dic
 
 def _collective(call, *args):
     """A torch.distributed call; a peer gone (killed, crashed) ends this process in one line."""
-    if not dist.is_initialized():
-        return call(*args)
     try:
         return call(*args)
-    except torch.OutOfMemoryError:
-        raise
     except (RuntimeError, dist.DistError) as err:
+        if isinstance(err, torch.OutOfMemoryError) or not dist.is_initialized():  # its own failure, not a peer's
+            raise
         raise UserError(f"process {dist.get_rank()} of {dist.get_world_size()}: another process of the run stopped "
                         f"({type(err).__name__} in {getattr(call, '__name__', 'a collective')}); --resume continues "
                         "from the last checkpoint") from None
