@@ -222,8 +222,7 @@ def _tokenizer_bytes(run_dir: Path) -> dict[str, bytes]:
 
 
 def _load_one(run_dir: Path, checkpoint: str | int = "best", backend: str | None = None, **launch: Any) -> Run:
-    check_set_aside(run_dir)  # an --overwrite killed or still running: named, not half a run loaded
-    cfg = read_experiment(run_dir)
+    cfg, model_cfg, tokenizers = read_run(run_dir)
     if backend is not None and backend != cfg.backend:
         raise UserError(f"{run_dir} is a {cfg.backend} run; for {backend}, convert it first: "
                         f"aiayn convert --to {backend} --run-dir {run_dir} --dst DIR")
@@ -233,7 +232,6 @@ def _load_one(run_dir: Path, checkpoint: str | int = "best", backend: str | None
             raise UserError(f"--devices {cfg.devices}: a torch run decodes on one device")
         initialize(cfg)  # the process's settings for its platform, before any device is touched
     checkpoint = parse_checkpoint(checkpoint)
-    model_cfg, tokenizers = read_run(run_dir, cfg)
     model = create_backend(cfg, model_cfg, str(run_dir / CHECKPOINTS))
     try:
         meta = model.restore(checkpoint)

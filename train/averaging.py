@@ -43,10 +43,8 @@ def average_run(src: str | os.PathLike, dst: str | os.PathLike, last: int = 5, o
     """Average the newest `last` checkpoints of run `src` into a new run `dst`, whole or not at all; a summary."""
     Averaging(src, dst, last, overwrite)  # its checks: 0 would average every checkpoint, -1 all but the oldest
     src, dst = Path(src), Path(dst)
-    runtime.rundir.check_set_aside(src)
-    cfg = runtime.read_experiment(src)
+    cfg, model_cfg, _ = runtime.read_run(src)
     runtime.check_destination(dst, overwrite, src=src)
-    model_cfg, _ = runtime.read_run(src, cfg)
 
     with (runtime.user_errors(FileNotFoundError, CheckpointError),
           contextlib.closing(create_backend(cfg, model_cfg, str(src / runtime.CHECKPOINTS))) as reader):

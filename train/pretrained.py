@@ -51,8 +51,8 @@ def source_run(cfg: ExperimentConfig, scratch: contextlib.ExitStack) -> Path | N
 
 def load(source: str | Path, cfg: ExperimentConfig) -> Pretrained:
     """The best checkpoint's weights, the tokenizers and the model of `source`, a `cfg.backend` run (`source_run`)."""
-    saved, source = runtime.read_experiment(source), Path(source)
-    model_cfg, tokenizers = runtime.read_run(source, saved)
+    source = Path(source)
+    saved, model_cfg, tokenizers = runtime.read_run(source)
     try:
         with contextlib.closing(create_backend(saved, model_cfg, str(source / runtime.CHECKPOINTS))) as backend:
             backend.restore("best")

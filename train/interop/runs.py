@@ -89,9 +89,7 @@ def run_weights(run_dir: str | os.PathLike, checkpoint: str | int = "best") -> t
     """(weights in torch's layout as NumPy, config) of a run's checkpoint, whichever backend wrote it."""
     # Not through train.load: the library's setup imports this module (--init-from), so it stays below train.api.
     run_dir = Path(run_dir)
-    runtime.rundir.check_set_aside(run_dir)
-    cfg = runtime.read_experiment(run_dir)
-    model_cfg, _ = runtime.read_run(run_dir, cfg)
+    cfg, model_cfg, _ = runtime.read_run(run_dir)
     with contextlib.closing(create_backend(cfg, model_cfg, str(run_dir / runtime.CHECKPOINTS))) as backend:
         backend.restore(store.parse_checkpoint(checkpoint))
         state = convert_state(backend.export_state(), "torch", model_cfg)

@@ -176,13 +176,15 @@ def check_model(run_dir: Path, cfg: ExperimentConfig, model_cfg: TransformerConf
                             "files of the run do not describe one model (edited by hand?)")
 
 
-def read_run(run_dir: Path, cfg: ExperimentConfig) -> tuple[TransformerConfig, data.Tokenizers]:
-    """The model and tokenizers of the run in `run_dir` (experiment `cfg`), checked by `check_model`; UserError."""
+def read_run(run_dir: Path) -> tuple[ExperimentConfig, TransformerConfig, data.Tokenizers]:
+    """The experiment, model and tokenizers of the run in `run_dir`, checked (`check_set_aside`, `check_model`)."""
+    check_set_aside(run_dir)
+    cfg = read_experiment(run_dir)
     model_cfg = read_model_config(run_dir)
     with user_errors(FileNotFoundError, ValueError):
         tokenizers = data.load_tokenizers(run_dir, cfg.joint_vocab)
     check_model(run_dir, cfg, model_cfg, tokenizers)
-    return model_cfg, tokenizers
+    return cfg, model_cfg, tokenizers
 
 
 def check_checkpoint_config(meta: Mapping[str, Any], cfg: ExperimentConfig) -> None:
