@@ -161,10 +161,9 @@ def load(run_dir: str | os.PathLike | Sequence[str | os.PathLike] | RunSelection
         selection = run_dir
     else:
         launch_fields = {"coordinator_address", "num_processes", "process_id"}  # RunSelection's
-        for name in launch:  # a TypeError from RunSelection would name it, not load, and be no UserError
-            if name not in launch_fields:
-                raise UserError(f"load() got an unexpected keyword argument {name!r} (launch options: "
-                                f"{', '.join(sorted(launch_fields))})")
+        if unknown := sorted(set(launch) - launch_fields):  # RunSelection's TypeError would be no UserError
+            raise UserError(f"load() got an unexpected keyword argument {unknown[0]!r} (launch options: "
+                            f"{', '.join(sorted(launch_fields))})")
         selection = RunSelection(run_dir, checkpoint, average, devices, **launch)
     if backend not in (None, *BACKENDS):  # not a framework to convert the run to
         raise OptionError("{} " + f"must be one of {', '.join(BACKENDS)} (None: the run's own), got {backend!r}",

@@ -164,10 +164,8 @@ def check_model(run_dir: Path, cfg: ExperimentConfig, model_cfg: TransformerConf
     sizes = tokenizers.src.get_vocab_size(), tokenizers.tgt.get_vocab_size()
     sources = {f"{run_dir / CONFIG_FILE} with the tokenizer": cfg}
     for step, saved in sorted(saved_experiments(run_dir / CHECKPOINTS).items()):
-        try:
+        with contextlib.suppress(TypeError, ValueError):  # an older checkpoint's fields: checked when its weights load
             sources[f"the experiment saved in checkpoint {step}"] = experiment_of(saved)
-        except (TypeError, ValueError):
-            continue  # an older checkpoint's fields: its weights' shapes are checked when it loads
     for where, experiment in sources.items():
         rebuilt = experiment.model_config(*sizes)
         if differ := [k for k, v in model_cfg.to_dict().items() if getattr(rebuilt, k) != v]:
