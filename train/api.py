@@ -187,19 +187,13 @@ def _load_ensemble(run_dirs: list[Path], checkpoint: str | int, backend: str | N
         if _tokenizer_bytes(run_dir) != _tokenizer_bytes(run_dirs[0]):
             raise UserError(f"{run_dir} has another vocabulary than {run_dirs[0]} (its tokenizer files differ): an "
                             "ensemble's runs must share their tokenizers")
-    runs: list[Run] = []
-    try:
-        for run_dir in run_dirs:
-            runs.append(_load_one(run_dir, checkpoint, backend, **launch))
-        head, rest = runs[0], runs[1:]
+    with contextlib.ExitStack() as loaded:  # on an error every run loaded so far is closed
+        head, *rest = (loaded.enter_context(_load_one(run_dir, checkpoint, backend, **launch)) for run_dir in run_dirs)
         try:
             head.backend.ensemble([r.backend for r in rest], average)
         except ValueError as err:  # vocabulary sizes or special ids the tokenizer files did not show
             raise UserError(f"{' + '.join(map(str, run_dirs))}: {err}") from None
-    except BaseException:
-        for run in runs:
-            run.close()
-        raise
+        loaded.pop_all()
     return dataclasses.replace(head, members=rest)
 
 
