@@ -225,12 +225,10 @@ def _load_one(run_dir: Path, checkpoint: str | int = "best", backend: str | None
             raise UserError(f"--devices {cfg.devices}: a torch run decodes on one device")
         initialize(cfg)  # the process's settings for its platform, before any device is touched
     checkpoint = parse_checkpoint(checkpoint)
-    model = create_backend(cfg, model_cfg, str(run_dir / CHECKPOINTS))
-    try:
+    with contextlib.ExitStack() as on_error, user_errors(FileNotFoundError, CheckpointError):
+        model = on_error.enter_context(contextlib.closing(create_backend(cfg, model_cfg, str(run_dir / CHECKPOINTS))))
         meta = model.restore(checkpoint)
-    except (FileNotFoundError, CheckpointError) as err:
-        model.close()
-        raise UserError(str(err)) from None
+        on_error.pop_all()  # restored: the Run closes it
     return Run(run_dir, cfg, model_cfg, tokenizers, model, meta)
 
 
