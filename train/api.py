@@ -17,7 +17,7 @@ from . import data, translation
 from .backends import Backend, create_backend, initialize
 from .config import BACKENDS, ExperimentConfig
 from .options import SAMPLING_FIELDS, Evaluation, OptionError, RunSelection, Sampling, Search, sampling_of
-from .runtime import CHECKPOINTS, UserError, read_experiment, read_run
+from .runtime import CHECKPOINTS, UserError, read_experiment, read_run, user_errors
 from .runtime.rundir import check_set_aside
 from .store import DIGEST_FILE, CheckpointError, parse_checkpoint
 from .translation import Hypothesis, score_pairs
@@ -161,10 +161,9 @@ def load(run_dir: str | os.PathLike | Sequence[str | os.PathLike] | RunSelection
         selection = run_dir
     else:
         launch_fields = {"coordinator_address", "num_processes", "process_id"}  # RunSelection's
-        for name in launch:  # a TypeError from RunSelection would name it, not load, and be no UserError
-            if name not in launch_fields:
-                raise UserError(f"load() got an unexpected keyword argument {name!r} (launch options: "
-                                f"{', '.join(sorted(launch_fields))})")
+        if unknown := sorted(set(launch) - launch_fields):  # RunSelection's TypeError would be no UserError
+            raise UserError(f"load() got an unexpected keyword argument {unknown[0]!r} (launch options: "
+                            f"{', '.join(sorted(launch_fields))})")
         selection = RunSelection(run_dir, checkpoint, average, devices, **launch)
     if backend not in (None, *BACKENDS):  # not a framework to convert the run to
         raise OptionError("{} " + f"must be one of {', '.join(BACKENDS)} (None: the run's own), got {backend!r}",
@@ -188,19 +187,13 @@ def _load_ensemble(run_dirs: list[Path], checkpoint: str | int, backend: str | N
         if _tokenizer_bytes(run_dir) != _tokenizer_bytes(run_dirs[0]):
             raise UserError(f"{run_dir} has another vocabulary than {run_dirs[0]} (its tokenizer files differ): an "
                             "ensemble's runs must share their tokenizers")
-    runs: list[Run] = []
-    try:
-        for run_dir in run_dirs:
-            runs.append(_load_one(run_dir, checkpoint, backend, **launch))
-        head, rest = runs[0], runs[1:]
+    with contextlib.ExitStack() as loaded:  # on an error every run loaded so far is closed
+        head, *rest = (loaded.enter_context(_load_one(run_dir, checkpoint, backend, **launch)) for run_dir in run_dirs)
         try:
             head.backend.ensemble([r.backend for r in rest], average)
         except ValueError as err:  # vocabulary sizes or special ids the tokenizer files did not show
             raise UserError(f"{' + '.join(map(str, run_dirs))}: {err}") from None
-    except BaseException:
-        for run in runs:
-            run.close()
-        raise
+        loaded.pop_all()
     return dataclasses.replace(head, members=rest)
 
 
@@ -222,26 +215,20 @@ def _tokenizer_bytes(run_dir: Path) -> dict[str, bytes]:
 
 
 def _load_one(run_dir: Path, checkpoint: str | int = "best", backend: str | None = None, **launch: Any) -> Run:
-    check_set_aside(run_dir)  # an --overwrite killed or still running: named, not half a run loaded
-    cfg = read_experiment(run_dir)
+    cfg, model_cfg, tokenizers = read_run(run_dir)
     if backend is not None and backend != cfg.backend:
         raise UserError(f"{run_dir} is a {cfg.backend} run; for {backend}, convert it first: "
                         f"aiayn convert --to {backend} --run-dir {run_dir} --dst DIR")
-    try:  # a launch option the config refuses (devices=0) or the backend (a torch run on several devices)
+    with user_errors(TypeError, ValueError):  # a launch option the config (devices=0) or the backend refuses
         cfg = cfg.replace(**launch)
         if (cfg.devices or 1) > 1 and cfg.backend == "torch":  # the backend's own refusal speaks of training
             raise UserError(f"--devices {cfg.devices}: a torch run decodes on one device")
         initialize(cfg)  # the process's settings for its platform, before any device is touched
-    except (TypeError, ValueError) as err:
-        raise UserError(str(err)) from None
     checkpoint = parse_checkpoint(checkpoint)
-    model_cfg, tokenizers = read_run(run_dir, cfg)
-    model = create_backend(cfg, model_cfg, str(run_dir / CHECKPOINTS))
-    try:
+    with contextlib.ExitStack() as on_error, user_errors(FileNotFoundError, CheckpointError):
+        model = on_error.enter_context(contextlib.closing(create_backend(cfg, model_cfg, str(run_dir / CHECKPOINTS))))
         meta = model.restore(checkpoint)
-    except (FileNotFoundError, CheckpointError) as err:
-        model.close()
-        raise UserError(str(err)) from None
+        on_error.pop_all()  # restored: the Run closes it
     return Run(run_dir, cfg, model_cfg, tokenizers, model, meta)
 
 
@@ -255,10 +242,8 @@ def fit(config: ExperimentConfig | dict[str, Any] | str | os.PathLike | None = N
     from .recipes import experiment
 
     if isinstance(config, ExperimentConfig):
-        try:
+        with user_errors(TypeError, ValueError):
             cfg, explicit = config.replace(**overrides), None  # every field that is set counts as given
-        except (TypeError, ValueError) as err:
-            raise UserError(str(err)) from None
     else:
         given = {**({"recipe": config} if isinstance(config, (str, os.PathLike)) else config or {}), **overrides}
         cfg, explicit = experiment(given)

@@ -3,6 +3,7 @@ in float64 rounded once (alike bit for bit in either backend), at the newest one
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from collections.abc import Sequence
@@ -42,13 +43,11 @@ def average_run(src: str | os.PathLike, dst: str | os.PathLike, last: int = 5, o
     """Average the newest `last` checkpoints of run `src` into a new run `dst`, whole or not at all; a summary."""
     Averaging(src, dst, last, overwrite)  # its checks: 0 would average every checkpoint, -1 all but the oldest
     src, dst = Path(src), Path(dst)
-    runtime.rundir.check_set_aside(src)
-    cfg = runtime.read_experiment(src)
+    cfg, model_cfg, _ = runtime.read_run(src)
     runtime.check_destination(dst, overwrite, src=src)
-    model_cfg, _ = runtime.read_run(src, cfg)
 
-    reader = create_backend(cfg, model_cfg, str(src / runtime.CHECKPOINTS))
-    try:
+    with (runtime.user_errors(FileNotFoundError, CheckpointError),
+          contextlib.closing(create_backend(cfg, model_cfg, str(src / runtime.CHECKPOINTS))) as reader):
         steps = reader.checkpoint_steps()
         if len(steps) < last:
             have = ", ".join(map(str, steps)) or "none"
@@ -59,20 +58,13 @@ def average_run(src: str | os.PathLike, dst: str | os.PathLike, last: int = 5, o
         for step in steps:
             meta = reader.restore(step)
             states.append(reader.export_state())
-    except (FileNotFoundError, CheckpointError) as err:
-        raise runtime.UserError(str(err)) from None
-    finally:
-        reader.close()
     averaged = average_states(states)
 
     copy = (*data.tokenizer_files(src), runtime.MODEL_FILE, runtime.CONFIG_FILE)
     with runtime.derive(src, dst, "run", overwrite, copy) as tmp:
-        writer = create_backend(cfg, model_cfg, str(tmp / runtime.CHECKPOINTS))
-        try:
+        with contextlib.closing(create_backend(cfg, model_cfg, str(tmp / runtime.CHECKPOINTS))) as writer:
             writer.import_state(averaged)
             writer.save(meta)
-        finally:
-            writer.close()
         summary = {"run_dir": str(dst), "from": str(src), "averaged_steps": steps, "step": steps[-1]}
         runtime.write_json_atomic(tmp / runtime.AVERAGED_FILE, summary)
     return summary

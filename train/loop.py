@@ -59,10 +59,8 @@ def train(cfg: ExperimentConfig, *, explicit: Iterable[str] | None = None,
 
 def _train(cfg: ExperimentConfig, explicit: Iterable[str] | None, init_dir: str | Path | None,
            started: float) -> dict[str, Any]:
-    try:
+    with runtime.user_errors(ValueError):
         topology = initialize(cfg)  # first: jax.distributed.initialize precedes any device use
-    except ValueError as err:
-        raise UserError(str(err)) from None
     compiled_before = totals()  # this run's compilations: those after this point
     if topology.process_count > 1 and cfg.run_dir is None:
         raise UserError("a multi-process run needs --run-dir: one directory, the same for every process")
@@ -121,12 +119,9 @@ def setup(cfg: ExperimentConfig, topology: Topology, init_dir: str | Path | None
     write the run's first files (process 0) and build the backend, restored from the last
     checkpoint on --resume or holding the weights --init-from names."""
     run_dir = Path(cfg.run_dir)
-    try:
+    tokenizers = None  # new, or a resumed run stopped before its tokenizer was saved (FileNotFoundError)
+    with runtime.user_errors(ValueError), contextlib.suppress(FileNotFoundError):
         tokenizers = data.load_tokenizers(run_dir, cfg.joint_vocab) if cfg.resume else None
-    except FileNotFoundError:  # a run stopped before its tokenizer was saved
-        tokenizers = None
-    except ValueError as err:
-        raise UserError(str(err)) from None
     restored = cfg.resume and has_checkpoint(run_dir)  # --init-from's weights were the start of the checkpoints'
     initial = pretrained.load(init_dir or cfg.init_from, cfg) if cfg.init_from and not restored else None
     trained_tokenizers = tokenizers is None
@@ -185,10 +180,8 @@ def _resume(cfg: ExperimentConfig, backend: Backend, batcher: data.Batcher, topo
     if not backend.checkpoint_steps():
         say(f"{cfg.run_dir} has no checkpoint yet: starting at step 0 with its tokenizer")
         return _Log()
-    try:
+    with runtime.user_errors(CheckpointError):
         meta = backend.restore("latest")
-    except CheckpointError as err:
-        raise UserError(str(err)) from None
     _check_resumed(meta, cfg, batcher, topology)
     batcher.restore(meta["data"])
     say(f"resumed {cfg.run_dir} at step {backend.step}")
@@ -200,13 +193,11 @@ def _finished(cfg: ExperimentConfig, step: int) -> dict[str, Any] | None:
     if not (cfg.resume and step >= cfg.steps):
         return None
     done = read_json(Path(cfg.run_dir) / RESULTS_FILE, default=None)
-    if isinstance(done, dict) and done.get("steps") == step:
-        say(f"{cfg.run_dir} has trained {step} steps (--steps {cfg.steps}): nothing to do; "
-            f"{RESULTS_FILE} left as it is (resume with a larger --steps to train on)")
-        return done
-    say(f"{cfg.run_dir} has trained {step} steps (--steps {cfg.steps}): nothing to train; "
-        "evaluating its last checkpoint (resume with a larger --steps to train on)")
-    return None
+    done = done if isinstance(done, dict) and done.get("steps") == step else None
+    say(f"{cfg.run_dir} has trained {step} steps (--steps {cfg.steps}): " + (
+        f"nothing to do; {RESULTS_FILE} left as it is" if done else "nothing to train; evaluating its last checkpoint")
+        + " (resume with a larger --steps to train on)")
+    return done
 
 
 def _check_resumed(meta: dict[str, Any], cfg: ExperimentConfig, batcher: data.Batcher, topology: Topology) -> None:
@@ -384,10 +375,10 @@ def fit(run: Training) -> None:
     cfg, backend, batcher, writer, log = run.cfg, run.backend, run.batcher, run.writer, run.log
     # Several processes must agree on the update to stop after: those of a backend that can ask the others.
     agreed = getattr(backend, "agreed_signal", None) if run.topology.process_count > 1 else None
-    with runtime.StopSignals(enabled=run.topology.process_count == 1 or agreed is not None) as stop:
+    with (runtime.StopSignals(enabled=run.topology.process_count == 1 or agreed is not None) as stop,
+          tqdm(total=cfg.steps, initial=backend.step, disable=not (cfg.progress and run.topology.is_main),
+               unit="step", dynamic_ncols=True, desc=cfg.backend) as bar):
         agreed = agreed or (lambda signum: signum)
-        bar = tqdm(total=cfg.steps, initial=backend.step, disable=not (cfg.progress and run.topology.is_main),
-                   unit="step", dynamic_ncols=True, desc=cfg.backend)
         pending: list = []  # metrics of the steps not yet read from the device
         window_tokens, window_start = 0, time.perf_counter()
         for step in range(backend.step + 1, cfg.steps + 1):
@@ -428,12 +419,10 @@ def fit(run: Training) -> None:
             if save_now:
                 _save(cfg, backend, batcher, evaluated, log)
             if stopping:
-                bar.close()
                 raise Interrupted(stop.requested, f"{signal.Signals(stop.requested).name}: stopped at step {step} of "
                                   f"{cfg.steps} with a checkpoint saved; continue with\n  {resume_command(cfg)}")
             if not pending:  # just logged: the next window starts now, after any evaluation or save
                 window_start = time.perf_counter()
-        bar.close()
 
 
 def finish(run: Training, started: float) -> dict[str, Any]:

@@ -51,16 +51,14 @@ def source_run(cfg: ExperimentConfig, scratch: contextlib.ExitStack) -> Path | N
 
 def load(source: str | Path, cfg: ExperimentConfig) -> Pretrained:
     """The best checkpoint's weights, the tokenizers and the model of `source`, a `cfg.backend` run (`source_run`)."""
-    saved, source = runtime.read_experiment(source), Path(source)
-    model_cfg, tokenizers = runtime.read_run(source, saved)
-    backend = create_backend(saved, model_cfg, str(source / runtime.CHECKPOINTS))
+    source = Path(source)
+    saved, model_cfg, tokenizers = runtime.read_run(source)
     try:
-        backend.restore("best")
-        params = backend.export_state().params
+        with contextlib.closing(create_backend(saved, model_cfg, str(source / runtime.CHECKPOINTS))) as backend:
+            backend.restore("best")
+            params = backend.export_state().params
     except (FileNotFoundError, CheckpointError) as err:
         raise refused(cfg.init_from, str(err)) from None
-    finally:
-        backend.close()
     return Pretrained(source, model_cfg, tokenizers, params)
 
 

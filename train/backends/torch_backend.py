@@ -32,7 +32,7 @@ from torch_reference.objective import label_smoothed_cross_entropy, noam_learnin
 
 from ..config import ExperimentConfig, default_dtype, resolve_kernels
 from ..data import Batch
-from ..runtime import Interrupted, UserError
+from ..runtime import Interrupted, UserError, user_errors
 from ..runtime.files import error_text
 from ..store import TrainingState, check_arrays
 from ..store.torch_store import TorchStore
@@ -80,10 +80,8 @@ def launch(exp_cfg: ExperimentConfig, target, **kwargs):
     if (exp_cfg.devices or 1) == 1 or "WORLD_SIZE" in os.environ:
         yield
         return
-    try:
+    with user_errors(ValueError):
         initialize(exp_cfg)  # its checks, before any process starts
-    except ValueError as err:
-        raise UserError(str(err)) from None
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -129,13 +127,11 @@ def _process(env: dict[str, str], target, exp_cfg: ExperimentConfig, kwargs: dic
 
 def _collective(call, *args):
     """A torch.distributed call; a peer gone (killed, crashed) ends this process in one line."""
-    if not dist.is_initialized():
-        return call(*args)
     try:
         return call(*args)
-    except torch.OutOfMemoryError:
-        raise
     except (RuntimeError, dist.DistError) as err:
+        if isinstance(err, torch.OutOfMemoryError) or not dist.is_initialized():  # its own failure, not a peer's
+            raise
         raise UserError(f"process {dist.get_rank()} of {dist.get_world_size()}: another process of the run stopped "
                         f"({type(err).__name__} in {getattr(call, '__name__', 'a collective')}); --resume continues "
                         "from the last checkpoint") from None

@@ -31,9 +31,8 @@ from .weights import (LEGACY_SUFFIXES, convert_state, jax_key, jax_model_from_pa
 def convert_checkpoints(src_cfg: ExperimentConfig, model_cfg: TransformerConfig, src_dir: str | os.PathLike,
                         dst_dir: str | os.PathLike, to: str, which: str | int = "latest") -> list[int]:
     """The steps of the checkpoints `which` in `src_dir` made the `to` backend's in `dst_dir`, meta and metrics kept."""
-    source = create_backend(src_cfg, model_cfg, str(src_dir))
-    target = create_backend(src_cfg.replace(backend=to), model_cfg, str(dst_dir))
-    try:
+    with (contextlib.closing(create_backend(src_cfg, model_cfg, str(src_dir))) as source,
+          contextlib.closing(create_backend(src_cfg.replace(backend=to), model_cfg, str(dst_dir))) as target):
         available = source.checkpoint_steps()
         if not available:
             raise FileNotFoundError("the run has no checkpoint to convert")
@@ -45,9 +44,6 @@ def convert_checkpoints(src_cfg: ExperimentConfig, model_cfg: TransformerConfig,
             if isinstance(meta.get("config"), Mapping):
                 meta = {**meta, "config": {**meta["config"], "backend": to}}
             target.save(meta, source.checkpoint_metrics(step))
-    finally:
-        source.close()
-        target.close()
     return steps
 
 
@@ -93,15 +89,10 @@ def run_weights(run_dir: str | os.PathLike, checkpoint: str | int = "best") -> t
     """(weights in torch's layout as NumPy, config) of a run's checkpoint, whichever backend wrote it."""
     # Not through train.load: the library's setup imports this module (--init-from), so it stays below train.api.
     run_dir = Path(run_dir)
-    runtime.rundir.check_set_aside(run_dir)
-    cfg = runtime.read_experiment(run_dir)
-    model_cfg, _ = runtime.read_run(run_dir, cfg)
-    backend = create_backend(cfg, model_cfg, str(run_dir / runtime.CHECKPOINTS))
-    try:
+    cfg, model_cfg, _ = runtime.read_run(run_dir)
+    with contextlib.closing(create_backend(cfg, model_cfg, str(run_dir / runtime.CHECKPOINTS))) as backend:
         backend.restore(store.parse_checkpoint(checkpoint))
         state = convert_state(backend.export_state(), "torch", model_cfg)
-    finally:
-        backend.close()
     return state.params, model_cfg
 
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from .files import UserError, error_text, json_text, read_json, say, write_error, write_json_atomic, write_text_atomic
+from .files import (UserError, error_text, json_text, read_json, say, user_errors, write_error, write_json_atomic,
+                    write_text_atomic)
 from .layout import (AVERAGED_FILE, CHECKPOINTS, CONFIG_FILE, CURVES_FILE, IMPORTED_FILE, LOCK_FILE, MODEL_FILE,
                      PROVENANCE_FILE, RESULTS_FILE, TENSORBOARD, read_experiment, read_model_config)
 from .lock import RunLock

@@ -9,12 +9,22 @@ import math
 import os
 import stat
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 
 class UserError(Exception):
     """A problem with the flags, files or run directory the user gave: reported without a traceback."""
+
+
+@contextlib.contextmanager
+def user_errors(*kinds: type[Exception]) -> Iterator[None]:
+    """Within the block an error of `kinds` (a ValueError of bad settings...) becomes a UserError of its message."""
+    try:
+        yield
+    except kinds as err:
+        raise UserError(str(err)) from None
 
 
 def write_bytes_atomic(path: str | Path, data: bytes) -> None:

@@ -109,9 +109,8 @@ def derive(src: str | Path | None, dst: str | Path, kind: str = "run", overwrite
     `copy`'s names of `src` join it, `check(it)` may refuse it, then `swap_in`; on any error `dst` is as it was."""
     dst = Path(dst)
     check_destination(dst, overwrite, kind, src)
-    guard = RunLock(dst).acquire() if dst.is_dir() else None
     tmp, old = dst.with_name(f".{dst.name}.{kind}"), dst.with_name(f".{dst.name}.{kind}-old")
-    try:
+    with RunLock(dst) if dst.is_dir() else contextlib.nullcontext():
         try:
             remove(tmp)
             tmp.mkdir(parents=True)
@@ -134,7 +133,4 @@ def derive(src: str | Path | None, dst: str | Path, kind: str = "run", overwrite
             if tmp.absolute() in (written, *written.parents) and (failed := write_error(err, dst)):
                 raise failed from None
             raise
-    finally:
-        if guard is not None:
-            guard.release()
     remove(old)

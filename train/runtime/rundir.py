@@ -14,7 +14,7 @@ from torch_reference.config import TransformerConfig
 
 from .. import data
 from ..config import RECIPE_FILE, ExperimentConfig
-from .files import UserError, say, write_json_atomic
+from .files import UserError, say, user_errors, write_json_atomic
 from .layout import (CHECKPOINTS, CONFIG_FILE, LOCK_FILE, MODEL_FILE, TENSORBOARD, experiment_of, read_experiment,
                      read_model_config)
 from .lock import RunLock
@@ -45,10 +45,8 @@ def session(cfg: ExperimentConfig, explicit: Iterable[str] | None = None, platfo
             if not (Path(source) / CONFIG_FILE).is_file():
                 raise UserError(f"--init-from {source}: not a run directory")
             origin = read_experiment(source)
-        try:
+        with user_errors(ValueError):
             cfg = cfg.replace(run_dir=str(run_dir)).resolve(platform, given=explicit, saved=saved, source=origin)
-        except ValueError as err:
-            raise UserError(str(err)) from None
         yield cfg
 
 
@@ -166,10 +164,8 @@ def check_model(run_dir: Path, cfg: ExperimentConfig, model_cfg: TransformerConf
     sizes = tokenizers.src.get_vocab_size(), tokenizers.tgt.get_vocab_size()
     sources = {f"{run_dir / CONFIG_FILE} with the tokenizer": cfg}
     for step, saved in sorted(saved_experiments(run_dir / CHECKPOINTS).items()):
-        try:
+        with contextlib.suppress(TypeError, ValueError):  # an older checkpoint's fields: checked when its weights load
             sources[f"the experiment saved in checkpoint {step}"] = experiment_of(saved)
-        except (TypeError, ValueError):
-            continue  # an older checkpoint's fields: its weights' shapes are checked when it loads
     for where, experiment in sources.items():
         rebuilt = experiment.model_config(*sizes)
         if differ := [k for k, v in model_cfg.to_dict().items() if getattr(rebuilt, k) != v]:
@@ -178,15 +174,15 @@ def check_model(run_dir: Path, cfg: ExperimentConfig, model_cfg: TransformerConf
                             "files of the run do not describe one model (edited by hand?)")
 
 
-def read_run(run_dir: Path, cfg: ExperimentConfig) -> tuple[TransformerConfig, data.Tokenizers]:
-    """The model and tokenizers of the run in `run_dir` (experiment `cfg`), checked by `check_model`; UserError."""
+def read_run(run_dir: Path) -> tuple[ExperimentConfig, TransformerConfig, data.Tokenizers]:
+    """The experiment, model and tokenizers of the run in `run_dir`, checked (`check_set_aside`, `check_model`)."""
+    check_set_aside(run_dir)
+    cfg = read_experiment(run_dir)
     model_cfg = read_model_config(run_dir)
-    try:
+    with user_errors(FileNotFoundError, ValueError):
         tokenizers = data.load_tokenizers(run_dir, cfg.joint_vocab)
-    except (FileNotFoundError, ValueError) as err:
-        raise UserError(str(err)) from None
     check_model(run_dir, cfg, model_cfg, tokenizers)
-    return model_cfg, tokenizers
+    return cfg, model_cfg, tokenizers
 
 
 def check_checkpoint_config(meta: Mapping[str, Any], cfg: ExperimentConfig) -> None:
