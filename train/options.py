@@ -200,7 +200,7 @@ class Sampling:
     """Random sampling instead of a search (`Translator.sample`, docs/decoding.md#sampling): each token drawn
     with the uniform of (seed, sentence, sample, position), so that a sentence's samples do not depend on its batch."""
 
-    num_samples: int = option(1, "N samples per sentence (N > 1 with --format tsv or jsonl)",
+    num_samples: int = option(1, "N samples per sentence (translate: N > 1 with --format tsv or jsonl)",
                               range=SAMPLING_RANGES["num_samples"], metavar="N")
     temperature: float = option(1.0, "divide the log-probabilities by T > 0 before drawing (< 1 sharper)",
                                 range=SAMPLING_RANGES["temperature"], metavar="T")
