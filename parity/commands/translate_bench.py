@@ -5,22 +5,16 @@ docs/performance.md#translation-speed)."""
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # before jax is imported: the CPU as translate splits it, one device per core
-    from train.backends.host_devices import split_host
-
-    try:
-        split_host()
-    except ValueError as err:
-        raise SystemExit(f"error: {err}") from None
-
 import sys
 
+from train.backends.host_devices import split_host
 from train.options import SAMPLING_FIELDS, RunSelection, Sampling, Search, add_flags, build, command, run, sampling_of
-
-from ..search_speed import SpeedBench, bench_file
+from train.runtime import exit_status
 
 
 def build_parser():
+    from ..search_speed import SpeedBench  # imports jax: after main's split_host
+
     parser = command("aiayn translate-bench", __doc__)
     add_flags(parser, RunSelection, skip=("average", "devices", "coordinator_address", "num_processes", "process_id"))
     add_flags(parser, Search, skip=("n_best", "alignments"))
@@ -30,6 +24,11 @@ def build_parser():
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Before jax is imported: the CPU split as translate splits it, one device per core (the count is no status).
+    if status := exit_status(lambda: split_host() and None):
+        return status
+    from ..search_speed import SpeedBench, bench_file
+
     def job(given: dict) -> list[dict]:
         bench = build(SpeedBench, given)
         sampling = sampling_of(bench.sample, {k: given[k] for k in SAMPLING_FIELDS if k in given})

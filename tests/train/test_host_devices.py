@@ -102,3 +102,20 @@ def test_a_bad_count_in_xla_flags_is_one_line_before_jax_reads_it(value, monkeyp
     assert train_run.main(["--backend", "torch", "--steps", "1"]) == 1
     err = capsys.readouterr().err
     assert err == f"error: $XLA_FLAGS: {FLAG}='{value}': expected a number of devices from 1\n"
+
+
+def test_aiayn_translate_bench_splits_the_host_before_jax_is_imported(tmp_path):
+    """`aiayn translate-bench` imports its command module, whose benchmark imports jax: the split came only under
+    `python -m` (its __main__ block), so through aiayn the JAX rows ran on one device."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    script = ("from parity.commands import cli; "
+              f"status = cli.main(['translate-bench', '--run-dir', {str(tmp_path / 'none')!r}]); "
+              "import jax; print(status, jax.device_count())")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    done = subprocess.run([sys.executable, "-c", script], cwd=repo, env={**env, "PYTHONPATH": str(repo), ENV: "3"},
+                          capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["1", "3"], done.stderr  # no run there (status 1), on 3 devices all the same
