@@ -24,8 +24,8 @@ from train.data.spm import require
 from train.data.streams import read_lines
 from train.interop import marian
 from train.interop.weights import convert_state
-from train.options import POSITIVE, Output, RunSelection, Sampling, Search, checked, option
-from train.runtime.files import UserError, json_text
+from train.options import POSITIVE, Output, RunSelection, Sampling, Search, checked, option, sampling_of
+from train.runtime.files import UserError, json_text, user_errors
 
 from . import ctranslate2 as ct2
 from . import proof
@@ -176,29 +176,27 @@ class SpeedBench:
 
 def bench_file(selection: RunSelection, search: Search, bench: SpeedBench = SpeedBench(),
                sampling: Sampling | None = None) -> list[dict]:
-    """`aiayn translate-bench`: `benchmark` of `selection`'s run on `bench.input` (stdin), with `sampling`'s rows
-    when given, printed (and to its json)."""
+    """`aiayn translate-bench`: `benchmark` of `selection`'s run on `bench.input` (stdin), printed (and to its
+    json); with `sampling`, or `bench.sample` (default settings), the sampling rows too."""
     enable_parity_numerics()
     if len(selection.run_dir) > 1:
         raise UserError("--run-dir once: the benchmark times one run's weights")
     sentences = [line for line in read_lines(bench.input) if line.strip()]
     if not sentences:
         raise UserError(f"{bench.input or 'standard input'} holds no sentence to translate")
-    run = load(selection)
-    for package in [name for name, wanted in (("ctranslate2", bench.ctranslate2), ("transformers", bench.hf))
-                    if wanted]:
-        try:
+    with user_errors(ImportError):  # one line naming the extra, before minutes of work
+        for package in [name for name, wanted in (("ctranslate2", bench.ctranslate2), ("transformers", bench.hf))
+                        if wanted]:
             require(package)
-        except ImportError as err:  # one line naming the extra
-            raise UserError(str(err)) from None
     if bench.hf:
         try:
             marian.marian_origin(selection.run_dir[0])
         except ValueError as err:
             raise UserError(f"--hf: {err}") from None
-    rows = benchmark(run, sentences, search.beam, bench.batch_size, search.alpha, scoring=search.scoring,
-                     ctranslate2=bench.ctranslate2, hf=bench.hf, uncached=bench.uncached, sampling=sampling)
-    run.backend.close()
+    with load(selection) as run:
+        rows = benchmark(run, sentences, search.beam, bench.batch_size, search.alpha, scoring=search.scoring,
+                         ctranslate2=bench.ctranslate2, hf=bench.hf, uncached=bench.uncached,
+                         sampling=sampling_of(sampling or bench.sample, {}))
     accelerator = "" if jax.default_backend() == "cpu" else f", {jax.devices()[0].device_kind}"
     machine = (f"{platform.processor() or platform.machine()}, {host_devices.cores()} CPUs{accelerator}, "
                f"jax on {jax.device_count()} device{'s' * (jax.device_count() > 1)}")

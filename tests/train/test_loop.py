@@ -1,6 +1,7 @@
 """The training loop end to end: short runs on both backends, resume, run directories, Multi30k,
 and the translate/evaluate commands on a trained run."""
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -262,6 +263,22 @@ def test_translate_benchmark_times_every_search_and_checks_their_outputs(short_r
     precisions = jax.config.jax_default_matmul_precision, torch.get_float32_matmul_precision()
     jax.config.update("jax_default_matmul_precision", None)  # undone before asserting: no leak into other tests
     assert precisions == ("highest", "highest")
+
+
+def test_translate_bench_in_python_times_sampling_for_a_sampling_or_sample_true(short_run, monkeypatch):
+    """`bench_file`'s sampling rows: for a `Sampling`, or `SpeedBench(sample=True)` (default settings); none else."""
+    from parity import search_speed
+    from train.options import RunSelection, Sampling, Search
+
+    cfg, _ = short_run
+    asked = []
+    monkeypatch.setattr(search_speed, "benchmark", lambda *a, sampling, **k: asked.append(sampling) or [])
+    source = _write_lines(Path(cfg.run_dir).parent / "one.txt", ["neun"])
+    bench = search_speed.SpeedBench(input=Path(source))
+    for sampling, sample in ((None, False), (None, True), (Sampling(seed=3), False)):
+        search_speed.bench_file(RunSelection(cfg.run_dir), Search(), dataclasses.replace(bench, sample=sample),
+                                sampling)
+    assert asked == [None, Sampling(), Sampling(seed=3)]
 
 
 def test_summary_line_gives_a_resumed_run_its_whole_training_time():
