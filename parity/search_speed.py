@@ -26,6 +26,7 @@ from train.interop import marian
 from train.interop.weights import convert_state
 from train.options import POSITIVE, Output, RunSelection, Sampling, Search, checked, option, sampling_of
 from train.runtime.files import UserError, json_text, user_errors
+from train.runtime.output import Destination
 
 from . import ctranslate2 as ct2
 from . import proof
@@ -184,6 +185,8 @@ def bench_file(selection: RunSelection, search: Search, bench: SpeedBench = Spee
     sentences = [line for line in read_lines(bench.input) if line.strip()]
     if not sentences:
         raise UserError(f"{bench.input or 'standard input'} holds no sentence to translate")
+    if bench.json is not None and bench.input is not None:  # the figures would replace the sentences
+        Destination(bench.json.path, "--json", [bench.input], f"--input {bench.input}")
     with user_errors(ImportError):  # one line naming the extra, before minutes of work
         for package in [name for name, wanted in (("ctranslate2", bench.ctranslate2), ("transformers", bench.hf))
                         if wanted]:

@@ -101,7 +101,8 @@ def test_a_destination_that_is_inside_or_holds_the_source_is_refused_before_any_
 def test_an_output_that_is_the_input_is_refused_and_the_input_kept(torch_run, tmp_path, capsys, monkeypatch):
     """Issue 58: `--input same.de --output same.de` replaced the input. By any name (relative, absolute,
     a symbolic or hard link, standard input redirected from it) an --output that is the input of
-    translate, or a file of evaluate's --data, is refused in one line before the work."""
+    translate, or a file of evaluate's --data (translate-bench's --json: its --input), is refused in one line
+    before the work."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(train.api, "load", lambda *a, **k: pytest.fail("the work started"))  # what the jobs call
     same = tmp_path / "same.de"
@@ -125,6 +126,14 @@ def test_an_output_that_is_the_input_is_refused_and_the_input_kept(torch_run, tm
         code, err = _exit_status(evaluate.main, [*run, "--data", spec, "--output", output], capsys)
         assert code == 1
         one_error_line(err, f"--output {Path(output)} is a file of --data {spec}: writing it would destroy the data")
+    from parity import search_speed
+    from parity.commands import translate_bench
+
+    monkeypatch.setattr(search_speed, "load", lambda *a, **k: pytest.fail("the work started"))
+    for output in ("same.de", "link.de", "hard.de"):  # translate-bench reads the input first, writes its JSON last
+        code, err = _exit_status(translate_bench.main, [*run, "--input", "same.de", "--json", output], capsys)
+        assert code == 1
+        one_error_line(err, f"--json {output} is a file of --input same.de: writing it would destroy the data")
     assert files_of(tmp_path) == before and (tmp_path / "link.de").is_symlink()
 
 
