@@ -125,8 +125,8 @@ def setup(cfg: ExperimentConfig, topology: Topology, init_dir: str | Path | None
     restored = cfg.resume and has_checkpoint(run_dir)  # --init-from's weights were the start of the checkpoints'
     initial = pretrained.load(init_dir or cfg.init_from, cfg) if cfg.init_from and not restored else None
     trained_tokenizers = tokenizers is None
-    # A --train spec's text is streamed (tokenizer sample, store), never held; the numbers corpus is generated.
-    splits = load_splits(cfg, train=trained_tokenizers and initial is None and _numbers(cfg))
+    # A --train spec's text is streamed (tokenizer sample, store), never held; numbers' pairs go to train_store.
+    splits = load_splits(cfg, train=_numbers(cfg))
     if not splits.valid or not (splits.train or cfg.train):
         raise UserError("the training and validation data must each hold at least one pair")
     if trained_tokenizers and initial is not None:

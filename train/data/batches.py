@@ -151,14 +151,13 @@ class Batcher:
             rng = np.random.default_rng((self.seed, epoch, window))
         positions = positions.astype(self._index)
         lengths = np.maximum(self._src_len[positions], self._tgt_len[positions])
-        keep = lengths <= self.max_len
         if self.pack:
-            kept = positions[keep]
+            kept = positions[lengths <= self.max_len]
             plan = [(self.pack_length, rows) for rows in self._packed(rng.permutation(kept) if self.shuffle else kept)]
         else:
-            bucket_of, plan = np.searchsorted(self.buckets, lengths), []
+            bucket_of, plan = np.searchsorted(self.buckets, lengths), []  # past max_len: len(buckets), no bucket
             for b, length in enumerate(self.buckets):
-                if not len(idx := positions[(bucket_of == b) & keep]):
+                if not len(idx := positions[bucket_of == b]):
                     continue
                 if self.shuffle:
                     idx = rng.permutation(idx)

@@ -37,11 +37,15 @@ def load_splits(cfg: ExperimentConfig, train: bool = True) -> Splits:
 def load_split(cfg: ExperimentConfig, spec: str) -> list[Pair]:
     """Pairs of one data spec, of `numbers:train|valid|test`, the run's numbers corpus split, or of
     `numbers:FIRST-LAST[/STEP]`, every (STEP-th) number from FIRST to LAST (0..999,999)."""
-    with _loading(spec):
-        if not spec.startswith("numbers:"):
-            loaded = load_parallel(spec, cache_dir=cfg.hf_cache)
-            _check_pairs(spec, len(loaded.pairs), loaded.skipped_empty)
-            return loaded.pairs
+    with _loading(spec):  # its length checked first, a numbers: spec's too
+        if spec.startswith("numbers:"):
+            return _numbers_split(cfg, spec)
+        loaded = load_parallel(spec, cache_dir=cfg.hf_cache)
+    _check_pairs(spec, len(loaded.pairs), loaded.skipped_empty)
+    return loaded.pairs
+
+
+def _numbers_split(cfg: ExperimentConfig, spec: str) -> list[Pair]:
     name = spec.partition(":")[2]
     if bounds := re.fullmatch(r"(\d+)-(\d+)(?:/(\d+))?", name):
         try:
