@@ -37,9 +37,6 @@ PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(len(SPECIAL_TOKENS))
 SCORINGS = ("gnmt", "hf")
 
 
-_HOLDS = {">=": operator.ge, ">": operator.gt, "<": operator.lt, "<=": operator.le}
-
-
 def _g(x: float) -> str:
     return f"{x:g}" if isinstance(x, float) else str(x)  # 2**32 in full, not 4.29497e+09
 
@@ -77,8 +74,9 @@ class Range:
             return f"must be in [{_g(self.low)}, {_g(self.below)}), got {_g(value)}"
         if self.above is not None and self.high is not None and not self.above < value <= self.high:
             return f"must be in ({_g(self.above)}, {_g(self.high)}], got {_g(value)}"
-        for bound, sign in ((self.low, ">="), (self.above, ">"), (self.below, "<"), (self.high, "<=")):
-            if bound is not None and not _HOLDS[sign](value, bound):
+        for bound, sign, holds in ((self.low, ">=", operator.ge), (self.above, ">", operator.gt),
+                                   (self.below, "<", operator.lt), (self.high, "<=", operator.le)):
+            if bound is not None and not holds(value, bound):
                 return f"must be {sign} {_g(bound)}, got {_g(value)}"
         return None
 
