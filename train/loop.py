@@ -22,10 +22,11 @@ from tqdm.auto import tqdm
 
 from . import data, plots, pretrained, runtime
 from .averaging import average_states
-from .backends import Backend, Topology, create_backend, initialize, launch
+from .backends import Backend, Topology, check_agreement, create_backend, initialize, launch
 from .backends.compiles import Compiles, totals
 from .config import ExperimentConfig
 from .data.splits import load_splits
+from .data.store import tokenizers_digest
 from .metrics import bands_text, evaluate_pairs
 from .options import Search
 from .recipes import resume_command
@@ -142,6 +143,9 @@ def setup(cfg: ExperimentConfig, topology: Topology, init_dir: str | Path | None
     if cfg.resume:
         runtime.check_model(run_dir, cfg, model_cfg, tokenizers, what=CONFIG_FILE)
     stored = data.train_store(cfg, tokenizers, splits.train or None, progress=topology.is_main)
+    if topology.process_count > 1:  # one run or none: before a file is written or a step taken
+        check_agreement(cfg, {**{f"--{k.replace('_', '-')}": v for k, v in cfg.to_dict().items() if k not in _OWN},
+                              "the training data": stored.digest, "the tokenizers": tokenizers_digest(tokenizers)})
     batcher = make_batcher(cfg, tokenizers, stored, topology.num_devices, topology)
     # Only now that the data has loaded and batched are the run's files written: config.json first.
     if topology.is_main:
@@ -168,6 +172,10 @@ def setup(cfg: ExperimentConfig, topology: Topology, init_dir: str | Path | None
     except BaseException:
         backend.close()  # its devices and files freed for what the caller does next (a notebook goes on)
         raise
+
+
+# The settings each process may have its own of: paths seen from its host, its threads, its place in the run.
+_OWN = ("recipe", "hf_cache", "run_dir", "threads", "progress", "coordinator_address", "process_id")
 
 
 def _numbers(cfg: ExperimentConfig) -> bool:

@@ -10,7 +10,12 @@ schedule, the first update at lr(step=1). What leaves a backend is a `TrainingSt
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib
+import json
+from typing import Any
+
+import numpy as np
 
 from torch_reference.config import TransformerConfig
 
@@ -18,7 +23,7 @@ from ..config import ExperimentConfig
 from .interface import Backend, Hypotheses, Metrics, Store, Topology, Trainer, Translator
 
 __all__ = ["Backend", "Hypotheses", "Metrics", "Store", "Topology", "Trainer", "Translator", "create_backend",
-           "initialize", "launch"]
+           "check_agreement", "initialize", "launch"]
 
 BACKEND_MODULES = {"jax": "train.backends.jax_backend", "torch": "train.backends.torch_backend"}
 
@@ -27,6 +32,21 @@ def initialize(exp_cfg: ExperimentConfig) -> Topology:
     """Join the run's processes (jax.distributed.initialize for a multi-process JAX run) and check
     --devices; call it before anything else touches a device. Raises ValueError on bad settings."""
     return importlib.import_module(BACKEND_MODULES[exp_cfg.backend]).initialize(exp_cfg)
+
+
+def check_agreement(exp_cfg: ExperimentConfig, settings: dict[str, Any]) -> None:
+    """UserError in every process of a multi-process run where one's `settings` (name: JSON value) differ from
+    process 0's, naming the first that does (each gathers every process's digest of each setting)."""
+    from ..runtime import UserError
+
+    digests = np.array([np.frombuffer(hashlib.sha256(json.dumps(value, sort_keys=True).encode()).digest()[:8], np.int32)
+                        for value in settings.values()])
+    gathered = importlib.import_module(BACKEND_MODULES[exp_cfg.backend]).allgather(digests)  # (processes, settings, 2)
+    if (differ := (gathered != gathered[0]).any(axis=2)).any():
+        first = int(differ.any(axis=0).argmax())
+        name = list(settings)[first]
+        raise UserError(f"the run's processes disagree on {name}: process {differ[:, first].argmax()} has another "
+                        f"value than process 0 (this one: {settings[name]!r}); start them all with the same settings")
 
 
 def launch(exp_cfg: ExperimentConfig, target, **kwargs):

@@ -73,6 +73,13 @@ def initialize(exp_cfg: ExperimentConfig) -> Topology:
     return Topology(jax.process_index(), jax.process_count(), mesh.devices.size, platform)
 
 
+def allgather(array: np.ndarray) -> np.ndarray:
+    """Every process's `array` (one shape in all), stacked in process order."""
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(array))
+
+
 def full_float32_matmuls(dtype: str, platform: str) -> bool:
     """For float32 training off the CPU (where JAX's default rounds matmul inputs: TF32, bfloat16), make
     JAX's matmul precision "highest" unless the user set one. True when it did."""

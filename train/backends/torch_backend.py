@@ -137,6 +137,14 @@ def _collective(call, *args):
                         "from the last checkpoint") from None
 
 
+def allgather(array: np.ndarray) -> np.ndarray:
+    """Every process's `array` (one shape in all), stacked in process order."""
+    tensor = torch.from_numpy(array).to("cuda" if dist.get_backend() == "nccl" else "cpu")
+    gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    _collective(dist.all_gather, gathered, tensor)
+    return torch.stack(gathered).cpu().numpy()
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This process's part of a tensor: an FSDP shard's local tensor, else the tensor."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor

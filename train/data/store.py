@@ -36,10 +36,12 @@ _VERIFIED: set[tuple] = set()  # the stores this process has digested, with thei
 
 class TokenStore:
     """Flat token ids of both sides (`src`, `tgt`, uint16 or int32), each pair's lengths (`src_len`, `tgt_len`,
-    int32) and start offsets (`src_start`, `tgt_start`, int64): arrays or read-only memory maps."""
+    int32) and start offsets (`src_start`, `tgt_start`, int64): arrays or read-only memory maps; `digest` names
+    the data (a stored corpus's key: of its text and tokenizers)."""
 
-    def __init__(self, arrays: dict[str, np.ndarray]):
+    def __init__(self, arrays: dict[str, np.ndarray], digest: str | None = None):
         self.arrays = arrays
+        self.digest = digest or xxhash.xxh3_128_hexdigest(b"".join(arrays[k].tobytes() for k in sorted(arrays)))
         self.__dict__.update(arrays)  # store.src_len for store.arrays["src_len"]
 
     def __len__(self) -> int:
@@ -185,7 +187,7 @@ def open_store(path: Path, key: str | None = None) -> TokenStore:
                         "again to rebuild it")
     if time.time() - max(max(s.st_mtime, s.st_ctime) for s in stats.values()) > RACY_S:  # else may change unseen
         _VERIFIED.add(seen)
-    return TokenStore(arrays)
+    return TokenStore(arrays, manifest["key"])
 
 
 def _file_digest(path: Path) -> str:
