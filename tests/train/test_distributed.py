@@ -279,11 +279,25 @@ def test_bfloat16_loss_falls(backend, fast_config):
             assert trainer.model(src, tgt_in).dtype == torch.bfloat16
 
 
+def test_jax_devices_on_a_cpu_split_the_host_as_torch_starts_processes(tmp_path):
+    """`--backend jax --devices 2` without XLA_FLAGS: two CPU devices, made before jax starts."""
+    env = {k: v for k, v in _env(1).items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, "-m", "train.run", "--backend", "jax", "--devices", "2", "--preset", "tiny",
+                           "--numbers-train", "200", "--numbers-valid", "4", "--numbers-test", "0", "--max-len", "16",
+                           "--token-budget", "256", "--vocab-size", "300", "--steps", "1", "--eval-sentences", "2",
+                           "--beam", "1", "--samples", "0", "--no-progress", "--run-dir", str(tmp_path / "run")],
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=600)  # the limit catches a hang
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "2 device(s); run dir" in proc.stdout, proc.stdout[-3000:]
+
+
 def test_devices_errors(fast_config, capsys, monkeypatch):
     from train.commands import run
 
     base = ["--run-dir", str(fast_config("jax").run_dir), "--no-progress"]
-    assert run.main([*base, "--devices", "2"]) == 1  # this process sees one CPU device
+    # One CPU device named in XLA_FLAGS (or jax started already): --devices cannot split the host.
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+    assert run.main([*base, "--devices", "2"]) == 1
     assert "--devices 2: 1 device(s) visible" in capsys.readouterr().err
     monkeypatch.setenv("WORLD_SIZE", "3")  # under torchrun --nproc-per-node 3
     assert run.main([*base, "--backend", "torch", "--devices", "2"]) == 1

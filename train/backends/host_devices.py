@@ -3,7 +3,7 @@ ask XLA for them before jax is imported, and decode each batch data parallel ove
 
 XLA:CPU runs a beam search's small matmuls on one core; split into one device per core, each core
 searches its share of the batch, faster with the same outputs (docs/performance.md#against-ctranslate2).
-Training keeps the run's own count (--devices); a GPU or TPU machine searches on its accelerators.
+Training splits the host into its --devices (`aiayn train`); a GPU or TPU machine uses its accelerators.
 This module imports no framework.
 """
 
@@ -41,22 +41,21 @@ def check_xla_flags(environ: MutableMapping[str, str] | None = None) -> None:
             raise ValueError(f"$XLA_FLAGS: {FLAG}={value!r}: expected a number of devices from 1")
 
 
-def split_host(environ: MutableMapping[str, str] | None = None) -> int | None:
-    """Add `FLAG=N` to XLA_FLAGS, N = $AIAYN_HOST_DEVICES or the cores (at most MAX_DEVICES; a --devices beyond
-    them is refused by the mesh, as in training), unless jax is already imported or XLA_FLAGS names a count; the
-    count added, or None. ValueError for a $AIAYN_HOST_DEVICES not from 1 to MAX_DEVICES, or a bad XLA_FLAGS count."""
+def split_host(environ: MutableMapping[str, str] | None = None, count: int | None = None) -> int | None:
+    """Add `FLAG=N` to XLA_FLAGS, N = `count` (training's --devices), else $AIAYN_HOST_DEVICES or the cores (at
+    most MAX_DEVICES; a --devices beyond them is refused by the mesh), unless jax is already imported or XLA_FLAGS
+    names a count; the count added, or None. ValueError for a $AIAYN_HOST_DEVICES not from 1 to MAX_DEVICES, or a bad XLA_FLAGS count."""
     environ = os.environ if environ is None else environ
     check_xla_flags(environ)
     flags = environ.get("XLA_FLAGS", "")
     if "jax" in sys.modules or FLAG in flags:
         return None
     value = environ.get(ENV, "").strip()
-    if value:
+    if value and count is None:
         if not (value.isascii() and value.isdigit() and 1 <= int(value) <= MAX_DEVICES):
             raise ValueError(f"${ENV}={value!r}: expected a number of devices from 1 to {MAX_DEVICES}")
         count = int(value)
-    else:
-        count = min(cores(), MAX_DEVICES)
+    count = count or min(cores(), MAX_DEVICES)
     if count == 1:
         return None
     environ["XLA_FLAGS"] = f"{flags} {FLAG}={count}".strip()

@@ -10,7 +10,7 @@ import signal
 import sys
 
 from .. import recipes
-from ..backends.host_devices import check_xla_flags
+from ..backends.host_devices import MAX_DEVICES, check_xla_flags, split_host
 from ..config import ExperimentConfig, flag_name
 from ..options import OptionError
 from ..recipes import experiment
@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None, *, process_settings: bool = False) -> in
 
 def _train(cfg: ExperimentConfig, given: set[str], process_settings: bool) -> None:
     check_xla_flags()  # before jax reads them: XLA would abort printing its 94-line flag list
+    if _backend(cfg) == "jax" and 1 < (cfg.devices or 1) <= MAX_DEVICES and cfg.num_processes in (None, 1):
+        split_host(count=cfg.devices)  # on a CPU, --devices N devices as torch's N processes (before jax starts)
     if process_settings and _backend(cfg) == "jax":
         from ..backends import allocator
 
