@@ -427,8 +427,9 @@ def fit(run: Training) -> None:
             if save_now:
                 _save(cfg, backend, batcher, evaluated, log)
             if stopping:
-                raise Interrupted(stop.requested, f"{signal.Signals(stop.requested).name}: stopped at step {step} of "
-                                  f"{cfg.steps} with a checkpoint saved; continue with\n  {resume_command(cfg)}")
+                raise Interrupted(stop.requested, "" if not run.topology.is_main else (  # process 0 says it, once
+                    f"{signal.Signals(stop.requested).name}: stopped at step {step} of {cfg.steps} with a checkpoint "
+                    f"saved; continue with\n  {resume_command(cfg)}"))
             if not pending:  # just logged: the next window starts now, after any evaluation or save
                 window_start = time.perf_counter()
 

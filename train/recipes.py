@@ -88,7 +88,12 @@ def resume_command(cfg: ExperimentConfig) -> str:
             flags.append(flag if value else f"--no-{flag[2:]}")
         else:
             flags.append(f"{flag} {shlex.quote(str(value))}")
-    return " ".join(["python -m train.run --run-dir", shlex.quote(str(cfg.run_dir)), "--resume", *flags])
+    launcher = "python"
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun started the processes: it starts them again
+        local = int(os.environ["LOCAL_WORLD_SIZE"])
+        nodes = int(os.environ["WORLD_SIZE"]) // local
+        launcher = f"torchrun {f'--nnodes {nodes} ' if nodes > 1 else ''}--nproc-per-node {local}"
+    return " ".join([launcher, "-m train.run --run-dir", shlex.quote(str(cfg.run_dir)), "--resume", *flags])
 
 
 def read_recipe(path: str, text: str | None = None) -> dict[str, Any]:

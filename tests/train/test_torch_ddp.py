@@ -128,11 +128,34 @@ def test_sigterm_saves_a_step_and_a_dead_process_stops_the_other_in_one_line(tmp
     os.kill(int(children[0]), signal.SIGKILL)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 1
-    lines = [x for x in err.splitlines() if x and "leaked semaphore" not in x and "warnings.warn" not in x]
+    lines = [x for x in err.splitlines() if x]  # no resource_tracker warning of the killed process's semaphore
     assert len(lines) == 1 and lines[0].startswith("error: process 0 of 2: another process of the run stopped"), err
     last = max(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
     assert last >= saved[0] + 2
     assert len(_torch(run_dir, 2, steps=last + 1, resume=True)) == last + 1
+
+
+@pytest.mark.slow  # ~40 s
+def test_sigterm_to_torchrun_says_once_a_command_that_continues_as_printed(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "RANK", "WORLD_SIZE", "LOCAL_"))}
+    env.update(PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", PATH=f"{Path(sys.executable).parent}:{env['PATH']}")
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(["torchrun", "--nproc-per-node", "2", "-m", "train.run", "--backend", "torch",
+                             *_argv(run_dir, steps=100000, save_every=1000)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if line.startswith("step 2/"):
+            break
+    proc.send_signal(signal.SIGTERM)  # torchrun passes it on to both processes
+    err = proc.communicate(timeout=300)[1]
+    assert err.count("continue with") == 1, err[-3000:]  # process 0 alone says it
+    command = err.split("continue with\n", 1)[1].splitlines()[0].strip()
+    assert command.startswith("torchrun --nproc-per-node 2 -m train.run "), command
+    saved = max(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+    resumed = subprocess.run(f"{command} --steps {saved + 1}", shell=True, cwd=REPO, env=env, capture_output=True,
+                             text=True, timeout=300)  # as printed; --steps only ends it
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed {run_dir} at step {saved}" in resumed.stdout and len(_losses(run_dir)) == saved + 1
 
 
 def test_nccl_on_a_cpu_is_one_line(tmp_path, capsys):

@@ -15,6 +15,7 @@ import multiprocessing
 import os
 import socket
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
+from tqdm.auto import tqdm
 
 import torch_reference
 from torch_reference import decode, ensemble, sampling
@@ -114,6 +116,7 @@ def launch(exp_cfg: ExperimentConfig, target, **kwargs):
 def _process(env: dict[str, str], target, exp_cfg: ExperimentConfig, kwargs: dict) -> None:
     """A process `launch` started: `train.commands.run.main`'s endings (process 0 prints the resume command)."""
     os.environ.update(env)
+    tqdm.set_lock(threading.RLock())  # not tqdm's multiprocessing lock: killed, this process would leak its semaphore
     try:
         target(exp_cfg, **kwargs)
     except (UserError, OSError) as err:

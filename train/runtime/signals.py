@@ -16,7 +16,7 @@ class Interrupted(Exception):
     """SIGTERM or Ctrl-C (SIGINT) stopped the work; `signum` says which."""
 
     def __init__(self, signum: int, message: str | None = None):
-        super().__init__(message or signal.Signals(signum).name)
+        super().__init__(signal.Signals(signum).name if message is None else message)  # "": nothing to say
         self.signum = signum
 
 
@@ -30,7 +30,8 @@ def exit_status(main: Callable[..., int | None], *args: Any, **kwargs: Any) -> i
         print(f"error: {error_text(err)}", file=sys.stderr)
         return 1
     except Interrupted as err:
-        print(err if str(err) != signal.Signals(err.signum).name else f"interrupted ({err})", file=sys.stderr)
+        if str(err):
+            print(err if str(err) != signal.Signals(err.signum).name else f"interrupted ({err})", file=sys.stderr)
         return 128 + err.signum
     except KeyboardInterrupt:
         print(f"interrupted ({Interrupted(signal.SIGINT)})", file=sys.stderr)
