@@ -210,6 +210,10 @@ def _finished(cfg: ExperimentConfig, step: int) -> dict[str, Any] | None:
 
 def _check_resumed(meta: dict[str, Any], cfg: ExperimentConfig, batcher: data.Batcher, topology: Topology) -> None:
     runtime.check_checkpoint_config(meta, cfg)
+    if meta.get("data_digest", batcher.store.digest) != batcher.store.digest:
+        raise UserError((f"--train {cfg.train}" if cfg.train else "the numbers corpus") + f": not the data checkpoint {meta['step']} in "
+                        f"{cfg.run_dir} was trained on (changed since?), so the run cannot continue on it: put that "
+                        "data back, or train a new run")
     shapes = [list(shape) for shape in batcher.shapes]
     if meta.get("shapes", shapes) != shapes:
         # Each batch size is the most rows of the budget that is a multiple of the device count (make_batcher).
@@ -351,6 +355,7 @@ def _save(cfg: ExperimentConfig, backend: Backend, batcher: data.Batcher, evalua
         "step": backend.step,
         "data": batcher.state(),  # where the next batch comes from, for --resume
         "shapes": [list(shape) for shape in batcher.shapes],  # checked on --resume
+        "data_digest": batcher.store.digest,  # checked on --resume: the same training data
         "config": cfg.experiment(),
         "valid": None if evaluated is None else _eval_summary(evaluated),
         "history": dataclasses.asdict(log),  # results.json's history, restored by --resume

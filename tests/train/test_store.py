@@ -462,3 +462,74 @@ def test_a_corpus_tokenizers_are_trained_from_its_stream_once(tmp_path, monkeypa
     monkeypatch.undo()
     monkeypatch.setenv("AIAYN_DATA_CACHE", str(tmp_path / "cache"))
     assert data.corpus_tokenizers(cfg).src.to_str() == first.src.to_str()  # a damaged copy is trained again
+
+
+def test_a_store_without_its_manifest_is_built_again_in_place(numbers, tmp_path, capsys):
+    pairs, tokenizers = numbers
+    _store(tmp_path, tokenizers, pairs[:100])
+    [path] = [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
+    (path / "store.json").unlink()
+    stored = _store(tmp_path, tokenizers, pairs[:100])
+    assert len(stored) == 100 and (path / "store.json").is_file()
+    assert f"corpus store {path} has no store.json (deleted?): building it again" in capsys.readouterr().out
+    assert [p for p in (tmp_path / "cache").iterdir() if p.name.startswith(".") and ".tmp-" in p.name] == []
+
+
+def test_a_full_disk_during_the_build_names_the_store(numbers, tmp_path, monkeypatch):
+    pairs, tokenizers = numbers
+
+    def full(*args):  # the arrays' headers written last, on a full disk: an error naming no file, as write()'s
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(store_mod, "_npy_header", full)
+    with pytest.raises(OSError) as full:
+        _store(tmp_path, tokenizers, pairs[:10])
+    assert str(full.value.filename).startswith(str(tmp_path / "cache" / ""))
+    assert [p.name for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".lock")] == []
+
+
+def test_a_failed_tokenizer_save_leaves_no_directory(tmp_path, monkeypatch):
+    pairs = data.numbers_corpus(200, 10, 0, seed=5).train
+    (tmp_path / "c.de").write_text("".join(s + "\n" for s, _ in pairs))
+    (tmp_path / "c.en").write_text("".join(t + "\n" for _, t in pairs))
+    monkeypatch.setenv("AIAYN_DATA_CACHE", str(tmp_path / "cache"))
+
+    def full(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(data.splits, "save_tokenizers", full)
+    with pytest.raises(OSError, match="No space left"):
+        data.corpus_tokenizers(ExperimentConfig(train=f"de:en:{tmp_path}/c", valid="numbers:valid", vocab_size=300))
+    assert [p.name for p in (tmp_path / "cache").iterdir() if p.name.startswith(".tokenizers-")] == []
+
+
+def test_every_run_says_how_many_pairs_it_skipped(tmp_path, numbers, capsys):
+    _, tokenizers = numbers
+    pairs = [(f"eins {i}", f"one {i}") for i in range(30)] + [("zwei", " "), ("", "three")]
+    for k, lang in enumerate(("de", "en")):
+        (tmp_path / f"c.{lang}").write_text("".join(p[k] + "\n" for p in pairs))
+    cfg = _config(tmp_path, f"de:en:{tmp_path}/c")
+    for _ in range(2):  # built, then opened
+        assert len(data.train_store(cfg, tokenizers)) == 30
+        assert f"de:en:{tmp_path}/c: skipped 2 of 32 pairs with an empty side" in capsys.readouterr().out
+
+
+def test_a_resume_on_other_data_is_refused_naming_it(tmp_path, fast_config):
+    from train import loop
+
+    pairs = data.numbers_corpus(200, 10, 0, seed=5).train
+
+    def write(pairs):
+        for k, lang in enumerate(("de", "en")):
+            (tmp_path / f"c.{lang}").write_text("".join(p[k] + "\n" for p in pairs))
+
+    write(pairs)
+    spec = f"de:en:{tmp_path}/c"
+    cfg = fast_config("torch", train=spec, valid="numbers:valid", vocab_size=300, steps=1, eval_sentences=2, beam=1,
+                      hf_cache=str(tmp_path / "hf"))
+    loop.train(cfg)
+    write(pairs[::-1])  # the same pairs, so the same batch shapes, in another order
+    with pytest.raises(UserError, match=rf"^--train {spec}: not the data checkpoint 1 in .* was trained on"):
+        loop.train(cfg.replace(resume=True, steps=2))
+    write(pairs)  # put back: it continues
+    assert loop.train(cfg.replace(resume=True, steps=2))["steps"] == 2

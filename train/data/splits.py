@@ -68,8 +68,8 @@ def train_store(cfg: ExperimentConfig, tokenizers: Tokenizers, pairs: list[Pair]
     with _loading(cfg.train):
         root, digest, stream = _training_stream(cfg)
         stored = corpus_store(root, f"{digest}#lowercase={cfg.lowercase}", tokenizers, _lowered(cfg, stream),
-                              name=cfg.train, progress=progress and cfg.progress)
-    _check_pairs(cfg.train, len(stored), stream.skipped)
+                              name=cfg.train, progress=progress and cfg.progress, skipped=lambda: stream.skipped)
+    _check_pairs(cfg.train, len(stored), stored.skipped)  # counted when the store was built
     return stored
 
 
@@ -91,11 +91,12 @@ def corpus_tokenizers(cfg: ExperimentConfig) -> Tokenizers:
     tokenizers = train_tokenizers(pairs, vocab_size=cfg.vocab_size, joint=cfg.joint_vocab, lowercase=cfg.lowercase,
                                   sample_size=cfg.tokenizer_sample)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=root))
-    save_tokenizers(tokenizers, tmp)
     try:
+        save_tokenizers(tokenizers, tmp)
         shutil.rmtree(path, ignore_errors=True)
-        os.rename(tmp, path)  # whole or absent; another process's identical copy may have won the race
-    except OSError:
+        with contextlib.suppress(OSError):  # whole or absent; another process's identical copy may have won the race
+            os.rename(tmp, path)
+    finally:  # a failed save (a full disk) leaves no temporary directory
         shutil.rmtree(tmp, ignore_errors=True)
     return tokenizers
 

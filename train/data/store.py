@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import io
 import itertools
@@ -22,7 +23,7 @@ import numpy as np
 import xxhash
 from tqdm.auto import tqdm
 
-from ..runtime.files import UserError
+from ..runtime.files import UserError, say
 from .corpora import RACY_S
 from .vocab import Tokenizers, encode
 
@@ -39,10 +40,13 @@ class TokenStore:
     int32) and start offsets (`src_start`, `tgt_start`, int64): arrays or read-only memory maps; `digest` names
     the data (a stored corpus's key: of its text and tokenizers)."""
 
-    def __init__(self, arrays: dict[str, np.ndarray], digest: str | None = None):
-        self.arrays = arrays
-        self.digest = digest or xxhash.xxh3_128_hexdigest(b"".join(arrays[k].tobytes() for k in sorted(arrays)))
+    def __init__(self, arrays: dict[str, np.ndarray], key: str | None = None, skipped: int = 0):
+        self.arrays, self.key, self.skipped = arrays, key, skipped  # skipped: pairs with an empty side, left out
         self.__dict__.update(arrays)  # store.src_len for store.arrays["src_len"]
+
+    @functools.cached_property
+    def digest(self) -> str:
+        return self.key or xxhash.xxh3_128_hexdigest(b"".join(self.arrays[k].tobytes() for k in sorted(self.arrays)))
 
     def __len__(self) -> int:
         return len(self.src_len)
@@ -96,9 +100,10 @@ def cache_dir(hf_cache: str | None = None) -> Path:
 
 
 def corpus_store(root: Path, data_digest: str, tokenizers: Tokenizers, pairs: Iterable[tuple[str, str]],
-                 name: str = "corpus", progress: bool = True) -> TokenStore:
+                 name: str = "corpus", progress: bool = True, skipped=None) -> TokenStore:
     """The store of the data `data_digest` names tokenized by `tokenizers` under `root`: opened when
-    it is there, else built from `pairs` (read only then), with a progress bar on a terminal when `progress`."""
+    it is there, else built from `pairs` (read only then), with a progress bar on a terminal when `progress`;
+    `skipped()`, once they are read: how many pairs the reader left out (kept in the manifest)."""
     key = hashlib.sha256(f"{FORMAT}\n{data_digest}\n{tokenizers_digest(tokenizers)}".encode()).hexdigest()[:32]
     path = root / key
     if not (path / MANIFEST).is_file():
@@ -107,7 +112,10 @@ def corpus_store(root: Path, data_digest: str, tokenizers: Tokenizers, pairs: It
             fcntl.flock(lock, fcntl.LOCK_EX)  # a second build of the key waits, then opens the first's store
             if not (path / MANIFEST).is_file():
                 _remove_stale(root, key)
-                build_store(path, pairs, tokenizers, key, name, progress)
+                if path.exists():  # stores are renamed into place whole: this one lost its manifest since
+                    say(f"corpus store {path} has no {MANIFEST} (deleted?): building it again")
+                    shutil.rmtree(path)
+                build_store(path, pairs, tokenizers, key, name, progress, skipped)
     return open_store(path, key)
 
 
@@ -123,7 +131,7 @@ def _remove_stale(root: Path, key: str) -> None:  # killed builds' temporary dir
 
 
 def build_store(path: Path, pairs: Iterable[tuple[str, str]], tokenizers: Tokenizers, key: str = "",
-                name: str = "corpus", progress: bool = True) -> None:
+                name: str = "corpus", progress: bool = True, skipped=None) -> None:
     """Tokenize `pairs` chunk by chunk (`encode_batch` runs on every core) into a new store at `path`,
     written in a temporary directory beside it and renamed into place when complete."""
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
@@ -155,11 +163,15 @@ def build_store(path: Path, pairs: Iterable[tuple[str, str]], tokenizers: Tokeni
             starts = np.lib.format.open_memmap(tmp / f"{side}_start.npy", "w+", np.int64, (len(lengths),))
             _starts(lengths, starts).flush()
             del starts
-        manifest = {"format": FORMAT, "key": key, "pairs": counts["src_len"], "tokens": {s: counts[s] for s in SIDES},
+        manifest = {"format": FORMAT, "key": key, "pairs": counts["src_len"], "skipped": skipped() if skipped else 0,
+                    "tokens": {s: counts[s] for s in SIDES},
                     "files": {p.name: p.stat().st_size for p in sorted(tmp.iterdir())},
                     "xxh3_128": {p.name: _file_digest(p) for p in sorted(tmp.iterdir())}}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         os.rename(tmp, path)
+    except OSError as err:
+        err.filename = err.filename or str(path)  # a write names no file (a full disk): the store's directory
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -187,7 +199,7 @@ def open_store(path: Path, key: str | None = None) -> TokenStore:
                         "again to rebuild it")
     if time.time() - max(max(s.st_mtime, s.st_ctime) for s in stats.values()) > RACY_S:  # else may change unseen
         _VERIFIED.add(seen)
-    return TokenStore(arrays, manifest["key"])
+    return TokenStore(arrays, manifest["key"], manifest.get("skipped", 0))
 
 
 def _file_digest(path: Path) -> str:
