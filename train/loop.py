@@ -211,9 +211,9 @@ def _finished(cfg: ExperimentConfig, step: int) -> dict[str, Any] | None:
 def _check_resumed(meta: dict[str, Any], cfg: ExperimentConfig, batcher: data.Batcher, topology: Topology) -> None:
     runtime.check_checkpoint_config(meta, cfg)
     if meta.get("data_digest", batcher.store.digest) != batcher.store.digest:
-        raise UserError((f"--train {cfg.train}" if cfg.train else "the numbers corpus") + f": not the data checkpoint {meta['step']} in "
-                        f"{cfg.run_dir} was trained on (changed since?), so the run cannot continue on it: put that "
-                        "data back, or train a new run")
+        used = f"--train {cfg.train}" if cfg.train else "the numbers corpus"
+        raise UserError(f"{used}: not the data checkpoint {meta['step']} in {cfg.run_dir} was trained on (changed "
+                        "since?), so the run cannot continue on it: put that data back, or train a new run")
     shapes = [list(shape) for shape in batcher.shapes]
     if meta.get("shapes", shapes) != shapes:
         # Each batch size is the most rows of the budget that is a multiple of the device count (make_batcher).

@@ -293,8 +293,8 @@ class EvaluateFiles:
     """What `aiayn evaluate` scores, and where it also writes its JSON (`jobs.evaluate_spec`)."""
 
     data: str = option(None, "parallel data to score (see below)", required=True, metavar="DATA")
-    output: Path | None = option(None, "also write the JSON to this file, atomically (a symbolic link's target); a "
-                                 "FIFO, device, socket or /dev/fd/N is written directly")
+    output: str | Path | None = option(None, "also write the JSON to this file, atomically (a symbolic link's "
+                                       "target); a FIFO, device, socket or /dev/fd/N is written directly")
 
 
 @checked
@@ -312,7 +312,7 @@ class TranslateFiles:
 
     input: Path | None = option(None, "one source sentence per line: a file (plain, or gzip when named .gz), a "
                                 "FIFO, /dev/stdin or <(command); default: stdin")
-    output: Path | None = option(
+    output: str | Path | None = option(
         None, "write translations here instead of stdout: through .OUTPUT.partial, renamed onto OUTPUT at the end (a "
         "symbolic link's target); an interrupted run (Ctrl-C, SIGTERM, a crash) leaves OUTPUT as it was and the same "
         "command continues after the finished chunks. A FIFO, device, socket or /dev/fd/N (>(command)) is written "
@@ -343,7 +343,7 @@ class ScoreFiles:
 
     input: str = option(None, "the pairs: a data spec as train.run's --valid takes (FILE.tsv with columns source and "
                         "target, SRC:TGT:PREFIX for PREFIX.SRC and PREFIX.TGT, FILE.jsonl)", required=True)
-    output: Path | None = option(None, "write here instead of stdout")
+    output: str | Path | None = option(None, "write here instead of stdout")
     format: str = option("text", "text: the log-probability; jsonl: also the target tokens (<eos> last) and each "
                          "one's log-probability", choices=("text", "jsonl"))
     batch_size: int | None = option(None, "at most N pairs per batch (default: the run's token budget)",

@@ -24,7 +24,7 @@ class Curves:
     """Which run's curves `draw` redraws, and where."""
 
     run_dir: Path = option(None, "run directory written by train.run", required=True, metavar="DIR")
-    out: Path | None = option(None, "output file, replaced if it exists, in the format its suffix names: "
+    out: str | Path | None = option(None, "output file, replaced if it exists, in the format its suffix names: "
                               f"{', '.join(IMAGE_FORMATS)}; PNG without one (default: RUN/{CURVES_FILE})",
                               metavar="FILE")
 

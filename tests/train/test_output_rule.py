@@ -201,3 +201,27 @@ def test_typed_special_tokens_are_text(tiny_torch_run):
     assert all(i not in (0, 1, 3) for row in ids for i in row)  # no control id from typed text
     assert [row.count(2) for row in ids] == [1, 1] and all(row[-1] == 2 for row in ids)  # <eos> only at the end
     assert train.data.decode(run.tokenizers.src, ids[0]) == "x <eos> y"
+
+
+@pytest.mark.parametrize("command", ["translate --output", "evaluate --output", "curves --out"])
+def test_a_loop_of_links_and_a_trailing_slash_are_one_line(command, tiny_torch_run, data, tmp_path, capsys):
+    main, argv, flag = _commands(tiny_torch_run, data)[command]
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    _refused(main, [*argv, flag, tmp_path / "a"], capsys, command, f"{flag} {tmp_path / 'a'}: a loop of symbolic links")
+    (tmp_path / "existing.txt").write_text("kept\n")
+    for name in ("newdir/", "existing.txt/"):  # the shell's `>` refuses both
+        _refused(main, [*argv, flag, f"{tmp_path}/{name}"], capsys, command, "the trailing / names a directory")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "existing.txt"]
+    assert (tmp_path / "existing.txt").read_text() == "kept\n"
+
+
+@pytest.mark.parametrize("command", ["translate --output", "evaluate --output"])
+def test_a_name_without_room_for_its_side_files_is_refused_before_the_work(command, tiny_torch_run, data, tmp_path,
+                                                                           capsys):
+    main, argv, flag = _commands(tiny_torch_run, data)[command]
+    name = tmp_path / ("x" * 250)  # legal (255 bytes at most), but not .NAME.partial.json beside it
+    assert main([str(a) for a in [*argv, flag, name]]) == 1
+    out, err = capsys.readouterr()
+    assert "the name leaves no room for the files written beside it" in one_error_line(err)
+    assert out == "" and list(tmp_path.iterdir()) == []  # nothing translated or scored, nothing left

@@ -32,7 +32,8 @@ def _processes(backend: str, run_dir: Path, extra: list[list[str]]) -> list[tupl
     procs = []
     for i in range(2):
         if backend == "jax":
-            launch, own = ["--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)], {}
+            launch = ["--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)]
+            own = {}
         else:  # what torchrun --nnodes 2 --nproc-per-node 1 gives each node's process
             launch, own = [], {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "RANK": str(i),
                                "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}

@@ -44,7 +44,8 @@ def check_xla_flags(environ: MutableMapping[str, str] | None = None) -> None:
 def split_host(environ: MutableMapping[str, str] | None = None, count: int | None = None) -> int | None:
     """Add `FLAG=N` to XLA_FLAGS, N = `count` (training's --devices), else $AIAYN_HOST_DEVICES or the cores (at
     most MAX_DEVICES; a --devices beyond them is refused by the mesh), unless jax is already imported or XLA_FLAGS
-    names a count; the count added, or None. ValueError for a $AIAYN_HOST_DEVICES not from 1 to MAX_DEVICES, or a bad XLA_FLAGS count."""
+    names a count; the count added, or None. ValueError for a $AIAYN_HOST_DEVICES not from 1 to MAX_DEVICES, or a
+    bad XLA_FLAGS count."""
     environ = os.environ if environ is None else environ
     check_xla_flags(environ)
     flags = environ.get("XLA_FLAGS", "")

@@ -56,15 +56,25 @@ class Destination:
         self.path, self.target = Path(path), None
         if is_stream(self.path):
             return
-        target = self.path.resolve()
+        try:
+            target = self.path.resolve()
+        except (RuntimeError, OSError):  # RuntimeError: Python 3.11's word for a loop
+            raise UserError(f"{flag} {path}: a loop of symbolic links; give a file name") from None
         if target.is_dir():
             raise UserError(f"{flag} {path} is a directory; give a file name")
+        if str(path).endswith(os.sep):  # as the shell's `>`, a file is never made or replaced at `name/`
+            raise UserError(f"{flag} {path}: the trailing {os.sep} names a directory, and there is none; give a "
+                            "file name")
         if not target.parent.is_dir():
             raise UserError(f"{flag} {path}: directory {target.parent} does not exist")
         if not os.access(target.parent, os.W_OK):
             raise UserError(f"{flag} {path}: directory {target.parent} is not writable")
         check_outside_runs(target, flag)
         self.target = target
+        longest = max(len(os.fsencode(side.name)) for side in self.side_files)
+        if longest > (room := os.pathconf(target.parent, "PC_NAME_MAX")):  # else it fails after the work
+            raise UserError(f"{flag} {path}: the name leaves no room for the files written beside it meanwhile "
+                            f"(.NAME.partial.json: {longest} bytes, {room} at most); give a shorter name")
         if any(os.path.exists(f) and os.path.exists(side) and os.path.samefile(f, side)
                for f in inputs for side in self.side_files):
             raise UserError(f"{flag} {path} is a file of {of}: writing it would destroy the data (or a file "
