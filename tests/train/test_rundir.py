@@ -46,6 +46,26 @@ def test_session_locks_a_new_run_dir_and_leaves_nothing_behind(tmp_path, monkeyp
     assert not (tmp_path / "new").exists()
 
 
+@pytest.mark.parametrize("existed", [False, True])
+def test_a_run_failing_before_its_first_checkpoint_leaves_nothing_blocking_a_retry(tmp_path, fast_config, monkeypatch,
+                                                                                   existed):
+    from train import loop
+
+    def fails(*args):  # as a seed the framework refuses inside, after the run's first files are written
+        raise ValueError("Python int 2147483648 too large to convert to int32")
+
+    cfg = fast_config("torch", steps=1, numbers_train=200, eval_sentences=2, beam=1, numbers_test=0)
+    if existed:
+        Path(cfg.run_dir).mkdir()
+    monkeypatch.setattr(loop, "create_backend", fails)
+    with pytest.raises(ValueError, match="too large"):
+        loop.train(cfg)
+    assert Path(cfg.run_dir).exists() == existed
+    assert not existed or [p.name for p in Path(cfg.run_dir).iterdir()] == [runtime.LOCK_FILE]
+    monkeypatch.undo()
+    assert loop.train(cfg)["steps"] == 1  # the retry, without --overwrite
+
+
 def test_derive_replaces_the_destination_with_the_new_files_and_the_copies(tmp_path):
     src, dst = old_run(tmp_path)
     copy = (data.JOINT_TOKENIZER, runtime.MODEL_FILE, runtime.TENSORBOARD, "absent")

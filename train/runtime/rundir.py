@@ -37,6 +37,8 @@ def session(cfg: ExperimentConfig, explicit: Iterable[str] | None = None, platfo
             run_dir.mkdir(parents=True, exist_ok=True)
             claimed.enter_context(RunLock(run_dir, created))
             claimed.enter_context(replacing(run_dir, cfg.overwrite))
+            if not cfg.resume:  # a new run that fails before its first checkpoint leaves nothing blocking a retry
+                claimed.push(lambda failed, *_: failed is not None and not has_checkpoint(run_dir) and _clear(run_dir))
         if cfg.resume and not (run_dir / CONFIG_FILE).is_file():
             raise UserError(f"nothing to resume: {run_dir} holds no run ({CONFIG_FILE} missing)")
         saved = read_experiment(run_dir) if cfg.resume else None
@@ -94,6 +96,12 @@ def has_checkpoint(run_dir: Path) -> bool:
     return checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir())
 
 
+def _clear(run_dir: Path) -> None:
+    for entry in run_dir.iterdir():
+        if entry.name != LOCK_FILE:
+            remove(entry)
+
+
 @contextlib.contextmanager
 def replacing(run_dir: Path, overwrite: bool) -> Iterator[None]:
     """--overwrite, never losing the old run to a failed new one: its files wait in `.NAME.run-old` while the
@@ -117,9 +125,7 @@ def replacing(run_dir: Path, overwrite: bool) -> Iterator[None]:
         yield
     except BaseException:
         if not has_checkpoint(run_dir):
-            for entry in run_dir.iterdir():
-                if entry.name != LOCK_FILE:
-                    remove(entry)
+            _clear(run_dir)
             for entry in old.iterdir():
                 os.rename(entry, run_dir / entry.name)
             old.rmdir()
