@@ -210,7 +210,7 @@ def _finished(cfg: ExperimentConfig, step: int) -> dict[str, Any] | None:
 
 def _check_resumed(meta: dict[str, Any], cfg: ExperimentConfig, batcher: data.Batcher, topology: Topology) -> None:
     runtime.check_checkpoint_config(meta, cfg)
-    if meta.get("data_digest", batcher.store.digest) != batcher.store.digest:
+    if "data_digest" in meta and meta["data_digest"] != batcher.store.digest:  # none in older checkpoints
         used = f"--train {cfg.train}" if cfg.train else "the numbers corpus"
         raise UserError(f"{used}: not the data checkpoint {meta['step']} in {cfg.run_dir} was trained on (changed "
                         "since?), so the run cannot continue on it: put that data back, or train a new run")
