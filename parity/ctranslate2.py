@@ -127,7 +127,7 @@ def same_output(ours: Sequence[int], theirs: Sequence[int], limit: int) -> bool:
     return theirs == ours
 
 
-class Translator:
+class CT2Translator:
     """A CTranslate2 model directory written by `export_ctranslate2`, fed and read in our ids."""
 
     def __init__(self, model_dir: str | os.PathLike, **options: Any):

@@ -19,7 +19,7 @@ from .config import BACKENDS, ExperimentConfig
 from .options import SAMPLING_FIELDS, Evaluation, OptionError, RunSelection, Sampling, Search, sampling_of
 from .runtime import CHECKPOINTS, UserError, read_experiment, read_run, user_errors
 from .runtime.rundir import check_set_aside
-from .store import DIGEST_FILE, CheckpointError, parse_checkpoint
+from .checkpoints import DIGEST_FILE, CheckpointError, parse_checkpoint
 from .translation import Hypothesis, score_pairs
 
 

@@ -16,7 +16,7 @@ from torch_reference.config import POSITIVE
 from . import data, runtime
 from .backends import create_backend
 from .options import checked, option
-from .store import CheckpointError, TrainingState
+from .checkpoints import CheckpointError, TrainingState
 
 
 @checked

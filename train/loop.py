@@ -33,7 +33,7 @@ from .runtime import CHECKPOINTS, CONFIG_FILE, CURVES_FILE, RESULTS_FILE, TENSOR
 from .runtime.events import NoWriter, summary_writer
 from .runtime.files import finite_values, read_json, write_json_atomic
 from .runtime.rundir import has_checkpoint
-from .store import CheckpointError, TrainingState
+from .checkpoints import CheckpointError, TrainingState
 from .translation import EvaluationStopped
 
 

@@ -16,7 +16,7 @@ from . import data, runtime
 from .backends import create_backend
 from .config import ExperimentConfig
 from .options import OptionError
-from .store import CheckpointError
+from .checkpoints import CheckpointError
 
 
 @dataclasses.dataclass

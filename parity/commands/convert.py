@@ -12,7 +12,7 @@ import sys
 
 from train.options import build, command, run
 from train.runtime.files import UserError, error_text
-from train.store import CheckpointError
+from train.checkpoints import CheckpointError
 
 from ..conversions import Conversion, convert
 

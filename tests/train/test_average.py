@@ -12,7 +12,7 @@ from train.commands import average, evaluate, translate
 from train.commands import run as train_run
 from train.config import ExperimentConfig
 from train.runtime import read_experiment, read_model_config
-from train.store import TrainingState
+from train.checkpoints import TrainingState
 
 
 def _state(step: int, value: float) -> TrainingState:

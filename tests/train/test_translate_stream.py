@@ -290,7 +290,7 @@ def _other_weights(checkpoint: Path) -> None:
     from safetensors import safe_open
     from safetensors.numpy import load_file, save_file
 
-    from train.store import write_checkpoint_digest
+    from train.checkpoints import write_checkpoint_digest
 
     weights = checkpoint / "model.safetensors"
     with safe_open(str(weights), "np") as f:

@@ -17,7 +17,7 @@ from torch_reference.config import TransformerConfig
 
 from ..config import ExperimentConfig
 from ..data import Batch
-from ..store import TrainingState
+from ..checkpoints import TrainingState
 
 # What `train_step` returns: framework values still on the device (reading them syncs).
 Metrics = Mapping[str, Any]

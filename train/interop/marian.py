@@ -21,7 +21,7 @@ from .. import data, runtime
 from ..backends import create_backend
 from ..config import DERIVED_MODEL_FIELDS, SPECIAL_ID_FIELDS, ExperimentConfig
 from ..data import spm
-from ..store import CheckpointMismatchError, TrainingState, check_keys
+from ..checkpoints import CheckpointMismatchError, TrainingState, check_keys
 from .weights import convert_state, read_state_dict
 
 MARIAN_FORMAT = "marian"

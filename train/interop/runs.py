@@ -19,10 +19,10 @@ import jax_transformer
 import torch_reference
 from torch_reference.config import TransformerConfig
 
-from .. import data, runtime, store
+from .. import checkpoints, data, runtime
 from ..backends import create_backend
 from ..config import ExperimentConfig
-from ..store.jax_store import quiet_orbax
+from ..checkpoints.jax_store import quiet_orbax
 from .marian import import_marian
 from .weights import (LEGACY_SUFFIXES, convert_state, jax_key, jax_model_from_params, jax_params, nest,
                       read_state_dict, transfer_state)
@@ -37,7 +37,7 @@ def convert_checkpoints(src_cfg: ExperimentConfig, model_cfg: TransformerConfig,
         if not available:
             raise FileNotFoundError("the run has no checkpoint to convert")
         steps = (available if which == "all"
-                 else [store.choose_checkpoint(available, which, source.checkpoint_metrics, src_dir)])
+                 else [checkpoints.choose_checkpoint(available, which, source.checkpoint_metrics, src_dir)])
         for step in steps:
             meta = source.restore(step)
             transfer_state(source, target)
@@ -91,7 +91,7 @@ def run_weights(run_dir: str | os.PathLike, checkpoint: str | int = "best") -> t
     run_dir = Path(run_dir)
     cfg, model_cfg, _ = runtime.read_run(run_dir)
     with contextlib.closing(create_backend(cfg, model_cfg, str(run_dir / runtime.CHECKPOINTS))) as backend:
-        backend.restore(store.parse_checkpoint(checkpoint))
+        backend.restore(checkpoints.parse_checkpoint(checkpoint))
         state = convert_state(backend.export_state(), "torch", model_cfg)
     return state.params, model_cfg
 
@@ -106,7 +106,7 @@ def save_torch_weights(model: torch_reference.Transformer, path: str | os.PathLi
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_file(state_dict, str(tmp), metadata={store.WEIGHTS_CONFIG_KEY: model.cfg.to_json()})
+        save_file(state_dict, str(tmp), metadata={checkpoints.WEIGHTS_CONFIG_KEY: model.cfg.to_json()})
         os.replace(tmp, path)
     except Exception as err:
         raise runtime.write_error(err, path) or err from None
@@ -125,8 +125,8 @@ def load_torch_weights(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor]
     if path.suffix not in LEGACY_SUFFIXES:
         with safe_open(str(path), framework="pt") as f:
             metadata = f.metadata() or {}
-    if store.WEIGHTS_CONFIG_KEY in metadata:
-        cfg = TransformerConfig.from_json(metadata[store.WEIGHTS_CONFIG_KEY])
+    if checkpoints.WEIGHTS_CONFIG_KEY in metadata:
+        cfg = TransformerConfig.from_json(metadata[checkpoints.WEIGHTS_CONFIG_KEY])
     elif (path.parent / "config.json").is_file():
         cfg = TransformerConfig.from_json((path.parent / "config.json").read_text())
     else:

@@ -159,7 +159,7 @@ def check_model(run_dir: Path, cfg: ExperimentConfig, model_cfg: TransformerConf
                 what: str = MODEL_FILE) -> None:
     """Refuse, before a model is built (a hand-edited size is named, not allocated), a run whose files describe
     different models: `model_cfg` (from `what`) must be that of config.json and of each checkpoint's experiment."""
-    from ..store import saved_experiments  # here: the stores write through runtime.files, below this package
+    from ..checkpoints import saved_experiments  # here: the stores write through runtime.files, below this package
 
     sizes = tokenizers.src.get_vocab_size(), tokenizers.tgt.get_vocab_size()
     sources = {f"{run_dir / CONFIG_FILE} with the tokenizer": cfg}
