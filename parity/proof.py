@@ -17,10 +17,10 @@ from torch_reference.config import PAD_ID, TransformerConfig
 from torch_reference.decode import greedy_search, output_length
 from torch_reference.model import Transformer
 from train import data, runtime
-from train.attention import output_tokens
 from train.data import spm
 from train.data.streams import LineReader
 from train.interop.marian import side_orders
+from train.translate.attention import output_tokens
 
 from .ctranslate2 import CT2Translator, same_output, tokens
 

@@ -25,8 +25,8 @@ from train.data.streams import read_lines
 from train.interop import marian
 from train.interop.weights import convert_state
 from train.options import POSITIVE, Output, RunSelection, Sampling, Search, checked, option, sampling_of
+from train.runtime.destination import Destination
 from train.runtime.files import UserError, json_text, user_errors
-from train.runtime.output import Destination
 
 from . import ctranslate2 as ct2
 from . import proof

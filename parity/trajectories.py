@@ -16,12 +16,12 @@ import numpy as np
 from torch_reference.config import NON_NEGATIVE, POSITIVE, TransformerConfig
 from train import data
 from train.backends import create_backend, initialize
+from train.checkpoints import TrainingState
 from train.config import PAPER_WARMUP, ExperimentConfig  # a trajectory: the first updates of the paper's schedule
 from train.interop.runs import convert_checkpoints
 from train.interop.weights import convert_state
 from train.loop import make_batcher
 from train.options import OptionError, Output, checked, option
-from train.checkpoints import TrainingState
 
 from .comparison import enable_parity_numerics
 
@@ -152,7 +152,8 @@ class Comparison:
                 "per_step": per, "final_per_parameter": self.final["per_parameter"]}
 
 
-def _switch(run: TrainingRun, cfg, model_cfg, new_batcher: Callable[[], Any], workdir: Path) -> tuple[TrainingRun, bool]:
+def _switch(run: TrainingRun, cfg, model_cfg, new_batcher: Callable[[], Any],
+            workdir: Path) -> tuple[TrainingRun, bool]:
     """`run`'s checkpoint saved, converted and restored in the other framework: (that run, whether bit-exact)."""
     src, other = run.name, "torch" if run.name == "jax" else "jax"
     src_cfg = cfg.replace(backend=src)

@@ -103,11 +103,11 @@ def cycles_of(graph: dict[str, set[str]]) -> list[str]:
 def test_dependencies_run_one_way_without_cycles():
     modules = project_modules()
     graph = {name: imports_of(name, path, modules) for name, path in modules.items()}
-    assert graph["train.runtime.rundir"] >= {"train.checkpoints", "train.config", "train.data"}  # the parser sees imports
-    assert "train.metrics" in graph["train.loop"] and "train.api" in graph["train.jobs"]
+    assert graph["train.rundir"] >= {"train.checkpoints", "train.config", "train.data"}  # the parser sees imports
+    assert "train.translation" in graph["train.loop"] and "train.api" in graph["train.translate.jobs"]
     # The backend factory's table of module names is seen as importing them.
     assert graph["train.backends"] >= {"train.backends.jax_backend", "train.backends.torch_backend"}
-    assert "train.commands.serve" not in graph["train.loadgen"]  # it starts the server in a child process
+    assert "train.commands.serve" not in graph["train.serving.loadgen"]  # it starts the server in a child process
 
     assert "train.interop.runs" in graph["train.pretrained"]  # --init-from converts through the library itself
     # `aiayn`'s table (train.commands) names every command, parity's too: it stands above both packages.
@@ -209,7 +209,7 @@ def test_checkpoint_stores_know_neither_run_directories_nor_backends():
     graph = {name: imports_of(name, path, modules) for name, path in modules.items()}
     stores = sorted(name for name in graph if name.split(".")[:2] == ["train", "checkpoints"])
     assert stores == ["train.checkpoints", "train.checkpoints.jax_store", "train.checkpoints.torch_store"]
-    assert "train.runtime.rundir" in reachable(graph, "train.commands.average")  # the walk does find what is imported
+    assert "train.rundir" in reachable(graph, "train.commands.average")  # the walk does find what is imported
     for store in stores:
         wrong = {m for m in reachable(graph, store)
                  if m.split(".")[:2] in (["train", "runtime"], ["train", "backends"]) and m != "train.runtime.files"}

@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 
 from train import data
-from train.data import corpus_store as store_mod
 from train.config import ExperimentConfig
+from train.data import corpus_store as store_mod
 from train.runtime import UserError
 
 from .helpers import REPO

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from parity.commands import convert
-from train import checkpoints, data, loop, plots, runtime
+from train import checkpoints, data, loop, plots, rundir, runtime
 from train.commands import average, translate
 from train.commands import run as train_run
 
@@ -121,7 +121,7 @@ def small_fs(tmp_path):
 # The write sites of a run, each filled up just before it writes (a new 2-step run saving at
 # steps 1 and 2, so that the full disk comes after a checkpoint whenever the site allows).
 SITES = {  # site: (module, the function filling the disk first, the path the error names)
-    "config.json": (runtime.rundir, "write_json_atomic", "config.json"),
+    "config.json": (rundir, "write_json_atomic", "config.json"),
     "tokenizer": (data, "save_tokenizers", "tokenizer.json"),
     "checkpoint": (loop, "_save", "checkpoints/2"),
     "tensorboard": (loop, "summary_writer", "tensorboard"),

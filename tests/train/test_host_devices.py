@@ -46,7 +46,7 @@ def test_the_variable_sets_the_count_and_one_turns_it_off(no_jax):
 def test_devices_beyond_the_cores_are_not_made(no_jax, monkeypatch):
     """Issue 58: `translate --devices 99` on 4 cores made 99 XLA devices; now the split is the cores
     whatever --devices asks (it picks the first N), so the mesh refuses 99 as training does."""
-    from train import jobs
+    from train.translate import jobs
     from train.commands import translate
 
     class Split(Exception):

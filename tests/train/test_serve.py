@@ -28,9 +28,9 @@ import train
 from train import serving
 from train.commands import loadtest
 from train.commands import serve as serve_command
-from train.loadgen import ServedRun, load_test, read_lines
 from train.options import Search
 from train.serving import Decoding, Limits, QueueFull, Request, RequestBatcher, Server
+from train.serving.loadgen import ServedRun, load_test, read_lines
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCES = ["dreiundvierzig", "siebenhundertzwölf", "neun", "achtzehn", "zweitausendeins", "sechzig"]

@@ -25,10 +25,10 @@ from jax_transformer import decode, ensemble, sampling, sharding, xla_cpu
 from jax_transformer.objective import label_smoothed_cross_entropy, noam_learning_rate
 from torch_reference.config import TransformerConfig, check_beam
 
-from ..config import ExperimentConfig, default_dtype, resolve_kernels
-from ..data import Batch
 from ..checkpoints import TrainingState, check_arrays
 from ..checkpoints.jax_store import JaxStore
+from ..config import ExperimentConfig, default_dtype, resolve_kernels
+from ..data import Batch
 from . import allocator, compiles, jax_cache
 from .interface import Hypotheses, Metrics, StoreMethods, Topology
 

@@ -30,12 +30,12 @@ from torch_reference import decode, ensemble, sampling
 from torch_reference.config import TransformerConfig, check_beam
 from torch_reference.objective import label_smoothed_cross_entropy, noam_learning_rate
 
+from ..checkpoints import TrainingState, check_arrays
+from ..checkpoints.torch_store import TorchStore
 from ..config import ExperimentConfig, default_dtype, resolve_kernels
 from ..data import Batch
 from ..runtime import Interrupted, UserError, user_errors
 from ..runtime.files import error_text
-from ..checkpoints import TrainingState, check_arrays
-from ..checkpoints.torch_store import TorchStore
 from .interface import Hypotheses, Metrics, StoreMethods, Topology
 
 

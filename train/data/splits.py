@@ -14,8 +14,8 @@ from pathlib import Path
 from ..config import ExperimentConfig
 from ..runtime.files import UserError, quoted, say
 from .corpora import Pair, load_parallel, stream_parallel
-from .numbers import Splits, numbers_corpus, numbers_range
 from .corpus_store import TokenStore, cache_dir, corpus_store
+from .numbers import Splits, numbers_corpus, numbers_range
 from .vocab import Tokenizers, encode_pairs, load_tokenizers, sample, save_tokenizers, train_tokenizers
 
 MAX_SPEC = 4096  # characters of a data spec: PATH_MAX, with room for SRC:TGT: and #src=..,tgt=..

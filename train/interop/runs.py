@@ -19,10 +19,10 @@ import jax_transformer
 import torch_reference
 from torch_reference.config import TransformerConfig
 
-from .. import checkpoints, data, runtime
+from .. import checkpoints, data, rundir, runtime
 from ..backends import create_backend
-from ..config import ExperimentConfig
 from ..checkpoints.jax_store import quiet_orbax
+from ..config import ExperimentConfig
 from .marian import import_marian
 from .weights import (LEGACY_SUFFIXES, convert_state, jax_key, jax_model_from_params, jax_params, nest,
                       read_state_dict, transfer_state)
@@ -51,7 +51,7 @@ def convert_run(src: str | os.PathLike, dst: str | os.PathLike, to: str | None =
                 overwrite: bool = False, check: Callable[[Path], object] | None = None) -> dict:
     """A run -> the same run for the other backend (checkpoints `which`), at `dst` once `check` accepts it."""
     src, dst = Path(src), Path(dst)
-    runtime.rundir.check_set_aside(src)  # an --overwrite killed or still running: named, not half a run converted
+    rundir.check_set_aside(src)  # an --overwrite killed or still running: named, not half a run converted
     try:
         src_cfg, model_cfg = runtime.read_experiment(src), runtime.read_model_config(src)
     except runtime.UserError as err:
@@ -59,7 +59,7 @@ def convert_run(src: str | os.PathLike, dst: str | os.PathLike, to: str | None =
     to = to or ("torch" if src_cfg.backend == "jax" else "jax")
     if to == src_cfg.backend:
         raise ValueError(f"{src} is already a {to} run")
-    runtime.check_model(src, src_cfg, model_cfg, data.load_tokenizers(src))  # as --resume rebuilds it
+    rundir.check_model(src, src_cfg, model_cfg, data.load_tokenizers(src))  # as --resume rebuilds it
     copy = (*data.tokenizer_files(src), runtime.MODEL_FILE, runtime.IMPORTED_FILE, runtime.TENSORBOARD)
     with runtime.derive(src, dst, "run", overwrite, copy, check) as tmp:
         steps = convert_checkpoints(src_cfg, model_cfg, src / runtime.CHECKPOINTS, tmp / runtime.CHECKPOINTS, to, which)
@@ -89,7 +89,7 @@ def run_weights(run_dir: str | os.PathLike, checkpoint: str | int = "best") -> t
     """(weights in torch's layout as NumPy, config) of a run's checkpoint, whichever backend wrote it."""
     # Not through train.load: the library's setup imports this module (--init-from), so it stays below train.api.
     run_dir = Path(run_dir)
-    cfg, model_cfg, _ = runtime.read_run(run_dir)
+    cfg, model_cfg, _ = rundir.read_run(run_dir)
     with contextlib.closing(create_backend(cfg, model_cfg, str(run_dir / runtime.CHECKPOINTS))) as backend:
         backend.restore(checkpoints.parse_checkpoint(checkpoint))
         state = convert_state(backend.export_state(), "torch", model_cfg)

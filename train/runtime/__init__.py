@@ -9,5 +9,4 @@ from .layout import (AVERAGED_FILE, CHECKPOINTS, CONFIG_FILE, CURVES_FILE, IMPOR
 from .lock import RunLock
 from .replace import (KIND_FILE, KINDS, PROOF_FILE, check_destination, check_export, derive, export_digests, kind_of,
                       remove, swap_in)
-from .rundir import check_checkpoint_config, check_model, prepare_run_dir, read_run, replacing, session, set_aside_path
 from .signals import Interrupted, StopSignals, exit_status, interruptible

@@ -36,7 +36,7 @@ def run_decoder(run) -> Callable[..., list[dict[str, Any]]]:
     def decode(texts: list[str], prefixes: list[str | None] | None, options: Decoding) -> list[dict[str, Any]]:
         recorder = None
         if options.attention:
-            from ..attention import AttentionRecorder
+            from ..translate.attention import AttentionRecorder
 
             if run.members:
                 raise UserError("attention with an ensemble: its members' attention weights are not one drawing")
