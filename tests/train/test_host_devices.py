@@ -112,8 +112,8 @@ def test_aiayn_translate_bench_splits_the_host_before_jax_is_imported(tmp_path):
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[2]
-    script = ("from parity.commands import cli; "
-              f"status = cli.main(['translate-bench', '--run-dir', {str(tmp_path / 'none')!r}]); "
+    script = ("import train.commands; "
+              f"status = train.commands.main(['translate-bench', '--run-dir', {str(tmp_path / 'none')!r}]); "
               "import jax; print(status, jax.device_count())")
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     done = subprocess.run([sys.executable, "-c", script], cwd=repo, env={**env, "PYTHONPATH": str(repo), ENV: "3"},

@@ -1,4 +1,5 @@
-"""The run machinery: what keeps a run directory safe, apart from what trains in it (docs/operations.md)."""
+"""The ground floor, below data and checkpoints: errors a user can cause (UserError), atomic files, a run's
+file names, its lock, replacing directories whole, the files a command writes, signals (docs/operations.md)."""
 
 from __future__ import annotations
 
