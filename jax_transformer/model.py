@@ -130,29 +130,25 @@ def fused_attention(q, k, v, mask=None):
 
 
 class Kernels(NamedTuple):
-    """A kernel set: the function each kind of computation runs (None: the layer's plain path)."""
+    """A kernel set: the function each kind of computation runs; by default the reference path's."""
+    attention: Callable = scaled_dot_product_attention  # (q, k, v, mask) -> (B, H, T, K), no dropout, no weights
+    shared_keys: Callable | None = None  # cross-attention over one copy of a sentence's keys (xla_cpu.shared_keys)
+    dot_general: Callable = jax.lax.dot_general  # every nnx.Linear's
+    layer_norm: Callable | None = None  # xla_cpu.LayerNorm's in float32 without a mask (None: Flax's)
+    relu_linear: Callable | None = None  # FeedForward's linear2(relu(h)) in float32 without activation dropout
+    logits: Callable = nnx.Embed.attend  # the tied output projection, (embedding, hidden) -> logits
+    loss_sums: Callable = objective.smoothed_sums  # (logits, targets, pad_id, smoothing) -> (loss sum, NLL sum)
+    search: bool = False  # the searches take xla_cpu.shrinking_while's loop and best_candidates
 
-    attention: Callable  # (q, k, v, mask) -> (B, H, T, K), neither dropout nor weights
-    shared_keys: Callable | None  # cross-attention over one copy of a sentence's keys (xla_cpu.shared_keys)
-    dot_general: Callable  # every nnx.Linear's
-    layer_norm: Callable | None  # xla_cpu.LayerNorm's, in float32 without a mask
-    relu_linear: Callable | None  # FeedForward's linear2(relu(h)), in float32 without activation dropout
-    logits: Callable  # the tied output projection, (embedding, hidden) -> logits
-    loss_sums: Callable  # the training objective: (logits, targets, pad_id, smoothing) -> (loss sum, NLL sum)
-    search: bool  # the searches take xla_cpu.shrinking_while's loop and best_candidates
 
-
-_reference = Kernels(scaled_dot_product_attention, None, jax.lax.dot_general, None, None, nnx.Embed.attend,
-                     objective.smoothed_sums, False)
 # How the layers compute, by name (`set_kernels`; the names: config.KernelSet, in its order): `reference`
-# mirrors torch_reference line by line; `xla_cpu` is xla_cpu.py's pieces, faster on XLA:CPU; `fused` computes
-# attention with jax.nn.dot_product_attention (cuDNN's kernel on a GPU). All give the same results to float32
-# rounding.
-KERNELS: dict[KernelSet, Kernels | None] = {
-    "reference": _reference,
-    "xla_cpu": Kernels(scaled_dot_product_attention, tuned.shared_keys, tuned.linear_dot_general, tuned.layer_norm,
-                       tuned.relu_linear, tuned.attend, tuned.smoothed_sums, True),
-    "fused": _reference._replace(attention=fused_attention),
+# mirrors torch_reference line by line; `xla_cpu`, xla_cpu.py's pieces, is faster on XLA:CPU; `fused` attends
+# with jax.nn.dot_product_attention (cuDNN's kernel on a GPU). All give the same results to float32 rounding.
+KERNELS = {
+    "reference": Kernels(),
+    "xla_cpu": Kernels(shared_keys=tuned.shared_keys, dot_general=tuned.linear_dot_general, layer_norm=tuned.layer_norm,
+                       relu_linear=tuned.relu_linear, logits=tuned.attend, loss_sums=tuned.smoothed_sums, search=True),
+    "fused": Kernels(attention=fused_attention),
 }
 
 

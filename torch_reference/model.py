@@ -117,19 +117,14 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None)
 
 
 class Kernels(NamedTuple):
-    """A kernel set: the function each kind of computation runs."""
-
-    attention: Callable  # (q, k, v, mask) -> (B, H, T, K), neither dropout nor weights
+    """A kernel set: the function each kind of computation runs; by default the reference path's."""
+    attention: Callable = scaled_dot_product_attention  # (q, k, v, mask) -> (B, H, T, K), no dropout, no weights
 
 
 # How the layers compute, by name (`set_kernels`; the names: config.KernelSet, in its order): `reference`
 # is this file's plain path; `fused` computes attention with F.scaled_dot_product_attention (a fused kernel
 # on a GPU). Both give the same results to float32 rounding. `xla_cpu` is the JAX twin's only (XLA:CPU).
-KERNELS: dict[KernelSet, Kernels | None] = {
-    "reference": Kernels(attention=scaled_dot_product_attention),
-    "xla_cpu": None,
-    "fused": Kernels(attention=fused_attention),
-}
+KERNELS = {"reference": Kernels(), "xla_cpu": None, "fused": Kernels(attention=fused_attention)}
 
 
 def set_kernels(module: nn.Module, kernels: KernelSet = "reference", remat: bool = False) -> None:
