@@ -13,7 +13,6 @@ import contextlib
 import hashlib
 import importlib
 import json
-from typing import Any
 
 import numpy as np
 
@@ -34,7 +33,7 @@ def initialize(exp_cfg: ExperimentConfig) -> Topology:
     return importlib.import_module(BACKEND_MODULES[exp_cfg.backend]).initialize(exp_cfg)
 
 
-def check_agreement(exp_cfg: ExperimentConfig, settings: dict[str, Any]) -> None:
+def check_agreement(exp_cfg: ExperimentConfig, settings: dict) -> None:
     """UserError in every process of a multi-process run where one's `settings` (name: JSON value) differ from
     process 0's, naming the first that does (each gathers every process's digest of each setting)."""
     from ..runtime import UserError

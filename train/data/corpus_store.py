@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import functools
 import hashlib
 import io
 import itertools
@@ -40,13 +39,10 @@ class TokenStore:
     int32) and start offsets (`src_start`, `tgt_start`, int64): arrays or read-only memory maps; `digest` names
     the data (a stored corpus's key: of its text and tokenizers)."""
 
-    def __init__(self, arrays: dict[str, np.ndarray], key: str | None = None, skipped: int = 0):
-        self.arrays, self.key, self.skipped = arrays, key, skipped  # skipped: pairs with an empty side, left out
+    def __init__(self, arrays: dict[str, np.ndarray], digest: str | None = None, skipped: int = 0):
+        self.arrays, self.skipped = arrays, skipped  # skipped: pairs with an empty side, left out
+        self.digest = digest or xxhash.xxh3_128_hexdigest(b"".join(arrays[k].tobytes() for k in sorted(arrays)))
         self.__dict__.update(arrays)  # store.src_len for store.arrays["src_len"]
-
-    @functools.cached_property
-    def digest(self) -> str:
-        return self.key or xxhash.xxh3_128_hexdigest(b"".join(self.arrays[k].tobytes() for k in sorted(self.arrays)))
 
     def __len__(self) -> int:
         return len(self.src_len)
