@@ -11,6 +11,7 @@ from typing import Any
 
 from torch_reference.config import POSITIVE, Range
 
+from ..config import BATCH, BEAM
 from ..options import SAMPLING_FIELDS, OptionError, Search, checked, option, sampling_of
 from ..runtime import UserError
 
@@ -25,8 +26,8 @@ def require(module: str) -> Any:
         raise UserError(f"{module} is not installed; it comes with the serve extra: {SERVE_INSTALL}") from None
 
 
-def _limit(default, help: str):
-    return option(default, help, range=Range(float, above=0.0) if isinstance(default, float) else POSITIVE)
+def _limit(default, help: str, range: Range = POSITIVE):
+    return option(default, help, range=Range(float, above=0.0) if isinstance(default, float) else range)
 
 
 @checked
@@ -36,9 +37,9 @@ class Limits:
     max_body_bytes: int = _limit(1 << 20, "larger request bodies get 413")
     max_texts: int = _limit(64, "sentences per request")
     max_text_chars: int = _limit(2000, "characters per sentence (the model reads at most max_len tokens of it)")
-    max_beam: int = _limit(16, "the largest beam (and number of samples) a request may ask for")
+    max_beam: int = _limit(16, "the largest beam (and number of samples) a request may ask for", BEAM)
     max_queue_sentences: int = _limit(4096, "sentences waiting or decoding; past it 429 with Retry-After")
-    max_batch_sentences: int = _limit(512, "sentences decoded together")
+    max_batch_sentences: int = _limit(512, "sentences decoded together", BATCH)
     max_batch_tokens: int = _limit(16384, "source tokens decoded together")
     max_batch_requests: int | None = _limit(None, "requests decoded together (1: no batching)")
     max_wait_ms: float = _limit(5.0, "how long the oldest waiting request waits for others to join its batch")
@@ -81,9 +82,8 @@ SEARCH_FIELDS = tuple(f.name for f in dataclasses.fields(Search))
 
 def decoding(fields: dict[str, Any], prefixes: bool = False) -> Decoding:
     """The options objects of a request's fields, each checked by its class as `Run.translate` builds them."""
-    for name in ("sample", "attention"):
-        if not isinstance(fields.get(name, False), bool):
-            raise OptionError("{} " + f"must be true or false, got {fields[name]!r}", name)
+    if not isinstance(fields.get("attention", False), bool):  # `sample`'s is `sampling_of`'s, the API's
+        raise OptionError("{} " + f"must be true or false, got {fields['attention']!r}", "attention")
     search = Search(**{k: v for k, v in fields.items() if k in SEARCH_FIELDS})
     sampling = {k: v for k, v in fields.items() if k in SAMPLING_FIELDS}
     if sampled := sampling_of(fields.get("sample"), sampling):
