@@ -178,10 +178,7 @@ def load(run_dir: str | os.PathLike | Sequence[str | os.PathLike] | RunSelection
     if isinstance(run_dir, RunSelection):
         selection = run_dir
     else:
-        launch_fields = {"coordinator_address", "num_processes", "process_id"}  # RunSelection's
-        if unknown := sorted(set(launch) - launch_fields):  # RunSelection's TypeError would be no UserError
-            raise UserError(f"load() got an unexpected keyword argument {unknown[0]!r} (launch options: "
-                            f"{', '.join(sorted(launch_fields))})")
+        _unknown("load", launch, ("coordinator_address", "num_processes", "process_id"))  # RunSelection's launch
         selection = RunSelection(run_dir, checkpoint, average, devices, **launch)
     if backend not in (None, *BACKENDS):  # not a framework to convert the run to
         raise OptionError("{} " + f"must be one of {', '.join(BACKENDS)} (None: the run's own), got {backend!r}",

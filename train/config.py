@@ -92,7 +92,8 @@ class ExperimentConfig:
     model: dict = _field(
         {}, "model", "override a TransformerConfig field of the preset, e.g. --set d_model=128 "
         "--set norm_position=pre (repeatable)", flag="--set", metavar="FIELD=VALUE", parse=parse_model_override)
-    dropout: float | None = _field(None, "model", "residual dropout rate (paper: 0.1); default: the preset's", range=PROBABILITY)
+    dropout: float | None = _field(None, "model", "residual dropout rate (paper: 0.1); default: the preset's",
+                                   range=PROBABILITY)
     init_from: str | None = _field(
         None, "model", "start from a pretrained model (a run directory, an HF Marian directory or "
         "hf:ORG/NAME[@REVISION]): its model, tokenizers and weights, trained on --train with a fresh optimizer and "
@@ -104,21 +105,27 @@ class ExperimentConfig:
     test: str | None = _field(None, "data", "test data spec, evaluated at the end; default with --train: no test set",
                               metavar="SPEC")
     numbers_train: int = _field(
-        40_000, "data", "numbers corpus: training pairs, an even share for numbers of each length (1 to 6 digits)", range=POSITIVE)
-    numbers_valid: int = _field(500, "data", "numbers corpus: validation pairs, spread like the test pairs", range=POSITIVE)
+        40_000, "data", "numbers corpus: training pairs, an even share for numbers of each length (1 to 6 digits)",
+        range=POSITIVE)
+    numbers_valid: int = _field(500, "data", "numbers corpus: validation pairs, spread like the test pairs",
+                                range=POSITIVE)
     numbers_test: int = _field(
-        1000, "data", "numbers corpus: test pairs, even over numbers of 1 to 6 digits (3 or more never trained on)", range=NON_NEGATIVE)
+        1000, "data", "numbers corpus: test pairs, even over numbers of 1 to 6 digits (3 or more never trained on)",
+        range=NON_NEGATIVE)
     vocab_size: int | None = _field(
         None, "data", f"BPE vocabulary size; default {NUMBERS_VOCAB_SIZE} for the numbers corpus, "
         f"{DEFAULT_VOCAB_SIZE} otherwise", range=Range(int, low=260))
     tokenizer_sample: int = _field(
-        DEFAULT_TOKENIZER_SAMPLE, "data", "train the tokenizers on at most N training pairs (a seeded sample of more)", range=POSITIVE)
+        DEFAULT_TOKENIZER_SAMPLE, "data", "train the tokenizers on at most N training pairs (a seeded sample of more)",
+        range=POSITIVE)
     joint_vocab: bool = _field(
         True, "data", "one BPE vocabulary for source and target, shared embeddings (--no-joint-vocab: one per side)")
     lowercase: bool = _field(
         False, "data", "lowercase all text: every pair, and every input of the tokenizer (translate lowercases too)")
-    max_len: int = _field(128, "data", "longest sequence in tokens (with <eos>); longer training pairs are dropped", range=LENGTH)
-    token_budget: int = _field(4096, "data", "padded tokens per batch (B x L <= budget, per length bucket)", range=POSITIVE)
+    max_len: int = _field(128, "data", "longest sequence in tokens (with <eos>); longer training pairs are dropped",
+                          range=LENGTH)
+    token_budget: int = _field(4096, "data", "padded tokens per batch (B x L <= budget, per length bucket)",
+                               range=POSITIVE)
     pack: bool | None = _field(
         None, "data", "pack several pairs into each batch row (attention within each pair) and search in a few fixed "
         "shapes: few programs for JAX to compile, little padding (--no-pack: length buckets); default: on for jax, "
@@ -130,27 +137,35 @@ class ExperimentConfig:
         None, "optim", f"warmup steps of the schedule (§5.3); default {WARMUP_FRACTION:g} x steps, "
         f"at most {PAPER_WARMUP}", range=POSITIVE)
     lr_factor: float = _field(1.0, "optim",
-                              "factor on the paper's schedule d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)", range=Range(float, above=0.0))
+                              "factor on the paper's schedule d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)",
+                              range=Range(float, above=0.0))
     label_smoothing: float = _field(0.1, "optim", "label smoothing epsilon (§5.4), padding ignored", range=PROBABILITY)
     clip_norm: float | None = _field(
-        None, "optim", "clip gradients to this global norm (optax clip_by_global_norm formula); default: no clipping", range=Range(float, above=0.0))
+        None, "optim", "clip gradients to this global norm (optax clip_by_global_norm formula); default: no clipping",
+        range=Range(float, above=0.0))
     grad_accum: int = _field(
-        1, "optim", "micro-batches per update; the loss is summed over them and divided by their total target tokens", range=POSITIVE)
+        1, "optim", "micro-batches per update; the loss is summed over them and divided by their total target tokens",
+        range=POSITIVE)
 
     eval_every: int = _field(
-        200, "eval", "validate (loss, perplexity, BLEU, chrF, samples) every N steps and at the end", launch=True, range=POSITIVE)
-    log_every: int = _field(20, "eval", "read metrics from the device and log them every N steps", launch=True, range=POSITIVE)
+        200, "eval", "validate (loss, perplexity, BLEU, chrF, samples) every N steps and at the end", launch=True,
+        range=POSITIVE)
+    log_every: int = _field(20, "eval", "read metrics from the device and log them every N steps", launch=True,
+                            range=POSITIVE)
     eval_sentences: int | None = _field(
         None, "eval", "translate at most this many validation sentences for BLEU/chrF/exact match; default: all "
         "(the test set is always translated whole)", launch=True, range=POSITIVE)
     samples: int = _field(3, "eval", "sample translations printed at each evaluation", launch=True, range=NON_NEGATIVE)
-    beam: int = _field(4, "eval", "beam size of the translations scored by BLEU/chrF (1 = greedy search)", launch=True, range=BEAM)
+    beam: int = _field(4, "eval", "beam size of the translations scored by BLEU/chrF (1 = greedy search)", launch=True,
+                       range=BEAM)
     moses: str | None = _field(
         None, "eval", "also score BLEU on Moses-tokenized text of this target language (e.g. de), as bleu_moses and "
         "bleu_moses_lc (aiayn evaluate --moses)", launch=True, metavar="LANG")
 
-    save_every: int | None = _field(None, "ckpt", "checkpoint every N steps and at the end; default: --eval-every", launch=True, range=POSITIVE)
-    keep_checkpoints: int = _field(2, "ckpt", "keep the newest N checkpoints, plus the best by validation BLEU", launch=True, range=POSITIVE)
+    save_every: int | None = _field(None, "ckpt", "checkpoint every N steps and at the end; default: --eval-every",
+                                    launch=True, range=POSITIVE)
+    keep_checkpoints: int = _field(2, "ckpt", "keep the newest N checkpoints, plus the best by validation BLEU",
+                                   launch=True, range=POSITIVE)
     average_last: int | None = _field(
         None, "ckpt", "end the run with the mean of the weights of its last N checkpoints, this final step's "
         "included (the paper's checkpoint averaging, §6.1; train.average does it after a run): the final "
@@ -158,7 +173,8 @@ class ExperimentConfig:
         f"Default {NUMBERS_AVERAGE_LAST} (at most --keep-checkpoints) for the numbers corpus "
         "(docs/results.md#the-numbers-corpus), 1 (no averaging) otherwise", metavar="N", range=POSITIVE)
 
-    seed: int = _field(0, "run", "seed of the initial weights, dropout, batch order and the numbers corpus", range=SEEDS)
+    seed: int = _field(0, "run", "seed of the initial weights, dropout, batch order and the numbers corpus",
+                       range=SEEDS)
     run_dir: str | None = _field(
         None, "run", "directory for config, tokenizer, checkpoints, TensorBoard events and results.json; "
         "default runs/BACKEND-TIMESTAMP", metavar="DIR", launch=True)
@@ -170,7 +186,8 @@ class ExperimentConfig:
         "holds a checkpoint)", launch=True)
     compile: bool = _field(False, "run", "torch backend: wrap the model with torch.compile", launch=True)
     threads: int | None = _field(
-        None, "run", "torch backend: intra-op CPU threads; default: the CPUs this process may use", launch=True, range=POSITIVE)
+        None, "run", "torch backend: intra-op CPU threads; default: the CPUs this process may use", launch=True,
+        range=POSITIVE)
     progress: bool = _field(True, "run", "show a progress bar (--no-progress for logs)", launch=True)
 
     devices: int | None = _field(
@@ -194,7 +211,8 @@ class ExperimentConfig:
         None, "dist", "jax multi-process run: HOST:PORT of process 0's coordinator, for jax.distributed.initialize; "
         "default: $JAX_COORDINATOR_ADDRESS, else a single process", metavar="HOST:PORT", launch=True)
     num_processes: int | None = _field(
-        None, "dist", "jax multi-process run: number of processes; default: $JAX_NUM_PROCESSES, else 1", launch=True, range=POSITIVE)
+        None, "dist", "jax multi-process run: number of processes; default: $JAX_NUM_PROCESSES, else 1", launch=True,
+        range=POSITIVE)
     process_id: int | None = _field(
         None, "dist", "jax multi-process run: this process's id, 0..N-1 (0 writes logs and results); "
         "default: $JAX_PROCESS_ID", launch=True, range=NON_NEGATIVE)

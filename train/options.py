@@ -43,25 +43,19 @@ class OptionError(UserError, SettingError):
 
 
 def option(default: Any, help: str, **meta: Any) -> Any:
-    """A `setting` with what its flag needs: `help`, and optionally `range` (a Range), `choices`, `flag`
-    (default --the-name), `metavar`, `group`."""
+    """A `setting` with its flag's `help`, and `range` or `choices`, `flag` (--the-name), `metavar`, `group`."""
     return setting(default, help=help, **meta)
 
 
-def check_fields(obj: Any) -> None:
-    """OptionError naming the first field of `obj` its rule refuses (`check_settings`); an `Output` kept as its
-    `Destination`."""
-    check_settings(obj, OptionError)
-    for field in dataclasses.fields(obj):
-        if str(field.type) == "Output" and (value := getattr(obj, field.name)) is not None:
-            object.__setattr__(obj, field.name, destination(value, field.name))
-
-
 def checked(cls: type) -> type:
-    """`cls` as a frozen dataclass that checks itself when made: its fields (`check_fields`), then its own `check`."""
+    """`cls` as a frozen dataclass that checks itself when made: its fields (`check_settings`; an `Output` kept as
+    its `Destination`), then its own `check`."""
 
     def __post_init__(self) -> None:
-        check_fields(self)
+        check_settings(self, OptionError)
+        for field in dataclasses.fields(self):
+            if str(field.type) == "Output" and (value := getattr(self, field.name)) is not None:
+                object.__setattr__(self, field.name, destination(value, field.name))
         getattr(self, "check", lambda: None)()
 
     cls.__post_init__ = __post_init__
@@ -149,7 +143,7 @@ def run(parser: argparse.ArgumentParser, argv: list[str] | None, job: Callable[[
     def worded() -> Any:
         try:
             return job(given)
-        except OptionError as err:
+        except SettingError as err:  # an options class's, or a model config's
             raise UserError(err.worded(lambda name: flags.get(name, name))) from None
 
     return exit_status(worded)

@@ -12,7 +12,7 @@ from typing import Any
 from torch_reference.config import POSITIVE, Range
 
 from ..config import BATCH, BEAM
-from ..options import SAMPLING_FIELDS, OptionError, Search, checked, option, sampling_of
+from ..options import SAMPLING_FIELDS, Search, checked, option, sampling_of
 from ..runtime import UserError
 
 SERVE_INSTALL = 'pip install -e ".[serve]"'
@@ -62,7 +62,7 @@ class BadRequest(Exception):
     """A request the server refuses (400), with a one-line message."""
 
 
-@dataclasses.dataclass(frozen=True)
+@checked
 class Decoding:
     """A request's `Search`, `sample` with its `sampling` keywords, `attention`. Equal options share a batch,
     but sampled ones: a sample's random numbers are keyed by the sentence's place in its own request."""
@@ -82,13 +82,11 @@ SEARCH_FIELDS = tuple(f.name for f in dataclasses.fields(Search))
 
 def decoding(fields: dict[str, Any], prefixes: bool = False) -> Decoding:
     """The options objects of a request's fields, each checked by its class as `Run.translate` builds them."""
-    if not isinstance(fields.get("attention", False), bool):  # `sample`'s is `sampling_of`'s, the API's
-        raise OptionError("{} " + f"must be true or false, got {fields['attention']!r}", "attention")
     search = Search(**{k: v for k, v in fields.items() if k in SEARCH_FIELDS})
     sampling = {k: v for k, v in fields.items() if k in SAMPLING_FIELDS}
     if sampled := sampling_of(fields.get("sample"), sampling):
         sampled.check_with(search, prefixes)
-    return Decoding(search, bool(fields.get("sample")), tuple(sorted(sampling.items())), bool(fields.get("attention")))
+    return Decoding(search, bool(fields.get("sample")), tuple(sorted(sampling.items())), fields.get("attention", False))
 
 
 @dataclasses.dataclass(frozen=True)
