@@ -234,10 +234,10 @@ def _load_one(run_dir: Path, checkpoint: str | int = "best", backend: str | None
     if backend is not None and backend != cfg.backend:
         raise UserError(f"{run_dir} is a {cfg.backend} run; for {backend}, convert it first: "
                         f"aiayn convert --to {backend} --run-dir {run_dir} --dst DIR")
-    with user_errors(TypeError, ValueError):  # a launch option the config (devices=0) or the backend refuses
+    if (launch.get("devices") or 1) > 1 and cfg.backend == "torch":  # the backend's own refusal speaks of training
+        raise OptionError("{} " + f"{launch['devices']}: a torch run decodes on one device", "devices")
+    with user_errors(TypeError, ValueError):  # a launch option the config or the backend refuses
         cfg = cfg.replace(**launch)
-        if (cfg.devices or 1) > 1 and cfg.backend == "torch":  # the backend's own refusal speaks of training
-            raise UserError(f"--devices {cfg.devices}: a torch run decodes on one device")
         initialize(cfg)  # the process's settings for its platform, before any device is touched
     checkpoint = parse_checkpoint(checkpoint)
     with contextlib.ExitStack() as on_error, user_errors(FileNotFoundError, CheckpointError):

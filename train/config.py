@@ -285,7 +285,7 @@ class ExperimentConfig:
         differ = [f"{flags[name]}: {whose} has {getattr(other, name)!r}, got {getattr(self, name)!r}"
                   for name in names if name in given and getattr(self, name) != getattr(other, name)]
         if differ:
-            raise ValueError(f"{why}:\n  " + "\n  ".join(differ))
+            raise ValueError(f"{why}: " + "; ".join(differ))  # one line
 
     def model_config(self, src_vocab_size: int, tgt_vocab_size: int) -> TransformerConfig:
         """The preset with `--set` overrides, the vocabulary sizes, max_len, dropout, shared embeddings if joint."""

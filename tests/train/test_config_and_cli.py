@@ -47,7 +47,7 @@ def test_resolve_resumes_the_saved_experiment_and_adopts_a_source():
     resumed = launch.resolve("gpu", given={"run_dir", "resume", "steps"}, saved=saved)
     # The run's own experiment (a resume keeps its dtype, even unset) with this launch's options.
     assert (resumed.backend, resumed.seed, resumed.dtype, resumed.steps, resumed.resume) == ("torch", 3, None, 20, True)
-    with pytest.raises(ValueError, match="--resume cannot change how the run trains:\n  --seed: run has 3, got 4$"):
+    with pytest.raises(ValueError, match="--resume cannot change how the run trains: --seed: run has 3, got 4$"):
         launch.replace(seed=4).resolve(given={"seed"}, saved=saved)
     with pytest.raises(ValueError, match="--backend: run has 'torch', got 'jax'"):
         launch.resolve(saved=saved)  # None given: every field set counts, the default backend too
