@@ -173,8 +173,8 @@ class ExperimentConfig:
         f"Default {NUMBERS_AVERAGE_LAST} (at most --keep-checkpoints) for the numbers corpus "
         "(docs/results.md#the-numbers-corpus), 1 (no averaging) otherwise", metavar="N", range=POSITIVE)
 
-    seed: int = _field(0, "run", "seed of the initial weights, dropout, batch order and the numbers corpus",
-                       range=SEEDS)
+    seed: int = _field(0, "run", "seed of the initial weights, dropout, batch order and the numbers corpus, in "
+                       "[0, 2**31)", range=SEEDS)
     run_dir: str | None = _field(
         None, "run", "directory for config, tokenizer, checkpoints, TensorBoard events and results.json; "
         "default runs/BACKEND-TIMESTAMP", metavar="DIR", launch=True)
