@@ -15,12 +15,12 @@ from torch_reference.config import TransformerConfig, escaped
 
 from . import data, translation
 from .backends import Backend, create_backend, initialize
+from .checkpoints import DIGEST_FILE, CheckpointError, parse_checkpoint
 from .config import BACKENDS, BATCH, ExperimentConfig
 from .options import (SAMPLING_FIELDS, Evaluation, OptionError, RunSelection, Sampling, Search, check_single,
                       sampling_of)
-from .runtime import CHECKPOINTS, UserError, read_experiment, read_run, user_errors
-from .runtime.rundir import check_set_aside
-from .store import DIGEST_FILE, CheckpointError, parse_checkpoint
+from .rundir import check_set_aside, read_run
+from .runtime import CHECKPOINTS, UserError, read_experiment, user_errors
 from .translation import Hypothesis, score_pairs
 
 
@@ -100,8 +100,6 @@ class Run(contextlib.AbstractContextManager):
         """What `aiayn evaluate` prints (loss, perplexity, BLEU, chrF, exact match) on `pairs`, a data spec
         or (source, target) pairs, translated by `search`; `evaluation`: an `Evaluation`, or its fields as
         keywords (docs/python.md). An ensemble's result also names its other runs and every run's step."""
-        from .metrics import evaluate_pairs
-
         search, evaluation = _options(Search, search, options), _options(Evaluation, evaluation, options)
         _unknown("evaluate", options)
         spec = os.fspath(pairs) if isinstance(pairs, (str, os.PathLike)) else None  # a file as a path too
@@ -115,7 +113,7 @@ class Run(contextlib.AbstractContextManager):
         cfg = self.config
         seen = {s for s, _ in data.load_split(cfg, "numbers:train")} if cfg.uses_numbers_corpus else None
         scoring = {**dataclasses.asdict(evaluation), "lowercase": evaluation.lowercase or cfg.lowercase}
-        result = evaluate_pairs(self.backend, self.tokenizers, pairs, max_len=cfg.max_len,
+        result = translation.evaluate_pairs(self.backend, self.tokenizers, pairs, max_len=cfg.max_len,
                                 token_budget=cfg.token_budget, search=search, seen=seen, **scoring)
         ensemble = {"ensemble": [str(m.run_dir) for m in self.members], "steps": self.steps} if self.members else {}
         return {"run_dir": str(self.run_dir), "data": spec, "step": self.step, **ensemble, "beam": search.beam,
@@ -245,21 +243,3 @@ def _load_one(run_dir: Path, checkpoint: str | int = "best", backend: str | None
         meta = model.restore(checkpoint)
         on_error.pop_all()  # restored: the Run closes it
     return Run(run_dir, cfg, model_cfg, tokenizers, model, meta)
-
-
-def fit(config: ExperimentConfig | dict[str, Any] | str | os.PathLike | None = None, **overrides: Any) -> dict[str, Any]:
-    """Train the run `config` describes and return what its results.json holds: `config` is an
-    `ExperimentConfig`, a dict of its fields, a recipe file (recipes/*.toml; also as a `recipe`
-    field of the dict or the overrides) or None (the defaults: the numbers corpus); `overrides`
-    are fields on top, e.g. `steps=300`, `run_dir="runs/mine"`, `resume=True`. Raises UserError
-    for bad settings, `runtime.Interrupted` on SIGTERM/Ctrl-C (after saving a checkpoint)."""
-    from .loop import train
-    from .recipes import experiment
-
-    if isinstance(config, ExperimentConfig):
-        with user_errors(TypeError, ValueError):
-            cfg, explicit = config.replace(**overrides), None  # every field that is set counts as given
-    else:
-        given = {**({"recipe": config} if isinstance(config, (str, os.PathLike)) else config or {}), **overrides}
-        cfg, explicit = experiment(given)
-    return train(cfg, explicit=explicit)
