@@ -51,8 +51,7 @@ def float32_error(value: float) -> str | None:
 
 
 class SettingError(ValueError):
-    """A refused setting, one line: `template` with each `{}` filled by the name of one of `names`, a
-    parameter's as given (`beam`), or another wording of it (`worded`: a command's flag, `--beam`)."""
+    """A refused setting in one line: `template`'s `{}`s the `names` (`beam`), or `worded` otherwise (`--beam`)."""
 
     def __init__(self, template: str, *names: str):
         self.template, self.names = template, names
@@ -107,8 +106,7 @@ class Range:
 
 
 def setting(default: Any, *, range: Range | None = None, choices: tuple | None = None, **meta: Any) -> Any:
-    """A dataclass field with its rule (`range` or `choices`) and what else its flag needs (`meta`: help, flag,
-    metavar, group, ...); a list or dict default is copied."""
+    """A dataclass field with its rule (`range`, `choices`) and its flag's `meta` (help, flag, metavar, ...)."""
     meta = {**meta, **({"range": range} if range else {}), **({"choices": choices} if choices else {})}
     if isinstance(default, (list, dict)):
         return dataclasses.field(default_factory=lambda: type(default)(default), metadata=meta)
