@@ -27,7 +27,9 @@ def test_the_tour_is_committed_without_outputs():  # its outputs are this test's
 def test_the_tour_runs(tmp_path, monkeypatch):
     notebook = nbformat.read(TOUR, as_version=4)
     monkeypatch.setenv("PYTHONPATH", str(REPO))  # the kernel imports this checkout, whatever is installed
-    NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    # A cell's time limit for a loaded machine: the training cell, the longest, is about a minute on 2 quiet cores.
+    where = {"metadata": {"path": str(tmp_path)}}  # the kernel's working directory: runs/ lands there
+    NotebookClient(notebook, timeout=1800, kernel_name="python3", resources=where).execute()
     cells = {c.source.splitlines()[0]: c for c in notebook.cells if c.cell_type == "code"}
     by_start = lambda start: next(c for first, c in cells.items() if first.startswith(start))  # noqa: E731
     assert "'forty-three', 'seven hundred and twelve'" in _text(by_start("run = train.load"))
