@@ -9,7 +9,7 @@ from pathlib import Path
 
 from train import data
 from train.config import ExperimentConfig
-from train.data import store
+from train.data import corpus_store
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -45,9 +45,9 @@ def test_a_piped_run_says_what_the_store_build_does(tmp_path):
 def test_no_progress_keeps_a_line_every_few_seconds(tmp_path, monkeypatch, capsys):
     spec = _corpus(tmp_path, 300)
     monkeypatch.setenv("AIAYN_DATA_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(store.sys.stderr, "isatty", lambda: True)  # a terminal, where a bar would be drawn
-    monkeypatch.setattr(store, "LINE_EVERY_S", 0.0)  # a line at every chunk
-    monkeypatch.setattr(store, "CHUNK", 100)
+    monkeypatch.setattr(corpus_store.sys.stderr, "isatty", lambda: True)  # a terminal, where a bar would be drawn
+    monkeypatch.setattr(corpus_store, "LINE_EVERY_S", 0.0)  # a line at every chunk
+    monkeypatch.setattr(corpus_store, "CHUNK", 100)
     cfg = ExperimentConfig(train=spec, valid="numbers:valid", vocab_size=300, progress=False)
     assert len(data.train_store(cfg, data.corpus_tokenizers(cfg))) == 300
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("tokenizing")]
