@@ -59,13 +59,11 @@ class _Lines:
             tell(self.line())
 
     def line(self) -> str:
-        elapsed = time.monotonic() - self.start
+        elapsed, total = time.monotonic() - self.start, self.total
         rate = self.n / max(elapsed, 1e-9)
-        done = f"{self.n:,} pairs" if not self.total else f"{self.n:,}/{self.total:,} pairs ({self.n / self.total:.0%})"
-        text = f"{self.desc}: {done}, {rate:,.0f} pairs/s, {tqdm.format_interval(elapsed)} elapsed"
-        if self.total and rate and self.n < self.total:
-            text += f", {tqdm.format_interval((self.total - self.n) / rate)} left"
-        return text
+        done = f"{self.n:,}/{total:,} pairs ({self.n / total:.0%})" if total else f"{self.n:,} pairs"
+        left = f", {tqdm.format_interval((total - self.n) / rate)} left" if total and rate and self.n < total else ""
+        return f"{self.desc}: {done}, {rate:,.0f} pairs/s, {tqdm.format_interval(elapsed)} elapsed{left}"
 
     def __enter__(self) -> _Lines:
         return self
