@@ -124,7 +124,7 @@ def sample(
 
 
 def settings(temperature: float, top_k: int, top_p: float) -> tuple[np.ndarray, ...]:
-    """`sample_loop`'s traced settings: float32 temperature and top-p, int32 top-k (past int32: the whole vocabulary)."""
+    """`sample_loop`'s traced settings: float32 temperature and top-p, int32 top-k (past int32: the vocabulary)."""
     return np.float32(temperature), np.int32(min(top_k, np.iinfo(np.int32).max)), np.float32(top_p)
 
 

@@ -29,7 +29,9 @@ class StoppedAtOnce(Interrupted):
 
 
 def capped(asgi_app):
-    """`asgi_app` answering 503 (JSON, Retry-After) to a request that comes while MAX_CONNECTIONS are in flight."""
+    """`asgi_app` answering 503 (JSON, Retry-After) to a request that comes while MAX_CONNECTIONS are in flight, and
+    saying `Connection: close` where it answers before reading the whole body (Hypercorn then closes the connection:
+    a client must not send its next request there)."""
     JSONResponse = require("starlette.responses").JSONResponse
     in_flight = 0
 
@@ -41,9 +43,24 @@ def capped(asgi_app):
             refusal = JSONResponse({"error": f"the server holds {MAX_CONNECTIONS} connections: try again"}, 503,
                                    headers={"retry-after": "1", "connection": "close"})
             return await refusal(scope, receive, send)
+        headers = dict(scope["headers"])
+        unread = headers.get(b"content-length", b"0") != b"0" or b"transfer-encoding" in headers
+
+        async def receiving():
+            nonlocal unread
+            message = await receive()
+            unread = unread and not (message["type"] == "http.request" and not message.get("more_body"))
+            return message
+
+        async def sending(message):
+            said = message.get("headers", [])
+            if message["type"] == "http.response.start" and unread and b"connection" not in dict(said):
+                message = {**message, "headers": [*said, (b"connection", b"close")]}
+            await send(message)
+
         in_flight += 1
         try:
-            await asgi_app(scope, receive, send)
+            await asgi_app(scope, receiving, sending)
         finally:
             in_flight -= 1
 
@@ -61,7 +78,7 @@ class Server(contextlib.AbstractContextManager):
         self.config.keep_alive_timeout = asgi_app.state.served.limits.idle_timeout_s
         self.config.graceful_timeout = 120  # bounds the wait on SIGTERM
         self.config.loglevel = "WARNING"
-        self.config.accesslog = "-" if access_log else None  # stdout
+        self.config.accesslog = "-" if access_log else None  # "-": stdout
         self.address: tuple | None = None
         self.signals: list[int] = []
         self.at_once = False
