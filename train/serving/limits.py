@@ -54,7 +54,7 @@ class Listen:
     host: str = option("127.0.0.1", "address to listen on (the default: this machine only; any other is said on the "
                        "first line)")
     port: int = option(8000, "port to listen on (0: a free one)", range=Range(int, low=0, below=65536))
-    access_log: bool = option(False, "log every request on stdout")
+    access_log: bool = option(False, "log every request on stderr")
 
 
 class BadRequest(Exception):

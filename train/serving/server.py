@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import logging
 import os
 import signal
 import socket
@@ -29,38 +30,19 @@ class StoppedAtOnce(Interrupted):
 
 
 def capped(asgi_app):
-    """`asgi_app` answering 503 (JSON, Retry-After) to a request that comes while MAX_CONNECTIONS are in flight, and
-    saying `Connection: close` where it answers before reading the whole body (Hypercorn then closes the connection:
-    a client must not send its next request there)."""
+    """`asgi_app` answering 503 (JSON, Retry-After) to a request that comes while MAX_CONNECTIONS are in flight."""
     JSONResponse = require("starlette.responses").JSONResponse
     in_flight = 0
 
     async def capped_app(scope, receive, send):
         nonlocal in_flight
-        if scope["type"] != "http":
-            return await asgi_app(scope, receive, send)
-        if in_flight >= MAX_CONNECTIONS:
+        if scope["type"] == "http" and in_flight >= MAX_CONNECTIONS:
             refusal = JSONResponse({"error": f"the server holds {MAX_CONNECTIONS} connections: try again"}, 503,
                                    headers={"retry-after": "1", "connection": "close"})
             return await refusal(scope, receive, send)
-        headers = dict(scope["headers"])
-        unread = headers.get(b"content-length", b"0") != b"0" or b"transfer-encoding" in headers
-
-        async def receiving():
-            nonlocal unread
-            message = await receive()
-            unread = unread and not (message["type"] == "http.request" and not message.get("more_body"))
-            return message
-
-        async def sending(message):
-            said = message.get("headers", [])
-            if message["type"] == "http.response.start" and unread and b"connection" not in dict(said):
-                message = {**message, "headers": [*said, (b"connection", b"close")]}
-            await send(message)
-
         in_flight += 1
         try:
-            await asgi_app(scope, receiving, sending)
+            await asgi_app(scope, receive, send)
         finally:
             in_flight -= 1
 
@@ -78,14 +60,12 @@ class Server(contextlib.AbstractContextManager):
         self.config.keep_alive_timeout = asgi_app.state.served.limits.idle_timeout_s
         self.config.graceful_timeout = 120  # bounds the wait on SIGTERM
         self.config.loglevel = "WARNING"
-        self.config.accesslog = "-" if access_log else None  # "-": stdout
-        self.address: tuple | None = None
+        if access_log:  # its access logger at INFO, on stderr (its "-" is stdout at `loglevel`)
+            self.config.accesslog = logging.getLogger("train.serving.access")
+            self.config.accesslog.setLevel(logging.INFO)
+            self.config.accesslog.handlers = [logging.StreamHandler()]
         self.signals: list[int] = []
-        self.at_once = False
-        self.stopping: asyncio.Event | None = None
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.started = threading.Event()
-        self.thread: threading.Thread | None = None
+        self.at_once, self.loop, self.thread, self.started = False, None, None, threading.Event()
 
     @property
     def url(self) -> str:
@@ -96,15 +76,6 @@ class Server(contextlib.AbstractContextManager):
     def beyond_loopback(self) -> bool:
         """Whether it listens on an address other machines may reach (0.0.0.0, '' or a public one)."""
         return not ipaddress.ip_address(self.address[0]).is_loopback
-
-    def _listen(self) -> socket.socket:
-        try:
-            family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-            sock = socket.create_server((self.host, self.port), family=family, backlog=2048)
-        except OSError:
-            raise UserError(f"could not listen on {self.host}:{self.port}") from None
-        self.address = sock.getsockname()
-        return sock
 
     def _signal(self, sig: int, frame) -> None:
         """SIGTERM or a first Ctrl-C: stop gracefully; SIGHUP or a second Ctrl-C: the app's `stop_now` too (503 to
@@ -120,12 +91,14 @@ class Server(contextlib.AbstractContextManager):
     def run(self, on_ready: Callable[[Server], None] | None = None) -> int:
         """Serve until stopped; `on_ready(self)` once listening. Returns the signal that stopped it (0:
         none); StoppedAtOnce after SIGHUP or a second Ctrl-C, KeyboardInterrupt after a third."""
-        serve = require("hypercorn.asyncio").serve
-        sock = self._listen()
+        serve, served, handlers = require("hypercorn.asyncio").serve, self.app.state.served, {}
+        try:
+            family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+            sock = socket.create_server((self.host, self.port), family=family, backlog=2048)
+        except OSError:
+            raise UserError(f"could not listen on {self.host}:{self.port}") from None
+        self.address = sock.getsockname()
         self.config.bind = [f"fd://{sock.detach()}"]  # hypercorn's socket from now on
-        served = self.app.state.served
-
-        handlers = {}
 
         async def main():
             self.loop, self.stopping = asyncio.get_running_loop(), asyncio.Event()
