@@ -215,7 +215,7 @@ def test_fit_reads_a_recipe_given_as_a_field(tmp_path, monkeypatch):
     with the defaults: the file's keys were never read, as train.fit(FILE) and --config read them."""
     import train
 
-    monkeypatch.setattr("train.loop.train", lambda cfg, explicit: (cfg, explicit))
+    monkeypatch.setattr("train.training.start", lambda cfg, explicit: (cfg, explicit))
     (tmp_path / "mine.toml").write_text("steps = 30\npreset = 'small'\n")
     recipe = str(tmp_path / "mine.toml")
     for cfg, explicit in (train.fit(recipe, preset="tiny"), train.fit(recipe=recipe, preset="tiny"),
@@ -230,7 +230,7 @@ def test_fit_resume_reads_the_recipe_the_run_was_started_from(tmp_path, monkeypa
     train.run --resume takes the recipe's (kept in recipe.json): a run of 8000 steps stopped at 700."""
     import train
 
-    monkeypatch.setattr("train.loop.train", lambda cfg, explicit: (cfg, explicit))
+    monkeypatch.setattr("train.training.start", lambda cfg, explicit: (cfg, explicit))
     recipe = {"path": "recipes/mine.toml", "toml": 'steps = 8000\nsave_every = 100\nwarmup = 2000\n'}
     (tmp_path / "recipe.json").write_text(json.dumps(recipe))
     cfg, explicit = train.fit(run_dir=str(tmp_path), resume=True)

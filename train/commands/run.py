@@ -1,6 +1,6 @@
 """`python -m train.run` (`aiayn train`): train, evaluate and save a translation model: the flags of
 `train.config.ExperimentConfig`'s fields, a TOML recipe's first with `--config FILE` (`train.recipes`),
-and `train.loop.train(config)`; one `error:` line and status 2 (flags) or 1 (files), never a traceback."""
+and `train.training.start(config)`; one `error:` line and status 2 (flags) or 1 (files), never a traceback."""
 
 from __future__ import annotations
 
@@ -70,10 +70,10 @@ def _train(cfg: ExperimentConfig, given: set[str], process_settings: bool) -> No
         from ..backends import allocator
 
         allocator.use_huge_pages()
-    from ..loop import train  # after parsing: --help and flag errors stay fast
+    from ..training import start  # after parsing: --help and flag errors stay fast
 
     try:
-        train(cfg, explicit=given)
+        start(cfg, explicit=given)
     except OptionError as err:  # the library names the parameter (init_from), the command its flag (--init-from)
         flags = {field.name: flag_name(field) for field in dataclasses.fields(ExperimentConfig)}
         raise UserError(err.worded(lambda name: flags.get(name, name))) from None
