@@ -23,6 +23,8 @@ Norm = Literal["layernorm", "rmsnorm"]
 # "sinusoidal_halves": the same frequencies with every sine first and every cosine after them
 # (Marian, HF's MarianSinusoidalPositionalEmbedding); "learned": a trained table.
 Positions = Literal["sinusoidal", "sinusoidal_halves", "learned"]
+# The kernel sets (how the same function is computed): the keys of both twins' KERNELS, in this order.
+KernelSet = Literal["reference", "xla_cpu", "fused"]
 
 _CHOICES = {"norm_position": NormPosition, "activation": Activation, "norm": Norm, "positions": Positions}
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, get_args
 
 from torch_reference.config import NON_NEGATIVE, POSITIVE, PROBABILITY, SPECIAL_TOKENS, Range, TransformerConfig
+from torch_reference.config import KernelSet
 
 BACKENDS = ("jax", "torch")  # each field's choices (its metadata) are its values
-# The models' kernel sets (jax_transformer.KERNELS; torch_reference has reference and fused), and auto.
-KERNEL_CHOICES = ("auto", "reference", "xla_cpu", "fused")
+KERNEL_CHOICES = ("auto", *get_args(KernelSet))  # the models' kernel sets (the keys of their KERNELS), and auto
 
 # Vocabulary sizes when --vocab-size is not given: at 400 BPE keeps the numbers corpus' German compounds in
 # pieces ("drei|undsechzig|tausend"), which makes the task need attention; 8000 would learn whole numbers.
