@@ -59,19 +59,36 @@ def _sentence_ids(sentence_ids, batch: int):
     return jnp.asarray(ids.astype(np.uint32))
 
 
-def sampling_distribution(logprobs, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
+def sampling_distribution(logprobs, temperature=1.0, top_k=0, top_p=1.0):
     """logprobs (N, V) -> probs (N, V), each token's sampling probability in token-id order: torch's
     `sampling_distribution` (temperature, top-k with ties kept, top-p's smallest most probable set
-    reaching p with ties by lower id, renormalised; thresholds, nothing reordered or sorted unfiltered)."""
+    reaching p with ties by lower id, renormalised; thresholds, nothing reordered or sorted unfiltered).
+    The settings are numbers, or traced scalars (one compiled sampler for every value: `sample_loop`)."""
+    # XLA flushes float32 subnormals to 0; any temperature at or below the smallest normal is greedy (torch's too)
+    temperature = jnp.maximum(temperature, jnp.finfo(jnp.float32).tiny)
     scaled = (logprobs - logprobs.max(axis=-1, keepdims=True)) / temperature  # best at 0: no overflow
-    if top_k:
-        kth = jax.lax.top_k(scaled, min(top_k, scaled.shape[-1]))[0][:, -1:]  # (N, 1)
-        scaled = jnp.where(scaled >= kth, scaled, -jnp.inf)
+    scaled = _where(top_k > 0, lambda x: jnp.where(x >= _kth_largest(x, top_k), x, -jnp.inf), scaled)
     probs = jax.nn.softmax(scaled, axis=-1)
-    if top_p < 1:
+
+    def top_p_filter(probs):
         probs = jnp.where(_top_p_kept(probs, top_p), probs, 0.0)
-        probs = probs / probs.sum(axis=-1, keepdims=True)
-    return probs
+        return probs / probs.sum(axis=-1, keepdims=True)
+
+    return _where(top_p < 1, top_p_filter, probs)
+
+
+def _where(on, apply, x):
+    """apply(x) where `on`, else x: `on` a bool, or a traced one (both compiled, one run: `lax.cond`)."""
+    if isinstance(on, jax.Array):
+        return jax.lax.cond(on, apply, lambda x: x, x)
+    return apply(x) if on else x
+
+
+def _kth_largest(scaled, top_k):
+    """scaled (N, V) -> (N, 1) each row's k-th largest value (k past V: the least); k a number or a traced one."""
+    V = scaled.shape[-1]
+    largest = jax.lax.top_k(scaled, V if isinstance(top_k, jax.Array) else min(top_k, V))[0]  # (N, k) falling
+    return jax.lax.dynamic_slice_in_dim(largest, jnp.minimum(top_k, V) - 1, 1, axis=-1)
 
 
 def _top_p_kept(probs, top_p: float):
@@ -98,18 +115,24 @@ def sample(
     top_k: int = 0, top_p: float = 1.0, max_len_a: float = 1.5, max_len_b: int = 10, sentence_ids=None,
 ):
     """src_ids (B, S) -> (tokens (B, N, L), scores (B, N)): see `torch_reference.sampling.sample`;
-    here one compiled loop, compiled once for every seed and sentence ids (traced, not static)."""
+    here one compiled loop, compiled once for every seed, sentence ids, temperature, top-k and top-p (traced)."""
     _check_ids("src_ids", src_ids, model.cfg.src_vocab_size, model.cfg.max_len)
     check_sampling(seed, num_samples, temperature, top_k, top_p)
     ids = _sentence_ids(sentence_ids, src_ids.shape[0])
-    return sample_loop(model, jnp.asarray(src_ids, jnp.int32), jnp.uint32(seed), ids, num_samples, float(temperature),
-                   top_k, float(top_p), max_len_a, max_len_b)
+    return sample_loop(model, jnp.asarray(src_ids, jnp.int32), jnp.uint32(seed), ids, num_samples,
+                       *settings(temperature, top_k, top_p), max_len_a, max_len_b)
 
 
-@functools.partial(nnx.jit, static_argnums=(4, 5, 6, 7, 8, 9))
-def sample_loop(model: Transformer, src_ids, seed, sentence_ids, num_samples: int, temperature: float, top_k: int,
-                top_p: float, max_len_a: float, max_len_b: int):
-    """`sample`'s drawing loop, its settings checked and its sentence ids (B,) given."""
+def settings(temperature: float, top_k: int, top_p: float) -> tuple[np.ndarray, ...]:
+    """`sample_loop`'s traced settings: float32 temperature and top-p, int32 top-k (past int32: the vocabulary)."""
+    return np.float32(temperature), np.int32(min(top_k, np.iinfo(np.int32).max)), np.float32(top_p)
+
+
+@functools.partial(nnx.jit, static_argnums=(4, 8, 9))
+def sample_loop(model: Transformer, src_ids, seed, sentence_ids, num_samples: int, temperature, top_k, top_p,
+                max_len_a: float, max_len_b: int):
+    """`sample`'s drawing loop, its settings checked (temperature, top_k, top_p traced: `settings`) and its
+    sentence ids (B,) given."""
     cfg = model.cfg
     B, N = src_ids.shape[0], num_samples
 

@@ -45,8 +45,10 @@ def proof_sentences(run_dir: str | os.PathLike, given: str | os.PathLike | None 
     return texts
 
 
-def reference(params: Mapping[str, np.ndarray], cfg: TransformerConfig, src_ids: list[list[int]]):
-    """(the run's greedy translations, the (T, V) logits along each) by the reference on `params`, one at a time."""
+def reference(params: Mapping[str, np.ndarray], cfg: TransformerConfig, run_dir: Path, sentences: Sequence[str]):
+    """(the sentences' source ids, each one's length limit (`limit`), the run's greedy translations, the (T, V)
+    logits along each) by the reference on `params`, one sentence at a time."""
+    src_ids = data.encode(data.load_tokenizers(run_dir).src, sentences)
     model = Transformer(cfg).eval()
     model.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in params.items()})
     outputs, logits = [], []
@@ -56,7 +58,7 @@ def reference(params: Mapping[str, np.ndarray], cfg: TransformerConfig, src_ids:
             tokens = output_tokens(greedy_search(model, src)[0][0].tolist())
             outputs.append(tokens)
             logits.append(model(src, torch.tensor([[cfg.bos_id, *tokens[:-1]]]))[0].numpy())
-    return outputs, logits
+    return src_ids, [limit(len(ids), cfg) for ids in src_ids], outputs, logits
 
 
 def limit(src_len: int, cfg: TransformerConfig) -> int:
@@ -86,24 +88,19 @@ def prove(export_dir: Path, ours: Sequence[list[int]], theirs: Sequence[list[int
     return proof
 
 
-def _shared_steps(ours: list[int], theirs: list[int]) -> int:
-    """How many steps both greedy outputs took from the same prefix."""
-    same = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
-    return min(same + 1, len(ours), len(theirs))
-
-
 def ctranslate2_proof(export_dir: Path, run_dir: Path, params, cfg: TransformerConfig, sentences: Sequence[str],
                       quantization: str | None) -> dict[str, Any]:
     """The CTranslate2 model in `export_dir` against the run: greedy `translate_batch` with its logits."""
-    src_ids = data.encode(data.load_tokenizers(run_dir).src, sentences)
-    ours, ours_logits = reference(params, cfg, src_ids)
-    ct2, theirs, diffs, limits = CT2Translator(export_dir), [], [], [limit(len(ids), cfg) for ids in src_ids]
+    src_ids, limits, ours, ours_logits = reference(params, cfg, run_dir, sentences)
+    ct2, theirs, diffs = CT2Translator(export_dir), [], []
     for ids, n, out, logits in zip(src_ids, limits, ours, ours_logits):
         (result,) = ct2.translator.translate_batch(
             [tokens(ct2.src_vocab, ids)], beam_size=1, max_decoding_length=n, min_decoding_length=0,
             return_end_token=True, return_logits_vocab=True)
         theirs.append([ct2.tgt_ids[t] for t in result.hypotheses[0]])
-        steps = _shared_steps(out, theirs[-1])
+        # the steps both took from the same prefix: up to and with the first that differs
+        same = next((i for i, (a, b) in enumerate(zip(out, theirs[-1])) if a != b), len(out))
+        steps = min(same + 1, len(out), len(theirs[-1]))
         theirs_logits = np.stack([np.asarray(step).reshape(-1) for step in result.logits[0][:steps]])
         diffs.append(float(np.abs(theirs_logits - logits[:steps])[theirs_logits > MASKED].max()))
     return prove(export_dir, ours, theirs, diffs, sentences, limits, "ctranslate2",
@@ -144,9 +141,8 @@ def marian_proof(export_dir: Path, run_dir: Path, params, cfg: TransformerConfig
     src_order, tgt_order = side_orders(marian_ids)
     to_ours = {int(m): o for o, m in enumerate(tgt_order)}
     columns = [o for o in range(cfg.tgt_vocab_size) if o not in (cfg.bos_id, cfg.pad_id)]
-    src_ids = data.encode(data.load_tokenizers(run_dir).src, sentences)
-    ours, ours_logits = reference(params, cfg, src_ids)
-    theirs, diffs, limits = [], [], [limit(len(ids), cfg) for ids in src_ids]
+    src_ids, limits, ours, ours_logits = reference(params, cfg, run_dir, sentences)
+    theirs, diffs = [], []
     with torch.no_grad():
         for ids, out, logits, n in zip(src_ids, ours, ours_logits, limits):
             src, start = torch.tensor([[int(src_order[i]) for i in ids]]), marian_ids["decoder_start"]

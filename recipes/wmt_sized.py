@@ -99,8 +99,8 @@ def preprocess(prefix: str, store_dir: str, vocab_size: int = 8000) -> dict:
     library = time.perf_counter() - start
     Path(store_dir).parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    store.build_store(Path(store_dir), data.corpora.stream_parallel(f"de:en:{prefix}", digest=False)[1], tokenizers,
-                      progress=False)
+    pairs_stream = data.corpora.stream_parallel(f"de:en:{prefix}", digest=False)[1]
+    corpus_store.build_store(Path(store_dir), pairs_stream, tokenizers, progress=False)
     built = time.perf_counter() - start
     return {"pairs": len(pairs), "encode_batch_pairs_per_s": round(len(pairs) / library),
             "store_pairs_per_s": round(len(pairs) / built), "store_time_over_library": round(built / library, 2),

@@ -8,7 +8,7 @@ import itertools
 import json
 import os
 import platform
-import resource
+import re
 import socket
 import statistics
 import subprocess
@@ -108,12 +108,8 @@ def _rss_mib() -> float:
 
 
 def _peak_rss_mib() -> float:
-    """The process's peak resident memory since it started, or since `_reset_peak_rss`."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024  # KiB
-    except (OSError, StopIteration):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    """The process's peak resident memory since it started, or since `_reset_peak_rss` (/proc, as `_rss_mib`)."""
+    return int(re.search(r"VmHWM:\s+(\d+)", Path("/proc/self/status").read_text())[1]) / 1024  # KiB
 
 
 def _reset_peak_rss() -> bool:

@@ -194,6 +194,20 @@ def test_a_tiny_temperature_samples_the_greedy_output_in_both_frameworks():
     assert (tokens[:, :, :n] == greedy[:, None]).all() and (tokens[:, :, n:] == 0).all()
 
 
+def test_a_subnormal_temperature_samples_the_greedy_output_in_both_frameworks():
+    """1e-38 (float32's smallest normal is 1.18e-38), 1e-40 and 1e-45, subnormal there: on main JAX raised
+    OverflowError (its static float) where torch sampled greedily; XLA flushes subnormals to 0 (0/0 = NaN)."""
+    from torch_reference.decode import greedy_search
+
+    torch_model, jax_model = pair(seed=2, output_bias=True)
+    src = source(batch=4, length=7, seed=2)
+    greedy = greedy_search(torch_model, torch.from_numpy(src))[0].numpy()
+    n = greedy.shape[-1]
+    for temperature in (1e-38, 1e-40, 1e-45):
+        (tokens,) = _compare(src, torch_model, jax_model, [5], num_samples=2, temperature=temperature)
+        assert (tokens[:, :, :n] == greedy[:, None]).all() and (tokens[:, :, n:] == 0).all(), temperature
+
+
 @pytest.mark.slow  # ~40 s: the XLA:CPU loop compiles its stages
 def test_torch_and_jax_sample_the_same_tokens_over_the_xla_cpu_loop():
     torch_model, jax_model = pair(seed=3)

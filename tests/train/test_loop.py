@@ -320,7 +320,7 @@ def test_run_dir_refused_without_resume_or_overwrite(fast_config, tmp_path):
     loop.train(cfg)
     with pytest.raises(runtime.UserError, match="already holds a run; pass --resume .* or --overwrite"):
         loop.train(cfg)
-    with pytest.raises(runtime.UserError, match="--resume cannot change how the run trains:\n  --seed: run has 0, got 1"):
+    with pytest.raises(runtime.UserError, match="--resume cannot change how the run trains: --seed: run has 0, got 1"):
         loop.train(cfg.replace(resume=True, seed=1))
     marker = Path(cfg.run_dir) / "checkpoints" / "2"
     assert marker.is_dir()

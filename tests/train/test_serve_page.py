@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 pytest.importorskip("starlette")
-pytest.importorskip("uvicorn")
+pytest.importorskip("hypercorn")
 
 import train
 from train import serving

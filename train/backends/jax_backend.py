@@ -55,7 +55,6 @@ def _as_arrays(batch: Batch, rows: slice = slice(None)) -> dict[str, np.ndarray]
 
 
 COMPUTE_DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}  # None: the parameters' float32
-SAMPLE_PROGRAMS = 8  # sampling settings compiled at once (a server's requests may each ask for others); then cleared
 
 
 def initialize(exp_cfg: ExperimentConfig) -> Topology:
@@ -200,10 +199,9 @@ def sharded_search(ctx: StepContext, mesh, params, src, prefix, beam_size: int, 
     return per_device(params, alpha, *arrays)
 
 
-def draw_samples(ctx: StepContext, params, src, seed, sentence_ids, num_samples: int, temperature: float, top_k: int,
-                 top_p: float):
-    """(tokens (B, N, L), log-probs (B, N)) of `sampling.sample` over src (B, S), seed and sentence_ids (B,) traced
-    (one program for every seed): its loop alone, as `sample`'s checks read them as host values (the caller checks)."""
+def draw_samples(ctx: StepContext, params, src, seed, sentence_ids, num_samples: int, temperature, top_k, top_p):
+    """(tokens (B, N, L), log-probs (B, N)) of `sampling.sample` over src (B, S), all but `num_samples` traced (one
+    program for every seed and setting): its loop alone, as `sample`'s checks read host values (the caller checks)."""
     model = ctx.model(params)
     return sampling.sample_loop(model, src, seed, sentence_ids, num_samples, temperature, top_k, top_p, 1.5, 10)
 
@@ -282,8 +280,7 @@ class JaxBackend(StoreMethods):
         self._search = jax.jit(bound(search, ctx), static_argnums=(3, 5, 6, 7))
         self._sharded_search = jax.jit(bound(sharded_search, ctx, self.mesh), static_argnums=(3, 5, 6, 7))
         self._score = jax.jit(lambda params, src, tgt: decode.score(ctx.model(params), src, tgt))
-        self._sample = jax.jit(bound(draw_samples, ctx), static_argnums=(4, 5, 6, 7))
-        self._sampled: set[tuple] = set()  # the settings self._sample holds programs for
+        self._sample = jax.jit(bound(draw_samples, ctx), static_argnums=4)  # temperature, top-k, top-p are data
         self._cross_attention = jax.jit(lambda params, s, t: ctx.model(params)(s, t, return_attention=True)[1])
 
     def ensemble(self, others: Sequence[JaxBackend], average: str = "logprob") -> None:
@@ -378,13 +375,10 @@ class JaxBackend(StoreMethods):
         src = np.asarray(src, np.int32)
         sampling.check_sampling(seed, num_samples, temperature, top_k, top_p)
         ids = np.arange(len(src), dtype=np.uint32) if sentence_ids is None else np.asarray(sentence_ids, np.uint32)
-        settings = (num_samples, float(temperature), top_k, float(top_p))  # static: one program each
-        if settings not in self._sampled and len(self._sampled) >= SAMPLE_PROGRAMS:
-            self._sample.clear_cache()
-            self._sampled.clear()
-        self._sampled.add(settings)
+        settings = sampling.settings(temperature, top_k, top_p)
         # On one device: sampling is not data parallel over the mesh.
-        tokens, logprob = jax.device_get(self._sample(self.local_params(), src, np.uint32(seed), ids, *settings))
+        tokens, logprob = jax.device_get(self._sample(self.local_params(), src, np.uint32(seed), ids, num_samples,
+                                                      *settings))
         logprob = np.asarray(logprob, np.float32)
         return Hypotheses(np.asarray(tokens, np.int32), logprob, logprob.copy())
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import operator
 import os
 import shutil
 import sys
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +34,6 @@ def quiet_orbax():
             logging.getLogger(name).setLevel(level)
 
 
-def _bleu(metrics: Mapping[str, float]) -> float:
-    return float(metrics["bleu"])
-
-
 class JaxStore(CheckpointStore):
     """Checkpoints of a JAX state pytree in `directory` (made absolute: orbax wants it so)."""
 
@@ -48,13 +44,13 @@ class JaxStore(CheckpointStore):
 
     @functools.cached_property
     def manager(self) -> ocp.CheckpointManager:
-        policies = ocp.checkpoint_managers
+        policies, bleu = ocp.checkpoint_managers, operator.itemgetter("bleu")  # the metric checkpoints rank by
         preservation = policies.AnyPreservationPolicy([
             policies.LatestN(self.keep),
-            policies.BestN(get_metric_fn=_bleu, n=1, keep_checkpoints_without_metrics=False),
+            policies.BestN(get_metric_fn=bleu, n=1, keep_checkpoints_without_metrics=False),
         ])
         options = ocp.CheckpointManagerOptions(  # synchronous: the next train_step donates the state's buffers
-            best_fn=_bleu, best_mode="max", preservation_policy=preservation, enable_async_checkpointing=False)
+            best_fn=bleu, best_mode="max", preservation_policy=preservation, enable_async_checkpointing=False)
         return ocp.CheckpointManager(self.root(), options=options, item_names=("state", "meta"))
 
     def save(self, step: int, state: Any, meta: dict[str, Any], metrics: dict[str, float] | None = None) -> None:

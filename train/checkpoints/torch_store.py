@@ -63,11 +63,8 @@ class TorchStore(CheckpointStore):
                 os.replace(tmp, final)  # the checkpoint appears complete or not at all
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)  # a failed save (a full disk) leaves nothing behind
-        self._prune()
-
-    def _prune(self) -> None:
-        """Keep the newest `keep` and the best by BLEU; delete the others."""
-        for stale in self.root().glob(".tmp-*"):  # saves interrupted earlier
+        # Kept: the newest `keep` and the best by BLEU; the others, and saves interrupted earlier, deleted.
+        for stale in root.glob(".tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
         steps = self.steps()
         keep = {*steps[-self.keep :], choose_checkpoint(steps, "best", self.metrics, self.directory)}

@@ -209,10 +209,7 @@ def _load_dataset(what: str, *args, **kwargs):
 def split_lines(text: str) -> list[str]:
     """The lines of `text` by the one rule of this project: each ends at "\n" ("\r\n" too);
     U+2028, U+0085, form feed and a lone "\r" are text. A last line needs no "\n"."""
-    lines = text.split("\n")
-    if lines[-1] == "":
-        lines.pop()
-    return [line.removesuffix("\r") for line in lines]
+    return [line.removesuffix("\r") for line in text.removesuffix("\n").split("\n")] if text else []
 
 
 def _tsv_pairs(path: Path, src: str, tgt: str) -> list[tuple[str, str]]:

@@ -111,10 +111,6 @@ def _spread(total: int, capacities: Sequence[int]) -> list[int]:
     return counts
 
 
-def _trailing_zeros(n: int) -> int:
-    return len(str(n)) - len(str(n).rstrip("0"))
-
-
 def numbers_corpus(train_size: int = 20_000, valid_size: int = 1_000, test_size: int = 1_000, seed: int = 0) -> Splits:
     """German -> English number words for numbers of every magnitude, drawn with `seed`
     (docs/results.md#the-numbers-corpus).
@@ -155,7 +151,8 @@ def numbers_corpus(train_size: int = 20_000, valid_size: int = 1_000, test_size:
     splits["train"], repeats = [], {"train": []}
     for d, k in zip(NUMBER_BANDS, counts):
         # the roundest first (900,000 before 910,000 before 911,000), else in the band's order
-        round_thousands = sorted((n for n in bands[d] if n >= 1000 and n % 1000 == 0), key=_trailing_zeros, reverse=True)
+        round_thousands = sorted((n for n in bands[d] if n >= 1000 and n % 1000 == 0),
+                                 key=lambda n: len(str(n)) - len(str(n).rstrip("0")), reverse=True)  # trailing zeros
         k_round = min(int(k * ROUND_SHARE), TRAIN_REPEATS * len(round_thousands))
         for numbers, count in ((round_thousands, k_round), (bands[d], k - k_round)):
             splits["train"] += [numbers[i % len(numbers)] for i in range(count)]

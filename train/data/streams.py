@@ -19,7 +19,7 @@ from ..runtime.files import UserError
 MAX_LINE_BYTES = 1 << 20  # 1 MiB: far beyond any sentence, far below a machine's memory
 
 
-class LineReader:
+class LineReader(Iterator[str]):
     """Iterate over the lines (str) of `path`, or of standard input when it is None; `lines` counts them."""
 
     def __init__(self, path: Path | None, max_bytes: int = MAX_LINE_BYTES, flag: str = "--input"):
@@ -43,9 +43,6 @@ class LineReader:
     def fraction(self) -> float | None:
         """The part of a regular file read so far (of its compressed bytes for .gz), else None."""
         return min(1.0, self._raw.tell() / self._size) if self._size else None
-
-    def __iter__(self) -> Iterator[str]:
-        return self
 
     def __next__(self) -> str:
         try:

@@ -1,4 +1,4 @@
-"""Serve a loaded run over HTTP (`aiayn serve`, docs/serving.md): Starlette and uvicorn."""
+"""Serve a loaded run over HTTP (`aiayn serve`, docs/serving.md): Starlette on Hypercorn."""
 
 from ..runtime import UserError
 from .app import app, run_decoder, run_info

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from .. import data
+from ..options import check_single
 from ..runtime import UserError
 from .limits import BadRequest, Decoding, Limits, parse_request, require
 from .request_batcher import QueueFull, RequestBatcher
@@ -38,8 +39,7 @@ def run_decoder(run) -> Callable[..., list[dict[str, Any]]]:
         if options.attention:
             from ..translate.attention import AttentionRecorder
 
-            if run.members:
-                raise UserError("attention with an ensemble: its members' attention weights are not one drawing")
+            check_single(bool(run.members), "attention")
             recorder = AttentionRecorder(run.backend, run.tokenizers, texts)
         results = run.translate(texts, prefix=prefixes, on_batch=recorder, **options.translate_options())
         out = [result_json(r) for r in results]
@@ -104,10 +104,10 @@ async def disconnected(request) -> None:
 
 async def receive(request, limits: Limits):
     """The request's body parsed (`Request`), or the error response refusing it."""
+    # the rest of such a body is never read: the connection closes after the answer (a client must not reuse it)
     kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if kind != "application/json":
-        return error(415, f"the content type must be application/json, not {kind or 'none'}")
-    # the rest of such a body is never read: the connection closes after the answer
+        return error(415, f"the content type must be application/json, not {kind or 'none'}", {"Connection": "close"})
     too_large = error(413, f"the body is larger than {limits.max_body_bytes} bytes", {"Connection": "close"})
     length = request.headers.get("content-length", "")
     if length and (not length.isdigit() or int(length) > limits.max_body_bytes):

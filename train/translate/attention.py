@@ -30,14 +30,11 @@ class SentenceAttention:
     weights: np.ndarray  # (layers, heads, T, S) float32
 
 
-def _byte_values() -> dict[str, int]:
-    """The byte-level BPE alphabet (GPT-2's, `tokenizers`' ByteLevel): character -> byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    others = [b for b in range(256) if b not in printable]
-    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
-
-
-BYTE_VALUES = _byte_values()
+# The byte-level BPE alphabet (GPT-2's, `tokenizers`' ByteLevel), character -> byte: the printable bytes are
+# themselves, the others 256, 257, ... in order.
+_PRINTABLE = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+BYTE_VALUES = {chr(b): b for b in _PRINTABLE} | {
+    chr(256 + i): b for i, b in enumerate(b for b in range(256) if b not in _PRINTABLE)}
 
 
 def token_label(tokenizer, token_id: int) -> str:
