@@ -1,0 +1,113 @@
+"""A trained run as ONNX (`aiayn convert --to onnx`): the torch twin's encoder and cached decoder step through
+`torch.onnx.export`, in Optimum's Marian layout (docs/interop.md#deploying). Not jax2onnx: the version that keeps
+this project's JAX fails on the Flax model (docs/interop.md#deploying says how)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from torch_reference.config import TransformerConfig
+from torch_reference.model import Transformer
+from train import data, runtime
+from train.data import spm
+from train.interop.exported import ONNX_FILES, quantized
+
+OPSET = 17
+
+
+class _Encoder(nn.Module):
+    """input_ids, attention_mask (B, S) -> memory (B, S, D) and each decoder layer's cross-attention keys, values."""
+
+    def __init__(self, model: Transformer):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask):
+        memory = self.model.encode(input_ids, (attention_mask != 0)[:, None, None, :])
+        return memory, *(a for layer in self.model.decoder.layers for a in layer.cross_attn.project_kv(memory))
+
+
+class _DecoderStep(nn.Module):
+    """`Transformer.decode_step` with the self-attention cache concatenated (its length is the position), not
+    written in place: input_ids (N, 1), encoder_attention_mask (N, S), per layer past decoder key, value
+    (N, H, t, K) and encoder key, value (N, H, S, K) -> logits (N, 1, V), per layer present decoder key, value."""
+
+    def __init__(self, model: Transformer):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, encoder_attention_mask, *past):
+        model, presents = self.model, []
+        mask = (encoder_attention_mask != 0)[:, None, None, :]
+        position = torch.zeros_like(input_ids) + past[0].shape[2]  # (N, 1): the length of the past
+        x = model.decoder.positions(model.target_embedding(input_ids) * model.embed_scale, positions=position)
+        for i, layer in enumerate(model.decoder.layers):
+            past_k, past_v, cross_k, cross_v = past[4 * i: 4 * i + 4]
+
+            def self_attn(h, layer=layer, past_k=past_k, past_v=past_v):
+                k, v = layer.self_attn.project_kv(h)
+                presents.extend((torch.cat([past_k, k], 2), torch.cat([past_v, v], 2)))
+                return layer.self_attn(h, None, None, kv=tuple(presents[-2:]))
+
+            x = layer.residual(x, layer.self_attn_norm, self_attn)
+            x = layer.residual(x, layer.cross_attn_norm,
+                               lambda h, layer=layer, kv=(cross_k, cross_v): layer.cross_attn(h, None, mask, kv=kv))
+            x = layer.residual(x, layer.ff_norm, layer.ff)
+        return model.project(x if model.decoder.norm is None else model.decoder.norm(x)), *presents
+
+
+def _names(cfg: TransformerConfig, prefix: str, sides: tuple[str, ...]) -> list[str]:
+    return [f"{prefix}.{i}.{side}.{w}" for i in range(cfg.num_decoder_layers) for side in sides for w in ("key", "value")]
+
+
+def write_onnx(params: Mapping[str, np.ndarray], cfg: TransformerConfig, directory: Path,
+               quantization: str | None = None) -> None:
+    """The two graphs of `params` (our torch layout) into `directory`; with quantization "int8" their
+    `quantize_dynamic` copies (`*_quantized.onnx`) beside them."""
+    spm.require("onnx")
+    model = Transformer(cfg).eval()
+    model.load_state_dict({k: torch.from_numpy(np.asarray(v, np.float32)) for k, v in params.items()})
+    H, K, N, S, t = cfg.num_heads, cfg.d_model // cfg.num_heads, 2, 5, 3  # example sizes, all dynamic
+    ids, mask = torch.full((N, S), 4), torch.ones(N, S, dtype=torch.long)
+    crosses = _names(cfg, "present", ("encoder",))
+    batch = {0: "batch_size"}
+    with torch.no_grad():
+        torch.onnx.export(_Encoder(model), (ids, mask), str(directory / ONNX_FILES[0]), dynamo=False,
+                          opset_version=OPSET, input_names=["input_ids", "attention_mask"],
+                          output_names=["last_hidden_state", *crosses],
+                          dynamic_axes={n: {0: "batch_size", 1 if n in ("input_ids", "attention_mask",
+                                                                         "last_hidden_state") else 2: "encoder_sequence_length"}
+                                        for n in ["input_ids", "attention_mask", "last_hidden_state", *crosses]})
+        past = [torch.randn(N, H, t, K) if n.endswith("decoder.key") or n.endswith("decoder.value")
+                else torch.randn(N, H, S, K) for n in _names(cfg, "past_key_values", ("decoder", "encoder"))]
+        past_names = _names(cfg, "past_key_values", ("decoder", "encoder"))
+        presents = _names(cfg, "present", ("decoder",))
+        axes = {"input_ids": batch, "encoder_attention_mask": {0: "batch_size", 1: "encoder_sequence_length"},
+                "logits": batch, **{n: {0: "batch_size", 2: "past_decoder_sequence_length" if ".decoder." in n
+                                        else "encoder_sequence_length"} for n in past_names},
+                **{n: {0: "batch_size", 2: "past_decoder_sequence_length + 1"} for n in presents}}
+        torch.onnx.export(_DecoderStep(model), (ids[:, :1], mask, *past), str(directory / ONNX_FILES[1]),
+                          dynamo=False, opset_version=OPSET, input_names=["input_ids", "encoder_attention_mask",
+                                                                          *past_names],
+                          output_names=["logits", *presents], dynamic_axes=axes)
+    if quantization == "int8":
+        from onnxruntime.quantization import QuantType, quantize_dynamic
+
+        for name in ONNX_FILES:
+            quantize_dynamic(directory / name, directory / quantized(name), weight_type=QuantType.QInt8)
+
+
+def export_onnx(run_dir: str | os.PathLike, params: Mapping[str, np.ndarray], cfg: TransformerConfig,
+                dst: str | os.PathLike, quantization: str | None = None, force: bool = False,
+                check: Callable[[Path], object] | None = None) -> Path:
+    """Weights `params` of the run `run_dir` -> ONNX graphs with the run's settings and tokenizers at `dst`."""
+    copy = (*data.tokenizer_files(run_dir), runtime.MODEL_FILE, runtime.CONFIG_FILE)
+    with runtime.derive(run_dir, dst, "onnx", force, copy, check) as tmp:
+        write_onnx(params, cfg, tmp, quantization)
+    return Path(dst)
