@@ -62,40 +62,37 @@ class _DecoderStep(nn.Module):
         return model.project(x if model.decoder.norm is None else model.decoder.norm(x)), *presents
 
 
-def _names(cfg: TransformerConfig, prefix: str, sides: tuple[str, ...]) -> list[str]:
-    return [f"{prefix}.{i}.{side}.{w}" for i in range(cfg.num_decoder_layers) for side in sides for w in ("key", "value")]
+def _names(cfg: TransformerConfig, prefix: str, side: str) -> list[str]:
+    return [f"{prefix}.{i}.{side}.{w}" for i in range(cfg.num_decoder_layers) for w in ("key", "value")]
 
 
 def write_onnx(params: Mapping[str, np.ndarray], cfg: TransformerConfig, directory: Path,
                quantization: str | None = None) -> None:
     """The two graphs of `params` (our torch layout) into `directory`; with quantization "int8" their
     `quantize_dynamic` copies (`*_quantized.onnx`) beside them."""
-    spm.require("onnx")
+    spm.require("onnx", "export")
     model = Transformer(cfg).eval()
     model.load_state_dict({k: torch.from_numpy(np.asarray(v, np.float32)) for k, v in params.items()})
-    H, K, N, S, t = cfg.num_heads, cfg.d_model // cfg.num_heads, 2, 5, 3  # example sizes, all dynamic
+    H, K, N, S, t = cfg.num_heads, cfg.d_model // cfg.num_heads, 2, 5, 3  # example sizes, every one dynamic
     ids, mask = torch.full((N, S), 4), torch.ones(N, S, dtype=torch.long)
-    crosses = _names(cfg, "present", ("encoder",))
-    batch = {0: "batch_size"}
+    batch, src, past = {0: "batch_size"}, "encoder_sequence_length", "past_decoder_sequence_length"
+    crosses, selfs = _names(cfg, "present", "encoder"), _names(cfg, "present", "decoder")
+    past_selfs, past_crosses = _names(cfg, "past_key_values", "decoder"), _names(cfg, "past_key_values", "encoder")
+    inputs = [n for pair in zip(past_selfs[::2], past_selfs[1::2], past_crosses[::2], past_crosses[1::2]) for n in pair]
+    graphs = [  # (module, example inputs, input names, output names, dynamic axes)
+        (_Encoder(model), (ids, mask), ["input_ids", "attention_mask"], ["last_hidden_state", *crosses],
+         {"input_ids": {0: "batch_size", 1: src}, "attention_mask": {0: "batch_size", 1: src},
+          "last_hidden_state": {0: "batch_size", 1: src}, **{n: {0: "batch_size", 2: src} for n in crosses}}),
+        (_DecoderStep(model), (ids[:, :1], mask, *(torch.randn(N, H, t if ".decoder." in n else S, K) for n in inputs)),
+         ["input_ids", "encoder_attention_mask", *inputs], ["logits", *selfs],
+         {"input_ids": batch, "encoder_attention_mask": {0: "batch_size", 1: src}, "logits": batch,
+          **{n: {0: "batch_size", 2: past if ".decoder." in n else src} for n in inputs},
+          **{n: {0: "batch_size", 2: f"{past} + 1"} for n in selfs}}),
+    ]
     with torch.no_grad():
-        torch.onnx.export(_Encoder(model), (ids, mask), str(directory / ONNX_FILES[0]), dynamo=False,
-                          opset_version=OPSET, input_names=["input_ids", "attention_mask"],
-                          output_names=["last_hidden_state", *crosses],
-                          dynamic_axes={n: {0: "batch_size", 1 if n in ("input_ids", "attention_mask",
-                                                                         "last_hidden_state") else 2: "encoder_sequence_length"}
-                                        for n in ["input_ids", "attention_mask", "last_hidden_state", *crosses]})
-        past = [torch.randn(N, H, t, K) if n.endswith("decoder.key") or n.endswith("decoder.value")
-                else torch.randn(N, H, S, K) for n in _names(cfg, "past_key_values", ("decoder", "encoder"))]
-        past_names = _names(cfg, "past_key_values", ("decoder", "encoder"))
-        presents = _names(cfg, "present", ("decoder",))
-        axes = {"input_ids": batch, "encoder_attention_mask": {0: "batch_size", 1: "encoder_sequence_length"},
-                "logits": batch, **{n: {0: "batch_size", 2: "past_decoder_sequence_length" if ".decoder." in n
-                                        else "encoder_sequence_length"} for n in past_names},
-                **{n: {0: "batch_size", 2: "past_decoder_sequence_length + 1"} for n in presents}}
-        torch.onnx.export(_DecoderStep(model), (ids[:, :1], mask, *past), str(directory / ONNX_FILES[1]),
-                          dynamo=False, opset_version=OPSET, input_names=["input_ids", "encoder_attention_mask",
-                                                                          *past_names],
-                          output_names=["logits", *presents], dynamic_axes=axes)
+        for name, (module, args, input_names, output_names, axes) in zip(ONNX_FILES, graphs):
+            torch.onnx.export(module, args, str(directory / name), dynamo=False, opset_version=OPSET,
+                              input_names=input_names, output_names=output_names, dynamic_axes=axes)
     if quantization == "int8":
         from onnxruntime.quantization import QuantType, quantize_dynamic
 

@@ -17,7 +17,7 @@ from . import data, translation
 from .backends import Backend, create_backend, initialize
 from .config import BACKENDS, ExperimentConfig
 from .options import SAMPLING_FIELDS, Evaluation, OptionError, RunSelection, Sampling, Search, sampling_of
-from .runtime import CHECKPOINTS, UserError, read_experiment, read_run, user_errors
+from .runtime import CHECKPOINTS, PROOF_FILE, UserError, kind_of, read_experiment, read_json, read_run, user_errors
 from .runtime.rundir import check_set_aside
 from .store import DIGEST_FILE, CheckpointError, parse_checkpoint
 from .translation import Hypothesis, score_pairs
@@ -224,6 +224,12 @@ def _load_one(run_dir: Path, checkpoint: str | int = "best", backend: str | None
         if (cfg.devices or 1) > 1 and cfg.backend == "torch":  # the backend's own refusal speaks of training
             raise UserError(f"--devices {cfg.devices}: a torch run decodes on one device")
         initialize(cfg)  # the process's settings for its platform, before any device is touched
+    if (kind := kind_of(run_dir)) in ("onnx", "stablehlo"):  # an export decodes with its own programs
+        from .interop.exported import ExportBackend
+
+        with user_errors(ImportError):
+            step = read_json(run_dir / PROOF_FILE, {}).get("step", 0)
+            return Run(run_dir, cfg, model_cfg, tokenizers, ExportBackend(run_dir, model_cfg, step), {"kind": kind})
     checkpoint = parse_checkpoint(checkpoint)
     with contextlib.ExitStack() as on_error, user_errors(FileNotFoundError, CheckpointError):
         model = on_error.enter_context(contextlib.closing(create_backend(cfg, model_cfg, str(run_dir / CHECKPOINTS))))

@@ -31,7 +31,7 @@ class OnnxPrograms:
     grows = True  # the self-attention cache is concatenated step by step, from length 0
 
     def __init__(self, directory: Path, int8: bool = False, threads: int = 0):
-        ort = spm.require("onnxruntime")
+        ort = spm.require("onnxruntime", "export")
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
         self.encoder, self.decoder = (ort.InferenceSession(str(directory / (quantized(n) if int8 else n)), options,
