@@ -225,11 +225,11 @@ def _load_one(run_dir: Path, checkpoint: str | int = "best", backend: str | None
             raise UserError(f"--devices {cfg.devices}: a torch run decodes on one device")
         initialize(cfg)  # the process's settings for its platform, before any device is touched
     if (kind := kind_of(run_dir)) in ("onnx", "stablehlo"):  # an export decodes with its own programs
-        from .interop.exported import ExportBackend
+        from .interop.exported import ExportBackend, programs
 
         with user_errors(ImportError):
-            step = read_json(run_dir / PROOF_FILE, {}).get("step", 0)
-            return Run(run_dir, cfg, model_cfg, tokenizers, ExportBackend(run_dir, model_cfg, step), {"kind": kind})
+            backend = ExportBackend(programs(run_dir), model_cfg, read_json(run_dir / PROOF_FILE, {}).get("step", 0))
+            return Run(run_dir, cfg, model_cfg, tokenizers, backend, {"kind": kind})
     checkpoint = parse_checkpoint(checkpoint)
     with contextlib.ExitStack() as on_error, user_errors(FileNotFoundError, CheckpointError):
         model = on_error.enter_context(contextlib.closing(create_backend(cfg, model_cfg, str(run_dir / CHECKPOINTS))))

@@ -99,8 +99,7 @@ np.save({str(tmp_path / "logits.npy")!r}, np.asarray(logits))
 
 def test_export_backend_n_best_and_refusals(random_exports):
     model, root, _ = random_exports
-    backend = ExportBackend(root / "onnx", CFG, step=0)
-    backend.model.programs = OnnxPrograms(root / "onnx")  # the float32 graphs: the reference's numbers
+    backend = ExportBackend(OnnxPrograms(root / "onnx"), CFG, step=0)  # float32: the reference's numbers
     hyps = backend.translate(SRC.numpy(), beam_size=1, n_best=1)
     assert np.array_equal(hyps.tokens[:, 0], decode.greedy_search(model, SRC)[0].numpy())
     scores = backend.score(SRC.numpy(), hyps.tokens[:, 0])
@@ -146,3 +145,20 @@ def test_convert_writes_a_proved_export_that_translates(runs, kind, backend, ext
     (dst / name).write_bytes((dst / name).read_bytes() + b"\0")
     with pytest.raises(runtime.UserError, match="changed since"):
         train.load(dst)
+
+
+def test_translate_bench_adds_export_rows(runs, tmp_path):
+    from parity.commands import translate_bench
+
+    (tmp_path / "in.txt").write_text("dreiundachtzig\nsiebenhundertdreiundvierzig\nviertausendvierhundertzwei\n")
+    assert translate_bench.main(["--run-dir", str(runs / "torch"), "--checkpoint", "latest", "--input",
+                                 str(tmp_path / "in.txt"), "--beam", "2", "--no-uncached", "--exports", "--json",
+                                 str(tmp_path / "bench.json")]) == 0
+    rows = {(r["search"], r["beam"]): r for r in json.loads((tmp_path / "bench.json").read_text())["rows"]}
+    for name in ("onnxruntime float32", "onnxruntime int8", "stablehlo"):
+        for beam in (1, 2):
+            row = rows[name, beam]
+            assert row["sentences"] == 3 and row["seconds"] > 0 and row["disk_mib"] > 0
+            assert row["differ"] == 0 or name.endswith("int8")  # float32: the run's search over the same function
+            assert ("bleu_vs_float32" in row) == name.endswith("int8")
+    assert rows["onnxruntime int8", 1]["disk_mib"] < rows["onnxruntime float32", 1]["disk_mib"]

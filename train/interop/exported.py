@@ -134,8 +134,8 @@ class ExportBackend:
 
     topology, device = Topology(), "cpu"
 
-    def __init__(self, directory: str | Path, cfg: TransformerConfig, step: int):
-        self.model, self.model_cfg, self.step = ExportedModel(programs(directory), cfg), cfg, step
+    def __init__(self, programs, cfg: TransformerConfig, step: int):
+        self.model, self.model_cfg, self.step = ExportedModel(programs, cfg), cfg, step
 
     def translate(self, src: np.ndarray, beam_size: int = 4, alpha: float = 0.6, cached: bool = True,
                   scoring: str = "gnmt", n_best: int | None = None, prefix: np.ndarray | None = None):
