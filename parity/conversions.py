@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from train import runtime, store
+from train import data, runtime, store
 from train.interop import marian
 from train.interop.runs import (convert_run, load_jax_weights, load_torch_weights, run_weights, save_jax_weights,
                                 save_torch_weights)
@@ -111,16 +111,16 @@ def convert(c: Conversion) -> str:
         ids = marian.marian_origin(src)["marian_ids"]
         marian.export_marian(src, params, cfg, dst, overwrite=c.overwrite,
                              check=lambda tmp: proof.marian_proof(tmp, Path(src), params, cfg, sentences, ids))
-    elif c.to == "onnx":
-        from .onnx_export import export_onnx
+    elif c.to in ("onnx", "stablehlo"):
+        from .onnx_export import write_onnx
+        from .stablehlo_export import write_stablehlo
 
-        export_onnx(src, params, cfg, dst, c.quantization, c.overwrite, check=lambda tmp: proof.export_proof(
-            tmp, Path(src), c.checkpoint or "best", sentences, "onnx", c.quantization))
-    elif c.to == "stablehlo":
-        from .stablehlo_export import export_stablehlo
-
-        export_stablehlo(src, params, cfg, dst, c.overwrite, check=lambda tmp: proof.export_proof(
-            tmp, Path(src), c.checkpoint or "best", sentences, "stablehlo"))
+        write = {"onnx": lambda d: write_onnx(params, cfg, d, c.quantization), "stablehlo": lambda d: write_stablehlo(
+            params, cfg, d)}[c.to]
+        copy = (*data.tokenizer_files(src), runtime.MODEL_FILE, runtime.CONFIG_FILE)  # what train.load(dst) reads
+        with runtime.derive(src, dst, c.to, c.overwrite, copy, lambda tmp: proof.export_proof(
+                tmp, Path(src), c.checkpoint or "best", sentences, c.to, c.quantization)) as tmp:
+            write(tmp)
     else:
         ct2_export.export_ctranslate2(
             src, params, cfg, dst, quantization=c.quantization, force=c.overwrite,

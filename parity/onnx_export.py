@@ -4,8 +4,7 @@ this project's JAX fails on the Flax model (docs/interop.md#deploying says how).
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +13,6 @@ from torch import nn
 
 from torch_reference.config import TransformerConfig
 from torch_reference.model import Transformer
-from train import data, runtime
 from train.data import spm
 from train.interop.exported import ONNX_FILES, quantized
 
@@ -99,12 +97,3 @@ def write_onnx(params: Mapping[str, np.ndarray], cfg: TransformerConfig, directo
         for name in ONNX_FILES:
             quantize_dynamic(directory / name, directory / quantized(name), weight_type=QuantType.QInt8)
 
-
-def export_onnx(run_dir: str | os.PathLike, params: Mapping[str, np.ndarray], cfg: TransformerConfig,
-                dst: str | os.PathLike, quantization: str | None = None, force: bool = False,
-                check: Callable[[Path], object] | None = None) -> Path:
-    """Weights `params` of the run `run_dir` -> ONNX graphs with the run's settings and tokenizers at `dst`."""
-    copy = (*data.tokenizer_files(run_dir), runtime.MODEL_FILE, runtime.CONFIG_FILE)
-    with runtime.derive(run_dir, dst, "onnx", force, copy, check) as tmp:
-        write_onnx(params, cfg, tmp, quantization)
-    return Path(dst)

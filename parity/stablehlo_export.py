@@ -4,8 +4,7 @@ beside them); `jax.export.deserialize` alone runs them (train/interop/exported.p
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import jax
@@ -15,14 +14,13 @@ from flax import nnx
 from jax import export
 
 from torch_reference.config import TransformerConfig
-from train import data, runtime
 from train.interop.exported import STABLEHLO_FILES
 from train.interop.weights import jax_model_from_params, to_jax_layout
 
 
 def write_stablehlo(params: Mapping[str, np.ndarray], cfg: TransformerConfig, directory: Path) -> None:
     """The two programs of `params` (our torch layout) and their weights into `directory`."""
-    model = jax_model_from_params(to_jax_layout(params, cfg), cfg)
+    model = jax_model_from_params(to_jax_layout({k: np.asarray(v, np.float32) for k, v in params.items()}, cfg), cfg)
     graph, state = nnx.split(model)
     leaves, tree = jax.tree.flatten(state)
 
@@ -58,11 +56,3 @@ def write_stablehlo(params: Mapping[str, np.ndarray], cfg: TransformerConfig, di
         (directory / name).write_bytes(program.serialize())
     np.savez(directory / STABLEHLO_FILES[2], **{f"w{i}": np.asarray(x) for i, x in enumerate(leaves)})
 
-
-def export_stablehlo(run_dir: str | os.PathLike, params: Mapping[str, np.ndarray], cfg: TransformerConfig,
-                     dst: str | os.PathLike, force: bool = False, check: Callable[[Path], object] | None = None) -> Path:
-    """Weights `params` of the run `run_dir` -> StableHLO programs with the run's settings and tokenizers at `dst`."""
-    copy = (*data.tokenizer_files(run_dir), runtime.MODEL_FILE, runtime.CONFIG_FILE)
-    with runtime.derive(run_dir, dst, "stablehlo", force, copy, check) as tmp:
-        write_stablehlo(params, cfg, tmp)
-    return Path(dst)

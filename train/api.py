@@ -203,6 +203,8 @@ def weights_digest(run_dir: str | os.PathLike, step: int) -> str:
     checkpoint = run_dir / CHECKPOINTS / str(step)
     files = [checkpoint / DIGEST_FILE] if (checkpoint / DIGEST_FILE).is_file() else sorted(
         p for p in checkpoint.rglob("*") if p.is_file())
+    if kind_of(run_dir) in ("onnx", "stablehlo"):  # an export: its proof holds its files' digests
+        files = [run_dir / PROOF_FILE]
     digest = hashlib.sha256()
     for path in [*files, *(run_dir / name for name in data.tokenizer_files(run_dir))]:
         with open(path, "rb") as f:

@@ -141,6 +141,13 @@ def test_convert_writes_a_proved_export_that_translates(runs, kind, backend, ext
     with train.load(runs / backend, "latest") as run, train.load(dst) as exported:
         assert exported.translate(texts, beam=4) == run.translate(texts, beam=4)
         assert exported.step == 2
+        if kind == "stablehlo":  # aiayn serve's app over the export: the run's translations
+            httpx = pytest.importorskip("httpx")
+            from train.serving import Limits, Server, app
+
+            with Server(app(exported, Limits()), port=0).start() as server:
+                reply = httpx.post(f"{server.url}/translate", json={"texts": texts, "beam": 4}, timeout=60)
+            assert reply.json()["translations"] == run.translate(texts, beam=4)
     name = next(n for n in proof["files"] if n.endswith((".onnx", ".stablehlo")))
     (dst / name).write_bytes((dst / name).read_bytes() + b"\0")
     with pytest.raises(runtime.UserError, match="changed since"):

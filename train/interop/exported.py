@@ -74,12 +74,8 @@ class StableHloPrograms:
         return logits, selfs
 
 
-def _np(t: torch.Tensor) -> np.ndarray:
-    return t.numpy()
-
-
 def _torch(a) -> torch.Tensor:
-    return torch.from_numpy(np.array(a, copy=True))
+    return torch.from_numpy(np.array(a, copy=True))  # a copy: JAX's arrays are read-only
 
 
 class ExportedModel:
@@ -90,8 +86,8 @@ class ExportedModel:
 
     def encode(self, src_ids: torch.Tensor, src_mask: torch.Tensor) -> torch.Tensor:
         """-> every layer's cross-attention keys and values, flattened into one (B, ...) tensor: the searches copy
-        its rows for each hypothesis (repeat_interleave), as they would the memory."""
-        crosses = self.programs.encode(_np(src_ids), _np(src_mask.reshape(len(src_ids), -1)))
+        its rows for each hypothesis (repeat_interleave), as they would the memory, then `init_cache` it."""
+        crosses = self.programs.encode(src_ids.numpy(), src_mask.reshape(len(src_ids), -1).numpy())
         self.cross_shape = crosses[0].shape[1:]
         return torch.cat([_torch(c).flatten(1) for c in crosses], 1)
 
@@ -99,14 +95,14 @@ class ExportedModel:
         crosses = memory.reshape(len(memory), -1, *self.cross_shape).unbind(1)
         H, _, K = self.cross_shape
         empty = torch.zeros(len(memory), H, 0 if self.programs.grows else length, K)
-        return [{"self_k": empty, "self_v": empty, "cross_k": k, "cross_v": v} for k, v in zip(crosses[::2],
-                                                                                               crosses[1::2])]
+        pairs = zip(crosses[::2], crosses[1::2])
+        return [{"self_k": empty, "self_v": empty, "cross_k": k, "cross_v": v} for k, v in pairs]
 
     def decode_step(self, tgt_ids, cache, position: int, src_mask) -> tuple[torch.Tensor, list[dict]]:
-        selfs = [_np(c[n].contiguous()) for c in cache for n in ("self_k", "self_v")]
-        crosses = [_np(c[n]) for c in cache for n in ("cross_k", "cross_v")]
-        logits, selfs = self.programs.step(_np(tgt_ids), selfs, crosses, position, _np(src_mask.reshape(len(tgt_ids),
-                                                                                                       -1)))
+        selfs = [c[n].contiguous().numpy() for c in cache for n in ("self_k", "self_v")]
+        crosses = [c[n].contiguous().numpy() for c in cache for n in ("cross_k", "cross_v")]
+        mask = src_mask.reshape(len(tgt_ids), -1).numpy()
+        logits, selfs = self.programs.step(tgt_ids.numpy(), selfs, crosses, position, mask)
         return _torch(logits), [{**c, "self_k": _torch(k), "self_v": _torch(v)}
                                 for c, k, v in zip(cache, selfs[::2], selfs[1::2])]
 
