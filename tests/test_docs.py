@@ -13,7 +13,7 @@ from urllib.parse import unquote
 
 import pytest
 
-from parity.commands.cli import COMMANDS as AIAYN
+from train.commands import COMMANDS as AIAYN
 from train.commands import run
 
 REPO = Path(__file__).resolve().parents[1]

@@ -15,11 +15,11 @@ from torch_reference.config import TransformerConfig
 
 from . import data, translation
 from .backends import Backend, create_backend, initialize
+from .checkpoints import DIGEST_FILE, CheckpointError, parse_checkpoint
 from .config import BACKENDS, ExperimentConfig
 from .options import SAMPLING_FIELDS, Evaluation, OptionError, RunSelection, Sampling, Search, sampling_of
-from .runtime import CHECKPOINTS, PROOF_FILE, UserError, kind_of, read_experiment, read_json, read_run, user_errors
-from .runtime.rundir import check_set_aside
-from .store import DIGEST_FILE, CheckpointError, parse_checkpoint
+from .rundir import check_set_aside, read_run
+from .runtime import CHECKPOINTS, PROOF_FILE, UserError, kind_of, read_experiment, read_json, user_errors
 from .translation import Hypothesis, score_pairs
 
 
@@ -93,8 +93,6 @@ class Run(contextlib.AbstractContextManager):
         """What `aiayn evaluate` prints (loss, perplexity, BLEU, chrF, exact match) on `pairs`, a data spec
         or (source, target) pairs, translated by `search`; `evaluation`: an `Evaluation`, or its fields as
         keywords (docs/python.md). An ensemble's result also names its other runs and every run's step."""
-        from .metrics import evaluate_pairs
-
         search, evaluation = _options(Search, search, options), _options(Evaluation, evaluation, options)
         if options:
             raise TypeError(f"evaluate() got an unexpected keyword argument {next(iter(options))!r}")
@@ -107,7 +105,7 @@ class Run(contextlib.AbstractContextManager):
         cfg = self.config
         seen = {s for s, _ in data.load_split(cfg, "numbers:train")} if cfg.uses_numbers_corpus else None
         scoring = {**dataclasses.asdict(evaluation), "lowercase": evaluation.lowercase or cfg.lowercase}
-        result = evaluate_pairs(self.backend, self.tokenizers, pairs, max_len=cfg.max_len,
+        result = translation.evaluate_pairs(self.backend, self.tokenizers, pairs, max_len=cfg.max_len,
                                 token_budget=cfg.token_budget, search=search, seen=seen, **scoring)
         ensemble = {"ensemble": [str(m.run_dir) for m in self.members], "steps": self.steps} if self.members else {}
         return {"run_dir": str(self.run_dir), "data": spec, "step": self.step, **ensemble, "beam": search.beam,
@@ -238,21 +236,3 @@ def _load_one(run_dir: Path, checkpoint: str | int = "best", backend: str | None
         meta = model.restore(checkpoint)
         on_error.pop_all()  # restored: the Run closes it
     return Run(run_dir, cfg, model_cfg, tokenizers, model, meta)
-
-
-def fit(config: ExperimentConfig | dict[str, Any] | str | os.PathLike | None = None, **overrides: Any) -> dict[str, Any]:
-    """Train the run `config` describes and return what its results.json holds: `config` is an
-    `ExperimentConfig`, a dict of its fields, a recipe file (recipes/*.toml; also as a `recipe`
-    field of the dict or the overrides) or None (the defaults: the numbers corpus); `overrides`
-    are fields on top, e.g. `steps=300`, `run_dir="runs/mine"`, `resume=True`. Raises UserError
-    for bad settings, `runtime.Interrupted` on SIGTERM/Ctrl-C (after saving a checkpoint)."""
-    from .loop import train
-    from .recipes import experiment
-
-    if isinstance(config, ExperimentConfig):
-        with user_errors(TypeError, ValueError):
-            cfg, explicit = config.replace(**overrides), None  # every field that is set counts as given
-    else:
-        given = {**({"recipe": config} if isinstance(config, (str, os.PathLike)) else config or {}), **overrides}
-        cfg, explicit = experiment(given)
-    return train(cfg, explicit=explicit)

@@ -28,7 +28,7 @@ from .runtime.files import UserError
 from .runtime.signals import exit_status
 
 if TYPE_CHECKING:
-    from .runtime.output import Destination
+    from .runtime.destination import Destination
 
 FORMATS = ("text", "tsv", "jsonl")
 # The type of a field naming a file a command writes: given a path, checked at once and kept as its `Destination`.
@@ -86,7 +86,7 @@ def checked(cls: type) -> type:
 def destination(value: Any, name: str) -> Any:
     """`value` (a path, or a Destination already checked) as the `Destination` of parameter `name`: an
     OptionError naming it where the file cannot be written (docs/operations.md#output-files)."""
-    from .runtime.output import Destination
+    from .runtime.destination import Destination
 
     if isinstance(value, Destination):
         return value
@@ -275,7 +275,7 @@ class RunSelection:
 
 @checked
 class Evaluation:
-    """What `Run.evaluate` scores besides the search's translations (`train.metrics.evaluate_pairs`)."""
+    """What `Run.evaluate` scores besides the search's translations (`train.translation.evaluate_pairs`)."""
 
     max_sentences: int | None = option(None, "translate only the first N pairs for BLEU/chrF; default: all",
                                        range=POSITIVE)

@@ -178,7 +178,7 @@ def test_ctrl_c_ends_every_command_in_one_line(monkeypatch, capsys):
     and train.run end, not a traceback; by `python -m` (runpy, as Python runs it) and by `aiayn`."""
     import runpy
 
-    from parity.commands import cli
+    import train.commands
     from train import api, averaging
 
     def ctrl_c(*args, **kwargs):
@@ -189,12 +189,12 @@ def test_ctrl_c_ends_every_command_in_one_line(monkeypatch, capsys):
     monkeypatch.setattr(averaging, "average_run", ctrl_c)
     monkeypatch.setattr(sys, "argv", ["aiayn average", "--run-dir", "r", "--dst", "d"])
     for command in (lambda: runpy.run_module("train.commands.average", run_name="__main__"),
-                    lambda: cli.main(["evaluate", "--run-dir", "r", "--data", "numbers:test"])):
+                    lambda: train.commands.main(["evaluate", "--run-dir", "r", "--data", "numbers:test"])):
         try:  # a KeyboardInterrupt out of here would be Python's traceback
             code = command()
         except SystemExit as exited:
             code = exited.code
         assert (code, capsys.readouterr().err) == (130, "interrupted (SIGINT)\n")
-    for module, _ in cli.COMMANDS.values():  # every command goes through the one protocol (runtime.exit_status)
+    for module, *_ in train.commands.COMMANDS.values():  # every command goes through the one protocol (runtime.exit_status)
         source = importlib.util.find_spec(module).loader.get_source(module)
         assert "exit_status(" in source or "run(build_parser(), argv" in source, module

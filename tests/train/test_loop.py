@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import train
-from train import data, loop, metrics, runtime, translation
+from train import data, loop, runtime, translation
 from train.commands import evaluate, translate
 from train.config import ExperimentConfig
 from train.data.batches import fixed_lengths
@@ -156,7 +156,7 @@ def test_translate_and_evaluate_a_run(short_run, capsys):
     run = train.load(cfg.run_dir, "latest")
     assert run.backend.step == run.meta["step"] == 60 and set(run.meta["data"]) == {"epoch", "index"}
     test_pairs = data.load_split(run.config, "numbers:test")
-    scored = metrics.evaluate_pairs(
+    scored = translation.evaluate_pairs(
         run.backend, run.tokenizers, test_pairs, max_len=cfg.max_len, token_budget=cfg.token_budget
     )
     # The final test evaluation in results.json is this model on this data.

@@ -28,9 +28,9 @@ import train
 from train import serving
 from train.commands import loadtest
 from train.commands import serve as serve_command
-from train.loadgen import ServedRun, load_test, read_lines
 from train.options import Search
-from train.serving import Batcher, Decoding, Limits, QueueFull, Request, Server
+from train.serving import Decoding, Limits, QueueFull, Request, RequestBatcher, Server
+from train.serving.loadgen import ServedRun, load_test, read_lines
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCES = ["dreiundvierzig", "siebenhundertzwölf", "neun", "achtzehn", "zweitausendeins", "sechzig"]
@@ -106,7 +106,7 @@ def run_batcher(requests, limits: Limits, delay: float = 0.0):
         return [t.upper() for t in texts]
 
     async def main():
-        batcher = Batcher(decode, limits)
+        batcher = RequestBatcher(decode, limits)
         task = asyncio.create_task(batcher.run())
         futures = [batcher.submit(Request(texts, None, Decoding(Search(beam=beam))), len(texts))
                    for texts, beam in requests]
@@ -144,7 +144,7 @@ def test_requests_with_other_decoding_options_are_not_mixed():
 
 def test_a_full_queue_refuses_and_a_cancelled_request_is_dropped():
     async def main():
-        batcher = Batcher(lambda texts, prefixes, options: texts, Limits(max_queue_sentences=3))
+        batcher = RequestBatcher(lambda texts, prefixes, options: texts, Limits(max_queue_sentences=3))
         first = batcher.submit(Request(["a", "b"], None, Decoding()), 2)
         with pytest.raises(QueueFull):
             batcher.submit(Request(["c", "d"], None, Decoding()), 2)
@@ -689,6 +689,6 @@ def test_a_missing_run_is_one_line(tmp_path):
 
 
 def test_aiayn_names_serve_and_loadtest():
-    from parity.commands.cli import COMMANDS
+    from train.commands import COMMANDS
 
     assert COMMANDS["serve"][0] == "train.commands.serve" and COMMANDS["loadtest"][0] == "train.commands.loadtest"

@@ -4,7 +4,7 @@ The training state is the pytree {"params", "opt_state", "step"} and the update 
 `train_step(state, batch, rng) -> (state, metrics)`, its state donated. Dropout keys are
 `fold_in(rng, step)`, so a resumed run draws the masks of an uninterrupted one. Data parallelism,
 processes, FSDP and precision: docs/operations.md#devices-and-processes. Checkpoints:
-`train.store.jax_store.JaxStore` (orbax), restored onto the current mesh and layout.
+`train.checkpoints.jax_store.JaxStore` (orbax), restored onto the current mesh and layout.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from jax_transformer import decode, ensemble, sampling, sharding, xla_cpu
 from jax_transformer.objective import label_smoothed_cross_entropy, noam_learning_rate
 from torch_reference.config import TransformerConfig, check_beam
 
+from ..checkpoints import TrainingState, check_arrays
+from ..checkpoints.jax_store import JaxStore
 from ..config import ExperimentConfig, default_dtype, resolve_kernels
 from ..data import Batch
-from ..store import TrainingState, check_arrays
-from ..store.jax_store import JaxStore
 from . import allocator, compiles, jax_cache
 from .interface import Hypotheses, Metrics, StoreMethods, Topology
 

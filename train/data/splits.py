@@ -14,8 +14,8 @@ from pathlib import Path
 from ..config import ExperimentConfig
 from ..runtime.files import UserError, quoted, say
 from .corpora import Pair, load_parallel, stream_parallel
+from .corpus_store import TokenStore, cache_dir, corpus_store
 from .numbers import Splits, numbers_corpus, numbers_range
-from .store import TokenStore, cache_dir, corpus_store
 from .vocab import Tokenizers, encode_pairs, load_tokenizers, sample, save_tokenizers, train_tokenizers
 
 MAX_SPEC = 4096  # characters of a data spec: PATH_MAX, with room for SRC:TGT: and #src=..,tgt=..
@@ -60,7 +60,7 @@ def _numbers_split(cfg: ExperimentConfig, spec: str) -> list[Pair]:
 
 def train_store(cfg: ExperimentConfig, tokenizers: Tokenizers, pairs: list[Pair] | None = None,
                 progress: bool = True) -> TokenStore:
-    """The training pairs tokenized: a --train spec's from its store on disk (train.data.store), opened in place
+    """The training pairs tokenized: a --train spec's from its store on disk (train.data.corpus_store), opened in place
     or built on first use from the spec read a chunk at a time; the numbers corpus's (and `numbers:` specs') in
     memory, from `pairs` when given (those of `load_splits`)."""
     if cfg.uses_numbers_corpus or cfg.train.startswith("numbers:"):

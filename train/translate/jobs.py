@@ -11,16 +11,17 @@ import os
 import sys
 from typing import Any
 
-from . import api
-from .backends.host_devices import split_host
-from .data import load_parallel
-from .data.corpora import spec_files
-from .data.streams import LineReader
-from .options import Evaluation, RunSelection, Sampling, ScoreFiles, Search, TranslateFiles, check_format
-from .runtime import Interrupted, interruptible
-from .runtime.files import UserError, error_text, json_text
-from .runtime.output import Destination, OtherInput, PartialOutput, Progress, StreamOutput, open_stream
-from .translation import TsvColumns, translate_stream
+from .. import api
+from ..backends.host_devices import split_host
+from ..data import load_parallel
+from ..data.corpora import spec_files
+from ..data.streams import LineReader
+from ..options import Evaluation, RunSelection, Sampling, ScoreFiles, Search, TranslateFiles, check_format
+from ..runtime import Interrupted, interruptible
+from ..runtime.destination import Destination, open_stream
+from ..runtime.files import UserError, error_text, json_text
+from .output import OtherInput, PartialOutput, Progress, StreamOutput
+from .stream import TsvColumns, translate_stream
 
 
 def translate_file(selection: RunSelection, search: Search = Search(), sample: Sampling | None = None,
