@@ -186,8 +186,8 @@ def export_proof(export_dir: Path, run_dir: Path, checkpoint: str | int, sentenc
         model = ExportedModel(programs(export_dir, int8), cfg)
         theirs = {k: [output_tokens(search[k](model, torch.tensor([ids]))[0][0].tolist()) for ids in src_ids]
                   for k in (1, 4)}
-        diffs = [float((model.forced_logits(torch.tensor([ids]), torch.tensor([[cfg.bos_id, *out[:-1]]]))[0].numpy()
-                        - logits).__abs__().max()) for ids, out, logits in zip(src_ids, ours[1], ours_logits)]
+        diffs = [float(np.abs(model.forced_logits(torch.tensor([ids]), torch.tensor([[cfg.bos_id, *out[:-1]]]))[0]
+                              .numpy() - logits).max()) for ids, out, logits in zip(src_ids, ours[1], ours_logits)]
         texts = data.decode_batch(run.tokenizers.tgt, theirs[4])
         figures["int8" if int8 else "float32"] = {
             "greedy_agreement": float(np.mean([a == b for a, b in zip(ours[1], theirs[1])])),

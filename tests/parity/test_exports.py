@@ -126,7 +126,7 @@ def runs(tmp_path_factory):
 
 @pytest.mark.parametrize("kind,backend,extra", [("onnx", "jax", ["--quantization", "int8"]),
                                                 ("stablehlo", "torch", [])])
-def test_convert_writes_a_proved_export_that_translates(runs, kind, backend, extra, capsys):
+def test_convert_writes_a_proved_export_that_translates(runs, kind, backend, extra):
     from parity.commands.convert import main as convert
 
     dst = runs / f"{kind}-of-{backend}"
