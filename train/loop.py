@@ -43,16 +43,11 @@ def train(cfg: ExperimentConfig, *, explicit: Iterable[str] | None = None,
           init_dir: str | Path | None = None) -> dict[str, Any]:
     """Train (or resume) the run `cfg` describes, evaluate it, write results.json; returns its content.
     `explicit` names the fields the user set (on --resume the others come from the run's config; None:
-    every field not None). `init_dir`: --init-from's source already made a run of this backend
-    (`pretrained.source_run`; process 0 passes it to the processes it starts, which print and write nothing)."""
+    every field not None). `init_dir`: --init-from's source made a run of this backend (`training.start`
+    resolves it; None: cfg.init_from is one; the processes it starts print and write nothing)."""
     started = time.perf_counter()
-    if cfg.resume and cfg.run_dir and explicit is not None and "backend" not in explicit:
-        with contextlib.suppress(UserError):  # the run's backend starts its processes (no run: the session says so)
-            cfg = cfg.replace(backend=runtime.read_experiment(cfg.run_dir).backend)
-    with contextlib.ExitStack() as scratch:  # holds a source converted or imported for --init-from
-        init_dir = init_dir or pretrained.source_run(cfg, scratch)
-        with launch(cfg, train, explicit=explicit, init_dir=init_dir):  # torch --devices N: its other processes
-            return _train(cfg, explicit, init_dir, started)
+    with launch(cfg, train, explicit=explicit, init_dir=init_dir):  # torch --devices N: its other processes
+        return _train(cfg, explicit, init_dir, started)
 
 
 def _train(cfg: ExperimentConfig, explicit: Iterable[str] | None, init_dir: str | Path | None,

@@ -220,6 +220,21 @@ def as_served(results) -> dict:
             "hypotheses": [[dataclasses.asdict(h) for h in r] for r in results]}
 
 
+def assert_same_answer(served: dict, expected: dict) -> None:
+    """Texts, tokens and alignments exactly; scores to float32 rounding, because a batch of 9 rows and one of
+    3 take different matmul blockings on some CPUs (seen: 4e-7 apart on an Intel Xeon)."""
+    def exact(answer):
+        return {**answer, "hypotheses": [[{k: v for k, v in h.items() if k not in ("logprob", "score")} for h in hs]
+                                         for hs in answer.get("hypotheses", [])]}
+
+    def scores(answer):
+        return [[(h["logprob"], h["score"]) for h in hs] for hs in answer.get("hypotheses", [])]
+
+    assert exact(served) == exact(expected)
+    np.testing.assert_allclose(np.array(scores(served), dtype=float).ravel(),
+                               np.array(scores(expected), dtype=float).ravel(), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("options", [
     {"beam": 3, "n_best": 2},
     {"beam": 2, "alpha": 1.5, "scoring": "hf", "n_best": 2},
@@ -240,7 +255,8 @@ def test_every_decoding_option_over_http_equals_the_api(server, loaded, options)
     for thread in threads:
         thread.join()
     expected = as_served(loaded.translate(texts, **options))
-    assert [r.json() for r in replies] == [expected] * 3
+    for reply in replies:
+        assert_same_answer(reply.json(), expected)
 
 
 @pytest.mark.parametrize("options", [

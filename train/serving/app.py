@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from .. import data
+from ..options import check_single
 from ..runtime import UserError
 from .limits import BadRequest, Decoding, Limits, parse_request, require
 from .request_batcher import QueueFull, RequestBatcher
@@ -38,8 +39,7 @@ def run_decoder(run) -> Callable[..., list[dict[str, Any]]]:
         if options.attention:
             from ..translate.attention import AttentionRecorder
 
-            if run.members:
-                raise UserError("attention with an ensemble: its members' attention weights are not one drawing")
+            check_single(bool(run.members), "attention")
             recorder = AttentionRecorder(run.backend, run.tokenizers, texts)
         results = run.translate(texts, prefix=prefixes, on_batch=recorder, **options.translate_options())
         out = [result_json(r) for r in results]
