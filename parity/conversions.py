@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from train import checkpoints, runtime
+from train import checkpoints, data, runtime
 from train.interop import marian
 from train.interop.runs import (convert_run, load_jax_weights, load_torch_weights, run_weights, save_jax_weights,
                                 save_torch_weights)
@@ -15,7 +15,7 @@ from train.options import OptionError, checked, option
 from . import ctranslate2 as ct2_export
 from . import proof
 
-EXPORTS = ("marian", "ctranslate2")
+EXPORTS = ("marian", "ctranslate2", "onnx", "stablehlo")
 
 
 @checked
@@ -35,23 +35,23 @@ class Conversion:
     src: str | None = option(
         None, "weights only: a .safetensors file (--to jax; a legacy torch.save state dict .pt/.pth/.bin with "
         "config.json beside it is read with weights_only=True) or a JAX weights directory (--to torch); with --from "
-        "marian the HF directory; with --to marian or ctranslate2 a run directory")
+        "marian the HF directory; with --to an export (marian, ctranslate2, onnx, stablehlo) a run directory")
     run_dir: str | None = option(None, "instead of --src: a whole training run directory of the other backend "
                                  "(train.run --run-dir)")
     dst: Path = option(None, "a JAX weights directory (--to jax) or a .safetensors file (--to torch); with --run-dir "
-                       "or --from the new run directory; with --to marian or ctranslate2 the model directory",
+                       "or --from the new run directory; with --to an export the model directory",
                        required=True)
     checkpoint: str | None = option(None, "with --run-dir: which checkpoints to convert: latest (default), best, all, "
-                                    "or a step number; with --to marian or ctranslate2: best (default), latest or a "
-                                    "step")
+                                    "or a step number; with --to an export: best (default), latest or a step")
     quantization: str | None = option(None, "with --to ctranslate2: CTranslate2's weight type, e.g. int8 (default: "
-                                      "float32)")
+                                      "float32); with --to onnx: int8 adds ONNX Runtime's dynamically quantized "
+                                      "graphs, which the export then decodes with")
     train: str | None = option(None, "with --from: the training data spec recorded in the run (train.run's data "
                                "specs), for fine-tuning with train.run --resume", metavar="SPEC")
     valid: str | None = option(None, "with --from: the validation data spec recorded in the run", metavar="SPEC")
     test: str | None = option(None, "with --from: the test data spec recorded in the run", metavar="SPEC")
     proof_sentences: str | None = option(
-        None, "with --run-dir or --to marian/ctranslate2: the sentences the result is checked on, read back by its own "
+        None, "with --run-dir or --to an export: the sentences the result is checked on, read back by its own "
         f"runtime against the run (default: the run's first {proof.SENTENCES} validation sources); the figures go to "
         f"the export's {runtime.PROOF_FILE}", metavar="FILE")
     overwrite: bool = option(False, "replace an existing destination")
@@ -62,9 +62,13 @@ class Conversion:
         reads_run = self.source_format is None and (self.run_dir is not None or self.to in EXPORTS)
         for name in ("checkpoint", "proof_sentences"):  # weights alone or an import have no checkpoints, no proof
             if getattr(self, name) is not None and not reads_run:
-                raise OptionError("{} goes with {}, or with {} marian or ctranslate2", name, "run_dir", "to")
-        if self.quantization is not None and self.to != "ctranslate2":
-            raise OptionError("{} goes with {} ctranslate2", "quantization", "to")
+                raise OptionError("{} goes with {}, or with {} marian, ctranslate2, onnx or stablehlo", name,
+                                  "run_dir", "to")
+        if self.quantization is not None and self.to not in ("ctranslate2", "onnx"):
+            raise OptionError("{} goes with {} ctranslate2 or onnx", "quantization", "to")
+        if self.to == "onnx" and self.quantization not in (None, "float32", "int8"):
+            raise OptionError("{} with {} onnx takes int8 or float32, " + f"got {self.quantization!r}", "quantization",
+                              "to")
         if self.source_format is None and (self.train or self.valid or self.test):
             raise OptionError("{}/{}/{} go with {}", "train", "valid", "test", "source_format")
         if self.source_format is not None and self.to not in FRAMEWORKS:
@@ -107,6 +111,16 @@ def convert(c: Conversion) -> str:
         ids = marian.marian_origin(src)["marian_ids"]
         marian.export_marian(src, params, cfg, dst, overwrite=c.overwrite,
                              check=lambda tmp: proof.marian_proof(tmp, Path(src), params, cfg, sentences, ids))
+    elif c.to in ("onnx", "stablehlo"):
+        from .onnx_export import write_onnx
+        from .stablehlo_export import write_stablehlo
+
+        write = {"onnx": lambda d: write_onnx(params, cfg, d, c.quantization), "stablehlo": lambda d: write_stablehlo(
+            params, cfg, d)}[c.to]
+        copy = (*data.tokenizer_files(src), runtime.MODEL_FILE, runtime.CONFIG_FILE)  # what train.load(dst) reads
+        with runtime.derive(src, dst, c.to, c.overwrite, copy, lambda tmp: proof.export_proof(
+                tmp, Path(src), c.checkpoint or "best", sentences, c.to, c.quantization)) as tmp:
+            write(tmp)
     else:
         ct2_export.export_ctranslate2(
             src, params, cfg, dst, quantization=c.quantization, force=c.overwrite,

@@ -41,7 +41,7 @@ def _trim(out) -> list[int]:
 
 def benchmark(run: Run, lines: Sequence[str], beam_size: int, batch_size: int | None, alpha: float = 0.6,
               ctranslate2: bool = False, scoring: str = "gnmt", hf: bool = False, uncached: bool = True,
-              sampling: Sampling | None = None) -> list[dict]:
+              sampling: Sampling | None = None, exports: bool = False) -> list[dict]:
     """One row per search and beam: seconds, sentences/s, outputs/s, tokens/s, speed-ups, outputs that differ
     (untimed first: every batch for JAX, which compiles each shape there, the first for the others); with
     `sampling`, "torch sample" and "jax sample" (beam 1), JAX's samples held against torch's."""
@@ -95,7 +95,7 @@ def benchmark(run: Run, lines: Sequence[str], beam_size: int, batch_size: int | 
         # Each framework under the allocator it has in a process of its own (allocator.settled)
         with allocator.settled() if name.startswith("torch") else contextlib.nullcontext():
             rows.append(row(name, beam, search, batches if name.startswith("jax") else batches[:1]))
-    if ctranslate2 or hf:
+    if ctranslate2 or hf or exports:
         params = convert_state(state, "torch", model_cfg).params
         limits = {int(index[r]): proof.limit(int((src[r] != data.PAD_ID).sum()), model_cfg)
                   for index, src in batches for r in np.flatnonzero(index >= 0)}
@@ -104,12 +104,14 @@ def benchmark(run: Run, lines: Sequence[str], beam_size: int, batch_size: int | 
                     _ctranslate2_searches(run, params, beams, alpha, Path(tmp)) if ctranslate2 else (),
                     _hf_searches(run, params, beams, alpha) if hf else ()):
                 rows.append(row(name, beam, search, batches[:1], limits))
+            for name, beam, search, disk in _export_searches(run, params, beams, alpha, Path(tmp)) if exports else ():
+                rows.append({**row(name, beam, search, batches[:1]), "disk_mib": disk})
     for r in rows:
-        if r["search"] == "ctranslate2 int8":  # how far quantization moves the translations
+        if r["search"].endswith(" int8"):  # how far quantization moves the translations
             import sacrebleu
 
-            int8, exact = (data.decode_batch(run.tokenizers.tgt, outputs_of[f"ctranslate2 {kind}", r["beam"]])
-                           for kind in ("int8", "float32"))
+            int8, exact = (data.decode_batch(run.tokenizers.tgt, outputs_of[r["search"].replace("int8", k), r["beam"]])
+                           for k in ("int8", "float32"))
             r["bleu_vs_float32"] = sacrebleu.corpus_bleu(int8, [exact]).score
         r.update(sentences=len(lines), sentences_per_s=len(lines) / r["seconds"],
                  outputs_per_s=r["outputs"] / r["seconds"], tokens_per_s=r["tokens"] / r["seconds"])
@@ -133,6 +135,30 @@ def _ctranslate2_searches(run: Run, params, beams: list[int], alpha: float, tmp:
                 return translator.translate_ids(src, beam_size=k, max_len=limit, length_penalty=alpha)
 
             yield f"ctranslate2 {kind}", beam, search
+
+
+def _export_searches(run: Run, params, beams: list[int], alpha: float, tmp: Path):
+    """("onnxruntime float32" | "onnxruntime int8" | "stablehlo", beam, search, MiB on disk) of the run's weights
+    exported under `tmp` (train/interop/exported.py decoding them), in turn."""
+    from train.interop.exported import (ONNX_FILES, STABLEHLO_FILES, ExportBackend, OnnxPrograms, StableHloPrograms,
+                                        quantized)
+
+    from .onnx_export import write_onnx
+    from .stablehlo_export import write_stablehlo
+
+    for kind, write in (("onnx", lambda d: write_onnx(params, run.model_config, d, "int8")),
+                        ("stablehlo", lambda d: write_stablehlo(params, run.model_config, d))):
+        (tmp / kind).mkdir()
+        write(tmp / kind)
+    threads = torch.get_num_threads()  # as many as torch's cached search uses
+    for name, programs, files in (
+            ("onnxruntime float32", lambda: OnnxPrograms(tmp / "onnx", False, threads), ONNX_FILES),
+            ("onnxruntime int8", lambda: OnnxPrograms(tmp / "onnx", True, threads), map(quantized, ONNX_FILES)),
+            ("stablehlo", lambda: StableHloPrograms(tmp / "stablehlo"), STABLEHLO_FILES)):
+        backend = ExportBackend(programs(), run.model_config, run.step)
+        disk = sum((tmp / ("stablehlo" if name == "stablehlo" else "onnx") / f).stat().st_size for f in files) / 2**20
+        for beam in beams:
+            yield name, beam, lambda _, src, k=beam, b=backend: b.translate(src, k, alpha), disk
 
 
 def _hf_searches(run: Run, params, beams: list[int], alpha: float):
@@ -171,6 +197,9 @@ class SpeedBench:
                       "aiayn convert --from marian; needs the interop extra)")
     uncached: bool = option(True, "torch's uncached loop (hours at large shapes; --no-uncached leaves it out and "
                             "the speed-ups against it are then null)")
+    exports: bool = option(False, "also time the run exported to ONNX (ONNX Runtime, float32 and int8) and StableHLO "
+                           "(jax.export), decoded by this project's search over them (needs the export extra: pip "
+                           "install -e \".[export]\")")
     sample: bool = option(False, "also time sampling in both frameworks as --num-samples, --temperature, --top-k, "
                           "--top-p and --seed say (outputs: samples; JAX's held against torch's)")
 
@@ -188,9 +217,10 @@ def bench_file(selection: RunSelection, search: Search, bench: SpeedBench = Spee
     if bench.json is not None and bench.input is not None:  # the figures would replace the sentences
         Destination(bench.json.path, "--json", [bench.input], f"--input {bench.input}")
     with user_errors(ImportError):  # one line naming the extra, before minutes of work
-        for package in [name for name, wanted in (("ctranslate2", bench.ctranslate2), ("transformers", bench.hf))
-                        if wanted]:
-            require(package)
+        for package, extra in [(name, extra) for name, extra, wanted in (
+                ("ctranslate2", "interop", bench.ctranslate2), ("transformers", "interop", bench.hf),
+                ("onnxruntime", "export", bench.exports)) if wanted]:
+            require(package, extra)
     if bench.hf:
         try:
             marian.marian_origin(selection.run_dir[0])
@@ -198,7 +228,7 @@ def bench_file(selection: RunSelection, search: Search, bench: SpeedBench = Spee
             raise UserError(f"--hf: {err}") from None
     with load(selection) as run:
         rows = benchmark(run, sentences, search.beam, bench.batch_size, search.alpha, scoring=search.scoring,
-                         ctranslate2=bench.ctranslate2, hf=bench.hf, uncached=bench.uncached,
+                         ctranslate2=bench.ctranslate2, hf=bench.hf, uncached=bench.uncached, exports=bench.exports,
                          sampling=sampling_of(sampling or bench.sample, {}))
     accelerator = "" if jax.default_backend() == "cpu" else f", {jax.devices()[0].device_kind}"
     machine = (f"{platform.processor() or platform.machine()}, {host_devices.cores()} CPUs{accelerator}, "
@@ -212,7 +242,8 @@ def bench_file(selection: RunSelection, search: Search, bench: SpeedBench = Spee
         print(f"{r['search']:19s} {r['beam']:4d} {r['seconds']:8.2f} {r['sentences_per_s']:8.1f} "
               f"{r['outputs_per_s']:8.1f} {r['tokens_per_s']:8.0f} {r['peak_mib']:8.0f} "
               f"{r['speedup_vs_torch_cached']:15.2f}x {uncached:>12s} {differ:>15s}"
-              + (f"   BLEU vs float32 {r['bleu_vs_float32']:.2f}" if "bleu_vs_float32" in r else ""))
+              + (f"   BLEU vs float32 {r['bleu_vs_float32']:.2f}" if "bleu_vs_float32" in r else "")
+              + (f"   {r['disk_mib']:.1f} MiB on disk" if "disk_mib" in r else ""))
     if bench.json:
         bench.json.write(json_text({"run_dir": str(selection.run_dir[0]), "machine": machine, "rows": rows}))
     return rows

@@ -20,7 +20,7 @@ from .config import BACKENDS, BATCH, ExperimentConfig
 from .options import (SAMPLING_FIELDS, Evaluation, OptionError, RunSelection, Sampling, Search, check_single,
                       sampling_of)
 from .rundir import check_set_aside, read_run
-from .runtime import CHECKPOINTS, UserError, read_experiment, user_errors
+from .runtime import CHECKPOINTS, PROOF_FILE, UserError, kind_of, read_experiment, read_json, user_errors
 from .translation import Hypothesis, score_pairs
 
 
@@ -216,6 +216,8 @@ def weights_digest(run_dir: str | os.PathLike, step: int) -> str:
     checkpoint = run_dir / CHECKPOINTS / str(step)
     files = [checkpoint / DIGEST_FILE] if (checkpoint / DIGEST_FILE).is_file() else sorted(
         p for p in checkpoint.rglob("*") if p.is_file())
+    if kind_of(run_dir) in ("onnx", "stablehlo"):  # an export: its proof holds its files' digests
+        files = [run_dir / PROOF_FILE]
     digest = hashlib.sha256()
     for path in [*files, *(run_dir / name for name in data.tokenizer_files(run_dir))]:
         with open(path, "rb") as f:
@@ -237,6 +239,12 @@ def _load_one(run_dir: Path, checkpoint: str | int = "best", backend: str | None
     with user_errors(TypeError, ValueError):  # a launch option the config or the backend refuses
         cfg = cfg.replace(**launch)
         initialize(cfg)  # the process's settings for its platform, before any device is touched
+    if (kind := kind_of(run_dir)) in ("onnx", "stablehlo"):  # an export decodes with its own programs
+        from .interop.exported import ExportBackend, programs
+
+        with user_errors(ImportError):
+            backend = ExportBackend(programs(run_dir), model_cfg, read_json(run_dir / PROOF_FILE, {}).get("step", 0))
+            return Run(run_dir, cfg, model_cfg, tokenizers, backend, {"kind": kind})
     checkpoint = parse_checkpoint(checkpoint)
     with contextlib.ExitStack() as on_error, user_errors(FileNotFoundError, CheckpointError):
         model = on_error.enter_context(contextlib.closing(create_backend(cfg, model_cfg, str(run_dir / CHECKPOINTS))))

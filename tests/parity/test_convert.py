@@ -163,7 +163,7 @@ def test_cli_round_trip_and_errors(tmp_path, capsys):
 def test_cli_refuses_run_flags_without_a_run(source, flag, value, tmp_path, capsys):
     """Weights alone and a Marian import have no checkpoint to pick nor proof to run: the flag was ignored."""
     assert main([*source, "--dst", str(tmp_path / "out"), flag, value]) == 1
-    assert f"error: {flag} goes with --run-dir, or with --to marian or ctranslate2" in capsys.readouterr().err
+    assert f"error: {flag} goes with --run-dir, or with --to marian, ctranslate2, onnx or stablehlo" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 

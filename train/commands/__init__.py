@@ -27,7 +27,7 @@ COMMANDS = {
     "bench": Command("train.commands.bench", "time the training step of both frameworks"),
     "profile": Command("train.commands.profile_step", "where a training step's time goes"),
     "convert": Command("parity.commands.convert", "weights and runs between frameworks, Marian in and out, "
-                       "CTranslate2"),
+                       "CTranslate2, ONNX, StableHLO"),
     "check": Command("parity.commands.check", "logits, loss and gradients of both twins on the same weights"),
     "trajectory": Command("parity.commands.trajectory", "one training curve in both frameworks"),
     "translate-bench": Command("parity.commands.translate_bench", "search speed of both frameworks on one run's "

@@ -20,12 +20,13 @@ SPM_TOKENIZER = "sentencepiece.json"
 INTEROP_INSTALL = 'pip install -e ".[interop]"'
 
 
-def require(module: str) -> Any:
-    """Import an optional package of the `interop` extra, or fail with one line naming the install."""
+def require(module: str, extra: str = "interop") -> Any:
+    """Import an optional package of the `extra`, or fail with one line naming the install."""
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise ImportError(f"{module} is not installed; it comes with the interop extra: {INTEROP_INSTALL}") from None
+        install = INTEROP_INSTALL.replace("interop", extra)
+        raise ImportError(f"{module} is not installed; it comes with the {extra} extra: {install}") from None
 
 
 @dataclasses.dataclass(frozen=True)

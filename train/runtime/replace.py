@@ -15,8 +15,9 @@ from .lock import RunLock
 
 # What `kind_of` recognises: a run (its config.json), or an export of aiayn convert (KIND_FILE names it).
 KINDS = {"run": "run", "ctranslate2": "CTranslate2 model written by aiayn convert",
-         "marian": "HF Marian directory written by aiayn convert"}
-KIND_FILE = ".aiayn.json"  # {"kind": "ctranslate2" | "marian"}
+         "marian": "HF Marian directory written by aiayn convert", "onnx": "ONNX model written by aiayn convert",
+         "stablehlo": "StableHLO model written by aiayn convert"}
+KIND_FILE = ".aiayn.json"  # {"kind": one of KINDS but "run"}
 PROOF_FILE = "proof.json"  # what an export computes against its run, and its files' digests (parity.proof)
 
 
