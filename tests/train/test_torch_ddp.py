@@ -135,7 +135,7 @@ def test_sigterm_saves_a_step_and_a_dead_process_stops_the_other_in_one_line(tmp
     assert len(_torch(run_dir, 2, steps=last + 1, resume=True)) == last + 1
 
 
-@pytest.mark.slow  # ~40 s
+@pytest.mark.slow  # two torchrun launches of two torch processes each
 def test_sigterm_to_torchrun_says_once_a_command_that_continues_as_printed(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "RANK", "WORLD_SIZE", "LOCAL_"))}
     env.update(PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", PATH=f"{Path(sys.executable).parent}:{env['PATH']}")
