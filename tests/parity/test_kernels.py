@@ -109,7 +109,6 @@ def assert_close(a, b, atol):
         np.testing.assert_allclose(x, y, atol=atol, rtol=0)
 
 
-@pytest.mark.slow  # ~21 s; the fused kernel itself is checked against the reference above, in CI
 def test_fused_models_give_the_reference_logits_gradients_and_attention_weights():
     cfg = jt.TransformerConfig(**CONFIG)
     src, tgt_in, tgt_out = batch()
@@ -133,7 +132,6 @@ def test_fused_models_give_the_reference_logits_gradients_and_attention_weights(
     torch.testing.assert_close(weights[0], weights[1], rtol=0, atol=1e-5)
 
 
-@pytest.mark.slow  # ~46 s: two models with and without remat, gradients in both twins
 def test_remat_gives_the_same_loss_and_gradients_with_dropout():
     cfg = jt.TransformerConfig(**{**CONFIG, "dropout": 0.3, "attention_dropout": 0.2})
     src, tgt_in, tgt_out = batch()

@@ -41,8 +41,10 @@ LOPSIDED = {"d_model": 24, "num_heads": 3, "d_ff": 40, "num_encoder_layers": 2, 
             "attention_bias": False}
 # max_len 16: buckets of 8 and 16 tokens; a budget of 256 gives batches of 32 and 16 rows, both
 # multiples of 8, so the Batcher's batches are the same for 1, 2, 4 and 8 devices.
+# lr_factor 0.5 (peak 0.045): at the paper's 1.0 this tiny model's curve is chaotic past update 13, where
+# one device against itself with its weights moved by 1 ulp parts as far as 8 devices do (1e-3 by update 16).
 SMALL = dict(numbers_train=600, numbers_valid=8, numbers_test=0, max_len=16, token_budget=256, model=LOPSIDED,
-             dropout=0.1, warmup=5, seed=3, progress=False, samples=0)
+             dropout=0.1, warmup=5, lr_factor=0.5, seed=3, progress=False, samples=0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -170,23 +172,19 @@ def assert_params_close(results, run: str, reference: str) -> None:
 
 # The losses: 8 devices sum the gradient over 8 partial sums (an all-reduce) where 1 device sums
 # over the whole batch at once, so only float32 rounding differs (~1e-7 per reduction) and the
-# losses of 20 steps agreed to 2.6e-7 relative on the old corpus; on the corpus spread over every
-# band (more short sentences, several bucket shapes) they drift to 1.7e-5 by step 10 (measured,
-# the same for FSDP: tests/train/test_fsdp.py). 1e-4 still fails on any real difference (a lost
+# losses of 20 steps agreed to 3e-7 relative (measured at SMALL's lr_factor 0.5; at 1.0 the curve is
+# chaotic, see SMALL, and 1 ulp grows to 1e-3 by update 16). 1e-4 still fails on any real difference (a lost
 # device's gradient, an unscaled mean or another dropout mask changes them by >1e-2).
 REL = 1e-4
 
 
-# The 8-device runs take ~2 min on 2 cores (one subprocess for the module): `-m slow`. CI trains
-# on 8 simulated devices in tests/train/test_fsdp.py, replicated and sharded, against 1 device.
-@pytest.mark.slow
+# The 8-device runs take ~2 min on 2 cores (one subprocess for the module, shared by the three tests).
 def test_eight_devices_train_like_one(parity):
     np.testing.assert_allclose(parity["loss/8"], parity["loss/1"], rtol=REL)
-    assert parity["loss/8"][-5:].mean() < parity["loss/8"][0] - 2.0  # it learns: measured 6.47 -> 3.75
+    assert parity["loss/8"][-5:].mean() < parity["loss/8"][0] - 2.0  # it learns: measured 6.43 -> 3.31
     assert_params_close(parity, "8", "1")
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("first,second", [(8, 1), (1, 8)])
 def test_checkpoint_moves_between_device_counts(parity, first, second):
     """Saved after 10 steps on `first` devices, restored on `second`, 10 more steps: the same as
@@ -196,12 +194,10 @@ def test_checkpoint_moves_between_device_counts(parity, first, second):
     assert_params_close(parity, run, second)
 
 
-@pytest.mark.slow
 def test_gradient_accumulation_over_devices(parity):
     np.testing.assert_allclose(parity["accum/8"], parity["accum/1"], rtol=REL)  # REL: as above
 
 
-@pytest.mark.slow  # ~90 s
 def test_two_processes_train_like_one_with_four_devices(tmp_path):
     """`python -m train.run` in two processes (2 CPU devices each, coordinator on 127.0.0.1)
     against one process with 4 devices: the same losses; process 0 alone prints the summary."""
@@ -242,7 +238,7 @@ def test_two_processes_train_like_one_with_four_devices(tmp_path):
     assert (tmp_path / "two" / "checkpoints" / "6").is_dir()  # written by both processes together
 
 
-@pytest.mark.parametrize("backend", [pytest.param("jax", marks=pytest.mark.slow), "torch"])  # jax: ~25 s
+@pytest.mark.parametrize("backend", ["jax", "torch"])  # jax: ~25 s
 def test_bfloat16_loss_falls(backend, fast_config):
     """bf16 mixed precision on the CPU learns, with float32 parameters and optimizer state."""
     splits = data.numbers_corpus(600, 8, 0, seed=3)
@@ -263,7 +259,7 @@ def test_bfloat16_loss_falls(backend, fast_config):
         import jax.numpy as jnp
 
         assert {str(x.dtype) for x in jax.tree.leaves(trainer.state)} == {"float32", "int32"}  # int32: step
-        model = trainer._model(trainer.local_params())
+        model = trainer.ctx.model(trainer.local_params())
         batch = next(batcher)
         assert model.encode(batch.src).dtype == jnp.bfloat16  # activations in bf16
         assert model(batch.src, batch.tgt_in).dtype == jnp.bfloat16

@@ -76,7 +76,6 @@ def test_numbers_batches_are_mains(numbers, tmp_path):
     assert _digest(evaluation.epoch_batches()) == (45, "0571ef82a788dfaf")
 
 
-@pytest.mark.slow  # ~20 s: a tokenizer trained on Multi30k; the numbers test covers the same code
 def test_multi30k_batches_are_mains(multi30k, tmp_path):
     pairs = data.load_parallel(f"de:en:{multi30k}/train").pairs
     tokenizers = data.train_tokenizers(pairs, vocab_size=8000)
@@ -411,7 +410,6 @@ def test_hub_corpus_streams_into_the_store(tmp_path, numbers, monkeypatch):
     assert len(_stores(tmp_path)) == 2
 
 
-@pytest.mark.slow  # ~90 s: three jax processes compile; test_process_shares_are_the_batch_rows covers the shares
 def test_two_processes_read_their_rows_like_one_process_on_two_devices(tmp_path):
     """`python -m train.run` on a --train text corpus: two processes with one CPU device each,
     each reading its half of every batch from the one store, against one process with two devices."""
