@@ -199,26 +199,34 @@ def test_gradient_accumulation_over_devices(parity):
 
 
 def test_two_processes_train_like_one_with_four_devices(tmp_path):
-    """`python -m train.run` in two processes (2 CPU devices each, coordinator on 127.0.0.1)
-    against one process with 4 devices: the same losses; process 0 alone prints the summary."""
-    flags = ["--steps", "6", "--eval-every", "6", "--log-every", "1", "--eval-sentences", "4", "--beam", "1",
-             "--vocab-size", "300"]
+    """`python -m train.run` on a --train text corpus in two processes (2 CPU devices each, coordinator
+    on 127.0.0.1), each reading its half of every batch from the one store, against one process with
+    4 devices: the same losses; process 0 alone prints the summary."""
+    splits = data.numbers_corpus(SMALL["numbers_train"], SMALL["numbers_valid"], 0, seed=SMALL["seed"])
+    for name, pairs in (("train", splits.train), ("valid", splits.valid)):
+        for k, lang in enumerate(("de", "en")):
+            (tmp_path / f"{name}.{lang}").write_text("".join(pair[k] + "\n" for pair in pairs))
+    flags = ["--train", f"de:en:{tmp_path}/train", "--valid", f"de:en:{tmp_path}/valid", "--steps", "6",
+             "--eval-every", "6", "--log-every", "1", "--eval-sentences", "4", "--beam", "1", "--vocab-size", "300"]
     for key, value in SMALL.items():
-        if key == "model":
+        if key.startswith("numbers_"):
+            continue
+        elif key == "model":
             flags += [arg for k, v in value.items() for arg in ("--set", f"{k}={v}")]
         elif key == "progress":
             flags.append("--no-progress")
         else:
             flags += [f"--{key.replace('_', '-')}", str(value)]
     command = [sys.executable, "-m", "train.run", *flags]
-    single = subprocess.Popen([*command, "--run-dir", str(tmp_path / "one")], env=_env(4), cwd=REPO,
+    cache = {"AIAYN_DATA_CACHE": str(tmp_path / "cache")}
+    single = subprocess.Popen([*command, "--run-dir", str(tmp_path / "one")], env={**_env(4), **cache}, cwd=REPO,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     port = _free_port()
     multi = [
         subprocess.Popen(
             [*command, "--run-dir", str(tmp_path / "two"), "--coordinator-address", f"127.0.0.1:{port}",
              "--num-processes", "2", "--process-id", str(i)],
-            env=_env(2), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**_env(2), **cache}, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         for i in range(2)
     ]
@@ -236,6 +244,8 @@ def test_two_processes_train_like_one_with_four_devices(tmp_path):
     # Process 1 prints nothing (gloo, jax's CPU collectives, announces its connections itself).
     assert [line for line in outputs[2][0].splitlines() if not line.startswith("[Gloo]")] == []
     assert (tmp_path / "two" / "checkpoints" / "6").is_dir()  # written by both processes together
+    stores = [p for p in (tmp_path / "cache").iterdir() if p.is_dir() and not p.name.startswith("tokenizers-")]
+    assert len(stores) == 1  # one store, read by all three (beside the corpus's tokenizers)
 
 
 @pytest.mark.parametrize("backend", ["jax", "torch"])  # jax: ~25 s
