@@ -52,8 +52,8 @@ def source(batch=4, length=9, seed=0, vocab=53):
     return out
 
 
-@pytest.mark.parametrize("overrides", [{}, {"norm_position": "pre", "positions": "learned"},  # ~4 s each
-    {"activation": "swiglu"}, {"activation": "silu", "positions": "sinusoidal_halves", "output_bias": True, "bos_id": 0}])
+@pytest.mark.parametrize("overrides", [{}, {"norm_position": "pre", "positions": "learned"}, {"activation": "swiglu"},
+    {"activation": "silu", "positions": "sinusoidal_halves", "output_bias": True, "bos_id": 0}])  # ~4 s each
 def test_cached_steps_equal_the_full_decoder_in_both_frameworks(overrides):
     torch_model, jax_model = pair(**overrides)
     src = source()

@@ -189,10 +189,8 @@ class TorchBackend(StoreMethods):
                 module.set_gradient_divide_factor(1.0)  # summed, as `_sum_gradients`
                 module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
         elif self.distributed:  # every process starts from process 0's weights (the same seed's anyway)
-            # No buffer broadcast before each forward pass: the model's one buffer (the sinusoidal table) is the same
-            # everywhere, and a peer dying during that broadcast ended this process in a traceback.
             self.forward = _collective(DistributedDataParallel, self.model, None if self.device.type == "cpu" else
-                                       [self.device], forward_sync_buffers=False)
+                                       [self.device], forward_sync_buffers=False)  # its one buffer is a constant table
             self.forward.register_comm_hook(None, _sum_gradients)
         if exp_cfg.compile:
             self.forward = torch.compile(self.forward)
