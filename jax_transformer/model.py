@@ -15,23 +15,21 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from torch_reference.config import TransformerConfig
+from torch_reference.config import KernelSet, TransformerConfig
 
+from . import objective
 from . import xla_cpu as tuned
 
 # Xavier-uniform matrices and zero biases, as tensor2tensor (and torch_reference) initialise them.
 xavier_uniform = nnx.initializers.xavier_uniform()
 
-# How the layers compute, by name (`set_kernels`): `reference` mirrors torch_reference line by line;
-# `xla_cpu` is xla_cpu.py's pieces, faster on XLA:CPU; `fused` computes attention with
-# jax.nn.dot_product_attention (cuDNN's kernel on a GPU). All give the same results to float32 rounding.
-KERNELS = ("reference", "xla_cpu", "fused")
 # Each `activation`'s function (swiglu: silu times the gate); GELU the exact erf form (jax defaults to tanh).
 ACTIVATIONS = {"relu": jax.nn.relu, "gelu": functools.partial(jax.nn.gelu, approximate=False), "silu": jax.nn.silu,
                "swiglu": jax.nn.silu}
@@ -131,17 +129,42 @@ def fused_attention(q, k, v, mask=None):
     return jnp.swapaxes(out, 1, 2)  # (B, H, T, K)
 
 
-def set_kernels(module: nnx.Module, kernels: str = "reference", remat: bool = False) -> None:
-    """Choose once how every layer of `module` computes: the kernel set `kernels` (one of KERNELS)
+class Kernels(NamedTuple):
+    """A kernel set: the function each kind of computation runs; by default the reference path's."""
+    attention: Callable = scaled_dot_product_attention  # (q, k, v, mask) -> (B, H, T, K), no dropout, no weights
+    shared_keys: Callable | None = None  # cross-attention over one copy of a sentence's keys (xla_cpu.shared_keys)
+    dot_general: Callable = jax.lax.dot_general  # every nnx.Linear's
+    layer_norm: Callable | None = None  # xla_cpu.LayerNorm's in float32 without a mask (None: Flax's)
+    relu_linear: Callable | None = None  # FeedForward's linear2(relu(h)) in float32 without activation dropout
+    logits: Callable = nnx.Embed.attend  # the tied output projection, (embedding, hidden) -> logits
+    loss_sums: Callable = objective.smoothed_sums  # (logits, targets, pad_id, smoothing) -> (loss sum, NLL sum)
+    search: bool = False  # the searches take xla_cpu.shrinking_while's loop and best_candidates
+
+
+# How the layers compute, by name (`set_kernels`; the names: config.KernelSet, in its order): `reference`
+# mirrors torch_reference line by line; `xla_cpu`, xla_cpu.py's pieces, is faster on XLA:CPU; `fused` attends
+# with jax.nn.dot_product_attention (cuDNN's kernel on a GPU). All give the same results to float32 rounding.
+KERNELS = {
+    "reference": Kernels(),
+    "xla_cpu": Kernels(shared_keys=tuned.shared_keys, dot_general=tuned.linear_dot_general, layer_norm=tuned.layer_norm,
+                       relu_linear=tuned.relu_linear, logits=tuned.attend, loss_sums=tuned.smoothed_sums, search=True),
+    "fused": Kernels(attention=fused_attention),
+}
+
+
+def set_kernels(module: nnx.Module, kernels: KernelSet = "reference", remat: bool = False) -> None:
+    """Choose once how every layer of `module` computes: the kernel set `kernels` (a row of KERNELS)
     and `remat`, whether each encoder and decoder layer recomputes its activations in the backward
     pass (`nnx.remat`, i.e. jax.checkpoint) instead of keeping them; `Transformer` calls it."""
-    if kernels not in KERNELS:
-        raise ValueError(f"kernels={kernels!r} is not one of {', '.join(KERNELS)}")
+    if KERNELS.get(kernels) is None:
+        raise ValueError(f"kernels={kernels!r} is not one of {', '.join(k for k, row in KERNELS.items() if row)}")
     for _, m in nnx.iter_modules(module):
         if isinstance(m, nnx.Linear):
-            m.dot_general = tuned.linear_dot_general if kernels == "xla_cpu" else jax.lax.dot_general
+            m.dot_general = KERNELS[kernels].dot_general
+        if isinstance(m, tuned.LayerNorm):
+            m.layer_norm = KERNELS[kernels].layer_norm
         if hasattr(m, "kernels"):
-            m.kernels = kernels
+            m.kernels = KERNELS[kernels]
         if hasattr(m, "remat"):
             m.remat = remat
 
@@ -202,7 +225,7 @@ class PositionalEncoding(nnx.Module):
 class MultiHeadAttention(nnx.Module):
     """Multi-head attention (§3.2.2): project, split into H heads, attend, merge, project."""
 
-    kernels = "reference"  # set_kernels
+    kernels = KERNELS["reference"]  # set_kernels
 
     def __init__(self, cfg: TransformerConfig, *, dtype=None, rngs: nnx.Rngs):
         self.num_heads = cfg.num_heads
@@ -230,18 +253,17 @@ class MultiHeadAttention(nnx.Module):
         `kv` gives keys and values already projected (from a cache) in place of `context`.
         `return_attention`: ((B, T, D), the attention weights (B, H, T, S)).
         """
-        if self.kernels == "xla_cpu":  # a sentence's hypotheses may share its keys (xla_cpu.shared_keys)
-            shared = tuned.shared_keys(x, context, kv)
-            if shared is not None:
-                out = self(shared, context, mask, kv, return_attention, deterministic=deterministic, rngs=rngs)
-                return out.reshape(x.shape)
+        # a sentence's hypotheses may share its keys (xla_cpu.shared_keys)
+        if (shared := self.kernels.shared_keys and self.kernels.shared_keys(x, context, kv)) is not None:
+            out = self(shared, context, mask, kv, return_attention, deterministic=deterministic, rngs=rngs)
+            return out.reshape(x.shape)
         q = self.split_heads(self.q_proj(x))  # (B, H, T, K)
         k, v = self.project_kv(context) if kv is None else kv  # (B, H, S, K) each
         dropout = functools.partial(self.dropout, deterministic=deterministic, rngs=rngs)
-        if self.kernels == "fused" and not return_attention and (deterministic or self.dropout.rate == 0):
-            out = fused_attention(q, k, v, mask)  # (B, H, T, K)
-        else:
+        if return_attention or (not deterministic and self.dropout.rate > 0):  # what only the reference path gives
             out = scaled_dot_product_attention(q, k, v, mask, dropout, return_attention)  # (B, H, T, K)
+        else:
+            out = self.kernels.attention(q, k, v, mask)  # (B, H, T, K)
         out, attention = out if return_attention else (out, None)
         B, H, T, K = out.shape
         out = self.out_proj(out.transpose(0, 2, 1, 3).reshape(B, T, H * K))  # (B, T, D)
@@ -256,7 +278,7 @@ class FeedForward(nnx.Module):
     linear2(silu(linear1(x)) * linear_gate(x)), with the same width F.
     """
 
-    kernels = "reference"  # set_kernels
+    kernels = KERNELS["reference"]  # set_kernels
 
     def __init__(self, cfg: TransformerConfig, *, dtype=None, rngs: nnx.Rngs):
         self.activation = cfg.activation
@@ -269,8 +291,8 @@ class FeedForward(nnx.Module):
     def __call__(self, x: jax.Array, *, deterministic: bool = True, rngs: nnx.Rngs | None = None) -> jax.Array:
         h = self.linear1(x)  # (B, L, F)
         dropping = not deterministic and self.dropout.rate > 0
-        if self.activation == "relu" and self.kernels == "xla_cpu" and h.dtype == jnp.float32 and not dropping:
-            return tuned.relu_linear(h, self.linear2.kernel[...]) + self.linear2.bias[...]  # linear2(relu(h)), h kept
+        if self.kernels.relu_linear and self.activation == "relu" and h.dtype == jnp.float32 and not dropping:
+            return self.kernels.relu_linear(h, self.linear2.kernel[...]) + self.linear2.bias[...]  # linear2(relu(h))
         h = ACTIVATIONS[self.activation](h)
         if self.linear_gate is not None:
             h = h * self.linear_gate(x)
@@ -434,9 +456,9 @@ class Transformer(nnx.Module):
     the training objective read. The same parameters and checkpoint keys whatever the set.
     """
 
-    kernels = "reference"  # set_kernels
+    kernels = KERNELS["reference"]  # set_kernels
 
-    def __init__(self, cfg: TransformerConfig, *, dtype=None, kernels: str = "reference", remat: bool = False,
+    def __init__(self, cfg: TransformerConfig, *, dtype=None, kernels: KernelSet = "reference", remat: bool = False,
                  rngs: nnx.Rngs):
         self.cfg = cfg
         self.embed_scale = math.sqrt(cfg.d_model) if cfg.scale_embeddings else 1.0
@@ -456,8 +478,8 @@ class Transformer(nnx.Module):
 
     @property
     def xla_cpu(self) -> bool:
-        """Whether the kernel set is `xla_cpu`: the searches then take xla_cpu.py's loop."""
-        return self.kernels == "xla_cpu"
+        """Whether the searches take xla_cpu.py's loop (the kernel set's `search`)."""
+        return self.kernels.search
 
     @property
     def target_embedding(self) -> nnx.Embed:
@@ -506,7 +528,7 @@ class Transformer(nnx.Module):
     def project(self, hidden: jax.Array) -> jax.Array:
         """hidden (B, T, D) -> logits (B, T, V)."""
         if self.out_proj is None:
-            logits = (tuned.attend if self.kernels == "xla_cpu" else nnx.Embed.attend)(self.target_embedding, hidden)
+            logits = self.kernels.logits(self.target_embedding, hidden)
         else:
             logits = self.out_proj(hidden)
         return logits if self.logits_bias is None else logits + self.logits_bias[...].astype(logits.dtype)

@@ -23,6 +23,11 @@ def label_smoothed_cross_entropy(logits, targets, pad_id: int, smoothing: float 
     return total if reduction == "sum" else total / keep.sum()  # like torch: NaN when every target is padding
 
 
+def smoothed_sums(logits, targets, pad_id: int, smoothing: float):
+    """(sum of the label-smoothed losses, sum of the NLLs) over non-pad tokens: the training step's (JAX's only)."""
+    return tuple(label_smoothed_cross_entropy(logits, targets, pad_id, e, "sum") for e in (smoothing, 0.0))
+
+
 def noam_learning_rate(step, d_model: int, warmup_steps: int = 4000, factor: float = 1.0):
     """lr = factor · d_model^-0.5 · min(step^-0.5, step · warmup^-1.5), steps counted from 1 (§5.3).
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from train import runtime, store
+from train import checkpoints, runtime
 from train.interop import marian
 from train.interop.runs import (convert_run, load_jax_weights, load_torch_weights, run_weights, save_jax_weights,
                                 save_torch_weights)
@@ -102,7 +102,7 @@ def convert(c: Conversion) -> str:
                 f"layers, d_model {cfg.d_model}, vocab {cfg.src_vocab_size}/{cfg.tgt_vocab_size}, step 0)\n"
                 f"translate with: aiayn translate --run-dir {dst}")
     sentences = proof.proof_sentences(src, c.proof_sentences)
-    params, cfg = run_weights(src, store.parse_checkpoint(c.checkpoint or "best"))
+    params, cfg = run_weights(src, checkpoints.parse_checkpoint(c.checkpoint or "best"))
     if c.to == "marian":
         ids = marian.marian_origin(src)["marian_ids"]
         marian.export_marian(src, params, cfg, dst, overwrite=c.overwrite,

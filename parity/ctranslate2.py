@@ -13,8 +13,8 @@ import numpy as np
 from torch_reference.config import BOS_ID, EOS_ID, PAD_ID, SPECIAL_TOKENS, UNK_ID, TransformerConfig
 from torch_reference.model import sinusoidal_positions
 from train import data, runtime
-from train.attention import output_tokens
 from train.data import spm
+from train.translate.attention import output_tokens
 
 
 def vocabulary(tokenizer, size: int) -> list[str]:
@@ -127,7 +127,7 @@ def same_output(ours: Sequence[int], theirs: Sequence[int], limit: int) -> bool:
     return theirs == ours
 
 
-class Translator:
+class CT2Translator:
     """A CTranslate2 model directory written by `export_ctranslate2`, fed and read in our ids."""
 
     def __init__(self, model_dir: str | os.PathLike, **options: Any):

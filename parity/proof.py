@@ -17,12 +17,12 @@ from torch_reference.config import PAD_ID, TransformerConfig
 from torch_reference.decode import greedy_search, output_length
 from torch_reference.model import Transformer
 from train import data, runtime
-from train.attention import output_tokens
 from train.data import spm
 from train.data.streams import LineReader
 from train.interop.marian import side_orders
+from train.translate.attention import output_tokens
 
-from .ctranslate2 import Translator, same_output, tokens
+from .ctranslate2 import CT2Translator, same_output, tokens
 
 SENTENCES = 32  # validation sources proved on: enough to cover the vocabulary's common rows, fast on a CPU
 # A float32 export computes the run's function with other kernels: the twins' own logits bound, every greedy alike.
@@ -97,7 +97,7 @@ def ctranslate2_proof(export_dir: Path, run_dir: Path, params, cfg: TransformerC
     """The CTranslate2 model in `export_dir` against the run: greedy `translate_batch` with its logits."""
     src_ids = data.encode(data.load_tokenizers(run_dir).src, sentences)
     ours, ours_logits = reference(params, cfg, src_ids)
-    ct2, theirs, diffs, limits = Translator(export_dir), [], [], [limit(len(ids), cfg) for ids in src_ids]
+    ct2, theirs, diffs, limits = CT2Translator(export_dir), [], [], [limit(len(ids), cfg) for ids in src_ids]
     for ids, n, out, logits in zip(src_ids, limits, ours, ours_logits):
         (result,) = ct2.translator.translate_batch(
             [tokens(ct2.src_vocab, ids)], beam_size=1, max_decoding_length=n, min_decoding_length=0,

@@ -25,8 +25,8 @@ from train.data.streams import read_lines
 from train.interop import marian
 from train.interop.weights import convert_state
 from train.options import POSITIVE, Output, RunSelection, Sampling, Search, checked, option, sampling_of
+from train.runtime.destination import Destination
 from train.runtime.files import UserError, json_text, user_errors
-from train.runtime.output import Destination
 
 from . import ctranslate2 as ct2
 from . import proof
@@ -126,7 +126,7 @@ def _ctranslate2_searches(run: Run, params, beams: list[int], alpha: float, tmp:
     threads = torch.get_num_threads()  # as many as torch's cached search uses
     for kind in ("float32", "int8"):
         ct2.export_ctranslate2(run.run_dir, params, run.model_config, tmp / kind, quantization=kind)
-        translator = ct2.Translator(tmp / kind, intra_threads=threads)
+        translator = ct2.CT2Translator(tmp / kind, intra_threads=threads)
         for beam in beams:
             def search(_, src, k=beam, translator=translator):
                 limit = proof.limit(src.shape[1], run.model_config)

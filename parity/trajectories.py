@@ -16,12 +16,12 @@ import numpy as np
 from torch_reference.config import NON_NEGATIVE, POSITIVE, TransformerConfig
 from train import data
 from train.backends import create_backend, initialize
+from train.checkpoints import TrainingState
 from train.config import PAPER_WARMUP, ExperimentConfig  # a trajectory: the first updates of the paper's schedule
 from train.interop.runs import convert_checkpoints
 from train.interop.weights import convert_state
 from train.loop import make_batcher
 from train.options import OptionError, Output, checked, option
-from train.store import TrainingState
 
 from .comparison import enable_parity_numerics
 
@@ -82,7 +82,7 @@ def one_ulp_away(state: TrainingState, seed: int = 1) -> TrainingState:
 
 
 @dataclasses.dataclass
-class Run:
+class TrainingRun:
     """One training run: its backend, its batches, and the loss of each update (by step)."""
 
     name: str
@@ -132,7 +132,7 @@ class Comparison:
     per_step: dict[str, list] = dataclasses.field(default_factory=lambda: {key: [] for key in PER_STEP})
     final: dict | None = None
 
-    def record(self, step: int, runs: dict[str, Run], weights: dict[str, dict]) -> None:
+    def record(self, step: int, runs: dict[str, TrainingRun], weights: dict[str, dict]) -> None:
         a, r = runs[self.run], runs[self.reference]
         if not np.array_equal(a.batch_ids[step], r.batch_ids[step]):
             raise AssertionError(f"{self.label}: update {step} trained on different batches")
@@ -152,7 +152,8 @@ class Comparison:
                 "per_step": per, "final_per_parameter": self.final["per_parameter"]}
 
 
-def _switch(run: Run, cfg, model_cfg, new_batcher: Callable[[], Any], workdir: Path) -> tuple[Run, bool]:
+def _switch(run: TrainingRun, cfg, model_cfg, new_batcher: Callable[[], Any],
+            workdir: Path) -> tuple[TrainingRun, bool]:
     """`run`'s checkpoint saved, converted and restored in the other framework: (that run, whether bit-exact)."""
     src, other = run.name, "torch" if run.name == "jax" else "jax"
     src_cfg = cfg.replace(backend=src)
@@ -165,7 +166,7 @@ def _switch(run: Run, cfg, model_cfg, new_batcher: Callable[[], Any], workdir: P
     batcher = new_batcher()
     batcher.restore(meta["data"])
     exact = not before.differences(backend.export_state())
-    return Run(f"{src}→{other}", backend, batcher), exact
+    return TrainingRun(f"{src}→{other}", backend, batcher), exact
 
 
 def run_trajectory(cfg, initial: TrainingState, steps: int | None = None, switch: int | None = None,
@@ -188,7 +189,7 @@ def run_trajectory(cfg, initial: TrainingState, steps: int | None = None, switch
         for name, backend in backends.items():  # one set of initial weights, moved by the conversion
             state = one_ulp_away(initial) if name == "torch+1ulp" else initial
             backend.import_state(convert_state(state, name.split("+")[0], model_cfg))
-        runs = {n: Run(n, b, new_batcher()) for n, b in backends.items()}
+        runs = {n: TrainingRun(n, b, new_batcher()) for n, b in backends.items()}
         for step in range(1, steps + 1):
             for run in list(runs.values()):
                 assert run.step() == step

@@ -84,17 +84,17 @@ def measure(command: list[str], first: str = r"^step 1/", every: float = 0.1) ->
 
 
 def preprocess(prefix: str, store_dir: str, vocab_size: int = 8000) -> dict:
-    """Pairs/s of the corpus store's build (train.data.store, the text read as a run reads it) against
+    """Pairs/s of the corpus store's build (train.data.corpus_store, the text read as a run reads it) against
     `tokenizers`' own encode_batch of the same text, read whole first, in the store's chunks, on the same
     cores, one after the other in one run; the tokenizer (joint BPE) is trained on the corpus first."""
     from train import data
-    from train.data import store
+    from train.data import corpus_store
 
     pairs = data.load_parallel(f"de:en:{prefix}").pairs
     tokenizers = data.train_tokenizers(pairs, vocab_size=vocab_size)
     start = time.perf_counter()
-    for k in range(0, len(pairs), store.CHUNK):
-        for tok, texts in zip((tokenizers.src, tokenizers.tgt), zip(*pairs[k : k + store.CHUNK])):
+    for k in range(0, len(pairs), corpus_store.CHUNK):
+        for tok, texts in zip((tokenizers.src, tokenizers.tgt), zip(*pairs[k : k + corpus_store.CHUNK])):
             tok.encode_batch(list(texts))
     library = time.perf_counter() - start
     Path(store_dir).parent.mkdir(parents=True, exist_ok=True)
@@ -111,7 +111,7 @@ def batches(store_dir: str, budget: int = 25_000, count: int = 500) -> dict:
     """Packed training batches of `budget` tokens made per second by train.data.Batcher from a corpus store
     (the plans of the windows after the first counted), and the seconds the first window's plan takes."""
     from train.data import Batcher
-    from train.data.store import open_store
+    from train.data.corpus_store import open_store
 
     examples = open_store(Path(store_dir))
     start = time.perf_counter()
@@ -135,7 +135,7 @@ def gather(store_dir: str, budget: int = 25_000, count: int = 300, seed: int = 0
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    from train.data.store import open_store
+    from train.data.corpus_store import open_store
 
     stored = open_store(Path(store_dir))
     offsets = {side: np.append(stored.arrays[f"{side}_start"], len(stored.arrays[side])).astype(np.int32)

@@ -17,7 +17,7 @@ SHARED_DATA = REPO.parent / "shared" / "data"
 JAX_CACHE = tempfile.mkdtemp(prefix="aiayn-tests-jax-cache-")
 os.environ["AIAYN_JAX_CACHE"] = JAX_CACHE
 atexit.register(shutil.rmtree, JAX_CACHE, ignore_errors=True)
-# Likewise the corpus stores the runs of --train specs build (train/data/store.py).
+# Likewise the corpus stores the runs of --train specs build (train/data/corpus_store.py).
 DATA_CACHE = tempfile.mkdtemp(prefix="aiayn-tests-data-cache-")
 os.environ["AIAYN_DATA_CACHE"] = DATA_CACHE
 atexit.register(shutil.rmtree, DATA_CACHE, ignore_errors=True)

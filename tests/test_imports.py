@@ -23,7 +23,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from parity.commands.cli import COMMANDS as AIAYN_COMMANDS
+from train.commands import COMMANDS as AIAYN_COMMANDS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 JAX_MODULES = {"jax", "jaxlib", "flax", "optax", "orbax"}
@@ -35,6 +35,7 @@ MAY_IMPORT = {
     "train": {"torch_reference", "jax_transformer"},
     "parity": {"torch_reference", "jax_transformer", "train"},
 }
+AIAYN = "train.commands"  # the package that holds `aiayn`'s table of commands
 
 
 def project_modules() -> dict[str, Path]:
@@ -102,13 +103,15 @@ def cycles_of(graph: dict[str, set[str]]) -> list[str]:
 def test_dependencies_run_one_way_without_cycles():
     modules = project_modules()
     graph = {name: imports_of(name, path, modules) for name, path in modules.items()}
-    assert graph["train.runtime.rundir"] >= {"train.store", "train.config", "train.data"}  # the parser sees imports
-    assert "train.metrics" in graph["train.loop"] and "train.api" in graph["train.jobs"]
+    assert graph["train.rundir"] >= {"train.checkpoints", "train.config", "train.data"}  # the parser sees imports
+    assert "train.translation" in graph["train.loop"] and "train.api" in graph["train.translate.jobs"]
     # The backend factory's table of module names is seen as importing them.
     assert graph["train.backends"] >= {"train.backends.jax_backend", "train.backends.torch_backend"}
-    assert "train.commands.serve" not in graph["train.loadgen"]  # it starts the server in a child process
+    assert "train.commands.serve" not in graph["train.serving.loadgen"]  # it starts the server in a child process
 
     assert "train.interop.runs" in graph["train.pretrained"]  # --init-from converts through the library itself
+    # `aiayn`'s table (train.commands) names every command, parity's too: it stands above both packages.
+    assert {"parity.commands.convert", "train.commands.run"} <= graph.pop(AIAYN)
     upward = [f"{name} imports {target}" for name, targets in graph.items() if name.split(".")[0] == "train"
               for target in sorted(targets) if target.split(".")[0] == "parity"]
     assert not upward, "train importing parity:\n  " + "\n  ".join(upward)
@@ -199,19 +202,19 @@ def test_jax_package_does_not_import_torch_and_shares_the_config():
 
 
 def test_checkpoint_stores_know_neither_run_directories_nor_backends():
-    """train.store and each framework's store reach neither the run machinery (train.runtime, but for its
+    """train.checkpoints and each framework's store reach neither the run machinery (train.runtime, but for its
     atomic files) nor train.backends, directly
     or through other modules; the framework-neutral part and torch's store load no framework."""
     modules = project_modules()
     graph = {name: imports_of(name, path, modules) for name, path in modules.items()}
-    stores = sorted(name for name in graph if name.split(".")[:2] == ["train", "store"])
-    assert stores == ["train.store", "train.store.jax_store", "train.store.torch_store"]
-    assert "train.runtime.rundir" in reachable(graph, "train.commands.average")  # the walk does find what is imported
+    stores = sorted(name for name in graph if name.split(".")[:2] == ["train", "checkpoints"])
+    assert stores == ["train.checkpoints", "train.checkpoints.jax_store", "train.checkpoints.torch_store"]
+    assert "train.rundir" in reachable(graph, "train.commands.average")  # the walk does find what is imported
     for store in stores:
         wrong = {m for m in reachable(graph, store)
                  if m.split(".")[:2] in (["train", "runtime"], ["train", "backends"]) and m != "train.runtime.files"}
         assert not wrong, f"{store} reaches {sorted(wrong)}"
-    loaded = loaded_after("import train.store, train.store.torch_store")
+    loaded = loaded_after("import train.checkpoints, train.checkpoints.torch_store")
     assert "safetensors" in loaded and not loaded & (JAX_MODULES | {"torch"})
 
 
@@ -254,7 +257,7 @@ def test_every_name_imported_from_the_project_exists():
 
 
 # The commands, by docs/design.md's one rule: every module in a `commands/` folder, and `train.run`, the
-# quick start's alias of `train.commands.run`; `aiayn` (`parity.commands.cli`) names all the others.
+# quick start's alias of `train.commands.run`; `aiayn` (`train.commands`) names all the others.
 COMMANDS = {name for name in project_modules() if name.split(".")[1:2] == ["commands"]} | {"train.run"}
 COMMAND_PACKAGES = {"train.commands", "parity.commands"}
 
@@ -262,12 +265,12 @@ COMMAND_PACKAGES = {"train.commands", "parity.commands"}
 def test_no_module_imports_a_command():
     modules = project_modules()
     graph = {name: imports_of(name, path, modules) for name, path in modules.items()}
-    named = {module for module, _ in AIAYN_COMMANDS.values()}
-    assert named == COMMANDS - COMMAND_PACKAGES - {"parity.commands.cli", "train.run"}  # aiayn names every one
+    named = {command.module for command in AIAYN_COMMANDS.values()}
+    assert named == COMMANDS - COMMAND_PACKAGES - {"train.run"}  # aiayn names every one
     # Nor does a command import another: what two commands share is library code (`aiayn` and the alias only
     # name them).
     wrong = [f"{name} imports {target}" for name, targets in graph.items()
-             if name not in ("parity.commands.cli", "train.run") for target in sorted(targets & COMMANDS)]
+             if name not in (AIAYN, "train.run") for target in sorted(targets & COMMANDS)]
     assert not wrong, "modules importing commands:\n  " + "\n  ".join(wrong)
-    assert graph["parity.commands.cli"] >= named  # the walk sees aiayn's table of commands
+    assert graph[AIAYN] >= named  # the walk sees aiayn's table of commands
     assert graph["train.run"] == {"train.commands.run"}  # the alias runs the command, by name

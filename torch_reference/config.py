@@ -12,7 +12,9 @@ import array
 import dataclasses
 import json
 import math
+import numbers
 import operator
+import os
 from typing import Any, Literal, get_args
 
 NormPosition = Literal["post", "pre"]
@@ -23,8 +25,8 @@ Norm = Literal["layernorm", "rmsnorm"]
 # "sinusoidal_halves": the same frequencies with every sine first and every cosine after them
 # (Marian, HF's MarianSinusoidalPositionalEmbedding); "learned": a trained table.
 Positions = Literal["sinusoidal", "sinusoidal_halves", "learned"]
-
-_CHOICES = {"norm_position": NormPosition, "activation": Activation, "norm": Norm, "positions": Positions}
+# The kernel sets (how the same function is computed): the keys of both twins' KERNELS, in this order.
+KernelSet = Literal["reference", "xla_cpu", "fused"]
 
 # The special tokens, by id (list position == id): the one definition that the tokenizers, the
 # batches, the model's masks, the loss and the search all read.
@@ -50,11 +52,27 @@ def float32_error(value: float) -> str | None:
     return None
 
 
+class SettingError(ValueError):
+    """A refused setting in one line: `template`'s `{}`s the `names` (`beam`), or `worded` otherwise (`--beam`)."""
+
+    def __init__(self, template: str, *names: str):
+        self.template, self.names = template, names
+        super().__init__(template.format(*names))
+
+    def worded(self, name_of) -> str:
+        return self.template.format(*map(name_of, self.names))
+
+
+def escaped(text: str) -> str:
+    """`text` inside a SettingError template: its braces are no parameter's place."""
+    return text.replace("{", "{{").replace("}", "}}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Range:
-    """The values a numeric setting may take: `kind` int (bool refused) or float (finite; an int
-    is accepted), at least `low`, above `above` (open), below `below` (open), at most `high`. The
-    one rule both a config's validation and its command-line flag (`parser`, an argparse type) apply."""
+    """The values a numeric setting may take: `kind` int (any integral type, NumPy's too; bool refused) or
+    float (any finite real), at least `low`, above `above` (open), below `below` (open), at most `high`: the
+    rule of a setting (`setting`), checked wherever it is given (Python, a flag, a recipe, a request)."""
 
     kind: type = int
     low: float | None = None
@@ -64,45 +82,69 @@ class Range:
 
     def error(self, value: Any) -> str | None:
         """Why `value` is not allowed ('must be >= 1, got 0'), or None when it is."""
-        if isinstance(value, bool) or not isinstance(value, (int, float) if self.kind is float else int):
+        kind = numbers.Real if self.kind is float else numbers.Integral
+        if isinstance(value, bool) or not isinstance(value, kind):
             return f"must be {'an integer' if self.kind is int else 'a number'}, got {value!r}"
+        shown = repr(value if type(value) in (int, float) else self.kind(value))  # as given: 1.0000001, not 1
+        value = self.kind(value)
         if self.kind is float and not math.isfinite(value):
             return f"must be finite, got {value}"
         if self.kind is float and (problem := float32_error(value)):
             return problem
         if self.low is not None and self.below is not None and not self.low <= value < self.below:
-            return f"must be in [{_g(self.low)}, {_g(self.below)}), got {_g(value)}"
+            return f"must be in [{_g(self.low)}, {_g(self.below)}), got {shown}"
         if self.above is not None and self.high is not None and not self.above < value <= self.high:
-            return f"must be in ({_g(self.above)}, {_g(self.high)}], got {_g(value)}"
+            return f"must be in ({_g(self.above)}, {_g(self.high)}], got {shown}"
         for bound, sign, holds in ((self.low, ">=", operator.ge), (self.above, ">", operator.gt),
                                    (self.below, "<", operator.lt), (self.high, "<=", operator.le)):
             if bound is not None and not holds(value, bound):
-                return f"must be {sign} {_g(bound)}, got {_g(value)}"
+                return f"must be {sign} {_g(bound)}, got {shown}"
         return None
 
-    def check(self, name: str, value: Any) -> None:
-        """ValueError naming `name` unless `value` is allowed."""
+    def check(self, name: str, value: Any, error: type[SettingError] | None = None) -> None:
+        """`error` (a SettingError) naming `name` unless `value` is allowed."""
         if (problem := self.error(value)) is not None:
-            raise ValueError(f"{name} {problem}")
+            raise (error or SettingError)("{} " + escaped(problem), name)
 
-    def parser(self, name: str | None = None):
-        """An argparse `type=`: the value of its text, or ArgumentTypeError saying why not, `name` leading the
-        message ('steps must be >= 1, got 0')."""
-        import argparse
 
-        def parse(text: str) -> int | float:
-            try:
-                value = self.kind(text)
-            except ValueError:
-                value = text
-            if (problem := self.error(value)) is not None:
-                raise argparse.ArgumentTypeError(f"{name} {problem}" if name else problem)
-            return value
+def setting(default: Any, *, range: Range | None = None, choices: tuple | None = None, **meta: Any) -> Any:
+    """A dataclass field with its rule (`range`, `choices`) and its flag's `meta` (help, flag, metavar, ...)."""
+    meta = {**meta, **({"range": range} if range else {}), **({"choices": choices} if choices else {})}
+    if isinstance(default, (list, dict)):
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
 
-        return parse
+
+def setting_error(field: dataclasses.Field, value: Any) -> tuple[str | None, Any]:
+    """(why `value` is not allowed in `field`, or None; the value as kept): the field's `range` (a number of any
+    integral or real type kept as int or float), its `choices`, or its annotation (bool, str, dict)."""
+    kind = str(field.type).replace(" | None", "")
+    if value is None and kind != str(field.type):
+        return None, value
+    if (allowed := field.metadata.get("range")) is not None:
+        problem = allowed.error(value)
+        return problem, value if problem else allowed.kind(value)
+    if kind == "str" and isinstance(value, os.PathLike):  # run_dir=Path(...)
+        value = os.fspath(value)
+    expected = {"bool": (bool, "true or false"), "str": (str, "a string"), "dict": (dict, "a dict")}.get(kind)
+    if expected and not isinstance(value, expected[0]):  # booleans only as booleans: 1 and "yes" are not True
+        return f"must be {expected[1]}, got {value!r}", value
+    if (choices := field.metadata.get("choices")) is not None and value not in choices:
+        return f"must be one of {', '.join(map(str, choices))}, got {value!r}", value
+    return None, value
+
+
+def check_settings(obj: Any, error: type[SettingError] = SettingError) -> None:
+    """`error` naming the first field of the dataclass `obj` that `setting_error` refuses; each kept as it says."""
+    for field in dataclasses.fields(obj):
+        problem, value = setting_error(field, getattr(obj, field.name))
+        if problem is not None:
+            raise error("{} " + escaped(problem), field.name)
+        object.__setattr__(obj, field.name, value)
 
 
 POSITIVE, NON_NEGATIVE = Range(int, low=1), Range(int, low=0)
+LENGTH = Range(int, low=1, high=1 << 16)  # tokens of a sequence: a position table, a search's steps
 PROBABILITY = Range(float, low=0.0, below=1.0)  # dropout rates, label smoothing: [0, 1)
 ALPHA = Range(float, low=0.0, below=10.0)  # a length penalty's: growing with length, finite in float32 up to 4096 tokens
 # `sampling.sample`'s settings (either twin); the seed keys a uint32 function.
@@ -126,13 +168,15 @@ def output_length(src_len: int, max_len: int, max_len_a: float, max_len_b: int) 
 
 
 def check_beam(beam_size, alpha, scoring: str, n_best) -> None:
-    """ValueError naming the first of a beam search's settings that is out of its range."""
+    """SettingError naming the first of a beam search's settings that is out of its range: the one rule of
+    n-best lists (`train.options.Search` applies it too)."""
     if scoring not in SCORINGS:
-        raise ValueError(f"scoring must be one of {', '.join(SCORINGS)}, got {scoring!r}")
+        raise SettingError("{} " + f"must be one of {', '.join(SCORINGS)}, got {scoring!r}", "scoring")
     ALPHA.check("alpha", alpha)  # the early stop's bound needs a penalty that grows with length
     POSITIVE.check("beam_size", beam_size)
     if n_best is not None and (POSITIVE.error(n_best) or n_best > beam_size):
-        raise ValueError(f"n_best must be between 1 and the beam size {beam_size}, got {n_best}")
+        raise SettingError("{} must be between 1 and {} " + f"({beam_size}), got {n_best!r}: a beam search keeps beam "
+                           "hypotheses", "n_best", "beam_size")
 
 
 def check_prefix_rows(src_ids, prefix, cfg: TransformerConfig, max_len_a: float, max_len_b: int) -> None:
@@ -170,14 +214,6 @@ def check_ensemble(configs, average: str) -> None:
             if getattr(cfg, name) != getattr(configs[0], name):
                 raise ValueError(f"ensemble members differ in {name}: model 0 has {getattr(configs[0], name)}, "
                                  f"model {i} has {getattr(cfg, name)}")
-# Each numeric TransformerConfig field's range (checked by __post_init__, so by every entry point).
-FIELD_RANGES = {
-    "src_vocab_size": POSITIVE, "tgt_vocab_size": POSITIVE, "d_model": POSITIVE, "num_heads": POSITIVE,
-    "d_ff": POSITIVE, "num_encoder_layers": NON_NEGATIVE, "num_decoder_layers": NON_NEGATIVE,
-    "dropout": PROBABILITY, "attention_dropout": PROBABILITY, "activation_dropout": PROBABILITY, "max_len": POSITIVE,
-    "pad_id": NON_NEGATIVE, "bos_id": NON_NEGATIVE, "eos_id": NON_NEGATIVE,
-    "layer_norm_eps": Range(float, above=0.0),
-}
 
 # Sizes per preset. `base` and `big` are the paper's Table 3 rows; `small` and `tiny` are for CPUs.
 _PRESETS: dict[str, dict[str, Any]] = {
@@ -200,33 +236,33 @@ class TransformerConfig:
     tokenizers of `train` use.
     """
 
-    src_vocab_size: int = 8000
-    tgt_vocab_size: int = 8000
-    d_model: int = 512
-    num_heads: int = 8
-    d_ff: int = 2048
-    num_encoder_layers: int = 6
-    num_decoder_layers: int = 6
+    src_vocab_size: int = setting(8000, range=POSITIVE)
+    tgt_vocab_size: int = setting(8000, range=POSITIVE)
+    d_model: int = setting(512, range=POSITIVE)
+    num_heads: int = setting(8, range=POSITIVE)
+    d_ff: int = setting(2048, range=POSITIVE)
+    num_encoder_layers: int = setting(6, range=NON_NEGATIVE)
+    num_decoder_layers: int = setting(6, range=NON_NEGATIVE)
     # Residual dropout on every sublayer output and on the embedding sums (paper §5.4).
-    dropout: float = 0.1
+    dropout: float = setting(0.1, range=PROBABILITY)
     # Dropout on attention weights; the paper's base model does not use it.
-    attention_dropout: float = 0.0
+    attention_dropout: float = setting(0.0, range=PROBABILITY)
     # Dropout on the feed-forward activations, between the activation and linear2 (fairseq's
     # --activation-dropout); the paper's base model does not use it.
-    activation_dropout: float = 0.0
-    max_len: int = 512
-    pad_id: int = PAD_ID
+    activation_dropout: float = setting(0.0, range=PROBABILITY)
+    max_len: int = setting(512, range=LENGTH)
+    pad_id: int = setting(PAD_ID, range=NON_NEGATIVE)
     # The decoder's start token. It may be the pad id (Marian starts its decoder with pad): then
     # `target_mask` still attends the start position; a search never emits either token.
-    bos_id: int = BOS_ID
-    eos_id: int = EOS_ID
+    bos_id: int = setting(BOS_ID, range=NON_NEGATIVE)
+    eos_id: int = setting(EOS_ID, range=NON_NEGATIVE)
     # tensor2tensor (the paper's public code) uses 1e-6; torch.nn.LayerNorm defaults to 1e-5 and
     # flax to 1e-6. Both models read this field, never a library default.
-    layer_norm_eps: float = 1e-6
-    norm_position: NormPosition = "post"
-    activation: Activation = "relu"
-    norm: Norm = "layernorm"
-    positions: Positions = "sinusoidal"
+    layer_norm_eps: float = setting(1e-6, range=Range(float, above=0.0))
+    norm_position: NormPosition = setting("post", choices=get_args(NormPosition))
+    activation: Activation = setting("relu", choices=get_args(Activation))
+    norm: Norm = setting("layernorm", choices=get_args(Norm))
+    positions: Positions = setting("sinusoidal", choices=get_args(Positions))
     # Biases on the attention projections (torch.nn.MultiheadAttention has them; t2t does not).
     attention_bias: bool = True
     # One embedding matrix for source and target (needs one joint vocabulary).
@@ -239,18 +275,11 @@ class TransformerConfig:
     output_bias: bool = False
 
     def __post_init__(self):
-        """Every field checked once, whatever built the config (CLI, JSON, Python): ValueError naming it."""
-        for name, kind in _CHOICES.items():
-            value, allowed = getattr(self, name), get_args(kind)
-            if value not in allowed:
-                raise ValueError(f"{name}={value!r} is not one of {', '.join(map(repr, allowed))}")
-        for name, allowed in FIELD_RANGES.items():
-            allowed.check(name, getattr(self, name))
-        for name in ("attention_bias", "share_embeddings", "tie_output", "scale_embeddings", "output_bias"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        """Every field checked once, whatever built the config (CLI, JSON, Python): SettingError naming it."""
+        check_settings(self)
         if self.d_model % self.num_heads:
-            raise ValueError(f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}")
+            raise SettingError("{}=" + f"{self.d_model} is not divisible by " + "{}=" + f"{self.num_heads}", "d_model",
+                               "num_heads")
         if self.share_embeddings and self.src_vocab_size != self.tgt_vocab_size:
             raise ValueError(f"share_embeddings needs one joint vocabulary, got src_vocab_size={self.src_vocab_size} "
                              f"and tgt_vocab_size={self.tgt_vocab_size}; set share_embeddings=False")

@@ -13,18 +13,15 @@ Masks are boolean and True where attention is allowed. Architecture only: no tra
 from __future__ import annotations
 
 import math
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
-from .config import TransformerConfig
+from .config import KernelSet, TransformerConfig
 
-# How the layers compute, by name (`set_kernels`): `reference` is this file's plain path; `fused`
-# computes attention with F.scaled_dot_product_attention (a fused kernel on a GPU). Both give the
-# same results to float32 rounding. (The JAX twin has a third, `xla_cpu`, for XLA:CPU.)
-KERNELS = ("reference", "fused")
 # Each `activation`'s function (swiglu: silu times the gate); GELU the exact erf form in both twins.
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu, "swiglu": F.silu}
 
@@ -119,15 +116,26 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, T, K)
 
 
-def set_kernels(module: nn.Module, kernels: str = "reference", remat: bool = False) -> None:
-    """Choose once how every layer of `module` computes: the kernel set `kernels` (one of KERNELS)
+class Kernels(NamedTuple):
+    """A kernel set: the function each kind of computation runs; by default the reference path's."""
+    attention: Callable = scaled_dot_product_attention  # (q, k, v, mask) -> (B, H, T, K), no dropout, no weights
+
+
+# How the layers compute, by name (`set_kernels`; the names: config.KernelSet, in its order): `reference`
+# is this file's plain path; `fused` computes attention with F.scaled_dot_product_attention (a fused kernel
+# on a GPU). Both give the same results to float32 rounding. `xla_cpu` is the JAX twin's only (XLA:CPU).
+KERNELS = {"reference": Kernels(), "xla_cpu": None, "fused": Kernels(attention=fused_attention)}
+
+
+def set_kernels(module: nn.Module, kernels: KernelSet = "reference", remat: bool = False) -> None:
+    """Choose once how every layer of `module` computes: the kernel set `kernels` (a row of KERNELS)
     and `remat`, whether each encoder and decoder layer recomputes its activations in the backward
     pass (torch.utils.checkpoint) instead of keeping them; `Transformer` calls it."""
-    if kernels not in KERNELS:
-        raise ValueError(f"kernels={kernels!r} is not one of {', '.join(KERNELS)}")
+    if KERNELS.get(kernels) is None:
+        raise ValueError(f"kernels={kernels!r} is not one of {', '.join(k for k, row in KERNELS.items() if row)}")
     for m in module.modules():
         if hasattr(m, "kernels"):
-            m.kernels = kernels
+            m.kernels = KERNELS[kernels]
         if hasattr(m, "remat"):
             m.remat = remat
 
@@ -173,7 +181,7 @@ class PositionalEncoding(nn.Module):
 class MultiHeadAttention(nn.Module):
     """Multi-head attention (§3.2.2): project, split into H heads, attend, merge, project."""
 
-    kernels = "reference"  # set_kernels
+    kernels = KERNELS["reference"]  # set_kernels
 
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
@@ -203,10 +211,10 @@ class MultiHeadAttention(nn.Module):
         """
         q = self.split_heads(self.q_proj(x))  # (B, H, T, K)
         k, v = self.project_kv(context) if kv is None else kv  # (B, H, S, K) each
-        if self.kernels == "fused" and not return_attention and (not self.training or self.dropout.p == 0):
-            out = fused_attention(q, k, v, mask)  # (B, H, T, K)
-        else:
+        if return_attention or (self.training and self.dropout.p > 0):  # what only the reference path gives
             out = scaled_dot_product_attention(q, k, v, mask, self.dropout, return_attention)  # (B, H, T, K)
+        else:
+            out = self.kernels.attention(q, k, v, mask)  # (B, H, T, K)
         out, attention = out if return_attention else (out, None)
         B, H, T, K = out.shape
         out = self.out_proj(out.transpose(1, 2).reshape(B, T, H * K))  # (B, T, D)
@@ -388,9 +396,9 @@ class Transformer(nn.Module):
     parameters and checkpoint keys whatever the set.
     """
 
-    kernels = "reference"  # set_kernels
+    kernels = KERNELS["reference"]  # set_kernels
 
-    def __init__(self, cfg: TransformerConfig, kernels: str = "reference", remat: bool = False):
+    def __init__(self, cfg: TransformerConfig, kernels: KernelSet = "reference", remat: bool = False):
         super().__init__()
         self.cfg = cfg
         self.embed_scale = math.sqrt(cfg.d_model) if cfg.scale_embeddings else 1.0

@@ -3,6 +3,7 @@
 options objects they take (Search, Sampling, RunSelection, Evaluation)."""
 
 from . import options
-from .api import Run, fit, load
+from .api import Run, load
+from .training import fit
 
 __all__ = ["Run", "fit", "load", "options"]

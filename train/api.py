@@ -7,19 +7,20 @@ import contextlib
 import dataclasses
 import hashlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from torch_reference.config import TransformerConfig
+from torch_reference.config import TransformerConfig, escaped
 
 from . import data, translation
 from .backends import Backend, create_backend, initialize
-from .config import BACKENDS, ExperimentConfig
-from .options import SAMPLING_FIELDS, Evaluation, OptionError, RunSelection, Sampling, Search, sampling_of
-from .runtime import CHECKPOINTS, UserError, read_experiment, read_run, user_errors
-from .runtime.rundir import check_set_aside
-from .store import DIGEST_FILE, CheckpointError, parse_checkpoint
+from .checkpoints import DIGEST_FILE, CheckpointError, parse_checkpoint
+from .config import BACKENDS, BATCH, ExperimentConfig
+from .options import (SAMPLING_FIELDS, Evaluation, OptionError, RunSelection, Sampling, Search, check_single,
+                      sampling_of)
+from .rundir import check_set_aside, read_run
+from .runtime import CHECKPOINTS, UserError, read_experiment, user_errors
 from .translation import Hypothesis, score_pairs
 
 
@@ -63,14 +64,20 @@ class Run(contextlib.AbstractContextManager):
         fields as keywords): random translations instead of the search (docs/python.md, docs/decoding.md)."""
         search = _options(Search, search, options)
         sampling = sampling_of(sample, {k: options.pop(k) for k in SAMPLING_FIELDS if k in options})
-        if self.members and search.alignments:
-            raise OptionError("{} with an ensemble: its members' attention weights are not one alignment", "alignments")
+        _unknown("translate", options, TRANSLATE_HOOKS)
+        check_single(bool(self.members) and search.alignments, "alignments")
+        if batch_size is not None:
+            BATCH.check("batch_size", batch_size, OptionError)
+            batch_size = int(batch_size)
         one = isinstance(texts, str)
+        texts = [texts] if one else list(texts) if isinstance(texts, Iterable) else texts
+        if not isinstance(texts, list):  # each text's type: `data.encode`, naming it
+            raise OptionError("{} must be a string or a list of strings, " + escaped(f"got {texts!r}"[:200]), "texts")
         prefixes = None if prefix is None else [prefix] if isinstance(prefix, str) and one else list(prefix)
         if isinstance(prefix, str) and not one:
             raise OptionError("{}: give one per text (a list), not one string for several texts", "prefix")
         out = translation.translate_texts(  # looked up on its module at each call, where tests spy on it
-            self.backend, self.tokenizers, [texts] if one else list(texts), max_len=self.config.max_len,
+            self.backend, self.tokenizers, texts, max_len=self.config.max_len,
             token_budget=self.config.token_budget, batch_size=batch_size, search=search, sample=sampling,
             prefixes=prefixes, **options)
         return out[0] if one else out
@@ -93,21 +100,20 @@ class Run(contextlib.AbstractContextManager):
         """What `aiayn evaluate` prints (loss, perplexity, BLEU, chrF, exact match) on `pairs`, a data spec
         or (source, target) pairs, translated by `search`; `evaluation`: an `Evaluation`, or its fields as
         keywords (docs/python.md). An ensemble's result also names its other runs and every run's step."""
-        from .metrics import evaluate_pairs
-
         search, evaluation = _options(Search, search, options), _options(Evaluation, evaluation, options)
-        if options:
-            raise TypeError(f"evaluate() got an unexpected keyword argument {next(iter(options))!r}")
+        _unknown("evaluate", options)
         spec = os.fspath(pairs) if isinstance(pairs, (str, os.PathLike)) else None  # a file as a path too
-        pairs = data.load_split(self.config, spec) if spec is not None else list(pairs)
-        if spec is None and not all(isinstance(pair, (tuple, list)) and len(pair) == 2 for pair in pairs):
-            raise UserError("pairs: give a data spec or a list of (source, target) pairs")  # not one pair alone
+        pairs = data.load_split(self.config, spec) if spec is not None else \
+            list(pairs) if isinstance(pairs, Iterable) else pairs
+        if not (isinstance(pairs, list) and all(isinstance(p, (tuple, list)) and len(p) == 2 for p in pairs)):
+            raise OptionError("{}: give a data spec or a list of (source, target) pairs, " +
+                              escaped(f"got {pairs!r}"[:200]), "pairs")
         if not pairs:  # sacreBLEU's scores need a sentence
             raise UserError(f"{spec or 'pairs'} holds no sentence pairs")
         cfg = self.config
         seen = {s for s, _ in data.load_split(cfg, "numbers:train")} if cfg.uses_numbers_corpus else None
         scoring = {**dataclasses.asdict(evaluation), "lowercase": evaluation.lowercase or cfg.lowercase}
-        result = evaluate_pairs(self.backend, self.tokenizers, pairs, max_len=cfg.max_len,
+        result = translation.evaluate_pairs(self.backend, self.tokenizers, pairs, max_len=cfg.max_len,
                                 token_budget=cfg.token_budget, search=search, seen=seen, **scoring)
         ensemble = {"ensemble": [str(m.run_dir) for m in self.members], "steps": self.steps} if self.members else {}
         return {"run_dir": str(self.run_dir), "data": spec, "step": self.step, **ensemble, "beam": search.beam,
@@ -126,6 +132,16 @@ class Run(contextlib.AbstractContextManager):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# What `translate_texts` takes besides the options objects: the server's attention recorder (`on_batch`) and others.
+TRANSLATE_HOOKS = ("stop", "on_batch", "counts", "fixed_shapes", "first_id", "hypotheses")
+
+
+def _unknown(method: str, keywords: dict[str, Any], known: tuple[str, ...] = ()) -> None:
+    """OptionError naming the first of `keywords` that is none of `known`: a parameter the method does not take."""
+    if unknown := sorted(set(keywords) - set(known)):
+        raise OptionError(f"{method}() takes no parameter " + "{}", unknown[0])
 
 
 def _options(cls: type, given: Any, keywords: dict[str, Any]) -> Any:
@@ -160,10 +176,7 @@ def load(run_dir: str | os.PathLike | Sequence[str | os.PathLike] | RunSelection
     if isinstance(run_dir, RunSelection):
         selection = run_dir
     else:
-        launch_fields = {"coordinator_address", "num_processes", "process_id"}  # RunSelection's
-        if unknown := sorted(set(launch) - launch_fields):  # RunSelection's TypeError would be no UserError
-            raise UserError(f"load() got an unexpected keyword argument {unknown[0]!r} (launch options: "
-                            f"{', '.join(sorted(launch_fields))})")
+        _unknown("load", launch, ("coordinator_address", "num_processes", "process_id"))  # RunSelection's launch
         selection = RunSelection(run_dir, checkpoint, average, devices, **launch)
     if backend not in (None, *BACKENDS):  # not a framework to convert the run to
         raise OptionError("{} " + f"must be one of {', '.join(BACKENDS)} (None: the run's own), got {backend!r}",
@@ -219,10 +232,10 @@ def _load_one(run_dir: Path, checkpoint: str | int = "best", backend: str | None
     if backend is not None and backend != cfg.backend:
         raise UserError(f"{run_dir} is a {cfg.backend} run; for {backend}, convert it first: "
                         f"aiayn convert --to {backend} --run-dir {run_dir} --dst DIR")
-    with user_errors(TypeError, ValueError):  # a launch option the config (devices=0) or the backend refuses
+    if (launch.get("devices") or 1) > 1 and cfg.backend == "torch":  # the backend's own refusal speaks of training
+        raise OptionError("{} " + f"{launch['devices']}: a torch run decodes on one device", "devices")
+    with user_errors(TypeError, ValueError):  # a launch option the config or the backend refuses
         cfg = cfg.replace(**launch)
-        if (cfg.devices or 1) > 1 and cfg.backend == "torch":  # the backend's own refusal speaks of training
-            raise UserError(f"--devices {cfg.devices}: a torch run decodes on one device")
         initialize(cfg)  # the process's settings for its platform, before any device is touched
     checkpoint = parse_checkpoint(checkpoint)
     with contextlib.ExitStack() as on_error, user_errors(FileNotFoundError, CheckpointError):
@@ -230,21 +243,3 @@ def _load_one(run_dir: Path, checkpoint: str | int = "best", backend: str | None
         meta = model.restore(checkpoint)
         on_error.pop_all()  # restored: the Run closes it
     return Run(run_dir, cfg, model_cfg, tokenizers, model, meta)
-
-
-def fit(config: ExperimentConfig | dict[str, Any] | str | os.PathLike | None = None, **overrides: Any) -> dict[str, Any]:
-    """Train the run `config` describes and return what its results.json holds: `config` is an
-    `ExperimentConfig`, a dict of its fields, a recipe file (recipes/*.toml; also as a `recipe`
-    field of the dict or the overrides) or None (the defaults: the numbers corpus); `overrides`
-    are fields on top, e.g. `steps=300`, `run_dir="runs/mine"`, `resume=True`. Raises UserError
-    for bad settings, `runtime.Interrupted` on SIGTERM/Ctrl-C (after saving a checkpoint)."""
-    from .loop import train
-    from .recipes import experiment
-
-    if isinstance(config, ExperimentConfig):
-        with user_errors(TypeError, ValueError):
-            cfg, explicit = config.replace(**overrides), None  # every field that is set counts as given
-    else:
-        given = {**({"recipe": config} if isinstance(config, (str, os.PathLike)) else config or {}), **overrides}
-        cfg, explicit = experiment(given)
-    return train(cfg, explicit=explicit)

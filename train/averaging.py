@@ -13,10 +13,10 @@ import numpy as np
 
 from torch_reference.config import POSITIVE
 
-from . import data, runtime
+from . import data, rundir, runtime
 from .backends import create_backend
+from .checkpoints import CheckpointError, TrainingState
 from .options import checked, option
-from .store import CheckpointError, TrainingState
 
 
 @checked
@@ -43,7 +43,7 @@ def average_run(src: str | os.PathLike, dst: str | os.PathLike, last: int = 5, o
     """Average the newest `last` checkpoints of run `src` into a new run `dst`, whole or not at all; a summary."""
     Averaging(src, dst, last, overwrite)  # its checks: 0 would average every checkpoint, -1 all but the oldest
     src, dst = Path(src), Path(dst)
-    cfg, model_cfg, _ = runtime.read_run(src)
+    cfg, model_cfg, _ = rundir.read_run(src)
     runtime.check_destination(dst, overwrite, src=src)
 
     with (runtime.user_errors(FileNotFoundError, CheckpointError),

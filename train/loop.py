@@ -20,21 +20,19 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from . import data, plots, pretrained, runtime
+from . import data, plots, pretrained, rundir, runtime
 from .averaging import average_states
 from .backends import Backend, Topology, create_backend, initialize, launch
 from .backends.compiles import Compiles, totals
+from .checkpoints import CheckpointError, TrainingState
 from .config import ExperimentConfig
 from .data.splits import load_splits
-from .metrics import bands_text, evaluate_pairs
 from .options import Search
 from .recipes import resume_command
 from .runtime import CHECKPOINTS, CONFIG_FILE, CURVES_FILE, RESULTS_FILE, TENSORBOARD, Interrupted, UserError, say
 from .runtime.events import NoWriter, summary_writer
 from .runtime.files import finite_values, read_json, write_json_atomic
-from .runtime.rundir import has_checkpoint
-from .store import CheckpointError, TrainingState
-from .translation import EvaluationStopped
+from .translation import EvaluationStopped, bands_text, evaluate_pairs
 
 
 class TrainingDiverged(UserError):
@@ -45,16 +43,11 @@ def train(cfg: ExperimentConfig, *, explicit: Iterable[str] | None = None,
           init_dir: str | Path | None = None) -> dict[str, Any]:
     """Train (or resume) the run `cfg` describes, evaluate it, write results.json; returns its content.
     `explicit` names the fields the user set (on --resume the others come from the run's config; None:
-    every field not None). `init_dir`: --init-from's source already made a run of this backend
-    (`pretrained.source_run`; process 0 passes it to the processes it starts, which print and write nothing)."""
+    every field not None). `init_dir`: --init-from's source made a run of this backend (`training.start`
+    resolves it; None: cfg.init_from is one; the processes it starts print and write nothing)."""
     started = time.perf_counter()
-    if cfg.resume and cfg.run_dir and explicit is not None and "backend" not in explicit:
-        with contextlib.suppress(UserError):  # the run's backend starts its processes (no run: the session says so)
-            cfg = cfg.replace(backend=runtime.read_experiment(cfg.run_dir).backend)
-    with contextlib.ExitStack() as scratch:  # holds a source converted or imported for --init-from
-        init_dir = init_dir or pretrained.source_run(cfg, scratch)
-        with launch(cfg, train, explicit=explicit, init_dir=init_dir):  # torch --devices N: its other processes
-            return _train(cfg, explicit, init_dir, started)
+    with launch(cfg, train, explicit=explicit, init_dir=init_dir):  # torch --devices N: its other processes
+        return _train(cfg, explicit, init_dir, started)
 
 
 def _train(cfg: ExperimentConfig, explicit: Iterable[str] | None, init_dir: str | Path | None,
@@ -66,7 +59,7 @@ def _train(cfg: ExperimentConfig, explicit: Iterable[str] | None, init_dir: str 
         raise UserError("a multi-process run needs --run-dir: one directory, the same for every process")
     source = (init_dir or cfg.init_from) if cfg.init_from else None
     with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(sys.stdout if topology.is_main else devnull), \
-            runtime.session(cfg, explicit, topology.platform, topology.is_main, source) as cfg:
+            rundir.session(cfg, explicit, topology.platform, topology.is_main, source) as cfg:
         run = setup(cfg, topology, init_dir)
         run.compiled_before = compiled_before
         if run.finished is not None:
@@ -122,7 +115,7 @@ def setup(cfg: ExperimentConfig, topology: Topology, init_dir: str | Path | None
     tokenizers = None  # new, or a resumed run stopped before its tokenizer was saved (FileNotFoundError)
     with runtime.user_errors(ValueError), contextlib.suppress(FileNotFoundError):
         tokenizers = data.load_tokenizers(run_dir, cfg.joint_vocab) if cfg.resume else None
-    restored = cfg.resume and has_checkpoint(run_dir)  # --init-from's weights were the start of the checkpoints'
+    restored = cfg.resume and rundir.has_checkpoint(run_dir)  # --init-from's weights were the start of the checkpoints'
     initial = pretrained.load(init_dir or cfg.init_from, cfg) if cfg.init_from and not restored else None
     trained_tokenizers = tokenizers is None
     # A --train spec's text is streamed (tokenizer sample, store), never held; numbers' pairs go to train_store.
@@ -140,12 +133,12 @@ def setup(cfg: ExperimentConfig, topology: Topology, init_dir: str | Path | None
     if initial is not None and model_cfg != initial.model_config.replace(dropout=model_cfg.dropout):
         raise pretrained.refused(cfg.init_from, "its files describe another model than its experiment rebuilds")
     if cfg.resume:
-        runtime.check_model(run_dir, cfg, model_cfg, tokenizers, what=CONFIG_FILE)
+        rundir.check_model(run_dir, cfg, model_cfg, tokenizers, what=CONFIG_FILE)
     stored = data.train_store(cfg, tokenizers, splits.train or None, progress=topology.is_main)
     batcher = make_batcher(cfg, tokenizers, stored, topology.num_devices, topology)
     # Only now that the data has loaded and batched are the run's files written: config.json first.
     if topology.is_main:
-        runtime.prepare_run_dir(cfg, model_cfg, tokenizers if trained_tokenizers else None)
+        rundir.prepare_run_dir(cfg, model_cfg, tokenizers if trained_tokenizers else None)
         if initial is not None and (initial.source / runtime.IMPORTED_FILE).is_file():  # a Marian model's numbering
             shutil.copyfile(initial.source / runtime.IMPORTED_FILE, run_dir / runtime.IMPORTED_FILE)
 
@@ -201,7 +194,7 @@ def _finished(cfg: ExperimentConfig, step: int) -> dict[str, Any] | None:
 
 
 def _check_resumed(meta: dict[str, Any], cfg: ExperimentConfig, batcher: data.Batcher, topology: Topology) -> None:
-    runtime.check_checkpoint_config(meta, cfg)
+    rundir.check_checkpoint_config(meta, cfg)
     shapes = [list(shape) for shape in batcher.shapes]
     if meta.get("shapes", shapes) != shapes:
         # Each batch size is the most rows of the budget that is a multiple of the device count (make_batcher).

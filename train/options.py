@@ -21,14 +21,16 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from torch_reference.config import ALPHA, AVERAGES, NON_NEGATIVE, POSITIVE, SAMPLING_RANGES, SCORINGS, Range
+from torch_reference.config import (ALPHA, AVERAGES, NON_NEGATIVE, POSITIVE, SAMPLING_RANGES, SCORINGS, SettingError,
+                                    check_beam, check_settings, escaped, setting)
 
+from .config import BATCH, BEAM
 from .config import flag_name as flag_of
 from .runtime.files import UserError
 from .runtime.signals import exit_status
 
 if TYPE_CHECKING:
-    from .runtime.output import Destination
+    from .runtime.destination import Destination
 
 FORMATS = ("text", "tsv", "jsonl")
 # The type of a field naming a file a command writes: given a path, checked at once and kept as its `Destination`.
@@ -36,47 +38,24 @@ Output = Optional["Destination"]
 ENSEMBLE_AVERAGES = AVERAGES  # the twins' ensemble.AVERAGES
 
 
-class OptionError(UserError, ValueError):
-    """A refused option: its message is `template` with each `{}` filled by the name of one of
-    `names`, a parameter's (str) or a flag's (`worded`)."""
-
-    def __init__(self, template: str, *names: str):
-        self.template, self.names = template, names
-        super().__init__(template.format(*names))
-
-    def worded(self, name_of: Callable[[str], str]) -> str:
-        return self.template.format(*map(name_of, self.names))
+class OptionError(UserError, SettingError):
+    """A refused option (`SettingError`: its message names parameters, `worded` names them otherwise), one line."""
 
 
 def option(default: Any, help: str, **meta: Any) -> Any:
-    """A dataclass field with what its flag needs: `help`, and optionally `range` (a Range),
-    `choices`, `flag` (default --the-name), `metavar`, `group`; a list default is copied."""
-    if isinstance(default, list):
-        return dataclasses.field(default_factory=lambda: list(default), metadata={"help": help, **meta})
-    return dataclasses.field(default=default, metadata={"help": help, **meta})
-
-
-def check_fields(obj: Any) -> None:
-    """OptionError naming the first field of `obj` outside its `range` or `choices` (None: a default, unchecked)."""
-    for field in dataclasses.fields(obj):
-        value, allowed, choices = getattr(obj, field.name), field.metadata.get("range"), field.metadata.get("choices")
-        if value is None and "None" in str(field.type):
-            continue
-        if allowed is not None and (problem := allowed.error(value)) is not None:
-            raise OptionError("{} " + problem.replace("{", "{{").replace("}", "}}"), field.name)
-        if choices is not None and value not in choices:
-            raise OptionError("{} " + f"must be one of {', '.join(map(str, choices))}, got {value!r}", field.name)
-        if str(field.type) == "bool" and not isinstance(value, bool):
-            raise OptionError("{} " + f"must be True or False, got {value!r}", field.name)
-        if str(field.type) == "Output" and value is not None:
-            object.__setattr__(obj, field.name, destination(value, field.name))
+    """A `setting` with its flag's `help`, and `range` or `choices`, `flag` (--the-name), `metavar`, `group`."""
+    return setting(default, help=help, **meta)
 
 
 def checked(cls: type) -> type:
-    """`cls` as a frozen dataclass that checks itself when made: its fields (`check_fields`), then its own `check`."""
+    """`cls` as a frozen dataclass that checks itself when made: its fields (`check_settings`; an `Output` kept as
+    its `Destination`), then its own `check`."""
 
     def __post_init__(self) -> None:
-        check_fields(self)
+        check_settings(self, OptionError)
+        for field in dataclasses.fields(self):
+            if str(field.type) == "Output" and (value := getattr(self, field.name)) is not None:
+                object.__setattr__(self, field.name, destination(value, field.name))
         getattr(self, "check", lambda: None)()
 
     cls.__post_init__ = __post_init__
@@ -86,23 +65,22 @@ def checked(cls: type) -> type:
 def destination(value: Any, name: str) -> Any:
     """`value` (a path, or a Destination already checked) as the `Destination` of parameter `name`: an
     OptionError naming it where the file cannot be written (docs/operations.md#output-files)."""
-    from .runtime.output import Destination
+    from .runtime.destination import Destination
 
     if isinstance(value, Destination):
         return value
     try:
         return Destination(value, "")
     except UserError as err:  # its message (" PATH is ...") names no flag: the parameter, or its flag (`run`), leads it
-        raise OptionError("{}" + str(err).replace("{", "{{").replace("}", "}}"), name) from None
+        raise OptionError("{}" + escaped(str(err)), name) from None
 
 
-def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, *,
-              ranges: Mapping[str, Range] | None = None, skip: Iterable[str] = (), only: Iterable[str] | None = None,
-              groups: Mapping | None = None, show_defaults: bool = True) -> None:
+def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, *, skip: Iterable[str] = (),
+              only: Iterable[str] | None = None, groups: Mapping | None = None, show_defaults: bool = True) -> None:
     """One flag per field of the dataclass `cls` (`only` those, but `skip`), typed, ranged and documented by the
-    field's metadata (`ranges`: ranges kept beside the class); every default SUPPRESSed, so that only the flags
-    given reach `build` (the class's defaults apply to the rest). `groups`: each metadata "group"'s group."""
-    ranges, only = ranges or {}, None if only is None else set(only)
+    field's metadata; every default SUPPRESSed, so that only the flags given reach `build` (the class's defaults
+    apply to the rest). `groups`: each metadata "group"'s group."""
+    only = None if only is None else set(only)
     for field in dataclasses.fields(cls):
         if field.name in skip or (only is not None and field.name not in only):
             continue
@@ -116,8 +94,8 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: ty
         elif "parse" in meta:  # a repeatable flag of its own syntax (--set FIELD=VALUE)
             kwargs.update(action="append", type=typed(meta["parse"]), metavar=meta.get("metavar"))
         else:
-            # Typed here, checked once by the class (its error reworded with the flag: `run`); `ranges`: checked here.
-            parse = ranges[field.name].parser(field.name) if field.name in ranges else _TYPES.get(kind, str)
+            # Typed here, checked once by the class (its error worded with the flag: `run`, `recipes.flagged`).
+            parse = meta["range"].kind if "range" in meta else _TYPES.get(kind, str)
             kwargs.update(type=parse, choices=meta.get("choices"),
                           metavar=meta.get("metavar", {"int": "N", "float": "X"}.get(kind)))
             if kind.startswith("list"):
@@ -165,7 +143,7 @@ def run(parser: argparse.ArgumentParser, argv: list[str] | None, job: Callable[[
     def worded() -> Any:
         try:
             return job(given)
-        except OptionError as err:
+        except SettingError as err:  # an options class's, or a model config's
             raise UserError(err.worded(lambda name: flags.get(name, name))) from None
 
     return exit_status(worded)
@@ -176,7 +154,7 @@ class Search:
     """A beam search (greedy with beam 1; docs/decoding.md): `n_best` K (<= beam) or `alignments`
     give each sentence's K best `Hypothesis` (1 with alignments alone) instead of strings."""
 
-    beam: int = option(4, "beam size (1 = greedy search)", range=POSITIVE)
+    beam: int = option(4, "beam size (1 = greedy search)", range=BEAM)
     alpha: float = option(0.6, "beam search's length penalty exponent: see --scoring", range=ALPHA)
     scoring: str = option(
         "gnmt", "how beam search ranks finished translations: 'gnmt' divides their log-probability by "
@@ -185,14 +163,15 @@ class Search:
         "HF transformers' generate(num_beams=beam, length_penalty=alpha, early_stopping='never') does",
         choices=SCORINGS)
     n_best: int | None = option(None, "the K best translations of each sentence, best first (K <= --beam; with "
-                                "--format tsv or jsonl)", range=POSITIVE, metavar="K")
+                                "--format tsv or jsonl)", range=BEAM, metavar="K")
     alignments: bool = option(False, "with --format jsonl: one source position per target token (the argmax of "
                               "the last decoder layer's cross-attention averaged over heads), and the source tokens")
 
     def check(self) -> None:
-        if self.n_best is not None and self.n_best > self.beam:
-            raise OptionError("{} " + f"{self.n_best} must be between 1 and " + "{} " + f"{self.beam}: a beam search "
-                              "keeps beam hypotheses", "n_best", "beam")
+        try:
+            check_beam(self.beam, self.alpha, self.scoring, self.n_best)  # the searches' own rule
+        except SettingError as err:  # the searches' beam_size is this beam
+            raise OptionError(err.template, *("beam" if n == "beam_size" else n for n in err.names)) from None
 
 
 @checked
@@ -201,7 +180,7 @@ class Sampling:
     with the uniform of (seed, sentence, sample, position), so that a sentence's samples do not depend on its batch."""
 
     num_samples: int = option(1, "N samples per sentence (translate: N > 1 with --format tsv or jsonl)",
-                              range=SAMPLING_RANGES["num_samples"], metavar="N")
+                              range=BEAM, metavar="N")
     temperature: float = option(1.0, "divide the log-probabilities by T > 0 before drawing (< 1 sharper)",
                                 range=SAMPLING_RANGES["temperature"], metavar="T")
     top_k: int = option(0, "draw among the K most probable tokens (0: all)", range=SAMPLING_RANGES["top_k"], metavar="K")
@@ -221,6 +200,12 @@ class Sampling:
         if search.scoring != "gnmt":
             raise OptionError("{} with {} " + f"{search.scoring}: scoring ranks a beam's hypotheses, a sample is "
                               "not ranked", "sample", "scoring")
+
+
+def check_single(ensemble: bool, name: str) -> None:
+    """OptionError for `name`, an option drawing attention weights (alignments, heatmaps), with an ensemble."""
+    if ensemble:
+        raise OptionError("{} with an ensemble: its members' attention weights are not one alignment", name)
 
 
 def check_format(fmt: str, search: Search, sample: Sampling | None = None) -> None:
@@ -275,7 +260,7 @@ class RunSelection:
 
 @checked
 class Evaluation:
-    """What `Run.evaluate` scores besides the search's translations (`train.metrics.evaluate_pairs`)."""
+    """What `Run.evaluate` scores besides the search's translations (`train.translation.evaluate_pairs`)."""
 
     max_sentences: int | None = option(None, "translate only the first N pairs for BLEU/chrF; default: all",
                                        range=POSITIVE)
@@ -329,7 +314,7 @@ class TranslateFiles:
                               "the input", range=POSITIVE)
     max_line_bytes: int = option(1 << 20, "refuse a line longer than this, naming it", range=POSITIVE)
     batch_size: int | None = option(None, "at most N sentences per batch; default: as many as the run's "
-                                    "--token-budget", range=POSITIVE)
+                                    "--token-budget", range=BATCH)
     plot_attention: Path | None = option(
         None, "also write each sentence's cross-attention heatmaps to DIR (created): NNNN.png for input line N (the "
         "last decoder layer, heads averaged) and NNNN_layers.png (every layer x head)", metavar="DIR")
@@ -347,12 +332,14 @@ class ScoreFiles:
     format: str = option("text", "text: the log-probability; jsonl: also the target tokens (<eos> last) and each "
                          "one's log-probability", choices=("text", "jsonl"))
     batch_size: int | None = option(None, "at most N pairs per batch (default: the run's token budget)",
-                                    range=POSITIVE)
+                                    range=BATCH)
 
 
 def sampling_of(sample: Sampling | bool | None, settings: Mapping[str, Any]) -> Sampling | None:
     """How to sample: `sample` when a `Sampling`, one of the `settings` (its fields given) when True, None when
     None or False; settings given without sampling: OptionError naming them (the API, the server, the command)."""
+    if not (sample is None or isinstance(sample, (bool, Sampling))):  # booleans only as booleans: not 1 nor "yes"
+        raise OptionError("{} must be true or false, " + escaped(f"got {sample!r}"), "sample")
     if not sample:
         if settings:
             raise OptionError(", ".join(["{}"] * len(settings)) + " without {}: sampling settings, the searches take "

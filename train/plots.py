@@ -31,7 +31,7 @@ class Curves:
 
 def draw(curves: Curves) -> dict[str, Any]:
     """Draw the finished run's curves to `curves.out` (RUN/curves.png); where, and the points drawn."""
-    from .runtime.output import Destination
+    from .runtime.destination import Destination
 
     run_dir, out = Path(curves.run_dir), curves.out
     try:

@@ -12,11 +12,11 @@ import numpy as np
 
 from torch_reference.config import TransformerConfig
 
-from . import data, runtime
+from . import data, rundir, runtime
 from .backends import create_backend
+from .checkpoints import CheckpointError
 from .config import ExperimentConfig
 from .options import OptionError
-from .store import CheckpointError
 
 
 @dataclasses.dataclass
@@ -34,7 +34,7 @@ def source_run(cfg: ExperimentConfig, scratch: contextlib.ExitStack) -> Path | N
     --init-from's weights are read from, also for a resume before a checkpoint; None without a source."""
     source, backend = cfg.init_from, cfg.backend
     if (source is None and cfg.resume and cfg.run_dir and (Path(cfg.run_dir) / runtime.CONFIG_FILE).is_file()
-            and not runtime.rundir.has_checkpoint(Path(cfg.run_dir))):
+            and not rundir.has_checkpoint(Path(cfg.run_dir))):
         saved = runtime.read_experiment(cfg.run_dir)
         source, backend = saved.init_from, saved.backend
     if source is None:
@@ -52,7 +52,7 @@ def source_run(cfg: ExperimentConfig, scratch: contextlib.ExitStack) -> Path | N
 def load(source: str | Path, cfg: ExperimentConfig) -> Pretrained:
     """The best checkpoint's weights, the tokenizers and the model of `source`, a `cfg.backend` run (`source_run`)."""
     source = Path(source)
-    saved, model_cfg, tokenizers = runtime.read_run(source)
+    saved, model_cfg, tokenizers = rundir.read_run(source)
     try:
         with contextlib.closing(create_backend(saved, model_cfg, str(source / runtime.CHECKPOINTS))) as backend:
             backend.restore("best")

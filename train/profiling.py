@@ -106,12 +106,11 @@ def jax_parts(cfg: TransformerConfig, batch: int, length: int, repeats: int, see
     from flax import nnx
 
     import jax_transformer
-    from jax_transformer import xla_cpu
     from jax_transformer.model import causal_mask
     from jax_transformer.objective import label_smoothed_cross_entropy
 
-    tuned = jax.devices()[0].platform == "cpu"
-    model = jax_transformer.Transformer(cfg, kernels="xla_cpu" if tuned else "reference", rngs=nnx.Rngs(seed))
+    kernels = "xla_cpu" if jax.devices()[0].platform == "cpu" else "reference"
+    model = jax_transformer.Transformer(cfg, kernels=kernels, rngs=nnx.Rngs(seed))
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.standard_normal((batch, length, cfg.d_model), dtype=np.float32))
     memory = jnp.asarray(rng.standard_normal((batch, length, cfg.d_model), dtype=np.float32))
@@ -131,7 +130,7 @@ def jax_parts(cfg: TransformerConfig, batch: int, length: int, repeats: int, see
 
     # Each part differentiated by its own parameters: over the whole model JAX also writes zeros for the others.
     def projection_loss(m, x, memory):
-        return loss((xla_cpu.attend if tuned else nnx.Embed.attend)(m, x) if cfg.tie_output else m(x))
+        return loss(model.kernels.logits(m, x) if cfg.tie_output else m(x))
 
     projection = (model.target_embedding if cfg.tie_output else model.out_proj, projection_loss)
     parts = _parts(model, loss, causal_mask(length), ids, jnp.roll(ids, 1, axis=1), projection)

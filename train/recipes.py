@@ -14,17 +14,16 @@ import tomllib
 from collections.abc import Mapping
 from typing import Any
 
-from .config import FIELD_RANGES, RECIPE_FILE, ExperimentConfig, flag_name, parse_model_override
-from .options import add_flags
+from torch_reference.config import SettingError, escaped, setting_error
+
+from .config import RECIPE_FILE, ExperimentConfig, flag_name, parse_model_override
+from .options import OptionError, add_flags
 from .runtime.files import UserError, quoted, read_json, shortened
 
 GROUPS = {"run": "run", "model": "model", "data": "data", "optim": "optimisation", "eval": "evaluation and logging",
           "ckpt": "checkpoints", "dist": "devices, processes and precision"}
 LAUNCH_DECISIONS = ("run_dir", "resume", "overwrite")  # which launch this is: never read from a recipe file
 MAX_RECIPE_BYTES = 1 << 20  # a recipe is a page of flags; a bigger file is not one
-# The TOML types a recipe key takes, by the field's type (the rest are strings).
-RECIPE_TYPES = {"int": (int, "an integer"), "float": ((int, float), "a number"), "bool": (bool, "true or false"),
-                "dict": (list, "a list of strings")}
 
 
 def build_parser(epilog: str | None = None) -> argparse.ArgumentParser:
@@ -36,14 +35,17 @@ def build_parser(epilog: str | None = None) -> argparse.ArgumentParser:
         "and write checkpoints, TensorBoard events and results.json to the run directory. With no flag it "
         "trains a small model on the embedded numbers corpus in a few minutes on a CPU.")
     groups = {key: parser.add_argument_group(title) for key, title in GROUPS.items()}
-    add_flags(parser, ExperimentConfig, ranges=FIELD_RANGES, groups=groups)
+    add_flags(parser, ExperimentConfig, groups=groups)
     return parser
 
 
 def experiment(given: Mapping[str, Any], note: str = "settings") -> tuple[ExperimentConfig, set[str]]:
     """(the config of the fields `given`, their names): a `recipe` among them under the given fields (--set
-    adds to its list), a resume without one under the run's `recorded_launch`; UserError for anything refused."""
+    adds to its list), a resume without one under the run's `recorded_launch`; UserError for anything refused (an
+    OptionError naming the parameters, `flagged` names the flags)."""
     given = dict(given)
+    if not isinstance(given.get("recipe"), (str, os.PathLike, type(None))):
+        raise OptionError("{} must be a path, " + escaped(f"got {given['recipe']!r}"), "recipe")
     if isinstance(given.get("model"), list):  # --set's (field, value) pairs
         given["model"] = dict(given["model"])
     if given.get("recipe") is not None:
@@ -56,10 +58,19 @@ def experiment(given: Mapping[str, Any], note: str = "settings") -> tuple[Experi
         given = {**recorded[0], **given}
         print(f"--resume: steps, evaluation and checkpoint {note} from the recipe the run was started from "
               f"({recorded[1]}, kept in the run directory) unless given now", file=sys.stderr)
+    recipe = escaped(f"{given['recipe']}: ") if given.get("recipe") else ""
     try:
         return ExperimentConfig(**given), set(given)
+    except SettingError as err:
+        raise OptionError(recipe + err.template, *err.names) from None
     except (TypeError, ValueError) as err:
-        raise UserError(f"{given['recipe']}: {err}" if given.get("recipe") else str(err)) from None
+        raise OptionError(recipe + escaped(str(err))) from None
+
+
+def flagged(err: UserError) -> str:
+    """`err`'s message with train.run's flags for the parameters it names (`OptionError`), one line."""
+    flags = {field.name: flag_name(field) for field in dataclasses.fields(ExperimentConfig)}
+    return err.worded(lambda name: flags.get(name, name)) if isinstance(err, SettingError) else str(err)
 
 
 def recorded_launch(run_dir: str | os.PathLike) -> tuple[dict[str, Any], str] | None:
@@ -127,18 +138,13 @@ def read_recipe(path: str, text: str | None = None) -> dict[str, Any]:
             fail(f"key {quoted(key)}: unknown" + (f" (did you mean {close[0]!r}?)" if close else
                                             ": the keys are the long flags of python -m train.run --help, with _ for -"))
         field = fields[key]
-        kind, choices = str(field.type).replace(" | None", ""), field.metadata.get("choices")  # 'int | None': int
-        types, expected = RECIPE_TYPES.get(kind, (str, "a string"))
-        if (not isinstance(value, types) or isinstance(value, bool) != (kind == "bool")
-                or kind == "dict" and not all(isinstance(item, str) for item in value)):
-            fail(f"key {key!r}: expected {expected}, got {quoted(value)}")
         try:
-            if kind == "dict":
+            if str(field.type) == "dict":  # --set's FIELD=VALUE strings
+                if not (isinstance(value, list) and all(isinstance(item, str) for item in value)):
+                    fail(f"key {key!r} must be a list of strings, got {quoted(value)}")
                 value = dict(parse_model_override(item) for item in value)
-            elif field.name in FIELD_RANGES:
-                FIELD_RANGES[field.name].check(field.name, value)
-            elif choices is not None and value not in choices:
-                raise ValueError(f"invalid choice: {quoted(value)} (choose from {', '.join(map(repr, choices))})")
+            elif (problem := setting_error(field, value))[0] is not None:
+                fail(f"key {key!r} {shortened(problem[0])}")
         except ValueError as err:
             fail(f"key {key!r}: {shortened(str(err))}")
         out[field.name] = value

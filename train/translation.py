@@ -1,24 +1,20 @@
-"""Texts in, translations out (docs/decoding.md): searched in batches, n-best, prefixes, alignments, scores."""
+"""Texts in, translations out (docs/decoding.md): searched in batches, n-best, prefixes, alignments, scores; and
+how good they are (docs/results.md): loss, perplexity, sacreBLEU's BLEU and chrF, exact match, numbers' bands."""
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
-import itertools
-import json
 import math
-from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import numpy as np
 
 from . import data
-from .backends import Hypotheses, Translator
+from .backends import Backend, Hypotheses, Trainer, Translator
 from .options import Sampling, Search
 from .runtime.files import UserError, quoted
-from .runtime.output import OtherInput
 
 # The search's length limit (`decode.sentence_limits` at the backends' defaults): a * source tokens + b.
 MAX_LEN_A, MAX_LEN_B = 1.5, 10
@@ -149,50 +145,6 @@ def _collect(out: list, texts: Sequence[str], index: np.ndarray, result: Hypothe
                 None if aligned is None else [int(a) for a in aligned[row, h, : len(ids)]]))
 
 
-def format_record(result: str | list[Hypothesis], fmt: str, source_tokens: list[str] | None = None) -> str:
-    """One output line per input line in format `fmt`: "text" (the best), "tsv" (each hypothesis's scores), "jsonl"."""
-    hyps = [Hypothesis(result, math.nan, math.nan, [])] if isinstance(result, str) else result
-    if fmt == "text":
-        return hyps[0].text if hyps else ""
-    if fmt == "tsv":
-        return "\t".join(f"{h.text.replace(chr(9), ' ')}\t{_number(h.logprob)}\t{_number(h.score)}" for h in hyps)
-    return json.dumps({"hypotheses": [
-        {"text": h.text, "logprob": _number(h.logprob), "score": _number(h.score), "tokens": h.tokens,
-         **({} if h.alignment is None else {"alignment": h.alignment})} for h in hyps],
-        **({} if source_tokens is None else {"source_tokens": source_tokens})}, ensure_ascii=False)
-
-
-def _number(x: float) -> float | None:
-    return None if not math.isfinite(x) else float(f"{x:.7g}")  # float32's digits
-
-
-def source_tokens(tokenizers: data.Tokenizers, texts: Sequence[str], max_len: int) -> list[list[str]]:
-    """The source tokens each text is translated from, as the search cuts them: what alignments point into."""
-    ids = [s if len(s) <= max_len else [*s[: max_len - 1], data.EOS_ID] for s in data.encode(tokenizers.src, list(texts))]
-    return [[tokenizers.src.id_to_token(int(i)) for i in row] for row in ids]
-
-
-class TsvColumns:
-    """A TSV input's columns `source` and (optional) `prefix`, named by its header row; no quoting."""
-
-    def __init__(self, header: str, name: str):
-        self.header, self.name = header.split("\t"), name
-        if "source" not in self.header:
-            raise UserError(f"{name}: no column 'source' in the header row {quoted(self.header)} (TSV input: a header "
-                            "row naming the columns source and, optionally, prefix)")
-        self.source = self.header.index("source")
-        self.prefix = self.header.index("prefix") if "prefix" in self.header else None
-
-    def split(self, rows: Sequence[str], first_line: int) -> tuple[list[str], list[str] | None]:
-        """(sources, prefixes or None) of `rows`, the first of which is line `first_line` of the input."""
-        cells = [row.split("\t") for row in rows]
-        for number, row in enumerate(cells, start=first_line):
-            if len(row) != len(self.header):
-                raise UserError(f"{self.name}: line {number} has {len(row)} columns, the header (line 1) has "
-                                f"{len(self.header)}")
-        return [row[self.source] for row in cells], None if self.prefix is None else [row[self.prefix] for row in cells]
-
-
 def score_pairs(backend: Translator, tokenizers: data.Tokenizers, sources: Sequence[str], targets: Sequence[str], *,
                 max_len: int, token_budget: int, batch_size: int | None = None) -> list[dict[str, Any]]:
     """Per pair, the target's log-probability given the source (teacher-forced): {"logprob": the sum,
@@ -216,50 +168,108 @@ def score_pairs(backend: Translator, tokenizers: data.Tokenizers, sources: Seque
     return out
 
 
-def translate_stream(run, lines: Iterator[str], out, *, chunk_lines: int, progress, counts: collections.Counter,
-                     plot_attention: Path | None = None, fmt: str = "text", columns: TsvColumns | None = None,
-                     **options: Any) -> int:
-    """Translate `lines` by `run.translate(**options)` chunk by chunk into `out` (a `runtime.output` writer), a
-    `fmt` record a line, after the lines it holds (their count returned); `columns`: TSV rows after a header."""
-    digest = hashlib.sha256()  # of every input line up to the last finished chunk, for a resume's check
-    done = out.done
-    if run.backend.topology.process_count > 1:  # process 0 alone knows what its output holds
-        from jax.experimental import multihost_utils
+# Evaluation: the translations of held-out pairs scored against their references.
 
-        done = int(multihost_utils.broadcast_one_to_all(np.int64(done)))
-    skipped = 0
-    for line in itertools.islice(lines, done):
-        digest.update(line.encode("utf-8", "surrogateescape") + b"\n")
-        skipped += 1
-    if done and (skipped < done or (out.digest is not None and digest.hexdigest() != out.digest)):
-        raise OtherInput(f"{out.partial} holds the translations of other input (its first {done:,} lines differ "
-                        "from these): delete it to start afresh")
-    recorder, seen = None, [""] * skipped  # seen: the input lines so far, for the plots' line numbers
-    if plot_attention is not None:  # the same translations, each sentence's attention recorded on the way
-        from .attention import AttentionRecorder
+def exact_match(hypotheses: Sequence[str], references: Sequence[str]) -> float:
+    """Percentage of hypotheses equal to their reference, both stripped (nan for no sentences)."""
+    if not hypotheses:
+        return math.nan
+    if len(hypotheses) != len(references):
+        raise ValueError(f"{len(hypotheses)} hypotheses for {len(references)} references")
+    return 100.0 * sum(h.strip() == r.strip() for h, r in zip(hypotheses, references)) / len(hypotheses)
 
-        recorder = AttentionRecorder(run.backend, run.tokenizers, seen)
-    progress.begin()
-    rows = skipped  # input lines (rows) before the chunk
-    for chunk in iter(lambda: list(itertools.islice(lines, chunk_lines)), []):
-        def on_batch(index, src, tokens, offset=rows):  # rows: the lines before this chunk, as `seen` holds them
-            progress.on_batch(index, src, tokens)
-            if recorder is not None:
-                recorder(np.where(index >= 0, index + offset, -1), src, tokens)
 
-        # line 1 of a TSV input is the header
-        sources, prefixes = (chunk, None) if columns is None else columns.split(chunk, rows + 2)
-        first = {"first_id": rows} if options.get("sample") else {}  # samples keyed by input line, not by chunk
-        rows += len(chunk)
-        if recorder is not None:
-            seen.extend(sources)
-        results = run.translate(sources, on_batch=on_batch, counts=counts, prefix=prefixes, **first, **options)
-        aligned = getattr(options.get("search"), "alignments", options.get("alignments"))
-        tokens = source_tokens(run.tokenizers, sources, run.config.max_len) if aligned else None
-        records = [format_record(r, fmt, tokens and tokens[i]) for i, r in enumerate(results)]
-        for line in chunk:
-            digest.update(line.encode("utf-8", "surrogateescape") + b"\n")
-        out.write(records, digest.hexdigest())
-    if recorder is not None:
-        recorder.plot(plot_attention)
-    return skipped
+def moses_tokenized(texts: Sequence[str], lang: str) -> list[str]:
+    """`texts` Moses-tokenized for language `lang` (sacremoses, no XML escaping): what tokenized BLEU scores."""
+    from sacremoses import MosesTokenizer
+
+    tokenizer = MosesTokenizer(lang=lang)
+    return [tokenizer.tokenize(text, escape=False, return_str=True) for text in texts]
+
+
+def corpus_scores(hypotheses: Sequence[str], references: Sequence[str], *, lowercase: bool = False,
+                  moses: str | None = None) -> dict[str, Any]:
+    """{"bleu", "chrf", "exact_match"} of hypotheses vs one reference each, scores with their "_signature";
+    "bleu_lc" with `lowercase`, "bleu_moses" (and "bleu_moses_lc") with `moses` (a language code)."""
+    from sacrebleu.metrics import BLEU, CHRF  # here: half a second that translating alone does without
+
+    hyps, refs = list(hypotheses), [list(references)]
+    result: dict[str, Any] = {}
+    metrics = [("bleu", BLEU()), ("chrf", CHRF())] + ([("bleu_lc", BLEU(lowercase=True))] if lowercase else [])
+    for name, metric in metrics:
+        result[name] = float(metric.corpus_score(hyps, refs).score)
+        result[f"{name}_signature"] = str(metric.get_signature())
+    if moses:
+        tok_hyps, tok_refs = moses_tokenized(hyps, moses), [moses_tokenized(refs[0], moses)]
+        for name, case in [("bleu_moses", False)] + ([("bleu_moses_lc", True)] if lowercase else []):
+            metric = BLEU(tokenize="none", lowercase=case, force=True)  # pre-tokenized on purpose: no warning
+            result[name] = float(metric.corpus_score(tok_hyps, tok_refs).score)
+            result[f"{name}_signature"] = f"{metric.get_signature()}|pretok:moses-{moses}"
+    result["exact_match"] = exact_match(hyps, refs[0])
+    return result
+
+
+def band_scores(pairs: Sequence[data.Pair], hypotheses: Sequence[str],
+                seen: Collection[str] | None = None) -> dict[str, dict[str, Any]] | None:
+    """Exact match per number of digits ("1".."6") when every reference is a number in the numbers corpus'
+    English, else None: {"sentences", "exact_match", "seen" (of the sources `seen`), "unseen_exact_match"}."""
+    numbers = [data.number_from_english(reference.strip()) for _, reference in pairs]
+    if not numbers or None in numbers:
+        return None
+
+    def match(rows: list[int]) -> float:
+        return exact_match([hypotheses[i] for i in rows], [pairs[i][1] for i in rows])
+
+    bands: dict[str, dict[str, Any]] = {}
+    for band in sorted({data.number_band(n) for n in numbers}):
+        members = [i for i, n in enumerate(numbers) if data.number_band(n) == band]
+        unseen = members if seen is None else [i for i in members if pairs[i][0] not in seen]
+        bands[str(band)] = {"sentences": len(members), "exact_match": match(members),
+                            "seen": None if seen is None else len(members) - len(unseen),
+                            "unseen_exact_match": match(unseen) if unseen else None}
+    return bands
+
+
+def loss_and_perplexity(backend: Trainer, batches, stop: Callable[[], bool] | None = None) -> dict[str, float]:
+    """{"loss", "nll", "ppl", "tokens"} over padded batches, dropout off, summed on the host once every
+    batch is queued (device scalars would compile programs of their own); `stop()` True: EvaluationStopped."""
+    sums = []
+    for batch in batches:
+        if stop is not None and stop():
+            raise EvaluationStopped("evaluation stopped")
+        sums.append(backend.eval_loss(batch))
+    loss, nll, tokens = (math.fsum(float(x) for x in column) for column in zip(*sums)) if sums else (0.0, 0.0, 0.0)
+    if tokens == 0:
+        return {"loss": math.nan, "nll": math.nan, "ppl": math.nan, "tokens": 0}
+    mean_nll = nll / tokens
+    return {"loss": loss / tokens, "nll": mean_nll, "ppl": math.exp(min(mean_nll, 700.0)), "tokens": int(tokens)}
+
+
+def bands_text(bands: dict[str, Any] | None) -> str:
+    """' by digits 1:100* 2:99.56 ...': `band_scores`' exact match, * on bands seen whole in training; '' for none."""
+    if not bands:
+        return ""
+    text = " ".join(f"{band}:{scores['exact_match']:.4g}" + ("*" if scores["unseen_exact_match"] is None else "")
+                    for band, scores in bands.items())
+    return f" by digits {text}" + (" (*: seen in training)" if "*" in text else "")
+
+
+def evaluate_pairs(backend: Backend, tokenizers: data.Tokenizers, pairs: Sequence[data.Pair], *, max_len: int,
+                   token_budget: int, max_sentences: int | None = None, samples: int = 0, search: Search = Search(),
+                   lowercase: bool = False, moses: str | None = None,
+                   seen: Collection[str] | None = None, stop: Callable[[], bool] | None = None,
+                   fixed_shapes: bool = False) -> dict[str, Any]:
+    """Loss and perplexity on every pair (but those past max_len); `corpus_scores` and "bands" of the first
+    `max_sentences` translated; `samples` examples; `stop` and `fixed_shapes` as `translate_texts` takes them."""
+    examples = data.encode_pairs(tokenizers, pairs)
+    batcher = data.Batcher(examples, token_budget=token_budget, max_len=max_len, shuffle=False, pack=fixed_shapes,
+                           pack_length=max_len if fixed_shapes else None)
+    result: dict[str, Any] = loss_and_perplexity(backend, batcher.epoch_batches(), stop)
+    scored = list(pairs[:max_sentences] if max_sentences else pairs)
+    hyps = translate_texts(backend, tokenizers, [s for s, _ in scored], max_len=max_len, token_budget=token_budget,
+                           search=search, stop=stop, fixed_shapes=fixed_shapes)
+    result.update(corpus_scores(hyps, [t for _, t in scored], lowercase=lowercase, moses=moses))
+    result["sentences"] = len(scored)
+    result["bands"] = band_scores(scored, hyps, seen)
+    result["samples"] = [{"source": s, "reference": t, "hypothesis": h} for (s, t), h in zip(scored[:samples], hyps)]
+    return result

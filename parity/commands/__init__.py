@@ -1,1 +1,1 @@
-"""`parity`'s commands and `aiayn` (`cli`), which names every command; the library never imports them."""
+"""`parity`'s commands (`aiayn NAME`, named in train/commands): the library never imports them."""

@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from train.checkpoints import CheckpointError
 from train.options import build, command, run
 from train.runtime.files import UserError, error_text
-from train.store import CheckpointError
 
 from ..conversions import Conversion, convert
 

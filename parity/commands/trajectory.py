@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 
-from train.config import FIELD_RANGES, ExperimentConfig
+from train.config import ExperimentConfig
 from train.options import add_flags, build, command, run
 from train.runtime.files import json_text
 
@@ -62,7 +62,7 @@ def build_parser():
     parser = command("aiayn trajectory", __doc__.split("\n\n")[1], Trajectory, epilog="defaults: --preset tiny, "
                      "--warmup 4000 (the paper's; a short warmup reaches learning rates at which float32 training is "
                      "chaotic, see --control), --numbers-train 4000, --token-budget 1024, otherwise train.run's")
-    add_flags(parser, ExperimentConfig, ranges=FIELD_RANGES, only=SETTINGS, show_defaults=False)
+    add_flags(parser, ExperimentConfig, only=SETTINGS, show_defaults=False)
     return parser
 
 

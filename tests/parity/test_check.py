@@ -77,7 +77,7 @@ def test_cli_exits_nonzero_when_a_bound_is_exceeded(tmp_path, monkeypatch, capsy
 def test_cli_rejects_bad_overrides(capsys):
     """A value the config refuses: one line and status 1 before any work; a field it lacks: argparse's usage error."""
     assert check.main(["--set", "activation=tanh"]) == 1
-    assert "activation='tanh' is not one of" in capsys.readouterr().err
+    assert "activation must be one of relu, gelu, silu, swiglu, got 'tanh'" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:
         check.main(["--set", "no_such_field=1"])
     assert exit_.value.code == 2

@@ -19,7 +19,7 @@ import optax
 import pytest
 
 from parity.commands.convert import main as convert_main
-from train import averaging, data, loop, runtime, store
+from train import averaging, checkpoints, data, loop, runtime
 from train.backends import create_backend
 from train.commands import run as train_run
 from train.config import ExperimentConfig
@@ -271,7 +271,7 @@ def test_converting_a_tampered_optimizer_file_names_the_problem(jax_run, tmp_pat
     moments = load_file(str(path))
     del moments["decoder.layers.0.ff.linear1.bias.exp_avg"], moments["decoder.layers.0.ff.linear1.bias.exp_avg_sq"]
     save_file(moments, str(path))
-    store.write_checkpoint_digest(path.parent)  # a consistent but foreign file: the digest cannot tell
+    checkpoints.write_checkpoint_digest(path.parent)  # a consistent but foreign file: the digest cannot tell
     code = convert_main(["--to", "jax", "--run-dir", str(torch_dir), "--dst", str(tmp_path / "back")])
     err = capsys.readouterr().err
     assert code == 1 and "Traceback" not in err
@@ -281,7 +281,7 @@ def test_converting_a_tampered_optimizer_file_names_the_problem(jax_run, tmp_pat
 
 def test_best_checkpoint_is_selectable(jax_run, tmp_path):
     original = _checkpoint_states(jax_run)
-    best = max(original, key=lambda s: (original[s][2]["bleu"], s))  # ties: the newest, as store.choose_checkpoint
+    best = max(original, key=lambda s: (original[s][2]["bleu"], s))  # ties: the newest, as checkpoints.choose_checkpoint
     done = convert_run(jax_run, tmp_path / "best", which="best")
     assert done["steps"] == [best]
     done = convert_run(jax_run, tmp_path / "two", which="2")

@@ -53,10 +53,10 @@ def sources(run_dir):
 
 def ours_and_ct2(run_dir, ct2_dir, beam_size: int):
     """Our outputs (ids up to and with <eos>) and CTranslate2's, per sentence, with the same limit."""
-    from parity.ctranslate2 import Translator
+    from parity.ctranslate2 import CT2Translator
 
     run = train.load(run_dir)
-    translator = Translator(ct2_dir)
+    translator = CT2Translator(ct2_dir)
     ours, theirs, at_limit = [], [], []
     for ids in sources(run_dir):
         src = np.asarray([ids], np.int64)
@@ -108,9 +108,9 @@ def test_exported_directory_carries_the_tokenizer_and_the_vocabulary_by_id(train
     run_dir, f32, _ = trained
     for name in data.tokenizer_files(run_dir):
         assert (f32 / name).read_bytes() == (run_dir / name).read_bytes()
-    from parity.ctranslate2 import Translator
+    from parity.ctranslate2 import CT2Translator
 
-    vocab = Translator(f32).tgt_vocab
+    vocab = CT2Translator(f32).tgt_vocab
     tokenizer = data.load_tokenizers(run_dir).tgt
     assert vocab[:4] == ["<pad>", "<bos>", "<eos>", "<unk>"]
     assert vocab[4:] == [tokenizer.id_to_token(i) for i in range(4, tokenizer.get_vocab_size())]
@@ -181,14 +181,14 @@ def test_greedy_with_a_target_prefix_is_ctranslate2s_target_prefix(trained):
     import torch
 
     from jax_transformer import decode as jd
-    from parity.ctranslate2 import Translator, tokens
+    from parity.ctranslate2 import CT2Translator, tokens
     from train.interop.weights import torch_to_jax
 
     run_dir, f32, _ = trained
     run = train.load(run_dir)
     model = run.backend.model.eval()
     jax_model = torch_to_jax(model)
-    translator = Translator(f32)
+    translator = CT2Translator(f32)
     ids = sources(run_dir)[:20]
     plain = [[int(t) for t in np.asarray(run.backend.translate(np.asarray([s]), beam_size=1))[0] if t] for s in ids]
     prefixes = [plain[(i + 1) % len(plain)][:2] for i in range(len(ids))]
@@ -217,7 +217,7 @@ def test_score_is_ctranslate2s_score_batch(trained):
     term added, equal to 1e-5 per token (float32 rounding of single log-probs)."""
     import torch
 
-    from parity.ctranslate2 import Translator, tokens
+    from parity.ctranslate2 import CT2Translator, tokens
     from torch_reference.model import shift_right
 
     run_dir, f32, _ = trained
@@ -228,7 +228,7 @@ def test_score_is_ctranslate2s_score_batch(trained):
     src_ids = data.encode(run.tokenizers.src, [s for s, _ in pairs])
     tgt_ids = data.encode(run.tokenizers.tgt, [t for _, t in pairs])
     model = run.backend.model.eval()
-    translator = Translator(f32)
+    translator = CT2Translator(f32)
     results = translator.translator.score_batch(
         [tokens(translator.src_vocab, s) for s in src_ids], [tokens(translator.tgt_vocab, t)[:-1] for t in tgt_ids])
     raw = 0.0
@@ -249,7 +249,7 @@ def test_an_export_changed_after_its_proof_is_refused_where_it_is_read(trained, 
     three negated matrices loaded silently, 62.5% agreement under a proof saying 1.0) is refused."""
     import shutil
 
-    from parity.ctranslate2 import Translator
+    from parity.ctranslate2 import CT2Translator
 
     _, f32, _ = trained
     recorded = json.loads((f32 / "proof.json").read_text())["files"]
@@ -259,5 +259,5 @@ def test_an_export_changed_after_its_proof_is_refused_where_it_is_read(trained, 
     model[-4:] = bytes(4)  # the last float of the last matrix zeroed: still a loadable model
     (edited / "model.bin").write_bytes(bytes(model))
     with pytest.raises(runtime.UserError, match="model.bin changed since its proof.json was written"):
-        Translator(edited)
-    Translator(f32)  # the untouched export loads
+        CT2Translator(edited)
+    CT2Translator(f32)  # the untouched export loads

@@ -441,7 +441,7 @@ def test_bad_n_best_or_prefix_is_refused_in_both_frameworks():
     for beam, model, src_, wrap in ((td.beam_search, torch_model, torch.from_numpy(src), torch.from_numpy),
                                     (jd.beam_search, jax_model, src, np.asarray)):
         for n_best in (5, 0):
-            with pytest.raises(ValueError, match=f"n_best must be between 1 and the beam size 4, got {n_best}"):
+            with pytest.raises(ValueError, match=rf"n_best must be between 1 and beam_size \(4\), got {n_best}"):
                 beam(model, src_, beam_size=4, n_best=n_best)
         with pytest.raises(ValueError, match="the prefix of sentence 0 has 30 tokens: its length limit of 1[0-9] tokens"):
             beam(model, src_, beam_size=4, prefix=wrap(too_long))
@@ -455,7 +455,7 @@ def test_a_beam_size_that_is_no_positive_integer_is_refused_in_both_frameworks(b
     for beam, model, src_ in ((td.beam_search, torch_model, torch.from_numpy(src)), (jd.beam_search, jax_model, src)):
         with pytest.raises(ValueError, match="beam_size must be"):
             beam(model, src_, beam_size=beam_size)
-        with pytest.raises(ValueError, match="n_best must be between 1 and the beam size 2, got 1.0"):
+        with pytest.raises(ValueError, match=r"n_best must be between 1 and beam_size \(2\), got 1.0"):
             beam(model, src_, beam_size=2, n_best=1.0)
 
 

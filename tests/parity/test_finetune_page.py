@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from parity.commands.cli import COMMANDS
+from train.commands import COMMANDS
 
 from .marian_fixtures import lines, make_marian_dir
 

@@ -1,9 +1,10 @@
-"""Kernel sets by name and rematerialisation, in both twins, on the CPU: `fused` attention
-(jax.nn.dot_product_attention, F.scaled_dot_product_attention) against the `reference` path, alone
-and in the model, outputs and gradients, with padding and causal masks and a fully masked row (which
-only a row of padding holds: torch's fused kernel gives zeros there, the others the average);
-attention weights asked of a fused model come from the reference path; `remat` gives the same loss
-and gradients as without, dropout on.
+"""Kernel sets by name and rematerialisation, in both twins, on the CPU: both registries hold the
+config's names in its order; every set's attention (`fused`: jax.nn.dot_product_attention,
+F.scaled_dot_product_attention) against the `reference` path, alone and every set in the model,
+outputs and gradients, with padding and causal masks and a fully masked row (which only a row of
+padding holds: torch's fused kernel gives zeros there, the others the average); attention weights
+asked of any set come from the reference path; `remat` gives the same loss and gradients as without,
+dropout on. A new kernel set is proven here by its row in KERNELS.
 
 Tolerances: 1e-6 on attention outputs and gradients of order 1 (a K = 8 wide softmax average,
 float32: the two paths sum the same products in another order; measured <= 4e-7); 1e-5 on logits
@@ -11,6 +12,8 @@ and parameter gradients of the lopsided model, the parity contract's float32 bou
 Remat recomputes the same operations: the same values to 1e-6 (XLA may fuse the recomputed forward
 pass differently; measured equal).
 """
+
+from typing import get_args
 
 import jax
 import jax.numpy as jnp
@@ -21,9 +24,9 @@ from flax import nnx
 
 import jax_transformer as jt
 import torch_reference as tr
-from jax_transformer import objective as jax_objective
 from parity.comparison import enable_parity_numerics
 from torch_reference import objective as torch_objective
+from torch_reference.config import KernelSet
 
 enable_parity_numerics()
 
@@ -40,6 +43,12 @@ def masks():
     return {"padding": keys[:, None, None, :], "causal": causal}
 
 
+def test_both_twins_register_the_config_s_kernel_sets_in_its_order():
+    assert tuple(jt.KERNELS) == tuple(tr.KERNELS) == get_args(KernelSet)
+    assert [name for name, row in tr.KERNELS.items() if row is None] == ["xla_cpu"]  # the JAX twin's only
+    assert None not in jt.KERNELS.values()
+
+
 @pytest.mark.parametrize("name", ["padding", "causal", "none"])
 def test_fused_attention_equals_the_reference_outputs_and_gradients(name):
     rng = np.random.default_rng(0)
@@ -48,9 +57,8 @@ def test_fused_attention_equals_the_reference_outputs_and_gradients(name):
     k, v = (rng.normal(size=(B, H, S, K)).astype(np.float32) for _ in range(2))
     g = rng.normal(size=q.shape).astype(np.float32)  # the output's cotangent
     results = {}
-    for framework, sdpa, fused in (("jax", jt.scaled_dot_product_attention, jt.fused_attention),
-                                   ("torch", tr.scaled_dot_product_attention, tr.fused_attention)):
-        for kernel, f in (("reference", sdpa), ("fused", fused)):
+    for framework, twin in (("jax", jt), ("torch", tr)):
+        for kernel, f in ((kernel, row.attention) for kernel, row in twin.KERNELS.items() if row):
             if framework == "jax":
                 m = None if mask is None else jnp.asarray(mask)
                 out, vjp = jax.vjp(lambda q, k, v: f(q, k, v, m), *map(jnp.asarray, (q, k, v)))
@@ -61,11 +69,10 @@ def test_fused_attention_equals_the_reference_outputs_and_gradients(name):
                 out.backward(torch.from_numpy(g))
                 results[framework, kernel] = [out.detach().numpy(), *(x.grad.numpy() for x in qkv)]
     real = slice(None) if name == "none" else slice(0, 2)  # row 2 of the padding mask is fully masked
-    for framework in ("jax", "torch"):
-        for got, want in zip(results[framework, "fused"], results[framework, "reference"]):
-            np.testing.assert_allclose(got[real], want[real], atol=1e-6, rtol=0)
-    for got, want in zip(results["jax", "fused"], results["jax", "reference"]):  # JAX: every row alike
-        np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
+    for (framework, kernel), arrays in results.items():
+        rows = real if framework == "torch" else slice(None)  # JAX: every row alike
+        for got, want in zip(arrays, results[framework, "reference"]):
+            np.testing.assert_allclose(got[rows], want[rows], atol=1e-6, rtol=0)
     if name == "padding":  # a fully masked row: the values' average in JAX (as both references), zeros in torch
         np.testing.assert_allclose(results["jax", "fused"][0][2], np.broadcast_to(v[2].mean(1, keepdims=True),
                                    (H, T, K)), atol=1e-6)
@@ -86,7 +93,7 @@ def jax_loss_and_grads(model, src, tgt_in, tgt_out, dropout=None):
     def loss(params):
         mode = {} if dropout is None else dict(deterministic=False, rngs=nnx.Rngs(dropout=dropout))
         logits = nnx.merge(graphdef, params)(src, tgt_in, **mode)
-        return jax_objective.label_smoothed_cross_entropy(logits, tgt_out, 0, 0.1), logits
+        return model.kernels.loss_sums(logits, tgt_out, 0, 0.1)[0] / (tgt_out != 0).sum(), logits  # the set's loss
 
     graphdef, params = nnx.split(model)
     (value, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)  # jit: eager is slow
@@ -109,27 +116,30 @@ def assert_close(a, b, atol):
         np.testing.assert_allclose(x, y, atol=atol, rtol=0)
 
 
-def test_fused_models_give_the_reference_logits_gradients_and_attention_weights():
+# Every set but the reference, in each twin: one case a row of KERNELS.
+SETS = [(twin, name) for twin, registry in (("jax", jt.KERNELS), ("torch", tr.KERNELS))
+        for name, row in registry.items() if row and name != "reference"]
+
+
+@pytest.mark.parametrize("twin, name", SETS)  # ~10 s a set
+def test_every_kernel_set_gives_the_reference_logits_gradients_and_attention_weights(twin, name):
     cfg = jt.TransformerConfig(**CONFIG)
     src, tgt_in, tgt_out = batch()
-    j = {name: jt.Transformer(cfg, kernels=name, rngs=nnx.Rngs(0)) for name in ("reference", "fused")}
-    assert j["fused"].kernels == "fused" and not j["fused"].xla_cpu
-    assert {m.kernels for _, m in nnx.iter_modules(j["fused"]) if hasattr(m, "kernels")} == {"fused"}
-    assert_close(jax_loss_and_grads(j["fused"], src, tgt_in, tgt_out),
-                 jax_loss_and_grads(j["reference"], src, tgt_in, tgt_out), 1e-5)
-    weights = [np.asarray(nnx.jit(lambda m: m(src, tgt_in, return_attention=True)[1])(m)) for m in j.values()]
-    np.testing.assert_allclose(weights[0], weights[1], atol=1e-5, rtol=0)  # the layers below differ by rounding
-    torch.manual_seed(0)
-    t_ref = tr.Transformer(cfg)
-    t_fused = tr.Transformer(cfg, kernels="fused")
-    t_fused.load_state_dict(t_ref.state_dict())
-    assert {m.kernels for m in t_fused.modules() if hasattr(m, "kernels")} == {"fused"}
-    assert_close(torch_loss_and_grads(t_fused, src, tgt_in, tgt_out),
-                 torch_loss_and_grads(t_ref, src, tgt_in, tgt_out), 1e-5)
-    with torch.no_grad():
-        src_t, tgt_t = torch.from_numpy(src), torch.from_numpy(tgt_in)
-        weights = [m(src_t, tgt_t, return_attention=True)[1] for m in (t_ref, t_fused)]
-    torch.testing.assert_close(weights[0], weights[1], rtol=0, atol=1e-5)
+    if twin == "jax":
+        models = [jt.Transformer(cfg, kernels=k, rngs=nnx.Rngs(0)) for k in ("reference", name)]
+        assert {m.kernels for _, m in nnx.iter_modules(models[1]) if hasattr(m, "kernels")} == {jt.KERNELS[name]}
+        assert_close(*(jax_loss_and_grads(m, src, tgt_in, tgt_out) for m in models), 1e-5)
+        weights = [np.asarray(nnx.jit(lambda m: m(src, tgt_in, return_attention=True)[1])(m)) for m in models]
+    else:
+        torch.manual_seed(0)
+        models = [tr.Transformer(cfg, kernels=k) for k in ("reference", name)]
+        models[1].load_state_dict(models[0].state_dict())
+        assert {m.kernels for m in models[1].modules() if hasattr(m, "kernels")} == {tr.KERNELS[name]}
+        assert_close(*(torch_loss_and_grads(m, src, tgt_in, tgt_out) for m in models), 1e-5)
+        with torch.no_grad():
+            src_t, tgt_t = torch.from_numpy(src), torch.from_numpy(tgt_in)
+            weights = [m(src_t, tgt_t, return_attention=True)[1].numpy() for m in models]
+    np.testing.assert_allclose(weights[1], weights[0], atol=1e-5, rtol=0)  # the layers below differ by rounding
 
 
 def test_remat_gives_the_same_loss_and_gradients_with_dropout():

@@ -132,7 +132,7 @@ def test_weights_comparison_names_the_worst_and_keeps_the_key_biases_apart():
 
 
 def test_one_ulp_away_moves_every_weight_by_one_rounding_error():
-    from train.store import TrainingState
+    from train.checkpoints import TrainingState
 
     w = np.linspace(-1, 1, 1001, dtype=np.float32)
     moved = trajectories.one_ulp_away(TrainingState("torch", 0, {"w": w})).params["w"]

@@ -13,11 +13,12 @@ from tokenizers import decoders
 
 from train.interop.weights import transfer_state
 import train
-from train import attention, data, loop, translation
-from train.commands import translate
+from train import data, loop, translation
 from train.backends import create_backend
+from train.commands import translate
 from train.config import ExperimentConfig
 from train.options import Search
+from train.translate import attention
 
 from .cli import run_cli
 
@@ -130,8 +131,8 @@ def test_plot_attention_refuses_a_file(trained, tmp_path, capsys, monkeypatch):
 
 
 def test_attention_module_loads_no_framework():
-    """Plotting a torch run's attention never loads JAX, nor the reverse: train.attention imports neither."""
-    code = "import sys, train.attention; print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'jax'}))"
+    """Plotting a torch run's attention never loads JAX, nor the reverse: train.translate.attention imports neither."""
+    code = "import sys, train.translate.attention; print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'jax'}))"
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"

@@ -8,11 +8,11 @@ import pytest
 
 from train import averaging, loop
 from train.backends import create_backend
+from train.checkpoints import TrainingState
 from train.commands import average, evaluate, translate
 from train.commands import run as train_run
 from train.config import ExperimentConfig
 from train.runtime import read_experiment, read_model_config
-from train.store import TrainingState
 
 
 def _state(step: int, value: float) -> TrainingState:

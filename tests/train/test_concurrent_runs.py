@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import train
-from train import runtime, store
+from train import checkpoints, runtime
 from train.commands import run as train_run
 
 from .helpers import REPO, exit_code, finish, launch, read_until
@@ -56,23 +56,23 @@ def run_3_4(tmp_path_factory):
 
 def test_a_step_rotated_away_while_it_is_read_is_read_again_from_the_newest(run_3_4, tmp_path, monkeypatch, capfd):
     run_dir = Path(shutil.copytree(run_3_4, tmp_path / "run"))
-    checkpoints = run_dir / "checkpoints"
-    shutil.move(checkpoints / "4", tmp_path / "4")  # the reader lists [3]; the writer then saves 4 and drops 3
-    real = store.verify_checkpoint
+    saved = run_dir / "checkpoints"
+    shutil.move(saved / "4", tmp_path / "4")  # the reader lists [3]; the writer then saves 4 and drops 3
+    real = checkpoints.verify_checkpoint
 
     def rotate_once(directory):
-        if Path(directory).name == "3" and (checkpoints / "3").exists():
-            shutil.move(tmp_path / "4", checkpoints / "4")
-            shutil.rmtree(checkpoints / "3")
+        if Path(directory).name == "3" and (saved / "3").exists():
+            shutil.move(tmp_path / "4", saved / "4")
+            shutil.rmtree(saved / "3")
         return real(directory)
 
-    monkeypatch.setattr(store, "verify_checkpoint", rotate_once)
+    monkeypatch.setattr(checkpoints, "verify_checkpoint", rotate_once)
     run = train.load(run_dir, "latest")
     run.backend.close()
     assert run.backend.step == 4
     assert "read step 4, the latest now" in capfd.readouterr().err
     shutil.copytree(checkpoints / "4", checkpoints / "3")
-    monkeypatch.setattr(store, "verify_checkpoint", lambda d: shutil.rmtree(d) if Path(d).name == "3" else real(d))
+    monkeypatch.setattr(checkpoints, "verify_checkpoint", lambda d: shutil.rmtree(d) if Path(d).name == "3" else real(d))
     with pytest.raises(runtime.UserError, match="checkpoint 3 .* cannot be restored"):  # a step asked for by number
         train.load(run_dir, 3)
 
@@ -94,13 +94,13 @@ def test_fifty_reads_beside_a_writer_rotating_every_step_all_succeed(tmp_path, m
         first, started = newest_step(run_dir), time.perf_counter()
         time.sleep(1)
         interval = (time.perf_counter() - started) / max(1, newest_step(run_dir) - first)  # between two saves
-        real = store.verify_checkpoint
+        real = checkpoints.verify_checkpoint
 
         def slow_read(directory):  # a read a third as long as a save: one in three meets a rotation
             time.sleep(interval / 3)
             return real(directory)
 
-        monkeypatch.setattr(store, "verify_checkpoint", slow_read)
+        monkeypatch.setattr(checkpoints, "verify_checkpoint", slow_read)
         steps = []
         for _ in range(50):
             run = train.load(run_dir, "latest")

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import train
-from train import loop, runtime
+from train import loop, rundir, runtime
 from train.config import ExperimentConfig
 
 from .helpers import FAST_IN_PROCESS, REPO, STEPS, finish, launch, read_until, restored_step
@@ -271,9 +271,9 @@ def test_a_run_saved_before_packing_existed_resumes_on_length_buckets():
     del saved["pack"]
     cfg = runtime.layout.experiment_of(saved).resolve()
     assert cfg.pack is False
-    runtime.check_checkpoint_config({"config": saved, "step": 4}, cfg)
+    rundir.check_checkpoint_config({"config": saved, "step": 4}, cfg)
     with pytest.raises(runtime.UserError, match="--pack: checkpoint has False, run has True"):
-        runtime.check_checkpoint_config({"config": saved, "step": 4}, cfg.replace(pack=True))
+        rundir.check_checkpoint_config({"config": saved, "step": 4}, cfg.replace(pack=True))
 
 
 def test_a_resume_on_a_device_count_that_changes_the_batch_shapes_names_the_counts_that_keep_them():

@@ -114,7 +114,7 @@ def test_a_tsv_input_forces_each_rows_prefix_and_resumes_by_rows(tiny_torch_run,
 
 
 @pytest.mark.parametrize("args, fragments", [
-    (["--beam", "2", "--n-best", "3"], ["--n-best 3 must be between 1 and --beam 2"]),
+    (["--beam", "2", "--n-best", "3"], ["--n-best must be between 1 and --beam (2), got 3"]),
     (["--beam", "2", "--n-best", "2"], ["--n-best 2 gives several translations per input line: give --format tsv"]),
     (["--alignments", "--format", "tsv"], ["--alignments are written with --format jsonl"]),
 ])
@@ -167,7 +167,7 @@ def test_a_prefix_holding_a_written_special_token_is_text(tiny_torch_run):
 
 def test_python_api_refuses_bad_combinations(tiny_torch_run):
     with train.load(tiny_torch_run) as run:
-        with pytest.raises(UserError, match="^n_best 5 must be between 1 and beam 4"):
+        with pytest.raises(UserError, match=r"^n_best must be between 1 and beam \(4\), got 5"):
             run.translate(TEXTS, n_best=5)
         with pytest.raises(UserError, match="1 prefixes for 4 sentences"):
             run.translate(TEXTS, prefix=["one"])

@@ -21,7 +21,7 @@ import pytest
 import train
 from parity.commands import convert
 from torch_reference.config import TransformerConfig
-from train import averaging, loop, runtime
+from train import averaging, loop, rundir, runtime
 from train.commands import average, evaluate, translate
 from train.commands import run as train_run
 
@@ -268,7 +268,7 @@ def test_train_overwrite_deletes_the_old_run_once_the_new_one_holds_a_checkpoint
 
 
 def test_an_old_run_left_aside_by_a_killed_overwrite_is_named_not_deleted(run_copy, tmp_path, capfd):
-    aside = runtime.set_aside_path(run_copy)
+    aside = rundir.set_aside_path(run_copy)
     shutil.copytree(run_copy, aside)
     before = files_of(tmp_path)
     assert exit_code(train_run.main, ["--run-dir", run_copy, "--overwrite", *NEW]) == 1
@@ -281,7 +281,7 @@ def test_an_old_run_left_aside_is_named_by_every_command_that_opens_the_run(run_
     """Issue 58: after a killed --overwrite, `.RUN.run-old` beside RUN: translate, evaluate, --resume,
     --overwrite, average, aiayn convert and train.load each refuse in one line naming it and what to do; while a
     live --overwrite holds RUN's lock, they say to wait for it."""
-    aside = runtime.set_aside_path(run_copy)
+    aside = rundir.set_aside_path(run_copy)
     shutil.copytree(run_copy, aside)
     before = files_of(tmp_path)
     message = (f"{aside} holds the run an earlier --overwrite of {run_copy} set aside and was stopped before it could "
@@ -311,9 +311,9 @@ def test_an_old_run_left_aside_is_named_by_every_command_that_opens_the_run(run_
 def test_train_overwrite_says_where_the_old_run_is_kept(run_copy, capfd):
     """Issue 58 (a confirmation): `train.run --overwrite` of a run prints where the old run is kept."""
     assert exit_code(train_run.main, ["--run-dir", run_copy, "--overwrite", *NEW]) == 0
-    assert (f"--overwrite: the run in {run_copy} is kept in {runtime.set_aside_path(run_copy)} until this one holds a "
+    assert (f"--overwrite: the run in {run_copy} is kept in {rundir.set_aside_path(run_copy)} until this one holds a "
             "checkpoint, then deleted") in capfd.readouterr().out.splitlines()
-    assert not runtime.set_aside_path(run_copy).exists()
+    assert not rundir.set_aside_path(run_copy).exists()
 
 
 def test_a_killed_overwrite_leaves_the_old_run_aside_whole(run_copy, tmp_path):
@@ -322,7 +322,7 @@ def test_a_killed_overwrite_leaves_the_old_run_aside_whole(run_copy, tmp_path):
     argv = ["--run-dir", run_copy, "--overwrite", "--steps", "100000", *TINY[:-4], "--threads", "1"]
     process = subprocess.Popen([sys.executable, "-m", "train.run", *map(str, argv)], cwd=REPO,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    aside = runtime.set_aside_path(run_copy)
+    aside = rundir.set_aside_path(run_copy)
     deadline = time.monotonic() + 120
     try:
         while not (run_copy / "config.json").exists() or not aside.exists():  # the new run has begun

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from parity.commands import convert
-from train import data, loop, plots, runtime, store
+from train import checkpoints, data, loop, plots, rundir, runtime
 from train.commands import average, translate
 from train.commands import run as train_run
 
@@ -121,7 +121,7 @@ def small_fs(tmp_path):
 # The write sites of a run, each filled up just before it writes (a new 2-step run saving at
 # steps 1 and 2, so that the full disk comes after a checkpoint whenever the site allows).
 SITES = {  # site: (module, the function filling the disk first, the path the error names)
-    "config.json": (runtime.rundir, "write_json_atomic", "config.json"),
+    "config.json": (rundir, "write_json_atomic", "config.json"),
     "tokenizer": (data, "save_tokenizers", "tokenizer.json"),
     "checkpoint": (loop, "_save", "checkpoints/2"),
     "tensorboard": (loop, "summary_writer", "tensorboard"),
@@ -151,7 +151,7 @@ def test_a_full_disk_at_each_write_of_a_run_is_one_line(small_fs, monkeypatch, c
     one_error_line(capfd.readouterr().err, f"error: {run_dir / named}: No space left on device")
     assert leftovers(run_dir) == []
     if (run_dir / "checkpoints" / "1").exists():  # the checkpoint before the full disk is whole
-        assert store.verify_checkpoint(run_dir / "checkpoints" / "1")
+        assert checkpoints.verify_checkpoint(run_dir / "checkpoints" / "1")
 
 
 def test_a_full_disk_ends_a_real_process_in_one_line_and_a_resume_continues(small_fs, tiny_torch_run):
@@ -163,7 +163,7 @@ def test_a_full_disk_ends_a_real_process_in_one_line_and_a_resume_continues(smal
     assert done.returncode == 1
     one_error_line(done.stderr, f"{run_dir / 'checkpoints' / '3'}: No space left on device")
     assert sorted(os.listdir(run_dir / "checkpoints")) == ["2"] and leftovers(run_dir) == []
-    assert store.verify_checkpoint(run_dir / "checkpoints" / "2")
+    assert checkpoints.verify_checkpoint(run_dir / "checkpoints" / "2")
     small_fs.free()
     assert exit_code(train_run.main, argv) == 0
     assert sorted(os.listdir(run_dir / "checkpoints")) == ["2", "3"]
@@ -172,7 +172,7 @@ def test_a_full_disk_ends_a_real_process_in_one_line_and_a_resume_continues(smal
 def test_orbax_on_a_full_disk_is_one_error_naming_the_checkpoint(small_fs, capfd):
     import jax
 
-    from train.store.jax_store import JaxStore
+    from train.checkpoints.jax_store import JaxStore
 
     checkpoints = small_fs.root / "checkpoints"
     saver = JaxStore(checkpoints, keep=2)
@@ -264,7 +264,7 @@ def test_checkpoints_turned_read_only_mid_run_are_one_line(small_fs, monkeypatch
     argv = ["--run-dir", run_dir, "--steps", "2", "--save-every", "1", "--keep-checkpoints", "2", *TINY]
     assert exit_code(train_run.main, argv) == 1
     one_error_line(capfd.readouterr().err, f"error: {run_dir / 'checkpoints' / '2'}: Read-only file system")
-    assert sorted(os.listdir(run_dir / "checkpoints")) == ["1"] and store.verify_checkpoint(run_dir / "checkpoints/1")
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["1"] and checkpoints.verify_checkpoint(run_dir / "checkpoints/1")
 
 
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS, errno.EACCES])

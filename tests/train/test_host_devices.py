@@ -46,7 +46,7 @@ def test_the_variable_sets_the_count_and_one_turns_it_off(no_jax):
 def test_devices_beyond_the_cores_are_not_made(no_jax, monkeypatch):
     """Issue 58: `translate --devices 99` on 4 cores made 99 XLA devices; now the split is the cores
     whatever --devices asks (it picks the first N), so the mesh refuses 99 as training does."""
-    from train import jobs
+    from train.translate import jobs
     from train.commands import translate
 
     class Split(Exception):
@@ -112,8 +112,8 @@ def test_aiayn_translate_bench_splits_the_host_before_jax_is_imported(tmp_path):
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[2]
-    script = ("from parity.commands import cli; "
-              f"status = cli.main(['translate-bench', '--run-dir', {str(tmp_path / 'none')!r}]); "
+    script = ("import train.commands; "
+              f"status = train.commands.main(['translate-bench', '--run-dir', {str(tmp_path / 'none')!r}]); "
               "import jax; print(status, jax.device_count())")
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     done = subprocess.run([sys.executable, "-c", script], cwd=repo, env={**env, "PYTHONPATH": str(repo), ENV: "3"},

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import train
-from train import data, loop, metrics, runtime, translation
+from train import data, loop, runtime, training, translation
 from train.commands import evaluate, translate
 from train.config import ExperimentConfig
 from train.data.batches import fixed_lengths
@@ -154,7 +154,7 @@ def test_translate_and_evaluate_a_run(short_run, capsys):
     run = train.load(cfg.run_dir, "latest")
     assert run.backend.step == run.meta["step"] == 60 and set(run.meta["data"]) == {"epoch", "index"}
     test_pairs = data.load_split(run.config, "numbers:test")
-    scored = metrics.evaluate_pairs(
+    scored = translation.evaluate_pairs(
         run.backend, run.tokenizers, test_pairs, max_len=cfg.max_len, token_budget=cfg.token_budget
     )
     # The final test evaluation in results.json is this model on this data.
@@ -318,7 +318,7 @@ def test_run_dir_refused_without_resume_or_overwrite(fast_config, tmp_path):
     loop.train(cfg)
     with pytest.raises(runtime.UserError, match="already holds a run; pass --resume .* or --overwrite"):
         loop.train(cfg)
-    with pytest.raises(runtime.UserError, match="--resume cannot change how the run trains:\n  --seed: run has 0, got 1"):
+    with pytest.raises(runtime.UserError, match="--resume cannot change how the run trains: --seed: run has 0, got 1"):
         loop.train(cfg.replace(resume=True, seed=1))
     marker = Path(cfg.run_dir) / "checkpoints" / "2"
     assert marker.is_dir()
@@ -358,7 +358,7 @@ def test_resume_from_the_command_line_reads_the_saved_flags(fast_config):
     cfg = fast_config("torch", steps=2, eval_every=2, eval_sentences=2, numbers_valid=2, numbers_test=0, seed=5)
     loop.train(cfg)
     again = ExperimentConfig(run_dir=cfg.run_dir, resume=True, steps=3)  # defaults elsewhere (seed 0, jax)
-    results = loop.train(again, explicit={"run_dir", "resume", "steps"})
+    results = training.start(again, explicit={"run_dir", "resume", "steps"})  # as train.run launches it
     assert results["steps"] == 3 and results["config"]["seed"] == 5 and results["backend"] == "torch"
 
 

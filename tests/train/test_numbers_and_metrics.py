@@ -7,7 +7,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from train import data, metrics
+from train import data, translation
 from train.data import NUMBER_BANDS, numbers
 
 _ENGLISH_1_DIGIT = {data.number_words(n)[1] for n in range(10)}
@@ -103,12 +103,12 @@ def test_numbers_corpus_covers_every_band_and_holds_numbers_out():
 def test_exact_match_signatures_and_lowercased_bleu():
     refs = ["seven hundred and twelve thousand, three hundred and one", "forty-three", "one thousand and one"]
     hyps = ["Seven hundred and twelve thousand, three hundred and one", " forty-three ", "one thousand and two"]
-    assert metrics.exact_match(hyps, refs) == pytest.approx(100 / 3)  # stripped: " forty-three " counts
-    assert math.isnan(metrics.exact_match([], []))
+    assert translation.exact_match(hyps, refs) == pytest.approx(100 / 3)  # stripped: " forty-three " counts
+    assert math.isnan(translation.exact_match([], []))
     with pytest.raises(ValueError):
-        metrics.exact_match(hyps, refs[:2])
-    plain = metrics.corpus_scores(hyps, refs)
-    scores = metrics.corpus_scores(hyps, refs, lowercase=True)
+        translation.exact_match(hyps, refs[:2])
+    plain = translation.corpus_scores(hyps, refs)
+    scores = translation.corpus_scores(hyps, refs, lowercase=True)
     assert set(plain) == {"bleu", "bleu_signature", "chrf", "chrf_signature", "exact_match"}
     assert set(scores) == set(plain) | {"bleu_lc", "bleu_lc_signature"}
     assert {k: scores[k] for k in plain} == plain
@@ -117,7 +117,7 @@ def test_exact_match_signatures_and_lowercased_bleu():
     assert scores["chrf_signature"].startswith("nrefs:1|case:mixed|")
     # Only the case of one word differs from the lowercased reference: lowercased BLEU is higher.
     assert 0 < scores["bleu"] < scores["bleu_lc"] < 100
-    assert metrics.corpus_scores(refs, refs, lowercase=True)["bleu_lc"] == pytest.approx(100)
+    assert translation.corpus_scores(refs, refs, lowercase=True)["bleu_lc"] == pytest.approx(100)
 
 
 def test_band_scores_from_the_numbers():
@@ -127,7 +127,7 @@ def test_band_scores_from_the_numbers():
     hyps[1] = "seven thousand and seven"  # 7 wrong, 512 wrong
     hyps[4] = "five hundred and eleven"
     seen = {data.number_words(n)[0] for n in (0, 7, 512)}
-    bands = metrics.band_scores(pairs, hyps, seen)
+    bands = translation.band_scores(pairs, hyps, seen)
     assert bands == {
         "1": {"sentences": 2, "exact_match": 50.0, "seen": 2, "unseen_exact_match": None},
         "2": {"sentences": 1, "exact_match": 100.0, "seen": 0, "unseen_exact_match": 100.0},
@@ -135,14 +135,14 @@ def test_band_scores_from_the_numbers():
         "4": {"sentences": 1, "exact_match": 100.0, "seen": 0, "unseen_exact_match": 100.0},
         "6": {"sentences": 1, "exact_match": 100.0, "seen": 0, "unseen_exact_match": 100.0},
     }
-    assert metrics.band_scores(pairs, hyps)["3"] == {
+    assert translation.band_scores(pairs, hyps)["3"] == {
         "sentences": 3, "exact_match": pytest.approx(200 / 3), "seen": None, "unseen_exact_match": pytest.approx(200 / 3)
     }
-    text = metrics.bands_text(bands)
+    text = translation.bands_text(bands)
     assert text.startswith(" by digits 1:50* 2:100 3:66.67 4:100 6:100") and "seen in training" in text
     # Data that are not all numbers have no bands.
-    assert metrics.band_scores(pairs + [("Hallo", "hello")], hyps + ["hello"]) is None
-    assert metrics.band_scores([], []) is None and metrics.bands_text(None) == ""
+    assert translation.band_scores(pairs + [("Hallo", "hello")], hyps + ["hello"]) is None
+    assert translation.band_scores([], []) is None and translation.bands_text(None) == ""
 
 
 def test_number_range_specs_with_a_step():

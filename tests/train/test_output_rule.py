@@ -14,7 +14,7 @@ from parity.commands import check as parity_check
 from parity.commands import convert, trajectory, translate_bench
 from train.commands import average, bench, curves, evaluate, profile_step, score, translate
 from train.commands import run as train_run
-from train.runtime.output import Destination
+from train.runtime.destination import Destination
 
 from .helpers import TINY_ARGV, _exit_status, files_of, one_error_line, run_files
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import train
-from train import data, loop, runtime, store
+from train import checkpoints, data, loop, runtime
 from train.commands import evaluate, translate
 from train.commands import run as train_run
 from train.config import ExperimentConfig
@@ -109,5 +109,5 @@ def test_an_edited_model_size_is_named_before_anything_is_allocated(run_copy, tm
 
 
 def test_experiment_configs_of_saved_checkpoints_are_read_without_a_framework(tiny_torch_run):
-    saved = store.saved_experiments(tiny_torch_run / "checkpoints")
+    saved = checkpoints.saved_experiments(tiny_torch_run / "checkpoints")
     assert list(saved) == [2] and ExperimentConfig.from_dict(saved[2]).backend == "torch"

@@ -1,4 +1,4 @@
-"""`runtime.session` claims a run directory for training; `runtime.derive`: a directory built
+"""`rundir.session` claims a run directory for training; `runtime.derive`: a directory built
 from a run appears whole or not at all."""
 
 import os
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from train import data, runtime
+from train import data, rundir, runtime
 from train.config import ExperimentConfig
 from train.runtime.files import json_text
 
@@ -33,7 +33,7 @@ def contents(directory):
 
 def test_session_locks_a_new_run_dir_and_leaves_nothing_behind(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with runtime.session(ExperimentConfig(backend="torch", steps=10), platform="cpu") as cfg:
+    with rundir.session(ExperimentConfig(backend="torch", steps=10), platform="cpu") as cfg:
         run_dir = Path(cfg.run_dir)
         assert cfg.run_dir.startswith("runs/torch-") and (cfg.dtype, cfg.vocab_size) == ("float32", 400)
         assert [p.name for p in run_dir.iterdir()] == [runtime.LOCK_FILE]
@@ -41,7 +41,7 @@ def test_session_locks_a_new_run_dir_and_leaves_nothing_behind(tmp_path, monkeyp
             runtime.RunLock(run_dir).acquire()
     assert not run_dir.exists()  # made for the lock and left empty: removed
     with pytest.raises(runtime.UserError, match="--init-from nowhere: not a run directory"):
-        with runtime.session(ExperimentConfig(run_dir="new", init_from="nowhere"), source="nowhere"):
+        with rundir.session(ExperimentConfig(run_dir="new", init_from="nowhere"), source="nowhere"):
             pass
     assert not (tmp_path / "new").exists()
 

@@ -189,7 +189,7 @@ def test_ensemble_command_and_refusals(runs, tmp_path, capsys, monkeypatch):
     assert pair["bleu"] == one["bleu"] and pair["samples"] == one["samples"]  # the same tokens
     code, _, err = run_cli(translate.main, capsys, "--run-dir", str(torch_dir), "--run-dir", str(torch_dir),
                            "--input", str(tmp_path / "in.txt"), "--alignments", "--format", "jsonl")
-    one_error(code, err, "--alignments with several --run-dir")
+    one_error(code, err, "--alignments with an ensemble")
     code, _, err = run_cli(translate.main, capsys, "--run-dir", str(torch_dir), "--run-dir", str(jax_dir),
                            "--input", str(tmp_path / "in.txt"))
     one_error(code, err, f"{jax_dir} is a jax run", "aiayn convert --to torch")

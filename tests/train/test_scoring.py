@@ -2,7 +2,7 @@
 
 import math
 
-from train.metrics import corpus_scores, moses_tokenized
+from train.translation import corpus_scores, moses_tokenized
 
 
 def test_moses_tokenizer_splits_clitics_and_punctuation_without_escaping():

@@ -26,10 +26,11 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # when run as the worker script
     sys.path.insert(0, str(REPO))
 
-from train import api, data, jobs, translation  # noqa: E402
-from train.commands import translate  # noqa: E402
-from train.runtime import output as run_output  # noqa: E402
+from train import api, data, translation  # noqa: E402
 from train.backends import host_devices, jax_cache  # noqa: E402
+from train.commands import translate  # noqa: E402
+from train.translate import jobs  # noqa: E402
+from train.translate import output as run_output  # noqa: E402
 
 # Numbers of varied lengths (1 to 6 words), an empty and a whitespace-only line among them.
 LINES = [data.number_words(n)[0] for n in (7, 43, 512, 999_999, 21, 3_004, 80_000, 16, 123_456, 5)]
@@ -290,7 +291,7 @@ def _other_weights(checkpoint: Path) -> None:
     from safetensors import safe_open
     from safetensors.numpy import load_file, save_file
 
-    from train.store import write_checkpoint_digest
+    from train.checkpoints import write_checkpoint_digest
 
     weights = checkpoint / "model.safetensors"
     with safe_open(str(weights), "np") as f:

@@ -15,9 +15,9 @@ import numpy as np
 
 from torch_reference.config import TransformerConfig
 
+from ..checkpoints import TrainingState
 from ..config import ExperimentConfig
 from ..data import Batch
-from ..store import TrainingState
 
 # What `train_step` returns: framework values still on the device (reading them syncs).
 Metrics = Mapping[str, Any]

@@ -4,7 +4,7 @@ The training state is the pytree {"params", "opt_state", "step"} and the update 
 `train_step(state, batch, rng) -> (state, metrics)`, its state donated. Dropout keys are
 `fold_in(rng, step)`, so a resumed run draws the masks of an uninterrupted one. Data parallelism,
 processes, FSDP and precision: docs/operations.md#devices-and-processes. Checkpoints:
-`train.store.jax_store.JaxStore` (orbax), restored onto the current mesh and layout.
+`train.checkpoints.jax_store.JaxStore` (orbax), restored onto the current mesh and layout.
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ import optax
 from flax import nnx
 
 import jax_transformer
-from jax_transformer import decode, ensemble, sampling, sharding, xla_cpu
-from jax_transformer.objective import label_smoothed_cross_entropy, noam_learning_rate
+from jax_transformer import decode, ensemble, sampling, sharding
+from jax_transformer.objective import noam_learning_rate, smoothed_sums
 from torch_reference.config import TransformerConfig, check_beam
 
+from ..checkpoints import TrainingState, check_arrays
+from ..checkpoints.jax_store import JaxStore
 from ..config import ExperimentConfig, default_dtype, resolve_kernels
 from ..data import Batch
-from ..store import TrainingState, check_arrays
-from ..store.jax_store import JaxStore
 from . import allocator, compiles, jax_cache
 from .interface import Hypotheses, Metrics, StoreMethods, Topology
 
@@ -104,14 +104,11 @@ def loss_sums(ctx: StepContext, params, batch, key, total_tokens, deterministic)
     model = ctx.model(params)
     segments = {k: batch[k] for k in ("src_segments", "tgt_segments") if k in batch}  # packed rows
     if isinstance(model, ensemble.Ensemble):  # evaluation only: its log-probabilities (B, T, V), their own logits
-        logits = model(batch["src"], batch["tgt_in"])
-    else:
-        logits = model(batch["src"], batch["tgt_in"], **segments, deterministic=deterministic, rngs=rngs)  # (B, T, V)
-    pad, eps = ctx.model_cfg.pad_id, ctx.exp_cfg.label_smoothing
-    if getattr(model, "kernels", None) == "xla_cpu":
-        loss_sum, nll_sum = xla_cpu.smoothed_sums(logits, batch["tgt_out"], pad, eps)
-    else:
-        loss_sum, nll_sum = (label_smoothed_cross_entropy(logits, batch["tgt_out"], pad, e, "sum") for e in (eps, 0.0))
+        logits, sums = model(batch["src"], batch["tgt_in"]), smoothed_sums
+    else:  # (B, T, V), and the objective of the model's kernel set
+        logits = model(batch["src"], batch["tgt_in"], **segments, deterministic=deterministic, rngs=rngs)
+        sums = model.kernels.loss_sums
+    loss_sum, nll_sum = sums(logits, batch["tgt_out"], ctx.model_cfg.pad_id, ctx.exp_cfg.label_smoothing)
     return loss_sum / total_tokens, (loss_sum, nll_sum)
 
 

@@ -1,6 +1,6 @@
 """The PyTorch backend: `torch_reference.Transformer` with torch.optim, the same semantics as JAX, on
 CUDA when available, else the CPU. `--dtype bfloat16` runs the forward passes under
-`torch.autocast`; checkpoints are `train.store.torch_store.TorchStore`'s (safetensors). On several
+`torch.autocast`; checkpoints are `train.checkpoints.torch_store.TorchStore`'s (safetensors). On several
 devices: one process each (`--devices N` starts them, or torchrun does), DistributedDataParallel,
 each process taking its rows of the global batch (docs/operations.md#devices-and-processes).
 """
@@ -30,12 +30,12 @@ from torch_reference import decode, ensemble, sampling
 from torch_reference.config import TransformerConfig, check_beam
 from torch_reference.objective import label_smoothed_cross_entropy, noam_learning_rate
 
+from ..checkpoints import TrainingState, check_arrays
+from ..checkpoints.torch_store import TorchStore
 from ..config import ExperimentConfig, default_dtype, resolve_kernels
 from ..data import Batch
 from ..runtime import Interrupted, UserError, user_errors
 from ..runtime.files import error_text
-from ..store import TrainingState, check_arrays
-from ..store.torch_store import TorchStore
 from .interface import Hypotheses, Metrics, StoreMethods, Topology
 
 

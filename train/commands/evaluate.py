@@ -1,6 +1,6 @@
-"""Score a run trained by `python -m train.run` on parallel data (`train.jobs.evaluate_spec`): label-smoothed
+"""Score a run trained by `python -m train.run` on parallel data (`train.translate.jobs.evaluate_spec`): label-smoothed
 loss, perplexity, sacreBLEU BLEU/chrF (with their signatures) and exact match (sentence accuracy) of beam-search
-translations, and for number data the exact match per number of digits (`train.metrics`). Prints one JSON
+translations, and for number data the exact match per number of digits (`train.translation`). Prints one JSON
 object. Several --run-dir score an ensemble of runs (docs/decoding.md).
 """
 
@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..jobs import evaluate_spec
+    from ..translate.jobs import evaluate_spec
 
     def job(given: dict) -> dict:
         files = build(EvaluateFiles, given)

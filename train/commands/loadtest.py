@@ -3,7 +3,7 @@
 Starts `aiayn serve` on the run (or targets --url), sends --requests requests of 1 to
 --max-texts sentences from --clients concurrent clients, and prints errors, latency percentiles and
 sentences/s; --unbatched repeats it with one request per batch, --cli times `python -m
-aiayn translate` on the same sentences (`train.loadgen.load_run`, docs/serving.md#load-test).
+aiayn translate` on the same sentences (`train.serving.loadgen.load_run`, docs/serving.md#load-test).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 import sys
 
-from ..loadgen import Load, load_run
 from ..options import build, command, run
+from ..serving.loadgen import Load, load_run
 
 
 def build_parser():

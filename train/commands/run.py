@@ -1,17 +1,16 @@
 """`python -m train.run` (`aiayn train`): train, evaluate and save a translation model: the flags of
 `train.config.ExperimentConfig`'s fields, a TOML recipe's first with `--config FILE` (`train.recipes`),
-and `train.loop.train(config)`; one `error:` line and status 2 (flags) or 1 (files), never a traceback."""
+and `train.training.start(config)`; one `error:` line and status 2 (flags) or 1 (files), never a traceback."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import signal
 import sys
 
 from .. import recipes
 from ..backends.host_devices import check_xla_flags
-from ..config import ExperimentConfig, flag_name
+from ..config import ExperimentConfig
 from ..options import OptionError
 from ..recipes import experiment
 from ..runtime import Interrupted, exit_status, read_experiment
@@ -50,7 +49,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExperimentConfig, set[s
     try:
         return experiment(vars(parser.parse_args(argv)), note="flags")
     except UserError as err:  # a recipe it refused, a value the config refuses
-        parser.exit(2, f"error: {err}\n")
+        parser.exit(2, f"error: {recipes.flagged(err)}\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,13 +69,12 @@ def _train(cfg: ExperimentConfig, given: set[str], process_settings: bool) -> No
         from ..backends import allocator
 
         allocator.use_huge_pages()
-    from ..loop import train  # after parsing: --help and flag errors stay fast
+    from ..training import start  # after parsing: --help and flag errors stay fast
 
     try:
-        train(cfg, explicit=given)
+        start(cfg, explicit=given)
     except OptionError as err:  # the library names the parameter (init_from), the command its flag (--init-from)
-        flags = {field.name: flag_name(field) for field in dataclasses.fields(ExperimentConfig)}
-        raise UserError(err.worded(lambda name: flags.get(name, name))) from None
+        raise UserError(recipes.flagged(err)) from None
     except KeyboardInterrupt:  # a second Ctrl-C, or one outside the update loop
         raise Interrupted(signal.SIGINT, "interrupted: nothing of the current step was saved; --resume continues "
                           "from the last checkpoint") from None

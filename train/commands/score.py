@@ -1,4 +1,4 @@
-"""Score given translations with a run trained by `python -m train.run` (`train.jobs.score_file`;
+"""Score given translations with a run trained by `python -m train.run` (`train.translate.jobs.score_file`;
 docs/decoding.md#scoring): one output line per pair, in order, the log-probability of the target given the
 source (the sum over its tokens, <eos> included; teacher forcing; sources longer than the model's max_len cut
 to it, as translate cuts them), or with --format jsonl also its tokens and their log-probabilities.
@@ -19,7 +19,7 @@ def build_parser():
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..jobs import score_file
+    from ..translate.jobs import score_file
 
     return run(build_parser(), argv, lambda given: score_file(build(RunSelection, given), build(ScoreFiles, given)))
 

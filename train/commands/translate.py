@@ -1,5 +1,5 @@
 """Translate sentences (one per line) with a run trained by `python -m train.run`: one output record
-per input line, in input order (`train.jobs.translate_file`; docs/decoding.md), the translation or with
+per input line, in input order (`train.translate.jobs.translate_file`; docs/decoding.md), the translation or with
 --format tsv|jsonl n-best lists with scores and alignments; --sample draws random translations, and several
 --run-dir translate with an ensemble of runs. Cached beam search (greedy with --beam 1); the backend (jax or
 torch) is the one the run was trained with. Sources longer than the model's max_len are cut to it (counted
@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..jobs import translate_file
+    from ..translate.jobs import translate_file
 
     def job(given: dict) -> None:
         translate_file(build(RunSelection, given), build(Search, given),

@@ -7,10 +7,10 @@ from torch_reference.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 from .batches import Batch, Batcher, bucket_lengths, source_batches
 from .corpora import LoadedPairs, Pair, load_parallel, split_lines
+from .corpus_store import TokenStore
 from .numbers import (NUMBER_BANDS, SEEN_BANDS, Splits, band_range, number_band, number_from_english, number_words,
                       numbers_corpus, numbers_range)
 from .splits import corpus_tokenizers, load_split, load_splits, train_store
-from .store import TokenStore
 from .vocab import (JOINT_TOKENIZER, SRC_TOKENIZER, TGT_TOKENIZER, Tokenizers, decode, decode_batch, encode,
                     encode_pairs, load_tokenizers, save_tokenizers, tokenizer_files, train_tokenizer, train_tokenizers)
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from torch_reference.config import BOS_ID, EOS_ID, PAD_ID, POSITIVE
 
-from .store import TokenStore
+from .corpus_store import TokenStore
 
 log = logging.getLogger(__name__)
 # Pairs planned at a time: a larger corpus's epoch is planned a window at a time, its memory flat in the corpus size.

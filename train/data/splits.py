@@ -9,15 +9,17 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 from ..config import ExperimentConfig
 from ..runtime.files import UserError, quoted, say
 from .corpora import Pair, load_parallel, stream_parallel
+from .corpus_store import TokenStore, cache_dir, corpus_store, meter, tell
 from .numbers import Splits, numbers_corpus, numbers_range
-from .store import TokenStore, cache_dir, corpus_store
 from .vocab import Tokenizers, encode_pairs, load_tokenizers, sample, save_tokenizers, train_tokenizers
 
+PAIRS_FILE = "pairs.txt"  # beside a corpus's tokenizers: how many pairs it holds
 MAX_SPEC = 4096  # characters of a data spec: PATH_MAX, with room for SRC:TGT: and #src=..,tgt=..
 
 
@@ -60,7 +62,7 @@ def _numbers_split(cfg: ExperimentConfig, spec: str) -> list[Pair]:
 
 def train_store(cfg: ExperimentConfig, tokenizers: Tokenizers, pairs: list[Pair] | None = None,
                 progress: bool = True) -> TokenStore:
-    """The training pairs tokenized: a --train spec's from its store on disk (train.data.store), opened in place
+    """The training pairs tokenized: a --train spec's from its store on disk (train.data.corpus_store), opened in place
     or built on first use from the spec read a chunk at a time; the numbers corpus's (and `numbers:` specs') in
     memory, from `pairs` when given (those of `load_splits`)."""
     if cfg.uses_numbers_corpus or cfg.train.startswith("numbers:"):
@@ -68,7 +70,8 @@ def train_store(cfg: ExperimentConfig, tokenizers: Tokenizers, pairs: list[Pair]
     with _loading(cfg.train):
         root, digest, stream = _training_stream(cfg)
         stored = corpus_store(root, f"{digest}#lowercase={cfg.lowercase}", tokenizers, _lowered(cfg, stream),
-                              name=cfg.train, progress=progress and cfg.progress)
+                              name=cfg.train, progress=progress and cfg.progress,
+                              total=_counted(_tokenizers_path(cfg, root, digest)))
     _check_pairs(cfg.train, len(stored), stream.skipped)
     return stored
 
@@ -78,26 +81,51 @@ def corpus_tokenizers(cfg: ExperimentConfig) -> Tokenizers:
     its stores under a key of the data and the settings: a second run on a corpus does not train them again."""
     with _loading(cfg.train):
         root, digest, stream = _training_stream(cfg)
-    settings = [digest, cfg.vocab_size, cfg.joint_vocab, cfg.lowercase, cfg.tokenizer_sample]
-    path = root / ("tokenizers-" + hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:32])
+    path = _tokenizers_path(cfg, root, digest)
     try:
         return load_tokenizers(path, cfg.joint_vocab)
     except (FileNotFoundError, ValueError):  # none yet, or damaged: train them (again)
         pass
-    with _loading(cfg.train):
-        pairs = sample(_lowered(cfg, stream), cfg.tokenizer_sample)
+    with _loading(cfg.train), meter(f"reading {cfg.train} for the tokenizers' sample", bar=cfg.progress) as bar:
+        pairs = sample(_counting(_lowered(cfg, stream), bar), cfg.tokenizer_sample)
     if not pairs:
         _check_pairs(cfg.train, 0, stream.skipped)
+    kind = "one joint tokenizer" if cfg.joint_vocab else "a tokenizer a side"
+    tell(f"training {kind} (byte-level BPE, up to {cfg.vocab_size:,} tokens) on {len(pairs):,} of "
+         f"{stream.read:,} pairs")
+    start = time.monotonic()
     tokenizers = train_tokenizers(pairs, vocab_size=cfg.vocab_size, joint=cfg.joint_vocab, lowercase=cfg.lowercase,
                                   sample_size=cfg.tokenizer_sample)
+    tell(f"tokenizers trained in {time.monotonic() - start:.1f} s")
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=root))
     save_tokenizers(tokenizers, tmp)
+    (tmp / PAIRS_FILE).write_text(f"{stream.read}\n")  # the store's build then shows its total and time left
     try:
         shutil.rmtree(path, ignore_errors=True)
         os.rename(tmp, path)  # whole or absent; another process's identical copy may have won the race
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
     return tokenizers
+
+
+def _tokenizers_path(cfg: ExperimentConfig, root: Path, digest: str) -> Path:
+    settings = [digest, cfg.vocab_size, cfg.joint_vocab, cfg.lowercase, cfg.tokenizer_sample]
+    return root / ("tokenizers-" + hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:32])
+
+
+def _counting(pairs, bar, every: int = 10_000):  # the pairs, counted on `bar` every `every` of them
+    count = 0
+    for count, pair in enumerate(pairs, start=1):
+        if count % every == 0:
+            bar.update(every)
+        yield pair
+    bar.update(count % every)
+
+
+def _counted(path: Path) -> int | None:  # the pairs the tokenizers' sample read, when they were trained here
+    with contextlib.suppress(OSError, ValueError):
+        return int((path / PAIRS_FILE).read_text())
+    return None
 
 
 @contextlib.contextmanager

@@ -19,9 +19,9 @@ from torch_reference.model import Transformer, sinusoidal_positions
 
 from .. import data, runtime
 from ..backends import create_backend
+from ..checkpoints import CheckpointMismatchError, TrainingState, check_keys
 from ..config import DERIVED_MODEL_FIELDS, SPECIAL_ID_FIELDS, ExperimentConfig
 from ..data import spm
-from ..store import CheckpointMismatchError, TrainingState, check_keys
 from .weights import convert_state, read_state_dict
 
 MARIAN_FORMAT = "marian"

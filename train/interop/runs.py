@@ -19,10 +19,10 @@ import jax_transformer
 import torch_reference
 from torch_reference.config import TransformerConfig
 
-from .. import data, runtime, store
+from .. import checkpoints, data, rundir, runtime
 from ..backends import create_backend
+from ..checkpoints.jax_store import quiet_orbax
 from ..config import ExperimentConfig
-from ..store.jax_store import quiet_orbax
 from .marian import import_marian
 from .weights import (LEGACY_SUFFIXES, convert_state, jax_key, jax_model_from_params, jax_params, nest,
                       read_state_dict, transfer_state)
@@ -37,7 +37,7 @@ def convert_checkpoints(src_cfg: ExperimentConfig, model_cfg: TransformerConfig,
         if not available:
             raise FileNotFoundError("the run has no checkpoint to convert")
         steps = (available if which == "all"
-                 else [store.choose_checkpoint(available, which, source.checkpoint_metrics, src_dir)])
+                 else [checkpoints.choose_checkpoint(available, which, source.checkpoint_metrics, src_dir)])
         for step in steps:
             meta = source.restore(step)
             transfer_state(source, target)
@@ -51,7 +51,7 @@ def convert_run(src: str | os.PathLike, dst: str | os.PathLike, to: str | None =
                 overwrite: bool = False, check: Callable[[Path], object] | None = None) -> dict:
     """A run -> the same run for the other backend (checkpoints `which`), at `dst` once `check` accepts it."""
     src, dst = Path(src), Path(dst)
-    runtime.rundir.check_set_aside(src)  # an --overwrite killed or still running: named, not half a run converted
+    rundir.check_set_aside(src)  # an --overwrite killed or still running: named, not half a run converted
     try:
         src_cfg, model_cfg = runtime.read_experiment(src), runtime.read_model_config(src)
     except runtime.UserError as err:
@@ -59,7 +59,7 @@ def convert_run(src: str | os.PathLike, dst: str | os.PathLike, to: str | None =
     to = to or ("torch" if src_cfg.backend == "jax" else "jax")
     if to == src_cfg.backend:
         raise ValueError(f"{src} is already a {to} run")
-    runtime.check_model(src, src_cfg, model_cfg, data.load_tokenizers(src))  # as --resume rebuilds it
+    rundir.check_model(src, src_cfg, model_cfg, data.load_tokenizers(src))  # as --resume rebuilds it
     copy = (*data.tokenizer_files(src), runtime.MODEL_FILE, runtime.IMPORTED_FILE, runtime.TENSORBOARD)
     with runtime.derive(src, dst, "run", overwrite, copy, check) as tmp:
         steps = convert_checkpoints(src_cfg, model_cfg, src / runtime.CHECKPOINTS, tmp / runtime.CHECKPOINTS, to, which)
@@ -89,9 +89,9 @@ def run_weights(run_dir: str | os.PathLike, checkpoint: str | int = "best") -> t
     """(weights in torch's layout as NumPy, config) of a run's checkpoint, whichever backend wrote it."""
     # Not through train.load: the library's setup imports this module (--init-from), so it stays below train.api.
     run_dir = Path(run_dir)
-    cfg, model_cfg, _ = runtime.read_run(run_dir)
+    cfg, model_cfg, _ = rundir.read_run(run_dir)
     with contextlib.closing(create_backend(cfg, model_cfg, str(run_dir / runtime.CHECKPOINTS))) as backend:
-        backend.restore(store.parse_checkpoint(checkpoint))
+        backend.restore(checkpoints.parse_checkpoint(checkpoint))
         state = convert_state(backend.export_state(), "torch", model_cfg)
     return state.params, model_cfg
 
@@ -106,7 +106,7 @@ def save_torch_weights(model: torch_reference.Transformer, path: str | os.PathLi
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_file(state_dict, str(tmp), metadata={store.WEIGHTS_CONFIG_KEY: model.cfg.to_json()})
+        save_file(state_dict, str(tmp), metadata={checkpoints.WEIGHTS_CONFIG_KEY: model.cfg.to_json()})
         os.replace(tmp, path)
     except Exception as err:
         raise runtime.write_error(err, path) or err from None
@@ -125,8 +125,8 @@ def load_torch_weights(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor]
     if path.suffix not in LEGACY_SUFFIXES:
         with safe_open(str(path), framework="pt") as f:
             metadata = f.metadata() or {}
-    if store.WEIGHTS_CONFIG_KEY in metadata:
-        cfg = TransformerConfig.from_json(metadata[store.WEIGHTS_CONFIG_KEY])
+    if checkpoints.WEIGHTS_CONFIG_KEY in metadata:
+        cfg = TransformerConfig.from_json(metadata[checkpoints.WEIGHTS_CONFIG_KEY])
     elif (path.parent / "config.json").is_file():
         cfg = TransformerConfig.from_json((path.parent / "config.json").read_text())
     else:

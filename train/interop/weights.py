@@ -24,7 +24,7 @@ import jax_transformer
 import torch_reference
 from torch_reference.config import TransformerConfig
 
-from ..store import CheckpointMismatchError, TrainingState, check_keys  # noqa: F401 (re-exported)
+from ..checkpoints import CheckpointMismatchError, TrainingState, check_keys  # noqa: F401 (re-exported)
 
 # Flax leaf name -> (torch leaf name, transposed?)
 LEAF_RULES = {

@@ -1,4 +1,5 @@
-"""The run machinery: what keeps a run directory safe, apart from what trains in it (docs/operations.md)."""
+"""The ground floor, below data and checkpoints: errors a user can cause (UserError), atomic files, a run's
+file names, its lock, replacing directories whole, the files a command writes, signals (docs/operations.md)."""
 
 from __future__ import annotations
 
@@ -9,5 +10,4 @@ from .layout import (AVERAGED_FILE, CHECKPOINTS, CONFIG_FILE, CURVES_FILE, IMPOR
 from .lock import RunLock
 from .replace import (KIND_FILE, KINDS, PROOF_FILE, check_destination, check_export, derive, export_digests, kind_of,
                       remove, swap_in)
-from .rundir import check_checkpoint_config, check_model, prepare_run_dir, read_run, replacing, session, set_aside_path
 from .signals import Interrupted, StopSignals, exit_status, interruptible

@@ -16,7 +16,7 @@ PROVENANCE_FILE = "converted.json"  # where a converted run came from (aiayn con
 AVERAGED_FILE = "averaged.json"  # which checkpoints an averaged run holds the mean of (aiayn average)
 CURVES_FILE = "curves.png"  # learning curves, drawn at the end of a run (aiayn curves)
 IMPORTED_FILE = "imported.json"  # a pretrained model's origin and original numbering (aiayn convert --from)
-CHECKPOINTS, TENSORBOARD = "checkpoints", "tensorboard"  # checkpoints/<step>/ (train.store), event files
+CHECKPOINTS, TENSORBOARD = "checkpoints", "tensorboard"  # checkpoints/<step>/ (train.checkpoints), event files
 LOCK_FILE = ".lock"  # held (flock) by the one process that writes the run
 
 

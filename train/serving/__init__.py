@@ -2,6 +2,6 @@
 
 from ..runtime import UserError
 from .app import app, run_decoder, run_info
-from .batcher import Batcher, QueueFull
 from .limits import SERVE_INSTALL, BadRequest, Decoding, Limits, Listen, Request, parse_request, require
+from .request_batcher import QueueFull, RequestBatcher
 from .server import Server, StoppedAtOnce, serve

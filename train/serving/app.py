@@ -12,9 +12,10 @@ from typing import Any
 import numpy as np
 
 from .. import data
+from ..options import check_single
 from ..runtime import UserError
-from .batcher import Batcher, QueueFull
 from .limits import BadRequest, Decoding, Limits, parse_request, require
+from .request_batcher import QueueFull, RequestBatcher
 
 try:
     from starlette.requests import ClientDisconnect
@@ -31,15 +32,14 @@ def result_json(result) -> dict[str, Any]:
 
 
 def run_decoder(run) -> Callable[..., list[dict[str, Any]]]:
-    """`Batcher.decode` for a loaded run (`train.load`): each text's `result_json` (and attention)."""
+    """`RequestBatcher.decode` for a loaded run (`train.load`): each text's `result_json` (and attention)."""
 
     def decode(texts: list[str], prefixes: list[str | None] | None, options: Decoding) -> list[dict[str, Any]]:
         recorder = None
         if options.attention:
-            from ..attention import AttentionRecorder
+            from ..translate.attention import AttentionRecorder
 
-            if run.members:
-                raise UserError("attention with an ensemble: its members' attention weights are not one drawing")
+            check_single(bool(run.members), "attention")
             recorder = AttentionRecorder(run.backend, run.tokenizers, texts)
         results = run.translate(texts, prefix=prefixes, on_batch=recorder, **options.translate_options())
         out = [result_json(r) for r in results]
@@ -77,7 +77,7 @@ class Served:
     count_tokens: Callable[[Sequence[str]], int]
     info: dict[str, Any]
     html: str
-    batcher: Batcher | None = None
+    batcher: RequestBatcher | None = None
     stop_now: asyncio.Event | None = None
     stopped: int = 0  # requests answered 503 by a stop at once
 
@@ -187,7 +187,7 @@ async def server_error(request, exc: Exception):
 @contextlib.asynccontextmanager
 async def lifespan(app):
     served: Served = app.state.served
-    served.batcher, served.stop_now = Batcher(served.decode, served.limits), asyncio.Event()
+    served.batcher, served.stop_now = RequestBatcher(served.decode, served.limits), asyncio.Event()
     task = asyncio.create_task(served.batcher.run())
     try:
         yield

@@ -11,7 +11,8 @@ from typing import Any
 
 from torch_reference.config import POSITIVE, Range
 
-from ..options import SAMPLING_FIELDS, OptionError, Search, checked, option, sampling_of
+from ..config import BATCH, BEAM
+from ..options import SAMPLING_FIELDS, Search, checked, option, sampling_of
 from ..runtime import UserError
 
 SERVE_INSTALL = 'pip install -e ".[serve]"'
@@ -25,8 +26,8 @@ def require(module: str) -> Any:
         raise UserError(f"{module} is not installed; it comes with the serve extra: {SERVE_INSTALL}") from None
 
 
-def _limit(default, help: str):
-    return option(default, help, range=Range(float, above=0.0) if isinstance(default, float) else POSITIVE)
+def _limit(default, help: str, range: Range = POSITIVE):
+    return option(default, help, range=Range(float, above=0.0) if isinstance(default, float) else range)
 
 
 @checked
@@ -36,9 +37,9 @@ class Limits:
     max_body_bytes: int = _limit(1 << 20, "larger request bodies get 413")
     max_texts: int = _limit(64, "sentences per request")
     max_text_chars: int = _limit(2000, "characters per sentence (the model reads at most max_len tokens of it)")
-    max_beam: int = _limit(16, "the largest beam (and number of samples) a request may ask for")
+    max_beam: int = _limit(16, "the largest beam (and number of samples) a request may ask for", BEAM)
     max_queue_sentences: int = _limit(4096, "sentences waiting or decoding; past it 429 with Retry-After")
-    max_batch_sentences: int = _limit(512, "sentences decoded together")
+    max_batch_sentences: int = _limit(512, "sentences decoded together", BATCH)
     max_batch_tokens: int = _limit(16384, "source tokens decoded together")
     max_batch_requests: int | None = _limit(None, "requests decoded together (1: no batching)")
     max_wait_ms: float = _limit(5.0, "how long the oldest waiting request waits for others to join its batch")
@@ -61,7 +62,7 @@ class BadRequest(Exception):
     """A request the server refuses (400), with a one-line message."""
 
 
-@dataclasses.dataclass(frozen=True)
+@checked
 class Decoding:
     """A request's `Search`, `sample` with its `sampling` keywords, `attention`. Equal options share a batch,
     but sampled ones: a sample's random numbers are keyed by the sentence's place in its own request."""
@@ -81,14 +82,11 @@ SEARCH_FIELDS = tuple(f.name for f in dataclasses.fields(Search))
 
 def decoding(fields: dict[str, Any], prefixes: bool = False) -> Decoding:
     """The options objects of a request's fields, each checked by its class as `Run.translate` builds them."""
-    for name in ("sample", "attention"):
-        if not isinstance(fields.get(name, False), bool):
-            raise OptionError("{} " + f"must be true or false, got {fields[name]!r}", name)
     search = Search(**{k: v for k, v in fields.items() if k in SEARCH_FIELDS})
     sampling = {k: v for k, v in fields.items() if k in SAMPLING_FIELDS}
     if sampled := sampling_of(fields.get("sample"), sampling):
         sampled.check_with(search, prefixes)
-    return Decoding(search, bool(fields.get("sample")), tuple(sorted(sampling.items())), bool(fields.get("attention")))
+    return Decoding(search, bool(fields.get("sample")), tuple(sorted(sampling.items())), fields.get("attention", False))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from .options import POSITIVE, OptionError, checked, option
-from .runtime.files import UserError
-from .serving import Limits, require
+from ..options import POSITIVE, OptionError, checked, option
+from ..runtime.files import UserError
+from .limits import Limits, require
 
 
 @checked
@@ -56,8 +56,8 @@ def load_run(load: Load) -> dict[str, dict[str, Any]]:
     if load.input is not None:
         lines = read_lines(load.input)
     else:
-        from .data.splits import load_split
-        from .runtime import read_experiment
+        from ..data.splits import load_split
+        from ..runtime import read_experiment
 
         lines = [s for s, _ in load_split(read_experiment(load.run_dir), load.data)]
     if not lines:

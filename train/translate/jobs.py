@@ -11,16 +11,17 @@ import os
 import sys
 from typing import Any
 
-from . import api
-from .backends.host_devices import split_host
-from .data import load_parallel
-from .data.corpora import spec_files
-from .data.streams import LineReader
-from .options import Evaluation, RunSelection, Sampling, ScoreFiles, Search, TranslateFiles, check_format
-from .runtime import Interrupted, interruptible
-from .runtime.files import UserError, error_text, json_text
-from .runtime.output import Destination, OtherInput, PartialOutput, Progress, StreamOutput, open_stream
-from .translation import TsvColumns, translate_stream
+from .. import api
+from ..backends.host_devices import split_host
+from ..data import load_parallel
+from ..data.corpora import spec_files
+from ..data.streams import LineReader
+from ..options import Evaluation, RunSelection, Sampling, ScoreFiles, Search, TranslateFiles, check_format, check_single
+from ..runtime import Interrupted, interruptible
+from ..runtime.destination import Destination, open_stream
+from ..runtime.files import UserError, error_text, json_text
+from .output import OtherInput, PartialOutput, Progress, StreamOutput
+from .stream import TsvColumns, translate_stream
 
 
 def translate_file(selection: RunSelection, search: Search = Search(), sample: Sampling | None = None,
@@ -30,9 +31,8 @@ def translate_file(selection: RunSelection, search: Search = Search(), sample: S
     Interrupted naming what was kept."""
     check_format(files.format, search, sample)
     ensemble = len(selection.run_dir) > 1
-    if ensemble and (search.alignments or files.plot_attention is not None):
-        raise UserError(f"{'--alignments' if search.alignments else '--plot-attention'} with several --run-dir: an "
-                        "ensemble's members' attention weights are not one alignment")
+    check_single(ensemble and search.alignments, "alignments")
+    check_single(ensemble and files.plot_attention is not None, "plot_attention")
     split_host()  # before jax is imported
     reader = LineReader(files.input, files.max_line_bytes)
     first = next(reader, None)  # read before the run loads: bad input fails fast

@@ -12,13 +12,14 @@ from typing import Any
 
 from torch_reference.config import TransformerConfig
 
-from .. import data
-from ..config import RECIPE_FILE, ExperimentConfig
-from .files import UserError, say, user_errors, write_json_atomic
-from .layout import (CHECKPOINTS, CONFIG_FILE, LOCK_FILE, MODEL_FILE, TENSORBOARD, experiment_of, read_experiment,
-                     read_model_config)
-from .lock import RunLock
-from .replace import check_outside_runs, kind_of, remove
+from . import data
+from .checkpoints import saved_experiments
+from .config import RECIPE_FILE, ExperimentConfig
+from .runtime.files import UserError, say, user_errors, write_json_atomic
+from .runtime.layout import (CHECKPOINTS, CONFIG_FILE, LOCK_FILE, MODEL_FILE, TENSORBOARD, experiment_of,
+                             read_experiment, read_model_config)
+from .runtime.lock import RunLock
+from .runtime.replace import check_outside_runs, kind_of, remove
 
 
 @contextlib.contextmanager
@@ -159,8 +160,6 @@ def check_model(run_dir: Path, cfg: ExperimentConfig, model_cfg: TransformerConf
                 what: str = MODEL_FILE) -> None:
     """Refuse, before a model is built (a hand-edited size is named, not allocated), a run whose files describe
     different models: `model_cfg` (from `what`) must be that of config.json and of each checkpoint's experiment."""
-    from ..store import saved_experiments  # here: the stores write through runtime.files, below this package
-
     sizes = tokenizers.src.get_vocab_size(), tokenizers.tgt.get_vocab_size()
     sources = {f"{run_dir / CONFIG_FILE} with the tokenizer": cfg}
     for step, saved in sorted(saved_experiments(run_dir / CHECKPOINTS).items()):

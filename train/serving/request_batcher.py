@@ -15,7 +15,7 @@ from .limits import Limits, Request
 
 
 class QueueFull(Exception):
-    """The batcher holds `max_queue_sentences` already."""
+    """The request batcher holds `max_queue_sentences` already."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -30,7 +30,7 @@ class _Pending:
         return self.request.options, self.request.prefix is None
 
 
-class Batcher:
+class RequestBatcher:
     """`submit(request, tokens)` queues a request (a future of its results); `run()` decodes the oldest with those
     that may share its batch (up to `max_batch_*`, waiting `max_wait_ms` at most) on one worker thread; a
     UserError goes to the request that caused it (each decoded alone), a cancelled request is dropped."""

@@ -1,4 +1,4 @@
-"""The corpus store (train/data/store.py) and batches planned from its lengths (train/data/batches.py).
+"""The corpus store (train/data/corpus_store.py) and batches planned from its lengths (train/data/batches.py).
 
 - The batches are main's: digests of every batch of main's (list-based) Batcher at 7b321f9 for the
   numbers corpus and Multi30k, bucketed and packed, are reproduced from a store on disk;
@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 from train import data
-from train.data import store as store_mod
 from train.config import ExperimentConfig
+from train.data import corpus_store as store_mod
 from train.runtime import UserError
 
 
@@ -40,7 +40,7 @@ def _digest(batches) -> tuple[int, str]:
 
 def _check(examples, expected: dict, max_len: int) -> None:
     """Epoch 0 and 3 batches of epoch 1 through next(), and epoch 2 through epoch_batches, against
-    the digests main's Batcher gave (tests/train/test_store.py's _digest, computed at 7b321f9)."""
+    the digests main's Batcher gave (tests/train/test_corpus_store.py's _digest, computed at 7b321f9)."""
     for (pack, budget, seed, multiple_of), (count, first, second) in expected.items():
         batcher = data.Batcher(examples, token_budget=budget, max_len=max_len, seed=seed, pack=pack,
                                multiple_of=multiple_of)

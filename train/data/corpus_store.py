@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Iterable
@@ -22,7 +23,7 @@ import numpy as np
 import xxhash
 from tqdm.auto import tqdm
 
-from ..runtime.files import UserError
+from ..runtime.files import UserError, say
 from .corpora import RACY_S
 from .vocab import Tokenizers, encode
 
@@ -32,6 +33,50 @@ SIDES = ("src", "tgt")
 CHUNK = 20_000  # pairs per encode_batch call: the tokenizer's threads busy, a bounded buffer
 HEADER = 128  # bytes of a 1-D .npy header (format 1.0), whatever the array's length
 _VERIFIED: set[tuple] = set()  # the stores this process has digested, with their files' stat: read once
+LINE_EVERY_S = 5.0  # seconds between two progress lines where no bar is drawn: a log stays short, a stall shows
+
+
+def meter(desc: str, total: int | None = None, bar: bool = True):
+    """What a long step is doing, counted in pairs (`.update(n)`, a context): tqdm's bar on a terminal when `bar`,
+    else (piped output, --no-progress) a line every LINE_EVERY_S seconds and one at the end."""
+    if bar and sys.stderr.isatty():
+        return tqdm(total=total, desc=desc, unit=" pairs", dynamic_ncols=True)
+    return _Lines(desc, total)
+
+
+class _Lines:
+    """A bar's figures as lines, flushed (a log followed as it grows): pairs done of the total, rate, time left."""
+
+    def __init__(self, desc: str, total: int | None):
+        self.desc, self.total, self.n, self.told = desc, total, 0, None
+        self.start = self.shown = time.monotonic()
+        tell(f"{desc}: {total:,} pairs" if total else f"{desc}...")
+
+    def update(self, n: int) -> None:
+        self.n += n
+        if time.monotonic() - self.shown >= LINE_EVERY_S:
+            self.shown, self.told = time.monotonic(), self.n
+            tell(self.line())
+
+    def line(self) -> str:
+        elapsed, total = time.monotonic() - self.start, self.total
+        rate = self.n / max(elapsed, 1e-9)
+        done = f"{self.n:,}/{total:,} pairs ({self.n / total:.0%})" if total else f"{self.n:,} pairs"
+        left = f", {tqdm.format_interval((total - self.n) / rate)} left" if total and rate and self.n < total else ""
+        return f"{self.desc}: {done}, {rate:,.0f} pairs/s, {tqdm.format_interval(elapsed)} elapsed{left}"
+
+    def __enter__(self) -> _Lines:
+        return self
+
+    def __exit__(self, kind, *_) -> None:
+        if kind is None and self.told != self.n:  # the last count, once
+            tell(self.line())
+
+
+def tell(text: str) -> None:
+    """A line of what the data's preparation is doing, on standard output now, even when it is a pipe."""
+    say(text)
+    sys.stdout.flush()
 
 
 class TokenStore:
@@ -94,9 +139,10 @@ def cache_dir(hf_cache: str | None = None) -> Path:
 
 
 def corpus_store(root: Path, data_digest: str, tokenizers: Tokenizers, pairs: Iterable[tuple[str, str]],
-                 name: str = "corpus", progress: bool = True) -> TokenStore:
+                 name: str = "corpus", progress: bool = True, total: int | None = None) -> TokenStore:
     """The store of the data `data_digest` names tokenized by `tokenizers` under `root`: opened when
-    it is there, else built from `pairs` (read only then), with a progress bar on a terminal when `progress`."""
+    it is there, else built from `pairs` (read only then; `total` of them when known), with a progress bar on a
+    terminal when `progress`, lines every few seconds otherwise."""
     key = hashlib.sha256(f"{FORMAT}\n{data_digest}\n{tokenizers_digest(tokenizers)}".encode()).hexdigest()[:32]
     path = root / key
     if not (path / MANIFEST).is_file():
@@ -105,7 +151,7 @@ def corpus_store(root: Path, data_digest: str, tokenizers: Tokenizers, pairs: It
             fcntl.flock(lock, fcntl.LOCK_EX)  # a second build of the key waits, then opens the first's store
             if not (path / MANIFEST).is_file():
                 _remove_stale(root, key)
-                build_store(path, pairs, tokenizers, key, name, progress)
+                build_store(path, pairs, tokenizers, key, name, progress, total)
     return open_store(path, key)
 
 
@@ -121,7 +167,7 @@ def _remove_stale(root: Path, key: str) -> None:  # killed builds' temporary dir
 
 
 def build_store(path: Path, pairs: Iterable[tuple[str, str]], tokenizers: Tokenizers, key: str = "",
-                name: str = "corpus", progress: bool = True) -> None:
+                name: str = "corpus", progress: bool = True, total: int | None = None) -> None:
     """Tokenize `pairs` chunk by chunk (`encode_batch` runs on every core) into a new store at `path`,
     written in a temporary directory beside it and renamed into place when complete."""
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
@@ -133,8 +179,7 @@ def build_store(path: Path, pairs: Iterable[tuple[str, str]], tokenizers: Tokeni
             for f in files.values():
                 f.seek(HEADER)  # the header is written last, when the length is known
             counts = dict.fromkeys(files, 0)
-            bar = stack.enter_context(tqdm(unit=" pairs", desc=f"tokenizing {name}", dynamic_ncols=True,
-                                           disable=None if progress else True))  # None: on a terminal only
+            bar = stack.enter_context(meter(f"tokenizing {name} into its store", total, progress))
             pairs = iter(pairs)
             while chunk := list(itertools.islice(pairs, CHUNK)):
                 for side, tok, texts in zip(SIDES, (tokenizers.src, tokenizers.tgt), zip(*chunk)):

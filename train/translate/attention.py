@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 from matplotlib.figure import Figure
 
-from . import data
-from .backends import Translator
-from .plots import save_figure
-from .runtime.replace import check_outside_runs
+from .. import data
+from ..backends import Translator
+from ..plots import save_figure
+from ..runtime.replace import check_outside_runs
 
 
 @dataclasses.dataclass(frozen=True)
