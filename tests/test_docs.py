@@ -115,7 +115,6 @@ def test_readme_python_block_is_on_the_python_page():
         assert line.split("#")[0].strip() in page, line
 
 
-@pytest.mark.slow  # ~60 s; CI: every command line above; train.fit, train.load: test_recipes.py and others
 def test_python_page_runs(tmp_path):
     """docs/python.md's blocks, in order, as one script in a fresh interpreter beside the recipes: the
     numbers model trains, translates 43 right, refuses a second run in its directory and averages."""

@@ -153,10 +153,8 @@ def test_the_tuned_loss_keeps_one_logits_array_less():
     assert plain - tuned >= logits.size * 4, (plain, tuned)
 
 
-@pytest.mark.parametrize("vocab, hyps, n, chunk", [(53, 4, 8, 128), *(  # 5-7 s each
-    pytest.param(*case, marks=pytest.mark.slow) for case in ((7, 16, 32, 128), (1000, 4, 8, 128), (300, 1, 1, 128),
-                                                               (300, 1, 1, 7))),
-    (1001, 3, 6, 16)])
+@pytest.mark.parametrize("vocab, hyps, n, chunk", [  # 5-7 s each
+    (53, 4, 8, 128), (7, 16, 32, 128), (1000, 4, 8, 128), (300, 1, 1, 128), (300, 1, 1, 7), (1001, 3, 6, 16)])
 def test_best_candidates_equal_top_k_over_every_extension(vocab, hyps, n, chunk):
     # Integer logits: many exact ties, which must resolve to the lower index as in lax.top_k;
     # vocabularies that chunks do not divide; dead hypotheses (NEG_INF); sentences at their limit.
@@ -240,12 +238,10 @@ def sources(sentences: int, length: int, vocab: int, seed: int) -> np.ndarray:
     return out
 
 
-# ~35 s each on 2 cores, so outside CI: there the JAX backend trains with this kernel set (the CPU's
-# default) against torch (tests/train/test_backends.py) and packing runs over every kernel set.
-@pytest.mark.parametrize("overrides, searches", [
-    pytest.param({}, [("greedy_search", {}), ("beam_search", {"beam_size": 3})], marks=pytest.mark.slow),
-    pytest.param({"norm_position": "pre", "share_embeddings": False, "tie_output": False},
-                 [("beam_search", {"beam_size": 3, "cached": False})], marks=pytest.mark.slow)])
+@pytest.mark.parametrize("overrides, searches", [  # ~35 s each on 2 cores
+    ({}, [("greedy_search", {}), ("beam_search", {"beam_size": 3})]),
+    ({"norm_position": "pre", "share_embeddings": False, "tie_output": False},
+     [("beam_search", {"beam_size": 3, "cached": False})])])
 def test_both_paths_give_the_same_losses_gradients_and_searches_on_the_cpu(overrides, searches):
     """The model built with `kernels="xla_cpu"` against the plain one, both run here on the CPU: the same
     loss and gradients to float32 rounding, and searches (greedy, beam 3, cached and not) with

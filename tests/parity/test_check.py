@@ -12,10 +12,7 @@ LOPSIDED = dict(src_vocab_size=97, tgt_vocab_size=97, d_model=24, num_heads=3, d
                 num_encoder_layers=2, num_decoder_layers=3, max_len=64)
 
 
-# Each variant's check takes 8-25 s on 2 cores: CI runs the paper's model and Marian's (which
-# carries four variants at once); `-m slow` runs the other nine.
-@pytest.mark.parametrize("variant", [v if v in ("paper", "marian") else pytest.param(v, marks=pytest.mark.slow)
-                                     for v in comparison.VARIANTS], ids=str)
+@pytest.mark.parametrize("variant", list(comparison.VARIANTS), ids=str)  # 8-25 s each on 2 cores
 def test_gradients_match_for_every_variant(variant):
     overrides = dict(comparison.VARIANTS[variant])
     if not overrides.get("share_embeddings", True):

@@ -58,7 +58,7 @@ def _backends(corpus, clip_norm=None):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("clip_norm", [None, pytest.param(0.5, marks=pytest.mark.slow)], ids=["adam", "clip-then-adam"])
+@pytest.mark.parametrize("clip_norm", [None, 0.5], ids=["adam", "clip-then-adam"])
 def test_jax_state_carries_adam_of_the_trainers_chain(corpus, clip_norm):
     """optax.adam(schedule) = chain(scale_by_adam, scale_by_schedule); clipping puts it second. The
     exported moments are Adam's, keyed like the weights, and every step counter moves with them."""
@@ -216,7 +216,6 @@ def _resume(run_dir: Path, steps: int) -> list[float]:
     return [entry["loss"] for entry in results["history"]["train"]]
 
 
-@pytest.mark.slow  # ~20 s each; CI: test_whole_run_round_trip_jax_torch_jax_is_bit_exact and tests/parity/test_convert.py
 @pytest.mark.parametrize("first", ["jax", "torch"])
 def test_cli_converts_a_run_and_resume_continues_in_the_other_framework(jax_run, tmp_path, first):
     """Convert a run with the CLI, resume it in the other framework with train.run, and get the

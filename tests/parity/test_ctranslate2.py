@@ -173,7 +173,6 @@ def test_an_export_that_computes_something_else_fails_and_leaves_nothing(trained
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.slow  # ~18 s: 20 sentences through CTranslate2 and both twins
 def test_greedy_with_a_target_prefix_is_ctranslate2s_target_prefix(trained):
     """Each test sentence forced to start with the first two tokens of another sentence's greedy
     output (so the search continues from a start it would not choose): our greedy search, in both

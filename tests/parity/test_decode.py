@@ -52,9 +52,8 @@ def source(batch=4, length=9, seed=0, vocab=53):
     return out
 
 
-@pytest.mark.parametrize("overrides", [{}, *(pytest.param(o, marks=pytest.mark.slow) for o in (  # ~4 s each
-    {"norm_position": "pre", "positions": "learned"}, {"activation": "swiglu"})),
-    {"activation": "silu", "positions": "sinusoidal_halves", "output_bias": True, "bos_id": 0}])
+@pytest.mark.parametrize("overrides", [{}, {"norm_position": "pre", "positions": "learned"}, {"activation": "swiglu"},
+    {"activation": "silu", "positions": "sinusoidal_halves", "output_bias": True, "bos_id": 0}])  # ~4 s each
 def test_cached_steps_equal_the_full_decoder_in_both_frameworks(overrides):
     torch_model, jax_model = pair(**overrides)
     src = source()
@@ -84,7 +83,7 @@ def test_cached_steps_equal_the_full_decoder_in_both_frameworks(overrides):
     np.testing.assert_allclose(np.stack(steps_j, 1), full_t, atol=1e-5)
 
 
-@pytest.mark.parametrize("seed", [3, pytest.param(4, marks=pytest.mark.slow)])  # 10-30 s each on 2 cores
+@pytest.mark.parametrize("seed", [3, 4])  # 10-30 s each on 2 cores
 @pytest.mark.parametrize("search", ["greedy", "beam"])
 def test_cached_search_equals_the_uncached_loop_in_each_framework(search, seed):
     """`cached=False` re-runs the whole decoder over each prefix (the seeds' loop, the benchmark's
@@ -115,7 +114,7 @@ def test_cached_search_equals_the_uncached_loop_in_each_framework(search, seed):
 MARIAN = {"activation": "silu", "positions": "sinusoidal_halves", "output_bias": True, "layer_norm_eps": 1e-5, "bos_id": 0}
 
 
-@pytest.mark.parametrize("seed", [0, *(pytest.param(s, marks=pytest.mark.slow) for s in (1, 2, 3))])  # ~6 s each
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])  # ~6 s each
 @pytest.mark.parametrize("search", ["greedy", "beam", "beam-hf"])
 def test_torch_and_jax_search_return_identical_tokens_and_scores(search, seed):
     """The JAX search over the plain model and over the XLA:CPU-tuned one."""
@@ -166,7 +165,7 @@ def test_beam_search_is_exact_when_the_beam_holds_every_hypothesis():
 
 
 @pytest.mark.parametrize("alpha, scoring", [  # ~6 s each
-    pytest.param(0.0, "gnmt", marks=pytest.mark.slow), (0.6, "gnmt"), pytest.param(1.4, "gnmt", marks=pytest.mark.slow), (0.5, "hf")])
+    (0.0, "gnmt"), (0.6, "gnmt"), (1.4, "gnmt"), (0.5, "hf")])
 def test_beam_search_stops_once_its_best_cannot_be_beaten(monkeypatch, alpha, scoring):
     """A sentence is done when its best finished hypothesis beats what any live one could still
     reach (`_done`): the same tokens and scores as a search run to the length limit, and as the
@@ -218,7 +217,7 @@ def test_batching_does_not_change_results_and_short_sentences_end_at_step_one(se
         assert abs(alone_score.item() - scores_t[row].item()) <= 1e-5
 
 
-@pytest.mark.parametrize("search", [pytest.param("greedy", marks=pytest.mark.slow), "beam"])  # ~20 s each
+@pytest.mark.parametrize("search", ["greedy", "beam"])  # ~20 s each
 def test_search_over_a_shrinking_batch_and_rows_of_padding(search):
     """The XLA:CPU search moves the live sentences into a batch half the size whenever they fit
     (`xla_cpu.shrinking_while`); rows of padding only (a batch's filler) are no sentence: padding,
@@ -245,7 +244,7 @@ def test_search_over_a_shrinking_batch_and_rows_of_padding(search):
     assert hlo.count("stablehlo.while") == 4  # one loop per stage: 64, 32, 16, 8 sentences (SMALLEST_STAGE 8)
 
 
-@pytest.mark.parametrize("search", [pytest.param("greedy", marks=pytest.mark.slow), "beam"])  # ~8 s each
+@pytest.mark.parametrize("search", ["greedy", "beam"])  # ~8 s each
 def test_search_over_a_growing_cache(search):
     """In the XLA:CPU search the first quarter and the next quarter of the positions attend over a
     cache a quarter and a half as long, grown as the loop passes them: the same tokens as torch
@@ -294,7 +293,6 @@ def test_output_length_is_bounded_by_max_len():
     assert jd.output_length(4, 40, 1.5, 10) == 16
 
 
-@pytest.mark.slow  # ~65 s: trains a model on Multi30k first
 def test_search_parity_on_multi30k_with_a_trained_model(multi30k, tmp_path):
     """Real sentences and trained weights: a 2+2-layer model trained 80 steps on Multi30k (torch),
     its weights converted; greedy and beam 4 over 48 validation sentences (one padded batch) give
@@ -332,7 +330,7 @@ def test_search_parity_on_multi30k_with_a_trained_model(multi30k, tmp_path):
         # (Beam search finds that this barely trained model's likeliest output is an immediate EOS.)
 
 
-@pytest.mark.parametrize("scoring", [pytest.param("gnmt", marks=pytest.mark.slow), "hf"])  # ~7 s each
+@pytest.mark.parametrize("scoring", ["gnmt", "hf"])  # ~7 s each
 def test_n_best_is_identical_in_both_frameworks_and_led_by_the_one_best(scoring):
     """n_best=3 of beam 4: the same tokens, log-probs and scores (1e-5: sums as above) in torch,
     JAX and JAX's XLA:CPU search; hypothesis 0 is the 1-best search's; best first; score =
@@ -391,7 +389,7 @@ def test_a_sentence_with_fewer_outputs_than_n_best_has_empty_slots():
         assert np.array_equal(np.isfinite(np.asarray(scores)), np.isfinite(np.asarray(logprob)))
 
 
-@pytest.mark.parametrize("search", [pytest.param("greedy", marks=pytest.mark.slow), "beam"])  # ~6 s each
+@pytest.mark.parametrize("search", ["greedy", "beam"])  # ~6 s each
 def test_a_forced_prefix_is_identical_in_both_frameworks_and_the_search_continues_after_it(search):
     """Rows with a prefix of 2, 1, 0 and 3 tokens (and a row of padding): each output starts with
     its prefix; tokens identical in torch, JAX and the XLA:CPU search, log-probs to 1e-5; the

@@ -61,7 +61,7 @@ def test_members_that_do_not_share_a_vocabulary_are_refused_by_name(twin):
     assert ensemble.widths == type(ensemble.widths)([24, 16, 24]) and sum(ensemble.depths) == 3 + 1 + 3
 
 
-@pytest.mark.parametrize("search", [pytest.param("greedy", marks=pytest.mark.slow), "beam"])  # ~5 s each
+@pytest.mark.parametrize("search", ["greedy", "beam"])  # ~5 s each
 def test_an_ensemble_of_one_is_the_model(search):
     torch_model, jax_model = pair(seed=3)
     src = source(batch=5, length=9, seed=3)
@@ -94,7 +94,6 @@ def test_torch_and_jax_ensembles_decode_identically(search):
     assert ((tokens_t == 2).sum(dim=1) == 1).all()
 
 
-@pytest.mark.slow  # ~60 s: the XLA:CPU loops compile their stages
 @pytest.mark.parametrize("search", ["greedy", "beam"])
 def test_torch_and_jax_ensembles_decode_identically_over_the_xla_cpu_loop(search):
     (ta, tb), (ja, jb) = members()

@@ -40,7 +40,6 @@ def module_and_argv(words: list[str]) -> tuple[str, list[str]]:
     return COMMANDS[words[1]][0], words[2:]
 
 
-@pytest.mark.slow  # ~70 s; CI fine-tunes a Marian directory through train.fit (tests/parity/test_init_from.py)
 def test_the_fine_tuning_page_runs_as_written(tmp_path, monkeypatch):
     commands = [module_and_argv(shlex.split(line)) for block in blocks("bash") for line in block.splitlines()
                 if line.strip()]

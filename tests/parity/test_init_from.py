@@ -115,7 +115,6 @@ def test_fit_starts_from_a_marian_directory(tmp_path, monkeypatch):
     assert not list((tmp_path / "scratch").iterdir())
 
 
-@pytest.mark.slow  # ~11 s; in CI train.fit starts from a Marian directory (above)
 def test_a_marian_model_fine_tuned_in_one_command_learns_and_exports_to_hf(tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
     from parity.commands import convert

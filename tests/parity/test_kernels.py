@@ -121,8 +121,7 @@ SETS = [(twin, name) for twin, registry in (("jax", jt.KERNELS), ("torch", tr.KE
         for name, row in registry.items() if row and name != "reference"]
 
 
-@pytest.mark.slow  # ~10 s a set; each set's attention itself is checked against the reference above, in CI
-@pytest.mark.parametrize("twin, name", SETS)
+@pytest.mark.parametrize("twin, name", SETS)  # ~10 s a set
 def test_every_kernel_set_gives_the_reference_logits_gradients_and_attention_weights(twin, name):
     cfg = jt.TransformerConfig(**CONFIG)
     src, tgt_in, tgt_out = batch()
@@ -143,7 +142,6 @@ def test_every_kernel_set_gives_the_reference_logits_gradients_and_attention_wei
     np.testing.assert_allclose(weights[1], weights[0], atol=1e-5, rtol=0)  # the layers below differ by rounding
 
 
-@pytest.mark.slow  # ~46 s: two models with and without remat, gradients in both twins
 def test_remat_gives_the_same_loss_and_gradients_with_dropout():
     cfg = jt.TransformerConfig(**{**CONFIG, "dropout": 0.3, "attention_dropout": 0.2})
     src, tgt_in, tgt_out = batch()

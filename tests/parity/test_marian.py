@@ -259,7 +259,6 @@ def test_imported_run_translates_evaluates_and_fine_tunes(small, tmp_path, capsy
     assert json.loads((run_dir / runtime.RESULTS_FILE).read_text())["steps"] == 2
 
 
-@pytest.mark.slow  # ~20 s; CI checks the same against HF at small shapes (the tests above)
 def test_opus_mt_de_en_shapes_logits_and_greedy_equal_hf(tmp_path):
     """At opus-mt-de-en's shapes (d 512, 8 heads, 6+6 layers, ffn 2048, swish, scaled embeddings,
     58101 tokens), two short sentences: logits to 1e-5 in both twins, greedy tokens identical."""
@@ -341,7 +340,6 @@ def test_hf_scoring_is_hf_generate_beam_search_token_for_token(trained_as_hf):
     print(f"GNMT scoring chose otherwise on {differ_gnmt} of {2 * len(sources)} searches")
 
 
-@pytest.mark.slow  # ~18 s: HF generate with num_return_sequences beside both twins
 def test_n_best_with_hf_scoring_is_hf_generate_num_return_sequences(trained_as_hf):
     """`n_best=3` of beam 4 with `scoring="hf"` on 10 test sentences: HF `generate(num_beams=4,
     num_return_sequences=3)`'s three sequences, in its order, and its sequences_scores to 1e-5 (as the

@@ -208,7 +208,6 @@ def test_a_subnormal_temperature_samples_the_greedy_output_in_both_frameworks():
         assert (tokens[:, :, :n] == greedy[:, None]).all() and (tokens[:, :, n:] == 0).all(), temperature
 
 
-@pytest.mark.slow  # ~40 s: the XLA:CPU loop compiles its stages
 def test_torch_and_jax_sample_the_same_tokens_over_the_xla_cpu_loop():
     torch_model, jax_model = pair(seed=3)
     src = source(batch=16, length=9, seed=3)

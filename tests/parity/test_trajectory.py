@@ -44,7 +44,6 @@ def _assert_parameter_bound(report, label):
     assert max(smooth["per_step"]["loss_rel"]) <= 1e-5 and smooth["final_param_rel_l2"] <= 1e-4
 
 
-@pytest.mark.slow  # ~45 s with its fixture; CI: tests/train/test_backends.py trains both frameworks alike
 def test_one_curve_in_both_frameworks(report):
     c = _comparison(report, "jax vs torch")
     assert c["per_step"]["step"] == list(range(1, STEPS + 1)) and c["bounded"]
@@ -71,7 +70,6 @@ def test_one_curve_in_both_frameworks(report):
     assert report["failures"] == []
 
 
-@pytest.mark.slow  # shares the slow fixture above
 @pytest.mark.parametrize("first,then", [("jax", "torch"), ("torch", "jax")])
 def test_a_run_continued_in_the_other_framework(report, first, then):
     """50 updates in one framework, its checkpoint converted, 50 in the other = 100 in the other."""
@@ -88,7 +86,6 @@ def test_a_run_continued_in_the_other_framework(report, first, then):
     assert c["per_step"]["loss_rel"][0] <= 1e-6
 
 
-@pytest.mark.slow  # shares the slow fixture above
 def test_the_report_can_be_read(report, tmp_path, capsys):
     trajectory.print_report(report)
     out = capsys.readouterr().out
@@ -144,7 +141,6 @@ def test_one_ulp_away_moves_every_weight_by_one_rounding_error():
     assert 0.4 < np.mean(moved > w) < 0.6  # up or down at random
 
 
-@pytest.mark.slow  # ~18 s
 def test_cli(tmp_path):
     """A few updates through the command line: JSON and plot written, exit status 0."""
     args = ["--steps", "2", "--switch", "1", "--numbers-train", "300", "--token-budget", "256", "--max-len", "16",

@@ -23,7 +23,6 @@ def imported(tmp_path_factory):
     return root / "run"
 
 
-@pytest.mark.slow  # JAX compiles every batch shape: over a minute on the 2-CPU machine
 def test_hf_generate_is_a_row_and_greedy_agrees(imported, tmp_path, capsys):
     source = tmp_path / "in.de"
     source.write_text("".join(line + "\n" for line in lines("val.de.gz", 6)), encoding="utf-8")

@@ -66,7 +66,7 @@ def _pair(fast_config, corpus, **changes):
 @pytest.mark.parametrize(
     "changes",
     [
-        pytest.param({}, marks=pytest.mark.slow),  # ~14 s; the case below covers the same code and more
+        {},  # ~14 s; the case below covers the same code and more
         # Both accumulation paths (two micro-batches per update) and clipping that triggers
         # (gradient norms here are ~1-3): the same formulas on both sides.
         {"grad_accum": 2, "clip_norm": 0.5},
@@ -75,7 +75,7 @@ def _pair(fast_config, corpus, **changes):
         # at update 4, the losses still within 1e-5): the chaos described below, reached sooner.
         {"pack": True, "lr_factor": 0.2},
         # The fused attention kernels and remat in both frameworks: the same training to the same bounds.
-        pytest.param({"kernels": "fused", "remat": True, "dropout": 0.0}, marks=pytest.mark.slow),
+        {"kernels": "fused", "remat": True, "dropout": 0.0},
     ],
     ids=["plain", "accumulate-and-clip", "packed", "fused-remat"],
 )
@@ -176,7 +176,7 @@ def test_translations_agree(fast_config, corpus):
         assert data.PAD_ID not in ids[: ids.index(data.EOS_ID) if data.EOS_ID in ids else len(ids)]
 
 
-@pytest.mark.parametrize("backend_name", ["torch", pytest.param("jax", marks=pytest.mark.slow)])  # jax: ~25 s
+@pytest.mark.parametrize("backend_name", ["torch", "jax"])  # jax: ~25 s
 def test_checkpoints_keep_newest_and_best(tmp_path, fast_config, corpus, backend_name):
     splits, tokenizers = corpus
     cfg = fast_config(backend_name, keep_checkpoints=2, model=LOPSIDED).resolve()

@@ -50,7 +50,6 @@ def tiny_step_flops(batch: int, length: int, vocab: int) -> int:
     return 3 * (2 * encoder_layer + 2 * decoder_layer + output)
 
 
-@pytest.mark.slow  # ~16 s; CI: the --devices and op-split tests below run the command
 def test_bench_runs_both_backends_on_the_same_work(tmp_path):
     out = tmp_path / "bench.json"
     done = subprocess.run(
@@ -179,7 +178,6 @@ def test_report_files_are_refused_before_the_work(command, tmp_path, capsys):
             assert exited.value.code == 2 and f"argument {flag}: {where}" in err and says in err
 
 
-@pytest.mark.slow  # ~20 s
 def test_profile_step_times_every_part_in_both_frameworks(tmp_path, capsys, monkeypatch):
     measured = {}  # the seconds each framework's timing returned, as profile_step's table must report them
     for name in ("jax_parts", "torch_parts"):

@@ -21,7 +21,6 @@ from .helpers import REPO, exit_code, finish, launch, read_until
 from .helpers import TINY_ARGV as TINY
 
 
-@pytest.mark.slow  # ~15 s; CI: the writer lock in tests/train/test_rundir.py and the rotation test below
 def test_one_process_writes_a_run_and_a_dead_ones_lock_never_blocks(tmp_path):
     """While a run trains, a second `--resume` and an `--overwrite` of its directory are refused
     with the holder's pid (the OS lock, not a file's presence, decides); once the first process
@@ -82,7 +81,6 @@ def newest_step(run_dir: Path) -> int:
     return max(map(int, filter(str.isdigit, os.listdir(run_dir / "checkpoints"))))
 
 
-@pytest.mark.slow  # ~25 s: a real writer saving every step beside 50 reads
 def test_fifty_reads_beside_a_writer_rotating_every_step_all_succeed(tmp_path, monkeypatch, capfd):
     run_dir = tmp_path / "run"
     assert exit_code(train_run.main, ["--run-dir", run_dir, "--steps", "1", *TINY]) == 0

@@ -15,8 +15,6 @@ import json
 import multiprocessing
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -26,8 +24,6 @@ from train import data
 from train.config import ExperimentConfig
 from train.data import corpus_store as store_mod
 from train.runtime import UserError
-
-from .helpers import REPO
 
 
 def _digest(batches) -> tuple[int, str]:
@@ -76,7 +72,6 @@ def test_numbers_batches_are_mains(numbers, tmp_path):
     assert _digest(evaluation.epoch_batches()) == (45, "0571ef82a788dfaf")
 
 
-@pytest.mark.slow  # ~20 s: a tokenizer trained on Multi30k; the numbers test covers the same code
 def test_multi30k_batches_are_mains(multi30k, tmp_path):
     pairs = data.load_parallel(f"de:en:{multi30k}/train").pairs
     tokenizers = data.train_tokenizers(pairs, vocab_size=8000)
@@ -411,40 +406,7 @@ def test_hub_corpus_streams_into_the_store(tmp_path, numbers, monkeypatch):
     assert len(_stores(tmp_path)) == 2
 
 
-@pytest.mark.slow  # ~90 s: three jax processes compile; test_process_shares_are_the_batch_rows covers the shares
-def test_two_processes_read_their_rows_like_one_process_on_two_devices(tmp_path):
-    """`python -m train.run` on a --train text corpus: two processes with one CPU device each,
-    each reading its half of every batch from the one store, against one process with two devices."""
-    from .test_distributed import SMALL, _env, _free_port
-
-    splits = data.numbers_corpus(600, 8, 0, seed=3)
-    for name, pairs in (("train", splits.train), ("valid", splits.valid)):
-        for k, lang in enumerate(("de", "en")):
-            (tmp_path / f"{name}.{lang}").write_text("".join(pair[k] + "\n" for pair in pairs))
-    flags = ["--train", f"de:en:{tmp_path}/train", "--valid", f"de:en:{tmp_path}/valid", "--steps", "6",
-             "--eval-every", "6", "--log-every", "1", "--eval-sentences", "4", "--beam", "1", "--vocab-size", "300",
-             "--no-progress", "--max-len", "16", "--token-budget", "256", "--seed", "3", "--warmup", "5"]
-    flags += [arg for k, v in SMALL["model"].items() for arg in ("--set", f"{k}={v}")]
-    command = [sys.executable, "-m", "train.run", *flags]
-    env = {**_env(2), "AIAYN_DATA_CACHE": str(tmp_path / "cache")}
-    single = subprocess.Popen([*command, "--run-dir", str(tmp_path / "one")], env=env, cwd=REPO,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    port = _free_port()
-    multi = [subprocess.Popen([*command, "--run-dir", str(tmp_path / "two"), "--coordinator-address",
-                               f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
-                              env={**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}, cwd=REPO,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
-    outputs = [p.communicate(timeout=1200) for p in (single, *multi)]
-    for p, (stdout, stderr) in zip((single, *multi), outputs):
-        assert p.returncode == 0, stdout[-3000:] + stderr[-3000:]
-    one, two = (json.loads((tmp_path / run / "results.json").read_text()) for run in ("one", "two"))
-    losses = [[t["loss"] for t in run["history"]["train"]] for run in (one, two)]
-    assert len(losses[0]) == 6
-    # The same global batches; only the all-reduce's summation order differs (test_distributed.REL).
-    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-4)
-    assert "2 device(s) in 2 processes" in outputs[1][0]
-    stores = [p for p in (tmp_path / "cache").iterdir() if p.is_dir() and not p.name.startswith("tokenizers-")]
-    assert len(stores) == 1  # one store, read by all three (beside the corpus's tokenizers)
+# Two processes reading their rows from one store like one process: test_distributed.py's two-process run.
 
 
 def test_a_corpus_tokenizers_are_trained_from_its_stream_once(tmp_path, monkeypatch):

@@ -67,7 +67,7 @@ def train_losses(run_dir: Path) -> dict[int, float]:
     return {entry["step"]: entry["loss"] for entry in results["history"]["train"]}
 
 
-@pytest.mark.parametrize("backend", [pytest.param("jax", marks=pytest.mark.slow), "torch"])  # jax: ~100 s
+@pytest.mark.parametrize("backend", ["jax", "torch"])  # jax: ~100 s
 def test_killed_and_terminated_runs_resume_exactly(tmp_path, backend):
     straight_dir, run_dir = tmp_path / "straight", tmp_path / "run"
     code, out = finish(launch(backend, straight_dir))
@@ -187,7 +187,6 @@ def test_a_signal_during_an_evaluation_that_finishes_stops_before_the_next_updat
     assert meta["step"] == 2 and meta["meta"]["valid"]["bleu"] >= 0.0  # saved with its evaluation
 
 
-@pytest.mark.slow  # ~18 s; CI: the in-process signal during an evaluation above
 def test_sigterm_during_evaluation_saves_within_one_update(tmp_path):
     """The small preset evaluating 2,000 validation sentences with beam 4 (several seconds; 200
     took 0.7 s once the search stopped each sentence as soon as its best could not be beaten):
@@ -230,7 +229,7 @@ def test_sigterm_during_evaluation_saves_within_one_update(tmp_path):
 # Divergence
 
 
-@pytest.mark.parametrize("backend", [pytest.param("jax", marks=pytest.mark.slow), "torch"])  # jax: ~20 s
+@pytest.mark.parametrize("backend", ["jax", "torch"])  # jax: ~20 s
 def test_a_diverging_loss_stops_before_it_is_saved(tmp_path, backend):
     from train.config import ExperimentConfig
 

@@ -32,7 +32,6 @@ def unseen_draw(train_targets: set[str], seed: int = DRAW_SEED, per_band: int = 
     return draw
 
 
-@pytest.mark.slow
 def test_the_default_run_gets_every_number_right(tmp_path):
     """About 5 minutes on 2 CPUs: the default command as written, run in a fresh directory."""
     done = subprocess.run([sys.executable, "-m", "train.run", "--backend=jax"], cwd=tmp_path, capture_output=True,
@@ -48,7 +47,7 @@ def test_the_default_run_gets_every_number_right(tmp_path):
 
 
 def test_the_draw_holds_only_numbers_the_default_run_never_trained_on():
-    """The slow test's premise, in a second: its own numbers, 150 a band (all 10 and 90 of the small
+    """The test above's premise, in a second: its own numbers, 150 a band (all 10 and 90 of the small
     bands, which training holds whole), none of 3+ digits in the default run's training split."""
     trained = {t for _, t in numbers_corpus(40_000, 500, 1_000, seed=0).train}
     draw = unseen_draw(trained)

@@ -222,9 +222,8 @@ def test_average_convert_and_export_onto_a_full_disk_are_one_line(small_fs, tiny
         assert sorted(os.listdir(small_fs.root)) == [".filler"]  # nothing half-made left
 
 
-# ~6 s each (three commands run twice); the error code changes only the message: ENOSPC stays in CI.
-@pytest.mark.parametrize("code", [errno.ENOSPC, pytest.param(errno.EROFS, marks=pytest.mark.slow),
-                                  pytest.param(errno.EACCES, marks=pytest.mark.slow)])
+# ~6 s each (three commands run twice); the error code changes only the message.
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS, errno.EACCES])
 def test_an_injected_write_error_in_average_convert_or_export_leaves_the_old_output(tiny_torch_run, tmp_path,
                                                                                    monkeypatch, capfd, code):
     """Where no filesystem can be mounted: the error raised as the replacement built beside the old

@@ -41,8 +41,10 @@ LOPSIDED = {"d_model": 24, "num_heads": 3, "d_ff": 40, "num_encoder_layers": 2, 
             "attention_bias": False}
 # max_len 16: buckets of 8 and 16 tokens; a budget of 256 gives batches of 32 and 16 rows, both
 # multiples of 8, so the Batcher's batches are the same for 1, 2, 4 and 8 devices.
+# lr_factor 0.5 (peak 0.045): at the paper's 1.0 this tiny model's curve is chaotic past update 13, where
+# one device against itself with its weights moved by 1 ulp parts as far as 8 devices do (1e-3 by update 16).
 SMALL = dict(numbers_train=600, numbers_valid=8, numbers_test=0, max_len=16, token_budget=256, model=LOPSIDED,
-             dropout=0.1, warmup=5, seed=3, progress=False, samples=0)
+             dropout=0.1, warmup=5, lr_factor=0.5, seed=3, progress=False, samples=0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -170,23 +172,19 @@ def assert_params_close(results, run: str, reference: str) -> None:
 
 # The losses: 8 devices sum the gradient over 8 partial sums (an all-reduce) where 1 device sums
 # over the whole batch at once, so only float32 rounding differs (~1e-7 per reduction) and the
-# losses of 20 steps agreed to 2.6e-7 relative on the old corpus; on the corpus spread over every
-# band (more short sentences, several bucket shapes) they drift to 1.7e-5 by step 10 (measured,
-# the same for FSDP: tests/train/test_fsdp.py). 1e-4 still fails on any real difference (a lost
+# losses of 20 steps agreed to 3e-7 relative (measured at SMALL's lr_factor 0.5; at 1.0 the curve is
+# chaotic, see SMALL, and 1 ulp grows to 1e-3 by update 16). 1e-4 still fails on any real difference (a lost
 # device's gradient, an unscaled mean or another dropout mask changes them by >1e-2).
 REL = 1e-4
 
 
-# The 8-device runs take ~2 min on 2 cores (one subprocess for the module): `-m slow`. CI trains
-# on 8 simulated devices in tests/train/test_fsdp.py, replicated and sharded, against 1 device.
-@pytest.mark.slow
+# The 8-device runs take ~2 min on 2 cores (one subprocess for the module, shared by the three tests).
 def test_eight_devices_train_like_one(parity):
     np.testing.assert_allclose(parity["loss/8"], parity["loss/1"], rtol=REL)
-    assert parity["loss/8"][-5:].mean() < parity["loss/8"][0] - 2.0  # it learns: measured 6.47 -> 3.75
+    assert parity["loss/8"][-5:].mean() < parity["loss/8"][0] - 2.0  # it learns: measured 6.43 -> 3.31
     assert_params_close(parity, "8", "1")
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("first,second", [(8, 1), (1, 8)])
 def test_checkpoint_moves_between_device_counts(parity, first, second):
     """Saved after 10 steps on `first` devices, restored on `second`, 10 more steps: the same as
@@ -196,33 +194,39 @@ def test_checkpoint_moves_between_device_counts(parity, first, second):
     assert_params_close(parity, run, second)
 
 
-@pytest.mark.slow
 def test_gradient_accumulation_over_devices(parity):
     np.testing.assert_allclose(parity["accum/8"], parity["accum/1"], rtol=REL)  # REL: as above
 
 
-@pytest.mark.slow  # ~90 s
 def test_two_processes_train_like_one_with_four_devices(tmp_path):
-    """`python -m train.run` in two processes (2 CPU devices each, coordinator on 127.0.0.1)
-    against one process with 4 devices: the same losses; process 0 alone prints the summary."""
-    flags = ["--steps", "6", "--eval-every", "6", "--log-every", "1", "--eval-sentences", "4", "--beam", "1",
-             "--vocab-size", "300"]
+    """`python -m train.run` on a --train text corpus in two processes (2 CPU devices each, coordinator
+    on 127.0.0.1), each reading its half of every batch from the one store, against one process with
+    4 devices: the same losses; process 0 alone prints the summary."""
+    splits = data.numbers_corpus(SMALL["numbers_train"], SMALL["numbers_valid"], 0, seed=SMALL["seed"])
+    for name, pairs in (("train", splits.train), ("valid", splits.valid)):
+        for k, lang in enumerate(("de", "en")):
+            (tmp_path / f"{name}.{lang}").write_text("".join(pair[k] + "\n" for pair in pairs))
+    flags = ["--train", f"de:en:{tmp_path}/train", "--valid", f"de:en:{tmp_path}/valid", "--steps", "6",
+             "--eval-every", "6", "--log-every", "1", "--eval-sentences", "4", "--beam", "1", "--vocab-size", "300"]
     for key, value in SMALL.items():
-        if key == "model":
+        if key.startswith("numbers_"):
+            continue
+        elif key == "model":
             flags += [arg for k, v in value.items() for arg in ("--set", f"{k}={v}")]
         elif key == "progress":
             flags.append("--no-progress")
         else:
             flags += [f"--{key.replace('_', '-')}", str(value)]
     command = [sys.executable, "-m", "train.run", *flags]
-    single = subprocess.Popen([*command, "--run-dir", str(tmp_path / "one")], env=_env(4), cwd=REPO,
+    cache = {"AIAYN_DATA_CACHE": str(tmp_path / "cache")}
+    single = subprocess.Popen([*command, "--run-dir", str(tmp_path / "one")], env={**_env(4), **cache}, cwd=REPO,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     port = _free_port()
     multi = [
         subprocess.Popen(
             [*command, "--run-dir", str(tmp_path / "two"), "--coordinator-address", f"127.0.0.1:{port}",
              "--num-processes", "2", "--process-id", str(i)],
-            env=_env(2), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**_env(2), **cache}, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         for i in range(2)
     ]
@@ -240,9 +244,11 @@ def test_two_processes_train_like_one_with_four_devices(tmp_path):
     # Process 1 prints nothing (gloo, jax's CPU collectives, announces its connections itself).
     assert [line for line in outputs[2][0].splitlines() if not line.startswith("[Gloo]")] == []
     assert (tmp_path / "two" / "checkpoints" / "6").is_dir()  # written by both processes together
+    stores = [p for p in (tmp_path / "cache").iterdir() if p.is_dir() and not p.name.startswith("tokenizers-")]
+    assert len(stores) == 1  # one store, read by all three (beside the corpus's tokenizers)
 
 
-@pytest.mark.parametrize("backend", [pytest.param("jax", marks=pytest.mark.slow), "torch"])  # jax: ~25 s
+@pytest.mark.parametrize("backend", ["jax", "torch"])  # jax: ~25 s
 def test_bfloat16_loss_falls(backend, fast_config):
     """bf16 mixed precision on the CPU learns, with float32 parameters and optimizer state."""
     splits = data.numbers_corpus(600, 8, 0, seed=3)
@@ -263,7 +269,7 @@ def test_bfloat16_loss_falls(backend, fast_config):
         import jax.numpy as jnp
 
         assert {str(x.dtype) for x in jax.tree.leaves(trainer.state)} == {"float32", "int32"}  # int32: step
-        model = trainer._model(trainer.local_params())
+        model = trainer.ctx.model(trainer.local_params())
         batch = next(batcher)
         assert model.encode(batch.src).dtype == jnp.bfloat16  # activations in bf16
         assert model(batch.src, batch.tgt_in).dtype == jnp.bfloat16

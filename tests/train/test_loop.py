@@ -35,12 +35,10 @@ def short_run(request, tmp_path_factory):
     return cfg, loop.train(cfg)
 
 
-# The JAX run (~45 s, mostly compiling) is slow: CI trains JAX end to end in test_backends (the
-# same curves as torch), test_crash_and_resume, test_checkpoints, test_fsdp and test_trajectory.
-BOTH_JAX_SLOW = ["torch", pytest.param("jax", marks=pytest.mark.slow)]
+BOTH = ["torch", "jax"]  # the JAX run: ~45 s, mostly compiling
 
 
-@pytest.mark.parametrize("short_run", BOTH_JAX_SLOW, indirect=True)
+@pytest.mark.parametrize("short_run", BOTH, indirect=True)
 def test_short_run_learns_and_writes_results(short_run, capsys):
     cfg, results = short_run
     run_dir = Path(cfg.run_dir)
@@ -122,7 +120,7 @@ def test_curves_writes_the_format_its_name_says(tiny_torch_run, tmp_path, capsys
     assert not (tmp_path / "c.txt").exists()
 
 
-@pytest.mark.parametrize("short_run", BOTH_JAX_SLOW, indirect=True)
+@pytest.mark.parametrize("short_run", BOTH, indirect=True)
 def test_learning_curves(short_run, tmp_path, capsys):
     """Every run draws curves.png; aiayn curves redraws it from results.json."""
     from matplotlib.image import imread
@@ -150,7 +148,7 @@ def test_learning_curves(short_run, tmp_path, capsys):
     assert code == 1 and "is a directory; give a file name" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("short_run", BOTH_JAX_SLOW, indirect=True)
+@pytest.mark.parametrize("short_run", BOTH, indirect=True)
 def test_translate_and_evaluate_a_run(short_run, capsys):
     cfg, results = short_run
     run = train.load(cfg.run_dir, "latest")
@@ -292,7 +290,7 @@ def test_summary_line_gives_a_resumed_run_its_whole_training_time():
     assert fresh.startswith("[jax] done: 2700 steps in 3231 s (3100 s of training since step 0) | valid loss")
 
 
-@pytest.mark.parametrize("backend", [pytest.param("jax", marks=pytest.mark.slow), "torch"])  # jax: ~55 s
+@pytest.mark.parametrize("backend", ["jax", "torch"])  # jax: ~55 s
 def test_resume_continues_with_the_same_losses(fast_config, backend):
     """Train 6 steps straight; train 3, stop, resume to 6: steps 4-6 have the same losses.
     Dropout stays on (0.1): the resumed run must also restore the dropout randomness."""

@@ -39,8 +39,8 @@ def _samples(run_dir, **changes):
         return run.translate(TEXTS, sample=True, **{**SETTINGS, **changes})
 
 
-# JAX compiles a program per search, shape and ensemble (~25 s on 2 shared cores): slow; torch stays in CI.
-@pytest.mark.parametrize("backend", ["torch", pytest.param("jax", marks=pytest.mark.slow)])
+# JAX compiles a program per search, shape and ensemble: ~25 s on 2 shared cores.
+@pytest.mark.parametrize("backend", ["torch", "jax"])
 def test_samples_are_the_same_in_both_backends_and_follow_the_seed(runs, backend):
     """Three samples of each text: the same tokens from torch and JAX for one seed, log-probs to 1e-5
     (sums of float32 log-probs, as in the parity tests); the same again for the seed, whatever the
@@ -125,8 +125,8 @@ def _ensemble_outputs(run_dirs):
                 run.evaluate(list(zip(TEXTS, TEXTS)), beam=1)["loss"])
 
 
-# JAX compiles a program per search, shape and ensemble (~25 s on 2 shared cores): slow; torch stays in CI.
-@pytest.mark.parametrize("backend", ["torch", pytest.param("jax", marks=pytest.mark.slow)])
+# JAX compiles a program per search, shape and ensemble: ~25 s on 2 shared cores.
+@pytest.mark.parametrize("backend", ["torch", "jax"])
 def test_an_ensemble_of_a_model_twice_translates_as_the_model(runs, backend):
     """load([A, A]) averages a model's log-probabilities with themselves: greedy and beam tokens as
     load(A)'s, scores and the evaluation loss to 1e-5 (float32 rounding of the mean and the

@@ -69,7 +69,7 @@ def test_the_generated_corpus_has_wmt14s_sentence_length(tmp_path, multi30k):
     assert np.mean([len(s.split()) for s in sides[0]]) == pytest.approx(wmt_sized.WMT14_EN_WORDS, rel=0.02)
 
 
-@pytest.mark.slow  # about 25 minutes: 4.5M pairs tokenized once, the base model's steps on the CPU; the recipe's settings
+@pytest.mark.scale  # about 25 minutes: 4.5M pairs tokenized once, the base model's steps on the CPU; the recipe's settings
 def test_the_wmt14_recipe_trains_on_a_corpus_of_wmt_size(tmp_path, multi30k, monkeypatch):  # fast: test_recipes.py
     """The recipe as written (base model, 37,000-token BPE, the paper's schedule), its data and steps
     replaced: two steps on a generated corpus of WMT14's size and sentence lengths (4.5 million pairs),

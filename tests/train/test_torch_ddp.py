@@ -93,7 +93,6 @@ def test_two_processes_take_the_updates_of_one_device_replicated_or_sharded(torc
     np.testing.assert_allclose(_torch(sharded, 1, steps=9, resume=True), one, rtol=RTOL)
 
 
-@pytest.mark.slow  # ~30 s; CI: two torch processes against one device here, resume across frameworks in test_checkpoint_conversion.py
 def test_resume_across_frameworks_on_two_devices_each_way(torch_2, tmp_path):
     # torch over 2 processes -> JAX over 2 devices from step 3: JAX's updates 4-6 are torch's.
     convert_run(torch_2, tmp_path / "as-jax", which="3")
@@ -104,7 +103,6 @@ def test_resume_across_frameworks_on_two_devices_each_way(torch_2, tmp_path):
     np.testing.assert_allclose(_torch(tmp_path / "as-torch", 2, steps=9, resume=True), jax_losses, rtol=RTOL)
 
 
-@pytest.mark.slow  # ~20 s; CI: SIGTERM saves a step in one process (test_crash_and_resume.py)
 def test_sigterm_saves_a_step_and_a_dead_process_stops_the_other_in_one_line(tmp_path):
     run_dir = tmp_path / "long"
     proc = _cli(run_dir, "torch", wait=False, steps=100000, save_every=1000)
@@ -135,7 +133,6 @@ def test_sigterm_saves_a_step_and_a_dead_process_stops_the_other_in_one_line(tmp
     assert len(_torch(run_dir, 2, steps=last + 1, resume=True)) == last + 1
 
 
-@pytest.mark.slow  # two torchrun launches of two torch processes each
 def test_sigterm_to_torchrun_says_once_a_command_that_continues_as_printed(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "RANK", "WORLD_SIZE", "LOCAL_"))}
     env.update(PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", PATH=f"{Path(sys.executable).parent}:{env['PATH']}")

@@ -471,7 +471,6 @@ def jax_run(tmp_path_factory):
     return run_dir
 
 
-@pytest.mark.slow  # two JAX processes, ~10 s each on the 2-CPU machine
 def test_a_second_process_loads_what_the_first_compiled(jax_run, tmp_path):
     cache, source = tmp_path / "cache", write_lines(tmp_path / "in.txt", LINES)
     env = {**os.environ, "PYTHONPATH": str(REPO), jax_cache.ENV: str(cache)}
@@ -491,7 +490,6 @@ def test_a_second_process_loads_what_the_first_compiled(jax_run, tmp_path):
 # Every device
 
 
-@pytest.mark.slow  # a subprocess compiling every search shape for 8 devices and for 1
 def test_eight_devices_translate_as_one(jax_run, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") and k != "XLA_FLAGS"}
     env.update(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
@@ -505,9 +503,7 @@ def test_eight_devices_translate_as_one(jax_run, tmp_path):
         assert len(outputs[f"8/{beam}"]) == len(LINES)
 
 
-# ~11 s, two fresh processes compiling for 2 devices: slow; CI checks the split in test_host_devices.py
-# and that several devices translate as one does (above).
-@pytest.mark.slow
+# ~11 s: two fresh processes compiling for 2 devices.
 def test_a_cpu_translates_on_one_device_per_core(jax_run, tmp_path, capsys):
     """No XLA_FLAGS: `aiayn translate` splits the CPU into devices ($AIAYN_HOST_DEVICES=2
     here, as on a 2-core machine), says so, and writes what one device writes."""
@@ -541,7 +537,6 @@ def test_more_devices_than_the_cpu_has_are_refused(jax_run):
     assert proc.stderr == f"error: --devices {asked}: {host_devices.cores()} device(s) visible (cpu)\n"
 
 
-@pytest.mark.slow  # three JAX processes
 def test_two_processes_translate_as_one(jax_run, tmp_path, capsys):
     """Two processes with 2 CPU devices each (jax.distributed on 127.0.0.1): process 0 writes the
     one-device output; process 1 writes nothing."""

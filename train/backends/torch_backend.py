@@ -128,10 +128,10 @@ def _process(env: dict[str, str], target, exp_cfg: ExperimentConfig, kwargs: dic
         sys.exit(130)
 
 
-def _collective(call, *args):
+def _collective(call, *args, **kwargs):
     """A torch.distributed call; a peer gone (killed, crashed) ends this process in one line."""
     try:
-        return call(*args)
+        return call(*args, **kwargs)
     except (RuntimeError, dist.DistError) as err:
         if isinstance(err, torch.OutOfMemoryError) or not dist.is_initialized():  # its own failure, not a peer's
             raise
@@ -201,7 +201,7 @@ class TorchBackend(StoreMethods):
                 module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
         elif self.distributed:  # every process starts from process 0's weights (the same seed's anyway)
             self.forward = _collective(DistributedDataParallel, self.model, None if self.device.type == "cpu" else
-                                       [self.device])
+                                       [self.device], forward_sync_buffers=False)  # its one buffer is a constant table
             self.forward.register_comm_hook(None, _sum_gradients)
         if exp_cfg.compile:
             self.forward = torch.compile(self.forward)
@@ -274,7 +274,7 @@ class TorchBackend(StoreMethods):
             if self.fsdp:
                 self.trained.set_requires_gradient_sync(last)
             with contextlib.nullcontext() if last or self.fsdp else self.forward.no_sync():
-                loss_sum, nll_sum = self._loss_sums(self.forward, self._rows(batch))
+                loss_sum, nll_sum = _collective(self._loss_sums, self.forward, self._rows(batch))  # FSDP gathers
                 # Sum over micro-batches of (loss sum / the update's tokens): the gradient of one
                 # batch holding all of them, as on the JAX side.
                 _collective((loss_sum / total_tokens).backward)
