@@ -32,7 +32,8 @@ def test_the_tour_runs(tmp_path, monkeypatch):
     NotebookClient(notebook, timeout=1800, kernel_name="python3", resources=where).execute()
     cells = {c.source.splitlines()[0]: c for c in notebook.cells if c.cell_type == "code"}
     by_start = lambda start: next(c for first, c in cells.items() if first.startswith(start))  # noqa: E731
-    assert "'forty-three', 'seven hundred and twelve'" in _text(by_start("run = train.load"))
+    translations = " ".join(_text(by_start("run = train.load")).split())  # IPython may wrap a list's repr
+    assert "['forty-three', 'seven hundred and twelve', " in translations, translations
     nbest = _text(by_start("nbest =")).splitlines()
     assert len(nbest) == 3 and nbest[0].endswith("seven hundred and twelve"), nbest
     images = [o for o in by_start("from pathlib").outputs if "image/png" in o.get("data", {})]
