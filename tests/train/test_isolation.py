@@ -32,7 +32,7 @@ def test_loop_and_clis_import_no_framework():
         writer.close()
         """
     )
-    assert {"tensorboardX", "sacrebleu", "tokenizers"} <= loaded
+    assert {"tensorboardX", "tokenizers"} <= loaded  # sacrebleu loads where scores are computed, not at import
     assert "torch" not in loaded and not loaded & JAX
 
 

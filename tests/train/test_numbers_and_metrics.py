@@ -212,7 +212,7 @@ def test_evaluate_refuses_what_is_not_a_list_of_pairs(tiny_torch_run):
 
     with train.load(tiny_torch_run) as run:
         for pairs in (data.number_words(7), [(*data.number_words(7), "x")]):
-            with pytest.raises(UserError, match=r"^pairs: give a data spec or a list of \(source, target\) pairs$"):
+            with pytest.raises(UserError, match=r"^pairs: give a data spec or a list of \(source, target\) pairs, got \["):
                 run.evaluate(pairs, beam=1)
         assert run.evaluate([list(data.number_words(7))], beam=1)["sentences"] == 1
 
