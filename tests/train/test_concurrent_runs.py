@@ -71,7 +71,7 @@ def test_a_step_rotated_away_while_it_is_read_is_read_again_from_the_newest(run_
     run.backend.close()
     assert run.backend.step == 4
     assert "read step 4, the latest now" in capfd.readouterr().err
-    shutil.copytree(checkpoints / "4", checkpoints / "3")
+    shutil.copytree(saved / "4", saved / "3")
     monkeypatch.setattr(checkpoints, "verify_checkpoint", lambda d: shutil.rmtree(d) if Path(d).name == "3" else real(d))
     with pytest.raises(runtime.UserError, match="checkpoint 3 .* cannot be restored"):  # a step asked for by number
         train.load(run_dir, 3)
