@@ -3,7 +3,8 @@ checkpoint directory): the config travels with the weights, every key and shape 
 With --run-dir: a whole training run of `train.run` (weights, Adam moments, step and schedule
 position, data position, tokenizer, config) to the other backend, so that `python -m train.run
 --run-dir DST --resume` continues it there. With the interop extra: HF Marian models in and out, and
-CTranslate2 export (`parity.conversions.convert`; docs/interop.md)."""
+CTranslate2 export; with the export extra, ONNX (--to onnx), and StableHLO (--to stablehlo), which
+translate and serve as a run does (`parity.conversions.convert`; docs/interop.md#deploying)."""
 
 from __future__ import annotations
 
