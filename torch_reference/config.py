@@ -53,14 +53,15 @@ def float32_error(value: float) -> str | None:
 
 
 class SettingError(ValueError):
-    """A refused setting in one line: `template`'s `{}`s the `names` (`beam`), or `worded` otherwise (`--beam`)."""
+    """A refused setting in one line: `template`'s `{}`s the `names`, as Python calls them (`beam`) or as `worded`
+    says (`--beam`), its `{key}`s the `values` as given (a path with braces too)."""
 
-    def __init__(self, template: str, *names: str):
-        self.template, self.names = template, names
-        super().__init__(template.format(*names))
+    def __init__(self, template: str, *names: str, **values: Any):
+        self.template, self.names, self.values = template, names, values
+        super().__init__(self.worded(str))
 
     def worded(self, name_of) -> str:
-        return self.template.format(*map(name_of, self.names))
+        return self.template.format(*map(name_of, self.names), **self.values)
 
 
 def escaped(text: str) -> str:

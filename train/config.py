@@ -260,15 +260,14 @@ class ExperimentConfig:
         if saved is not None:
             cfg = saved.replace(**{name: getattr(self, name) for name in self.launch_fields()})
             set_fields = [name for name, value in self.to_dict().items() if value is not None]
-            self._refuse_changes(saved, "run", "--resume cannot change how the run trains", self.experiment(),
+            self._refuse_changes(saved, "run", "{} cannot change how the run trains", "resume", self.experiment(),
                                  set_fields if given is None else given)
         elif source is not None:
             cfg = self.replace(**{name: getattr(source, name) for name in SOURCE_FIELDS})
             defaults = ExperimentConfig()
             off_default = [name for name in SOURCE_FIELDS if getattr(self, name) != getattr(defaults, name)]
-            self._refuse_changes(source, str(self.init_from),
-                                 "--init-from takes the model's shape and vocabulary from its source", SOURCE_FIELDS,
-                                 off_default if given is None else given)
+            self._refuse_changes(source, str(self.init_from), "{} takes the model's shape and vocabulary from its "
+                                 "source", "init_from", SOURCE_FIELDS, off_default if given is None else given)
         automatic = {"vocab_size": NUMBERS_VOCAB_SIZE if cfg.uses_numbers_corpus else DEFAULT_VOCAB_SIZE,
                      "average_last": min(NUMBERS_AVERAGE_LAST, cfg.keep_checkpoints) if cfg.uses_numbers_corpus else 1,
                      "warmup": max(1, min(PAPER_WARMUP, round(WARMUP_FRACTION * cfg.steps))),
@@ -276,15 +275,14 @@ class ExperimentConfig:
                      "dtype": default_dtype(platform) if platform and saved is None else None}  # a resume keeps its own
         return cfg.replace(**{name: value for name, value in automatic.items() if getattr(cfg, name) is None})
 
-    def _refuse_changes(self, other: ExperimentConfig, whose: str, why: str, names: Iterable[str],
+    def _refuse_changes(self, other: ExperimentConfig, whose: str, why: str, option: str, names: Iterable[str],
                         given: Iterable[str]) -> None:
-        """ValueError naming each field of `names` that was `given` with another value than `other` has."""
-        given = set(given)
-        flags = {f.name: flag_name(f) for f in dataclasses.fields(self)}
-        differ = [f"{flags[name]}: {whose} has {getattr(other, name)!r}, got {getattr(self, name)!r}"
-                  for name in names if name in given and getattr(self, name) != getattr(other, name)]
-        if differ:
-            raise ValueError(f"{why}: " + "; ".join(differ))  # one line
+        """SettingError naming `option` (the `why`), then each field of `names` `given` with another value than
+        `other`'s."""
+        if differ := [n for n in names if n in set(given) and getattr(self, n) != getattr(other, n)]:
+            raise SettingError(why + ": " + "; ".join("{}" + escaped(f": {whose} has {getattr(other, n)!r}, got "
+                                                                     f"{getattr(self, n)!r}") for n in differ),
+                               option, *differ)
 
     def model_config(self, src_vocab_size: int, tgt_vocab_size: int) -> TransformerConfig:
         """The preset with `--set` overrides, the vocabulary sizes, max_len, dropout, shared embeddings if joint."""

@@ -9,7 +9,7 @@ command's `run` rewords the same error with the flag (`--top-p must be ...`).
     >>> Sampling(top_p=2)
     Traceback (most recent call last):
     ...
-    train.options.OptionError: top_p must be in (0, 1], got 2
+    train.runtime.files.OptionError: top_p must be in (0, 1], got 2
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from torch_reference.config import (ALPHA, AVERAGES, NON_NEGATIVE, POSITIVE, SAM
 
 from .config import BATCH, BEAM
 from .config import flag_name as flag_of
-from .runtime.files import UserError
+from .runtime.files import OptionError, UserError
 from .runtime.signals import exit_status
 
 if TYPE_CHECKING:
@@ -36,10 +36,6 @@ FORMATS = ("text", "tsv", "jsonl")
 # The type of a field naming a file a command writes: given a path, checked at once and kept as its `Destination`.
 Output = Optional["Destination"]
 ENSEMBLE_AVERAGES = AVERAGES  # the twins' ensemble.AVERAGES
-
-
-class OptionError(UserError, SettingError):
-    """A refused option (`SettingError`: its message names parameters, `worded` names them otherwise), one line."""
 
 
 def option(default: Any, help: str, **meta: Any) -> Any:
@@ -171,7 +167,8 @@ class Search:
         try:
             check_beam(self.beam, self.alpha, self.scoring, self.n_best)  # the searches' own rule
         except SettingError as err:  # the searches' beam_size is this beam
-            raise OptionError(err.template, *("beam" if n == "beam_size" else n for n in err.names)) from None
+            names = ("beam" if n == "beam_size" else n for n in err.names)
+            raise OptionError(err.template, *names, **err.values) from None
 
 
 @checked

@@ -62,7 +62,7 @@ def experiment(given: Mapping[str, Any], note: str = "settings") -> tuple[Experi
     try:
         return ExperimentConfig(**given), set(given)
     except SettingError as err:
-        raise OptionError(recipe + err.template, *err.names) from None
+        raise OptionError(recipe + err.template, *err.names, **err.values) from None
     except (TypeError, ValueError) as err:
         raise OptionError(recipe + escaped(str(err))) from None
 
