@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import array
 import dataclasses
+import functools
 import json
 import math
 import numbers
 import operator
 import os
-from typing import Any, Literal, get_args
+import types
+import typing
+from typing import Any, Literal, Union, get_args, get_origin
 
 NormPosition = Literal["post", "pre"]
 # "silu" is SiLU/swish, x * sigmoid(x) (Marian's "swish").
@@ -116,20 +119,33 @@ def setting(default: Any, *, range: Range | None = None, choices: tuple | None =
     return dataclasses.field(default=default, metadata=meta)
 
 
-def setting_error(field: dataclasses.Field, value: Any) -> tuple[str | None, Any]:
-    """(why `value` is not allowed in `field`, or None; the value as kept): the field's `range` (a number of any
-    integral or real type kept as int or float), its `choices`, or its annotation (bool, str, dict)."""
-    kind = str(field.type).replace(" | None", "")
-    if value is None and kind != str(field.type):
+@functools.cache
+def hints(cls: type) -> dict[str, Any]:
+    """The annotations of dataclass `cls` as objects (`from __future__ import annotations` leaves them text)."""
+    return typing.get_type_hints(cls)
+
+
+def kind_of(hint: Any) -> tuple[Any, bool]:
+    """(annotation `hint` without None: one type, or the Union of the rest; whether it allows None)."""
+    args = get_args(hint) if get_origin(hint) in (Union, types.UnionType) else (hint,)
+    rest = tuple(arg for arg in args if arg is not type(None))
+    return rest[0] if len(rest) == 1 else Union[rest], len(rest) < len(args)
+
+
+def setting_error(field: dataclasses.Field, value: Any, hint: Any) -> tuple[str | None, Any]:
+    """(why `value` is not allowed in `field`, annotated `hint`, or None; the value as kept): the field's `range` (a
+    number of any integral or real type kept as int or float), its `choices`, or its type (bool, str, dict)."""
+    kind, optional = kind_of(hint)
+    if value is None and optional:
         return None, value
     if (allowed := field.metadata.get("range")) is not None:
         problem = allowed.error(value)
         return problem, value if problem else allowed.kind(value)
-    if kind == "str" and isinstance(value, os.PathLike):  # run_dir=Path(...)
+    if kind is str and isinstance(value, os.PathLike):  # run_dir=Path(...)
         value = os.fspath(value)
-    expected = {"bool": (bool, "true or false"), "str": (str, "a string"), "dict": (dict, "a dict")}.get(kind)
-    if expected and not isinstance(value, expected[0]):  # booleans only as booleans: 1 and "yes" are not True
-        return f"must be {expected[1]}, got {value!r}", value
+    expected = {bool: "true or false", str: "a string", dict: "a dict"}.get(kind)
+    if expected and not isinstance(value, kind):  # booleans only as booleans: 1 and "yes" are not True
+        return f"must be {expected}, got {value!r}", value
     if (choices := field.metadata.get("choices")) is not None and value not in choices:
         return f"must be one of {', '.join(map(str, choices))}, got {value!r}", value
     return None, value
@@ -138,7 +154,7 @@ def setting_error(field: dataclasses.Field, value: Any) -> tuple[str | None, Any
 def check_settings(obj: Any, error: type[SettingError] = SettingError) -> None:
     """`error` naming the first field of the dataclass `obj` that `setting_error` refuses; each kept as it says."""
     for field in dataclasses.fields(obj):
-        problem, value = setting_error(field, getattr(obj, field.name))
+        problem, value = setting_error(field, getattr(obj, field.name), hints(type(obj))[field.name])
         if problem is not None:
             raise error("{} " + escaped(problem), field.name)
         object.__setattr__(obj, field.name, value)

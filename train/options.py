@@ -19,22 +19,20 @@ import dataclasses
 import os
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional, get_args, get_origin
 
 from torch_reference.config import (ALPHA, AVERAGES, NON_NEGATIVE, POSITIVE, SAMPLING_RANGES, SCORINGS, SettingError,
-                                    check_beam, check_settings, escaped, setting)
+                                    check_beam, check_settings, hints, kind_of, setting)
 
 from .config import BATCH, BEAM
 from .config import flag_name as flag_of
+from .runtime.destination import Destination
 from .runtime.files import OptionError, UserError
 from .runtime.signals import exit_status
 
-if TYPE_CHECKING:
-    from .runtime.destination import Destination
-
 FORMATS = ("text", "tsv", "jsonl")
 # The type of a field naming a file a command writes: given a path, checked at once and kept as its `Destination`.
-Output = Optional["Destination"]
+Output = Optional[Destination]
 ENSEMBLE_AVERAGES = AVERAGES  # the twins' ensemble.AVERAGES
 
 
@@ -49,56 +47,46 @@ def checked(cls: type) -> type:
 
     def __post_init__(self) -> None:
         check_settings(self, OptionError)
-        for field in dataclasses.fields(self):
-            if str(field.type) == "Output" and (value := getattr(self, field.name)) is not None:
-                object.__setattr__(self, field.name, destination(value, field.name))
+        for name, hint in hints(cls).items():
+            if kind_of(hint)[0] is Destination and (value := getattr(self, name)) is not None:
+                object.__setattr__(self, name, destination(value, name))
         getattr(self, "check", lambda: None)()
 
     cls.__post_init__ = __post_init__
     return dataclasses.dataclass(frozen=True)(cls)
 
 
-def destination(value: Any, name: str) -> Any:
+def destination(value: Any, name: str) -> Destination:
     """`value` (a path, or a Destination already checked) as the `Destination` of parameter `name`: an
     OptionError naming it where the file cannot be written (docs/operations.md#output-files)."""
-    from .runtime.destination import Destination
-
-    if isinstance(value, Destination):
-        return value
-    try:
-        return Destination(value, "")
-    except UserError as err:  # its message (" PATH is ...") names no flag: the parameter, or its flag (`run`), leads it
-        raise OptionError("{}" + escaped(str(err)), name) from None
+    return value if isinstance(value, Destination) else Destination(value, name)
 
 
-def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, *, skip: Iterable[str] = (),
-              only: Iterable[str] | None = None, groups: Mapping | None = None, show_defaults: bool = True) -> None:
-    """One flag per field of the dataclass `cls` (`only` those, but `skip`), typed, ranged and documented by the
-    field's metadata; every default SUPPRESSed, so that only the flags given reach `build` (the class's defaults
-    apply to the rest). `groups`: each metadata "group"'s group."""
-    only = None if only is None else set(only)
+def add_flags(parser: argparse.ArgumentParser, cls: type, *, skip: Iterable[str] = (), only: Iterable[str] | None = None,
+              group: Any = None, groups: Mapping | None = None, show_defaults: bool = True) -> None:
+    """One flag per field of the dataclass `cls` (`only` those, but `skip`) in `parser` (a `command`'s; in `group`,
+    or each metadata "group"'s of `groups`), typed, ranged and documented by the field's metadata and annotation;
+    every default SUPPRESSed, so that only the flags given reach `build` (the class's defaults apply to the rest)."""
     for field in dataclasses.fields(cls):
         if field.name in skip or (only is not None and field.name not in only):
             continue
-        meta, kind = field.metadata, str(field.type).replace(" | None", "")
+        meta, (kind, _) = field.metadata, kind_of(hints(cls)[field.name])
+        many = get_origin(kind) is list
         default = field.default if field.default is not dataclasses.MISSING else None
-        shown = show_defaults and default is not None and kind not in ("bool", "dict", "list") and default != ""
-        kwargs: dict = {"dest": field.name, "default": argparse.SUPPRESS,
+        shown = show_defaults and default not in (None, "") and kind not in (bool, dict) and not many
+        kwargs: dict = {"dest": field.name, "default": argparse.SUPPRESS, "required": bool(meta.get("required")),
                         "help": f"{meta['help']} (default: {default})" if shown else meta["help"]}
-        if kind == "bool":
+        if kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif "parse" in meta:  # a repeatable flag of its own syntax (--set FIELD=VALUE)
             kwargs.update(action="append", type=typed(meta["parse"]), metavar=meta.get("metavar"))
-        else:
-            # Typed here, checked once by the class (its error worded with the flag: `run`, `recipes.flagged`).
-            parse = meta["range"].kind if "range" in meta else _TYPES.get(kind, str)
-            kwargs.update(type=parse, choices=meta.get("choices"),
-                          metavar=meta.get("metavar", {"int": "N", "float": "X"}.get(kind)))
-            if kind.startswith("list"):
-                kwargs["action"] = "append"
-        kwargs["required"] = bool(meta.get("required"))
-        target = groups[meta["group"]] if groups and "group" in meta else parser
-        target.add_argument(flag_of(field), **kwargs)
+        else:  # typed here, checked once by the class (its error worded with the flag: `run`, `recipes.flagged`)
+            item = get_args(kind)[0] if many else kind
+            kwargs.update(type=meta["range"].kind if "range" in meta else _PARSERS.get(item, str),
+                          choices=meta.get("choices"), metavar=meta.get("metavar", {int: "N", float: "X"}.get(kind)),
+                          action="append" if many else "store")
+        parser.flags[field.name] = flag_of(field)
+        (groups[meta["group"]] if groups and "group" in meta else group or parser).add_argument(flag_of(field), **kwargs)
 
 
 def typed(parse: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -114,7 +102,7 @@ def typed(parse: Callable[[str], Any]) -> Callable[[str], Any]:
 
 
 # An `Output` field's path is refused while the flags are read, not after minutes of work.
-_TYPES = {"int": int, "float": float, "Path": Path, "Output": typed(lambda text: destination(text, ""))}
+_PARSERS = {int: int, float: float, Path: Path, Destination: typed(lambda text: destination(text, ""))}
 
 
 def build(cls: type, given: Mapping[str, Any]) -> Any:
@@ -123,26 +111,33 @@ def build(cls: type, given: Mapping[str, Any]) -> Any:
 
 
 def command(prog: str, description: str, *classes: type, **kwargs: Any) -> argparse.ArgumentParser:
-    """A command's parser (`kwargs`: ArgumentParser's): one flag per field of each options class of `classes`."""
+    """A command's parser (`kwargs`: ArgumentParser's): one flag per field of each options class of `classes`; its
+    `flags` (field name -> flag) grow with each `add_flags`."""
     parser = argparse.ArgumentParser(prog=prog, description=description, **kwargs)
+    parser.flags = {}
     for cls in classes:
         add_flags(parser, cls)
     return parser
 
 
+def worded(err: Exception, flags: Mapping[str, str]) -> str:
+    """`err`'s message, a SettingError's with the `flags` (field name -> flag) for the parameters it names."""
+    return err.worded(lambda name: flags.get(name, name)) if isinstance(err, SettingError) else str(err)
+
+
 def run(parser: argparse.ArgumentParser, argv: list[str] | None, job: Callable[[dict[str, Any]], Any]) -> int:
     """A command's exit status: `job` of the flags given (`argv`: sys.argv's) by the one protocol
-    (`runtime.exit_status`), an OptionError worded with the flags of `parser` instead of the parameters' names."""
+    (`runtime.exit_status`), a SettingError worded with the flags of `parser` (a `command`'s) instead of the
+    parameters' names."""
     given = vars(parser.parse_args(argv))
-    flags = {action.dest: action.option_strings[0] for action in parser._actions if action.option_strings}
 
-    def worded() -> Any:
+    def flagged() -> Any:
         try:
             return job(given)
-        except SettingError as err:  # an options class's, or a model config's
-            raise UserError(err.worded(lambda name: flags.get(name, name))) from None
+        except SettingError as err:  # an options class's, a model config's, the library's
+            raise UserError(worded(err, parser.flags)) from None
 
-    return exit_status(worded)
+    return exit_status(flagged)
 
 
 @checked
@@ -336,7 +331,7 @@ def sampling_of(sample: Sampling | bool | None, settings: Mapping[str, Any]) -> 
     """How to sample: `sample` when a `Sampling`, one of the `settings` (its fields given) when True, None when
     None or False; settings given without sampling: OptionError naming them (the API, the server, the command)."""
     if not (sample is None or isinstance(sample, (bool, Sampling))):  # booleans only as booleans: not 1 nor "yes"
-        raise OptionError("{} must be true or false, " + escaped(f"got {sample!r}"), "sample")
+        raise OptionError("{} must be true or false, got {got!r}", "sample", got=sample)
     if not sample:
         if settings:
             raise OptionError(", ".join(["{}"] * len(settings)) + " without {}: sampling settings, the searches take "
