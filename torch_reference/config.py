@@ -152,6 +152,22 @@ def check_settings(obj: Any, error: type[SettingError] = SettingError) -> None:
         object.__setattr__(obj, field.name, value)
 
 
+class Settings:
+    """A dataclass of `setting`s: replaced, made into and from a dict (its unknown keys refused)."""
+
+    def replace(self, **changes: Any) -> typing.Self:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> typing.Self:
+        if unknown := sorted(set(data) - set(hints(cls))):
+            raise ValueError(f"unknown {cls.__name__} fields: {', '.join(map(repr, unknown))}")
+        return cls(**data)
+
+
 POSITIVE, NON_NEGATIVE = Range(int, low=1), Range(int, low=0)
 LENGTH = Range(int, low=1, high=1 << 16)  # tokens of a sequence: a position table, a search's steps
 PROBABILITY = Range(float, low=0.0, below=1.0)  # dropout rates, label smoothing: [0, 1)
@@ -230,7 +246,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
 
 
 @dataclasses.dataclass(frozen=True)
-class TransformerConfig:
+class TransformerConfig(Settings):
     """The Transformer's architecture; the defaults are the paper's (post-norm, ReLU, sinusoidal positions, scaled and
     shared embeddings, §3.4), each departure a field; the special ids SPECIAL_TOKENS' (the tokenizers')."""
 
@@ -315,18 +331,6 @@ class TransformerConfig:
         except (KeyError, ValueError):
             said = {bool: "true or false", int: "an integer"}.get(kind, "a number")
             raise ValueError(f"{key} takes {said}, got {value!r}") from None
-
-    def replace(self, **changes: Any) -> "TransformerConfig":
-        return dataclasses.replace(self, **changes)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "TransformerConfig":
-        if unknown := sorted(set(data) - set(hints(cls))):
-            raise ValueError(f"unknown TransformerConfig fields: {', '.join(map(repr, unknown))}")
-        return cls(**data)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)

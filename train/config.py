@@ -7,7 +7,8 @@ from collections.abc import Iterable
 from typing import Any, get_args
 
 from torch_reference.config import (LENGTH, NON_NEGATIVE, POSITIVE, PROBABILITY, SPECIAL_TOKENS, KernelSet, Range,
-                                    SettingError, TransformerConfig, check_settings, escaped, setting)
+                                    SettingError, Settings, TransformerConfig, check_settings, escaped,
+                                    hints, setting)
 
 BACKENDS = ("jax", "torch")  # each field's choices (its metadata) are its values
 KERNEL_CHOICES = ("auto", *get_args(KernelSet))  # the models' kernel sets (the keys of their KERNELS), and auto
@@ -76,7 +77,7 @@ def _field(default: Any, group: str, help: str, launch: bool = False, **meta: An
 
 
 @dataclasses.dataclass(frozen=True)
-class ExperimentConfig:
+class ExperimentConfig(Settings):
     """Training, data, evaluation and checkpoint settings of one run; its model is `model_config()`."""
 
     backend: str = _field(
@@ -220,8 +221,7 @@ class ExperimentConfig:
         "CPUs", choices=("gloo", "nccl"), launch=True)
 
     def __post_init__(self):
-        """Every field checked once, whatever built the config: SettingError naming the field."""
-        check_settings(self)
+        check_settings(self)  # whatever built it
         if not all(isinstance(key, str) for key in self.model):
             raise SettingError("{} must map field names to values, " + escaped(f"got {self.model!r}"), "model")
         if fixed := sorted(set(self.model) & set(SPECIAL_ID_FIELDS)):
@@ -229,10 +229,9 @@ class ExperimentConfig:
         if bad := sorted(set(self.model) & set(DERIVED_MODEL_FIELDS)):
             raise SettingError("{}: " + f"{bad[0]} cannot be set: {', '.join(DERIVED_MODEL_FIELDS)} come from the data "
                                "and from {}, {}, {}, {}", "model", "vocab_size", "max_len", "dropout", "joint_vocab")
-        known = {f.name for f in dataclasses.fields(TransformerConfig)}
-        if unknown := sorted(set(self.model) - known):
-            raise SettingError("{}: " + f"unknown model field {unknown[0]!r}; choose from {', '.join(sorted(known))}",
-                               "model")
+        if unknown := sorted(set(self.model) - set(known := hints(TransformerConfig))):
+            raise SettingError("{}: unknown model field {name!r}; choose from {known}", "model", name=unknown[0],
+                               known=", ".join(sorted(known)))
         resolve_kernels(self.kernels, self.backend, "cpu")  # a set the backend's model has
         if self.token_budget < self.max_len:
             raise SettingError("{}=" + f"{self.token_budget} must hold one sequence of " + "{}=" + f"{self.max_len}",
@@ -277,8 +276,7 @@ class ExperimentConfig:
 
     def _refuse_changes(self, other: ExperimentConfig, whose: str, why: str, option: str, names: Iterable[str],
                         given: Iterable[str]) -> None:
-        """SettingError naming `option` (the `why`), then each field of `names` `given` with another value than
-        `other`'s."""
+        """SettingError naming `option` (the `why`), then each of `names` `given` with another value than `other`'s."""
         if differ := [n for n in names if n in set(given) and getattr(self, n) != getattr(other, n)]:
             raise SettingError(why + ": " + "; ".join("{}" + escaped(f": {whose} has {getattr(other, n)!r}, got "
                                                                      f"{getattr(self, n)!r}") for n in differ),
@@ -292,24 +290,12 @@ class ExperimentConfig:
             derived["dropout"] = self.dropout
         return TransformerConfig.preset(self.preset, **{**self.model, **derived})
 
-    def replace(self, **changes: Any) -> ExperimentConfig:
-        return dataclasses.replace(self, **changes)
-
     @classmethod
     def launch_fields(cls) -> tuple[str, ...]:
         """The launch options (where, how long, how this launch runs): a resume may change them, never saved."""
         return tuple(f.name for f in dataclasses.fields(cls) if f.metadata["launch"])
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
     def experiment(self) -> dict[str, Any]:
         """The fields that define how the run trains: what config.json and checkpoints save, a resume must match."""
         launch = self.launch_fields()
         return {k: v for k, v in self.to_dict().items() if k not in launch}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ExperimentConfig:
-        if unknown := sorted(set(data) - {f.name for f in dataclasses.fields(cls)}):
-            raise ValueError(f"unknown ExperimentConfig fields: {', '.join(map(repr, unknown))}")
-        return cls(**data)

@@ -1,11 +1,7 @@
-"""The options of the library's jobs as dataclasses that check themselves when made (`checked`): how to
-search (`Search`), how to sample (`Sampling`), which runs to load (`RunSelection`), ... The API, the server
-and the commands all build these, so a rule lives here alone. An error names the parameter (`top_p must be
-in (0, 1], got 2`); the commands' flags are generated from the fields' metadata (`add_flags`), and a
-command's `run` rewords the same error with the flag (`--top-p must be ...`).
+"""The options of the library's jobs (`Search`, `Sampling`, `RunSelection`, ...) as dataclasses that check themselves
+when made (`checked`); the API, the server and the commands build these, so a rule lives here alone. Its error names
+the parameter; a command's flags come from the fields (`add_flags`), and its `run` words the error with them:
 
-    >>> Search(beam=4, n_best=2).n_best
-    2
     >>> Sampling(top_p=2)
     Traceback (most recent call last):
     ...
@@ -30,7 +26,6 @@ from .runtime.destination import Destination
 from .runtime.files import OptionError, UserError
 from .runtime.signals import exit_status
 
-FORMATS = ("text", "tsv", "jsonl")
 # The type of a field naming a file a command writes: given a path, checked at once and kept as its `Destination`.
 Output = Optional[Destination]
 ENSEMBLE_AVERAGES = AVERAGES  # the twins' ensemble.AVERAGES
@@ -42,8 +37,8 @@ def option(default: Any, help: str, **meta: Any) -> Any:
 
 
 def checked(cls: type) -> type:
-    """`cls` as a frozen dataclass that checks itself when made: its fields (`check_settings`; an `Output` kept as
-    its `Destination`), then its own `check`."""
+    """`cls` as a frozen dataclass checking its fields when made (`check_settings`; an `Output` made a `Destination`),
+    then its own `check`."""
 
     def __post_init__(self) -> None:
         check_settings(self, OptionError)
@@ -57,12 +52,11 @@ def checked(cls: type) -> type:
 
 
 def destination(value: Any, name: str) -> Destination:
-    """`value` (a path, or a Destination already checked) as the `Destination` of parameter `name`: an
-    OptionError naming it where the file cannot be written (docs/operations.md#output-files)."""
+    """`value` (a path, or a Destination) as the `Destination` of parameter `name` (docs/operations.md#output-files)."""
     return value if isinstance(value, Destination) else Destination(value, name)
 
 
-def add_flags(parser: argparse.ArgumentParser, cls: type, *, skip: Iterable[str] = (), only: Iterable[str] | None = None,
+def add_flags(parser: argparse.ArgumentParser, cls: type, *, skip: Iterable[str] = (), only: Iterable | None = None,
               group: Any = None, groups: Mapping | None = None, show_defaults: bool = True) -> None:
     """One flag per field of the dataclass `cls` (`only` those, but `skip`) in `parser` (a `command`'s; in `group`,
     or each metadata "group"'s of `groups`), typed, ranged and documented by the field's metadata and annotation;
@@ -86,7 +80,8 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, *, skip: Iterable[str]
                           choices=meta.get("choices"), metavar=meta.get("metavar", {int: "N", float: "X"}.get(kind)),
                           action="append" if many else "store")
         parser.flags[field.name] = flag_of(field)
-        (groups[meta["group"]] if groups and "group" in meta else group or parser).add_argument(flag_of(field), **kwargs)
+        target = groups[meta["group"]] if groups and "group" in meta else group or parser
+        target.add_argument(parser.flags[field.name], **kwargs)
 
 
 def typed(parse: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -111,8 +106,7 @@ def build(cls: type, given: Mapping[str, Any]) -> Any:
 
 
 def command(prog: str, description: str, *classes: type, **kwargs: Any) -> argparse.ArgumentParser:
-    """A command's parser (`kwargs`: ArgumentParser's): one flag per field of each options class of `classes`; its
-    `flags` (field name -> flag) grow with each `add_flags`."""
+    """A command's parser (`kwargs`: ArgumentParser's), a flag per field of each of `classes`; `flags`: name -> flag."""
     parser = argparse.ArgumentParser(prog=prog, description=description, **kwargs)
     parser.flags = {}
     for cls in classes:
@@ -127,8 +121,7 @@ def worded(err: Exception, flags: Mapping[str, str]) -> str:
 
 def run(parser: argparse.ArgumentParser, argv: list[str] | None, job: Callable[[dict[str, Any]], Any]) -> int:
     """A command's exit status: `job` of the flags given (`argv`: sys.argv's) by the one protocol
-    (`runtime.exit_status`), a SettingError worded with the flags of `parser` (a `command`'s) instead of the
-    parameters' names."""
+    (`runtime.exit_status`), a SettingError worded with the flags of `parser` (a `command`'s)."""
     given = vars(parser.parse_args(argv))
 
     def flagged() -> Any:
@@ -142,8 +135,7 @@ def run(parser: argparse.ArgumentParser, argv: list[str] | None, job: Callable[[
 
 @checked
 class Search:
-    """A beam search (greedy with beam 1; docs/decoding.md): `n_best` K (<= beam) or `alignments`
-    give each sentence's K best `Hypothesis` (1 with alignments alone) instead of strings."""
+    """A beam search (greedy: beam 1; docs/decoding.md); `n_best` K or `alignments`: K (1) `Hypothesis` per sentence."""
 
     beam: int = option(4, "beam size (1 = greedy search)", range=BEAM)
     alpha: float = option(0.6, "beam search's length penalty exponent: see --scoring", range=ALPHA)
@@ -168,8 +160,8 @@ class Search:
 
 @checked
 class Sampling:
-    """Random sampling instead of a search (`Translator.sample`, docs/decoding.md#sampling): each token drawn
-    with the uniform of (seed, sentence, sample, position), so that a sentence's samples do not depend on its batch."""
+    """Random sampling instead of a search (docs/decoding.md#sampling): a token draws the uniform of (seed, sentence,
+    sample, position), so that a sentence's samples do not depend on its batch."""
 
     num_samples: int = option(1, "N samples per sentence (translate: N > 1 with --format tsv or jsonl)",
                               range=BEAM, metavar="N")
@@ -182,8 +174,7 @@ class Sampling:
                        "jax and torch backends alike, whatever the batching", range=SAMPLING_RANGES["seed"], metavar="S")
 
     def check_with(self, search: Search, prefixes: bool = False) -> None:
-        """OptionError for what does not go with sampling: n-best lists and forced prefixes are the
-        searches', and scoring "hf" ranks beams (a sample is not ranked)."""
+        """OptionError for the searches' options: n-best lists, forced prefixes, scoring "hf" (samples are unranked)."""
         if search.n_best is not None:
             raise OptionError("{} with {}: sampling gives {} translations, not a ranked list", "sample", "n_best",
                               "num_samples")
@@ -212,8 +203,7 @@ def check_format(fmt: str, search: Search, sample: Sampling | None = None) -> No
 
 @checked
 class RunSelection:
-    """Which trained runs to load and onto what (`train.load`): one run directory, or several (an ensemble
-    combined by `average`), each at `checkpoint`, on the first `devices` devices of one or several processes."""
+    """Which runs `train.load` loads (several: an ensemble combined by `average`), at `checkpoint`, onto which devices"""
 
     run_dir: list[Path] = option(
         [], "the run directory (holds config.json, tokenizer, checkpoints/); given again, an ensemble: the runs' "
@@ -301,7 +291,7 @@ class TranslateFiles:
     format: str = option(
         "text", "text: the best translation; tsv: per hypothesis its text, log-probability and length-normalised "
         "score, tab-separated; jsonl: a JSON object with the hypotheses, their scores and target tokens. Always one "
-        "line per input line", choices=FORMATS)
+        "line per input line", choices=("text", "tsv", "jsonl"))
     chunk_lines: int = option(4000, "lines read, translated and written at a time; memory grows with this, not with "
                               "the input", range=POSITIVE)
     max_line_bytes: int = option(1 << 20, "refuse a line longer than this, naming it", range=POSITIVE)
@@ -328,8 +318,8 @@ class ScoreFiles:
 
 
 def sampling_of(sample: Sampling | bool | None, settings: Mapping[str, Any]) -> Sampling | None:
-    """How to sample: `sample` when a `Sampling`, one of the `settings` (its fields given) when True, None when
-    None or False; settings given without sampling: OptionError naming them (the API, the server, the command)."""
+    """How to sample: `sample` when a `Sampling`, one of the `settings` (its fields) when True, None when None or False
+    (OptionError naming `settings` given then)."""
     if not (sample is None or isinstance(sample, (bool, Sampling))):  # booleans only as booleans: not 1 nor "yes"
         raise OptionError("{} must be true or false, got {got!r}", "sample", got=sample)
     if not sample:

@@ -25,9 +25,8 @@ from .runtime.replace import check_outside_runs, kind_of, remove
 @contextlib.contextmanager
 def session(cfg: ExperimentConfig, explicit: Iterable[str] | None = None, platform: str | None = None,
             is_main: bool = True, source: str | Path | None = None) -> Iterator[ExperimentConfig]:
-    """The run directory claimed for training and the config to train with (`ExperimentConfig.resolve`); process 0
-    locks it (`replacing` an old one with --overwrite). A run is refused without --resume or --overwrite, a
-    directory holding no run always; nothing is written but the lock (`prepare_run_dir` writes the run)."""
+    """The run directory claimed (process 0 locks it, `replacing` an old run) and the config to train with (`resolve`);
+    nothing is written but the lock (`prepare_run_dir` writes the run)."""
     run_dir = Path(cfg.run_dir or time.strftime(f"runs/{cfg.backend}-%Y%m%d-%H%M%S"))
     if ".." in run_dir.parts:  # R/checkpoints/.. names nothing once --overwrite has set checkpoints/ aside
         run_dir = run_dir.resolve()
@@ -44,7 +43,7 @@ def session(cfg: ExperimentConfig, explicit: Iterable[str] | None = None, platfo
             raise UserError(f"nothing to resume: {run_dir} holds no run ({CONFIG_FILE} missing)")
         saved = read_experiment(run_dir) if cfg.resume else None
         origin = None
-        if source is not None and not cfg.resume:  # train.loop made --init-from's source a run (pretrained.source_run)
+        if source is not None and not cfg.resume:  # train.loop made init_from's source a run (pretrained.source_run)
             if not (Path(source) / CONFIG_FILE).is_file():
                 raise OptionError("{} {source}: not a run directory", "init_from", source=source)
             origin = read_experiment(source)
@@ -75,8 +74,7 @@ def set_aside_path(run_dir: Path) -> Path:
 
 
 def check_set_aside(run_dir: str | Path) -> None:
-    """UserError naming `.RUN.run-old` beside the run: set aside by an --overwrite still running (it holds
-    the lock) or killed before it could put it back or delete it. Every command opening a run checks it."""
+    """UserError naming `.RUN.run-old`, set aside by an overwrite still running or killed: any command opening a run."""
     run_dir = Path(run_dir)
     if not ((old := set_aside_path(run_dir)).exists() or old.is_symlink()):
         return
@@ -106,8 +104,8 @@ def _clear(run_dir: Path) -> None:
 
 @contextlib.contextmanager
 def replacing(run_dir: Path, overwrite: bool) -> Iterator[None]:
-    """--overwrite, never losing the old run to a failed new one: its files wait in `.NAME.run-old` while the
-    new run trains; when the block ends they are deleted if the new run holds a checkpoint, else put back."""
+    """Overwrite, never losing the old run to a failed new one: it waits in `.NAME.run-old` until the new one holds a
+    checkpoint (then deleted; else put back)."""
     if not (overwrite and (run_dir / CONFIG_FILE).is_file()):
         yield
         return
@@ -165,8 +163,7 @@ def prepare_run_dir(cfg: ExperimentConfig, model_cfg: TransformerConfig, tokeniz
 
 def check_model(run_dir: Path, cfg: ExperimentConfig, model_cfg: TransformerConfig, tokenizers: data.Tokenizers,
                 what: str = MODEL_FILE) -> None:
-    """Refuse, before a model is built (a hand-edited size is named, not allocated), a run whose files describe
-    different models: `model_cfg` (from `what`) must be that of config.json and of each checkpoint's experiment."""
+    """Refuse, before building it, a run whose `model_cfg` (from `what`) is not config.json's and its checkpoints'."""
     sizes = tokenizers.src.get_vocab_size(), tokenizers.tgt.get_vocab_size()
     sources = {f"{run_dir / CONFIG_FILE} with the tokenizer": cfg}
     for step, saved in sorted(saved_experiments(run_dir / CHECKPOINTS).items()):

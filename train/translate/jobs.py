@@ -11,6 +11,8 @@ import os
 import sys
 from typing import Any
 
+from torch_reference.config import escaped
+
 from .. import api
 from ..backends.host_devices import split_host
 from ..data import load_parallel
@@ -90,7 +92,10 @@ def translate_file(selection: RunSelection, search: Search = Search(), sample: S
             raise Interrupted(signum, f"interrupted ({Interrupted(signum)}) after {out.done:,} input lines{kept}")
         except (UserError, OSError) as err:  # bad input further on, a full disk: the chunks before it are kept
             resumable = out.done and isinstance(out, PartialOutput) and not isinstance(err, OtherInput)
-            raise UserError(error_text(err) + (f" ({out.kept()})" if resumable else "")) from None
+            kept = f" ({out.kept()})" if resumable else ""
+            if isinstance(err, OptionError):  # still naming its parameters
+                raise OptionError(err.template + escaped(kept), *err.names, **err.values) from None
+            raise UserError(error_text(err) + kept) from None
         finally:
             progress.clear()
             reader.close()
