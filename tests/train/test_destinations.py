@@ -125,7 +125,7 @@ def test_an_output_that_is_the_input_is_refused_and_the_input_kept(torch_run, tm
     for spec, output in (("de:en:same", "same.en"), ("de:en:same", "link.de"), ("pairs.tsv", "./pairs.tsv")):
         code, err = _exit_status(evaluate.main, [*run, "--data", spec, "--output", output], capsys)
         assert code == 1
-        one_error_line(err, f"--output {output} is a file of --data {spec}: writing it would destroy the data")
+        one_error_line(err, f"--output {output} is a file of the data {spec}: writing it would destroy the data")
     from parity import search_speed
     from parity.commands import translate_bench
 
