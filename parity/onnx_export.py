@@ -4,6 +4,7 @@ this project's JAX fails on the Flax model (docs/interop.md#deploying says how).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -94,6 +95,10 @@ def write_onnx(params: Mapping[str, np.ndarray], cfg: TransformerConfig, directo
     if quantization == "int8":
         from onnxruntime.quantization import QuantType, quantize_dynamic
 
-        for name in ONNX_FILES:
-            quantize_dynamic(directory / name, directory / quantized(name), weight_type=QuantType.QInt8)
+        logging.disable(logging.WARNING)  # its advice to pre-process, on the root logger, once a graph
+        try:
+            for name in ONNX_FILES:
+                quantize_dynamic(directory / name, directory / quantized(name), weight_type=QuantType.QInt8)
+        finally:
+            logging.disable(logging.NOTSET)
 
