@@ -1,7 +1,5 @@
-"""Sampling from the Flax model's cached decoding: `torch_reference/sampling.py` step by step (its
-docstrings tell the details) in one jit-compiled loop, the uniforms in uint32 arithmetic; the same
-tokens for the same seed and weights, scores to float32 rounding (docs/decoding.md#sampling).
-"""
+"""Sampling from the Flax model's cached decoding: `torch_reference/sampling.py` (its docstrings tell the
+details) in one jit-compiled loop; the same tokens for the same seed and weights (docs/decoding.md#sampling)."""
 
 from __future__ import annotations
 
@@ -60,10 +58,8 @@ def _sentence_ids(sentence_ids, batch: int):
 
 
 def sampling_distribution(logprobs, temperature=1.0, top_k=0, top_p=1.0):
-    """logprobs (N, V) -> probs (N, V), each token's sampling probability in token-id order: torch's
-    `sampling_distribution` (temperature, top-k with ties kept, top-p's smallest most probable set
-    reaching p with ties by lower id, renormalised; thresholds, nothing reordered or sorted unfiltered).
-    The settings are numbers, or traced scalars (one compiled sampler for every value: `sample_loop`)."""
+    """logprobs (N, V) -> probs (N, V) in token-id order: torch's `sampling_distribution`; the settings are
+    numbers or traced scalars (one compiled sampler for every value: `sample_loop`)."""
     # XLA flushes float32 subnormals to 0; any temperature at or below the smallest normal is greedy (torch's too)
     temperature = jnp.maximum(temperature, jnp.finfo(jnp.float32).tiny)
     scaled = (logprobs - logprobs.max(axis=-1, keepdims=True)) / temperature  # best at 0: no overflow

@@ -1,8 +1,5 @@
-"""Data parallelism over a 1-D device mesh, axis `data`, as `jax.jit` with shardings: batches split
-along their first axis, the training state replicated or (FSDP) each array split along one dimension,
-XLA inserting the collectives; with several processes each loads its own rows of the global batch
-(docs/operations.md#devices-and-processes).
-"""
+"""Data parallelism over a 1-D device mesh, axis `data`: batches split along their first axis, the training
+state replicated or (FSDP) split, XLA inserting the collectives (docs/operations.md#devices-and-processes)."""
 
 from __future__ import annotations
 
@@ -21,9 +18,8 @@ ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID = "JAX_COORDINATOR_ADDRESS", 
 
 def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
                            process_id: int | None = None) -> None:
-    """`jax.distributed.initialize` from the arguments, or else from JAX_COORDINATOR_ADDRESS /
-    JAX_NUM_PROCESSES / JAX_PROCESS_ID; a no-op for a single process or when already done. Call it
-    before anything touches a device (jax.devices(), an array, a PRNG key)."""
+    """`jax.distributed.initialize` from the arguments or the JAX_* environment; a no-op for one process or when
+    already done. Call it before anything touches a device."""
     coordinator_address = coordinator_address or os.environ.get(ENV_COORDINATOR)
     if num_processes is None and os.environ.get(ENV_NUM_PROCESSES):
         num_processes = int(os.environ[ENV_NUM_PROCESSES])
@@ -87,13 +83,8 @@ def state_shardings(tree: Any, mesh: Mesh, layout: str = "replicated") -> Any:
 
 
 def place(tree: Any, shardings: Any) -> Any:
-    """Every array of `tree` (host or single-device values, the same in every process) placed
-    with its sharding: `shardings` is one `Sharding` for every leaf, or a tree like `tree`'s.
-
-    Goes through the host: `jax.device_put` refuses a sharding over devices of other processes;
-    each device receives only its own slice (`make_array_from_callback`). PRNG key arrays travel
-    as their raw key data and are wrapped again on the mesh (their sharding must be replicated).
-    """
+    """Every array of `tree` (host values, the same in every process) placed with `shardings` (one or a tree),
+    through the host, each device receiving its own slice; PRNG keys travel as their raw data (replicated)."""
 
     def put(x, sharding):
         if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):

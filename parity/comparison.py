@@ -1,5 +1,4 @@
-"""The parity contract on one batch (`aiayn check`, docs/parity.md): a random PyTorch model and its Flax
-conversion, their logits, loss and every gradient compared, and the bounds they must meet."""
+"""The parity contract on one batch (`aiayn check`, docs/parity.md)."""
 
 from __future__ import annotations
 

@@ -162,9 +162,8 @@ def marian_proof(export_dir: Path, run_dir: Path, params, cfg: TransformerConfig
 
 def export_proof(export_dir: Path, run_dir: Path, checkpoint: str | int, sentences: Sequence[str], kind: str,
                  quantization: str | None = None) -> dict[str, Any]:
-    """The ONNX or StableHLO programs in `export_dir` against the run at `checkpoint`: logits along the run's greedy
-    outputs, greedy and beam-4 tokens (every sentence alike), BLEU where the sentences are the run's validation
-    sources; an int8 ONNX export's figures beside its float32 graphs'."""
+    """The ONNX or StableHLO programs in `export_dir` against the run at `checkpoint`: logits, greedy and beam-4
+    tokens and BLEU on the run's validation sources; an int8 ONNX export's figures beside its float32 graphs'."""
     from train.interop.exported import ExportedModel, programs
 
     run = train.load(run_dir, checkpoint)

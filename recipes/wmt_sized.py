@@ -84,9 +84,8 @@ def measure(command: list[str], first: str = r"^step 1/", every: float = 0.1) ->
 
 
 def preprocess(prefix: str, store_dir: str, vocab_size: int = 8000) -> dict:
-    """Pairs/s of the corpus store's build (train.data.corpus_store, the text read as a run reads it) against
-    `tokenizers`' own encode_batch of the same text, read whole first, in the store's chunks, on the same
-    cores, one after the other in one run; the tokenizer (joint BPE) is trained on the corpus first."""
+    """Pairs/s of the corpus store's build against `tokenizers`' own encode_batch of the same text in the store's
+    chunks, one after the other in one run (the joint BPE tokenizer trained on the corpus first)."""
     from train import data
     from train.data import corpus_store
 
@@ -126,9 +125,8 @@ def batches(store_dir: str, budget: int = 25_000, count: int = 500) -> dict:
 
 
 def gather(store_dir: str, budget: int = 25_000, count: int = 300, seed: int = 0) -> dict:
-    """Batches per second gathered from a corpus store's memory-mapped .npy arrays (TokenStore.gather) and
-    from a `datasets` Arrow table of the same ids (saved to disk, memory-mapped, Table.take): the ids and
-    lengths of both sides of random pairs, about `budget` tokens a side, in turn in one run."""
+    """Batches per second gathered from a corpus store's .npy arrays (TokenStore.gather) and from a memory-mapped
+    `datasets` Arrow table of the same ids (Table.take), about `budget` tokens a side, in turn in one run."""
     import tempfile
 
     import datasets

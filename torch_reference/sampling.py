@@ -1,12 +1,5 @@
-"""Sampling from the reference model's cached decoding, with random numbers both frameworks share;
-`jax_transformer/sampling.py` is its twin: the same tokens for the same seed and weights.
-
-The uniform of a step is Threefry-2x32 keyed by (seed, sentence id) at the counter (sample,
-position), integer arithmetic that rounds nowhere (torch lacks uint32: int64 words, masked), so a
-row's tokens depend on its seed, sentence id and model alone. The token is drawn by inverse CDF in
-token-id order and the filters are thresholds that never reorder tokens, so float32 differences move
-a boundary by rounding only (docs/decoding.md#sampling).
-"""
+"""Sampling from the reference model's cached decoding with random numbers both frameworks share (Threefry-2x32
+keyed by seed and sentence id, inverse CDF in token-id order); the twin: jax_transformer (docs/decoding.md#sampling)."""
 
 from __future__ import annotations
 
@@ -62,12 +55,8 @@ def _sentence_ids(sentence_ids, batch: int, device) -> Tensor:
 
 
 def sampling_distribution(logprobs: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> Tensor:
-    """logprobs (N, V) -> probs (N, V), each token's sampling probability in token-id order, as HF's
-    warpers (and fairseq) define them: softmax of logprobs / temperature, kept to the tokens scoring
-    at least the k-th largest (`top_k` > 0; ties kept), then to the smallest set of most probable
-    tokens whose probability reaches `top_p` (a token stays while the more probable tokens, and the
-    equally probable ones of lower id, hold less than top_p), renormalised. Both filters are
-    thresholds on the tokens in place: nothing is reordered, and with neither nothing is sorted."""
+    """logprobs (N, V) -> probs (N, V) in token-id order, as HF's warpers define them: softmax of logprobs /
+    temperature, then top-k (ties kept), then top-p (ties by lower id), renormalised; thresholds, nothing reordered."""
     scaled = (logprobs - logprobs.amax(dim=-1, keepdim=True)) / temperature  # best at 0: no overflow
     if top_k:
         kth = torch.topk(scaled, min(top_k, scaled.shape[-1]), dim=-1).values[:, -1:]  # (N, 1)
@@ -80,9 +69,7 @@ def sampling_distribution(logprobs: Tensor, temperature: float = 1.0, top_k: int
 
 
 def _top_p_kept(probs: Tensor, top_p: float) -> Tensor:
-    """probs (N, V) -> (N, V) bool, the tokens top-p keeps: those above the least kept probability,
-    and as many of the tokens at it as the smallest set needs, lowest ids first. Only the values are
-    sorted (to find that threshold); the tokens stay in id order."""
+    """probs (N, V) -> (N, V) bool, the tokens top-p keeps (ties by lowest id), the tokens staying in id order."""
     falling = torch.sort(probs, dim=-1, descending=True).values
     kept = ((falling.cumsum(dim=-1) - falling) < top_p).sum(dim=-1, keepdim=True)  # (N, 1) mass before < p
     least = falling.gather(1, kept - 1)  # (N, 1) the least kept probability
@@ -105,12 +92,8 @@ def sample(
     model: Transformer, src_ids: Tensor, seed: int, num_samples: int = 1, temperature: float = 1.0,
     top_k: int = 0, top_p: float = 1.0, max_len_a: float = 1.5, max_len_b: int = 10, sentence_ids=None,
 ) -> tuple[Tensor, Tensor]:
-    """src_ids (B, S) -> (tokens (B, N, L), scores (B, N)): `num_samples` N translations a sentence,
-    each token drawn from `sampling_distribution` with the uniform of (seed, sentence id, sample,
-    position); the score is the sum of the drawn tokens' log-probabilities under the model (as
-    greedy's: without temperature or filters). `sentence_ids` (B,): the ids that key the random
-    numbers, 0..B-1 unless given; pass each sentence's index in the input so that its samples do not
-    depend on the batch it falls in. Lengths and padding as `decode.greedy_search`."""
+    """src_ids (B, S) -> (tokens (B, N, L), scores (B, N)): N samples a sentence drawn from `sampling_distribution`
+    with the uniform of (seed, sentence id (0..B-1 unless given), sample, position); scores untempered log-probs."""
     _check_ids("src_ids", src_ids, model.cfg.src_vocab_size, model.cfg.max_len)
     check_sampling(seed, num_samples, temperature, top_k, top_p)
     ids = _sentence_ids(sentence_ids, src_ids.shape[0], src_ids.device)

@@ -79,9 +79,7 @@ class Bench:
 
 
 def step_flops(cfg: TransformerConfig, batch_size: int, src_len: int, tgt_len: int) -> int:
-    """Model FLOPs of one training step: 3 x the forward pass (the backward costs two forwards), counting 2
-    FLOPs per multiply-add of every matmul (projections 8D² a layer, feed-forward 4DF, 6DF for SwiGLU; attention
-    4 x length x D; the output projection 2DV a target token); embedding lookups are free."""
+    """Model FLOPs of one training step: 3 x the forward pass, 2 a multiply-add of every matmul; embeddings free."""
     D, F, V = cfg.d_model, cfg.d_ff, cfg.tgt_vocab_size
     ff = (6 if cfg.activation == "swiglu" else 4) * D * F
     encoder = cfg.num_encoder_layers * src_len * (8 * D * D + ff + 4 * src_len * D)

@@ -86,10 +86,9 @@ def translate_texts(backend: Translator, tokenizers: data.Tokenizers, texts: Seq
                     stop: Callable[[], bool] | None = None, on_batch: Callable[..., None] | None = None,
                     counts: collections.Counter | None = None, fixed_shapes: bool = False, first_id: int = 0,
                     hypotheses: bool = False) -> list[str] | list[list[Hypothesis]]:
-    """Detokenized translations of `texts` in order (a blank line: "") by `search` or `sample`; `Hypothesis` lists
-    with `n_best` K, `alignments`, num_samples > 1 or `hypotheses`. `prefixes`: each output's forced start;
-    `stop()` True before a batch raises EvaluationStopped; `on_batch(indices, src, tokens)` sees each batch;
-    `counts["cut"]`: sources cut; `fixed_shapes`: a few shapes for any texts; text i samples as `first_id` + i."""
+    """Detokenized translations of `texts` in order by `search` or `sample` (`Hypothesis` lists with `n_best`,
+    `alignments`, samples or `hypotheses`); `stop()` True raises EvaluationStopped; `on_batch(indices, src, tokens)`
+    sees each batch; `counts["cut"]`: sources cut; text i samples as `first_id` + i."""
     if sample is not None:
         sample.check_with(search, prefixes is not None and any(prefixes))
     src_ids = data.encode(tokenizers.src, list(texts))

@@ -1,11 +1,5 @@
-"""The backends, one per framework behind one interface (`interface.py`), and the factory.
-
-`jax_backend.JaxBackend` and `torch_backend.TorchBackend` train alike: the micro-batches of an
-update sum their per-token losses over their total target tokens (k micro-batches equal one batch
-of their union); clipping is optax's formula, no epsilon; Adam(0.9, 0.98, 1e-9) on the paper's
-schedule, the first update at lr(step=1). What leaves a backend is a `TrainingState`
-(docs/design.md). This module imports neither framework: `create_backend` imports the one asked for.
-"""
+"""The backends, one per framework behind one interface (`interface.py`), and the factory; both train alike
+(docs/design.md). This module imports neither framework: `create_backend` imports the one asked for."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""glibc's allocator tuned for XLA:CPU from inside the process (no environment variables): `tune()`
-fixes the mmap and trim thresholds, `release()` hands freed heap memory back after a compilation,
-`settled()` restores glibc's own thresholds for other code, and `use_huge_pages()` re-executes the
-command with huge pages asked for; all no-ops off glibc. Why: docs/performance.md#the-default-run.
-"""
+"""glibc's allocator tuned for XLA:CPU from inside the process: `tune`, `release`, `settled`, `use_huge_pages`;
+all no-ops off glibc. Why: docs/performance.md#the-default-run."""
 
 from __future__ import annotations
 
@@ -78,10 +75,8 @@ THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
 def use_huge_pages() -> None:
-    """Re-execute this process's command with `glibc.malloc.hugetlb=1` (malloc asks for transparent
-    huge pages) in `GLIBC_TUNABLES` where that helps: glibc >= 2.35 on Linux, huge pages in "madvise"
-    mode. Returns at once elsewhere or when `GLIBC_TUNABLES` names the tunable (after the re-execution,
-    or `=0` to opt out). Call it before anything else: the process is replaced (output flushed)."""
+    """Re-execute this command with `glibc.malloc.hugetlb=1` in `GLIBC_TUNABLES` where it helps (glibc >= 2.35,
+    THP "madvise"); returns at once elsewhere or when the tunable is named. Call it first: the process is replaced."""
     if HUGE_PAGES in os.environ.get("GLIBC_TUNABLES", "") or not _asks_for_huge_pages():
         return
     tunables = ":".join(filter(None, [os.environ.get("GLIBC_TUNABLES"), f"{HUGE_PAGES}=1"]))

@@ -1,11 +1,5 @@
-"""One JAX device per CPU core for searching: `translate`, `evaluate` and `aiayn translate-bench`
-ask XLA for them before jax is imported, and decode each batch data parallel over every device.
-
-XLA:CPU runs a beam search's small matmuls on one core; split into one device per core, each core
-searches its share of the batch, faster with the same outputs (docs/performance.md#against-ctranslate2).
-Training splits the host into its --devices (`aiayn train`); a GPU or TPU machine uses its accelerators.
-This module imports no framework.
-"""
+"""One JAX device per CPU core for searching, asked of XLA before jax is imported: each core searches its share
+of a batch, the same outputs, faster (docs/performance.md#against-ctranslate2). Imports no framework."""
 
 from __future__ import annotations
 
@@ -42,10 +36,8 @@ def check_xla_flags(environ: MutableMapping[str, str] | None = None) -> None:
 
 
 def split_host(environ: MutableMapping[str, str] | None = None, count: int | None = None) -> int | None:
-    """Add `FLAG=N` to XLA_FLAGS, N = `count` (training's --devices), else $AIAYN_HOST_DEVICES or the cores (at
-    most MAX_DEVICES; a --devices beyond them is refused by the mesh), unless jax is already imported or XLA_FLAGS
-    names a count; the count added, or None. ValueError for a $AIAYN_HOST_DEVICES not from 1 to MAX_DEVICES, or a
-    bad XLA_FLAGS count."""
+    """Add `FLAG=N` to XLA_FLAGS (N: `count`, else $AIAYN_HOST_DEVICES or the cores, at most MAX_DEVICES) unless
+    jax is imported or a count is named; the count added, or None. ValueError for a bad count."""
     environ = os.environ if environ is None else environ
     check_xla_flags(environ)
     flags = environ.get("XLA_FLAGS", "")

@@ -1,11 +1,5 @@
-"""The JAX backend: `jax_transformer.Transformer` (Flax NNX) trained with optax under one `jax.jit`.
-
-The training state is the pytree {"params", "opt_state", "step"} and the update the pure
-`train_step(state, batch, rng) -> (state, metrics)`, its state donated. Dropout keys are
-`fold_in(rng, step)`, so a resumed run draws the masks of an uninterrupted one. Data parallelism,
-processes, FSDP and precision: docs/operations.md#devices-and-processes. Checkpoints:
-`train.checkpoints.jax_store.JaxStore` (orbax), restored onto the current mesh and layout.
-"""
+"""The JAX backend: `jax_transformer.Transformer` trained with optax under one `jax.jit`, the pure
+`train_step(state, batch, rng) -> (state, metrics)` (docs/operations.md#devices-and-processes)."""
 
 from __future__ import annotations
 
@@ -58,9 +52,8 @@ COMPUTE_DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}  # None: the parame
 
 
 def initialize(exp_cfg: ExperimentConfig) -> Topology:
-    """Once per process, where a CLI starts: the compilation cache, `jax.distributed.initialize` for
-    a multi-process run, then the device platform's process-wide settings. Returns where the run trains.
-    From here on the process counts its compilations (`compiles`)."""
+    """Once per process, where a CLI starts: the compilation cache, `jax.distributed.initialize`, the platform's
+    settings; returns where the run trains."""
     compiles.listen()
     jax_cache.enable()
     sharding.initialize_distributed(exp_cfg.coordinator_address, exp_cfg.num_processes, exp_cfg.process_id)
@@ -174,9 +167,8 @@ def eval_sums(ctx: StepContext, params, batch):
 
 def search(ctx: StepContext, params, src, prefix, beam_size: int, alpha: float, cached: bool, scoring: str,
            n_best: int | None):
-    """Output tokens (B, L) of greedy (beam_size 1) or beam search over src (B, S), each output
-    starting with its row of prefix (B, P) (or None); with `n_best` (tokens (B, n, L), log-probs
-    (B, n), scores (B, n)) of the n best."""
+    """Greedy (beam_size 1) or beam search over src (B, S) from prefix (B, P) or None: tokens (B, L), or with
+    `n_best` (tokens (B, n, L), log-probs (B, n), scores (B, n))."""
     model = ctx.model(params)
     if beam_size == 1:
         tokens, logprob = decode.greedy_search(model, src, cached=cached, prefix=prefix)
@@ -189,9 +181,7 @@ def search(ctx: StepContext, params, src, prefix, beam_size: int, alpha: float, 
 
 
 def sharded_search(ctx: StepContext, mesh, params, src, prefix, beam_size: int, alpha, *options):
-    """`search` data parallel: each device of `mesh` searches its own rows of src and prefix (sharded along
-    `data`) with its copy of the replicated parameters and alpha, its loop ending when its own sentences are
-    done (`shard_map`; no collective inside, so `check_vma=False`); the output sharded alike."""
+    """`search` data parallel over `mesh` (`shard_map`, no collective inside): each device its own rows."""
     whole, rows = jax.sharding.PartitionSpec(), jax.sharding.PartitionSpec(sharding.DATA_AXIS)
     arrays = (src,) if prefix is None else (src, prefix)
     per_device = jax.shard_map(lambda p, a, s, x=None: search(ctx, p, s, x, beam_size, a, *options), mesh=mesh,

@@ -1,7 +1,5 @@
-"""JAX's persistent compilation cache, on by default (`jax_backend.initialize` turns it on for every
-CLI): $AIAYN_JAX_CACHE (`off` turns it off), else $JAX_COMPILATION_CACHE_DIR, else
-$XDG_CACHE_HOME/aiayn/jax (docs/operations.md#the-compile-cache). This module imports jax only in `enable`.
-"""
+"""JAX's persistent compilation cache, on by default: $AIAYN_JAX_CACHE (`off`), else $JAX_COMPILATION_CACHE_DIR,
+else $XDG_CACHE_HOME/aiayn/jax (docs/operations.md#the-compile-cache). Imports jax only in `enable`."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""The PyTorch backend: `torch_reference.Transformer` with torch.optim, the same semantics as JAX, on
-CUDA when available, else the CPU. `--dtype bfloat16` runs the forward passes under
-`torch.autocast`; checkpoints are `train.checkpoints.torch_store.TorchStore`'s (safetensors). On several
-devices: one process each (`--devices N` starts them, or torchrun does), DistributedDataParallel,
-each process taking its rows of the global batch (docs/operations.md#devices-and-processes).
-"""
+"""The PyTorch backend: `torch_reference.Transformer` with torch.optim, the JAX backend's semantics, on CUDA
+or the CPU; several devices: a process each, DDP or FSDP (docs/operations.md#devices-and-processes)."""
 
 from __future__ import annotations
 
@@ -47,9 +43,8 @@ def _long(device: torch.device, *arrays: np.ndarray) -> tuple[torch.Tensor, ...]
 
 
 def initialize(exp_cfg: ExperimentConfig) -> Topology:
-    """Once per process, where a CLI starts: join the run's processes (torchrun's environment, or
-    the one `launch` gives the processes it starts) and set torch's intra-op threads (--threads,
-    else this process's share of the CPUs)."""
+    """Once per process, where a CLI starts: join the run's processes (torchrun's environment, or `launch`'s) and
+    set torch's threads (--threads, else this process's share of the CPUs)."""
     if exp_cfg.coordinator_address or exp_cfg.num_processes not in (None, 1):
         raise ValueError("--coordinator-address and --num-processes are jax's: launch torch with torchrun")
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -75,10 +70,8 @@ def initialize(exp_cfg: ExperimentConfig) -> Topology:
 
 @contextlib.contextmanager
 def launch(exp_cfg: ExperimentConfig, target, **kwargs):
-    """`--devices N` outside torchrun: processes 1..N-1 started for the block, each running
-    `target(exp_cfg, **kwargs)` (train.loop.train) with torchrun's environment on this machine, this
-    process number 0. On the way out the process group ends (on an error first, so that the others,
-    waiting in a collective, stop in one line) and the others are waited for."""
+    """`--devices N` outside torchrun: processes 1..N-1 running `target(exp_cfg, **kwargs)` for the block, this one
+    number 0; on the way out (on an error first) the process group ends and the others are waited for."""
     if (exp_cfg.devices or 1) == 1 or "WORLD_SIZE" in os.environ:
         yield
         return

@@ -24,9 +24,8 @@ WEIGHTS_CONFIG_KEY = "transformer_config"
 
 @dataclasses.dataclass
 class TrainingState:
-    """One backend's training state as NumPy arrays by attribute path, in `framework`'s layout (jax: kernels
-    (in, out); torch: weights (out, in)); `mu`, `nu`: Adam's moments (None before an update); `rng`: the
-    framework's random state, None once the state has crossed frameworks (dropout streams cannot be matched)."""
+    """One backend's training state as NumPy arrays by attribute path in `framework`'s layout; `mu`, `nu`: Adam's
+    moments (None before an update); `rng`: the framework's random state (None once converted)."""
 
     framework: str
     step: int

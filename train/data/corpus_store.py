@@ -1,6 +1,5 @@
-"""A corpus tokenized once (`TokenStore`), in memory or memory-mapped from `<cache>/<key>/`: `.npy` files keyed
-by the data and the tokenizers, built whole or not at all, checked against a manifest
-(docs/operations.md#the-corpus-store)."""
+"""A corpus tokenized once (`TokenStore`): `.npy` files under `<cache>/<key>/` keyed by the data and the
+tokenizers, built whole or not at all (docs/operations.md#the-corpus-store)."""
 
 from __future__ import annotations
 
@@ -80,9 +79,8 @@ def tell(text: str) -> None:
 
 
 class TokenStore:
-    """Flat token ids of both sides (`src`, `tgt`, uint16 or int32), each pair's lengths (`src_len`, `tgt_len`,
-    int32) and start offsets (`src_start`, `tgt_start`, int64): arrays or read-only memory maps; `digest` names
-    the data (a stored corpus's key: of its text and tokenizers)."""
+    """Flat token ids of both sides (`src`, `tgt`), each pair's lengths and start offsets, as arrays or read-only
+    memory maps; `digest` names the data."""
 
     def __init__(self, arrays: dict[str, np.ndarray], digest: str | None = None, skipped: int = 0):
         self.arrays, self.skipped = arrays, skipped  # skipped: pairs with an empty side, left out
@@ -142,10 +140,8 @@ def cache_dir(hf_cache: str | None = None) -> Path:
 
 def corpus_store(root: Path, data_digest: str, tokenizers: Tokenizers, pairs: Iterable[tuple[str, str]],
                  name: str = "corpus", progress: bool = True, total: int | None = None, skipped=None) -> TokenStore:
-    """The store of the data `data_digest` names tokenized by `tokenizers` under `root`: opened when
-    it is there, else built from `pairs` (read only then; `total` of them when known), with a progress bar on a
-    terminal when `progress`, lines every few seconds otherwise; `skipped()`, once they are read: how many pairs
-    the reader left out (kept in the manifest)."""
+    """The store of `data_digest` tokenized by `tokenizers` under `root`: opened, else built from `pairs` (progress
+    shown when `progress`); `skipped()`: how many pairs the reader left out."""
     key = hashlib.sha256(f"{FORMAT}\n{data_digest}\n{tokenizers_digest(tokenizers)}".encode()).hexdigest()[:32]
     path = root / key
     if not (path / MANIFEST).is_file():

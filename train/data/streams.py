@@ -1,7 +1,5 @@
-"""`LineReader`: the lines of a file (plain or .gz), a FIFO, a process substitution or standard input,
-one at a time, by the rule of `corpora.split_lines`; a line over `max_bytes` is refused by number, not
-read whole (`< /dev/zero` ends in one error, not a MemoryError). Every problem is a UserError naming the input.
-"""
+"""`LineReader`: the lines of a file (plain or .gz), a FIFO or stdin one at a time, a line over `max_bytes`
+refused by number; every problem a UserError naming the input."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Byte-level BPE tokenizers (HF `tokenizers`) trained on the training split, one joint vocabulary by
-default, with the special ids of `torch_reference.config.SPECIAL_TOKENS`. Encoding appends <eos>; decoding
-stops at the first <eos>. Byte-level BPE never maps to <unk>, and decode(encode(s)) == s but for leading
-whitespace.
-"""
+"""Byte-level BPE tokenizers (HF `tokenizers`), one joint vocabulary by default, the special ids of
+`SPECIAL_TOKENS`; encoding appends <eos>, decoding stops at the first."""
 
 from __future__ import annotations
 
@@ -40,9 +37,8 @@ class Tokenizers:
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int = 8000, lowercase: bool = False) -> Tokenizer:
-    """A byte-level BPE `tokenizers.Tokenizer` trained on `texts`: the 4 special tokens (ids 0..3), the 256
-    bytes and merges seen twice or more, up to `vocab_size` in all (read the size from
-    `get_vocab_size()`), lowercasing every text with `lowercase`; its tokenizer.json carries it all."""
+    """A byte-level BPE tokenizer trained on `texts`: 4 special tokens, 256 bytes, merges seen twice or more, up to
+    `vocab_size` in all, lowercasing with `lowercase`."""
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
     if lowercase:
         tokenizer.normalizer = normalizers.Lowercase()
@@ -60,9 +56,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 8000, lowercase: boo
 
 
 def sample(items: Iterable, size: int, seed: int = 0, chunk: int = 1 << 16) -> list:
-    """`size` items drawn uniformly without replacement from a stream of any length, holding at
-    most `size` of them (reservoir sampling, Algorithm R, seeded); all of them, in their order,
-    when the stream has no more than `size`."""
+    """`size` items drawn uniformly without replacement from a stream (reservoir sampling, seeded); all, in order,
+    when there are no more."""
     items = iter(items)
     reservoir = list(itertools.islice(items, size))
     rng, seen = np.random.default_rng(seed), len(reservoir)
@@ -78,10 +73,8 @@ def sample(items: Iterable, size: int, seed: int = 0, chunk: int = 1 << 16) -> l
 
 def train_tokenizers(pairs: Iterable[Pair], vocab_size: int = 8000, joint: bool = True, lowercase: bool = False,
                      sample_size: int = DEFAULT_TOKENIZER_SAMPLE) -> Tokenizers:
-    """Tokenizers trained on the training pairs, or on a uniform sample of `sample_size` of them when
-    there are more (`sample`, seed 0 whatever the run's seed, so that runs of different seeds share
-    one vocabulary and can be ensembled): one on both sides (joint), or one per side. `pairs` may be
-    a stream: only the sample is held."""
+    """Tokenizers trained on the training pairs (a stream), or a uniform sample of `sample_size` of them (seed 0,
+    so runs of different seeds share a vocabulary): joint, or one per side."""
     pairs = sample(pairs, sample_size)
     sources, targets = [s for s, _ in pairs], [t for _, t in pairs]
     if joint:
@@ -138,8 +131,7 @@ def save_tokenizers(tokenizers: Tokenizers, run_dir: str | Path) -> None:
 
 
 def load_tokenizers(run_dir: str | Path, joint: bool | None = None) -> Tokenizers:
-    """Read what `save_tokenizers` wrote (a joint tokenizer as one shared object); `joint`: config.json's
-    joint_vocab, so that a missing file is the one the run needs (None: whichever is there).
+    """Read what `save_tokenizers` wrote; `joint`: config.json's joint_vocab (None: whichever is there).
     FileNotFoundError when there is none, ValueError when one cannot be read."""
     run_dir = Path(run_dir)
     if (run_dir / spm.SPM_TOKENIZER).is_file():

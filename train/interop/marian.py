@@ -1,8 +1,5 @@
-"""HF Marian (OPUS-MT) models in and out: `aiayn convert --from marian` / `--to marian` (docs/interop.md).
-
-Marian numbers its vocabulary otherwise, so the import permutes the embedding, output projection and logits bias
-rows to ours: pad 0 <- Marian's pad, bos 1 <- its decoder start (a copy: one row more), eos 2 <- eos, unk 3 <- unk,
-4... <- the other rows in Marian's order. The export inverts it: an untrained round trip is bit for bit."""
+"""HF Marian (OPUS-MT) models in and out (`aiayn convert --from/--to marian`, docs/interop.md): the special rows
+permuted to our numbering and back, an untrained round trip bit for bit."""
 
 from __future__ import annotations
 
@@ -173,9 +170,8 @@ def _tied_copy(state: Mapping[str, np.ndarray], key: str, used: set[str]) -> boo
 
 def to_marian(params: Mapping[str, np.ndarray], cfg: TransformerConfig,
               ids: Mapping[str, int] | None) -> dict[str, torch.Tensor]:
-    """Our torch-layout parameters -> a MarianMTModel state dict (tied keys once, as `save_pretrained` writes).
-    `ids`: the Marian special ids of an imported run (rows permuted back), or None to keep our rows, for a
-    MarianConfig with our ids (pad_token_id=pad_id, decoder_start_token_id=bos_id, eos_token_id=eos_id)."""
+    """Our torch-layout parameters -> a MarianMTModel state dict; `ids`: an imported run's Marian special ids (rows
+    permuted back), or None to keep our rows."""
     inverses = ({"src": np.arange(cfg.src_vocab_size), "tgt": np.arange(cfg.tgt_vocab_size)} if ids is None
                 else {side: inverse_order(order) for side, order in zip(("src", "tgt"), side_orders(ids))})
     embeddings, out = _embedding_sources(cfg), {}

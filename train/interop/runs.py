@@ -1,6 +1,5 @@
-"""Training runs and weights files between the frameworks (the leaf rules: `train.interop.weights`; the file
-formats: docs/interop.md). A converted run keeps its checkpoints' meta and ranking metrics, so `--resume`
-continues in the other framework as if it had never changed."""
+"""Training runs and weights files between the frameworks (docs/interop.md): a converted run `--resume`s in the
+other framework as if it had never changed."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""Weights between `torch_reference.Transformer` and `jax_transformer.Transformer`, both ways: the two models have
-the same attribute tree (the keys: dotted paths), so `LEAF_RULES` is the whole mapping (docs/interop.md). Keys and
-shapes are checked strictly against the config (one `CheckpointMismatchError` lists every offender); values keep their
-dtype bit for bit. Files and run directories: `train.interop.runs`."""
+"""Weights between the twins, both ways: the same attribute tree, so `LEAF_RULES` is the whole mapping; keys and
+shapes checked strictly, values bit for bit (docs/interop.md)."""
 
 from __future__ import annotations
 

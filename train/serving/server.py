@@ -1,6 +1,4 @@
-"""Hypercorn serving the app (docs/serving.md), through its documented settings only: `keep_alive_timeout`
-closes a connection that sends no whole request head in time (before its first request or between two);
-SIGTERM or Ctrl-C finish the requests in flight, SIGHUP or a second Ctrl-C answer them 503 at once."""
+"""Hypercorn serving the app through its documented settings only (docs/serving.md)."""
 
 from __future__ import annotations
 

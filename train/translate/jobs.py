@@ -26,9 +26,8 @@ from .stream import TsvColumns, translate_stream
 
 def translate_file(selection: RunSelection, search: Search = Search(), sample: Sampling | None = None,
                    files: TranslateFiles = TranslateFiles()) -> None:
-    """Translate `files.input` (stdin) into `files.output` (stdout), one record per line, chunk by
-    chunk, resumably (docs/decoding.md); a summary on stderr. Raises UserError, OSError, and
-    Interrupted naming what was kept."""
+    """Translate `files.input` into `files.output`, one record per line, resumably (docs/decoding.md); raises
+    UserError, OSError, and Interrupted naming what was kept."""
     check_format(files.format, search, sample)
     ensemble = len(selection.run_dir) > 1
     check_single(ensemble and search.alignments, "alignments")
