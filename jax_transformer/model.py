@@ -51,12 +51,8 @@ def _sinusoid_table(length: int, d_model: int, halves: bool) -> np.ndarray:
 
 
 def sinusoidal_positions(length: int, d_model: int, halves: bool = False) -> jax.Array:
-    """The (L, D) float32 table PE[p, 2i] = sin(p / 10000^(2i/D)), PE[p, 2i+1] = cos(same) (§3.5).
-
-    `halves`: the same sines and cosines, the ceil(D/2) sines first and the cosines after them
-    (Marian's layout). Computed in float64 (NumPy, as JAX runs in 32 bits by default) and rounded
-    once, so both frameworks hold bit-identical tables; under jit it is a compile-time constant.
-    """
+    """The (L, D) float32 sinusoidal table (§3.5), as torch's twin (`halves`: Marian's layout), computed in float64
+    by NumPy and rounded once: bit-identical tables; under jit a compile-time constant."""
     return jnp.asarray(_sinusoid_table(length, d_model, halves))
 
 
@@ -71,9 +67,7 @@ def causal_mask(length: int) -> jax.Array:
 
 
 def target_mask(tgt_in_ids: jax.Array, pad_id: int, bos_id: int) -> jax.Array:
-    """(B, T) decoder inputs -> (B, 1, T, T) bool: causal_mask(T) & padding_mask(tgt_in_ids), except
-    that when the start token is the pad id itself (`bos_id == pad_id`, as in Marian) position 0,
-    the decoder's start, is attended all the same."""
+    """(B, T) decoder inputs -> (B, 1, T, T) bool, as torch's twin (position 0 attended when bos_id == pad_id)."""
     T = tgt_in_ids.shape[1]
     real = tgt_in_ids != pad_id  # (B, T)
     if bos_id == pad_id:
@@ -82,8 +76,7 @@ def target_mask(tgt_in_ids: jax.Array, pad_id: int, bos_id: int) -> jax.Array:
 
 
 def segment_mask(q_segments: jax.Array, kv_segments: jax.Array) -> jax.Array:
-    """Segment ids of packed rows, (B, T) queries and (B, S) keys -> (B, 1, T, S) bool, True where
-    both belong to the same segment: the pairs packed into one row never attend to each other."""
+    """Segment ids (B, T) queries, (B, S) keys -> (B, 1, T, S) bool: True within a segment (torch's twin)."""
     return q_segments[:, None, :, None] == kv_segments[:, None, None, :]
 
 
@@ -100,14 +93,8 @@ def shift_right(ids: jax.Array, bos_id: int) -> jax.Array:
 
 
 def scaled_dot_product_attention(q, k, v, mask=None, dropout=None, return_attention: bool = False):
-    """softmax(q kᵀ / √K) v (§3.2.1) for q (B, H, T, K), k and v (B, H, S, K) -> (B, H, T, K).
-
-    `mask` broadcasts to (B, H, T, S). Masked scores are set to the dtype's lowest finite value
-    rather than -inf, so a fully masked row becomes a uniform average instead of NaN. The softmax
-    runs in float32 (or wider) whatever the input dtype. `dropout` (a callable) is applied to the weights.
-    `return_attention`: also return the weights (B, H, T, S) as the softmax gave them (before dropout);
-    a masked key gets exactly 0 there unless its whole row is masked.
-    """
+    """softmax(q kᵀ / √K) v (§3.2.1) for q (B, H, T, K), k and v (B, H, S, K) -> (B, H, T, K), as torch's twin
+    (masks, float32 softmax, `return_attention`); `dropout` is a callable."""
     scores = jnp.matmul(q, jnp.swapaxes(k, -2, -1)) * (q.shape[-1] ** -0.5)  # (B, H, T, S)
     scores = scores.astype(jnp.promote_types(scores.dtype, jnp.float32))  # bf16/fp16 -> float32
     if mask is not None:
@@ -271,12 +258,7 @@ class MultiHeadAttention(nnx.Module):
 
 
 class FeedForward(nnx.Module):
-    """Position-wise feed-forward network (§3.3): linear2(act(linear1(x))), act ReLU (the paper),
-    exact GELU or SiLU (x * sigmoid(x), "swish"); `activation_dropout` drops the activations.
-
-    `swiglu` (Shazeer 2020) multiplies the activation by a second projection, `linear_gate`:
-    linear2(silu(linear1(x)) * linear_gate(x)), with the same width F.
-    """
+    """Position-wise feed-forward network (§3.3): ReLU, GELU, SiLU or SwiGLU, as torch's twin."""
 
     kernels = KERNELS["reference"]  # set_kernels
 
@@ -300,11 +282,7 @@ class FeedForward(nnx.Module):
 
 
 class EncoderLayer(nnx.Module):
-    """Self-attention then feed-forward, each in a residual block (§3.1).
-
-    Post-norm (the paper): x = Norm(x + Dropout(sublayer(x))).
-    Pre-norm: x = x + Dropout(sublayer(Norm(x))), with a final norm in the Encoder/Decoder.
-    """
+    """Self-attention then feed-forward, each in a residual block (§3.1), post- or pre-norm, as torch's twin."""
 
     def __init__(self, cfg: TransformerConfig, *, dtype=None, rngs: nnx.Rngs):
         self.pre_norm = cfg.norm_position == "pre"
@@ -354,8 +332,7 @@ class DecoderLayer(EncoderLayer):
         return (x, attention[0]) if return_attention else x
 
     def init_cache(self, memory: jax.Array, max_len: int) -> dict[str, jax.Array]:
-        """Cross-attention keys/values of memory (B, S, D), computed once, and room for max_len
-        self-attention keys/values: self_k, self_v (B, H, max_len, K); cross_k, cross_v (B, H, S, K)."""
+        """Cross-attention keys/values of memory (B, S, D), room for max_len self-attention ones (torch's twin)."""
         cross_k, cross_v = self.cross_attn.project_kv(memory)
         B, H, S, K = cross_k.shape
         empty = jnp.zeros((B, H, max_len, K), cross_k.dtype)
@@ -487,8 +464,7 @@ class Transformer(nnx.Module):
 
     def encode(self, src_ids, src_mask=None, *, positions=None, deterministic: bool = True,
                rngs: nnx.Rngs | None = None):
-        """src_ids (B, S) -> memory (B, S, D). `src_mask` defaults to padding_mask(src_ids);
-        `positions` (B, S) to 0, 1, ... along each row."""
+        """src_ids (B, S) -> memory (B, S, D), as torch's twin."""
         if src_mask is None:
             src_mask = padding_mask(src_ids, self.cfg.pad_id)
         x = self.src_embed(src_ids) * self.embed_scale  # (B, S, D)
@@ -498,13 +474,8 @@ class Transformer(nnx.Module):
         self, tgt_in_ids, memory, src_mask=None, tgt_mask=None, return_attention=False, *, positions=None,
         deterministic=True, rngs=None,
     ):
-        """tgt_in_ids (B, T), memory (B, S, D) -> hidden states (B, T, D).
-
-        `src_mask` is the encoder's mask (B, 1, 1, S) (packed: (B, 1, T, S)) or None for no
-        masking; `tgt_mask` defaults to target_mask(tgt_in_ids, pad_id, bos_id); `positions`
-        (B, T) to 0, 1, ... along each row. `return_attention`: (hidden states, the
-        cross-attention weights of every decoder layer (B, layers, H, T, S)).
-        """
+        """tgt_in_ids (B, T), memory (B, S, D) -> hidden states (B, T, D), as torch's twin (masks, positions,
+        `return_attention`)."""
         if tgt_mask is None:
             tgt_mask = target_mask(tgt_in_ids, self.cfg.pad_id, self.cfg.bos_id)
         x = self.target_embedding(tgt_in_ids) * self.embed_scale  # (B, T, D)
@@ -516,11 +487,7 @@ class Transformer(nnx.Module):
         return [layer.init_cache(memory, max_len) for layer in self.decoder.layers]
 
     def decode_step(self, tgt_ids, cache, position, src_mask=None):
-        """The token at `position` of each row, tgt_ids (B,) -> (logits (B, V) for position + 1, cache).
-
-        Equal to `project(decode(prefix, ...))[:, position]` for the prefix written so far, without
-        recomputing earlier positions (they are read from the cache).
-        """
+        """tgt_ids (B,) at `position` -> (logits (B, V) for position + 1, cache), as torch's twin."""
         x = self.target_embedding(tgt_ids[:, None]) * self.embed_scale  # (B, 1, D)
         hidden, cache = self.decoder.step(x, cache, position, src_mask)
         return self.project(hidden)[:, 0], cache
@@ -537,13 +504,7 @@ class Transformer(nnx.Module):
         self, src_ids, tgt_in_ids, return_attention: bool = False, *, src_segments=None, tgt_segments=None,
         deterministic: bool = True, rngs: nnx.Rngs | None = None,
     ):
-        """src_ids (B, S), tgt_in_ids (B, T) -> logits (B, T, V); with `return_attention`
-        (logits, cross-attention weights (B, layers, H, T, S)): row t of a layer's head is how the
-        position predicting the token after tgt_in_ids[:, t] weighs the source tokens (padding: 0).
-
-        Packed rows (several pairs a row, as google/flax examples/wmt packs them): `src_segments`
-        (B, S) and `tgt_segments` (B, T) number each row's pairs 1, 2, ... (0 on padding); every
-        attention stays within its segment and positions restart at each segment's start."""
+        """src_ids (B, S), tgt_in_ids (B, T) -> logits (B, T, V), as torch's twin (`return_attention`, packed rows)."""
         if (src_segments is None) != (tgt_segments is None):
             raise ValueError("packed rows need both src_segments and tgt_segments, got only one")
         src_mask = padding_mask(src_ids, self.cfg.pad_id)
