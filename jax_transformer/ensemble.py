@@ -1,5 +1,4 @@
-"""Several models decoding as one: the twin of `torch_reference/ensemble.py` (its docstring tells the layout
-and the averages), an `nnx.Module` so that the searches' `nnx.jit` traces every member in one program."""
+"""Several models decoding as one in one `nnx.jit` program: the twin of `torch_reference/ensemble.py`."""
 
 from __future__ import annotations
 
@@ -26,8 +25,7 @@ def combine(logits: list, average: str = "logprob"):
 
 
 class Ensemble(nnx.Module):
-    """`models` (same vocabulary sizes and special ids) as one model for the searches, averaged by `average`
-    (AVERAGES); its `cfg` is the first member's with the smallest `max_len` of them."""
+    """`models` (same vocabularies and special ids) as one model for the searches, averaged by `average`."""
 
     def __init__(self, models: Sequence[Transformer], average: str = "logprob"):
         models = list(models)

@@ -7,8 +7,7 @@ import jax.numpy as jnp
 
 
 def label_smoothed_cross_entropy(logits, targets, pad_id: int, smoothing: float = 0.1, reduction: str = "mean"):
-    """Cross-entropy against (1-ε)·onehot + ε/V (paper §5.4), padding ignored, in float32: torch's twin, computed
-    from log_softmax and a gather (never a V-wide one-hot); the mean over non-pad tokens ("mean") or their "sum"."""
+    """torch's twin, from log_softmax and a gather (never a V-wide one-hot): the "mean" or "sum" over non-pad tokens."""
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # (B, T, V)
     nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]  # (B, T)
     uniform = -logp.mean(axis=-1)  # (B, T)

@@ -1,5 +1,4 @@
-"""Data parallelism over a 1-D device mesh, axis `data`: batches split along their first axis, the training
-state replicated or (FSDP) split, XLA inserting the collectives (docs/operations.md#devices-and-processes)."""
+"""Data parallelism over a 1-D mesh, axis `data`, replicated or FSDP (docs/operations.md#devices-and-processes)."""
 
 from __future__ import annotations
 
@@ -18,8 +17,7 @@ ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID = "JAX_COORDINATOR_ADDRESS", 
 
 def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
                            process_id: int | None = None) -> None:
-    """`jax.distributed.initialize` from the arguments or the JAX_* environment; a no-op for one process or when
-    already done. Call it before anything touches a device."""
+    """`jax.distributed.initialize` from the arguments or JAX_* variables, once, before anything touches a device."""
     coordinator_address = coordinator_address or os.environ.get(ENV_COORDINATOR)
     if num_processes is None and os.environ.get(ENV_NUM_PROCESSES):
         num_processes = int(os.environ[ENV_NUM_PROCESSES])
@@ -38,8 +36,7 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
 
 
 def make_mesh(num_devices: int | None = None) -> Mesh:
-    """A 1-D mesh named `data` over the first `num_devices` devices (all of them by default; with
-    several processes every device takes part, each process contributing its local ones)."""
+    """A 1-D mesh named `data` over the first `num_devices` devices (every process's devices by default)."""
     devices = jax.devices()
     if num_devices is not None:
         if not 1 <= num_devices <= len(devices):
@@ -63,8 +60,7 @@ def batch_sharded(mesh: Mesh) -> NamedSharding:
 
 
 def fsdp_spec(shape: tuple[int, ...], num_devices: int) -> P:
-    """`data` on the largest dimension of `shape` divisible by `num_devices` (the first of equal
-    ones), the rest whole; P() (replicated) when no dimension is, and on a single device."""
+    """`data` on the largest dimension of `shape` divisible by `num_devices`, the rest whole; else P() (replicated)."""
     if num_devices > 1:
         for dim in sorted(range(len(shape)), key=lambda d: (-shape[d], d)):
             if shape[dim] % num_devices == 0:
@@ -73,8 +69,7 @@ def fsdp_spec(shape: tuple[int, ...], num_devices: int) -> P:
 
 
 def state_shardings(tree: Any, mesh: Mesh, layout: str = "replicated") -> Any:
-    """A `NamedSharding` for every array of `tree` (arrays or `jax.ShapeDtypeStruct`s): the whole
-    value on every device (`replicated`), or split per `fsdp_spec` (`fsdp`)."""
+    """A `NamedSharding` for every array of `tree`: `replicated`, or split per `fsdp_spec` (`fsdp`)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r} is not one of {', '.join(LAYOUTS)}")
     if layout == "replicated":
@@ -109,8 +104,7 @@ def replicate(tree: Any, mesh: Mesh) -> Any:
 
 
 def gather(tree: Any, mesh: Mesh) -> Any:
-    """`tree` with every array replicated over `mesh`: sharded ones all-gathered (one compiled
-    collective, which every process must call alike), replicated ones as they are."""
+    """`tree` replicated over `mesh`: sharded arrays all-gathered (every process must call it alike)."""
     leaves, treedef = jax.tree.flatten(tree)
     split = [i for i, x in enumerate(leaves) if not x.is_fully_replicated]
     if split:
@@ -121,8 +115,7 @@ def gather(tree: Any, mesh: Mesh) -> Any:
 
 
 def local_copy(tree: Any) -> Any:
-    """This process's own copy of every (replicated) array of `tree`, on its first local device: no
-    data moves, each leaf's first addressable shard is already the whole value."""
+    """This process's copy of every replicated array of `tree` on its first local device (no data moves)."""
 
     def first_shard(x):
         if not x.is_fully_replicated:
@@ -142,8 +135,7 @@ def process_slice(global_rows: int) -> slice:
 
 
 def shard_batch(batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
-    """Process-local rows -> global arrays sharded along `data`: with several processes each passes
-    its own slice (`process_slice`), the global batch their concatenation in process order."""
+    """Process-local rows -> global arrays sharded along `data`, concatenated in process order."""
     devices = mesh.devices.size
     sharding = batch_sharded(mesh)
     out = {}

@@ -32,8 +32,7 @@ linear.defvjp(lambda x, w: (linear(x, w), (x, w)), _linear_bwd)
 
 
 def linear_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
-    """A `dot_general` for `nnx.Linear(dot_general=...)`: `linear` for the layer's own contraction, else
-    `lax.dot_general`."""
+    """`nnx.Linear`'s `dot_general`: `linear` for the layer's own contraction, else `lax.dot_general`."""
     layer_contraction = (((lhs.ndim - 1,), (0,)), ((), ()))
     if (dimension_numbers == layer_contraction and rhs.ndim == 2 and precision is None
             and preferred_element_type is None and kwargs.get("out_sharding") is None):
@@ -86,8 +85,7 @@ layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
 
 
 class LayerNorm(nnx.LayerNorm):
-    """`nnx.LayerNorm` (the same parameters and forward pass); under the kernel set `xla_cpu`
-    through `layer_norm` in float32 without a mask."""
+    """`nnx.LayerNorm`; under the kernel set `xla_cpu` through `layer_norm` (float32, no mask)."""
 
     layer_norm = None  # model.set_kernels: the kernel set's (`layer_norm` under xla_cpu)
 

@@ -119,8 +119,7 @@ def compare(torch_model: torch_reference.Transformer, jax_model, batch: dict) ->
 
 def relu_inputs_near_kink(torch_model: torch_reference.Transformer, batch: dict,
                           radius: float = RELU_KINK_RADIUS) -> dict:
-    """How many ReLU inputs lie within `radius` of 0 in a float64 copy of the model: where a framework may
-    round to either side of the kink, the gradients are both valid subgradients but not comparable."""
+    """ReLU inputs within `radius` of 0 in a float64 copy: where the frameworks' subgradients may differ."""
     model64 = copy.deepcopy(torch_model).double()  # its hooks go with it
     inputs = []
     for ff in (m for m in model64.modules() if isinstance(m, torch_reference.FeedForward)):
@@ -132,8 +131,7 @@ def relu_inputs_near_kink(torch_model: torch_reference.Transformer, batch: dict,
 
 
 def run_check(cfg: TransformerConfig, batch_size: int = 8, src_len: int = 23, tgt_len: int = 17, seed: int = 0) -> dict:
-    """Logits, loss and gradient differences of the frameworks for one random model; with ReLU inputs at the
-    kink, the gradients also on the smooth path (exact GELU), so every other operation is held to the bound."""
+    """Logits, loss and gradient differences for one random model; ReLU at the kink: on the smooth path (GELU) too."""
     enable_parity_numerics()
     cfg = cfg.replace(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)  # dropout streams cannot be matched
     torch.manual_seed(seed)
@@ -169,8 +167,7 @@ def failures(report: dict, bounds: dict) -> list[str]:
 
 @checked
 class Check:
-    """What `check` compares: a random `preset` model with `overrides` (or each of `VARIANTS` in turn,
-    with `overrides` on top) on one random padded batch."""
+    """A random `preset` model with `overrides` (or each of `VARIANTS`) on one random padded batch."""
 
     preset: str = option("tiny", "model size", choices=tuple(TransformerConfig.presets()))
     vocab_size: int = option(8000, "shared vocabulary size", range=POSITIVE)
@@ -199,8 +196,7 @@ class Check:
 
 
 def check(options: Check) -> Iterator[tuple[str, dict]]:
-    """(name, report) of each comparison of `options` in turn: `run_check`'s, with the config, the
-    bounds, the seconds it took and the bounds it exceeds (`failures`: none when it passes)."""
+    """(name, `run_check` report with config, bounds, seconds and `failures`) of each comparison in turn."""
     bounds = bounds_for(options.preset)
     for name, cfg in options.configs().items():
         start = time.perf_counter()

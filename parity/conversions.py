@@ -20,8 +20,7 @@ EXPORTS = ("marian", "ctranslate2", "onnx", "stablehlo")
 
 @checked
 class Conversion:
-    """What `convert` makes of what: weights (`src`) or a run (`run_dir`) into the other framework, a
-    Marian model into a run (`source_format` "marian"), a run into Marian or CTranslate2 (`to`)."""
+    """Weights or a run into the other framework, Marian into a run, a run into Marian, CTranslate2 or an export."""
 
     to: str = option(None, "target: a framework (jax, torch), an HF Marian directory (marian: a run imported with "
                      "--from marian) or a CTranslate2 model directory (ctranslate2)", choices=(*FRAMEWORKS, *EXPORTS),

@@ -1,5 +1,4 @@
-"""A trained run as a CTranslate2 model (`aiayn convert --to ctranslate2`), built through CTranslate2's own
-specification classes, never its file format by hand (docs/interop.md#ctranslate2-out)."""
+"""A run as a CTranslate2 model through CTranslate2's own spec classes (docs/interop.md#ctranslate2-out)."""
 
 from __future__ import annotations
 

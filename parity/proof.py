@@ -72,8 +72,7 @@ def limit(src_len: int, cfg: TransformerConfig) -> int:
 def prove(export_dir: Path, ours: Sequence[list[int]], theirs: Sequence[list[int]], diffs: Sequence[float],
           sentences: Sequence[str], limits: Sequence[int], kind: str, exact: bool, bound: float = MAX_LOGIT_DIFF,
           extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Write proof.json (with `extra`) and a README.md line into `export_dir`; refuse a float32 (`exact`) export
-    out of bounds."""
+    """Write proof.json (with `extra`) and a README.md line into `export_dir`; refuse a float32 one out of bounds."""
     diff = max(diffs)
     agree = sum(same_output(a, b, n) for a, b, n in zip(ours, theirs, limits)) / len(ours)
     proof = {"kind": kind, "sentences": len(sentences), "greedy_agreement": agree, "max_abs_logit_diff": diff,

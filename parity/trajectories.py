@@ -1,5 +1,4 @@
-"""One training curve in two frameworks (`aiayn trajectory`, docs/parity.md): both backends in
-lockstep on identical batches, compared after every update (optionally switching framework), judged."""
+"""One training curve in two frameworks in lockstep, compared every update (`aiayn trajectory`, docs/parity.md)."""
 
 from __future__ import annotations
 

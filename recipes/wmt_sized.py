@@ -84,8 +84,7 @@ def measure(command: list[str], first: str = r"^step 1/", every: float = 0.1) ->
 
 
 def preprocess(prefix: str, store_dir: str, vocab_size: int = 8000) -> dict:
-    """Pairs/s of the corpus store's build against `tokenizers`' own encode_batch of the same text in the store's
-    chunks, one after the other in one run (the joint BPE tokenizer trained on the corpus first)."""
+    """Pairs/s of the corpus store's build against `encode_batch` of the same chunks (BPE trained first), in one run."""
     from train import data
     from train.data import corpus_store
 
@@ -107,8 +106,7 @@ def preprocess(prefix: str, store_dir: str, vocab_size: int = 8000) -> dict:
 
 
 def batches(store_dir: str, budget: int = 25_000, count: int = 500) -> dict:
-    """Packed training batches of `budget` tokens made per second by train.data.Batcher from a corpus store
-    (the plans of the windows after the first counted), and the seconds the first window's plan takes."""
+    """Packed batches of `budget` tokens a second from a corpus store, and the first window's plan's seconds."""
     from train.data import Batcher
     from train.data.corpus_store import open_store
 
@@ -125,8 +123,7 @@ def batches(store_dir: str, budget: int = 25_000, count: int = 500) -> dict:
 
 
 def gather(store_dir: str, budget: int = 25_000, count: int = 300, seed: int = 0) -> dict:
-    """Batches per second gathered from a corpus store's .npy arrays (TokenStore.gather) and from a memory-mapped
-    `datasets` Arrow table of the same ids (Table.take), about `budget` tokens a side, in turn in one run."""
+    """Batches a second gathered from a store's .npy arrays and from a memory-mapped Arrow table of the same ids."""
     import tempfile
 
     import datasets

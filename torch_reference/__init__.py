@@ -1,5 +1,4 @@
-"""The PyTorch reference, the specification: `TransformerConfig` imports without torch; the model classes load
-torch on first access."""
+"""The PyTorch reference, the specification; `TransformerConfig` imports without torch."""
 
 from .config import TransformerConfig
 

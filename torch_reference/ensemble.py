@@ -25,8 +25,7 @@ def combine(logits: list[Tensor], average: str = "logprob") -> Tensor:
 
 
 class Ensemble(nn.Module):
-    """`models` (same vocabulary sizes and special ids) as one model for the searches, averaged by `average`
-    (AVERAGES); its `cfg` is the first member's with the smallest `max_len` of them."""
+    """`models` (same vocabularies and special ids) as one model for the searches, averaged by `average`."""
 
     def __init__(self, models: Sequence[Transformer], average: str = "logprob"):
         super().__init__()

@@ -23,8 +23,7 @@ def _rotl(x: Tensor, r: int) -> Tensor:
 
 
 def threefry2x32(k0, k1, x0, x1) -> tuple[Tensor, Tensor]:
-    """Threefry-2x32 with 20 rounds of the key (k0, k1) at the counter (x0, x1) -> two words, each
-    argument a uint32 value (int or int64 tensor in [0, 2**32)), broadcast together; int64 results."""
+    """Threefry-2x32 (20 rounds) of the key (k0, k1) at the counter (x0, x1) -> two words as int64, broadcast."""
     k0, k1, x0, x1 = (torch.as_tensor(v, dtype=torch.int64) for v in (k0, k1, x0, x1))
     ks = (k0, k1, k0 ^ k1 ^ PARITY)
     x0, x1 = (x0 + ks[0]) & MASK, (x1 + ks[1]) & MASK
@@ -38,8 +37,7 @@ def threefry2x32(k0, k1, x0, x1) -> tuple[Tensor, Tensor]:
 
 
 def uniform(seed, sentence, sample, position) -> Tensor:
-    """The uniform float32 in (0, 1) of (seed, sentence id, sample, position), broadcast together:
-    the top 23 bits of Threefry's first word as the odd multiple (2m + 1) / 2**24, exact in float32."""
+    """The float32 uniform in (0, 1) of (seed, sentence id, sample, position): (2m + 1) / 2**24 from Threefry."""
     word, _ = threefry2x32(seed, sentence, sample, position)
     return ((word >> 9) * 2 + 1).float() * 2.0**-24
 
@@ -78,8 +76,7 @@ def _top_p_kept(probs: Tensor, top_p: float) -> Tensor:
 
 
 def draw(probs: Tensor, u: Tensor) -> Tensor:
-    """probs (N, V) of `sampling_distribution`, u (N,) in (0, 1) -> tokens (N,): by inverse CDF in
-    token-id order, the first token whose cumulative probability exceeds u (never one of probability 0)."""
+    """probs (N, V), u (N,) in (0, 1) -> tokens (N,) by inverse CDF in token-id order (never one of probability 0)."""
     cdf = probs.cumsum(dim=-1)
     token = (cdf <= u[:, None] * cdf[:, -1:]).sum(dim=-1)  # tokens whose cumulative probability is passed
     ids = torch.arange(probs.shape[-1], device=probs.device)

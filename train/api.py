@@ -1,5 +1,4 @@
-"""The Python API (docs/python.md): `load` a trained run to translate and evaluate with, `fit` to
-train one; the commands (`aiayn X`, `train.commands`) are thin shells over these."""
+"""The Python API (docs/python.md): `load` a run to translate and evaluate, `fit` to train one."""
 
 from __future__ import annotations
 
@@ -26,8 +25,7 @@ from .translation import Hypothesis, score_pairs
 
 @dataclasses.dataclass
 class Run(contextlib.AbstractContextManager):
-    """A trained run, loaded: its settings, tokenizers and a backend holding one checkpoint; for an
-    ensemble (`load([a, b])`) the first run's, its backend decoding with every run's model."""
+    """A loaded run: settings, tokenizers, a backend at one checkpoint; an ensemble's: the first run's."""
 
     run_dir: Path
     config: ExperimentConfig
@@ -82,8 +80,7 @@ class Run(contextlib.AbstractContextManager):
 
     def score(self, sources: str | Sequence[str], targets: str | Sequence[str],
               batch_size: int | None = None) -> dict[str, Any] | list[dict[str, Any]]:
-        """`aiayn score`'s log-probability of each target given its source, one dict per pair: "logprob", "tokens"
-        and "token_logprobs"."""
+        """`aiayn score`'s dicts, one per pair: "logprob", "tokens" and "token_logprobs"."""
         one = isinstance(sources, str)
         if one != isinstance(targets, str):
             raise UserError("sources and targets: give two strings or two lists")

@@ -1,5 +1,4 @@
-"""The training loop behind `train.fit` and `python -m train.run`: `train(cfg)` = `setup` -> `fit` -> `finish`;
-only the backend knows a framework (docs/operations.md)."""
+"""The training loop of `train.fit` and `python -m train.run`: `setup` -> `fit` -> `finish` (docs/operations.md)."""
 
 from __future__ import annotations
 
@@ -104,8 +103,7 @@ class Training:
 
 
 def setup(cfg: ExperimentConfig, topology: Topology, init_dir: str | Path | None = None) -> Training:
-    """Data, tokenizers, batches, the run's first files (process 0) and the backend, restored on --resume or
-    holding --init-from's weights."""
+    """Data, tokenizers, batches, the run's first files and the backend (restored, or with --init-from's weights)."""
     run_dir = Path(cfg.run_dir)
     tokenizers = None  # new, or a resumed run stopped before its tokenizer was saved (FileNotFoundError)
     with runtime.user_errors(ValueError), contextlib.suppress(FileNotFoundError):
@@ -170,8 +168,7 @@ def _numbers(cfg: ExperimentConfig) -> bool:
 
 
 def _resume(cfg: ExperimentConfig, backend: Backend, batcher: data.Batcher, topology: Topology) -> _Log:
-    """The backend restored from the run's last checkpoint and the batches positioned after it;
-    returns the history so far (empty when the run has no checkpoint yet)."""
+    """The backend restored from the last checkpoint and the batches after it; the history so far."""
     if not backend.checkpoint_steps():
         say(f"{cfg.run_dir} has no checkpoint yet: starting at step 0 with its tokenizer")
         return _Log()
@@ -260,8 +257,7 @@ def _evaluate(cfg, backend, tokenizers, pairs, samples: int, *, validation: bool
 
 @dataclasses.dataclass
 class _Log:
-    """What the loop records, the whole run's across resumes (each checkpoint's meta holds it up to its
-    step): logged training windows, evaluations, and training time/tokens."""
+    """What the loop records across resumes: training windows, evaluations, training time and tokens."""
 
     train: list[dict[str, float]] = dataclasses.field(default_factory=list)
     valid: list[dict[str, Any]] = dataclasses.field(default_factory=list)
@@ -320,8 +316,7 @@ def _add_scores(writer, split: str, evaluated: dict[str, Any], step: int) -> Non
 
 
 def _check_finite(backend: Backend, values: list[dict[str, float]], step: int) -> None:
-    """TrainingDiverged ('loss nan at step 7') for the first of the window's steps (the last is `step`)
-    whose loss or gradient norm is not finite."""
+    """TrainingDiverged ('loss nan at step 7') for the first window step whose loss or gradient norm is not finite."""
     for at, v in enumerate(values, step - len(values) + 1):
         for key in ("loss", "grad_norm"):
             if not math.isfinite(v[key]):
@@ -351,8 +346,7 @@ def _save(cfg: ExperimentConfig, backend: Backend, batcher: data.Batcher, evalua
 
 
 def _average_last(backend: Backend, last: int) -> list[int]:
-    """The backend's weights replaced by the mean of its newest `last` - 1 checkpoints' and its own (moments and
-    step this step's): the steps averaged, or []."""
+    """The weights replaced by the mean of the newest `last` - 1 checkpoints' and its own; the steps averaged."""
     earlier = [step for step in backend.checkpoint_steps() if step < backend.step][-(last - 1):]
     if not earlier:
         return []

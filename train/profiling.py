@@ -1,5 +1,4 @@
-"""The measurements of `aiayn profile` (what they time and how: its module doc):
-each part of a training step, forward + backward, JAX vs PyTorch; the XLA:CPU A/B and op split."""
+"""The measurements of `aiayn profile`: each part of a training step, JAX vs PyTorch; XLA:CPU A/B and op split."""
 
 from __future__ import annotations
 
@@ -18,8 +17,7 @@ from .options import Output, checked, option
 
 @checked
 class Profile:
-    """What `aiayn profile` times: the parts of a training step (float32, dropout off), or the XLA op split, or the
-    xla_cpu A/B."""
+    """What `aiayn profile` times: a training step's parts, or the XLA op split, or the xla_cpu A/B."""
 
     preset: str = option("base", "model preset", choices=tuple(TransformerConfig.presets()))
     batch: int = option(32, "sentences per batch", range=POSITIVE)

@@ -40,8 +40,7 @@ def build_parser(epilog: str | None = None) -> argparse.ArgumentParser:
 
 
 def experiment(given: Mapping[str, Any], note: str = "settings") -> tuple[ExperimentConfig, set[str]]:
-    """(the config of the fields `given`, their names), under a `recipe` or a resumed run's `recorded_launch`;
-    UserError for anything refused."""
+    """(the config of the fields `given`, their names) under a recipe or a resumed run's launch; UserError."""
     given = dict(given)
     if not isinstance(given.get("recipe"), (str, os.PathLike, type(None))):
         raise OptionError("{} must be a path, " + escaped(f"got {given['recipe']!r}"), "recipe")

@@ -1,5 +1,4 @@
-"""`train.fit`: a run trained from a config, a recipe or fields (docs/python.md); `train.load` opens the runs it
-leaves (api.py)."""
+"""`train.fit`: a run trained from a config, a recipe or fields (docs/python.md)."""
 
 from __future__ import annotations
 
@@ -29,8 +28,7 @@ def fit(config: ExperimentConfig | dict[str, Any] | str | os.PathLike | None = N
 
 
 def start(cfg: ExperimentConfig, explicit: Iterable[str] | None = None) -> dict[str, Any]:
-    """`loop.train(cfg)` as `train.fit` and `python -m train.run` launch it: --resume on the run's own backend,
-    --init-from's source made a run of that backend first."""
+    """`loop.train(cfg)` as launched: --resume on the run's own backend, --init-from's source made such a run first."""
     from .loop import train  # here: the loop's imports take seconds that `import train` does without
 
     if cfg.resume and cfg.run_dir and explicit is not None and "backend" not in explicit:

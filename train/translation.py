@@ -1,5 +1,4 @@
-"""Texts in, translations out (docs/decoding.md): searched in batches, n-best, prefixes, alignments, scores; and
-how good they are (docs/results.md): loss, perplexity, sacreBLEU's BLEU and chrF, exact match, numbers' bands."""
+"""Texts in, translations out (docs/decoding.md), and how good they are (docs/results.md)."""
 
 from __future__ import annotations
 

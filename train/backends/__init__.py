@@ -22,8 +22,7 @@ BACKEND_MODULES = {"jax": "train.backends.jax_backend", "torch": "train.backends
 
 
 def initialize(exp_cfg: ExperimentConfig) -> Topology:
-    """Join the run's processes (jax.distributed.initialize for a multi-process JAX run) and check
-    --devices; call it before anything else touches a device. Raises ValueError on bad settings."""
+    """Join the run's processes and check --devices before anything touches a device; ValueError on bad settings."""
     return importlib.import_module(BACKEND_MODULES[exp_cfg.backend]).initialize(exp_cfg)
 
 
@@ -43,15 +42,13 @@ def check_agreement(exp_cfg: ExperimentConfig, settings: dict) -> None:
 
 
 def launch(exp_cfg: ExperimentConfig, target, **kwargs):
-    """A context around a run: where the backend starts its own processes (torch --devices N), they
-    run `target(exp_cfg, **kwargs)` beside this one inside it; else nothing."""
+    """A context in which torch --devices N runs `target(exp_cfg, **kwargs)` in its other processes; else nothing."""
     module = importlib.import_module(BACKEND_MODULES[exp_cfg.backend])
     return getattr(module, "launch", lambda *args, **kw: contextlib.nullcontext())(exp_cfg, target, **kwargs)
 
 
 def create_backend(exp_cfg: ExperimentConfig, model_cfg: TransformerConfig,
                    checkpoint_dir: str | None = None) -> Backend:
-    """A freshly initialised backend of kind `exp_cfg.backend` (weights from `exp_cfg.seed`); `checkpoint_dir` is
-    where `save`/`restore` work, None disables checkpoints."""
+    """A new backend of `exp_cfg.backend` seeded by `exp_cfg.seed`; `checkpoint_dir` None: no checkpoints."""
     module = importlib.import_module(BACKEND_MODULES[exp_cfg.backend])
     return getattr(module, f"{exp_cfg.backend.title()}Backend")(exp_cfg, model_cfg, checkpoint_dir)

@@ -54,8 +54,7 @@ def tuned() -> bool:
 
 @contextlib.contextmanager
 def settled():
-    """Within: glibc's thresholds where an untuned process settles (`SETTLED`), then `tune()`'s again
-    if it was applied, for other code timed beside a JAX backend (docs/performance.md#translation-speed)."""
+    """Within: glibc's untuned thresholds (`SETTLED`), for other code timed beside a JAX backend."""
     _set(*SETTLED)
     try:
         yield

@@ -1,5 +1,4 @@
-"""How many programs JAX compiles in this process and the seconds it spends, from `jax.monitoring`'s events
-(a persistent-cache read included); jax is imported only in `listen`."""
+"""Programs JAX compiles in this process and their seconds, from `jax.monitoring` (jax imported in `listen`)."""
 
 from __future__ import annotations
 

@@ -26,8 +26,7 @@ def cores() -> int:
 
 
 def check_xla_flags(environ: MutableMapping[str, str] | None = None) -> None:
-    """ValueError for a device count in $XLA_FLAGS that is not a whole number from 1: XLA would abort
-    the process printing its whole flag list (94 lines) instead. Called before jax reads them."""
+    """ValueError for a device count in $XLA_FLAGS that is not a whole number from 1 (XLA would abort)."""
     flags = (os.environ if environ is None else environ).get("XLA_FLAGS", "")
     for value in re.findall(rf"{FLAG}(\S*)", flags):
         if not re.fullmatch(r"=0*[1-9]\d*", value):

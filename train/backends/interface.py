@@ -21,8 +21,7 @@ Metrics = Mapping[str, Any]
 
 @dataclasses.dataclass(frozen=True)
 class Topology:
-    """The processes and devices a run trains on. Every update's global batch is split evenly
-    over `num_devices` (all processes together); process 0 alone writes logs and results."""
+    """The processes and devices a run trains on; process 0 alone writes logs and results."""
 
     process_index: int = 0
     process_count: int = 1
@@ -70,8 +69,7 @@ class Trainer(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class Hypotheses:
-    """The n best outputs of each sentence, best first: a search's `n_best` result as NumPy. A
-    slot without a hypothesis (fewer possible outputs than n) holds padding, log-prob and score -inf."""
+    """A search's n best as NumPy, best first; an empty slot holds padding and -inf."""
 
     tokens: np.ndarray  # (B, n, L) int32: target ids ending with <eos>, then <pad>
     logprob: np.ndarray  # (B, n) float32: the sum of the tokens' log-probabilities, <eos> included
@@ -94,12 +92,10 @@ class Translator(Protocol):
         `Hypotheses` (B, N, L), score = logprob; `sentence_ids` key the random numbers. ValueError for bad settings."""
 
     def score(self, src: np.ndarray, tgt: np.ndarray) -> np.ndarray:
-        """The log-probability of each target token, dropout off: src ids (B, S), tgt ids (B, T)
-        ending with <eos> then <pad> -> float32 (B, T), 0 at padding (`decode.score`)."""
+        """Each target token's log-probability, dropout off: src (B, S), tgt (B, T) -> float32 (B, T), 0 at padding."""
 
     def cross_attention(self, src: np.ndarray, tgt_in: np.ndarray) -> np.ndarray:
-        """The decoder's cross-attention weights, dropout off, for src (B, S) and tgt_in (B, T) -> float32
-        (B, layers, heads, T, S); each row sums to 1, padded source positions get 0."""
+        """Cross-attention weights, dropout off: src (B, S), tgt_in (B, T) -> float32 (B, layers, heads, T, S)."""
 
     def ensemble(self, others: Sequence[Any], average: str = "logprob") -> None:
         """Translate, sample and score from now on with the `Ensemble` of this model and `others`' (backends of the
@@ -111,8 +107,7 @@ class Store(Protocol):
     """Checkpoints on disk and the training state as NumPy."""
 
     def save(self, meta: dict[str, Any], metrics: dict[str, float] | None = None) -> None:
-        """Checkpoint weights, optimizer state and step, with the JSON `meta` (data position,
-        config); `metrics` (e.g. {"bleu": ...}) ranks it for keep-the-best."""
+        """Checkpoint the state with the JSON `meta`; `metrics` (e.g. {"bleu": ...}) ranks it for keep-the-best."""
 
     def restore(self, which: str | int = "latest") -> dict[str, Any]:
         """Load checkpoint "latest", "best" or a step number; returns its `meta` (FileNotFoundError if none)."""

@@ -1,5 +1,4 @@
-"""The JAX backend: `jax_transformer.Transformer` trained with optax under one `jax.jit`, the pure
-`train_step(state, batch, rng) -> (state, metrics)` (docs/operations.md#devices-and-processes)."""
+"""The JAX backend: `jax_transformer.Transformer` trained with optax under one `jax.jit`."""
 
 from __future__ import annotations
 
@@ -52,8 +51,7 @@ COMPUTE_DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}  # None: the parame
 
 
 def initialize(exp_cfg: ExperimentConfig) -> Topology:
-    """Once per process, where a CLI starts: the compilation cache, `jax.distributed.initialize`, the platform's
-    settings; returns where the run trains."""
+    """Once per process: the compile cache, `jax.distributed`, the platform's settings; where the run trains."""
     compiles.listen()
     jax_cache.enable()
     sharding.initialize_distributed(exp_cfg.coordinator_address, exp_cfg.num_processes, exp_cfg.process_id)
@@ -73,8 +71,7 @@ def allgather(array: np.ndarray) -> np.ndarray:
 
 
 def full_float32_matmuls(dtype: str, platform: str) -> bool:
-    """For float32 training off the CPU (where JAX's default rounds matmul inputs: TF32, bfloat16), make
-    JAX's matmul precision "highest" unless the user set one. True when it did."""
+    """Float32 off the CPU: JAX's matmul precision "highest" unless the user set one; True when it did."""
     if dtype != "float32" or platform == "cpu" or jax.config.jax_default_matmul_precision is not None:
         return False
     jax.config.update("jax_default_matmul_precision", "highest")
@@ -290,8 +287,7 @@ class JaxBackend(StoreMethods):
         return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.state["params"]))
 
     def global_batch(self, batch: Batch) -> dict[str, jax.Array]:
-        """The loop's batch (the global one, built alike in every process) as arrays sharded over
-        the mesh, this process supplying its own rows (the Batcher gathered only those: `global_rows`)."""
+        """The loop's global batch as arrays sharded over the mesh, this process supplying its own rows."""
         rows = slice(None) if batch.global_rows is not None else sharding.process_slice(len(batch.src))
         return sharding.shard_batch(_as_arrays(batch, rows), self.mesh)
 
@@ -318,8 +314,7 @@ class JaxBackend(StoreMethods):
         return [{k: float(v) for k, v in m.items()} for m in jax.device_get(list(metrics))]
 
     def mesh_params(self):
-        """The parameters whole on every device of the mesh: as they are when replicated; under
-        FSDP gathered once per step (every process takes part)."""
+        """The parameters whole on every device: under FSDP gathered once per step (by every process)."""
         if self.layout == "replicated":
             return self.state["params"]
         if self._whole_params is None or self._whole_params[0] != self._step:
@@ -440,8 +435,7 @@ def _key(path: tuple) -> str:
 
 
 def _to_flat(tree: Any) -> dict[str, np.ndarray]:
-    """{attribute path: NumPy copy} of a parameter-shaped tree (copies: the state's buffers are
-    donated to the next update)."""
+    """{attribute path: NumPy copy} of a parameter-shaped tree (the state's buffers are donated)."""
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     return {_key(path): np.array(jax.device_get(leaf), copy=True) for path, leaf in leaves}
 

@@ -29,8 +29,7 @@ def cache_dir() -> Path | None:
 
 
 def enable() -> Path | None:
-    """Point JAX's persistent cache at `cache_dir()` (before the first compilation); the directory,
-    or None when off or when it cannot be created or written (a warning then: the process compiles as usual)."""
+    """Point JAX's persistent cache at `cache_dir()`; the directory, or None (off, or unusable: a warning)."""
     import jax
 
     path = cache_dir()

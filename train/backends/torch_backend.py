@@ -1,5 +1,4 @@
-"""The PyTorch backend: `torch_reference.Transformer` with torch.optim, the JAX backend's semantics, on CUDA
-or the CPU; several devices: a process each, DDP or FSDP (docs/operations.md#devices-and-processes)."""
+"""The PyTorch backend: `torch_reference.Transformer` with torch.optim, DDP or FSDP on several devices."""
 
 from __future__ import annotations
 
@@ -43,8 +42,7 @@ def _long(device: torch.device, *arrays: np.ndarray) -> tuple[torch.Tensor, ...]
 
 
 def initialize(exp_cfg: ExperimentConfig) -> Topology:
-    """Once per process, where a CLI starts: join the run's processes (torchrun's environment, or `launch`'s) and
-    set torch's threads (--threads, else this process's share of the CPUs)."""
+    """Once per process: join the run's processes (torchrun's or `launch`'s) and set torch's threads."""
     if exp_cfg.coordinator_address or exp_cfg.num_processes not in (None, 1):
         raise ValueError("--coordinator-address and --num-processes are jax's: launch torch with torchrun")
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -160,8 +158,7 @@ def _like(param: torch.Tensor, value) -> torch.Tensor:
 
 
 def _sum_gradients(state, bucket):  # unannotated: DDP checks the annotations, strings here
-    """DDP's communication hook: gradients summed over the processes, not averaged: each process's
-    loss is already divided by the global batch's target tokens (the mean over the batch, as JAX)."""
+    """DDP's hook: gradients summed over the processes (each loss is already over the global batch's tokens)."""
     return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda fut: fut.value()[0])
 
 

@@ -1,5 +1,4 @@
-"""Checkpoints, framework-neutral: the training state that crosses frameworks, the rule that picks a
-step, the digests that prove a checkpoint's files, and `CheckpointStore` (`jax_store`, `torch_store`)."""
+"""Checkpoints, framework-neutral: `TrainingState`, choosing a step, digests, and `CheckpointStore`."""
 
 from __future__ import annotations
 
@@ -213,8 +212,7 @@ class CheckpointStore:
         return self.root() / str(step)
 
     def restore(self, which: str | int, *args: Any) -> Any:
-        """`load(step, *args)` of the checkpoint `which` names, its digest verified first (a CheckpointError
-        naming the others); "latest" and "best" chosen again while a run beside the reader rotates them."""
+        """`load(step, *args)` of the checkpoint `which` names, digest verified; retried while a run rotates them."""
         for attempt in range(ROTATION_RETRIES + 1):
             steps, step = self.steps(), None
             try:

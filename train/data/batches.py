@@ -1,5 +1,4 @@
-"""`Batcher`: encoded pairs in padded int32 batches under a token budget, bucketed or packed (few shapes),
-shuffled per epoch from a seed, resumable."""
+"""`Batcher`: padded int32 batches under a token budget, bucketed or packed, shuffled per epoch, resumable."""
 
 from __future__ import annotations
 
@@ -21,8 +20,7 @@ WINDOW = 1 << 20
 
 
 def bucket_lengths(max_len: int) -> tuple[int, ...]:
-    """Padded lengths 8, 16, 24, 32, 48, 64, 96, ... (2^k and 3*2^k) below max_len, then max_len:
-    from 16 on, neighbours differ by at most 1.5x, so padding wastes under a third of a bucket."""
+    """Padded lengths 8, 16, 24, 32, 48, 64, 96, ... (2^k and 3*2^k) below max_len, then max_len."""
     if max_len < 1:
         raise ValueError(f"max_len must be >= 1, got {max_len}")
     steps = sorted({m << k for m in (8, 24) for k in range(max_len.bit_length())})
@@ -158,8 +156,7 @@ class Batcher:
         return plan
 
     def _find(self, epoch: int, index: int) -> tuple[int, int, int, int]:
-        """(epoch, index, window, batches of the epoch before the window) of batch `index` of `epoch`; an index
-        past the epoch's end: the next epoch's first batch."""
+        """(epoch, index, window, batches before the window) of batch `index` of `epoch` (past its end: the next's)."""
         window, before = 0, 0
         if self._place[0] == epoch and self._place[2] <= index:  # the window of the last batch, or a later one
             window, before = self._place[1], self._place[2]
@@ -173,8 +170,7 @@ class Batcher:
             epoch, index, window, before = epoch + 1, 0, 0, 0
 
     def _packed(self, order: np.ndarray) -> list[np.ndarray]:
-        """The pairs of `order` packed first-fit into batches of B_P rows of P positions each: per
-        batch, a (rows in use, most pairs a row) array of pair indices, -1 after a row's pairs."""
+        """The pairs of `order` packed first-fit into batches: per batch, a (rows, pairs a row) array, -1 after."""
         length, size = self.pack_length, self.batch_size[self.pack_length]
         src_len, tgt_len = self._src_len[order], self._tgt_len[order]
         waiting, start, window, batches = np.zeros(0, np.int64), 0, 4 * size, []  # positions in `order`
@@ -255,8 +251,7 @@ class Batcher:
 
 
 def _first_fit(src_len: np.ndarray, tgt_len: np.ndarray, size: int, length: int) -> tuple[list[list[int]], int]:
-    """First-fit of a queue of pairs into `size` rows of `length` positions a side, row by row: (each row's queue
-    positions, the bit set of the positions no row took)."""
+    """First-fit of a queue of pairs into `size` rows: (each row's queue positions, the bit set of those left)."""
     fit_s, fit_t = [], []  # fit[room]: the bit set (a Python int, bit i for pair i) of the pairs that fit in room
     for lengths, fit in ((src_len, fit_s), (tgt_len, fit_t)):
         values = np.flatnonzero(np.bincount(lengths))  # the lengths present: a room fits what the longest below fits

@@ -50,8 +50,7 @@ def load_parallel(spec: str, cache_dir: str | Path | None = None) -> LoadedPairs
 
 def stream_parallel(spec: str, cache_dir: str | Path | None = None, digest: bool = True,
                     memo: Path | None = None) -> tuple[str, PairStream]:
-    """(the data's digest ("" with digest=False), its pairs): text pairs and hub datasets streamed, TSV and JSON
-    read whole; `memo`: `file_digest`'s."""
+    """(the data's digest ("" with digest=False), its pairs); `memo`: `file_digest`'s."""
     spec, _, options = spec.partition("#")
     cache_dir = None if cache_dir is None else str(cache_dir)
     if spec.startswith("hf:"):
@@ -82,8 +81,7 @@ def stream_parallel(spec: str, cache_dir: str | Path | None = None, digest: bool
 
 
 def file_digest(paths: Iterable[Path], memo: Path | None = None) -> str:
-    """sha256 over the bytes of `paths`; a file whose stat matches the JSON `memo` is not read again (as git's index
-    does) unless written in the last `RACY_S` seconds."""
+    """sha256 over `paths`' bytes; a file whose stat the JSON `memo` holds is not read again (unless just written)."""
     try:
         known = read_json(memo, default={}) if memo is not None else {}
     except UserError:  # a damaged memo: read every file again, and rewrite it
@@ -131,8 +129,7 @@ def _text_pairs(paths: list[Path]) -> Iterator[tuple[str, str]]:
 
 
 def _hub_pairs(ds, src: str, tgt: str, where) -> Iterator[tuple]:
-    """Columns `src` and `tgt` (or keys of a `translation` dict column) of a datasets Dataset,
-    a thousand rows at a time from its memory-mapped Arrow table."""
+    """Columns `src` and `tgt` (or a `translation` dict column) of a datasets Dataset, a thousand rows at a time."""
     if src in ds.column_names and tgt in ds.column_names:
         columns = [src, tgt]
     elif "translation" in ds.column_names:
@@ -152,8 +149,7 @@ def _hub_pairs(ds, src: str, tgt: str, where) -> Iterator[tuple]:
 
 
 class PairStream:
-    """The pairs of an iterable of (source, target), both sides stripped of surrounding whitespace;
-    those with a side then empty are left out and counted in `skipped`."""
+    """The pairs of an iterable, both sides stripped; those with an empty side left out, counted in `skipped`."""
 
     def __init__(self, pairs: Iterable):
         self.pairs, self.skipped, self.read = pairs, 0, 0
@@ -206,8 +202,7 @@ def split_lines(text: str) -> list[str]:
 
 
 def _tsv_pairs(path: Path, src: str, tgt: str) -> list[tuple[str, str]]:
-    """Columns `src` and `tgt` of a TSV file with a header row: every row split at tabs, no
-    quoting, no NA values, and exactly the header's number of columns."""
+    """Columns `src` and `tgt` of a TSV file with a header row: split at tabs, no quoting, no NA values."""
     check_text(path)  # invalid UTF-8 named by its byte offset, a missing file FileNotFoundError
     with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
         lines = split_lines(f.read().decode("utf-8"))

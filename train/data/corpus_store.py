@@ -1,5 +1,4 @@
-"""A corpus tokenized once (`TokenStore`): `.npy` files under `<cache>/<key>/` keyed by the data and the
-tokenizers, built whole or not at all (docs/operations.md#the-corpus-store)."""
+"""A corpus tokenized once (`TokenStore`), built whole or not at all (docs/operations.md#the-corpus-store)."""
 
 from __future__ import annotations
 
@@ -79,8 +78,7 @@ def tell(text: str) -> None:
 
 
 class TokenStore:
-    """Flat token ids of both sides (`src`, `tgt`), each pair's lengths and start offsets, as arrays or read-only
-    memory maps; `digest` names the data."""
+    """Flat token ids of both sides, each pair's lengths and start offsets (arrays or memory maps); `digest`."""
 
     def __init__(self, arrays: dict[str, np.ndarray], digest: str | None = None, skipped: int = 0):
         self.arrays, self.skipped = arrays, skipped  # skipped: pairs with an empty side, left out
@@ -140,8 +138,7 @@ def cache_dir(hf_cache: str | None = None) -> Path:
 
 def corpus_store(root: Path, data_digest: str, tokenizers: Tokenizers, pairs: Iterable[tuple[str, str]],
                  name: str = "corpus", progress: bool = True, total: int | None = None, skipped=None) -> TokenStore:
-    """The store of `data_digest` tokenized by `tokenizers` under `root`: opened, else built from `pairs` (progress
-    shown when `progress`); `skipped()`: how many pairs the reader left out."""
+    """The store of `data_digest` by `tokenizers` under `root`: opened, else built from `pairs`."""
     key = hashlib.sha256(f"{FORMAT}\n{data_digest}\n{tokenizers_digest(tokenizers)}".encode()).hexdigest()[:32]
     path = root / key
     if not (path / MANIFEST).is_file():
@@ -170,8 +167,7 @@ def _remove_stale(root: Path, key: str) -> None:  # killed builds' temporary dir
 
 def build_store(path: Path, pairs: Iterable[tuple[str, str]], tokenizers: Tokenizers, key: str = "",
                 name: str = "corpus", progress: bool = True, total: int | None = None, skipped=None) -> None:
-    """Tokenize `pairs` chunk by chunk (`encode_batch` runs on every core) into a new store at `path`,
-    written in a temporary directory beside it and renamed into place when complete."""
+    """Tokenize `pairs` chunk by chunk into a new store at `path`, built beside it and renamed into place."""
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     ids = np.uint16 if max(tok.get_vocab_size() for tok in (tokenizers.src, tokenizers.tgt)) <= 1 << 16 else np.int32
     kinds = {"src": ids, "tgt": ids, "src_len": np.int32, "tgt_len": np.int32}  # uint16 ids: half the bytes

@@ -60,8 +60,7 @@ def _numbers_split(cfg: ExperimentConfig, spec: str) -> list[Pair]:
 
 def train_store(cfg: ExperimentConfig, tokenizers: Tokenizers, pairs: list[Pair] | None = None,
                 progress: bool = True) -> TokenStore:
-    """The training pairs tokenized: a --train spec's from its store on disk (opened, or built a chunk at a time),
-    the numbers corpus's in memory."""
+    """The training pairs tokenized: a --train spec's store on disk (opened or built), the numbers corpus in memory."""
     if cfg.uses_numbers_corpus or cfg.train.startswith("numbers:"):
         return TokenStore.from_pairs(encode_pairs(tokenizers, load_splits(cfg).train if pairs is None else pairs))
     with _loading(cfg.train):

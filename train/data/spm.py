@@ -1,5 +1,4 @@
-"""SentencePiece tokenizers in this project's numbering, for runs imported from Marian: they encode as
-`transformers.MarianTokenizer` does, with the `tokenizers.Tokenizer` methods a run uses."""
+"""SentencePiece tokenizers in our numbering, for runs imported from Marian (as `MarianTokenizer` encodes)."""
 
 from __future__ import annotations
 
@@ -76,8 +75,7 @@ class SentencePieceTokenizer:
 
 
 def save(src: SentencePieceTokenizer, tgt: SentencePieceTokenizer, run_dir: str | os.PathLike, write) -> None:
-    """run_dir/sentencepiece.json and the SentencePiece model files it names (`write(path, bytes)`:
-    the run directory's atomic writer)."""
+    """run_dir/sentencepiece.json and the model files it names, through `write(path, bytes)`."""
     run_dir = Path(run_dir)
     for tok in (src, tgt):
         for name, blob in ((tok.model_name, tok.model), (tok.decode_model_name, tok.decode_model)):

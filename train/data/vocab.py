@@ -1,5 +1,4 @@
-"""Byte-level BPE tokenizers (HF `tokenizers`), one joint vocabulary by default, the special ids of
-`SPECIAL_TOKENS`; encoding appends <eos>, decoding stops at the first."""
+"""Byte-level BPE tokenizers (HF `tokenizers`); encoding appends <eos>, decoding stops at the first."""
 
 from __future__ import annotations
 
@@ -37,8 +36,7 @@ class Tokenizers:
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int = 8000, lowercase: bool = False) -> Tokenizer:
-    """A byte-level BPE tokenizer trained on `texts`: 4 special tokens, 256 bytes, merges seen twice or more, up to
-    `vocab_size` in all, lowercasing with `lowercase`."""
+    """A byte-level BPE tokenizer on `texts`: 4 special tokens, 256 bytes, merges up to `vocab_size`."""
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
     if lowercase:
         tokenizer.normalizer = normalizers.Lowercase()
@@ -56,8 +54,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 8000, lowercase: boo
 
 
 def sample(items: Iterable, size: int, seed: int = 0, chunk: int = 1 << 16) -> list:
-    """`size` items drawn uniformly without replacement from a stream (reservoir sampling, seeded); all, in order,
-    when there are no more."""
+    """`size` items drawn uniformly from a stream (reservoir sampling, seeded); all, in order, if no more."""
     items = iter(items)
     reservoir = list(itertools.islice(items, size))
     rng, seen = np.random.default_rng(seed), len(reservoir)
@@ -117,8 +114,7 @@ TOKENIZER_FILES = (JOINT_TOKENIZER, SRC_TOKENIZER, TGT_TOKENIZER)  # with tokeni
 
 
 def save_tokenizers(tokenizers: Tokenizers, run_dir: str | Path) -> None:
-    """Write run_dir/tokenizer.json (joint) or run_dir/src_tokenizer.json + tgt_tokenizer.json;
-    SentencePiece tokenizers (train.data.spm) as run_dir/sentencepiece.json and their models."""
+    """run_dir/tokenizer.json (joint) or src_ and tgt_tokenizer.json; SentencePiece ones as sentencepiece.json."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if isinstance(tokenizers.src, spm.SentencePieceTokenizer):
@@ -131,8 +127,7 @@ def save_tokenizers(tokenizers: Tokenizers, run_dir: str | Path) -> None:
 
 
 def load_tokenizers(run_dir: str | Path, joint: bool | None = None) -> Tokenizers:
-    """Read what `save_tokenizers` wrote; `joint`: config.json's joint_vocab (None: whichever is there).
-    FileNotFoundError when there is none, ValueError when one cannot be read."""
+    """Read what `save_tokenizers` wrote (`joint`: which); FileNotFoundError, or ValueError for a bad one."""
     run_dir = Path(run_dir)
     if (run_dir / spm.SPM_TOKENIZER).is_file():
         return Tokenizers(*spm.load(run_dir))

@@ -1,5 +1,4 @@
-"""HF Marian (OPUS-MT) models in and out (`aiayn convert --from/--to marian`, docs/interop.md): the special rows
-permuted to our numbering and back, an untrained round trip bit for bit."""
+"""HF Marian (OPUS-MT) models in and out (`aiayn convert --from/--to marian`, docs/interop.md)."""
 
 from __future__ import annotations
 
@@ -170,8 +169,7 @@ def _tied_copy(state: Mapping[str, np.ndarray], key: str, used: set[str]) -> boo
 
 def to_marian(params: Mapping[str, np.ndarray], cfg: TransformerConfig,
               ids: Mapping[str, int] | None) -> dict[str, torch.Tensor]:
-    """Our torch-layout parameters -> a MarianMTModel state dict; `ids`: an imported run's Marian special ids (rows
-    permuted back), or None to keep our rows."""
+    """Our torch-layout parameters -> a MarianMTModel state dict, rows permuted back to Marian's `ids` if given."""
     inverses = ({"src": np.arange(cfg.src_vocab_size), "tgt": np.arange(cfg.tgt_vocab_size)} if ids is None
                 else {side: inverse_order(order) for side, order in zip(("src", "tgt"), side_orders(ids))})
     embeddings, out = _embedding_sources(cfg), {}

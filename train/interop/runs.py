@@ -1,5 +1,4 @@
-"""Training runs and weights files between the frameworks (docs/interop.md): a converted run `--resume`s in the
-other framework as if it had never changed."""
+"""Training runs and weights files between the frameworks (docs/interop.md)."""
 
 from __future__ import annotations
 

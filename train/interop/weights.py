@@ -1,5 +1,4 @@
-"""Weights between the twins, both ways: the same attribute tree, so `LEAF_RULES` is the whole mapping; keys and
-shapes checked strictly, values bit for bit (docs/interop.md)."""
+"""Weights between the twins, both ways, by `LEAF_RULES`, checked strictly, bit for bit (docs/interop.md)."""
 
 from __future__ import annotations
 

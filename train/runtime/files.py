@@ -28,8 +28,7 @@ def user_errors(*kinds: type[Exception]) -> Iterator[None]:
 
 
 def write_bytes_atomic(path: str | Path, data: bytes) -> None:
-    """Write `data` to a synced temporary file beside `path` and rename it into place (a link replaced); a failure
-    leaves the old file and raises an OSError naming `path`."""
+    """Write `data` beside `path`, synced, and rename it into place; an OSError naming `path` on failure."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     try:

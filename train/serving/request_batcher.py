@@ -31,8 +31,7 @@ class _Pending:
 
 
 class RequestBatcher:
-    """`submit(request, tokens)` queues a request (a future); `run()` decodes the oldest with those that may share
-    its batch on one worker thread; a UserError goes to the request that caused it."""
+    """Queues requests (`submit`) and decodes batches of them on one worker thread (`run`)."""
 
     def __init__(self, decode: Callable[..., list], limits: Limits):
         self.decode, self.limits = decode, limits

@@ -76,8 +76,7 @@ class Server(contextlib.AbstractContextManager):
         return not ipaddress.ip_address(self.address[0]).is_loopback
 
     def _signal(self, sig: int, frame) -> None:
-        """SIGTERM or a first Ctrl-C: stop gracefully; SIGHUP or a second Ctrl-C: the app's `stop_now` too (503 to
-        the requests in flight); a third Ctrl-C: KeyboardInterrupt."""
+        """SIGTERM, Ctrl-C: stop gracefully; SIGHUP, a second Ctrl-C: 503 to those in flight; a third: KeyboardInterrupt."""
         self.signals.append(sig)
         if sig == signal.SIGHUP or (sig == signal.SIGINT and self.stopping.is_set()):
             if self.at_once and sig == signal.SIGINT:

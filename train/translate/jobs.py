@@ -1,5 +1,4 @@
-"""The jobs of `aiayn translate`, `aiayn evaluate` and `aiayn score`, callable from Python with the options
-objects of `train.options`: `translate_file`, `evaluate_spec`, `score_file`."""
+"""The jobs of `aiayn translate`, `evaluate` and `score`: `translate_file`, `evaluate_spec`, `score_file`."""
 
 from __future__ import annotations
 
@@ -26,8 +25,7 @@ from .stream import TsvColumns, translate_stream
 
 def translate_file(selection: RunSelection, search: Search = Search(), sample: Sampling | None = None,
                    files: TranslateFiles = TranslateFiles()) -> None:
-    """Translate `files.input` into `files.output`, one record per line, resumably (docs/decoding.md); raises
-    UserError, OSError, and Interrupted naming what was kept."""
+    """Translate `files.input` into `files.output` resumably (docs/decoding.md); UserError, OSError, Interrupted."""
     check_format(files.format, search, sample)
     ensemble = len(selection.run_dir) > 1
     check_single(ensemble and search.alignments, "alignments")
@@ -103,8 +101,7 @@ def translate_file(selection: RunSelection, search: Search = Search(), sample: S
 
 def evaluate_spec(selection: RunSelection, data: str, search: Search = Search(),
                   evaluation: Evaluation = Evaluation(), output: os.PathLike | None = None) -> dict[str, Any]:
-    """`Run.evaluate` of the runs `selection` on the data spec `data`, printed as JSON (and written to
-    `output`, atomically); returns the result."""
+    """`Run.evaluate` of `selection` on the data spec `data`, printed as JSON (and written to `output`)."""
     split_host()  # before jax is imported
     destined = None if output is None else Destination(output, "--output", spec_files(data), f"--data {data}")
     with api.load(selection) as run:

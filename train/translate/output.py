@@ -1,5 +1,4 @@
-"""A streamed translation's output (standard output, a stream, or a file grown chunk by chunk and resumed) and
-its `Progress` line."""
+"""A streamed translation's output (stdout, a stream, or a resumable file) and its `Progress` line."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""`aiayn translate`'s stream: input lines translated chunk by chunk (`Run.translate`) into one record a line,
-resumably (docs/decoding.md)."""
+"""`aiayn translate`'s stream: input lines translated chunk by chunk, resumably (docs/decoding.md)."""
 
 from __future__ import annotations
 
