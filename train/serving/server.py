@@ -76,7 +76,7 @@ class Server(contextlib.AbstractContextManager):
         return not ipaddress.ip_address(self.address[0]).is_loopback
 
     def _signal(self, sig: int, frame) -> None:
-        """SIGTERM, Ctrl-C: stop gracefully; SIGHUP, a second Ctrl-C: 503 to those in flight; a third: KeyboardInterrupt."""
+        """SIGTERM, Ctrl-C: stop; SIGHUP, a second Ctrl-C: 503 to those in flight; a third: KeyboardInterrupt."""
         self.signals.append(sig)
         if sig == signal.SIGHUP or (sig == signal.SIGINT and self.stopping.is_set()):
             if self.at_once and sig == signal.SIGINT:
