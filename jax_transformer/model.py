@@ -1,15 +1,7 @@
-"""The encoder-decoder Transformer of "Attention Is All You Need" in Flax NNX.
-
-A line-by-line translation of `torch_reference/model.py`, the specification: the same names in the
-same order, so that attribute paths are the checkpoint keys.
-
-Differences of idiom, not of maths: train/eval mode and randomness are explicit call arguments
-(`deterministic`, `rngs`) instead of `module.train()` and a global generator; a torch Linear
-`weight` (out, in) is a Flax `kernel` (in, out); LayerNorm/RMSNorm `weight` is `scale`; an
-Embedding `weight` is `embedding`. One constructor argument torch's twin lacks: `dtype` (mixed
-precision; torch has autocast). A third kernel set torch's twin lacks: `xla_cpu` (`xla_cpu.py`).
-Axis letters in shape comments: the reference's.
-"""
+"""The Transformer of "Attention Is All You Need" in Flax NNX: a line-by-line translation of
+`torch_reference/model.py` (same names, same order: attribute paths are the checkpoint keys). Idioms differ:
+`deterministic` and `rngs` are call arguments; a Linear's `kernel` is (in, out), a norm's `weight` is `scale`, an
+Embedding's `embedding`; `dtype` (mixed precision) and the kernel set `xla_cpu` are this twin's own."""
 
 from __future__ import annotations
 
@@ -34,9 +26,7 @@ xavier_uniform = nnx.initializers.xavier_uniform()
 ACTIVATIONS = {"relu": jax.nn.relu, "gelu": functools.partial(jax.nn.gelu, approximate=False), "silu": jax.nn.silu,
                "swiglu": jax.nn.silu}
 
-# --------------------------------------------------------------------------------------------
-# Pure functions
-# --------------------------------------------------------------------------------------------
+# Pure functions -------------------------------------------------------------------------------------------------------
 
 
 @functools.lru_cache(maxsize=8)
@@ -105,10 +95,8 @@ def scaled_dot_product_attention(q, k, v, mask=None, dropout=None, return_attent
 
 
 def fused_attention(q, k, v, mask=None):
-    """`scaled_dot_product_attention` without dropout or weights, in one `jax.nn.dot_product_attention`:
-    cuDNN's fused kernel on a GPU in bfloat16/float16 (it takes no float32), else XLA's. Its masked
-    scores are -0.7 · the dtype's largest value and its softmax float32: a fully masked row averages too.
-    """
+    """`scaled_dot_product_attention` without dropout or weights in one `jax.nn.dot_product_attention` (cuDNN on a
+    GPU in bfloat16/float16, else XLA's); its softmax float32, a fully masked row averaging too."""
     gpu_half = jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
     q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))  # (B, L, H, K): the layout it takes
     mask = None if mask is None else jnp.broadcast_to(mask, (mask.shape[0], 1, q.shape[1], k.shape[1]))
@@ -140,9 +128,8 @@ KERNELS = {
 
 
 def set_kernels(module: nnx.Module, kernels: KernelSet = "reference", remat: bool = False) -> None:
-    """Choose once how every layer of `module` computes: the kernel set `kernels` (a row of KERNELS)
-    and `remat`, whether each encoder and decoder layer recomputes its activations in the backward
-    pass (`nnx.remat`, i.e. jax.checkpoint) instead of keeping them; `Transformer` calls it."""
+    """Choose once how every layer of `module` computes: the kernel set `kernels` (a row of KERNELS) and `remat`
+    (`nnx.remat`: activations recomputed in the backward pass); `Transformer` calls it."""
     if KERNELS.get(kernels) is None:
         raise ValueError(f"kernels={kernels!r} is not one of {', '.join(k for k, row in KERNELS.items() if row)}")
     for _, m in nnx.iter_modules(module):
@@ -157,11 +144,8 @@ def set_kernels(module: nnx.Module, kernels: KernelSet = "reference", remat: boo
 
 
 def make_norm(cfg: TransformerConfig, rngs: nnx.Rngs, dtype=None) -> nnx.Module:
-    """LayerNorm (paper) or RMSNorm, both with the config's epsilon (never a library default).
-
-    `use_fast_variance=False`: Flax's default E[x²]-E[x]² loses precision; torch uses E[(x-μ)²].
-    Flax computes the statistics in at least float32 whatever `dtype` (the output's) is.
-    """
+    """LayerNorm (paper) or RMSNorm with the config's epsilon; `use_fast_variance=False` as torch's E[(x-μ)²], the
+    statistics in at least float32."""
     kwargs = dict(epsilon=cfg.layer_norm_eps, use_fast_variance=False, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
     if cfg.norm == "rmsnorm":
         return nnx.RMSNorm(cfg.d_model, **kwargs)
@@ -180,9 +164,7 @@ def _embedding(num: int, d_model: int, std: float, rngs: nnx.Rngs, dtype=None) -
     return nnx.Embed(num, d_model, embedding_init=init, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
 
 
-# --------------------------------------------------------------------------------------------
-# Modules, in paper order
-# --------------------------------------------------------------------------------------------
+# Modules, in paper order ----------------------------------------------------------------------------------------------
 
 
 class PositionalEncoding(nnx.Module):
@@ -235,11 +217,8 @@ class MultiHeadAttention(nnx.Module):
         self, x, context, mask=None, kv=None, return_attention: bool = False, *, deterministic: bool = True,
         rngs: nnx.Rngs | None = None,
     ):
-        """Queries from x (B, T, D), keys and values from context (B, S, D) -> (B, T, D).
-
-        `kv` gives keys and values already projected (from a cache) in place of `context`.
-        `return_attention`: ((B, T, D), the attention weights (B, H, T, S)).
-        """
+        """Queries from x (B, T, D), keys and values from context (B, S, D) or `kv` (projected, from a cache) ->
+        (B, T, D); `return_attention`: also the attention weights (B, H, T, S)."""
         # a sentence's hypotheses may share its keys (xla_cpu.shared_keys)
         if (shared := self.kernels.shared_keys and self.kernels.shared_keys(x, context, kv)) is not None:
             out = self(shared, context, mask, kv, return_attention, deterministic=deterministic, rngs=rngs)
@@ -418,20 +397,10 @@ class Decoder(Encoder):
 
 
 class Transformer(nnx.Module):
-    """The encoder-decoder model:
-    `Transformer(cfg, rngs=nnx.Rngs(0))(src_ids, tgt_in_ids, deterministic=True) -> logits (B, T, V)`.
-
-    `encode`, `decode` and `project` are public so that search (decode.py) can run them apart.
-    Masks default to those implied by `cfg.pad_id` (and causality for the decoder). Training
-    passes `deterministic=False` and `rngs=nnx.Rngs(dropout=key)` for the dropout masks.
-
-    `dtype` is the computation dtype: None (float32, as the torch reference) or jnp.bfloat16 for
-    mixed precision: parameters stay float32 (cast at use); the attention softmax, the norms'
-    statistics and the loss run in float32 (torch's twin gets the same from torch.autocast).
-
-    `kernels` and `remat`: see `set_kernels`; the model holds the kernel set, which its layers, the searches and
-    the training objective read. The same parameters and checkpoint keys whatever the set.
-    """
+    """The encoder-decoder model: `Transformer(cfg, rngs=nnx.Rngs(0))(src_ids, tgt_in_ids) -> logits (B, T, V)`,
+    as torch's twin; training passes `deterministic=False` and `rngs=nnx.Rngs(dropout=key)`. `dtype`: None
+    (float32) or jnp.bfloat16, parameters float32, the softmax, norms' statistics and loss in float32. `kernels`
+    and `remat`: `set_kernels` (the layers, searches and objective read the set; the same checkpoint keys)."""
 
     kernels = KERNELS["reference"]  # set_kernels
 

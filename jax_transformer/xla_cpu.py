@@ -158,9 +158,8 @@ def shared_keys(x, context, kv):
 
 
 def best_candidates(cfg, logits, base, must_end, n: int, neg_inf: float, chunk: int = 128):
-    """`decode.top_candidates` (`neg_inf` its NEG_INF): the same values, indices and order (ties to the lower
-    index), ranking chunks of c tokens by their largest logit and scoring only the n best chunks (and those
-    holding pad, BOS or EOS) in full, instead of writing B*H*V scores and sorting all H*V indices."""
+    """`decode.top_candidates` (`neg_inf` its NEG_INF), the same values, indices and order, scoring in full only
+    the n chunks of c tokens with the largest logits (and those holding pad, BOS or EOS)."""
     B, H, V = logits.shape
     cap = max(1, min(chunk, V // n))  # small vocabularies: still at least n chunks per hypothesis
     c = next((d for d in range(cap, cap // 2, -1) if V % d == 0), cap)  # one dividing V: no padding
@@ -202,10 +201,9 @@ MAX_STAGES = 5  # loops over B, B/2, ..., B/16 sentences (see shrinking_while)
 
 def shrinking_while(step, result, carry, length: int):
     """`decode`'s loop: `step(position, carry)` until every sentence is done or `length` positions are written ->
-    `result(carry)`, as a chain of `lax.while_loop`s over B, B/2, B/4, ... sentences (MAX_STAGES; none below
-    SMALLEST_STAGE), the first positions over a shorter cache; rows never mix
-    (docs/performance.md#what-made-the-jax-search-fast). carry's leaves lead with the b sentences' axis, or
-    b * n rows; carry["done"] (b,), carry["cache"], carry["memory"] and carry["src_mask"] among them."""
+    `result(carry)`: `lax.while_loop`s over B, B/2, B/4, ... sentences (MAX_STAGES, SMALLEST_STAGE), rows never
+    mixing (docs/performance.md#what-made-the-jax-search-fast). carry's leaves lead with the b sentences' (or b * n
+    rows') axis; carry["done"] (b,), carry["cache"], carry["memory"] and carry["src_mask"] among them."""
     sizes = [carry["done"].shape[0]]
     while sizes[-1] // 2 >= SMALLEST_STAGE and len(sizes) < MAX_STAGES:
         sizes.append(sizes[-1] // 2)

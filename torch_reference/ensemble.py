@@ -1,6 +1,5 @@
-"""Several models decoding as one: `Ensemble(models)` goes wherever the searches and `sample` take a model
-(fairseq's `EnsembleModel`); memory, hidden states and caches are the members' side by side, and its logits
-the combined log-probabilities: "logprob" the mean of the members', "prob" the log of their mean probability
+"""Several models decoding as one (fairseq's `EnsembleModel`): the members' states side by side, and as logits
+the combined log-probabilities, "logprob" the mean of theirs, "prob" of their mean probability
 (docs/decoding.md#the-twins-ensemble)."""
 
 from __future__ import annotations

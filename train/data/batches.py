@@ -46,13 +46,10 @@ class Batch:
 
 
 class Batcher:
-    """Padded batches under a token budget, shuffled per epoch with (seed, epoch), resumable (`state`, `restore`).
-    
-    Buckets: a pair goes to the smallest bucket length L >= its longer side, B_L = floor(token_budget / (L *
-    multiple_of)) * multiple_of rows, a bucket's last batch filled with all-pad rows (ids -1); pairs longer than
-    max_len dropped (`num_dropped`). `pack=True`: one shape, rows filled first-fit
-    (docs/performance.md#sequence-packing). `examples`: pairs of ids or a `TokenStore`; `process=(index, count)`:
-    only that process's rows."""
+    """Padded batches under a token budget, shuffled per epoch with (seed, epoch), resumable (`state`, `restore`):
+    in buckets (a pair in the smallest length L >= its longer side, floor(token_budget / (L * multiple_of)) *
+    multiple_of rows, filler rows of ids -1; pairs over max_len dropped) or `pack`ed first-fit in one shape
+    (docs/performance.md#sequence-packing). `process=(index, count)`: only that process's rows."""
 
     def __init__(self, examples: Sequence[tuple[Sequence[int], Sequence[int]]] | TokenStore, token_budget: int,
                  max_len: int = 256, multiple_of: int = 1, shuffle: bool = True, seed: int = 0, pack: bool = False,
