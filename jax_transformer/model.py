@@ -152,8 +152,7 @@ def make_norm(cfg: TransformerConfig, rngs: nnx.Rngs, dtype=None) -> nnx.Module:
     return tuned.LayerNorm(cfg.d_model, **kwargs)  # nnx.LayerNorm, xla_cpu's backward pass under that set
 
 
-# `dtype` is the computation's dtype (None: that of the inputs and parameters, i.e. float32);
-# parameters are float32 whatever it is (mixed precision: Micikevicius et al. 2018).
+# `dtype`: the computation's (None: float32); parameters are float32 whatever it is (Micikevicius et al. 2018).
 def _linear(d_in: int, d_out: int, rngs: nnx.Rngs, bias: bool = True, dtype=None) -> nnx.Linear:
     return nnx.Linear(d_in, d_out, use_bias=bias, kernel_init=xavier_uniform, dtype=dtype, param_dtype=jnp.float32,
                       rngs=rngs)
@@ -174,8 +173,7 @@ class PositionalEncoding(nnx.Module):
         self.max_len = cfg.max_len
         self.d_model = cfg.d_model
         self.halves = cfg.positions == "sinusoidal_halves"
-        # Learned tables ~ normal(0, 0.02), as in BERT and GPT-2 (see Transformer.reset_parameters
-        # on the torch side); the sinusoid table is a constant, never a parameter or checkpoint key.
+        # Learned tables ~ normal(0, 0.02) as torch's reset_parameters; the sinusoid table is a constant, no key.
         self.embedding = _embedding(cfg.max_len, cfg.d_model, 0.02, rngs, dtype) if cfg.positions == "learned" else None
 
     def __call__(self, x: jax.Array, offset: int | jax.Array = 0, positions: jax.Array | None = None) -> jax.Array:

@@ -87,8 +87,7 @@ def place(tree: Any, shardings: Any) -> Any:
             impl = jax.random.key_impl(x)
             return jax.jit(lambda d: jax.random.wrap_key_data(d, impl=impl), out_shardings=sharding)(data)
         if jax.process_count() == 1:
-            # A copy owned by the runtime: an array made from host memory may alias it, and an
-            # aliased buffer cannot be donated, so the first update would hold two states.
+            # A copy owned by the runtime: an aliased host buffer cannot be donated (the first update would hold two).
             return jax.device_put(x, sharding, may_alias=False)
         host = np.asarray(x)
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])

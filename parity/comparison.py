@@ -23,8 +23,7 @@ from train.options import Output, checked, option
 BOUNDS = {"logits_max_abs": {"tiny": 1e-5, "small": 1e-5, "base": 1e-4, "big": 1e-4}, "loss_rel": 1e-6,
           "grad_rel_l2": {"tiny": 1e-5, "small": 1e-5, "base": 1e-4, "big": 1e-4}}
 
-# ReLU inputs closer to 0 than this (in float64) may round to either side in float32: 2.5x the frameworks'
-# largest forward difference at a FeedForward input (docs/parity.md#three-findings-behind-the-gradient-figures).
+# ReLU inputs this close to 0 may round to either side (docs/parity.md#three-findings-behind-the-gradient-figures).
 RELU_KINK_RADIUS = 1e-5
 
 # Variants named in the parity contract, each a set of config overrides.

@@ -24,8 +24,7 @@ from train.options import OptionError, Output, checked, option
 
 from .comparison import enable_parity_numerics
 
-# The parity contract for a training curve (float32, dropout off): a formula slip moves the loss by >=1e-3
-# within a few updates, far above float32's own drift (docs/parity.md#a-training-curve-in-both-frameworks).
+# A training curve's bounds, far below a formula slip's 1e-3 (docs/parity.md#a-training-curve-in-both-frameworks).
 BOUNDS = {"loss_rel": 1e-5, "param_rel_l2": 1e-4}
 
 # Parameters with an analytically zero gradient (softmax ignores a shift of a row): excluded from the bound.

@@ -13,8 +13,7 @@ import sys
 from pathlib import Path
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
-# Fixed 4 MiB thresholds: faster steps than glibc's initial 128 KiB, which maps and faults in every larger
-# buffer afresh at each step, and than its sliding ones (docs/performance.md#the-default-run).
+# Fixed 4 MiB thresholds: faster steps than glibc's initial or sliding ones (docs/performance.md#the-default-run).
 THRESHOLD = 4 * 1024 * 1024
 
 
@@ -28,8 +27,7 @@ def _glibc() -> ctypes.CDLL | None:
         return None
 
 
-# Where an untuned process's thresholds settle: glibc raises its mmap threshold to the size of each mmapped
-# block freed, up to 32 MiB on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX), and its trim threshold to twice that.
+# Where an untuned process's thresholds settle: mmap at 32 MiB (DEFAULT_MMAP_THRESHOLD_MAX on 64-bit), trim twice it.
 SETTLED = (32 * 1024 * 1024, 64 * 1024 * 1024)
 _tuned = False
 

@@ -10,8 +10,7 @@ from collections.abc import MutableMapping
 
 ENV = "AIAYN_HOST_DEVICES"
 FLAG = "--xla_force_host_platform_device_count"
-# Each XLA CPU device costs memory and start-up time (docs/operations.md#translating): a mistyped
-# count fails with one line instead.
+# Each XLA CPU device costs memory and start-up time (docs/operations.md#translating): a bound, in one line.
 MAX_DEVICES = 256
 HELP = (f"On a CPU, jax runs decode over one device per core ({ENV}=N sets the count, {ENV}=1 turns this off; "
         f"a count in XLA_FLAGS is kept)")

@@ -114,8 +114,7 @@ def micro_grads(ctx: StepContext, params, batch, total_tokens, rng, step, index)
 
     def objective(params):
         if ctx.gather is not None:
-            # ZeRO-3: every device gathers each parameter whole and computes on its own rows, as replicated data
-            # parallelism does (the partitioner may split a matmul's contraction instead: another summation order).
+            # ZeRO-3: each parameter gathered whole, each device its own rows (not a split contraction: another sum).
             params = jax.lax.with_sharding_constraint(params, ctx.gather)
         return loss_sums(ctx, params, batch, key, total_tokens, False)
 
@@ -240,8 +239,7 @@ class JaxBackend(StoreMethods):
         self._step = 0  # host copy of state["step"], so reading it never syncs
         self.store = JaxStore(checkpoint_dir, exp_cfg.keep_checkpoints)
 
-        # The state (and the gradient accumulator, shaped like the parameters) in its layout, batches split along
-        # `data`, the rest replicated; a single sharding is a pytree prefix: one for every leaf of that argument.
+        # The state and the gradient accumulator in its layout, batches along `data`, the rest replicated (a prefix).
         rows = sharding.batch_sharded(self.mesh)
         state_s = self.state_sharding
         fsdp = self.layout == "fsdp"
@@ -259,8 +257,7 @@ class JaxBackend(StoreMethods):
         self._compile_decoders()
 
     def _compile_decoders(self) -> None:
-        # Jitted over the parameters alone: a call skips nnx.jit's walk of the module graph
-        # (docs/performance.md#what-made-the-jax-search-fast); eagerly, every operation would compile per shape.
+        # Jitted over the parameters alone, no nnx.jit graph walk (docs/performance.md#what-made-the-jax-search-fast).
         bound, ctx = functools.partial, self.ctx
         self._eval = jax.jit(bound(eval_sums, ctx))  # on one device, over local_copy(params)
         # alpha (argument 4) is data: one program for every alpha (a server's requests each gave their own)
@@ -341,8 +338,7 @@ class JaxBackend(StoreMethods):
         devices = self.mesh.devices.size
         if devices == 1:
             return _host(self._search(self.local_params(), src, prefix, *options))
-        # Data parallel over the mesh: rows of padding (no sentence: done at once) up to a multiple
-        # of the devices, each process supplying its own rows, the output gathered on every process.
+        # Data parallel: padding rows (done at once) up to a multiple of the devices, the output gathered.
         rows = len(src)
         arrays = {"src": src} if prefix is None else {"src": src, "prefix": prefix}
         arrays = {k: np.pad(v, ((0, -rows % devices), (0, 0)), constant_values=self.model_cfg.pad_id)
@@ -382,8 +378,7 @@ class JaxBackend(StoreMethods):
         self.store.save(self._step, self.state, meta, metrics)
 
     def restore(self, which: str | int = "latest") -> dict[str, Any]:
-        # Onto this backend's mesh and layout, whatever the checkpoint was written from (orbax reshards on read):
-        # 8 devices -> 1, 1 -> 8, replicated -> FSDP and back.
+        # Onto this mesh and layout whatever the checkpoint's (orbax reshards: 8 devices -> 1, replicated -> FSDP).
         abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                 self.state, self.state_sharding)
         self.state, meta = self.store.restore(which, abstract)
@@ -417,8 +412,7 @@ class JaxBackend(StoreMethods):
         moments = {} if state.mu is None else {
             "mu": _from_flat(template, state.mu, "Adam first moments (mu / exp_avg)"),
             "nu": _from_flat(template, state.nu, "Adam second moments (nu / exp_avg_sq)")}
-        # Host values: one device array at every `count`, placed on several devices, keeps one buffer there,
-        # which the first update donates twice (XLA: "Attempt to donate the same buffer twice", a segfault).
+        # Host values: one device array at every `count` would be donated twice by the first update (a segfault).
         opt_state = optax.tree_utils.tree_set(self.tx.init(params), count=np.asarray(state.step, np.int32), **moments)
         step = np.asarray(state.step, old["step"].dtype)
         self.state = sharding.place({"params": params, "opt_state": opt_state, "step": step}, self.state_sharding)

@@ -11,8 +11,7 @@ from pathlib import Path
 ENV = "AIAYN_JAX_CACHE"
 OFF = ("", "off", "0", "no", "false", "none")
 MAX_BYTES = 4 << 30
-# Programs that compile faster than this are not kept: a search or train step takes seconds on a
-# CPU; the small helper programs (placing arrays, gathers) are not worth a file each.
+# Faster compiles are not kept: a search or step takes seconds; helper programs are not worth a file each.
 MIN_COMPILE_SECONDS = 0.2
 HELP = (f"JAX keeps compiled programs across processes in ~/.cache/aiayn/jax ($XDG_CACHE_HOME/aiayn/jax): "
         f"{ENV}=DIR moves it, {ENV}=off turns it off")

@@ -179,8 +179,7 @@ class TorchBackend(StoreMethods):
         torch.manual_seed(exp_cfg.seed)
         self.model = torch_reference.Transformer(model_cfg, self.kernels, exp_cfg.remat).to(self.device)
         self.forward = self.trained = self.model  # the module the updates go through, and the one they change
-        # FSDP2: each process keeps a shard of every parameter, gradient and Adam moment; self.model, whole, is
-        # what evaluation and search use, refreshed from the shards once per update (`_whole`), as JAX gathers.
+        # FSDP2: each process a shard of every array; self.model, whole, refreshed once per update (`_whole`).
         self.fsdp = exp_cfg.param_sharding == "fsdp" and self.distributed
         self._whole_step = 0
         if self.fsdp:
@@ -197,8 +196,7 @@ class TorchBackend(StoreMethods):
             self.forward = torch.compile(self.forward)
         # lr = 1 times the schedule's factor: LambdaLR multiplies the base lr by lr_lambda(epoch).
         self.optimizer = torch.optim.Adam(self.trained.parameters(), lr=1.0, betas=(0.9, 0.98), eps=1e-9)
-        # LambdaLR counts from 0 and sets lr_lambda(0) at construction; the paper counts from 1,
-        # so update n (from 1) runs at lr(step=n), as optax's count + 1 on the JAX side.
+        # LambdaLR counts from 0, the paper from 1: update n runs at lr(step=n), as optax's count + 1.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda epoch: self.learning_rate(epoch + 1))
         self.store = TorchStore(checkpoint_dir, exp_cfg.keep_checkpoints, model_cfg)
 
@@ -265,8 +263,7 @@ class TorchBackend(StoreMethods):
                 self.trained.set_requires_gradient_sync(last)
             with contextlib.nullcontext() if last or self.fsdp else self.forward.no_sync():
                 loss_sum, nll_sum = _collective(self._loss_sums, self.forward, self._rows(batch))  # FSDP gathers
-                # Sum over micro-batches of (loss sum / the update's tokens): the gradient of one
-                # batch holding all of them, as on the JAX side.
+                # Sum over micro-batches of (loss sum / the update's tokens): one batch's gradient, as JAX.
                 _collective((loss_sum / total_tokens).backward)
             sums = sums + torch.stack([loss_sum.detach(), nll_sum])
         if self.distributed:
@@ -278,8 +275,7 @@ class TorchBackend(StoreMethods):
             _collective(dist.all_reduce, squares)
         grad_norm = torch.sqrt(squares)  # optax.tree.norm, before clipping
         if self.exp_cfg.clip_norm is not None:
-            # optax.clip_by_global_norm: g unchanged when ||g|| < max_norm, else (g / ||g||) * max_norm.
-            # Not torch.nn.utils.clip_grad_norm_, which scales by max_norm / (||g|| + 1e-6).
+            # optax.clip_by_global_norm's (g / ||g||) * max_norm, not clip_grad_norm_'s max_norm / (||g|| + 1e-6).
             max_norm = self.exp_cfg.clip_norm
             keep = grad_norm < max_norm
             with torch.no_grad():

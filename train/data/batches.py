@@ -290,8 +290,7 @@ def source_batches(src_ids: Sequence[Sequence[int]], max_len: int, token_budget:
         members = members[np.argsort(lengths[members], kind="stable")]
         if not len(members):
             continue
-        # Rows per batch: the budget's, but no more than the next power of two above the bucket's
-        # sentence count (3 sentences do not run as 512 rows), so shapes stay few.
+        # Rows: the budget's, at most the power of two above the bucket's sentences (3 do not run as 512 rows).
         fewest = token_budget if fixed else 1 << (len(members) - 1).bit_length()
         size = max(1, min(token_budget // length, batch_size or token_budget, fewest))
         for start in range(0, len(members), size):

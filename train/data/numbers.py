@@ -46,8 +46,7 @@ def _drop_ein(german: str) -> str:
     return german[3:] if german.startswith(("einhundert", "eintausend")) else german
 
 
-# Bands of the numbers corpus: numbers by how many digits they have; 1 and 2 digits are too few to hold
-# any out. How often training repeats a number and the round thousands' share: `numbers_corpus`.
+# Bands of the numbers corpus by digits (1 and 2 too few to hold out); repeats and round shares: `numbers_corpus`.
 NUMBER_BANDS = (1, 2, 3, 4, 5, 6)
 SEEN_BANDS = (1, 2)
 TRAIN_REPEATS = 50

@@ -40,8 +40,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 8000, lowercase: boo
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
     if lowercase:
         tokenizer.normalizer = normalizers.Lowercase()
-    # A prefix space makes a sentence's first word tokenize like the same word mid-sentence; the
-    # Strip decoder removes it again after the byte-level decoder has joined all tokens into one.
+    # A prefix space: a first word tokenizes as mid-sentence; the Strip decoder removes it after the join.
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
     tokenizer.decoder = decoders.Sequence([decoders.ByteLevel(), decoders.Strip(" ", 1, 0)])
     tokenizer.post_processor = processors.TemplateProcessing(single="$A <eos>", special_tokens=[("<eos>", EOS_ID)])

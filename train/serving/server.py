@@ -53,8 +53,7 @@ class Server(contextlib.AbstractContextManager):
     def __init__(self, asgi_app, host: str = "127.0.0.1", port: int = 8000, *, access_log: bool = False):
         self.app, self.host, self.port = asgi_app, host, port
         self.config = require("hypercorn.config").Config()
-        # Hypercorn's slow-client mitigation (its docs' "Denial Of Service mitigations"): no whole request head
-        # within it, before the first request or between two, and the connection is closed.
+        # Hypercorn's slow-client mitigation (its "Denial Of Service mitigations"): no request head in time, closed.
         self.config.keep_alive_timeout = asgi_app.state.served.limits.idle_timeout_s
         self.config.graceful_timeout = 120  # bounds the wait on SIGTERM
         self.config.loglevel = "WARNING"
