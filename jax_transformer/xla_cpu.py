@@ -1,5 +1,4 @@
-"""The kernel set `xla_cpu`: pieces of the model and the search that give what the plain path gives (to float32
-rounding) and are faster or smaller on XLA:CPU (docs/performance.md#the-xlacpu-tuned-path-side-by-side)."""
+"""The kernel set `xla_cpu`, faster on XLA:CPU (docs/performance.md#the-xlacpu-tuned-path-side-by-side)."""
 
 from __future__ import annotations
 
@@ -145,8 +144,7 @@ _smoothed_sums.defvjp(_smoothed_sums_fwd, _smoothed_sums_bwd)
 
 
 def smoothed_sums(logits, targets, pad_id: int, smoothing: float):
-    """(sum of the label-smoothed losses, sum of the NLLs) over non-pad tokens, the gradient written out as softmax -
-    target: one (B, T, V) array in the backward pass (docs/performance.md#the-round-that-regrouped-the-code)."""
+    """(smoothed loss sum, NLL sum) over non-pad tokens, the gradient softmax - target: one (B, T, V) array."""
     return _smoothed_sums(logits, targets, targets != pad_id, jnp.float32(smoothing))
 
 

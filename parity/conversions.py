@@ -1,5 +1,4 @@
-"""Every conversion `aiayn convert` makes, as one call: `convert(Conversion(...))`, over `train.interop`
-(weights, runs, Marian) and `parity.ctranslate2`, each export proved by its own runtime (`parity.proof`)."""
+"""Every conversion `aiayn convert` makes, as one call `convert(Conversion(...))`, exports proved (`parity.proof`)."""
 
 from __future__ import annotations
 
@@ -135,8 +134,7 @@ def _proved(dst: Path, whose: str) -> str:
 
 
 def _check_weights_destination(src: Path, dst: Path, to: str) -> None:
-    """UserError where `dst` cannot receive the converted weights of `src`: the source itself, a destination of
-    the other kind (a directory for a file, or the reverse), a directory holding other files (never replaced)."""
+    """UserError where `dst` cannot receive `src`'s converted weights: the source, another kind, a directory in use."""
     if dst.exists() and src.exists() and dst.resolve() == src.resolve():
         raise runtime.UserError(f"--dst {dst} is the source; write the converted weights elsewhere")
     if to == "torch" and dst.is_dir():

@@ -118,8 +118,7 @@ def tokens(vocab: Sequence[str], ids: Sequence[int]) -> list[str]:
 
 
 def same_output(ours: Sequence[int], theirs: Sequence[int], limit: int) -> bool:
-    """Whether CTranslate2's output (ids ending <eos>) is ours for a sentence of length limit `limit`: the same
-    ids, or where we forced <eos> at the limit the same before it (CTranslate2's limit is the batch's)."""
+    """Whether CTranslate2's ids are ours for a sentence of length limit `limit` (ours may force <eos> at it)."""
     ours, theirs = list(ours), list(theirs)
     if len(ours) == limit and ours[-1:] == [EOS_ID]:
         return theirs[: limit - 1] == ours[:-1]

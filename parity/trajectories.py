@@ -169,8 +169,7 @@ def _switch(run: TrainingRun, cfg, model_cfg, new_batcher: Callable[[], Any],
 
 def run_trajectory(cfg, initial: TrainingState, steps: int | None = None, switch: int | None = None,
                    control: bool = False, progress: bool = False, prepared=None) -> dict:
-    """The report (unjudged: `failures`) of `steps` updates in both frameworks in lockstep from `initial`, plus
-    the switched runs where 0 < switch < steps, plus torch one ulp away with `control` (`parity_report` runs it)."""
+    """The unjudged report of `steps` lockstep updates from `initial`, with the switched runs and the `control`."""
     steps = steps or cfg.steps
     model_cfg, new_batcher = prepared or prepare(cfg)
     comparisons = [Comparison("jax vs torch", "jax", "torch")]

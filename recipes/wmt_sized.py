@@ -22,8 +22,7 @@ CHUNK = 100_000  # pairs drawn and written at a time: memory bounded whatever --
 
 
 def generate(pairs: int, out: str, seed: int = 0, multi30k: Path = MULTI30K) -> None:
-    """`pairs` pairs at out.de / out.en: Multi30k training sentences joined one to three at a time (1 + a
-    binomial(2, p) count, p chosen so that English sentences average WMT14's words), aligned line for line."""
+    """`pairs` pairs at out.de / out.en: Multi30k sentences joined one to three at a time, averaging WMT14's words."""
     sides = {lang: gzip.open(multi30k / f"train.{lang}.gz", "rt", encoding="utf-8").read().splitlines()
              for lang in ("de", "en")}
     mean = np.mean([len(s.split()) for s in sides["en"]])
@@ -55,8 +54,7 @@ def tree_rss_anon(pid: int) -> int:
 
 
 def measure(command: list[str], first: str = r"^step 1/", every: float = 0.1) -> dict:
-    """Run `command` under /usr/bin/time -v, echoing its output: peak RssAnon of its process tree (sampled
-    every `every` s), time's maximum RSS, wall seconds, seconds until a line matches `first`."""
+    """Run `command` under /usr/bin/time -v: peak RssAnon of its tree, max RSS, wall and first-step seconds."""
     start = time.perf_counter()
     proc = subprocess.Popen(["/usr/bin/time", "-v", *command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, bufsize=1, env={**os.environ, "PYTHONUNBUFFERED": "1"})  # lines as they come

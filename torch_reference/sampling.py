@@ -1,5 +1,4 @@
-"""Sampling from the reference model's cached decoding with random numbers both frameworks share (Threefry-2x32
-keyed by seed and sentence id, inverse CDF in token-id order); the twin: jax_transformer (docs/decoding.md#sampling)."""
+"""Sampling with random numbers both frameworks share: the same tokens in both twins (docs/decoding.md#sampling)."""
 
 from __future__ import annotations
 
@@ -89,8 +88,7 @@ def sample(
     model: Transformer, src_ids: Tensor, seed: int, num_samples: int = 1, temperature: float = 1.0,
     top_k: int = 0, top_p: float = 1.0, max_len_a: float = 1.5, max_len_b: int = 10, sentence_ids=None,
 ) -> tuple[Tensor, Tensor]:
-    """src_ids (B, S) -> (tokens (B, N, L), scores (B, N)): N samples a sentence drawn from `sampling_distribution`
-    with the uniform of (seed, sentence id (0..B-1 unless given), sample, position); scores untempered log-probs."""
+    """src_ids (B, S) -> (tokens (B, N, L), untempered log-prob scores (B, N)): N samples a sentence."""
     _check_ids("src_ids", src_ids, model.cfg.src_vocab_size, model.cfg.max_len)
     check_sampling(seed, num_samples, temperature, top_k, top_p)
     ids = _sentence_ids(sentence_ids, src_ids.shape[0], src_ids.device)

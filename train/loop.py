@@ -247,8 +247,7 @@ def _eval_summary(result: dict[str, Any]) -> dict[str, Any]:
 
 def _evaluate(cfg, backend, tokenizers, pairs, samples: int, *, validation: bool = True, seen=None,
               stop=None) -> dict[str, Any]:
-    """`evaluate_pairs` with lowercased BLEU too; --eval-sentences limits validation only (a test set,
-    validation=False, is scored whole). `stop`: asked between batches; True raises EvaluationStopped."""
+    """`evaluate_pairs` with lowercased BLEU; --eval-sentences limits validation only; `stop` between batches."""
     return evaluate_pairs(backend, tokenizers, pairs, max_len=cfg.max_len, token_budget=cfg.token_budget,
                           max_sentences=cfg.eval_sentences if validation else None, samples=samples,
                           search=Search(beam=cfg.beam), lowercase=True, moses=cfg.moses, seen=seen, stop=stop,

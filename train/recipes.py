@@ -1,5 +1,4 @@
-"""Recipes (TOML files of train.run's settings) read into `ExperimentConfig`'s fields, train.run's parser
-from those fields, and `experiment`: the config a launch gives, for `python -m train.run` and `train.fit`."""
+"""Recipes (TOML files of train.run's settings) as `ExperimentConfig` fields, and the config a launch gives."""
 
 from __future__ import annotations
 

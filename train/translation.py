@@ -229,8 +229,7 @@ def band_scores(pairs: Sequence[data.Pair], hypotheses: Sequence[str],
 
 
 def loss_and_perplexity(backend: Trainer, batches, stop: Callable[[], bool] | None = None) -> dict[str, float]:
-    """{"loss", "nll", "ppl", "tokens"} over padded batches, dropout off, summed on the host once every
-    batch is queued (device scalars would compile programs of their own); `stop()` True: EvaluationStopped."""
+    """{"loss", "nll", "ppl", "tokens"} over padded batches, dropout off, summed on the host at the end."""
     sums = []
     for batch in batches:
         if stop is not None and stop():
@@ -257,8 +256,7 @@ def evaluate_pairs(backend: Backend, tokenizers: data.Tokenizers, pairs: Sequenc
                    lowercase: bool = False, moses: str | None = None,
                    seen: Collection[str] | None = None, stop: Callable[[], bool] | None = None,
                    fixed_shapes: bool = False) -> dict[str, Any]:
-    """Loss and perplexity on every pair (but those past max_len); `corpus_scores` and "bands" of the first
-    `max_sentences` translated; `samples` examples; `stop` and `fixed_shapes` as `translate_texts` takes them."""
+    """Loss and perplexity on every pair; `corpus_scores` and "bands" of the first `max_sentences` translated."""
     examples = data.encode_pairs(tokenizers, pairs)
     batcher = data.Batcher(examples, token_budget=token_budget, max_len=max_len, shuffle=False, pack=fixed_shapes,
                            pack_length=max_len if fixed_shapes else None)

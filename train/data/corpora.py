@@ -1,5 +1,4 @@
-"""`load_parallel(spec)`: sentence pairs from local files or the datasets hub (the specs of `train.run.EPILOG`),
-both sides stripped, pairs with an empty side skipped; lines end at "\n" only (`split_lines`)."""
+"""`load_parallel(spec)`: sentence pairs from local files or the datasets hub (the specs of `train.run.EPILOG`)."""
 
 from __future__ import annotations
 
@@ -221,8 +220,7 @@ def _tsv_pairs(path: Path, src: str, tgt: str) -> list[tuple[str, str]]:
 
 
 def _existing(*candidates: Path) -> Path:
-    """The first candidate that is a regular file; a directory, FIFO or device is named as such
-    (data is read twice, checked then loaded, which a stream cannot be)."""
+    """The first candidate that is a regular file; a directory, FIFO or device is named (data is read twice)."""
     for path in candidates:
         if path.is_file():
             return path

@@ -35,8 +35,7 @@ LINE_EVERY_S = 5.0  # seconds between two progress lines where no bar is drawn: 
 
 
 def meter(desc: str, total: int | None = None, bar: bool = True):
-    """What a long step is doing, counted in pairs (`.update(n)`, a context): tqdm's bar on a terminal when `bar`,
-    else (piped output, --no-progress) a line every LINE_EVERY_S seconds and one at the end."""
+    """Progress counted in pairs: tqdm's bar when `bar`, else a line every LINE_EVERY_S seconds and one at the end."""
     if bar and sys.stderr.isatty():
         return tqdm(total=total, desc=desc, unit=" pairs", dynamic_ncols=True)
     return _Lines(desc, total)
@@ -210,8 +209,7 @@ def build_store(path: Path, pairs: Iterable[tuple[str, str]], tokenizers: Tokeni
 
 
 def open_store(path: Path, key: str | None = None) -> TokenStore:
-    """The store at `path`, memory-mapped; UserError in one line when its files do not match its manifest
-    (each file's digest checked the first time a process opens it): the next run rebuilds a deleted one."""
+    """The store at `path`, memory-mapped; UserError in one line when its files do not match its manifest."""
     try:
         manifest = json.loads((path / MANIFEST).read_text())
         stats = {p.name: p.stat() for p in path.iterdir() if p.name != MANIFEST}

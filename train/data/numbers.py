@@ -93,8 +93,7 @@ def numbers_range(first: int, last: int, step: int = 1) -> list[Pair]:
 
 
 def _spread(total: int, capacities: Sequence[int]) -> list[int]:
-    """`total` split as evenly as the capacities allow (a part below an even share only when full, the
-    remainder to the last parts); ValueError when the capacities hold fewer than `total`."""
+    """`total` split as evenly as the capacities allow; ValueError when they hold fewer than `total`."""
     counts = [0] * len(capacities)
     left = total
     by_capacity = sorted(range(len(capacities)), key=lambda i: (capacities[i], i))

@@ -73,8 +73,7 @@ def train_store(cfg: ExperimentConfig, tokenizers: Tokenizers, pairs: list[Pair]
 
 
 def corpus_tokenizers(cfg: ExperimentConfig) -> Tokenizers:
-    """Tokenizers trained on a --train spec streamed (only --tokenizer-sample pairs held), kept beside
-    its stores under a key of the data and the settings: a second run on a corpus does not train them again."""
+    """Tokenizers trained on a --train spec streamed, kept beside its stores: a second run does not train them again."""
     with _loading(cfg.train):
         root, digest, stream = _training_stream(cfg)
     path = _tokenizers_path(cfg, root, digest)

@@ -69,8 +69,7 @@ def sample(items: Iterable, size: int, seed: int = 0, chunk: int = 1 << 16) -> l
 
 def train_tokenizers(pairs: Iterable[Pair], vocab_size: int = 8000, joint: bool = True, lowercase: bool = False,
                      sample_size: int = DEFAULT_TOKENIZER_SAMPLE) -> Tokenizers:
-    """Tokenizers trained on the training pairs (a stream), or a uniform sample of `sample_size` of them (seed 0,
-    so runs of different seeds share a vocabulary): joint, or one per side."""
+    """Tokenizers trained on the pairs, or a seed-0 sample of `sample_size` of them (any seed, one vocabulary)."""
     pairs = sample(pairs, sample_size)
     sources, targets = [s for s, _ in pairs], [t for _, t in pairs]
     if joint:

@@ -43,8 +43,7 @@ def _refuse(field: str, value: Any, why: str) -> None:
 
 
 def marian_config(hf: Mapping[str, Any]) -> TransformerConfig:
-    """The TransformerConfig computing what HF's MarianMTModel computes for config.json `hf` (vocabularies one row
-    larger: see the module doc); UnsupportedMarianConfig names a field that has no counterpart."""
+    """The TransformerConfig computing what MarianMTModel computes for config.json `hf`; UnsupportedMarianConfig."""
     get = hf.get
     if get("model_type", MARIAN_FORMAT) != MARIAN_FORMAT:
         _refuse("model_type", get("model_type"), "only model_type 'marian' is read")

@@ -1,5 +1,4 @@
-"""Cross-attention heatmaps (`aiayn translate --plot-attention DIR`): each output teacher-forced once, input
-line N drawn as DIR/NNNN.png (last decoder layer, heads averaged) and DIR/NNNN_layers.png (each layer, head)."""
+"""Cross-attention heatmaps (`aiayn translate --plot-attention DIR`): DIR/NNNN.png and DIR/NNNN_layers.png."""
 
 from __future__ import annotations
 

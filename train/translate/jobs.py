@@ -117,8 +117,7 @@ def evaluate_spec(selection: RunSelection, data: str, search: Search = Search(),
 
 
 def score_file(selection: RunSelection, files: ScoreFiles) -> None:
-    """Per pair of the data spec `files.input`, the target's log-probability under the runs `selection`
-    (`Run.score`), one line each to `files.output` (stdout): the number, or (format "jsonl") with its tokens."""
+    """Each pair's target log-probability under `selection`, a line each (format "jsonl": with its tokens)."""
     split_host()  # before jax is imported
     input, output = files.input, files.output
     destined = None if output is None else Destination(output, "--output", spec_files(input), f"--input {input}")
