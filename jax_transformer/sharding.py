@@ -97,11 +97,6 @@ def place(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(put, tree, shardings)
 
 
-def replicate(tree: Any, mesh: Mesh) -> Any:
-    """Every array of `tree` (the same in every process) placed whole on every device of `mesh` (`place`)."""
-    return place(tree, replicated(mesh))
-
-
 def gather(tree: Any, mesh: Mesh) -> Any:
     """`tree` replicated over `mesh`: sharded arrays all-gathered (every process must call it alike)."""
     leaves, treedef = jax.tree.flatten(tree)
@@ -116,12 +111,9 @@ def gather(tree: Any, mesh: Mesh) -> Any:
 def local_copy(tree: Any) -> Any:
     """This process's copy of every replicated array of `tree` on its first local device (no data moves)."""
 
-    def first_shard(x):
-        if not x.is_fully_replicated:
-            raise ValueError(f"local_copy needs replicated arrays, got sharding {x.sharding}")
-        return x.addressable_data(0)
-
-    return jax.tree.map(first_shard, tree)
+    if unreplicated := [x.sharding for x in jax.tree.leaves(tree) if not x.is_fully_replicated]:
+        raise ValueError(f"local_copy needs replicated arrays, got sharding {unreplicated[0]}")
+    return jax.tree.map(lambda x: x.addressable_data(0), tree)
 
 
 def process_slice(global_rows: int) -> slice:

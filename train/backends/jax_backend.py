@@ -419,7 +419,8 @@ class JaxBackend(StoreMethods):
         self._step = state.step
         self._whole_params = None
         if state.rng is not None:
-            self.rng = sharding.replicate(jax.random.wrap_key_data(np.asarray(state.rng, np.uint32)), self.mesh)
+            self.rng = sharding.place(jax.random.wrap_key_data(np.asarray(state.rng, np.uint32)),
+                                      sharding.replicated(self.mesh))
 
 
 def _key(path: tuple) -> str:

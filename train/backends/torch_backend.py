@@ -139,16 +139,6 @@ def allgather(array: np.ndarray) -> np.ndarray:
     return torch.stack(gathered).cpu().numpy()
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This process's part of a tensor: an FSDP shard's local tensor, else the tensor."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    """A tensor whole: an FSDP-sharded one gathered from every process."""
-    return _collective(tensor.full_tensor) if isinstance(tensor, DTensor) else tensor.detach()
-
-
 def _like(param: torch.Tensor, value) -> torch.Tensor:
     """A whole array as a tensor laid out as `param`: sharded as it is under FSDP (each process holds it whole)."""
     value = value if isinstance(value, torch.Tensor) else torch.from_numpy(np.array(value))
@@ -269,7 +259,8 @@ class TorchBackend(StoreMethods):
         if self.distributed:
             _collective(dist.all_reduce, sums)
         loss_total, nll_total = sums
-        grads = [_local(p.grad) for p in self.trained.parameters() if p.grad is not None]  # FSDP: this process's shards
+        grads = [g.to_local() if isinstance(g := p.grad, DTensor) else g  # FSDP: this process's shards
+                 for p in self.trained.parameters() if p.grad is not None]
         squares = sum(g.square().sum() for g in grads)
         if self.fsdp:
             _collective(dist.all_reduce, squares)
@@ -351,7 +342,8 @@ class TorchBackend(StoreMethods):
     def export_state(self) -> TrainingState:
         names = {p: name for name, p in self.trained.named_parameters()}
         moments = {names[p]: s for p, s in self.optimizer.state.items()}
-        mu, nu = ({n: _full(s[key]).cpu().numpy().copy() for n, s in moments.items()} or None
+        whole = lambda t: _collective(t.full_tensor) if isinstance(t, DTensor) else t.detach()  # noqa: E731 (FSDP)
+        mu, nu = ({n: whole(s[key]).cpu().numpy().copy() for n, s in moments.items()} or None
                   for key in ("exp_avg", "exp_avg_sq"))
         rng = torch.get_rng_state().numpy().copy()
         state = TrainingState("torch", self.step, self.weights(), mu, nu, rng)
