@@ -1,5 +1,4 @@
-"""The backends, one per framework behind one interface (`interface.py`), and the factory; both train alike
-(docs/design.md). This module imports neither framework: `create_backend` imports the one asked for."""
+"""The backends, one per framework behind `interface.py`, and the factory; this module imports neither framework."""
 
 from __future__ import annotations
 
@@ -27,8 +26,7 @@ def initialize(exp_cfg: ExperimentConfig) -> Topology:
 
 
 def check_agreement(exp_cfg: ExperimentConfig, settings: dict) -> None:
-    """UserError in every process of a multi-process run where one's `settings` (name: JSON value) differ from
-    process 0's, naming the first that does (each gathers every process's digest of each setting)."""
+    """UserError in every process where one's `settings` (name: JSON value) differ from process 0's, naming one."""
     from ..runtime import UserError
 
     digests = np.array([np.frombuffer(hashlib.sha256(json.dumps(value, sort_keys=True).encode()).digest()[:8], np.int32)

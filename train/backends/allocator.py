@@ -1,5 +1,4 @@
-"""glibc's allocator tuned for XLA:CPU from inside the process: `tune`, `release`, `settled`, `use_huge_pages`;
-all no-ops off glibc. Why: docs/performance.md#the-default-run."""
+"""glibc's allocator tuned for XLA:CPU from inside the process, else no-ops (docs/performance.md#the-default-run)."""
 
 from __future__ import annotations
 

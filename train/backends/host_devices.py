@@ -1,5 +1,4 @@
-"""One JAX device per CPU core for searching, asked of XLA before jax is imported: each core searches its share
-of a batch, the same outputs, faster (docs/performance.md#against-ctranslate2). Imports no framework."""
+"""One JAX device per CPU core for searching, asked before jax loads (docs/performance.md#against-ctranslate2)."""
 
 from __future__ import annotations
 

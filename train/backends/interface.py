@@ -1,5 +1,4 @@
-"""What the framework-neutral code asks of a backend, by role: `Trainer`, `Translator` and `Store`; `Backend`
-is all three. Arrays cross it as NumPy; metrics stay on the device until `fetch`. Imports neither framework."""
+"""What the framework-neutral code asks of a backend (NumPy in and out): `Trainer`, `Translator`, `Store`, `Backend`."""
 
 from __future__ import annotations
 

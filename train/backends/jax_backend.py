@@ -163,8 +163,7 @@ def eval_sums(ctx: StepContext, params, batch):
 
 def search(ctx: StepContext, params, src, prefix, beam_size: int, alpha: float, cached: bool, scoring: str,
            n_best: int | None):
-    """Greedy (beam_size 1) or beam search over src (B, S) from prefix (B, P) or None: tokens (B, L), or with
-    `n_best` (tokens (B, n, L), log-probs (B, n), scores (B, n))."""
+    """Greedy (beam_size 1) or beam search over src (B, S) from `prefix` (B, P): tokens (B, L), or `n_best`'s three."""
     model = ctx.model(params)
     if beam_size == 1:
         tokens, logprob = decode.greedy_search(model, src, cached=cached, prefix=prefix)
@@ -186,8 +185,7 @@ def sharded_search(ctx: StepContext, mesh, params, src, prefix, beam_size: int, 
 
 
 def draw_samples(ctx: StepContext, params, src, seed, sentence_ids, num_samples: int, temperature, top_k, top_p):
-    """(tokens (B, N, L), log-probs (B, N)) of `sampling.sample` over src (B, S), all but `num_samples` traced (one
-    program for every seed and setting): its loop alone, as `sample`'s checks read host values (the caller checks)."""
+    """(tokens (B, N, L), log-probs (B, N)) of `sampling.sample_loop` over src (B, S), the settings traced."""
     model = ctx.model(params)
     return sampling.sample_loop(model, src, seed, sentence_ids, num_samples, temperature, top_k, top_p, 1.5, 10)
 

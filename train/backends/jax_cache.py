@@ -1,5 +1,4 @@
-"""JAX's persistent compilation cache, on by default: $AIAYN_JAX_CACHE (`off`), else $JAX_COMPILATION_CACHE_DIR,
-else $XDG_CACHE_HOME/aiayn/jax (docs/operations.md#the-compile-cache). Imports jax only in `enable`."""
+"""JAX's persistent compilation cache, on by default (docs/operations.md#the-compile-cache); jax loads in `enable`."""
 
 from __future__ import annotations
 

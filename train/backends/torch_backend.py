@@ -68,8 +68,7 @@ def initialize(exp_cfg: ExperimentConfig) -> Topology:
 
 @contextlib.contextmanager
 def launch(exp_cfg: ExperimentConfig, target, **kwargs):
-    """`--devices N` outside torchrun: processes 1..N-1 running `target(exp_cfg, **kwargs)` for the block, this one
-    number 0; on the way out (on an error first) the process group ends and the others are waited for."""
+    """`--devices N` outside torchrun: processes 1..N-1 running `target(exp_cfg, **kwargs)` beside this one (0)."""
     if (exp_cfg.devices or 1) == 1 or "WORLD_SIZE" in os.environ:
         yield
         return

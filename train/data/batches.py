@@ -97,8 +97,7 @@ class Batcher:
 
     @property
     def num_batches(self) -> int:
-        """Batches per epoch: epoch 0's (packed, another's may differ by a few). A corpus of several windows:
-        the first window's count scaled by the kept pairs, an estimate (exact would mean planning the whole epoch)."""
+        """Batches per epoch: epoch 0's (packed: another's may differ by a few; several windows: an estimate)."""
         if self.windows > 1:
             first, kept = self._window_plan(0, 0), sum(self._counts.values())
             pairs = sum(int((ids >= 0).sum()) for _, ids in first)
@@ -277,8 +276,7 @@ def fixed_lengths(max_len: int) -> tuple[int, ...]:
 
 def source_batches(src_ids: Sequence[Sequence[int]], max_len: int, token_budget: int,
                    batch_size: int | None = None, fixed: bool = False) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """(indices, padded src (B, L)) per batch, by length bucket, sorted within it, under `token_budget` and
-    `batch_size`, padded with all-pad rows (index -1); sources cut to max_len. `fixed`: the `fixed_lengths` only."""
+    """(indices, padded src (B, L)) per batch, by length bucket, sorted, filler rows -1; `fixed`: `fixed_lengths`."""
     if batch_size is not None:  # 0 would mean the default, -3 one sentence: silently
         POSITIVE.check("batch_size", batch_size)
     buckets = fixed_lengths(max_len) if fixed else bucket_lengths(max_len)
