@@ -1,7 +1,4 @@
-"""Several models decoding as one, the twin of `torch_reference/ensemble.py` (its docstring tells the
-layout and the averages): an `nnx.Module` holding its members, so that the searches' `nnx.jit` traces
-them all in one program; `xla_cpu` (`xla_cpu.shrinking_while`'s loop) is on when every member's is.
-"""
+"""Several models decoding as one in one `nnx.jit` program: the twin of `torch_reference/ensemble.py`."""
 
 from __future__ import annotations
 
@@ -28,9 +25,7 @@ def combine(logits: list, average: str = "logprob"):
 
 
 class Ensemble(nnx.Module):
-    """`models` (same vocabulary sizes and special ids) as one model for the searches:
-    `greedy_search(Ensemble([a, b]), src_ids)`. `average`: one of AVERAGES (torch's twin says which
-    is which). Its `cfg` is the first member's with the smallest `max_len` of them."""
+    """`models` (same vocabularies and special ids) as one model for the searches, averaged by `average`."""
 
     def __init__(self, models: Sequence[Transformer], average: str = "logprob"):
         models = list(models)

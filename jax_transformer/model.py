@@ -1,15 +1,7 @@
-"""The encoder-decoder Transformer of "Attention Is All You Need" in Flax NNX.
-
-A line-by-line translation of `torch_reference/model.py`, the specification: the same names in the
-same order, so that attribute paths are the checkpoint keys.
-
-Differences of idiom, not of maths: train/eval mode and randomness are explicit call arguments
-(`deterministic`, `rngs`) instead of `module.train()` and a global generator; a torch Linear
-`weight` (out, in) is a Flax `kernel` (in, out); LayerNorm/RMSNorm `weight` is `scale`; an
-Embedding `weight` is `embedding`. One constructor argument torch's twin lacks: `dtype` (mixed
-precision; torch has autocast). A third kernel set torch's twin lacks: `xla_cpu` (`xla_cpu.py`).
-Axis letters in shape comments: the reference's.
-"""
+"""The Transformer of "Attention Is All You Need" in Flax NNX: a line-by-line translation of
+`torch_reference/model.py` (same names, same order: attribute paths are the checkpoint keys). Idioms differ:
+`deterministic` and `rngs` are call arguments; a Linear's `kernel` is (in, out), a norm's `weight` is `scale`, an
+Embedding's `embedding`; `dtype` (mixed precision) and the kernel set `xla_cpu` are this twin's own."""
 
 from __future__ import annotations
 
@@ -34,9 +26,7 @@ xavier_uniform = nnx.initializers.xavier_uniform()
 ACTIVATIONS = {"relu": jax.nn.relu, "gelu": functools.partial(jax.nn.gelu, approximate=False), "silu": jax.nn.silu,
                "swiglu": jax.nn.silu}
 
-# --------------------------------------------------------------------------------------------
-# Pure functions
-# --------------------------------------------------------------------------------------------
+# Pure functions -------------------------------------------------------------------------------------------------------
 
 
 @functools.lru_cache(maxsize=8)
@@ -51,12 +41,8 @@ def _sinusoid_table(length: int, d_model: int, halves: bool) -> np.ndarray:
 
 
 def sinusoidal_positions(length: int, d_model: int, halves: bool = False) -> jax.Array:
-    """The (L, D) float32 table PE[p, 2i] = sin(p / 10000^(2i/D)), PE[p, 2i+1] = cos(same) (§3.5).
-
-    `halves`: the same sines and cosines, the ceil(D/2) sines first and the cosines after them
-    (Marian's layout). Computed in float64 (NumPy, as JAX runs in 32 bits by default) and rounded
-    once, so both frameworks hold bit-identical tables; under jit it is a compile-time constant.
-    """
+    """The (L, D) float32 sinusoidal table (§3.5), as torch's twin (`halves`: Marian's layout), computed in float64
+    by NumPy and rounded once: bit-identical tables; under jit a compile-time constant."""
     return jnp.asarray(_sinusoid_table(length, d_model, halves))
 
 
@@ -71,9 +57,7 @@ def causal_mask(length: int) -> jax.Array:
 
 
 def target_mask(tgt_in_ids: jax.Array, pad_id: int, bos_id: int) -> jax.Array:
-    """(B, T) decoder inputs -> (B, 1, T, T) bool: causal_mask(T) & padding_mask(tgt_in_ids), except
-    that when the start token is the pad id itself (`bos_id == pad_id`, as in Marian) position 0,
-    the decoder's start, is attended all the same."""
+    """(B, T) decoder inputs -> (B, 1, T, T) bool, as torch's twin (position 0 attended when bos_id == pad_id)."""
     T = tgt_in_ids.shape[1]
     real = tgt_in_ids != pad_id  # (B, T)
     if bos_id == pad_id:
@@ -82,8 +66,7 @@ def target_mask(tgt_in_ids: jax.Array, pad_id: int, bos_id: int) -> jax.Array:
 
 
 def segment_mask(q_segments: jax.Array, kv_segments: jax.Array) -> jax.Array:
-    """Segment ids of packed rows, (B, T) queries and (B, S) keys -> (B, 1, T, S) bool, True where
-    both belong to the same segment: the pairs packed into one row never attend to each other."""
+    """Segment ids (B, T) queries, (B, S) keys -> (B, 1, T, S) bool: True within a segment (torch's twin)."""
     return q_segments[:, None, :, None] == kv_segments[:, None, None, :]
 
 
@@ -100,14 +83,8 @@ def shift_right(ids: jax.Array, bos_id: int) -> jax.Array:
 
 
 def scaled_dot_product_attention(q, k, v, mask=None, dropout=None, return_attention: bool = False):
-    """softmax(q kᵀ / √K) v (§3.2.1) for q (B, H, T, K), k and v (B, H, S, K) -> (B, H, T, K).
-
-    `mask` broadcasts to (B, H, T, S). Masked scores are set to the dtype's lowest finite value
-    rather than -inf, so a fully masked row becomes a uniform average instead of NaN. The softmax
-    runs in float32 (or wider) whatever the input dtype. `dropout` (a callable) is applied to the weights.
-    `return_attention`: also return the weights (B, H, T, S) as the softmax gave them (before dropout);
-    a masked key gets exactly 0 there unless its whole row is masked.
-    """
+    """softmax(q kᵀ / √K) v (§3.2.1) for q (B, H, T, K), k and v (B, H, S, K) -> (B, H, T, K), as torch's twin
+    (masks, float32 softmax, `return_attention`); `dropout` is a callable."""
     scores = jnp.matmul(q, jnp.swapaxes(k, -2, -1)) * (q.shape[-1] ** -0.5)  # (B, H, T, S)
     scores = scores.astype(jnp.promote_types(scores.dtype, jnp.float32))  # bf16/fp16 -> float32
     if mask is not None:
@@ -118,10 +95,8 @@ def scaled_dot_product_attention(q, k, v, mask=None, dropout=None, return_attent
 
 
 def fused_attention(q, k, v, mask=None):
-    """`scaled_dot_product_attention` without dropout or weights, in one `jax.nn.dot_product_attention`:
-    cuDNN's fused kernel on a GPU in bfloat16/float16 (it takes no float32), else XLA's. Its masked
-    scores are -0.7 · the dtype's largest value and its softmax float32: a fully masked row averages too.
-    """
+    """`scaled_dot_product_attention` without dropout or weights in one `jax.nn.dot_product_attention` (cuDNN on a
+    GPU in bfloat16/float16, else XLA's); its softmax float32, a fully masked row averaging too."""
     gpu_half = jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
     q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))  # (B, L, H, K): the layout it takes
     mask = None if mask is None else jnp.broadcast_to(mask, (mask.shape[0], 1, q.shape[1], k.shape[1]))
@@ -153,9 +128,8 @@ KERNELS = {
 
 
 def set_kernels(module: nnx.Module, kernels: KernelSet = "reference", remat: bool = False) -> None:
-    """Choose once how every layer of `module` computes: the kernel set `kernels` (a row of KERNELS)
-    and `remat`, whether each encoder and decoder layer recomputes its activations in the backward
-    pass (`nnx.remat`, i.e. jax.checkpoint) instead of keeping them; `Transformer` calls it."""
+    """Choose once how every layer of `module` computes: the kernel set `kernels` (a row of KERNELS) and `remat`
+    (`nnx.remat`: activations recomputed in the backward pass); `Transformer` calls it."""
     if KERNELS.get(kernels) is None:
         raise ValueError(f"kernels={kernels!r} is not one of {', '.join(k for k, row in KERNELS.items() if row)}")
     for _, m in nnx.iter_modules(module):
@@ -170,19 +144,15 @@ def set_kernels(module: nnx.Module, kernels: KernelSet = "reference", remat: boo
 
 
 def make_norm(cfg: TransformerConfig, rngs: nnx.Rngs, dtype=None) -> nnx.Module:
-    """LayerNorm (paper) or RMSNorm, both with the config's epsilon (never a library default).
-
-    `use_fast_variance=False`: Flax's default E[x²]-E[x]² loses precision; torch uses E[(x-μ)²].
-    Flax computes the statistics in at least float32 whatever `dtype` (the output's) is.
-    """
+    """LayerNorm (paper) or RMSNorm with the config's epsilon; `use_fast_variance=False` as torch's E[(x-μ)²], the
+    statistics in at least float32."""
     kwargs = dict(epsilon=cfg.layer_norm_eps, use_fast_variance=False, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
     if cfg.norm == "rmsnorm":
         return nnx.RMSNorm(cfg.d_model, **kwargs)
     return tuned.LayerNorm(cfg.d_model, **kwargs)  # nnx.LayerNorm, xla_cpu's backward pass under that set
 
 
-# `dtype` is the computation's dtype (None: that of the inputs and parameters, i.e. float32);
-# parameters are float32 whatever it is (mixed precision: Micikevicius et al. 2018).
+# `dtype`: the computation's (None: float32); parameters are float32 whatever it is (Micikevicius et al. 2018).
 def _linear(d_in: int, d_out: int, rngs: nnx.Rngs, bias: bool = True, dtype=None) -> nnx.Linear:
     return nnx.Linear(d_in, d_out, use_bias=bias, kernel_init=xavier_uniform, dtype=dtype, param_dtype=jnp.float32,
                       rngs=rngs)
@@ -193,9 +163,7 @@ def _embedding(num: int, d_model: int, std: float, rngs: nnx.Rngs, dtype=None) -
     return nnx.Embed(num, d_model, embedding_init=init, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
 
 
-# --------------------------------------------------------------------------------------------
-# Modules, in paper order
-# --------------------------------------------------------------------------------------------
+# Modules, in paper order ----------------------------------------------------------------------------------------------
 
 
 class PositionalEncoding(nnx.Module):
@@ -205,8 +173,7 @@ class PositionalEncoding(nnx.Module):
         self.max_len = cfg.max_len
         self.d_model = cfg.d_model
         self.halves = cfg.positions == "sinusoidal_halves"
-        # Learned tables ~ normal(0, 0.02), as in BERT and GPT-2 (see Transformer.reset_parameters
-        # on the torch side); the sinusoid table is a constant, never a parameter or checkpoint key.
+        # Learned tables ~ normal(0, 0.02) as torch's reset_parameters; the sinusoid table is a constant, no key.
         self.embedding = _embedding(cfg.max_len, cfg.d_model, 0.02, rngs, dtype) if cfg.positions == "learned" else None
 
     def __call__(self, x: jax.Array, offset: int | jax.Array = 0, positions: jax.Array | None = None) -> jax.Array:
@@ -248,11 +215,8 @@ class MultiHeadAttention(nnx.Module):
         self, x, context, mask=None, kv=None, return_attention: bool = False, *, deterministic: bool = True,
         rngs: nnx.Rngs | None = None,
     ):
-        """Queries from x (B, T, D), keys and values from context (B, S, D) -> (B, T, D).
-
-        `kv` gives keys and values already projected (from a cache) in place of `context`.
-        `return_attention`: ((B, T, D), the attention weights (B, H, T, S)).
-        """
+        """Queries from x (B, T, D), keys and values from context (B, S, D) or `kv` (projected, from a cache) ->
+        (B, T, D); `return_attention`: also the attention weights (B, H, T, S)."""
         # a sentence's hypotheses may share its keys (xla_cpu.shared_keys)
         if (shared := self.kernels.shared_keys and self.kernels.shared_keys(x, context, kv)) is not None:
             out = self(shared, context, mask, kv, return_attention, deterministic=deterministic, rngs=rngs)
@@ -271,12 +235,7 @@ class MultiHeadAttention(nnx.Module):
 
 
 class FeedForward(nnx.Module):
-    """Position-wise feed-forward network (§3.3): linear2(act(linear1(x))), act ReLU (the paper),
-    exact GELU or SiLU (x * sigmoid(x), "swish"); `activation_dropout` drops the activations.
-
-    `swiglu` (Shazeer 2020) multiplies the activation by a second projection, `linear_gate`:
-    linear2(silu(linear1(x)) * linear_gate(x)), with the same width F.
-    """
+    """Position-wise feed-forward network (§3.3): ReLU, GELU, SiLU or SwiGLU, as torch's twin."""
 
     kernels = KERNELS["reference"]  # set_kernels
 
@@ -300,11 +259,7 @@ class FeedForward(nnx.Module):
 
 
 class EncoderLayer(nnx.Module):
-    """Self-attention then feed-forward, each in a residual block (§3.1).
-
-    Post-norm (the paper): x = Norm(x + Dropout(sublayer(x))).
-    Pre-norm: x = x + Dropout(sublayer(Norm(x))), with a final norm in the Encoder/Decoder.
-    """
+    """Self-attention then feed-forward, each in a residual block (§3.1), post- or pre-norm, as torch's twin."""
 
     def __init__(self, cfg: TransformerConfig, *, dtype=None, rngs: nnx.Rngs):
         self.pre_norm = cfg.norm_position == "pre"
@@ -354,8 +309,7 @@ class DecoderLayer(EncoderLayer):
         return (x, attention[0]) if return_attention else x
 
     def init_cache(self, memory: jax.Array, max_len: int) -> dict[str, jax.Array]:
-        """Cross-attention keys/values of memory (B, S, D), computed once, and room for max_len
-        self-attention keys/values: self_k, self_v (B, H, max_len, K); cross_k, cross_v (B, H, S, K)."""
+        """Cross-attention keys/values of memory (B, S, D), room for max_len self-attention ones (torch's twin)."""
         cross_k, cross_v = self.cross_attn.project_kv(memory)
         B, H, S, K = cross_k.shape
         empty = jnp.zeros((B, H, max_len, K), cross_k.dtype)
@@ -441,20 +395,10 @@ class Decoder(Encoder):
 
 
 class Transformer(nnx.Module):
-    """The encoder-decoder model:
-    `Transformer(cfg, rngs=nnx.Rngs(0))(src_ids, tgt_in_ids, deterministic=True) -> logits (B, T, V)`.
-
-    `encode`, `decode` and `project` are public so that search (decode.py) can run them apart.
-    Masks default to those implied by `cfg.pad_id` (and causality for the decoder). Training
-    passes `deterministic=False` and `rngs=nnx.Rngs(dropout=key)` for the dropout masks.
-
-    `dtype` is the computation dtype: None (float32, as the torch reference) or jnp.bfloat16 for
-    mixed precision: parameters stay float32 (cast at use); the attention softmax, the norms'
-    statistics and the loss run in float32 (torch's twin gets the same from torch.autocast).
-
-    `kernels` and `remat`: see `set_kernels`; the model holds the kernel set, which its layers, the searches and
-    the training objective read. The same parameters and checkpoint keys whatever the set.
-    """
+    """The encoder-decoder model: `Transformer(cfg, rngs=nnx.Rngs(0))(src_ids, tgt_in_ids) -> logits (B, T, V)`,
+    as torch's twin; training passes `deterministic=False` and `rngs=nnx.Rngs(dropout=key)`. `dtype`: None
+    (float32) or jnp.bfloat16, parameters float32, the softmax, norms' statistics and loss in float32. `kernels`
+    and `remat`: `set_kernels` (the layers, searches and objective read the set; the same checkpoint keys)."""
 
     kernels = KERNELS["reference"]  # set_kernels
 
@@ -487,8 +431,7 @@ class Transformer(nnx.Module):
 
     def encode(self, src_ids, src_mask=None, *, positions=None, deterministic: bool = True,
                rngs: nnx.Rngs | None = None):
-        """src_ids (B, S) -> memory (B, S, D). `src_mask` defaults to padding_mask(src_ids);
-        `positions` (B, S) to 0, 1, ... along each row."""
+        """src_ids (B, S) -> memory (B, S, D), as torch's twin."""
         if src_mask is None:
             src_mask = padding_mask(src_ids, self.cfg.pad_id)
         x = self.src_embed(src_ids) * self.embed_scale  # (B, S, D)
@@ -498,13 +441,8 @@ class Transformer(nnx.Module):
         self, tgt_in_ids, memory, src_mask=None, tgt_mask=None, return_attention=False, *, positions=None,
         deterministic=True, rngs=None,
     ):
-        """tgt_in_ids (B, T), memory (B, S, D) -> hidden states (B, T, D).
-
-        `src_mask` is the encoder's mask (B, 1, 1, S) (packed: (B, 1, T, S)) or None for no
-        masking; `tgt_mask` defaults to target_mask(tgt_in_ids, pad_id, bos_id); `positions`
-        (B, T) to 0, 1, ... along each row. `return_attention`: (hidden states, the
-        cross-attention weights of every decoder layer (B, layers, H, T, S)).
-        """
+        """tgt_in_ids (B, T), memory (B, S, D) -> hidden states (B, T, D), as torch's twin (masks, positions,
+        `return_attention`)."""
         if tgt_mask is None:
             tgt_mask = target_mask(tgt_in_ids, self.cfg.pad_id, self.cfg.bos_id)
         x = self.target_embedding(tgt_in_ids) * self.embed_scale  # (B, T, D)
@@ -516,11 +454,7 @@ class Transformer(nnx.Module):
         return [layer.init_cache(memory, max_len) for layer in self.decoder.layers]
 
     def decode_step(self, tgt_ids, cache, position, src_mask=None):
-        """The token at `position` of each row, tgt_ids (B,) -> (logits (B, V) for position + 1, cache).
-
-        Equal to `project(decode(prefix, ...))[:, position]` for the prefix written so far, without
-        recomputing earlier positions (they are read from the cache).
-        """
+        """tgt_ids (B,) at `position` -> (logits (B, V) for position + 1, cache), as torch's twin."""
         x = self.target_embedding(tgt_ids[:, None]) * self.embed_scale  # (B, 1, D)
         hidden, cache = self.decoder.step(x, cache, position, src_mask)
         return self.project(hidden)[:, 0], cache
@@ -537,13 +471,7 @@ class Transformer(nnx.Module):
         self, src_ids, tgt_in_ids, return_attention: bool = False, *, src_segments=None, tgt_segments=None,
         deterministic: bool = True, rngs: nnx.Rngs | None = None,
     ):
-        """src_ids (B, S), tgt_in_ids (B, T) -> logits (B, T, V); with `return_attention`
-        (logits, cross-attention weights (B, layers, H, T, S)): row t of a layer's head is how the
-        position predicting the token after tgt_in_ids[:, t] weighs the source tokens (padding: 0).
-
-        Packed rows (several pairs a row, as google/flax examples/wmt packs them): `src_segments`
-        (B, S) and `tgt_segments` (B, T) number each row's pairs 1, 2, ... (0 on padding); every
-        attention stays within its segment and positions restart at each segment's start."""
+        """src_ids (B, S), tgt_in_ids (B, T) -> logits (B, T, V), as torch's twin (`return_attention`, packed rows)."""
         if (src_segments is None) != (tgt_segments is None):
             raise ValueError("packed rows need both src_segments and tgt_segments, got only one")
         src_mask = padding_mask(src_ids, self.cfg.pad_id)

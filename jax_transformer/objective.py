@@ -7,13 +7,7 @@ import jax.numpy as jnp
 
 
 def label_smoothed_cross_entropy(logits, targets, pad_id: int, smoothing: float = 0.1, reduction: str = "mean"):
-    """Cross-entropy against (1-ε)·onehot + ε/V (paper §5.4), padding ignored.
-
-    Equal to PyTorch's `CrossEntropyLoss(label_smoothing=ε, ignore_index=pad_id)`: logits (B, T, V),
-    targets (B, T) -> the mean over non-pad tokens ("mean") or their sum ("sum", for accumulation).
-    Computed in float32 whatever the logits' dtype, from log_softmax and a gather, never a V-wide
-    one-hot: per token loss = (1-ε)·(-log p[y]) + ε·mean_v(-log p[v]).
-    """
+    """torch's twin, from log_softmax and a gather (never a V-wide one-hot): the "mean" or "sum" over non-pad tokens."""
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # (B, T, V)
     nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]  # (B, T)
     uniform = -logp.mean(axis=-1)  # (B, T)
@@ -29,9 +23,6 @@ def smoothed_sums(logits, targets, pad_id: int, smoothing: float):
 
 
 def noam_learning_rate(step, d_model: int, warmup_steps: int = 4000, factor: float = 1.0):
-    """lr = factor · d_model^-0.5 · min(step^-0.5, step · warmup^-1.5), steps counted from 1 (§5.3).
-
-    Traceable: `step` may be an optax count (counted from 0 by the caller, who adds 1).
-    """
+    """lr = factor · d_model^-0.5 · min(step^-0.5, step · warmup^-1.5), steps from 1 (§5.3); `step` may be traced."""
     step = jnp.maximum(jnp.asarray(step, jnp.float32), 1.0)
     return factor * d_model**-0.5 * jnp.minimum(step**-0.5, step * warmup_steps**-1.5)

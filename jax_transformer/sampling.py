@@ -1,7 +1,4 @@
-"""Sampling from the Flax model's cached decoding: `torch_reference/sampling.py` step by step (its
-docstrings tell the details) in one jit-compiled loop, the uniforms in uint32 arithmetic; the same
-tokens for the same seed and weights, scores to float32 rounding (docs/decoding.md#sampling).
-"""
+"""Sampling: `torch_reference/sampling.py` in one jit-compiled loop, the same tokens (docs/decoding.md#sampling)."""
 
 from __future__ import annotations
 
@@ -28,8 +25,7 @@ def _rotl(x, r: int):
 
 
 def threefry2x32(k0, k1, x0, x1):
-    """Threefry-2x32 with 20 rounds of the key (k0, k1) at the counter (x0, x1) -> two words, each
-    argument a uint32 value (int or array), broadcast together; uint32 results."""
+    """Threefry-2x32 (20 rounds) of the key (k0, k1) at the counter (x0, x1) -> two uint32 words, broadcast."""
     k0, k1, x0, x1 = (jnp.asarray(v, jnp.uint32) for v in (k0, k1, x0, x1))
     ks = (k0, k1, k0 ^ k1 ^ jnp.uint32(PARITY))
     x0, x1 = x0 + ks[0], x1 + ks[1]
@@ -43,8 +39,7 @@ def threefry2x32(k0, k1, x0, x1):
 
 
 def uniform(seed, sentence, sample, position):
-    """The uniform float32 in (0, 1) of (seed, sentence id, sample, position), broadcast together:
-    the top 23 bits of Threefry's first word as the odd multiple (2m + 1) / 2**24, exact in float32."""
+    """The float32 uniform in (0, 1) of (seed, sentence id, sample, position): (2m + 1) / 2**24 from Threefry."""
     word, _ = threefry2x32(seed, sentence, sample, position)
     return ((word >> 9) * 2 + 1).astype(jnp.float32) * 2.0**-24
 
@@ -60,10 +55,7 @@ def _sentence_ids(sentence_ids, batch: int):
 
 
 def sampling_distribution(logprobs, temperature=1.0, top_k=0, top_p=1.0):
-    """logprobs (N, V) -> probs (N, V), each token's sampling probability in token-id order: torch's
-    `sampling_distribution` (temperature, top-k with ties kept, top-p's smallest most probable set
-    reaching p with ties by lower id, renormalised; thresholds, nothing reordered or sorted unfiltered).
-    The settings are numbers, or traced scalars (one compiled sampler for every value: `sample_loop`)."""
+    """logprobs (N, V) -> probs (N, V): torch's `sampling_distribution`, the settings numbers or traced scalars."""
     # XLA flushes float32 subnormals to 0; any temperature at or below the smallest normal is greedy (torch's too)
     temperature = jnp.maximum(temperature, jnp.finfo(jnp.float32).tiny)
     scaled = (logprobs - logprobs.max(axis=-1, keepdims=True)) / temperature  # best at 0: no overflow
@@ -101,8 +93,7 @@ def _top_p_kept(probs, top_p: float):
 
 
 def draw(probs, u):
-    """probs (N, V) of `sampling_distribution`, u (N,) in (0, 1) -> tokens (N,): by inverse CDF in
-    token-id order, the first token whose cumulative probability exceeds u (never one of probability 0)."""
+    """probs (N, V), u (N,) in (0, 1) -> tokens (N,) by inverse CDF in token-id order (never one of probability 0)."""
     cdf = jnp.cumsum(probs, axis=-1)
     token = (cdf <= u[:, None] * cdf[:, -1:]).sum(axis=-1)  # tokens whose cumulative probability is passed
     ids = jnp.arange(probs.shape[-1])
@@ -114,8 +105,7 @@ def sample(
     model: Transformer, src_ids, seed: int, num_samples: int = 1, temperature: float = 1.0,
     top_k: int = 0, top_p: float = 1.0, max_len_a: float = 1.5, max_len_b: int = 10, sentence_ids=None,
 ):
-    """src_ids (B, S) -> (tokens (B, N, L), scores (B, N)): see `torch_reference.sampling.sample`;
-    here one compiled loop, compiled once for every seed, sentence ids, temperature, top-k and top-p (traced)."""
+    """`torch_reference.sampling.sample` in one loop compiled once for every seed, ids and setting (traced)."""
     _check_ids("src_ids", src_ids, model.cfg.src_vocab_size, model.cfg.max_len)
     check_sampling(seed, num_samples, temperature, top_k, top_p)
     ids = _sentence_ids(sentence_ids, src_ids.shape[0])
@@ -131,8 +121,7 @@ def settings(temperature: float, top_k: int, top_p: float) -> tuple[np.ndarray, 
 @functools.partial(nnx.jit, static_argnums=(4, 8, 9))
 def sample_loop(model: Transformer, src_ids, seed, sentence_ids, num_samples: int, temperature, top_k, top_p,
                 max_len_a: float, max_len_b: int):
-    """`sample`'s drawing loop, its settings checked (temperature, top_k, top_p traced: `settings`) and its
-    sentence ids (B,) given."""
+    """`sample`'s drawing loop, its settings checked (traced: `settings`) and its sentence ids (B,) given."""
     cfg = model.cfg
     B, N = src_ids.shape[0], num_samples
 

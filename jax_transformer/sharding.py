@@ -1,8 +1,4 @@
-"""Data parallelism over a 1-D device mesh, axis `data`, as `jax.jit` with shardings: batches split
-along their first axis, the training state replicated or (FSDP) each array split along one dimension,
-XLA inserting the collectives; with several processes each loads its own rows of the global batch
-(docs/operations.md#devices-and-processes).
-"""
+"""Data parallelism over a 1-D mesh, axis `data`, replicated or FSDP (docs/operations.md#devices-and-processes)."""
 
 from __future__ import annotations
 
@@ -23,9 +19,7 @@ ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID = "JAX_COORDINATOR_ADDRESS", 
 
 def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
                            process_id: int | None = None) -> None:
-    """`jax.distributed.initialize` from the arguments, or else from JAX_COORDINATOR_ADDRESS /
-    JAX_NUM_PROCESSES / JAX_PROCESS_ID; a no-op for a single process or when already done. Call it
-    before anything touches a device (jax.devices(), an array, a PRNG key)."""
+    """`jax.distributed.initialize` from the arguments or JAX_* variables, once, before anything touches a device."""
     coordinator_address = coordinator_address or os.environ.get(ENV_COORDINATOR)
     if num_processes is None and os.environ.get(ENV_NUM_PROCESSES):
         num_processes = int(os.environ[ENV_NUM_PROCESSES])
@@ -44,8 +38,7 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
 
 
 def make_mesh(num_devices: int | None = None) -> Mesh:
-    """A 1-D mesh named `data` over the first `num_devices` devices (all of them by default; with
-    several processes every device takes part, each process contributing its local ones)."""
+    """A 1-D mesh named `data` over the first `num_devices` devices (every process's devices by default)."""
     devices = jax.devices()
     if num_devices is not None:
         if not 1 <= num_devices <= len(devices):
@@ -70,8 +63,7 @@ def batch_sharded(mesh: Mesh) -> NamedSharding:
 
 
 def fsdp_spec(shape: tuple[int, ...], num_devices: int) -> P:
-    """`data` on the largest dimension of `shape` divisible by `num_devices` (the first of equal
-    ones), the rest whole; P() (replicated) when no dimension is, and on a single device."""
+    """`data` on the largest dimension of `shape` divisible by `num_devices`, the rest whole; else P() (replicated)."""
     if num_devices > 1:
         for dim in sorted(range(len(shape)), key=lambda d: (-shape[d], d)):
             if shape[dim] % num_devices == 0:
@@ -80,8 +72,7 @@ def fsdp_spec(shape: tuple[int, ...], num_devices: int) -> P:
 
 
 def state_shardings(tree: Any, mesh: Mesh, layout: str = "replicated") -> Any:
-    """A `NamedSharding` for every array of `tree` (arrays or `jax.ShapeDtypeStruct`s): the whole
-    value on every device (`replicated`), or split per `fsdp_spec` (`fsdp`)."""
+    """A `NamedSharding` for every array of `tree`: `replicated`, or split per `fsdp_spec` (`fsdp`)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r} is not one of {', '.join(LAYOUTS)}")
     if layout == "replicated":
@@ -90,13 +81,8 @@ def state_shardings(tree: Any, mesh: Mesh, layout: str = "replicated") -> Any:
 
 
 def place(tree: Any, shardings: Any) -> Any:
-    """Every array of `tree` (host or single-device values, the same in every process) placed
-    with its sharding: `shardings` is one `Sharding` for every leaf, or a tree like `tree`'s.
-
-    Goes through the host: `jax.device_put` refuses a sharding over devices of other processes;
-    each device receives only its own slice (`make_array_from_callback`). PRNG key arrays travel
-    as their raw key data and are wrapped again on the mesh (their sharding must be replicated).
-    """
+    """Every array of `tree` (host values, the same in every process) placed with `shardings` (one or a tree),
+    through the host, each device receiving its own slice; PRNG keys travel as their raw data (replicated)."""
 
     def put(x, sharding):
         if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
@@ -104,8 +90,7 @@ def place(tree: Any, shardings: Any) -> Any:
             impl = jax.random.key_impl(x)
             return jax.jit(lambda d: jax.random.wrap_key_data(d, impl=impl), out_shardings=sharding)(data)
         if jax.process_count() == 1:
-            # A copy owned by the runtime: an array made from host memory may alias it, and an
-            # aliased buffer cannot be donated, so the first update would hold two states.
+            # A copy owned by the runtime: an aliased host buffer cannot be donated (the first update would hold two).
             return jax.device_put(x, sharding, may_alias=False)
         host = np.asarray(x)
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
@@ -115,14 +100,8 @@ def place(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(put, tree, shardings)
 
 
-def replicate(tree: Any, mesh: Mesh) -> Any:
-    """Every array of `tree` (the same in every process) placed whole on every device of `mesh` (`place`)."""
-    return place(tree, replicated(mesh))
-
-
 def gather(tree: Any, mesh: Mesh) -> Any:
-    """`tree` with every array replicated over `mesh`: sharded ones all-gathered (one compiled
-    collective, which every process must call alike), replicated ones as they are."""
+    """`tree` replicated over `mesh`: sharded arrays all-gathered (every process must call it alike)."""
     leaves, treedef = jax.tree.flatten(tree)
     split = [i for i, x in enumerate(leaves) if not x.is_fully_replicated]
     if split:
@@ -133,15 +112,11 @@ def gather(tree: Any, mesh: Mesh) -> Any:
 
 
 def local_copy(tree: Any) -> Any:
-    """This process's own copy of every (replicated) array of `tree`, on its first local device: no
-    data moves, each leaf's first addressable shard is already the whole value."""
+    """This process's copy of every replicated array of `tree` on its first local device (no data moves)."""
 
-    def first_shard(x):
-        if not x.is_fully_replicated:
-            raise ValueError(f"local_copy needs replicated arrays, got sharding {x.sharding}")
-        return x.addressable_data(0)
-
-    return jax.tree.map(first_shard, tree)
+    if unreplicated := [x.sharding for x in jax.tree.leaves(tree) if not x.is_fully_replicated]:
+        raise ValueError(f"local_copy needs replicated arrays, got sharding {unreplicated[0]}")
+    return jax.tree.map(lambda x: x.addressable_data(0), tree)
 
 
 def process_slice(global_rows: int) -> slice:
@@ -154,8 +129,7 @@ def process_slice(global_rows: int) -> slice:
 
 
 def shard_batch(batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
-    """Process-local rows -> global arrays sharded along `data`: with several processes each passes
-    its own slice (`process_slice`), the global batch their concatenation in process order."""
+    """Process-local rows -> global arrays sharded along `data`, concatenated in process order."""
     devices = mesh.devices.size
     sharding = batch_sharded(mesh)
     out = {}

@@ -1,13 +1,4 @@
-"""The kernel set `xla_cpu` (`Transformer(kernels="xla_cpu")`, what the training backend builds where
-its devices are CPUs): pieces of the model and the search that give what the plain path gives (to
-float32 rounding; the searches the same tokens) and are faster or smaller on XLA:CPU, each kept by a
-side-by-side measurement (docs/performance.md#the-xlacpu-tuned-path-side-by-side).
-
-Why: a weight gradient contracts over the token axis, the major axis of both operands, so one is
-transposed; XLA:CPU transposes the gradient (for the tied projection, the logits'), here the narrower
-operand is. And XLA:CPU fuses a cheap forward computation (max(h + b, 0)) into the backward operation
-that reads it, keeping its inputs alive too; the backward passes here keep one array fewer.
-"""
+"""The kernel set `xla_cpu`, faster on XLA:CPU (docs/performance.md#the-xlacpu-tuned-path-side-by-side)."""
 
 from __future__ import annotations
 
@@ -40,9 +31,7 @@ linear.defvjp(lambda x, w: (linear(x, w), (x, w)), _linear_bwd)
 
 
 def linear_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
-    """A `dot_general` for `nnx.Linear(dot_general=...)`: `linear` for the layer's own contraction
-    (lhs's last axis with a 2-D rhs's first, default precision and result type), `lax.dot_general`
-    for anything else."""
+    """`nnx.Linear`'s `dot_general`: `linear` for the layer's own contraction, else `lax.dot_general`."""
     layer_contraction = (((lhs.ndim - 1,), (0,)), ((), ()))
     if (dimension_numbers == layer_contraction and rhs.ndim == 2 and precision is None
             and preferred_element_type is None and kwargs.get("out_sharding") is None):
@@ -95,8 +84,7 @@ layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
 
 
 class LayerNorm(nnx.LayerNorm):
-    """`nnx.LayerNorm` (the same parameters and forward pass); under the kernel set `xla_cpu`
-    through `layer_norm` in float32 without a mask."""
+    """`nnx.LayerNorm`; under the kernel set `xla_cpu` through `layer_norm` (float32, no mask)."""
 
     layer_norm = None  # model.set_kernels: the kernel set's (`layer_norm` under xla_cpu)
 
@@ -156,35 +144,20 @@ _smoothed_sums.defvjp(_smoothed_sums_fwd, _smoothed_sums_bwd)
 
 
 def smoothed_sums(logits, targets, pad_id: int, smoothing: float):
-    """(sum of the label-smoothed losses, sum of the NLLs) over non-pad tokens: what two calls of
-    `objective.label_smoothed_cross_entropy(..., "sum")` give, with the gradient written out as
-    softmax(x) - the target distribution, one (B, T, V) array in the backward pass where autodiff of
-    two log_softmax keeps their log-probabilities (docs/performance.md#the-round-that-regrouped-the-code)."""
+    """(smoothed loss sum, NLL sum) over non-pad tokens, the gradient softmax - target: one (B, T, V) array."""
     return _smoothed_sums(logits, targets, targets != pad_id, jnp.float32(smoothing))
 
 
 def shared_keys(x, context, kv):
-    """For `MultiHeadAttention` (cross-attention): where keys and values (`context`, `kv`) of B / g
-    rows serve g consecutive rows of x (B, T, D), x as (B / g, g * T, D), one row's g * T queries
-    (mask (B / g, 1, 1, S), no `return_attention`); None where every row has its own. So
-    `shrinking_while` keeps one copy of a sentence's encoder output and cross-attention keys for its
-    hypotheses, which torch's search (and the plain one) repeats."""
+    """For cross-attention: x (B, T, D) as (B / g, g * T, D) where keys and values of B / g rows serve g
+    consecutive rows of x (`shrinking_while` keeps one copy a sentence); None where every row has its own."""
     rows = len(context if kv is None else kv[0])
     return None if rows == len(x) else x.reshape(rows, -1, x.shape[-1])
 
 
 def best_candidates(cfg, logits, base, must_end, n: int, neg_inf: float, chunk: int = 128):
-    """`decode.top_candidates` (`neg_inf` its NEG_INF): the same values, indices and order (ties
-    to the lower index), without its pass writing B*H*V scores and XLA:CPU's TopK partially
-    sorting all H*V indices of a sentence. The vocabulary is cut into chunks of c tokens. The
-    score is monotone in the logit within a hypothesis (base + ((x - max) - logsumexp) rounds
-    monotonically), so a chunk's best score is that of its largest logit; only chunks holding pad,
-    BOS or EOS (masked unevenly) are scored entry by entry. The n best entries lie in the n chunks
-    with the best maxima: order entries by (score descending, index ascending), and a chunk by its
-    first entry in that order, as top_k over the maxima does (chunks are contiguous in index
-    order); an entry of any other chunk follows those n chunks' first entries. Those n chunks are
-    then scored in full, in index order, and ranked.
-    """
+    """`decode.top_candidates` (`neg_inf` its NEG_INF), the same values, indices and order, scoring in full only
+    the n chunks of c tokens with the largest logits (and those holding pad, BOS or EOS)."""
     B, H, V = logits.shape
     cap = max(1, min(chunk, V // n))  # small vocabularies: still at least n chunks per hypothesis
     c = next((d for d in range(cap, cap // 2, -1) if V % d == 0), cap)  # one dividing V: no padding
@@ -225,19 +198,10 @@ MAX_STAGES = 5  # loops over B, B/2, ..., B/16 sentences (see shrinking_while)
 
 
 def shrinking_while(step, result, carry, length: int):
-    """`decode`'s loop: run `step` until every sentence is done or `length` positions are written
-    -> result(carry). With static shapes a finished sentence keeps its rows in every matmul, so this is
-    a chain of `lax.while_loop`s over B, B/2, B/4, ... sentences (MAX_STAGES; none below SMALLEST_STAGE),
-    each left as soon as the live sentences fit the next; and the first quarter of the positions
-    attends over a cache a quarter as long, the next over half (searches of 32 positions or more).
-    Rows never mix: the outputs are those of one loop (docs/performance.md#what-made-the-jax-search-fast).
-
-    carry: a pytree whose leaves lead with the b sentences' axis, or with b * n rows, a sentence's
-    n rows next to each other; carry["done"] (b,), carry["cache"] (`Transformer.init_cache`'s, or
-    None), carry["memory"] (or None) and carry["src_mask"] among them, the last three of which
-    keep one row a sentence here (`shared_keys`). step(position, carry) -> carry; result(carry)
-    -> per-sentence outputs.
-    """
+    """`decode`'s loop: `step(position, carry)` until every sentence is done or `length` positions are written ->
+    `result(carry)`: `lax.while_loop`s over B, B/2, B/4, ... sentences (MAX_STAGES, SMALLEST_STAGE), rows never
+    mixing (docs/performance.md#what-made-the-jax-search-fast). carry's leaves lead with the b sentences' (or b * n
+    rows') axis; carry["done"] (b,), carry["cache"], carry["memory"] and carry["src_mask"] among them."""
     sizes = [carry["done"].shape[0]]
     while sizes[-1] // 2 >= SMALLEST_STAGE and len(sizes) < MAX_STAGES:
         sizes.append(sizes[-1] // 2)

@@ -1,5 +1,4 @@
-"""The bridge between the PyTorch reference and the Flax mirror: proofs, comparisons, benchmarks and
-the conversion commands (the conversions themselves: `train.interop`)."""
+"""Proofs, comparisons, benchmarks and the conversion commands between the twins (conversions: `train.interop`)."""
 
 __all__ = ["CheckpointMismatchError", "jax_to_torch", "torch_to_jax"]
 

@@ -1,5 +1,4 @@
-"""The parity contract on one batch (`aiayn check`, docs/parity.md): a random PyTorch model and its Flax
-conversion, their logits, loss and every gradient compared, and the bounds they must meet."""
+"""The parity contract on one batch (`aiayn check`, docs/parity.md)."""
 
 from __future__ import annotations
 
@@ -24,8 +23,7 @@ from train.options import Output, checked, option
 BOUNDS = {"logits_max_abs": {"tiny": 1e-5, "small": 1e-5, "base": 1e-4, "big": 1e-4}, "loss_rel": 1e-6,
           "grad_rel_l2": {"tiny": 1e-5, "small": 1e-5, "base": 1e-4, "big": 1e-4}}
 
-# ReLU inputs closer to 0 than this (in float64) may round to either side in float32: 2.5x the frameworks'
-# largest forward difference at a FeedForward input (docs/parity.md#three-findings-behind-the-gradient-figures).
+# ReLU inputs this close to 0 may round to either side (docs/parity.md#three-findings-behind-the-gradient-figures).
 RELU_KINK_RADIUS = 1e-5
 
 # Variants named in the parity contract, each a set of config overrides.
@@ -120,8 +118,7 @@ def compare(torch_model: torch_reference.Transformer, jax_model, batch: dict) ->
 
 def relu_inputs_near_kink(torch_model: torch_reference.Transformer, batch: dict,
                           radius: float = RELU_KINK_RADIUS) -> dict:
-    """How many ReLU inputs lie within `radius` of 0 in a float64 copy of the model: where a framework may
-    round to either side of the kink, the gradients are both valid subgradients but not comparable."""
+    """ReLU inputs within `radius` of 0 in a float64 copy: where the frameworks' subgradients may differ."""
     model64 = copy.deepcopy(torch_model).double()  # its hooks go with it
     inputs = []
     for ff in (m for m in model64.modules() if isinstance(m, torch_reference.FeedForward)):
@@ -133,8 +130,7 @@ def relu_inputs_near_kink(torch_model: torch_reference.Transformer, batch: dict,
 
 
 def run_check(cfg: TransformerConfig, batch_size: int = 8, src_len: int = 23, tgt_len: int = 17, seed: int = 0) -> dict:
-    """Logits, loss and gradient differences of the frameworks for one random model; with ReLU inputs at the
-    kink, the gradients also on the smooth path (exact GELU), so every other operation is held to the bound."""
+    """Logits, loss and gradient differences for one random model; ReLU at the kink: on the smooth path (GELU) too."""
     enable_parity_numerics()
     cfg = cfg.replace(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)  # dropout streams cannot be matched
     torch.manual_seed(seed)
@@ -170,8 +166,7 @@ def failures(report: dict, bounds: dict) -> list[str]:
 
 @checked
 class Check:
-    """What `check` compares: a random `preset` model with `overrides` (or each of `VARIANTS` in turn,
-    with `overrides` on top) on one random padded batch."""
+    """A random `preset` model with `overrides` (or each of `VARIANTS`) on one random padded batch."""
 
     preset: str = option("tiny", "model size", choices=tuple(TransformerConfig.presets()))
     vocab_size: int = option(8000, "shared vocabulary size", range=POSITIVE)
@@ -200,8 +195,7 @@ class Check:
 
 
 def check(options: Check) -> Iterator[tuple[str, dict]]:
-    """(name, report) of each comparison of `options` in turn: `run_check`'s, with the config, the
-    bounds, the seconds it took and the bounds it exceeds (`failures`: none when it passes)."""
+    """(name, `run_check` report with config, bounds, seconds and `failures`) of each comparison in turn."""
     bounds = bounds_for(options.preset)
     for name, cfg in options.configs().items():
         start = time.perf_counter()

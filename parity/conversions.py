@@ -1,5 +1,4 @@
-"""Every conversion `aiayn convert` makes, as one call: `convert(Conversion(...))`, over `train.interop`
-(weights, runs, Marian) and `parity.ctranslate2`, each export proved by its own runtime (`parity.proof`)."""
+"""Every conversion `aiayn convert` makes, as one call `convert(Conversion(...))`, exports proved (`parity.proof`)."""
 
 from __future__ import annotations
 
@@ -20,8 +19,7 @@ EXPORTS = ("marian", "ctranslate2", "onnx", "stablehlo")
 
 @checked
 class Conversion:
-    """What `convert` makes of what: weights (`src`) or a run (`run_dir`) into the other framework, a
-    Marian model into a run (`source_format` "marian"), a run into Marian or CTranslate2 (`to`)."""
+    """Weights or a run into the other framework, Marian into a run, a run into Marian, CTranslate2 or an export."""
 
     to: str = option(None, "target: a framework (jax, torch), an HF Marian directory (marian: a run imported with "
                      "--from marian) or a CTranslate2 model directory (ctranslate2)", choices=(*FRAMEWORKS, *EXPORTS),
@@ -136,8 +134,7 @@ def _proved(dst: Path, whose: str) -> str:
 
 
 def _check_weights_destination(src: Path, dst: Path, to: str) -> None:
-    """UserError where `dst` cannot receive the converted weights of `src`: the source itself, a destination of
-    the other kind (a directory for a file, or the reverse), a directory holding other files (never replaced)."""
+    """UserError where `dst` cannot receive `src`'s converted weights: the source, another kind, a directory in use."""
     if dst.exists() and src.exists() and dst.resolve() == src.resolve():
         raise OptionError("{} {dst} is the source; write the converted weights elsewhere", "dst", dst=dst)
     if to == "torch" and dst.is_dir():

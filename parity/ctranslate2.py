@@ -1,5 +1,4 @@
-"""A trained run as a CTranslate2 model (`aiayn convert --to ctranslate2`), built through CTranslate2's own
-specification classes, never its file format by hand (docs/interop.md#ctranslate2-out)."""
+"""A run as a CTranslate2 model through CTranslate2's own spec classes (docs/interop.md#ctranslate2-out)."""
 
 from __future__ import annotations
 
@@ -119,8 +118,7 @@ def tokens(vocab: Sequence[str], ids: Sequence[int]) -> list[str]:
 
 
 def same_output(ours: Sequence[int], theirs: Sequence[int], limit: int) -> bool:
-    """Whether CTranslate2's output (ids ending <eos>) is ours for a sentence of length limit `limit`: the same
-    ids, or where we forced <eos> at the limit the same before it (CTranslate2's limit is the batch's)."""
+    """Whether CTranslate2's ids are ours for a sentence of length limit `limit` (ours may force <eos> at it)."""
     ours, theirs = list(ours), list(theirs)
     if len(ours) == limit and ours[-1:] == [EOS_ID]:
         return theirs[: limit - 1] == ours[:-1]

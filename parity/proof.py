@@ -1,5 +1,4 @@
-"""Exports that carry their proof (docs/interop.md#exports-with-proof): read back by their own runtime and
-held against the run (greedy agreement, logit differences), the figures in proof.json and README.md."""
+"""Exports that carry their proof, read back by their own runtime (docs/interop.md#exports-with-proof)."""
 
 from __future__ import annotations
 
@@ -49,8 +48,7 @@ def proof_sentences(run_dir: str | os.PathLike, given: str | os.PathLike | None 
 
 
 def reference(params: Mapping[str, np.ndarray], cfg: TransformerConfig, run_dir: Path, sentences: Sequence[str]):
-    """(the sentences' source ids, each one's length limit (`limit`), the run's greedy translations, the (T, V)
-    logits along each) by the reference on `params`, one sentence at a time."""
+    """(source ids, length limits, greedy translations, the (T, V) logits along each) by the reference on `params`."""
     src_ids = data.encode(data.load_tokenizers(run_dir).src, sentences)
     model = Transformer(cfg).eval()
     model.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in params.items()})
@@ -72,8 +70,7 @@ def limit(src_len: int, cfg: TransformerConfig) -> int:
 def prove(export_dir: Path, ours: Sequence[list[int]], theirs: Sequence[list[int]], diffs: Sequence[float],
           sentences: Sequence[str], limits: Sequence[int], kind: str, exact: bool, bound: float = MAX_LOGIT_DIFF,
           extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Write proof.json (with `extra`) and a README.md line into `export_dir`; refuse a float32 (`exact`) export
-    out of bounds."""
+    """Write proof.json (with `extra`) and a README.md line into `export_dir`; refuse a float32 one out of bounds."""
     diff = max(diffs)
     agree = sum(same_output(a, b, n) for a, b, n in zip(ours, theirs, limits)) / len(ours)
     proof = {"kind": kind, "sentences": len(sentences), "greedy_agreement": agree, "max_abs_logit_diff": diff,
@@ -140,8 +137,7 @@ def _logits(run, ids: list[int], out: list[int]) -> np.ndarray:
 
 def marian_proof(export_dir: Path, run_dir: Path, params, cfg: TransformerConfig, sentences: Sequence[str],
                  marian_ids: Mapping[str, int]) -> dict[str, Any]:
-    """The HF Marian directory in `export_dir` against the run: greedy `generate` and a teacher-forced pass,
-    in Marian's numbering; our pad and bos columns left out (Marian's one row for both, never emitted)."""
+    """The HF Marian directory in `export_dir` against the run: greedy `generate` and a teacher-forced pass."""
     hf = spm.require("transformers").MarianMTModel.from_pretrained(str(export_dir)).eval()
     src_order, tgt_order = side_orders(marian_ids)
     to_ours = {int(m): o for o, m in enumerate(tgt_order)}
@@ -162,9 +158,7 @@ def marian_proof(export_dir: Path, run_dir: Path, params, cfg: TransformerConfig
 
 def export_proof(export_dir: Path, run_dir: Path, checkpoint: str | int, sentences: Sequence[str], kind: str,
                  quantization: str | None = None) -> dict[str, Any]:
-    """The ONNX or StableHLO programs in `export_dir` against the run at `checkpoint`: logits along the run's greedy
-    outputs, greedy and beam-4 tokens (every sentence alike), BLEU where the sentences are the run's validation
-    sources; an int8 ONNX export's figures beside its float32 graphs'."""
+    """The ONNX or StableHLO programs in `export_dir` against the run at `checkpoint`: logits, tokens and BLEU."""
     from train.interop.exported import ExportedModel, programs
 
     run = train.load(run_dir, checkpoint)

@@ -1,5 +1,4 @@
-"""One training curve in two frameworks (`aiayn trajectory`, docs/parity.md): both backends in
-lockstep on identical batches, compared after every update (optionally switching framework), judged."""
+"""One training curve in two frameworks in lockstep, compared every update (`aiayn trajectory`, docs/parity.md)."""
 
 from __future__ import annotations
 
@@ -25,8 +24,7 @@ from train.options import OptionError, Output, checked, option
 
 from .comparison import enable_parity_numerics
 
-# The parity contract for a training curve (float32, dropout off): a formula slip moves the loss by >=1e-3
-# within a few updates, far above float32's own drift (docs/parity.md#a-training-curve-in-both-frameworks).
+# A training curve's bounds, far below a formula slip's 1e-3 (docs/parity.md#a-training-curve-in-both-frameworks).
 BOUNDS = {"loss_rel": 1e-5, "param_rel_l2": 1e-4}
 
 # Parameters with an analytically zero gradient (softmax ignores a shift of a row): excluded from the bound.
@@ -171,8 +169,7 @@ def _switch(run: TrainingRun, cfg, model_cfg, new_batcher: Callable[[], Any],
 
 def run_trajectory(cfg, initial: TrainingState, steps: int | None = None, switch: int | None = None,
                    control: bool = False, progress: bool = False, prepared=None) -> dict:
-    """The report (unjudged: `failures`) of `steps` updates in both frameworks in lockstep from `initial`, plus
-    the switched runs where 0 < switch < steps, plus torch one ulp away with `control` (`parity_report` runs it)."""
+    """The unjudged report of `steps` lockstep updates from `initial`, with the switched runs and the `control`."""
     steps = steps or cfg.steps
     model_cfg, new_batcher = prepared or prepare(cfg)
     comparisons = [Comparison("jax vs torch", "jax", "torch")]

@@ -22,8 +22,7 @@ CHUNK = 100_000  # pairs drawn and written at a time: memory bounded whatever --
 
 
 def generate(pairs: int, out: str, seed: int = 0, multi30k: Path = MULTI30K) -> None:
-    """`pairs` pairs at out.de / out.en: Multi30k training sentences joined one to three at a time (1 + a
-    binomial(2, p) count, p chosen so that English sentences average WMT14's words), aligned line for line."""
+    """`pairs` pairs at out.de / out.en: Multi30k sentences joined one to three at a time, averaging WMT14's words."""
     sides = {lang: gzip.open(multi30k / f"train.{lang}.gz", "rt", encoding="utf-8").read().splitlines()
              for lang in ("de", "en")}
     mean = np.mean([len(s.split()) for s in sides["en"]])
@@ -55,8 +54,7 @@ def tree_rss_anon(pid: int) -> int:
 
 
 def measure(command: list[str], first: str = r"^step 1/", every: float = 0.1) -> dict:
-    """Run `command` under /usr/bin/time -v, echoing its output: peak RssAnon of its process tree (sampled
-    every `every` s), time's maximum RSS, wall seconds, seconds until a line matches `first`."""
+    """Run `command` under /usr/bin/time -v: peak RssAnon of its tree, max RSS, wall and first-step seconds."""
     start = time.perf_counter()
     proc = subprocess.Popen(["/usr/bin/time", "-v", *command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, bufsize=1, env={**os.environ, "PYTHONUNBUFFERED": "1"})  # lines as they come
@@ -84,9 +82,7 @@ def measure(command: list[str], first: str = r"^step 1/", every: float = 0.1) ->
 
 
 def preprocess(prefix: str, store_dir: str, vocab_size: int = 8000) -> dict:
-    """Pairs/s of the corpus store's build (train.data.corpus_store, the text read as a run reads it) against
-    `tokenizers`' own encode_batch of the same text, read whole first, in the store's chunks, on the same
-    cores, one after the other in one run; the tokenizer (joint BPE) is trained on the corpus first."""
+    """Pairs/s of the corpus store's build against `encode_batch` of the same chunks (BPE trained first), in one run."""
     from train import data
     from train.data import corpus_store
 
@@ -108,8 +104,7 @@ def preprocess(prefix: str, store_dir: str, vocab_size: int = 8000) -> dict:
 
 
 def batches(store_dir: str, budget: int = 25_000, count: int = 500) -> dict:
-    """Packed training batches of `budget` tokens made per second by train.data.Batcher from a corpus store
-    (the plans of the windows after the first counted), and the seconds the first window's plan takes."""
+    """Packed batches of `budget` tokens a second from a corpus store, and the first window's plan's seconds."""
     from train.data import Batcher
     from train.data.corpus_store import open_store
 
@@ -126,9 +121,7 @@ def batches(store_dir: str, budget: int = 25_000, count: int = 500) -> dict:
 
 
 def gather(store_dir: str, budget: int = 25_000, count: int = 300, seed: int = 0) -> dict:
-    """Batches per second gathered from a corpus store's memory-mapped .npy arrays (TokenStore.gather) and
-    from a `datasets` Arrow table of the same ids (saved to disk, memory-mapped, Table.take): the ids and
-    lengths of both sides of random pairs, about `budget` tokens a side, in turn in one run."""
+    """Batches a second gathered from a store's .npy arrays and from a memory-mapped Arrow table of the same ids."""
     import tempfile
 
     import datasets

@@ -1,8 +1,4 @@
-"""The PyTorch reference: the specification every other part of the project is checked against.
-
-`TransformerConfig` is importable without torch (jax_transformer imports it from here); the model
-classes load torch on first access.
-"""
+"""The PyTorch reference, the specification; `TransformerConfig` imports without torch."""
 
 from .config import TransformerConfig
 

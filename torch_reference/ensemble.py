@@ -1,13 +1,6 @@
-"""Several models decoding as one: `Ensemble(models)` goes wherever decode.py's searches and
-sampling.py's `sample` take a model, its next-token distribution combining the members' at every
-step (fairseq's `EnsembleModel`, Marian's ensembles); `jax_transformer/ensemble.py` is its twin.
-
-Its memory and hidden states are the members' side by side on the feature axis and its cache their
-layer lists one after the other, so the searches' repeats and reorders of rows serve every member.
-Where a model returns logits it returns the combined log-probabilities: "logprob" the mean of the
-members' (renormalised by the searches' log_softmax), "prob" the log of their mean probability
-(docs/decoding.md#the-twins-ensemble).
-"""
+"""Several models decoding as one (fairseq's `EnsembleModel`): the members' states side by side, and as logits
+the combined log-probabilities, "logprob" the mean of theirs, "prob" of their mean probability
+(docs/decoding.md#the-twins-ensemble)."""
 
 from __future__ import annotations
 
@@ -31,9 +24,7 @@ def combine(logits: list[Tensor], average: str = "logprob") -> Tensor:
 
 
 class Ensemble(nn.Module):
-    """`models` (same vocabulary sizes and special ids) as one model for the searches:
-    `greedy_search(Ensemble([a, b]), src_ids)`. `average`: one of AVERAGES (the module's docstring
-    says which is which). Its `cfg` is the first member's with the smallest `max_len` of them."""
+    """`models` (same vocabularies and special ids) as one model for the searches, averaged by `average`."""
 
     def __init__(self, models: Sequence[Transformer], average: str = "logprob"):
         super().__init__()

@@ -25,9 +25,7 @@ from .config import KernelSet, TransformerConfig
 # Each `activation`'s function (swiglu: silu times the gate); GELU the exact erf form in both twins.
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu, "swiglu": F.silu}
 
-# --------------------------------------------------------------------------------------------
-# Pure functions
-# --------------------------------------------------------------------------------------------
+# Pure functions -------------------------------------------------------------------------------------------------------
 
 
 def sinusoidal_positions(length: int, d_model: int, halves: bool = False) -> Tensor:
@@ -147,9 +145,7 @@ def make_norm(cfg: TransformerConfig) -> nn.Module:
     return nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
 
 
-# --------------------------------------------------------------------------------------------
-# Modules, in paper order
-# --------------------------------------------------------------------------------------------
+# Modules, in paper order ----------------------------------------------------------------------------------------------
 
 
 class PositionalEncoding(nn.Module):

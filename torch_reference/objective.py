@@ -8,12 +8,7 @@ from torch import Tensor
 
 def label_smoothed_cross_entropy(logits: Tensor, targets: Tensor, pad_id: int, smoothing: float = 0.1,
                                  reduction: str = "mean") -> Tensor:
-    """Cross-entropy against (1-ε)·onehot + ε/V (paper §5.4), padding ignored.
-
-    Exactly `torch.nn.CrossEntropyLoss(label_smoothing=ε, ignore_index=pad_id)`: logits (B, T, V),
-    targets (B, T) -> the mean over non-pad tokens ("mean") or their sum ("sum", for accumulation).
-    Computed in float32 whatever the logits' dtype.
-    """
+    """Exactly `CrossEntropyLoss(label_smoothing=ε, ignore_index=pad_id)` (§5.4) in float32: "mean" or "sum"."""
     V = logits.shape[-1]
     return F.cross_entropy(logits.reshape(-1, V).float(), targets.reshape(-1), ignore_index=pad_id,
                            label_smoothing=smoothing, reduction=reduction)

@@ -1,12 +1,4 @@
-"""Sampling from the reference model's cached decoding, with random numbers both frameworks share;
-`jax_transformer/sampling.py` is its twin: the same tokens for the same seed and weights.
-
-The uniform of a step is Threefry-2x32 keyed by (seed, sentence id) at the counter (sample,
-position), integer arithmetic that rounds nowhere (torch lacks uint32: int64 words, masked), so a
-row's tokens depend on its seed, sentence id and model alone. The token is drawn by inverse CDF in
-token-id order and the filters are thresholds that never reorder tokens, so float32 differences move
-a boundary by rounding only (docs/decoding.md#sampling).
-"""
+"""Sampling with random numbers both frameworks share: the same tokens in both twins (docs/decoding.md#sampling)."""
 
 from __future__ import annotations
 
@@ -30,8 +22,7 @@ def _rotl(x: Tensor, r: int) -> Tensor:
 
 
 def threefry2x32(k0, k1, x0, x1) -> tuple[Tensor, Tensor]:
-    """Threefry-2x32 with 20 rounds of the key (k0, k1) at the counter (x0, x1) -> two words, each
-    argument a uint32 value (int or int64 tensor in [0, 2**32)), broadcast together; int64 results."""
+    """Threefry-2x32 (20 rounds) of the key (k0, k1) at the counter (x0, x1) -> two words as int64, broadcast."""
     k0, k1, x0, x1 = (torch.as_tensor(v, dtype=torch.int64) for v in (k0, k1, x0, x1))
     ks = (k0, k1, k0 ^ k1 ^ PARITY)
     x0, x1 = (x0 + ks[0]) & MASK, (x1 + ks[1]) & MASK
@@ -45,8 +36,7 @@ def threefry2x32(k0, k1, x0, x1) -> tuple[Tensor, Tensor]:
 
 
 def uniform(seed, sentence, sample, position) -> Tensor:
-    """The uniform float32 in (0, 1) of (seed, sentence id, sample, position), broadcast together:
-    the top 23 bits of Threefry's first word as the odd multiple (2m + 1) / 2**24, exact in float32."""
+    """The float32 uniform in (0, 1) of (seed, sentence id, sample, position): (2m + 1) / 2**24 from Threefry."""
     word, _ = threefry2x32(seed, sentence, sample, position)
     return ((word >> 9) * 2 + 1).float() * 2.0**-24
 
@@ -62,12 +52,8 @@ def _sentence_ids(sentence_ids, batch: int, device) -> Tensor:
 
 
 def sampling_distribution(logprobs: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> Tensor:
-    """logprobs (N, V) -> probs (N, V), each token's sampling probability in token-id order, as HF's
-    warpers (and fairseq) define them: softmax of logprobs / temperature, kept to the tokens scoring
-    at least the k-th largest (`top_k` > 0; ties kept), then to the smallest set of most probable
-    tokens whose probability reaches `top_p` (a token stays while the more probable tokens, and the
-    equally probable ones of lower id, hold less than top_p), renormalised. Both filters are
-    thresholds on the tokens in place: nothing is reordered, and with neither nothing is sorted."""
+    """logprobs (N, V) -> probs (N, V) in token-id order, as HF's warpers define them: softmax of logprobs /
+    temperature, then top-k (ties kept), then top-p (ties by lower id), renormalised; thresholds, nothing reordered."""
     scaled = (logprobs - logprobs.amax(dim=-1, keepdim=True)) / temperature  # best at 0: no overflow
     if top_k:
         kth = torch.topk(scaled, min(top_k, scaled.shape[-1]), dim=-1).values[:, -1:]  # (N, 1)
@@ -80,9 +66,7 @@ def sampling_distribution(logprobs: Tensor, temperature: float = 1.0, top_k: int
 
 
 def _top_p_kept(probs: Tensor, top_p: float) -> Tensor:
-    """probs (N, V) -> (N, V) bool, the tokens top-p keeps: those above the least kept probability,
-    and as many of the tokens at it as the smallest set needs, lowest ids first. Only the values are
-    sorted (to find that threshold); the tokens stay in id order."""
+    """probs (N, V) -> (N, V) bool, the tokens top-p keeps (ties by lowest id), the tokens staying in id order."""
     falling = torch.sort(probs, dim=-1, descending=True).values
     kept = ((falling.cumsum(dim=-1) - falling) < top_p).sum(dim=-1, keepdim=True)  # (N, 1) mass before < p
     least = falling.gather(1, kept - 1)  # (N, 1) the least kept probability
@@ -91,8 +75,7 @@ def _top_p_kept(probs: Tensor, top_p: float) -> Tensor:
 
 
 def draw(probs: Tensor, u: Tensor) -> Tensor:
-    """probs (N, V) of `sampling_distribution`, u (N,) in (0, 1) -> tokens (N,): by inverse CDF in
-    token-id order, the first token whose cumulative probability exceeds u (never one of probability 0)."""
+    """probs (N, V), u (N,) in (0, 1) -> tokens (N,) by inverse CDF in token-id order (never one of probability 0)."""
     cdf = probs.cumsum(dim=-1)
     token = (cdf <= u[:, None] * cdf[:, -1:]).sum(dim=-1)  # tokens whose cumulative probability is passed
     ids = torch.arange(probs.shape[-1], device=probs.device)
@@ -105,12 +88,7 @@ def sample(
     model: Transformer, src_ids: Tensor, seed: int, num_samples: int = 1, temperature: float = 1.0,
     top_k: int = 0, top_p: float = 1.0, max_len_a: float = 1.5, max_len_b: int = 10, sentence_ids=None,
 ) -> tuple[Tensor, Tensor]:
-    """src_ids (B, S) -> (tokens (B, N, L), scores (B, N)): `num_samples` N translations a sentence,
-    each token drawn from `sampling_distribution` with the uniform of (seed, sentence id, sample,
-    position); the score is the sum of the drawn tokens' log-probabilities under the model (as
-    greedy's: without temperature or filters). `sentence_ids` (B,): the ids that key the random
-    numbers, 0..B-1 unless given; pass each sentence's index in the input so that its samples do not
-    depend on the batch it falls in. Lengths and padding as `decode.greedy_search`."""
+    """src_ids (B, S) -> (tokens (B, N, L), untempered log-prob scores (B, N)): N samples a sentence."""
     _check_ids("src_ids", src_ids, model.cfg.src_vocab_size, model.cfg.max_len)
     check_sampling(seed, num_samples, temperature, top_k, top_p)
     ids = _sentence_ids(sentence_ids, src_ids.shape[0], src_ids.device)

@@ -1,6 +1,4 @@
-"""Train, translate and evaluate the Transformer with either twin: `train.fit` trains a run,
-`train.load` opens one to translate and evaluate with (docs/python.md); `train.options` holds the
-options objects they take (Search, Sampling, RunSelection, Evaluation)."""
+"""`train.fit` trains a run, `train.load` opens one (docs/python.md); `train.options`: the options they take."""
 
 from . import options
 from .api import Run, load

@@ -1,5 +1,4 @@
-"""The Python API (docs/python.md): `load` a trained run to translate and evaluate with, `fit` to
-train one; the commands (`aiayn X`, `train.commands`) are thin shells over these."""
+"""The Python API (docs/python.md): `load` a run to translate and evaluate, `fit` to train one."""
 
 from __future__ import annotations
 
@@ -27,8 +26,7 @@ from .translation import Hypothesis, score_pairs
 
 @dataclasses.dataclass
 class Run(contextlib.AbstractContextManager):
-    """A trained run, loaded: its settings, tokenizers and a backend holding one checkpoint; for an
-    ensemble (`load([a, b])`) the first run's, its backend decoding with every run's model."""
+    """A loaded run: settings, tokenizers, a backend at one checkpoint; an ensemble's: the first run's."""
 
     run_dir: Path
     config: ExperimentConfig
@@ -59,10 +57,8 @@ class Run(contextlib.AbstractContextManager):
     def translate(self, texts: str | Sequence[str], search: Search | None = None, sample: Sampling | bool | None = None,
                   *, prefix: str | Sequence[str | None] | None = None, batch_size: int | None = None,
                   **options: Any) -> str | list[str] | list[Hypothesis] | list[list[Hypothesis]]:
-        """The translations of `texts` in order (one string for one string) by `search` (a `Search`, or its
-        fields as keywords), sources longer than the run's max_len cut; `Hypothesis` lists with `n_best` or
-        `alignments`. `prefix`: each output's forced start (None: none). `sample` (a `Sampling`, or True with its
-        fields as keywords): random translations instead of the search (docs/python.md, docs/decoding.md)."""
+        """The translations of `texts` in order by `search` (a `Search`, or its fields as keywords); `Hypothesis` lists
+        with `n_best` or `alignments`; `prefix`, `sample`: docs/python.md, docs/decoding.md."""
         search = _options(Search, search, options)
         sampling = sampling_of(sample, {k: options.pop(k) for k in SAMPLING_FIELDS if k in options})
         _unknown("translate", options, TRANSLATE_HOOKS)
@@ -85,9 +81,7 @@ class Run(contextlib.AbstractContextManager):
 
     def score(self, sources: str | Sequence[str], targets: str | Sequence[str],
               batch_size: int | None = None) -> dict[str, Any] | list[dict[str, Any]]:
-        """The log-probability of each target given its source under the model (what
-        `aiayn score` prints), one dict per pair (one for one string pair): "logprob"
-        (the sum), "tokens" (the target's, "<eos>" last) and "token_logprobs" (one each)."""
+        """`aiayn score`'s dicts, one per pair: "logprob", "tokens" and "token_logprobs"."""
         one = isinstance(sources, str)
         if one != isinstance(targets, str):
             raise UserError("sources and targets: give two strings or two lists")
@@ -98,9 +92,8 @@ class Run(contextlib.AbstractContextManager):
 
     def evaluate(self, pairs: str | os.PathLike | Sequence[tuple[str, str]], search: Search | None = None,
                  evaluation: Evaluation | None = None, **options: Any) -> dict[str, Any]:
-        """What `aiayn evaluate` prints (loss, perplexity, BLEU, chrF, exact match) on `pairs`, a data spec
-        or (source, target) pairs, translated by `search`; `evaluation`: an `Evaluation`, or its fields as
-        keywords (docs/python.md). An ensemble's result also names its other runs and every run's step."""
+        """What `aiayn evaluate` prints on `pairs` (a data spec or (source, target) pairs), translated by `search`;
+        `evaluation`: an `Evaluation`, or its fields as keywords (docs/python.md)."""
         search, evaluation = _options(Search, search, options), _options(Evaluation, evaluation, options)
         _unknown("evaluate", options)
         spec = os.fspath(pairs) if isinstance(pairs, (str, os.PathLike)) else None  # a file as a path too
@@ -170,10 +163,8 @@ class _Closed:
 
 def load(run_dir: str | os.PathLike | Sequence[str | os.PathLike] | RunSelection, checkpoint: str | int = "best",
          backend: str | None = None, devices: int | None = None, average: str = "logprob", **launch: Any) -> Run:
-    """The run in `run_dir` at `checkpoint` ("best" by validation BLEU, "latest" or a step) restored onto
-    this process's first `devices` devices; `backend`: the framework the caller expects, refused with the
-    conversion command when the run is the other's; `launch`: `RunSelection`'s launch options. A list of run
-    directories: an ensemble (docs/decoding.md#ensembles). `run_dir` may be a `RunSelection`. Raises UserError."""
+    """The run in `run_dir` at `checkpoint` ("best", "latest" or a step) on this process's first `devices` devices;
+    a list of runs: an ensemble; `backend` the framework expected (docs/python.md). Raises UserError."""
     if isinstance(run_dir, RunSelection):
         selection = run_dir
     else:

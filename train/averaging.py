@@ -1,5 +1,4 @@
-"""Checkpoint averaging (`aiayn average`, paper §6.1): the mean of a run's newest N checkpoints,
-in float64 rounded once (alike bit for bit in either backend), at the newest one's step and state."""
+"""Checkpoint averaging (`aiayn average`, §6.1) in float64 rounded once, at the newest one's step and state."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Step-time benchmark (`aiayn bench`): JAX vs PyTorch eager vs torch.compile on the same model and batches,
-each in a fresh worker process so that one backend's memory and threads never touch another's (docs/performance.md)."""
+"""`aiayn bench`: JAX vs PyTorch eager vs torch.compile step times, each in a fresh worker (docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -39,8 +38,7 @@ WORKER = ("import json, sys; from train.benchmark import run_worker; "
 
 @checked
 class Bench:
-    """What `measure` times: every precision x preset x backend (x remat), each in a worker process
-    of its own, on batches of `batch_tokens` / `length` sentences of `length` tokens."""
+    """What `measure` times: every precision x preset x backend (x remat), each in a worker process."""
 
     presets: tuple[str, ...] | str = option("tiny,small,base", "comma-separated model presets")
     backends: tuple[str, ...] | str = option(",".join(BACKENDS), f"comma-separated, from {', '.join(BACKENDS)}")
@@ -79,9 +77,7 @@ class Bench:
 
 
 def step_flops(cfg: TransformerConfig, batch_size: int, src_len: int, tgt_len: int) -> int:
-    """Model FLOPs of one training step: 3 x the forward pass (the backward costs two forwards), counting 2
-    FLOPs per multiply-add of every matmul (projections 8D² a layer, feed-forward 4DF, 6DF for SwiGLU; attention
-    4 x length x D; the output projection 2DV a target token); embedding lookups are free."""
+    """Model FLOPs of one training step: 3 x the forward pass, 2 a multiply-add of every matmul; embeddings free."""
     D, F, V = cfg.d_model, cfg.d_ff, cfg.tgt_vocab_size
     ff = (6 if cfg.activation == "swiglu" else 4) * D * F
     encoder = cfg.num_encoder_layers * src_len * (8 * D * D + ff + 4 * src_len * D)
@@ -143,8 +139,7 @@ def timings(fn: Callable[[], object], repeats: int, warmup: int = 0) -> list[flo
 
 
 def matmul_peak_gflops(framework: str, precision: str) -> float:
-    """The best of 10 throughputs of an n x n matmul in this process at `precision`, GFLOP/s
-    (n 2048 on a CPU, 8192 on a GPU, where smaller products leave the tensor cores idle)."""
+    """The best of 10 n x n matmul throughputs at `precision`, GFLOP/s (n 2048 on a CPU, 8192 on a GPU)."""
     dtype_name = "bfloat16" if precision == "bfloat16" else "float32"
     if framework == "jax":
         import jax
@@ -271,8 +266,7 @@ def print_results(results: list[dict], batch_size: int, length: int, dropout: fl
 
 
 def measure(bench: Bench) -> list[dict]:
-    """Every measurement of `bench`, each in a worker process (progress on stderr), written to `bench.json` after
-    every one (an interrupted benchmark keeps them) and drawn to `bench.plot`; a failed worker: UserError."""
+    """Every measurement of `bench` in a worker each, written to `bench.json` after each, drawn to `bench.plot`."""
     machine = {"cpu": _cpu_name(), "cpus": os.cpu_count(), "platform": platform.platform()}
     settings = {f.name: getattr(bench, f.name) for f in dataclasses.fields(bench) if f.name not in ("json", "plot")}
     record, results = {"machine": machine, "batch": [bench.batch_size, bench.length], "options": settings}, []
@@ -297,8 +291,7 @@ def measure(bench: Bench) -> list[dict]:
 
 
 def _run_workers(command: list[str], devices: int, torch: bool) -> subprocess.CompletedProcess:
-    """One worker; on several devices JAX's with as many host devices (on a CPU), torch's as one process a
-    device in torchrun's environment (process 0 prints the figures)."""
+    """One worker; on several devices JAX's with host devices, torch's a process a device (process 0 reports)."""
     env = dict(os.environ)
     if not torch or devices == 1:
         if devices > 1 and "xla_force_host_platform_device_count" not in env.get("XLA_FLAGS", ""):

@@ -1,8 +1,4 @@
-"""The framework-neutral training loop behind `train.fit` and `python -m train.run`: `train(cfg)` =
-`setup` (data, tokenizers, batches, the backend, resumed with --resume) -> `fit` (updates, logs,
-evaluations, checkpoints) -> `finish` (a test-set evaluation, results.json, curves.png). The run
-directory's safety is `train.runtime`'s; only the backend knows a framework (docs/operations.md).
-"""
+"""The training loop of `train.fit` and `python -m train.run`: `setup` -> `fit` -> `finish` (docs/operations.md)."""
 
 from __future__ import annotations
 
@@ -42,10 +38,8 @@ class TrainingDiverged(OptionError):
 
 def train(cfg: ExperimentConfig, *, explicit: Iterable[str] | None = None,
           init_dir: str | Path | None = None) -> dict[str, Any]:
-    """Train (or resume) the run `cfg` describes, evaluate it, write results.json; returns its content.
-    `explicit` names the fields the user set (on --resume the others come from the run's config; None:
-    every field not None). `init_dir`: --init-from's source made a run of this backend (`training.start`
-    resolves it; None: cfg.init_from is one; the processes it starts print and write nothing)."""
+    """Train (or resume) the run `cfg` describes, evaluate it, write results.json; returns its content. `explicit`:
+    the fields the user set; `init_dir`: --init-from's source as a run of this backend (`training.start`)."""
     started = time.perf_counter()
     with launch(cfg, train, explicit=explicit, init_dir=init_dir):  # torch --devices N: its other processes
         return _train(cfg, explicit, init_dir, started)
@@ -109,9 +103,7 @@ class Training:
 
 
 def setup(cfg: ExperimentConfig, topology: Topology, init_dir: str | Path | None = None) -> Training:
-    """Load the data, train (or, resuming, read; with --init-from, take) the tokenizers, batch,
-    write the run's first files (process 0) and build the backend, restored from the last
-    checkpoint on --resume or holding the weights --init-from names."""
+    """Data, tokenizers, batches, the run's first files and the backend (restored, or with --init-from's weights)."""
     run_dir = Path(cfg.run_dir)
     tokenizers = None  # new, or a resumed run stopped before its tokenizer was saved (FileNotFoundError)
     with runtime.user_errors(ValueError), contextlib.suppress(FileNotFoundError):
@@ -176,8 +168,7 @@ def _numbers(cfg: ExperimentConfig) -> bool:
 
 
 def _resume(cfg: ExperimentConfig, backend: Backend, batcher: data.Batcher, topology: Topology) -> _Log:
-    """The backend restored from the run's last checkpoint and the batches positioned after it;
-    returns the history so far (empty when the run has no checkpoint yet)."""
+    """The backend restored from the last checkpoint and the batches after it; the history so far."""
     if not backend.checkpoint_steps():
         say(f"{cfg.run_dir} has no checkpoint yet: starting at step 0 with its tokenizer")
         return _Log()
@@ -233,9 +224,8 @@ def _write_results(results: dict[str, Any]) -> None:
 
 def make_batcher(cfg: ExperimentConfig, tokenizers: data.Tokenizers, pairs, num_devices: int = 1,
                  topology: Topology | None = None) -> data.Batcher:
-    """The training batches of `pairs` (text pairs, or a `data.TokenStore`), the same in both backends for
-    the same seed and device count: every batch size a multiple of `num_devices`, over which each batch is
-    split; with a multi-process `topology`, each process gathers only its share of each batch's rows."""
+    """The training batches of `pairs` (text pairs or a `data.TokenStore`), the same in both backends: batch sizes
+    a multiple of `num_devices`; a multi-process `topology`: each process's rows only."""
     if cfg.token_budget < cfg.max_len * num_devices:
         raise OptionError(
             "{} {budget} holds {rows} sequence(s) of {} {max_len}, fewer than the {n} devices each batch is split "
@@ -258,8 +248,7 @@ def _eval_summary(result: dict[str, Any]) -> dict[str, Any]:
 
 def _evaluate(cfg, backend, tokenizers, pairs, samples: int, *, validation: bool = True, seen=None,
               stop=None) -> dict[str, Any]:
-    """`evaluate_pairs` with lowercased BLEU too; --eval-sentences limits validation only (a test set,
-    validation=False, is scored whole). `stop`: asked between batches; True raises EvaluationStopped."""
+    """`evaluate_pairs` with lowercased BLEU; --eval-sentences limits validation only; `stop` between batches."""
     return evaluate_pairs(backend, tokenizers, pairs, max_len=cfg.max_len, token_budget=cfg.token_budget,
                           max_sentences=cfg.eval_sentences if validation else None, samples=samples,
                           search=Search(beam=cfg.beam), lowercase=True, moses=cfg.moses, seen=seen, stop=stop,
@@ -268,8 +257,7 @@ def _evaluate(cfg, backend, tokenizers, pairs, samples: int, *, validation: bool
 
 @dataclasses.dataclass
 class _Log:
-    """What the loop records, the whole run's across resumes (each checkpoint's meta holds it up to its
-    step): logged training windows, evaluations, and training time/tokens."""
+    """What the loop records across resumes: training windows, evaluations, training time and tokens."""
 
     train: list[dict[str, float]] = dataclasses.field(default_factory=list)
     valid: list[dict[str, Any]] = dataclasses.field(default_factory=list)
@@ -328,8 +316,7 @@ def _add_scores(writer, split: str, evaluated: dict[str, Any], step: int) -> Non
 
 
 def _check_finite(backend: Backend, values: list[dict[str, float]], step: int) -> None:
-    """TrainingDiverged ('loss nan at step 7') for the first of the window's steps (the last is `step`)
-    whose loss or gradient norm is not finite."""
+    """TrainingDiverged ('loss nan at step 7') for the first window step whose loss or gradient norm is not finite."""
     for at, v in enumerate(values, step - len(values) + 1):
         for key in ("loss", "grad_norm"):
             if not math.isfinite(v[key]):
@@ -359,9 +346,7 @@ def _save(cfg: ExperimentConfig, backend: Backend, batcher: data.Batcher, evalua
 
 
 def _average_last(backend: Backend, last: int) -> list[int]:
-    """Replace the backend's weights by the mean of its newest `last` - 1 saved checkpoints' and its
-    own (`train.averaging`; Adam's moments, step and random state stay this step's). The steps
-    averaged, or [] when no earlier checkpoint is kept."""
+    """The weights replaced by the mean of the newest `last` - 1 checkpoints' and its own; the steps averaged."""
     earlier = [step for step in backend.checkpoint_steps() if step < backend.step][-(last - 1):]
     if not earlier:
         return []
@@ -375,10 +360,8 @@ def _average_last(backend: Backend, last: int) -> list[int]:
 
 
 def fit(run: Training) -> None:
-    """The update loop from the backend's step to cfg.steps: train, log, evaluate, checkpoint; `run.log`
-    extended in place. A non-finite loss, gradient norm or validation loss raises TrainingDiverged
-    before anything is saved. SIGTERM and Ctrl-C (`runtime.StopSignals`) make the loop save and raise
-    Interrupted, at most one update (and an evaluation batch: an evaluation stops) after the signal."""
+    """The update loop to cfg.steps: train, log, evaluate, checkpoint; TrainingDiverged before a non-finite value is
+    saved; a stop signal saves and raises Interrupted within an update."""
     cfg, backend, batcher, writer, log = run.cfg, run.backend, run.batcher, run.writer, run.log
     # Several processes must agree on the update to stop after: those of a backend that can ask the others.
     agreed = getattr(backend, "agreed_signal", None) if run.topology.process_count > 1 else None

@@ -1,5 +1,4 @@
-"""Starting a run from a pretrained one (`--init-from`): its model, tokenizers and weights, trained on new data
-with a fresh optimizer and schedule (docs/finetune.md); any source made a run of the backend that trains first."""
+"""Starting a run from a pretrained one (`--init-from`) with a fresh optimizer and schedule (docs/finetune.md)."""
 
 from __future__ import annotations
 
@@ -30,8 +29,7 @@ class Pretrained:
 
 
 def source_run(cfg: ExperimentConfig, scratch: contextlib.ExitStack) -> Path | None:
-    """The run directory of `cfg.backend` (`interop.runs.init_source`, in a directory `scratch` removes) that
-    --init-from's weights are read from, also for a resume before a checkpoint; None without a source."""
+    """The run directory of `cfg.backend` --init-from's weights are read from (in `scratch`), or None."""
     source, backend = cfg.init_from, cfg.backend
     if (source is None and cfg.resume and cfg.run_dir and (Path(cfg.run_dir) / runtime.CONFIG_FILE).is_file()
             and not rundir.has_checkpoint(Path(cfg.run_dir))):

@@ -1,5 +1,4 @@
-"""The measurements of `aiayn profile` (what they time and how: its module doc):
-each part of a training step, forward + backward, JAX vs PyTorch; the XLA:CPU A/B and op split."""
+"""The measurements of `aiayn profile`: each part of a training step, JAX vs PyTorch; XLA:CPU A/B and op split."""
 
 from __future__ import annotations
 
@@ -18,8 +17,7 @@ from .options import Output, checked, option
 
 @checked
 class Profile:
-    """What `aiayn profile` times: the parts of a training step (float32, dropout off), or the XLA op split, or the
-    xla_cpu A/B."""
+    """What `aiayn profile` times: a training step's parts, or the XLA op split, or the xla_cpu A/B."""
 
     preset: str = option("base", "model preset", choices=tuple(TransformerConfig.presets()))
     batch: int = option(32, "sentences per batch", range=POSITIVE)
@@ -158,9 +156,7 @@ def jax_parts(cfg: TransformerConfig, batch: int, length: int, repeats: int, see
 
 
 def xla_op_split(cfg: TransformerConfig, batch: int, length: int, repeats: int = 3, seed: int = 0) -> dict[str, float]:
-    """Milliseconds per JAX forward + backward of the whole model spent in matmuls (XLA's dot and
-    YNNPACK fusions) and in every other compiled operation, summed over the operations as the
-    profiler (jax.profiler.trace) records them (docs/performance.md: pinned to one core and to two)."""
+    """Milliseconds per JAX forward + backward spent in matmuls and in other operations, from jax.profiler.trace."""
     import glob
     import gzip
     import tempfile
@@ -201,10 +197,8 @@ def xla_op_split(cfg: TransformerConfig, batch: int, length: int, repeats: int =
 
 
 def xla_cpu_ab(cfg: TransformerConfig, batch: int, length: int, repeats: int, sentences: int, seed: int = 0) -> dict:
-    """{"train step" | "beam-4 search": {"plain" | "tuned": [seconds each]}, "temporaries MiB": {...}}
-    of the model built with `kernels="reference"` and `"xla_cpu"`, alternated call by call: the backend's step
-    (smoothed loss and NLL summed, Adam, the state donated), and a search over random sources of
-    random lengths, each run to its own length limit by the random weights."""
+    """{"train step" | "beam-4 search": {"plain" | "tuned": [seconds]}, "temporaries MiB": {...}} of the model with
+    kernels "reference" and "xla_cpu", alternated call by call."""
     import jax
     import jax.numpy as jnp
     import optax

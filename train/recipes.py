@@ -1,5 +1,4 @@
-"""Recipes (TOML files of train.run's settings) read into `ExperimentConfig`'s fields, train.run's parser
-from those fields, and `experiment`: the config a launch gives, for `python -m train.run` and `train.fit`."""
+"""Recipes (TOML files of train.run's settings) as `ExperimentConfig` fields, and the config a launch gives."""
 
 from __future__ import annotations
 
@@ -40,9 +39,7 @@ def build_parser(epilog: str | None = None) -> argparse.ArgumentParser:
 
 
 def experiment(given: Mapping[str, Any], note: str = "settings") -> tuple[ExperimentConfig, set[str]]:
-    """(the config of the fields `given`, their names): a `recipe` among them under the given fields (--set
-    adds to its list), a resume without one under the run's `recorded_launch`; UserError for anything refused (an
-    OptionError naming the parameters, `flagged` names the flags)."""
+    """(the config of the fields `given`, their names) under a recipe or a resumed run's launch; UserError."""
     given = dict(given)
     if not isinstance(given.get("recipe"), (str, os.PathLike, type(None))):
         raise OptionError("{} must be a path, " + escaped(f"got {given['recipe']!r}"), "recipe")

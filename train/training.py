@@ -1,5 +1,4 @@
-"""`train.fit`: a run trained from a config, a recipe or fields (docs/python.md); `train.load` opens the runs it
-leaves (api.py)."""
+"""`train.fit`: a run trained from a config, a recipe or fields (docs/python.md)."""
 
 from __future__ import annotations
 
@@ -15,11 +14,8 @@ from .runtime import UserError, read_experiment, user_errors
 
 def fit(config: ExperimentConfig | dict[str, Any] | str | os.PathLike | None = None,
         **overrides: Any) -> dict[str, Any]:
-    """Train the run `config` describes and return what its results.json holds: `config` is an
-    `ExperimentConfig`, a dict of its fields, a recipe file (recipes/*.toml; also as a `recipe`
-    field of the dict or the overrides) or None (the defaults: the numbers corpus); `overrides`
-    are fields on top, e.g. `steps=300`, `run_dir="runs/mine"`, `resume=True`. Raises UserError
-    for bad settings, `runtime.Interrupted` on SIGTERM/Ctrl-C (after saving a checkpoint)."""
+    """Train the run `config` (an `ExperimentConfig`, a dict of its fields, a recipe file or None: the defaults)
+    with `overrides` on top; returns results.json's content (docs/python.md). UserError, `runtime.Interrupted`."""
     from .recipes import experiment
 
     if isinstance(config, ExperimentConfig):
@@ -32,9 +28,7 @@ def fit(config: ExperimentConfig | dict[str, Any] | str | os.PathLike | None = N
 
 
 def start(cfg: ExperimentConfig, explicit: Iterable[str] | None = None) -> dict[str, Any]:
-    """`loop.train(cfg)` as `train.fit` and `python -m train.run` launch it: on --resume without --backend, the
-    run's own backend (its processes start); --init-from's source made a run of that backend first
-    (`pretrained.source_run`, in a directory removed after), which every process then reads."""
+    """`loop.train(cfg)` as launched: --resume on the run's own backend, --init-from's source made such a run first."""
     from .loop import train  # here: the loop's imports take seconds that `import train` does without
 
     if cfg.resume and cfg.run_dir and explicit is not None and "backend" not in explicit:

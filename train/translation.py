@@ -1,5 +1,4 @@
-"""Texts in, translations out (docs/decoding.md): searched in batches, n-best, prefixes, alignments, scores; and
-how good they are (docs/results.md): loss, perplexity, sacreBLEU's BLEU and chrF, exact match, numbers' bands."""
+"""Texts in, translations out (docs/decoding.md), and how good they are (docs/results.md)."""
 
 from __future__ import annotations
 
@@ -86,10 +85,9 @@ def translate_texts(backend: Translator, tokenizers: data.Tokenizers, texts: Seq
                     stop: Callable[[], bool] | None = None, on_batch: Callable[..., None] | None = None,
                     counts: collections.Counter | None = None, fixed_shapes: bool = False, first_id: int = 0,
                     hypotheses: bool = False) -> list[str] | list[list[Hypothesis]]:
-    """Detokenized translations of `texts` in order (a blank line: "") by `search` or `sample`; `Hypothesis` lists
-    with `n_best` K, `alignments`, num_samples > 1 or `hypotheses`. `prefixes`: each output's forced start;
-    `stop()` True before a batch raises EvaluationStopped; `on_batch(indices, src, tokens)` sees each batch;
-    `counts["cut"]`: sources cut; `fixed_shapes`: a few shapes for any texts; text i samples as `first_id` + i."""
+    """Detokenized translations of `texts` in order by `search` or `sample` (`Hypothesis` lists with `n_best`,
+    `alignments`, samples or `hypotheses`); `stop()` True raises EvaluationStopped; `on_batch(indices, src, tokens)`
+    sees each batch; `counts["cut"]`: sources cut; text i samples as `first_id` + i."""
     if sample is not None:
         sample.check_with(search, prefixes is not None and any(prefixes))
     src_ids = data.encode(tokenizers.src, list(texts))
@@ -231,8 +229,7 @@ def band_scores(pairs: Sequence[data.Pair], hypotheses: Sequence[str],
 
 
 def loss_and_perplexity(backend: Trainer, batches, stop: Callable[[], bool] | None = None) -> dict[str, float]:
-    """{"loss", "nll", "ppl", "tokens"} over padded batches, dropout off, summed on the host once every
-    batch is queued (device scalars would compile programs of their own); `stop()` True: EvaluationStopped."""
+    """{"loss", "nll", "ppl", "tokens"} over padded batches, dropout off, summed on the host at the end."""
     sums = []
     for batch in batches:
         if stop is not None and stop():
@@ -259,8 +256,7 @@ def evaluate_pairs(backend: Backend, tokenizers: data.Tokenizers, pairs: Sequenc
                    lowercase: bool = False, moses: str | None = None,
                    seen: Collection[str] | None = None, stop: Callable[[], bool] | None = None,
                    fixed_shapes: bool = False) -> dict[str, Any]:
-    """Loss and perplexity on every pair (but those past max_len); `corpus_scores` and "bands" of the first
-    `max_sentences` translated; `samples` examples; `stop` and `fixed_shapes` as `translate_texts` takes them."""
+    """Loss and perplexity on every pair; `corpus_scores` and "bands" of the first `max_sentences` translated."""
     examples = data.encode_pairs(tokenizers, pairs)
     batcher = data.Batcher(examples, token_budget=token_budget, max_len=max_len, shuffle=False, pack=fixed_shapes,
                            pack_length=max_len if fixed_shapes else None)

@@ -1,8 +1,4 @@
-"""glibc's allocator tuned for XLA:CPU from inside the process (no environment variables): `tune()`
-fixes the mmap and trim thresholds, `release()` hands freed heap memory back after a compilation,
-`settled()` restores glibc's own thresholds for other code, and `use_huge_pages()` re-executes the
-command with huge pages asked for; all no-ops off glibc. Why: docs/performance.md#the-default-run.
-"""
+"""glibc's allocator tuned for XLA:CPU from inside the process, else no-ops (docs/performance.md#the-default-run)."""
 
 from __future__ import annotations
 
@@ -16,8 +12,7 @@ import sys
 from pathlib import Path
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
-# Fixed 4 MiB thresholds: faster steps than glibc's initial 128 KiB, which maps and faults in every larger
-# buffer afresh at each step, and than its sliding ones (docs/performance.md#the-default-run).
+# Fixed 4 MiB thresholds: faster steps than glibc's initial or sliding ones (docs/performance.md#the-default-run).
 THRESHOLD = 4 * 1024 * 1024
 
 
@@ -31,8 +26,7 @@ def _glibc() -> ctypes.CDLL | None:
         return None
 
 
-# Where an untuned process's thresholds settle: glibc raises its mmap threshold to the size of each mmapped
-# block freed, up to 32 MiB on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX), and its trim threshold to twice that.
+# Where an untuned process's thresholds settle: mmap at 32 MiB (DEFAULT_MMAP_THRESHOLD_MAX on 64-bit), trim twice it.
 SETTLED = (32 * 1024 * 1024, 64 * 1024 * 1024)
 _tuned = False
 
@@ -57,8 +51,7 @@ def tuned() -> bool:
 
 @contextlib.contextmanager
 def settled():
-    """Within: glibc's thresholds where an untuned process settles (`SETTLED`), then `tune()`'s again
-    if it was applied, for other code timed beside a JAX backend (docs/performance.md#translation-speed)."""
+    """Within: glibc's untuned thresholds (`SETTLED`), for other code timed beside a JAX backend."""
     _set(*SETTLED)
     try:
         yield
@@ -78,10 +71,8 @@ THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
 def use_huge_pages() -> None:
-    """Re-execute this process's command with `glibc.malloc.hugetlb=1` (malloc asks for transparent
-    huge pages) in `GLIBC_TUNABLES` where that helps: glibc >= 2.35 on Linux, huge pages in "madvise"
-    mode. Returns at once elsewhere or when `GLIBC_TUNABLES` names the tunable (after the re-execution,
-    or `=0` to opt out). Call it before anything else: the process is replaced (output flushed)."""
+    """Re-execute this command with `glibc.malloc.hugetlb=1` in `GLIBC_TUNABLES` where it helps (glibc >= 2.35,
+    THP "madvise"); returns at once elsewhere or when the tunable is named. Call it first: the process is replaced."""
     if HUGE_PAGES in os.environ.get("GLIBC_TUNABLES", "") or not _asks_for_huge_pages():
         return
     tunables = ":".join(filter(None, [os.environ.get("GLIBC_TUNABLES"), f"{HUGE_PAGES}=1"]))

@@ -1,9 +1,4 @@
-"""How many programs JAX compiles in this process and the seconds it spends compiling them, from
-JAX's own monitoring events (`jax.monitoring`): one `/jax/core/compile/backend_compile_duration`
-event per program handed to XLA, a program read from the persistent cache included (its seconds
-are then the read's; `/jax/compilation_cache/cache_hits` counts those). This module imports jax
-only in `listen`; before it, or for the torch backend, the counts stay at zero.
-"""
+"""Programs JAX compiles in this process and their seconds, from `jax.monitoring` (jax imported in `listen`)."""
 
 from __future__ import annotations
 

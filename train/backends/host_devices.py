@@ -1,11 +1,4 @@
-"""One JAX device per CPU core for searching: `translate`, `evaluate` and `aiayn translate-bench`
-ask XLA for them before jax is imported, and decode each batch data parallel over every device.
-
-XLA:CPU runs a beam search's small matmuls on one core; split into one device per core, each core
-searches its share of the batch, faster with the same outputs (docs/performance.md#against-ctranslate2).
-Training splits the host into its --devices (`aiayn train`); a GPU or TPU machine uses its accelerators.
-This module imports no framework.
-"""
+"""One JAX device per CPU core for searching, asked before jax loads (docs/performance.md#against-ctranslate2)."""
 
 from __future__ import annotations
 
@@ -16,8 +9,7 @@ from collections.abc import MutableMapping
 
 ENV = "AIAYN_HOST_DEVICES"
 FLAG = "--xla_force_host_platform_device_count"
-# Each XLA CPU device costs memory and start-up time (docs/operations.md#translating): a mistyped
-# count fails with one line instead.
+# Each XLA CPU device costs memory and start-up time (docs/operations.md#translating): a bound, in one line.
 MAX_DEVICES = 256
 HELP = (f"On a CPU, jax runs decode over one device per core ({ENV}=N sets the count, {ENV}=1 turns this off; "
         f"a count in XLA_FLAGS is kept)")
@@ -32,8 +24,7 @@ def cores() -> int:
 
 
 def check_xla_flags(environ: MutableMapping[str, str] | None = None) -> None:
-    """ValueError for a device count in $XLA_FLAGS that is not a whole number from 1: XLA would abort
-    the process printing its whole flag list (94 lines) instead. Called before jax reads them."""
+    """ValueError for a device count in $XLA_FLAGS that is not a whole number from 1 (XLA would abort)."""
     flags = (os.environ if environ is None else environ).get("XLA_FLAGS", "")
     for value in re.findall(rf"{FLAG}(\S*)", flags):
         if not re.fullmatch(r"=0*[1-9]\d*", value):
@@ -42,10 +33,8 @@ def check_xla_flags(environ: MutableMapping[str, str] | None = None) -> None:
 
 
 def split_host(environ: MutableMapping[str, str] | None = None, count: int | None = None) -> int | None:
-    """Add `FLAG=N` to XLA_FLAGS, N = `count` (training's --devices), else $AIAYN_HOST_DEVICES or the cores (at
-    most MAX_DEVICES; a --devices beyond them is refused by the mesh), unless jax is already imported or XLA_FLAGS
-    names a count; the count added, or None. ValueError for a $AIAYN_HOST_DEVICES not from 1 to MAX_DEVICES, or a
-    bad XLA_FLAGS count."""
+    """Add `FLAG=N` to XLA_FLAGS (N: `count`, else $AIAYN_HOST_DEVICES or the cores, at most MAX_DEVICES) unless
+    jax is imported or a count is named; the count added, or None. ValueError for a bad count."""
     environ = os.environ if environ is None else environ
     check_xla_flags(environ)
     flags = environ.get("XLA_FLAGS", "")

@@ -1,9 +1,4 @@
-"""What the framework-neutral code asks of a backend, by role: `Trainer` (updates, evaluation loss,
-schedule: train.loop), `Translator` (search, attention weights: translate, evaluate, attention) and
-`Store` (checkpoints, the framework-neutral state: loop, average, parity); `Backend` is all three.
-Arrays cross it as NumPy; per-step metrics stay on the device until `fetch`, so the loop decides
-when to synchronise. This module imports neither framework.
-"""
+"""What the framework-neutral code asks of a backend (NumPy in and out): `Trainer`, `Translator`, `Store`, `Backend`."""
 
 from __future__ import annotations
 
@@ -25,8 +20,7 @@ Metrics = Mapping[str, Any]
 
 @dataclasses.dataclass(frozen=True)
 class Topology:
-    """The processes and devices a run trains on. Every update's global batch is split evenly
-    over `num_devices` (all processes together); process 0 alone writes logs and results."""
+    """The processes and devices a run trains on; process 0 alone writes logs and results."""
 
     process_index: int = 0
     process_count: int = 1
@@ -59,9 +53,8 @@ class Trainer(Protocol):
         """Trainable parameters (a shared embedding counted once)."""
 
     def train_step(self, batches: Sequence[Batch]) -> Metrics:
-        """One update from `grad_accum` micro-batches. Returns device values, not synced: loss (label-smoothed,
-        mean per target token), nll (the same without smoothing), grad_norm (before clipping), lr (of this update),
-        tokens (the global batch's target tokens)."""
+        """One update from `grad_accum` micro-batches; device values, not synced: loss, nll, grad_norm (before
+        clipping), lr, tokens (the global batch's target tokens)."""
 
     def fetch(self, metrics: Sequence[Metrics]) -> list[dict[str, float]]:
         """The host values of some `train_step` results: one synchronisation for all of them."""
@@ -75,8 +68,7 @@ class Trainer(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class Hypotheses:
-    """The n best outputs of each sentence, best first: a search's `n_best` result as NumPy. A
-    slot without a hypothesis (fewer possible outputs than n) holds padding, log-prob and score -inf."""
+    """A search's n best as NumPy, best first; an empty slot holds padding and -inf."""
 
     tokens: np.ndarray  # (B, n, L) int32: target ids ending with <eos>, then <pad>
     logprob: np.ndarray  # (B, n) float32: the sum of the tokens' log-probabilities, <eos> included
@@ -90,39 +82,23 @@ class Translator(Protocol):
     def translate(self, src: np.ndarray, beam_size: int = 4, alpha: float = 0.6, cached: bool = True,
                   scoring: str = "gnmt", n_best: int | None = None,
                   prefix: np.ndarray | None = None) -> np.ndarray | Hypotheses:
-        """Cached search (`decode.py` of the backend's framework), dropout off: src ids (B, S) ->
-        target ids (B, L) ending with <eos> then <pad>; greedy when beam_size is 1. L and each
-        sentence's length limit follow decode.output_length / sentence_limits (1.5 x source + 10,
-        at most the model's max_len). Never emits <pad> or <bos>. `cached=False`: the same search
-        re-running the decoder over every prefix (the benchmark's baseline). `scoring`: how beams
-        are ranked, "gnmt" or "hf" (`torch_reference.config.SCORINGS`). `n_best` K (<= beam_size):
-        `Hypotheses` of the K best instead (greedy: K = 1, scored by the same length penalty).
-        `prefix` (B, P): each output's forced first tokens, then <pad> (`decode.check_prefix`)."""
+        """Cached search, dropout off: src ids (B, S) -> target ids (B, L) ending with <eos> then <pad> (greedy for
+        beam_size 1; lengths: decode.output_length); `n_best` K: `Hypotheses`; `prefix` (B, P): forced first tokens."""
 
     def sample(self, src: np.ndarray, seed: int, num_samples: int = 1, temperature: float = 1.0, top_k: int = 0,
                top_p: float = 1.0, sentence_ids: np.ndarray | None = None) -> Hypotheses:
-        """`num_samples` N translations of each source drawn at random (`sampling.sample` of the
-        backend's framework: the same tokens in both for the same seed), dropout off: src ids (B, S)
-        -> `Hypotheses` with tokens (B, N, L), logprob (B, N) the sum of the drawn tokens' untempered
-        log-probabilities, score = logprob. `sentence_ids` (B,): the ids the random numbers are keyed
-        by (0..B-1 unless given). ValueError for bad settings."""
+        """`num_samples` N random translations of each source (`sampling.sample`, the same tokens in both frameworks):
+        `Hypotheses` (B, N, L), score = logprob; `sentence_ids` key the random numbers. ValueError for bad settings."""
 
     def score(self, src: np.ndarray, tgt: np.ndarray) -> np.ndarray:
-        """The log-probability of each target token, dropout off: src ids (B, S), tgt ids (B, T)
-        ending with <eos> then <pad> -> float32 (B, T), 0 at padding (`decode.score`)."""
+        """Each target token's log-probability, dropout off: src (B, S), tgt (B, T) -> float32 (B, T), 0 at padding."""
 
     def cross_attention(self, src: np.ndarray, tgt_in: np.ndarray) -> np.ndarray:
-        """The decoder's cross-attention weights, dropout off, for src ids (B, S) and decoder
-        inputs tgt_in (B, T) (teacher forcing: <bos> then the target tokens) -> float32
-        (B, layers, heads, T, S), as the model computes them (`return_attention=True`). Row t
-        weighs the source for the prediction after tgt_in[:, t]; each row sums to 1 and padded
-        source positions get 0."""
+        """Cross-attention weights, dropout off: src (B, S), tgt_in (B, T) -> float32 (B, layers, heads, T, S)."""
 
     def ensemble(self, others: Sequence[Any], average: str = "logprob") -> None:
-        """Translate, sample and score from now on with the twin's `Ensemble` of this backend's model
-        and `others`' (backends of the same framework, checkpoints restored; kept alive by it): their
-        log-probabilities averaged by `average`. Training, checkpoints and attention weights are then
-        no longer this backend's business. ValueError for members of other vocabulary sizes or ids."""
+        """Translate, sample and score from now on with the `Ensemble` of this model and `others`' (backends of the
+        same framework), averaged by `average`. ValueError for members of other vocabulary sizes or ids."""
 
 
 @runtime_checkable
@@ -130,8 +106,7 @@ class Store(Protocol):
     """Checkpoints on disk and the training state as NumPy."""
 
     def save(self, meta: dict[str, Any], metrics: dict[str, float] | None = None) -> None:
-        """Checkpoint weights, optimizer state and step, with the JSON `meta` (data position,
-        config); `metrics` (e.g. {"bleu": ...}) ranks it for keep-the-best."""
+        """Checkpoint the state with the JSON `meta`; `metrics` (e.g. {"bleu": ...}) ranks it for keep-the-best."""
 
     def restore(self, which: str | int = "latest") -> dict[str, Any]:
         """Load checkpoint "latest", "best" or a step number; returns its `meta` (FileNotFoundError if none)."""
@@ -149,10 +124,8 @@ class Store(Protocol):
         """Weights, Adam's moments, the update count and the random state, as NumPy copies."""
 
     def import_state(self, state: TrainingState) -> None:
-        """Continue from `state` (of this framework, or converted to its layout by aiayn convert):
-        weights, moments and update count (the schedule's position follows it); the random state
-        when it is this framework's, else the backend keeps its own. Keys, shapes and dtypes are
-        checked strictly (CheckpointMismatchError, ValueError)."""
+        """Continue from `state` in this framework's layout (weights, moments, step; the random state when it is this
+        framework's), checked strictly (CheckpointMismatchError, ValueError)."""
 
     def close(self) -> None:
         """Finish pending checkpoint writes."""

@@ -1,11 +1,4 @@
-"""The JAX backend: `jax_transformer.Transformer` (Flax NNX) trained with optax under one `jax.jit`.
-
-The training state is the pytree {"params", "opt_state", "step"} and the update the pure
-`train_step(state, batch, rng) -> (state, metrics)`, its state donated. Dropout keys are
-`fold_in(rng, step)`, so a resumed run draws the masks of an uninterrupted one. Data parallelism,
-processes, FSDP and precision: docs/operations.md#devices-and-processes. Checkpoints:
-`train.checkpoints.jax_store.JaxStore` (orbax), restored onto the current mesh and layout.
-"""
+"""The JAX backend: `jax_transformer.Transformer` trained with optax under one `jax.jit`."""
 
 from __future__ import annotations
 
@@ -58,9 +51,7 @@ COMPUTE_DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}  # None: the parame
 
 
 def initialize(exp_cfg: ExperimentConfig) -> Topology:
-    """Once per process, where a CLI starts: the compilation cache, `jax.distributed.initialize` for
-    a multi-process run, then the device platform's process-wide settings. Returns where the run trains.
-    From here on the process counts its compilations (`compiles`)."""
+    """Once per process: the compile cache, `jax.distributed`, the platform's settings; where the run trains."""
     compiles.listen()
     jax_cache.enable()
     sharding.initialize_distributed(exp_cfg.coordinator_address, exp_cfg.num_processes, exp_cfg.process_id)
@@ -80,8 +71,7 @@ def allgather(array: np.ndarray) -> np.ndarray:
 
 
 def full_float32_matmuls(dtype: str, platform: str) -> bool:
-    """For float32 training off the CPU (where JAX's default rounds matmul inputs: TF32, bfloat16), make
-    JAX's matmul precision "highest" unless the user set one. True when it did."""
+    """Float32 off the CPU: JAX's matmul precision "highest" unless the user set one; True when it did."""
     if dtype != "float32" or platform == "cpu" or jax.config.jax_default_matmul_precision is not None:
         return False
     jax.config.update("jax_default_matmul_precision", "highest")
@@ -124,8 +114,7 @@ def micro_grads(ctx: StepContext, params, batch, total_tokens, rng, step, index)
 
     def objective(params):
         if ctx.gather is not None:
-            # ZeRO-3: every device gathers each parameter whole and computes on its own rows, as replicated data
-            # parallelism does (the partitioner may split a matmul's contraction instead: another summation order).
+            # ZeRO-3: each parameter gathered whole, each device its own rows (not a split contraction: another sum).
             params = jax.lax.with_sharding_constraint(params, ctx.gather)
         return loss_sums(ctx, params, batch, key, total_tokens, False)
 
@@ -174,9 +163,7 @@ def eval_sums(ctx: StepContext, params, batch):
 
 def search(ctx: StepContext, params, src, prefix, beam_size: int, alpha: float, cached: bool, scoring: str,
            n_best: int | None):
-    """Output tokens (B, L) of greedy (beam_size 1) or beam search over src (B, S), each output
-    starting with its row of prefix (B, P) (or None); with `n_best` (tokens (B, n, L), log-probs
-    (B, n), scores (B, n)) of the n best."""
+    """Greedy (beam_size 1) or beam search over src (B, S) from `prefix` (B, P): tokens (B, L), or `n_best`'s three."""
     model = ctx.model(params)
     if beam_size == 1:
         tokens, logprob = decode.greedy_search(model, src, cached=cached, prefix=prefix)
@@ -189,9 +176,7 @@ def search(ctx: StepContext, params, src, prefix, beam_size: int, alpha: float, 
 
 
 def sharded_search(ctx: StepContext, mesh, params, src, prefix, beam_size: int, alpha, *options):
-    """`search` data parallel: each device of `mesh` searches its own rows of src and prefix (sharded along
-    `data`) with its copy of the replicated parameters and alpha, its loop ending when its own sentences are
-    done (`shard_map`; no collective inside, so `check_vma=False`); the output sharded alike."""
+    """`search` data parallel over `mesh` (`shard_map`, no collective inside): each device its own rows."""
     whole, rows = jax.sharding.PartitionSpec(), jax.sharding.PartitionSpec(sharding.DATA_AXIS)
     arrays = (src,) if prefix is None else (src, prefix)
     per_device = jax.shard_map(lambda p, a, s, x=None: search(ctx, p, s, x, beam_size, a, *options), mesh=mesh,
@@ -200,8 +185,7 @@ def sharded_search(ctx: StepContext, mesh, params, src, prefix, beam_size: int, 
 
 
 def draw_samples(ctx: StepContext, params, src, seed, sentence_ids, num_samples: int, temperature, top_k, top_p):
-    """(tokens (B, N, L), log-probs (B, N)) of `sampling.sample` over src (B, S), all but `num_samples` traced (one
-    program for every seed and setting): its loop alone, as `sample`'s checks read host values (the caller checks)."""
+    """(tokens (B, N, L), log-probs (B, N)) of `sampling.sample_loop` over src (B, S), the settings traced."""
     model = ctx.model(params)
     return sampling.sample_loop(model, src, seed, sentence_ids, num_samples, temperature, top_k, top_p, 1.5, 10)
 
@@ -253,8 +237,7 @@ class JaxBackend(StoreMethods):
         self._step = 0  # host copy of state["step"], so reading it never syncs
         self.store = JaxStore(checkpoint_dir, exp_cfg.keep_checkpoints)
 
-        # The state (and the gradient accumulator, shaped like the parameters) in its layout, batches split along
-        # `data`, the rest replicated; a single sharding is a pytree prefix: one for every leaf of that argument.
+        # The state and the gradient accumulator in its layout, batches along `data`, the rest replicated (a prefix).
         rows = sharding.batch_sharded(self.mesh)
         state_s = self.state_sharding
         fsdp = self.layout == "fsdp"
@@ -272,8 +255,7 @@ class JaxBackend(StoreMethods):
         self._compile_decoders()
 
     def _compile_decoders(self) -> None:
-        # Jitted over the parameters alone: a call skips nnx.jit's walk of the module graph
-        # (docs/performance.md#what-made-the-jax-search-fast); eagerly, every operation would compile per shape.
+        # Jitted over the parameters alone, no nnx.jit graph walk (docs/performance.md#what-made-the-jax-search-fast).
         bound, ctx = functools.partial, self.ctx
         self._eval = jax.jit(bound(eval_sums, ctx))  # on one device, over local_copy(params)
         # alpha (argument 4) is data: one program for every alpha (a server's requests each gave their own)
@@ -300,8 +282,7 @@ class JaxBackend(StoreMethods):
         return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.state["params"]))
 
     def global_batch(self, batch: Batch) -> dict[str, jax.Array]:
-        """The loop's batch (the global one, built alike in every process) as arrays sharded over
-        the mesh, this process supplying its own rows (the Batcher gathered only those: `global_rows`)."""
+        """The loop's global batch as arrays sharded over the mesh, this process supplying its own rows."""
         rows = slice(None) if batch.global_rows is not None else sharding.process_slice(len(batch.src))
         return sharding.shard_batch(_as_arrays(batch, rows), self.mesh)
 
@@ -328,8 +309,7 @@ class JaxBackend(StoreMethods):
         return [{k: float(v) for k, v in m.items()} for m in jax.device_get(list(metrics))]
 
     def mesh_params(self):
-        """The parameters whole on every device of the mesh: as they are when replicated; under
-        FSDP gathered once per step (every process takes part)."""
+        """The parameters whole on every device: under FSDP gathered once per step (by every process)."""
         if self.layout == "replicated":
             return self.state["params"]
         if self._whole_params is None or self._whole_params[0] != self._step:
@@ -356,8 +336,7 @@ class JaxBackend(StoreMethods):
         devices = self.mesh.devices.size
         if devices == 1:
             return _host(self._search(self.local_params(), src, prefix, *options))
-        # Data parallel over the mesh: rows of padding (no sentence: done at once) up to a multiple
-        # of the devices, each process supplying its own rows, the output gathered on every process.
+        # Data parallel: padding rows (done at once) up to a multiple of the devices, the output gathered.
         rows = len(src)
         arrays = {"src": src} if prefix is None else {"src": src, "prefix": prefix}
         arrays = {k: np.pad(v, ((0, -rows % devices), (0, 0)), constant_values=self.model_cfg.pad_id)
@@ -397,8 +376,7 @@ class JaxBackend(StoreMethods):
         self.store.save(self._step, self.state, meta, metrics)
 
     def restore(self, which: str | int = "latest") -> dict[str, Any]:
-        # Onto this backend's mesh and layout, whatever the checkpoint was written from (orbax reshards on read):
-        # 8 devices -> 1, 1 -> 8, replicated -> FSDP and back.
+        # Onto this mesh and layout whatever the checkpoint's (orbax reshards: 8 devices -> 1, replicated -> FSDP).
         abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                 self.state, self.state_sharding)
         self.state, meta = self.store.restore(which, abstract)
@@ -432,15 +410,15 @@ class JaxBackend(StoreMethods):
         moments = {} if state.mu is None else {
             "mu": _from_flat(template, state.mu, "Adam first moments (mu / exp_avg)"),
             "nu": _from_flat(template, state.nu, "Adam second moments (nu / exp_avg_sq)")}
-        # Host values: one device array at every `count`, placed on several devices, keeps one buffer there,
-        # which the first update donates twice (XLA: "Attempt to donate the same buffer twice", a segfault).
+        # Host values: one device array at every `count` would be donated twice by the first update (a segfault).
         opt_state = optax.tree_utils.tree_set(self.tx.init(params), count=np.asarray(state.step, np.int32), **moments)
         step = np.asarray(state.step, old["step"].dtype)
         self.state = sharding.place({"params": params, "opt_state": opt_state, "step": step}, self.state_sharding)
         self._step = state.step
         self._whole_params = None
         if state.rng is not None:
-            self.rng = sharding.replicate(jax.random.wrap_key_data(np.asarray(state.rng, np.uint32)), self.mesh)
+            self.rng = sharding.place(jax.random.wrap_key_data(np.asarray(state.rng, np.uint32)),
+                                      sharding.replicated(self.mesh))
 
 
 def _key(path: tuple) -> str:
@@ -450,8 +428,7 @@ def _key(path: tuple) -> str:
 
 
 def _to_flat(tree: Any) -> dict[str, np.ndarray]:
-    """{attribute path: NumPy copy} of a parameter-shaped tree (copies: the state's buffers are
-    donated to the next update)."""
+    """{attribute path: NumPy copy} of a parameter-shaped tree (the state's buffers are donated)."""
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     return {_key(path): np.array(jax.device_get(leaf), copy=True) for path, leaf in leaves}
 

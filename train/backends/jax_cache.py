@@ -1,7 +1,4 @@
-"""JAX's persistent compilation cache, on by default (`jax_backend.initialize` turns it on for every
-CLI): $AIAYN_JAX_CACHE (`off` turns it off), else $JAX_COMPILATION_CACHE_DIR, else
-$XDG_CACHE_HOME/aiayn/jax (docs/operations.md#the-compile-cache). This module imports jax only in `enable`.
-"""
+"""JAX's persistent compilation cache, on by default (docs/operations.md#the-compile-cache); jax loads in `enable`."""
 
 from __future__ import annotations
 
@@ -13,8 +10,7 @@ from pathlib import Path
 ENV = "AIAYN_JAX_CACHE"
 OFF = ("", "off", "0", "no", "false", "none")
 MAX_BYTES = 4 << 30
-# Programs that compile faster than this are not kept: a search or train step takes seconds on a
-# CPU; the small helper programs (placing arrays, gathers) are not worth a file each.
+# Faster compiles are not kept: a search or step takes seconds; helper programs are not worth a file each.
 MIN_COMPILE_SECONDS = 0.2
 HELP = (f"JAX keeps compiled programs across processes in ~/.cache/aiayn/jax ($XDG_CACHE_HOME/aiayn/jax): "
         f"{ENV}=DIR moves it, {ENV}=off turns it off")
@@ -31,8 +27,7 @@ def cache_dir() -> Path | None:
 
 
 def enable() -> Path | None:
-    """Point JAX's persistent cache at `cache_dir()` (before the first compilation); the directory,
-    or None when off or when it cannot be created or written (a warning then: the process compiles as usual)."""
+    """Point JAX's persistent cache at `cache_dir()`; the directory, or None (off, or unusable: a warning)."""
     import jax
 
     path = cache_dir()

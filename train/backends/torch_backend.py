@@ -1,9 +1,4 @@
-"""The PyTorch backend: `torch_reference.Transformer` with torch.optim, the same semantics as JAX, on
-CUDA when available, else the CPU. `--dtype bfloat16` runs the forward passes under
-`torch.autocast`; checkpoints are `train.checkpoints.torch_store.TorchStore`'s (safetensors). On several
-devices: one process each (`--devices N` starts them, or torchrun does), DistributedDataParallel,
-each process taking its rows of the global batch (docs/operations.md#devices-and-processes).
-"""
+"""The PyTorch backend: `torch_reference.Transformer` with torch.optim, DDP or FSDP on several devices."""
 
 from __future__ import annotations
 
@@ -47,9 +42,7 @@ def _long(device: torch.device, *arrays: np.ndarray) -> tuple[torch.Tensor, ...]
 
 
 def initialize(exp_cfg: ExperimentConfig) -> Topology:
-    """Once per process, where a CLI starts: join the run's processes (torchrun's environment, or
-    the one `launch` gives the processes it starts) and set torch's intra-op threads (--threads,
-    else this process's share of the CPUs)."""
+    """Once per process: join the run's processes (torchrun's or `launch`'s) and set torch's threads."""
     if exp_cfg.coordinator_address or exp_cfg.num_processes not in (None, 1):
         raise OptionError("{} and {} are jax's: launch torch with torchrun", "coordinator_address", "num_processes")
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -76,10 +69,7 @@ def initialize(exp_cfg: ExperimentConfig) -> Topology:
 
 @contextlib.contextmanager
 def launch(exp_cfg: ExperimentConfig, target, **kwargs):
-    """`--devices N` outside torchrun: processes 1..N-1 started for the block, each running
-    `target(exp_cfg, **kwargs)` (train.loop.train) with torchrun's environment on this machine, this
-    process number 0. On the way out the process group ends (on an error first, so that the others,
-    waiting in a collective, stop in one line) and the others are waited for."""
+    """`--devices N` outside torchrun: processes 1..N-1 running `target(exp_cfg, **kwargs)` beside this one (0)."""
     if (exp_cfg.devices or 1) == 1 or "WORLD_SIZE" in os.environ:
         yield
         return
@@ -150,16 +140,6 @@ def allgather(array: np.ndarray) -> np.ndarray:
     return torch.stack(gathered).cpu().numpy()
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This process's part of a tensor: an FSDP shard's local tensor, else the tensor."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    """A tensor whole: an FSDP-sharded one gathered from every process."""
-    return _collective(tensor.full_tensor) if isinstance(tensor, DTensor) else tensor.detach()
-
-
 def _like(param: torch.Tensor, value) -> torch.Tensor:
     """A whole array as a tensor laid out as `param`: sharded as it is under FSDP (each process holds it whole)."""
     value = value if isinstance(value, torch.Tensor) else torch.from_numpy(np.array(value))
@@ -169,8 +149,7 @@ def _like(param: torch.Tensor, value) -> torch.Tensor:
 
 
 def _sum_gradients(state, bucket):  # unannotated: DDP checks the annotations, strings here
-    """DDP's communication hook: gradients summed over the processes, not averaged: each process's
-    loss is already divided by the global batch's target tokens (the mean over the batch, as JAX)."""
+    """DDP's hook: gradients summed over the processes (each loss is already over the global batch's tokens)."""
     return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda fut: fut.value()[0])
 
 
@@ -191,8 +170,7 @@ class TorchBackend(StoreMethods):
         torch.manual_seed(exp_cfg.seed)
         self.model = torch_reference.Transformer(model_cfg, self.kernels, exp_cfg.remat).to(self.device)
         self.forward = self.trained = self.model  # the module the updates go through, and the one they change
-        # FSDP2: each process keeps a shard of every parameter, gradient and Adam moment; self.model, whole, is
-        # what evaluation and search use, refreshed from the shards once per update (`_whole`), as JAX gathers.
+        # FSDP2: each process a shard of every array; self.model, whole, refreshed once per update (`_whole`).
         self.fsdp = exp_cfg.param_sharding == "fsdp" and self.distributed
         self._whole_step = 0
         if self.fsdp:
@@ -209,8 +187,7 @@ class TorchBackend(StoreMethods):
             self.forward = torch.compile(self.forward)
         # lr = 1 times the schedule's factor: LambdaLR multiplies the base lr by lr_lambda(epoch).
         self.optimizer = torch.optim.Adam(self.trained.parameters(), lr=1.0, betas=(0.9, 0.98), eps=1e-9)
-        # LambdaLR counts from 0 and sets lr_lambda(0) at construction; the paper counts from 1,
-        # so update n (from 1) runs at lr(step=n), as optax's count + 1 on the JAX side.
+        # LambdaLR counts from 0, the paper from 1: update n runs at lr(step=n), as optax's count + 1.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda epoch: self.learning_rate(epoch + 1))
         self.store = TorchStore(checkpoint_dir, exp_cfg.keep_checkpoints, model_cfg)
 
@@ -277,21 +254,20 @@ class TorchBackend(StoreMethods):
                 self.trained.set_requires_gradient_sync(last)
             with contextlib.nullcontext() if last or self.fsdp else self.forward.no_sync():
                 loss_sum, nll_sum = _collective(self._loss_sums, self.forward, self._rows(batch))  # FSDP gathers
-                # Sum over micro-batches of (loss sum / the update's tokens): the gradient of one
-                # batch holding all of them, as on the JAX side.
+                # Sum over micro-batches of (loss sum / the update's tokens): one batch's gradient, as JAX.
                 _collective((loss_sum / total_tokens).backward)
             sums = sums + torch.stack([loss_sum.detach(), nll_sum])
         if self.distributed:
             _collective(dist.all_reduce, sums)
         loss_total, nll_total = sums
-        grads = [_local(p.grad) for p in self.trained.parameters() if p.grad is not None]  # FSDP: this process's shards
+        grads = [g.to_local() if isinstance(g := p.grad, DTensor) else g  # FSDP: this process's shards
+                 for p in self.trained.parameters() if p.grad is not None]
         squares = sum(g.square().sum() for g in grads)
         if self.fsdp:
             _collective(dist.all_reduce, squares)
         grad_norm = torch.sqrt(squares)  # optax.tree.norm, before clipping
         if self.exp_cfg.clip_norm is not None:
-            # optax.clip_by_global_norm: g unchanged when ||g|| < max_norm, else (g / ||g||) * max_norm.
-            # Not torch.nn.utils.clip_grad_norm_, which scales by max_norm / (||g|| + 1e-6).
+            # optax.clip_by_global_norm's (g / ||g||) * max_norm, not clip_grad_norm_'s max_norm / (||g|| + 1e-6).
             max_norm = self.exp_cfg.clip_norm
             keep = grad_norm < max_norm
             with torch.no_grad():
@@ -367,7 +343,8 @@ class TorchBackend(StoreMethods):
     def export_state(self) -> TrainingState:
         names = {p: name for name, p in self.trained.named_parameters()}
         moments = {names[p]: s for p, s in self.optimizer.state.items()}
-        mu, nu = ({n: _full(s[key]).cpu().numpy().copy() for n, s in moments.items()} or None
+        whole = lambda t: _collective(t.full_tensor) if isinstance(t, DTensor) else t.detach()  # noqa: E731 (FSDP)
+        mu, nu = ({n: whole(s[key]).cpu().numpy().copy() for n, s in moments.items()} or None
                   for key in ("exp_avg", "exp_avg_sq"))
         rng = torch.get_rng_state().numpy().copy()
         state = TrainingState("torch", self.step, self.weights(), mu, nu, rng)

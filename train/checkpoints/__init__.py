@@ -1,5 +1,4 @@
-"""Checkpoints, framework-neutral: the training state that crosses frameworks, the rule that picks a
-step, the digests that prove a checkpoint's files, and `CheckpointStore` (`jax_store`, `torch_store`)."""
+"""Checkpoints, framework-neutral: `TrainingState`, choosing a step, digests, and `CheckpointStore`."""
 
 from __future__ import annotations
 
@@ -24,9 +23,8 @@ WEIGHTS_CONFIG_KEY = "transformer_config"
 
 @dataclasses.dataclass
 class TrainingState:
-    """One backend's training state as NumPy arrays by attribute path, in `framework`'s layout (jax: kernels
-    (in, out); torch: weights (out, in)); `mu`, `nu`: Adam's moments (None before an update); `rng`: the
-    framework's random state, None once the state has crossed frameworks (dropout streams cannot be matched)."""
+    """One backend's training state as NumPy arrays by attribute path in `framework`'s layout; `mu`, `nu`: Adam's
+    moments (None before an update); `rng`: the framework's random state (None once converted)."""
 
     framework: str
     step: int
@@ -214,8 +212,7 @@ class CheckpointStore:
         return self.root() / str(step)
 
     def restore(self, which: str | int, *args: Any) -> Any:
-        """`load(step, *args)` of the checkpoint `which` names, its digest verified first (a CheckpointError
-        naming the others); "latest" and "best" chosen again while a run beside the reader rotates them."""
+        """`load(step, *args)` of the checkpoint `which` names, digest verified; retried while a run rotates them."""
         for attempt in range(ROTATION_RETRIES + 1):
             steps, step = self.steps(), None
             try:

@@ -20,8 +20,7 @@ from . import CheckpointStore, write_checkpoint_digest
 
 @contextlib.contextmanager
 def quiet_orbax():
-    """Within: absl and asyncio logs off, and the 'Event loop is closed' tracebacks of TensorStore's writes
-    after a failed save dropped: orbax warns of each save without metrics, `saving` says a failure in a line."""
+    """Within: absl and asyncio logs off, and TensorStore's 'Event loop is closed' tracebacks dropped."""
     levels, previous = {name: logging.getLogger(name).level for name in ("absl", "asyncio")}, sys.unraisablehook
     sys.unraisablehook = lambda r: None if repr(r.exc_value) == "RuntimeError('Event loop is closed')" else previous(r)
     for name in levels:

@@ -1,5 +1,4 @@
-"""The torch backend's checkpoints as NumPy, never pickle: CHECKPOINTS/<step>/ holds model.safetensors,
-optimizer.safetensors (Adam's moments, the CPU generator), meta.json, digest.json, renamed into place."""
+"""The torch backend's checkpoints as safetensors and JSON, never pickle, renamed into place."""
 
 from __future__ import annotations
 

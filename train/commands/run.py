@@ -58,8 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None, *, process_settings: bool = False) -> int:
-    """The command; `process_settings`: apply the allocator setting a JAX run wants first (it
-    re-executes the process once, so only `python -m train.run` and `aiayn train` ask for it)."""
+    """The command; `process_settings`: re-execute with the allocator setting a JAX run wants, first."""
     cfg, given = parse_config(argv)
     return exit_status(_train, cfg, given, process_settings)
 

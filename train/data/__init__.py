@@ -1,7 +1,4 @@
-"""What a run trains on, as NumPy; never torch or jax (the submodules: docs/design.md#layout).
-
-The names below are the package's interface (`from train import data; data.load_parallel(...)`).
-"""
+"""What a run trains on, as NumPy, never torch or jax (docs/design.md#layout); the names below are the interface."""
 
 from torch_reference.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 

@@ -1,7 +1,4 @@
-"""`Batcher` cuts encoded pairs into padded int32 batches under a token budget, in a few length
-buckets or packed several pairs a row (one shape), so jit compiles a handful of shapes at most,
-shuffled per epoch from a seed, and resumable from a JSON-able state.
-"""
+"""`Batcher`: padded int32 batches under a token budget, bucketed or packed, shuffled per epoch, resumable."""
 
 from __future__ import annotations
 
@@ -23,8 +20,7 @@ WINDOW = 1 << 20
 
 
 def bucket_lengths(max_len: int) -> tuple[int, ...]:
-    """Padded lengths 8, 16, 24, 32, 48, 64, 96, ... (2^k and 3*2^k) below max_len, then max_len:
-    from 16 on, neighbours differ by at most 1.5x, so padding wastes under a third of a bucket."""
+    """Padded lengths 8, 16, 24, 32, 48, 64, 96, ... (2^k and 3*2^k) below max_len, then max_len."""
     if max_len < 1:
         raise ValueError(f"max_len must be >= 1, got {max_len}")
     steps = sorted({m << k for m in (8, 24) for k in range(max_len.bit_length())})
@@ -33,9 +29,8 @@ def bucket_lengths(max_len: int) -> tuple[int, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class Batch:
-    """One padded batch: src, tgt_in and tgt_out are int32, padded with 0 to the bucket length S = T.
-    Packed (google/flax examples/wmt's convention), `src_segments` and `tgt_segments` number a row's
-    pairs 1, 2, ... (0 on padding) and each segment's tgt_in starts with its own bos; else both None."""
+    """One padded batch of int32 src, tgt_in, tgt_out; packed, `src_segments`/`tgt_segments` number a row's pairs
+    1, 2, ... (0 on padding), each segment's tgt_in starting with bos (google/flax's wmt convention)."""
 
     src: np.ndarray  # (B, S): source ids + eos
     tgt_in: np.ndarray  # (B, T): decoder input, shift_right(tgt_out): bos + tgt_out[:, :-1] (per segment)
@@ -51,19 +46,10 @@ class Batch:
 
 
 class Batcher:
-    """Padded batches under a token budget, in length buckets or packed, shuffled per epoch, resumable.
-
-    Buckets: a pair goes to the smallest bucket length L >= max(len(src), len(tgt)) (<eos> included),
-    both sides padded to L, B_L = floor(token_budget / (L * multiple_of)) * multiple_of rows; a bucket's
-    last batch is filled with all-pad rows (ids -1), so one shape per bucket in use (`shapes`). Pairs
-    longer than max_len are dropped (`num_dropped`). `pack=True`: one shape (B_P, `pack_length`), rows
-    filled first-fit in the epoch's order (docs/performance.md#sequence-packing).
-
-    Epoch e is shuffled with the seed (seed, e); `next(batcher)` runs through epochs endlessly, `state()`
-    and `restore(state)` resume exactly, `epoch_batches(e)` yields one epoch without touching the state.
-    `examples`: pairs of ids, or a `TokenStore` whose rows are gathered when a batch is made.
-    `process=(index, count)`: each batch holds only that process's rows (`Batch.global_rows`).
-    """
+    """Padded batches under a token budget, shuffled per epoch with (seed, epoch), resumable (`state`, `restore`):
+    in buckets (a pair in the smallest length L >= its longer side, floor(token_budget / (L * multiple_of)) *
+    multiple_of rows, filler rows of ids -1; pairs over max_len dropped) or `pack`ed first-fit in one shape
+    (docs/performance.md#sequence-packing). `process=(index, count)`: only that process's rows."""
 
     def __init__(self, examples: Sequence[tuple[Sequence[int], Sequence[int]]] | TokenStore, token_budget: int,
                  max_len: int = 256, multiple_of: int = 1, shuffle: bool = True, seed: int = 0, pack: bool = False,
@@ -111,8 +97,7 @@ class Batcher:
 
     @property
     def num_batches(self) -> int:
-        """Batches per epoch: epoch 0's (packed, another's may differ by a few). A corpus of several windows:
-        the first window's count scaled by the kept pairs, an estimate (exact would mean planning the whole epoch)."""
+        """Batches per epoch: epoch 0's (packed: another's may differ by a few; several windows: an estimate)."""
         if self.windows > 1:
             first, kept = self._window_plan(0, 0), sum(self._counts.values())
             pairs = sum(int((ids >= 0).sum()) for _, ids in first)
@@ -134,11 +119,9 @@ class Batcher:
         return 1.0 - tokens / positions
 
     def _window_plan(self, epoch: int, window: int) -> list[tuple[int, np.ndarray]]:
-        """(L, pair indices) of every batch of `window` of `epoch`, in order (packed: (rows, pairs) a row, -1
-        after them). One window (corpora up to WINDOW pairs): the whole epoch, shuffled with the seed (seed, epoch).
-        Several: window k holds the pairs (a * i + b) mod N for i in [k * WINDOW, (k + 1) * WINDOW), a stride `a`
-        prime to N and `b` drawn per epoch, so that each window spans the whole corpus; shuffled inside with the
-        seed (seed, epoch, k)."""
+        """(L, pair indices) of every batch of `window` of `epoch` (packed: (rows, pairs) a row, -1 after them): one
+        window shuffled with (seed, epoch), or several, window k the pairs (a * i + b) mod N of its range (a prime
+        to N), each spanning the whole corpus."""
         if self._plan_cache[:2] == (epoch, window):
             return self._plan_cache[2]
         rng, n = np.random.default_rng((self.seed, epoch)), len(self.store)
@@ -169,8 +152,7 @@ class Batcher:
         return plan
 
     def _find(self, epoch: int, index: int) -> tuple[int, int, int, int]:
-        """(epoch, index, window, batches of the epoch before the window) of batch `index` of `epoch`; an index
-        past the epoch's end: the next epoch's first batch."""
+        """(epoch, index, window, batches before the window) of batch `index` of `epoch` (past its end: the next's)."""
         window, before = 0, 0
         if self._place[0] == epoch and self._place[2] <= index:  # the window of the last batch, or a later one
             window, before = self._place[1], self._place[2]
@@ -184,8 +166,7 @@ class Batcher:
             epoch, index, window, before = epoch + 1, 0, 0, 0
 
     def _packed(self, order: np.ndarray) -> list[np.ndarray]:
-        """The pairs of `order` packed first-fit into batches of B_P rows of P positions each: per
-        batch, a (rows in use, most pairs a row) array of pair indices, -1 after a row's pairs."""
+        """The pairs of `order` packed first-fit into batches: per batch, a (rows, pairs a row) array, -1 after."""
         length, size = self.pack_length, self.batch_size[self.pack_length]
         src_len, tgt_len = self._src_len[order], self._tgt_len[order]
         waiting, start, window, batches = np.zeros(0, np.int64), 0, 4 * size, []  # positions in `order`
@@ -266,10 +247,7 @@ class Batcher:
 
 
 def _first_fit(src_len: np.ndarray, tgt_len: np.ndarray, size: int, length: int) -> tuple[list[list[int]], int]:
-    """First-fit of a queue of pairs into `size` rows of `length` positions a side, computed row by row:
-    (each row's queue positions, the bit set of the positions no row took). Row r takes, in queue order,
-    each pair the rows before it left that fits what r has left: what first-fit gives it. A pair r
-    rejected stays rejected (a row only fills), so r's next pair is the lowest bit of (left & fits)."""
+    """First-fit of a queue of pairs into `size` rows: (each row's queue positions, the bit set of those left)."""
     fit_s, fit_t = [], []  # fit[room]: the bit set (a Python int, bit i for pair i) of the pairs that fit in room
     for lengths, fit in ((src_len, fit_s), (tgt_len, fit_t)):
         values = np.flatnonzero(np.bincount(lengths))  # the lengths present: a room fits what the longest below fits
@@ -292,22 +270,13 @@ def _first_fit(src_len: np.ndarray, tgt_len: np.ndarray, size: int, length: int)
 
 
 def fixed_lengths(max_len: int) -> tuple[int, ...]:
-    """The few padded lengths of fixed-shape search: 64, 128, ... below max_len, then max_len. Most
-    sentences fit the first: one search program, its shorter sources costing a little more encoder
-    and cross-attention work than a length of their own would (docs/performance.md#sequence-packing)."""
+    """The padded lengths of fixed-shape search: 64, 128, ... below max_len, then max_len."""
     return tuple(64 << k for k in range(max_len.bit_length()) if 64 << k < max_len) + (max_len,)
 
 
 def source_batches(src_ids: Sequence[Sequence[int]], max_len: int, token_budget: int,
                    batch_size: int | None = None, fixed: bool = False) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """(indices, padded src (B, L)) per batch: sentences grouped by length bucket and sorted by
-    length within it (a batch's sentences tend to finish together), at most `token_budget` padded
-    tokens and `batch_size` sentences per batch, every batch of a bucket padded with all-pad rows
-    (index -1) to one shape. Sources longer than max_len are cut to max_len - 1 tokens + <eos>.
-
-    `fixed`: the lengths are `fixed_lengths` and every batch of length L has the rows the budget
-    allows, however few sentences there are, so any set of sentences (a validation's, a test's)
-    runs in the same few shapes: few programs for jit to compile."""
+    """(indices, padded src (B, L)) per batch, by length bucket, sorted, filler rows -1; `fixed`: `fixed_lengths`."""
     if batch_size is not None:  # 0 would mean the default, -3 one sentence: silently
         POSITIVE.check("batch_size", batch_size)
     buckets = fixed_lengths(max_len) if fixed else bucket_lengths(max_len)
@@ -319,8 +288,7 @@ def source_batches(src_ids: Sequence[Sequence[int]], max_len: int, token_budget:
         members = members[np.argsort(lengths[members], kind="stable")]
         if not len(members):
             continue
-        # Rows per batch: the budget's, but no more than the next power of two above the bucket's
-        # sentence count (3 sentences do not run as 512 rows), so shapes stay few.
+        # Rows: the budget's, at most the power of two above the bucket's sentences (3 do not run as 512 rows).
         fewest = token_budget if fixed else 1 << (len(members) - 1).bit_length()
         size = max(1, min(token_budget // length, batch_size or token_budget, fewest))
         for start in range(0, len(members), size):

@@ -1,8 +1,4 @@
-"""`load_parallel(spec)`: sentence pairs from local files or a datasets-hub dataset, for the data
-specs of `train.run.EPILOG`; JSON and hub specs through HF `datasets`, text pairs and TSV directly.
-Both sides are stripped; pairs with a side then empty are skipped and counted. Every text file's lines
-end at "\n" only (`split_lines`), where Python's `str.splitlines` would also split at U+2028 and the like.
-"""
+"""`load_parallel(spec)`: sentence pairs from local files or the datasets hub (the specs of `train.run.EPILOG`)."""
 
 from __future__ import annotations
 
@@ -46,18 +42,14 @@ RACY_S = 2  # seconds: coarser than any filesystem's timestamps (FAT's are 2 s),
 
 
 def load_parallel(spec: str, cache_dir: str | Path | None = None) -> LoadedPairs:
-    """Sentence pairs from a spec string (the formats of `train.run.EPILOG`); `cache_dir`: datasets' cache.
-    FileNotFoundError for a missing file, ValueError for an unknown format, a missing column, or text
-    files whose line counts differ."""
+    """Sentence pairs from a spec string; FileNotFoundError for a missing file, ValueError for a bad spec or data."""
     stream = stream_parallel(spec, cache_dir, digest=False)[1]
     return LoadedPairs(list(stream), stream.skipped)
 
 
 def stream_parallel(spec: str, cache_dir: str | Path | None = None, digest: bool = True,
                     memo: Path | None = None) -> tuple[str, PairStream]:
-    """(a digest of the data's content ("" with digest=False), its pairs, empty sides skipped): text pairs
-    and hub datasets streamed, TSV and JSON read whole; `memo`: `file_digest`'s. Errors as `load_parallel`'s,
-    some while iterating."""
+    """(the data's digest ("" with digest=False), its pairs); `memo`: `file_digest`'s."""
     spec, _, options = spec.partition("#")
     cache_dir = None if cache_dir is None else str(cache_dir)
     if spec.startswith("hf:"):
@@ -88,9 +80,7 @@ def stream_parallel(spec: str, cache_dir: str | Path | None = None, digest: bool
 
 
 def file_digest(paths: Iterable[Path], memo: Path | None = None) -> str:
-    """sha256 over the bytes of `paths`; a file whose path, size, modification and change times and inode
-    are in the JSON file `memo` is not read again (as git's index does), unless written in the last
-    `RACY_S` seconds (another write within the clock's tick could keep all of them)."""
+    """sha256 over `paths`' bytes; a file whose stat the JSON `memo` holds is not read again (unless just written)."""
     try:
         known = read_json(memo, default={}) if memo is not None else {}
     except UserError:  # a damaged memo: read every file again, and rewrite it
@@ -138,8 +128,7 @@ def _text_pairs(paths: list[Path]) -> Iterator[tuple[str, str]]:
 
 
 def _hub_pairs(ds, src: str, tgt: str, where) -> Iterator[tuple]:
-    """Columns `src` and `tgt` (or keys of a `translation` dict column) of a datasets Dataset,
-    a thousand rows at a time from its memory-mapped Arrow table."""
+    """Columns `src` and `tgt` (or a `translation` dict column) of a datasets Dataset, a thousand rows at a time."""
     if src in ds.column_names and tgt in ds.column_names:
         columns = [src, tgt]
     elif "translation" in ds.column_names:
@@ -159,8 +148,7 @@ def _hub_pairs(ds, src: str, tgt: str, where) -> Iterator[tuple]:
 
 
 class PairStream:
-    """The pairs of an iterable of (source, target), both sides stripped of surrounding whitespace;
-    those with a side then empty are left out and counted in `skipped`."""
+    """The pairs of an iterable, both sides stripped; those with an empty side left out, counted in `skipped`."""
 
     def __init__(self, pairs: Iterable):
         self.pairs, self.skipped, self.read = pairs, 0, 0
@@ -213,8 +201,7 @@ def split_lines(text: str) -> list[str]:
 
 
 def _tsv_pairs(path: Path, src: str, tgt: str) -> list[tuple[str, str]]:
-    """Columns `src` and `tgt` of a TSV file with a header row: every row split at tabs, no
-    quoting, no NA values, and exactly the header's number of columns."""
+    """Columns `src` and `tgt` of a TSV file with a header row: split at tabs, no quoting, no NA values."""
     check_text(path)  # invalid UTF-8 named by its byte offset, a missing file FileNotFoundError
     with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
         lines = split_lines(f.read().decode("utf-8"))
@@ -233,8 +220,7 @@ def _tsv_pairs(path: Path, src: str, tgt: str) -> list[tuple[str, str]]:
 
 
 def _existing(*candidates: Path) -> Path:
-    """The first candidate that is a regular file; a directory, FIFO or device is named as such
-    (data is read twice, checked then loaded, which a stream cannot be)."""
+    """The first candidate that is a regular file; a directory, FIFO or device is named (data is read twice)."""
     for path in candidates:
         if path.is_file():
             return path
@@ -246,9 +232,8 @@ def _existing(*candidates: Path) -> Path:
 
 
 def check_text(path: Path, chunk_size: int = 1 << 20, max_line_bytes: int = MAX_LINE_BYTES) -> int:
-    """The size in bytes of `path` (decompressed when it ends in .gz). ValueError naming the byte offset
-    and line of its first invalid UTF-8 sequence, a line longer than `max_line_bytes` (refused before it
-    is held), or a file that cannot be read: `datasets` would name neither the file nor the offset."""
+    """The size in bytes of `path` (decompressed for .gz); ValueError naming the offset and line of invalid UTF-8,
+    a line over `max_line_bytes`, or a file that cannot be read."""
     decoder = codecs.getincrementaldecoder("utf-8")()
     offset, lines, open_line = 0, 0, 0  # bytes and newlines before the current chunk, bytes of its open line
     try:

@@ -1,6 +1,4 @@
-"""A corpus tokenized once (`TokenStore`), in memory or memory-mapped from `<cache>/<key>/`: `.npy` files keyed
-by the data and the tokenizers, built whole or not at all, checked against a manifest
-(docs/operations.md#the-corpus-store)."""
+"""A corpus tokenized once (`TokenStore`), built whole or not at all (docs/operations.md#the-corpus-store)."""
 
 from __future__ import annotations
 
@@ -37,8 +35,7 @@ LINE_EVERY_S = 5.0  # seconds between two progress lines where no bar is drawn: 
 
 
 def meter(desc: str, total: int | None = None, bar: bool = True):
-    """What a long step is doing, counted in pairs (`.update(n)`, a context): tqdm's bar on a terminal when `bar`,
-    else (piped output, --no-progress) a line every LINE_EVERY_S seconds and one at the end."""
+    """Progress counted in pairs: tqdm's bar when `bar`, else a line every LINE_EVERY_S seconds and one at the end."""
     if bar and sys.stderr.isatty():
         return tqdm(total=total, desc=desc, unit=" pairs", dynamic_ncols=True)
     return _Lines(desc, total)
@@ -80,9 +77,7 @@ def tell(text: str) -> None:
 
 
 class TokenStore:
-    """Flat token ids of both sides (`src`, `tgt`, uint16 or int32), each pair's lengths (`src_len`, `tgt_len`,
-    int32) and start offsets (`src_start`, `tgt_start`, int64): arrays or read-only memory maps; `digest` names
-    the data (a stored corpus's key: of its text and tokenizers)."""
+    """Flat token ids of both sides, each pair's lengths and start offsets (arrays or memory maps); `digest`."""
 
     def __init__(self, arrays: dict[str, np.ndarray], digest: str | None = None, skipped: int = 0):
         self.arrays, self.skipped = arrays, skipped  # skipped: pairs with an empty side, left out
@@ -142,10 +137,7 @@ def cache_dir(hf_cache: str | None = None) -> Path:
 
 def corpus_store(root: Path, data_digest: str, tokenizers: Tokenizers, pairs: Iterable[tuple[str, str]],
                  name: str = "corpus", progress: bool = True, total: int | None = None, skipped=None) -> TokenStore:
-    """The store of the data `data_digest` names tokenized by `tokenizers` under `root`: opened when
-    it is there, else built from `pairs` (read only then; `total` of them when known), with a progress bar on a
-    terminal when `progress`, lines every few seconds otherwise; `skipped()`, once they are read: how many pairs
-    the reader left out (kept in the manifest)."""
+    """The store of `data_digest` by `tokenizers` under `root`: opened, else built from `pairs`."""
     key = hashlib.sha256(f"{FORMAT}\n{data_digest}\n{tokenizers_digest(tokenizers)}".encode()).hexdigest()[:32]
     path = root / key
     if not (path / MANIFEST).is_file():
@@ -174,8 +166,7 @@ def _remove_stale(root: Path, key: str) -> None:  # killed builds' temporary dir
 
 def build_store(path: Path, pairs: Iterable[tuple[str, str]], tokenizers: Tokenizers, key: str = "",
                 name: str = "corpus", progress: bool = True, total: int | None = None, skipped=None) -> None:
-    """Tokenize `pairs` chunk by chunk (`encode_batch` runs on every core) into a new store at `path`,
-    written in a temporary directory beside it and renamed into place when complete."""
+    """Tokenize `pairs` chunk by chunk into a new store at `path`, built beside it and renamed into place."""
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     ids = np.uint16 if max(tok.get_vocab_size() for tok in (tokenizers.src, tokenizers.tgt)) <= 1 << 16 else np.int32
     kinds = {"src": ids, "tgt": ids, "src_len": np.int32, "tgt_len": np.int32}  # uint16 ids: half the bytes
@@ -218,8 +209,7 @@ def build_store(path: Path, pairs: Iterable[tuple[str, str]], tokenizers: Tokeni
 
 
 def open_store(path: Path, key: str | None = None) -> TokenStore:
-    """The store at `path`, memory-mapped; UserError in one line when its files do not match its manifest
-    (each file's digest checked the first time a process opens it): the next run rebuilds a deleted one."""
+    """The store at `path`, memory-mapped; UserError in one line when its files do not match its manifest."""
     try:
         manifest = json.loads((path / MANIFEST).read_text())
         stats = {p.name: p.stat() for p in path.iterdir() if p.name != MANIFEST}

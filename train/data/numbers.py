@@ -1,6 +1,4 @@
-"""`numbers_corpus()`: the embedded default corpus, offline and deterministic: a number in 0..999,999 as
-German words -> the same number as English words ("dreiundvierzig" -> "forty-three"), from `num2words`.
-"""
+"""`numbers_corpus()`: the embedded default corpus: a number in 0..999,999 as German words -> English words."""
 
 from __future__ import annotations
 
@@ -29,10 +27,8 @@ def _below_1000(lang: str) -> tuple[str, ...]:
 
 
 def number_words(n: int, *, drop_ein: bool = False) -> Pair:
-    """(German, English) words for 0 <= n < 1,000,000, exactly as `num2words` writes them, or with
-    `drop_ein` without the "ein" before a leading hundred or thousand ("hundertdrei", "tausend"), as
-    correct and what a person types first. Numbers >= 1000 are composed from num2words' words for
-    0..999 by its own thousands rules, its quirks kept ("einhunderteinstausend"): its German is slow."""
+    """(German, English) words for 0 <= n < 1,000,000 as `num2words` writes them, or with `drop_ein` without the
+    "ein" before a leading hundred or thousand; composed from num2words' words for 0..999 (its German is slow)."""
     if not 0 <= n < 1_000_000:
         raise ValueError(f"number_words covers 0..999999, got {n}")
     de, en = _below_1000("de"), _below_1000("en")
@@ -50,8 +46,7 @@ def _drop_ein(german: str) -> str:
     return german[3:] if german.startswith(("einhundert", "eintausend")) else german
 
 
-# Bands of the numbers corpus: numbers by how many digits they have; 1 and 2 digits are too few to hold
-# any out. How often training repeats a number and the round thousands' share: `numbers_corpus`.
+# Bands of the numbers corpus by digits (1 and 2 too few to hold out); repeats and round shares: `numbers_corpus`.
 NUMBER_BANDS = (1, 2, 3, 4, 5, 6)
 SEEN_BANDS = (1, 2)
 TRAIN_REPEATS = 50
@@ -98,8 +93,7 @@ def numbers_range(first: int, last: int, step: int = 1) -> list[Pair]:
 
 
 def _spread(total: int, capacities: Sequence[int]) -> list[int]:
-    """`total` split as evenly as the capacities allow (a part below an even share only when full, the
-    remainder to the last parts); ValueError when the capacities hold fewer than `total`."""
+    """`total` split as evenly as the capacities allow; ValueError when they hold fewer than `total`."""
     counts = [0] * len(capacities)
     left = total
     by_capacity = sorted(range(len(capacities)), key=lambda i: (capacities[i], i))
@@ -112,21 +106,8 @@ def _spread(total: int, capacities: Sequence[int]) -> list[int]:
 
 
 def numbers_corpus(train_size: int = 20_000, valid_size: int = 1_000, test_size: int = 1_000, seed: int = 0) -> Splits:
-    """German -> English number words for numbers of every magnitude, drawn with `seed`
-    (docs/results.md#the-numbers-corpus).
-
-    Each split is spread evenly over the six bands of 1..6 digits (`number_band`; a band that
-    cannot fill its share gives the rest to the others, `_spread`). Bands 3..6 are permuted with
-    (seed, band) and cut test first, then valid, then train (at most half of a band held out), so
-    the splits share no number of 3 or more digits and test and valid do not depend on train_size.
-    The 100 numbers below 100 are too few to hold out: every split draws them from the same
-    numbers (`aiayn evaluate` reports seen numbers apart). Training cycles each band's numbers to
-    fill its share, at most `TRAIN_REPEATS` times each (`ONE_DIGIT_REPEATS` for 1 digit), with
-    `ROUND_SHARE` of each band from 4 digits on given to its round thousands, the roundest first.
-    A coin per number (from `seed`) picks its spelling with or without a leading "ein"
-    (`number_words`), the other one at each repeat. Within each split the pairs are shuffled.
-    Tokenize it with a small vocabulary (~400-500): at 8000, BPE learns whole words.
-    """
+    """German -> English number words of every magnitude, drawn with `seed`, no number of 3+ digits shared between
+    splits (docs/results.md#the-numbers-corpus); tokenize with a small vocabulary (~400-500)."""
     if min(train_size, valid_size, test_size) < 0:
         raise ValueError(f"split sizes must be >= 0, got {train_size}, {valid_size}, {test_size}")
     rng = np.random.default_rng(seed)

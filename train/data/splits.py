@@ -24,10 +24,8 @@ MAX_SPEC = 4096  # characters of a data spec: PATH_MAX, with room for SRC:TGT: a
 
 
 def load_splits(cfg: ExperimentConfig, train: bool = True) -> Splits:
-    """Train, validation and test pairs: the numbers corpus, or the --train/--valid/--test specs
-    (test empty when not given), every text lowercased with --lowercase. Bad specs and missing
-    files raise UserError. `train=False`: a --train spec is not read (its pairs come from
-    `train_store`), the training split left empty."""
+    """Train, validation and test pairs: the numbers corpus or the --train/--valid/--test specs, lowercased with
+    --lowercase; UserError for bad specs. `train=False`: a --train spec is left to `train_store`."""
     if cfg.uses_numbers_corpus:
         splits = numbers_corpus(cfg.numbers_train, cfg.numbers_valid, cfg.numbers_test, seed=cfg.seed)
     else:
@@ -62,9 +60,7 @@ def _numbers_split(cfg: ExperimentConfig, spec: str) -> list[Pair]:
 
 def train_store(cfg: ExperimentConfig, tokenizers: Tokenizers, pairs: list[Pair] | None = None,
                 progress: bool = True) -> TokenStore:
-    """The training pairs tokenized: a --train spec's from its store on disk (train.data.corpus_store), opened in place
-    or built on first use from the spec read a chunk at a time; the numbers corpus's (and `numbers:` specs') in
-    memory, from `pairs` when given (those of `load_splits`)."""
+    """The training pairs tokenized: a --train spec's store on disk (opened or built), the numbers corpus in memory."""
     if cfg.uses_numbers_corpus or cfg.train.startswith("numbers:"):
         return TokenStore.from_pairs(encode_pairs(tokenizers, load_splits(cfg).train if pairs is None else pairs))
     with _loading(cfg.train):
@@ -77,8 +73,7 @@ def train_store(cfg: ExperimentConfig, tokenizers: Tokenizers, pairs: list[Pair]
 
 
 def corpus_tokenizers(cfg: ExperimentConfig) -> Tokenizers:
-    """Tokenizers trained on a --train spec streamed (only --tokenizer-sample pairs held), kept beside
-    its stores under a key of the data and the settings: a second run on a corpus does not train them again."""
+    """Tokenizers trained on a --train spec streamed, kept beside its stores: a second run does not train them again."""
     with _loading(cfg.train):
         root, digest, stream = _training_stream(cfg)
     path = _tokenizers_path(cfg, root, digest)

@@ -1,8 +1,4 @@
-"""SentencePiece tokenizers in this project's numbering, the tokenizers of runs imported from Marian
-(`aiayn convert --from marian`): they encode as `transformers.MarianTokenizer` does and offer the
-`tokenizers.Tokenizer` methods a run uses. In a run directory: `sentencepiece.json` and the models it
-names (`sentencepiece`: an optional extra).
-"""
+"""SentencePiece tokenizers in our numbering, for runs imported from Marian (as `MarianTokenizer` encodes)."""
 
 from __future__ import annotations
 
@@ -35,9 +31,8 @@ class Encoding:  # what data.encode reads of a tokenizers.Encoding
 
 
 class SentencePieceTokenizer:
-    """Segment with a SentencePiece model (`model`, `decode_model`: the bytes of .spm files) and map the
-    pieces to ids through `pieces` (id -> piece; the first 4 the special tokens, never segmented): a
-    leading `>>xx<<` language code one token, a piece not in the vocabulary <unk>, <eos> last."""
+    """Segment with a SentencePiece model and map the pieces to ids through `pieces` (the first 4 special): a
+    leading `>>xx<<` language code one token, an unknown piece <unk>, <eos> last."""
 
     def __init__(self, model: bytes, pieces: Sequence[str], decode_model: bytes | None = None,
                  model_name: str = "source.spm", decode_model_name: str | None = None):
@@ -80,8 +75,7 @@ class SentencePieceTokenizer:
 
 
 def save(src: SentencePieceTokenizer, tgt: SentencePieceTokenizer, run_dir: str | os.PathLike, write) -> None:
-    """run_dir/sentencepiece.json and the SentencePiece model files it names (`write(path, bytes)`:
-    the run directory's atomic writer)."""
+    """run_dir/sentencepiece.json and the model files it names, through `write(path, bytes)`."""
     run_dir = Path(run_dir)
     for tok in (src, tgt):
         for name, blob in ((tok.model_name, tok.model), (tok.decode_model_name, tok.decode_model)):

@@ -1,7 +1,4 @@
-"""`LineReader`: the lines of a file (plain or .gz), a FIFO, a process substitution or standard input,
-one at a time, by the rule of `corpora.split_lines`; a line over `max_bytes` is refused by number, not
-read whole (`< /dev/zero` ends in one error, not a MemoryError). Every problem is a UserError naming the input.
-"""
+"""`LineReader`: a file's, a FIFO's or stdin's lines one at a time; every problem a UserError naming the input."""
 
 from __future__ import annotations
 
@@ -76,7 +73,6 @@ class LineReader(Iterator[str]):
 
 
 def read_lines(path: Path | None, max_line_bytes: int = MAX_LINE_BYTES) -> list[str]:
-    """Every line of a file, any readable stream, or stdin when `path` is None (`LineReader`), so that
-    output line N is input line N; any problem raises UserError naming the input."""
+    """Every line of a file, a stream, or stdin when `path` is None; UserError naming the input."""
     with contextlib.closing(LineReader(path, max_line_bytes)) as reader:
         return list(reader)

@@ -1,8 +1,4 @@
-"""Byte-level BPE tokenizers (HF `tokenizers`) trained on the training split, one joint vocabulary by
-default, with the special ids of `torch_reference.config.SPECIAL_TOKENS`. Encoding appends <eos>; decoding
-stops at the first <eos>. Byte-level BPE never maps to <unk>, and decode(encode(s)) == s but for leading
-whitespace.
-"""
+"""Byte-level BPE tokenizers (HF `tokenizers`); encoding appends <eos>, decoding stops at the first."""
 
 from __future__ import annotations
 
@@ -40,14 +36,11 @@ class Tokenizers:
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int = 8000, lowercase: bool = False) -> Tokenizer:
-    """A byte-level BPE `tokenizers.Tokenizer` trained on `texts`: the 4 special tokens (ids 0..3), the 256
-    bytes and merges seen twice or more, up to `vocab_size` in all (read the size from
-    `get_vocab_size()`), lowercasing every text with `lowercase`; its tokenizer.json carries it all."""
+    """A byte-level BPE tokenizer on `texts`: 4 special tokens, 256 bytes, merges up to `vocab_size`."""
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
     if lowercase:
         tokenizer.normalizer = normalizers.Lowercase()
-    # A prefix space makes a sentence's first word tokenize like the same word mid-sentence; the
-    # Strip decoder removes it again after the byte-level decoder has joined all tokens into one.
+    # A prefix space: a first word tokenizes as mid-sentence; the Strip decoder removes it after the join.
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
     tokenizer.decoder = decoders.Sequence([decoders.ByteLevel(), decoders.Strip(" ", 1, 0)])
     tokenizer.post_processor = processors.TemplateProcessing(single="$A <eos>", special_tokens=[("<eos>", EOS_ID)])
@@ -60,9 +53,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 8000, lowercase: boo
 
 
 def sample(items: Iterable, size: int, seed: int = 0, chunk: int = 1 << 16) -> list:
-    """`size` items drawn uniformly without replacement from a stream of any length, holding at
-    most `size` of them (reservoir sampling, Algorithm R, seeded); all of them, in their order,
-    when the stream has no more than `size`."""
+    """`size` items drawn uniformly from a stream (reservoir sampling, seeded); all, in order, if no more."""
     items = iter(items)
     reservoir = list(itertools.islice(items, size))
     rng, seen = np.random.default_rng(seed), len(reservoir)
@@ -78,10 +69,7 @@ def sample(items: Iterable, size: int, seed: int = 0, chunk: int = 1 << 16) -> l
 
 def train_tokenizers(pairs: Iterable[Pair], vocab_size: int = 8000, joint: bool = True, lowercase: bool = False,
                      sample_size: int = DEFAULT_TOKENIZER_SAMPLE) -> Tokenizers:
-    """Tokenizers trained on the training pairs, or on a uniform sample of `sample_size` of them when
-    there are more (`sample`, seed 0 whatever the run's seed, so that runs of different seeds share
-    one vocabulary and can be ensembled): one on both sides (joint), or one per side. `pairs` may be
-    a stream: only the sample is held."""
+    """Tokenizers trained on the pairs, or a seed-0 sample of `sample_size` of them (any seed, one vocabulary)."""
     pairs = sample(pairs, sample_size)
     sources, targets = [s for s, _ in pairs], [t for _, t in pairs]
     if joint:
@@ -124,8 +112,7 @@ TOKENIZER_FILES = (JOINT_TOKENIZER, SRC_TOKENIZER, TGT_TOKENIZER)  # with tokeni
 
 
 def save_tokenizers(tokenizers: Tokenizers, run_dir: str | Path) -> None:
-    """Write run_dir/tokenizer.json (joint) or run_dir/src_tokenizer.json + tgt_tokenizer.json;
-    SentencePiece tokenizers (train.data.spm) as run_dir/sentencepiece.json and their models."""
+    """run_dir/tokenizer.json (joint) or src_ and tgt_tokenizer.json; SentencePiece ones as sentencepiece.json."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if isinstance(tokenizers.src, spm.SentencePieceTokenizer):
@@ -138,9 +125,7 @@ def save_tokenizers(tokenizers: Tokenizers, run_dir: str | Path) -> None:
 
 
 def load_tokenizers(run_dir: str | Path, joint: bool | None = None) -> Tokenizers:
-    """Read what `save_tokenizers` wrote (a joint tokenizer as one shared object); `joint`: config.json's
-    joint_vocab, so that a missing file is the one the run needs (None: whichever is there).
-    FileNotFoundError when there is none, ValueError when one cannot be read."""
+    """Read what `save_tokenizers` wrote (`joint`: which); FileNotFoundError, or ValueError for a bad one."""
     run_dir = Path(run_dir)
     if (run_dir / spm.SPM_TOKENIZER).is_file():
         return Tokenizers(*spm.load(run_dir))

@@ -1,2 +1,1 @@
-"""Weights (`weights`), runs and weights files (`runs`) and HF Marian models (`marian`) between formats, for
-`--init-from` and `parity`; each module loads both frameworks, so none is imported until a conversion is asked for."""
+"""Weights, runs and HF Marian models between formats; each module loads both frameworks (imported on demand)."""

@@ -1,8 +1,4 @@
-"""HF Marian (OPUS-MT) models in and out: `aiayn convert --from marian` / `--to marian` (docs/interop.md).
-
-Marian numbers its vocabulary otherwise, so the import permutes the embedding, output projection and logits bias
-rows to ours: pad 0 <- Marian's pad, bos 1 <- its decoder start (a copy: one row more), eos 2 <- eos, unk 3 <- unk,
-4... <- the other rows in Marian's order. The export inverts it: an untrained round trip is bit for bit."""
+"""HF Marian (OPUS-MT) models in and out (`aiayn convert --from/--to marian`, docs/interop.md)."""
 
 from __future__ import annotations
 
@@ -47,8 +43,7 @@ def _refuse(field: str, value: Any, why: str) -> None:
 
 
 def marian_config(hf: Mapping[str, Any]) -> TransformerConfig:
-    """The TransformerConfig computing what HF's MarianMTModel computes for config.json `hf` (vocabularies one row
-    larger: see the module doc); UnsupportedMarianConfig names a field that has no counterpart."""
+    """The TransformerConfig computing what MarianMTModel computes for config.json `hf`; UnsupportedMarianConfig."""
     get = hf.get
     if get("model_type", MARIAN_FORMAT) != MARIAN_FORMAT:
         _refuse("model_type", get("model_type"), "only model_type 'marian' is read")
@@ -173,9 +168,7 @@ def _tied_copy(state: Mapping[str, np.ndarray], key: str, used: set[str]) -> boo
 
 def to_marian(params: Mapping[str, np.ndarray], cfg: TransformerConfig,
               ids: Mapping[str, int] | None) -> dict[str, torch.Tensor]:
-    """Our torch-layout parameters -> a MarianMTModel state dict (tied keys once, as `save_pretrained` writes).
-    `ids`: the Marian special ids of an imported run (rows permuted back), or None to keep our rows, for a
-    MarianConfig with our ids (pad_token_id=pad_id, decoder_start_token_id=bos_id, eos_token_id=eos_id)."""
+    """Our torch-layout parameters -> a MarianMTModel state dict, rows permuted back to Marian's `ids` if given."""
     inverses = ({"src": np.arange(cfg.src_vocab_size), "tgt": np.arange(cfg.tgt_vocab_size)} if ids is None
                 else {side: inverse_order(order) for side, order in zip(("src", "tgt"), side_orders(ids))})
     embeddings, out = _embedding_sources(cfg), {}

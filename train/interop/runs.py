@@ -1,6 +1,4 @@
-"""Training runs and weights files between the frameworks (the leaf rules: `train.interop.weights`; the file
-formats: docs/interop.md). A converted run keeps its checkpoints' meta and ranking metrics, so `--resume`
-continues in the other framework as if it had never changed."""
+"""Training runs and weights files between the frameworks (docs/interop.md)."""
 
 from __future__ import annotations
 
@@ -70,8 +68,7 @@ def convert_run(src: str | os.PathLike, dst: str | os.PathLike, to: str | None =
 
 
 def init_source(source: str, backend: str, dst: str | os.PathLike) -> Path:
-    """A run directory of `backend` for `--init-from SOURCE`: SOURCE itself when it is one, else at `dst` a run of
-    the other framework converted (its best checkpoint) or an HF Marian directory or hf:ORG/NAME imported."""
+    """A run directory of `backend` for `--init-from SOURCE`: SOURCE, or at `dst` a converted or imported run."""
     path, dst = Path(source), Path(dst)
     if not source.startswith("hf:") and not (path / runtime.CONFIG_FILE).is_file():  # both kinds hold one
         raise FileNotFoundError(f"{path} is neither a run directory nor an HF Marian directory "
@@ -97,8 +94,7 @@ def run_weights(run_dir: str | os.PathLike, checkpoint: str | int = "best") -> t
 
 
 def save_torch_weights(model: torch_reference.Transformer, path: str | os.PathLike) -> Path:
-    """`path` (.safetensors) with the config in its metadata, alone (a `config.json` beside it may be the user's),
-    written whole; a full disk or a read-only place raises an OSError naming `path`."""
+    """`path` (.safetensors) with the config in its metadata, written whole (an OSError naming `path`)."""
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -135,8 +131,7 @@ def load_torch_weights(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor]
 
 
 def save_jax_weights(model: nnx.Module, directory: str | os.PathLike, overwrite: bool = False) -> Path:
-    """`directory/params` (orbax) and `directory/config.json`, built beside it and swapped in (an old one with
-    `overwrite`); a full disk or a read-only place raises an OSError naming `directory`, leaving nothing."""
+    """`directory/params` (orbax) and `directory/config.json`, built beside it and swapped in whole."""
     directory = Path(directory).absolute()  # orbax wants absolute paths
     tmp, old = (directory.with_name(f".{directory.name}.{suffix}") for suffix in ("tmp", "old"))
     try:

@@ -1,7 +1,4 @@
-"""Weights between `torch_reference.Transformer` and `jax_transformer.Transformer`, both ways: the two models have
-the same attribute tree (the keys: dotted paths), so `LEAF_RULES` is the whole mapping (docs/interop.md). Keys and
-shapes are checked strictly against the config (one `CheckpointMismatchError` lists every offender); values keep their
-dtype bit for bit. Files and run directories: `train.interop.runs`."""
+"""Weights between the twins, both ways, by `LEAF_RULES`, checked strictly, bit for bit (docs/interop.md)."""
 
 from __future__ import annotations
 
@@ -138,8 +135,7 @@ def jax_to_torch(model: nnx.Module, cfg: TransformerConfig | None = None) -> tor
 
 
 def convert_state(state: TrainingState, to: str, cfg: TransformerConfig) -> TrainingState:
-    """A training state in the `to` framework's layout (weights and Adam's moments checked against `cfg`); the
-    random state stays behind (None): the frameworks' dropout streams cannot be matched."""
+    """A training state in the `to` framework's layout, checked against `cfg`; the random state stays behind."""
     if to == state.framework:
         return state
     layout = to_jax_layout if to == "jax" else to_torch_layout
@@ -158,8 +154,7 @@ LEGACY_SUFFIXES = (".pt", ".pth", ".bin")  # torch.save files: read with weights
 
 
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file, or of a legacy `torch.save` file (LEGACY_SUFFIXES) read with
-    `torch.load(weights_only=True)`, which runs no code; anything else a ValueError."""
+    """The tensors of a safetensors file, or of a legacy `torch.save` file read with weights_only=True."""
     if path.suffix not in LEGACY_SUFFIXES:
         try:
             return load_file(str(path))

@@ -1,5 +1,4 @@
-"""The ground floor, below data and checkpoints: errors a user can cause (UserError), atomic files, a run's
-file names, its lock, replacing directories whole, the files a command writes, signals (docs/operations.md)."""
+"""The ground floor: UserError, atomic files, run file names, lock, whole directories, outputs, signals."""
 
 from __future__ import annotations
 

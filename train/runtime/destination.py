@@ -42,10 +42,7 @@ def open_stream(path: Path) -> TextIO:
 
 
 class Destination:
-    """A file a command writes, checked before the work (docs/operations.md#output-files): a stream is written
-    directly, a link followed (as by the shell's `>`), a file replaced whole. OptionError naming parameter `name`: a
-    directory, a missing or read-only directory, a file of `inputs` (`of`; side files too), a place inside a run or an
-    export."""
+    """A file a command writes, checked before the work (docs/operations.md#output-files); OptionError naming `name`."""
 
     def __init__(self, path: str | Path, name: str, inputs: Iterable[str | Path] = (), of: str = ""):
         self.path, self.target = Path(path), None

@@ -37,9 +37,7 @@ def user_errors(*kinds: type[Exception]) -> Iterator[None]:
 
 
 def write_bytes_atomic(path: str | Path, data: bytes) -> None:
-    """Write `data` to a new temporary file beside `path`, synced, then rename it into place: the old file
-    or the new one, never half of one; a link at `path` is replaced, never written through. A
-    failure (a full disk, a read-only place) leaves the old file and raises an OSError naming `path`."""
+    """Write `data` beside `path`, synced, and rename it into place; an OSError naming `path` on failure."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     try:

@@ -114,8 +114,7 @@ def swap_in(new: Path, dst: Path, old: Path) -> None:
 @contextlib.contextmanager
 def derive(src: str | Path | None, dst: str | Path, kind: str = "run", overwrite: bool = False,
            copy: Iterable[str] = (), check: Callable[[Path], object] | None = None) -> Iterator[Path]:
-    """Build `dst` (a `kind`) from `src` whole or not at all, under its lock: the block fills `.NAME.KIND` (yielded),
-    `copy`'s names of `src` join it, `check(it)` may refuse it, then `swap_in`; on any error `dst` is as it was."""
+    """Build `dst` from `src` whole or not at all, under its lock, in `.NAME.KIND` (yielded), then `swap_in`."""
     dst = Path(dst)
     check_destination(dst, overwrite, kind, src)
     tmp, old = dst.with_name(f".{dst.name}.{kind}"), dst.with_name(f".{dst.name}.{kind}-old")

@@ -199,8 +199,7 @@ async def lifespan(app):
 
 def app(run=None, limits: Limits | None = None, *, decode: Callable | None = None,
         count_tokens: Callable[[Sequence[str]], int] | None = None, info: dict | None = None):
-    """The ASGI app serving `run` (`train.load`'s) with `limits`; `decode(texts, prefixes, options)` (a dict
-    with "translation" per text), `count_tokens` and `info` stand in for the run's (tests, other models)."""
+    """The ASGI app serving `run` with `limits`; `decode`, `count_tokens` and `info` may stand in for the run's."""
     require("starlette")
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException

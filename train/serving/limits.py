@@ -1,5 +1,4 @@
-"""The server's options: where it listens (`Listen`), what one request may ask (`Limits`), and what a request
-asks: a /translate body parsed, or a `BadRequest`."""
+"""The server's options: `Listen`, `Limits` on a request, and a /translate body parsed (or `BadRequest`)."""
 
 from __future__ import annotations
 

@@ -27,8 +27,7 @@ from .limits import Limits, require
 
 @checked
 class Load:
-    """A load test of the run in `run_dir` (`load_run`): `requests` requests of 1 to `max_texts`
-    sentences of `data` (a data spec's sources) or `input` (a file) from `clients` concurrent clients."""
+    """A load test of `run_dir` (`load_run`): `requests` requests of 1 to `max_texts` sentences from `clients`."""
 
     run_dir: Path = option(None, "the run to serve (and to translate with --cli)", required=True)
     data: str | None = option(None, "the source side of a data spec: numbers:test, FILE.tsv, ...", metavar="SPEC")
@@ -82,8 +81,7 @@ def load_run(load: Load) -> dict[str, dict[str, Any]]:
 
 def load_test(url: str, lines: Sequence[str], *, clients: int = 64, requests: int = 2000, min_texts: int = 1,
               max_texts: int = 8, beam: int = 4, seed: int = 0, timeout: float = 300.0) -> dict[str, Any]:
-    """`clients` clients (a connection each) send `requests` requests in all, of `min_texts`..`max_texts`
-    seeded draws of `lines`: counts, seconds, sentences/s, requests/s and latency percentiles in ms."""
+    """`clients` clients send `requests` seeded requests: counts, rates and latency percentiles in ms."""
     httpx = require("httpx")
     rng = random.Random(seed)
     bodies = [{"texts": rng.choices(lines, k=rng.randint(min_texts, max_texts)), "beam": beam} for _ in range(requests)]

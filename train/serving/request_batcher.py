@@ -31,9 +31,7 @@ class _Pending:
 
 
 class RequestBatcher:
-    """`submit(request, tokens)` queues a request (a future of its results); `run()` decodes the oldest with those
-    that may share its batch (up to `max_batch_*`, waiting `max_wait_ms` at most) on one worker thread; a
-    UserError goes to the request that caused it (each decoded alone), a cancelled request is dropped."""
+    """Queues requests (`submit`) and decodes batches of them on one worker thread (`run`)."""
 
     def __init__(self, decode: Callable[..., list], limits: Limits):
         self.decode, self.limits = decode, limits

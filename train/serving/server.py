@@ -1,6 +1,4 @@
-"""Hypercorn serving the app (docs/serving.md), through its documented settings only: `keep_alive_timeout`
-closes a connection that sends no whole request head in time (before its first request or between two);
-SIGTERM or Ctrl-C finish the requests in flight, SIGHUP or a second Ctrl-C answer them 503 at once."""
+"""Hypercorn serving the app through its documented settings only (docs/serving.md)."""
 
 from __future__ import annotations
 
@@ -56,8 +54,7 @@ class Server(contextlib.AbstractContextManager):
     def __init__(self, asgi_app, host: str = "127.0.0.1", port: int = 8000, *, access_log: bool = False):
         self.app, self.host, self.port = asgi_app, host, port
         self.config = require("hypercorn.config").Config()
-        # Hypercorn's slow-client mitigation (its docs' "Denial Of Service mitigations"): no whole request head
-        # within it, before the first request or between two, and the connection is closed.
+        # Hypercorn's slow-client mitigation (its "Denial Of Service mitigations"): no request head in time, closed.
         self.config.keep_alive_timeout = asgi_app.state.served.limits.idle_timeout_s
         self.config.graceful_timeout = 120  # bounds the wait on SIGTERM
         self.config.loglevel = "WARNING"
@@ -79,8 +76,7 @@ class Server(contextlib.AbstractContextManager):
         return not ipaddress.ip_address(self.address[0]).is_loopback
 
     def _signal(self, sig: int, frame) -> None:
-        """SIGTERM or a first Ctrl-C: stop gracefully; SIGHUP or a second Ctrl-C: the app's `stop_now` too (503 to
-        the requests in flight); a third Ctrl-C: KeyboardInterrupt."""
+        """SIGTERM, Ctrl-C: stop; SIGHUP, a second Ctrl-C: 503 to those in flight; a third: KeyboardInterrupt."""
         self.signals.append(sig)
         if sig == signal.SIGHUP or (sig == signal.SIGINT and self.stopping.is_set()):
             if self.at_once and sig == signal.SIGINT:

@@ -1,5 +1,4 @@
-"""Cross-attention heatmaps (`aiayn translate --plot-attention DIR`): each output teacher-forced once, input
-line N drawn as DIR/NNNN.png (last decoder layer, heads averaged) and DIR/NNNN_layers.png (each layer, head)."""
+"""Cross-attention heatmaps (`aiayn translate --plot-attention DIR`): DIR/NNNN.png and DIR/NNNN_layers.png."""
 
 from __future__ import annotations
 
@@ -31,8 +30,7 @@ class SentenceAttention:
     weights: np.ndarray  # (layers, heads, T, S) float32
 
 
-# The byte-level BPE alphabet (GPT-2's, `tokenizers`' ByteLevel), character -> byte: the printable bytes are
-# themselves, the others 256, 257, ... in order.
+# The byte-level BPE alphabet (GPT-2's), character -> byte: printable bytes themselves, the others 256, 257, ...
 _PRINTABLE = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
 BYTE_VALUES = {chr(b): b for b in _PRINTABLE} | {
     chr(256 + i): b for i, b in enumerate(b for b in range(256) if b not in _PRINTABLE)}

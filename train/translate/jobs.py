@@ -1,5 +1,4 @@
-"""The jobs of `aiayn translate`, `aiayn evaluate` and `aiayn score`, callable from Python with the options
-objects of `train.options`: `translate_file`, `evaluate_spec`, `score_file`."""
+"""The jobs of `aiayn translate`, `evaluate` and `score`: `translate_file`, `evaluate_spec`, `score_file`."""
 
 from __future__ import annotations
 
@@ -28,9 +27,7 @@ from .stream import TsvColumns, translate_stream
 
 def translate_file(selection: RunSelection, search: Search = Search(), sample: Sampling | None = None,
                    files: TranslateFiles = TranslateFiles()) -> None:
-    """Translate `files.input` (stdin) into `files.output` (stdout), one record per line, chunk by
-    chunk, resumably (docs/decoding.md); a summary on stderr. Raises UserError, OSError, and
-    Interrupted naming what was kept."""
+    """Translate `files.input` into `files.output` resumably (docs/decoding.md); UserError, OSError, Interrupted."""
     check_format(files.format, search, sample)
     ensemble = len(selection.run_dir) > 1
     check_single(ensemble and search.alignments, "alignments")
@@ -109,8 +106,7 @@ def translate_file(selection: RunSelection, search: Search = Search(), sample: S
 
 def evaluate_spec(selection: RunSelection, data: str, search: Search = Search(),
                   evaluation: Evaluation = Evaluation(), output: os.PathLike | None = None) -> dict[str, Any]:
-    """`Run.evaluate` of the runs `selection` on the data spec `data`, printed as JSON (and written to
-    `output`, atomically); returns the result."""
+    """`Run.evaluate` of `selection` on the data spec `data`, printed as JSON (and written to `output`)."""
     split_host()  # before jax is imported
     destined = None if output is None else Destination(output, "output", spec_files(data), f"the data {data}")
     with api.load(selection) as run:
@@ -126,8 +122,7 @@ def evaluate_spec(selection: RunSelection, data: str, search: Search = Search(),
 
 
 def score_file(selection: RunSelection, files: ScoreFiles) -> None:
-    """Per pair of the data spec `files.input`, the target's log-probability under the runs `selection`
-    (`Run.score`), one line each to `files.output` (stdout): the number, or (format "jsonl") with its tokens."""
+    """Each pair's target log-probability under `selection`, a line each (format "jsonl": with its tokens)."""
     split_host()  # before jax is imported
     input, output = files.input, files.output
     destined = None if output is None else Destination(output, "output", spec_files(input), f"the input {input}")

@@ -1,5 +1,4 @@
-"""A streamed translation's output (standard output, a stream, or a file grown chunk by chunk and resumed) and
-its `Progress` line."""
+"""A streamed translation's output (stdout, a stream, or a resumable file) and its `Progress` line."""
 
 from __future__ import annotations
 
@@ -45,8 +44,7 @@ class StreamOutput:
 
 
 class PartialOutput:
-    """--output F grown as `.F.partial` (flock'ed) one synced chunk at a time, each recorded in `.F.partial.json`
-    (lines, bytes, the input's SHA-256, the settings), renamed onto F at the end; run again, it continues."""
+    """--output F grown as `.F.partial` a synced chunk at a time (`.F.partial.json`), renamed onto F; resumable."""
 
     def __init__(self, path: Path, settings: dict[str, Any]):
         self.path, self.settings = path, settings

@@ -1,5 +1,4 @@
-"""`aiayn translate`'s stream: input lines translated chunk by chunk (`Run.translate`) into one record a line,
-resumably (docs/decoding.md)."""
+"""`aiayn translate`'s stream: input lines translated chunk by chunk, resumably (docs/decoding.md)."""
 
 from __future__ import annotations
 
@@ -67,8 +66,7 @@ class TsvColumns:
 def translate_stream(run, lines: Iterator[str], out, *, chunk_lines: int, progress, counts: collections.Counter,
                      plot_attention: Path | None = None, fmt: str = "text", columns: TsvColumns | None = None,
                      **options: Any) -> int:
-    """Translate `lines` by `run.translate(**options)` chunk by chunk into `out` (a `translate.output` writer), a
-    `fmt` record a line, after the lines it holds (their count returned); `columns`: TSV rows after a header."""
+    """Translate `lines` chunk by chunk into `out`, a `fmt` record a line after those it holds (their count)."""
     digest = hashlib.sha256()  # of every input line up to the last finished chunk, for a resume's check
     done = out.done
     if run.backend.topology.process_count > 1:  # process 0 alone knows what its output holds
