@@ -20,7 +20,8 @@ from .config import BACKENDS, BATCH, ExperimentConfig
 from .options import (SAMPLING_FIELDS, Evaluation, OptionError, RunSelection, Sampling, Search, check_single,
                       sampling_of)
 from .rundir import check_set_aside, read_run
-from .runtime import CHECKPOINTS, PROOF_FILE, UserError, kind_of, read_experiment, read_json, user_errors
+from .runtime import (CHECKPOINTS, PROGRAM_KINDS, PROOF_FILE, UserError, kind_of, read_experiment, read_json,
+                      user_errors)
 from .translation import Hypothesis, score_pairs
 
 
@@ -192,6 +193,9 @@ def _load_ensemble(run_dirs: list[Path], checkpoint: str | int, backend: str | N
     first = read_experiment(run_dirs[0]).backend  # a backend= of another framework: refused as for one run
     for run_dir in run_dirs:  # before any weights load
         check_set_aside(run_dir)
+        if (kind := kind_of(run_dir)) in PROGRAM_KINDS:
+            raise UserError(f"{run_dir} is a {kind} export: an ensemble combines runs' models; give the runs it "
+                            "was exported from")
         other = read_experiment(run_dir).backend
         if other != first:
             raise UserError(f"{run_dir} is a {other} run, {run_dirs[0]} a {first} one: an ensemble's runs share one "
@@ -216,7 +220,7 @@ def weights_digest(run_dir: str | os.PathLike, step: int) -> str:
     checkpoint = run_dir / CHECKPOINTS / str(step)
     files = [checkpoint / DIGEST_FILE] if (checkpoint / DIGEST_FILE).is_file() else sorted(
         p for p in checkpoint.rglob("*") if p.is_file())
-    if kind_of(run_dir) in ("onnx", "stablehlo"):  # an export: its proof holds its files' digests
+    if kind_of(run_dir) in PROGRAM_KINDS:  # an export: its proof holds its files' digests
         files = [run_dir / PROOF_FILE]
     digest = hashlib.sha256()
     for path in [*files, *(run_dir / name for name in data.tokenizer_files(run_dir))]:
@@ -239,7 +243,7 @@ def _load_one(run_dir: Path, checkpoint: str | int = "best", backend: str | None
     with user_errors(TypeError, ValueError):  # a launch option the config or the backend refuses
         cfg = cfg.replace(**launch)
         initialize(cfg)  # the process's settings for its platform, before any device is touched
-    if (kind := kind_of(run_dir)) in ("onnx", "stablehlo"):  # an export decodes with its own programs
+    if (kind := kind_of(run_dir)) in PROGRAM_KINDS:  # an export decodes with its own programs
         from .interop.exported import ExportBackend, programs
 
         with user_errors(ImportError):

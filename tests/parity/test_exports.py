@@ -137,7 +137,11 @@ def test_convert_writes_a_proved_export_that_translates(runs, kind, backend, ext
 
             with Server(app(exported, Limits()), port=0).start() as server:
                 reply = httpx.post(f"{server.url}/translate", json={"texts": texts, "beam": 4}, timeout=60)
+                info = httpx.get(f"{server.url}/info", timeout=60).json()
             assert reply.json()["translations"] == run.translate(texts, beam=4)
+            assert info["export"] == kind and info["step"] == 2  # /info says what decodes
+    with pytest.raises(runtime.UserError, match=f"is a {kind} export: an ensemble"):
+        train.load([dst, dst])
     name = next(n for n in proof["files"] if n.endswith((".onnx", ".stablehlo")))
     (dst / name).write_bytes((dst / name).read_bytes() + b"\0")
     with pytest.raises(runtime.UserError, match="changed since"):

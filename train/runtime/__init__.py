@@ -8,6 +8,6 @@ from .files import (UserError, error_text, json_text, read_json, say, user_error
 from .layout import (AVERAGED_FILE, CHECKPOINTS, CONFIG_FILE, CURVES_FILE, IMPORTED_FILE, LOCK_FILE, MODEL_FILE,
                      PROVENANCE_FILE, RESULTS_FILE, TENSORBOARD, read_experiment, read_model_config)
 from .lock import RunLock
-from .replace import (KIND_FILE, KINDS, PROOF_FILE, check_destination, check_export, derive, export_digests, kind_of,
-                      remove, swap_in)
+from .replace import (KIND_FILE, KINDS, PROGRAM_KINDS, PROOF_FILE, check_destination, check_export, derive,
+                      export_digests, kind_of, remove, swap_in)
 from .signals import Interrupted, StopSignals, exit_status, interruptible

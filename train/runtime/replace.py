@@ -17,6 +17,7 @@ from .lock import RunLock
 KINDS = {"run": "run", "ctranslate2": "CTranslate2 model written by aiayn convert",
          "marian": "HF Marian directory written by aiayn convert", "onnx": "ONNX model written by aiayn convert",
          "stablehlo": "StableHLO model written by aiayn convert"}
+PROGRAM_KINDS = ("onnx", "stablehlo")  # exports that translate and serve as a run does (train.interop.exported)
 KIND_FILE = ".aiayn.json"  # {"kind": one of KINDS but "run"}
 PROOF_FILE = "proof.json"  # what an export computes against its run, and its files' digests (parity.proof)
 

@@ -60,7 +60,8 @@ def run_info(run) -> dict[str, Any]:
     ensemble = {"ensemble": [str(m.run_dir) for m in run.members], "steps": run.steps} if run.members else {}
     return {"run_dir": str(run.run_dir), "step": run.step, **ensemble, "backend": run.config.backend,
             "devices": [str(d) for d in devices], "max_len": run.config.max_len,
-            "model": dataclasses.asdict(run.model_config)}
+            "model": dataclasses.asdict(run.model_config),
+            **({"export": run.meta["kind"]} if "kind" in run.meta else {})}
 
 
 def token_counts(run) -> Callable[[Sequence[str]], int]:
