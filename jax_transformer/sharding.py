@@ -14,6 +14,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from torch_reference.config import SettingError
+
 DATA_AXIS = "data"
 LAYOUTS = ("replicated", "fsdp")  # the training state's layouts over the mesh
 ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"
@@ -32,10 +34,10 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
     if (coordinator_address is None and num_processes in (None, 1)) or jax.distributed.is_initialized():
         return
     if num_processes is None or process_id is None or coordinator_address is None:
-        raise ValueError("a multi-process run needs the coordinator address, the number of processes and this "
-                         "process's id (flags --coordinator-address/--num-processes/--process-id or "
-                         f"{ENV_COORDINATOR}/{ENV_NUM_PROCESSES}/{ENV_PROCESS_ID}); got {coordinator_address!r}, "
-                         f"{num_processes!r}, {process_id!r}")
+        raise SettingError("a multi-process run needs the coordinator address, the number of processes and this "
+                           "process's id ({}/{}/{} or {env}); got {got}", "coordinator_address", "num_processes",
+                           "process_id", env=f"{ENV_COORDINATOR}/{ENV_NUM_PROCESSES}/{ENV_PROCESS_ID}",
+                           got=f"{coordinator_address!r}, {num_processes!r}, {process_id!r}")
     if not 0 <= process_id < num_processes:
         raise ValueError(f"process id {process_id} is not in 0..{num_processes - 1}")
     jax.distributed.initialize(coordinator_address, num_processes=num_processes, process_id=process_id)
@@ -47,11 +49,12 @@ def make_mesh(num_devices: int | None = None) -> Mesh:
     devices = jax.devices()
     if num_devices is not None:
         if not 1 <= num_devices <= len(devices):
-            raise ValueError(f"--devices {num_devices}: {len(devices)} device(s) visible ({devices[0].platform})")
+            raise SettingError("{} {n}: {visible} device(s) visible ({platform})", "devices", n=num_devices,
+                               visible=len(devices), platform=devices[0].platform)
         if jax.process_count() > 1 and num_devices != len(devices):
-            raise ValueError(f"--devices {num_devices}: with {jax.process_count()} processes every one of the "
-                             f"{len(devices)} devices takes part; leave --devices unset (or limit each process's "
-                             "devices through its platform)")
+            raise SettingError("{} {n}: with {processes} processes every one of the {visible} devices takes part; "
+                               "leave {} unset (or limit each process's devices through its platform)", "devices",
+                               "devices", n=num_devices, processes=jax.process_count(), visible=len(devices))
         devices = devices[:num_devices]
     return Mesh(np.array(devices), (DATA_AXIS,))
 

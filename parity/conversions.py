@@ -82,7 +82,7 @@ def convert(c: Conversion) -> str:
     """Make what `c` asks for; what was written, in a line or two."""
     dst = Path(c.dst)
     if dst.exists() and not c.overwrite and not (dst.is_dir() and not any(dst.iterdir())):
-        raise runtime.UserError(f"{dst} exists; pass --overwrite to replace it")  # an empty directory: nothing lost
+        raise OptionError("{dst} exists; pass {} to replace it", "overwrite", dst=dst)  # an empty one: nothing lost
     if c.source_format is None and c.to in FRAMEWORKS and c.run_dir is None:
         _check_weights_destination(Path(c.src), dst, c.to)  # before any work, so nothing is left half-made
         if c.to == "jax":
@@ -139,12 +139,14 @@ def _check_weights_destination(src: Path, dst: Path, to: str) -> None:
     """UserError where `dst` cannot receive the converted weights of `src`: the source itself, a destination of
     the other kind (a directory for a file, or the reverse), a directory holding other files (never replaced)."""
     if dst.exists() and src.exists() and dst.resolve() == src.resolve():
-        raise runtime.UserError(f"--dst {dst} is the source; write the converted weights elsewhere")
+        raise OptionError("{} {dst} is the source; write the converted weights elsewhere", "dst", dst=dst)
     if to == "torch" and dst.is_dir():
-        raise runtime.UserError(f"--dst {dst} is a directory; --to torch writes a .safetensors file")
+        raise OptionError("{} {dst} is a directory; {} torch writes a .safetensors file", "dst", "to", dst=dst)
     if to == "jax" and dst.exists() and not dst.is_dir():
-        raise runtime.UserError(f"--dst {dst} is a file; --to jax writes a weights directory (params/ and config.json)")
+        raise OptionError("{} {dst} is a file; {} jax writes a weights directory (params/ and config.json)", "dst",
+                          "to", dst=dst)
     if to == "jax" and dst.is_dir():
         if others := sorted(p.name for p in dst.iterdir() if p.name not in ("params", "config.json")):
-            raise runtime.UserError(f"--dst {dst} holds other files ({', '.join(others[:3])}); it is never replaced")
+            raise OptionError("{} {dst} holds other files ({others}); it is never replaced", "dst", dst=dst,
+                              others=", ".join(others[:3]))
 

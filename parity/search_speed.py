@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-import platform
 import tempfile
 import time
 from collections.abc import Sequence
@@ -16,10 +15,11 @@ import jax
 import numpy as np
 import torch
 
+import torch_reference
 from train import data
 from train.api import Run, load
 from train.backends import allocator, create_backend, host_devices, initialize
-from train.benchmark import _peak_rss_mib, _reset_peak_rss, _rss_mib
+from train.benchmark import _cpu_name, _peak_rss_mib, _reset_peak_rss, _rss_mib
 from train.data.spm import require
 from train.data.streams import read_lines
 from train.interop import marian
@@ -95,18 +95,24 @@ def benchmark(run: Run, lines: Sequence[str], beam_size: int, batch_size: int | 
         # Each framework under the allocator it has in a process of its own (allocator.settled)
         with allocator.settled() if name.startswith("torch") else contextlib.nullcontext():
             rows.append(row(name, beam, search, batches if name.startswith("jax") else batches[:1]))
-    if ctranslate2 or hf or exports:
-        params = convert_state(state, "torch", model_cfg).params
-        limits = {int(index[r]): proof.limit(int((src[r] != data.PAD_ID).sum()), model_cfg)
-                  for index, src in batches for r in np.flatnonzero(index >= 0)}
-        with allocator.settled(), tempfile.TemporaryDirectory() as tmp:
-            for name, beam, search in itertools.chain(
-                    _ctranslate2_searches(run, params, beams, alpha, Path(tmp)) if ctranslate2 else (),
-                    _hf_searches(run, params, beams, alpha) if hf else ()):
-                rows.append(row(name, beam, search, batches[:1], limits))
-            for name, beam, search, disk in _export_searches(run, params, beams, alpha, Path(tmp)) if exports else ():
-                rows.append({**row(name, beam, search, batches[:1]), "disk_mib": disk})
+    params = convert_state(state, "torch", model_cfg).params
+    limits = {int(index[r]): proof.limit(int((src[r] != data.PAD_ID).sum()), model_cfg)
+              for index, src in batches for r in np.flatnonzero(index >= 0)}
+    with allocator.settled(), tempfile.TemporaryDirectory() as tmp:
+        disk = _weights_mib(state, model_cfg, Path(tmp))
+        for r in rows:
+            r["disk_mib"] = disk[r["search"].split()[0]]
+        for name, beam, search, mib in itertools.chain(
+                _ctranslate2_searches(run, params, beams, alpha, Path(tmp)) if ctranslate2 else (),
+                _hf_searches(run, params, beams, alpha) if hf else ()):
+            rows.append({**row(name, beam, search, batches[:1], limits), "disk_mib": mib})
+        for name, beam, search, mib in _export_searches(run, params, beams, alpha, Path(tmp)) if exports else ():
+            rows.append({**row(name, beam, search, batches[:1]), "disk_mib": mib})
     for r in rows:
+        if not r["search"].endswith("sample"):  # the searches' tokens held against JAX's, position by position
+            theirs = outputs_of["jax cached", r["beam"]]
+            r["tokens_differ_from_jax"] = sum(a != b for ours, out in zip(theirs, outputs_of[r["search"], r["beam"]])
+                                              for a, b in itertools.zip_longest(_trim(ours), _trim(out)))
         if r["search"].endswith(" int8"):  # how far quantization moves the translations
             import sacrebleu
 
@@ -123,8 +129,26 @@ def benchmark(run: Run, lines: Sequence[str], beam_size: int, batch_size: int | 
     return rows
 
 
+def _mib(path: Path) -> float:
+    return sum(f.stat().st_size for f in ([path] if path.is_file() else path.rglob("*")) if f.is_file()) / 2**20
+
+
+def _weights_mib(state, model_cfg, tmp: Path) -> dict[str, float]:
+    """MiB on disk of the weights as `aiayn convert --to torch` and `--to jax` write them."""
+    from train.interop.runs import save_jax_weights, save_torch_weights
+    from train.interop.weights import jax_model_from_params
+
+    torch_model = torch_reference.Transformer(model_cfg)
+    torch_model.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in
+                                 convert_state(state, "torch", model_cfg).params.items()})
+    jax_model = jax_model_from_params(convert_state(state, "jax", model_cfg).params, model_cfg)
+    return {"torch": _mib(save_torch_weights(torch_model, tmp / "torch.safetensors")),
+            "jax": _mib(save_jax_weights(jax_model, tmp / "jax") / "params")}
+
+
 def _ctranslate2_searches(run: Run, params, beams: list[int], alpha: float, tmp: Path):
-    """("ctranslate2 float32" | "ctranslate2 int8", beam, search) of the run exported under `tmp`, in turn."""
+    """("ctranslate2 float32" | "ctranslate2 int8", beam, search, MiB on disk) of the run exported under `tmp`, in
+    turn."""
     threads = torch.get_num_threads()  # as many as torch's cached search uses
     for kind in ("float32", "int8"):
         ct2.export_ctranslate2(run.run_dir, params, run.model_config, tmp / kind, quantization=kind)
@@ -134,7 +158,7 @@ def _ctranslate2_searches(run: Run, params, beams: list[int], alpha: float, tmp:
                 limit = proof.limit(src.shape[1], run.model_config)
                 return translator.translate_ids(src, beam_size=k, max_len=limit, length_penalty=alpha)
 
-            yield f"ctranslate2 {kind}", beam, search
+            yield f"ctranslate2 {kind}", beam, search, _mib(tmp / kind)
 
 
 def _export_searches(run: Run, params, beams: list[int], alpha: float, tmp: Path):
@@ -156,7 +180,7 @@ def _export_searches(run: Run, params, beams: list[int], alpha: float, tmp: Path
             ("onnxruntime int8", lambda: OnnxPrograms(tmp / "onnx", True, threads), map(quantized, ONNX_FILES)),
             ("stablehlo", lambda: StableHloPrograms(tmp / "stablehlo"), STABLEHLO_FILES)):
         backend = ExportBackend(programs(), run.model_config, run.step)
-        disk = sum((tmp / ("stablehlo" if name == "stablehlo" else "onnx") / f).stat().st_size for f in files) / 2**20
+        disk = sum(_mib(tmp / ("stablehlo" if name == "stablehlo" else "onnx") / f) for f in files)
         for beam in beams:
             yield name, beam, lambda _, src, k=beam, b=backend: b.translate(src, k, alpha), disk
 
@@ -180,7 +204,7 @@ def _hf_searches(run: Run, params, beams: list[int], alpha: float):
                 )
             return [[to_ours[int(m)] for m in row[1:] if m != ids["pad"]] for row in out.tolist()]
 
-        yield "hf generate", beam, search
+        yield "hf generate", beam, search, None
 
 
 @checked
@@ -231,19 +255,20 @@ def bench_file(selection: RunSelection, search: Search, bench: SpeedBench = Spee
                          ctranslate2=bench.ctranslate2, hf=bench.hf, uncached=bench.uncached, exports=bench.exports,
                          sampling=sampling_of(sampling or bench.sample, {}))
     accelerator = "" if jax.default_backend() == "cpu" else f", {jax.devices()[0].device_kind}"
-    machine = (f"{platform.processor() or platform.machine()}, {host_devices.cores()} CPUs{accelerator}, "
+    machine = (f"{_cpu_name()}, {host_devices.cores()} CPUs{accelerator}, "
                f"jax on {jax.device_count()} device{'s' * (jax.device_count() > 1)}")
     print(f"{len(sentences)} sentences, {run.model_config.d_model}-wide {run.config.preset} model, {machine}")
     print(f"{'search':19s} {'beam':>4s} {'seconds':>8s} {'sent/s':>8s} {'out/s':>8s} {'tok/s':>8s} {'peak MiB':>8s} "
-          f"{'vs torch cached':>16s} {'vs uncached':>12s} {'outputs differ':>15s}")
+          f"{'vs torch cached':>16s} {'vs uncached':>12s} {'outputs differ':>15s} {'tokens differ from jax':>22s}")
     for r in rows:
         differ = "reference" if r["differ"] is None else str(r["differ"])
         uncached = "-" if r["speedup_vs_torch_uncached"] is None else f"{r['speedup_vs_torch_uncached']:.2f}x"
         print(f"{r['search']:19s} {r['beam']:4d} {r['seconds']:8.2f} {r['sentences_per_s']:8.1f} "
               f"{r['outputs_per_s']:8.1f} {r['tokens_per_s']:8.0f} {r['peak_mib']:8.0f} "
-              f"{r['speedup_vs_torch_cached']:15.2f}x {uncached:>12s} {differ:>15s}"
+              f"{r['speedup_vs_torch_cached']:15.2f}x {uncached:>12s} {differ:>15s} "
+              f"{r.get('tokens_differ_from_jax', '-'):>22}"
               + (f"   BLEU vs float32 {r['bleu_vs_float32']:.2f}" if "bleu_vs_float32" in r else "")
-              + (f"   {r['disk_mib']:.1f} MiB on disk" if "disk_mib" in r else ""))
+              + (f"   {r['disk_mib']:.1f} MiB on disk" if r.get("disk_mib") is not None else ""))
     if bench.json:
         bench.json.write(json_text({"run_dir": str(selection.run_dir[0]), "machine": machine, "rows": rows}))
     return rows

@@ -1,21 +1,20 @@
-"""The model configuration shared by both frameworks, and the rules both twins' searches, sampling
-and ensembles check (one definition for the two).
-
-This module imports neither torch nor jax: `torch_reference.TransformerConfig` and
-`jax_transformer.TransformerConfig` are this one class, so a config saved next to a checkpoint
-in one framework builds the identical model in the other.
-"""
+"""The model configuration of both frameworks (one class, so a config saved in one builds the same model in the
+other), how any setting is declared and checked (`setting`), and the rules the twins' searches, sampling and
+ensembles check. It imports neither torch nor jax."""
 
 from __future__ import annotations
 
 import array
 import dataclasses
+import functools
 import json
 import math
 import numbers
 import operator
 import os
-from typing import Any, Literal, get_args
+import types
+import typing
+from typing import Any, Literal, Union, get_args, get_origin
 
 NormPosition = Literal["post", "pre"]
 # "silu" is SiLU/swish, x * sigmoid(x) (Marian's "swish").
@@ -44,8 +43,7 @@ def _g(x: float) -> str:
 
 
 def float32_error(value: float) -> str | None:
-    """Why a float setting means something else in float32, the dtype both twins compute in (a nonzero
-    value that rounds to 0 there, a finite one beyond its range), or None: the one edge rule."""
+    """Why a float setting means another value in float32, the twins' dtype (0, or infinite, there), or None."""
     as32 = array.array("f", [value])[0]
     if (value != 0 and as32 == 0) or (math.isfinite(value) and not math.isfinite(as32)):
         return f"must keep its value in float32, the dtype it is computed in: {value:g} is {as32:g} there"
@@ -53,14 +51,14 @@ def float32_error(value: float) -> str | None:
 
 
 class SettingError(ValueError):
-    """A refused setting in one line: `template`'s `{}`s the `names` (`beam`), or `worded` otherwise (`--beam`)."""
+    """A refused setting, one line: `template`'s `{}`s the `names` (`beam`, `worded`: `--beam`), `{key}`s `values`."""
 
-    def __init__(self, template: str, *names: str):
-        self.template, self.names = template, names
-        super().__init__(template.format(*names))
+    def __init__(self, template: str, *names: str, **values: Any):
+        self.template, self.names, self.values = template, names, values
+        super().__init__(self.worded(str))
 
     def worded(self, name_of) -> str:
-        return self.template.format(*map(name_of, self.names))
+        return self.template.format(*map(name_of, self.names), **self.values)
 
 
 def escaped(text: str) -> str:
@@ -70,9 +68,8 @@ def escaped(text: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Range:
-    """The values a numeric setting may take: `kind` int (any integral type, NumPy's too; bool refused) or
-    float (any finite real), at least `low`, above `above` (open), below `below` (open), at most `high`: the
-    rule of a setting (`setting`), checked wherever it is given (Python, a flag, a recipe, a request)."""
+    """A numeric setting's values: `kind` int (any integral but bool) or float (finite), in `low`/`above` ..
+    `below`/`high` (closed/open)."""
 
     kind: type = int
     low: float | None = None
@@ -115,20 +112,32 @@ def setting(default: Any, *, range: Range | None = None, choices: tuple | None =
     return dataclasses.field(default=default, metadata=meta)
 
 
-def setting_error(field: dataclasses.Field, value: Any) -> tuple[str | None, Any]:
-    """(why `value` is not allowed in `field`, or None; the value as kept): the field's `range` (a number of any
-    integral or real type kept as int or float), its `choices`, or its annotation (bool, str, dict)."""
-    kind = str(field.type).replace(" | None", "")
-    if value is None and kind != str(field.type):
+@functools.cache
+def hints(cls: type) -> dict[str, Any]:
+    """The annotations of dataclass `cls` as objects (`from __future__ import annotations` leaves them text)."""
+    return typing.get_type_hints(cls)
+
+
+def kind_of(hint: Any) -> tuple[Any, bool]:
+    """(annotation `hint` without None: one type, or the Union of the rest; whether it allows None)."""
+    args = get_args(hint) if get_origin(hint) in (Union, types.UnionType) else (hint,)
+    rest = tuple(arg for arg in args if arg is not type(None))
+    return rest[0] if len(rest) == 1 else Union[rest], len(rest) < len(args)
+
+
+def setting_error(field: dataclasses.Field, value: Any, hint: Any) -> tuple[str | None, Any]:
+    """(why `value` breaks `field`'s `range`, `choices` or type `hint`, or None; the value as kept: int, float...)."""
+    kind, optional = kind_of(hint)
+    if value is None and optional:
         return None, value
     if (allowed := field.metadata.get("range")) is not None:
         problem = allowed.error(value)
         return problem, value if problem else allowed.kind(value)
-    if kind == "str" and isinstance(value, os.PathLike):  # run_dir=Path(...)
+    if kind is str and isinstance(value, os.PathLike):  # run_dir=Path(...)
         value = os.fspath(value)
-    expected = {"bool": (bool, "true or false"), "str": (str, "a string"), "dict": (dict, "a dict")}.get(kind)
-    if expected and not isinstance(value, expected[0]):  # booleans only as booleans: 1 and "yes" are not True
-        return f"must be {expected[1]}, got {value!r}", value
+    expected = {bool: "true or false", str: "a string", dict: "a dict"}.get(kind)
+    if expected and not isinstance(value, kind):  # booleans only as booleans: 1 and "yes" are not True
+        return f"must be {expected}, got {value!r}", value
     if (choices := field.metadata.get("choices")) is not None and value not in choices:
         return f"must be one of {', '.join(map(str, choices))}, got {value!r}", value
     return None, value
@@ -137,10 +146,26 @@ def setting_error(field: dataclasses.Field, value: Any) -> tuple[str | None, Any
 def check_settings(obj: Any, error: type[SettingError] = SettingError) -> None:
     """`error` naming the first field of the dataclass `obj` that `setting_error` refuses; each kept as it says."""
     for field in dataclasses.fields(obj):
-        problem, value = setting_error(field, getattr(obj, field.name))
+        problem, value = setting_error(field, getattr(obj, field.name), hints(type(obj))[field.name])
         if problem is not None:
             raise error("{} " + escaped(problem), field.name)
         object.__setattr__(obj, field.name, value)
+
+
+class Settings:
+    """A dataclass of `setting`s: replaced, made into and from a dict (its unknown keys refused)."""
+
+    def replace(self, **changes: Any) -> typing.Self:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> typing.Self:
+        if unknown := sorted(set(data) - set(hints(cls))):
+            raise ValueError(f"unknown {cls.__name__} fields: {', '.join(map(repr, unknown))}")
+        return cls(**data)
 
 
 POSITIVE, NON_NEGATIVE = Range(int, low=1), Range(int, low=0)
@@ -168,8 +193,7 @@ def output_length(src_len: int, max_len: int, max_len_a: float, max_len_b: int) 
 
 
 def check_beam(beam_size, alpha, scoring: str, n_best) -> None:
-    """SettingError naming the first of a beam search's settings that is out of its range: the one rule of
-    n-best lists (`train.options.Search` applies it too)."""
+    """SettingError naming the first of a beam search's settings out of range (`train.options.Search`'s too)."""
     if scoring not in SCORINGS:
         raise SettingError("{} " + f"must be one of {', '.join(SCORINGS)}, got {scoring!r}", "scoring")
     ALPHA.check("alpha", alpha)  # the early stop's bound needs a penalty that grows with length
@@ -180,9 +204,7 @@ def check_beam(beam_size, alpha, scoring: str, n_best) -> None:
 
 
 def check_prefix_rows(src_ids, prefix, cfg: TransformerConfig, max_len_a: float, max_len_b: int) -> None:
-    """`decode.check_prefix` of either twin past the ids' type and range, over tensors or arrays: ValueError
-    unless prefix (B, P) has a row for each source (B, S), no <bos>, and each row leaves its sentence
-    room for <eos> (fewer tokens than its length limit)."""
+    """ValueError unless `prefix` (B, P) has a row per source (B, S), no <bos>, and room for <eos> in each sentence."""
     if prefix.shape[0] != src_ids.shape[0]:
         raise ValueError(f"prefix must be (batch, length) with the batch of src_ids, {src_ids.shape[0]} rows; "
                          f"got shape {tuple(prefix.shape)}")
@@ -203,8 +225,7 @@ def check_sampling(seed, num_samples, temperature, top_k, top_p) -> None:
 
 
 def check_ensemble(configs, average: str) -> None:
-    """ValueError unless `configs`, an ensemble's members', are some that share `SHARED_FIELDS`, and
-    `average` is one of AVERAGES."""
+    """ValueError unless `configs`, an ensemble's members, are some sharing `SHARED_FIELDS`, `average` an AVERAGES."""
     if not configs:
         raise ValueError("an ensemble needs at least one model, got none")
     if average not in AVERAGES:
@@ -225,16 +246,9 @@ _PRESETS: dict[str, dict[str, Any]] = {
 
 
 @dataclasses.dataclass(frozen=True)
-class TransformerConfig:
-    """Architecture of the encoder-decoder Transformer ("Attention Is All You Need").
-
-    The defaults are the paper's: post-norm residual blocks, ReLU feed-forward, sinusoidal
-    positions, embeddings scaled by sqrt(d_model), source/target embeddings and the pre-softmax
-    projection sharing one matrix (§3.4). Every departure is a field, so a variant is a config.
-
-    Special token ids default to SPECIAL_TOKENS' (pad 0, bos 1, eos 2, unk 3), which the
-    tokenizers of `train` use.
-    """
+class TransformerConfig(Settings):
+    """The Transformer's architecture; the defaults are the paper's (post-norm, ReLU, sinusoidal positions, scaled and
+    shared embeddings, §3.4), each departure a field; the special ids SPECIAL_TOKENS' (the tokenizers')."""
 
     src_vocab_size: int = setting(8000, range=POSITIVE)
     tgt_vocab_size: int = setting(8000, range=POSITIVE)
@@ -275,11 +289,10 @@ class TransformerConfig:
     output_bias: bool = False
 
     def __post_init__(self):
-        """Every field checked once, whatever built the config (CLI, JSON, Python): SettingError naming it."""
-        check_settings(self)
+        check_settings(self)  # whatever built it (CLI, JSON, Python)
         if self.d_model % self.num_heads:
-            raise SettingError("{}=" + f"{self.d_model} is not divisible by " + "{}=" + f"{self.num_heads}", "d_model",
-                               "num_heads")
+            raise SettingError("{}={d} is not divisible by {}={h}", "d_model", "num_heads", d=self.d_model,
+                               h=self.num_heads)
         if self.share_embeddings and self.src_vocab_size != self.tgt_vocab_size:
             raise ValueError(f"share_embeddings needs one joint vocabulary, got src_vocab_size={self.src_vocab_size} "
                              f"and tgt_vocab_size={self.tgt_vocab_size}; set share_embeddings=False")
@@ -301,44 +314,23 @@ class TransformerConfig:
         """A named size (`tiny`, `small`, `base`, `big`) with any field overridden.
 
         >>> TransformerConfig.preset("base", src_vocab_size=8000, tgt_vocab_size=8000).d_model
-        512
-        """
+        512"""
         if name not in _PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(_PRESETS)}")
         return cls(**{**_PRESETS[name], **overrides})
 
     @classmethod
     def parse_override(cls, text: str, exclude: tuple[str, ...] = ()) -> tuple[str, Any]:
-        """'FIELD=VALUE' -> (field, value typed like the field), for `--set` flags of the CLIs.
-
-        Fields in `exclude` are refused. Raises ValueError naming the choices.
-        """
-        key, sep, value = text.partition("=")
-        fields = sorted({f.name for f in dataclasses.fields(cls)} - set(exclude))
+        """'FIELD=VALUE' -> (field, its typed value) for `--set`; ValueError naming the fields (not `exclude`)."""
+        (key, sep, value), fields = text.partition("="), sorted(set(hints(cls)) - set(exclude))
         if not sep or key not in fields:
             raise ValueError(f"expected FIELD=VALUE with FIELD one of {', '.join(fields)}; got {text!r}")
-        kind = type(getattr(cls(), key))
-        if kind is bool:
-            if value.lower() not in ("true", "false", "1", "0"):
-                raise ValueError(f"{key} takes true or false, got {value!r}")
-            return key, value.lower() in ("true", "1")
+        kind, booleans = type(getattr(cls(), key)), {"true": True, "false": False, "1": True, "0": False}
         try:
-            return key, kind(value)
-        except ValueError:
-            raise ValueError(f"{key} takes {'an integer' if kind is int else 'a number'}, got {value!r}") from None
-
-    def replace(self, **changes: Any) -> "TransformerConfig":
-        return dataclasses.replace(self, **changes)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "TransformerConfig":
-        unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
-        if unknown:
-            raise ValueError(f"unknown TransformerConfig fields: {', '.join(map(repr, unknown))}")
-        return cls(**data)
+            return key, booleans[value.lower()] if kind is bool else kind(value)
+        except (KeyError, ValueError):
+            said = {bool: "true or false", int: "an integer"}.get(kind, "a number")
+            raise ValueError(f"{key} takes {said}, got {value!r}") from None
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)

@@ -16,7 +16,7 @@ from torch_reference.config import POSITIVE
 from . import data, rundir, runtime
 from .backends import create_backend
 from .checkpoints import CheckpointError, TrainingState
-from .options import checked, option
+from .options import OptionError, checked, option
 
 
 @checked
@@ -51,8 +51,8 @@ def average_run(src: str | os.PathLike, dst: str | os.PathLike, last: int = 5, o
         steps = reader.checkpoint_steps()
         if len(steps) < last:
             have = ", ".join(map(str, steps)) or "none"
-            raise runtime.UserError(f"{src} keeps {len(steps)} checkpoint(s) (steps {have}), fewer than --last "
-                                    f"{last}; train with --keep-checkpoints {last} or more to average {last}")
+            raise OptionError("{src} keeps {n} checkpoint(s) (steps {have}), fewer than {} {last}; train keeping "
+                              "{last} or more to average {last}", "last", src=src, n=len(steps), have=have, last=last)
         steps = steps[-last:]
         states = []
         for step in steps:

@@ -7,7 +7,8 @@ from collections.abc import Iterable
 from typing import Any, get_args
 
 from torch_reference.config import (LENGTH, NON_NEGATIVE, POSITIVE, PROBABILITY, SPECIAL_TOKENS, KernelSet, Range,
-                                    SettingError, TransformerConfig, check_settings, escaped, setting)
+                                    SettingError, Settings, TransformerConfig, check_settings, escaped,
+                                    hints, setting)
 
 BACKENDS = ("jax", "torch")  # each field's choices (its metadata) are its values
 KERNEL_CHOICES = ("auto", *get_args(KernelSet))  # the models' kernel sets (the keys of their KERNELS), and auto
@@ -76,7 +77,7 @@ def _field(default: Any, group: str, help: str, launch: bool = False, **meta: An
 
 
 @dataclasses.dataclass(frozen=True)
-class ExperimentConfig:
+class ExperimentConfig(Settings):
     """Training, data, evaluation and checkpoint settings of one run; its model is `model_config()`."""
 
     backend: str = _field(
@@ -220,8 +221,7 @@ class ExperimentConfig:
         "CPUs", choices=("gloo", "nccl"), launch=True)
 
     def __post_init__(self):
-        """Every field checked once, whatever built the config: SettingError naming the field."""
-        check_settings(self)
+        check_settings(self)  # whatever built it
         if not all(isinstance(key, str) for key in self.model):
             raise SettingError("{} must map field names to values, " + escaped(f"got {self.model!r}"), "model")
         if fixed := sorted(set(self.model) & set(SPECIAL_ID_FIELDS)):
@@ -229,10 +229,9 @@ class ExperimentConfig:
         if bad := sorted(set(self.model) & set(DERIVED_MODEL_FIELDS)):
             raise SettingError("{}: " + f"{bad[0]} cannot be set: {', '.join(DERIVED_MODEL_FIELDS)} come from the data "
                                "and from {}, {}, {}, {}", "model", "vocab_size", "max_len", "dropout", "joint_vocab")
-        known = {f.name for f in dataclasses.fields(TransformerConfig)}
-        if unknown := sorted(set(self.model) - known):
-            raise SettingError("{}: " + f"unknown model field {unknown[0]!r}; choose from {', '.join(sorted(known))}",
-                               "model")
+        if unknown := sorted(set(self.model) - set(known := hints(TransformerConfig))):
+            raise SettingError("{}: unknown model field {name!r}; choose from {known}", "model", name=unknown[0],
+                               known=", ".join(sorted(known)))
         resolve_kernels(self.kernels, self.backend, "cpu")  # a set the backend's model has
         if self.token_budget < self.max_len:
             raise SettingError("{}=" + f"{self.token_budget} must hold one sequence of " + "{}=" + f"{self.max_len}",
@@ -260,15 +259,14 @@ class ExperimentConfig:
         if saved is not None:
             cfg = saved.replace(**{name: getattr(self, name) for name in self.launch_fields()})
             set_fields = [name for name, value in self.to_dict().items() if value is not None]
-            self._refuse_changes(saved, "run", "--resume cannot change how the run trains", self.experiment(),
+            self._refuse_changes(saved, "run", "{} cannot change how the run trains", "resume", self.experiment(),
                                  set_fields if given is None else given)
         elif source is not None:
             cfg = self.replace(**{name: getattr(source, name) for name in SOURCE_FIELDS})
             defaults = ExperimentConfig()
             off_default = [name for name in SOURCE_FIELDS if getattr(self, name) != getattr(defaults, name)]
-            self._refuse_changes(source, str(self.init_from),
-                                 "--init-from takes the model's shape and vocabulary from its source", SOURCE_FIELDS,
-                                 off_default if given is None else given)
+            self._refuse_changes(source, str(self.init_from), "{} takes the model's shape and vocabulary from its "
+                                 "source", "init_from", SOURCE_FIELDS, off_default if given is None else given)
         automatic = {"vocab_size": NUMBERS_VOCAB_SIZE if cfg.uses_numbers_corpus else DEFAULT_VOCAB_SIZE,
                      "average_last": min(NUMBERS_AVERAGE_LAST, cfg.keep_checkpoints) if cfg.uses_numbers_corpus else 1,
                      "warmup": max(1, min(PAPER_WARMUP, round(WARMUP_FRACTION * cfg.steps))),
@@ -276,15 +274,13 @@ class ExperimentConfig:
                      "dtype": default_dtype(platform) if platform and saved is None else None}  # a resume keeps its own
         return cfg.replace(**{name: value for name, value in automatic.items() if getattr(cfg, name) is None})
 
-    def _refuse_changes(self, other: ExperimentConfig, whose: str, why: str, names: Iterable[str],
+    def _refuse_changes(self, other: ExperimentConfig, whose: str, why: str, option: str, names: Iterable[str],
                         given: Iterable[str]) -> None:
-        """ValueError naming each field of `names` that was `given` with another value than `other` has."""
-        given = set(given)
-        flags = {f.name: flag_name(f) for f in dataclasses.fields(self)}
-        differ = [f"{flags[name]}: {whose} has {getattr(other, name)!r}, got {getattr(self, name)!r}"
-                  for name in names if name in given and getattr(self, name) != getattr(other, name)]
-        if differ:
-            raise ValueError(f"{why}: " + "; ".join(differ))  # one line
+        """SettingError naming `option` (the `why`), then each of `names` `given` with another value than `other`'s."""
+        if differ := [n for n in names if n in set(given) and getattr(self, n) != getattr(other, n)]:
+            raise SettingError(why + ": " + "; ".join("{}" + escaped(f": {whose} has {getattr(other, n)!r}, got "
+                                                                     f"{getattr(self, n)!r}") for n in differ),
+                               option, *differ)
 
     def model_config(self, src_vocab_size: int, tgt_vocab_size: int) -> TransformerConfig:
         """The preset with `--set` overrides, the vocabulary sizes, max_len, dropout, shared embeddings if joint."""
@@ -294,24 +290,12 @@ class ExperimentConfig:
             derived["dropout"] = self.dropout
         return TransformerConfig.preset(self.preset, **{**self.model, **derived})
 
-    def replace(self, **changes: Any) -> ExperimentConfig:
-        return dataclasses.replace(self, **changes)
-
     @classmethod
     def launch_fields(cls) -> tuple[str, ...]:
         """The launch options (where, how long, how this launch runs): a resume may change them, never saved."""
         return tuple(f.name for f in dataclasses.fields(cls) if f.metadata["launch"])
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
     def experiment(self) -> dict[str, Any]:
         """The fields that define how the run trains: what config.json and checkpoints save, a resume must match."""
         launch = self.launch_fields()
         return {k: v for k, v in self.to_dict().items() if k not in launch}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ExperimentConfig:
-        if unknown := sorted(set(data) - {f.name for f in dataclasses.fields(cls)}):
-            raise ValueError(f"unknown ExperimentConfig fields: {', '.join(map(repr, unknown))}")
-        return cls(**data)

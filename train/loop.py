@@ -32,11 +32,11 @@ from .options import Search
 from .recipes import resume_command
 from .runtime import CHECKPOINTS, CONFIG_FILE, CURVES_FILE, RESULTS_FILE, TENSORBOARD, Interrupted, UserError, say
 from .runtime.events import NoWriter, summary_writer
-from .runtime.files import finite_values, read_json, write_json_atomic
+from .runtime.files import OptionError, finite_values, read_json, write_json_atomic
 from .translation import EvaluationStopped, bands_text, evaluate_pairs
 
 
-class TrainingDiverged(UserError):
+class TrainingDiverged(OptionError):
     """A non-finite loss or gradient norm: training stops before any checkpoint holds the bad update."""
 
 
@@ -57,7 +57,7 @@ def _train(cfg: ExperimentConfig, explicit: Iterable[str] | None, init_dir: str 
         topology = initialize(cfg)  # first: jax.distributed.initialize precedes any device use
     compiled_before = totals()  # this run's compilations: those after this point
     if topology.process_count > 1 and cfg.run_dir is None:
-        raise UserError("a multi-process run needs --run-dir: one directory, the same for every process")
+        raise OptionError("a multi-process run needs {}: one directory, the same for every process", "run_dir")
     source = (init_dir or cfg.init_from) if cfg.init_from else None
     with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(sys.stdout if topology.is_main else devnull), \
             rundir.session(cfg, explicit, topology.platform, topology.is_main, source) as cfg:
@@ -137,7 +137,7 @@ def setup(cfg: ExperimentConfig, topology: Topology, init_dir: str | Path | None
         rundir.check_model(run_dir, cfg, model_cfg, tokenizers, what=CONFIG_FILE)
     stored = data.train_store(cfg, tokenizers, splits.train or None, progress=topology.is_main)
     if topology.process_count > 1:  # one run or none: before a file is written or a step taken
-        check_agreement(cfg, {**{f"--{k.replace('_', '-')}": v for k, v in cfg.to_dict().items() if k not in _OWN},
+        check_agreement(cfg, {**{k: v for k, v in cfg.to_dict().items() if k not in _OWN},
                               "the training data": stored.digest, "the tokenizers": tokenizers_digest(tokenizers)})
     batcher = make_batcher(cfg, tokenizers, stored, topology.num_devices, topology)
     # Only now that the data has loaded and batched are the run's files written: config.json first.
@@ -195,28 +195,29 @@ def _finished(cfg: ExperimentConfig, step: int) -> dict[str, Any] | None:
         return None
     done = read_json(Path(cfg.run_dir) / RESULTS_FILE, default=None)
     done = done if isinstance(done, dict) and done.get("steps") == step else None
-    say(f"{cfg.run_dir} has trained {step} steps (--steps {cfg.steps}): " + (
+    say(f"{cfg.run_dir} has trained {step} steps of {cfg.steps}: " + (
         f"nothing to do; {RESULTS_FILE} left as it is" if done else "nothing to train; evaluating its last checkpoint")
-        + " (resume with a larger --steps to train on)")
+        + " (resume with more steps to train on)")
     return done
 
 
 def _check_resumed(meta: dict[str, Any], cfg: ExperimentConfig, batcher: data.Batcher, topology: Topology) -> None:
     rundir.check_checkpoint_config(meta, cfg)
     if "data_digest" in meta and meta["data_digest"] != batcher.store.digest:  # none in older checkpoints
-        used = f"--train {cfg.train}" if cfg.train else "the numbers corpus"
-        raise UserError(f"{used}: not the data checkpoint {meta['step']} in {cfg.run_dir} was trained on (changed "
-                        "since?), so the run cannot continue on it: put that data back, or train a new run")
+        raise OptionError(("{} {spec}" if cfg.train else "the numbers corpus") + ": not the data checkpoint {step} "
+                          "in {dir} was trained on (changed since?), so the run cannot continue on it: put that data "
+                          "back, or train a new run", *["train"][:bool(cfg.train)], spec=cfg.train, step=meta["step"],
+                          dir=cfg.run_dir)
     shapes = [list(shape) for shape in batcher.shapes]
     if meta.get("shapes", shapes) != shapes:
         # Each batch size is the most rows of the budget that is a multiple of the device count (make_batcher).
         keep = [n for n in range(1, min(rows for rows, _ in meta["shapes"]) + 1)
                 if all(cfg.token_budget // (length * n) * n == rows for rows, length in meta["shapes"])]
-        raise UserError(
-            f"resuming on {topology.num_devices} device(s) changes the batch shapes from {meta['shapes']} to "
-            f"{shapes} (batch sizes are multiples of the device count), so the run would not continue as it "
-            f"started: resume with --devices {' or '.join(map(str, keep[:6]))}{' or ...' if len(keep) > 6 else ''}, "
-            "which keep them")
+        raise OptionError(
+            "resuming on {n} device(s) changes the batch shapes from {old} to {new} (batch sizes are multiples of the "
+            "device count), so the run would not continue as it started: resume with {} {keep}, which keep them",
+            "devices", n=topology.num_devices, old=meta["shapes"], new=shapes,
+            keep=" or ".join(map(str, keep[:6])) + (" or ..." if len(keep) > 6 else ""))
 
 
 def _write_results(results: dict[str, Any]) -> None:
@@ -236,18 +237,18 @@ def make_batcher(cfg: ExperimentConfig, tokenizers: data.Tokenizers, pairs, num_
     the same seed and device count: every batch size a multiple of `num_devices`, over which each batch is
     split; with a multi-process `topology`, each process gathers only its share of each batch's rows."""
     if cfg.token_budget < cfg.max_len * num_devices:
-        raise UserError(
-            f"--token-budget {cfg.token_budget} holds {cfg.token_budget // cfg.max_len} sequence(s) of --max-len "
-            f"{cfg.max_len}, fewer than the {num_devices} devices each batch is split over: raise --token-budget to "
-            f"at least {cfg.max_len * num_devices} or train on fewer devices (--devices)")
+        raise OptionError(
+            "{} {budget} holds {rows} sequence(s) of {} {max_len}, fewer than the {n} devices each batch is split "
+            "over: raise {} to at least {least} or train on fewer devices ({})", "token_budget", "max_len",
+            "token_budget", "devices", budget=cfg.token_budget, rows=cfg.token_budget // cfg.max_len,
+            max_len=cfg.max_len, n=num_devices, least=cfg.max_len * num_devices)
     examples = pairs if isinstance(pairs, data.TokenStore) else data.encode_pairs(tokenizers, pairs)
     process = (topology.process_index, topology.process_count) if topology is not None else (0, 1)
     batcher = data.Batcher(examples, token_budget=cfg.token_budget, max_len=cfg.max_len, multiple_of=num_devices,
                            seed=cfg.seed, pack=cfg.pack, process=process)
     if not batcher.num_batches:
-        raise UserError(
-            f"no training pair is left: all {len(batcher.store)} are longer than --max-len {cfg.max_len} tokens "
-            "(<eos> included); raise --max-len")
+        raise OptionError("no training pair is left: all {n} are longer than {} {max_len} tokens (<eos> included); "
+                          "raise {}", "max_len", "max_len", n=len(batcher.store), max_len=cfg.max_len)
     return batcher
 
 
@@ -338,8 +339,8 @@ def _check_finite(backend: Backend, values: list[dict[str, float]], step: int) -
 def _diverged(backend: Backend, what: str) -> TrainingDiverged:
     saved = backend.checkpoint_steps()
     kept = f"the checkpoints up to step {saved[-1]} are intact" if saved else "no checkpoint was saved"
-    return TrainingDiverged(f"training diverged: {what}; stopped before saving it ({kept}). Lower --lr-factor, "
-                            "raise --warmup or set --clip-norm, and train again")
+    return TrainingDiverged("training diverged: {what}; stopped before saving it ({kept}). Lower {}, raise {} or set "
+                            "{}, and train again", "lr_factor", "warmup", "clip_norm", what=what, kept=kept)
 
 
 def _save(cfg: ExperimentConfig, backend: Backend, batcher: data.Batcher, evaluated: dict[str, Any] | None,

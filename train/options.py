@@ -1,15 +1,11 @@
-"""The options of the library's jobs as dataclasses that check themselves when made (`checked`): how to
-search (`Search`), how to sample (`Sampling`), which runs to load (`RunSelection`), ... The API, the server
-and the commands all build these, so a rule lives here alone. An error names the parameter (`top_p must be
-in (0, 1], got 2`); the commands' flags are generated from the fields' metadata (`add_flags`), and a
-command's `run` rewords the same error with the flag (`--top-p must be ...`).
+"""The options of the library's jobs (`Search`, `Sampling`, `RunSelection`, ...) as dataclasses that check themselves
+when made (`checked`); the API, the server and the commands build these, so a rule lives here alone. Its error names
+the parameter; a command's flags come from the fields (`add_flags`), and its `run` words the error with them:
 
-    >>> Search(beam=4, n_best=2).n_best
-    2
     >>> Sampling(top_p=2)
     Traceback (most recent call last):
     ...
-    train.options.OptionError: top_p must be in (0, 1], got 2
+    train.runtime.files.OptionError: top_p must be in (0, 1], got 2
 """
 
 from __future__ import annotations
@@ -19,27 +15,20 @@ import dataclasses
 import os
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional, get_args, get_origin
 
 from torch_reference.config import (ALPHA, AVERAGES, NON_NEGATIVE, POSITIVE, SAMPLING_RANGES, SCORINGS, SettingError,
-                                    check_beam, check_settings, escaped, setting)
+                                    check_beam, check_settings, hints, kind_of, setting)
 
 from .config import BATCH, BEAM
 from .config import flag_name as flag_of
-from .runtime.files import UserError
+from .runtime.destination import Destination
+from .runtime.files import OptionError, UserError
 from .runtime.signals import exit_status
 
-if TYPE_CHECKING:
-    from .runtime.destination import Destination
-
-FORMATS = ("text", "tsv", "jsonl")
 # The type of a field naming a file a command writes: given a path, checked at once and kept as its `Destination`.
-Output = Optional["Destination"]
+Output = Optional[Destination]
 ENSEMBLE_AVERAGES = AVERAGES  # the twins' ensemble.AVERAGES
-
-
-class OptionError(UserError, SettingError):
-    """A refused option (`SettingError`: its message names parameters, `worded` names them otherwise), one line."""
 
 
 def option(default: Any, help: str, **meta: Any) -> Any:
@@ -48,61 +37,51 @@ def option(default: Any, help: str, **meta: Any) -> Any:
 
 
 def checked(cls: type) -> type:
-    """`cls` as a frozen dataclass that checks itself when made: its fields (`check_settings`; an `Output` kept as
-    its `Destination`), then its own `check`."""
+    """`cls` as a frozen dataclass checking its fields when made (`check_settings`; an `Output` made a `Destination`),
+    then its own `check`."""
 
     def __post_init__(self) -> None:
         check_settings(self, OptionError)
-        for field in dataclasses.fields(self):
-            if str(field.type) == "Output" and (value := getattr(self, field.name)) is not None:
-                object.__setattr__(self, field.name, destination(value, field.name))
+        for name, hint in hints(cls).items():
+            if kind_of(hint)[0] is Destination and (value := getattr(self, name)) is not None:
+                object.__setattr__(self, name, destination(value, name))
         getattr(self, "check", lambda: None)()
 
     cls.__post_init__ = __post_init__
     return dataclasses.dataclass(frozen=True)(cls)
 
 
-def destination(value: Any, name: str) -> Any:
-    """`value` (a path, or a Destination already checked) as the `Destination` of parameter `name`: an
-    OptionError naming it where the file cannot be written (docs/operations.md#output-files)."""
-    from .runtime.destination import Destination
-
-    if isinstance(value, Destination):
-        return value
-    try:
-        return Destination(value, "")
-    except UserError as err:  # its message (" PATH is ...") names no flag: the parameter, or its flag (`run`), leads it
-        raise OptionError("{}" + escaped(str(err)), name) from None
+def destination(value: Any, name: str) -> Destination:
+    """`value` (a path, or a Destination) as the `Destination` of parameter `name` (docs/operations.md#output-files)."""
+    return value if isinstance(value, Destination) else Destination(value, name)
 
 
-def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, *, skip: Iterable[str] = (),
-              only: Iterable[str] | None = None, groups: Mapping | None = None, show_defaults: bool = True) -> None:
-    """One flag per field of the dataclass `cls` (`only` those, but `skip`), typed, ranged and documented by the
-    field's metadata; every default SUPPRESSed, so that only the flags given reach `build` (the class's defaults
-    apply to the rest). `groups`: each metadata "group"'s group."""
-    only = None if only is None else set(only)
+def add_flags(parser: argparse.ArgumentParser, cls: type, *, skip: Iterable[str] = (), only: Iterable | None = None,
+              group: Any = None, groups: Mapping | None = None, show_defaults: bool = True) -> None:
+    """One flag per field of the dataclass `cls` (`only` those, but `skip`) in `parser` (a `command`'s; in `group`,
+    or each metadata "group"'s of `groups`), typed, ranged and documented by the field's metadata and annotation;
+    every default SUPPRESSed, so that only the flags given reach `build` (the class's defaults apply to the rest)."""
     for field in dataclasses.fields(cls):
         if field.name in skip or (only is not None and field.name not in only):
             continue
-        meta, kind = field.metadata, str(field.type).replace(" | None", "")
+        meta, (kind, _) = field.metadata, kind_of(hints(cls)[field.name])
+        many = get_origin(kind) is list
         default = field.default if field.default is not dataclasses.MISSING else None
-        shown = show_defaults and default is not None and kind not in ("bool", "dict", "list") and default != ""
-        kwargs: dict = {"dest": field.name, "default": argparse.SUPPRESS,
+        shown = show_defaults and default not in (None, "") and kind not in (bool, dict) and not many
+        kwargs: dict = {"dest": field.name, "default": argparse.SUPPRESS, "required": bool(meta.get("required")),
                         "help": f"{meta['help']} (default: {default})" if shown else meta["help"]}
-        if kind == "bool":
+        if kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif "parse" in meta:  # a repeatable flag of its own syntax (--set FIELD=VALUE)
             kwargs.update(action="append", type=typed(meta["parse"]), metavar=meta.get("metavar"))
-        else:
-            # Typed here, checked once by the class (its error worded with the flag: `run`, `recipes.flagged`).
-            parse = meta["range"].kind if "range" in meta else _TYPES.get(kind, str)
-            kwargs.update(type=parse, choices=meta.get("choices"),
-                          metavar=meta.get("metavar", {"int": "N", "float": "X"}.get(kind)))
-            if kind.startswith("list"):
-                kwargs["action"] = "append"
-        kwargs["required"] = bool(meta.get("required"))
-        target = groups[meta["group"]] if groups and "group" in meta else parser
-        target.add_argument(flag_of(field), **kwargs)
+        else:  # typed here, checked once by the class (its error worded with the flag: `run`, `recipes.flagged`)
+            item = get_args(kind)[0] if many else kind
+            kwargs.update(type=meta["range"].kind if "range" in meta else _PARSERS.get(item, str),
+                          choices=meta.get("choices"), metavar=meta.get("metavar", {int: "N", float: "X"}.get(kind)),
+                          action="append" if many else "store")
+        parser.flags[field.name] = flag_of(field)
+        target = groups[meta["group"]] if groups and "group" in meta else group or parser
+        target.add_argument(parser.flags[field.name], **kwargs)
 
 
 def typed(parse: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -118,7 +97,7 @@ def typed(parse: Callable[[str], Any]) -> Callable[[str], Any]:
 
 
 # An `Output` field's path is refused while the flags are read, not after minutes of work.
-_TYPES = {"int": int, "float": float, "Path": Path, "Output": typed(lambda text: destination(text, ""))}
+_PARSERS = {int: int, float: float, Path: Path, Destination: typed(lambda text: destination(text, ""))}
 
 
 def build(cls: type, given: Mapping[str, Any]) -> Any:
@@ -127,32 +106,36 @@ def build(cls: type, given: Mapping[str, Any]) -> Any:
 
 
 def command(prog: str, description: str, *classes: type, **kwargs: Any) -> argparse.ArgumentParser:
-    """A command's parser (`kwargs`: ArgumentParser's): one flag per field of each options class of `classes`."""
+    """A command's parser (`kwargs`: ArgumentParser's), a flag per field of each of `classes`; `flags`: name -> flag."""
     parser = argparse.ArgumentParser(prog=prog, description=description, **kwargs)
+    parser.flags = {}
     for cls in classes:
         add_flags(parser, cls)
     return parser
 
 
+def worded(err: Exception, flags: Mapping[str, str]) -> str:
+    """`err`'s message, a SettingError's with the `flags` (field name -> flag) for the parameters it names."""
+    return err.worded(lambda name: flags.get(name, name)) if isinstance(err, SettingError) else str(err)
+
+
 def run(parser: argparse.ArgumentParser, argv: list[str] | None, job: Callable[[dict[str, Any]], Any]) -> int:
     """A command's exit status: `job` of the flags given (`argv`: sys.argv's) by the one protocol
-    (`runtime.exit_status`), an OptionError worded with the flags of `parser` instead of the parameters' names."""
+    (`runtime.exit_status`), a SettingError worded with the flags of `parser` (a `command`'s)."""
     given = vars(parser.parse_args(argv))
-    flags = {action.dest: action.option_strings[0] for action in parser._actions if action.option_strings}
 
-    def worded() -> Any:
+    def flagged() -> Any:
         try:
             return job(given)
-        except SettingError as err:  # an options class's, or a model config's
-            raise UserError(err.worded(lambda name: flags.get(name, name))) from None
+        except SettingError as err:  # an options class's, a model config's, the library's
+            raise UserError(worded(err, parser.flags)) from None
 
-    return exit_status(worded)
+    return exit_status(flagged)
 
 
 @checked
 class Search:
-    """A beam search (greedy with beam 1; docs/decoding.md): `n_best` K (<= beam) or `alignments`
-    give each sentence's K best `Hypothesis` (1 with alignments alone) instead of strings."""
+    """A beam search (greedy: beam 1; docs/decoding.md); `n_best` K or `alignments`: K (1) `Hypothesis` per sentence."""
 
     beam: int = option(4, "beam size (1 = greedy search)", range=BEAM)
     alpha: float = option(0.6, "beam search's length penalty exponent: see --scoring", range=ALPHA)
@@ -171,13 +154,14 @@ class Search:
         try:
             check_beam(self.beam, self.alpha, self.scoring, self.n_best)  # the searches' own rule
         except SettingError as err:  # the searches' beam_size is this beam
-            raise OptionError(err.template, *("beam" if n == "beam_size" else n for n in err.names)) from None
+            names = ("beam" if n == "beam_size" else n for n in err.names)
+            raise OptionError(err.template, *names, **err.values) from None
 
 
 @checked
 class Sampling:
-    """Random sampling instead of a search (`Translator.sample`, docs/decoding.md#sampling): each token drawn
-    with the uniform of (seed, sentence, sample, position), so that a sentence's samples do not depend on its batch."""
+    """Random sampling instead of a search (docs/decoding.md#sampling): a token draws the uniform of (seed, sentence,
+    sample, position), so that a sentence's samples do not depend on its batch."""
 
     num_samples: int = option(1, "N samples per sentence (translate: N > 1 with --format tsv or jsonl)",
                               range=BEAM, metavar="N")
@@ -190,8 +174,7 @@ class Sampling:
                        "jax and torch backends alike, whatever the batching", range=SAMPLING_RANGES["seed"], metavar="S")
 
     def check_with(self, search: Search, prefixes: bool = False) -> None:
-        """OptionError for what does not go with sampling: n-best lists and forced prefixes are the
-        searches', and scoring "hf" ranks beams (a sample is not ranked)."""
+        """OptionError for the searches' options: n-best lists, forced prefixes, scoring "hf" (samples are unranked)."""
         if search.n_best is not None:
             raise OptionError("{} with {}: sampling gives {} translations, not a ranked list", "sample", "n_best",
                               "num_samples")
@@ -220,8 +203,7 @@ def check_format(fmt: str, search: Search, sample: Sampling | None = None) -> No
 
 @checked
 class RunSelection:
-    """Which trained runs to load and onto what (`train.load`): one run directory, or several (an ensemble
-    combined by `average`), each at `checkpoint`, on the first `devices` devices of one or several processes."""
+    """Which runs `train.load` loads (several: an ensemble combined by `average`), at `checkpoint`, onto which devices"""
 
     run_dir: list[Path] = option(
         [], "the run directory (holds config.json, tokenizer, checkpoints/); given again, an ensemble: the runs' "
@@ -309,7 +291,7 @@ class TranslateFiles:
     format: str = option(
         "text", "text: the best translation; tsv: per hypothesis its text, log-probability and length-normalised "
         "score, tab-separated; jsonl: a JSON object with the hypotheses, their scores and target tokens. Always one "
-        "line per input line", choices=FORMATS)
+        "line per input line", choices=("text", "tsv", "jsonl"))
     chunk_lines: int = option(4000, "lines read, translated and written at a time; memory grows with this, not with "
                               "the input", range=POSITIVE)
     max_line_bytes: int = option(1 << 20, "refuse a line longer than this, naming it", range=POSITIVE)
@@ -336,10 +318,10 @@ class ScoreFiles:
 
 
 def sampling_of(sample: Sampling | bool | None, settings: Mapping[str, Any]) -> Sampling | None:
-    """How to sample: `sample` when a `Sampling`, one of the `settings` (its fields given) when True, None when
-    None or False; settings given without sampling: OptionError naming them (the API, the server, the command)."""
+    """How to sample: `sample` when a `Sampling`, one of the `settings` (its fields) when True, None when None or False
+    (OptionError naming `settings` given then)."""
     if not (sample is None or isinstance(sample, (bool, Sampling))):  # booleans only as booleans: not 1 nor "yes"
-        raise OptionError("{} must be true or false, " + escaped(f"got {sample!r}"), "sample")
+        raise OptionError("{} must be true or false, got {got!r}", "sample", got=sample)
     if not sample:
         if settings:
             raise OptionError(", ".join(["{}"] * len(settings)) + " without {}: sampling settings, the searches take "

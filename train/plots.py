@@ -12,7 +12,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from .options import checked, option
-from .runtime.files import UserError, write_bytes_atomic
+from .runtime.files import OptionError, UserError, write_bytes_atomic
 from .runtime.layout import CURVES_FILE, RESULTS_FILE
 
 # What a file name's suffix may ask for (png, svg, pdf, jpg, ...); pgf needs a LaTeX installation.
@@ -39,10 +39,11 @@ def draw(curves: Curves) -> dict[str, Any]:
     except (OSError, ValueError) as err:
         raise UserError(f"no finished run in {run_dir} ({err}); TensorBoard shows a run still training") from None
     history = results.get("history") or {}
-    output = Destination(out, "--out", [run_dir / RESULTS_FILE], f"--run-dir {run_dir}") if out else None
+    output = Destination(out, "out", [run_dir / RESULTS_FILE], f"the run {run_dir}") if out else None
     out = Path(out or run_dir / CURVES_FILE)
     if out.suffix[1:].lower() not in ("", *IMAGE_FORMATS):  # never PNG bytes under another format's name
-        raise UserError(f"--out {out}: {out.suffix} is no image format; end the name in .{', .'.join(IMAGE_FORMATS)}")
+        raise OptionError("{} {out}: {suffix} is no image format; end the name in .{formats}", "out", out=out,
+                          suffix=out.suffix, formats=", .".join(IMAGE_FORMATS))
     with output.writing() if output else contextlib.nullcontext(out) as path:  # without --out: the run's own
         plot_curves(history, path, run_title(results))
     return {"curves": str(out), "train_points": len(history.get("train") or []),

@@ -14,10 +14,10 @@ import tomllib
 from collections.abc import Mapping
 from typing import Any
 
-from torch_reference.config import SettingError, escaped, setting_error
+from torch_reference.config import SettingError, escaped, hints, setting_error
 
 from .config import RECIPE_FILE, ExperimentConfig, flag_name, parse_model_override
-from .options import OptionError, add_flags
+from .options import OptionError, add_flags, command, worded
 from .runtime.files import UserError, quoted, read_json, shortened
 
 GROUPS = {"run": "run", "model": "model", "data": "data", "optim": "optimisation", "eval": "evaluation and logging",
@@ -28,8 +28,8 @@ MAX_RECIPE_BYTES = 1 << 20  # a recipe is a page of flags; a bigger file is not 
 
 def build_parser(epilog: str | None = None) -> argparse.ArgumentParser:
     """train.run's parser: a flag per `ExperimentConfig` field, in their groups."""
-    parser = argparse.ArgumentParser(
-        prog="python -m train.run", epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = command(
+        "python -m train.run", epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Train the Transformer of 'Attention Is All You Need' with the JAX (Flax NNX) or the PyTorch "
         "backend, the same loop and the same semantics; evaluate it (loss, perplexity, sacreBLEU BLEU and chrF) "
         "and write checkpoints, TensorBoard events and results.json to the run directory. With no flag it "
@@ -62,15 +62,14 @@ def experiment(given: Mapping[str, Any], note: str = "settings") -> tuple[Experi
     try:
         return ExperimentConfig(**given), set(given)
     except SettingError as err:
-        raise OptionError(recipe + err.template, *err.names) from None
+        raise OptionError(recipe + err.template, *err.names, **err.values) from None
     except (TypeError, ValueError) as err:
         raise OptionError(recipe + escaped(str(err))) from None
 
 
 def flagged(err: UserError) -> str:
     """`err`'s message with train.run's flags for the parameters it names (`OptionError`), one line."""
-    flags = {field.name: flag_name(field) for field in dataclasses.fields(ExperimentConfig)}
-    return err.worded(lambda name: flags.get(name, name)) if isinstance(err, SettingError) else str(err)
+    return worded(err, {field.name: flag_name(field) for field in dataclasses.fields(ExperimentConfig)})
 
 
 def recorded_launch(run_dir: str | os.PathLike) -> tuple[dict[str, Any], str] | None:
@@ -144,11 +143,11 @@ def read_recipe(path: str, text: str | None = None) -> dict[str, Any]:
                                             ": the keys are the long flags of python -m train.run --help, with _ for -"))
         field = fields[key]
         try:
-            if str(field.type) == "dict":  # --set's FIELD=VALUE strings
+            if hints(ExperimentConfig)[field.name] is dict:  # --set's FIELD=VALUE strings
                 if not (isinstance(value, list) and all(isinstance(item, str) for item in value)):
                     fail(f"key {key!r} must be a list of strings, got {quoted(value)}")
                 value = dict(parse_model_override(item) for item in value)
-            elif (problem := setting_error(field, value))[0] is not None:
+            elif (problem := setting_error(field, value, hints(ExperimentConfig)[field.name]))[0] is not None:
                 fail(f"key {key!r} {shortened(problem[0])}")
         except ValueError as err:
             fail(f"key {key!r}: {shortened(str(err))}")

@@ -10,12 +10,12 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from torch_reference.config import TransformerConfig
+from torch_reference.config import TransformerConfig, escaped
 
 from . import data
 from .checkpoints import saved_experiments
 from .config import RECIPE_FILE, ExperimentConfig
-from .runtime.files import UserError, say, user_errors, write_json_atomic
+from .runtime.files import OptionError, UserError, say, user_errors, write_json_atomic
 from .runtime.layout import (CHECKPOINTS, CONFIG_FILE, LOCK_FILE, MODEL_FILE, TENSORBOARD, experiment_of,
                              read_experiment, read_model_config)
 from .runtime.lock import RunLock
@@ -25,9 +25,8 @@ from .runtime.replace import check_outside_runs, kind_of, remove
 @contextlib.contextmanager
 def session(cfg: ExperimentConfig, explicit: Iterable[str] | None = None, platform: str | None = None,
             is_main: bool = True, source: str | Path | None = None) -> Iterator[ExperimentConfig]:
-    """The run directory claimed for training and the config to train with (`ExperimentConfig.resolve`); process 0
-    locks it (`replacing` an old one with --overwrite). A run is refused without --resume or --overwrite, a
-    directory holding no run always; nothing is written but the lock (`prepare_run_dir` writes the run)."""
+    """The run directory claimed (process 0 locks it, `replacing` an old run) and the config to train with (`resolve`);
+    nothing is written but the lock (`prepare_run_dir` writes the run)."""
     run_dir = Path(cfg.run_dir or time.strftime(f"runs/{cfg.backend}-%Y%m%d-%H%M%S"))
     if ".." in run_dir.parts:  # R/checkpoints/.. names nothing once --overwrite has set checkpoints/ aside
         run_dir = run_dir.resolve()
@@ -44,9 +43,9 @@ def session(cfg: ExperimentConfig, explicit: Iterable[str] | None = None, platfo
             raise UserError(f"nothing to resume: {run_dir} holds no run ({CONFIG_FILE} missing)")
         saved = read_experiment(run_dir) if cfg.resume else None
         origin = None
-        if source is not None and not cfg.resume:  # train.loop made --init-from's source a run (pretrained.source_run)
+        if source is not None and not cfg.resume:  # train.loop made init_from's source a run (pretrained.source_run)
             if not (Path(source) / CONFIG_FILE).is_file():
-                raise UserError(f"--init-from {source}: not a run directory")
+                raise OptionError("{} {source}: not a run directory", "init_from", source=source)
             origin = read_experiment(source)
         with user_errors(ValueError):
             cfg = cfg.replace(run_dir=str(run_dir)).resolve(platform, given=explicit, saved=saved, source=origin)
@@ -55,16 +54,17 @@ def session(cfg: ExperimentConfig, explicit: Iterable[str] | None = None, platfo
 
 def _check_claim(run_dir: Path, resume: bool, overwrite: bool) -> None:
     if run_dir.exists() and not run_dir.is_dir():
-        raise UserError(f"--run-dir {run_dir} is a file")
-    check_outside_runs(run_dir, "--run-dir")
+        raise OptionError("{} {dir} is a file", "run_dir", dir=run_dir)
+    check_outside_runs(run_dir, "run_dir")
     check_set_aside(run_dir)
     if resume:
         check_links(run_dir)
     elif run_dir.is_dir() and any(p.name != LOCK_FILE for p in run_dir.iterdir()):
         if kind_of(run_dir) != "run":
-            raise UserError(f"{run_dir} is not empty and holds no run; choose another --run-dir")
+            raise OptionError("{dir} is not empty and holds no run; choose another {}", "run_dir", dir=run_dir)
         if not overwrite:
-            raise UserError(f"{run_dir} already holds a run; pass --resume to continue it or --overwrite to replace it")
+            raise OptionError("{dir} already holds a run; pass {} to continue it or {} to replace it", "resume",
+                              "overwrite", dir=run_dir)
 
 
 def set_aside_path(run_dir: Path) -> Path:
@@ -74,8 +74,7 @@ def set_aside_path(run_dir: Path) -> Path:
 
 
 def check_set_aside(run_dir: str | Path) -> None:
-    """UserError naming `.RUN.run-old` beside the run: set aside by an --overwrite still running (it holds
-    the lock) or killed before it could put it back or delete it. Every command opening a run checks it."""
+    """UserError naming `.RUN.run-old`, set aside by an overwrite still running or killed: any command opening a run."""
     run_dir = Path(run_dir)
     if not ((old := set_aside_path(run_dir)).exists() or old.is_symlink()):
         return
@@ -83,11 +82,11 @@ def check_set_aside(run_dir: str | Path) -> None:
         with open(os.open(run_dir / LOCK_FILE, os.O_RDONLY | os.O_NOFOLLOW)) as lock:
             fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
-        raise UserError(f"{run_dir} is being replaced by a running --overwrite, the old run kept in {old} "
+        raise UserError(f"{run_dir} is being replaced by a running overwrite, the old run kept in {old} "
                         "meanwhile: wait for it to end") from None
     except OSError:
         pass
-    raise UserError(f"{old} holds the run an earlier --overwrite of {run_dir} set aside and was stopped before it "
+    raise UserError(f"{old} holds the run an earlier overwrite of {run_dir} set aside and was stopped before it "
                     f"could put back or delete it: move it back to {run_dir}, or delete it, first")
 
 
@@ -105,14 +104,14 @@ def _clear(run_dir: Path) -> None:
 
 @contextlib.contextmanager
 def replacing(run_dir: Path, overwrite: bool) -> Iterator[None]:
-    """--overwrite, never losing the old run to a failed new one: its files wait in `.NAME.run-old` while the
-    new run trains; when the block ends they are deleted if the new run holds a checkpoint, else put back."""
+    """Overwrite, never losing the old run to a failed new one: it waits in `.NAME.run-old` until the new one holds a
+    checkpoint (then deleted; else put back)."""
     if not (overwrite and (run_dir / CONFIG_FILE).is_file()):
         yield
         return
     old = set_aside_path(run_dir)
     old.mkdir()  # session refused one already there
-    say(f"--overwrite: the run in {run_dir} is kept in {old} until this one holds a checkpoint, then deleted")
+    say(f"overwrite: the run in {run_dir} is kept in {old} until this one holds a checkpoint, then deleted")
     try:
         for entry in run_dir.iterdir():
             if entry.name != LOCK_FILE:
@@ -152,7 +151,7 @@ def prepare_run_dir(cfg: ExperimentConfig, model_cfg: TransformerConfig, tokeniz
     try:  # the recipe of --config, read before anything changes
         recipe = cfg.recipe and {"path": cfg.recipe, "toml": Path(cfg.recipe).read_text("utf-8")}
     except OSError as err:
-        raise UserError(f"--config {cfg.recipe}: {err.strerror or err}") from None
+        raise OptionError("{} {path}: {why}", "recipe", path=cfg.recipe, why=err.strerror or err) from None
     run_dir.mkdir(parents=True, exist_ok=True)
     write_json_atomic(run_dir / CONFIG_FILE, cfg.experiment())
     if recipe:
@@ -164,8 +163,7 @@ def prepare_run_dir(cfg: ExperimentConfig, model_cfg: TransformerConfig, tokeniz
 
 def check_model(run_dir: Path, cfg: ExperimentConfig, model_cfg: TransformerConfig, tokenizers: data.Tokenizers,
                 what: str = MODEL_FILE) -> None:
-    """Refuse, before a model is built (a hand-edited size is named, not allocated), a run whose files describe
-    different models: `model_cfg` (from `what`) must be that of config.json and of each checkpoint's experiment."""
+    """Refuse, before building it, a run whose `model_cfg` (from `what`) is not config.json's and its checkpoints'."""
     sizes = tokenizers.src.get_vocab_size(), tokenizers.tgt.get_vocab_size()
     sources = {f"{run_dir / CONFIG_FILE} with the tokenizer": cfg}
     for step, saved in sorted(saved_experiments(run_dir / CHECKPOINTS).items()):
@@ -193,8 +191,7 @@ def read_run(run_dir: Path) -> tuple[ExperimentConfig, TransformerConfig, data.T
 def check_checkpoint_config(meta: Mapping[str, Any], cfg: ExperimentConfig) -> None:
     """Refuse a checkpoint written by another run: one whose experiment (in its meta) differs from this run's."""
     saved = {"pack": False, **meta.get("config", cfg.experiment())}  # no "pack": saved before packing, on buckets
-    if differ := [f"--{name.replace('_', '-')}: checkpoint has {saved.get(name)!r}, run has {value!r}"
-                  for name, value in cfg.experiment().items() if saved.get(name) != value]:
-        raise UserError(
-            f"checkpoint {meta.get('step')} in {cfg.run_dir} was written by a run configured differently, so it "
-            "cannot be resumed here:\n  " + "\n  ".join(differ))
+    if differ := [name for name, value in cfg.experiment().items() if saved.get(name) != value]:
+        raise OptionError(escaped(f"checkpoint {meta.get('step')} in {cfg.run_dir} was written by a run configured "
+                                  "differently, so it cannot be resumed here: ") + "; ".join(
+            "{}" + escaped(f": checkpoint has {saved.get(n)!r}, run has {getattr(cfg, n)!r}") for n in differ), *differ)

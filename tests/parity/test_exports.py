@@ -156,10 +156,16 @@ def test_translate_bench_adds_export_rows(runs, tmp_path):
                                  str(tmp_path / "in.txt"), "--beam", "2", "--no-uncached", "--exports", "--json",
                                  str(tmp_path / "bench.json")]) == 0
     rows = {(r["search"], r["beam"]): r for r in json.loads((tmp_path / "bench.json").read_text())["rows"]}
-    for name in ("onnxruntime float32", "onnxruntime int8", "stablehlo"):
+    for name in ("torch cached", "jax cached", "onnxruntime float32", "onnxruntime int8", "stablehlo"):
         for beam in (1, 2):
             row = rows[name, beam]
             assert row["sentences"] == 3 and row["seconds"] > 0 and row["disk_mib"] > 0
-            assert row["differ"] == 0 or name.endswith("int8")  # float32: the run's search over the same function
+            assert row["differ"] in (0, None) or name.endswith("int8")  # float32: the run's search, same function
+            assert row["tokens_differ_from_jax"] == 0 or name.endswith("int8")
             assert ("bleu_vs_float32" in row) == name.endswith("int8")
+    with train.load(runs / "torch", "latest") as run:
+        weights = 4 * sum(p.numel() for p in run.backend.model.parameters()) / 2**20
+    # safetensors: the float32 weights and a header; orbax's tensorstore compresses them (zstd), a little here
+    assert weights <= rows["torch cached", 1]["disk_mib"] < weights + 0.5
+    assert weights / 2 < rows["jax cached", 1]["disk_mib"] < weights + 0.5
     assert rows["onnxruntime int8", 1]["disk_mib"] < rows["onnxruntime float32", 1]["disk_mib"]

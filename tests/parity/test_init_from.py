@@ -47,8 +47,8 @@ def test_a_run_starts_from_another_runs_weights_with_a_fresh_optimizer(source, t
 
 
 def test_flags_that_change_the_model_are_refused_by_name(source, tmp_path, capsys):
-    for change, says in [({"vocab_size": 300}, "--vocab-size: "), ({"model": {"d_model": 32}}, "--set: "),
-                         ({"preset": "small"}, "--preset: ")]:
+    for change, says in [({"vocab_size": 300}, "vocab_size: "), ({"model": {"d_model": 32}}, "model: "),
+                         ({"preset": "small"}, "preset: ")]:  # Python names the parameters
         with pytest.raises(runtime.UserError, match=says + f"{source} has "):
             train.fit(dict(run_dir=str(tmp_path / "x"), init_from=str(source), **{**TINY, **change}))
         assert not (tmp_path / "x").exists()

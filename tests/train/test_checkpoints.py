@@ -94,7 +94,8 @@ def test_a_checkpoint_of_another_configuration_is_refused(saved_run, tmp_path):
     mine = copy_run(run_dir, tmp_path)
     shutil.rmtree(mine / "checkpoints")
     shutil.copytree(other / "checkpoints", mine / "checkpoints")
-    with pytest.raises(runtime.UserError, match=r"written by a run configured differently.*\n  --seed: checkpoint has 1, run has 0"):
+    with pytest.raises(runtime.UserError, match=r"written by a run configured differently, so it cannot be resumed "
+                                                r"here: seed: checkpoint has 1, run has 0$"):
         loop.train(cfg.replace(run_dir=str(mine), resume=True, steps=6))
 
 
@@ -261,7 +262,7 @@ def test_history_survives_any_number_of_resumes(run4, tmp_path, capsys):
     # The same for a run stopped before its results were written: said so, then evaluated.
     (copy / "results.json").unlink()
     loop.train(cfg.replace(run_dir=str(copy), resume=True, steps=5))
-    assert "has trained 8 steps (--steps 5): nothing to train; evaluating" in capsys.readouterr().out
+    assert "has trained 8 steps of 5: nothing to train; evaluating" in capsys.readouterr().out
     assert json.loads((copy / "results.json").read_text())["steps"] == 8
 
 

@@ -47,14 +47,15 @@ def test_resolve_resumes_the_saved_experiment_and_adopts_a_source():
     resumed = launch.resolve("gpu", given={"run_dir", "resume", "steps"}, saved=saved)
     # The run's own experiment (a resume keeps its dtype, even unset) with this launch's options.
     assert (resumed.backend, resumed.seed, resumed.dtype, resumed.steps, resumed.resume) == ("torch", 3, None, 20, True)
-    with pytest.raises(ValueError, match="--resume cannot change how the run trains: --seed: run has 3, got 4$"):
+    with pytest.raises(ValueError, match="^resume cannot change how the run trains: seed: run has 3, got 4$"):
         launch.replace(seed=4).resolve(given={"seed"}, saved=saved)
-    with pytest.raises(ValueError, match="--backend: run has 'torch', got 'jax'"):
+    with pytest.raises(ValueError, match="backend: run has 'torch', got 'jax'"):
         launch.resolve(saved=saved)  # None given: every field set counts, the default backend too
     source = ExperimentConfig(preset="small", vocab_size=500, max_len=64)
     tuned = ExperimentConfig(init_from="SRC", steps=5, lr_factor=0.5).resolve(source=source)
     assert (tuned.preset, tuned.vocab_size, tuned.max_len, tuned.lr_factor) == ("small", 500, 64, 0.5)
-    with pytest.raises(ValueError, match="--max-len: SRC has 64, got 32$"):
+    with pytest.raises(ValueError, match="^init_from takes the model's shape and vocabulary from its source: "
+                                         "max_len: SRC has 64, got 32$"):
         ExperimentConfig(init_from="SRC", max_len=32).resolve(source=source)
 
 

@@ -491,7 +491,7 @@ def test_a_resume_on_other_data_is_refused_naming_it(tmp_path, fast_config):
                       hf_cache=str(tmp_path / "hf"))
     loop.train(cfg)
     write(pairs[::-1])  # the same pairs, so the same batch shapes, in another order
-    with pytest.raises(UserError, match=rf"^--train {spec}: not the data checkpoint 1 in .* was trained on"):
+    with pytest.raises(UserError, match=rf"^train {spec}: not the data checkpoint 1 in .* was trained on"):
         loop.train(cfg.replace(resume=True, steps=2))
     write(pairs)  # put back: it continues
     assert loop.train(cfg.replace(resume=True, steps=2))["steps"] == 2

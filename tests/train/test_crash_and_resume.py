@@ -282,6 +282,6 @@ def test_a_resume_on_a_device_count_that_changes_the_batch_shapes_names_the_coun
     cfg = ExperimentConfig(backend="jax", run_dir="RUN", token_budget=4096).resolve()
     meta = {"config": cfg.experiment(), "step": 4, "shapes": [[168, 24]]}
     batcher = SimpleNamespace(shapes=[(170, 24)])
-    with pytest.raises(runtime.UserError, match=r"\[\[170, 24\]\] .* resume with --devices 3 or 4 or 6 or 7 or 8 "
+    with pytest.raises(runtime.UserError, match=r"\[\[170, 24\]\] .* resume with devices 3 or 4 or 6 or 7 or 8 "
                                                 r"or 12 or \.\.\., which keep them$"):
         loop._check_resumed(meta, cfg, batcher, SimpleNamespace(num_devices=2))

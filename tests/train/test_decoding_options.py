@@ -275,7 +275,8 @@ def test_score_command_writes_a_new_output_file_and_never_over_its_input(tiny_to
     assert code == code_file == 0 and out == "" and (tmp_path / "scores.txt").read_text() == printed
     before = pairs.read_text()
     code, _, err = run_cli(score.main, capsys, *args, "--output", str(pairs))
-    one_error(code, err, "is a file of --input")
+    one_error(code, err, f"is a file of the input {pairs}: writing it would destroy the data (or a file written beside it); give "
+                     "another --output")
     assert pairs.read_text() == before
     code, _, err = run_cli(score.main, capsys, *args, "--output", str(tmp_path / "no" / "scores.txt"))
     one_error(code, err, "does not exist")

@@ -125,7 +125,7 @@ def test_an_output_that_is_the_input_is_refused_and_the_input_kept(torch_run, tm
     for spec, output in (("de:en:same", "same.en"), ("de:en:same", "link.de"), ("pairs.tsv", "./pairs.tsv")):
         code, err = _exit_status(evaluate.main, [*run, "--data", spec, "--output", output], capsys)
         assert code == 1
-        one_error_line(err, f"--output {output} is a file of --data {spec}: writing it would destroy the data")
+        one_error_line(err, f"--output {output} is a file of the data {spec}: writing it would destroy the data")
     from parity import search_speed
     from parity.commands import translate_bench
 
@@ -272,7 +272,7 @@ def test_an_old_run_left_aside_by_a_killed_overwrite_is_named_not_deleted(run_co
     shutil.copytree(run_copy, aside)
     before = files_of(tmp_path)
     assert exit_code(train_run.main, ["--run-dir", run_copy, "--overwrite", *NEW]) == 1
-    one_error_line(capfd.readouterr().err, f"{aside} holds the run an earlier --overwrite of {run_copy} set aside",
+    one_error_line(capfd.readouterr().err, f"{aside} holds the run an earlier overwrite of {run_copy} set aside",
                    "move it back")
     assert files_of(tmp_path) == before
 
@@ -284,7 +284,7 @@ def test_an_old_run_left_aside_is_named_by_every_command_that_opens_the_run(run_
     aside = rundir.set_aside_path(run_copy)
     shutil.copytree(run_copy, aside)
     before = files_of(tmp_path)
-    message = (f"{aside} holds the run an earlier --overwrite of {run_copy} set aside and was stopped before it could "
+    message = (f"{aside} holds the run an earlier overwrite of {run_copy} set aside and was stopped before it could "
                f"put back or delete it: move it back to {run_copy}, or delete it, first")
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"eins\n")))
     commands = [
@@ -304,14 +304,14 @@ def test_an_old_run_left_aside_is_named_by_every_command_that_opens_the_run(run_
     assert files_of(tmp_path) == before
     with runtime.RunLock(run_copy):  # as the --overwrite that set it aside holds it while it trains
         assert exit_code(translate.main, ["--run-dir", run_copy]) == 1
-    one_error_line(capfd.readouterr().err, f"{run_copy} is being replaced by a running --overwrite, the old run kept "
+    one_error_line(capfd.readouterr().err, f"{run_copy} is being replaced by a running overwrite, the old run kept "
                    f"in {aside} meanwhile: wait for it to end")
 
 
 def test_train_overwrite_says_where_the_old_run_is_kept(run_copy, capfd):
     """Issue 58 (a confirmation): `train.run --overwrite` of a run prints where the old run is kept."""
     assert exit_code(train_run.main, ["--run-dir", run_copy, "--overwrite", *NEW]) == 0
-    assert (f"--overwrite: the run in {run_copy} is kept in {rundir.set_aside_path(run_copy)} until this one holds a "
+    assert (f"overwrite: the run in {run_copy} is kept in {rundir.set_aside_path(run_copy)} until this one holds a "
             "checkpoint, then deleted") in capfd.readouterr().out.splitlines()
     assert not rundir.set_aside_path(run_copy).exists()
 

@@ -5,6 +5,7 @@ cases 3 and 7)."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import numpy as np
@@ -195,3 +196,45 @@ def test_a_command_words_the_same_rules_with_its_flags(tiny_torch_run, capsys):
     code, err = _exit_status(translate.main, ["--run-dir", str(tiny_torch_run), "--top-p", "1.0000001", "--sample"],
                              capsys)
     assert code == 1 and "--top-p must be in (0, 1], got 1.0000001" in err and len(err.strip().splitlines()) == 1
+
+
+def _saved_run(tmp_path):
+    """A run directory as train.run leaves it for these refusals: its config.json (torch: no JAX start)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text(json.dumps(ExperimentConfig(backend="torch").experiment()))
+    return run_dir
+
+
+@pytest.mark.parametrize("case", ["holds_a_run", "changes_a_resumed_run", "is_a_file", "lies_inside_a_run"])
+def test_the_library_names_the_parameter_from_python_and_the_flag_from_the_command_line(case, tmp_path, capsys):
+    """About 30 library messages named flags (`pass --resume ... or --overwrite`) from `train.fit` too: each is an
+    OptionError now, its parameters rendered by the interface that reports it (`options.run`, `recipes.flagged`)."""
+    run_dir = _saved_run(tmp_path)
+    (tmp_path / "file").write_text("")
+    kwargs, python, argv, flagged = {
+        "holds_a_run": (dict(run_dir=run_dir), f"{run_dir} already holds a run; pass resume to continue it or "
+                        "overwrite to replace it", [], f"{run_dir} already holds a run; pass --resume to continue it "
+                        "or --overwrite to replace it"),
+        "changes_a_resumed_run": (dict(run_dir=run_dir, resume=True, seed=1), "resume cannot change how the run "
+                                  "trains: seed: run has 0, got 1", ["--resume", "--seed", "1"], "--resume cannot "
+                                  "change how the run trains: --seed: run has 0, got 1"),
+        "is_a_file": (dict(run_dir=tmp_path / "file"), f"run_dir {tmp_path / 'file'} is a file", [],
+                      f"--run-dir {tmp_path / 'file'} is a file"),
+        "lies_inside_a_run": (dict(run_dir=run_dir / "inner"), f"run_dir {run_dir / 'inner'} lies inside the run "
+                              f"{run_dir}: a command never writes", [], f"--run-dir {run_dir / 'inner'} lies inside "
+                              f"the run {run_dir}: a command never writes"),
+    }[case]
+    with pytest.raises(OptionError) as info:
+        train.fit(backend="torch", **{k: str(v) if k == "run_dir" else v for k, v in kwargs.items()})
+    assert _one_line(info.value).startswith(python)
+    code, err = _exit_status(run_command.main, ["--backend", "torch", "--run-dir", str(kwargs["run_dir"]), *argv],
+                             capsys)
+    assert code == 1 and _one_line(err).startswith(f"error: {flagged}")
+
+
+def test_a_template_keeps_the_braces_of_its_values():
+    """A path with braces is a value, never a parameter's place: `{key}`s are filled as given."""
+    err = OptionError("{} {dir} is a file", "run_dir", dir="runs/{x}")
+    assert str(err) == "run_dir runs/{x} is a file"
+    assert err.worded(lambda name: "--" + name.replace("_", "-")) == "--run-dir runs/{x} is a file"

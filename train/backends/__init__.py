@@ -36,7 +36,7 @@ def initialize(exp_cfg: ExperimentConfig) -> Topology:
 def check_agreement(exp_cfg: ExperimentConfig, settings: dict) -> None:
     """UserError in every process of a multi-process run where one's `settings` (name: JSON value) differ from
     process 0's, naming the first that does (each gathers every process's digest of each setting)."""
-    from ..runtime import UserError
+    from ..runtime.files import OptionError
 
     digests = np.array([np.frombuffer(hashlib.sha256(json.dumps(value, sort_keys=True).encode()).digest()[:8], np.int32)
                         for value in settings.values()])
@@ -44,8 +44,9 @@ def check_agreement(exp_cfg: ExperimentConfig, settings: dict) -> None:
     if (differ := (gathered != gathered[0]).any(axis=2)).any():
         first = int(differ.any(axis=0).argmax())
         name = list(settings)[first]
-        raise UserError(f"the run's processes disagree on {name}: process {differ[:, first].argmax()} has another "
-                        f"value than process 0 (this one: {settings[name]!r}); start them all with the same settings")
+        raise OptionError("the run's processes disagree on " + ("{}" if name.isidentifier() else name) + ": process "
+                          "{p} has another value than process 0 (this one: {value!r}); start them all with the same "
+                          "settings", *[name][:name.isidentifier()], p=differ[:, first].argmax(), value=settings[name])
 
 
 def launch(exp_cfg: ExperimentConfig, target, **kwargs):

@@ -37,7 +37,7 @@ from ..checkpoints.torch_store import TorchStore
 from ..config import ExperimentConfig, default_dtype, resolve_kernels
 from ..data import Batch
 from ..runtime import Interrupted, UserError, user_errors
-from ..runtime.files import error_text
+from ..runtime.files import OptionError, error_text
 from .interface import Hypotheses, Metrics, StoreMethods, Topology
 
 
@@ -51,16 +51,17 @@ def initialize(exp_cfg: ExperimentConfig) -> Topology:
     the one `launch` gives the processes it starts) and set torch's intra-op threads (--threads,
     else this process's share of the CPUs)."""
     if exp_cfg.coordinator_address or exp_cfg.num_processes not in (None, 1):
-        raise ValueError("--coordinator-address and --num-processes are jax's: launch torch with torchrun")
+        raise OptionError("{} and {} are jax's: launch torch with torchrun", "coordinator_address", "num_processes")
     world = int(os.environ.get("WORLD_SIZE", 1))
     if exp_cfg.devices not in (None, world) and world > 1:
-        raise ValueError(f"--devices {exp_cfg.devices}: torchrun started {world} processes")
+        raise OptionError("{} {n}: torchrun started {world} processes", "devices", n=exp_cfg.devices, world=world)
     gpu = torch.cuda.is_available()
     dist_backend = exp_cfg.dist_backend or ("nccl" if gpu else "gloo")
     if dist_backend == "nccl" and not gpu:
-        raise ValueError("--dist-backend nccl needs CUDA GPUs and this machine has none: use gloo")
+        raise OptionError("{} nccl needs CUDA GPUs and this machine has none: use gloo", "dist_backend")
     if gpu and max(world, exp_cfg.devices or 1) > torch.cuda.device_count():
-        raise ValueError(f"--devices {max(world, exp_cfg.devices or 1)}: {torch.cuda.device_count()} GPU(s) visible")
+        raise OptionError("{} {n}: {gpus} GPU(s) visible", "devices", n=max(world, exp_cfg.devices or 1),
+                          gpus=torch.cuda.device_count())
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     torch.set_num_threads(exp_cfg.threads or max(1, len(os.sched_getaffinity(0)) // local))
     if world == 1:
@@ -135,9 +136,10 @@ def _collective(call, *args, **kwargs):
     except (RuntimeError, dist.DistError) as err:
         if isinstance(err, torch.OutOfMemoryError) or not dist.is_initialized():  # its own failure, not a peer's
             raise
-        raise UserError(f"process {dist.get_rank()} of {dist.get_world_size()}: another process of the run stopped "
-                        f"({type(err).__name__} in {getattr(call, '__name__', 'a collective')}); --resume continues "
-                        "from the last checkpoint") from None
+        raise OptionError("process {rank} of {world}: another process of the run stopped ({kind} in {call}); {} "
+                          "continues from the last checkpoint", "resume", rank=dist.get_rank(),
+                          world=dist.get_world_size(), kind=type(err).__name__,
+                          call=getattr(call, "__name__", "a collective")) from None
 
 
 def allgather(array: np.ndarray) -> np.ndarray:

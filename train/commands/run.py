@@ -8,10 +8,11 @@ import argparse
 import signal
 import sys
 
+from torch_reference.config import SettingError
+
 from .. import recipes
 from ..backends.host_devices import MAX_DEVICES, check_xla_flags, split_host
 from ..config import ExperimentConfig
-from ..options import OptionError
 from ..recipes import experiment
 from ..runtime import Interrupted, exit_status, read_experiment
 from ..runtime.files import UserError
@@ -75,7 +76,7 @@ def _train(cfg: ExperimentConfig, given: set[str], process_settings: bool) -> No
 
     try:
         start(cfg, explicit=given)
-    except OptionError as err:  # the library names the parameter (init_from), the command its flag (--init-from)
+    except SettingError as err:  # the library names the parameter (init_from), the command its flag (--init-from)
         raise UserError(recipes.flagged(err)) from None
     except KeyboardInterrupt:  # a second Ctrl-C, or one outside the update loop
         raise Interrupted(signal.SIGINT, "interrupted: nothing of the current step was saved; --resume continues "

@@ -19,7 +19,7 @@ from ..serving import Limits, Listen, serve
 def build_parser() -> argparse.ArgumentParser:
     parser = command("aiayn serve", __doc__, Listen)
     add_flags(parser, RunSelection, skip=("coordinator_address", "num_processes", "process_id"))
-    add_flags(parser.add_argument_group("limits and batching (docs/serving.md#limits)"), Limits)
+    add_flags(parser, Limits, group=parser.add_argument_group("limits and batching (docs/serving.md#limits)"))
     return parser
 
 

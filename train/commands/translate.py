@@ -21,8 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = command("aiayn translate", __doc__, RunSelection, Search, TranslateFiles,
                      epilog=f"{HOST_DEVICES_HELP}. {JAX_CACHE_HELP}.")
     group = parser.add_argument_group("sampling", "random translations instead of the search (docs/decoding.md)")
-    add_flags(group, Sample)
-    add_flags(group, Sampling)
+    add_flags(parser, Sample, group=group)
+    add_flags(parser, Sampling, group=group)
     return parser
 
 

@@ -14,7 +14,7 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..runtime.files import UserError
+from ..runtime.files import OptionError, UserError
 
 MAX_LINE_BYTES = 1 << 20  # 1 MiB: far beyond any sentence, far below a machine's memory
 
@@ -22,14 +22,14 @@ MAX_LINE_BYTES = 1 << 20  # 1 MiB: far beyond any sentence, far below a machine'
 class LineReader(Iterator[str]):
     """Iterate over the lines (str) of `path`, or of standard input when it is None; `lines` counts them."""
 
-    def __init__(self, path: Path | None, max_bytes: int = MAX_LINE_BYTES, flag: str = "--input"):
+    def __init__(self, path: Path | None, max_bytes: int = MAX_LINE_BYTES, name: str = "input"):
         self.name = "standard input" if path is None else str(path)
         self.max_bytes, self.lines, self.offset, self._size = max_bytes, 0, 0, None
         if path is None:
             self._raw = self._stream = sys.stdin.buffer
             return
         if path.is_dir():
-            raise UserError(f"{flag} {path} is a directory; give a file (one sentence per line)")
+            raise OptionError("{} {path} is a directory; give a file (one sentence per line)", name, path=path)
         try:
             self._raw = open(path, "rb")  # noqa: SIM115 (closed by close())
         except FileNotFoundError:
@@ -53,8 +53,8 @@ class LineReader(Iterator[str]):
             raise StopIteration
         self.lines += 1
         if len(raw) > self.max_bytes and not raw.endswith(b"\n"):
-            raise UserError(f"{self.name}: line {self.lines} is longer than {self.max_bytes:,} bytes "
-                            "(--max-line-bytes)")
+            raise OptionError("{file}: line {n} is longer than {max:,} bytes ({})", "max_line_bytes", file=self.name,
+                              n=self.lines, max=self.max_bytes)
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as err:

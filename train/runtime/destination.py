@@ -12,7 +12,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TextIO
 
-from .files import UserError, write_bytes_atomic
+from .files import OptionError, write_bytes_atomic
 from .replace import check_outside_runs
 
 # A descriptor this process holds: `>(cmd)`, `3>file`, /dev/stdout; written through a copy of it.
@@ -43,36 +43,38 @@ def open_stream(path: Path) -> TextIO:
 
 class Destination:
     """A file a command writes, checked before the work (docs/operations.md#output-files): a stream is written
-    directly, a link followed (as by the shell's `>`), a file replaced whole. UserError naming `flag`: a directory,
-    a missing or read-only directory, a file of `inputs` (side files too), a place inside a run or an export."""
+    directly, a link followed (as by the shell's `>`), a file replaced whole. OptionError naming parameter `name`: a
+    directory, a missing or read-only directory, a file of `inputs` (`of`; side files too), a place inside a run or an
+    export."""
 
-    def __init__(self, path: str | Path, flag: str, inputs: Iterable[str | Path] = (), of: str = ""):
+    def __init__(self, path: str | Path, name: str, inputs: Iterable[str | Path] = (), of: str = ""):
         self.path, self.target = Path(path), None
         if is_stream(self.path):
             return
         try:
             target = self.path.resolve()
         except (RuntimeError, OSError):  # RuntimeError: Python 3.11's word for a loop
-            raise UserError(f"{flag} {path}: a loop of symbolic links; give a file name") from None
+            raise OptionError("{} {path}: a loop of symbolic links; give a file name", name, path=path) from None
         if target.is_dir():
-            raise UserError(f"{flag} {path} is a directory; give a file name")
+            raise OptionError("{} {path} is a directory; give a file name", name, path=path)
         if str(path).endswith(os.sep):  # as the shell's `>`, a file is never made or replaced at `name/`
-            raise UserError(f"{flag} {path}: the trailing {os.sep} names a directory, and there is none; give a "
-                            "file name")
+            raise OptionError("{} {path}: the trailing {sep} names a directory, and there is none; give a file name",
+                              name, path=path, sep=os.sep)
         if not target.parent.is_dir():
-            raise UserError(f"{flag} {path}: directory {target.parent} does not exist")
+            raise OptionError("{} {path}: directory {dir} does not exist", name, path=path, dir=target.parent)
         if not os.access(target.parent, os.W_OK):
-            raise UserError(f"{flag} {path}: directory {target.parent} is not writable")
-        check_outside_runs(target, flag)
+            raise OptionError("{} {path}: directory {dir} is not writable", name, path=path, dir=target.parent)
+        check_outside_runs(target, name)
         self.target = target
         longest = max(len(os.fsencode(side.name)) for side in self.side_files)
         if longest > (room := os.pathconf(target.parent, "PC_NAME_MAX")):  # else it fails after the work
-            raise UserError(f"{flag} {path}: the name leaves no room for the files written beside it meanwhile "
-                            f"(.NAME.partial.json: {longest} bytes, {room} at most); give a shorter name")
+            raise OptionError("{} {path}: the name leaves no room for the files written beside it meanwhile "
+                              "(.NAME.partial.json: {longest} bytes, {room} at most); give a shorter name", name,
+                              path=path, longest=longest, room=room)
         if any(os.path.exists(f) and os.path.exists(side) and os.path.samefile(f, side)
                for f in inputs for side in self.side_files):
-            raise UserError(f"{flag} {path} is a file of {of}: writing it would destroy the data (or a file "
-                            f"written beside it); give another {flag}")
+            raise OptionError("{} {path} is a file of {of}: writing it would destroy the data (or a file written "
+                              "beside it); give another {}", name, name, path=path, of=of)
 
     @property
     def side_files(self) -> tuple[Path, ...]:

@@ -13,17 +13,26 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from torch_reference.config import SettingError
+
 
 class UserError(Exception):
     """A problem with the flags, files or run directory the user gave: reported without a traceback."""
 
 
+class OptionError(UserError, SettingError):
+    """A UserError naming parameters (`SettingError`): `run_dir` in Python, `--run-dir` on the command line."""
+
+
 @contextlib.contextmanager
 def user_errors(*kinds: type[Exception]) -> Iterator[None]:
-    """Within the block an error of `kinds` (a ValueError of bad settings...) becomes a UserError of its message."""
+    """Within the block an error of `kinds` (a ValueError of bad settings...) becomes a UserError of its message
+    (an OptionError still naming its parameters)."""
     try:
         yield
     except kinds as err:
+        if isinstance(err, SettingError):
+            raise OptionError(err.template, *err.names, **err.values) from None
         raise UserError(str(err)) from None
 
 

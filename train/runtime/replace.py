@@ -9,7 +9,7 @@ import shutil
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
-from .files import UserError, read_json, write_error, write_json_atomic
+from .files import OptionError, UserError, read_json, write_error, write_json_atomic
 from .layout import read_experiment
 from .lock import RunLock
 
@@ -53,12 +53,13 @@ def kind_of(path: Path) -> str | None:
         return None
 
 
-def check_outside_runs(path: str | Path, flag: str) -> None:
-    """UserError when `path` (links resolved) lies inside a run or an export: no command writes into one."""
+def check_outside_runs(path: str | Path, name: str) -> None:
+    """OptionError naming parameter `name` when `path` (links resolved) lies inside a run or an export: no command
+    writes into one."""
     for parent in Path(path).resolve().parents:
         if found := kind_of(parent):
-            raise UserError(f"{flag} {path} lies inside the {KINDS[found]} {parent}: a command never writes into a "
-                            f"run it did not create; give a path outside it")
+            raise OptionError("{} {path} lies inside the {kind} {parent}: a command never writes into a run it did not "
+                              "create; give a path outside it", name, path=path, kind=KINDS[found], parent=parent)
 
 
 def remove(path: Path) -> None:
@@ -69,22 +70,28 @@ def remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
+class DestinationError(OptionError, FileExistsError):
+    """A destination `check_destination` refuses, naming its parameters."""
+
+
 def check_destination(dst: Path, overwrite: bool, kind: str = "run", src: str | Path | None = None) -> None:
-    """FileExistsError, before any work, for a destination whose replacement would lose something: `src`,
-    inside it or holding it, a file, a link, anything but a `kind` this project wrote, or any without `overwrite`."""
+    """DestinationError (a FileExistsError), before any work, for a destination whose replacement would lose
+    something: `src`, inside it or holding it, a file, a link, anything but a `kind` this project wrote, or any
+    without `overwrite`."""
     if src is not None:
         source, target = Path(src).resolve(), dst.resolve()
         if source == target or source in target.parents or target in source.parents:
             where = "is" if source == target else "is inside" if source in target.parents else "holds"
-            raise FileExistsError(f"--dst {dst} {where} the source {src}; --dst must differ from it and lie outside it")
-    check_outside_runs(dst, "--dst")
+            raise DestinationError("{} {dst} {where} the source {src}; {} must differ from it and lie outside it",
+                                   "dst", "dst", dst=dst, where=where, src=src)
+    check_outside_runs(dst, "dst")
     if dst.is_symlink():
         raise FileExistsError(f"{dst} is a symbolic link; it is never replaced, nor what it points to")
     if dst.exists() and not dst.is_dir():
         raise FileExistsError(f"{dst} is a file, not a directory; it is never replaced")
     if dst.exists() and any(dst.iterdir()):
         if not overwrite:
-            raise FileExistsError(f"{dst} exists; pass --overwrite to replace it")
+            raise DestinationError("{dst} exists; pass {} to replace it", "overwrite", dst=dst)
         if (found := kind_of(dst)) != kind:
             held = (f"holds a {KINDS[found]}, not a {KINDS[kind]}" if found
                     else f"is not empty and holds no {KINDS[kind]}")

@@ -18,6 +18,7 @@ from typing import Any
 from .. import api
 from ..options import RunSelection
 from ..runtime import Interrupted, UserError
+from ..runtime.files import OptionError
 from .app import app
 from .limits import Limits, require
 
@@ -161,5 +162,5 @@ def serve(runs: str | os.PathLike | Sequence[str | os.PathLike] | RunSelection, 
     require("hypercorn")
     with api.load(runs) as run:
         if run.backend.topology.process_count > 1:
-            raise UserError("the server runs in one process: give no --coordinator-address")
+            raise OptionError("the server runs in one process: give no {}", "coordinator_address")
         return Server(app(run, limits), host, port, **server).run(on_ready)

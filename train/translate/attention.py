@@ -15,6 +15,7 @@ from matplotlib.figure import Figure
 from .. import data
 from ..backends import Translator
 from ..plots import save_figure
+from ..runtime.files import OptionError
 from ..runtime.replace import check_outside_runs
 
 
@@ -137,11 +138,11 @@ def plot_layers(att: SentenceAttention, path: Path) -> None:
 
 
 def check_plot_directory(directory: Path, source: Path | None = None) -> None:
-    """ValueError unless `directory` is or can become a directory outside any run, not holding `source`."""
-    check_outside_runs(directory / "0001.png", "--plot-attention")
+    """OptionError unless `directory` is or can become a directory outside any run, not holding `source`."""
+    check_outside_runs(directory / "0001.png", "plot_attention")
     if source is not None and directory.resolve() in source.resolve().parents:
-        raise ValueError(f"--plot-attention {directory} holds the input {source}: its plots could replace it; "
-                         "give another directory")
+        raise OptionError("{} {dir} holds the input {source}: its plots could replace it; give another directory",
+                          "plot_attention", dir=directory, source=source)
     path = next(p for p in (directory, *directory.parents) if p.exists())  # the nearest that exists: "." or "/" last
     if not path.is_dir():
-        raise ValueError(f"--plot-attention {directory}: {path} exists and is not a directory")
+        raise OptionError("{} {dir}: {path} exists and is not a directory", "plot_attention", dir=directory, path=path)

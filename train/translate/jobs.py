@@ -11,6 +11,8 @@ import os
 import sys
 from typing import Any
 
+from torch_reference.config import escaped
+
 from .. import api
 from ..backends.host_devices import split_host
 from ..data import load_parallel
@@ -19,7 +21,7 @@ from ..data.streams import LineReader
 from ..options import Evaluation, RunSelection, Sampling, ScoreFiles, Search, TranslateFiles, check_format, check_single
 from ..runtime import Interrupted, interruptible
 from ..runtime.destination import Destination, open_stream
-from ..runtime.files import UserError, error_text, json_text
+from ..runtime.files import OptionError, UserError, error_text, json_text
 from .output import OtherInput, PartialOutput, Progress, StreamOutput
 from .stream import TsvColumns, translate_stream
 
@@ -55,11 +57,11 @@ def translate_file(selection: RunSelection, search: Search = Search(), sample: S
                                   "ensemble": ensemble and [str(d.absolute()) for d in selection.run_dir[1:]]}.items()
                 if v not in (None, "text", False)}
     # Checked before the work, not after it; target None: a stream, written directly.
-    output = None if files.output is None else Destination(files.output, "--output")
+    output = None if files.output is None else Destination(files.output, "output")
     target = output and output.target
     if output is not None and any(reader.same_file(f) for f in output.side_files):
-        raise UserError(f"--output {files.output} is the input {reader.name}: writing it would destroy the input "
-                        "(or a file written beside it); give another --output")
+        raise OptionError("{} {path} is the input {input}: writing it would destroy the input (or a file written "
+                          "beside it); give another {}", "output", "output", path=files.output, input=reader.name)
     with api.load(selection) as run:
         if first is None:
             raise UserError(f"{reader.name} holds no sentence to translate")
@@ -90,7 +92,10 @@ def translate_file(selection: RunSelection, search: Search = Search(), sample: S
             raise Interrupted(signum, f"interrupted ({Interrupted(signum)}) after {out.done:,} input lines{kept}")
         except (UserError, OSError) as err:  # bad input further on, a full disk: the chunks before it are kept
             resumable = out.done and isinstance(out, PartialOutput) and not isinstance(err, OtherInput)
-            raise UserError(error_text(err) + (f" ({out.kept()})" if resumable else "")) from None
+            kept = f" ({out.kept()})" if resumable else ""
+            if isinstance(err, OptionError):  # still naming its parameters
+                raise OptionError(err.template + escaped(kept), *err.names, **err.values) from None
+            raise UserError(error_text(err) + kept) from None
         finally:
             progress.clear()
             reader.close()
@@ -107,7 +112,7 @@ def evaluate_spec(selection: RunSelection, data: str, search: Search = Search(),
     """`Run.evaluate` of the runs `selection` on the data spec `data`, printed as JSON (and written to
     `output`, atomically); returns the result."""
     split_host()  # before jax is imported
-    destined = None if output is None else Destination(output, "--output", spec_files(data), f"--data {data}")
+    destined = None if output is None else Destination(output, "output", spec_files(data), f"the data {data}")
     with api.load(selection) as run:
         if run.config.lowercase and not evaluation.lowercase:  # lowercase output: cased BLEU alone would mislead
             print(f"note: {selection.run_dir[0]} was trained with --lowercase, so its translations are lowercase: "
@@ -125,11 +130,11 @@ def score_file(selection: RunSelection, files: ScoreFiles) -> None:
     (`Run.score`), one line each to `files.output` (stdout): the number, or (format "jsonl") with its tokens."""
     split_host()  # before jax is imported
     input, output = files.input, files.output
-    destined = None if output is None else Destination(output, "--output", spec_files(input), f"--input {input}")
+    destined = None if output is None else Destination(output, "output", spec_files(input), f"the input {input}")
     loaded = load_parallel(input)
     if loaded.skipped_empty:  # skipped, line N would no longer be pair N's score
-        raise UserError(f"--input {input}: {loaded.skipped_empty:,} pairs with an empty side; every pair gets its "
-                        "line, so remove them or give them text")
+        raise OptionError("{} {input}: {n:,} pairs with an empty side; every pair gets its line, so remove them or "
+                          "give them text", "input", input=input, n=loaded.skipped_empty)
     if not loaded.pairs:
         raise UserError(f"{input} holds no pair to score")
     with api.load(selection) as run:
