@@ -163,7 +163,7 @@ def test_translate_bench_adds_export_rows(runs, tmp_path):
             assert row["differ"] in (0, None) or name.endswith("int8")  # float32: the run's search, same function
             assert row["tokens_differ_from_jax"] == 0 or name.endswith("int8")
             assert ("bleu_vs_float32" in row) == name.endswith("int8")
-    with train.load(runs / "torch", "latest") as run:
+    with train.load(runs["torch"], "latest") as run:
         weights = 4 * sum(p.numel() for p in run.backend.model.parameters()) / 2**20
     # safetensors: the float32 weights and a header; orbax's tensorstore compresses them (zstd), a little here
     assert weights <= rows["torch cached", 1]["disk_mib"] < weights + 0.5
