@@ -108,29 +108,19 @@ def test_export_backend_n_best_and_refusals(random_exports):
         backend.sample(SRC.numpy(), seed=0)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """A 2-step torch run and the same run converted to JAX."""
-    from parity.commands.convert import main as convert
-    from train import loop
-    from train.config import ExperimentConfig
-
-    root = tmp_path_factory.mktemp("export-runs")
-    loop.train(ExperimentConfig(
-        backend="torch", run_dir=str(root / "torch"), steps=2, numbers_train=300, numbers_valid=4, numbers_test=0,
-        max_len=16, token_budget=512, model={"num_encoder_layers": 1, "num_decoder_layers": 1}, progress=False,
-        samples=0, eval_sentences=4, beam=1))
-    assert convert(["--to", "jax", "--run-dir", str(root / "torch"), "--dst", str(root / "jax")]) == 0
-    return root
+@pytest.fixture
+def runs(tiny_torch_and_jax_runs):
+    """The shared 2-step torch run and the same run converted to JAX: {"torch": dir, "jax": dir}; read only."""
+    return dict(zip(("torch", "jax"), tiny_torch_and_jax_runs))
 
 
 @pytest.mark.parametrize("kind,backend,extra", [("onnx", "jax", ["--quantization", "int8"]),
                                                 ("stablehlo", "torch", [])])
-def test_convert_writes_a_proved_export_that_translates(runs, kind, backend, extra):
+def test_convert_writes_a_proved_export_that_translates(runs, kind, backend, extra, tmp_path):
     from parity.commands.convert import main as convert
 
-    dst = runs / f"{kind}-of-{backend}"
-    assert convert(["--to", kind, "--src", str(runs / backend), "--dst", str(dst), "--checkpoint", "latest",
+    dst = tmp_path / f"{kind}-of-{backend}"
+    assert convert(["--to", kind, "--src", str(runs[backend]), "--dst", str(dst), "--checkpoint", "latest",
                     *extra]) == 0
     proof = json.loads((dst / runtime.PROOF_FILE).read_text())
     assert proof["kind"] == kind and proof["step"] == 2 and proof["sentences"] == 4
@@ -138,7 +128,7 @@ def test_convert_writes_a_proved_export_that_translates(runs, kind, backend, ext
     assert proof["max_abs_logit_diff"] <= proof["bounds"]["max_abs_logit_diff"] == LOGIT_TOL
     assert set(proof["files"]) >= {"model.json", "tokenizer.json"} and ("int8" in proof) == bool(extra)
     texts = ["dreiundachtzig", "siebenhundertdreiundvierzig"]
-    with train.load(runs / backend, "latest") as run, train.load(dst) as exported:
+    with train.load(runs[backend], "latest") as run, train.load(dst) as exported:
         assert exported.translate(texts, beam=4) == run.translate(texts, beam=4)
         assert exported.step == 2
         if kind == "stablehlo":  # aiayn serve's app over the export: the run's translations
@@ -162,7 +152,7 @@ def test_translate_bench_adds_export_rows(runs, tmp_path):
     from parity.commands import translate_bench
 
     (tmp_path / "in.txt").write_text("dreiundachtzig\nsiebenhundertdreiundvierzig\nviertausendvierhundertzwei\n")
-    assert translate_bench.main(["--run-dir", str(runs / "torch"), "--checkpoint", "latest", "--input",
+    assert translate_bench.main(["--run-dir", str(runs["torch"]), "--checkpoint", "latest", "--input",
                                  str(tmp_path / "in.txt"), "--beam", "2", "--no-uncached", "--exports", "--json",
                                  str(tmp_path / "bench.json")]) == 0
     rows = {(r["search"], r["beam"]): r for r in json.loads((tmp_path / "bench.json").read_text())["rows"]}
@@ -173,7 +163,7 @@ def test_translate_bench_adds_export_rows(runs, tmp_path):
             assert row["differ"] in (0, None) or name.endswith("int8")  # float32: the run's search, same function
             assert row["tokens_differ_from_jax"] == 0 or name.endswith("int8")
             assert ("bleu_vs_float32" in row) == name.endswith("int8")
-    with train.load(runs / "torch", "latest") as run:
+    with train.load(runs["torch"], "latest") as run:
         weights = 4 * sum(p.numel() for p in run.backend.model.parameters()) / 2**20
     # safetensors: the float32 weights and a header; orbax's tensorstore compresses them (zstd), a little here
     assert weights <= rows["torch cached", 1]["disk_mib"] < weights + 0.5

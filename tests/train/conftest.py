@@ -33,31 +33,6 @@ def fast_config(tmp_path):
     return make
 
 
-@pytest.fixture(scope="session")
-def tiny_torch_run(tmp_path_factory):
-    """A 2-step torch run (checkpoint at step 2) shared by the tests that only read a run:
-    translate, evaluate, copies to damage or edit. Never write into it."""
-    from train import loop
-
-    run_dir = tmp_path_factory.mktemp("tiny-torch-run") / "run"
-    loop.train(ExperimentConfig(
-        backend="torch", run_dir=str(run_dir), steps=2, numbers_train=300, numbers_valid=4, numbers_test=0,
-        max_len=16, token_budget=512, model={"num_encoder_layers": 1, "num_decoder_layers": 1}, progress=False,
-        samples=0, eval_sentences=4, beam=1,
-    ))
-    return run_dir
-
-
-@pytest.fixture(scope="session")
-def tiny_torch_and_jax_runs(tiny_torch_run, tmp_path_factory):
-    """(`tiny_torch_run`, the same weights converted to a JAX run dir): read them, never write."""
-    from parity.commands.convert import main as convert
-
-    jax_dir = tmp_path_factory.mktemp("tiny-jax-run") / "run"
-    assert convert(["--to", "jax", "--run-dir", str(tiny_torch_run), "--dst", str(jax_dir)]) == 0
-    return tiny_torch_run, jax_dir
-
-
 @pytest.fixture
 def torch_run(tiny_torch_run):
     """`tiny_torch_run` under a shorter name: read it, never write into it."""

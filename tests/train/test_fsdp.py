@@ -46,9 +46,11 @@ STEPS = 6  # before and after the checkpoint
 def _worker(out: Path) -> None:
     import jax
 
-    from train.backends import create_backend
+    from train.backends import create_backend, jax_cache
 
     assert jax.device_count() == 8, jax.devices()
+    # As every CLI does: a restore or a re-import builds a backend whose programs an earlier one compiled.
+    jax_cache.enable()
     splits = data.numbers_corpus(FAST["numbers_train"], FAST["numbers_valid"], 0, seed=FAST["seed"])
     tokenizers = data.train_tokenizers(splits.train, vocab_size=400)
     base = ExperimentConfig(backend="jax", run_dir=str(out.parent / "unused"), **FAST).resolve()

@@ -456,19 +456,10 @@ def test_a_cache_directory_that_cannot_be_written_is_one_warning(monkeypatch, ca
     assert capsys.readouterr().err.startswith("warning: no compilation cache: cannot write to /proc/self: ")
 
 
-@pytest.fixture(scope="module")
-def jax_run(tmp_path_factory):
-    """A 2-step JAX run (max_len 16, a 1+1-layer tiny model)."""
-    from train import loop
-    from train.config import ExperimentConfig
-
-    run_dir = tmp_path_factory.mktemp("jax-run") / "run"
-    loop.train(ExperimentConfig(
-        backend="jax", run_dir=str(run_dir), steps=2, numbers_train=300, numbers_valid=4, numbers_test=0, max_len=16,
-        token_budget=512, model={"num_encoder_layers": 1, "num_decoder_layers": 1}, progress=False, samples=0,
-        eval_sentences=4, beam=1,
-    ))
-    return run_dir
+@pytest.fixture
+def jax_run(tiny_torch_and_jax_runs):
+    """The shared tiny run converted to JAX (a JAX run directory: its translate compiles); read only."""
+    return tiny_torch_and_jax_runs[1]
 
 
 def test_a_second_process_loads_what_the_first_compiled(jax_run, tmp_path):
