@@ -115,24 +115,34 @@ def run_proof(converted: Path, run_dir: Path, sentences: Sequence[str]) -> dict[
     ours_run = train.load(run_dir, theirs_run.step)
     try:
         src_ids = data.encode(ours_run.tokenizers.src, sentences)
-        limits = [limit(len(ids), ours_run.model_config) for ids in src_ids]
-        ours, theirs = ([output_tokens(run.backend.translate(np.array([ids]), beam_size=1)[0]) for ids in src_ids]
+        limits, src = [limit(len(ids), ours_run.model_config) for ids in src_ids], _batch(src_ids)
+        ours, theirs = ([output_tokens(row) for row in run.backend.translate(src, beam_size=1)]
                         for run in (ours_run, theirs_run))
-        diffs = [float(np.abs(_logits(ours_run, ids, out) - _logits(theirs_run, ids, out)).max())
-                 for ids, out in zip(src_ids, ours)]
+        diffs = [float(np.abs(a - b).max())
+                 for a, b in zip(_logits(ours_run, src, ours), _logits(theirs_run, src, ours))]
     finally:
         ours_run.close()
         theirs_run.close()
     return prove(converted, ours, theirs, diffs, sentences, limits, theirs_run.config.backend, exact=True)
 
 
-def _logits(run, ids: list[int], out: list[int]) -> np.ndarray:
-    """The (T, V) logits of `run`'s model for source `ids` and target `out`, teacher-forced."""
-    src, tgt_in = np.array([ids]), np.array([[run.model_config.bos_id, *out[:-1]]])
+def _batch(rows: Sequence[Sequence[int]]) -> np.ndarray:
+    """`rows` padded with <pad> into one (B, longest) array: one shape, so JAX compiles once for every sentence."""
+    out = np.full((len(rows), max(map(len, rows))), PAD_ID, np.int64)
+    for row, ids in enumerate(rows):
+        out[row, : len(ids)] = ids
+    return out
+
+
+def _logits(run, src: np.ndarray, outs: Sequence[list[int]]) -> list[np.ndarray]:
+    """Each row's (T, V) logits of `run`'s model for the sources `src` (B, S) and the targets `outs`, teacher-forced."""
+    tgt_in = _batch([[run.model_config.bos_id, *out[:-1]] for out in outs])
     if run.config.backend == "torch":
         with torch.no_grad():
-            return run.backend.model.eval()(torch.from_numpy(src), torch.from_numpy(tgt_in))[0].numpy()
-    return np.asarray(run.backend.ctx.model(run.backend.local_params())(src, tgt_in, deterministic=True))[0]
+            logits = run.backend.model.eval()(torch.from_numpy(src), torch.from_numpy(tgt_in)).numpy()
+    else:
+        logits = np.asarray(run.backend.ctx.model(run.backend.local_params())(src, tgt_in, deterministic=True))
+    return [rows[: len(out)] for rows, out in zip(logits, outs)]
 
 
 def marian_proof(export_dir: Path, run_dir: Path, params, cfg: TransformerConfig, sentences: Sequence[str],
@@ -164,9 +174,9 @@ def export_proof(export_dir: Path, run_dir: Path, checkpoint: str | int, sentenc
     run = train.load(run_dir, checkpoint)
     try:
         cfg, src_ids, step = run.model_config, data.encode(run.tokenizers.src, sentences), run.step
-        ours = {k: [output_tokens(run.backend.translate(np.array([ids]), beam_size=k)[0]) for ids in src_ids]
-                for k in (1, 4)}
-        ours_logits = [_logits(run, ids, out) for ids, out in zip(src_ids, ours[1])]
+        src = _batch(src_ids)
+        ours = {k: [output_tokens(row) for row in run.backend.translate(src, beam_size=k)] for k in (1, 4)}
+        ours_logits = _logits(run, src, ours[1])
         refs = dict(data.load_split(run.config, run.config.valid or "numbers:valid"))
     finally:
         run.close()
@@ -174,10 +184,12 @@ def export_proof(export_dir: Path, run_dir: Path, checkpoint: str | int, sentenc
     figures, search = {}, {1: greedy_search, 4: beam_search}
     for int8 in (False, True) if quantization == "int8" else (False,):
         model = ExportedModel(programs(export_dir, int8), cfg)
-        theirs = {k: [output_tokens(search[k](model, torch.tensor([ids]))[0][0].tolist()) for ids in src_ids]
+        theirs = {k: [output_tokens(row) for row in search[k](model, torch.from_numpy(src))[0].tolist()]
                   for k in (1, 4)}
-        diffs = [float(np.abs(model.forced_logits(torch.tensor([ids]), torch.tensor([[cfg.bos_id, *out[:-1]]]))[0]
-                              .numpy() - logits).max()) for ids, out, logits in zip(src_ids, ours[1], ours_logits)]
+        tgt_in = _batch([[cfg.bos_id, *out[:-1]] for out in ours[1]])
+        forced = model.forced_logits(torch.from_numpy(src), torch.from_numpy(tgt_in)).numpy()
+        diffs = [float(np.abs(rows[: len(out)] - logits).max())
+                 for rows, out, logits in zip(forced, ours[1], ours_logits)]
         texts = data.decode_batch(run.tokenizers.tgt, theirs[4])
         figures["int8" if int8 else "float32"] = {
             "greedy_agreement": float(np.mean([a == b for a, b in zip(ours[1], theirs[1])])),
