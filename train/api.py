@@ -238,7 +238,8 @@ def _load_one(run_dir: Path, checkpoint: str | int = "best", backend: str | None
         from .interop.exported import ExportBackend, programs
 
         with user_errors(ImportError):
-            backend = ExportBackend(programs(run_dir), model_cfg, read_json(run_dir / PROOF_FILE, {}).get("step", 0))
+            backend = ExportBackend(programs(run_dir), model_cfg, read_json(run_dir / PROOF_FILE, {}).get("step", 0),
+                                    cfg.label_smoothing)
             return Run(run_dir, cfg, model_cfg, tokenizers, backend, {"kind": kind})
     checkpoint = parse_checkpoint(checkpoint)
     with contextlib.ExitStack() as on_error, user_errors(FileNotFoundError, CheckpointError):

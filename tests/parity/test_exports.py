@@ -131,6 +131,11 @@ def test_convert_writes_a_proved_export_that_translates(runs, kind, backend, ext
     with train.load(runs[backend], "latest") as run, train.load(dst) as exported:
         assert exported.translate(texts, beam=4) == run.translate(texts, beam=4)
         assert exported.step == 2
+        pairs = list(zip(texts, run.translate(texts, beam=1)))
+        ours, theirs = (r.evaluate(pairs, beam=4) for r in (run, exported))  # aiayn evaluate over the export
+        assert theirs["bleu"] == ours["bleu"]
+        # float32 programs: logits within 1e-5, so the mean loss too; int8 weights move them by up to about 0.5
+        assert abs(theirs["loss"] - ours["loss"]) < (1e-5 if kind == "stablehlo" else 0.5)
         if kind == "stablehlo":  # aiayn serve's app over the export: the run's translations
             httpx = pytest.importorskip("httpx")
             from train.serving import Limits, Server, app

@@ -11,6 +11,7 @@ import torch
 
 from torch_reference import decode
 from torch_reference.config import TransformerConfig, check_beam
+from torch_reference.objective import label_smoothed_cross_entropy
 
 from .. import runtime
 from ..backends.interface import Hypotheses, Topology
@@ -130,8 +131,9 @@ class ExportBackend:
 
     topology, device = Topology(), "cpu"
 
-    def __init__(self, programs, cfg: TransformerConfig, step: int):
+    def __init__(self, programs, cfg: TransformerConfig, step: int, label_smoothing: float = 0.1):
         self.model, self.model_cfg, self.step = ExportedModel(programs, cfg), cfg, step
+        self.label_smoothing = label_smoothing  # the run's, for evaluate's loss
 
     def translate(self, src: np.ndarray, beam_size: int = 4, alpha: float = 0.6, cached: bool = True,
                   scoring: str = "gnmt", n_best: int | None = None, prefix: np.ndarray | None = None):
@@ -157,6 +159,14 @@ class ExportBackend:
         logits = self.model.forced_logits(torch.as_tensor(src, dtype=torch.long), tgt_in)
         logprobs = torch.log_softmax(logits.float(), -1).gather(2, tgt_t[..., None])[..., 0]
         return torch.where(tgt_t == self.model_cfg.pad_id, 0.0, logprobs).numpy()
+
+    def eval_loss(self, batch) -> tuple[float, float, int]:
+        """(label-smoothed loss sum, NLL sum, target tokens) of a padded batch, teacher-forced through the programs."""
+        logits = self.model.forced_logits(*(torch.as_tensor(a, dtype=torch.long) for a in (batch.src, batch.tgt_in)))
+        tgt = torch.as_tensor(batch.tgt_out, dtype=torch.long)
+        sums = (label_smoothed_cross_entropy(logits, tgt, self.model_cfg.pad_id, eps, reduction="sum")
+                for eps in (self.label_smoothing, 0.0))
+        return *map(float, sums), batch.num_tgt_tokens
 
     def sample(self, *args, **kwargs):
         raise runtime.UserError("sampling needs the run's model: an export decodes by greedy and beam search only")
