@@ -29,7 +29,9 @@ SENTENCES = 32  # validation sources proved on: enough to cover the vocabulary's
 # A float32 export computes the run's function with other kernels: the twins' own logits bound, every greedy alike.
 MAX_LOGIT_DIFF = 1e-4
 MIN_AGREEMENT = 1.0
-EXPORT_LOGIT_DIFF = 1e-5  # ONNX, StableHLO: the same float32 graph as the run's, other kernels (issue 78's bound)
+# ONNX, StableHLO: the run's float32 function on other kernels, a few ulps an operation: 1e-5 at logits of O(1), scaled
+# by the largest |logit| above 1 (a trained small model's reach 14: ORT and torch alone then differ by 9.8e-6)
+EXPORT_LOGIT_DIFF = 1e-5
 MASKED = -1e8  # CTranslate2 reports the logits of tokens it may not emit at a step as about -1e9
 
 
@@ -177,6 +179,7 @@ def export_proof(export_dir: Path, run_dir: Path, checkpoint: str | int, sentenc
         src = _batch(src_ids)
         ours = {k: [output_tokens(row) for row in run.backend.translate(src, beam_size=k)] for k in (1, 4)}
         ours_logits = _logits(run, src, ours[1])
+        scale = max(1.0, max(float(np.abs(logits).max()) for logits in ours_logits))
         refs = dict(data.load_split(run.config, run.config.valid or "numbers:valid"))
     finally:
         run.close()
@@ -199,8 +202,9 @@ def export_proof(export_dir: Path, run_dir: Path, checkpoint: str | int, sentenc
     exact = figures["float32"]
     if exact["beam4_agreement"] < MIN_AGREEMENT:
         raise runtime.UserError(f"the {kind} export's beam-4 translations differ from the run's on "
-                                f"{1 - exact['beam4_agreement']:.1%} of {len(sentences)} sentences; nothing was written")
+                                f"{1 - exact['beam4_agreement']:.1%} of {len(sentences)} sentences; nothing was "
+                                "written")
     extra = {k: {n: v for n, v in f.items() if n != "theirs"} for k, f in figures.items()}
     return prove(export_dir, ours[1], exact["theirs"][1], [exact["max_abs_logit_diff"]], sentences,
-                 [limit(len(ids), cfg) for ids in src_ids], kind, exact=True, bound=EXPORT_LOGIT_DIFF,
-                 extra={"step": step, "quantization": quantization or "float32", **extra})
+                 [limit(len(ids), cfg) for ids in src_ids], kind, exact=True, bound=EXPORT_LOGIT_DIFF * scale,
+                 extra={"step": step, "quantization": quantization or "float32", "max_abs_logit": scale, **extra})
