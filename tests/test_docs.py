@@ -127,5 +127,5 @@ def test_python_page_runs(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert "['forty-three', 'seven hundred and twelve']" in out  # the translation the page shows
-    assert "already holds a run; pass --resume" in out
+    assert "already holds a run; pass resume" in out  # from Python: the parameter, not the flag
     assert "averaged_steps" in out and "torch.Size([1, 3, 100]) (1, 3, 100)" in out

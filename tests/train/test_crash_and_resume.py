@@ -272,7 +272,7 @@ def test_a_run_saved_before_packing_existed_resumes_on_length_buckets():
     cfg = runtime.layout.experiment_of(saved).resolve()
     assert cfg.pack is False
     rundir.check_checkpoint_config({"config": saved, "step": 4}, cfg)
-    with pytest.raises(runtime.UserError, match="--pack: checkpoint has False, run has True"):
+    with pytest.raises(runtime.UserError, match=r"\bpack: checkpoint has False, run has True"):
         rundir.check_checkpoint_config({"config": saved, "step": 4}, cfg.replace(pack=True))
 
 

@@ -31,8 +31,10 @@ def check_agreement(exp_cfg: ExperimentConfig, settings: dict) -> None:
 
     digests = np.array([np.frombuffer(hashlib.sha256(json.dumps(value, sort_keys=True).encode()).digest()[:8], np.int32)
                         for value in settings.values()])
-    gathered = importlib.import_module(BACKEND_MODULES[exp_cfg.backend]).allgather(digests)  # (processes, settings, 2)
+    module = importlib.import_module(BACKEND_MODULES[exp_cfg.backend])
+    gathered = module.allgather(digests)  # (processes, settings, 2)
     if (differ := (gathered != gathered[0]).any(axis=2)).any():
+        getattr(module, "leave", lambda: None)()  # torch: gloo's threads end here, not aborting the interpreter's exit
         first = int(differ.any(axis=0).argmax())
         name = list(settings)[first]
         raise OptionError("the run's processes disagree on " + ("{}" if name.isidentifier() else name) + ": process "

@@ -132,6 +132,12 @@ def _collective(call, *args, **kwargs):
                           call=getattr(call, "__name__", "a collective")) from None
 
 
+def leave() -> None:
+    """This process's end of the process group, for a run that stops before it trains."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def allgather(array: np.ndarray) -> np.ndarray:
     """Every process's `array` (one shape in all), stacked in process order."""
     tensor = torch.from_numpy(array).to("cuda" if dist.get_backend() == "nccl" else "cpu")
