@@ -38,7 +38,7 @@ MASKED = -1e8  # CTranslate2 reports the logits of tokens it may not emit at a s
 def proof_sentences(run_dir: str | os.PathLike, given: str | os.PathLike | None = None) -> list[str]:
     """The first SENTENCES non-empty lines of `given`, else of the run's validation data (or the numbers corpus's)."""
     if given is not None:
-        with contextlib.closing(LineReader(Path(given), name="proof_sentences")) as lines:  # its errors name the flag
+        with contextlib.closing(LineReader(Path(given), name="proof_sentences")) as lines:  # its errors name the setting
             texts = list(lines)
     else:  # a config with --train has --valid
         cfg = runtime.read_experiment(run_dir)

@@ -99,7 +99,7 @@ def benchmark(run: Run, lines: Sequence[str], beam_size: int, batch_size: int | 
     limits = {int(index[r]): proof.limit(int((src[r] != data.PAD_ID).sum()), model_cfg)
               for index, src in batches for r in np.flatnonzero(index >= 0)}
     with allocator.settled(), tempfile.TemporaryDirectory() as tmp:
-        disk = _weights_mib(state, model_cfg, Path(tmp))
+        disk = _weights_mib(params, state, model_cfg, Path(tmp))
         for r in rows:
             r["disk_mib"] = disk[r["search"].split()[0]]
         for name, beam, search, mib in itertools.chain(
@@ -133,14 +133,14 @@ def _mib(path: Path) -> float:
     return sum(f.stat().st_size for f in ([path] if path.is_file() else path.rglob("*")) if f.is_file()) / 2**20
 
 
-def _weights_mib(state, model_cfg, tmp: Path) -> dict[str, float]:
-    """MiB on disk of the weights as `aiayn convert --to torch` and `--to jax` write them."""
+def _weights_mib(params, state, model_cfg, tmp: Path) -> dict[str, float]:
+    """MiB on disk of the weights (`params`: the torch layout's) as `aiayn convert --to torch` and `--to jax` write
+    them."""
     from train.interop.runs import save_jax_weights, save_torch_weights
     from train.interop.weights import jax_model_from_params
 
     torch_model = torch_reference.Transformer(model_cfg)
-    torch_model.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in
-                                 convert_state(state, "torch", model_cfg).params.items()})
+    torch_model.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in params.items()})
     jax_model = jax_model_from_params(convert_state(state, "jax", model_cfg).params, model_cfg)
     return {"torch": _mib(save_torch_weights(torch_model, tmp / "torch.safetensors")),
             "jax": _mib(save_jax_weights(jax_model, tmp / "jax") / "params")}
