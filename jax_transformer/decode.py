@@ -31,8 +31,7 @@ def sentence_limits(src_ids, pad_id: int, length: int, max_len_a: float, max_len
 
 
 def _next_logprobs(cfg: TransformerConfig, logits, must_end):
-    """log_softmax(logits (..., V)) in float32, NEG_INF at the tokens no translation holds (padding, BOS)
-    and, in rows that must end (must_end (...,): at their length limit), at every token but EOS."""
+    """torch's `_next_logprobs`: log_softmax in float32, NEG_INF at pad, BOS and (where must_end) all but EOS."""
     vocab = jnp.arange(logits.shape[-1])
     masked = (must_end[..., None] & (vocab != cfg.eos_id)) | (vocab == cfg.pad_id) | (vocab == cfg.bos_id)
     return jnp.where(masked, NEG_INF, jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))
@@ -57,9 +56,7 @@ def _check_ids(name: str, ids, vocab_size: int, max_len: int | None = None) -> N
 
 
 def check_prefix(src_ids, prefix, cfg: TransformerConfig, max_len_a: float, max_len_b: int) -> None:
-    """ValueError unless prefix (B, P) holds target-vocabulary ids other than <bos> (then pad_id), a
-    row for each source, each leaving its sentence room for <eos>: fewer tokens than its length limit
-    (`sentence_limits`). Values inside a trace are the caller's to check."""
+    """torch's `check_prefix`; values inside a trace are the caller's to check."""
     if isinstance(src_ids, jax.core.Tracer) or isinstance(prefix, jax.core.Tracer):
         return
     src_ids, prefix = jnp.asarray(src_ids), jnp.asarray(prefix)
@@ -76,11 +73,8 @@ def _prefix_columns(prefix, pad_id: int, length: int):
 
 
 def _decoder(model: Transformer, src_ids, rows: int, length: int, cached: bool) -> dict:
-    """What next-token logits are computed from, `rows` rows a sentence of src_ids (B, S): torch's `_Decoder`
-    as arrays that ride in the loop's carry (`_logits`, `_reorder`).
-    The barrier materialises the cross-attention keys and values before the loop: else XLA keeps them
-    (N, S, H, K) and transposes them every step (docs/performance.md#what-made-the-jax-search-fast).
-    """
+    """torch's `_Decoder` as arrays that ride in the loop's carry (`_logits`, `_reorder`); the barrier stops XLA
+    transposing the cross-attention keys every step (docs/performance.md#what-made-the-jax-search-fast)."""
     src_mask = padding_mask(src_ids, model.cfg.pad_id)
     memory = jnp.repeat(model.encode(src_ids, src_mask), rows, axis=0)  # (B*rows, S, D)
     src_mask = jnp.repeat(src_mask, rows, axis=0)
@@ -92,9 +86,7 @@ def _decoder(model: Transformer, src_ids, rows: int, length: int, cached: bool) 
 
 
 def _logits(model: Transformer, decoder: dict, written, last, position):
-    """written (N, L) tokens with positions < `position` filled, last (N,) the one at position - 1
-    (BOS at 0) -> (logits (N, V) of the token at `position`, the cache). Without a cache the
-    decoder re-runs over BOS and all of `written`; causality hides the positions not yet written."""
+    """torch's `_Decoder.logits`, returning the cache too."""
     if decoder["cache"] is None:
         prefix = shift_right(written, model.cfg.bos_id)
         hidden = model.decode(prefix, decoder["memory"], decoder["src_mask"])  # (N, L, D)
@@ -103,8 +95,7 @@ def _logits(model: Transformer, decoder: dict, written, last, position):
 
 
 def _reorder(cache, order):
-    """Rows follow `order` (N,): the self-attention cache of each surviving hypothesis' parent.
-    The cross-attention keys are the same for every hypothesis of a sentence: left as they are."""
+    """torch's `_Decoder.reorder`."""
     if cache is None:
         return None
     return [{**c, "self_k": c["self_k"][order], "self_v": c["self_v"][order]} for c in cache]
@@ -168,10 +159,7 @@ def _token_by_token(model: Transformer, src_ids, n: int, choose, carry: dict, ma
 
 def greedy_search(model: Transformer, src_ids, max_len_a: float = 1.5, max_len_b: int = 10, cached: bool = True,
                   prefix=None):
-    """src_ids (B, S) -> (tokens (B, L), scores (B,)): the argmax token at each step; the score is
-    the sum of the chosen tokens' log-probabilities. `cached=False`: no key/value cache.
-    `prefix` (B, P): the first tokens of each output (then pad_id; `check_prefix`), forced, their
-    log-probabilities counted in the score; the search continues after them."""
+    """src_ids (B, S) -> (tokens (B, L), scores (B,)): torch's `greedy_search` in one compiled loop."""
     _check_ids("src_ids", src_ids, model.cfg.src_vocab_size, model.cfg.max_len)
     if prefix is not None:
         check_prefix(src_ids, prefix, model.cfg, max_len_a, max_len_b)
@@ -212,9 +200,7 @@ def _done(finished_scores, live_logprob, best_possible_penalty, no_sentence):
 
 
 def _forced_candidates(forced_logprob, live_logprob, forced, pad_id: int, V: int, top_logprob, top_index):
-    """The 2k candidates (top_logprob, top_index (B, 2k)) where a sentence has a prefix token left
-    (forced (B,), else pad_id): its k hypotheses each extended by that token (forced_logprob (B, k)
-    its log-prob after each), then k fillers that rank last (2 * NEG_INF) and never end."""
+    """torch's `_forced_candidates`: the 2k candidates where a sentence has a prefix token left."""
     k = live_logprob.shape[1]
     forcing = (forced != pad_id)[:, None]  # (B, 1)
     extended = live_logprob + forced_logprob  # (B, k)
@@ -234,9 +220,7 @@ def _n_best(tokens, logprob, scores, no_sentence, n: int, pad_id: int):
 def beam_search(model: Transformer, src_ids, beam_size: int = 4, alpha: float = 0.6,
                 max_len_a: float = 1.5, max_len_b: int = 10, cached: bool = True, scoring: str = "gnmt",
                 n_best: int | None = None, prefix=None):
-    """src_ids (B, S) -> (tokens (B, L), scores (B,)), or with `n_best` K (tokens (B, K, L), log-probs
-    (B, K), scores (B, K)): `torch_reference.decode.beam_search` (its docstring tells the algorithm and
-    the arguments) in one compiled loop."""
+    """`torch_reference.decode.beam_search` (its docstring tells the algorithm and the arguments) in one loop."""
     _check_ids("src_ids", src_ids, model.cfg.src_vocab_size, model.cfg.max_len)
     check_beam(beam_size, 0.0 if isinstance(alpha, jax.core.Tracer) else alpha, scoring, n_best)  # traced: the caller's
     if prefix is not None:
@@ -318,9 +302,7 @@ def _beam_search(model: Transformer, src_ids, beam_size: int, alpha: float, max_
 
 
 def score(model: Transformer, src_ids, tgt_ids):
-    """src_ids (B, S), tgt_ids (B, T) (target tokens ending with <eos>, then pad_id) -> (B, T) the
-    log-probability of each target token given the source and the tokens before it (teacher
-    forcing), 0 at padding (torch's `score`)."""
+    """src_ids (B, S), tgt_ids (B, T) -> (B, T) each target token's log-probability, 0 at padding (torch's `score`)."""
     _check_ids("src_ids", src_ids, model.cfg.src_vocab_size, model.cfg.max_len)
     _check_ids("tgt_ids", tgt_ids, model.cfg.tgt_vocab_size, model.cfg.max_len)
     if tgt_ids.shape[0] != src_ids.shape[0]:  # not broadcast: torch gave one row for two, JAX two
