@@ -24,8 +24,7 @@ MAX_SPEC = 4096  # characters of a data spec: PATH_MAX, with room for SRC:TGT: a
 
 
 def load_splits(cfg: ExperimentConfig, train: bool = True) -> Splits:
-    """Train, validation and test pairs: the numbers corpus or the --train/--valid/--test specs, lowercased with
-    --lowercase; UserError for bad specs. `train=False`: a --train spec is left to `train_store`."""
+    """Train, validation and test pairs (lowercased with --lowercase); `train=False`: --train left to `train_store`."""
     if cfg.uses_numbers_corpus:
         splits = numbers_corpus(cfg.numbers_train, cfg.numbers_valid, cfg.numbers_test, seed=cfg.seed)
     else:
@@ -77,10 +76,8 @@ def corpus_tokenizers(cfg: ExperimentConfig) -> Tokenizers:
     with _loading(cfg.train):
         root, digest, stream = _training_stream(cfg)
     path = _tokenizers_path(cfg, root, digest)
-    try:
+    with contextlib.suppress(FileNotFoundError, ValueError):  # none yet, or damaged: train them (again)
         return load_tokenizers(path, cfg.joint_vocab)
-    except (FileNotFoundError, ValueError):  # none yet, or damaged: train them (again)
-        pass
     with _loading(cfg.train), meter(f"reading {cfg.train} for the tokenizers' sample", bar=cfg.progress) as bar:
         pairs = sample(_counting(_lowered(cfg, stream), bar), cfg.tokenizer_sample)
     if not pairs:
