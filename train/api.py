@@ -57,8 +57,7 @@ class Run(contextlib.AbstractContextManager):
     def translate(self, texts: str | Sequence[str], search: Search | None = None, sample: Sampling | bool | None = None,
                   *, prefix: str | Sequence[str | None] | None = None, batch_size: int | None = None,
                   **options: Any) -> str | list[str] | list[Hypothesis] | list[list[Hypothesis]]:
-        """The translations of `texts` in order by `search` (a `Search`, or its fields as keywords); `Hypothesis` lists
-        with `n_best` or `alignments`; `prefix`, `sample`: docs/python.md, docs/decoding.md."""
+        """The translations of `texts` by `search` (a `Search`, or its fields as keywords): docs/python.md."""
         search = _options(Search, search, options)
         sampling = sampling_of(sample, {k: options.pop(k) for k in SAMPLING_FIELDS if k in options})
         _unknown("translate", options, TRANSLATE_HOOKS)
@@ -92,8 +91,7 @@ class Run(contextlib.AbstractContextManager):
 
     def evaluate(self, pairs: str | os.PathLike | Sequence[tuple[str, str]], search: Search | None = None,
                  evaluation: Evaluation | None = None, **options: Any) -> dict[str, Any]:
-        """What `aiayn evaluate` prints on `pairs` (a data spec or (source, target) pairs), translated by `search`;
-        `evaluation`: an `Evaluation`, or its fields as keywords (docs/python.md)."""
+        """What `aiayn evaluate` prints on `pairs` (a data spec or (source, target) pairs): docs/python.md."""
         search, evaluation = _options(Search, search, options), _options(Evaluation, evaluation, options)
         _unknown("evaluate", options)
         spec = os.fspath(pairs) if isinstance(pairs, (str, os.PathLike)) else None  # a file as a path too
@@ -163,8 +161,7 @@ class _Closed:
 
 def load(run_dir: str | os.PathLike | Sequence[str | os.PathLike] | RunSelection, checkpoint: str | int = "best",
          backend: str | None = None, devices: int | None = None, average: str = "logprob", **launch: Any) -> Run:
-    """The run in `run_dir` at `checkpoint` ("best", "latest" or a step) on this process's first `devices` devices;
-    a list of runs: an ensemble; `backend` the framework expected (docs/python.md). Raises UserError."""
+    """The run in `run_dir` (a list: an ensemble) at `checkpoint` ("best", "latest" or a step): docs/python.md."""
     if isinstance(run_dir, RunSelection):
         selection = run_dir
     else:

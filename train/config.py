@@ -252,9 +252,8 @@ class ExperimentConfig(Settings):
 
     def resolve(self, platform: str | None = None, *, given: Iterable[str] | None = None,
                 saved: ExperimentConfig | None = None, source: ExperimentConfig | None = None) -> ExperimentConfig:
-        """The config a run trains with, every automatic field filled in (the dtype of `platform` for a new run):
-        `saved`'s (a --resume's) with this launch's options, or with `source`'s (--init-from's) SOURCE_FIELDS;
-        ValueError for a field `given` otherwise (None: every field set, for --init-from every one off its default)."""
+        """The config a run trains with, automatic fields filled: `saved`'s (--resume) with this launch's options, or
+        `source`'s (--init-from) SOURCE_FIELDS; ValueError for a field `given` otherwise (None: every one set)."""
         cfg = self
         if saved is not None:
             cfg = saved.replace(**{name: getattr(self, name) for name in self.launch_fields()})

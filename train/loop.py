@@ -38,8 +38,7 @@ class TrainingDiverged(OptionError):
 
 def train(cfg: ExperimentConfig, *, explicit: Iterable[str] | None = None,
           init_dir: str | Path | None = None) -> dict[str, Any]:
-    """Train (or resume) the run `cfg` describes, evaluate it, write results.json; returns its content. `explicit`:
-    the fields the user set; `init_dir`: --init-from's source as a run of this backend (`training.start`)."""
+    """Train (or resume) the run `cfg` describes, evaluate it, write results.json; returns its content."""
     started = time.perf_counter()
     with launch(cfg, train, explicit=explicit, init_dir=init_dir):  # torch --devices N: its other processes
         return _train(cfg, explicit, init_dir, started)
@@ -224,8 +223,7 @@ def _write_results(results: dict[str, Any]) -> None:
 
 def make_batcher(cfg: ExperimentConfig, tokenizers: data.Tokenizers, pairs, num_devices: int = 1,
                  topology: Topology | None = None) -> data.Batcher:
-    """The training batches of `pairs` (text pairs or a `data.TokenStore`), the same in both backends: batch sizes
-    a multiple of `num_devices`; a multi-process `topology`: each process's rows only."""
+    """The training batches of `pairs` (text pairs or a `data.TokenStore`), sizes a multiple of `num_devices`."""
     if cfg.token_budget < cfg.max_len * num_devices:
         raise OptionError(
             "{} {budget} holds {rows} sequence(s) of {} {max_len}, fewer than the {n} devices each batch is split "
@@ -269,7 +267,6 @@ class _Log:
         """The log saved with the checkpoint of `step` (empty for older checkpoints), up to `step`."""
         if not isinstance(state, dict):
             return cls()
-
         train, valid = ([e for e in state.get(key) or [] if isinstance(e, dict) and e.get("step", step + 1) <= step]
                         for key in ("train", "valid"))
         return cls(train, valid, float(state.get("time_s") or 0.0), int(state.get("tokens") or 0))
@@ -360,8 +357,7 @@ def _average_last(backend: Backend, last: int) -> list[int]:
 
 
 def fit(run: Training) -> None:
-    """The update loop to cfg.steps: train, log, evaluate, checkpoint; TrainingDiverged before a non-finite value is
-    saved; a stop signal saves and raises Interrupted within an update."""
+    """The update loop to cfg.steps: train, log, evaluate, checkpoint; a stop signal saves and raises Interrupted."""
     cfg, backend, batcher, writer, log = run.cfg, run.backend, run.batcher, run.writer, run.log
     # Several processes must agree on the update to stop after: those of a backend that can ask the others.
     agreed = getattr(backend, "agreed_signal", None) if run.topology.process_count > 1 else None

@@ -37,8 +37,7 @@ def option(default: Any, help: str, **meta: Any) -> Any:
 
 
 def checked(cls: type) -> type:
-    """`cls` as a frozen dataclass checking its fields when made (`check_settings`; an `Output` made a `Destination`),
-    then its own `check`."""
+    """`cls` as a frozen dataclass checking its fields when made (`check_settings`), then its own `check`."""
 
     def __post_init__(self) -> None:
         check_settings(self, OptionError)
@@ -58,9 +57,8 @@ def destination(value: Any, name: str) -> Destination:
 
 def add_flags(parser: argparse.ArgumentParser, cls: type, *, skip: Iterable[str] = (), only: Iterable | None = None,
               group: Any = None, groups: Mapping | None = None, show_defaults: bool = True) -> None:
-    """One flag per field of the dataclass `cls` (`only` those, but `skip`) in `parser` (a `command`'s; in `group`,
-    or each metadata "group"'s of `groups`), typed, ranged and documented by the field's metadata and annotation;
-    every default SUPPRESSed, so that only the flags given reach `build` (the class's defaults apply to the rest)."""
+    """One flag per field of the dataclass `cls` (`only` those, but `skip`) in `parser`, its default SUPPRESSed:
+    only the flags given reach `build`, so the class's defaults apply to the rest."""
     for field in dataclasses.fields(cls):
         if field.name in skip or (only is not None and field.name not in only):
             continue
@@ -120,8 +118,7 @@ def worded(err: Exception, flags: Mapping[str, str]) -> str:
 
 
 def run(parser: argparse.ArgumentParser, argv: list[str] | None, job: Callable[[dict[str, Any]], Any]) -> int:
-    """A command's exit status: `job` of the flags given (`argv`: sys.argv's) by the one protocol
-    (`runtime.exit_status`), a SettingError worded with the flags of `parser` (a `command`'s)."""
+    """A command's exit status (`runtime.exit_status`) of `job` of the flags given, a SettingError worded with them."""
     given = vars(parser.parse_args(argv))
 
     def flagged() -> Any:
@@ -160,8 +157,7 @@ class Search:
 
 @checked
 class Sampling:
-    """Random sampling instead of a search (docs/decoding.md#sampling): a token draws the uniform of (seed, sentence,
-    sample, position), so that a sentence's samples do not depend on its batch."""
+    """Random sampling instead of a search (docs/decoding.md#sampling): the same samples whatever the batch."""
 
     num_samples: int = option(1, "N samples per sentence (translate: N > 1 with --format tsv or jsonl)",
                               range=BEAM, metavar="N")
@@ -318,8 +314,7 @@ class ScoreFiles:
 
 
 def sampling_of(sample: Sampling | bool | None, settings: Mapping[str, Any]) -> Sampling | None:
-    """How to sample: `sample` when a `Sampling`, one of the `settings` (its fields) when True, None when None or False
-    (OptionError naming `settings` given then)."""
+    """How to sample: `sample` when a `Sampling`, one of the `settings` (its fields) when True, else None."""
     if not (sample is None or isinstance(sample, (bool, Sampling))):  # booleans only as booleans: not 1 nor "yes"
         raise OptionError("{} must be true or false, got {got!r}", "sample", got=sample)
     if not sample:

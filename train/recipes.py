@@ -104,8 +104,7 @@ def resume_command(cfg: ExperimentConfig) -> str:
 
 
 def read_recipe(path: str, text: str | None = None) -> dict[str, Any]:
-    """The TOML recipe at `path` (or its `text`) as `ExperimentConfig` fields, a key per long flag with _ for -;
-    UserError naming the file and key for anything refused, a launch decision too (a recipe never deletes a run)."""
+    """The TOML recipe at `path` (or its `text`) as `ExperimentConfig` fields; UserError naming the file and key."""
 
     def fail(message: str):
         raise UserError(f"{path}: {message}")

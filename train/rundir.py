@@ -25,8 +25,7 @@ from .runtime.replace import check_outside_runs, kind_of, remove
 @contextlib.contextmanager
 def session(cfg: ExperimentConfig, explicit: Iterable[str] | None = None, platform: str | None = None,
             is_main: bool = True, source: str | Path | None = None) -> Iterator[ExperimentConfig]:
-    """The run directory claimed (process 0 locks it, `replacing` an old run) and the config to train with (`resolve`);
-    nothing is written but the lock (`prepare_run_dir` writes the run)."""
+    """The run directory claimed (process 0 locks it) and the config to train with; nothing is written but the lock."""
     run_dir = Path(cfg.run_dir or time.strftime(f"runs/{cfg.backend}-%Y%m%d-%H%M%S"))
     if ".." in run_dir.parts:  # R/checkpoints/.. names nothing once --overwrite has set checkpoints/ aside
         run_dir = run_dir.resolve()
@@ -104,8 +103,7 @@ def _clear(run_dir: Path) -> None:
 
 @contextlib.contextmanager
 def replacing(run_dir: Path, overwrite: bool) -> Iterator[None]:
-    """Overwrite, never losing the old run to a failed new one: it waits in `.NAME.run-old` until the new one holds a
-    checkpoint (then deleted; else put back)."""
+    """Overwrite, the old run kept in `.NAME.run-old` until the new one holds a checkpoint (else put back)."""
     if not (overwrite and (run_dir / CONFIG_FILE).is_file()):
         yield
         return

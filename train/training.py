@@ -14,8 +14,7 @@ from .runtime import UserError, read_experiment, user_errors
 
 def fit(config: ExperimentConfig | dict[str, Any] | str | os.PathLike | None = None,
         **overrides: Any) -> dict[str, Any]:
-    """Train the run `config` (an `ExperimentConfig`, a dict of its fields, a recipe file or None: the defaults)
-    with `overrides` on top; returns results.json's content (docs/python.md). UserError, `runtime.Interrupted`."""
+    """Train the run `config` (a config, a dict, a recipe file or None) with `overrides`: results.json's content."""
     from .recipes import experiment
 
     if isinstance(config, ExperimentConfig):

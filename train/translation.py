@@ -21,14 +21,13 @@ MAX_LEN_A, MAX_LEN_B = 1.5, 10
 
 @dataclasses.dataclass(frozen=True)
 class Hypothesis:
-    """One output of a sentence: text, log-probability (of its tokens and <eos>), score (over the length penalty:
-    what beam search ranks by), tokens (no <eos>), with alignments each token's source position."""
+    """One output of a sentence."""
 
     text: str
-    logprob: float
-    score: float
-    tokens: list[str]
-    alignment: list[int] | None = None
+    logprob: float  # of its tokens and <eos>
+    score: float  # over the length penalty: what beam search ranks by
+    tokens: list[str]  # no <eos>
+    alignment: list[int] | None = None  # each token's source position
 
 
 def encode_prefixes(tokenizer, prefixes: Sequence[str | None], count: int) -> list[list[int]]:
@@ -86,8 +85,7 @@ def translate_texts(backend: Translator, tokenizers: data.Tokenizers, texts: Seq
                     counts: collections.Counter | None = None, fixed_shapes: bool = False, first_id: int = 0,
                     hypotheses: bool = False) -> list[str] | list[list[Hypothesis]]:
     """Detokenized translations of `texts` in order by `search` or `sample` (`Hypothesis` lists with `n_best`,
-    `alignments`, samples or `hypotheses`); `stop()` True raises EvaluationStopped; `on_batch(indices, src, tokens)`
-    sees each batch; `counts["cut"]`: sources cut; text i samples as `first_id` + i."""
+    `alignments`, samples or `hypotheses`); `stop()` True raises EvaluationStopped; text i samples as `first_id` + i."""
     if sample is not None:
         sample.check_with(search, prefixes is not None and any(prefixes))
     src_ids = data.encode(tokenizers.src, list(texts))
@@ -145,8 +143,7 @@ def _collect(out: list, texts: Sequence[str], index: np.ndarray, result: Hypothe
 
 def score_pairs(backend: Translator, tokenizers: data.Tokenizers, sources: Sequence[str], targets: Sequence[str], *,
                 max_len: int, token_budget: int, batch_size: int | None = None) -> list[dict[str, Any]]:
-    """Per pair, the target's log-probability given the source (teacher-forced): {"logprob": the sum,
-    "tokens" ("<eos>" last), "token_logprobs"}; sources cut as in translation, a longer target a UserError."""
+    """Per pair, {"logprob", "tokens", "token_logprobs"} of the target given the source; a too long target UserError."""
     if len(sources) != len(targets):
         raise UserError(f"{len(sources)} sources and {len(targets)} targets: give one target per source")
     src_ids, tgt_ids = data.encode(tokenizers.src, list(sources)), data.encode(tokenizers.tgt, list(targets))
@@ -187,8 +184,7 @@ def moses_tokenized(texts: Sequence[str], lang: str) -> list[str]:
 
 def corpus_scores(hypotheses: Sequence[str], references: Sequence[str], *, lowercase: bool = False,
                   moses: str | None = None) -> dict[str, Any]:
-    """{"bleu", "chrf", "exact_match"} of hypotheses vs one reference each, scores with their "_signature";
-    "bleu_lc" with `lowercase`, "bleu_moses" (and "bleu_moses_lc") with `moses` (a language code)."""
+    """{"bleu", "chrf", "exact_match"} with "_signature"s; "bleu_lc" with `lowercase`, "bleu_moses*" with `moses`."""
     from sacrebleu.metrics import BLEU, CHRF  # here: half a second that translating alone does without
 
     hyps, refs = list(hypotheses), [list(references)]
@@ -209,8 +205,7 @@ def corpus_scores(hypotheses: Sequence[str], references: Sequence[str], *, lower
 
 def band_scores(pairs: Sequence[data.Pair], hypotheses: Sequence[str],
                 seen: Collection[str] | None = None) -> dict[str, dict[str, Any]] | None:
-    """Exact match per number of digits ("1".."6") when every reference is a number in the numbers corpus'
-    English, else None: {"sentences", "exact_match", "seen" (of the sources `seen`), "unseen_exact_match"}."""
+    """Exact match (seen and unseen) per number of digits ("1".."6") when every reference is a number, else None."""
     numbers = [data.number_from_english(reference.strip()) for _, reference in pairs]
     if not numbers or None in numbers:
         return None

@@ -71,8 +71,7 @@ THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
 def use_huge_pages() -> None:
-    """Re-execute this command with `glibc.malloc.hugetlb=1` in `GLIBC_TUNABLES` where it helps (glibc >= 2.35,
-    THP "madvise"); returns at once elsewhere or when the tunable is named. Call it first: the process is replaced."""
+    """Re-execute this command with `glibc.malloc.hugetlb=1` where it helps (glibc >= 2.35, THP "madvise")."""
     if HUGE_PAGES in os.environ.get("GLIBC_TUNABLES", "") or not _asks_for_huge_pages():
         return
     tunables = ":".join(filter(None, [os.environ.get("GLIBC_TUNABLES"), f"{HUGE_PAGES}=1"]))

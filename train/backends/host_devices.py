@@ -33,8 +33,7 @@ def check_xla_flags(environ: MutableMapping[str, str] | None = None) -> None:
 
 
 def split_host(environ: MutableMapping[str, str] | None = None, count: int | None = None) -> int | None:
-    """Add `FLAG=N` to XLA_FLAGS (N: `count`, else $AIAYN_HOST_DEVICES or the cores, at most MAX_DEVICES) unless
-    jax is imported or a count is named; the count added, or None. ValueError for a bad count."""
+    """Add `FLAG=N` (`count`, else $AIAYN_HOST_DEVICES or the cores) to XLA_FLAGS before jax loads; N, or None."""
     environ = os.environ if environ is None else environ
     check_xla_flags(environ)
     flags = environ.get("XLA_FLAGS", "")

@@ -53,8 +53,7 @@ class Trainer(Protocol):
         """Trainable parameters (a shared embedding counted once)."""
 
     def train_step(self, batches: Sequence[Batch]) -> Metrics:
-        """One update from `grad_accum` micro-batches; device values, not synced: loss, nll, grad_norm (before
-        clipping), lr, tokens (the global batch's target tokens)."""
+        """One update from `grad_accum` micro-batches: loss, nll, grad_norm, lr, tokens as device values, not synced."""
 
     def fetch(self, metrics: Sequence[Metrics]) -> list[dict[str, float]]:
         """The host values of some `train_step` results: one synchronisation for all of them."""
@@ -82,13 +81,11 @@ class Translator(Protocol):
     def translate(self, src: np.ndarray, beam_size: int = 4, alpha: float = 0.6, cached: bool = True,
                   scoring: str = "gnmt", n_best: int | None = None,
                   prefix: np.ndarray | None = None) -> np.ndarray | Hypotheses:
-        """Cached search, dropout off: src ids (B, S) -> target ids (B, L) ending with <eos> then <pad> (greedy for
-        beam_size 1; lengths: decode.output_length); `n_best` K: `Hypotheses`; `prefix` (B, P): forced first tokens."""
+        """Cached search, dropout off: src ids (B, S) -> target ids (B, L) ending with <eos>; `n_best`: `Hypotheses`."""
 
     def sample(self, src: np.ndarray, seed: int, num_samples: int = 1, temperature: float = 1.0, top_k: int = 0,
                top_p: float = 1.0, sentence_ids: np.ndarray | None = None) -> Hypotheses:
-        """`num_samples` N random translations of each source (`sampling.sample`, the same tokens in both frameworks):
-        `Hypotheses` (B, N, L), score = logprob; `sentence_ids` key the random numbers. ValueError for bad settings."""
+        """`num_samples` N random translations of each source (`sampling.sample`): `Hypotheses` (B, N, L)."""
 
     def score(self, src: np.ndarray, tgt: np.ndarray) -> np.ndarray:
         """Each target token's log-probability, dropout off: src (B, S), tgt (B, T) -> float32 (B, T), 0 at padding."""
@@ -97,8 +94,7 @@ class Translator(Protocol):
         """Cross-attention weights, dropout off: src (B, S), tgt_in (B, T) -> float32 (B, layers, heads, T, S)."""
 
     def ensemble(self, others: Sequence[Any], average: str = "logprob") -> None:
-        """Translate, sample and score from now on with the `Ensemble` of this model and `others`' (backends of the
-        same framework), averaged by `average`. ValueError for members of other vocabulary sizes or ids."""
+        """Translate, sample and score from now on with the `Ensemble` of this model and `others`'."""
 
 
 @runtime_checkable
@@ -124,8 +120,7 @@ class Store(Protocol):
         """Weights, Adam's moments, the update count and the random state, as NumPy copies."""
 
     def import_state(self, state: TrainingState) -> None:
-        """Continue from `state` in this framework's layout (weights, moments, step; the random state when it is this
-        framework's), checked strictly (CheckpointMismatchError, ValueError)."""
+        """Continue from `state` in this framework's layout, checked strictly (CheckpointMismatchError, ValueError)."""
 
     def close(self) -> None:
         """Finish pending checkpoint writes."""

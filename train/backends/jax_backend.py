@@ -27,8 +27,7 @@ from .interface import Hypotheses, Metrics, StoreMethods, Topology
 
 
 def make_optimizer(exp_cfg: ExperimentConfig, d_model: int) -> optax.GradientTransformation:
-    """Optional global-norm clipping, then Adam(0.9, 0.98, 1e-9) (paper §5.3) on the Noam schedule. optax counts
-    updates from 0, the paper's schedule from 1: update n uses lr(step=n), as the torch backend's LambdaLR does."""
+    """Optional global-norm clipping, then Adam(0.9, 0.98, 1e-9) (paper §5.3) on the Noam schedule from step 1."""
 
     def schedule(count):
         return noam_learning_rate(count + 1, d_model, exp_cfg.warmup, exp_cfg.lr_factor)

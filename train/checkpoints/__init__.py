@@ -23,15 +23,14 @@ WEIGHTS_CONFIG_KEY = "transformer_config"
 
 @dataclasses.dataclass
 class TrainingState:
-    """One backend's training state as NumPy arrays by attribute path in `framework`'s layout; `mu`, `nu`: Adam's
-    moments (None before an update); `rng`: the framework's random state (None once converted)."""
+    """One backend's training state as NumPy arrays by attribute path in `framework`'s layout."""
 
     framework: str
     step: int
     params: dict[str, np.ndarray]
-    mu: dict[str, np.ndarray] | None = None
+    mu: dict[str, np.ndarray] | None = None  # Adam's moments: None before an update
     nu: dict[str, np.ndarray] | None = None
-    rng: np.ndarray | None = None
+    rng: np.ndarray | None = None  # the framework's random state: None once converted
 
     def check(self, framework: str | None = None) -> None:
         """Both moments or neither, with the parameters' keys, shapes and dtypes; of `framework`'s layout if given."""

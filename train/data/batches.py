@@ -29,15 +29,12 @@ def bucket_lengths(max_len: int) -> tuple[int, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class Batch:
-    """One padded batch of int32 src, tgt_in, tgt_out; packed, `src_segments`/`tgt_segments` number a row's pairs
-    1, 2, ... (0 on padding), each segment's tgt_in starting with bos (google/flax's wmt convention)."""
+    """One padded batch of int32 src, tgt_in, tgt_out; packed, segments as google/flax's wmt numbers them."""
 
     src: np.ndarray  # (B, S): source ids + eos
     tgt_in: np.ndarray  # (B, T): decoder input, shift_right(tgt_out): bos + tgt_out[:, :-1] (per segment)
     tgt_out: np.ndarray  # (B, T): target ids + eos, the labels
-    # (B,) index of each row's pair in the Batcher's examples, -1 for filler rows; packed (B, N):
-    # each row's pairs in order, -1 after them
-    ids: np.ndarray
+    ids: np.ndarray  # (B,) each row's pair in the examples, -1 for filler; packed (B, N): each row's pairs, then -1
     num_src_tokens: int  # non-pad tokens in src
     num_tgt_tokens: int  # non-pad tokens in tgt_out: what the loss averages over
     src_segments: np.ndarray | None = None  # (B, S) int32, packed batches only
@@ -119,9 +116,8 @@ class Batcher:
         return 1.0 - tokens / positions
 
     def _window_plan(self, epoch: int, window: int) -> list[tuple[int, np.ndarray]]:
-        """(L, pair indices) of every batch of `window` of `epoch` (packed: (rows, pairs) a row, -1 after them): one
-        window shuffled with (seed, epoch), or several, window k the pairs (a * i + b) mod N of its range (a prime
-        to N), each spanning the whole corpus."""
+        """(L, pair indices) of every batch of `window` of `epoch`; several windows: window k the pairs (a * i + b)
+        mod N of its range (a prime to N), each spanning the whole corpus."""
         if self._plan_cache[:2] == (epoch, window):
             return self._plan_cache[2]
         rng, n = np.random.default_rng((self.seed, epoch)), len(self.store)

@@ -195,8 +195,7 @@ def _load_dataset(what: str, *args, **kwargs):
 
 
 def split_lines(text: str) -> list[str]:
-    """The lines of `text` by the one rule of this project: each ends at "\n" ("\r\n" too);
-    U+2028, U+0085, form feed and a lone "\r" are text. A last line needs no "\n"."""
+    """The lines of `text`, each ending at "\n" ("\r\n" too); U+2028, U+0085, form feed and a lone "\r" are text."""
     return [line.removesuffix("\r") for line in text.removesuffix("\n").split("\n")] if text else []
 
 
@@ -232,8 +231,7 @@ def _existing(*candidates: Path) -> Path:
 
 
 def check_text(path: Path, chunk_size: int = 1 << 20, max_line_bytes: int = MAX_LINE_BYTES) -> int:
-    """The size in bytes of `path` (decompressed for .gz); ValueError naming the offset and line of invalid UTF-8,
-    a line over `max_line_bytes`, or a file that cannot be read."""
+    """The size in bytes of `path` (decompressed); ValueError naming invalid UTF-8, a too long line, a read error."""
     decoder = codecs.getincrementaldecoder("utf-8")()
     offset, lines, open_line = 0, 0, 0  # bytes and newlines before the current chunk, bytes of its open line
     try:

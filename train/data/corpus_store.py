@@ -127,8 +127,7 @@ def tokenizers_digest(tokenizers: Tokenizers) -> str:
 
 
 def cache_dir(hf_cache: str | None = None) -> Path:
-    """Where stores live: `$AIAYN_DATA_CACHE`, else `aiayn-corpora/` in --hf-cache, else in the HF
-    datasets cache (`$HF_DATASETS_CACHE`, `$HF_HOME/datasets`, ~/.cache/huggingface/datasets)."""
+    """Where stores live: `$AIAYN_DATA_CACHE`, else `aiayn-corpora/` in --hf-cache, else in HF's datasets cache."""
     if os.environ.get("AIAYN_DATA_CACHE") and hf_cache is None:
         return Path(os.environ["AIAYN_DATA_CACHE"])
     hf_home = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface"))

@@ -106,8 +106,7 @@ def _spread(total: int, capacities: Sequence[int]) -> list[int]:
 
 
 def numbers_corpus(train_size: int = 20_000, valid_size: int = 1_000, test_size: int = 1_000, seed: int = 0) -> Splits:
-    """German -> English number words of every magnitude, drawn with `seed`, no number of 3+ digits shared between
-    splits (docs/results.md#the-numbers-corpus); tokenize with a small vocabulary (~400-500)."""
+    """German -> English number words drawn with `seed`, no 3+ digit number in two splits (docs/results.md)."""
     if min(train_size, valid_size, test_size) < 0:
         raise ValueError(f"split sizes must be >= 0, got {train_size}, {valid_size}, {test_size}")
     rng = np.random.default_rng(seed)

@@ -26,8 +26,7 @@ def quantized(name: str) -> str:
 
 
 class OnnxPrograms:
-    """The encoder (ids, mask -> memory, every layer's cross-attention keys and values) and the decoder step (past
-    keys/values in, present out, Optimum's `past_key_values.{i}.decoder.key` names) in ONNX Runtime sessions."""
+    """The encoder and the decoder step (Optimum's `past_key_values.{i}.decoder.key` names) in ONNX Runtime sessions."""
 
     grows = True  # the self-attention cache is concatenated step by step, from length 0
 
@@ -53,8 +52,7 @@ class OnnxPrograms:
 
 
 class StableHloPrograms:
-    """The encoder and one decoder step (the model's own `decode_step` over a cache of fixed length) as
-    `jax.export` programs taking the weights (weights.npz) as their first argument."""
+    """The encoder and one decoder step as `jax.export` programs taking the weights (weights.npz) first."""
 
     grows = False
 

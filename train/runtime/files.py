@@ -26,8 +26,7 @@ class OptionError(UserError, SettingError):
 
 @contextlib.contextmanager
 def user_errors(*kinds: type[Exception]) -> Iterator[None]:
-    """Within the block an error of `kinds` (a ValueError of bad settings...) becomes a UserError of its message
-    (an OptionError still naming its parameters)."""
+    """Within the block an error of `kinds` becomes a UserError of its message (an OptionError, naming parameters)."""
     try:
         yield
     except kinds as err:

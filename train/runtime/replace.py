@@ -54,8 +54,7 @@ def kind_of(path: Path) -> str | None:
 
 
 def check_outside_runs(path: str | Path, name: str) -> None:
-    """OptionError naming parameter `name` when `path` (links resolved) lies inside a run or an export: no command
-    writes into one."""
+    """OptionError naming parameter `name` when `path` (links resolved) lies inside a run or an export."""
     for parent in Path(path).resolve().parents:
         if found := kind_of(parent):
             raise OptionError("{} {path} lies inside the {kind} {parent}: a command never writes into a run it did not "
@@ -75,9 +74,8 @@ class DestinationError(OptionError, FileExistsError):
 
 
 def check_destination(dst: Path, overwrite: bool, kind: str = "run", src: str | Path | None = None) -> None:
-    """DestinationError (a FileExistsError), before any work, for a destination whose replacement would lose
-    something: `src`, inside it or holding it, a file, a link, anything but a `kind` this project wrote, or any
-    without `overwrite`."""
+    """DestinationError (a FileExistsError) for a destination whose replacement would lose something: `src`, a file,
+    a link, anything but a `kind` this project wrote, or anything without `overwrite`."""
     if src is not None:
         source, target = Path(src).resolve(), dst.resolve()
         if source == target or source in target.parents or target in source.parents:

@@ -21,8 +21,7 @@ class Interrupted(Exception):
 
 
 def exit_status(main: Callable[..., int | None], *args: Any, **kwargs: Any) -> int:
-    """`main(*args, **kwargs)`'s exit status, every command's: a UserError, OSError or ValueError one
-    line `error: ...` and 1; a stop (SIGTERM, Ctrl-C) one line and 128 + the signal; never a traceback."""
+    """`main(*args, **kwargs)`'s exit status: an error one line and 1, a stop 128 + the signal; never a traceback."""
     try:
         status = main(*args, **kwargs)
         return status if isinstance(status, int) else 0  # a job's result (None, a dict): done
@@ -65,8 +64,7 @@ def interruptible() -> contextlib.AbstractContextManager[None]:
 
 
 class StopSignals:
-    """SIGTERM and Ctrl-C ask the loop to stop (`requested`) with a checkpoint, a second at once (KeyboardInterrupt);
-    only in the main thread of a single process (several would have to agree on the step)."""
+    """SIGTERM and Ctrl-C ask the loop to stop (`requested`) with a checkpoint, a second at once (KeyboardInterrupt)."""
 
     def __init__(self, enabled: bool = True):
         self.requested: int | None = None

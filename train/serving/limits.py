@@ -63,8 +63,7 @@ class BadRequest(Exception):
 
 @checked
 class Decoding:
-    """A request's `Search`, `sample` with its `sampling` keywords, `attention`. Equal options share a batch,
-    but sampled ones: a sample's random numbers are keyed by the sentence's place in its own request."""
+    """A request's `Search`, `sample` with its `sampling` keywords, `attention`: equal options share a batch."""
 
     search: Search = Search()
     sample: bool = False

@@ -86,8 +86,7 @@ class Server(contextlib.AbstractContextManager):
         self.loop.call_soon_threadsafe(self.stopping.set)
 
     def run(self, on_ready: Callable[[Server], None] | None = None) -> int:
-        """Serve until stopped; `on_ready(self)` once listening. Returns the signal that stopped it (0:
-        none); StoppedAtOnce after SIGHUP or a second Ctrl-C, KeyboardInterrupt after a third."""
+        """Serve until stopped (`_signal`), `on_ready(self)` once listening; the signal that stopped it, or 0."""
         serve, served, handlers = require("hypercorn.asyncio").serve, self.app.state.served, {}
         try:
             family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
