@@ -81,8 +81,7 @@ def state_shardings(tree: Any, mesh: Mesh, layout: str = "replicated") -> Any:
 
 
 def place(tree: Any, shardings: Any) -> Any:
-    """Every array of `tree` (host values, the same in every process) placed with `shardings` (one or a tree),
-    through the host, each device receiving its own slice; PRNG keys travel as their raw data (replicated)."""
+    """Every array of `tree` (host values, the same in every process) placed with `shardings`, slice by slice."""
 
     def put(x, sharding):
         if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):

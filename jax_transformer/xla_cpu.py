@@ -156,8 +156,7 @@ def shared_keys(x, context, kv):
 
 
 def best_candidates(cfg, logits, base, must_end, n: int, neg_inf: float, chunk: int = 128):
-    """`decode.top_candidates` (`neg_inf` its NEG_INF), the same values, indices and order, scoring in full only
-    the n chunks of c tokens with the largest logits (and those holding pad, BOS or EOS)."""
+    """`decode.top_candidates` to the bit, scoring in full only the n chunks of c tokens of the largest logits."""
     B, H, V = logits.shape
     cap = max(1, min(chunk, V // n))  # small vocabularies: still at least n chunks per hypothesis
     c = next((d for d in range(cap, cap // 2, -1) if V % d == 0), cap)  # one dividing V: no padding

@@ -67,8 +67,7 @@ def _names(cfg: TransformerConfig, prefix: str, side: str) -> list[str]:
 
 def write_onnx(params: Mapping[str, np.ndarray], cfg: TransformerConfig, directory: Path,
                quantization: str | None = None) -> None:
-    """The two graphs of `params` (our torch layout) into `directory`; with quantization "int8" their
-    `quantize_dynamic` copies (`*_quantized.onnx`) beside them."""
+    """The two graphs of `params` (torch layout) into `directory`; "int8": `*_quantized.onnx` copies beside them."""
     spm.require("onnx", "export")
     model = Transformer(cfg).eval()
     model.load_state_dict({k: torch.from_numpy(np.asarray(v, np.float32)) for k, v in params.items()})

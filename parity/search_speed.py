@@ -134,8 +134,7 @@ def _mib(path: Path) -> float:
 
 
 def _weights_mib(params, state, model_cfg, tmp: Path) -> dict[str, float]:
-    """MiB on disk of the weights (`params`: the torch layout's) as `aiayn convert --to torch` and `--to jax` write
-    them."""
+    """MiB on disk of the weights as `aiayn convert --to torch` and `--to jax` write them."""
     from train.interop.runs import save_jax_weights, save_torch_weights
     from train.interop.weights import jax_model_from_params
 
@@ -147,8 +146,7 @@ def _weights_mib(params, state, model_cfg, tmp: Path) -> dict[str, float]:
 
 
 def _ctranslate2_searches(run: Run, params, beams: list[int], alpha: float, tmp: Path):
-    """("ctranslate2 float32" | "ctranslate2 int8", beam, search, MiB on disk) of the run exported under `tmp`, in
-    turn."""
+    """("ctranslate2 float32" | "ctranslate2 int8", beam, search, MiB on disk) of the run exported under `tmp`."""
     threads = torch.get_num_threads()  # as many as torch's cached search uses
     for kind in ("float32", "int8"):
         ct2.export_ctranslate2(run.run_dir, params, run.model_config, tmp / kind, quantization=kind)
@@ -162,8 +160,7 @@ def _ctranslate2_searches(run: Run, params, beams: list[int], alpha: float, tmp:
 
 
 def _export_searches(run: Run, params, beams: list[int], alpha: float, tmp: Path):
-    """("onnxruntime float32" | "onnxruntime int8" | "stablehlo", beam, search, MiB on disk) of the run's weights
-    exported under `tmp` (train/interop/exported.py decoding them), in turn."""
+    """("onnxruntime float32" | "onnxruntime int8" | "stablehlo", beam, search, MiB on disk) of exports under `tmp`."""
     from train.interop.exported import (ONNX_FILES, STABLEHLO_FILES, ExportBackend, OnnxPrograms, StableHloPrograms,
                                         quantized)
 
@@ -230,8 +227,7 @@ class SpeedBench:
 
 def bench_file(selection: RunSelection, search: Search, bench: SpeedBench = SpeedBench(),
                sampling: Sampling | None = None) -> list[dict]:
-    """`aiayn translate-bench`: `benchmark` of `selection`'s run on `bench.input` (stdin), printed (and to its
-    json); with `sampling`, or `bench.sample` (default settings), the sampling rows too."""
+    """`aiayn translate-bench`: `benchmark` of `selection`'s run on `bench.input` (stdin), printed."""
     enable_parity_numerics()
     if len(selection.run_dir) > 1:
         raise UserError("--run-dir once: the benchmark times one run's weights")

@@ -27,8 +27,7 @@ Positions = Literal["sinusoidal", "sinusoidal_halves", "learned"]
 # The kernel sets (how the same function is computed): the keys of both twins' KERNELS, in this order.
 KernelSet = Literal["reference", "xla_cpu", "fused"]
 
-# The special tokens, by id (list position == id): the one definition that the tokenizers, the
-# batches, the model's masks, the loss and the search all read.
+# The special tokens, by id (list position == id): the tokenizers', batches', masks', loss's and searches' one.
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(len(SPECIAL_TOKENS))
 
@@ -68,8 +67,7 @@ def escaped(text: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Range:
-    """A numeric setting's values: `kind` int (any integral but bool) or float (finite), in `low`/`above` ..
-    `below`/`high` (closed/open)."""
+    """A numeric setting's values: `kind` int or float (finite), in `low`/`above` .. `below`/`high` (closed/open)."""
 
     kind: type = int
     low: float | None = None
@@ -261,17 +259,14 @@ class TransformerConfig(Settings):
     dropout: float = setting(0.1, range=PROBABILITY)
     # Dropout on attention weights; the paper's base model does not use it.
     attention_dropout: float = setting(0.0, range=PROBABILITY)
-    # Dropout on the feed-forward activations, between the activation and linear2 (fairseq's
-    # --activation-dropout); the paper's base model does not use it.
+    # Dropout between the feed-forward activation and linear2 (fairseq's --activation-dropout); not the paper's.
     activation_dropout: float = setting(0.0, range=PROBABILITY)
     max_len: int = setting(512, range=LENGTH)
     pad_id: int = setting(PAD_ID, range=NON_NEGATIVE)
-    # The decoder's start token. It may be the pad id (Marian starts its decoder with pad): then
-    # `target_mask` still attends the start position; a search never emits either token.
+    # The decoder's start token; may be the pad id (Marian's), `target_mask` still attending the start position.
     bos_id: int = setting(BOS_ID, range=NON_NEGATIVE)
     eos_id: int = setting(EOS_ID, range=NON_NEGATIVE)
-    # tensor2tensor (the paper's public code) uses 1e-6; torch.nn.LayerNorm defaults to 1e-5 and
-    # flax to 1e-6. Both models read this field, never a library default.
+    # tensor2tensor (the paper's code) uses 1e-6, torch 1e-5: both models read this field, never a library default.
     layer_norm_eps: float = setting(1e-6, range=Range(float, above=0.0))
     norm_position: NormPosition = setting("post", choices=get_args(NormPosition))
     activation: Activation = setting("relu", choices=get_args(Activation))
