@@ -116,9 +116,8 @@ class Kernels(NamedTuple):
     search: bool = False  # the searches take xla_cpu.shrinking_while's loop and best_candidates
 
 
-# How the layers compute, by name (`set_kernels`; the names: config.KernelSet, in its order): `reference`
-# mirrors torch_reference line by line; `xla_cpu`, xla_cpu.py's pieces, is faster on XLA:CPU; `fused` attends
-# with jax.nn.dot_product_attention (cuDNN's kernel on a GPU). All give the same results to float32 rounding.
+# How the layers compute, by name (`set_kernels`; names: config.KernelSet, in order): `reference` torch's; `xla_cpu`
+# xla_cpu.py's, faster on XLA:CPU; `fused` jax.nn.dot_product_attention (cuDNN on a GPU); all equal to float32 rounding.
 KERNELS = {
     "reference": Kernels(),
     "xla_cpu": Kernels(shared_keys=tuned.shared_keys, dot_general=tuned.linear_dot_general, layer_norm=tuned.layer_norm,
@@ -291,8 +290,7 @@ class DecoderLayer(EncoderLayer):
 
     def __call__(self, x, memory, src_mask=None, tgt_mask=None, return_attention=False, *, deterministic=True,
                  rngs=None):
-        """x (B, T, D), memory (B, S, D) -> (B, T, D); with `return_attention` also the
-        cross-attention weights (B, H, T, S)."""
+        """x (B, T, D), memory (B, S, D) -> (B, T, D); `return_attention`: also the cross-attention (B, H, T, S)."""
         mode = dict(deterministic=deterministic, rngs=rngs)
         attention = []  # filled by the cross-attention sublayer when asked for
 
@@ -371,8 +369,8 @@ class Decoder(Encoder):
         self, x, memory, src_mask=None, tgt_mask=None, return_attention=False, *, positions=None, deterministic=True,
         rngs=None,
     ):
-        """Embedded target x (B, T, D), memory (B, S, D) -> hidden states (B, T, D); with
-        `return_attention` also every layer's cross-attention weights, (B, layers, H, T, S)."""
+        """Embedded target x (B, T, D), memory (B, S, D) -> hidden states (B, T, D); `return_attention`: also every
+        layer's cross-attention weights, (B, layers, H, T, S)."""
         x = self.dropout(self.positions(x, positions=positions), deterministic=deterministic, rngs=rngs)
         attention = []
         for layer in self.layers:
@@ -441,8 +439,7 @@ class Transformer(nnx.Module):
         self, tgt_in_ids, memory, src_mask=None, tgt_mask=None, return_attention=False, *, positions=None,
         deterministic=True, rngs=None,
     ):
-        """tgt_in_ids (B, T), memory (B, S, D) -> hidden states (B, T, D), as torch's twin (masks, positions,
-        `return_attention`)."""
+        """tgt_in_ids (B, T), memory (B, S, D) -> hidden states (B, T, D), as torch's twin (masks, return_attention)."""
         if tgt_mask is None:
             tgt_mask = target_mask(tgt_in_ids, self.cfg.pad_id, self.cfg.bos_id)
         x = self.target_embedding(tgt_in_ids) * self.embed_scale  # (B, T, D)

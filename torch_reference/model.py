@@ -1,14 +1,7 @@
-"""The encoder-decoder Transformer of "Attention Is All You Need" (Vaswani et al., 2017) in PyTorch.
-
-This file is the specification of the project. `jax_transformer/model.py` holds the same names in the
-same order, so that a diff of the two reads like a translation and attribute paths are the checkpoint keys.
-
-Axis letters used in shape comments (the same in both files): B batch, S source length,
-T target length, L any sequence length, H heads, D model width, K head width, F feed-forward
-width, V vocabulary.
-
-Masks are boolean and True where attention is allowed. Architecture only: no training, no I/O.
-"""
+"""The encoder-decoder Transformer of "Attention Is All You Need" (Vaswani et al., 2017) in PyTorch: the project's
+specification. `jax_transformer/model.py` holds the same names in the same order (attribute paths: checkpoint keys).
+Shape letters (both files): B batch, S source length, T target length, L any length, H heads, D model width, K head
+width, F feed-forward width, V vocabulary. Masks are bool, True where attention is allowed. Architecture only."""
 
 from __future__ import annotations
 
@@ -29,12 +22,8 @@ ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu, "swiglu": F.silu}
 
 
 def sinusoidal_positions(length: int, d_model: int, halves: bool = False) -> Tensor:
-    """The (L, D) float32 table PE[p, 2i] = sin(p / 10000^(2i/D)), PE[p, 2i+1] = cos(same) (§3.5).
-
-    `halves`: the same sines and cosines, the ceil(D/2) sines first and the cosines after them
-    (Marian's layout). Computed in float64 and rounded once, so both frameworks hold
-    bit-identical tables.
-    """
+    """The (L, D) float32 table PE[p, 2i] = sin(p / 10000^(2i/D)), PE[p, 2i+1] = cos(same) (§3.5); `halves`: the
+    ceil(D/2) sines first, the cosines after (Marian's layout). float64 rounded once: bit-identical in both twins."""
     position = torch.arange(length, dtype=torch.float64)[:, None]  # (L, 1)
     inv_freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float64) * (-math.log(10000.0) / d_model))
     angles = position * inv_freq  # (L, ceil(D/2))
@@ -55,9 +44,8 @@ def causal_mask(length: int, device: torch.device | None = None) -> Tensor:
 
 
 def target_mask(tgt_in_ids: Tensor, pad_id: int, bos_id: int) -> Tensor:
-    """(B, T) decoder inputs -> (B, 1, T, T) bool: causal_mask(T) & padding_mask(tgt_in_ids), except
-    that when the start token is the pad id itself (`bos_id == pad_id`, as in Marian) position 0,
-    the decoder's start, is attended all the same."""
+    """(B, T) decoder inputs -> (B, 1, T, T) bool: causal_mask(T) & padding_mask(tgt_in_ids), except that position 0
+    is attended all the same when the start token is the pad id (`bos_id == pad_id`, as in Marian)."""
     T = tgt_in_ids.shape[1]
     real = tgt_in_ids != pad_id  # (B, T)
     if bos_id == pad_id:
@@ -88,14 +76,10 @@ def scaled_dot_product_attention(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, dropout: nn.Module | None = None,
     return_attention: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """softmax(q kᵀ / √K) v (§3.2.1) for q (B, H, T, K), k and v (B, H, S, K) -> (B, H, T, K).
-
-    `mask` broadcasts to (B, H, T, S). Masked scores are set to the dtype's lowest finite value
-    rather than -inf, so a fully masked row becomes a uniform average instead of NaN. The softmax
-    runs in float32 (or wider) whatever the input dtype. `dropout` (a module) is applied to the weights.
-    `return_attention`: also return the weights (B, H, T, S) as the softmax gave them (before dropout);
-    a masked key gets exactly 0 there unless its whole row is masked.
-    """
+    """softmax(q kᵀ / √K) v (§3.2.1) for q (B, H, T, K), k and v (B, H, S, K) -> (B, H, T, K); `mask` broadcasts to
+    (B, H, T, S). Masked scores get the dtype's lowest finite value, not -inf: a fully masked row averages, no NaN.
+    Softmax in float32 (or wider); `dropout` (a module) on the weights. `return_attention`: also the weights
+    (B, H, T, S) before dropout, exactly 0 at a masked key unless its whole row is masked."""
     scores = torch.matmul(q, k.transpose(-2, -1)) * (q.shape[-1] ** -0.5)  # (B, H, T, S)
     scores = scores.to(torch.promote_types(scores.dtype, torch.float32))  # bf16/fp16 -> float32
     if mask is not None:
@@ -106,11 +90,9 @@ def scaled_dot_product_attention(
 
 
 def fused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
-    """`scaled_dot_product_attention` without dropout or weights, in one F.scaled_dot_product_attention
-    (a fused kernel on a GPU). One difference: a fully masked row, which only a row of padding holds,
-    gives zeros (and no gradient) where `scaled_dot_product_attention` averages the values. (Passing
-    the mask as a large negative score instead gives garbage gradients there on the CPU.)
-    """
+    """`scaled_dot_product_attention` without dropout or weights, in one F.scaled_dot_product_attention (fused on a
+    GPU), but a fully masked row (only padding's) gives zeros and no gradient, not the values' average. (The mask
+    as a large negative score instead gives garbage gradients there on the CPU.)"""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, T, K)
 
 
@@ -119,16 +101,14 @@ class Kernels(NamedTuple):
     attention: Callable = scaled_dot_product_attention  # (q, k, v, mask) -> (B, H, T, K), no dropout, no weights
 
 
-# How the layers compute, by name (`set_kernels`; the names: config.KernelSet, in its order): `reference`
-# is this file's plain path; `fused` computes attention with F.scaled_dot_product_attention (a fused kernel
-# on a GPU). Both give the same results to float32 rounding. `xla_cpu` is the JAX twin's only (XLA:CPU).
+# How the layers compute, by name (`set_kernels`; names: config.KernelSet, in order): `reference` this file's plain
+# path; `fused` F.scaled_dot_product_attention (fused on a GPU), equal to float32 rounding; `xla_cpu` the JAX twin's.
 KERNELS = {"reference": Kernels(), "xla_cpu": None, "fused": Kernels(attention=fused_attention)}
 
 
 def set_kernels(module: nn.Module, kernels: KernelSet = "reference", remat: bool = False) -> None:
-    """Choose once how every layer of `module` computes: the kernel set `kernels` (a row of KERNELS)
-    and `remat`, whether each encoder and decoder layer recomputes its activations in the backward
-    pass (torch.utils.checkpoint) instead of keeping them; `Transformer` calls it."""
+    """Choose once how every layer of `module` computes: the kernel set `kernels` (a row of KERNELS) and `remat`
+    (torch.utils.checkpoint: activations recomputed in the backward pass); `Transformer` calls it."""
     if KERNELS.get(kernels) is None:
         raise ValueError(f"kernels={kernels!r} is not one of {', '.join(k for k, row in KERNELS.items() if row)}")
     for m in module.modules():
@@ -200,11 +180,8 @@ class MultiHeadAttention(nn.Module):
         self, x: Tensor, context: Tensor | None, mask: Tensor | None = None, kv: tuple[Tensor, Tensor] | None = None,
         return_attention: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """Queries from x (B, T, D), keys and values from context (B, S, D) -> (B, T, D).
-
-        `kv` gives keys and values already projected (from a cache) in place of `context`.
-        `return_attention`: ((B, T, D), the attention weights (B, H, T, S)).
-        """
+        """Queries from x (B, T, D), keys and values from context (B, S, D) or `kv` (projected, from a cache) ->
+        (B, T, D); `return_attention`: also the attention weights (B, H, T, S)."""
         q = self.split_heads(self.q_proj(x))  # (B, H, T, K)
         k, v = self.project_kv(context) if kv is None else kv  # (B, H, S, K) each
         if return_attention or (self.training and self.dropout.p > 0):  # what only the reference path gives
@@ -218,12 +195,8 @@ class MultiHeadAttention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """Position-wise feed-forward network (§3.3): linear2(act(linear1(x))), act ReLU (the paper),
-    exact GELU or SiLU (x * sigmoid(x), "swish"); `activation_dropout` drops the activations.
-
-    `swiglu` (Shazeer 2020) multiplies the activation by a second projection, `linear_gate`:
-    linear2(silu(linear1(x)) * linear_gate(x)), with the same width F.
-    """
+    """Position-wise feed-forward network (§3.3): linear2(act(linear1(x))), act ReLU (the paper), exact GELU or SiLU;
+    `swiglu` (Shazeer 2020): linear2(silu(linear1(x)) * linear_gate(x)). `activation_dropout` drops the activations."""
 
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
@@ -241,11 +214,8 @@ class FeedForward(nn.Module):
 
 
 class EncoderLayer(nn.Module):
-    """Self-attention then feed-forward, each in a residual block (§3.1).
-
-    Post-norm (the paper): x = Norm(x + Dropout(sublayer(x))).
-    Pre-norm: x = x + Dropout(sublayer(Norm(x))), with a final norm in the Encoder/Decoder.
-    """
+    """Self-attention then feed-forward, each in a residual block (§3.1): post-norm (the paper) x = Norm(x +
+    Dropout(sublayer(x))), or pre-norm x = x + Dropout(sublayer(Norm(x))) and a final norm in the Encoder/Decoder."""
 
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
@@ -279,8 +249,7 @@ class DecoderLayer(EncoderLayer):
         self, x: Tensor, memory: Tensor, src_mask: Tensor | None = None, tgt_mask: Tensor | None = None,
         return_attention: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """x (B, T, D), memory (B, S, D) -> (B, T, D); with `return_attention` also the
-        cross-attention weights (B, H, T, S)."""
+        """x (B, T, D), memory (B, S, D) -> (B, T, D); `return_attention`: also the cross-attention (B, H, T, S)."""
         attention = []  # filled by the cross-attention sublayer when asked for
 
         def cross_attn(h: Tensor) -> Tensor:
@@ -359,8 +328,8 @@ class Decoder(Encoder):
         self, x: Tensor, memory: Tensor, src_mask: Tensor | None = None, tgt_mask: Tensor | None = None,
         return_attention: bool = False, *, positions: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """Embedded target x (B, T, D), memory (B, S, D) -> hidden states (B, T, D); with
-        `return_attention` also every layer's cross-attention weights, (B, layers, H, T, S)."""
+        """Embedded target x (B, T, D), memory (B, S, D) -> hidden states (B, T, D); `return_attention`: also every
+        layer's cross-attention weights, (B, layers, H, T, S)."""
         x = self.dropout(self.positions(x, positions=positions))
         attention = []
         for layer in self.layers:
@@ -383,14 +352,9 @@ class Decoder(Encoder):
 
 
 class Transformer(nn.Module):
-    """The encoder-decoder model: `Transformer(cfg)(src_ids, tgt_in_ids) -> logits (B, T, V)`.
-
-    `encode`, `decode` and `project` are public so that search (decode.py) can run them apart.
-    Masks default to those implied by `cfg.pad_id` (and causality for the decoder).
-
-    `kernels` and `remat`: see `set_kernels`; the model holds the kernel set, which its layers read. The same
-    parameters and checkpoint keys whatever the set.
-    """
+    """The encoder-decoder model: `Transformer(cfg)(src_ids, tgt_in_ids) -> logits (B, T, V)`; `encode`, `decode` and
+    `project` are public for search (decode.py); masks default to those `cfg.pad_id` (and causality) imply.
+    `kernels` and `remat`: `set_kernels` (the layers read the model's set; the same checkpoint keys whatever it is)."""
 
     kernels = KERNELS["reference"]  # set_kernels
 
@@ -433,8 +397,7 @@ class Transformer(nn.Module):
         return self.src_embed if self.tgt_embed is None else self.tgt_embed
 
     def encode(self, src_ids: Tensor, src_mask: Tensor | None = None, *, positions: Tensor | None = None) -> Tensor:
-        """src_ids (B, S) -> memory (B, S, D). `src_mask` defaults to padding_mask(src_ids);
-        `positions` (B, S) to 0, 1, ... along each row."""
+        """src_ids (B, S) -> memory (B, S, D); `src_mask` defaults to padding_mask(src_ids), `positions` to 0, 1, ..."""
         if src_mask is None:
             src_mask = padding_mask(src_ids, self.cfg.pad_id)
         return self.encoder(self.src_embed(src_ids) * self.embed_scale, src_mask, positions=positions)
@@ -443,13 +406,9 @@ class Transformer(nn.Module):
         self, tgt_in_ids: Tensor, memory: Tensor, src_mask: Tensor | None = None, tgt_mask: Tensor | None = None,
         return_attention: bool = False, *, positions: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """tgt_in_ids (B, T), memory (B, S, D) -> hidden states (B, T, D).
-
-        `src_mask` is the encoder's mask (B, 1, 1, S) (packed: (B, 1, T, S)) or None for no
-        masking; `tgt_mask` defaults to target_mask(tgt_in_ids, pad_id, bos_id); `positions`
-        (B, T) to 0, 1, ... along each row. `return_attention`: (hidden states, the
-        cross-attention weights of every decoder layer (B, layers, H, T, S)).
-        """
+        """tgt_in_ids (B, T), memory (B, S, D) -> hidden states (B, T, D). `src_mask`: the encoder's (B, 1, 1, S)
+        (packed: (B, 1, T, S)) or None, no masking; `tgt_mask` defaults to target_mask(tgt_in_ids, pad_id, bos_id),
+        `positions` (B, T) to 0, 1, ... `return_attention`: also every layer's cross-attention (B, layers, H, T, S)."""
         if tgt_mask is None:
             tgt_mask = target_mask(tgt_in_ids, self.cfg.pad_id, self.cfg.bos_id)
         x = self.target_embedding(tgt_in_ids) * self.embed_scale  # (B, T, D)
@@ -461,11 +420,8 @@ class Transformer(nn.Module):
 
     def decode_step(self, tgt_ids: Tensor, cache: list[dict[str, Tensor]], position: int,
                     src_mask: Tensor | None = None) -> tuple[Tensor, list[dict[str, Tensor]]]:
-        """The token at `position` of each row, tgt_ids (B,) -> (logits (B, V) for position + 1, cache).
-
-        Equal to `project(decode(prefix, ...))[:, position]` for the prefix written so far, without
-        recomputing earlier positions (they are read from the cache).
-        """
+        """tgt_ids (B,) at `position` -> (logits (B, V) for position + 1, cache): `project(decode(prefix, ...))[:,
+        position]` for the prefix written so far, the earlier positions read from the cache, not recomputed."""
         x = self.target_embedding(tgt_ids[:, None]) * self.embed_scale  # (B, 1, D)
         hidden, cache = self.decoder.step(x, cache, position, src_mask)
         return self.project(hidden)[:, 0], cache
@@ -482,13 +438,10 @@ class Transformer(nn.Module):
         self, src_ids: Tensor, tgt_in_ids: Tensor, return_attention: bool = False, *,
         src_segments: Tensor | None = None, tgt_segments: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """src_ids (B, S), tgt_in_ids (B, T) -> logits (B, T, V); with `return_attention`
-        (logits, cross-attention weights (B, layers, H, T, S)): row t of a layer's head is how the
-        position predicting the token after tgt_in_ids[:, t] weighs the source tokens (padding: 0).
-
-        Packed rows (several pairs a row, as google/flax examples/wmt packs them): `src_segments`
-        (B, S) and `tgt_segments` (B, T) number each row's pairs 1, 2, ... (0 on padding); every
-        attention stays within its segment and positions restart at each segment's start."""
+        """src_ids (B, S), tgt_in_ids (B, T) -> logits (B, T, V); `return_attention`: also the cross-attention weights
+        (B, layers, H, T, S), row t how the position predicting the token after tgt_in_ids[:, t] weighs the source.
+        Packed rows (as google/flax examples/wmt): `src_segments` (B, S), `tgt_segments` (B, T) number a row's pairs
+        1, 2, ... (0: padding); attention stays within a segment, positions restart at each segment's start."""
         if (src_segments is None) != (tgt_segments is None):
             raise ValueError("packed rows need both src_segments and tgt_segments, got only one")
         src_mask = padding_mask(src_ids, self.cfg.pad_id)
