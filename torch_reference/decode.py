@@ -1,13 +1,10 @@
-"""Greedy and beam search over the reference model's key/value cache (`Transformer.init_cache` /
-`decode_step`); `jax_transformer/decode.py` is the same algorithm in one jit-compiled loop, with
-identical tokens and scores (to float32 rounding). `cached=False` re-runs the whole decoder over every
-prefix instead: the benchmark's baseline and a check of the cache.
+"""Greedy and beam search over the reference model's key/value cache (`Transformer.init_cache` / `decode_step`);
+`jax_transformer/decode.py` is the same algorithm in one jit-compiled loop, with identical tokens and scores (to
+float32 rounding). `cached=False` re-runs the whole decoder over every prefix: the benchmark's baseline, a cache check.
 
-Output tokens exclude BOS, end with EOS and are padded with `pad_id`, shape (B, L) with
-L = output_length(S, ...) for a padded source length S; each sentence ends within its own limit
-(`sentence_limits`), and a source row of padding only is no sentence (padding, score 0). n-best
-lists, forced prefixes and `score`: docs/decoding.md.
-"""
+Output tokens exclude BOS, end with EOS and are padded with `pad_id`, shape (B, L) with L = output_length(S, ...) for
+a padded source length S; each sentence ends within its own limit (`sentence_limits`); a source row of padding only is
+no sentence (padding, score 0). n-best lists, forced prefixes and `score`: docs/decoding.md."""
 
 from __future__ import annotations
 
@@ -55,9 +52,8 @@ def _check_ids(name: str, ids: Tensor, vocab_size: int, max_len: int | None = No
 
 
 def check_prefix(src_ids, prefix, cfg: TransformerConfig, max_len_a: float, max_len_b: int) -> None:
-    """ValueError unless prefix (B, P) holds target-vocabulary ids other than <bos> (then pad_id), a
-    row for each source, each leaving its sentence room for <eos>: fewer tokens than its length limit
-    (`sentence_limits`)."""
+    """ValueError unless prefix (B, P) holds target-vocabulary ids other than <bos> (then pad_id), a row for each
+    source, each leaving its sentence room for <eos>: fewer tokens than its length limit (`sentence_limits`)."""
     _check_ids("prefix", prefix, cfg.tgt_vocab_size)
     check_prefix_rows(src_ids, prefix, cfg, max_len_a, max_len_b)
 
@@ -98,10 +94,9 @@ class _Decoder:
 
 def _token_by_token(model: Transformer, src_ids: Tensor, n: int, choose, max_len_a: float, max_len_b: int,
                     cached: bool = True) -> tuple[Tensor, Tensor]:
-    """The loop of greedy search and sampling over `n` rows a sentence (a sentence's rows together):
-    choose(position, logprobs (B*n, V)) -> tokens (B*n,) picks each step's token, from log-probabilities
-    where pad, BOS and (at a row's length limit) every token but EOS are masked -> (tokens (B*n, L),
-    scores (B*n,): the sums of the chosen tokens' log-probabilities)."""
+    """The loop of greedy search and sampling over `n` rows a sentence (a sentence's rows together): choose(position,
+    logprobs (B*n, V)) -> tokens (B*n,) picks each step's token, from log-probabilities where pad, BOS and (at a row's
+    length limit) every token but EOS are masked -> (tokens (B*n, L), scores (B*n,): the chosen log-probs' sums)."""
     cfg = model.cfg
     B, S = src_ids.shape
     device = src_ids.device
@@ -128,10 +123,9 @@ def _token_by_token(model: Transformer, src_ids: Tensor, n: int, choose, max_len
 @torch.no_grad()
 def greedy_search(model: Transformer, src_ids: Tensor, max_len_a: float = 1.5, max_len_b: int = 10,
                   cached: bool = True, prefix: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """src_ids (B, S) -> (tokens (B, L), scores (B,)): the argmax token at each step; the score is
-    the sum of the chosen tokens' log-probabilities. `cached=False`: no key/value cache.
-    `prefix` (B, P): the first tokens of each output (then pad_id; `check_prefix`), forced, their
-    log-probabilities counted in the score; the search continues after them."""
+    """src_ids (B, S) -> (tokens (B, L), scores (B,)): the argmax token at each step, scored by the sum of the chosen
+    tokens' log-probabilities. `cached=False`: no key/value cache. `prefix` (B, P): the first tokens of each output
+    (then pad_id; `check_prefix`), forced, their log-probabilities counted in the score; the search continues after."""
     _check_ids("src_ids", src_ids, model.cfg.src_vocab_size, model.cfg.max_len)
     cfg = model.cfg
     if prefix is not None:
@@ -183,17 +177,15 @@ def _n_best(tokens: Tensor, logprob: Tensor, scores: Tensor, no_sentence: Tensor
 def beam_search(model: Transformer, src_ids: Tensor, beam_size: int = 4, alpha: float = 0.6,
                 max_len_a: float = 1.5, max_len_b: int = 10, cached: bool = True, scoring: str = "gnmt",
                 n_best: int | None = None, prefix: Tensor | None = None) -> tuple[Tensor, ...]:
-    """src_ids (B, S) -> (tokens (B, L), scores (B,)) of the best finished hypothesis per sentence;
-    with `n_best` K (at most beam_size) the K best, best first: (tokens (B, K, L), log-probs
-    (B, K), scores (B, K)), score = log-prob / length_penalty (`_n_best` for missing ones).
+    """src_ids (B, S) -> (tokens (B, L), scores (B,)) of the best finished hypothesis per sentence; with `n_best` K (at
+    most beam_size) the K best, best first: (tokens (B, K, L), log-probs (B, K), scores (B, K)), score = log-prob /
+    length_penalty (`_n_best` for missing ones).
 
-    Each step extends every live hypothesis by every token, keeps the 2k best candidates, moves
-    those ending in EOS to the finished set (scored log-prob / length_penalty) and the k best
-    others to the live set. A sentence is done when its best finished hypothesis beats the best
-    score any live one could still reach (`_done`); the search stops when every sentence is
-    done (for n_best K: when its K-th best does). `cached=False`: no key/value cache. `scoring`:
-    one of SCORINGS. `prefix` (B, P): forced first tokens, as in `greedy_search`.
-    """
+    Each step extends every live hypothesis by every token, keeps the 2k best candidates, moves those ending in EOS to
+    the finished set (scored log-prob / length_penalty) and the k best others to the live set. A sentence is done when
+    its best finished hypothesis beats the best score any live one could still reach (`_done`); the search stops when
+    every sentence is done (for n_best K: when its K-th best does). `cached=False`: no key/value cache. `scoring`: one
+    of SCORINGS. `prefix` (B, P): forced first tokens, as in `greedy_search`."""
     _check_ids("src_ids", src_ids, model.cfg.src_vocab_size, model.cfg.max_len)
     check_beam(beam_size, alpha, scoring, n_best)
     n = n_best or 1
@@ -258,10 +250,9 @@ def beam_search(model: Transformer, src_ids: Tensor, beam_size: int = 4, alpha: 
 
 @torch.no_grad()
 def score(model: Transformer, src_ids: Tensor, tgt_ids: Tensor) -> Tensor:
-    """src_ids (B, S), tgt_ids (B, T) (target tokens ending with <eos>, then pad_id) -> (B, T) the
-    log-probability of each target token given the source and the tokens before it (teacher
-    forcing), 0 at padding: a row's sum is its target's log-probability, which a search's score
-    of that output is (no token masked, nothing renormalised)."""
+    """src_ids (B, S), tgt_ids (B, T) (target tokens ending with <eos>, then pad_id) -> (B, T) the log-probability of
+    each target token given the source and the tokens before it (teacher forcing), 0 at padding: a row's sum is its
+    target's log-probability, which a search's score of that output is (no token masked, nothing renormalised)."""
     _check_ids("src_ids", src_ids, model.cfg.src_vocab_size, model.cfg.max_len)
     _check_ids("tgt_ids", tgt_ids, model.cfg.tgt_vocab_size, model.cfg.max_len)
     if tgt_ids.shape[0] != src_ids.shape[0]:  # not broadcast: torch gave one row for two, JAX two
