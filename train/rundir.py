@@ -110,27 +110,24 @@ def replacing(run_dir: Path, overwrite: bool) -> Iterator[None]:
     old = set_aside_path(run_dir)
     old.mkdir()  # session refused one already there
     say(f"overwrite: the run in {run_dir} is kept in {old} until this one holds a checkpoint, then deleted")
+    moved = False
     try:
         for entry in run_dir.iterdir():
             if entry.name != LOCK_FILE:
                 os.rename(entry, old / entry.name)
-    except BaseException:  # a rename refused: what moved goes back, the old run whole
-        for entry in old.iterdir():
-            os.rename(entry, run_dir / entry.name)
-        old.rmdir()
-        raise
-    try:
+        moved = True
         yield
     except BaseException:
-        if not has_checkpoint(run_dir):
-            _clear(run_dir)
-            for entry in old.iterdir():
+        if not (moved and has_checkpoint(run_dir)):  # a rename refused or no checkpoint: the old run goes back whole
+            if moved:
+                _clear(run_dir)
+            for entry in old.iterdir():  # a rename back refused leaves the rest in `old`, never deleted
                 os.rename(entry, run_dir / entry.name)
             old.rmdir()
+            raise
+        remove(old)
         raise
-    finally:
-        if old.exists():
-            remove(old)
+    remove(old)
 
 
 def check_links(run_dir: Path) -> None:
