@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from torch_reference.config import output_length
+
 from . import data
 from .backends import Backend, Hypotheses, Trainer, Translator
 from .options import Sampling, Search
@@ -47,7 +49,7 @@ def encode_prefixes(tokenizer, prefixes: Sequence[str | None], count: int) -> li
 
 def _check_prefix_room(src_ids: Sequence[Sequence[int]], prefix_ids: Sequence[Sequence[int]], max_len: int) -> None:
     for line, (src, prefix) in enumerate(zip(src_ids, prefix_ids), start=1):
-        limit = max(1, min(max_len, math.floor(MAX_LEN_A * min(len(src), max_len) + MAX_LEN_B)))
+        limit = output_length(min(len(src), max_len), max_len, MAX_LEN_A, MAX_LEN_B)
         if len(prefix) >= limit:
             raise UserError(f"prefix of sentence {line} has {len(prefix)} tokens: its output may have at most {limit} "
                             f"tokens with <eos> ({MAX_LEN_A} x {min(len(src), max_len)} source tokens + {MAX_LEN_B}, "
