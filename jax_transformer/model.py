@@ -31,7 +31,7 @@ ACTIVATIONS = {"relu": jax.nn.relu, "gelu": functools.partial(jax.nn.gelu, appro
 
 @functools.lru_cache(maxsize=8)
 def _sinusoid_table(length: int, d_model: int, halves: bool) -> np.ndarray:
-    position = np.arange(length, dtype=np.float64)[:, None]  # (L, 1)
+    position = np.arange(length, dtype=np.float64)[:, None]  # (L, 1); float64 rounded once: twins bit-identical
     inv_freq = np.exp(np.arange(0, d_model, 2, dtype=np.float64) * (-math.log(10000.0) / d_model))
     angles = position * inv_freq  # (L, ceil(D/2))
     sines, cosines = np.sin(angles), np.cos(angles)
@@ -41,8 +41,7 @@ def _sinusoid_table(length: int, d_model: int, halves: bool) -> np.ndarray:
 
 
 def sinusoidal_positions(length: int, d_model: int, halves: bool = False) -> jax.Array:
-    """The (L, D) float32 sinusoidal table (§3.5), as torch's twin (`halves`: Marian's layout), computed in float64
-    by NumPy and rounded once: bit-identical tables; under jit a compile-time constant."""
+    """(L, D) float32 sinusoid table (§3.5) as torch's twin (`halves`: Marian's layout); under jit a constant."""
     return jnp.asarray(_sinusoid_table(length, d_model, halves))
 
 
@@ -83,8 +82,7 @@ def shift_right(ids: jax.Array, bos_id: int) -> jax.Array:
 
 
 def scaled_dot_product_attention(q, k, v, mask=None, dropout=None, return_attention: bool = False):
-    """softmax(q kᵀ / √K) v (§3.2.1) for q (B, H, T, K), k and v (B, H, S, K) -> (B, H, T, K), as torch's twin
-    (masks, float32 softmax, `return_attention`); `dropout` is a callable."""
+    """softmax(q kᵀ / √K) v (§3.2.1), (B, H, T, K) as torch's twin (masks, float32 softmax); `dropout` a callable."""
     scores = jnp.matmul(q, jnp.swapaxes(k, -2, -1)) * (q.shape[-1] ** -0.5)  # (B, H, T, S)
     scores = scores.astype(jnp.promote_types(scores.dtype, jnp.float32))  # bf16/fp16 -> float32
     if mask is not None:
@@ -127,8 +125,7 @@ KERNELS = {
 
 
 def set_kernels(module: nnx.Module, kernels: KernelSet = "reference", remat: bool = False) -> None:
-    """Choose once how every layer of `module` computes: the kernel set `kernels` (a row of KERNELS) and `remat`
-    (`nnx.remat`: activations recomputed in the backward pass); `Transformer` calls it."""
+    """Every layer's kernel set `kernels` (a KERNELS row) and `remat` (`nnx.remat`); Transformer calls it."""
     if KERNELS.get(kernels) is None:
         raise ValueError(f"kernels={kernels!r} is not one of {', '.join(k for k, row in KERNELS.items() if row)}")
     for _, m in nnx.iter_modules(module):
@@ -143,8 +140,7 @@ def set_kernels(module: nnx.Module, kernels: KernelSet = "reference", remat: boo
 
 
 def make_norm(cfg: TransformerConfig, rngs: nnx.Rngs, dtype=None) -> nnx.Module:
-    """LayerNorm (paper) or RMSNorm with the config's epsilon; `use_fast_variance=False` as torch's E[(x-μ)²], the
-    statistics in at least float32."""
+    """LayerNorm (paper) or RMSNorm, the config's epsilon, torch's variance E[(x-μ)²], statistics at least float32."""
     kwargs = dict(epsilon=cfg.layer_norm_eps, use_fast_variance=False, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
     if cfg.norm == "rmsnorm":
         return nnx.RMSNorm(cfg.d_model, **kwargs)
@@ -176,8 +172,7 @@ class PositionalEncoding(nnx.Module):
         self.embedding = _embedding(cfg.max_len, cfg.d_model, 0.02, rngs, dtype) if cfg.positions == "learned" else None
 
     def __call__(self, x: jax.Array, offset: int | jax.Array = 0, positions: jax.Array | None = None) -> jax.Array:
-        """x (B, L, D) -> x + positions[offset : offset + L]; `offset` may be traced; or, given
-        `positions` (B, L) (packed rows: `segment_positions`), x + the table's rows at those positions."""
+        """x (B, L, D) -> x + positions[offset : offset + L] (`offset` may be traced), or + the rows at `positions`."""
         length = x.shape[1]
         if isinstance(offset, int) and offset + length > self.max_len:
             raise ValueError(f"sequence of {offset + length} positions exceeds max_len={self.max_len}")
@@ -214,8 +209,7 @@ class MultiHeadAttention(nnx.Module):
         self, x, context, mask=None, kv=None, return_attention: bool = False, *, deterministic: bool = True,
         rngs: nnx.Rngs | None = None,
     ):
-        """Queries from x (B, T, D), keys and values from context (B, S, D) or `kv` (projected, from a cache) ->
-        (B, T, D); `return_attention`: also the attention weights (B, H, T, S)."""
+        """Queries from x (B, T, D), keys/values from context (B, S, D) or cached `kv` -> (B, T, D) [, (B, H, T, S)]."""
         # a sentence's hypotheses may share its keys (xla_cpu.shared_keys)
         if (shared := self.kernels.shared_keys and self.kernels.shared_keys(x, context, kv)) is not None:
             out = self(shared, context, mask, kv, return_attention, deterministic=deterministic, rngs=rngs)
@@ -290,7 +284,7 @@ class DecoderLayer(EncoderLayer):
 
     def __call__(self, x, memory, src_mask=None, tgt_mask=None, return_attention=False, *, deterministic=True,
                  rngs=None):
-        """x (B, T, D), memory (B, S, D) -> (B, T, D); `return_attention`: also the cross-attention (B, H, T, S)."""
+        """x (B, T, D), memory (B, S, D) -> (B, T, D) [, cross-attention (B, H, T, S)]."""
         mode = dict(deterministic=deterministic, rngs=rngs)
         attention = []  # filled by the cross-attention sublayer when asked for
 
@@ -314,8 +308,7 @@ class DecoderLayer(EncoderLayer):
         return {"self_k": empty, "self_v": empty, "cross_k": cross_k, "cross_v": cross_v}
 
     def step(self, x, cache: dict[str, jax.Array], position, src_mask=None) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """`__call__` for the one position `position` (may be traced), x (B, 1, D), keys and values
-        of the earlier positions read from `cache` -> ((B, 1, D), the updated cache)."""
+        """`__call__` at `position` alone (may be traced): x (B, 1, D), `cache` -> ((B, 1, D), the updated cache)."""
         cache = dict(cache)
 
         def cached_self_attn(h):
@@ -369,8 +362,7 @@ class Decoder(Encoder):
         self, x, memory, src_mask=None, tgt_mask=None, return_attention=False, *, positions=None, deterministic=True,
         rngs=None,
     ):
-        """Embedded target x (B, T, D), memory (B, S, D) -> hidden states (B, T, D); `return_attention`: also every
-        layer's cross-attention weights, (B, layers, H, T, S)."""
+        """Embedded target x (B, T, D), memory (B, S, D) -> (B, T, D) [, cross-attention (B, layers, H, T, S)]."""
         x = self.dropout(self.positions(x, positions=positions), deterministic=deterministic, rngs=rngs)
         attention = []
         for layer in self.layers:
@@ -393,10 +385,9 @@ class Decoder(Encoder):
 
 
 class Transformer(nnx.Module):
-    """The encoder-decoder model: `Transformer(cfg, rngs=nnx.Rngs(0))(src_ids, tgt_in_ids) -> logits (B, T, V)`,
-    as torch's twin; training passes `deterministic=False` and `rngs=nnx.Rngs(dropout=key)`. `dtype`: None
-    (float32) or jnp.bfloat16, parameters float32, the softmax, norms' statistics and loss in float32. `kernels`
-    and `remat`: `set_kernels` (the layers, searches and objective read the set; the same checkpoint keys)."""
+    """The encoder-decoder model as torch's twin: `Transformer(cfg, rngs=nnx.Rngs(0))(src_ids, tgt_in_ids) -> logits
+    (B, T, V)`; training passes `deterministic=False`, `rngs=nnx.Rngs(dropout=key)`. `dtype`: None (float32) or
+    jnp.bfloat16 (parameters, softmax, norm statistics, loss: float32). `kernels`, `remat`: `set_kernels`."""
 
     kernels = KERNELS["reference"]  # set_kernels
 
@@ -439,7 +430,7 @@ class Transformer(nnx.Module):
         self, tgt_in_ids, memory, src_mask=None, tgt_mask=None, return_attention=False, *, positions=None,
         deterministic=True, rngs=None,
     ):
-        """tgt_in_ids (B, T), memory (B, S, D) -> hidden states (B, T, D), as torch's twin (masks, return_attention)."""
+        """tgt_in_ids (B, T), memory (B, S, D) -> (B, T, D) [, cross-attention (B, layers, H, T, S)] as torch's twin."""
         if tgt_mask is None:
             tgt_mask = target_mask(tgt_in_ids, self.cfg.pad_id, self.cfg.bos_id)
         x = self.target_embedding(tgt_in_ids) * self.embed_scale  # (B, T, D)

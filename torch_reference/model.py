@@ -22,9 +22,8 @@ ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu, "swiglu": F.silu}
 
 
 def sinusoidal_positions(length: int, d_model: int, halves: bool = False) -> Tensor:
-    """The (L, D) float32 table PE[p, 2i] = sin(p / 10000^(2i/D)), PE[p, 2i+1] = cos(same) (§3.5); `halves`: the
-    ceil(D/2) sines first, the cosines after (Marian's layout). float64 rounded once: bit-identical in both twins."""
-    position = torch.arange(length, dtype=torch.float64)[:, None]  # (L, 1)
+    """(L, D) float32 PE[p, 2i] = sin(p / 10000^(2i/D)), PE[p, 2i+1] = cos(same) (§3.5); `halves`: Marian's layout."""
+    position = torch.arange(length, dtype=torch.float64)[:, None]  # (L, 1); float64 rounded once: twins bit-identical
     inv_freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float64) * (-math.log(10000.0) / d_model))
     angles = position * inv_freq  # (L, ceil(D/2))
     sines, cosines = torch.sin(angles), torch.cos(angles)
@@ -44,8 +43,7 @@ def causal_mask(length: int, device: torch.device | None = None) -> Tensor:
 
 
 def target_mask(tgt_in_ids: Tensor, pad_id: int, bos_id: int) -> Tensor:
-    """(B, T) decoder inputs -> (B, 1, T, T) bool: causal_mask(T) & padding_mask(tgt_in_ids), except that position 0
-    is attended all the same when the start token is the pad id (`bos_id == pad_id`, as in Marian)."""
+    """(B, T) decoder inputs -> (B, 1, T, T) bool: causal & padding masks, position 0 seen if bos_id == pad_id."""
     T = tgt_in_ids.shape[1]
     real = tgt_in_ids != pad_id  # (B, T)
     if bos_id == pad_id:
@@ -54,8 +52,7 @@ def target_mask(tgt_in_ids: Tensor, pad_id: int, bos_id: int) -> Tensor:
 
 
 def segment_mask(q_segments: Tensor, kv_segments: Tensor) -> Tensor:
-    """Segment ids of packed rows, (B, T) queries and (B, S) keys -> (B, 1, T, S) bool, True where
-    both belong to the same segment: the pairs packed into one row never attend to each other."""
+    """(B, T) query and (B, S) key segment ids of packed rows -> (B, 1, T, S) bool, True within one segment."""
     return q_segments[:, None, :, None] == kv_segments[:, None, None, :]
 
 
@@ -76,10 +73,8 @@ def scaled_dot_product_attention(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, dropout: nn.Module | None = None,
     return_attention: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """softmax(q kᵀ / √K) v (§3.2.1) for q (B, H, T, K), k and v (B, H, S, K) -> (B, H, T, K); `mask` broadcasts to
-    (B, H, T, S). Masked scores get the dtype's lowest finite value, not -inf: a fully masked row averages, no NaN.
-    Softmax in float32 (or wider); `dropout` (a module) on the weights. `return_attention`: also the weights
-    (B, H, T, S) before dropout, exactly 0 at a masked key unless its whole row is masked."""
+    """softmax(q kᵀ / √K) v (§3.2.1), q (B, H, T, K), k and v (B, H, S, K) -> (B, H, T, K), softmax in float32; masked
+    scores the lowest finite value, not -inf (no NaN rows); `return_attention`: also the weights before `dropout`."""
     scores = torch.matmul(q, k.transpose(-2, -1)) * (q.shape[-1] ** -0.5)  # (B, H, T, S)
     scores = scores.to(torch.promote_types(scores.dtype, torch.float32))  # bf16/fp16 -> float32
     if mask is not None:
@@ -90,9 +85,8 @@ def scaled_dot_product_attention(
 
 
 def fused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
-    """`scaled_dot_product_attention` without dropout or weights, in one F.scaled_dot_product_attention (fused on a
-    GPU), but a fully masked row (only padding's) gives zeros and no gradient, not the values' average. (The mask
-    as a large negative score instead gives garbage gradients there on the CPU.)"""
+    """`scaled_dot_product_attention` in one F.scaled_dot_product_attention (fused on a GPU), no dropout or weights; a
+    fully masked (padding) row gives zeros, no gradient (a bool mask: a large negative score gives bad CPU grads)."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, T, K)
 
 
@@ -107,8 +101,7 @@ KERNELS = {"reference": Kernels(), "xla_cpu": None, "fused": Kernels(attention=f
 
 
 def set_kernels(module: nn.Module, kernels: KernelSet = "reference", remat: bool = False) -> None:
-    """Choose once how every layer of `module` computes: the kernel set `kernels` (a row of KERNELS) and `remat`
-    (torch.utils.checkpoint: activations recomputed in the backward pass); `Transformer` calls it."""
+    """Every layer's kernel set `kernels` (a KERNELS row) and `remat` (torch.utils.checkpoint); Transformer calls it."""
     if KERNELS.get(kernels) is None:
         raise ValueError(f"kernels={kernels!r} is not one of {', '.join(k for k, row in KERNELS.items() if row)}")
     for m in module.modules():
@@ -143,8 +136,7 @@ class PositionalEncoding(nn.Module):
             self.register_buffer("table", table, persistent=False)
 
     def forward(self, x: Tensor, offset: int = 0, positions: Tensor | None = None) -> Tensor:
-        """x (B, L, D) -> x + positions[offset : offset + L]; or, given `positions` (B, L) (packed
-        rows: `segment_positions`), x + the table's rows at those positions."""
+        """x (B, L, D) -> x + positions[offset : offset + L], or + the table's rows at `positions` (B, L) if given."""
         length = x.shape[1]
         if offset + length > self.max_len:
             raise ValueError(f"sequence of {offset + length} positions exceeds max_len={self.max_len}")
@@ -180,8 +172,7 @@ class MultiHeadAttention(nn.Module):
         self, x: Tensor, context: Tensor | None, mask: Tensor | None = None, kv: tuple[Tensor, Tensor] | None = None,
         return_attention: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """Queries from x (B, T, D), keys and values from context (B, S, D) or `kv` (projected, from a cache) ->
-        (B, T, D); `return_attention`: also the attention weights (B, H, T, S)."""
+        """Queries from x (B, T, D), keys/values from context (B, S, D) or cached `kv` -> (B, T, D) [, (B, H, T, S)]."""
         q = self.split_heads(self.q_proj(x))  # (B, H, T, K)
         k, v = self.project_kv(context) if kv is None else kv  # (B, H, S, K) each
         if return_attention or (self.training and self.dropout.p > 0):  # what only the reference path gives
@@ -195,8 +186,7 @@ class MultiHeadAttention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """Position-wise feed-forward network (§3.3): linear2(act(linear1(x))), act ReLU (the paper), exact GELU or SiLU;
-    `swiglu` (Shazeer 2020): linear2(silu(linear1(x)) * linear_gate(x)). `activation_dropout` drops the activations."""
+    """Position-wise feed-forward (§3.3): linear2(act(linear1(x))); swiglu multiplies act(...) by linear_gate(x)."""
 
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
@@ -214,8 +204,7 @@ class FeedForward(nn.Module):
 
 
 class EncoderLayer(nn.Module):
-    """Self-attention then feed-forward, each in a residual block (§3.1): post-norm (the paper) x = Norm(x +
-    Dropout(sublayer(x))), or pre-norm x = x + Dropout(sublayer(Norm(x))) and a final norm in the Encoder/Decoder."""
+    """Self-attention then feed-forward, each a residual block (§3.1), post-norm (the paper) or pre-norm: `residual`."""
 
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
@@ -249,7 +238,7 @@ class DecoderLayer(EncoderLayer):
         self, x: Tensor, memory: Tensor, src_mask: Tensor | None = None, tgt_mask: Tensor | None = None,
         return_attention: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """x (B, T, D), memory (B, S, D) -> (B, T, D); `return_attention`: also the cross-attention (B, H, T, S)."""
+        """x (B, T, D), memory (B, S, D) -> (B, T, D) [, cross-attention (B, H, T, S)]."""
         attention = []  # filled by the cross-attention sublayer when asked for
 
         def cross_attn(h: Tensor) -> Tensor:
@@ -265,8 +254,7 @@ class DecoderLayer(EncoderLayer):
         return (x, attention[0]) if return_attention else x
 
     def init_cache(self, memory: Tensor, max_len: int) -> dict[str, Tensor]:
-        """Cross-attention keys/values of memory (B, S, D), computed once, and room for max_len
-        self-attention keys/values: self_k, self_v (B, H, max_len, K); cross_k, cross_v (B, H, S, K)."""
+        """A cache: self_k, self_v zeros (B, H, max_len, K); cross_k, cross_v (B, H, S, K) of memory (B, S, D)."""
         cross_k, cross_v = self.cross_attn.project_kv(memory)
         B, H, S, K = cross_k.shape
         empty = cross_k.new_zeros(B, H, max_len, K)
@@ -274,8 +262,7 @@ class DecoderLayer(EncoderLayer):
 
     def step(self, x: Tensor, cache: dict[str, Tensor], position: int,
              src_mask: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
-        """`forward` for the one position `position`, x (B, 1, D), keys and values of the earlier
-        positions read from `cache` (which is updated in place and returned) -> ((B, 1, D), cache)."""
+        """`forward` at `position` alone: x (B, 1, D), `cache` updated in place -> ((B, 1, D), cache)."""
 
         def cached_self_attn(h: Tensor) -> Tensor:
             k, v = self.self_attn.project_kv(h)  # (B, H, 1, K) each
@@ -328,8 +315,7 @@ class Decoder(Encoder):
         self, x: Tensor, memory: Tensor, src_mask: Tensor | None = None, tgt_mask: Tensor | None = None,
         return_attention: bool = False, *, positions: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """Embedded target x (B, T, D), memory (B, S, D) -> hidden states (B, T, D); `return_attention`: also every
-        layer's cross-attention weights, (B, layers, H, T, S)."""
+        """Embedded target x (B, T, D), memory (B, S, D) -> (B, T, D) [, cross-attention (B, layers, H, T, S)]."""
         x = self.dropout(self.positions(x, positions=positions))
         attention = []
         for layer in self.layers:
@@ -353,8 +339,7 @@ class Decoder(Encoder):
 
 class Transformer(nn.Module):
     """The encoder-decoder model: `Transformer(cfg)(src_ids, tgt_in_ids) -> logits (B, T, V)`; `encode`, `decode` and
-    `project` are public for search (decode.py); masks default to those `cfg.pad_id` (and causality) imply.
-    `kernels` and `remat`: `set_kernels` (the layers read the model's set; the same checkpoint keys whatever it is)."""
+    `project` run apart in search (decode.py). `kernels`, `remat`: `set_kernels` (the same checkpoint keys for all)."""
 
     kernels = KERNELS["reference"]  # set_kernels
 
@@ -375,9 +360,8 @@ class Transformer(nn.Module):
         set_kernels(self, kernels, remat)
 
     def reset_parameters(self) -> None:
-        """tensor2tensor's scheme: Xavier-uniform matrices, zero biases (the logits' too), unit norm scales, and
-        embeddings ~ normal(0, d_model^-0.5) so that scaled by sqrt(d_model) they have unit variance.
-        Learned position tables ~ normal(0, 0.02), as in BERT and GPT-2."""
+        """tensor2tensor's: Xavier-uniform matrices, zero biases, unit norm scales, embeddings ~ normal(0, d_model^-0.5)
+        (unit variance scaled by sqrt(d_model)); learned position tables ~ normal(0, 0.02), as BERT and GPT-2."""
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.xavier_uniform_(module.weight)
@@ -406,9 +390,8 @@ class Transformer(nn.Module):
         self, tgt_in_ids: Tensor, memory: Tensor, src_mask: Tensor | None = None, tgt_mask: Tensor | None = None,
         return_attention: bool = False, *, positions: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """tgt_in_ids (B, T), memory (B, S, D) -> hidden states (B, T, D). `src_mask`: the encoder's (B, 1, 1, S)
-        (packed: (B, 1, T, S)) or None, no masking; `tgt_mask` defaults to target_mask(tgt_in_ids, pad_id, bos_id),
-        `positions` (B, T) to 0, 1, ... `return_attention`: also every layer's cross-attention (B, layers, H, T, S)."""
+        """tgt_in_ids (B, T), memory (B, S, D) -> (B, T, D) [, cross-attention (B, layers, H, T, S)]; `src_mask`:
+        (B, 1, 1, S), packed (B, 1, T, S) or None; `tgt_mask` defaults to target_mask's, `positions` to 0, 1, ..."""
         if tgt_mask is None:
             tgt_mask = target_mask(tgt_in_ids, self.cfg.pad_id, self.cfg.bos_id)
         x = self.target_embedding(tgt_in_ids) * self.embed_scale  # (B, T, D)
@@ -420,8 +403,7 @@ class Transformer(nn.Module):
 
     def decode_step(self, tgt_ids: Tensor, cache: list[dict[str, Tensor]], position: int,
                     src_mask: Tensor | None = None) -> tuple[Tensor, list[dict[str, Tensor]]]:
-        """tgt_ids (B,) at `position` -> (logits (B, V) for position + 1, cache): `project(decode(prefix, ...))[:,
-        position]` for the prefix written so far, the earlier positions read from the cache, not recomputed."""
+        """tgt_ids (B,) at `position` -> (logits (B, V), cache): project(decode(prefix))[:, position] via the cache."""
         x = self.target_embedding(tgt_ids[:, None]) * self.embed_scale  # (B, 1, D)
         hidden, cache = self.decoder.step(x, cache, position, src_mask)
         return self.project(hidden)[:, 0], cache
@@ -438,10 +420,9 @@ class Transformer(nn.Module):
         self, src_ids: Tensor, tgt_in_ids: Tensor, return_attention: bool = False, *,
         src_segments: Tensor | None = None, tgt_segments: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """src_ids (B, S), tgt_in_ids (B, T) -> logits (B, T, V); `return_attention`: also the cross-attention weights
-        (B, layers, H, T, S), row t how the position predicting the token after tgt_in_ids[:, t] weighs the source.
-        Packed rows (as google/flax examples/wmt): `src_segments` (B, S), `tgt_segments` (B, T) number a row's pairs
-        1, 2, ... (0: padding); attention stays within a segment, positions restart at each segment's start."""
+        """src_ids (B, S), tgt_in_ids (B, T) -> logits (B, T, V) [, cross-attention (B, layers, H, T, S)]. Packed rows
+        (as google/flax examples/wmt): `src_segments` (B, S), `tgt_segments` (B, T) number a row's pairs 1, 2, ...
+        (0: padding); attention stays within a segment, positions restart at each segment's start."""
         if (src_segments is None) != (tgt_segments is None):
             raise ValueError("packed rows need both src_segments and tgt_segments, got only one")
         src_mask = padding_mask(src_ids, self.cfg.pad_id)
