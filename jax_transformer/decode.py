@@ -4,8 +4,7 @@ docstrings tell the details), with the same names, defaults and outputs, to floa
 
 The loop's state is a dict of arrays led by the sentence axis (or a sentence's rows next to each
 other), so that over a model of the kernel set `xla_cpu` the search runs `xla_cpu.shrinking_while`'s
-loop and ranks candidates with `xla_cpu.best_candidates`.
-"""
+loop and ranks candidates with `xla_cpu.best_candidates`."""
 
 from __future__ import annotations
 
@@ -43,8 +42,7 @@ def _no_sentence(src_ids, pad_id: int):
 
 
 def _check_ids(name: str, ids, vocab_size: int, max_len: int | None = None) -> None:
-    """ValueError unless `ids` is a (B, L) integer array of token ids in [0, vocab_size), L at most `max_len`
-    (values inside a trace are the caller's to check)."""
+    """torch's `_check_ids`: (B, L) integer ids in [0, vocab_size), L <= `max_len`; traced ones the caller checks."""
     if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer):
         raise ValueError(f"{name} must be (batch, length) integer token ids, got {ids.dtype} of shape "
                          f"{tuple(ids.shape)}")
@@ -210,8 +208,7 @@ def _forced_candidates(forced_logprob, live_logprob, forced, pad_id: int, V: int
 
 
 def _n_best(tokens, logprob, scores, no_sentence, n: int, pad_id: int):
-    """The n best finished hypotheses, best first: (tokens (B, n, L), log-probs (B, n), scores (B, n));
-    a slot that holds no hypothesis is padding with -inf (torch's `_n_best`)."""
+    """torch's `_n_best`: the n best finished hypotheses, best first, (tokens (B, n, L), log-probs, scores (B, n))."""
     real = (logprob[:, :n] > NEG_INF / 2) & ~no_sentence[:, None]  # (B, n)
     return (jnp.where(real[..., None], tokens[:, :n], pad_id), jnp.where(real, logprob[:, :n], -jnp.inf),
             jnp.where(real, scores[:, :n], -jnp.inf))

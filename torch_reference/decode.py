@@ -77,8 +77,7 @@ class _Decoder:
         self.cache = model.init_cache(memory, length) if cached else None
 
     def logits(self, written: Tensor, last: Tensor, position: int) -> Tensor:
-        """written (N, L) tokens with positions < `position` filled, last (N,) the one at
-        position - 1 (BOS at 0) -> logits (N, V) of the token at `position`."""
+        """written (N, L) tokens filled below `position`, last (N,) the one at position - 1 (BOS at 0) -> (N, V)."""
         if self.cache is None:
             prefix = shift_right(written[:, : position + 1], self.model.cfg.bos_id)  # (N, position + 1)
             return self.model.project(self.model.decode(prefix, self.memory, self.src_mask)[:, -1])
@@ -86,8 +85,7 @@ class _Decoder:
         return logits
 
     def reorder(self, order: Tensor) -> None:
-        """Rows follow `order` (N,): the self-attention cache of each surviving hypothesis' parent.
-        The cross-attention keys are the same for every hypothesis of a sentence: left as they are."""
+        """Rows follow `order` (N,): each kept hypothesis' parent's self-attention cache (cross-attention's: shared)."""
         if self.cache is not None:
             self.cache = [{**c, "self_k": c["self_k"][order], "self_v": c["self_v"][order]} for c in self.cache]
 
@@ -165,9 +163,8 @@ def _forced_candidates(forced_logprob: Tensor, live_logprob: Tensor, forced: Ten
 
 
 def _n_best(tokens: Tensor, logprob: Tensor, scores: Tensor, no_sentence: Tensor, n: int, pad_id: int):
-    """The n best finished hypotheses, best first: (tokens (B, n, L), log-probs (B, n), scores (B, n)).
-    A slot that holds no hypothesis (a sentence with fewer than n possible outputs, a row of
-    padding) is padding with log-prob and score -inf: a real log-prob never nears NEG_INF."""
+    """The n best finished hypotheses, best first: (tokens (B, n, L), log-probs (B, n), scores (B, n)); a slot with no
+    hypothesis (fewer than n possible outputs, a padding row) is padding with log-prob and score -inf."""
     real = (logprob[:, :n] > NEG_INF / 2) & ~no_sentence[:, None]  # (B, n)
     return (torch.where(real[..., None], tokens[:, :n], pad_id), torch.where(real, logprob[:, :n], -math.inf),
             torch.where(real, scores[:, :n], -math.inf))
