@@ -309,8 +309,7 @@ class ScoreFiles:
     output: str | Path | None = option(None, "write here instead of stdout")
     format: str = option("text", "text: the log-probability; jsonl: also the target tokens (<eos> last) and each "
                          "one's log-probability", choices=("text", "jsonl"))
-    batch_size: int | None = option(None, "at most N pairs per batch (default: the run's token budget)",
-                                    range=BATCH)
+    batch_size: int | None = option(None, "at most N pairs per batch (default: the run's token budget)", range=BATCH)
 
 
 def sampling_of(sample: Sampling | bool | None, settings: Mapping[str, Any]) -> Sampling | None:
