@@ -663,9 +663,13 @@ def test_a_second_ctrl_c_answers_the_requests_in_flight_503_in_json_and_says_so_
     assert "Traceback" not in err
 
 
-def test_sighup_answers_the_requests_in_flight_503_and_ends_in_one_line(tiny_torch_run, monkeypatch, capsys):
+def test_sighup_answers_the_requests_in_flight_503_and_ends_in_one_line(tiny_torch_run, monkeypatch, capsys,
+                                                                       request):
     # On main SIGHUP killed the server at once, its requests unanswered and nothing said.
     replies, threads = [], []
+    # The caller's handler is the default here, whatever the shell left (nohup ignores SIGHUP); put back after.
+    previous = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    request.addfinalizer(lambda: signal.signal(signal.SIGHUP, previous))
 
     def serve_and_hang_up(*args, on_ready, **kwargs):
         def ready(server):
