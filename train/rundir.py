@@ -110,24 +110,30 @@ def replacing(run_dir: Path, overwrite: bool) -> Iterator[None]:
     old = set_aside_path(run_dir)
     old.mkdir()  # session refused one already there
     say(f"overwrite: the run in {run_dir} is kept in {old} until this one holds a checkpoint, then deleted")
-    moved = False
     try:
         for entry in run_dir.iterdir():
             if entry.name != LOCK_FILE:
                 os.rename(entry, old / entry.name)
-        moved = True
+    except BaseException:  # a rename refused: what moved goes back, the old run whole
+        _put_back(old, run_dir)
+        raise
+    try:
         yield
     except BaseException:
-        if not (moved and has_checkpoint(run_dir)):  # a rename refused or no checkpoint: the old run goes back whole
-            if moved:
-                _clear(run_dir)
-            for entry in old.iterdir():  # a rename back refused leaves the rest in `old`, never deleted
-                os.rename(entry, run_dir / entry.name)
-            old.rmdir()
+        if not has_checkpoint(run_dir):  # the new run holds nothing: the old one goes back
+            _clear(run_dir)
+            _put_back(old, run_dir)
             raise
         remove(old)
         raise
     remove(old)
+
+
+def _put_back(old: Path, run_dir: Path) -> None:
+    """The run set aside in `old` back in run_dir; a rename refused leaves the rest in `old`, never deleted."""
+    for entry in old.iterdir():
+        os.rename(entry, run_dir / entry.name)
+    old.rmdir()
 
 
 def check_links(run_dir: Path) -> None:
