@@ -112,7 +112,10 @@ class RequestBatcher:
             self.stats.update(batches=1, requests=len(batch), sentences=sentences)
             for item, result in zip(batch, results):
                 if not item.future.done():
-                    (item.future.set_exception if isinstance(result, Exception) else item.future.set_result)(result)
+                    if isinstance(result, Exception):
+                        item.future.set_exception(result)
+                    else:
+                        item.future.set_result(result)
 
     def close(self) -> None:
         """Wait for the batch decoding, then stop the worker thread."""
