@@ -86,7 +86,8 @@ def scaled_dot_product_attention(
 
 def fused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
     """`scaled_dot_product_attention` in one F.scaled_dot_product_attention (fused on a GPU), no dropout or weights; a
-    fully masked (padding) row gives zeros, no gradient (a bool mask: a large negative score gives bad CPU grads)."""
+    fully masked (padding) row gives zeros and no gradient. The mask stays boolean: as a large negative score it gives
+    garbage gradients on the CPU."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, T, K)
 
 
@@ -204,7 +205,8 @@ class FeedForward(nn.Module):
 
 
 class EncoderLayer(nn.Module):
-    """Self-attention then feed-forward, each a residual block (§3.1), post-norm (the paper) or pre-norm: `residual`."""
+    """Self-attention then feed-forward, each a residual block (§3.1): post-norm (the paper) x = Norm(x +
+    Dropout(sublayer(x))), or pre-norm x = x + Dropout(sublayer(Norm(x))) with a final norm in the Encoder/Decoder."""
 
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
