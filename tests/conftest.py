@@ -10,6 +10,22 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def _pin_xdist_worker() -> None:
+    """Under pytest-xdist (`-n 2` in pyproject's addopts) each worker runs on its own share of the cores, so
+    torch's threads and XLA's devices, sized to what a process sees, leave the other worker's cores alone.
+    Unpinned, two workers on 2 cores ran slower than one process (docs/operations.md)."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if worker is None or not hasattr(os, "sched_setaffinity"):
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    share = cores[int(worker.removeprefix("gw")) % count::count]
+    if share:  # fewer cores than workers: this one shares them all
+        os.sched_setaffinity(0, share)
+
+
+_pin_xdist_worker()  # before anything imports torch or jax
 SHARED_DATA = REPO.parent / "shared" / "data"
 
 # JAX's persistent compilation cache is on by default for every CLI (train/backends/jax_cache.py):
@@ -56,3 +72,30 @@ def tiny_torch_and_jax_runs(tiny_torch_run, tmp_path_factory):
     jax_dir = tmp_path_factory.mktemp("tiny-jax-run") / "run"
     assert convert(["--to", "jax", "--run-dir", str(tiny_torch_run), "--dst", str(jax_dir)]) == 0
     return tiny_torch_run, jax_dir
+
+
+# Test files that take a minute or more, first, so that the two workers end together: about the order of
+# their cost, from `--durations=0` (docs/operations.md, "The test suite's cost").
+FIRST = (
+    "tests/train/test_default_run.py",
+    "tests/test_tour.py",
+    "tests/parity/test_finetune_page.py",
+    "tests/train/test_fsdp.py",
+    "tests/train/test_distributed.py",
+    "tests/parity/test_trajectory.py",
+    "tests/train/test_crash_and_resume.py",
+    "tests/train/test_torch_ddp.py",
+    "tests/test_docs.py",
+)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's hook reads the groups
+def pytest_collection_modifyitems(config, items):
+    """The costly files first; tests that share a module-scoped fixture (a trained run, a server) in one
+    xdist group, so one worker builds it once; every other test goes to whichever worker is free."""
+    for item in items:
+        fixtures = item._fixtureinfo.name2fixturedefs.values()
+        if any(defs[-1].scope == "module" for defs in fixtures):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+    rank = {path: i for i, path in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(FIRST)))

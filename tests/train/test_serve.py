@@ -45,7 +45,10 @@ def loaded(tiny_torch_run):
 @pytest.fixture(scope="module")
 def server(loaded):
     """The tiny run served with a short body timeout (slow clients) and a 20 ms batching wait."""
-    with Server(serving.app(loaded, Limits(body_timeout_s=1.0, max_wait_ms=20)), port=0).start() as running:
+    served = Server(serving.app(loaded, Limits(body_timeout_s=1.0, max_wait_ms=20)), port=0)
+    # In one CI run its stop waited the whole 120 s on a connection left open: at most 10 s here.
+    served.config.graceful_timeout = 10
+    with served.start() as running:
         yield running
 
 
