@@ -78,31 +78,32 @@ def tiny_torch_and_jax_runs(tiny_torch_run, tmp_path_factory):
 # `--dist loadfile`, so a module's fixture is built once) end together. The seconds each took on one core of the
 # 2-CPU machine (`--durations=0`, docs/operations.md#the-test-suites-cost); the rest follow in their own order.
 FIRST = (
-    "tests/parity/test_decode.py",  # 415
-    "tests/train/test_default_run.py",  # 239
-    "tests/parity/test_check.py",  # 229
-    "tests/train/test_distributed.py",  # 170
-    "tests/parity/test_kernels.py",  # 155
-    "tests/train/test_loop.py",  # 150
-    "tests/parity/test_checkpoint_conversion.py",  # 148
-    "tests/train/test_translate_stream.py",  # 128
-    "tests/jax_transformer/test_xla_cpu.py",  # 120
-    "tests/train/test_torch_ddp.py",  # 106
-    "tests/parity/test_marian.py",  # 102
+    "tests/train/test_default_run.py",  # 245
+    "tests/parity/test_decode.py",  # ~225
+    "tests/train/test_distributed.py",  # 178
+    "tests/parity/test_check.py",  # ~135
+    "tests/train/test_translate_stream.py",  # 131
+    "tests/train/test_loop.py",  # 127
+    "tests/train/test_torch_ddp.py",  # 117
+    "tests/test_tour.py",  # 114
+    "tests/jax_transformer/test_xla_cpu.py",  # ~100
+    "tests/test_docs.py",  # 101
+    "tests/train/test_crash_and_resume.py",  # 100
+    "tests/parity/test_ensemble.py",  # 100
     "tests/parity/test_finetune_page.py",  # 99
-    "tests/parity/test_ensemble.py",  # 94
-    "tests/test_tour.py",  # 93
+    "tests/parity/test_marian.py",  # 93
     "tests/train/test_backends.py",  # 89
-    "tests/test_docs.py",  # 89
-    "tests/train/test_crash_and_resume.py",  # 86
-    "tests/train/test_bench.py",  # 77
-    "tests/parity/test_exports.py",  # 72
-    "tests/train/test_checkpoints.py",  # 72
-    "tests/train/test_fsdp.py",  # 68
-    "tests/parity/test_sampling.py",  # 68
-    "tests/parity/test_ctranslate2.py",  # 63
-    "tests/parity/test_translate_bench_hf.py",  # 56
+    "tests/train/test_fsdp.py",  # 88
+    "tests/parity/test_checkpoint_conversion.py",  # 88
+    "tests/train/test_bench.py",  # 82
+    "tests/parity/test_kernels.py",  # ~80
+    "tests/parity/test_exports.py",  # 63
+    "tests/train/test_checkpoints.py",  # 60
     "tests/parity/test_trajectory.py",  # 55
+    "tests/parity/test_sampling.py",  # 52
+    "tests/parity/test_translate_bench_hf.py",  # 45
+    "tests/parity/test_ctranslate2.py",  # 44
+    "tests/jax_transformer/test_jax_model.py",  # 41
 )
 
 

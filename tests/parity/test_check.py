@@ -8,11 +8,12 @@ from parity import comparison
 from parity.commands import check
 from torch_reference.config import TransformerConfig
 
+# Lopsided (1 encoder layer, 2 decoder layers) so that a swapped stack cannot pass; each layer costs compile time.
 LOPSIDED = dict(src_vocab_size=97, tgt_vocab_size=97, d_model=24, num_heads=3, d_ff=40,
-                num_encoder_layers=2, num_decoder_layers=3, max_len=64)
+                num_encoder_layers=1, num_decoder_layers=2, max_len=64)
 
 
-@pytest.mark.parametrize("variant", list(comparison.VARIANTS), ids=str)  # 8-25 s each on 2 cores
+@pytest.mark.parametrize("variant", list(comparison.VARIANTS), ids=str)  # 5-15 s each on one core
 def test_gradients_match_for_every_variant(variant):
     overrides = dict(comparison.VARIANTS[variant])
     if not overrides.get("share_embeddings", True):
@@ -50,7 +51,7 @@ def test_relu_kink_detection_counts_inputs_near_zero():
     tight = comparison.relu_inputs_near_kink(model, batch, radius=1e-12)
     loose = comparison.relu_inputs_near_kink(model, batch, radius=10.0)
     assert tight["units"] == 0
-    total = 5 * 13 * 40 * 2 + 5 * 9 * 40 * 3  # every FeedForward input: encoder and decoder tokens x d_ff
+    total = 5 * 13 * 40 * 1 + 5 * 9 * 40 * 2  # every FeedForward input: encoder and decoder tokens x d_ff
     assert loose["units"] == total and loose["closest"] < 1.0
 
 
