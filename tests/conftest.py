@@ -74,36 +74,35 @@ def tiny_torch_and_jax_runs(tiny_torch_run, tmp_path_factory):
     return tiny_torch_run, jax_dir
 
 
-# The costliest test files first, costliest first, so that the two xdist workers (which take whole files,
-# `--dist loadfile`, so a module's fixture is built once) end together. The seconds each took on one core of the
-# 2-CPU machine (`--durations=0`, docs/operations.md#the-test-suites-cost); the rest follow in their own order.
+# The costliest test files, costliest first (their seconds: docs/operations.md#the-test-suites-cost), so that the
+# two xdist workers, which take whole files (`--dist loadfile`: a module's fixture is built once), end together.
 FIRST = (
-    "tests/train/test_default_run.py",  # 245
-    "tests/parity/test_decode.py",  # ~225
-    "tests/train/test_distributed.py",  # 178
-    "tests/parity/test_check.py",  # ~135
-    "tests/train/test_translate_stream.py",  # 131
-    "tests/train/test_loop.py",  # 127
-    "tests/train/test_torch_ddp.py",  # 117
-    "tests/test_tour.py",  # 114
-    "tests/jax_transformer/test_xla_cpu.py",  # ~100
-    "tests/test_docs.py",  # 101
-    "tests/train/test_crash_and_resume.py",  # 100
-    "tests/parity/test_ensemble.py",  # 100
-    "tests/parity/test_finetune_page.py",  # 99
-    "tests/parity/test_marian.py",  # 93
-    "tests/train/test_backends.py",  # 89
-    "tests/train/test_fsdp.py",  # 88
-    "tests/parity/test_checkpoint_conversion.py",  # 88
-    "tests/train/test_bench.py",  # 82
-    "tests/parity/test_kernels.py",  # ~80
-    "tests/parity/test_exports.py",  # 63
-    "tests/train/test_checkpoints.py",  # 60
-    "tests/parity/test_trajectory.py",  # 55
-    "tests/parity/test_sampling.py",  # 52
-    "tests/parity/test_translate_bench_hf.py",  # 45
-    "tests/parity/test_ctranslate2.py",  # 44
-    "tests/jax_transformer/test_jax_model.py",  # 41
+    "tests/train/test_default_run.py",
+    "tests/parity/test_decode.py",
+    "tests/train/test_distributed.py",
+    "tests/parity/test_check.py",
+    "tests/train/test_translate_stream.py",
+    "tests/train/test_loop.py",
+    "tests/train/test_torch_ddp.py",
+    "tests/test_tour.py",
+    "tests/jax_transformer/test_xla_cpu.py",
+    "tests/test_docs.py",
+    "tests/train/test_crash_and_resume.py",
+    "tests/parity/test_ensemble.py",
+    "tests/parity/test_finetune_page.py",
+    "tests/parity/test_marian.py",
+    "tests/train/test_backends.py",
+    "tests/train/test_fsdp.py",
+    "tests/parity/test_checkpoint_conversion.py",
+    "tests/train/test_bench.py",
+    "tests/parity/test_kernels.py",
+    "tests/parity/test_exports.py",
+    "tests/train/test_checkpoints.py",
+    "tests/parity/test_trajectory.py",
+    "tests/parity/test_sampling.py",
+    "tests/parity/test_translate_bench_hf.py",
+    "tests/parity/test_ctranslate2.py",
+    "tests/jax_transformer/test_jax_model.py",
 )
 
 
