@@ -107,5 +107,8 @@ FIRST = (
 
 
 def pytest_collection_modifyitems(config, items):
+    missing = [path for path in FIRST if not (REPO / path).is_file()]
+    if missing:  # a renamed file would silently lose its place
+        raise pytest.UsageError(f"tests/conftest.py FIRST names files that do not exist: {', '.join(missing)}")
     rank = {path: i for i, path in enumerate(FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(FIRST)))
