@@ -58,7 +58,8 @@ def test_members_that_do_not_share_a_vocabulary_are_refused_by_name(twin):
             twin.Ensemble([_model(twin), other])
     ensemble = twin.Ensemble([_model(twin), _model(twin, **OTHER), _model(twin, max_len=30)])
     assert ensemble.cfg.max_len == 30  # the searches' limit: every member's
-    assert ensemble.widths == type(ensemble.widths)([24, 16, 24]) and sum(ensemble.depths) == 2 * LOPSIDED["num_decoder_layers"] + OTHER["num_decoder_layers"]
+    assert ensemble.widths == type(ensemble.widths)([24, 16, 24])
+    assert sum(ensemble.depths) == 2 * LOPSIDED["num_decoder_layers"] + OTHER["num_decoder_layers"]
 
 
 @pytest.mark.parametrize("search", ["greedy", "beam"])  # ~5 s each

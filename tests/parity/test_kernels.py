@@ -28,11 +28,10 @@ from parity.comparison import enable_parity_numerics
 from torch_reference import objective as torch_objective
 from torch_reference.config import KernelSet
 
+from .test_decode import LOPSIDED as CONFIG
+
 enable_parity_numerics()
 
-# Lopsided (1 encoder layer, 2 decoder layers) so that a swapped stack cannot pass; each layer costs compile time.
-CONFIG = dict(src_vocab_size=53, tgt_vocab_size=53, d_model=24, num_heads=3, d_ff=40,
-              num_encoder_layers=1, num_decoder_layers=2, max_len=40, dropout=0.0)
 B, H, T, S, K = 3, 3, 5, 7, 8
 
 
