@@ -40,7 +40,8 @@ class Run(contextlib.AbstractContextManager):
         m = self.model_config
         step = "closed" if isinstance(self.backend, _Closed) else f"step {self.step}"
         ensemble = f", an ensemble with {', '.join(str(r.run_dir) for r in self.members)}" if self.members else ""
-        return (f"Run({str(self.run_dir)!r}, {step}, {self.config.backend}, d_model {m.d_model} x {m.num_heads} heads, "
+        backend = f"{self.meta['kind']} export" if "kind" in self.meta else self.config.backend  # not the source's
+        return (f"Run({str(self.run_dir)!r}, {step}, {backend}, d_model {m.d_model} x {m.num_heads} heads, "
                 f"{m.num_encoder_layers}+{m.num_decoder_layers} layers, d_ff {m.d_ff}, vocabulary "
                 f"{m.src_vocab_size}/{m.tgt_vocab_size}{ensemble})")
 

@@ -132,6 +132,7 @@ def test_convert_writes_a_proved_export_that_translates(runs, kind, backend, ext
     with train.load(runs[backend], "latest") as run, train.load(dst) as exported:
         assert exported.translate(texts, beam=4) == run.translate(texts, beam=4)
         assert exported.step == 2
+        assert f"step 2, {kind} export, d_model" in repr(exported)  # what decodes, not the source's backend
         pairs = list(zip(texts, run.translate(texts, beam=1)))
         ours, theirs = (r.evaluate(pairs, beam=4) for r in (run, exported))  # aiayn evaluate over the export
         assert theirs["bleu"] == ours["bleu"]
