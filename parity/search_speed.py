@@ -43,7 +43,7 @@ def benchmark(run: Run, lines: Sequence[str], beam_size: int, batch_size: int | 
               ctranslate2: bool = False, scoring: str = "gnmt", hf: bool = False, uncached: bool = True,
               sampling: Sampling | None = None, exports: bool = False) -> list[dict]:
     """One row per search and beam: seconds, sentences/s, outputs/s, tokens/s, speed-ups, outputs that differ
-    (untimed first: every batch for JAX, which compiles each shape there, the first for the others); with
+    (untimed first: every batch for JAX and StableHLO, which compile each shape there, the first for the others); with
     `sampling`, "torch sample" and "jax sample" (beam 1), JAX's samples held against torch's."""
     cfg, model_cfg = run.config, run.model_config
     state = run.backend.export_state()
@@ -107,7 +107,8 @@ def benchmark(run: Run, lines: Sequence[str], beam_size: int, batch_size: int | 
                 _hf_searches(run, params, beams, alpha) if hf else ()):
             rows.append({**row(name, beam, search, batches[:1], limits), "disk_mib": mib})
         for name, beam, search, mib in _export_searches(run, params, beams, alpha, Path(tmp)) if exports else ():
-            rows.append({**row(name, beam, search, batches[:1]), "disk_mib": mib})
+            warmup = batches if name == "stablehlo" else batches[:1]  # XLA compiles each shape, as for JAX
+            rows.append({**row(name, beam, search, warmup), "disk_mib": mib})
     for r in rows:
         if not r["search"].endswith("sample"):  # the searches' tokens held against JAX's, position by position
             theirs = outputs_of["jax cached", r["beam"]]

@@ -57,20 +57,20 @@ class StableHloPrograms:
     grows = False
 
     def __init__(self, directory: Path):
+        import jax
         from jax import export
 
-        self.encoder, self.decoder = (export.deserialize(bytearray((directory / n).read_bytes()))
+        # jitted once: an eager `call` would compile the same way but copy the weights in again at every step
+        self.encoder, self.decoder = (jax.jit(export.deserialize(bytearray((directory / n).read_bytes())).call)
                                       for n in STABLEHLO_FILES[:2])
         with np.load(directory / STABLEHLO_FILES[2]) as weights:
-            self.weights = [weights[f"w{i}"] for i in range(len(weights.files))]
+            self.weights = jax.device_put([weights[f"w{i}"] for i in range(len(weights.files))])
 
     def encode(self, ids: np.ndarray, mask: np.ndarray) -> list[np.ndarray]:
-        return list(self.encoder.call(self.weights, ids.astype(np.int32), mask.astype(np.int32)))
+        return list(self.encoder(self.weights, ids.astype(np.int32), mask.astype(np.int32)))
 
     def step(self, last, selfs, crosses, position: int, mask) -> tuple[np.ndarray, list[np.ndarray]]:
-        logits, selfs = self.decoder.call(self.weights, last.astype(np.int32), selfs, crosses, np.int32(position),
-                                          mask.astype(np.int32))
-        return logits, selfs
+        return self.decoder(self.weights, last.astype(np.int32), selfs, crosses, np.int32(position), mask.astype(np.int32))
 
 
 def _torch(a) -> torch.Tensor:
