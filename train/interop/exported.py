@@ -34,6 +34,7 @@ class OnnxPrograms:
         ort = spm.require("onnxruntime", "export")
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.encoder, self.decoder = (ort.InferenceSession(str(directory / (quantized(n) if int8 else n)), options,
                                                            providers=["CPUExecutionProvider"]) for n in ONNX_FILES)
         self.layers = (len(self.encoder.get_outputs()) - 1) // 2
