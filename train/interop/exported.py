@@ -75,7 +75,8 @@ class StableHloPrograms:
 
 
 def _torch(a) -> torch.Tensor:
-    return torch.from_numpy(np.array(a, copy=True))  # a copy: JAX's arrays are read-only
+    """ONNX Runtime's outputs as they are; JAX's copied (read-only)."""
+    return torch.from_numpy(a if isinstance(a, np.ndarray) and a.flags.writeable else np.array(a, copy=True))
 
 
 class ExportedModel:
@@ -95,7 +96,7 @@ class ExportedModel:
         crosses = memory.reshape(len(memory), -1, *self.cross_shape).unbind(1)
         H, _, K = self.cross_shape
         empty = torch.zeros(len(memory), H, 0 if self.programs.grows else length, K)
-        pairs = zip(crosses[::2], crosses[1::2])
+        pairs = zip((c.contiguous() for c in crosses[::2]), (c.contiguous() for c in crosses[1::2]))  # once, not a step
         return [{"self_k": empty, "self_v": empty, "cross_k": k, "cross_v": v} for k, v in pairs]
 
     def decode_step(self, tgt_ids, cache, position: int, src_mask) -> tuple[torch.Tensor, list[dict]]:
