@@ -68,6 +68,9 @@ def test_exported_logits_and_searches_are_the_reference(random_exports, kind):
 def test_int8_graphs_decode_close_to_float32(random_exports):
     model, root, _ = random_exports
     int8 = ExportedModel(OnnxPrograms(root / "onnx", int8=True), CFG)
+    # threads spinning between runs would take the cores from the search's torch operations (3 x slower greedy)
+    options = int8.programs.decoder.get_session_options()
+    assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
     with torch.no_grad():
         diff = (int8.forced_logits(SRC, TGT_IN) - model(SRC, TGT_IN)).abs().max()
     assert 0 < diff < 0.5  # quantized weights: not the same numbers, near them (logits here are about +-5)
