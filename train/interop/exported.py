@@ -71,7 +71,8 @@ class StableHloPrograms:
         return list(self.encoder(self.weights, ids.astype(np.int32), mask.astype(np.int32)))
 
     def step(self, last, selfs, crosses, position: int, mask) -> tuple[np.ndarray, list[np.ndarray]]:
-        return self.decoder(self.weights, last.astype(np.int32), selfs, crosses, np.int32(position), mask.astype(np.int32))
+        return self.decoder(self.weights, last.astype(np.int32), selfs, crosses, np.int32(position),
+                            mask.astype(np.int32))
 
 
 def _torch(a) -> torch.Tensor:
@@ -93,10 +94,11 @@ class ExportedModel:
         return torch.cat([_torch(c).flatten(1) for c in crosses], 1)
 
     def init_cache(self, memory: torch.Tensor, length: int) -> list[dict[str, torch.Tensor]]:
-        crosses = memory.reshape(len(memory), -1, *self.cross_shape).unbind(1)
+        # contiguous once a batch: `unbind` gives views, which each step's `.contiguous()` would copy
+        crosses = [c.contiguous() for c in memory.reshape(len(memory), -1, *self.cross_shape).unbind(1)]
         H, _, K = self.cross_shape
         empty = torch.zeros(len(memory), H, 0 if self.programs.grows else length, K)
-        pairs = zip((c.contiguous() for c in crosses[::2]), (c.contiguous() for c in crosses[1::2]))  # once, not a step
+        pairs = zip(crosses[::2], crosses[1::2])
         return [{"self_k": empty, "self_v": empty, "cross_k": k, "cross_v": v} for k, v in pairs]
 
     def decode_step(self, tgt_ids, cache, position: int, src_mask) -> tuple[torch.Tensor, list[dict]]:
