@@ -68,7 +68,7 @@ def test_exported_logits_and_searches_are_the_reference(random_exports, kind):
 def test_int8_graphs_decode_close_to_float32(random_exports):
     model, root, _ = random_exports
     int8 = ExportedModel(OnnxPrograms(root / "onnx", int8=True), CFG)
-    # threads spinning between runs would take the cores from the search's torch operations (3 x slower greedy)
+    # threads spinning between runs would take the cores from the search's torch operations
     options = int8.programs.decoder.get_session_options()
     assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
     with torch.no_grad():
