@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -61,6 +62,7 @@ def benchmark(run: Run, lines: Sequence[str], beam_size: int, batch_size: int | 
         """`search` (index, src) over every batch after `warmup`: its time, memory growth, and outputs held against
         torch cached search's (torch sample's for a sample): equal, or for a search outside this project (`limits`:
         each sentence's length limit) the same where `ct2.same_output` says so."""
+        print(f"{name} / beam {beam} ...", file=sys.stderr, flush=True)  # untimed first: minutes where XLA compiles
         for batch in warmup:
             search(*batch)
         outputs = [None] * len(lines)

@@ -234,8 +234,11 @@ def test_translate_benchmark_times_every_search_and_checks_their_outputs(short_r
     assert translate_bench.main(["--run-dir", cfg.run_dir, "--input", _write_lines(Path(cfg.run_dir).parent / "b.txt", sources),
                                  "--beam", "3", "--json", str(out_json), "--sample", "--num-samples", "3",
                                  "--seed", "1"]) == 0
-    stdout = capsys.readouterr().out
+    captured = capsys.readouterr()
+    stdout = captured.out
     rows = json.loads(out_json.read_text())["rows"]
+    # A line as each search starts (its untimed first pass can be minutes of compiling), before the table.
+    assert captured.err.splitlines() == [f"{r['search']} / beam {r['beam']} ..." for r in rows]
     assert [(r["search"], r["beam"]) for r in rows] == [
         (name, beam) for name in ("torch cached", "jax cached", "torch uncached") for beam in (1, 3)
     ] + [("torch sample", 1), ("jax sample", 1)]
