@@ -237,7 +237,7 @@ def test_translate_benchmark_times_every_search_and_checks_their_outputs(short_r
     captured = capsys.readouterr()
     stdout = captured.out
     rows = json.loads(out_json.read_text())["rows"]
-    # A line as each search starts (its untimed first pass can be minutes of compiling), before the table.
+    # One line on stderr as each search starts: its untimed first pass can be minutes of compiling.
     assert captured.err.splitlines() == [f"{r['search']} / beam {r['beam']} ..." for r in rows]
     assert [(r["search"], r["beam"]) for r in rows] == [
         (name, beam) for name in ("torch cached", "jax cached", "torch uncached") for beam in (1, 3)
